@@ -1,0 +1,314 @@
+"""`psgrad server|worker|launch|status`: argv -> validated config -> call. The only module that reads argv."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from psgrad import __version__
+from psgrad.config import (
+    MODES,
+    NONFINITE_POLICIES,
+    WIRE_DTYPES,
+    ClientConfig,
+    JobSpec,
+    ServerConfig,
+    WorkerConfig,
+    parse_servers,
+)
+from psgrad.errors import ConfigError, PsgradError, TaskError
+
+EXIT_USAGE = 2
+
+
+def _servers_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_servers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- job options
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job (every worker must pass the same values)")
+    g.add_argument("--task", default="digits", help="training task: a built-in name (default: digits)")
+    g.add_argument("--mode", default="async", choices=MODES, help="consistency mode (default: async)")
+    g.add_argument("--steps", type=int, default=1000, help="training steps per worker (default: 1000)")
+    g.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")
+    g.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate (default: 0.1)")
+    g.add_argument(
+        "--momentum",
+        type=float,
+        default=0.0,
+        help="SGD momentum on the servers (default: 0). With many async workers, "
+        "effective momentum grows with staleness: lower it if training oscillates",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (default: 0)")
+    g.add_argument(
+        "--wire-dtype",
+        default="float32",
+        choices=WIRE_DTYPES,
+        help="dtype of pushed gradients and pulled weights on the wire; bfloat16/float16 halve "
+        "the bytes, servers keep float32 master weights (default: float32)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed for model init and batch order (default: 0)")
+    w = p.add_argument_group("worker")
+    w.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda if available), cpu, cuda or cuda:N (default: auto)",
+    )
+    w.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: 0 = 10 times per run)")
+    w.add_argument("--log-every", type=int, default=0, help="print progress every N steps (default: 0 = 10 times)")
+    w.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=10.0,
+        help="how long to wait for each server to answer the first call (default: 10)",
+    )
+    w.add_argument(
+        "--rpc-timeout-s",
+        type=float,
+        default=60.0,
+        help="deadline of each pull/push; raise it for very large models on slow links (default: 60)",
+    )
+    w.add_argument(
+        "--init-timeout-s",
+        type=float,
+        default=120.0,
+        help="how long non-chief workers wait for rank 0 to initialize the servers (default: 120)",
+    )
+
+
+def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
+    return JobSpec(
+        mode=ns.mode,
+        num_workers=num_workers,
+        lr=ns.lr,
+        momentum=ns.momentum,
+        weight_decay=ns.weight_decay,
+        wire_dtype=ns.wire_dtype,
+        num_shards=num_shards,
+    )
+
+
+def _job_argv(ns: argparse.Namespace) -> list[str]:
+    """The job options back as argv (launch passes them to each worker)."""
+    out = []
+    for flag in (
+        "task", "mode", "steps", "batch_size", "lr", "momentum", "weight_decay", "wire_dtype", "seed",
+        "device", "eval_every", "log_every", "connect_timeout_s", "rpc_timeout_s", "init_timeout_s",
+    ):
+        out += ["--" + flag.replace("_", "-"), str(getattr(ns, flag))]
+    return out
+
+
+def _check_task(name: str) -> None:
+    from psgrad.tasks import TASKS
+
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+
+
+# --------------------------------------------------------------------------- subcommands
+def cmd_server(ns: argparse.Namespace) -> int:
+    from psgrad.server import serve_forever
+
+    config = ServerConfig(
+        host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads
+    )
+
+    def announce(address: str) -> None:
+        if ns.port_file:
+            path = Path(ns.port_file)
+            fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=".port-")
+            with os.fdopen(fd, "w") as f:
+                f.write(address + "\n")
+            os.replace(tmp, path)  # atomic: readers never see a partial address
+        print(f"psgrad server listening on {address}", flush=True)
+
+    serve_forever(config, announce)
+    return 0
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    from psgrad.metrics import MetricsSink
+    from psgrad.tasks import get_task
+    from psgrad.worker import train
+
+    _check_task(ns.task)
+    spec = _job_spec(ns, ns.num_workers, len(ns.servers))
+    if ns.rank >= ns.num_workers:
+        raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
+    config = WorkerConfig(
+        servers=ns.servers,
+        task=ns.task,
+        rank=ns.rank,
+        steps=ns.steps,
+        batch_size=ns.batch_size,
+        device=ns.device,
+        seed=ns.seed,
+        metrics_out=ns.metrics_out,
+        eval_every=ns.eval_every,
+        log_every=ns.log_every,
+        client=ClientConfig(
+            connect_timeout_s=ns.connect_timeout_s,
+            rpc_timeout_s=ns.rpc_timeout_s,
+            init_timeout_s=ns.init_timeout_s,
+        ),
+    )
+    task = get_task(ns.task, ns.seed)
+    with MetricsSink(ns.metrics_out, ns.rank) as sink:
+        train(config, spec, task, sink)
+    return 0
+
+
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from psgrad.launch import run_launch
+
+    _check_task(ns.task)
+    _job_spec(ns, ns.num_workers, ns.num_servers)  # validate before starting anything
+    job = _job_argv(ns)
+    metrics_dir = Path(ns.metrics_dir) if ns.metrics_dir else None
+
+    def worker_args(rank: int, servers: str) -> list[str]:
+        args = ["--servers", servers, "--rank", str(rank), "--num-workers", str(ns.num_workers), *job]
+        if metrics_dir is not None:
+            args += ["--metrics-out", str(metrics_dir / f"worker{rank}.jsonl")]
+        return args
+
+    server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite]
+    return run_launch(
+        ns.num_servers, ns.num_workers, server_args, worker_args, status=lambda a: _print_status(a, 10.0, False)
+    )
+
+
+def _print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
+    from psgrad.client import shard_status
+    from psgrad.serde import status_to_dict
+
+    shards = [dict(status_to_dict(r), address=a) for a, r in zip(addresses, shard_status(addresses, timeout_s))]
+    if as_json:
+        print(json.dumps({"shards": shards}, indent=2))
+        return
+    print(format_status(shards), flush=True)
+
+
+def format_status(shards: Sequence[dict[str, Any]]) -> str:
+    """The human-readable table `psgrad status` prints."""
+    head = f"{'shard':>5} {'address':<21} {'range':<21} {'version':>8} {'applied':>8} {'dup':>4} {'rej':>4} {'pulls':>7} {'MB in':>9} {'MB out':>9}"
+    lines = [head]
+    for s in shards:
+        if not s["initialized"]:
+            lines.append(f"{'-':>5} {s['address']:<21} not initialized (start worker rank 0 first)")
+            continue
+        rng = f"[{s['range'][0]}, {s['range'][1]})"
+        lines.append(
+            f"{s['shard']:>5} {s['address']:<21} {rng:<21} {s['version']:>8} {s['pushes_applied']:>8} "
+            f"{s['pushes_duplicate']:>4} {s['pushes_rejected']:>4} {s['pulls']:>7} "
+            f"{s['bytes_in'] / 1e6:>9.1f} {s['bytes_out'] / 1e6:>9.1f}"
+        )
+    for s in shards:
+        if not s["initialized"]:
+            continue
+        workers = " ".join(f"{w['rank']}:clock={w['clock']},{w['state']}" for w in s["workers"]) or "none"
+        st = s["staleness"]
+        hist = " ".join(f"{k}:{v}" for k, v in st["histogram"].items()) or "none"
+        lines.append(f"shard {s['shard']}: workers {workers}")
+        lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
+    return "\n".join(lines)
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    _print_status(ns.servers, ns.timeout_s, ns.json)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psgrad",
+        description="psgrad: sharded gRPC parameter servers and workers for data-parallel PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"psgrad {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("server", help="run one parameter-server shard", description="Run one parameter-server shard until SIGTERM/SIGINT.")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    s.add_argument("--port-file", help="also write the bound HOST:PORT to this file (atomically)")
+    _add_server_policy_args(s)
+    s.add_argument("--threads", type=int, default=32, help="RPC handler threads; raise above 2x workers (default: 32)")
+    s.set_defaults(func=cmd_server)
+
+    w = sub.add_parser("worker", help="run one training worker", description="Train one worker against running servers.")
+    w.add_argument("--servers", type=_servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]; shard i is the i-th, same order for every worker")
+    w.add_argument("--rank", type=int, default=0, help="this worker's rank; rank 0 initializes the servers (default: 0)")
+    w.add_argument("--num-workers", type=_positive_int, default=1, help="workers in the job (default: 1)")
+    w.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    _add_job_args(w)
+    w.set_defaults(func=cmd_worker)
+
+    la = sub.add_parser("launch", help="start servers and workers on this machine", description="Start servers and workers as local subprocesses, prefix their output, stop them all at the end.")
+    la.add_argument("--num-servers", type=_positive_int, default=2, help="parameter-server shards (default: 2)")
+    la.add_argument("--num-workers", type=_positive_int, default=2, help="training workers (default: 2)")
+    la.add_argument("--metrics-dir", help="write each worker's JSONL metrics into this directory")
+    _add_server_policy_args(la)
+    _add_job_args(la)
+    la.set_defaults(func=cmd_launch)
+
+    st = sub.add_parser("status", help="show shard versions, workers and staleness", description="Ask every server for its shard's state.")
+    st.add_argument("--servers", type=_servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--timeout-s", type=float, default=5.0, help="deadline per server (default: 5)")
+    st.set_defaults(func=cmd_status)
+    return parser
+
+
+def _add_server_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=10.0,
+        help="a worker silent this long counts as expired; raise it if workers on a busy host get evicted (default: 10)",
+    )
+    p.add_argument(
+        "--nonfinite",
+        default="reject",
+        choices=NONFINITE_POLICIES,
+        help="what to do with a gradient holding NaN/Inf: reject (error to the worker, shard unchanged), "
+        "skip (acknowledge, do not apply) or allow (default: reject)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = ns.func
+    try:
+        return func(ns)
+    except (ConfigError, TaskError) as exc:
+        parser.print_usage(sys.stderr)
+        print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PsgradError as exc:
+        print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"psgrad {ns.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,279 @@
+"""The client edge: one channel per shard, deadlines, retries, fan-out, and gRPC status -> PsgradError."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from psgrad import errors, serde
+from psgrad.codec import FrameParser, PayloadWriter, WireBuffer, byte_view, data_frames, write_frames
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server import CHANNEL_OPTIONS, ERROR_METADATA_KEY, SERVICE_NAME
+from psgrad.sharding import ParamSpec, ShardPlan, fingerprint
+
+T = TypeVar("T")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def to_psgrad_error(exc: grpc.RpcError, address: str, what: str, timeout_s: float | None) -> PsgradError:
+    """Map a gRPC error to the PsgradError the server raised, or to ServerUnavailableError."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    name = None
+    if isinstance(exc, grpc.Call):
+        for key, value in exc.trailing_metadata() or ():
+            if key == ERROR_METADATA_KEY:
+                name = value
+    cls = errors.ERRORS_BY_NAME.get(name or "")
+    if cls is not None:
+        return cls(f"server {address}: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        within = f" within {timeout_s:g} s" if timeout_s else ""
+        return ServerUnavailableError(
+            f"server {address} did not answer {what}{within} ({code.name}: {details}); "
+            "is it running and reachable?"
+        )
+    return PsgradError(f"server {address}: {what} failed with {code.name}: {details}")
+
+
+class ShardClient:
+    """Calls to one shard server. Methods raise PsgradError subclasses, never grpc.RpcError."""
+
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.address = address
+        self.config = config
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        prefix = f"/{SERVICE_NAME}/"
+        ch = self._channel
+        self._join = ch.unary_unary(prefix + "Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
+        self._init = ch.stream_unary(prefix + "Init", None, pb.InitReply.FromString)
+        self._pull = ch.unary_stream(prefix + "Pull", pb.PullRequest.SerializeToString, None)
+        self._push = ch.stream_unary(prefix + "Push", None, pb.PushReply.FromString)
+        self._status = ch.unary_unary(
+            prefix + "Status", pb.StatusRequest.SerializeToString, pb.StatusReply.FromString
+        )
+        self._heartbeat = ch.unary_unary(
+            prefix + "Heartbeat", pb.HeartbeatRequest.SerializeToString, pb.HeartbeatReply.FromString
+        )
+        self._leave = ch.unary_unary(prefix + "Leave", pb.LeaveRequest.SerializeToString, pb.LeaveReply.FromString)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
+        attempts = 1 + (self.config.retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if attempt + 1 < attempts and isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE:
+                    time.sleep(0.2 * 2**attempt)  # back off before retrying a refused connection
+                    continue
+                raise to_psgrad_error(exc, self.address, what, timeout_s) from None
+        raise AssertionError("unreachable")
+
+    def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
+        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast."""
+        return self._call(
+            "the join request",
+            lambda: self._join(req, timeout=timeout_s, wait_for_ready=True),
+            timeout_s,
+            retry=False,
+        )
+
+    def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
+        """Stream a shard's initial float32 weights (sent once, by the chief)."""
+        def frames() -> Iterator[bytes]:
+            yield pb.InitFrame(header=header).SerializeToString()
+            yield from data_frames(byte_view(weights), self.config.chunk_bytes)
+
+        t = self.config.rpc_timeout_s
+        return self._call("the init stream", lambda: self._init(frames(), timeout=t), t)
+
+    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
+        """Pull the shard's weights into dest (float32 slice of the flat space); returns their version."""
+        t = self.config.rpc_timeout_s
+
+        def run() -> int:
+            stream = self._pull(req, timeout=t)
+            first = next(stream, None)
+            if first is None:
+                raise InvalidRequestError(f"server {self.address}: pull returned no header")
+            msg = pb.PullFrame.FromString(first)
+            header = msg.header
+            if header.numel != dest.numel() or header.dtype != wire.dtype_name:
+                raise InvalidRequestError(
+                    f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
+                    f"expected {dest.numel()} {wire.dtype_name}"
+                )
+            writer = PayloadWriter(wire.receive_view(dest), f"pull from {self.address}")
+            write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {self.address}"))
+            wire.finish_receive(dest)
+            return int(header.version)
+
+        return self._call("the pull", run, t)
+
+    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+        """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
+        t = self.config.rpc_timeout_s
+
+        def frames() -> Iterator[bytes]:
+            yield pb.PushFrame(header=header).SerializeToString()
+            yield from data_frames(payload, self.config.chunk_bytes)
+
+        return self._call("the push", lambda: self._push(frames(), timeout=t), t)
+
+    def status(self, timeout_s: float | None = None) -> pb.StatusReply:
+        t = timeout_s or self.config.rpc_timeout_s
+        return self._call(
+            "the status request",
+            lambda: self._status(pb.StatusRequest(), timeout=t, wait_for_ready=True),
+            t,
+            retry=False,
+        )
+
+    def heartbeat(self, rank: int, fp: str) -> pb.HeartbeatReply:
+        t = self.config.rpc_timeout_s
+        return self._call("the heartbeat", lambda: self._heartbeat(pb.HeartbeatRequest(rank=rank, fingerprint=fp), timeout=t), t)
+
+    def leave(self, rank: int, fp: str) -> None:
+        t = self.config.rpc_timeout_s
+        self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t)
+
+
+class ParameterClient:
+    """A worker's view of the whole job: S shard clients, the shard plan, concurrent fan-out."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        spec: JobSpec,
+        params: Sequence[ParamSpec],
+        plan: ShardPlan,
+        rank: int,
+        config: ClientConfig,
+    ) -> None:
+        if len(addresses) != plan.num_shards or spec.num_shards != plan.num_shards:
+            raise errors.ConfigError(
+                f"{len(addresses)} server addresses for a plan of {plan.num_shards} shards"
+            )
+        self.spec = spec
+        self.params = list(params)
+        self.plan = plan
+        self.rank = rank
+        self.config = config
+        self.fingerprint = fingerprint(self.params, spec)
+        self.shards = [ShardClient(a, config) for a in addresses]
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
+        # Separate staging buffers for pulls and pushes so the two may overlap.
+        self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        self.base_versions = [0] * plan.num_shards
+
+    def __enter__(self) -> ParameterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for s in self.shards:
+            s.close()
+
+    def _fan_out(self, fn: Callable[[int, ShardClient], T]) -> list[T]:
+        """Run fn on every shard concurrently; re-raise the first failure (in shard order)."""
+        futs = [self._pool.submit(fn, i, s) for i, s in enumerate(self.shards)]
+        return [f.result() for f in futs]
+
+    def _join_request(self, index: int, wait: bool) -> pb.JoinRequest:
+        start, end = self.plan.ranges[index]
+        return pb.JoinRequest(
+            rank=self.rank,
+            spec=serde.job_spec_to_proto(self.spec),
+            params=serde.params_to_proto(self.params),
+            shard=serde.shard_range_to_proto(index, start, end),
+            fingerprint=self.fingerprint,
+            wait_for_init=wait,
+        )
+
+    def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> list[pb.JoinReply]:
+        """Join every shard. The chief passes its initial flat weights and initializes any empty
+        shard; other workers wait (server side, up to init_timeout_s) until the chief has."""
+        chief = initial_weights is not None
+        replies = self._fan_out(
+            lambda i, s: s.join(self._join_request(i, wait=False), self.config.connect_timeout_s)
+        )
+        if all(r.initialized for r in replies):
+            return replies
+        if chief:
+            flat = initial_weights()  # type: ignore[misc]
+
+            def init(i: int, s: ShardClient) -> Any:
+                if replies[i].initialized:
+                    return None
+                start, end = self.plan.ranges[i]
+                header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start)
+                return s.init(header, flat[start:end].contiguous())
+
+            self._fan_out(init)
+        else:
+            t = self.config.init_timeout_s
+            replies = self._fan_out(lambda i, s: s.join(self._join_request(i, wait=True), t))
+            missing = [self.shards[i].address for i, r in enumerate(replies) if not r.initialized]
+            if missing:
+                raise errors.NotInitializedError(
+                    f"shards at {', '.join(missing)} were not initialized within {t:g} s: "
+                    "is worker rank 0 (the chief) running against the same --servers?"
+                )
+        return replies
+
+    def pull(self, flat: torch.Tensor, clock: int) -> list[int]:
+        """Pull every shard into its range of flat (float32, CPU); remembers the base versions."""
+
+        def one(i: int, s: ShardClient) -> int:
+            start, end = self.plan.ranges[i]
+            req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint)
+            return s.pull(req, flat[start:end], self._pull_wires[i])
+
+        self.base_versions = self._fan_out(one)
+        return self.base_versions
+
+    def push(self, flat_grad: torch.Tensor, clock: int) -> list[pb.PushReply]:
+        """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions."""
+
+        def one(i: int, s: ShardClient) -> pb.PushReply:
+            start, end = self.plan.ranges[i]
+            payload = self._push_wires[i].encode(flat_grad[start:end])
+            header = pb.PushHeader(
+                rank=self.rank,
+                clock=clock,
+                base_version=self.base_versions[i],
+                numel=end - start,
+                dtype=self.spec.wire_dtype,
+                fingerprint=self.fingerprint,
+            )
+            return s.push(header, payload)
+
+        return self._fan_out(one)
+
+    def leave(self) -> None:
+        self._fan_out(lambda i, s: s.leave(self.rank, self.fingerprint))
+
+
+def shard_status(addresses: Sequence[str], timeout_s: float) -> list[pb.StatusReply]:
+    """Status of each server (in the given order), each asked concurrently."""
+    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, retries=0)
+    clients = [ShardClient(a, config) for a in addresses]
+    try:
+        with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            return list(pool.map(lambda c: c.status(timeout_s), clients))
+    finally:
+        for c in clients:
+            c.close()

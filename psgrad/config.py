@@ -1,0 +1,167 @@
+"""Frozen, self-validating configuration: JobSpec, ServerConfig, WorkerConfig."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from psgrad.errors import ConfigError
+
+MODES = ("async",)
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+NONFINITE_POLICIES = ("reject", "skip", "allow")
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite_nonneg(name: str, value: float) -> None:
+    _check(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every worker of a job must agree on; the chief installs it on the servers."""
+
+    mode: str = "async"
+    staleness: int = 0
+    num_workers: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    wire_dtype: str = "float32"
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
+        _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
+        _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
+        _check(
+            math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr!r}"
+        )
+        _check(
+            math.isfinite(self.momentum) and 0 <= self.momentum < 1,
+            f"momentum must be in [0, 1), got {self.momentum!r}",
+        )
+        _finite_nonneg("weight_decay", self.weight_decay)
+        _check(
+            self.wire_dtype in WIRE_DTYPES,
+            f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",
+        )
+        # The optimizer name is checked against the registry where it is built (optimizers.py).
+
+    def differences(self, other: JobSpec) -> list[tuple[str, Any, Any]]:
+        """Fields whose values differ, as (name, self's value, other's value)."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one parameter-server process binds and treats requests."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 10.0
+    nonfinite: str = "reject"
+    threads: int = 32
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host must not be empty")
+        _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _check(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
+        _check(
+            self.nonfinite in NONFINITE_POLICIES,
+            f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}",
+        )
+        _check(self.threads >= 2, f"threads must be >= 2, got {self.threads}")
+        _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        _finite_nonneg("grace_s", self.grace_s)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Deadlines and transfer settings of a worker's connection to the shards."""
+
+    connect_timeout_s: float = 10.0
+    rpc_timeout_s: float = 60.0
+    init_timeout_s: float = 120.0
+    retries: int = 2
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "rpc_timeout_s", "init_timeout_s"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value!r}")
+        _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker's training run: which servers, task, rank, how many steps."""
+
+    servers: tuple[str, ...]
+    task: str = "digits"
+    rank: int = 0
+    steps: int = 1000
+    batch_size: int = 32
+    device: str = "auto"
+    seed: int = 0
+    metrics_out: str | None = None
+    eval_every: int = 0  # 0: about 10 evaluations per run
+    log_every: int = 0  # 0: about 10 progress lines per run
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+    def __post_init__(self) -> None:
+        _check(len(self.servers) >= 1, "at least one server address is required")
+        _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
+        _check(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
+        _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _check(self.log_every >= 0, f"log_every must be >= 0, got {self.log_every}")
+        _check(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+
+
+def parse_address(text: str) -> str:
+    """Validate one HOST:PORT (IPv6 as [::1]:PORT) and return it stripped."""
+    addr = text.strip()
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(
+            f"malformed server address {text!r}: expected HOST:PORT with a port in 1..65535, "
+            "e.g. 127.0.0.1:7000 or [::1]:7000"
+        )
+    if host.startswith("[") != host.endswith("]"):
+        raise ConfigError(f"malformed server address {text!r}: unbalanced brackets around IPv6 host")
+    return addr
+
+
+def parse_servers(text: str) -> tuple[str, ...]:
+    """Parse 'HOST:PORT[,HOST:PORT...]' into a tuple of addresses; shard i is the i-th."""
+    parts = [p for p in text.split(",")]
+    if not text.strip() or any(not p.strip() for p in parts):
+        raise ConfigError(
+            f"malformed --servers {text!r}: expected HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:7000,127.0.0.1:7001"
+        )
+    addrs = tuple(parse_address(p) for p in parts)
+    if len(set(addrs)) != len(addrs):
+        raise ConfigError(f"--servers lists the same address twice: {text!r}")
+    return addrs

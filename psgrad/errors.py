@@ -1,0 +1,55 @@
+"""psgrad's exception family; gRPC status codes are attached only at the server/client edge."""
+from __future__ import annotations
+
+
+class PsgradError(Exception):
+    """Base class of every error psgrad raises on purpose."""
+
+
+class ConfigError(PsgradError, ValueError):
+    """A configuration value or command-line argument is invalid."""
+
+
+class ServerUnavailableError(PsgradError):
+    """A parameter server could not be reached or did not answer in time."""
+
+
+class ServerStartError(PsgradError):
+    """A parameter server could not start (for example its port is taken)."""
+
+
+class InvalidRequestError(PsgradError):
+    """A request is malformed: wrong payload size, dtype, or a non-finite gradient."""
+
+
+class NotInitializedError(PsgradError):
+    """A shard was used before the chief (rank 0) initialized it."""
+
+
+class JobMismatchError(PsgradError):
+    """A worker's model or job spec differs from the one the shard was initialized with."""
+
+
+class WorkerStateError(PsgradError):
+    """A worker's call does not fit its membership state (e.g. it already left the job)."""
+
+
+class TaskError(PsgradError):
+    """A training task could not be found, imported or built."""
+
+
+# Name -> class, so the client can re-raise the exact error the server raised.
+ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
+    cls.__name__: cls
+    for cls in (
+        PsgradError,
+        ConfigError,
+        ServerUnavailableError,
+        ServerStartError,
+        InvalidRequestError,
+        NotInitializedError,
+        JobMismatchError,
+        WorkerStateError,
+        TaskError,
+    )
+}

@@ -1,0 +1,43 @@
+"""JSONL metrics sink: one JSON object per line, each stamped with time and rank."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class MetricsSink:
+    """Appends records to a JSONL file (or nowhere, when path is None); flushed per record."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, rank: int) -> None:
+        self.rank = rank
+        self._file: IO[str] | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")
+
+    def write(self, step: int, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "rank": self.rank, "step": step, **fields}
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a JSONL metrics file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

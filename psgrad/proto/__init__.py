@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for protos/psgrad/proto/ps.proto (regenerate with protos/generate.py)."""

@@ -1,0 +1,247 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobSpec(_message.Message):
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    staleness: int
+    num_workers: int
+    optimizer: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    wire_dtype: str
+    num_shards: int
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class ParamSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ShardRange(_message.Message):
+    __slots__ = ("index", "start", "end")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    start: int
+    end: int
+    def __init__(self, index: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_INIT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    spec: JobSpec
+    params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    shard: ShardRange
+    fingerprint: str
+    wait_for_init: bool
+    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("initialized", "version", "lease_s")
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    initialized: bool
+    version: int
+    lease_s: float
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("join", "numel")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    join: JoinRequest
+    numel: int
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class InitFrame(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: InitHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class InitReply(_message.Message):
+    __slots__ = ("already_initialized", "version")
+    ALREADY_INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    already_initialized: bool
+    version: int
+    def __init__(self, already_initialized: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("rank", "clock", "fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("version", "numel", "dtype")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    numel: int
+    dtype: str
+    def __init__(self, version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PullFrame(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    base_version: int
+    numel: int
+    dtype: str
+    fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PushFrame(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("applied", "reason", "version", "staleness")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    reason: str
+    version: int
+    staleness: int
+    def __init__(self, applied: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rank", "clock", "state", "last_seen_s", "pushes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    state: str
+    last_seen_s: float
+    pushes: int
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
+
+class StalenessBucket(_message.Message):
+    __slots__ = ("staleness", "count")
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    staleness: int
+    count: int
+    def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint")
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    initialized: bool
+    shard: ShardRange
+    spec: JobSpec
+    version: int
+    pushes_applied: int
+    pushes_duplicate: int
+    pushes_rejected: int
+    pulls: int
+    bytes_in: int
+    bytes_out: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    staleness: _containers.RepeatedCompositeFieldContainer[StalenessBucket]
+    uptime_s: float
+    fingerprint: str
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank", "fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("rank", "fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,271 @@
+"""The gRPC edge of a parameter shard: decodes requests, delegates to Shard, maps errors to status codes."""
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from psgrad import errors, serde
+from psgrad.codec import FrameParser, PayloadWriter, byte_view, frame_payload, torch_dtype, write_frames
+from psgrad.config import ServerConfig
+from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.shard import Layout, Shard
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+ERROR_METADATA_KEY = "psgrad-error"
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
+    errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.JobMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
+    code = _STATUS_OF.get(type(exc), grpc.StatusCode.INTERNAL)
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+    context.abort(code, str(exc))
+
+
+def _edge(method: F) -> F:
+    """Turn PsgradError raised by a handler into a gRPC status with the error's class attached."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ParameterServicer", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except PsgradError as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _layout_from_join(req: pb.JoinRequest) -> Layout:
+    return Layout(
+        spec=serde.job_spec_from_proto(req.spec),
+        params=tuple(serde.params_from_proto(req.params)),
+        index=req.shard.index,
+        start=req.shard.start,
+        end=req.shard.end,
+        fingerprint=req.fingerprint,
+    )
+
+
+def _header(frames: Iterator[bytes], frame_type: type, what: str) -> Any:
+    """Parse the first frame of a client stream, which must be a header."""
+    first = next(frames, None)
+    if first is None:
+        raise InvalidRequestError(f"{what}: empty stream, expected a header frame first")
+    msg = frame_type.FromString(first)
+    if msg.WhichOneof("kind") != "header":
+        raise InvalidRequestError(f"{what}: first frame must be the header")
+    return msg.header
+
+
+class ParameterServicer:
+    """Handlers of the ParameterServer service for one shard."""
+
+    def __init__(self, shard: Shard, config: ServerConfig) -> None:
+        self.shard = shard
+        self.config = config
+
+    @_edge
+    def Join(self, req: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        wait_s = 0.0
+        if req.wait_for_init:
+            remaining = context.time_remaining()
+            wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
+        initialized = self.shard.join(req.rank, _layout_from_join(req), wait_s)
+        return pb.JoinReply(initialized=initialized, version=self.shard.version, lease_s=self.config.lease_s)
+
+    @_edge
+    def Init(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.InitReply:
+        header = _header(frames, pb.InitFrame, "init")
+        layout = _layout_from_join(header.join)
+        if header.numel != layout.numel:
+            raise InvalidRequestError(
+                f"init announces {header.numel} elements for shard {layout.index} owning "
+                f"[{layout.start}, {layout.end}) = {layout.numel}"
+            )
+        if self.shard.layout is not None:  # idempotent: check, and do not read 4 bytes per element
+            self.shard.join(header.join.rank, layout)
+            return pb.InitReply(already_initialized=True, version=self.shard.version)
+        weights = torch.empty(layout.numel, dtype=torch.float32)
+        write_frames(frames, PayloadWriter(byte_view(weights), "init"), FrameParser(pb.InitFrame, "init"))
+        already = self.shard.initialize(header.join.rank, layout, weights)
+        return pb.InitReply(already_initialized=already, version=self.shard.version)
+
+    def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            version, frames = self.shard.pull_frames(req.rank, req.clock, req.fingerprint)
+        except PsgradError as exc:
+            _abort(context, exc)
+            return
+        layout = self.shard.layout
+        assert layout is not None
+        yield pb.PullFrame(
+            header=pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
+        ).SerializeToString()
+        yield from frames
+
+    @_edge
+    def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        h = _header(frames, pb.PushFrame, "push")
+        torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
+        grad, wire, writer = self.shard.push_target(
+            h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
+        )
+        try:
+            try:
+                write_frames(frames, writer, FrameParser(pb.PushFrame, f"push from worker rank {h.rank}"))
+            except PsgradError:
+                self.shard.reject()
+                raise
+            result = self.shard.apply_push(h.rank, h.clock, h.base_version, grad, wire, wire.nbytes)
+        finally:
+            self.shard.release(grad, wire)
+        return pb.PushReply(
+            applied=result.applied, reason=result.reason, version=result.version, staleness=result.staleness
+        )
+
+    @_edge
+    def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        s = self.shard.status()
+        layout: Layout | None = s["layout"]
+        reply = pb.StatusReply(
+            initialized=layout is not None,
+            version=s["version"],
+            pushes_applied=s["pushes_applied"],
+            pushes_duplicate=s["pushes_duplicate"],
+            pushes_rejected=s["pushes_rejected"],
+            pulls=s["pulls"],
+            bytes_in=s["bytes_in"],
+            bytes_out=s["bytes_out"],
+            uptime_s=s["uptime_s"],
+            workers=[
+                pb.WorkerStatus(rank=r, clock=c, state=st, last_seen_s=ago, pushes=n)
+                for r, c, st, ago, n in s["workers"]
+            ],
+            staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in s["staleness"].items()],
+        )
+        if layout is not None:
+            reply.shard.CopyFrom(serde.shard_range_to_proto(layout.index, layout.start, layout.end))
+            reply.spec.CopyFrom(serde.job_spec_to_proto(layout.spec))
+            reply.fingerprint = layout.fingerprint
+        return reply
+
+    @_edge
+    def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(version=self.shard.touch(req.rank))
+
+    @_edge
+    def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.shard.leave(req.rank)
+        return pb.LeaveReply()
+
+
+def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    """Method table; Init/Pull/Push frames pass as raw bytes (deserializer/serializer None)."""
+
+    def unary(fn: Callable[..., Any], req: type, rep: type) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
+            "Init": grpc.stream_unary_rpc_method_handler(
+                servicer.Init, response_serializer=pb.InitReply.SerializeToString
+            ),
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                servicer.Pull, request_deserializer=pb.PullRequest.FromString
+            ),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                servicer.Push, response_serializer=pb.PushReply.SerializeToString
+            ),
+            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
+        },
+    )
+
+
+class RunningServer:
+    """A started shard server: its bound address, its state, and a graceful stop."""
+
+    def __init__(self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str) -> None:
+        self._server = grpc_server
+        self.servicer = servicer
+        self.address = address
+
+    @property
+    def shard(self) -> Shard:
+        return self.servicer.shard
+
+    def stop(self, grace_s: float | None = None) -> None:
+        grace = self.servicer.config.grace_s if grace_s is None else grace_s
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return bool(self._server.wait_for_termination(timeout_s))
+
+
+def start_server(config: ServerConfig) -> RunningServer:
+    """Bind and start a shard server; port 0 picks a free port (see .address).
+
+    Raises:
+        ServerStartError: the address cannot be bound (for example the port is in use).
+    """
+    servicer = ParameterServicer(Shard(config), config)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
+        options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
+    server.add_generic_rpc_handlers((_generic_handler(servicer),))
+    host = config.host
+    bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    target = f"{bind_host}:{config.port}"
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
+    if port == 0:
+        raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
+    server.start()
+    return RunningServer(server, servicer, f"{bind_host}:{port}")
+
+
+def serve_forever(config: ServerConfig, announce: Callable[[str], None]) -> None:
+    """Run a server until SIGTERM or SIGINT, then stop gracefully."""
+    running = start_server(config)
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    announce(running.address)
+    stop.wait()
+    running.stop()
+    announce_stop = received[0] if received else "request"
+    print(f"psgrad server {running.address} stopped ({announce_stop})", flush=True)
