@@ -55,6 +55,7 @@ class Supervisor:
         reader = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
         child = Child(name, proc, reader)
         self.children.append(child)
+        self.out(f"[launch] started {name} (pid {proc.pid})")
         reader.start()
         return child
 

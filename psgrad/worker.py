@@ -20,9 +20,16 @@ def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; 'cuda[:N]' must exist."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but torch sees no CUDA device")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"invalid device {name!r}; valid: auto, cpu, cuda, cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {name!r} requested but torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) exist")
     return device
 
 

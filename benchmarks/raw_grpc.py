@@ -1,0 +1,117 @@
+"""The ceiling psgrad is measured against: raw gRPC streaming of bytes, no protobuf, ~1 MiB chunks.
+
+Run as a script it serves (`python benchmarks/raw_grpc.py --serve`) and prints
+`raw grpc listening on HOST:PORT`; import it for the client side.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+SERVICE = "rawbench.Raw"
+OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class _State:
+    def __init__(self) -> None:
+        self.buf = np.zeros(0, dtype=np.uint8)
+
+
+def _handler(state: _State) -> grpc.GenericRpcHandler:
+    def upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """Receive chunks and copy each into a reused buffer (what any receiver must do)."""
+        off = 0
+        for chunk in chunks:
+            n = len(chunk)
+            if off + n > len(state.buf):
+                grown = np.empty(off + n, dtype=np.uint8)
+                grown[:off] = state.buf[:off]
+                state.buf = grown
+            state.buf[off : off + n] = np.frombuffer(chunk, dtype=np.uint8)
+            off += n
+        return off.to_bytes(8, "little")
+
+    def download(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Stream `nbytes` from a buffer, making one bytes object per chunk (what any sender must do)."""
+        nbytes = int.from_bytes(request[:8], "little")
+        chunk = int.from_bytes(request[8:16], "little")
+        if len(state.buf) < nbytes:
+            state.buf = np.ones(nbytes, dtype=np.uint8)
+        view = memoryview(state.buf)
+        for off in range(0, nbytes, chunk):
+            yield bytes(view[off : off + chunk])
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Upload": grpc.stream_unary_rpc_method_handler(upload),
+            "Download": grpc.unary_stream_rpc_method_handler(download),
+            "Ping": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        },
+    )
+
+
+def serve(host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[*OPTIONS, ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((_handler(_State()),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, f"{host}:{bound}"
+
+
+class RawClient:
+    """Client of the raw service; upload/download move `payload` bytes in `chunk`-byte messages."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=OPTIONS)
+        self._upload = self.channel.stream_unary(f"/{SERVICE}/Upload")
+        self._download = self.channel.unary_stream(f"/{SERVICE}/Download")
+        self._ping = self.channel.unary_unary(f"/{SERVICE}/Ping")
+
+    def upload(self, payload: memoryview, chunk: int) -> int:
+        def gen() -> Iterator[bytes]:
+            for off in range(0, len(payload), chunk):
+                yield bytes(payload[off : off + chunk])
+
+        return int.from_bytes(self._upload(gen(), timeout=120), "little")
+
+    def download(self, dest: memoryview, chunk: int) -> int:
+        req = len(dest).to_bytes(8, "little") + chunk.to_bytes(8, "little")
+        off = 0
+        for piece in self._download(req, timeout=120):
+            dest[off : off + len(piece)] = piece
+            off += len(piece)
+        return off
+
+    def ping(self, payload: bytes = b"x") -> bytes:
+        return self._ping(payload, timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--serve", action="store_true", help="run the raw server until SIGTERM")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    args = parser.parse_args()
+    if not args.serve:
+        parser.error("nothing to do: pass --serve")
+    server, address = serve(args.host, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"raw grpc listening on {address}", flush=True)
+    stop.wait()
+    server.stop(0).wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Shared fixtures: real server subprocesses on port 0, and a reaper that leaves no child behind."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_pids() -> list[int]:
+    """PIDs of this process's live children (from /proc; zombies excluded)."""
+    me = str(os.getpid())
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], fields[1]
+        if ppid == me and state != "Z":
+            out.append(int(entry))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _reap_children() -> Iterator[None]:
+    """Kill any child process a test left running, and fail loudly if there was one."""
+    yield
+    leftovers = _child_pids()
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    assert not leftovers, f"test left child processes running: {leftovers}"
+
+
+@dataclass
+class Proc:
+    """A psgrad subprocess whose merged stdout/stderr lines are collected by a reader thread."""
+
+    popen: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+
+    def start_reader(self) -> None:
+        def pump() -> None:
+            assert self.popen.stdout is not None
+            for line in self.popen.stdout:
+                self.lines.append(line.rstrip("\n"))
+                self._queue.put(line.rstrip("\n"))
+            self._queue.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for_line(self, prefix: str, timeout_s: float = 60.0) -> str:
+        """Block until a line containing prefix is printed (or the process ends / times out)."""
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"no line with {prefix!r} within {timeout_s} s; got {self.lines}") from None
+            if line is None:
+                raise AssertionError(f"process exited before printing {prefix!r}: {self.lines}")
+            if prefix in line:
+                return line
+
+    def wait(self, timeout_s: float = 120.0) -> int:
+        rc = self.popen.wait(timeout=timeout_s)
+        return rc
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def spawn(args: Sequence[str], **kw: object) -> Proc:
+    """Start `python -m psgrad ARGS` with merged, line-buffered output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "psgrad", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=REPO,
+        **kw,  # type: ignore[arg-type]
+    )
+    proc = Proc(popen)
+    proc.start_reader()
+    return proc
+
+
+def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run `python -m psgrad ARGS` to completion, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "psgrad", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def server_procs() -> Iterator[list[Proc]]:
+    """A list to register server subprocesses in; all are stopped at teardown."""
+    procs: list[Proc] = []
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture
+def start_servers(server_procs: list[Proc]):  # type: ignore[no-untyped-def]
+    """start_servers(n, *extra_args) -> list of HOST:PORT of n real server processes on port 0."""
+
+    def start(n: int, *extra: str) -> list[str]:
+        addrs = []
+        for _ in range(n):
+            proc = spawn(["server", "--host", "127.0.0.1", "--port", "0", *extra])
+            server_procs.append(proc)
+        for proc in server_procs[-n:]:
+            line = proc.wait_for_line("psgrad server listening on ")
+            addrs.append(line.rsplit(" ", 1)[1])
+        return addrs
+
+    return start

@@ -1,0 +1,177 @@
+"""The command line with real processes: servers on port 0, workers, status, launch, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Proc, run_cli, spawn
+
+
+def test_server_announces_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port_file = tmp_path / "addr"
+    proc = spawn(["server", "--port", "0", "--port-file", str(port_file)])
+    line = proc.wait_for_line("psgrad server listening on ")
+    address = line.rsplit(" ", 1)[1]
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", address)
+    assert port_file.read_text().strip() == address
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert "stopped (SIGTERM)" in proc.output
+
+
+def test_server_on_a_port_in_use_fails_loudly(start_servers) -> None:  # type: ignore[no-untyped-def]
+    (address,) = start_servers(1)
+    port = address.rsplit(":", 1)[1]
+    res = run_cli(["server", "--port", port], timeout_s=60)
+    assert res.returncode != 0
+    assert port in res.stderr and "cannot bind" in res.stderr
+
+
+def test_worker_exits_within_its_deadline_when_the_server_does_not_answer() -> None:
+    with socket.socket() as silent:  # accepts TCP, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        res = run_cli(["worker", "--servers", address, "--steps", "5", "--connect-timeout-s", "2"], timeout_s=90)
+        elapsed = time.monotonic() - start
+    assert res.returncode == 1
+    assert address in res.stderr and "did not answer" in res.stderr
+    assert elapsed < 60  # interpreter start + 2 s deadline, not a hang
+
+
+def test_unknown_task_is_a_usage_error_listing_valid_tasks() -> None:
+    res = run_cli(["worker", "--servers", "127.0.0.1:1", "--task", "nope"])
+    assert res.returncode == 2
+    assert "unknown task 'nope'" in res.stderr and "digits" in res.stderr
+    res = run_cli(["launch", "--task", "nope"])
+    assert res.returncode == 2 and "digits" in res.stderr
+
+
+@pytest.mark.parametrize("servers", ["localhost", "a:1,,b:2", "host:99999", ""])
+def test_malformed_servers_is_a_usage_error(servers: str) -> None:
+    res = run_cli(["status", "--servers", servers])
+    assert res.returncode == 2
+    assert "HOST:PORT" in res.stderr
+
+
+def test_every_flag_has_help_text() -> None:
+    from psgrad.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    assert set(subparsers.choices) >= {"server", "worker", "launch", "status"}
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, f"psgrad {name} {action.option_strings[0]} has no help"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_servers_two_async_workers_by_hand(start_servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    servers = ",".join(start_servers(2))
+    steps = 300
+    common = ["--servers", servers, "--num-workers", "2", "--steps", str(steps), "--lr", "0.1",
+              "--momentum", "0.9", "--eval-every", "100"]
+    workers = [
+        spawn(["worker", "--rank", str(r), *common, "--metrics-out", str(tmp_path / f"w{r}.jsonl")])
+        for r in range(2)
+    ]
+    for w in workers:
+        assert w.wait(240) == 0, w.output
+    for r, w in enumerate(workers):
+        final = re.search(r"final test_loss \S+ test_accuracy (\S+)", w.output)
+        assert final, w.output
+        assert float(final.group(1)) >= 0.93
+        records = [json.loads(line) for line in (tmp_path / f"w{r}.jsonl").read_text().splitlines()]
+        assert all({"time", "rank", "step"} <= rec.keys() and rec["rank"] == r for rec in records)
+        assert records[-1]["event"] == "final" and records[-1]["step"] == steps
+        assert sum("test_accuracy" in rec for rec in records) >= 3
+        assert [rec["step"] for rec in records[:-1]] == list(range(1, steps + 1))
+    res = run_cli(["status", "--servers", servers, "--json"])
+    assert res.returncode == 0, res.stderr
+    shards = json.loads(res.stdout)["shards"]
+    assert [s["version"] for s in shards] == [2 * steps, 2 * steps]
+    assert [s["pushes_applied"] for s in shards] == [2 * steps, 2 * steps]
+    assert shards[0]["range"][1] == shards[1]["range"][0]
+    assert {w["rank"]: (w["clock"], w["state"]) for w in shards[0]["workers"]} == {
+        0: (steps, "left"),
+        1: (steps, "left"),
+    }
+    assert sum(shards[0]["staleness"]["histogram"].values()) == 2 * steps
+    text = run_cli(["status", "--servers", servers])
+    assert text.returncode == 0 and "staleness histogram" in text.stdout
+
+
+def test_second_worker_with_another_lr_is_refused_naming_the_field(start_servers) -> None:  # type: ignore[no-untyped-def]
+    servers = ",".join(start_servers(1))
+    chief = run_cli(["worker", "--servers", servers, "--num-workers", "2", "--steps", "2", "--lr", "0.1"])
+    assert chief.returncode == 0, chief.stderr
+    res = run_cli(["worker", "--servers", servers, "--rank", "1", "--num-workers", "2", "--steps", "2", "--lr", "0.3"])
+    assert res.returncode == 1
+    assert "lr: shard has 0.1, worker rank 1 sent 0.3" in res.stderr
+
+
+def _pids(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"\[launch\] started (\S+) \(pid (\d+)\)", output)}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    res = run_cli(
+        ["launch", "--num-servers", "2", "--num-workers", "2", "--task", "digits", "--mode", "async",
+         "--steps", "150", "--metrics-dir", str(tmp_path)],
+        timeout_s=240,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert re.search(r"^\[worker0\] worker 0/2: final test_loss", out, re.M)
+    assert re.search(r"^\[worker1\] worker 1/2: final test_loss", out, re.M)
+    assert re.search(r"^\[server1\] psgrad server listening on", out, re.M)
+    versions = re.findall(r"^\s+\d+ 127\.0\.0\.1:\d+\s+\[\d+, \d+\)\s+(\d+)", out, re.M)
+    assert versions == ["300", "300"], out
+    pids = _pids(out)
+    assert set(pids) == {"server0", "server1", "worker0", "worker1"}
+    assert all(_gone(pid) for pid in pids.values())
+    assert (tmp_path / "worker0.jsonl").exists() and (tmp_path / "worker1.jsonl").exists()
+
+
+@pytest.mark.timeout(180)
+def test_launch_stops_every_child_on_ctrl_c() -> None:
+    proc: Proc = spawn(["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "100000"])
+    proc.wait_for_line("worker 1/2: joined", timeout_s=120)
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    pids = _pids(proc.output)
+    assert len(pids) == 3
+    assert all(_gone(pid) for pid in pids.values()), proc.output
+    assert "interrupted" in proc.output
+
+
+@pytest.mark.timeout(180)
+def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
+    # every worker asks for a GPU that does not exist and exits with an error
+    res = run_cli(["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "5", "--device", "cuda:99"],
+                  timeout_s=150)
+    assert res.returncode == 1
+    assert re.search(r"worker\d \(exit code 2\)", res.stdout), res.stdout
+    assert "cuda:99" in res.stdout
+    pids = _pids(res.stdout)
+    assert len(pids) >= 2 and all(_gone(pid) for pid in pids.values())

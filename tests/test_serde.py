@@ -1,0 +1,146 @@
+"""Pure tests of psgrad.serde: proto <-> Python conversions, and status_to_dict."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from psgrad import serde
+from psgrad.config import JobSpec
+from psgrad.proto import ps_pb2 as pb
+from psgrad.sharding import ParamSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+# Every field differs from its default, so a dropped or swapped field cannot go unnoticed.
+SPEC = JobSpec(
+    mode="async",
+    staleness=3,
+    num_workers=4,
+    optimizer="sgd",
+    lr=0.05,
+    momentum=0.9,
+    weight_decay=1e-4,
+    wire_dtype="bfloat16",
+    num_shards=2,
+)
+
+
+def _through_wire(msg):  # type: ignore[no-untyped-def]
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def test_job_spec_round_trip() -> None:
+    msg = serde.job_spec_to_proto(SPEC)
+    assert isinstance(msg, pb.JobSpec)
+    for f in dataclasses.fields(JobSpec):
+        assert getattr(msg, f.name) == getattr(SPEC, f.name), f.name
+    back = serde.job_spec_from_proto(_through_wire(msg))
+    assert back == SPEC
+    assert back.differences(SPEC) == []
+
+
+def test_job_spec_round_trip_defaults() -> None:
+    assert serde.job_spec_from_proto(_through_wire(serde.job_spec_to_proto(JobSpec()))) == JobSpec()
+
+
+def test_job_spec_proto_is_what_the_contract_says() -> None:
+    # A hand-built proto (as another language's client would send) decodes to the same spec.
+    msg = pb.JobSpec(
+        mode="async", staleness=3, num_workers=4, optimizer="sgd", lr=0.05, momentum=0.9,
+        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2,
+    )
+    assert serde.job_spec_from_proto(msg) == SPEC
+
+
+PARAMS = [
+    ParamSpec("scale", (), "float32"),
+    ParamSpec("emb.weight", (50_000, 512), "float32"),
+    ParamSpec("conv.weight", (8, 3, 5, 5), "float16"),
+    ParamSpec("huge", (2**40,), "bfloat16"),  # int64 shape entries
+]
+
+
+def test_params_round_trip() -> None:
+    msgs = serde.params_to_proto(PARAMS)
+    assert [m.name for m in msgs] == [p.name for p in PARAMS]
+    assert list(msgs[2].shape) == [8, 3, 5, 5]
+    request = pb.JoinRequest(params=msgs)
+    back = serde.params_from_proto(_through_wire(request).params)
+    assert back == PARAMS
+    assert all(isinstance(p.shape, tuple) for p in back)
+    assert serde.params_from_proto([]) == []
+
+
+@pytest.mark.parametrize("index, start, end", [(0, 0, 10), (3, 123, 456), (7, 2**33, 2**34 + 5)])
+def test_shard_range_round_trip(index: int, start: int, end: int) -> None:
+    msg = serde.shard_range_to_proto(index, start, end)
+    assert (msg.index, msg.start, msg.end) == (index, start, end)
+    assert serde.shard_range_from_proto(_through_wire(msg)) == (index, start, end)
+
+
+def _status_reply(initialized: bool = True) -> pb.StatusReply:
+    reply = pb.StatusReply(
+        initialized=initialized,
+        version=7,
+        pushes_applied=10,
+        pushes_duplicate=2,
+        pushes_rejected=1,
+        pulls=12,
+        bytes_in=4000,
+        bytes_out=4800,
+        uptime_s=12.34567,
+        workers=[
+            pb.WorkerStatus(rank=0, clock=5, state="live", last_seen_s=0.12345, pushes=5),
+            pb.WorkerStatus(rank=1, clock=4, state="expired", last_seen_s=30.0, pushes=4),
+        ],
+        staleness=[
+            pb.StalenessBucket(staleness=0, count=5),
+            pb.StalenessBucket(staleness=2, count=3),
+            pb.StalenessBucket(staleness=1, count=2),
+        ],
+    )
+    if initialized:
+        reply.shard.CopyFrom(pb.ShardRange(index=1, start=10, end=30))
+        reply.spec.CopyFrom(serde.job_spec_to_proto(SPEC))
+        reply.fingerprint = "abc123"
+    return _through_wire(reply)
+
+
+def test_status_to_dict() -> None:
+    d = serde.status_to_dict(_status_reply())
+    assert d["initialized"] is True
+    assert d["shard"] == 1
+    assert d["range"] == [10, 30]
+    assert d["numel"] == 20
+    assert d["version"] == 7
+    assert (d["pushes_applied"], d["pushes_duplicate"], d["pushes_rejected"]) == (10, 2, 1)
+    assert (d["pulls"], d["bytes_in"], d["bytes_out"]) == (12, 4000, 4800)
+    assert d["uptime_s"] == pytest.approx(12.346)
+    assert d["fingerprint"] == "abc123"
+    assert d["spec"] == SPEC.as_dict()
+    assert d["workers"] == [
+        {"rank": 0, "clock": 5, "state": "live", "last_seen_s": 0.123, "pushes": 5},
+        {"rank": 1, "clock": 4, "state": "expired", "last_seen_s": 30.0, "pushes": 4},
+    ]
+    # Histogram {0: 5, 1: 2, 2: 3}: 10 pushes, max staleness 2, mean (0*5 + 1*2 + 2*3) / 10 = 0.8.
+    assert d["staleness"]["histogram"] == {0: 5, 1: 2, 2: 3}
+    assert d["staleness"]["max"] == 2
+    assert d["staleness"]["mean"] == pytest.approx(0.8)
+    json.dumps(d)  # JSON-ready
+
+
+def test_status_to_dict_uninitialized_and_empty() -> None:
+    d = serde.status_to_dict(_through_wire(pb.StatusReply()))
+    assert d["initialized"] is False
+    assert d["spec"] is None
+    assert d["workers"] == []
+    assert d["staleness"] == {"histogram": {}, "max": 0, "mean": 0.0}
+    json.dumps(d)
+
+
+def test_status_to_dict_single_bucket() -> None:
+    reply = pb.StatusReply(staleness=[pb.StalenessBucket(staleness=4, count=6)])
+    s = serde.status_to_dict(reply)["staleness"]
+    assert s == {"histogram": {4: 6}, "max": 4, "mean": 4.0}

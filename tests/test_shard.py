@@ -1,0 +1,433 @@
+"""Pure tests of psgrad.shard.Shard (no gRPC): init, join, pull, push, duplicates, non-finite, leases."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from psgrad.codec import WireBuffer, byte_view, frame_payload
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
+from psgrad.shard import Layout, PushResult, Shard
+from psgrad.sharding import ParamSpec, fingerprint, plan_shards
+
+pytestmark = pytest.mark.timeout(60)
+
+PARAMS = (ParamSpec("fc.weight", (4, 3), "float32"), ParamSpec("fc.bias", (4,), "float32"))  # 16 elements
+
+
+def make_layout(spec: JobSpec | None = None, params=PARAMS, index: int = 0) -> Layout:  # type: ignore[no-untyped-def]
+    spec = spec or JobSpec(lr=0.5, num_shards=2)
+    plan = plan_shards(params, spec.num_shards)
+    start, end = plan.ranges[index]
+    return Layout(spec, tuple(params), index, start, end, fingerprint(params, spec))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def weights_for(layout: Layout, seed: int = 0) -> torch.Tensor:
+    return torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def layout() -> Layout:
+    return make_layout()
+
+
+@pytest.fixture
+def shard(layout: Layout) -> Shard:
+    s = Shard(ServerConfig())
+    assert s.initialize(0, layout, weights_for(layout)) is False
+    return s
+
+
+def push(
+    shard: Shard,
+    layout: Layout,
+    grad: torch.Tensor,
+    rank: int = 0,
+    clock: int = 0,
+    base_version: int | None = None,
+) -> PushResult:
+    """The server's push sequence: header -> receive bytes -> finish -> apply -> release."""
+    base = shard.version if base_version is None else base_version
+    dtype = layout.spec.wire_dtype
+    buf, wire, writer = shard.push_target(rank, clock, base, grad.numel(), dtype, layout.fingerprint)
+    try:
+        sender = WireBuffer(grad.numel(), dtype)
+        writer.write(sender.encode(grad.contiguous()))
+        writer.finish()
+        return shard.apply_push(rank, clock, base, buf, wire, wire.nbytes)
+    finally:
+        shard.release(buf, wire)
+
+
+def decode_pull(frames: list[bytes], numel: int, wire_dtype: str) -> torch.Tensor:
+    dest = torch.empty(numel)
+    wire = WireBuffer(numel, wire_dtype)
+    view = wire.receive_view(dest)
+    offset = 0
+    for f in frames:
+        piece = frame_payload(f)
+        assert piece is not None
+        view[offset : offset + len(piece)] = piece
+        offset += len(piece)
+    assert offset == len(view)
+    wire.finish_receive(dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------- before initialize
+def test_pull_and_push_before_initialize(layout: Layout) -> None:
+    s = Shard(ServerConfig())
+    with pytest.raises(NotInitializedError, match="rank 0"):
+        s.pull_frames(1, 0, layout.fingerprint)
+    with pytest.raises(NotInitializedError, match="rank 0"):
+        s.push_target(1, 0, 0, layout.numel, "float32", layout.fingerprint)
+    assert s.weights_copy() is None
+    assert s.status()["layout"] is None
+    assert s.version == 0
+
+
+# ----------------------------------------------------------------------------- initialize / join
+def test_initialize_installs_weights(layout: Layout) -> None:
+    s = Shard(ServerConfig())
+    w = weights_for(layout, seed=5)
+    assert s.initialize(0, layout, w.clone()) is False
+    assert torch.equal(s.weights_copy(), w)
+    assert s.layout == layout
+    assert s.version == 0
+
+
+def test_initialize_is_idempotent_for_identical_layout(shard: Shard, layout: Layout) -> None:
+    before = shard.weights_copy()
+    other_weights = before + 100.0
+    same = dataclasses.replace(layout)  # equal, not the same object
+    assert shard.initialize(1, same, other_weights) is True
+    assert torch.equal(shard.weights_copy(), before)
+    assert shard.version == 0
+
+
+def test_initialize_refuses_wrong_weights(layout: Layout) -> None:
+    s = Shard(ServerConfig())
+    with pytest.raises(InvalidRequestError) as info:
+        s.initialize(0, layout, torch.zeros(layout.numel + 1))
+    assert str(layout.numel) in str(info.value) and str(layout.numel + 1) in str(info.value)
+    with pytest.raises(InvalidRequestError, match="float64"):
+        s.initialize(0, layout, torch.zeros(layout.numel, dtype=torch.float64))
+    assert s.layout is None
+
+
+def test_initialize_with_different_spec_names_field_and_values(shard: Shard, layout: Layout) -> None:
+    before = shard.weights_copy()
+    spec = dataclasses.replace(layout.spec, lr=0.25)
+    other = make_layout(spec)
+    with pytest.raises(JobMismatchError) as info:
+        shard.initialize(1, other, weights_for(other))
+    msg = str(info.value)
+    assert "lr" in msg and "0.5" in msg and "0.25" in msg
+    assert "rank 1" in msg
+    assert torch.equal(shard.weights_copy(), before)
+    assert shard.layout == layout
+    # join reports the same problem
+    with pytest.raises(JobMismatchError, match="lr"):
+        shard.join(1, other)
+
+
+def test_initialize_with_different_shape_names_parameter(shard: Shard, layout: Layout) -> None:
+    params = (ParamSpec("fc.weight", (3, 4), "float32"), PARAMS[1])  # same numel, other shape
+    other = make_layout(layout.spec, params=params)
+    assert (other.start, other.end) == (layout.start, layout.end)
+    with pytest.raises(JobMismatchError) as info:
+        shard.initialize(1, other, weights_for(other))
+    msg = str(info.value)
+    assert "fc.weight" in msg and "[4, 3]" in msg and "[3, 4]" in msg
+    with pytest.raises(JobMismatchError, match="fc.weight"):
+        shard.join(1, other)
+
+
+def test_initialize_with_different_range_names_shard_plan(shard: Shard, layout: Layout) -> None:
+    other = make_layout(layout.spec, index=1)
+    assert other.fingerprint == layout.fingerprint
+    assert other.numel == layout.numel
+    with pytest.raises(JobMismatchError) as info:
+        shard.initialize(1, other, weights_for(other))
+    msg = str(info.value)
+    assert "shard plan" in msg
+    assert f"[{layout.start}, {layout.end})" in msg and f"[{other.start}, {other.end})" in msg
+
+
+def test_join(shard: Shard, layout: Layout) -> None:
+    assert shard.join(3, layout) is True
+    assert [w[0] for w in shard.status()["workers"]] == [0, 3]
+
+
+def test_join_returns_false_when_nobody_initializes(layout: Layout) -> None:
+    s = Shard(ServerConfig())
+    assert s.join(1, layout) is False
+    assert s.join(1, layout, wait_s=0.02) is False
+    assert s.layout is None
+
+
+def test_join_waits_for_the_chief(layout: Layout) -> None:
+    joiner_calls = 0
+    joining = threading.Event()
+    main = threading.get_ident()
+
+    def now() -> float:
+        nonlocal joiner_calls
+        if threading.get_ident() == main:
+            joiner_calls += 1
+            if joiner_calls >= 2:  # the joiner holds the shard lock by its second clock read
+                joining.set()
+        return time.monotonic()
+
+    s = Shard(ServerConfig(), now=now)
+    outcome: list[object] = []
+
+    def chief() -> None:
+        try:
+            assert joining.wait(timeout=20)
+            outcome.append(s.initialize(0, layout, weights_for(layout)))
+        except BaseException as exc:  # pragma: no cover - reported below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=chief, daemon=True)
+    thread.start()
+    joiner_calls = 0  # count only calls made by join() below
+    assert s.join(1, layout, wait_s=20) is True
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert outcome == [False]
+
+
+# ----------------------------------------------------------------------------- pull
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16", "float16"])
+def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
+    layout = make_layout(JobSpec(lr=0.5, num_shards=2, wire_dtype=wire_dtype))
+    s = Shard(ServerConfig(chunk_bytes=1024))
+    w = torch.randn(layout.numel)
+    s.initialize(0, layout, w.clone())
+    version, frames = s.pull_frames(1, 0, layout.fingerprint)
+    assert version == 0
+    got = decode_pull(frames, layout.numel, wire_dtype)
+    assert torch.equal(got, w.to(getattr(torch, wire_dtype)).float())
+    st = s.status()
+    assert st["pulls"] == 1
+    assert st["bytes_out"] == WireBuffer(layout.numel, wire_dtype).nbytes
+
+
+def test_pull_frames_are_a_snapshot(shard: Shard, layout: Layout) -> None:
+    before = shard.weights_copy()
+    _, frames = shard.pull_frames(1, 0, layout.fingerprint)
+    push(shard, layout, torch.ones(layout.numel))
+    assert torch.equal(decode_pull(frames, layout.numel, "float32"), before)
+
+
+def test_pull_with_wrong_fingerprint(shard: Shard, layout: Layout) -> None:
+    with pytest.raises(JobMismatchError) as info:
+        shard.pull_frames(1, 0, "not-the-fingerprint")
+    assert "not-the-fingerprint" in str(info.value) and layout.fingerprint in str(info.value)
+
+
+# ----------------------------------------------------------------------------- push
+def test_push_applies_sgd_and_bumps_version(shard: Shard, layout: Layout) -> None:
+    old = shard.weights_copy()
+    grad = torch.randn(layout.numel, generator=torch.Generator().manual_seed(9))
+    result = push(shard, layout, grad, rank=0, clock=0, base_version=0)
+    assert result.applied is True
+    assert result.version == 1 and shard.version == 1
+    assert result.staleness == 0
+    assert torch.allclose(shard.weights_copy(), old - 0.5 * grad, rtol=1e-6, atol=1e-7)
+    st = shard.status()
+    assert st["pushes_applied"] == 1
+    assert st["bytes_in"] == layout.numel * 4
+    assert st["staleness"] == {0: 1}
+
+
+def test_push_bf16_wire(layout: Layout) -> None:
+    bf_layout = make_layout(JobSpec(lr=0.5, num_shards=2, wire_dtype="bfloat16"))
+    s = Shard(ServerConfig())
+    w = weights_for(bf_layout)
+    s.initialize(0, bf_layout, w.clone())
+    grad = torch.randn(bf_layout.numel) / 3
+    assert push(s, bf_layout, grad).applied
+    expected = w - 0.5 * grad.to(torch.bfloat16).float()
+    assert torch.allclose(s.weights_copy(), expected, rtol=1e-6, atol=1e-7)
+    with pytest.raises(InvalidRequestError, match="bfloat16"):
+        s.push_target(0, 1, 0, bf_layout.numel, "float32", bf_layout.fingerprint)
+
+
+def test_staleness_is_version_minus_base_version(shard: Shard, layout: Layout) -> None:
+    g = torch.full((layout.numel,), 0.1)
+    # Three workers pull version 0, then push one after another.
+    results = [push(shard, layout, g, rank=r, clock=0, base_version=0) for r in range(3)]
+    assert [r.staleness for r in results] == [0, 1, 2]
+    assert [r.version for r in results] == [1, 2, 3]
+    # Worker 0 pulls version 3 and pushes again: staleness 0; worker 1 pushes on base 1: 2.
+    assert push(shard, layout, g, rank=0, clock=1, base_version=3).staleness == 0
+    assert push(shard, layout, g, rank=1, clock=1, base_version=2).staleness == 2
+    st = shard.status()
+    assert st["staleness"] == {0: 2, 1: 1, 2: 2}
+    assert st["version"] == 5 == st["pushes_applied"]
+    clocks = {rank: clock for rank, clock, *_ in st["workers"]}
+    assert clocks == {0: 2, 1: 2, 2: 1}
+
+
+def test_push_with_base_version_from_the_future(shard: Shard, layout: Layout) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        shard.push_target(0, 0, 5, layout.numel, "float32", layout.fingerprint)
+    assert "5" in str(info.value)
+    assert shard.status()["pushes_rejected"] == 1
+
+
+@pytest.mark.parametrize("delta", [-1, 1, 1000])
+def test_push_with_wrong_numel(shard: Shard, layout: Layout, delta: int) -> None:
+    before = shard.weights_copy()
+    wrong = layout.numel + delta
+    with pytest.raises(InvalidRequestError) as info:
+        shard.push_target(0, 0, 0, wrong, "float32", layout.fingerprint)
+    msg = str(info.value)
+    assert str(wrong) in msg and str(layout.numel) in msg
+    assert torch.equal(shard.weights_copy(), before)
+    assert shard.version == 0
+    assert shard.status()["pushes_rejected"] == 1
+
+
+def test_push_with_too_few_bytes_leaves_shard_unchanged(shard: Shard, layout: Layout) -> None:
+    before = shard.weights_copy()
+    buf, wire, writer = shard.push_target(0, 0, 0, layout.numel, "float32", layout.fingerprint)
+    writer.write(byte_view(torch.ones(layout.numel - 1)))
+    with pytest.raises(InvalidRequestError, match=str(layout.numel * 4)):
+        writer.finish()
+    with pytest.raises(InvalidRequestError):
+        writer.write(byte_view(torch.ones(2)))
+    shard.reject()
+    shard.release(buf, wire)
+    assert torch.equal(shard.weights_copy(), before)
+    assert shard.version == 0
+    assert shard.status()["pushes_rejected"] == 1
+
+
+def test_duplicate_push_changes_nothing(shard: Shard, layout: Layout) -> None:
+    g = torch.randn(layout.numel)
+    assert push(shard, layout, g, rank=1, clock=0).applied
+    after_first = shard.weights_copy()
+    dup = push(shard, layout, g, rank=1, clock=0, base_version=0)
+    assert dup.applied is False
+    assert "duplicate" in dup.reason
+    assert dup.version == 1 and shard.version == 1
+    assert torch.equal(shard.weights_copy(), after_first)
+    # An older clock is also a duplicate; another rank at the same clock is not.
+    assert push(shard, layout, g, rank=1, clock=1).applied
+    assert push(shard, layout, g, rank=1, clock=0, base_version=0).applied is False
+    assert push(shard, layout, g, rank=2, clock=0).applied
+    st = shard.status()
+    assert st["pushes_applied"] == 3 and st["pushes_duplicate"] == 2 and st["version"] == 3
+
+
+def test_buffers_are_reused_without_leaking_old_gradients(shard: Shard, layout: Layout) -> None:
+    old = shard.weights_copy()
+    g1, g2 = torch.full((layout.numel,), 2.0), torch.full((layout.numel,), -1.0)
+    push(shard, layout, g1, clock=0)
+    push(shard, layout, g2, clock=1)
+    assert torch.allclose(shard.weights_copy(), old - 0.5 * g1 - 0.5 * g2)
+
+
+def _bad_grad(layout: Layout) -> torch.Tensor:
+    g = torch.ones(layout.numel)
+    g[1] = float("nan")
+    g[3] = float("inf")
+    return g
+
+
+def test_nonfinite_reject() -> None:
+    layout = make_layout()
+    s = Shard(ServerConfig(nonfinite="reject"))
+    s.initialize(0, layout, weights_for(layout))
+    before = s.weights_copy()
+    with pytest.raises(InvalidRequestError) as info:
+        push(s, layout, _bad_grad(layout), rank=2, clock=0)
+    assert "2 non-finite" in str(info.value) and "rank 2" in str(info.value)
+    assert torch.equal(s.weights_copy(), before)
+    assert s.version == 0
+    assert s.status()["pushes_rejected"] == 1
+    # The rejected key was not consumed: a corrected retry of the same (rank, clock) is applied.
+    assert push(s, layout, torch.ones(layout.numel), rank=2, clock=0).applied
+
+
+def test_nonfinite_skip() -> None:
+    layout = make_layout()
+    s = Shard(ServerConfig(nonfinite="skip"))
+    s.initialize(0, layout, weights_for(layout))
+    before = s.weights_copy()
+    result = push(s, layout, _bad_grad(layout), rank=2, clock=0)
+    assert result.applied is False
+    assert "non-finite" in result.reason
+    assert torch.equal(s.weights_copy(), before)
+    assert s.version == 0
+    st = s.status()
+    assert st["pushes_rejected"] == 1 and st["pushes_applied"] == 0
+    assert {r: c for r, c, *_ in st["workers"]}[2] == 1  # the worker may go on to its next clock
+
+
+def test_nonfinite_allow() -> None:
+    layout = make_layout()
+    s = Shard(ServerConfig(nonfinite="allow"))
+    s.initialize(0, layout, weights_for(layout))
+    result = push(s, layout, _bad_grad(layout), rank=2, clock=0)
+    assert result.applied is True
+    assert s.version == 1
+    w = s.weights_copy()
+    assert torch.isnan(w[1]) and not torch.isfinite(w[3])
+    assert torch.isfinite(w[0])
+
+
+# ----------------------------------------------------------------------------- membership
+def test_leave_then_push_or_pull(shard: Shard, layout: Layout) -> None:
+    assert push(shard, layout, torch.ones(layout.numel), rank=1, clock=0).applied
+    shard.leave(1)
+    before = shard.weights_copy()
+    with pytest.raises(WorkerStateError, match="rank 1"):
+        shard.push_target(1, 1, 1, layout.numel, "float32", layout.fingerprint)
+    with pytest.raises(WorkerStateError, match="rank 1"):
+        shard.pull_frames(1, 1, layout.fingerprint)
+    assert torch.equal(shard.weights_copy(), before)
+    # Other workers are unaffected.
+    assert push(shard, layout, torch.ones(layout.numel), rank=2, clock=0).applied
+
+
+def test_lease_expiry_and_leave(layout: Layout) -> None:
+    clock = FakeClock()
+    s = Shard(ServerConfig(lease_s=5.0), now=clock)
+    s.initialize(0, layout, weights_for(layout))
+    s.touch(1)
+    s.touch(2)
+
+    def states() -> dict[int, str]:
+        return {rank: state for rank, _, state, _, _ in s.status()["workers"]}
+
+    assert states() == {0: "live", 1: "live", 2: "live"}
+    clock.t += 5.0
+    assert states() == {0: "live", 1: "live", 2: "live"}  # exactly lease_s: still held
+    clock.t += 0.5
+    s.touch(2)  # renews only rank 2's lease
+    assert states() == {0: "expired", 1: "expired", 2: "live"}
+    last_seen = {rank: ago for rank, _, _, ago, _ in s.status()["workers"]}
+    assert last_seen == {0: 5.5, 1: 5.5, 2: 0.0}
+    assert s.touch(1) == 0  # any call renews; returns the version
+    assert states()[1] == "live"
+    s.leave(1)
+    assert states()[1] == "left"
+    clock.t += 100
+    assert states() == {0: "expired", 1: "left", 2: "expired"}
+    assert s.status()["uptime_s"] == pytest.approx(105.5)
