@@ -97,7 +97,8 @@ class PayloadWriter:
         end = self._offset + len(piece)
         if end > len(self._dest):
             raise InvalidRequestError(
-                f"{self._what}: payload is larger than the {len(self._dest)} bytes announced"
+                f"{self._what}: payload is larger than the {len(self._dest)} bytes announced "
+                f"(at least {end} bytes arrived)"
             )
         self._dest[self._offset : end] = piece
         self._offset = end

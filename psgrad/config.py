@@ -83,7 +83,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
         _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
-        _check(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
+        _check(
+            math.isfinite(self.lease_s) and self.lease_s > 0, f"lease_s must be a finite number > 0, got {self.lease_s}"
+        )
         _check(
             self.nonfinite in NONFINITE_POLICIES,
             f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}",
@@ -128,7 +130,12 @@ class WorkerConfig:
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
-        _check(len(self.servers) >= 1, "at least one server address is required")
+        _check(
+            isinstance(self.servers, tuple) and len(self.servers) >= 1,
+            f"servers must be a non-empty tuple of HOST:PORT addresses, got {self.servers!r}",
+        )
+        for address in self.servers:
+            parse_address(address)
         _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
         _check(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
@@ -163,5 +170,8 @@ def parse_servers(text: str) -> tuple[str, ...]:
         )
     addrs = tuple(parse_address(p) for p in parts)
     if len(set(addrs)) != len(addrs):
-        raise ConfigError(f"--servers lists the same address twice: {text!r}")
+        raise ConfigError(
+            f"--servers lists the same address twice: {text!r}; give each shard's HOST:PORT once, "
+            "e.g. 127.0.0.1:7000,127.0.0.1:7001"
+        )
     return addrs

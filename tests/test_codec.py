@@ -222,11 +222,6 @@ def test_payload_writer_too_many_bytes() -> None:
     assert dest == bytearray(b"\x01" * 6 + b"\x00\x00"), "the overflowing piece must not be written"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (minor): PayloadWriter.write's overflow message names only the announced size, "
-    "not how many bytes arrived",
-)
 def test_payload_writer_too_many_bytes_names_arrived_size() -> None:
     writer = PayloadWriter(memoryview(bytearray(8)), "push")
     writer.write(memoryview(b"\x01" * 6))

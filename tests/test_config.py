@@ -260,11 +260,6 @@ def test_parse_address_refuses_unbalanced_brackets() -> None:
     assert parse_address(" [::1]:80 ") == "[::1]:80"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (minor): parse_servers' duplicate-address message shows no example of the right form "
-    "(every other --servers refusal does)",
-)
 def test_parse_servers_duplicate_message_shows_example() -> None:
     with pytest.raises(ConfigError) as info:
         parse_servers("a:1,a:1")

@@ -365,6 +365,26 @@ def test_nonfinite_reject() -> None:
     assert push(s, layout, torch.ones(layout.numel), rank=2, clock=0).applied
 
 
+def test_nonfinite_detection_edge_cases() -> None:
+    layout = make_layout()
+    s = Shard(ServerConfig(nonfinite="reject"))
+    s.initialize(0, layout, weights_for(layout))
+    # Finite values whose sum overflows float32 are still finite: applied.
+    huge = torch.full((layout.numel,), 3e38)
+    assert push(s, layout, huge, rank=1, clock=0).applied
+    assert bool(torch.isfinite(s.weights_copy()).all())
+    # +inf and -inf together (their sum is NaN) and a lone -inf are both refused.
+    both = torch.zeros(layout.numel)
+    both[0], both[-1] = float("inf"), float("-inf")
+    with pytest.raises(InvalidRequestError, match="2 non-finite"):
+        push(s, layout, both, rank=1, clock=1)
+    lone = torch.zeros(layout.numel)
+    lone[4] = float("-inf")
+    with pytest.raises(InvalidRequestError, match="1 non-finite"):
+        push(s, layout, lone, rank=1, clock=1)
+    assert s.version == 1
+
+
 def test_nonfinite_skip() -> None:
     layout = make_layout()
     s = Shard(ServerConfig(nonfinite="skip"))
@@ -401,6 +421,7 @@ def test_leave_then_push_or_pull(shard: Shard, layout: Layout) -> None:
         shard.push_target(1, 1, 1, layout.numel, "float32", layout.fingerprint)
     with pytest.raises(WorkerStateError, match="rank 1"):
         shard.pull_frames(1, 1, layout.fingerprint)
+    assert shard.status()["pushes_rejected"] == 1
     assert torch.equal(shard.weights_copy(), before)
     # Other workers are unaffected.
     assert push(shard, layout, torch.ones(layout.numel), rank=2, clock=0).applied
