@@ -12,6 +12,7 @@ from psgrad.errors import (  # noqa: E402
     PsgradError,
     ServerStartError,
     ServerUnavailableError,
+    StalledError,
     TaskError,
     WorkerStateError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "PsgradError",
     "ServerStartError",
     "ServerUnavailableError",
+    "StalledError",
     "TaskError",
     "WorkerStateError",
 ]

@@ -47,7 +47,26 @@ def _positive_int(text: str) -> int:
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job (every worker must pass the same values)")
     g.add_argument("--task", default="digits", help="training task: a built-in name (default: digits)")
-    g.add_argument("--mode", default="async", choices=MODES, help="consistency mode (default: async)")
+    g.add_argument(
+        "--mode",
+        default="async",
+        choices=MODES,
+        help="consistency: async (never wait; fastest, stalest), ssp (bounded staleness, see "
+        "--staleness) or sync (BSP: one averaged update per iteration, staleness 0) (default: async)",
+    )
+    g.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
+        "larger is faster with stragglers, smaller is fresher (default: 2 for ssp)",
+    )
+    g.add_argument(
+        "--staleness-lr",
+        action="store_true",
+        help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
+        "try it when async training with many workers diverges",
+    )
     g.add_argument("--steps", type=int, default=1000, help="training steps per worker (default: 1000)")
     g.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")
     g.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate (default: 0.1)")
@@ -95,9 +114,17 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _staleness(ns: argparse.Namespace) -> int:
+    if ns.staleness is None:
+        return 2 if ns.mode == "ssp" else 0
+    return int(ns.staleness)
+
+
 def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
     return JobSpec(
         mode=ns.mode,
+        staleness=_staleness(ns),
+        staleness_lr=ns.staleness_lr,
         num_workers=num_workers,
         lr=ns.lr,
         momentum=ns.momentum,
@@ -109,7 +136,7 @@ def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobS
 
 def _job_argv(ns: argparse.Namespace) -> list[str]:
     """The job options back as argv (launch passes them to each worker)."""
-    out = []
+    out = ["--staleness", str(_staleness(ns))] + (["--staleness-lr"] if ns.staleness_lr else [])
     for flag in (
         "task", "mode", "steps", "batch_size", "lr", "momentum", "weight_decay", "wire_dtype", "seed",
         "device", "eval_every", "log_every", "connect_timeout_s", "rpc_timeout_s", "init_timeout_s",

@@ -1,6 +1,7 @@
 """The client edge: one channel per shard, deadlines, retries, fan-out, and gRPC status -> PsgradError."""
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -139,8 +140,9 @@ class ShardClient:
         )
 
     def heartbeat(self, rank: int, fp: str) -> pb.HeartbeatReply:
-        t = self.config.rpc_timeout_s
-        return self._call("the heartbeat", lambda: self._heartbeat(pb.HeartbeatRequest(rank=rank, fingerprint=fp), timeout=t), t)
+        t = min(self.config.rpc_timeout_s, 5.0)
+        req = pb.HeartbeatRequest(rank=rank, fingerprint=fp)
+        return self._call("the heartbeat", lambda: self._heartbeat(req, timeout=t), t, retry=False)
 
     def leave(self, rank: int, fp: str) -> None:
         t = self.config.rpc_timeout_s
@@ -175,6 +177,8 @@ class ParameterClient:
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
 
     def __enter__(self) -> ParameterClient:
         return self
@@ -183,6 +187,8 @@ class ParameterClient:
         self.close()
 
     def close(self) -> None:
+        """Close the channels without leaving (the servers drop this worker when its lease ends)."""
+        self._halt_heartbeat()
         self._pool.shutdown(wait=True)
         for s in self.shards:
             s.close()
@@ -203,17 +209,18 @@ class ParameterClient:
             wait_for_init=wait,
         )
 
-    def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> list[pb.JoinReply]:
-        """Join every shard. The chief passes its initial flat weights and initializes any empty
-        shard; other workers wait (server side, up to init_timeout_s) until the chief has."""
-        chief = initial_weights is not None
+    def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> int:
+        """Join every shard and return the clock this worker continues from.
+
+        The chief passes its initial flat weights and initializes any empty shard; every worker
+        then waits (server side, up to init_timeout_s) until the shards are initialized and, in
+        sync/ssp mode, until all num_workers workers have joined. Starts the lease heartbeat.
+        """
         replies = self._fan_out(
             lambda i, s: s.join(self._join_request(i, wait=False), self.config.connect_timeout_s)
         )
-        if all(r.initialized for r in replies):
-            return replies
-        if chief:
-            flat = initial_weights()  # type: ignore[misc]
+        if initial_weights is not None and not all(r.initialized for r in replies):
+            flat = initial_weights()
 
             def init(i: int, s: ShardClient) -> Any:
                 if replies[i].initialized:
@@ -223,7 +230,7 @@ class ParameterClient:
                 return s.init(header, flat[start:end].contiguous())
 
             self._fan_out(init)
-        else:
+        if not all(r.ready for r in replies):
             t = self.config.init_timeout_s
             replies = self._fan_out(lambda i, s: s.join(self._join_request(i, wait=True), t))
             missing = [self.shards[i].address for i, r in enumerate(replies) if not r.initialized]
@@ -232,18 +239,46 @@ class ParameterClient:
                     f"shards at {', '.join(missing)} were not initialized within {t:g} s: "
                     "is worker rank 0 (the chief) running against the same --servers?"
                 )
-        return replies
+            short = [r.joined for r in replies if not r.ready]
+            if short:
+                raise errors.WorkerStateError(
+                    f"only {min(short)} of {self.spec.num_workers} workers joined within {t:g} s "
+                    f"({self.spec.mode} mode starts all workers together): start the others, or lower "
+                    "--num-workers"
+                )
+        self._start_heartbeat(min(r.lease_s for r in replies))
+        return max(r.start_clock for r in replies)
 
-    def pull(self, flat: torch.Tensor, clock: int) -> list[int]:
-        """Pull every shard into its range of flat (float32, CPU); remembers the base versions."""
+    def _start_heartbeat(self, lease_s: float) -> None:
+        """Renew this worker's lease every lease_s/3 while it trains (also while a pull waits)."""
+        if self._heartbeat is not None:
+            return
+        stop = self._stop_heartbeat
+
+        def beat() -> None:
+            while not stop.wait(lease_s / 3):
+                for s in self.shards:
+                    try:
+                        s.heartbeat(self.rank, self.fingerprint)
+                    except PsgradError:
+                        pass  # the training loop's own calls report a lost server or eviction
+
+        self._heartbeat = threading.Thread(target=beat, name="psgrad-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def pull(self, flat: torch.Tensor, clock: int, observe: bool = False) -> list[int]:
+        """Pull every shard into its range of flat (float32, CPU) once the mode's gate for `clock`
+        holds; remembers the base versions. observe=True reads a snapshot: no gate, no lease."""
 
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint)
+            req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint, observe=observe)
             return s.pull(req, flat[start:end], self._pull_wires[i])
 
-        self.base_versions = self._fan_out(one)
-        return self.base_versions
+        versions = self._fan_out(one)
+        if not observe:
+            self.base_versions = versions
+        return versions
 
     def push(self, flat_grad: torch.Tensor, clock: int) -> list[pb.PushReply]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions."""
@@ -264,7 +299,15 @@ class ParameterClient:
         return self._fan_out(one)
 
     def leave(self) -> None:
+        """Leave the job: nobody waits for this worker any more."""
+        self._halt_heartbeat()
         self._fan_out(lambda i, s: s.leave(self.rank, self.fingerprint))
+
+    def _halt_heartbeat(self) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
 
 
 def shard_status(addresses: Sequence[str], timeout_s: float) -> list[pb.StatusReply]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from psgrad.errors import ConfigError
 
-MODES = ("async",)
+MODES = ("async", "ssp", "sync")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -36,10 +36,15 @@ class JobSpec:
     weight_decay: float = 0.0
     wire_dtype: str = "float32"
     num_shards: int = 1
+    staleness_lr: bool = False
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         _check(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
+        _check(
+            self.staleness == 0 or self.mode == "ssp",
+            f"staleness bounds only mode 'ssp', got staleness {self.staleness} with mode {self.mode!r}",
+        )
         _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
         _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
         _check(

@@ -34,6 +34,10 @@ class WorkerStateError(PsgradError):
     """A worker's call does not fit its membership state (e.g. it already left the job)."""
 
 
+class StalledError(PsgradError):
+    """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -50,6 +54,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         NotInitializedError,
         JobMismatchError,
         WorkerStateError,
+        StalledError,
         TaskError,
     )
 }

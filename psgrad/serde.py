@@ -24,6 +24,7 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         weight_decay=msg.weight_decay,
         wire_dtype=msg.wire_dtype,
         num_shards=msg.num_shards,
+        staleness_lr=msg.staleness_lr,
     )
 
 
@@ -57,6 +58,9 @@ def status_to_dict(msg: pb.StatusReply) -> dict[str, Any]:
         "pushes_duplicate": msg.pushes_duplicate,
         "pushes_rejected": msg.pushes_rejected,
         "pulls": msg.pulls,
+        "evictions": msg.evictions,
+        "pending": msg.pending,
+        "waiting": msg.waiting,
         "bytes_in": msg.bytes_in,
         "bytes_out": msg.bytes_out,
         "uptime_s": round(msg.uptime_s, 3),

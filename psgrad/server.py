@@ -31,7 +31,11 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.JobMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+# A waiting pull gives up this long before the caller's deadline, so that the caller receives the
+# server's explanation (who it was waiting for) rather than a bare local timeout.
+DEADLINE_MARGIN_S = 0.25
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,8 +94,15 @@ class ParameterServicer:
         if req.wait_for_init:
             remaining = context.time_remaining()
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
-        initialized = self.shard.join(req.rank, _layout_from_join(req), wait_s)
-        return pb.JoinReply(initialized=initialized, version=self.shard.version, lease_s=self.config.lease_s)
+        r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
+        return pb.JoinReply(
+            initialized=r.initialized,
+            version=r.version,
+            lease_s=self.config.lease_s,
+            ready=r.ready,
+            joined=r.joined,
+            start_clock=r.start_clock,
+        )
 
     @_edge
     def Init(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.InitReply:
@@ -111,11 +122,24 @@ class ParameterServicer:
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 
     def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        context.add_callback(self.shard.wake)  # a cancelled waiting pull stops waiting at once
+        remaining = context.time_remaining()
+        timeout_s = None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         try:
-            version, frames = self.shard.pull_frames(req.rank, req.clock, req.fingerprint)
+            got = self.shard.pull_frames(
+                req.rank, req.clock, req.fingerprint, timeout_s, context.is_active, req.observe
+            )
+            if got is None:
+                blocking = self.shard.blocking(req.rank, req.clock)
+                who = f"worker(s) {', '.join(map(str, blocking))}" if blocking else "the other workers"
+                raise errors.StalledError(
+                    f"pull of worker rank {req.rank} at clock {req.clock} was still waiting for {who} "
+                    "when its deadline passed (raise --rpc-timeout-s if they are merely slow)"
+                )
         except PsgradError as exc:
             _abort(context, exc)
             return
+        version, frames = got
         layout = self.shard.layout
         assert layout is not None
         yield pb.PullFrame(
@@ -131,16 +155,18 @@ class ParameterServicer:
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
         )
         try:
-            try:
-                write_frames(frames, writer, FrameParser(pb.PushFrame, f"push from worker rank {h.rank}"))
-            except PsgradError:
-                self.shard.reject()
-                raise
-            result = self.shard.apply_push(h.rank, h.clock, h.base_version, grad, wire, wire.nbytes)
-        finally:
+            write_frames(frames, writer, FrameParser(pb.PushFrame, f"push from worker rank {h.rank}"))
+        except BaseException:
             self.shard.release(grad, wire)
+            self.shard.reject()
+            raise
+        result = self.shard.apply_push(h.rank, h.clock, h.base_version, grad, wire, wire.nbytes)
         return pb.PushReply(
-            applied=result.applied, reason=result.reason, version=result.version, staleness=result.staleness
+            applied=result.applied,
+            reason=result.reason,
+            version=result.version,
+            staleness=result.staleness,
+            deferred=result.deferred,
         )
 
     @_edge
@@ -156,6 +182,9 @@ class ParameterServicer:
             pulls=s["pulls"],
             bytes_in=s["bytes_in"],
             bytes_out=s["bytes_out"],
+            evictions=s["evictions"],
+            pending=s["pending"],
+            waiting=s["waiting"],
             uptime_s=s["uptime_s"],
             workers=[
                 pb.WorkerStatus(rank=r, clock=c, state=st, last_seen_s=ago, pushes=n)
@@ -221,6 +250,7 @@ class RunningServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
+        self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
         self._server.stop(grace).wait()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -233,7 +263,8 @@ def start_server(config: ServerConfig) -> RunningServer:
     Raises:
         ServerStartError: the address cannot be bound (for example the port is in use).
     """
-    servicer = ParameterServicer(Shard(config), config)
+    shard = Shard(config)
+    servicer = ParameterServicer(shard, config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
         options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
@@ -249,6 +280,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     if port == 0:
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
     server.start()
+    shard.start_reaper()
     return RunningServer(server, servicer, f"{bind_host}:{port}")
 
 

@@ -1,17 +1,19 @@
-"""One shard's state: master weights, optimizer, version, worker membership and counters; no network."""
+"""One shard's state: master weights, optimizer, version, clocks, leases and the consistency gate; no network."""
 from __future__ import annotations
 
 import math
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from psgrad.codec import PayloadWriter, WireBuffer, data_frames
-from psgrad.config import ServerConfig, JobSpec
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.consistency import ClockView, ConsistencyPolicy, SyncPolicy, make_policy
 from psgrad.errors import (
     InvalidRequestError,
     JobMismatchError,
@@ -25,6 +27,8 @@ NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
     "it sends the job spec and the initial weights"
 )
+HISTORY_LEN = 100_000
+LIVE, LEFT, EVICTED = "live", "left", "evicted"
 
 
 @dataclass
@@ -33,10 +37,10 @@ class Member:
 
     rank: int
     last_seen: float
-    clock: int = 0
+    clock: int = 0  # iterations completed (pushes handled, or the clock it joined at)
     pushes: int = 0
-    left: bool = False
-    last_push_clock: int = -1  # highest clock whose push was handled (applied or skipped)
+    state: str = LIVE
+    last_push_clock: int = -1  # highest clock whose push was handled (applied, buffered or skipped)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,24 @@ class PushResult:
     reason: str
     version: int
     staleness: int
+    deferred: bool = False
+
+
+@dataclass
+class JoinResult:
+    initialized: bool
+    ready: bool
+    joined: int
+    start_clock: int
+    version: int
+
+
+@dataclass
+class _Pending:
+    grad: torch.Tensor
+    wire: WireBuffer
+    clock: int
+    base_version: int
 
 
 @dataclass
@@ -71,6 +93,7 @@ class _Counters:
     pulls: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    evictions: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
 
 
@@ -104,7 +127,13 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
 
 
 class Shard:
-    """Thread-safe state of one parameter shard. Every public method may be called concurrently."""
+    """Thread-safe state of one parameter shard. Every public method may be called concurrently.
+
+    `history` records, in order, every granted pull ("pull", rank, clock, slowest live clock,
+    version), applied update ("apply", version after, ((rank, clock, staleness), ...)), and
+    membership change ("join"/"leave"/"evict", rank, clock) — the audit trail the consistency
+    tests check, bounded to the last HISTORY_LEN events.
+    """
 
     def __init__(self, config: ServerConfig, now: Callable[[], float] = time.monotonic) -> None:
         self._config = config
@@ -114,35 +143,113 @@ class Shard:
         self.layout: Layout | None = None
         self._weights: torch.Tensor | None = None
         self._optimizer: ShardOptimizer | None = None
+        self._policy: ConsistencyPolicy = make_policy("async")
         self._pull_wire: WireBuffer | None = None
         self._pool: list[tuple[torch.Tensor, WireBuffer]] = []
+        self._pending: dict[int, _Pending] = {}
+        self._skipped = 0  # sync: pushes of the current iteration skipped as non-finite
         self.version = 0
         self._members: dict[int, Member] = {}
         self._counters = _Counters()
+        self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
+        self._closed = False
+        self._waiting = 0  # pulls parked in the gate right now
+
+    def start_reaper(self) -> threading.Thread:
+        """Evict workers the moment their lease expires, even when no call arrives (so a sync
+        iteration a dead worker owed completes on time). Servers start it; close() stops it."""
+
+        def loop() -> None:
+            with self._cond:
+                while not self._closed:
+                    self._refresh()
+                    self._cond.wait(timeout=self._next_expiry_s())
+
+        thread = threading.Thread(target=loop, name="psgrad-lease-reaper", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Stop the reaper and wake every waiting call."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float) -> bool:
+        """Block until predicate(status()) holds (re-checked on every state change) or timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not predicate(self.status()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=left)
+            return True
+
+    def audit(self) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]], int]:
+        """A consistent snapshot of (history, buffered sync pushes as (rank, clock), version)."""
+        with self._cond:
+            return list(self.history), sorted((r, p.clock) for r, p in self._pending.items()), self.version
 
     # ----------------------------------------------------------------- membership
-    def _touch(self, rank: int) -> Member:
+    def _view(self) -> ClockView:
+        return ClockView(self.version, {r: m.clock for r, m in self._members.items() if m.state == LIVE})
+
+    def _refresh(self) -> None:
+        """Evict live members whose lease expired; complete a sync iteration nobody owes any more."""
+        now = self._now()
+        changed = False
+        for m in self._members.values():
+            if m.state == LIVE and now - m.last_seen > self._config.lease_s:
+                m.state = EVICTED
+                self._counters.evictions += 1
+                self.history.append(("evict", m.rank, m.clock))
+                changed = True
+        changed = self._complete_iteration() or changed
+        if changed:
+            self._cond.notify_all()
+
+    def _next_expiry_s(self) -> float | None:
+        now = self._now()
+        times = [m.last_seen + self._config.lease_s - now for m in self._members.values() if m.state == LIVE]
+        return max(0.0, min(times)) + 1e-3 if times else None
+
+    def _live_member(self, rank: int) -> Member:
         member = self._members.get(rank)
         if member is None:
-            member = self._members[rank] = Member(rank, self._now())
+            raise WorkerStateError(f"worker rank {rank} has not joined this shard (Join first)")
+        if member.state == EVICTED:
+            raise WorkerStateError(
+                f"worker rank {rank} was evicted: no call for longer than its lease of "
+                f"{self._config.lease_s:g} s (raise --lease-s on the servers if the worker is merely slow); "
+                "restart the worker to rejoin"
+            )
+        if member.state == LEFT:
+            raise WorkerStateError(f"worker rank {rank} already left the job; start it again to rejoin")
         member.last_seen = self._now()
         return member
 
     def touch(self, rank: int) -> int:
-        """Renew rank's lease; returns the shard version."""
+        """Renew a live worker's lease (heartbeat); returns the shard version."""
         with self._cond:
-            self._touch(rank)
+            self._refresh()
+            self._live_member(rank)
             return self.version
 
     def leave(self, rank: int) -> None:
-        """Mark rank as having left the job on purpose."""
+        """Mark rank as having left the job on purpose; nobody waits for it any more."""
         with self._cond:
-            self._touch(rank).left = True
+            member = self._members.get(rank)
+            if member is not None and member.state == LIVE:
+                member.state = LEFT
+                self.history.append(("leave", rank, member.clock))
+            self._refresh()
+            self._cond.notify_all()
 
-    def member_state(self, member: Member) -> str:
-        if member.left:
-            return "left"
-        return "expired" if self._now() - member.last_seen > self._config.lease_s else "live"
+    def wake(self) -> None:
+        """Wake waiting pulls so they re-check their call (used on cancellation)."""
+        with self._cond:
+            self._cond.notify_all()
 
     # ----------------------------------------------------------------- join / init
     def _require_layout(self, fingerprint: str, rank: int) -> Layout:
@@ -157,23 +264,51 @@ class Shard:
             )
         return layout
 
-    def join(self, rank: int, layout: Layout, wait_s: float = 0.0) -> bool:
-        """Check a worker's layout against the installed one; optionally wait for the chief.
+    def _register(self, rank: int) -> Member:
+        """Add rank as a live member, or bring a left/evicted one back; it continues from a clock
+        at least past its own last push, so its new pushes are never mistaken for duplicates."""
+        member = self._members.get(rank)
+        view = self._view()
+        start = self._policy.start_clock(view)
+        if member is None:
+            member = self._members[rank] = Member(rank, self._now(), clock=start)
+            self.history.append(("join", rank, start))
+            self._cond.notify_all()
+        elif member.state != LIVE:
+            member.state = LIVE
+            member.clock = max(start, member.last_push_clock + 1)
+            self.history.append(("join", rank, member.clock))
+            self._cond.notify_all()
+        member.last_seen = self._now()
+        return member
 
-        Returns whether the shard is initialized. Raises JobMismatchError naming what differs.
+    def _ready(self) -> bool:
+        layout = self.layout
+        if layout is None:
+            return False
+        return not self._policy.start_barrier or len(self._members) >= layout.spec.num_workers
+
+    def join(self, rank: int, layout: Layout, wait_s: float = 0.0) -> JoinResult:
+        """Check a worker's layout against the installed one and register it; optionally wait (up to
+        wait_s) for the chief's initialization and, in sync/ssp, for all num_workers to join.
+
+        Raises:
+            JobMismatchError: the worker's job spec, model or shard range differs (named).
         """
         deadline = self._now() + max(0.0, wait_s)
         with self._cond:
-            self._touch(rank)
-            while self.layout is None and self._now() < deadline:
-                self._cond.wait(timeout=min(1.0, max(0.0, deadline - self._now())))
-                self._touch(rank)
+            while True:
+                if self.layout is not None:
+                    problem = explain_mismatch(self.layout, layout, rank)
+                    if problem:
+                        raise JobMismatchError(problem)
+                    member = self._register(rank)
+                if self._ready() or self._now() >= deadline:
+                    break
+                self._cond.wait(timeout=max(0.0, deadline - self._now()))
             if self.layout is None:
-                return False
-            problem = explain_mismatch(self.layout, layout, rank)
-            if problem:
-                raise JobMismatchError(problem)
-            return True
+                return JoinResult(False, False, 0, 0, self.version)
+            return JoinResult(True, self._ready(), len(self._members), member.clock, self.version)
 
     def initialize(self, rank: int, layout: Layout, weights: torch.Tensor) -> bool:
         """Install the job and initial weights. Idempotent for an identical layout.
@@ -186,8 +321,8 @@ class Shard:
                 f"got {weights.numel()} {weights.dtype}"
             )
         optimizer = make_optimizer(layout.spec, layout.numel)
+        policy = make_policy(layout.spec.mode, layout.spec.staleness)
         with self._cond:
-            self._touch(rank)
             if self.layout is not None:
                 problem = explain_mismatch(self.layout, layout, rank)
                 if problem:
@@ -196,18 +331,54 @@ class Shard:
             self.layout = layout
             self._weights = weights
             self._optimizer = optimizer
+            self._policy = policy
             self._pull_wire = WireBuffer(layout.numel, layout.spec.wire_dtype)
+            self._register(rank)
             self._cond.notify_all()
             return False
 
     # ----------------------------------------------------------------- pull
-    def pull_frames(self, rank: int, clock: int, fingerprint: str) -> tuple[int, list[bytes]]:
-        """Copy the current weights, as wire frames, together with the version they belong to."""
+    def pull_frames(
+        self,
+        rank: int,
+        clock: int,
+        fingerprint: str,
+        timeout_s: float | None = None,
+        is_active: Callable[[], bool] = lambda: True,
+        observe: bool = False,
+    ) -> tuple[int, list[bytes]] | None:
+        """Wait until the mode's gate lets `rank` at `clock` pull, then copy the weights as wire
+        frames with the version they belong to. None if timeout_s passed or the call was cancelled.
+
+        observe=True takes a read-only snapshot: no gate, no clock, no lease (evaluation, monitoring).
+        """
+        deadline = None if timeout_s is None else self._now() + timeout_s
         with self._cond:
             self._require_layout(fingerprint, rank)
-            member = self._touch(rank)
-            if member.left:
-                raise WorkerStateError(f"worker rank {rank} already left the job; start a new worker")
+            while not observe:
+                self._refresh()
+                member = self._live_member(rank)
+                if clock > member.clock:  # a joining worker announces where it continues from
+                    member.clock = clock
+                    self._refresh()
+                view = self._view()
+                if self._policy.pull_ready(clock, view):
+                    self.history.append(("pull", rank, clock, view.min_clock, self.version))
+                    break
+                if not is_active() or self._closed:
+                    return None
+                waits = [t for t in (self._next_expiry_s(),) if t is not None]
+                if deadline is not None:
+                    left = deadline - self._now()
+                    if left <= 0:
+                        return None
+                    waits.append(left)
+                self._waiting += 1
+                self._cond.notify_all()
+                try:
+                    self._cond.wait(timeout=min(waits) if waits else None)
+                finally:
+                    self._waiting -= 1
             assert self._weights is not None and self._pull_wire is not None
             payload = self._pull_wire.encode(self._weights)
             frames = list(data_frames(payload, self._config.chunk_bytes))
@@ -215,35 +386,42 @@ class Shard:
             self._counters.bytes_out += len(payload)
             return self.version, frames
 
+    def blocking(self, rank: int, clock: int) -> list[int]:
+        """Ranks that a pull of `rank` at `clock` waits for (for error messages)."""
+        with self._cond:
+            return [r for r in self._policy.blocking(clock, self._view()) if r != rank]
+
     # ----------------------------------------------------------------- push
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
     ) -> tuple[torch.Tensor, WireBuffer, PayloadWriter]:
-        """Validate a push header and lend a receive buffer (give it back via finish/abort_push)."""
+        """Validate a push header and lend a receive buffer (apply_push or release gives it back)."""
         with self._cond:
             layout = self._require_layout(fingerprint, rank)
-            member = self._touch(rank)
-            if member.left:
-                self._counters.pushes_rejected += 1
-                raise WorkerStateError(f"push from worker rank {rank}, which already left the job")
+            problem = None
             if numel != layout.numel:
-                self._counters.pushes_rejected += 1
-                raise InvalidRequestError(
+                problem = (
                     f"push from worker rank {rank} has {numel} elements, but shard {layout.index} owns "
                     f"range [{layout.start}, {layout.end}) = {layout.numel} elements"
                 )
-            if dtype != layout.spec.wire_dtype:
-                self._counters.pushes_rejected += 1
-                raise InvalidRequestError(
+            elif dtype != layout.spec.wire_dtype:
+                problem = (
                     f"push from worker rank {rank} is {dtype!r}, the job's wire dtype is "
                     f"{layout.spec.wire_dtype!r}"
                 )
-            if base_version > self.version:
-                self._counters.pushes_rejected += 1
-                raise InvalidRequestError(
+            elif base_version > self.version:
+                problem = (
                     f"push from worker rank {rank} claims base version {base_version}, newer than "
                     f"shard version {self.version}"
                 )
+            if problem:
+                self._counters.pushes_rejected += 1
+                raise InvalidRequestError(problem)
+            try:
+                self._live_member(rank)
+            except WorkerStateError:
+                self._counters.pushes_rejected += 1
+                raise
             if self._pool:
                 grad, wire = self._pool.pop()
             else:
@@ -264,40 +442,100 @@ class Shard:
     def apply_push(
         self, rank: int, clock: int, base_version: int, grad: torch.Tensor, wire: WireBuffer, nbytes: int
     ) -> PushResult:
-        """Apply a fully received gradient once; duplicates of (rank, clock) are acknowledged only."""
-        wire.finish_receive(grad)
-        # A sum is non-finite whenever some element is NaN or +-inf, and costs far less than
-        # isfinite(grad).all() (no mask allocated); only an overflowing sum needs the exact check.
-        finite = math.isfinite(float(grad.sum())) or bool(torch.isfinite(grad).all())
-        with self._cond:
-            member = self._touch(rank)
-            self._counters.bytes_in += nbytes
-            if clock <= member.last_push_clock:
-                self._counters.pushes_duplicate += 1
-                return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", self.version, 0)
-            if not finite:
-                bad = int((~torch.isfinite(grad)).sum())
-                if self._config.nonfinite == "reject":
+        """Handle a fully received gradient once: apply it (async/ssp) or buffer it for the
+        iteration's mean (sync). Duplicates of (rank, clock) are acknowledged only.
+        Takes ownership of the buffers."""
+        kept = False
+        try:
+            wire.finish_receive(grad)
+            # A sum is non-finite whenever some element is NaN or +-inf, and costs far less than
+            # isfinite(grad).all() (no mask allocated); only an overflowing sum needs the exact check.
+            finite = math.isfinite(float(grad.sum())) or bool(torch.isfinite(grad).all())
+            with self._cond:
+                self._refresh()
+                self._counters.bytes_in += nbytes
+                member = self._live_member(rank)
+                if clock <= member.last_push_clock:
+                    self._counters.pushes_duplicate += 1
+                    return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", self.version, 0)
+                sync = isinstance(self._policy, SyncPolicy)
+                if sync and clock != self.version:
                     self._counters.pushes_rejected += 1
                     raise InvalidRequestError(
-                        f"gradient from worker rank {rank} at clock {clock} has {bad} non-finite values; "
-                        "the shard is unchanged (start the server with --nonfinite skip|allow to change this)"
+                        f"sync push from worker rank {rank} is for iteration {clock}, but shard is at "
+                        f"iteration {self.version} (pull before pushing)"
                     )
-                if self._config.nonfinite == "skip":
+                if not finite and self._config.nonfinite != "allow":
+                    bad = int((~torch.isfinite(grad)).sum())
                     self._counters.pushes_rejected += 1
-                    member.clock = clock + 1
-                    member.last_push_clock = clock
+                    if self._config.nonfinite == "reject":
+                        raise InvalidRequestError(
+                            f"gradient from worker rank {rank} at clock {clock} has {bad} non-finite values; "
+                            "the shard is unchanged (start the server with --nonfinite skip|allow to change this)"
+                        )
+                    self._advance(member, clock)  # "skip": acknowledged, never applied
+                    if sync:
+                        self._skipped += 1
+                        self._refresh()  # the skipped worker no longer owes this iteration
                     return PushResult(False, f"skipped: {bad} non-finite values", self.version, 0)
-            assert self._weights is not None and self._optimizer is not None
-            staleness = self.version - base_version
-            self._optimizer.apply(self._weights, grad)
-            self.version += 1
-            member.clock = clock + 1
-            member.last_push_clock = clock
-            member.pushes += 1
-            self._counters.pushes_applied += 1
-            self._counters.staleness[staleness] += 1
-            return PushResult(True, "", self.version, staleness)
+                if sync:
+                    self._pending[rank] = _Pending(grad, wire, clock, base_version)
+                    kept = True
+                    self._advance(member, clock)
+                    before = self.version
+                    self._refresh()
+                    if self.version > before:
+                        return PushResult(True, "", self.version, 0)
+                    return PushResult(False, "buffered until every live worker pushed", self.version, 0, True)
+                assert self._weights is not None and self._optimizer is not None
+                staleness = self.version - base_version
+                spec = self.layout.spec if self.layout else None
+                scale = self._policy.lr_scale(staleness, bool(spec and spec.staleness_lr))
+                self._optimizer.apply(self._weights, grad, lr_scale=scale)
+                self.version += 1
+                self._advance(member, clock)
+                self._counters.pushes_applied += 1
+                self._counters.staleness[staleness] += 1
+                self.history.append(("apply", self.version, ((rank, clock, staleness),)))
+                self._cond.notify_all()
+                return PushResult(True, "", self.version, staleness)
+        finally:
+            if not kept:
+                self.release(grad, wire)
+
+    def _advance(self, member: Member, clock: int) -> None:
+        member.clock = max(member.clock, clock + 1)
+        member.last_push_clock = clock
+        member.pushes += 1
+
+    def _complete_iteration(self) -> bool:
+        """Sync: apply the mean of the buffered gradients (summed in rank order, so the result does
+        not depend on arrival order) once no live worker still owes this iteration."""
+        if not isinstance(self._policy, SyncPolicy):
+            return False
+        handled = len(self._pending) + self._skipped
+        if not self._policy.iteration_complete(self.version, self._view(), handled):
+            return False
+        assert self._weights is not None and self._optimizer is not None
+        ranks = sorted(self._pending)
+        items = [self._pending.pop(r) for r in ranks]
+        self._skipped = 0
+        if items:  # else every gradient of the iteration was skipped: an empty update
+            total = items[0].grad
+            for item in items[1:]:
+                total.add_(item.grad)
+            total.mul_(1.0 / len(items))
+            self._optimizer.apply(self._weights, total)
+        applied_at = self.version
+        self.version += 1
+        stale = tuple((r, it.clock, applied_at - it.base_version) for r, it in zip(ranks, items))
+        for _, _, s in stale:
+            self._counters.staleness[s] += 1
+        self._counters.pushes_applied += len(items)
+        self.history.append(("apply", self.version, stale))
+        for it in items:
+            self._pool.append((it.grad, it.wire))
+        return True
 
     # ----------------------------------------------------------------- status
     def weights_copy(self) -> torch.Tensor | None:
@@ -305,9 +543,10 @@ class Shard:
         with self._cond:
             return None if self._weights is None else self._weights.clone()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """A consistent snapshot of counters, membership and the staleness histogram."""
         with self._cond:
+            self._refresh()
             now = self._now()
             c = self._counters
             return {
@@ -319,11 +558,13 @@ class Shard:
                 "pulls": c.pulls,
                 "bytes_in": c.bytes_in,
                 "bytes_out": c.bytes_out,
+                "evictions": c.evictions,
+                "pending": len(self._pending),
+                "waiting": self._waiting,
                 "staleness": dict(sorted(c.staleness.items())),
                 "uptime_s": now - self._started,
                 "workers": [
-                    (m.rank, m.clock, self.member_state(m), now - m.last_seen, m.pushes)
+                    (m.rank, m.clock, m.state, now - m.last_seen, m.pushes)
                     for m in sorted(self._members.values(), key=lambda m: m.rank)
                 ],
             }
-

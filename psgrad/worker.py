@@ -125,16 +125,18 @@ def train(
     who = f"worker {rank}/{spec.num_workers}"
 
     with ParameterClient(config.servers, spec, params, plan, rank, config.client) as client:
-        client.join(initial_weights=(lambda: flat_model.flat.detach().cpu()) if rank == 0 else None)
+        first_clock = client.join(initial_weights=(lambda: flat_model.flat.detach().cpu()) if rank == 0 else None)
+        mode = spec.mode + (f"(staleness {spec.staleness})" if spec.mode == "ssp" else "")
         log(
-            f"{who}: joined {spec.num_shards} shard(s), {plan.total:,} parameters, mode {spec.mode}, "
-            f"task {task.name}, {len(x_all)} training examples, device {device}"
+            f"{who}: joined {spec.num_shards} shard(s) at clock {first_clock}, {plan.total:,} parameters, "
+            f"mode {mode}, task {task.name}, {len(x_all)} training examples, device {device}"
         )
         start = time.perf_counter()
         window_start, window_loss, window_n = start, 0.0, 0
         for step in range(config.steps):
+            clock = first_clock + step
             t0 = time.perf_counter()
-            client.pull(flat_model.host_flat, clock=step)
+            client.pull(flat_model.host_flat, clock)
             flat_model.weights_pulled()
             t1 = time.perf_counter()
             x, y = next(data)
@@ -143,20 +145,21 @@ def train(
             loss.backward()
             grad = flat_model.gather_grads()
             t2 = time.perf_counter()
-            replies = client.push(grad, clock=step)
+            replies = client.push(grad, clock)
             t3 = time.perf_counter()
             loss_value = loss.item()
             window_loss += loss_value
             window_n += 1
             record: dict[str, Any] = {
+                "clock": clock,
                 "loss": loss_value,
                 "step_s": t3 - t0,
                 "pull_s": t1 - t0,
                 "compute_s": t2 - t1,
                 "push_s": t3 - t2,
                 "staleness": max(r.staleness for r in replies),
-                "applied": all(r.applied for r in replies),
-                "version": [r.version for r in replies],
+                "accepted": all(r.applied or r.deferred for r in replies),
+                "version": client.base_versions,
             }
             done = step + 1
             if done % eval_every == 0 or done == config.steps:
@@ -169,10 +172,14 @@ def train(
                 log(f"{who}: step {done}/{config.steps} loss {window_loss / window_n:.4f}{acc} ({rate:.1f} steps/s)")
                 window_start, window_loss, window_n = now, 0.0, 0
         elapsed = time.perf_counter() - start
-        client.pull(flat_model.host_flat, clock=config.steps)  # evaluate the newest weights
+        if spec.mode == "sync":  # evaluate the final model: wait for the last iteration's update
+            client.pull(flat_model.host_flat, first_clock + config.steps)
+            client.leave()
+        else:  # leave first, so nobody waits for this worker while it evaluates
+            client.leave()
+            client.pull(flat_model.host_flat, first_clock + config.steps, observe=True)
         flat_model.weights_pulled()
         final = task.evaluate(model, device)
-        client.leave()
     result = {"event": "final", "steps": config.steps, "elapsed_s": elapsed, **final}
     sink.write(config.steps, **result)
     log(

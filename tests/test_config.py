@@ -103,7 +103,7 @@ def test_job_spec_differences() -> None:
 
 
 def test_job_spec_as_dict_has_every_field() -> None:
-    spec = JobSpec(staleness=2, lr=0.5)
+    spec = JobSpec(mode="ssp", staleness=2, lr=0.5)
     d = spec.as_dict()
     assert set(d) == {f.name for f in dataclasses.fields(JobSpec)}
     assert d["staleness"] == 2 and d["lr"] == 0.5

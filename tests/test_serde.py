@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # Every field differs from its default, so a dropped or swapped field cannot go unnoticed.
 SPEC = JobSpec(
-    mode="async",
+    mode="ssp",
     staleness=3,
     num_workers=4,
     optimizer="sgd",
@@ -24,6 +24,7 @@ SPEC = JobSpec(
     weight_decay=1e-4,
     wire_dtype="bfloat16",
     num_shards=2,
+    staleness_lr=True,
 )
 
 
@@ -48,8 +49,8 @@ def test_job_spec_round_trip_defaults() -> None:
 def test_job_spec_proto_is_what_the_contract_says() -> None:
     # A hand-built proto (as another language's client would send) decodes to the same spec.
     msg = pb.JobSpec(
-        mode="async", staleness=3, num_workers=4, optimizer="sgd", lr=0.05, momentum=0.9,
-        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2,
+        mode="ssp", staleness=3, num_workers=4, optimizer="sgd", lr=0.05, momentum=0.9,
+        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2, staleness_lr=True,
     )
     assert serde.job_spec_from_proto(msg) == SPEC
 
@@ -88,12 +89,14 @@ def _status_reply(initialized: bool = True) -> pb.StatusReply:
         pushes_duplicate=2,
         pushes_rejected=1,
         pulls=12,
+        evictions=3,
+        pending=2,
         bytes_in=4000,
         bytes_out=4800,
         uptime_s=12.34567,
         workers=[
             pb.WorkerStatus(rank=0, clock=5, state="live", last_seen_s=0.12345, pushes=5),
-            pb.WorkerStatus(rank=1, clock=4, state="expired", last_seen_s=30.0, pushes=4),
+            pb.WorkerStatus(rank=1, clock=4, state="evicted", last_seen_s=30.0, pushes=4),
         ],
         staleness=[
             pb.StalenessBucket(staleness=0, count=5),
@@ -117,12 +120,13 @@ def test_status_to_dict() -> None:
     assert d["version"] == 7
     assert (d["pushes_applied"], d["pushes_duplicate"], d["pushes_rejected"]) == (10, 2, 1)
     assert (d["pulls"], d["bytes_in"], d["bytes_out"]) == (12, 4000, 4800)
+    assert (d["evictions"], d["pending"]) == (3, 2)
     assert d["uptime_s"] == pytest.approx(12.346)
     assert d["fingerprint"] == "abc123"
     assert d["spec"] == SPEC.as_dict()
     assert d["workers"] == [
         {"rank": 0, "clock": 5, "state": "live", "last_seen_s": 0.123, "pushes": 5},
-        {"rank": 1, "clock": 4, "state": "expired", "last_seen_s": 30.0, "pushes": 4},
+        {"rank": 1, "clock": 4, "state": "evicted", "last_seen_s": 30.0, "pushes": 4},
     ]
     # Histogram {0: 5, 1: 2, 2: 3}: 10 pushes, max staleness 2, mean (0*5 + 1*2 + 2*3) / 10 = 0.8.
     assert d["staleness"]["histogram"] == {0: 5, 1: 2, 2: 3}

@@ -11,7 +11,7 @@ import torch
 from psgrad.codec import WireBuffer, byte_view, frame_payload
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
-from psgrad.shard import Layout, PushResult, Shard
+from psgrad.shard import JoinResult, Layout, PushResult, Shard
 from psgrad.sharding import ParamSpec, fingerprint, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +58,8 @@ def push(
     clock: int = 0,
     base_version: int | None = None,
 ) -> PushResult:
-    """The server's push sequence: header -> receive bytes -> finish -> apply -> release."""
+    """The server's push sequence: header -> receive bytes -> finish -> apply. apply_push owns the
+    buffers (it gives them back itself); they are released here only if it is never reached."""
     base = shard.version if base_version is None else base_version
     dtype = layout.spec.wire_dtype
     buf, wire, writer = shard.push_target(rank, clock, base, grad.numel(), dtype, layout.fingerprint)
@@ -66,9 +67,10 @@ def push(
         sender = WireBuffer(grad.numel(), dtype)
         writer.write(sender.encode(grad.contiguous()))
         writer.finish()
-        return shard.apply_push(rank, clock, base, buf, wire, wire.nbytes)
-    finally:
+    except BaseException:
         shard.release(buf, wire)
+        raise
+    return shard.apply_push(rank, clock, base, buf, wire, wire.nbytes)
 
 
 def decode_pull(frames: list[bytes], numel: int, wire_dtype: str) -> torch.Tensor:
@@ -167,15 +169,41 @@ def test_initialize_with_different_range_names_shard_plan(shard: Shard, layout: 
 
 
 def test_join(shard: Shard, layout: Layout) -> None:
-    assert shard.join(3, layout) is True
-    assert [w[0] for w in shard.status()["workers"]] == [0, 3]
+    # async, num_workers=1: no start barrier; the chief (registered by initialize) plus rank 3.
+    assert shard.join(3, layout) == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
+    assert [(w[0], w[2]) for w in shard.status()["workers"]] == [(0, "live"), (3, "live")]
+    assert shard.history[-1] == ("join", 3, 0)
+    # Joining again is idempotent: still two members, no second "join" event.
+    assert shard.join(3, layout).joined == 2
+    assert sum(1 for e in shard.history if e[0] == "join") == 2
 
 
-def test_join_returns_false_when_nobody_initializes(layout: Layout) -> None:
+def test_join_returns_not_initialized_when_nobody_initializes(layout: Layout) -> None:
     s = Shard(ServerConfig())
-    assert s.join(1, layout) is False
-    assert s.join(1, layout, wait_s=0.02) is False
+    assert s.join(1, layout) == JoinResult(initialized=False, ready=False, joined=0, start_clock=0, version=0)
+    assert s.join(1, layout, wait_s=0.02) == JoinResult(False, False, 0, 0, 0)
     assert s.layout is None
+    assert s.status()["workers"] == []  # nobody is registered before the chief installs the job
+
+
+def test_pull_push_and_touch_require_join(shard: Shard, layout: Layout) -> None:
+    before = shard.weights_copy()
+    with pytest.raises(WorkerStateError, match="rank 4 has not joined"):
+        shard.pull_frames(4, 0, layout.fingerprint)
+    with pytest.raises(WorkerStateError, match="rank 4 has not joined"):
+        shard.push_target(4, 0, 0, layout.numel, "float32", layout.fingerprint)
+    with pytest.raises(WorkerStateError, match="rank 4 has not joined"):
+        shard.touch(4)
+    assert shard.status()["pushes_rejected"] == 1
+    assert [w[0] for w in shard.status()["workers"]] == [0]
+    assert torch.equal(shard.weights_copy(), before) and shard.version == 0
+    # observe=True is an ungated snapshot: no membership needed.
+    version, frames = shard.pull_frames(4, 0, layout.fingerprint, observe=True)
+    assert version == 0 and torch.equal(decode_pull(frames, layout.numel, "float32"), before)
+    # Once joined, the same calls work.
+    shard.join(4, layout)
+    assert shard.pull_frames(4, 0, layout.fingerprint, timeout_s=0) is not None
+    assert push(shard, layout, torch.ones(layout.numel), rank=4, clock=0).applied
 
 
 def test_join_waits_for_the_chief(layout: Layout) -> None:
@@ -204,10 +232,11 @@ def test_join_waits_for_the_chief(layout: Layout) -> None:
     thread = threading.Thread(target=chief, daemon=True)
     thread.start()
     joiner_calls = 0  # count only calls made by join() below
-    assert s.join(1, layout, wait_s=20) is True
+    result = s.join(1, layout, wait_s=20)
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert outcome == [False]
+    assert result == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
 
 
 # ----------------------------------------------------------------------------- pull
@@ -217,6 +246,7 @@ def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
     s = Shard(ServerConfig(chunk_bytes=1024))
     w = torch.randn(layout.numel)
     s.initialize(0, layout, w.clone())
+    s.join(1, layout)
     version, frames = s.pull_frames(1, 0, layout.fingerprint)
     assert version == 0
     got = decode_pull(frames, layout.numel, wire_dtype)
@@ -228,6 +258,7 @@ def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
 
 def test_pull_frames_are_a_snapshot(shard: Shard, layout: Layout) -> None:
     before = shard.weights_copy()
+    shard.join(1, layout)
     _, frames = shard.pull_frames(1, 0, layout.fingerprint)
     push(shard, layout, torch.ones(layout.numel))
     assert torch.equal(decode_pull(frames, layout.numel, "float32"), before)
@@ -269,6 +300,8 @@ def test_push_bf16_wire(layout: Layout) -> None:
 
 def test_staleness_is_version_minus_base_version(shard: Shard, layout: Layout) -> None:
     g = torch.full((layout.numel,), 0.1)
+    shard.join(1, layout)
+    shard.join(2, layout)
     # Three workers pull version 0, then push one after another.
     results = [push(shard, layout, g, rank=r, clock=0, base_version=0) for r in range(3)]
     assert [r.staleness for r in results] == [0, 1, 2]
@@ -320,6 +353,8 @@ def test_push_with_too_few_bytes_leaves_shard_unchanged(shard: Shard, layout: La
 
 def test_duplicate_push_changes_nothing(shard: Shard, layout: Layout) -> None:
     g = torch.randn(layout.numel)
+    shard.join(1, layout)
+    shard.join(2, layout)
     assert push(shard, layout, g, rank=1, clock=0).applied
     after_first = shard.weights_copy()
     dup = push(shard, layout, g, rank=1, clock=0, base_version=0)
@@ -354,6 +389,7 @@ def test_nonfinite_reject() -> None:
     layout = make_layout()
     s = Shard(ServerConfig(nonfinite="reject"))
     s.initialize(0, layout, weights_for(layout))
+    s.join(2, layout)
     before = s.weights_copy()
     with pytest.raises(InvalidRequestError) as info:
         push(s, layout, _bad_grad(layout), rank=2, clock=0)
@@ -369,6 +405,7 @@ def test_nonfinite_detection_edge_cases() -> None:
     layout = make_layout()
     s = Shard(ServerConfig(nonfinite="reject"))
     s.initialize(0, layout, weights_for(layout))
+    s.join(1, layout)
     # Finite values whose sum overflows float32 are still finite: applied.
     huge = torch.full((layout.numel,), 3e38)
     assert push(s, layout, huge, rank=1, clock=0).applied
@@ -389,6 +426,7 @@ def test_nonfinite_skip() -> None:
     layout = make_layout()
     s = Shard(ServerConfig(nonfinite="skip"))
     s.initialize(0, layout, weights_for(layout))
+    s.join(2, layout)
     before = s.weights_copy()
     result = push(s, layout, _bad_grad(layout), rank=2, clock=0)
     assert result.applied is False
@@ -404,6 +442,7 @@ def test_nonfinite_allow() -> None:
     layout = make_layout()
     s = Shard(ServerConfig(nonfinite="allow"))
     s.initialize(0, layout, weights_for(layout))
+    s.join(2, layout)
     result = push(s, layout, _bad_grad(layout), rank=2, clock=0)
     assert result.applied is True
     assert s.version == 1
@@ -414,41 +453,101 @@ def test_nonfinite_allow() -> None:
 
 # ----------------------------------------------------------------------------- membership
 def test_leave_then_push_or_pull(shard: Shard, layout: Layout) -> None:
+    shard.join(1, layout)
+    shard.join(2, layout)
     assert push(shard, layout, torch.ones(layout.numel), rank=1, clock=0).applied
     shard.leave(1)
+    assert shard.history[-1] == ("leave", 1, 1)
     before = shard.weights_copy()
-    with pytest.raises(WorkerStateError, match="rank 1"):
+    with pytest.raises(WorkerStateError, match="rank 1 already left"):
         shard.push_target(1, 1, 1, layout.numel, "float32", layout.fingerprint)
-    with pytest.raises(WorkerStateError, match="rank 1"):
+    with pytest.raises(WorkerStateError, match="rank 1 already left"):
         shard.pull_frames(1, 1, layout.fingerprint)
+    with pytest.raises(WorkerStateError, match="rank 1 already left"):
+        shard.touch(1)
     assert shard.status()["pushes_rejected"] == 1
     assert torch.equal(shard.weights_copy(), before)
     # Other workers are unaffected.
     assert push(shard, layout, torch.ones(layout.numel), rank=2, clock=0).applied
 
 
+def test_rejoin_after_leave_continues_past_last_push(shard: Shard, layout: Layout) -> None:
+    g = torch.ones(layout.numel)
+    shard.join(1, layout)
+    assert push(shard, layout, g, rank=1, clock=0).applied
+    assert push(shard, layout, g, rank=1, clock=1).applied
+    shard.leave(1)
+    # Back again: its clock continues past its last push (async start clock is the slowest live
+    # clock, here the chief's 0), so an old clock is still a duplicate and a new one is applied.
+    result = shard.join(1, layout)
+    assert result.start_clock == 2
+    assert {r: (c, st) for r, c, st, *_ in shard.status()["workers"]}[1] == (2, "live")
+    assert shard.history[-1] == ("join", 1, 2)
+    dup = push(shard, layout, g, rank=1, clock=1)
+    assert dup.applied is False and "duplicate" in dup.reason
+    assert push(shard, layout, g, rank=1, clock=2).applied
+    assert shard.version == 3
+
+
+def test_apply_push_gives_its_buffers_back_once(shard: Shard, layout: Layout) -> None:
+    # apply_push owns the receive buffers and returns them to the pool exactly once on every path
+    # (applied, duplicate, rejected): they are reused, yet two pushes in flight never share one
+    # (which would mix their gradients).
+    shard.join(1, layout)
+    fp = layout.fingerprint
+    lent = shard.push_target(0, 0, 0, layout.numel, "float32", fp)
+    lent[2].write(byte_view(torch.ones(layout.numel)))
+    lent[2].finish()
+    assert shard.apply_push(0, 0, 0, lent[0], lent[1], lent[1].nbytes).applied
+    dup = push(shard, layout, torch.ones(layout.numel), rank=0, clock=0)  # duplicate path
+    assert dup.applied is False
+    bad = torch.ones(layout.numel)
+    bad[0] = float("nan")
+    with pytest.raises(InvalidRequestError):  # rejected path
+        push(shard, layout, bad, rank=0, clock=1)
+    a = shard.push_target(0, 1, 1, layout.numel, "float32", fp)
+    b = shard.push_target(1, 0, 1, layout.numel, "float32", fp)
+    assert a[0] is lent[0] and a[1] is lent[1]  # reused, not leaked
+    assert b[0].data_ptr() != a[0].data_ptr() and b[1] is not a[1]
+    shard.release(a[0], a[1])
+    shard.release(b[0], b[1])
+
+
 def test_lease_expiry_and_leave(layout: Layout) -> None:
     clock = FakeClock()
     s = Shard(ServerConfig(lease_s=5.0), now=clock)
     s.initialize(0, layout, weights_for(layout))
-    s.touch(1)
-    s.touch(2)
+    s.join(1, layout)
+    s.join(2, layout)
 
     def states() -> dict[int, str]:
         return {rank: state for rank, _, state, _, _ in s.status()["workers"]}
 
     assert states() == {0: "live", 1: "live", 2: "live"}
-    clock.t += 5.0
+    clock.t += 3.0
+    assert s.touch(2) == 0  # renews only rank 2's lease; returns the version
+    clock.t += 2.0
     assert states() == {0: "live", 1: "live", 2: "live"}  # exactly lease_s: still held
     clock.t += 0.5
-    s.touch(2)  # renews only rank 2's lease
-    assert states() == {0: "expired", 1: "expired", 2: "live"}
+    assert states() == {0: "evicted", 1: "evicted", 2: "live"}
+    assert s.status()["evictions"] == 2
+    assert ("evict", 0, 0) in s.history and ("evict", 1, 0) in s.history
     last_seen = {rank: ago for rank, _, _, ago, _ in s.status()["workers"]}
-    assert last_seen == {0: 5.5, 1: 5.5, 2: 0.0}
-    assert s.touch(1) == 0  # any call renews; returns the version
+    assert last_seen == {0: 5.5, 1: 5.5, 2: 2.5}
+    assert s.touch(2) == 0
+    # An evicted worker's calls fail until it joins again.
+    with pytest.raises(WorkerStateError, match="rank 1 was evicted"):
+        s.touch(1)
+    with pytest.raises(WorkerStateError, match="evicted"):
+        s.pull_frames(1, 0, layout.fingerprint, timeout_s=0)
+    assert states()[1] == "evicted"
+    assert s.join(1, layout).initialized
     assert states()[1] == "live"
+    assert s.touch(1) == 0
     s.leave(1)
     assert states()[1] == "left"
     clock.t += 100
-    assert states() == {0: "expired", 1: "left", 2: "expired"}
+    assert states() == {0: "evicted", 1: "left", 2: "evicted"}
+    assert s.status()["evictions"] == 3  # rank 0 is not evicted twice; a left worker never is
     assert s.status()["uptime_s"] == pytest.approx(105.5)
+    assert [e for e in s.history if e[0] != "join"][-1] == ("evict", 2, 0)

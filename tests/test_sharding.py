@@ -175,35 +175,47 @@ def test_fingerprint_changes_with_params(params: tuple[ParamSpec, ...]) -> None:
     assert fingerprint(params, BASE_SPEC) != fingerprint(BASE_PARAMS, BASE_SPEC)
 
 
+# field -> (spec to change, value): each change touches exactly that one field of a valid spec.
+# staleness is only valid with mode "ssp", so it is changed on an ssp spec.
+SSP_SPEC = JobSpec(mode="ssp")
 SPEC_CHANGES = {
-    "staleness": 3,
-    "num_workers": 4,
-    "optimizer": "adam",
-    "lr": 0.05,
-    "momentum": 0.9,
-    "weight_decay": 1e-4,
-    "wire_dtype": "bfloat16",
-    "num_shards": 2,
+    "mode": (BASE_SPEC, "sync"),
+    "staleness": (SSP_SPEC, 3),
+    "num_workers": (BASE_SPEC, 4),
+    "optimizer": (BASE_SPEC, "adam"),
+    "lr": (BASE_SPEC, 0.05),
+    "momentum": (BASE_SPEC, 0.9),
+    "weight_decay": (BASE_SPEC, 1e-4),
+    "wire_dtype": (BASE_SPEC, "bfloat16"),
+    "num_shards": (BASE_SPEC, 2),
+    "staleness_lr": (BASE_SPEC, True),
 }
 
 
 def test_spec_changes_cover_every_field() -> None:
     names = {f.name for f in dataclasses.fields(JobSpec)}
-    assert names == set(SPEC_CHANGES) | {"mode"}, "a JobSpec field was added: extend SPEC_CHANGES"
+    assert names == set(SPEC_CHANGES), "a JobSpec field was added: extend SPEC_CHANGES"
 
 
-@pytest.mark.parametrize("field, value", list(SPEC_CHANGES.items()))
-def test_fingerprint_changes_with_each_spec_field(field: str, value: object) -> None:
-    other = dataclasses.replace(BASE_SPEC, **{field: value})
-    assert getattr(other, field) != getattr(BASE_SPEC, field)
-    assert fingerprint(BASE_PARAMS, other) != fingerprint(BASE_PARAMS, BASE_SPEC)
+@pytest.mark.parametrize("field, change", list(SPEC_CHANGES.items()), ids=list(SPEC_CHANGES))
+def test_fingerprint_changes_with_each_spec_field(field: str, change: tuple[JobSpec, object]) -> None:
+    base, value = change
+    other = dataclasses.replace(base, **{field: value})
+    assert base.differences(other) == [(field, getattr(base, field), value)]
+    assert fingerprint(BASE_PARAMS, other) != fingerprint(BASE_PARAMS, base)
 
 
-def test_fingerprint_changes_with_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Only "async" is a valid mode today; widen the list to build a spec with another mode.
-    monkeypatch.setattr(config_module, "MODES", ("async", "sync"))
-    other = dataclasses.replace(BASE_SPEC, mode="sync")
-    assert fingerprint(BASE_PARAMS, other) != fingerprint(BASE_PARAMS, BASE_SPEC)
+def test_fingerprint_distinguishes_every_mode_and_staleness_bound() -> None:
+    specs = [JobSpec(mode=m) for m in config_module.MODES] + [JobSpec(mode="ssp", staleness=s) for s in (1, 2, 8)]
+    specs += [dataclasses.replace(spec, staleness_lr=True) for spec in specs]
+    prints = {fingerprint(BASE_PARAMS, spec) for spec in specs}
+    assert len(prints) == len(specs) == 2 * (len(config_module.MODES) + 3)
+    assert set(config_module.MODES) == {"async", "ssp", "sync"}
+
+
+def test_fingerprint_of_ssp_staleness_is_stable() -> None:
+    a = fingerprint(BASE_PARAMS, JobSpec(mode="ssp", staleness=2, staleness_lr=True))
+    assert a == fingerprint(list(BASE_PARAMS), JobSpec(mode="ssp", staleness=2, staleness_lr=True))
 
 
 # ----------------------------------------------------------------------------- param_specs

@@ -1,0 +1,118 @@
+"""Consistency modes as small policy objects: when a pull may proceed, how pushes become updates; pure."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from psgrad.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ClockView:
+    """What a policy may look at: the shard version and the clocks of the live workers."""
+
+    version: int
+    live_clocks: Mapping[int, int]  # rank -> iterations completed, live workers only
+
+    @property
+    def min_clock(self) -> int | None:
+        return min(self.live_clocks.values()) if self.live_clocks else None
+
+
+class ConsistencyPolicy(ABC):
+    """Gate and apply rules of one mode (DESIGN.md section 3)."""
+
+    name: ClassVar[str]
+    #: True: pushes of one iteration are buffered and their mean applied once (sync).
+    aggregates: ClassVar[bool] = False
+    #: True: the first pull waits until num_workers workers have joined (no early head start).
+    start_barrier: ClassVar[bool] = False
+
+    def __init__(self, staleness: int = 0) -> None:
+        self.staleness = staleness
+
+    @abstractmethod
+    def pull_ready(self, clock: int, view: ClockView) -> bool:
+        """May a live worker that has completed `clock` iterations pull now?"""
+
+    def start_clock(self, view: ClockView) -> int:
+        """Clock for a worker joining a running job: as far along as the slowest live worker."""
+        return view.min_clock or 0
+
+    def blocking(self, clock: int, view: ClockView) -> list[int]:
+        """Ranks a pull at `clock` is waiting for (empty when it may proceed)."""
+        return []
+
+    def lr_scale(self, staleness: int, staleness_lr: bool) -> float:
+        """Step-size factor for a gradient of this staleness: 1/max(1, tau) when staleness_lr is on
+        (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016), else 1."""
+        return 1.0 / max(1, staleness) if staleness_lr else 1.0
+
+
+class AsyncPolicy(ConsistencyPolicy):
+    """ASP: pulls never wait; every push is applied on arrival."""
+
+    name = "async"
+
+    def pull_ready(self, clock: int, view: ClockView) -> bool:
+        return True
+
+
+class SSPPolicy(ConsistencyPolicy):
+    """SSP(s): a worker at clock c pulls only while c - (slowest live clock) <= s; pushes apply on arrival."""
+
+    name = "ssp"
+    start_barrier = True
+
+    def pull_ready(self, clock: int, view: ClockView) -> bool:
+        slowest = view.min_clock
+        return slowest is None or clock - slowest <= self.staleness
+
+    def blocking(self, clock: int, view: ClockView) -> list[int]:
+        return sorted(r for r, c in view.live_clocks.items() if clock - c > self.staleness)
+
+
+class SyncPolicy(ConsistencyPolicy):
+    """BSP: iteration c's pull waits for version c; the mean of one gradient per live worker is
+    applied once every live worker has pushed iteration c."""
+
+    name = "sync"
+    aggregates = True
+    start_barrier = True
+
+    def pull_ready(self, clock: int, view: ClockView) -> bool:
+        return view.version >= clock
+
+    def start_clock(self, view: ClockView) -> int:
+        return view.version
+
+    def blocking(self, clock: int, view: ClockView) -> list[int]:
+        if self.pull_ready(clock, view):
+            return []
+        return sorted(r for r, c in view.live_clocks.items() if c <= view.version)
+
+    def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:
+        """Iteration `iteration` is complete when someone pushed it (`pushed` counts gradients
+        buffered or skipped) and no live worker still owes it (every live clock is past it)."""
+        return pushed > 0 and all(c > iteration for c in view.live_clocks.values())
+
+
+POLICIES: dict[str, Callable[[int], ConsistencyPolicy]] = {
+    AsyncPolicy.name: AsyncPolicy,
+    SSPPolicy.name: SSPPolicy,
+    SyncPolicy.name: SyncPolicy,
+}
+
+
+def make_policy(mode: str, staleness: int = 0) -> ConsistencyPolicy:
+    """The policy for a mode name.
+
+    Raises:
+        ConfigError: unknown mode (the message lists the valid ones).
+    """
+    try:
+        return POLICIES[mode](staleness)
+    except KeyError:
+        raise ConfigError(f"unknown mode {mode!r}; valid: {', '.join(POLICIES)}") from None
