@@ -220,8 +220,25 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         return args
 
     server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite]
+    env = dict(os.environ)
+    if ns.omp_threads:
+        env["OMP_NUM_THREADS"] = str(ns.omp_threads)
+    elif "OMP_NUM_THREADS" not in env:
+        # Several processes whose OpenMP threads spin on a few cores run several times slower
+        # (like torchrun, give each process its share of the cores).
+        share = max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers))
+        env["OMP_NUM_THREADS"] = str(share)
+    print(
+        f"[launch] {ns.num_servers} server(s) + {ns.num_workers} worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
+        flush=True,
+    )
     return run_launch(
-        ns.num_servers, ns.num_workers, server_args, worker_args, status=lambda a: _print_status(a, 10.0, False)
+        ns.num_servers,
+        ns.num_workers,
+        server_args,
+        worker_args,
+        status=lambda a: _print_status(a, 10.0, False),
+        env=env,
     )
 
 
@@ -257,6 +274,11 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
         st = s["staleness"]
         hist = " ".join(f"{k}:{v}" for k, v in st["histogram"].items()) or "none"
         lines.append(f"shard {s['shard']}: workers {workers}")
+        if s["evictions"] or s["pending"] or s["waiting"]:
+            lines.append(
+                f"shard {s['shard']}: evictions {s['evictions']}, sync gradients buffered {s['pending']}, "
+                f"pulls waiting {s['waiting']}"
+            )
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
 
@@ -295,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--num-servers", type=_positive_int, default=2, help="parameter-server shards (default: 2)")
     la.add_argument("--num-workers", type=_positive_int, default=2, help="training workers (default: 2)")
     la.add_argument("--metrics-dir", help="write each worker's JSONL metrics into this directory")
+    la.add_argument(
+        "--omp-threads",
+        type=_positive_int,
+        default=None,
+        help="OpenMP/torch threads per process (default: $OMP_NUM_THREADS if set, else the CPU count "
+        "divided among all processes); raise it for large models on a big machine",
+    )
     _add_server_policy_args(la)
     _add_job_args(la)
     la.set_defaults(func=cmd_launch)

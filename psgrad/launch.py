@@ -115,12 +115,13 @@ def run_launch(
     status: Callable[[list[str]], None] | None = None,
     out: Callable[[str], None] | None = None,
     start_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
 ) -> int:
     """Start servers, then workers; wait for the workers; stop everything. Returns an exit code.
 
     worker_args(rank, servers) gives each worker's argv after `psgrad worker`. If a worker fails,
     or a server exits early, every other child is stopped and 1 is returned. Ctrl-C / SIGTERM stop
-    all children too (exit code 130 / 143).
+    all children too (exit code 130 / 143). env: the children's environment (default: ours).
     """
     sup = Supervisor() if out is None else Supervisor(out=out)
     log = sup.out
@@ -134,13 +135,13 @@ def run_launch(
     try:
         server_names = [f"server{i}" for i in range(num_servers)]
         for name in server_names:
-            sup.start(name, _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *server_args))
+            sup.start(name, _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *server_args), env)
         addresses = _await_servers(sup, server_names, start_timeout_s)
         servers = ",".join(addresses[n] for n in server_names)
         log(f"[launch] {num_servers} server(s) up: {servers}; starting {num_workers} worker(s)")
         worker_names = [f"worker{r}" for r in range(num_workers)]
         for rank, name in enumerate(worker_names):
-            sup.start(name, _python_psgrad("worker", *worker_args(rank, servers)))
+            sup.start(name, _python_psgrad("worker", *worker_args(rank, servers)), env)
         running = set(worker_names)
         failed: list[str] = []
         while running:
