@@ -138,7 +138,11 @@ class Shard:
     def __init__(self, config: ServerConfig, now: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._now = now
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # state changed: waiting pulls, joins, reaper re-check
+        # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
+        # same lock, so that parking a pull never wakes the other parked pulls.
+        self._observers = threading.Condition(lock)
         self._started = now()
         self.layout: Layout | None = None
         self._weights: torch.Tensor | None = None
@@ -154,6 +158,11 @@ class Shard:
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self._closed = False
         self._waiting = 0  # pulls parked in the gate right now
+
+    def _notify(self) -> None:
+        """Wake everything waiting for a state change (caller holds the lock)."""
+        self._cond.notify_all()
+        self._observers.notify_all()
 
     def start_reaper(self) -> threading.Thread:
         """Evict workers the moment their lease expires, even when no call arrives (so a sync
@@ -173,7 +182,7 @@ class Shard:
         """Stop the reaper and wake every waiting call."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._notify()
 
     def wait_until(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float) -> bool:
         """Block until predicate(status()) holds (re-checked on every state change) or timeout_s."""
@@ -183,7 +192,7 @@ class Shard:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(timeout=left)
+                self._observers.wait(timeout=left)
             return True
 
     def audit(self) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]], int]:
@@ -207,7 +216,7 @@ class Shard:
                 changed = True
         changed = self._complete_iteration() or changed
         if changed:
-            self._cond.notify_all()
+            self._notify()
 
     def _next_expiry_s(self) -> float | None:
         now = self._now()
@@ -244,12 +253,12 @@ class Shard:
                 member.state = LEFT
                 self.history.append(("leave", rank, member.clock))
             self._refresh()
-            self._cond.notify_all()
+            self._notify()
 
     def wake(self) -> None:
         """Wake waiting pulls so they re-check their call (used on cancellation)."""
         with self._cond:
-            self._cond.notify_all()
+            self._notify()
 
     # ----------------------------------------------------------------- join / init
     def _require_layout(self, fingerprint: str, rank: int) -> Layout:
@@ -273,12 +282,12 @@ class Shard:
         if member is None:
             member = self._members[rank] = Member(rank, self._now(), clock=start)
             self.history.append(("join", rank, start))
-            self._cond.notify_all()
+            self._notify()
         elif member.state != LIVE:
             member.state = LIVE
             member.clock = max(start, member.last_push_clock + 1)
             self.history.append(("join", rank, member.clock))
-            self._cond.notify_all()
+            self._notify()
         member.last_seen = self._now()
         return member
 
@@ -334,7 +343,7 @@ class Shard:
             self._policy = policy
             self._pull_wire = WireBuffer(layout.numel, layout.spec.wire_dtype)
             self._register(rank)
-            self._cond.notify_all()
+            self._notify()
             return False
 
     # ----------------------------------------------------------------- pull
@@ -374,7 +383,7 @@ class Shard:
                         return None
                     waits.append(left)
                 self._waiting += 1
-                self._cond.notify_all()
+                self._observers.notify_all()
                 try:
                     self._cond.wait(timeout=min(waits) if waits else None)
                 finally:
@@ -497,7 +506,7 @@ class Shard:
                 self._counters.pushes_applied += 1
                 self._counters.staleness[staleness] += 1
                 self.history.append(("apply", self.version, ((rank, clock, staleness),)))
-                self._cond.notify_all()
+                self._notify()
                 return PushResult(True, "", self.version, staleness)
         finally:
             if not kept:
