@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _varint(n: int) -> bytes:
@@ -123,7 +124,7 @@ def write_frames(frames: Iterator[bytes], writer: PayloadWriter, parse_other: "F
 class FrameParser:
     """Fallback for data frames not in the canonical one-field layout: parse with protobuf."""
 
-    def __init__(self, message_type: type, what: str) -> None:
+    def __init__(self, message_type: Any, what: str) -> None:  # a generated XFrame class
         self._type = message_type
         self._what = what
 

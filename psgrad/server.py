@@ -70,7 +70,7 @@ def _layout_from_join(req: pb.JoinRequest) -> Layout:
     )
 
 
-def _header(frames: Iterator[bytes], frame_type: type, what: str) -> Any:
+def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     """Parse the first frame of a client stream, which must be a header."""
     first = next(frames, None)
     if first is None:
@@ -211,7 +211,7 @@ class ParameterServicer:
 def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
     """Method table; Init/Pull/Push frames pass as raw bytes (deserializer/serializer None)."""
 
-    def unary(fn: Callable[..., Any], req: type, rep: type) -> grpc.RpcMethodHandler:
+    def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
             fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
         )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -241,18 +242,21 @@ def _sync_pair(servers: list[RunningServer], cfg: ClientConfig = FAST) -> tuple[
     return a, b
 
 
+def _first_iteration_without_rank_1(a: ParameterClient, b: ParameterClient) -> None:
+    """Both join (sync starts once both have), then only rank 0 pushes iteration 0."""
+    t = threading.Thread(target=b.join, args=(None,))
+    t.start()
+    a.join(initial_weights=initial)
+    t.join(10)
+    a.pull(torch.empty(2113), clock=0)
+    a.push(torch.ones(2113), clock=0)
+
+
 def test_waiting_pull_honours_its_deadline_and_names_the_blocking_worker(servers: list[RunningServer]) -> None:
     short = ClientConfig(connect_timeout_s=5, rpc_timeout_s=1.0, init_timeout_s=5, retries=0)
     a, b = _sync_pair(servers, short)
     try:
-        import threading
-
-        t = threading.Thread(target=b.join, args=(None,))
-        t.start()
-        a.join(initial_weights=initial)
-        t.join(10)
-        a.pull(torch.empty(2113), clock=0)
-        a.push(torch.ones(2113), clock=0)  # rank 1 never pushes iteration 0
+        _first_iteration_without_rank_1(a, b)
         with pytest.raises(StalledError, match=r"waiting for worker\(s\) 1"):
             a.pull(torch.empty(2113), clock=1)
     finally:
@@ -264,14 +268,7 @@ def test_cancelled_waiting_pulls_free_their_server_threads() -> None:
     server = start_server(ServerConfig(port=0, threads=2))
     a, b = _sync_pair([server])
     try:
-        import threading
-
-        t = threading.Thread(target=b.join, args=(None,))
-        t.start()
-        a.join(initial_weights=initial)
-        t.join(10)
-        a.pull(torch.empty(2113), clock=0)
-        a.push(torch.ones(2113), clock=0)
+        _first_iteration_without_rank_1(a, b)
         channel = grpc.insecure_channel(server.address)
         pull = channel.unary_stream("/psgrad.ParameterServer/Pull", pb.PullRequest.SerializeToString, None)
         calls = [pull(pb.PullRequest(rank=0, clock=1, fingerprint=a.fingerprint), timeout=60) for _ in range(2)]
