@@ -1,4 +1,4 @@
-"""`psgrad server|worker|launch|status`: argv -> validated config -> call. The only module that reads argv."""
+"""`psgrad server|worker|launch|allreduce|status`: argv -> validated config -> call. The only module that reads argv."""
 from __future__ import annotations
 
 import argparse
@@ -24,11 +24,33 @@ from psgrad.config import (
 from psgrad.errors import ConfigError, PsgradError, TaskError
 
 EXIT_USAGE = 2
+COMPARE_STEPS = 400
 
 
 def _servers_arg(text: str) -> tuple[str, ...]:
     try:
         return parse_servers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    """'RANK:FACTOR' -> (rank, factor), e.g. '0:4' makes worker 0 four times slower."""
+    rank, sep, factor = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        r, f = int(rank), float(factor)
+    except ValueError:
+        raise ConfigError(f"malformed straggler {text!r}: expected RANK:FACTOR, e.g. 0:4") from None
+    if r < 0 or not f >= 1.0 or f == float("inf"):
+        raise ConfigError(f"straggler {text!r}: rank must be >= 0 and FACTOR a finite number >= 1")
+    return r, f
+
+
+def _straggler_arg(text: str) -> tuple[int, float]:
+    try:
+        return parse_straggler(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -92,6 +114,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (cuda if available), cpu, cuda or cuda:N (default: auto)",
     )
+    w.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=0.0,
+        help="add a random delay of 0..MS milliseconds per step, deterministic given --seed (default: 0)",
+    )
     w.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: 0 = 10 times per run)")
     w.add_argument("--log-every", type=int, default=0, help="print progress every N steps (default: 0 = 10 times)")
     w.add_argument(
@@ -140,6 +168,7 @@ def _job_argv(ns: argparse.Namespace) -> list[str]:
     for flag in (
         "task", "mode", "steps", "batch_size", "lr", "momentum", "weight_decay", "wire_dtype", "seed",
         "device", "eval_every", "log_every", "connect_timeout_s", "rpc_timeout_s", "init_timeout_s",
+        "jitter_ms",
     ):
         out += ["--" + flag.replace("_", "-"), str(getattr(ns, flag))]
     return out
@@ -193,6 +222,8 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         metrics_out=ns.metrics_out,
         eval_every=ns.eval_every,
         log_every=ns.log_every,
+        slowdown=ns.slowdown,
+        jitter_ms=ns.jitter_ms,
         client=ClientConfig(
             connect_timeout_s=ns.connect_timeout_s,
             rpc_timeout_s=ns.rpc_timeout_s,
@@ -205,6 +236,45 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_allreduce(ns: argparse.Namespace) -> int:
+    from psgrad.allreduce import train_allreduce
+    from psgrad.metrics import MetricsSink
+    from psgrad.tasks import get_task
+
+    _check_task(ns.task)
+    if ns.rank >= ns.num_workers:
+        raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
+    store = Path(ns.store)
+    if store.is_dir():
+        raise ConfigError(f"--store {ns.store!r} is a directory; give the path of a (new) file")
+    if not store.parent.is_dir():
+        raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
+    # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
+    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay matter.
+    spec = JobSpec(
+        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay
+    )
+    config = WorkerConfig(
+        servers=(),
+        task=ns.task,
+        rank=ns.rank,
+        steps=ns.steps,
+        batch_size=ns.batch_size,
+        device=ns.device,
+        seed=ns.seed,
+        metrics_out=ns.metrics_out,
+        eval_every=ns.eval_every,
+        log_every=ns.log_every,
+        slowdown=ns.slowdown,
+        jitter_ms=ns.jitter_ms,
+        client=ClientConfig(init_timeout_s=ns.init_timeout_s),
+    )
+    task = get_task(ns.task, ns.seed)
+    with MetricsSink(ns.metrics_out, ns.rank) as sink:
+        train_allreduce(config, spec, task, sink, str(store.absolute()))
+    return 0
+
+
 def cmd_launch(ns: argparse.Namespace) -> int:
     from psgrad.launch import run_launch
 
@@ -213,8 +283,14 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     job = _job_argv(ns)
     metrics_dir = Path(ns.metrics_dir) if ns.metrics_dir else None
 
+    slowdowns = dict(ns.straggler or [])
+    for rank in slowdowns:
+        if rank >= ns.num_workers:
+            raise ConfigError(f"--straggler names rank {rank}, but there are only {ns.num_workers} workers")
+
     def worker_args(rank: int, servers: str) -> list[str]:
         args = ["--servers", servers, "--rank", str(rank), "--num-workers", str(ns.num_workers), *job]
+        args += ["--slowdown", str(slowdowns.get(rank, 1.0))]
         if metrics_dir is not None:
             args += ["--metrics-out", str(metrics_dir / f"worker{rank}.jsonl")]
         return args
@@ -283,6 +359,49 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cmd_compare(ns: argparse.Namespace) -> int:
+    import shlex
+    import time
+    from pathlib import Path as _Path
+
+    from psgrad.compare import DEFAULT_MODES, CompareConfig, parse_modes, run_compare
+
+    _check_task(ns.task)
+    out = _Path(ns.out) if ns.out else _Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
+    cfg = CompareConfig(
+        out_dir=out,
+        modes=parse_modes(ns.modes),
+        task=ns.task,
+        num_servers=ns.num_servers,
+        num_workers=ns.num_workers,
+        steps=ns.steps,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        momentum=ns.momentum,
+        weight_decay=ns.weight_decay,
+        wire_dtype=ns.wire_dtype,
+        target_accuracy=ns.target_accuracy,
+        repeats=ns.repeats,
+        seed=ns.seed,
+        stragglers=tuple(ns.straggler or ()),
+        jitter_ms=ns.jitter_ms,
+        eval_every=ns.eval_every,
+        lease_s=ns.lease_s,
+        omp_threads=ns.omp_threads or max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers)),
+    )
+    runs = len(cfg.modes) * cfg.repeats
+    defaults = ns.modes == DEFAULT_MODES and ns.steps == COMPARE_STEPS and ns.repeats == 1 and ns.num_workers == 4
+    eta = " (about 2 minutes on a 2-core machine with these defaults)" if defaults else ""
+    print(
+        f"psgrad compare: {', '.join(m.label for m in cfg.modes)} x {cfg.repeats} repeat(s) = {runs} runs, "
+        f"{cfg.num_servers} servers + {cfg.num_workers} workers each, {cfg.steps} steps of {cfg.task}, "
+        f"target accuracy {cfg.target_accuracy}{eta}; writing to {out}",
+        flush=True,
+    )
+    run_compare(cfg, " ".join(shlex.quote(a) for a in ["psgrad", *ns.raw_argv]))
+    return 0
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     _print_status(ns.servers, ns.timeout_s, ns.json)
     return 0
@@ -310,13 +429,58 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, default=0, help="this worker's rank; rank 0 initializes the servers (default: 0)")
     w.add_argument("--num-workers", type=_positive_int, default=1, help="workers in the job (default: 1)")
     w.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    w.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="make this worker a straggler: each step takes FACTOR times its measured compute "
+        "time (default: 1, no delay)",
+    )
     _add_job_args(w)
     w.set_defaults(func=cmd_worker)
+
+    ar = sub.add_parser(
+        "allreduce",
+        help="run one rank of the all-reduce baseline (no parameter server)",
+        description="Train one rank of synchronous data-parallel SGD without parameter servers: the "
+        "ranks average their gradients with torch.distributed all_reduce (gloo on CPU, nccl on CUDA) "
+        "and each applies the same SGD step. Start one process per rank, all with the same --store "
+        "and job options. The PS-only options --mode, --staleness, --staleness-lr, --wire-dtype, "
+        "--connect-timeout-s and --rpc-timeout-s are accepted and ignored; --init-timeout-s bounds "
+        "the rendezvous and every all_reduce.",
+    )
+    ar.add_argument("--rank", type=int, default=0, help="this process's rank, 0..N-1 (default: 0)")
+    ar.add_argument("--num-workers", type=_positive_int, default=1, help="ranks in the job (default: 1)")
+    ar.add_argument(
+        "--store",
+        required=True,
+        help="rendezvous file (torch.distributed FileStore) on a file system every rank can see, "
+        "the same path for all ranks; it must not exist (or be empty) when the job starts: a file "
+        "left over from an earlier run can hang or break the rendezvous. It is removed at the end "
+        "when every rank exits cleanly",
+    )
+    ar.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    ar.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="make this rank a straggler: each step takes FACTOR times its measured compute "
+        "time (default: 1, no delay)",
+    )
+    _add_job_args(ar)
+    ar.set_defaults(func=cmd_allreduce)
 
     la = sub.add_parser("launch", help="start servers and workers on this machine", description="Start servers and workers as local subprocesses, prefix their output, stop them all at the end.")
     la.add_argument("--num-servers", type=_positive_int, default=2, help="parameter-server shards (default: 2)")
     la.add_argument("--num-workers", type=_positive_int, default=2, help="training workers (default: 2)")
     la.add_argument("--metrics-dir", help="write each worker's JSONL metrics into this directory")
+    la.add_argument(
+        "--straggler",
+        type=_straggler_arg,
+        action="append",
+        metavar="RANK:FACTOR",
+        help="make worker RANK take FACTOR times its measured compute time per step; repeatable",
+    )
     la.add_argument(
         "--omp-threads",
         type=_positive_int,
@@ -327,6 +491,54 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_policy_args(la)
     _add_job_args(la)
     la.set_defaults(func=cmd_launch)
+
+    co = sub.add_parser(
+        "compare",
+        help="compare how sync, async and ssp training converge (the main job)",
+        description="Run each consistency mode on a fresh local cluster (servers + workers as subprocesses), "
+        "repeat, and write summary.json, report.md, convergence.png, staleness.png and every run's raw metrics.",
+    )
+    co.add_argument("--task", default="digits", help="training task (default: digits)")
+    co.add_argument("--num-servers", type=_positive_int, default=2, help="shards per run (default: 2)")
+    co.add_argument("--num-workers", type=_positive_int, default=4, help="workers per run (default: 4)")
+    co.add_argument(
+        "--modes",
+        default="sync,async,ssp:2",
+        help="comma-separated modes: sync, async, ssp:S, allreduce (the torch.distributed baseline) "
+        "(default: sync,async,ssp:2)",
+    )
+    co.add_argument(
+        "--straggler",
+        type=_straggler_arg,
+        action="append",
+        metavar="RANK:FACTOR",
+        help="make worker RANK take FACTOR times its measured compute time per step, e.g. 0:4; repeatable",
+    )
+    co.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=0.0,
+        help="random extra delay of 0..MS ms per worker step, deterministic given the seed (default: 0)",
+    )
+    co.add_argument("--target-accuracy", type=float, default=0.9, help="accuracy whose time to reach is compared (default: 0.9)")
+    co.add_argument("--steps", type=_positive_int, default=COMPARE_STEPS, help=f"steps per worker and run (default: {COMPARE_STEPS})")
+    co.add_argument("--repeats", type=_positive_int, default=1, help="runs per mode, each with its own seed; 2+ draws bands (default: 1)")
+    co.add_argument("--seed", type=int, default=0, help="seed of the first repeat; repeat k uses seed+k (default: 0)")
+    co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
+    co.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")
+    co.add_argument("--lr", type=float, default=0.1, help="learning rate (default: 0.1)")
+    co.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
+    co.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (default: 0)")
+    co.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPES, help="wire dtype (default: float32)")
+    co.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: 0 = 20 times per run)")
+    co.add_argument("--lease-s", type=float, default=10.0, help="server lease in seconds (default: 10)")
+    co.add_argument(
+        "--omp-threads",
+        type=_positive_int,
+        default=None,
+        help="OpenMP/torch threads per process (default: the CPU count divided among a run's processes)",
+    )
+    co.set_defaults(func=cmd_compare)
 
     st = sub.add_parser("status", help="show shard versions, workers and staleness", description="Ask every server for its shard's state.")
     st.add_argument("--servers", type=_servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]")
@@ -355,6 +567,7 @@ def _add_server_policy_args(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.raw_argv = list(argv) if argv is not None else sys.argv[1:]
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)

@@ -132,12 +132,15 @@ class WorkerConfig:
     metrics_out: str | None = None
     eval_every: int = 0  # 0: about 10 evaluations per run
     log_every: int = 0  # 0: about 10 progress lines per run
+    slowdown: float = 1.0  # straggler: each step takes this many times its measured compute time
+    jitter_ms: float = 0.0  # random extra delay per step, uniform in [0, jitter_ms]
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
         _check(
-            isinstance(self.servers, tuple) and len(self.servers) >= 1,
-            f"servers must be a non-empty tuple of HOST:PORT addresses, got {self.servers!r}",
+            isinstance(self.servers, tuple),
+            f"servers must be a tuple of HOST:PORT addresses (empty only for the all-reduce baseline), "
+            f"got {self.servers!r}",
         )
         for address in self.servers:
             parse_address(address)
@@ -146,6 +149,11 @@ class WorkerConfig:
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
         _check(self.log_every >= 0, f"log_every must be >= 0, got {self.log_every}")
+        _check(
+            math.isfinite(self.slowdown) and self.slowdown >= 1.0,
+            f"slowdown must be a finite number >= 1, got {self.slowdown!r}",
+        )
+        _finite_nonneg("jitter_ms", self.jitter_ms)
         _check(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",

@@ -116,10 +116,12 @@ def run_launch(
     out: Callable[[str], None] | None = None,
     start_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    worker_command: str = "worker",
 ) -> int:
     """Start servers, then workers; wait for the workers; stop everything. Returns an exit code.
 
-    worker_args(rank, servers) gives each worker's argv after `psgrad worker`. If a worker fails,
+    worker_args(rank, servers) gives each worker's argv after `psgrad WORKER_COMMAND` (servers is
+    "" when num_servers is 0, e.g. for the all-reduce baseline). If a worker fails,
     or a server exits early, every other child is stopped and 1 is returned. Ctrl-C / SIGTERM stop
     all children too (exit code 130 / 143). env: the children's environment (default: ours).
     """
@@ -138,10 +140,11 @@ def run_launch(
             sup.start(name, _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *server_args), env)
         addresses = _await_servers(sup, server_names, start_timeout_s)
         servers = ",".join(addresses[n] for n in server_names)
-        log(f"[launch] {num_servers} server(s) up: {servers}; starting {num_workers} worker(s)")
+        if num_servers:
+            log(f"[launch] {num_servers} server(s) up: {servers}; starting {num_workers} worker(s)")
         worker_names = [f"worker{r}" for r in range(num_workers)]
         for rank, name in enumerate(worker_names):
-            sup.start(name, _python_psgrad("worker", *worker_args(rank, servers)), env)
+            sup.start(name, _python_psgrad(worker_command, *worker_args(rank, servers)), env)
         running = set(worker_names)
         failed: list[str] = []
         while running:
@@ -159,7 +162,7 @@ def run_launch(
         if failed:
             log(f"[launch] failed: {', '.join(failed)}; stopping the others")
             return 1
-        if status is not None:
+        if status is not None and num_servers:
             status(servers.split(","))
         log(f"[launch] all {num_workers} worker(s) finished")
         return 0

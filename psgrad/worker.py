@@ -1,6 +1,8 @@
 """The training-loop side: a flat view of the model, and the pull / compute / push loop of one worker."""
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +99,29 @@ def _every(value: int, steps: int, times: int) -> int:
     return value if value > 0 else max(1, steps // times)
 
 
+class DelayInjector:
+    """Straggler and noise injection: after each step's compute, wait (slowdown - 1) x that
+    step's measured compute time plus a uniform random jitter; deterministic given the seed."""
+
+    def __init__(self, slowdown: float, jitter_ms: float, seed: int) -> None:
+        self.slowdown = slowdown
+        self.jitter_s = jitter_ms / 1000.0
+        self._rng = random.Random(seed)
+        self._timer = threading.Event()  # never set: wait() is an interruptible sleep
+
+    def delay_s(self, compute_s: float) -> float:
+        extra = (self.slowdown - 1.0) * compute_s
+        if self.jitter_s:
+            extra += self._rng.uniform(0.0, self.jitter_s)
+        return extra
+
+    def apply(self, compute_s: float) -> float:
+        extra = self.delay_s(compute_s)
+        if extra > 0:
+            self._timer.wait(extra)
+        return extra
+
+
 def train(
     config: WorkerConfig,
     spec: JobSpec,
@@ -123,6 +148,7 @@ def train(
     log_every = _every(config.log_every, config.steps, 10)
     eval_every = _every(config.eval_every, config.steps, 10)
     who = f"worker {rank}/{spec.num_workers}"
+    delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
 
     with ParameterClient(config.servers, spec, params, plan, rank, config.client) as client:
         first_clock = client.join(initial_weights=(lambda: flat_model.flat.detach().cpu()) if rank == 0 else None)
@@ -130,6 +156,10 @@ def train(
         log(
             f"{who}: joined {spec.num_shards} shard(s) at clock {first_clock}, {plan.total:,} parameters, "
             f"mode {mode}, task {task.name}, {len(x_all)} training examples, device {device}"
+        )
+        sink.write(
+            0, event="start", clock=first_clock, batch_size=config.batch_size, mode=spec.mode,
+            slowdown=config.slowdown, jitter_ms=config.jitter_ms,
         )
         start = time.perf_counter()
         window_start, window_loss, window_n = start, 0.0, 0
@@ -144,6 +174,8 @@ def train(
             loss = task.loss_fn(model(x.to(device)), y.to(device))
             loss.backward()
             grad = flat_model.gather_grads()
+            compute_s = time.perf_counter() - t1
+            delay_s = delays.apply(compute_s)
             t2 = time.perf_counter()
             replies = client.push(grad, clock)
             t3 = time.perf_counter()
@@ -155,7 +187,8 @@ def train(
                 "loss": loss_value,
                 "step_s": t3 - t0,
                 "pull_s": t1 - t0,
-                "compute_s": t2 - t1,
+                "compute_s": compute_s,
+                "delay_s": delay_s,
                 "push_s": t3 - t2,
                 "staleness": max(r.staleness for r in replies),
                 "accepted": all(r.applied or r.deferred for r in replies),

@@ -54,6 +54,7 @@ class Proc:
     popen: subprocess.Popen[str]
     lines: list[str] = field(default_factory=list)
     _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    _reader: threading.Thread | None = None
 
     def start_reader(self) -> None:
         def pump() -> None:
@@ -63,7 +64,8 @@ class Proc:
                 self._queue.put(line.rstrip("\n"))
             self._queue.put(None)
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._reader = threading.Thread(target=pump, daemon=True)
+        self._reader.start()
 
     def wait_for_line(self, prefix: str, timeout_s: float = 60.0) -> str:
         """Block until a line containing prefix is printed (or the process ends / times out)."""
@@ -78,7 +80,10 @@ class Proc:
                 return line
 
     def wait(self, timeout_s: float = 120.0) -> int:
+        """Wait for the exit code, and until every line the process printed has been collected."""
         rc = self.popen.wait(timeout=timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout=timeout_s)
         return rc
 
     @property

@@ -95,7 +95,8 @@ def test_two_servers_two_async_workers_by_hand(start_servers, tmp_path: Path) ->
         assert all({"time", "rank", "step"} <= rec.keys() and rec["rank"] == r for rec in records)
         assert records[-1]["event"] == "final" and records[-1]["step"] == steps
         assert sum("test_accuracy" in rec for rec in records) >= 3
-        assert [rec["step"] for rec in records[:-1]] == list(range(1, steps + 1))
+        assert records[0]["event"] == "start"
+        assert [rec["step"] for rec in records[1:-1]] == list(range(1, steps + 1))
     res = run_cli(["status", "--servers", servers, "--json"])
     assert res.returncode == 0, res.stderr
     shards = json.loads(res.stdout)["shards"]

@@ -199,10 +199,13 @@ def test_worker_config_refuses(field: str, value: object) -> None:
     _assert_names(info.value, field, value)
 
 
-def test_worker_config_needs_a_server() -> None:
+def test_worker_config_servers_must_be_a_tuple_of_addresses() -> None:
+    assert WorkerConfig(servers=()).servers == ()  # the all-reduce baseline has no servers
     with pytest.raises(ConfigError) as info:
-        WorkerConfig(servers=())
-    assert "server" in str(info.value)
+        WorkerConfig(servers="127.0.0.1:7000")  # type: ignore[arg-type]
+    assert "servers" in str(info.value)
+    with pytest.raises(ConfigError, match="malformed server address"):
+        WorkerConfig(servers=("nope",))
 
 
 def test_worker_config_accepts_boundaries() -> None:

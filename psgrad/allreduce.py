@@ -1,0 +1,182 @@
+"""The no-parameter-server baseline: synchronous data-parallel SGD whose workers average gradients by all-reduce."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from psgrad.config import JobSpec, WorkerConfig
+from psgrad.errors import ConfigError, PsgradError
+from psgrad.metrics import MetricsSink
+from psgrad.tasks.base import Task, batches
+from psgrad.worker import DelayInjector, FlatModel, _every, resolve_device
+
+@contextmanager
+def _collective(what: str, who: str) -> Iterator[None]:
+    """Turn torch.distributed failures (a peer missing, dead or too slow) into a PsgradError."""
+    try:
+        yield
+    except RuntimeError as exc:  # DistError and its subclasses derive from RuntimeError
+        raise PsgradError(f"{who}: {what} failed: {exc}") from exc
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued device work, so that wall-clock timings mean something on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_device(name: str, rank: int) -> torch.device:
+    """The device of this rank: a bare 'cuda' (or 'auto' on a GPU host) becomes cuda:(rank % GPUs)."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+def train_allreduce(
+    config: WorkerConfig,
+    spec: JobSpec,
+    task: Task,
+    sink: MetricsSink,
+    store_path: str,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run one rank of all-reduce data-parallel SGD for `config.steps` steps, then evaluate.
+
+    Every step each of the `spec.num_workers` ranks computes a gradient on its own batch, the
+    flat gradients are summed with one all_reduce and divided by the world size, and every rank
+    applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay). Model
+    init, data slice, batch order, delay injection and the metrics schema are those of
+    psgrad.worker.train; pull_s is 0, push_s (= allreduce_s) is the all-reduce time, step_s also
+    covers the optimizer step, and evaluations see the weights after this step's update.
+    Only spec.num_workers, lr, momentum and weight_decay are read from spec.
+
+    `store_path` is the rendezvous FileStore, shared by all ranks; it must be new (or empty).
+    Rendezvous and each collective wait at most config.client.init_timeout_s for the other ranks.
+
+    Returns the final record (test_loss, test_accuracy, steps, elapsed_s).
+
+    Raises:
+        ConfigError: rank is not below num_workers.
+        PsgradError: rendezvous timed out, or a peer died or stalled during a collective.
+    """
+    rank, world = config.rank, spec.num_workers
+    if rank >= world:
+        raise ConfigError(f"rank must be < num_workers ({world}), got {rank}")
+    who = f"worker {rank}/{world}"
+    device = _rank_device(config.device, rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with _collective(f"rendezvous through file store {store_path!r}", who):
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=config.client.init_timeout_s),
+        )
+    try:
+        return _train(config, spec, task, sink, device, backend, who, log)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(
+    config: WorkerConfig,
+    spec: JobSpec,
+    task: Task,
+    sink: MetricsSink,
+    device: torch.device,
+    backend: str,
+    who: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    rank, world = config.rank, spec.num_workers
+    torch.manual_seed(config.seed)
+    model = task.build_model().to(device)
+    flat_model = FlatModel(model, device)
+    grad_views = [p.grad for p in flat_model.params]  # the views of flat_model.grad
+    with _collective("broadcast of rank 0's initial weights", who):
+        dist.broadcast(flat_model.flat, src=0)
+    optimizer = torch.optim.SGD(
+        flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+    )
+    x_all, y_all = task.worker_slice(rank, world)
+    data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
+    log_every = _every(config.log_every, config.steps, 10)
+    eval_every = _every(config.eval_every, config.steps, 10)
+    delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
+    log(
+        f"{who}: all-reduce ({backend}) with {world} rank(s), {flat_model.flat.numel():,} parameters, "
+        f"task {task.name}, {len(x_all)} training examples, device {device}"
+    )
+    sink.write(
+        0, event="start", clock=0, batch_size=config.batch_size, mode="allreduce",
+        slowdown=config.slowdown, jitter_ms=config.jitter_ms,
+    )
+    start = time.perf_counter()
+    window_start, window_loss, window_n = start, 0.0, 0
+    for step in range(config.steps):
+        t0 = time.perf_counter()
+        x, y = next(data)
+        flat_model.zero_grad()
+        loss = task.loss_fn(model(x.to(device)), y.to(device))
+        loss.backward()
+        for p, view in zip(flat_model.params, grad_views):
+            if p.grad is not view:  # autograd replaced the view: copy back into the flat buffer
+                assert view is not None
+                view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+                p.grad = view
+        _sync(device)
+        compute_s = time.perf_counter() - t0
+        delay_s = delays.apply(compute_s)
+        t2 = time.perf_counter()
+        with _collective(f"all_reduce of step {step}", who):
+            dist.all_reduce(flat_model.grad, op=dist.ReduceOp.SUM)
+        _sync(device)
+        t3 = time.perf_counter()
+        flat_model.grad.div_(world)
+        optimizer.step()
+        loss_value = loss.item()  # synchronizes with the device
+        t4 = time.perf_counter()
+        window_loss += loss_value
+        window_n += 1
+        record: dict[str, Any] = {
+            "clock": step,
+            "loss": loss_value,
+            "step_s": t4 - t0,
+            "pull_s": 0.0,
+            "compute_s": compute_s,
+            "delay_s": delay_s,
+            "push_s": t3 - t2,
+            "allreduce_s": t3 - t2,
+            "staleness": 0,
+            "accepted": True,
+            "version": [step],
+        }
+        done = step + 1
+        if done % eval_every == 0 or done == config.steps:
+            record.update(task.evaluate(model, device))
+        sink.write(done, **record)
+        if done % log_every == 0 or done == config.steps:
+            now = time.perf_counter()
+            rate = window_n / max(now - window_start, 1e-9)
+            acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
+            log(f"{who}: step {done}/{config.steps} loss {window_loss / window_n:.4f}{acc} ({rate:.1f} steps/s)")
+            window_start, window_loss, window_n = now, 0.0, 0
+    elapsed = time.perf_counter() - start
+    final = task.evaluate(model, device)
+    result = {"event": "final", "steps": config.steps, "elapsed_s": elapsed, **final}
+    sink.write(config.steps, **result)
+    log(
+        f"{who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f} "
+        f"after {config.steps} steps in {elapsed:.1f} s"
+    )
+    return result

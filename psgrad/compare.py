@@ -1,0 +1,226 @@
+"""`psgrad compare`: train every consistency mode on a fresh local cluster, repeat, and report."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from psgrad import analysis, report
+from psgrad.client import shard_status
+from psgrad.config import MODES
+from psgrad.errors import ConfigError, PsgradError
+from psgrad.launch import run_launch
+from psgrad.serde import status_to_dict
+
+DEFAULT_MODES = "sync,async,ssp:2"
+BASELINES = ("allreduce",)
+
+
+@dataclass(frozen=True)
+class ModeRun:
+    """One entry of --modes: a label as the user wrote it, the mode, and its staleness bound."""
+
+    label: str
+    mode: str
+    staleness: int = 0
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(":", "")
+
+
+def parse_modes(text: str) -> tuple[ModeRun, ...]:
+    """'sync,async,ssp:2,allreduce' -> ModeRuns. Raises ConfigError naming the valid forms."""
+    valid = "sync, async, ssp:S (S >= 0), allreduce"
+    out: list[ModeRun] = []
+    for item in (t.strip() for t in text.split(",")):
+        name, sep, bound = item.partition(":")
+        if name == "ssp" and sep and bound.isdigit():
+            out.append(ModeRun(item, "ssp", int(bound)))
+        elif not sep and (name in MODES and name != "ssp" or name in BASELINES):
+            out.append(ModeRun(item, name))
+        else:
+            raise ConfigError(f"unknown mode {item!r} in --modes; valid: {valid}")
+    labels = [m.label for m in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--modes lists a mode twice: {text!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Everything one comparison needs; validated on creation."""
+
+    out_dir: Path
+    modes: tuple[ModeRun, ...] = field(default_factory=lambda: parse_modes(DEFAULT_MODES))
+    task: str = "digits"
+    num_servers: int = 2
+    num_workers: int = 4
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    wire_dtype: str = "float32"
+    target_accuracy: float = 0.9
+    repeats: int = 1
+    seed: int = 0
+    stragglers: tuple[tuple[int, float], ...] = ()
+    jitter_ms: float = 0.0
+    eval_every: int = 0  # 0: about 20 evaluations per worker and run
+    lease_s: float = 10.0
+    omp_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ConfigError("--modes must name at least one mode")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ConfigError(f"target accuracy must be in (0, 1], got {self.target_accuracy}")
+        for name in ("num_servers", "num_workers", "steps", "repeats", "batch_size", "omp_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for rank, factor in self.stragglers:
+            if rank >= self.num_workers:
+                raise ConfigError(f"--straggler names rank {rank}, but there are only {self.num_workers} workers")
+        if len({r for r, _ in self.stragglers}) != len(self.stragglers):
+            raise ConfigError("--straggler names the same rank twice")
+
+    @property
+    def evaluate_every(self) -> int:
+        return self.eval_every or max(1, self.steps // 20)
+
+    def settings(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["modes"] = [m.label for m in self.modes]
+        d["stragglers"] = {str(r): f for r, f in self.stragglers}
+        d["eval_every"] = self.evaluate_every
+        return d
+
+
+def _job_args(cfg: CompareConfig, seed: int) -> list[str]:
+    return [
+        "--task", cfg.task, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
+        "--lr", str(cfg.lr), "--momentum", str(cfg.momentum), "--weight-decay", str(cfg.weight_decay),
+        "--wire-dtype", cfg.wire_dtype, "--seed", str(seed), "--eval-every", str(cfg.evaluate_every),
+        "--log-every", str(cfg.steps), "--jitter-ms", str(cfg.jitter_ms), "--device", "cpu",
+    ]
+
+
+def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
+    """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    slow = dict(cfg.stragglers)
+    log_lock = threading.Lock()
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.omp_threads))
+    with open(run_dir / "output.log", "w", encoding="utf-8") as log_file:
+
+        def out(line: str) -> None:
+            with log_lock:
+                log_file.write(line + "\n")
+                log_file.flush()
+
+        def common(rank: int) -> list[str]:
+            return [
+                "--rank", str(rank), "--num-workers", str(cfg.num_workers), *_job_args(cfg, seed),
+                "--slowdown", str(slow.get(rank, 1.0)), "--metrics-out", str(run_dir / f"worker{rank}.jsonl"),
+            ]
+
+        if mode.mode == "allreduce":
+            store = run_dir / "store"
+            store.unlink(missing_ok=True)
+            return run_launch(
+                0, cfg.num_workers, [], lambda rank, _servers: [*common(rank), "--store", str(store)],
+                out=out, env=env, worker_command="allreduce",
+            )
+
+        def status(addresses: list[str]) -> None:
+            shards = [status_to_dict(r) for r in shard_status(addresses, timeout_s=10.0)]
+            (run_dir / "status.json").write_text(json.dumps({"shards": shards}, indent=1))
+
+        def worker_args(rank: int, servers: str) -> list[str]:
+            return ["--servers", servers, "--mode", mode.mode, "--staleness", str(mode.staleness), *common(rank)]
+
+        return run_launch(
+            cfg.num_servers, cfg.num_workers, ["--lease-s", str(cfg.lease_s)], worker_args,
+            status=status, out=out, env=env,
+        )
+
+
+def _one_line(metrics: dict[str, Any]) -> str:
+    def fmt(key: str, spec: str) -> str:
+        value = metrics.get(key)
+        return "n/a" if value is None else format(value, spec)
+
+    reached = metrics.get("time_to_target_s")
+    target = f"target in {reached:.1f} s" if reached is not None else "target not reached"
+    return (
+        f"{target}, final accuracy {fmt('final_test_accuracy', '.3f')}, "
+        f"{fmt('samples_per_s', '.0f')} samples/s"
+    )
+
+
+def run_compare(
+    cfg: CompareConfig,
+    command: str,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every mode `repeats` times (mode after mode within a repeat, so machine noise hits all
+    modes alike), then write summary.json, report.md, convergence.png and staleness.png.
+
+    Raises:
+        PsgradError: a run failed (the message points at its output.log).
+        KeyboardInterrupt: interrupted; every child process has been stopped.
+    """
+    from tqdm import tqdm
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    plan = [(mode, repeat) for repeat in range(cfg.repeats) for mode in cfg.modes]
+    per_mode: dict[str, list[dict[str, Any]]] = {m.label: [] for m in cfg.modes}
+    runs: dict[str, list[analysis.RunData]] = {m.label: [] for m in cfg.modes}
+    with tqdm(plan, desc="psgrad compare", unit="run", file=sys.stderr, disable=not progress) as bar:
+        for mode, repeat in bar:
+            bar.set_postfix_str(f"{mode.label} repeat {repeat + 1}/{cfg.repeats}")
+            run_dir = cfg.out_dir / "runs" / f"{mode.slug}-r{repeat}"
+            rc = run_one(cfg, mode, cfg.seed + repeat, run_dir)
+            if rc == 130:
+                raise KeyboardInterrupt
+            if rc != 0:
+                raise PsgradError(f"{mode.label} (repeat {repeat}) failed; see {run_dir / 'output.log'}")
+            data = analysis.load_run(run_dir)
+            metrics = analysis.run_metrics(data, cfg.target_accuracy)
+            runs[mode.label].append(data)
+            per_mode[mode.label].append(metrics)
+            bar.write(f"{mode.label:>10} repeat {repeat + 1}: {_one_line(metrics)}")
+    summary = {label: analysis.aggregate(ms) for label, ms in per_mode.items()}
+    notes = analysis.nondeterminism_notes([m.label for m in cfg.modes])
+    env_versions = report.environment_versions()
+    document = {
+        "command": command,
+        "settings": cfg.settings(),
+        "versions": env_versions,
+        "modes": summary,
+        "runs": {
+            label: [{k: v for k, v in m.items() if k != "curve"} for m in ms] for label, ms in per_mode.items()
+        },
+        "nondeterminism": notes,
+    }
+    (cfg.out_dir / "summary.json").write_text(json.dumps(document, indent=2, default=str))
+    report.plot_convergence(
+        cfg.out_dir / "convergence.png",
+        {label: [m["curve"] for m in ms] for label, ms in per_mode.items()},
+        cfg.target_accuracy,
+    )
+    report.plot_staleness(
+        cfg.out_dir / "staleness.png", {label: s["staleness_histogram"] for label, s in summary.items()}
+    )
+    report.write_report(cfg.out_dir, summary, command, env_versions, cfg.settings(), notes)
+    log(report.format_table(summary))
+    log(f"wrote {cfg.out_dir}/summary.json, report.md, convergence.png, staleness.png and runs/")
+    return document

@@ -1,0 +1,151 @@
+"""The all-reduce baseline with real processes: a 2-rank CLI run writes the PS worker's metrics
+schema and ends with one model, and K steps equal single-process SGD on the concatenated batches."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO, Proc, spawn
+from psgrad.tasks import get_task
+from psgrad.tasks.base import batches
+
+pytestmark = pytest.mark.timeout(120)
+
+STEP_KEYS = {
+    "time", "rank", "step", "clock", "loss", "step_s", "pull_s", "compute_s", "delay_s", "push_s",
+    "allreduce_s", "staleness", "accepted", "version",
+}
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _stop_all(procs: list[Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.kill()
+        p.popen.wait()
+
+
+def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    steps, world = 30, 2
+    store = tmp_path / "store"
+    common = ["--num-workers", str(world), "--store", str(store), "--task", "digits", "--steps", str(steps),
+              "--batch-size", "16", "--momentum", "0.9", "--eval-every", "10", "--slowdown", "1.5"]
+    procs = [
+        spawn(["allreduce", "--rank", str(r), *common, "--metrics-out", str(tmp_path / f"w{r}.jsonl")])
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            assert p.wait(90) == 0, p.output
+    finally:
+        _stop_all(procs)
+    finals = []
+    for r, p in enumerate(procs):
+        assert f"worker {r}/{world}: step {steps}/{steps} loss " in p.output
+        assert f"worker {r}/{world}: final test_loss " in p.output
+        recs = _records(tmp_path / f"w{r}.jsonl")
+        start, body, final = recs[0], recs[1:-1], recs[-1]
+        assert set(start) == {"time", "rank", "step", "event", "clock", "batch_size", "mode", "slowdown", "jitter_ms"}
+        assert (start["event"], start["step"], start["clock"], start["mode"]) == ("start", 0, 0, "allreduce")
+        assert (start["rank"], start["batch_size"], start["slowdown"], start["jitter_ms"]) == (r, 16, 1.5, 0.0)
+        assert [rec["step"] for rec in body] == list(range(1, steps + 1))
+        for k, rec in enumerate(body):
+            evaluated = (k + 1) % 10 == 0
+            assert set(rec) == STEP_KEYS | ({"test_loss", "test_accuracy"} if evaluated else set()), rec
+            assert (rec["clock"], rec["version"], rec["staleness"], rec["accepted"]) == (k, [k], 0, True)
+            assert rec["pull_s"] == 0.0 and rec["push_s"] == rec["allreduce_s"] >= 0.0
+            assert rec["delay_s"] == pytest.approx(0.5 * rec["compute_s"])
+            assert rec["step_s"] >= rec["compute_s"] + rec["delay_s"] + rec["push_s"] - 1e-3
+        assert set(final) == {"time", "rank", "step", "event", "steps", "elapsed_s", "test_loss", "test_accuracy"}
+        assert (final["event"], final["step"], final["steps"]) == ("final", steps, steps)
+        finals.append(final)
+    # every rank trains on its own data slice, yet both end with the same model
+    losses = [[rec["loss"] for rec in _records(tmp_path / f"w{r}.jsonl")[1:-1]] for r in range(world)]
+    assert losses[0] != losses[1]
+    assert finals[0]["test_loss"] == finals[1]["test_loss"]
+    assert finals[0]["test_accuracy"] == finals[1]["test_accuracy"]
+    assert finals[0]["test_loss"] < 2.0  # it learned something (chance is ln 10 = 2.30)
+    assert not store.exists(), "the FileStore file should be removed after a clean run"
+
+
+# Run by each rank of the equivalence test: train with train_allreduce, save the final weights.
+# Rank > 0 builds a perturbed model, so only rank 0's broadcast makes the ranks start equal.
+_CHILD = """
+import sys, torch
+from psgrad.allreduce import train_allreduce
+from psgrad.config import JobSpec, WorkerConfig
+from psgrad.metrics import MetricsSink
+from psgrad.tasks import get_task
+rank, world, steps, batch, lr, momentum, wd, store, out = sys.argv[1:]
+rank, world = int(rank), int(world)
+task = get_task("digits")
+build, built = task.build_model, []
+def build_model():
+    model = build()
+    if rank > 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    built.append(model)
+    return model
+task.build_model = build_model
+config = WorkerConfig(servers=(), rank=rank, steps=int(steps), batch_size=int(batch), device="cpu", seed=3)
+spec = JobSpec(mode="sync", num_workers=world, lr=float(lr), momentum=float(momentum), weight_decay=float(wd))
+train_allreduce(config, spec, task, MetricsSink(None, rank), store, log=lambda line: None)
+torch.save(torch.cat([p.detach().reshape(-1) for p in built[0].parameters()]), out)
+"""
+
+
+def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: Path) -> None:
+    world, steps, batch, lr, momentum, wd, seed = 2, 5, 16, 0.2, 0.9, 0.01, 3
+    store = tmp_path / "store"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(r), str(world), str(steps), str(batch), str(lr), str(momentum),
+             str(wd), str(store), str(tmp_path / f"w{r}.pt")],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    got = [torch.load(tmp_path / f"w{r}.pt") for r in range(world)]
+    assert torch.equal(got[0], got[1]), "the ranks' models diverged"
+
+    task = get_task("digits", seed)
+    torch.manual_seed(seed)
+    ref = task.build_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    streams = [batches(*task.worker_slice(r, world), batch, seed=seed * 1000 + r) for r in range(world)]
+    for _ in range(steps):
+        parts = [next(s) for s in streams]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        opt.zero_grad()
+        task.loss_fn(ref(x), y).backward()
+        opt.step()
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    torch.manual_seed(seed)
+    init = task.build_model()  # sanity: training moved the weights well beyond the tolerance
+    assert (expected - torch.cat([p.detach().reshape(-1) for p in init.parameters()])).abs().max() > 1e-2
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
