@@ -16,6 +16,7 @@ from psgrad.metrics import MetricsSink
 from psgrad.tasks.base import Task, batches
 from psgrad.worker import DelayInjector, FlatModel, _every, resolve_device
 
+
 @contextmanager
 def _collective(what: str, who: str) -> Iterator[None]:
     """Turn torch.distributed failures (a peer missing, dead or too slow) into a PsgradError."""

@@ -25,6 +25,7 @@ from psgrad.errors import ConfigError, PsgradError, TaskError
 
 EXIT_USAGE = 2
 COMPARE_STEPS = 400
+COMPARE_REPEATS = 2
 
 
 def _servers_arg(text: str) -> tuple[str, ...]:
@@ -390,7 +391,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         omp_threads=ns.omp_threads or max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers)),
     )
     runs = len(cfg.modes) * cfg.repeats
-    defaults = ns.modes == DEFAULT_MODES and ns.steps == COMPARE_STEPS and ns.repeats == 1 and ns.num_workers == 4
+    defaults = (
+        ns.modes == DEFAULT_MODES and ns.steps == COMPARE_STEPS and ns.repeats == COMPARE_REPEATS
+        and ns.num_workers == 4 and ns.num_servers == 2
+    )
     eta = " (about 2 minutes on a 2-core machine with these defaults)" if defaults else ""
     print(
         f"psgrad compare: {', '.join(m.label for m in cfg.modes)} x {cfg.repeats} repeat(s) = {runs} runs, "
@@ -522,7 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     co.add_argument("--target-accuracy", type=float, default=0.9, help="accuracy whose time to reach is compared (default: 0.9)")
     co.add_argument("--steps", type=_positive_int, default=COMPARE_STEPS, help=f"steps per worker and run (default: {COMPARE_STEPS})")
-    co.add_argument("--repeats", type=_positive_int, default=1, help="runs per mode, each with its own seed; 2+ draws bands (default: 1)")
+    co.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=COMPARE_REPEATS,
+        help=f"runs per mode, each with its own seed; 2+ gives mean ± std and bands (default: {COMPARE_REPEATS})",
+    )
     co.add_argument("--seed", type=int, default=0, help="seed of the first repeat; repeat k uses seed+k (default: 0)")
     co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
     co.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")

@@ -11,7 +11,14 @@ import grpc
 import torch
 
 from psgrad import errors, serde
-from psgrad.codec import FrameParser, PayloadWriter, WireBuffer, byte_view, data_frames, write_frames
+from psgrad.codec import (
+    FrameParser,
+    PayloadWriter,
+    WireBuffer,
+    byte_view,
+    data_frames,
+    write_frames,
+)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableError
 from psgrad.proto import ps_pb2 as pb

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ class CompareConfig:
     weight_decay: float = 0.0
     wire_dtype: str = "float32"
     target_accuracy: float = 0.9
-    repeats: int = 1
+    repeats: int = 2
     seed: int = 0
     stragglers: tuple[tuple[int, float], ...] = ()
     jitter_ms: float = 0.0
@@ -193,7 +193,7 @@ def run_compare(
                 raise KeyboardInterrupt
             if rc != 0:
                 raise PsgradError(f"{mode.label} (repeat {repeat}) failed; see {run_dir / 'output.log'}")
-            data = analysis.load_run(run_dir)
+            data = analysis.load_run(run_dir, label=mode.label, repeat=repeat)
             metrics = analysis.run_metrics(data, cfg.target_accuracy)
             runs[mode.label].append(data)
             per_mode[mode.label].append(metrics)

@@ -12,11 +12,18 @@ import grpc
 import torch
 
 from psgrad import errors, serde
-from psgrad.codec import FrameParser, PayloadWriter, byte_view, frame_payload, torch_dtype, write_frames
+from psgrad.codec import (
+    FrameParser,
+    PayloadWriter,
+    byte_view,
+    torch_dtype,
+    write_frames,
+)
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
+from psgrad.layout import Layout
 from psgrad.proto import ps_pb2 as pb
-from psgrad.shard import Layout, Shard
+from psgrad.shard import Shard
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 ERROR_METADATA_KEY = "psgrad-error"

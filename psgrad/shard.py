@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from psgrad.codec import PayloadWriter, WireBuffer, data_frames
-from psgrad.config import JobSpec, ServerConfig
+from psgrad.config import ServerConfig
 from psgrad.consistency import ClockView, ConsistencyPolicy, SyncPolicy, make_policy
 from psgrad.errors import (
     InvalidRequestError,
@@ -20,8 +20,8 @@ from psgrad.errors import (
     NotInitializedError,
     WorkerStateError,
 )
+from psgrad.layout import Layout, explain_mismatch
 from psgrad.optimizers import ShardOptimizer, make_optimizer
-from psgrad.sharding import ParamSpec
 
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
@@ -41,22 +41,6 @@ class Member:
     pushes: int = 0
     state: str = LIVE
     last_push_clock: int = -1  # highest clock whose push was handled (applied, buffered or skipped)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the chief installed: the job, the model's parameters, this shard's range, the fingerprint."""
-
-    spec: JobSpec
-    params: tuple[ParamSpec, ...]
-    index: int
-    start: int
-    end: int
-    fingerprint: str
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 @dataclass
@@ -95,35 +79,6 @@ class _Counters:
     bytes_out: int = 0
     evictions: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
-
-
-def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
-    """A message naming the first thing that differs between two layouts, or None if equal."""
-    who = f"worker rank {rank}"
-    diffs = mine.spec.differences(theirs.spec)
-    if diffs:
-        parts = "; ".join(f"{n}: shard has {a!r}, {who} sent {b!r}" for n, a, b in diffs)
-        return f"job spec differs from the one this shard was initialized with ({parts})"
-    if len(mine.params) != len(theirs.params):
-        return (
-            f"model differs: this shard was initialized with {len(mine.params)} parameters, "
-            f"{who} has {len(theirs.params)}"
-        )
-    for i, (a, b) in enumerate(zip(mine.params, theirs.params)):
-        if a != b:
-            return (
-                f"model differs at parameter {i}: shard has {a.name} {list(a.shape)} {a.dtype}, "
-                f"{who} has {b.name} {list(b.shape)} {b.dtype}"
-            )
-    if (mine.index, mine.start, mine.end) != (theirs.index, theirs.start, theirs.end):
-        return (
-            f"shard plan differs: this server is shard {mine.index} owning [{mine.start}, {mine.end}), "
-            f"{who} expects shard {theirs.index} owning [{theirs.start}, {theirs.end}) "
-            "(is --servers in the same order for every worker?)"
-        )
-    if mine.fingerprint != theirs.fingerprint:
-        return f"fingerprint differs: shard has {mine.fingerprint}, {who} sent {theirs.fingerprint}"
-    return None
 
 
 class Shard:

@@ -26,7 +26,7 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     res = run_cli(
         ["compare", "--modes", "sync,async", "--num-servers", "1", "--num-workers", "2", "--steps", "40",
-         "--target-accuracy", "0.5", "--straggler", "1:2", "--jitter-ms", "1", "--out", str(out)],
+         "--target-accuracy", "0.5", "--straggler", "1:2", "--jitter-ms", "1", "--repeats", "1", "--out", str(out)],
         timeout_s=280,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -69,7 +69,7 @@ def test_sync_is_reproducible_given_the_seed(tmp_path: Path) -> None:
     curves = []
     for name in ("a", "b"):
         res = run_cli(
-            ["compare", "--modes", "sync", "--num-servers", "2", "--num-workers", "3", "--steps", "30",
+            ["compare", "--modes", "sync", "--num-servers", "2", "--num-workers", "3", "--steps", "30", "--repeats", "1",
              "--seed", "7", "--jitter-ms", "2", "--out", str(tmp_path / name)],
             timeout_s=280,
         )

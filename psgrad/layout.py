@@ -1,0 +1,52 @@
+"""What a shard was initialized with (job spec, parameters, range, fingerprint), and how to say what differs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psgrad.config import JobSpec
+from psgrad.sharding import ParamSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the chief installed: the job, the model's parameters, this shard's range, the fingerprint."""
+
+    spec: JobSpec
+    params: tuple[ParamSpec, ...]
+    index: int
+    start: int
+    end: int
+    fingerprint: str
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
+    """A message naming the first thing that differs between two layouts, or None if equal."""
+    who = f"worker rank {rank}"
+    diffs = mine.spec.differences(theirs.spec)
+    if diffs:
+        parts = "; ".join(f"{n}: shard has {a!r}, {who} sent {b!r}" for n, a, b in diffs)
+        return f"job spec differs from the one this shard was initialized with ({parts})"
+    if len(mine.params) != len(theirs.params):
+        return (
+            f"model differs: this shard was initialized with {len(mine.params)} parameters, "
+            f"{who} has {len(theirs.params)}"
+        )
+    for i, (a, b) in enumerate(zip(mine.params, theirs.params)):
+        if a != b:
+            return (
+                f"model differs at parameter {i}: shard has {a.name} {list(a.shape)} {a.dtype}, "
+                f"{who} has {b.name} {list(b.shape)} {b.dtype}"
+            )
+    if (mine.index, mine.start, mine.end) != (theirs.index, theirs.start, theirs.end):
+        return (
+            f"shard plan differs: this server is shard {mine.index} owning [{mine.start}, {mine.end}), "
+            f"{who} expects shard {theirs.index} owning [{theirs.start}, {theirs.end}) "
+            "(is --servers in the same order for every worker?)"
+        )
+    if mine.fingerprint != theirs.fingerprint:
+        return f"fingerprint differs: shard has {mine.fingerprint}, {who} sent {theirs.fingerprint}"
+    return None
