@@ -14,7 +14,7 @@ from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics import MetricsSink
 from psgrad.tasks.base import Task, batches
-from psgrad.worker import DelayInjector, FlatModel, _every, resolve_device
+from psgrad.worker import DelayInjector, FlatModel, TrainingLog, resolve_device
 
 
 @contextmanager
@@ -103,7 +103,6 @@ def _train(
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     flat_model = FlatModel(model, device)
-    grad_views = [p.grad for p in flat_model.params]  # the views of flat_model.grad
     with _collective("broadcast of rank 0's initial weights", who):
         dist.broadcast(flat_model.flat, src=0)
     optimizer = torch.optim.SGD(
@@ -111,30 +110,21 @@ def _train(
     )
     x_all, y_all = task.worker_slice(rank, world)
     data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
-    log_every = _every(config.log_every, config.steps, 10)
-    eval_every = _every(config.eval_every, config.steps, 10)
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
     log(
         f"{who}: all-reduce ({backend}) with {world} rank(s), {flat_model.flat.numel():,} parameters, "
         f"task {task.name}, {len(x_all)} training examples, device {device}"
     )
-    sink.write(
-        0, event="start", clock=0, batch_size=config.batch_size, mode="allreduce",
-        slowdown=config.slowdown, jitter_ms=config.jitter_ms,
-    )
+    report = TrainingLog(config, task, model, device, sink, who, log)
+    report.start(0, "allreduce")
     start = time.perf_counter()
-    window_start, window_loss, window_n = start, 0.0, 0
     for step in range(config.steps):
         t0 = time.perf_counter()
         x, y = next(data)
         flat_model.zero_grad()
         loss = task.loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
-        for p, view in zip(flat_model.params, grad_views):
-            if p.grad is not view:  # autograd replaced the view: copy back into the flat buffer
-                assert view is not None
-                view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
-                p.grad = view
+        flat_model.collect_grads()
         _sync(device)
         compute_s = time.perf_counter() - t0
         delay_s = delays.apply(compute_s)
@@ -147,9 +137,7 @@ def _train(
         optimizer.step()
         loss_value = loss.item()  # synchronizes with the device
         t4 = time.perf_counter()
-        window_loss += loss_value
-        window_n += 1
-        record: dict[str, Any] = {
+        report.step(step + 1, {
             "clock": step,
             "loss": loss_value,
             "step_s": t4 - t0,
@@ -161,23 +149,5 @@ def _train(
             "staleness": 0,
             "accepted": True,
             "version": [step],
-        }
-        done = step + 1
-        if done % eval_every == 0 or done == config.steps:
-            record.update(task.evaluate(model, device))
-        sink.write(done, **record)
-        if done % log_every == 0 or done == config.steps:
-            now = time.perf_counter()
-            rate = window_n / max(now - window_start, 1e-9)
-            acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
-            log(f"{who}: step {done}/{config.steps} loss {window_loss / window_n:.4f}{acc} ({rate:.1f} steps/s)")
-            window_start, window_loss, window_n = now, 0.0, 0
-    elapsed = time.perf_counter() - start
-    final = task.evaluate(model, device)
-    result = {"event": "final", "steps": config.steps, "elapsed_s": elapsed, **final}
-    sink.write(config.steps, **result)
-    log(
-        f"{who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f} "
-        f"after {config.steps} steps in {elapsed:.1f} s"
-    )
-    return result
+        })
+    return report.final(time.perf_counter() - start)

@@ -203,17 +203,10 @@ def cmd_server(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(ns: argparse.Namespace) -> int:
-    from psgrad.metrics import MetricsSink
-    from psgrad.tasks import get_task
-    from psgrad.worker import train
-
-    _check_task(ns.task)
-    spec = _job_spec(ns, ns.num_workers, len(ns.servers))
-    if ns.rank >= ns.num_workers:
-        raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
-    config = WorkerConfig(
-        servers=ns.servers,
+def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...], client: ClientConfig) -> WorkerConfig:
+    """The WorkerConfig of `psgrad worker` and `psgrad allreduce` from their shared flags."""
+    return WorkerConfig(
+        servers=servers,
         task=ns.task,
         rank=ns.rank,
         steps=ns.steps,
@@ -225,12 +218,23 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         log_every=ns.log_every,
         slowdown=ns.slowdown,
         jitter_ms=ns.jitter_ms,
-        client=ClientConfig(
-            connect_timeout_s=ns.connect_timeout_s,
-            rpc_timeout_s=ns.rpc_timeout_s,
-            init_timeout_s=ns.init_timeout_s,
-        ),
+        client=client,
     )
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    from psgrad.metrics import MetricsSink
+    from psgrad.tasks import get_task
+    from psgrad.worker import train
+
+    _check_task(ns.task)
+    spec = _job_spec(ns, ns.num_workers, len(ns.servers))
+    if ns.rank >= ns.num_workers:
+        raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
+    client = ClientConfig(
+        connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s
+    )
+    config = _worker_config(ns, ns.servers, client)
     task = get_task(ns.task, ns.seed)
     with MetricsSink(ns.metrics_out, ns.rank) as sink:
         train(config, spec, task, sink)
@@ -255,21 +259,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     spec = JobSpec(
         mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay
     )
-    config = WorkerConfig(
-        servers=(),
-        task=ns.task,
-        rank=ns.rank,
-        steps=ns.steps,
-        batch_size=ns.batch_size,
-        device=ns.device,
-        seed=ns.seed,
-        metrics_out=ns.metrics_out,
-        eval_every=ns.eval_every,
-        log_every=ns.log_every,
-        slowdown=ns.slowdown,
-        jitter_ms=ns.jitter_ms,
-        client=ClientConfig(init_timeout_s=ns.init_timeout_s),
-    )
+    config = _worker_config(ns, (), ClientConfig(init_timeout_s=ns.init_timeout_s))
     task = get_task(ns.task, ns.seed)
     with MetricsSink(ns.metrics_out, ns.rank) as sink:
         train_allreduce(config, spec, task, sink, str(store.absolute()))

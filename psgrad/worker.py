@@ -78,12 +78,17 @@ class FlatModel:
             if p.grad is not gview:
                 p.grad = gview
 
-    def gather_grads(self) -> torch.Tensor:
-        """The flat gradient on the host, ready to push."""
+    def collect_grads(self) -> torch.Tensor:
+        """The flat gradient on the model's device, with every parameter's gradient in it."""
         for p, gview in self._views:
             if p.grad is not gview:  # autograd replaced the view: copy instead
                 gview.copy_(p.grad if p.grad is not None else torch.zeros_like(gview))
                 p.grad = gview
+        return self.grad
+
+    def gather_grads(self) -> torch.Tensor:
+        """The flat gradient on the host, ready to push."""
+        self.collect_grads()
         if self.host_grad is not self.grad:
             self.host_grad.copy_(self.grad, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
@@ -97,6 +102,57 @@ class FlatModel:
 
 def _every(value: int, steps: int, times: int) -> int:
     return value if value > 0 else max(1, steps // times)
+
+
+class TrainingLog:
+    """What every training loop reports: one metrics record per step, an evaluation every
+    eval_every steps, a progress line every log_every steps, and the final record."""
+
+    def __init__(
+        self, config: WorkerConfig, task: Task, model: nn.Module, device: torch.device,
+        sink: MetricsSink, who: str, log: Callable[[str], None],
+    ) -> None:
+        self._config = config
+        self.steps = config.steps
+        self.eval_every = _every(config.eval_every, config.steps, 10)
+        self.log_every = _every(config.log_every, config.steps, 10)
+        self._task, self._model, self._device = task, model, device
+        self._sink, self._who, self._log = sink, who, log
+        self._window_start, self._window_loss, self._window_n = time.perf_counter(), 0.0, 0
+
+    def start(self, clock: int, mode: str) -> None:
+        """The run's first record: where the worker starts and how it is configured."""
+        self._sink.write(
+            0, event="start", clock=clock, batch_size=self._config.batch_size, mode=mode,
+            slowdown=self._config.slowdown, jitter_ms=self._config.jitter_ms,
+        )
+        self._window_start = time.perf_counter()
+
+    def step(self, done: int, record: dict[str, Any]) -> None:
+        """Record step `done` (1-based); record holds at least "loss"."""
+        self._window_loss += record["loss"]
+        self._window_n += 1
+        if done % self.eval_every == 0 or done == self.steps:
+            record.update(self._task.evaluate(self._model, self._device))
+        self._sink.write(done, **record)
+        if done % self.log_every == 0 or done == self.steps:
+            now = time.perf_counter()
+            rate = self._window_n / max(now - self._window_start, 1e-9)
+            acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
+            mean_loss = self._window_loss / self._window_n
+            self._log(f"{self._who}: step {done}/{self.steps} loss {mean_loss:.4f}{acc} ({rate:.1f} steps/s)")
+            self._window_start, self._window_loss, self._window_n = now, 0.0, 0
+
+    def final(self, elapsed_s: float) -> dict[str, Any]:
+        """Evaluate the model as it is now and write the final record."""
+        final = self._task.evaluate(self._model, self._device)
+        result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final}
+        self._sink.write(self.steps, **result)
+        self._log(
+            f"{self._who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f} "
+            f"after {self.steps} steps in {elapsed_s:.1f} s"
+        )
+        return result
 
 
 class DelayInjector:
@@ -145,8 +201,6 @@ def train(
     rank = config.rank
     x_all, y_all = task.worker_slice(rank, spec.num_workers)
     data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
-    log_every = _every(config.log_every, config.steps, 10)
-    eval_every = _every(config.eval_every, config.steps, 10)
     who = f"worker {rank}/{spec.num_workers}"
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
 
@@ -157,12 +211,9 @@ def train(
             f"{who}: joined {spec.num_shards} shard(s) at clock {first_clock}, {plan.total:,} parameters, "
             f"mode {mode}, task {task.name}, {len(x_all)} training examples, device {device}"
         )
-        sink.write(
-            0, event="start", clock=first_clock, batch_size=config.batch_size, mode=spec.mode,
-            slowdown=config.slowdown, jitter_ms=config.jitter_ms,
-        )
+        report = TrainingLog(config, task, model, device, sink, who, log)
+        report.start(first_clock, spec.mode)
         start = time.perf_counter()
-        window_start, window_loss, window_n = start, 0.0, 0
         for step in range(config.steps):
             clock = first_clock + step
             t0 = time.perf_counter()
@@ -179,12 +230,9 @@ def train(
             t2 = time.perf_counter()
             replies = client.push(grad, clock)
             t3 = time.perf_counter()
-            loss_value = loss.item()
-            window_loss += loss_value
-            window_n += 1
-            record: dict[str, Any] = {
+            report.step(step + 1, {
                 "clock": clock,
-                "loss": loss_value,
+                "loss": loss.item(),
                 "step_s": t3 - t0,
                 "pull_s": t1 - t0,
                 "compute_s": compute_s,
@@ -193,17 +241,7 @@ def train(
                 "staleness": max(r.staleness for r in replies),
                 "accepted": all(r.applied or r.deferred for r in replies),
                 "version": client.base_versions,
-            }
-            done = step + 1
-            if done % eval_every == 0 or done == config.steps:
-                record.update(task.evaluate(model, device))
-            sink.write(done, **record)
-            if done % log_every == 0 or done == config.steps:
-                now = time.perf_counter()
-                rate = window_n / max(now - window_start, 1e-9)
-                acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
-                log(f"{who}: step {done}/{config.steps} loss {window_loss / window_n:.4f}{acc} ({rate:.1f} steps/s)")
-                window_start, window_loss, window_n = now, 0.0, 0
+            })
         elapsed = time.perf_counter() - start
         if spec.mode == "sync":  # evaluate the final model: wait for the last iteration's update
             client.pull(flat_model.host_flat, first_clock + config.steps)
@@ -212,11 +250,4 @@ def train(
             client.leave()
             client.pull(flat_model.host_flat, first_clock + config.steps, observe=True)
         flat_model.weights_pulled()
-        final = task.evaluate(model, device)
-    result = {"event": "final", "steps": config.steps, "elapsed_s": elapsed, **final}
-    sink.write(config.steps, **result)
-    log(
-        f"{who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f} "
-        f"after {config.steps} steps in {elapsed:.1f} s"
-    )
-    return result
+        return report.final(elapsed)
