@@ -38,7 +38,8 @@ class ConsistencyPolicy(ABC):
         """May a live worker that has completed `clock` iterations pull now?"""
 
     def start_clock(self, view: ClockView) -> int:
-        """Clock for a worker joining a running job: as far along as the slowest live worker."""
+        """Clock for a worker joining a running job: as far along as the slowest live worker
+        (so that a joiner never holds the others back)."""
         return view.min_clock or 0
 
     def blocking(self, clock: int, view: ClockView) -> list[int]:
@@ -58,6 +59,10 @@ class AsyncPolicy(ConsistencyPolicy):
 
     def pull_ready(self, clock: int, view: ClockView) -> bool:
         return True
+
+    def start_clock(self, view: ClockView) -> int:
+        """Nothing waits on clocks in async mode: a new worker counts its iterations from 0."""
+        return 0
 
 
 class SSPPolicy(ConsistencyPolicy):
