@@ -183,7 +183,6 @@ def run_compare(
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     plan = [(mode, repeat) for repeat in range(cfg.repeats) for mode in cfg.modes]
     per_mode: dict[str, list[dict[str, Any]]] = {m.label: [] for m in cfg.modes}
-    runs: dict[str, list[analysis.RunData]] = {m.label: [] for m in cfg.modes}
     with tqdm(plan, desc="psgrad compare", unit="run", file=sys.stderr, disable=not progress) as bar:
         for mode, repeat in bar:
             bar.set_postfix_str(f"{mode.label} repeat {repeat + 1}/{cfg.repeats}")
@@ -195,7 +194,6 @@ def run_compare(
                 raise PsgradError(f"{mode.label} (repeat {repeat}) failed; see {run_dir / 'output.log'}")
             data = analysis.load_run(run_dir, label=mode.label, repeat=repeat)
             metrics = analysis.run_metrics(data, cfg.target_accuracy)
-            runs[mode.label].append(data)
             per_mode[mode.label].append(metrics)
             bar.write(f"{mode.label:>10} repeat {repeat + 1}: {_one_line(metrics)}")
     summary = {label: analysis.aggregate(ms) for label, ms in per_mode.items()}
