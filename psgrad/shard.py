@@ -211,9 +211,10 @@ class Shard:
             self._notify()
 
     def wake(self) -> None:
-        """Wake waiting pulls so they re-check their call (used on cancellation)."""
+        """Wake waiting pulls so they re-check their call (used when a call ends or is cancelled)."""
         with self._cond:
-            self._notify()
+            if self._waiting:  # every pull's end calls this: skip the wake-up when nobody waits
+                self._notify()
 
     # ----------------------------------------------------------------- join / init
     def _require_layout(self, fingerprint: str, rank: int) -> Layout:
