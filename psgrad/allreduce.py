@@ -84,7 +84,11 @@ def train_allreduce(
             timeout=timedelta(seconds=config.client.init_timeout_s),
         )
     try:
-        return _train(config, spec, task, sink, device, backend, who, log)
+        result = _train(config, spec, task, sink, device, backend, who, log)
+        # every rank has finished its last collective before anyone tears its sockets down
+        with _collective("final barrier", who):
+            dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
