@@ -196,7 +196,7 @@ def _check_history(history: list[tuple], pending: list[tuple[int, int]], plan: P
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
 @given(plan=plans())
 def test_random_schedules_keep_every_modes_invariants(make_servers, plan: Plan) -> None:  # type: ignore[no-untyped-def]
-    servers = make_servers(2, lease_s=2.0)
+    servers = make_servers(2, lease_s=3.0)  # generous: a busy CI host must not evict a live worker
     n = len(plan.steps)
     spec = JobSpec(mode=plan.mode, staleness=plan.staleness, num_workers=n, num_shards=2, lr=0.01)
     log = Log()
@@ -230,6 +230,6 @@ def test_random_schedules_keep_every_modes_invariants(make_servers, plan: Plan) 
         states = {w[0]: w[2] for w in s.shard.status()["workers"]}
         for r, k in plan.kill_at.items():
             someone_waited = plan.mode == "sync" and any(
-                plan.steps[w] > k for w in range(n) if w not in plan.kill_at
+                plan.steps[w] > k + 1 for w in range(n) if w not in plan.kill_at  # pulls past k
             )
             assert states[r] == "evicted" if someone_waited else states[r] in ("live", "evicted"), states
