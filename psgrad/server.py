@@ -42,7 +42,7 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
 }
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
 # server's explanation (who it was waiting for) rather than a bare local timeout.
-DEADLINE_MARGIN_S = 0.25
+DEADLINE_MARGIN_S = 0.5
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -253,7 +253,7 @@ def _first_iteration_without_rank_1(a: ParameterClient, b: ParameterClient) -> N
 
 
 def test_waiting_pull_honours_its_deadline_and_names_the_blocking_worker(servers: list[RunningServer]) -> None:
-    short = ClientConfig(connect_timeout_s=5, rpc_timeout_s=1.0, init_timeout_s=5, retries=0)
+    short = ClientConfig(connect_timeout_s=5, rpc_timeout_s=2.0, init_timeout_s=5, retries=0)
     a, b = _sync_pair(servers, short)
     try:
         _first_iteration_without_rank_1(a, b)
