@@ -420,16 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one training worker", description="Train one worker against running servers.")
     w.add_argument("--servers", type=_servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]; shard i is the i-th, same order for every worker")
-    w.add_argument("--rank", type=int, default=0, help="this worker's rank; rank 0 initializes the servers (default: 0)")
-    w.add_argument("--num-workers", type=_positive_int, default=1, help="workers in the job (default: 1)")
-    w.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
-    w.add_argument(
-        "--slowdown",
-        type=float,
-        default=1.0,
-        help="make this worker a straggler: each step takes FACTOR times its measured compute "
-        "time (default: 1, no delay)",
-    )
+    _add_rank_args(w, "this worker's rank; rank 0 initializes the servers")
     _add_job_args(w)
     w.set_defaults(func=cmd_worker)
 
@@ -443,23 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout-s and --rpc-timeout-s are accepted and ignored; --init-timeout-s bounds "
         "the rendezvous and every all_reduce.",
     )
-    ar.add_argument("--rank", type=int, default=0, help="this process's rank, 0..N-1 (default: 0)")
-    ar.add_argument("--num-workers", type=_positive_int, default=1, help="ranks in the job (default: 1)")
+    _add_rank_args(ar, "this process's rank, 0..N-1")
     ar.add_argument(
         "--store",
         required=True,
         help="rendezvous file (torch.distributed FileStore) on a file system every rank can see, "
         "the same path for all ranks; it must not exist (or be empty) when the job starts: a file "
-        "left over from an earlier run can hang or break the rendezvous. It is removed at the end "
-        "when every rank exits cleanly",
-    )
-    ar.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
-    ar.add_argument(
-        "--slowdown",
-        type=float,
-        default=1.0,
-        help="make this rank a straggler: each step takes FACTOR times its measured compute "
-        "time (default: 1, no delay)",
+        "left over from an earlier run can hang or break the rendezvous, so delete it between runs",
     )
     _add_job_args(ar)
     ar.set_defaults(func=cmd_allreduce)
@@ -545,6 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout-s", type=float, default=5.0, help="deadline per server (default: 5)")
     st.set_defaults(func=cmd_status)
     return parser
+
+
+def _add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
+    """Flags of one training process: `psgrad worker` and `psgrad allreduce`."""
+    p.add_argument("--rank", type=int, default=0, help=f"{rank_help} (default: 0)")
+    p.add_argument("--num-workers", type=_positive_int, default=1, help="workers in the job (default: 1)")
+    p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="make this worker a straggler: each step takes FACTOR times its measured compute "
+        "time (default: 1, no delay)",
+    )
 
 
 def _add_server_policy_args(p: argparse.ArgumentParser) -> None:
