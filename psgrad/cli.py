@@ -14,6 +14,7 @@ from psgrad import __version__
 from psgrad.config import (
     MODES,
     NONFINITE_POLICIES,
+    OPTIMIZER_NAMES,
     WIRE_DTYPES,
     ClientConfig,
     JobSpec,
@@ -92,7 +93,15 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--steps", type=int, default=1000, help="training steps per worker (default: 1000)")
     g.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")
-    g.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate (default: 0.1)")
+    g.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_NAMES,
+        help="update rule the servers apply: sgd (optionally with --momentum), adam (like "
+        "torch.optim.Adam; keeps 2 extra floats per parameter on the servers) or adamw (Adam with "
+        "decoupled weight decay) (default: sgd)",
+    )
+    g.add_argument("--lr", type=float, default=0.1, help="server-side learning rate (default: 0.1; adam usually wants ~1e-3)")
     g.add_argument(
         "--momentum",
         type=float,
@@ -100,7 +109,33 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         help="SGD momentum on the servers (default: 0). With many async workers, "
         "effective momentum grows with staleness: lower it if training oscillates",
     )
-    g.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (default: 0)")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="weight decay: L2 added to the gradient for sgd and adam, decoupled for adamw (default: 0)",
+    )
+    g.add_argument(
+        "--beta1",
+        type=float,
+        default=0.9,
+        help="adam/adamw: decay of the gradient average (Adam's momentum); like --momentum, lower it "
+        "(e.g. 0.5) if training with many async workers oscillates (default: 0.9)",
+    )
+    g.add_argument(
+        "--beta2",
+        type=float,
+        default=0.999,
+        help="adam/adamw: decay of the squared-gradient average; lower it (e.g. 0.98) if training "
+        "is unstable early on (default: 0.999)",
+    )
+    g.add_argument(
+        "--eps",
+        type=float,
+        default=1e-8,
+        help="adam/adamw: term added to the denominator; raise it (e.g. 1e-6) if parameters whose "
+        "gradients are almost zero still take lr-sized steps (default: 1e-8)",
+    )
     g.add_argument(
         "--wire-dtype",
         default="float32",
@@ -155,9 +190,13 @@ def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobS
         staleness=_staleness(ns),
         staleness_lr=ns.staleness_lr,
         num_workers=num_workers,
+        optimizer=ns.optimizer,
         lr=ns.lr,
         momentum=ns.momentum,
         weight_decay=ns.weight_decay,
+        beta1=ns.beta1,
+        beta2=ns.beta2,
+        eps=ns.eps,
         wire_dtype=ns.wire_dtype,
         num_shards=num_shards,
     )
@@ -167,7 +206,8 @@ def _job_argv(ns: argparse.Namespace) -> list[str]:
     """The job options back as argv (launch passes them to each worker)."""
     out = ["--staleness", str(_staleness(ns))] + (["--staleness-lr"] if ns.staleness_lr else [])
     for flag in (
-        "task", "mode", "steps", "batch_size", "lr", "momentum", "weight_decay", "wire_dtype", "seed",
+        "task", "mode", "steps", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2",
+        "eps", "wire_dtype", "seed",
         "device", "eval_every", "log_every", "connect_timeout_s", "rpc_timeout_s", "init_timeout_s",
         "jitter_ms",
     ):
@@ -256,6 +296,8 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
     # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
     # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay matter.
+    if ns.optimizer != "sgd":
+        raise ConfigError(f"the all-reduce baseline applies SGD only, got --optimizer {ns.optimizer}")
     spec = JobSpec(
         mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay
     )

@@ -11,6 +11,9 @@ from psgrad.errors import ConfigError
 MODES = ("async", "ssp", "sync")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
+# The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
+# tests/test_optimizers.py keeps the two equal.
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -37,6 +40,9 @@ class JobSpec:
     wire_dtype: str = "float32"
     num_shards: int = 1
     staleness_lr: bool = False
+    beta1: float = 0.9  # Adam's first-moment decay (adam, adamw)
+    beta2: float = 0.999  # Adam's second-moment decay (adam, adamw)
+    eps: float = 1e-8  # Adam's denominator term (adam, adamw)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -53,6 +59,17 @@ class JobSpec:
         _check(
             math.isfinite(self.momentum) and 0 <= self.momentum < 1,
             f"momentum must be in [0, 1), got {self.momentum!r}",
+        )
+        _check(
+            self.momentum == 0 or self.optimizer == "sgd",
+            f"momentum applies only to optimizer 'sgd' (Adam's momentum is beta1), "
+            f"got momentum {self.momentum!r} with optimizer {self.optimizer!r}",
+        )
+        for name in ("beta1", "beta2"):
+            beta = getattr(self, name)
+            _check(math.isfinite(beta) and 0 <= beta < 1, f"{name} must be in [0, 1), got {beta!r}")
+        _check(
+            math.isfinite(self.eps) and self.eps > 0, f"eps must be a finite number > 0, got {self.eps!r}"
         )
         _finite_nonneg("weight_decay", self.weight_decay)
         _check(

@@ -9,6 +9,11 @@ import torch
 from psgrad.config import JobSpec
 from psgrad.errors import ConfigError
 
+# Adam works through the shard in blocks of this many elements so that its denominator needs a
+# 4 MiB scratch buffer, not another 4 bytes per parameter. On 2 vCPUs, blocks of 2**20 ran as fast
+# as one pass over a 25M range; much smaller blocks pay torch's per-call overhead many times.
+ADAM_BLOCK = 1 << 20
+
 
 class ShardOptimizer(ABC):
     """Applies one gradient to a shard's master weights (both float32, same length)."""
@@ -48,8 +53,77 @@ class SGD(ShardOptimizer):
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
+class Adam(ShardOptimizer):
+    """Adam with bias correction, like torch.optim.Adam (weight_decay is L2, added to the gradient);
+    decoupled=True decays the weights directly instead, like torch.optim.AdamW.
+
+    Both moments are allocated once, here; apply() allocates nothing.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled: bool = False,
+        block: int = ADAM_BLOCK,
+    ) -> None:
+        if block < 1:
+            raise ConfigError(f"block must be >= 1, got {block}")
+        self.lr = lr
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.decoupled = decoupled
+        self.steps = 0
+        self.exp_avg = torch.zeros(numel)
+        self.exp_avg_sq = torch.zeros(numel)
+        self._block = block
+        self._denom = torch.empty(min(numel, block))
+
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        self.steps += 1
+        lr = self.lr * lr_scale
+        # Python floats, the same arithmetic as torch.optim.Adam's single-tensor path.
+        step_size = lr / (1 - self.beta1**self.steps)
+        bias_correction2_sqrt = (1 - self.beta2**self.steps) ** 0.5
+        decay = self.weight_decay
+        numel = weights.numel()
+        for lo in range(0, numel, self._block):
+            hi = min(numel, lo + self._block)
+            w, g = weights[lo:hi], grad[lo:hi]
+            m, v = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
+            denom = self._denom[: hi - lo]
+            if decay and self.decoupled:
+                w.mul_(1 - lr * decay)
+            elif decay:
+                g.add_(w, alpha=decay)
+            m.lerp_(g, 1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+            torch.sqrt(v, out=denom)
+            denom.div_(bias_correction2_sqrt).add_(self.eps)
+            w.addcdiv_(m, denom, value=-step_size)
+
+    def state_bytes(self) -> int:
+        """Both moments and the scratch block: (2 * numel + min(numel, block)) float32 values."""
+        return sum(t.numel() * t.element_size() for t in (self.exp_avg, self.exp_avg_sq, self._denom))
+
+
+def _adam(decoupled: bool) -> Callable[[int, JobSpec], ShardOptimizer]:
+    def build(numel: int, spec: JobSpec) -> ShardOptimizer:
+        return Adam(numel, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, decoupled)
+
+    return build
+
+
 OPTIMIZERS: dict[str, Callable[[int, JobSpec], ShardOptimizer]] = {
     "sgd": lambda numel, spec: SGD(numel, spec.lr, spec.momentum, spec.weight_decay),
+    "adam": _adam(decoupled=False),
+    "adamw": _adam(decoupled=True),
 }
 
 

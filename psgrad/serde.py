@@ -8,6 +8,13 @@ from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.sharding import ParamSpec
 
+_DEFAULT_SPEC = JobSpec()
+
+
+def _optional(msg: pb.JobSpec, name: str) -> float:
+    """An `optional` field's value, or JobSpec's default when the sender left it out."""
+    return float(getattr(msg, name)) if msg.HasField(name) else float(getattr(_DEFAULT_SPEC, name))
+
 
 def job_spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     return pb.JobSpec(**spec.as_dict())
@@ -25,6 +32,9 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         wire_dtype=msg.wire_dtype,
         num_shards=msg.num_shards,
         staleness_lr=msg.staleness_lr,
+        beta1=_optional(msg, "beta1"),
+        beta2=_optional(msg, "beta2"),
+        eps=_optional(msg, "eps"),
     )
 
 

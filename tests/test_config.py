@@ -48,6 +48,16 @@ JOB_BAD = [
     ("weight_decay", NAN),
     ("wire_dtype", "int8"),
     ("wire_dtype", "fp16"),
+    ("beta1", -0.1),
+    ("beta1", 1.0),
+    ("beta1", NAN),
+    ("beta2", 1.0),
+    ("beta2", -1e-9),
+    ("beta2", INF),
+    ("eps", 0.0),
+    ("eps", -1e-8),
+    ("eps", INF),
+    ("eps", NAN),
 ]
 
 
@@ -56,6 +66,41 @@ def test_job_spec_refuses(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         JobSpec(**{field: value})  # type: ignore[arg-type]
     _assert_names(info.value, field, value)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_job_spec_refuses_momentum_with_adam(optimizer: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        JobSpec(optimizer=optimizer, momentum=0.9)
+    _assert_names(info.value, "momentum", 0.9)
+    assert repr(optimizer) in str(info.value)
+    assert "beta1" in str(info.value)  # where Adam's momentum lives
+    assert JobSpec(optimizer=optimizer, momentum=0.0).optimizer == optimizer
+
+
+def test_job_spec_adam_boundaries() -> None:
+    spec = JobSpec(optimizer="adam", beta1=0.0, beta2=0.0, eps=1e-300)
+    assert (spec.beta1, spec.beta2, spec.eps) == (0.0, 0.0, 1e-300)
+    spec = JobSpec(optimizer="adamw", beta1=0.999999, beta2=0.999999, eps=10.0)
+    assert spec.beta2 == 0.999999
+    assert (JobSpec().beta1, JobSpec().beta2, JobSpec().eps) == (0.9, 0.999, 1e-8)  # torch.optim.Adam's
+
+
+def test_job_spec_adam_fields_reach_fingerprint_and_mismatch_message() -> None:
+    from psgrad.layout import Layout, explain_mismatch
+    from psgrad.sharding import ParamSpec, fingerprint
+
+    params = (ParamSpec("w", (10,), "float32"),)
+    base = JobSpec(optimizer="adam")
+    prints = {fingerprint(params, base)}
+    for field, value in (("beta1", 0.8), ("beta2", 0.99), ("eps", 1e-6), ("optimizer", "adamw")):
+        other = dataclasses.replace(base, **{field: value})
+        prints.add(fingerprint(params, other))
+        mine = Layout(base, params, 0, 0, 10, fingerprint(params, base))
+        theirs = Layout(other, params, 0, 0, 10, fingerprint(params, other))
+        msg = explain_mismatch(mine, theirs, rank=3)
+        assert msg is not None and field in msg and repr(value) in msg, msg
+    assert len(prints) == 5
 
 
 def test_job_spec_lists_valid_choices() -> None:

@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.optimizers: the server-side SGD matches torch.optim.SGD; the registry."""
+"""Pure tests of psgrad.optimizers: SGD and Adam(W) match torch.optim's; the registry."""
 from __future__ import annotations
 
 import itertools
@@ -6,9 +6,9 @@ import itertools
 import pytest
 import torch
 
-from psgrad.config import JobSpec
+from psgrad.config import OPTIMIZER_NAMES, JobSpec
 from psgrad.errors import ConfigError
-from psgrad.optimizers import SGD, make_optimizer
+from psgrad.optimizers import OPTIMIZERS, SGD, Adam, make_optimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,7 +98,129 @@ def test_momentum_buffer_does_not_alias_the_gradient() -> None:
 
 def test_make_optimizer_refuses_unknown_name() -> None:
     with pytest.raises(ConfigError) as info:
-        make_optimizer(JobSpec(optimizer="adamw"), 10)
+        make_optimizer(JobSpec(optimizer="rmsprop"), 10)
     msg = str(info.value)
-    assert "'adamw'" in msg
-    assert "sgd" in msg
+    assert "'rmsprop'" in msg
+    for name in ("sgd", "adam", "adamw"):
+        assert name in msg
+
+
+def test_registry_and_config_list_the_same_names() -> None:
+    assert sorted(OPTIMIZERS) == sorted(OPTIMIZER_NAMES)
+
+
+# ----------------------------------------------------------------------------- Adam / AdamW
+def _torch_adam(
+    w0: torch.Tensor, grads: list[torch.Tensor], decoupled: bool, lr_scales: list[float] | None = None, **kw: float
+) -> torch.Tensor:
+    param = torch.nn.Parameter(w0.clone())
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    lr = kw.pop("lr")
+    opt = cls([param], lr=lr, betas=(kw.pop("beta1"), kw.pop("beta2")), foreach=False, **kw)
+    for i, g in enumerate(grads):
+        opt.param_groups[0]["lr"] = lr * (lr_scales[i] if lr_scales else 1.0)
+        param.grad = g.clone()
+        opt.step()
+    return param.detach()
+
+
+ADAM_GRID = [
+    # lr, beta1, beta2, eps, weight_decay
+    (1e-3, 0.9, 0.999, 1e-8, 0.0),
+    (1e-2, 0.9, 0.999, 1e-8, 1e-2),
+    (0.1, 0.5, 0.98, 1e-6, 0.3),
+    (1e-3, 0.0, 0.0, 1e-8, 0.0),  # no moment averaging: sign-like steps
+    (3e-3, 0.99, 0.9999, 1e-3, 1e-4),
+]
+
+
+@pytest.mark.parametrize("lr, beta1, beta2, eps, weight_decay", ADAM_GRID)
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("block", [NUMEL, 128, 7], ids=["one-block", "block128", "block7"])
+def test_adam_matches_torch(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, block: int
+) -> None:
+    w0, grads = _data(seed=int(lr * 1e4 + beta1 * 10 + weight_decay * 100))
+    grads += [g * 1e-3 for g in grads]  # small gradients after large ones: the bias correction matters
+    expected = _torch_adam(
+        w0, grads, decoupled, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+    )
+    opt = Adam(NUMEL, lr, beta1, beta2, eps, weight_decay, decoupled=decoupled, block=block)
+    w = w0.clone()
+    for g in grads:
+        opt.apply(w, g.clone())
+    assert not torch.equal(w, w0)
+    assert torch.allclose(w, expected, rtol=1e-6, atol=1e-7), (w - expected).abs().max()
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_from_the_registry_matches_torch(name: str) -> None:
+    spec = JobSpec(optimizer=name, lr=0.01, beta1=0.8, beta2=0.99, eps=1e-7, weight_decay=0.05)
+    opt = make_optimizer(spec, NUMEL)
+    assert isinstance(opt, Adam)
+    w0, grads = _data(seed=3)
+    expected = _torch_adam(
+        w0, grads, name == "adamw", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-7, weight_decay=0.05
+    )
+    w = w0.clone()
+    for g in grads:
+        opt.apply(w, g.clone())
+    assert torch.allclose(w, expected, rtol=1e-6, atol=1e-7), (w - expected).abs().max()
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_adam_lr_scale_is_a_per_step_learning_rate(decoupled: bool) -> None:
+    w0, grads = _data(seed=4)
+    scales = [1.0, 0.5, 0.25, 1.0, 1 / 3]
+    expected = _torch_adam(
+        w0, grads, decoupled, lr_scales=scales, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1
+    )
+    opt = Adam(NUMEL, 0.01, weight_decay=0.1, decoupled=decoupled, block=300)
+    w = w0.clone()
+    for g, s in zip(grads, scales):
+        opt.apply(w, g.clone(), lr_scale=s)
+    assert torch.allclose(w, expected, rtol=1e-6, atol=1e-7), (w - expected).abs().max()
+
+
+def test_adam_first_step_is_lr_times_sign() -> None:
+    # Hand-computed: after one step m_hat = g and v_hat = g*g, so the step is lr * g / (|g| + eps).
+    opt = Adam(3, lr=0.5, eps=1e-12)
+    w = torch.zeros(3)
+    opt.apply(w, torch.tensor([2.0, -0.001, 1e4]))
+    assert torch.allclose(w, torch.tensor([-0.5, 0.5, -0.5]), rtol=1e-6)
+
+
+def test_adam_state_is_allocated_once_and_reused() -> None:
+    numel, block = 1000, 256
+    opt = Adam(numel, lr=1e-3, block=block)
+    assert opt.state_bytes() == (2 * numel + block) * 4  # both moments and a block of scratch
+    assert Adam(10, lr=1e-3, block=256).state_bytes() == (2 * 10 + 10) * 4  # scratch never exceeds numel
+    before = [opt.exp_avg.data_ptr(), opt.exp_avg_sq.data_ptr(), opt._denom.data_ptr()]
+    w, g = torch.zeros(numel), torch.ones(numel)
+    for _ in range(3):
+        opt.apply(w, g.clone())
+    assert [opt.exp_avg.data_ptr(), opt.exp_avg_sq.data_ptr(), opt._denom.data_ptr()] == before
+    assert opt.state_bytes() == (2 * numel + block) * 4
+    assert opt.steps == 3
+
+
+def test_adam_apply_allocates_nothing_large() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    numel = 200_000
+    opt = Adam(numel, lr=1e-3, weight_decay=0.01, block=1 << 14)
+    w, g = torch.randn(numel), torch.randn(numel)
+    opt.apply(w, g)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.apply(w, g)
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"
+    # The check itself can fail: the same profile around an out-of-place op sees its allocation.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (w * 2).sum()
+    assert max(e.cpu_memory_usage for e in prof.events()) >= numel * 4
+
+
+def test_adam_refuses_a_zero_block() -> None:
+    with pytest.raises(ConfigError, match="block"):
+        Adam(10, lr=1e-3, block=0)

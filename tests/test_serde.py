@@ -25,6 +25,9 @@ SPEC = JobSpec(
     wire_dtype="bfloat16",
     num_shards=2,
     staleness_lr=True,
+    beta1=0.8,
+    beta2=0.95,
+    eps=1e-6,
 )
 
 
@@ -46,11 +49,34 @@ def test_job_spec_round_trip_defaults() -> None:
     assert serde.job_spec_from_proto(_through_wire(serde.job_spec_to_proto(JobSpec()))) == JobSpec()
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        JobSpec(optimizer="adam", lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-12, weight_decay=0.1),
+        JobSpec(optimizer="adamw", beta1=0.999999, beta2=0.5, eps=3.0),
+    ],
+    ids=["adam-zero-betas", "adamw"],
+)
+def test_job_spec_round_trip_adam(spec: JobSpec) -> None:
+    # beta 0.0 is proto3's default value: it must still arrive as 0.0, not as psgrad's default 0.9.
+    assert serde.job_spec_from_proto(_through_wire(serde.job_spec_to_proto(spec))) == spec
+
+
+def test_job_spec_absent_adam_fields_mean_the_defaults() -> None:
+    # A sender built from an older ps.proto (no fields 11-13) gets psgrad's defaults, not zeros.
+    msg = pb.JobSpec(mode="async", num_workers=1, optimizer="adam", lr=1e-3, wire_dtype="float32", num_shards=1)
+    assert not msg.HasField("eps")
+    spec = serde.job_spec_from_proto(_through_wire(msg))
+    assert (spec.beta1, spec.beta2, spec.eps) == (0.9, 0.999, 1e-8)
+    assert spec == JobSpec(optimizer="adam", lr=1e-3)
+
+
 def test_job_spec_proto_is_what_the_contract_says() -> None:
     # A hand-built proto (as another language's client would send) decodes to the same spec.
     msg = pb.JobSpec(
         mode="ssp", staleness=3, num_workers=4, optimizer="sgd", lr=0.05, momentum=0.9,
-        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2, staleness_lr=True,
+        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2, staleness_lr=True, beta1=0.8, beta2=0.95,
+        eps=1e-6,
     )
     assert serde.job_spec_from_proto(msg) == SPEC
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15psgrad/proto/ps.proto\x12\x06psgrad\"\xc4\x01\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\r\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x12\n\nnum_shards\x18\t \x01(\r\x12\x14\n\x0cstaleness_lr\x18\n \x01(\x08\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"7\n\nShardRange\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\"\xac\x01\n\x0bJoinRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x1d\n\x04spec\x18\x02 \x01(\x0b\x32\x0f.psgrad.JobSpec\x12!\n\x06params\x18\x03 \x03(\x0b\x32\x11.psgrad.ParamSpec\x12!\n\x05shard\x18\x04 \x01(\x0b\x32\x12.psgrad.ShardRange\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rwait_for_init\x18\x06 \x01(\x08\"v\n\tJoinReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x13\n\x0bstart_clock\x18\x06 \x01(\x04\">\n\nInitHeader\x12!\n\x04join\x18\x01 \x01(\x0b\x32\x13.psgrad.JoinRequest\x12\r\n\x05numel\x18\x02 \x01(\x04\"I\n\tInitFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.InitHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"9\n\tInitReply\x12\x1b\n\x13\x61lready_initialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"P\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07observe\x18\x04 \x01(\x08\";\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"I\n\tPullFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"r\n\nPushHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"I\n\tPushFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"b\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x05 \x01(\x08\"_\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x04 \x01(\x01\x12\x0e\n\x06pushes\x18\x05 \x01(\x04\"3\n\x0fStalenessBucket\x12\x11\n\tstaleness\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\xa3\x03\n\x0bStatusReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12!\n\x05shard\x18\x02 \x01(\x0b\x32\x12.psgrad.ShardRange\x12\x1d\n\x04spec\x18\x03 \x01(\x0b\x32\x0f.psgrad.JobSpec\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x05 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x06 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x07 \x01(\x04\x12\r\n\x05pulls\x18\x08 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\t \x01(\x04\x12\x11\n\tbytes_out\x18\n \x01(\x04\x12%\n\x07workers\x18\x0b \x03(\x0b\x32\x14.psgrad.WorkerStatus\x12*\n\tstaleness\x18\x0c \x03(\x0b\x32\x17.psgrad.StalenessBucket\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t\x12\x11\n\tevictions\x18\x0f \x01(\x04\x12\x0f\n\x07pending\x18\x10 \x01(\x04\x12\x0f\n\x07waiting\x18\x11 \x01(\r\"5\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"!\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"1\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xfb\x02\n\x0fParameterServer\x12.\n\x04Join\x12\x13.psgrad.JoinRequest\x1a\x11.psgrad.JoinReply\x12.\n\x04Init\x12\x11.psgrad.InitFrame\x1a\x11.psgrad.InitReply(\x01\x12\x30\n\x04Pull\x12\x13.psgrad.PullRequest\x1a\x11.psgrad.PullFrame0\x01\x12.\n\x04Push\x12\x11.psgrad.PushFrame\x1a\x11.psgrad.PushReply(\x01\x12\x34\n\x06Status\x12\x15.psgrad.StatusRequest\x1a\x13.psgrad.StatusReply\x12=\n\tHeartbeat\x12\x18.psgrad.HeartbeatRequest\x1a\x16.psgrad.HeartbeatReply\x12\x31\n\x05Leave\x12\x14.psgrad.LeaveRequest\x1a\x12.psgrad.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15psgrad/proto/ps.proto\x12\x06psgrad\"\x9a\x02\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\r\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x12\n\nnum_shards\x18\t \x01(\r\x12\x14\n\x0cstaleness_lr\x18\n \x01(\x08\x12\x12\n\x05\x62\x65ta1\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05\x62\x65ta2\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x03\x65ps\x18\r \x01(\x01H\x02\x88\x01\x01\x42\x08\n\x06_beta1B\x08\n\x06_beta2B\x06\n\x04_eps\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"7\n\nShardRange\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\"\xac\x01\n\x0bJoinRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x1d\n\x04spec\x18\x02 \x01(\x0b\x32\x0f.psgrad.JobSpec\x12!\n\x06params\x18\x03 \x03(\x0b\x32\x11.psgrad.ParamSpec\x12!\n\x05shard\x18\x04 \x01(\x0b\x32\x12.psgrad.ShardRange\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rwait_for_init\x18\x06 \x01(\x08\"v\n\tJoinReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x13\n\x0bstart_clock\x18\x06 \x01(\x04\">\n\nInitHeader\x12!\n\x04join\x18\x01 \x01(\x0b\x32\x13.psgrad.JoinRequest\x12\r\n\x05numel\x18\x02 \x01(\x04\"I\n\tInitFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.InitHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"9\n\tInitReply\x12\x1b\n\x13\x61lready_initialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"P\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07observe\x18\x04 \x01(\x08\";\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"I\n\tPullFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.PullHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"r\n\nPushHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"I\n\tPushFrame\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.psgrad.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"b\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x05 \x01(\x08\"_\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x04 \x01(\x01\x12\x0e\n\x06pushes\x18\x05 \x01(\x04\"3\n\x0fStalenessBucket\x12\x11\n\tstaleness\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\xa3\x03\n\x0bStatusReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12!\n\x05shard\x18\x02 \x01(\x0b\x32\x12.psgrad.ShardRange\x12\x1d\n\x04spec\x18\x03 \x01(\x0b\x32\x0f.psgrad.JobSpec\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x05 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x06 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x07 \x01(\x04\x12\r\n\x05pulls\x18\x08 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\t \x01(\x04\x12\x11\n\tbytes_out\x18\n \x01(\x04\x12%\n\x07workers\x18\x0b \x03(\x0b\x32\x14.psgrad.WorkerStatus\x12*\n\tstaleness\x18\x0c \x03(\x0b\x32\x17.psgrad.StalenessBucket\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t\x12\x11\n\tevictions\x18\x0f \x01(\x04\x12\x0f\n\x07pending\x18\x10 \x01(\x04\x12\x0f\n\x07waiting\x18\x11 \x01(\r\"5\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"!\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"1\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xfb\x02\n\x0fParameterServer\x12.\n\x04Join\x12\x13.psgrad.JoinRequest\x1a\x11.psgrad.JoinReply\x12.\n\x04Init\x12\x11.psgrad.InitFrame\x1a\x11.psgrad.InitReply(\x01\x12\x30\n\x04Pull\x12\x13.psgrad.PullRequest\x1a\x11.psgrad.PullFrame0\x01\x12.\n\x04Push\x12\x11.psgrad.PushFrame\x1a\x11.psgrad.PushReply(\x01\x12\x34\n\x06Status\x12\x15.psgrad.StatusRequest\x1a\x13.psgrad.StatusReply\x12=\n\tHeartbeat\x12\x18.psgrad.HeartbeatRequest\x1a\x16.psgrad.HeartbeatReply\x12\x31\n\x05Leave\x12\x14.psgrad.LeaveRequest\x1a\x12.psgrad.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,49 +32,49 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'psgrad.proto.ps_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOBSPEC']._serialized_start=34
-  _globals['_JOBSPEC']._serialized_end=230
-  _globals['_PARAMSPEC']._serialized_start=232
-  _globals['_PARAMSPEC']._serialized_end=287
-  _globals['_SHARDRANGE']._serialized_start=289
-  _globals['_SHARDRANGE']._serialized_end=344
-  _globals['_JOINREQUEST']._serialized_start=347
-  _globals['_JOINREQUEST']._serialized_end=519
-  _globals['_JOINREPLY']._serialized_start=521
-  _globals['_JOINREPLY']._serialized_end=639
-  _globals['_INITHEADER']._serialized_start=641
-  _globals['_INITHEADER']._serialized_end=703
-  _globals['_INITFRAME']._serialized_start=705
-  _globals['_INITFRAME']._serialized_end=778
-  _globals['_INITREPLY']._serialized_start=780
-  _globals['_INITREPLY']._serialized_end=837
-  _globals['_PULLREQUEST']._serialized_start=839
-  _globals['_PULLREQUEST']._serialized_end=919
-  _globals['_PULLHEADER']._serialized_start=921
-  _globals['_PULLHEADER']._serialized_end=980
-  _globals['_PULLFRAME']._serialized_start=982
-  _globals['_PULLFRAME']._serialized_end=1055
-  _globals['_PUSHHEADER']._serialized_start=1057
-  _globals['_PUSHHEADER']._serialized_end=1171
-  _globals['_PUSHFRAME']._serialized_start=1173
-  _globals['_PUSHFRAME']._serialized_end=1246
-  _globals['_PUSHREPLY']._serialized_start=1248
-  _globals['_PUSHREPLY']._serialized_end=1346
-  _globals['_WORKERSTATUS']._serialized_start=1348
-  _globals['_WORKERSTATUS']._serialized_end=1443
-  _globals['_STALENESSBUCKET']._serialized_start=1445
-  _globals['_STALENESSBUCKET']._serialized_end=1496
-  _globals['_STATUSREQUEST']._serialized_start=1498
-  _globals['_STATUSREQUEST']._serialized_end=1513
-  _globals['_STATUSREPLY']._serialized_start=1516
-  _globals['_STATUSREPLY']._serialized_end=1935
-  _globals['_HEARTBEATREQUEST']._serialized_start=1937
-  _globals['_HEARTBEATREQUEST']._serialized_end=1990
-  _globals['_HEARTBEATREPLY']._serialized_start=1992
-  _globals['_HEARTBEATREPLY']._serialized_end=2025
-  _globals['_LEAVEREQUEST']._serialized_start=2027
-  _globals['_LEAVEREQUEST']._serialized_end=2076
-  _globals['_LEAVEREPLY']._serialized_start=2078
-  _globals['_LEAVEREPLY']._serialized_end=2090
-  _globals['_PARAMETERSERVER']._serialized_start=2093
-  _globals['_PARAMETERSERVER']._serialized_end=2472
+  _globals['_JOBSPEC']._serialized_end=316
+  _globals['_PARAMSPEC']._serialized_start=318
+  _globals['_PARAMSPEC']._serialized_end=373
+  _globals['_SHARDRANGE']._serialized_start=375
+  _globals['_SHARDRANGE']._serialized_end=430
+  _globals['_JOINREQUEST']._serialized_start=433
+  _globals['_JOINREQUEST']._serialized_end=605
+  _globals['_JOINREPLY']._serialized_start=607
+  _globals['_JOINREPLY']._serialized_end=725
+  _globals['_INITHEADER']._serialized_start=727
+  _globals['_INITHEADER']._serialized_end=789
+  _globals['_INITFRAME']._serialized_start=791
+  _globals['_INITFRAME']._serialized_end=864
+  _globals['_INITREPLY']._serialized_start=866
+  _globals['_INITREPLY']._serialized_end=923
+  _globals['_PULLREQUEST']._serialized_start=925
+  _globals['_PULLREQUEST']._serialized_end=1005
+  _globals['_PULLHEADER']._serialized_start=1007
+  _globals['_PULLHEADER']._serialized_end=1066
+  _globals['_PULLFRAME']._serialized_start=1068
+  _globals['_PULLFRAME']._serialized_end=1141
+  _globals['_PUSHHEADER']._serialized_start=1143
+  _globals['_PUSHHEADER']._serialized_end=1257
+  _globals['_PUSHFRAME']._serialized_start=1259
+  _globals['_PUSHFRAME']._serialized_end=1332
+  _globals['_PUSHREPLY']._serialized_start=1334
+  _globals['_PUSHREPLY']._serialized_end=1432
+  _globals['_WORKERSTATUS']._serialized_start=1434
+  _globals['_WORKERSTATUS']._serialized_end=1529
+  _globals['_STALENESSBUCKET']._serialized_start=1531
+  _globals['_STALENESSBUCKET']._serialized_end=1582
+  _globals['_STATUSREQUEST']._serialized_start=1584
+  _globals['_STATUSREQUEST']._serialized_end=1599
+  _globals['_STATUSREPLY']._serialized_start=1602
+  _globals['_STATUSREPLY']._serialized_end=2021
+  _globals['_HEARTBEATREQUEST']._serialized_start=2023
+  _globals['_HEARTBEATREQUEST']._serialized_end=2076
+  _globals['_HEARTBEATREPLY']._serialized_start=2078
+  _globals['_HEARTBEATREPLY']._serialized_end=2111
+  _globals['_LEAVEREQUEST']._serialized_start=2113
+  _globals['_LEAVEREQUEST']._serialized_end=2162
+  _globals['_LEAVEREPLY']._serialized_start=2164
+  _globals['_LEAVEREPLY']._serialized_end=2176
+  _globals['_PARAMETERSERVER']._serialized_start=2179
+  _globals['_PARAMETERSERVER']._serialized_end=2558
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class JobSpec(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     staleness: int
     num_workers: int
@@ -28,7 +31,10 @@ class JobSpec(_message.Message):
     wire_dtype: str
     num_shards: int
     staleness_lr: bool
-    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ...) -> None: ...
+    beta1: float
+    beta2: float
+    eps: float
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
