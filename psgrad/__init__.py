@@ -1,6 +1,9 @@
 """psgrad: sharded gRPC parameter servers and workers for data-parallel PyTorch training."""
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig  # noqa: E402
@@ -17,8 +20,40 @@ from psgrad.errors import (  # noqa: E402
     WorkerStateError,
 )
 
+if TYPE_CHECKING:
+    from psgrad.api import SGD, Adam, PSOptimizer, Session, StepStats, connect
+    from psgrad.tasks.base import Task
+
+# The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
+# `import psgrad.config` stay fast.
+_LAZY = {
+    "connect": "psgrad.api",
+    "Session": "psgrad.api",
+    "PSOptimizer": "psgrad.api",
+    "StepStats": "psgrad.api",
+    "SGD": "psgrad.api",
+    "Adam": "psgrad.api",
+    "Task": "psgrad.tasks.base",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psgrad' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
     "__version__",
+    "connect",
+    "Session",
+    "PSOptimizer",
+    "StepStats",
+    "SGD",
+    "Adam",
+    "Task",
     "ClientConfig",
     "JobSpec",
     "ServerConfig",

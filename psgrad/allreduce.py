@@ -14,7 +14,8 @@ from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics import MetricsSink
 from psgrad.tasks.base import Task, batches
-from psgrad.worker import DelayInjector, FlatModel, TrainingLog, resolve_device
+from psgrad.flat import FlatModel, resolve_device
+from psgrad.worker import DelayInjector, TrainingLog
 
 
 @contextmanager
@@ -107,8 +108,13 @@ def _train(
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     flat_model = FlatModel(model, device)
+    if flat_model.flat is None or flat_model.grad is None:
+        raise ConfigError(
+            f"the all-reduce baseline needs every parameter in one dtype, got {flat_model.dtypes}"
+        )
+    flat, grad = flat_model.flat, flat_model.grad
     with _collective("broadcast of rank 0's initial weights", who):
-        dist.broadcast(flat_model.flat, src=0)
+        dist.broadcast(flat, src=0)
     optimizer = torch.optim.SGD(
         flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
     )
@@ -116,7 +122,7 @@ def _train(
     data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
     log(
-        f"{who}: all-reduce ({backend}) with {world} rank(s), {flat_model.flat.numel():,} parameters, "
+        f"{who}: all-reduce ({backend}) with {world} rank(s), {flat.numel():,} parameters, "
         f"task {task.name}, {len(x_all)} training examples, device {device}"
     )
     report = TrainingLog(config, task, model, device, sink, who, log)
@@ -134,10 +140,10 @@ def _train(
         delay_s = delays.apply(compute_s)
         t2 = time.perf_counter()
         with _collective(f"all_reduce of step {step}", who):
-            dist.all_reduce(flat_model.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         _sync(device)
         t3 = time.perf_counter()
-        flat_model.grad.div_(world)
+        grad.div_(world)
         optimizer.step()
         loss_value = loss.item()  # synchronizes with the device
         t4 = time.perf_counter()

@@ -70,7 +70,12 @@ def _positive_int(text: str) -> int:
 # --------------------------------------------------------------------------- job options
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job (every worker must pass the same values)")
-    g.add_argument("--task", default="digits", help="training task: a built-in name (default: digits)")
+    g.add_argument(
+        "--task",
+        default="digits",
+        help="training task: a built-in name (digits, mnist1d) or your own as package.module:function "
+        "returning a psgrad.Task; the current directory is searched (default: digits)",
+    )
     g.add_argument(
         "--mode",
         default="async",
@@ -156,6 +161,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="add a random delay of 0..MS milliseconds per step, deterministic given --seed (default: 0)",
     )
+    w.add_argument(
+        "--overlap",
+        action="store_true",
+        help="push/pull in the background while the next step computes (async and ssp only); each "
+        "gradient is then computed on weights one iteration older (default: off)",
+    )
     w.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: 0 = 10 times per run)")
     w.add_argument("--log-every", type=int, default=0, help="print progress every N steps (default: 0 = 10 times)")
     w.add_argument(
@@ -205,6 +216,7 @@ def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobS
 def _job_argv(ns: argparse.Namespace) -> list[str]:
     """The job options back as argv (launch passes them to each worker)."""
     out = ["--staleness", str(_staleness(ns))] + (["--staleness-lr"] if ns.staleness_lr else [])
+    out += ["--overlap"] if ns.overlap else []
     for flag in (
         "task", "mode", "steps", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2",
         "eps", "wire_dtype", "seed",
@@ -216,10 +228,10 @@ def _job_argv(ns: argparse.Namespace) -> list[str]:
 
 
 def _check_task(name: str) -> None:
-    from psgrad.tasks import TASKS
+    """Fail fast (before any process starts) on an unknown task or an import string that does not resolve."""
+    from psgrad.tasks import resolve_task
 
-    if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    resolve_task(name)
 
 
 # --------------------------------------------------------------------------- subcommands
@@ -258,6 +270,7 @@ def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...], client: Cli
         log_every=ns.log_every,
         slowdown=ns.slowdown,
         jitter_ms=ns.jitter_ms,
+        overlap=getattr(ns, "overlap", False),
         client=client,
     )
 
@@ -312,7 +325,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from psgrad.launch import run_launch
 
     _check_task(ns.task)
-    _job_spec(ns, ns.num_workers, ns.num_servers)  # validate before starting anything
+    from psgrad.api import check_overlap
+
+    check_overlap(_job_spec(ns, ns.num_workers, ns.num_servers), ns.overlap)  # validate before starting anything
     job = _job_argv(ns)
     metrics_dir = Path(ns.metrics_dir) if ns.metrics_dir else None
 

@@ -151,6 +151,7 @@ class WorkerConfig:
     log_every: int = 0  # 0: about 10 progress lines per run
     slowdown: float = 1.0  # straggler: each step takes this many times its measured compute time
     jitter_ms: float = 0.0  # random extra delay per step, uniform in [0, jitter_ms]
+    overlap: bool = False  # push/pull in the background while the next step computes (async/ssp)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:

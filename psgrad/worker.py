@@ -1,4 +1,5 @@
-"""The training-loop side: a flat view of the model, and the pull / compute / push loop of one worker."""
+"""The CLI worker's training loop (`psgrad worker`): the same Python API a user's own loop uses
+(psgrad.api), plus reporting, evaluation and straggler injection."""
 from __future__ import annotations
 
 import random
@@ -10,94 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from psgrad.client import ParameterClient
+from psgrad.api import Session
 from psgrad.config import JobSpec, WorkerConfig
-from psgrad.errors import ConfigError
+from psgrad.flat import resolve_device
 from psgrad.metrics import MetricsSink
-from psgrad.sharding import param_specs, plan_shards
 from psgrad.tasks.base import Task, batches
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda[:N]' must exist."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"invalid device {name!r}; valid: auto, cpu, cuda, cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"device {name!r} requested but torch sees no CUDA device")
-        if device.index is not None and device.index >= count:
-            raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) exist")
-    return device
-
-
-class FlatModel:
-    """Keeps a model's trainable parameters and gradients as views of two flat float32 buffers.
-
-    Pulled weights are written straight into `flat`, and backward accumulates straight into
-    `grad`, so a step copies nothing on the CPU. On CUDA, `host_flat` and `host_grad` are pinned
-    host staging buffers, copied once per pull / push with non_blocking=True.
-    """
-
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:
-            if p.dtype != torch.float32:
-                raise ConfigError(f"parameters must be float32 for now, got {p.dtype}")
-        total = sum(p.numel() for p in self.params)
-        self.device = device
-        self.flat = torch.empty(total, dtype=torch.float32, device=device)
-        self.grad = torch.zeros(total, dtype=torch.float32, device=device)
-        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                view = self.flat[offset : offset + n].view_as(p)
-                view.copy_(p)
-                p.data = view
-                gview = self.grad[offset : offset + n].view_as(p)
-                p.grad = gview
-                self._views.append((p, gview))
-                offset += n
-        pinned = device.type == "cuda"
-        if pinned:
-            self.host_flat = torch.empty(total, dtype=torch.float32, pin_memory=True)
-            self.host_grad = torch.empty(total, dtype=torch.float32, pin_memory=True)
-        else:
-            self.host_flat, self.host_grad = self.flat, self.grad
-
-    def zero_grad(self) -> None:
-        self.grad.zero_()
-        for p, gview in self._views:  # re-attach if user code replaced .grad
-            if p.grad is not gview:
-                p.grad = gview
-
-    def collect_grads(self) -> torch.Tensor:
-        """The flat gradient on the model's device, with every parameter's gradient in it."""
-        for p, gview in self._views:
-            if p.grad is not gview:  # autograd replaced the view: copy instead
-                gview.copy_(p.grad if p.grad is not None else torch.zeros_like(gview))
-                p.grad = gview
-        return self.grad
-
-    def gather_grads(self) -> torch.Tensor:
-        """The flat gradient on the host, ready to push."""
-        self.collect_grads()
-        if self.host_grad is not self.grad:
-            self.host_grad.copy_(self.grad, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        return self.host_grad
-
-    def weights_pulled(self) -> None:
-        """Move freshly pulled host weights to the device (no-op on CPU)."""
-        if self.host_flat is not self.flat:
-            self.flat.copy_(self.host_flat, non_blocking=True)
 
 
 def _every(value: int, steps: int, times: int) -> int:
@@ -195,59 +113,55 @@ def train(
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
-    flat_model = FlatModel(model, device)
-    params = param_specs(model)
-    plan = plan_shards(params, spec.num_shards)
     rank = config.rank
     x_all, y_all = task.worker_slice(rank, spec.num_workers)
     data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
     who = f"worker {rank}/{spec.num_workers}"
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
+    cuda = device.type == "cuda"
 
-    with ParameterClient(config.servers, spec, params, plan, rank, config.client) as client:
-        first_clock = client.join(initial_weights=(lambda: flat_model.flat.detach().cpu()) if rank == 0 else None)
+    with Session(config.servers, spec, rank, config.client) as session:
+        opt = session.optimizer(model, overlap=config.overlap)
         mode = spec.mode + (f"(staleness {spec.staleness})" if spec.mode == "ssp" else "")
         log(
-            f"{who}: joined {spec.num_shards} shard(s) at clock {first_clock}, {plan.total:,} parameters, "
-            f"mode {mode}, task {task.name}, {len(x_all)} training examples, device {device}"
+            f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.plan.total:,} parameters, "
+            f"mode {mode}{', overlap' if config.overlap else ''}, task {task.name}, {len(x_all)} training "
+            f"examples, device {device}"
         )
         report = TrainingLog(config, task, model, device, sink, who, log)
-        report.start(first_clock, spec.mode)
+        report.start(opt.start_clock, spec.mode)
         start = time.perf_counter()
         for step in range(config.steps):
-            clock = first_clock + step
             t0 = time.perf_counter()
-            client.pull(flat_model.host_flat, clock)
-            flat_model.weights_pulled()
-            t1 = time.perf_counter()
             x, y = next(data)
-            flat_model.zero_grad()
-            loss = task.loss_fn(model(x.to(device)), y.to(device))
+            opt.zero_grad()
+            loss = task.loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
             loss.backward()
-            grad = flat_model.gather_grads()
-            compute_s = time.perf_counter() - t1
+            if cuda:  # the compute time is the device's, not the launch's
+                torch.cuda.current_stream(device).synchronize()
+            compute_s = time.perf_counter() - t0
             delay_s = delays.apply(compute_s)
-            t2 = time.perf_counter()
-            replies = client.push(grad, clock)
-            t3 = time.perf_counter()
-            report.step(step + 1, {
-                "clock": clock,
+            stats = opt.step()
+            t1 = time.perf_counter()
+            record: dict[str, Any] = {
+                "clock": stats.clock,
                 "loss": loss.item(),
-                "step_s": t3 - t0,
-                "pull_s": t1 - t0,
+                "step_s": t1 - t0,
                 "compute_s": compute_s,
                 "delay_s": delay_s,
-                "push_s": t3 - t2,
-                "staleness": max(r.staleness for r in replies),
-                "accepted": all(r.applied or r.deferred for r in replies),
-                "version": client.base_versions,
-            })
+                "d2h_s": stats.d2h_s,
+                "h2d_s": stats.h2d_s,
+                "wait_s": stats.wait_s,
+                "version": stats.versions,
+            }
+            for key in ("push_s", "pull_s", "staleness", "accepted"):
+                if getattr(stats, key) is not None:
+                    record[key] = getattr(stats, key)
+            report.step(step + 1, record)
         elapsed = time.perf_counter() - start
-        if spec.mode == "sync":  # evaluate the final model: wait for the last iteration's update
-            client.pull(flat_model.host_flat, first_clock + config.steps)
-            client.leave()
-        else:  # leave first, so nobody waits for this worker while it evaluates
-            client.leave()
-            client.pull(flat_model.host_flat, first_clock + config.steps, observe=True)
-        flat_model.weights_pulled()
+        # In sync mode the last step's pull already waited for the final update. Otherwise leave
+        # first, so nobody waits for this worker while it evaluates, then read the latest weights.
+        session.leave()
+        if spec.mode != "sync":
+            opt.refresh()
         return report.final(elapsed)

@@ -19,7 +19,7 @@ from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.server import RunningServer, start_server
 from psgrad.sharding import param_specs, plan_shards
 from psgrad.tasks import get_task
-from psgrad.worker import FlatModel
+from psgrad.flat import FlatModel
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
 

@@ -1,0 +1,344 @@
+"""The Python API: connect to a job's servers once, wrap the model, keep your own training loop.
+
+    ps = psgrad.connect(["127.0.0.1:7000", "127.0.0.1:7001"], rank=0, num_workers=2,
+                        mode="ssp", staleness=2, optimizer=psgrad.SGD(lr=0.1, momentum=0.9))
+    opt = ps.optimizer(model)        # joins the job and pulls the initial weights into the model
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward()
+        opt.step()                   # pushes the gradients, pulls fresh weights (mode-aware)
+    ps.close()                       # leaves the job; `with psgrad.connect(...) as ps:` also works
+
+`psgrad worker` trains through this same API (psgrad.worker.train).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from psgrad.client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, parse_servers
+from psgrad.errors import ConfigError, PsgradError, WorkerStateError
+from psgrad.flat import FlatModel
+from psgrad.sharding import param_specs, plan_shards
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Server-side SGD with optional heavy-ball momentum and L2 weight decay (like torch.optim.SGD)."""
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def job_fields(self) -> dict[str, Any]:
+        return {"optimizer": "sgd", "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Server-side Adam (like torch.optim.Adam); decoupled=True gives AdamW's weight decay."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    def job_fields(self) -> dict[str, Any]:
+        return {
+            "optimizer": "adamw" if self.decoupled else "adam",
+            "lr": self.lr,
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+
+
+@dataclass
+class StepStats:
+    """What one PSOptimizer.step() did. Times in seconds.
+
+    With overlap, push_s/pull_s/staleness/accepted/versions describe the most recent exchange that
+    has *completed* (the previous step's, run in the background; None before the first completes),
+    and wait_s is how long step() blocked on it. Without overlap, wait_s = push_s + pull_s.
+    """
+
+    clock: int  # the clock of the gradient this step pushed (or started pushing)
+    d2h_s: float = 0.0  # gradient gather + device->host copy
+    h2d_s: float = 0.0  # pulled weights host->device (or into the model)
+    push_s: float | None = None
+    pull_s: float | None = None
+    wait_s: float = 0.0
+    staleness: int | None = None  # the largest staleness any shard reported for the push
+    accepted: bool | None = None  # every shard applied or (sync) deferred the push
+    versions: list[int] = field(default_factory=list)  # base versions of the weights now in the model
+
+
+@dataclass
+class _Exchange:
+    push_s: float
+    pull_s: float
+    staleness: int
+    accepted: bool
+    versions: list[int]
+
+
+def connect(
+    servers: str | Sequence[str],
+    rank: int = 0,
+    num_workers: int = 1,
+    mode: str = "async",
+    staleness: int | None = None,
+    optimizer: SGD | Adam | None = None,
+    wire_dtype: str = "float32",
+    staleness_lr: bool = False,
+    client: ClientConfig | None = None,
+) -> Session:
+    """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
+
+    servers: the shard servers' HOST:PORT (a list or a comma-separated string), same order for
+    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise). Every worker
+    of a job must pass the same job settings; the servers refuse a mismatch, naming the field.
+
+    Raises:
+        ConfigError: an invalid address or job setting (the message names it).
+    """
+    addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
+    if staleness is None:
+        staleness = 2 if mode == "ssp" else 0
+    spec = JobSpec(
+        mode=mode,
+        staleness=staleness,
+        num_workers=num_workers,
+        wire_dtype=wire_dtype,
+        num_shards=len(addresses),
+        staleness_lr=staleness_lr,
+        **(optimizer or SGD()).job_fields(),
+    )
+    return Session(addresses, spec, rank, client or ClientConfig())
+
+
+def check_overlap(spec: JobSpec, overlap: bool) -> None:
+    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync)."""
+    if overlap and spec.mode == "sync":
+        raise ConfigError(
+            "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
+            "previous iteration's update (staleness 0), so there is nothing to overlap"
+        )
+
+
+class Session:
+    """One worker's membership in a job: which servers, which job spec, which rank."""
+
+    def __init__(self, servers: Sequence[str], spec: JobSpec, rank: int, client: ClientConfig | None = None) -> None:
+        if len(servers) != spec.num_shards:
+            raise ConfigError(f"{len(servers)} server addresses for a job of {spec.num_shards} shards")
+        if not 0 <= rank < spec.num_workers:
+            raise ConfigError(f"rank must be in [0, num_workers={spec.num_workers}), got {rank}")
+        self.servers = tuple(servers)
+        self.spec = spec
+        self.rank = rank
+        self.client_config = client or ClientConfig()
+        self._optimizer: PSOptimizer | None = None
+        self._closed = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # leaving is still polite, but must not hide the error that ended the block
+            self.close()
+        except PsgradError:
+            pass
+
+    def optimizer(self, model: nn.Module, overlap: bool = False) -> PSOptimizer:
+        """Join the job with this model and pull its weights; return the optimizer to step.
+
+        The chief (rank 0) initializes empty servers with the model's current weights. Put the
+        model on its device first (`model.to(device)`): its parameters become views of flat
+        buffers psgrad owns. overlap=True pushes and pulls in the background while the next
+        step computes (async and ssp only; see PSOptimizer).
+
+        Raises:
+            PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
+        """
+        if self._closed:
+            raise WorkerStateError("this session is closed; call psgrad.connect(...) again")
+        if self._optimizer is not None:
+            raise WorkerStateError("this session already has an optimizer: one model per job")
+        self._optimizer = PSOptimizer(self, model, overlap)
+        return self._optimizer
+
+    def leave(self) -> None:
+        """Finish in-flight pushes and leave the job (nobody waits for this worker any more).
+        The optimizer can still refresh() the weights afterwards."""
+        if self._optimizer is not None:
+            self._optimizer.leave()
+
+    def close(self) -> None:
+        """Leave the job (if not yet left) and close the connections. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._optimizer is not None:
+            self._optimizer.close()
+
+
+class PSOptimizer:
+    """Steps a model against the parameter servers; a drop-in for a torch optimizer in the loop.
+
+    step() pushes the flat gradient keyed by this worker's clock, then pulls the weights for the
+    next clock (the pull waits as the mode requires: never in async, until the slowest live worker
+    is within the bound in ssp, until every worker's push is applied in sync) and writes them into
+    the model.
+
+    overlap=True runs each step's push + pull in a background thread while the caller computes the
+    next step, and installs the pulled weights at the following step() call. The gradient of
+    clock c is then computed on the weights pulled at clock c-1 instead of c: one iteration more
+    staleness (ssp(s) behaves like ssp(s+1) as seen by the gradients; async gradients are one step
+    older). Sync mode promises staleness 0, which leaves nothing to overlap, so it is refused.
+    """
+
+    def __init__(self, session: Session, model: nn.Module, overlap: bool = False) -> None:
+        spec = session.spec
+        check_overlap(spec, overlap)
+        self.session = session
+        self.model = model
+        self.overlap = overlap
+        self.flat = FlatModel(model, staging=overlap)
+        self.params = param_specs(model)
+        self.plan = plan_shards(self.params, spec.num_shards)
+        self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._pending: futures.Future[_Exchange] | None = None
+        self._versions: list[int] = []
+        self._left = False
+        self._closed = False
+        try:
+            chief = session.rank == 0
+            self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None)
+            self.clock = self.start_clock
+            self._versions = self.client.pull(self.flat.host_flat, self.clock)
+            self.flat.weights_pulled()
+        except BaseException:
+            self.client.close()
+            raise
+        if overlap:
+            self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-overlap")
+
+    @property
+    def device(self) -> Any:
+        return self.flat.device
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
+        self.flat.zero_grad()
+
+    def _exchange(self, grad: Any, clock: int, base: list[int]) -> _Exchange:
+        """Push grad as clock (computed on weights of versions `base`), then pull clock + 1."""
+        t0 = time.perf_counter()
+        self.client.base_versions = base
+        replies = self.client.push(grad, clock)
+        t1 = time.perf_counter()
+        versions = self.client.pull(self.flat.host_flat, clock + 1)
+        t2 = time.perf_counter()
+        return _Exchange(
+            push_s=t1 - t0,
+            pull_s=t2 - t1,
+            staleness=max(r.staleness for r in replies),
+            accepted=all(r.applied or r.deferred for r in replies),
+            versions=versions,
+        )
+
+    def _finish_pending(self, stats: StepStats) -> None:
+        """Wait for the background exchange, install its weights, fill stats."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            done = self._pending.result()
+        finally:
+            self._pending = None
+        stats.wait_s = time.perf_counter() - t0
+        self._record(done, stats)
+
+    def _record(self, done: _Exchange, stats: StepStats) -> None:
+        self.flat.weights_pulled()
+        self._versions = done.versions
+        stats.h2d_s = self.flat.h2d_s
+        stats.push_s, stats.pull_s = done.push_s, done.pull_s
+        stats.staleness, stats.accepted = done.staleness, done.accepted
+
+    def step(self) -> StepStats:
+        """Push this step's gradients and bring fresh weights into the model (see the class doc).
+
+        Raises:
+            PsgradError: a server refused the push or became unreachable.
+            WorkerStateError: the worker has left the job.
+        """
+        if self._left:
+            raise WorkerStateError("this worker has left the job: step() after leave()/close()")
+        clock = self.clock
+        stats = StepStats(clock=clock)
+        if self.overlap:
+            assert self._pool is not None
+            base = self._versions  # the weights this step's gradient was computed on
+            self._finish_pending(stats)  # frees host_grad; installs the weights for the next step
+            grad = self.flat.gather_grads()
+            stats.d2h_s = self.flat.d2h_s
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base))
+        else:
+            grad = self.flat.gather_grads()
+            stats.d2h_s = self.flat.d2h_s
+            done = self._exchange(grad, clock, self._versions)
+            stats.wait_s = done.push_s + done.pull_s
+            self._record(done, stats)
+        stats.versions = list(self._versions)
+        self.clock = clock + 1
+        return stats
+
+    def synchronize(self) -> StepStats | None:
+        """Wait for a background exchange (overlap) and install its weights; returns its stats."""
+        if self._pending is None:
+            return None
+        stats = StepStats(clock=self.clock - 1)
+        self._finish_pending(stats)
+        stats.versions = list(self._versions)
+        return stats
+
+    def refresh(self) -> list[int]:
+        """Read the servers' latest weights into the model without a gate or lease (e.g. to
+        evaluate after leave()); returns their versions."""
+        self.synchronize()
+        versions = self.client.pull(self.flat.host_flat, self.clock, observe=True)
+        self.flat.weights_pulled()
+        return versions
+
+    def leave(self) -> None:
+        if self._left:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._left = True
+            self.client.leave()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.leave()
+        finally:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.client.close()

@@ -1,0 +1,225 @@
+"""A model's trainable parameters and gradients as flat buffers, and their copies to and from the host.
+
+The servers see one float32 vector (the flat space, `named_parameters()` order). On the worker,
+every parameter becomes a view of one flat device buffer per dtype, and its gradient a view of a
+matching flat gradient buffer, so backward accumulates straight into the buffer that is pushed.
+Moving a step's data then costs at most one copy each way:
+
+- CPU, float32, no staging: the host buffers *are* the model's buffers (zero copies).
+- CUDA: pinned host buffers, one `non_blocking` device->host copy of the gradient per push and one
+  host->device copy of the weights per pull.
+- bfloat16/float16 (or mixed) parameters: a float32 conversion on the device, then the same copy;
+  the servers keep float32 master weights.
+- staging=True (needed when communication overlaps computation): separate host buffers even on
+  CPU, so a background push/pull never touches the tensors autograd is using.
+
+Every buffer is allocated once, here; a step allocates nothing large.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from psgrad.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda[:N]' must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"invalid device {name!r}; valid: auto, cpu, cuda, cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {name!r} requested but torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise ConfigError(f"unsupported device {name!r}; valid: auto, cpu, cuda, cuda:N")
+    return device
+
+
+@dataclass
+class _Segment:
+    """One parameter: its views in its dtype group's buffers and its place in the flat space."""
+
+    param: nn.Parameter
+    grad: torch.Tensor  # view of the group's flat gradient buffer
+    start: int  # offset in the float32 flat space
+    numel: int
+
+
+class FlatModel:
+    """Flat parameter/gradient buffers for one model, plus host staging buffers when needed.
+
+    Attributes:
+        flat, grad: the device buffers when every parameter has the same dtype (that dtype);
+            None for a model that mixes dtypes.
+        host_flat, host_grad: float32 CPU tensors of the whole flat space: pulls write into
+            host_flat, pushes read host_grad. Pinned on CUDA.
+        d2h_s, h2d_s: the time the last gather_grads / weights_pulled spent copying.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | None = None, staging: bool = False) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ConfigError(
+                f"the model's parameters are spread over {sorted(map(str, devices))}; psgrad needs them on one device"
+            )
+        (found,) = devices
+        if device is not None and found != device and not (found.type == device.type and device.index is None):
+            raise ConfigError(f"the model is on {found} but device {device} was requested: call model.to(device) first")
+        self.device = found
+        for p in self.params:
+            if not p.is_floating_point():
+                raise ConfigError(f"parameters must be floating point, got {p.dtype}")
+        self.dtypes = list(dict.fromkeys(p.dtype for p in self.params))
+        self.numel = sum(p.numel() for p in self.params)
+        self.d2h_s = 0.0
+        self.h2d_s = 0.0
+        self._segments: list[_Segment] = []
+        self._groups: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._build_groups()
+        uniform = len(self.dtypes) == 1
+        self.flat = self._groups[self.dtypes[0]][0] if uniform else None
+        self.grad = self._groups[self.dtypes[0]][1] if uniform else None
+        self._plain = self.dtypes == [torch.float32]  # device buffers are already the float32 flat space
+        cuda = self.device.type == "cuda"
+        if self._plain and not cuda and not staging:
+            assert self.flat is not None and self.grad is not None
+            self.host_flat, self.host_grad = self.flat, self.grad
+        else:
+            self.host_flat = torch.empty(self.numel, dtype=torch.float32, pin_memory=cuda)
+            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=cuda)
+        # float32 conversion buffers on the device, for non-float32 models on CUDA
+        self._dev_flat32: torch.Tensor | None = None
+        self._dev_grad32: torch.Tensor | None = None
+        if cuda and not self._plain:
+            self._dev_flat32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self._dev_grad32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        self.staged = self.host_grad is not self.grad
+
+    def _build_groups(self) -> None:
+        """Allocate one (weights, grads) buffer pair per dtype and turn parameters into views of it."""
+        offset = 0
+        group_fill: dict[torch.dtype, int] = {}
+        for dtype in self.dtypes:
+            n = sum(p.numel() for p in self.params if p.dtype == dtype)
+            self._groups[dtype] = (
+                torch.empty(n, dtype=dtype, device=self.device),
+                torch.zeros(n, dtype=dtype, device=self.device),
+            )
+            group_fill[dtype] = 0
+        with torch.no_grad():
+            for p in self.params:
+                flat, grad = self._groups[p.dtype]
+                at, n = group_fill[p.dtype], p.numel()
+                view = flat[at : at + n].view_as(p)
+                view.copy_(p)
+                p.data = view
+                gview = grad[at : at + n].view_as(p)
+                p.grad = gview
+                self._segments.append(_Segment(p, gview, offset, n))
+                group_fill[p.dtype] = at + n
+                offset += n
+
+    # ------------------------------------------------------------------ gradients
+    def zero_grad(self) -> None:
+        for _, grad in self._groups.values():
+            grad.zero_()
+        for seg in self._segments:  # re-attach if user code replaced .grad (e.g. set_to_none)
+            if seg.param.grad is not seg.grad:
+                seg.param.grad = seg.grad
+
+    def collect_grads(self) -> None:
+        """Make sure every parameter's gradient is in the flat gradient buffers."""
+        for seg in self._segments:
+            if seg.param.grad is not seg.grad:  # autograd or the user replaced the view: copy instead
+                if seg.param.grad is None:
+                    seg.grad.zero_()
+                else:
+                    seg.grad.copy_(seg.param.grad)
+                seg.param.grad = seg.grad
+
+    def _to_float32(self, dest: torch.Tensor) -> None:
+        """Write the flat gradient, converted to float32, into dest (same device)."""
+        if len(self.dtypes) == 1:
+            dest.copy_(self._groups[self.dtypes[0]][1])
+            return
+        for seg in self._segments:
+            dest[seg.start : seg.start + seg.numel].copy_(seg.grad.reshape(-1))
+
+    def gather_grads(self) -> torch.Tensor:
+        """The flat float32 gradient on the host, ready to push (host_grad)."""
+        self.collect_grads()
+        if not self.staged:
+            self.d2h_s = 0.0
+            return self.host_grad
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            stream.synchronize()  # backward has finished: what follows is the copy alone
+            t0 = time.perf_counter()
+            if self._dev_grad32 is not None:
+                self._to_float32(self._dev_grad32)
+                src = self._dev_grad32
+            else:
+                assert self.grad is not None
+                src = self.grad
+            self.host_grad.copy_(src, non_blocking=True)
+            stream.synchronize()
+        else:
+            t0 = time.perf_counter()
+            self._to_float32(self.host_grad)
+        self.d2h_s = time.perf_counter() - t0
+        return self.host_grad
+
+    # ------------------------------------------------------------------ weights
+    def _from_float32(self, src: torch.Tensor) -> None:
+        """Write float32 flat weights src (same device) into the parameters, converting dtype."""
+        with torch.no_grad():
+            if len(self.dtypes) == 1:
+                self._groups[self.dtypes[0]][0].copy_(src)
+                return
+            for seg in self._segments:
+                seg.param.view(-1).copy_(src[seg.start : seg.start + seg.numel])
+
+    def weights_pulled(self) -> None:
+        """Move freshly pulled weights from host_flat into the model (no-op when they are the same buffer).
+
+        On CUDA this waits for the copy, so host_flat may be overwritten by the next pull right after.
+        """
+        if not self.staged:
+            self.h2d_s = 0.0
+            return
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            if self._dev_flat32 is not None:
+                self._dev_flat32.copy_(self.host_flat, non_blocking=True)
+                self._from_float32(self._dev_flat32)
+            else:
+                assert self.flat is not None
+                self.flat.copy_(self.host_flat, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            self._from_float32(self.host_flat)
+        self.h2d_s = time.perf_counter() - t0
+
+    def host_weights(self) -> torch.Tensor:
+        """The model's current weights as a float32 CPU tensor of the flat space (a copy unless unstaged)."""
+        if not self.staged:
+            return self.host_flat
+        out = torch.empty(self.numel, dtype=torch.float32)
+        with torch.no_grad():
+            for seg in self._segments:
+                out[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))
+        return out

@@ -1,0 +1,226 @@
+"""The Python API (psgrad.connect / Session.optimizer / PSOptimizer.step) against real gRPC servers:
+sync equals single-process training, overlap's one-step delay is exact, mixed precision keeps
+float32 masters, and misuse fails with a message that names the problem."""
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from psgrad.config import ClientConfig, ServerConfig
+from psgrad.errors import ConfigError, ServerUnavailableError, WorkerStateError
+from psgrad.server import RunningServer, start_server
+from psgrad.tasks import get_task
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[int], list[RunningServer]]]:
+    running: list[RunningServer] = []
+
+    def make(n: int) -> list[RunningServer]:
+        new = [start_server(ServerConfig(port=0, threads=16)) for _ in range(n)]
+        running.extend(new)
+        return new
+
+    yield make
+    for s in running:
+        s.stop(0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _addresses(running: list[RunningServer]) -> list[str]:
+    return [s.address for s in running]
+
+
+def _masters(running: list[RunningServer]) -> torch.Tensor:
+    weights = [s.shard.weights_copy() for s in running]
+    assert all(w is not None for w in weights)
+    return torch.cat(weights)  # type: ignore[arg-type]
+
+
+def _in_threads(n: int, fn: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "optimizer, reference",
+    [
+        (psgrad.SGD(lr=0.2, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)),
+        (psgrad.Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01)),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
+def test_the_users_loop_in_sync_mode_equals_single_process_training(servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
+    """Two workers, each its own half of every batch, train exactly like one process on the whole batch."""
+    task = get_task("digits")
+    workers, steps, batch = 2, 5, 16
+    running = servers(2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(0, len(task.train_x), (batch,), generator=gen) for _ in range(steps)] for _ in range(workers)]
+    init = _model()
+    finals: dict[int, torch.Tensor] = {}
+
+    def worker(rank: int) -> None:
+        model = copy.deepcopy(init)
+        with psgrad.connect(_addresses(running), rank=rank, num_workers=workers, mode="sync",
+                            optimizer=optimizer, client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            for k in range(steps):
+                idx = batches[rank][k]
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(task.train_x[idx]), task.train_y[idx]).backward()
+                stats = opt.step()
+                assert stats.staleness == 0 and stats.accepted and stats.clock == k
+        finals[rank] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    _in_threads(workers, worker)
+    ref = _model()
+    opt = reference(ref.parameters())
+    for k in range(steps):
+        idx = torch.cat([batches[r][k] for r in range(workers)])
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(task.train_x[idx]), task.train_y[idx]).backward()
+        opt.step()
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    torch.testing.assert_close(_masters(running), expected, rtol=1e-5, atol=1e-6)
+    for rank in range(workers):  # the last step's pull brought the final weights into each model
+        torch.testing.assert_close(finals[rank], expected, rtol=1e-5, atol=1e-6)
+    for s in running:
+        assert [(r, state) for r, _, state, *_ in s.shard.status()["workers"]] == [(0, "left"), (1, "left")]
+
+
+def _delayed_sgd(model: nn.Module, steps: int, lr: float, x: torch.Tensor, y: torch.Tensor, delay: int) -> torch.Tensor:
+    """Single-process SGD where step k's gradient is computed on the weights of step k - delay."""
+    params = list(model.parameters())
+    history = [torch.cat([p.detach().reshape(-1) for p in params])]
+    for k in range(steps):
+        old = history[max(0, k - delay)]
+        probe = copy.deepcopy(model)
+        torch.nn.utils.vector_to_parameters(old, probe.parameters())
+        probe.zero_grad()
+        nn.functional.cross_entropy(probe(x[k]), y[k]).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
+        history.append(history[-1] - lr * g)
+    return history[-1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_one_async_worker_overlap_computes_on_weights_one_step_old(servers, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    task = get_task("digits")
+    steps, lr = 8, 0.3
+    gen = torch.Generator().manual_seed(2)
+    idx = [torch.randint(0, len(task.train_x), (16,), generator=gen) for _ in range(steps)]
+    xs, ys = [task.train_x[i] for i in idx], [task.train_y[i] for i in idx]
+    running = servers(2)
+    model = _model()
+    staleness = []
+    with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=lr), client=CLIENT) as ps:
+        opt = ps.optimizer(model, overlap=overlap)
+        for k in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xs[k]), ys[k]).backward()
+            stats = opt.step()
+            if stats.staleness is not None:
+                staleness.append(stats.staleness)
+        last = opt.synchronize()
+        if last is not None:
+            staleness.append(last.staleness)
+    expected = _delayed_sgd(_model(), steps, lr, torch.stack(xs), torch.stack(ys), delay=1 if overlap else 0)
+    torch.testing.assert_close(_masters(running), expected, rtol=1e-5, atol=1e-6)
+    # Server-reported staleness: every push saw only its own previous update in between (overlap)
+    assert staleness == ([0] + [1] * (steps - 1) if overlap else [0] * steps)
+
+
+@pytest.mark.timeout(60)
+def test_a_bfloat16_model_trains_against_float32_master_weights(servers) -> None:  # type: ignore[no-untyped-def]
+    task = get_task("digits")
+    running = servers(1)
+    model = _model().to(torch.bfloat16)
+    with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=0.05), wire_dtype="bfloat16", client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        first = last = None
+        for k in range(30):
+            x, y = task.train_x[k * 16 : (k + 1) * 16], task.train_y[k * 16 : (k + 1) * 16]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+            loss.backward()
+            opt.step()
+            first = loss.item() if first is None else first
+            last = loss.item()
+        opt.refresh()
+    masters = _masters(running)
+    assert masters.dtype == torch.float32
+    assert not torch.equal(masters, masters.to(torch.bfloat16).float()), "masters should keep float32 precision"
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert got.dtype == torch.bfloat16 and torch.equal(got, masters.to(torch.bfloat16))
+    assert last is not None and first is not None and last < first
+
+
+@pytest.mark.timeout(60)
+def test_session_misuse_is_refused_by_name(servers) -> None:  # type: ignore[no-untyped-def]
+    running = servers(1)
+    with pytest.raises(ConfigError, match="malformed server address"):
+        psgrad.connect(["localhost"])
+    with pytest.raises(ConfigError, match="rank"):
+        psgrad.connect(_addresses(running), rank=2, num_workers=2)
+    with pytest.raises(ConfigError, match="mode"):
+        psgrad.connect(_addresses(running), mode="bsp")
+    with pytest.raises(ConfigError, match="overlap needs mode async or ssp"):
+        psgrad.connect(_addresses(running), mode="sync", client=CLIENT).optimizer(_model(), overlap=True)
+    ps = psgrad.connect(_addresses(running), client=CLIENT)
+    opt = ps.optimizer(_model())
+    with pytest.raises(WorkerStateError, match="one model per job"):
+        ps.optimizer(_model())
+    ps.close()
+    ps.close()  # idempotent
+    with pytest.raises(WorkerStateError, match="left the job"):
+        opt.step()
+    with pytest.raises(WorkerStateError, match="closed"):
+        ps.optimizer(_model())
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_server_fails_within_the_connect_timeout() -> None:
+    dead = start_server(ServerConfig(port=0))
+    address = dead.address
+    dead.stop(0)
+    fast = ClientConfig(connect_timeout_s=1.0, rpc_timeout_s=2.0, retries=0)
+    with pytest.raises(ServerUnavailableError, match=address.rsplit(":", 1)[1]):
+        psgrad.connect([address], client=fast).optimizer(_model())
+
+
+@pytest.mark.timeout(60)
+def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(servers) -> None:  # type: ignore[no-untyped-def]
+    running = servers(1)
+    with pytest.raises(RuntimeError, match="user bug"):
+        with psgrad.connect(_addresses(running), client=CLIENT) as ps:
+            ps.optimizer(_model())
+            raise RuntimeError("user bug")
+    assert [state for _, _, state, *_ in running[0].shard.status()["workers"]] == ["left"]

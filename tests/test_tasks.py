@@ -1,0 +1,130 @@
+"""Tasks: the built-in mnist1d task, and users' own tasks loaded as package.module:function."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from psgrad.errors import TaskError
+from psgrad.tasks import TASKS, Task, get_task, resolve_task
+from psgrad.tasks.mnist1d import build_cnn
+
+GOOD_TASK = '''
+import torch
+from torch import nn
+import psgrad
+
+def make_task(seed=0):
+    gen = torch.Generator().manual_seed(123)
+    x = torch.randn(400, 5, generator=gen)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    return psgrad.Task(name="halfplane", build_model=lambda: nn.Linear(5, 2),
+                       train_x=x[:300], train_y=y[:300], test_x=x[300:], test_y=y[300:])
+
+def no_seed():
+    return make_task()
+
+def wrong_type(seed):
+    return {"model": None}
+
+def broken(seed):
+    raise ValueError("the data file is missing")
+
+NOT_CALLABLE = 42
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> str:
+    """A module with task functions in a fresh directory that is the current directory."""
+    name = "usertask_" + request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
+    (tmp_path / f"{name}.py").write_text(GOOD_TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+def test_a_users_task_loads_from_the_current_directory(user_module: str) -> None:
+    task = get_task(f"{user_module}:make_task", seed=3)
+    assert isinstance(task, Task) and task.name == "halfplane" and len(task.train_x) == 300
+    assert get_task(f"{user_module}:no_seed").name == "halfplane"  # a function without arguments works too
+
+
+@pytest.mark.parametrize(
+    "suffix, message",
+    [
+        (":wrong_type", "returned a dict, expected a psgrad.Task"),
+        (":broken", "raised ValueError: the data file is missing"),
+        (":missing", "has no attribute 'missing'"),
+        (":NOT_CALLABLE", "is a int, not a function"),
+    ],
+)
+def test_a_broken_users_task_is_refused_with_the_reason(user_module: str, suffix: str, message: str) -> None:
+    with pytest.raises(TaskError, match=message):
+        get_task(user_module + suffix)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_such_pkg_xyz.tasks:make", "cannot import module 'no_such_pkg_xyz.tasks'"),
+        ("pkg:", "malformed task"),
+        (":fn", "malformed task"),
+        ("a-b:fn", "malformed task"),
+        ("nope", "unknown task 'nope'; valid tasks: digits, mnist1d"),
+    ],
+)
+def test_task_names_that_do_not_resolve_are_refused(name: str, message: str) -> None:
+    with pytest.raises(TaskError, match=message):
+        resolve_task(name)
+
+
+def test_a_task_with_mismatched_data_is_refused() -> None:
+    x = torch.zeros(10, 3)
+    with pytest.raises(TaskError, match="train_x has 10 examples and train_y 9"):
+        Task("bad", lambda: torch.nn.Linear(3, 2), x, torch.zeros(9, dtype=torch.long), x, torch.zeros(10))
+
+
+def test_mnist1d_is_generated_locally_and_fits_its_cnn() -> None:
+    assert "mnist1d" in TASKS
+    task = get_task("mnist1d")
+    assert task.train_x.shape == (4000, 40) and task.test_x.shape == (1000, 40)
+    assert set(task.train_y.unique().tolist()) == set(range(10))
+    again = get_task("mnist1d", seed=5)  # the data is fixed, independent of the run's seed
+    assert torch.equal(task.train_x, again.train_x) and torch.equal(task.test_y, again.test_y)
+    model = build_cnn()
+    assert 5_000 < sum(p.numel() for p in model.parameters()) < 20_000
+    assert model(task.test_x[:7]).shape == (7, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_launch_trains_a_users_task_from_its_directory(tmp_path: Path) -> None:
+    (tmp_path / "mytask.py").write_text(GOOD_TASK)
+    res = subprocess.run(
+        [sys.executable, "-m", "psgrad", "launch", "--num-servers", "1", "--num-workers", "2",
+         "--task", "mytask:make_task", "--steps", "60", "--metrics-dir", str(tmp_path / "m")],
+        capture_output=True, text=True, timeout=200, cwd=tmp_path, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "task halfplane" in res.stdout
+    final = [json.loads(line) for line in (tmp_path / "m" / "worker0.jsonl").read_text().splitlines()][-1]
+    assert final["event"] == "final" and final["test_accuracy"] > 0.8  # a linearly separable problem
+
+
+def test_cli_refuses_a_task_that_cannot_be_imported_before_starting_anything() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "psgrad", "launch", "--task", "no_such_mod_q:make"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 2
+    assert "cannot import module 'no_such_mod_q'" in res.stderr and "[launch]" not in res.stdout
