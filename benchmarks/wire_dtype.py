@@ -1,0 +1,103 @@
+"""Does a narrower wire dtype cost accuracy? The same job with float32, bfloat16 (and float16) on the wire.
+
+    python benchmarks/wire_dtype.py --preset full    # digits and mnist1d, 2 servers + 2 workers each
+    python benchmarks/wire_dtype.py --preset tiny    # CI smoke run: digits, a few steps
+
+Each run is `psgrad launch` in sync mode with a fixed seed, so the only difference between runs of
+one task is the wire dtype (pushes and pulls; the servers keep float32 master weights). Reports
+each run's final test accuracy (mean over the workers) and the difference to float32; the issue's
+bar is |bf16 - fp32| <= 1 point. Prints one JSON document; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"tasks": {"digits": {"steps": 60, "lr": 0.1, "momentum": 0.0}}, "dtypes": ["float32", "bfloat16"]},
+    "full": {
+        "tasks": {
+            "digits": {"steps": 1000, "lr": 0.1, "momentum": 0.9},
+            "mnist1d": {"steps": 2000, "lr": 0.05, "momentum": 0.9},
+        },
+        "dtypes": ["float32", "bfloat16", "float16"],
+    },
+}
+TOLERANCE_POINTS = 1.0
+
+
+def _log(msg: str) -> None:
+    print(f"[wire_dtype] {msg}", file=sys.stderr, flush=True)
+
+
+def launch(task: str, dtype: str, steps: int, lr: float, momentum: float, seed: int, workdir: Path) -> dict[str, Any]:
+    """One `psgrad launch` run; returns the workers' final records."""
+    metrics = workdir / f"{task}-{dtype}"
+    argv = [
+        sys.executable, "-m", "psgrad", "launch", "--num-servers", "2", "--num-workers", "2",
+        "--task", task, "--mode", "sync", "--steps", str(steps), "--lr", str(lr), "--momentum", str(momentum),
+        "--wire-dtype", dtype, "--seed", str(seed), "--metrics-dir", str(metrics),
+    ]
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    finals = []
+    for path in sorted(metrics.glob("worker*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        finals.append(next(r for r in reversed(records) if r.get("event") == "final"))
+    accs = [f["test_accuracy"] for f in finals]
+    return {"test_accuracy": sum(accs) / len(accs), "per_worker": accs, "wall_s": time.perf_counter() - t0}
+
+
+def run(preset: str, seed: int = 0) -> dict[str, Any]:
+    cfg = PRESETS[preset]
+    results: dict[str, dict[str, Any]] = {}
+    targets = []
+    with tempfile.TemporaryDirectory(prefix="psgrad-wire-") as tmp:
+        for task, t in cfg["tasks"].items():
+            results[task] = {}
+            for dtype in cfg["dtypes"]:
+                _log(f"{task}, wire {dtype}, {t['steps']} steps ...")
+                r = launch(task, dtype, t["steps"], t["lr"], t["momentum"], seed, Path(tmp))
+                results[task][dtype] = r
+                _log(f"{task}, wire {dtype}: test accuracy {r['test_accuracy']:.4f} ({r['wall_s']:.0f} s)")
+            base = results[task]["float32"]["test_accuracy"]
+            for dtype in cfg["dtypes"]:
+                if dtype == "float32":
+                    continue
+                diff = 100 * (results[task][dtype]["test_accuracy"] - base)
+                results[task][dtype]["points_vs_float32"] = diff
+                targets.append({
+                    "name": f"{task}: {dtype} wire accuracy - float32 (points)",
+                    "value": results[task][dtype]["test_accuracy"], "ceiling": base, "ratio": diff,
+                    "target": TOLERANCE_POINTS, "better": "abs-lower", "met": abs(diff) <= TOLERANCE_POINTS,
+                })
+    return {
+        "benchmark": "wire_dtype",
+        "preset": preset,
+        "setup": {"servers": 2, "workers": 2, "mode": "sync", "seed": seed, "tasks": cfg["tasks"]},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "results": results,
+        "targets": targets,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="tasks and steps (default: tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    args = parser.parse_args()
+    print(json.dumps(run(args.preset, args.seed), indent=2))
+
+
+if __name__ == "__main__":
+    main()

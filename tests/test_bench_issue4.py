@@ -1,0 +1,41 @@
+"""The overlap and wire-dtype benchmarks' tiny presets run end to end and report their figures."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from conftest import REPO
+
+
+def _run(*args: str) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=REPO,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    out: dict[str, Any] = json.loads(res.stdout)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> None:
+    out = _run("benchmarks/overlap.py", "--preset", "tiny")
+    assert out["communication_s"] > 0 and out["compute_s"] > 0
+    assert out["step_overlap_on_s"] > 0 and out["step_overlap_off_s"] > 0
+    (target,) = out["targets"]
+    assert target["ratio"] == pytest.approx(out["step_overlap_on_s"] / max(out["compute_s"], out["communication_s"]))
+    # with overlap the step waited for the network much less than without
+    assert out["split_overlap_on"]["wait_s"] < out["split_overlap_off"]["wait_s"]
+
+
+@pytest.mark.timeout(300)
+def test_wire_dtype_tiny_trains_with_both_dtypes() -> None:
+    out = _run("benchmarks/wire_dtype.py", "--preset", "tiny")
+    digits = out["results"]["digits"]
+    assert set(digits) == {"float32", "bfloat16"}
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 and len(r["per_worker"]) == 2 for r in digits.values())
+    assert digits["bfloat16"]["points_vs_float32"] == pytest.approx(
+        100 * (digits["bfloat16"]["test_accuracy"] - digits["float32"]["test_accuracy"])
+    )
