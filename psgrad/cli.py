@@ -530,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run each consistency mode on a fresh local cluster (servers + workers as subprocesses), "
         "repeat, and write summary.json, report.md, convergence.png, staleness.png and every run's raw metrics.",
     )
-    co.add_argument("--task", default="digits", help="training task (default: digits)")
+    co.add_argument("--task", default="digits", help="training task: digits, mnist1d or package.module:function (default: digits)")
     co.add_argument("--num-servers", type=_positive_int, default=2, help="shards per run (default: 2)")
     co.add_argument("--num-workers", type=_positive_int, default=4, help="workers per run (default: 4)")
     co.add_argument(

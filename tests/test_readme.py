@@ -1,0 +1,47 @@
+"""The README's Python API example runs as written: two workers against two real servers."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+MARKER = "<!-- example: train_digits.py"
+
+
+def readme_example() -> str:
+    text = Path(REPO, "README.md").read_text()
+    after = text[text.index(MARKER):]
+    match = re.search(r"```python\n(.*?)```", after, re.S)
+    assert match, "the README lost its runnable example"
+    return match.group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_readme_example_trains_two_workers(start_servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "train_digits.py"
+    script.write_text(readme_example())
+    servers = ",".join(start_servers(2))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    workers = [
+        subprocess.Popen([sys.executable, str(script), servers, str(rank), "2"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        for rank in range(2)
+    ]
+    try:
+        outputs = [w.communicate(timeout=200)[0] for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    for rank, (w, out) in enumerate(zip(workers, outputs)):
+        assert w.returncode == 0, out
+        last = re.findall(rf"rank {rank} epoch 4: loss [\d.]+ test accuracy ([\d.]+)", out)
+        assert last and float(last[0]) > 0.9, out
