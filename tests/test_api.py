@@ -224,3 +224,28 @@ def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(serv
             ps.optimizer(_model())
             raise RuntimeError("user bug")
     assert [state for _, _, state, *_ in running[0].shard.status()["workers"]] == ["left"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "device, overlap",
+    [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.cuda),
+     pytest.param("cuda", True, marks=pytest.mark.cuda)],
+)
+def test_the_model_on_each_device_ends_with_the_servers_weights(servers, device: str, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    """The CPU run covers the same code path as the CUDA one (which adds pinned staging copies)."""
+    task = get_task("digits")
+    running = servers(2)
+    model = _model().to(device)
+    with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model, overlap=overlap)
+        for k in range(6):
+            x, y = task.train_x[k * 8 : (k + 1) * 8].to(device), task.train_y[k * 8 : (k + 1) * 8].to(device)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            stats = opt.step()
+            assert stats.d2h_s >= 0 and stats.h2d_s >= 0
+        opt.synchronize()
+        got = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+        assert torch.equal(got, _masters(running))
+        assert all(p.device.type == device for p in model.parameters())

@@ -175,3 +175,25 @@ def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
     assert "cuda:99" in res.stdout
     pids = _pids(res.stdout)
     assert len(pids) >= 2 and all(_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.timeout(240)
+def test_launch_with_overlap_trains_and_records_the_wait(tmp_path: Path) -> None:
+    res = run_cli(
+        ["launch", "--num-servers", "1", "--num-workers", "2", "--mode", "async", "--overlap",
+         "--steps", "80", "--metrics-dir", str(tmp_path)],
+        timeout_s=200,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "mode async, overlap" in res.stdout
+    records = [json.loads(line) for line in (tmp_path / "worker0.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and r.get("event") != "final"]
+    assert len(steps) == 80 and all("wait_s" in r and "d2h_s" in r for r in steps)
+    assert "push_s" not in steps[0] and "push_s" in steps[1]  # the first exchange completes at step 2
+    assert records[-1]["event"] == "final" and records[-1]["test_accuracy"] > 0.5
+
+
+def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts() -> None:
+    res = run_cli(["launch", "--mode", "sync", "--overlap"])
+    assert res.returncode == 2
+    assert "overlap needs mode async or ssp" in res.stderr and "[launch]" not in res.stdout
