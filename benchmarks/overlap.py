@@ -166,8 +166,14 @@ def run(preset: str, params: int | None = None, device_name: str = "cpu") -> dic
             "notes": "compute is simulated by sleeping (the host is idle, as while a GPU computes); "
                      "C is the median no-compute step (push + pull + copies) measured in this run",
         }
-        if device.type == "cuda":
-            out["pinned_copy_ceiling"] = pinned_copy_ceiling(numel, device)
+        if device.type == "cuda":  # psgrad's own staging copies beside the pinned-copy ceiling
+            split = blocks["off"][-1]
+            ceiling = pinned_copy_ceiling(numel, device)
+            mine = {
+                "d2h_gb_per_s": numel * 4 / split["d2h_s"] / 1e9 if split.get("d2h_s") else None,
+                "h2d_gb_per_s": numel * 4 / split["h2d_s"] / 1e9 if split.get("h2d_s") else None,
+            }
+            out["copies"] = {"psgrad": mine, "pinned_ceiling": ceiling}
         return out
     finally:
         proc.terminate()
