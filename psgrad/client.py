@@ -21,6 +21,7 @@ from psgrad.codec import (
 )
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableError
+from psgrad.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import CHANNEL_OPTIONS, ERROR_METADATA_KEY, SERVICE_NAME
 from psgrad.sharding import ParamSpec, ShardPlan, fingerprint
@@ -178,6 +179,7 @@ class ParameterClient:
         self.rank = rank
         self.config = config
         self.fingerprint = fingerprint(self.params, spec)
+        tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
         # Separate staging buffers for pulls and pushes so the two may overlap.

@@ -21,6 +21,7 @@ from psgrad.codec import (
 )
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
+from psgrad.heap import tune_allocator
 from psgrad.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.shard import Shard
@@ -270,6 +271,7 @@ def start_server(config: ServerConfig) -> RunningServer:
     Raises:
         ServerStartError: the address cannot be bound (for example the port is in use).
     """
+    tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
     shard = Shard(config)
     servicer = ParameterServicer(shard, config)
     server = grpc.server(
