@@ -1,5 +1,10 @@
 """The ceiling psgrad is measured against: raw gRPC streaming of bytes, no protobuf, ~1 MiB chunks.
 
+Three methods on generic handlers with identity (de)serializers: Upload (client streams chunks,
+the server copies them into a reused buffer), Download (the server streams chunks of a buffer)
+and Ping (a unary echo: the round-trip ceiling for small calls). Concurrent uploads each get
+their own receive buffer from a pool, so W client processes can be measured at once.
+
 Run as a script it serves (`python benchmarks/raw_grpc.py --serve`) and prints
 `raw grpc listening on HOST:PORT`; import it for the client side.
 """
@@ -20,30 +25,45 @@ OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_messag
 
 class _State:
     def __init__(self) -> None:
-        self.buf = np.zeros(0, dtype=np.uint8)
+        self.buf = np.zeros(0, dtype=np.uint8)  # the download source
+        self.lock = threading.Lock()
+        self.free: list[np.ndarray] = []  # receive buffers not in use by an upload
+
+    def take(self) -> np.ndarray:
+        with self.lock:
+            return self.free.pop() if self.free else np.zeros(0, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self.lock:
+            self.free.append(buf)
 
 
 def _handler(state: _State) -> grpc.GenericRpcHandler:
     def upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Receive chunks and copy each into a reused buffer (what any receiver must do)."""
+        buf = state.take()
         off = 0
-        for chunk in chunks:
-            n = len(chunk)
-            if off + n > len(state.buf):
-                grown = np.empty(off + n, dtype=np.uint8)
-                grown[:off] = state.buf[:off]
-                state.buf = grown
-            state.buf[off : off + n] = np.frombuffer(chunk, dtype=np.uint8)
-            off += n
+        try:
+            for chunk in chunks:
+                n = len(chunk)
+                if off + n > len(buf):
+                    grown = np.empty(off + n, dtype=np.uint8)
+                    grown[:off] = buf[:off]
+                    buf = grown
+                buf[off : off + n] = np.frombuffer(chunk, dtype=np.uint8)
+                off += n
+        finally:
+            state.give(buf)
         return off.to_bytes(8, "little")
 
     def download(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Stream `nbytes` from a buffer, making one bytes object per chunk (what any sender must do)."""
         nbytes = int.from_bytes(request[:8], "little")
         chunk = int.from_bytes(request[8:16], "little")
-        if len(state.buf) < nbytes:
-            state.buf = np.ones(nbytes, dtype=np.uint8)
-        view = memoryview(state.buf)
+        with state.lock:
+            if len(state.buf) < nbytes:
+                state.buf = np.ones(nbytes, dtype=np.uint8)
+            view = state.buf.data[:nbytes]
         for off in range(0, nbytes, chunk):
             yield bytes(view[off : off + chunk])
 
@@ -90,6 +110,7 @@ class RawClient:
         return off
 
     def ping(self, payload: bytes = b"x") -> bytes:
+        """One unary round trip with a tiny request and reply."""
         return self._ping(payload, timeout=10)
 
     def close(self) -> None:

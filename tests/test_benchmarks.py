@@ -1,13 +1,26 @@
-"""The benchmark scripts' tiny presets run end to end and print the figures they promise."""
+"""The benchmark scripts' tiny presets run end to end and print the figures they promise; the
+suite's plumbing (child processes, statistics, target rows, Markdown) behaves."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import REPO
+
+BENCH = Path(REPO) / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import ceilings  # noqa: E402
+import suite  # noqa: E402
 
 
 def _run(*args: str) -> dict:  # type: ignore[type-arg]
@@ -30,3 +43,210 @@ def test_fault_recovery_tiny_measures_both_runs() -> None:
     out = _run("benchmarks/fault_recovery.py", "--preset", "tiny", "--modes", "sync")
     (row,) = out["results"]
     assert row["mode"] == "sync" and row["baseline_train_s"] > 0 and row["with_kill_train_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite's own parts, tiny preset, end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_suite() -> dict[str, Any]:
+    return _run("benchmarks/suite.py", "--preset", "tiny", "--only", "transport,peer,latency")
+
+
+def _check_target_row(row: dict[str, Any]) -> None:
+    assert {"name", "value", "ceiling", "ratio", "target", "better", "met", "part"} <= set(row)
+    assert row["value"] > 0 and row["ceiling"] > 0
+    assert math.isclose(row["ratio"], row["value"] / row["ceiling"])
+    assert row["met"] == (row["ratio"] >= row["target"] if row["better"] == "higher" else row["ratio"] <= row["target"])
+
+
+@pytest.mark.timeout(300)
+def test_suite_tiny_reports_every_figure_beside_its_ceiling(tiny_suite: dict[str, Any]) -> None:
+    doc = tiny_suite
+    assert doc["preset"] == "tiny" and doc["errors"] == [] and doc["machine"]["cpus"] >= 1
+    assert set(doc["parts"]) == {"transport", "peer", "latency"}
+    by_part: dict[str, list[dict[str, Any]]] = {}
+    for row in doc["targets"]:
+        _check_target_row(row)
+        by_part.setdefault(row["part"], []).append(row)
+    assert len(by_part["transport"]) == 2  # push and pull through one shard
+    assert len(by_part["peer"]) == 2  # 1 and 2 workers
+    assert [r["better"] for r in by_part["latency"]] == ["lower"]
+
+    transport = doc["parts"]["transport"]
+    cells = {(c["shards"], c["workers"]) for c in transport["cells"]}
+    assert cells == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for c in transport["cells"]:
+        assert c["psgrad"]["gb_per_s"] > 0 and c["raw_grpc"]["gb_per_s"] > 0
+        assert len(c["psgrad"]["per_worker_ops_per_s"]) == c["workers"]
+    assert set(transport["ceilings"]) == {"tcp_upload_gb_per_s", "tcp_download_gb_per_s",
+                                          "memcpy_reused_gb_per_s", "memcpy_fresh_gb_per_s"}
+    assert all(v > 0 for v in transport["ceilings"].values())
+
+    peer = doc["parts"]["peer"]["results"]
+    assert {r["workers"] for r in peer} == {1, 2}
+    for r in peer:
+        assert r["rpc"]["ops_per_s"] > 0 and r["psgrad"]["ops_per_s"] > 0
+        assert r["used"]["channels"], "TensorPipe's channel choice was not read from its log"
+
+    latency = doc["parts"]["latency"]
+    assert latency["iteration_ms"]["n"] == latency["raw_unary_ms"]["n"] == 30
+    assert latency["iteration_ms"]["p99"] >= latency["iteration_ms"]["median"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_suite_renders_a_saved_run_as_markdown(tiny_suite: dict[str, Any], tmp_path: Path) -> None:
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(tiny_suite))
+    res = subprocess.run([sys.executable, "benchmarks/suite.py", "--from-json", str(saved), "--markdown"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert "| target | psgrad | beside | ratio | goal | met |" in res.stdout
+    assert res.stdout.count("\n| transport: ") >= 2 and "| peer: " in res.stdout and "| latency: " in res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Suite plumbing, in process
+
+
+def test_suite_records_a_missing_or_failing_part_and_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "bench_fails.py").write_text("def run(preset):\n    raise RuntimeError('boom ' + preset)\n")
+    (tmp_path / "bench_ok.py").write_text(textwrap.dedent("""
+        def run(preset):
+            return {"targets": [{"name": "x", "value": 2.0, "ceiling": 4.0, "ratio": 0.5, "target": 0.9,
+                                 "better": "higher", "met": False}]}
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(suite, "PARTS", {"gone": "no_such_bench_module", "fails": "bench_fails", "ok": "bench_ok"})
+    doc = suite.run_suite("tiny", ["gone", "fails", "ok"])
+    assert doc["parts"]["gone"] == {"error": "benchmarks/no_such_bench_module.py not found"}
+    assert doc["parts"]["fails"]["error"] == "RuntimeError: boom tiny"
+    assert doc["errors"] == ["gone", "fails"]
+    assert doc["targets"] == [{"part": "ok", "name": "x", "value": 2.0, "ceiling": 4.0, "ratio": 0.5,
+                               "target": 0.9, "better": "higher", "met": False}]
+    md = suite.markdown(doc)
+    assert "| x | 2 | 4 | 0.5 | ≥ 0.9 | **no** |" in md
+    assert "- part `fails` failed: RuntimeError: boom tiny" in md
+
+
+def test_target_rows_compare_in_the_stated_direction() -> None:
+    assert ceilings.target("t", 1.0, 2.0, 0.5, "higher")["met"] is True
+    assert ceilings.target("t", 0.9, 2.0, 0.5, "higher")["met"] is False
+    lat = ceilings.target("t", 6.0, 2.0, 3.0, "lower")
+    assert lat["ratio"] == 3.0 and lat["met"] is True
+    assert ceilings.target("t", 6.1, 2.0, 3.0, "lower")["met"] is False
+    with pytest.raises(ValueError, match="better"):
+        ceilings.target("t", 1.0, 1.0, 1.0, "more")
+
+
+def test_summary_statistics_use_nearest_rank_percentiles() -> None:
+    s = ceilings.summarize([float(v) for v in range(1, 101)])
+    assert s["n"] == 100 and s["median"] == 50.5 and s["p99"] == 99.0 and s["min"] == 1.0 and s["max"] == 100.0
+    assert ceilings.summarize([3.0, 1.0, 2.0])["median"] == 2.0
+    assert ceilings.percentile([5.0], 99) == 5.0
+
+
+def test_aggregate_counts_every_operation_over_the_shared_window() -> None:
+    replies = [
+        {"start": 10.0, "end": 12.0, "pull_s": [0.5, 0.5], "push_s": [0.5, 0.5]},
+        {"start": 11.0, "end": 14.0, "pull_s": [1.0], "push_s": [1.0]},
+    ]
+    agg = ceilings.aggregate(replies, payload_bytes=1_000_000_000)
+    assert agg["window_s"] == 4.0 and agg["ops"] == 6
+    assert agg["ops_per_s"] == 1.5 and agg["gb_per_s"] == 1.5
+    assert [w["ops_per_s"] for w in agg["per_worker"]] == [2.0, 2 / 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings and child processes
+
+
+@pytest.fixture
+def tcp_server() -> Iterator[str]:
+    listener, address = ceilings.serve_tcp()
+    yield address
+    listener.close()
+
+
+def test_loopback_tcp_moves_the_bytes_both_ways(tcp_server: str) -> None:
+    client = ceilings.TcpClient(tcp_server)
+    try:
+        payload = bytes(range(256)) * 5000  # 1.28 MB: one full 1 MiB send and a partial one
+        client.upload(memoryview(payload), chunk=1 << 20)
+        dest = bytearray(len(payload))
+        client.download(memoryview(dest), chunk=1 << 20)
+        assert dest == payload  # the server streams back what it last received
+    finally:
+        client.close()
+
+
+def test_memcpy_probe_times_both_copies() -> None:
+    probe = ceilings.MemcpyProbe(1 << 20)
+    assert probe.reused_s() > 0 and probe.fresh_s() > 0
+    assert bool((probe.dst == probe.src).all())
+
+
+def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
+    import raw_grpc
+
+    server, address = raw_grpc.serve()
+    client = raw_grpc.RawClient(address)
+    try:
+        assert client.upload(memoryview(bytes(3 << 20)), 1 << 20) == 3 << 20
+        big = bytearray(3 << 20)
+        assert client.download(memoryview(big), 1 << 20) == 3 << 20
+        small = bytearray(1_500_000)  # smaller than the server's buffer: the last chunk must be cut
+        assert client.download(memoryview(small), 1 << 20) == 1_500_000
+        assert client.ping(b"hello") == b"hello"
+    finally:
+        client.close()
+        server.stop(0).wait()
+
+
+_ECHO_CHILD = """
+import sys
+sys.path.insert(0, {bench!r})
+from ceilings import command_loop
+
+def handle(cmd):
+    if cmd["op"] == "fail":
+        raise ValueError("asked to fail")
+    return {{"echo": cmd["value"]}}
+
+command_loop(handle)
+"""
+
+
+def test_children_answer_commands_behind_a_start_barrier(tmp_path: Path) -> None:
+    script = tmp_path / "echo_child.py"
+    script.write_text(_ECHO_CHILD.format(bench=str(BENCH)))
+    kids = [ceilings.Child(f"echo{i}", [sys.executable, str(script)]) for i in range(2)]
+    try:
+        replies = ceilings.run_together(kids, [{"op": "echo", "value": i} for i in range(2)], timeout_s=60)
+        assert replies == [{"echo": 0}, {"echo": 1}]
+        with pytest.raises(ceilings.BenchError, match="ValueError: asked to fail"):
+            kids[0].call({"op": "fail"}, timeout_s=60)
+        assert kids[0].call({"op": "echo", "value": "still here"}, timeout_s=60) == {"echo": "still here"}
+    finally:
+        ceilings.stop_all(kids)
+    assert [k.popen.returncode for k in kids] == [0, 0]  # they left on the quit command
+
+
+def test_a_child_that_ignores_quit_and_sigterm_is_killed_and_reaped() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    child = ceilings.Child("stubborn", [sys.executable, "-c", code])
+    child.wait_line("up", timeout_s=60)
+    done = threading.Event()
+    threading.Thread(target=lambda: (child.stop(timeout_s=0.5), done.set()), daemon=True).start()
+    assert done.wait(timeout=60), "stop() hung on a child that ignores quit and SIGTERM"
+    assert child.popen.returncode == -9
+
+
+def test_a_child_that_dies_is_reported_with_its_stderr() -> None:
+    child = ceilings.Child("dies", [sys.executable, "-c", "import sys; sys.stderr.write('it broke'); sys.exit(3)"])
+    try:
+        with pytest.raises(ceilings.BenchError, match=r"(?s)exited with code 3.*it broke"):
+            child.recv(timeout_s=60)
+    finally:
+        child.stop()
