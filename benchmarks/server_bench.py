@@ -1,0 +1,417 @@
+"""One shard under concurrent pushes: sustained pushes/s, server CPU-seconds per GB applied and peak
+memory, for SGD, SGD with momentum and Adam, beside raw gRPC upload of the same bytes.
+
+    python benchmarks/server_bench.py --preset full   # 25M float32 parameters, 1, 2 and 4 workers
+    python benchmarks/server_bench.py --preset tiny   # 1M parameters, 1 and 2 workers (CI, ~15 s)
+    python benchmarks/server_bench.py --preset full --server-env MALLOC_ARENA_MAX=2   # + twin servers
+
+One psgrad server process per optimizer (`python -m psgrad server`), one raw gRPC server
+(benchmarks/raw_grpc.py) and W worker processes of this script (`--worker`). Workers only push
+(async mode, lr 1e-9, no pulls, no compute). A round gives W workers one target; they start
+together after a barrier and push back to back; the parent reads the server's CPU time from
+/proc/PID/stat at the start and the end of a measured window, after a warm-up, and counts the
+pushes that completed inside it (a push straddling an end counts by the fraction inside). Rounds of all targets are interleaved, repetition by repetition
+(the order rotates), so machine noise hits psgrad and the raw ceiling alike. After the rounds of
+each W, the parent reads each psgrad server's peak resident memory (VmHWM in /proc/PID/status)
+and compares what the shard added to its idle process (VmHWM minus the RSS before
+initialization) with 2 x (weights + optimizer state) + 64 MB. Prints one JSON document.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ceilings import Child, command_loop, figure, log, machine_info, start_server, stop_all, target, write_json  # noqa: E402
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.2, "window_s": 0.5},
+    "full": {"params": 25_000_000, "workers": (1, 2, 4), "reps": 3, "warmup_s": 1.0, "window_s": 3.0},
+}
+# The job spec fields of each measured optimizer (besides mode async, lr 1e-9).
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "sgd": {"optimizer": "sgd"},
+    "momentum": {"optimizer": "sgd", "momentum": 0.9},
+    "adam": {"optimizer": "adam"},
+}
+RAW = "raw"
+LR = 1e-9
+TAIL_S = 0.2  # workers push this much past the window, so it ends before any of them stops
+SETUP_TIMEOUT_S = 180.0
+MB = 1e6
+SLACK_BYTES = 64 * 10**6  # the target's "+ 64 MB"
+PSGRAD_SERVER = ["-m", "psgrad", "server", "--host", "127.0.0.1", "--port", "0", "--lease-s", "600"]
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc readings (Linux)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # fields[0] is the state (field 3 of stat(5)); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_bytes(pid: int) -> dict[str, int]:
+    """VmHWM (peak resident), VmRSS and RssAnon of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon"):
+                out[key] = int(rest.split()[0]) * 1024  # the kernel reports kB
+    return out
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    total = sum(values[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
+def busy_fraction(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Share of all CPUs' time that was busy between two machine_busy() readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def in_window(starts: list[float], ends: list[float], t1: float, t2: float) -> float:
+    """How many of the operations [starts[i], ends[i]] fell inside [t1, t2], counting an operation
+    that straddles an end by the fraction of its duration inside (no +-1 quantization when a
+    window holds only a few long operations)."""
+    total = 0.0
+    for a, b in zip(starts, ends, strict=True):
+        overlap = min(b, t2) - max(a, t1)
+        if overlap > 0:
+            total += overlap / (b - a) if b > a else 1.0
+    return total
+
+
+def expected_state_bytes(name: str, numel: int) -> int:
+    """Optimizer state of a shard of numel elements, as the optimizer's state_bytes() reports it."""
+    from psgrad.optimizers import ADAM_BLOCK
+
+    spec = OPTIMIZERS[name]
+    if spec["optimizer"] == "adam":
+        return 8 * numel + 4 * min(numel, ADAM_BLOCK)  # two moments + the denominator's scratch block
+    return 4 * numel if spec.get("momentum") else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process
+
+
+class _Pusher:
+    """One worker process: a psgrad client per measured server and a raw gRPC client."""
+
+    def __init__(self) -> None:
+        self.push: dict[str, Any] = {}
+        self.closers: list[Any] = []
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "setup":
+            self._setup(cmd)
+            return {"ok": True, "pid": os.getpid()}
+        if cmd["op"] == "push":
+            return self._run(cmd["target"], float(cmd["run_s"]))
+        raise ValueError(f"unknown op {cmd['op']!r}")
+
+    def _setup(self, cmd: dict[str, Any]) -> None:
+        import torch
+        from raw_grpc import RawClient
+
+        from psgrad.client import ParameterClient
+        from psgrad.codec import byte_view
+        from psgrad.config import ClientConfig, JobSpec
+        from psgrad.sharding import ParamSpec, plan_shards
+
+        numel, rank, chunk = int(cmd["params"]), int(cmd["rank"]), int(cmd["chunk"])
+        grad = torch.full((numel,), 1e-3)
+        params = [ParamSpec("weight", (numel,), "float32")]
+        plan = plan_shards(params, 1)
+        config = ClientConfig(rpc_timeout_s=300.0, init_timeout_s=SETUP_TIMEOUT_S, chunk_bytes=chunk)
+        for name, job in cmd["servers"].items():
+            spec = JobSpec(mode="async", num_workers=int(cmd["num_workers"]), lr=LR, **job["spec"])
+            client = ParameterClient([job["address"]], spec, params, plan, rank, config)
+            self.closers.append(client.close)
+            start = client.join(initial_weights=(lambda: torch.zeros(numel)) if rank == 0 else None)
+            self.push[name] = self._psgrad_push(client, grad, start)
+        raw = RawClient(cmd["raw"])
+        self.closers.append(raw.close)
+        payload = byte_view(grad)
+
+        def upload() -> int:
+            raw.upload(payload, chunk)
+            return 0  # nothing to apply: never "not applied"
+
+        self.push[RAW] = upload
+
+    @staticmethod
+    def _psgrad_push(client: Any, grad: Any, clock: int) -> Any:
+        def push() -> int:
+            nonlocal clock
+            replies = client.push(grad, clock)
+            clock += 1
+            return sum(not r.applied for r in replies)
+
+        return push
+
+    def _run(self, name: str, run_s: float) -> dict[str, Any]:
+        """Push back to back for run_s seconds; completion times on the shared monotonic clock."""
+        push = self.push[name]
+        go = time.monotonic()
+        starts, done, not_applied = [], [], 0
+        while (t0 := time.monotonic()) < go + run_s:
+            not_applied += push()
+            starts.append(t0)
+            done.append(time.monotonic())
+        return {"go": go, "start": starts, "done": done, "not_applied": not_applied}
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+
+
+def worker_main() -> None:
+    import psgrad.client  # noqa: F401  (import torch and grpc while the servers start)
+
+    pusher = _Pusher()
+    try:
+        command_loop(pusher.handle)
+    finally:
+        pusher.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent
+
+
+def measure_window(
+    workers: list[Child], command: dict[str, Any], pids: list[int], warmup_s: float, window_s: float
+) -> dict[str, Any]:
+    """Start `command` on the workers together (barrier, then go) and have them run for the warm-up,
+    the window and a tail; read the CPU time of the server processes `pids`, of the workers and of
+    the whole machine at both ends of the window [t1, t2]. Workers report times on the shared
+    monotonic clock."""
+    run_s = warmup_s + window_s + TAIL_S
+    timeout = run_s + 120.0
+    for w in workers:
+        w.send({**command, "run_s": run_s, "barrier": True})
+    for w in workers:
+        w.recv(timeout)
+    t0 = time.monotonic()
+    for w in workers:
+        w.send({"op": "go"})
+    time.sleep(max(0.0, t0 + warmup_s - time.monotonic()))
+    worker_pids = [w.popen.pid for w in workers]
+    t1, mach1 = time.monotonic(), machine_busy()
+    cpu1, wcpu1 = sum(cpu_seconds(p) for p in pids), sum(cpu_seconds(p) for p in worker_pids)
+    time.sleep(max(0.0, t1 + window_s - time.monotonic()))
+    t2, mach2 = time.monotonic(), machine_busy()
+    cpu2, wcpu2 = sum(cpu_seconds(p) for p in pids), sum(cpu_seconds(p) for p in worker_pids)
+    replies = [w.recv(timeout) for w in workers]
+    late = max(r["go"] - t0 for r in replies)
+    if late > warmup_s / 2:
+        log(f"{command}: a worker started {late:.2f} s after the go (warm-up {warmup_s} s)")
+    return {"t1": t1, "t2": t2, "replies": replies, "server_cpu_s": cpu2 - cpu1, "workers_cpu_s": wcpu2 - wcpu1,
+            "machine_busy_fraction": busy_fraction(mach1, mach2)}
+
+
+def _round(
+    workers: list[Child], name: str, pid: int, warmup_s: float, window_s: float, nbytes: int
+) -> dict[str, Any]:
+    """W workers push to one target together; the server's CPU and the completions in the window."""
+    m = measure_window(workers, {"op": "push", "target": name}, [pid], warmup_s, window_s)
+    t1, t2, replies, cpu_s = m["t1"], m["t2"], m["replies"], m["server_cpu_s"]
+    pushes = sum(in_window(r["start"], r["done"], t1, t2) for r in replies)
+    gb = pushes * nbytes / 1e9
+    return {
+        "window_s": t2 - t1,
+        "pushes": pushes,
+        "pushes_per_s": pushes / (t2 - t1),
+        "gb_per_s": gb / (t2 - t1),
+        "server_cpu_s": cpu_s,
+        "server_cpu_s_per_gb": cpu_s / gb if gb else None,
+        "server_cores_busy": cpu_s / (t2 - t1),
+        "workers_cores_busy": m["workers_cpu_s"] / (t2 - t1),
+        "machine_busy_fraction": m["machine_busy_fraction"],
+        "push_s_median": statistics.median([b - a for r in replies for a, b in zip(r["start"], r["done"])] or [0.0]),
+        "not_applied": sum(r["not_applied"] for r in replies),
+    }
+
+
+def _median_of(rounds: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rounds if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def _variants(server_env: dict[str, str] | None) -> dict[str, tuple[str, dict[str, str] | None]]:
+    """Measured psgrad servers: name -> (optimizer, extra environment). With server_env, each
+    optimizer also runs on a twin server with that environment, measured in the same rounds."""
+    out: dict[str, tuple[str, dict[str, str] | None]] = {n: (n, None) for n in OPTIMIZERS}
+    if server_env:
+        tag = ",".join(f"{k}={v}" for k, v in server_env.items())
+        out.update({f"{n} [{tag}]": (n, server_env) for n in OPTIMIZERS})
+    return out
+
+
+def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: float, window_s: float,
+            chunk: int = 1 << 20, server_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Start the servers and workers, run the interleaved rounds, stop and reap every process.
+
+    server_env: also measure every optimizer on a server with these extra environment variables
+    (e.g. MALLOC_ARENA_MAX=2), side by side with the default servers.
+    """
+    nbytes = 4 * params
+    variants = _variants(server_env)
+    names = [*variants, RAW]
+    servers: dict[str, Child] = {}
+    workers: list[Child] = []
+    try:
+        for n, (_, env) in variants.items():
+            servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER], env=env, speaks=False)
+        servers[RAW] = start_server("raw-grpc", [str(HERE / "raw_grpc.py"), "--serve"])
+        max_w = max(worker_counts)
+        for r in range(max_w):
+            workers.append(Child(f"worker{r}", [sys.executable, str(HERE / "server_bench.py"), "--worker"]))
+        addresses = {n: s.address(timeout_s=SETUP_TIMEOUT_S) for n, s in servers.items()}
+        pids = {n: s.popen.pid for n, s in servers.items()}
+        idle = {n: memory_bytes(pids[n]) for n in variants}
+        log(f"servers up: {addresses}; setting up {max_w} workers, {params:,} parameters")
+        jobs = {n: {"address": addresses[n], "spec": OPTIMIZERS[opt]} for n, (opt, _) in variants.items()}
+        for rank, w in enumerate(workers):  # all at once: non-chief joins wait for the chief's init
+            w.send({"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "chunk": chunk,
+                    "servers": jobs, "raw": addresses[RAW]})
+        for w in workers:
+            w.recv(SETUP_TIMEOUT_S)
+        after_init = {n: memory_bytes(pids[n]) for n in variants}
+
+        per_w: dict[str, Any] = {}
+        for count in worker_counts:
+            rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+            for rep in range(reps):
+                order = names[rep % len(names):] + names[: rep % len(names)]
+                for n in order:
+                    r = _round(workers[:count], n, pids[n], warmup_s, window_s, nbytes)
+                    log(f"W={count} rep {rep} {n:8s}: {r['pushes_per_s']:7.1f} pushes/s, server "
+                        f"{r['server_cores_busy']:.2f} cores, workers {r['workers_cores_busy']:.2f} cores, "
+                        f"machine {r['machine_busy_fraction']:.0%} busy")
+                    rounds[n].append(r)
+            memory = {n: memory_bytes(pids[n]) for n in variants}
+            per_w[str(count)] = {
+                n: {
+                    "pushes_per_s": _median_of(rounds[n], "pushes_per_s"),
+                    "gb_per_s": _median_of(rounds[n], "gb_per_s"),
+                    "server_cpu_s_per_gb": _median_of(rounds[n], "server_cpu_s_per_gb"),
+                    "server_cores_busy": _median_of(rounds[n], "server_cores_busy"),
+                    "workers_cores_busy": _median_of(rounds[n], "workers_cores_busy"),
+                    "machine_busy_fraction": _median_of(rounds[n], "machine_busy_fraction"),
+                    "push_s_median": _median_of(rounds[n], "push_s_median"),
+                    **({"peak_rss_bytes": memory[n]["VmHWM"]} if n in memory else {}),
+                    "rounds": rounds[n],
+                }
+                for n in names
+            }
+        memory_rows = {}
+        for n, (opt, env) in variants.items():
+            weights, state = nbytes, expected_state_bytes(opt, params)
+            memory_rows[n] = {
+                "optimizer": opt,
+                "server_env": env or {},
+                "weights_bytes": weights,
+                "optimizer_state_bytes": state,
+                "limit_bytes": 2 * (weights + state) + SLACK_BYTES,
+                "idle_rss_bytes": idle[n]["VmRSS"],
+                "rss_after_init_bytes": after_init[n]["VmRSS"],
+                "peak_by_workers": {
+                    w: {
+                        "peak_rss_bytes": per_w[w][n]["peak_rss_bytes"],
+                        "shard_peak_bytes": per_w[w][n]["peak_rss_bytes"] - idle[n]["VmRSS"],
+                        "receive_buffers_bytes": int(w) * nbytes,
+                    }
+                    for w in per_w
+                },
+            }
+        return {"params": params, "payload_bytes": nbytes, "chunk_bytes": chunk, "workers": list(worker_counts),
+                "servers": list(variants), "reps": reps, "warmup_s": warmup_s, "window_s": window_s,
+                "by_workers": per_w, "memory": memory_rows}
+    finally:
+        # Workers first, while their servers still answer, so no client waits on a dying server.
+        stop_all(workers)
+        stop_all(servers.values())
+
+
+def targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    targets = []
+    for n, row in m["memory"].items():
+        for w, peak in row["peak_by_workers"].items():
+            targets.append(target(
+                f"server: shard peak memory, {n}, {w} pushing worker(s)", peak["shard_peak_bytes"] / MB,
+                row["limit_bytes"] / MB, 1.0, "lower", "MB", "2 x (weights + optimizer state) + 64 MB",
+            ))
+    figures = []
+    for w, by_name in m["by_workers"].items():
+        raw = by_name[RAW]
+        for n in m["servers"]:
+            figures.append(figure(f"server: pushes/s, {n}, {w} worker(s)", by_name[n]["pushes_per_s"], "1/s",
+                                  raw["pushes_per_s"], "raw gRPC uploads/s of the same bytes"))
+            figures.append(figure(f"server: CPU-s per GB applied, {n}, {w} worker(s)",
+                                  by_name[n]["server_cpu_s_per_gb"], "s/GB", raw["server_cpu_s_per_gb"],
+                                  "raw gRPC server CPU-s per GB received"))
+    return targets, figures
+
+
+def run(preset: str, server_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The suite's server part: per optimizer and W, pushes/s and CPU-s/GB beside raw gRPC; memory."""
+    p = PRESETS[preset]
+    m = measure(p["params"], p["workers"], p["reps"], p["warmup_s"], p["window_s"], server_env=server_env)
+    targets, figures = targets_and_figures(m)
+    return {"benchmark": "server", "preset": preset, **m, "machine": machine_info(), "targets": targets,
+            "figures": figures,
+            "notes": "shard_peak_bytes = VmHWM - RSS of the idle server before init (python, torch, grpc); "
+                     "the shard lends one P-sized receive buffer per concurrent push (receive_buffers_bytes "
+                     "at most); every psgrad figure was measured beside raw gRPC in the same interleaved "
+                     "rounds on a shared machine."}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and rounds (default: tiny)")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also measure every optimizer on a twin server with this extra environment variable, in the "
+        "same rounds, e.g. MALLOC_ARENA_MAX=2 to see what glibc's per-thread malloc arenas cost; repeatable",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main()
+        return
+    env = {}
+    for item in args.server_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--server-env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    write_json(run(args.preset, env or None))
+
+
+if __name__ == "__main__":
+    main()

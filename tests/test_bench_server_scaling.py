@@ -1,0 +1,153 @@
+"""benchmarks/server_bench.py and benchmarks/scaling.py: their helpers, and their tiny presets end to end
+(JSON shape and positive figures; no timing thresholds)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import scaling  # noqa: E402
+import server_bench  # noqa: E402
+
+from psgrad.config import JobSpec  # noqa: E402
+from psgrad.optimizers import make_optimizer  # noqa: E402
+
+TARGET_KEYS = {"name", "value", "ceiling", "ratio", "target", "better", "met"}
+
+
+def _run(script: str) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", script), "--preset", "tiny"],
+        capture_output=True, text=True, timeout=240, cwd=REPO, stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out: dict[str, Any] = json.loads(res.stdout)  # exactly one JSON document on stdout
+    return out
+
+
+def _check_targets(rows: list[dict[str, Any]]) -> None:
+    assert rows
+    for row in rows:
+        assert TARGET_KEYS <= row.keys(), row
+        assert row["better"] in ("higher", "lower")
+        assert row["value"] > 0 and row["ceiling"] > 0
+        assert row["ratio"] == pytest.approx(row["value"] / row["ceiling"])
+        assert row["met"] == (row["ratio"] >= row["target"] if row["better"] == "higher" else row["ratio"] <= row["target"])
+    json.dumps(rows, allow_nan=False)
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.mark.timeout(30)
+def test_in_window_counts_fractions_of_straddling_operations() -> None:
+    starts, ends = [0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]
+    assert server_bench.in_window(starts, ends, 0.0, 4.0) == pytest.approx(4.0)
+    assert server_bench.in_window(starts, ends, 0.5, 2.5) == pytest.approx(2.0)  # half + one + half
+    assert server_bench.in_window(starts, ends, 1.25, 1.5) == pytest.approx(0.25)
+    assert server_bench.in_window(starts, ends, 5.0, 6.0) == 0.0
+    assert server_bench.in_window([], [], 0.0, 1.0) == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_proc_readings_of_this_process() -> None:
+    before = server_bench.cpu_seconds(os.getpid())
+    x = torch.ones(2_000_000)
+    for _ in range(50):
+        x.mul_(1.0001)
+    assert server_bench.cpu_seconds(os.getpid()) > before
+    mem = server_bench.memory_bytes(os.getpid())
+    assert set(mem) == {"VmHWM", "VmRSS", "RssAnon"}
+    assert mem["VmHWM"] >= mem["VmRSS"] > 8_000_000  # holds x at least
+    busy = server_bench.machine_busy()
+    assert 0 <= busy[0] <= busy[1]
+    assert 0.0 <= server_bench.busy_fraction(busy, server_bench.machine_busy()) <= 1.0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("numel", [1000, 3_000_000])
+def test_expected_state_bytes_is_what_the_optimizers_hold(numel: int) -> None:
+    for name, fields in server_bench.OPTIMIZERS.items():
+        opt = make_optimizer(JobSpec(lr=1e-9, **fields), numel)
+        opt.apply(torch.zeros(numel), torch.ones(numel))  # momentum allocates its buffer on the first step
+        assert server_bench.expected_state_bytes(name, numel) == opt.state_bytes(), name
+
+
+def _row(shards: int, t: float, w: int, sps: float, cpu_ms: float = 5.0, busy: float = 0.5) -> dict[str, Any]:
+    return {"shards": shards, "compute_ms": t, "workers": w, "samples_per_s": sps,
+            "ideal_samples_per_s": w * 100.0, "efficiency": sps / (w * 100.0), "comm_ms_median": 5.0,
+            "step_ms_median": t + 5.0, "cpu_ms_per_step": cpu_ms, "server_cores_busy": 0.3,
+            "workers_cores_busy": 0.2, "machine_busy_fraction": busy}
+
+
+@pytest.mark.timeout(30)
+def test_falloff_finds_the_smallest_compute_time_from_which_the_goal_holds() -> None:
+    # One step at T = 0 costs 5 CPU-ms in 5 ms: 4 workers at that pace need 4 cores of 2.
+    results = [_row(1, t, 1, 100.0) for t in (0, 10, 50, 100, 200)]
+    results += [_row(1, 0, 4, 200.0), _row(1, 10, 4, 380.0), _row(1, 50, 4, 300.0),
+                _row(1, 100, 4, 350.0, busy=0.95), _row(1, 200, 4, 390.0)]
+    (row,) = scaling.falloff(results, cpus=2)
+    assert row["workers"] == 4 and row["shards"] == 1
+    assert row["min_compute_ms_for_goal"] == 200  # 10 ms reached 0.95, but 50 ms fell back below
+    assert [b["compute_ms"] for b in row["below_goal"]] == [0, 50, 100]
+    why = [b["why"] for b in row["below_goal"]]
+    assert "psgrad's own CPU cost saturates" in why[0] and "need 4.00 cores" in why[0]
+    assert "latency" in why[1] and "need 0.36 cores" in why[1]  # 4 x 5 / 55
+    assert "other work" in why[2] and "95%" in why[2]
+    targets, figures = scaling.targets_and_figures(results)
+    assert [t["name"] for t in targets] == [
+        f"scaling: samples/s, 4 workers, 1 shard(s), T = {t} ms" for t in (0, 10, 50, 100, 200)
+    ]
+    assert [t["met"] for t in targets] == [False, True, False, False, True]
+    assert len(figures) == 5  # the single-worker rows
+
+
+# ----------------------------------------------------------------------------- tiny presets
+@pytest.mark.timeout(300)
+def test_server_bench_tiny() -> None:
+    out = _run("server_bench.py")
+    assert out["benchmark"] == "server" and out["preset"] == "tiny"
+    assert out["payload_bytes"] == 4 * out["params"]
+    names = set(server_bench.OPTIMIZERS)
+    assert set(out["by_workers"]) == {str(w) for w in out["workers"]}
+    for by_name in out["by_workers"].values():
+        assert set(by_name) == names | {"raw"}
+        for name, row in by_name.items():
+            assert row["pushes_per_s"] > 0 and row["gb_per_s"] > 0, name
+            assert row["server_cpu_s_per_gb"] > 0, name
+            assert all(r["not_applied"] == 0 for r in row["rounds"]), name
+            if name != "raw":
+                assert row["peak_rss_bytes"] > 0
+    assert set(out["memory"]) == names
+    assert out["memory"]["adam"]["optimizer_state_bytes"] > out["memory"]["momentum"]["optimizer_state_bytes"] > 0
+    _check_targets(out["targets"])
+    assert len(out["targets"]) == len(names) * len(out["workers"])
+    assert all(t["unit"] == "MB" and t["better"] == "lower" for t in out["targets"])
+    for fig in out["figures"]:
+        assert fig["value"] > 0 and fig["ceiling"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_scaling_tiny() -> None:
+    out = _run("scaling.py")
+    assert out["benchmark"] == "scaling" and out["preset"] == "tiny"
+    results = out["results"]
+    assert {(r["shards"], r["compute_ms"], r["workers"]) for r in results} == {
+        (s, t, w) for s in out["shards"] for t in out["compute_ms"] for w in out["workers"]
+    }
+    for r in results:
+        assert r["samples_per_s"] > 0 and r["step_ms_median"] > 0 and r["efficiency"] > 0
+        assert r["step_ms_median"] >= r["compute_ms"]  # a step includes its simulated compute
+        if r["workers"] == 1:
+            assert r["efficiency"] == pytest.approx(1.0)
+    _check_targets(out["targets"])
+    assert {f["shards"] for f in out["falloff"]} == set(out["shards"])
+    for f in out["falloff"]:
+        assert all(b["why"] for b in f["below_goal"])
