@@ -233,10 +233,14 @@ def run_peer(params: int, reps: int, iters: int, setups: dict[str, Sequence[int]
             rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
             for rep in range(reps):
                 for w in setups[name]:
-                    with paused(world.children + swarm.agents[w:]):
-                        rounds.setdefault(("psgrad", w), []).append(swarm.round(key, w, iters))
-                    with paused(psgrad_children):
-                        rounds.setdefault(("rpc", w), []).append(world.round(w, iters))
+                    for system in ("psgrad", "rpc") if rep % 2 == 0 else ("rpc", "psgrad"):  # neither always first
+                        if system == "psgrad":
+                            others = world.children + swarm.agents[w:]
+                        else:
+                            others = psgrad_children
+                        with paused(others):
+                            r = swarm.round(key, w, iters) if system == "psgrad" else world.round(w, iters)
+                        rounds.setdefault((system, w), []).append(r)
                 log(f"peer: setup {name!r} repetition {rep + 1}/{reps} done ({time.monotonic() - t_start:.0f} s)")
             used = world.used()
             world.close()

@@ -411,7 +411,7 @@ def run_matrix(params: int, reps: int, iters: int, shards: Sequence[int], worker
 
         # warm-up: every server allocates its buffers for the most concurrent workers
         for key in keys.values():
-            swarm.round(key, max(workers), 1)
+            swarm.round(key, max(workers), 2)
         tcp.upload(tcp_view, chunk)
         tcp.download(tcp_view, chunk)
 
@@ -420,7 +420,7 @@ def run_matrix(params: int, reps: int, iters: int, shards: Sequence[int], worker
         for rep in range(reps):
             for s in shards:
                 for w in workers:
-                    for system in ("psgrad", "raw"):
+                    for system in ("psgrad", "raw") if rep % 2 == 0 else ("raw", "psgrad"):  # neither always first
                         rounds.setdefault((system, s, w), []).append(swarm.round(keys[(system, s)], w, iters))
             for _ in range(iters):
                 ceil_t["tcp_upload"].append(_timed(lambda: tcp.upload(tcp_view, chunk)))
