@@ -35,7 +35,7 @@ def test_wire_dtype_tiny_trains_with_both_dtypes() -> None:
     out = _run("benchmarks/wire_dtype.py", "--preset", "tiny")
     digits = out["results"]["digits"]
     assert set(digits) == {"float32", "bfloat16"}
-    assert all(0.0 <= r["test_accuracy"] <= 1.0 and len(r["per_worker"]) == 2 for r in digits.values())
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 and len(r["runs"][0]["per_worker"]) == 2 for r in digits.values())
     assert digits["bfloat16"]["points_vs_float32"] == pytest.approx(
         100 * (digits["bfloat16"]["test_accuracy"] - digits["float32"]["test_accuracy"])
     )
