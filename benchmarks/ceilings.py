@@ -28,9 +28,10 @@ from typing import IO, Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MIB = 1 << 20
-# Every benchmark child gets one OpenMP thread: many processes share 2 cores, and spinning OpenMP
-# threads of idle processes would slow the measured ones (psgrad and the baselines alike).
-CHILD_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+# Benchmark children get one OpenMP thread unless asked otherwise: many processes share 2 cores,
+# and spinning OpenMP threads would slow the measured ones (psgrad and the baselines alike).
+# `psgrad launch` makes the same choice on 2 cores.
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 class BenchError(RuntimeError):
@@ -53,7 +54,8 @@ class Child:
     with "{" (anything else a library prints is kept but skipped).
     """
 
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, speaks: bool = True) -> None:
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, speaks: bool = True,
+                 one_thread: bool = True) -> None:
         self.name = name
         self.speaks = speaks  # True: stopped with a quit command; False (servers): with SIGTERM
         self._address: str | None = None
@@ -65,7 +67,7 @@ class Child:
             stderr=self._stderr,
             text=True,
             cwd=REPO,
-            env={**os.environ, **CHILD_ENV, **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(ONE_THREAD_ENV if one_thread else {}), **(env or {})},
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, name=f"read-{name}", daemon=True)
@@ -219,9 +221,9 @@ def paused(children: Iterable[Child]) -> Iterator[None]:
             c.resume()
 
 
-def start_server(name: str, argv: Sequence[str]) -> Child:
+def start_server(name: str, argv: Sequence[str], one_thread: bool = True) -> Child:
     """Start `python ARGV` as a server (read its address later with Child.address; stopped by SIGTERM)."""
-    return Child(name, [sys.executable, *argv], speaks=False)
+    return Child(name, [sys.executable, *argv], speaks=False, one_thread=one_thread)
 
 
 def run_together(children: Sequence[Child], commands: Sequence[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:

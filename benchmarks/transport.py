@@ -84,8 +84,9 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
     """One client in this process, one shard, beside raw gRPC upload/download of the same bytes."""
     children: list[Child] = []
     try:
-        ps = start_server("psgrad-server", PSGRAD_SERVER)
-        raw_server = start_server("raw-grpc", [str(HERE / "raw_grpc.py"), "--serve"])
+        # The servers keep torch's default thread count here, as this comparison always has.
+        ps = start_server("psgrad-server", PSGRAD_SERVER, one_thread=False)
+        raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
         children += [ps, raw_server]
         ps_addr, raw_addr = ps.address(), raw_server.address()
 
@@ -445,6 +446,7 @@ def run_matrix(params: int, reps: int, iters: int, shards: Sequence[int], worker
     return {
         "params": params,
         "wire_dtype": wire_dtype,
+        "omp_threads_per_process": 1,
         "payload_bytes": payload,
         "chunk_bytes": chunk,
         "reps": reps,
