@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import json
 import math
+import resource
 import sys
 import time
 import traceback
@@ -88,21 +89,31 @@ def _sharing() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
 
+def _cpu_s() -> float:
+    """CPU seconds used by this process and every child it has reaped. A part's processes are
+    reaped by the time it ends, so the difference is the part's cost whatever the load (processes
+    transport and peer share are counted with the last of them, which stops them)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_suite(preset: str, only: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
-    doc: dict[str, Any] = {"machine": machine_info(), "preset": preset, "parts": {}}
+    doc: dict[str, Any] = {"machine": machine_info(), "preset": preset, "parts": {}, "timing": {}}
     sharing = [n for n in only if n in SHARE_PROCESSES]
     with contextlib.ExitStack() as stack:
         for name in only:
             if len(sharing) > 1 and name == sharing[0]:
                 stack.enter_context(_sharing())
             log(f"suite: part {name} ({preset}) starting")
-            t_part = time.monotonic()
+            t_part, cpu_part = time.monotonic(), _cpu_s()
             doc["parts"][name] = run_part(name, preset)
-            state = f"failed: {doc['parts'][name]['error']}" if "error" in doc["parts"][name] else "done"
-            log(f"suite: part {name} {state} after {time.monotonic() - t_part:.1f} s")
             if sharing and name == sharing[-1]:
                 stack.close()  # stop the shared processes before the next part runs
+            doc["timing"][name] = {"wall_s": time.monotonic() - t_part, "cpu_s": _cpu_s() - cpu_part}
+            state = f"failed: {doc['parts'][name]['error']}" if "error" in doc["parts"][name] else "done"
+            log(f"suite: part {name} {state} after {doc['timing'][name]['wall_s']:.1f} s "
+                f"({doc['timing'][name]['cpu_s']:.1f} CPU-s)")
     doc["targets"] = collect_targets(doc["parts"])
     doc["errors"] = [name for name, r in doc["parts"].items() if "error" in r]
     doc["elapsed_s"] = time.monotonic() - t0
