@@ -130,6 +130,12 @@ def test_suite_records_a_missing_or_failing_part_and_goes_on(monkeypatch: pytest
     assert "- part `fails` failed: RuntimeError: boom tiny" in md
 
 
+def test_suite_refuses_an_unknown_part() -> None:
+    res = subprocess.run([sys.executable, "benchmarks/suite.py", "--only", "transport,bogus"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and "unknown part(s) bogus" in res.stderr and res.stdout == ""
+
+
 def test_target_rows_compare_in_the_stated_direction() -> None:
     assert ceilings.target("t", 1.0, 2.0, 0.5, "higher")["met"] is True
     assert ceilings.target("t", 0.9, 2.0, 0.5, "higher")["met"] is False
