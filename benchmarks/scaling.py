@@ -209,9 +209,7 @@ def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int
                 "workers": list(worker_counts), "compute_ms": list(compute_ms), "reps": reps,
                 "results": _summarize(rows, shard_counts, worker_counts, compute_ms)}
     finally:
-        # Workers first, while their servers still answer, so no client waits on a dying server.
-        stop_all(workers)
-        stop_all(c for servers in sets.values() for c in servers)
+        stop_all([*workers, *(c for servers in sets.values() for c in servers)])  # all asked at once
 
 
 def _summarize(rows: dict[tuple[str, float, int], list[dict[str, Any]]], shard_counts: tuple[int, ...],
