@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -128,6 +128,55 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
         cwd=REPO,
         stdin=subprocess.DEVNULL,
     )
+
+
+@pytest.fixture
+def make_servers():  # type: ignore[no-untyped-def]
+    """make_servers(n, lease_s=10.0) -> n in-process gRPC servers on port 0, stopped at teardown."""
+    from psgrad.config import ServerConfig
+    from psgrad.server import start_server
+
+    running = []
+
+    def make(n: int, lease_s: float = 10.0):  # type: ignore[no-untyped-def]
+        new = [start_server(ServerConfig(port=0, threads=16, lease_s=lease_s)) for _ in range(n)]
+        running.extend(new)
+        return new
+
+    yield make
+    for s in running:
+        s.stop(0)
+
+
+def run_in_threads(n: int, fn: Callable[[int], None], timeout_s: float = 90.0) -> None:
+    """Run fn(0..n-1) in n threads; re-raise the first failure and fail if any thread hangs."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if errors:
+        raise errors[0]
+
+
+def communicate_all(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Collect every process's output; kill and reap whatever is still running afterwards."""
+    try:
+        return [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 @pytest.fixture

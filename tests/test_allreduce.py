@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, Proc, spawn
+from conftest import REPO, Proc, communicate_all, spawn
 from psgrad.tasks import get_task
 from psgrad.tasks.base import batches
 
@@ -120,13 +120,7 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
         )
         for r in range(world)
     ]
-    try:
-        outputs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    outputs = communicate_all(procs, timeout_s=90)
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out
     got = [torch.load(tmp_path / f"w{r}.pt") for r in range(world)]

@@ -4,34 +4,19 @@ float32 masters, and misuse fails with a message that names the problem."""
 from __future__ import annotations
 
 import copy
-import threading
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from torch import nn
 
 import psgrad
+from conftest import run_in_threads
 from psgrad.config import ClientConfig, ServerConfig
 from psgrad.errors import ConfigError, ServerUnavailableError, WorkerStateError
 from psgrad.server import RunningServer, start_server
 from psgrad.tasks import get_task
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[[int], list[RunningServer]]]:
-    running: list[RunningServer] = []
-
-    def make(n: int) -> list[RunningServer]:
-        new = [start_server(ServerConfig(port=0, threads=16)) for _ in range(n)]
-        running.extend(new)
-        return new
-
-    yield make
-    for s in running:
-        s.stop(0)
 
 
 def _model() -> nn.Module:
@@ -49,24 +34,6 @@ def _masters(running: list[RunningServer]) -> torch.Tensor:
     return torch.cat(weights)  # type: ignore[arg-type]
 
 
-def _in_threads(n: int, fn: Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            fn(rank)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a worker hung"
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "optimizer, reference",
@@ -76,11 +43,11 @@ def _in_threads(n: int, fn: Callable[[int], None]) -> None:
     ],
     ids=["sgd-momentum", "adam"],
 )
-def test_the_users_loop_in_sync_mode_equals_single_process_training(servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
+def test_the_users_loop_in_sync_mode_equals_single_process_training(make_servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
     """Two workers, each its own half of every batch, train exactly like one process on the whole batch."""
     task = get_task("digits")
     workers, steps, batch = 2, 5, 16
-    running = servers(2)
+    running = make_servers(2)
     gen = torch.Generator().manual_seed(1)
     batches = [[torch.randint(0, len(task.train_x), (batch,), generator=gen) for _ in range(steps)] for _ in range(workers)]
     init = _model()
@@ -99,7 +66,7 @@ def test_the_users_loop_in_sync_mode_equals_single_process_training(servers, opt
                 assert stats.staleness == 0 and stats.accepted and stats.clock == k
         finals[rank] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
-    _in_threads(workers, worker)
+    run_in_threads(workers, worker)
     ref = _model()
     opt = reference(ref.parameters())
     for k in range(steps):
@@ -132,13 +99,13 @@ def _delayed_sgd(model: nn.Module, steps: int, lr: float, x: torch.Tensor, y: to
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_one_async_worker_overlap_computes_on_weights_one_step_old(servers, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+def test_one_async_worker_overlap_computes_on_weights_one_step_old(make_servers, overlap: bool) -> None:  # type: ignore[no-untyped-def]
     task = get_task("digits")
     steps, lr = 8, 0.3
     gen = torch.Generator().manual_seed(2)
     idx = [torch.randint(0, len(task.train_x), (16,), generator=gen) for _ in range(steps)]
     xs, ys = [task.train_x[i] for i in idx], [task.train_y[i] for i in idx]
-    running = servers(2)
+    running = make_servers(2)
     model = _model()
     staleness = []
     with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=lr), client=CLIENT) as ps:
@@ -159,9 +126,9 @@ def test_one_async_worker_overlap_computes_on_weights_one_step_old(servers, over
 
 
 @pytest.mark.timeout(60)
-def test_a_bfloat16_model_trains_against_float32_master_weights(servers) -> None:  # type: ignore[no-untyped-def]
+def test_a_bfloat16_model_trains_against_float32_master_weights(make_servers) -> None:  # type: ignore[no-untyped-def]
     task = get_task("digits")
-    running = servers(1)
+    running = make_servers(1)
     model = _model().to(torch.bfloat16)
     with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=0.05), wire_dtype="bfloat16", client=CLIENT) as ps:
         opt = ps.optimizer(model)
@@ -184,8 +151,8 @@ def test_a_bfloat16_model_trains_against_float32_master_weights(servers) -> None
 
 
 @pytest.mark.timeout(60)
-def test_session_misuse_is_refused_by_name(servers) -> None:  # type: ignore[no-untyped-def]
-    running = servers(1)
+def test_session_misuse_is_refused_by_name(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(1)
     with pytest.raises(ConfigError, match="malformed server address"):
         psgrad.connect(["localhost"])
     with pytest.raises(ConfigError, match="rank"):
@@ -217,8 +184,8 @@ def test_an_unreachable_server_fails_within_the_connect_timeout() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(servers) -> None:  # type: ignore[no-untyped-def]
-    running = servers(1)
+def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(1)
     with pytest.raises(RuntimeError, match="user bug"):
         with psgrad.connect(_addresses(running), client=CLIENT) as ps:
             ps.optimizer(_model())
@@ -232,10 +199,10 @@ def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(serv
     [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.cuda),
      pytest.param("cuda", True, marks=pytest.mark.cuda)],
 )
-def test_the_model_on_each_device_ends_with_the_servers_weights(servers, device: str, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+def test_the_model_on_each_device_ends_with_the_servers_weights(make_servers, device: str, overlap: bool) -> None:  # type: ignore[no-untyped-def]
     """The CPU run covers the same code path as the CUDA one (which adds pinned staging copies)."""
     task = get_task("digits")
-    running = servers(2)
+    running = make_servers(2)
     model = _model().to(device)
     with psgrad.connect(_addresses(running), optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
         opt = ps.optimizer(model, overlap=overlap)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import random
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,28 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from conftest import run_in_threads
 from psgrad.client import ParameterClient
-from psgrad.config import ClientConfig, JobSpec, ServerConfig
-from psgrad.server import RunningServer, start_server
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.server import RunningServer
 from psgrad.sharding import param_specs, plan_shards
 from psgrad.tasks import get_task
 from psgrad.flat import FlatModel
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
-
-
-@pytest.fixture
-def make_servers() -> Iterator:  # type: ignore[type-arg]
-    running: list[RunningServer] = []
-
-    def make(n: int, lease_s: float = 10.0) -> list[RunningServer]:
-        new = [start_server(ServerConfig(port=0, threads=16, lease_s=lease_s)) for _ in range(n)]
-        running.extend(new)
-        return new
-
-    yield make
-    for s in running:
-        s.stop(0)
 
 
 def _model() -> nn.Module:
@@ -54,33 +40,24 @@ def test_sync_equals_single_process_sgd_on_the_concatenated_batch(make_servers, 
     batches = [
         [torch.randint(0, len(task.train_x), (batch,), generator=gen) for _ in range(steps)] for _ in range(workers)
     ]
-    errors: list[BaseException] = []
     init = _model()  # built here: torch's global RNG is not safe to seed from several threads
 
     def run(rank: int) -> None:
-        try:
-            model = copy.deepcopy(init)
-            flat = FlatModel(model, torch.device("cpu"))
-            params = param_specs(model)
-            with ParameterClient([s.address for s in servers], spec, params, plan_shards(params, 2), rank, CLIENT) as c:
-                clock = c.join(initial_weights=(lambda: flat.flat.clone()) if rank == 0 else None)
-                for k in range(steps):
-                    c.pull(flat.host_flat, clock + k)
-                    idx = batches[rank][k]
-                    flat.zero_grad()
-                    nn.functional.cross_entropy(model(task.train_x[idx]), task.train_y[idx]).backward()
-                    c.push(flat.gather_grads(), clock + k)
-                c.leave()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        model = copy.deepcopy(init)
+        flat = FlatModel(model, torch.device("cpu"))
+        params = param_specs(model)
+        with ParameterClient([s.address for s in servers], spec, params, plan_shards(params, 2), rank, CLIENT) as c:
+            assert flat.flat is not None
+            clock = c.join(initial_weights=(lambda: flat.host_weights().clone()) if rank == 0 else None)
+            for k in range(steps):
+                c.pull(flat.host_flat, clock + k)
+                idx = batches[rank][k]
+                flat.zero_grad()
+                nn.functional.cross_entropy(model(task.train_x[idx]), task.train_y[idx]).backward()
+                c.push(flat.gather_grads(), clock + k)
+            c.leave()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a sync worker hung"
+    run_in_threads(workers, run)
 
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, communicate_all
 
 MARKER = "<!-- example: train_digits.py"
 
@@ -34,13 +34,7 @@ def test_the_readme_example_trains_two_workers(start_servers, tmp_path: Path) ->
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
         for rank in range(2)
     ]
-    try:
-        outputs = [w.communicate(timeout=200)[0] for w in workers]
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
+    outputs = communicate_all(workers, timeout_s=200)
     for rank, (w, out) in enumerate(zip(workers, outputs)):
         assert w.returncode == 0, out
         last = re.findall(rf"rank {rank} epoch 4: loss [\d.]+ test accuracy ([\d.]+)", out)
