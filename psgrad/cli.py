@@ -424,6 +424,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         num_workers=ns.num_workers,
         steps=ns.steps,
         batch_size=ns.batch_size,
+        optimizer=ns.optimizer,
         lr=ns.lr,
         momentum=ns.momentum,
         weight_decay=ns.weight_decay,
@@ -564,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
     co.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step per worker (default: 32)")
     co.add_argument("--lr", type=float, default=0.1, help="learning rate (default: 0.1)")
+    co.add_argument(
+        "--optimizer", default="sgd", choices=OPTIMIZER_NAMES,
+        help="server-side update rule (adam/adamw with their default betas; not with allreduce) (default: sgd)",
+    )
     co.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
     co.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay (default: 0)")
     co.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPES, help="wire dtype (default: float32)")

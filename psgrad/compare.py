@@ -63,6 +63,7 @@ class CompareConfig:
     num_workers: int = 4
     steps: int = 400
     batch_size: int = 32
+    optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -89,6 +90,11 @@ class CompareConfig:
                 raise ConfigError(f"--straggler names rank {rank}, but there are only {self.num_workers} workers")
         if len({r for r, _ in self.stragglers}) != len(self.stragglers):
             raise ConfigError("--straggler names the same rank twice")
+        if self.optimizer != "sgd" and any(m.mode == "allreduce" for m in self.modes):
+            raise ConfigError(
+                f"the allreduce baseline trains with SGD only; drop allreduce from --modes to compare "
+                f"with --optimizer {self.optimizer}"
+            )
 
     @property
     def evaluate_every(self) -> int:
@@ -106,7 +112,7 @@ class CompareConfig:
 def _job_args(cfg: CompareConfig, seed: int) -> list[str]:
     return [
         "--task", cfg.task, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
-        "--lr", str(cfg.lr), "--momentum", str(cfg.momentum), "--weight-decay", str(cfg.weight_decay),
+        "--optimizer", cfg.optimizer, "--lr", str(cfg.lr), "--momentum", str(cfg.momentum), "--weight-decay", str(cfg.weight_decay),
         "--wire-dtype", cfg.wire_dtype, "--seed", str(seed), "--eval-every", str(cfg.evaluate_every),
         "--log-every", str(cfg.steps), "--jitter-ms", str(cfg.jitter_ms), "--device", "cpu",
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from psgrad.compare import ModeRun, parse_modes
+from psgrad.compare import CompareConfig, ModeRun, _job_args, parse_modes
 from psgrad.errors import ConfigError
 
 
@@ -18,6 +18,14 @@ def test_parse_modes() -> None:
     for bad in ("bsp", "ssp", "ssp:x", "sync:1", "sync,sync", ""):
         with pytest.raises(ConfigError):
             parse_modes(bad)
+
+
+def test_the_optimizer_reaches_every_run_and_allreduce_refuses_adam(tmp_path: Path) -> None:
+    cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async"), optimizer="adam", lr=0.001)
+    args = _job_args(cfg, seed=0)
+    assert args[args.index("--optimizer") + 1] == "adam"
+    with pytest.raises(ConfigError, match="allreduce baseline trains with SGD only"):
+        CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,allreduce"), optimizer="adam")
 
 
 @pytest.mark.slow
