@@ -8,6 +8,7 @@ protobuf object (which would copy them twice more), while the wire stays exactly
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -60,13 +61,22 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _data_prefix(length: int) -> bytes:
+    return bytes((_DATA_TAG,)) + _varint(length)
+
+
+def data_frame(piece: memoryview) -> bytes:
+    """One ``data`` frame holding piece: the tag and length prefix and the bytes, copied once."""
+    return b"".join((_data_prefix(len(piece)), piece))
+
+
 def data_frames(payload: memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield ``data`` frames of at most chunk_bytes payload each; one copy per byte, no more."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     for off in range(0, len(payload), chunk_bytes):
-        piece = payload[off : off + chunk_bytes]
-        yield b"".join((bytes((_DATA_TAG,)), _varint(len(piece)), piece))
+        yield data_frame(payload[off : off + chunk_bytes])
 
 
 def frame_payload(frame: bytes) -> memoryview | None:
@@ -95,14 +105,20 @@ class PayloadWriter:
         self._what = what
 
     def write(self, piece: memoryview) -> None:
-        end = self._offset + len(piece)
+        start = self._advance(len(piece))
+        self._dest[start : self._offset] = piece
+
+    def _advance(self, nbytes: int) -> int:
+        """Account for nbytes more payload without copying them; returns where they start."""
+        start = self._offset
+        end = start + nbytes
         if end > len(self._dest):
             raise InvalidRequestError(
                 f"{self._what}: payload is larger than the {len(self._dest)} bytes announced "
                 f"(at least {end} bytes arrived)"
             )
-        self._dest[self._offset : end] = piece
         self._offset = end
+        return start
 
     def finish(self) -> None:
         if self._offset != len(self._dest):

@@ -101,6 +101,11 @@ class ServerConfig:
     threads: int = 32
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     grace_s: float = 2.0
+    # Gradient-sized receive buffers an async/ssp shard keeps; more pushes arriving at once wait
+    # for one (their bytes wait in gRPC flow control). With 1 and plain SGD the update is computed
+    # as the gradient arrives. Raise it when the server has memory to spare and many workers on
+    # separate hosts push at once. Sync mode keeps one per live worker regardless.
+    push_buffers: int = 1
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
@@ -115,6 +120,7 @@ class ServerConfig:
         _check(self.threads >= 2, f"threads must be >= 2, got {self.threads}")
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
         _finite_nonneg("grace_s", self.grace_s)
+        _check(self.push_buffers >= 1, f"push_buffers must be >= 1, got {self.push_buffers}")
 
 
 @dataclass(frozen=True)

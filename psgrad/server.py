@@ -148,12 +148,18 @@ class ParameterServicer:
             _abort(context, exc)
             return
         version, frames = got
-        layout = self.shard.layout
-        assert layout is not None
-        yield pb.PullFrame(
-            header=pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
-        ).SerializeToString()
-        yield from frames
+        # Updates wait for a stream that reads the live weights: end it as soon as the call ends.
+        if not context.add_callback(frames.close):
+            frames.close()
+        try:
+            layout = self.shard.layout
+            assert layout is not None
+            yield pb.PullFrame(
+                header=pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
+            ).SerializeToString()
+            yield from frames
+        finally:
+            frames.close()
 
     @_edge
     def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:

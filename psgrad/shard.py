@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,7 +12,8 @@ from typing import Any
 
 import torch
 
-from psgrad.codec import PayloadWriter, WireBuffer, data_frames
+from psgrad import streams
+from psgrad.codec import WireBuffer, torch_dtype
 from psgrad.config import ServerConfig
 from psgrad.consistency import ClockView, ConsistencyPolicy, SyncPolicy, make_policy
 from psgrad.errors import (
@@ -22,6 +24,7 @@ from psgrad.errors import (
 )
 from psgrad.layout import Layout, explain_mismatch
 from psgrad.optimizers import ShardOptimizer, make_optimizer
+from psgrad.streams import PullStream, PushWriter, UpdateRule, staged_rule
 
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
@@ -94,6 +97,7 @@ class Shard:
         self._config = config
         self._now = now
         lock = threading.RLock()
+        self._lock = lock
         self._cond = threading.Condition(lock)  # state changed: waiting pulls, joins, reaper re-check
         # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
         # same lock, so that parking a pull never wakes the other parked pulls.
@@ -103,8 +107,23 @@ class Shard:
         self._weights: torch.Tensor | None = None
         self._optimizer: ShardOptimizer | None = None
         self._policy: ConsistencyPolicy = make_policy("async")
-        self._pull_wire: WireBuffer | None = None
+        # Receive buffers. Async/ssp lend at most push_buffers at once. With push_buffers == 1 and
+        # an element-wise rule (`_rule`, plain SGD), the one push being received computes the next
+        # weights into its buffer as it arrives, and the update swaps tensors: the former weights
+        # become the spare buffer once no pull stream reads them (`_retired` until then).
         self._pool: list[tuple[torch.Tensor, WireBuffer]] = []
+        self._lent: dict[int, PushWriter] = {}  # id(grad) -> writer, for buffers out on loan
+        self._revoked: dict[int, PushWriter] = {}  # ... whose worker was evicted mid-push
+        self._rule: UpdateRule | None = None
+        self._building = False  # staged: a push holds the turn to build the next weights
+        self._retired: list[torch.Tensor] = []
+        self._buffer_free = threading.Condition(lock)  # a push waits here for its turn or a buffer
+        self._buffer_waits = 0
+        # Open pull streams reading a tensor the shard owns; weak, so a stream dropped unread ends.
+        self._reads: weakref.WeakSet[PullStream] = weakref.WeakSet()
+        self._writers_waiting = 0  # in-place updates waiting for streams of the current weights
+        self._reads_done = threading.Condition(lock)  # ... wait here
+        self._no_writers = threading.Condition(lock)  # a granted pull waits here for those updates
         self._pending: dict[int, _Pending] = {}
         self._skipped = 0  # sync: pushes of the current iteration skipped as non-finite
         self.version = 0
@@ -118,6 +137,12 @@ class Shard:
         """Wake everything waiting for a state change (caller holds the lock)."""
         self._cond.notify_all()
         self._observers.notify_all()
+
+    def _notify_transfers(self) -> None:
+        """Wake pushes waiting for a buffer and updates waiting for pull streams (lock held)."""
+        self._buffer_free.notify_all()
+        self._reads_done.notify_all()
+        self._no_writers.notify_all()
 
     def start_reaper(self) -> threading.Thread:
         """Evict workers the moment their lease expires, even when no call arrives (so a sync
@@ -138,6 +163,7 @@ class Shard:
         with self._cond:
             self._closed = True
             self._notify()
+            self._notify_transfers()
 
     def wait_until(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float) -> bool:
         """Block until predicate(status()) holds (re-checked on every state change) or timeout_s."""
@@ -168,6 +194,7 @@ class Shard:
                 m.state = EVICTED
                 self._counters.evictions += 1
                 self.history.append(("evict", m.rank, m.clock))
+                self._revoke_pushes(m.rank)
                 changed = True
         changed = self._complete_iteration() or changed
         if changed:
@@ -297,7 +324,8 @@ class Shard:
             self._weights = weights
             self._optimizer = optimizer
             self._policy = policy
-            self._pull_wire = WireBuffer(layout.numel, layout.spec.wire_dtype)
+            staged = not isinstance(policy, SyncPolicy) and layout.spec.wire_dtype == "float32"
+            self._rule = staged_rule(optimizer) if staged and self._config.push_buffers == 1 else None
             self._register(rank)
             self._notify()
             return False
@@ -311,24 +339,29 @@ class Shard:
         timeout_s: float | None = None,
         is_active: Callable[[], bool] = lambda: True,
         observe: bool = False,
-    ) -> tuple[int, list[bytes]] | None:
-        """Wait until the mode's gate lets `rank` at `clock` pull, then copy the weights as wire
-        frames with the version they belong to. None if timeout_s passed or the call was cancelled.
+    ) -> tuple[int, PullStream] | None:
+        """Wait until the mode's gate lets `rank` at `clock` pull, then return the version of the
+        weights and a stream of their wire frames (built lazily; see PullStream). None if timeout_s
+        passed or the call was cancelled.
 
         observe=True takes a read-only snapshot: no gate, no clock, no lease (evaluation, monitoring).
         """
         deadline = None if timeout_s is None else self._now() + timeout_s
         with self._cond:
-            self._require_layout(fingerprint, rank)
-            while not observe:
-                self._refresh()
-                member = self._live_member(rank)
-                if clock > member.clock:  # a joining worker announces where it continues from
-                    member.clock = clock
+            layout = self._require_layout(fingerprint, rank)
+            while True:
+                ready = True
+                if not observe:
                     self._refresh()
-                view = self._view()
-                if self._policy.pull_ready(clock, view):
-                    self.history.append(("pull", rank, clock, view.min_clock, self.version))
+                    member = self._live_member(rank)
+                    if clock > member.clock:  # a joining worker announces where it continues from
+                        member.clock = clock
+                        self._refresh()
+                    view = self._view()
+                    ready = self._policy.pull_ready(clock, view)
+                if ready and not self._writers_waiting:
+                    if not observe:
+                        self.history.append(("pull", rank, clock, view.min_clock, self.version))
                     break
                 if not is_active() or self._closed:
                     return None
@@ -338,18 +371,67 @@ class Shard:
                     if left <= 0:
                         return None
                     waits.append(left)
+                if ready:  # the gate is open; an update is waiting for the pulls already streaming
+                    self._no_writers.wait(timeout=min(waits) if waits else None)
+                    continue
                 self._waiting += 1
                 self._observers.notify_all()
                 try:
                     self._cond.wait(timeout=min(waits) if waits else None)
                 finally:
                     self._waiting -= 1
-            assert self._weights is not None and self._pull_wire is not None
-            payload = self._pull_wire.encode(self._weights)
-            frames = list(data_frames(payload, self._config.chunk_bytes))
+            assert self._weights is not None
+            wire_dtype = torch_dtype(layout.spec.wire_dtype)
+            stream = PullStream(
+                self._weights, self.version, wire_dtype, self._config.chunk_bytes, self._lock, self._end_read
+            )
+            self._reads.add(stream)
             self._counters.pulls += 1
-            self._counters.bytes_out += len(payload)
-            return self.version, frames
+            self._counters.bytes_out += stream.nbytes
+            return self.version, stream
+
+    def _end_read(self, stream: PullStream) -> None:
+        """A pull stream ended (caller holds the lock): free what only it kept."""
+        self._reads.discard(stream)
+        source = stream.source
+        if any(t is source for t in self._retired) and not any(r.source is source for r in self._reads):
+            self._retired = [t for t in self._retired if t is not source]
+            self._pool.append((source, WireBuffer(source.numel(), "float32")))
+            self._buffer_free.notify_all()
+        if self._writers_waiting and not self._current_reads():
+            self._reads_done.notify_all()
+
+    def _current_reads(self) -> list[PullStream]:
+        return [r for r in self._reads if r.source is self._weights]
+
+    def _await_reads(self) -> None:
+        """Before an in-place update (caller holds the lock): wait until no pull stream reads the
+        current weights. Pulls granted meanwhile wait for the update; a stream idle for STALL_S
+        gets a private copy instead."""
+        while reads := self._current_reads():
+            idle = time.monotonic() - max(r.last_active for r in reads)
+            if idle >= streams.STALL_S or self._closed:
+                self._detach_reads()
+                return
+            self._writers_waiting += 1
+            self._observers.notify_all()
+            try:
+                self._reads_done.wait(timeout=streams.STALL_S - idle)
+            finally:
+                self._writers_waiting -= 1
+                if not self._writers_waiting:
+                    self._no_writers.notify_all()
+
+    def _detach_reads(self) -> None:
+        """Give the streams still reading the current weights a private copy (caller holds the lock)."""
+        reads = self._current_reads()
+        if not reads:
+            return
+        assert self._weights is not None and self.layout is not None
+        copy = self._weights.to(torch_dtype(self.layout.spec.wire_dtype), copy=True)
+        for stream in reads:
+            stream.detach(copy)
+            self._reads.discard(stream)
 
     def blocking(self, rank: int, clock: int) -> list[int]:
         """Ranks that a pull of `rank` at `clock` waits for (for error messages)."""
@@ -359,7 +441,7 @@ class Shard:
     # ----------------------------------------------------------------- push
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
-    ) -> tuple[torch.Tensor, WireBuffer, PayloadWriter]:
+    ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back)."""
         with self._cond:
             layout = self._require_layout(fingerprint, rank)
@@ -387,17 +469,93 @@ class Shard:
             except WorkerStateError:
                 self._counters.pushes_rejected += 1
                 raise
-            if self._pool:
-                grad, wire = self._pool.pop()
+            if self._rule is not None:
+                grad, wire = self._staged_buffer(layout.numel)
             else:
-                grad, wire = torch.empty(layout.numel), WireBuffer(layout.numel, dtype)
-        writer = PayloadWriter(wire.receive_view(grad), f"push from worker rank {rank}")
+                grad, wire = self._classic_buffer(layout.numel, dtype)
+            writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", dtype == "float32")
+            self._lent[id(grad)] = writer
+            writer.holds_turn = self._rule is not None
+            member = self._members[rank]
+            if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
+                spec = layout.spec
+                scale = self._policy.lr_scale(self.version - base_version, spec.staleness_lr)
+                assert self._weights is not None
+                writer.stage(self._weights, self._rule, scale, self.version)
         return grad, wire, writer
 
+    def _classic_buffer(self, numel: int, dtype: str) -> tuple[torch.Tensor, WireBuffer]:
+        """A receive buffer; in async/ssp wait while push_buffers are out on loan (caller holds the
+        lock), unless every holder has been idle for STALL_S: then lend one beyond the limit."""
+        if not isinstance(self._policy, SyncPolicy):  # sync keeps one per worker until the mean
+            while not self._pool and len(self._lent) >= self._config.push_buffers and not self._closed:
+                idle = time.monotonic() - max(w.last_active for w in self._lent.values())
+                if idle >= streams.STALL_S:
+                    break
+                self._wait_for_buffer(streams.STALL_S - idle)
+        if self._pool:
+            return self._pool.pop()
+        return torch.empty(numel), WireBuffer(numel, dtype)
+
+    def _staged_buffer(self, numel: int) -> tuple[torch.Tensor, WireBuffer]:
+        """Wait for the turn to build the next weights (one push at a time; a push whose worker
+        is evicted gives it up), then for the spare tensor, which a pull stream of the former
+        weights may still read (lend a new one if that stream is idle for STALL_S)."""
+        while self._building and not self._closed:
+            self._wait_for_buffer(None)
+        self._building = True
+        while not self._pool and self._retired and not self._closed:
+            reads = [r for r in self._reads if r.source is not self._weights]
+            idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
+            if idle >= streams.STALL_S:
+                break
+            self._wait_for_buffer(streams.STALL_S - idle)
+        if self._pool:
+            return self._pool.pop()
+        return torch.empty(numel), WireBuffer(numel, "float32")
+
+    def _writer_of(self, grad: torch.Tensor) -> PushWriter | None:
+        return self._lent.get(id(grad)) or self._revoked.get(id(grad))
+
+    def _wait_for_buffer(self, timeout_s: float | None) -> None:
+        self._buffer_waits += 1
+        self._observers.notify_all()
+        try:
+            self._buffer_free.wait(timeout=timeout_s)
+        finally:
+            self._buffer_waits -= 1
+
+    def _revoke_pushes(self, rank: int) -> None:
+        """An evicted worker's push in flight never applies; a staged one gives up its turn now
+        (its buffer stays with it until its call ends, since bytes may still arrive)."""
+        for key, writer in list(self._lent.items()):
+            if writer.rank == rank:
+                writer.revoked = True
+                if writer.holds_turn:
+                    self._revoked[key] = self._lent.pop(key)
+                    self._building = False
+                    self._buffer_free.notify_all()
+
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
-        """Return a receive buffer to the pool."""
+        """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
         with self._cond:
-            self._pool.append((grad, wire))
+            writer = self._writer_of(grad)
+        if writer is not None:
+            writer.cancel()  # no helper work may write into the buffer once it is back
+        with self._cond:
+            self._revoked.pop(id(grad), None)
+            writer = self._lent.pop(id(grad), None)
+            if writer is not None and writer.holds_turn:
+                self._building = False
+            if isinstance(self._policy, SyncPolicy):
+                keep = True
+            elif self._rule is not None:
+                keep = not self._pool and not self._retired  # one spare tensor
+            else:
+                keep = len(self._pool) + len(self._lent) < self._config.push_buffers
+            if keep:
+                self._pool.append((grad, wire))
+            self._buffer_free.notify_all()
 
     def reject(self) -> None:
         """Count a push that failed after its header was accepted."""
@@ -415,11 +573,28 @@ class Shard:
             wire.finish_receive(grad)
             # A sum is non-finite whenever some element is NaN or +-inf, and costs far less than
             # isfinite(grad).all() (no mask allocated); only an overflowing sum needs the exact check.
-            finite = math.isfinite(float(grad.sum())) or bool(torch.isfinite(grad).all())
+            # The shard's own writer already summed the gradient piece by piece as it arrived.
             with self._cond:
+                writer = self._writer_of(grad)
+            if writer is not None:
+                writer.drain()
+            staged = writer is not None and writer.staged
+            if writer is not None and writer.checked:
+                bad = writer.nonfinite
+            elif math.isfinite(float(grad.sum())):
+                bad = 0
+            else:
+                bad = int((~torch.isfinite(grad)).sum())
+            with self._cond:
+                if not staged and not isinstance(self._policy, SyncPolicy):
+                    known = self._members.get(rank)
+                    if known is None or clock > known.last_push_clock:  # (re-checked below)
+                        self._await_reads()  # an in-place update must not change weights a pull streams
                 self._refresh()
                 self._counters.bytes_in += nbytes
                 member = self._live_member(rank)
+                if writer is not None and writer.revoked:
+                    raise WorkerStateError(f"worker rank {rank} was evicted while pushing; nothing was applied")
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", self.version, 0)
@@ -430,8 +605,7 @@ class Shard:
                         f"sync push from worker rank {rank} is for iteration {clock}, but shard is at "
                         f"iteration {self.version} (pull before pushing)"
                     )
-                if not finite and self._config.nonfinite != "allow":
-                    bad = int((~torch.isfinite(grad)).sum())
+                if bad and self._config.nonfinite != "allow":
                     self._counters.pushes_rejected += 1
                     if self._config.nonfinite == "reject":
                         raise InvalidRequestError(
@@ -445,6 +619,7 @@ class Shard:
                     return PushResult(False, f"skipped: {bad} non-finite values", self.version, 0)
                 if sync:
                     self._pending[rank] = _Pending(grad, wire, clock, base_version)
+                    self._lent.pop(id(grad), None)
                     kept = True
                     self._advance(member, clock)
                     before = self.version
@@ -454,9 +629,14 @@ class Shard:
                     return PushResult(False, "buffered until every live worker pushed", self.version, 0, True)
                 assert self._weights is not None and self._optimizer is not None
                 staleness = self.version - base_version
-                spec = self.layout.spec if self.layout else None
-                scale = self._policy.lr_scale(staleness, bool(spec and spec.staleness_lr))
-                self._optimizer.apply(self._weights, grad, lr_scale=scale)
+                if staged:  # the buffer holds the next weights: swap them in
+                    assert writer is not None and writer.staged_version == self.version
+                    self._commit(grad, wire)
+                    kept = True
+                else:
+                    spec = self.layout.spec if self.layout else None
+                    scale = self._policy.lr_scale(staleness, bool(spec and spec.staleness_lr))
+                    self._optimizer.apply(self._weights, grad, lr_scale=scale)
                 self.version += 1
                 self._advance(member, clock)
                 self._counters.pushes_applied += 1
@@ -467,6 +647,20 @@ class Shard:
         finally:
             if not kept:
                 self.release(grad, wire)
+
+    def _commit(self, weights: torch.Tensor, wire: WireBuffer) -> None:
+        """Make a staged buffer the weights (caller holds the lock); the former weights become the
+        spare buffer, once no pull stream reads them."""
+        old = self._weights
+        assert old is not None
+        self._weights = weights
+        del self._lent[id(weights)]
+        self._building = False
+        if any(r.source is old for r in self._reads):
+            self._retired.append(old)
+        else:
+            self._pool.append((old, wire))
+        self._buffer_free.notify_all()
 
     def _advance(self, member: Member, clock: int) -> None:
         member.clock = max(member.clock, clock + 1)
@@ -486,6 +680,7 @@ class Shard:
         items = [self._pending.pop(r) for r in ranks]
         self._skipped = 0
         if items:  # else every gradient of the iteration was skipped: an empty update
+            self._detach_reads()  # only snapshots (observe) can be streaming here; rare
             total = items[0].grad
             for item in items[1:]:
                 total.add_(item.grad)
@@ -500,6 +695,7 @@ class Shard:
         self.history.append(("apply", self.version, stale))
         for it in items:
             self._pool.append((it.grad, it.wire))
+        self._buffer_free.notify_all()
         return True
 
     # ----------------------------------------------------------------- status
@@ -526,6 +722,12 @@ class Shard:
                 "evictions": c.evictions,
                 "pending": len(self._pending),
                 "waiting": self._waiting,
+                "streaming_pulls": len(self._reads),  # pull streams reading the live weights
+                "waiting_updates": self._writers_waiting,
+                "buffers_lent": len(self._lent),
+                "staged_updates": self._rule is not None,
+                "retired_buffers": len(self._retired),  # former weights a pull stream still reads
+                "waiting_for_buffer": self._buffer_waits,
                 "staleness": dict(sorted(c.staleness.items())),
                 "uptime_s": now - self._started,
                 "workers": [

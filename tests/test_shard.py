@@ -489,10 +489,12 @@ def test_rejoin_after_leave_continues_past_last_push(shard: Shard, layout: Layou
     assert shard.version == 3
 
 
-def test_apply_push_gives_its_buffers_back_once(shard: Shard, layout: Layout) -> None:
+def test_apply_push_gives_its_buffers_back_once(layout: Layout) -> None:
     # apply_push owns the receive buffers and returns them to the pool exactly once on every path
     # (applied, duplicate, rejected): they are reused, yet two pushes in flight never share one
     # (which would mix their gradients).
+    shard = Shard(ServerConfig(push_buffers=2))
+    shard.initialize(0, layout, weights_for(layout))
     shard.join(1, layout)
     fp = layout.fingerprint
     lent = shard.push_target(0, 0, 0, layout.numel, "float32", fp)
