@@ -189,6 +189,9 @@ SPEC_CHANGES = {
     "wire_dtype": (BASE_SPEC, "bfloat16"),
     "num_shards": (BASE_SPEC, 2),
     "staleness_lr": (BASE_SPEC, True),
+    "beta1": (BASE_SPEC, 0.8),
+    "beta2": (BASE_SPEC, 0.99),
+    "eps": (BASE_SPEC, 1e-6),
 }
 
 
