@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from psgrad import errors, serde
+from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
     PayloadWriter,
@@ -71,9 +71,47 @@ class ShardClient:
             prefix + "Heartbeat", pb.HeartbeatRequest.SerializeToString, pb.HeartbeatReply.FromString
         )
         self._leave = ch.unary_unary(prefix + "Leave", pb.LeaveRequest.SerializeToString, pb.LeaveReply.FromString)
+        # Same-host payloads: the Push method called with its header frame only, the gradient in
+        # the segment (a client stream of one message is a unary call on the wire).
+        self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
+        self._pull_header_only = ch.unary_unary(prefix + "Pull", pb.PullRequest.SerializeToString, None)
+        self._shm = config.shared_memory and shm.supported()
+        self._server_shm = False  # the server said at Join that it takes shared-memory payloads
+        self._segment: shm.Segment | None = None
+        self._segment_guard = threading.Lock()
 
     def close(self) -> None:
+        with self._segment_guard:
+            seg, self._segment = self._segment, None
+        if seg is not None:
+            seg.close()
         self._channel.close()
+
+    def _take_segment(self, nbytes: int) -> shm.Segment | None:
+        """This shard's shared-memory segment, locked for one transfer; None: use gRPC frames
+        (another host, or the segment is busy with a concurrent transfer)."""
+        if not (self._shm and self._server_shm) or nbytes == 0:
+            return None
+        with self._segment_guard:
+            seg = self._segment
+            if seg is None or seg.nbytes != nbytes:
+                if seg is not None:
+                    seg.close()
+                try:
+                    seg = self._segment = shm.Segment(nbytes)
+                except OSError:
+                    self._shm = False
+                    return None
+            return seg if seg.lock.acquire(blocking=False) else None
+
+    def _drop_segment(self, seg: shm.Segment, for_good: bool = False) -> None:
+        """Never write this segment again (the server may still read it, or cannot open it)."""
+        with self._segment_guard:
+            if self._segment is seg:
+                self._segment = None
+            if for_good:
+                self._shm = False
+        seg.close()
 
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
         attempts = 1 + (self.config.retries if retry else 0)
@@ -88,13 +126,15 @@ class ShardClient:
         raise AssertionError("unreachable")
 
     def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
-        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast."""
-        return self._call(
-            "the join request",
-            lambda: self._join(req, timeout=timeout_s, wait_for_ready=True),
-            timeout_s,
-            retry=False,
-        )
+        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast.
+        Learns whether the server takes payloads through shared memory."""
+
+        def run() -> pb.JoinReply:
+            reply, call = self._join.with_call(req, timeout=timeout_s, wait_for_ready=True)
+            self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
+            return reply
+
+        return self._call("the join request", run, timeout_s, retry=False)
 
     def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
         """Stream a shard's initial float32 weights (sent once, by the chief)."""
@@ -107,20 +147,21 @@ class ShardClient:
 
     def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
         """Pull the shard's weights into dest (float32 slice of the flat space); returns their version."""
+        version = self._pull_shared(req, dest, wire)
+        return version if version is not None else self.pull_frames(req, dest, wire)
+
+    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+        """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
+        reply = self._push_shared(header, payload)
+        return reply if reply is not None else self.push_frames(header, payload)
+
+    # ----------------------------------------------------------------- through gRPC frames
+    def pull_frames(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
         t = self.config.rpc_timeout_s
 
         def run() -> int:
             stream = self._pull(req, timeout=t)
-            first = next(stream, None)
-            if first is None:
-                raise InvalidRequestError(f"server {self.address}: pull returned no header")
-            msg = pb.PullFrame.FromString(first)
-            header = msg.header
-            if header.numel != dest.numel() or header.dtype != wire.dtype_name:
-                raise InvalidRequestError(
-                    f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
-                    f"expected {dest.numel()} {wire.dtype_name}"
-                )
+            header = self._pull_header(next(stream, None), dest, wire)
             writer = PayloadWriter(wire.receive_view(dest), f"pull from {self.address}")
             write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {self.address}"))
             wire.finish_receive(dest)
@@ -128,8 +169,7 @@ class ShardClient:
 
         return self._call("the pull", run, t)
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
-        """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
+    def push_frames(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
         t = self.config.rpc_timeout_s
 
         def frames() -> Iterator[bytes]:
@@ -137,6 +177,78 @@ class ShardClient:
             yield from data_frames(payload, self.config.chunk_bytes)
 
         return self._call("the push", lambda: self._push(frames(), timeout=t), t)
+
+    def _pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
+        if first is None:
+            raise InvalidRequestError(f"server {self.address}: pull returned no header")
+        header = pb.PullFrame.FromString(first).header
+        if header.numel != dest.numel() or header.dtype != wire.dtype_name:
+            raise InvalidRequestError(
+                f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
+                f"expected {dest.numel()} {wire.dtype_name}"
+            )
+        return header
+
+    # ----------------------------------------------------------------- through shared memory
+    def _pull_shared(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int | None:
+        """A same-host pull: the server copies the weights into this shard's segment and answers
+        with the header alone. None when this shard's payloads go through gRPC frames (another
+        host, or the segment is busy with a concurrent transfer)."""
+        seg = self._take_segment(wire.nbytes)
+        if seg is None:
+            return None
+        t = self.config.rpc_timeout_s
+        try:
+            first = self._pull_header_only(req, timeout=t, metadata=seg.metadata())
+        except grpc.RpcError as exc:
+            if self._shared_failed(seg, exc):
+                return self.pull_frames(req, dest, wire)
+            raise to_psgrad_error(exc, self.address, "the pull", t) from None
+        try:
+            header = self._pull_header(first, dest, wire)
+            dest.copy_(torch.frombuffer(seg.payload[: wire.nbytes], dtype=wire.dtype))
+            seg.unlink()  # the server has it open
+        finally:
+            seg.lock.release()
+        return int(header.version)
+
+    def _push_shared(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply | None:
+        """A same-host push: the gradient goes into this shard's segment, the call carries the
+        header alone. None when this shard's payloads go through gRPC frames (see _pull_shared)."""
+        seg = self._take_segment(len(payload))
+        if seg is None:
+            return None
+        t = self.config.rpc_timeout_s
+        try:
+            torch.frombuffer(seg.payload, dtype=torch.uint8)[: len(payload)].copy_(
+                torch.frombuffer(payload, dtype=torch.uint8)
+            )
+            frame = pb.PushFrame(header=header).SerializeToString()
+            reply: pb.PushReply = self._push_header_only(frame, timeout=t, metadata=seg.metadata())
+        except grpc.RpcError as exc:
+            if self._shared_failed(seg, exc):
+                return self.push_frames(header, payload)  # keyed: a retry is never applied twice
+            raise to_psgrad_error(exc, self.address, "the push", t) from None
+        except BaseException:
+            seg.lock.release()
+            raise
+        seg.unlink()  # the server has it open
+        seg.lock.release()
+        return reply
+
+    def _shared_failed(self, seg: shm.Segment, exc: grpc.RpcError) -> bool:
+        """A same-host call failed: retire its segment (the server may still be using it), and say
+        whether the transfer should be redone through frames (refused, or worth a retry)."""
+        trailing = tuple(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ()
+        refused = (shm.METADATA_KEY, shm.REFUSED) in trailing
+        if refused or not any(key == ERROR_METADATA_KEY for key, _ in trailing):
+            # Refused, or the call ended without the server's answer, which may still be using
+            # the segment: never write it again. A restarted server can no longer open a name
+            # unlinked after first use, so a fresh segment may work next time; one that the
+            # server never opened will not (another host, another /dev/shm).
+            self._drop_segment(seg, for_good=refused and not seg.opened)
+        seg.lock.release()
+        return refused or (isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE and self.config.retries > 0)
 
     def status(self, timeout_s: float | None = None) -> pb.StatusReply:
         t = timeout_s or self.config.rpc_timeout_s
@@ -203,9 +315,22 @@ class ParameterClient:
             s.close()
 
     def _fan_out(self, fn: Callable[[int, ShardClient], T]) -> list[T]:
-        """Run fn on every shard concurrently; re-raise the first failure (in shard order)."""
-        futs = [self._pool.submit(fn, i, s) for i, s in enumerate(self.shards)]
-        return [f.result() for f in futs]
+        """Run fn on every shard concurrently, the first one on this thread (a hand-off to another
+        thread costs about as much as a small call); wait for all, then re-raise the first failure
+        (in shard order)."""
+        futs = [self._pool.submit(fn, i, s) for i, s in enumerate(self.shards) if i > 0]
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            outcomes.append((True, fn(0, self.shards[0])))
+        except BaseException as exc:  # the others are already running: let them finish first
+            outcomes.append((False, exc))
+        for f in futs:
+            error = f.exception()
+            outcomes.append((False, error) if error is not None else (True, f.result()))
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        return [value for _, value in outcomes]
 
     def _join_request(self, index: int, wait: bool) -> pb.JoinRequest:
         start, end = self.plan.ranges[index]
@@ -279,9 +404,10 @@ class ParameterClient:
         """Pull every shard into its range of flat (float32, CPU) once the mode's gate for `clock`
         holds; remembers the base versions. observe=True reads a snapshot: no gate, no lease."""
 
+        req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint, observe=observe)
+
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint, observe=observe)
             return s.pull(req, flat[start:end], self._pull_wires[i])
 
         versions = self._fan_out(one)

@@ -132,6 +132,11 @@ class ClientConfig:
     init_timeout_s: float = 120.0
     retries: int = 2
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Move payloads to and from a shard on the same host through shared memory (gRPC carries
+    # only headers); off another host, or where the server cannot open the segment, gRPC frames
+    # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
+    # segment per server.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "rpc_timeout_s", "init_timeout_s"):

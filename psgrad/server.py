@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from psgrad import errors, serde
+from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
     PayloadWriter,
@@ -89,12 +89,36 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     return msg.header
 
 
+def _metadata(context: grpc.ServicerContext, key: str) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return str(v)
+    return None
+
+
 class ParameterServicer:
     """Handlers of the ParameterServer service for one shard."""
 
     def __init__(self, shard: Shard, config: ServerConfig) -> None:
         self.shard = shard
         self.config = config
+        self._segments: dict[int, shm.Attached] = {}  # rank -> its shared-memory segment
+        self._segments_lock = threading.Lock()
+
+    def _segment(self, rank: int, value: str, nbytes: int) -> shm.Attached:
+        """The worker's same-host segment that a call names (opened once, kept while it is used).
+
+        Raises:
+            shm.SharedMemoryUnavailable: this server cannot use it (another host, or a bad name).
+        """
+        with self._segments_lock:
+            seg = self._segments.get(rank)
+            if seg is not None and value.startswith(seg.name + ";") and seg.nbytes == nbytes:
+                return seg
+        seg = shm.attach(value, nbytes)
+        with self._segments_lock:
+            self._segments[rank] = seg  # a worker has one segment per shard; a new one replaces it
+        return seg
 
     @_edge
     def Join(self, req: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -103,6 +127,8 @@ class ParameterServicer:
             remaining = context.time_remaining()
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
+        if shm.supported():  # a worker on this host may then move payloads through shared memory
+            context.send_initial_metadata(((shm.METADATA_KEY, shm.SUPPORTED),))
         return pb.JoinReply(
             initialized=r.initialized,
             version=r.version,
@@ -154,10 +180,24 @@ class ParameterServicer:
         try:
             layout = self.shard.layout
             assert layout is not None
-            yield pb.PullFrame(
+            header = pb.PullFrame(
                 header=pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
             ).SerializeToString()
-            yield from frames
+            value = _metadata(context, shm.METADATA_KEY)
+            if value is None:
+                yield header
+                yield from frames
+                return
+            # The weights go into the worker's segment; the reply is the header alone (so the
+            # worker may call this method as a unary call). A segment this server cannot open
+            # is refused, like a push's, and the worker pulls frames instead.
+            try:
+                seg = self._segment(req.rank, value, frames.nbytes)
+            except shm.SharedMemoryUnavailable as exc:
+                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            frames.copy_into(seg.payload)
+            yield header
         finally:
             frames.close()
 
@@ -168,8 +208,22 @@ class ParameterServicer:
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
         )
+        what = f"push from worker rank {h.rank}"
+        value = _metadata(context, shm.METADATA_KEY)
+        if value is not None:
+            try:
+                seg = self._segment(h.rank, value, wire.nbytes)
+            except shm.SharedMemoryUnavailable as exc:
+                self.shard.release(grad, wire)  # never received: neither applied nor rejected
+                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
-            write_frames(frames, writer, FrameParser(pb.PushFrame, f"push from worker rank {h.rank}"))
+            if value is None:
+                write_frames(frames, writer, FrameParser(pb.PushFrame, what))
+            else:  # the gradient is in the worker's segment: feed it as if it had arrived in frames
+                if next(frames, None) is not None:
+                    raise InvalidRequestError(f"{what}: data frames and a shared-memory segment")
+                writer.write_all(seg.payload[: wire.nbytes], self.config.chunk_bytes)
         except BaseException:
             self.shard.release(grad, wire)
             self.shard.reject()
@@ -219,6 +273,8 @@ class ParameterServicer:
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.shard.leave(req.rank)
+        with self._segments_lock:
+            self._segments.pop(req.rank, None)  # a departed worker's segment is no longer mapped here
         return pb.LeaveReply()
 
 

@@ -142,6 +142,28 @@ class PushWriter(PayloadWriter):
             f.cancel()
         futures.wait(pending)
 
+    def write_all(self, payload: memoryview, chunk_bytes: int) -> None:
+        """The whole payload at once (a same-host segment, read in place): check it, and stage
+        or copy it, with one torch op over the whole gradient each; then finish."""
+        if self.revoked:
+            raise WorkerStateError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
+        if self._values is None or self._offset or len(payload) != 4 * self._numel or not payload:
+            for off in range(0, len(payload), chunk_bytes):
+                self.write(payload[off : off + chunk_bytes])
+            self.finish()
+            return
+        self._advance(len(payload))
+        grad = torch.frombuffer(payload, dtype=torch.float32)
+        if not math.isfinite(float(grad.sum())):
+            self.nonfinite += int((~torch.isfinite(grad)).sum())
+        if self._stage is None:
+            self.grad.copy_(grad)
+        else:
+            weights, rule, scale = self._stage
+            rule(weights, grad, self.grad, scale)
+        self._handed = self._numel
+        self.finish()
+
     @property
     def checked(self) -> bool:
         """The helper checked every element: `nonfinite` counts them for the whole gradient."""
@@ -257,6 +279,29 @@ class PullStream:
         self._offset = end
         self.last_active = time.monotonic()
         return data_frame(byte_view(piece))
+
+    def copy_into(self, dest: memoryview) -> None:
+        """Copy all the (remaining) values in the wire dtype into dest, chunk by chunk under the
+        shard lock like frames (the same-host shared-memory path), then end the stream."""
+        target = torch.frombuffer(dest, dtype=self._dtype) if len(dest) else torch.empty(0, dtype=self._dtype)
+        size = torch.empty(0, dtype=self._dtype).element_size()
+        try:
+            while True:
+                with self._lock:
+                    start = self._offset
+                    if not self.open or start >= self._numel:
+                        return
+                    end = min(start + self._chunk, self._numel)
+                    piece = self.source[start:end]
+                    if piece.dtype == self._dtype:  # a plain memcpy: no torch thread pool per chunk
+                        dest[start * size : end * size] = byte_view(piece)
+                    else:
+                        for a in range(start, end, BLOCK):
+                            target[a : min(a + BLOCK, end)].copy_(self.source[a : min(a + BLOCK, end)])
+                    self._offset = end
+                    self.last_active = time.monotonic()
+        finally:
+            self.close()
 
     def detach(self, copy: torch.Tensor) -> None:
         """Read the rest from a private copy of the source (caller holds the shard lock)."""

@@ -24,7 +24,10 @@ from psgrad.server import RunningServer, start_server
 from psgrad.sharding import ParamSpec, plan_shards
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
-FAST = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024)
+# shared_memory=False: these tests are about the gRPC frames; tests/test_shm.py covers the same-host path.
+FAST = ClientConfig(
+    connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024, shared_memory=False
+)
 
 
 @pytest.fixture

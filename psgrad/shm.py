@@ -1,0 +1,129 @@
+"""Same-host payloads through shared memory: a worker's segment per shard, and a server's view of it.
+
+A worker that shares a host with a shard can put its gradient into, and get the weights out of,
+a POSIX shared-memory segment (a file under /dev/shm) instead of streaming them through gRPC: the
+calls still go through gRPC, carrying only headers, and name the segment in the call metadata
+(`psgrad-shm: NAME;NONCE;NBYTES`). The segment starts with a magic string and a random nonce the
+server checks, so a name can only ever resolve to the segment that the worker made. A server on
+another host (or in another /dev/shm namespace) cannot open the name and says so; the worker then
+moves that shard's payloads through gRPC frames, as without this module. Nothing else changes:
+the server treats the segment's bytes exactly as it treats received frames.
+
+The worker unlinks the name once the server has opened it, so a crashed process leaves nothing
+behind in /dev/shm; both ends keep their mappings.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import threading
+
+SHM_DIR = "/dev/shm"
+METADATA_KEY = "psgrad-shm"
+REFUSED = "unavailable"  # the server's answer (trailing metadata) when it cannot use the segment
+SUPPORTED = "supported"  # the server's Join answer (initial metadata): it takes segments
+_MAGIC = b"psgrad-shm-v1\0\0\0"  # 16 bytes
+_NONCE_BYTES = 16
+HEADER_BYTES = 64  # magic, nonce, padding: the payload starts 64-byte aligned
+_NAME = re.compile(r"^psgrad-[0-9]+-[0-9a-f]{16}$")
+
+
+class SharedMemoryUnavailable(Exception):
+    """The segment named by a call cannot be used here (another host, or a bad name/size)."""
+
+
+def supported() -> bool:
+    """Whether this host has a POSIX shared-memory directory."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class Segment:
+    """A worker's segment for one shard's payload (push and pull take turns, see `lock`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.name = f"psgrad-{os.getpid()}-{secrets.token_hex(8)}"
+        self._nonce = secrets.token_bytes(_NONCE_BYTES)
+        path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + nbytes)
+            self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self._map[: len(_MAGIC) + _NONCE_BYTES] = _MAGIC + self._nonce
+        self.payload = memoryview(self._map)[HEADER_BYTES:]
+        self.lock = threading.Lock()  # one transfer at a time uses the segment
+        self._linked = True
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((METADATA_KEY, f"{self.name};{self._nonce.hex()};{self.nbytes}"),)
+
+    @property
+    def opened(self) -> bool:
+        """A server has used the segment (its name is gone)."""
+        return not self._linked
+
+    def unlink(self) -> None:
+        """Remove the name (the server has opened it); the memory lives while either end maps it."""
+        if self._linked:
+            self._linked = False
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.payload.release()
+        try:
+            self._map.close()
+        except BufferError:  # a view of it is still alive somewhere; the mapping goes with it
+            pass
+
+
+class Attached:
+    """A server's mapping of a worker's segment."""
+
+    def __init__(self, name: str, nbytes: int, payload: memoryview, keep: mmap.mmap) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.payload = payload
+        self._map = keep
+
+
+def attach(value: str, nbytes: int) -> Attached:
+    """Open the segment a call's metadata names, checking its name, size and nonce.
+
+    Raises:
+        SharedMemoryUnavailable: no such segment here, or it is not the one described.
+    """
+    try:
+        name, nonce_hex, size_text = value.split(";")
+        size = int(size_text)
+        nonce = bytes.fromhex(nonce_hex)
+    except ValueError:
+        raise SharedMemoryUnavailable(f"malformed {METADATA_KEY} metadata {value!r}") from None
+    if not _NAME.match(name) or len(nonce) != _NONCE_BYTES:
+        raise SharedMemoryUnavailable(f"not a psgrad segment name: {name!r}")
+    if size != nbytes:
+        raise SharedMemoryUnavailable(f"segment {name} holds {size} bytes, the payload is {nbytes}")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot open segment {name}: {exc.strerror}") from None
+    try:
+        if os.fstat(fd).st_size != HEADER_BYTES + nbytes:
+            raise SharedMemoryUnavailable(f"segment {name} has the wrong size")
+        mapped = mmap.mmap(fd, HEADER_BYTES + nbytes)
+    finally:
+        os.close(fd)
+    if mapped[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
+        mapped.close()
+        raise SharedMemoryUnavailable(f"segment {name} is not the one described")
+    return Attached(name, nbytes, memoryview(mapped)[HEADER_BYTES:], mapped)

@@ -1,0 +1,190 @@
+"""Same-host payloads through shared memory (psgrad.shm, and client/server using it), with the
+fallback to gRPC frames when the server cannot open a worker's segment."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from psgrad import shm
+from psgrad.client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.errors import InvalidRequestError
+from psgrad.server import RunningServer, start_server
+from psgrad.sharding import ParamSpec, plan_shards
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not shm.supported(), reason="no /dev/shm on this host"),
+]
+
+PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
+N = 2113
+
+
+def config(shared: bool) -> ClientConfig:
+    return ClientConfig(
+        connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024, shared_memory=shared
+    )
+
+
+def my_segments() -> list[str]:
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"psgrad-{os.getpid()}-")]
+
+
+@pytest.fixture
+def servers(request: pytest.FixtureRequest) -> Iterator[list[RunningServer]]:
+    running = [start_server(ServerConfig(port=0, threads=8)) for _ in range(getattr(request, "param", 2))]
+    yield running
+    for s in running:
+        s.stop(0)
+
+
+def client(servers: list[RunningServer], shared: bool = True, rank: int = 0, **spec: object) -> ParameterClient:
+    job = JobSpec(num_shards=len(servers), num_workers=2, lr=0.5, **spec)  # type: ignore[arg-type]
+    return ParameterClient([s.address for s in servers], job, PARAMS, plan_shards(PARAMS, len(servers)), rank,
+                           config(shared))
+
+
+def initial() -> torch.Tensor:
+    return torch.arange(N, dtype=torch.float32) / 1000
+
+
+def attached(servers: list[RunningServer]) -> int:
+    return sum(len(s.servicer._segments) for s in servers)
+
+
+# ----------------------------------------------------------------------------- segments
+def test_segment_attaches_by_name_nonce_and_size() -> None:
+    seg = shm.Segment(64)
+    try:
+        seg.payload[:5] = b"hello"
+        (key, value), = seg.metadata()
+        assert key == shm.METADATA_KEY
+        there = shm.attach(value, 64)
+        assert bytes(there.payload[:5]) == b"hello"
+        there.payload[5:8] = b"abc"  # both ends see the same memory
+        assert bytes(seg.payload[:8]) == b"helloabc"
+        with pytest.raises(shm.SharedMemoryUnavailable, match="holds 64 bytes"):
+            shm.attach(value, 65)
+        name, nonce, size = value.split(";")
+        with pytest.raises(shm.SharedMemoryUnavailable, match="not the one described"):
+            shm.attach(f"{name};{'00' * 16};{size}", 64)
+        with pytest.raises(shm.SharedMemoryUnavailable, match="not a psgrad segment name"):
+            shm.attach(f"../etc/passwd;{nonce};{size}", 64)
+        with pytest.raises(shm.SharedMemoryUnavailable, match="malformed"):
+            shm.attach("nonsense", 64)
+        seg.unlink()
+        assert seg.opened and seg.name not in os.listdir(shm.SHM_DIR)
+        with pytest.raises(shm.SharedMemoryUnavailable, match="cannot open"):
+            shm.attach(value, 64)  # a fresh attach needs the name; existing mappings live on
+        assert bytes(there.payload[:8]) == b"helloabc"
+    finally:
+        seg.close()
+    assert seg.name not in my_segments()
+
+
+# ----------------------------------------------------------------------------- through a server
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
+def test_shared_memory_and_frames_give_the_same_results(wire_dtype: str) -> None:
+    results = {}
+    for shared in (True, False):
+        running = [start_server(ServerConfig(port=0, threads=8)) for _ in range(2)]
+        try:
+            with client(running, shared, wire_dtype=wire_dtype) as c:
+                c.join(initial_weights=initial)
+                flat = torch.empty(N)
+                grad = torch.linspace(-1, 1, N)
+                versions = [c.pull(flat, 0)]
+                replies = c.push(grad, 0)
+                versions.append(c.pull(flat, 1))
+                assert attached(running) == (2 if shared else 0)
+                results[shared] = (flat.clone(), versions, [(r.applied, r.version, r.staleness) for r in replies],
+                                   [s.shard.weights_copy() for s in running])
+        finally:
+            for s in running:
+                s.stop(0)
+    a, b = results[True], results[False]
+    assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3]
+    assert all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
+    assert my_segments() == []  # unlinked once the server had them open
+
+
+def test_a_server_that_cannot_open_the_segment_gets_frames(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def elsewhere(value: str, nbytes: int) -> shm.Attached:
+        raise shm.SharedMemoryUnavailable("as if on another host")
+
+    monkeypatch.setattr(shm, "attach", elsewhere)
+    with client(servers) as c:
+        c.join(initial_weights=initial)
+        flat = torch.empty(N)
+        assert c.push(torch.ones(N), 0)[0].applied  # refused, then sent as frames
+        c.pull(flat, 1)
+        torch.testing.assert_close(flat, initial() - 0.5)
+        assert all(not s._shm for s in c.shards)  # frames from now on
+        assert [s.shard.status()["pushes_applied"] for s in servers] == [1, 1]
+        assert [s.shard.status()["pushes_rejected"] for s in servers] == [0, 0]
+    assert my_segments() == []
+
+
+def test_a_restarted_server_gets_a_fresh_segment(servers: list[RunningServer]) -> None:
+    with client(servers) as c:
+        c.join(initial_weights=initial)
+        c.push(torch.ones(N), 0)
+        for s in servers:  # as after a restart: the unlinked names cannot be opened again
+            s.servicer._segments.clear()
+        assert all(r.applied for r in c.push(torch.ones(N), 1))  # refused, sent as frames
+        assert attached(servers) == 0 and all(s._shm for s in c.shards)
+        c.push(torch.ones(N), 2)  # a new segment
+        assert attached(servers) == 2
+        flat = torch.empty(N)
+        c.pull(flat, 3)
+        torch.testing.assert_close(flat, initial() - 1.5)
+
+
+def test_a_rejected_shared_push_raises_and_the_next_one_works(servers: list[RunningServer]) -> None:
+    with client(servers) as c:
+        c.join(initial_weights=initial)
+        bad = torch.ones(N)
+        bad[7] = float("nan")
+        with pytest.raises(InvalidRequestError, match="non-finite"):
+            c.push(bad, 0)
+        assert all(r.applied for r in c.push(torch.ones(N), 1))
+        assert attached(servers) == 2
+
+
+def test_a_busy_segment_sends_frames(servers: list[RunningServer]) -> None:
+    with client(servers) as c:
+        c.join(initial_weights=initial)
+        c.push(torch.zeros(N), 0)  # both segments exist now
+        segs = [s._segment for s in c.shards]
+        assert all(seg is not None for seg in segs)
+        assert segs[0] is not None and segs[0].lock.acquire(blocking=False)  # as if a pull were using it
+        try:
+            assert all(r.applied for r in c.push(torch.ones(N), 1))
+        finally:
+            segs[0].lock.release()
+        flat = torch.empty(N)
+        c.pull(flat, 2)
+        torch.testing.assert_close(flat, initial() - 0.5)
+
+
+def test_shared_memory_off_makes_no_segments(servers: list[RunningServer]) -> None:
+    with client(servers, shared=False) as c:
+        c.join(initial_weights=initial)
+        c.push(torch.ones(N), 0)
+        c.pull(torch.empty(N), 1)
+        assert attached(servers) == 0 and my_segments() == []
+
+
+def test_leaving_unmaps_the_workers_segments(servers: list[RunningServer]) -> None:
+    with client(servers) as c:
+        c.join(initial_weights=initial)
+        c.push(torch.ones(N), 0)
+        assert attached(servers) == 2
+        c.leave()
+        assert attached(servers) == 0
