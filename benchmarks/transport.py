@@ -92,7 +92,8 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
 
         params = [ParamSpec("weight", (num_params,), "float32")]
         spec = JobSpec(num_shards=1, wire_dtype=wire_dtype, lr=1e-9)
-        cfg = ClientConfig(rpc_timeout_s=300, chunk_bytes=chunk)
+        # The ratios compare gRPC with gRPC: no same-host shared memory (peer_rpc.py measures that).
+        cfg = ClientConfig(rpc_timeout_s=300, chunk_bytes=chunk, shared_memory=False)
         client = ParameterClient([ps_addr], spec, params, plan_shards(params, 1), 0, cfg)
         flat = torch.zeros(num_params)
         grad = torch.full((num_params,), 1e-3)
