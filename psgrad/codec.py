@@ -29,6 +29,14 @@ if sys.byteorder != "little":  # pragma: no cover - all supported platforms are 
     raise ImportError("psgrad's wire format is little-endian; this host is big-endian")
 
 
+_ELEMENT_SIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in WIRE_TORCH_DTYPES.values()}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per value of a wire dtype."""
+    return _ELEMENT_SIZE[dtype]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a wire dtype name ('float32', 'bfloat16', 'float16')."""
     try:
@@ -162,7 +170,7 @@ class WireBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * element_size(self.dtype)
 
     def encode(self, src: torch.Tensor) -> memoryview:
         """Bytes of src (float32, CPU, contiguous) in the wire dtype; aliases src when float32."""

@@ -102,6 +102,9 @@ class Shard:
         # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
         # same lock, so that parking a pull never wakes the other parked pulls.
         self._observers = threading.Condition(lock)
+        # The reaper sleeps until the next lease expiry; only a new member or close() wakes it
+        # early (a renewed lease only moves expiries later), not every push.
+        self._reaper_wake = threading.Condition(lock)
         self._started = now()
         self.layout: Layout | None = None
         self._weights: torch.Tensor | None = None
@@ -152,7 +155,7 @@ class Shard:
             with self._cond:
                 while not self._closed:
                     self._refresh()
-                    self._cond.wait(timeout=self._next_expiry_s())
+                    self._reaper_wake.wait(timeout=self._next_expiry_s())
 
         thread = threading.Thread(target=loop, name="psgrad-lease-reaper", daemon=True)
         thread.start()
@@ -164,6 +167,7 @@ class Shard:
             self._closed = True
             self._notify()
             self._notify_transfers()
+            self._reaper_wake.notify_all()
 
     def wait_until(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float) -> bool:
         """Block until predicate(status()) holds (re-checked on every state change) or timeout_s."""
@@ -266,11 +270,13 @@ class Shard:
             member = self._members[rank] = Member(rank, self._now(), clock=start)
             self.history.append(("join", rank, start))
             self._notify()
+            self._reaper_wake.notify_all()
         elif member.state != LIVE:
             member.state = LIVE
             member.clock = max(start, member.last_push_clock + 1)
             self.history.append(("join", rank, member.clock))
             self._notify()
+            self._reaper_wake.notify_all()
         member.last_seen = self._now()
         return member
 

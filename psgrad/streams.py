@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from psgrad.codec import PayloadWriter, byte_view, data_frame
+from psgrad.codec import PayloadWriter, byte_view, data_frame, element_size
 from psgrad.errors import WorkerStateError
 from psgrad.optimizers import SGD, ShardOptimizer
 
@@ -242,7 +242,7 @@ class PullStream:
         self.version = version
         self._numel = source.numel()
         self._dtype = wire_dtype
-        self._chunk = max(1, chunk_bytes // torch.empty(0, dtype=wire_dtype).element_size())
+        self._chunk = max(1, chunk_bytes // element_size(wire_dtype))
         self._offset = 0
         self._stage: torch.Tensor | None = None  # chunk-sized, for converting to a narrower dtype
         self._lock = lock
@@ -252,7 +252,7 @@ class PullStream:
 
     @property
     def nbytes(self) -> int:
-        return self._numel * torch.empty(0, dtype=self._dtype).element_size()
+        return self._numel * element_size(self._dtype)
 
     def __iter__(self) -> PullStream:
         return self
@@ -284,7 +284,7 @@ class PullStream:
         """Copy all the (remaining) values in the wire dtype into dest, chunk by chunk under the
         shard lock like frames (the same-host shared-memory path), then end the stream."""
         target = torch.frombuffer(dest, dtype=self._dtype) if len(dest) else torch.empty(0, dtype=self._dtype)
-        size = torch.empty(0, dtype=self._dtype).element_size()
+        size = element_size(self._dtype)
         try:
             while True:
                 with self._lock:
