@@ -51,6 +51,26 @@ def to_psgrad_error(exc: grpc.RpcError, address: str, what: str, timeout_s: floa
     return PsgradError(f"server {address}: {what} failed with {code.name}: {details}")
 
 
+# Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
+# spreads over torch's threads (and would wake them, to spin afterwards, for a small one).
+_SMALL_COPY_BYTES = 4 << 20
+
+
+def _copy_bytes(dest: memoryview, src: memoryview) -> None:
+    if len(src) <= _SMALL_COPY_BYTES:
+        dest[:] = src
+    else:
+        torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+
+def _copy_in(dest: torch.Tensor, src: memoryview, wire: WireBuffer) -> None:
+    """Wire-dtype bytes into dest (float32), converting if the wire dtype is narrower."""
+    if wire.dtype == torch.float32:
+        _copy_bytes(byte_view(dest), src)
+    else:
+        dest.copy_(torch.frombuffer(src, dtype=wire.dtype))
+
+
 class ShardClient:
     """Calls to one shard server. Methods raise PsgradError subclasses, never grpc.RpcError."""
 
@@ -206,7 +226,7 @@ class ShardClient:
             raise to_psgrad_error(exc, self.address, "the pull", t) from None
         try:
             header = self._pull_header(first, dest, wire)
-            dest.copy_(torch.frombuffer(seg.payload[: wire.nbytes], dtype=wire.dtype))
+            _copy_in(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
@@ -220,9 +240,7 @@ class ShardClient:
             return None
         t = self.config.rpc_timeout_s
         try:
-            torch.frombuffer(seg.payload, dtype=torch.uint8)[: len(payload)].copy_(
-                torch.frombuffer(payload, dtype=torch.uint8)
-            )
+            _copy_bytes(seg.payload[: len(payload)], payload)
             frame = pb.PushFrame(header=header).SerializeToString()
             reply: pb.PushReply = self._push_header_only(frame, timeout=t, metadata=seg.metadata())
         except grpc.RpcError as exc:

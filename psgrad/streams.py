@@ -30,6 +30,9 @@ STALL_S = 2.0
 BLOCK = 2047 * 16
 # Pieces handed to the helper thread but not yet done, per push, before the receiving thread waits.
 MAX_PENDING_PIECES = 4
+# A push of at most this many values read in place (shared memory) is worked through in blocks on
+# the calling thread; a bigger one with one multi-threaded torch op per step.
+SMALL_NUMEL = 16 * BLOCK
 
 # (weights block, gradient block, out block, lr scale): write the updated weights to out, which is
 # either the gradient block itself or does not overlap it.
@@ -154,13 +157,20 @@ class PushWriter(PayloadWriter):
             return
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
-        if not math.isfinite(float(grad.sum())):
-            self.nonfinite += int((~torch.isfinite(grad)).sum())
-        if self._stage is None:
-            self.grad.copy_(grad)
+        if self._numel <= SMALL_NUMEL:  # below torch's grain: no thread pool woken for a small push
+            self.nonfinite += _count_nonfinite(np.frombuffer(payload, dtype=np.float32))
+            if self._stage is None:
+                self._dest[:] = payload
+            else:
+                self._apply(grad, 0)
         else:
-            weights, rule, scale = self._stage
-            rule(weights, grad, self.grad, scale)
+            if not math.isfinite(float(grad.sum())):
+                self.nonfinite += int((~torch.isfinite(grad)).sum())
+            if self._stage is None:
+                self.grad.copy_(grad)
+            else:
+                weights, rule, scale = self._stage
+                rule(weights, grad, self.grad, scale)
         self._handed = self._numel
         self.finish()
 
