@@ -187,6 +187,13 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="how long non-chief workers wait for rank 0 to initialize the servers (default: 120)",
     )
+    w.add_argument(
+        "--shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="move payloads through /dev/shm segments when a server is on this host (falls back to "
+        "gRPC frames by itself otherwise); --no-shared-memory forces gRPC (default: on)",
+    )
 
 
 def _staleness(ns: argparse.Namespace) -> int:
@@ -217,6 +224,7 @@ def _job_argv(ns: argparse.Namespace) -> list[str]:
     """The job options back as argv (launch passes them to each worker)."""
     out = ["--staleness", str(_staleness(ns))] + (["--staleness-lr"] if ns.staleness_lr else [])
     out += ["--overlap"] if ns.overlap else []
+    out += [] if ns.shared_memory else ["--no-shared-memory"]
     for flag in (
         "task", "mode", "steps", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2",
         "eps", "wire_dtype", "seed",
@@ -239,7 +247,8 @@ def cmd_server(ns: argparse.Namespace) -> int:
     from psgrad.server import serve_forever
 
     config = ServerConfig(
-        host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads
+        host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
+        push_buffers=ns.push_buffers,
     )
 
     def announce(address: str) -> None:
@@ -285,7 +294,8 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     if ns.rank >= ns.num_workers:
         raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
     client = ClientConfig(
-        connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s
+        connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
+        shared_memory=ns.shared_memory,
     )
     config = _worker_config(ns, ns.servers, client)
     task = get_task(ns.task, ns.seed)
@@ -474,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port-file", help="also write the bound HOST:PORT to this file (atomically)")
     _add_server_policy_args(s)
     s.add_argument("--threads", type=int, default=32, help="RPC handler threads; raise above 2x workers (default: 32)")
+    s.add_argument(
+        "--push-buffers",
+        type=_positive_int,
+        default=1,
+        help="gradient-sized receive buffers of an async/ssp shard; more concurrent pushes wait for "
+        "one. Raise it when many workers on other hosts push at once and memory allows (default: 1)",
+    )
     s.set_defaults(func=cmd_server)
 
     w = sub.add_parser("worker", help="run one training worker", description="Train one worker against running servers.")

@@ -197,3 +197,15 @@ def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts() -> None:
     res = run_cli(["launch", "--mode", "sync", "--overlap"])
     assert res.returncode == 2
     assert "overlap needs mode async or ssp" in res.stderr and "[launch]" not in res.stdout
+
+
+def test_transport_flags_reach_the_configs() -> None:
+    from psgrad.cli import _job_argv, build_parser
+
+    ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", "--no-shared-memory"])
+    assert ns.shared_memory is False and "--no-shared-memory" in _job_argv(ns)
+    ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1"])
+    assert ns.shared_memory is True and "--no-shared-memory" not in _job_argv(ns)
+    assert build_parser().parse_args(["server", "--push-buffers", "3"]).push_buffers == 3
+    res = run_cli(["server", "--push-buffers", "0"])
+    assert res.returncode == 2 and "must be >= 1" in res.stderr
