@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,26 @@ def run_in_threads(n: int, fn: Callable[[int], None], timeout_s: float = 90.0) -
     assert not any(t.is_alive() for t in threads), "a worker thread hung"
     if errors:
         raise errors[0]
+
+
+def decode_frames(frames: Iterable[bytes], numel: int, wire_dtype: str = "float32") -> Any:
+    """Reassemble a pull's data frames (in the wire dtype) into a float32 tensor of numel values."""
+    import torch
+
+    from psgrad.codec import WireBuffer, frame_payload
+
+    dest = torch.empty(numel)
+    wire = WireBuffer(numel, wire_dtype)
+    view = wire.receive_view(dest)
+    offset = 0
+    for f in frames:
+        piece = frame_payload(f)
+        assert piece is not None
+        view[offset : offset + len(piece)] = piece
+        offset += len(piece)
+    assert offset == len(view)
+    wire.finish_receive(dest)
+    return dest
 
 
 def communicate_all(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:

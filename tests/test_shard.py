@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from psgrad.codec import WireBuffer, byte_view, frame_payload
+from conftest import decode_frames
+from psgrad.codec import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
 from psgrad.shard import JoinResult, Layout, PushResult, Shard
@@ -71,21 +72,6 @@ def push(
         shard.release(buf, wire)
         raise
     return shard.apply_push(rank, clock, base, buf, wire, wire.nbytes)
-
-
-def decode_pull(frames: list[bytes], numel: int, wire_dtype: str) -> torch.Tensor:
-    dest = torch.empty(numel)
-    wire = WireBuffer(numel, wire_dtype)
-    view = wire.receive_view(dest)
-    offset = 0
-    for f in frames:
-        piece = frame_payload(f)
-        assert piece is not None
-        view[offset : offset + len(piece)] = piece
-        offset += len(piece)
-    assert offset == len(view)
-    wire.finish_receive(dest)
-    return dest
 
 
 # ----------------------------------------------------------------------------- before initialize
@@ -199,7 +185,7 @@ def test_pull_push_and_touch_require_join(shard: Shard, layout: Layout) -> None:
     assert torch.equal(shard.weights_copy(), before) and shard.version == 0
     # observe=True is an ungated snapshot: no membership needed.
     version, frames = shard.pull_frames(4, 0, layout.fingerprint, observe=True)
-    assert version == 0 and torch.equal(decode_pull(frames, layout.numel, "float32"), before)
+    assert version == 0 and torch.equal(decode_frames(frames, layout.numel, "float32"), before)
     # Once joined, the same calls work.
     shard.join(4, layout)
     assert shard.pull_frames(4, 0, layout.fingerprint, timeout_s=0) is not None
@@ -249,7 +235,7 @@ def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
     s.join(1, layout)
     version, frames = s.pull_frames(1, 0, layout.fingerprint)
     assert version == 0
-    got = decode_pull(frames, layout.numel, wire_dtype)
+    got = decode_frames(frames, layout.numel, wire_dtype)
     assert torch.equal(got, w.to(getattr(torch, wire_dtype)).float())
     st = s.status()
     assert st["pulls"] == 1
@@ -261,7 +247,7 @@ def test_pull_frames_are_a_snapshot(shard: Shard, layout: Layout) -> None:
     shard.join(1, layout)
     _, frames = shard.pull_frames(1, 0, layout.fingerprint)
     push(shard, layout, torch.ones(layout.numel))
-    assert torch.equal(decode_pull(frames, layout.numel, "float32"), before)
+    assert torch.equal(decode_frames(frames, layout.numel, "float32"), before)
 
 
 def test_pull_with_wrong_fingerprint(shard: Shard, layout: Layout) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import decode_frames
 from psgrad import streams
 from psgrad.codec import WireBuffer, byte_view, data_frames, frame_payload
 from psgrad.config import JobSpec, ServerConfig
@@ -68,21 +69,6 @@ def push(s: Shard, layout: Layout, grad: torch.Tensor, rank: int = 1, clock: int
     return s.apply_push(rank, clock, base, buf, wire, wire.nbytes)
 
 
-def decode(frames: Any, numel: int, wire_dtype: str = "float32") -> torch.Tensor:
-    dest = torch.empty(numel)
-    wire = WireBuffer(numel, wire_dtype)
-    view = wire.receive_view(dest)
-    offset = 0
-    for f in frames:
-        piece = frame_payload(f)
-        assert piece is not None
-        view[offset : offset + len(piece)] = piece
-        offset += len(piece)
-    assert offset == len(view)
-    wire.finish_receive(dest)
-    return dest
-
-
 def as_wire(t: torch.Tensor, wire_dtype: str) -> torch.Tensor:
     return t.to(getattr(torch, wire_dtype)).float()
 
@@ -97,7 +83,7 @@ def test_pull_stream_frames_cover_the_weights(wire_dtype: str) -> None:
     per_frame = 1024 // torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
     assert len(got) == -(-layout.numel // per_frame)  # whole elements per frame, the last one shorter
     assert version == 0
-    assert torch.equal(decode(got, layout.numel, wire_dtype), as_wire(w, wire_dtype))
+    assert torch.equal(decode_frames(got, layout.numel, wire_dtype), as_wire(w, wire_dtype))
     assert s.status()["streaming_pulls"] == 0  # exhausted: nothing waits for it any more
 
 
@@ -131,7 +117,7 @@ def test_in_place_update_waits_for_a_stream_of_the_weights(monkeypatch: pytest.M
     got += list(frames)  # the stream ends; the update goes ahead
     pusher.join(timeout=30)
     puller.join(timeout=30)
-    assert torch.equal(decode(got, layout.numel), before)  # no torn frames
+    assert torch.equal(decode_frames(got, layout.numel), before)  # no torn frames
     assert version == 0 and result[0].applied and s.version == 1
     assert later == [1]
 
@@ -145,7 +131,7 @@ def test_in_place_update_gives_a_stalled_stream_a_copy(monkeypatch: pytest.Monke
     first = next(frames)
     assert push(s, layout, torch.ones(layout.numel)).applied  # does not wait for ever
     assert s.status()["streaming_pulls"] == 0
-    assert torch.equal(decode([first, *frames], layout.numel, wire_dtype), as_wire(before, wire_dtype))
+    assert torch.equal(decode_frames([first, *frames], layout.numel, wire_dtype), as_wire(before, wire_dtype))
     assert not torch.equal(s.weights_copy(), before)
 
 
@@ -156,7 +142,7 @@ def test_sync_iteration_gives_an_observing_stream_a_copy() -> None:
     _, frames = s.pull_frames(0, 0, layout.fingerprint, observe=True)
     first = next(frames)
     assert push(s, layout, torch.ones(layout.numel), rank=0).applied  # completes iteration 0
-    assert torch.equal(decode([first, *frames], layout.numel), before)
+    assert torch.equal(decode_frames([first, *frames], layout.numel), before)
 
 
 # ----------------------------------------------------------------------------- receive buffers
@@ -285,7 +271,7 @@ def test_staged_update_swaps_in_while_a_stream_reads_the_former_weights() -> Non
     first = next(frames)
     assert push(s, layout, torch.ones(layout.numel)).applied  # no waiting for the stream
     assert s.status()["retired_buffers"] == 1  # the former weights, until the stream ends
-    assert torch.equal(decode([first, *frames], layout.numel), before)
+    assert torch.equal(decode_frames([first, *frames], layout.numel), before)
     assert s.status()["retired_buffers"] == 0
     # Two tensors in all: the next push receives into the former weights, and so on.
     assert push(s, layout, torch.ones(layout.numel), clock=1).applied
@@ -302,7 +288,7 @@ def test_staged_push_waits_for_a_stream_of_the_spare_tensor(monkeypatch: pytest.
     # The stream of version 0 stalls: the next push lends itself a new tensor rather than wait.
     assert push(s, layout, torch.ones(layout.numel), clock=1).applied
     assert torch.allclose(s.weights_copy(), before - 1.0)
-    assert torch.equal(decode([first, *frames], layout.numel), before)
+    assert torch.equal(decode_frames([first, *frames], layout.numel), before)
 
 
 def test_eviction_ends_a_stalled_staged_push() -> None:
