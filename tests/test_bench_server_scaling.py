@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 from typing import Any
@@ -60,8 +61,11 @@ def test_in_window_counts_fractions_of_straddling_operations() -> None:
 def test_proc_readings_of_this_process() -> None:
     before = server_bench.cpu_seconds(os.getpid())
     x = torch.ones(2_000_000)
-    for _ in range(50):
-        x.mul_(1.0001)
+    # /proc counts CPU time in clock ticks (10 ms): work until one passes, for at most ~5 s of wall time
+    deadline = time.monotonic() + 5.0
+    while server_bench.cpu_seconds(os.getpid()) <= before and time.monotonic() < deadline:
+        for _ in range(50):
+            x.mul_(1.0001)
     assert server_bench.cpu_seconds(os.getpid()) > before
     mem = server_bench.memory_bytes(os.getpid())
     assert set(mem) == {"VmHWM", "VmRSS", "RssAnon"}
