@@ -78,7 +78,7 @@ def run_block(
     model = Flat(numel).to(device)
     cfg = ClientConfig(rpc_timeout_s=120)
     timer = threading.Event()
-    times: dict[str, list[float]] = {k: [] for k in ("step_s", "d2h_s", "h2d_s", "push_s", "pull_s", "wait_s")}
+    times: dict[str, list[float]] = {k: [] for k in ("step_s", "d2h_s", "h2d_s", "exchange_s", "wait_s")}
     with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=1e-9), client=cfg) as ps:
         opt = ps.optimizer(model, overlap=overlap)
         assert model.weight.grad is not None
@@ -91,7 +91,7 @@ def run_block(
             elapsed = time.perf_counter() - t0
             if k >= 2:
                 times["step_s"].append(elapsed)
-                for key in ("d2h_s", "h2d_s", "push_s", "pull_s", "wait_s"):
+                for key in ("d2h_s", "h2d_s", "exchange_s", "wait_s"):
                     value = getattr(stats, key)
                     if value is not None:
                         times[key].append(value)

@@ -55,7 +55,7 @@ def train_allreduce(
     flat gradients are summed with one all_reduce and divided by the world size, and every rank
     applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay). Model
     init, data slice, batch order, delay injection and the metrics schema are those of
-    psgrad.worker.train; pull_s is 0, push_s (= allreduce_s) is the all-reduce time, step_s also
+    psgrad.worker.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
     covers the optimizer step, and evaluations see the weights after this step's update.
     Only spec.num_workers, lr, momentum and weight_decay are read from spec.
 
@@ -151,10 +151,9 @@ def _train(
             "clock": step,
             "loss": loss_value,
             "step_s": t4 - t0,
-            "pull_s": 0.0,
             "compute_s": compute_s,
             "delay_s": delay_s,
-            "push_s": t3 - t2,
+            "exchange_s": t3 - t2,
             "allreduce_s": t3 - t2,
             "staleness": 0,
             "accepted": True,

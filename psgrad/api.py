@@ -64,16 +64,17 @@ class Adam:
 class StepStats:
     """What one PSOptimizer.step() did. Times in seconds.
 
-    With overlap, push_s/pull_s/staleness/accepted/versions describe the most recent exchange that
-    has *completed* (the previous step's, run in the background; None before the first completes),
-    and wait_s is how long step() blocked on it. Without overlap, wait_s = push_s + pull_s.
+    exchange_s is the push and the pull after it, together: where a shard takes both in one call
+    (same host, or a small model) they cannot be timed apart. With overlap, exchange_s/staleness/
+    accepted/versions describe the most recent exchange that has *completed* (the previous step's,
+    run in the background; None before the first completes), and wait_s is how long step() blocked
+    on it. Without overlap, wait_s = exchange_s.
     """
 
     clock: int  # the clock of the gradient this step pushed (or started pushing)
     d2h_s: float = 0.0  # gradient gather + device->host copy
     h2d_s: float = 0.0  # pulled weights host->device (or into the model)
-    push_s: float | None = None
-    pull_s: float | None = None
+    exchange_s: float | None = None  # push + pull, including any wait at the sync/ssp gate
     wait_s: float = 0.0
     staleness: int | None = None  # the largest staleness any shard reported for the push
     accepted: bool | None = None  # every shard applied or (sync) deferred the push
@@ -82,8 +83,7 @@ class StepStats:
 
 @dataclass
 class _Exchange:
-    push_s: float
-    pull_s: float
+    exchange_s: float
     staleness: int
     accepted: bool
     versions: list[int]
@@ -247,13 +247,9 @@ class PSOptimizer:
         """Push grad as clock (computed on weights of versions `base`), then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        replies = self.client.push(grad, clock)
-        t1 = time.perf_counter()
-        versions = self.client.pull(self.flat.host_flat, clock + 1)
-        t2 = time.perf_counter()
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat)
         return _Exchange(
-            push_s=t1 - t0,
-            pull_s=t2 - t1,
+            exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
             accepted=all(r.applied or r.deferred for r in replies),
             versions=versions,
@@ -275,7 +271,7 @@ class PSOptimizer:
         self.flat.weights_pulled()
         self._versions = done.versions
         stats.h2d_s = self.flat.h2d_s
-        stats.push_s, stats.pull_s = done.push_s, done.pull_s
+        stats.exchange_s = done.exchange_s
         stats.staleness, stats.accepted = done.staleness, done.accepted
 
     def step(self) -> StepStats:
@@ -300,7 +296,7 @@ class PSOptimizer:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             done = self._exchange(grad, clock, self._versions)
-            stats.wait_s = done.push_s + done.pull_s
+            stats.wait_s = done.exchange_s
             self._record(done, stats)
         stats.versions = list(self._versions)
         self.clock = clock + 1

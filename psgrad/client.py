@@ -14,6 +14,7 @@ from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
     PayloadWriter,
+    bytes_field_prefix,
     WireBuffer,
     byte_view,
     data_frames,
@@ -23,7 +24,7 @@ from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableError
 from psgrad.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server import CHANNEL_OPTIONS, ERROR_METADATA_KEY, SERVICE_NAME
+from psgrad.server import CHANNEL_OPTIONS, ERROR_METADATA_KEY, SERVICE_NAME, STEP_REQUEST_DATA
 from psgrad.sharding import ParamSpec, ShardPlan, fingerprint
 
 T = TypeVar("T")
@@ -95,6 +96,8 @@ class ShardClient:
         # the segment (a client stream of one message is a unary call on the wire).
         self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
         self._pull_header_only = ch.unary_unary(prefix + "Pull", pb.PullRequest.SerializeToString, None)
+        self._step = ch.unary_unary(prefix + "Step", None, pb.StepReply.FromString)
+        self._has_step = True  # False once a server (an older psgrad) answers UNIMPLEMENTED
         self._shm = config.shared_memory and shm.supported()
         self._server_shm = False  # the server said at Join that it takes shared-memory payloads
         self._segment: shm.Segment | None = None
@@ -201,7 +204,9 @@ class ShardClient:
     def _pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         if first is None:
             raise InvalidRequestError(f"server {self.address}: pull returned no header")
-        header = pb.PullFrame.FromString(first).header
+        return self._check_pull_header(pb.PullFrame.FromString(first).header, dest, wire)
+
+    def _check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         if header.numel != dest.numel() or header.dtype != wire.dtype_name:
             raise InvalidRequestError(
                 f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
@@ -267,6 +272,81 @@ class ShardClient:
             self._drop_segment(seg, for_good=refused and not seg.opened)
         seg.lock.release()
         return refused or (isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE and self.config.retries > 0)
+
+    # ----------------------------------------------------------------- push + pull in one call
+    def step(
+        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer
+    ) -> tuple[pb.PushReply, int] | None:
+        """Push one gradient slice as header.clock, then pull the weights for header.clock + 1
+        into dest, in one unary Step call: through this shard's segment (same host), else with
+        both payloads in the messages when they fit one chunk. Returns the push reply and the
+        pulled version; None when a Step call does not fit (a large payload to another host, or
+        a server without Step): then push and pull separately. Retries are safe (pushes are keyed).
+        """
+        if not self._has_step:
+            return None
+        seg = self._take_segment(len(payload))
+        if seg is not None:
+            return self._step_shared(seg, header, payload, dest, wire)
+        if len(payload) > self.config.chunk_bytes:
+            return None
+        head = pb.StepRequest(push=header).SerializeToString()
+        request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
+        t = self.config.rpc_timeout_s
+
+        def run() -> pb.StepReply | None:
+            try:
+                reply: pb.StepReply = self._step(request, timeout=t)
+                return reply
+            except grpc.RpcError as exc:
+                if self._step_unimplemented(exc):
+                    return None
+                raise
+
+        reply = self._call("the push and pull", run, t)
+        if reply is None:
+            return None
+        self._check_pull_header(reply.pull, dest, wire)
+        data = memoryview(reply.data)
+        if len(data) != wire.nbytes:
+            raise InvalidRequestError(
+                f"server {self.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
+            )
+        _copy_in(dest, data, wire)
+        return reply.push, int(reply.pull.version)
+
+    def _step_shared(
+        self, seg: shm.Segment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer
+    ) -> tuple[pb.PushReply, int] | None:
+        """step() through the segment: the gradient goes in, the weights come back in it."""
+        t = self.config.rpc_timeout_s
+        try:
+            _copy_bytes(seg.payload[: len(payload)], payload)
+            request = pb.StepRequest(push=header).SerializeToString()
+            reply: pb.StepReply = self._step(request, timeout=t, metadata=seg.metadata())
+        except grpc.RpcError as exc:
+            if self._step_unimplemented(exc):  # answered before any handler ran: the segment is intact
+                seg.lock.release()
+                return None
+            if self._shared_failed(seg, exc):
+                return None  # push and pull through frames instead (a keyed push is never applied twice)
+            raise to_psgrad_error(exc, self.address, "the push and pull", t) from None
+        except BaseException:
+            seg.lock.release()
+            raise
+        try:
+            self._check_pull_header(reply.pull, dest, wire)
+            _copy_in(dest, seg.payload[: wire.nbytes], wire)
+            seg.unlink()  # the server has it open
+        finally:
+            seg.lock.release()
+        return reply.push, int(reply.pull.version)
+
+    def _step_unimplemented(self, exc: grpc.RpcError) -> bool:
+        """The server predates Step: remember it, and push and pull separately from now on."""
+        if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._has_step = False
+        return not self._has_step
 
     def status(self, timeout_s: float | None = None) -> pb.StatusReply:
         t = timeout_s or self.config.rpc_timeout_s
@@ -433,23 +513,46 @@ class ParameterClient:
             self.base_versions = versions
         return versions
 
+    def _push_header(self, index: int, clock: int) -> pb.PushHeader:
+        start, end = self.plan.ranges[index]
+        return pb.PushHeader(
+            rank=self.rank,
+            clock=clock,
+            base_version=self.base_versions[index],
+            numel=end - start,
+            dtype=self.spec.wire_dtype,
+            fingerprint=self.fingerprint,
+        )
+
     def push(self, flat_grad: torch.Tensor, clock: int) -> list[pb.PushReply]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions."""
 
         def one(i: int, s: ShardClient) -> pb.PushReply:
             start, end = self.plan.ranges[i]
-            payload = self._push_wires[i].encode(flat_grad[start:end])
-            header = pb.PushHeader(
-                rank=self.rank,
-                clock=clock,
-                base_version=self.base_versions[i],
-                numel=end - start,
-                dtype=self.spec.wire_dtype,
-                fingerprint=self.fingerprint,
-            )
-            return s.push(header, payload)
+            return s.push(self._push_header(i, clock), self._push_wires[i].encode(flat_grad[start:end]))
 
         return self._fan_out(one)
+
+    def exchange(self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor) -> tuple[list[pb.PushReply], list[int]]:
+        """One iteration's traffic: push(flat_grad, clock), then pull(flat, clock + 1), per shard
+        in one Step call where it fits (same host, or payloads of at most one chunk), else as a
+        push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
+        while another shard still receives the push. Returns the push replies and the versions
+        pulled (remembered as base versions)."""
+        req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
+
+        def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
+            start, end = self.plan.ranges[i]
+            header = self._push_header(i, clock)
+            payload = self._push_wires[i].encode(flat_grad[start:end])
+            done = s.step(header, payload, flat[start:end], self._pull_wires[i])
+            if done is None:
+                done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i])
+            return done
+
+        results = self._fan_out(one)
+        self.base_versions = [version for _, version in results]
+        return [reply for reply, _ in results], list(self.base_versions)
 
     def leave(self) -> None:
         """Leave the job: nobody waits for this worker any more."""

@@ -74,6 +74,12 @@ def _data_prefix(length: int) -> bytes:
     return bytes((_DATA_TAG,)) + _varint(length)
 
 
+def bytes_field_prefix(number: int, length: int) -> bytes:
+    """Tag and length of a `bytes` field `number` holding length bytes: followed by those bytes
+    and appended to a serialized message, it sets that field (protobuf allows any field order)."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
 def data_frame(piece: memoryview) -> bytes:
     """One ``data`` frame holding piece: the tag and length prefix and the bytes, copied once."""
     return b"".join((_data_prefix(len(piece)), piece))

@@ -14,6 +14,7 @@ import torch
 from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
+    bytes_field_prefix,
     PayloadWriter,
     byte_view,
     torch_dtype,
@@ -25,8 +26,11 @@ from psgrad.heap import tune_allocator
 from psgrad.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.shard import Shard
+from psgrad.streams import PullStream
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+STEP_REPLY_DATA = pb.StepReply.DESCRIPTOR.fields_by_name["data"].number
+STEP_REQUEST_DATA = pb.StepRequest.DESCRIPTOR.fields_by_name["data"].number
 ERROR_METADATA_KEY = "psgrad-error"
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -155,87 +159,139 @@ class ParameterServicer:
         already = self.shard.initialize(header.join.rank, layout, weights)
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 
-    def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _granted_pull(
+        self, rank: int, clock: int, fingerprint: str, context: grpc.ServicerContext, observe: bool
+    ) -> tuple[int, PullStream]:
+        """Wait at the mode's gate (until shortly before the caller's deadline, or until it cancels);
+        returns the version and the stream of the weights. The stream is closed when the call ends.
+
+        Raises:
+            StalledError: the deadline came first (the message names whom the pull waited for).
+        """
         context.add_callback(self.shard.wake)  # a cancelled waiting pull stops waiting at once
         remaining = context.time_remaining()
         timeout_s = None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
-        try:
-            got = self.shard.pull_frames(
-                req.rank, req.clock, req.fingerprint, timeout_s, context.is_active, req.observe
+        got = self.shard.pull_frames(rank, clock, fingerprint, timeout_s, context.is_active, observe)
+        if got is None:
+            blocking = self.shard.blocking(rank, clock)
+            who = f"worker(s) {', '.join(map(str, blocking))}" if blocking else "the other workers"
+            raise errors.StalledError(
+                f"pull of worker rank {rank} at clock {clock} was still waiting for {who} "
+                "when its deadline passed (raise --rpc-timeout-s if they are merely slow)"
             )
-            if got is None:
-                blocking = self.shard.blocking(req.rank, req.clock)
-                who = f"worker(s) {', '.join(map(str, blocking))}" if blocking else "the other workers"
-                raise errors.StalledError(
-                    f"pull of worker rank {req.rank} at clock {req.clock} was still waiting for {who} "
-                    "when its deadline passed (raise --rpc-timeout-s if they are merely slow)"
-                )
-        except PsgradError as exc:
-            _abort(context, exc)
-            return
         version, frames = got
         # Updates wait for a stream that reads the live weights: end it as soon as the call ends.
         if not context.add_callback(frames.close):
             frames.close()
+        return version, frames
+
+    def _pull_header(self, version: int) -> pb.PullHeader:
+        layout = self.shard.layout
+        assert layout is not None
+        return pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
+
+    def _shared_segment(self, context: grpc.ServicerContext, rank: int, nbytes: int) -> shm.Attached | None:
+        """The same-host segment the call names (None: payloads in the messages). One this server
+        cannot open is refused with FAILED_PRECONDITION and a marker, and the worker falls back to
+        sending the payload through gRPC."""
+        value = _metadata(context, shm.METADATA_KEY)
+        if value is None:
+            return None
         try:
-            layout = self.shard.layout
-            assert layout is not None
-            header = pb.PullFrame(
-                header=pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
-            ).SerializeToString()
-            value = _metadata(context, shm.METADATA_KEY)
-            if value is None:
+            return self._segment(rank, value, nbytes)
+        except shm.SharedMemoryUnavailable as exc:
+            context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # unreachable: abort raises
+
+    def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            version, frames = self._granted_pull(req.rank, req.clock, req.fingerprint, context, req.observe)
+        except PsgradError as exc:
+            _abort(context, exc)
+            return
+        try:
+            header = pb.PullFrame(header=self._pull_header(version)).SerializeToString()
+            if _metadata(context, shm.METADATA_KEY) is None:
                 yield header
                 yield from frames
                 return
             # The weights go into the worker's segment; the reply is the header alone (so the
-            # worker may call this method as a unary call). A segment this server cannot open
-            # is refused, like a push's, and the worker pulls frames instead.
-            try:
-                seg = self._segment(req.rank, value, frames.nbytes)
-            except shm.SharedMemoryUnavailable as exc:
-                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            # worker may call this method as a unary call).
+            seg = self._shared_segment(context, req.rank, frames.nbytes)
+            assert seg is not None
             frames.copy_into(seg.payload)
             yield header
         finally:
             frames.close()
 
-    @_edge
-    def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        h = _header(frames, pb.PushFrame, "push")
+    def _push(
+        self,
+        h: pb.PushHeader,
+        context: grpc.ServicerContext,
+        frames: Iterator[bytes] | None = None,
+        inline: memoryview | None = None,
+    ) -> tuple[pb.PushReply, shm.Attached | None]:
+        """Receive one push (its data frames, the inline bytes, or the segment the call names)
+        and hand it to the shard; returns the reply and the segment, if any."""
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
         )
         what = f"push from worker rank {h.rank}"
-        value = _metadata(context, shm.METADATA_KEY)
-        if value is not None:
-            try:
-                seg = self._segment(h.rank, value, wire.nbytes)
-            except shm.SharedMemoryUnavailable as exc:
-                self.shard.release(grad, wire)  # never received: neither applied nor rejected
-                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
-            if value is None:
-                write_frames(frames, writer, FrameParser(pb.PushFrame, what))
-            else:  # the gradient is in the worker's segment: feed it as if it had arrived in frames
-                if next(frames, None) is not None:
-                    raise InvalidRequestError(f"{what}: data frames and a shared-memory segment")
+            seg = self._shared_segment(context, h.rank, wire.nbytes)
+        except BaseException:
+            self.shard.release(grad, wire)  # never received: neither applied nor rejected
+            raise
+        try:
+            if seg is not None:  # the gradient is in the worker's segment: feed it as if it had arrived
+                extra = next(frames, None) if frames is not None else inline
+                if extra:
+                    raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
                 writer.write_all(seg.payload[: wire.nbytes], self.config.chunk_bytes)
+            elif frames is not None:
+                write_frames(frames, writer, FrameParser(pb.PushFrame, what))
+            else:
+                writer.write_all(inline if inline is not None else memoryview(b""), self.config.chunk_bytes)
         except BaseException:
             self.shard.release(grad, wire)
             self.shard.reject()
             raise
         result = self.shard.apply_push(h.rank, h.clock, h.base_version, grad, wire, wire.nbytes)
-        return pb.PushReply(
+        reply = pb.PushReply(
             applied=result.applied,
             reason=result.reason,
             version=result.version,
             staleness=result.staleness,
             deferred=result.deferred,
         )
+        return reply, seg
+
+    @_edge
+    def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        return self._push(_header(frames, pb.PushFrame, "push"), context, frames=frames)[0]
+
+    @_edge
+    def Step(self, req: pb.StepRequest, context: grpc.ServicerContext) -> bytes:
+        """Push, then pull for the next clock, in one unary call (see ps.proto). The reply is
+        built by hand so the weights are copied once, straight after the serialized headers."""
+        h = req.push
+        pushed, seg = self._push(h, context, inline=memoryview(req.data))
+        version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
+        try:
+            reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
+            if seg is not None:
+                frames.copy_into(seg.payload)
+                return reply
+            prefix = bytes_field_prefix(STEP_REPLY_DATA, frames.nbytes)
+            out = bytearray(len(reply) + len(prefix) + frames.nbytes)
+            out[: len(reply)] = reply
+            out[len(reply) : len(reply) + len(prefix)] = prefix
+            frames.copy_into(memoryview(out)[len(reply) + len(prefix) :])
+            return bytes(out)
+        finally:
+            frames.close()
 
     @_edge
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -279,7 +335,7 @@ class ParameterServicer:
 
 
 def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
-    """Method table; Init/Pull/Push frames pass as raw bytes (deserializer/serializer None)."""
+    """Method table; Init/Pull/Push frames and Step replies pass as raw bytes (serializer None)."""
 
     def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -299,6 +355,7 @@ def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push, response_serializer=pb.PushReply.SerializeToString
             ),
+            "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),

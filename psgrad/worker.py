@@ -154,7 +154,7 @@ def train(
                 "wait_s": stats.wait_s,
                 "version": stats.versions,
             }
-            for key in ("push_s", "pull_s", "staleness", "accepted"):
+            for key in ("exchange_s", "staleness", "accepted"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
             report.step(step + 1, record)

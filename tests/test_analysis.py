@@ -20,7 +20,7 @@ T0 = 1000.0
 def _step(rank: int, step: int, t: float, staleness: int, acc: float | None = None, loss: float | None = None) -> dict:
     rec: dict[str, Any] = {
         "time": T0 + t, "rank": rank, "step": step, "clock": step - 1, "loss": 1.0, "step_s": 0.1,
-        "pull_s": 0.01, "compute_s": 0.05, "delay_s": 0.0, "push_s": 0.01, "staleness": staleness,
+        "compute_s": 0.05, "delay_s": 0.0, "exchange_s": 0.02, "staleness": staleness,
         "accepted": True, "version": [step, step],
     }
     if acc is not None:

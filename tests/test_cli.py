@@ -189,7 +189,7 @@ def test_launch_with_overlap_trains_and_records_the_wait(tmp_path: Path) -> None
     records = [json.loads(line) for line in (tmp_path / "worker0.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and r.get("event") != "final"]
     assert len(steps) == 80 and all("wait_s" in r and "d2h_s" in r for r in steps)
-    assert "push_s" not in steps[0] and "push_s" in steps[1]  # the first exchange completes at step 2
+    assert "exchange_s" not in steps[0] and "exchange_s" in steps[1]  # the first exchange completes at step 2
     assert records[-1]["event"] == "final" and records[-1]["test_accuracy"] > 0.5
 
 

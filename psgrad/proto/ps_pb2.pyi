@@ -180,6 +180,24 @@ class PushReply(_message.Message):
     deferred: bool
     def __init__(self, applied: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("push", "data")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    push: PushHeader
+    data: bytes
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("push", "pull", "data")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    push: PushReply
+    pull: PullHeader
+    data: bytes
+    def __init__(self, push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "clock", "state", "last_seen_s", "pushes")
     RANK_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
                 response_deserializer=psgrad_dot_proto_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/psgrad.ParameterServer/Step',
+                request_serializer=psgrad_dot_proto_dot_ps__pb2.StepRequest.SerializeToString,
+                response_deserializer=psgrad_dot_proto_dot_ps__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/psgrad.ParameterServer/Status',
                 request_serializer=psgrad_dot_proto_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -93,6 +98,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +149,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.FromString,
                     response_serializer=psgrad_dot_proto_dot_ps__pb2.PushReply.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=psgrad_dot_proto_dot_ps__pb2.StepRequest.FromString,
+                    response_serializer=psgrad_dot_proto_dot_ps__pb2.StepReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -263,6 +279,33 @@ class ParameterServer:
             '/psgrad.ParameterServer/Push',
             psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
             psgrad_dot_proto_dot_ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgrad.ParameterServer/Step',
+            psgrad_dot_proto_dot_ps__pb2.StepRequest.SerializeToString,
+            psgrad_dot_proto_dot_ps__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,217 @@
+"""The fused Step call (push clock c, then pull c + 1, one unary call per shard) behind
+ParameterClient.exchange: inline payloads, same-host segments, the fallbacks to separate push and
+pull, refusals and the sync gate (servers in-process, real gRPC channels)."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from psgrad import shm
+from psgrad.client import ParameterClient, ShardClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.errors import InvalidRequestError, StalledError
+from psgrad.server import SERVICE_NAME, RunningServer, start_server
+from psgrad.sharding import ParamSpec, plan_shards
+
+pytestmark = pytest.mark.timeout(60)
+
+PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
+N = 2113
+INLINE = 64 << 10  # chunk_bytes: both shards' payloads (about 4 KB each) fit one message
+
+
+def config(shared: bool, chunk_bytes: int = INLINE, rpc_timeout_s: float = 10) -> ClientConfig:
+    return ClientConfig(connect_timeout_s=5, rpc_timeout_s=rpc_timeout_s, init_timeout_s=5, retries=0,
+                        chunk_bytes=chunk_bytes, shared_memory=shared and shm.supported())
+
+
+@pytest.fixture
+def servers(request: pytest.FixtureRequest) -> Iterator[list[RunningServer]]:
+    running = [start_server(ServerConfig(port=0, threads=8, **getattr(request, "param", {}))) for _ in range(2)]
+    yield running
+    for s in running:
+        s.stop(0)
+
+
+def client(servers: list[RunningServer], cfg: ClientConfig, rank: int = 0, **spec: Any) -> ParameterClient:
+    job = JobSpec(num_shards=len(servers), num_workers=2, lr=0.5, **spec)
+    return ParameterClient([s.address for s in servers], job, PARAMS, plan_shards(PARAMS, len(servers)), rank, cfg)
+
+
+def initial() -> torch.Tensor:
+    return torch.arange(N, dtype=torch.float32) / 1000
+
+
+class Calls:
+    """Counts the Step calls and the separate push/pull calls the shard clients of `c` make."""
+
+    def __init__(self, c: ParameterClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts = {"step": 0, "push": 0, "pull": 0}
+        for s in c.shards:
+            monkeypatch.setattr(s, "_step", self._counted("step", s._step))
+        for name in ("push", "pull"):
+            monkeypatch.setattr(ShardClient, name, self._counted(name, getattr(ShardClient, name)))
+
+    def _counted(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_exchange_is_one_step_call_per_shard_and_equals_push_then_pull(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, shared: bool, wire: str
+) -> None:
+    if shared and not shm.supported():
+        pytest.skip("no /dev/shm on this host")
+    with client(servers, config(shared), wire_dtype=wire) as c:
+        c.join(initial_weights=initial)
+        flat = torch.empty(N)
+        c.pull(flat, 0)
+        calls = Calls(c, monkeypatch)
+        grad = torch.linspace(-1, 1, N)
+        replies, versions = c.exchange(grad, 0, flat)
+        assert calls.counts == {"step": 2, "push": 0, "pull": 0}
+        assert [r.applied for r in replies] == [True, True] and versions == [1, 1] == c.base_versions
+        # the weights pulled are the shards' weights after the update, sent in the wire dtype
+        dtype = getattr(torch, wire)
+        expected = torch.cat([s.shard.weights_copy() for s in servers]).to(dtype).float()
+        assert torch.equal(flat, expected)
+        torch.testing.assert_close(expected, (initial() - 0.5 * grad.to(dtype).float()).to(dtype).float())
+        # the next exchange pushes with those base versions and sees its own update
+        replies, versions = c.exchange(grad, 1, flat)
+        assert [r.staleness for r in replies] == [0, 0] and versions == [2, 2]
+
+
+def test_payloads_over_one_chunk_to_another_host_push_and_pull_separately(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with client(servers, config(shared=False, chunk_bytes=1024)) as c:  # about 4 KB per shard
+        c.join(initial_weights=initial)
+        flat = torch.empty(N)
+        c.pull(flat, 0)
+        calls = Calls(c, monkeypatch)
+        grad = torch.ones(N)
+        replies, versions = c.exchange(grad, 0, flat)
+        assert calls.counts == {"step": 0, "push": 2, "pull": 2}
+        assert [r.applied for r in replies] == [True, True] and versions == [1, 1]
+        torch.testing.assert_close(flat, initial() - 0.5)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
+def test_a_server_without_step_gets_push_and_pull(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """An older server answers UNIMPLEMENTED: the client pushes and pulls instead, from then on."""
+    if shared and not shm.supported():
+        pytest.skip("no /dev/shm on this host")
+    with client(servers, config(shared)) as c:
+        c.join(initial_weights=initial)
+        flat = torch.empty(N)
+        c.pull(flat, 0)
+        for s in c.shards:  # the same channel, a method name no server has
+            missing = s._channel.unary_unary(f"/{SERVICE_NAME}/StepFromTheFuture", None, lambda b: b)
+            monkeypatch.setattr(s, "_step", missing)
+        calls = Calls(c, monkeypatch)
+        for clock in (0, 1):
+            replies, versions = c.exchange(torch.ones(N), clock, flat)
+            assert [r.applied for r in replies] == [True, True] and versions == [clock + 1] * 2
+        assert calls.counts == {"step": 2, "push": 4, "pull": 4}  # asked once per shard, never again
+        assert not any(s._has_step for s in c.shards)
+        torch.testing.assert_close(flat, initial() - 1.0)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
+def test_a_refused_push_pulls_nothing(servers: list[RunningServer], shared: bool) -> None:
+    if shared and not shm.supported():
+        pytest.skip("no /dev/shm on this host")
+    with client(servers, config(shared)) as c:
+        c.join(initial_weights=initial)
+        flat = torch.empty(N)
+        c.pull(flat, 0)
+        before = [s.shard.status()["pulls"] for s in servers]
+        grad = torch.ones(N)
+        grad[7] = float("nan")  # in shard 0's range; shard 1's part is finite
+        with pytest.raises(InvalidRequestError, match="1 non-finite values"):
+            c.exchange(grad, 0, flat)
+        assert [s.shard.status()["pulls"] for s in servers] == [before[0], before[1] + 1]
+        assert torch.equal(servers[0].shard.weights_copy(), initial()[: c.plan.ranges[0][1]])
+        # the same clock, finite this time: shard 0 applies it, shard 1 acknowledges a duplicate
+        replies, versions = c.exchange(torch.ones(N), 0, flat)
+        assert [r.applied for r in replies] == [True, False] and "duplicate" in replies[1].reason
+        assert versions == [1, 1] and [s.shard.status()["pulls"] for s in servers] == [before[0] + 1, before[1] + 2]
+        torch.testing.assert_close(flat, initial() - 0.5)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
+def test_sync_step_waits_at_the_gate_for_the_other_worker(servers: list[RunningServer], shared: bool) -> None:
+    if shared and not shm.supported():
+        pytest.skip("no /dev/shm on this host")
+    a, b = (client(servers, config(shared), rank=r, mode="sync") for r in (0, 1))
+    with a, b:
+        joined = [0, 0]
+        t = threading.Thread(target=lambda: joined.__setitem__(1, b.join(None)))
+        t.start()
+        a.join(initial_weights=initial)
+        t.join(timeout=30)
+        flats = [torch.empty(N), torch.empty(N)]
+        a.pull(flats[0], 0)
+        b.pull(flats[1], 0)
+        got: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: got.update(a=a.exchange(torch.ones(N), 0, flats[0])))
+        t.start()
+        # rank 0's Step has pushed and now waits at the sync gate for rank 1's push
+        assert all(s.shard.wait_until(lambda st: st["waiting"] == 1 and st["pending"] == 1, 30) for s in servers)
+        assert "a" not in got
+        _, versions_b = b.exchange(3 * torch.ones(N), 0, flats[1])
+        t.join(timeout=30)
+        assert not t.is_alive()
+        _, versions_a = got["a"]
+        assert versions_a == versions_b == [1, 1]
+        expected = initial() - 0.5 * 2.0  # the mean of 1 and 3
+        torch.testing.assert_close(flats[0], expected)
+        torch.testing.assert_close(flats[1], expected)
+
+
+def test_a_step_whose_pull_outlives_the_deadline_names_the_missing_worker(servers: list[RunningServer]) -> None:
+    a, b = (client(servers, config(False, rpc_timeout_s=1.5), rank=r, mode="sync") for r in (0, 1))
+    with a, b:
+        t = threading.Thread(target=b.join, args=(None,))
+        t.start()
+        a.join(initial_weights=initial)
+        t.join(timeout=30)
+        flat = torch.empty(N)
+        a.pull(flat, 0)
+        with pytest.raises(StalledError, match=r"rank 0 at clock 1 was still waiting for worker\(s\) 1"):
+            a.exchange(torch.ones(N), 0, flat)
+        assert all(s.shard.status()["pending"] == 1 for s in servers)  # the push itself was taken
+
+
+def test_step_reply_is_a_valid_step_reply_message(servers: list[RunningServer]) -> None:
+    """The hand-built reply (headers, then the weights appended) parses as ps.proto says."""
+    from psgrad.proto import ps_pb2 as pb
+
+    with client(servers, config(False)) as c:
+        c.join(initial_weights=initial)
+        c.pull(torch.empty(N), 0)
+        start, end = c.plan.ranges[1]
+        channel = grpc.insecure_channel(servers[1].address)
+        try:
+            step = channel.unary_unary(f"/{SERVICE_NAME}/Step", pb.StepRequest.SerializeToString, None)
+            grad = torch.ones(end - start)
+            raw = step(pb.StepRequest(push=c._push_header(1, 0), data=grad.numpy().tobytes()), timeout=10)
+        finally:
+            channel.close()
+        reply = pb.StepReply.FromString(raw)
+        assert reply.push.applied and reply.push.version == 1
+        assert (reply.pull.version, reply.pull.numel, reply.pull.dtype) == (1, end - start, "float32")
+        got = torch.frombuffer(bytearray(reply.data), dtype=torch.float32)
+        torch.testing.assert_close(got, initial()[start:end] - 0.5)
