@@ -545,10 +545,6 @@ class Shard:
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
         """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
         with self._cond:
-            writer = self._writer_of(grad)
-        if writer is not None:
-            writer.cancel()  # no helper work may write into the buffer once it is back
-        with self._cond:
             self._revoked.pop(id(grad), None)
             writer = self._lent.pop(id(grad), None)
             if writer is not None and writer.holds_turn:
@@ -582,8 +578,6 @@ class Shard:
             # The shard's own writer already summed the gradient piece by piece as it arrived.
             with self._cond:
                 writer = self._writer_of(grad)
-            if writer is not None:
-                writer.drain()
             staged = writer is not None and writer.staged
             if writer is not None and writer.checked:
                 bad = writer.nonfinite
