@@ -122,7 +122,16 @@ class ParameterServicer:
         seg = shm.attach(value, nbytes)
         with self._segments_lock:
             self._segments[rank] = seg  # a worker has one segment per shard; a new one replaces it
+        self._unmap_departed()
         return seg
+
+    def _unmap_departed(self) -> None:
+        """Drop the mappings of segments whose workers left or were evicted (their memory goes
+        once neither end maps it), so a dead worker's segment does not stay in this server."""
+        live = self.shard.live_ranks()
+        with self._segments_lock:
+            for rank in [r for r in self._segments if r not in live]:
+                del self._segments[rank]
 
     @_edge
     def Join(self, req: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -324,13 +333,15 @@ class ParameterServicer:
 
     @_edge
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        return pb.HeartbeatReply(version=self.shard.touch(req.rank))
+        version = self.shard.touch(req.rank)
+        if self._segments:
+            self._unmap_departed()  # every lease/3 from each live worker: departed ones go soon
+        return pb.HeartbeatReply(version=version)
 
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.shard.leave(req.rank)
-        with self._segments_lock:
-            self._segments.pop(req.rank, None)  # a departed worker's segment is no longer mapped here
+        self._unmap_departed()
         return pb.LeaveReply()
 
 

@@ -224,6 +224,12 @@ class Shard:
         member.last_seen = self._now()
         return member
 
+    def live_ranks(self) -> set[int]:
+        """Ranks of the workers whose lease holds (after evicting the expired ones)."""
+        with self._cond:
+            self._refresh()
+            return {r for r, m in self._members.items() if m.state == LIVE}
+
     def touch(self, rank: int) -> int:
         """Renew a live worker's lease (heartbeat); returns the shard version."""
         with self._cond:

@@ -188,3 +188,22 @@ def test_leaving_unmaps_the_workers_segments(servers: list[RunningServer]) -> No
         assert attached(servers) == 2
         c.leave()
         assert attached(servers) == 0
+
+
+def test_an_evicted_workers_segment_is_unmapped_at_the_next_heartbeat() -> None:
+    running = [start_server(ServerConfig(port=0, threads=8, lease_s=1.0)) for _ in range(2)]
+    try:
+        gone, other = client(running, rank=0), client(running, rank=1)
+        with other:
+            gone.join(initial_weights=initial)
+            gone.push(torch.ones(N), 0)
+            other.join(None)
+            assert attached(running) == 2
+            gone.close()  # no leave, no more heartbeats: its lease runs out
+            assert all(s.shard.wait_until(lambda st: st["evictions"] == 1, 30) for s in running)
+            for s in other.shards:  # (its heartbeat thread may have been first)
+                s.heartbeat(other.rank, other.fingerprint)
+            assert attached(running) == 0
+    finally:
+        for s in running:
+            s.stop(0)
