@@ -68,8 +68,16 @@ def test_proc_readings_of_this_process() -> None:
             x.mul_(1.0001)
     assert server_bench.cpu_seconds(os.getpid()) > before
     mem = server_bench.memory_bytes(os.getpid())
-    assert set(mem) == {"VmHWM", "VmRSS", "RssAnon"}
+    assert set(mem) == {"VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "own"}
     assert mem["VmHWM"] >= mem["VmRSS"] > 8_000_000  # holds x at least
+    assert mem["own"] == mem["RssAnon"] + mem["RssFile"] and mem["RssAnon"] > 8_000_000
+    sampler = server_bench.OwnPeak({"me": os.getpid()}, interval_s=60.0)
+    y = torch.ones(5_000_000)  # 20 MB more, resident when sampled
+    sampler.sample()
+    del y
+    sampler.sample()  # a lower reading leaves the peak
+    sampler.stop()
+    assert sampler.peak["me"] >= mem["own"] + 15_000_000
     busy = server_bench.machine_busy()
     assert 0 <= busy[0] <= busy[1]
     assert 0.0 <= server_bench.busy_fraction(busy, server_bench.machine_busy()) <= 1.0
@@ -119,7 +127,7 @@ def test_server_bench_tiny() -> None:
     out = _run("server_bench.py")
     assert out["benchmark"] == "server" and out["preset"] == "tiny"
     assert out["payload_bytes"] == 4 * out["params"]
-    names = set(server_bench.OPTIMIZERS)
+    names = set(server_bench.OPTIMIZERS) | {n + server_bench.GRPC_TAG for n in server_bench.OPTIMIZERS}
     assert set(out["by_workers"]) == {str(w) for w in out["workers"]}
     for by_name in out["by_workers"].values():
         assert set(by_name) == names | {"raw"}
@@ -128,9 +136,10 @@ def test_server_bench_tiny() -> None:
             assert row["server_cpu_s_per_gb"] > 0, name
             assert all(r["not_applied"] == 0 for r in row["rounds"]), name
             if name != "raw":
-                assert row["peak_rss_bytes"] > 0
+                assert row["peak_rss_bytes"] >= row["peak_own_bytes"] > 0
     assert set(out["memory"]) == names
     assert out["memory"]["adam"]["optimizer_state_bytes"] > out["memory"]["momentum"]["optimizer_state_bytes"] > 0
+    assert {n: row["shared_memory"] for n, row in out["memory"].items()} == {n: not n.endswith("]") for n in names}
     _check_targets(out["targets"])
     assert len(out["targets"]) == len(names) * len(out["workers"])
     assert all(t["unit"] == "MB" and t["better"] == "lower" for t in out["targets"])
