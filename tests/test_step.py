@@ -27,7 +27,7 @@ INLINE = 64 << 10  # chunk_bytes: both shards' payloads (about 4 KB each) fit on
 
 def config(shared: bool, chunk_bytes: int = INLINE, rpc_timeout_s: float = 10) -> ClientConfig:
     return ClientConfig(connect_timeout_s=5, rpc_timeout_s=rpc_timeout_s, init_timeout_s=5, retries=0,
-                        chunk_bytes=chunk_bytes, shared_memory=shared and shm.supported())
+                        chunk_bytes=chunk_bytes, shared_memory=shared)
 
 
 @pytest.fixture
@@ -45,6 +45,14 @@ def client(servers: list[RunningServer], cfg: ClientConfig, rank: int = 0, **spe
 
 def initial() -> torch.Tensor:
     return torch.arange(N, dtype=torch.float32) / 1000
+
+
+def ready(c: ParameterClient) -> torch.Tensor:
+    """Join as the chief and pull clock 0; returns the flat weights."""
+    c.join(initial_weights=initial)
+    flat = torch.empty(N)
+    c.pull(flat, 0)
+    return flat
 
 
 class Calls:
@@ -70,12 +78,8 @@ class Calls:
 def test_exchange_is_one_step_call_per_shard_and_equals_push_then_pull(
     servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, shared: bool, wire: str
 ) -> None:
-    if shared and not shm.supported():
-        pytest.skip("no /dev/shm on this host")
     with client(servers, config(shared), wire_dtype=wire) as c:
-        c.join(initial_weights=initial)
-        flat = torch.empty(N)
-        c.pull(flat, 0)
+        flat = ready(c)
         calls = Calls(c, monkeypatch)
         grad = torch.linspace(-1, 1, N)
         replies, versions = c.exchange(grad, 0, flat)
@@ -95,9 +99,7 @@ def test_payloads_over_one_chunk_to_another_host_push_and_pull_separately(
     servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with client(servers, config(shared=False, chunk_bytes=1024)) as c:  # about 4 KB per shard
-        c.join(initial_weights=initial)
-        flat = torch.empty(N)
-        c.pull(flat, 0)
+        flat = ready(c)
         calls = Calls(c, monkeypatch)
         grad = torch.ones(N)
         replies, versions = c.exchange(grad, 0, flat)
@@ -111,12 +113,8 @@ def test_a_server_without_step_gets_push_and_pull(
     servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
     """An older server answers UNIMPLEMENTED: the client pushes and pulls instead, from then on."""
-    if shared and not shm.supported():
-        pytest.skip("no /dev/shm on this host")
     with client(servers, config(shared)) as c:
-        c.join(initial_weights=initial)
-        flat = torch.empty(N)
-        c.pull(flat, 0)
+        flat = ready(c)
         for s in c.shards:  # the same channel, a method name no server has
             missing = s._channel.unary_unary(f"/{SERVICE_NAME}/StepFromTheFuture", None, lambda b: b)
             monkeypatch.setattr(s, "_step", missing)
@@ -131,12 +129,8 @@ def test_a_server_without_step_gets_push_and_pull(
 
 @pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
 def test_a_refused_push_pulls_nothing(servers: list[RunningServer], shared: bool) -> None:
-    if shared and not shm.supported():
-        pytest.skip("no /dev/shm on this host")
     with client(servers, config(shared)) as c:
-        c.join(initial_weights=initial)
-        flat = torch.empty(N)
-        c.pull(flat, 0)
+        flat = ready(c)
         before = [s.shard.status()["pulls"] for s in servers]
         grad = torch.ones(N)
         grad[7] = float("nan")  # in shard 0's range; shard 1's part is finite
@@ -153,8 +147,6 @@ def test_a_refused_push_pulls_nothing(servers: list[RunningServer], shared: bool
 
 @pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
 def test_sync_step_waits_at_the_gate_for_the_other_worker(servers: list[RunningServer], shared: bool) -> None:
-    if shared and not shm.supported():
-        pytest.skip("no /dev/shm on this host")
     a, b = (client(servers, config(shared), rank=r, mode="sync") for r in (0, 1))
     with a, b:
         joined = [0, 0]
