@@ -4,8 +4,10 @@ step, against the ideal W x the single worker's samples/s, on 1 and 2 shards.
     python benchmarks/scaling.py --preset full   # 2M parameters, T = 0 to 200 ms, 1 and 2 shards
     python benchmarks/scaling.py --preset tiny   # CI-sized (~15 s)
 
-Each worker process (this script, `--worker`) repeats pull -> sleep T -> push through the psgrad
-client (async mode, lr 1e-9). Sleeping stands for the forward/backward pass: it takes time but
+Each worker process (this script, `--worker`) pulls once, then repeats sleep T -> exchange through
+the psgrad client (async mode, lr 1e-9): `ParameterClient.exchange` pushes clock c and pulls c + 1,
+one Step call per shard, as PSOptimizer.step() does. `--no-shared-memory` sends every payload
+through gRPC frames (as from another host) instead of the default same-host segments. Sleeping stands for the forward/backward pass: it takes time but
 no CPU, so what limits scaling is what psgrad itself costs (the network path, the servers' decode
 and apply, and the CPUs the processes share), not W copies of a model fighting over 2 cores. The
 W workers of a round start together; samples/s = batch x the steps completed inside the measured
@@ -74,33 +76,33 @@ class _Trainer:
         numel, rank = int(cmd["params"]), int(cmd["rank"])
         flat, grad = torch.zeros(numel), torch.full((numel,), 1e-3)
         params = [ParamSpec("weight", (numel,), "float32")]
-        config = ClientConfig(rpc_timeout_s=300.0, init_timeout_s=SETUP_TIMEOUT_S)
+        config = ClientConfig(rpc_timeout_s=300.0, init_timeout_s=SETUP_TIMEOUT_S,
+                              shared_memory=bool(cmd["shared_memory"]))
         for key, servers in cmd["jobs"].items():
             spec = JobSpec(mode="async", num_workers=int(cmd["num_workers"]), num_shards=len(servers), lr=LR)
             client = ParameterClient(servers, spec, params, plan_shards(params, len(servers)), rank, config)
             self.closers.append(client.close)
             clock = client.join(initial_weights=(lambda: torch.zeros(numel)) if rank == 0 else None)
+            client.pull(flat, clock)
             self.loops[key] = self._loop(client, flat, grad, clock)
 
     @staticmethod
     def _loop(client: Any, flat: Any, grad: Any, clock: int) -> Any:
         def steps(compute_s: float, run_s: float) -> dict[str, Any]:
-            """pull -> sleep(compute_s) -> push, back to back, for run_s seconds."""
+            """sleep(compute_s) -> exchange (push clock, pull clock + 1), back to back, for run_s seconds."""
             nonlocal clock
             go = time.monotonic()
             starts, ends, comm = [], [], []
             while (t0 := time.monotonic()) < go + run_s:
-                client.pull(flat, clock)
-                t1 = time.monotonic()
                 if compute_s > 0:
-                    time.sleep(compute_s)
+                    time.sleep(compute_s)  # the simulated forward/backward pass
+                t1 = time.monotonic()
+                client.exchange(grad, clock, flat)
                 t2 = time.monotonic()
-                client.push(grad, clock)
-                t3 = time.monotonic()
                 clock += 1
                 starts.append(t0)
-                ends.append(t3)
-                comm.append((t1 - t0) + (t3 - t2))
+                ends.append(t2)
+                comm.append(t2 - t1)
             return {"go": go, "start": starts, "done": ends, "comm_s": comm}
 
         return steps
@@ -155,7 +157,7 @@ def _why(row: dict[str, Any], single: dict[str, Any], shards: int, cpus: int) ->
     cores, psgrad itself is the limit, whatever else runs.
     """
     need = row["workers"] * single["cpu_ms_per_step"] / single["step_ms_median"]
-    comm = f"pull+push took {row['comm_ms_median']:.1f} ms per step (vs {single['comm_ms_median']:.1f} ms alone)"
+    comm = f"the push+pull exchange took {row['comm_ms_median']:.1f} ms per step (vs {single['comm_ms_median']:.1f} ms alone)"
     use = (f"servers {row['server_cores_busy']:.2f} + workers {row['workers_cores_busy']:.2f} cores of {cpus}, "
            f"machine {row['machine_busy_fraction']:.0%} busy")
     cost = (f"one step costs {single['cpu_ms_per_step']:.1f} CPU-ms of pull/push (de)serialization and apply, "
@@ -172,8 +174,10 @@ def _why(row: dict[str, Any], single: dict[str, Any], shards: int, cpus: int) ->
 
 
 def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int, ...],
-            compute_ms: tuple[float, ...], reps: int, warmup_s: float, window_s: float) -> dict[str, Any]:
-    """Start the servers (one set per shard count) and workers, run the rounds, stop everything."""
+            compute_ms: tuple[float, ...], reps: int, warmup_s: float, window_s: float,
+            shared_memory: bool = True) -> dict[str, Any]:
+    """Start the servers (one set per shard count) and workers, run the rounds, stop everything.
+    shared_memory=False: the workers send every payload through gRPC frames."""
     sets: dict[str, list[Child]] = {}
     workers: list[Child] = []
     try:
@@ -188,7 +192,8 @@ def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int
         pids = {key: [s.popen.pid for s in servers] for key, servers in sets.items()}
         log(f"servers up: {jobs}; setting up {max_w} workers, {params:,} parameters")
         for rank, w in enumerate(workers):  # all at once: non-chief joins wait for the chief's init
-            w.send({"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "jobs": jobs})
+            w.send({"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "jobs": jobs,
+                    "shared_memory": shared_memory})
         for w in workers:
             w.recv(SETUP_TIMEOUT_S)
 
@@ -270,12 +275,14 @@ def targets_and_figures(results: list[dict[str, Any]]) -> tuple[list[dict[str, A
     return targets, figures
 
 
-def run(preset: str) -> dict[str, Any]:
+def run(preset: str, shared_memory: bool = True) -> dict[str, Any]:
     """The suite's scaling part: samples/s and efficiency per shard count, T and W; where it falls off."""
     p = PRESETS[preset]
-    m = measure(p["params"], p["shards"], p["workers"], p["compute_ms"], p["reps"], p["warmup_s"], p["window_s"])
+    m = measure(p["params"], p["shards"], p["workers"], p["compute_ms"], p["reps"], p["warmup_s"], p["window_s"],
+                shared_memory)
     targets, figures = targets_and_figures(m["results"])
-    return {"benchmark": "scaling", "preset": preset, **m, "falloff": falloff(m["results"], os.cpu_count() or 1),
+    return {"benchmark": "scaling", "preset": preset, "shared_memory": shared_memory, **m,
+            "falloff": falloff(m["results"], os.cpu_count() or 1),
             "machine": machine_info(), "targets": targets, "figures": figures,
             "notes": "compute is simulated with sleep (no CPU); efficiency = median samples/s(W) / (W x median "
                      "samples/s(1)); cpu_ms_per_step = (servers' + workers' CPU time) / steps; measured on a "
@@ -285,12 +292,15 @@ def run(preset: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="sizes and sweep (default: tiny)")
+    parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                        help="send every payload through gRPC frames, as from another host (default: the "
+                        "same-host shared-memory path)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main()
         return
-    write_json(run(args.preset))
+    write_json(run(args.preset, args.shared_memory))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from psgrad.optimizers import make_optimizer  # noqa: E402
 TARGET_KEYS = {"name", "value", "ceiling", "ratio", "target", "better", "met"}
 
 
-def _run(script: str) -> dict[str, Any]:
+def _run(script: str, *extra: str) -> dict[str, Any]:
     res = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", script), "--preset", "tiny"],
+        [sys.executable, os.path.join("benchmarks", script), "--preset", "tiny", *extra],
         capture_output=True, text=True, timeout=240, cwd=REPO, stdin=subprocess.DEVNULL,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -148,9 +148,10 @@ def test_server_bench_tiny() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_scaling_tiny() -> None:
-    out = _run("scaling.py")
-    assert out["benchmark"] == "scaling" and out["preset"] == "tiny"
+@pytest.mark.parametrize("shared", [True, False], ids=["same-host", "grpc-only"])
+def test_scaling_tiny(shared: bool) -> None:
+    out = _run("scaling.py", *([] if shared else ["--no-shared-memory"]))
+    assert out["benchmark"] == "scaling" and out["preset"] == "tiny" and out["shared_memory"] is shared
     results = out["results"]
     assert {(r["shards"], r["compute_ms"], r["workers"]) for r in results} == {
         (s, t, w) for s in out["shards"] for t in out["compute_ms"] for w in out["workers"]

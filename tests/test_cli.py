@@ -209,3 +209,23 @@ def test_transport_flags_reach_the_configs() -> None:
     assert build_parser().parse_args(["server", "--push-buffers", "3"]).push_buffers == 3
     res = run_cli(["server", "--push-buffers", "0"])
     assert res.returncode == 2 and "must be >= 1" in res.stderr
+
+
+def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import psgrad.server
+    from psgrad.cli import build_parser
+
+    seen: list[int] = []
+    monkeypatch.setattr(psgrad.server, "serve_forever", lambda config, announce: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        for argv in (["server", "--torch-threads", "3"], ["server"]):
+            ns = build_parser().parse_args(argv)
+            assert ns.func(ns) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3, 1]  # one by default
+    res = run_cli(["server", "--torch-threads", "0"])
+    assert res.returncode == 2 and "--torch-threads" in res.stderr
