@@ -253,7 +253,7 @@ def cmd_server(ns: argparse.Namespace) -> int:
 
     config = ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        push_buffers=ns.push_buffers,
+        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
     )
 
     def announce(address: str) -> None:
@@ -495,6 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="gradient-sized receive buffers of an async/ssp shard; more concurrent pushes wait for "
         "one. Raise it when many workers on other hosts push at once and memory allows (default: 1)",
+    )
+    s.add_argument(
+        "--stream-window-bytes",
+        type=int,
+        default=1 << 20,
+        help="bytes gRPC receives ahead per push stream: a push waiting for a receive buffer holds at "
+        "most this much in the server. 0 = gRPC's automatic windows (tens of MB each), for links with "
+        "a long round trip (default: 1048576)",
     )
     s.add_argument(
         "--torch-threads",

@@ -106,6 +106,11 @@ class ServerConfig:
     # as the gradient arrives. Raise it when the server has memory to spare and many workers on
     # separate hosts push at once. Sync mode keeps one per live worker regardless.
     push_buffers: int = 1
+    # Bytes gRPC receives ahead for one stream (a push) before its sender must wait. A push that
+    # waits for a receive buffer keeps no more than this buffered in the server. 0: gRPC's own
+    # windows, which its bandwidth-delay probing grows to tens of MB per stream (for links with a
+    # long round trip, where 1 MiB in flight would limit a stream to 1 MiB per round trip).
+    stream_window_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
@@ -121,6 +126,10 @@ class ServerConfig:
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
         _finite_nonneg("grace_s", self.grace_s)
         _check(self.push_buffers >= 1, f"push_buffers must be >= 1, got {self.push_buffers}")
+        _check(
+            self.stream_window_bytes == 0 or self.stream_window_bytes >= 65536,
+            f"stream_window_bytes must be 0 (gRPC's automatic windows) or >= 65536, got {self.stream_window_bytes}",
+        )
 
 
 @dataclass(frozen=True)
