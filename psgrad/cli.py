@@ -499,10 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--stream-window-bytes",
         type=int,
-        default=1 << 20,
+        default=2 << 20,
         help="bytes gRPC receives ahead per push stream: a push waiting for a receive buffer holds at "
         "most this much in the server. 0 = gRPC's automatic windows (tens of MB each), for links with "
-        "a long round trip (default: 1048576)",
+        "a long round trip (default: 2097152)",
     )
     s.add_argument(
         "--torch-threads",

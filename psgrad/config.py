@@ -109,8 +109,8 @@ class ServerConfig:
     # Bytes gRPC receives ahead for one stream (a push) before its sender must wait. A push that
     # waits for a receive buffer keeps no more than this buffered in the server. 0: gRPC's own
     # windows, which its bandwidth-delay probing grows to tens of MB per stream (for links with a
-    # long round trip, where 1 MiB in flight would limit a stream to 1 MiB per round trip).
-    stream_window_bytes: int = 1 << 20
+    # long round trip, where 2 MiB in flight would limit a stream to 2 MiB per round trip).
+    stream_window_bytes: int = 2 << 20
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
