@@ -14,9 +14,9 @@ from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
     PayloadWriter,
-    bytes_field_prefix,
     WireBuffer,
     byte_view,
+    bytes_field_prefix,
     data_frames,
     write_frames,
 )

@@ -14,9 +14,9 @@ import torch
 from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
-    bytes_field_prefix,
     PayloadWriter,
     byte_view,
+    bytes_field_prefix,
     torch_dtype,
     write_frames,
 )

@@ -137,8 +137,9 @@ class PushWriter(PayloadWriter):
                 self._dest[:] = payload
             else:
                 self._apply(grad, 0)
-        else:
-            self.nonfinite += _count_nonfinite(grad)
+        else:  # one op over the whole gradient: torch may spread it over its threads
+            if not math.isfinite(float(grad.sum())):
+                self.nonfinite += int((~torch.isfinite(grad)).sum())
             if self._stage is None:
                 self.grad.copy_(grad)
             else:
