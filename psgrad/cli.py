@@ -499,10 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--stream-window-bytes",
         type=int,
-        default=2 << 20,
-        help="bytes gRPC receives ahead per push stream: a push waiting for a receive buffer holds at "
-        "most this much in the server. 0 = gRPC's automatic windows (tens of MB each), for links with "
-        "a long round trip (default: 2097152)",
+        default=ServerConfig.stream_window_bytes,
+        help="bytes gRPC receives ahead per stream: at most this much of a push the shard is slow to "
+        "take waits in the server (pushes waiting for their turn send nothing). 0 = gRPC's automatic "
+        "windows (tens of MB each), for links with a long round trip "
+        f"(default: {ServerConfig.stream_window_bytes})",
     )
     s.add_argument(
         "--torch-threads",

@@ -28,6 +28,11 @@ from psgrad.server import CHANNEL_OPTIONS, ERROR_METADATA_KEY, SERVICE_NAME, STE
 from psgrad.sharding import ParamSpec, ShardPlan, fingerprint
 
 T = TypeVar("T")
+# Pushes through frames above this size wait for the server's go-ahead before sending (PushGated):
+# a push waiting for its turn at a busy shard would otherwise park up to a stream window of its
+# gradient (tens of MB with gRPC's automatic windows) in the server. Smaller ones skip the extra
+# round trip, since they can park little more than themselves.
+GATED_PUSH_BYTES = 8 << 20
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
@@ -85,6 +90,8 @@ class ShardClient:
         self._init = ch.stream_unary(prefix + "Init", None, pb.InitReply.FromString)
         self._pull = ch.unary_stream(prefix + "Pull", pb.PullRequest.SerializeToString, None)
         self._push = ch.stream_unary(prefix + "Push", None, pb.PushReply.FromString)
+        self._push_gated = ch.stream_stream(prefix + "PushGated", None, pb.PushProgress.FromString)
+        self._has_push_gated = True  # False once a server (an older psgrad) answers UNIMPLEMENTED
         self._status = ch.unary_unary(
             prefix + "Status", pb.StatusRequest.SerializeToString, pb.StatusReply.FromString
         )
@@ -193,13 +200,55 @@ class ShardClient:
         return self._call("the pull", run, t)
 
     def push_frames(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+        """Push through gRPC frames: with a go-ahead (PushGated) when the payload is larger than
+        GATED_PUSH_BYTES, so that it waits for its turn without sending; else in one stream."""
         t = self.config.rpc_timeout_s
+        head = pb.PushFrame(header=header).SerializeToString()
+        if len(payload) > GATED_PUSH_BYTES and self._has_push_gated:
+            reply = self._call("the push", lambda: self._gated(head, payload, t), t)
+            if reply is not None:
+                return reply
 
         def frames() -> Iterator[bytes]:
-            yield pb.PushFrame(header=header).SerializeToString()
+            yield head
             yield from data_frames(payload, self.config.chunk_bytes)
 
         return self._call("the push", lambda: self._push(frames(), timeout=t), t)
+
+    def _gated(self, head: bytes, payload: memoryview, timeout_s: float) -> pb.PushReply | None:
+        """One PushGated call: the header, the server's `ready`, the data frames, the reply.
+        None when the server has no PushGated (an older psgrad): then push in one stream."""
+        go = threading.Event()  # set on `ready`, and whenever the call ends
+        send = [False]  # whether to send the data once go is set
+
+        def frames() -> Iterator[bytes]:
+            yield head
+            go.wait()  # the call's deadline ends the wait at the latest (see finally)
+            if send[0]:
+                yield from data_frames(payload, self.config.chunk_bytes)
+
+        call = self._push_gated(frames(), timeout=timeout_s)
+        try:
+            first = next(call, None)
+            if first is None or first.WhichOneof("kind") != "ready":
+                raise InvalidRequestError(f"server {self.address}: push expected `ready`, got {first}")
+            send[0] = True
+            go.set()
+            last = next(call, None)
+            if last is None or last.WhichOneof("kind") != "reply":
+                raise InvalidRequestError(f"server {self.address}: push expected its reply, got {last}")
+            reply: pb.PushReply = last.reply
+            return reply
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._has_push_gated = False
+                return None
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            go.set()  # a call that failed before `ready` ends its request stream unsent
 
     def _pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         if first is None:

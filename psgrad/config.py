@@ -106,11 +106,12 @@ class ServerConfig:
     # as the gradient arrives. Raise it when the server has memory to spare and many workers on
     # separate hosts push at once. Sync mode keeps one per live worker regardless.
     push_buffers: int = 1
-    # Bytes gRPC receives ahead for one stream (a push) before its sender must wait. A push that
-    # waits for a receive buffer keeps no more than this buffered in the server. 0: gRPC's own
-    # windows, which its bandwidth-delay probing grows to tens of MB per stream (for links with a
-    # long round trip, where 2 MiB in flight would limit a stream to 2 MiB per round trip).
-    stream_window_bytes: int = 2 << 20
+    # Bytes gRPC receives ahead for one stream (a push) before its sender must wait: at most this
+    # much of a push the shard is slow to take waits in the server (pushes waiting for a receive
+    # buffer send nothing: see PushGated in ps.proto). 0: gRPC's own windows, which its
+    # bandwidth-delay probing grows to tens of MB per stream (for links with a long round trip,
+    # where 8 MiB in flight would limit a stream to 8 MiB per round trip).
+    stream_window_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")

@@ -1,6 +1,7 @@
 """The gRPC edge of a parameter shard: decodes requests, delegates to Shard, maps errors to status codes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import signal
 import threading
@@ -15,6 +16,7 @@ from psgrad import errors, serde, shm
 from psgrad.codec import (
     FrameParser,
     PayloadWriter,
+    WireBuffer,
     byte_view,
     bytes_field_prefix,
     torch_dtype,
@@ -26,7 +28,7 @@ from psgrad.heap import tune_allocator
 from psgrad.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.shard import Shard
-from psgrad.streams import PullStream
+from psgrad.streams import PullStream, PushWriter
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 STEP_REPLY_DATA = pb.StepReply.DESCRIPTOR.fields_by_name["data"].number
@@ -98,6 +100,20 @@ def _metadata(context: grpc.ServicerContext, key: str) -> str | None:
         if k == key:
             return str(v)
     return None
+
+
+_READY = pb.PushProgress(ready=True).SerializeToString()
+
+
+@dataclasses.dataclass
+class _Reserved:
+    """A push whose header was accepted and which holds a receive buffer of the shard."""
+
+    header: pb.PushHeader
+    grad: torch.Tensor
+    wire: WireBuffer
+    writer: PushWriter
+    segment: shm.Attached | None
 
 
 class ParameterServicer:
@@ -234,59 +250,85 @@ class ParameterServicer:
         finally:
             frames.close()
 
-    def _push(
-        self,
-        h: pb.PushHeader,
-        context: grpc.ServicerContext,
-        frames: Iterator[bytes] | None = None,
-        inline: memoryview | None = None,
-    ) -> tuple[pb.PushReply, shm.Attached | None]:
-        """Receive one push (its data frames, the inline bytes, or the segment the call names)
-        and hand it to the shard; returns the reply and the segment, if any."""
+    def _reserve(self, h: pb.PushHeader, context: grpc.ServicerContext) -> _Reserved:
+        """Check a push header and wait for a receive buffer (see Shard.push_target)."""
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
         )
-        what = f"push from worker rank {h.rank}"
         try:
             seg = self._shared_segment(context, h.rank, wire.nbytes)
         except BaseException:
             self.shard.release(grad, wire)  # never received: neither applied nor rejected
             raise
+        return _Reserved(h, grad, wire, writer, seg)
+
+    def _receive(
+        self, r: _Reserved, frames: Iterator[bytes] | None = None, inline: memoryview | None = None
+    ) -> pb.PushReply:
+        """Receive a reserved push (its data frames, the inline bytes, or the segment the call
+        names) and hand it to the shard; a failure gives the buffer back, nothing applied."""
+        h, writer = r.header, r.writer
+        what = f"push from worker rank {h.rank}"
         try:
-            if seg is not None:  # the gradient is in the worker's segment: feed it as if it had arrived
+            if r.segment is not None:  # the gradient is in the worker's segment: feed it as if it had arrived
                 extra = next(frames, None) if frames is not None else inline
                 if extra:
                     raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
-                writer.write_all(seg.payload[: wire.nbytes], self.config.chunk_bytes)
+                writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
             elif frames is not None:
                 write_frames(frames, writer, FrameParser(pb.PushFrame, what))
             else:
                 writer.write_all(inline if inline is not None else memoryview(b""), self.config.chunk_bytes)
         except BaseException:
-            self.shard.release(grad, wire)
-            self.shard.reject()
+            self._unreserve(r)
             raise
-        result = self.shard.apply_push(h.rank, h.clock, h.base_version, grad, wire, wire.nbytes)
-        reply = pb.PushReply(
+        result = self.shard.apply_push(h.rank, h.clock, h.base_version, r.grad, r.wire, r.wire.nbytes)
+        return pb.PushReply(
             applied=result.applied,
             reason=result.reason,
             version=result.version,
             staleness=result.staleness,
             deferred=result.deferred,
         )
-        return reply, seg
+
+    def _unreserve(self, r: _Reserved) -> None:
+        """A reserved push that will not be received: its buffer goes back, counted as rejected."""
+        self.shard.release(r.grad, r.wire)
+        self.shard.reject()
 
     @_edge
     def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        return self._push(_header(frames, pb.PushFrame, "push"), context, frames=frames)[0]
+        return self._receive(self._reserve(_header(frames, pb.PushFrame, "push"), context), frames=frames)
+
+    def PushGated(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Push with a go-ahead (see ps.proto): `ready` once the buffer is reserved, then the
+        frames are read and the reply sent."""
+        try:
+            r = self._reserve(_header(frames, pb.PushFrame, "push"), context)
+        except PsgradError as exc:
+            _abort(context, exc)
+            return
+        try:
+            yield _READY
+        except BaseException:  # the call ended before the data came (cancelled, or shut down)
+            self._unreserve(r)
+            raise
+        try:
+            reply = self._receive(r, frames=frames)
+        except PsgradError as exc:
+            _abort(context, exc)
+            return
+        yield pb.PushProgress(reply=reply).SerializeToString()
 
     @_edge
     def Step(self, req: pb.StepRequest, context: grpc.ServicerContext) -> bytes:
         """Push, then pull for the next clock, in one unary call (see ps.proto). The reply is
         built by hand so the weights are copied once, straight after the serialized headers."""
         h = req.push
-        pushed, seg = self._push(h, context, inline=memoryview(req.data))
+        reserved = self._reserve(h, context)
+        seg = reserved.segment
+        pushed = self._receive(reserved, inline=memoryview(req.data))
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
@@ -346,7 +388,8 @@ class ParameterServicer:
 
 
 def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
-    """Method table; Init/Pull/Push frames and Step replies pass as raw bytes (serializer None)."""
+    """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
+    (serializer None)."""
 
     def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -366,6 +409,7 @@ def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push, response_serializer=pb.PushReply.SerializeToString
             ),
+            "PushGated": grpc.stream_stream_rpc_method_handler(servicer.PushGated),
             "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
@@ -399,11 +443,12 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     """gRPC server arguments: message size limits, no port sharing, and the stream window.
 
     A fixed window replaces gRPC's bandwidth-delay probing, which grows each connection's window
-    to tens of MB: pushes waiting for the shard's receive buffer then each held that much of
-    their gradient in the server (measured for a 100 MB SGD shard with 4 pushers: 314-351 MB with
-    gRPC's windows, 248 MB with 2 MiB, 233 MB with 1 MiB). 2 MiB keeps two 1 MiB chunks in
-    flight: with 1 MiB the sender waits for every chunk to be taken, which cost one pusher about
-    10% of its speed on loopback; with 2 MiB the difference was within the noise."""
+    to tens of MB, all of it buffered in the server when the shard takes a push slower than the
+    network brings it (100 MB SGD shard, one gRPC pusher, VmHWM - idle: 228-258 MB with gRPC's
+    windows, 242 with 8 MiB, 221 with 2 MiB). 8 MiB keeps a lone push at the speed of gRPC's own
+    windows on loopback; 2 MiB cost it 10-15% (the sender waits for window updates). Pushes
+    waiting for their turn hold nothing whatever the window, since they send after `ready`
+    (PushGated)."""
     options: list[tuple[str, int]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
     if config.stream_window_bytes:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]

@@ -180,6 +180,14 @@ class PushReply(_message.Message):
     deferred: bool
     def __init__(self, applied: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
+class PushProgress(_message.Message):
+    __slots__ = ("ready", "reply")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    reply: PushReply
+    def __init__(self, ready: _Optional[bool] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
     __slots__ = ("push", "data")
     PUSH_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
                 response_deserializer=psgrad_dot_proto_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushGated = channel.stream_stream(
+                '/psgrad.ParameterServer/PushGated',
+                request_serializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
+                response_deserializer=psgrad_dot_proto_dot_ps__pb2.PushProgress.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/psgrad.ParameterServer/Step',
                 request_serializer=psgrad_dot_proto_dot_ps__pb2.StepRequest.SerializeToString,
@@ -98,6 +103,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushGated(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +160,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.FromString,
                     response_serializer=psgrad_dot_proto_dot_ps__pb2.PushReply.SerializeToString,
+            ),
+            'PushGated': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushGated,
+                    request_deserializer=psgrad_dot_proto_dot_ps__pb2.PushFrame.FromString,
+                    response_serializer=psgrad_dot_proto_dot_ps__pb2.PushProgress.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -279,6 +295,33 @@ class ParameterServer:
             '/psgrad.ParameterServer/Push',
             psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
             psgrad_dot_proto_dot_ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushGated(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psgrad.ParameterServer/PushGated',
+            psgrad_dot_proto_dot_ps__pb2.PushFrame.SerializeToString,
+            psgrad_dot_proto_dot_ps__pb2.PushProgress.FromString,
             options,
             channel_credentials,
             insecure,
