@@ -54,7 +54,7 @@ from psgrad.codec import byte_view  # noqa: E402
 from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec  # noqa: E402
 from psgrad.sharding import ParamSpec, plan_shards  # noqa: E402
 
-PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 8}}
+PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}}
 MATRIX_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "reps": 3, "iters": 2, "shards": (1, 2), "workers": (1, 2)},
     "full": {"params": 25_000_000, "reps": 5, "iters": 3, "shards": (1, 2), "workers": (1, 2, 4)},

@@ -110,8 +110,8 @@ class ServerConfig:
     # much of a push the shard is slow to take waits in the server (pushes waiting for a receive
     # buffer send nothing: see PushGated in ps.proto). 0: gRPC's own windows, which its
     # bandwidth-delay probing grows to tens of MB per stream (for links with a long round trip,
-    # where 8 MiB in flight would limit a stream to 8 MiB per round trip).
-    stream_window_bytes: int = 8 << 20
+    # where 4 MiB in flight would limit a stream to 4 MiB per round trip).
+    stream_window_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")

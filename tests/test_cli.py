@@ -207,7 +207,7 @@ def test_transport_flags_reach_the_configs() -> None:
     ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1"])
     assert ns.shared_memory is True and "--no-shared-memory" not in _job_argv(ns)
     assert build_parser().parse_args(["server", "--push-buffers", "3"]).push_buffers == 3
-    assert build_parser().parse_args(["server"]).stream_window_bytes == 8 << 20
+    assert build_parser().parse_args(["server"]).stream_window_bytes == 4 << 20
     res = run_cli(["server", "--stream-window-bytes", "5"])
     assert res.returncode == 2 and "stream_window_bytes must be 0" in res.stderr
     res = run_cli(["server", "--push-buffers", "0"])

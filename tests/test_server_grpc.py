@@ -296,7 +296,7 @@ def test_server_options_fix_the_stream_window_unless_asked_for_grpcs_own() -> No
     from psgrad.server import server_options
 
     fixed = dict(server_options(ServerConfig(port=0)))
-    assert fixed["grpc.http2.bdp_probe"] == 0 and fixed["grpc.http2.lookahead_bytes"] == 8 << 20
+    assert fixed["grpc.http2.bdp_probe"] == 0 and fixed["grpc.http2.lookahead_bytes"] == 4 << 20
     assert fixed["grpc.max_receive_message_length"] >= 1 << 20 and fixed["grpc.so_reuseport"] == 0
     auto = dict(server_options(ServerConfig(port=0, stream_window_bytes=0)))
     assert "grpc.http2.bdp_probe" not in auto and "grpc.http2.lookahead_bytes" not in auto
