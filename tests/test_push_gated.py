@@ -209,3 +209,15 @@ def test_a_push_abandoned_after_ready_gives_its_turn_back(server: RunningServer)
         [reply] = c.push(torch.ones(N), 0)
         assert reply.applied and reply.version == 1
         assert server.shard.status()["pushes_rejected"] == 1
+
+
+@pytest.mark.parametrize("threshold, gated", [(4 * N, 0), (4 * N - 1, 1)], ids=["at-threshold", "above"])
+def test_only_pushes_above_the_threshold_are_gated(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, threshold: int, gated: int
+) -> None:
+    monkeypatch.setattr(psgrad.client, "GATED_PUSH_BYTES", threshold)
+    with client(server) as c:
+        c.join(initial_weights=initial)
+        calls, plain = Counted(monkeypatch, c, "_push_gated"), Counted(monkeypatch, c, "_push")
+        [reply] = c.push(torch.ones(N), 0)  # a 4 * N byte payload
+        assert reply.applied and (calls.n, plain.n) == (gated, 1 - gated)
