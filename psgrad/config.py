@@ -102,7 +102,7 @@ class ServerConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     grace_s: float = 2.0
     # Gradient-sized receive buffers an async/ssp shard keeps; more pushes arriving at once wait
-    # for one (their bytes wait in gRPC flow control). With 1 and plain SGD the update is computed
+    # for one (large ones send nothing until they have it). With 1 and plain SGD the update is computed
     # as the gradient arrives. Raise it when the server has memory to spare and many workers on
     # separate hosts push at once. Sync mode keeps one per live worker regardless.
     push_buffers: int = 1
