@@ -112,14 +112,24 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
         raw.download(raw_dst_view, chunk)
 
         t: dict[str, list[float]] = {"psgrad_push": [], "psgrad_pull": [], "raw_upload": [], "raw_download": []}
+        cpu = {k: {"server": 0.0, "client": 0.0} for k in t}
+
+        def measure(key: str, server: Child, fn: Callable[[], object]) -> None:
+            """Time fn, and add the CPU it cost the server process and this (the client) process."""
+            s0, c0 = server.cpu_s(), time.process_time()
+            t[key].append(_timed(fn))
+            cpu[key]["server"] += server.cpu_s() - s0
+            cpu[key]["client"] += time.process_time() - c0
+
         for i in range(reps):
-            t["psgrad_pull"].append(_timed(lambda: client.pull(flat, i + 1)))
-            t["raw_download"].append(_timed(lambda: raw.download(raw_dst_view, chunk)))
-            t["psgrad_push"].append(_timed(lambda: client.push(grad, i + 1)))
-            t["raw_upload"].append(_timed(lambda: raw.upload(raw_src_view, chunk)))
+            measure("psgrad_pull", ps, lambda: client.pull(flat, i + 1))
+            measure("raw_download", raw_server, lambda: raw.download(raw_dst_view, chunk))
+            measure("psgrad_push", ps, lambda: client.push(grad, i + 1))
+            measure("raw_upload", raw_server, lambda: raw.upload(raw_src_view, chunk))
         client.close()
         raw.close()
         res = {k: _summary(v, nbytes) for k, v in t.items()}
+        cpu_ms = {k: {side: 1e3 * total / reps for side, total in v.items()} for k, v in cpu.items()}
         return {
             "benchmark": "transport",
             "params": num_params,
@@ -133,7 +143,11 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
                 "push_vs_raw_upload": res["psgrad_push"]["gb_per_s"] / res["raw_upload"]["gb_per_s"],
                 "pull_vs_raw_download": res["psgrad_pull"]["gb_per_s"] / res["raw_download"]["gb_per_s"],
             },
-            "notes": "psgrad push includes the server's finiteness check and SGD apply; raw upload only copies.",
+            # Means per operation; the server's from /proc (10 ms ticks, summed over all repetitions).
+            "cpu_ms_per_op": cpu_ms,
+            "notes": "psgrad push includes the server's finiteness check and SGD apply; raw upload only copies. "
+            "Client and server share this machine's CPUs: where they are busy, every extra CPU-ms "
+            "of either side comes out of throughput (cpu_ms_per_op shows how much each side spent).",
         }
     finally:
         stop_all(children)

@@ -36,6 +36,10 @@ def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
         assert out["results"][key]["gb_per_s"] > 0
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download"}
     assert out["payload_bytes"] == 4 * out["params"]
+    # CPU per operation on each side: this process always spends some; a server's ticks may round to 0.
+    assert set(out["cpu_ms_per_op"]) == set(out["results"])
+    for key, sides in out["cpu_ms_per_op"].items():
+        assert sides["client"] > 0 and sides["server"] >= 0, (key, sides)
 
 
 @pytest.mark.timeout(300)
