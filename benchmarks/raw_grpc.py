@@ -6,7 +6,10 @@ and Ping (a unary echo: the round-trip ceiling for small calls). Concurrent uplo
 their own receive buffer from a pool, so W client processes can be measured at once.
 
 Run as a script it serves (`python benchmarks/raw_grpc.py --serve`) and prints
-`raw grpc listening on HOST:PORT`; import it for the client side.
+`raw grpc listening on HOST:PORT`; import it for the client side. With `--upload-work sgd` the
+server does, per uploaded chunk, what a psgrad shard does with a float32 push instead of the copy:
+a finiteness sum and an out-of-place SGD update of a weight vector (torch, one thread). That is not
+a ceiling but a diagnostic: how fast bare gRPC goes with the parameter server's own arithmetic.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,6 +32,7 @@ class _State:
         self.buf = np.zeros(0, dtype=np.uint8)  # the download source
         self.lock = threading.Lock()
         self.free: list[np.ndarray] = []  # receive buffers not in use by an upload
+        self.sgd: tuple[Any, Any] | None = None  # (weights, next weights) for --upload-work sgd
 
     def take(self) -> np.ndarray:
         with self.lock:
@@ -38,9 +43,32 @@ class _State:
             self.free.append(buf)
 
 
-def _handler(state: _State) -> grpc.GenericRpcHandler:
+def _sgd_upload(state: _State, chunks: Iterator[bytes]) -> int:
+    """Per chunk: sum it (a NaN/inf check) and write weights - 1e-9 * chunk into the next weights."""
+    import math
+
+    import torch
+
+    off = 0
+    for chunk in chunks:
+        g = torch.frombuffer(chunk, dtype=torch.float32)
+        a, b = off // 4, off // 4 + g.numel()
+        with state.lock:
+            if state.sgd is None or state.sgd[0].numel() < b:
+                state.sgd = (torch.zeros(2 * b), torch.empty(2 * b))
+            w, out = state.sgd
+        if not math.isfinite(float(g.sum())):
+            raise ValueError("non-finite chunk")
+        torch.add(w[a:b], g, alpha=-1e-9, out=out[a:b])
+        off += len(chunk)
+    return off
+
+
+def _handler(state: _State, work: str = "copy") -> grpc.GenericRpcHandler:
     def upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Receive chunks and copy each into a reused buffer (what any receiver must do)."""
+        if work == "sgd":
+            return _sgd_upload(state, chunks).to_bytes(8, "little")
         buf = state.take()
         off = 0
         try:
@@ -77,9 +105,13 @@ def _handler(state: _State) -> grpc.GenericRpcHandler:
     )
 
 
-def serve(host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, str]:
+def serve(host: str = "127.0.0.1", port: int = 0, upload_work: str = "copy") -> tuple[grpc.Server, str]:
+    if upload_work == "sgd":
+        import torch
+
+        torch.set_num_threads(1)  # as a psgrad shard server runs by default
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[*OPTIONS, ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((_handler(_State()),))
+    server.add_generic_rpc_handlers((_handler(_State(), upload_work),))
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, f"{host}:{bound}"
@@ -122,10 +154,17 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="run the raw server until SIGTERM")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    parser.add_argument(
+        "--upload-work",
+        choices=["copy", "sgd"],
+        default="copy",
+        help="what Upload does with each chunk: copy it into a buffer (the ceiling; default), or a "
+        "psgrad shard's finiteness sum and SGD update of float32 weights (a diagnostic)",
+    )
     args = parser.parse_args()
     if not args.serve:
         parser.error("nothing to do: pass --serve")
-    server, address = serve(args.host, args.port)
+    server, address = serve(args.host, args.port, args.upload_work)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

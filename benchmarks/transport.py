@@ -8,7 +8,9 @@ Servers run as separate processes on this machine; measurements of psgrad and of
 interleaved, repetition by repetition, so machine noise hits both alike. Prints one JSON document.
 
 Without --matrix, one client in this process pulls and pushes through one shard beside raw gRPC
-(`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`). With --matrix (and `run(preset)`,
+(`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each side spent per
+operation and, as a diagnostic, raw gRPC whose server does a shard's per-chunk sum and SGD update
+(`diagnostics`). With --matrix (and `run(preset)`,
 which the suite calls), W worker processes pull and push at once (async mode, lr 1e-9, no
 compute) through S shards; the same W processes then stream the same bytes through S raw gRPC
 servers; loopback TCP and memory-copy bandwidth are measured in the same repetitions.
@@ -87,7 +89,9 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
         # The servers keep torch's default thread count here, as this comparison always has.
         ps = start_server("psgrad-server", PSGRAD_SERVER, one_thread=False)
         raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
-        children += [ps, raw_server]
+        # Bare gRPC doing a shard's per-chunk arithmetic (sum + SGD update): a diagnostic, not a ceiling.
+        sgd_server = start_server("raw-grpc-sgd", [*RAW_SERVER, "--upload-work", "sgd"], one_thread=False)
+        children += [ps, raw_server, sgd_server]
         ps_addr, raw_addr = ps.address(), raw_server.address()
 
         params = [ParamSpec("weight", (num_params,), "float32")]
@@ -100,6 +104,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
         client.join(initial_weights=lambda: flat)
         nbytes = wire_bytes(num_params, wire_dtype)
         raw = RawClient(raw_addr)
+        raw_sgd = RawClient(sgd_server.address())
         raw_src = torch.ones(nbytes // 4 + 1)
         raw_src_view = byte_view(raw_src)[:nbytes]
         raw_dst = torch.empty(nbytes // 4 + 1)
@@ -110,8 +115,11 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
         client.push(grad, 0)
         raw.upload(raw_src_view, chunk)
         raw.download(raw_dst_view, chunk)
+        raw_sgd.upload(raw_src_view, chunk)
 
-        t: dict[str, list[float]] = {"psgrad_push": [], "psgrad_pull": [], "raw_upload": [], "raw_download": []}
+        t: dict[str, list[float]] = {
+            "psgrad_push": [], "psgrad_pull": [], "raw_upload": [], "raw_download": [], "raw_upload_sgd": []
+        }
         cpu = {k: {"server": 0.0, "client": 0.0} for k in t}
 
         def measure(key: str, server: Child, fn: Callable[[], object]) -> None:
@@ -126,8 +134,10 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
             measure("raw_download", raw_server, lambda: raw.download(raw_dst_view, chunk))
             measure("psgrad_push", ps, lambda: client.push(grad, i + 1))
             measure("raw_upload", raw_server, lambda: raw.upload(raw_src_view, chunk))
+            measure("raw_upload_sgd", sgd_server, lambda: raw_sgd.upload(raw_src_view, chunk))
         client.close()
         raw.close()
+        raw_sgd.close()
         res = {k: _summary(v, nbytes) for k, v in t.items()}
         cpu_ms = {k: {side: 1e3 * total / reps for side, total in v.items()} for k, v in cpu.items()}
         return {
@@ -142,6 +152,12 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
             "ratios": {
                 "push_vs_raw_upload": res["psgrad_push"]["gb_per_s"] / res["raw_upload"]["gb_per_s"],
                 "pull_vs_raw_download": res["psgrad_pull"]["gb_per_s"] / res["raw_download"]["gb_per_s"],
+            },
+            # Not targets: bare gRPC with the shard's sum + SGD update per chunk (raw_grpc.py
+            # --upload-work sgd), against the plain raw upload and against psgrad's push.
+            "diagnostics": {
+                "raw_sgd_upload_vs_raw_upload": res["raw_upload_sgd"]["gb_per_s"] / res["raw_upload"]["gb_per_s"],
+                "push_vs_raw_sgd_upload": res["psgrad_push"]["gb_per_s"] / res["raw_upload_sgd"]["gb_per_s"],
             },
             # Means per operation; the server's from /proc (10 ms ticks, summed over all repetitions).
             "cpu_ms_per_op": cpu_ms,

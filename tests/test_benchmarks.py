@@ -32,9 +32,11 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     out = _run("benchmarks/transport.py", "--preset", "tiny")
-    for key in ("psgrad_push", "psgrad_pull", "raw_upload", "raw_download"):
+    for key in ("psgrad_push", "psgrad_pull", "raw_upload", "raw_download", "raw_upload_sgd"):
         assert out["results"][key]["gb_per_s"] > 0
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download"}
+    assert set(out["diagnostics"]) == {"raw_sgd_upload_vs_raw_upload", "push_vs_raw_sgd_upload"}
+    assert all(v > 0 for v in out["diagnostics"].values())
     assert out["payload_bytes"] == 4 * out["params"]
     # CPU per operation on each side: this process always spends some; a server's ticks may round to 0.
     assert set(out["cpu_ms_per_op"]) == set(out["results"])
