@@ -64,7 +64,10 @@ def _sgd_upload(state: _State, chunks: Iterator[bytes]) -> int:
     return off
 
 
-def _handler(state: _State, work: str = "copy") -> grpc.GenericRpcHandler:
+def raw_handler(work: str = "copy", service: str = SERVICE) -> grpc.GenericRpcHandler:
+    """The raw methods under `service`; Upload does `work` ("copy" or "sgd", see --upload-work)."""
+    state = _State()
+
     def upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Receive chunks and copy each into a reused buffer (what any receiver must do)."""
         if work == "sgd":
@@ -96,7 +99,7 @@ def _handler(state: _State, work: str = "copy") -> grpc.GenericRpcHandler:
             yield bytes(view[off : off + chunk])
 
     return grpc.method_handlers_generic_handler(
-        SERVICE,
+        service,
         {
             "Upload": grpc.stream_unary_rpc_method_handler(upload),
             "Download": grpc.unary_stream_rpc_method_handler(download),
@@ -111,7 +114,7 @@ def serve(host: str = "127.0.0.1", port: int = 0, upload_work: str = "copy") -> 
 
         torch.set_num_threads(1)  # as a psgrad shard server runs by default
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[*OPTIONS, ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((_handler(_State(), upload_work),))
+    server.add_generic_rpc_handlers((raw_handler(upload_work),))
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, f"{host}:{bound}"
@@ -120,11 +123,11 @@ def serve(host: str = "127.0.0.1", port: int = 0, upload_work: str = "copy") -> 
 class RawClient:
     """Client of the raw service; upload/download move `payload` bytes in `chunk`-byte messages."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, service: str = SERVICE) -> None:
         self.channel = grpc.insecure_channel(address, options=OPTIONS)
-        self._upload = self.channel.stream_unary(f"/{SERVICE}/Upload")
-        self._download = self.channel.unary_stream(f"/{SERVICE}/Download")
-        self._ping = self.channel.unary_unary(f"/{SERVICE}/Ping")
+        self._upload = self.channel.stream_unary(f"/{service}/Upload")
+        self._download = self.channel.unary_stream(f"/{service}/Download")
+        self._ping = self.channel.unary_unary(f"/{service}/Ping")
 
     def upload(self, payload: memoryview, chunk: int) -> int:
         def gen() -> Iterator[bytes]:

@@ -9,7 +9,8 @@ interleaved, repetition by repetition, so machine noise hits both alike. Prints 
 
 Without --matrix, one client in this process pulls and pushes through one shard beside raw gRPC
 (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each side spent per
-operation and, as a diagnostic, raw gRPC whose server does a shard's per-chunk sum and SGD update
+operation and, as a diagnostic, a push beside raw uploads served by one server process
+(psgrad_with_raw.py), whose Upload copies or does a shard's per-chunk sum and SGD update
 (`diagnostics`). With --matrix (and `run(preset)`,
 which the suite calls), W worker processes pull and push at once (async mode, lr 1e-9, no
 compute) through S shards; the same W processes then stream the same bytes through S raw gRPC
@@ -49,6 +50,8 @@ from ceilings import (  # noqa: E402
     target,
     write_json,
 )
+from psgrad_with_raw import SGD_SERVICE  # noqa: E402
+from raw_grpc import SERVICE as RAW_SERVICE  # noqa: E402
 from raw_grpc import RawClient  # noqa: E402
 
 from psgrad.client import ParameterClient  # noqa: E402
@@ -83,28 +86,33 @@ def wire_bytes(num_params: int, wire_dtype: str) -> int:
 
 
 def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -> dict[str, Any]:
-    """One client in this process, one shard, beside raw gRPC upload/download of the same bytes."""
+    """One client in this process, one shard, beside raw gRPC upload/download of the same bytes;
+    then, as a diagnostic, a push beside raw uploads served by the same server process."""
     children: list[Child] = []
+    clients: list[ParameterClient | RawClient] = []
     try:
         # The servers keep torch's default thread count here, as this comparison always has.
         ps = start_server("psgrad-server", PSGRAD_SERVER, one_thread=False)
         raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
-        # Bare gRPC doing a shard's per-chunk arithmetic (sum + SGD update): a diagnostic, not a ceiling.
-        sgd_server = start_server("raw-grpc-sgd", [*RAW_SERVER, "--upload-work", "sgd"], one_thread=False)
-        children += [ps, raw_server, sgd_server]
-        ps_addr, raw_addr = ps.address(), raw_server.address()
+        # A second shard server that also serves raw uploads (copy, and a shard's sum + SGD update).
+        diag = start_server("psgrad-with-raw", [str(HERE / "psgrad_with_raw.py")], one_thread=False)
+        children += [ps, raw_server, diag]
 
         params = [ParamSpec("weight", (num_params,), "float32")]
         spec = JobSpec(num_shards=1, wire_dtype=wire_dtype, lr=1e-9)
         # The ratios compare gRPC with gRPC: no same-host shared memory (peer_rpc.py measures that).
         cfg = ClientConfig(rpc_timeout_s=300, chunk_bytes=chunk, shared_memory=False)
-        client = ParameterClient([ps_addr], spec, params, plan_shards(params, 1), 0, cfg)
         flat = torch.zeros(num_params)
         grad = torch.full((num_params,), 1e-3)
+        client = ParameterClient([ps.address()], spec, params, plan_shards(params, 1), 0, cfg)
+        diag_client = ParameterClient([diag.address()], spec, params, plan_shards(params, 1), 0, cfg)
+        raw = RawClient(raw_server.address())
+        diag_raw = RawClient(diag.address(), RAW_SERVICE)
+        diag_raw_sgd = RawClient(diag.address(), SGD_SERVICE)
+        clients += [client, diag_client, raw, diag_raw, diag_raw_sgd]
         client.join(initial_weights=lambda: flat)
+        diag_client.join(initial_weights=lambda: flat)
         nbytes = wire_bytes(num_params, wire_dtype)
-        raw = RawClient(raw_addr)
-        raw_sgd = RawClient(sgd_server.address())
         raw_src = torch.ones(nbytes // 4 + 1)
         raw_src_view = byte_view(raw_src)[:nbytes]
         raw_dst = torch.empty(nbytes // 4 + 1)
@@ -113,33 +121,34 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
         # warm-up: first use allocates server and client buffers
         client.pull(flat, 0)
         client.push(grad, 0)
+        diag_client.push(grad, 0)
         raw.upload(raw_src_view, chunk)
         raw.download(raw_dst_view, chunk)
-        raw_sgd.upload(raw_src_view, chunk)
+        diag_raw.upload(raw_src_view, chunk)
+        diag_raw_sgd.upload(raw_src_view, chunk)
 
-        t: dict[str, list[float]] = {
-            "psgrad_push": [], "psgrad_pull": [], "raw_upload": [], "raw_download": [], "raw_upload_sgd": []
+        ops: dict[str, tuple[Child, Callable[[int], object]]] = {
+            "psgrad_pull": (ps, lambda i: client.pull(flat, i)),
+            "raw_download": (raw_server, lambda i: raw.download(raw_dst_view, chunk)),
+            "psgrad_push": (ps, lambda i: client.push(grad, i)),
+            "raw_upload": (raw_server, lambda i: raw.upload(raw_src_view, chunk)),
+            "same_process_push": (diag, lambda i: diag_client.push(grad, i)),
+            "same_process_raw_upload": (diag, lambda i: diag_raw.upload(raw_src_view, chunk)),
+            "same_process_raw_upload_sgd": (diag, lambda i: diag_raw_sgd.upload(raw_src_view, chunk)),
         }
-        cpu = {k: {"server": 0.0, "client": 0.0} for k in t}
-
-        def measure(key: str, server: Child, fn: Callable[[], object]) -> None:
-            """Time fn, and add the CPU it cost the server process and this (the client) process."""
-            s0, c0 = server.cpu_s(), time.process_time()
-            t[key].append(_timed(fn))
-            cpu[key]["server"] += server.cpu_s() - s0
-            cpu[key]["client"] += time.process_time() - c0
-
-        for i in range(reps):
-            measure("psgrad_pull", ps, lambda: client.pull(flat, i + 1))
-            measure("raw_download", raw_server, lambda: raw.download(raw_dst_view, chunk))
-            measure("psgrad_push", ps, lambda: client.push(grad, i + 1))
-            measure("raw_upload", raw_server, lambda: raw.upload(raw_src_view, chunk))
-            measure("raw_upload_sgd", sgd_server, lambda: raw_sgd.upload(raw_src_view, chunk))
-        client.close()
-        raw.close()
-        raw_sgd.close()
+        t: dict[str, list[float]] = {k: [] for k in ops}
+        cpu = {k: {"server": 0.0, "client": 0.0} for k in ops}
+        for i in range(1, reps + 1):
+            for key, (server, fn) in ops.items():
+                # Time the operation, and add the CPU it cost the server process and this (the client) one.
+                s0, c0, t0 = server.cpu_s(), time.process_time(), time.perf_counter()
+                fn(i)
+                t[key].append(time.perf_counter() - t0)
+                cpu[key]["server"] += server.cpu_s() - s0
+                cpu[key]["client"] += time.process_time() - c0
         res = {k: _summary(v, nbytes) for k, v in t.items()}
         cpu_ms = {k: {side: 1e3 * total / reps for side, total in v.items()} for k, v in cpu.items()}
+        gbps = {k: v["gb_per_s"] for k, v in res.items()}
         return {
             "benchmark": "transport",
             "params": num_params,
@@ -150,14 +159,16 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
             "machine": machine_info(),
             "results": res,
             "ratios": {
-                "push_vs_raw_upload": res["psgrad_push"]["gb_per_s"] / res["raw_upload"]["gb_per_s"],
-                "pull_vs_raw_download": res["psgrad_pull"]["gb_per_s"] / res["raw_download"]["gb_per_s"],
+                "push_vs_raw_upload": gbps["psgrad_push"] / gbps["raw_upload"],
+                "pull_vs_raw_download": gbps["psgrad_pull"] / gbps["raw_download"],
             },
-            # Not targets: bare gRPC with the shard's sum + SGD update per chunk (raw_grpc.py
-            # --upload-work sgd), against the plain raw upload and against psgrad's push.
+            # Not targets: a push and bare gRPC uploads served by one process (psgrad_with_raw.py),
+            # whose Upload copies (the ceiling's work) or does a shard's sum + SGD update per chunk.
             "diagnostics": {
-                "raw_sgd_upload_vs_raw_upload": res["raw_upload_sgd"]["gb_per_s"] / res["raw_upload"]["gb_per_s"],
-                "push_vs_raw_sgd_upload": res["psgrad_push"]["gb_per_s"] / res["raw_upload_sgd"]["gb_per_s"],
+                "same_process_push_vs_raw_upload": gbps["same_process_push"] / gbps["same_process_raw_upload"],
+                "same_process_push_vs_raw_sgd_upload": gbps["same_process_push"] / gbps["same_process_raw_upload_sgd"],
+                "same_process_raw_sgd_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd"]
+                / gbps["same_process_raw_upload"],
             },
             # Means per operation; the server's from /proc (10 ms ticks, summed over all repetitions).
             "cpu_ms_per_op": cpu_ms,
@@ -166,6 +177,8 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
             "of either side comes out of throughput (cpu_ms_per_op shows how much each side spent).",
         }
     finally:
+        for c in clients:
+            c.close()
         stop_all(children)
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -455,8 +455,10 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
-def start_server(config: ServerConfig) -> RunningServer:
-    """Bind and start a shard server; port 0 picks a free port (see .address).
+def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> RunningServer:
+    """Bind and start a shard server; port 0 picks a free port (see .address). `extra_handlers`
+    serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
+    methods, to compare them with psgrad's in the same process).
 
     Raises:
         ServerStartError: the address cannot be bound (for example the port is in use).
@@ -468,7 +470,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
         options=server_options(config),
     )
-    server.add_generic_rpc_handlers((_generic_handler(servicer),))
+    server.add_generic_rpc_handlers((_generic_handler(servicer), *extra_handlers))
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
@@ -483,9 +485,11 @@ def start_server(config: ServerConfig) -> RunningServer:
     return RunningServer(server, servicer, f"{bind_host}:{port}")
 
 
-def serve_forever(config: ServerConfig, announce: Callable[[str], None]) -> None:
+def serve_forever(
+    config: ServerConfig, announce: Callable[[str], None], extra_handlers: Sequence[grpc.GenericRpcHandler] = ()
+) -> None:
     """Run a server until SIGTERM or SIGINT, then stop gracefully."""
-    running = start_server(config)
+    running = start_server(config, extra_handlers)
     stop = threading.Event()
     received: list[str] = []
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from conftest import REPO
@@ -32,11 +33,15 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     out = _run("benchmarks/transport.py", "--preset", "tiny")
-    for key in ("psgrad_push", "psgrad_pull", "raw_upload", "raw_download", "raw_upload_sgd"):
+    same = ("same_process_push", "same_process_raw_upload", "same_process_raw_upload_sgd")
+    for key in ("psgrad_push", "psgrad_pull", "raw_upload", "raw_download", *same):
         assert out["results"][key]["gb_per_s"] > 0
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download"}
-    assert set(out["diagnostics"]) == {"raw_sgd_upload_vs_raw_upload", "push_vs_raw_sgd_upload"}
-    assert all(v > 0 for v in out["diagnostics"].values())
+    gbps = {k: v["gb_per_s"] for k, v in out["results"].items()}
+    diag = out["diagnostics"]
+    assert diag["same_process_push_vs_raw_upload"] == pytest.approx(gbps[same[0]] / gbps[same[1]])
+    assert diag["same_process_push_vs_raw_sgd_upload"] == pytest.approx(gbps[same[0]] / gbps[same[2]])
+    assert diag["same_process_raw_sgd_upload_vs_raw_upload"] == pytest.approx(gbps[same[2]] / gbps[same[1]])
     assert out["payload_bytes"] == 4 * out["params"]
     # CPU per operation on each side: this process always spends some; a server's ticks may round to 0.
     assert set(out["cpu_ms_per_op"]) == set(out["results"])
@@ -215,6 +220,46 @@ def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
     finally:
         client.close()
         server.stop(0).wait()
+
+
+@pytest.mark.timeout(120)
+def test_psgrad_with_raw_serves_a_shard_and_both_raw_uploads_on_one_port() -> None:
+    import raw_grpc
+    import torch
+    from psgrad_with_raw import SGD_SERVICE
+
+    from psgrad.client import ParameterClient
+    from psgrad.config import ClientConfig, JobSpec
+    from psgrad.sharding import ParamSpec, plan_shards
+
+    server = ceilings.start_server("psgrad-with-raw", [str(BENCH / "psgrad_with_raw.py")])
+    clients: list = []  # type: ignore[type-arg]
+    try:
+        address = server.address()
+        for service in (raw_grpc.SERVICE, SGD_SERVICE):
+            raw = raw_grpc.RawClient(address, service)
+            clients.append(raw)
+            assert raw.upload(memoryview(bytes(3 << 20)), 1 << 20) == 3 << 20
+        # An upload of NaNs fails only where Upload does the shard's finiteness check.
+        nan = torch.full((1 << 18,), float("nan"))
+        assert clients[0].upload(memoryview(nan.numpy()).cast("B"), 1 << 20) == 1 << 20
+        with pytest.raises(grpc.RpcError):
+            clients[1].upload(memoryview(nan.numpy()).cast("B"), 1 << 20)
+        params = [ParamSpec("w", (1000,), "float32")]
+        ps = ParameterClient(
+            [address], JobSpec(num_shards=1, lr=0.5), params, plan_shards(params, 1), 0,
+            ClientConfig(shared_memory=False),
+        )
+        clients.append(ps)
+        ps.join(initial_weights=lambda: torch.zeros(1000))
+        ps.push(torch.ones(1000), 0)
+        flat = torch.empty(1000)
+        ps.pull(flat, 1)
+        assert bool((flat == -0.5).all())
+    finally:
+        for c in clients:
+            c.close()
+        ceilings.stop_all([server])
 
 
 _ECHO_CHILD = """

@@ -1,0 +1,42 @@
+"""A psgrad shard server whose gRPC server also serves bare gRPC methods: a diagnostic.
+
+    python benchmarks/psgrad_with_raw.py [--lease-s 600]
+
+Runs what `psgrad server` runs (default settings, torch on one thread, 127.0.0.1, port 0) and adds,
+on the same gRPC server, raw_grpc.py's methods twice: `rawbench.Raw` (Upload copies each chunk,
+the ceiling's work) and `rawbench.RawSgd` (Upload does a shard's per-chunk finiteness sum and SGD
+update). A psgrad push and the two raw uploads then share one server process, its gRPC settings
+and its memory, so comparing them leaves out what differs between processes (on a shared 2-vCPU
+machine two instances of the same server can differ by 15%). Prints
+`psgrad server listening on HOST:PORT`; stops on SIGTERM. transport.py uses it for `diagnostics`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from raw_grpc import SERVICE, raw_handler  # noqa: E402
+
+from psgrad.config import ServerConfig  # noqa: E402
+from psgrad.server import serve_forever  # noqa: E402
+
+SGD_SERVICE = "rawbench.RawSgd"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lease-s", type=float, default=600.0, help="worker lease in seconds (default: 600)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as `psgrad server` (its --torch-threads default)
+    extra = (raw_handler("copy", SERVICE), raw_handler("sgd", SGD_SERVICE))
+    config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s)
+    serve_forever(config, lambda address: print(f"psgrad server listening on {address}", flush=True), extra)
+
+
+if __name__ == "__main__":
+    main()
