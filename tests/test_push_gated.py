@@ -221,3 +221,38 @@ def test_only_pushes_above_the_threshold_are_gated(
         calls, plain = Counted(monkeypatch, c, "_push_gated"), Counted(monkeypatch, c, "_push")
         [reply] = c.push(torch.ones(N), 0)  # a 4 * N byte payload
         assert reply.applied and (calls.n, plain.n) == (gated, 1 - gated)
+
+
+@pytest.mark.timeout(60)
+def test_a_gated_push_failed_by_the_server_mid_stream_raises_its_error(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server refuses the data after a few frames, while the client still has megabytes to send
+    (more than the stream window): the client raises the server's error, not a deadline."""
+    import psgrad.streams
+
+    big = 3 << 20  # 12 MB of float32: more than the 4 MiB window, so the sender is still sending
+    params = [ParamSpec("w", (big,), "float32")]
+    write = psgrad.streams.PushWriter.write
+    seen = [0]
+
+    def failing(self: psgrad.streams.PushWriter, piece: memoryview) -> None:
+        seen[0] += 1
+        if seen[0] == 3:
+            raise InvalidRequestError("refused at the third frame")
+        write(self, piece)
+
+    monkeypatch.setattr(psgrad.streams.PushWriter, "write", failing)
+    # A deadline past the test's timeout: a push left waiting for its stream would fail the test.
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=300, retries=0, shared_memory=False)
+    job = JobSpec(num_shards=1, num_workers=1, lr=LR, mode="async")
+    with ParameterClient([server.address], job, params, plan_shards(params, 1), 0, config) as c:
+        c.join(initial_weights=lambda: torch.zeros(big))
+        calls = Counted(monkeypatch, c, "_push_gated")
+        with pytest.raises(InvalidRequestError, match="refused at the third frame"):
+            c.push(torch.ones(big), 0)
+        assert calls.n == 1 and seen[0] == 3
+        assert server.shard.version == 0 and server.shard.status()["pushes_rejected"] == 1
+        monkeypatch.setattr(psgrad.streams.PushWriter, "write", write)
+        [reply] = c.push(torch.ones(big), 1)  # the turn was given back
+        assert reply.applied and reply.version == 1
