@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: torch.distributed.nn.functional (which
+# torch.optim pulls in through torch._dynamo on the first optimizer) binds group.WORLD as default
+# arguments at import time. Imported after init_process_group, it would hold the gloo group past
+# destroy_process_group, and the group's threads would then be torn down during interpreter
+# exit, which can abort the process (SIGABRT, "terminate called without an active exception").
+import torch.distributed.nn  # noqa: F401
 
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError

@@ -142,3 +142,31 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
     init = task.build_model()  # sanity: training moved the weights well beyond the tolerance
     assert (expected - torch.cat([p.detach().reshape(-1) for p in init.parameters()])).abs().max() > 1e-2
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
+
+
+# Run in a fresh interpreter, so that no earlier import in the test process hides the problem:
+# one CLI rank of a 1-rank job, then the names of the threads still alive in the process.
+_THREADS_AFTER = """
+import os, sys
+from psgrad.cli import main
+code = main(sys.argv[1:])
+names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print("exit", code, "threads", ",".join(names))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux /proc")
+def test_the_gloo_group_and_its_threads_are_gone_when_the_run_returns(tmp_path: Path) -> None:
+    # A group still alive at interpreter exit is torn down during finalization, which can abort the
+    # process after a successful run (exit -6, "terminate called without an active exception").
+    args = ["allreduce", "--rank", "0", "--num-workers", "1", "--store", str(tmp_path / "store"),
+            "--task", "digits", "--steps", "3", "--batch-size", "16", "--eval-every", "3"]
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_AFTER, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("exit 0 threads "), out.stdout
+    assert "worker 0/1: final test_loss " in out.stdout
+    assert not [n for n in last.split()[-1].split(",") if "gloo" in n], last
