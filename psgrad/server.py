@@ -444,11 +444,13 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
 
     A fixed window replaces gRPC's bandwidth-delay probing, which grows each connection's window
     to tens of MB, all of it buffered in the server when the shard takes a push slower than the
-    network brings it (100 MB SGD shard, gRPC pushers, VmHWM - idle: 228-258 MB with gRPC's
-    windows; 241 with 8 MiB, 228-232 with 4 MiB, 221-228 with 2 MiB). 4 MiB kept a lone push
-    about as fast as 8 MiB or gRPC's own windows on loopback; 2 MiB cost it 10-15% (the sender
-    waits for window updates). Pushes waiting for their turn hold nothing whatever the window,
-    since they send after `ready` (PushGated)."""
+    network brings it (100 MB SGD shard, gRPC pushers, VmHWM - idle, 2026-11-21: 274-276 MB
+    with gRPC's windows, over the 264 MB target; 251-258 with 16 MiB; 232-236 with 4 MiB). The
+    window costs push speed: the push vs raw upload ratio was 0.07-0.09 higher with gRPC's
+    windows than with 4 MiB (medians of two batches of 6 runs), and 2 MiB cost 10-15 % more
+    (the sender waits for window updates). 4 MiB keeps the memory target with room to spare.
+    Pushes waiting for their turn hold nothing whatever the window, since they send after
+    `ready` (PushGated)."""
     options: list[tuple[str, int]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
     if config.stream_window_bytes:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
