@@ -1,6 +1,6 @@
 """A psgrad shard server whose gRPC server also serves bare gRPC methods: a diagnostic.
 
-    python benchmarks/psgrad_with_raw.py [--lease-s 600]
+    python benchmarks/psgrad_with_raw.py [--lease-s 600] [--stream-window-bytes N]
 
 Runs what `psgrad server` runs (default settings, torch on one thread, 127.0.0.1, port 0) and adds,
 on the same gRPC server, raw_grpc.py's methods twice: `rawbench.Raw` (Upload copies each chunk,
@@ -31,10 +31,21 @@ SGD_SERVICE = "rawbench.RawSgd"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lease-s", type=float, default=600.0, help="worker lease in seconds (default: 600)")
+    parser.add_argument(
+        "--stream-window-bytes",
+        type=int,
+        default=ServerConfig.stream_window_bytes,
+        help="as `psgrad server --stream-window-bytes` (0 = gRPC's automatic windows; "
+        f"default: {ServerConfig.stream_window_bytes})",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `psgrad server` (its --torch-threads default)
     extra = (raw_handler("copy", SERVICE), raw_handler("sgd", SGD_SERVICE))
-    config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s)
+    try:
+        config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s,
+                              stream_window_bytes=args.stream_window_bytes)
+    except ValueError as e:
+        parser.error(str(e))
     serve_forever(config, lambda address: print(f"psgrad server listening on {address}", flush=True), extra)
 
 

@@ -4,6 +4,7 @@ memory, for SGD, SGD with momentum and Adam, beside raw gRPC upload of the same 
     python benchmarks/server_bench.py --preset full   # 25M float32 parameters, 1, 2 and 4 workers
     python benchmarks/server_bench.py --preset tiny   # 1M parameters, 1 and 2 workers (CI, ~15 s)
     python benchmarks/server_bench.py --preset full --server-env MALLOC_ARENA_MAX=2   # + twin servers
+    python benchmarks/server_bench.py --preset full --stream-window-bytes 0   # gRPC's own windows
 
 One psgrad server process per optimizer (`python -m psgrad server`), one raw gRPC server
 (benchmarks/raw_grpc.py) and W worker processes of this script (`--worker`). Workers only push
@@ -15,6 +16,8 @@ pushes that completed inside it (a push straddling an end counts by the fraction
 each W, the parent reads each psgrad server's peak resident memory (VmHWM in /proc/PID/status)
 and compares what the shard added to its idle process (VmHWM minus the RSS before
 initialization) with 2 x (weights + optimizer state) + 64 MB. Prints one JSON document.
+--stream-window-bytes N starts every psgrad server with that stream window (as `psgrad server
+--stream-window-bytes`), to see what the window costs in memory; transport.py measures its speed.
 """
 from __future__ import annotations
 
@@ -312,12 +315,15 @@ def _variants(server_env: dict[str, str] | None) -> dict[str, tuple[str, dict[st
 
 
 def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: float, window_s: float,
-            chunk: int = 1 << 20, server_env: dict[str, str] | None = None) -> dict[str, Any]:
+            chunk: int = 1 << 20, server_env: dict[str, str] | None = None,
+            stream_window_bytes: int | None = None) -> dict[str, Any]:
     """Start the servers and workers, run the interleaved rounds, stop and reap every process.
 
     server_env: also measure every optimizer on a server with these extra environment variables
     (e.g. MALLOC_ARENA_MAX=2), side by side with the default servers.
+    stream_window_bytes: given, every psgrad server runs with this stream window (else its default).
     """
+    window_args = [] if stream_window_bytes is None else ["--stream-window-bytes", str(stream_window_bytes)]
     nbytes = 4 * params
     variants = _variants(server_env)
     names = [*variants, RAW]
@@ -325,7 +331,7 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
     workers: list[Child] = []
     try:
         for n, (_, env, _shared) in variants.items():
-            servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER], env=env, speaks=False)
+            servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER, *window_args], env=env, speaks=False)
         servers[RAW] = start_server("raw-grpc", [str(HERE / "raw_grpc.py"), "--serve"])
         max_w = max(worker_counts)
         for r in range(max_w):
@@ -395,6 +401,7 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
                 },
             }
         return {"params": params, "payload_bytes": nbytes, "chunk_bytes": chunk, "workers": list(worker_counts),
+                "stream_window_bytes": stream_window_bytes,  # None: the servers' default
                 "servers": list(variants), "reps": reps, "warmup_s": warmup_s, "window_s": window_s,
                 "by_workers": per_w, "memory": memory_rows}
     finally:
@@ -430,10 +437,11 @@ def targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[d
     return targets, figures
 
 
-def run(preset: str, server_env: dict[str, str] | None = None) -> dict[str, Any]:
+def run(preset: str, server_env: dict[str, str] | None = None, stream_window_bytes: int | None = None) -> dict[str, Any]:
     """The suite's server part: per optimizer and W, pushes/s and CPU-s/GB beside raw gRPC; memory."""
     p = PRESETS[preset]
-    m = measure(p["params"], p["workers"], p["reps"], p["warmup_s"], p["window_s"], server_env=server_env)
+    m = measure(p["params"], p["workers"], p["reps"], p["warmup_s"], p["window_s"], server_env=server_env,
+                stream_window_bytes=stream_window_bytes)
     targets, figures = targets_and_figures(m)
     return {"benchmark": "server", "preset": preset, **m, "machine": machine_info(), "targets": targets,
             "figures": figures,
@@ -458,6 +466,13 @@ def main() -> None:
         help="also measure every optimizer on a twin server with this extra environment variable, in the "
         "same rounds, e.g. MALLOC_ARENA_MAX=2 to see what glibc's per-thread malloc arenas cost; repeatable",
     )
+    parser.add_argument(
+        "--stream-window-bytes",
+        type=int,
+        metavar="N",
+        help="start every psgrad server with this stream window (0 = gRPC's automatic windows; "
+        "default: the server's own)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -469,7 +484,14 @@ def main() -> None:
         if not sep or not key:
             parser.error(f"--server-env expects KEY=VALUE, got {item!r}")
         env[key] = value
-    write_json(run(args.preset, env or None))
+    if args.stream_window_bytes is not None:
+        from psgrad.config import ServerConfig
+
+        try:
+            ServerConfig(stream_window_bytes=args.stream_window_bytes)
+        except ValueError as e:
+            parser.error(f"--stream-window-bytes: {e}")
+    write_json(run(args.preset, env or None, args.stream_window_bytes))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ operation and, as a diagnostic, a push beside raw uploads served by one server p
 which the suite calls), W worker processes pull and push at once (async mode, lr 1e-9, no
 compute) through S shards; the same W processes then stream the same bytes through S raw gRPC
 servers; loopback TCP and memory-copy bandwidth are measured in the same repetitions.
+
+`--stream-window-bytes N` starts both psgrad servers of the one-shard comparison with that
+window (`psgrad server --stream-window-bytes`; 0 = gRPC's automatic windows), to weigh the
+window's cost in push speed on your machine (server_bench.py takes the same flag for memory).
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ from raw_grpc import RawClient  # noqa: E402
 
 from psgrad.client import ParameterClient  # noqa: E402
 from psgrad.codec import byte_view  # noqa: E402
-from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec  # noqa: E402
+from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec, ServerConfig  # noqa: E402
 from psgrad.sharding import ParamSpec, plan_shards  # noqa: E402
 
 PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}}
@@ -85,17 +89,20 @@ def wire_bytes(num_params: int, wire_dtype: str) -> int:
     return num_params * torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
 
 
-def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -> dict[str, Any]:
+def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
+                      stream_window_bytes: int | None = None) -> dict[str, Any]:
     """One client in this process, one shard, beside raw gRPC upload/download of the same bytes;
-    then, as a diagnostic, a push beside raw uploads served by the same server process."""
+    then, as a diagnostic, a push beside raw uploads served by the same server process.
+    stream_window_bytes: given, both psgrad servers run with that stream window (else their default)."""
     children: list[Child] = []
     clients: list[ParameterClient | RawClient] = []
+    window_args = [] if stream_window_bytes is None else ["--stream-window-bytes", str(stream_window_bytes)]
     try:
         # The servers keep torch's default thread count here, as this comparison always has.
-        ps = start_server("psgrad-server", PSGRAD_SERVER, one_thread=False)
+        ps = start_server("psgrad-server", [*PSGRAD_SERVER, *window_args], one_thread=False)
         raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
         # A second shard server that also serves raw uploads (copy, and a shard's sum + SGD update).
-        diag = start_server("psgrad-with-raw", [str(HERE / "psgrad_with_raw.py")], one_thread=False)
+        diag = start_server("psgrad-with-raw", [str(HERE / "psgrad_with_raw.py"), *window_args], one_thread=False)
         children += [ps, raw_server, diag]
 
         params = [ParamSpec("weight", (num_params,), "float32")]
@@ -148,6 +155,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
                 cpu[key]["client"] += time.process_time() - c0
         res = {k: _summary(v, nbytes) for k, v in t.items()}
         cpu_ms = {k: {side: 1e3 * total / reps for side, total in v.items()} for k, v in cpu.items()}
+        both = {k: v["server"] + v["client"] for k, v in cpu_ms.items()}
         gbps = {k: v["gb_per_s"] for k, v in res.items()}
         return {
             "benchmark": "transport",
@@ -156,6 +164,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
             "payload_bytes": nbytes,
             "chunk_bytes": chunk,
             "reps": reps,
+            "stream_window_bytes": stream_window_bytes,  # None: the psgrad servers' default
             "machine": machine_info(),
             "results": res,
             "ratios": {
@@ -169,6 +178,10 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int) -
                 "same_process_push_vs_raw_sgd_upload": gbps["same_process_push"] / gbps["same_process_raw_upload_sgd"],
                 "same_process_raw_sgd_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd"]
                 / gbps["same_process_raw_upload"],
+                # CPU (client + server) per raw operation / per psgrad one: where the two processes
+                # keep the shared cores busy, the throughput ratio cannot exceed it for long.
+                "cpu_ratio_push": both["raw_upload"] / both["psgrad_push"] if both["psgrad_push"] else None,
+                "cpu_ratio_pull": both["raw_download"] / both["psgrad_pull"] if both["psgrad_pull"] else None,
             },
             # Means per operation; the server's from /proc (10 ms ticks, summed over all repetitions).
             "cpu_ms_per_op": cpu_ms,
@@ -545,12 +558,22 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="stream chunk size (default: 1 MiB)")
     parser.add_argument("--matrix", action="store_true",
                         help="run the shards x workers matrix with worker processes (what the suite runs)")
+    parser.add_argument("--stream-window-bytes", type=int, metavar="N",
+                        help="start the psgrad servers with this stream window (0 = gRPC's automatic windows; "
+                        "default: the server's own); one-shard comparison only")
     parser.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)  # a worker process of --matrix
     args = parser.parse_args()
     if args.agent:
         agent_main()
         return
+    if args.stream_window_bytes is not None:
+        try:
+            ServerConfig(stream_window_bytes=args.stream_window_bytes)
+        except ValueError as e:
+            parser.error(f"--stream-window-bytes: {e}")
     if args.matrix:
+        if args.stream_window_bytes is not None:
+            parser.error("--stream-window-bytes applies to the one-shard comparison, not to --matrix")
         p = MATRIX_PRESETS[args.preset]
         m = run_matrix(args.params or p["params"], args.reps or p["reps"], p["iters"], p["shards"], p["workers"],
                        args.wire_dtype, args.chunk_bytes)
@@ -559,7 +582,7 @@ def main() -> None:
         return
     preset = PRESETS[args.preset]
     out = compare_one_shard(args.params or preset["params"], args.reps or preset["reps"], args.wire_dtype,
-                            args.chunk_bytes)
+                            args.chunk_bytes, args.stream_window_bytes)
     out["preset"] = args.preset
     write_json(out)
 

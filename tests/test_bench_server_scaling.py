@@ -165,3 +165,25 @@ def test_scaling_tiny(shared: bool) -> None:
     assert {f["shards"] for f in out["falloff"]} == set(out["shards"])
     for f in out["falloff"]:
         assert all(b["why"] for b in f["below_goal"])
+
+
+class _Started(Exception):
+    pass
+
+
+def test_server_bench_window_flag_reaches_every_psgrad_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[list[str]] = []
+
+    class Child:
+        def __init__(self, name: str, argv: list[str], **kwargs: Any) -> None:
+            started.append(list(argv))
+            if len(started) == len(server_bench.OPTIMIZERS) * 2:  # each optimizer, same-host and gRPC
+                raise _Started
+
+    monkeypatch.setattr(server_bench, "Child", Child)
+    monkeypatch.setattr(server_bench, "stop_all", lambda children: None)  # nothing was started
+    with pytest.raises(_Started):
+        server_bench.measure(1000, (1,), 1, 0.1, 0.1, stream_window_bytes=1 << 20)
+    assert len(started) == 6
+    for argv in started:
+        assert argv[-2:] == ["--stream-window-bytes", str(1 << 20)], argv

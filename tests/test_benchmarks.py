@@ -47,6 +47,44 @@ def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     assert set(out["cpu_ms_per_op"]) == set(out["results"])
     for key, sides in out["cpu_ms_per_op"].items():
         assert sides["client"] > 0 and sides["server"] >= 0, (key, sides)
+    both = {k: sides["server"] + sides["client"] for k, sides in out["cpu_ms_per_op"].items()}
+    assert diag["cpu_ratio_push"] == pytest.approx(both["raw_upload"] / both["psgrad_push"])
+    assert diag["cpu_ratio_pull"] == pytest.approx(both["raw_download"] / both["psgrad_pull"])
+    assert out["stream_window_bytes"] is None  # the servers ran with their default window
+
+
+class _Started(Exception):
+    pass
+
+
+def test_transport_window_flag_reaches_both_psgrad_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transport
+
+    started: list[tuple[str, list[str]]] = []
+
+    def start_server(name: str, argv: list[str], one_thread: bool = True) -> object:
+        started.append((name, list(argv)))
+        if len(started) == 3:  # psgrad, raw, psgrad_with_raw: enough to see every command line
+            raise _Started
+        return object()
+
+    monkeypatch.setattr(transport, "start_server", start_server)
+    with pytest.raises(_Started):
+        transport.compare_one_shard(1000, 1, "float32", 1 << 20, stream_window_bytes=0)
+    argv = dict(started)
+    for name in ("psgrad-server", "psgrad-with-raw"):
+        tail = argv[name][-2:]
+        assert tail == ["--stream-window-bytes", "0"], (name, argv[name])
+    assert "--stream-window-bytes" not in argv["raw-grpc"]  # the ceiling keeps gRPC's defaults
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["transport.py", "server_bench.py", "psgrad_with_raw.py"])
+def test_a_bad_window_is_refused_before_anything_starts(script: str) -> None:
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", "--stream-window-bytes", "1000"],
+                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    assert res.returncode == 2
+    assert "stream_window_bytes must be 0" in res.stderr and "got 1000" in res.stderr
 
 
 @pytest.mark.timeout(300)
