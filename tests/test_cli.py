@@ -155,7 +155,14 @@ def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) 
 
 @pytest.mark.timeout(180)
 def test_launch_stops_every_child_on_ctrl_c() -> None:
-    proc: Proc = spawn(["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "100000"])
+    # A shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, children inherit that,
+    # and Python then never raises KeyboardInterrupt. A handler here makes exec reset it to the
+    # default in the launcher, as in a foreground job that a Ctrl-C reaches.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc: Proc = spawn(["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "100000"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     proc.wait_for_line("worker 1/2: joined", timeout_s=120)
     proc.popen.send_signal(signal.SIGINT)
     assert proc.wait(60) == 130
