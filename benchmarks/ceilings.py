@@ -221,6 +221,26 @@ def paused(children: Iterable[Child]) -> Iterator[None]:
             c.resume()
 
 
+def window_bytes_arg(text: str) -> int:
+    """argparse type of the benchmarks' --stream-window-bytes: a window `psgrad server` accepts."""
+    from psgrad.config import ServerConfig
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}") from None
+    try:
+        ServerConfig(stream_window_bytes=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def window_argv(window: int | None) -> list[str]:
+    """The psgrad server arguments that set its stream window; none for its default (None)."""
+    return [] if window is None else ["--stream-window-bytes", str(window)]
+
+
 def start_server(name: str, argv: Sequence[str], one_thread: bool = True) -> Child:
     """Start `python ARGV` as a server (read its address later with Child.address; stopped by SIGTERM)."""
     return Child(name, [sys.executable, *argv], speaks=False, one_thread=one_thread)

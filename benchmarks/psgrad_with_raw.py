@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ceilings import window_bytes_arg  # noqa: E402
 from raw_grpc import SERVICE, raw_handler  # noqa: E402
 
 from psgrad.config import ServerConfig  # noqa: E402
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--lease-s", type=float, default=600.0, help="worker lease in seconds (default: 600)")
     parser.add_argument(
         "--stream-window-bytes",
-        type=int,
+        type=window_bytes_arg,
         default=ServerConfig.stream_window_bytes,
         help="as `psgrad server --stream-window-bytes` (0 = gRPC's automatic windows; "
         f"default: {ServerConfig.stream_window_bytes})",
@@ -41,11 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `psgrad server` (its --torch-threads default)
     extra = (raw_handler("copy", SERVICE), raw_handler("sgd", SGD_SERVICE))
-    try:
-        config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s,
-                              stream_window_bytes=args.stream_window_bytes)
-    except ValueError as e:
-        parser.error(str(e))
+    config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s, stream_window_bytes=args.stream_window_bytes)
     serve_forever(config, lambda address: print(f"psgrad server listening on {address}", flush=True), extra)
 
 

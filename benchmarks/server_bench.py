@@ -34,7 +34,19 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ceilings import Child, command_loop, figure, log, machine_info, start_server, stop_all, target, write_json  # noqa: E402
+from ceilings import (  # noqa: E402
+    Child,
+    command_loop,
+    figure,
+    log,
+    machine_info,
+    start_server,
+    stop_all,
+    target,
+    window_argv,
+    window_bytes_arg,
+    write_json,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.2, "window_s": 0.5},
@@ -323,7 +335,7 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
     (e.g. MALLOC_ARENA_MAX=2), side by side with the default servers.
     stream_window_bytes: given, every psgrad server runs with this stream window (else its default).
     """
-    window_args = [] if stream_window_bytes is None else ["--stream-window-bytes", str(stream_window_bytes)]
+    window_args = window_argv(stream_window_bytes)
     nbytes = 4 * params
     variants = _variants(server_env)
     names = [*variants, RAW]
@@ -468,7 +480,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--stream-window-bytes",
-        type=int,
+        type=window_bytes_arg,
         metavar="N",
         help="start every psgrad server with this stream window (0 = gRPC's automatic windows; "
         "default: the server's own)",
@@ -484,13 +496,6 @@ def main() -> None:
         if not sep or not key:
             parser.error(f"--server-env expects KEY=VALUE, got {item!r}")
         env[key] = value
-    if args.stream_window_bytes is not None:
-        from psgrad.config import ServerConfig
-
-        try:
-            ServerConfig(stream_window_bytes=args.stream_window_bytes)
-        except ValueError as e:
-            parser.error(f"--stream-window-bytes: {e}")
     write_json(run(args.preset, env or None, args.stream_window_bytes))
 
 

@@ -52,6 +52,8 @@ from ceilings import (  # noqa: E402
     stop_all,
     summarize,
     target,
+    window_argv,
+    window_bytes_arg,
     write_json,
 )
 from psgrad_with_raw import SGD_SERVICE  # noqa: E402
@@ -60,7 +62,7 @@ from raw_grpc import RawClient  # noqa: E402
 
 from psgrad.client import ParameterClient  # noqa: E402
 from psgrad.codec import byte_view  # noqa: E402
-from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec, ServerConfig  # noqa: E402
+from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec  # noqa: E402
 from psgrad.sharding import ParamSpec, plan_shards  # noqa: E402
 
 PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}}
@@ -96,7 +98,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
     stream_window_bytes: given, both psgrad servers run with that stream window (else their default)."""
     children: list[Child] = []
     clients: list[ParameterClient | RawClient] = []
-    window_args = [] if stream_window_bytes is None else ["--stream-window-bytes", str(stream_window_bytes)]
+    window_args = window_argv(stream_window_bytes)
     try:
         # The servers keep torch's default thread count here, as this comparison always has.
         ps = start_server("psgrad-server", [*PSGRAD_SERVER, *window_args], one_thread=False)
@@ -558,7 +560,7 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="stream chunk size (default: 1 MiB)")
     parser.add_argument("--matrix", action="store_true",
                         help="run the shards x workers matrix with worker processes (what the suite runs)")
-    parser.add_argument("--stream-window-bytes", type=int, metavar="N",
+    parser.add_argument("--stream-window-bytes", type=window_bytes_arg, metavar="N",
                         help="start the psgrad servers with this stream window (0 = gRPC's automatic windows; "
                         "default: the server's own); one-shard comparison only")
     parser.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)  # a worker process of --matrix
@@ -566,11 +568,6 @@ def main() -> None:
     if args.agent:
         agent_main()
         return
-    if args.stream_window_bytes is not None:
-        try:
-            ServerConfig(stream_window_bytes=args.stream_window_bytes)
-        except ValueError as e:
-            parser.error(f"--stream-window-bytes: {e}")
     if args.matrix:
         if args.stream_window_bytes is not None:
             parser.error("--stream-window-bytes applies to the one-shard comparison, not to --matrix")
