@@ -445,7 +445,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     A fixed window replaces gRPC's bandwidth-delay probing, which grows each connection's window
     to tens of MB, all of it buffered in the server when the shard takes a push slower than the
     network brings it (100 MB SGD shard, gRPC pushers, VmHWM - idle, against a 264 MB target:
-    255-276 MB with gRPC's windows over two days; 259-261 with 16 MiB; 249-255 with 8 MiB;
+    255-276 MB with gRPC's windows in two sessions; 259-261 with 16 MiB; 249-255 with 8 MiB;
     232-240 with 4 MiB). The window costs push speed: the median push vs raw upload ratio was
     0.04-0.05 higher with 8 or 16 MiB or gRPC's windows than with 4 MiB (rounds of interleaved
     runs, README "Architecture"), and 2 MiB cost 10-15 % more (the sender waits for window
