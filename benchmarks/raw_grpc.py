@@ -10,6 +10,9 @@ Run as a script it serves (`python benchmarks/raw_grpc.py --serve`) and prints
 server does, per uploaded chunk, what a psgrad shard does with a float32 push instead of the copy:
 a finiteness sum and an out-of-place SGD update of a weight vector (torch, one thread). That is not
 a ceiling but a diagnostic: how fast bare gRPC goes with the parameter server's own arithmetic.
+`--upload-work sgd-in-place` updates the weights in place instead, as psgrad does not (a push
+must apply whole or not at all, and a pull must never see half of one): it shows what writing
+the next weights beside the current ones costs over overwriting them.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import grpc
 import numpy as np
 
 SERVICE = "rawbench.Raw"
+UPLOAD_WORK = ("copy", "sgd", "sgd-in-place")
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -32,7 +36,7 @@ class _State:
         self.buf = np.zeros(0, dtype=np.uint8)  # the download source
         self.lock = threading.Lock()
         self.free: list[np.ndarray] = []  # receive buffers not in use by an upload
-        self.sgd: tuple[Any, Any] | None = None  # (weights, next weights) for --upload-work sgd
+        self.sgd: tuple[Any, Any] | None = None  # (weights, next weights) for --upload-work sgd[-in-place]
 
     def take(self) -> np.ndarray:
         with self.lock:
@@ -43,8 +47,9 @@ class _State:
             self.free.append(buf)
 
 
-def _sgd_upload(state: _State, chunks: Iterator[bytes]) -> int:
-    """Per chunk: sum it (a NaN/inf check) and write weights - 1e-9 * chunk into the next weights."""
+def _sgd_upload(state: _State, chunks: Iterator[bytes], in_place: bool) -> int:
+    """Per chunk: sum it (a NaN/inf check) and write weights - 1e-9 * chunk into the next weights
+    (in_place: into the weights themselves)."""
     import math
 
     import torch
@@ -59,19 +64,21 @@ def _sgd_upload(state: _State, chunks: Iterator[bytes]) -> int:
             w, out = state.sgd
         if not math.isfinite(float(g.sum())):
             raise ValueError("non-finite chunk")
-        torch.add(w[a:b], g, alpha=-1e-9, out=out[a:b])
+        torch.add(w[a:b], g, alpha=-1e-9, out=w[a:b] if in_place else out[a:b])
         off += len(chunk)
     return off
 
 
 def raw_handler(work: str = "copy", service: str = SERVICE) -> grpc.GenericRpcHandler:
-    """The raw methods under `service`; Upload does `work` ("copy" or "sgd", see --upload-work)."""
+    """The raw methods under `service`; Upload does `work` (one of UPLOAD_WORK, see --upload-work)."""
+    if work not in UPLOAD_WORK:
+        raise ValueError(f"unknown upload work {work!r}: expected one of {', '.join(UPLOAD_WORK)}")
     state = _State()
 
     def upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Receive chunks and copy each into a reused buffer (what any receiver must do)."""
-        if work == "sgd":
-            return _sgd_upload(state, chunks).to_bytes(8, "little")
+        if work != "copy":
+            return _sgd_upload(state, chunks, in_place=work == "sgd-in-place").to_bytes(8, "little")
         buf = state.take()
         off = 0
         try:
@@ -109,7 +116,7 @@ def raw_handler(work: str = "copy", service: str = SERVICE) -> grpc.GenericRpcHa
 
 
 def serve(host: str = "127.0.0.1", port: int = 0, upload_work: str = "copy") -> tuple[grpc.Server, str]:
-    if upload_work == "sgd":
+    if upload_work != "copy":
         import torch
 
         torch.set_num_threads(1)  # as a psgrad shard server runs by default
@@ -159,10 +166,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument(
         "--upload-work",
-        choices=["copy", "sgd"],
+        choices=UPLOAD_WORK,
         default="copy",
-        help="what Upload does with each chunk: copy it into a buffer (the ceiling; default), or a "
-        "psgrad shard's finiteness sum and SGD update of float32 weights (a diagnostic)",
+        help="what Upload does with each chunk: copy it into a buffer (the ceiling; default), a "
+        "psgrad shard's finiteness sum and SGD update of float32 weights into the next weights "
+        "(sgd), or the same update in place (sgd-in-place); the last two are diagnostics",
     )
     args = parser.parse_args()
     if not args.serve:

@@ -10,8 +10,8 @@ interleaved, repetition by repetition, so machine noise hits both alike. Prints 
 Without --matrix, one client in this process pulls and pushes through one shard beside raw gRPC
 (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each side spent per
 operation and, as a diagnostic, a push beside raw uploads served by one server process
-(psgrad_with_raw.py), whose Upload copies or does a shard's per-chunk sum and SGD update
-(`diagnostics`). With --matrix (and `run(preset)`,
+(psgrad_with_raw.py), whose Upload copies, does a shard's per-chunk sum and SGD update into the
+next weights, or does that update in place (`diagnostics`). With --matrix (and `run(preset)`,
 which the suite calls), W worker processes pull and push at once (async mode, lr 1e-9, no
 compute) through S shards; the same W processes then stream the same bytes through S raw gRPC
 servers; loopback TCP and memory-copy bandwidth are measured in the same repetitions.
@@ -56,7 +56,7 @@ from ceilings import (  # noqa: E402
     window_bytes_arg,
     write_json,
 )
-from psgrad_with_raw import SGD_SERVICE  # noqa: E402
+from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE  # noqa: E402
 from raw_grpc import SERVICE as RAW_SERVICE  # noqa: E402
 from raw_grpc import RawClient  # noqa: E402
 
@@ -103,7 +103,8 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
         # The servers keep torch's default thread count here, as this comparison always has.
         ps = start_server("psgrad-server", [*PSGRAD_SERVER, *window_args], one_thread=False)
         raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
-        # A second shard server that also serves raw uploads (copy, and a shard's sum + SGD update).
+        # A second shard server that also serves raw uploads (copy, and a shard's sum + SGD update
+        # into the next weights or in place).
         diag = start_server("psgrad-with-raw", [str(HERE / "psgrad_with_raw.py"), *window_args], one_thread=False)
         children += [ps, raw_server, diag]
 
@@ -118,7 +119,8 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
         raw = RawClient(raw_server.address())
         diag_raw = RawClient(diag.address(), RAW_SERVICE)
         diag_raw_sgd = RawClient(diag.address(), SGD_SERVICE)
-        clients += [client, diag_client, raw, diag_raw, diag_raw_sgd]
+        diag_raw_sgd_in_place = RawClient(diag.address(), SGD_IN_PLACE_SERVICE)
+        clients += [client, diag_client, raw, diag_raw, diag_raw_sgd, diag_raw_sgd_in_place]
         client.join(initial_weights=lambda: flat)
         diag_client.join(initial_weights=lambda: flat)
         nbytes = wire_bytes(num_params, wire_dtype)
@@ -135,6 +137,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
         raw.download(raw_dst_view, chunk)
         diag_raw.upload(raw_src_view, chunk)
         diag_raw_sgd.upload(raw_src_view, chunk)
+        diag_raw_sgd_in_place.upload(raw_src_view, chunk)
 
         ops: dict[str, tuple[Child, Callable[[int], object]]] = {
             "psgrad_pull": (ps, lambda i: client.pull(flat, i)),
@@ -144,6 +147,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
             "same_process_push": (diag, lambda i: diag_client.push(grad, i)),
             "same_process_raw_upload": (diag, lambda i: diag_raw.upload(raw_src_view, chunk)),
             "same_process_raw_upload_sgd": (diag, lambda i: diag_raw_sgd.upload(raw_src_view, chunk)),
+            "same_process_raw_upload_sgd_in_place": (diag, lambda i: diag_raw_sgd_in_place.upload(raw_src_view, chunk)),
         }
         t: dict[str, list[float]] = {k: [] for k in ops}
         cpu = {k: {"server": 0.0, "client": 0.0} for k in ops}
@@ -174,12 +178,20 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
                 "pull_vs_raw_download": gbps["psgrad_pull"] / gbps["raw_download"],
             },
             # Not targets: a push and bare gRPC uploads served by one process (psgrad_with_raw.py),
-            # whose Upload copies (the ceiling's work) or does a shard's sum + SGD update per chunk.
+            # whose Upload copies (the ceiling's work) or does a shard's sum + SGD update per chunk
+            # (into the next weights, as a push does, or in place).
             "diagnostics": {
                 "same_process_push_vs_raw_upload": gbps["same_process_push"] / gbps["same_process_raw_upload"],
                 "same_process_push_vs_raw_sgd_upload": gbps["same_process_push"] / gbps["same_process_raw_upload_sgd"],
                 "same_process_raw_sgd_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd"]
                 / gbps["same_process_raw_upload"],
+                # The same update in place (which a push must not do: it applies whole or not at all)
+                # reads and writes the weights only, as the copy writes its buffer; into the next
+                # weights it also reads the current ones. These two show what that costs.
+                "same_process_raw_sgd_in_place_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd_in_place"]
+                / gbps["same_process_raw_upload"],
+                "same_process_raw_sgd_upload_vs_raw_sgd_in_place_upload": gbps["same_process_raw_upload_sgd"]
+                / gbps["same_process_raw_upload_sgd_in_place"],
                 # CPU (client + server) per raw operation / per psgrad one: where the two processes
                 # keep the shared cores busy, the throughput ratio cannot exceed it for long.
                 "cpu_ratio_push": both["raw_upload"] / both["psgrad_push"] if both["psgrad_push"] else None,

@@ -33,7 +33,8 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     out = _run("benchmarks/transport.py", "--preset", "tiny")
-    same = ("same_process_push", "same_process_raw_upload", "same_process_raw_upload_sgd")
+    same = ("same_process_push", "same_process_raw_upload", "same_process_raw_upload_sgd",
+            "same_process_raw_upload_sgd_in_place")
     for key in ("psgrad_push", "psgrad_pull", "raw_upload", "raw_download", *same):
         assert out["results"][key]["gb_per_s"] > 0
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download"}
@@ -42,6 +43,10 @@ def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     assert diag["same_process_push_vs_raw_upload"] == pytest.approx(gbps[same[0]] / gbps[same[1]])
     assert diag["same_process_push_vs_raw_sgd_upload"] == pytest.approx(gbps[same[0]] / gbps[same[2]])
     assert diag["same_process_raw_sgd_upload_vs_raw_upload"] == pytest.approx(gbps[same[2]] / gbps[same[1]])
+    assert diag["same_process_raw_sgd_in_place_upload_vs_raw_upload"] == pytest.approx(gbps[same[3]] / gbps[same[1]])
+    assert diag["same_process_raw_sgd_upload_vs_raw_sgd_in_place_upload"] == pytest.approx(
+        gbps[same[2]] / gbps[same[3]]
+    )
     assert out["payload_bytes"] == 4 * out["params"]
     # CPU per operation on each side: this process always spends some; a server's ticks may round to 0.
     assert set(out["cpu_ms_per_op"]) == set(out["results"])
@@ -260,11 +265,35 @@ def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
         server.stop(0).wait()
 
 
-@pytest.mark.timeout(120)
-def test_psgrad_with_raw_serves_a_shard_and_both_raw_uploads_on_one_port() -> None:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_raw_sgd_upload_writes_the_next_weights_beside_or_over_the_current_ones(in_place: bool) -> None:
     import raw_grpc
     import torch
-    from psgrad_with_raw import SGD_SERVICE
+
+    state = raw_grpc._State()
+    grad = torch.full((1 << 16,), 1e9)  # lr 1e-9: each weight moves by -1
+    chunks = [bytes(memoryview(grad.numpy()).cast("B")[a : a + (1 << 17)]) for a in range(0, 1 << 18, 1 << 17)]
+    assert raw_grpc._sgd_upload(state, iter(chunks), in_place) == 1 << 18
+    assert state.sgd is not None
+    weights, following = state.sgd
+    moved = weights[: 1 << 16] if in_place else following[: 1 << 16]
+    assert bool((moved == -1.0).all())
+    assert bool((weights[: 1 << 16] == 0.0).all()) != in_place  # out of place, the weights stay as they were
+
+
+def test_raw_handler_refuses_unknown_upload_work() -> None:
+    import raw_grpc
+
+    with pytest.raises(ValueError, match="unknown upload work 'sgdd'"):
+        raw_grpc.raw_handler("sgdd")
+
+
+@pytest.mark.timeout(120)
+def test_psgrad_with_raw_serves_a_shard_and_the_raw_uploads_on_one_port() -> None:
+    import raw_grpc
+    import torch
+    from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE
 
     from psgrad.client import ParameterClient
     from psgrad.config import ClientConfig, JobSpec
@@ -274,15 +303,16 @@ def test_psgrad_with_raw_serves_a_shard_and_both_raw_uploads_on_one_port() -> No
     clients: list = []  # type: ignore[type-arg]
     try:
         address = server.address()
-        for service in (raw_grpc.SERVICE, SGD_SERVICE):
+        for service in (raw_grpc.SERVICE, SGD_SERVICE, SGD_IN_PLACE_SERVICE):
             raw = raw_grpc.RawClient(address, service)
             clients.append(raw)
             assert raw.upload(memoryview(bytes(3 << 20)), 1 << 20) == 3 << 20
         # An upload of NaNs fails only where Upload does the shard's finiteness check.
         nan = torch.full((1 << 18,), float("nan"))
         assert clients[0].upload(memoryview(nan.numpy()).cast("B"), 1 << 20) == 1 << 20
-        with pytest.raises(grpc.RpcError):
-            clients[1].upload(memoryview(nan.numpy()).cast("B"), 1 << 20)
+        for sgd in clients[1:]:
+            with pytest.raises(grpc.RpcError):
+                sgd.upload(memoryview(nan.numpy()).cast("B"), 1 << 20)
         params = [ParamSpec("w", (1000,), "float32")]
         ps = ParameterClient(
             [address], JobSpec(num_shards=1, lr=0.5), params, plan_shards(params, 1), 0,
