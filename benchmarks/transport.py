@@ -93,11 +93,10 @@ def wire_bytes(num_params: int, wire_dtype: str) -> int:
 
 def rep_order(keys: list[str], rep: int) -> list[str]:
     """The order of the operations in repetition `rep` (from 1): as listed, then reversed, in turn.
-    In a fixed order each operation always follows the same one, and what that one leaves behind
-    (another server process to switch away from, its buffers in cache) biased the comparisons:
-    psgrad's push, always run after an upload to another process, measured 0.94 x bare gRPC doing
-    the same arithmetic in its own process, and 1.01 x in alternating order (medians of 11 and 6
-    runs on 2 vCPUs)."""
+    In a fixed order each operation always follows the same one, so whatever that one leaves
+    behind (another server process to switch away from, its buffers in the caches) weighs on it in
+    every repetition; in a fixed order psgrad's push always ran just after an upload to another
+    server process, and the bare uploads it is compared with never did."""
     return keys if rep % 2 else keys[::-1]
 
 
