@@ -5,7 +5,8 @@
     python benchmarks/transport.py --preset full --matrix   # 1 and 2 shards x 1, 2, 4 worker processes
 
 Servers run as separate processes on this machine; measurements of psgrad and of its ceilings are
-interleaved, repetition by repetition (in alternating order), so machine noise hits both alike. Prints one JSON document.
+interleaved, repetition by repetition (in alternating order), so machine noise hits both alike.
+Prints one JSON document.
 
 Without --matrix, one client in this process pulls and pushes through one shard beside raw gRPC
 (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each side spent per
@@ -196,8 +197,8 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
                 "same_process_raw_sgd_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd"]
                 / gbps["same_process_raw_upload"],
                 # The same update in place (which a push must not do: it applies whole or not at all)
-                # reads and writes the weights only, as the copy writes its buffer; into the next
-                # weights it also reads the current ones. These two show what that costs.
+                # reads and writes one weight vector; into the next weights, as a push does, it reads
+                # the current ones and writes a second vector. These two show what that costs.
                 "same_process_raw_sgd_in_place_upload_vs_raw_upload": gbps["same_process_raw_upload_sgd_in_place"]
                 / gbps["same_process_raw_upload"],
                 "same_process_raw_sgd_upload_vs_raw_sgd_in_place_upload": gbps["same_process_raw_upload_sgd"]

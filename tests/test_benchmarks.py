@@ -64,9 +64,6 @@ def test_transport_runs_its_operations_forward_then_backward() -> None:
     keys = ["psgrad_push", "raw_upload", "same_process_push"]
     orders = [transport.rep_order(keys, rep) for rep in range(1, 5)]
     assert orders == [keys, keys[::-1], keys, keys[::-1]]
-    # Over two repetitions, each operation follows a different one each time (or runs twice).
-    before = {(o[j - 1], o[j]) for o in orders[:2] for j in range(1, len(o))}
-    assert ("raw_upload", "psgrad_push") in before and ("same_process_push", "raw_upload") in before
 
 
 class _Started(Exception):
