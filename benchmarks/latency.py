@@ -30,9 +30,9 @@ from ceilings import Child, figure, log, machine_info, start_server, stop_all, s
 from raw_grpc import RawClient  # noqa: E402
 from transport import PSGRAD_SERVER  # noqa: E402
 
-from psgrad.client import ParameterClient  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient  # noqa: E402
 from psgrad.config import ClientConfig, JobSpec  # noqa: E402
-from psgrad.sharding import ParamSpec, plan_shards  # noqa: E402
+from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
 
 PRESETS = {"tiny": {"params": 100_000, "iters": 30, "warmup": 5},
            "full": {"params": 100_000, "iters": 200, "warmup": 20}}

@@ -25,7 +25,7 @@ from ceilings import window_bytes_arg  # noqa: E402
 from raw_grpc import SERVICE, raw_handler  # noqa: E402
 
 from psgrad.config import ServerConfig  # noqa: E402
-from psgrad.server import serve_forever  # noqa: E402
+from psgrad.server.runtime import serve_forever  # noqa: E402
 
 SGD_SERVICE = "rawbench.RawSgd"
 SGD_IN_PLACE_SERVICE = "rawbench.RawSgdInPlace"

@@ -69,9 +69,9 @@ class _Trainer:
     def _setup(self, cmd: dict[str, Any]) -> None:
         import torch
 
-        from psgrad.client import ParameterClient
+        from psgrad.client.parameter_client import ParameterClient
         from psgrad.config import ClientConfig, JobSpec
-        from psgrad.sharding import ParamSpec, plan_shards
+        from psgrad.core.sharding import ParamSpec, plan_shards
 
         numel, rank = int(cmd["params"]), int(cmd["rank"])
         flat, grad = torch.zeros(numel), torch.full((numel,), 1e-3)
@@ -113,7 +113,7 @@ class _Trainer:
 
 
 def worker_main() -> None:
-    import psgrad.client  # noqa: F401  (import torch and grpc while the servers start)
+    import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
     trainer = _Trainer()
     try:

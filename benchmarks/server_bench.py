@@ -151,7 +151,7 @@ def in_window(starts: list[float], ends: list[float], t1: float, t2: float) -> f
 
 def expected_state_bytes(name: str, numel: int) -> int:
     """Optimizer state of a shard of numel elements, as the optimizer's state_bytes() reports it."""
-    from psgrad.optimizers import ADAM_BLOCK
+    from psgrad.core.optimizers import ADAM_BLOCK
 
     spec = OPTIMIZERS[name]
     if spec["optimizer"] == "adam":
@@ -182,10 +182,10 @@ class _Pusher:
         import torch
         from raw_grpc import RawClient
 
-        from psgrad.client import ParameterClient
-        from psgrad.codec import byte_view
+        from psgrad.client.parameter_client import ParameterClient
+        from psgrad.core.codecs import byte_view
         from psgrad.config import ClientConfig, JobSpec
-        from psgrad.sharding import ParamSpec, plan_shards
+        from psgrad.core.sharding import ParamSpec, plan_shards
 
         numel, rank, chunk = int(cmd["params"]), int(cmd["rank"]), int(cmd["chunk"])
         grad = torch.full((numel,), 1e-3)
@@ -236,7 +236,7 @@ class _Pusher:
 
 
 def worker_main() -> None:
-    import psgrad.client  # noqa: F401  (import torch and grpc while the servers start)
+    import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
     pusher = _Pusher()
     try:

@@ -61,10 +61,10 @@ from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE  # noqa: E402
 from raw_grpc import SERVICE as RAW_SERVICE  # noqa: E402
 from raw_grpc import RawClient  # noqa: E402
 
-from psgrad.client import ParameterClient  # noqa: E402
-from psgrad.codec import byte_view  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient  # noqa: E402
+from psgrad.core.codecs import byte_view  # noqa: E402
 from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec  # noqa: E402
-from psgrad.sharding import ParamSpec, plan_shards  # noqa: E402
+from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
 
 PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}}
 MATRIX_PRESETS: dict[str, dict[str, Any]] = {

@@ -10,7 +10,9 @@ PROTO_FILES = ["psgrad/proto/ps.proto"]
 
 
 def generate(out_dir: Path) -> None:
-    """Write ps_pb2.py, ps_pb2.pyi and ps_pb2_grpc.py under out_dir/psgrad/proto/."""
+    """Write ps_pb2.py and ps_pb2.pyi under out_dir/psgrad/proto/. No ps_pb2_grpc.py: both ends
+    call the service through generic handlers with raw-bytes (de)serializers (psgrad/wire/protocol.py
+    names the service), so generated stubs would be imported by nothing."""
     from grpc_tools import protoc  # imported lazily: only needed by developers
 
     (out_dir / "psgrad" / "proto").mkdir(parents=True, exist_ok=True)
@@ -19,7 +21,6 @@ def generate(out_dir: Path) -> None:
         f"-I{PROTO_ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
         *[str(PROTO_ROOT / name) for name in PROTO_FILES],
     ]
     if protoc.main(args) != 0:

@@ -8,7 +8,7 @@
         opt.step()                   # pushes the gradients, pulls fresh weights (mode-aware)
     ps.close()                       # leaves the job; `with psgrad.connect(...) as ps:` also works
 
-`psgrad worker` trains through this same API (psgrad.worker.train).
+`psgrad worker` trains through this same API (psgrad.worker.loop.train).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Any
 
 from torch import nn
 
-from psgrad.client import ParameterClient
+from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, PsgradError, WorkerStateError
-from psgrad.flat import FlatModel
-from psgrad.sharding import param_specs, plan_shards
+from psgrad.worker.flat import FlatModel
+from psgrad.core.sharding import param_specs, plan_shards
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
 def make_servers():  # type: ignore[no-untyped-def]
     """make_servers(n, lease_s=10.0) -> n in-process gRPC servers on port 0, stopped at teardown."""
     from psgrad.config import ServerConfig
-    from psgrad.server import start_server
+    from psgrad.server.runtime import start_server
 
     running = []
 
@@ -173,7 +173,8 @@ def decode_frames(frames: Iterable[bytes], numel: int, wire_dtype: str = "float3
     """Reassemble a pull's data frames (in the wire dtype) into a float32 tensor of numel values."""
     import torch
 
-    from psgrad.codec import WireBuffer, frame_payload
+    from psgrad.core.codecs import WireBuffer
+    from psgrad.wire.frames import frame_payload
 
     dest = torch.empty(numel)
     wire = WireBuffer(numel, wire_dtype)

@@ -84,9 +84,9 @@ def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
 # Rank > 0 builds a perturbed model, so only rank 0's broadcast makes the ranks start equal.
 _CHILD = """
 import sys, torch
-from psgrad.allreduce import train_allreduce
+from psgrad.experiments.allreduce import train_allreduce
 from psgrad.config import JobSpec, WorkerConfig
-from psgrad.metrics import MetricsSink
+from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks import get_task
 rank, world, steps, batch, lr, momentum, wd, store, out = sys.argv[1:]
 rank, world = int(rank), int(world)
@@ -148,7 +148,7 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
 # one CLI rank of a 1-rank job, then the names of the threads still alive in the process.
 _THREADS_AFTER = """
 import os, sys
-from psgrad.cli import main
+from psgrad.cli.commands import main
 code = main(sys.argv[1:])
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 print("exit", code, "threads", ",".join(names))

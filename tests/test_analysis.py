@@ -1,4 +1,4 @@
-"""psgrad.analysis on hand-made run directories whose answers are worked out by hand below."""
+"""psgrad.experiments.analysis on hand-made run directories whose answers are worked out by hand below."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from psgrad import analysis
-from psgrad.analysis import aggregate, load_run, nondeterminism_notes, percentile_from_histogram, run_metrics
+from psgrad.experiments import analysis
+from psgrad.experiments.analysis import aggregate, load_run, nondeterminism_notes, percentile_from_histogram, run_metrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ import psgrad
 from conftest import run_in_threads
 from psgrad.config import ClientConfig, ServerConfig
 from psgrad.errors import ConfigError, ServerUnavailableError, WorkerStateError
-from psgrad.server import RunningServer, start_server
+from psgrad.server.runtime import RunningServer, start_server
 from psgrad.tasks import get_task
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)

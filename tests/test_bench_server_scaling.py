@@ -20,7 +20,7 @@ import scaling  # noqa: E402
 import server_bench  # noqa: E402
 
 from psgrad.config import JobSpec  # noqa: E402
-from psgrad.optimizers import make_optimizer  # noqa: E402
+from psgrad.core.optimizers import make_optimizer  # noqa: E402
 
 TARGET_KEYS = {"name", "value", "ceiling", "ratio", "target", "better", "met"}
 

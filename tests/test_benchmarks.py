@@ -303,9 +303,9 @@ def test_psgrad_with_raw_serves_a_shard_and_the_raw_uploads_on_one_port() -> Non
     import torch
     from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE
 
-    from psgrad.client import ParameterClient
+    from psgrad.client.parameter_client import ParameterClient
     from psgrad.config import ClientConfig, JobSpec
-    from psgrad.sharding import ParamSpec, plan_shards
+    from psgrad.core.sharding import ParamSpec, plan_shards
 
     server = ceilings.start_server("psgrad-with-raw", [str(BENCH / "psgrad_with_raw.py")])
     clients: list = []  # type: ignore[type-arg]

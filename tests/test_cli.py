@@ -62,7 +62,7 @@ def test_malformed_servers_is_a_usage_error(servers: str) -> None:
 
 
 def test_every_flag_has_help_text() -> None:
-    from psgrad.cli import build_parser
+    from psgrad.cli.commands import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command")
@@ -207,7 +207,7 @@ def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts() -> None:
 
 
 def test_transport_flags_reach_the_configs() -> None:
-    from psgrad.cli import _job_argv, build_parser
+    from psgrad.cli.commands import _job_argv, build_parser
 
     ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", "--no-shared-memory"])
     assert ns.shared_memory is False and "--no-shared-memory" in _job_argv(ns)
@@ -224,11 +224,11 @@ def test_transport_flags_reach_the_configs() -> None:
 def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import psgrad.server
-    from psgrad.cli import build_parser
+    import psgrad.server.runtime
+    from psgrad.cli.commands import build_parser
 
     seen: list[int] = []
-    monkeypatch.setattr(psgrad.server, "serve_forever", lambda config, announce: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda config, announce: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()
     try:
         for argv in (["server", "--torch-threads", "3"], ["server"]):

@@ -1,19 +1,11 @@
-"""Pure tests of psgrad.codec: wire dtypes, byte views, hand-built protobuf data frames, payload writers."""
+"""Pure tests of psgrad.core.codecs: wire dtypes, byte views, hand-built protobuf data frames, payload writers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from psgrad.codec import (
-    FrameParser,
-    PayloadWriter,
-    WireBuffer,
-    byte_view,
-    data_frames,
-    frame_payload,
-    torch_dtype,
-    write_frames,
-)
+from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
+from psgrad.wire.frames import FrameParser, PayloadWriter, data_frames, frame_payload, write_frames
 from psgrad.config import DEFAULT_CHUNK_BYTES
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from psgrad.compare import CompareConfig, ModeRun, _job_args, parse_modes
+from psgrad.experiments.compare import CompareConfig, ModeRun, _job_args, parse_modes
 from psgrad.errors import ConfigError
 
 

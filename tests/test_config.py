@@ -87,8 +87,8 @@ def test_job_spec_adam_boundaries() -> None:
 
 
 def test_job_spec_adam_fields_reach_fingerprint_and_mismatch_message() -> None:
-    from psgrad.layout import Layout, explain_mismatch
-    from psgrad.sharding import ParamSpec, fingerprint
+    from psgrad.core.layout import Layout, explain_mismatch
+    from psgrad.core.sharding import ParamSpec, fingerprint
 
     params = (ParamSpec("w", (10,), "float32"),)
     base = JobSpec(optimizer="adam")

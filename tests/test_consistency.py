@@ -1,4 +1,4 @@
-"""Consistency modes: pure tests of psgrad.consistency's policies, and Shard-level tests of the
+"""Consistency modes: pure tests of psgrad.core.consistency's policies, and Shard-level tests of the
 sync/ssp/async gates and apply rules with an injected fake clock (no network, no sleeps)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from psgrad import config as config_module
-from psgrad.codec import WireBuffer
+from psgrad.core.codecs import WireBuffer
 from psgrad.config import JobSpec, ServerConfig
-from psgrad.consistency import (
+from psgrad.core.consistency import (
     POLICIES,
     AsyncPolicy,
     ClockView,
@@ -20,8 +20,8 @@ from psgrad.consistency import (
     make_policy,
 )
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
-from psgrad.shard import JoinResult, Layout, PushResult, Shard
-from psgrad.sharding import ParamSpec, fingerprint, plan_shards
+from psgrad.server.shard import JoinResult, Layout, PushResult, Shard
+from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from psgrad.errors import ConfigError
-from psgrad.flat import FlatModel, resolve_device
+from psgrad.worker.flat import FlatModel, resolve_device
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

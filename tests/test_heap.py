@@ -1,11 +1,11 @@
-"""psgrad.heap: the allocator settings apply once, and only where the C library is glibc."""
+"""psgrad.wire.heap: the allocator settings apply once, and only where the C library is glibc."""
 from __future__ import annotations
 
 import platform
 
 import pytest
 
-from psgrad.heap import tune_allocator
+from psgrad.wire.heap import tune_allocator
 
 pytestmark = pytest.mark.timeout(30)
 

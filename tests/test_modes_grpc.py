@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import run_in_threads
-from psgrad.client import ParameterClient
+from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.server import RunningServer
-from psgrad.sharding import param_specs, plan_shards
+from psgrad.server.runtime import RunningServer
+from psgrad.core.sharding import param_specs, plan_shards
 from psgrad.tasks import get_task
-from psgrad.flat import FlatModel
+from psgrad.worker.flat import FlatModel
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
 

@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.optimizers: SGD and Adam(W) match torch.optim's; the registry."""
+"""Pure tests of psgrad.core.optimizers: SGD and Adam(W) match torch.optim's; the registry."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import torch
 
 from psgrad.config import OPTIMIZER_NAMES, JobSpec
 from psgrad.errors import ConfigError
-from psgrad.optimizers import OPTIMIZERS, SGD, Adam, make_optimizer
+from psgrad.core.optimizers import OPTIMIZERS, SGD, Adam, make_optimizer
 
 pytestmark = pytest.mark.timeout(60)
 

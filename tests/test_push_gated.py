@@ -10,13 +10,14 @@ import grpc
 import pytest
 import torch
 
-import psgrad.client
-from psgrad.client import ParameterClient
+import psgrad.client.shard_client
+from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server import SERVICE_NAME, RunningServer, start_server
-from psgrad.sharding import ParamSpec, plan_shards
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.wire.protocol import SERVICE_NAME
+from psgrad.core.sharding import ParamSpec, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +39,7 @@ def server() -> Iterator[RunningServer]:
 @pytest.fixture(autouse=True)
 def gate_every_push(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gate pushes of any size (the default gates only those over 8 MiB)."""
-    monkeypatch.setattr(psgrad.client, "GATED_PUSH_BYTES", 0)
+    monkeypatch.setattr(psgrad.client.shard_client, "GATED_PUSH_BYTES", 0)
 
 
 def client(server: RunningServer, rank: int = 0) -> ParameterClient:
@@ -107,14 +108,14 @@ class TurnHeld:
             return got
 
         monkeypatch.setattr(servicer, "_reserve", reserving)
-        frames = psgrad.client.data_frames
+        frames = psgrad.client.shard_client.data_frames
 
         def data_frames(payload: memoryview, chunk_bytes: int) -> Iterator[bytes]:
             self.order.append("data")
             self.data_started.set()
             yield from frames(payload, chunk_bytes)
 
-        monkeypatch.setattr(psgrad.client, "data_frames", data_frames)
+        monkeypatch.setattr(psgrad.client.shard_client, "data_frames", data_frames)
 
     def release(self) -> None:
         grad, wire, _ = self._lent
@@ -150,7 +151,7 @@ def test_a_push_waiting_for_its_turn_sends_no_data_until_ready(
 def test_an_ungated_push_sends_its_data_while_it_waits(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The contrast: through plain Push the gradient streams (into the server's flow-control
     window) before the push has a buffer."""
-    monkeypatch.setattr(psgrad.client, "GATED_PUSH_BYTES", 1 << 30)
+    monkeypatch.setattr(psgrad.client.shard_client, "GATED_PUSH_BYTES", 1 << 30)
     with client(server, 0) as a, client(server, 1) as b:
         a.join(initial_weights=initial)
         b.join(initial_weights=initial)
@@ -161,21 +162,6 @@ def test_an_ungated_push_sends_its_data_while_it_waits(server: RunningServer, mo
         t.join(10)
         assert out and out[0][0].applied
         assert held.order == ["data", "reserved"]
-
-
-def test_a_server_without_pushgated_gets_plain_pushes(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An older server answers UNIMPLEMENTED: the client uses Push, from then on."""
-    with client(server) as c:
-        c.join(initial_weights=initial)
-        s = c.shards[0]
-        missing = s._channel.stream_stream(f"/{SERVICE_NAME}/PushFromTheFuture", None, pb.PushProgress.FromString)
-        monkeypatch.setattr(s, "_push_gated", missing)
-        gated, plain = Counted(monkeypatch, c, "_push_gated"), Counted(monkeypatch, c, "_push")
-        for clock in (0, 1):
-            [reply] = c.push(torch.ones(N), clock)
-            assert reply.applied and reply.version == clock + 1
-        assert (gated.n, plain.n) == (1, 2) and not s._has_push_gated
-        torch.testing.assert_close(weights(server), initial() - 2 * LR)
 
 
 def test_a_gated_push_refused_before_ready_raises_and_changes_nothing(server: RunningServer) -> None:
@@ -215,7 +201,7 @@ def test_a_push_abandoned_after_ready_gives_its_turn_back(server: RunningServer)
 def test_only_pushes_above_the_threshold_are_gated(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch, threshold: int, gated: int
 ) -> None:
-    monkeypatch.setattr(psgrad.client, "GATED_PUSH_BYTES", threshold)
+    monkeypatch.setattr(psgrad.client.shard_client, "GATED_PUSH_BYTES", threshold)
     with client(server) as c:
         c.join(initial_weights=initial)
         calls, plain = Counted(monkeypatch, c, "_push_gated"), Counted(monkeypatch, c, "_push")
@@ -229,20 +215,20 @@ def test_a_gated_push_failed_by_the_server_mid_stream_raises_its_error(
 ) -> None:
     """The server refuses the data after a few frames, while the client still has megabytes to send
     (more than the stream window): the client raises the server's error, not a deadline."""
-    import psgrad.streams
+    import psgrad.server.transfers
 
     big = 3 << 20  # 12 MB of float32: more than the 4 MiB window, so the sender is still sending
     params = [ParamSpec("w", (big,), "float32")]
-    write = psgrad.streams.PushWriter.write
+    write = psgrad.server.transfers.PushWriter.write
     seen = [0]
 
-    def failing(self: psgrad.streams.PushWriter, piece: memoryview) -> None:
+    def failing(self: psgrad.server.transfers.PushWriter, piece: memoryview) -> None:
         seen[0] += 1
         if seen[0] == 3:
             raise InvalidRequestError("refused at the third frame")
         write(self, piece)
 
-    monkeypatch.setattr(psgrad.streams.PushWriter, "write", failing)
+    monkeypatch.setattr(psgrad.server.transfers.PushWriter, "write", failing)
     # A deadline past the test's timeout: a push left waiting for its stream would fail the test.
     config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=300, retries=0, shared_memory=False)
     job = JobSpec(num_shards=1, num_workers=1, lr=LR, mode="async")
@@ -253,6 +239,6 @@ def test_a_gated_push_failed_by_the_server_mid_stream_raises_its_error(
             c.push(torch.ones(big), 0)
         assert calls.n == 1 and seen[0] == 3
         assert server.shard.version == 0 and server.shard.status()["pushes_rejected"] == 1
-        monkeypatch.setattr(psgrad.streams.PushWriter, "write", write)
+        monkeypatch.setattr(psgrad.server.transfers.PushWriter, "write", write)
         [reply] = c.push(torch.ones(big), 1)  # the turn was given back
         assert reply.applied and reply.version == 1

@@ -1,4 +1,4 @@
-"""psgrad.report: the figures are real PNGs of the asked size, and report.md / the table carry every mode."""
+"""psgrad.experiments.report: the figures are real PNGs of the asked size, and report.md / the table carry every mode."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from psgrad import report
-from psgrad.analysis import aggregate, load_run, nondeterminism_notes, run_metrics
+from psgrad.experiments import report
+from psgrad.experiments.analysis import aggregate, load_run, nondeterminism_notes, run_metrics
 from test_analysis import STATUS, T0, WORKERS, write_run
 
 pytestmark = pytest.mark.timeout(60)

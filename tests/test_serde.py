@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.serde: proto <-> Python conversions, and status_to_dict."""
+"""Pure tests of psgrad.wire.serde: proto <-> Python conversions, and status_to_dict."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from psgrad import serde
+from psgrad.wire import serde
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
-from psgrad.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,8 @@ import grpc
 import pytest
 import torch
 
-from psgrad.client import ParameterClient, ShardClient
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import (
     ConfigError,
@@ -21,8 +22,8 @@ from psgrad.errors import (
     StalledError,
 )
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server import RunningServer, start_server
-from psgrad.sharding import ParamSpec, plan_shards
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.core.sharding import ParamSpec, plan_shards
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
 # shared_memory=False: these tests are about the gRPC frames; tests/test_shm.py covers the same-host path.
@@ -293,7 +294,7 @@ def test_cancelled_waiting_pulls_free_their_server_threads() -> None:
 
 
 def test_server_options_fix_the_stream_window_unless_asked_for_grpcs_own() -> None:
-    from psgrad.server import server_options
+    from psgrad.server.runtime import server_options
 
     fixed = dict(server_options(ServerConfig(port=0)))
     assert fixed["grpc.http2.bdp_probe"] == 0 and fixed["grpc.http2.lookahead_bytes"] == 4 << 20

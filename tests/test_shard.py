@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.shard.Shard (no gRPC): init, join, pull, push, duplicates, non-finite, leases."""
+"""Pure tests of psgrad.server.shard.Shard (no gRPC): init, join, pull, push, duplicates, non-finite, leases."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import decode_frames
-from psgrad.codec import WireBuffer, byte_view
+from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
-from psgrad.shard import JoinResult, Layout, PushResult, Shard
-from psgrad.sharding import ParamSpec, fingerprint, plan_shards
+from psgrad.server.shard import JoinResult, Layout, PushResult, Shard
+from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.sharding: the shard plan, pieces, fingerprint and param_specs."""
+"""Pure tests of psgrad.core.sharding: the shard plan, pieces, fingerprint and param_specs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import psgrad.config as config_module
 from psgrad.config import JobSpec
 from psgrad.errors import ConfigError
-from psgrad.sharding import ParamSpec, fingerprint, param_specs, plan_shards
+from psgrad.core.sharding import ParamSpec, fingerprint, param_specs, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Same-host payloads through shared memory (psgrad.shm, and client/server using it), with the
+"""Same-host payloads through shared memory (psgrad.wire.shm, and client/server using it), with the
 fallback to gRPC frames when the server cannot open a worker's segment."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from psgrad import shm
-from psgrad.client import ParameterClient
+from psgrad.wire import shm
+from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
-from psgrad.server import RunningServer, start_server
-from psgrad.sharding import ParamSpec, plan_shards
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.core.sharding import ParamSpec, plan_shards
 
 pytestmark = [
     pytest.mark.timeout(60),

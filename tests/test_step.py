@@ -11,12 +11,14 @@ import grpc
 import pytest
 import torch
 
-from psgrad import shm
-from psgrad.client import ParameterClient, ShardClient
+from psgrad.wire import shm
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, StalledError
-from psgrad.server import SERVICE_NAME, RunningServer, start_server
-from psgrad.sharding import ParamSpec, plan_shards
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.wire.protocol import SERVICE_NAME
+from psgrad.core.sharding import ParamSpec, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,25 +108,6 @@ def test_payloads_over_one_chunk_to_another_host_push_and_pull_separately(
         assert calls.counts == {"step": 0, "push": 2, "pull": 2}
         assert [r.applied for r in replies] == [True, True] and versions == [1, 1]
         torch.testing.assert_close(flat, initial() - 0.5)
-
-
-@pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])
-def test_a_server_without_step_gets_push_and_pull(
-    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, shared: bool
-) -> None:
-    """An older server answers UNIMPLEMENTED: the client pushes and pulls instead, from then on."""
-    with client(servers, config(shared)) as c:
-        flat = ready(c)
-        for s in c.shards:  # the same channel, a method name no server has
-            missing = s._channel.unary_unary(f"/{SERVICE_NAME}/StepFromTheFuture", None, lambda b: b)
-            monkeypatch.setattr(s, "_step", missing)
-        calls = Calls(c, monkeypatch)
-        for clock in (0, 1):
-            replies, versions = c.exchange(torch.ones(N), clock, flat)
-            assert [r.applied for r in replies] == [True, True] and versions == [clock + 1] * 2
-        assert calls.counts == {"step": 2, "push": 4, "pull": 4}  # asked once per shard, never again
-        assert not any(s._has_step for s in c.shards)
-        torch.testing.assert_close(flat, initial() - 1.0)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])

@@ -1,4 +1,4 @@
-"""Transfers in flight (psgrad.streams and how Shard uses them, no gRPC): lazily framed pull streams,
+"""Transfers in flight (psgrad.server.transfers and how Shard uses them, no gRPC): lazily framed pull streams,
 bounded receive buffers, piecewise finiteness checks, and staged updates swapped in whole."""
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from conftest import decode_frames
-from psgrad import streams
-from psgrad.codec import WireBuffer, byte_view, data_frames, frame_payload
+from psgrad.server import transfers as streams
+from psgrad.core.codecs import WireBuffer, byte_view
+from psgrad.wire.frames import data_frames, frame_payload
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
-from psgrad.optimizers import SGD, make_optimizer
-from psgrad.shard import Layout, PushResult, Shard
-from psgrad.sharding import ParamSpec, fingerprint, plan_shards
+from psgrad.core.optimizers import SGD, make_optimizer
+from psgrad.server.shard import Layout, PushResult, Shard
+from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 

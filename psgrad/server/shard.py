@@ -12,19 +12,19 @@ from typing import Any
 
 import torch
 
-from psgrad import streams
-from psgrad.codec import WireBuffer, torch_dtype
+from psgrad.server import transfers as streams
+from psgrad.core.codecs import WireBuffer, torch_dtype
 from psgrad.config import ServerConfig
-from psgrad.consistency import ClockView, ConsistencyPolicy, SyncPolicy, make_policy
+from psgrad.core.consistency import ClockView, ConsistencyPolicy, SyncPolicy, make_policy
 from psgrad.errors import (
     InvalidRequestError,
     JobMismatchError,
     NotInitializedError,
     WorkerStateError,
 )
-from psgrad.layout import Layout, explain_mismatch
-from psgrad.optimizers import ShardOptimizer, make_optimizer
-from psgrad.streams import PullStream, PushWriter, UpdateRule, staged_rule
+from psgrad.core.layout import Layout, explain_mismatch
+from psgrad.core.optimizers import ShardOptimizer, make_optimizer
+from psgrad.server.transfers import PullStream, PushWriter, UpdateRule, staged_rule
 
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "

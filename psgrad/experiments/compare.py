@@ -10,12 +10,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psgrad import analysis, report
-from psgrad.client import shard_status
+from psgrad.experiments import analysis
+from psgrad.experiments import report
+from psgrad.client.parameter_client import shard_status
 from psgrad.config import MODES
 from psgrad.errors import ConfigError, PsgradError
-from psgrad.launch import run_launch
-from psgrad.serde import status_to_dict
+from psgrad.launch.local import run_launch
+from psgrad.wire.serde import status_to_dict
 
 DEFAULT_MODES = "sync,async,ssp:2"
 BASELINES = ("allreduce",)

@@ -3,61 +3,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from psgrad import errors, serde, shm
-from psgrad.codec import (
-    FrameParser,
-    PayloadWriter,
-    WireBuffer,
-    byte_view,
-    bytes_field_prefix,
-    torch_dtype,
-    write_frames,
-)
+from psgrad import errors
+from psgrad.wire import serde
+from psgrad.wire import shm
+from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
+from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, write_frames
 from psgrad.config import ServerConfig
-from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
-from psgrad.heap import tune_allocator
-from psgrad.layout import Layout
+from psgrad.errors import InvalidRequestError, PsgradError
+from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
-from psgrad.shard import Shard
-from psgrad.streams import PullStream, PushWriter
+from psgrad.server.shard import Shard
+from psgrad.server.transfers import PullStream, PushWriter
+from psgrad.wire import protocol
+from psgrad.wire.protocol import STEP_REPLY_DATA
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-STEP_REPLY_DATA = pb.StepReply.DESCRIPTOR.fields_by_name["data"].number
-STEP_REQUEST_DATA = pb.StepRequest.DESCRIPTOR.fields_by_name["data"].number
-ERROR_METADATA_KEY = "psgrad-error"
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-_STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
-    errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.JobMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
 # server's explanation (who it was waiting for) rather than a bare local timeout.
 DEADLINE_MARGIN_S = 0.5
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
-    code = _STATUS_OF.get(type(exc), grpc.StatusCode.INTERNAL)
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
-    context.abort(code, str(exc))
 
 
 def _edge(method: F) -> F:
@@ -68,7 +39,7 @@ def _edge(method: F) -> F:
         try:
             return method(self, request, context)
         except PsgradError as exc:
-            _abort(context, exc)
+            protocol.abort(context, exc)
 
     return wrapper  # type: ignore[return-value]
 
@@ -233,7 +204,7 @@ class ParameterServicer:
         try:
             version, frames = self._granted_pull(req.rank, req.clock, req.fingerprint, context, req.observe)
         except PsgradError as exc:
-            _abort(context, exc)
+            protocol.abort(context, exc)
             return
         try:
             header = pb.PullFrame(header=self._pull_header(version)).SerializeToString()
@@ -307,7 +278,7 @@ class ParameterServicer:
         try:
             r = self._reserve(_header(frames, pb.PushFrame, "push"), context)
         except PsgradError as exc:
-            _abort(context, exc)
+            protocol.abort(context, exc)
             return
         try:
             yield _READY
@@ -317,7 +288,7 @@ class ParameterServicer:
         try:
             reply = self._receive(r, frames=frames)
         except PsgradError as exc:
-            _abort(context, exc)
+            protocol.abort(context, exc)
             return
         yield pb.PushProgress(reply=reply).SerializeToString()
 
@@ -385,127 +356,3 @@ class ParameterServicer:
         self.shard.leave(req.rank)
         self._unmap_departed()
         return pb.LeaveReply()
-
-
-def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
-    """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
-    (serializer None)."""
-
-    def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
-        )
-
-    return grpc.method_handlers_generic_handler(
-        SERVICE_NAME,
-        {
-            "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
-            "Init": grpc.stream_unary_rpc_method_handler(
-                servicer.Init, response_serializer=pb.InitReply.SerializeToString
-            ),
-            "Pull": grpc.unary_stream_rpc_method_handler(
-                servicer.Pull, request_deserializer=pb.PullRequest.FromString
-            ),
-            "Push": grpc.stream_unary_rpc_method_handler(
-                servicer.Push, response_serializer=pb.PushReply.SerializeToString
-            ),
-            "PushGated": grpc.stream_stream_rpc_method_handler(servicer.PushGated),
-            "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
-            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
-            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
-            "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
-        },
-    )
-
-
-class RunningServer:
-    """A started shard server: its bound address, its state, and a graceful stop."""
-
-    def __init__(self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str) -> None:
-        self._server = grpc_server
-        self.servicer = servicer
-        self.address = address
-
-    @property
-    def shard(self) -> Shard:
-        return self.servicer.shard
-
-    def stop(self, grace_s: float | None = None) -> None:
-        grace = self.servicer.config.grace_s if grace_s is None else grace_s
-        self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
-        self._server.stop(grace).wait()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return bool(self._server.wait_for_termination(timeout_s))
-
-
-def server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """gRPC server arguments: message size limits, no port sharing, and the stream window.
-
-    A fixed window replaces gRPC's bandwidth-delay probing, which grows each connection's window
-    to tens of MB, all of it buffered in the server when the shard takes a push slower than the
-    network brings it (100 MB SGD shard, gRPC pushers, VmHWM - idle, against a 264 MB target:
-    255-276 MB with gRPC's windows in two sessions; 259-261 with 16 MiB; 249-255 with 8 MiB;
-    232-240 with 4 MiB). The window costs push speed: the push vs raw upload ratio was a median
-    0.04 higher with 8 or 16 MiB or gRPC's windows than with 4 MiB in the same round of
-    interleaved runs (README "Architecture"), and 2 MiB cost 10-15 % more (the sender waits for
-    window updates). 4 MiB keeps the memory target with room to spare; none of the wider
-    windows made the push reach 0.9 x raw reliably on 2 vCPUs. Measure both sides on your
-    machine with `benchmarks/transport.py` and `benchmarks/server_bench.py --stream-window-bytes N`.
-    Pushes waiting for their turn hold nothing whatever the window, since they send after
-    `ready` (PushGated)."""
-    options: list[tuple[str, int]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
-    if config.stream_window_bytes:
-        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
-    return options
-
-
-def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> RunningServer:
-    """Bind and start a shard server; port 0 picks a free port (see .address). `extra_handlers`
-    serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
-    methods, to compare them with psgrad's in the same process).
-
-    Raises:
-        ServerStartError: the address cannot be bound (for example the port is in use).
-    """
-    tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
-    shard = Shard(config)
-    servicer = ParameterServicer(shard, config)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        options=server_options(config),
-    )
-    server.add_generic_rpc_handlers((_generic_handler(servicer), *extra_handlers))
-    host = config.host
-    bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    target = f"{bind_host}:{config.port}"
-    try:
-        port = server.add_insecure_port(target)
-    except RuntimeError as exc:
-        raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
-    if port == 0:
-        raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
-    server.start()
-    shard.start_reaper()
-    return RunningServer(server, servicer, f"{bind_host}:{port}")
-
-
-def serve_forever(
-    config: ServerConfig, announce: Callable[[str], None], extra_handlers: Sequence[grpc.GenericRpcHandler] = ()
-) -> None:
-    """Run a server until SIGTERM or SIGINT, then stop gracefully."""
-    running = start_server(config, extra_handlers)
-    stop = threading.Event()
-    received: list[str] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    announce(running.address)
-    stop.wait()
-    running.stop()
-    announce_stop = received[0] if received else "request"
-    print(f"psgrad server {running.address} stopped ({announce_stop})", flush=True)

@@ -246,7 +246,7 @@ def _check_task(name: str) -> None:
 def cmd_server(ns: argparse.Namespace) -> int:
     import torch
 
-    from psgrad.server import serve_forever
+    from psgrad.server.runtime import serve_forever
 
     # Before any other thread starts, so that every handler thread inherits it.
     torch.set_num_threads(ns.torch_threads)
@@ -290,9 +290,9 @@ def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...], client: Cli
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:
-    from psgrad.metrics import MetricsSink
+    from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
-    from psgrad.worker import train
+    from psgrad.worker.loop import train
 
     _check_task(ns.task)
     spec = _job_spec(ns, ns.num_workers, len(ns.servers))
@@ -310,8 +310,8 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
 
 def cmd_allreduce(ns: argparse.Namespace) -> int:
-    from psgrad.allreduce import train_allreduce
-    from psgrad.metrics import MetricsSink
+    from psgrad.experiments.allreduce import train_allreduce
+    from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
 
     _check_task(ns.task)
@@ -337,7 +337,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
-    from psgrad.launch import run_launch
+    from psgrad.launch.local import run_launch
 
     _check_task(ns.task)
     from psgrad.api import check_overlap
@@ -382,8 +382,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 
 def _print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
-    from psgrad.client import shard_status
-    from psgrad.serde import status_to_dict
+    from psgrad.client.parameter_client import shard_status
+    from psgrad.wire.serde import status_to_dict
 
     shards = [dict(status_to_dict(r), address=a) for a, r in zip(addresses, shard_status(addresses, timeout_s))]
     if as_json:
@@ -427,7 +427,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     import time
     from pathlib import Path as _Path
 
-    from psgrad.compare import DEFAULT_MODES, CompareConfig, parse_modes, run_compare
+    from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig, parse_modes, run_compare
 
     _check_task(ns.task)
     out = _Path(ns.out) if ns.out else _Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")

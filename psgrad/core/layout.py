@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from psgrad.config import JobSpec
-from psgrad.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import torch.distributed.nn  # noqa: F401
 
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
-from psgrad.metrics import MetricsSink
+from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task, batches
-from psgrad.flat import FlatModel, resolve_device
-from psgrad.worker import DelayInjector, TrainingLog
+from psgrad.worker.flat import FlatModel, resolve_device
+from psgrad.worker.loop import DelayInjector, TrainingLog
 
 
 @contextmanager
@@ -61,7 +61,7 @@ def train_allreduce(
     flat gradients are summed with one all_reduce and divided by the world size, and every rank
     applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay). Model
     init, data slice, batch order, delay injection and the metrics schema are those of
-    psgrad.worker.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
+    psgrad.worker.loop.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
     covers the optimizer step, and evaluations see the weights after this step's update.
     Only spec.num_workers, lr, momentum and weight_decay are read from spec.
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from psgrad.codec import PayloadWriter, byte_view, data_frame, element_size
+from psgrad.core.codecs import byte_view, element_size
+from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import WorkerStateError
-from psgrad.optimizers import SGD, ShardOptimizer
+from psgrad.core.optimizers import SGD, ShardOptimizer
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,

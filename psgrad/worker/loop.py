@@ -13,8 +13,8 @@ from torch import nn
 
 from psgrad.api import Session
 from psgrad.config import JobSpec, WorkerConfig
-from psgrad.flat import resolve_device
-from psgrad.metrics import MetricsSink
+from psgrad.worker.flat import resolve_device
+from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task, batches
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
-from psgrad.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec
 
 _DEFAULT_SPEC = JobSpec()
 

@@ -1,4 +1,5 @@
-"""Tensor <-> wire bytes: wire dtypes, byte views, and chunked payload frames; pure, no network.
+"""Payload frames: tensor bytes chunked into ``XFrame{bytes data = 2}`` messages built and parsed by
+hand, and writers that reassemble them; pure, no network.
 
 A payload frame is the protobuf encoding of ``XFrame{bytes data = 2}``: one tag byte (0x12),
 a varint length, then raw little-endian bytes. Building and parsing that prefix by hand lets
@@ -9,52 +10,13 @@ protobuf object (which would copy them twice more), while the wire stays exactly
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from psgrad.config import DEFAULT_CHUNK_BYTES
 from psgrad.errors import InvalidRequestError
 
-WIRE_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 _DATA_TAG = 0x12  # field 2, wire type 2 (length-delimited)
-
-if sys.byteorder != "little":  # pragma: no cover - all supported platforms are little-endian
-    raise ImportError("psgrad's wire format is little-endian; this host is big-endian")
-
-
-_ELEMENT_SIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in WIRE_TORCH_DTYPES.values()}
-
-
-def element_size(dtype: torch.dtype) -> int:
-    """Bytes per value of a wire dtype."""
-    return _ELEMENT_SIZE[dtype]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a wire dtype name ('float32', 'bfloat16', 'float16')."""
-    try:
-        return WIRE_TORCH_DTYPES[name]
-    except KeyError:
-        raise InvalidRequestError(
-            f"unknown wire dtype {name!r}; valid: {', '.join(WIRE_TORCH_DTYPES)}"
-        ) from None
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable uint8 memoryview aliasing a contiguous CPU tensor's storage (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous CPU tensor")
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray())
-    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _varint(n: int) -> bytes:
@@ -163,33 +125,3 @@ class FrameParser:
         if msg.WhichOneof("kind") != "data":
             raise InvalidRequestError(f"{self._what}: expected a data frame, got {msg.WhichOneof('kind')}")
         return memoryview(msg.data)
-
-
-class WireBuffer:
-    """A reusable staging tensor for converting float32 <-> a narrower wire dtype."""
-
-    def __init__(self, numel: int, wire_dtype: str) -> None:
-        self.dtype_name = wire_dtype
-        self.dtype = torch_dtype(wire_dtype)
-        self.numel = numel
-        self._buf = None if self.dtype == torch.float32 else torch.empty(numel, dtype=self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * element_size(self.dtype)
-
-    def encode(self, src: torch.Tensor) -> memoryview:
-        """Bytes of src (float32, CPU, contiguous) in the wire dtype; aliases src when float32."""
-        if self._buf is None:
-            return byte_view(src)
-        self._buf.copy_(src)
-        return byte_view(self._buf)
-
-    def receive_view(self, dest: torch.Tensor) -> memoryview:
-        """Where incoming wire bytes for dest should be written."""
-        return byte_view(dest) if self._buf is None else byte_view(self._buf)
-
-    def finish_receive(self, dest: torch.Tensor) -> None:
-        """Convert received wire bytes into dest (no-op when the wire is float32)."""
-        if self._buf is not None:
-            dest.copy_(self._buf)

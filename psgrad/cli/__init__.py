@@ -1,0 +1,1 @@
+"""The `psgrad` command line: argv -> validated config -> call."""

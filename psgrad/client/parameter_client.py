@@ -1,0 +1,233 @@
+"""A worker's view of the whole job: one ShardClient per shard, the shard plan, concurrent fan-out,
+join/init, the lease heartbeat, and one iteration's push + pull."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import torch
+
+from psgrad import errors
+from psgrad.client.shard_client import ShardClient
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.codecs import WireBuffer
+from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
+from psgrad.errors import PsgradError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.wire import serde
+from psgrad.wire.heap import tune_allocator
+
+T = TypeVar("T")
+
+
+class ParameterClient:
+    """A worker's view of the whole job: S shard clients, the shard plan, concurrent fan-out."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        spec: JobSpec,
+        params: Sequence[ParamSpec],
+        plan: ShardPlan,
+        rank: int,
+        config: ClientConfig,
+    ) -> None:
+        if len(addresses) != plan.num_shards or spec.num_shards != plan.num_shards:
+            raise errors.ConfigError(
+                f"{len(addresses)} server addresses for a plan of {plan.num_shards} shards"
+            )
+        self.spec = spec
+        self.params = list(params)
+        self.plan = plan
+        self.rank = rank
+        self.config = config
+        self.fingerprint = fingerprint(self.params, spec)
+        tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
+        self.shards = [ShardClient(a, config) for a in addresses]
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
+        # Separate staging buffers for pulls and pushes so the two may overlap.
+        self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        self.base_versions = [0] * plan.num_shards
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
+
+    def __enter__(self) -> ParameterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channels without leaving (the servers drop this worker when its lease ends)."""
+        self._halt_heartbeat()
+        self._pool.shutdown(wait=True)
+        for s in self.shards:
+            s.close()
+
+    def _fan_out(self, fn: Callable[[int, ShardClient], T]) -> list[T]:
+        """Run fn on every shard concurrently, the first one on this thread (a hand-off to another
+        thread costs about as much as a small call); wait for all, then re-raise the first failure
+        (in shard order)."""
+        futs = [self._pool.submit(fn, i, s) for i, s in enumerate(self.shards) if i > 0]
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            outcomes.append((True, fn(0, self.shards[0])))
+        except BaseException as exc:  # the others are already running: let them finish first
+            outcomes.append((False, exc))
+        for f in futs:
+            error = f.exception()
+            outcomes.append((False, error) if error is not None else (True, f.result()))
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        return [value for _, value in outcomes]
+
+    def _join_request(self, index: int, wait: bool) -> pb.JoinRequest:
+        start, end = self.plan.ranges[index]
+        return pb.JoinRequest(
+            rank=self.rank,
+            spec=serde.job_spec_to_proto(self.spec),
+            params=serde.params_to_proto(self.params),
+            shard=serde.shard_range_to_proto(index, start, end),
+            fingerprint=self.fingerprint,
+            wait_for_init=wait,
+        )
+
+    def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> int:
+        """Join every shard and return the clock this worker continues from.
+
+        The chief passes its initial flat weights and initializes any empty shard; every worker
+        then waits (server side, up to init_timeout_s) until the shards are initialized and, in
+        sync/ssp mode, until all num_workers workers have joined. Starts the lease heartbeat.
+        """
+        replies = self._fan_out(
+            lambda i, s: s.join(self._join_request(i, wait=False), self.config.connect_timeout_s)
+        )
+        if initial_weights is not None and not all(r.initialized for r in replies):
+            flat = initial_weights()
+
+            def init(i: int, s: ShardClient) -> Any:
+                if replies[i].initialized:
+                    return None
+                start, end = self.plan.ranges[i]
+                header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start)
+                return s.init(header, flat[start:end].contiguous())
+
+            self._fan_out(init)
+        if not all(r.ready for r in replies):
+            t = self.config.init_timeout_s
+            replies = self._fan_out(lambda i, s: s.join(self._join_request(i, wait=True), t))
+            missing = [self.shards[i].address for i, r in enumerate(replies) if not r.initialized]
+            if missing:
+                raise errors.NotInitializedError(
+                    f"shards at {', '.join(missing)} were not initialized within {t:g} s: "
+                    "is worker rank 0 (the chief) running against the same --servers?"
+                )
+            short = [r.joined for r in replies if not r.ready]
+            if short:
+                raise errors.WorkerStateError(
+                    f"only {min(short)} of {self.spec.num_workers} workers joined within {t:g} s "
+                    f"({self.spec.mode} mode starts all workers together): start the others, or lower "
+                    "--num-workers"
+                )
+        self._start_heartbeat(min(r.lease_s for r in replies))
+        return max(r.start_clock for r in replies)
+
+    def _start_heartbeat(self, lease_s: float) -> None:
+        """Renew this worker's lease every lease_s/3 while it trains (also while a pull waits)."""
+        if self._heartbeat is not None:
+            return
+        stop = self._stop_heartbeat
+
+        def beat() -> None:
+            while not stop.wait(lease_s / 3):
+                for s in self.shards:
+                    try:
+                        s.heartbeat(self.rank, self.fingerprint)
+                    except PsgradError:
+                        pass  # the training loop's own calls report a lost server or eviction
+
+        self._heartbeat = threading.Thread(target=beat, name="psgrad-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def pull(self, flat: torch.Tensor, clock: int, observe: bool = False) -> list[int]:
+        """Pull every shard into its range of flat (float32, CPU) once the mode's gate for `clock`
+        holds; remembers the base versions. observe=True reads a snapshot: no gate, no lease."""
+
+        req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint, observe=observe)
+
+        def one(i: int, s: ShardClient) -> int:
+            start, end = self.plan.ranges[i]
+            return s.pull(req, flat[start:end], self._pull_wires[i])
+
+        versions = self._fan_out(one)
+        if not observe:
+            self.base_versions = versions
+        return versions
+
+    def _push_header(self, index: int, clock: int) -> pb.PushHeader:
+        start, end = self.plan.ranges[index]
+        return pb.PushHeader(
+            rank=self.rank,
+            clock=clock,
+            base_version=self.base_versions[index],
+            numel=end - start,
+            dtype=self.spec.wire_dtype,
+            fingerprint=self.fingerprint,
+        )
+
+    def push(self, flat_grad: torch.Tensor, clock: int) -> list[pb.PushReply]:
+        """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions."""
+
+        def one(i: int, s: ShardClient) -> pb.PushReply:
+            start, end = self.plan.ranges[i]
+            return s.push(self._push_header(i, clock), self._push_wires[i].encode(flat_grad[start:end]))
+
+        return self._fan_out(one)
+
+    def exchange(self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor) -> tuple[list[pb.PushReply], list[int]]:
+        """One iteration's traffic: push(flat_grad, clock), then pull(flat, clock + 1), per shard
+        in one Step call where it fits (same host, or payloads of at most one chunk), else as a
+        push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
+        while another shard still receives the push. Returns the push replies and the versions
+        pulled (remembered as base versions)."""
+        req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
+
+        def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
+            start, end = self.plan.ranges[i]
+            header = self._push_header(i, clock)
+            payload = self._push_wires[i].encode(flat_grad[start:end])
+            done = s.step(header, payload, flat[start:end], self._pull_wires[i])
+            if done is None:
+                done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i])
+            return done
+
+        results = self._fan_out(one)
+        self.base_versions = [version for _, version in results]
+        return [reply for reply, _ in results], list(self.base_versions)
+
+    def leave(self) -> None:
+        """Leave the job: nobody waits for this worker any more."""
+        self._halt_heartbeat()
+        self._fan_out(lambda i, s: s.leave(self.rank, self.fingerprint))
+
+    def _halt_heartbeat(self) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+
+
+def shard_status(addresses: Sequence[str], timeout_s: float) -> list[pb.StatusReply]:
+    """Status of each server (in the given order), each asked concurrently."""
+    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, retries=0)
+    clients = [ShardClient(a, config) for a in addresses]
+    try:
+        with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            return list(pool.map(lambda c: c.status(timeout_s), clients))
+    finally:
+        for c in clients:
+            c.close()

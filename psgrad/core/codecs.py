@@ -1,0 +1,119 @@
+"""Wire codecs: how float32 values travel as bytes (float32, bfloat16, float16), found by name in a
+registry; byte views of tensors, and reusable conversion buffers. Pure, no network."""
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from psgrad.errors import InvalidRequestError
+
+if sys.byteorder != "little":  # pragma: no cover - all supported platforms are little-endian
+    raise ImportError("psgrad's wire format is little-endian; this host is big-endian")
+
+# torch.frombuffer warns, once per process, that a read-only buffer (the bytes gRPC hands over)
+# gives a tensor torch cannot protect; psgrad only reads such tensors, so take that warning here.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One wire format for a range of float32 values: little-endian values of `dtype`."""
+
+    name: str
+    dtype: torch.dtype
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per value on the wire."""
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def exact(self) -> bool:
+        """The wire bytes are the float32 values themselves: no conversion on either end, and a
+        receiver may check (and apply) each piece as it arrives."""
+        return self.dtype == torch.float32
+
+
+CODECS: dict[str, Codec] = {}
+
+
+def register_codec(codec: Codec) -> Codec:
+    """Add a codec under its name (config.WIRE_DTYPES lists the names for the CLI; a test keeps
+    the two equal)."""
+    CODECS[codec.name] = codec
+    return codec
+
+
+FLOAT32 = register_codec(Codec("float32", torch.float32))
+register_codec(Codec("bfloat16", torch.bfloat16))
+register_codec(Codec("float16", torch.float16))
+
+_ELEMENT_SIZE = {c.dtype: c.element_size for c in CODECS.values()}
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered under name.
+
+    Raises:
+        InvalidRequestError: no such codec (the message lists the valid ones).
+    """
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise InvalidRequestError(f"unknown wire dtype {name!r}; valid: {', '.join(CODECS)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name ('float32', 'bfloat16', 'float16')."""
+    return get_codec(name).dtype
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per value of a wire dtype."""
+    return _ELEMENT_SIZE[dtype]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable uint8 memoryview aliasing a contiguous CPU tensor's storage (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+class WireBuffer:
+    """A reusable staging tensor for converting float32 <-> a narrower wire dtype."""
+
+    def __init__(self, numel: int, wire_dtype: str) -> None:
+        self.codec = get_codec(wire_dtype)
+        self.dtype_name = wire_dtype
+        self.dtype = self.codec.dtype
+        self.numel = numel
+        self._buf = None if self.codec.exact else torch.empty(numel, dtype=self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.codec.element_size
+
+    def encode(self, src: torch.Tensor) -> memoryview:
+        """Bytes of src (float32, CPU, contiguous) in the wire dtype; aliases src when exact."""
+        if self._buf is None:
+            return byte_view(src)
+        self._buf.copy_(src)
+        return byte_view(self._buf)
+
+    def receive_view(self, dest: torch.Tensor) -> memoryview:
+        """Where incoming wire bytes for dest should be written."""
+        return byte_view(dest) if self._buf is None else byte_view(self._buf)
+
+    def finish_receive(self, dest: torch.Tensor) -> None:
+        """Convert received wire bytes into dest (no-op when the wire is float32)."""
+        if self._buf is not None:
+            dest.copy_(self._buf)

@@ -1,0 +1,1 @@
+"""Metrics sinks: where a process writes its per-step records."""

@@ -1,0 +1,143 @@
+"""A shard server process: the gRPC method table, binding (port 0 included), graceful stop, and
+running until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from psgrad.config import ServerConfig
+from psgrad.errors import ServerStartError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server.servicer import ParameterServicer
+from psgrad.server.shard import Shard
+from psgrad.wire.heap import tune_allocator
+from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME
+
+
+def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
+    (serializer None)."""
+
+    def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Join": unary(servicer.Join, pb.JoinRequest, pb.JoinReply),
+            "Init": grpc.stream_unary_rpc_method_handler(
+                servicer.Init, response_serializer=pb.InitReply.SerializeToString
+            ),
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                servicer.Pull, request_deserializer=pb.PullRequest.FromString
+            ),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                servicer.Push, response_serializer=pb.PushReply.SerializeToString
+            ),
+            "PushGated": grpc.stream_stream_rpc_method_handler(servicer.PushGated),
+            "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
+            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
+        },
+    )
+
+
+class RunningServer:
+    """A started shard server: its bound address, its state, and a graceful stop."""
+
+    def __init__(self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str) -> None:
+        self._server = grpc_server
+        self.servicer = servicer
+        self.address = address
+
+    @property
+    def shard(self) -> Shard:
+        return self.servicer.shard
+
+    def stop(self, grace_s: float | None = None) -> None:
+        grace = self.servicer.config.grace_s if grace_s is None else grace_s
+        self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return bool(self._server.wait_for_termination(timeout_s))
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC server arguments: message size limits, no port sharing, and the stream window.
+
+    A fixed window replaces gRPC's bandwidth-delay probing, which grows each connection's window
+    to tens of MB, all of it buffered in the server when the shard takes a push slower than the
+    network brings it (100 MB SGD shard, gRPC pushers, VmHWM - idle, against a 264 MB target:
+    255-276 MB with gRPC's windows in two sessions; 259-261 with 16 MiB; 249-255 with 8 MiB;
+    232-240 with 4 MiB). The window costs push speed: the push vs raw upload ratio was a median
+    0.04 higher with 8 or 16 MiB or gRPC's windows than with 4 MiB in the same round of
+    interleaved runs (README "Architecture"), and 2 MiB cost 10-15 % more (the sender waits for
+    window updates). 4 MiB keeps the memory target with room to spare; none of the wider
+    windows made the push reach 0.9 x raw reliably on 2 vCPUs. Measure both sides on your
+    machine with `benchmarks/transport.py` and `benchmarks/server_bench.py --stream-window-bytes N`.
+    Pushes waiting for their turn hold nothing whatever the window, since they send after
+    `ready` (PushGated)."""
+    options: list[tuple[str, int]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+    if config.stream_window_bytes:
+        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
+    return options
+
+
+def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> RunningServer:
+    """Bind and start a shard server; port 0 picks a free port (see .address). `extra_handlers`
+    serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
+    methods, to compare them with psgrad's in the same process).
+
+    Raises:
+        ServerStartError: the address cannot be bound (for example the port is in use).
+    """
+    tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
+    shard = Shard(config)
+    servicer = ParameterServicer(shard, config)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
+        options=server_options(config),
+    )
+    server.add_generic_rpc_handlers((_generic_handler(servicer), *extra_handlers))
+    host = config.host
+    bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    target = f"{bind_host}:{config.port}"
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
+    if port == 0:
+        raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
+    server.start()
+    shard.start_reaper()
+    return RunningServer(server, servicer, f"{bind_host}:{port}")
+
+
+def serve_forever(
+    config: ServerConfig, announce: Callable[[str], None], extra_handlers: Sequence[grpc.GenericRpcHandler] = ()
+) -> None:
+    """Run a server until SIGTERM or SIGINT, then stop gracefully."""
+    running = start_server(config, extra_handlers)
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    announce(running.address)
+    stop.wait()
+    running.stop()
+    announce_stop = received[0] if received else "request"
+    print(f"psgrad server {running.address} stopped ({announce_stop})", flush=True)

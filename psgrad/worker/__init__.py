@@ -1,0 +1,1 @@
+"""The worker side: flat parameter/gradient buffers and the CLI training loop."""
