@@ -79,7 +79,7 @@ def test_the_users_loop_in_sync_mode_equals_single_process_training(make_servers
     for rank in range(workers):  # the last step's pull brought the final weights into each model
         torch.testing.assert_close(finals[rank], expected, rtol=1e-5, atol=1e-6)
     for s in running:
-        assert [(r, state) for r, _, state, *_ in s.shard.status()["workers"]] == [(0, "left"), (1, "left")]
+        assert [(r, state) for r, _, state, *_ in s.shard.status().workers] == [(0, "left"), (1, "left")]
 
 
 def _delayed_sgd(model: nn.Module, steps: int, lr: float, x: torch.Tensor, y: torch.Tensor, delay: int) -> torch.Tensor:
@@ -190,7 +190,7 @@ def test_an_error_inside_the_with_block_is_not_hidden_and_the_worker_leaves(make
         with psgrad.connect(_addresses(running), client=CLIENT) as ps:
             ps.optimizer(_model())
             raise RuntimeError("user bug")
-    assert [state for _, _, state, *_ in running[0].shard.status()["workers"]] == ["left"]
+    assert [state for _, _, state, *_ in running[0].shard.status().workers] == ["left"]
 
 
 @pytest.mark.timeout(60)

@@ -364,3 +364,14 @@ def test_byte_view_refuses_noncontiguous(make) -> None:  # type: ignore[no-untyp
     assert not t.is_contiguous()
     with pytest.raises(ValueError, match="contiguous"):
         byte_view(t)
+
+
+def test_codec_registry_matches_the_cli_names() -> None:
+    from psgrad.config import WIRE_DTYPES
+    from psgrad.core.codecs import CODECS, get_codec
+
+    assert list(CODECS) == list(WIRE_DTYPES)
+    assert [name for name in CODECS if get_codec(name).exact] == ["float32"]
+    assert {get_codec(n).element_size for n in ("bfloat16", "float16")} == {2}
+    with pytest.raises(InvalidRequestError, match="valid: float32, bfloat16, float16"):
+        get_codec("int8")

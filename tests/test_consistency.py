@@ -12,9 +12,11 @@ from psgrad import config as config_module
 from psgrad.core.codecs import WireBuffer
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.core.consistency import (
-    POLICIES,
     AsyncPolicy,
     ClockView,
+    ConsistencyPolicy,
+    POLICIES,
+    PushDecision,
     SSPPolicy,
     SyncPolicy,
     make_policy,
@@ -174,11 +176,11 @@ def can_pull(shard: Shard, layout: Layout, rank: int, clock: int) -> bool:
 
 
 def states(shard: Shard) -> dict[int, str]:
-    return {rank: state for rank, _, state, _, _ in shard.status()["workers"]}
+    return {rank: state for rank, _, state, _, _ in shard.status().workers}
 
 
 def clocks(shard: Shard) -> dict[int, int]:
-    return {rank: clock for rank, clock, *_ in shard.status()["workers"]}
+    return {rank: clock for rank, clock, *_ in shard.status().workers}
 
 
 def applies(shard: Shard) -> list[tuple]:  # type: ignore[type-arg]
@@ -200,7 +202,7 @@ def test_sync_applies_the_mean_once_every_live_worker_pushed() -> None:
         assert result == PushResult(False, result.reason, 0, 0, deferred=True)
         assert s.version == 0
         assert torch.equal(s.weights_copy(), w0)
-        assert s.status()["pending"] == r + 1
+        assert s.status().pending == r + 1
         # Iteration 1 may not start before iteration 0's mean is applied.
         assert not can_pull(s, layout, 0, 1)
         assert s.blocking(0, 1) == [x for x in (1, 2) if x > r]
@@ -213,8 +215,8 @@ def test_sync_applies_the_mean_once_every_live_worker_pushed() -> None:
     assert torch.allclose(s.weights_copy(), expected, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(s.weights_copy(), w0 - LR * grads[2], rtol=1e-6, atol=1e-6)
     st = s.status()
-    assert st["staleness"] == {0: 3}
-    assert (st["pushes_applied"], st["pending"], st["version"]) == (3, 0, 1)
+    assert st.staleness == {0: 3}
+    assert (st.pushes_applied, st.pending, st.version) == (3, 0, 1)
     assert applies(s) == [("apply", 1, ((0, 0, 0), (1, 0, 0), (2, 0, 0)))]
     for r in range(3):
         assert can_pull(s, layout, r, 1)
@@ -280,7 +282,7 @@ def test_sync_worker_that_leaves_stops_being_waited_for() -> None:
         done = push(s, layout, g[1, c], rank=1, clock=c)
         assert done.applied and not done.deferred and s.version == c + 1
         assert torch.allclose(s.weights_copy(), w - LR * (g[0, c] + g[1, c]) / 2, rtol=1e-6, atol=1e-6)
-    assert s.status()["staleness"] == {0: 3 + 2 + 2 + 2}
+    assert s.status().staleness == {0: 3 + 2 + 2 + 2}
     with pytest.raises(WorkerStateError, match="left"):
         s.push_target(2, 1, 1, layout.numel, "float32", layout.fingerprint)
 
@@ -310,7 +312,7 @@ def test_sync_evicted_worker_blocks_only_until_its_lease_passes() -> None:
     assert s.touch(0) == 2  # this refresh evicts rank 2 and completes iteration 1 without it
     s.touch(1)
     assert states(s) == {0: "live", 1: "live", 2: "evicted"}
-    assert s.status()["evictions"] == 1
+    assert s.status().evictions == 1
     assert ("evict", 2, 1) in s.history
     assert applies(s)[-1] == ("apply", 2, ((0, 1, 0), (1, 1, 0)))
     assert torch.allclose(s.weights_copy(), w1 - LR * (g[0, 1] + g[1, 1]) / 2, rtol=1e-6, atol=1e-6)
@@ -323,7 +325,7 @@ def test_sync_evicted_worker_blocks_only_until_its_lease_passes() -> None:
         s.pull_frames(2, 1, layout.fingerprint, timeout_s=0)
     assert torch.equal(s.weights_copy(), before) and s.version == 2
     st = s.status()
-    assert st["evictions"] == 1 and st["pending"] == 0 and st["pushes_rejected"] == 1
+    assert st.evictions == 1 and st.pending == 0 and st.pushes_rejected == 1
 
 
 def test_sync_push_for_the_wrong_iteration_is_refused() -> None:
@@ -336,7 +338,7 @@ def test_sync_push_for_the_wrong_iteration_is_refused() -> None:
     msg = str(info.value)
     assert "rank 0" in msg and "iteration 1" in msg and "iteration 0" in msg
     st = s.status()
-    assert (st["pushes_rejected"], st["pending"], st["version"]) == (1, 0, 0)
+    assert (st.pushes_rejected, st.pending, st.version) == (1, 0, 0)
     assert torch.equal(s.weights_copy(), w0)
     assert clocks(s) == {0: 0, 1: 0}
     # The refused push consumed nothing: the right iteration is still accepted and completes.
@@ -403,7 +405,7 @@ def test_ssp_worker_waits_for_the_slowest_live_worker() -> None:
     # Invariant: no granted pull is more than s ahead of the slowest live worker.
     for _, _, c, slowest, _ in (e for e in s.history if e[0] == "pull"):
         assert c - slowest <= 1
-    assert s.status()["staleness"] == {0: 2, 2: 1}
+    assert s.status().staleness == {0: 2, 2: 1}
 
 
 def test_ssp_slow_worker_that_leaves_releases_the_others() -> None:
@@ -446,7 +448,7 @@ def test_async_staleness_lr_scales_the_step(staleness_lr: bool) -> None:
     assert torch.allclose(s.weights_copy(), w2 - scale * LR * g[2], rtol=1e-6, atol=1e-6)
     other = 1.0 if staleness_lr else 0.5
     assert not torch.allclose(s.weights_copy(), w2 - other * LR * g[2], rtol=1e-6, atol=1e-6)
-    assert s.status()["staleness"] == {0: 1, 1: 1, 2: 1}
+    assert s.status().staleness == {0: 1, 1: 1, 2: 1}
 
 
 # ============================================================================= join
@@ -554,3 +556,21 @@ def test_join_waits_for_the_other_workers(mode: str) -> None:
     assert not thread.is_alive()
     assert outcome == [JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)]
     assert result == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
+
+
+# ----------------------------------------------------------------------------- push decisions
+@pytest.mark.parametrize("policy", [AsyncPolicy(), SSPPolicy(2)], ids=lambda p: p.name)
+def test_modes_that_apply_on_arrival_apply_any_clock_and_never_complete_a_round(policy: ConsistencyPolicy) -> None:
+    view = ClockView(5, {0: 1, 1: 9})
+    assert policy.decide_push(0, 1, view) is PushDecision.APPLY
+    assert policy.decide_push(1, 9, view) is PushDecision.APPLY
+    assert not policy.aggregates and not policy.iteration_complete(5, view, pushed=2)
+
+
+def test_sync_buffers_the_current_iteration_and_refuses_any_other() -> None:
+    view = ClockView(3, {0: 3, 1: 4})
+    assert SyncPolicy().decide_push(0, 3, view) is PushDecision.BUFFER
+    for clock in (2, 4):
+        with pytest.raises(InvalidRequestError, match=f"iteration {clock}, but shard is at iteration 3"):
+            SyncPolicy().decide_push(0, clock, view)
+    assert SyncPolicy().aggregates

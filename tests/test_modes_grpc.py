@@ -71,8 +71,8 @@ def test_sync_equals_single_process_sgd_on_the_concatenated_batch(make_servers, 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for s in servers:
         st_ = s.shard.status()
-        assert st_["version"] == steps
-        assert st_["staleness"] == {0: workers * steps}
+        assert st_.version == steps
+        assert st_.staleness == {0: workers * steps}
 
 
 # ----------------------------------------------------------------------------- property-based
@@ -204,7 +204,7 @@ def test_random_schedules_keep_every_modes_invariants(make_servers, plan: Plan) 
     for s in servers:
         history, pending, version = s.shard.audit()
         _check_history(history, pending, plan, log, version)
-        states = {w[0]: w[2] for w in s.shard.status()["workers"]}
+        states = {w[0]: w[2] for w in s.shard.status().workers}
         for r, k in plan.kill_at.items():
             someone_waited = plan.mode == "sync" and any(
                 plan.steps[w] > k + 1 for w in range(n) if w not in plan.kill_at  # pulls past k

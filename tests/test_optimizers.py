@@ -224,3 +224,36 @@ def test_adam_apply_allocates_nothing_large() -> None:
 def test_adam_refuses_a_zero_block() -> None:
     with pytest.raises(ConfigError, match="block"):
         Adam(10, lr=1e-3, block=0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [JobSpec(lr=0.1, momentum=0.9), JobSpec(optimizer="adam", lr=0.01), JobSpec(optimizer="adamw", lr=0.01, weight_decay=0.1)],
+    ids=["momentum", "adam", "adamw"],
+)
+def test_state_dict_round_trip_continues_bit_for_bit(spec: JobSpec) -> None:
+    gen = torch.Generator().manual_seed(3)
+    a, w_a = make_optimizer(spec, 40), torch.randn(40, generator=gen)
+    for _ in range(3):
+        a.apply(w_a, torch.randn(40, generator=gen))
+    b, w_b = make_optimizer(spec, 40), w_a.clone()
+    b.load_state_dict(a.state_dict())
+    g = torch.randn(40, generator=gen)
+    a.apply(w_a, g.clone())
+    b.apply(w_b, g.clone())
+    assert torch.equal(w_a, w_b)
+
+
+def test_state_dict_is_a_copy() -> None:
+    opt = make_optimizer(JobSpec(optimizer="adam", lr=0.01), 8)
+    opt.apply(torch.zeros(8), torch.ones(8))
+    state = opt.state_dict()
+    opt.apply(torch.zeros(8), torch.ones(8))
+    assert state["step"] == 1 and not torch.equal(state["exp_avg"], opt.state_dict()["exp_avg"])  # type: ignore[arg-type]
+
+
+def test_plain_sgd_state_is_empty_and_restores_to_empty() -> None:
+    opt = make_optimizer(JobSpec(lr=0.1), 8)
+    assert opt.state_dict() == {}
+    opt.load_state_dict({})
+    assert opt.state_bytes() == 0

@@ -52,9 +52,9 @@ def initial() -> torch.Tensor:
 
 
 def weights(server: RunningServer) -> torch.Tensor:
-    w = server.shard._weights
+    w = server.shard.weights_copy()
     assert w is not None
-    return w.clone()
+    return w
 
 
 class Counted:
@@ -194,7 +194,7 @@ def test_a_push_abandoned_after_ready_gives_its_turn_back(server: RunningServer)
         # Holding the shard's only turn would keep this push waiting past its deadline.
         [reply] = c.push(torch.ones(N), 0)
         assert reply.applied and reply.version == 1
-        assert server.shard.status()["pushes_rejected"] == 1
+        assert server.shard.status().pushes_rejected == 1
 
 
 @pytest.mark.parametrize("threshold, gated", [(4 * N, 0), (4 * N - 1, 1)], ids=["at-threshold", "above"])
@@ -238,7 +238,7 @@ def test_a_gated_push_failed_by_the_server_mid_stream_raises_its_error(
         with pytest.raises(InvalidRequestError, match="refused at the third frame"):
             c.push(torch.ones(big), 0)
         assert calls.n == 1 and seen[0] == 3
-        assert server.shard.version == 0 and server.shard.status()["pushes_rejected"] == 1
+        assert server.shard.version == 0 and server.shard.status().pushes_rejected == 1
         monkeypatch.setattr(psgrad.server.transfers.PushWriter, "write", write)
         [reply] = c.push(torch.ones(big), 1)  # the turn was given back
         assert reply.applied and reply.version == 1

@@ -10,6 +10,7 @@ from psgrad.wire import serde
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
+from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,3 +175,48 @@ def test_status_to_dict_single_bucket() -> None:
     reply = pb.StatusReply(staleness=[pb.StalenessBucket(staleness=4, count=6)])
     s = serde.status_to_dict(reply)["staleness"]
     assert s == {"histogram": {4: 6}, "max": 4, "mean": 4.0}
+
+
+def _status(initialized: bool = True) -> ShardStatus:
+    return ShardStatus(
+        initialized=initialized,
+        index=1 if initialized else 0,
+        start=10 if initialized else 0,
+        end=26 if initialized else 0,
+        fingerprint="fp" if initialized else "",
+        spec=SPEC if initialized else None,
+        version=7,
+        pushes_applied=8,
+        pushes_duplicate=2,
+        pushes_rejected=1,
+        pulls=9,
+        bytes_in=1000,
+        bytes_out=2000,
+        evictions=3,
+        pending=1,
+        waiting=2,
+        uptime_s=12.5,
+        workers=(WorkerStatus(0, 5, "live", 0.25, 5), WorkerStatus(3, 2, "evicted", 11.0, 2)),
+        staleness={0: 4, 3: 2},
+        transfers=TransferStatus(1, 2, 3, True, 4, 5),
+    )
+
+
+@pytest.mark.parametrize("initialized", [True, False])
+def test_shard_status_round_trip(initialized: bool) -> None:
+    status = _status(initialized)
+    assert serde.status_from_proto(_through_wire(serde.status_to_proto(status))) == status
+
+
+def test_shard_status_round_trip_default() -> None:
+    assert serde.status_from_proto(_through_wire(serde.status_to_proto(ShardStatus(False)))) == ShardStatus(False)
+
+
+def test_status_json_is_the_typed_status_as_dict() -> None:
+    d = _status().to_dict()
+    assert d["shard"] == 1 and d["range"] == [10, 26] and d["numel"] == 16
+    assert d["workers"][1] == {"rank": 3, "clock": 2, "state": "evicted", "last_seen_s": 11.0, "pushes": 2}
+    assert d["staleness"] == {"histogram": {0: 4, 3: 2}, "max": 3, "mean": pytest.approx(6 / 6)}
+    assert d["transfers"]["waiting_for_buffer"] == 5 and d["transfers"]["staged_updates"] is True
+    assert d == serde.status_to_dict(serde.status_to_proto(_status()))
+    json.dumps(d)

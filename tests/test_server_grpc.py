@@ -123,7 +123,7 @@ def test_push_of_wrong_length_is_invalid_argument_and_changes_nothing(servers: l
         shard.close()
         assert torch.equal(servers[0].shard.weights_copy(), before)
         assert servers[0].shard.version == 0
-        assert servers[0].shard.status()["pushes_rejected"] == 2
+        assert servers[0].shard.status().pushes_rejected == 2
 
 
 def test_wrong_length_push_reaches_client_as_invalid_argument_code(servers: list[RunningServer]) -> None:
@@ -176,7 +176,7 @@ def test_staleness_is_version_at_apply_minus_base_version(servers: list[RunningS
         a.push(torch.ones(2113), clock=0)  # applied at version 0 -> staleness 0
         replies = b.push(torch.ones(2113), clock=0)  # computed from version 0, applied at 1
         assert [r.staleness for r in replies] == [1, 1]
-        assert servers[0].shard.status()["staleness"] == {0: 1, 1: 1}
+        assert servers[0].shard.status().staleness == {0: 1, 1: 1}
 
 
 def test_job_mismatch_names_the_field(servers: list[RunningServer]) -> None:
@@ -196,7 +196,7 @@ def test_narrow_wire_dtypes_round_trip(servers: list[RunningServer], wire: str) 
         torch.testing.assert_close(flat, initial().to(dt).float())
         grad = torch.full((2113,), 0.25)
         c.push(grad, clock=0)
-        assert servers[0].shard.status()["bytes_in"] == c.plan.size(0) * 2
+        assert servers[0].shard.status().bytes_in == c.plan.size(0) * 2
         expected = initial() - grad.to(dt).float()
         got = torch.cat([s.shard.weights_copy() for s in servers])
         torch.testing.assert_close(got, expected)  # servers keep float32 masters
@@ -277,7 +277,7 @@ def test_cancelled_waiting_pulls_free_their_server_threads() -> None:
         channel = grpc.insecure_channel(server.address)
         pull = channel.unary_stream("/psgrad.ParameterServer/Pull", pb.PullRequest.SerializeToString, None)
         calls = [pull(pb.PullRequest(rank=0, clock=1, fingerprint=a.fingerprint), timeout=60) for _ in range(2)]
-        assert server.shard.wait_until(lambda s: s["waiting"] == 2, timeout_s=30)
+        assert server.shard.wait_until(lambda s: s.waiting == 2, timeout_s=30)
         probe = ShardClient(server.address, FAST)
         with pytest.raises(ServerUnavailableError):  # both server threads are parked in the sync gate
             probe.status(timeout_s=1)

@@ -82,7 +82,7 @@ def test_pull_and_push_before_initialize(layout: Layout) -> None:
     with pytest.raises(NotInitializedError, match="rank 0"):
         s.push_target(1, 0, 0, layout.numel, "float32", layout.fingerprint)
     assert s.weights_copy() is None
-    assert s.status()["layout"] is None
+    assert not s.status().initialized
     assert s.version == 0
 
 
@@ -157,7 +157,7 @@ def test_initialize_with_different_range_names_shard_plan(shard: Shard, layout: 
 def test_join(shard: Shard, layout: Layout) -> None:
     # async, num_workers=1: no start barrier; the chief (registered by initialize) plus rank 3.
     assert shard.join(3, layout) == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
-    assert [(w[0], w[2]) for w in shard.status()["workers"]] == [(0, "live"), (3, "live")]
+    assert [(w[0], w[2]) for w in shard.status().workers] == [(0, "live"), (3, "live")]
     assert shard.history[-1] == ("join", 3, 0)
     # Joining again is idempotent: still two members, no second "join" event.
     assert shard.join(3, layout).joined == 2
@@ -169,7 +169,7 @@ def test_join_returns_not_initialized_when_nobody_initializes(layout: Layout) ->
     assert s.join(1, layout) == JoinResult(initialized=False, ready=False, joined=0, start_clock=0, version=0)
     assert s.join(1, layout, wait_s=0.02) == JoinResult(False, False, 0, 0, 0)
     assert s.layout is None
-    assert s.status()["workers"] == []  # nobody is registered before the chief installs the job
+    assert s.status().workers == ()  # nobody is registered before the chief installs the job
 
 
 def test_pull_push_and_touch_require_join(shard: Shard, layout: Layout) -> None:
@@ -180,8 +180,8 @@ def test_pull_push_and_touch_require_join(shard: Shard, layout: Layout) -> None:
         shard.push_target(4, 0, 0, layout.numel, "float32", layout.fingerprint)
     with pytest.raises(WorkerStateError, match="rank 4 has not joined"):
         shard.touch(4)
-    assert shard.status()["pushes_rejected"] == 1
-    assert [w[0] for w in shard.status()["workers"]] == [0]
+    assert shard.status().pushes_rejected == 1
+    assert [w[0] for w in shard.status().workers] == [0]
     assert torch.equal(shard.weights_copy(), before) and shard.version == 0
     # observe=True is an ungated snapshot: no membership needed.
     version, frames = shard.pull_frames(4, 0, layout.fingerprint, observe=True)
@@ -238,8 +238,8 @@ def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
     got = decode_frames(frames, layout.numel, wire_dtype)
     assert torch.equal(got, w.to(getattr(torch, wire_dtype)).float())
     st = s.status()
-    assert st["pulls"] == 1
-    assert st["bytes_out"] == WireBuffer(layout.numel, wire_dtype).nbytes
+    assert st.pulls == 1
+    assert st.bytes_out == WireBuffer(layout.numel, wire_dtype).nbytes
 
 
 def test_pull_frames_are_a_snapshot(shard: Shard, layout: Layout) -> None:
@@ -266,9 +266,9 @@ def test_push_applies_sgd_and_bumps_version(shard: Shard, layout: Layout) -> Non
     assert result.staleness == 0
     assert torch.allclose(shard.weights_copy(), old - 0.5 * grad, rtol=1e-6, atol=1e-7)
     st = shard.status()
-    assert st["pushes_applied"] == 1
-    assert st["bytes_in"] == layout.numel * 4
-    assert st["staleness"] == {0: 1}
+    assert st.pushes_applied == 1
+    assert st.bytes_in == layout.numel * 4
+    assert st.staleness == {0: 1}
 
 
 def test_push_bf16_wire(layout: Layout) -> None:
@@ -296,9 +296,9 @@ def test_staleness_is_version_minus_base_version(shard: Shard, layout: Layout) -
     assert push(shard, layout, g, rank=0, clock=1, base_version=3).staleness == 0
     assert push(shard, layout, g, rank=1, clock=1, base_version=2).staleness == 2
     st = shard.status()
-    assert st["staleness"] == {0: 2, 1: 1, 2: 2}
-    assert st["version"] == 5 == st["pushes_applied"]
-    clocks = {rank: clock for rank, clock, *_ in st["workers"]}
+    assert st.staleness == {0: 2, 1: 1, 2: 2}
+    assert st.version == 5 == st.pushes_applied
+    clocks = {rank: clock for rank, clock, *_ in st.workers}
     assert clocks == {0: 2, 1: 2, 2: 1}
 
 
@@ -306,7 +306,7 @@ def test_push_with_base_version_from_the_future(shard: Shard, layout: Layout) ->
     with pytest.raises(InvalidRequestError) as info:
         shard.push_target(0, 0, 5, layout.numel, "float32", layout.fingerprint)
     assert "5" in str(info.value)
-    assert shard.status()["pushes_rejected"] == 1
+    assert shard.status().pushes_rejected == 1
 
 
 @pytest.mark.parametrize("delta", [-1, 1, 1000])
@@ -319,7 +319,7 @@ def test_push_with_wrong_numel(shard: Shard, layout: Layout, delta: int) -> None
     assert str(wrong) in msg and str(layout.numel) in msg
     assert torch.equal(shard.weights_copy(), before)
     assert shard.version == 0
-    assert shard.status()["pushes_rejected"] == 1
+    assert shard.status().pushes_rejected == 1
 
 
 def test_push_with_too_few_bytes_leaves_shard_unchanged(shard: Shard, layout: Layout) -> None:
@@ -334,7 +334,7 @@ def test_push_with_too_few_bytes_leaves_shard_unchanged(shard: Shard, layout: La
     shard.release(buf, wire)
     assert torch.equal(shard.weights_copy(), before)
     assert shard.version == 0
-    assert shard.status()["pushes_rejected"] == 1
+    assert shard.status().pushes_rejected == 1
 
 
 def test_duplicate_push_changes_nothing(shard: Shard, layout: Layout) -> None:
@@ -353,7 +353,7 @@ def test_duplicate_push_changes_nothing(shard: Shard, layout: Layout) -> None:
     assert push(shard, layout, g, rank=1, clock=0, base_version=0).applied is False
     assert push(shard, layout, g, rank=2, clock=0).applied
     st = shard.status()
-    assert st["pushes_applied"] == 3 and st["pushes_duplicate"] == 2 and st["version"] == 3
+    assert st.pushes_applied == 3 and st.pushes_duplicate == 2 and st.version == 3
 
 
 def test_buffers_are_reused_without_leaking_old_gradients(shard: Shard, layout: Layout) -> None:
@@ -382,7 +382,7 @@ def test_nonfinite_reject() -> None:
     assert "2 non-finite" in str(info.value) and "rank 2" in str(info.value)
     assert torch.equal(s.weights_copy(), before)
     assert s.version == 0
-    assert s.status()["pushes_rejected"] == 1
+    assert s.status().pushes_rejected == 1
     # The rejected key was not consumed: a corrected retry of the same (rank, clock) is applied.
     assert push(s, layout, torch.ones(layout.numel), rank=2, clock=0).applied
 
@@ -420,8 +420,8 @@ def test_nonfinite_skip() -> None:
     assert torch.equal(s.weights_copy(), before)
     assert s.version == 0
     st = s.status()
-    assert st["pushes_rejected"] == 1 and st["pushes_applied"] == 0
-    assert {r: c for r, c, *_ in st["workers"]}[2] == 1  # the worker may go on to its next clock
+    assert st.pushes_rejected == 1 and st.pushes_applied == 0
+    assert {r: c for r, c, *_ in st.workers}[2] == 1  # the worker may go on to its next clock
 
 
 def test_nonfinite_allow() -> None:
@@ -451,7 +451,7 @@ def test_leave_then_push_or_pull(shard: Shard, layout: Layout) -> None:
         shard.pull_frames(1, 1, layout.fingerprint)
     with pytest.raises(WorkerStateError, match="rank 1 already left"):
         shard.touch(1)
-    assert shard.status()["pushes_rejected"] == 1
+    assert shard.status().pushes_rejected == 1
     assert torch.equal(shard.weights_copy(), before)
     # Other workers are unaffected.
     assert push(shard, layout, torch.ones(layout.numel), rank=2, clock=0).applied
@@ -467,7 +467,7 @@ def test_rejoin_after_leave_continues_past_last_push(shard: Shard, layout: Layou
     # clock, here the chief's 0), so an old clock is still a duplicate and a new one is applied.
     result = shard.join(1, layout)
     assert result.start_clock == 2
-    assert {r: (c, st) for r, c, st, *_ in shard.status()["workers"]}[1] == (2, "live")
+    assert {r: (c, st) for r, c, st, *_ in shard.status().workers}[1] == (2, "live")
     assert shard.history[-1] == ("join", 1, 2)
     dup = push(shard, layout, g, rank=1, clock=1)
     assert dup.applied is False and "duplicate" in dup.reason
@@ -509,7 +509,7 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     s.join(2, layout)
 
     def states() -> dict[int, str]:
-        return {rank: state for rank, _, state, _, _ in s.status()["workers"]}
+        return {rank: state for rank, _, state, _, _ in s.status().workers}
 
     assert states() == {0: "live", 1: "live", 2: "live"}
     clock.t += 3.0
@@ -518,9 +518,9 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     assert states() == {0: "live", 1: "live", 2: "live"}  # exactly lease_s: still held
     clock.t += 0.5
     assert states() == {0: "evicted", 1: "evicted", 2: "live"}
-    assert s.status()["evictions"] == 2
+    assert s.status().evictions == 2
     assert ("evict", 0, 0) in s.history and ("evict", 1, 0) in s.history
-    last_seen = {rank: ago for rank, _, _, ago, _ in s.status()["workers"]}
+    last_seen = {rank: ago for rank, _, _, ago, _ in s.status().workers}
     assert last_seen == {0: 5.5, 1: 5.5, 2: 2.5}
     assert s.touch(2) == 0
     # An evicted worker's calls fail until it joins again.
@@ -536,6 +536,6 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     assert states()[1] == "left"
     clock.t += 100
     assert states() == {0: "evicted", 1: "left", 2: "evicted"}
-    assert s.status()["evictions"] == 3  # rank 0 is not evicted twice; a left worker never is
-    assert s.status()["uptime_s"] == pytest.approx(105.5)
+    assert s.status().evictions == 3  # rank 0 is not evicted twice; a left worker never is
+    assert s.status().uptime_s == pytest.approx(105.5)
     assert [e for e in s.history if e[0] != "join"][-1] == ("evict", 2, 0)

@@ -126,8 +126,8 @@ def test_a_server_that_cannot_open_the_segment_gets_frames(
         c.pull(flat, 1)
         torch.testing.assert_close(flat, initial() - 0.5)
         assert all(not s._shm for s in c.shards)  # frames from now on
-        assert [s.shard.status()["pushes_applied"] for s in servers] == [1, 1]
-        assert [s.shard.status()["pushes_rejected"] for s in servers] == [0, 0]
+        assert [s.shard.status().pushes_applied for s in servers] == [1, 1]
+        assert [s.shard.status().pushes_rejected for s in servers] == [0, 0]
     assert my_segments() == []
 
 
@@ -200,7 +200,7 @@ def test_an_evicted_workers_segment_is_unmapped_at_the_next_heartbeat() -> None:
             other.join(None)
             assert attached(running) == 2
             gone.close()  # no leave, no more heartbeats: its lease runs out
-            assert all(s.shard.wait_until(lambda st: st["evictions"] == 1, 30) for s in running)
+            assert all(s.shard.wait_until(lambda st: st.evictions == 1, 30) for s in running)
             for s in other.shards:  # (its heartbeat thread may have been first)
                 s.heartbeat(other.rank, other.fingerprint)
             assert attached(running) == 0

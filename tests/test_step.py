@@ -114,17 +114,17 @@ def test_payloads_over_one_chunk_to_another_host_push_and_pull_separately(
 def test_a_refused_push_pulls_nothing(servers: list[RunningServer], shared: bool) -> None:
     with client(servers, config(shared)) as c:
         flat = ready(c)
-        before = [s.shard.status()["pulls"] for s in servers]
+        before = [s.shard.status().pulls for s in servers]
         grad = torch.ones(N)
         grad[7] = float("nan")  # in shard 0's range; shard 1's part is finite
         with pytest.raises(InvalidRequestError, match="1 non-finite values"):
             c.exchange(grad, 0, flat)
-        assert [s.shard.status()["pulls"] for s in servers] == [before[0], before[1] + 1]
+        assert [s.shard.status().pulls for s in servers] == [before[0], before[1] + 1]
         assert torch.equal(servers[0].shard.weights_copy(), initial()[: c.plan.ranges[0][1]])
         # the same clock, finite this time: shard 0 applies it, shard 1 acknowledges a duplicate
         replies, versions = c.exchange(torch.ones(N), 0, flat)
         assert [r.applied for r in replies] == [True, False] and "duplicate" in replies[1].reason
-        assert versions == [1, 1] and [s.shard.status()["pulls"] for s in servers] == [before[0] + 1, before[1] + 2]
+        assert versions == [1, 1] and [s.shard.status().pulls for s in servers] == [before[0] + 1, before[1] + 2]
         torch.testing.assert_close(flat, initial() - 0.5)
 
 
@@ -144,7 +144,7 @@ def test_sync_step_waits_at_the_gate_for_the_other_worker(servers: list[RunningS
         t = threading.Thread(target=lambda: got.update(a=a.exchange(torch.ones(N), 0, flats[0])))
         t.start()
         # rank 0's Step has pushed and now waits at the sync gate for rank 1's push
-        assert all(s.shard.wait_until(lambda st: st["waiting"] == 1 and st["pending"] == 1, 30) for s in servers)
+        assert all(s.shard.wait_until(lambda st: st.waiting == 1 and st.pending == 1, 30) for s in servers)
         assert "a" not in got
         _, versions_b = b.exchange(3 * torch.ones(N), 0, flats[1])
         t.join(timeout=30)
@@ -167,7 +167,7 @@ def test_a_step_whose_pull_outlives_the_deadline_names_the_missing_worker(server
         a.pull(flat, 0)
         with pytest.raises(StalledError, match=r"rank 0 at clock 1 was still waiting for worker\(s\) 1"):
             a.exchange(torch.ones(N), 0, flat)
-        assert all(s.shard.status()["pending"] == 1 for s in servers)  # the push itself was taken
+        assert all(s.shard.status().pending == 1 for s in servers)  # the push itself was taken
 
 
 def test_step_reply_is_a_valid_step_reply_message(servers: list[RunningServer]) -> None:

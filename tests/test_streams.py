@@ -85,17 +85,17 @@ def test_pull_stream_frames_cover_the_weights(wire_dtype: str) -> None:
     assert len(got) == -(-layout.numel // per_frame)  # whole elements per frame, the last one shorter
     assert version == 0
     assert torch.equal(decode_frames(got, layout.numel, wire_dtype), as_wire(w, wire_dtype))
-    assert s.status()["streaming_pulls"] == 0  # exhausted: nothing waits for it any more
+    assert s.status().transfers.streaming_pulls == 0  # exhausted: nothing waits for it any more
 
 
 def test_dropped_or_closed_pull_streams_end() -> None:
     s, layout = make_shard(spec=IN_PLACE)
     assert s.pull_frames(1, 0, layout.fingerprint) is not None  # dropped unread
-    assert s.status()["streaming_pulls"] == 0
+    assert s.status().transfers.streaming_pulls == 0
     _, frames = s.pull_frames(1, 0, layout.fingerprint)
     next(frames)
     frames.close()
-    assert s.status()["streaming_pulls"] == 0
+    assert s.status().transfers.streaming_pulls == 0
     assert list(frames) == []  # a closed stream yields nothing more
     assert push(s, layout, torch.ones(layout.numel)).applied
 
@@ -109,7 +109,7 @@ def test_in_place_update_waits_for_a_stream_of_the_weights(monkeypatch: pytest.M
     result: list[PushResult] = []
     pusher = threading.Thread(target=lambda: result.append(push(s, layout, torch.ones(layout.numel))))
     pusher.start()
-    assert s.wait_until(lambda st: st["waiting_updates"] == 1, timeout_s=30)
+    assert s.wait_until(lambda st: st.transfers.waiting_updates == 1, timeout_s=30)
     # A pull granted meanwhile waits for the update (updates are not starved by a stream of pulls).
     later: list[int] = []
     puller = threading.Thread(target=lambda: later.append(s.pull_frames(0, 0, layout.fingerprint)[0]))  # type: ignore[index]
@@ -131,7 +131,7 @@ def test_in_place_update_gives_a_stalled_stream_a_copy(monkeypatch: pytest.Monke
     _, frames = s.pull_frames(1, 0, layout.fingerprint)
     first = next(frames)
     assert push(s, layout, torch.ones(layout.numel)).applied  # does not wait for ever
-    assert s.status()["streaming_pulls"] == 0
+    assert s.status().transfers.streaming_pulls == 0
     assert torch.equal(decode_frames([first, *frames], layout.numel, wire_dtype), as_wire(before, wire_dtype))
     assert not torch.equal(s.weights_copy(), before)
 
@@ -158,14 +158,14 @@ def test_pushes_beyond_push_buffers_wait(monkeypatch: pytest.MonkeyPatch, spec: 
     second: list[PushResult] = []
     other = threading.Thread(target=lambda: second.append(push(s, layout, torch.ones(layout.numel), rank=2)))
     other.start()
-    assert s.wait_until(lambda st: st["waiting_for_buffer"] == 1, timeout_s=30)
-    assert s.status()["buffers_lent"] == 1
+    assert s.wait_until(lambda st: st.transfers.waiting_for_buffer == 1, timeout_s=30)
+    assert s.status().transfers.buffers_lent == 1
     writer.write(payload[2000:])
     writer.finish()
     assert s.apply_push(1, 0, 0, grad, wire, wire.nbytes).applied
     other.join(timeout=30)
     assert second[0].applied and s.version == 2
-    assert s.status()["buffers_lent"] == 0
+    assert s.status().transfers.buffers_lent == 0
 
 
 def test_a_stalled_push_does_not_hold_up_in_place_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,11 +206,11 @@ def test_overflowing_sums_of_finite_values_are_applied(spec: dict[str, Any]) -> 
 
 
 # ----------------------------------------------------------------------------- staged updates
-def test_staged_rule_only_for_element_wise_rules_without_state() -> None:
-    assert streams.staged_rule(SGD(4, lr=0.1)) is not None
-    assert streams.staged_rule(SGD(4, lr=0.1, weight_decay=0.01)) is not None
-    assert streams.staged_rule(SGD(4, lr=0.1, momentum=0.9)) is None
-    assert streams.staged_rule(make_optimizer(JobSpec(optimizer="adam"), 4)) is None
+def test_piecewise_rule_only_for_element_wise_rules_without_state() -> None:
+    assert (SGD(4, lr=0.1)).piecewise_rule() is not None
+    assert (SGD(4, lr=0.1, weight_decay=0.01)).piecewise_rule() is not None
+    assert (SGD(4, lr=0.1, momentum=0.9)).piecewise_rule() is None
+    assert (make_optimizer(JobSpec(optimizer="adam"), 4)).piecewise_rule() is None
 
 
 @pytest.fixture(params=[None, 1], ids=["default-threads", "one-thread"])
@@ -233,7 +233,7 @@ def test_staged_and_in_place_updates_agree_bit_for_bit(
     spec = {"lr": 0.37, "weight_decay": weight_decay, "staleness_lr": staleness_lr}
     staged, layout = make_shard(numel, spec=spec, push_buffers=1)
     in_place, _ = make_shard(numel, spec=spec, push_buffers=2)
-    assert staged.status()["staged_updates"] and not in_place.status()["staged_updates"]
+    assert staged.status().transfers.staged_updates and not in_place.status().transfers.staged_updates
     g = torch.Generator().manual_seed(3)
     for clock in range(4):
         grad = torch.randn(numel, generator=g)
@@ -271,9 +271,9 @@ def test_staged_update_swaps_in_while_a_stream_reads_the_former_weights() -> Non
     _, frames = s.pull_frames(1, 0, layout.fingerprint)
     first = next(frames)
     assert push(s, layout, torch.ones(layout.numel)).applied  # no waiting for the stream
-    assert s.status()["retired_buffers"] == 1  # the former weights, until the stream ends
+    assert s.status().transfers.retired_buffers == 1  # the former weights, until the stream ends
     assert torch.equal(decode_frames([first, *frames], layout.numel), before)
-    assert s.status()["retired_buffers"] == 0
+    assert s.status().transfers.retired_buffers == 0
     # Two tensors in all: the next push receives into the former weights, and so on.
     assert push(s, layout, torch.ones(layout.numel), clock=1).applied
     assert torch.allclose(s.weights_copy(), before - 1.0)
@@ -302,7 +302,7 @@ def test_eviction_ends_a_stalled_staged_push() -> None:
     second: list[PushResult] = []
     other = threading.Thread(target=lambda: second.append(push(s, layout, torch.ones(layout.numel), rank=2)))
     other.start()
-    assert s.wait_until(lambda st: st["waiting_for_buffer"] == 1, timeout_s=30)
+    assert s.wait_until(lambda st: st.transfers.waiting_for_buffer == 1, timeout_s=30)
     clock.t += 4.0
     s.touch(2)
     clock.t += 2.0

@@ -1,12 +1,21 @@
-"""Consistency modes as small policy objects: when a pull may proceed, how pushes become updates; pure."""
+"""Consistency modes as small policy objects: when a pull may proceed, and what becomes of a push
+(apply it, buffer it for the iteration's mean, or refuse it); pure."""
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from psgrad.errors import ConfigError
+from psgrad.errors import ConfigError, InvalidRequestError
+
+
+class PushDecision(enum.Enum):
+    """What a shard does with a new (non-duplicate, finite) gradient."""
+
+    APPLY = "apply"  # update the weights now (async, ssp)
+    BUFFER = "buffer"  # keep it until the iteration completes, then apply the mean (sync)
 
 
 @dataclass(frozen=True)
@@ -25,7 +34,8 @@ class ConsistencyPolicy(ABC):
     """Gate and apply rules of one mode (DESIGN.md section 3)."""
 
     name: ClassVar[str]
-    #: True: pushes of one iteration are buffered and their mean applied once (sync).
+    #: True: pushes of one iteration are buffered and their mean applied once (sync). The shard
+    #: then keeps a receive buffer per pushing worker instead of lending a bounded few.
     aggregates: ClassVar[bool] = False
     #: True: the first pull waits until num_workers workers have joined (no early head start).
     start_barrier: ClassVar[bool] = False
@@ -45,6 +55,19 @@ class ConsistencyPolicy(ABC):
     def blocking(self, clock: int, view: ClockView) -> list[int]:
         """Ranks a pull at `clock` is waiting for (empty when it may proceed)."""
         return []
+
+    def decide_push(self, rank: int, clock: int, view: ClockView) -> PushDecision:
+        """What becomes of a worker's gradient for `clock` (after duplicates are filtered out).
+
+        Raises:
+            InvalidRequestError: the push does not fit the mode (named in the message).
+        """
+        return PushDecision.APPLY
+
+    def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:
+        """Whether the buffered gradients of `iteration` are to be applied now (`pushed` counts
+        the gradients buffered or skipped for it). Modes that apply on arrival never buffer."""
+        return False
 
     def lr_scale(self, staleness: int, staleness_lr: bool) -> float:
         """Step-size factor for a gradient of this staleness: 1/max(1, tau) when staleness_lr is on
@@ -97,6 +120,15 @@ class SyncPolicy(ConsistencyPolicy):
         if self.pull_ready(clock, view):
             return []
         return sorted(r for r, c in view.live_clocks.items() if c <= view.version)
+
+    def decide_push(self, rank: int, clock: int, view: ClockView) -> PushDecision:
+        """Buffer a push of the current iteration for the mean; refuse any other clock."""
+        if clock != view.version:
+            raise InvalidRequestError(
+                f"sync push from worker rank {rank} is for iteration {clock}, but shard is at "
+                f"iteration {view.version} (pull before pushing)"
+            )
+        return PushDecision.BUFFER
 
     def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:
         """Iteration `iteration` is complete when someone pushed it (`pushed` counts gradients

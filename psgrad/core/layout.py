@@ -50,3 +50,19 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     if mine.fingerprint != theirs.fingerprint:
         return f"fingerprint differs: shard has {mine.fingerprint}, {who} sent {theirs.fingerprint}"
     return None
+
+
+def explain_push_header(
+    layout: Layout, rank: int, numel: int, dtype: str, base_version: int, version: int
+) -> str | None:
+    """What is wrong with a push header, or None."""
+    if numel != layout.numel:
+        return (
+            f"push from worker rank {rank} has {numel} elements, but shard {layout.index} owns "
+            f"range [{layout.start}, {layout.end}) = {layout.numel} elements"
+        )
+    if dtype != layout.spec.wire_dtype:
+        return f"push from worker rank {rank} is {dtype!r}, the job's wire dtype is {layout.spec.wire_dtype!r}"
+    if base_version > version:
+        return f"push from worker rank {rank} claims base version {base_version}, newer than shard version {version}"
+    return None

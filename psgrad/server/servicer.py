@@ -317,32 +317,7 @@ class ParameterServicer:
 
     @_edge
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        s = self.shard.status()
-        layout: Layout | None = s["layout"]
-        reply = pb.StatusReply(
-            initialized=layout is not None,
-            version=s["version"],
-            pushes_applied=s["pushes_applied"],
-            pushes_duplicate=s["pushes_duplicate"],
-            pushes_rejected=s["pushes_rejected"],
-            pulls=s["pulls"],
-            bytes_in=s["bytes_in"],
-            bytes_out=s["bytes_out"],
-            evictions=s["evictions"],
-            pending=s["pending"],
-            waiting=s["waiting"],
-            uptime_s=s["uptime_s"],
-            workers=[
-                pb.WorkerStatus(rank=r, clock=c, state=st, last_seen_s=ago, pushes=n)
-                for r, c, st, ago, n in s["workers"]
-            ],
-            staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in s["staleness"].items()],
-        )
-        if layout is not None:
-            reply.shard.CopyFrom(serde.shard_range_to_proto(layout.index, layout.start, layout.end))
-            reply.spec.CopyFrom(serde.job_spec_to_proto(layout.spec))
-            reply.fingerprint = layout.fingerprint
-        return reply
+        return serde.status_to_proto(self.shard.status())
 
     @_edge
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 from psgrad.core.codecs import byte_view, element_size
 from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import WorkerStateError
-from psgrad.core.optimizers import SGD, ShardOptimizer
+from psgrad.core.optimizers import UpdateRule
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,
@@ -28,36 +27,6 @@ BLOCK = 2047 * 16
 # A push of at most this many values read in place (shared memory) is worked through in blocks on
 # the calling thread; a bigger one with one multi-threaded torch op per step.
 SMALL_NUMEL = 16 * BLOCK
-
-# (weights block, gradient block, out block, lr scale): write the updated weights to out, which is
-# either the gradient block itself or does not overlap it.
-UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
-
-# torch.frombuffer warns, once per process, that a read-only buffer (the bytes gRPC hands over)
-# gives a tensor torch cannot protect; psgrad only reads such tensors, so take that warning here.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    torch.frombuffer(bytes(4), dtype=torch.float32)
-
-
-def staged_rule(optimizer: ShardOptimizer) -> UpdateRule | None:
-    """The optimizer's update as an out-of-place rule on blocks, for rules without state whose
-    result for an element depends only on that element (plain SGD, with or without weight decay);
-    None for the others (they keep state, and update the weights in place once the push is whole).
-
-    Same torch ops as SGD.apply, so the result is bit for bit the same.
-    """
-    if type(optimizer) is not SGD or optimizer.momentum:
-        return None
-    lr, decay = optimizer.lr, optimizer.weight_decay
-
-    def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, lr_scale: float) -> None:
-        if decay:
-            g = torch.add(g, w, alpha=decay, out=out)
-        torch.add(w, g, alpha=-lr * lr_scale, out=out)
-
-    return rule
-
 
 class PushWriter(PayloadWriter):
     """Receives one gradient into a lent float32 buffer.
@@ -133,7 +102,7 @@ class PushWriter(PayloadWriter):
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
         if self._numel <= SMALL_NUMEL:  # below torch's grain: no thread pool woken for a small push
-            self.nonfinite += _count_nonfinite(grad)
+            self.nonfinite += count_nonfinite(grad)
             if self._stage is None:
                 self._dest[:] = payload
             else:
@@ -160,7 +129,7 @@ class PushWriter(PayloadWriter):
             self._dest[4 * start : 4 * end] = piece
             return self._ingest_range(start, end)
         values = torch.frombuffer(piece, dtype=torch.float32)
-        bad = _count_nonfinite(values)
+        bad = count_nonfinite(values)
         if self._stage is None:
             self._dest[4 * start : 4 * end] = piece
         else:
@@ -170,7 +139,7 @@ class PushWriter(PayloadWriter):
     def _ingest_range(self, start: int, end: int) -> int:
         """Elements [start, end) are already in the buffer (copied on the calling thread)."""
         assert self._checking
-        bad = _count_nonfinite(self.grad[start:end])
+        bad = count_nonfinite(self.grad[start:end])
         if self._stage is not None:
             self._apply(self.grad[start:end], start)
         return bad
@@ -184,7 +153,7 @@ class PushWriter(PayloadWriter):
             rule(weights[start + a : start + b], grad[a:b], self.grad[start + a : start + b], scale)
 
 
-def _count_nonfinite(values: torch.Tensor) -> int:
+def count_nonfinite(values: torch.Tensor) -> int:
     """NaN/inf values among float32 values. A sum is non-finite whenever one of them is, and costs
     a fraction of an element-wise check, which therefore runs only when the sum is not finite
     (NaN/inf, or a mere overflow). torch's vectorized sum is 3x numpy's on these machines, but with

@@ -7,6 +7,7 @@ from typing import Any
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
+from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -54,41 +55,74 @@ def shard_range_from_proto(msg: pb.ShardRange) -> tuple[int, int, int]:
     return msg.index, msg.start, msg.end
 
 
+def status_to_proto(status: ShardStatus) -> pb.StatusReply:
+    tr = status.transfers
+    reply = pb.StatusReply(
+        initialized=status.initialized,
+        version=status.version,
+        pushes_applied=status.pushes_applied,
+        pushes_duplicate=status.pushes_duplicate,
+        pushes_rejected=status.pushes_rejected,
+        pulls=status.pulls,
+        bytes_in=status.bytes_in,
+        bytes_out=status.bytes_out,
+        evictions=status.evictions,
+        pending=status.pending,
+        waiting=status.waiting,
+        uptime_s=status.uptime_s,
+        fingerprint=status.fingerprint,
+        workers=[pb.WorkerStatus(rank=w.rank, clock=w.clock, state=w.state, last_seen_s=w.last_seen_s, pushes=w.pushes)
+                 for w in status.workers],
+        staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in sorted(status.staleness.items())],
+        transfers=pb.TransferStatus(
+            streaming_pulls=tr.streaming_pulls,
+            waiting_updates=tr.waiting_updates,
+            buffers_lent=tr.buffers_lent,
+            staged_updates=tr.staged_updates,
+            retired_buffers=tr.retired_buffers,
+            waiting_for_buffer=tr.waiting_for_buffer,
+        ),
+    )
+    if status.initialized:
+        reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
+        if status.spec is not None:
+            reply.spec.CopyFrom(job_spec_to_proto(status.spec))
+    return reply
+
+
+def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
+    tr = msg.transfers
+    return ShardStatus(
+        initialized=msg.initialized,
+        index=msg.shard.index,
+        start=msg.shard.start,
+        end=msg.shard.end,
+        fingerprint=msg.fingerprint,
+        spec=job_spec_from_proto(msg.spec) if msg.initialized else None,
+        version=msg.version,
+        pushes_applied=msg.pushes_applied,
+        pushes_duplicate=msg.pushes_duplicate,
+        pushes_rejected=msg.pushes_rejected,
+        pulls=msg.pulls,
+        bytes_in=msg.bytes_in,
+        bytes_out=msg.bytes_out,
+        evictions=msg.evictions,
+        pending=msg.pending,
+        waiting=msg.waiting,
+        uptime_s=msg.uptime_s,
+        workers=tuple(WorkerStatus(w.rank, w.clock, w.state, w.last_seen_s, w.pushes) for w in msg.workers),
+        staleness={int(b.staleness): int(b.count) for b in msg.staleness},
+        transfers=TransferStatus(
+            streaming_pulls=tr.streaming_pulls,
+            waiting_updates=tr.waiting_updates,
+            buffers_lent=tr.buffers_lent,
+            staged_updates=tr.staged_updates,
+            retired_buffers=tr.retired_buffers,
+            waiting_for_buffer=tr.waiting_for_buffer,
+        ),
+    )
+
+
 def status_to_dict(msg: pb.StatusReply) -> dict[str, Any]:
     """A StatusReply as plain JSON-ready data (what `psgrad status --json` prints per shard)."""
-    hist = {int(b.staleness): int(b.count) for b in msg.staleness}
-    total = sum(hist.values())
-    return {
-        "initialized": msg.initialized,
-        "shard": msg.shard.index,
-        "range": [msg.shard.start, msg.shard.end],
-        "numel": msg.shard.end - msg.shard.start,
-        "version": msg.version,
-        "pushes_applied": msg.pushes_applied,
-        "pushes_duplicate": msg.pushes_duplicate,
-        "pushes_rejected": msg.pushes_rejected,
-        "pulls": msg.pulls,
-        "evictions": msg.evictions,
-        "pending": msg.pending,
-        "waiting": msg.waiting,
-        "bytes_in": msg.bytes_in,
-        "bytes_out": msg.bytes_out,
-        "uptime_s": round(msg.uptime_s, 3),
-        "fingerprint": msg.fingerprint,
-        "spec": job_spec_from_proto(msg.spec).as_dict() if msg.initialized else None,
-        "workers": [
-            {
-                "rank": w.rank,
-                "clock": w.clock,
-                "state": w.state,
-                "last_seen_s": round(w.last_seen_s, 3),
-                "pushes": w.pushes,
-            }
-            for w in msg.workers
-        ],
-        "staleness": {
-            "histogram": hist,
-            "max": max(hist) if hist else 0,
-            "mean": (sum(k * v for k, v in hist.items()) / total) if total else 0.0,
-        },
-    }
+    return status_from_proto(msg).to_dict()

@@ -1,56 +1,16 @@
-"""Server-side update rules applied in place to one shard's float32 range, chosen by name."""
+"""Server-side Adam and AdamW like torch.optim's, applied in place block by block so that a push
+allocates nothing."""
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
-from psgrad.config import JobSpec
+from psgrad.core.optimizers.base import ShardOptimizer
 from psgrad.errors import ConfigError
 
 # Adam works through the shard in blocks of this many elements so that its denominator needs a
 # 4 MiB scratch buffer, not another 4 bytes per parameter. On 2 vCPUs, blocks of 2**20 ran as fast
 # as one pass over a 25M range; much smaller blocks pay torch's per-call overhead many times.
 ADAM_BLOCK = 1 << 20
-
-
-class ShardOptimizer(ABC):
-    """Applies one gradient to a shard's master weights (both float32, same length)."""
-
-    @abstractmethod
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """Update weights in place. grad is scratch space the optimizer may overwrite."""
-
-    @abstractmethod
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state held (for memory reporting)."""
-
-
-class SGD(ShardOptimizer):
-    """SGD with optional (heavy-ball) momentum and L2 weight decay, like torch.optim.SGD."""
-
-    def __init__(self, numel: int, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
-        self.lr = lr
-        self.momentum = momentum
-        self.weight_decay = weight_decay
-        self._buf: torch.Tensor | None = None
-        self._numel = numel
-
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        if self.weight_decay:
-            grad.add_(weights, alpha=self.weight_decay)
-        step = grad
-        if self.momentum:
-            if self._buf is None:  # first step: torch.optim.SGD initializes the buffer to the grad
-                self._buf = grad.clone()
-            else:
-                self._buf.mul_(self.momentum).add_(grad)
-            step = self._buf
-        weights.add_(step, alpha=-self.lr * lr_scale)
-
-    def state_bytes(self) -> int:
-        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
 class Adam(ShardOptimizer):
@@ -112,31 +72,12 @@ class Adam(ShardOptimizer):
         """Both moments and the scratch block: (2 * numel + min(numel, block)) float32 values."""
         return sum(t.numel() * t.element_size() for t in (self.exp_avg, self.exp_avg_sq, self._denom))
 
+    def state_dict(self) -> dict[str, torch.Tensor | float | int]:
+        return {"step": self.steps, "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
 
-def _adam(decoupled: bool) -> Callable[[int, JobSpec], ShardOptimizer]:
-    def build(numel: int, spec: JobSpec) -> ShardOptimizer:
-        return Adam(numel, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, decoupled)
-
-    return build
-
-
-OPTIMIZERS: dict[str, Callable[[int, JobSpec], ShardOptimizer]] = {
-    "sgd": lambda numel, spec: SGD(numel, spec.lr, spec.momentum, spec.weight_decay),
-    "adam": _adam(decoupled=False),
-    "adamw": _adam(decoupled=True),
-}
-
-
-def make_optimizer(spec: JobSpec, numel: int) -> ShardOptimizer:
-    """Build the optimizer the job spec names for a shard of numel elements.
-
-    Raises:
-        ConfigError: the name is not registered.
-    """
-    try:
-        factory = OPTIMIZERS[spec.optimizer]
-    except KeyError:
-        raise ConfigError(
-            f"unknown optimizer {spec.optimizer!r}; valid: {', '.join(sorted(OPTIMIZERS))}"
-        ) from None
-    return factory(numel, spec)
+    def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+        assert isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)
+        self.steps = int(step)
+        self.exp_avg.copy_(m)
+        self.exp_avg_sq.copy_(v)

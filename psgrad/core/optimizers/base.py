@@ -1,0 +1,43 @@
+"""The server optimizer interface: an update rule on one shard's float32 range, its state, and
+(for rules that allow it) a fused piecewise form applied while a gradient arrives."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+# (weights block, gradient block, out block, lr scale): write the updated weights to out, which is
+# either the gradient block itself or does not overlap it.
+UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+
+
+class ShardOptimizer(ABC):
+    """Applies one gradient to a shard's master weights (both float32, same length)."""
+
+    #: The registry name (set by register_optimizer).
+    name: str = ""
+
+    @abstractmethod
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """Update weights in place. grad is scratch space the optimizer may overwrite."""
+
+    @abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held (for memory reporting)."""
+
+    def piecewise_rule(self) -> UpdateRule | None:
+        """The update as an out-of-place rule on blocks, for rules without state whose result for
+        an element depends only on that element: the shard then computes the next weights while
+        the gradient arrives. None (the default): the rule keeps state, and is applied in place
+        once the push is whole. A rule must give bit for bit what apply() gives."""
+        return None
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor | float | int]:
+        """Everything apply() depends on besides the weights (tensors are copies), for
+        checkpoints and standbys."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        """Restore what state_dict() returned (tensors are copied in)."""

@@ -1,0 +1,54 @@
+"""Server-side SGD: heavy-ball momentum and L2 weight decay like torch.optim.SGD, and its fused
+piecewise form for plain SGD."""
+from __future__ import annotations
+
+import torch
+
+from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule
+
+
+class SGD(ShardOptimizer):
+    """SGD with optional (heavy-ball) momentum and L2 weight decay, like torch.optim.SGD."""
+
+    def __init__(self, numel: int, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self._buf: torch.Tensor | None = None
+        self._numel = numel
+
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        if self.weight_decay:
+            grad.add_(weights, alpha=self.weight_decay)
+        step = grad
+        if self.momentum:
+            if self._buf is None:  # first step: torch.optim.SGD initializes the buffer to the grad
+                self._buf = grad.clone()
+            else:
+                self._buf.mul_(self.momentum).add_(grad)
+            step = self._buf
+        weights.add_(step, alpha=-self.lr * lr_scale)
+
+    def piecewise_rule(self) -> UpdateRule | None:
+        """Plain SGD (no momentum, with or without weight decay) element by element; the same torch
+        ops as apply(), so the result is bit for bit the same."""
+        if self.momentum:
+            return None
+        lr, decay = self.lr, self.weight_decay
+
+        def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, lr_scale: float) -> None:
+            if decay:
+                g = torch.add(g, w, alpha=decay, out=out)
+            torch.add(w, g, alpha=-lr * lr_scale, out=out)
+
+        return rule
+
+    def state_bytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+    def state_dict(self) -> dict[str, torch.Tensor | float | int]:
+        return {} if self._buf is None else {"momentum_buffer": self._buf.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        buf = state.get("momentum_buffer")
+        self._buf = buf.clone() if isinstance(buf, torch.Tensor) else None

@@ -1,0 +1,103 @@
+"""One shard's status as a typed value: what the Status RPC carries, `psgrad status` prints and
+metrics read; pure."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from psgrad.config import JobSpec
+
+LIVE, LEFT, EVICTED = "live", "left", "evicted"
+
+
+class WorkerStatus(NamedTuple):
+    """One worker as a shard sees it."""
+
+    rank: int
+    clock: int
+    state: str  # LIVE | LEFT | EVICTED (lease expired)
+    last_seen_s: float  # seconds since its last call
+    pushes: int
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """The shard's transfers in flight: where a push or a pull is waiting."""
+
+    streaming_pulls: int = 0  # pull streams reading the live weights
+    waiting_updates: int = 0  # in-place updates waiting for those streams
+    buffers_lent: int = 0  # receive buffers out on loan to pushes
+    staged_updates: bool = False  # plain SGD: the next weights are computed as a push arrives
+    retired_buffers: int = 0  # former weights a pull stream still reads
+    waiting_for_buffer: int = 0  # pushes waiting for a receive buffer (or their turn)
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
+
+    initialized: bool
+    index: int = 0
+    start: int = 0
+    end: int = 0
+    fingerprint: str = ""
+    spec: JobSpec | None = None
+    version: int = 0
+    pushes_applied: int = 0
+    pushes_duplicate: int = 0
+    pushes_rejected: int = 0
+    pulls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    pending: int = 0  # sync: gradients buffered for the current iteration
+    waiting: int = 0  # pulls parked in the gate right now
+    uptime_s: float = 0.0
+    workers: tuple[WorkerStatus, ...] = ()
+    staleness: dict[int, int] = field(default_factory=dict)  # staleness -> updates, ascending
+    transfers: TransferStatus = field(default_factory=TransferStatus)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: what `psgrad status --json` prints per shard."""
+        hist = dict(sorted(self.staleness.items()))
+        total = sum(hist.values())
+        return {
+            "initialized": self.initialized,
+            "shard": self.index,
+            "range": [self.start, self.end],
+            "numel": self.numel,
+            "version": self.version,
+            "pushes_applied": self.pushes_applied,
+            "pushes_duplicate": self.pushes_duplicate,
+            "pushes_rejected": self.pushes_rejected,
+            "pulls": self.pulls,
+            "evictions": self.evictions,
+            "pending": self.pending,
+            "waiting": self.waiting,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "uptime_s": round(self.uptime_s, 3),
+            "fingerprint": self.fingerprint,
+            "spec": self.spec.as_dict() if self.spec is not None else None,
+            "workers": [
+                {"rank": w.rank, "clock": w.clock, "state": w.state, "last_seen_s": round(w.last_seen_s, 3), "pushes": w.pushes}
+                for w in self.workers
+            ],
+            "staleness": {
+                "histogram": hist,
+                "max": max(hist) if hist else 0,
+                "mean": (sum(k * v for k, v in hist.items()) / total) if total else 0.0,
+            },
+            "transfers": {
+                "streaming_pulls": self.transfers.streaming_pulls,
+                "waiting_updates": self.transfers.waiting_updates,
+                "buffers_lent": self.transfers.buffers_lent,
+                "staged_updates": self.transfers.staged_updates,
+                "retired_buffers": self.transfers.retired_buffers,
+                "waiting_for_buffer": self.transfers.waiting_for_buffer,
+            },
+        }

@@ -1,0 +1,54 @@
+"""Sync mode's round: the gradients of the current iteration, buffered until the policy says the
+iteration is complete, then averaged in rank order (so the mean does not depend on arrival order)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from psgrad.core.codecs import WireBuffer
+
+
+@dataclass
+class Pending:
+    """One worker's buffered gradient of the current iteration."""
+
+    grad: torch.Tensor
+    wire: WireBuffer
+    clock: int
+    base_version: int
+
+
+class SyncRound:
+    """The gradients buffered (or skipped as non-finite) for the current iteration."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, Pending] = {}
+        self.skipped = 0  # pushes of the current iteration skipped as non-finite
+
+    @property
+    def handled(self) -> int:
+        """Gradients buffered or skipped for the current iteration."""
+        return len(self.pending) + self.skipped
+
+    def add(self, rank: int, item: Pending) -> None:
+        self.pending[rank] = item
+
+    def skip(self) -> None:
+        self.skipped += 1
+
+    def take(self) -> tuple[list[int], list[Pending]]:
+        """The buffered gradients in rank order; the round starts over."""
+        ranks = sorted(self.pending)
+        items = [self.pending.pop(r) for r in ranks]
+        self.skipped = 0
+        return ranks, items
+
+    @staticmethod
+    def mean(items: list[Pending]) -> torch.Tensor:
+        """The mean of the gradients, summed in rank order into the first one's buffer."""
+        total = items[0].grad
+        for item in items[1:]:
+            total.add_(item.grad)
+        total.mul_(1.0 / len(items))
+        return total

@@ -1,0 +1,208 @@
+"""A shard's transfer buffers: receive buffers lent to pushes (a bounded pool, or the one spare
+tensor that staged updates compute the next weights into), and the pull streams that read the
+weights, which in-place updates wait for. Not thread-safe on its own: every method is called
+with the shard's lock held, and waits on conditions of that lock."""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from psgrad.core.codecs import WireBuffer, get_codec
+from psgrad.core.status import TransferStatus
+from psgrad.server.transfers import STALL_S, PullStream, PushWriter
+
+
+class Buffers:
+    """Receive buffers and pull-stream bookkeeping of one shard."""
+
+    def __init__(self, lock: threading.RLock, push_buffers: int, on_wait: Callable[[], None]) -> None:
+        self._push_buffers = push_buffers
+        self._on_wait = on_wait  # a push or an update starts waiting (wakes the shard's observers)
+        self.closed = False
+        # Receive buffers. Async/ssp lend at most push_buffers at once. With staged updates the
+        # one push being received computes the next weights into its buffer as it arrives, and the
+        # update swaps tensors: the former weights become the spare buffer once no pull stream
+        # reads them (`_retired` until then). Sync (per_worker) keeps one per pushing worker.
+        self.staged = False
+        self.per_worker = False
+        self._pool: list[tuple[torch.Tensor, WireBuffer]] = []
+        self._lent: dict[int, PushWriter] = {}  # id(grad) -> writer, for buffers out on loan
+        self._revoked: dict[int, PushWriter] = {}  # ... whose worker was evicted mid-push
+        self._building = False  # staged: a push holds the turn to build the next weights
+        self._retired: list[torch.Tensor] = []
+        self._free = threading.Condition(lock)  # a push waits here for its turn or a buffer
+        self._buffer_waits = 0
+        # Open pull streams reading a tensor the shard owns; weak, so a stream dropped unread ends.
+        self.reads: weakref.WeakSet[PullStream] = weakref.WeakSet()
+        self._writers_waiting = 0  # in-place updates waiting for streams of the current weights
+        self._reads_done = threading.Condition(lock)  # ... wait here
+        self.no_writers = threading.Condition(lock)  # a granted pull waits here for those updates
+
+    @property
+    def writers_waiting(self) -> int:
+        return self._writers_waiting
+
+    def configure(self, staged: bool, per_worker: bool) -> None:
+        self.staged, self.per_worker = staged, per_worker
+
+    def close(self) -> None:
+        self.closed = True
+        self._free.notify_all()
+        self._reads_done.notify_all()
+        self.no_writers.notify_all()
+
+    # ----------------------------------------------------------------- pushes
+    def lend(self, numel: int, dtype: str, weights: torch.Tensor | None) -> tuple[torch.Tensor, WireBuffer]:
+        """A receive buffer for a push: the spare tensor when staged (after this push's turn came),
+        else one of the pool's, waiting while push_buffers are out on loan (async/ssp)."""
+        if self.staged:
+            assert weights is not None
+            return self._staged_buffer(numel, weights)
+        if not self.per_worker:
+            while not self._pool and len(self._lent) >= self._push_buffers and not self.closed:
+                idle = time.monotonic() - max(w.last_active for w in self._lent.values())
+                if idle >= STALL_S:  # every holder is stalled: lend one beyond the limit
+                    break
+                self._wait(STALL_S - idle)
+        if self._pool:
+            return self._pool.pop()
+        return torch.empty(numel), WireBuffer(numel, dtype)
+
+    def _staged_buffer(self, numel: int, weights: torch.Tensor) -> tuple[torch.Tensor, WireBuffer]:
+        """Wait for the turn to build the next weights (one push at a time; a push whose worker
+        is evicted gives it up), then for the spare tensor, which a pull stream of the former
+        weights may still read (lend a new one if that stream is idle for STALL_S)."""
+        while self._building and not self.closed:
+            self._wait(None)
+        self._building = True
+        while not self._pool and self._retired and not self.closed:
+            reads = [r for r in self.reads if r.source is not weights]
+            idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
+            if idle >= STALL_S:
+                break
+            self._wait(STALL_S - idle)
+        if self._pool:
+            return self._pool.pop()
+        return torch.empty(numel), WireBuffer(numel, "float32")
+
+    def _wait(self, timeout_s: float | None) -> None:
+        self._buffer_waits += 1
+        self._on_wait()
+        try:
+            self._free.wait(timeout=timeout_s)
+        finally:
+            self._buffer_waits -= 1
+
+    def track(self, grad: torch.Tensor, writer: PushWriter) -> None:
+        """Record the writer of a lent buffer (it holds the staged turn when staged)."""
+        writer.holds_turn = self.staged
+        self._lent[id(grad)] = writer
+
+    def writer_of(self, grad: torch.Tensor) -> PushWriter | None:
+        return self._lent.get(id(grad)) or self._revoked.get(id(grad))
+
+    def keep(self, grad: torch.Tensor) -> None:
+        """The shard keeps this buffer (a sync gradient until the mean): no longer on loan."""
+        self._lent.pop(id(grad), None)
+
+    def revoke(self, rank: int) -> None:
+        """An evicted worker's push in flight never applies; a staged one gives up its turn now
+        (its buffer stays with it until its call ends, since bytes may still arrive)."""
+        for key, writer in list(self._lent.items()):
+            if writer.rank == rank:
+                writer.revoked = True
+                if writer.holds_turn:
+                    self._revoked[key] = self._lent.pop(key)
+                    self._building = False
+                    self._free.notify_all()
+
+    def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
+        """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
+        self._revoked.pop(id(grad), None)
+        writer = self._lent.pop(id(grad), None)
+        if writer is not None and writer.holds_turn:
+            self._building = False
+        if self.per_worker:
+            keep = True
+        elif self.staged:
+            keep = not self._pool and not self._retired  # one spare tensor
+        else:
+            keep = len(self._pool) + len(self._lent) < self._push_buffers
+        if keep:
+            self._pool.append((grad, wire))
+        self._free.notify_all()
+
+    def give_back(self, items: list[tuple[torch.Tensor, WireBuffer]]) -> None:
+        """Buffers the shard kept (a sync iteration's gradients) return to the pool."""
+        self._pool.extend(items)
+        self._free.notify_all()
+
+    def commit(self, new: torch.Tensor, old: torch.Tensor, wire: WireBuffer) -> None:
+        """A staged buffer became the weights; the former weights become the spare buffer, once
+        no pull stream reads them."""
+        del self._lent[id(new)]
+        self._building = False
+        if any(r.source is old for r in self.reads):
+            self._retired.append(old)
+        else:
+            self._pool.append((old, wire))
+        self._free.notify_all()
+
+    # ----------------------------------------------------------------- pull streams
+    def open_read(self, stream: PullStream) -> None:
+        self.reads.add(stream)
+
+    def end_read(self, stream: PullStream, weights: torch.Tensor | None) -> None:
+        """A pull stream ended: free what only it kept."""
+        self.reads.discard(stream)
+        source = stream.source
+        if any(t is source for t in self._retired) and not any(r.source is source for r in self.reads):
+            self._retired = [t for t in self._retired if t is not source]
+            self._pool.append((source, WireBuffer(source.numel(), "float32")))
+            self._free.notify_all()
+        if self._writers_waiting and not self._current_reads(weights):
+            self._reads_done.notify_all()
+
+    def _current_reads(self, weights: torch.Tensor | None) -> list[PullStream]:
+        return [r for r in self.reads if r.source is weights]
+
+    def await_reads(self, weights: torch.Tensor, wire_dtype: str) -> None:
+        """Before an in-place update: wait until no pull stream reads the current weights. Pulls
+        granted meanwhile wait for the update; a stream idle for STALL_S gets a private copy."""
+        while reads := self._current_reads(weights):
+            idle = time.monotonic() - max(r.last_active for r in reads)
+            if idle >= STALL_S or self.closed:
+                self.detach_reads(weights, wire_dtype)
+                return
+            self._writers_waiting += 1
+            self._on_wait()
+            try:
+                self._reads_done.wait(timeout=STALL_S - idle)
+            finally:
+                self._writers_waiting -= 1
+                if not self._writers_waiting:
+                    self.no_writers.notify_all()
+
+    def detach_reads(self, weights: torch.Tensor, wire_dtype: str) -> None:
+        """Give the streams still reading the current weights a private copy."""
+        reads = self._current_reads(weights)
+        if not reads:
+            return
+        copy = weights.to(get_codec(wire_dtype).dtype, copy=True)
+        for stream in reads:
+            stream.detach(copy)
+            self.reads.discard(stream)
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(
+            streaming_pulls=len(self.reads),
+            waiting_updates=self._writers_waiting,
+            buffers_lent=len(self._lent),
+            staged_updates=self.staged,
+            retired_buffers=len(self._retired),
+            waiting_for_buffer=self._buffer_waits,
+        )

@@ -1,0 +1,38 @@
+"""What a shard reports: the results of join and push calls, its counters and staleness
+histogram, and the bounded audit history the consistency tests check."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+HISTORY_LEN = 100_000
+
+
+@dataclass
+class PushResult:
+    applied: bool
+    reason: str
+    version: int
+    staleness: int
+    deferred: bool = False
+
+
+@dataclass
+class JoinResult:
+    initialized: bool
+    ready: bool
+    joined: int
+    start_clock: int
+    version: int
+
+
+@dataclass
+class Counters:
+    pushes_applied: int = 0
+    pushes_duplicate: int = 0
+    pushes_rejected: int = 0
+    pulls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)

@@ -1,0 +1,115 @@
+"""Which workers belong to a shard: their clocks, leases and states, and eviction when a lease
+runs out. Not thread-safe on its own: the shard calls it under its lock."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from psgrad.core.status import EVICTED, LEFT, LIVE, WorkerStatus
+from psgrad.errors import WorkerStateError
+
+
+@dataclass
+class Member:
+    """What a shard knows about one worker."""
+
+    rank: int
+    last_seen: float
+    clock: int = 0  # iterations completed (pushes handled, or the clock it joined at)
+    pushes: int = 0
+    state: str = LIVE
+    last_push_clock: int = -1  # highest clock whose push was handled (applied, buffered or skipped)
+
+
+class Membership:
+    """The members of one shard, keyed by rank."""
+
+    def __init__(self, lease_s: float, now: Callable[[], float]) -> None:
+        self.lease_s = lease_s
+        self._now = now
+        self.members: dict[int, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def get(self, rank: int) -> Member | None:
+        return self.members.get(rank)
+
+    def live_clocks(self) -> dict[int, int]:
+        """rank -> clock of every live worker."""
+        return {r: m.clock for r, m in self.members.items() if m.state == LIVE}
+
+    def live_ranks(self) -> set[int]:
+        return {r for r, m in self.members.items() if m.state == LIVE}
+
+    def expire(self) -> list[Member]:
+        """Evict the live members whose lease ran out; returns them."""
+        now = self._now()
+        gone = [m for m in self.members.values() if m.state == LIVE and now - m.last_seen > self.lease_s]
+        for m in gone:
+            m.state = EVICTED
+        return gone
+
+    def next_expiry_s(self) -> float | None:
+        """Seconds until the next lease runs out (None: no live member)."""
+        now = self._now()
+        times = [m.last_seen + self.lease_s - now for m in self.members.values() if m.state == LIVE]
+        return max(0.0, min(times)) + 1e-3 if times else None
+
+    def live(self, rank: int) -> Member:
+        """The live member of that rank, its lease renewed.
+
+        Raises:
+            WorkerStateError: it never joined, was evicted or left (the message says which).
+        """
+        member = self.members.get(rank)
+        if member is None:
+            raise WorkerStateError(f"worker rank {rank} has not joined this shard (Join first)")
+        if member.state == EVICTED:
+            raise WorkerStateError(
+                f"worker rank {rank} was evicted: no call for longer than its lease of "
+                f"{self.lease_s:g} s (raise --lease-s on the servers if the worker is merely slow); "
+                "restart the worker to rejoin"
+            )
+        if member.state == LEFT:
+            raise WorkerStateError(f"worker rank {rank} already left the job; start it again to rejoin")
+        member.last_seen = self._now()
+        return member
+
+    def register(self, rank: int, start_clock: int) -> tuple[Member, bool]:
+        """Add rank as a live member, or bring a left/evicted one back; returns (member, whether it
+        is new or revived). A returning worker continues from a clock at least past its own last
+        push, so its new pushes are never mistaken for duplicates."""
+        member = self.members.get(rank)
+        changed = True
+        if member is None:
+            member = self.members[rank] = Member(rank, self._now(), clock=start_clock)
+        elif member.state != LIVE:
+            member.state = LIVE
+            member.clock = max(start_clock, member.last_push_clock + 1)
+        else:
+            changed = False
+        member.last_seen = self._now()
+        return member, changed
+
+    def leave(self, rank: int) -> Member | None:
+        """Mark a live rank as left on purpose; returns it (None if it was not live)."""
+        member = self.members.get(rank)
+        if member is None or member.state != LIVE:
+            return None
+        member.state = LEFT
+        return member
+
+    @staticmethod
+    def advance(member: Member, clock: int) -> None:
+        """member's push for clock was handled: its clock moves past it."""
+        member.clock = max(member.clock, clock + 1)
+        member.last_push_clock = clock
+        member.pushes += 1
+
+    def statuses(self) -> tuple[WorkerStatus, ...]:
+        now = self._now()
+        return tuple(
+            WorkerStatus(m.rank, m.clock, m.state, now - m.last_seen, m.pushes)
+            for m in sorted(self.members.values(), key=lambda m: m.rank)
+        )

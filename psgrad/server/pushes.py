@@ -1,0 +1,185 @@
+"""The push half of a shard: validating a push header, lending it a receive buffer, and handling
+the received gradient once (duplicate, refused, skipped, buffered or applied) as the consistency
+policy decides; sync rounds complete here. Mixed into Shard, under the shard's lock."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from psgrad.config import ServerConfig
+from psgrad.core.codecs import WireBuffer, get_codec
+from psgrad.core.consistency import ClockView, ConsistencyPolicy, PushDecision
+from psgrad.core.layout import explain_push_header
+from psgrad.core.optimizers import UpdateRule
+from psgrad.errors import InvalidRequestError, WorkerStateError
+from psgrad.server.aggregation import Pending, SyncRound
+from psgrad.server.buffers import Buffers
+from psgrad.server.ledger import Counters, PushResult
+from psgrad.server.membership import Member, Membership
+from psgrad.server.state import ShardState
+from psgrad.server.transfers import PushWriter, count_nonfinite
+
+
+class PushPath:
+    """Push handling, sharing the state, lock and components of the Shard it is part of."""
+
+    _cond: threading.Condition
+    _config: ServerConfig
+    _state: ShardState | None
+    _members: Membership
+    _policy: ConsistencyPolicy
+    _rule: UpdateRule | None
+    _buffers: Buffers
+    _round: SyncRound
+    _counters: Counters
+    history: deque[tuple[Any, ...]]
+
+    def _require(self, fingerprint: str, rank: int) -> ShardState:
+        raise NotImplementedError
+
+    def _refresh(self) -> None:
+        raise NotImplementedError
+
+    def _notify(self) -> None:
+        raise NotImplementedError
+
+    def _view(self) -> ClockView:
+        raise NotImplementedError
+
+    def push_target(
+        self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
+    ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
+        """Validate a push header and lend a receive buffer (apply_push or release gives it back)."""
+        with self._cond:
+            state = self._require(fingerprint, rank)
+            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, state.version)
+            if problem:
+                self._counters.pushes_rejected += 1
+                raise InvalidRequestError(problem)
+            try:
+                member = self._members.live(rank)
+            except WorkerStateError:
+                self._counters.pushes_rejected += 1
+                raise
+            grad, wire = self._buffers.lend(state.layout.numel, dtype, state.weights)
+            exact = get_codec(dtype).exact
+            writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
+            self._buffers.track(grad, writer)
+            if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
+                scale = self._policy.lr_scale(state.version - base_version, state.layout.spec.staleness_lr)
+                writer.stage(state.weights, self._rule, scale, state.version)
+        return grad, wire, writer
+
+    def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
+        """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
+        with self._cond:
+            self._buffers.release(grad, wire)
+
+    def reject(self) -> None:
+        """Count a push that failed after its header was accepted."""
+        with self._cond:
+            self._counters.pushes_rejected += 1
+
+    def apply_push(
+        self, rank: int, clock: int, base_version: int, grad: torch.Tensor, wire: WireBuffer, nbytes: int
+    ) -> PushResult:
+        """Handle a fully received gradient once, as the policy decides: apply it (async/ssp) or
+        buffer it for the iteration's mean (sync). Duplicates of (rank, clock) are acknowledged
+        only. Takes ownership of the buffers."""
+        kept = False
+        try:
+            wire.finish_receive(grad)
+            with self._cond:
+                writer = self._buffers.writer_of(grad)
+            staged = writer is not None and writer.staged
+            bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
+            with self._cond:
+                state = self._state
+                assert state is not None
+                if not staged and not self._policy.aggregates:
+                    known = self._members.get(rank)
+                    if known is None or clock > known.last_push_clock:  # (re-checked below)
+                        # an in-place update must not change weights a pull streams
+                        self._buffers.await_reads(state.weights, state.layout.spec.wire_dtype)
+                self._refresh()
+                self._counters.bytes_in += nbytes
+                member = self._members.live(rank)
+                if writer is not None and writer.revoked:
+                    raise WorkerStateError(f"worker rank {rank} was evicted while pushing; nothing was applied")
+                if clock <= member.last_push_clock:
+                    self._counters.pushes_duplicate += 1
+                    return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                try:
+                    decision = self._policy.decide_push(rank, clock, self._view())
+                except InvalidRequestError:
+                    self._counters.pushes_rejected += 1
+                    raise
+                if bad and self._config.nonfinite != "allow":
+                    return self._refuse_nonfinite(member, clock, bad, decision)
+                if decision is PushDecision.BUFFER:
+                    self._round.add(rank, Pending(grad, wire, clock, base_version))
+                    self._buffers.keep(grad)
+                    kept = True
+                    Membership.advance(member, clock)
+                    before = state.version
+                    self._refresh()
+                    if state.version > before:
+                        return PushResult(True, "", state.version, 0)
+                    return PushResult(False, "buffered until every live worker pushed", state.version, 0, True)
+                staleness = state.version - base_version
+                if staged:  # the buffer holds the next weights: swap them in
+                    assert writer is not None and writer.staged_version == state.version
+                    old, state.weights = state.weights, grad
+                    self._buffers.commit(grad, old, wire)
+                    kept = True
+                else:
+                    scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
+                    state.optimizer.apply(state.weights, grad, lr_scale=scale)
+                state.version += 1
+                Membership.advance(member, clock)
+                self._counters.pushes_applied += 1
+                self._counters.staleness[staleness] += 1
+                self.history.append(("apply", state.version, ((rank, clock, staleness),)))
+                self._notify()
+                return PushResult(True, "", state.version, staleness)
+        finally:
+            if not kept:
+                self.release(grad, wire)
+
+    def _refuse_nonfinite(self, member: Member, clock: int, bad: int, decision: PushDecision) -> PushResult:
+        """A gradient with NaN/inf: refused (--nonfinite reject) or acknowledged unapplied (skip)."""
+        self._counters.pushes_rejected += 1
+        if self._config.nonfinite == "reject":
+            raise InvalidRequestError(
+                f"gradient from worker rank {member.rank} at clock {clock} has {bad} non-finite values; "
+                "the shard is unchanged (start the server with --nonfinite skip|allow to change this)"
+            )
+        Membership.advance(member, clock)  # "skip": acknowledged, never applied
+        if decision is PushDecision.BUFFER:
+            self._round.skip()
+            self._refresh()  # the skipped worker no longer owes this iteration
+        return PushResult(False, f"skipped: {bad} non-finite values", self._state.version if self._state else 0, 0)
+
+    def _complete_iteration(self) -> bool:
+        """Apply the mean of the buffered gradients once the policy says the iteration is complete
+        (sync: no live worker still owes it)."""
+        state = self._state
+        if state is None or not self._policy.iteration_complete(state.version, self._view(), self._round.handled):
+            return False
+        ranks, items = self._round.take()
+        if items:  # else every gradient of the iteration was skipped: an empty update
+            # only snapshots (observe) can be streaming here; rare
+            self._buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
+            state.optimizer.apply(state.weights, SyncRound.mean(items))
+        applied_at = state.version
+        state.version += 1
+        stale = tuple((r, it.clock, applied_at - it.base_version) for r, it in zip(ranks, items))
+        for _, _, s in stale:
+            self._counters.staleness[s] += 1
+        self._counters.pushes_applied += len(items)
+        self.history.append(("apply", state.version, stale))
+        self._buffers.give_back([(it.grad, it.wire) for it in items])
+        return True

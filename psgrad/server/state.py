@@ -1,0 +1,87 @@
+"""A shard's state: what a checkpoint saves, a standby holds and a restart restores (the layout,
+weights, optimizer state, version, and every worker's clocks), apart from the short-lived
+transfer machinery. Not thread-safe on its own: the shard calls it under its lock."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from psgrad.core.layout import Layout
+from psgrad.core.optimizers import ShardOptimizer, make_optimizer
+from psgrad.errors import InvalidRequestError
+from psgrad.server.membership import Member, Membership
+
+OptimizerState = dict[str, torch.Tensor | float | int]
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A worker's clocks as a snapshot keeps them; `last_push_clock` is what makes a retried push
+    a no-op after a restore."""
+
+    rank: int
+    clock: int
+    last_push_clock: int
+    pushes: int
+    state: str
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """A copy of a shard's state, taken at once under the shard's lock; shares no memory with it."""
+
+    layout: Layout
+    weights: torch.Tensor
+    optimizer: OptimizerState
+    version: int
+    members: tuple[MemberRecord, ...]
+
+
+@dataclass
+class ShardState:
+    """The state of an initialized shard. `weights` is replaced (not only written) by staged
+    updates; `membership` also holds each member's lease, which a snapshot leaves out."""
+
+    layout: Layout
+    weights: torch.Tensor
+    optimizer: ShardOptimizer
+    membership: Membership
+    version: int = 0
+
+    @classmethod
+    def create(cls, layout: Layout, weights: torch.Tensor, membership: Membership) -> ShardState:
+        """A new shard of the job `layout` describes, at version 0 with the chief's weights.
+
+        Raises:
+            InvalidRequestError: the weights do not fit the shard's range.
+        """
+        if weights.dtype != torch.float32 or weights.numel() != layout.numel:
+            raise InvalidRequestError(
+                f"initial weights of shard {layout.index} must be {layout.numel} float32 values, "
+                f"got {weights.numel()} {weights.dtype}"
+            )
+        return cls(layout, weights, make_optimizer(layout.spec, layout.numel), membership)
+
+    def snapshot(self, pending_ranks: frozenset[int] = frozenset()) -> ShardSnapshot:
+        """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still
+        buffers: the snapshot is taken at the iteration's start, where they still owe them."""
+        records = []
+        for m in sorted(self.membership.members.values(), key=lambda m: m.rank):
+            clock, last = m.clock, m.last_push_clock
+            if m.rank in pending_ranks:
+                clock, last = self.version, self.version - 1
+            records.append(MemberRecord(m.rank, clock, last, m.pushes - (m.rank in pending_ranks), m.state))
+        return ShardSnapshot(self.layout, self.weights.clone(), self.optimizer.state_dict(), self.version, tuple(records))
+
+    @classmethod
+    def restore(cls, snap: ShardSnapshot, membership: Membership, now: float) -> ShardState:
+        """The state a snapshot holds, with fresh copies of its tensors; members' leases start at
+        `now` (a live worker that does not come back is evicted one lease later)."""
+        state = cls.create(snap.layout, snap.weights.clone(), membership)
+        state.optimizer.load_state_dict(snap.optimizer)
+        state.version = snap.version
+        membership.members = {
+            r.rank: Member(r.rank, now, r.clock, r.pushes, r.state, r.last_push_clock) for r in snap.members
+        }
+        return state

@@ -1,0 +1,87 @@
+"""The package's shape, checked: imports point one way, gRPC stays at the edges, modules stay small."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGE = Path(REPO) / "psgrad"
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "proto" not in p.relative_to(PACKAGE).parts)
+# What each folder may import from psgrad (besides config, errors and proto, which anything may).
+ALLOWED = {
+    "core": {"core"},
+    "wire": {"core", "wire"},
+    "server": {"core", "wire", "server"},
+    "client": {"core", "wire", "client"},
+    "worker": {"core", "wire", "client", "worker", "api", "metrics", "tasks"},
+    "metrics": {"metrics"},
+    "tasks": {"tasks"},
+}
+GRPC_EDGES = {"wire", "server", "client"}
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module path imported anywhere in the file (function-level imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_the_package_is_laid_out_in_folders() -> None:
+    assert {_part(p) for p in MODULES} >= {"core", "wire", "server", "client", "worker", "launch", "cli", "experiments"}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_one_way(path: Path) -> None:
+    part = _part(path)
+    used = {m.split(".")[1] for m in _imports(path) if m.startswith("psgrad.")}
+    used -= {"config", "errors", "proto", part}
+    if part in ALLOWED:
+        assert used <= ALLOWED[part], f"{path.name} ({part}/) imports {sorted(used - ALLOWED[part])}"
+    if part == "client":
+        assert "server" not in used
+    if part == "server":
+        assert "client" not in used
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_grpc_only_at_the_edges(path: Path) -> None:
+    uses_grpc = any(m == "grpc" or m.startswith("grpc.") for m in _imports(path))
+    assert not uses_grpc or _part(path) in GRPC_EDGES, f"{path} imports grpc"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_are_small_and_say_what_they_are_for(path: Path) -> None:
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path} has {len(text.splitlines())} lines"
+    assert ast.get_docstring(ast.parse(text)), f"{path} has no module docstring"
+
+
+def test_policies_are_asked_not_inspected() -> None:
+    """Only core/consistency.py may look at which policy class it has."""
+    for path in MODULES:
+        if path.name == "consistency.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                assert "Policy" not in ast.unparse(node.args[1]), f"{path}: {ast.unparse(node)}"
+
+
+def test_median_module_is_under_200_lines() -> None:
+    sizes = sorted(len(p.read_text().splitlines()) for p in MODULES)
+    assert sizes[len(sizes) // 2] < 200, sizes

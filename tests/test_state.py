@@ -1,0 +1,96 @@
+"""The shard's state as one object: snapshot() copies it, restore() serves it again, exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.errors import JobMismatchError, NotInitializedError
+from psgrad.server.shard import Layout, Shard
+from test_shard import make_layout, push, weights_for
+
+pytestmark = pytest.mark.timeout(60)
+
+SPECS = {
+    "sgd": JobSpec(lr=0.5, num_shards=2, num_workers=2),
+    "momentum": JobSpec(lr=0.1, momentum=0.9, weight_decay=0.01, num_shards=2, num_workers=2),
+    "adam": JobSpec(optimizer="adam", lr=0.01, num_shards=2, num_workers=2),
+    "ssp-adamw": JobSpec(mode="ssp", staleness=1, optimizer="adamw", lr=0.01, weight_decay=0.1, num_shards=2, num_workers=2),
+}
+
+
+def grad(layout: Layout, seed: int) -> torch.Tensor:
+    return torch.randn(layout.numel, generator=torch.Generator().manual_seed(100 + seed))
+
+
+def started(spec: JobSpec) -> tuple[Shard, Layout]:
+    layout = make_layout(spec)
+    s = Shard(ServerConfig())
+    s.initialize(0, layout, weights_for(layout))
+    s.join(1, layout)
+    return s, layout
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_restored_shard_continues_bit_for_bit_like_the_original(name: str) -> None:
+    original, layout = started(SPECS[name])
+    for clock in range(3):
+        for rank in (0, 1):
+            assert push(original, layout, grad(layout, 2 * clock + rank), rank=rank, clock=clock).applied
+    snap = original.snapshot()
+    restored = Shard(ServerConfig())
+    restored.restore(snap)
+    assert restored.version == original.version == 6
+    assert torch.equal(restored.weights_copy(), original.weights_copy())
+    # the optimizer state came along: the same next gradients give the same weights, bit for bit
+    for shard in (original, restored):
+        for rank in (0, 1):
+            assert push(shard, layout, grad(layout, 50 + rank), rank=rank, clock=3).applied
+    assert torch.equal(restored.weights_copy(), original.weights_copy())
+    # and so did the per-rank last-applied clock: a retried old push is a duplicate, never applied
+    again = push(restored, layout, grad(layout, 0), rank=0, clock=2)
+    assert not again.applied and "duplicate" in again.reason
+    assert restored.status().pushes_duplicate == 1
+    assert {w.rank: w.clock for w in restored.status().workers} == {0: 4, 1: 4}
+
+
+def test_a_snapshot_shares_no_memory_with_the_shard() -> None:
+    s, layout = started(SPECS["momentum"])
+    push(s, layout, grad(layout, 0))
+    snap = s.snapshot()
+    weights, buf = snap.weights.clone(), snap.optimizer["momentum_buffer"]
+    assert isinstance(buf, torch.Tensor)
+    buf = buf.clone()
+    push(s, layout, grad(layout, 1), clock=1)
+    assert torch.equal(snap.weights, weights) and torch.equal(snap.optimizer["momentum_buffer"], buf)  # type: ignore[arg-type]
+    assert snap.version == 1 and s.version == 2
+
+
+def test_a_sync_snapshot_is_taken_at_the_start_of_the_iteration() -> None:
+    """A gradient the iteration still buffers is not part of the state: its worker owes it again
+    after a restore, and the iteration then completes exactly as it would have."""
+    spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
+    original, layout = started(spec)
+    for rank in (0, 1):
+        push(original, layout, grad(layout, rank), rank=rank, clock=0)
+    assert original.version == 1
+    assert push(original, layout, grad(layout, 10), rank=0, clock=1).deferred
+    snap = original.snapshot()
+    assert {m.rank: (m.clock, m.last_push_clock) for m in snap.members} == {0: (1, 0), 1: (1, 0)}
+    restored = Shard(ServerConfig())
+    restored.restore(snap)
+    assert restored.status().pending == 0
+    for shard in (original, restored):
+        if shard is restored:
+            assert push(shard, layout, grad(layout, 10), rank=0, clock=1).deferred
+        assert push(shard, layout, grad(layout, 11), rank=1, clock=1).applied
+    assert restored.version == original.version == 2
+    assert torch.equal(restored.weights_copy(), original.weights_copy())
+
+
+def test_snapshot_needs_a_job_and_restore_a_fresh_shard() -> None:
+    with pytest.raises(NotInitializedError, match="rank 0"):
+        Shard(ServerConfig()).snapshot()
+    s, _ = started(SPECS["sgd"])
+    with pytest.raises(JobMismatchError, match="fresh shard"):
+        s.restore(s.snapshot())
