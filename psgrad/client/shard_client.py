@@ -47,7 +47,7 @@ def _copy_bytes(dest: memoryview, src: memoryview) -> None:
 
 def _copy_in(dest: torch.Tensor, src: memoryview, wire: WireBuffer) -> None:
     """Wire-dtype bytes into dest (float32), converting if the wire dtype is narrower."""
-    if wire.dtype == torch.float32:
+    if wire.codec.exact:
         _copy_bytes(byte_view(dest), src)
     else:
         dest.copy_(torch.frombuffer(src, dtype=wire.dtype))

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psgrad.metrics.jsonl import read_jsonl
+
 # One point of a convergence curve: (seconds since job start, gradients pushed so far, test accuracy, test loss).
 CurvePoint = tuple[float, int, float, float]
 Record = dict[str, Any]
@@ -30,20 +32,6 @@ class RunData:
     path: Path | None = field(default=None, compare=False)
 
 
-def _read_records(path: Path) -> list[Record]:
-    """A worker's JSONL file; a torn last line (a worker killed mid-write) is dropped, any other bad line raises."""
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    out: list[Record] = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not a JSON record: {exc}") from None
-    return out
-
-
 def load_run(run_dir: str | Path, label: str | None = None, repeat: int = 0) -> RunData:
     """Read worker{R}.jsonl for every rank and status.json (if present) from `run_dir`.
 
@@ -54,7 +42,7 @@ def load_run(run_dir: str | Path, label: str | None = None, repeat: int = 0) -> 
     for path in sorted(root.glob("worker*.jsonl")):
         m = _WORKER_FILE.fullmatch(path.name)
         if m:
-            records[int(m.group(1))] = _read_records(path)
+            records[int(m.group(1))] = read_jsonl(path)
     if not records:
         raise FileNotFoundError(f"no worker*.jsonl metrics in {root}")
     status_path = root / "status.json"

@@ -38,6 +38,15 @@ class MetricsSink:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All records of a JSONL metrics file."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All records of a JSONL metrics file; a torn last line (a process killed mid-write) is dropped,
+    any other bad line raises ValueError naming the file and line."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    out: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record: {exc}") from None
+    return out
