@@ -2,6 +2,7 @@
 metrics read; pure."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -92,12 +93,5 @@ class ShardStatus:
                 "max": max(hist) if hist else 0,
                 "mean": (sum(k * v for k, v in hist.items()) / total) if total else 0.0,
             },
-            "transfers": {
-                "streaming_pulls": self.transfers.streaming_pulls,
-                "waiting_updates": self.transfers.waiting_updates,
-                "buffers_lent": self.transfers.buffers_lent,
-                "staged_updates": self.transfers.staged_updates,
-                "retired_buffers": self.transfers.retired_buffers,
-                "waiting_for_buffer": self.transfers.waiting_for_buffer,
-            },
+            "transfers": dataclasses.asdict(self.transfers),
         }

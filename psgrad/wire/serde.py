@@ -1,6 +1,7 @@
 """Paired pure conversions between psgrad's Python objects and protobuf messages."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,6 @@ def shard_range_from_proto(msg: pb.ShardRange) -> tuple[int, int, int]:
 
 
 def status_to_proto(status: ShardStatus) -> pb.StatusReply:
-    tr = status.transfers
     reply = pb.StatusReply(
         initialized=status.initialized,
         version=status.version,
@@ -74,14 +74,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         workers=[pb.WorkerStatus(rank=w.rank, clock=w.clock, state=w.state, last_seen_s=w.last_seen_s, pushes=w.pushes)
                  for w in status.workers],
         staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in sorted(status.staleness.items())],
-        transfers=pb.TransferStatus(
-            streaming_pulls=tr.streaming_pulls,
-            waiting_updates=tr.waiting_updates,
-            buffers_lent=tr.buffers_lent,
-            staged_updates=tr.staged_updates,
-            retired_buffers=tr.retired_buffers,
-            waiting_for_buffer=tr.waiting_for_buffer,
-        ),
+        transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -91,7 +84,6 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
 
 
 def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
-    tr = msg.transfers
     return ShardStatus(
         initialized=msg.initialized,
         index=msg.shard.index,
@@ -112,14 +104,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         uptime_s=msg.uptime_s,
         workers=tuple(WorkerStatus(w.rank, w.clock, w.state, w.last_seen_s, w.pushes) for w in msg.workers),
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
-        transfers=TransferStatus(
-            streaming_pulls=tr.streaming_pulls,
-            waiting_updates=tr.waiting_updates,
-            buffers_lent=tr.buffers_lent,
-            staged_updates=tr.staged_updates,
-            retired_buffers=tr.retired_buffers,
-            waiting_for_buffer=tr.waiting_for_buffer,
-        ),
+        transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
     )
 
 
