@@ -42,6 +42,10 @@ class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
 
+class CheckpointError(PsgradError):
+    """A checkpoint could not be written, or none that could be read was found."""
+
+
 # Name -> class, so the client can re-raise the exact error the server raised.
 ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
     cls.__name__: cls
@@ -56,5 +60,6 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         WorkerStateError,
         StalledError,
         TaskError,
+        CheckpointError,
     )
 }

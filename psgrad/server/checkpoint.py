@@ -1,0 +1,197 @@
+"""Shard checkpoints on disk: a snapshot as a safetensors file of its tensors plus a JSON manifest,
+written atomically (write, fsync, rename; the manifest last), the newest two kept, and read back
+with every file checked, falling back to an older checkpoint when the newest is damaged."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from psgrad.config import JobSpec
+from psgrad.core.layout import Layout
+from psgrad.core.sharding import ParamSpec
+from psgrad.errors import CheckpointError, ConfigError
+from psgrad.server.state import MemberRecord, ShardSnapshot
+
+FORMAT = "psgrad-shard-checkpoint"
+FORMAT_VERSION = 1
+KEEP = 2
+_PREFIX = "ckpt-v"
+_OPTIMIZER = "optimizer."
+
+
+def _stem(version: int) -> str:
+    return f"{_PREFIX}{version:012d}"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifests(directory: Path) -> list[Path]:
+    """The checkpoint manifests in directory, newest (highest version) first."""
+    return sorted(directory.glob(f"{_PREFIX}*.json"), reverse=True)
+
+
+def save(snap: ShardSnapshot, directory: Path, keep: int = KEEP) -> Path:
+    """Write snap as a checkpoint in directory (created if missing); returns the manifest's path.
+    A crash at any point leaves the previous checkpoints intact: the tensors file, then the
+    manifest naming its checksum, each appear only complete (renamed into place after fsync).
+
+    Raises:
+        CheckpointError: the directory or a file cannot be written.
+    """
+    stem = _stem(snap.version)
+    tensors: dict[str, torch.Tensor] = {"weights": snap.weights.contiguous()}
+    scalars: dict[str, float | int] = {}
+    for key, value in snap.optimizer.items():
+        if isinstance(value, torch.Tensor):
+            tensors[_OPTIMIZER + key] = value.contiguous()
+        else:
+            scalars[key] = value
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        data, tmp = directory / f"{stem}.safetensors", directory / f".{stem}.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        _fsync_file(tmp)
+        os.replace(tmp, data)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created_unix_s": time.time(),
+            "version": snap.version,
+            "layout": _layout_to_json(snap.layout),
+            "members": [dataclasses.asdict(m) for m in snap.members],
+            "optimizer": scalars,
+            "tensors": {"file": data.name, "sha256": _sha256(data), "names": sorted(tensors)},
+        }
+        tmp_manifest = directory / f".{stem}.json.tmp"
+        _fsync_write(tmp_manifest, json.dumps(manifest, indent=1).encode())
+        path = directory / f"{stem}.json"
+        os.replace(tmp_manifest, path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write a checkpoint into {directory}: {exc}") from None
+    _prune(directory, keep)
+    return path
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and tensor files no manifest names."""
+    kept = manifests(directory)[:keep]
+    named = {m.with_suffix(".safetensors").name for m in kept}
+    for old in manifests(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    for data in directory.glob(f"{_PREFIX}*.safetensors"):  # one writer: none is in progress
+        if data.name not in named:
+            data.unlink(missing_ok=True)
+
+
+def load(manifest: Path) -> ShardSnapshot:
+    """The snapshot one checkpoint holds, every file checked.
+
+    Raises:
+        CheckpointError: a file is missing, truncated, corrupt or not a psgrad checkpoint (named).
+    """
+    try:
+        meta = json.loads(manifest.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(f"{manifest} is not a psgrad shard checkpoint")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{manifest} has format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        data = manifest.parent / meta["tensors"]["file"]
+        if not data.exists():
+            raise CheckpointError(f"{manifest} names {data}, which does not exist")
+        if _sha256(data) != meta["tensors"]["sha256"]:
+            raise CheckpointError(f"{data} does not match the checksum in {manifest.name} (truncated or corrupt)")
+        tensors = load_file(str(data))
+        layout = _layout_from_json(meta["layout"])
+        weights = tensors.pop("weights")
+        if weights.dtype != torch.float32 or weights.numel() != layout.numel:
+            raise CheckpointError(f"{data}: weights are {weights.numel()} {weights.dtype}, the layout owns {layout.numel}")
+        optimizer: dict[str, torch.Tensor | float | int] = dict(meta["optimizer"])
+        optimizer.update({k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)})
+        members = tuple(MemberRecord(**m) for m in meta["members"])
+        return ShardSnapshot(layout, weights, optimizer, int(meta["version"]), members)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, ConfigError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {manifest}: {type(exc).__name__}: {exc}") from None
+
+
+def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot | None:
+    """The newest checkpoint in directory that reads back whole; each damaged one is skipped with a
+    warning naming it. None when the directory holds no checkpoint at all.
+
+    Raises:
+        CheckpointError: there are checkpoints, but none can be read (never start empty then).
+    """
+    found = manifests(directory) if directory.is_dir() else []
+    problems = []
+    for manifest in found:
+        try:
+            return load(manifest)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            warn(f"skipping a damaged checkpoint: {exc}")
+    if problems:
+        raise CheckpointError(
+            f"none of the {len(problems)} checkpoints in {directory} can be read ({'; '.join(problems)}); "
+            "refusing to start empty: move the directory away to start a new job"
+        )
+    return None
+
+
+def _layout_to_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "spec": layout.spec.as_dict(),
+        "params": [[p.name, list(p.shape), p.dtype] for p in layout.params],
+        "index": layout.index,
+        "start": layout.start,
+        "end": layout.end,
+        "fingerprint": layout.fingerprint,
+    }
+
+
+def _layout_from_json(d: dict[str, Any]) -> Layout:
+    return Layout(
+        spec=JobSpec(**d["spec"]),
+        params=tuple(ParamSpec(name, tuple(shape), dtype) for name, shape, dtype in d["params"]),
+        index=int(d["index"]),
+        start=int(d["start"]),
+        end=int(d["end"]),
+        fingerprint=str(d["fingerprint"]),
+    )

@@ -1,0 +1,97 @@
+"""Shard checkpoints on disk: exact round trip, atomic replacement, the newest two kept, and damaged
+files refused by name with a fall back to the previous checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.errors import CheckpointError
+from psgrad.server import checkpoint
+from psgrad.server.shard import Shard
+from test_shard import push
+from test_state import grad, started
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = JobSpec(optimizer="adam", lr=0.01, num_shards=2, num_workers=2)
+
+
+def trained(steps: int) -> tuple[Shard, object]:
+    s, layout = started(SPEC)
+    for clock in range(steps):
+        push(s, layout, grad(layout, clock), rank=clock % 2, clock=clock // 2)
+    return s, layout
+
+
+def test_a_checkpoint_reads_back_exactly_and_a_shard_restored_from_it_continues_bit_for_bit(tmp_path: Path) -> None:
+    s, layout = trained(5)
+    snap = s.snapshot()
+    path = checkpoint.save(snap, tmp_path)
+    back = checkpoint.load(path)
+    assert back.layout == snap.layout and back.version == 5 and back.members == snap.members
+    assert torch.equal(back.weights, snap.weights)
+    assert back.optimizer.keys() == snap.optimizer.keys()
+    for key, value in snap.optimizer.items():
+        assert torch.equal(back.optimizer[key], value) if isinstance(value, torch.Tensor) else back.optimizer[key] == value  # type: ignore[arg-type]
+    restored = Shard(ServerConfig())
+    restored.restore(back)
+    for shard in (s, restored):
+        push(shard, layout, grad(layout, 99), rank=1, clock=3)  # type: ignore[arg-type]
+    assert torch.equal(s.weights_copy(), restored.weights_copy())
+
+
+def test_the_newest_two_are_kept_and_no_temporary_file_is_left(tmp_path: Path) -> None:
+    s, layout = trained(1)
+    for clock in range(4):
+        checkpoint.save(s.snapshot(), tmp_path)
+        push(s, layout, grad(layout, clock), rank=0, clock=1 + clock)  # type: ignore[arg-type]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "ckpt-v000000000003.json", "ckpt-v000000000003.safetensors",
+        "ckpt-v000000000004.json", "ckpt-v000000000004.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "missing"])
+def test_a_damaged_newest_checkpoint_is_refused_by_name_and_the_previous_one_used(tmp_path: Path, damage: str) -> None:
+    s, layout = trained(2)
+    checkpoint.save(s.snapshot(), tmp_path)
+    push(s, layout, grad(layout, 7), rank=0, clock=1)  # type: ignore[arg-type]
+    newest = checkpoint.save(s.snapshot(), tmp_path)
+    data = newest.with_suffix(".safetensors")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[-5] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "manifest":
+        newest.write_text('{"format": "psgrad-shard-checkpoint", "format_vers')
+    else:
+        data.unlink()
+    warnings: list[str] = []
+    snap = checkpoint.load_latest(tmp_path, warnings.append)
+    assert snap is not None and snap.version == 2
+    assert len(warnings) == 1 and newest.stem in warnings[0]
+
+
+def test_no_readable_checkpoint_refuses_to_start_empty(tmp_path: Path) -> None:
+    s, _ = trained(1)
+    only = checkpoint.save(s.snapshot(), tmp_path)
+    only.with_suffix(".safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="refusing to start empty"):
+        checkpoint.load_latest(tmp_path, lambda _: None)
+
+
+def test_an_empty_or_missing_directory_holds_no_checkpoint(tmp_path: Path) -> None:
+    assert checkpoint.load_latest(tmp_path, lambda _: None) is None
+    assert checkpoint.load_latest(tmp_path / "nowhere", lambda _: None) is None
+
+
+def test_another_files_json_is_not_taken_for_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "ckpt-v000000000009.json").write_text('{"format": "something-else"}')
+    with pytest.raises(CheckpointError, match="not a psgrad shard checkpoint"):
+        checkpoint.load_latest(tmp_path, lambda _: None)
