@@ -112,6 +112,14 @@ class ServerConfig:
     # bandwidth-delay probing grows to tens of MB per stream (for links with a long round trip,
     # where 4 MiB in flight would limit a stream to 4 MiB per round trip).
     stream_window_bytes: int = 4 << 20
+    # Where the shard's checkpoints go (None: no checkpoints). A server started again with the same
+    # directory restores the newest readable one and serves the job at once.
+    checkpoint_dir: str | None = None
+    # A checkpoint when this many seconds passed and the shard changed since the last one.
+    checkpoint_every_s: float = 10.0
+    # Also one whenever the version reaches a multiple of this (0: off). In sync mode every shard
+    # then checkpoints the same iterations, which is what a job-wide roll back needs.
+    checkpoint_every_versions: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
@@ -130,6 +138,15 @@ class ServerConfig:
         _check(
             self.stream_window_bytes == 0 or self.stream_window_bytes >= 65536,
             f"stream_window_bytes must be 0 (gRPC's automatic windows) or >= 65536, got {self.stream_window_bytes}",
+        )
+        _check(self.checkpoint_dir is None or bool(self.checkpoint_dir), "checkpoint_dir must not be empty")
+        _check(
+            math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0,
+            f"checkpoint_every_s must be a finite number > 0, got {self.checkpoint_every_s!r}",
+        )
+        _check(
+            self.checkpoint_every_versions >= 0,
+            f"checkpoint_every_versions must be >= 0 (0: off), got {self.checkpoint_every_versions}",
         )
 
 

@@ -95,3 +95,54 @@ def test_another_files_json_is_not_taken_for_a_checkpoint(tmp_path: Path) -> Non
     (tmp_path / "ckpt-v000000000009.json").write_text('{"format": "something-else"}')
     with pytest.raises(CheckpointError, match="not a psgrad shard checkpoint"):
         checkpoint.load_latest(tmp_path, lambda _: None)
+
+
+def test_updates_applied_after_the_checkpoint_are_counted_as_lost_when_their_worker_returns() -> None:
+    s, layout = trained(4)  # ranks 0 and 1 pushed clocks 0 and 1
+    snap = s.snapshot()
+    for clock in (2, 3, 4):
+        push(s, layout, grad(layout, clock), rank=0, clock=clock)  # type: ignore[arg-type]
+    restored = Shard(ServerConfig())
+    restored.restore(snap)
+    assert push(restored, layout, grad(layout, 5), rank=0, clock=5).applied  # type: ignore[arg-type]
+    assert push(restored, layout, grad(layout, 6), rank=1, clock=2).applied  # type: ignore[arg-type]
+    assert restored.status().updates_lost == 3  # rank 0's clocks 2, 3, 4; rank 1 lost nothing
+
+
+def test_sync_shards_snapshot_at_the_same_iterations_with_nothing_buffered() -> None:
+    spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
+    s, layout = started(spec)
+    taken: list[tuple[int, int]] = []
+    s.snapshot_at_multiples(2, lambda snap: taken.append((snap.version, max(m.last_push_clock for m in snap.members))))
+    for clock in range(5):
+        for rank in (0, 1):
+            push(s, layout, grad(layout, clock), rank=rank, clock=clock)  # type: ignore[arg-type]
+    assert taken == [(2, 1), (4, 3)]
+
+
+def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_at_once(tmp_path: Path) -> None:
+    from psgrad.client.parameter_client import ParameterClient
+    from psgrad.config import ClientConfig
+    from psgrad.core.sharding import ParamSpec, plan_shards
+    from psgrad.server.runtime import start_server
+
+    params = [ParamSpec("w", (64,), "float32")]
+    spec = JobSpec(lr=0.5, num_shards=1)
+    config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path), checkpoint_every_versions=2)
+    server = start_server(config)
+    try:
+        with ParameterClient([server.address], spec, params, plan_shards(params, 1), 0, ClientConfig()) as c:
+            c.join(lambda: torch.zeros(64))
+            for clock in range(5):
+                c.push(torch.full((64,), float(clock)), clock)
+        expected = server.shard.weights_copy()
+    finally:
+        server.stop(0)  # a planned stop writes the last checkpoint (version 5)
+    assert [m.name for m in checkpoint.manifests(tmp_path)] == ["ckpt-v000000000005.json", "ckpt-v000000000004.json"]
+    again = start_server(ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path)))
+    try:
+        st = again.shard.status()
+        assert st.initialized and st.version == 5 and {w.rank: w.clock for w in st.workers} == {0: 5}
+        assert torch.equal(again.shard.weights_copy(), expected)
+    finally:
+        again.stop(0)

@@ -193,6 +193,7 @@ def _status(initialized: bool = True) -> ShardStatus:
         bytes_in=1000,
         bytes_out=2000,
         evictions=3,
+        updates_lost=6,
         pending=1,
         waiting=2,
         uptime_s=12.5,

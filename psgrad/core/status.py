@@ -51,6 +51,7 @@ class ShardStatus:
     bytes_in: int = 0
     bytes_out: int = 0
     evictions: int = 0
+    updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0
@@ -77,6 +78,7 @@ class ShardStatus:
             "pushes_rejected": self.pushes_rejected,
             "pulls": self.pulls,
             "evictions": self.evictions,
+            "updates_lost": self.updates_lost,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,

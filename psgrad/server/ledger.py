@@ -35,4 +35,5 @@ class Counters:
     bytes_in: int = 0
     bytes_out: int = 0
     evictions: int = 0
+    updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     staleness: Counter[int] = field(default_factory=Counter)

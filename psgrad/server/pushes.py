@@ -36,6 +36,7 @@ class PushPath:
     _round: SyncRound
     _counters: Counters
     history: deque[tuple[Any, ...]]
+    _restored_clocks: dict[int, int]  # rank -> last push in the checkpoint, until its next push
 
     def _require(self, fingerprint: str, rank: int) -> ShardState:
         raise NotImplementedError
@@ -47,6 +48,9 @@ class PushPath:
         raise NotImplementedError
 
     def _view(self) -> ClockView:
+        raise NotImplementedError
+
+    def _updated(self) -> None:
         raise NotImplementedError
 
     def push_target(
@@ -112,6 +116,9 @@ class PushPath:
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                lost_from = self._restored_clocks.pop(rank, None)
+                if lost_from is not None:  # its pushes between the checkpoint and this one were lost
+                    self._counters.updates_lost += max(0, clock - lost_from - 1)
                 try:
                     decision = self._policy.decide_push(rank, clock, self._view())
                 except InvalidRequestError:
@@ -140,6 +147,7 @@ class PushPath:
                     state.optimizer.apply(state.weights, grad, lr_scale=scale)
                 state.version += 1
                 Membership.advance(member, clock)
+                self._updated()
                 self._counters.pushes_applied += 1
                 self._counters.staleness[staleness] += 1
                 self.history.append(("apply", state.version, ((rank, clock, staleness),)))
@@ -176,6 +184,7 @@ class PushPath:
             state.optimizer.apply(state.weights, SyncRound.mean(items))
         applied_at = state.version
         state.version += 1
+        self._updated()
         stale = tuple((r, it.clock, applied_at - it.base_version) for r, it in zip(ranks, items))
         for _, _, s in stale:
             self._counters.staleness[s] += 1

@@ -6,6 +6,7 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,6 +14,8 @@ import grpc
 from psgrad.config import ServerConfig
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
+from psgrad.server import checkpoint
+from psgrad.server.checkpointer import Checkpointer, warn
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.wire.heap import tune_allocator
@@ -53,10 +56,13 @@ def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
 class RunningServer:
     """A started shard server: its bound address, its state, and a graceful stop."""
 
-    def __init__(self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str) -> None:
+    def __init__(
+        self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None
+    ) -> None:
         self._server = grpc_server
         self.servicer = servicer
         self.address = address
+        self.checkpointer = checkpointer
 
     @property
     def shard(self) -> Shard:
@@ -66,6 +72,8 @@ class RunningServer:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
         self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
         self._server.stop(grace).wait()
+        if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
+            self.checkpointer.stop()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return bool(self._server.wait_for_termination(timeout_s))
@@ -97,11 +105,23 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
     methods, to compare them with psgrad's in the same process).
 
+    With config.checkpoint_dir, the newest readable checkpoint there is restored first (the shard
+    then serves that job at once), and checkpoints are written while it runs.
+
     Raises:
         ServerStartError: the address cannot be bound (for example the port is in use).
+        CheckpointError: the directory holds checkpoints, but none can be read.
     """
     tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
     shard = Shard(config)
+    checkpointer = None
+    if config.checkpoint_dir is not None:
+        directory = Path(config.checkpoint_dir)
+        snap = checkpoint.load_latest(directory, warn)
+        if snap is not None:
+            shard.restore(snap)
+            warn(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
+        checkpointer = Checkpointer(shard, directory, config.checkpoint_every_s, config.checkpoint_every_versions)
     servicer = ParameterServicer(shard, config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
@@ -119,7 +139,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
     server.start()
     shard.start_reaper()
-    return RunningServer(server, servicer, f"{bind_host}:{port}")
+    if checkpointer is not None:
+        checkpointer.start()
+    return RunningServer(server, servicer, f"{bind_host}:{port}", checkpointer)
 
 
 def serve_forever(

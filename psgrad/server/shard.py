@@ -65,6 +65,9 @@ class Shard(PushPath):
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self._closed = False
         self._waiting = 0  # pulls parked in the gate right now
+        self._restored_clocks: dict[int, int] = {}
+        self._snapshot_every = 0
+        self._snapshot_sink: Callable[[ShardSnapshot], None] | None = None
 
     @property
     def layout(self) -> Layout | None:
@@ -260,8 +263,22 @@ class Shard(PushPath):
             if self._state is not None:
                 raise JobMismatchError("shard already serves a job: restore into a fresh shard")
             self._install(ShardState.restore(snap, self._members, self._now()))
+            self._restored_clocks = {m.rank: m.last_push_clock for m in snap.members}
             self._notify()
             self._reaper_wake.notify_all()
+
+    def snapshot_at_multiples(self, every: int, sink: Callable[[ShardSnapshot], None]) -> None:
+        """From now on hand sink a snapshot each time an update brings the version to a multiple of
+        `every` (taken under the lock: a memory copy; sink must not block). In sync mode every
+        shard then snapshots the same iterations."""
+        with self._cond:
+            self._snapshot_every, self._snapshot_sink = every, sink
+
+    def _updated(self) -> None:
+        """An update was applied (caller holds the lock)."""
+        state, sink = self._state, self._snapshot_sink
+        if sink is not None and state is not None and self._snapshot_every and state.version % self._snapshot_every == 0:
+            sink(state.snapshot(frozenset(self._round.pending)))
 
     # ----------------------------------------------------------------- pull
     def pull_frames(
@@ -356,6 +373,7 @@ class Shard(PushPath):
                 bytes_in=c.bytes_in,
                 bytes_out=c.bytes_out,
                 evictions=c.evictions,
+                updates_lost=c.updates_lost,
                 pending=len(self._round.pending),
                 waiting=self._waiting,
                 uptime_s=self._now() - self._started,
