@@ -157,7 +157,9 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     rpc_timeout_s: float = 60.0
     init_timeout_s: float = 120.0
-    retries: int = 2
+    # How long calls to a shard that stopped answering (UNAVAILABLE: a server restarting from its
+    # checkpoint) are retried, with backoff, before the worker gives up naming the shard; 0: at once.
+    reconnect_timeout_s: float = 60.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Move payloads to and from a shard on the same host through shared memory (gRPC carries
     # only headers); off another host, or where the server cannot open the segment, gRPC frames
@@ -169,7 +171,10 @@ class ClientConfig:
         for name in ("connect_timeout_s", "rpc_timeout_s", "init_timeout_s"):
             value = getattr(self, name)
             _check(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value!r}")
-        _check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        _check(
+            math.isfinite(self.reconnect_timeout_s) and self.reconnect_timeout_s >= 0,
+            f"reconnect_timeout_s must be a finite number >= 0, got {self.reconnect_timeout_s!r}",
+        )
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
 
 

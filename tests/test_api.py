@@ -16,7 +16,7 @@ from psgrad.errors import ConfigError, ServerUnavailableError, WorkerStateError
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.tasks import get_task
 
-CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
 
 
 def _model() -> nn.Module:
@@ -178,7 +178,7 @@ def test_an_unreachable_server_fails_within_the_connect_timeout() -> None:
     dead = start_server(ServerConfig(port=0))
     address = dead.address
     dead.stop(0)
-    fast = ClientConfig(connect_timeout_s=1.0, rpc_timeout_s=2.0, retries=0)
+    fast = ClientConfig(connect_timeout_s=1.0, rpc_timeout_s=2.0, reconnect_timeout_s=0)
     with pytest.raises(ServerUnavailableError, match=address.rsplit(":", 1)[1]):
         psgrad.connect([address], client=fast).optimizer(_model())
 

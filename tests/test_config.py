@@ -208,7 +208,8 @@ CLIENT_BAD = [
     ("rpc_timeout_s", INF),
     ("init_timeout_s", NAN),
     ("init_timeout_s", 0.0),
-    ("retries", -1),
+    ("reconnect_timeout_s", -1.0),
+    ("reconnect_timeout_s", float("inf")),
     ("chunk_bytes", 1000),
 ]
 
@@ -221,8 +222,8 @@ def test_client_config_refuses(field: str, value: object) -> None:
 
 
 def test_client_config_accepts_boundaries() -> None:
-    c = ClientConfig(retries=0, chunk_bytes=1024, connect_timeout_s=0.01)
-    assert c.retries == 0 and c.chunk_bytes == 1024
+    c = ClientConfig(reconnect_timeout_s=0, chunk_bytes=1024, connect_timeout_s=0.01)
+    assert c.reconnect_timeout_s == 0 and c.chunk_bytes == 1024
 
 
 WORKER_BAD = [

@@ -21,7 +21,7 @@ from psgrad.core.sharding import param_specs, plan_shards
 from psgrad.tasks import get_task
 from psgrad.worker.flat import FlatModel
 
-CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, retries=0)
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
 
 
 def _model() -> nn.Module:

@@ -25,7 +25,7 @@ N = 5000
 PARAMS = [ParamSpec("w", (N,), "float32")]
 LR = 0.5
 # Every test pushes through frames (no shared memory), 1 KiB per frame: about 20 frames per push.
-CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024,
+CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, reconnect_timeout_s=0, chunk_bytes=1024,
                       shared_memory=False)
 
 
@@ -230,7 +230,7 @@ def test_a_gated_push_failed_by_the_server_mid_stream_raises_its_error(
 
     monkeypatch.setattr(psgrad.server.transfers.PushWriter, "write", failing)
     # A deadline past the test's timeout: a push left waiting for its stream would fail the test.
-    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=300, retries=0, shared_memory=False)
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=300, reconnect_timeout_s=0, shared_memory=False)
     job = JobSpec(num_shards=1, num_workers=1, lr=LR, mode="async")
     with ParameterClient([server.address], job, params, plan_shards(params, 1), 0, config) as c:
         c.join(initial_weights=lambda: torch.zeros(big))

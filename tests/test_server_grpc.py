@@ -28,7 +28,7 @@ from psgrad.core.sharding import ParamSpec, plan_shards
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
 # shared_memory=False: these tests are about the gRPC frames; tests/test_shm.py covers the same-host path.
 FAST = ClientConfig(
-    connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024, shared_memory=False
+    connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, reconnect_timeout_s=0, chunk_bytes=1024, shared_memory=False
 )
 
 
@@ -232,7 +232,7 @@ def test_unanswering_server_times_out_naming_the_address() -> None:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         addr = f"127.0.0.1:{silent.getsockname()[1]}"
-        cfg = ClientConfig(connect_timeout_s=1.0, rpc_timeout_s=1.0, retries=0)
+        cfg = ClientConfig(connect_timeout_s=1.0, rpc_timeout_s=1.0, reconnect_timeout_s=0)
         c = ParameterClient([addr], JobSpec(), PARAMS, plan_shards(PARAMS, 1), 0, cfg)
         with pytest.raises(ServerUnavailableError, match=addr):
             c.join(initial_weights=initial)
@@ -258,7 +258,7 @@ def _first_iteration_without_rank_1(a: ParameterClient, b: ParameterClient) -> N
 
 
 def test_waiting_pull_honours_its_deadline_and_names_the_blocking_worker(servers: list[RunningServer]) -> None:
-    short = ClientConfig(connect_timeout_s=5, rpc_timeout_s=2.0, init_timeout_s=5, retries=0)
+    short = ClientConfig(connect_timeout_s=5, rpc_timeout_s=2.0, init_timeout_s=5, reconnect_timeout_s=0)
     a, b = _sync_pair(servers, short)
     try:
         _first_iteration_without_rank_1(a, b)

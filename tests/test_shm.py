@@ -26,7 +26,7 @@ N = 2113
 
 def config(shared: bool) -> ClientConfig:
     return ClientConfig(
-        connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, retries=0, chunk_bytes=1024, shared_memory=shared
+        connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, reconnect_timeout_s=0, chunk_bytes=1024, shared_memory=shared
     )
 
 

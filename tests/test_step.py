@@ -28,7 +28,7 @@ INLINE = 64 << 10  # chunk_bytes: both shards' payloads (about 4 KB each) fit on
 
 
 def config(shared: bool, chunk_bytes: int = INLINE, rpc_timeout_s: float = 10) -> ClientConfig:
-    return ClientConfig(connect_timeout_s=5, rpc_timeout_s=rpc_timeout_s, init_timeout_s=5, retries=0,
+    return ClientConfig(connect_timeout_s=5, rpc_timeout_s=rpc_timeout_s, init_timeout_s=5, reconnect_timeout_s=0,
                         chunk_bytes=chunk_bytes, shared_memory=shared)
 
 

@@ -223,7 +223,7 @@ class ParameterClient:
 
 def shard_status(addresses: Sequence[str], timeout_s: float) -> list[pb.StatusReply]:
     """Status of each server (in the given order), each asked concurrently."""
-    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, retries=0)
+    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0)
     clients = [ShardClient(a, config) for a in addresses]
     try:
         with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:

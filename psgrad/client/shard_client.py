@@ -1,4 +1,5 @@
-"""The client edge: one channel per shard, deadlines, retries, fan-out, and gRPC status -> PsgradError."""
+"""One shard's channel: every call under a deadline, reconnecting with backoff, payloads through
+frames, Step calls or same-host segments, and gRPC status -> PsgradError."""
 from __future__ import annotations
 
 import threading
@@ -20,7 +21,7 @@ from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableErr
 from psgrad.wire.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
-    CHANNEL_OPTIONS,
+    CLIENT_CHANNEL_OPTIONS,
     ERROR_METADATA_KEY,
     GATED_PUSH_BYTES,
     SERVICE_NAME,
@@ -31,6 +32,8 @@ from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 
 T = TypeVar("T")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RECONNECT_BACKOFF_S = 0.1
+MAX_RECONNECT_BACKOFF_S = 2.0
 
 
 # Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
@@ -59,7 +62,7 @@ class ShardClient:
     def __init__(self, address: str, config: ClientConfig) -> None:
         self.address = address
         self.config = config
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
         prefix = f"/{SERVICE_NAME}/"
         ch = self._channel
         self._join = ch.unary_unary(prefix + "Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
@@ -118,16 +121,33 @@ class ShardClient:
         seg.close()
 
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
-        attempts = 1 + (self.config.retries if retry else 0)
-        for attempt in range(attempts):
+        """fn(), each attempt under its deadline; while the shard does not answer (UNAVAILABLE: a
+        server restarting), retried with backoff for up to reconnect_timeout_s. Retrying a push is
+        safe: pushes are keyed by (rank, clock), so the shard applies one at most once.
+
+        Raises:
+            ServerUnavailableError: the shard did not come back within reconnect_timeout_s (named).
+            PsgradError: the error the server raised, or the call failed otherwise.
+        """
+        give_up = None
+        backoff_s = RECONNECT_BACKOFF_S
+        while True:
             try:
                 return fn()
             except grpc.RpcError as exc:
-                if attempt + 1 < attempts and isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE:
-                    time.sleep(0.2 * 2**attempt)  # back off before retrying a refused connection
-                    continue
-                raise to_psgrad_error(exc, self.address, what, timeout_s) from None
-        raise AssertionError("unreachable")
+                if not (retry and isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE):
+                    raise to_psgrad_error(exc, self.address, what, timeout_s) from None
+                now = time.monotonic()
+                give_up = now + self.config.reconnect_timeout_s if give_up is None else give_up
+                if now >= give_up:
+                    if not self.config.reconnect_timeout_s:
+                        raise to_psgrad_error(exc, self.address, what, timeout_s) from None
+                    raise ServerUnavailableError(
+                        f"server {self.address} did not come back within --reconnect-timeout-s "
+                        f"{self.config.reconnect_timeout_s:g} s ({what}: {exc.code().name}: {exc.details()})"
+                    ) from None
+                time.sleep(min(backoff_s, give_up - now))  # back off before reconnecting
+                backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
 
     def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
         """Join; waits for the channel to connect (up to timeout_s) instead of failing fast.
@@ -298,7 +318,7 @@ class ShardClient:
             # server never opened will not (another host, another /dev/shm).
             self._drop_segment(seg, for_good=refused and not seg.opened)
         seg.lock.release()
-        return refused or (isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE and self.config.retries > 0)
+        return refused or (isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE and self.config.reconnect_timeout_s > 0)
 
     # ----------------------------------------------------------------- push + pull in one call
     def step(

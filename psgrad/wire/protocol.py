@@ -20,6 +20,15 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A client's channel tries to reconnect to a lost server at least once a second (gRPC's default
+# backs off to 120 s between attempts, and calls fail at once in between), so a worker notices a
+# restarted server within about a second.
+CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # Pushes through frames above this size wait for the server's go-ahead before sending (PushGated):
 # a push waiting for its turn at a busy shard would otherwise park up to a stream window of its
 # gradient (tens of MB with gRPC's automatic windows) in the server. Smaller ones skip the extra

@@ -1,0 +1,77 @@
+"""A worker rides out a server restart: calls to a shard that stops answering are retried with
+backoff until it is back (and served from its checkpoint), or fail naming it after the timeout."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from psgrad.client import shard_client
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.errors import ServerUnavailableError
+from psgrad.server.runtime import start_server
+
+pytestmark = pytest.mark.timeout(90)
+
+PARAMS = [ParamSpec("w", (32,), "float32")]
+SPEC = JobSpec(lr=0.5, num_shards=1)
+
+
+def _client(address: str, reconnect_timeout_s: float) -> ParameterClient:
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=5, reconnect_timeout_s=reconnect_timeout_s, shared_memory=False)
+    return ParameterClient([address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config)
+
+
+def test_a_push_to_a_restarting_server_is_retried_until_it_is_back_and_applied_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    retrying = threading.Event()
+
+    class Clock:  # the client's time module, noting when it first backs off
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            retrying.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(shard_client, "time", Clock)
+    config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path))
+    server = start_server(config)
+    port = int(server.address.rsplit(":", 1)[1])
+    out: list[Any] = []
+    with _client(server.address, reconnect_timeout_s=30) as c:
+        c.join(lambda: torch.zeros(32))
+        [first] = c.push(torch.ones(32), 0)
+        server.stop(0)  # the last checkpoint holds version 1
+        thread = threading.Thread(target=lambda: out.append(c.push(torch.ones(32), 1)))
+        thread.start()
+        assert retrying.wait(30), "the push never retried"
+        again = start_server(ServerConfig(port=port, threads=8, checkpoint_dir=str(tmp_path)))
+        try:
+            thread.join(30)
+            assert not thread.is_alive() and out
+            [second] = out[0]
+            assert first.applied and second.applied and second.version == 2
+            [dup] = c.push(torch.ones(32), 1)  # a retried duplicate is acknowledged, not applied
+            assert not dup.applied and again.shard.version == 2
+            torch.testing.assert_close(again.shard.weights_copy(), torch.full((32,), -1.0))
+        finally:
+            again.stop(0)
+
+
+def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout() -> None:
+    server = start_server(ServerConfig(port=0, threads=8))
+    with _client(server.address, reconnect_timeout_s=0.5) as c:
+        c.join(lambda: torch.zeros(32))
+        server.stop(0)
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match=rf"server {server.address} did not come back within --reconnect-timeout-s 0.5 s"):
+            c.push(torch.ones(32), 0)
+        assert time.monotonic() - start < 10
