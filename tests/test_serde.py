@@ -200,6 +200,7 @@ def _status(initialized: bool = True) -> ShardStatus:
         workers=(WorkerStatus(0, 5, "live", 0.25, 5), WorkerStatus(3, 2, "evicted", 11.0, 2)),
         staleness={0: 4, 3: 2},
         transfers=TransferStatus(1, 2, 3, True, 4, 5),
+        params=(ParamSpec("fc.weight", (4, 3), "float32"), ParamSpec("fc.bias", (4,), "bfloat16")) if initialized else (),
     )
 
 

@@ -221,13 +221,13 @@ class ParameterClient:
             self._heartbeat = None
 
 
-def shard_status(addresses: Sequence[str], timeout_s: float) -> list[pb.StatusReply]:
+def shard_status(addresses: Sequence[str], timeout_s: float, with_params: bool = False) -> list[pb.StatusReply]:
     """Status of each server (in the given order), each asked concurrently."""
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0)
     clients = [ShardClient(a, config) for a in addresses]
     try:
         with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            return list(pool.map(lambda c: c.status(timeout_s), clients))
+            return list(pool.map(lambda c: c.status(timeout_s, with_params), clients))
     finally:
         for c in clients:
             c.close()

@@ -373,11 +373,11 @@ class ShardClient:
             seg.lock.release()
         return reply.push, int(reply.pull.version)
 
-    def status(self, timeout_s: float | None = None) -> pb.StatusReply:
+    def status(self, timeout_s: float | None = None, with_params: bool = False) -> pb.StatusReply:
         t = timeout_s or self.config.rpc_timeout_s
         return self._call(
             "the status request",
-            lambda: self._status(pb.StatusRequest(), timeout=t, wait_for_ready=True),
+            lambda: self._status(pb.StatusRequest(with_params=with_params), timeout=t, wait_for_ready=True),
             t,
             retry=False,
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from psgrad.config import JobSpec
+from psgrad.core.sharding import ParamSpec
 
 LIVE, LEFT, EVICTED = "live", "left", "evicted"
 
@@ -58,13 +59,14 @@ class ShardStatus:
     workers: tuple[WorkerStatus, ...] = ()
     staleness: dict[int, int] = field(default_factory=dict)  # staleness -> updates, ascending
     transfers: TransferStatus = field(default_factory=TransferStatus)
+    params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: what `psgrad status --json` prints per shard."""
+        """Plain JSON-ready data: what `psgrad status --json` prints per shard (without params)."""
         hist = dict(sorted(self.staleness.items()))
         total = sum(hist.values())
         return {

@@ -317,7 +317,7 @@ class ParameterServicer:
 
     @_edge
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        return serde.status_to_proto(self.shard.status())
+        return serde.status_to_proto(self.shard.status(with_params=req.with_params))
 
     @_edge
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:

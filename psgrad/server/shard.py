@@ -353,8 +353,9 @@ class Shard(PushPath):
         with self._cond:
             return None if self._state is None else self._state.weights.clone()
 
-    def status(self) -> ShardStatus:
-        """A consistent snapshot of counters, membership and the staleness histogram."""
+    def status(self, with_params: bool = False) -> ShardStatus:
+        """A consistent snapshot of counters, membership and the staleness histogram (and, when
+        asked, the model's parameters)."""
         with self._cond:
             self._refresh()
             c, layout = self._counters, self.layout
@@ -380,5 +381,6 @@ class Shard(PushPath):
                 workers=self._members.statuses(),
                 staleness=dict(sorted(c.staleness.items())),
                 transfers=self._buffers.status(),
+                params=layout.params if layout and with_params else (),
             )
 

@@ -76,6 +76,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
                  for w in status.workers],
         staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in sorted(status.staleness.items())],
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
+        params=params_to_proto(status.params),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -107,6 +108,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         workers=tuple(WorkerStatus(w.rank, w.clock, w.state, w.last_seen_s, w.pushes) for w in msg.workers),
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
+        params=tuple(params_from_proto(msg.params)),
     )
 
 
