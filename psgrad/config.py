@@ -1,4 +1,4 @@
-"""Frozen, self-validating configuration: JobSpec, ServerConfig, WorkerConfig."""
+"""Frozen, self-validating configuration: JobSpec, ServerConfig, ClientConfig, WorkerConfig, and the worker flags that reproduce them."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,6 +89,18 @@ class JobSpec:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_argv(self) -> list[str]:
+        """The `psgrad worker` (and `psgrad allreduce`) flags that reproduce this spec. num_shards is
+        not among them: a worker counts its shards in --servers (see WorkerConfig.to_argv)."""
+        return [
+            "--mode", self.mode, "--staleness", str(self.staleness),
+            *(["--staleness-lr"] if self.staleness_lr else []),
+            "--num-workers", str(self.num_workers), "--optimizer", self.optimizer, "--lr", str(self.lr),
+            "--momentum", str(self.momentum), "--weight-decay", str(self.weight_decay),
+            "--beta1", str(self.beta1), "--beta2", str(self.beta2), "--eps", str(self.eps),
+            "--wire-dtype", self.wire_dtype,
+        ]  # str(float) round-trips: float(str(x)) == x
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -177,6 +189,15 @@ class ClientConfig:
         )
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
 
+    def to_argv(self) -> list[str]:
+        """The `psgrad worker` flags that reproduce this config. reconnect_timeout_s and chunk_bytes
+        have no flag: a worker started with these flags has their defaults."""
+        return [
+            "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
+            "--init-timeout-s", str(self.init_timeout_s),
+            "--shared-memory" if self.shared_memory else "--no-shared-memory",
+        ]
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -219,6 +240,20 @@ class WorkerConfig:
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
+
+    def to_argv(self) -> list[str]:
+        """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
+        (the all-reduce baseline) there is no --servers: `psgrad allreduce` takes the rest."""
+        argv = ["--servers", ",".join(self.servers)] if self.servers else []
+        argv += [
+            "--task", self.task, "--rank", str(self.rank), "--steps", str(self.steps),
+            "--batch-size", str(self.batch_size), "--device", self.device, "--seed", str(self.seed),
+            "--eval-every", str(self.eval_every), "--log-every", str(self.log_every),
+            "--slowdown", str(self.slowdown), "--jitter-ms", str(self.jitter_ms),
+        ]
+        argv += [] if self.metrics_out is None else ["--metrics-out", self.metrics_out]
+        argv += ["--overlap"] if self.overlap else []
+        return argv + self.client.to_argv()
 
 
 def parse_address(text: str) -> str:

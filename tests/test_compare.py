@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from psgrad.experiments.compare import CompareConfig, ModeRun, _job_args, parse_modes
+from psgrad.experiments.compare import CompareConfig, ModeRun, parse_modes, worker_argv
 from psgrad.errors import ConfigError
 
 
@@ -22,8 +22,9 @@ def test_parse_modes() -> None:
 
 def test_the_optimizer_reaches_every_run_and_allreduce_refuses_adam(tmp_path: Path) -> None:
     cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async"), optimizer="adam", lr=0.001)
-    args = _job_args(cfg, seed=0)
-    assert args[args.index("--optimizer") + 1] == "adam"
+    for mode in cfg.modes:
+        args = worker_argv(cfg, mode, seed=0, rank=0, run_dir=tmp_path, servers="127.0.0.1:1")
+        assert args[args.index("--optimizer") + 1] == "adam"
     with pytest.raises(ConfigError, match="allreduce baseline trains with SGD only"):
         CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,allreduce"), optimizer="adam")
 
@@ -84,3 +85,8 @@ def test_sync_is_reproducible_given_the_seed(tmp_path: Path) -> None:
         assert res.returncode == 0, res.stdout + res.stderr
         curves.append([_curve(tmp_path / name / "runs" / "sync-r0" / f"worker{r}.jsonl") for r in range(3)])
     assert curves[0] == curves[1]  # bitwise: same losses and accuracies at every step, every worker
+
+
+def test_a_spec_the_runs_cannot_have_is_refused_before_any_run(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="momentum applies only to optimizer 'sgd'"):
+        CompareConfig(out_dir=tmp_path, optimizer="adam", momentum=0.9)

@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.config: validation messages, JobSpec.differences, parse_servers."""
+"""Pure tests of psgrad.config: validation messages, JobSpec.differences, to_argv, parse_servers."""
 from __future__ import annotations
 
 import dataclasses
@@ -260,6 +260,28 @@ def test_worker_config_accepts_boundaries() -> None:
     w = WorkerConfig(servers=("a:1", "b:2"), rank=0, steps=0, batch_size=1, eval_every=0, log_every=0)
     assert w.servers == ("a:1", "b:2")
     assert isinstance(w.client, ClientConfig)
+
+
+# ----------------------------------------------------------------------------- to_argv
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
+    # Without a flag a field silently takes its default in a launched worker; those left out say why.
+    spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True).to_argv()
+    assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards"}  # from --servers
+    assert "--staleness-lr" not in JobSpec().to_argv()
+    client = ClientConfig().to_argv()
+    assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
+        "--reconnect-timeout-s", "--chunk-bytes"  # no flag: a worker has the defaults
+    }
+    assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
+    worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True).to_argv()
+    assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {"--client"}
+    assert worker[-len(client):] == client
+    assert worker[:2] == ["--servers", "a:1"] and "--servers" not in WorkerConfig(servers=()).to_argv()
+    assert not {"--metrics-out", "--overlap"} & set(WorkerConfig(servers=()).to_argv())
 
 
 # ----------------------------------------------------------------------------- parse_servers

@@ -5,18 +5,16 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psgrad.experiments import analysis
-from psgrad.experiments import report
-from psgrad.client.parameter_client import shard_status
-from psgrad.config import MODES
+from psgrad.config import MODES, JobSpec, ServerConfig, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
-from psgrad.launch.local import run_launch
-from psgrad.wire.serde import status_to_dict
+
+# The rest (torch, grpc, matplotlib) is imported where a run needs it: `psgrad --help` reads
+# CompareConfig's defaults from here and stays fast.
 
 DEFAULT_MODES = "sync,async,ssp:2"
 BASELINES = ("allreduce",)
@@ -59,23 +57,23 @@ class CompareConfig:
 
     out_dir: Path
     modes: tuple[ModeRun, ...] = field(default_factory=lambda: parse_modes(DEFAULT_MODES))
-    task: str = "digits"
+    task: str = WorkerConfig.task
     num_servers: int = 2
     num_workers: int = 4
-    steps: int = 400
-    batch_size: int = 32
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    wire_dtype: str = "float32"
+    steps: int = 400  # not WorkerConfig's 1000: enough to compare the modes, and a run takes seconds
+    batch_size: int = WorkerConfig.batch_size
+    optimizer: str = JobSpec.optimizer
+    lr: float = JobSpec.lr
+    momentum: float = JobSpec.momentum
+    weight_decay: float = JobSpec.weight_decay
+    wire_dtype: str = JobSpec.wire_dtype
     target_accuracy: float = 0.9
     repeats: int = 2
-    seed: int = 0
+    seed: int = WorkerConfig.seed
     stragglers: tuple[tuple[int, float], ...] = ()
-    jitter_ms: float = 0.0
+    jitter_ms: float = WorkerConfig.jitter_ms
     eval_every: int = 0  # 0: about 20 evaluations per worker and run
-    lease_s: float = 10.0
+    lease_s: float = ServerConfig.lease_s
     omp_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -96,6 +94,8 @@ class CompareConfig:
                 f"the allreduce baseline trains with SGD only; drop allreduce from --modes to compare "
                 f"with --optimizer {self.optimizer}"
             )
+        for mode in self.modes:
+            self.job_spec(mode)  # lr, momentum, ... checked by JobSpec before any run starts
 
     @property
     def evaluate_every(self) -> int:
@@ -109,20 +109,37 @@ class CompareConfig:
         d["eval_every"] = self.evaluate_every
         return d
 
+    def job_spec(self, mode: ModeRun) -> JobSpec:
+        """The spec of one run of mode (the all-reduce baseline: sync, which is what it does)."""
+        return JobSpec(
+            mode="sync" if mode.mode in BASELINES else mode.mode, staleness=mode.staleness,
+            num_workers=self.num_workers, optimizer=self.optimizer, lr=self.lr, momentum=self.momentum,
+            weight_decay=self.weight_decay, wire_dtype=self.wire_dtype, num_shards=self.num_servers,
+        )
 
-def _job_args(cfg: CompareConfig, seed: int) -> list[str]:
-    return [
-        "--task", cfg.task, "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size),
-        "--optimizer", cfg.optimizer, "--lr", str(cfg.lr), "--momentum", str(cfg.momentum), "--weight-decay", str(cfg.weight_decay),
-        "--wire-dtype", cfg.wire_dtype, "--seed", str(seed), "--eval-every", str(cfg.evaluate_every),
-        "--log-every", str(cfg.steps), "--jitter-ms", str(cfg.jitter_ms), "--device", "cpu",
-    ]
+    def worker_config(self, seed: int, rank: int, run_dir: Path, servers: Sequence[str] = ()) -> WorkerConfig:
+        """Worker rank's config in the run with this seed, writing its metrics into run_dir."""
+        return WorkerConfig(
+            servers=tuple(servers), task=self.task, rank=rank, steps=self.steps, batch_size=self.batch_size,
+            device="cpu", seed=seed, metrics_out=str(run_dir / f"worker{rank}.jsonl"),
+            eval_every=self.evaluate_every, log_every=self.steps, jitter_ms=self.jitter_ms,
+            slowdown=dict(self.stragglers).get(rank, WorkerConfig.slowdown),
+        )
+
+
+def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir: Path, servers: str = "") -> list[str]:
+    """The flags of worker rank in one run of mode (after `psgrad worker`, or `psgrad allreduce` without servers)."""
+    config = cfg.worker_config(seed, rank, run_dir, servers.split(",") if servers else ())
+    return [*config.to_argv(), *cfg.job_spec(mode).to_argv()]
 
 
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
     """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
+    from psgrad.client.parameter_client import shard_status
+    from psgrad.launch.local import run_launch
+    from psgrad.wire.serde import status_to_dict
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    slow = dict(cfg.stragglers)
     log_lock = threading.Lock()
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.omp_threads))
     with open(run_dir / "output.log", "w", encoding="utf-8") as log_file:
@@ -132,17 +149,12 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
                 log_file.write(line + "\n")
                 log_file.flush()
 
-        def common(rank: int) -> list[str]:
-            return [
-                "--rank", str(rank), "--num-workers", str(cfg.num_workers), *_job_args(cfg, seed),
-                "--slowdown", str(slow.get(rank, 1.0)), "--metrics-out", str(run_dir / f"worker{rank}.jsonl"),
-            ]
-
         if mode.mode == "allreduce":
             store = run_dir / "store"
             store.unlink(missing_ok=True)
             return run_launch(
-                0, cfg.num_workers, [], lambda rank, _servers: [*common(rank), "--store", str(store)],
+                0, cfg.num_workers, [],
+                lambda rank, _servers: [*worker_argv(cfg, mode, seed, rank, run_dir), "--store", str(store)],
                 out=out, env=env, worker_command="allreduce",
             )
 
@@ -150,11 +162,9 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
             shards = [status_to_dict(r) for r in shard_status(addresses, timeout_s=10.0)]
             (run_dir / "status.json").write_text(json.dumps({"shards": shards}, indent=1))
 
-        def worker_args(rank: int, servers: str) -> list[str]:
-            return ["--servers", servers, "--mode", mode.mode, "--staleness", str(mode.staleness), *common(rank)]
-
         return run_launch(
-            cfg.num_servers, cfg.num_workers, ["--lease-s", str(cfg.lease_s)], worker_args,
+            cfg.num_servers, cfg.num_workers, ["--lease-s", str(cfg.lease_s)],
+            lambda rank, servers: worker_argv(cfg, mode, seed, rank, run_dir, servers),
             status=status, out=out, env=env,
         )
 
@@ -186,6 +196,8 @@ def run_compare(
         KeyboardInterrupt: interrupted; every child process has been stopped.
     """
     from tqdm import tqdm
+
+    from psgrad.experiments import analysis, report
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     plan = [(mode, repeat) for repeat in range(cfg.repeats) for mode in cfg.modes]
