@@ -1,6 +1,6 @@
 """`python -m psgrad` runs the command-line interface."""
 import sys
 
-from psgrad.cli.commands import main
+from psgrad.cli.main import main
 
 sys.exit(main())

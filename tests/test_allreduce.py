@@ -148,7 +148,7 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
 # one CLI rank of a 1-rank job, then the names of the threads still alive in the process.
 _THREADS_AFTER = """
 import os, sys
-from psgrad.cli.commands import main
+from psgrad.cli.main import main
 code = main(sys.argv[1:])
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 print("exit", code, "threads", ",".join(names))

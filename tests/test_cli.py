@@ -1,16 +1,22 @@
-"""The command line with real processes: servers on port 0, workers, status, launch, bad input."""
+"""The command line with real processes (servers on port 0, workers, status, launch, bad input), and its flags <-> the configs."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Proc, run_cli, spawn
+from conftest import REPO, Proc, run_cli, spawn
+from psgrad.cli import flags
+from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 
 
 def test_server_announces_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -62,7 +68,7 @@ def test_malformed_servers_is_a_usage_error(servers: str) -> None:
 
 
 def test_every_flag_has_help_text() -> None:
-    from psgrad.cli.commands import build_parser
+    from psgrad.cli.parser import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command")
@@ -207,12 +213,13 @@ def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts() -> None:
 
 
 def test_transport_flags_reach_the_configs() -> None:
-    from psgrad.cli.commands import _job_argv, build_parser
+    from psgrad.cli.flags import client_config
+    from psgrad.cli.parser import build_parser
 
     ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", "--no-shared-memory"])
-    assert ns.shared_memory is False and "--no-shared-memory" in _job_argv(ns)
+    assert ns.shared_memory is False and "--no-shared-memory" in client_config(ns).to_argv()
     ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1"])
-    assert ns.shared_memory is True and "--no-shared-memory" not in _job_argv(ns)
+    assert ns.shared_memory is True and "--no-shared-memory" not in client_config(ns).to_argv()
     assert build_parser().parse_args(["server", "--push-buffers", "3"]).push_buffers == 3
     assert build_parser().parse_args(["server"]).stream_window_bytes == 4 << 20
     res = run_cli(["server", "--stream-window-bytes", "5"])
@@ -225,7 +232,7 @@ def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.Monkey
     import torch
 
     import psgrad.server.runtime
-    from psgrad.cli.commands import build_parser
+    from psgrad.cli.parser import build_parser
 
     seen: list[int] = []
     monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda config, announce: seen.append(torch.get_num_threads()))
@@ -239,3 +246,83 @@ def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.Monkey
     assert seen == [3, 1]  # one by default
     res = run_cli(["server", "--torch-threads", "0"])
     assert res.returncode == 2 and "--torch-threads" in res.stderr
+
+
+# --------------------------------------------------------------------------- flags <-> config
+def _parse(*argv: str) -> argparse.Namespace:
+    from psgrad.cli.parser import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...]) -> WorkerConfig:
+    return flags.worker_config(ns, servers, flags.client_config(ns), ns.rank, ns.slowdown, ns.metrics_out)
+
+
+def test_flag_defaults_are_the_config_defaults(tmp_path: Path) -> None:
+    from psgrad.cli.commands import compare_config
+    from psgrad.experiments.compare import CompareConfig
+
+    assert flags.server_config(_parse("server")) == ServerConfig()
+    for argv, servers in ((["worker", "--servers", "127.0.0.1:1"], ("127.0.0.1:1",)), (["allreduce", "--store", "s"], ())):
+        ns = _parse(*argv)
+        assert flags.job_spec(ns, ns.num_workers, len(servers) or 1) == JobSpec()
+        assert _worker_config(ns, servers) == WorkerConfig(servers=servers)
+        assert flags.client_config(ns) == ClientConfig()
+    ns = _parse("launch")
+    assert (ns.num_servers, ns.num_workers) == (2, 2)  # deliberately more than JobSpec's 1 and 1 (parser.py)
+    assert flags.job_spec(ns, JobSpec.num_workers, JobSpec.num_shards) == JobSpec()
+    assert flags.worker_config(ns, (), flags.client_config(ns), 0, 1.0, None) == WorkerConfig(servers=())
+    assert (ns.lease_s, ns.nonfinite) == (ServerConfig.lease_s, ServerConfig.nonfinite)
+    ns = _parse("compare")
+    assert ns.omp_threads is None  # deliberately not CompareConfig's 1: a share of this machine's cores
+    cfg = compare_config(ns)
+    assert cfg.omp_threads >= 1
+    assert dataclasses.replace(cfg, out_dir=tmp_path, omp_threads=1) == CompareConfig(out_dir=tmp_path)
+
+
+SPECS = [
+    JobSpec(),
+    JobSpec(mode="ssp", staleness=3, num_workers=4, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    JobSpec(mode="ssp", staleness=0, num_workers=2),  # an explicit 0, not the CLI's 2 for ssp
+    JobSpec(mode="async", num_workers=8, optimizer="adam", lr=1e-3, beta1=0.5, beta2=0.98, eps=1e-6,
+            staleness_lr=True, wire_dtype="bfloat16"),
+    JobSpec(mode="sync", num_workers=3, optimizer="adamw", lr=3e-4, weight_decay=0.01, wire_dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.mode}-{s.optimizer}-{s.wire_dtype}")
+def test_job_spec_to_argv_rebuilds_the_spec(spec: JobSpec) -> None:
+    ns = _parse("worker", "--servers", "127.0.0.1:1", *spec.to_argv())
+    assert flags.job_spec(ns, ns.num_workers, len(ns.servers)) == spec
+    three = dataclasses.replace(spec, num_shards=3)  # num_shards comes from --servers
+    ns = _parse("worker", "--servers", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", *three.to_argv())
+    assert flags.job_spec(ns, ns.num_workers, len(ns.servers)) == three
+
+
+WORKERS = [
+    WorkerConfig(servers=("127.0.0.1:1",)),
+    WorkerConfig(
+        servers=("127.0.0.1:1", "[::1]:7001"), task="mnist1d", rank=2, steps=7, batch_size=5, device="cpu", seed=9,
+        metrics_out="/tmp/w2.jsonl", eval_every=3, log_every=4, slowdown=2.5, jitter_ms=1.5, overlap=True,
+        client=ClientConfig(connect_timeout_s=2.5, rpc_timeout_s=30.0, init_timeout_s=7.0, shared_memory=False),
+    ),
+]
+
+
+@pytest.mark.parametrize("config", WORKERS, ids=["defaults", "every-field"])
+def test_worker_config_to_argv_rebuilds_the_config(config: WorkerConfig) -> None:
+    ns = _parse("worker", *config.to_argv())
+    assert flags.client_config(ns) == config.client
+    assert _worker_config(ns, ns.servers) == config
+    baseline = dataclasses.replace(config, servers=())  # `psgrad allreduce` takes the same flags, no --servers
+    assert "--servers" not in baseline.to_argv()
+    assert _worker_config(_parse("allreduce", "--store", "s", *baseline.to_argv()), ()) == baseline
+
+
+def test_the_parser_imports_neither_torch_nor_grpc() -> None:
+    code = ("import sys; from psgrad.cli.main import main; from psgrad.cli.parser import build_parser; "
+            "build_parser(); print(sorted(m for m in ('torch', 'grpc', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"  # `psgrad --help` stays fast: commands import them when they run

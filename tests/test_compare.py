@@ -87,6 +87,26 @@ def test_sync_is_reproducible_given_the_seed(tmp_path: Path) -> None:
     assert curves[0] == curves[1]  # bitwise: same losses and accuracies at every step, every worker
 
 
+def test_every_run_is_launched_with_its_mode_and_the_comparison_settings(tmp_path: Path) -> None:
+    from psgrad.cli import flags
+    from psgrad.cli.parser import build_parser
+
+    cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,ssp:3,allreduce"), stragglers=((1, 2.0),), jitter_ms=1.0)
+    for mode in cfg.modes:
+        for rank in range(2):
+            if mode.mode == "allreduce":
+                ns = build_parser().parse_args(["allreduce", "--store", "s", *worker_argv(cfg, mode, 5, rank, tmp_path)])
+            else:
+                ns = build_parser().parse_args(["worker", *worker_argv(cfg, mode, 5, rank, tmp_path, "127.0.0.1:1,127.0.0.1:2")])
+            spec = flags.job_spec(ns, ns.num_workers, cfg.num_servers)
+            assert spec == cfg.job_spec(mode)
+            assert (spec.mode, spec.staleness) == (("sync", 0) if mode.mode == "allreduce" else (mode.mode, mode.staleness))
+            config = flags.worker_config(ns, getattr(ns, "servers", ()), flags.client_config(ns), ns.rank, ns.slowdown, ns.metrics_out)
+            assert config == cfg.worker_config(5, rank, tmp_path, getattr(ns, "servers", ()))
+            assert (config.rank, config.seed, config.device, config.slowdown) == (rank, 5, "cpu", 2.0 if rank else 1.0)
+            assert config.metrics_out == str(tmp_path / f"worker{rank}.jsonl") and config.log_every == cfg.steps
+
+
 def test_a_spec_the_runs_cannot_have_is_refused_before_any_run(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="momentum applies only to optimizer 'sgd'"):
         CompareConfig(out_dir=tmp_path, optimizer="adam", momentum=0.9)

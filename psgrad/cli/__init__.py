@@ -1,1 +1,1 @@
-"""The `psgrad` command line: argv -> validated config -> call."""
+"""The `psgrad` command line: argv -> validated config -> call (main.py is the entry point)."""

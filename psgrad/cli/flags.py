@@ -1,0 +1,186 @@
+"""The flag groups several subcommands share, their argparse types, and parsed flags -> config dataclasses."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from psgrad.config import (
+    MODES,
+    NONFINITE_POLICIES,
+    OPTIMIZER_NAMES,
+    WIRE_DTYPES,
+    ClientConfig,
+    JobSpec,
+    ServerConfig,
+    WorkerConfig,
+    parse_servers,
+)
+from psgrad.errors import ConfigError
+
+# --staleness left out: 2 in ssp mode (JobSpec's 0 bounds nothing there), 0 otherwise.
+SSP_STALENESS = 2
+
+
+def servers_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_servers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    """'RANK:FACTOR' -> (rank, factor), e.g. '0:4' makes worker 0 four times slower."""
+    rank, sep, factor = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        r, f = int(rank), float(factor)
+    except ValueError:
+        raise ConfigError(f"malformed straggler {text!r}: expected RANK:FACTOR, e.g. 0:4") from None
+    if r < 0 or not f >= 1.0 or f == float("inf"):
+        raise ConfigError(f"straggler {text!r}: rank must be >= 0 and FACTOR a finite number >= 1")
+    return r, f
+
+
+def straggler_arg(text: str) -> tuple[int, float]:
+    try:
+        return parse_straggler(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note: str = "", **kw: Any) -> None:
+    """add_argument with its default shown once, from the value: help + " (default: VALUE[note])"."""
+    shown = default
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, float):
+        shown = format(default, "g")
+    p.add_argument(name, default=default, help=f"{help} (default: {shown}{note})", **kw)
+
+
+# --------------------------------------------------------------------------- flag groups
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """The job (JobSpec) and worker (WorkerConfig, ClientConfig) flags of worker, allreduce and launch."""
+    g = p.add_argument_group("job (every worker must pass the same values)")
+    flag(g, "--task", WorkerConfig.task, "training task: a built-in name (digits, mnist1d) or your own as "
+         "package.module:function returning a psgrad.Task; the current directory is searched")
+    flag(g, "--mode", JobSpec.mode, "consistency: async (never wait; fastest, stalest), ssp (bounded staleness, "
+         "see --staleness) or sync (BSP: one averaged update per iteration, staleness 0)", choices=MODES)
+    g.add_argument(
+        "--staleness",
+        type=int,
+        default=None,  # not JobSpec.staleness: the default depends on --mode (SSP_STALENESS for ssp)
+        help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
+        f"larger is faster with stragglers, smaller is fresher (default: {SSP_STALENESS} for ssp)",
+    )
+    g.add_argument(
+        "--staleness-lr",
+        action="store_true",
+        help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
+        "try it when async training with many workers diverges",
+    )
+    flag(g, "--steps", WorkerConfig.steps, "training steps per worker", type=int)
+    flag(g, "--batch-size", WorkerConfig.batch_size, "examples per step per worker", type=positive_int)
+    flag(g, "--optimizer", JobSpec.optimizer, "update rule the servers apply: sgd (optionally with --momentum), "
+         "adam (like torch.optim.Adam; keeps 2 extra floats per parameter on the servers) or adamw (Adam with "
+         "decoupled weight decay)", choices=OPTIMIZER_NAMES)
+    flag(g, "--lr", JobSpec.lr, "server-side learning rate", "; adam usually wants ~1e-3", type=float)
+    flag(g, "--momentum", JobSpec.momentum, "SGD momentum on the servers; with many async workers, effective "
+         "momentum grows with staleness: lower it if training oscillates", type=float)
+    flag(g, "--weight-decay", JobSpec.weight_decay, "weight decay: L2 added to the gradient for sgd and adam, "
+         "decoupled for adamw", type=float)
+    flag(g, "--beta1", JobSpec.beta1, "adam/adamw: decay of the gradient average (Adam's momentum); like "
+         "--momentum, lower it (e.g. 0.5) if training with many async workers oscillates", type=float)
+    flag(g, "--beta2", JobSpec.beta2, "adam/adamw: decay of the squared-gradient average; lower it (e.g. 0.98) "
+         "if training is unstable early on", type=float)
+    flag(g, "--eps", JobSpec.eps, "adam/adamw: term added to the denominator; raise it (e.g. 1e-6) if "
+         "parameters whose gradients are almost zero still take lr-sized steps", type=float)
+    flag(g, "--wire-dtype", JobSpec.wire_dtype, "dtype of pushed gradients and pulled weights on the wire; "
+         "bfloat16/float16 halve the bytes, servers keep float32 master weights", choices=WIRE_DTYPES)
+    flag(g, "--seed", WorkerConfig.seed, "seed for model init and batch order", type=int)
+    w = p.add_argument_group("worker")
+    flag(w, "--device", WorkerConfig.device, "auto (cuda if available), cpu, cuda or cuda:N")
+    flag(w, "--jitter-ms", WorkerConfig.jitter_ms, "add a random delay of 0..MS milliseconds per step, "
+         "deterministic given --seed", type=float)
+    flag(w, "--overlap", WorkerConfig.overlap, "push/pull in the background while the next step computes "
+         "(async and ssp only); each gradient is then computed on weights one iteration older", action="store_true")
+    flag(w, "--eval-every", WorkerConfig.eval_every, "evaluate every N steps", " = 10 times per run", type=int)
+    flag(w, "--log-every", WorkerConfig.log_every, "print progress every N steps", " = 10 times", type=int)
+    flag(w, "--connect-timeout-s", ClientConfig.connect_timeout_s, "how long to wait for each server to answer "
+         "the first call", type=float)
+    flag(w, "--rpc-timeout-s", ClientConfig.rpc_timeout_s, "deadline of each pull/push; raise it for very large "
+         "models on slow links", type=float)
+    flag(w, "--init-timeout-s", ClientConfig.init_timeout_s, "how long non-chief workers wait for rank 0 to "
+         "initialize the servers", type=float)
+    flag(w, "--shared-memory", ClientConfig.shared_memory, "move payloads through /dev/shm segments when a "
+         "server is on this host (falls back to gRPC frames by itself otherwise); --no-shared-memory forces "
+         "gRPC", action=argparse.BooleanOptionalAction)
+
+
+def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
+    """Flags of one training process: `psgrad worker` and `psgrad allreduce`."""
+    flag(p, "--rank", WorkerConfig.rank, rank_help, type=int)
+    flag(p, "--num-workers", JobSpec.num_workers, "workers in the job", type=positive_int)
+    p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    flag(p, "--slowdown", WorkerConfig.slowdown, "make this worker a straggler: each step takes FACTOR times "
+         "its measured compute time", ", no delay", type=float)
+
+
+def add_server_policy_args(p: argparse.ArgumentParser) -> None:
+    """The ServerConfig flags `psgrad server` and `psgrad launch` share."""
+    flag(p, "--lease-s", ServerConfig.lease_s, "a worker silent this long counts as expired; raise it if "
+         "workers on a busy host get evicted", type=float)
+    flag(p, "--nonfinite", ServerConfig.nonfinite, "what to do with a gradient holding NaN/Inf: reject (error "
+         "to the worker, shard unchanged), skip (acknowledge, do not apply) or allow", choices=NONFINITE_POLICIES)
+
+
+# --------------------------------------------------------------------------- parsed flags -> config
+def staleness(ns: argparse.Namespace) -> int:
+    if ns.staleness is None:
+        return SSP_STALENESS if ns.mode == "ssp" else 0
+    return int(ns.staleness)
+
+
+def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
+    return JobSpec(
+        mode=ns.mode, staleness=staleness(ns), staleness_lr=ns.staleness_lr, num_workers=num_workers,
+        optimizer=ns.optimizer, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay, beta1=ns.beta1,
+        beta2=ns.beta2, eps=ns.eps, wire_dtype=ns.wire_dtype, num_shards=num_shards,
+    )
+
+
+def client_config(ns: argparse.Namespace) -> ClientConfig:
+    return ClientConfig(
+        connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
+        shared_memory=ns.shared_memory,
+    )
+
+
+def worker_config(
+    ns: argparse.Namespace, servers: tuple[str, ...], client: ClientConfig, rank: int, slowdown: float,
+    metrics_out: str | None,
+) -> WorkerConfig:
+    """The WorkerConfig of the job flags (add_job_args), for one rank."""
+    return WorkerConfig(
+        servers=servers, task=ns.task, rank=rank, steps=ns.steps, batch_size=ns.batch_size, device=ns.device,
+        seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
+        slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
+    )
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
+        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
+    )

@@ -1,0 +1,160 @@
+"""build_parser: the `psgrad` argument parser, one subparser per command, defaults read from the config dataclasses."""
+from __future__ import annotations
+
+import argparse
+
+from psgrad import __version__
+from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_launch, cmd_server, cmd_status, cmd_worker
+from psgrad.cli.flags import (
+    add_job_args,
+    add_rank_args,
+    add_server_policy_args,
+    flag,
+    positive_int,
+    servers_arg,
+    straggler_arg,
+)
+from psgrad.config import OPTIMIZER_NAMES, WIRE_DTYPES, ServerConfig
+from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig
+
+C = CompareConfig  # the defaults of `psgrad compare`
+
+
+def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("server", help="run one parameter-server shard", description="Run one parameter-server shard until SIGTERM/SIGINT.")
+    flag(s, "--host", ServerConfig.host, "address to bind")
+    flag(s, "--port", ServerConfig.port, "port to bind; 0 picks a free one", type=int)
+    s.add_argument("--port-file", help="also write the bound HOST:PORT to this file (atomically)")
+    add_server_policy_args(s)
+    flag(s, "--threads", ServerConfig.threads, "RPC handler threads; raise above 2x workers", type=int)
+    flag(s, "--push-buffers", ServerConfig.push_buffers, "gradient-sized receive buffers of an async/ssp shard; "
+         "more concurrent pushes wait for one. Raise it when many workers on other hosts push at once and memory "
+         "allows", type=positive_int)
+    flag(s, "--stream-window-bytes", ServerConfig.stream_window_bytes, "bytes gRPC receives ahead per stream: at "
+         "most this much of a push the shard is slow to take waits in the server (pushes waiting for their turn "
+         "send nothing). 0 = gRPC's automatic windows (tens of MB each), for links with a long round trip", type=int)
+    flag(s, "--torch-threads", 1, "torch intra-op threads of this process. A shard streams and updates the "
+         "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
+         "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "
+         "the host has idle cores", type=positive_int)
+    s.set_defaults(func=cmd_server)
+
+
+def _add_workers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = sub.add_parser("worker", help="run one training worker", description="Train one worker against running servers.")
+    w.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]; shard i is the i-th, same order for every worker")
+    add_rank_args(w, "this worker's rank; rank 0 initializes the servers")
+    add_job_args(w)
+    w.set_defaults(func=cmd_worker)
+
+    ar = sub.add_parser(
+        "allreduce",
+        help="run one rank of the all-reduce baseline (no parameter server)",
+        description="Train one rank of synchronous data-parallel SGD without parameter servers: the "
+        "ranks average their gradients with torch.distributed all_reduce (gloo on CPU, nccl on CUDA) "
+        "and each applies the same SGD step. Start one process per rank, all with the same --store "
+        "and job options. The PS-only options --mode, --staleness, --staleness-lr, --wire-dtype, "
+        "--connect-timeout-s and --rpc-timeout-s are accepted and ignored; --init-timeout-s bounds "
+        "the rendezvous and every all_reduce.",
+    )
+    add_rank_args(ar, "this process's rank, 0..N-1")
+    ar.add_argument(
+        "--store",
+        required=True,
+        help="rendezvous file (torch.distributed FileStore) on a file system every rank can see, "
+        "the same path for all ranks; it must not exist (or be empty) when the job starts: a file "
+        "left over from an earlier run can hang or break the rendezvous, so delete it between runs",
+    )
+    add_job_args(ar)
+    ar.set_defaults(func=cmd_allreduce)
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    la = sub.add_parser("launch", help="start servers and workers on this machine", description="Start servers and workers as local subprocesses, prefix their output, stop them all at the end.")
+    # Not JobSpec's 1 shard and 1 worker (the least a job can have): a local launch shows a sharded,
+    # data-parallel job by default.
+    flag(la, "--num-servers", 2, "parameter-server shards", type=positive_int)
+    flag(la, "--num-workers", 2, "training workers", type=positive_int)
+    la.add_argument("--metrics-dir", help="write each worker's JSONL metrics into this directory")
+    la.add_argument(
+        "--straggler",
+        type=straggler_arg,
+        action="append",
+        metavar="RANK:FACTOR",
+        help="make worker RANK take FACTOR times its measured compute time per step; repeatable",
+    )
+    la.add_argument(
+        "--omp-threads",
+        type=positive_int,
+        default=None,
+        help="OpenMP/torch threads per process (default: $OMP_NUM_THREADS if set, else the CPU count "
+        "divided among all processes); raise it for large models on a big machine",
+    )
+    add_server_policy_args(la)
+    add_job_args(la)
+    la.set_defaults(func=cmd_launch)
+
+
+def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    co = sub.add_parser(
+        "compare",
+        help="compare how sync, async and ssp training converge (the main job)",
+        description="Run each consistency mode on a fresh local cluster (servers + workers as subprocesses), "
+        "repeat, and write summary.json, report.md, convergence.png, staleness.png and every run's raw metrics.",
+    )
+    flag(co, "--task", C.task, "training task: digits, mnist1d or package.module:function")
+    flag(co, "--num-servers", C.num_servers, "shards per run", type=positive_int)
+    flag(co, "--num-workers", C.num_workers, "workers per run", type=positive_int)
+    flag(co, "--modes", DEFAULT_MODES, "comma-separated modes: sync, async, ssp:S, allreduce (the "
+         "torch.distributed baseline)")
+    co.add_argument(
+        "--straggler",
+        type=straggler_arg,
+        action="append",
+        metavar="RANK:FACTOR",
+        help="make worker RANK take FACTOR times its measured compute time per step, e.g. 0:4; repeatable",
+    )
+    flag(co, "--jitter-ms", C.jitter_ms, "random extra delay of 0..MS ms per worker step, deterministic given the "
+         "seed", type=float)
+    flag(co, "--target-accuracy", C.target_accuracy, "accuracy whose time to reach is compared", type=float)
+    flag(co, "--steps", C.steps, "steps per worker and run", type=positive_int)
+    flag(co, "--repeats", C.repeats, "runs per mode, each with its own seed; 2+ gives mean ± std and bands",
+         type=positive_int)
+    flag(co, "--seed", C.seed, "seed of the first repeat; repeat k uses seed+k", type=int)
+    co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
+    flag(co, "--batch-size", C.batch_size, "examples per step per worker", type=positive_int)
+    flag(co, "--lr", C.lr, "learning rate", type=float)
+    flag(co, "--optimizer", C.optimizer, "server-side update rule (adam/adamw with their default betas; not "
+         "with allreduce)", choices=OPTIMIZER_NAMES)
+    flag(co, "--momentum", C.momentum, "SGD momentum", type=float)
+    flag(co, "--weight-decay", C.weight_decay, "L2 weight decay", type=float)
+    flag(co, "--wire-dtype", C.wire_dtype, "wire dtype", choices=WIRE_DTYPES)
+    flag(co, "--eval-every", C.eval_every, "evaluate every N steps", " = 20 times per run", type=int)
+    flag(co, "--lease-s", C.lease_s, "server lease in seconds", type=float)
+    co.add_argument(
+        "--omp-threads",
+        type=positive_int,
+        default=None,  # not CompareConfig's 1: a share of this machine's cores, computed when the run starts
+        help="OpenMP/torch threads per process (default: the CPU count divided among a run's processes)",
+    )
+    co.set_defaults(func=cmd_compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psgrad",
+        description="psgrad: sharded gRPC parameter servers and workers for data-parallel PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"psgrad {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_server(sub)
+    _add_workers(sub)
+    _add_launch(sub)
+    _add_compare(sub)
+
+    st = sub.add_parser("status", help="show shard versions, workers and staleness", description="Ask every server for its shard's state.")
+    st.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    flag(st, "--timeout-s", 5.0, "deadline per server", type=float)
+    st.set_defaults(func=cmd_status)
+    return parser
