@@ -13,17 +13,17 @@ import json
 import math
 import os
 import platform
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from psgrad.launch.supervisor import LineNotSeen, SupervisedProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -48,10 +48,11 @@ def log(message: str) -> None:
 
 
 class Child:
-    """A subprocess read line by line on a thread; stderr goes to a temporary file for error reports.
+    """A benchmark child: psgrad's SupervisedProcess, spoken to in JSON, failing with BenchError.
 
     Commands are JSON objects, one per stdin line; replies are the child's stdout lines that start
-    with "{" (anything else a library prints is kept but skipped).
+    with "{" (anything else a library prints is kept but skipped). stderr goes to a temporary file
+    for error reports.
     """
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, speaks: bool = True,
@@ -59,31 +60,15 @@ class Child:
         self.name = name
         self.speaks = speaks  # True: stopped with a quit command; False (servers): with SIGTERM
         self._address: str | None = None
-        self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"bench-{name}-")
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(ONE_THREAD_ENV if one_thread else {}), **(env or {})},
+        self.proc = SupervisedProcess(
+            argv, name=f"bench-{name}", cwd=REPO, stdin_pipe=True, stderr_file=True,
+            env={**os.environ, **(ONE_THREAD_ENV if one_thread else {}), **(env or {})},
         )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
+        self.popen = self.proc.popen
 
     def stderr_text(self) -> str:
         """Everything the child wrote to stderr so far."""
-        self._stderr.flush()
-        self._stderr.seek(0)
-        return self._stderr.read()
+        return self.proc.stderr_text()
 
     def stderr_tail(self, nchars: int = 2000) -> str:
         return self.stderr_text()[-nchars:]
@@ -96,21 +81,10 @@ class Child:
     def wait_line(self, marker: str, timeout_s: float, at_start: bool = False) -> str:
         """The first stdout line containing marker, or starting with it when at_start (raises if the
         child exits or time runs out)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise self._fail(f"printed no line with {marker!r} within {timeout_s:g} s") from None
-            if line is None:
-                self._lines.put(None)  # later reads fail fast too
-                try:
-                    self.popen.wait(timeout=5)  # stdout closed: the exit status follows shortly
-                except subprocess.TimeoutExpired:
-                    pass
-                raise self._fail(f"ended before printing {marker!r}")
-            if line.startswith(marker) if at_start else marker in line:
-                return line
+        try:
+            return self.proc.wait_for_line(marker, timeout_s, at_start)
+        except LineNotSeen as exc:
+            raise self._fail(exc.what) from None
 
     def address(self, marker: str = "listening on", timeout_s: float = 60.0) -> str:
         """HOST:PORT from the child's 'listening on HOST:PORT' line (read once, then remembered)."""
@@ -119,10 +93,8 @@ class Child:
         return self._address
 
     def send(self, command: dict[str, Any]) -> None:
-        assert self.popen.stdin is not None
         try:
-            self.popen.stdin.write(json.dumps(command) + "\n")
-            self.popen.stdin.flush()
+            self.proc.write_line(json.dumps(command))
         except (BrokenPipeError, OSError):
             raise self._fail(f"could not be sent {command.get('op')!r}") from None
 
@@ -162,31 +134,17 @@ class Child:
                 return
             except BenchError:
                 pass
-        self.popen.terminate()
+        self.proc.terminate()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """request_stop, then SIGTERM, then SIGKILL, each after timeout_s; always reaps the process."""
-        p = self.popen
         self.resume()
         self.request_stop()
         try:
-            p.wait(timeout=timeout_s)
+            self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             log(f"{self.name} did not stop within {timeout_s:g} s; terminating it")
-            p.terminate()
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for stream in (p.stdin, p.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-        self._reader.join(timeout=5)
-        self._stderr.close()
+        self.proc.stop(grace_s=timeout_s)
 
 
 def stop_all(children: Iterable[Child], timeout_s: float = 15.0) -> None:

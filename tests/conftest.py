@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from psgrad.launch.supervisor import LineNotSeen, SupervisedProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,87 +48,45 @@ def _reap_children() -> Iterator[None]:
     assert not leftovers, f"test left child processes running: {leftovers}"
 
 
-@dataclass
-class Proc:
-    """A psgrad subprocess whose merged stdout/stderr lines are collected by a reader thread."""
+class Proc(SupervisedProcess):
+    """A psgrad subprocess whose merged stdout/stderr lines are collected (psgrad's supervisor)."""
 
-    popen: subprocess.Popen[str]
-    lines: list[str] = field(default_factory=list)
-    _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
-    _reader: threading.Thread | None = None
+    def wait_for_line(self, marker: str, timeout_s: float = 60.0, at_start: bool = False) -> str:
+        """Block until a line containing marker is printed; fail the test if the process ends or time runs out."""
+        try:
+            return super().wait_for_line(marker, timeout_s, at_start)
+        except LineNotSeen as exc:
+            raise AssertionError(f"{exc}\nall its lines: {self.lines}") from None
 
-    def start_reader(self) -> None:
-        def pump() -> None:
-            assert self.popen.stdout is not None
-            for line in self.popen.stdout:
-                self.lines.append(line.rstrip("\n"))
-                self._queue.put(line.rstrip("\n"))
-            self._queue.put(None)
+    def wait(self, timeout_s: float | None = 120.0) -> int:
+        return super().wait(timeout_s)
 
-        self._reader = threading.Thread(target=pump, daemon=True)
-        self._reader.start()
-
-    def wait_for_line(self, prefix: str, timeout_s: float = 60.0) -> str:
-        """Block until a line containing prefix is printed (or the process ends / times out)."""
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError(f"no line with {prefix!r} within {timeout_s} s; got {self.lines}") from None
-            if line is None:
-                raise AssertionError(f"process exited before printing {prefix!r}: {self.lines}")
-            if prefix in line:
-                return line
-
-    def wait(self, timeout_s: float = 120.0) -> int:
-        """Wait for the exit code, and until every line the process printed has been collected."""
-        rc = self.popen.wait(timeout=timeout_s)
-        if self._reader is not None:
-            self._reader.join(timeout=timeout_s)
-        return rc
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+    def stop(self, grace_s: float = 15.0) -> int:
+        return super().stop(grace_s)
 
 
-def spawn(args: Sequence[str], **kw: object) -> Proc:
+def _psgrad(args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "psgrad", *args]
+
+
+def spawn(args: Sequence[str]) -> Proc:
     """Start `python -m psgrad ARGS` with merged, line-buffered output."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "psgrad", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=REPO,
-        **kw,  # type: ignore[arg-type]
-    )
-    proc = Proc(popen)
-    proc.start_reader()
-    return proc
+    return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO)
 
 
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run `python -m psgrad ARGS` to completion, capturing its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "psgrad", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-    )
+    """Run `python -m psgrad ARGS` to completion, capturing stdout and stderr apart.
+
+    Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
+    """
+    argv = _psgrad(args)
+    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True)
+    try:
+        rc = proc.wait(timeout_s)
+        stdout = "".join(line + "\n" for line in proc.lines)
+        return subprocess.CompletedProcess(argv, rc, stdout, proc.stderr_text())
+    finally:
+        proc.stop(grace_s=0)
 
 
 @pytest.fixture

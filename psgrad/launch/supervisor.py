@@ -1,0 +1,189 @@
+"""SupervisedProcess: one child process, its output read line by line on a thread, stopped and always reaped."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LineNotSeen(Exception):
+    """wait_for_line gave up: the process ended (ended=True), or time ran out, before the line came."""
+
+    def __init__(self, name: str, what: str, ended: bool, tail: Sequence[str]) -> None:
+        shown = "".join(f"\n  {line}" for line in tail)
+        super().__init__(f"{name} {what}" + (f"; its last lines:{shown}" if tail else ""))
+        self.what = what
+        self.ended = ended
+
+
+@functools.cache
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies (None elsewhere).
+
+    prctl is looked up here, in the parent: between fork and exec the child must not dlopen.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return preexec
+
+
+class SupervisedProcess:
+    """A child process whose stdout a thread reads as text lines; stop() always reaps it.
+
+    stderr is merged into stdout, or with stderr_file kept in a temporary file (stderr_text()).
+    Each line goes to on_line and, with collect, to `lines` and to the queue wait_for_line reads;
+    at the end of its output on_exit gets the exit code. stdin is /dev/null, or with stdin_pipe a
+    pipe for write_line. The child runs in a session of its own (a Ctrl-C reaches only the parent,
+    which stops it) and on Linux gets SIGTERM when the parent dies, so nothing is left behind.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = "",
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdin_pipe: bool = False,
+        stderr_file: bool = False,
+        collect: bool = True,
+        on_start: Callable[[subprocess.Popen[str]], None] | None = None,
+        on_line: Callable[[str], None] | None = None,
+        on_exit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.name = name or os.path.basename(argv[0])
+        self.lines: list[str] = []
+        self._collect = collect
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._on_line = on_line
+        self._on_exit = on_exit
+        self._terminated = False
+        self._stderr: IO[str] | None = None
+        if stderr_file:
+            self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"psgrad-{self.name}-stderr-")
+        try:
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if self._stderr is None else self._stderr,
+                text=True,
+                bufsize=1,
+                cwd=cwd,
+                env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # Ctrl-C reaches the parent only; it stops its children in order
+                preexec_fn=_die_with_parent(),
+            )
+        except BaseException:
+            if self._stderr is not None:
+                self._stderr.close()
+            raise
+        if on_start is not None:
+            on_start(self.popen)  # before the reader starts: nothing the child prints comes first
+        self._reader = threading.Thread(target=self._pump, name=f"read-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            line = raw.rstrip("\n")
+            if self._collect:
+                self.lines.append(line)
+                self._queue.put(line)
+            if self._on_line is not None:
+                self._on_line(line)
+        self._queue.put(None)
+        if self._on_exit is not None:
+            self._on_exit(self.popen.wait())
+
+    @property
+    def output(self) -> str:
+        """Every line read so far."""
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, marker: str, timeout_s: float = 60.0, at_start: bool = False) -> str:
+        """The next line containing marker (starting with it, with at_start); earlier lines are passed over.
+
+        Raises LineNotSeen when the output ends or timeout_s passes first.
+        """
+        if not self._collect:
+            raise RuntimeError(f"{self.name} was started with collect=False: its lines are not kept")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                what = f"printed no line with {marker!r} within {timeout_s:g} s"
+                raise LineNotSeen(self.name, what, False, self.lines[-20:]) from None
+            if line is None:
+                self._queue.put(None)  # later waits fail fast too
+                try:
+                    self.popen.wait(timeout=5)  # the output ended: the exit status follows shortly
+                except subprocess.TimeoutExpired:
+                    pass
+                raise LineNotSeen(self.name, f"ended before printing {marker!r}", True, self.lines[-20:])
+            if line.startswith(marker) if at_start else marker in line:
+                return line
+
+    def write_line(self, text: str) -> None:
+        """Send one line to the child's stdin (stdin_pipe). Raises OSError (BrokenPipeError) once it is gone."""
+        assert self.popen.stdin is not None, f"{self.name} was started without stdin_pipe"
+        self.popen.stdin.write(text + "\n")
+        self.popen.stdin.flush()
+
+    def stderr_text(self) -> str:
+        """Everything the child wrote to stderr so far (with stderr_file; else it is in the lines)."""
+        if self._stderr is None or self._stderr.closed:
+            return ""
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """The exit code, once every line the process printed has been read (subprocess.TimeoutExpired
+        after timeout_s)."""
+        rc = self.popen.wait(timeout=timeout_s)
+        self._reader.join(timeout=timeout_s)
+        return rc
+
+    def terminate(self) -> None:
+        """SIGTERM the process if it still runs; only once, so a graceful stop is not cut short."""
+        if not self._terminated and self.popen.poll() is None:
+            self._terminated = True
+            self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 5.0) -> int:
+        """terminate(), then SIGKILL if it still runs after grace_s; always reaps it. Returns the exit code."""
+        self.terminate()
+        try:
+            rc = self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            rc = self.popen.wait()
+        self._reader.join(timeout=grace_s)
+        for stream in (self.popen.stdin, None if self._reader.is_alive() else self.popen.stdout, self._stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:  # a broken pipe's unflushed line
+                    pass
+        return rc
