@@ -190,11 +190,11 @@ class ClientConfig:
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
 
     def to_argv(self) -> list[str]:
-        """The `psgrad worker` flags that reproduce this config. reconnect_timeout_s and chunk_bytes
-        have no flag: a worker started with these flags has their defaults."""
+        """The `psgrad worker` flags that reproduce this config. chunk_bytes
+        has no flag: a worker started with these flags has its default."""
         return [
             "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
-            "--init-timeout-s", str(self.init_timeout_s),
+            "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
         ]
 
@@ -216,6 +216,7 @@ class WorkerConfig:
     slowdown: float = 1.0  # straggler: each step takes this many times its measured compute time
     jitter_ms: float = 0.0  # random extra delay per step, uniform in [0, jitter_ms]
     overlap: bool = False  # push/pull in the background while the next step computes (async/ssp)
+    save_model: str | None = None  # write the final model's state_dict here (torch.save)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -253,6 +254,7 @@ class WorkerConfig:
         ]
         argv += [] if self.metrics_out is None else ["--metrics-out", self.metrics_out]
         argv += ["--overlap"] if self.overlap else []
+        argv += [] if self.save_model is None else ["--save-model", self.save_model]
         return argv + self.client.to_argv()
 
 

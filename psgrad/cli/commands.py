@@ -199,3 +199,16 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 def cmd_status(ns: argparse.Namespace) -> int:
     print_status(ns.servers, ns.timeout_s, ns.json)
     return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from psgrad.client.export import export_state_dict, write_state_dict
+
+    out = Path(ns.out)
+    if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
+    state, versions = export_state_dict(ns.servers, ns.timeout_s)
+    write_state_dict(state, out)
+    values = sum(t.numel() for t in state.values())
+    print(f"psgrad export: wrote {len(state)} parameters ({values:,} values) at shard versions {versions} to {out}")
+    return 0

@@ -123,6 +123,9 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
          "models on slow links", type=float)
     flag(w, "--init-timeout-s", ClientConfig.init_timeout_s, "how long non-chief workers wait for rank 0 to "
          "initialize the servers", type=float)
+    flag(w, "--reconnect-timeout-s", ClientConfig.reconnect_timeout_s, "how long to keep reconnecting to a "
+         "server that stopped answering (one restarting from its --checkpoint-dir) before exiting with an error "
+         "naming it; raise it if servers take longer to come back, 0 fails at once", type=float)
     flag(w, "--shared-memory", ClientConfig.shared_memory, "move payloads through /dev/shm segments when a "
          "server is on this host (falls back to gRPC frames by itself otherwise); --no-shared-memory forces "
          "gRPC", action=argparse.BooleanOptionalAction)
@@ -135,6 +138,8 @@ def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
     p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
     flag(p, "--slowdown", WorkerConfig.slowdown, "make this worker a straggler: each step takes FACTOR times "
          "its measured compute time", ", no delay", type=float)
+    p.add_argument("--save-model", metavar="PATH", help="write the final model's state_dict here (torch.save; "
+                   "load it with model.load_state_dict(torch.load(PATH)))")
 
 
 def add_server_policy_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +168,7 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
 def client_config(ns: argparse.Namespace) -> ClientConfig:
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
-        shared_memory=ns.shared_memory,
+        reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory,
     )
 
 
@@ -176,11 +181,13 @@ def worker_config(
         servers=servers, task=ns.task, rank=rank, steps=ns.steps, batch_size=ns.batch_size, device=ns.device,
         seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
+        save_model=getattr(ns, "save_model", None),
     )
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
+        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from psgrad import __version__
-from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_launch, cmd_server, cmd_status, cmd_worker
+from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
 from psgrad.cli.flags import (
     add_job_args,
     add_rank_args,
@@ -37,6 +37,16 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
          "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
          "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "
          "the host has idle cores", type=positive_int)
+    c = s.add_argument_group("checkpoints (a restarted server resumes the job from them)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="write this shard's checkpoints here, and restore the "
+                   "newest readable one at start (the shard then serves the job at once; a damaged one is skipped "
+                   "with a warning naming it); one directory per shard (default: no checkpoints)")
+    flag(c, "--checkpoint-every-s", ServerConfig.checkpoint_every_s, "write one when this many seconds passed and the "
+         "shard changed; lower it to lose fewer updates to a crash, at the price of one copy of the weights and "
+         "optimizer state per checkpoint", type=float)
+    flag(c, "--checkpoint-every-versions", ServerConfig.checkpoint_every_versions, "also write one whenever the "
+         "version reaches a multiple of this (sync: every shard then checkpoints the same iterations)", ", off",
+         type=int)
     s.set_defaults(func=cmd_server)
 
 
@@ -157,4 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     flag(st, "--timeout-s", 5.0, "deadline per server", type=float)
     st.set_defaults(func=cmd_status)
+
+    ex = sub.add_parser("export", help="save a running job's current weights as a state_dict",
+                        description="Read every shard's current weights (a snapshot; joins nothing) and save them as a "
+                        "state_dict keyed by parameter name: model.load_state_dict(torch.load(PATH)).")
+    ex.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...], in shard order")
+    ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
+    flag(ex, "--timeout-s", 30.0, "deadline per server", type=float)
+    ex.set_defaults(func=cmd_export)
     return parser

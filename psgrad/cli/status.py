@@ -9,9 +9,8 @@ from typing import Any
 def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
     """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
     from psgrad.client.parameter_client import shard_status
-    from psgrad.wire.serde import status_to_dict
 
-    shards = [dict(status_to_dict(r), address=a) for a, r in zip(addresses, shard_status(addresses, timeout_s))]
+    shards = [dict(s.to_dict(), address=a) for a, s in zip(addresses, shard_status(addresses, timeout_s))]
     if as_json:
         print(json.dumps({"shards": shards}, indent=2))
         return
@@ -44,5 +43,7 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                 f"shard {s['shard']}: evictions {s['evictions']}, sync gradients buffered {s['pending']}, "
                 f"pulls waiting {s['waiting']}"
             )
+        if s["updates_lost"]:
+            lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)

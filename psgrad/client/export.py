@@ -2,7 +2,10 @@
 ungated snapshot that joins nothing), laid out as a `state_dict` keyed by parameter name."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -10,7 +13,6 @@ from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig
 from psgrad.core.sharding import plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError
-from psgrad.wire import serde
 
 
 def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -22,7 +24,7 @@ def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tupl
         JobMismatchError: the servers hold different jobs, or are listed out of order.
         ServerUnavailableError: a server does not answer within timeout_s.
     """
-    statuses = [serde.status_from_proto(r) for r in shard_status(addresses, timeout_s, with_params=True)]
+    statuses = shard_status(addresses, timeout_s, with_params=True)
     for address, st in zip(addresses, statuses):
         if not st.initialized or st.spec is None:
             raise NotInitializedError(f"server {address} holds no job yet (start worker rank 0 first)")
@@ -45,3 +47,21 @@ def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tupl
         state[p.name] = flat[offset : offset + p.numel].reshape(p.shape).to(getattr(torch, p.dtype)).clone()
         offset += p.numel
     return state, versions
+
+
+def write_state_dict(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:
+    """torch.save(state) to path atomically (a reader never sees half a file); returns the path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    out = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(state), f)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

@@ -14,6 +14,7 @@ from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
+from psgrad.core.status import ShardStatus
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde
@@ -221,13 +222,13 @@ class ParameterClient:
             self._heartbeat = None
 
 
-def shard_status(addresses: Sequence[str], timeout_s: float, with_params: bool = False) -> list[pb.StatusReply]:
+def shard_status(addresses: Sequence[str], timeout_s: float, with_params: bool = False) -> list[ShardStatus]:
     """Status of each server (in the given order), each asked concurrently."""
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0)
     clients = [ShardClient(a, config) for a in addresses]
     try:
         with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            return list(pool.map(lambda c: c.status(timeout_s, with_params), clients))
+            return [serde.status_from_proto(r) for r in pool.map(lambda c: c.status(timeout_s, with_params), clients)]
     finally:
         for c in clients:
             c.close()

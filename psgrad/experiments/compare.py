@@ -137,7 +137,6 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
     """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
     from psgrad.client.parameter_client import shard_status
     from psgrad.launch.local import run_launch
-    from psgrad.wire.serde import status_to_dict
 
     run_dir.mkdir(parents=True, exist_ok=True)
     log_lock = threading.Lock()
@@ -159,7 +158,7 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
             )
 
         def status(addresses: list[str]) -> None:
-            shards = [status_to_dict(r) for r in shard_status(addresses, timeout_s=10.0)]
+            shards = [s.to_dict() for s in shard_status(addresses, timeout_s=10.0)]
             (run_dir / "status.json").write_text(json.dumps({"shards": shards}, indent=1))
 
         return run_launch(

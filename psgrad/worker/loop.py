@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from psgrad.api import Session
+from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.worker.flat import resolve_device
 from psgrad.metrics.jsonl import MetricsSink
@@ -164,4 +165,7 @@ def train(
         session.leave()
         if spec.mode != "sync":
             opt.refresh()
-        return report.final(elapsed)
+        final = report.final(elapsed)
+        if config.save_model is not None:
+            log(f"{who}: saved the final model to {write_state_dict(model.state_dict(), config.save_model)}")
+        return final
