@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psgrad.config import JobSpec, ServerConfig
-from psgrad.errors import CheckpointError
+from psgrad.errors import CheckpointError, InvalidRequestError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from test_shard import push
@@ -89,6 +89,10 @@ def test_no_readable_checkpoint_refuses_to_start_empty(tmp_path: Path) -> None:
 def test_an_empty_or_missing_directory_holds_no_checkpoint(tmp_path: Path) -> None:
     assert checkpoint.load_latest(tmp_path, lambda _: None) is None
     assert checkpoint.load_latest(tmp_path / "nowhere", lambda _: None) is None
+    assert (tmp_path / "nowhere").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot use .*file as a checkpoint directory"):
+        checkpoint.load_latest(tmp_path / "file", lambda _: None)
 
 
 def test_another_files_json_is_not_taken_for_a_checkpoint(tmp_path: Path) -> None:
@@ -146,3 +150,28 @@ def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_a
         assert torch.equal(again.shard.weights_copy(), expected)
     finally:
         again.stop(0)
+
+
+def test_a_restored_shard_takes_gradients_computed_on_weights_it_lost() -> None:
+    """Workers pulled versions the restart lost; their next gradients apply (as fresh), while a
+    shard never restored still refuses a base version from its future."""
+    s, layout = trained(2)
+    snap = s.snapshot()
+    restored = Shard(ServerConfig())
+    restored.restore(snap)
+    result = push(restored, layout, grad(layout, 3), rank=0, clock=5, base_version=9)  # type: ignore[arg-type]
+    assert result.applied and result.staleness == 0 and restored.version == 3
+    with pytest.raises(InvalidRequestError, match="newer than shard version"):
+        push(s, layout, grad(layout, 3), rank=0, clock=5, base_version=9)  # type: ignore[arg-type]
+
+
+def test_the_chiefs_initialization_is_the_first_snapshot() -> None:
+    from test_shard import make_layout, weights_for
+
+    taken = []
+    s = Shard(ServerConfig())
+    s.snapshot_at_multiples(0, taken.append)
+    layout = make_layout(SPEC)
+    s.initialize(0, layout, weights_for(layout))
+    push(s, layout, grad(layout, 0))
+    assert [snap.version for snap in taken] == [0] and torch.equal(taken[0].weights, weights_for(layout))

@@ -154,12 +154,17 @@ def load(manifest: Path) -> ShardSnapshot:
 
 def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot | None:
     """The newest checkpoint in directory that reads back whole; each damaged one is skipped with a
-    warning naming it. None when the directory holds no checkpoint at all.
+    warning naming it. None when the directory holds no checkpoint at all (it is created if missing).
 
     Raises:
-        CheckpointError: there are checkpoints, but none can be read (never start empty then).
+        CheckpointError: there are checkpoints, but none can be read (never start empty then), or
+            the directory cannot be created (a file has its name, no permission).
     """
-    found = manifests(directory) if directory.is_dir() else []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)  # fail now, not at the first checkpoint
+    except OSError as exc:
+        raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from None
+    found = manifests(directory)
     problems = []
     for manifest in found:
         try:

@@ -35,8 +35,7 @@ class Checkpointer:
         self.written_version = -1
         self.writes = 0
         self.last_write_s = 0.0  # how long the last write took
-        if every_versions:
-            shard.snapshot_at_multiples(every_versions, self.offer)
+        shard.snapshot_at_multiples(every_versions, self.offer)
         self._thread = threading.Thread(target=self._loop, name="psgrad-checkpointer", daemon=True)
 
     def start(self) -> None:

@@ -37,6 +37,7 @@ class PushPath:
     _counters: Counters
     history: deque[tuple[Any, ...]]
     _restored_clocks: dict[int, int]  # rank -> last push in the checkpoint, until its next push
+    _restored: bool  # the shard was restored from a checkpoint
 
     def _require(self, fingerprint: str, rank: int) -> ShardState:
         raise NotImplementedError
@@ -59,7 +60,10 @@ class PushPath:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back)."""
         with self._cond:
             state = self._require(fingerprint, rank)
-            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, state.version)
+            # A shard restored from a checkpoint is behind the weights its workers pulled before the
+            # crash: a gradient computed on those counts as fresh (staleness 0), not as a bad header.
+            newest = state.version if not self._restored else max(state.version, base_version)
+            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, newest)
             if problem:
                 self._counters.pushes_rejected += 1
                 raise InvalidRequestError(problem)
@@ -73,7 +77,7 @@ class PushPath:
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             self._buffers.track(grad, writer)
             if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
-                scale = self._policy.lr_scale(state.version - base_version, state.layout.spec.staleness_lr)
+                scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
                 writer.stage(state.weights, self._rule, scale, state.version)
         return grad, wire, writer
 
@@ -136,7 +140,7 @@ class PushPath:
                     if state.version > before:
                         return PushResult(True, "", state.version, 0)
                     return PushResult(False, "buffered until every live worker pushed", state.version, 0, True)
-                staleness = state.version - base_version
+                staleness = max(0, state.version - base_version)
                 if staged:  # the buffer holds the next weights: swap them in
                     assert writer is not None and writer.staged_version == state.version
                     old, state.weights = state.weights, grad

@@ -66,6 +66,7 @@ class Shard(PushPath):
         self._closed = False
         self._waiting = 0  # pulls parked in the gate right now
         self._restored_clocks: dict[int, int] = {}
+        self._restored = False
         self._snapshot_every = 0
         self._snapshot_sink: Callable[[ShardSnapshot], None] | None = None
 
@@ -226,6 +227,8 @@ class Shard(PushPath):
                 return True
             self._install(state)
             self._register(rank)
+            if self._snapshot_sink is not None:  # the first checkpoint: a restart never starts empty
+                self._snapshot_sink(state.snapshot())
             self._notify()
             return False
 
@@ -264,13 +267,14 @@ class Shard(PushPath):
                 raise JobMismatchError("shard already serves a job: restore into a fresh shard")
             self._install(ShardState.restore(snap, self._members, self._now()))
             self._restored_clocks = {m.rank: m.last_push_clock for m in snap.members}
+            self._restored = True
             self._notify()
             self._reaper_wake.notify_all()
 
     def snapshot_at_multiples(self, every: int, sink: Callable[[ShardSnapshot], None]) -> None:
-        """From now on hand sink a snapshot each time an update brings the version to a multiple of
-        `every` (taken under the lock: a memory copy; sink must not block). In sync mode every
-        shard then snapshots the same iterations."""
+        """From now on hand sink a snapshot when the chief initializes the shard, and each time an
+        update brings the version to a multiple of `every` (0: never; taken under the lock: a memory
+        copy; sink must not block). In sync mode every shard then snapshots the same iterations."""
         with self._cond:
             self._snapshot_every, self._snapshot_sink = every, sink
 

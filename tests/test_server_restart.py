@@ -1,0 +1,84 @@
+"""Killing a server loses nothing but the updates since its last checkpoint: real processes, kill -9,
+restart with the same --checkpoint-dir, workers ride it out; damaged checkpoints refused by name;
+the model exported and saved."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli, spawn
+from psgrad.tasks import get_task
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_survives_kill_9_of_a_server_restarted_from_its_checkpoints() -> None:
+    res = subprocess.run([sys.executable, "benchmarks/server_restart.py", "--preset", "tiny"],
+                         capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads(res.stdout)["results"]
+    killed = row["with_kill"]
+    assert row["mode"] == "async" and killed["versions"][0] > 0
+    assert killed["updates_lost"][1] == 0 and killed["updates_lost"][0] >= 0  # only the killed shard loses any
+    assert all(s is not None and 0 < s < 60 for s in killed["stall_s"])  # every worker went on, well within the timeout
+    assert min(killed["final_accuracy"]) > 0.5
+
+
+def _checkpointed_job(tmp_path: Path, start_servers) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
+    ckpt = tmp_path / "ckpt"
+    [address] = start_servers(1, "--checkpoint-dir", str(ckpt), "--checkpoint-every-versions", "10")
+    model = tmp_path / "model.pt"
+    res = run_cli(["worker", "--servers", address, "--steps", "30", "--eval-every", "30", "--save-model", str(model),
+                   "--metrics-out", str(tmp_path / "w0.jsonl")])
+    assert res.returncode == 0, res.stderr
+    return address, model
+
+
+@pytest.mark.timeout(180)
+def test_export_and_save_model_give_the_model_the_worker_evaluated(tmp_path: Path, start_servers) -> None:  # type: ignore[no-untyped-def]
+    address, saved = _checkpointed_job(tmp_path, start_servers)
+    out = tmp_path / "export.pt"
+    res = run_cli(["export", "--servers", address, "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    assert "wrote 4 parameters" in res.stdout and "[30]" in res.stdout
+    exported, model_state = torch.load(out), torch.load(saved)
+    assert list(exported) == list(model_state) and all(torch.equal(exported[k], model_state[k]) for k in exported)
+    task = get_task("digits")
+    model = task.build_model()
+    model.load_state_dict(exported)
+    final = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()][-1]
+    with torch.no_grad():
+        accuracy = float((model(task.test_x).argmax(1) == task.test_y).float().mean())
+    assert accuracy == pytest.approx(final["test_accuracy"])
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_server_refuses_damaged_checkpoints_by_name(tmp_path: Path, start_servers, server_procs) -> None:  # type: ignore[no-untyped-def]
+    _checkpointed_job(tmp_path, start_servers)
+    server_procs[0].stop()
+    ckpt = tmp_path / "ckpt"
+    manifests = sorted(ckpt.glob("*.json"))
+    assert len(manifests) == 2  # the newest two are kept
+    newest = manifests[-1].with_suffix(".safetensors")
+    newest.write_bytes(newest.read_bytes()[:-10])
+    again = spawn(["server", "--port", "0", "--checkpoint-dir", str(ckpt)])
+    server_procs.append(again)
+    again.wait_for_line("psgrad server listening on ")
+    assert f"{newest}" in again.output and "skipping a damaged checkpoint" in again.output
+    assert f"restored shard 0 at version {manifests[0].stem.removeprefix('ckpt-v').lstrip('0')}" in again.output
+    again.stop()
+    manifests[0].with_suffix(".safetensors").write_bytes(b"garbage")
+    res = run_cli(["server", "--port", "0", "--checkpoint-dir", str(ckpt)], timeout_s=60)
+    assert res.returncode == 1 and "refusing to start empty" in res.stderr
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    res = run_cli(["server", "--port", "0", "--checkpoint-dir", str(path)], timeout_s=60)
+    assert res.returncode != 0 and str(path) in res.stderr
