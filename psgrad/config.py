@@ -12,7 +12,7 @@ MODES = ("async", "ssp", "sync")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
-# tests/test_optimizers.py keeps the two equal.
+# tests/unit/test_optimizers.py keeps the two equal.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 DEFAULT_CHUNK_BYTES = 1 << 20
 

@@ -1,5 +1,6 @@
-"""A worker rides out a server restart: calls to a shard that stops answering are retried with
-backoff until it is back (and served from its checkpoint), or fail naming it after the timeout."""
+"""A server restart in process: it checkpoints while serving and a restarted one serves the job at
+once; a worker rides it out (calls to a shard that stops answering are retried with backoff until
+it is back), or fails naming the shard after the timeout."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,7 @@ from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import ServerUnavailableError
+from psgrad.server import checkpoint
 from psgrad.server.runtime import start_server
 
 pytestmark = pytest.mark.timeout(90)
@@ -75,3 +77,26 @@ def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout()
         with pytest.raises(ServerUnavailableError, match=rf"server {server.address} did not come back within --reconnect-timeout-s 0.5 s"):
             c.push(torch.ones(32), 0)
         assert time.monotonic() - start < 10
+
+
+def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_at_once(tmp_path: Path) -> None:
+    params = [ParamSpec("w", (64,), "float32")]
+    spec = JobSpec(lr=0.5, num_shards=1)
+    config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path), checkpoint_every_versions=2)
+    server = start_server(config)
+    try:
+        with ParameterClient([server.address], spec, params, plan_shards(params, 1), 0, ClientConfig()) as c:
+            c.join(lambda: torch.zeros(64))
+            for clock in range(5):
+                c.push(torch.full((64,), float(clock)), clock)
+        expected = server.shard.weights_copy()
+    finally:
+        server.stop(0)  # a planned stop writes the last checkpoint (version 5)
+    assert [m.name for m in checkpoint.manifests(tmp_path)] == ["ckpt-v000000000005.json", "ckpt-v000000000004.json"]
+    again = start_server(ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path)))
+    try:
+        st = again.shard.status()
+        assert st.initialized and st.version == 5 and {w.rank: w.clock for w in st.workers} == {0: 5}
+        assert torch.equal(again.shard.weights_copy(), expected)
+    finally:
+        again.stop(0)

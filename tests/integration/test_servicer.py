@@ -26,7 +26,7 @@ from psgrad.server.runtime import RunningServer, start_server
 from psgrad.core.sharding import ParamSpec, plan_shards
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
-# shared_memory=False: these tests are about the gRPC frames; tests/test_shm.py covers the same-host path.
+# shared_memory=False: these tests are about the gRPC frames; tests/integration/test_shm.py covers the same-host path.
 FAST = ClientConfig(
     connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=5, reconnect_timeout_s=0, chunk_bytes=1024, shared_memory=False
 )

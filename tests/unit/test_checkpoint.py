@@ -124,34 +124,6 @@ def test_sync_shards_snapshot_at_the_same_iterations_with_nothing_buffered() -> 
     assert taken == [(2, 1), (4, 3)]
 
 
-def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_at_once(tmp_path: Path) -> None:
-    from psgrad.client.parameter_client import ParameterClient
-    from psgrad.config import ClientConfig
-    from psgrad.core.sharding import ParamSpec, plan_shards
-    from psgrad.server.runtime import start_server
-
-    params = [ParamSpec("w", (64,), "float32")]
-    spec = JobSpec(lr=0.5, num_shards=1)
-    config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path), checkpoint_every_versions=2)
-    server = start_server(config)
-    try:
-        with ParameterClient([server.address], spec, params, plan_shards(params, 1), 0, ClientConfig()) as c:
-            c.join(lambda: torch.zeros(64))
-            for clock in range(5):
-                c.push(torch.full((64,), float(clock)), clock)
-        expected = server.shard.weights_copy()
-    finally:
-        server.stop(0)  # a planned stop writes the last checkpoint (version 5)
-    assert [m.name for m in checkpoint.manifests(tmp_path)] == ["ckpt-v000000000005.json", "ckpt-v000000000004.json"]
-    again = start_server(ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path)))
-    try:
-        st = again.shard.status()
-        assert st.initialized and st.version == 5 and {w.rank: w.clock for w in st.workers} == {0: 5}
-        assert torch.equal(again.shard.weights_copy(), expected)
-    finally:
-        again.stop(0)
-
-
 def test_a_restored_shard_takes_gradients_computed_on_weights_it_lost() -> None:
     """Workers pulled versions the restart lost; their next gradients apply (as fresh), while a
     shard never restored still refuses a base version from its future."""
