@@ -17,7 +17,9 @@ from psgrad.errors import (  # noqa: E402
     ServerUnavailableError,
     StalledError,
     TaskError,
+    UnknownWorkerError,
     WorkerStateError,
+    CheckpointError,
 )
 
 if TYPE_CHECKING:
@@ -67,5 +69,7 @@ __all__ = [
     "ServerUnavailableError",
     "StalledError",
     "TaskError",
+    "UnknownWorkerError",
     "WorkerStateError",
+    "CheckpointError",
 ]

@@ -34,6 +34,11 @@ class WorkerStateError(PsgradError):
     """A worker's call does not fit its membership state (e.g. it already left the job)."""
 
 
+class UnknownWorkerError(WorkerStateError):
+    """A shard does not know the worker: it never joined, or the shard restarted from a checkpoint
+    taken before it joined (the client then joins again by itself)."""
+
+
 class StalledError(PsgradError):
     """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
 
@@ -58,6 +63,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         NotInitializedError,
         JobMismatchError,
         WorkerStateError,
+        UnknownWorkerError,
         StalledError,
         TaskError,
         CheckpointError,

@@ -2,6 +2,7 @@
 join/init, the lease heartbeat, and one iteration's push + pull."""
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -134,6 +135,8 @@ class ParameterClient:
                     f"({self.spec.mode} mode starts all workers together): start the others, or lower "
                     "--num-workers"
                 )
+        for i, s in enumerate(self.shards):
+            s.rejoin = functools.partial(s.join, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
         return max(r.start_clock for r in replies)
 

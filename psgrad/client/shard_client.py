@@ -13,11 +13,12 @@ import torch
 
 from psgrad import errors
 from psgrad.wire import serde
+from psgrad.client import reconnect
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.errors import InvalidRequestError, PsgradError, ServerUnavailableError
+from psgrad.errors import InvalidRequestError
 from psgrad.wire.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
@@ -31,9 +32,6 @@ from psgrad.wire.protocol import (
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 
 T = TypeVar("T")
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-RECONNECT_BACKOFF_S = 0.1
-MAX_RECONNECT_BACKOFF_S = 2.0
 
 
 # Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
@@ -86,6 +84,9 @@ class ShardClient:
         self._server_shm = False  # the server said at Join that it takes shared-memory payloads
         self._segment: shm.Segment | None = None
         self._segment_guard = threading.Lock()
+        # Set once this worker has joined: sends the same Join again (deadline in seconds), before
+        # a call is retried after the shard stopped answering.
+        self.rejoin: Callable[[float], object] | None = None
 
     def close(self) -> None:
         with self._segment_guard:
@@ -121,33 +122,8 @@ class ShardClient:
         seg.close()
 
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
-        """fn(), each attempt under its deadline; while the shard does not answer (UNAVAILABLE: a
-        server restarting), retried with backoff for up to reconnect_timeout_s. Retrying a push is
-        safe: pushes are keyed by (rank, clock), so the shard applies one at most once.
-
-        Raises:
-            ServerUnavailableError: the shard did not come back within reconnect_timeout_s (named).
-            PsgradError: the error the server raised, or the call failed otherwise.
-        """
-        give_up = None
-        backoff_s = RECONNECT_BACKOFF_S
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                if not (retry and isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE):
-                    raise to_psgrad_error(exc, self.address, what, timeout_s) from None
-                now = time.monotonic()
-                give_up = now + self.config.reconnect_timeout_s if give_up is None else give_up
-                if now >= give_up:
-                    if not self.config.reconnect_timeout_s:
-                        raise to_psgrad_error(exc, self.address, what, timeout_s) from None
-                    raise ServerUnavailableError(
-                        f"server {self.address} did not come back within --reconnect-timeout-s "
-                        f"{self.config.reconnect_timeout_s:g} s ({what}: {exc.code().name}: {exc.details()})"
-                    ) from None
-                time.sleep(min(backoff_s, give_up - now))  # back off before reconnecting
-                backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
+        """fn(), reconnecting while the shard does not answer (see reconnect.call)."""
+        return reconnect.call(what, fn, timeout_s, self.address, self.config, self.rejoin if retry else None, retry)
 
     def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
         """Join; waits for the channel to connect (up to timeout_s) instead of failing fast.
@@ -318,7 +294,7 @@ class ShardClient:
             # server never opened will not (another host, another /dev/shm).
             self._drop_segment(seg, for_good=refused and not seg.opened)
         seg.lock.release()
-        return refused or (isinstance(exc, grpc.Call) and exc.code() in _RETRYABLE and self.config.reconnect_timeout_s > 0)
+        return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self.config.reconnect_timeout_s > 0)
 
     # ----------------------------------------------------------------- push + pull in one call
     def step(

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrad.core.status import EVICTED, LEFT, LIVE, WorkerStatus
-from psgrad.errors import WorkerStateError
+from psgrad.errors import UnknownWorkerError, WorkerStateError
 
 
 @dataclass
@@ -60,11 +60,12 @@ class Membership:
         """The live member of that rank, its lease renewed.
 
         Raises:
-            WorkerStateError: it never joined, was evicted or left (the message says which).
+            UnknownWorkerError: it never joined (or the shard restarted without it).
+            WorkerStateError: it was evicted or left (the message says which).
         """
         member = self.members.get(rank)
         if member is None:
-            raise WorkerStateError(f"worker rank {rank} has not joined this shard (Join first)")
+            raise UnknownWorkerError(f"worker rank {rank} has not joined this shard (Join first)")
         if member.state == EVICTED:
             raise WorkerStateError(
                 f"worker rank {rank} was evicted: no call for longer than its lease of "

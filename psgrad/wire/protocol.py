@@ -41,6 +41,7 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.JobMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.UnknownWorkerError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 

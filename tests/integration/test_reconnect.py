@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from psgrad.client import shard_client
+from psgrad.client import reconnect
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
@@ -43,7 +43,7 @@ def test_a_push_to_a_restarting_server_is_retried_until_it_is_back_and_applied_o
             retrying.set()
             time.sleep(seconds)
 
-    monkeypatch.setattr(shard_client, "time", Clock)
+    monkeypatch.setattr(reconnect, "time", Clock)
     config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path))
     server = start_server(config)
     port = int(server.address.rsplit(":", 1)[1])
@@ -100,3 +100,28 @@ def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_a
         assert torch.equal(again.shard.weights_copy(), expected)
     finally:
         again.stop(0)
+
+
+def test_a_worker_the_restored_checkpoint_does_not_know_joins_again(tmp_path: Path) -> None:
+    """The server crashed before any checkpoint held worker 1: after the restart, worker 1's next
+    push joins again first, then goes through."""
+    spec = JobSpec(lr=0.5, num_shards=1, num_workers=2)
+    server = start_server(ServerConfig(port=0, threads=8))
+    port = int(server.address.rsplit(":", 1)[1])
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=5, reconnect_timeout_s=30, shared_memory=False)
+    plan = plan_shards(PARAMS, 1)
+    with ParameterClient([server.address], spec, PARAMS, plan, 0, config) as chief:
+        chief.join(lambda: torch.zeros(32))
+    checkpoint.save(server.shard.snapshot(), tmp_path)  # worker 1 has not joined yet
+    with ParameterClient([server.address], spec, PARAMS, plan, 1, config) as late:
+        late.join(None)
+        [first] = late.push(torch.ones(32), 0)
+        server.stop(0)
+        again = start_server(ServerConfig(port=port, threads=8, checkpoint_dir=str(tmp_path)))
+        try:
+            assert {w.rank for w in again.shard.status().workers} == {0}
+            [second] = late.push(torch.ones(32), 1)
+            assert first.applied and second.applied and again.shard.version == 1
+            assert {w.rank for w in again.shard.status().workers} == {0, 1}
+        finally:
+            again.stop(0)

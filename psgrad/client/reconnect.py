@@ -1,0 +1,76 @@
+"""Calls that ride out a server restart: each attempt under its deadline, retried with backoff while
+the shard does not answer (UNAVAILABLE), joining again where the restarted shard does not know the
+worker, until the reconnect timeout; gRPC errors become PsgradError."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from psgrad.config import ClientConfig
+from psgrad.errors import PsgradError, ServerUnavailableError, UnknownWorkerError
+from psgrad.wire.protocol import ERROR_METADATA_KEY, to_psgrad_error
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RECONNECT_BACKOFF_S = 0.1
+MAX_RECONNECT_BACKOFF_S = 2.0
+
+
+def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:
+    """Whether a failed call carries the name of the server's error class cls."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    return (ERROR_METADATA_KEY, cls.__name__) in tuple(trailing or ())
+
+
+def call(
+    what: str,
+    fn: Callable[[], T],
+    timeout_s: float,
+    address: str,
+    config: ClientConfig,
+    rejoin: Callable[[float], object] | None,
+    retry: bool = True,
+) -> T:
+    """fn(), each attempt under its deadline; while the shard does not answer (UNAVAILABLE: a
+    server restarting), retried with backoff for up to reconnect_timeout_s. Retrying a push is
+    safe: pushes are keyed by (rank, clock), so the shard applies one at most once.
+
+    Raises:
+        ServerUnavailableError: the shard did not come back within reconnect_timeout_s (named).
+        PsgradError: the error the server raised, or the call failed otherwise.
+    """
+    give_up = None
+    backoff_s = RECONNECT_BACKOFF_S
+    rejoined = False
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            if retry and not rejoined and rejoin is not None and _names(exc, UnknownWorkerError):
+                rejoined = True  # the shard restarted from a checkpoint taken before this worker joined
+                try:
+                    rejoin(config.connect_timeout_s)
+                    continue
+                except PsgradError:
+                    pass
+            if not (retry and isinstance(exc, grpc.Call) and exc.code() in RETRYABLE):
+                raise to_psgrad_error(exc, address, what, timeout_s) from None
+            now = time.monotonic()
+            give_up = now + config.reconnect_timeout_s if give_up is None else give_up
+            if now >= give_up:
+                if not config.reconnect_timeout_s:
+                    raise to_psgrad_error(exc, address, what, timeout_s) from None
+                raise ServerUnavailableError(
+                    f"server {address} did not come back within --reconnect-timeout-s "
+                    f"{config.reconnect_timeout_s:g} s ({what}: {exc.code().name}: {exc.details()})"
+                ) from None
+            time.sleep(min(backoff_s, give_up - now))  # back off before reconnecting
+            backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
+            if rejoin is not None:  # a restarted server may not know this worker yet
+                try:
+                    rejoin(max(0.1, give_up - time.monotonic()))
+                except PsgradError:
+                    pass  # still down (or refusing): the call's own retry says what happened
