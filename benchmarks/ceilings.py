@@ -61,7 +61,7 @@ class Child:
         self.speaks = speaks  # True: stopped with a quit command; False (servers): with SIGTERM
         self._address: str | None = None
         self.proc = SupervisedProcess(
-            argv, name=f"bench-{name}", cwd=REPO, stdin_pipe=True, stderr_file=True,
+            argv, name=f"bench-{name}", cwd=REPO, stdin_pipe=True, stderr_file=True, new_session=False,
             env={**os.environ, **(ONE_THREAD_ENV if one_thread else {}), **(env or {})},
         )
         self.popen = self.proc.popen

@@ -52,7 +52,7 @@ class SupervisedProcess:
     stderr is merged into stdout, or with stderr_file kept in a temporary file (stderr_text()).
     Each line goes to on_line and, with collect, to `lines` and to the queue wait_for_line reads;
     at the end of its output on_exit gets the exit code. stdin is /dev/null, or with stdin_pipe a
-    pipe for write_line. The child runs in a session of its own (a Ctrl-C reaches only the parent,
+    pipe for write_line. The child runs in a session of its own unless new_session=False (a Ctrl-C reaches only the parent,
     which stops it) and on Linux gets SIGTERM when the parent dies, so nothing is left behind.
     """
 
@@ -65,6 +65,7 @@ class SupervisedProcess:
         cwd: str | os.PathLike[str] | None = None,
         stdin_pipe: bool = False,
         stderr_file: bool = False,
+        new_session: bool = True,
         collect: bool = True,
         on_start: Callable[[subprocess.Popen[str]], None] | None = None,
         on_line: Callable[[str], None] | None = None,
@@ -90,7 +91,11 @@ class SupervisedProcess:
                 bufsize=1,
                 cwd=cwd,
                 env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,  # Ctrl-C reaches the parent only; it stops its children in order
+                # Ctrl-C reaches the parent only; it stops its children in order. On Linux a session of
+                # its own is also a scheduler autogroup of its own, which lengthened the measured
+                # round trip between a benchmark's client and its server processes by about 7 %
+                # (benchmarks/latency.py, 2 vCPUs): benchmarks keep their children in theirs.
+                start_new_session=new_session,
                 preexec_fn=_die_with_parent(),
             )
         except BaseException:
