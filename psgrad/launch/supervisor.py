@@ -52,8 +52,9 @@ class SupervisedProcess:
     stderr is merged into stdout, or with stderr_file kept in a temporary file (stderr_text()).
     Each line goes to on_line and, with collect, to `lines` and to the queue wait_for_line reads;
     at the end of its output on_exit gets the exit code. stdin is /dev/null, or with stdin_pipe a
-    pipe for write_line. The child runs in a session of its own unless new_session=False (a Ctrl-C reaches only the parent,
-    which stops it) and on Linux gets SIGTERM when the parent dies, so nothing is left behind.
+    pipe for write_line. The child runs in a session of its own unless new_session=False (a Ctrl-C
+    reaches only the parent, which stops it) and on Linux gets SIGTERM when the parent dies, so
+    nothing is left behind.
     """
 
     def __init__(
