@@ -179,7 +179,9 @@ class PushPath:
         """Apply the mean of the buffered gradients once the policy says the iteration is complete
         (sync: no live worker still owes it)."""
         state = self._state
-        if state is None or not self._policy.iteration_complete(state.version, self._view(), self._round.handled):
+        if state is None or not self._round.handled:  # nothing buffered: no clock view to build
+            return False
+        if not self._policy.iteration_complete(state.version, self._view(), self._round.handled):
             return False
         ranks, items = self._round.take()
         if items:  # else every gradient of the iteration was skipped: an empty update
