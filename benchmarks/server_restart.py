@@ -50,7 +50,8 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 def _stall(records: list[dict[str, Any]], killed_at: float) -> float | None:
     """The longest wait between two consecutive completed steps of a worker that ended after the
-    kill: the outage as that worker saw it (a step already under way at the kill may still end)."""
+    kill: the outage as that worker saw it (a step already under way at the kill may still end).
+    None: the worker had completed all its steps before the kill."""
     times = [rec["time"] for rec in records if "step_s" in rec]
     gaps = [b - a for a, b in zip(times, times[1:]) if b > killed_at]
     return round(max(gaps), 3) if gaps else None

@@ -25,7 +25,8 @@ def test_a_job_survives_kill_9_of_a_server_restarted_from_its_checkpoints() -> N
     killed = row["with_kill"]
     assert row["mode"] == "async" and killed["versions"][0] > 0
     assert killed["updates_lost"][1] == 0 and killed["updates_lost"][0] >= 0  # only the killed shard loses any
-    assert all(s is not None and 0 < s < 60 for s in killed["stall_s"])  # every worker went on, well within the timeout
+    # worker 0 was mid-run at the kill; the others may have finished by then (async: None)
+    assert killed["stall_s"][0] is not None and all(s is None or 0 < s < 60 for s in killed["stall_s"])
     assert min(killed["final_accuracy"]) > 0.5
 
 
