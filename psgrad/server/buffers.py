@@ -13,7 +13,8 @@ import torch
 
 from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.status import TransferStatus
-from psgrad.server.transfers import STALL_S, PullStream, PushWriter
+from psgrad.server import transfers
+from psgrad.server.transfers import PullStream, PushWriter
 
 
 class Buffers:
@@ -65,9 +66,9 @@ class Buffers:
         if not self.per_worker:
             while not self._pool and len(self._lent) >= self._push_buffers and not self.closed:
                 idle = time.monotonic() - max(w.last_active for w in self._lent.values())
-                if idle >= STALL_S:  # every holder is stalled: lend one beyond the limit
+                if idle >= transfers.STALL_S:  # every holder is stalled: lend one beyond the limit
                     break
-                self._wait(STALL_S - idle)
+                self._wait(transfers.STALL_S - idle)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, dtype)
@@ -82,9 +83,9 @@ class Buffers:
         while not self._pool and self._retired and not self.closed:
             reads = [r for r in self.reads if r.source is not weights]
             idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
-            if idle >= STALL_S:
+            if idle >= transfers.STALL_S:
                 break
-            self._wait(STALL_S - idle)
+            self._wait(transfers.STALL_S - idle)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, "float32")
@@ -175,13 +176,13 @@ class Buffers:
         granted meanwhile wait for the update; a stream idle for STALL_S gets a private copy."""
         while reads := self._current_reads(weights):
             idle = time.monotonic() - max(r.last_active for r in reads)
-            if idle >= STALL_S or self.closed:
+            if idle >= transfers.STALL_S or self.closed:
                 self.detach_reads(weights, wire_dtype)
                 return
             self._writers_waiting += 1
             self._on_wait()
             try:
-                self._reads_done.wait(timeout=STALL_S - idle)
+                self._reads_done.wait(timeout=transfers.STALL_S - idle)
             finally:
                 self._writers_waiting -= 1
                 if not self._writers_waiting:
