@@ -34,7 +34,7 @@ CHECKPOINT_EVERY_S = 2.0
 
 
 def _psgrad(name: str, *args: str) -> SupervisedProcess:
-    return SupervisedProcess([sys.executable, "-m", "psgrad", *args], name=name)
+    return SupervisedProcess([sys.executable, "-m", "psgrad", *args], name=name, new_session=False)
 
 
 def _server(directory: Path, port: int = 0) -> tuple[SupervisedProcess, str]:

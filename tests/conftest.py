@@ -71,7 +71,9 @@ def _psgrad(args: Sequence[str]) -> list[str]:
 
 def spawn(args: Sequence[str]) -> Proc:
     """Start `python -m psgrad ARGS` with merged, line-buffered output."""
-    return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO)
+    # In the test's own session: on Linux a session of its own is a scheduler autogroup of its own,
+    # and processes whose OpenMP threads spin then ran several times slower on 2 vCPUs.
+    return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO, new_session=False)
 
 
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -80,7 +82,7 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
     Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
     """
     argv = _psgrad(args)
-    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True)
+    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True, new_session=False)
     try:
         rc = proc.wait(timeout_s)
         stdout = "".join(line + "\n" for line in proc.lines)

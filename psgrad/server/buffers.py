@@ -57,11 +57,13 @@ class Buffers:
         self.no_writers.notify_all()
 
     # ----------------------------------------------------------------- pushes
-    def lend(self, numel: int, dtype: str, weights: torch.Tensor | None) -> tuple[torch.Tensor, WireBuffer]:
+    def lend(
+        self, numel: int, dtype: str, weights: Callable[[], torch.Tensor | None]
+    ) -> tuple[torch.Tensor, WireBuffer]:
         """A receive buffer for a push: the spare tensor when staged (after this push's turn came),
-        else one of the pool's, waiting while push_buffers are out on loan (async/ssp)."""
+        else one of the pool's, waiting while push_buffers are out on loan (async/ssp). weights()
+        gives the shard's current weights, which other pushes may replace while this one waits."""
         if self.staged:
-            assert weights is not None
             return self._staged_buffer(numel, weights)
         if not self.per_worker:
             while not self._pool and len(self._lent) >= self._push_buffers and not self.closed:
@@ -73,7 +75,7 @@ class Buffers:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, dtype)
 
-    def _staged_buffer(self, numel: int, weights: torch.Tensor) -> tuple[torch.Tensor, WireBuffer]:
+    def _staged_buffer(self, numel: int, weights: Callable[[], torch.Tensor | None]) -> tuple[torch.Tensor, WireBuffer]:
         """Wait for the turn to build the next weights (one push at a time; a push whose worker
         is evicted gives it up), then for the spare tensor, which a pull stream of the former
         weights may still read (lend a new one if that stream is idle for STALL_S)."""
@@ -81,7 +83,8 @@ class Buffers:
             self._wait(None)
         self._building = True
         while not self._pool and self._retired and not self.closed:
-            reads = [r for r in self.reads if r.source is not weights]
+            current = weights()  # the weights now, not when this push began to wait for its turn
+            reads = [r for r in self.reads if r.source is not current]
             idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
             if idle >= transfers.STALL_S:
                 break

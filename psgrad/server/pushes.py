@@ -72,7 +72,7 @@ class PushPath:
             except WorkerStateError:
                 self._counters.pushes_rejected += 1
                 raise
-            grad, wire = self._buffers.lend(state.layout.numel, dtype, state.weights)
+            grad, wire = self._buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             self._buffers.track(grad, writer)
