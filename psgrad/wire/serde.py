@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
@@ -110,8 +109,3 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )
-
-
-def status_to_dict(msg: pb.StatusReply) -> dict[str, Any]:
-    """A StatusReply as plain JSON-ready data (what `psgrad status --json` prints per shard)."""
-    return status_from_proto(msg).to_dict()

@@ -1,4 +1,4 @@
-"""Pure tests of psgrad.wire.serde: proto <-> Python conversions, and status_to_dict."""
+"""Pure tests of psgrad.wire.serde: proto <-> Python conversions, and the status JSON they feed."""
 from __future__ import annotations
 
 import dataclasses
@@ -139,7 +139,7 @@ def _status_reply(initialized: bool = True) -> pb.StatusReply:
 
 
 def test_status_to_dict() -> None:
-    d = serde.status_to_dict(_status_reply())
+    d = serde.status_from_proto(_status_reply()).to_dict()
     assert d["initialized"] is True
     assert d["shard"] == 1
     assert d["range"] == [10, 30]
@@ -163,7 +163,7 @@ def test_status_to_dict() -> None:
 
 
 def test_status_to_dict_uninitialized_and_empty() -> None:
-    d = serde.status_to_dict(_through_wire(pb.StatusReply()))
+    d = serde.status_from_proto(_through_wire(pb.StatusReply())).to_dict()
     assert d["initialized"] is False
     assert d["spec"] is None
     assert d["workers"] == []
@@ -173,7 +173,7 @@ def test_status_to_dict_uninitialized_and_empty() -> None:
 
 def test_status_to_dict_single_bucket() -> None:
     reply = pb.StatusReply(staleness=[pb.StalenessBucket(staleness=4, count=6)])
-    s = serde.status_to_dict(reply)["staleness"]
+    s = serde.status_from_proto(reply).to_dict()["staleness"]
     assert s == {"histogram": {4: 6}, "max": 4, "mean": 4.0}
 
 
@@ -220,5 +220,5 @@ def test_status_json_is_the_typed_status_as_dict() -> None:
     assert d["workers"][1] == {"rank": 3, "clock": 2, "state": "evicted", "last_seen_s": 11.0, "pushes": 2}
     assert d["staleness"] == {"histogram": {0: 4, 3: 2}, "max": 3, "mean": pytest.approx(6 / 6)}
     assert d["transfers"]["waiting_for_buffer"] == 5 and d["transfers"]["staged_updates"] is True
-    assert d == serde.status_to_dict(serde.status_to_proto(_status()))
+    assert d == serde.status_from_proto(serde.status_to_proto(_status())).to_dict()
     json.dumps(d)
