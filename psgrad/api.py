@@ -22,7 +22,7 @@ from torch import nn
 
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
-from psgrad.errors import ConfigError, PsgradError, WorkerStateError
+from psgrad.errors import ConfigError, PsgradError, RollbackError, WorkerStateError
 from psgrad.worker.flat import FlatModel
 from psgrad.core.sharding import param_specs, plan_shards
 
@@ -79,6 +79,9 @@ class StepStats:
     staleness: int | None = None  # the largest staleness any shard reported for the push
     accepted: bool | None = None  # every shard applied or (sync) deferred the push
     versions: list[int] = field(default_factory=list)  # base versions of the weights now in the model
+    # sync: a restored shard was behind, so the job rolled back to this iteration and this step's
+    # gradient was not applied; the optimizer's clock is now that iteration (compute it again)
+    rolled_back_to: int | None = None
 
 
 @dataclass
@@ -227,8 +230,12 @@ class PSOptimizer:
             chief = session.rank == 0
             self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None)
             self.clock = self.start_clock
-            self._versions = self.client.pull(self.flat.host_flat, self.clock)
-            self.flat.weights_pulled()
+            self.rollbacks = 0
+            try:
+                self._versions = self.client.pull(self.flat.host_flat, self.clock)
+                self.flat.weights_pulled()
+            except RollbackError:  # a resumed sync job whose shards checkpointed different iterations
+                self.start_clock = self._roll_back()
         except BaseException:
             self.client.close()
             raise
@@ -295,12 +302,40 @@ class PSOptimizer:
         else:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            done = self._exchange(grad, clock, self._versions)
+            try:
+                done = self._exchange(grad, clock, self._versions)
+            except RollbackError:
+                stats.rolled_back_to = self._roll_back()
+                stats.versions = list(self._versions)
+                return stats
             stats.wait_s = done.exchange_s
             self._record(done, stats)
         stats.versions = list(self._versions)
         self.clock = clock + 1
         return stats
+
+    def _roll_back(self, attempts: int = 5) -> int:
+        """Sync: a shard restored from a checkpoint is behind the job. Return every shard to the
+        newest iteration all of them have (every worker that meets the refusal does the same;
+        it is idempotent), pull its weights, and continue from it: the caller computes the
+        iterations since then again. Returns that iteration.
+
+        Raises:
+            CheckpointError: no iteration common to every shard's checkpoints (named).
+        """
+        for attempt in range(attempts):
+            target = self.client.rollback()
+            try:
+                self._versions = self.client.pull(self.flat.host_flat, target)
+            except RollbackError:  # another shard went back meanwhile
+                if attempt == attempts - 1:
+                    raise
+                continue
+            self.flat.weights_pulled()
+            self.clock = target
+            self.rollbacks += 1
+            return target
+        raise AssertionError("unreachable")
 
     def synchronize(self) -> StepStats | None:
         """Wait for a background exchange (overlap) and install its weights; returns its stats."""

@@ -43,6 +43,12 @@ class StalledError(PsgradError):
     """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
 
 
+class RollbackError(PsgradError):
+    """Sync mode: a shard is behind the job's iteration (it was restored from a checkpoint), so the
+    job must roll back to an iteration every shard can return to. The worker's client does that by
+    itself; the error reaches a caller only when the roll-back cannot be done."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -65,6 +71,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         WorkerStateError,
         UnknownWorkerError,
         StalledError,
+        RollbackError,
         TaskError,
         CheckpointError,
     )

@@ -94,9 +94,27 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _resumed(ns: argparse.Namespace) -> argparse.Namespace:
+    """`launch --resume DIR`: the flags the job was launched with, then the ones given now."""
+    from psgrad.cli.parser import build_parser
+    from psgrad.launch import jobdir
+
+    directory = Path(ns.resume)
+    argv = jobdir.resume_argv(directory, ns.raw_argv[1:])
+    resumed = build_parser().parse_args(["launch", *argv])
+    resumed.raw_argv = ["launch", *argv]
+    jobdir.check_resumable(Path(resumed.checkpoint_dir), resumed.num_servers)
+    print(f"[launch] resuming the job in {directory}: psgrad launch {' '.join(argv)}", flush=True)
+    return resumed
+
+
 def cmd_launch(ns: argparse.Namespace) -> int:
+    from psgrad.launch import jobdir
     from psgrad.launch.local import run_launch
 
+    resuming = ns.resume is not None
+    if resuming:
+        ns = _resumed(ns)
     _check_task(ns.task)
     from psgrad.api import check_overlap
 
@@ -120,6 +138,14 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         return [*config.to_argv(), *spec.to_argv()]
 
     server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite]
+    if ns.checkpoint_dir is not None:
+        server_args += ["--checkpoint-every-s", str(ns.checkpoint_every_s),
+                        "--checkpoint-every-versions", str(ns.checkpoint_every_versions)]
+
+    def shard_args(index: int) -> list[str]:
+        if ns.checkpoint_dir is None:
+            return server_args
+        return [*server_args, "--checkpoint-dir", str(jobdir.shard_dir(Path(ns.checkpoint_dir), index))]
     env = dict(os.environ)
     if ns.omp_threads:
         env["OMP_NUM_THREADS"] = str(ns.omp_threads)
@@ -128,6 +154,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         # (like torchrun, give each process its share of the cores).
         share = max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers))
         env["OMP_NUM_THREADS"] = str(share)
+    if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
+        jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
     print(
         f"[launch] {ns.num_servers} server(s) + {ns.num_workers} worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
         flush=True,
@@ -135,7 +163,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     return run_launch(
         ns.num_servers,
         ns.num_workers,
-        server_args,
+        shard_args,
         worker_args,
         status=lambda a: print_status(a, 10.0, False),
         env=env,

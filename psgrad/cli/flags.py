@@ -150,6 +150,20 @@ def add_server_policy_args(p: argparse.ArgumentParser) -> None:
          "to the worker, shard unchanged), skip (acknowledge, do not apply) or allow", choices=NONFINITE_POLICIES)
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The checkpoint intervals `psgrad server` and `psgrad launch` share, in a group of their own
+    (returned, for the command's directory flags)."""
+    c = p.add_argument_group(title)
+    flag(c, "--checkpoint-every-s", ServerConfig.checkpoint_every_s, "async/ssp: write one when this many seconds "
+         "passed and the shard changed; lower it to lose fewer updates to a crash, at the price of one copy of the "
+         "weights and optimizer state per checkpoint", type=float)
+    flag(c, "--checkpoint-every-versions", ServerConfig.checkpoint_every_versions, "also write one whenever the "
+         "version reaches a multiple of this. Sync mode checkpoints only then (and at the start), the same "
+         "iterations on every shard, so that a restarted shard rolls the job back to one: set it for sync jobs; "
+         "lower it to recompute fewer iterations after a crash", ", off", type=int)
+    return c
+
+
 # --------------------------------------------------------------------------- parsed flags -> config
 def staleness(ns: argparse.Namespace) -> int:
     if ns.staleness is None:

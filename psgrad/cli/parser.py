@@ -6,6 +6,7 @@ import argparse
 from psgrad import __version__
 from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
 from psgrad.cli.flags import (
+    add_checkpoint_args,
     add_job_args,
     add_rank_args,
     add_server_policy_args,
@@ -37,16 +38,10 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
          "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
          "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "
          "the host has idle cores", type=positive_int)
-    c = s.add_argument_group("checkpoints (a restarted server resumes the job from them)")
+    c = add_checkpoint_args(s, "checkpoints (a restarted server resumes the job from them)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write this shard's checkpoints here, and restore the "
                    "newest readable one at start (the shard then serves the job at once; a damaged one is skipped "
                    "with a warning naming it); one directory per shard (default: no checkpoints)")
-    flag(c, "--checkpoint-every-s", ServerConfig.checkpoint_every_s, "write one when this many seconds passed and the "
-         "shard changed; lower it to lose fewer updates to a crash, at the price of one copy of the weights and "
-         "optimizer state per checkpoint", type=float)
-    flag(c, "--checkpoint-every-versions", ServerConfig.checkpoint_every_versions, "also write one whenever the "
-         "version reaches a multiple of this (sync: every shard then checkpoints the same iterations)", ", off",
-         type=int)
     s.set_defaults(func=cmd_server)
 
 
@@ -101,6 +96,13 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "divided among all processes); raise it for large models on a big machine",
     )
     add_server_policy_args(la)
+    c = add_checkpoint_args(la, "checkpoints and resume (a whole job, stopped, starts again from them)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every server into DIR/shardI (a directory "
+                   "that holds no job yet) and record this command in DIR/launch.json, so that --resume DIR can "
+                   "start the job again after every process stopped (default: no checkpoints)")
+    c.add_argument("--resume", metavar="DIR", help="start the job checkpointed in DIR again, with the flags it was "
+                   "launched with (flags given here are added after them, e.g. a larger --steps): the servers "
+                   "restore their shards and the workers continue from their checkpointed clocks")
     add_job_args(la)
     la.set_defaults(func=cmd_launch)
 

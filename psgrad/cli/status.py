@@ -45,5 +45,7 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             )
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
+        if s["rolled_back"]:
+            lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)

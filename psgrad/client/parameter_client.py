@@ -213,6 +213,36 @@ class ParameterClient:
         self.base_versions = [version for _, version in results]
         return [reply for reply, _ in results], list(self.base_versions)
 
+    def rollback(self, attempts: int = 5) -> int:
+        """Sync mode, after a shard refused a call with RollbackError (it was restored from a
+        checkpoint and is behind the job): return every shard to the newest iteration all of them
+        can return to, and return that iteration. Every worker of the job does this when it meets
+        the refusal; rolling a shard back to where it already is changes nothing.
+
+        Raises:
+            CheckpointError: no iteration is common to every shard's checkpoints (named), or a
+                shard cannot read its checkpoint of it.
+            RollbackError: the shards kept moving back (another shard restarted meanwhile).
+        """
+        for _ in range(attempts):
+            query = pb.RollbackRequest(rank=self.rank, fingerprint=self.fingerprint)
+            points = [set(r.points) for r in self._fan_out(lambda i, s: s.rollback(query))]
+            common = set.intersection(*points)
+            if not common:
+                have = "; ".join(f"{s.address}: {sorted(p, reverse=True)}" for s, p in zip(self.shards, points))
+                raise errors.CheckpointError(
+                    f"no iteration that every shard can return to ({have}): give every server a "
+                    "--checkpoint-dir and the same --checkpoint-every-versions"
+                )
+            target = max(common)
+            execute = pb.RollbackRequest(rank=self.rank, fingerprint=self.fingerprint, version=target, execute=True)
+            try:
+                self._fan_out(lambda i, s: s.rollback(execute))
+            except errors.RollbackError:
+                continue  # a shard went back further meanwhile: ask again
+            return target
+        raise errors.RollbackError(f"the shards kept moving back during {attempts} roll-back attempts")
+
     def leave(self) -> None:
         """Leave the job: nobody waits for this worker any more."""
         self._halt_heartbeat()

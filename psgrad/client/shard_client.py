@@ -75,6 +75,9 @@ class ShardClient:
             prefix + "Heartbeat", pb.HeartbeatRequest.SerializeToString, pb.HeartbeatReply.FromString
         )
         self._leave = ch.unary_unary(prefix + "Leave", pb.LeaveRequest.SerializeToString, pb.LeaveReply.FromString)
+        self._rollback = ch.unary_unary(
+            prefix + "Rollback", pb.RollbackRequest.SerializeToString, pb.RollbackReply.FromString
+        )
         # Same-host payloads: the Push method called with its header frame only, the gradient in
         # the segment (a client stream of one message is a unary call on the wire).
         self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
@@ -362,6 +365,12 @@ class ShardClient:
         t = min(self.config.rpc_timeout_s, 5.0)
         req = pb.HeartbeatRequest(rank=rank, fingerprint=fp)
         return self._call("the heartbeat", lambda: self._heartbeat(req, timeout=t), t, retry=False)
+
+    def rollback(self, req: pb.RollbackRequest) -> pb.RollbackReply:
+        """Ask for the shard's roll-back points, or (req.execute) roll it back (sync; see ps.proto).
+        A roll-back may read a checkpoint from disk: it gets the init deadline."""
+        t = max(self.config.rpc_timeout_s, self.config.init_timeout_s) if req.execute else self.config.rpc_timeout_s
+        return self._call("the roll-back request", lambda: self._rollback(req, timeout=t), t)
 
     def leave(self, rank: int, fp: str) -> None:
         t = self.config.rpc_timeout_s

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from psgrad.errors import ConfigError, InvalidRequestError
+from psgrad.errors import ConfigError, InvalidRequestError, RollbackError
 
 
 class PushDecision(enum.Enum):
@@ -56,13 +56,22 @@ class ConsistencyPolicy(ABC):
         """Ranks a pull at `clock` is waiting for (empty when it may proceed)."""
         return []
 
-    def decide_push(self, rank: int, clock: int, view: ClockView) -> PushDecision:
+    def decide_push(self, rank: int, clock: int, view: ClockView, restored: bool = False) -> PushDecision:
         """What becomes of a worker's gradient for `clock` (after duplicates are filtered out).
+        `restored`: the shard was restored from a checkpoint (or rolled back) since it started.
 
         Raises:
             InvalidRequestError: the push does not fit the mode (named in the message).
+            RollbackError: (sync) the shard is behind the worker: the job must roll back.
         """
         return PushDecision.APPLY
+
+    def check_pull(self, rank: int, clock: int, last_push_clock: int, view: ClockView) -> None:
+        """Refuse a pull the shard cannot serve in this mode (before the gate is evaluated).
+
+        Raises:
+            RollbackError: (sync) the shard is behind the worker: the job must roll back.
+        """
 
     def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:
         """Whether the buffered gradients of `iteration` are to be applied now (`pushed` counts
@@ -121,14 +130,35 @@ class SyncPolicy(ConsistencyPolicy):
             return []
         return sorted(r for r, c in view.live_clocks.items() if c <= view.version)
 
-    def decide_push(self, rank: int, clock: int, view: ClockView) -> PushDecision:
-        """Buffer a push of the current iteration for the mean; refuse any other clock."""
+    def decide_push(self, rank: int, clock: int, view: ClockView, restored: bool = False) -> PushDecision:
+        """Buffer a push of the current iteration for the mean; refuse any other clock.
+
+        A worker pushes iteration c only after pulling the weights of version c, and a shard's
+        version only goes back when it is restored from a checkpoint: a push for a later iteration
+        than a restored shard's means the shard is behind, and the job rolls back (RollbackError).
+        """
+        if restored and clock > view.version:
+            raise RollbackError(
+                f"sync push from worker rank {rank} is for iteration {clock}, but shard is at iteration "
+                f"{view.version}: it was restored from a checkpoint, so the job rolls back"
+            )
         if clock != view.version:
             raise InvalidRequestError(
                 f"sync push from worker rank {rank} is for iteration {clock}, but shard is at "
                 f"iteration {view.version} (pull before pushing)"
             )
         return PushDecision.BUFFER
+
+    def check_pull(self, rank: int, clock: int, last_push_clock: int, view: ClockView) -> None:
+        """A pull for iteration c follows the worker's push of c - 1. If the shard is at an earlier
+        iteration and holds no push of c - 1 from that worker, the shard lost it (restored from a
+        checkpoint, or rolled back): the gate would never open, so the job rolls back."""
+        if clock > view.version and last_push_clock < clock - 1:
+            raise RollbackError(
+                f"sync pull of worker rank {rank} is for iteration {clock}, but shard is at iteration "
+                f"{view.version} without its push of iteration {clock - 1}: it was restored from a "
+                "checkpoint, so the job rolls back"
+            )
 
     def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:
         """Iteration `iteration` is complete when someone pushed it (`pushed` counts gradients

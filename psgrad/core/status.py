@@ -53,6 +53,7 @@ class ShardStatus:
     bytes_out: int = 0
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
+    rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0
@@ -81,6 +82,7 @@ class ShardStatus:
             "pulls": self.pulls,
             "evictions": self.evictions,
             "updates_lost": self.updates_lost,
+            "rolled_back": self.rolled_back,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,

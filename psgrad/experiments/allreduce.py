@@ -19,7 +19,7 @@ import torch.distributed.nn  # noqa: F401
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics.jsonl import MetricsSink
-from psgrad.tasks.base import Task, batches
+from psgrad.tasks.base import BatchSchedule, Task
 from psgrad.worker.flat import FlatModel, resolve_device
 from psgrad.worker.loop import DelayInjector, TrainingLog
 
@@ -125,7 +125,7 @@ def _train(
         flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
     )
     x_all, y_all = task.worker_slice(rank, world)
-    data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
+    data = BatchSchedule(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
     log(
         f"{who}: all-reduce ({backend}) with {world} rank(s), {flat.numel():,} parameters, "
@@ -136,7 +136,8 @@ def _train(
     start = time.perf_counter()
     for step in range(config.steps):
         t0 = time.perf_counter()
-        x, y = next(data)
+        x, y = data.at(step)
+        torch.manual_seed(data.seed_at(step))  # as the parameter-server worker does
         flat_model.zero_grad()
         loss = task.loss_fn(model(x.to(device)), y.to(device))
         loss.backward()

@@ -59,7 +59,7 @@ def _await_servers(events: Events, names: Sequence[str], timeout_s: float) -> di
 def run_launch(
     num_servers: int,
     num_workers: int,
-    server_args: Sequence[str],
+    server_args: Sequence[str] | Callable[[int], Sequence[str]],
     worker_args: Callable[[int, str], list[str]],
     status: Callable[[list[str]], None] | None = None,
     out: Callable[[str], None] | None = None,
@@ -69,7 +69,9 @@ def run_launch(
 ) -> int:
     """Start servers, then workers; wait for the workers; stop everything. Returns an exit code.
 
-    worker_args(rank, servers) gives each worker's argv after `psgrad WORKER_COMMAND` (servers is
+    server_args: every server's flags after `psgrad server --host 127.0.0.1 --port 0`, or a function
+    of the server's index giving them. worker_args(rank, servers) gives each worker's argv after
+    `psgrad WORKER_COMMAND` (servers is
     "" when num_servers is 0, e.g. for the all-reduce baseline). If a worker fails,
     or a server exits early, every other child is stopped and 1 is returned. Ctrl-C / SIGTERM stop
     all children too (exit code 130 / 143). env: the children's environment (default: ours).
@@ -86,8 +88,9 @@ def run_launch(
         signal.signal(signal.SIGTERM, on_term)
     try:
         server_names = [f"server{i}" for i in range(num_servers)]
-        for name in server_names:
-            argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *server_args)
+        for i, name in enumerate(server_names):
+            own = server_args(i) if callable(server_args) else server_args
+            argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own)
             children.append(_start(name, argv, env, log, events))
         addresses = _await_servers(events, server_names, start_timeout_s)
         servers = ",".join(addresses[n] for n in server_names)

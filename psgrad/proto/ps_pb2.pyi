@@ -235,7 +235,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class StatusReply(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_LOST_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     shard: ShardRange
     spec: JobSpec
@@ -276,7 +277,8 @@ class StatusReply(_message.Message):
     transfers: TransferStatus
     updates_lost: int
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ...) -> None: ...
+    rolled_back: int
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer")
@@ -319,3 +321,23 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("rank", "fingerprint", "version", "execute")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    version: int
+    execute: bool
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., execute: _Optional[bool] = ...) -> None: ...
+
+class RollbackReply(_message.Message):
+    __slots__ = ("version", "points")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    points: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., points: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -152,6 +152,23 @@ def load(manifest: Path) -> ShardSnapshot:
         raise CheckpointError(f"cannot read checkpoint {manifest}: {type(exc).__name__}: {exc}") from None
 
 
+def versions(directory: Path) -> list[int]:
+    """The versions of the checkpoints in directory, newest first (not read: load checks them)."""
+    return [int(m.stem.removeprefix(_PREFIX)) for m in manifests(directory)]
+
+
+def load_version(directory: Path, version: int) -> ShardSnapshot:
+    """The checkpoint of that version in directory, every file checked.
+
+    Raises:
+        CheckpointError: there is none, or it is damaged (named).
+    """
+    manifest = directory / f"{_stem(version)}.json"
+    if not manifest.exists():
+        raise CheckpointError(f"{directory} holds no checkpoint of version {version} (it has {versions(directory)})")
+    return load(manifest)
+
+
 def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot | None:
     """The newest checkpoint in directory that reads back whole; each damaged one is skipped with a
     warning naming it. None when the directory holds no checkpoint at all (it is created if missing).

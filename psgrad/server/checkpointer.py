@@ -1,5 +1,6 @@
 """A shard's checkpoint writer: a thread that writes snapshots to disk off the shard's lock — the
-ones the shard hands over at every K-th version, and one every so many seconds when it changed."""
+ones the shard hands over at every K-th version, and (async/ssp) one every so many seconds when it
+changed — and the source a sync roll-back reads them back from."""
 from __future__ import annotations
 
 import sys
@@ -20,7 +21,11 @@ def warn(message: str) -> None:
 
 
 class Checkpointer:
-    """Writes a shard's checkpoints into one directory until stopped (then once more, if changed)."""
+    """Writes a shard's checkpoints into one directory until stopped (then once more, if changed).
+
+    In sync mode only the snapshots the shard hands over are written (the initial one and every
+    K-th iteration, the same iterations on every shard), so that a roll-back finds the iteration
+    it returns to on every shard; a time-based or final one would be this shard's alone."""
 
     def __init__(
         self, shard: Shard, directory: Path, every_s: float, every_versions: int, warn: Callable[[str], None] = warn
@@ -31,7 +36,10 @@ class Checkpointer:
         self._warn = warn
         self._cond = threading.Condition()
         self._offered: ShardSnapshot | None = None  # the newest snapshot the shard handed over
+        self._writing: ShardSnapshot | None = None  # the one being written now
         self._stopping = False
+        self._every_versions = every_versions
+        self._warned_sync = False
         self.written_version = -1
         self.writes = 0
         self.last_write_s = 0.0  # how long the last write took
@@ -44,6 +52,10 @@ class Checkpointer:
     def offer(self, snap: ShardSnapshot) -> None:
         """Take a snapshot to write (called under the shard's lock: never blocks on the disk). A
         newer offer replaces one not yet written."""
+        if snap.layout.spec.mode == "sync" and not self._every_versions and not self._warned_sync:
+            self._warned_sync = True
+            self._warn("sync mode checkpoints only at multiples of --checkpoint-every-versions, which is off: "
+                       "a restart rolls the job back to its first iteration")
         with self._cond:
             self._offered = snap
             self._cond.notify_all()
@@ -55,16 +67,19 @@ class Checkpointer:
                 while self._offered is None and not self._stopping and time.monotonic() < deadline:
                     self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
                 snap, self._offered, stopping = self._offered, None, self._stopping
+                self._writing = snap
             if snap is None and (stopping or time.monotonic() >= deadline):
                 snap = self._changed_snapshot()
                 deadline = time.monotonic() + self._every_s
             if snap is not None:
                 self._write(snap)
+            with self._cond:
+                self._writing = None
             if stopping:
                 return
 
     def _changed_snapshot(self) -> ShardSnapshot | None:
-        if self._shard.version == self.written_version:
+        if self._shard.version == self.written_version or self._shard.checkpoints_aligned:
             return None
         try:
             return self._shard.snapshot()
@@ -81,6 +96,26 @@ class Checkpointer:
         self.last_write_s = time.perf_counter() - start
         self.written_version = snap.version
         self.writes += 1
+
+    # ----------------------------------------------------------------- the shard's RollbackSource
+    def _unwritten(self) -> list[ShardSnapshot]:
+        with self._cond:
+            return [s for s in (self._offered, self._writing) if s is not None]
+
+    def versions(self) -> list[int]:
+        """The versions a roll-back can read: on disk, or handed over and not yet written."""
+        return sorted({*checkpoint.versions(self.directory), *(s.version for s in self._unwritten())}, reverse=True)
+
+    def load(self, version: int) -> ShardSnapshot | None:
+        """The snapshot of that version (from memory if not yet written); None: none readable."""
+        for snap in self._unwritten():
+            if snap.version == version:
+                return snap
+        try:
+            return checkpoint.load_version(self.directory, version)
+        except CheckpointError as exc:
+            self._warn(f"cannot roll back to version {version}: {exc}")
+            return None
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Write what is pending (and a last checkpoint if the shard changed), then end."""

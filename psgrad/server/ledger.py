@@ -36,4 +36,5 @@ class Counters:
     bytes_out: int = 0
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
+    rolled_back: int = 0  # sync: iterations undone by roll-backs (recomputed by the workers)
     staleness: Counter[int] = field(default_factory=Counter)

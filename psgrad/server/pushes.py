@@ -14,7 +14,7 @@ from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, PushDecision
 from psgrad.core.layout import explain_push_header
 from psgrad.core.optimizers import UpdateRule
-from psgrad.errors import InvalidRequestError, WorkerStateError
+from psgrad.errors import InvalidRequestError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import Counters, PushResult
@@ -120,14 +120,14 @@ class PushPath:
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                try:
+                    decision = self._policy.decide_push(rank, clock, self._view(), self._restored)
+                except (InvalidRequestError, RollbackError):
+                    self._counters.pushes_rejected += 1
+                    raise
                 lost_from = self._restored_clocks.pop(rank, None)
                 if lost_from is not None:  # its pushes between the checkpoint and this one were lost
                     self._counters.updates_lost += max(0, clock - lost_from - 1)
-                try:
-                    decision = self._policy.decide_push(rank, clock, self._view())
-                except InvalidRequestError:
-                    self._counters.pushes_rejected += 1
-                    raise
                 if bad and self._config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
                 if decision is PushDecision.BUFFER:

@@ -49,6 +49,7 @@ def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
+            "Rollback": unary(servicer.Rollback, pb.RollbackRequest, pb.RollbackReply),
         },
     )
 
@@ -122,6 +123,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
             shard.restore(snap)
             warn(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
         checkpointer = Checkpointer(shard, directory, config.checkpoint_every_s, config.checkpoint_every_versions)
+        shard.set_rollback_source(checkpointer)
     servicer = ParameterServicer(shard, config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),

@@ -327,6 +327,13 @@ class ParameterServicer:
         return pb.HeartbeatReply(version=version)
 
     @_edge
+    def Rollback(self, req: pb.RollbackRequest, context: grpc.ServicerContext) -> pb.RollbackReply:
+        if req.execute:
+            return pb.RollbackReply(version=self.shard.rollback(req.rank, req.fingerprint, req.version))
+        version, points = self.shard.rollback_points(req.rank, req.fingerprint)
+        return pb.RollbackReply(version=version, points=points)
+
+    @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.shard.leave(req.rank)
         self._unmap_departed()

@@ -22,18 +22,15 @@ from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters, JoinResult, PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.pushes import PushPath
-from psgrad.server.state import ShardSnapshot, ShardState
+from psgrad.server.recovery import Recovery, RollbackSource
+from psgrad.server.state import NOT_INITIALIZED_HINT, ShardSnapshot, ShardState
 from psgrad.server.transfers import PullStream
 
 __all__ = ["HISTORY_LEN", "JoinResult", "Layout", "PushResult", "Shard"]
 
-NOT_INITIALIZED_HINT = (
-    "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
-    "it sends the job spec and the initial weights"
-)
 
 
-class Shard(PushPath):
+class Shard(Recovery, PushPath):
     """Thread-safe state of one parameter shard. Every public method may be called concurrently.
 
     `history` records, in order, every granted pull ("pull", rank, clock, slowest live clock,
@@ -67,8 +64,10 @@ class Shard(PushPath):
         self._waiting = 0  # pulls parked in the gate right now
         self._restored_clocks: dict[int, int] = {}
         self._restored = False
+        self._rewound: set[int] = set()
         self._snapshot_every = 0
         self._snapshot_sink: Callable[[ShardSnapshot], None] | None = None
+        self._rollback_source: RollbackSource | None = None
 
     @property
     def layout(self) -> Layout | None:
@@ -181,6 +180,11 @@ class Shard(PushPath):
         member, changed = self._members.register(rank, self._policy.start_clock(self._view()))
         if changed:
             self.history.append(("join", rank, member.clock))
+            if self.version == 0 and self._policy.start_barrier and self.layout is not None:
+                if len(self._members) == self.layout.spec.num_workers:
+                    # everyone has joined: checkpoint version 0 again, now with all its members, so
+                    # a restored shard waits for every worker of the first iterations
+                    self._offer_snapshot()
             self._notify()
             self._reaper_wake.notify_all()
         return member
@@ -227,8 +231,7 @@ class Shard(PushPath):
                 return True
             self._install(state)
             self._register(rank)
-            if self._snapshot_sink is not None:  # the first checkpoint: a restart never starts empty
-                self._snapshot_sink(state.snapshot())
+            self._offer_snapshot()  # the first checkpoint: a restart never starts empty
             self._notify()
             return False
 
@@ -242,47 +245,6 @@ class Shard(PushPath):
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
-
-    def snapshot(self) -> ShardSnapshot:
-        """A copy of the shard's state (see ShardState.snapshot), taken under the lock: a memory
-        copy of the weights and the optimizer state, nothing slower.
-
-        Raises:
-            NotInitializedError: there is no state yet.
-        """
-        with self._cond:
-            if self._state is None:
-                raise NotInitializedError(NOT_INITIALIZED_HINT)
-            return self._state.snapshot(frozenset(self._round.pending))
-
-    def restore(self, snap: ShardSnapshot) -> None:
-        """Serve the state a snapshot holds (a restart or a standby taking over): every member
-        continues from its recorded clocks, and a push it had made before is a duplicate.
-
-        Raises:
-            JobMismatchError: this shard already serves a job.
-        """
-        with self._cond:
-            if self._state is not None:
-                raise JobMismatchError("shard already serves a job: restore into a fresh shard")
-            self._install(ShardState.restore(snap, self._members, self._now()))
-            self._restored_clocks = {m.rank: m.last_push_clock for m in snap.members}
-            self._restored = True
-            self._notify()
-            self._reaper_wake.notify_all()
-
-    def snapshot_at_multiples(self, every: int, sink: Callable[[ShardSnapshot], None]) -> None:
-        """From now on hand sink a snapshot when the chief initializes the shard, and each time an
-        update brings the version to a multiple of `every` (0: never; taken under the lock: a memory
-        copy; sink must not block). In sync mode every shard then snapshots the same iterations."""
-        with self._cond:
-            self._snapshot_every, self._snapshot_sink = every, sink
-
-    def _updated(self) -> None:
-        """An update was applied (caller holds the lock)."""
-        state, sink = self._state, self._snapshot_sink
-        if sink is not None and state is not None and self._snapshot_every and state.version % self._snapshot_every == 0:
-            sink(state.snapshot(frozenset(self._round.pending)))
 
     # ----------------------------------------------------------------- pull
     def pull_frames(
@@ -308,6 +270,8 @@ class Shard(PushPath):
                 if not observe:
                     self._refresh()
                     member = self._members.live(rank)
+                    if rank in self._rewound:  # its clock came from a checkpoint: is the shard behind it?
+                        self._policy.check_pull(rank, clock, member.last_push_clock, self._view())
                     if clock > member.clock:  # a joining worker announces where it continues from
                         member.clock = clock
                         self._refresh()
@@ -315,6 +279,7 @@ class Shard(PushPath):
                     ready = self._policy.pull_ready(clock, view)
                 if ready and not self._buffers.writers_waiting:
                     if not observe:
+                        self._rewound.discard(rank)
                         self.history.append(("pull", rank, clock, view.min_clock, self.version))
                     break
                 if not is_active() or self._closed:
@@ -379,6 +344,7 @@ class Shard(PushPath):
                 bytes_out=c.bytes_out,
                 evictions=c.evictions,
                 updates_lost=c.updates_lost,
+                rolled_back=c.rolled_back,
                 pending=len(self._round.pending),
                 waiting=self._waiting,
                 uptime_s=self._now() - self._started,

@@ -13,6 +13,10 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 
 OptimizerState = dict[str, torch.Tensor | float | int]
+NOT_INITIALIZED_HINT = (
+    "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
+    "it sends the job spec and the initial weights"
+)
 
 
 @dataclass(frozen=True)

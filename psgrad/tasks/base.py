@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,18 +61,42 @@ class Task:
         return {"test_loss": loss, "test_accuracy": acc}
 
 
+class BatchSchedule:
+    """Shuffled minibatches as a function of the clock: batch `clock` of a worker is the same
+    whenever it is asked for, so a worker that rewinds (a sync roll-back, a resumed job) computes
+    exactly the gradients it computed the first time. Each epoch (ceil(len / batch_size) batches,
+    the last one shorter) is a permutation seeded by (seed, epoch)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int) -> None:
+        if len(x) == 0:
+            raise TaskError("this worker's slice of the training data is empty: use fewer workers")
+        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
+        self.per_epoch = -(-len(x) // batch_size)
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def seed_at(self, clock: int) -> int:
+        """A seed for the step at `clock` (stochastic layers such as dropout)."""
+        return int(np.random.SeedSequence([self.seed % 2**32, 1, clock]).generate_state(1)[0])
+
+    def at(self, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The minibatch of iteration `clock` (0-based)."""
+        epoch, i = divmod(clock, self.per_epoch)
+        if epoch != self._epoch:
+            state = np.random.SeedSequence([self.seed % 2**32, 0, epoch]).generate_state(1)[0]
+            self._epoch, self._order = epoch, torch.randperm(len(self.x), generator=torch.Generator().manual_seed(int(state)))
+        idx = self._order[i * self.batch_size : (i + 1) * self.batch_size]
+        return self.x[idx], self.y[idx]
+
+
 def batches(
     x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled minibatches (reshuffled every epoch, deterministic given seed)."""
-    if len(x) == 0:
-        raise TaskError("this worker's slice of the training data is empty: use fewer workers")
-    gen = torch.Generator().manual_seed(seed)
+    """Endless shuffled minibatches from clock 0 on: BatchSchedule(...).at(0), at(1), ..."""
+    schedule = BatchSchedule(x, y, batch_size, seed)
+    clock = 0
     while True:
-        order = torch.randperm(len(x), generator=gen)
-        for i in range(0, len(x), batch_size):
-            idx = order[i : i + batch_size]
-            yield x[idx], y[idx]
+        yield schedule.at(clock)
+        clock += 1
 
 
 TASKS: dict[str, Callable[[int], Task]] = {}

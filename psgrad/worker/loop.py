@@ -16,7 +16,7 @@ from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.worker.flat import resolve_device
 from psgrad.metrics.jsonl import MetricsSink
-from psgrad.tasks.base import Task, batches
+from psgrad.tasks.base import BatchSchedule, Task
 
 
 def _every(value: int, steps: int, times: int) -> int:
@@ -104,7 +104,10 @@ def train(
     sink: MetricsSink,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run one worker: join the servers, train `config.steps` steps, evaluate, leave.
+    """Run one worker: join the servers, train until its clock reaches `config.steps` (a fresh job
+    starts at clock 0; a resumed one, or a worker joining a running sync/ssp job, further on),
+    evaluate, leave. Batch `clock` is the same whenever it is computed, so a sync job that rolls
+    back to a checkpoint recomputes exactly the gradients it lost.
 
     Returns the final record (test_loss, test_accuracy, steps, elapsed_s).
 
@@ -116,7 +119,7 @@ def train(
     model = task.build_model().to(device)
     rank = config.rank
     x_all, y_all = task.worker_slice(rank, spec.num_workers)
-    data = batches(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
+    data = BatchSchedule(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
     who = f"worker {rank}/{spec.num_workers}"
     delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
     cuda = device.type == "cuda"
@@ -132,9 +135,11 @@ def train(
         report = TrainingLog(config, task, model, device, sink, who, log)
         report.start(opt.start_clock, spec.mode)
         start = time.perf_counter()
-        for step in range(config.steps):
+        while opt.clock < config.steps:
+            clock = opt.clock
             t0 = time.perf_counter()
-            x, y = next(data)
+            x, y = data.at(clock)
+            torch.manual_seed(data.seed_at(clock))  # dropout and the like: the same on a recompute
             opt.zero_grad()
             loss = task.loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
             loss.backward()
@@ -143,6 +148,10 @@ def train(
             compute_s = time.perf_counter() - t0
             delay_s = delays.apply(compute_s)
             stats = opt.step()
+            if stats.rolled_back_to is not None:
+                sink.write(clock + 1, event="rollback", clock=clock, to_clock=stats.rolled_back_to)
+                log(f"{who}: a restored shard was behind: the job rolled back to iteration {stats.rolled_back_to}")
+                continue
             t1 = time.perf_counter()
             record: dict[str, Any] = {
                 "clock": stats.clock,
@@ -158,7 +167,7 @@ def train(
             for key in ("exchange_s", "staleness", "accepted"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
-            report.step(step + 1, record)
+            report.step(clock + 1, record)
         elapsed = time.perf_counter() - start
         # In sync mode the last step's pull already waited for the final update. Otherwise leave
         # first, so nobody waits for this worker while it evaluates, then read the latest weights.
