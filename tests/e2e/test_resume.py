@@ -1,0 +1,60 @@
+"""`psgrad launch --resume DIR`: a whole job, every process stopped mid-run, starts again from its
+checkpoints; workers continue from their checkpointed clocks, and a sync job ends exactly where an
+uninterrupted one does."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, spawn
+
+JOB = ["--num-servers", "2", "--num-workers", "2", "--mode", "sync", "--steps", "120", "--log-every", "10",
+       "--eval-every", "120"]
+
+
+def finals(metrics: Path) -> list[dict]:  # type: ignore[type-arg]
+    out = []
+    for path in sorted(metrics.glob("worker*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        out.append(next(r for r in reversed(records) if r.get("event") == "final"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_stopped_sync_job_resumes_from_its_checkpoints_and_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    first = spawn(["launch", *JOB, "--checkpoint-dir", str(job), "--checkpoint-every-versions", "20",
+                   "--metrics-dir", str(tmp_path / "m1")])
+    first.wait_for_line("worker 0/2: step 50/120", timeout_s=240)
+    first.popen.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 128 + signal.SIGTERM
+    assert not any("final test_loss" in line for line in first.lines)  # it was stopped mid-run
+    saved = sorted(int(p.stem.removeprefix("ckpt-v")) for p in (job / "shard0").glob("ckpt-v*.json"))
+    assert saved and max(saved) >= 40 and all(v % 20 == 0 for v in saved)
+
+    resumed = run_cli(["launch", "--resume", str(job), "--metrics-dir", str(tmp_path / "m2")], timeout_s=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert f"resuming the job in {job}" in resumed.stdout
+    assert f"restored shard 0 at version {max(saved)}" in resumed.stdout
+    assert f"worker 1/2: joined 2 shard(s) at clock {max(saved)}" in resumed.stdout
+
+    plain = run_cli(["launch", *JOB, "--metrics-dir", str(tmp_path / "m3")], timeout_s=240)
+    assert plain.returncode == 0, plain.stdout[-3000:]
+    got, want = finals(tmp_path / "m2"), finals(tmp_path / "m3")
+    assert len(got) == len(want) == 2
+    assert [(r["test_loss"], r["test_accuracy"]) for r in got] == [(r["test_loss"], r["test_accuracy"]) for r in want]
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with_a_job(tmp_path: Path) -> None:
+    res = run_cli(["launch", "--resume", str(tmp_path)], timeout_s=60)
+    assert res.returncode == 2 and "no launch.json" in res.stderr
+    (tmp_path / "launch.json").write_text(json.dumps({"format": "psgrad-launch", "argv": ["--checkpoint-dir", str(tmp_path)]}))
+    res = run_cli(["launch", "--resume", str(tmp_path)], timeout_s=60)
+    assert res.returncode == 1 and "shard0 holds no checkpoint" in res.stderr
+    res = run_cli(["launch", "--checkpoint-dir", str(tmp_path), "--steps", "1"], timeout_s=60)
+    assert res.returncode == 2 and f"--resume {tmp_path}" in res.stderr

@@ -1,0 +1,76 @@
+"""The checkpoint writer: what it writes in each mode, and the roll-back source it offers (the
+versions on disk or not yet written, each read back whole)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.server import checkpoint
+from psgrad.server.checkpointer import Checkpointer
+from psgrad.server.shard import Shard
+from test_shard import make_layout, push, weights_for
+from test_state import grad, started
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_and_stop(spec: JobSpec, tmp_path: Path, every_versions: int, pushes: int) -> tuple[list[int], list[str]]:
+    """Push `pushes` iterations of both workers with a checkpointer writing every `every_versions`;
+    every_s is long, so only the shard's offers and the final checkpoint at stop can be written."""
+    s, layout = started(spec)
+    warnings: list[str] = []
+    writer = Checkpointer(s, tmp_path, every_s=3600, every_versions=every_versions, warn=warnings.append)
+    writer.start()
+    for clock in range(pushes):
+        for rank in (0, 1):
+            push(s, layout, grad(layout, 2 * clock + rank), rank=rank, clock=clock)
+    writer.stop(timeout_s=30)
+    return checkpoint.versions(tmp_path), warnings
+
+
+def test_async_writes_a_last_checkpoint_at_stop(tmp_path: Path) -> None:
+    versions, warnings = run_and_stop(JobSpec(lr=0.5, num_shards=2, num_workers=2), tmp_path, 0, 3)
+    assert versions == [6] and warnings == []
+
+
+def test_sync_writes_only_the_iterations_every_shard_checkpoints(tmp_path: Path) -> None:
+    spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
+    versions, _ = run_and_stop(spec, tmp_path, 2, 5)
+    assert versions == [4, 2]  # not the final 5: another shard may not have it to roll back to
+
+
+def test_sync_without_every_versions_warns_that_a_restart_rolls_back_to_the_start(tmp_path: Path) -> None:
+    layout = make_layout(JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2))
+    s = Shard(ServerConfig())
+    warnings: list[str] = []
+    writer = Checkpointer(s, tmp_path, every_s=3600, every_versions=0, warn=warnings.append)
+    writer.start()
+    s.initialize(0, layout, weights_for(layout))
+    s.join(1, layout)
+    for rank in (0, 1):
+        push(s, layout, grad(layout, rank), rank=rank, clock=0)
+    writer.stop(timeout_s=30)
+    assert checkpoint.versions(tmp_path) == [0]  # version 0, with both workers, and nothing later
+    assert [m.rank for m in checkpoint.load_version(tmp_path, 0).members] == [0, 1]
+    assert len(warnings) == 1 and "--checkpoint-every-versions" in warnings[0]
+
+
+def test_the_roll_back_source_reads_what_is_on_disk_and_what_is_not_written_yet(tmp_path: Path) -> None:
+    spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
+    s, layout = started(spec)
+    writer = Checkpointer(s, tmp_path, every_s=3600, every_versions=1)  # never started: offers stay in memory
+    for rank in (0, 1):
+        push(s, layout, grad(layout, rank), rank=rank, clock=0)
+    assert writer.versions() == [1] and checkpoint.versions(tmp_path) == []
+    held = writer.load(1)
+    assert held is not None and torch.equal(held.weights, s.weights_copy())
+    checkpoint.save(s.snapshot(), tmp_path)
+    assert writer.versions() == [1]
+    warned: list[str] = []
+    other = Checkpointer(s, tmp_path, every_s=3600, every_versions=0, warn=warned.append)
+    loaded = other.load(1)
+    assert loaded is not None and loaded.version == 1 and torch.equal(loaded.weights, s.weights_copy())
+    assert other.load(7) is None and "version 7" in warned[0]
