@@ -90,7 +90,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
         help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
         "try it when async training with many workers diverges",
     )
-    flag(g, "--steps", WorkerConfig.steps, "training steps per worker", type=int)
+    flag(g, "--steps", WorkerConfig.steps, "training iterations per worker: a worker trains until its clock "
+         "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest", type=int)
     flag(g, "--batch-size", WorkerConfig.batch_size, "examples per step per worker", type=positive_int)
     flag(g, "--optimizer", JobSpec.optimizer, "update rule the servers apply: sgd (optionally with --momentum), "
          "adam (like torch.optim.Adam; keeps 2 extra floats per parameter on the servers) or adamw (Adam with "
