@@ -5,15 +5,17 @@ import argparse
 import dataclasses
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from psgrad.cli.flags import client_config, job_spec, server_config, worker_config
 from psgrad.cli.status import print_status
-from psgrad.config import ClientConfig, JobSpec, WorkerConfig
+from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
+    from psgrad.core.status import ShardStatus
     from psgrad.experiments.compare import CompareConfig
 
 
@@ -29,42 +31,61 @@ def _check_rank(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--rank must be < --num-workers ({ns.num_workers}), got {ns.rank}")
 
 
-def cmd_server(ns: argparse.Namespace) -> int:
+def serve(
+    config: ServerConfig, torch_threads: int, port_file: str | None = None,
+    on_address: Callable[[str], None] | None = None, until: Callable[[ShardStatus], bool] | None = None,
+    linger_s: float = 0.0,
+) -> int:
+    """What `psgrad server` runs (and `psgrad run` as a server): serve one shard until stopped."""
     import torch
 
     from psgrad.server.runtime import serve_forever
 
     # Before any other thread starts, so that every handler thread inherits it.
-    torch.set_num_threads(ns.torch_threads)
-
-    config = server_config(ns)
+    torch.set_num_threads(torch_threads)
 
     def announce(address: str) -> None:
-        if ns.port_file:
-            path = Path(ns.port_file)
+        if port_file:
+            path = Path(port_file)
             fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=".port-")
             with os.fdopen(fd, "w") as f:
                 f.write(address + "\n")
             os.replace(tmp, path)  # atomic: readers never see a partial address
         print(f"psgrad server listening on {address}", flush=True)
+        if on_address is not None:
+            on_address(address)
 
-    serve_forever(config, announce)
+    serve_forever(config, announce, until=until, linger_s=linger_s)
     return 0
 
 
-def cmd_worker(ns: argparse.Namespace) -> int:
+def cmd_server(ns: argparse.Namespace) -> int:
+    return serve(server_config(ns), ns.torch_threads, ns.port_file)
+
+
+def train_worker(
+    ns: argparse.Namespace, servers: tuple[str, ...], rank: int, num_workers: int, metrics_out: str | None,
+    slowdown: float = WorkerConfig.slowdown,
+) -> int:
+    """What `psgrad worker` runs (and `psgrad run` as a worker): train rank `rank` of the job flags in ns."""
     from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
     from psgrad.worker.loop import train
 
     _check_task(ns.task)
-    spec = job_spec(ns, ns.num_workers, len(ns.servers))
-    _check_rank(ns)
-    config = worker_config(ns, ns.servers, client_config(ns), ns.rank, ns.slowdown, ns.metrics_out)
+    spec = job_spec(ns, num_workers, len(servers))
+    config = worker_config(ns, servers, client_config(ns), rank, slowdown, metrics_out)
     task = get_task(ns.task, ns.seed)
-    with MetricsSink(ns.metrics_out, ns.rank) as sink:
+    with MetricsSink(metrics_out, rank) as sink:
         train(config, spec, task, sink)
     return 0
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    _check_task(ns.task)
+    job_spec(ns, ns.num_workers, len(ns.servers))  # the job's flags first, as before
+    _check_rank(ns)
+    return train_worker(ns, ns.servers, ns.rank, ns.num_workers, ns.metrics_out, ns.slowdown)
 
 
 def cmd_allreduce(ns: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
                    "load it with model.load_state_dict(torch.load(PATH)))")
 
 
-def add_server_policy_args(p: argparse.ArgumentParser) -> None:
+def add_server_policy_args(p: argparse._ActionsContainer) -> None:
     """The ServerConfig flags `psgrad server` and `psgrad launch` share."""
     flag(p, "--lease-s", ServerConfig.lease_s, "a worker silent this long counts as expired; raise it if "
          "workers on a busy host get evicted", type=float)

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from psgrad.config import ServerConfig
+from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
@@ -147,9 +148,12 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
 
 
 def serve_forever(
-    config: ServerConfig, announce: Callable[[str], None], extra_handlers: Sequence[grpc.GenericRpcHandler] = ()
+    config: ServerConfig, announce: Callable[[str], None], extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+    until: Callable[[ShardStatus], bool] | None = None, linger_s: float = 0.0,
 ) -> None:
-    """Run a server until SIGTERM or SIGINT, then stop gracefully."""
+    """Run a server until SIGTERM or SIGINT, then stop gracefully. With `until`, also stop linger_s
+    seconds after until(status) first holds (re-checked on every change of the shard's state), e.g.
+    once every worker of the job has left (`psgrad run`)."""
     running = start_server(config, extra_handlers)
     stop = threading.Event()
     received: list[str] = []
@@ -158,9 +162,20 @@ def serve_forever(
         received.append(signal.Signals(signum).name)
         stop.set()
 
+    def watch(predicate: Callable[[ShardStatus], bool]) -> None:
+        while not stop.is_set():
+            if running.shard.wait_until(lambda s: stop.is_set() or predicate(s), 3600.0):
+                break
+        # A worker reads the final weights just after it leaves: give such calls time to arrive.
+        if not stop.wait(linger_s):
+            received.append("every worker left")
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     announce(running.address)
+    if until is not None:
+        threading.Thread(target=watch, args=(until,), name="psgrad-until", daemon=True).start()
     stop.wait()
     running.stop()
     announce_stop = received[0] if received else "request"
