@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from psgrad import __version__
+from psgrad.cli.render import add_render_parsers
 from psgrad.cli.run import add_run_parser
 from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
 from psgrad.cli.flags import (
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workers(sub)
     _add_launch(sub)
     add_run_parser(sub)
+    add_render_parsers(sub)
     _add_compare(sub)
 
     st = sub.add_parser("status", help="show shard versions, workers and staleness", description="Ask every server for its shard's state.")

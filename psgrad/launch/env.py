@@ -3,6 +3,7 @@
 Pure functions of a Mapping[str, str] (the CLI passes os.environ; tests pass dicts)."""
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -65,18 +66,18 @@ def from_tf_config(env: Mapping[str, str], opts: RunOptions) -> Role:
         raise refuse(f"TF_CONFIG task.index must be an integer >= 0, got {index!r}")
     check_flag("--num-servers", opts.num_servers, "TF_CONFIG (its cluster.ps)", len(ps))
     check_flag("--num-workers", opts.num_workers, "TF_CONFIG (its chief and worker entries)", len(trainers))
-    common = dict(engine="tf-config", num_servers=len(ps), num_workers=len(trainers))
+    make = functools.partial(Role, engine="tf-config", num_servers=len(ps), num_workers=len(trainers))
     if kind == "ps":
         if index >= len(ps):
             raise refuse(f"TF_CONFIG task.index {index} is out of range: cluster.ps has {len(ps)} entries")
         host, port = split_address(ps[index], "TF_CONFIG cluster.ps")
-        return Role(kind=SERVER, index=index, bind_host=opts.host, port=port, advertise_host=host, **common)
+        return make(kind=SERVER, index=index, bind_host=opts.host, port=port, advertise_host=host)
     if kind in TF_CHIEF_TYPES or kind == "worker":
         group = chiefs if kind in TF_CHIEF_TYPES else trainers[len(chiefs):]
         if index >= len(group):
             raise refuse(f"TF_CONFIG task.index {index} is out of range: cluster.{kind} has {len(group)} entries")
         rank = index if kind in TF_CHIEF_TYPES else len(chiefs) + index
-        return Role(kind=WORKER, index=rank, servers=tuple(ps), **common)
+        return make(kind=WORKER, index=rank, servers=tuple(ps))
     raise refuse(f"TF_CONFIG task.type {kind!r} is not one psgrad runs: expected ps, chief, master or worker")
 
 
@@ -151,11 +152,11 @@ def from_k8s(env: Mapping[str, str], opts: RunOptions) -> Role:
         raise refuse(f"JOB_COMPLETION_INDEX={index} is out of range for {count} {opts.role}(s)")
     names = [pattern.replace("{i}", str(i)) for i in range(opts.num_servers)]
     servers = tuple(f"{name}:{opts.port_base}" for name in names)
-    common = dict(engine="k8s", index=index, num_servers=opts.num_servers, num_workers=opts.num_workers)
+    make = functools.partial(Role, engine="k8s", index=index, num_servers=opts.num_servers, num_workers=opts.num_workers)
     if opts.role == SERVER:
-        return Role(kind=SERVER, bind_host=opts.host, port=opts.port_base, advertise_host=names[index],
-                    servers=servers, **common)
-    return Role(kind=WORKER, servers=servers, **common)
+        return make(kind=SERVER, bind_host=opts.host, port=opts.port_base, advertise_host=names[index],
+                    servers=servers)
+    return make(kind=WORKER, servers=servers)
 
 
 # --------------------------------------------------------------------------- detection

@@ -6,11 +6,12 @@ step's nodes (block distribution: the first TASKS_PER_NODE[0] tasks on the first
 servers are the first S tasks, and server i listens on --port-base + i on its node."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from psgrad.errors import ConfigError
 from psgrad.launch.hostlist import expand_counts, expand_hostlist, node_of_tasks
-from psgrad.launch.roles import SERVER, WORKER, Role, RunOptions, check_flag, need, need_int, refuse
+from psgrad.launch.roles import SERVER, WORKER, Role, RunOptions, check_flag, need_int, refuse
 
 WHY = "srun sets it in every task"
 
@@ -92,8 +93,8 @@ def from_slurm(env: Mapping[str, str], opts: RunOptions) -> Role:
     if opts.port_base + num_servers - 1 > 65535:
         raise refuse(f"--port-base {opts.port_base} + {num_servers} servers runs past port 65535")
     servers = tuple(f"{nodes[i]}:{opts.port_base + i}" for i in range(num_servers))
-    common = dict(engine="slurm", num_servers=num_servers, num_workers=num_workers, servers=servers)
+    make = functools.partial(Role, engine="slurm", num_servers=num_servers, num_workers=num_workers, servers=servers)
     if procid < num_servers:
-        return Role(kind=SERVER, index=procid, bind_host=opts.host, port=opts.port_base + procid,
-                    advertise_host=nodes[procid], **common)
-    return Role(kind=WORKER, index=procid - num_servers, **common)
+        return make(kind=SERVER, index=procid, bind_host=opts.host, port=opts.port_base + procid,
+                    advertise_host=nodes[procid])
+    return make(kind=WORKER, index=procid - num_servers)
