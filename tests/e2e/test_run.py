@@ -1,0 +1,108 @@
+"""`psgrad run` end to end: jobs started only from a cluster engine's environment (TF_CONFIG, real torchrun) train digits."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Proc
+from psgrad.cli.main import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+JOB = ["--task", "digits", "--mode", "async", "--steps", "300", "--momentum", "0.5", "--seed", "3"]
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports the OS has just handed out (bound together, so distinct), released for the servers to take."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def final_accuracy(path: Path) -> float:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    (final,) = [r for r in records if r.get("event") == "final"]
+    return float(final["test_accuracy"])
+
+
+def start(argv: list[str], name: str, **env: str) -> Proc:
+    return Proc(argv, name=name, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, new_session=False)
+
+
+def test_tf_config_job_of_2_servers_and_2_workers_trains_digits(tmp_path: Path) -> None:
+    """Kubeflow-style: every process gets the same cluster and its own task; nothing else tells it its role."""
+    ports = free_ports(2)
+    cluster = {"ps": [f"127.0.0.1:{p}" for p in ports], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    procs = []
+    try:
+        for kind, index in (("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0)):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+            argv = [sys.executable, "-m", "psgrad", "run", "--host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
+            procs.append(start(argv, f"{kind}{index}", TF_CONFIG=tf_config))
+        codes = [p.wait(150) for p in procs]
+        assert codes == [0, 0, 0, 0], [p.lines[-5:] for p in procs]
+    finally:
+        for p in procs:
+            p.stop(grace_s=5)
+    servers, workers = procs[:2], procs[2:]
+    for i, p in enumerate(servers):
+        assert f"server {i} of 2, from the tf-config environment" in p.output
+        assert f"listening on 127.0.0.1:{ports[i]}" in p.output
+        assert "stopped (every worker left)" in p.output  # the job ends by itself
+    assert "worker rank 0 of 2 (the chief)" in workers[0].output and "worker rank 1 of 2" in workers[1].output
+    for rank in range(2):
+        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
+
+
+def test_real_torchrun_one_group_serves_and_trains(tmp_path: Path) -> None:
+    """`torchrun --standalone --nproc-per-node 4 -m psgrad run --num-servers 2`: ranks 0-1 serve, 2-3 train;
+    the workers find the servers through torchrun's rendezvous store."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "psgrad",
+            "run", "--num-servers", "2", "--advertise-host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
+    proc = start(argv, "torchrun")
+    try:
+        assert proc.wait(150) == 0, proc.lines[-20:]
+    finally:
+        proc.stop(grace_s=5)
+    out = proc.output
+    for line in ("server 0 of 2, from the torchrun environment", "server 1 of 2, from the torchrun environment",
+                 "worker rank 0 of 2 (the chief)", "worker rank 1 of 2"):
+        assert line in out
+    published = sorted(line.rsplit(" ", 1)[1] for line in proc.lines if "reachable at" in line)
+    (servers_line, *_) = [line for line in proc.lines if line.startswith("psgrad run: servers ")]
+    assert sorted(servers_line.rsplit(" ", 1)[1].split(",")) == published  # read from the store as published
+    assert out.count("stopped (every worker left)") == 2
+    for rank in range(2):
+        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "env, word",
+    [
+        ({}, "TF_CONFIG"),
+        ({"TF_CONFIG": "{"}, "TF_CONFIG"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]"}, "SLURM_STEP_TASKS_PER_NODE"),
+        ({"JOB_COMPLETION_INDEX": "0"}, "--role"),
+    ],
+)
+def test_missing_or_contradictory_environment_exits_2_naming_the_variable(
+    env: dict[str, str], word: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("TF_CONFIG", "TORCHELASTIC_RUN_ID", "ROLE_NAME", "JOB_COMPLETION_INDEX", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--num-servers", "1", *JOB]) == 2
+    err = capsys.readouterr().err
+    assert "psgrad run: error:" in err and word in err
