@@ -235,7 +235,7 @@ def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.Monkey
     from psgrad.cli.parser import build_parser
 
     seen: list[int] = []
-    monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda config, announce: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda config, announce, **_: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()
     try:
         for argv in (["server", "--torch-threads", "3"], ["server"]):
