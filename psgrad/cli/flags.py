@@ -70,8 +70,9 @@ def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note
 
 
 # --------------------------------------------------------------------------- flag groups
-def add_job_args(p: argparse.ArgumentParser) -> None:
-    """The job (JobSpec) and worker (WorkerConfig, ClientConfig) flags of worker, allreduce and launch."""
+def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientConfig.connect_timeout_s) -> None:
+    """The job (JobSpec) and worker (WorkerConfig, ClientConfig) flags of worker, allreduce, launch and run
+    (whose workers may start long before their servers: it passes a longer connect_timeout_s)."""
     g = p.add_argument_group("job (every worker must pass the same values)")
     flag(g, "--task", WorkerConfig.task, "training task: a built-in name (digits, mnist1d) or your own as "
          "package.module:function returning a psgrad.Task; the current directory is searched")
@@ -118,8 +119,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
          "(async and ssp only); each gradient is then computed on weights one iteration older", action="store_true")
     flag(w, "--eval-every", WorkerConfig.eval_every, "evaluate every N steps", " = 10 times per run", type=int)
     flag(w, "--log-every", WorkerConfig.log_every, "print progress every N steps", " = 10 times", type=int)
-    flag(w, "--connect-timeout-s", ClientConfig.connect_timeout_s, "how long to wait for each server to answer "
-         "the first call", type=float)
+    flag(w, "--connect-timeout-s", connect_timeout_s, "how long to wait for each server to answer the first call "
+         "(a cluster may start the servers after the workers)", type=float)
     flag(w, "--rpc-timeout-s", ClientConfig.rpc_timeout_s, "deadline of each pull/push; raise it for very large "
          "models on slow links", type=float)
     flag(w, "--init-timeout-s", ClientConfig.init_timeout_s, "how long non-chief workers wait for rank 0 to "

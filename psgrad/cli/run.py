@@ -14,6 +14,9 @@ from psgrad.core.status import LEFT, ShardStatus
 from psgrad.launch.roles import DEFAULT_PORT_BASE, ENGINES, KINDS, SERVER, Role, RunOptions
 
 STORE_TIMEOUT_S = 300.0
+# A cluster schedules (and pulls the image of) the server pods or tasks when it likes, maybe minutes
+# after the workers: a worker waits this long for a server to answer its first call.
+CONNECT_TIMEOUT_S = 300.0
 LINGER_S = 5.0
 
 
@@ -62,7 +65,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     c.add_argument("--checkpoint-dir", metavar="DIR", help="server i checkpoints into DIR/shardI and restores "
                    "the newest readable one at start (DIR on storage every server's node sees, or per node)")
     r.add_argument("--metrics-dir", metavar="DIR", help="worker r writes its JSONL metrics to DIR/workerR.jsonl")
-    add_job_args(r)
+    add_job_args(r, connect_timeout_s=CONNECT_TIMEOUT_S)
     r.set_defaults(func=cmd_run)
 
 
