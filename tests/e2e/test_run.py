@@ -86,6 +86,28 @@ def test_real_torchrun_one_group_serves_and_trains(tmp_path: Path) -> None:
         assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
 
 
+def test_real_torchrun_role_groups_one_serves_one_trains(tmp_path: Path) -> None:
+    """Two torchrun agents in one c10d rendezvous, `--role server` and `--role worker` (as on two nodes)."""
+    (port,) = free_ports(1)
+    procs = []
+    try:
+        for role in ("server", "worker"):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--role", role, "-m", "psgrad",
+                    "run", "--advertise-host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
+            procs.append(start(argv, f"torchrun-{role}"))
+        assert [p.wait(150) for p in procs] == [0, 0], [p.lines[-20:] for p in procs]
+    finally:
+        for p in procs:
+            p.stop(grace_s=5)
+    servers, workers = procs
+    assert "server 0 of 2" in servers.output and "server 1 of 2" in servers.output
+    assert servers.output.count("stopped (every worker left)") == 2
+    assert "worker rank 0 of 2 (the chief)" in workers.output and "worker rank 1 of 2" in workers.output
+    for rank in range(2):
+        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "env, word",

@@ -248,3 +248,21 @@ def test_options_and_roles_validate_themselves() -> None:
         Role(engine="slurm", kind="worker", index=3, num_servers=1, num_workers=3, servers=("a:1",))
     with pytest.raises(ConfigError, match="advertise"):
         Role(engine="slurm", kind="server", index=0, num_servers=1, num_workers=1)
+
+
+# --------------------------------------------------------------------------- when a server's job is over
+def test_a_server_is_done_once_every_rank_has_left() -> None:
+    from psgrad.cli.run import every_worker_left
+    from psgrad.config import JobSpec
+    from psgrad.core.status import EVICTED, LEFT, LIVE, ShardStatus, WorkerStatus
+
+    def status(*states: str, workers: int = 2) -> ShardStatus:
+        members = tuple(WorkerStatus(rank, 5, state, 0.1, 5) for rank, state in enumerate(states))
+        return ShardStatus(initialized=True, spec=JobSpec(num_workers=workers), workers=members)
+
+    assert every_worker_left(status(LEFT, LEFT))
+    assert not every_worker_left(status(LEFT, LIVE))
+    assert not every_worker_left(status(LEFT, EVICTED))  # it may come back; the engine stops a crashed job
+    assert not every_worker_left(status(LEFT))  # rank 1 never joined yet
+    assert not every_worker_left(status(LEFT, LEFT, workers=3))
+    assert not every_worker_left(ShardStatus(initialized=False))
