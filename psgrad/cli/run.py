@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +86,24 @@ def every_worker_left(status: ShardStatus) -> bool:
     return left >= set(range(status.spec.num_workers))
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether host resolves to this machine's loopback only (unresolvable names count as not)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
 def _serve(ns: argparse.Namespace, role: Role) -> int:
     from psgrad.launch import rendezvous
 
     store: Any = None
     if role.store is not None:  # torchrun: publish the address in the rendezvous store once bound
+        if _is_loopback(role.advertise_host) and not _is_loopback(role.store.host):
+            print(f"psgrad run: warning: {role.advertise_host!r} resolves to a loopback address, which workers on "
+                  f"other hosts cannot reach (the store is at {role.store.host}); pass --advertise-host NAME_OR_IP",
+                  file=sys.stderr, flush=True)
         store = rendezvous.connect_store(role.store, ns.store_timeout_s)
     config = ServerConfig(
         host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,

@@ -266,3 +266,10 @@ def test_a_server_is_done_once_every_rank_has_left() -> None:
     assert not every_worker_left(status(LEFT))  # rank 1 never joined yet
     assert not every_worker_left(status(LEFT, LEFT, workers=3))
     assert not every_worker_left(ShardStatus(initialized=False))
+
+
+def test_loopback_advertise_names_are_recognized() -> None:
+    from psgrad.cli.run import _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("10.1.2.3") and not _is_loopback("no-such-host.invalid")
