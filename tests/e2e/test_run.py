@@ -35,8 +35,14 @@ def final_accuracy(path: Path) -> float:
     return float(final["test_accuracy"])
 
 
+ENGINE_PREFIXES = ("TF_CONFIG", "TORCHELASTIC_", "ROLE_", "JOB_COMPLETION_INDEX", "SLURM", "MASTER_", "RANK",
+                   "WORLD_SIZE", "LOCAL_RANK")
+
+
 def start(argv: list[str], name: str, **env: str) -> Proc:
-    return Proc(argv, name=name, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, new_session=False)
+    """A child with only the engine variables given (none inherited from wherever the tests run)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENGINE_PREFIXES)}
+    return Proc(argv, name=name, cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1", **env}, new_session=False)
 
 
 def test_tf_config_job_of_2_servers_and_2_workers_trains_digits(tmp_path: Path) -> None:
@@ -60,6 +66,47 @@ def test_tf_config_job_of_2_servers_and_2_workers_trains_digits(tmp_path: Path) 
         assert f"listening on 127.0.0.1:{ports[i]}" in p.output
         assert "stopped (every worker left)" in p.output  # the job ends by itself
     assert "worker rank 0 of 2 (the chief)" in workers[0].output and "worker rank 1 of 2" in workers[1].output
+    for rank in range(2):
+        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
+
+
+def consecutive_free_ports(n: int) -> int:
+    """A port P such that P..P+n-1 could all be bound just now (the OS picks P; retried if P+1.. is taken)."""
+    for _ in range(50):
+        (base,) = free_ports(1)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports found")
+
+
+def test_slurm_multi_prog_job_on_one_node_trains_digits(tmp_path: Path) -> None:
+    """The environment `srun --multi-prog` gives 4 tasks on one node: tasks 0-1 serve on --port-base + i,
+    tasks 2-3 compute the addresses from the node list and train."""
+    base = consecutive_free_ports(2)
+    step = {"SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "4",
+            "SLURMD_NODENAME": "localhost"}
+    procs = []
+    try:
+        for task in range(4):
+            argv = [sys.executable, "-m", "psgrad", "run", "--num-servers", "2", "--port-base", str(base),
+                    "--metrics-dir", str(tmp_path), *JOB]
+            procs.append(start(argv, f"task{task}", SLURM_PROCID=str(task), **step))
+        codes = [p.wait(150) for p in procs]
+        assert codes == [0, 0, 0, 0], [p.lines[-5:] for p in procs]
+    finally:
+        for p in procs:
+            p.stop(grace_s=5)
+    for i in range(2):
+        assert f"server {i} reachable at localhost:{base + i}" in procs[i].output
+    assert f"servers localhost:{base},localhost:{base + 1}" in procs[2].output
     for rank in range(2):
         assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
 
@@ -121,8 +168,9 @@ def test_real_torchrun_role_groups_one_serves_one_trains(tmp_path: Path) -> None
 def test_missing_or_contradictory_environment_exits_2_naming_the_variable(
     env: dict[str, str], word: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("TF_CONFIG", "TORCHELASTIC_RUN_ID", "ROLE_NAME", "JOB_COMPLETION_INDEX", "SLURM_PROCID"):
-        monkeypatch.delenv(name, raising=False)
+    for name in os.environ:
+        if name.startswith(ENGINE_PREFIXES):
+            monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert main(["run", "--num-servers", "1", *JOB]) == 2
