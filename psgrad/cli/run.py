@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -13,6 +14,7 @@ from psgrad.cli.commands import _check_task, serve, train_worker
 from psgrad.cli.flags import add_checkpoint_args, add_job_args, add_server_policy_args, flag, job_spec, positive_int
 from psgrad.config import ServerConfig
 from psgrad.core.status import LEFT, ShardStatus
+from psgrad.errors import ConfigError
 from psgrad.launch.roles import DEFAULT_PORT_BASE, ENGINES, KINDS, SERVER, Role, RunOptions
 
 STORE_TIMEOUT_S = 300.0
@@ -138,6 +140,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from psgrad.launch.env import resolve
 
     _check_task(ns.task)
+    for name, low_ok in (("store_timeout_s", False), ("linger_s", True)):
+        value = getattr(ns, name)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>=' if low_ok else '>'} 0, "
+                              f"got {value!r}")
     role = resolve(os.environ, run_options(ns), ns.engine)
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
     print(f"psgrad run: {role.describe()}", flush=True)

@@ -176,3 +176,10 @@ def test_missing_or_contradictory_environment_exits_2_naming_the_variable(
     assert main(["run", "--num-servers", "1", *JOB]) == 2
     err = capsys.readouterr().err
     assert "psgrad run: error:" in err and word in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag, value", [("--linger-s", "-1"), ("--store-timeout-s", "0"), ("--store-timeout-s", "nan")])
+def test_bad_run_flags_exit_2(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", flag, value, *JOB]) == 2
+    assert flag in capsys.readouterr().err
