@@ -12,9 +12,9 @@ this process pulling and pushing the whole model through one of them at a time (
 1e-9; the gRPC path, or shared memory with --shared-memory). Rounds of `round_s` seconds alternate
 between the two servers, in alternating order; the server not measured is stopped (SIGSTOP) for
 the round, so neither its checkpoint writes nor anything else lands in the other's round. Its
-checkpoint clock runs on while it is stopped, so it usually writes one as soon as its round
-begins: checkpoints come somewhat more often than every S seconds of its running time
-(`measured_s_per_checkpoint`), which errs on the expensive side. The checkpoints written inside
+checkpoint clock runs on while it is stopped, so a checkpoint that fell due meanwhile is written
+as soon as its round begins; `measured_s_per_checkpoint` is the interval the measured rounds
+actually had (about S, or less: the expensive side). The checkpoints written inside
 the measured rounds are counted from the directory (a thread here lists it every `poll_s`; a
 manifest stays until two newer ones are written).
 
@@ -78,8 +78,8 @@ from psgrad.wire.heap import tune_allocator  # noqa: E402
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "every_s": 0.5, "round_s": 1.5, "reps": 2, "poll_s": 0.05,
              "write_params": 1_000_000, "write_reps": 2},
-    "full": {"params": 25_000_000, "every_s": 10.0, "round_s": 20.0, "reps": 6, "poll_s": 0.25,
-             "write_params": 25_000_000, "write_reps": 5},
+    "full": {"params": 25_000_000, "every_s": 10.0, "round_s": 10.0, "reps": 12, "poll_s": 0.25,
+             "write_params": 25_000_000, "write_reps": 7},
 }
 THROUGHPUT_GOAL = 0.95
 SETUP_TIMEOUT_S = 180.0
@@ -222,6 +222,7 @@ def measure_throughput(params: int, every_s: float, round_s: float, reps: int, p
     total = {k: 2 * sum(r["iters"] for r in v) * payload / sum(r["seconds"] for r in v) / 1e9 for k, v in rounds.items()}
     measured_s = sum(r["seconds"] for r in rounds[CHECKPOINTING])
     ratio = total[CHECKPOINTING] / total[PLAIN]
+    per_rep = [c / p for c, p in zip(gbps[CHECKPOINTING], gbps[PLAIN])]
     sizes = [e["file_bytes"] for e in seen if "file_bytes" in e]
     return {
         "params": params,
@@ -236,7 +237,9 @@ def measure_throughput(params: int, every_s: float, round_s: float, reps: int, p
         "ratio": ratio,
         "goal": THROUGHPUT_GOAL,
         "met": ratio >= THROUGHPUT_GOAL,
-        "ratio_per_rep": [c / p for c, p in zip(gbps[CHECKPOINTING], gbps[PLAIN])],
+        "ratio_per_rep": per_rep,
+        # the median of the paired rounds' ratios: less swayed by a burst of load in one round
+        "ratio_median_per_rep": summarize(per_rep)["median"],
         "round_gb_per_s": gbps,
         "server_cpu_s_per_gb": {k: sum(r["server_cpu_s"] for r in v) / (2 * sum(r["iters"] for r in v) * payload / 1e9)
                                 for k, v in rounds.items()},

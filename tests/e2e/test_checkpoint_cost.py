@@ -29,6 +29,7 @@ def test_checkpoint_cost_tiny_measures_with_and_without_checkpoints() -> None:
         assert len(tp["round_gb_per_s"][key]) == tp["reps"]
     assert tp["ratio"] == pytest.approx(tp["gb_per_s"]["checkpoints"] / tp["gb_per_s"]["no_checkpoints"])
     assert len(tp["ratio_per_rep"]) == tp["reps"] and all(r > 0 for r in tp["ratio_per_rep"])
+    assert min(tp["ratio_per_rep"]) <= tp["ratio_median_per_rep"] <= max(tp["ratio_per_rep"])
     assert tp["met"] == (tp["ratio"] >= tp["goal"])
     # Checkpoints were written during the measured rounds (each round is 3 x the interval), and the
     # files hold the whole model.
