@@ -314,10 +314,14 @@ def measure_write(params: int, reps: int, work: Path) -> dict[str, Any]:
                                                      "load", "plain_read", "sha256")}
     roundtrip_exact = True
 
+    cpu: dict[str, list[float]] = {k: [] for k in ("snapshot", "save", "load")}
+
     def timed(key: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = fn()
         times[key].append(time.perf_counter() - t0)
+        if key in cpu:
+            cpu[key].append(time.process_time() - c0)
         return out
 
     for rep in range(1, reps + 1):
@@ -366,6 +370,9 @@ def measure_write(params: int, reps: int, work: Path) -> dict[str, Any]:
         "median_s": med,
         "times_s": {k: summarize(v) for k, v in times.items()},
         "samples_s": times,
+        # CPU seconds (all threads of this process) per operation, median: what a checkpoint takes
+        # from the cores a server shares with its workers
+        "cpu_s": {k: summarize(v)["median"] for k, v in cpu.items()},
         "ratios": {  # psgrad's time / the ceiling's (lower is better; 1 = as fast as the plain operation)
             "snapshot_vs_memcpy_fresh": med["snapshot"] / med["memcpy_fresh"],
             "save_vs_plain_write": med["save"] / med["plain_write"],
