@@ -21,11 +21,15 @@ manifest stays until two newer ones are written).
 Write and read (`write`): in this process, a Shard restored with random weights and Adam moments
 (3 x params float32) is timed for `Shard.snapshot()` (the part that holds the shard's lock: a
 memory copy), `checkpoint.save(snapshot, dir)` (what the server's checkpoint thread does, off the
-lock: safetensors file, fsync, SHA-256, manifest, rename, keep two) and `checkpoint.load(manifest)`;
-beside, in the same repetitions in alternating order: a memory copy of the same bytes into a fresh
-allocation, a plain open/write/fsync of the same bytes, and a plain read of the checkpoint file into
-a fresh buffer (from the page cache, as the load reads it here). The SHA-256 of the file, which
-save and load both compute, is timed as a diagnostic.
+lock: safetensors file, fsync, SHA-256, manifest, rename, keep two), and what a restarted server
+does: `checkpoint.load(manifest)` then `Shard.restore` into a fresh shard (`load_and_restore`;
+`load` alone is timed too: it checks the SHA-256 and maps the file, and the tensors' bytes are
+read when restore copies them); beside, in the same repetitions in alternating order: a memory copy
+of the same bytes into a fresh allocation, a plain open/write/fsync of the same bytes, and a plain
+read of the checkpoint file into a fresh buffer (from the page cache, as the load reads it here).
+The SHA-256 of the file, which save and load both compute, is timed as a diagnostic.
+
+`--parts throughput` or `--parts write` runs one part alone.
 
 Prints one JSON document; progress goes to stderr. The checkpoint files go under --dir (default: the
 system's temporary directory), which should be on the disk the servers would write to.
@@ -276,6 +280,20 @@ def _tensors(snap: ShardSnapshot) -> list[torch.Tensor]:
     return [snap.weights, *(v for v in snap.optimizer.values() if isinstance(v, torch.Tensor))]
 
 
+def _same_state(a: ShardSnapshot, b: ShardSnapshot) -> bool:
+    """Equal version, weights and optimizer state (tensors bit for bit)."""
+    if a.version != b.version or not torch.equal(a.weights, b.weights) or a.optimizer.keys() != b.optimizer.keys():
+        return False
+    for key, mine in a.optimizer.items():
+        theirs = b.optimizer[key]
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+            if not torch.equal(mine, theirs):
+                return False
+        elif mine != theirs:
+            return False
+    return True
+
+
 def _plain_write(path: Path, tensors: list[torch.Tensor]) -> None:
     with open(path, "wb") as f:
         for t in tensors:
@@ -311,10 +329,10 @@ def measure_write(params: int, reps: int, work: Path) -> dict[str, Any]:
     _plain_write(plain, _tensors(snap))
     plain.unlink()
     times: dict[str, list[float]] = {k: [] for k in ("snapshot", "memcpy_fresh", "memcpy_reused", "save", "plain_write",
-                                                     "load", "plain_read", "sha256")}
+                                                     "load", "load_and_restore", "plain_read", "sha256")}
     roundtrip_exact = True
 
-    cpu: dict[str, list[float]] = {k: [] for k in ("snapshot", "save", "load")}
+    cpu: dict[str, list[float]] = {k: [] for k in ("snapshot", "save", "load_and_restore")}
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
         c0, t0 = time.process_time(), time.perf_counter()
@@ -345,12 +363,17 @@ def measure_write(params: int, reps: int, work: Path) -> dict[str, Any]:
         data = manifest.with_suffix(".safetensors")
         for op in rep_order(["load", "plain_read", "sha256"], rep):
             if op == "load":
-                back = timed("load", lambda: checkpoint.load(manifest))
-                roundtrip_exact &= (back.version == version and torch.equal(back.weights, snap.weights)
-                                    and back.optimizer.keys() == snap.optimizer.keys()
-                                    and all(torch.equal(back.optimizer[k], v) if isinstance(v, torch.Tensor)
-                                            else back.optimizer[k] == v for k, v in snap.optimizer.items()))
-                del back
+                c0, t0 = time.process_time(), time.perf_counter()
+                back = checkpoint.load(manifest)
+                t1 = time.perf_counter()
+                restored = Shard(ServerConfig())
+                restored.restore(back)
+                times["load"].append(t1 - t0)
+                times["load_and_restore"].append(time.perf_counter() - t0)
+                cpu["load_and_restore"].append(time.process_time() - c0)
+                again = restored.snapshot()
+                roundtrip_exact &= _same_state(again, snap)
+                del back, restored, again
             elif op == "plain_read":
                 timed("plain_read", lambda: _plain_read(data))
             else:
@@ -376,26 +399,30 @@ def measure_write(params: int, reps: int, work: Path) -> dict[str, Any]:
         "ratios": {  # psgrad's time / the ceiling's (lower is better; 1 = as fast as the plain operation)
             "snapshot_vs_memcpy_fresh": med["snapshot"] / med["memcpy_fresh"],
             "save_vs_plain_write": med["save"] / med["plain_write"],
-            "load_vs_plain_read": med["load"] / med["plain_read"],
+            "load_and_restore_vs_plain_read": med["load_and_restore"] / med["plain_read"],
         },
         "gb_per_s": {k: state_bytes / v / 1e9 for k, v in med.items()},
     }
 
 
-def _figures(tp: dict[str, Any], wr: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    mb, state_mb = tp["payload_bytes"] / 1e6, wr["state_bytes"] / 1e6
+def _figures(tp: dict[str, Any] | None, wr: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    targets: list[dict[str, Any]] = []
+    if tp is not None:
+        targets.append(target(f"checkpoint: pull+push GB/s, {tp['payload_bytes'] / 1e6:.0f} MB, {tp['path']}, "
+                              f"checkpoints every {tp['checkpoint_every_s']:g} s ({tp['checkpoints_written']} written)",
+                              tp["gb_per_s"][CHECKPOINTING], tp["gb_per_s"][PLAIN], THROUGHPUT_GOAL, "higher", "GB/s",
+                              "the same without a checkpoint directory"))
+    if wr is None:
+        return targets, []
+    state_mb = wr["state_bytes"] / 1e6
     med = wr["median_s"]
-    targets = [target(f"checkpoint: pull+push GB/s, {mb:.0f} MB, {tp['path']}, checkpoints every "
-                      f"{tp['checkpoint_every_s']:g} s ({tp['checkpoints_written']} written)",
-                      tp["gb_per_s"][CHECKPOINTING], tp["gb_per_s"][PLAIN], THROUGHPUT_GOAL, "higher", "GB/s",
-                      "the same without a checkpoint directory")]
     figures = [
         figure(f"checkpoint: Shard.snapshot() (under the lock), Adam, {state_mb:.0f} MB", med["snapshot"], "s",
                med["memcpy_fresh"], "memory copy into a fresh allocation, same bytes"),
         figure(f"checkpoint: checkpoint.save(), Adam, {state_mb:.0f} MB (off the lock)", med["save"], "s",
                med["plain_write"], "open/write/fsync of the same bytes"),
-        figure(f"checkpoint: checkpoint.load(), Adam, {state_mb:.0f} MB", med["load"], "s",
-               med["plain_read"], "plain read of the same file (page cache)"),
+        figure(f"checkpoint: checkpoint.load() + Shard.restore(), Adam, {state_mb:.0f} MB", med["load_and_restore"],
+               "s", med["plain_read"], "plain read of the same file into a fresh buffer (page cache)"),
         figure(f"checkpoint: SHA-256 of the {state_mb:.0f} MB file (part of save and of load)", med["sha256"], "s"),
     ]
     return targets, figures
@@ -411,19 +438,31 @@ def main() -> None:
     parser.add_argument("--reps", type=int, help="override the number of repetitions (a round per server each)")
     parser.add_argument("--shared-memory", action="store_true",
                         help="the client moves payloads through shared memory (default: the gRPC path)")
+    parser.add_argument("--parts", default="throughput,write",
+                        help="comma-separated parts to run: throughput, write (default: both)")
     parser.add_argument("--dir", type=Path, help="where the checkpoint files go (default: a temporary directory)")
     args = parser.parse_args()
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if not parts or parts - {"throughput", "write"}:
+        parser.error(f"--parts takes throughput, write or both, got {args.parts!r}")
     p = PRESETS[args.preset]
     t0 = time.monotonic()
+    tp = wr = None
     with tempfile.TemporaryDirectory(prefix="psgrad-ckpt-cost-", dir=args.dir) as tmp:
         work = Path(tmp)
-        tp = measure_throughput(args.params or p["params"], args.every_s or p["every_s"], args.round_s or p["round_s"],
-                                args.reps or p["reps"], p["poll_s"], args.shared_memory, work)
-        wr = measure_write(args.write_params or p["write_params"], p["write_reps"], work)
+        if "throughput" in parts:
+            tp = measure_throughput(args.params or p["params"], args.every_s or p["every_s"],
+                                    args.round_s or p["round_s"], args.reps or p["reps"], p["poll_s"],
+                                    args.shared_memory, work)
+        if "write" in parts:
+            wr = measure_write(args.write_params or p["write_params"], p["write_reps"], work)
     targets, figures = _figures(tp, wr)
-    write_json({"benchmark": "checkpoint_cost", "preset": args.preset, "machine": machine_info(),
-                "throughput": tp, "write": wr, "targets": targets, "figures": figures,
-                "elapsed_s": time.monotonic() - t0})
+    out: dict[str, Any] = {"benchmark": "checkpoint_cost", "preset": args.preset, "machine": machine_info()}
+    if tp is not None:
+        out["throughput"] = tp
+    if wr is not None:
+        out["write"] = wr
+    write_json({**out, "targets": targets, "figures": figures, "elapsed_s": time.monotonic() - t0})
 
 
 if __name__ == "__main__":

@@ -44,10 +44,11 @@ def test_checkpoint_cost_tiny_measures_with_and_without_checkpoints() -> None:
     assert wr["optimizer"] == "adam" and wr["state_bytes"] == 3 * 4 * wr["params"]
     assert wr["checkpoint_file_bytes"] > wr["state_bytes"]
     assert wr["roundtrip_exact"] is True and wr["checkpoints_kept"] == 2
-    for key in ("snapshot", "memcpy_fresh", "memcpy_reused", "save", "plain_write", "load", "plain_read", "sha256"):
+    for key in ("snapshot", "memcpy_fresh", "memcpy_reused", "save", "plain_write", "load", "load_and_restore",
+                "plain_read", "sha256"):
         assert len(wr["samples_s"][key]) == wr["reps"] and wr["median_s"][key] > 0
     assert all(r > 0 for r in wr["ratios"].values())
-    assert set(wr["cpu_s"]) == {"snapshot", "save", "load"} and all(c >= 0 for c in wr["cpu_s"].values())
+    assert set(wr["cpu_s"]) == {"snapshot", "save", "load_and_restore"} and all(c >= 0 for c in wr["cpu_s"].values())
 
     (row,) = out["targets"]
     assert row["ratio"] == pytest.approx(tp["ratio"]) and row["better"] == "higher"
