@@ -15,7 +15,7 @@ from psgrad import errors
 from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view
+from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, copy_from_wire
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
@@ -32,26 +32,6 @@ from psgrad.wire.protocol import (
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 
 T = TypeVar("T")
-
-
-# Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
-# spreads over torch's threads (and would wake them, to spin afterwards, for a small one).
-_SMALL_COPY_BYTES = 4 << 20
-
-
-def _copy_bytes(dest: memoryview, src: memoryview) -> None:
-    if len(src) <= _SMALL_COPY_BYTES:
-        dest[:] = src
-    else:
-        torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-
-def _copy_in(dest: torch.Tensor, src: memoryview, wire: WireBuffer) -> None:
-    """Wire-dtype bytes into dest (float32), converting if the wire dtype is narrower."""
-    if wire.codec.exact:
-        _copy_bytes(byte_view(dest), src)
-    else:
-        dest.copy_(torch.frombuffer(src, dtype=wire.dtype))
 
 
 class ShardClient:
@@ -257,7 +237,7 @@ class ShardClient:
             raise to_psgrad_error(exc, self.address, "the pull", t) from None
         try:
             header = self._pull_header(first, dest, wire)
-            _copy_in(dest, seg.payload[: wire.nbytes], wire)
+            copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
@@ -271,7 +251,7 @@ class ShardClient:
             return None
         t = self.config.rpc_timeout_s
         try:
-            _copy_bytes(seg.payload[: len(payload)], payload)
+            copy_bytes(seg.payload[: len(payload)], payload)
             frame = pb.PushFrame(header=header).SerializeToString()
             reply: pb.PushReply = self._push_header_only(frame, timeout=t, metadata=seg.metadata())
         except grpc.RpcError as exc:
@@ -325,7 +305,7 @@ class ShardClient:
             raise InvalidRequestError(
                 f"server {self.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
             )
-        _copy_in(dest, data, wire)
+        copy_from_wire(dest, data, wire)
         return reply.push, int(reply.pull.version)
 
     def _step_shared(
@@ -334,7 +314,7 @@ class ShardClient:
         """step() through the segment: the gradient goes in, the weights come back in it."""
         t = self.config.rpc_timeout_s
         try:
-            _copy_bytes(seg.payload[: len(payload)], payload)
+            copy_bytes(seg.payload[: len(payload)], payload)
             request = pb.StepRequest(push=header).SerializeToString()
             reply: pb.StepReply = self._step(request, timeout=t, metadata=seg.metadata())
         except grpc.RpcError as exc:
@@ -346,7 +326,7 @@ class ShardClient:
             raise
         try:
             self._check_pull_header(reply.pull, dest, wire)
-            _copy_in(dest, seg.payload[: wire.nbytes], wire)
+            copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()

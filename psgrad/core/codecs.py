@@ -117,3 +117,24 @@ class WireBuffer:
         """Convert received wire bytes into dest (no-op when the wire is float32)."""
         if self._buf is not None:
             dest.copy_(self._buf)
+
+
+# Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
+# spreads over torch's threads (and would wake them, to spin afterwards, for a small one).
+_SMALL_COPY_BYTES = 4 << 20
+
+
+def copy_bytes(dest: memoryview, src: memoryview) -> None:
+    """src into dest (same length), the way that is fastest for its size."""
+    if len(src) <= _SMALL_COPY_BYTES:
+        dest[:] = src
+    else:
+        torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+
+def copy_from_wire(dest: torch.Tensor, src: memoryview, wire: WireBuffer) -> None:
+    """Wire-dtype bytes into dest (float32), converting if the wire dtype is narrower."""
+    if wire.codec.exact:
+        copy_bytes(byte_view(dest), src)
+    else:
+        dest.copy_(torch.frombuffer(src, dtype=wire.dtype))
