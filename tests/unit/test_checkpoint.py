@@ -147,3 +147,23 @@ def test_the_chiefs_initialization_is_the_first_snapshot() -> None:
     s.initialize(0, layout, weights_for(layout))
     push(s, layout, grad(layout, 0))
     assert [snap.version for snap in taken] == [0] and torch.equal(taken[0].weights, weights_for(layout))
+
+
+def test_a_shard_restored_from_another_jobs_checkpoint_refuses_this_jobs_workers_by_field(tmp_path: Path) -> None:
+    """A --checkpoint-dir that holds another job's shard: the server restores that job, and the
+    first worker of this one is refused naming what differs; nothing is overwritten."""
+    from dataclasses import replace
+
+    from psgrad.errors import JobMismatchError
+    from test_shard import make_layout
+
+    s, _ = trained(3)
+    path = checkpoint.save(s.snapshot(), tmp_path)
+    restored = Shard(ServerConfig())
+    restored.restore(checkpoint.load(path))
+    ours = make_layout(replace(SPEC, lr=0.05))
+    with pytest.raises(JobMismatchError, match="lr: shard has 0.01, worker rank 0 sent 0.05"):
+        restored.join(0, ours)
+    with pytest.raises(JobMismatchError):
+        restored.initialize(0, ours, torch.zeros(ours.numel))
+    assert restored.version == 3 and checkpoint.versions(tmp_path) == [3]
