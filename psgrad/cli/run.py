@@ -8,14 +8,16 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psgrad.cli.commands import _check_task, serve, train_worker
 from psgrad.cli.flags import add_checkpoint_args, add_job_args, add_server_policy_args, flag, job_spec, positive_int
 from psgrad.config import ServerConfig
-from psgrad.core.status import LEFT, ShardStatus
 from psgrad.errors import ConfigError
 from psgrad.launch.roles import DEFAULT_PORT_BASE, ENGINES, KINDS, SERVER, Role, RunOptions
+
+if TYPE_CHECKING:  # the parser imports this module: no torch at import time
+    from psgrad.core.status import ShardStatus
 
 STORE_TIMEOUT_S = 300.0
 # A cluster schedules (and pulls the image of) the server pods or tasks when it likes, maybe minutes
@@ -82,6 +84,8 @@ def run_options(ns: argparse.Namespace) -> RunOptions:
 
 def every_worker_left(status: ShardStatus) -> bool:
     """The job is over for this shard: every rank of its job has joined and left (none evicted or live)."""
+    from psgrad.core.status import LEFT
+
     if not status.initialized or status.spec is None:
         return False
     left = {w.rank for w in status.workers if w.state == LEFT}
