@@ -43,6 +43,15 @@ class StalledError(PsgradError):
     """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
 
 
+class NotPrimaryError(PsgradError):
+    """This server does not serve workers now: a backup still waiting for its primary's state, or
+    a former primary fenced by its promoted backup (the worker then tries the shard's other server)."""
+
+
+class StaleEpochError(PsgradError):
+    """A replication message from an older epoch: its sender was replaced by a promoted backup."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -65,6 +74,8 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         WorkerStateError,
         UnknownWorkerError,
         StalledError,
+        NotPrimaryError,
+        StaleEpochError,
         TaskError,
         CheckpointError,
     )

@@ -22,6 +22,7 @@ from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters, JoinResult, PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.pushes import PushPath
+from psgrad.server.replica_path import ReplicaPath
 from psgrad.server.state import ShardSnapshot, ShardState
 from psgrad.server.transfers import PullStream
 
@@ -33,7 +34,7 @@ NOT_INITIALIZED_HINT = (
 )
 
 
-class Shard(PushPath):
+class Shard(ReplicaPath, PushPath):
     """Thread-safe state of one parameter shard. Every public method may be called concurrently.
 
     `history` records, in order, every granted pull ("pull", rank, clock, slowest live clock,
@@ -69,6 +70,7 @@ class Shard(PushPath):
         self._restored = False
         self._snapshot_every = 0
         self._snapshot_sink: Callable[[ShardSnapshot], None] | None = None
+        self._init_replica()
 
     @property
     def layout(self) -> Layout | None:
@@ -229,6 +231,7 @@ class Shard(PushPath):
             self._register(rank)
             if self._snapshot_sink is not None:  # the first checkpoint: a restart never starts empty
                 self._snapshot_sink(state.snapshot())
+            self._replicate_snapshot(state)  # the backup's starting state, if one is attached
             self._notify()
             return False
 
@@ -280,6 +283,7 @@ class Shard(PushPath):
 
     def _updated(self) -> None:
         """An update was applied (caller holds the lock)."""
+        self._replicate()
         state, sink = self._state, self._snapshot_sink
         if sink is not None and state is not None and self._snapshot_every and state.version % self._snapshot_every == 0:
             sink(state.snapshot(frozenset(self._round.pending)))

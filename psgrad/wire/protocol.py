@@ -43,6 +43,8 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.UnknownWorkerError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.NotPrimaryError: grpc.StatusCode.UNAVAILABLE,  # retried, on the shard's other server
+    errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

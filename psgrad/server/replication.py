@@ -1,0 +1,232 @@
+"""A shard's replication role and the primary's side of it: the epoch, the records of applied
+updates queued for the backup, the thread that forwards them in order, and the acknowledgements
+that pushes and pulls wait for (outside the shard's lock)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import grpc
+import torch
+
+from psgrad.core.codecs import byte_view
+from psgrad.errors import NotPrimaryError, StaleEpochError, StalledError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server import checkpoint
+from psgrad.server.state import MemberRecord, ShardSnapshot
+from psgrad.server.transfers import PullStream
+from psgrad.wire.frames import data_frames
+from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, ERROR_METADATA_KEY, METHOD_PREFIX
+
+PRIMARY, BACKUP, FENCED = "primary", "backup", "fenced"
+SNAPSHOT, GRADIENT, WEIGHTS, NONE = "snapshot", "gradient", "weights", "none"
+
+
+@dataclass
+class Record:
+    """One replicated step of a shard: after it the backup is at `version` with these members.
+
+    gradient: apply `tensor` with the optimizer (lr_scale as on the primary); weights: the new
+    weights, read lazily from the primary's live tensor (`stream`, plain SGD's staged updates);
+    none: an update that changed no weight (every gradient skipped); snapshot: the whole state."""
+
+    kind: str
+    version: int
+    members: tuple[MemberRecord, ...] = ()
+    lr_scale: float = 1.0
+    tensor: torch.Tensor | None = None
+    stream: PullStream | None = None
+    snapshot: ShardSnapshot | None = None
+
+    def frames(self, epoch: int, primary: str, chunk_bytes: int) -> Iterator[bytes]:
+        """The ReplicaApply request: the header frame, then the payload's data frames."""
+        manifest, payload = b"", memoryview(b"")
+        if self.snapshot is not None:
+            manifest, data = checkpoint.encode(self.snapshot)
+            payload = memoryview(data)
+        elif self.tensor is not None:
+            payload = byte_view(self.tensor)
+        nbytes = self.stream.nbytes if self.stream is not None else len(payload)
+        header = pb.ReplicaHeader(
+            epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
+            members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
+        )
+        yield pb.ReplicaFrame(header=header).SerializeToString()
+        if self.stream is not None:
+            yield from self.stream
+        else:
+            yield from data_frames(payload, chunk_bytes)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
+def members_from_json(data: bytes) -> tuple[MemberRecord, ...]:
+    return tuple(MemberRecord(**m) for m in json.loads(data or b"[]"))
+
+
+class Replication:
+    """The role of one server (primary, backup, or a fenced former primary), its epoch, and, on a
+    primary with a backup attached, the ordered queue of records and the thread forwarding them.
+
+    Thread-safety: offer() and attach() are called under the shard's lock and never block on it;
+    the forwarding thread and the waiters use this object's own lock only, never the shard's
+    while holding it (a weights record's stream takes the shard's lock frame by frame)."""
+
+    def __init__(self, address: str, chunk_bytes: int, timeout_s: float, log: Callable[[str], None]) -> None:
+        self.address = address  # this server's, as its backup or its workers reach it
+        self._chunk_bytes = chunk_bytes
+        self._timeout_s = timeout_s
+        self._log = log
+        self._cond = threading.Condition()
+        self.role = PRIMARY
+        self.epoch = 0
+        self.primary = ""  # a backup's primary
+        self.backup = ""  # a primary's attached backup
+        self.acked = -1  # the newest version the backup acknowledged
+        self._queue: deque[Record] = deque()
+        self._generation = 0  # bumped when a backup attaches or is dropped: its thread stops
+        self.on_fenced: Callable[[], None] = lambda: None  # the server stops serving (wakes waiting calls)
+
+    @property
+    def active(self) -> bool:
+        """A backup is attached: applied updates become records (caller holds the shard's lock)."""
+        return bool(self.backup) and self.role == PRIMARY
+
+    def check_serving(self) -> None:
+        """Raises NotPrimaryError when this server must not serve workers (fenced)."""
+        if self.role == FENCED:
+            raise NotPrimaryError(
+                f"server {self.address} was replaced by its backup (epoch {self.epoch}): use the shard's other server"
+            )
+
+    def offer(self, record: Record) -> None:
+        """Queue a record for the backup (under the shard's lock; never blocks)."""
+        with self._cond:
+            if not self.active:
+                record.close()
+                return
+            self._queue.append(record)
+            self._cond.notify_all()
+
+    def attach(self, backup: str, first: Record | None) -> None:
+        """Make `backup` this primary's backup (replacing any other), starting from `first` (a
+        snapshot; None: the shard is not initialized yet, its initialization will be). Called
+        under the shard's lock, so no update falls between the snapshot and the records."""
+        with self._cond:
+            dropped = list(self._queue)
+            self._queue.clear()
+            self.backup, self.acked = backup, -1
+            self._generation += 1
+            if first is not None:
+                self._queue.append(first)
+            generation = self._generation
+            self._cond.notify_all()
+        for record in dropped:
+            record.close()
+        threading.Thread(target=self._forward, args=(backup, generation), name="psgrad-replica", daemon=True).start()
+        self._log(f"backup {backup} attached (epoch {self.epoch})")
+
+    def wait_acked(self, version: int, timeout_s: float | None) -> None:
+        """Block until the backup has `version` (at once without a backup).
+
+        Raises:
+            NotPrimaryError: this server was fenced meanwhile (its backup took over).
+            StalledError: timeout_s passed first (the reply must not go out unreplicated).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self.active and self.acked < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise StalledError(
+                        f"server {self.address}: backup {self.backup} did not acknowledge version {version} "
+                        f"before the call's deadline (it is dropped after {self._timeout_s:g} s without an answer)"
+                    )
+                self._cond.wait(timeout=left)
+            self.check_serving()
+
+    def fence(self, epoch: int) -> bool:
+        """A promoted backup reports `epoch`: a primary at an older epoch stops serving. Returns
+        whether this server is now fenced."""
+        with self._cond:
+            fenced = epoch > self.epoch and self.role == PRIMARY
+            if fenced:
+                self.role, self.epoch = FENCED, epoch
+                dropped = self._drop_locked()
+        if fenced:
+            for record in dropped:
+                record.close()
+            self._log(f"fenced: a backup took over this shard at epoch {epoch}; not serving workers any more")
+            self.on_fenced()
+        return self.role == FENCED
+
+    def promote(self) -> int:
+        """A backup takes over: primary at the next epoch. Returns the former primary's address."""
+        with self._cond:
+            former, self.primary = self.primary, ""
+            self.role, self.epoch = PRIMARY, self.epoch + 1
+            self._log(f"promoted to primary at epoch {self.epoch} (former primary {former})")
+            return former
+
+    def _drop_locked(self) -> list[Record]:
+        dropped = list(self._queue)
+        self._queue.clear()
+        self.backup = ""
+        self._generation += 1
+        self._cond.notify_all()
+        return dropped
+
+    def _forward(self, backup: str, generation: int) -> None:
+        """Send the queued records to `backup` in order, one call each, until it is dropped."""
+        channel = grpc.insecure_channel(backup, options=CLIENT_CHANNEL_OPTIONS)
+        send = channel.stream_unary(METHOD_PREFIX + "ReplicaApply", None, pb.ReplicaReply.FromString)
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and self._generation == generation:
+                        self._cond.wait()
+                    if self._generation != generation:
+                        return
+                    record, epoch = self._queue[0], self.epoch
+                problem = None
+                try:
+                    frames = record.frames(epoch, self.address, self._chunk_bytes)
+                    send(frames, timeout=self._timeout_s, wait_for_ready=True)
+                except grpc.RpcError as exc:
+                    problem = exc
+                finally:
+                    record.close()
+                with self._cond:
+                    if self._generation != generation:
+                        return
+                    if problem is None:
+                        self._queue.popleft()
+                        self.acked = max(self.acked, record.version)
+                        self._cond.notify_all()
+                        continue
+                    stale = (ERROR_METADATA_KEY, StaleEpochError.__name__) in tuple(
+                        (problem.trailing_metadata() if isinstance(problem, grpc.Call) else None) or ()
+                    )
+                    if stale:
+                        self.role = FENCED
+                    dropped = self._drop_locked()
+                for r in dropped:
+                    r.close()
+                what = "took over (a newer epoch): this server stops serving" if stale else "is dropped"
+                self._log(f"backup {backup} failed to take version {record.version} ({problem}); it {what}")
+                if stale:
+                    self.on_fenced()
+                return
+        finally:
+            channel.close()
+
+    def status(self) -> dict[str, object]:
+        with self._cond:
+            return {"role": self.role, "epoch": self.epoch, "backup": self.backup,
+                    "replicated_version": max(0, self.acked), "primary": self.primary}
