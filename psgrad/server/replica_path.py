@@ -10,6 +10,7 @@ import torch
 
 from psgrad.config import ServerConfig
 from psgrad.core.optimizers import UpdateRule
+from psgrad.core.status import ReplicaStatus
 from psgrad.errors import InvalidRequestError, NotPrimaryError, StaleEpochError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
@@ -130,6 +131,10 @@ class ReplicaPath:
             self._state.set_members(self._replica_members or self._state.member_records(), self._now())
             self._notify()
         threading.Thread(target=_fence, args=(former, rep.epoch), name="psgrad-fence", daemon=True).start()
+
+    def _replica_status(self) -> ReplicaStatus:
+        rep = self.replication
+        return ReplicaStatus() if rep is None else rep.status()
 
     # ----------------------------------------------------------------- backup
     def replica_buffer(self, numel: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from psgrad.core.codecs import byte_view
+from psgrad.core.status import ReplicaStatus
 from psgrad.errors import NotPrimaryError, StaleEpochError, StalledError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
@@ -166,7 +167,7 @@ class Replication:
             self.on_fenced()
         return self.role == FENCED
 
-    def promote(self) -> int:
+    def promote(self) -> str:
         """A backup takes over: primary at the next epoch. Returns the former primary's address."""
         with self._cond:
             former, self.primary = self.primary, ""
@@ -226,7 +227,6 @@ class Replication:
         finally:
             channel.close()
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> ReplicaStatus:
         with self._cond:
-            return {"role": self.role, "epoch": self.epoch, "backup": self.backup,
-                    "replicated_version": max(0, self.acked), "primary": self.primary}
+            return ReplicaStatus(self.role, self.epoch, self.backup, max(0, self.acked), self.primary)

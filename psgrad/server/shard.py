@@ -390,5 +390,6 @@ class Shard(ReplicaPath, PushPath):
                 staleness=dict(sorted(c.staleness.items())),
                 transfers=self._buffers.status(),
                 params=layout.params if layout and with_params else (),
+                replica=self._replica_status(),
             )
 
