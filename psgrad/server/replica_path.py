@@ -42,7 +42,7 @@ class ReplicaPath:
     _round: SyncRound
     _now: Callable[[], float]
     replication: Replication | None
-    _replica_payload: tuple[torch.Tensor, float] | None
+    _replica_payload: tuple[torch.Tensor, float, bool] | None
     _replica_scratch: torch.Tensor | None
 
     def _init_replica(self) -> None:
@@ -65,7 +65,9 @@ class ReplicaPath:
         """An update is about to apply grad with the optimizer (which may overwrite it): keep a
         copy for the backup, which applies the same gradient with the same optimizer."""
         if self.replication is not None and self.replication.active:
-            self._replica_payload = (grad.clone(), lr_scale)
+            copy, in_segment = self.replication.payload_buffer(grad.numel())
+            copy.copy_(grad)
+            self._replica_payload = (copy, lr_scale, in_segment)
 
     def _replicate(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
@@ -75,7 +77,7 @@ class ReplicaPath:
             return
         members = state.member_records(frozenset(self._round.pending))
         if payload is not None:
-            rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0]))
+            rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[2]))
         elif self._rule is not None:  # staged: the new weights are a tensor of their own, never written again
             stream = PullStream(state.weights, state.version, torch.float32, self._config.chunk_bytes, self._lock,
                                 self._end_read)
@@ -181,7 +183,8 @@ class ReplicaPath:
             elif record.kind == GRADIENT and record.tensor is not None:
                 self._buffers.detach_reads(state.weights, wire)
                 state.optimizer.apply(state.weights, record.tensor, lr_scale=record.lr_scale)
-                self._replica_scratch = record.tensor
+                if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
+                    self._replica_scratch = record.tensor
             elif record.kind != NONE:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
             state.version = record.version

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import torch
 
 from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
@@ -12,7 +13,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.replication import GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json
 from psgrad.server.shard import Shard
-from psgrad.wire import protocol
+from psgrad.wire import protocol, shm
 from psgrad.wire.frames import FrameParser, PayloadWriter, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
 
@@ -24,6 +25,28 @@ class ReplicaServicer:
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
+        self._segments: dict[str, shm.Attached] = {}  # the primary's same-host segments, by name
+
+    def _segment(self, context: grpc.ServicerContext, nbytes: int) -> memoryview | None:
+        """The payload in the primary's same-host segment the call names (None: in frames). One
+        this server cannot open is refused with FAILED_PRECONDITION and the marker, and the primary
+        sends frames from then on."""
+        value = next((str(v) for k, v in context.invocation_metadata() or () if k == shm.METADATA_KEY), None)
+        if value is None:
+            return None
+        name = value.split(";", 1)[0]
+        seg = self._segments.get(name)
+        if seg is None or seg.nbytes != nbytes:
+            try:
+                seg = shm.attach(value, nbytes)
+            except shm.SharedMemoryUnavailable as exc:
+                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise  # unreachable: abort raises
+            if len(self._segments) >= 2:  # a primary has two; older ones belonged to a former one
+                self._segments.pop(next(iter(self._segments)))
+            self._segments[name] = seg
+        return seg.payload[:nbytes]
 
     def ReplicaAttach(self, req: pb.ReplicaAttachRequest, context: grpc.ServicerContext) -> pb.ReplicaAttachReply:
         try:
@@ -42,7 +65,13 @@ class ReplicaServicer:
             record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale)
             what = f"replica record {h.version}"
             parse = FrameParser(pb.ReplicaFrame, what)
-            if h.kind == SNAPSHOT:
+            shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
+            if shared is not None and h.kind == GRADIENT:  # applied straight from the segment
+                record.tensor, record.in_segment = torch.frombuffer(shared, dtype=torch.float32), True
+            elif shared is not None:  # the new weights: copied, the primary writes the segment again
+                record.tensor = self.shard.replica_buffer(h.nbytes // 4)
+                record.tensor.copy_(torch.frombuffer(shared, dtype=torch.float32))
+            elif h.kind == SNAPSHOT:
                 data = bytearray(h.nbytes)
                 write_frames(frames, PayloadWriter(memoryview(data), what), parse)
                 record.snapshot = checkpoint.decode(h.manifest, bytes(data))

@@ -20,6 +20,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.state import MemberRecord, ShardSnapshot
 from psgrad.server.transfers import PullStream
+from psgrad.wire import shm
 from psgrad.wire.frames import data_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, ERROR_METADATA_KEY, METHOD_PREFIX
 
@@ -42,9 +43,12 @@ class Record:
     tensor: torch.Tensor | None = None
     stream: PullStream | None = None
     snapshot: ShardSnapshot | None = None
+    in_segment: bool = False  # tensor is a view of the same-host segment (copied there already)
 
-    def frames(self, epoch: int, primary: str, chunk_bytes: int) -> Iterator[bytes]:
-        """The ReplicaApply request: the header frame, then the payload's data frames."""
+    def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
+        """The ReplicaApply request: the header frame, then the payload's data frames; with a
+        segment, the header alone, the payload written into the segment before it (the backup
+        reads the segment as soon as the header arrives)."""
         manifest, payload = b"", memoryview(b"")
         if self.snapshot is not None:
             manifest, data = checkpoint.encode(self.snapshot)
@@ -52,15 +56,31 @@ class Record:
         elif self.tensor is not None:
             payload = byte_view(self.tensor)
         nbytes = self.stream.nbytes if self.stream is not None else len(payload)
+        if segment is not None:
+            if self.stream is not None:
+                self.stream.copy_into(segment.payload[:nbytes])
+            elif not self.in_segment:
+                segment.payload[:nbytes] = payload
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
         )
-        yield pb.ReplicaFrame(header=header).SerializeToString()
+        head = pb.ReplicaFrame(header=header).SerializeToString()
+        return self._frames(head, None if segment is not None else payload, chunk_bytes)
+
+    def _frames(self, head: bytes, payload: memoryview | None, chunk_bytes: int) -> Iterator[bytes]:
+        yield head
+        if payload is None:
+            return
         if self.stream is not None:
             yield from self.stream
         else:
             yield from data_frames(payload, chunk_bytes)
+
+    @property
+    def sharable(self) -> bool:
+        """Its payload may go through a same-host segment (the shard's size at most)."""
+        return self.kind in (GRADIENT, WEIGHTS) and (self.tensor is not None or self.stream is not None)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -93,6 +113,12 @@ class Replication:
         self._queue: deque[Record] = deque()
         self._generation = 0  # bumped when a backup attaches or is dropped: its thread stops
         self.on_fenced: Callable[[], None] = lambda: None  # the server stops serving (wakes waiting calls)
+        # Same-host payloads go through two segments per backup (unless it cannot open them):
+        # gradients are copied straight into the first when it is free (claimed until their record
+        # is sent); the forwarding thread copies the other payloads into the second.
+        self._segments: list[shm.Segment | None] = [None, None]
+        self._shm = shm.supported()
+        self._segment_claimed = False
 
     @property
     def active(self) -> bool:
@@ -124,6 +150,7 @@ class Replication:
             self._queue.clear()
             self.backup, self.acked = backup, -1
             self._generation += 1
+            self._segments, self._segment_claimed = [None, None], False  # the new backup gets segments of its own
             if first is not None:
                 self._queue.append(first)
             generation = self._generation
@@ -132,6 +159,29 @@ class Replication:
             record.close()
         threading.Thread(target=self._forward, args=(backup, generation), name="psgrad-replica", daemon=True).start()
         self._log(f"backup {backup} attached (epoch {self.epoch})")
+
+    def payload_buffer(self, numel: int) -> tuple[torch.Tensor, bool]:
+        """Where to copy a gradient for the backup: the same-host segment when it is free (the
+        record then needs no second copy), else a new tensor. Returns (tensor, in the segment)."""
+        with self._cond:
+            seg = None if self._segment_claimed else self._segment_of(4 * numel, 0)
+            if seg is not None:
+                self._segment_claimed = True
+                return torch.frombuffer(seg.payload[: 4 * numel], dtype=torch.float32), True
+        return torch.empty(numel), False
+
+    def _segment_of(self, nbytes: int, which: int) -> shm.Segment | None:
+        """Segment `which` to the backup, made on first use (caller holds self._cond)."""
+        if not self._shm or not self.active:
+            return None
+        seg = self._segments[which]
+        if seg is None or seg.nbytes != nbytes:
+            try:
+                seg = self._segments[which] = shm.Segment(nbytes)
+            except OSError:
+                self._shm = False
+                return None
+        return seg
 
     def wait_acked(self, version: int, timeout_s: float | None) -> None:
         """Block until the backup has `version` (at once without a backup).
@@ -180,13 +230,40 @@ class Replication:
         self._queue.clear()
         self.backup = ""
         self._generation += 1
+        self._segment_claimed = False
         self._cond.notify_all()
         return dropped
 
     def _forward(self, backup: str, generation: int) -> None:
         """Send the queued records to `backup` in order, one call each, until it is dropped."""
-        channel = grpc.insecure_channel(backup, options=CLIENT_CHANNEL_OPTIONS)
-        send = channel.stream_unary(METHOD_PREFIX + "ReplicaApply", None, pb.ReplicaReply.FromString)
+        # A subchannel of its own: one shared with an earlier channel to this address (a server
+        # that died there) may still be backing off, and would fail the first record at once.
+        channel = grpc.insecure_channel(backup, options=[*CLIENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+        call = channel.stream_unary(METHOD_PREFIX + "ReplicaApply", None, pb.ReplicaReply.FromString)
+
+        def send(record: Record, epoch: int) -> None:
+            seg = None
+            if record.sharable:
+                nbytes = record.stream.nbytes if record.stream is not None else 4 * record.tensor.numel()  # type: ignore[union-attr]
+                with self._cond:
+                    seg = self._segments[0] if record.in_segment else self._segment_of(nbytes, 1)
+            frames = record.frames(epoch, self.address, self._chunk_bytes, seg)
+            if seg is None:  # (the state a backup asked for waits for its channel to connect)
+                call(frames, timeout=self._timeout_s, wait_for_ready=record.kind == SNAPSHOT)
+                return
+            try:
+                call(frames, timeout=self._timeout_s, metadata=seg.metadata())
+                seg.unlink()  # the backup has it open
+            except grpc.RpcError as exc:
+                if (shm.METADATA_KEY, shm.REFUSED) not in tuple((exc.trailing_metadata() if isinstance(exc, grpc.Call) else None) or ()):
+                    raise
+                self._shm = False  # another host: frames from now on
+                self._log(f"backup {backup} cannot open this server's shared memory; sending frames")
+                if record.stream is not None:  # already read into the segment
+                    record.close()
+                    record.stream, record.tensor = None, torch.frombuffer(bytearray(seg.payload[:nbytes]), dtype=torch.float32)
+                call(record.frames(epoch, self.address, self._chunk_bytes), timeout=self._timeout_s)
+
         try:
             while True:
                 with self._cond:
@@ -197,13 +274,14 @@ class Replication:
                     record, epoch = self._queue[0], self.epoch
                 problem = None
                 try:
-                    frames = record.frames(epoch, self.address, self._chunk_bytes)
-                    send(frames, timeout=self._timeout_s, wait_for_ready=True)
+                    send(record, epoch)
                 except grpc.RpcError as exc:
                     problem = exc
                 finally:
                     record.close()
                 with self._cond:
+                    if record.in_segment:
+                        self._segment_claimed = False
                     if self._generation != generation:
                         return
                     if problem is None:

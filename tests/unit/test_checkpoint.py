@@ -147,3 +147,19 @@ def test_the_chiefs_initialization_is_the_first_snapshot() -> None:
     s.initialize(0, layout, weights_for(layout))
     push(s, layout, grad(layout, 0))
     assert [snap.version for snap in taken] == [0] and torch.equal(taken[0].weights, weights_for(layout))
+
+
+def test_a_snapshot_encoded_in_memory_decodes_exactly_and_garbage_is_refused() -> None:
+    s, _ = trained(5)
+    snap = s.snapshot()
+    manifest, data = checkpoint.encode(snap)
+    back = checkpoint.decode(manifest, data)
+    assert back.layout == snap.layout and back.version == 5 and back.members == snap.members
+    assert torch.equal(back.weights, snap.weights)
+    assert back.optimizer.keys() == snap.optimizer.keys()
+    for key, value in snap.optimizer.items():
+        assert torch.equal(back.optimizer[key], value) if isinstance(value, torch.Tensor) else back.optimizer[key] == value  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="not a psgrad shard snapshot"):
+        checkpoint.decode(b"{}", data)
+    with pytest.raises(CheckpointError, match="cannot read a snapshot"):
+        checkpoint.decode(manifest, data[:-10])
