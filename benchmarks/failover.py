@@ -6,6 +6,12 @@ backup costs while nothing fails: push + pull throughput of a large model with a
                                                    # the backup between kills), 100 MB throughput
     python benchmarks/failover.py --preset tiny    # CI-sized: one kill per mode, 8 MB throughput
 
+Throughput: one shard (a server process, and a backup process or none), `workers` clients in
+this process exchanging (push + pull, through shared memory as on one host) a model of that many
+MB for a number of steps; rounds of one run without a backup and one with, each round's ratio
+and their median (async: 1 worker, one record per gradient; sync: 3 workers, one record per
+iteration, the mean).
+
 Real server and worker processes on this machine: 2 shards, each a primary and a backup
 (`--replica-of`), 3 workers given `--servers P0|B0,P1|B1`. Per mode and kill: each worker's stall
 (the longest wait between two of its completed steps after the kill, before the next kill) and the
@@ -38,9 +44,9 @@ from psgrad.launch.supervisor import SupervisedProcess
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 60, "kills": 1, "first_kill": 20, "kill_every": 0, "modes": ["sync", "async"],
-             "throughput_mb": 8, "throughput_steps": 8},
+             "throughput_mb": 8, "throughput_steps": 8, "throughput_rounds": 1},
     "full": {"steps": 400, "kills": 5, "first_kill": 40, "kill_every": 60, "modes": ["sync", "async"],
-             "throughput_mb": 100, "throughput_steps": 10},
+             "throughput_mb": 100, "throughput_steps": 10, "throughput_rounds": 3},
 }
 WORKERS = 3
 SHARDS = 2
@@ -139,9 +145,11 @@ def run(mode: str, steps: int, kill_steps: list[int], seed: int, work: Path, bac
             p.stop()
 
 
-def throughput(megabytes: int, mode: str, workers: int, steps: int, backup: bool) -> float:
+def throughput(megabytes: int, mode: str, workers: int, steps: int, backup: bool) -> dict[str, float]:
     """Push + pull megabytes per second of `workers` clients (threads of this process, each a
-    worker's ParameterClient) against one shard, with or without a backup attached."""
+    worker's ParameterClient) against one shard, with or without a backup attached: over the
+    whole run ("mean"), and at its fastest step ("best": the least disturbed by other load on a
+    shared machine; in sync mode a step is the slowest worker's)."""
     numel = megabytes * (1 << 20) // 4
     params = [ParamSpec("w", (numel,), "float32")]
     spec = JobSpec(mode=mode, num_workers=workers, lr=1e-6, num_shards=1)
@@ -157,6 +165,7 @@ def throughput(megabytes: int, mode: str, workers: int, steps: int, backup: bool
         clients = [ParameterClient([address], spec, params, plan_shards(params, 1), r, config) for r in range(workers)]
         barrier = threading.Barrier(workers)
         times: list[float] = []
+        per_step: list[list[float]] = [[] for _ in range(workers)]
 
         def work(rank: int) -> None:
             c = clients[rank]
@@ -167,7 +176,9 @@ def throughput(megabytes: int, mode: str, workers: int, steps: int, backup: bool
             barrier.wait()
             start = time.perf_counter()
             for clock in range(1, steps + 1):
+                t0 = time.perf_counter()
                 c.exchange(grad, clock, flat)
+                per_step[rank].append(time.perf_counter() - t0)
             times.append(time.perf_counter() - start)
             c.leave()
 
@@ -180,7 +191,8 @@ def throughput(megabytes: int, mode: str, workers: int, steps: int, backup: bool
             c.close()
         if len(times) != workers:
             raise RuntimeError("a throughput client failed")
-        return 2 * megabytes * workers * steps / max(times)
+        step_s = min(max(s) for s in zip(*per_step))
+        return {"mean": 2 * megabytes * workers * steps / max(times), "best": 2 * megabytes * workers / step_s}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -217,11 +229,19 @@ def bench(preset: str, seed: int = 0) -> dict[str, Any]:
         results.append(row)
     mb, n = p["throughput_mb"], p["throughput_steps"]
     cost = {}
-    for mode, workers in (("async", 1), ("sync", 2)):
-        none = throughput(mb, mode, workers, n, backup=False)
-        with_backup = throughput(mb, mode, workers, n, backup=True)
-        cost[mode] = {"workers": workers, "mb_per_s_no_backup": round(none, 1),
-                      "mb_per_s_with_backup": round(with_backup, 1), "ratio": round(with_backup / none, 3)}
+    for mode, workers in (("async", 1), ("sync", 3)):
+        row: dict[str, Any] = {"workers": workers}
+        runs = []
+        for _ in range(p["throughput_rounds"]):  # a round: one run without a backup, one with
+            runs.append((throughput(mb, mode, workers, n, backup=False), throughput(mb, mode, workers, n, backup=True)))
+        for key in ("mean", "best"):
+            ratios = [w[key] / x[key] for x, w in runs]
+            row[key] = {"mb_per_s_no_backup": [round(x[key], 1) for x, _ in runs],
+                        "mb_per_s_with_backup": [round(w[key], 1) for _, w in runs],
+                        "ratios": [round(r, 3) for r in ratios], "ratio_median": round(statistics.median(ratios), 3),
+                        # the fastest run with a backup against the fastest without: the least disturbed pair
+                        "ratio_of_bests": round(max(w[key] for _, w in runs) / max(x[key] for x, _ in runs), 3)}
+        cost[mode] = row
     return {"benchmark": "failover", "preset": preset, "workers": WORKERS, "shards": SHARDS, "steps": p["steps"],
             "kill_steps": kill_steps, "results": results, "throughput_mb": mb, "throughput": cost}
 

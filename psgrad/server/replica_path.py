@@ -44,12 +44,14 @@ class ReplicaPath:
     replication: Replication | None
     _replica_payload: tuple[torch.Tensor, float, bool] | None
     _replica_scratch: torch.Tensor | None
+    _weights_shared: bool
 
     def _init_replica(self) -> None:
         self.replication = None  # set by the server runtime: the role, epoch and backup
         self._replica_payload = None  # the gradient of the update being applied, for the backup
         self._replica_scratch = None  # backup: a tensor to receive the next payload into
         self._replica_members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
+        self._weights_shared = False  # backup: the weights are a view of the primary's segment
 
     def _install(self, state: ShardState) -> None:
         raise NotImplementedError
@@ -128,6 +130,7 @@ class ReplicaPath:
             if self._state is None:
                 raise NotPrimaryError(f"backup {rep.address} has no state from its primary yet")
             former = rep.promote()
+            self._own_weights(self._state)
             # The members as the primary last replicated them (this backup's own reaper may have
             # evicted some meanwhile, seeing no calls), with fresh leases.
             self._state.set_members(self._replica_members or self._state.member_records(), self._now())
@@ -139,6 +142,13 @@ class ReplicaPath:
         return ReplicaStatus() if rep is None else rep.status()
 
     # ----------------------------------------------------------------- backup
+    def _own_weights(self, state: ShardState) -> None:
+        """Weights that live in the primary's segment become a tensor of this shard's own."""
+        if self._weights_shared:
+            self._buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
+            state.weights = state.weights.clone()
+            self._weights_shared = False
+
     def replica_buffer(self, numel: int) -> torch.Tensor:
         """A tensor to receive a record's payload into (the backup's scratch)."""
         with self._cond:
@@ -165,6 +175,7 @@ class ReplicaPath:
                 assert record.snapshot is not None
                 self._state = None
                 self._install(ShardState.restore(record.snapshot, self._members, self._now()))
+                self._weights_shared = False
                 self._replica_members = record.snapshot.members
                 self._notify()
                 return record.version
@@ -177,15 +188,24 @@ class ReplicaPath:
                 raise InvalidRequestError(f"backup {rep.address} is at version {state.version}: record {record.version} leaves a gap")
             wire = state.layout.spec.wire_dtype
             if record.kind == WEIGHTS and record.tensor is not None:
+                # New weights in the primary's segment are used in place until the next record: it
+                # writes that segment again only after this backup acknowledged the one after it.
+                # Streams of the former weights get a copy if those lived in a segment.
                 old, state.weights = state.weights, record.tensor
-                if not any(r.source is old for r in self._buffers.reads):
+                if self._weights_shared:
+                    self._buffers.detach_reads(old, wire)
+                elif not any(r.source is old for r in self._buffers.reads):
                     self._replica_scratch = old
+                self._weights_shared = record.in_segment
             elif record.kind == GRADIENT and record.tensor is not None:
+                self._own_weights(state)
                 self._buffers.detach_reads(state.weights, wire)
                 state.optimizer.apply(state.weights, record.tensor, lr_scale=record.lr_scale)
                 if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
                     self._replica_scratch = record.tensor
-            elif record.kind != NONE:
+            elif record.kind == NONE:
+                self._own_weights(state)
+            else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
             state.version = record.version
             state.set_members(record.members, self._now())

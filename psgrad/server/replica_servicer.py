@@ -43,7 +43,7 @@ class ReplicaServicer:
                 context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 raise  # unreachable: abort raises
-            if len(self._segments) >= 2:  # a primary has two; older ones belonged to a former one
+            if len(self._segments) >= 3:  # a primary has three; older ones belonged to a former one
                 self._segments.pop(next(iter(self._segments)))
             self._segments[name] = seg
         return seg.payload[:nbytes]
@@ -66,11 +66,8 @@ class ReplicaServicer:
             what = f"replica record {h.version}"
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
-            if shared is not None and h.kind == GRADIENT:  # applied straight from the segment
+            if shared is not None:  # used in place (see Replication: the primary writes it again later)
                 record.tensor, record.in_segment = torch.frombuffer(shared, dtype=torch.float32), True
-            elif shared is not None:  # the new weights: copied, the primary writes the segment again
-                record.tensor = self.shard.replica_buffer(h.nbytes // 4)
-                record.tensor.copy_(torch.frombuffer(shared, dtype=torch.float32))
             elif h.kind == SNAPSHOT:
                 data = bytearray(h.nbytes)
                 write_frames(frames, PayloadWriter(memoryview(data), what), parse)

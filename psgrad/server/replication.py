@@ -113,12 +113,15 @@ class Replication:
         self._queue: deque[Record] = deque()
         self._generation = 0  # bumped when a backup attaches or is dropped: its thread stops
         self.on_fenced: Callable[[], None] = lambda: None  # the server stops serving (wakes waiting calls)
-        # Same-host payloads go through two segments per backup (unless it cannot open them):
+        # Same-host payloads go through three segments per backup (unless it cannot open them):
         # gradients are copied straight into the first when it is free (claimed until their record
-        # is sent); the forwarding thread copies the other payloads into the second.
-        self._segments: list[shm.Segment | None] = [None, None]
+        # is sent); the forwarding thread copies the other payloads into the second and third in
+        # turn, so that a backup may use the new weights in place until the record after next
+        # (by then it has acknowledged the next one, in the other segment).
+        self._segments: list[shm.Segment | None] = [None, None, None]
         self._shm = shm.supported()
         self._segment_claimed = False
+        self._turn = 1
 
     @property
     def active(self) -> bool:
@@ -150,7 +153,7 @@ class Replication:
             self._queue.clear()
             self.backup, self.acked = backup, -1
             self._generation += 1
-            self._segments, self._segment_claimed = [None, None], False  # the new backup gets segments of its own
+            self._segments, self._segment_claimed = [None, None, None], False  # the new backup gets segments of its own
             if first is not None:
                 self._queue.append(first)
             generation = self._generation
@@ -246,7 +249,10 @@ class Replication:
             if record.sharable:
                 nbytes = record.stream.nbytes if record.stream is not None else 4 * record.tensor.numel()  # type: ignore[union-attr]
                 with self._cond:
-                    seg = self._segments[0] if record.in_segment else self._segment_of(nbytes, 1)
+                    if record.in_segment:
+                        seg = self._segments[0]
+                    else:
+                        seg, self._turn = self._segment_of(nbytes, self._turn), 3 - self._turn
             frames = record.frames(epoch, self.address, self._chunk_bytes, seg)
             if seg is None:  # (the state a backup asked for waits for its channel to connect)
                 call(frames, timeout=self._timeout_s, wait_for_ready=record.kind == SNAPSHOT)
