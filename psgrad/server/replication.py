@@ -122,6 +122,8 @@ class Replication:
         self._shm = shm.supported()
         self._segment_claimed = False
         self._turn = 1
+        self._closed = False
+        self.waiting = 0  # replies held until the backup acknowledges
 
     @property
     def active(self) -> bool:
@@ -129,7 +131,9 @@ class Replication:
         return bool(self.backup) and self.role == PRIMARY
 
     def check_serving(self) -> None:
-        """Raises NotPrimaryError when this server must not serve workers (fenced)."""
+        """Raises NotPrimaryError when this server must not serve workers (fenced, or stopping)."""
+        if self._closed:
+            raise NotPrimaryError(f"server {self.address} is stopping: use the shard's other server")
         if self.role == FENCED:
             raise NotPrimaryError(
                 f"server {self.address} was replaced by its backup (epoch {self.epoch}): use the shard's other server"
@@ -195,15 +199,34 @@ class Replication:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self.active and self.acked < version:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise StalledError(
-                        f"server {self.address}: backup {self.backup} did not acknowledge version {version} "
-                        f"before the call's deadline (it is dropped after {self._timeout_s:g} s without an answer)"
-                    )
-                self._cond.wait(timeout=left)
-            self.check_serving()
+            self.waiting += 1
+            self._cond.notify_all()
+            try:
+                while self.active and self.acked < version:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise StalledError(
+                            f"server {self.address}: backup {self.backup} did not acknowledge version {version} "
+                            f"before the call's deadline (it is dropped after {self._timeout_s:g} s without an answer)"
+                        )
+                    self._cond.wait(timeout=left)
+                self.check_serving()
+            finally:
+                self.waiting -= 1
+
+    def wait_for_waiting(self, count: int, timeout_s: float) -> bool:
+        """Block until `count` replies wait for the backup (tests), or timeout_s passed."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.waiting >= count, timeout=timeout_s)
+
+    def close(self) -> None:
+        """The server stops: calls waiting for an acknowledgement end (NotPrimaryError, which sends
+        their workers to the backup, where an update they did not see acknowledged is applied)."""
+        with self._cond:
+            self._closed = True
+            dropped = self._drop_locked()
+        for record in dropped:
+            record.close()
 
     def fence(self, epoch: int) -> bool:
         """A promoted backup reports `epoch`: a primary at an older epoch stops serving. Returns

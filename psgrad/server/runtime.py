@@ -74,6 +74,8 @@ class RunningServer:
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
         self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
+        if self.shard.replication is not None:  # ... and replies waiting for the backup
+            self.shard.replication.close()
         self._server.stop(grace).wait()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()

@@ -253,7 +253,7 @@ class ParameterServicer:
 
     def _receive(
         self, r: _Reserved, context: grpc.ServicerContext, frames: Iterator[bytes] | None = None,
-        inline: memoryview | None = None,
+        inline: memoryview | None = None, hold: bool = True,
     ) -> pb.PushReply:
         """Receive a reserved push (its data frames, the inline bytes, or the segment the call
         names) and hand it to the shard; a failure gives the buffer back, nothing applied."""
@@ -273,7 +273,11 @@ class ParameterServicer:
             self._unreserve(r)
             raise
         result = self.shard.apply_push(h.rank, h.clock, h.base_version, r.grad, r.wire, r.wire.nbytes)
-        self._acked(result.version, context)  # acknowledged once the backup has it
+        # Acknowledged once the backup has it. A sync gradient buffered for the iteration's mean
+        # exists on this server alone: with a backup, its push is answered once the iteration is
+        # complete and replicated (the push is retried on the backup if this server dies before).
+        # Step (hold=False) answers after its pull, which waits for that anyway.
+        self._acked(result.version + (hold and result.deferred), context)
         return pb.PushReply(
             applied=result.applied,
             reason=result.reason,
@@ -319,7 +323,7 @@ class ParameterServicer:
         h = req.push
         reserved = self._reserve(h, context)
         seg = reserved.segment
-        pushed = self._receive(reserved, context, inline=memoryview(req.data))
+        pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()

@@ -221,3 +221,35 @@ def test_a_backup_whose_primary_does_not_answer_does_not_start() -> None:
     dead.stop(0)
     with pytest.raises(ServerStartError, match=f"cannot become the backup of {dead.address}"):
         start_server(ServerConfig(port=0, threads=4, replica_of=dead.address, replica_timeout_s=1))
+
+
+def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backup(
+    servers: Callable[..., RunningServer],
+) -> None:
+    """Pushes too large for one Step call go as Push then Pull; a buffered sync gradient lives on
+    the primary alone, so its push is answered only once the iteration is replicated."""
+    numel = 300_000  # > one 1 MiB chunk: push and pull apart (no shared memory)
+    params = [ParamSpec("w", (numel,), "float32")]
+    spec = JobSpec(mode="sync", lr=0.1, num_workers=2)
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    shard = f"{primary.address}|{backup.address}"
+    clients = [ParameterClient([shard], spec, params, plan_shards(params, 1), r, CONFIG) for r in range(2)]
+    replies: list[object] = []
+    try:
+        run_in_threads(2, lambda r: clients[r].join((lambda: torch.zeros(numel)) if r == 0 else None))
+        flat = torch.empty(numel)
+        first = threading.Thread(target=lambda: replies.append(clients[0].exchange(torch.ones(numel), 0, flat)))
+        first.start()
+        assert primary.shard.replication is not None
+        assert primary.shard.replication.wait_for_waiting(1, 30)  # rank 0's gradient, buffered: its reply is held
+        assert primary.shard.status().pending == 1
+        primary.stop(0)
+        [pushed], _ = clients[1].exchange(torch.full((numel,), 3.0), 0, torch.empty(numel))
+        first.join(30)
+        assert not first.is_alive() and replies
+    finally:
+        for c in clients:
+            c.close()
+    assert pushed.applied and backup.shard.version == 1
+    assert torch.equal(backup.shard.weights_copy(), torch.full((numel,), -0.2))  # 0 - 0.1 * mean(1, 3)
