@@ -18,6 +18,7 @@ from psgrad.server.membership import Membership
 from psgrad.server.replication import (
     BACKUP,
     GRADIENT,
+    MEMBERS,
     NONE,
     PRIMARY,
     SNAPSHOT,
@@ -52,6 +53,7 @@ class ReplicaPath:
         self._replica_scratch = None  # backup: a tensor to receive the next payload into
         self._replica_members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
+        self._replica_members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
 
     def _install(self, state: ShardState) -> None:
         raise NotImplementedError
@@ -77,7 +79,7 @@ class ReplicaPath:
         payload, self._replica_payload = self._replica_payload, None
         if rep is None or not rep.active or state is None:
             return
-        members = state.member_records(frozenset(self._round.pending))
+        members = self._replica_members_sent = state.member_records(frozenset(self._round.pending))
         if payload is not None:
             rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[2]))
         elif self._rule is not None:  # staged: the new weights are a tensor of their own, never written again
@@ -88,11 +90,23 @@ class ReplicaPath:
         else:  # every gradient of a sync iteration was skipped
             rep.offer(Record(NONE, state.version, members))
 
+    def _replicate_members(self) -> None:
+        """Workers joined, left or were evicted (caller holds the lock): the backup learns it
+        (not waited for: a backup that missed it waits at most a lease for a worker that left)."""
+        rep, state = self.replication, self._state
+        if rep is None or not rep.active or state is None:
+            return
+        members = state.member_records(frozenset(self._round.pending))
+        if members != self._replica_members_sent:
+            self._replica_members_sent = members
+            rep.offer(Record(MEMBERS, state.version, members))
+
     def _replicate_snapshot(self, state: ShardState) -> None:
         """The shard was initialized (caller holds the lock): the backup starts from this state."""
         rep = self.replication
         if rep is not None and rep.active:
             snap = state.snapshot()
+            self._replica_members_sent = snap.members
             rep.offer(Record(SNAPSHOT, snap.version, snap.members, snapshot=snap))
 
     def attach_backup(self, address: str) -> int:
@@ -110,6 +124,7 @@ class ReplicaPath:
             if self._state is not None:
                 snap = self._state.snapshot(frozenset(self._round.pending))
                 first = Record(SNAPSHOT, snap.version, snap.members, snapshot=snap)
+                self._replica_members_sent = snap.members
             rep.attach(address, first)
             return rep.epoch
 
@@ -180,6 +195,12 @@ class ReplicaPath:
                 self._notify()
                 return record.version
             state = self._state
+            if record.kind == MEMBERS:  # (one sent before the state is in the state)
+                if state is not None and record.version == state.version:
+                    state.set_members(record.members, self._now())
+                    self._replica_members = record.members
+                    self._notify()
+                return record.version
             if state is None:
                 raise InvalidRequestError(f"backup {rep.address}: an update before the state")
             if record.version <= state.version:

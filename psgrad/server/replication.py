@@ -25,7 +25,7 @@ from psgrad.wire.frames import data_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, ERROR_METADATA_KEY, METHOD_PREFIX
 
 PRIMARY, BACKUP, FENCED = "primary", "backup", "fenced"
-SNAPSHOT, GRADIENT, WEIGHTS, NONE = "snapshot", "gradient", "weights", "none"
+SNAPSHOT, GRADIENT, WEIGHTS, NONE, MEMBERS = "snapshot", "gradient", "weights", "none", "members"
 
 
 @dataclass
@@ -34,7 +34,8 @@ class Record:
 
     gradient: apply `tensor` with the optimizer (lr_scale as on the primary); weights: the new
     weights, read lazily from the primary's live tensor (`stream`, plain SGD's staged updates);
-    none: an update that changed no weight (every gradient skipped); snapshot: the whole state."""
+    none: an update that changed no weight (every gradient skipped); members: no update, only the
+    workers changed (joined, left, evicted); snapshot: the whole state."""
 
     kind: str
     version: int

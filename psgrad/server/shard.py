@@ -137,6 +137,7 @@ class Shard(ReplicaPath, PushPath):
             self._buffers.revoke(m.rank)
         if self._complete_iteration() or evicted:
             self._notify()
+            self._replicate_members()
 
     def live_ranks(self) -> set[int]:
         """Ranks of the workers whose lease holds (after evicting the expired ones)."""
@@ -158,6 +159,7 @@ class Shard(ReplicaPath, PushPath):
             if member is not None:
                 self.history.append(("leave", rank, member.clock))
             self._refresh()
+            self._replicate_members()
             self._notify()
 
     def wake(self) -> None:
@@ -182,6 +184,7 @@ class Shard(ReplicaPath, PushPath):
     def _register(self, rank: int) -> Member:
         member, changed = self._members.register(rank, self._policy.start_clock(self._view()))
         if changed:
+            self._replicate_members()
             self.history.append(("join", rank, member.clock))
             self._notify()
             self._reaper_wake.notify_all()

@@ -253,3 +253,19 @@ def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backu
             c.close()
     assert pushed.applied and backup.shard.version == 1
     assert torch.equal(backup.shard.weights_copy(), torch.full((numel,), -0.2))  # 0 - 0.1 * mean(1, 3)
+
+
+def test_joins_and_leaves_reach_the_backup(servers: Callable[..., RunningServer]) -> None:
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    spec = JobSpec(lr=0.1, num_workers=2)
+    plan = plan_shards(PARAMS, 1)
+    with ParameterClient([primary.address], spec, PARAMS, plan, 0, CONFIG) as a, \
+            ParameterClient([primary.address], spec, PARAMS, plan, 1, CONFIG) as b:
+        a.join(lambda: torch.zeros(NUMEL))
+        b.join(None)
+        a.push(grad(0, 0), 0)
+        b.leave()  # no update follows: the backup learns it from a members record
+        states = {1: "left", 0: "live"}
+        assert backup.shard.wait_until(lambda s: {w.rank: w.state for w in s.workers} == states, 10)
+    assert_same_state(primary, backup)
