@@ -11,7 +11,7 @@ from typing import TypeVar
 import grpc
 
 from psgrad.config import ClientConfig
-from psgrad.errors import PsgradError, ServerUnavailableError, UnknownWorkerError
+from psgrad.errors import NotPrimaryError, PsgradError, ServerUnavailableError, UnknownWorkerError
 from psgrad.wire.protocol import ERROR_METADATA_KEY, to_psgrad_error
 
 T = TypeVar("T")
@@ -27,6 +27,34 @@ def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:
     """Whether a failed call carries the name of the server's error class cls."""
     trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
     return (ERROR_METADATA_KEY, cls.__name__) in tuple(trailing or ())
+
+
+def join_any(
+    run: Callable[[float], T], timeout_s: float, current: Callable[[], str], failover: Callable[[str], str | None]
+) -> T:
+    """run(deadline_s) (a Join) on a shard with a backup: where the server in use does not answer
+    (dead, not started yet: the call does not wait for it to connect) or does not serve (a backup
+    without state, a fenced primary), on the other, in turn with backoff, until timeout_s.
+
+    Raises:
+        ServerUnavailableError, NotPrimaryError: neither served within timeout_s (the last error).
+    """
+    give_up = time.monotonic() + timeout_s
+    backoff_s = RECONNECT_BACKOFF_S
+    tried: set[str] = set()
+    while True:
+        address = current()
+        try:
+            return run(max(0.1, give_up - time.monotonic()))
+        except (ServerUnavailableError, NotPrimaryError):
+            now = time.monotonic()
+            tried.add(address)
+            other = failover(address)
+            if now >= give_up or other is None:
+                raise
+            if other in tried:  # both tried: back off before the next round
+                time.sleep(min(backoff_s, give_up - now))
+                backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
 
 
 def call(

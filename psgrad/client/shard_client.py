@@ -148,15 +148,20 @@ class ShardClient:
         return reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover)
 
     def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
-        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast.
-        Learns whether the server takes payloads through shared memory."""
+        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast (a
+        shard with a backup: tries its servers in turn, see reconnect.join_any). Learns whether
+        the server takes payloads through shared memory."""
+        ready = len(self.addresses) < 2
 
-        def run() -> pb.JoinReply:
-            reply, call = self._join.with_call(req, timeout=timeout_s, wait_for_ready=True)
-            self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
-            return reply
+        def run(t: float) -> pb.JoinReply:
+            def attempt() -> pb.JoinReply:
+                reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
+                self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
+                return reply
 
-        return self._call("the join request", run, timeout_s, retry=False)
+            return self._call("the join request", attempt, t, retry=False)
+
+        return run(timeout_s) if ready else reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
 
     def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
         """Stream a shard's initial float32 weights (sent once, by the chief)."""

@@ -269,3 +269,19 @@ def test_joins_and_leaves_reach_the_backup(servers: Callable[..., RunningServer]
         states = {1: "left", 0: "live"}
         assert backup.shard.wait_until(lambda s: {w.rank: w.state for w in s.workers} == states, 10)
     assert_same_state(primary, backup)
+
+
+def test_a_worker_joining_after_the_failover_finds_the_backup(servers: Callable[..., RunningServer]) -> None:
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    spec = JobSpec(lr=0.1, num_workers=2)
+    shard = f"{primary.address}|{backup.address}"
+    plan = plan_shards(PARAMS, 1)
+    with ParameterClient([shard], spec, PARAMS, plan, 0, CONFIG) as a:
+        a.join(lambda: torch.zeros(NUMEL))
+        a.push(grad(0, 0), 0)
+        primary.stop(0)
+        with ParameterClient([shard], spec, PARAMS, plan, 1, CONFIG) as late:  # lists the dead primary first
+            assert late.join(None) == 0
+            [pushed] = late.push(grad(1, 0), 0)
+    assert pushed.applied and backup.shard.version == 2 and backup.shard.status().replica.epoch == 1
