@@ -383,10 +383,12 @@ class ReplicaReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class FenceRequest(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "dropped")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, epoch: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class FenceReply(_message.Message):
     __slots__ = ()

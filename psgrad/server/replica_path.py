@@ -157,6 +157,17 @@ class ReplicaPath:
         return ReplicaStatus() if rep is None else rep.status()
 
     # ----------------------------------------------------------------- backup
+    def forget_replica_state(self, epoch: int) -> bool:
+        """This backup's primary (at `epoch`) dropped it: its state is stale, and it must not take
+        over with it. Returns whether it was a backup of that epoch (it then attaches again)."""
+        with self._cond:
+            rep = self.replication
+            if rep is None or rep.role != BACKUP or epoch != rep.epoch:
+                return False
+            self._state = None
+            rep.log(f"dropped by its primary {rep.primary}: the state is stale; attaching again")
+            return True
+
     def _own_weights(self, state: ShardState) -> None:
         """Weights that live in the primary's segment become a tensor of this shard's own."""
         if self._weights_shared:

@@ -2,6 +2,7 @@
 the primary sends it, and the fence a promoted backup sends the primary it replaced."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -85,7 +86,10 @@ class ReplicaServicer:
 
     def Fence(self, req: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceReply:
         rep = self.shard.replication
-        if rep is not None:
+        if rep is not None and req.dropped:  # this backup's primary went on without it
+            if self.shard.forget_replica_state(req.epoch):
+                threading.Thread(target=_attach_again, args=(self.shard,), name="psgrad-reattach", daemon=True).start()
+        elif rep is not None:
             rep.fence(req.epoch)
         return pb.FenceReply()
 
@@ -125,11 +129,22 @@ def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
         return int(reply.epoch)
 
 
-def send_fence(address: str, epoch: int) -> None:
-    """Tell the server at `address` that epoch `epoch` took over (best effort: it may be dead)."""
+def send_fence(address: str, epoch: int, dropped: bool = False) -> None:
+    """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
+    went on without it (best effort: it may be dead)."""
     with grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS) as channel:
         fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
         try:
-            fence(pb.FenceRequest(epoch=epoch), timeout=FENCE_TIMEOUT_S)
+            fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
         except grpc.RpcError:
             pass
+
+
+def _attach_again(shard: Shard) -> None:
+    """A dropped backup asks its primary for the state again."""
+    rep = shard.replication
+    assert rep is not None
+    try:
+        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5)
+    except ServerStartError as exc:
+        rep.log(f"dropped by {rep.primary} and cannot attach again ({exc}); serving nobody until restarted")

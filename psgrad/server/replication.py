@@ -104,7 +104,7 @@ class Replication:
         self.address = address  # this server's, as its backup or its workers reach it
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
-        self._log = log
+        self.log = log  # the operator's messages (stderr)
         self._cond = threading.Condition()
         self.role = PRIMARY
         self.epoch = 0
@@ -114,6 +114,7 @@ class Replication:
         self._queue: deque[Record] = deque()
         self._generation = 0  # bumped when a backup attaches or is dropped: its thread stops
         self.on_fenced: Callable[[], None] = lambda: None  # the server stops serving (wakes waiting calls)
+        self.on_dropped: Callable[[str, int], None] = lambda backup, epoch: None  # tell a dropped backup
         # Same-host payloads go through three segments per backup (unless it cannot open them):
         # gradients are copied straight into the first when it is free (claimed until their record
         # is sent); the forwarding thread copies the other payloads into the second and third in
@@ -166,7 +167,7 @@ class Replication:
         for record in dropped:
             record.close()
         threading.Thread(target=self._forward, args=(backup, generation), name="psgrad-replica", daemon=True).start()
-        self._log(f"backup {backup} attached (epoch {self.epoch})")
+        self.log(f"backup {backup} attached (epoch {self.epoch})")
 
     def payload_buffer(self, numel: int) -> tuple[torch.Tensor, bool]:
         """Where to copy a gradient for the backup: the same-host segment when it is free (the
@@ -240,7 +241,7 @@ class Replication:
         if fenced:
             for record in dropped:
                 record.close()
-            self._log(f"fenced: a backup took over this shard at epoch {epoch}; not serving workers any more")
+            self.log(f"fenced: a backup took over this shard at epoch {epoch}; not serving workers any more")
             self.on_fenced()
         return self.role == FENCED
 
@@ -249,7 +250,7 @@ class Replication:
         with self._cond:
             former, self.primary = self.primary, ""
             self.role, self.epoch = PRIMARY, self.epoch + 1
-            self._log(f"promoted to primary at epoch {self.epoch} (former primary {former})")
+            self.log(f"promoted to primary at epoch {self.epoch} (former primary {former})")
             return former
 
     def _drop_locked(self) -> list[Record]:
@@ -288,7 +289,7 @@ class Replication:
                 if (shm.METADATA_KEY, shm.REFUSED) not in tuple((exc.trailing_metadata() if isinstance(exc, grpc.Call) else None) or ()):
                     raise
                 self._shm = False  # another host: frames from now on
-                self._log(f"backup {backup} cannot open this server's shared memory; sending frames")
+                self.log(f"backup {backup} cannot open this server's shared memory; sending frames")
                 if record.stream is not None:  # already read into the segment
                     record.close()
                     record.stream, record.tensor = None, torch.frombuffer(bytearray(seg.payload[:nbytes]), dtype=torch.float32)
@@ -328,9 +329,11 @@ class Replication:
                 for r in dropped:
                     r.close()
                 what = "took over (a newer epoch): this server stops serving" if stale else "is dropped"
-                self._log(f"backup {backup} failed to take version {record.version} ({problem}); it {what}")
+                self.log(f"backup {backup} failed to take version {record.version} ({problem}); it {what}")
                 if stale:
                     self.on_fenced()
+                else:  # a backup still running must not take over with the state it has
+                    self.on_dropped(backup, epoch)
                 return
         finally:
             channel.close()

@@ -16,7 +16,7 @@ from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.checkpointer import Checkpointer, warn
-from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary
+from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
@@ -146,6 +146,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     address = f"{bind_host}:{port}"
     replication = shard.replication = Replication(address, config.chunk_bytes, config.replica_timeout_s, warn)
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
+    replication.on_dropped = lambda backup, epoch: threading.Thread(
+        target=send_fence, args=(backup, epoch, True), name="psgrad-drop", daemon=True
+    ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
     server.start()

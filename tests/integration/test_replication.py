@@ -285,3 +285,19 @@ def test_a_worker_joining_after_the_failover_finds_the_backup(servers: Callable[
             assert late.join(None) == 0
             [pushed] = late.push(grad(1, 0), 0)
     assert pushed.applied and backup.shard.version == 2 and backup.shard.status().replica.epoch == 1
+
+
+def test_a_dropped_backup_forgets_its_stale_state_and_attaches_again(servers: Callable[..., RunningServer]) -> None:
+    from psgrad.server.replica_servicer import send_fence
+
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    train(primary.address, SPECS["async-adam"], range(4))
+    assert primary.shard.replication is not None
+    send_fence(backup.address, 0, dropped=True)  # what a primary sends a backup it gave up on
+    # it takes the state again: a new attach (the same address) and a fresh snapshot
+    assert primary.shard.wait_until(lambda s: s.replica.backup == backup.address, 10)
+    assert backup.shard.wait_until(lambda s: s.initialized and s.version == 8, 10)
+    assert_same_state(primary, backup)
+    send_fence(backup.address, 7, dropped=True)  # not from its primary's epoch: ignored
+    assert backup.shard.status().initialized
