@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import run_in_threads
+from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
@@ -199,6 +200,8 @@ def test_a_restarted_server_rejoins_as_the_backup_and_can_take_over(servers: Cal
     assert torch.equal(rejoined[0].shard.weights_copy(), reference.shard.weights_copy())
     [seen] = shard_status([shard], 5.0)  # the status of a PRIMARY|BACKUP shard: the one serving it
     assert seen.replica.role == "primary" and seen.version == 12
+    exported, versions = export_state_dict([f"{second.address}|{first.address}"], 5.0)  # the first listed is dead
+    assert versions == [12] and torch.equal(exported["w"], reference.shard.weights_copy())
 
 
 def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(servers: Callable[..., RunningServer]) -> None:
