@@ -274,6 +274,8 @@ class Replication:
             if record.sharable:
                 nbytes = record.stream.nbytes if record.stream is not None else 4 * record.tensor.numel()  # type: ignore[union-attr]
                 with self._cond:
+                    if self._generation != generation:  # a new backup has segments of its own
+                        return
                     if record.in_segment:
                         seg = self._segments[0]
                     else:
