@@ -132,9 +132,22 @@ class ServerConfig:
     # Also one whenever the version reaches a multiple of this (0: off). In sync mode every shard
     # then checkpoints the same iterations, which is what a job-wide roll back needs.
     checkpoint_every_versions: int = 0
+    # Hot standby: serve as the backup of the primary at this HOST:PORT (None: a primary). The
+    # backup takes the primary's state, applies each of its updates, and takes over (a higher
+    # epoch) when a worker fails over to it.
+    replica_of: str | None = None
+    # How long a primary waits for its backup to acknowledge an update before it drops the backup
+    # and goes on alone (a push is acknowledged only once its backup has it).
+    replica_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
+        if self.replica_of is not None:
+            parse_address(self.replica_of)
+        _check(
+            math.isfinite(self.replica_timeout_s) and self.replica_timeout_s > 0,
+            f"replica_timeout_s must be a finite number > 0, got {self.replica_timeout_s!r}",
+        )
         _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         _check(
             math.isfinite(self.lease_s) and self.lease_s > 0, f"lease_s must be a finite number > 0, got {self.lease_s}"
@@ -225,8 +238,8 @@ class WorkerConfig:
             f"servers must be a tuple of HOST:PORT addresses (empty only for the all-reduce baseline), "
             f"got {self.servers!r}",
         )
-        for address in self.servers:
-            parse_address(address)
+        for entry in self.servers:
+            parse_shard(entry)
         _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
         _check(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
@@ -272,17 +285,27 @@ def parse_address(text: str) -> str:
     return addr
 
 
+def parse_shard(text: str) -> tuple[str, ...]:
+    """One shard's servers: 'PRIMARY' or 'PRIMARY|BACKUP' (HOST:PORT each) -> their addresses."""
+    parts = text.split("|")
+    if len(parts) > 2:
+        raise ConfigError(f"malformed shard {text!r}: expected HOST:PORT or PRIMARY|BACKUP (one backup at most)")
+    return tuple(parse_address(p) for p in parts)
+
+
 def parse_servers(text: str) -> tuple[str, ...]:
-    """Parse 'HOST:PORT[,HOST:PORT...]' into a tuple of addresses; shard i is the i-th."""
+    """Parse 'SHARD[,SHARD...]' into a tuple with one entry per shard (shard i is the i-th); a SHARD
+    is HOST:PORT, or PRIMARY|BACKUP for a shard with a hot-standby backup ('A|B', addresses stripped)."""
     parts = [p for p in text.split(",")]
     if not text.strip() or any(not p.strip() for p in parts):
         raise ConfigError(
             f"malformed --servers {text!r}: expected HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:7000,127.0.0.1:7001"
         )
-    addrs = tuple(parse_address(p) for p in parts)
+    shards = [parse_shard(p) for p in parts]
+    addrs = tuple(a for shard in shards for a in shard)
     if len(set(addrs)) != len(addrs):
         raise ConfigError(
             f"--servers lists the same address twice: {text!r}; give each shard's HOST:PORT once, "
             "e.g. 127.0.0.1:7000,127.0.0.1:7001"
         )
-    return addrs
+    return tuple("|".join(shard) for shard in shards)

@@ -49,6 +49,15 @@ class RollbackError(PsgradError):
     itself; the error reaches a caller only when the roll-back cannot be done."""
 
 
+class NotPrimaryError(PsgradError):
+    """This server does not serve workers now: a backup still waiting for its primary's state, or
+    a former primary fenced by its promoted backup (the worker then tries the shard's other server)."""
+
+
+class StaleEpochError(PsgradError):
+    """A replication message from an older epoch: its sender was replaced by a promoted backup."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -72,6 +81,8 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         UnknownWorkerError,
         StalledError,
         RollbackError,
+        NotPrimaryError,
+        StaleEpochError,
         TaskError,
         CheckpointError,
     )

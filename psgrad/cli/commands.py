@@ -173,12 +173,13 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     elif "OMP_NUM_THREADS" not in env:
         # Several processes whose OpenMP threads spin on a few cores run several times slower
         # (like torchrun, give each process its share of the cores).
-        share = max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers))
+        share = max(1, (os.cpu_count() or 1) // (ns.num_servers * (1 + ns.replicas) + ns.num_workers))
         env["OMP_NUM_THREADS"] = str(share)
     if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
         jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
     print(
-        f"[launch] {ns.num_servers} server(s) + {ns.num_workers} worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
+        f"[launch] {ns.num_servers} server(s){' with a backup each' if ns.replicas else ''} + {ns.num_workers} "
+        f"worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
         flush=True,
     )
     return run_launch(
@@ -188,6 +189,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         worker_args,
         status=lambda a: print_status(a, 10.0, False),
         env=env,
+        replicas=ns.replicas,
     )
 
 

@@ -44,12 +44,22 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write this shard's checkpoints here, and restore the "
                    "newest readable one at start (the shard then serves the job at once; a damaged one is skipped "
                    "with a warning naming it); one directory per shard (default: no checkpoints)")
+    r = s.add_argument_group("hot standby (a backup server per shard)")
+    r.add_argument("--replica-of", metavar="HOST:PORT", help="run as the backup of the shard whose primary is at "
+                   "HOST:PORT: take its state, apply each of its updates (the primary acknowledges a push only once "
+                   "the backup has it), and take over when workers fail over to it (give workers --servers "
+                   "PRIMARY|BACKUP). A restarted server rejoins this way as the backup of the one now serving "
+                   "(default: none, a primary)")
+    flag(r, "--replica-timeout-s", ServerConfig.replica_timeout_s, "how long a primary waits for its backup to "
+         "acknowledge an update before it drops the backup and goes on alone", type=float)
     s.set_defaults(func=cmd_server)
 
 
 def _add_workers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w = sub.add_parser("worker", help="run one training worker", description="Train one worker against running servers.")
-    w.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]; shard i is the i-th, same order for every worker")
+    w.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...]; shard i is the i-th, same "
+                   "order for every worker. A SHARD is HOST:PORT, or PRIMARY|BACKUP for a shard with a hot-standby "
+                   "backup (quote it in a shell): calls fail over to the backup when the primary stops answering")
     add_rank_args(w, "this worker's rank; rank 0 initializes the servers")
     add_job_args(w)
     w.set_defaults(func=cmd_worker)
@@ -82,6 +92,8 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     # data-parallel job by default.
     flag(la, "--num-servers", 2, "parameter-server shards", type=positive_int)
     flag(la, "--num-workers", 2, "training workers", type=positive_int)
+    flag(la, "--replicas", 0, "hot-standby backups per shard (0 or 1): each shard's backup is started with "
+         "--replica-of its primary, and workers get --servers PRIMARY|BACKUP", type=int, choices=(0, 1))
     la.add_argument("--metrics-dir", help="write each worker's JSONL metrics into this directory")
     la.add_argument(
         "--straggler",
@@ -169,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
 
     st = sub.add_parser("status", help="show shard versions, workers and staleness", description="Ask every server for its shard's state.")
-    st.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...]")
+    st.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...] (a SHARD is HOST:PORT or "
+                    "PRIMARY|BACKUP: both servers are shown, with their role and epoch)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     flag(st, "--timeout-s", 5.0, "deadline per server", type=float)
     st.set_defaults(func=cmd_status)
@@ -177,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="save a running job's current weights as a state_dict",
                         description="Read every shard's current weights (a snapshot; joins nothing) and save them as a "
                         "state_dict keyed by parameter name: model.load_state_dict(torch.load(PATH)).")
-    ex.add_argument("--servers", type=servers_arg, required=True, help="HOST:PORT[,HOST:PORT...], in shard order")
+    ex.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...] in shard order (a SHARD is "
+                    "HOST:PORT or PRIMARY|BACKUP)")
     ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
     flag(ex, "--timeout-s", 30.0, "deadline per server", type=float)
     ex.set_defaults(func=cmd_export)

@@ -8,9 +8,23 @@ from typing import Any
 
 def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
     """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
-    from psgrad.client.parameter_client import shard_status
+    from concurrent.futures import ThreadPoolExecutor
 
-    shards = [dict(s.to_dict(), address=a) for a, s in zip(addresses, shard_status(addresses, timeout_s))]
+    from psgrad.client.parameter_client import shard_status
+    from psgrad.errors import PsgradError
+
+    servers = [a for entry in addresses for a in entry.split("|")]  # a shard's backup gets a row of its own
+
+    def one(address: str) -> dict[str, Any]:
+        try:
+            return dict(shard_status([address], timeout_s)[0].to_dict(), address=address)
+        except PsgradError as exc:
+            if "|" not in ",".join(addresses):
+                raise  # no backups: as before, a server that does not answer is an error
+            return {"address": address, "initialized": False, "error": str(exc)}
+
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        shards = list(pool.map(one, servers))
     if as_json:
         print(json.dumps({"shards": shards}, indent=2))
         return
@@ -23,7 +37,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
     lines = [head]
     for s in shards:
         if not s["initialized"]:
-            lines.append(f"{'-':>5} {s['address']:<21} not initialized (start worker rank 0 first)")
+            role = (s.get("replica") or {}).get("role")
+            what = ("not answering: " + s["error"]) if "error" in s else (
+                "backup without state yet" if role == "backup" else "not initialized (start worker rank 0 first)")
+            lines.append(f"{'-':>5} {s['address']:<21} {what}")
             continue
         rng = f"[{s['range'][0]}, {s['range'][1]})"
         lines.append(
@@ -43,6 +60,11 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                 f"shard {s['shard']}: evictions {s['evictions']}, sync gradients buffered {s['pending']}, "
                 f"pulls waiting {s['waiting']}"
             )
+        rep = s.get("replica") or {}
+        if rep.get("backup") or rep.get("role", "primary") != "primary" or rep.get("epoch"):
+            attached = f", backup {rep['backup']} attached (replicated to version {rep['replicated_version']})" if rep.get("backup") else ""
+            follows = f" of {rep['primary']}" if rep.get("primary") else ""
+            lines.append(f"shard {s['shard']}: {s['address']} is {rep['role']}{follows} at epoch {rep['epoch']}{attached}")
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
         if s["rolled_back"]:

@@ -37,7 +37,9 @@ def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tupl
             raise JobMismatchError(f"server {address} is shard {st.index}, listed as shard {i}: give --servers in shard order")
     params = list(first.params)
     plan = plan_shards(params, len(addresses))
-    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0, shared_memory=False)
+    backups = any("|" in a for a in addresses)  # a PRIMARY|BACKUP shard: the pull fails over to the one serving
+    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s,
+                          reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False)
     flat = torch.empty(plan.total)
     with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config) as client:
         versions = client.pull(flat, clock=0, observe=True)

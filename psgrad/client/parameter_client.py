@@ -256,12 +256,29 @@ class ParameterClient:
 
 
 def shard_status(addresses: Sequence[str], timeout_s: float, with_params: bool = False) -> list[ShardStatus]:
-    """Status of each server (in the given order), each asked concurrently."""
+    """Status of each shard (in the given order), every server asked concurrently; of a shard given
+    as PRIMARY|BACKUP, the server that serves it (the primary, or the backup that took over)."""
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0)
-    clients = [ShardClient(a, config) for a in addresses]
+    servers = [a for entry in addresses for a in entry.split("|")]
+    clients = [ShardClient(a, config) for a in servers]
+
+    def ask(c: ShardClient) -> ShardStatus | PsgradError:
+        try:
+            return serde.status_from_proto(c.status(timeout_s, with_params))
+        except PsgradError as exc:
+            return exc
+
     try:
         with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            return [serde.status_from_proto(r) for r in pool.map(lambda c: c.status(timeout_s, with_params), clients)]
+            answers = dict(zip(servers, pool.map(ask, clients)))
     finally:
         for c in clients:
             c.close()
+    out = []
+    for entry in addresses:
+        got = [answers[a] for a in entry.split("|")]
+        ok = [s for s in got if isinstance(s, ShardStatus)]
+        if not ok:
+            raise next(e for e in got if isinstance(e, PsgradError))
+        out.append(next((s for s in ok if s.replica.role == "primary"), ok[0]))
+    return out

@@ -35,12 +35,39 @@ T = TypeVar("T")
 
 
 class ShardClient:
-    """Calls to one shard server. Methods raise PsgradError subclasses, never grpc.RpcError."""
+    """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
+    the one in use stops answering). Methods raise PsgradError subclasses, never grpc.RpcError."""
 
     def __init__(self, address: str, config: ClientConfig) -> None:
-        self.address = address
+        self.addresses = tuple(address.split("|"))
         self.config = config
+        self._channels: list[grpc.Channel] = []  # every one used; closed by close()
+        self._bind_lock = threading.Lock()
+        self._bind(self.addresses[0])
+        self._shm = config.shared_memory and shm.supported()
+        self._server_shm = False  # the server said at Join that it takes shared-memory payloads
+        self._segment: shm.Segment | None = None
+        self._segment_guard = threading.Lock()
+        # Set once this worker has joined: sends the same Join again (deadline in seconds), before
+        # a call is retried after the shard stopped answering.
+        self.rejoin: Callable[[float], object] | None = None
+
+    def failover(self, failed: str) -> str | None:
+        """The server at `failed` does not answer: use the shard's other server (if it has one and
+        this is still the one in use; another thread may have switched already). Returns the
+        address now in use, or None when there is no other."""
+        if len(self.addresses) < 2:
+            return None
+        with self._bind_lock:
+            if self.address == failed:
+                self._bind(self.addresses[1 - self.addresses.index(failed)])
+            return self.address
+
+    def _bind(self, address: str) -> None:
+        """Send calls to `address` (a channel of its own; calls on the former one run on)."""
+        self.address = address
         self._channel = grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
+        self._channels.append(self._channel)
         prefix = f"/{SERVICE_NAME}/"
         ch = self._channel
         self._join = ch.unary_unary(prefix + "Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
@@ -63,20 +90,14 @@ class ShardClient:
         self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
         self._pull_header_only = ch.unary_unary(prefix + "Pull", pb.PullRequest.SerializeToString, None)
         self._step = ch.unary_unary(prefix + "Step", None, pb.StepReply.FromString)
-        self._shm = config.shared_memory and shm.supported()
-        self._server_shm = False  # the server said at Join that it takes shared-memory payloads
-        self._segment: shm.Segment | None = None
-        self._segment_guard = threading.Lock()
-        # Set once this worker has joined: sends the same Join again (deadline in seconds), before
-        # a call is retried after the shard stopped answering.
-        self.rejoin: Callable[[float], object] | None = None
 
     def close(self) -> None:
         with self._segment_guard:
             seg, self._segment = self._segment, None
         if seg is not None:
             seg.close()
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def _take_segment(self, nbytes: int) -> shm.Segment | None:
         """This shard's shared-memory segment, locked for one transfer; None: use gRPC frames
@@ -105,19 +126,25 @@ class ShardClient:
         seg.close()
 
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
-        """fn(), reconnecting while the shard does not answer (see reconnect.call)."""
-        return reconnect.call(what, fn, timeout_s, self.address, self.config, self.rejoin if retry else None, retry)
+        """fn(), reconnecting (or failing over) while the shard does not answer (see reconnect.call)."""
+        rejoin = self.rejoin if retry else None
+        return reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover)
 
     def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
-        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast.
-        Learns whether the server takes payloads through shared memory."""
+        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast (a
+        shard with a backup: tries its servers in turn, see reconnect.join_any). Learns whether
+        the server takes payloads through shared memory."""
+        ready = len(self.addresses) < 2
 
-        def run() -> pb.JoinReply:
-            reply, call = self._join.with_call(req, timeout=timeout_s, wait_for_ready=True)
-            self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
-            return reply
+        def run(t: float) -> pb.JoinReply:
+            def attempt() -> pb.JoinReply:
+                reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
+                self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
+                return reply
 
-        return self._call("the join request", run, timeout_s, retry=False)
+            return self._call("the join request", attempt, t, retry=False)
+
+        return run(timeout_s) if ready else reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
 
     def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
         """Stream a shard's initial float32 weights (sent once, by the chief)."""

@@ -35,6 +35,17 @@ class TransferStatus:
 
 
 @dataclass(frozen=True)
+class ReplicaStatus:
+    """A server's part in its shard's hot standby."""
+
+    role: str = "primary"  # "primary" | "backup" | "fenced" (a former primary its backup replaced)
+    epoch: int = 0  # raised by one at each promotion of a backup
+    backup: str = ""  # primary: the attached backup's address ("" when none)
+    replicated_version: int = 0  # primary: the newest version its backup acknowledged
+    primary: str = ""  # backup: the primary it follows
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
 
@@ -61,6 +72,7 @@ class ShardStatus:
     staleness: dict[int, int] = field(default_factory=dict)  # staleness -> updates, ascending
     transfers: TransferStatus = field(default_factory=TransferStatus)
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
+    replica: ReplicaStatus = field(default_factory=ReplicaStatus)
 
     @property
     def numel(self) -> int:
@@ -100,4 +112,5 @@ class ShardStatus:
                 "mean": (sum(k * v for k, v in hist.items()) / total) if total else 0.0,
             },
             "transfers": dataclasses.asdict(self.transfers),
+            "replica": dataclasses.asdict(self.replica),
         }

@@ -41,6 +41,16 @@ def _start(
     )
 
 
+def _without_checkpoints(argv: Sequence[str]) -> list[str]:
+    """A server's flags without its --checkpoint-dir: a backup takes its state from its primary
+    (only primaries write checkpoints)."""
+    out = list(argv)
+    if "--checkpoint-dir" in out:
+        i = out.index("--checkpoint-dir")
+        del out[i : i + 2]
+    return out
+
+
 def _await_servers(events: Events, names: Sequence[str], timeout_s: float) -> dict[str, str]:
     addresses: dict[str, str] = {}
     while len(addresses) < len(names):
@@ -66,6 +76,7 @@ def run_launch(
     start_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     worker_command: str = "worker",
+    replicas: int = 0,
 ) -> int:
     """Start servers, then workers; wait for the workers; stop everything. Returns an exit code.
 
@@ -75,6 +86,8 @@ def run_launch(
     "" when num_servers is 0, e.g. for the all-reduce baseline). If a worker fails,
     or a server exits early, every other child is stopped and 1 is returned. Ctrl-C / SIGTERM stop
     all children too (exit code 130 / 143). env: the children's environment (default: ours).
+    replicas=1 starts a hot-standby backup per server (`--replica-of` it, once it listens);
+    the workers' servers are then "PRIMARY|BACKUP" per shard.
     """
     log = out if out is not None else lambda line: print(line, flush=True)
     children: list[SupervisedProcess] = []
@@ -93,6 +106,14 @@ def run_launch(
             argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own)
             children.append(_start(name, argv, env, log, events))
         addresses = _await_servers(events, server_names, start_timeout_s)
+        if replicas:
+            for i, name in enumerate(server_names):
+                own = _without_checkpoints(server_args(i) if callable(server_args) else server_args)
+                argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own,
+                                      "--replica-of", addresses[name])
+                children.append(_start(f"{name}-backup", argv, env, log, events))
+            backups = _await_servers(events, [f"{n}-backup" for n in server_names], start_timeout_s)
+            addresses = {n: f"{addresses[n]}|{backups[n + '-backup']}" for n in server_names}
         servers = ",".join(addresses[n] for n in server_names)
         if num_servers:
             log(f"[launch] {num_servers} server(s) up: {servers}; starting {num_workers} worker(s)")
@@ -110,6 +131,8 @@ def run_launch(
                 if value != 0:
                     failed.append(f"{name} (exit code {value})")
                     break
+            elif replicas:  # the shard's other server serves on; workers fail if neither does
+                log(f"[launch] {name} exited (exit code {value}); its shard's other server serves on")
             else:
                 failed.append(f"{name} exited unexpectedly (exit code {value})")
                 break
@@ -117,7 +140,7 @@ def run_launch(
             log(f"[launch] failed: {', '.join(failed)}; stopping the others")
             return 1
         if status is not None and num_servers:
-            status(servers.split(","))
+            status(servers.split(","))  # a PRIMARY|BACKUP entry shows both servers
         log(f"[launch] all {num_workers} worker(s) finished")
         return 0
     except LaunchError as exc:

@@ -1,6 +1,7 @@
 """Shard checkpoints on disk: a snapshot as a safetensors file of its tensors plus a JSON manifest,
 written atomically (write, fsync, rename; the manifest last), the newest two kept, and read back
-with every file checked, falling back to an older checkpoint when the newest is damaged."""
+with every file checked, falling back to an older checkpoint when the newest is damaged. The same
+two parts, in memory, carry a shard's state to a backup (encode / decode)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes, load_file, save as save_bytes, save_file
 
 from psgrad.config import JobSpec
 from psgrad.core.layout import Layout
@@ -75,29 +76,14 @@ def save(snap: ShardSnapshot, directory: Path, keep: int = KEEP) -> Path:
         CheckpointError: the directory or a file cannot be written.
     """
     stem = _stem(snap.version)
-    tensors: dict[str, torch.Tensor] = {"weights": snap.weights.contiguous()}
-    scalars: dict[str, float | int] = {}
-    for key, value in snap.optimizer.items():
-        if isinstance(value, torch.Tensor):
-            tensors[_OPTIMIZER + key] = value.contiguous()
-        else:
-            scalars[key] = value
+    tensors, manifest = _parts(snap)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         data, tmp = directory / f"{stem}.safetensors", directory / f".{stem}.safetensors.tmp"
         save_file(tensors, str(tmp))
         _fsync_file(tmp)
         os.replace(tmp, data)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created_unix_s": time.time(),
-            "version": snap.version,
-            "layout": _layout_to_json(snap.layout),
-            "members": [dataclasses.asdict(m) for m in snap.members],
-            "optimizer": scalars,
-            "tensors": {"file": data.name, "sha256": _sha256(data), "names": sorted(tensors)},
-        }
+        manifest["tensors"] = {"file": data.name, "sha256": _sha256(data), "names": sorted(tensors)}
         tmp_manifest = directory / f".{stem}.json.tmp"
         _fsync_write(tmp_manifest, json.dumps(manifest, indent=1).encode())
         path = directory / f"{stem}.json"
@@ -107,6 +93,61 @@ def save(snap: ShardSnapshot, directory: Path, keep: int = KEEP) -> Path:
         raise CheckpointError(f"cannot write a checkpoint into {directory}: {exc}") from None
     _prune(directory, keep)
     return path
+
+
+def _parts(snap: ShardSnapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A snapshot's tensors (by name) and its manifest, without the tensors file's entry."""
+    tensors: dict[str, torch.Tensor] = {"weights": snap.weights.contiguous()}
+    scalars: dict[str, float | int] = {}
+    for key, value in snap.optimizer.items():
+        if isinstance(value, torch.Tensor):
+            tensors[_OPTIMIZER + key] = value.contiguous()
+        else:
+            scalars[key] = value
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_unix_s": time.time(),
+        "version": snap.version,
+        "layout": _layout_to_json(snap.layout),
+        "members": [dataclasses.asdict(m) for m in snap.members],
+        "optimizer": scalars,
+    }
+    return tensors, manifest
+
+
+def encode(snap: ShardSnapshot) -> tuple[bytes, bytes]:
+    """A snapshot in memory, as a checkpoint holds it: (manifest JSON, safetensors bytes)."""
+    tensors, manifest = _parts(snap)
+    return json.dumps(manifest).encode(), save_bytes(tensors)
+
+
+def decode(manifest: bytes, data: bytes) -> ShardSnapshot:
+    """The snapshot encode() gave.
+
+    Raises:
+        CheckpointError: the parts are not a psgrad snapshot, or do not fit together.
+    """
+    try:
+        meta = json.loads(manifest)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError("not a psgrad shard snapshot")
+        return _snapshot(meta, load_bytes(data), "a snapshot in memory")
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, ConfigError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read a snapshot: {type(exc).__name__}: {exc}") from None
+
+
+def _snapshot(meta: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> ShardSnapshot:
+    layout = _layout_from_json(meta["layout"])
+    weights = tensors.pop("weights")
+    if weights.dtype != torch.float32 or weights.numel() != layout.numel:
+        raise CheckpointError(f"{where}: weights are {weights.numel()} {weights.dtype}, the layout owns {layout.numel}")
+    optimizer: dict[str, torch.Tensor | float | int] = dict(meta["optimizer"])
+    optimizer.update({k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)})
+    members = tuple(MemberRecord(**m) for m in meta["members"])
+    return ShardSnapshot(layout, weights, optimizer, int(meta["version"]), members)
 
 
 def _prune(directory: Path, keep: int) -> None:
@@ -137,15 +178,7 @@ def load(manifest: Path) -> ShardSnapshot:
             raise CheckpointError(f"{manifest} names {data}, which does not exist")
         if _sha256(data) != meta["tensors"]["sha256"]:
             raise CheckpointError(f"{data} does not match the checksum in {manifest.name} (truncated or corrupt)")
-        tensors = load_file(str(data))
-        layout = _layout_from_json(meta["layout"])
-        weights = tensors.pop("weights")
-        if weights.dtype != torch.float32 or weights.numel() != layout.numel:
-            raise CheckpointError(f"{data}: weights are {weights.numel()} {weights.dtype}, the layout owns {layout.numel}")
-        optimizer: dict[str, torch.Tensor | float | int] = dict(meta["optimizer"])
-        optimizer.update({k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)})
-        members = tuple(MemberRecord(**m) for m in meta["members"])
-        return ShardSnapshot(layout, weights, optimizer, int(meta["version"]), members)
+        return _snapshot(meta, load_file(str(data)), str(data))
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, ConfigError, SafetensorError) as exc:

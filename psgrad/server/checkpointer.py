@@ -76,6 +76,9 @@ class Checkpointer:
             with self._cond:
                 self._writing = None
             if stopping:
+                final = self._changed_snapshot()  # updates after the last offered snapshot
+                if final is not None:
+                    self._write(final)
                 return
 
     def _changed_snapshot(self) -> ShardSnapshot | None:

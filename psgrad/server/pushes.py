@@ -54,6 +54,9 @@ class PushPath:
     def _updated(self) -> None:
         raise NotImplementedError
 
+    def _before_apply(self, grad: torch.Tensor, lr_scale: float) -> None:
+        raise NotImplementedError
+
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
@@ -148,6 +151,7 @@ class PushPath:
                     kept = True
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
+                    self._before_apply(grad, scale)  # replication: the backup applies the same gradient
                     state.optimizer.apply(state.weights, grad, lr_scale=scale)
                 state.version += 1
                 Membership.advance(member, clock)
@@ -187,7 +191,9 @@ class PushPath:
         if items:  # else every gradient of the iteration was skipped: an empty update
             # only snapshots (observe) can be streaming here; rare
             self._buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
-            state.optimizer.apply(state.weights, SyncRound.mean(items))
+            mean = SyncRound.mean(items)
+            self._before_apply(mean, 1.0)  # replication: the backup applies the same mean
+            state.optimizer.apply(state.weights, mean)
         applied_at = state.version
         state.version += 1
         self._updated()

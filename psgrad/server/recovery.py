@@ -56,6 +56,12 @@ class Recovery:
     def _require(self, fingerprint: str, rank: int) -> ShardState:
         raise NotImplementedError
 
+    def _replicate(self) -> None:
+        raise NotImplementedError
+
+    def _replicate_rollback(self, state: ShardState) -> None:
+        raise NotImplementedError
+
     def snapshot(self) -> ShardSnapshot:
         """A copy of the shard's state (see ShardState.snapshot), taken under the lock: a memory
         copy of the weights and the optimizer state, nothing slower.
@@ -99,7 +105,9 @@ class Recovery:
             self._snapshot_sink(self._state.snapshot(frozenset(self._round.pending)))
 
     def _updated(self) -> None:
-        """An update was applied (caller holds the lock)."""
+        """An update was applied (caller holds the lock): its record goes to the backup, and a
+        snapshot to the checkpointer at every multiple of K."""
+        self._replicate()
         state = self._state
         if state is not None and self._snapshot_every and state.version % self._snapshot_every == 0:
             self._offer_snapshot()
@@ -179,6 +187,7 @@ class Recovery:
             m.last_push_clock = min(m.last_push_clock, snap.version - 1)
         self._members.members = members
         self._install(fresh)
+        self._replicate_rollback(fresh)
         self._restored_clocks = {}
         self._restored = True
         self._rewound = set(members)

@@ -17,13 +17,15 @@ from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.checkpointer import Checkpointer, warn
+from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
+from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.wire.heap import tune_allocator
 from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME
 
 
-def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> grpc.GenericRpcHandler:
     """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
     (serializer None)."""
 
@@ -51,6 +53,7 @@ def _generic_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
             "Rollback": unary(servicer.Rollback, pb.RollbackRequest, pb.RollbackReply),
+            **replica.handlers(),
         },
     )
 
@@ -73,6 +76,8 @@ class RunningServer:
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
         self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
+        if self.shard.replication is not None:  # ... and replies waiting for the backup
+            self.shard.replication.close()
         self._server.stop(grace).wait()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
@@ -119,7 +124,8 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     checkpointer = None
     if config.checkpoint_dir is not None:
         directory = Path(config.checkpoint_dir)
-        snap = checkpoint.load_latest(directory, warn)
+        # A backup takes its primary's state instead (its checkpoints start from that).
+        snap = checkpoint.load_latest(directory, warn) if config.replica_of is None else None
         if snap is not None:
             shard.restore(snap)
             warn(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
@@ -130,7 +136,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
         options=server_options(config),
     )
-    server.add_generic_rpc_handlers((_generic_handler(servicer), *extra_handlers))
+    server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
@@ -140,11 +146,27 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
     if port == 0:
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
+    address = f"{bind_host}:{port}"
+    replication = shard.replication = Replication(address, config.chunk_bytes, config.replica_timeout_s, warn)
+    replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
+    replication.on_dropped = lambda backup, epoch: threading.Thread(
+        target=send_fence, args=(backup, epoch, True), name="psgrad-drop", daemon=True
+    ).start()
+    if config.replica_of is not None:
+        replication.role, replication.primary = BACKUP, config.replica_of
     server.start()
+    if config.replica_of is not None:
+        try:  # the state and the updates arrive as ReplicaApply calls, from now on
+            epoch = attach_to_primary(config.replica_of, address, config.replica_timeout_s)
+        except ServerStartError:
+            server.stop(0)
+            raise
+        replication.epoch = max(replication.epoch, epoch)
+        warn(f"backup of {config.replica_of} (epoch {epoch})")
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()
-    return RunningServer(server, servicer, f"{bind_host}:{port}", checkpointer)
+    return RunningServer(server, servicer, address, checkpointer)
 
 
 def serve_forever(

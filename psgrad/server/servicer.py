@@ -120,8 +120,15 @@ class ParameterServicer:
             for rank in [r for r in self._segments if r not in live]:
                 del self._segments[rank]
 
+    def _acked(self, version: int, context: grpc.ServicerContext) -> None:
+        """Replication: hold a reply that reveals `version` until the backup has it."""
+        replication = self.shard.replication
+        if replication is not None:
+            replication.wait_acked(version, context.time_remaining())
+
     @_edge
     def Join(self, req: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        self.shard.serving()
         wait_s = 0.0
         if req.wait_for_init:
             remaining = context.time_remaining()
@@ -140,6 +147,7 @@ class ParameterServicer:
 
     @_edge
     def Init(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.InitReply:
+        self.shard.serving()
         header = _header(frames, pb.InitFrame, "init")
         layout = _layout_from_join(header.join)
         if header.numel != layout.numel:
@@ -153,6 +161,7 @@ class ParameterServicer:
         weights = torch.empty(layout.numel, dtype=torch.float32)
         write_frames(frames, PayloadWriter(byte_view(weights), "init"), FrameParser(pb.InitFrame, "init"))
         already = self.shard.initialize(header.join.rank, layout, weights)
+        self._acked(self.shard.version, context)
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 
     def _granted_pull(
@@ -164,11 +173,13 @@ class ParameterServicer:
         Raises:
             StalledError: the deadline came first (the message names whom the pull waited for).
         """
+        self.shard.serving(promote=not observe)
         context.add_callback(self.shard.wake)  # a cancelled waiting pull stops waiting at once
         remaining = context.time_remaining()
         timeout_s = None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         got = self.shard.pull_frames(rank, clock, fingerprint, timeout_s, context.is_active, observe)
         if got is None:
+            self.shard.serving(promote=False)  # fenced meanwhile: the worker tries the other server
             blocking = self.shard.blocking(rank, clock)
             who = f"worker(s) {', '.join(map(str, blocking))}" if blocking else "the other workers"
             raise errors.StalledError(
@@ -179,6 +190,11 @@ class ParameterServicer:
         # Updates wait for a stream that reads the live weights: end it as soon as the call ends.
         if not context.add_callback(frames.close):
             frames.close()
+        try:
+            self._acked(version, context)  # never show a worker weights its backup does not have
+        except BaseException:
+            frames.close()
+            raise
         return version, frames
 
     def _pull_header(self, version: int) -> pb.PullHeader:
@@ -224,6 +240,7 @@ class ParameterServicer:
     def _reserve(self, h: pb.PushHeader, context: grpc.ServicerContext) -> _Reserved:
         """Check a push header and wait for a receive buffer (see Shard.push_target)."""
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
+        self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
         )
@@ -235,7 +252,8 @@ class ParameterServicer:
         return _Reserved(h, grad, wire, writer, seg)
 
     def _receive(
-        self, r: _Reserved, frames: Iterator[bytes] | None = None, inline: memoryview | None = None
+        self, r: _Reserved, context: grpc.ServicerContext, frames: Iterator[bytes] | None = None,
+        inline: memoryview | None = None, hold: bool = True,
     ) -> pb.PushReply:
         """Receive a reserved push (its data frames, the inline bytes, or the segment the call
         names) and hand it to the shard; a failure gives the buffer back, nothing applied."""
@@ -255,6 +273,11 @@ class ParameterServicer:
             self._unreserve(r)
             raise
         result = self.shard.apply_push(h.rank, h.clock, h.base_version, r.grad, r.wire, r.wire.nbytes)
+        # Acknowledged once the backup has it. A sync gradient buffered for the iteration's mean
+        # exists on this server alone: with a backup, its push is answered once the iteration is
+        # complete and replicated (the push is retried on the backup if this server dies before).
+        # Step (hold=False) answers after its pull, which waits for that anyway.
+        self._acked(result.version + (hold and result.deferred), context)
         return pb.PushReply(
             applied=result.applied,
             reason=result.reason,
@@ -270,7 +293,8 @@ class ParameterServicer:
 
     @_edge
     def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        return self._receive(self._reserve(_header(frames, pb.PushFrame, "push"), context), frames=frames)
+        r = self._reserve(_header(frames, pb.PushFrame, "push"), context)
+        return self._receive(r, context, frames=frames)
 
     def PushGated(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Push with a go-ahead (see ps.proto): `ready` once the buffer is reserved, then the
@@ -286,7 +310,7 @@ class ParameterServicer:
             self._unreserve(r)
             raise
         try:
-            reply = self._receive(r, frames=frames)
+            reply = self._receive(r, context, frames=frames)
         except PsgradError as exc:
             protocol.abort(context, exc)
             return
@@ -299,7 +323,7 @@ class ParameterServicer:
         h = req.push
         reserved = self._reserve(h, context)
         seg = reserved.segment
-        pushed = self._receive(reserved, inline=memoryview(req.data))
+        pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
@@ -321,6 +345,7 @@ class ParameterServicer:
 
     @_edge
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        self.shard.serving()
         version = self.shard.touch(req.rank)
         if self._segments:
             self._unmap_departed()  # every lease/3 from each live worker: departed ones go soon
@@ -328,13 +353,17 @@ class ParameterServicer:
 
     @_edge
     def Rollback(self, req: pb.RollbackRequest, context: grpc.ServicerContext) -> pb.RollbackReply:
+        self.shard.serving()
         if req.execute:
-            return pb.RollbackReply(version=self.shard.rollback(req.rank, req.fingerprint, req.version))
+            version = self.shard.rollback(req.rank, req.fingerprint, req.version)
+            self._acked(version, context)  # the backup has the rolled-back state too
+            return pb.RollbackReply(version=version)
         version, points = self.shard.rollback_points(req.rank, req.fingerprint)
         return pb.RollbackReply(version=version, points=points)
 
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.shard.serving()
         self.shard.leave(req.rank)
         self._unmap_departed()
         return pb.LeaveReply()

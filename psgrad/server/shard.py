@@ -23,6 +23,7 @@ from psgrad.server.ledger import HISTORY_LEN, Counters, JoinResult, PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.pushes import PushPath
 from psgrad.server.recovery import Recovery, RollbackSource
+from psgrad.server.replica_path import ReplicaPath
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardSnapshot, ShardState
 from psgrad.server.transfers import PullStream
 
@@ -30,7 +31,7 @@ __all__ = ["HISTORY_LEN", "JoinResult", "Layout", "PushResult", "Shard"]
 
 
 
-class Shard(Recovery, PushPath):
+class Shard(ReplicaPath, Recovery, PushPath):
     """Thread-safe state of one parameter shard. Every public method may be called concurrently.
 
     `history` records, in order, every granted pull ("pull", rank, clock, slowest live clock,
@@ -68,6 +69,7 @@ class Shard(Recovery, PushPath):
         self._snapshot_every = 0
         self._snapshot_sink: Callable[[ShardSnapshot], None] | None = None
         self._rollback_source: RollbackSource | None = None
+        self._init_replica()
 
     @property
     def layout(self) -> Layout | None:
@@ -134,6 +136,7 @@ class Shard(Recovery, PushPath):
             self._buffers.revoke(m.rank)
         if self._complete_iteration() or evicted:
             self._notify()
+            self._replicate_members()
 
     def live_ranks(self) -> set[int]:
         """Ranks of the workers whose lease holds (after evicting the expired ones)."""
@@ -155,6 +158,7 @@ class Shard(Recovery, PushPath):
             if member is not None:
                 self.history.append(("leave", rank, member.clock))
             self._refresh()
+            self._replicate_members()
             self._notify()
 
     def wake(self) -> None:
@@ -179,6 +183,7 @@ class Shard(Recovery, PushPath):
     def _register(self, rank: int) -> Member:
         member, changed = self._members.register(rank, self._policy.start_clock(self._view()))
         if changed:
+            self._replicate_members()
             self.history.append(("join", rank, member.clock))
             if self.version == 0 and self._policy.start_barrier and self.layout is not None:
                 if len(self._members) == self.layout.spec.num_workers:
@@ -232,6 +237,7 @@ class Shard(Recovery, PushPath):
             self._install(state)
             self._register(rank)
             self._offer_snapshot()  # the first checkpoint: a restart never starts empty
+            self._replicate_snapshot(state)  # the backup's starting state, if one is attached
             self._notify()
             return False
 
@@ -352,5 +358,6 @@ class Shard(Recovery, PushPath):
                 staleness=dict(sorted(c.staleness.items())),
                 transfers=self._buffers.status(),
                 params=layout.params if layout and with_params else (),
+                replica=self._replica_status(),
             )
 

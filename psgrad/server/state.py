@@ -70,13 +70,25 @@ class ShardState:
     def snapshot(self, pending_ranks: frozenset[int] = frozenset()) -> ShardSnapshot:
         """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still
         buffers: the snapshot is taken at the iteration's start, where they still owe them."""
+        records = self.member_records(pending_ranks)
+        return ShardSnapshot(self.layout, self.weights.clone(), self.optimizer.state_dict(), self.version, records)
+
+    def member_records(self, pending_ranks: frozenset[int] = frozenset()) -> tuple[MemberRecord, ...]:
+        """Every worker's clocks as a snapshot (or a replicated update) keeps them, by rank."""
         records = []
         for m in sorted(self.membership.members.values(), key=lambda m: m.rank):
             clock, last = m.clock, m.last_push_clock
             if m.rank in pending_ranks:
                 clock, last = self.version, self.version - 1
             records.append(MemberRecord(m.rank, clock, last, m.pushes - (m.rank in pending_ranks), m.state))
-        return ShardSnapshot(self.layout, self.weights.clone(), self.optimizer.state_dict(), self.version, tuple(records))
+        return tuple(records)
+
+    def set_members(self, records: tuple[MemberRecord, ...], now: float) -> None:
+        """Take the members a replicated update carries (or a backup taking over), with leases
+        starting at `now`."""
+        self.membership.members = {
+            r.rank: Member(r.rank, now, r.clock, r.pushes, r.state, r.last_push_clock) for r in records
+        }
 
     @classmethod
     def restore(cls, snap: ShardSnapshot, membership: Membership, now: float) -> ShardState:
@@ -85,7 +97,5 @@ class ShardState:
         state = cls.create(snap.layout, snap.weights.clone(), membership)
         state.optimizer.load_state_dict(snap.optimizer)
         state.version = snap.version
-        membership.members = {
-            r.rank: Member(r.rank, now, r.clock, r.pushes, r.state, r.last_push_clock) for r in snap.members
-        }
+        state.set_members(snap.members, now)
         return state

@@ -45,6 +45,8 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.RollbackError: grpc.StatusCode.ABORTED,
     errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotPrimaryError: grpc.StatusCode.UNAVAILABLE,  # retried, on the shard's other server
+    errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

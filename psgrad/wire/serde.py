@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -77,6 +77,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in sorted(status.staleness.items())],
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
+        replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -109,5 +110,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         workers=tuple(WorkerStatus(w.rank, w.clock, w.state, w.last_seen_s, w.pushes) for w in msg.workers),
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
+        replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )

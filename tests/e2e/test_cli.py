@@ -159,6 +159,24 @@ def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) 
     assert (tmp_path / "worker0.jsonl").exists() and (tmp_path / "worker1.jsonl").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launch_with_replicas_starts_a_backup_per_shard_and_shows_their_roles() -> None:
+    res = run_cli(["launch", "--replicas", "1", "--num-servers", "2", "--num-workers", "2", "--mode", "sync",
+                   "--steps", "30"], timeout_s=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    m = re.search(r"server\(s\) up: (127\.0\.0\.1:\d+)\|(127\.0\.0\.1:\d+),(127\.0\.0\.1:\d+)\|(127\.0\.0\.1:\d+);", out)
+    assert m, out
+    p0, b0, p1, b1 = m.groups()
+    versions = re.findall(r"^\s+\d+ (127\.0\.0\.1:\d+)\s+\[\d+, \d+\)\s+(\d+)", out, re.M)
+    assert versions == [(p0, "30"), (b0, "30"), (p1, "30"), (b1, "30")], out  # the backups are in step
+    assert f"{p0} is primary at epoch 0, backup {b0} attached (replicated to version 30)" in out
+    assert f"{b1} is backup of {p1} at epoch 0" in out
+    assert set(_pids(out)) == {"server0", "server1", "server0-backup", "server1-backup", "worker0", "worker1"}
+    assert all(_gone(pid) for pid in _pids(out).values())
+
+
 @pytest.mark.timeout(180)
 def test_launch_stops_every_child_on_ctrl_c() -> None:
     # A shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, children inherit that,

@@ -167,3 +167,19 @@ def test_a_shard_restored_from_another_jobs_checkpoint_refuses_this_jobs_workers
     with pytest.raises(JobMismatchError):
         restored.initialize(0, ours, torch.zeros(ours.numel))
     assert restored.version == 3 and checkpoint.versions(tmp_path) == [3]
+
+
+def test_a_snapshot_encoded_in_memory_decodes_exactly_and_garbage_is_refused() -> None:
+    s, _ = trained(5)
+    snap = s.snapshot()
+    manifest, data = checkpoint.encode(snap)
+    back = checkpoint.decode(manifest, data)
+    assert back.layout == snap.layout and back.version == 5 and back.members == snap.members
+    assert torch.equal(back.weights, snap.weights)
+    assert back.optimizer.keys() == snap.optimizer.keys()
+    for key, value in snap.optimizer.items():
+        assert torch.equal(back.optimizer[key], value) if isinstance(value, torch.Tensor) else back.optimizer[key] == value  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="not a psgrad shard snapshot"):
+        checkpoint.decode(b"{}", data)
+    with pytest.raises(CheckpointError, match="cannot read a snapshot"):
+        checkpoint.decode(manifest, data[:-10])

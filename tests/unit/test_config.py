@@ -335,3 +335,32 @@ def test_parse_servers_duplicate_message_shows_example() -> None:
     with pytest.raises(ConfigError) as info:
         parse_servers("a:1,a:1")
     assert EXAMPLE in str(info.value)
+
+
+# ----------------------------------------------------------------------------- PRIMARY|BACKUP shards
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a:1|b:2,c:3", ("a:1|b:2", "c:3")),
+        (" a:1 | b:2 ", ("a:1|b:2",)),
+        ("[::1]:7000|[::1]:7001", ("[::1]:7000|[::1]:7001",)),
+    ],
+)
+def test_parse_servers_accepts_a_backup_per_shard(text: str, expected: tuple[str, ...]) -> None:
+    assert parse_servers(text) == expected
+    assert WorkerConfig(servers=expected).servers == expected
+
+
+@pytest.mark.parametrize("text, problem", [("a:1|b:2|c:3", "one backup at most"), ("a:1|", "malformed server address ''"),
+                                           ("a:1|b:x", "'b:x'"), ("a:1|b:2,b:2", "twice")])
+def test_parse_servers_refuses_malformed_backups(text: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        parse_servers(text)
+
+
+def test_server_config_replica_of_is_an_address() -> None:
+    assert ServerConfig(replica_of="127.0.0.1:7000").replica_of == "127.0.0.1:7000"
+    with pytest.raises(ConfigError, match="malformed server address"):
+        ServerConfig(replica_of="nowhere")
+    with pytest.raises(ConfigError, match="replica_timeout_s"):
+        ServerConfig(replica_timeout_s=0)

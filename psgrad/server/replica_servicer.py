@@ -1,0 +1,150 @@
+"""The gRPC edge of replication, server to server: a backup attaching to its primary, the records
+the primary sends it, and the fence a promoted backup sends the primary it replaced."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from psgrad.core.codecs import byte_view
+from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server import checkpoint
+from psgrad.server.replication import GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json
+from psgrad.server.shard import Shard
+from psgrad.wire import protocol, shm
+from psgrad.wire.frames import FrameParser, PayloadWriter, write_frames
+from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
+
+FENCE_TIMEOUT_S = 2.0
+
+
+class ReplicaServicer:
+    """Handlers of the replication methods for one shard."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self._segments: dict[str, shm.Attached] = {}  # the primary's same-host segments, by name
+
+    def _segment(self, context: grpc.ServicerContext, nbytes: int) -> memoryview | None:
+        """The payload in the primary's same-host segment the call names (None: in frames). One
+        this server cannot open is refused with FAILED_PRECONDITION and the marker, and the primary
+        sends frames from then on."""
+        value = next((str(v) for k, v in context.invocation_metadata() or () if k == shm.METADATA_KEY), None)
+        if value is None:
+            return None
+        name = value.split(";", 1)[0]
+        seg = self._segments.get(name)
+        if seg is None or seg.nbytes != nbytes:
+            try:
+                seg = shm.attach(value, nbytes)
+            except shm.SharedMemoryUnavailable as exc:
+                context.set_trailing_metadata(((shm.METADATA_KEY, shm.REFUSED),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise  # unreachable: abort raises
+            if len(self._segments) >= 3:  # a primary has three; older ones belonged to a former one
+                self._segments.pop(next(iter(self._segments)))
+            self._segments[name] = seg
+        return seg.payload[:nbytes]
+
+    def ReplicaAttach(self, req: pb.ReplicaAttachRequest, context: grpc.ServicerContext) -> pb.ReplicaAttachReply:
+        try:
+            return pb.ReplicaAttachReply(epoch=self.shard.attach_backup(req.address))
+        except PsgradError as exc:
+            protocol.abort(context, exc)
+            raise  # unreachable: abort raises
+
+    def ReplicaApply(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.ReplicaReply:
+        try:
+            first = next(frames, None)
+            msg = pb.ReplicaFrame.FromString(first) if first is not None else None
+            if msg is None or msg.WhichOneof("kind") != "header":
+                raise InvalidRequestError("replica record: the first frame must be the header")
+            h = msg.header
+            record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale)
+            what = f"replica record {h.version}"
+            parse = FrameParser(pb.ReplicaFrame, what)
+            shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
+            if shared is not None:  # used in place (see Replication: the primary writes it again later)
+                record.tensor, record.in_segment = torch.frombuffer(shared, dtype=torch.float32), True
+            elif h.kind == SNAPSHOT:
+                data = bytearray(h.nbytes)
+                write_frames(frames, PayloadWriter(memoryview(data), what), parse)
+                record.snapshot = checkpoint.decode(h.manifest, bytes(data))
+            elif h.kind in (GRADIENT, WEIGHTS):
+                record.tensor = self.shard.replica_buffer(h.nbytes // 4)
+                write_frames(frames, PayloadWriter(byte_view(record.tensor), what), parse)
+            rep = self.shard.replication
+            if rep is not None and not rep.primary:
+                rep.primary = h.primary
+            return pb.ReplicaReply(version=self.shard.apply_record(h.epoch, record))
+        except PsgradError as exc:
+            protocol.abort(context, exc)
+            raise  # unreachable: abort raises
+
+    def Fence(self, req: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceReply:
+        rep = self.shard.replication
+        if rep is not None and req.dropped:  # this backup's primary went on without it
+            if self.shard.forget_replica_state(req.epoch):
+                threading.Thread(target=_attach_again, args=(self.shard,), name="psgrad-reattach", daemon=True).start()
+        elif rep is not None:
+            rep.fence(req.epoch)
+        return pb.FenceReply()
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The method table entries of the replication methods."""
+        return {
+            "ReplicaAttach": grpc.unary_unary_rpc_method_handler(
+                self.ReplicaAttach, request_deserializer=pb.ReplicaAttachRequest.FromString,
+                response_serializer=pb.ReplicaAttachReply.SerializeToString,
+            ),
+            "ReplicaApply": grpc.stream_unary_rpc_method_handler(
+                self.ReplicaApply, response_serializer=pb.ReplicaReply.SerializeToString
+            ),
+            "Fence": grpc.unary_unary_rpc_method_handler(
+                self.Fence, request_deserializer=pb.FenceRequest.FromString,
+                response_serializer=pb.FenceReply.SerializeToString,
+            ),
+        }
+
+
+def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
+    """Ask the primary at `primary` to make this server (reached at `address`) its backup; the
+    state and the updates follow as ReplicaApply calls. Returns the primary's epoch.
+
+    Raises:
+        ServerStartError: the primary did not answer within timeout_s, or refused.
+    """
+    with grpc.insecure_channel(primary, options=CLIENT_CHANNEL_OPTIONS) as channel:
+        attach = channel.unary_unary(
+            METHOD_PREFIX + "ReplicaAttach", pb.ReplicaAttachRequest.SerializeToString, pb.ReplicaAttachReply.FromString
+        )
+        try:
+            reply = attach(pb.ReplicaAttachRequest(address=address), timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            cause = to_psgrad_error(exc, primary, "the attach request", timeout_s)
+            raise ServerStartError(f"cannot become the backup of {primary}: {cause}") from None
+        return int(reply.epoch)
+
+
+def send_fence(address: str, epoch: int, dropped: bool = False) -> None:
+    """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
+    went on without it (best effort: it may be dead)."""
+    with grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS) as channel:
+        fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
+        try:
+            fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
+        except grpc.RpcError:
+            pass
+
+
+def _attach_again(shard: Shard) -> None:
+    """A dropped backup asks its primary for the state again."""
+    rep = shard.replication
+    assert rep is not None
+    try:
+        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5)
+    except ServerStartError as exc:
+        rep.log(f"dropped by {rep.primary} and cannot attach again ({exc}); serving nobody until restarted")
