@@ -76,6 +76,17 @@ def spawn(args: Sequence[str]) -> Proc:
     return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO, new_session=False)
 
 
+def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
+    """Run `python benchmarks/SCRIPT ARGS` to completion and return the JSON it prints (the test
+    fails with the script's stderr if it exits non-zero)."""
+    import json
+
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], capture_output=True, text=True,
+                         timeout=timeout_s, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run `python -m psgrad ARGS` to completion, capturing stdout and stderr apart.
 

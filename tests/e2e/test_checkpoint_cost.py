@@ -3,21 +3,15 @@ rounds, checkpoints really written inside the checkpointing server's rounds, and
 save and load timed beside their ceilings (structure and sanity only, no timing assertions)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import run_benchmark
 
 
 @pytest.mark.timeout(120)
 def test_checkpoint_cost_tiny_measures_with_and_without_checkpoints() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/checkpoint_cost.py", "--preset", "tiny"],
-                         capture_output=True, text=True, timeout=100, cwd=REPO)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
+    out = run_benchmark("checkpoint_cost.py", "--preset", "tiny", timeout_s=100)
     assert out["benchmark"] == "checkpoint_cost" and out["preset"] == "tiny"
 
     tp = out["throughput"]

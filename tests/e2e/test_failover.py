@@ -3,22 +3,16 @@ restart; every worker finishes, every push is applied exactly once, sync ends bi
 uninterrupted run, and the failover stall is short (benchmarks/failover.py --preset tiny)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import run_benchmark
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_job_survives_kill_9_of_a_primary_with_a_backup() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/failover.py", "--preset", "tiny"],
-                         capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
+    out = run_benchmark("failover.py", "--preset", "tiny", timeout_s=400)
     rows = {r["mode"]: r for r in out["results"]}
     assert set(rows) == {"sync", "async"}
     for row in rows.values():

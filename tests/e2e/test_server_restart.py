@@ -4,14 +4,12 @@ the model exported and saved."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, run_cli, spawn
+from conftest import run_benchmark, run_cli, spawn
 from psgrad.tasks import get_task
 
 
@@ -19,10 +17,8 @@ from psgrad.tasks import get_task
 def restart_rows() -> dict[str, dict]:  # type: ignore[type-arg]
     """benchmarks/server_restart.py --preset tiny: per mode, a run with server 0 killed (-9) and
     restarted, and an uninterrupted one with the same seed."""
-    res = subprocess.run([sys.executable, "benchmarks/server_restart.py", "--preset", "tiny"],
-                         capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return {row["mode"]: row for row in json.loads(res.stdout)["results"]}
+    out = run_benchmark("server_restart.py", "--preset", "tiny", timeout_s=400)
+    return {row["mode"]: row for row in out["results"]}
 
 
 @pytest.mark.slow
