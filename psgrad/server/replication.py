@@ -45,7 +45,6 @@ class Record:
     stream: PullStream | None = None
     snapshot: ShardSnapshot | None = None
     in_segment: bool = False  # tensor is a view of the same-host segment (copied there already)
-    seq: int = 0  # the order in which the primary offered it (a snapshot: every record before it)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -112,8 +111,6 @@ class Replication:
         self.primary = ""  # a backup's primary
         self.backup = ""  # a primary's attached backup
         self.acked = -1  # the newest version the backup acknowledged
-        self.offered_seq = 0  # records offered so far (members records included)
-        self.acked_seq = 0  # the newest of them the backup acknowledged (or a snapshot covered)
         self._queue: deque[Record] = deque()
         self._generation = 0  # bumped when a backup attaches or is dropped: its thread stops
         self.on_fenced: Callable[[], None] = lambda: None  # the server stops serving (wakes waiting calls)
@@ -150,8 +147,6 @@ class Replication:
             if not self.active:
                 record.close()
                 return
-            self.offered_seq += 1
-            record.seq = self.offered_seq
             self._queue.append(record)
             self._cond.notify_all()
 
@@ -165,8 +160,7 @@ class Replication:
             self.backup, self.acked = backup, -1
             self._generation += 1
             self._segments, self._segment_claimed = [None, None, None], False  # the new backup gets segments of its own
-            if first is not None:  # covers every record offered before it
-                first.seq = self.offered_seq
+            if first is not None:
                 self._queue.append(first)
             generation = self._generation
             self._cond.notify_all()
@@ -221,28 +215,6 @@ class Replication:
                 self.check_serving()
             finally:
                 self.waiting -= 1
-
-    def wait_offered(self, timeout_s: float | None) -> None:
-        """Block until the backup has every record offered so far, members records included (a
-        join: a backup that took over without knowing a worker would complete a sync iteration
-        without it); at once without a backup.
-
-        Raises:
-            NotPrimaryError: this server was fenced meanwhile.
-            StalledError: timeout_s passed first.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
-            seq = self.offered_seq
-            while self.active and self.acked_seq < seq:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise StalledError(
-                        f"server {self.address}: backup {self.backup} did not acknowledge the worker's join "
-                        f"before the call's deadline (it is dropped after {self._timeout_s:g} s without an answer)"
-                    )
-                self._cond.wait(timeout=left)
-            self.check_serving()
 
     def wait_for_waiting(self, count: int, timeout_s: float) -> bool:
         """Block until `count` replies wait for the backup (tests), or timeout_s passed."""
@@ -348,7 +320,6 @@ class Replication:
                     if problem is None:
                         self._queue.popleft()
                         self.acked = max(self.acked, record.version)
-                        self.acked_seq = max(self.acked_seq, record.seq)
                         self._cond.notify_all()
                         continue
                     stale = (ERROR_METADATA_KEY, StaleEpochError.__name__) in tuple(

@@ -134,8 +134,6 @@ class ParameterServicer:
             remaining = context.time_remaining()
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
-        if self.shard.replication is not None:  # the backup knows this worker before it is told it joined
-            self.shard.replication.wait_offered(context.time_remaining())
         if shm.supported():  # a worker on this host may then move payloads through shared memory
             context.send_initial_metadata(((shm.METADATA_KEY, shm.SUPPORTED),))
         return pb.JoinReply(

@@ -254,12 +254,7 @@ def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backu
     finally:
         for c in clients:
             c.close()
-    # rank 0's push went again to the backup, before or after rank 1's: whichever came second
-    # completed the iteration, once, with both gradients
-    [first_pushed], _ = replies[0]  # type: ignore[misc]
-    assert sorted([pushed.applied, first_pushed.applied]) == [False, True]
-    assert (pushed.applied or pushed.deferred) and (first_pushed.applied or first_pushed.deferred)
-    assert backup.shard.version == 1
+    assert pushed.applied and backup.shard.version == 1
     assert torch.equal(backup.shard.weights_copy(), torch.full((numel,), -0.2))  # 0 - 0.1 * mean(1, 3)
 
 
