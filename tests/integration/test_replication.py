@@ -241,6 +241,8 @@ def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backu
     replies: list[object] = []
     try:
         run_in_threads(2, lambda r: clients[r].join((lambda: torch.zeros(numel)) if r == 0 else None))
+        # joins reach the backup lazily (a known gap: see README "Hot standby"): wait until it knows both
+        assert backup.shard.wait_until(lambda s: {w.rank for w in s.workers} == {0, 1}, 30)
         flat = torch.empty(numel)
         first = threading.Thread(target=lambda: replies.append(clients[0].exchange(torch.ones(numel), 0, flat)))
         first.start()
@@ -254,7 +256,11 @@ def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backu
     finally:
         for c in clients:
             c.close()
-    assert pushed.applied and backup.shard.version == 1
+    # rank 0's push went again to the backup, before or after rank 1's: whichever came second
+    # completed the iteration, once, with both gradients
+    [first_pushed], _ = replies[0]  # type: ignore[misc]
+    assert sorted([pushed.applied, first_pushed.applied]) == [False, True]
+    assert backup.shard.version == 1
     assert torch.equal(backup.shard.weights_copy(), torch.full((numel,), -0.2))  # 0 - 0.1 * mean(1, 3)
 
 
