@@ -1,0 +1,173 @@
+"""A multi-host test bed on one Linux machine: network namespaces as hosts, joined by one switch.
+
+Each host is a network namespace with its own address (198.18.0.0/15, the range set aside for
+network benchmarks, so no real network is ever addressed) and its own /dev/shm: a process started
+on a host sees that host's private tmpfs there, so psgrad's same-host shared-memory path cannot
+cross hosts by accident. Hosts are joined by veth pairs to a bridge in a namespace of its own (the
+"switch"); the root namespace is never touched. Optional: every link shaped with `tc ... tbf` to a
+rate (both directions), and a host cut off from the others with nftables drops (`partition`).
+
+    with NetBed(3, rate_mbit=1000) as bed:
+        server = subprocess.Popen(bed.command(0, ["python", "-m", "psgrad", "server", ...]))
+        ...
+        bed.partition(2)   # host 2 can reach nobody (and nobody it) until bed.heal(2)
+
+Needs root, `ip` (iproute2), `tc` for rates and `nft` for partitions: `NetBed.unavailable()` says
+which is missing so a test can skip with the reason. Everything created is removed on exit, even
+after a failure; namespaces left by a killed run (their pid is gone) are removed by the next bed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PREFIX = "psgbed"
+SUBNET = "198.18.0"  # host i is SUBNET.(i+1)/24
+# Burst for tbf: at least rate/HZ (1 Gbit/s at HZ=250 is 500 KB) so the rate is reachable.
+BURST = "1mb"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Host:
+    """One namespace host: its name, namespace, address and private /dev/shm directory."""
+
+    index: int
+    netns: str
+    addr: str
+    shm_dir: str
+    link: str  # the host's end of its veth pair
+
+
+class NetBed:
+    """Hosts in network namespaces on a shaped switch; a context manager that cleans up after itself."""
+
+    def __init__(self, num_hosts: int, rate_mbit: float | None = None) -> None:
+        if not 1 <= num_hosts <= 200:
+            raise ValueError(f"num_hosts must be 1..200, got {num_hosts}")
+        self.num_hosts = num_hosts
+        self.rate_mbit = rate_mbit
+        self.tag = f"{PREFIX}{os.getpid()}x{os.urandom(2).hex()}"
+        self.switch = f"{self.tag}sw"
+        self.hosts: list[Host] = []
+        self._root = ""
+        self._partitioned: set[int] = set()
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a bed cannot be built here (None when it can)."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        for tool in ("ip", "tc", "nft", "mount"):
+            if shutil.which(tool) is None:
+                return f"the {tool!r} tool is not installed"
+        probe = f"{PREFIX}probe{os.getpid()}"
+        made = _ip("netns", "add", probe, check=False)
+        if made.returncode != 0:
+            return f"cannot create a network namespace: {made.stderr.strip()}"
+        _ip("netns", "del", probe, check=False)
+        return None
+
+    def __enter__(self) -> NetBed:
+        remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self._root = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i in range(self.num_hosts):
+            netns = f"{self.tag}h{i}"
+            shm_dir = os.path.join(self._root, f"host{i}-shm")
+            os.mkdir(shm_dir)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=1777", "tmpfs", shm_dir], check=True,
+                           capture_output=True, timeout=30)
+            host = Host(i, netns, f"{SUBNET}.{i + 1}", shm_dir, "eth0")
+            self.hosts.append(host)
+            _ip("netns", "add", netns)
+            port = f"port{i}"
+            _ip("link", "add", "eth0", "netns", netns, "type", "veth", "peer", "name", port, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", netns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
+            _ip("-n", netns, "link", "set", "eth0", "up")
+            _ip("-n", netns, "link", "set", "lo", "up")
+            if self.rate_mbit is not None:  # the host's uplink (its egress) and downlink (the port's egress)
+                for ns, dev in ((netns, "eth0"), (self.switch, port)):
+                    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                                    f"{self.rate_mbit}mbit", "burst", BURST, "latency", "100ms"],
+                                   check=True, capture_output=True, timeout=30)
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """argv run on a host: in its network namespace, with the host's own /dev/shm."""
+        h = self.hosts[host]
+        script = 'mount --bind "$0" /dev/shm && exec "$@"'
+        return ["ip", "netns", "exec", h.netns, "sh", "-c", script, h.shm_dir, *argv]
+
+    def run(self, host: int, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run argv on a host to completion (output captured)."""
+        return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout_s)
+
+    def partition(self, host: int) -> None:
+        """Cut a host off: nftables in its namespace drops every packet to or from another host."""
+        h = self.hosts[host]
+        rules = (f"table inet {PREFIX} {{\n"
+                 "  chain pin { type filter hook input priority 0; iifname \"eth0\" drop; }\n"
+                 "  chain pout { type filter hook output priority 0; oifname \"eth0\" drop; }\n"
+                 "}\n")
+        subprocess.run(["ip", "netns", "exec", h.netns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=30)
+        self._partitioned.add(host)
+
+    def heal(self, host: int) -> None:
+        """Undo partition(host)."""
+        h = self.hosts[host]
+        subprocess.run(["ip", "netns", "exec", h.netns, "nft", "delete", "table", "inet", PREFIX], check=True,
+                       capture_output=True, timeout=30)
+        self._partitioned.discard(host)
+
+    def close(self) -> None:
+        """Remove every namespace, link, qdisc, rule and tmpfs this bed made (idempotent)."""
+        for h in self.hosts:
+            _ip("netns", "del", h.netns, check=False)  # its veth pair, qdiscs and nft tables go with it
+        _ip("netns", "del", self.switch, check=False)
+        for h in self.hosts:
+            subprocess.run(["umount", "-l", h.shm_dir], capture_output=True, timeout=30)
+        if self._root:
+            shutil.rmtree(self._root, ignore_errors=True)
+        self.hosts, self._root = [], ""
+
+
+def remove_stale() -> None:
+    """Delete namespaces of beds whose process is gone (a run killed before it could clean up)."""
+    listed = _ip("netns", "list", check=False).stdout.split()
+    for name in listed:
+        if not name.startswith(PREFIX) or "x" not in name[len(PREFIX):]:
+            continue
+        pid = name[len(PREFIX):].split("x", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _ip("netns", "del", name, check=False)
+    tmp = tempfile.gettempdir()
+    for entry in os.listdir(tmp):
+        pid = entry[len(PREFIX):].split("x", 1)[0]
+        if entry.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            root = os.path.join(tmp, entry)
+            for sub in os.listdir(root):
+                subprocess.run(["umount", "-l", os.path.join(root, sub)], capture_output=True, timeout=30)
+            shutil.rmtree(root, ignore_errors=True)
