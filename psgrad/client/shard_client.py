@@ -139,7 +139,7 @@ class ShardClient:
         def run(t: float) -> pb.JoinReply:
             def attempt() -> pb.JoinReply:
                 reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
-                self._server_shm = (shm.METADATA_KEY, shm.SUPPORTED) in tuple(call.initial_metadata() or ())
+                self._server_shm = shm.same_host_server(call.initial_metadata())
                 return reply
 
             return self._call("the join request", attempt, t, retry=False)

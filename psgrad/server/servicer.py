@@ -135,7 +135,7 @@ class ParameterServicer:
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
         if shm.supported():  # a worker on this host may then move payloads through shared memory
-            context.send_initial_metadata(((shm.METADATA_KEY, shm.SUPPORTED),))
+            context.send_initial_metadata(((shm.METADATA_KEY, shm.server_answer()),))
         return pb.JoinReply(
             initialized=r.initialized,
             version=r.version,

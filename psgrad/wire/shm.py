@@ -3,9 +3,12 @@
 A worker that shares a host with a shard can put its gradient into, and get the weights out of,
 a POSIX shared-memory segment (a file under /dev/shm) instead of streaming them through gRPC: the
 calls still go through gRPC, carrying only headers, and name the segment in the call metadata
-(`psgrad-shm: NAME;NONCE;NBYTES`). The segment starts with a magic string and a random nonce the
-server checks, so a name can only ever resolve to the segment that the worker made. A server on
-another host (or in another /dev/shm namespace) cannot open the name and says so; the worker then
+(`psgrad-shm: NAME;NONCE;NBYTES;HOST`). The segment starts with a magic string and a random nonce the
+server checks, so a name can only ever resolve to the segment that the worker made. Both ends must
+be on one host: HOST is the maker's `host_id()` (kernel boot, network namespace and /dev/shm
+filesystem), which the server compares with its own before it opens anything, and the server's Join
+answer carries its id so a worker on another host never tries. A server on another host (or in
+another /dev/shm or network namespace) refuses, whatever its /dev/shm holds; the worker then
 moves that shard's payloads through gRPC frames, as without this module. Nothing else changes:
 the server treats the segment's bytes exactly as it treats received frames.
 
@@ -14,16 +17,19 @@ behind in /dev/shm; both ends keep their mappings.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import mmap
 import os
 import re
 import secrets
 import threading
+from collections.abc import Iterable
 
 SHM_DIR = "/dev/shm"
 METADATA_KEY = "psgrad-shm"
 REFUSED = "unavailable"  # the server's answer (trailing metadata) when it cannot use the segment
-SUPPORTED = "supported"  # the server's Join answer (initial metadata): it takes segments
+SUPPORTED = "supported"  # the server's Join answer (initial metadata): "supported;HOST", it takes segments
 _MAGIC = b"psgrad-shm-v1\0\0\0"  # 16 bytes
 _NONCE_BYTES = 16
 HEADER_BYTES = 64  # magic, nonce, padding: the payload starts 64-byte aligned
@@ -37,6 +43,37 @@ class SharedMemoryUnavailable(Exception):
 def supported() -> bool:
     """Whether this host has a POSIX shared-memory directory."""
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """This process's host, as far as shared memory goes: two processes may share a segment only when
+    their ids are equal. The kernel's boot id tells machines apart, the network namespace tells
+    containers and test-bed hosts apart, and /dev/shm's filesystem tells private mounts apart."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    for path in ("/proc/self/ns/net", SHM_DIR):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def server_answer() -> str:
+    """What a server that takes segments says at Join (initial metadata)."""
+    return f"{SUPPORTED};{host_id()}"
+
+
+def same_host_server(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a Join answer's initial metadata says the server takes segments and shares our host."""
+    return (METADATA_KEY, server_answer()) in tuple(metadata or ())
 
 
 class Segment:
@@ -62,7 +99,7 @@ class Segment:
         self._linked = True
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((METADATA_KEY, f"{self.name};{self._nonce.hex()};{self.nbytes}"),)
+        return ((METADATA_KEY, f"{self.name};{self._nonce.hex()};{self.nbytes};{host_id()}"),)
 
     @property
     def opened(self) -> bool:
@@ -98,17 +135,19 @@ class Attached:
 
 
 def attach(value: str, nbytes: int) -> Attached:
-    """Open the segment a call's metadata names, checking its name, size and nonce.
+    """Open the segment a call's metadata names, checking its host, name, size and nonce.
 
     Raises:
-        SharedMemoryUnavailable: no such segment here, or it is not the one described.
+        SharedMemoryUnavailable: made on another host, no such segment here, or it is not the one described.
     """
     try:
-        name, nonce_hex, size_text = value.split(";")
+        name, nonce_hex, size_text, host = value.split(";")
         size = int(size_text)
         nonce = bytes.fromhex(nonce_hex)
     except ValueError:
         raise SharedMemoryUnavailable(f"malformed {METADATA_KEY} metadata {value!r}") from None
+    if host != host_id():
+        raise SharedMemoryUnavailable(f"segment {name} was made on another host")
     if not _NAME.match(name) or len(nonce) != _NONCE_BYTES:
         raise SharedMemoryUnavailable(f"not a psgrad segment name: {name!r}")
     if size != nbytes:

@@ -3,11 +3,15 @@ fallback to gRPC frames when the server cannot open a worker's segment."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from conftest import REPO
 from psgrad.wire import shm
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -69,11 +73,14 @@ def test_segment_attaches_by_name_nonce_and_size() -> None:
         assert bytes(seg.payload[:8]) == b"helloabc"
         with pytest.raises(shm.SharedMemoryUnavailable, match="holds 64 bytes"):
             shm.attach(value, 65)
-        name, nonce, size = value.split(";")
+        name, nonce, size, host = value.split(";")
+        assert host == shm.host_id()
         with pytest.raises(shm.SharedMemoryUnavailable, match="not the one described"):
-            shm.attach(f"{name};{'00' * 16};{size}", 64)
+            shm.attach(f"{name};{'00' * 16};{size};{host}", 64)
         with pytest.raises(shm.SharedMemoryUnavailable, match="not a psgrad segment name"):
-            shm.attach(f"../etc/passwd;{nonce};{size}", 64)
+            shm.attach(f"../etc/passwd;{nonce};{size};{host}", 64)
+        with pytest.raises(shm.SharedMemoryUnavailable, match="another host"):
+            shm.attach(f"{name};{nonce};{size};{'0' * 16}", 64)  # the name opens here, but it says elsewhere
         with pytest.raises(shm.SharedMemoryUnavailable, match="malformed"):
             shm.attach("nonsense", 64)
         seg.unlink()
@@ -84,6 +91,32 @@ def test_segment_attaches_by_name_nonce_and_size() -> None:
     finally:
         seg.close()
     assert seg.name not in my_segments()
+
+
+def _host_id_in(*unshare: str) -> str:
+    code = "from psgrad.wire import shm; print(shm.host_id())"
+    out = subprocess.run(["unshare", *unshare, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="namespaces need root and unshare")
+def test_another_network_namespace_or_shm_mount_is_another_host() -> None:
+    """A test-bed host (its own network namespace) or a private /dev/shm is not this host, even where the
+    same kernel runs it; a plain child process is."""
+    here = shm.host_id()
+    assert _host_id_in("--fork") == here  # no new namespace: same host
+    assert _host_id_in("--net") != here
+    private = ["--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"']
+    assert _host_id_in(*private) != here
+
+
+def test_a_worker_tries_shared_memory_only_with_a_server_of_its_host() -> None:
+    assert shm.same_host_server(((shm.METADATA_KEY, shm.server_answer()),))
+    assert not shm.same_host_server(((shm.METADATA_KEY, f"{shm.SUPPORTED};{'0' * 16}"),))
+    assert not shm.same_host_server(((shm.METADATA_KEY, shm.SUPPORTED),))  # an old server's answer
+    assert not shm.same_host_server(None)
 
 
 # ----------------------------------------------------------------------------- through a server
