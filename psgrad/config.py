@@ -132,6 +132,10 @@ class ServerConfig:
     # Also one whenever the version reaches a multiple of this (0: off). In sync mode every shard
     # then checkpoints the same iterations, which is what a job-wide roll back needs.
     checkpoint_every_versions: int = 0
+    # The host name or address other servers reach this one at (a backup tells its primary where to
+    # send updates). None: the bound host, or, bound to every interface, the address of the
+    # interface that routes to the primary.
+    advertise_host: str | None = None
     # Hot standby: serve as the backup of the primary at this HOST:PORT (None: a primary). The
     # backup takes the primary's state, applies each of its updates, and takes over (a higher
     # epoch) when a worker fails over to it.
@@ -142,6 +146,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
+        _check(self.advertise_host is None or bool(self.advertise_host.strip()), "advertise_host must not be empty")
         if self.replica_of is not None:
             parse_address(self.replica_of)
         _check(

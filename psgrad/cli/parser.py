@@ -27,6 +27,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     s = sub.add_parser("server", help="run one parameter-server shard", description="Run one parameter-server shard until SIGTERM/SIGINT.")
     flag(s, "--host", ServerConfig.host, "address to bind")
     flag(s, "--port", ServerConfig.port, "port to bind; 0 picks a free one", type=int)
+    s.add_argument("--advertise-host", metavar="HOST", help="the host name or address other servers reach this "
+                   "one at (a backup tells its primary where to send updates); default: --host, or with --host "
+                   "0.0.0.0 this machine's address on the route to the primary")
     s.add_argument("--port-file", help="also write the bound HOST:PORT to this file (atomically)")
     add_server_policy_args(s)
     flag(s, "--threads", ServerConfig.threads, "RPC handler threads; raise above 2x workers", type=int)

@@ -3,6 +3,7 @@ running until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -107,6 +108,25 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
+def reachable_address(config: ServerConfig, port: int) -> str:
+    """HOST:PORT at which other servers reach this one: the advertised host; else the bound host;
+    else (bound to every interface) this machine's address on the route to the primary, which the
+    primary can reach (a wildcard address or the host name may mean loopback to the others)."""
+    host = config.advertise_host
+    if host is None and config.host in ("0.0.0.0", "::", "[::]") and config.replica_of is not None:
+        peer, _, peer_port = config.replica_of.rpartition(":")
+        peer = peer.strip("[]")
+        try:
+            infos = socket.getaddrinfo(peer, int(peer_port), type=socket.SOCK_DGRAM)
+            with socket.socket(infos[0][0], socket.SOCK_DGRAM) as probe:
+                probe.connect(infos[0][4])  # UDP: picks the route and source address, sends nothing
+                host = str(probe.getsockname()[0])
+        except OSError:
+            host = None
+    host = host or config.host
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> RunningServer:
     """Bind and start a shard server; port 0 picks a free port (see .address). `extra_handlers`
     serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
@@ -147,7 +167,8 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     if port == 0:
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
     address = f"{bind_host}:{port}"
-    replication = shard.replication = Replication(address, config.chunk_bytes, config.replica_timeout_s, warn)
+    reachable = reachable_address(config, port)
+    replication = shard.replication = Replication(reachable, config.chunk_bytes, config.replica_timeout_s, warn)
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
     replication.on_dropped = lambda backup, epoch: threading.Thread(
         target=send_fence, args=(backup, epoch, True), name="psgrad-drop", daemon=True
@@ -157,7 +178,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     server.start()
     if config.replica_of is not None:
         try:  # the state and the updates arrive as ReplicaApply calls, from now on
-            epoch = attach_to_primary(config.replica_of, address, config.replica_timeout_s)
+            epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s)
         except ServerStartError:
             server.stop(0)
             raise

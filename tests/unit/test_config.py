@@ -364,3 +364,15 @@ def test_server_config_replica_of_is_an_address() -> None:
         ServerConfig(replica_of="nowhere")
     with pytest.raises(ConfigError, match="replica_timeout_s"):
         ServerConfig(replica_timeout_s=0)
+
+
+def test_a_server_is_reached_at_its_advertised_or_routed_address() -> None:
+    from psgrad.server.runtime import reachable_address
+
+    assert reachable_address(ServerConfig(host="127.0.0.1"), 81) == "127.0.0.1:81"
+    assert reachable_address(ServerConfig(host="0.0.0.0", advertise_host="node-3"), 81) == "node-3:81"
+    # bound to every interface, a backup names the address its primary sees it from
+    assert reachable_address(ServerConfig(host="0.0.0.0", replica_of="127.0.0.1:9"), 81) == "127.0.0.1:81"
+    assert reachable_address(ServerConfig(host="::1"), 81) == "[::1]:81"
+    with pytest.raises(ConfigError, match="advertise_host"):
+        ServerConfig(advertise_host=" ")
