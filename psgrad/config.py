@@ -132,6 +132,9 @@ class ServerConfig:
     # Also one whenever the version reaches a multiple of this (0: off). In sync mode every shard
     # then checkpoints the same iterations, which is what a job-wide roll back needs.
     checkpoint_every_versions: int = 0
+    # Serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (HOST: the server's host; 0: a
+    # free port). None: no HTTP endpoint (the health and reflection services are always on).
+    metrics_port: int | None = None
     # The host name or address other servers reach this one at (a backup tells its primary where to
     # send updates). None: the bound host, or, bound to every interface, the address of the
     # interface that routes to the primary.
@@ -146,6 +149,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
+        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+               f"metrics_port must be 0..65535, got {self.metrics_port!r}")
         _check(self.advertise_host is None or bool(self.advertise_host.strip()), "advertise_host must not be empty")
         if self.replica_of is not None:
             parse_address(self.replica_of)

@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import os
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psgrad.cli.flags import client_config, job_spec, server_config, worker_config
+from psgrad.cli.flags import check_ops_args, client_config, job_spec, server_config, worker_config
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
+    from psgrad.metrics.jsonl import Exporter, MetricsSink
     from psgrad.experiments.compare import CompareConfig
 
 
@@ -73,12 +77,60 @@ def train_worker(
     from psgrad.worker.loop import train
 
     _check_task(ns.task)
+    check_ops_args(ns)
     spec = job_spec(ns, num_workers, len(servers))
     config = worker_config(ns, servers, client_config(ns), rank, slowdown, metrics_out)
     task = get_task(ns.task, ns.seed)
-    with MetricsSink(metrics_out, rank) as sink:
-        train(config, spec, task, sink)
+    log = logging.getLogger("psgrad.worker")
+    with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log)) as sink, _redirected(sink):
+        train(config, spec, task, sink, log=log.info)
     return 0
+
+
+def ops_argv(ns: argparse.Namespace, worker: bool) -> list[str]:
+    """The logging (and, for workers, metrics) flags a launcher passes on to its children."""
+    argv = ["--log-level", ns.log_level, "--log-format", ns.log_format]
+    if worker:
+        if ns.metrics_port is not None:
+            argv += ["--metrics-port", str(ns.metrics_port), "--metrics-host", ns.metrics_host]
+        if ns.tensorboard is not None:
+            argv += ["--tensorboard", ns.tensorboard]
+    return argv
+
+
+def worker_exporters(ns: argparse.Namespace, rank: int, steps: int, log: logging.Logger) -> list[Exporter]:
+    """The worker's Prometheus endpoint, TensorBoard writer and progress bar, as its flags ask."""
+    from psgrad.metrics import exporters
+
+    out: list[Exporter] = []
+    try:
+        if ns.metrics_port is not None:
+            prom = exporters.PrometheusExporter(rank, ns.metrics_host, ns.metrics_port + rank if ns.metrics_port else 0)
+            out.append(prom)
+            log.info(f"worker {rank}: metrics at {prom.url}")
+        if ns.tensorboard is not None:
+            out.append(exporters.TensorBoardExporter(ns.tensorboard, rank))
+        if ns.progress == "on" or (ns.progress == "auto" and sys.stderr.isatty()):
+            out.append(exporters.ProgressExporter(steps, f"worker {rank}"))
+    except (OSError, ImportError) as exc:
+        for exporter in out:
+            exporter.close()
+        raise ConfigError(f"worker {rank}: {exc}") from None
+    return out
+
+
+@contextlib.contextmanager
+def _redirected(sink: MetricsSink) -> Iterator[None]:
+    """With a progress bar, log lines are written above it instead of through it."""
+    from psgrad.metrics.exporters import ProgressExporter
+
+    if not any(isinstance(e, ProgressExporter) for e in sink.exporters):
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger("psgrad")]):
+        yield
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:
@@ -156,9 +208,10 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             base, servers=tuple(servers.split(",")), rank=rank,
             slowdown=slowdowns.get(rank, WorkerConfig.slowdown), metrics_out=metrics_out,
         )
-        return [*config.to_argv(), *spec.to_argv()]
+        return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True)]
 
-    server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite]
+    check_ops_args(ns)
+    server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite, *ops_argv(ns, worker=False)]
     if ns.checkpoint_dir is not None:
         server_args += ["--checkpoint-every-s", str(ns.checkpoint_every_s),
                         "--checkpoint-every-versions", str(ns.checkpoint_every_versions)]
@@ -248,6 +301,18 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    if ns.watch:
+        from psgrad.cli.status import watch_status
+
+        if ns.json:
+            raise ConfigError("--watch shows a table; leave out --json (or poll `psgrad status --json`)")
+        if not ns.interval_s > 0:
+            raise ConfigError(f"--interval-s must be > 0, got {ns.interval_s}")
+        try:
+            watch_status(ns.servers, ns.timeout_s, ns.interval_s, ns.count)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a watch ends
+        return 0
     print_status(ns.servers, ns.timeout_s, ns.json)
     return 0
 

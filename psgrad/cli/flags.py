@@ -128,6 +128,14 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
     flag(w, "--reconnect-timeout-s", ClientConfig.reconnect_timeout_s, "how long to keep reconnecting to a "
          "server that stopped answering (one restarting from its --checkpoint-dir) before exiting with an error "
          "naming it; raise it if servers take longer to come back, 0 fails at once", type=float)
+    w.add_argument("--metrics-port", type=int, metavar="PORT", help="serve this worker's Prometheus metrics "
+                   "(steps, step-phase times, loss, lr, staleness, evaluations) at http://--metrics-host:PORT+RANK/"
+                   "metrics; 0 picks a free port (printed). Default: none")
+    flag(w, "--metrics-host", "127.0.0.1", "address the worker's metrics endpoint binds (0.0.0.0: every interface)")
+    w.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard scalars (loss, lr, staleness, step "
+                   "time, evaluations) under DIR/workerRANK (needs: pip install 'psgrad[tensorboard]')")
+    flag(w, "--progress", "auto", "a progress bar (steps/s, loss, latest evaluation) on stderr: auto = when stderr "
+         "is a terminal", choices=("auto", "on", "off"))
     flag(w, "--shared-memory", ClientConfig.shared_memory, "move payloads through /dev/shm segments when a "
          "server is on this host (falls back to gRPC frames by itself otherwise); --no-shared-memory forces "
          "gRPC", action=argparse.BooleanOptionalAction)
@@ -201,10 +209,18 @@ def worker_config(
     )
 
 
+def check_ops_args(ns: argparse.Namespace) -> None:
+    """The operations flags' values (port ranges), before anything starts."""
+    port = getattr(ns, "metrics_port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port must be 0..65535, got {port}")
+
+
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         replica_of=ns.replica_of, replica_timeout_s=ns.replica_timeout_s, advertise_host=ns.advertise_host,
+        metrics_port=ns.metrics_port,
     )

@@ -5,6 +5,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from psgrad.cli import logs
 from psgrad.cli.parser import build_parser
 from psgrad.errors import ConfigError, PsgradError, TaskError
 
@@ -16,6 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     ns.raw_argv = list(argv) if argv is not None else sys.argv[1:]
     func: Callable[[argparse.Namespace], int] = ns.func
+    logs.configure(ns.log_level, ns.log_format)
     try:
         return func(ns)
     except (ConfigError, TaskError) as exc:

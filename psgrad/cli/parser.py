@@ -17,6 +17,7 @@ from psgrad.cli.flags import (
     servers_arg,
     straggler_arg,
 )
+from psgrad.cli import logs
 from psgrad.config import OPTIMIZER_NAMES, WIRE_DTYPES, ServerConfig
 from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig
 
@@ -27,6 +28,10 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     s = sub.add_parser("server", help="run one parameter-server shard", description="Run one parameter-server shard until SIGTERM/SIGINT.")
     flag(s, "--host", ServerConfig.host, "address to bind")
     flag(s, "--port", ServerConfig.port, "port to bind; 0 picks a free one", type=int)
+    s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at http://--host:PORT/"
+                   "metrics (pushes, pulls, bytes, RPC latency, refusals by reason, staleness, gate waits, live "
+                   "workers, checkpoint age); 0 picks a free port (printed). Default: none. The gRPC health and "
+                   "reflection services are always on")
     s.add_argument("--advertise-host", metavar="HOST", help="the host name or address other servers reach this "
                    "one at (a backup tells its primary where to send updates); default: --host, or with --host "
                    "0.0.0.0 this machine's address on the route to the primary")
@@ -187,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...] (a SHARD is HOST:PORT or "
                     "PRIMARY|BACKUP: both servers are shown, with their role and epoch)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--watch", action="store_true", help="a live view, refreshed every --interval-s until Ctrl-C: "
+                    "versions, pushes/s and pulls/s, live workers, their clocks and the slowest one's lag, "
+                    "staleness p50/p99, pulls waiting at the gate")
+    flag(st, "--interval-s", 1.0, "--watch: seconds between refreshes", type=float)
+    st.add_argument("--count", type=positive_int, help="--watch: stop after this many refreshes (default: until "
+                    "Ctrl-C)")
     flag(st, "--timeout-s", 5.0, "deadline per server", type=float)
     st.set_defaults(func=cmd_status)
 
@@ -198,4 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
     flag(ex, "--timeout-s", 30.0, "deadline per server", type=float)
     ex.set_defaults(func=cmd_export)
+    for command in sub.choices.values():
+        lg = command.add_argument_group("logging")
+        flag(lg, "--log-level", "info", "the least severe operational message shown (progress and notes are info, "
+             "problems warning or error)", choices=logs.LEVELS)
+        flag(lg, "--log-format", "text", "text: readable lines; json: one JSON object per line (time, level, logger, "
+             "message, pid) for a log collector", choices=logs.FORMATS)
     return parser

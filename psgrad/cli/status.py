@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 
-def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
-    """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
+def fetch(addresses: Sequence[str], timeout_s: float, tolerant: bool = False) -> list[dict[str, Any]]:
+    """Every server's status as plain data (to_dict() plus its address). A server that does not
+    answer is an error, unless the shards have backups or `tolerant`: then its row says why."""
     from concurrent.futures import ThreadPoolExecutor
 
     from psgrad.client.parameter_client import shard_status
@@ -19,12 +23,17 @@ def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> N
         try:
             return dict(shard_status([address], timeout_s)[0].to_dict(), address=address)
         except PsgradError as exc:
-            if "|" not in ",".join(addresses):
+            if not tolerant and "|" not in ",".join(addresses):
                 raise  # no backups: as before, a server that does not answer is an error
             return {"address": address, "initialized": False, "error": str(exc)}
 
     with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-        shards = list(pool.map(one, servers))
+        return list(pool.map(one, servers))
+
+
+def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
+    """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
+    shards = fetch(addresses, timeout_s)
     if as_json:
         print(json.dumps({"shards": shards}, indent=2))
         return
@@ -71,3 +80,67 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
+
+
+def percentile(hist: dict[Any, int], q: float) -> int | None:
+    """The q-quantile (0..1) of a value -> count histogram (None when empty)."""
+    total = sum(hist.values())
+    if not total:
+        return None
+    seen = 0
+    for value, count in sorted((int(k), v) for k, v in hist.items()):
+        seen += count
+        if seen >= q * total:
+            return value
+    return None
+
+
+def watch_rows(now: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]] | None, dt_s: float) -> str:
+    """The live view's table: per server its version, push and pull rates since the last refresh,
+    live workers, their clocks, the slowest worker's lag, staleness p50/p99 and parked pulls."""
+    head = (f"{'shard':>5} {'address':<21} {'version':>8} {'push/s':>7} {'pull/s':>7} {'live':>4} {'clocks':<11} "
+            f"{'lag':>4} {'stale p50/p99':>13} {'waiting':>7}")
+    lines = [head]
+    previous = {s["address"]: s for s in before or ()}
+    for s in now:
+        if not s["initialized"]:
+            lines.append(f"{'-':>5} {s['address']:<21} {s.get('error') or 'not initialized'}")
+            continue
+        old = previous.get(s["address"])
+        rates = ["", ""]
+        if old is not None and old.get("initialized") and dt_s > 0:
+            rates = [f"{(s[k] - old[k]) / dt_s:.1f}" for k in ("pushes_applied", "pulls")]
+        live = [w["clock"] for w in s["workers"] if w["state"] == "live"]
+        clocks = f"{min(live)}..{max(live)}" if live else "-"
+        lag = str(max(live) - min(live)) if live else "-"
+        hist = s["staleness"]["histogram"]
+        p50, p99 = percentile(hist, 0.5), percentile(hist, 0.99)
+        stale = "-" if p50 is None else f"{p50}/{p99}"
+        lines.append(f"{s['shard']:>5} {s['address']:<21} {s['version']:>8} {rates[0]:>7} {rates[1]:>7} {len(live):>4} "
+                     f"{clocks:<11} {lag:>4} {stale:>13} {s['waiting']:>7}")
+    return "\n".join(lines)
+
+
+def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, count: int | None = None,
+                 out: TextIO | None = None) -> None:
+    """Refresh the live view every interval_s until Ctrl-C (or `count` refreshes): on a terminal in
+    place, elsewhere as successive blocks."""
+    stream = out or sys.stdout
+    tty = stream.isatty()
+    before: list[dict[str, Any]] | None = None
+    last = time.monotonic()
+    done = 0
+    stop = threading.Event()  # never set: wait() is an interruptible pause between refreshes
+    while count is None or done < count:
+        shards = fetch(addresses, timeout_s, tolerant=True)
+        now = time.monotonic()
+        table = watch_rows(shards, before, now - last)
+        stamp = time.strftime("%H:%M:%S")
+        if tty:
+            stream.write("\x1b[H\x1b[2J")  # home, clear: redraw in place
+        stream.write(f"psgrad status --watch  {stamp}  every {interval_s:g} s, Ctrl-C to stop\n{table}\n")
+        stream.flush()
+        before, last = shards, now
+        done += 1
+        if count is None or done < count:
+            stop.wait(interval_s)

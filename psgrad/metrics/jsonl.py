@@ -5,14 +5,25 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import IO, Any, Protocol
+
+
+class Exporter(Protocol):
+    """Somewhere else a worker's records go as they are written (Prometheus, TensorBoard, a progress bar)."""
+
+    def record(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsSink:
-    """Appends records to a JSONL file (or nowhere, when path is None); flushed per record."""
+    """Appends records to a JSONL file (or nowhere, when path is None); flushed per record. Each
+    record is also handed to every exporter."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, rank: int) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, rank: int, exporters: Sequence[Exporter] = ()) -> None:
         self.rank = rank
+        self.exporters = list(exporters)
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -23,12 +34,17 @@ class MetricsSink:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for exporter in self.exporters:
+            exporter.record(record)
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for exporter in self.exporters:
+            exporter.close()
+        self.exporters = []
 
     def __enter__(self) -> MetricsSink:
         return self

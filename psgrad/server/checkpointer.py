@@ -3,7 +3,7 @@ ones the shard hands over at every K-th version, and (async/ssp) one every so ma
 changed — and the source a sync roll-back reads them back from."""
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +15,17 @@ from psgrad.server.shard import Shard
 from psgrad.server.state import ShardSnapshot
 
 
+_log = logging.getLogger("psgrad.server")
+
+
 def warn(message: str) -> None:
-    """A server's message for its operator (on stderr)."""
-    print(f"psgrad server: {message}", file=sys.stderr, flush=True)
+    """A server's warning for its operator (logger psgrad.server; stderr under the CLI)."""
+    _log.warning(message)
+
+
+def note(message: str) -> None:
+    """A server's note for its operator: what it restored, where it serves metrics (level info)."""
+    _log.info(message)
 
 
 class Checkpointer:
@@ -43,6 +51,7 @@ class Checkpointer:
         self.written_version = -1
         self.writes = 0
         self.last_write_s = 0.0  # how long the last write took
+        self._written_at: float | None = None  # time.monotonic() of the newest write
         shard.snapshot_at_multiples(every_versions, self.offer)
         self._thread = threading.Thread(target=self._loop, name="psgrad-checkpointer", daemon=True)
 
@@ -99,6 +108,11 @@ class Checkpointer:
         self.last_write_s = time.perf_counter() - start
         self.written_version = snap.version
         self.writes += 1
+        self._written_at = time.monotonic()
+
+    def age_s(self) -> float | None:
+        """Seconds since the newest checkpoint was written (None: none yet)."""
+        return None if self._written_at is None else time.monotonic() - self._written_at
 
     # ----------------------------------------------------------------- the shard's RollbackSource
     def _unwritten(self) -> list[ShardSnapshot]:

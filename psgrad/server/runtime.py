@@ -17,7 +17,8 @@ from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
-from psgrad.server.checkpointer import Checkpointer, warn
+from psgrad.server.checkpointer import Checkpointer, note, warn
+from psgrad.server.observe import Observability
 from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
@@ -63,12 +64,20 @@ class RunningServer:
     """A started shard server: its bound address, its state, and a graceful stop."""
 
     def __init__(
-        self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None
+        self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None,
+        observability: Observability | None = None,
     ) -> None:
         self._server = grpc_server
         self.servicer = servicer
         self.address = address
         self.checkpointer = checkpointer
+        self.observability = observability or Observability()
+        self.stopped = threading.Event()
+
+    @property
+    def metrics_url(self) -> str:
+        """http://HOST:PORT/metrics when the server serves Prometheus metrics, else ""."""
+        return self.observability.metrics_address
 
     @property
     def shard(self) -> Shard:
@@ -76,12 +85,15 @@ class RunningServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
+        self.stopped.set()
+        self.observability.health.enter_graceful_shutdown()
         self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
         if self.shard.replication is not None:  # ... and replies waiting for the backup
             self.shard.replication.close()
         self._server.stop(grace).wait()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
+        self.observability.stop()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return bool(self._server.wait_for_termination(timeout_s))
@@ -148,15 +160,19 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         snap = checkpoint.load_latest(directory, warn) if config.replica_of is None else None
         if snap is not None:
             shard.restore(snap)
-            warn(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
+            note(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
         checkpointer = Checkpointer(shard, directory, config.checkpoint_every_s, config.checkpoint_every_versions)
         shard.set_rollback_source(checkpointer)
     servicer = ParameterServicer(shard, config)
+    obs = Observability()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        options=server_options(config),
+        options=server_options(config), interceptors=(obs.rpc,),
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
+    obs.add_services(server)
+    obs.watch(shard.status, lambda: None if checkpointer is None else checkpointer.age_s())
+    shard.on_gate_wait = obs.gate_wait.observe
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
@@ -183,11 +199,28 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
             server.stop(0)
             raise
         replication.epoch = max(replication.epoch, epoch)
-        warn(f"backup of {config.replica_of} (epoch {epoch})")
+        note(f"backup of {config.replica_of} (epoch {epoch})")
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()
-    return RunningServer(server, servicer, address, checkpointer)
+    running = RunningServer(server, servicer, address, checkpointer, obs)
+    threading.Thread(target=_follow_health, args=(running,), name="psgrad-health", daemon=True).start()
+    if config.metrics_port is not None:
+        try:
+            note(f"metrics at {obs.serve_http(config.host, config.metrics_port)}")
+        except OSError as exc:
+            running.stop(0)
+            raise ServerStartError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
+    return running
+
+
+def _follow_health(running: RunningServer) -> None:
+    """The health service says SERVING once the shard serves a job, NOT_SERVING before."""
+    while not running.stopped.is_set():
+        if running.shard.wait_serving(3600.0):
+            if not running.stopped.is_set():
+                running.observability.set_serving(True)
+            return
 
 
 def serve_forever(
@@ -222,4 +255,4 @@ def serve_forever(
     stop.wait()
     running.stop()
     announce_stop = received[0] if received else "request"
-    print(f"psgrad server {running.address} stopped ({announce_stop})", flush=True)
+    note(f"{running.address} stopped ({announce_stop})")

@@ -63,6 +63,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self._closed = False
         self._waiting = 0  # pulls parked in the gate right now
+        self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
         self._restored_clocks: dict[int, int] = {}
         self._restored = False
         self._rewound: set[int] = set()
@@ -116,6 +117,17 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     return False
                 self._observers.wait(timeout=left)
             return True
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        """Block until the shard serves a job (initialized or restored); False if closed or timed out."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state is None and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._observers.wait(timeout=left)
+            return not self._closed
 
     def audit(self) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]], int]:
         """A consistent snapshot of (history, buffered sync pushes as (rank, clock), version)."""
@@ -269,6 +281,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         observe=True takes a read-only snapshot: no gate, no clock, no lease (evaluation, monitoring).
         """
         deadline = None if timeout_s is None else self._now() + timeout_s
+        parked = 0.0  # when this pull first waited at the gate (0: it has not)
         with self._cond:
             state = self._require(fingerprint, rank)
             while True:
@@ -287,6 +300,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     if not observe:
                         self._rewound.discard(rank)
                         self.history.append(("pull", rank, clock, view.min_clock, self.version))
+                    if parked and self.on_gate_wait is not None:
+                        self.on_gate_wait(time.monotonic() - parked)
                     break
                 if not is_active() or self._closed:
                     return None
@@ -300,6 +315,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     self._buffers.no_writers.wait(timeout=min(waits) if waits else None)
                     continue
                 self._waiting += 1
+                parked = parked or time.monotonic()
                 self._observers.notify_all()
                 try:
                     self._cond.wait(timeout=min(waits) if waits else None)

@@ -1,0 +1,61 @@
+"""Logging for the command line: `--log-level` and `--log-format text|json` for psgrad's operational messages."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+_PREFIX = {"psgrad.server": "psgrad server: "}  # text lines as they always read; workers' carry their rank
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return _PREFIX.get(record.name, "") + record.getMessage()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message, pid."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """Send the `psgrad` loggers' records at `level` and above to stdout (below warning) and stderr."""
+    if level not in LEVELS or fmt not in FORMATS:
+        raise ValueError(f"log level must be one of {LEVELS} and format one of {FORMATS}")
+    root = logging.getLogger("psgrad")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    formatter: logging.Formatter = JsonFormatter() if fmt == "json" else TextFormatter()
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(_Below(logging.WARNING))
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(level.upper())
+    root.propagate = False

@@ -1,0 +1,185 @@
+"""A shard server's outside view: Prometheus metrics, the gRPC health service and reflection.
+
+Counters and gauges are read from the shard's status when Prometheus scrapes (`ShardCollector`),
+so they cost the request path nothing and always equal what `psgrad status` reports. What the
+status cannot say (how long each RPC took, why calls were refused, how long pulls waited at the
+gate) is recorded as it happens, by a server interceptor and the shard's gate hook.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import start_http_server
+
+from psgrad.core.status import LIVE, ShardStatus
+from psgrad.wire.protocol import ERROR_METADATA_KEY, SERVICE_NAME
+
+# RPC latency: from sub-millisecond unary calls to multi-second 100 MB streams and waits at the gate.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+def staleness_buckets(hist: dict[int, int]) -> tuple[list[tuple[str, float]], int, int]:
+    """Prometheus cumulative buckets, sum and count of a staleness -> updates histogram."""
+    total = sum(hist.values())
+    buckets = [(str(b), float(sum(n for s, n in hist.items() if s <= b))) for b in STALENESS_BUCKETS]
+    buckets.append(("+Inf", float(total)))
+    return buckets, sum(s * n for s, n in hist.items()), total
+
+
+class ShardCollector:
+    """The shard's counters and gauges, read from one status snapshot per scrape."""
+
+    def __init__(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
+        self._status = status
+        self._checkpoint_age_s = checkpoint_age_s
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only (the shard's index is known once initialized)
+
+    def collect(self) -> Iterator[Any]:
+        s = self._status()
+        labels = ["shard"]
+        shard = [str(s.index) if s.initialized else ""]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(shard, value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(shard, value)
+            return g
+
+        yield gauge("psgrad_shard_initialized", "1 once the shard serves a job (initialized or restored)", float(s.initialized))
+        yield gauge("psgrad_shard_version", "updates applied to the shard's weights", s.version)
+        yield gauge("psgrad_shard_parameters", "parameters the shard holds", s.numel)
+        yield counter("psgrad_pushes_applied", "gradients applied (or buffered, in sync mode)", s.pushes_applied)
+        yield counter("psgrad_pushes_duplicate", "retried pushes recognised and not applied twice", s.pushes_duplicate)
+        yield counter("psgrad_pushes_rejected", "pushes refused (non-finite values, late or stale)", s.pushes_rejected)
+        yield counter("psgrad_pulls", "weight pulls served", s.pulls)
+        yield counter("psgrad_received_bytes", "gradient payload bytes received", s.bytes_in)
+        yield counter("psgrad_sent_bytes", "weight payload bytes sent", s.bytes_out)
+        yield counter("psgrad_evictions", "workers evicted after their lease expired", s.evictions)
+        yield counter("psgrad_updates_lost", "updates lost to a restart from a checkpoint", s.updates_lost)
+        yield counter("psgrad_rolled_back_iterations", "sync iterations undone by roll-backs", s.rolled_back)
+        live = sum(1 for w in s.workers if w.state == LIVE)
+        yield gauge("psgrad_live_workers", "workers holding a lease", live)
+        yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)
+        yield gauge("psgrad_pulls_waiting", "pulls parked at the mode's gate right now", s.waiting)
+        if s.workers:
+            lag = GaugeMetricFamily("psgrad_worker_clock", "each worker's clock as the shard sees it",
+                                    labels=["shard", "rank", "state"])
+            for w in s.workers:
+                lag.add_metric([*shard, str(w.rank), w.state], w.clock)
+            yield lag
+        buckets, total, count = staleness_buckets(s.staleness)
+        h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
+        h.add_metric(shard, buckets, total)
+        yield h
+        age = self._checkpoint_age_s()
+        if age is not None:
+            yield gauge("psgrad_checkpoint_age_seconds", "seconds since the newest checkpoint was written", age)
+
+
+class RpcMetrics(grpc.ServerInterceptor):
+    """Times every call of the parameter service and counts refusals by method and reason."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency = Histogram("psgrad_rpc_duration_seconds", "time a server spent in each call, by method",
+                                 ["method"], registry=registry, buckets=LATENCY_BUCKETS)
+        self.refused = Counter("psgrad_rpc_refused", "calls that ended with an error status, by method and reason "
+                               "(the psgrad error class, or the gRPC status code)", ["method", "reason"],
+                               registry=registry)
+
+    def _done(self, method: str, start: float, context: grpc.ServicerContext) -> None:
+        self.latency.labels(method).observe(time.perf_counter() - start)
+        code = context.code()
+        if code is not None and code != grpc.StatusCode.OK:
+            reason = next((str(v) for k, v in (context.trailing_metadata() or ())
+                           if k == ERROR_METADATA_KEY), code.name)
+            self.refused.labels(method, reason).inc()
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        prefix = f"/{SERVICE_NAME}/"
+        if handler is None or not details.method.startswith(prefix):
+            return handler
+        method = details.method[len(prefix):]
+        done = self._done
+        if handler.response_streaming:
+            behavior = handler.unary_stream or handler.stream_stream
+
+            def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                start = time.perf_counter()
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    done(method, start, context)
+
+            wrapped, kind = streaming, ("unary_stream" if handler.unary_stream else "stream_stream")
+        else:
+            behavior = handler.unary_unary or handler.stream_unary
+
+            def single(request: Any, context: grpc.ServicerContext) -> Any:
+                start = time.perf_counter()
+                try:
+                    return behavior(request, context)
+                finally:
+                    done(method, start, context)
+
+            wrapped, kind = single, ("unary_unary" if handler.unary_unary else "stream_unary")
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            wrapped, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class Observability:
+    """One server's metrics registry, HTTP endpoint and health service."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc = RpcMetrics(self.registry)
+        self.gate_wait = Histogram("psgrad_gate_wait_seconds", "time pulls waited at the mode's gate for other "
+                                   "workers", registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.health = health.HealthServicer()
+        self._http: Any = None
+        self.metrics_address = ""
+
+    def watch(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
+        self.registry.register(ShardCollector(status, checkpoint_age_s))
+
+    def add_services(self, server: grpc.Server) -> None:
+        """The standard health service (NOT_SERVING until the shard serves a job) and reflection."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.set_serving(False)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)  # ps.proto is in the default descriptor pool
+
+    def set_serving(self, serving: bool) -> None:
+        value = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, value)
+
+    def serve_http(self, host: str, port: int) -> str:
+        """Serve /metrics on host:port (0: a free port); returns the URL."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._http.server_address[1]
+        shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        self.metrics_address = f"http://{shown}:{bound}/metrics"
+        return self.metrics_address
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
