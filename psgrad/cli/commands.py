@@ -162,7 +162,9 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
     task = get_task(ns.task, ns.seed)
-    with MetricsSink(ns.metrics_out, ns.rank) as sink:
+    check_ops_args(ns)
+    exporters = worker_exporters(ns, ns.rank, config.steps, logging.getLogger("psgrad.worker"))
+    with MetricsSink(ns.metrics_out, ns.rank, exporters) as sink, _redirected(sink):
         train_allreduce(config, spec, task, sink, str(store.absolute()))
     return 0
 
@@ -274,6 +276,7 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
         eval_every=ns.eval_every,
         lease_s=ns.lease_s,
         omp_threads=ns.omp_threads or max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers)),
+        tensorboard=ns.tensorboard,
     )
 
 

@@ -171,6 +171,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=None,  # not CompareConfig's 1: a share of this machine's cores, computed when the run starts
         help="OpenMP/torch threads per process (default: the CPU count divided among a run's processes)",
     )
+    co.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard scalars of every run: DIR/RUN/workerR "
+                    "(RUN as under OUT/runs; needs: pip install 'psgrad[tensorboard]')")
     co.set_defaults(func=cmd_compare)
 
 

@@ -116,6 +116,7 @@ def _serve(ns: argparse.Namespace, role: Role) -> int:
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
         checkpoint_dir=None if ns.checkpoint_dir is None else str(Path(ns.checkpoint_dir) / f"shard{role.index}"),
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
+        metrics_port=ns.metrics_port,
     )
 
     def on_address(bound: str) -> None:

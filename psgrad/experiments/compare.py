@@ -75,6 +75,7 @@ class CompareConfig:
     eval_every: int = 0  # 0: about 20 evaluations per worker and run
     lease_s: float = ServerConfig.lease_s
     omp_threads: int = 1
+    tensorboard: str | None = None  # also write TensorBoard scalars under tensorboard/RUN/workerR
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -130,7 +131,8 @@ class CompareConfig:
 def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir: Path, servers: str = "") -> list[str]:
     """The flags of worker rank in one run of mode (after `psgrad worker`, or `psgrad allreduce` without servers)."""
     config = cfg.worker_config(seed, rank, run_dir, servers.split(",") if servers else ())
-    return [*config.to_argv(), *cfg.job_spec(mode).to_argv()]
+    board = [] if cfg.tensorboard is None else ["--tensorboard", str(Path(cfg.tensorboard) / run_dir.name)]
+    return [*config.to_argv(), *cfg.job_spec(mode).to_argv(), *board]
 
 
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:

@@ -167,7 +167,8 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     obs = Observability()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        options=server_options(config), interceptors=(obs.rpc,),
+        # Calls are timed only where someone can read the figures.
+        options=server_options(config), interceptors=(obs.rpc,) if config.metrics_port is not None else (),
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)

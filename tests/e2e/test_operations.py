@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, Proc, run_cli, spawn
+from conftest import REPO, Proc, run_benchmark, run_cli, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,3 +246,13 @@ def test_worker_exporter_serves_its_records() -> None:
         assert m[("psgrad_worker_push_staleness_sum", rank)] == 2
     finally:
         exp.close()
+
+
+def test_metrics_cost_benchmark_measures_both_sides() -> None:
+    out = run_benchmark("metrics_cost.py", "--mb", "2", "--reps", "2", "--steps", "10", "--scrape-s", "0.2")
+    assert out["payload_mb"] == pytest.approx(2.0)
+    for name in ("push_s", "pull_s", "step_s"):
+        assert set(out["median"][name]) == {"on", "off"} and all(v > 0 for v in out["median"][name].values())
+    for ratio in ("push_throughput_ratio_on_off", "pull_throughput_ratio_on_off", "step_rate_ratio_on_off"):
+        assert out[ratio] > 0
+    assert out["scrapes"] >= 1  # the metrics side was scraped while it served
