@@ -124,6 +124,11 @@ class NetBed:
         """Run argv on a host to completion (output captured)."""
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout_s)
 
+    @property
+    def partitioned(self) -> frozenset[int]:
+        """The hosts cut off now."""
+        return frozenset(self._partitioned)
+
     def partition(self, host: int) -> None:
         """Cut a host off: nftables in its namespace drops every packet to or from another host."""
         h = self.hosts[host]

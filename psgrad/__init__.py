@@ -18,6 +18,7 @@ from psgrad.errors import (  # noqa: E402
     StalledError,
     TaskError,
     UnknownWorkerError,
+    EvictedError,
     WorkerStateError,
     CheckpointError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "StalledError",
     "TaskError",
     "UnknownWorkerError",
+    "EvictedError",
     "WorkerStateError",
     "CheckpointError",
 ]

@@ -22,7 +22,7 @@ from torch import nn
 
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
-from psgrad.errors import ConfigError, PsgradError, RollbackError, WorkerStateError
+from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.worker.flat import FlatModel
 from psgrad.core.sharding import param_specs, plan_shards
 
@@ -82,6 +82,9 @@ class StepStats:
     # sync: a restored shard was behind, so the job rolled back to this iteration and this step's
     # gradient was not applied; the optimizer's clock is now that iteration (compute it again)
     rolled_back_to: int | None = None
+    # the shards had evicted this worker (its lease ran out, e.g. in a network partition): the
+    # gradient was not applied; the worker joined again and continues from this clock
+    rejoined_at: int | None = None
 
 
 @dataclass
@@ -231,6 +234,7 @@ class PSOptimizer:
             self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None)
             self.clock = self.start_clock
             self.rollbacks = 0
+            self.rejoins = 0
             try:
                 self._versions = self.client.pull(self.flat.host_flat, self.clock)
                 self.flat.weights_pulled()
@@ -295,7 +299,12 @@ class PSOptimizer:
         if self.overlap:
             assert self._pool is not None
             base = self._versions  # the weights this step's gradient was computed on
-            self._finish_pending(stats)  # frees host_grad; installs the weights for the next step
+            try:
+                self._finish_pending(stats)  # frees host_grad; installs the weights for the next step
+            except EvictedError:  # the background exchange found this worker evicted
+                stats.rejoined_at = self._rejoin()
+                stats.versions = list(self._versions)
+                return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             self._pending = self._pool.submit(self._exchange, grad, clock, list(base))
@@ -306,6 +315,10 @@ class PSOptimizer:
                 done = self._exchange(grad, clock, self._versions)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
+                stats.versions = list(self._versions)
+                return stats
+            except EvictedError:
+                stats.rejoined_at = self._rejoin()
                 stats.versions = list(self._versions)
                 return stats
             stats.wait_s = done.exchange_s
@@ -336,6 +349,16 @@ class PSOptimizer:
             self.rollbacks += 1
             return target
         raise AssertionError("unreachable")
+
+    def _rejoin(self) -> int:
+        """The shards evicted this worker (no call of its arrived within its lease): join again,
+        as a worker joining a running job does, pull the weights of the clock the shards give,
+        and continue from it. Returns that clock."""
+        self.clock = self.client.join(initial_weights=None)
+        self._versions = self.client.pull(self.flat.host_flat, self.clock)
+        self.flat.weights_pulled()
+        self.rejoins += 1
+        return self.clock
 
     def synchronize(self) -> StepStats | None:
         """Wait for a background exchange (overlap) and install its weights; returns its stats."""

@@ -39,6 +39,12 @@ class UnknownWorkerError(WorkerStateError):
     taken before it joined (the client then joins again by itself)."""
 
 
+class EvictedError(WorkerStateError):
+    """A shard evicted the worker: no call of its reached the shard within its lease (a network
+    partition, a paused process, a host too busy). The Python API joins again by itself and
+    continues from the job's current clock."""
+
+
 class StalledError(PsgradError):
     """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
 
@@ -79,6 +85,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         JobMismatchError,
         WorkerStateError,
         UnknownWorkerError,
+        EvictedError,
         StalledError,
         RollbackError,
         NotPrimaryError,

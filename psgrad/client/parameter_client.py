@@ -140,6 +140,10 @@ class ParameterClient:
         self._start_heartbeat(min(r.lease_s for r in replies))
         return max(r.start_clock for r in replies)
 
+    def transports(self) -> list[str]:
+        """How each shard's payloads travel now: "shm" (same host) or "grpc"."""
+        return ["shm" if s.same_host else "grpc" for s in self.shards]
+
     def _start_heartbeat(self, lease_s: float) -> None:
         """Renew this worker's lease every lease_s/3 while it trains (also while a pull waits)."""
         if self._heartbeat is not None:

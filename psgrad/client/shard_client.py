@@ -52,6 +52,12 @@ class ShardClient:
         # a call is retried after the shard stopped answering.
         self.rejoin: Callable[[float], object] | None = None
 
+    @property
+    def same_host(self) -> bool:
+        """Whether payloads go through shared memory (the server said at Join that it shares this
+        host and takes segments, and this worker may use them), not gRPC frames."""
+        return self._shm and self._server_shm
+
     def failover(self, failed: str) -> str | None:
         """The server at `failed` does not answer: use the shard's other server (if it has one and
         this is still the one in use; another thread may have switched already). Returns the

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrad.core.status import EVICTED, LEFT, LIVE, WorkerStatus
-from psgrad.errors import UnknownWorkerError, WorkerStateError
+from psgrad.errors import EvictedError, UnknownWorkerError, WorkerStateError
 
 
 @dataclass
@@ -61,16 +61,17 @@ class Membership:
 
         Raises:
             UnknownWorkerError: it never joined (or the shard restarted without it).
-            WorkerStateError: it was evicted or left (the message says which).
+            EvictedError: its lease ran out (the worker may join again).
+            WorkerStateError: it left.
         """
         member = self.members.get(rank)
         if member is None:
             raise UnknownWorkerError(f"worker rank {rank} has not joined this shard (Join first)")
         if member.state == EVICTED:
-            raise WorkerStateError(
+            raise EvictedError(
                 f"worker rank {rank} was evicted: no call for longer than its lease of "
                 f"{self.lease_s:g} s (raise --lease-s on the servers if the worker is merely slow); "
-                "restart the worker to rejoin"
+                "join again to continue"
             )
         if member.state == LEFT:
             raise WorkerStateError(f"worker rank {rank} already left the job; start it again to rejoin")

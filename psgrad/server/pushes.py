@@ -14,7 +14,7 @@ from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, PushDecision
 from psgrad.core.layout import explain_push_header
 from psgrad.core.optimizers import UpdateRule
-from psgrad.errors import InvalidRequestError, RollbackError, WorkerStateError
+from psgrad.errors import EvictedError, InvalidRequestError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import Counters, PushResult
@@ -119,7 +119,7 @@ class PushPath:
                 self._counters.bytes_in += nbytes
                 member = self._members.live(rank)
                 if writer is not None and writer.revoked:
-                    raise WorkerStateError(f"worker rank {rank} was evicted while pushing; nothing was applied")
+                    raise EvictedError(f"worker rank {rank} was evicted while pushing; nothing was applied")
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)

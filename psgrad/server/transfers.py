@@ -12,7 +12,7 @@ import torch
 
 from psgrad.core.codecs import byte_view, element_size
 from psgrad.wire.frames import PayloadWriter, data_frame
-from psgrad.errors import WorkerStateError
+from psgrad.errors import EvictedError
 from psgrad.core.optimizers import UpdateRule
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
@@ -73,7 +73,7 @@ class PushWriter(PayloadWriter):
 
     def write(self, piece: memoryview) -> None:
         if self.revoked:
-            raise WorkerStateError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
+            raise EvictedError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
         self.last_active = time.monotonic()
         if not self._checking:
             super().write(piece)
@@ -93,7 +93,7 @@ class PushWriter(PayloadWriter):
         """The whole payload at once (a same-host segment, read in place): check it, and stage
         or copy it, with one torch op over the whole gradient each; then finish."""
         if self.revoked:
-            raise WorkerStateError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
+            raise EvictedError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
         if not self._checking or self._offset or len(payload) != 4 * self._numel or not _aligned(payload):
             for off in range(0, len(payload), chunk_bytes):
                 self.write(payload[off : off + chunk_bytes])

@@ -42,6 +42,7 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.JobMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.WorkerStateError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.UnknownWorkerError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.EvictedError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StalledError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.RollbackError: grpc.StatusCode.ABORTED,
     errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,

@@ -130,7 +130,7 @@ def train(
         log(
             f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.plan.total:,} parameters, "
             f"mode {mode}{', overlap' if config.overlap else ''}, task {task.name}, {len(x_all)} training "
-            f"examples, device {device}"
+            f"examples, device {device}, payloads {','.join(opt.client.transports())}"
         )
         report = TrainingLog(config, task, model, device, sink, who, log)
         report.start(opt.start_clock, spec.mode)
@@ -148,6 +148,10 @@ def train(
             compute_s = time.perf_counter() - t0
             delay_s = delays.apply(compute_s)
             stats = opt.step()
+            if stats.rejoined_at is not None:
+                sink.write(clock + 1, event="rejoin", clock=clock, to_clock=stats.rejoined_at)
+                log(f"{who}: the shards had evicted this worker (lease ran out): joined again at clock {stats.rejoined_at}")
+                continue
             if stats.rolled_back_to is not None:
                 sink.write(clock + 1, event="rollback", clock=clock, to_clock=stats.rolled_back_to)
                 log(f"{who}: a restored shard was behind: the job rolled back to iteration {stats.rolled_back_to}")

@@ -1,0 +1,182 @@
+"""Jobs across hosts: servers and workers in network namespaces of their own (benchmarks/netbed.py),
+each host with its own address and /dev/shm, joined by a switch; partitions made with nftables."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from conftest import REPO, Proc
+
+sys.path.insert(0, f"{REPO}/benchmarks")
+from netbed import NetBed  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FINAL = re.compile(r"final test_loss \S+ test_accuracy (\S+)")
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[NetBed]:
+    why = NetBed.unavailable()
+    if why:
+        pytest.skip(f"no multi-host test bed here: {why}")
+    with NetBed(5) as b:
+        yield b
+
+
+def psgrad_on(bed: NetBed, host: int, args: Sequence[str], name: str) -> Proc:
+    """`python -m psgrad ARGS` on a host of the bed (its network namespace and its /dev/shm)."""
+    argv = bed.command(host, [sys.executable, "-m", "psgrad", *args])
+    return Proc(argv, name=name, cwd=REPO, new_session=False)
+
+
+def start_server(bed: NetBed, host: int, *extra: str) -> tuple[Proc, str]:
+    proc = psgrad_on(bed, host, ["server", "--host", bed.hosts[host].addr, "--port", "0", *extra], f"server@{host}")
+    line = proc.wait_for_line("psgrad server listening on", timeout_s=60)
+    return proc, line.rsplit(" ", 1)[1]
+
+
+def start_worker(bed: NetBed, host: int, servers: str, rank: int, num_workers: int, *extra: str) -> Proc:
+    args = ["worker", "--servers", servers, "--task", "digits", "--rank", str(rank),
+            "--num-workers", str(num_workers), *extra]
+    return psgrad_on(bed, host, args, f"worker{rank}@{host}")
+
+
+def status(bed: NetBed, host: int, servers: str) -> list[dict]:  # type: ignore[type-arg]
+    res = bed.run(host, [sys.executable, "-m", "psgrad", "status", "--servers", servers, "--json"], timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    shards: list[dict] = json.loads(res.stdout)["shards"]  # type: ignore[type-arg]
+    return shards
+
+
+def worker_states(shards: list[dict], rank: int) -> set[str]:  # type: ignore[type-arg]
+    return {w["state"] for s in shards for w in s["workers"] if w["rank"] == rank}
+
+
+def final_accuracy(proc: Proc) -> float:
+    match = FINAL.search(proc.output)
+    assert match, proc.output[-2000:]
+    return float(match.group(1))
+
+
+def stop_all(procs: Sequence[Proc]) -> None:
+    for p in procs:
+        p.stop(grace_s=10)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_servers_and_workers_on_different_hosts_train_in_each_mode(bed: NetBed, mode: str) -> None:
+    """Two servers on hosts 0 and 1; workers on hosts 2 and 3, and one on host 0 beside server 0.
+    Every worker trains digits to the usual accuracy; payloads go through shared memory only
+    between a worker and the server on its own host, through gRPC between hosts."""
+    procs: list[Proc] = []
+    try:
+        s0, a0 = start_server(bed, 0)
+        s1, a1 = start_server(bed, 1)
+        procs += [s0, s1]
+        assert a0.startswith(bed.hosts[0].addr + ":") and a1.startswith(bed.hosts[1].addr + ":")
+        servers = f"{a0},{a1}"
+        mode_args = ["--mode", mode, *(["--staleness", "2"] if mode == "ssp" else [])]
+        hosts = [2, 3, 0]
+        workers = [start_worker(bed, h, servers, r, 3, *mode_args, "--steps", "300") for r, h in enumerate(hosts)]
+        procs += workers
+        for w in workers:
+            assert w.wait(150) == 0, w.output[-3000:]
+        joined = [w.wait_for_line("joined 2 shard(s)", timeout_s=1) for w in workers]
+        assert joined[0].endswith("payloads grpc,grpc") and joined[1].endswith("payloads grpc,grpc"), joined
+        assert joined[2].endswith("payloads shm,grpc"), joined[2]  # beside server 0 only
+        for w in workers:
+            assert final_accuracy(w) >= 0.88, w.output[-1500:]
+        shards = status(bed, 2, servers)
+        assert all(worker_states(shards, r) == {"left"} for r in range(3)), shards
+        expected = 300 if mode == "sync" else 900  # an update per iteration, or per push
+        assert [s["version"] for s in shards] == [expected, expected]
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.timeout(240)
+def test_a_partitioned_worker_is_evicted_within_its_lease_and_rejoins_when_healed(bed: NetBed) -> None:
+    """Sync mode, lease 2 s: worker 2's host is cut off (nftables drops). The servers evict it
+    within its lease and the other two workers go on without it; once the partition heals,
+    worker 2 joins again by itself and every worker finishes."""
+    lease_s = 2.0
+    procs: list[Proc] = []
+    try:
+        s0, a0 = start_server(bed, 0, "--lease-s", str(lease_s))
+        s1, a1 = start_server(bed, 1, "--lease-s", str(lease_s))
+        procs += [s0, s1]
+        servers = f"{a0},{a1}"
+        args = ["--mode", "sync", "--steps", "1500", "--jitter-ms", "10", "--log-every", "50"]
+        workers = [start_worker(bed, h, servers, r, 3, *args) for r, h in enumerate([2, 3, 4])]
+        procs += workers
+        workers[2].wait_for_line("step 100/", timeout_s=120)
+        cut = time.monotonic()
+        bed.partition(4)
+        while True:  # observe the eviction from another host
+            shards = status(bed, 2, servers)
+            seen = time.monotonic() - cut
+            if worker_states(shards, 2) == {"evicted"}:
+                break
+            assert seen < 30, f"worker 2 not evicted {seen:.1f} s after the partition: {shards}"
+        at_eviction = [s["version"] for s in shards]
+        # The eviction itself happens one lease after worker 2's last call (at most `lease_s`
+        # after the cut); `seen` adds how long the status calls took to notice it.
+        evicted_after_s = max(w["last_seen_s"] for s in shards for w in s["workers"] if w["rank"] == 2)
+        assert evicted_after_s >= lease_s
+        while True:  # the others go on without it
+            shards = status(bed, 2, servers)
+            if all(s["version"] >= v + 20 for s, v in zip(shards, at_eviction)):
+                break
+            assert time.monotonic() - cut < 60, f"the job stopped while worker 2 was cut off: {shards}"
+        assert worker_states(shards, 2) == {"evicted"}
+        bed.heal(4)
+        healed = time.monotonic()
+        line = workers[2].wait_for_line("joined again at clock", timeout_s=90)
+        rejoined_after_s = time.monotonic() - healed
+        assert int(line.rsplit(" ", 1)[1]) > 100
+        for w in workers:
+            assert w.wait(150) == 0, w.output[-3000:]
+        assert all(final_accuracy(w) >= 0.88 for w in workers), [w.output[-500:] for w in workers]
+        print(f"evicted; first seen {seen:.2f} s after the cut; rejoined {rejoined_after_s:.2f} s after healing")
+    finally:
+        if 4 in bed.partitioned:
+            bed.heal(4)
+        stop_all(procs)
+
+
+@pytest.mark.timeout(180)
+def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -> None:
+    """Async mode: server 1's host is cut off mid-run. Each worker exits 1 within its deadlines
+    (rpc + reconnect timeout), naming server 1."""
+    procs: list[Proc] = []
+    try:
+        s0, a0 = start_server(bed, 0)
+        s1, a1 = start_server(bed, 1)
+        procs += [s0, s1]
+        servers = f"{a0},{a1}"
+        args = ["--mode", "async", "--steps", "100000", "--jitter-ms", "10", "--log-every", "50",
+                "--rpc-timeout-s", "5", "--reconnect-timeout-s", "5"]
+        workers = [start_worker(bed, h, servers, r, 2, *args) for r, h in enumerate([2, 3])]
+        procs += workers
+        for w in workers:
+            w.wait_for_line("step 100/", timeout_s=120)
+        cut = time.monotonic()
+        bed.partition(1)
+        for w in workers:
+            assert w.wait(60) == 1, w.output[-3000:]
+        took_s = time.monotonic() - cut
+        assert took_s < 5 + 5 + 10, took_s  # the deadlines, plus process exit on a busy machine
+        for w in workers:
+            assert a1 in w.output.splitlines()[-1] or a1 in w.output[-1500:], w.output[-1500:]
+        print(f"both workers exited 1 within {took_s:.1f} s of the partition: {workers[0].lines[-1]}")
+    finally:
+        if 1 in bed.partitioned:
+            bed.heal(1)
+        stop_all(procs)
