@@ -240,6 +240,9 @@ class WorkerConfig:
     jitter_ms: float = 0.0  # random extra delay per step, uniform in [0, jitter_ms]
     overlap: bool = False  # push/pull in the background while the next step computes (async/ssp)
     save_model: str | None = None  # write the final model's state_dict here (torch.save)
+    # This worker's index among the processes on its host (torchrun's LOCAL_RANK, SLURM_LOCALID):
+    # device "auto" on a host with G GPUs takes cuda:(local_rank mod G), one worker per GPU.
+    local_rank: int | None = None
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -264,6 +267,7 @@ class WorkerConfig:
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
+        _check(self.local_rank is None or self.local_rank >= 0, f"local_rank must be >= 0, got {self.local_rank}")
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
@@ -278,6 +282,7 @@ class WorkerConfig:
         argv += [] if self.metrics_out is None else ["--metrics-out", self.metrics_out]
         argv += ["--overlap"] if self.overlap else []
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
+        argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]
         return argv + self.client.to_argv()
 
 

@@ -209,6 +209,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         config = dataclasses.replace(
             base, servers=tuple(servers.split(",")), rank=rank,
             slowdown=slowdowns.get(rank, WorkerConfig.slowdown), metrics_out=metrics_out,
+            local_rank=rank,  # one machine: --device auto gives worker r GPU r mod GPUs
         )
         return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True)]
 

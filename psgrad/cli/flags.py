@@ -112,7 +112,11 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
          "bfloat16/float16 halve the bytes, servers keep float32 master weights", choices=WIRE_DTYPES)
     flag(g, "--seed", WorkerConfig.seed, "seed for model init and batch order", type=int)
     w = p.add_argument_group("worker")
-    flag(w, "--device", WorkerConfig.device, "auto (cuda if available), cpu, cuda or cuda:N")
+    flag(w, "--device", WorkerConfig.device, "auto (cuda if available: cuda:(--local-rank mod GPUs)), cpu, "
+         "cuda or cuda:N")
+    flag(w, "--local-rank", WorkerConfig.local_rank, "this worker's index among the processes on its host, so "
+         "that --device auto gives each worker of a multi-GPU host its own GPU; psgrad run takes it from "
+         "LOCAL_RANK (torchrun) or SLURM_LOCALID, psgrad launch gives worker r r", " = cuda:0 under auto", type=int)
     flag(w, "--jitter-ms", WorkerConfig.jitter_ms, "add a random delay of 0..MS milliseconds per step, "
          "deterministic given --seed", type=float)
     flag(w, "--overlap", WorkerConfig.overlap, "push/pull in the background while the next step computes "
@@ -205,7 +209,7 @@ def worker_config(
         servers=servers, task=ns.task, rank=rank, steps=ns.steps, batch_size=ns.batch_size, device=ns.device,
         seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
-        save_model=getattr(ns, "save_model", None),
+        save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
     )
 
 

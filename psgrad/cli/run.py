@@ -142,7 +142,7 @@ def _train(ns: argparse.Namespace, role: Role) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from psgrad.launch.env import resolve
+    from psgrad.launch.env import local_rank, resolve
 
     _check_task(ns.task)
     for name, low_ok in (("store_timeout_s", False), ("linger_s", True)):
@@ -151,6 +151,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>=' if low_ok else '>'} 0, "
                               f"got {value!r}")
     role = resolve(os.environ, run_options(ns), ns.engine)
+    if ns.local_rank is None:  # a worker of a multi-GPU host takes GPU LOCAL_RANK (mod GPUs) under --device auto
+        ns.local_rank = local_rank(os.environ)
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
     print(f"psgrad run: {role.describe()}", flush=True)
     return _serve(ns, role) if role.kind == SERVER else _train(ns, role)

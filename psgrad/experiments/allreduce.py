@@ -41,7 +41,7 @@ def _sync(device: torch.device) -> None:
 
 def _rank_device(name: str, rank: int) -> torch.device:
     """The device of this rank: a bare 'cuda' (or 'auto' on a GPU host) becomes cuda:(rank % GPUs)."""
-    device = resolve_device(name)
+    device = resolve_device(name, local_rank=rank)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", rank % torch.cuda.device_count())
     return device

@@ -176,6 +176,19 @@ def detect_engine(env: Mapping[str, str]) -> str:
                  "or start servers and workers with `psgrad server` / `psgrad worker`")
 
 
+# Where engines put a process's index among the processes on its host: torchrun, then SLURM.
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank(env: Mapping[str, str]) -> int | None:
+    """This process's index on its host (None where no engine says), so that a worker on a host with
+    several GPUs takes its own (cuda:LOCAL_RANK mod GPUs)."""
+    for name in LOCAL_RANK_VARIABLES:
+        if env.get(name, "").strip():
+            return need_int(env, name, "the process's index on its host, which picks its GPU")
+    return None
+
+
 def resolve(env: Mapping[str, str], opts: RunOptions, engine: str = "auto") -> Role:
     """This process's role, from `engine`'s variables (auto: the first engine whose marker is set)."""
     if engine != "auto" and engine not in ENGINES:

@@ -26,10 +26,13 @@ from torch import nn
 from psgrad.errors import ConfigError
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda[:N]' must exist."""
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """'auto' -> cuda when available (cuda:(local_rank mod GPUs) given the worker's index on its
+    host, so each worker of a host takes its own GPU), else cpu; 'cuda[:N]' must exist."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", (local_rank or 0) % max(1, torch.cuda.device_count()))
     try:
         device = torch.device(name)
     except RuntimeError:

@@ -114,7 +114,7 @@ def train(
     Raises:
         PsgradError: a server is unreachable, refuses the job, or rejects a push.
     """
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, config.local_rank)
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     rank = config.rank

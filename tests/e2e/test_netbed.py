@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from conftest import REPO, Proc
+from conftest import REPO, Proc, run_benchmark
 
 sys.path.insert(0, f"{REPO}/benchmarks")
 from netbed import NetBed  # noqa: E402
@@ -180,3 +180,18 @@ def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -
         if 1 in bed.partitioned:
             bed.heal(1)
         stop_all(procs)
+
+
+@pytest.mark.timeout(240)
+def test_multihost_benchmark_tiny_measures_shaped_links(bed: NetBed) -> None:
+    """benchmarks/multihost.py --preset tiny (a bed of its own, links shaped to 1 Gbit/s): every
+    figure is there, and no transfer beat the shaped link by more than the shaper's burst allows."""
+    out = run_benchmark("multihost.py", "--preset", "tiny", timeout_s=220)
+    assert out["rate_mbit"] == 1000
+    ceiling = out["link_ceiling_mb_per_s"]
+    for key in ("psgrad_pull", "raw_download", "psgrad_push", "raw_upload", "bf16_pull", "bf16_push"):
+        # 4 MB (2 MB in bfloat16) a transfer; tbf lets a 1 MB burst through at once
+        assert 0 < out["transport"][key]["mb_per_s"] < 2 * ceiling, (key, out["transport"][key])
+    assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download", "bf16_vs_fp32_push",
+                                  "bf16_vs_fp32_pull", "sync_iteration_vs_allreduce"}
+    assert all(v > 0 for v in out["ratios"].values())

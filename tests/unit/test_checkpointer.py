@@ -39,7 +39,10 @@ def test_async_writes_a_last_checkpoint_at_stop(tmp_path: Path) -> None:
 def test_sync_writes_only_the_iterations_every_shard_checkpoints(tmp_path: Path) -> None:
     spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
     versions, _ = run_and_stop(spec, tmp_path, 2, 5)
-    assert versions == [4, 2]  # not the final 5: another shard may not have it to roll back to
+    # Not the final 5: another shard may not have it to roll back to. (Version 2 is offered too, but
+    # a writer slower than the pushes writes only the newest snapshot offered: on a busy machine 2
+    # may be passed over for 4.)
+    assert versions in ([4, 2], [4])
 
 
 def test_sync_without_every_versions_warns_that_a_restart_rolls_back_to_the_start(tmp_path: Path) -> None:

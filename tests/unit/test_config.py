@@ -277,11 +277,12 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
         "--chunk-bytes"  # no flag: a worker has the default
     }
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
-    worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt").to_argv()
+    worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
+                          local_rank=1).to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {"--client"}
     assert worker[-len(client):] == client
     assert worker[:2] == ["--servers", "a:1"] and "--servers" not in WorkerConfig(servers=()).to_argv()
-    assert not {"--metrics-out", "--overlap", "--save-model"} & set(WorkerConfig(servers=()).to_argv())
+    assert not {"--metrics-out", "--overlap", "--save-model", "--local-rank"} & set(WorkerConfig(servers=()).to_argv())
 
 
 # ----------------------------------------------------------------------------- parse_servers

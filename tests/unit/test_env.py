@@ -273,3 +273,22 @@ def test_loopback_advertise_names_are_recognized() -> None:
 
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
     assert not _is_loopback("10.1.2.3") and not _is_loopback("no-such-host.invalid")
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({}, None), ({"LOCAL_RANK": "3"}, 3), ({"SLURM_LOCALID": "2"}, 2), ({"LOCAL_RANK": "1", "SLURM_LOCALID": "5"}, 1),
+     ({"LOCAL_RANK": " "}, None)],
+)
+def test_local_rank_comes_from_torchrun_then_slurm(env: dict[str, str], expected: int | None) -> None:
+    from psgrad.launch.env import local_rank
+
+    assert local_rank(env) == expected
+
+
+@pytest.mark.parametrize("value", ["x", "-1"])
+def test_a_bad_local_rank_is_refused_naming_the_variable(value: str) -> None:
+    from psgrad.launch.env import local_rank
+
+    with pytest.raises(LaunchEnvironmentError, match=f"LOCAL_RANK={value!r}|LOCAL_RANK={value}"):
+        local_rank({"LOCAL_RANK": value})

@@ -170,3 +170,28 @@ def test_resolve_device_names_the_problem(name: str, message: str) -> None:
 def test_resolve_device_auto_is_cpu_without_a_gpu() -> None:
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
+
+
+@pytest.mark.parametrize("local_rank, gpus, expected", [(None, 4, 0), (0, 4, 0), (3, 4, 3), (5, 4, 1), (2, 1, 0)])
+def test_resolve_device_auto_gives_each_local_rank_its_own_gpu(
+    monkeypatch: pytest.MonkeyPatch, local_rank: int | None, gpus: int, expected: int
+) -> None:
+    # A host with `gpus` GPUs, as torch would report it (only the count is asked for under auto).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_device("auto", local_rank) == torch.device("cuda", expected)
+
+
+def test_resolve_device_auto_ignores_the_local_rank_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", 3) == torch.device("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_resolve_device_auto_local_ranks_on_this_gpu_host() -> None:
+    gpus = torch.cuda.device_count()
+    picked = [resolve_device("auto", r) for r in range(2 * gpus)]
+    assert [d.index for d in picked] == [r % gpus for r in range(2 * gpus)]
+    x = torch.ones(4, device=picked[-1])  # the device exists and takes memory
+    assert x.device == picked[-1]
