@@ -3,10 +3,12 @@ each host with its own address and /dev/shm, joined by a switch; partitions made
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -64,17 +66,22 @@ def final_accuracy(proc: Proc) -> float:
     return float(match.group(1))
 
 
+def jsonl_final_accuracy(path: Path) -> float:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    (final,) = [r for r in records if r.get("event") == "final"]
+    return float(final["test_accuracy"])
+
+
 def stop_all(procs: Sequence[Proc]) -> None:
     for p in procs:
         p.stop(grace_s=10)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_servers_and_workers_on_different_hosts_train_in_each_mode(bed: NetBed, mode: str) -> None:
-    """Two servers on hosts 0 and 1; workers on hosts 2 and 3, and one on host 0 beside server 0.
-    Every worker trains digits to the usual accuracy; payloads go through shared memory only
-    between a worker and the server on its own host, through gRPC between hosts."""
+def test_servers_and_workers_by_hand_on_different_hosts_train_async(bed: NetBed) -> None:
+    """`psgrad server` on hosts 0 and 1; `psgrad worker` on hosts 2 and 3, and one on host 0 beside
+    server 0. Every worker trains digits to the usual accuracy; payloads go through shared memory
+    only between a worker and the server on its own host, through gRPC between hosts."""
     procs: list[Proc] = []
     try:
         s0, a0 = start_server(bed, 0)
@@ -82,9 +89,8 @@ def test_servers_and_workers_on_different_hosts_train_in_each_mode(bed: NetBed, 
         procs += [s0, s1]
         assert a0.startswith(bed.hosts[0].addr + ":") and a1.startswith(bed.hosts[1].addr + ":")
         servers = f"{a0},{a1}"
-        mode_args = ["--mode", mode, *(["--staleness", "2"] if mode == "ssp" else [])]
-        hosts = [2, 3, 0]
-        workers = [start_worker(bed, h, servers, r, 3, *mode_args, "--steps", "300") for r, h in enumerate(hosts)]
+        workers = [start_worker(bed, h, servers, r, 3, "--mode", "async", "--steps", "300")
+                   for r, h in enumerate([2, 3, 0])]
         procs += workers
         for w in workers:
             assert w.wait(150) == 0, w.output[-3000:]
@@ -95,10 +101,74 @@ def test_servers_and_workers_on_different_hosts_train_in_each_mode(bed: NetBed, 
             assert final_accuracy(w) >= 0.88, w.output[-1500:]
         shards = status(bed, 2, servers)
         assert all(worker_states(shards, r) == {"left"} for r in range(3)), shards
-        expected = 300 if mode == "sync" else 900  # an update per iteration, or per push
-        assert [s["version"] for s in shards] == [expected, expected]
+        assert [s["version"] for s in shards] == [900, 900]  # an update per push
     finally:
         stop_all(procs)
+
+
+def engine_env(**env: str) -> dict[str, str]:
+    """This environment without any cluster engine's variables, plus env."""
+    prefixes = ("TF_CONFIG", "TORCHELASTIC_", "ROLE_", "JOB_COMPLETION_INDEX", "SLURM", "MASTER_", "RANK",
+                "WORLD_SIZE", "LOCAL_RANK")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, "OMP_NUM_THREADS": "1", **env}
+
+
+@pytest.mark.timeout(180)
+def test_a_tf_config_job_of_2_ps_and_3_workers_on_5_hosts_trains_sync(bed: NetBed, tmp_path: Path) -> None:
+    """Kubeflow-style: each of 5 hosts runs `psgrad run` with the same cluster (2 ps, a chief and 2
+    workers, each at its host's address on the TFJob port 2222) and its own task; nothing else
+    tells a process its role."""
+    port = 2222  # every host has its own port space, as every pod does
+    addr = [f"{h.addr}:{port}" for h in bed.hosts]
+    cluster = {"ps": addr[:2], "chief": addr[2:3], "worker": addr[3:5]}
+    tasks = [("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0), ("worker", 1)]
+    job = ["--task", "digits", "--mode", "sync", "--steps", "300", "--metrics-dir", str(tmp_path)]
+    procs: list[Proc] = []
+    try:
+        for host, (kind, index) in enumerate(tasks):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+            argv = bed.command(host, [sys.executable, "-m", "psgrad", "run", *job])
+            procs.append(Proc(argv, name=f"{kind}{index}", cwd=REPO, env=engine_env(TF_CONFIG=tf_config),
+                              new_session=False))
+        assert [p.wait(150) for p in procs] == [0] * 5, [p.lines[-8:] for p in procs]
+    finally:
+        stop_all(procs)
+    for i in range(2):
+        assert f"listening on 0.0.0.0:{port}" in procs[i].output
+        assert "stopped (every worker left)" in procs[i].output  # the job ends by itself
+    for rank in range(3):
+        assert f"worker rank {rank} of 3" in procs[2 + rank].output
+        assert jsonl_final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.88
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_role_groups_on_two_hosts_train_ssp(bed: NetBed, tmp_path: Path) -> None:
+    """Two torchrun agents in one c10d rendezvous hosted on host 0: `--role server` (2 processes) on
+    host 0, `--role worker` (3 processes) on host 2. Servers publish their address in the
+    rendezvous store; the workers read it there."""
+    endpoint = f"{bed.hosts[0].addr}:29400"
+    job = ["--task", "digits", "--mode", "ssp", "--staleness", "2", "--steps", "300", "--metrics-dir", str(tmp_path)]
+    procs: list[Proc] = []
+    try:
+        for host, role, nproc in ((0, "server", 2), (2, "worker", 3)):
+            argv = bed.command(host, [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--role", role,
+                # The hosts share one hostname here, which resolves to none of their addresses: say
+                # which agent hosts the store and which address each agent is reached at.
+                "--rdzv-conf", f"is_host={str(host == 0).lower()}", "--local-addr", bed.hosts[host].addr,
+                "-m", "psgrad", "run",
+                "--advertise-host", bed.hosts[host].addr, *job])
+            procs.append(Proc(argv, name=f"torchrun-{role}", cwd=REPO, env=engine_env(), new_session=False))
+        assert [p.wait(150) for p in procs] == [0, 0], [p.lines[-20:] for p in procs]
+    finally:
+        stop_all(procs)
+    servers, workers = procs
+    assert servers.output.count(f"reachable at {bed.hosts[0].addr}:") == 2
+    assert servers.output.count("stopped (every worker left)") == 2
+    for rank in range(3):
+        assert f"worker rank {rank} of 3" in workers.output
+        assert jsonl_final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.88
 
 
 @pytest.mark.timeout(240)
