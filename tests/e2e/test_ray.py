@@ -1,6 +1,6 @@
 """`psgrad launch --backend ray` on a real two-node Ray cluster on this machine (ray.cluster_utils.Cluster):
 it trains across both nodes, a killed server actor is restarted by Ray and restores its checkpoint, Ctrl-C
-stops every actor, and nothing the cluster started outlives it."""
+or a failed worker stops every actor, and nothing the cluster started outlives it."""
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +75,9 @@ def two_nodes() -> Iterator[Cluster]:
     """A head node and one more, as `ray start` would run them on two machines; afterwards every
     process the cluster started (raylets, GCS, agents, actors' workers) is gone."""
     started = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    # The head's dashboard agent would take Ray's fixed port 52365 (the other node's picks a free one).
+    head = {**NODE, "include_dashboard": False, "dashboard_agent_listen_port": None}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         cluster.add_node(**NODE)
         cluster.wait_for_nodes()
@@ -164,7 +166,7 @@ def test_a_killed_server_actor_is_restarted_and_restores_its_shard(tmp_path: Pat
         assert not _workers_of(_servers(out))
 
 
-def test_ctrl_c_stops_every_actor() -> None:
+def test_ctrl_c_or_a_failed_worker_stops_every_actor() -> None:
     with two_nodes() as cluster:
         # A shell starts background jobs with SIGINT ignored and children inherit that (see
         # test_cli.py): a handler here makes exec reset it to the default in the launcher.
@@ -181,5 +183,11 @@ def test_ctrl_c_stops_every_actor() -> None:
             proc.stop()
         assert "[launch] interrupted; stopping all actors" in proc.output
         assert not _workers_of(_servers(proc.output))
+        # every worker asks for a GPU that does not exist and exits with an error
+        res = run_cli(["launch", "--backend", "ray", "--address", cluster.address, *JOB, "--steps", "5",
+                       "--device", "cuda:99"], timeout_s=120)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert re.search(r"^\[launch\] failed: worker\d \(exit code 2\); stopping the others", res.stdout, re.M)
+        assert re.search(r"^\[worker\d\] psgrad worker: error: device 'cuda:99'", res.stdout, re.M), res.stdout
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         assert ray.util.list_named_actors(all_namespaces=True) == []
