@@ -62,19 +62,37 @@ def nodes_of(entries: Sequence[dict[str, Any]]) -> list[Node]:
     return sorted(out, key=lambda n: (not n.head, n.id))
 
 
-def spread(nodes: Sequence[Node], count: int, cpus: float, gpus: float, what: str) -> list[Node]:
-    """A node for each of `count` actors asking for cpus and gpus: round robin over the nodes that have
-    them (so the servers, and the workers, spread over the cluster).
+class Placement:
+    """Nodes for the job's actors: round robin over the live nodes that have the CPUs and GPUs an actor
+    asks for, passing over those the job already filled (servers first, then workers, so both spread
+    over the cluster). Where every fitting node is full, round robin anyway: Ray then queues the actor."""
 
-    Raises:
-        RayLaunchError: no live node has that many CPUs and GPUs.
-    """
-    fit = [n for n in nodes if n.cpus >= cpus and n.gpus >= min(gpus, 1.0)]
-    if not fit:
-        have = ", ".join(f"{n.ip} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in nodes) or "none"
-        raise RayLaunchError(f"no node of the cluster has {cpus:g} CPU(s) and {gpus:g} GPU(s) for a {what} "
-                             f"(live nodes: {have}); lower --{what}-cpus/--{what}-gpus or add nodes")
-    return [fit[i % len(fit)] for i in range(count)]
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = list(nodes)
+        self._left = {n.id: [n.cpus, n.gpus] for n in self.nodes}
+
+    def place(self, count: int, cpus: float, gpus: float, what: str) -> list[Node]:
+        """A node for each of `count` actors (a server or a worker: `what`) asking for cpus and gpus.
+
+        Raises:
+            RayLaunchError: no live node has that many CPUs and GPUs.
+        """
+        fit = [n for n in self.nodes if n.cpus >= cpus and n.gpus >= gpus]
+        if not fit:
+            have = ", ".join(f"{n.ip} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in self.nodes) or "none"
+            flags = "--worker-cpus/--worker-gpus" if what == "worker" else f"--{what}-cpus"
+            raise RayLaunchError(f"no node of the cluster has {cpus:g} CPU(s) and {gpus:g} GPU(s) for a {what} "
+                                 f"(live nodes: {have}); lower {flags} or add nodes")
+        out: list[Node] = []
+        start = 0
+        for _ in range(count):
+            order = fit[start:] + fit[:start]
+            node = next((n for n in order if self._left[n.id][0] >= cpus and self._left[n.id][1] >= gpus), order[0])
+            self._left[node.id][0] -= cpus
+            self._left[node.id][1] -= gpus
+            out.append(node)
+            start = (fit.index(node) + 1) % len(fit)
+        return out
 
 
 def gpus_per_worker(config: RayConfig, cluster_gpus: float, num_workers: int) -> float:
@@ -136,12 +154,12 @@ class RayJob:
                 self.log(f"[launch] {actor.name} runs on node {actor.info['ip']} ({actor.info['node'][:8]}), "
                          f"pid {actor.info['pid']}, actor {NAMESPACE}/psgrad-{self.id}-{actor.name}")
 
-    def start_servers(self, nodes: Sequence[Node], configs: Sequence[ServerConfig], local_only: bool,
+    def start_servers(self, placement: Placement, configs: Sequence[ServerConfig], local_only: bool,
                       formatter: logging.Formatter | None, log_level: str) -> list[str]:
         """Start one server actor per config, round robin over the nodes; returns their addresses in shard order."""
         remote = self.ray.remote(ServerActor)
-        for i, (node, config) in enumerate(zip(spread(nodes, len(configs), self.config.server_cpus, 0, "server"),
-                                               configs)):
+        nodes = placement.place(len(configs), self.config.server_cpus, 0.0, "server")
+        for i, (node, config) in enumerate(zip(nodes, configs)):
             restarts = self.config.server_restarts if config.checkpoint_dir is not None else 0
             options = self._options(f"server{i}", node, num_cpus=self.config.server_cpus, max_restarts=restarts)
             handle = remote.options(**options).remote(config, self.id, local_only, formatter, log_level)
@@ -149,11 +167,11 @@ class RayJob:
         self._await_ready(self.servers)
         return [str(a.info["address"]) for a in self.servers]
 
-    def start_workers(self, nodes: Sequence[Node], argvs: Sequence[list[str]], gpus: float, env: dict[str, str]) -> None:
+    def start_workers(self, placement: Placement, argvs: Sequence[list[str]], gpus: float, env: dict[str, str]) -> None:
         """Start one worker actor per argv, round robin over the nodes that have the resources it asks for."""
         remote = self.ray.remote(WorkerActor)
-        picked = spread(nodes, len(argvs), self.config.worker_cpus, gpus, "worker")
-        for rank, (node, argv) in enumerate(zip(picked, argvs)):
+        nodes = placement.place(len(argvs), self.config.worker_cpus, gpus, "worker")
+        for rank, (node, argv) in enumerate(zip(nodes, argvs)):
             options = self._options(f"worker{rank}", node, num_cpus=self.config.worker_cpus, num_gpus=gpus)
             self.workers.append(_Actor(f"worker{rank}", remote.options(**options).remote(argv, env, os.getcwd())))
         self._await_ready(self.workers)
@@ -298,10 +316,11 @@ def run_ray_launch(
         where = "a Ray instance started on this machine" if config.address is None else f"the Ray cluster at {config.address}"
         log(f"[launch] Ray {ray.__version__}, {where}: {len(nodes)} node(s) ({time.monotonic() - start:.1f} s); "
             f"job {job.id}, {len(server_configs)} server(s) + {num_workers} worker(s) ({gpus:g} GPU each)")
-        addresses = job.start_servers(nodes, server_configs, config.address is None, formatter, log_level)
+        placement = Placement(nodes)
+        addresses = job.start_servers(placement, server_configs, config.address is None, formatter, log_level)
         servers = ",".join(addresses)
         log(f"[launch] {len(addresses)} server(s) up: {servers}; starting {num_workers} worker(s)")
-        job.start_workers(nodes, [worker_args(rank, servers) for rank in range(num_workers)], gpus, env or {})
+        job.start_workers(placement, [worker_args(rank, servers) for rank in range(num_workers)], gpus, env or {})
         job.train()
         if status is not None:
             status(addresses)

@@ -13,7 +13,7 @@ from psgrad.cli.main import main
 from psgrad.cli.parser import build_parser
 from psgrad.config import RayConfig
 from psgrad.errors import ConfigError
-from psgrad.launch.ray import Node, RayLaunchError, gpus_per_worker, nodes_of, spread
+from psgrad.launch.ray import Node, Placement, RayLaunchError, gpus_per_worker, nodes_of
 from psgrad.launch.ray_actors import Output, _previous_port, _record_port, bind_host
 
 
@@ -29,13 +29,29 @@ def test_nodes_are_the_live_ones_head_first() -> None:
     assert nodes[0] == Node("z", "10.0.0.1", 0.0, 0.0, True)
 
 
+def _ids(nodes: list[Node]) -> list[str]:
+    return [n.id for n in nodes]
+
+
 def test_actors_spread_round_robin_over_the_nodes_that_have_their_resources() -> None:
     head, a, b = Node("h", "1", 0, 0, True), Node("a", "2", 8, 1, False), Node("b", "3", 8, 0, False)
-    assert [n.id for n in spread([head, a, b], 4, 0, 0, "server")] == ["h", "a", "b", "h"]
-    assert [n.id for n in spread([head, a, b], 3, 1, 0, "server")] == ["a", "b", "a"]  # the head has no CPU
-    assert [n.id for n in spread([head, a, b], 2, 1, 0.5, "worker")] == ["a", "a"]  # only a has a GPU
-    with pytest.raises(RayLaunchError, match="no node of the cluster has 1 CPU.* and 2 GPU.*--worker-cpus"):
-        spread([head, b], 1, 1, 2, "worker")
+    assert _ids(Placement([head, a, b]).place(4, 0, 0, "server")) == ["h", "a", "b", "h"]
+    assert _ids(Placement([head, a, b]).place(3, 1, 0, "server")) == ["a", "b", "a"]  # the head has no CPU
+    assert _ids(Placement([head, a, b]).place(2, 1, 0.5, "worker")) == ["a", "a"]  # only a has a GPU
+    with pytest.raises(RayLaunchError, match="no node of the cluster has 1 CPU.* and 2 GPU.*--worker-cpus/--worker-gpus"):
+        Placement([head, a, b]).place(1, 1, 2, "worker")
+    with pytest.raises(RayLaunchError, match="lower --server-cpus or add nodes"):
+        Placement([head]).place(1, 1, 0, "server")
+
+
+def test_placement_passes_over_nodes_the_job_filled() -> None:
+    two, one = Node("a", "1", 4, 2, False), Node("b", "2", 4, 1, False)
+    placement = Placement([two, one])
+    assert _ids(placement.place(2, 1, 0, "server")) == ["a", "b"]
+    assert _ids(placement.place(3, 1, 1, "worker")) == ["a", "b", "a"]  # a has the second GPU
+    assert _ids(placement.place(2, 1, 1, "worker")) == ["a", "b"]  # all GPUs taken: Ray queues them
+    cpus = Placement([Node("a", "1", 2, 0, False), Node("b", "2", 8, 0, False)])
+    assert _ids(cpus.place(5, 2, 0, "worker")) == ["a", "b", "b", "b", "b"]
 
 
 @pytest.mark.parametrize(("gpus", "workers", "asked", "share"), [
