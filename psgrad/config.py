@@ -1,4 +1,4 @@
-"""Frozen, self-validating configuration: JobSpec, ServerConfig, ClientConfig, WorkerConfig, and the worker flags that reproduce them."""
+"""Frozen, self-validating configuration: JobSpec, ServerConfig, ClientConfig, WorkerConfig, RayConfig, and the worker flags that reproduce them."""
 from __future__ import annotations
 
 import dataclasses
@@ -284,6 +284,37 @@ class WorkerConfig:
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
         argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]
         return argv + self.client.to_argv()
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where `psgrad launch --backend ray` runs the job's actors, and what each asks Ray for."""
+
+    # None: start a Ray instance on this machine for the job; "auto": the running cluster
+    # (RAY_ADDRESS, else the one started on this machine); HOST:PORT of the head, or ray://HOST:PORT.
+    address: str | None = None
+    server_cpus: float = 1.0
+    worker_cpus: float = 1.0
+    worker_gpus: float | None = None  # None: a GPU per worker where the cluster has GPUs (shared if too few), else 0
+    # How often Ray may restart a server actor that died; it restores from its checkpoint, so
+    # without a checkpoint directory there are no restarts.
+    server_restarts: int = 3
+    object_store_mb: int = 128  # the object store of the instance started for the job (address None)
+    start_timeout_s: float = 120.0  # every actor up (a cluster may first have to add a node)
+
+    def __post_init__(self) -> None:
+        _check(self.address is None or bool(self.address.strip()), "address must not be empty")
+        for name in ("server_cpus", "worker_cpus"):
+            _finite_nonneg(name, getattr(self, name))
+        if self.worker_gpus is not None:
+            _finite_nonneg("worker_gpus", self.worker_gpus)
+            _check(self.worker_gpus <= 1 or self.worker_gpus == int(self.worker_gpus),
+                   f"worker_gpus must be a fraction of one GPU or a whole number, got {self.worker_gpus!r}")
+        _check(self.server_restarts >= 0, f"server_restarts must be >= 0, got {self.server_restarts}")
+        # Ray refuses an object store below 75 MiB.
+        _check(self.object_store_mb >= 75, f"object_store_mb must be >= 75 (Ray's minimum), got {self.object_store_mb}")
+        _check(math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0,
+               f"start_timeout_s must be a finite number > 0, got {self.start_timeout_s!r}")
 
 
 def parse_address(text: str) -> str:

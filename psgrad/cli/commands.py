@@ -184,6 +184,7 @@ def _resumed(ns: argparse.Namespace) -> argparse.Namespace:
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
+    from psgrad.cli.launch_ray import launch_on_ray, ray_config
     from psgrad.launch import jobdir
     from psgrad.launch.local import run_launch
 
@@ -195,7 +196,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
     spec = job_spec(ns, ns.num_workers, ns.num_servers)
     check_overlap(spec, ns.overlap)  # validate before starting anything
-    metrics_dir = Path(ns.metrics_dir) if ns.metrics_dir else None
+    ray = ray_config(ns)
+    # Absolute: under --backend ray the workers run elsewhere (on one machine it changes nothing).
+    metrics_dir = Path(ns.metrics_dir).absolute() if ns.metrics_dir else None
 
     slowdowns = dict(ns.straggler or [])
     for rank in slowdowns:
@@ -214,6 +217,14 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True)]
 
     check_ops_args(ns)
+
+    def status(addresses: list[str]) -> None:
+        print_status(addresses, 10.0, False)
+
+    if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
+        jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
+    if ray is not None:
+        return launch_on_ray(ns, ray, worker_args, status)
     server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite, *ops_argv(ns, worker=False)]
     if ns.checkpoint_dir is not None:
         server_args += ["--checkpoint-every-s", str(ns.checkpoint_every_s),
@@ -231,8 +242,6 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         # (like torchrun, give each process its share of the cores).
         share = max(1, (os.cpu_count() or 1) // (ns.num_servers * (1 + ns.replicas) + ns.num_workers))
         env["OMP_NUM_THREADS"] = str(share)
-    if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
-        jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
     print(
         f"[launch] {ns.num_servers} server(s){' with a backup each' if ns.replicas else ''} + {ns.num_workers} "
         f"worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
@@ -243,7 +252,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         ns.num_workers,
         shard_args,
         worker_args,
-        status=lambda a: print_status(a, 10.0, False),
+        status=status,
         env=env,
         replicas=ns.replicas,
     )

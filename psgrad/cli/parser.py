@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from psgrad import __version__
+from psgrad.cli.launch_ray import add_ray_args
 from psgrad.cli.render import add_render_parsers
 from psgrad.cli.run import add_run_parser
 from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
@@ -95,7 +96,9 @@ def _add_workers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    la = sub.add_parser("launch", help="start servers and workers on this machine", description="Start servers and workers as local subprocesses, prefix their output, stop them all at the end.")
+    la = sub.add_parser("launch", help="start servers and workers on this machine or a Ray cluster",
+                        description="Start servers and workers as local subprocesses (or, with --backend ray, as "
+                        "actors on a Ray cluster), prefix their output, stop them all at the end.")
     # Not JobSpec's 1 shard and 1 worker (the least a job can have): a local launch shows a sharded,
     # data-parallel job by default.
     flag(la, "--num-servers", 2, "parameter-server shards", type=positive_int)
@@ -117,6 +120,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="OpenMP/torch threads per process (default: $OMP_NUM_THREADS if set, else the CPU count "
         "divided among all processes); raise it for large models on a big machine",
     )
+    add_ray_args(la)
     add_server_policy_args(la)
     c = add_checkpoint_args(la, "checkpoints and resume (a whole job, stopped, starts again from them)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every server into DIR/shardI (a directory "
