@@ -43,6 +43,15 @@ def start_server(bed: NetBed, host: int, *extra: str) -> tuple[Proc, str]:
     return proc, line.rsplit(" ", 1)[1]
 
 
+def start_two_servers(bed: NetBed, procs: list[Proc], *extra: str) -> tuple[str, str]:
+    """`psgrad server` on hosts 0 and 1 (added to procs); returns their addresses."""
+    s0, a0 = start_server(bed, 0, *extra)
+    procs.append(s0)
+    s1, a1 = start_server(bed, 1, *extra)
+    procs.append(s1)
+    return a0, a1
+
+
 def start_worker(bed: NetBed, host: int, servers: str, rank: int, num_workers: int, *extra: str) -> Proc:
     args = ["worker", "--servers", servers, "--task", "digits", "--rank", str(rank),
             "--num-workers", str(num_workers), *extra]
@@ -77,6 +86,13 @@ def stop_all(procs: Sequence[Proc]) -> None:
         p.stop(grace_s=10)
 
 
+def heal_and_stop(bed: NetBed, procs: Sequence[Proc]) -> None:
+    """End a partition test: every host reachable again (the bed serves the next test), every process stopped."""
+    for host in bed.partitioned:
+        bed.heal(host)
+    stop_all(procs)
+
+
 @pytest.mark.timeout(180)
 def test_servers_and_workers_by_hand_on_different_hosts_train_async(bed: NetBed) -> None:
     """`psgrad server` on hosts 0 and 1; `psgrad worker` on hosts 2 and 3, and one on host 0 beside
@@ -84,9 +100,7 @@ def test_servers_and_workers_by_hand_on_different_hosts_train_async(bed: NetBed)
     only between a worker and the server on its own host, through gRPC between hosts."""
     procs: list[Proc] = []
     try:
-        s0, a0 = start_server(bed, 0)
-        s1, a1 = start_server(bed, 1)
-        procs += [s0, s1]
+        a0, a1 = start_two_servers(bed, procs)
         assert a0.startswith(bed.hosts[0].addr + ":") and a1.startswith(bed.hosts[1].addr + ":")
         servers = f"{a0},{a1}"
         workers = [start_worker(bed, h, servers, r, 3, "--mode", "async", "--steps", "300")
@@ -179,10 +193,7 @@ def test_a_partitioned_worker_is_evicted_within_its_lease_and_rejoins_when_heale
     lease_s = 2.0
     procs: list[Proc] = []
     try:
-        s0, a0 = start_server(bed, 0, "--lease-s", str(lease_s))
-        s1, a1 = start_server(bed, 1, "--lease-s", str(lease_s))
-        procs += [s0, s1]
-        servers = f"{a0},{a1}"
+        servers = ",".join(start_two_servers(bed, procs, "--lease-s", str(lease_s)))
         args = ["--mode", "sync", "--steps", "1500", "--jitter-ms", "10", "--log-every", "50"]
         workers = [start_worker(bed, h, servers, r, 3, *args) for r, h in enumerate([2, 3, 4])]
         procs += workers
@@ -216,9 +227,7 @@ def test_a_partitioned_worker_is_evicted_within_its_lease_and_rejoins_when_heale
         assert all(final_accuracy(w) >= 0.88 for w in workers), [w.output[-500:] for w in workers]
         print(f"evicted; first seen {seen:.2f} s after the cut; rejoined {rejoined_after_s:.2f} s after healing")
     finally:
-        if 4 in bed.partitioned:
-            bed.heal(4)
-        stop_all(procs)
+        heal_and_stop(bed, procs)
 
 
 @pytest.mark.timeout(180)
@@ -227,9 +236,7 @@ def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -
     (rpc + reconnect timeout), naming server 1."""
     procs: list[Proc] = []
     try:
-        s0, a0 = start_server(bed, 0)
-        s1, a1 = start_server(bed, 1)
-        procs += [s0, s1]
+        a0, a1 = start_two_servers(bed, procs)
         servers = f"{a0},{a1}"
         args = ["--mode", "async", "--steps", "100000", "--jitter-ms", "10", "--log-every", "50",
                 "--rpc-timeout-s", "5", "--reconnect-timeout-s", "5"]
@@ -247,9 +254,7 @@ def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -
             assert a1 in w.output.splitlines()[-1] or a1 in w.output[-1500:], w.output[-1500:]
         print(f"both workers exited 1 within {took_s:.1f} s of the partition: {workers[0].lines[-1]}")
     finally:
-        if 1 in bed.partitioned:
-            bed.heal(1)
-        stop_all(procs)
+        heal_and_stop(bed, procs)
 
 
 @pytest.mark.timeout(240)
