@@ -24,7 +24,8 @@ from psgrad.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from psgrad.api import SGD, Adam, PSOptimizer, Session, StepStats, connect
+    from psgrad.api import PSOptimizer, Session, StepStats, connect
+    from psgrad.optim import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
@@ -34,8 +35,11 @@ _LAZY = {
     "Session": "psgrad.api",
     "PSOptimizer": "psgrad.api",
     "StepStats": "psgrad.api",
-    "SGD": "psgrad.api",
-    "Adam": "psgrad.api",
+    "SGD": "psgrad.optim",
+    "Adam": "psgrad.optim",
+    "Adagrad": "psgrad.optim",
+    "RMSprop": "psgrad.optim",
+    "Adadelta": "psgrad.optim",
     "Task": "psgrad.tasks.base",
 }
 
@@ -56,6 +60,9 @@ __all__ = [
     "StepStats",
     "SGD",
     "Adam",
+    "Adagrad",
+    "RMSprop",
+    "Adadelta",
     "Task",
     "ClientConfig",
     "JobSpec",

@@ -153,11 +153,12 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     if not store.parent.is_dir():
         raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
     # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
-    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay matter.
+    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay/nesterov matter.
     if ns.optimizer != "sgd":
         raise ConfigError(f"the all-reduce baseline applies SGD only, got --optimizer {ns.optimizer}")
     spec = JobSpec(
-        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay
+        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay,
+        nesterov=ns.nesterov,
     )
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)

@@ -162,8 +162,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
     flag(co, "--batch-size", C.batch_size, "examples per step per worker", type=positive_int)
     flag(co, "--lr", C.lr, "learning rate", type=float)
-    flag(co, "--optimizer", C.optimizer, "server-side update rule (adam/adamw with their default betas; not "
-         "with allreduce)", choices=OPTIMIZER_NAMES)
+    flag(co, "--optimizer", C.optimizer, "server-side update rule (its other settings at torch's defaults; "
+         "not with allreduce)", choices=OPTIMIZER_NAMES)
     flag(co, "--momentum", C.momentum, "SGD momentum", type=float)
     flag(co, "--weight-decay", C.weight_decay, "L2 weight decay", type=float)
     flag(co, "--wire-dtype", C.wire_dtype, "wire dtype", choices=WIRE_DTYPES)
