@@ -25,6 +25,7 @@ from psgrad.errors import (  # noqa: E402
 
 if TYPE_CHECKING:
     from psgrad.api import PSOptimizer, Session, StepStats, connect
+    from psgrad.client.export import ModelSnapshot, fetch_model, fetch_state_dict
     from psgrad.optim import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
 
@@ -41,6 +42,9 @@ _LAZY = {
     "RMSprop": "psgrad.optim",
     "Adadelta": "psgrad.optim",
     "Task": "psgrad.tasks.base",
+    "fetch_state_dict": "psgrad.client.export",
+    "fetch_model": "psgrad.client.export",
+    "ModelSnapshot": "psgrad.client.export",
 }
 
 
@@ -64,6 +68,9 @@ __all__ = [
     "RMSprop",
     "Adadelta",
     "Task",
+    "fetch_state_dict",
+    "fetch_model",
+    "ModelSnapshot",
     "ClientConfig",
     "JobSpec",
     "ServerConfig",

@@ -332,13 +332,15 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from psgrad.client.export import export_state_dict, write_state_dict
+    from psgrad.client.export import fetch_model, write_state_dict
 
     out = Path(ns.out)
     if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
         raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
-    state, versions = export_state_dict(ns.servers, ns.timeout_s)
-    write_state_dict(state, out)
-    values = sum(t.numel() for t in state.values())
-    print(f"psgrad export: wrote {len(state)} parameters ({values:,} values) at shard versions {versions} to {out}")
+    snap = fetch_model(ns.servers, ns.timeout_s)
+    write_state_dict(snap.state_dict, out)
+    values = sum(t.numel() for t in snap.state_dict.values())
+    at = (f"iteration {snap.versions[0]} on every shard" if snap.mode == "sync" else
+          f"shard versions {snap.versions}" + ("" if snap.consistent else " (pushes were in flight: each shard as of its own)"))
+    print(f"psgrad export: wrote {len(snap.state_dict)} tensors ({values:,} values) at {at} to {out}")
     return 0
