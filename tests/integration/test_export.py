@@ -7,7 +7,6 @@ import copy
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import REPO, run_in_threads
+from conftest import REPO, note_first_sleep, run_in_threads
 from psgrad.client import export
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient
@@ -176,17 +175,7 @@ def test_in_sync_mode_fetch_waits_until_every_shard_is_at_one_iteration(
         assert [s.shard.version for s in running] == [1, 0]
         with pytest.raises(StalledError, match=r"the shards stayed at different iterations \(\[1, 0\]\) for 0.3 s"):
             psgrad.fetch_state_dict(addresses, timeout_s=0.3)
-        retrying = threading.Event()
-
-        class Clock:  # the reader's time module, noting when it first waits to read again
-            monotonic = staticmethod(time.monotonic)
-
-            @staticmethod
-            def sleep(seconds: float) -> None:
-                retrying.set()
-                time.sleep(seconds)
-
-        monkeypatch.setattr(export, "time", Clock)
+        retrying = note_first_sleep(monkeypatch, export)  # set when the reader first waits to read again
         got: list[Any] = []
         reader = threading.Thread(target=lambda: got.append(psgrad.fetch_model(addresses, timeout_s=30)))
         reader.start()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import note_first_sleep
 from psgrad.client import reconnect
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -34,17 +35,7 @@ def _client(address: str, reconnect_timeout_s: float) -> ParameterClient:
 def test_a_push_to_a_restarting_server_is_retried_until_it_is_back_and_applied_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    retrying = threading.Event()
-
-    class Clock:  # the client's time module, noting when it first backs off
-        monotonic = staticmethod(time.monotonic)
-
-        @staticmethod
-        def sleep(seconds: float) -> None:
-            retrying.set()
-            time.sleep(seconds)
-
-    monkeypatch.setattr(reconnect, "time", Clock)
+    retrying = note_first_sleep(monkeypatch, reconnect)  # set when the client first backs off
     config = ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path))
     server = start_server(config)
     port = int(server.address.rsplit(":", 1)[1])

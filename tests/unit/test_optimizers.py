@@ -9,7 +9,7 @@ import torch
 
 from psgrad.config import OPTIMIZER_NAMES, JobSpec
 from psgrad.errors import ConfigError
-from psgrad.core.optimizers import OPTIMIZERS, SGD, Adam, make_optimizer
+from psgrad.core.optimizers import OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, RMSprop, ShardOptimizer, make_optimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,14 +58,23 @@ def test_sgd_plain_step_is_w_minus_lr_g() -> None:
     assert w.tolist() == [0.0, -3.0, 5.0]
 
 
-def test_momentum_buffer_starts_at_the_first_gradient() -> None:
-    # Hand-computed: v1 = g1 = 1, w = 0 - 1*1 = -1; v2 = 0.5*1 + 3 = 3.5, w = -1 - 3.5 = -4.5.
-    opt = SGD(1, lr=1.0, momentum=0.5)
+@pytest.mark.parametrize(
+    "nesterov, after",
+    [
+        # Hand-computed: v1 = g1 = 1, w = 0 - 1*1 = -1; v2 = 0.5*1 + 3 = 3.5, w = -1 - 3.5 = -4.5.
+        (False, (-1.0, -4.5)),
+        # Nesterov steps along g + 0.5 v: 1 + 0.5 = 1.5, w = -1.5; then 3 + 0.5*3.5 = 4.75, w = -6.25.
+        (True, (-1.5, -6.25)),
+    ],
+    ids=["heavy-ball", "nesterov"],
+)
+def test_momentum_buffer_starts_at_the_first_gradient(nesterov: bool, after: tuple[float, float]) -> None:
+    opt = SGD(1, lr=1.0, momentum=0.5, nesterov=nesterov)
     w = torch.zeros(1)
     opt.apply(w, torch.tensor([1.0]))
-    assert w.item() == -1.0
+    assert w.item() == after[0]
     opt.apply(w, torch.tensor([3.0]))
-    assert w.item() == -4.5
+    assert w.item() == after[1]
 
 
 def test_lr_scale() -> None:
@@ -205,26 +214,35 @@ def test_adam_state_is_allocated_once_and_reused() -> None:
     assert opt.steps == 3
 
 
-def test_adam_apply_allocates_nothing_large() -> None:
+def _largest_allocation_of_a_second_apply(opt: ShardOptimizer, numel: int) -> int:
+    """Bytes of the largest allocation torch's profiler sees while opt applies a gradient (its
+    state already made by a first apply)."""
     from torch.profiler import ProfilerActivity, profile
 
-    numel = 200_000
-    opt = Adam(numel, lr=1e-3, weight_decay=0.01, block=1 << 14)
     w, g = torch.randn(numel), torch.randn(numel)
     opt.apply(w, g)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.apply(w, g)
-    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_adam_apply_allocates_nothing_large() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    numel = 200_000
+    largest = _largest_allocation_of_a_second_apply(Adam(numel, lr=1e-3, weight_decay=0.01, block=1 << 14), numel)
     assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"
+    w = torch.randn(numel)
     # The check itself can fail: the same profile around an out-of-place op sees its allocation.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         (w * 2).sum()
     assert max(e.cpu_memory_usage for e in prof.events()) >= numel * 4
 
 
-def test_adam_refuses_a_zero_block() -> None:
-    with pytest.raises(ConfigError, match="block"):
-        Adam(10, lr=1e-3, block=0)
+@pytest.mark.parametrize("cls", [Adam, Adagrad, RMSprop, Adadelta])
+def test_a_zero_block_is_refused(cls: type) -> None:
+    with pytest.raises(ConfigError, match="block must be >= 1, got 0"):
+        cls(10, lr=1e-3, block=0)
 
 
 @pytest.mark.parametrize(
@@ -355,16 +373,6 @@ def test_the_new_rules_allocate_their_state_once(case: str) -> None:
     assert opt.state_bytes() == held
 
 
-def test_nesterov_first_steps_by_hand() -> None:
-    # v1 = g1 = 1, step = g1 + 0.5 v1 = 1.5, w = -1.5; v2 = 0.5 + 3 = 3.5, step = 3 + 1.75 = 4.75, w = -6.25
-    opt = SGD(1, lr=1.0, momentum=0.5, nesterov=True)
-    w = torch.zeros(1)
-    opt.apply(w, torch.tensor([1.0]))
-    assert w.item() == -1.5
-    opt.apply(w, torch.tensor([3.0]))
-    assert w.item() == -6.25
-
-
 def test_nesterov_without_momentum_is_refused() -> None:
     with pytest.raises(ConfigError, match="nesterov needs momentum"):
         SGD(4, lr=0.1, nesterov=True)
@@ -372,14 +380,8 @@ def test_nesterov_without_momentum_is_refused() -> None:
 
 @pytest.mark.parametrize("case", ["adagrad-all", "rmsprop-centered-momentum", "adadelta-decay"])
 def test_the_new_rules_apply_without_allocating(case: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     numel = 200_000
     opt = make_optimizer(_spec(TORCH_CASES[case][1]), numel)
     opt._block = 1 << 14  # type: ignore[attr-defined]
-    w, g = torch.randn(numel), torch.randn(numel)
-    opt.apply(w, g)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.apply(w, g)
-    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    largest = _largest_allocation_of_a_second_apply(opt, numel)
     assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"

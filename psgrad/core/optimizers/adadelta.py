@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks
-from psgrad.errors import ConfigError
+from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
 
 
 class Adadelta(ShardOptimizer):
@@ -24,8 +23,6 @@ class Adadelta(ShardOptimizer):
         weight_decay: float = 0.0,
         block: int = BLOCK,
     ) -> None:
-        if block < 1:
-            raise ConfigError(f"block must be >= 1, got {block}")
         self.lr = lr
         self.rho = rho
         self.eps = eps
@@ -34,8 +31,8 @@ class Adadelta(ShardOptimizer):
         self.square_avg = torch.zeros(numel)
         self.acc_delta = torch.zeros(numel)
         self._block = block
-        self._std = torch.empty(min(numel, block))
-        self._delta = torch.empty(min(numel, block))
+        self._std = scratch(numel, block)
+        self._delta = scratch(numel, block)
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         self.steps += 1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks
-from psgrad.errors import ConfigError
+from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
 
 
 class Adagrad(ShardOptimizer):
@@ -24,8 +23,6 @@ class Adagrad(ShardOptimizer):
         eps: float = 1e-10,
         block: int = BLOCK,
     ) -> None:
-        if block < 1:
-            raise ConfigError(f"block must be >= 1, got {block}")
         self.lr = lr
         self.lr_decay = lr_decay
         self.weight_decay = weight_decay
@@ -33,7 +30,7 @@ class Adagrad(ShardOptimizer):
         self.steps = 0
         self.sum = torch.full((numel,), float(initial_accumulator_value))
         self._block = block
-        self._std = torch.empty(min(numel, block))
+        self._std = scratch(numel, block)
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         self.steps += 1

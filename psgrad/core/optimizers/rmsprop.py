@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks
-from psgrad.errors import ConfigError
+from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
 
 
 class RMSprop(ShardOptimizer):
@@ -26,8 +25,6 @@ class RMSprop(ShardOptimizer):
         centered: bool = False,
         block: int = BLOCK,
     ) -> None:
-        if block < 1:
-            raise ConfigError(f"block must be >= 1, got {block}")
         self.lr = lr
         self.alpha = alpha
         self.eps = eps
@@ -39,7 +36,7 @@ class RMSprop(ShardOptimizer):
         self.grad_avg = torch.zeros(numel) if centered else None
         self.momentum_buffer = torch.zeros(numel) if momentum > 0 else None
         self._block = block
-        self._avg = torch.empty(min(numel, block))
+        self._avg = scratch(numel, block)
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         self.steps += 1
