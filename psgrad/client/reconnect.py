@@ -137,11 +137,11 @@ def call(
                 if not config.reconnect_timeout_s:
                     raise to_psgrad_error(exc, address, what, timeout_s, note=" (not retried: --reconnect-timeout-s 0)") from None
                 waited = f" for {now - started:.1f} s of --reconnect-timeout-s {config.reconnect_timeout_s:g}"
-                error = to_psgrad_error(exc, address, what, timeout_s, waited)
-                if len(tried) < 2 or not isinstance(error, ServerUnavailableError):
-                    raise error from None
+                if len(tried) < 2:
+                    raise to_psgrad_error(exc, address, what, timeout_s, waited) from None
+                last = to_psgrad_error(exc, address, what, timeout_s)
                 raise ServerUnavailableError(
-                    f"neither server of the shard ({', '.join(sorted(tried))}) came back{waited}; the last one tried: {error}"
+                    f"neither server of the shard ({', '.join(sorted(tried))}) came back{waited}; the last one tried: {last}"
                 ) from None
             other = failover(address) if failover is not None else None
             if other is not None and other not in tried:  # the backup: at once
