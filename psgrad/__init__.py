@@ -24,7 +24,9 @@ from psgrad.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from psgrad.api import SGD, Adam, PSOptimizer, Session, StepStats, connect
+    from psgrad.api import PSOptimizer, Session, StepStats, connect
+    from psgrad.client.export import ModelSnapshot, fetch_model, fetch_state_dict
+    from psgrad.optim import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
@@ -34,9 +36,15 @@ _LAZY = {
     "Session": "psgrad.api",
     "PSOptimizer": "psgrad.api",
     "StepStats": "psgrad.api",
-    "SGD": "psgrad.api",
-    "Adam": "psgrad.api",
+    "SGD": "psgrad.optim",
+    "Adam": "psgrad.optim",
+    "Adagrad": "psgrad.optim",
+    "RMSprop": "psgrad.optim",
+    "Adadelta": "psgrad.optim",
     "Task": "psgrad.tasks.base",
+    "fetch_state_dict": "psgrad.client.export",
+    "fetch_model": "psgrad.client.export",
+    "ModelSnapshot": "psgrad.client.export",
 }
 
 
@@ -56,7 +64,13 @@ __all__ = [
     "StepStats",
     "SGD",
     "Adam",
+    "Adagrad",
+    "RMSprop",
+    "Adadelta",
     "Task",
+    "fetch_state_dict",
+    "fetch_model",
+    "ModelSnapshot",
     "ClientConfig",
     "JobSpec",
     "ServerConfig",

@@ -23,41 +23,9 @@ from torch import nn
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
+from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
 from psgrad.core.sharding import param_specs, plan_shards
-
-
-@dataclass(frozen=True)
-class SGD:
-    """Server-side SGD with optional heavy-ball momentum and L2 weight decay (like torch.optim.SGD)."""
-
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-    def job_fields(self) -> dict[str, Any]:
-        return {"optimizer": "sgd", "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
-
-
-@dataclass(frozen=True)
-class Adam:
-    """Server-side Adam (like torch.optim.Adam); decoupled=True gives AdamW's weight decay."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    decoupled: bool = False
-
-    def job_fields(self) -> dict[str, Any]:
-        return {
-            "optimizer": "adamw" if self.decoupled else "adam",
-            "lr": self.lr,
-            "beta1": self.betas[0],
-            "beta2": self.betas[1],
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-        }
 
 
 @dataclass
@@ -101,7 +69,7 @@ def connect(
     num_workers: int = 1,
     mode: str = "async",
     staleness: int | None = None,
-    optimizer: SGD | Adam | None = None,
+    optimizer: ServerOptimizer | None = None,
     wire_dtype: str = "float32",
     staleness_lr: bool = False,
     client: ClientConfig | None = None,

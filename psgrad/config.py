@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psgrad.errors import ConfigError
+from psgrad.optim import check_optimizer_fields
 
 MODES = ("async", "ssp", "sync")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
 # tests/unit/test_optimizers.py keeps the two equal.
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta")
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -42,7 +43,13 @@ class JobSpec:
     staleness_lr: bool = False
     beta1: float = 0.9  # Adam's first-moment decay (adam, adamw)
     beta2: float = 0.999  # Adam's second-moment decay (adam, adamw)
-    eps: float = 1e-8  # Adam's denominator term (adam, adamw)
+    eps: float = 1e-8  # the denominator term (Adam's default; see optim.DEFAULT_EPS)
+    nesterov: bool = False  # sgd with momentum: Nesterov's rule
+    lr_decay: float = 0.0  # adagrad: lr / (1 + (step - 1) * lr_decay)
+    initial_accumulator_value: float = 0.0  # adagrad: where the sum of squared gradients starts
+    alpha: float = 0.99  # rmsprop: decay of the squared-gradient average
+    centered: bool = False  # rmsprop: divide by the gradient's estimated variance, not its raw second moment
+    rho: float = 0.9  # adadelta: decay of both running averages
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -56,22 +63,7 @@ class JobSpec:
         _check(
             math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr!r}"
         )
-        _check(
-            math.isfinite(self.momentum) and 0 <= self.momentum < 1,
-            f"momentum must be in [0, 1), got {self.momentum!r}",
-        )
-        _check(
-            self.momentum == 0 or self.optimizer == "sgd",
-            f"momentum applies only to optimizer 'sgd' (Adam's momentum is beta1), "
-            f"got momentum {self.momentum!r} with optimizer {self.optimizer!r}",
-        )
-        for name in ("beta1", "beta2"):
-            beta = getattr(self, name)
-            _check(math.isfinite(beta) and 0 <= beta < 1, f"{name} must be in [0, 1), got {beta!r}")
-        _check(
-            math.isfinite(self.eps) and self.eps > 0, f"eps must be a finite number > 0, got {self.eps!r}"
-        )
-        _finite_nonneg("weight_decay", self.weight_decay)
+        check_optimizer_fields(self)  # momentum, weight_decay, beta1, ..., rho: ranges, and who reads them
         _check(
             self.wire_dtype in WIRE_DTYPES,
             f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",
@@ -98,7 +90,9 @@ class JobSpec:
             "--num-workers", str(self.num_workers), "--optimizer", self.optimizer, "--lr", str(self.lr),
             "--momentum", str(self.momentum), "--weight-decay", str(self.weight_decay),
             "--beta1", str(self.beta1), "--beta2", str(self.beta2), "--eps", str(self.eps),
-            "--wire-dtype", self.wire_dtype,
+            *(["--nesterov"] if self.nesterov else []), "--lr-decay", str(self.lr_decay),
+            "--initial-accumulator-value", str(self.initial_accumulator_value), "--alpha", str(self.alpha),
+            *(["--centered"] if self.centered else []), "--rho", str(self.rho), "--wire-dtype", self.wire_dtype,
         ]  # str(float) round-trips: float(str(x)) == x
 
 

@@ -14,6 +14,11 @@ class ServerUnavailableError(PsgradError):
     """A parameter server could not be reached or did not answer in time."""
 
 
+class DeadlineExceededError(ServerUnavailableError):
+    """A call got no answer before its deadline (the server may still be reachable: busy, paused,
+    or holding the call)."""
+
+
 class ServerStartError(PsgradError):
     """A parameter server could not start (for example its port is taken)."""
 
@@ -79,6 +84,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         PsgradError,
         ConfigError,
         ServerUnavailableError,
+        DeadlineExceededError,
         ServerStartError,
         InvalidRequestError,
         NotInitializedError,

@@ -215,3 +215,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def note_first_sleep(monkeypatch: pytest.MonkeyPatch, module: Any) -> threading.Event:
+    """Give module a `time` whose sleep() sets the returned event first: a test then knows, without
+    sleeping itself, that the code under test reached its first wait before a retry."""
+    import time
+
+    slept = threading.Event()
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            slept.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(module, "time", Clock)
+    return slept

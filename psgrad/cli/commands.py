@@ -153,11 +153,12 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     if not store.parent.is_dir():
         raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
     # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
-    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay matter.
+    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay/nesterov matter.
     if ns.optimizer != "sgd":
         raise ConfigError(f"the all-reduce baseline applies SGD only, got --optimizer {ns.optimizer}")
     spec = JobSpec(
-        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay
+        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay,
+        nesterov=ns.nesterov,
     )
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
@@ -331,13 +332,15 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from psgrad.client.export import export_state_dict, write_state_dict
+    from psgrad.client.export import fetch_model, write_state_dict
 
     out = Path(ns.out)
     if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
         raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
-    state, versions = export_state_dict(ns.servers, ns.timeout_s)
-    write_state_dict(state, out)
-    values = sum(t.numel() for t in state.values())
-    print(f"psgrad export: wrote {len(state)} parameters ({values:,} values) at shard versions {versions} to {out}")
+    snap = fetch_model(ns.servers, ns.timeout_s)
+    write_state_dict(snap.state_dict, out)
+    values = sum(t.numel() for t in snap.state_dict.values())
+    at = (f"iteration {snap.versions[0]} on every shard" if snap.mode == "sync" else
+          f"shard versions {snap.versions}" + ("" if snap.consistent else " (pushes were in flight: each shard as of its own)"))
+    print(f"psgrad export: wrote {len(snap.state_dict)} tensors ({values:,} values) at {at} to {out}")
     return 0

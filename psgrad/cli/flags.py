@@ -16,6 +16,7 @@ from psgrad.config import (
     parse_servers,
 )
 from psgrad.errors import ConfigError
+from psgrad.optim import DEFAULT_EPS
 
 # --staleness left out: 2 in ssp mode (JobSpec's 0 bounds nothing there), 0 otherwise.
 SSP_STALENESS = 2
@@ -94,20 +95,36 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
     flag(g, "--steps", WorkerConfig.steps, "training iterations per worker: a worker trains until its clock "
          "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest", type=int)
     flag(g, "--batch-size", WorkerConfig.batch_size, "examples per step per worker", type=positive_int)
-    flag(g, "--optimizer", JobSpec.optimizer, "update rule the servers apply: sgd (optionally with --momentum), "
-         "adam (like torch.optim.Adam; keeps 2 extra floats per parameter on the servers) or adamw (Adam with "
-         "decoupled weight decay)", choices=OPTIMIZER_NAMES)
-    flag(g, "--lr", JobSpec.lr, "server-side learning rate", "; adam usually wants ~1e-3", type=float)
-    flag(g, "--momentum", JobSpec.momentum, "SGD momentum on the servers; with many async workers, effective "
-         "momentum grows with staleness: lower it if training oscillates", type=float)
-    flag(g, "--weight-decay", JobSpec.weight_decay, "weight decay: L2 added to the gradient for sgd and adam, "
-         "decoupled for adamw", type=float)
+    flag(g, "--optimizer", JobSpec.optimizer, "update rule the servers apply, each like its torch.optim namesake: "
+         "sgd (optionally with --momentum, --nesterov), adam, adamw (Adam with decoupled weight decay), adagrad, "
+         "rmsprop or adadelta; all but plain sgd keep 1-3 extra floats per parameter on the servers",
+         choices=OPTIMIZER_NAMES)
+    flag(g, "--lr", JobSpec.lr, "server-side learning rate", "; adam and rmsprop usually want ~1e-3 to 1e-2, "
+         "adagrad ~1e-2, adadelta 1.0 (torch's defaults)", type=float)
+    flag(g, "--momentum", JobSpec.momentum, "sgd and rmsprop: momentum on the servers; with many async workers, "
+         "effective momentum grows with staleness: lower it if training oscillates", type=float)
+    flag(g, "--nesterov", JobSpec.nesterov, "sgd with --momentum: Nesterov's momentum (a look-ahead step) instead "
+         "of heavy ball; try it when heavy-ball momentum overshoots", action="store_true")
+    flag(g, "--weight-decay", JobSpec.weight_decay, "weight decay: L2 added to the gradient, except adamw's, "
+         "which is decoupled", type=float)
     flag(g, "--beta1", JobSpec.beta1, "adam/adamw: decay of the gradient average (Adam's momentum); like "
          "--momentum, lower it (e.g. 0.5) if training with many async workers oscillates", type=float)
     flag(g, "--beta2", JobSpec.beta2, "adam/adamw: decay of the squared-gradient average; lower it (e.g. 0.98) "
          "if training is unstable early on", type=float)
-    flag(g, "--eps", JobSpec.eps, "adam/adamw: term added to the denominator; raise it (e.g. 1e-6) if "
-         "parameters whose gradients are almost zero still take lr-sized steps", type=float)
+    g.add_argument("--eps", type=float, default=None, help="adam, adamw, adagrad, rmsprop, adadelta: term added "
+                   "to the denominator; raise it (e.g. 1e-6) if parameters whose gradients are almost zero still "
+                   "take lr-sized steps (default: torch's for the optimizer: "
+                   + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_EPS.items()) + ")")
+    flag(g, "--lr-decay", JobSpec.lr_decay, "adagrad: step t uses lr / (1 + (t-1) * LR_DECAY); raise it to "
+         "anneal the learning rate as the servers apply updates", type=float)
+    flag(g, "--initial-accumulator-value", JobSpec.initial_accumulator_value, "adagrad: where the sum of squared "
+         "gradients starts; raise it (e.g. 0.1) if the first steps are too large", type=float)
+    flag(g, "--alpha", JobSpec.alpha, "rmsprop: decay of the squared-gradient average; lower it (e.g. 0.9) to "
+         "follow changing gradient scales faster", type=float)
+    flag(g, "--centered", JobSpec.centered, "rmsprop: normalize by the gradient's variance rather than its "
+         "second moment (more stable on some problems, one more float per parameter)", action="store_true")
+    flag(g, "--rho", JobSpec.rho, "adadelta: decay of its running averages; lower it (e.g. 0.8) to adapt "
+         "faster", type=float)
     flag(g, "--wire-dtype", JobSpec.wire_dtype, "dtype of pushed gradients and pulled weights on the wire; "
          "bfloat16/float16 halve the bytes, servers keep float32 master weights", choices=WIRE_DTYPES)
     flag(g, "--seed", WorkerConfig.seed, "seed for model init and batch order", type=int)
@@ -189,7 +206,9 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
     return JobSpec(
         mode=ns.mode, staleness=staleness(ns), staleness_lr=ns.staleness_lr, num_workers=num_workers,
         optimizer=ns.optimizer, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay, beta1=ns.beta1,
-        beta2=ns.beta2, eps=ns.eps, wire_dtype=ns.wire_dtype, num_shards=num_shards,
+        beta2=ns.beta2, eps=DEFAULT_EPS.get(ns.optimizer, JobSpec.eps) if ns.eps is None else ns.eps,
+        nesterov=ns.nesterov, lr_decay=ns.lr_decay, initial_accumulator_value=ns.initial_accumulator_value,
+        alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
     )
 
 

@@ -162,8 +162,8 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
     flag(co, "--batch-size", C.batch_size, "examples per step per worker", type=positive_int)
     flag(co, "--lr", C.lr, "learning rate", type=float)
-    flag(co, "--optimizer", C.optimizer, "server-side update rule (adam/adamw with their default betas; not "
-         "with allreduce)", choices=OPTIMIZER_NAMES)
+    flag(co, "--optimizer", C.optimizer, "server-side update rule (its other settings at torch's defaults; "
+         "not with allreduce)", choices=OPTIMIZER_NAMES)
     flag(co, "--momentum", C.momentum, "SGD momentum", type=float)
     flag(co, "--weight-decay", C.weight_decay, "L2 weight decay", type=float)
     flag(co, "--wire-dtype", C.wire_dtype, "wire dtype", choices=WIRE_DTYPES)
@@ -208,12 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     ex = sub.add_parser("export", help="save a running job's current weights as a state_dict",
-                        description="Read every shard's current weights (a snapshot; joins nothing) and save them as a "
-                        "state_dict keyed by parameter name: model.load_state_dict(torch.load(PATH)).")
+                        description="Read every shard's current weights (a snapshot; joins nothing, needs no job "
+                        "flags) and save them as a state_dict keyed by parameter name: model.load_state_dict("
+                        "torch.load(PATH)). In sync mode every shard is read at the same iteration.")
     ex.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...] in shard order (a SHARD is "
                     "HOST:PORT or PRIMARY|BACKUP)")
     ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
-    flag(ex, "--timeout-s", 30.0, "deadline per server", type=float)
+    flag(ex, "--timeout-s", 30.0, "deadline per server, and in sync mode how long the shards may take to agree on "
+         "an iteration", type=float)
     ex.set_defaults(func=cmd_export)
     for command in sub.choices.values():
         lg = command.add_argument_group("logging")

@@ -42,6 +42,7 @@ def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> N
 
 def format_status(shards: Sequence[dict[str, Any]]) -> str:
     """The human-readable table `psgrad status` prints."""
+    from psgrad.core.status import start_wait_phrase  # torch: not at the CLI's start
     head = f"{'shard':>5} {'address':<21} {'range':<21} {'version':>8} {'applied':>8} {'dup':>4} {'rej':>4} {'pulls':>7} {'MB in':>9} {'MB out':>9}"
     lines = [head]
     for s in shards:
@@ -64,6 +65,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
         st = s["staleness"]
         hist = " ".join(f"{k}:{v}" for k, v in st["histogram"].items()) or "none"
         lines.append(f"shard {s['shard']}: workers {workers}")
+        missing = s.get("missing_at_start") or []
+        if missing:
+            lines.append(f"shard {s['shard']}: waiting for the start ({s['spec']['mode']} mode starts all workers "
+                         f"together): {start_wait_phrase(s['spec']['num_workers'], missing)}")
         if s["evictions"] or s["pending"] or s["waiting"]:
             lines.append(
                 f"shard {s['shard']}: evictions {s['evictions']}, sync gradients buffered {s['pending']}, "

@@ -1,29 +1,74 @@
-"""The model a running job holds, read from its servers: every shard's weights as of now (an
-ungated snapshot that joins nothing), laid out as a `state_dict` keyed by parameter name."""
+"""The model a running job holds, read from its servers without joining it and without its job
+spec: every shard's tensors as of now (ungated snapshots), at one version where the mode has one,
+laid out as a `state_dict` keyed by name. psgrad.fetch_state_dict and `psgrad export` use it."""
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from psgrad.client.parameter_client import ParameterClient, shard_status
-from psgrad.config import ClientConfig
-from psgrad.core.sharding import plan_shards
-from psgrad.errors import JobMismatchError, NotInitializedError
+from psgrad.config import ClientConfig, parse_servers
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
+
+# Between reads while a sync job's shards are at different iterations (one shard's update of an
+# iteration applied, another's just arriving): up to this long.
+MAX_RETRY_S = 0.2
 
 
-def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The job's current weights as {parameter name: tensor of its shape and dtype}, and each
-    shard's version. `addresses` lists the servers in shard order, as the workers were given.
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """A job's model as its servers hold it: every named tensor (model order, each its shape and
+    dtype), the version each shard's part was read at, and the job's mode.
+
+    What "one version" means: in sync mode the shards are read again until every one is at the same
+    iteration, so `state_dict` is exactly the model after that iteration (consistent is True). In
+    async and ssp mode each shard applies pushes on its own and no iteration spans the shards: each
+    shard's part is exactly its weights at the version given (never torn), and the parts agree
+    once no push is in flight (a finished job, or all workers left); `consistent` says whether the
+    versions are equal.
+    """
+
+    state_dict: dict[str, torch.Tensor]
+    versions: list[int]
+    mode: str
+
+    @property
+    def consistent(self) -> bool:
+        return len(set(self.versions)) == 1
+
+
+def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The flat float32 space cut into {name: tensor of its shape and dtype}, in order."""
+    state: dict[str, torch.Tensor] = {}
+    offset = 0
+    for p in specs:
+        state[p.name] = flat[offset : offset + p.numel].reshape(p.shape).to(getattr(torch, p.dtype)).clone()
+        offset += p.numel
+    return state
+
+
+def fetch_model(servers: str | Sequence[str], timeout_s: float = 30.0) -> ModelSnapshot:
+    """Read a running (or finished) job's model from its servers: joins nothing, needs no job spec
+    or model (the servers describe the tensors), and waits for nobody but, in sync mode, for the
+    shards to agree on an iteration (see ModelSnapshot). `servers` lists the shards in order, as
+    the workers were given them (a list, or "HOST:PORT,..."; PRIMARY|BACKUP entries fail over).
 
     Raises:
+        ConfigError: a malformed address.
         NotInitializedError: a server holds no job yet.
         JobMismatchError: the servers hold different jobs, or are listed out of order.
+        StalledError: sync mode, and the shards stayed at different iterations for timeout_s.
         ServerUnavailableError: a server does not answer within timeout_s.
     """
+    addresses = parse_servers(servers if isinstance(servers, str) else ",".join(servers))
+    deadline = time.monotonic() + timeout_s
     statuses = shard_status(addresses, timeout_s, with_params=True)
     for address, st in zip(addresses, statuses):
         if not st.initialized or st.spec is None:
@@ -41,14 +86,34 @@ def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tupl
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s,
                           reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False)
     flat = torch.empty(plan.total)
-    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config) as client:
-        versions = client.pull(flat, clock=0, observe=True)
-    state: dict[str, torch.Tensor] = {}
-    offset = 0
-    for p in params:
-        state[p.name] = flat[offset : offset + p.numel].reshape(p.shape).to(getattr(torch, p.dtype)).clone()
-        offset += p.numel
-    return state, versions
+    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config) as reader:
+        wait_s = 0.005
+        while True:
+            versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
+            if first.spec.mode != "sync" or len(set(versions)) == 1:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StalledError(
+                    f"the shards stayed at different iterations ({versions}) for {timeout_s:g} s: in sync mode the "
+                    "model exists only once every shard applied an iteration; is a worker stuck between its pushes "
+                    "to the shards, or a shard restored from an older checkpoint?"
+                )
+            time.sleep(min(wait_s, left))  # a shard whose update of the iteration is still arriving
+            wait_s = min(2 * wait_s, MAX_RETRY_S)
+    return ModelSnapshot(named_tensors(params, flat), versions, first.spec.mode)
+
+
+def fetch_state_dict(servers: str | Sequence[str], timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
+    """The job's current model as a state_dict keyed by name: `model.load_state_dict(...)` takes it.
+    See fetch_model (which also gives the versions) for what it waits for and guarantees."""
+    return fetch_model(servers, timeout_s).state_dict
+
+
+def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """fetch_model's state_dict and versions (`psgrad export`)."""
+    snap = fetch_model(addresses, timeout_s)
+    return snap.state_dict, snap.versions
 
 
 def write_state_dict(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:

@@ -3,7 +3,9 @@ join/init, the lease heartbeat, and one iteration's push + pull."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
@@ -15,13 +17,21 @@ from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
-from psgrad.core.status import ShardStatus
+from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde
 from psgrad.wire.heap import tune_allocator
 
 T = TypeVar("T")
+_log = logging.getLogger("psgrad.client")
+# A worker waiting at the sync/ssp start asks the shards again at least this often (each answer says
+# who has joined), and logs who is missing when that changes or every START_NOTE_S.
+START_ROUND_S = 10.0
+START_FIRST_ROUND_S = 1.0
+START_NOTE_S = 30.0
+# A waiting Join's deadline is its round plus this; the server answers half a second before it.
+JOIN_MARGIN_S = 0.5
 
 
 class ParameterClient:
@@ -120,25 +130,72 @@ class ParameterClient:
 
             self._fan_out(init)
         if not all(r.ready for r in replies):
-            t = self.config.init_timeout_s
-            replies = self._fan_out(lambda i, s: s.join(self._join_request(i, wait=True), t))
-            missing = [self.shards[i].address for i, r in enumerate(replies) if not r.initialized]
-            if missing:
-                raise errors.NotInitializedError(
-                    f"shards at {', '.join(missing)} were not initialized within {t:g} s: "
-                    "is worker rank 0 (the chief) running against the same --servers?"
-                )
-            short = [r.joined for r in replies if not r.ready]
-            if short:
-                raise errors.WorkerStateError(
-                    f"only {min(short)} of {self.spec.num_workers} workers joined within {t:g} s "
-                    f"({self.spec.mode} mode starts all workers together): start the others, or lower "
-                    "--num-workers"
-                )
+            replies = self._wait_for_start(min(r.lease_s for r in replies))
         for i, s in enumerate(self.shards):
             s.rejoin = functools.partial(s.join, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
         return max(r.start_clock for r in replies)
+
+    def _wait_for_start(self, lease_s: float) -> list[pb.JoinReply]:
+        """Join again, waiting server side, until every shard is initialized and (sync/ssp) all
+        num_workers workers have joined, or init_timeout_s passes. It waits in rounds of at most
+        START_ROUND_S (and half a lease, so that each round renews this worker's lease); the
+        servers answer each round just before its deadline with who has joined, which is logged.
+
+        Raises:
+            NotInitializedError: a shard is not initialized at the end (the chief never came).
+            WorkerStateError: workers are missing at the end (their ranks named).
+            ServerUnavailableError: a server stopped answering meanwhile.
+        """
+        t = self.config.init_timeout_s
+        started = time.monotonic()
+        give_up, noted = started + t, started
+        replies: list[pb.JoinReply] | None = None
+        said = ""
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0 and replies is not None:
+                break
+            first = START_FIRST_ROUND_S if replies is None else START_ROUND_S  # a first word soon
+            round_s = max(0.0, min(left, first, lease_s / 2))
+            try:  # connected already: a server that stops answering fails the round at once
+                replies = self._fan_out(lambda i, s: s.join(
+                    self._join_request(i, wait=True), round_s + JOIN_MARGIN_S, wait_for_ready=False))
+            except errors.DeadlineExceededError:
+                if replies is None and time.monotonic() >= give_up:
+                    raise
+                continue  # the answer came late (a busy host): ask again
+            if all(r.ready for r in replies):
+                return replies
+            waiting, why = self._start_wait(replies)
+            now = time.monotonic()
+            if now < give_up and (waiting != said or now - noted >= START_NOTE_S):
+                log = _log.warning if now - started >= START_NOTE_S else _log.info
+                log("worker rank %d: waiting at the start: %s (%s; %.0f s of --init-timeout-s %g)",
+                    self.rank, waiting, why, now - started, t)
+                said, noted = waiting, now
+        missing = [self.shards[i].address for i, r in enumerate(replies) if not r.initialized]
+        if missing:
+            raise errors.NotInitializedError(
+                f"shards at {', '.join(missing)} were not initialized within {t:g} s (--init-timeout-s): "
+                "is worker rank 0 (the chief) running against the same --servers?"
+            )
+        waiting, why = self._start_wait(replies)
+        raise errors.WorkerStateError(f"{waiting} ({why}; waited {t:g} s, --init-timeout-s)")
+
+    def _start_wait(self, replies: Sequence[pb.JoinReply]) -> tuple[str, str]:
+        """What the start waits for, from the shards' Join answers, and why: the chief's
+        initialization, or the ranks that have not joined every shard ('2 of 3 workers joined;
+        rank 2 has not: start it or lower --num-workers', 'sync mode starts all workers together')."""
+        if not all(r.initialized for r in replies):
+            return "worker rank 0 (the chief) has not initialized every shard", "it sends the job and the weights"
+        spec = self.spec
+        joined = set.intersection(*(set(r.joined_ranks) for r in replies))
+        missing = missing_ranks(spec.num_workers, joined)
+        why = f"{spec.mode} mode starts all workers together"
+        if not missing:  # the shards count workers outside 0..num_workers-1
+            return f"only {min(r.joined for r in replies)} of {spec.num_workers} workers joined", why
+        return start_wait_phrase(spec.num_workers, missing), why
 
     def transports(self) -> list[str]:
         """How each shard's payloads travel now: "shm" (same host) or "grpc"."""

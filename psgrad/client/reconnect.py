@@ -12,7 +12,7 @@ import grpc
 
 from psgrad.config import ClientConfig
 from psgrad.errors import NotPrimaryError, PsgradError, ServerUnavailableError, UnknownWorkerError
-from psgrad.wire.protocol import ERROR_METADATA_KEY, to_psgrad_error
+from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, to_psgrad_error
 
 T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -21,12 +21,45 @@ MAX_RECONNECT_BACKOFF_S = 2.0
 # A shard with a backup: how long joining again may wait for a server that may be dead (the
 # retry then goes to the other one), rather than the whole reconnect timeout.
 FAILOVER_JOIN_S = 2.0
+# How long the quick status call that explains a deadline waits for its answer (see diagnose).
+PROBE_S = 1.0
 
 
 def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:
     """Whether a failed call carries the name of the server's error class cls."""
     trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
     return (ERROR_METADATA_KEY, cls.__name__) in tuple(trailing or ())
+
+
+def _names_any(exc: grpc.RpcError) -> bool:
+    """Whether a failed call carries the name of a server error (the server answered)."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    return any(key == ERROR_METADATA_KEY for key, _ in tuple(trailing or ()))
+
+
+def diagnose(probe: Callable[[float], object]) -> str:
+    """After a call ran out of time: what probe(PROBE_S), a quick status call to the same server
+    that does not wait for a connection, finds — it answers (the call was slow), it refuses or
+    cannot be reached now, or it does not answer at all."""
+    try:
+        probe(PROBE_S)
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return (f"a status call got no answer within {PROBE_S:g} s either: is it paused or overloaded, or does a "
+                    "firewall or network partition drop the packets to it?")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            problem = connection_problem(details)
+            return f"a second call found that it {problem[0]}" if problem else f"a status call failed too ({details})"
+    return ("it answers other calls, so this one took too long: a busy server or a slow link (raise the deadline if "
+            "that is expected)")
+
+
+def as_error(exc: grpc.RpcError, address: str, diagnose: Callable[[], str], what: str, timeout_s: float) -> PsgradError:
+    """exc as a PsgradError; a deadline the server did not explain is diagnosed (see diagnose)."""
+    late = isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not _names_any(exc)
+    return to_psgrad_error(exc, address, what, timeout_s, diagnosis=diagnose() if late else "")
 
 
 def join_any(
@@ -66,17 +99,21 @@ def call(
     rejoin: Callable[[float], object] | None,
     retry: bool = True,
     failover: Callable[[str], str | None] | None = None,
+    diagnose: Callable[[], str] | None = None,
 ) -> T:
     """fn(), each attempt under its deadline; while the shard does not answer (UNAVAILABLE: a
     server restarting, dead, or fenced), retried for up to reconnect_timeout_s: at once on the
     shard's other server when failover(address) gives one (fn must call the server in use), with
     backoff when both were tried. Retrying a push is safe: pushes are keyed by (rank, clock), so
-    the shard applies one at most once.
+    the shard applies one at most once. diagnose() says, after a deadline ran out, what a quick
+    second call finds (see ShardClient.diagnose).
 
     Raises:
-        ServerUnavailableError: the shard did not come back within reconnect_timeout_s (named).
+        ServerUnavailableError: the shard refused, could not be reached, or did not answer in time,
+            and did not come back within reconnect_timeout_s (named, with what happened and for how long).
         PsgradError: the error the server raised, or the call failed otherwise.
     """
+    started = time.monotonic()
     give_up = None
     backoff_s = RECONNECT_BACKOFF_S
     rejoined = False
@@ -93,16 +130,18 @@ def call(
                 except PsgradError:
                     pass
             if not (retry and isinstance(exc, grpc.Call) and exc.code() in RETRYABLE):
-                raise to_psgrad_error(exc, address, what, timeout_s) from None
+                raise as_error(exc, address, diagnose or (lambda: ""), what, timeout_s) from None
             now = time.monotonic()
             give_up = now + config.reconnect_timeout_s if give_up is None else give_up
             if now >= give_up:
                 if not config.reconnect_timeout_s:
-                    raise to_psgrad_error(exc, address, what, timeout_s) from None
-                who = f"server {address} did not" if len(tried) < 2 else f"neither server of the shard ({', '.join(sorted(tried))}) did"
+                    raise to_psgrad_error(exc, address, what, timeout_s, note=" (not retried: --reconnect-timeout-s 0)") from None
+                waited = f" for {now - started:.1f} s of --reconnect-timeout-s {config.reconnect_timeout_s:g}"
+                if len(tried) < 2:
+                    raise to_psgrad_error(exc, address, what, timeout_s, waited) from None
+                last = to_psgrad_error(exc, address, what, timeout_s)
                 raise ServerUnavailableError(
-                    f"{who} come back within --reconnect-timeout-s "
-                    f"{config.reconnect_timeout_s:g} s ({what}: {exc.code().name}: {exc.details()})"
+                    f"neither server of the shard ({', '.join(sorted(tried))}) came back{waited}; the last one tried: {last}"
                 ) from None
             other = failover(address) if failover is not None else None
             if other is not None and other not in tried:  # the backup: at once

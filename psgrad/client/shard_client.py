@@ -27,7 +27,6 @@ from psgrad.wire.protocol import (
     GATED_PUSH_BYTES,
     SERVICE_NAME,
     STEP_REQUEST_DATA,
-    to_psgrad_error,
 )
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 
@@ -134,13 +133,17 @@ class ShardClient:
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
         """fn(), reconnecting (or failing over) while the shard does not answer (see reconnect.call)."""
         rejoin = self.rejoin if retry else None
-        return reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover)
+        return reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover, self.diagnose)
 
-    def join(self, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
+    def diagnose(self) -> str:
+        """After a call to the server in use ran out of time: what a quick status call finds."""
+        return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t))
+
+    def join(self, req: pb.JoinRequest, timeout_s: float, wait_for_ready: bool = True) -> pb.JoinReply:
         """Join; waits for the channel to connect (up to timeout_s) instead of failing fast (a
-        shard with a backup: tries its servers in turn, see reconnect.join_any). Learns whether
-        the server takes payloads through shared memory."""
-        ready = len(self.addresses) < 2
+        shard with a backup: tries its servers in turn, see reconnect.join_any), unless not
+        wait_for_ready. Learns whether the server takes payloads through shared memory."""
+        ready = len(self.addresses) < 2 and wait_for_ready
 
         def run(t: float) -> pb.JoinReply:
             def attempt() -> pb.JoinReply:
@@ -150,7 +153,9 @@ class ShardClient:
 
             return self._call("the join request", attempt, t, retry=False)
 
-        return run(timeout_s) if ready else reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
+        if ready or len(self.addresses) < 2:
+            return run(timeout_s)
+        return reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
 
     def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
         """Stream a shard's initial float32 weights (sent once, by the chief)."""
@@ -267,7 +272,7 @@ class ShardClient:
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
                 return self.pull_frames(req, dest, wire)
-            raise to_psgrad_error(exc, self.address, "the pull", t) from None
+            raise reconnect.as_error(exc, self.address, self.diagnose, "the pull", t) from None
         try:
             header = self._pull_header(first, dest, wire)
             copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
@@ -290,7 +295,7 @@ class ShardClient:
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
                 return self.push_frames(header, payload)  # keyed: a retry is never applied twice
-            raise to_psgrad_error(exc, self.address, "the push", t) from None
+            raise reconnect.as_error(exc, self.address, self.diagnose, "the push", t) from None
         except BaseException:
             seg.lock.release()
             raise
@@ -353,7 +358,7 @@ class ShardClient:
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
                 return None  # push and pull through frames instead (a keyed push is never applied twice)
-            raise to_psgrad_error(exc, self.address, "the push and pull", t) from None
+            raise reconnect.as_error(exc, self.address, self.diagnose, "the push and pull", t) from None
         except BaseException:
             seg.lock.release()
             raise

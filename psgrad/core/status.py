@@ -3,10 +3,12 @@ metrics read; pure."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from psgrad.config import JobSpec
+from psgrad.core.consistency import make_policy
 from psgrad.core.sharding import ParamSpec
 
 LIVE, LEFT, EVICTED = "live", "left", "evicted"
@@ -78,6 +80,17 @@ class ShardStatus:
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def missing_at_start(self) -> tuple[int, ...]:
+        """sync/ssp: the ranks that have not joined while the shard waits for all num_workers to
+        start together (empty otherwise)."""
+        spec = self.spec
+        if spec is None or not make_policy(spec.mode, spec.staleness).start_barrier:
+            return ()
+        if len(self.workers) >= spec.num_workers:
+            return ()
+        return missing_ranks(spec.num_workers, {w.rank for w in self.workers})
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: what `psgrad status --json` prints per shard (without params)."""
         hist = dict(sorted(self.staleness.items()))
@@ -113,4 +126,19 @@ class ShardStatus:
             },
             "transfers": dataclasses.asdict(self.transfers),
             "replica": dataclasses.asdict(self.replica),
+            "missing_at_start": list(self.missing_at_start),
         }
+
+
+def missing_ranks(num_workers: int, joined: Iterable[int]) -> tuple[int, ...]:
+    """The ranks of 0..num_workers-1 not among `joined`."""
+    return tuple(sorted(set(range(num_workers)) - set(joined)))
+
+
+def start_wait_phrase(num_workers: int, missing: Sequence[int]) -> str:
+    """'2 of 3 workers joined; rank 2 has not: start it or lower --num-workers' (the start barrier)."""
+    ranks = [str(r) for r in missing]
+    named = ranks[0] if len(ranks) == 1 else ", ".join(ranks[:-1]) + " and " + ranks[-1]
+    which = f"rank {named} has" if len(ranks) == 1 else f"ranks {named} have"
+    return (f"{num_workers - len(ranks)} of {num_workers} workers joined; {which} not: start "
+            f"{'it' if len(ranks) == 1 else 'them'} or lower --num-workers")

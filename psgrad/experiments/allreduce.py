@@ -59,11 +59,11 @@ def train_allreduce(
 
     Every step each of the `spec.num_workers` ranks computes a gradient on its own batch, the
     flat gradients are summed with one all_reduce and divided by the world size, and every rank
-    applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay). Model
+    applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay, spec.nesterov). Model
     init, data slice, batch order, delay injection and the metrics schema are those of
     psgrad.worker.loop.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
     covers the optimizer step, and evaluations see the weights after this step's update.
-    Only spec.num_workers, lr, momentum and weight_decay are read from spec.
+    Only spec.num_workers, lr, momentum, weight_decay and nesterov are read from spec.
 
     `store_path` is the rendezvous FileStore, shared by all ranks; it must be new (or empty).
     Rendezvous and each collective wait at most config.client.init_timeout_s for the other ranks.
@@ -122,7 +122,7 @@ def _train(
     with _collective("broadcast of rank 0's initial weights", who):
         dist.broadcast(flat, src=0)
     optimizer = torch.optim.SGD(
-        flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, nesterov=spec.nesterov
     )
     x_all, y_all = task.worker_slice(rank, world)
     data = BatchSchedule(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrad.config import MODES, JobSpec, ServerConfig, WorkerConfig
+from psgrad.optim import DEFAULT_EPS
 from psgrad.errors import ConfigError, PsgradError
 
 # The rest (torch, grpc, matplotlib) is imported where a run needs it: `psgrad --help` reads
@@ -116,6 +117,7 @@ class CompareConfig:
             mode="sync" if mode.mode in BASELINES else mode.mode, staleness=mode.staleness,
             num_workers=self.num_workers, optimizer=self.optimizer, lr=self.lr, momentum=self.momentum,
             weight_decay=self.weight_decay, wire_dtype=self.wire_dtype, num_shards=self.num_servers,
+            eps=DEFAULT_EPS.get(self.optimizer, JobSpec.eps),
         )
 
     def worker_config(self, seed: int, rank: int, run_dir: Path, servers: Sequence[str] = ()) -> WorkerConfig:

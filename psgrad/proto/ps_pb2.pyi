@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps", "nesterov", "lr_decay", "initial_accumulator_value", "alpha", "centered", "rho")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,12 @@ class JobSpec(_message.Message):
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
     EPS_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    LR_DECAY_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    CENTERED_FIELD_NUMBER: _ClassVar[int]
+    RHO_FIELD_NUMBER: _ClassVar[int]
     mode: str
     staleness: int
     num_workers: int
@@ -34,7 +40,13 @@ class JobSpec(_message.Message):
     beta1: float
     beta2: float
     eps: float
-    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+    nesterov: bool
+    lr_decay: float
+    initial_accumulator_value: float
+    alpha: float
+    centered: bool
+    rho: float
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -73,20 +85,22 @@ class JoinRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock")
+    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     lease_s: float
     ready: bool
     joined: int
     start_clock: int
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ...) -> None: ...
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("join", "numel")

@@ -24,6 +24,9 @@ class JoinResult:
     joined: int
     start_clock: int
     version: int
+    # every rank that has joined (whatever became of it since); left out of == so that results
+    # compare by what the worker acts on
+    ranks: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass

@@ -130,9 +130,9 @@ class ParameterServicer:
     def Join(self, req: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         self.shard.serving()
         wait_s = 0.0
-        if req.wait_for_init:
+        if req.wait_for_init:  # answer before the deadline: the worker then learns who it waits for
             remaining = context.time_remaining()
-            wait_s = 3600.0 if remaining is None else max(0.0, remaining - 0.05)
+            wait_s = 3600.0 if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
         if shm.supported():  # a worker on this host may then move payloads through shared memory
             context.send_initial_metadata(((shm.METADATA_KEY, shm.server_answer()),))
@@ -143,6 +143,7 @@ class ParameterServicer:
             ready=r.ready,
             joined=r.joined,
             start_clock=r.start_clock,
+            joined_ranks=r.ranks,
         )
 
     @_edge

@@ -232,7 +232,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 self._cond.wait(timeout=max(0.0, deadline - self._now()))
             if self.layout is None:
                 return JoinResult(False, False, 0, 0, self.version)
-            return JoinResult(True, self._ready(), len(self._members), member.clock, self.version)
+            ranks = tuple(sorted(self._members.members))
+            return JoinResult(True, self._ready(), len(self._members), member.clock, self.version, ranks)
 
     def initialize(self, rank: int, layout: Layout, weights: torch.Tensor) -> bool:
         """Install the job and initial weights. Idempotent for an identical layout.

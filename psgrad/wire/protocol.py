@@ -59,8 +59,50 @@ def abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
     context.abort(code, str(exc))
 
 
-def to_psgrad_error(exc: grpc.RpcError, address: str, what: str, timeout_s: float | None) -> PsgradError:
-    """Map a gRPC error to the PsgradError the server raised, or to ServerUnavailableError."""
+# What an UNAVAILABLE status's details say happened to the connection (matched in lower case), in
+# words, and whether the request surely never reached the server. gRPC's texts, as seen with
+# grpcio 1.85: "Failed to connect to remote host: Connection refused", "connect failed: ... error:
+# No route to host" / "Network is unreachable", "errors resolving HOST: ... Domain name not found",
+# "connection attempt timed out before receiving SETTINGS frame" (TCP accepted, gRPC silent).
+_PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
+    (("connection refused",),
+     "refused the connection (nothing listens on that port: is the server running, at that address?)", True),
+    (("domain name not found", "errors resolving", "name or service not known", "dns resolution"),
+     "could not be resolved (is the host name right?)", True),
+    (("no route to host", "network is unreachable", "host is unreachable"),
+     "is unreachable (no route to that address: is it right, is the network up?)", True),
+    (("before receiving settings frame", "handshake"),
+     "took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
+     "that port, or TLS on one side only?)", True),
+    (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
+     "closed the connection (did it stop or crash?)", False),
+)
+
+
+def connection_problem(details: str) -> tuple[str, bool] | None:
+    """What an UNAVAILABLE status's details say happened to the connection, in words, and whether
+    the request surely never reached the server; None where they say nothing more."""
+    low = details.lower()
+    for needles, words, unsent in _PROBLEMS:
+        if any(n in low for n in needles):
+            return words, unsent
+    return None
+
+
+def not_sent(what: str) -> str:
+    """'the push was not sent', 'the push and pull were not sent'."""
+    return f"{what} {'were' if ' and ' in what else 'was'} not sent"
+
+
+def to_psgrad_error(
+    exc: grpc.RpcError, address: str, what: str, timeout_s: float | None, waited: str = "", diagnosis: str = "",
+    note: str = "",
+) -> PsgradError:
+    """Map a gRPC error to the PsgradError the server raised, or to a ServerUnavailableError saying
+    what happened to the call: refused, unresolvable, unreachable, closed, or no answer before
+    its deadline. `waited` says how long the caller kept trying (" for 12.0 s of
+    --reconnect-timeout-s 60"), `note` is added at the end; `diagnosis`, for a deadline, is what a
+    quick second call found."""
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     name = None
@@ -71,10 +113,17 @@ def to_psgrad_error(exc: grpc.RpcError, address: str, what: str, timeout_s: floa
     cls = errors.ERRORS_BY_NAME.get(name or "")
     if cls is not None:
         return cls(f"server {address}: {details}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         within = f" within {timeout_s:g} s" if timeout_s else ""
-        return ServerUnavailableError(
-            f"server {address} did not answer {what}{within} ({code.name}: {details}); "
-            "is it running and reachable?"
-        )
+        why = diagnosis or ("is it paused or overloaded, or does a firewall or network partition drop the packets "
+                            "to it?")
+        return errors.DeadlineExceededError(
+            f"server {address} did not answer {what}{within}{waited} (deadline exceeded): {why}{note}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        problem = connection_problem(details or "")
+        if problem is None:
+            return ServerUnavailableError(f"server {address} did not answer {what}{waited} (UNAVAILABLE: {details}){note}")
+        words, unsent = problem
+        outcome = not_sent(what) if unsent else f"{what} failed"
+        return ServerUnavailableError(f"server {address} {words}{waited}: {outcome}{note}")
     return PsgradError(f"server {address}: {what} failed with {code.name}: {details}")

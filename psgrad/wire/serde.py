@@ -36,6 +36,12 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         beta1=_optional(msg, "beta1"),
         beta2=_optional(msg, "beta2"),
         eps=_optional(msg, "eps"),
+        nesterov=msg.nesterov,
+        lr_decay=msg.lr_decay,
+        initial_accumulator_value=msg.initial_accumulator_value,
+        alpha=_optional(msg, "alpha"),
+        centered=msg.centered,
+        rho=_optional(msg, "rho"),
     )
 
 

@@ -306,6 +306,10 @@ SPECS = [
     JobSpec(mode="async", num_workers=8, optimizer="adam", lr=1e-3, beta1=0.5, beta2=0.98, eps=1e-6,
             staleness_lr=True, wire_dtype="bfloat16"),
     JobSpec(mode="sync", num_workers=3, optimizer="adamw", lr=3e-4, weight_decay=0.01, wire_dtype="float16"),
+    JobSpec(mode="sync", num_workers=2, momentum=0.9, nesterov=True, weight_decay=0.01),
+    JobSpec(optimizer="adagrad", lr=0.01, lr_decay=0.01, initial_accumulator_value=0.2, eps=1e-9),
+    JobSpec(optimizer="rmsprop", lr=0.01, alpha=0.95, centered=True, momentum=0.5, eps=1e-7),
+    JobSpec(optimizer="adadelta", lr=1.0, rho=0.85, eps=1e-6),
 ]
 
 

@@ -40,8 +40,14 @@ def _masters(running: list[RunningServer]) -> torch.Tensor:
     [
         (psgrad.SGD(lr=0.2, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)),
         (psgrad.Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01)),
+        (psgrad.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+        (psgrad.Adagrad(lr=0.05, lr_decay=0.01), lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01)),
+        (psgrad.RMSprop(lr=0.003, momentum=0.5, centered=True),
+         lambda ps: torch.optim.RMSprop(ps, lr=0.003, momentum=0.5, centered=True)),
+        (psgrad.Adadelta(), lambda ps: torch.optim.Adadelta(ps)),
     ],
-    ids=["sgd-momentum", "adam"],
+    ids=["sgd-momentum", "adam", "sgd-nesterov", "adagrad", "rmsprop", "adadelta"],
 )
 def test_the_users_loop_in_sync_mode_equals_single_process_training(make_servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
     """Two workers, each its own half of every batch, train exactly like one process on the whole batch."""

@@ -3,6 +3,7 @@ version, clocks) in every mode; workers fail over to it and every push is applie
 promoted backup fences its former primary; a restarted server rejoins as the new backup."""
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 
@@ -217,6 +218,8 @@ def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(s
         with pytest.raises(ServerUnavailableError, match="neither server of the shard") as info:
             c.push(grad(0, 0), 0)
     assert primary.address in str(info.value) and backup.address in str(info.value)
+    assert re.search(r"came back for \d+\.\d s of --reconnect-timeout-s [\d.]+; the last one tried: server \S+ "
+                     r"refused the connection \(nothing listens on that port", str(info.value)), info.value
 
 
 def test_a_backup_whose_primary_does_not_answer_does_not_start() -> None:

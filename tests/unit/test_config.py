@@ -58,6 +58,14 @@ JOB_BAD = [
     ("eps", -1e-8),
     ("eps", INF),
     ("eps", NAN),
+    ("lr_decay", -0.1),
+    ("lr_decay", INF),
+    ("initial_accumulator_value", -1.0),
+    ("initial_accumulator_value", NAN),
+    ("alpha", 1.0),
+    ("alpha", -0.5),
+    ("rho", 1.5),
+    ("rho", NAN),
 ]
 
 
@@ -269,9 +277,10 @@ def _flag(name: str) -> str:
 
 def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     # Without a flag a field silently takes its default in a launched worker; those left out say why.
-    spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True).to_argv()
+    spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True, momentum=0.9, nesterov=True).to_argv()
+    spec += JobSpec(optimizer="rmsprop", centered=True).to_argv()  # boolean flags appear only when set
     assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards"}  # from --servers
-    assert "--staleness-lr" not in JobSpec().to_argv()
+    assert not {"--staleness-lr", "--nesterov", "--centered"} & set(JobSpec().to_argv())
     client = ClientConfig().to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
         "--chunk-bytes"  # no flag: a worker has the default
@@ -377,3 +386,44 @@ def test_a_server_is_reached_at_its_advertised_or_routed_address() -> None:
     assert reachable_address(ServerConfig(host="::1"), 81) == "[::1]:81"
     with pytest.raises(ConfigError, match="advertise_host"):
         ServerConfig(advertise_host=" ")
+
+
+# The optimizer-specific fields: each with an optimizer that reads it and one that does not.
+OPTIMIZER_FIELDS = [
+    ("momentum", 0.9, "rmsprop", "adagrad"),
+    ("nesterov", True, "sgd", "rmsprop"),
+    ("beta1", 0.8, "adamw", "sgd"),
+    ("beta2", 0.99, "adam", "adadelta"),
+    ("eps", 1e-6, "adagrad", "sgd"),
+    ("lr_decay", 0.01, "adagrad", "sgd"),
+    ("initial_accumulator_value", 0.1, "adagrad", "adam"),
+    ("alpha", 0.9, "rmsprop", "adagrad"),
+    ("centered", True, "rmsprop", "sgd"),
+    ("rho", 0.8, "adadelta", "rmsprop"),
+]
+
+
+@pytest.mark.parametrize("field, value, reader, other", OPTIMIZER_FIELDS, ids=[f[0] for f in OPTIMIZER_FIELDS])
+def test_an_optimizer_field_is_refused_where_it_would_be_ignored(field: str, value: object, reader: str, other: str) -> None:
+    extra = {"momentum": 0.9} if field == "nesterov" else {}
+    assert getattr(JobSpec(optimizer=reader, **{field: value}, **extra), field) == value  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as info:
+        JobSpec(optimizer=other, **{field: value})  # type: ignore[arg-type]
+    _assert_names(info.value, field, value)
+    assert repr(reader) in str(info.value) and repr(other) in str(info.value)
+
+
+def test_nesterov_needs_momentum() -> None:
+    with pytest.raises(ConfigError, match=r"nesterov needs momentum > 0 .* got momentum 0.0"):
+        JobSpec(nesterov=True)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"])
+def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(optimizer: str) -> None:
+    from psgrad.cli.flags import job_spec
+    from psgrad.cli.parser import build_parser
+    from psgrad.optim import DEFAULT_EPS
+
+    ns = build_parser().parse_args(["worker", "--servers", "a:1", "--optimizer", optimizer])
+    assert job_spec(ns, 1, 1).eps == DEFAULT_EPS.get(optimizer, JobSpec.eps)
+    assert DEFAULT_EPS.get(optimizer) == {"adagrad": 1e-10, "adadelta": 1e-6, "sgd": None}.get(optimizer, 1e-8)

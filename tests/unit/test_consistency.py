@@ -511,14 +511,18 @@ def test_start_barrier_until_num_workers_joined(mode: str) -> None:
     s, _ = make_shard(layout)  # only the chief is registered
     assert s.join(0, layout) == JoinResult(initialized=True, ready=False, joined=1, start_clock=0, version=0)
     assert s.join(0, layout, wait_s=0).ready is False
+    assert s.join(0, layout).ranks == (0,)  # who joined: the waiting worker names the missing rank 1
+    assert s.status().missing_at_start == (1,)
     assert s.join(1, layout) == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
-    assert s.join(0, layout).ready is True
+    assert s.join(0, layout).ready is True and s.join(0, layout).ranks == (0, 1)
+    assert s.status().missing_at_start == ()
 
 
 def test_async_has_no_start_barrier() -> None:
     layout = make_layout("async", num_workers=2)
     s, _ = make_shard(layout)
     assert s.join(0, layout) == JoinResult(initialized=True, ready=True, joined=1, start_clock=0, version=0)
+    assert s.status().missing_at_start == ()  # nothing waits for rank 1
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])

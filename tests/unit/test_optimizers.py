@@ -1,4 +1,5 @@
-"""Pure tests of psgrad.core.optimizers: SGD and Adam(W) match torch.optim's; the registry."""
+"""Pure tests of psgrad.core.optimizers: SGD (Nesterov too), Adam(W), Adagrad, RMSprop and Adadelta
+match torch.optim's; their state round trips; the registry."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,7 @@ import torch
 
 from psgrad.config import OPTIMIZER_NAMES, JobSpec
 from psgrad.errors import ConfigError
-from psgrad.core.optimizers import OPTIMIZERS, SGD, Adam, make_optimizer
+from psgrad.core.optimizers import OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, RMSprop, ShardOptimizer, make_optimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,14 +58,23 @@ def test_sgd_plain_step_is_w_minus_lr_g() -> None:
     assert w.tolist() == [0.0, -3.0, 5.0]
 
 
-def test_momentum_buffer_starts_at_the_first_gradient() -> None:
-    # Hand-computed: v1 = g1 = 1, w = 0 - 1*1 = -1; v2 = 0.5*1 + 3 = 3.5, w = -1 - 3.5 = -4.5.
-    opt = SGD(1, lr=1.0, momentum=0.5)
+@pytest.mark.parametrize(
+    "nesterov, after",
+    [
+        # Hand-computed: v1 = g1 = 1, w = 0 - 1*1 = -1; v2 = 0.5*1 + 3 = 3.5, w = -1 - 3.5 = -4.5.
+        (False, (-1.0, -4.5)),
+        # Nesterov steps along g + 0.5 v: 1 + 0.5 = 1.5, w = -1.5; then 3 + 0.5*3.5 = 4.75, w = -6.25.
+        (True, (-1.5, -6.25)),
+    ],
+    ids=["heavy-ball", "nesterov"],
+)
+def test_momentum_buffer_starts_at_the_first_gradient(nesterov: bool, after: tuple[float, float]) -> None:
+    opt = SGD(1, lr=1.0, momentum=0.5, nesterov=nesterov)
     w = torch.zeros(1)
     opt.apply(w, torch.tensor([1.0]))
-    assert w.item() == -1.0
+    assert w.item() == after[0]
     opt.apply(w, torch.tensor([3.0]))
-    assert w.item() == -4.5
+    assert w.item() == after[1]
 
 
 def test_lr_scale() -> None:
@@ -98,10 +108,10 @@ def test_momentum_buffer_does_not_alias_the_gradient() -> None:
 
 def test_make_optimizer_refuses_unknown_name() -> None:
     with pytest.raises(ConfigError) as info:
-        make_optimizer(JobSpec(optimizer="rmsprop"), 10)
+        make_optimizer(JobSpec(optimizer="lamb"), 10)
     msg = str(info.value)
-    assert "'rmsprop'" in msg
-    for name in ("sgd", "adam", "adamw"):
+    assert "'lamb'" in msg
+    for name in ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"):
         assert name in msg
 
 
@@ -204,32 +214,47 @@ def test_adam_state_is_allocated_once_and_reused() -> None:
     assert opt.steps == 3
 
 
-def test_adam_apply_allocates_nothing_large() -> None:
+def _largest_allocation_of_a_second_apply(opt: ShardOptimizer, numel: int) -> int:
+    """Bytes of the largest allocation torch's profiler sees while opt applies a gradient (its
+    state already made by a first apply)."""
     from torch.profiler import ProfilerActivity, profile
 
-    numel = 200_000
-    opt = Adam(numel, lr=1e-3, weight_decay=0.01, block=1 << 14)
     w, g = torch.randn(numel), torch.randn(numel)
     opt.apply(w, g)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.apply(w, g)
-    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_adam_apply_allocates_nothing_large() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    numel = 200_000
+    largest = _largest_allocation_of_a_second_apply(Adam(numel, lr=1e-3, weight_decay=0.01, block=1 << 14), numel)
     assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"
+    w = torch.randn(numel)
     # The check itself can fail: the same profile around an out-of-place op sees its allocation.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         (w * 2).sum()
     assert max(e.cpu_memory_usage for e in prof.events()) >= numel * 4
 
 
-def test_adam_refuses_a_zero_block() -> None:
-    with pytest.raises(ConfigError, match="block"):
-        Adam(10, lr=1e-3, block=0)
+@pytest.mark.parametrize("cls", [Adam, Adagrad, RMSprop, Adadelta])
+def test_a_zero_block_is_refused(cls: type) -> None:
+    with pytest.raises(ConfigError, match="block must be >= 1, got 0"):
+        cls(10, lr=1e-3, block=0)
 
 
 @pytest.mark.parametrize(
     "spec",
-    [JobSpec(lr=0.1, momentum=0.9), JobSpec(optimizer="adam", lr=0.01), JobSpec(optimizer="adamw", lr=0.01, weight_decay=0.1)],
-    ids=["momentum", "adam", "adamw"],
+    [
+        JobSpec(lr=0.1, momentum=0.9), JobSpec(lr=0.1, momentum=0.9, nesterov=True), JobSpec(optimizer="adam", lr=0.01),
+        JobSpec(optimizer="adamw", lr=0.01, weight_decay=0.1),
+        JobSpec(optimizer="adagrad", lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+        JobSpec(optimizer="rmsprop", lr=0.01, momentum=0.9, centered=True),
+        JobSpec(optimizer="adadelta", lr=1.0, weight_decay=0.01),
+    ],
+    ids=["momentum", "nesterov", "adam", "adamw", "adagrad", "rmsprop", "adadelta"],
 )
 def test_state_dict_round_trip_continues_bit_for_bit(spec: JobSpec) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -257,3 +282,106 @@ def test_plain_sgd_state_is_empty_and_restores_to_empty() -> None:
     assert opt.state_dict() == {}
     opt.load_state_dict({})
     assert opt.state_bytes() == 0
+
+
+# ----------------------------------------------------------------------------- Nesterov, Adagrad, RMSprop, Adadelta
+def _torch_run(
+    cls: type[torch.optim.Optimizer], w0: torch.Tensor, grads: list[torch.Tensor], scales: list[float] | None = None,
+    **kw: object,
+) -> torch.Tensor:
+    """torch.optim's single-tensor rule over the gradients; scales[i] multiplies the lr of step i."""
+    param = torch.nn.Parameter(w0.clone())
+    opt = cls([param], foreach=False, **kw)  # type: ignore[call-arg]
+    lr = opt.param_groups[0]["lr"]
+    for i, g in enumerate(grads):
+        opt.param_groups[0]["lr"] = lr * (scales[i] if scales else 1.0)
+        param.grad = g.clone()
+        opt.step()
+    return param.detach()
+
+
+# (torch class, JobSpec fields, the same settings as torch's keyword arguments)
+TORCH_CASES = {
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}, {}),
+    "sgd-nesterov-decay": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "nesterov": True, "weight_decay": 0.01}, {}),
+    "adagrad": (torch.optim.Adagrad, {"optimizer": "adagrad", "lr": 0.01, "eps": 1e-10}, {}),
+    "adagrad-all": (torch.optim.Adagrad, {"optimizer": "adagrad", "lr": 0.1, "lr_decay": 0.05, "weight_decay": 0.01,
+                                          "initial_accumulator_value": 0.1, "eps": 1e-6}, {}),
+    "rmsprop": (torch.optim.RMSprop, {"optimizer": "rmsprop", "lr": 0.01}, {}),
+    "rmsprop-momentum": (torch.optim.RMSprop, {"optimizer": "rmsprop", "lr": 0.01, "momentum": 0.9,
+                                               "weight_decay": 0.01, "alpha": 0.9}, {}),
+    "rmsprop-centered": (torch.optim.RMSprop, {"optimizer": "rmsprop", "lr": 0.003, "centered": True, "eps": 1e-6}, {}),
+    "rmsprop-centered-momentum": (torch.optim.RMSprop, {"optimizer": "rmsprop", "lr": 0.01, "centered": True,
+                                                        "momentum": 0.5, "weight_decay": 0.1}, {}),
+    "adadelta": (torch.optim.Adadelta, {"optimizer": "adadelta", "lr": 1.0, "eps": 1e-6}, {}),
+    "adadelta-decay": (torch.optim.Adadelta, {"optimizer": "adadelta", "lr": 0.5, "rho": 0.8, "eps": 1e-5,
+                                              "weight_decay": 0.05}, {}),
+}
+
+
+def _torch_kwargs(fields: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in fields.items() if k != "optimizer"}
+
+
+def _spec(fields: dict[str, object]) -> JobSpec:
+    return JobSpec(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+@pytest.mark.parametrize("block", [NUMEL, 128, 7], ids=["one-block", "block128", "block7"])
+def test_the_new_rules_match_torch_bit_for_bit(case: str, block: int) -> None:
+    cls, fields, _ = TORCH_CASES[case]
+    w0, grads = _data(seed=len(case))
+    grads += [g * 1e-3 for g in grads]  # small gradients after large ones: the running averages matter
+    expected = _torch_run(cls, w0, grads, **_torch_kwargs(fields))
+    opt = make_optimizer(_spec(fields), NUMEL)
+    if block != NUMEL and hasattr(opt, "_block"):
+        opt._block = block  # type: ignore[attr-defined]
+    w = w0.clone()
+    for g in grads:
+        opt.apply(w, g.clone())
+    assert not torch.equal(w, w0)
+    assert torch.equal(w, expected), (w - expected).abs().max()
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_lr_scale_is_a_per_step_learning_rate_for_the_new_rules(case: str) -> None:
+    """--staleness-lr scales each step's lr: the same as torch with that lr on that step."""
+    cls, fields, _ = TORCH_CASES[case]
+    w0, grads = _data(seed=5)
+    scales = [1.0, 0.5, 0.25, 1.0, 1 / 3]
+    expected = _torch_run(cls, w0, grads, scales, **_torch_kwargs(fields))
+    opt = make_optimizer(_spec(fields), NUMEL)
+    w = w0.clone()
+    for g, s in zip(grads, scales):
+        opt.apply(w, g.clone(), lr_scale=s)
+    assert torch.equal(w, expected), (w - expected).abs().max()
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_the_new_rules_allocate_their_state_once(case: str) -> None:
+    _, fields, _ = TORCH_CASES[case]
+    opt = make_optimizer(_spec(fields), NUMEL)
+    assert opt.piecewise_rule() is None  # stateful: applied in place once a push is whole
+    w, g = torch.zeros(NUMEL), torch.ones(NUMEL)
+    opt.apply(w, g.clone())
+    held = opt.state_bytes()
+    floats = {"sgd": 1, "adagrad": 2, "rmsprop": 2 + bool(fields.get("centered")) + bool(fields.get("momentum")),
+              "adadelta": 4}[str(fields.get("optimizer", "sgd"))]
+    assert held == floats * NUMEL * 4
+    opt.apply(w, g.clone())
+    assert opt.state_bytes() == held
+
+
+def test_nesterov_without_momentum_is_refused() -> None:
+    with pytest.raises(ConfigError, match="nesterov needs momentum"):
+        SGD(4, lr=0.1, nesterov=True)
+
+
+@pytest.mark.parametrize("case", ["adagrad-all", "rmsprop-centered-momentum", "adadelta-decay"])
+def test_the_new_rules_apply_without_allocating(case: str) -> None:
+    numel = 200_000
+    opt = make_optimizer(_spec(TORCH_CASES[case][1]), numel)
+    opt._block = 1 << 14  # type: ignore[attr-defined]
+    largest = _largest_allocation_of_a_second_apply(opt, numel)
+    assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"

@@ -14,7 +14,8 @@ from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
 
 pytestmark = pytest.mark.timeout(60)
 
-# Every field differs from its default, so a dropped or swapped field cannot go unnoticed.
+# Every field differs from its default in one of these specs (the optimizer settings each in a spec
+# of an optimizer that reads it), so a dropped or swapped field cannot go unnoticed.
 SPEC = JobSpec(
     mode="ssp",
     staleness=3,
@@ -26,24 +27,37 @@ SPEC = JobSpec(
     wire_dtype="bfloat16",
     num_shards=2,
     staleness_lr=True,
-    beta1=0.8,
-    beta2=0.95,
-    eps=1e-6,
+    nesterov=True,
 )
+OTHER_SPECS = [
+    JobSpec(optimizer="adam", beta1=0.8, beta2=0.95, eps=1e-6),
+    JobSpec(optimizer="adagrad", lr_decay=0.01, initial_accumulator_value=0.25, eps=1e-10),
+    JobSpec(optimizer="rmsprop", alpha=0.0, centered=True, momentum=0.5),  # alpha 0.0: proto3's default value
+    JobSpec(optimizer="adadelta", lr=1.0, rho=0.0, eps=1e-6),
+]
 
 
 def _through_wire(msg):  # type: ignore[no-untyped-def]
     return type(msg).FromString(msg.SerializeToString())
 
 
-def test_job_spec_round_trip() -> None:
-    msg = serde.job_spec_to_proto(SPEC)
+def test_the_specs_set_every_field() -> None:
+    default = JobSpec()
+    unset = {f.name for f in dataclasses.fields(JobSpec)}
+    for spec in (SPEC, *OTHER_SPECS):
+        unset -= {name for name, _, _ in default.differences(spec)}
+    assert not unset
+
+
+@pytest.mark.parametrize("spec", [SPEC, *OTHER_SPECS], ids=lambda s: s.optimizer)
+def test_job_spec_round_trip(spec: JobSpec) -> None:
+    msg = serde.job_spec_to_proto(spec)
     assert isinstance(msg, pb.JobSpec)
     for f in dataclasses.fields(JobSpec):
-        assert getattr(msg, f.name) == getattr(SPEC, f.name), f.name
+        assert getattr(msg, f.name) == getattr(spec, f.name), f.name
     back = serde.job_spec_from_proto(_through_wire(msg))
-    assert back == SPEC
-    assert back.differences(SPEC) == []
+    assert back == spec
+    assert back.differences(spec) == []
 
 
 def test_job_spec_round_trip_defaults() -> None:
@@ -76,10 +90,13 @@ def test_job_spec_proto_is_what_the_contract_says() -> None:
     # A hand-built proto (as another language's client would send) decodes to the same spec.
     msg = pb.JobSpec(
         mode="ssp", staleness=3, num_workers=4, optimizer="sgd", lr=0.05, momentum=0.9,
-        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2, staleness_lr=True, beta1=0.8, beta2=0.95,
-        eps=1e-6,
+        weight_decay=1e-4, wire_dtype="bfloat16", num_shards=2, staleness_lr=True, nesterov=True,
     )
     assert serde.job_spec_from_proto(msg) == SPEC
+    msg = pb.JobSpec(mode="async", num_workers=1, optimizer="rmsprop", lr=0.1, wire_dtype="float32", num_shards=1,
+                     centered=True)
+    assert not msg.HasField("alpha")  # absent: psgrad's (torch's) 0.99, not proto3's 0
+    assert serde.job_spec_from_proto(msg) == JobSpec(optimizer="rmsprop", centered=True)
 
 
 PARAMS = [

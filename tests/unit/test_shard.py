@@ -157,6 +157,7 @@ def test_initialize_with_different_range_names_shard_plan(shard: Shard, layout: 
 def test_join(shard: Shard, layout: Layout) -> None:
     # async, num_workers=1: no start barrier; the chief (registered by initialize) plus rank 3.
     assert shard.join(3, layout) == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
+    assert shard.join(3, layout).ranks == (0, 3)
     assert [(w[0], w[2]) for w in shard.status().workers] == [(0, "live"), (3, "live")]
     assert shard.history[-1] == ("join", 3, 0)
     # Joining again is idempotent: still two members, no second "join" event.

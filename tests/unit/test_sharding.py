@@ -178,6 +178,7 @@ def test_fingerprint_changes_with_params(params: tuple[ParamSpec, ...]) -> None:
 # field -> (spec to change, value): each change touches exactly that one field of a valid spec.
 # staleness is only valid with mode "ssp", so it is changed on an ssp spec.
 SSP_SPEC = JobSpec(mode="ssp")
+ADAM_SPEC = JobSpec(optimizer="adam")
 SPEC_CHANGES = {
     "mode": (BASE_SPEC, "sync"),
     "staleness": (SSP_SPEC, 3),
@@ -189,9 +190,15 @@ SPEC_CHANGES = {
     "wire_dtype": (BASE_SPEC, "bfloat16"),
     "num_shards": (BASE_SPEC, 2),
     "staleness_lr": (BASE_SPEC, True),
-    "beta1": (BASE_SPEC, 0.8),
-    "beta2": (BASE_SPEC, 0.99),
-    "eps": (BASE_SPEC, 1e-6),
+    "beta1": (ADAM_SPEC, 0.8),
+    "beta2": (ADAM_SPEC, 0.99),
+    "eps": (ADAM_SPEC, 1e-6),
+    "nesterov": (JobSpec(momentum=0.9), True),
+    "lr_decay": (JobSpec(optimizer="adagrad"), 0.01),
+    "initial_accumulator_value": (JobSpec(optimizer="adagrad"), 0.1),
+    "alpha": (JobSpec(optimizer="rmsprop"), 0.9),
+    "centered": (JobSpec(optimizer="rmsprop"), True),
+    "rho": (JobSpec(optimizer="adadelta"), 0.8),
 }
 
 

@@ -16,6 +16,9 @@ SPECS = {
     "momentum": JobSpec(lr=0.1, momentum=0.9, weight_decay=0.01, num_shards=2, num_workers=2),
     "adam": JobSpec(optimizer="adam", lr=0.01, num_shards=2, num_workers=2),
     "ssp-adamw": JobSpec(mode="ssp", staleness=1, optimizer="adamw", lr=0.01, weight_decay=0.1, num_shards=2, num_workers=2),
+    "adagrad": JobSpec(optimizer="adagrad", lr=0.1, lr_decay=0.01, num_shards=2, num_workers=2),
+    "rmsprop": JobSpec(optimizer="rmsprop", lr=0.01, momentum=0.5, centered=True, num_shards=2, num_workers=2),
+    "ssp-adadelta": JobSpec(mode="ssp", staleness=1, optimizer="adadelta", lr=1.0, num_shards=2, num_workers=2),
 }
 
 

@@ -1,11 +1,15 @@
-"""Server-side update rules by name: a registry of ShardOptimizer factories (sgd, adam, adamw)."""
+"""Server-side update rules by name: a registry of ShardOptimizer factories (sgd, adam, adamw,
+adagrad, rmsprop, adadelta)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from psgrad.config import JobSpec
+from psgrad.core.optimizers.adadelta import Adadelta
+from psgrad.core.optimizers.adagrad import Adagrad
 from psgrad.core.optimizers.adam import ADAM_BLOCK, Adam
 from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule
+from psgrad.core.optimizers.rmsprop import RMSprop
 from psgrad.core.optimizers.sgd import SGD
 from psgrad.errors import ConfigError
 
@@ -27,9 +31,16 @@ def _adam(decoupled: bool) -> OptimizerFactory:
     return build
 
 
-register_optimizer("sgd", lambda numel, spec: SGD(numel, spec.lr, spec.momentum, spec.weight_decay))
+register_optimizer("sgd", lambda numel, s: SGD(numel, s.lr, s.momentum, s.weight_decay, s.nesterov))
 register_optimizer("adam", _adam(decoupled=False))
 register_optimizer("adamw", _adam(decoupled=True))
+register_optimizer(
+    "adagrad", lambda numel, s: Adagrad(numel, s.lr, s.lr_decay, s.weight_decay, s.initial_accumulator_value, s.eps)
+)
+register_optimizer(
+    "rmsprop", lambda numel, s: RMSprop(numel, s.lr, s.alpha, s.eps, s.weight_decay, s.momentum, s.centered)
+)
+register_optimizer("adadelta", lambda numel, s: Adadelta(numel, s.lr, s.rho, s.eps, s.weight_decay))
 
 
 def make_optimizer(spec: JobSpec, numel: int) -> ShardOptimizer:
@@ -53,7 +64,10 @@ __all__ = [
     "ADAM_BLOCK",
     "OPTIMIZERS",
     "SGD",
+    "Adadelta",
+    "Adagrad",
     "Adam",
+    "RMSprop",
     "ShardOptimizer",
     "UpdateRule",
     "make_optimizer",

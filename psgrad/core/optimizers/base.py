@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+
+from psgrad.errors import ConfigError
 
 # (weights block, gradient block, out block, lr scale): write the updated weights to out, which is
 # either the gradient block itself or does not overlap it.
 UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+
+# Rules with per-element state work through the shard in blocks of this many elements, so that
+# their scratch values need a few MiB, not more bytes per parameter (see adam.py's ADAM_BLOCK).
+BLOCK = 1 << 20
+
+
+def blocks(numel: int, block: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) ranges of at most `block` elements covering [0, numel), in order."""
+    for lo in range(0, numel, block):
+        yield lo, min(numel, lo + block)
+
+
+def scratch(numel: int, block: int) -> torch.Tensor:
+    """A block of scratch space for a rule applied `block` elements at a time.
+
+    Raises:
+        ConfigError: block < 1.
+    """
+    if block < 1:
+        raise ConfigError(f"block must be >= 1, got {block}")
+    return torch.empty(min(numel, block))
 
 
 class ShardOptimizer(ABC):

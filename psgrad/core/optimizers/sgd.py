@@ -1,19 +1,26 @@
-"""Server-side SGD: heavy-ball momentum and L2 weight decay like torch.optim.SGD, and its fused
-piecewise form for plain SGD."""
+"""Server-side SGD: heavy-ball or Nesterov momentum and L2 weight decay like torch.optim.SGD, and
+its fused piecewise form for plain SGD."""
 from __future__ import annotations
 
 import torch
 
 from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule
+from psgrad.errors import ConfigError
 
 
 class SGD(ShardOptimizer):
-    """SGD with optional (heavy-ball) momentum and L2 weight decay, like torch.optim.SGD."""
+    """SGD with optional momentum (heavy-ball, or Nesterov with nesterov=True) and L2 weight decay,
+    like torch.optim.SGD (without dampening)."""
 
-    def __init__(self, numel: int, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, numel: int, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+    ) -> None:
+        if nesterov and not momentum:
+            raise ConfigError("nesterov needs momentum > 0 (like torch.optim.SGD)")
         self.lr = lr
         self.momentum = momentum
         self.weight_decay = weight_decay
+        self.nesterov = nesterov
         self._buf: torch.Tensor | None = None
         self._numel = numel
 
@@ -26,7 +33,8 @@ class SGD(ShardOptimizer):
                 self._buf = grad.clone()
             else:
                 self._buf.mul_(self.momentum).add_(grad)
-            step = self._buf
+            # Nesterov: step along grad + momentum * buf (grad is scratch: updated in place).
+            step = grad.add_(self._buf, alpha=self.momentum) if self.nesterov else self._buf
         weights.add_(step, alpha=-self.lr * lr_scale)
 
     def piecewise_rule(self) -> UpdateRule | None:

@@ -1,0 +1,59 @@
+"""Server-side Adagrad like torch.optim.Adagrad (learning-rate decay, initial accumulator, L2 weight
+decay), applied in place block by block so that a push allocates nothing."""
+from __future__ import annotations
+
+import torch
+
+from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
+
+
+class Adagrad(ShardOptimizer):
+    """Adagrad: each element's step is lr / (1 + (t-1) lr_decay) * g / (sqrt(sum of g^2) + eps).
+
+    The sum of squares starts at initial_accumulator_value and is allocated once, here.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        block: int = BLOCK,
+    ) -> None:
+        self.lr = lr
+        self.lr_decay = lr_decay
+        self.weight_decay = weight_decay
+        self.eps = eps
+        self.steps = 0
+        self.sum = torch.full((numel,), float(initial_accumulator_value))
+        self._block = block
+        self._std = scratch(numel, block)
+
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        self.steps += 1
+        # Python floats, as torch.optim.Adagrad's single-tensor path computes them.
+        clr = self.lr * lr_scale / (1 + (self.steps - 1) * self.lr_decay)
+        for lo, hi in blocks(weights.numel(), self._block):
+            w, g, acc = weights[lo:hi], grad[lo:hi], self.sum[lo:hi]
+            std = self._std[: hi - lo]
+            if self.weight_decay:
+                g.add_(w, alpha=self.weight_decay)
+            acc.addcmul_(g, g, value=1)
+            torch.sqrt(acc, out=std).add_(self.eps)
+            w.addcdiv_(g, std, value=-clr)
+
+    def state_bytes(self) -> int:
+        """The sum of squares and a block of scratch: (numel + min(numel, block)) float32 values."""
+        return (self.sum.numel() + self._std.numel()) * 4
+
+    def state_dict(self) -> dict[str, torch.Tensor | float | int]:
+        return {"step": self.steps, "sum": self.sum.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
+        total = state["sum"]
+        assert isinstance(total, torch.Tensor)
+        self.steps = int(state["step"])
+        self.sum.copy_(total)
