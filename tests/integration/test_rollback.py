@@ -3,6 +3,7 @@ checkpoint refuses the worker, and the worker's client agrees with every shard o
 iteration they all have, returns them to it, or names what each shard has when none is common."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,21 @@ def _job(tmp_path: Path, iterations: int) -> tuple[list[RunningServer], Paramete
     for clock in range(iterations):
         c.exchange(_grad(clock), clock, flat)
         seen[clock + 1] = flat.clone()
+        if (clock + 1) % 2 == 0:
+            _written(tmp_path, clock + 1)
     for s in servers:  # their checkpoints are on disk
         assert s.checkpointer is not None
         s.checkpointer.stop(timeout_s=30)
     return servers, c, seen
+
+
+def _written(tmp_path: Path, version: int, timeout_s: float = 30.0) -> None:
+    """Wait until both shards' checkpoints of `version` are on disk: a writer that falls behind
+    writes only the newest snapshot offered, and these tests need every one of them."""
+    deadline = time.monotonic() + timeout_s
+    while not all(version in checkpoint.versions(tmp_path / f"shard{i}") for i in range(2)):
+        assert time.monotonic() < deadline, f"checkpoint {version} not written within {timeout_s} s"
+        time.sleep(0.01)
 
 
 def _restart(servers: list[RunningServer], index: int, directory: Path) -> None:
