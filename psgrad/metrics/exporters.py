@@ -40,27 +40,32 @@ class PrometheusExporter:
                                    labels, registry=r, buckets=STALENESS_BUCKETS)
         self.metric = Gauge("psgrad_worker_evaluation", "latest evaluation result, by metric", ["rank", "metric"],
                             registry=r)
+        # This worker's series, looked up once (a labels() call per step costs more than the update).
+        self._steps, self._loss = self.steps.labels(self._rank), self.loss.labels(self._rank)
+        self._lr, self._clock = self.lr.labels(self._rank), self.clock.labels(self._rank)
+        self._staleness = self.staleness.labels(self._rank)
+        self._phases = [(key, self.seconds.labels(self._rank, phase)) for key, phase in _TIMINGS.items()]
         self._http, _ = start_http_server(port, addr=host, registry=r)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self._http.server_address[1]}/metrics"
 
     def record(self, record: dict[str, Any]) -> None:
-        rank = self._rank
         for key, value in evaluation(record):
-            self.metric.labels(rank, key).set(value)
+            self.metric.labels(self._rank, key).set(value)
         if "loss" not in record:
             return
-        self.steps.labels(rank).inc()
-        self.loss.labels(rank).set(record["loss"])
-        for key, phase in _TIMINGS.items():
-            if isinstance(record.get(key), (int, float)):
-                self.seconds.labels(rank, phase).observe(record[key])
+        self._steps.inc()
+        self._loss.set(record["loss"])
+        for key, series in self._phases:
+            timing = record.get(key)
+            if isinstance(timing, (int, float)):
+                series.observe(timing)
         if isinstance(record.get("staleness"), int):
-            self.staleness.labels(rank).observe(record["staleness"])
+            self._staleness.observe(record["staleness"])
         if isinstance(record.get("lr"), (int, float)):
-            self.lr.labels(rank).set(record["lr"])
+            self._lr.set(record["lr"])
         if isinstance(record.get("clock"), int):
-            self.clock.labels(rank).set(record["clock"])
+            self._clock.set(record["clock"])
 
     def close(self) -> None:
         self._http.shutdown()
@@ -68,8 +73,8 @@ class PrometheusExporter:
 
 
 class TensorBoardExporter:
-    """Scalars for TensorBoard under DIR/workerR: loss, lr, staleness, step time and evaluations,
-    by step (needs the `tensorboard` package: pip install psgrad[tensorboard])."""
+    """Scalars for TensorBoard under DIR/workerR: loss, lr, staleness, step time and evaluations
+    (eval/..., and the final evaluation as final/...), by step (needs the `tensorboard` package: pip install psgrad[tensorboard])."""
 
     def __init__(self, directory: str, rank: int) -> None:
         try:
@@ -81,8 +86,9 @@ class TensorBoardExporter:
 
     def record(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
+        group = "final" if record.get("event") == "final" else "eval"  # the final model's, after the last step
         for key, value in evaluation(record):
-            self.writer.add_scalar(f"eval/{key}", value, step)
+            self.writer.add_scalar(f"{group}/{key}", value, step)
         for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("staleness", "train/staleness"),
                          ("step_s", "time/step_s"), ("compute_s", "time/compute_s"), ("wait_s", "time/wait_s")):
             scalar = record.get(key)
