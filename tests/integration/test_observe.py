@@ -2,13 +2,14 @@
 /metrics, and a server restored from a checkpoint is SERVING at once with its checkpoint's age."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import health, scrape
+from conftest import health, run_in_threads, scrape
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
@@ -87,3 +88,20 @@ def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
     shard = (("shard", "0"),)
     assert m[("psgrad_shard_initialized", shard)] == 1 and m[("psgrad_shard_version", shard)] == 3
     assert 0 <= m[("psgrad_checkpoint_age_seconds", shard)] < 60
+
+
+def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningServer]) -> None:
+    server = servers()
+    spec = JobSpec(mode="sync", lr=0.1, num_workers=2)
+    a, b = (ParameterClient([server.address], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG) for r in (0, 1))
+    with a, b:
+        run_in_threads(2, lambda r: (a, b)[r].join((lambda: torch.zeros(NUMEL)) if r == 0 else None), timeout_s=20)
+        a.push(torch.ones(NUMEL), 0)
+        parked = threading.Thread(target=a.pull, args=(torch.empty(NUMEL), 1))
+        parked.start()  # waits at the gate for rank 1's gradient
+        assert server.shard.wait_until(lambda s: s.waiting == 1, 10)
+        b.push(torch.ones(NUMEL), 0)
+        parked.join(10)
+        assert not parked.is_alive()
+    m = scrape(server.metrics_url)
+    assert m[("psgrad_gate_wait_seconds_count", ())] == 1 and m[("psgrad_gate_wait_seconds_sum", ())] > 0
