@@ -14,8 +14,9 @@ turns (each side in each place in rotation), so all see the same machine noise:
   step by step; on the metrics side each step's record also goes to a worker's Prometheus
   exporter (scraped too), as `psgrad worker --metrics-port` does, so the step latency carries both
   ends' metrics.
-Reports medians and the ratios on/off (throughput: goal >= 0.98; latency: off/on, the same way up)
-beside the noise ratios off2/off, computed the same way.
+Reports medians and the ratios on/off (throughput: goal >= 0.98; latency: off/on, the same way up),
+as the ratio of the medians and as the median of the ratios of back-to-back turns (paired_*),
+beside the noise ratios off2/off, computed the same ways.
 Prints one JSON document.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
 from psgrad.metrics.exporters import PrometheusExporter  # noqa: E402
 
 SMALL = 100_000
+RATIOS = (("push", "push_throughput"), ("pull", "pull_throughput"), ("step", "step_rate"))
 SIDES = ("on", "off", "off2")  # off2: a second server without metrics, the noise floor (off2 vs off)
 PRESETS: dict[str, dict[str, float]] = {  # noise: also run the off2 servers
     "tiny": {"mb": 2.0, "reps": 2, "steps": 10, "scrape_s": 0.2, "noise": 0},  # no off2: 4 servers, not 6
@@ -122,22 +124,30 @@ def run(mb: float, reps: int, steps: int, scrape_s: float, noise: bool) -> dict[
         for client in clients:
             client.close()
         stop_all(children)
-    med = {name: {side: summarize(series[side])["median"] for side in sides}
-           for name, series in (("push_s", push), ("pull_s", pull), ("step_s", step))}
-    return {
+    series = {"push": push, "pull": pull, "step": step}
+    med = {f"{name}_s": {side: summarize(values[side])["median"] for side in sides} for name, values in series.items()}
+
+    def paired(name: str, base: str, other: str) -> float:
+        """The median over turns of base's time / other's: each pair measured back to back, so a
+        load that changes from second to second cancels out."""
+        return summarize([b / o for b, o in zip(series[name][base], series[name][other], strict=True)])["median"]
+
+    out: dict[str, Any] = {
         "payload_mb": big * 4 / 1e6,
         "reps": reps,
         "steps_per_round": steps,
         "scrapes": scrapes[0],
         "median": med,
-        "push_throughput_ratio_on_off": med["push_s"]["off"] / med["push_s"]["on"],
-        "pull_throughput_ratio_on_off": med["pull_s"]["off"] / med["pull_s"]["on"],
-        "step_rate_ratio_on_off": med["step_s"]["off"] / med["step_s"]["on"],
-        # The same ratios between the two servers without metrics: how far apart noise alone puts them.
-        **({f"noise_{k}_ratio_off2_off": med[f"{k}_s"]["off"] / med[f"{k}_s"]["off2"] for k in ("push", "pull", "step")}
-           if noise else {}),
+        # throughput (or step rate) with metrics over without: ratios of the medians, and the median
+        # of the ratios of back-to-back turns
+        **{f"{name}_ratio_on_off": med[f"{key}_s"]["off"] / med[f"{key}_s"]["on"] for key, name in RATIOS},
+        **{f"paired_{name}_ratio_on_off": paired(key, "off", "on") for key, name in RATIOS},
         "goal": 0.98,
     }
+    if noise:  # the same between the two servers without metrics: how far apart noise alone puts them
+        out.update({f"noise_{name}_ratio_off2_off": med[f"{key}_s"]["off"] / med[f"{key}_s"]["off2"] for key, name in RATIOS})
+        out.update({f"noise_paired_{name}_ratio_off2_off": paired(key, "off", "off2") for key, name in RATIOS})
+    return out
 
 
 def main() -> None:
