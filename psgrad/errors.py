@@ -27,6 +27,10 @@ class InvalidRequestError(PsgradError):
     """A request is malformed: wrong payload size, dtype, or a non-finite gradient."""
 
 
+class NonFiniteGradientError(InvalidRequestError):
+    """A pushed gradient holds NaN or inf values (refused under --nonfinite reject)."""
+
+
 class NotInitializedError(PsgradError):
     """A shard was used before the chief (rank 0) initialized it."""
 
@@ -87,6 +91,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         DeadlineExceededError,
         ServerStartError,
         InvalidRequestError,
+        NonFiniteGradientError,
         NotInitializedError,
         JobMismatchError,
         WorkerStateError,

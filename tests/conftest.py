@@ -198,6 +198,40 @@ def start_servers(server_procs: list[Proc]):  # type: ignore[no-untyped-def]
     return start
 
 
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus /metrics page, keyed by (name, sorted labels)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def health(address: str, wait_for: str | None = None, timeout_s: float = 10.0) -> str:
+    """The server's gRPC health status ("SERVING", "NOT_SERVING"); with wait_for, watch the health
+    service (no polling) until it says that status, failing after timeout_s."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        if wait_for is None:
+            return str(name(stub.Check(request, timeout=timeout_s).status))
+        seen = []
+        try:
+            for reply in stub.Watch(request, timeout=timeout_s):
+                seen.append(str(name(reply.status)))
+                if seen[-1] == wait_for:
+                    return wait_for
+        except grpc.RpcError as exc:
+            raise AssertionError(f"{address} did not report {wait_for} within {timeout_s} s (saw {seen}): {exc}") from None
+        raise AssertionError(f"{address}: the health watch ended before {wait_for} (saw {seen})")
+
+
 def _cuda_available() -> bool:
     try:
         import torch

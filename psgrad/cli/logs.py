@@ -9,7 +9,7 @@ from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
-_PREFIX = {"psgrad.server": "psgrad server: "}  # text lines as they always read; workers' carry their rank
+_PREFIX = {"psgrad.server": "psgrad server: ", "psgrad.run": "psgrad run: "}  # text lines as they always read; workers' carry their rank
 
 
 class TextFormatter(logging.Formatter):

@@ -5,8 +5,8 @@ import argparse
 import ipaddress
 import math
 import os
+import logging
 import socket
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ STORE_TIMEOUT_S = 300.0
 # after the workers: a worker waits this long for a server to answer its first call.
 CONNECT_TIMEOUT_S = 300.0
 LINGER_S = 5.0
+_log = logging.getLogger("psgrad.run")
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -107,9 +108,8 @@ def _serve(ns: argparse.Namespace, role: Role) -> int:
     store: Any = None
     if role.store is not None:  # torchrun: publish the address in the rendezvous store once bound
         if _is_loopback(role.advertise_host) and not _is_loopback(role.store.host):
-            print(f"psgrad run: warning: {role.advertise_host!r} resolves to a loopback address, which workers on "
-                  f"other hosts cannot reach (the store is at {role.store.host}); pass --advertise-host NAME_OR_IP",
-                  file=sys.stderr, flush=True)
+            _log.warning(f"{role.advertise_host!r} resolves to a loopback address, which workers on other hosts "
+                         f"cannot reach (the store is at {role.store.host}); pass --advertise-host NAME_OR_IP")
         store = rendezvous.connect_store(role.store, ns.store_timeout_s)
     config = ServerConfig(
         host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
@@ -154,5 +154,5 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.local_rank is None:  # a worker of a multi-GPU host takes GPU LOCAL_RANK (mod GPUs) under --device auto
         ns.local_rank = local_rank(os.environ)
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
-    print(f"psgrad run: {role.describe()}", flush=True)
+    _log.info(role.describe())
     return _serve(ns, role) if role.kind == SERVER else _train(ns, role)

@@ -163,6 +163,7 @@ def _train(
             "exchange_s": t3 - t2,
             "allreduce_s": t3 - t2,
             "staleness": 0,
+            "lr": spec.lr,
             "accepted": True,
             "version": [step],
         })

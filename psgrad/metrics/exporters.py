@@ -1,6 +1,8 @@
 """Where a worker's metrics records go besides JSONL: Prometheus (/metrics), TensorBoard, a terminal progress bar."""
 from __future__ import annotations
 
+import bisect
+import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -18,49 +20,98 @@ def evaluation(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
             yield key, float(value)
 
 
+class _Histogram:
+    """Counts per bucket and a sum, updated without a lock (the training thread is the only writer;
+    a scrape copies the counts in one step)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bucket with value <= bound
+        self.total += value
+
+    def buckets(self) -> tuple[list[tuple[str, float]], float]:
+        counts, total = list(self.counts), self.total
+        cumulative = list(itertools.accumulate(counts))
+        return [*((str(b), float(n)) for b, n in zip(self.bounds, cumulative)), ("+Inf", float(cumulative[-1]))], total
+
+
 class PrometheusExporter:
     """A worker's /metrics: steps, step/compute/exchange/wait time histograms, loss, lr, clock,
-    staleness of its pushes and its latest evaluation, labelled with its rank."""
+    staleness of its pushes and its latest evaluation, labelled with its rank.
+
+    A step's record only updates plain numbers; the metric families are built when Prometheus
+    scrapes (prometheus_client's own metrics take a lock per update: several times the cost)."""
 
     def __init__(self, rank: int, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry
         from prometheus_client.exposition import start_http_server
 
-        r = self.registry = CollectorRegistry()
-        labels = ["rank"]
-        self._rank = str(rank)
-        self.steps = Counter("psgrad_worker_steps", "training steps completed", labels, registry=r)
-        self.seconds = Histogram("psgrad_worker_step_phase_seconds", "time per step in each phase: step (all of "
-                                 "it), compute, exchange (push + pull), wait (blocked on the exchange)",
-                                 ["rank", "phase"], registry=r, buckets=SECONDS_BUCKETS)
-        self.loss = Gauge("psgrad_worker_loss", "training loss of the latest step", labels, registry=r)
-        self.lr = Gauge("psgrad_worker_learning_rate", "learning rate in effect", labels, registry=r)
-        self.clock = Gauge("psgrad_worker_clock", "the worker's clock (iterations pushed)", labels, registry=r)
-        self.staleness = Histogram("psgrad_worker_push_staleness", "largest staleness a shard reported per push",
-                                   labels, registry=r, buckets=STALENESS_BUCKETS)
-        self.metric = Gauge("psgrad_worker_evaluation", "latest evaluation result, by metric", ["rank", "metric"],
-                            registry=r)
-        self._http, _ = start_http_server(port, addr=host, registry=r)
+        self.rank = str(rank)
+        self.steps = 0
+        self.gauges: dict[str, float] = {}  # loss, lr, clock of the latest step
+        self.evaluations: dict[str, float] = {}
+        self.phases = {phase: _Histogram(SECONDS_BUCKETS) for phase in _TIMINGS.values()}
+        self.staleness = _Histogram(STALENESS_BUCKETS)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)  # a collector: collect() below
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self._http.server_address[1]}/metrics"
 
     def record(self, record: dict[str, Any]) -> None:
-        rank = self._rank
         for key, value in evaluation(record):
-            self.metric.labels(rank, key).set(value)
+            self.evaluations[key] = value
         if "loss" not in record:
             return
-        self.steps.labels(rank).inc()
-        self.loss.labels(rank).set(record["loss"])
+        self.steps += 1
+        self.gauges["loss"] = record["loss"]
         for key, phase in _TIMINGS.items():
+            timing = record.get(key)
+            if isinstance(timing, (int, float)):
+                self.phases[phase].observe(timing)
+        for key in ("lr", "clock"):
             if isinstance(record.get(key), (int, float)):
-                self.seconds.labels(rank, phase).observe(record[key])
+                self.gauges[key] = record[key]
         if isinstance(record.get("staleness"), int):
-            self.staleness.labels(rank).observe(record["staleness"])
-        if isinstance(record.get("lr"), (int, float)):
-            self.lr.labels(rank).set(record["lr"])
-        if isinstance(record.get("clock"), int):
-            self.clock.labels(rank).set(record["clock"])
+            self.staleness.observe(record["staleness"])
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        rank = [self.rank]
+        steps = CounterMetricFamily("psgrad_worker_steps", "training steps completed", labels=["rank"])
+        steps.add_metric(rank, self.steps)
+        yield steps
+        seconds = HistogramMetricFamily("psgrad_worker_step_phase_seconds", "time per step in each phase: step "
+                                        "(all of it), compute, exchange (push + pull), wait (blocked on the "
+                                        "exchange)", labels=["rank", "phase"])
+        for phase, hist in self.phases.items():
+            seconds.add_metric([self.rank, phase], *hist.buckets())
+        yield seconds
+        gauges = dict(self.gauges)
+        for key, name, doc in (("loss", "psgrad_worker_loss", "training loss of the latest step"),
+                               ("lr", "psgrad_worker_learning_rate", "learning rate in effect"),
+                               ("clock", "psgrad_worker_clock", "the worker's clock (iterations pushed)")):
+            gauge = GaugeMetricFamily(name, doc, labels=["rank"])
+            if key in gauges:
+                gauge.add_metric(rank, gauges[key])
+            yield gauge
+        staleness = HistogramMetricFamily("psgrad_worker_push_staleness", "largest staleness a shard reported per "
+                                          "push", labels=["rank"])
+        staleness.add_metric(rank, *self.staleness.buckets())
+        yield staleness
+        evaluations = GaugeMetricFamily("psgrad_worker_evaluation", "latest evaluation result, by metric",
+                                        labels=["rank", "metric"])
+        for key, value in dict(self.evaluations).items():
+            evaluations.add_metric([self.rank, key], value)
+        yield evaluations
 
     def close(self) -> None:
         self._http.shutdown()
@@ -68,8 +119,8 @@ class PrometheusExporter:
 
 
 class TensorBoardExporter:
-    """Scalars for TensorBoard under DIR/workerR: loss, lr, staleness, step time and evaluations,
-    by step (needs the `tensorboard` package: pip install psgrad[tensorboard])."""
+    """Scalars for TensorBoard under DIR/workerR: loss, lr, staleness, step time and evaluations
+    (eval/..., and the final evaluation as final/...), by step (needs the `tensorboard` package: pip install psgrad[tensorboard])."""
 
     def __init__(self, directory: str, rank: int) -> None:
         try:
@@ -81,8 +132,9 @@ class TensorBoardExporter:
 
     def record(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
+        group = "final" if record.get("event") == "final" else "eval"  # the final model's, after the last step
         for key, value in evaluation(record):
-            self.writer.add_scalar(f"eval/{key}", value, step)
+            self.writer.add_scalar(f"{group}/{key}", value, step)
         for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("staleness", "train/staleness"),
                          ("step_s", "time/step_s"), ("compute_s", "time/compute_s"), ("wait_s", "time/wait_s")):
             scalar = record.get(key)

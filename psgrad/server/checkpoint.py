@@ -190,13 +190,18 @@ def versions(directory: Path) -> list[int]:
     return [int(m.stem.removeprefix(_PREFIX)) for m in manifests(directory)]
 
 
+def manifest_of(directory: Path, version: int) -> Path:
+    """Where the manifest of the checkpoint of that version is (or would be)."""
+    return directory / f"{_stem(version)}.json"
+
+
 def load_version(directory: Path, version: int) -> ShardSnapshot:
     """The checkpoint of that version in directory, every file checked.
 
     Raises:
         CheckpointError: there is none, or it is damaged (named).
     """
-    manifest = directory / f"{_stem(version)}.json"
+    manifest = manifest_of(directory, version)
     if not manifest.exists():
         raise CheckpointError(f"{directory} holds no checkpoint of version {version} (it has {versions(directory)})")
     return load(manifest)

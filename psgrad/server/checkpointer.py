@@ -51,7 +51,12 @@ class Checkpointer:
         self.written_version = -1
         self.writes = 0
         self.last_write_s = 0.0  # how long the last write took
-        self._written_at: float | None = None  # time.monotonic() of the newest write
+        self._written_at: float | None = None  # time.time() of the newest write (or of the restored one)
+        if shard.layout is not None:  # restored from this directory: its checkpoint is the newest
+            try:
+                self._written_at = checkpoint.manifest_of(directory, shard.version).stat().st_mtime
+            except OSError:
+                pass
         shard.snapshot_at_multiples(every_versions, self.offer)
         self._thread = threading.Thread(target=self._loop, name="psgrad-checkpointer", daemon=True)
 
@@ -108,11 +113,12 @@ class Checkpointer:
         self.last_write_s = time.perf_counter() - start
         self.written_version = snap.version
         self.writes += 1
-        self._written_at = time.monotonic()
+        self._written_at = time.time()
 
     def age_s(self) -> float | None:
-        """Seconds since the newest checkpoint was written (None: none yet)."""
-        return None if self._written_at is None else time.monotonic() - self._written_at
+        """Seconds since the newest checkpoint was written, by this server or (restored) before it
+        started; None: none yet."""
+        return None if self._written_at is None else max(0.0, time.time() - self._written_at)
 
     # ----------------------------------------------------------------- the shard's RollbackSource
     def _unwritten(self) -> list[ShardSnapshot]:

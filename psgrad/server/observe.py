@@ -64,7 +64,8 @@ class ShardCollector:
         yield gauge("psgrad_shard_parameters", "parameters the shard holds", s.numel)
         yield counter("psgrad_pushes_applied", "gradients applied (or buffered, in sync mode)", s.pushes_applied)
         yield counter("psgrad_pushes_duplicate", "retried pushes recognised and not applied twice", s.pushes_duplicate)
-        yield counter("psgrad_pushes_rejected", "pushes refused (non-finite values, late or stale)", s.pushes_rejected)
+        yield counter("psgrad_pushes_rejected", "pushes not applied: refused (psgrad_rpc_refused_total says why) or, "
+                      "under --nonfinite skip, acknowledged unapplied", s.pushes_rejected)
         yield counter("psgrad_pulls", "weight pulls served", s.pulls)
         yield counter("psgrad_received_bytes", "gradient payload bytes received", s.bytes_in)
         yield counter("psgrad_sent_bytes", "weight payload bytes sent", s.bytes_out)
@@ -76,7 +77,7 @@ class ShardCollector:
         yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)
         yield gauge("psgrad_pulls_waiting", "pulls parked at the mode's gate right now", s.waiting)
         if s.workers:
-            lag = GaugeMetricFamily("psgrad_worker_clock", "each worker's clock as the shard sees it",
+            lag = GaugeMetricFamily("psgrad_shard_worker_clock", "each worker's clock as the shard sees it",
                                     labels=["shard", "rank", "state"])
             for w in s.workers:
                 lag.add_metric([*shard, str(w.rank), w.state], w.clock)
@@ -99,9 +100,10 @@ class RpcMetrics(grpc.ServerInterceptor):
         self.refused = Counter("psgrad_rpc_refused", "calls that ended with an error status, by method and reason "
                                "(the psgrad error class, or the gRPC status code)", ["method", "reason"],
                                registry=registry)
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, that handler timed)
 
-    def _done(self, method: str, start: float, context: grpc.ServicerContext) -> None:
-        self.latency.labels(method).observe(time.perf_counter() - start)
+    def _done(self, method: str, latency: Any, start: float, context: grpc.ServicerContext) -> None:
+        latency.observe(time.perf_counter() - start)
         code = context.code()
         if code is not None and code != grpc.StatusCode.OK:
             reason = next((str(v) for k, v in (context.trailing_metadata() or ())
@@ -113,8 +115,15 @@ class RpcMetrics(grpc.ServerInterceptor):
         prefix = f"/{SERVICE_NAME}/"
         if handler is None or not details.method.startswith(prefix):
             return handler
-        method = details.method[len(prefix):]
-        done = self._done
+        known = self._wrapped.get(details.method)
+        if known is not None and known[0] is handler:  # called for every call: wrap each method once
+            return known[1]
+        timed = self._timed(details.method[len(prefix):], handler)
+        self._wrapped[details.method] = (handler, timed)
+        return timed
+
+    def _timed(self, method: str, handler: Any) -> Any:
+        done, latency = self._done, self.latency.labels(method)
         if handler.response_streaming:
             behavior = handler.unary_stream or handler.stream_stream
 
@@ -123,7 +132,7 @@ class RpcMetrics(grpc.ServerInterceptor):
                 try:
                     yield from behavior(request, context)
                 finally:
-                    done(method, start, context)
+                    done(method, latency, start, context)
 
             wrapped, kind = streaming, ("unary_stream" if handler.unary_stream else "stream_stream")
         else:
@@ -134,7 +143,7 @@ class RpcMetrics(grpc.ServerInterceptor):
                 try:
                     return behavior(request, context)
                 finally:
-                    done(method, start, context)
+                    done(method, latency, start, context)
 
             wrapped, kind = single, ("unary_unary" if handler.unary_unary else "stream_unary")
         return getattr(grpc, f"{kind}_rpc_method_handler")(

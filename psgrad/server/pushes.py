@@ -14,7 +14,7 @@ from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, PushDecision
 from psgrad.core.layout import explain_push_header
 from psgrad.core.optimizers import UpdateRule
-from psgrad.errors import EvictedError, InvalidRequestError, RollbackError, WorkerStateError
+from psgrad.errors import EvictedError, InvalidRequestError, NonFiniteGradientError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import Counters, PushResult
@@ -169,7 +169,7 @@ class PushPath:
         """A gradient with NaN/inf: refused (--nonfinite reject) or acknowledged unapplied (skip)."""
         self._counters.pushes_rejected += 1
         if self._config.nonfinite == "reject":
-            raise InvalidRequestError(
+            raise NonFiniteGradientError(
                 f"gradient from worker rank {member.rank} at clock {clock} has {bad} non-finite values; "
                 "the shard is unchanged (start the server with --nonfinite skip|allow to change this)"
             )

@@ -58,6 +58,9 @@ class ReplicaPath:
     def _install(self, state: ShardState) -> None:
         raise NotImplementedError
 
+    def _serving_changed(self) -> None:
+        raise NotImplementedError
+
     def _notify(self) -> None:
         raise NotImplementedError
 
@@ -175,6 +178,7 @@ class ReplicaPath:
             if rep is None or rep.role != BACKUP or epoch != rep.epoch:
                 return False
             self._state = None
+            self._serving_changed()
             rep.log(f"dropped by its primary {rep.primary}: the state is stale; attaching again")
             return True
 

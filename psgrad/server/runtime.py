@@ -173,6 +173,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
     obs.watch(shard.status, lambda: None if checkpointer is None else checkpointer.age_s())
+    shard.watch_serving(obs.set_serving)  # health: SERVING while the shard holds a job's state
     shard.on_gate_wait = obs.gate_wait.observe
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -205,7 +206,6 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     if checkpointer is not None:
         checkpointer.start()
     running = RunningServer(server, servicer, address, checkpointer, obs)
-    threading.Thread(target=_follow_health, args=(running,), name="psgrad-health", daemon=True).start()
     if config.metrics_port is not None:
         try:
             note(f"metrics at {obs.serve_http(config.host, config.metrics_port)}")
@@ -213,15 +213,6 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
             running.stop(0)
             raise ServerStartError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
     return running
-
-
-def _follow_health(running: RunningServer) -> None:
-    """The health service says SERVING once the shard serves a job, NOT_SERVING before."""
-    while not running.stopped.is_set():
-        if running.shard.wait_serving(3600.0):
-            if not running.stopped.is_set():
-                running.observability.set_serving(True)
-            return
 
 
 def serve_forever(

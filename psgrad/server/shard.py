@@ -64,6 +64,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         self._closed = False
         self._waiting = 0  # pulls parked in the gate right now
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
+        self._on_serving: Callable[[bool], None] = lambda serving: None  # see watch_serving
         self._restored_clocks: dict[int, int] = {}
         self._restored = False
         self._rewound: set[int] = set()
@@ -104,6 +105,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         with self._cond:
             self._closed = True
             self._notify()
+            self._serving_changed()
             self._buffers.close()
             self._reaper_wake.notify_all()
 
@@ -118,16 +120,15 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 self._observers.wait(timeout=left)
             return True
 
-    def wait_serving(self, timeout_s: float) -> bool:
-        """Block until the shard serves a job (initialized or restored); False if closed or timed out."""
-        deadline = time.monotonic() + timeout_s
+    def watch_serving(self, callback: Callable[[bool], None]) -> None:
+        """Tell callback whether the shard serves a job (it holds state: initialized, restored, or a
+        backup's copy; and it is not closed or fenced), now and at every change (under the lock)."""
         with self._cond:
-            while self._state is None and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._observers.wait(timeout=left)
-            return not self._closed
+            self._on_serving = callback
+            self._serving_changed()
+
+    def _serving_changed(self) -> None:
+        self._on_serving(self._state is not None and not self._closed)
 
     def audit(self) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]], int]:
         """A consistent snapshot of (history, buffered sync pushes as (rank, clock), version)."""
@@ -264,6 +265,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
+        self._serving_changed()
 
     # ----------------------------------------------------------------- pull
     def pull_frames(

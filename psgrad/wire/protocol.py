@@ -54,7 +54,7 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
 def abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
     """End a call with the status code of exc's class and its name in the trailing metadata
     (raises, like context.abort)."""
-    code = _STATUS_OF.get(type(exc), grpc.StatusCode.INTERNAL)
+    code = next((_STATUS_OF[c] for c in type(exc).__mro__ if c in _STATUS_OF), grpc.StatusCode.INTERNAL)
     context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
     context.abort(code, str(exc))
 

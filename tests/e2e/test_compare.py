@@ -35,7 +35,8 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     res = run_cli(
         ["compare", "--modes", "sync,async", "--num-servers", "1", "--num-workers", "2", "--steps", "40",
-         "--target-accuracy", "0.5", "--straggler", "1:2", "--jitter-ms", "1", "--repeats", "1", "--out", str(out)],
+         "--target-accuracy", "0.5", "--straggler", "1:2", "--jitter-ms", "1", "--repeats", "1", "--out", str(out),
+         "--tensorboard", str(tmp_path / "tb")],
         timeout_s=280,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -61,10 +62,27 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
             records = [json.loads(line) for line in lines]
             assert records[0]["event"] == "start" and records[-1]["event"] == "final"
         assert json.loads((out / "runs" / run / "status.json").read_text())["shards"]
+    assert_tensorboard_has_every_step(tmp_path / "tb", out / "runs")
     slow = [json.loads(line) for line in (out / "runs" / "sync-r0" / "worker1.jsonl").read_text().splitlines()]
     assert slow[0]["slowdown"] == 2.0
     assert all(r["delay_s"] >= r["compute_s"] * 0.99 for r in slow if "delay_s" in r)  # 2x: waits 1x compute
     assert "sync" in res.stdout and "final test acc" in res.stdout  # the table printed at the end
+
+
+def assert_tensorboard_has_every_step(board: Path, runs: Path) -> None:
+    """compare --tensorboard: each run's workers under BOARD/RUN/workerR, their loss and lr the JSONL's."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    assert sorted(p.name for p in board.iterdir()) == ["async-r0", "sync-r0"]
+    for run in ("sync-r0", "async-r0"):
+        for rank in range(2):
+            acc = event_accumulator.EventAccumulator(str(board / run / f"worker{rank}"))
+            acc.Reload()
+            steps = [json.loads(line) for line in (runs / run / f"worker{rank}.jsonl").read_text().splitlines()]
+            steps = [r for r in steps if "loss" in r]
+            losses = acc.Scalars("train/loss")
+            assert [e.step for e in losses] == [r["step"] for r in steps]
+            assert [e.value for e in losses] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+            assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([r["lr"] for r in steps])
 
 
 def _curve(path: Path) -> list[tuple[int, float, float]]:

@@ -14,34 +14,54 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, Proc, run_benchmark, run_cli, spawn
+from conftest import REPO, Proc, health, run_benchmark, run_cli, scrape, spawn
+from psgrad.wire.protocol import SERVICE_NAME
 
 pytestmark = pytest.mark.timeout(120)
 
 JOB = ["--num-workers", "2", "--lr", "0.1", "--eval-every", "20", "--seed", "1"]
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
+def exported(url: str) -> set[str]:
+    """The metric names a /metrics page declares (counters with their _total), samples or not;
+    without prometheus_client's X_created timestamps of counters and histograms."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {n for n in re.findall(r"^# TYPE (\S+) ", text, re.M) if not n.endswith("_created")}
+
+
+def scrape_until(url: str, what: str, ready: Callable[[dict[Any, float]], bool], timeout_s: float = 30.0) -> dict[Any, float]:
+    """Scrape url until ready(samples) holds (an HTTP endpoint tells nobody when it changes)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(m := scrape(url)):
+        assert time.monotonic() < deadline, f"{url}: {what} not seen within {timeout_s} s"
+        threading.Event().wait(0.2)
+    return m
+
+
+def readme_metric_names() -> set[str]:
+    """The metric names README's "Watching a job" section documents (query suffixes dropped)."""
+    text = (Path(REPO) / "README.md").read_text()
+    section = text[text.index("### Watching a job"):text.index("### Bad input")]
+    names = set(re.findall(r"`(psgrad_[a-z_]+)", section))
+    return {n for n in names if not (n.endswith(("_bucket", "_count", "_sum")) and n.rsplit("_", 1)[0] in names)}
 
 
 def server(*extra: str) -> tuple[Proc, str, str]:
     """A real `psgrad server` with a metrics endpoint: (process, gRPC address, metrics URL)."""
     proc = spawn(["server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *extra])
     try:
-        url = proc.wait_for_line("metrics at ").rsplit(" ", 1)[1]  # logged before it listens
+        line = proc.wait_for_line("metrics at ")  # logged before it listens (a JSON line with --log-format json)
+        url = re.findall(r"http://[^\s\"]+", line)[0]
         address = proc.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
     except BaseException:
         proc.stop()
@@ -49,82 +69,53 @@ def server(*extra: str) -> tuple[Proc, str, str]:
     return proc, address, url
 
 
-def health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status)
-
-
-def test_metrics_agree_with_status_and_count_refusals(tmp_path: Path) -> None:
-    proc, address, url = server("--lease-s", "30")
-    try:
-        assert scrape(url)[("psgrad_shard_initialized", (("shard", ""),))] == 0.0
-        workers = [spawn(["worker", "--servers", address, "--rank", str(r), "--steps", "40", "--mode", "async", *JOB])
-                   for r in range(2)]
-        for w in workers:
-            assert w.wait(120) == 0, w.output
-        # A worker of another job is refused: counted by method and reason.
-        other = run_cli(["worker", "--servers", address, "--rank", "0", "--num-workers", "2", "--lr", "0.5",
-                         "--steps", "1", "--connect-timeout-s", "5"])
-        assert other.returncode != 0
-        status = json.loads(run_cli(["status", "--servers", address, "--json"]).stdout)["shards"][0]
-        m = scrape(url)
-        shard = (("shard", "0"),)
-        assert m[("psgrad_pushes_applied_total", shard)] == status["pushes_applied"] == 80
-        assert m[("psgrad_pulls_total", shard)] == status["pulls"]
-        assert m[("psgrad_shard_version", shard)] == status["version"]
-        assert m[("psgrad_received_bytes_total", shard)] == status["bytes_in"]
-        hist = {int(k): v for k, v in status["staleness"]["histogram"].items()}
-        assert m[("psgrad_staleness_count", shard)] == sum(hist.values()) == 80
-        assert m[("psgrad_staleness_sum", shard)] == sum(k * v for k, v in hist.items())
-        for bound in (0, 1, 2, 4, 8):
-            le = tuple(sorted({"shard": "0", "le": str(bound)}.items()))
-            assert m[("psgrad_staleness_bucket", le)] == sum(v for k, v in hist.items() if k <= bound)
-        calls = {labels[0][1]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
-        assert calls.get("Push", 0) + calls.get("Step", 0) >= 80, calls  # one push per step, alone or in a Step
-        refused = {labels: v for (name, labels), v in m.items() if name == "psgrad_rpc_refused_total"}
-        assert refused.get((("method", "Join"), ("reason", "JobMismatchError"))) == 1.0, refused
-        assert m[("psgrad_live_workers", shard)] == 0  # both left
-    finally:
-        proc.stop()
-
-
-def test_health_is_not_serving_until_initialized_and_reflection_lists_the_service() -> None:
+def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> None:
+    from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    proc, address, _ = server()
+    proc, address, url = server("--lease-s", "30", "--log-format", "json")
     try:
-        assert health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with grpc.insecure_channel(address) as channel:
-            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
-            assert "psgrad.ParameterServer" in services or any(s.endswith(".ParameterServer") for s in services), services
-            assert "grpc.health.v1.Health" in services
-        w = spawn(["worker", "--servers", address, "--rank", "0", "--steps", "5", "--num-workers", "1"])
-        assert w.wait(120) == 0, w.output
-        assert health(address) == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        proc.stop()
-
-
-def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    proc = spawn(["server", "--port", "0", "--log-format", "json", "--checkpoint-dir", str(ckpt),
-                  "--metrics-port", "0"])
-    try:
-        line = proc.wait_for_line('"metrics at ')
-        proc.wait_for_line("psgrad server listening on ")
-        record = json.loads(line)
-        assert record["level"] == "info" and record["logger"] == "psgrad.server" and record["pid"] > 0
-        assert record["message"].startswith("metrics at http://127.0.0.1:")
+        assert health(address) == "NOT_SERVING"  # no job yet: a readiness probe waits
+        with grpc.insecure_channel(address) as channel:  # what `grpcurl list` / `describe` do
+            db = ProtoReflectionDescriptorDatabase(channel)
+            assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+                db.get_services())
+            methods = {m.name for m in DescriptorPool(db).FindServiceByName(SERVICE_NAME).methods}
+            assert {"Join", "Init", "Push", "Pull", "Step", "Status"} <= methods, methods
+        assert scrape(url)[("psgrad_shard_initialized", (("shard", ""),))] == 0.0
+        workers = [spawn(["worker", "--servers", address, "--rank", str(r), "--steps", "40", "--mode", "async",
+                          "--log-format", "json", *JOB]) for r in range(2)]
+        for w in workers:
+            assert w.wait(120) == 0, w.output
+        assert health(address) == "SERVING"
+        status = json.loads(run_cli(["status", "--servers", address, "--json"]).stdout)["shards"][0]
+        m = scrape(url)
     finally:
         assert proc.stop() == 0
-    stopped = [json.loads(x) for x in proc.lines if x.startswith("{") and "stopped" in x]
-    assert stopped and stopped[0]["message"].endswith("stopped (SIGTERM)")
-    quiet = spawn(["server", "--port", "0", "--log-level", "warning", "--metrics-port", "0"])
-    try:
-        quiet.wait_for_line("psgrad server listening on ")  # what scripts read is not a log message
-    finally:
-        assert quiet.stop() == 0
-    assert not any("metrics at" in x or "stopped" in x for x in quiet.lines), quiet.lines
+    shard = (("shard", "0"),)
+    assert m[("psgrad_pushes_applied_total", shard)] == status["pushes_applied"] == 80
+    for metric, key in (("psgrad_pulls_total", "pulls"), ("psgrad_shard_version", "version"),
+                        ("psgrad_received_bytes_total", "bytes_in"), ("psgrad_sent_bytes_total", "bytes_out"),
+                        ("psgrad_pushes_duplicate_total", "pushes_duplicate"), ("psgrad_evictions_total", "evictions")):
+        assert m[(metric, shard)] == status[key], metric
+    hist = {int(k): v for k, v in status["staleness"]["histogram"].items()}
+    assert m[("psgrad_staleness_count", shard)] == sum(hist.values()) == 80
+    assert m[("psgrad_staleness_sum", shard)] == sum(k * v for k, v in hist.items())
+    buckets = {dict(labels)["le"]: v for (name, labels), v in m.items() if name == "psgrad_staleness_bucket"}
+    assert buckets.pop("+Inf") == 80 and len(buckets) == 12
+    for le, count in buckets.items():
+        assert count == sum(v for k, v in hist.items() if k <= float(le)), le
+    clocks = {dict(labels)["rank"]: v for (name, labels), v in m.items() if name == "psgrad_shard_worker_clock"}
+    assert clocks == {str(w["rank"]): w["clock"] for w in status["workers"]}
+    assert m[("psgrad_live_workers", shard)] == 0  # both left
+    calls = {labels[0][1]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
+    assert calls.get("Push", 0) + calls.get("Step", 0) >= 80, calls  # one push per step, alone or in a Step
+    # Every line the server and workers wrote is one JSON object, but for what scripts read.
+    for p in (proc, *workers):
+        records = [json.loads(x) for x in p.lines if not x.startswith("psgrad server listening on ")]
+        assert records and all({"time", "level", "logger", "message", "pid"} <= set(r) for r in records)
+    assert any(json.loads(x)["message"].endswith("stopped (SIGTERM)") for x in proc.lines if x.startswith("{"))
+    assert any(json.loads(x)["message"].startswith("worker 0/2: joined 1 shard(s)") for x in workers[0].lines)
 
 
 def _read_until(fd: int, pattern: str, timeout_s: float) -> str:
@@ -152,22 +143,36 @@ def terminal() -> tuple[int, int]:
     return main, secondary
 
 
-def test_live_view_redraws_on_a_terminal_until_ctrl_c() -> None:
-    proc, address, _ = server("--lease-s", "30")
+def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path: Path) -> None:
+    proc, address, url = server("--lease-s", "30", "--checkpoint-dir", str(tmp_path / "ckpt"))
     w = spawn(["worker", "--servers", address, "--rank", "0", "--num-workers", "1", "--steps", "100000",
-               "--log-every", "20", "--mode", "async"])
+               "--log-every", "20", "--eval-every", "20", "--mode", "async", "--metrics-port", "0"])
     main, secondary = terminal()
     view = subprocess.Popen([sys.executable, "-m", "psgrad", "status", "--watch", "--interval-s", "0.3", "--servers",
                              address], stdin=secondary, stdout=secondary, stderr=secondary, cwd=REPO)
     os.close(secondary)
     try:
-        w.wait_for_line("step ", timeout_s=60)  # training: versions move between refreshes
+        worker_url = re.findall(r"http://\S+", w.wait_for_line("metrics at ", timeout_s=60))[0]
+        w.wait_for_line("step 20/", timeout_s=60)  # training: versions move between refreshes
         text = _read_until(main, r"(\x1b\[H\x1b\[2J.*?){3}push/s.*\n\s+0 \S+\s+\d+\s+\d+\.\d", 60)
         assert "\x1b[H\x1b[2J" in text  # redrawn in place
-        row = re.findall(r"^\s+0 (\S+)\s+(\d+)\s+(\d+\.\d)\s+(\d+\.\d)\s+(\d+)\s+(\S+)\s+(\S+)", text, re.M)[-1]
-        assert row[0] == address and int(row[1]) > 0 and float(row[2]) > 0 and row[4] == "1"
+        header = [line for line in text.splitlines() if "push/s" in line][-1].split()
+        assert header == ["shard", "address", "version", "push/s", "pull/s", "live", "clocks", "lag", "stale",
+                          "p50/p99", "waiting"], header
+        row = re.findall(r"^\s+0 (\S+)\s+(\d+)\s+(\d+\.\d)\s+(\d+\.\d)\s+(\d+) (\d+)\.\.(\d+)\s+(\d+)\s+(\d+)/(\d+)"
+                         r"\s+(\d+)\s*$", text, re.M)[-1]
+        assert row[0] == address and int(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0, row
+        assert row[4] == "1" and row[5] == row[6] and row[7] == "0", row  # one live worker: no lag
+        assert row[8:10] == ("0", "0") and row[10] == "0", row  # async, alone: staleness 0, nobody waits
         view.send_signal(signal.SIGINT)
         assert view.wait(30) == 0
+        # Every name the README documents is exported, and nothing it does not.
+        served = scrape_until(url, "a checkpoint's age", lambda m: ("psgrad_checkpoint_age_seconds", (("shard", "0"),)) in m)
+        assert served[("psgrad_live_workers", (("shard", "0"),))] == 1
+        scrape_until(worker_url, "an evaluation", lambda m: any(k[0] == "psgrad_worker_evaluation" for k in m))
+        names = exported(url) | exported(worker_url)
+        assert names == readme_metric_names(), (names ^ readme_metric_names())
+        assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names)
     finally:
         if view.poll() is None:
             view.kill()
@@ -177,54 +182,49 @@ def test_live_view_redraws_on_a_terminal_until_ctrl_c() -> None:
         proc.stop()
 
 
-def test_a_worker_on_a_terminal_shows_a_progress_bar() -> None:
-    proc, address, _ = server()
+def test_a_worker_on_a_terminal_shows_a_progress_bar_and_writes_tensorboard(tmp_path: Path) -> None:
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    quiet = spawn(["server", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"])
     main, secondary = terminal()
-    w = subprocess.Popen([sys.executable, "-m", "psgrad", "worker", "--servers", address, "--num-workers", "1",
-                          "--steps", "60", "--eval-every", "30"], stdin=secondary, stdout=secondary, stderr=secondary,
-                         cwd=REPO)
-    os.close(secondary)
+    w = None
     try:
-        text = _read_until(main, r"60/60 \[.*step/s.*loss=.*test_accuracy=", 90)
+        address = quiet.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]  # printed, not logged
+        w = subprocess.Popen([sys.executable, "-m", "psgrad", "worker", "--servers", address, "--num-workers", "1",
+                              "--steps", "60", "--eval-every", "30", "--tensorboard", str(tmp_path / "tb"),
+                              "--metrics-out", str(tmp_path / "w0.jsonl")], stdin=secondary, stdout=secondary,
+                             stderr=secondary, cwd=REPO)
+        os.close(secondary)
+        secondary = -1
+        # Both, in whichever order the bar's last refresh and the final log line come.
+        text = _read_until(main, r"(?=.*60/60 \[.*step/s.*loss=.*test_accuracy=)(?=.*final test_loss)", 90)
         assert re.search(r"worker 0: +\d+%\|", text), text  # the bar, named after the worker
-        assert "final test_loss" in _read_until(main, "final test_loss", 30)  # log lines still show, above it
         assert w.wait(30) == 0
     finally:
-        if w.poll() is None:
+        if w is not None and w.poll() is None:
             w.kill()
             w.wait()
+        if secondary >= 0:
+            os.close(secondary)
         os.close(main)
-        proc.stop()
-
-
-def test_worker_metrics_endpoint_and_tensorboard_events(tmp_path: Path) -> None:
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    EventAccumulator = event_accumulator.EventAccumulator
-
-    proc, address, _ = server()
-    try:
-        w = spawn(["worker", "--servers", address, "--rank", "0", "--num-workers", "1", "--steps", "30",
-                   "--eval-every", "10", "--metrics-port", "0", "--tensorboard", str(tmp_path / "tb"),
-                   "--metrics-out", str(tmp_path / "w0.jsonl")])
-        url = w.wait_for_line("metrics at ").rsplit(" ", 1)[1]
-        assert url.startswith("http://127.0.0.1:")
-        assert w.wait(120) == 0, w.output
-    finally:
-        proc.stop()
-    runs = list((tmp_path / "tb" / "worker0").iterdir())
-    assert runs, "no event file"
-    acc = EventAccumulator(str(tmp_path / "tb" / "worker0"))
+        assert quiet.stop() == 0
+    assert not any("stopped" in x for x in quiet.lines), quiet.lines  # info is below --log-level warning
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb" / "worker0"))
     acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "eval/test_accuracy", "time/step_s"} <= tags, tags
-    losses = acc.Scalars("train/loss")
     records = [json.loads(x) for x in (tmp_path / "w0.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r["loss"] for r in records if "loss" in r}
-    assert [e.step for e in losses] == sorted(by_step)
-    assert all(abs(e.value - by_step[e.step]) < 1e-6 for e in losses)
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 60
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/staleness", "staleness"),
+                     ("time/step_s", "step_s"), ("time/compute_s", "compute_s"), ("time/wait_s", "wait_s")):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [r["step"] for r in steps], tag
+        assert [e.value for e in events] == pytest.approx([r[key] for r in steps], rel=1e-6), tag
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.1] * 60)  # the job's --lr (default)
     evals = [r for r in records if "test_accuracy" in r and r.get("event") != "final"]
-    assert [round(e.value, 6) for e in acc.Scalars("eval/test_accuracy")][: len(evals)] == [
-        round(r["test_accuracy"], 6) for r in evals]
+    accuracy = acc.Scalars("eval/test_accuracy")
+    assert [e.step for e in accuracy] == [r["step"] for r in evals] == [30, 60]
+    assert [e.value for e in accuracy] == pytest.approx([r["test_accuracy"] for r in evals], rel=1e-6)
+    [final] = [r for r in records if r.get("event") == "final"]
+    assert [(e.step, e.value) for e in acc.Scalars("final/test_accuracy")] == [(60, pytest.approx(final["test_accuracy"]))]
 
 
 def test_worker_exporter_serves_its_records() -> None:
@@ -249,10 +249,10 @@ def test_worker_exporter_serves_its_records() -> None:
 
 
 def test_metrics_cost_benchmark_measures_both_sides() -> None:
-    out = run_benchmark("metrics_cost.py", "--mb", "2", "--reps", "2", "--steps", "10", "--scrape-s", "0.2")
-    assert out["payload_mb"] == pytest.approx(2.0)
+    out = run_benchmark("metrics_cost.py", "--preset", "tiny")
+    assert out["benchmark"] == "metrics_cost" and out["preset"] == "tiny" and out["payload_mb"] == pytest.approx(2.0)
     for name in ("push_s", "pull_s", "step_s"):
         assert set(out["median"][name]) == {"on", "off"} and all(v > 0 for v in out["median"][name].values())
-    for ratio in ("push_throughput_ratio_on_off", "pull_throughput_ratio_on_off", "step_rate_ratio_on_off"):
-        assert out[ratio] > 0
-    assert out["scrapes"] >= 1  # the metrics side was scraped while it served
+    for kind in ("push_throughput", "pull_throughput", "step_rate"):
+        assert out[f"{kind}_ratio_on_off"] > 0 and out[f"paired_{kind}_ratio_on_off"] > 0
+    assert out["scrapes"] >= 2  # the server's and the worker exporter's endpoints were scraped while they served

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from conftest import run_in_threads
+from conftest import health, run_in_threads
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -162,11 +162,16 @@ def test_a_promoted_backup_fences_its_former_primary(servers: Callable[..., Runn
     plan = plan_shards(PARAMS, 1)
     with ParameterClient([f"{primary.address}|{backup.address}"], spec, PARAMS, plan, 0, CONFIG) as a, \
             ParameterClient([backup.address], spec, PARAMS, plan, 1, CONFIG) as b:
+        assert health(primary.address) == health(backup.address) == "NOT_SERVING"  # no state yet
         a.join(lambda: torch.zeros(NUMEL))
         assert a.push(grad(0, 0), 0)[0].applied
+        assert health(primary.address) == "SERVING"
+        health(backup.address, wait_for="SERVING")  # a backup with its primary's state is ready to take over
         b.join(None)  # a worker's call at the backup (as if it had lost the primary): it takes over
         assert backup.shard.status().replica.epoch == 1
         assert primary.shard.wait_until(lambda s: s.replica.role == "fenced", 10)
+        health(primary.address, wait_for="NOT_SERVING")  # a readiness probe takes the fenced one out
+        assert health(backup.address) == "SERVING"
         with pytest.raises(NotPrimaryError):
             primary.shard.serving()
         # the old epoch's records are refused: a late message from the former primary changes nothing

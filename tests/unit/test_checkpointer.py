@@ -2,6 +2,7 @@
 versions on disk or not yet written, each read back whole)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,20 @@ def run_and_stop(spec: JobSpec, tmp_path: Path, every_versions: int, pushes: int
 def test_async_writes_a_last_checkpoint_at_stop(tmp_path: Path) -> None:
     versions, warnings = run_and_stop(JobSpec(lr=0.5, num_shards=2, num_workers=2), tmp_path, 0, 3)
     assert versions == [6] and warnings == []
+
+
+def test_the_checkpoint_age_counts_from_the_newest_write_or_the_restored_checkpoint(tmp_path: Path) -> None:
+    writer = Checkpointer(Shard(ServerConfig()), tmp_path, every_s=3600, every_versions=0)
+    assert writer.age_s() is None  # nothing written, nothing restored
+    run_and_stop(JobSpec(lr=0.5, num_workers=2), tmp_path, 0, 2)
+    restored = Shard(ServerConfig())
+    snap = checkpoint.load_latest(tmp_path, print)
+    assert snap is not None
+    restored.restore(snap)
+    written = checkpoint.manifest_of(tmp_path, snap.version).stat().st_mtime
+    before = time.time()
+    age = Checkpointer(restored, tmp_path, every_s=3600, every_versions=0).age_s()
+    assert age is not None and before - written <= age <= time.time() - written
 
 
 def test_sync_writes_only_the_iterations_every_shard_checkpoints(tmp_path: Path) -> None:

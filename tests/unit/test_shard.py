@@ -86,6 +86,17 @@ def test_pull_and_push_before_initialize(layout: Layout) -> None:
     assert s.version == 0
 
 
+def test_serving_is_reported_when_the_shard_gets_state_and_when_it_closes(layout: Layout) -> None:
+    s = Shard(ServerConfig())
+    seen: list[bool] = []
+    s.watch_serving(seen.append)
+    assert seen == [False]  # told at once
+    s.initialize(0, layout, weights_for(layout))
+    assert seen[-1] is True
+    s.close()  # a stopping or fenced server
+    assert seen[-1] is False
+
+
 # ----------------------------------------------------------------------------- initialize / join
 def test_initialize_installs_weights(layout: Layout) -> None:
     s = Shard(ServerConfig())

@@ -1,0 +1,107 @@
+"""A server's outside view in process: refusals counted by reason and every call timed by method on
+/metrics, and a server restored from a checkpoint is SERVING at once with its checkpoint's age."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import health, run_in_threads, scrape
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.errors import JobMismatchError, NonFiniteGradientError
+from psgrad.server.runtime import RunningServer, start_server
+
+pytestmark = pytest.mark.timeout(60)
+
+NUMEL = 1000
+PARAMS = [ParamSpec("w", (NUMEL,), "float32")]
+SPEC = JobSpec(lr=0.1, num_workers=1)
+CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, reconnect_timeout_s=1, shared_memory=False)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., RunningServer]]:
+    """servers(**ServerConfig fields) -> a started in-process server serving /metrics, stopped at teardown."""
+    running: list[RunningServer] = []
+
+    def start(**kw: object) -> RunningServer:
+        s = start_server(ServerConfig(**{"host": "127.0.0.1", "port": 0, "threads": 8, "metrics_port": 0, **kw}))  # type: ignore[arg-type]
+        running.append(s)
+        return s
+
+    yield start
+    for s in running:
+        s.stop(0)
+
+
+def client(address: str, spec: JobSpec = SPEC, params: list[ParamSpec] = PARAMS) -> ParameterClient:
+    return ParameterClient([address], spec, params, plan_shards(params, 1), 0, CONFIG)
+
+
+def test_refusals_are_counted_by_reason_and_every_call_is_timed(servers: Callable[..., RunningServer]) -> None:
+    server = servers()
+    flat = torch.empty(NUMEL)
+    with client(server.address) as c:
+        c.join(lambda: torch.zeros(NUMEL))
+        c.push(torch.ones(NUMEL), 0)  # Push
+        c.pull(flat, 1)  # Pull
+        c.exchange(torch.ones(NUMEL), 1, flat)  # Step: a push and its pull in one call
+        nan = torch.ones(NUMEL)
+        nan[7] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="1 non-finite"):
+            c.push(nan, 2)
+    with client(server.address, spec=JobSpec(lr=0.5, num_workers=1)) as other, pytest.raises(JobMismatchError):
+        other.join(None)  # another job's worker
+    m = scrape(server.metrics_url)
+    refused = {labels: v for (name, labels), v in m.items() if name == "psgrad_rpc_refused_total"}
+    assert refused == {(("method", "Push"), ("reason", "NonFiniteGradientError")): 1.0,
+                       (("method", "Join"), ("reason", "JobMismatchError")): 1.0}, refused
+    shard = (("shard", "0"),)
+    assert m[("psgrad_pushes_rejected_total", shard)] == 1 and m[("psgrad_pushes_applied_total", shard)] == 2
+    calls = {labels[0][1]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
+    assert calls["Push"] == 2 and calls["Pull"] == 1 and calls["Step"] == 1 and calls["Init"] == 1, calls
+    for method in ("Push", "Pull", "Step"):  # latency histograms: every call falls in the +Inf bucket
+        assert m[("psgrad_rpc_duration_seconds_bucket", (("le", "+Inf"), ("method", method)))] == calls[method]
+        assert m[("psgrad_rpc_duration_seconds_sum", (("method", method),))] > 0
+
+
+def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
+    servers: Callable[..., RunningServer], tmp_path: Path,
+) -> None:
+    first = servers(checkpoint_dir=str(tmp_path))
+    assert health(first.address) == "NOT_SERVING"
+    assert ("psgrad_checkpoint_age_seconds", (("shard", ""),)) not in scrape(first.metrics_url)  # none yet
+    with client(first.address) as c:
+        c.join(lambda: torch.zeros(NUMEL))
+        assert health(first.address) == "SERVING"
+        for clock in range(3):
+            c.push(torch.ones(NUMEL), clock)
+    first.stop(0)  # a last checkpoint, of version 3
+    restored = servers(checkpoint_dir=str(tmp_path))
+    assert health(restored.address) == "SERVING"  # no worker needed: the checkpoint is the job's state
+    m = scrape(restored.metrics_url)
+    shard = (("shard", "0"),)
+    assert m[("psgrad_shard_initialized", shard)] == 1 and m[("psgrad_shard_version", shard)] == 3
+    assert 0 <= m[("psgrad_checkpoint_age_seconds", shard)] < 60
+
+
+def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningServer]) -> None:
+    server = servers()
+    spec = JobSpec(mode="sync", lr=0.1, num_workers=2)
+    a, b = (ParameterClient([server.address], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG) for r in (0, 1))
+    with a, b:
+        run_in_threads(2, lambda r: (a, b)[r].join((lambda: torch.zeros(NUMEL)) if r == 0 else None), timeout_s=20)
+        a.push(torch.ones(NUMEL), 0)
+        parked = threading.Thread(target=a.pull, args=(torch.empty(NUMEL), 1))
+        parked.start()  # waits at the gate for rank 1's gradient
+        assert server.shard.wait_until(lambda s: s.waiting == 1, 10)
+        b.push(torch.ones(NUMEL), 0)
+        parked.join(10)
+        assert not parked.is_alive()
+    m = scrape(server.metrics_url)
+    assert m[("psgrad_gate_wait_seconds_count", ())] == 1 and m[("psgrad_gate_wait_seconds_sum", ())] > 0
