@@ -17,6 +17,7 @@ from psgrad.server.shard import Shard
 from psgrad.wire import protocol, shm
 from psgrad.wire.frames import FrameParser, PayloadWriter, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
+from psgrad.wire.security import ChannelFactory, plaintext_channels
 
 FENCE_TIMEOUT_S = 2.0
 
@@ -110,14 +111,14 @@ class ReplicaServicer:
         }
 
 
-def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
+def attach_to_primary(primary: str, address: str, timeout_s: float, channels: ChannelFactory = plaintext_channels) -> int:
     """Ask the primary at `primary` to make this server (reached at `address`) its backup; the
     state and the updates follow as ReplicaApply calls. Returns the primary's epoch.
 
     Raises:
         ServerStartError: the primary did not answer within timeout_s, or refused.
     """
-    with grpc.insecure_channel(primary, options=CLIENT_CHANNEL_OPTIONS) as channel:
+    with channels(primary, CLIENT_CHANNEL_OPTIONS) as channel:
         attach = channel.unary_unary(
             METHOD_PREFIX + "ReplicaAttach", pb.ReplicaAttachRequest.SerializeToString, pb.ReplicaAttachReply.FromString
         )
@@ -129,10 +130,10 @@ def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
         return int(reply.epoch)
 
 
-def send_fence(address: str, epoch: int, dropped: bool = False) -> None:
+def send_fence(address: str, epoch: int, dropped: bool = False, channels: ChannelFactory = plaintext_channels) -> None:
     """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
     went on without it (best effort: it may be dead)."""
-    with grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS) as channel:
+    with channels(address, CLIENT_CHANNEL_OPTIONS) as channel:
         fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
         try:
             fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
@@ -145,6 +146,6 @@ def _attach_again(shard: Shard) -> None:
     rep = shard.replication
     assert rep is not None
     try:
-        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5)
+        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5, rep.channels)
     except ServerStartError as exc:
         rep.log(f"dropped by {rep.primary} and cannot attach again ({exc}); serving nobody until restarted")

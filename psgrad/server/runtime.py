@@ -12,18 +12,20 @@ from typing import Any
 
 import grpc
 
-from psgrad.config import ServerConfig
+from psgrad.config import ServerConfig, is_loopback
 from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.checkpointer import Checkpointer, note, warn
+from psgrad.server.guard import Guard
 from psgrad.server.observe import Observability
 from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.wire.heap import tune_allocator
+from psgrad.wire import security
 from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME
 
 
@@ -165,10 +167,13 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         shard.set_rollback_source(checkpointer)
     servicer = ParameterServicer(shard, config)
     obs = Observability()
+    # Calls are timed only where someone can read the figures (refusals by the guard included).
+    interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
+    if security.authenticates(config):
+        interceptors.append(Guard(config))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        # Calls are timed only where someone can read the figures.
-        options=server_options(config), interceptors=(obs.rpc,) if config.metrics_port is not None else (),
+        options=server_options(config), interceptors=interceptors,
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
@@ -177,30 +182,37 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
+    credentials = security.server_credentials(config)
     try:
-        port = server.add_insecure_port(target)
+        port = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
     except RuntimeError as exc:
         raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
     if port == 0:
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
     address = f"{bind_host}:{port}"
     reachable = reachable_address(config, port)
-    replication = shard.replication = Replication(reachable, config.chunk_bytes, config.replica_timeout_s, warn)
+    channels = security.server_channels(config)
+    replication = shard.replication = Replication(
+        reachable, config.chunk_bytes, config.replica_timeout_s, warn, channels
+    )
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
     replication.on_dropped = lambda backup, epoch: threading.Thread(
-        target=send_fence, args=(backup, epoch, True), name="psgrad-drop", daemon=True
+        target=send_fence, args=(backup, epoch, True, channels), name="psgrad-drop", daemon=True
     ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
     server.start()
     if config.replica_of is not None:
         try:  # the state and the updates arrive as ReplicaApply calls, from now on
-            epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s)
+            epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s, channels)
         except ServerStartError:
             server.stop(0)
             raise
         replication.epoch = max(replication.epoch, epoch)
         note(f"backup of {config.replica_of} (epoch {epoch})")
+    if config.tls is None and not is_loopback(config.host):  # allowed by --insecure only (check_bind)
+        warn(f"serving {address} without TLS (--insecure): anyone who can reach it can read the weights and "
+             "push gradients")
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()

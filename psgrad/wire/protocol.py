@@ -48,6 +48,8 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotPrimaryError: grpc.StatusCode.UNAVAILABLE,  # retried, on the shard's other server
     errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -75,7 +77,8 @@ _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
      "took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
      "that port, or TLS on one side only?)", True),
     (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
-     "closed the connection (did it stop or crash?)", False),
+     "closed the connection (did it stop or crash, or did its TLS refuse this client: plaintext against TLS, "
+     "another CA, a missing or expired certificate? The server logs why)", False),
 )
 
 

@@ -1,0 +1,83 @@
+"""A launched job's credentials (`psgrad launch --tls|--tokens`, `psgrad compare`): a fresh CA, certificates and job secret in a private temporary directory, and the flags that hand each process its own."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from psgrad.config import AuthConfig, ClientConfig, TlsConfig
+from psgrad.core.credentials import derive_token, worker_role
+from psgrad.errors import ConfigError
+
+SECURITY_MODES = ("off", "tokens", "tls")
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """What one launched job's processes are given: servers the secret (and with TLS their
+    certificate and the CA that signs the workers'), each worker its own token file (and its own
+    certificate): never the secret, never on a command line. The launcher keeps the admin's."""
+
+    directory: Path
+    mode: str  # "tokens" (no TLS: gRPC's local credentials, this machine only) or "tls" (mutual TLS + tokens)
+    secret: bytes
+
+    @property
+    def tls(self) -> bool:
+        return self.mode == "tls"
+
+    def server_argv(self) -> list[str]:
+        argv = ["--job-secret-file", str(self.directory / "job.secret")]
+        if self.tls:
+            d = self.directory
+            argv += ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"), "--tls-ca", str(d / "ca.pem")]
+        return argv
+
+    def worker_argv(self, rank: int) -> list[str]:
+        argv = ["--token-file", str(self.directory / f"worker-{rank}.token")]
+        if self.tls:
+            d = self.directory
+            argv += ["--tls-ca", str(d / "ca.pem"), "--tls-cert", str(d / f"worker-{rank}.pem"),
+                     "--tls-key", str(d / f"worker-{rank}.key")]
+        return argv
+
+    def admin(self) -> ClientConfig:
+        """The credentials of the launcher's own calls (the final status)."""
+        d = self.directory
+        tls = TlsConfig(cert=str(d / "admin.pem"), key=str(d / "admin.key"), ca=str(d / "ca.pem")) if self.tls else None
+        return ClientConfig(tls=tls, auth=AuthConfig(secret=self.secret))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def create(mode: str, num_workers: int, parent: str | None = None) -> JobKeys | None:
+    """Fresh credentials for a job of num_workers on this machine (None for mode "off"), in a new
+    directory readable by this user only (under `parent`, default the system's temporary
+    directory). The caller removes it when the job ends."""
+    if mode not in SECURITY_MODES:
+        raise ConfigError(f"security mode must be one of {', '.join(SECURITY_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="psgrad-keys-", dir=parent))  # mode 0700
+    try:
+        secret = os.urandom(32).hex().encode()
+        _private(directory / "job.secret", secret + b"\n")
+        for rank in range(num_workers):
+            _private(directory / f"worker-{rank}.token", derive_token(secret, worker_role(rank)).encode() + b"\n")
+        if mode == "tls":
+            from psgrad.launch.certs import write_job_certs
+
+            write_job_certs(directory, num_workers, overwrite=True)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return JobKeys(directory, mode, secret)
