@@ -12,6 +12,7 @@ from psgrad.core.credentials import derive_token, worker_role
 from psgrad.errors import ConfigError
 
 SECURITY_MODES = ("off", "tokens", "tls")
+K8S_TLS_DIR = "/etc/psgrad/tls"  # where `psgrad k8s --tls-secret` mounts the Secret
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,19 @@ def create(mode: str, num_workers: int, parent: str | None = None) -> JobKeys | 
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return JobKeys(directory, mode, secret)
+
+
+def cluster_argv(tls_dir: str | None, job_args: tuple[str, ...]) -> list[str]:
+    """The security flags a rendered cluster job passes `psgrad run` (k8s, SLURM): with tls_dir (a
+    `psgrad certs` directory as the nodes see it) TLS with a certificate per worker, the job
+    secret and the name every server certificate carries; without, --insecure (a cluster job binds
+    every interface), unless the job flags already say how."""
+    if tls_dir is None:
+        given = {a.split("=", 1)[0] for a in job_args}
+        return [] if given & {"--insecure", "--tls-cert"} else ["--insecure"]
+    from psgrad.launch.certs import SERVER_NAME
+
+    d = tls_dir.rstrip("/")
+    return ["--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key", "--tls-ca", f"{d}/ca.pem",
+            "--tls-worker-cert", f"{d}/worker-{{rank}}.pem", "--tls-worker-key", f"{d}/worker-{{rank}}.key",
+            "--tls-server-name", SERVER_NAME, "--job-secret-file", f"{d}/job.secret"]
