@@ -57,8 +57,9 @@ def _san(names: Sequence[str]) -> list[Any]:
     return out
 
 
-class _Issuer:
-    """A CA key and certificate that sign the job's certificates."""
+class CertificateAuthority:
+    """A job's CA: a key and a self-signed certificate that sign the job's certificates (the key
+    stays in memory: `write_job_certs` writes no ca.key, so nobody can issue more later)."""
 
     def __init__(self, common_name: str, not_before: datetime.datetime, days: float) -> None:
         x509, hashes, _, ec, _, NameOID = _lazy()
@@ -75,17 +76,23 @@ class _Issuer:
             .sign(self.key, hashes.SHA256())
         )
 
-    def issue(self, common_name: str, names: Sequence[str], server: bool) -> tuple[bytes, bytes]:
+    def issue(
+        self, common_name: str, names: Sequence[str] = (), server: bool = False,
+        not_before: datetime.datetime | None = None, days: float | None = None,
+    ) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) for common_name, valid for `names` (a server's host names and
-        addresses, checked by its clients); usable as a client certificate, and a server's too."""
+        addresses, checked by its clients); usable as a client certificate, and a server's too.
+        Valid as long as the CA unless not_before/days say otherwise (tests make expired ones)."""
         x509, hashes, serialization, ec, EKU, NameOID = _lazy()
         key = ec.generate_private_key(ec.SECP256R1())
+        start = not_before or self.not_before
+        end = self.not_after if days is None else start + datetime.timedelta(days=days)
         usages = [EKU.CLIENT_AUTH, *([EKU.SERVER_AUTH] if server else [])]
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
             .issuer_name(self.name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(self.not_before).not_valid_after(self.not_after)
+            .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
@@ -101,6 +108,20 @@ class _Issuer:
         return bytes(self.cert.public_bytes(_lazy()[2].Encoding.PEM))
 
 
+def new_ca(days: float = 365.0) -> CertificateAuthority:
+    """A fresh job CA, valid from a few minutes ago (clocks differ a little) for `days`."""
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    return CertificateAuthority(f"psgrad job CA {os.urandom(4).hex()}", start, days)
+
+
+def write_pair(files: CertFiles, who: str, pair: tuple[bytes, bytes]) -> tuple[Path, Path]:
+    """Write an issued (certificate, key) as WHO.pem and WHO.key (mode 0600); returns their paths."""
+    cert_path, key_path = files.pair(who)
+    _write(key_path, pair[1], secret=True)
+    _write(cert_path, pair[0], secret=False)
+    return cert_path, key_path
+
+
 def _write(path: Path, data: bytes, secret: bool) -> None:
     """Write a file readable by its owner only when it holds a key (created with that mode)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
@@ -110,16 +131,17 @@ def _write(path: Path, data: bytes, secret: bool) -> None:
 
 def write_job_certs(
     directory: str | os.PathLike[str], num_workers: int, server_names: Sequence[str] = DEFAULT_SERVER_NAMES,
-    days: float = 365.0, not_before: datetime.datetime | None = None, overwrite: bool = False,
+    days: float = 365.0, ca: CertificateAuthority | None = None,
 ) -> CertFiles:
     """Create a job CA and its certificates in `directory`: ca.pem; server.pem/.key (common name
     psgrad-server, valid for server_names and SERVER_NAME); admin.pem/.key (psgrad-admin: status and export);
-    worker-R.pem/.key (psgrad-worker-R) for each rank. Keys are written with mode 0600.
+    worker-R.pem/.key (psgrad-worker-R) for each rank. Keys are written with mode 0600. `ca`: sign
+    with this CA (default: a new one, valid for `days`).
 
     Raises:
-        ConfigError: bad arguments, or the directory already holds a ca.pem (unless overwrite).
+        ConfigError: bad arguments, or the directory already holds a ca.pem.
     """
-    from psgrad.core.credentials import ADMIN, SERVER, worker_role
+    from psgrad.core.credentials import ADMIN, CERT_PREFIX, SERVER, worker_role
 
     if num_workers < 1:
         raise ConfigError(f"--num-workers must be >= 1, got {num_workers}")
@@ -130,16 +152,12 @@ def write_job_certs(
     files = CertFiles(out, num_workers)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
-    if files.ca.exists() and not overwrite:
+    if files.ca.exists():
         raise ConfigError(f"{files.ca} exists: this directory already holds a job's certificates (use another)")
     out.mkdir(parents=True, exist_ok=True)
-    start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
-    ca = _Issuer(f"psgrad job CA {os.urandom(4).hex()}", start, days)
+    ca = ca or new_ca(days)
     _write(files.ca, ca.pem(), secret=False)
     for who, san, server in [(SERVER, names, True), (ADMIN, [], False),
                              *((worker_role(r), [], False) for r in range(num_workers))]:
-        cert, key = ca.issue(f"psgrad-{who}", san, server)
-        cert_path, key_path = files.pair(who)
-        _write(key_path, key, secret=True)
-        _write(cert_path, cert, secret=False)
+        write_pair(files, who, ca.issue(f"{CERT_PREFIX}{who}", san, server))
     return files

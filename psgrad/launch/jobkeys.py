@@ -77,7 +77,7 @@ def create(mode: str, num_workers: int, parent: str | None = None) -> JobKeys | 
         if mode == "tls":
             from psgrad.launch.certs import write_job_certs
 
-            write_job_certs(directory, num_workers, overwrite=True)
+            write_job_certs(directory, num_workers)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
