@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from psgrad.config import ServerConfig
 from psgrad.core.credentials import ADMIN, SERVER, WORKER, Identity
 from psgrad.errors import InvalidRequestError, PermissionDeniedError, PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import protocol
-from psgrad.wire.protocol import METHOD_PREFIX
+from psgrad.wire.frames import parse_frame
+from psgrad.wire.protocol import METHOD_PREFIX, Undecodable
 from psgrad.wire.security import Authenticator
 
 # Services every caller may use: health checks (probes hold no credential) and reflection (the
@@ -43,7 +43,7 @@ def _plain(req: Any) -> tuple[int, bool]:
 def _header(frame_type: Any, first: bytes | None) -> Any:
     if first is None:
         raise InvalidRequestError("empty stream, expected a header frame first")
-    msg = frame_type.FromString(first)
+    msg = parse_frame(frame_type, first, "the first frame")
     if msg.WhichOneof("kind") != "header":
         raise InvalidRequestError("the first frame must be the header")
     return msg.header
@@ -95,11 +95,13 @@ class Guard(grpc.ServerInterceptor):
 
     def __init__(self, config: ServerConfig) -> None:
         self._auth = Authenticator(config)
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the guarded one)
 
     def _check(self, method: str, rule: Rule, context: grpc.ServicerContext, request: Any) -> None:
         try:
             who = self._auth.identify(context)
-            permit(method, rule, who, request)
+            if not isinstance(request, Undecodable):  # (its handler refuses it: it names no rank)
+                permit(method, rule, who, request)
         except PsgradError as exc:
             protocol.abort(context, exc)
 
@@ -108,6 +110,15 @@ class Guard(grpc.ServerInterceptor):
         full = details.method
         if handler is None or full.startswith(OPEN_SERVICES):
             return handler
+        cached = self._wrapped.get(full)
+        if cached is not None and cached[0] is handler:  # the method table's handlers never change
+            return cached[1]
+        guarded = self._guard(full, handler)
+        self._wrapped[full] = (handler, guarded)
+        return guarded
+
+    def _guard(self, full: str, handler: Any) -> Any:
+        """handler, checking each call before it runs (see intercept_service)."""
         method = full[len(METHOD_PREFIX):] if full.startswith(METHOD_PREFIX) else ""
         rule = RULES.get(method)
         check = self._check
@@ -123,7 +134,7 @@ class Guard(grpc.ServerInterceptor):
                 first = next(frames, None)
                 try:
                     header = _header(rule.frame, first) if rule.frame is not None else None
-                except (InvalidRequestError, DecodeError) as exc:
+                except InvalidRequestError as exc:
                     protocol.abort(context, InvalidRequestError(f"{method}: {exc}"))
                 check(method, rule, context, header)
                 return behavior(itertools.chain(() if first is None else (first,), frames), context)

@@ -15,7 +15,7 @@ from psgrad.server import checkpoint
 from psgrad.server.replication import GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json
 from psgrad.server.shard import Shard
 from psgrad.wire import protocol, shm
-from psgrad.wire.frames import FrameParser, PayloadWriter, write_frames
+from psgrad.wire.frames import FrameParser, PayloadWriter, parse_frame, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
 from psgrad.wire.security import ChannelFactory, plaintext_channels
 
@@ -60,7 +60,7 @@ class ReplicaServicer:
     def ReplicaApply(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.ReplicaReply:
         try:
             first = next(frames, None)
-            msg = pb.ReplicaFrame.FromString(first) if first is not None else None
+            msg = parse_frame(pb.ReplicaFrame, first, "replica record") if first is not None else None
             if msg is None or msg.WhichOneof("kind") != "header":
                 raise InvalidRequestError("replica record: the first frame must be the header")
             h = msg.header
@@ -98,14 +98,14 @@ class ReplicaServicer:
         """The method table entries of the replication methods."""
         return {
             "ReplicaAttach": grpc.unary_unary_rpc_method_handler(
-                self.ReplicaAttach, request_deserializer=pb.ReplicaAttachRequest.FromString,
+                protocol.refusing_undecodable(self.ReplicaAttach), request_deserializer=protocol.decoder(pb.ReplicaAttachRequest),
                 response_serializer=pb.ReplicaAttachReply.SerializeToString,
             ),
             "ReplicaApply": grpc.stream_unary_rpc_method_handler(
                 self.ReplicaApply, response_serializer=pb.ReplicaReply.SerializeToString
             ),
             "Fence": grpc.unary_unary_rpc_method_handler(
-                self.Fence, request_deserializer=pb.FenceRequest.FromString,
+                protocol.refusing_undecodable(self.Fence), request_deserializer=protocol.decoder(pb.FenceRequest),
                 response_serializer=pb.FenceReply.SerializeToString,
             ),
         }

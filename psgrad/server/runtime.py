@@ -26,16 +26,16 @@ from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.wire.heap import tune_allocator
 from psgrad.wire import security
-from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME
+from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusing_undecodable
 
 
 def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> grpc.GenericRpcHandler:
     """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
-    (serializer None)."""
+    (serializer None). Requests that do not parse are refused as INVALID_ARGUMENT (decoder)."""
 
     def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
+            refusing_undecodable(fn), request_deserializer=decoder(req), response_serializer=rep.SerializeToString
         )
 
     return grpc.method_handlers_generic_handler(
@@ -46,13 +46,15 @@ def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> g
                 servicer.Init, response_serializer=pb.InitReply.SerializeToString
             ),
             "Pull": grpc.unary_stream_rpc_method_handler(
-                servicer.Pull, request_deserializer=pb.PullRequest.FromString
+                refusing_undecodable(servicer.Pull), request_deserializer=decoder(pb.PullRequest)
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push, response_serializer=pb.PushReply.SerializeToString
             ),
             "PushGated": grpc.stream_stream_rpc_method_handler(servicer.PushGated),
-            "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
+            "Step": grpc.unary_unary_rpc_method_handler(
+                refusing_undecodable(servicer.Step), request_deserializer=decoder(pb.StepRequest)
+            ),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
