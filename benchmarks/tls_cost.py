@@ -154,7 +154,7 @@ def run(mb: float, reps: int, steps: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="sizes (default: full)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="sizes (default: tiny)")
     parser.add_argument("--mb", type=float, help="model size in MB for the push/pull (default: the preset's)")
     parser.add_argument("--reps", type=int, help="measured rounds (default: the preset's)")
     parser.add_argument("--steps", type=int, help="small-model steps per side and round (default: the preset's)")

@@ -83,3 +83,13 @@ def test_credential_errors_say_which_credential_is_missing(tmp_path: Path) -> No
     res = run_cli(["worker", "--servers", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")])
     assert res.returncode == 2 and "missing.pem" in res.stderr
     assert run_cli(["certs", str(c), "--num-workers", "1"]).returncode == 2  # never overwrites a job's keys
+
+
+def test_the_cost_benchmark_measures_every_side() -> None:
+    out = run_benchmark("tls_cost.py", "--preset", "tiny", timeout_s=180)
+    assert out["payload_mb"] == pytest.approx(4.0)
+    assert set(out["median"]["step_s"]) == {"plain", "tokens", "tls"}
+    for name in ("push_throughput_ratio_tls_plain", "pull_throughput_ratio_tls_plain", "step_latency_ratio_tls_plain",
+                 "step_latency_ratio_tokens_plain"):
+        assert out[name] > 0
+    assert all(len(v) == 2 for v in out["per_round"].values())  # rounds measured, warm-up left out
