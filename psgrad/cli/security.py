@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -127,8 +126,10 @@ def add_certs_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     c = sub.add_parser("certs", help="create a job's CA, certificates and secret, for trying TLS out",
                        description="Write a job CA (ca.pem), a server certificate (server.pem/.key, common name "
                        "psgrad-server), an admin certificate (admin.pem/.key: status and export) and one per worker "
-                       f"(worker-R.pem/.key), plus a random job secret ({SECRET_FILE}), into DIR. Keys and the secret "
-                       "are readable by their owner only. For production, use your organisation's CA.")
+                       f"(worker-R.pem/.key), a random job secret ({SECRET_FILE}) and the tokens derived from it "
+                       "(worker-R.token, admin.token), into DIR. Keys, secret and tokens are readable by their owner "
+                       "only. The CA's key is not kept: nobody can issue more. For production, use your organisation's "
+                       "CA.")
     c.add_argument("dir", metavar="DIR", help="directory to write (created; must not hold a ca.pem yet)")
     c.add_argument("--num-workers", type=int, required=True, help="workers in the job: worker-0 .. worker-(N-1)")
     c.add_argument("--names", default="localhost,127.0.0.1,::1", help="comma-separated host names and addresses "
@@ -139,14 +140,13 @@ def add_certs_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def cmd_certs(ns: argparse.Namespace) -> int:
-    from psgrad.launch.certs import SERVER_NAME, write_job_certs
+    from psgrad.launch.certs import SERVER_NAME, write_job_certs, write_job_secret
 
     names = [n.strip() for n in ns.names.split(",") if n.strip()]
     files = write_job_certs(ns.dir, ns.num_workers, names, ns.days)
-    secret = files.directory / SECRET_FILE
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(os.urandom(32).hex() + "\n")
+    write_job_secret(files.directory, ns.num_workers)
+    last = ns.num_workers - 1
     print(f"psgrad certs: wrote ca.pem, server.pem/.key (valid for {', '.join(names)}, {SERVER_NAME}), admin.pem/"
-          f".key, worker-0..{ns.num_workers - 1}.pem/.key and {SECRET_FILE} to {files.directory}")
+          f".key, worker-0..{last}.pem/.key, {SECRET_FILE} and the tokens derived from it (admin.token, "
+          f"worker-0..{last}.token) to {files.directory}")
     return 0

@@ -161,3 +161,20 @@ def write_job_certs(
                              *((worker_role(r), [], False) for r in range(num_workers))]:
         write_pair(files, who, ca.issue(f"{CERT_PREFIX}{who}", san, server))
     return files
+
+
+def write_job_secret(directory: str | os.PathLike[str], num_workers: int) -> bytes:
+    """A fresh job secret in DIR/job.secret, and the tokens derived from it: worker-R.token for each
+    rank and admin.token (each file mode 0600, created anew). A worker given its token file proves
+    its rank without holding the secret. Returns the secret."""
+    from psgrad.core.credentials import ADMIN, derive_token, worker_role
+
+    out = Path(directory)
+    secret = os.urandom(32).hex().encode()
+    files = [("job.secret", secret), (f"{ADMIN}.token", derive_token(secret, ADMIN).encode())]
+    files += [(f"{worker_role(r)}.token", derive_token(secret, worker_role(r)).encode()) for r in range(num_workers)]
+    for name, data in files:
+        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data + b"\n")
+    return secret

@@ -1,14 +1,12 @@
 """A launched job's credentials (`psgrad launch --tls|--tokens`, `psgrad compare`): a fresh CA, certificates and job secret in a private temporary directory, and the flags that hand each process its own."""
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from psgrad.config import AuthConfig, ClientConfig, TlsConfig
-from psgrad.core.credentials import derive_token, worker_role
 from psgrad.errors import ConfigError
 
 SECURITY_MODES = ("off", "tokens", "tls")
@@ -54,12 +52,6 @@ class JobKeys:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
 def create(mode: str, num_workers: int, parent: str | None = None) -> JobKeys | None:
     """Fresh credentials for a job of num_workers on this machine (None for mode "off"), in a new
     directory readable by this user only (under `parent`, default the system's temporary
@@ -68,15 +60,12 @@ def create(mode: str, num_workers: int, parent: str | None = None) -> JobKeys | 
         raise ConfigError(f"security mode must be one of {', '.join(SECURITY_MODES)}, got {mode!r}")
     if mode == "off":
         return None
+    from psgrad.launch.certs import write_job_certs, write_job_secret
+
     directory = Path(tempfile.mkdtemp(prefix="psgrad-keys-", dir=parent))  # mode 0700
     try:
-        secret = os.urandom(32).hex().encode()
-        _private(directory / "job.secret", secret + b"\n")
-        for rank in range(num_workers):
-            _private(directory / f"worker-{rank}.token", derive_token(secret, worker_role(rank)).encode() + b"\n")
+        secret = write_job_secret(directory, num_workers)
         if mode == "tls":
-            from psgrad.launch.certs import write_job_certs
-
             write_job_certs(directory, num_workers)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)

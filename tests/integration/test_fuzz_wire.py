@@ -14,7 +14,6 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
