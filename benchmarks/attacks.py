@@ -224,7 +224,8 @@ def run() -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     lines = ["| attack | call | status | message (abridged) | shard unchanged |", "|---|---|---|---|---|"]
     for r in doc["rows"]:
-        message = r["message"] if len(r["message"]) < 150 else r["message"][:147] + "..."
+        message = r["message"].replace("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:ADDRESS: ", "")
+        message = message if len(message) < 150 else message[:147] + "..."
         lines.append(f"| {r['attack']} | {r['call']} | {r['code']} | {message} | {'yes' if r['state_unchanged'] else 'NO'} |")
     return "\n".join(lines)
 
