@@ -100,10 +100,9 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """TLS files (PEM paths). A server: its certificate and key, and with `ca` the CA whose client
-    certificates it then requires (mutual TLS). A client: `ca` to verify servers with (None: the
-    system's roots), its own certificate and key for servers that require one, and the name to
-    verify in the server's certificate (None: the host of the address it connects to)."""
+    """TLS files (PEM paths). A server: its certificate and key; with `ca`, it requires client
+    certificates of that CA (mutual TLS). A client: `ca` verifies servers (None: system roots), its
+    certificate and key if servers require one, the name to verify (None: the address's host)."""
 
     cert: str | None = None
     key: str | None = None
@@ -125,17 +124,15 @@ class TlsConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """Token credentials, never printed (repr leaves them out) nor passed as flags. A server with
-    `secret` (the job secret) requires a token derived from it on every call; a client sends `token`,
-    or derives its own from `secret` (a worker: its rank's; status and export: the admin's)."""
+    """Tokens (never printed nor passed as flags). A server with the job `secret` requires a token derived
+    from it on every call; a client sends `token`, or derives its role's from `secret`."""
 
     secret: bytes | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
 
 
 def is_loopback(host: str) -> bool:
-    """Whether host is this machine's loopback (localhost, 127.0.0.0/8, ::1). Names other than
-    localhost count as not: nothing is resolved."""
+    """Whether host is loopback (localhost, 127.0.0.0/8, ::1); other names count as not (no DNS)."""
     host = host.strip("[]")
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -144,13 +141,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, tls: TlsConfig | None, insecure: bool, secret: bool) -> None:
-    """The one rule for where a server may listen: loopback, or any address with TLS; anywhere else
-    without TLS only with --insecure, and never with a job secret (its tokens would cross the
-    network in the clear: without TLS they travel over gRPC's local credentials, loopback only).
-
-    Raises:
-        ConfigError: the address needs TLS (the message says how to give it).
-    """
+    """The one rule for where a server may listen: loopback, or anywhere with TLS; elsewhere without
+    TLS only with --insecure and no job secret (tokens without TLS use gRPC's local credentials).
+    Raises ConfigError saying how to give TLS."""
     if tls is not None or is_loopback(host):
         return
     _check(not secret, f"a job secret without TLS works on loopback only, and {host} is not: give --tls-cert and "

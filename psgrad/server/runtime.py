@@ -215,6 +215,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     if config.tls is None and not is_loopback(config.host):  # allowed by --insecure only (check_bind)
         warn(f"serving {address} without TLS (--insecure): anyone who can reach it can read the weights and "
              "push gradients")
+    elif not security.authenticates(config) and not is_loopback(config.host):
+        warn(f"serving {address} with TLS but without checking callers: anyone who can reach it can read the "
+             "weights and push gradients (give --tls-ca to require client certificates, or --job-secret-file)")
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()

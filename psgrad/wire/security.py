@@ -90,6 +90,12 @@ class TokenChannel(grpc.Channel):
     def close(self) -> None:
         self._channel.close()
 
+    def __enter__(self) -> TokenChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def open_channel(
     address: str, tls: TlsConfig | None, token: str | None, options: Sequence[tuple[str, int]]
