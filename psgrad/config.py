@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from psgrad.core.credentials import check_bind
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
 
@@ -131,27 +131,6 @@ class AuthConfig:
     token: str | None = field(default=None, repr=False)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether host is loopback (localhost, 127.0.0.0/8, ::1); other names count as not (no DNS)."""
-    host = host.strip("[]")
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(host: str, tls: TlsConfig | None, insecure: bool, secret: bool) -> None:
-    """The one rule for where a server may listen: loopback, or anywhere with TLS; elsewhere without
-    TLS only with --insecure and no job secret (tokens without TLS use gRPC's local credentials).
-    Raises ConfigError saying how to give TLS."""
-    if tls is not None or is_loopback(host):
-        return
-    _check(not secret, f"a job secret without TLS works on loopback only, and {host} is not: give --tls-cert and "
-           "--tls-key (`psgrad certs` makes them)")
-    _check(insecure, f"binding {host} without TLS lets anyone who can reach the port read the weights and push "
-           "gradients: give --tls-cert and --tls-key (`psgrad certs` makes them), or --insecure on a network you trust")
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """How one parameter-server process binds and treats requests."""
@@ -206,7 +185,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
         _check(self.tls is None or self.tls.cert is not None, "a server's TLS needs --tls-cert and --tls-key")
-        check_bind(self.host, self.tls, self.insecure, self.auth.secret is not None)
+        check_bind(self.host, self.tls is not None, self.insecure, self.auth.secret is not None)
         _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
                f"metrics_port must be 0..65535, got {self.metrics_port!r}")
         _check(self.advertise_host is None or bool(self.advertise_host.strip()), "advertise_host must not be empty")

@@ -221,6 +221,12 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if ray is not None and ns.security != "off":
         raise ConfigError("--tls and --tokens work with --backend local only for now (the credential files would have "
                           "to reach every node); on a Ray cluster you trust, give --insecure")
+    if ray is not None and ray.address is not None and not ns.insecure:
+        raise ConfigError("--backend ray --address: the server actors listen on their nodes' addresses, and TLS is not "
+                          "available under Ray yet: give --insecure to run without it, on a network only the cluster "
+                          "reaches")
+    if ns.insecure and ray is None:
+        raise ConfigError("--insecure is for --backend ray (a local launch binds loopback only)")
     keys = jobkeys.create(ns.security, ns.num_workers)
 
     def status(addresses: list[str]) -> None:

@@ -130,7 +130,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_ray_args(la)
     add_server_policy_args(la)
-    add_launch_security_args(la)
+    add_launch_security_args(la, ray=True)
     c = add_checkpoint_args(la, "checkpoints and resume (a whole job, stopped, starts again from them)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every server into DIR/shardI (a directory "
                    "that holds no job yet) and record this command in DIR/launch.json, so that --resume DIR can "

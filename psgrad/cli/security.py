@@ -60,8 +60,9 @@ def add_client_security_args(p: argparse.ArgumentParser, who: str) -> None:
                    "`psgrad launch --tls` gives each worker its own): proves that role without the job secret")
 
 
-def add_launch_security_args(p: argparse.ArgumentParser) -> None:
-    """`psgrad launch` and `psgrad compare`: credentials made for the job (a fresh temporary directory)."""
+def add_launch_security_args(p: argparse.ArgumentParser, ray: bool = False) -> None:
+    """`psgrad launch` and `psgrad compare`: credentials made for the job (a fresh temporary directory);
+    launch's --insecure for --backend ray on a cluster."""
     g = p.add_argument_group("security (see README \"Security\")")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--tls", action="store_const", const="tls", dest="security", help="secure the job: a fresh CA, "
@@ -70,6 +71,10 @@ def add_launch_security_args(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--tokens", action="store_const", const="tokens", dest="security", help="a token per worker "
                       "from a fresh job secret, without TLS (gRPC's local credentials: this machine only)")
     p.set_defaults(security="off")
+    if ray:
+        g.add_argument("--insecure", action="store_true", help="--backend ray with --address: let the server actors "
+                       "listen on their nodes' addresses without TLS (--tls and --tokens are not available under Ray "
+                       "yet); anyone who can reach those ports can read the weights and push gradients")
 
 
 def _read(path: str, what: str) -> bytes:

@@ -1,8 +1,9 @@
-"""Who a caller is: the roles of a job (worker R, admin, server), the tokens derived from the job secret, and the roles certificates name; pure (no gRPC)."""
+"""Who a caller is: the roles of a job (worker R, admin, server), the tokens derived from the job secret, the roles certificates name, and where a server may listen without TLS; pure (no gRPC)."""
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -88,3 +89,33 @@ def role_of_common_name(common_name: str) -> Identity | None:
     if not common_name.startswith(CERT_PREFIX):
         return None
     return parse_role(common_name[len(CERT_PREFIX):])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host is this machine's loopback (localhost, 127.0.0.0/8, ::1). Names other than
+    localhost count as not: nothing is resolved."""
+    host = host.strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, tls: bool, insecure: bool, secret: bool) -> None:
+    """The one rule for where a server may listen (ServerConfig checks it): loopback, or any address
+    with TLS; anywhere else without TLS only with --insecure, and never with a job secret (its
+    tokens would cross the network in the clear: without TLS they travel over gRPC's local
+    credentials, loopback only).
+
+    Raises:
+        ConfigError: the address needs TLS (the message says how to give it).
+    """
+    if tls or is_loopback(host):
+        return
+    if secret:
+        raise ConfigError(f"a job secret without TLS works on loopback only, and {host} is not: give --tls-cert and "
+                          "--tls-key (`psgrad certs` makes them)")
+    if not insecure:
+        raise ConfigError(f"binding {host} without TLS lets anyone who can reach the port read the weights and push "
+                          "gradients: give --tls-cert and --tls-key (`psgrad certs` makes them), or --insecure on a "
+                          "network you trust")

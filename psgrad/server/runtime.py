@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from psgrad.config import ServerConfig, is_loopback
+from psgrad.config import ServerConfig
+from psgrad.core.credentials import is_loopback
 from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb

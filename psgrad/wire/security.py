@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from psgrad.config import AuthConfig, ClientConfig, ServerConfig, TlsConfig, is_loopback
-from psgrad.core.credentials import SERVER, Identity, derive_token, role_of_common_name, verify_token
+from psgrad.config import AuthConfig, ClientConfig, ServerConfig, TlsConfig
+from psgrad.core.credentials import SERVER, Identity, derive_token, is_loopback, role_of_common_name, verify_token
 from psgrad.errors import AuthenticationError, ConfigError, PermissionDeniedError
 
 # Where a call carries its token: the standard header, as `Bearer psgrad1:ROLE:HMAC`.

@@ -11,14 +11,16 @@ import pytest
 
 from psgrad.cli.parser import build_parser
 from psgrad.cli.security import auth_config, tls_config
-from psgrad.config import AuthConfig, ServerConfig, TlsConfig, check_bind, is_loopback
+from psgrad.config import AuthConfig, ServerConfig, TlsConfig
 from psgrad.core.credentials import (
     ADMIN,
     SERVER,
     WORKER,
     Identity,
+    check_bind,
     check_secret,
     derive_token,
+    is_loopback,
     parse_role,
     role_of_common_name,
     verify_token,
@@ -77,12 +79,11 @@ def test_roles_and_certificate_names() -> None:
     ],
 )
 def test_the_bind_rule(host: str, tls: bool, insecure: bool, secret: bool, problem: str | None) -> None:
-    files = TlsConfig(cert=__file__, key=__file__) if tls else None
     if problem is None:
-        check_bind(host, files, insecure, secret)
+        check_bind(host, tls, insecure, secret)
     else:
         with pytest.raises(ConfigError, match=problem):
-            check_bind(host, files, insecure, secret)
+            check_bind(host, tls, insecure, secret)
     assert is_loopback("127.9.9.9") and is_loopback("[::1]") and not is_loopback("0.0.0.0")
 
 
