@@ -194,7 +194,7 @@ def run(preset: str, params: int | None = None, rate_mbit: float | None = None) 
         out: dict[str, Any] = json.loads(proc.lines[-1])
         return out
 
-    server = ["-m", "psgrad", "server", "--port", "0", "--lease-s", "600"]
+    server = ["-m", "psgrad", "server", "--port", "0", "--lease-s", "600", "--insecure"]  # a private bed
     with NetBed(4, rate_mbit=cfg["rate_mbit"]) as bed:
         try:
             a = [h.addr for h in bed.hosts]

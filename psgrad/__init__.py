@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig  # noqa: E402
+from psgrad.config import AuthConfig, ClientConfig, JobSpec, ServerConfig, TlsConfig, WorkerConfig  # noqa: E402
 from psgrad.errors import (  # noqa: E402
     ConfigError,
     InvalidRequestError,
@@ -21,6 +21,8 @@ from psgrad.errors import (  # noqa: E402
     EvictedError,
     WorkerStateError,
     CheckpointError,
+    AuthenticationError,
+    PermissionDeniedError,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +74,8 @@ __all__ = [
     "fetch_model",
     "ModelSnapshot",
     "ClientConfig",
+    "TlsConfig",
+    "AuthConfig",
     "JobSpec",
     "ServerConfig",
     "WorkerConfig",
@@ -88,4 +92,6 @@ __all__ = [
     "EvictedError",
     "WorkerStateError",
     "CheckpointError",
+    "AuthenticationError",
+    "PermissionDeniedError",
 ]

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from psgrad.core.credentials import check_bind
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
 
@@ -97,6 +99,39 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS files (PEM paths). A server: its certificate and key; with `ca`, it requires client
+    certificates of that CA (mutual TLS). A client: `ca` verifies servers (None: system roots), its
+    certificate and key if servers require one, the name to verify (None: the address's host)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check((self.cert is None) == (self.key is None), "--tls-cert and --tls-key go together (give both)")
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            _check(path is None or os.path.isfile(path), f"--tls-{name} {path!r} is not a file")
+        _check(self.server_name is None or bool(self.server_name.strip()), "--tls-server-name must not be empty")
+
+    def to_argv(self) -> list[str]:
+        """The flags that reproduce this config."""
+        names = ("cert", "key", "ca", "server_name")
+        return [a for n in names if getattr(self, n) for a in (f"--tls-{n.replace('_', '-')}", getattr(self, n))]
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Tokens (never printed nor passed as flags). A server with the job `secret` requires a token derived
+    from it on every call; a client sends `token`, or derives its role's from `secret`."""
+
+    secret: bytes | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """How one parameter-server process binds and treats requests."""
 
@@ -140,9 +175,17 @@ class ServerConfig:
     # How long a primary waits for its backup to acknowledge an update before it drops the backup
     # and goes on alone (a push is acknowledged only once its backup has it).
     replica_timeout_s: float = 10.0
+    # TLS (None: plaintext); with tls.ca, clients must present a certificate of that CA.
+    tls: TlsConfig | None = None
+    # With auth.secret, every call must carry a token derived from the job secret (see AuthConfig).
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    # Allow binding a non-loopback address without TLS (see check_bind).
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
+        _check(self.tls is None or self.tls.cert is not None, "a server's TLS needs --tls-cert and --tls-key")
+        check_bind(self.host, self.tls is not None, self.insecure, self.auth.secret is not None)
         _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
                f"metrics_port must be 0..65535, got {self.metrics_port!r}")
         _check(self.advertise_host is None or bool(self.advertise_host.strip()), "advertise_host must not be empty")
@@ -195,6 +238,8 @@ class ClientConfig:
     # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
     # segment per server.
     shared_memory: bool = True
+    tls: TlsConfig | None = None  # None: plaintext, or gRPC's local credentials when sending a token
+    auth: AuthConfig = field(default_factory=AuthConfig)  # the credential each call carries
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "rpc_timeout_s", "init_timeout_s"):
@@ -207,12 +252,14 @@ class ClientConfig:
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
 
     def to_argv(self) -> list[str]:
-        """The `psgrad worker` flags that reproduce this config. chunk_bytes
-        has no flag: a worker started with these flags has its default."""
+        """The `psgrad worker` flags that reproduce this config. chunk_bytes has no flag: a worker
+        started with these flags has its default; nor have the secrets of `auth` (a launcher passes
+        them in files or the environment, never on a command line)."""
         return [
             "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
+            *(self.tls.to_argv() if self.tls is not None else []),
         ]
 
 

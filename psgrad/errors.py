@@ -73,6 +73,15 @@ class StaleEpochError(PsgradError):
     """A replication message from an older epoch: its sender was replaced by a promoted backup."""
 
 
+class AuthenticationError(PsgradError):
+    """A call carried no credential the server accepts (none, a malformed one, or another job's)."""
+
+
+class PermissionDeniedError(PsgradError):
+    """A call's credential is valid but does not allow it (worker 1 acting as rank 0, a worker
+    initializing the job, anyone but a server replicating)."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -101,6 +110,8 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         RollbackError,
         NotPrimaryError,
         StaleEpochError,
+        AuthenticationError,
+        PermissionDeniedError,
         TaskError,
         CheckpointError,
     )

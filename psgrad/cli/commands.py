@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psgrad.cli.flags import check_ops_args, client_config, job_spec, server_config, worker_config
+from psgrad.cli.flags import check_ops_args, client_config, credentials_config, job_spec, server_config, worker_config
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.errors import ConfigError
@@ -79,7 +79,7 @@ def train_worker(
     _check_task(ns.task)
     check_ops_args(ns)
     spec = job_spec(ns, num_workers, len(servers))
-    config = worker_config(ns, servers, client_config(ns), rank, slowdown, metrics_out)
+    config = worker_config(ns, servers, client_config(ns, rank), rank, slowdown, metrics_out)
     task = get_task(ns.task, ns.seed)
     log = logging.getLogger("psgrad.worker")
     with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log)) as sink, _redirected(sink):
@@ -186,7 +186,7 @@ def _resumed(ns: argparse.Namespace) -> argparse.Namespace:
 
 def cmd_launch(ns: argparse.Namespace) -> int:
     from psgrad.cli.launch_ray import launch_on_ray, ray_config
-    from psgrad.launch import jobdir
+    from psgrad.launch import jobdir, jobkeys
     from psgrad.launch.local import run_launch
 
     resuming = ns.resume is not None
@@ -215,18 +215,29 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             slowdown=slowdowns.get(rank, WorkerConfig.slowdown), metrics_out=metrics_out,
             local_rank=rank,  # one machine: --device auto gives worker r GPU r mod GPUs
         )
-        return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True)]
+        return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True), *(keys.worker_argv(rank) if keys else [])]
 
     check_ops_args(ns)
+    if ray is not None and ns.security != "off":
+        raise ConfigError("--tls and --tokens work with --backend local only for now (the credential files would have "
+                          "to reach every node); on a Ray cluster you trust, give --insecure")
+    if ray is not None and ray.address is not None and not ns.insecure:
+        raise ConfigError("--backend ray --address: the server actors listen on their nodes' addresses, and TLS is not "
+                          "available under Ray yet: give --insecure to run without it, on a network only the cluster "
+                          "reaches")
+    if ns.insecure and ray is None:
+        raise ConfigError("--insecure is for --backend ray (a local launch binds loopback only)")
+    keys = jobkeys.create(ns.security, ns.num_workers)
 
     def status(addresses: list[str]) -> None:
-        print_status(addresses, 10.0, False)
+        print_status(addresses, 10.0, False, keys.admin() if keys else None)
 
     if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
         jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
     if ray is not None:
         return launch_on_ray(ns, ray, worker_args, status)
-    server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite, *ops_argv(ns, worker=False)]
+    server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite, *ops_argv(ns, worker=False),
+                   *(keys.server_argv() if keys else [])]
     if ns.checkpoint_dir is not None:
         server_args += ["--checkpoint-every-s", str(ns.checkpoint_every_s),
                         "--checkpoint-every-versions", str(ns.checkpoint_every_versions)]
@@ -243,20 +254,25 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         # (like torchrun, give each process its share of the cores).
         share = max(1, (os.cpu_count() or 1) // (ns.num_servers * (1 + ns.replicas) + ns.num_workers))
         env["OMP_NUM_THREADS"] = str(share)
+    secured = {"tls": ", mutual TLS and a token per worker", "tokens": ", a token per worker"}.get(ns.security, "")
     print(
         f"[launch] {ns.num_servers} server(s){' with a backup each' if ns.replicas else ''} + {ns.num_workers} "
-        f"worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each",
+        f"worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each{secured}",
         flush=True,
     )
-    return run_launch(
-        ns.num_servers,
-        ns.num_workers,
-        shard_args,
-        worker_args,
-        status=status,
-        env=env,
-        replicas=ns.replicas,
-    )
+    try:
+        return run_launch(
+            ns.num_servers,
+            ns.num_workers,
+            shard_args,
+            worker_args,
+            status=status,
+            env=env,
+            replicas=ns.replicas,
+        )
+    finally:
+        if keys is not None:
+            keys.remove()
 
 
 def compare_config(ns: argparse.Namespace) -> CompareConfig:
@@ -288,6 +304,7 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
         lease_s=ns.lease_s,
         omp_threads=ns.omp_threads or max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers)),
         tensorboard=ns.tensorboard,
+        security=ns.security,
     )
 
 
@@ -323,11 +340,11 @@ def cmd_status(ns: argparse.Namespace) -> int:
         if not ns.interval_s > 0:
             raise ConfigError(f"--interval-s must be > 0, got {ns.interval_s}")
         try:
-            watch_status(ns.servers, ns.timeout_s, ns.interval_s, ns.count)
+            watch_status(ns.servers, ns.timeout_s, ns.interval_s, ns.count, client=credentials_config(ns))
         except KeyboardInterrupt:
             pass  # Ctrl-C is how a watch ends
         return 0
-    print_status(ns.servers, ns.timeout_s, ns.json)
+    print_status(ns.servers, ns.timeout_s, ns.json, credentials_config(ns))
     return 0
 
 
@@ -337,7 +354,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
         raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
-    snap = fetch_model(ns.servers, ns.timeout_s)
+    snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns))
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())
     at = (f"iteration {snap.versions[0]} on every shard" if snap.mode == "sync" else

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
+from psgrad.cli import security
 from psgrad.config import (
     MODES,
     NONFINITE_POLICIES,
@@ -212,11 +214,18 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
     )
 
 
-def client_config(ns: argparse.Namespace) -> ClientConfig:
+def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConfig:
+    """The worker's ClientConfig, credentials included (`psgrad run`: worker `rank`'s certificate)."""
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory,
+        tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),
     )
+
+
+def credentials_config(ns: argparse.Namespace) -> ClientConfig:
+    """Only the credentials of a client command's flags (status, export): the admin's."""
+    return ClientConfig(tls=security.tls_config(ns, client=True), auth=security.auth_config(ns, os.environ, client=True))
 
 
 def worker_config(
@@ -245,5 +254,6 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         replica_of=ns.replica_of, replica_timeout_s=ns.replica_timeout_s, advertise_host=ns.advertise_host,
-        metrics_port=ns.metrics_port,
+        metrics_port=ns.metrics_port, tls=security.tls_config(ns, client=False),
+        auth=security.auth_config(ns, os.environ, client=False), insecure=ns.insecure,
     )

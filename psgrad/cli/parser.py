@@ -19,6 +19,12 @@ from psgrad.cli.flags import (
     straggler_arg,
 )
 from psgrad.cli import logs
+from psgrad.cli.security import (
+    add_certs_parser,
+    add_client_security_args,
+    add_launch_security_args,
+    add_server_security_args,
+)
 from psgrad.config import OPTIMIZER_NAMES, WIRE_DTYPES, ServerConfig
 from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig
 
@@ -61,6 +67,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    "(default: none, a primary)")
     flag(r, "--replica-timeout-s", ServerConfig.replica_timeout_s, "how long a primary waits for its backup to "
          "acknowledge an update before it drops the backup and goes on alone", type=float)
+    add_server_security_args(s)
     s.set_defaults(func=cmd_server)
 
 
@@ -71,6 +78,7 @@ def _add_workers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    "backup (quote it in a shell): calls fail over to the backup when the primary stops answering")
     add_rank_args(w, "this worker's rank; rank 0 initializes the servers")
     add_job_args(w)
+    add_client_security_args(w, "this worker (rank R)")
     w.set_defaults(func=cmd_worker)
 
     ar = sub.add_parser(
@@ -122,6 +130,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_ray_args(la)
     add_server_policy_args(la)
+    add_launch_security_args(la, ray=True)
     c = add_checkpoint_args(la, "checkpoints and resume (a whole job, stopped, starts again from them)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint every server into DIR/shardI (a directory "
                    "that holds no job yet) and record this command in DIR/launch.json, so that --resume DIR can "
@@ -177,6 +186,7 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     co.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard scalars of every run: DIR/RUN/workerR "
                     "(RUN as under OUT/runs; needs: pip install 'psgrad[tensorboard]')")
+    add_launch_security_args(co)
     co.set_defaults(func=cmd_compare)
 
 
@@ -205,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--count", type=positive_int, help="--watch: stop after this many refreshes (default: until "
                     "Ctrl-C)")
     flag(st, "--timeout-s", 5.0, "deadline per server", type=float)
+    add_client_security_args(st, "the admin (or a worker)")
     st.set_defaults(func=cmd_status)
 
     ex = sub.add_parser("export", help="save a running job's current weights as a state_dict",
@@ -216,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
     flag(ex, "--timeout-s", 30.0, "deadline per server, and in sync mode how long the shards may take to agree on "
          "an iteration", type=float)
+    add_client_security_args(ex, "the admin")
     ex.set_defaults(func=cmd_export)
+    add_certs_parser(sub)
     for command in sub.choices.values():
         lg = command.add_argument_group("logging")
         flag(lg, "--log-level", "info", "the least severe operational message shown (progress and notes are info, "

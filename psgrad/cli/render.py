@@ -9,6 +9,7 @@ from pathlib import Path
 
 from psgrad.cli.flags import flag, positive_int
 from psgrad.errors import ConfigError
+from psgrad.launch.jobkeys import K8S_TLS_DIR
 from psgrad.launch.k8s import K8S_FORMATS, K8sJob, manifests, to_yaml
 from psgrad.launch.roles import DEFAULT_PORT_BASE
 from psgrad.launch.slurm import SlurmJob, sbatch_script
@@ -42,6 +43,10 @@ def add_render_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     flag(k, "--worker-cpu", K8sJob.worker_cpu, "CPU request and limit of a worker pod (its OMP_NUM_THREADS too)")
     flag(k, "--worker-memory", K8sJob.worker_memory, "memory request and limit of a worker pod")
     flag(k, "--worker-gpus", K8sJob.worker_gpus, "nvidia.com/gpu limit of a worker pod", type=int)
+    k.add_argument("--tls-secret", metavar="NAME", help="secure the job with the Secret NAME holding a `psgrad certs` "
+                   "directory (kubectl create secret generic NAME --from-file=DIR), mounted read-only at "
+                   f"{K8S_TLS_DIR}: mutual TLS with a certificate per worker and the job secret. Default: the pods run "
+                   "--insecure (plaintext inside the cluster network)")
     k.set_defaults(func=cmd_k8s)
 
     s = sub.add_parser("slurm", help="write an sbatch script that runs a job with `psgrad run`",
@@ -58,6 +63,9 @@ def add_render_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     flag(s, "--worker-cpus", SlurmJob.worker_cpus, "CPUs per worker task", type=positive_int)
     flag(s, "--worker-gpus", SlurmJob.worker_gpus, "GPUs per worker task", type=int)
     flag(s, "--psgrad", SlurmJob.psgrad, "the command that runs psgrad on the nodes, e.g. /shared/venv/bin/psgrad")
+    s.add_argument("--tls-dir", metavar="DIR", help="secure the job with the `psgrad certs` directory DIR (absolute, "
+                   "on storage every node sees, readable by the job's user only): mutual TLS with a certificate per "
+                   "worker and the job secret. Default: the tasks run --insecure (plaintext on the cluster network)")
     s.set_defaults(func=cmd_slurm)
 
 
@@ -108,7 +116,7 @@ def cmd_k8s(ns: argparse.Namespace) -> int:
         name=ns.name, image=ns.image, num_servers=ns.num_servers, num_workers=ns.num_workers, job_args=job_args(ns),
         format=ns.format, port=ns.port, namespace=ns.namespace, server_cpu=ns.server_cpu,
         server_memory=ns.server_memory, worker_cpu=ns.worker_cpu, worker_memory=ns.worker_memory,
-        worker_gpus=ns.worker_gpus,
+        worker_gpus=ns.worker_gpus, tls_secret=ns.tls_secret,
     )
     docs = manifests(job)
     _write(ns, to_yaml(docs) if ns.output_format == "yaml" else json.dumps(docs, indent=2) + "\n")
@@ -119,7 +127,7 @@ def cmd_slurm(ns: argparse.Namespace) -> int:
     job = SlurmJob(
         name=ns.name, num_servers=ns.num_servers, num_workers=ns.num_workers, job_args=job_args(ns), het=ns.het,
         port_base=ns.port_base, time=ns.time, partition=ns.partition, server_cpus=ns.server_cpus,
-        worker_cpus=ns.worker_cpus, worker_gpus=ns.worker_gpus, psgrad=ns.psgrad,
+        worker_cpus=ns.worker_cpus, worker_gpus=ns.worker_gpus, psgrad=ns.psgrad, tls_dir=ns.tls_dir,
     )
     _write(ns, sbatch_script(job))
     return 0

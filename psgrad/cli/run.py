@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from psgrad.cli.commands import _check_task, serve, train_worker
 from psgrad.cli.flags import add_checkpoint_args, add_job_args, add_server_policy_args, flag, job_spec, positive_int
+from psgrad.cli.security import add_server_security_args, auth_config, tls_config
 from psgrad.config import ServerConfig
 from psgrad.errors import ConfigError
 from psgrad.launch.roles import DEFAULT_PORT_BASE, ENGINES, KINDS, SERVER, Role, RunOptions
@@ -47,7 +48,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    "SLURM's srun (the first S ranks/tasks serve), Kubernetes; elsewhere checked")
     g.add_argument("--num-workers", type=positive_int, help="workers in the job: Kubernetes; elsewhere checked "
                    "against what the environment implies")
-    flag(g, "--host", "0.0.0.0", "address a server binds (all interfaces by default)")
+    flag(g, "--host", "0.0.0.0", "address a server binds (all interfaces by default: give TLS flags, or --insecure)")
     flag(g, "--port-base", DEFAULT_PORT_BASE, "SLURM: server i listens on PORT_BASE + i on its node; Kubernetes: "
          "every server listens on it (TF_CONFIG: the ps entry's port; torchrun: a free port)", type=positive_int)
     g.add_argument("--advertise-host", help="torchrun: the host name a server publishes for workers to reach it "
@@ -73,6 +74,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    "the newest readable one at start (DIR on storage every server's node sees, or per node)")
     r.add_argument("--metrics-dir", metavar="DIR", help="worker r writes its JSONL metrics to DIR/workerR.jsonl")
     add_job_args(r, connect_timeout_s=CONNECT_TIMEOUT_S)
+    add_server_security_args(r, run=True)
     r.set_defaults(func=cmd_run)
 
 
@@ -102,22 +104,29 @@ def _is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
+def server_config(ns: argparse.Namespace, role: Role) -> ServerConfig:
+    """Server `role`'s config from `psgrad run`'s flags (the bind rule checked: TLS or --insecure
+    off loopback)."""
+    return ServerConfig(
+        host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
+        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
+        checkpoint_dir=None if ns.checkpoint_dir is None else str(Path(ns.checkpoint_dir) / f"shard{role.index}"),
+        checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
+        metrics_port=ns.metrics_port, tls=tls_config(ns, client=False),
+        auth=auth_config(ns, os.environ, client=False), insecure=ns.insecure,
+    )
+
+
 def _serve(ns: argparse.Namespace, role: Role) -> int:
     from psgrad.launch import rendezvous
 
+    config = server_config(ns, role)  # before anything connects: a bad bind is a usage error
     store: Any = None
     if role.store is not None:  # torchrun: publish the address in the rendezvous store once bound
         if _is_loopback(role.advertise_host) and not _is_loopback(role.store.host):
             _log.warning(f"{role.advertise_host!r} resolves to a loopback address, which workers on other hosts "
                          f"cannot reach (the store is at {role.store.host}); pass --advertise-host NAME_OR_IP")
         store = rendezvous.connect_store(role.store, ns.store_timeout_s)
-    config = ServerConfig(
-        host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
-        checkpoint_dir=None if ns.checkpoint_dir is None else str(Path(ns.checkpoint_dir) / f"shard{role.index}"),
-        checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
-        metrics_port=ns.metrics_port,
-    )
 
     def on_address(bound: str) -> None:
         advertised = f"{role.advertise_host}:{bound.rpartition(':')[2]}"
@@ -154,5 +163,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.local_rank is None:  # a worker of a multi-GPU host takes GPU LOCAL_RANK (mod GPUs) under --device auto
         ns.local_rank = local_rank(os.environ)
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
+    if role.kind == SERVER:
+        server_config(ns, role)  # the bind rule (TLS or --insecure) is checked before anything starts
     _log.info(role.describe())
     return _serve(ns, role) if role.kind == SERVER else _train(ns, role)

@@ -6,12 +6,18 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from psgrad.config import ClientConfig
 
 
-def fetch(addresses: Sequence[str], timeout_s: float, tolerant: bool = False) -> list[dict[str, Any]]:
+def fetch(
+    addresses: Sequence[str], timeout_s: float, tolerant: bool = False, client: ClientConfig | None = None
+) -> list[dict[str, Any]]:
     """Every server's status as plain data (to_dict() plus its address). A server that does not
-    answer is an error, unless the shards have backups or `tolerant`: then its row says why."""
+    answer is an error, unless the shards have backups or `tolerant`: then its row says why.
+    client: the credentials to ask with (see shard_status)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from psgrad.client.parameter_client import shard_status
@@ -21,7 +27,7 @@ def fetch(addresses: Sequence[str], timeout_s: float, tolerant: bool = False) ->
 
     def one(address: str) -> dict[str, Any]:
         try:
-            return dict(shard_status([address], timeout_s)[0].to_dict(), address=address)
+            return dict(shard_status([address], timeout_s, client=client)[0].to_dict(), address=address)
         except PsgradError as exc:
             if not tolerant and "|" not in ",".join(addresses):
                 raise  # no backups: as before, a server that does not answer is an error
@@ -31,9 +37,9 @@ def fetch(addresses: Sequence[str], timeout_s: float, tolerant: bool = False) ->
         return list(pool.map(one, servers))
 
 
-def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool) -> None:
+def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, client: ClientConfig | None = None) -> None:
     """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
-    shards = fetch(addresses, timeout_s)
+    shards = fetch(addresses, timeout_s, client=client)
     if as_json:
         print(json.dumps({"shards": shards}, indent=2))
         return
@@ -127,7 +133,7 @@ def watch_rows(now: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]] |
 
 
 def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, count: int | None = None,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, client: ClientConfig | None = None) -> None:
     """Refresh the live view every interval_s until Ctrl-C (or `count` refreshes): on a terminal in
     place, elsewhere as successive blocks."""
     stream = out or sys.stdout
@@ -137,7 +143,7 @@ def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, 
     done = 0
     stop = threading.Event()  # never set: wait() is an interruptible pause between refreshes
     while count is None or done < count:
-        shards = fetch(addresses, timeout_s, tolerant=True)
+        shards = fetch(addresses, timeout_s, tolerant=True, client=client)
         now = time.monotonic()
         table = watch_rows(shards, before, now - last)
         stamp = time.strftime("%H:%M:%S")

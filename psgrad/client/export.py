@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from psgrad.client.parameter_client import ParameterClient, shard_status
+from psgrad.client.parameter_client import ParameterClient, credentials, shard_status
 from psgrad.config import ClientConfig, parse_servers
+from psgrad.core.credentials import ADMIN
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
 
@@ -54,11 +55,14 @@ def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, t
     return state
 
 
-def fetch_model(servers: str | Sequence[str], timeout_s: float = 30.0) -> ModelSnapshot:
+def fetch_model(
+    servers: str | Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
+) -> ModelSnapshot:
     """Read a running (or finished) job's model from its servers: joins nothing, needs no job spec
     or model (the servers describe the tensors), and waits for nobody but, in sync mode, for the
     shards to agree on an iteration (see ModelSnapshot). `servers` lists the shards in order, as
     the workers were given them (a list, or "HOST:PORT,..."; PRIMARY|BACKUP entries fail over).
+    client: its credentials are used (the admin's: read-only pulls as any rank; see README "Security").
 
     Raises:
         ConfigError: a malformed address.
@@ -69,7 +73,7 @@ def fetch_model(servers: str | Sequence[str], timeout_s: float = 30.0) -> ModelS
     """
     addresses = parse_servers(servers if isinstance(servers, str) else ",".join(servers))
     deadline = time.monotonic() + timeout_s
-    statuses = shard_status(addresses, timeout_s, with_params=True)
+    statuses = shard_status(addresses, timeout_s, with_params=True, client=client)
     for address, st in zip(addresses, statuses):
         if not st.initialized or st.spec is None:
             raise NotInitializedError(f"server {address} holds no job yet (start worker rank 0 first)")
@@ -84,9 +88,9 @@ def fetch_model(servers: str | Sequence[str], timeout_s: float = 30.0) -> ModelS
     plan = plan_shards(params, len(addresses))
     backups = any("|" in a for a in addresses)  # a PRIMARY|BACKUP shard: the pull fails over to the one serving
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s,
-                          reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False)
+                          reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False, **credentials(client))
     flat = torch.empty(plan.total)
-    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config) as reader:
+    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config, role=ADMIN) as reader:
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
@@ -104,15 +108,19 @@ def fetch_model(servers: str | Sequence[str], timeout_s: float = 30.0) -> ModelS
     return ModelSnapshot(named_tensors(params, flat), versions, first.spec.mode)
 
 
-def fetch_state_dict(servers: str | Sequence[str], timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
+def fetch_state_dict(
+    servers: str | Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
+) -> dict[str, torch.Tensor]:
     """The job's current model as a state_dict keyed by name: `model.load_state_dict(...)` takes it.
     See fetch_model (which also gives the versions) for what it waits for and guarantees."""
-    return fetch_model(servers, timeout_s).state_dict
+    return fetch_model(servers, timeout_s, client).state_dict
 
 
-def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tuple[dict[str, torch.Tensor], list[int]]:
+def export_state_dict(
+    addresses: Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
+) -> tuple[dict[str, torch.Tensor], list[int]]:
     """fetch_model's state_dict and versions (`psgrad export`)."""
-    snap = fetch_model(addresses, timeout_s)
+    snap = fetch_model(addresses, timeout_s, client)
     return snap.state_dict, snap.versions
 
 

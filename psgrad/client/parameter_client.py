@@ -16,6 +16,7 @@ from psgrad import errors
 from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer
+from psgrad.core.credentials import worker_role
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
@@ -34,6 +35,11 @@ START_NOTE_S = 30.0
 JOIN_MARGIN_S = 0.5
 
 
+def credentials(client: ClientConfig | None) -> dict[str, Any]:
+    """The credential fields of a client config (none: {}), to carry over into another one."""
+    return {} if client is None else {"tls": client.tls, "auth": client.auth}
+
+
 class ParameterClient:
     """A worker's view of the whole job: S shard clients, the shard plan, concurrent fan-out."""
 
@@ -45,7 +51,9 @@ class ParameterClient:
         plan: ShardPlan,
         rank: int,
         config: ClientConfig,
+        role: str | None = None,
     ) -> None:
+        """role: whose credential the calls carry (default: worker `rank`'s; export: the admin's)."""
         if len(addresses) != plan.num_shards or spec.num_shards != plan.num_shards:
             raise errors.ConfigError(
                 f"{len(addresses)} server addresses for a plan of {plan.num_shards} shards"
@@ -57,7 +65,7 @@ class ParameterClient:
         self.config = config
         self.fingerprint = fingerprint(self.params, spec)
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
-        self.shards = [ShardClient(a, config) for a in addresses]
+        self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
         # Separate staging buffers for pulls and pushes so the two may overlap.
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
@@ -316,10 +324,14 @@ class ParameterClient:
             self._heartbeat = None
 
 
-def shard_status(addresses: Sequence[str], timeout_s: float, with_params: bool = False) -> list[ShardStatus]:
+def shard_status(
+    addresses: Sequence[str], timeout_s: float, with_params: bool = False, client: ClientConfig | None = None
+) -> list[ShardStatus]:
     """Status of each shard (in the given order), every server asked concurrently; of a shard given
-    as PRIMARY|BACKUP, the server that serves it (the primary, or the backup that took over)."""
-    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0)
+    as PRIMARY|BACKUP, the server that serves it (the primary, or the backup that took over).
+    client: its credentials are used (the admin's token, from a job secret)."""
+    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0,
+                          **credentials(client))
     servers = [a for entry in addresses for a in entry.split("|")]
     clients = [ShardClient(a, config) for a in servers]
 

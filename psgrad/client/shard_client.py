@@ -28,7 +28,9 @@ from psgrad.wire.protocol import (
     SERVICE_NAME,
     STEP_REQUEST_DATA,
 )
+from psgrad.core.credentials import ADMIN
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
+from psgrad.wire.security import client_channels
 
 T = TypeVar("T")
 
@@ -37,9 +39,11 @@ class ShardClient:
     """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
     the one in use stops answering). Methods raise PsgradError subclasses, never grpc.RpcError."""
 
-    def __init__(self, address: str, config: ClientConfig) -> None:
+    def __init__(self, address: str, config: ClientConfig, role: str = ADMIN) -> None:
+        """role: whose token to derive from config.auth's job secret (a worker's, or the admin's)."""
         self.addresses = tuple(address.split("|"))
         self.config = config
+        self._channels_of = client_channels(config, role)
         self._channels: list[grpc.Channel] = []  # every one used; closed by close()
         self._bind_lock = threading.Lock()
         self._bind(self.addresses[0])
@@ -71,7 +75,7 @@ class ShardClient:
     def _bind(self, address: str) -> None:
         """Send calls to `address` (a channel of its own; calls on the former one run on)."""
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
+        self._channel = self._channels_of(address, CLIENT_CHANNEL_OPTIONS)
         self._channels.append(self._channel)
         prefix = f"/{SERVICE_NAME}/"
         ch = self._channel

@@ -77,6 +77,7 @@ class CompareConfig:
     lease_s: float = ServerConfig.lease_s
     omp_threads: int = 1
     tensorboard: str | None = None  # also write TensorBoard scalars under tensorboard/RUN/workerR
+    security: str = "off"  # "tokens" or "tls": every run gets fresh credentials (see launch/jobkeys.py)
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -89,6 +90,8 @@ class CompareConfig:
         for rank, factor in self.stragglers:
             if rank >= self.num_workers:
                 raise ConfigError(f"--straggler names rank {rank}, but there are only {self.num_workers} workers")
+        if self.security not in ("off", "tokens", "tls"):
+            raise ConfigError(f"security must be off, tokens or tls, got {self.security!r}")
         if len({r for r, _ in self.stragglers}) != len(self.stragglers):
             raise ConfigError("--straggler names the same rank twice")
         if self.optimizer != "sgd" and any(m.mode == "allreduce" for m in self.modes):
@@ -140,6 +143,7 @@ def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
     """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
     from psgrad.client.parameter_client import shard_status
+    from psgrad.launch import jobkeys
     from psgrad.launch.local import run_launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,15 +165,23 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
                 out=out, env=env, worker_command="allreduce",
             )
 
+        keys = jobkeys.create(cfg.security, cfg.num_workers)
+
         def status(addresses: list[str]) -> None:
-            shards = [s.to_dict() for s in shard_status(addresses, timeout_s=10.0)]
+            client = keys.admin() if keys else None
+            shards = [s.to_dict() for s in shard_status(addresses, timeout_s=10.0, client=client)]
             (run_dir / "status.json").write_text(json.dumps({"shards": shards}, indent=1))
 
-        return run_launch(
-            cfg.num_servers, cfg.num_workers, ["--lease-s", str(cfg.lease_s)],
-            lambda rank, servers: worker_argv(cfg, mode, seed, rank, run_dir, servers),
-            status=status, out=out, env=env,
-        )
+        try:
+            return run_launch(
+                cfg.num_servers, cfg.num_workers, ["--lease-s", str(cfg.lease_s), *(keys.server_argv() if keys else [])],
+                lambda rank, servers: [*worker_argv(cfg, mode, seed, rank, run_dir, servers),
+                                       *(keys.worker_argv(rank) if keys else [])],
+                status=status, out=out, env=env,
+            )
+        finally:
+            if keys is not None:
+                keys.remove()
 
 
 def _one_line(metrics: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psgrad.errors import ConfigError
+from psgrad.launch.jobkeys import K8S_TLS_DIR, cluster_argv
 from psgrad.launch.roles import DEFAULT_PORT_BASE, SERVER, WORKER
 
 K8S_FORMATS = ("jobset", "jobs")
@@ -40,6 +41,7 @@ class K8sJob:
     worker_cpu: str = "1"
     worker_memory: str = "2Gi"
     worker_gpus: int = 0
+    tls_secret: str | None = None  # a Secret holding a `psgrad certs` directory, mounted at K8S_TLS_DIR
 
     def __post_init__(self) -> None:
         # Pod host names are NAME-server-INDEX (Jobs) or NAME-server-0-INDEX (JobSet): 63 characters at most.
@@ -62,6 +64,8 @@ class K8sJob:
                 raise ConfigError(f"{flag} must be a Kubernetes quantity such as 500m, 2 or 4Gi, got {value!r}")
         if self.worker_gpus < 0:
             raise ConfigError(f"--worker-gpus must be >= 0, got {self.worker_gpus}")
+        if self.tls_secret is not None and not _NAME_RE.match(self.tls_secret):
+            raise ConfigError(f"--tls-secret must name a Secret (a DNS label), got {self.tls_secret!r}")
         check_job_args(self.job_args)
 
     def server_names(self) -> str:
@@ -87,7 +91,8 @@ def _pod(job: K8sJob, role: str) -> dict[str, Any]:
     serving = role == SERVER
     command = ["psgrad", "run", "--engine", "k8s", "--role", role, "--num-servers", str(job.num_servers),
                "--num-workers", str(job.num_workers), "--server-names", job.server_names(),
-               "--port-base", str(job.port), *job.job_args]
+               "--port-base", str(job.port), *cluster_argv(K8S_TLS_DIR if job.tls_secret else None, job.job_args),
+               *job.job_args]
     cpu, memory = (job.server_cpu, job.server_memory) if serving else (job.worker_cpu, job.worker_memory)
     limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
     if not serving and job.worker_gpus:
@@ -104,6 +109,9 @@ def _pod(job: K8sJob, role: str) -> dict[str, Any]:
     if serving and job.format == "jobs":
         spec["subdomain"] = job.name  # with the Job's pod host name: NAME-server-I.NAME resolves
     spec["containers"] = [container]
+    if job.tls_secret:
+        container["volumeMounts"] = [{"name": "psgrad-tls", "mountPath": K8S_TLS_DIR, "readOnly": True}]
+        spec["volumes"] = [{"name": "psgrad-tls", "secret": {"secretName": job.tls_secret, "defaultMode": 0o400}}]
     return {"metadata": {"labels": {"psgrad/job": job.name, "psgrad/role": role}}, "spec": spec}
 
 

@@ -6,6 +6,7 @@ import shlex
 from dataclasses import dataclass
 
 from psgrad.errors import ConfigError
+from psgrad.launch.jobkeys import cluster_argv
 from psgrad.launch.k8s import check_job_args
 from psgrad.launch.roles import DEFAULT_PORT_BASE, SERVER, WORKER
 
@@ -29,6 +30,7 @@ class SlurmJob:
     worker_cpus: int = 2
     worker_gpus: int = 0
     psgrad: str = "psgrad"  # the command that runs psgrad on the nodes (e.g. a venv's bin/psgrad)
+    tls_dir: str | None = None  # a `psgrad certs` directory on storage every node sees
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -47,13 +49,16 @@ class SlurmJob:
                 raise ConfigError(f"{flag} must be >= {low}, got {value}")
         if not self.psgrad.strip():
             raise ConfigError("--psgrad must name the command that runs psgrad on the nodes")
+        if self.tls_dir is not None and (not self.tls_dir.startswith("/") or "%" in self.tls_dir):
+            raise ConfigError(f"--tls-dir must be an absolute path without '%', got {self.tls_dir!r}")
         check_job_args(self.job_args)
         if any("%" in a for a in self.job_args) and not self.het:
             raise ConfigError("job flags must not contain '%' (srun --multi-prog replaces %t and %o)")
 
     def command(self, role: str) -> str:
         argv = [*shlex.split(self.psgrad), "run", "--engine", "slurm", "--role", role,
-                "--num-servers", str(self.num_servers), "--port-base", str(self.port_base), *self.job_args]
+                "--num-servers", str(self.num_servers), "--port-base", str(self.port_base),
+                *cluster_argv(self.tls_dir, self.job_args), *self.job_args]
         return shlex.join(argv)
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrad.core.status import EVICTED, LEFT, LIVE, WorkerStatus
-from psgrad.errors import EvictedError, UnknownWorkerError, WorkerStateError
+from psgrad.errors import EvictedError, InvalidRequestError, UnknownWorkerError, WorkerStateError
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Member:
     pushes: int = 0
     state: str = LIVE
     last_push_clock: int = -1  # highest clock whose push was handled (applied, buffered or skipped)
+    fresh: bool = False  # (re)joined and pushed nothing since: its first push may say where it continues
 
 
 class Membership:
@@ -91,6 +92,7 @@ class Membership:
             member.clock = max(start_clock, member.last_push_clock + 1)
         else:
             changed = False
+        member.fresh = member.fresh or changed
         member.last_seen = self._now()
         return member, changed
 
@@ -103,11 +105,30 @@ class Membership:
         return member
 
     @staticmethod
+    def check_clock(member: Member, clock: int, announced: bool = False) -> None:
+        """A push's clock must be the worker's next one (a retry repeats an older one, which is
+        acknowledged as a duplicate). A worker that has not pushed since it joined, or whose clocks
+        a restart from a checkpoint lost (`announced`), continues wherever it says: from its last
+        push, or from the largest clock another shard gave it.
+
+        Raises:
+            InvalidRequestError: a clock ahead of the next one (a forged clock would make the
+                worker's real pushes look like duplicates); nothing is recorded.
+        """
+        if clock <= member.last_push_clock or clock == member.clock or member.fresh or member.pushes == 0 or announced:
+            return
+        raise InvalidRequestError(
+            f"push from worker rank {member.rank} is for clock {clock}, but its next clock is {member.clock} "
+            f"(its last push was {member.last_push_clock}); refused, nothing recorded"
+        )
+
+    @staticmethod
     def advance(member: Member, clock: int) -> None:
         """member's push for clock was handled: its clock moves past it."""
         member.clock = max(member.clock, clock + 1)
         member.last_push_clock = clock
         member.pushes += 1
+        member.fresh = False
 
     def statuses(self) -> tuple[WorkerStatus, ...]:
         now = self._now()

@@ -57,6 +57,9 @@ class PushPath:
     def _before_apply(self, grad: torch.Tensor, lr_scale: float) -> None:
         raise NotImplementedError
 
+    def _replicate_members(self) -> None:
+        raise NotImplementedError
+
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
@@ -72,7 +75,9 @@ class PushPath:
                 raise InvalidRequestError(problem)
             try:
                 member = self._members.live(rank)
-            except WorkerStateError:
+                if not self._policy.aggregates:  # (sync: the policy takes only the current iteration)
+                    Membership.check_clock(member, clock, rank in self._restored_clocks)
+            except (WorkerStateError, InvalidRequestError):
                 self._counters.pushes_rejected += 1
                 raise
             grad, wire = self._buffers.lend(state.layout.numel, dtype, lambda: state.weights)
@@ -125,6 +130,8 @@ class PushPath:
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
                 try:
                     decision = self._policy.decide_push(rank, clock, self._view(), self._restored)
+                    if not self._policy.aggregates:
+                        Membership.check_clock(member, clock, rank in self._restored_clocks)
                 except (InvalidRequestError, RollbackError):
                     self._counters.pushes_rejected += 1
                     raise
@@ -177,6 +184,7 @@ class PushPath:
         if decision is PushDecision.BUFFER:
             self._round.skip()
             self._refresh()  # the skipped worker no longer owes this iteration
+        self._replicate_members()  # a backup that takes over knows the clock moved
         return PushResult(False, f"skipped: {bad} non-finite values", self._state.version if self._state else 0, 0)
 
     def _complete_iteration(self) -> bool:

@@ -28,6 +28,7 @@ from psgrad.server.replication import (
 )
 from psgrad.server.state import MemberRecord, ShardState
 from psgrad.server.transfers import PullStream
+from psgrad.wire.security import ChannelFactory
 
 
 class ReplicaPath:
@@ -163,7 +164,7 @@ class ReplicaPath:
             # evicted some meanwhile, seeing no calls), with fresh leases.
             self._state.set_members(self._replica_members or self._state.member_records(), self._now())
             self._notify()
-        threading.Thread(target=_fence, args=(former, rep.epoch), name="psgrad-fence", daemon=True).start()
+        threading.Thread(target=_fence, args=(former, rep.epoch, rep.channels), name="psgrad-fence", daemon=True).start()
 
     def _replica_status(self) -> ReplicaStatus:
         rep = self.replication
@@ -260,10 +261,10 @@ class ReplicaPath:
             return state.version
 
 
-def _fence(former: str, epoch: int) -> None:
+def _fence(former: str, epoch: int, channels: ChannelFactory) -> None:
     """Tell the former primary (if it still runs) that a newer epoch took over; best effort."""
     if not former:
         return
     from psgrad.server.replica_servicer import send_fence  # the gRPC edge, imported when used
 
-    send_fence(former, epoch)
+    send_fence(former, epoch, channels=channels)

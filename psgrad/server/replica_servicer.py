@@ -15,8 +15,9 @@ from psgrad.server import checkpoint
 from psgrad.server.replication import GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json
 from psgrad.server.shard import Shard
 from psgrad.wire import protocol, shm
-from psgrad.wire.frames import FrameParser, PayloadWriter, write_frames
+from psgrad.wire.frames import FrameParser, PayloadWriter, parse_frame, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
+from psgrad.wire.security import ChannelFactory, plaintext_channels
 
 FENCE_TIMEOUT_S = 2.0
 
@@ -59,7 +60,7 @@ class ReplicaServicer:
     def ReplicaApply(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.ReplicaReply:
         try:
             first = next(frames, None)
-            msg = pb.ReplicaFrame.FromString(first) if first is not None else None
+            msg = parse_frame(pb.ReplicaFrame, first, "replica record") if first is not None else None
             if msg is None or msg.WhichOneof("kind") != "header":
                 raise InvalidRequestError("replica record: the first frame must be the header")
             h = msg.header
@@ -97,27 +98,27 @@ class ReplicaServicer:
         """The method table entries of the replication methods."""
         return {
             "ReplicaAttach": grpc.unary_unary_rpc_method_handler(
-                self.ReplicaAttach, request_deserializer=pb.ReplicaAttachRequest.FromString,
+                protocol.refusing_undecodable(self.ReplicaAttach), request_deserializer=protocol.decoder(pb.ReplicaAttachRequest),
                 response_serializer=pb.ReplicaAttachReply.SerializeToString,
             ),
             "ReplicaApply": grpc.stream_unary_rpc_method_handler(
                 self.ReplicaApply, response_serializer=pb.ReplicaReply.SerializeToString
             ),
             "Fence": grpc.unary_unary_rpc_method_handler(
-                self.Fence, request_deserializer=pb.FenceRequest.FromString,
+                protocol.refusing_undecodable(self.Fence), request_deserializer=protocol.decoder(pb.FenceRequest),
                 response_serializer=pb.FenceReply.SerializeToString,
             ),
         }
 
 
-def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
+def attach_to_primary(primary: str, address: str, timeout_s: float, channels: ChannelFactory = plaintext_channels) -> int:
     """Ask the primary at `primary` to make this server (reached at `address`) its backup; the
     state and the updates follow as ReplicaApply calls. Returns the primary's epoch.
 
     Raises:
         ServerStartError: the primary did not answer within timeout_s, or refused.
     """
-    with grpc.insecure_channel(primary, options=CLIENT_CHANNEL_OPTIONS) as channel:
+    with channels(primary, CLIENT_CHANNEL_OPTIONS) as channel:
         attach = channel.unary_unary(
             METHOD_PREFIX + "ReplicaAttach", pb.ReplicaAttachRequest.SerializeToString, pb.ReplicaAttachReply.FromString
         )
@@ -129,10 +130,10 @@ def attach_to_primary(primary: str, address: str, timeout_s: float) -> int:
         return int(reply.epoch)
 
 
-def send_fence(address: str, epoch: int, dropped: bool = False) -> None:
+def send_fence(address: str, epoch: int, dropped: bool = False, channels: ChannelFactory = plaintext_channels) -> None:
     """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
     went on without it (best effort: it may be dead)."""
-    with grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS) as channel:
+    with channels(address, CLIENT_CHANNEL_OPTIONS) as channel:
         fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
         try:
             fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
@@ -145,6 +146,6 @@ def _attach_again(shard: Shard) -> None:
     rep = shard.replication
     assert rep is not None
     try:
-        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5)
+        attach_to_primary(rep.primary, rep.address, FENCE_TIMEOUT_S * 5, rep.channels)
     except ServerStartError as exc:
         rep.log(f"dropped by {rep.primary} and cannot attach again ({exc}); serving nobody until restarted")

@@ -23,6 +23,7 @@ from psgrad.server.transfers import PullStream
 from psgrad.wire import shm
 from psgrad.wire.frames import data_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, ERROR_METADATA_KEY, METHOD_PREFIX
+from psgrad.wire.security import ChannelFactory, plaintext_channels
 
 PRIMARY, BACKUP, FENCED = "primary", "backup", "fenced"
 SNAPSHOT, GRADIENT, WEIGHTS, NONE, MEMBERS = "snapshot", "gradient", "weights", "none", "members"
@@ -100,8 +101,12 @@ class Replication:
     the forwarding thread and the waiters use this object's own lock only, never the shard's
     while holding it (a weights record's stream takes the shard's lock frame by frame)."""
 
-    def __init__(self, address: str, chunk_bytes: int, timeout_s: float, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, address: str, chunk_bytes: int, timeout_s: float, log: Callable[[str], None],
+        channels: ChannelFactory = plaintext_channels,
+    ) -> None:
         self.address = address  # this server's, as its backup or its workers reach it
+        self.channels = channels  # to the shard's other server, with this server's credentials
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
         self.log = log  # the operator's messages (stderr)
@@ -266,7 +271,7 @@ class Replication:
         """Send the queued records to `backup` in order, one call each, until it is dropped."""
         # A subchannel of its own: one shared with an earlier channel to this address (a server
         # that died there) may still be backing off, and would fail the first record at once.
-        channel = grpc.insecure_channel(backup, options=[*CLIENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+        channel = self.channels(backup, [*CLIENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
         call = channel.stream_unary(METHOD_PREFIX + "ReplicaApply", None, pb.ReplicaReply.FromString)
 
         def send(record: Record, epoch: int) -> None:

@@ -13,27 +13,30 @@ from typing import Any
 import grpc
 
 from psgrad.config import ServerConfig
+from psgrad.core.credentials import is_loopback
 from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.checkpointer import Checkpointer, note, warn
+from psgrad.server.guard import Guard
 from psgrad.server.observe import Observability
 from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.wire.heap import tune_allocator
-from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME
+from psgrad.wire import security
+from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusing_undecodable
 
 
 def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> grpc.GenericRpcHandler:
     """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
-    (serializer None)."""
+    (serializer None). Requests that do not parse are refused as INVALID_ARGUMENT (decoder)."""
 
     def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=rep.SerializeToString
+            refusing_undecodable(fn), request_deserializer=decoder(req), response_serializer=rep.SerializeToString
         )
 
     return grpc.method_handlers_generic_handler(
@@ -44,13 +47,15 @@ def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> g
                 servicer.Init, response_serializer=pb.InitReply.SerializeToString
             ),
             "Pull": grpc.unary_stream_rpc_method_handler(
-                servicer.Pull, request_deserializer=pb.PullRequest.FromString
+                refusing_undecodable(servicer.Pull), request_deserializer=decoder(pb.PullRequest)
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push, response_serializer=pb.PushReply.SerializeToString
             ),
             "PushGated": grpc.stream_stream_rpc_method_handler(servicer.PushGated),
-            "Step": grpc.unary_unary_rpc_method_handler(servicer.Step, request_deserializer=pb.StepRequest.FromString),
+            "Step": grpc.unary_unary_rpc_method_handler(
+                refusing_undecodable(servicer.Step), request_deserializer=decoder(pb.StepRequest)
+            ),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
@@ -165,10 +170,13 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         shard.set_rollback_source(checkpointer)
     servicer = ParameterServicer(shard, config)
     obs = Observability()
+    # Calls are timed only where someone can read the figures (refusals by the guard included).
+    interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
+    if security.authenticates(config):
+        interceptors.append(Guard(config))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        # Calls are timed only where someone can read the figures.
-        options=server_options(config), interceptors=(obs.rpc,) if config.metrics_port is not None else (),
+        options=server_options(config), interceptors=interceptors,
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
@@ -178,30 +186,40 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
+    credentials = security.server_credentials(config)
     try:
-        port = server.add_insecure_port(target)
+        port = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
     except RuntimeError as exc:
         raise ServerStartError(f"cannot bind {target}: {exc} (is another process using the port?)") from None
     if port == 0:
         raise ServerStartError(f"cannot bind {target} (is another process using the port?)")
     address = f"{bind_host}:{port}"
     reachable = reachable_address(config, port)
-    replication = shard.replication = Replication(reachable, config.chunk_bytes, config.replica_timeout_s, warn)
+    channels = security.server_channels(config)
+    replication = shard.replication = Replication(
+        reachable, config.chunk_bytes, config.replica_timeout_s, warn, channels
+    )
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
     replication.on_dropped = lambda backup, epoch: threading.Thread(
-        target=send_fence, args=(backup, epoch, True), name="psgrad-drop", daemon=True
+        target=send_fence, args=(backup, epoch, True, channels), name="psgrad-drop", daemon=True
     ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
     server.start()
     if config.replica_of is not None:
         try:  # the state and the updates arrive as ReplicaApply calls, from now on
-            epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s)
+            epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s, channels)
         except ServerStartError:
             server.stop(0)
             raise
         replication.epoch = max(replication.epoch, epoch)
         note(f"backup of {config.replica_of} (epoch {epoch})")
+    if config.tls is None and not is_loopback(config.host):  # allowed by --insecure only (check_bind)
+        warn(f"serving {address} without TLS (--insecure): anyone who can reach it can read the weights and "
+             "push gradients")
+    elif not security.authenticates(config) and not is_loopback(config.host):
+        warn(f"serving {address} with TLS but without checking callers: anyone who can reach it can read the "
+             "weights and push gradients (give --tls-ca to require client certificates, or --job-secret-file)")
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()

@@ -14,7 +14,7 @@ from psgrad import errors
 from psgrad.wire import serde
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
-from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, write_frames
+from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
@@ -60,7 +60,7 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     first = next(frames, None)
     if first is None:
         raise InvalidRequestError(f"{what}: empty stream, expected a header frame first")
-    msg = frame_type.FromString(first)
+    msg = parse_frame(frame_type, first, what)
     if msg.WhichOneof("kind") != "header":
         raise InvalidRequestError(f"{what}: first frame must be the header")
     return msg.header

@@ -13,6 +13,8 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from psgrad.config import DEFAULT_CHUNK_BYTES
 from psgrad.errors import InvalidRequestError
 
@@ -113,6 +115,18 @@ def write_frames(frames: Iterator[bytes], writer: PayloadWriter, parse_other: "F
     writer.finish()
 
 
+def parse_frame(message_type: Any, frame: bytes, what: str) -> Any:
+    """A frame of a client stream as its message (a generated XFrame class).
+
+    Raises:
+        InvalidRequestError: the bytes do not parse.
+    """
+    try:
+        return message_type.FromString(frame)
+    except DecodeError as exc:
+        raise InvalidRequestError(f"{what}: a frame that does not parse ({exc})") from None
+
+
 class FrameParser:
     """Fallback for data frames not in the canonical one-field layout: parse with protobuf."""
 
@@ -121,7 +135,7 @@ class FrameParser:
         self._what = what
 
     def __call__(self, frame: bytes) -> memoryview:
-        msg = self._type.FromString(frame)
+        msg = parse_frame(self._type, frame, self._what)
         if msg.WhichOneof("kind") != "data":
             raise InvalidRequestError(f"{self._what}: expected a data frame, got {msg.WhichOneof('kind')}")
         return memoryview(msg.data)

@@ -2,7 +2,11 @@
 a PsgradError crosses the wire (a gRPC status plus its class name in trailing metadata)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import grpc
+from google.protobuf.message import DecodeError
 
 from psgrad import errors
 from psgrad.errors import PsgradError, ServerUnavailableError
@@ -48,7 +52,41 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotPrimaryError: grpc.StatusCode.UNAVAILABLE,  # retried, on the shard's other server
     errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
+
+
+class Undecodable:
+    """A request whose bytes are not its method's message (see decoder)."""
+
+    def __init__(self, type_name: str, problem: str) -> None:
+        self.error = errors.InvalidRequestError(f"the request is not a valid {type_name}: {problem}")
+
+
+def decoder(message_type: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that never fails: bytes that do not parse become an Undecodable, which
+    the handler refuses with INVALID_ARGUMENT (gRPC would answer INTERNAL, as if the server broke)."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(name, str(exc))
+
+    return decode
+
+
+def refusing_undecodable(handler: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """handler, with an Undecodable request refused (INVALID_ARGUMENT) before it runs."""
+
+    def checked(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            abort(context, request.error)
+        return handler(request, context)
+
+    return checked
 
 
 def abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
@@ -75,7 +113,8 @@ _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
      "took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
      "that port, or TLS on one side only?)", True),
     (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
-     "closed the connection (did it stop or crash?)", False),
+     "closed the connection (did it stop or crash, or did its TLS refuse this client: plaintext against TLS, "
+     "another CA, a missing or expired certificate? The server logs why)", False),
 )
 
 

@@ -162,8 +162,9 @@ def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launch_with_replicas_starts_a_backup_per_shard_and_shows_their_roles() -> None:
+    # With --tls the servers replicate over mutual TLS with the servers' certificate and token.
     res = run_cli(["launch", "--replicas", "1", "--num-servers", "2", "--num-workers", "2", "--mode", "sync",
-                   "--steps", "30"], timeout_s=240)
+                   "--steps", "30", "--tls"], timeout_s=240)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     m = re.search(r"server\(s\) up: (127\.0\.0\.1:\d+)\|(127\.0\.0\.1:\d+),(127\.0\.0\.1:\d+)\|(127\.0\.0\.1:\d+);", out)

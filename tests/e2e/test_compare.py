@@ -36,7 +36,8 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
     res = run_cli(
         ["compare", "--modes", "sync,async", "--num-servers", "1", "--num-workers", "2", "--steps", "40",
          "--target-accuracy", "0.5", "--straggler", "1:2", "--jitter-ms", "1", "--repeats", "1", "--out", str(out),
-         "--tensorboard", str(tmp_path / "tb")],
+         "--tensorboard", str(tmp_path / "tb"),
+         "--tls"],  # every run secured: fresh credentials each, the final status read as the admin
         timeout_s=280,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -50,6 +51,7 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
         assert 0.0 < s["final_test_accuracy"]["mean"] <= 1.0
     assert summary["modes"]["sync"]["staleness_max"]["mean"] == 0
     assert summary["settings"]["stragglers"] == {"1": 2.0} and summary["settings"]["jitter_ms"] == 1.0
+    assert summary["settings"]["security"] == "tls"
     assert summary["command"].startswith("psgrad compare --modes sync,async")
     report = (out / "report.md").read_text()
     assert "| sync" in report and "| async" in report and summary["command"] in report

@@ -38,7 +38,11 @@ def psgrad_on(bed: NetBed, host: int, args: Sequence[str], name: str) -> Proc:
 
 
 def start_server(bed: NetBed, host: int, *extra: str) -> tuple[Proc, str]:
-    proc = psgrad_on(bed, host, ["server", "--host", bed.hosts[host].addr, "--port", "0", *extra], f"server@{host}")
+    """A server on a host of the bed: plaintext (--insecure: the bed is a private network) unless
+    extra gives TLS flags."""
+    secure = [] if "--tls-cert" in extra else ["--insecure"]
+    proc = psgrad_on(bed, host, ["server", "--host", bed.hosts[host].addr, "--port", "0", *secure, *extra],
+                     f"server@{host}")
     line = proc.wait_for_line("psgrad server listening on", timeout_s=60)
     return proc, line.rsplit(" ", 1)[1]
 
@@ -58,8 +62,8 @@ def start_worker(bed: NetBed, host: int, servers: str, rank: int, num_workers: i
     return psgrad_on(bed, host, args, f"worker{rank}@{host}")
 
 
-def status(bed: NetBed, host: int, servers: str) -> list[dict]:  # type: ignore[type-arg]
-    res = bed.run(host, [sys.executable, "-m", "psgrad", "status", "--servers", servers, "--json"], timeout_s=60)
+def status(bed: NetBed, host: int, servers: str, *extra: str) -> list[dict]:  # type: ignore[type-arg]
+    res = bed.run(host, [sys.executable, "-m", "psgrad", "status", "--servers", servers, "--json", *extra], timeout_s=60)
     assert res.returncode == 0, res.stderr
     shards: list[dict] = json.loads(res.stdout)["shards"]  # type: ignore[type-arg]
     return shards
@@ -131,12 +135,19 @@ def engine_env(**env: str) -> dict[str, str]:
 def test_a_tf_config_job_of_2_ps_and_3_workers_on_5_hosts_trains_sync(bed: NetBed, tmp_path: Path) -> None:
     """Kubeflow-style: each of 5 hosts runs `psgrad run` with the same cluster (2 ps, a chief and 2
     workers, each at its host's address on the TFJob port 2222) and its own task; nothing else
-    tells a process its role."""
+    tells a process its role. Secured as the rendered cluster jobs are (`psgrad certs` files every
+    process sees: mutual TLS with a certificate per worker, the job secret), since the servers bind
+    every interface."""
+    from psgrad.cli.main import main
+    from psgrad.launch.jobkeys import cluster_argv
+
+    assert main(["certs", str(tmp_path / "tls"), "--num-workers", "3"]) == 0
     port = 2222  # every host has its own port space, as every pod does
     addr = [f"{h.addr}:{port}" for h in bed.hosts]
     cluster = {"ps": addr[:2], "chief": addr[2:3], "worker": addr[3:5]}
     tasks = [("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0), ("worker", 1)]
-    job = ["--task", "digits", "--mode", "sync", "--steps", "300", "--metrics-dir", str(tmp_path)]
+    job = ["--task", "digits", "--mode", "sync", "--steps", "300", "--metrics-dir", str(tmp_path),
+           *cluster_argv(str(tmp_path / "tls"), ())]
     procs: list[Proc] = []
     try:
         for host, (kind, index) in enumerate(tasks):
@@ -172,7 +183,7 @@ def test_torchrun_role_groups_on_two_hosts_train_ssp(bed: NetBed, tmp_path: Path
                 # which agent hosts the store and which address each agent is reached at.
                 "--rdzv-conf", f"is_host={str(host == 0).lower()}", "--local-addr", bed.hosts[host].addr,
                 "-m", "psgrad", "run",
-                "--advertise-host", bed.hosts[host].addr, *job])
+                "--advertise-host", bed.hosts[host].addr, "--insecure", *job])
             procs.append(Proc(argv, name=f"torchrun-{role}", cwd=REPO, env=engine_env(), new_session=False))
         assert [p.wait(150) for p in procs] == [0, 0], [p.lines[-20:] for p in procs]
     finally:
@@ -183,6 +194,43 @@ def test_torchrun_role_groups_on_two_hosts_train_ssp(bed: NetBed, tmp_path: Path
     for rank in range(3):
         assert f"worker rank {rank} of 3" in workers.output
         assert jsonl_final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.88
+
+
+@pytest.mark.timeout(180)
+def test_a_secured_job_across_hosts_trains_and_keeps_another_host_out(
+    bed: NetBed, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Mutual TLS and tokens across hosts (certificates from `psgrad certs` naming the servers'
+    addresses, which the workers verify): servers on hosts 0 and 1, workers on 2 and 3; host 4 is
+    outside the job and can neither read the status in plaintext nor with another job's
+    certificate, while the admin can."""
+    from psgrad.cli.main import main
+
+    tls, other = tmp_path_factory.mktemp("tls") / "job", tmp_path_factory.mktemp("tls") / "other"
+    assert main(["certs", str(tls), "--num-workers", "2", "--names", f"{bed.hosts[0].addr},{bed.hosts[1].addr}"]) == 0
+    assert main(["certs", str(other), "--num-workers", "2"]) == 0
+    serving = ["--tls-cert", str(tls / "server.pem"), "--tls-key", str(tls / "server.key"), "--tls-ca",
+               str(tls / "ca.pem"), "--job-secret-file", str(tls / "job.secret")]
+    procs: list[Proc] = []
+    try:
+        servers = ",".join(start_two_servers(bed, procs, *serving))
+        workers = [start_worker(bed, h, servers, r, 2, "--mode", "async", "--steps", "200", "--tls-ca", str(tls / "ca.pem"),
+                                "--tls-cert", str(tls / f"worker-{r}.pem"), "--tls-key", str(tls / f"worker-{r}.key"),
+                                "--token-file", str(tls / f"worker-{r}.token")) for r, h in enumerate((2, 3))]
+        procs += workers
+        for w in workers:
+            assert w.wait(150) == 0, w.output[-3000:]
+            assert final_accuracy(w) >= 0.85, w.output[-1500:]
+        admin = ["--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(tls / "admin.pem"), "--tls-key", str(tls / "admin.key"),
+                 "--token-file", str(tls / "admin.token")]
+        assert [s["version"] for s in status(bed, 4, servers, *admin)] == [400, 400]
+        for attempt in ([], ["--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(other / "admin.pem"), "--tls-key",
+                             str(other / "admin.key"), "--token-file", str(other / "admin.token")]):
+            res = bed.run(4, [sys.executable, "-m", "psgrad", "status", "--servers", servers, "--timeout-s", "3",
+                              *attempt], timeout_s=60)
+            assert res.returncode == 1 and "did not answer" in res.stderr, res.stderr
+    finally:
+        stop_all(procs)
 
 
 @pytest.mark.timeout(240)

@@ -113,7 +113,7 @@ def _final_accuracies(out: str) -> list[float]:
 def test_launch_trains_across_two_nodes(tmp_path: Path) -> None:
     with two_nodes() as cluster:
         started = time.monotonic()
-        res = run_cli(["launch", "--backend", "ray", "--address", cluster.address, *JOB, "--mode", "sync",
+        res = run_cli(["launch", "--backend", "ray", "--address", cluster.address, "--insecure", *JOB, "--mode", "sync",
                        "--steps", "400", "--metrics-dir", str(tmp_path)], timeout_s=180)
         print(f"psgrad launch --backend ray: {time.monotonic() - started:.1f} s")
         out = res.stdout
@@ -141,7 +141,7 @@ def _stall_s(path: Path) -> float:
 def test_a_killed_server_actor_is_restarted_and_restores_its_shard(tmp_path: Path) -> None:
     with two_nodes() as cluster:
         ray.init(address=cluster.address, logging_level=logging.WARNING)
-        proc: Proc = spawn(["launch", "--backend", "ray", "--address", cluster.address, *JOB, "--mode", "async",
+        proc: Proc = spawn(["launch", "--backend", "ray", "--address", cluster.address, "--insecure", *JOB, "--mode", "async",
                             "--steps", "3000", "--checkpoint-dir", str(tmp_path / "ckpt"),
                             "--checkpoint-every-versions", "200", "--metrics-dir", str(tmp_path / "metrics")])
         try:
@@ -172,7 +172,7 @@ def test_ctrl_c_or_a_failed_worker_stops_every_actor() -> None:
         # test_cli.py): a handler here makes exec reset it to the default in the launcher.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            proc = spawn(["launch", "--backend", "ray", "--address", cluster.address, *JOB, "--steps", "100000"])
+            proc = spawn(["launch", "--backend", "ray", "--address", cluster.address, "--insecure", *JOB, "--steps", "100000"])
         finally:
             signal.signal(signal.SIGINT, previous)
         try:
@@ -184,7 +184,7 @@ def test_ctrl_c_or_a_failed_worker_stops_every_actor() -> None:
         assert "[launch] interrupted; stopping all actors" in proc.output
         assert not _workers_of(_servers(proc.output))
         # every worker asks for a GPU that does not exist and exits with an error
-        res = run_cli(["launch", "--backend", "ray", "--address", cluster.address, *JOB, "--steps", "5",
+        res = run_cli(["launch", "--backend", "ray", "--address", cluster.address, "--insecure", *JOB, "--steps", "5",
                        "--device", "cuda:99"], timeout_s=120)
         assert res.returncode == 1, res.stdout + res.stderr
         assert re.search(r"^\[launch\] failed: worker\d \(exit code 2\); stopping the others", res.stdout, re.M)

@@ -89,7 +89,12 @@ def consecutive_free_ports(n: int) -> int:
 
 def test_slurm_multi_prog_job_on_one_node_trains_digits(tmp_path: Path) -> None:
     """The environment `srun --multi-prog` gives 4 tasks on one node: tasks 0-1 serve on --port-base + i,
-    tasks 2-3 compute the addresses from the node list and train."""
+    tasks 2-3 compute the addresses from the node list and train; secured as `psgrad slurm --tls-dir`
+    renders it (mutual TLS with a certificate per worker, and the job secret's tokens)."""
+    from psgrad.launch.jobkeys import cluster_argv
+
+    assert main(["certs", str(tmp_path / "tls"), "--num-workers", "2"]) == 0
+    secured = cluster_argv(str(tmp_path / "tls"), ())
     base = consecutive_free_ports(2)
     step = {"SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "4",
             "SLURMD_NODENAME": "localhost"}
@@ -97,7 +102,7 @@ def test_slurm_multi_prog_job_on_one_node_trains_digits(tmp_path: Path) -> None:
     try:
         for task in range(4):
             argv = [sys.executable, "-m", "psgrad", "run", "--num-servers", "2", "--port-base", str(base),
-                    "--metrics-dir", str(tmp_path), *JOB]
+                    "--metrics-dir", str(tmp_path), *secured, *JOB]
             procs.append(start(argv, f"task{task}", SLURM_PROCID=str(task), **step))
         codes = [p.wait(150) for p in procs]
         assert codes == [0, 0, 0, 0], [p.lines[-5:] for p in procs]
@@ -115,7 +120,8 @@ def test_real_torchrun_one_group_serves_and_trains(tmp_path: Path) -> None:
     """`torchrun --standalone --nproc-per-node 4 -m psgrad run --num-servers 2`: ranks 0-1 serve, 2-3 train;
     the workers find the servers through torchrun's rendezvous store."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "psgrad",
-            "run", "--num-servers", "2", "--advertise-host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
+            "run", "--num-servers", "2", "--advertise-host", "127.0.0.1", "--insecure", "--metrics-dir", str(tmp_path),
+            *JOB]
     proc = start(argv, "torchrun")
     try:
         assert proc.wait(150) == 0, proc.lines[-20:]
@@ -141,7 +147,7 @@ def test_real_torchrun_role_groups_one_serves_one_trains(tmp_path: Path) -> None
         for role in ("server", "worker"):
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--role", role, "-m", "psgrad",
-                    "run", "--advertise-host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
+                    "run", "--advertise-host", "127.0.0.1", "--insecure", "--metrics-dir", str(tmp_path), *JOB]
             procs.append(start(argv, f"torchrun-{role}"))
         assert [p.wait(150) for p in procs] == [0, 0], [p.lines[-20:] for p in procs]
     finally:
@@ -176,6 +182,20 @@ def test_missing_or_contradictory_environment_exits_2_naming_the_variable(
     assert main(["run", "--num-servers", "1", *JOB]) == 2
     err = capsys.readouterr().err
     assert "psgrad run: error:" in err and word in err
+
+
+@pytest.mark.timeout(30)
+def test_a_server_on_every_interface_needs_tls_or_insecure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in os.environ:
+        if name.startswith(ENGINE_PREFIXES):
+            monkeypatch.delenv(name)
+    cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}}))
+    assert main(["run", *JOB]) == 2  # before anything binds
+    err = capsys.readouterr().err
+    assert "binding 0.0.0.0 without TLS" in err and "--insecure" in err and "--tls-cert" in err
 
 
 @pytest.mark.timeout(30)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig, parse_address, parse_servers
+from psgrad.config import ClientConfig, JobSpec, ServerConfig, TlsConfig, WorkerConfig, parse_address, parse_servers
 from psgrad.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -283,8 +283,12 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert not {"--staleness-lr", "--nesterov", "--centered"} & set(JobSpec().to_argv())
     client = ClientConfig().to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
-        "--chunk-bytes"  # no flag: a worker has the default
+        "--chunk-bytes",  # no flag: a worker has the default
+        "--tls",  # its files' flags (--tls-ca, ...), when given: below
+        "--auth",  # secrets never go on a command line (a launcher passes files or the environment)
     }
+    ca = __file__  # any file passes TlsConfig's check
+    assert ClientConfig(tls=TlsConfig(ca=ca, server_name="n")).to_argv()[-4:] == ["--tls-ca", ca, "--tls-server-name", "n"]
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
                           local_rank=1).to_argv()
@@ -380,9 +384,10 @@ def test_a_server_is_reached_at_its_advertised_or_routed_address() -> None:
     from psgrad.server.runtime import reachable_address
 
     assert reachable_address(ServerConfig(host="127.0.0.1"), 81) == "127.0.0.1:81"
-    assert reachable_address(ServerConfig(host="0.0.0.0", advertise_host="node-3"), 81) == "node-3:81"
+    assert reachable_address(ServerConfig(host="0.0.0.0", advertise_host="node-3", insecure=True), 81) == "node-3:81"
     # bound to every interface, a backup names the address its primary sees it from
-    assert reachable_address(ServerConfig(host="0.0.0.0", replica_of="127.0.0.1:9"), 81) == "127.0.0.1:81"
+    every = ServerConfig(host="0.0.0.0", replica_of="127.0.0.1:9", insecure=True)
+    assert reachable_address(every, 81) == "127.0.0.1:81"
     assert reachable_address(ServerConfig(host="::1"), 81) == "[::1]:81"
     with pytest.raises(ConfigError, match="advertise_host"):
         ServerConfig(advertise_host=" ")

@@ -70,7 +70,7 @@ DETAILS = {
         ("no-network", "is unreachable (no route to that address", True),
         ("unresolved", "could not be resolved (is the host name right?)", True),
         ("no-grpc", "took the TCP connection but did not speak gRPC", True),
-        ("closed", "closed the connection (did it stop or crash?)", False),
+        ("closed", "closed the connection (did it stop or crash, or did its TLS refuse this client", False),
     ],
 )
 def test_what_an_unavailable_status_says_happened(case: str, words: str, unsent: bool) -> None:

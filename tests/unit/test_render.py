@@ -25,10 +25,11 @@ K8S = ["k8s", "--name", "digits", "--image", "ghcr.io/example/psgrad:0.1.0", "--
 SLURM = ["slurm", "--name", "digits", "--num-servers", "2", "--num-workers", "4"]
 CASES = {
     "k8s-jobset.yaml": [*K8S, "--worker-cpu", "2", "--worker-memory", "4Gi", *JOB],
-    "k8s-jobs.yaml": [*K8S, "--format", "jobs", "--namespace", "ml", "--worker-gpus", "1", *JOB],
+    "k8s-jobs.yaml": [*K8S, "--format", "jobs", "--namespace", "ml", "--worker-gpus", "1", "--tls-secret", "digits-tls",
+                      *JOB],
     "slurm-multiprog.sbatch": [*SLURM, "--partition", "gpu", "--worker-gpus", "1", *JOB, *CKPT],
     "slurm-het.sbatch": [*SLURM, "--het", "--worker-cpus", "4", "--time", "2:00:00", "--psgrad",
-                         "/shared/venv/bin/psgrad", *JOB, *CKPT],
+                         "/shared/venv/bin/psgrad", "--tls-dir", "/shared/digits-tls", *JOB, *CKPT],
 }
 
 
@@ -113,11 +114,21 @@ def test_the_pods_commands_resolve_to_the_job(name: str) -> None:
     from psgrad.cli.parser import build_parser
     from psgrad.cli.run import run_options
 
-    commands = _commands(read_yaml((GOLDEN / name).read_text()))
+    docs = read_yaml((GOLDEN / name).read_text())
+    commands = _commands(docs)
     middle = "server-0" if "jobset" in name else "server"
     for role, count in (("server", 2), ("worker", 3)):
         assert commands[role][:2] == ["psgrad", "run"]
         ns = build_parser().parse_args(commands[role][1:])
+        if name == "k8s-jobs.yaml":  # --tls-secret: the Secret's files, mounted where the flags name them
+            assert (ns.tls_cert, ns.tls_worker_cert, ns.tls_server_name, ns.insecure) == (
+                "/etc/psgrad/tls/server.pem", "/etc/psgrad/tls/worker-{rank}.pem", "psgrad-server", False)
+            pod = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == f"digits-{role}")
+            spec = pod["spec"]["template"]["spec"]
+            assert spec["volumes"][0]["secret"]["secretName"] == "digits-tls"
+            assert spec["containers"][0]["volumeMounts"][0]["mountPath"] == "/etc/psgrad/tls"
+        else:  # plaintext, said so: `psgrad run` binds every interface
+            assert ns.insecure and ns.tls_cert is None
         for index in range(count):
             got = resolve({"JOB_COMPLETION_INDEX": str(index)}, run_options(ns), ns.engine)
             assert (got.kind, got.index, got.num_servers, got.num_workers) == (role, index, 2, 3)
