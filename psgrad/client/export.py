@@ -1,5 +1,5 @@
-"""The model a running job holds, read from its servers: every shard's weights as of now (an
-ungated snapshot that joins nothing), laid out as a `state_dict` keyed by parameter name."""
+"""The model a running job holds, read from its servers: every shard's weights (and synchronized
+buffers) as of now (an ungated snapshot that joins nothing), laid out as a `state_dict` keyed by name."""
 from __future__ import annotations
 
 import os
@@ -46,7 +46,11 @@ def export_state_dict(addresses: Sequence[str], timeout_s: float = 30.0) -> tupl
     state: dict[str, torch.Tensor] = {}
     offset = 0
     for p in params:
-        state[p.name] = flat[offset : offset + p.numel].reshape(p.shape).to(getattr(torch, p.dtype)).clone()
+        values = flat[offset : offset + p.numel].reshape(p.shape)
+        dtype = getattr(torch, p.dtype)
+        if not dtype.is_floating_point:  # a counter buffer (num_batches_tracked) travels as float32
+            values = values.round()
+        state[p.name] = values.to(dtype).clone()
         offset += p.numel
     return state, versions
 
