@@ -14,6 +14,14 @@ NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
 # tests/unit/test_optimizers.py keeps the two equal.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup-steps of linear warmup
+# What a task's evaluation reports and compare can rank by: accuracy rises, the others fall.
+METRICS = ("test_accuracy", "test_loss", "test_bpb")
+
+
+def metric_reached(value: float, target: float, metric: str) -> bool:
+    """Whether an evaluation's value of metric is at or past target (above for accuracy, below else)."""
+    return value >= target if metric.endswith("accuracy") else value <= target
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -243,6 +251,15 @@ class WorkerConfig:
     # This worker's index among the processes on its host (torchrun's LOCAL_RANK, SLURM_LOCALID):
     # device "auto" on a host with G GPUs takes cuda:(local_rank mod G), one worker per GPU.
     local_rank: int | None = None
+    # The learning rate each step pushes: the job's lr times a schedule of the clock (a torch
+    # LambdaLR on the PSOptimizer): linear warmup over warmup_steps, then constant, or cosine or
+    # linear decay to 0 at `steps`.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    # Emulated accelerator: every step takes at least this long (compute, then wait the rest);
+    # a straggler's slowdown multiplies it. 0: steps take their compute time (x slowdown).
+    step_time_ms: float = 0.0
+    data_dir: str | None = None  # where a task that reads files finds them (fashion-mnist)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -268,6 +285,10 @@ class WorkerConfig:
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
         _check(self.local_rank is None or self.local_rank >= 0, f"local_rank must be >= 0, got {self.local_rank}")
+        _check(self.lr_schedule in LR_SCHEDULES,
+               f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _finite_nonneg("step_time_ms", self.step_time_ms)
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
@@ -283,6 +304,9 @@ class WorkerConfig:
         argv += ["--overlap"] if self.overlap else []
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
         argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]
+        argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
+                 "--step-time-ms", str(self.step_time_ms)]
+        argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
         return argv + self.client.to_argv()
 
 
