@@ -26,6 +26,7 @@ from psgrad.errors import (  # noqa: E402
 if TYPE_CHECKING:
     from psgrad.api import SGD, Adam, PSOptimizer, Session, StepStats, connect
     from psgrad.tasks.base import Task
+    from psgrad.tasks.data import ShardedSampler
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -37,6 +38,7 @@ _LAZY = {
     "SGD": "psgrad.api",
     "Adam": "psgrad.api",
     "Task": "psgrad.tasks.base",
+    "ShardedSampler": "psgrad.tasks.data",
 }
 
 
@@ -57,6 +59,7 @@ __all__ = [
     "SGD",
     "Adam",
     "Task",
+    "ShardedSampler",
     "ClientConfig",
     "JobSpec",
     "ServerConfig",

@@ -52,7 +52,7 @@ class Block(nn.Module):
 class ByteTransformer(nn.Module):
     """Bytes (N, T) -> next-byte logits (N, T, 256): embeddings, learned positions, blocks, head."""
 
-    def __init__(self, dim: int = 128, layers: int = 2, heads: int = 4, context: int = CONTEXT) -> None:
+    def __init__(self, dim: int = 96, layers: int = 2, heads: int = 4, context: int = CONTEXT) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(context, dim) * 0.02)
@@ -118,7 +118,7 @@ class CharLMTask(Task):
 
 
 @register_task("charlm", Recipe(metric="test_bpb", target=3.0, optimizer="adamw", lr=3e-3, weight_decay=0.01,
-                                 batch_size=16, steps=1500, compare_steps=400, lr_schedule="cosine", warmup_steps=50))
+                                 batch_size=16, steps=1000, compare_steps=400, lr_schedule="cosine", warmup_steps=50))
 def charlm_task(seed: int = 0) -> Task:
     """About 10 MB of training text (CPython 3.11's standard library) and 512 validation windows."""
     root = Path(sysconfig.get_paths()["stdlib"])
