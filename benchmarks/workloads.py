@@ -41,15 +41,14 @@ from psgrad.tasks import get_task, recipe_for
 from psgrad.tasks.base import Task
 from psgrad.tasks.data import BatchSchedule
 
-SERVERS = 2
 MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"], "ssp:2": ["--mode", "ssp", "--staleness", "2"]}
 TOLERANCE = {"test_accuracy": 0.01, "test_bpb": 0.05}
 PRESETS: dict[str, dict[str, Any]] = {
     # CI: every piece once (the timing, both single-process runs, a sync launch), a few steps
-    "tiny": {"tasks": ["mnist", "charlm"], "workers": 2, "modes": ["sync"], "steps": 4, "timing_steps": 2,
-             "eval_every": 2},
-    "full": {"tasks": ["mnist", "fashion-mnist", "charlm"], "workers": 4, "modes": list(MODES), "steps": None,
-             "timing_steps": 20, "eval_every": 0},
+    "tiny": {"tasks": ["mnist", "charlm"], "servers": 1, "workers": 1, "modes": ["sync"], "steps": 4,
+             "timing_steps": 2, "eval_every": 2},
+    "full": {"tasks": ["mnist", "fashion-mnist", "charlm"], "servers": 2, "workers": 4, "modes": list(MODES),
+             "steps": None, "timing_steps": 20, "eval_every": 0},
 }
 
 
@@ -111,11 +110,12 @@ def single_process(name: str, task: Task, batch: int, steps: int, warmup: int, s
 
 
 def launch(
-    name: str, mode: list[str], workers: int, steps: int, eval_every: int, workdir: Path, data_dir: str | None
+    name: str, mode: list[str], preset: dict[str, Any], steps: int, eval_every: int, workdir: Path, data_dir: str | None
 ) -> dict[str, Any]:
-    """`psgrad launch` with 2 servers and `workers` workers; returns the final evaluation and throughput."""
+    """`psgrad launch` with the preset's servers and workers; returns the final evaluation and throughput."""
     metrics = workdir / "metrics"
-    argv = [sys.executable, "-m", "psgrad", "launch", "--num-servers", str(SERVERS), "--num-workers", str(workers),
+    argv = [sys.executable, "-m", "psgrad", "launch", "--num-servers", str(preset["servers"]),
+            "--num-workers", str(preset["workers"]),
             "--task", name, "--steps", str(steps), "--eval-every", str(eval_every), "--metrics-dir", str(metrics), *mode]
     argv += ["--data-dir", data_dir] if data_dir else []
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def run_task(name: str, preset: dict[str, Any], workdir: Path, data_dir: str | N
     _log(f"{name}: one process: {out['single']}")
     out["modes"] = {}
     for label in preset["modes"]:
-        result = launch(name, MODES[label], workers, steps, eval_every, workdir / name / label.replace(":", ""), data_dir)
+        result = launch(name, MODES[label], preset, steps, eval_every, workdir / name / label.replace(":", ""), data_dir)
         ref = out["single"]["big_batch" if label == "sync" else "small_batch"]
         result["vs_single"] = result[f"final_{r.metric}"] - ref[r.metric]
         out["modes"][label] = result
@@ -178,7 +178,7 @@ def run(preset_name: str, tasks: list[str] | None, data_dir: str | None) -> dict
                 })
     return {
         "benchmark": "workloads", "preset": preset_name,
-        "setup": {"servers": SERVERS, "workers": preset["workers"], "modes": preset["modes"]},
+        "setup": {k: preset[k] for k in ("servers", "workers", "modes")},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "results": results, "targets": targets,

@@ -267,6 +267,7 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
 
     from psgrad.experiments.compare import CompareConfig, parse_modes
 
+    recipe = apply_recipe(ns, "compare_steps")
     out = Path(ns.out) if ns.out else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
         out_dir=out,
@@ -281,8 +282,8 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
         momentum=ns.momentum,
         weight_decay=ns.weight_decay,
         wire_dtype=ns.wire_dtype,
-        metric=ns.metric,
-        target=ns.target,
+        metric=recipe.metric,
+        target=recipe.target if ns.target is None else ns.target,
         lr_schedule=ns.lr_schedule,
         warmup_steps=ns.warmup_steps,
         step_time_ms=ns.step_time_ms,
@@ -304,9 +305,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig, run_compare
 
     explicit_steps = ns.steps is not None
-    recipe = _check_task(ns, steps_key="compare_steps")
-    ns.metric = recipe.metric
-    ns.target = recipe.target if ns.target is None else ns.target
+    _check_task(ns, steps_key="compare_steps")
     cfg = compare_config(ns)
     runs = len(cfg.modes) * cfg.repeats
     defaults = (

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 STEP_KEYS = {
     "time", "rank", "step", "clock", "loss", "step_s", "compute_s", "delay_s", "exchange_s",
-    "allreduce_s", "staleness", "accepted", "version",
+    "allreduce_s", "staleness", "accepted", "version", "lr",
 }
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, buffer_specs, param_specs, plan_shards
+from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from psgrad.worker.flat import FlatModel
 from test_shard import make_layout, push
@@ -103,3 +104,11 @@ def test_a_shard_steps_its_parameters_and_adds_buffer_deltas(index: int, trainab
             expected = torch.cat([w0[:trainable] - 0.5 * (g[0] + g[1])[:trainable],
                                   w0[trainable:] + (g[0] + g[1])[trainable:] / divisor])
         torch.testing.assert_close(w, expected)
+
+
+def test_a_checkpoint_keeps_which_ranges_are_buffers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    layout = make_layout(JobSpec(lr=0.5, num_shards=2), params=PARAMS, index=1)
+    shard = Shard(ServerConfig())
+    shard.initialize(0, layout, torch.arange(5.0))
+    back = checkpoint.load(checkpoint.save(shard.snapshot(), tmp_path))
+    assert back.layout == layout and back.layout.trainable == 1 and back.layout.params[1].buffer
