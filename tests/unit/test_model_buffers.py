@@ -112,3 +112,24 @@ def test_a_checkpoint_keeps_which_ranges_are_buffers(tmp_path) -> None:  # type:
     shard.initialize(0, layout, torch.arange(5.0))
     back = checkpoint.load(checkpoint.save(shard.snapshot(), tmp_path))
     assert back.layout == layout and back.layout.trainable == 1 and back.layout.params[1].buffer
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype, staging", [(torch.float32, True), (torch.bfloat16, False)], ids=["fp32-staged", "bf16"])
+def test_buffers_travel_the_staged_and_device_paths(device: str, dtype: torch.dtype, staging: bool) -> None:
+    """Off the zero-copy path (staging, another dtype, a GPU) the tail works the same way: the
+    parameters' part of host_flat/host_grad is theirs, the rest the buffers'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(device=device, dtype=dtype)
+    flat = FlatModel(model, staging=staging, sync_buffers=True)
+    assert flat.staged and flat.host_grad.numel() == flat.numel + 9 and flat.host_grad.device.type == "cpu"
+    before = flat.host_weights()
+    torch.testing.assert_close(before[: flat.numel], torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()]))
+    model(torch.randn(8, 3, device=device, dtype=dtype)).sum().backward()
+    grad = flat.gather_grads()
+    torch.testing.assert_close(grad[: flat.numel], torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters()]))
+    torch.testing.assert_close(grad[flat.numel : flat.numel + 4], model[1].running_mean.float().cpu())
+    flat.host_flat[flat.numel :] = torch.arange(9.0)
+    flat.weights_pulled()
+    assert model[1].running_var.device.type == device and int(model[1].num_batches_tracked) == 8
+    torch.testing.assert_close(model[1].running_var.float().cpu(), torch.arange(4.0, 8.0))
