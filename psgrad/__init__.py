@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from psgrad.client.export import ModelSnapshot, fetch_model, fetch_state_dict
     from psgrad.optim import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
+    from psgrad.tasks.data import ShardedSampler
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -47,6 +48,7 @@ _LAZY = {
     "fetch_state_dict": "psgrad.client.export",
     "fetch_model": "psgrad.client.export",
     "ModelSnapshot": "psgrad.client.export",
+    "ShardedSampler": "psgrad.tasks.data",
 }
 
 
@@ -73,6 +75,7 @@ __all__ = [
     "fetch_state_dict",
     "fetch_model",
     "ModelSnapshot",
+    "ShardedSampler",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",

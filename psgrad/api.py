@@ -12,55 +12,22 @@
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
+from psgrad.api_types import ExchangeResult, StepStats
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
-from psgrad.core.sharding import param_specs, plan_shards
-
-
-@dataclass
-class StepStats:
-    """What one PSOptimizer.step() did. Times in seconds.
-
-    exchange_s is the push and the pull after it, together: where a shard takes both in one call
-    (same host, or a small model) they cannot be timed apart. With overlap, exchange_s/staleness/
-    accepted/versions describe the most recent exchange that has *completed* (the previous step's,
-    run in the background; None before the first completes), and wait_s is how long step() blocked
-    on it. Without overlap, wait_s = exchange_s.
-    """
-
-    clock: int  # the clock of the gradient this step pushed (or started pushing)
-    d2h_s: float = 0.0  # gradient gather + device->host copy
-    h2d_s: float = 0.0  # pulled weights host->device (or into the model)
-    exchange_s: float | None = None  # push + pull, including any wait at the sync/ssp gate
-    wait_s: float = 0.0
-    staleness: int | None = None  # the largest staleness any shard reported for the push
-    accepted: bool | None = None  # every shard applied or (sync) deferred the push
-    versions: list[int] = field(default_factory=list)  # base versions of the weights now in the model
-    # sync: a restored shard was behind, so the job rolled back to this iteration and this step's
-    # gradient was not applied; the optimizer's clock is now that iteration (compute it again)
-    rolled_back_to: int | None = None
-    # the shards had evicted this worker (its lease ran out, e.g. in a network partition): the
-    # gradient was not applied; the worker joined again and continues from this clock
-    rejoined_at: int | None = None
-
-
-@dataclass
-class _Exchange:
-    exchange_s: float
-    staleness: int
-    accepted: bool
-    versions: list[int]
+from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
 
 def connect(
@@ -134,13 +101,15 @@ class Session:
         except PsgradError:
             pass
 
-    def optimizer(self, model: nn.Module, overlap: bool = False) -> PSOptimizer:
+    def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True) -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
         The chief (rank 0) initializes empty servers with the model's current weights. Put the
         model on its device first (`model.to(device)`): its parameters become views of flat
         buffers psgrad owns. overlap=True pushes and pulls in the background while the next
-        step computes (async and ssp only; see PSOptimizer).
+        step computes (async and ssp only; see PSOptimizer). sync_buffers=True keeps the model's
+        persistent buffers (BatchNorm running statistics) on the servers too, averaged over the
+        workers; False leaves each worker's own.
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
@@ -149,7 +118,7 @@ class Session:
             raise WorkerStateError("this session is closed; call psgrad.connect(...) again")
         if self._optimizer is not None:
             raise WorkerStateError("this session already has an optimizer: one model per job")
-        self._optimizer = PSOptimizer(self, model, overlap)
+        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers)
         return self._optimizer
 
     def leave(self) -> None:
@@ -167,13 +136,20 @@ class Session:
             self._optimizer.close()
 
 
-class PSOptimizer:
+class PSOptimizer(torch.optim.Optimizer):
     """Steps a model against the parameter servers; a drop-in for a torch optimizer in the loop.
 
     step() pushes the flat gradient keyed by this worker's clock, then pulls the weights for the
     next clock (the pull waits as the mode requires: never in async, until the slowest live worker
     is within the bound in ssp, until every worker's push is applied in sync) and writes them into
     the model.
+
+    It is a torch.optim.Optimizer with one parameter group whose "lr" starts at the job's lr, so a
+    torch LR scheduler drives it (LambdaLR, OneCycleLR without cycle_momentum, SequentialLR of
+    LinearLR warmup and CosineAnnealingLR, ...): each push carries the lr in effect, and the
+    servers apply that gradient with it (sync: the iteration's mean with the lowest rank's lr,
+    which is every worker's when their schedules follow their clocks). The other optimizer
+    settings are the job's and stay on the servers.
 
     overlap=True runs each step's push + pull in a background thread while the caller computes the
     next step, and installs the pulled weights at the following step() call. The gradient of
@@ -182,18 +158,19 @@ class PSOptimizer:
     older). Sync mode promises staleness 0, which leaves nothing to overlap, so it is refused.
     """
 
-    def __init__(self, session: Session, model: nn.Module, overlap: bool = False) -> None:
+    def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True) -> None:
         spec = session.spec
         check_overlap(spec, overlap)
         self.session = session
         self.model = model
         self.overlap = overlap
-        self.flat = FlatModel(model, staging=overlap)
-        self.params = param_specs(model)
+        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
+        super().__init__(self.flat.params, {"lr": spec.lr})
+        self.params = param_specs(model) + (buffer_specs(model) if self.flat.buffers is not None else [])
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
         self._pool: futures.ThreadPoolExecutor | None = None
-        self._pending: futures.Future[_Exchange] | None = None
+        self._pending: futures.Future[ExchangeResult] | None = None
         self._versions: list[int] = []
         self._left = False
         self._closed = False
@@ -222,12 +199,30 @@ class PSOptimizer:
         """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
         self.flat.zero_grad()
 
-    def _exchange(self, grad: Any, clock: int, base: list[int]) -> _Exchange:
-        """Push grad as clock (computed on weights of versions `base`), then pull clock + 1."""
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step() pushes with: param_groups[0]["lr"], which a torch LR
+        scheduler sets.
+
+        Raises:
+            ConfigError: not a finite number >= 0, or more than one parameter group.
+        """
+        if len(self.param_groups) != 1:
+            raise ConfigError(
+                f"psgrad applies one learning rate to the whole model; this optimizer has {len(self.param_groups)} "
+                "parameter groups (add_param_group is not supported)"
+            )
+        lr = float(self.param_groups[0]["lr"])
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"the learning rate must be a finite number >= 0, got {lr!r} (param_groups[0]['lr'])")
+        return lr
+
+    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float) -> ExchangeResult:
+        """Push grad as clock (computed on weights of versions `base`) with lr, then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat)
-        return _Exchange(
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr)
+        return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
             accepted=all(r.applied or r.deferred for r in replies),
@@ -246,27 +241,32 @@ class PSOptimizer:
         stats.wait_s = time.perf_counter() - t0
         self._record(done, stats)
 
-    def _record(self, done: _Exchange, stats: StepStats) -> None:
+    def _record(self, done: ExchangeResult, stats: StepStats) -> None:
         self.flat.weights_pulled()
         self._versions = done.versions
         stats.h2d_s = self.flat.h2d_s
         stats.exchange_s = done.exchange_s
         stats.staleness, stats.accepted = done.staleness, done.accepted
 
-    def step(self) -> StepStats:
-        """Push this step's gradients and bring fresh weights into the model (see the class doc).
+    def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
+        """Push this step's gradients with the lr in effect and bring fresh weights into the model
+        (see the class doc). A closure (torch's signature) is refused: the loss is computed once.
 
         Raises:
             PsgradError: a server refused the push or became unreachable.
             WorkerStateError: the worker has left the job.
+            ConfigError: a closure, or a learning rate that is not a finite number >= 0.
         """
+        if closure is not None:
+            raise ConfigError("PSOptimizer.step() takes no closure: compute the loss, backward(), then step()")
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
         clock = self.clock
-        stats = StepStats(clock=clock)
+        stats = StepStats(clock=clock, lr=self.lr)
         if self.overlap:
             assert self._pool is not None
             base = self._versions  # the weights this step's gradient was computed on
+            self.flat.capture_buffers()  # before the background pull's buffers replace them
             try:
                 self._finish_pending(stats)  # frees host_grad; installs the weights for the next step
             except EvictedError:  # the background exchange found this worker evicted
@@ -275,12 +275,12 @@ class PSOptimizer:
                 return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            self._pending = self._pool.submit(self._exchange, grad, clock, list(base))
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), stats.lr)
         else:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             try:
-                done = self._exchange(grad, clock, self._versions)
+                done = self._exchange(grad, clock, self._versions, stats.lr)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 stats.versions = list(self._versions)

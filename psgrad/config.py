@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psgrad.core.credentials import check_bind
+from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
 
@@ -17,6 +18,14 @@ NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
 # tests/unit/test_optimizers.py keeps the two equal.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta")
+LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup-steps of linear warmup
+# What a task's evaluation reports and compare can rank by: accuracy rises, the others fall.
+METRICS = ("test_accuracy", "test_loss", "test_bpb")
+
+
+def metric_reached(value: float, target: float, metric: str) -> bool:
+    """Whether an evaluation's value of metric is at or past target (above for accuracy, below else)."""
+    return value >= target if metric.endswith("accuracy") else value <= target
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -284,6 +293,15 @@ class WorkerConfig:
     # This worker's index among the processes on its host (torchrun's LOCAL_RANK, SLURM_LOCALID):
     # device "auto" on a host with G GPUs takes cuda:(local_rank mod G), one worker per GPU.
     local_rank: int | None = None
+    # The learning rate each step pushes: the job's lr times a schedule of the clock (a torch
+    # LambdaLR on the PSOptimizer): linear warmup over warmup_steps, then constant, or cosine or
+    # linear decay to 0 at `steps`.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    # Emulated accelerator: every step takes at least this long (compute, then wait the rest);
+    # a straggler's slowdown multiplies it. 0: steps take their compute time (x slowdown).
+    step_time_ms: float = 0.0
+    data_dir: str | None = None  # where a task that reads files finds them (fashion-mnist)
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -309,6 +327,10 @@ class WorkerConfig:
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
         _check(self.local_rank is None or self.local_rank >= 0, f"local_rank must be >= 0, got {self.local_rank}")
+        _check(self.lr_schedule in LR_SCHEDULES,
+               f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _finite_nonneg("step_time_ms", self.step_time_ms)
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
@@ -324,6 +346,9 @@ class WorkerConfig:
         argv += ["--overlap"] if self.overlap else []
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
         argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]
+        argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
+                 "--step-time-ms", str(self.step_time_ms)]
+        argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
         return argv + self.client.to_argv()
 
 
@@ -356,43 +381,3 @@ class RayConfig:
         _check(self.object_store_mb >= 75, f"object_store_mb must be >= 75 (Ray's minimum), got {self.object_store_mb}")
         _check(math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0,
                f"start_timeout_s must be a finite number > 0, got {self.start_timeout_s!r}")
-
-
-def parse_address(text: str) -> str:
-    """Validate one HOST:PORT (IPv6 as [::1]:PORT) and return it stripped."""
-    addr = text.strip()
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ConfigError(
-            f"malformed server address {text!r}: expected HOST:PORT with a port in 1..65535, "
-            "e.g. 127.0.0.1:7000 or [::1]:7000"
-        )
-    if host.startswith("[") != host.endswith("]"):
-        raise ConfigError(f"malformed server address {text!r}: unbalanced brackets around IPv6 host")
-    return addr
-
-
-def parse_shard(text: str) -> tuple[str, ...]:
-    """One shard's servers: 'PRIMARY' or 'PRIMARY|BACKUP' (HOST:PORT each) -> their addresses."""
-    parts = text.split("|")
-    if len(parts) > 2:
-        raise ConfigError(f"malformed shard {text!r}: expected HOST:PORT or PRIMARY|BACKUP (one backup at most)")
-    return tuple(parse_address(p) for p in parts)
-
-
-def parse_servers(text: str) -> tuple[str, ...]:
-    """Parse 'SHARD[,SHARD...]' into a tuple with one entry per shard (shard i is the i-th); a SHARD
-    is HOST:PORT, or PRIMARY|BACKUP for a shard with a hot-standby backup ('A|B', addresses stripped)."""
-    parts = [p for p in text.split(",")]
-    if not text.strip() or any(not p.strip() for p in parts):
-        raise ConfigError(
-            f"malformed --servers {text!r}: expected HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:7000,127.0.0.1:7001"
-        )
-    shards = [parse_shard(p) for p in parts]
-    addrs = tuple(a for shard in shards for a in shard)
-    if len(set(addrs)) != len(addrs):
-        raise ConfigError(
-            f"--servers lists the same address twice: {text!r}; give each shard's HOST:PORT once, "
-            "e.g. 127.0.0.1:7000,127.0.0.1:7001"
-        )
-    return tuple("|".join(shard) for shard in shards)

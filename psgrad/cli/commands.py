@@ -12,7 +12,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psgrad.cli.flags import check_ops_args, client_config, credentials_config, job_spec, server_config, worker_config
+from psgrad.cli.flags import (
+    apply_recipe,
+    check_ops_args,
+    client_config,
+    credentials_config,
+    job_spec,
+    server_config,
+    worker_config,
+)
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.errors import ConfigError
@@ -21,13 +29,16 @@ if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
     from psgrad.metrics.jsonl import Exporter, MetricsSink
     from psgrad.experiments.compare import CompareConfig
+    from psgrad.tasks.recipes import Recipe
 
 
-def _check_task(name: str) -> None:
-    """Fail fast (before any process starts) on an unknown task or an import string that does not resolve."""
+def _check_task(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
+    """Fail fast (before any process starts) on an unknown task or an import string that does not
+    resolve; fill the flags left to the task's recipe, and return it."""
     from psgrad.tasks import resolve_task
 
-    resolve_task(name)
+    resolve_task(ns.task)
+    return apply_recipe(ns, steps_key)
 
 
 def _check_rank(ns: argparse.Namespace) -> None:
@@ -76,11 +87,11 @@ def train_worker(
     from psgrad.tasks import get_task
     from psgrad.worker.loop import train
 
-    _check_task(ns.task)
+    _check_task(ns)
     check_ops_args(ns)
     spec = job_spec(ns, num_workers, len(servers))
     config = worker_config(ns, servers, client_config(ns, rank), rank, slowdown, metrics_out)
-    task = get_task(ns.task, ns.seed)
+    task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
     with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log)) as sink, _redirected(sink):
         train(config, spec, task, sink, log=log.info)
@@ -134,7 +145,7 @@ def _redirected(sink: MetricsSink) -> Iterator[None]:
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:
-    _check_task(ns.task)
+    _check_task(ns)
     job_spec(ns, ns.num_workers, len(ns.servers))  # the job's flags first, as before
     _check_rank(ns)
     return train_worker(ns, ns.servers, ns.rank, ns.num_workers, ns.metrics_out, ns.slowdown)
@@ -145,7 +156,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
 
-    _check_task(ns.task)
+    _check_task(ns)
     _check_rank(ns)
     store = Path(ns.store)
     if store.is_dir():
@@ -162,7 +173,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     )
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
-    task = get_task(ns.task, ns.seed)
+    task = get_task(ns.task, ns.seed, ns.data_dir)
     check_ops_args(ns)
     exporters = worker_exporters(ns, ns.rank, config.steps, logging.getLogger("psgrad.worker"))
     with MetricsSink(ns.metrics_out, ns.rank, exporters) as sink, _redirected(sink):
@@ -192,7 +203,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     resuming = ns.resume is not None
     if resuming:
         ns = _resumed(ns)
-    _check_task(ns.task)
+    _check_task(ns)
     from psgrad.api import check_overlap
 
     spec = job_spec(ns, ns.num_workers, ns.num_servers)
@@ -281,6 +292,7 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
 
     from psgrad.experiments.compare import CompareConfig, parse_modes
 
+    recipe = apply_recipe(ns, "compare_steps")
     out = Path(ns.out) if ns.out else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
         out_dir=out,
@@ -295,7 +307,12 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
         momentum=ns.momentum,
         weight_decay=ns.weight_decay,
         wire_dtype=ns.wire_dtype,
-        target_accuracy=ns.target_accuracy,
+        metric=recipe.metric,
+        target=recipe.target if ns.target is None else ns.target,
+        lr_schedule=ns.lr_schedule,
+        warmup_steps=ns.warmup_steps,
+        step_time_ms=ns.step_time_ms,
+        data_dir=ns.data_dir,
         repeats=ns.repeats,
         seed=ns.seed,
         stragglers=tuple(ns.straggler or ()),
@@ -313,18 +330,21 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
     from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig, run_compare
 
-    _check_task(ns.task)
+    explicit_steps = ns.steps is not None
+    _check_task(ns, steps_key="compare_steps")
     cfg = compare_config(ns)
     runs = len(cfg.modes) * cfg.repeats
     defaults = (
-        ns.modes == DEFAULT_MODES and ns.steps == CompareConfig.steps and ns.repeats == CompareConfig.repeats
-        and ns.num_workers == CompareConfig.num_workers and ns.num_servers == CompareConfig.num_servers
+        cfg.task == CompareConfig.task and ns.modes == DEFAULT_MODES and not explicit_steps
+        and ns.repeats == CompareConfig.repeats and ns.num_workers == CompareConfig.num_workers
+        and ns.num_servers == CompareConfig.num_servers
     )
     eta = " (about 2 minutes on a 2-core machine with these defaults)" if defaults else ""
     print(
         f"psgrad compare: {', '.join(m.label for m in cfg.modes)} x {cfg.repeats} repeat(s) = {runs} runs, "
-        f"{cfg.num_servers} servers + {cfg.num_workers} workers each, {cfg.steps} steps of {cfg.task}, "
-        f"target accuracy {cfg.target_accuracy}{eta}; writing to {cfg.out_dir}",
+        f"{cfg.num_servers} servers + {cfg.num_workers} workers each, {cfg.steps} steps of {cfg.task} "
+        f"({cfg.optimizer} lr {cfg.lr:g}, {cfg.lr_schedule} schedule), target {cfg.metric} {cfg.target:g}{eta}; "
+        f"writing to {cfg.out_dir}",
         flush=True,
     )
     run_compare(cfg, " ".join(shlex.quote(a) for a in ["psgrad", *ns.raw_argv]))

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psgrad.cli import security
 from psgrad.config import (
+    LR_SCHEDULES,
     MODES,
     NONFINITE_POLICIES,
     OPTIMIZER_NAMES,
@@ -19,6 +20,9 @@ from psgrad.config import (
 )
 from psgrad.errors import ConfigError
 from psgrad.optim import DEFAULT_EPS
+
+if TYPE_CHECKING:
+    from psgrad.tasks.recipes import Recipe
 
 # --staleness left out: 2 in ssp mode (JobSpec's 0 bounds nothing there), 0 otherwise.
 SSP_STALENESS = 2
@@ -72,13 +76,73 @@ def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note
     p.add_argument(name, default=default, help=f"{help} (default: {shown}{note})", **kw)
 
 
+BUILTIN_TASKS = "digits, mnist1d, mnist, fashion-mnist, charlm"
+# The flags that default to the task's recipe (psgrad.tasks.recipes.Recipe), and the generic values
+# an optimizer other than the recipe's starts from.
+RECIPE_FLAGS = ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "steps", "lr_schedule", "warmup_steps")
+OPTIMIZER_LR = {"sgd": 0.1, "adam": 1e-3, "adamw": 1e-3, "adagrad": 1e-2, "rmsprop": 1e-2, "adadelta": 1.0}
+
+
 # --------------------------------------------------------------------------- flag groups
+def add_data_dir_arg(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--data-dir", metavar="DIR", help="where a task that reads files finds them: fashion-mnist's "
+                   "IDX files (DIR, DIR/raw or DIR/FashionMNIST/raw; default /usr/share/datasets/fashion-mnist, "
+                   "from Debian's dataset-fashion-mnist)")
+
+
+def add_step_time_arg(p: argparse._ActionsContainer) -> None:
+    flag(p, "--step-time-ms", WorkerConfig.step_time_ms, "emulate an accelerator: every step takes at least MS "
+         "milliseconds (compute, then wait the rest; a straggler's factor multiplies it), so a small machine can "
+         "stand in for a cluster whose step is MS long. Emulation only: no real device work is done", ", off",
+         type=float)
+
+
+def add_recipe_args(g: argparse._ActionsContainer) -> None:
+    """The training settings that default to the task's recipe (None until apply_recipe)."""
+    g.add_argument("--batch-size", type=positive_int, help="examples per step per worker (default: recipe; "
+                   f"{WorkerConfig.batch_size} for digits)")
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, help="update rule the servers apply, each like its "
+                   "torch.optim namesake: sgd (optionally with --momentum, --nesterov), adam, adamw (Adam with "
+                   "decoupled weight decay), adagrad, rmsprop or adadelta; all but plain sgd keep 1-3 extra floats "
+                   "per parameter on the servers (default: recipe; sgd for digits)")
+    g.add_argument("--lr", type=float, help="learning rate (the servers apply it; see --lr-schedule) (default: "
+                   f"recipe; {JobSpec.lr} for digits; with an optimizer other than the recipe's, 0.1 for sgd, "
+                   "1e-3 for adam/adamw, 1e-2 for adagrad/rmsprop, 1.0 for adadelta: torch's defaults)")
+    g.add_argument("--momentum", type=float, help="sgd and rmsprop: momentum on the servers; with many async "
+                   "workers, effective momentum grows with staleness: lower it if training oscillates "
+                   "(default: recipe; 0)")
+    g.add_argument("--weight-decay", type=float, help="weight decay: L2 added to the gradient, except adamw's, "
+                   "which is decoupled (default: recipe; 0)")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, help="the lr each step pushes: --lr times a schedule "
+                   "of the step (a torch LambdaLR on the worker's optimizer): constant, or cosine/linear decay to 0 "
+                   "at --steps, after --warmup-steps of linear warmup (default: recipe; constant for digits)")
+    g.add_argument("--warmup-steps", type=int, help="steps of linear lr warmup; raise it if early steps diverge "
+                   "(default: recipe; 0 for digits)")
+
+
+def apply_recipe(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
+    """Fill the recipe flags left out (None) from the task's recipe; returns the recipe. An
+    --optimizer other than the recipe's takes its generic lr and no momentum or weight decay."""
+    from psgrad.tasks import recipe_for  # imports torch: only when a command runs
+
+    recipe = recipe_for(ns.task)
+    own = ns.optimizer is None or ns.optimizer == recipe.optimizer
+    generic = {"lr": OPTIMIZER_LR.get(ns.optimizer or "", JobSpec.lr), "momentum": 0.0, "weight_decay": 0.0}
+    for name in RECIPE_FLAGS:
+        if getattr(ns, name, 0) is None:
+            value = getattr(recipe, steps_key if name == "steps" else name)
+            setattr(ns, name, value if own or name not in generic else generic[name])
+    return recipe
+
+
 def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientConfig.connect_timeout_s) -> None:
     """The job (JobSpec) and worker (WorkerConfig, ClientConfig) flags of worker, allreduce, launch and run
     (whose workers may start long before their servers: it passes a longer connect_timeout_s)."""
-    g = p.add_argument_group("job (every worker must pass the same values)")
-    flag(g, "--task", WorkerConfig.task, "training task: a built-in name (digits, mnist1d) or your own as "
-         "package.module:function returning a psgrad.Task; the current directory is searched")
+    g = p.add_argument_group("job (every worker must pass the same values; flags marked 'recipe' default to the "
+                             "task's recipe, see README 'Tasks')")
+    flag(g, "--task", WorkerConfig.task, "training task: a built-in name (" + BUILTIN_TASKS + ") or your own "
+         "as package.module:function returning a psgrad.Task; the current directory is searched")
+    add_data_dir_arg(g)
     flag(g, "--mode", JobSpec.mode, "consistency: async (never wait; fastest, stalest), ssp (bounded staleness, "
          "see --staleness) or sync (BSP: one averaged update per iteration, staleness 0)", choices=MODES)
     g.add_argument(
@@ -94,21 +158,12 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
         help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
         "try it when async training with many workers diverges",
     )
-    flag(g, "--steps", WorkerConfig.steps, "training iterations per worker: a worker trains until its clock "
-         "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest", type=int)
-    flag(g, "--batch-size", WorkerConfig.batch_size, "examples per step per worker", type=positive_int)
-    flag(g, "--optimizer", JobSpec.optimizer, "update rule the servers apply, each like its torch.optim namesake: "
-         "sgd (optionally with --momentum, --nesterov), adam, adamw (Adam with decoupled weight decay), adagrad, "
-         "rmsprop or adadelta; all but plain sgd keep 1-3 extra floats per parameter on the servers",
-         choices=OPTIMIZER_NAMES)
-    flag(g, "--lr", JobSpec.lr, "server-side learning rate", "; adam and rmsprop usually want ~1e-3 to 1e-2, "
-         "adagrad ~1e-2, adadelta 1.0 (torch's defaults)", type=float)
-    flag(g, "--momentum", JobSpec.momentum, "sgd and rmsprop: momentum on the servers; with many async workers, "
-         "effective momentum grows with staleness: lower it if training oscillates", type=float)
+    g.add_argument("--steps", type=int, help="training iterations per worker: a worker trains until its clock "
+                   "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest "
+                   f"(default: recipe; {WorkerConfig.steps} for digits)")
+    add_recipe_args(g)
     flag(g, "--nesterov", JobSpec.nesterov, "sgd with --momentum: Nesterov's momentum (a look-ahead step) instead "
          "of heavy ball; try it when heavy-ball momentum overshoots", action="store_true")
-    flag(g, "--weight-decay", JobSpec.weight_decay, "weight decay: L2 added to the gradient, except adamw's, "
-         "which is decoupled", type=float)
     flag(g, "--beta1", JobSpec.beta1, "adam/adamw: decay of the gradient average (Adam's momentum); like "
          "--momentum, lower it (e.g. 0.5) if training with many async workers oscillates", type=float)
     flag(g, "--beta2", JobSpec.beta2, "adam/adamw: decay of the squared-gradient average; lower it (e.g. 0.98) "
@@ -138,6 +193,7 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
          "LOCAL_RANK (torchrun) or SLURM_LOCALID, psgrad launch gives worker r r", " = cuda:0 under auto", type=int)
     flag(w, "--jitter-ms", WorkerConfig.jitter_ms, "add a random delay of 0..MS milliseconds per step, "
          "deterministic given --seed", type=float)
+    add_step_time_arg(w)
     flag(w, "--overlap", WorkerConfig.overlap, "push/pull in the background while the next step computes "
          "(async and ssp only); each gradient is then computed on weights one iteration older", action="store_true")
     flag(w, "--eval-every", WorkerConfig.eval_every, "evaluate every N steps", " = 10 times per run", type=int)
@@ -170,7 +226,7 @@ def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
     flag(p, "--num-workers", JobSpec.num_workers, "workers in the job", type=positive_int)
     p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
     flag(p, "--slowdown", WorkerConfig.slowdown, "make this worker a straggler: each step takes FACTOR times "
-         "its measured compute time", ", no delay", type=float)
+         "its measured compute time (FACTOR x --step-time-ms when that is set)", ", no delay", type=float)
     p.add_argument("--save-model", metavar="PATH", help="write the final model's state_dict here (torch.save; "
                    "load it with model.load_state_dict(torch.load(PATH)))")
 
@@ -238,6 +294,7 @@ def worker_config(
         seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
+        lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,
     )
 
 

@@ -9,10 +9,14 @@ from psgrad.cli.render import add_render_parsers
 from psgrad.cli.run import add_run_parser
 from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
 from psgrad.cli.flags import (
+    BUILTIN_TASKS,
     add_checkpoint_args,
+    add_data_dir_arg,
     add_job_args,
     add_rank_args,
+    add_recipe_args,
     add_server_policy_args,
+    add_step_time_arg,
     flag,
     positive_int,
     servers_arg,
@@ -25,7 +29,7 @@ from psgrad.cli.security import (
     add_launch_security_args,
     add_server_security_args,
 )
-from psgrad.config import OPTIMIZER_NAMES, WIRE_DTYPES, ServerConfig
+from psgrad.config import WIRE_DTYPES, ServerConfig
 from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig
 
 C = CompareConfig  # the defaults of `psgrad compare`
@@ -149,7 +153,9 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         description="Run each consistency mode on a fresh local cluster (servers + workers as subprocesses), "
         "repeat, and write summary.json, report.md, convergence.png, staleness.png and every run's raw metrics.",
     )
-    flag(co, "--task", C.task, "training task: digits, mnist1d or package.module:function")
+    flag(co, "--task", C.task, f"training task: {BUILTIN_TASKS} or package.module:function; its recipe gives the "
+         "flags marked 'recipe' (README 'Tasks')")
+    add_data_dir_arg(co)
     flag(co, "--num-servers", C.num_servers, "shards per run", type=positive_int)
     flag(co, "--num-workers", C.num_workers, "workers per run", type=positive_int)
     flag(co, "--modes", DEFAULT_MODES, "comma-separated modes: sync, async, ssp:S, allreduce (the "
@@ -163,18 +169,16 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     flag(co, "--jitter-ms", C.jitter_ms, "random extra delay of 0..MS ms per worker step, deterministic given the "
          "seed", type=float)
-    flag(co, "--target-accuracy", C.target_accuracy, "accuracy whose time to reach is compared", type=float)
-    flag(co, "--steps", C.steps, "steps per worker and run", type=positive_int)
+    co.add_argument("--target", "--target-accuracy", dest="target", type=float, help="the value of the task's "
+                    "metric (accuracy, or bits per byte for charlm) whose time to reach is compared (default: "
+                    "recipe; 0.9 accuracy for digits)")
+    co.add_argument("--steps", type=positive_int, help="steps per worker and run (default: recipe; 400 for digits)")
     flag(co, "--repeats", C.repeats, "runs per mode, each with its own seed; 2+ gives mean ± std and bands",
          type=positive_int)
     flag(co, "--seed", C.seed, "seed of the first repeat; repeat k uses seed+k", type=int)
     co.add_argument("--out", help="output directory (default: runs/compare-DATE-TIME)")
-    flag(co, "--batch-size", C.batch_size, "examples per step per worker", type=positive_int)
-    flag(co, "--lr", C.lr, "learning rate", type=float)
-    flag(co, "--optimizer", C.optimizer, "server-side update rule (its other settings at torch's defaults; "
-         "not with allreduce)", choices=OPTIMIZER_NAMES)
-    flag(co, "--momentum", C.momentum, "SGD momentum", type=float)
-    flag(co, "--weight-decay", C.weight_decay, "L2 weight decay", type=float)
+    add_recipe_args(co)
+    add_step_time_arg(co)
     flag(co, "--wire-dtype", C.wire_dtype, "wire dtype", choices=WIRE_DTYPES)
     flag(co, "--eval-every", C.eval_every, "evaluate every N steps", " = 20 times per run", type=int)
     flag(co, "--lease-s", C.lease_s, "server lease in seconds", type=float)

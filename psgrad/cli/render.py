@@ -92,7 +92,7 @@ def job_args(ns: argparse.Namespace) -> tuple[str, ...]:
     from psgrad.cli.commands import _check_task
     from psgrad.cli.flags import job_spec
 
-    _check_task(parsed.task)
+    _check_task(parsed)
     job_spec(parsed, ns.num_workers, ns.num_servers)
     return tuple(args)
 

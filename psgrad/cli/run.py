@@ -153,7 +153,7 @@ def _train(ns: argparse.Namespace, role: Role) -> int:
 def cmd_run(ns: argparse.Namespace) -> int:
     from psgrad.launch.env import local_rank, resolve
 
-    _check_task(ns.task)
+    _check_task(ns)
     for name, low_ok in (("store_timeout_s", False), ("linger_s", True)):
         value = getattr(ns, name)
         if not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):

@@ -46,11 +46,16 @@ class ModelSnapshot:
 
 
 def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The flat float32 space cut into {name: tensor of its shape and dtype}, in order."""
+    """The flat float32 space (weights, then synchronized buffers) cut into {name: tensor of its
+    shape and dtype}, in order."""
     state: dict[str, torch.Tensor] = {}
     offset = 0
     for p in specs:
-        state[p.name] = flat[offset : offset + p.numel].reshape(p.shape).to(getattr(torch, p.dtype)).clone()
+        values = flat[offset : offset + p.numel].reshape(p.shape)
+        dtype = getattr(torch, p.dtype)
+        if not dtype.is_floating_point:  # a counter buffer (num_batches_tracked) travels as float32
+            values = values.round()
+        state[p.name] = values.to(dtype).clone()
         offset += p.numel
     return state
 

@@ -241,7 +241,7 @@ class ParameterClient:
             self.base_versions = versions
         return versions
 
-    def _push_header(self, index: int, clock: int) -> pb.PushHeader:
+    def _push_header(self, index: int, clock: int, lr: float | None = None) -> pb.PushHeader:
         start, end = self.plan.ranges[index]
         return pb.PushHeader(
             rank=self.rank,
@@ -250,19 +250,23 @@ class ParameterClient:
             numel=end - start,
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
+            lr=lr,
         )
 
-    def push(self, flat_grad: torch.Tensor, clock: int) -> list[pb.PushReply]:
-        """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions."""
+    def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None) -> list[pb.PushReply]:
+        """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
+        and the learning rate in effect (None: the job's)."""
 
         def one(i: int, s: ShardClient) -> pb.PushReply:
             start, end = self.plan.ranges[i]
-            return s.push(self._push_header(i, clock), self._push_wires[i].encode(flat_grad[start:end]))
+            return s.push(self._push_header(i, clock, lr), self._push_wires[i].encode(flat_grad[start:end]))
 
         return self._fan_out(one)
 
-    def exchange(self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor) -> tuple[list[pb.PushReply], list[int]]:
-        """One iteration's traffic: push(flat_grad, clock), then pull(flat, clock + 1), per shard
+    def exchange(
+        self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None
+    ) -> tuple[list[pb.PushReply], list[int]]:
+        """One iteration's traffic: push(flat_grad, clock, lr), then pull(flat, clock + 1), per shard
         in one Step call where it fits (same host, or payloads of at most one chunk), else as a
         push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
         while another shard still receives the push. Returns the push replies and the versions
@@ -271,7 +275,7 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
             start, end = self.plan.ranges[i]
-            header = self._push_header(i, clock)
+            header = self._push_header(i, clock, lr)
             payload = self._push_wires[i].encode(flat_grad[start:end])
             done = s.step(header, payload, flat[start:end], self._pull_wires[i])
             if done is None:

@@ -1,6 +1,7 @@
 """What a shard was initialized with (job spec, parameters, range, fingerprint), and how to say what differs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from psgrad.config import JobSpec
@@ -22,6 +23,17 @@ class Layout:
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def trainable(self) -> int:
+        """How many elements of this shard's range are trainable parameters: a prefix of it, since
+        buffers follow every parameter in the flat space (the rest take pushed deltas as they are)."""
+        params_end = sum(p.numel for p in self.params if not p.buffer)
+        return max(0, min(self.end, params_end) - self.start)
+
+
+def _describe(p: ParamSpec) -> str:
+    return f"{p.name} {list(p.shape)} {p.dtype}{' (buffer)' if p.buffer else ''}"
+
 
 def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     """A message naming the first thing that differs between two layouts, or None if equal."""
@@ -37,10 +49,7 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
         )
     for i, (a, b) in enumerate(zip(mine.params, theirs.params)):
         if a != b:
-            return (
-                f"model differs at parameter {i}: shard has {a.name} {list(a.shape)} {a.dtype}, "
-                f"{who} has {b.name} {list(b.shape)} {b.dtype}"
-            )
+            return f"model differs at parameter {i}: shard has {_describe(a)}, {who} has {_describe(b)}"
     if (mine.index, mine.start, mine.end) != (theirs.index, theirs.start, theirs.end):
         return (
             f"shard plan differs: this server is shard {mine.index} owning [{mine.start}, {mine.end}), "
@@ -53,9 +62,11 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
 
 
 def explain_push_header(
-    layout: Layout, rank: int, numel: int, dtype: str, base_version: int, version: int
+    layout: Layout, rank: int, numel: int, dtype: str, base_version: int, version: int, lr: float | None = None
 ) -> str | None:
     """What is wrong with a push header, or None."""
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        return f"push from worker rank {rank} carries learning rate {lr!r}; it must be a finite number >= 0"
     if numel != layout.numel:
         return (
             f"push from worker rank {rank} has {numel} elements, but shard {layout.index} owns "

@@ -1,4 +1,5 @@
-"""The shard plan (contiguous balanced ranges of the flat parameter space) and the job fingerprint; pure."""
+"""The flat space (trainable parameters, then synchronized buffers), its shard plan (contiguous
+balanced ranges) and the job fingerprint; pure."""
 from __future__ import annotations
 
 import hashlib
@@ -14,11 +15,13 @@ from psgrad.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One trainable parameter as it appears in named_parameters() order."""
+    """One trainable parameter as it appears in named_parameters() order, or (buffer=True) one of
+    the model's synchronized buffers, which follow all parameters in the flat space."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    buffer: bool = False
 
     @property
     def numel(self) -> int:
@@ -28,13 +31,30 @@ class ParamSpec:
         return n
 
 
+def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
+    return ParamSpec(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."), buffer)
+
+
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
     """The model's trainable parameters, in named_parameters() order."""
+    return [_spec(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers the servers keep for the model, in named_buffers() order: the persistent ones
+    (those in its state_dict: BatchNorm's running mean and variance, num_batches_tracked) of a
+    floating-point or integer dtype. Non-persistent buffers (masks, caches) stay local."""
+    keys = set(model.state_dict().keys())
     return [
-        ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype).removeprefix("torch."))
-        for name, p in model.named_parameters()
-        if p.requires_grad
+        (name, b)
+        for name, b in model.named_buffers()
+        if name in keys and (b.is_floating_point() or not (b.is_complex() or b.dtype == torch.bool))
     ]
+
+
+def buffer_specs(model: torch.nn.Module) -> list[ParamSpec]:
+    """The synced_buffers of the model as ParamSpecs (buffer=True)."""
+    return [_spec(name, b, buffer=True) for name, b in synced_buffers(model)]
 
 
 @dataclass(frozen=True)
@@ -86,9 +106,9 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
 
 
 def fingerprint(params: Sequence[ParamSpec], spec: JobSpec) -> str:
-    """A hash of the parameter names, shapes, dtypes and the job spec (which includes S)."""
+    """A hash of the parameter (and buffer) names, shapes, dtypes and the job spec (which includes S)."""
     doc = {
-        "params": [[p.name, list(p.shape), p.dtype] for p in params],
+        "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else [])] for p in params],
         "spec": spec.as_dict(),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

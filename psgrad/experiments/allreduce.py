@@ -19,7 +19,9 @@ import torch.distributed.nn  # noqa: F401
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics.jsonl import MetricsSink
-from psgrad.tasks.base import BatchSchedule, Task
+from psgrad.core.schedule import lr_factor
+from psgrad.tasks.base import Task
+from psgrad.tasks.data import BatchSchedule
 from psgrad.worker.flat import FlatModel, resolve_device
 from psgrad.worker.loop import DelayInjector, TrainingLog
 
@@ -124,12 +126,13 @@ def _train(
     optimizer = torch.optim.SGD(
         flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, nesterov=spec.nesterov
     )
-    x_all, y_all = task.worker_slice(rank, world)
-    data = BatchSchedule(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
-    delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
+    data = BatchSchedule(task.train_dataset(), config.batch_size, config.seed, rank, world)
+    delays = DelayInjector(config.slowdown, config.jitter_ms, config.seed * 1000 + rank + 1, config.step_time_ms)
+    factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     log(
         f"{who}: all-reduce ({backend}) with {world} rank(s), {flat.numel():,} parameters, "
-        f"task {task.name}, {len(x_all)} training examples, device {device}"
+        f"task {task.name}, {len(data.sampler)} training examples per epoch, device {device}"
     )
     report = TrainingLog(config, task, model, device, sink, who, log)
     report.start(0, "allreduce")
@@ -151,7 +154,9 @@ def _train(
         _sync(device)
         t3 = time.perf_counter()
         grad.div_(world)
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
+        schedule.step()
         loss_value = loss.item()  # synchronizes with the device
         t4 = time.perf_counter()
         report.step(step + 1, {
@@ -162,6 +167,7 @@ def _train(
             "delay_s": delay_s,
             "exchange_s": t3 - t2,
             "allreduce_s": t3 - t2,
+            "lr": lr,
             "staleness": 0,
             "lr": spec.lr,
             "accepted": True,

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psgrad.config import metric_reached
 from psgrad.metrics.jsonl import read_jsonl
 
-# One point of a convergence curve: (seconds since job start, gradients pushed so far, test accuracy, test loss).
+# One point of a convergence curve: (seconds since job start, gradients pushed so far, the task's metric
+# (test accuracy, or bits per byte), test loss).
 CurvePoint = tuple[float, int, float, float]
 Record = dict[str, Any]
 
@@ -109,12 +111,14 @@ def _steps(run: RunData) -> list[Record]:
     return [r for r in _merged(run) if _is_step(r)]
 
 
-def run_metrics(run: RunData, target: float) -> dict[str, Any]:
-    """Time/gradients to `target` test accuracy, final accuracy, throughput, staleness and the curve.
+def run_metrics(run: RunData, target: float, metric: str = "test_accuracy") -> dict[str, Any]:
+    """Time/gradients to `target` of `metric` (test accuracy: at or above it; a loss or bits per
+    byte: at or below), the final metric, accuracy and loss, throughput, staleness and the curve.
 
-    Evaluation records are step records carrying test_accuracy plus the final records (each a
+    Evaluation records are step records carrying the metric plus the final records (each a
     worker's evaluation of the newest weights it could read), merged over workers in time order.
     "Gradients" counts step records of all workers written no later than the moment considered.
+    Curve points are (time, gradients, metric, test loss).
     """
     merged = _merged(run)
     if not merged:
@@ -123,7 +127,7 @@ def run_metrics(run: RunData, target: float) -> dict[str, Any]:
     t0 = starts[0]["time"] if starts else merged[0]["time"]
     steps = [r for r in merged if _is_step(r)]
     step_times = [r["time"] for r in steps]
-    evals = [r for r in merged if r.get("test_accuracy") is not None and (_is_step(r) or r.get("event") == "final")]
+    evals = [r for r in merged if r.get(metric) is not None and (_is_step(r) or r.get("event") == "final")]
     finals = [r for r in merged if r.get("event") == "final"]
 
     curve: list[CurvePoint] = []
@@ -133,8 +137,8 @@ def run_metrics(run: RunData, target: float) -> dict[str, Any]:
     for r in evals:
         while done < len(step_times) and step_times[done] <= r["time"]:
             done += 1
-        curve.append((r["time"] - t0, done, float(r["test_accuracy"]), float(r["test_loss"])))
-        if time_to_target is None and r["test_accuracy"] >= target:
+        curve.append((r["time"] - t0, done, float(r[metric]), float(r["test_loss"])))
+        if time_to_target is None and metric_reached(float(r[metric]), target, metric):
             time_to_target, grads_to_target = r["time"] - t0, done
 
     batch = {r["rank"]: int(r["batch_size"]) for r in starts if "batch_size" in r}
@@ -143,11 +147,12 @@ def run_metrics(run: RunData, target: float) -> dict[str, Any]:
     last = finals[-1] if finals else None  # sorted by time: the final record written last
     hist = staleness_histogram(run)
     total = sum(hist.values())
+    final = {f"final_{key}": float(last[key]) if last is not None and key in last else None
+             for key in dict.fromkeys(("test_accuracy", "test_loss", metric))}
     return {
         "time_to_target_s": time_to_target,
         "gradients_to_target": grads_to_target,
-        "final_test_accuracy": float(last["test_accuracy"]) if last is not None else None,
-        "final_test_loss": float(last["test_loss"]) if last is not None else None,
+        **final,
         "samples_per_s": samples / train_s if train_s else None,
         "train_s": train_s,
         "gradients_total": len(steps),

@@ -36,7 +36,20 @@ COLUMNS: tuple[tuple[str, str, int, bool], ...] = (
 SETTINGS_ORDER = ("workers", "servers", "task", "steps", "target", "repeats", "stragglers", "jitter", "seed")
 VERSIONS_ORDER = ("python", "torch", "grpcio", "psgrad", "platform")
 
-Curve = Sequence[Sequence[float]]  # points (time_s, gradients, test_accuracy, test_loss)
+Curve = Sequence[Sequence[float]]  # points (time_s, gradients, the task's metric, test_loss)
+
+
+def _label(metric: str) -> str:
+    """"test_accuracy" -> "test accuracy", "test_bpb" -> "test bits per byte"."""
+    return metric.replace("_bpb", " bits per byte").replace("_", " ")
+
+
+def columns(metric: str = "test_accuracy") -> tuple[tuple[str, str, int, bool], ...]:
+    """COLUMNS, with the final value of the task's metric after the accuracy where it is another."""
+    if f"final_{metric}" in (key for key, *_ in COLUMNS):
+        return COLUMNS
+    extra = (f"final_{metric}", f"final {_label(metric)}", 4, False)
+    return COLUMNS[:2] + (extra,) + COLUMNS[2:]
 
 
 def _mean_band(repeats: list[np.ndarray], x: int, y: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -52,8 +65,11 @@ def _mean_band(repeats: list[np.ndarray], x: int, y: int) -> tuple[np.ndarray, n
     return grid, np.nanmean(ys, axis=0), np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
 
 
-def plot_convergence(path: str | Path, curves: Mapping[str, Sequence[Curve]], target: float) -> Path:
-    """2x2 figure: test accuracy and test loss against wall time and against gradients applied.
+def plot_convergence(
+    path: str | Path, curves: Mapping[str, Sequence[Curve]], target: float, metric: str = "test_accuracy"
+) -> Path:
+    """2x2 figure: the task's metric (test accuracy, or bits per byte) and test loss against wall
+    time and against gradients applied.
 
     One line per mode: the mean over repeats (each repeat interpolated onto a common grid, see
     `_mean_band`), with a min..max band when there are 2+ repeats.
@@ -61,8 +77,8 @@ def plot_convergence(path: str | Path, curves: Mapping[str, Sequence[Curve]], ta
     fig, axes = plt.subplots(2, 2, figsize=CONVERGENCE_SIZE_IN)
     try:
         panels = (  # (axes, x column, y column, x label, y label)
-            (axes[0, 0], 0, 2, "wall time since job start (s)", "test accuracy"),
-            (axes[0, 1], 1, 2, "gradients applied (all workers)", "test accuracy"),
+            (axes[0, 0], 0, 2, "wall time since job start (s)", _label(metric)),
+            (axes[0, 1], 1, 2, "gradients applied (all workers)", _label(metric)),
             (axes[1, 0], 0, 3, "wall time since job start (s)", "test loss"),
             (axes[1, 1], 1, 3, "gradients applied (all workers)", "test loss"),
         )
@@ -89,7 +105,7 @@ def plot_convergence(path: str | Path, curves: Mapping[str, Sequence[Curve]], ta
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
-        axes[0, 0].legend(loc="lower right", fontsize="small")
+        axes[0, 0].legend(loc="lower right" if metric.endswith("accuracy") else "upper right", fontsize="small")
         band = "; band: min..max over repeats" if most > 1 else ""
         fig.suptitle(f"Convergence by consistency mode (line: mean over repeats{band})")
         fig.tight_layout()
@@ -145,21 +161,21 @@ def _cell(entry: Mapping[str, Any] | None, decimals: int, target: bool, repeats:
     return text
 
 
-def _rows(summary: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+def _rows(summary: Mapping[str, Mapping[str, Any]], metric: str) -> list[list[str]]:
     rows = []
     for label, agg in summary.items():
         repeats = int(agg.get("repeats", 0))
-        rows.append([label] + [_cell(agg.get(key), d, t, repeats) for key, _, d, t in COLUMNS])
+        rows.append([label] + [_cell(agg.get(key), d, t, repeats) for key, _, d, t in columns(metric)])
     return rows
 
 
-def _headers() -> list[str]:
-    return ["mode"] + [header for _, header, _, _ in COLUMNS]
+def _headers(metric: str) -> list[str]:
+    return ["mode"] + [header for _, header, _, _ in columns(metric)]
 
 
-def format_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
+def format_table(summary: Mapping[str, Mapping[str, Any]], metric: str = "test_accuracy") -> str:
     """The results as an aligned plain-text table, one row per mode (mean ± std over repeats)."""
-    table = [_headers()] + _rows(summary)
+    table = [_headers(metric)] + _rows(summary, metric)
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -191,6 +207,7 @@ def write_report(
     versions: Mapping[str, str],
     settings: Mapping[str, Any],
     notes: Mapping[str, str],
+    metric: str = "test_accuracy",
 ) -> Path:
     """Write out_dir/report.md: command, settings, results table, figures, reproducibility notes, versions."""
     out = Path(out_dir)
@@ -198,9 +215,9 @@ def write_report(
     lines = ["# psgrad compare: consistency modes", "", "Command:", "", "```", command, "```", "", "## Settings", ""]
     lines += [f"- {key}: {value}" for key, value in _ordered(settings, SETTINGS_ORDER)]
     lines += ["", "## Results", ""]
-    lines.append("| " + " | ".join(_headers()) + " |")
-    lines.append("|" + "---|" * len(_headers()))
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in _rows(summary)]
+    lines.append("| " + " | ".join(_headers(metric)) + " |")
+    lines.append("|" + "---|" * len(_headers(metric)))
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in _rows(summary, metric)]
     lines += [
         "",
         "Each cell is mean ± sample standard deviation over the repeats; the target columns average "

@@ -17,6 +17,7 @@ class Pending:
     wire: WireBuffer
     clock: int
     base_version: int
+    lr: float | None = None  # the learning rate the push carried (None: the job's)
 
 
 class SyncRound:

@@ -238,7 +238,7 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot |
 def _layout_to_json(layout: Layout) -> dict[str, Any]:
     return {
         "spec": layout.spec.as_dict(),
-        "params": [[p.name, list(p.shape), p.dtype] for p in layout.params],
+        "params": [[p.name, list(p.shape), p.dtype, *([True] if p.buffer else [])] for p in layout.params],
         "index": layout.index,
         "start": layout.start,
         "end": layout.end,
@@ -249,7 +249,7 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
 def _layout_from_json(d: dict[str, Any]) -> Layout:
     return Layout(
         spec=JobSpec(**d["spec"]),
-        params=tuple(ParamSpec(name, tuple(shape), dtype) for name, shape, dtype in d["params"]),
+        params=tuple(ParamSpec(p[0], tuple(p[1]), p[2], bool(p[3:])) for p in d["params"]),
         index=int(d["index"]),
         start=int(d["start"]),
         end=int(d["end"]),

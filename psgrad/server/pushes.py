@@ -54,22 +54,24 @@ class PushPath:
     def _updated(self) -> None:
         raise NotImplementedError
 
-    def _before_apply(self, grad: torch.Tensor, lr_scale: float) -> None:
+    def _before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None) -> None:
         raise NotImplementedError
 
     def _replicate_members(self) -> None:
         raise NotImplementedError
 
     def push_target(
-        self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str
+        self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
+        lr: float | None = None,
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
-        """Validate a push header and lend a receive buffer (apply_push or release gives it back)."""
+        """Validate a push header and lend a receive buffer (apply_push or release gives it back).
+        lr: the learning rate in effect for the push (the worker's schedule; None: the job's)."""
         with self._cond:
             state = self._require(fingerprint, rank)
             # A shard restored from a checkpoint is behind the weights its workers pulled before the
             # crash: a gradient computed on those counts as fresh (staleness 0), not as a bad header.
             newest = state.version if not self._restored else max(state.version, base_version)
-            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, newest)
+            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, newest, lr)
             if problem:
                 self._counters.pushes_rejected += 1
                 raise InvalidRequestError(problem)
@@ -83,10 +85,11 @@ class PushPath:
             grad, wire = self._buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
+            writer.lr = lr
             self._buffers.track(grad, writer)
             if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
                 scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
-                writer.stage(state.weights, self._rule, scale, state.version)
+                writer.stage(state.weights, self._rule, state.optimizer.step_lr(lr, scale), state.version)
         return grad, wire, writer
 
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
@@ -111,6 +114,7 @@ class PushPath:
             with self._cond:
                 writer = self._buffers.writer_of(grad)
             staged = writer is not None and writer.staged
+            lr = writer.lr if writer is not None else None
             bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
             with self._cond:
                 state = self._state
@@ -141,7 +145,7 @@ class PushPath:
                 if bad and self._config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
                 if decision is PushDecision.BUFFER:
-                    self._round.add(rank, Pending(grad, wire, clock, base_version))
+                    self._round.add(rank, Pending(grad, wire, clock, base_version, lr))
                     self._buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -158,8 +162,9 @@ class PushPath:
                     kept = True
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
-                    self._before_apply(grad, scale)  # replication: the backup applies the same gradient
-                    state.optimizer.apply(state.weights, grad, lr_scale=scale)
+                    state.average_buffer_deltas(grad)
+                    self._before_apply(grad, scale, lr)  # replication: the backup applies the same gradient
+                    state.apply(grad, scale, lr)
                 state.version += 1
                 Membership.advance(member, clock)
                 self._updated()
@@ -200,8 +205,9 @@ class PushPath:
             # only snapshots (observe) can be streaming here; rare
             self._buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
             mean = SyncRound.mean(items)
-            self._before_apply(mean, 1.0)  # replication: the backup applies the same mean
-            state.optimizer.apply(state.weights, mean)
+            lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
+            self._before_apply(mean, 1.0, lr)  # replication: the backup applies the same mean
+            state.apply(mean, 1.0, lr)
         applied_at = state.version
         state.version += 1
         self._updated()

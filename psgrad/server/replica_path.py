@@ -44,7 +44,7 @@ class ReplicaPath:
     _round: SyncRound
     _now: Callable[[], float]
     replication: Replication | None
-    _replica_payload: tuple[torch.Tensor, float, bool] | None
+    _replica_payload: tuple[torch.Tensor, float, float | None, bool] | None
     _replica_scratch: torch.Tensor | None
     _weights_shared: bool
 
@@ -69,13 +69,13 @@ class ReplicaPath:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- primary
-    def _before_apply(self, grad: torch.Tensor, lr_scale: float) -> None:
+    def _before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None) -> None:
         """An update is about to apply grad with the optimizer (which may overwrite it): keep a
-        copy for the backup, which applies the same gradient with the same optimizer."""
+        copy for the backup, which applies the same gradient with the same optimizer and lr."""
         if self.replication is not None and self.replication.active:
             copy, in_segment = self.replication.payload_buffer(grad.numel())
             copy.copy_(grad)
-            self._replica_payload = (copy, lr_scale, in_segment)
+            self._replica_payload = (copy, lr_scale, lr, in_segment)
 
     def _replicate(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
@@ -85,7 +85,8 @@ class ReplicaPath:
             return
         members = self._replica_members_sent = state.member_records(frozenset(self._round.pending))
         if payload is not None:
-            rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[2]))
+            rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
+                             lr=payload[2]))
         elif self._rule is not None:  # staged: the new weights are a tensor of their own, never written again
             stream = PullStream(state.weights, state.version, torch.float32, self._config.chunk_bytes, self._lock,
                                 self._end_read)
@@ -247,7 +248,7 @@ class ReplicaPath:
             elif record.kind == GRADIENT and record.tensor is not None:
                 self._own_weights(state)
                 self._buffers.detach_reads(state.weights, wire)
-                state.optimizer.apply(state.weights, record.tensor, lr_scale=record.lr_scale)
+                state.apply(record.tensor, record.lr_scale, record.lr)
                 if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
                     self._replica_scratch = record.tensor
             elif record.kind == NONE:

@@ -33,7 +33,7 @@ SNAPSHOT, GRADIENT, WEIGHTS, NONE, MEMBERS = "snapshot", "gradient", "weights", 
 class Record:
     """One replicated step of a shard: after it the backup is at `version` with these members.
 
-    gradient: apply `tensor` with the optimizer (lr_scale as on the primary); weights: the new
+    gradient: apply `tensor` with the optimizer (lr and lr_scale as on the primary); weights: the new
     weights, read lazily from the primary's live tensor (`stream`, plain SGD's staged updates);
     none: an update that changed no weight (every gradient skipped); members: no update, only the
     workers changed (joined, left, evicted); snapshot: the whole state."""
@@ -46,6 +46,7 @@ class Record:
     stream: PullStream | None = None
     snapshot: ShardSnapshot | None = None
     in_segment: bool = False  # tensor is a view of the same-host segment (copied there already)
+    lr: float | None = None  # gradient: the learning rate in effect on the primary (None: the job's)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -66,6 +67,7 @@ class Record:
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
+            lr=self.lr,
         )
         head = pb.ReplicaFrame(header=header).SerializeToString()
         return self._frames(head, None if segment is not None else payload, chunk_bytes)

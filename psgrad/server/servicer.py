@@ -243,7 +243,7 @@ class ParameterServicer:
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
-            h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint
+            h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None
         )
         try:
             seg = self._shared_segment(context, h.rank, wire.nbytes)

@@ -260,9 +260,10 @@ class Shard(ReplicaPath, Recovery, PushPath):
         spec = state.layout.spec
         self._state = state
         self._policy = make_policy(spec.mode, spec.staleness)
-        # Staged updates: a policy that applies on arrival, an exact wire, one receive buffer, and
-        # an optimizer with a piecewise rule (plain SGD).
+        # Staged updates: a policy that applies on arrival, an exact wire, one receive buffer, an
+        # optimizer with a piecewise rule (plain SGD), and no buffers in the range (they take deltas).
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
+        staged = staged and state.layout.trainable == state.layout.numel
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
         self._serving_changed()

@@ -65,7 +65,26 @@ class ShardState:
                 f"initial weights of shard {layout.index} must be {layout.numel} float32 values, "
                 f"got {weights.numel()} {weights.dtype}"
             )
-        return cls(layout, weights, make_optimizer(layout.spec, layout.numel), membership)
+        return cls(layout, weights, make_optimizer(layout.spec, layout.trainable), membership)
+
+    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+        """Apply one update (grad is scratch the optimizer may overwrite): the optimizer to the
+        trainable prefix of the range, with the learning rate in effect `lr` (None: the job's)
+        times lr_scale; the buffers' part of grad, which holds their deltas, is added as it is."""
+        n = self.layout.trainable
+        if n == self.weights.numel():
+            self.optimizer.apply(self.weights, grad, lr_scale, lr)
+            return
+        if n:
+            self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
+        self.weights[n:].add_(grad[n:])
+
+    def average_buffer_deltas(self, grad: torch.Tensor) -> None:
+        """An update of one worker's push (async, ssp): its buffer deltas count 1/num_workers, so
+        that the job's buffers move as much per round of pushes as a sync iteration's mean does."""
+        n, workers = self.layout.trainable, self.layout.spec.num_workers
+        if n < grad.numel() and workers > 1:
+            grad[n:].div_(workers)
 
     def snapshot(self, pending_ranks: frozenset[int] = frozenset()) -> ShardSnapshot:
         """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still

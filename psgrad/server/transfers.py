@@ -55,14 +55,16 @@ class PushWriter(PayloadWriter):
         self.last_active = time.monotonic()
         self.revoked = False  # its worker was evicted mid-push: it must never be applied
         self.holds_turn = False  # staged shards: this push is the one being received
+        self.lr: float | None = None  # the learning rate the push carries (None: the job's)
         self._stage: tuple[torch.Tensor, UpdateRule, float] | None = None
         self.staged_version = -1  # the shard version the staged weights were computed from
         self._block = BLOCK
 
-    def stage(self, weights: torch.Tensor, rule: UpdateRule, lr_scale: float, version: int) -> None:
-        """Compute `rule(weights, grad)` into the buffer as pieces arrive (before the first write)."""
+    def stage(self, weights: torch.Tensor, rule: UpdateRule, step_lr: float, version: int) -> None:
+        """Compute `rule(weights, grad)` with this step's lr into the buffer as pieces arrive
+        (before the first write)."""
         assert self._checking and self._offset == 0
-        self._stage = (weights, rule, lr_scale)
+        self._stage = (weights, rule, step_lr)
         self.staged_version = version
         # With one torch thread nothing can spin: whole pieces in one call each.
         self._block = max(1, self._numel) if torch.get_num_threads() == 1 else BLOCK

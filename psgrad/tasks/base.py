@@ -5,37 +5,49 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset, TensorDataset
 
 from psgrad.errors import TaskError
+from psgrad.tasks.recipes import DEFAULT, RECIPES, Recipe
 
 
 @dataclass
 class Task:
     """Everything a worker needs to train and evaluate one model.
 
-    train_x/train_y and test_x/test_y are CPU tensors; the split is fixed, so every worker and
-    every run sees the same test set.
+    The training data is train_x/train_y (CPU tensors) or, for data that is not one tensor,
+    train_set (any map-style torch Dataset of (x, y) examples); the test set is test_x/test_y.
+    The split is fixed, so every worker and every run sees the same test set. quick_eval: how
+    many test examples (the first ones) the evaluations during training use (None: all); the
+    final evaluation uses them all.
     """
 
     name: str
     build_model: Callable[[], nn.Module]
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
+    train_x: torch.Tensor | None = None
+    train_y: torch.Tensor | None = None
+    test_x: torch.Tensor | None = None
+    test_y: torch.Tensor | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
+    train_set: Dataset[Any] | None = None
+    quick_eval: int | None = None
+    eval_batch_size: int = 1000
 
     def __post_init__(self) -> None:
         if not callable(self.build_model):
             raise TaskError(f"task {self.name!r}: build_model must be a callable returning an nn.Module")
-        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+        splits = [("test", self.test_x, self.test_y)]
+        if self.train_set is None:
+            splits.insert(0, ("train", self.train_x, self.train_y))
+        elif not hasattr(self.train_set, "__len__") or len(self.train_set) == 0:
+            raise TaskError(f"task {self.name!r}: train_set must be a non-empty map-style Dataset with a length")
+        for split, x, y in splits:
             if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
                 raise TaskError(f"task {self.name!r}: {split}_x and {split}_y must be torch tensors")
             if len(x) != len(y) or len(x) == 0:
@@ -44,72 +56,65 @@ class Task:
                     "they must be equal and non-zero"
                 )
 
+    def train_dataset(self) -> Dataset[Any]:
+        """The training data as a Dataset (train_set, or train_x/train_y as a TensorDataset)."""
+        if self.train_set is not None:
+            return self.train_set
+        assert self.train_x is not None and self.train_y is not None
+        return TensorDataset(self.train_x, self.train_y)
+
     def worker_slice(self, rank: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This worker's disjoint part of the training data (every num_workers-th example)."""
+        """Every num_workers-th training example from rank on (tensor tasks); workers now draw
+        their batches through ShardedSampler instead (see BatchSchedule)."""
+        assert self.train_x is not None and self.train_y is not None
         return self.train_x[rank::num_workers], self.train_y[rank::num_workers]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Mean loss and accuracy on the held-out test set."""
+        assert self.test_x is not None and self.test_y is not None
+        return self.evaluate_on(model, device, self.test_x, self.test_y)
+
+    def evaluate_during_training(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """The evaluations between steps: on the first quick_eval test examples, else evaluate()."""
+        if self.quick_eval is None:
+            return self.evaluate(model, device)
+        assert self.test_x is not None and self.test_y is not None
+        return self.evaluate_on(model, device, self.test_x[: self.quick_eval], self.test_y[: self.quick_eval])
+
+    @torch.no_grad()
+    def evaluate_on(self, model: nn.Module, device: torch.device, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Mean loss and accuracy of the model (in eval mode) on x, y, in batches of eval_batch_size."""
         was_training = model.training
         model.eval()
-        logits = model(self.test_x.to(device))
-        y = self.test_y.to(device)
-        loss = float(self.loss_fn(logits, y))
-        acc = float((logits.argmax(dim=1) == y).float().mean())
+        loss_sum, correct = 0.0, 0.0
+        for lo in range(0, len(x), self.eval_batch_size):
+            xb, yb = x[lo : lo + self.eval_batch_size].to(device), y[lo : lo + self.eval_batch_size].to(device)
+            logits = model(xb)
+            loss_sum += float(self.loss_fn(logits, yb)) * len(xb)
+            correct += float((logits.argmax(dim=1) == yb).float().sum())
         model.train(was_training)
-        return {"test_loss": loss, "test_accuracy": acc}
+        return {"test_loss": loss_sum / len(x), "test_accuracy": correct / len(x)}
 
 
-class BatchSchedule:
-    """Shuffled minibatches as a function of the clock: batch `clock` of a worker is the same
-    whenever it is asked for, so a worker that rewinds (a sync roll-back, a resumed job) computes
-    exactly the gradients it computed the first time. Each epoch (ceil(len / batch_size) batches,
-    the last one shorter) is a permutation seeded by (seed, epoch)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int) -> None:
-        if len(x) == 0:
-            raise TaskError("this worker's slice of the training data is empty: use fewer workers")
-        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
-        self.per_epoch = -(-len(x) // batch_size)
-        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
-
-    def seed_at(self, clock: int) -> int:
-        """A seed for the step at `clock` (stochastic layers such as dropout)."""
-        return int(np.random.SeedSequence([self.seed % 2**32, 1, clock]).generate_state(1)[0])
-
-    def at(self, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The minibatch of iteration `clock` (0-based)."""
-        epoch, i = divmod(clock, self.per_epoch)
-        if epoch != self._epoch:
-            state = np.random.SeedSequence([self.seed % 2**32, 0, epoch]).generate_state(1)[0]
-            self._epoch, self._order = epoch, torch.randperm(len(self.x), generator=torch.Generator().manual_seed(int(state)))
-        idx = self._order[i * self.batch_size : (i + 1) * self.batch_size]
-        return self.x[idx], self.y[idx]
+TASKS: dict[str, Callable[..., Task]] = {}
 
 
-def batches(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled minibatches from clock 0 on: BatchSchedule(...).at(0), at(1), ..."""
-    schedule = BatchSchedule(x, y, batch_size, seed)
-    clock = 0
-    while True:
-        yield schedule.at(clock)
-        clock += 1
+def register_task(name: str, recipe: Recipe | None = None) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+    """Decorator: register a factory seed -> Task (or (seed, data_dir) -> Task, for a task that
+    reads files) under name, with its metric and recommended settings (default: DEFAULT's)."""
 
-
-TASKS: dict[str, Callable[[int], Task]] = {}
-
-
-def register_task(name: str) -> Callable[[Callable[[int], Task]], Callable[[int], Task]]:
-    """Decorator: register a factory seed -> Task under name."""
-
-    def deco(factory: Callable[[int], Task]) -> Callable[[int], Task]:
+    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
         TASKS[name] = factory
+        RECIPES[name] = recipe or DEFAULT
         return factory
 
     return deco
+
+
+def recipe_for(name: str) -> Recipe:
+    """The recipe of task `name` (DEFAULT for a module:function task)."""
+    return RECIPES.get(name, DEFAULT)
 
 
 def resolve_task(name: str) -> Callable[..., Task]:
@@ -165,16 +170,30 @@ def _takes_seed(factory: Callable[..., Task]) -> bool:
     )
 
 
-def get_task(name: str, seed: int = 0) -> Task:
+def _takes_data_dir(factory: Callable[..., Task]) -> bool:
+    try:
+        return "data_dir" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def get_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
     """Build the task `name` names: a built-in, or MODULE:FUNCTION (called with the seed if it
-    takes an argument, else with none) that must return a psgrad.Task.
+    takes an argument, else with none; and with data_dir= if it has that parameter) that must
+    return a psgrad.Task.
 
     Raises:
-        TaskError: unknown name, import failure, the function raised, or it returned something else.
+        TaskError: unknown name, import failure, the function raised, it returned something else,
+            or data_dir is given to a task that reads no files.
     """
     factory = resolve_task(name)
+    kwargs: dict[str, Any] = {}
+    if _takes_data_dir(factory):
+        kwargs["data_dir"] = data_dir
+    elif data_dir is not None:
+        raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
     try:
-        task = factory(seed) if _takes_seed(factory) else factory()
+        task = factory(seed, **kwargs) if _takes_seed(factory) else factory(**kwargs)
     except TaskError:
         raise
     except Exception as exc:

@@ -46,11 +46,11 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
 
 
 def params_to_proto(params: Sequence[ParamSpec]) -> list[pb.ParamSpec]:
-    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in params]
+    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype, buffer=p.buffer) for p in params]
 
 
 def params_from_proto(msgs: Sequence[pb.ParamSpec]) -> list[ParamSpec]:
-    return [ParamSpec(m.name, tuple(m.shape), m.dtype) for m in msgs]
+    return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer) for m in msgs]
 
 
 def shard_range_to_proto(index: int, start: int, end: int) -> pb.ShardRange:

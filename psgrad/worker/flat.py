@@ -1,6 +1,7 @@
 """A model's trainable parameters and gradients as flat buffers, and their copies to and from the host.
 
-The servers see one float32 vector (the flat space, `named_parameters()` order). On the worker,
+The servers see one float32 vector (the flat space, `named_parameters()` order, then with
+sync_buffers the model's persistent buffers: see model_buffers.py). On the worker,
 every parameter becomes a view of one flat device buffer per dtype, and its gradient a view of a
 matching flat gradient buffer, so backward accumulates straight into the buffer that is pushed.
 Moving a step's data then costs at most one copy each way:
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from psgrad.errors import ConfigError
+from psgrad.worker.model_buffers import ModelBuffers
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -65,11 +67,15 @@ class FlatModel:
         flat, grad: the device buffers when every parameter has the same dtype (that dtype);
             None for a model that mixes dtypes.
         host_flat, host_grad: float32 CPU tensors of the whole flat space: pulls write into
-            host_flat, pushes read host_grad. Pinned on CUDA.
+            host_flat, pushes read host_grad. Pinned on CUDA. With synchronized buffers their
+            last `buffers.numel` elements are the buffers' values (pulled) and deltas (pushed).
+        numel: trainable elements; total: the flat space's (numel plus the buffers').
         d2h_s, h2d_s: the time the last gather_grads / weights_pulled spent copying.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device | None = None, staging: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device | None = None, staging: bool = False, sync_buffers: bool = False
+    ) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -88,36 +94,46 @@ class FlatModel:
                 raise ConfigError(f"parameters must be floating point, got {p.dtype}")
         self.dtypes = list(dict.fromkeys(p.dtype for p in self.params))
         self.numel = sum(p.numel() for p in self.params)
+        self.buffers = ModelBuffers(model, self.device) if sync_buffers else None
+        if self.buffers is not None and self.buffers.numel == 0:
+            self.buffers = None
+        tail = self.buffers.numel if self.buffers is not None else 0
+        self.total = self.numel + tail
         self.d2h_s = 0.0
         self.h2d_s = 0.0
         self._segments: list[_Segment] = []
         self._groups: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._build_groups()
-        uniform = len(self.dtypes) == 1
-        self.flat = self._groups[self.dtypes[0]][0] if uniform else None
-        self.grad = self._groups[self.dtypes[0]][1] if uniform else None
         self._plain = self.dtypes == [torch.float32]  # device buffers are already the float32 flat space
         cuda = self.device.type == "cuda"
-        if self._plain and not cuda and not staging:
-            assert self.flat is not None and self.grad is not None
-            self.host_flat, self.host_grad = self.flat, self.grad
+        zero_copy = self._plain and not cuda and not staging
+        # Zero copies: the host buffers are the model's own, with room for the buffers' tail.
+        self._build_groups(tail if zero_copy else 0)
+        uniform = len(self.dtypes) == 1
+        first_flat, first_grad = self._groups[self.dtypes[0]]
+        if zero_copy and tail:  # the parameters' part; the tail is the buffers'
+            first_flat, first_grad = first_flat[: self.numel], first_grad[: self.numel]
+        self.flat = first_flat if uniform else None
+        self.grad = first_grad if uniform else None
+        if zero_copy:
+            self.host_flat, self.host_grad = self._groups[torch.float32]
         else:
-            self.host_flat = torch.empty(self.numel, dtype=torch.float32, pin_memory=cuda)
-            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=cuda)
+            self.host_flat = torch.empty(self.total, dtype=torch.float32, pin_memory=cuda)
+            self.host_grad = torch.empty(self.total, dtype=torch.float32, pin_memory=cuda)
         # float32 conversion buffers on the device, for non-float32 models on CUDA
         self._dev_flat32: torch.Tensor | None = None
         self._dev_grad32: torch.Tensor | None = None
         if cuda and not self._plain:
             self._dev_flat32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             self._dev_grad32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        self.staged = self.host_grad is not self.grad
+        self.staged = not zero_copy
 
-    def _build_groups(self) -> None:
-        """Allocate one (weights, grads) buffer pair per dtype and turn parameters into views of it."""
+    def _build_groups(self, tail: int) -> None:
+        """Allocate one (weights, grads) buffer pair per dtype (the first with `tail` elements more)
+        and turn parameters into views of it."""
         offset = 0
         group_fill: dict[torch.dtype, int] = {}
         for dtype in self.dtypes:
-            n = sum(p.numel() for p in self.params if p.dtype == dtype)
+            n = sum(p.numel() for p in self.params if p.dtype == dtype) + (tail if dtype == self.dtypes[0] else 0)
             self._groups[dtype] = (
                 torch.empty(n, dtype=dtype, device=self.device),
                 torch.zeros(n, dtype=dtype, device=self.device),
@@ -154,20 +170,31 @@ class FlatModel:
                     seg.grad.copy_(seg.param.grad)
                 seg.param.grad = seg.grad
 
+    def capture_buffers(self) -> None:
+        """Take the buffers' moves since the last pull now (before weights pulled in the
+        background replace them); the next gather_grads pushes them."""
+        if self.buffers is not None:
+            self.buffers.capture()
+
     def _to_float32(self, dest: torch.Tensor) -> None:
         """Write the flat gradient, converted to float32, into dest (same device)."""
         if len(self.dtypes) == 1:
-            dest.copy_(self._groups[self.dtypes[0]][1])
+            assert self.grad is not None
+            dest.copy_(self.grad)
             return
         for seg in self._segments:
             dest[seg.start : seg.start + seg.numel].copy_(seg.grad.reshape(-1))
 
     def gather_grads(self) -> torch.Tensor:
-        """The flat float32 gradient on the host, ready to push (host_grad)."""
+        """The flat float32 gradient on the host (and the buffers' deltas after it), ready to push
+        (host_grad)."""
         self.collect_grads()
+        if self.buffers is not None:
+            self.buffers.deltas(self.host_grad[self.numel :])
         if not self.staged:
             self.d2h_s = 0.0
             return self.host_grad
+        grads = self.host_grad[: self.numel]
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()  # backward has finished: what follows is the copy alone
@@ -178,11 +205,11 @@ class FlatModel:
             else:
                 assert self.grad is not None
                 src = self.grad
-            self.host_grad.copy_(src, non_blocking=True)
+            grads.copy_(src, non_blocking=True)
             stream.synchronize()
         else:
             t0 = time.perf_counter()
-            self._to_float32(self.host_grad)
+            self._to_float32(grads)
         self.d2h_s = time.perf_counter() - t0
         return self.host_grad
 
@@ -191,7 +218,8 @@ class FlatModel:
         """Write float32 flat weights src (same device) into the parameters, converting dtype."""
         with torch.no_grad():
             if len(self.dtypes) == 1:
-                self._groups[self.dtypes[0]][0].copy_(src)
+                assert self.flat is not None
+                self.flat.copy_(src)
                 return
             for seg in self._segments:
                 seg.param.view(-1).copy_(src[seg.start : seg.start + seg.numel])
@@ -200,29 +228,35 @@ class FlatModel:
         """Move freshly pulled weights from host_flat into the model (no-op when they are the same buffer).
 
         On CUDA this waits for the copy, so host_flat may be overwritten by the next pull right after.
+        Synchronized buffers take the pulled values too.
         """
+        if self.buffers is not None:
+            self.buffers.install(self.host_flat[self.numel :])
         if not self.staged:
             self.h2d_s = 0.0
             return
         t0 = time.perf_counter()
+        weights = self.host_flat[: self.numel]
         if self.device.type == "cuda":
             if self._dev_flat32 is not None:
-                self._dev_flat32.copy_(self.host_flat, non_blocking=True)
+                self._dev_flat32.copy_(weights, non_blocking=True)
                 self._from_float32(self._dev_flat32)
             else:
                 assert self.flat is not None
-                self.flat.copy_(self.host_flat, non_blocking=True)
+                self.flat.copy_(weights, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            self._from_float32(self.host_flat)
+            self._from_float32(weights)
         self.h2d_s = time.perf_counter() - t0
 
     def host_weights(self) -> torch.Tensor:
-        """The model's current weights as a float32 CPU tensor of the flat space (a copy unless unstaged)."""
-        if not self.staged:
-            return self.host_flat
-        out = torch.empty(self.numel, dtype=torch.float32)
-        with torch.no_grad():
-            for seg in self._segments:
-                out[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))
+        """The model's current weights (and buffers) as a float32 CPU tensor of the flat space (a
+        copy unless unstaged)."""
+        out = self.host_flat if not self.staged else torch.empty(self.total, dtype=torch.float32)
+        if self.staged:
+            with torch.no_grad():
+                for seg in self._segments:
+                    out[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))
+        if self.buffers is not None:
+            self.buffers.values(out[self.numel :])
         return out

@@ -1,5 +1,5 @@
 """The CLI worker's training loop (`psgrad worker`): the same Python API a user's own loop uses
-(psgrad.api), plus reporting, evaluation and straggler injection."""
+(psgrad.api), plus the LR schedule, reporting, evaluation, emulated step times and stragglers."""
 from __future__ import annotations
 
 import random
@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from psgrad.api import Session
+from psgrad.api import PSOptimizer, Session
 from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
+from psgrad.core.schedule import lr_factor
 from psgrad.worker.flat import resolve_device
 from psgrad.metrics.jsonl import MetricsSink
-from psgrad.tasks.base import BatchSchedule, Task
+from psgrad.tasks.base import Task
+from psgrad.tasks.data import BatchSchedule
 
 
 def _every(value: int, steps: int, times: int) -> int:
@@ -52,12 +54,13 @@ class TrainingLog:
         self._window_loss += record["loss"]
         self._window_n += 1
         if done % self.eval_every == 0 or done == self.steps:
-            record.update(self._task.evaluate(self._model, self._device))
+            record.update(self._task.evaluate_during_training(self._model, self._device))
         self._sink.write(done, **record)
         if done % self.log_every == 0 or done == self.steps:
             now = time.perf_counter()
             rate = self._window_n / max(now - self._window_start, 1e-9)
             acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
+            acc += f" test_bpb {record['test_bpb']:.3f}" if "test_bpb" in record else ""
             mean_loss = self._window_loss / self._window_n
             self._log(f"{self._who}: step {done}/{self.steps} loss {mean_loss:.4f}{acc} ({rate:.1f} steps/s)")
             self._window_start, self._window_loss, self._window_n = now, 0.0, 0
@@ -67,25 +70,32 @@ class TrainingLog:
         final = self._task.evaluate(self._model, self._device)
         result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final}
         self._sink.write(self.steps, **result)
+        bpb = f" test_bpb {final['test_bpb']:.4f}" if "test_bpb" in final else ""
         self._log(
-            f"{self._who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f} "
+            f"{self._who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f}{bpb} "
             f"after {self.steps} steps in {elapsed_s:.1f} s"
         )
         return result
 
 
 class DelayInjector:
-    """Straggler and noise injection: after each step's compute, wait (slowdown - 1) x that
-    step's measured compute time plus a uniform random jitter; deterministic given the seed."""
+    """Emulated step times, stragglers and noise: after each step's compute, wait so that the step
+    takes step_time_ms x slowdown (an emulated accelerator: the compute, then the rest of the
+    step), or, without step_time_ms, (slowdown - 1) x the measured compute time; plus a uniform
+    random jitter. Deterministic given the seed."""
 
-    def __init__(self, slowdown: float, jitter_ms: float, seed: int) -> None:
+    def __init__(self, slowdown: float, jitter_ms: float, seed: int, step_time_ms: float = 0.0) -> None:
         self.slowdown = slowdown
         self.jitter_s = jitter_ms / 1000.0
+        self.step_time_s = step_time_ms / 1000.0
         self._rng = random.Random(seed)
         self._timer = threading.Event()  # never set: wait() is an interruptible sleep
 
     def delay_s(self, compute_s: float) -> float:
-        extra = (self.slowdown - 1.0) * compute_s
+        if self.step_time_s > 0:
+            extra = max(0.0, self.step_time_s * self.slowdown - compute_s)
+        else:
+            extra = (self.slowdown - 1.0) * compute_s
         if self.jitter_s:
             extra += self._rng.uniform(0.0, self.jitter_s)
         return extra
@@ -95,6 +105,14 @@ class DelayInjector:
         if extra > 0:
             self._timer.wait(extra)
         return extra
+
+
+def lr_scheduler(opt: PSOptimizer, factor: Callable[[int], float], clock: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A torch LambdaLR that sets the optimizer's lr to the job's times factor(step), positioned
+    at `clock` (a worker joining a running job, or rewinding, is where its clock is)."""
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor, last_epoch=clock - 1)
 
 
 def train(
@@ -118,19 +136,22 @@ def train(
     torch.manual_seed(config.seed)
     model = task.build_model().to(device)
     rank = config.rank
-    x_all, y_all = task.worker_slice(rank, spec.num_workers)
-    data = BatchSchedule(x_all, y_all, config.batch_size, seed=config.seed * 1000 + rank)
+    data = BatchSchedule(task.train_dataset(), config.batch_size, config.seed, rank, spec.num_workers)
     who = f"worker {rank}/{spec.num_workers}"
-    delays = DelayInjector(config.slowdown, config.jitter_ms, seed=config.seed * 1000 + rank + 1)
+    delays = DelayInjector(config.slowdown, config.jitter_ms, config.seed * 1000 + rank + 1, config.step_time_ms)
     cuda = device.type == "cuda"
+    factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
 
     with Session(config.servers, spec, rank, config.client) as session:
         opt = session.optimizer(model, overlap=config.overlap)
+        schedule = lr_scheduler(opt, factor, opt.start_clock)
         mode = spec.mode + (f"(staleness {spec.staleness})" if spec.mode == "ssp" else "")
+        buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
-            f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.plan.total:,} parameters, "
-            f"mode {mode}{', overlap' if config.overlap else ''}, task {task.name}, {len(x_all)} training "
-            f"examples, device {device}, payloads {','.join(opt.client.transports())}"
+            f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.flat.numel:,} parameters"
+            f"{buffers}, mode {mode}{', overlap' if config.overlap else ''}, task {task.name}, "
+            f"{len(data.sampler)} training examples per epoch, lr schedule {config.lr_schedule} "
+            f"(warmup {config.warmup_steps}), device {device}, payloads {','.join(opt.client.transports())}"
         )
         report = TrainingLog(config, task, model, device, sink, who, log)
         report.start(opt.start_clock, spec.mode)
@@ -151,15 +172,19 @@ def train(
             if stats.rejoined_at is not None:
                 sink.write(clock + 1, event="rejoin", clock=clock, to_clock=stats.rejoined_at)
                 log(f"{who}: the shards had evicted this worker (lease ran out): joined again at clock {stats.rejoined_at}")
+                schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
             if stats.rolled_back_to is not None:
                 sink.write(clock + 1, event="rollback", clock=clock, to_clock=stats.rolled_back_to)
                 log(f"{who}: a restored shard was behind: the job rolled back to iteration {stats.rolled_back_to}")
+                schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
+            schedule.step()
             t1 = time.perf_counter()
             record: dict[str, Any] = {
                 "clock": stats.clock,
                 "loss": loss.item(),
+                "lr": stats.lr,
                 "step_s": t1 - t0,
                 "compute_s": compute_s,
                 "delay_s": delay_s,

@@ -14,13 +14,13 @@ import torch
 
 from conftest import REPO, Proc, communicate_all, spawn
 from psgrad.tasks import get_task
-from psgrad.tasks.base import batches
+from psgrad.tasks.data import batches
 
 pytestmark = pytest.mark.timeout(120)
 
 STEP_KEYS = {
     "time", "rank", "step", "clock", "loss", "step_s", "compute_s", "delay_s", "exchange_s",
-    "allreduce_s", "staleness", "accepted", "version",
+    "allreduce_s", "staleness", "accepted", "version", "lr",
 }
 
 
@@ -130,7 +130,7 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
     torch.manual_seed(seed)
     ref = task.build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
-    streams = [batches(*task.worker_slice(r, world), batch, seed=seed * 1000 + r) for r in range(world)]
+    streams = [batches(task.train_dataset(), batch, seed, rank=r, num_workers=world) for r in range(world)]
     for _ in range(steps):
         parts = [next(s) for s in streams]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -384,3 +384,17 @@ def test_a_child_that_dies_is_reported_with_its_stderr() -> None:
             child.recv(timeout_s=60)
     finally:
         child.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_workloads_tiny_trains_each_task_through_psgrad_and_alone() -> None:
+    out = _run("benchmarks/workloads.py", "--preset", "tiny")
+    assert set(out["results"]) == {"mnist", "charlm"}
+    for name, res in out["results"].items():
+        assert res["step_ms_one_thread"]["cpu_ms"] > 0 and 100_000 <= res["parameters"] <= 1_000_000
+        assert res["single"]["big_batch"]["batch"] == res["single"]["small_batch"]["batch"]  # one worker
+        metric = res["recipe"]["metric"]
+        assert res["modes"]["sync"][f"final_{metric}"] > 0 and f"--task {name}" in res["modes"]["sync"]["command"]
+    assert out["results"]["charlm"]["recipe"]["metric"] == "test_bpb"
+    assert {t["name"].split(":")[0] for t in out["targets"]} == {"mnist sync", "charlm sync"}

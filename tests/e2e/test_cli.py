@@ -285,10 +285,12 @@ def test_flag_defaults_are_the_config_defaults(tmp_path: Path) -> None:
     assert flags.server_config(_parse("server")) == ServerConfig()
     for argv, servers in ((["worker", "--servers", "127.0.0.1:1"], ("127.0.0.1:1",)), (["allreduce", "--store", "s"], ())):
         ns = _parse(*argv)
+        flags.apply_recipe(ns)  # digits' recipe is the config's defaults
         assert flags.job_spec(ns, ns.num_workers, len(servers) or 1) == JobSpec()
         assert _worker_config(ns, servers) == WorkerConfig(servers=servers)
         assert flags.client_config(ns) == ClientConfig()
     ns = _parse("launch")
+    flags.apply_recipe(ns)
     assert (ns.num_servers, ns.num_workers) == (2, 2)  # deliberately more than JobSpec's 1 and 1 (parser.py)
     assert flags.job_spec(ns, JobSpec.num_workers, JobSpec.num_shards) == JobSpec()
     assert flags.worker_config(ns, (), flags.client_config(ns), 0, 1.0, None) == WorkerConfig(servers=())

@@ -291,7 +291,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert ClientConfig(tls=TlsConfig(ca=ca, server_name="n")).to_argv()[-4:] == ["--tls-ca", ca, "--tls-server-name", "n"]
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
-                          local_rank=1).to_argv()
+                          local_rank=1, data_dir="d").to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {"--client"}
     assert worker[-len(client):] == client
     assert worker[:2] == ["--servers", "a:1"] and "--servers" not in WorkerConfig(servers=()).to_argv()
@@ -425,10 +425,11 @@ def test_nesterov_needs_momentum() -> None:
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"])
 def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(optimizer: str) -> None:
-    from psgrad.cli.flags import job_spec
+    from psgrad.cli.flags import apply_recipe, job_spec
     from psgrad.cli.parser import build_parser
     from psgrad.optim import DEFAULT_EPS
 
     ns = build_parser().parse_args(["worker", "--servers", "a:1", "--optimizer", optimizer])
+    apply_recipe(ns)  # the settings left out take the task's recipe (digits)
     assert job_spec(ns, 1, 1).eps == DEFAULT_EPS.get(optimizer, JobSpec.eps)
     assert DEFAULT_EPS.get(optimizer) == {"adagrad": 1e-10, "adadelta": 1e-6, "sgd": None}.get(optimizer, 1e-8)

@@ -104,6 +104,7 @@ PARAMS = [
     ParamSpec("emb.weight", (50_000, 512), "float32"),
     ParamSpec("conv.weight", (8, 3, 5, 5), "float16"),
     ParamSpec("huge", (2**40,), "bfloat16"),  # int64 shape entries
+    ParamSpec("bn.num_batches_tracked", (), "int64", buffer=True),
 ]
 
 

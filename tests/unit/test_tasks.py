@@ -78,7 +78,7 @@ def test_a_broken_users_task_is_refused_with_the_reason(user_module: str, suffix
         ("pkg:", "malformed task"),
         (":fn", "malformed task"),
         ("a-b:fn", "malformed task"),
-        ("nope", "unknown task 'nope'; valid tasks: digits, mnist1d"),
+        ("nope", "unknown task 'nope'; valid tasks: charlm, digits, fashion-mnist, mnist, mnist1d"),
     ],
 )
 def test_task_names_that_do_not_resolve_are_refused(name: str, message: str) -> None:
@@ -127,23 +127,3 @@ def test_cli_refuses_a_task_that_cannot_be_imported_before_starting_anything() -
     )
     assert res.returncode == 2
     assert "cannot import module 'no_such_mod_q'" in res.stderr and "[launch]" not in res.stdout
-
-
-def test_batches_are_a_function_of_the_clock() -> None:
-    """A worker that rewinds (sync roll-back, resume) gets the batches it had the first time; every
-    epoch is a permutation of the data, different per epoch and per seed."""
-    from psgrad.tasks.base import BatchSchedule, batches
-
-    x, y = torch.arange(10).float().unsqueeze(1), torch.arange(10)
-    a, b = BatchSchedule(x, y, 4, seed=7), BatchSchedule(x, y, 4, seed=7)
-    assert a.per_epoch == 3  # 4 + 4 + 2
-    forward = [a.at(c)[1].tolist() for c in range(9)]
-    assert [b.at(c)[1].tolist() for c in reversed(range(9))] == forward[::-1]  # any order, same batches
-    assert [len(f) for f in forward] == [4, 4, 2] * 3
-    epochs = [sorted(sum(forward[i : i + 3], [])) for i in (0, 3, 6)]
-    assert epochs == [list(range(10))] * 3
-    assert forward[0:3] != forward[3:6]
-    assert [BatchSchedule(x, y, 4, seed=8).at(c)[1].tolist() for c in range(3)] != forward[:3]
-    stream = batches(x, y, 4, seed=7)
-    assert [next(stream)[1].tolist() for _ in range(9)] == forward
-    assert a.seed_at(3) == b.seed_at(3) != a.seed_at(4)

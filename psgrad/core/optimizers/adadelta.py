@@ -34,9 +34,9 @@ class Adadelta(ShardOptimizer):
         self._std = scratch(numel, block)
         self._delta = scratch(numel, block)
 
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
-        lr, rho, eps = self.lr * lr_scale, self.rho, self.eps
+        lr, rho, eps = self.step_lr(lr, lr_scale), self.rho, self.eps
         for lo, hi in blocks(weights.numel(), self._block):
             w, g = weights[lo:hi], grad[lo:hi]
             sq, acc = self.square_avg[lo:hi], self.acc_delta[lo:hi]

@@ -32,10 +32,10 @@ class Adagrad(ShardOptimizer):
         self._block = block
         self._std = scratch(numel, block)
 
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
         # Python floats, as torch.optim.Adagrad's single-tensor path computes them.
-        clr = self.lr * lr_scale / (1 + (self.steps - 1) * self.lr_decay)
+        clr = self.step_lr(lr, lr_scale) / (1 + (self.steps - 1) * self.lr_decay)
         for lo, hi in blocks(weights.numel(), self._block):
             w, g, acc = weights[lo:hi], grad[lo:hi], self.sum[lo:hi]
             std = self._std[: hi - lo]

@@ -45,9 +45,9 @@ class Adam(ShardOptimizer):
         self._block = block
         self._denom = torch.empty(min(numel, block))
 
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
-        lr = self.lr * lr_scale
+        lr = self.step_lr(lr, lr_scale)
         # Python floats, the same arithmetic as torch.optim.Adam's single-tensor path.
         step_size = lr / (1 - self.beta1**self.steps)
         bias_correction2_sqrt = (1 - self.beta2**self.steps) ** 0.5

@@ -9,8 +9,8 @@ import torch
 
 from psgrad.errors import ConfigError
 
-# (weights block, gradient block, out block, lr scale): write the updated weights to out, which is
-# either the gradient block itself or does not overlap it.
+# (weights block, gradient block, out block, step lr): write the updated weights to out, which is
+# either the gradient block itself or does not overlap it. The step lr is ShardOptimizer.step_lr's.
 UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 # Rules with per-element state work through the shard in blocks of this many elements, so that
@@ -40,10 +40,18 @@ class ShardOptimizer(ABC):
 
     #: The registry name (set by register_optimizer).
     name: str = ""
+    #: The job's learning rate: the one in effect when a push carries none.
+    lr: float = 0.0
+
+    def step_lr(self, lr: float | None, lr_scale: float) -> float:
+        """The learning rate of one update: the one in effect (a worker's schedule sends it with the
+        push; None: the job's) times the staleness scale."""
+        return (self.lr if lr is None else lr) * lr_scale
 
     @abstractmethod
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """Update weights in place. grad is scratch space the optimizer may overwrite."""
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+        """Update weights in place with step_lr(lr, lr_scale). grad is scratch space the optimizer
+        may overwrite."""
 
     @abstractmethod
     def state_bytes(self) -> int:

@@ -38,9 +38,9 @@ class RMSprop(ShardOptimizer):
         self._block = block
         self._avg = scratch(numel, block)
 
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
-        lr, alpha = self.lr * lr_scale, self.alpha
+        lr, alpha = self.step_lr(lr, lr_scale), self.alpha
         for lo, hi in blocks(weights.numel(), self._block):
             w, g, sq = weights[lo:hi], grad[lo:hi], self.square_avg[lo:hi]
             avg = self._avg[: hi - lo]

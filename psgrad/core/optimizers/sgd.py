@@ -24,7 +24,7 @@ class SGD(ShardOptimizer):
         self._buf: torch.Tensor | None = None
         self._numel = numel
 
-    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         if self.weight_decay:
             grad.add_(weights, alpha=self.weight_decay)
         step = grad
@@ -35,19 +35,19 @@ class SGD(ShardOptimizer):
                 self._buf.mul_(self.momentum).add_(grad)
             # Nesterov: step along grad + momentum * buf (grad is scratch: updated in place).
             step = grad.add_(self._buf, alpha=self.momentum) if self.nesterov else self._buf
-        weights.add_(step, alpha=-self.lr * lr_scale)
+        weights.add_(step, alpha=-self.step_lr(lr, lr_scale))
 
     def piecewise_rule(self) -> UpdateRule | None:
         """Plain SGD (no momentum, with or without weight decay) element by element; the same torch
         ops as apply(), so the result is bit for bit the same."""
         if self.momentum:
             return None
-        lr, decay = self.lr, self.weight_decay
+        decay = self.weight_decay
 
-        def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, lr_scale: float) -> None:
+        def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float) -> None:
             if decay:
                 g = torch.add(g, w, alpha=decay, out=out)
-            torch.add(w, g, alpha=-lr * lr_scale, out=out)
+            torch.add(w, g, alpha=-step_lr, out=out)
 
         return rule
 
