@@ -100,9 +100,10 @@ def _pod(job: K8sJob, role: str) -> dict[str, Any]:
     container: dict[str, Any] = {"name": "psgrad", "image": job.image, "command": command}
     if serving:
         container["ports"] = [{"name": "grpc", "containerPort": job.port}]
-        # The gRPC health service says SERVING once the shard holds the job's state (the Service
-        # publishes not-ready addresses, so the chief reaches a server before it is ready).
-        container["readinessProbe"] = {"grpc": {"port": job.port}, "periodSeconds": 5}
+        if not job.tls_secret:  # the kubelet's gRPC probe speaks plaintext only (no TLS, no client certificate)
+            # The gRPC health service says SERVING once the shard holds the job's state (the Service
+            # publishes not-ready addresses, so the chief reaches a server before it is ready).
+            container["readinessProbe"] = {"grpc": {"port": job.port}, "periodSeconds": 5}
     container["env"] = [{"name": "OMP_NUM_THREADS", "value": "1" if serving else _threads(cpu)}]
     container["resources"] = {"requests": {"cpu": cpu, "memory": memory}, "limits": limits}
     spec: dict[str, Any] = {"restartPolicy": "Never"}

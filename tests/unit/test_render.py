@@ -127,6 +127,7 @@ def test_the_pods_commands_resolve_to_the_job(name: str) -> None:
             spec = pod["spec"]["template"]["spec"]
             assert spec["volumes"][0]["secret"]["secretName"] == "digits-tls"
             assert spec["containers"][0]["volumeMounts"][0]["mountPath"] == "/etc/psgrad/tls"
+            assert "readinessProbe" not in spec["containers"][0]  # the kubelet's gRPC probe has no TLS
         else:  # plaintext, said so: `psgrad run` binds every interface
             assert ns.insecure and ns.tls_cert is None
         for index in range(count):
