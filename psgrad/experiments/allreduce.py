@@ -169,7 +169,6 @@ def _train(
             "allreduce_s": t3 - t2,
             "lr": lr,
             "staleness": 0,
-            "lr": spec.lr,
             "accepted": True,
             "version": [step],
         })

@@ -196,8 +196,6 @@ def train(
             for key in ("exchange_s", "staleness", "accepted"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
-            # The step size the servers used: --lr, over the push's staleness under --staleness-lr.
-            record["lr"] = spec.lr / max(1, stats.staleness or 0) if spec.staleness_lr else spec.lr
             report.step(clock + 1, record)
         elapsed = time.perf_counter() - start
         # In sync mode the last step's pull already waited for the final update. Otherwise leave

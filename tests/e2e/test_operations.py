@@ -191,6 +191,7 @@ def test_a_worker_on_a_terminal_shows_a_progress_bar_and_writes_tensorboard(tmp_
         address = quiet.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]  # printed, not logged
         w = subprocess.Popen([sys.executable, "-m", "psgrad", "worker", "--servers", address, "--num-workers", "1",
                               "--steps", "60", "--eval-every", "30", "--tensorboard", str(tmp_path / "tb"),
+                              "--lr-schedule", "cosine", "--warmup-steps", "5",
                               "--metrics-out", str(tmp_path / "w0.jsonl")], stdin=secondary, stdout=secondary,
                              stderr=secondary, cwd=REPO)
         os.close(secondary)
@@ -218,7 +219,8 @@ def test_a_worker_on_a_terminal_shows_a_progress_bar_and_writes_tensorboard(tmp_
         events = acc.Scalars(tag)
         assert [e.step for e in events] == [r["step"] for r in steps], tag
         assert [e.value for e in events] == pytest.approx([r[key] for r in steps], rel=1e-6), tag
-    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.1] * 60)  # the job's --lr (default)
+    lrs = [e.value for e in acc.Scalars("train/lr")]  # the schedule's: up over the warmup, then down
+    assert lrs[4] == pytest.approx(0.1) and lrs[0] < lrs[4] and lrs[-1] < 0.01
     evals = [r for r in records if "test_accuracy" in r and r.get("event") != "final"]
     accuracy = acc.Scalars("eval/test_accuracy")
     assert [e.step for e in accuracy] == [r["step"] for r in evals] == [30, 60]
