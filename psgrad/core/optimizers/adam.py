@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import ShardOptimizer
-from psgrad.errors import ConfigError
+from psgrad.core.optimizers.base import ShardOptimizer, scratch
 
 # Adam works through the shard in blocks of this many elements so that its denominator needs a
 # 4 MiB scratch buffer, not another 4 bytes per parameter. On 2 vCPUs, blocks of 2**20 ran as fast
@@ -31,8 +30,6 @@ class Adam(ShardOptimizer):
         decoupled: bool = False,
         block: int = ADAM_BLOCK,
     ) -> None:
-        if block < 1:
-            raise ConfigError(f"block must be >= 1, got {block}")
         self.lr = lr
         self.beta1 = beta1
         self.beta2 = beta2
@@ -43,7 +40,7 @@ class Adam(ShardOptimizer):
         self.exp_avg = torch.zeros(numel)
         self.exp_avg_sq = torch.zeros(numel)
         self._block = block
-        self._denom = torch.empty(min(numel, block))
+        self._denom = scratch(numel, block)  # refuses block < 1
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
