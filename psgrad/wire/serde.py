@@ -42,6 +42,8 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         alpha=_optional(msg, "alpha"),
         centered=msg.centered,
         rho=_optional(msg, "rho"),
+        dc_asgd=msg.dc_asgd,
+        dc_asgd_adaptive=msg.dc_asgd_adaptive,
     )
 
 
