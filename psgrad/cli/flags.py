@@ -160,10 +160,10 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
     )
     flag(g, "--dc-asgd", JobSpec.dc_asgd, "async/ssp: delay-compensated ASGD (Zheng et al., ICML 2017) with this "
          "LAMBDA: the servers apply g + LAMBDA*g*g*(w_now - w_pulled) for a gradient g computed on the weights "
-         "w_pulled; try 0.04 (the paper's) when stale gradients hurt; costs the servers one copy of the weights "
+         "w_pulled; try e.g. 0.04 when stale gradients hurt; costs the servers one copy of the weights "
          "per worker", ", off", type=float, metavar="LAMBDA")
     flag(g, "--dc-asgd-adaptive", JobSpec.dc_asgd_adaptive, "with --dc-asgd LAMBDA0: DC-ASGD-a, whose lambda is "
-         "LAMBDA0/sqrt(mean square of the gradients) per element (the paper uses LAMBDA0 2); try it when one "
+         "LAMBDA0/sqrt(mean square of the gradients) per element (e.g. LAMBDA0 2); try it when one "
          "lambda does not suit every layer's gradient scale", action="store_true")
     g.add_argument("--steps", type=int, help="training iterations per worker: a worker trains until its clock "
                    "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest "

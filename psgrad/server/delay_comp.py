@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from psgrad.core.delay import EPS, MEAN_SQUARE_MOMENTUM
+from psgrad.core.status import DelayStatus
 
 
 class DelayCompensation:
@@ -41,6 +42,9 @@ class DelayCompensation:
         """The memory the copies, the mean square and the scratch tensors take."""
         tensors = [t for _, t in self._copies.values()] + [self._diff, self._mean_square, self._rate]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def status(self) -> DelayStatus:
+        return DelayStatus(self.copies, self.nbytes, self.compensated, self.uncompensated)
 
     def record(self, rank: int, version: int, weights: torch.Tensor) -> None:
         """`rank` was served `weights` at `version` (a granted pull, or the chief's initial weights)."""

@@ -15,7 +15,7 @@ from psgrad.core.codecs import get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, make_policy
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.optimizers import UpdateRule
-from psgrad.core.status import ShardStatus
+from psgrad.core.status import DelayStatus, ShardStatus
 from psgrad.errors import JobMismatchError, NotInitializedError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
@@ -392,5 +392,6 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 transfers=self._buffers.status(),
                 params=layout.params if layout and with_params else (),
                 replica=self._replica_status(),
+                delay=self._dc.status() if self._dc is not None else DelayStatus(),
             )
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import DelayStatus, ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -86,6 +86,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
+        delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -119,5 +120,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
+        delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )

@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from psgrad.client.parameter_client import ParameterClient
-from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.cli.status import format_status
+from psgrad.client.parameter_client import ParameterClient, shard_status
+from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.core.status import DelayStatus
 from psgrad.errors import ConfigError
-from psgrad.server.runtime import RunningServer, start_server
+from psgrad.server.runtime import RunningServer
 
 pytestmark = pytest.mark.timeout(120)
 
 FEATURES, BATCH, WORKERS, LR = 12, 16, 3, 0.05
 PARAMS = [ParamSpec("w", (FEATURES,), "float32"), ParamSpec("b", (1,), "float32")]
 NUMEL = FEATURES + 1
+Servers = Callable[..., list[RunningServer]]  # conftest's make_servers
 CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, reconnect_timeout_s=5, shared_memory=False)
 
 
@@ -82,20 +85,6 @@ class Reference:
         return self.w
 
 
-@pytest.fixture
-def servers() -> Iterator[Callable[..., RunningServer]]:
-    running: list[RunningServer] = []
-
-    def start(**kw: object) -> RunningServer:
-        s = start_server(ServerConfig(**{"port": 0, "threads": 8, **kw}))  # type: ignore[arg-type]
-        running.append(s)
-        return s
-
-    yield start
-    for s in running:
-        s.stop(0)
-
-
 def run_psgrad(shards: list[str], spec: JobSpec, events: list[tuple[str, int]], config: ClientConfig = CONFIG,
                leave: bool = True) -> list[ParameterClient]:
     """Play the schedule on real servers, one worker (ParameterClient) per rank, in this thread."""
@@ -140,11 +129,11 @@ CASES = {
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
 @pytest.mark.parametrize("case", CASES)
 def test_the_servers_apply_the_papers_update(case: str, shared_memory: bool,
-                                             servers: Callable[..., RunningServer]) -> None:
+                                             make_servers: Servers) -> None:
     lam, adaptive = CASES[case]
     events = schedule(seed=len(case) + shared_memory)
     spec = JobSpec(lr=LR, num_workers=WORKERS, num_shards=2, dc_asgd=lam, dc_asgd_adaptive=adaptive)
-    shards = [servers(), servers()]
+    shards = make_servers(2)
     config = dataclasses.replace(CONFIG, shared_memory=shared_memory)
     run_psgrad([s.address for s in shards], spec, events, config)
     got = weights(shards)
@@ -159,30 +148,30 @@ def test_the_servers_apply_the_papers_update(case: str, shared_memory: bool,
         assert dc.copies == 0  # every worker left: its copy went with it
 
 
-def test_lambda_0_is_plain_asgd_bit_for_bit(servers: Callable[..., RunningServer]) -> None:
+def test_lambda_0_is_plain_asgd_bit_for_bit(make_servers: Servers) -> None:
     events = schedule(seed=3)
-    shards = [servers(), servers()]
+    shards = make_servers(2)
     run_psgrad([s.address for s in shards], JobSpec(lr=LR, num_workers=WORKERS, num_shards=2), events)
     assert torch.equal(weights(shards), Reference(initial(), 0.0, False).run(events))
     assert all(s.shard._dc is None for s in shards)  # off: no copies, no compensation, staged SGD as before
 
 
-def test_without_delay_dc_asgd_changes_nothing(servers: Callable[..., RunningServer]) -> None:
+def test_without_delay_dc_asgd_changes_nothing(make_servers: Servers) -> None:
     """Each worker pushes on the newest weights: w_now = w_bak, so g is applied as it came (bitwise
     the staged plain-SGD path's result)."""
     events = [("push", 0), ("pull", 1), ("push", 1), ("pull", 2), ("push", 2), ("pull", 0), ("exchange", 0)]
     runs = []
     for lam in (0.0, 0.8):
-        shards = [servers(), servers()]
+        shards = make_servers(2)
         spec = JobSpec(lr=LR, num_workers=WORKERS, num_shards=2, dc_asgd=lam)
         run_psgrad([s.address for s in shards], spec, events)
         runs.append(weights(shards))
     assert torch.equal(runs[0], runs[1])
 
 
-def test_a_backup_applies_the_compensated_update_bit_for_bit(servers: Callable[..., RunningServer]) -> None:
-    primary = servers()
-    backup = servers(replica_of=primary.address)
+def test_a_backup_applies_the_compensated_update_bit_for_bit(make_servers: Servers) -> None:
+    [primary] = make_servers(1)
+    [backup] = make_servers(1, replica_of=primary.address)
     spec = JobSpec(lr=LR, momentum=0.9, num_workers=WORKERS, dc_asgd=0.8, dc_asgd_adaptive=True)
     run_psgrad([primary.address], spec, schedule(seed=5))
     a, b = primary.shard.snapshot(), backup.shard.snapshot()
@@ -194,9 +183,9 @@ def test_a_backup_applies_the_compensated_update_bit_for_bit(servers: Callable[.
 
 
 def test_a_worker_that_pulls_again_replaces_its_copy_and_one_that_leaves_drops_it(
-    servers: Callable[..., RunningServer],
+    make_servers: Servers,
 ) -> None:
-    server = servers()
+    [server] = make_servers(1)
     spec = JobSpec(lr=LR, num_workers=WORKERS, dc_asgd=0.5)
     clients = run_psgrad([server.address], spec, [("push", 0), ("pull", 1), ("pull", 2), ("pull", 1)], leave=False)
     dc = server.shard._dc
@@ -205,6 +194,11 @@ def test_a_worker_that_pulls_again_replaces_its_copy_and_one_that_leaves_drops_i
     clients[2].base_versions = [0]  # a gradient of weights older than its copy's (as with overlap)
     clients[2].push(gradient(2, 0, initial()), 0)
     assert dc.uncompensated == 1 and server.shard.version == version + 1  # applied as it came
+    [status] = shard_status([server.address], 5.0)  # through the Status RPC
+    assert status.delay == DelayStatus(copies=3, nbytes=4 * NUMEL * 4, compensated=1, uncompensated=1)
+    table = format_status([{**status.to_dict(), "address": server.address}])
+    [line] = [x for x in table.splitlines() if "DC-ASGD" in x]
+    assert "lambda 0.5: copies of pulled weights for 3 workers" in line and "compensated 1, uncompensated 1" in line
     clients[1].leave()
     assert dc.copies == 2
     for c in clients:
