@@ -75,12 +75,9 @@ class DelayCompensation:
             self._diff = torch.empty(n)
         diff = torch.sub(weights[:n], held[1], out=self._diff)
         diff.mul_(g).mul_(g)
-        if self.adaptive:
+        if self.adaptive:  # lambda_t = lambda0 * rsqrt(ms + EPS)
             if self._rate.numel() != n:
                 self._rate = torch.empty(n)
-            rate = torch.add(self._mean_square, EPS, out=self._rate).sqrt_().reciprocal_().mul_(self.lam)
-            diff.mul_(rate)
-        else:
-            diff.mul_(self.lam)
-        g.add_(diff)
+            diff.mul_(torch.add(self._mean_square, EPS, out=self._rate).rsqrt_())
+        g.add_(diff, alpha=self.lam)
         self.compensated += 1

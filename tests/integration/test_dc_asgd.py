@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from collections.abc import Callable
 
 import pytest
 import torch
+
+from conftest import run_in_threads
 
 from psgrad.cli.status import format_status
 from psgrad.client.parameter_client import ParameterClient, shard_status
@@ -92,9 +95,8 @@ def run_psgrad(shards: list[str], spec: JobSpec, events: list[tuple[str, int]], 
     clients = [ParameterClient(shards, spec, PARAMS, plan, r, config) for r in range(WORKERS)]
     flats = [initial() if r == 0 else torch.empty(NUMEL) for r in range(WORKERS)]
     clocks = [0] * WORKERS
-    clients[0].join(initial)
-    for c in clients[1:]:
-        c.join(None)
+    # ssp starts once every worker joined: the joins wait for each other
+    run_in_threads(WORKERS, lambda r: clients[r].join(initial if r == 0 else None), timeout_s=30)
     for kind, rank in events:
         c, flat = clients[rank], flats[rank]
         if kind == "pull":
@@ -120,9 +122,10 @@ def weights(servers: list[RunningServer]) -> torch.Tensor:
     return torch.cat([p for p in parts if p is not None])
 
 
-CASES = {
-    "constant": (0.8, False),
-    "adaptive": (0.3, True),
+CASES = {  # lambda, adaptive, mode (ssp with a bound no interleaving reaches: its gate never parks a pull)
+    "constant": (0.8, False, "async"),
+    "adaptive": (0.3, True, "async"),
+    "ssp": (0.8, False, "ssp"),
 }
 
 
@@ -130,9 +133,10 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_the_servers_apply_the_papers_update(case: str, shared_memory: bool,
                                              make_servers: Servers) -> None:
-    lam, adaptive = CASES[case]
+    lam, adaptive, mode = CASES[case]
     events = schedule(seed=len(case) + shared_memory)
-    spec = JobSpec(lr=LR, num_workers=WORKERS, num_shards=2, dc_asgd=lam, dc_asgd_adaptive=adaptive)
+    spec = JobSpec(mode=mode, staleness=100 if mode == "ssp" else 0, lr=LR, num_workers=WORKERS, num_shards=2,
+                   dc_asgd=lam, dc_asgd_adaptive=adaptive)
     shards = make_servers(2)
     config = dataclasses.replace(CONFIG, shared_memory=shared_memory)
     run_psgrad([s.address for s in shards], spec, events, config)
@@ -206,6 +210,30 @@ def test_a_worker_that_pulls_again_replaces_its_copy_and_one_that_leaves_drops_i
     assert dc.copies == 2
     server.shard._members.lease_s = 0.0  # leases end now (as if the workers had died): evicted
     assert server.shard.live_ranks() == set() and dc.copies == 0
+
+
+def test_a_restored_shard_compensates_a_worker_again_once_it_pulled(make_servers: Servers, tmp_path: Path) -> None:
+    """Copies are not checkpointed: after a restart a push is applied as it came (w_bak = w_now) until
+    its worker pulls from the restored server."""
+    spec = JobSpec(lr=LR, num_workers=WORKERS, dc_asgd=0.8)
+    [first] = make_servers(1, checkpoint_dir=str(tmp_path))
+    clients = run_psgrad([first.address], spec, schedule(seed=9, events=12), leave=False)
+    for c in clients:
+        c.close()
+    first.stop(0)  # a last checkpoint
+    [restored] = make_servers(1, checkpoint_dir=str(tmp_path))
+    version = restored.shard.version
+    with ParameterClient([restored.address], spec, PARAMS, plan_shards(PARAMS, 1), 1, CONFIG) as c:
+        clock = c.join(None)
+        flat = torch.empty(NUMEL)
+        c.base_versions = [version]  # as if it had pulled this version from the server before the restart
+        c.push(gradient(1, clock, flat.zero_()), clock)
+        assert restored.shard.status().delay == DelayStatus(compensated=0, uncompensated=1)
+        c.pull(flat, clock + 1)
+        c.push(gradient(1, clock + 1, flat), clock + 1)
+        c.exchange(gradient(1, clock + 2, flat), clock + 2, flat)  # pushes on the first pull's weights, one behind
+    delay = restored.shard.status().delay
+    assert (delay.compensated, delay.uncompensated, delay.copies) == (2, 1, 1)
 
 
 def test_overlap_is_refused_with_dc_asgd() -> None:
