@@ -236,9 +236,32 @@ def test_a_restored_shard_compensates_a_worker_again_once_it_pulled(make_servers
     assert (delay.compensated, delay.uncompensated, delay.copies) == (2, 1, 1)
 
 
-def test_overlap_is_refused_with_dc_asgd() -> None:
+def test_a_promoted_backup_compensates_a_worker_once_it_pulled_from_it(make_servers: Servers) -> None:
+    [primary] = make_servers(1)
+    [backup] = make_servers(1, replica_of=primary.address)
+    spec = JobSpec(lr=LR, num_workers=1, dc_asgd=0.8)
+    with ParameterClient([f"{primary.address}|{backup.address}"], spec, PARAMS, plan_shards(PARAMS, 1), 0, CONFIG) as c:
+        c.join(initial)
+        flat = initial()
+        c.push(gradient(0, 0, flat), 0)
+        c.pull(flat, 1)
+        primary.stop(0)
+        c.push(gradient(0, 1, flat), 1)  # fails over: the backup holds no copy of the pulled weights
+        assert backup.shard.status().delay == DelayStatus(uncompensated=1)
+        c.exchange(gradient(0, 2, flat), 2, flat)  # still on the primary's pull: applied as it came
+        c.push(gradient(0, 3, flat), 3)  # on the backup's pull: compensated
+    delay = backup.shard.status().delay
+    assert (delay.compensated, delay.uncompensated) == (1, 2) and backup.shard.status().replica.role == "primary"
+
+
+def test_the_api_takes_dc_asgd_and_refuses_it_with_overlap() -> None:
+    import psgrad
     from psgrad.api import check_overlap
 
+    session = psgrad.connect("127.0.0.1:1", dc_asgd=2.0, dc_asgd_adaptive=True)  # nothing is sent yet
+    assert (session.spec.dc_asgd, session.spec.dc_asgd_adaptive) == (2.0, True)
+    with pytest.raises(ConfigError, match="mode 'sync' applies every gradient"):
+        psgrad.connect("127.0.0.1:1", mode="sync", dc_asgd=0.04)
     with pytest.raises(ConfigError, match="overlap and --dc-asgd"):
         check_overlap(JobSpec(dc_asgd=0.1), overlap=True)
     check_overlap(JobSpec(dc_asgd=0.1), overlap=False)
