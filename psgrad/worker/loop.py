@@ -112,7 +112,9 @@ def lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A torch LambdaLR that sets the optimizer's lr to the job's times factor(step), positioned
     at `clock` (a worker joining a running job, or rewinding, is where its clock is). None for a
-    worker whose pushes follow the chief's schedule (async/ssp, rank > 0): it needs none."""
+    worker whose pushes follow the chief's schedule (async/ssp, rank > 0): it needs none. The
+    async/ssp chief's is positioned after each step at the job's progress, updates applied /
+    workers (the mean worker clock), so that a slow chief does not hold the job's schedule back."""
     if opt.follows_job_lr:
         return None
     for group in opt.param_groups:
@@ -185,6 +187,8 @@ def train(
                 schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
             if schedule is not None:
+                if spec.mode != "sync" and stats.versions:  # the async/ssp chief: at the job's progress
+                    schedule.last_epoch = min(stats.versions) // spec.num_workers - 1
                 schedule.step()
             t1 = time.perf_counter()
             record: dict[str, Any] = {

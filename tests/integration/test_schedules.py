@@ -250,3 +250,37 @@ def test_state_dict_resumes_the_schedule_and_refuses_a_torch_optimizers_state(ma
         with pytest.raises(ConfigError, match="finite number >= 0"):
             opt.load_state_dict(bad_lr)
         assert opt.param_groups[0]["lr"] == lr_before  # nothing of a refused state_dict was taken
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_workers_async_schedule_follows_the_jobs_progress_not_the_slow_chiefs(make_servers, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`psgrad worker --lr-schedule cosine` in async mode with the chief (rank 0) a 6x straggler:
+    the chief positions the schedule at the job's progress (updates applied / workers) after each
+    step, every lr rank 1's pushes got is one the chief pushed (or the job's initial lr), and the
+    job's lr moves ahead of the chief's own clock."""
+    from psgrad.config import JobSpec, WorkerConfig
+    from psgrad.core.schedule import lr_factor
+    from psgrad.metrics.jsonl import MetricsSink, read_jsonl
+    from psgrad.worker.loop import train
+
+    running = make_servers(2)
+    steps, lr = 12, 0.2
+    spec = JobSpec(mode="async", num_workers=2, num_shards=2, lr=lr)
+    factor = lr_factor("cosine", 0, steps)
+
+    def worker(rank: int) -> None:
+        config = WorkerConfig(servers=tuple(s.address for s in running), rank=rank, steps=steps, batch_size=16,
+                              device="cpu", lr_schedule="cosine", step_time_ms=20, slowdown=6.0 if rank == 0 else 1.0,
+                              eval_every=steps, client=CLIENT)
+        with MetricsSink(tmp_path / f"{rank}.jsonl", rank) as sink:
+            train(config, spec, get_task("digits"), sink, log=lambda line: None)
+
+    run_in_threads(2, worker)
+    records = {r: [x for x in read_jsonl(tmp_path / f"{r}.jsonl") if "loss" in x] for r in (0, 1)}
+    chief = records[0]
+    assert len(chief) == steps and chief[0]["lr"] == lr
+    for before, after in zip(chief, chief[1:]):  # each step's lr: the schedule at the job's progress
+        assert after["lr"] == pytest.approx(lr * factor(min(before["version"]) // 2))
+    assert {x["lr"] for x in records[1]} <= {x["lr"] for x in chief} | {lr}
+    ahead = [x for k, x in enumerate(chief) if min(x["version"]) // 2 > k]
+    assert ahead, "rank 1 ran ahead of the slow chief, and the job's schedule with it"
