@@ -72,6 +72,7 @@ class ShardCollector:
         yield counter("psgrad_evictions", "workers evicted after their lease expired", s.evictions)
         yield counter("psgrad_updates_lost", "updates lost to a restart from a checkpoint", s.updates_lost)
         yield counter("psgrad_rolled_back_iterations", "sync iterations undone by roll-backs", s.rolled_back)
+        yield gauge("psgrad_job_lr", "the job's learning rate: the chief's latest (async/ssp followers use it)", s.job_lr)
         live = sum(1 for w in s.workers if w.state == LIVE)
         yield gauge("psgrad_live_workers", "workers holding a lease", live)
         yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)
