@@ -77,6 +77,8 @@ class ShardStatus:
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
+    job_lr: float = 0.0  # the learning rate of pushes that carry none: the chief's latest, else the spec's
+    job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0
@@ -119,6 +121,8 @@ class ShardStatus:
             "evictions": self.evictions,
             "updates_lost": self.updates_lost,
             "rolled_back": self.rolled_back,
+            "job_lr": self.job_lr,
+            "job_lr_clock": self.job_lr_clock,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,

@@ -15,6 +15,7 @@ class PushResult:
     version: int
     staleness: int
     deferred: bool = False
+    lr: float | None = None  # the learning rate it is applied with (its own, or the job's)
 
 
 @dataclass

@@ -384,6 +384,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 evictions=c.evictions,
                 updates_lost=c.updates_lost,
                 rolled_back=c.rolled_back,
+                job_lr=self._state.optimizer.lr if self._state else 0.0,
+                job_lr_clock=self._state.job_lr_clock if self._state else -1,
                 pending=len(self._round.pending),
                 waiting=self._waiting,
                 uptime_s=self._now() - self._started,
