@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from psgrad.config import JobSpec
 from psgrad.core.delay import EPS, MEAN_SQUARE_MOMENTUM
 from psgrad.core.status import DelayStatus
 
@@ -32,6 +33,11 @@ class DelayCompensation:
         self.compensated = 0
         self.uncompensated = 0
 
+    @classmethod
+    def for_job(cls, spec: JobSpec, trainable: int) -> DelayCompensation | None:
+        """The job's delay compensation for a shard of `trainable` trainable elements (None: off)."""
+        return cls(spec.dc_asgd, spec.dc_asgd_adaptive, trainable) if spec.dc_asgd else None
+
     @property
     def copies(self) -> int:
         """Workers whose copy this shard keeps."""
@@ -55,9 +61,10 @@ class DelayCompensation:
         copy.copy_(weights[: self._n])
         self._copies[rank] = (version, copy)
 
-    def drop(self, rank: int) -> None:
-        """`rank` left or was evicted: its copy goes (it pulls again if it comes back)."""
-        self._copies.pop(rank, None)
+    def keep_only(self, live: set[int]) -> None:
+        """Drop the copies of workers that left or were evicted (they pull again if they come back)."""
+        for rank in [r for r in self._copies if r not in live]:
+            del self._copies[rank]
 
     def compensate(self, rank: int, base_version: int, weights: torch.Tensor, grad: torch.Tensor) -> None:
         """Replace the trainable prefix of `grad` (pushed by `rank`, computed on the weights of

@@ -148,9 +148,9 @@ class Shard(ReplicaPath, Recovery, PushPath):
         for m in evicted:
             self._counters.evictions += 1
             self.history.append(("evict", m.rank, m.clock))
-            if self._dc is not None:
-                self._dc.drop(m.rank)
             self._buffers.revoke(m.rank)
+        if self._dc is not None:  # DC-ASGD: the copies of workers that left or were evicted go
+            self._dc.keep_only(self._members.live_ranks())
         if self._complete_iteration() or evicted:
             self._notify()
             self._replicate_members()
@@ -174,8 +174,6 @@ class Shard(ReplicaPath, Recovery, PushPath):
             member = self._members.leave(rank)
             if member is not None:
                 self.history.append(("leave", rank, member.clock))
-            if self._dc is not None:
-                self._dc.drop(rank)
             self._refresh()
             self._replicate_members()
             self._notify()
@@ -272,9 +270,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         # optimizer with a piecewise rule (plain SGD), and no buffers in the range (they take deltas).
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
         staged = staged and state.layout.trainable == state.layout.numel and not spec.dc_asgd
-        # DC-ASGD (off: None); new weights (a restore, a backup's copy) start with no worker's copy
-        dc = spec.dc_asgd
-        self._dc = DelayCompensation(dc, spec.dc_asgd_adaptive, state.layout.trainable) if dc else None
+        self._dc = DelayCompensation.for_job(spec, state.layout.trainable)  # DC-ASGD (None: off); no copies yet
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
         self._serving_changed()
