@@ -40,11 +40,14 @@ def connect(
     wire_dtype: str = "float32",
     staleness_lr: bool = False,
     client: ClientConfig | None = None,
+    dc_asgd: float = 0.0,
+    dc_asgd_adaptive: bool = False,
 ) -> Session:
     """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
 
     servers: the shard servers' HOST:PORT (a list or a comma-separated string), same order for
-    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise). Every worker
+    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise). dc_asgd: DC-ASGD's
+    lambda (0: off; async/ssp), dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker
     of a job must pass the same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
@@ -60,17 +63,26 @@ def connect(
         wire_dtype=wire_dtype,
         num_shards=len(addresses),
         staleness_lr=staleness_lr,
+        dc_asgd=dc_asgd,
+        dc_asgd_adaptive=dc_asgd_adaptive,
         **(optimizer or SGD()).job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())
 
 
 def check_overlap(spec: JobSpec, overlap: bool) -> None:
-    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync)."""
+    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
+    DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
     if overlap and spec.mode == "sync":
         raise ConfigError(
             "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
             "previous iteration's update (staleness 0), so there is nothing to overlap"
+        )
+    if overlap and spec.dc_asgd:
+        raise ConfigError(
+            "overlap and --dc-asgd do not go together: the servers compensate a gradient against the weights "
+            "its worker pulled last, and with overlap each gradient comes from the pull before that "
+            "(none would be compensated); drop one of them"
         )
 
 

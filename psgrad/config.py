@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psgrad.core.credentials import check_bind
+from psgrad.core.delay import check_dc_asgd
 from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
@@ -61,6 +62,8 @@ class JobSpec:
     alpha: float = 0.99  # rmsprop: decay of the squared-gradient average
     centered: bool = False  # rmsprop: divide by the gradient's estimated variance, not its raw second moment
     rho: float = 0.9  # adadelta: decay of both running averages
+    dc_asgd: float = 0.0  # DC-ASGD's lambda (0: off); async/ssp (see core/delay.py)
+    dc_asgd_adaptive: bool = False  # DC-ASGD-a: lambda0 / sqrt(mean square of the gradients)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -79,6 +82,7 @@ class JobSpec:
             self.wire_dtype in WIRE_DTYPES,
             f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",
         )
+        check_dc_asgd(self)
         # The optimizer name is checked against the registry where it is built (optimizers.py).
 
     def differences(self, other: JobSpec) -> list[tuple[str, Any, Any]]:
@@ -104,6 +108,8 @@ class JobSpec:
             *(["--nesterov"] if self.nesterov else []), "--lr-decay", str(self.lr_decay),
             "--initial-accumulator-value", str(self.initial_accumulator_value), "--alpha", str(self.alpha),
             *(["--centered"] if self.centered else []), "--rho", str(self.rho), "--wire-dtype", self.wire_dtype,
+            *(["--dc-asgd", str(self.dc_asgd)] if self.dc_asgd else []),
+            *(["--dc-asgd-adaptive"] if self.dc_asgd_adaptive else []),
         ]  # str(float) round-trips: float(str(x)) == x
 
 

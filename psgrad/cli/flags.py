@@ -158,6 +158,13 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
         help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
         "try it when async training with many workers diverges",
     )
+    flag(g, "--dc-asgd", JobSpec.dc_asgd, "async/ssp: delay-compensated ASGD (Zheng et al., ICML 2017) with this "
+         "LAMBDA: the servers apply g + LAMBDA*g*g*(w_now - w_pulled) for a gradient g computed on the weights "
+         "w_pulled; try e.g. 0.04 when stale gradients hurt; costs the servers one copy of the weights "
+         "per worker", ", off", type=float, metavar="LAMBDA")
+    flag(g, "--dc-asgd-adaptive", JobSpec.dc_asgd_adaptive, "with --dc-asgd LAMBDA0: DC-ASGD-a, whose lambda is "
+         "LAMBDA0/sqrt(mean square of the gradients) per element (e.g. LAMBDA0 2); try it when one "
+         "lambda does not suit every layer's gradient scale", action="store_true")
     g.add_argument("--steps", type=int, help="training iterations per worker: a worker trains until its clock "
                    "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest "
                    f"(default: recipe; {WorkerConfig.steps} for digits)")
@@ -267,6 +274,7 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
         beta2=ns.beta2, eps=DEFAULT_EPS.get(ns.optimizer, JobSpec.eps) if ns.eps is None else ns.eps,
         nesterov=ns.nesterov, lr_decay=ns.lr_decay, initial_accumulator_value=ns.initial_accumulator_value,
         alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
+        dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive,
     )
 
 

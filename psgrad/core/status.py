@@ -48,6 +48,16 @@ class ReplicaStatus:
 
 
 @dataclass(frozen=True)
+class DelayStatus:
+    """DC-ASGD on a shard (all 0 when off): its copies of the weights each worker pulled."""
+
+    copies: int = 0  # workers whose copy the shard keeps (one per live worker that pulled)
+    nbytes: int = 0  # memory of the copies and the compensation's scratch tensors
+    compensated: int = 0  # pushes compensated against their worker's copy
+    uncompensated: int = 0  # pushes applied as they came: no copy of the weights they were computed on
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
 
@@ -77,6 +87,7 @@ class ShardStatus:
     transfers: TransferStatus = field(default_factory=TransferStatus)
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
+    delay: DelayStatus = field(default_factory=DelayStatus)
 
     @property
     def numel(self) -> int:
@@ -130,6 +141,7 @@ class ShardStatus:
             },
             "transfers": dataclasses.asdict(self.transfers),
             "replica": dataclasses.asdict(self.replica),
+            "delay": dataclasses.asdict(self.delay),
             "missing_at_start": list(self.missing_at_start),
         }
 

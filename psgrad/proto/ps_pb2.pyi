@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps", "nesterov", "lr_decay", "initial_accumulator_value", "alpha", "centered", "rho")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps", "nesterov", "lr_decay", "initial_accumulator_value", "alpha", "centered", "rho", "dc_asgd", "dc_asgd_adaptive")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class JobSpec(_message.Message):
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     CENTERED_FIELD_NUMBER: _ClassVar[int]
     RHO_FIELD_NUMBER: _ClassVar[int]
+    DC_ASGD_FIELD_NUMBER: _ClassVar[int]
+    DC_ASGD_ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     staleness: int
     num_workers: int
@@ -46,7 +48,9 @@ class JobSpec(_message.Message):
     alpha: float
     centered: bool
     rho: float
-    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ...) -> None: ...
+    dc_asgd: float
+    dc_asgd_adaptive: bool
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ..., dc_asgd: _Optional[float] = ..., dc_asgd_adaptive: _Optional[bool] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "buffer")
@@ -255,7 +259,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back", "job_lr", "job_lr_clock", "replica")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +284,7 @@ class StatusReply(_message.Message):
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     shard: ShardRange
     spec: JobSpec
@@ -304,7 +309,20 @@ class StatusReply(_message.Message):
     job_lr: float
     job_lr_clock: int
     replica: ReplicaStatus
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    delay: DelayStatus
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ...) -> None: ...
+
+class DelayStatus(_message.Message):
+    __slots__ = ("copies", "nbytes", "compensated", "uncompensated")
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPENSATED_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPENSATED_FIELD_NUMBER: _ClassVar[int]
+    copies: int
+    nbytes: int
+    compensated: int
+    uncompensated: int
+    def __init__(self, copies: _Optional[int] = ..., nbytes: _Optional[int] = ..., compensated: _Optional[int] = ..., uncompensated: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer")

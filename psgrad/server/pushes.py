@@ -17,6 +17,7 @@ from psgrad.core.optimizers import UpdateRule
 from psgrad.errors import EvictedError, InvalidRequestError, NonFiniteGradientError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
+from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import Counters, PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.state import ShardState
@@ -32,6 +33,7 @@ class PushPath:
     _members: Membership
     _policy: ConsistencyPolicy
     _rule: UpdateRule | None
+    _dc: DelayCompensation | None  # DC-ASGD: each worker's pulled weights
     _buffers: Buffers
     _round: SyncRound
     _counters: Counters
@@ -164,6 +166,8 @@ class PushPath:
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
                     state.average_buffer_deltas(grad)
+                    if self._dc is not None:  # DC-ASGD: compensated for the updates since its pull
+                        self._dc.compensate(rank, base_version, state.weights, grad)
                     self._before_apply(grad, scale, lr)  # replication: the backup applies the same gradient
                     state.apply(grad, scale, lr)
                 state.version += 1

@@ -15,10 +15,11 @@ from psgrad.core.codecs import get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, make_policy
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.optimizers import UpdateRule
-from psgrad.core.status import ShardStatus
+from psgrad.core.status import DelayStatus, ShardStatus
 from psgrad.errors import JobMismatchError, NotInitializedError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
+from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, Counters, JoinResult, PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.pushes import PushPath
@@ -57,6 +58,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         self._state: ShardState | None = None
         self._policy: ConsistencyPolicy = make_policy("async")
         self._rule: UpdateRule | None = None  # staged updates: the optimizer's piecewise rule
+        self._dc: DelayCompensation | None = None  # DC-ASGD's copies of the weights each worker pulled
         self._buffers = Buffers(lock, config.push_buffers, self._observers.notify_all)
         self._round = SyncRound()
         self._counters = Counters()
@@ -147,6 +149,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
             self._counters.evictions += 1
             self.history.append(("evict", m.rank, m.clock))
             self._buffers.revoke(m.rank)
+        if self._dc is not None:  # DC-ASGD: the copies of workers that left or were evicted go
+            self._dc.keep_only(self._members.live_ranks())
         if self._complete_iteration() or evicted:
             self._notify()
             self._replicate_members()
@@ -249,6 +253,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     raise JobMismatchError(problem)
                 return True
             self._install(state)
+            if self._dc is not None:  # the chief's gradients start from its initial weights
+                self._dc.record(rank, state.version, state.weights)
             self._register(rank)
             self._offer_snapshot()  # the first checkpoint: a restart never starts empty
             self._replicate_snapshot(state)  # the backup's starting state, if one is attached
@@ -263,7 +269,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
         # Staged updates: a policy that applies on arrival, an exact wire, one receive buffer, an
         # optimizer with a piecewise rule (plain SGD), and no buffers in the range (they take deltas).
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
-        staged = staged and state.layout.trainable == state.layout.numel
+        staged = staged and state.layout.trainable == state.layout.numel and not spec.dc_asgd
+        self._dc = DelayCompensation.for_job(spec, state.layout.trainable)  # DC-ASGD (None: off); no copies yet
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
         self._serving_changed()
@@ -325,6 +332,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     self._cond.wait(timeout=min(waits) if waits else None)
                 finally:
                     self._waiting -= 1
+            if self._dc is not None and not observe:  # DC-ASGD: the weights this worker's next gradients use
+                self._dc.record(rank, state.version, state.weights)
             wire_dtype = get_codec(state.layout.spec.wire_dtype).dtype
             stream = PullStream(
                 state.weights, state.version, wire_dtype, self._config.chunk_bytes, self._lock, self._end_read
@@ -381,5 +390,6 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 transfers=self._buffers.status(),
                 params=layout.params if layout and with_params else (),
                 replica=self._replica_status(),
+                delay=self._dc.status() if self._dc is not None else DelayStatus(),
             )
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import DelayStatus, ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -42,6 +42,8 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         alpha=_optional(msg, "alpha"),
         centered=msg.centered,
         rho=_optional(msg, "rho"),
+        dc_asgd=msg.dc_asgd,
+        dc_asgd_adaptive=msg.dc_asgd_adaptive,
     )
 
 
@@ -86,6 +88,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
+        delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -121,5 +124,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
+        delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )
