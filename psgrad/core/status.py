@@ -67,6 +67,8 @@ class ShardStatus:
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
+    late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
+    staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0

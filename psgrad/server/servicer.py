@@ -285,6 +285,7 @@ class ParameterServicer:
             version=result.version,
             staleness=result.staleness,
             deferred=result.deferred,
+            staleness_bound=result.bound,
         )
 
     def _unreserve(self, r: _Reserved) -> None:

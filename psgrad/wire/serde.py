@@ -42,6 +42,8 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         alpha=_optional(msg, "alpha"),
         centered=msg.centered,
         rho=_optional(msg, "rho"),
+        backup_workers=msg.backup_workers,
+        staleness_max=msg.staleness_max,
     )
 
 
@@ -74,6 +76,8 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         evictions=status.evictions,
         updates_lost=status.updates_lost,
         rolled_back=status.rolled_back,
+        late_dropped=status.late_dropped,
+        staleness_bound=status.staleness_bound,
         pending=status.pending,
         waiting=status.waiting,
         uptime_s=status.uptime_s,
@@ -110,6 +114,8 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         evictions=msg.evictions,
         updates_lost=msg.updates_lost,
         rolled_back=msg.rolled_back,
+        late_dropped=msg.late_dropped,
+        staleness_bound=msg.staleness_bound,
         pending=msg.pending,
         waiting=msg.waiting,
         uptime_s=msg.uptime_s,

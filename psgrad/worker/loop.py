@@ -193,7 +193,7 @@ def train(
                 "wait_s": stats.wait_s,
                 "version": stats.versions,
             }
-            for key in ("exchange_s", "staleness", "accepted"):
+            for key in ("exchange_s", "staleness", "accepted", "staleness_bound"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
             report.step(clock + 1, record)
