@@ -12,7 +12,7 @@ def policy_for(spec: Any) -> ConsistencyPolicy:
     """spec (a JobSpec): its mode's policy; sync with backup_workers > 0 and ssp with
     staleness_max > 0 (`--staleness auto`) get their own."""
     if spec.mode == "sync" and spec.backup_workers:
-        return BackupSyncPolicy(spec.backup_workers)
+        return BackupSyncPolicy(spec.backup_workers, spec.num_workers)
     if spec.mode == "ssp" and spec.staleness_max:
         return AdaptiveSSPPolicy(spec.staleness_max)
     return make_policy(spec.mode, spec.staleness)

@@ -72,10 +72,12 @@ def test_zero_backup_workers_is_plain_sync() -> None:
     assert isinstance(policy_for(JobSpec(mode="sync", num_workers=3, backup_workers=1)), BackupSyncPolicy)
 
 
-def test_quorum_is_live_workers_less_backups_at_least_one() -> None:
-    p = BackupSyncPolicy(2)
+def test_quorum_is_n_minus_b_or_every_live_worker_when_fewer_are_live() -> None:
+    p = BackupSyncPolicy(2, num_workers=4)
     assert p.quorum(ClockView(0, {0: 0, 1: 0, 2: 0, 3: 0})) == 2
-    assert p.quorum(ClockView(0, {0: 0, 1: 0})) == 1
+    assert p.quorum(ClockView(0, {0: 0, 1: 0, 2: 0, 3: 0, 4: 0})) == 2  # a joiner beyond N: a spare
+    assert p.quorum(ClockView(0, {0: 0, 1: 0, 2: 0})) == 2  # one gone: the backups cover it
+    assert p.quorum(ClockView(0, {0: 0})) == 1  # fewer than N - B live: all of them
     assert p.quorum(ClockView(0, {})) == 1
     assert not p.iteration_complete(0, ClockView(0, {0: 0, 1: 0, 2: 0, 3: 0}), 1)
     assert p.iteration_complete(0, ClockView(0, {0: 0, 1: 0, 2: 0, 3: 0}), 2)
@@ -127,7 +129,7 @@ def test_a_gradient_of_an_old_iteration_is_dropped_however_far_behind() -> None:
 
 
 def test_dead_workers_lower_the_quorum() -> None:
-    # With L live workers an iteration applies max(1, L - B) gradients: a dead worker is not waited for.
+    # An iteration applies min(N - B, L) gradients of L live workers: a dead worker is not waited for.
     shard, layout, clock = make_shard(num_workers=4, backup=1)
     assert push(shard, layout, grad(0), rank=0, clock=0, base=0).deferred
     assert push(shard, layout, grad(1), rank=1, clock=0, base=0).deferred  # quorum 3
@@ -136,12 +138,12 @@ def test_dead_workers_lower_the_quorum() -> None:
     clock.t += LEASE_S - 1
     for r in (0, 1):
         shard.touch(r)
-    clock.t += 2  # ranks 2 and 3 missed their lease: evicted, quorum max(1, 2 - 1) = 1
+    clock.t += 2  # ranks 2 and 3 missed their lease: evicted, quorum min(4 - 1, 2) = 2
     assert shard.live_ranks() == {0, 1}
     assert shard.version == 1
     assert applies(shard) == [("apply", 1, ((0, 0, 0), (1, 0, 0)))]
-    assert push(shard, layout, grad(2), rank=0, clock=1, base=1).applied  # alone now
-    assert push(shard, layout, grad(3), rank=1, clock=1, base=1).reason.startswith(LATE_REASON)
+    assert push(shard, layout, grad(2), rank=0, clock=1, base=1).deferred  # both survivors now
+    assert push(shard, layout, grad(3), rank=1, clock=1, base=1).applied
 
 
 def test_spec_validation_names_the_problem() -> None:
