@@ -110,6 +110,8 @@ class ShardStatus:
             "evictions": self.evictions,
             "updates_lost": self.updates_lost,
             "rolled_back": self.rolled_back,
+            "late_dropped": self.late_dropped,
+            "staleness_bound": self.staleness_bound,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,

@@ -199,6 +199,8 @@ SPEC_CHANGES = {
     "alpha": (JobSpec(optimizer="rmsprop"), 0.9),
     "centered": (JobSpec(optimizer="rmsprop"), True),
     "rho": (JobSpec(optimizer="adadelta"), 0.8),
+    "backup_workers": (JobSpec(mode="sync", num_workers=3), 1),
+    "staleness_max": (SSP_SPEC, 4),
 }
 
 
