@@ -57,14 +57,19 @@ def straggler_arg(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_int(text: str) -> int:
+def int_at_least(text: str, low: int, alternative: str = "") -> int:
+    """An integer >= low (argparse type); `alternative` names what else the flag takes."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer{alternative}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}{alternative}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(text, 1)
 
 
 def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note: str = "", **kw: Any) -> None:
@@ -264,15 +269,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._Arg
 # --------------------------------------------------------------------------- parsed flags -> config
 def staleness_arg(text: str) -> int | str:
     """--staleness: a bound >= 0, or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or 'auto', got {value}")
-    return value
+    return text if text == "auto" else int_at_least(text, 0, " or 'auto'")
 
 
 def staleness(ns: argparse.Namespace) -> int:

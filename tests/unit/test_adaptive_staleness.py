@@ -196,8 +196,28 @@ def test_staleness_auto_flag_and_validation(capsys: pytest.CaptureFixture[str]) 
     assert _spec("--mode", "ssp", "--staleness", "4").staleness_max == 0
     with pytest.raises(SystemExit) as info:
         _spec("--mode", "ssp", "--staleness", "soon")
-    assert info.value.code == 2 and "expected an integer >= 0 or 'auto'" in capsys.readouterr().err
+    assert info.value.code == 2 and "expected an integer or 'auto', got 'soon'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="adapts only mode 'ssp'"):
         _spec("--mode", "sync", "--staleness", "auto")
     with pytest.raises(ConfigError, match="not both"):
         JobSpec(mode="ssp", staleness=2, staleness_max=4)
+
+
+def test_compare_analysis_summarizes_the_bound_and_the_late_gradients() -> None:
+    from psgrad.experiments.analysis import RunData, aggregate, run_metrics
+
+    def step(rank: int, n: int, t: float, bound: int | None) -> dict:  # type: ignore[type-arg]
+        rec = {"time": 100.0 + t, "rank": rank, "step": n, "clock": n - 1, "loss": 1.0, "staleness": 0,
+               "accepted": True, "version": [n], "test_accuracy": 0.5, "test_loss": 1.0}
+        return rec if bound is None else {**rec, "staleness_bound": bound}
+
+    start = {"time": 100.0, "rank": 0, "step": 0, "event": "start", "clock": 0, "batch_size": 1}
+    run = RunData("ssp:auto", 0, {0: [start, step(0, 1, 1, 2), step(0, 2, 2, 3), step(0, 3, 3, 3)]},
+                  status={"shards": [{"late_dropped": 4}, {"late_dropped": 0}]})
+    m = run_metrics(run, 0.9)
+    assert m["staleness_bound_curve"] == [(1.0, 2), (2.0, 3), (3.0, 3)]
+    assert (m["staleness_bound_mean"], m["staleness_bound_max"], m["late_dropped"]) == (8 / 3, 3, 4)
+    fixed = run_metrics(RunData("ssp:2", 0, {0: [start, step(0, 1, 1, None)]}), 0.9)
+    assert fixed["staleness_bound_curve"] == [] and fixed["staleness_bound_max"] is None
+    assert fixed["late_dropped"] is None
+    assert aggregate([m])["staleness_bound_max"]["mean"] == 3.0
