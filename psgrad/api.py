@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -27,6 +26,7 @@ from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
+from psgrad.torch_optim import ScheduledOptimizer
 from psgrad.worker.flat import FlatModel
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
@@ -146,7 +146,7 @@ class Session:
             self._optimizer.close()
 
 
-class PSOptimizer(torch.optim.Optimizer):
+class PSOptimizer(ScheduledOptimizer):
     """Steps a model against the parameter servers; a drop-in for a torch optimizer in the loop.
 
     step() pushes the flat gradient keyed by this worker's clock, then pulls the weights for the
@@ -155,11 +155,21 @@ class PSOptimizer(torch.optim.Optimizer):
     the model.
 
     It is a torch.optim.Optimizer with one parameter group whose "lr" starts at the job's lr, so a
-    torch LR scheduler drives it (LambdaLR, OneCycleLR without cycle_momentum, SequentialLR of
-    LinearLR warmup and CosineAnnealingLR, ...): each push carries the lr in effect, and the
-    servers apply that gradient with it (sync: the iteration's mean with the lowest rank's lr,
-    which is every worker's when their schedules follow their clocks). The other optimizer
+    torch LR scheduler drives it (StepLR, LambdaLR, OneCycleLR without cycle_momentum, SequentialLR
+    of LinearLR warmup and CosineAnnealingLR, ...) as does setting param_groups[0]["lr"] by hand.
+    The schedule is the job's: in sync mode every worker's push carries its lr, and the servers
+    apply the iteration's mean with the lowest rank's (every worker's, when their schedules follow
+    their clocks). In async and ssp mode the chief's (rank 0's) pushes carry its lr, which becomes
+    the job's on every shard (versioned by the chief's clock); the other workers' pushes carry none
+    and are applied with the job's, which the servers answer with and step() writes into their
+    param_groups (a schedule of their own is ignored, with a warning). The other optimizer
     settings are the job's and stay on the servers.
+
+    state_dict() holds what lives in the worker: the param group's settings (the lr a scheduler
+    set) and the clock. The weights and the optimizer's moments live on the servers, which
+    checkpoint them (--checkpoint-dir): load_state_dict() takes a state_dict() of a PSOptimizer
+    back (the lr; a scheduler's own state_dict() restores the schedule) and refuses per-parameter
+    state, such as a torch.optim optimizer's momentum buffers, which the servers keep instead.
 
     overlap=True runs each step's push + pull in a background thread while the caller computes the
     next step, and installs the pulled weights at the following step() call. The gradient of
@@ -175,7 +185,8 @@ class PSOptimizer(torch.optim.Optimizer):
         self.model = model
         self.overlap = overlap
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
-        super().__init__(self.flat.params, {"lr": spec.lr})
+        self.rank, self.mode, self.clock = session.rank, spec.mode, 0
+        super().__init__(self.flat.params, spec.lr, follows_job_lr=spec.mode != "sync" and session.rank != 0)
         self.params = param_specs(model) + (buffer_specs(model) if self.flat.buffers is not None else [])
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
@@ -209,25 +220,7 @@ class PSOptimizer(torch.optim.Optimizer):
         """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
         self.flat.zero_grad()
 
-    @property
-    def lr(self) -> float:
-        """The learning rate the next step() pushes with: param_groups[0]["lr"], which a torch LR
-        scheduler sets.
-
-        Raises:
-            ConfigError: not a finite number >= 0, or more than one parameter group.
-        """
-        if len(self.param_groups) != 1:
-            raise ConfigError(
-                f"psgrad applies one learning rate to the whole model; this optimizer has {len(self.param_groups)} "
-                "parameter groups (add_param_group is not supported)"
-            )
-        lr = float(self.param_groups[0]["lr"])
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ConfigError(f"the learning rate must be a finite number >= 0, got {lr!r} (param_groups[0]['lr'])")
-        return lr
-
-    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float) -> ExchangeResult:
+    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None) -> ExchangeResult:
         """Push grad as clock (computed on weights of versions `base`) with lr, then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
@@ -237,6 +230,7 @@ class PSOptimizer(torch.optim.Optimizer):
             staleness=max(r.staleness for r in replies),
             accepted=all(r.applied or r.deferred for r in replies),
             versions=versions,
+            lr=next((r.lr for r in replies if r.HasField("lr")), None),
             bound=max(r.staleness_bound for r in replies),
         )
 
@@ -258,6 +252,8 @@ class PSOptimizer(torch.optim.Optimizer):
         stats.h2d_s = self.flat.h2d_s
         stats.exchange_s = done.exchange_s
         stats.staleness, stats.accepted = done.staleness, done.accepted
+        if self.job_lr_answered(done.lr) is not None:  # a follower reports the job's lr
+            stats.lr = self.lr
         stats.staleness_bound = done.bound or None
 
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
@@ -274,7 +270,8 @@ class PSOptimizer(torch.optim.Optimizer):
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
         clock = self.clock
-        stats = StepStats(clock=clock, lr=self.lr)
+        push_lr = self.push_lr()
+        stats = StepStats(clock=clock, lr=self.lr if push_lr is None else push_lr)
         if self.overlap:
             assert self._pool is not None
             base = self._versions  # the weights this step's gradient was computed on
@@ -287,12 +284,12 @@ class PSOptimizer(torch.optim.Optimizer):
                 return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), stats.lr)
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
         else:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             try:
-                done = self._exchange(grad, clock, self._versions, stats.lr)
+                done = self._exchange(grad, clock, self._versions, push_lr)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 stats.versions = list(self._versions)

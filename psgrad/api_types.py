@@ -17,7 +17,9 @@ class StepStats:
     """
 
     clock: int  # the clock of the gradient this step pushed (or started pushing)
-    lr: float = 0.0  # the learning rate this step's push carried (param_groups[0]["lr"])
+    # the learning rate this step's gradient is applied with: param_groups[0]["lr"], or in async and
+    # ssp for workers other than the chief, the job's (the chief's schedule), as the servers answered
+    lr: float = 0.0
     d2h_s: float = 0.0  # gradient gather + device->host copy
     h2d_s: float = 0.0  # pulled weights host->device (or into the model)
     exchange_s: float | None = None  # push + pull, including any wait at the sync/ssp gate
@@ -42,4 +44,5 @@ class ExchangeResult:
     staleness: int
     accepted: bool
     versions: list[int]
+    lr: float | None = None  # the learning rate the (first) shard applies the push with
     bound: int = 0  # the largest adaptive staleness bound a shard reported (0: fixed bounds)

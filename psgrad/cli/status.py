@@ -87,6 +87,8 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: {s['address']} is {rep['role']}{follows} at epoch {rep['epoch']}{attached}")
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
+        if s.get("job_lr_clock", -1) >= 0:
+            lines.append(f"shard {s['shard']}: job lr {s['job_lr']:.6g} (set by the chief's push at clock {s['job_lr_clock']})")
         if s["rolled_back"]:
             lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
         if s.get("late_dropped"):

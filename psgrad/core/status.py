@@ -67,6 +67,8 @@ class ShardStatus:
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
+    job_lr: float = 0.0  # the learning rate of pushes that carry none: the chief's latest, else the spec's
+    job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
     staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
@@ -110,6 +112,8 @@ class ShardStatus:
             "evictions": self.evictions,
             "updates_lost": self.updates_lost,
             "rolled_back": self.rolled_back,
+            "job_lr": self.job_lr,
+            "job_lr_clock": self.job_lr_clock,
             "late_dropped": self.late_dropped,
             "staleness_bound": self.staleness_bound,
             "pending": self.pending,

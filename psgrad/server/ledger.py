@@ -15,6 +15,7 @@ class PushResult:
     version: int
     staleness: int
     deferred: bool = False
+    lr: float | None = None  # the learning rate it is applied with (its own, or the job's)
     bound: int = 0  # ssp with --staleness auto: the bound in effect on the shard (0: a fixed bound)
 
 

@@ -72,6 +72,7 @@ class ShardCollector:
         yield counter("psgrad_evictions", "workers evicted after their lease expired", s.evictions)
         yield counter("psgrad_updates_lost", "updates lost to a restart from a checkpoint", s.updates_lost)
         yield counter("psgrad_rolled_back_iterations", "sync iterations undone by roll-backs", s.rolled_back)
+        yield gauge("psgrad_job_lr", "the job's learning rate: the chief's latest (async/ssp followers use it)", s.job_lr)
         yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
         if s.staleness_bound:
             yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect", s.staleness_bound)

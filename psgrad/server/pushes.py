@@ -84,6 +84,7 @@ class PushPath:
             except (WorkerStateError, InvalidRequestError):
                 self._counters.pushes_rejected += 1
                 raise
+            lr = state.resolve_lr(rank, clock, lr)
             grad, wire = self._buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
@@ -160,8 +161,8 @@ class PushPath:
                     before = state.version
                     self._refresh()
                     if state.version > before:
-                        return PushResult(True, "", state.version, 0)
-                    return PushResult(False, "buffered until every live worker pushed", state.version, 0, True)
+                        return PushResult(True, "", state.version, 0, lr=lr)
+                    return PushResult(False, "buffered until every live worker pushed", state.version, 0, True, lr)
                 staleness = max(0, state.version - base_version)
                 if staged:  # the buffer holds the next weights: swap them in
                     assert writer is not None and writer.staged_version == state.version
@@ -180,7 +181,7 @@ class PushPath:
                 self._counters.staleness[staleness] += 1
                 self.history.append(("apply", state.version, ((rank, clock, staleness),)))
                 self._notify()
-                return PushResult(True, "", state.version, staleness, bound=self._bound)
+                return PushResult(True, "", state.version, staleness, lr=lr, bound=self._bound)
         finally:
             if not kept:
                 self.release(grad, wire)

@@ -285,6 +285,7 @@ class ParameterServicer:
             version=result.version,
             staleness=result.staleness,
             deferred=result.deferred,
+            lr=result.lr,
             staleness_bound=result.bound,
         )
 

@@ -379,6 +379,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 evictions=c.evictions,
                 updates_lost=c.updates_lost,
                 rolled_back=c.rolled_back,
+                job_lr=self._state.optimizer.lr if self._state else 0.0,
+                job_lr_clock=self._state.job_lr_clock if self._state else -1,
                 late_dropped=c.late_dropped,
                 staleness_bound=self._bound,
                 pending=len(self._round.pending),

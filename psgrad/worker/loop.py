@@ -107,9 +107,16 @@ class DelayInjector:
         return extra
 
 
-def lr_scheduler(opt: PSOptimizer, factor: Callable[[int], float], clock: int) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_scheduler(
+    opt: PSOptimizer, factor: Callable[[int], float], clock: int
+) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A torch LambdaLR that sets the optimizer's lr to the job's times factor(step), positioned
-    at `clock` (a worker joining a running job, or rewinding, is where its clock is)."""
+    at `clock` (a worker joining a running job, or rewinding, is where its clock is). None for a
+    worker whose pushes follow the chief's schedule (async/ssp, rank > 0): it needs none. The
+    async/ssp chief's is positioned after each step at the job's progress, updates applied /
+    workers (the mean worker clock), so that a slow chief does not hold the job's schedule back."""
+    if opt.follows_job_lr:
+        return None
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
     return torch.optim.lr_scheduler.LambdaLR(opt, factor, last_epoch=clock - 1)
@@ -181,7 +188,10 @@ def train(
                 log(f"{who}: a restored shard was behind: the job rolled back to iteration {stats.rolled_back_to}")
                 schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
-            schedule.step()
+            if schedule is not None:
+                if spec.mode != "sync" and stats.versions:  # the async/ssp chief: at the job's progress
+                    schedule.last_epoch = min(stats.versions) // spec.num_workers - 1
+                schedule.step()
             t1 = time.perf_counter()
             record: dict[str, Any] = {
                 "clock": stats.clock,
