@@ -169,3 +169,16 @@ def test_backup_workers_flag_round_trips() -> None:
         _spec("--mode", "sync", "--num-workers", "2", "--backup-workers", "2")
     with pytest.raises(ConfigError, match="only to mode 'sync'"):
         _spec("--mode", "ssp", "--num-workers", "3", "--backup-workers", "1")
+
+
+def test_python_api_takes_backup_workers_and_the_adaptive_bound() -> None:
+    import psgrad
+
+    s = psgrad.connect("127.0.0.1:1,127.0.0.1:2", rank=0, num_workers=4, mode="sync", backup_workers=1)
+    assert (s.spec.backup_workers, s.spec.staleness_max) == (1, 0)
+    a = psgrad.connect("127.0.0.1:1", num_workers=2, mode="ssp", staleness="auto", staleness_max=5)
+    assert (a.spec.staleness, a.spec.staleness_max) == (0, 5)
+    with pytest.raises(ConfigError, match="'auto'"):
+        psgrad.connect("127.0.0.1:1", num_workers=2, mode="ssp", staleness="soon")
+    with pytest.raises(ConfigError, match="backup_workers must be < num_workers"):
+        psgrad.connect("127.0.0.1:1", num_workers=2, mode="sync", backup_workers=2)
