@@ -24,6 +24,7 @@ from psgrad.api_types import ExchangeResult, StepStats
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
+from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.torch_optim import ScheduledOptimizer
 from psgrad.worker.flat import FlatModel
@@ -35,20 +36,24 @@ def connect(
     rank: int = 0,
     num_workers: int = 1,
     mode: str = "async",
-    staleness: int | None = None,
+    staleness: int | str | None = None,
     optimizer: ServerOptimizer | None = None,
     wire_dtype: str = "float32",
     staleness_lr: bool = False,
     client: ClientConfig | None = None,
     dc_asgd: float = 0.0,
     dc_asgd_adaptive: bool = False,
+    backup_workers: int = 0,
+    staleness_max: int = AUTO_STALENESS_MAX,
 ) -> Session:
     """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
 
     servers: the shard servers' HOST:PORT (a list or a comma-separated string), same order for
-    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise). dc_asgd: DC-ASGD's
-    lambda (0: off; async/ssp), dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker
-    of a job must pass the same job settings; the servers refuse a mismatch, naming the field.
+    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise), or "auto": the
+    servers adapt it within [1, staleness_max]. backup_workers (sync): an iteration applies the first
+    num_workers - backup_workers gradients. dc_asgd: DC-ASGD's lambda (0: off; async/ssp),
+    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker of a job must pass the
+    same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
         ConfigError: an invalid address or job setting (the message names it).
@@ -56,9 +61,14 @@ def connect(
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
     if staleness is None:
         staleness = 2 if mode == "ssp" else 0
+    auto = staleness == "auto"
+    if isinstance(staleness, str) and not auto:
+        raise ConfigError(f"staleness must be an integer >= 0 or 'auto', got {staleness!r}")
     spec = JobSpec(
         mode=mode,
-        staleness=staleness,
+        staleness=0 if auto else int(staleness),
+        staleness_max=staleness_max if auto else 0,
+        backup_workers=backup_workers,
         num_workers=num_workers,
         wire_dtype=wire_dtype,
         num_shards=len(addresses),
@@ -233,6 +243,7 @@ class PSOptimizer(ScheduledOptimizer):
             accepted=all(r.applied or r.deferred for r in replies),
             versions=versions,
             lr=next((r.lr for r in replies if r.HasField("lr")), None),
+            bound=max(r.staleness_bound for r in replies),
         )
 
     def _finish_pending(self, stats: StepStats) -> None:
@@ -255,6 +266,7 @@ class PSOptimizer(ScheduledOptimizer):
         stats.staleness, stats.accepted = done.staleness, done.accepted
         if self.job_lr_answered(done.lr) is not None:  # a follower reports the job's lr
             stats.lr = self.lr
+        stats.staleness_bound = done.bound or None
 
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
         """Push this step's gradients with the lr in effect and bring fresh weights into the model

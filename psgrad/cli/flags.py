@@ -18,6 +18,7 @@ from psgrad.config import (
     WorkerConfig,
     parse_servers,
 )
+from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.errors import ConfigError
 from psgrad.optim import DEFAULT_EPS
 
@@ -56,14 +57,19 @@ def straggler_arg(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_int(text: str) -> int:
+def int_at_least(text: str, low: int, alternative: str = "") -> int:
+    """An integer >= low (argparse type); `alternative` names what else the flag takes."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer{alternative}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}{alternative}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(text, 1)
 
 
 def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note: str = "", **kw: Any) -> None:
@@ -147,11 +153,18 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
          "see --staleness) or sync (BSP: one averaged update per iteration, staleness 0)", choices=MODES)
     g.add_argument(
         "--staleness",
-        type=int,
+        type=staleness_arg,
         default=None,  # not JobSpec.staleness: the default depends on --mode (SSP_STALENESS for ssp)
         help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
-        f"larger is faster with stragglers, smaller is fresher (default: {SSP_STALENESS} for ssp)",
+        "larger is faster with stragglers, smaller is fresher; 'auto': each server adapts it at run time "
+        "within [1, --staleness-max] from how long pulls wait for the slowest worker (README 'Consistency') "
+        f"(default: {SSP_STALENESS} for ssp)",
     )
+    flag(g, "--staleness-max", AUTO_STALENESS_MAX, "with --staleness auto: the largest bound the servers may "
+         "adopt; lower it to cap how stale gradients may get under a persistent straggler", type=positive_int)
+    flag(g, "--backup-workers", JobSpec.backup_workers, "sync only: an iteration applies the mean of the first "
+         "N-B gradients of its N live workers and drops the rest as late (Chen et al. 2016); try 1 when one "
+         "slow worker holds every iteration back; must be < --num-workers", type=int)
     g.add_argument(
         "--staleness-lr",
         action="store_true",
@@ -261,10 +274,20 @@ def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._Arg
 
 
 # --------------------------------------------------------------------------- parsed flags -> config
+def staleness_arg(text: str) -> int | str:
+    """--staleness: a bound >= 0, or 'auto'."""
+    return text if text == "auto" else int_at_least(text, 0, " or 'auto'")
+
+
 def staleness(ns: argparse.Namespace) -> int:
     if ns.staleness is None:
         return SSP_STALENESS if ns.mode == "ssp" else 0
-    return int(ns.staleness)
+    return 0 if ns.staleness == "auto" else int(ns.staleness)
+
+
+def staleness_max(ns: argparse.Namespace) -> int:
+    """JobSpec.staleness_max: --staleness-max with --staleness auto, else 0 (a fixed bound)."""
+    return int(ns.staleness_max) if getattr(ns, "staleness", None) == "auto" else 0
 
 
 def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
@@ -275,6 +298,7 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
         nesterov=ns.nesterov, lr_decay=ns.lr_decay, initial_accumulator_value=ns.initial_accumulator_value,
         alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
         dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive,
+        backup_workers=ns.backup_workers, staleness_max=staleness_max(ns),
     )
 
 

@@ -97,6 +97,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: job lr {s['job_lr']:.6g} (set by the chief's push at clock {s['job_lr_clock']})")
         if s["rolled_back"]:
             lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
+        if s.get("late_dropped"):
+            lines.append(f"shard {s['shard']}: {s['late_dropped']} late gradients dropped (backup workers)")
+        if s.get("staleness_bound"):
+            lines.append(f"shard {s['shard']}: adaptive staleness bound now {s['staleness_bound']}")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
 

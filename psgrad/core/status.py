@@ -79,6 +79,8 @@ class ShardStatus:
     rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
     job_lr: float = 0.0  # the learning rate of pushes that carry none: the chief's latest, else the spec's
     job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
+    late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
+    staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0
@@ -123,6 +125,8 @@ class ShardStatus:
             "rolled_back": self.rolled_back,
             "job_lr": self.job_lr,
             "job_lr_clock": self.job_lr_clock,
+            "late_dropped": self.late_dropped,
+            "staleness_bound": self.staleness_bound,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,

@@ -20,6 +20,7 @@ from psgrad.server.buffers import Buffers
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import Counters, PushResult
 from psgrad.server.membership import Member, Membership
+from psgrad.server.mode_hooks import drop_if_late
 from psgrad.server.state import ShardState
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
@@ -40,6 +41,7 @@ class PushPath:
     history: deque[tuple[Any, ...]]
     _restored_clocks: dict[int, int]  # rank -> last push in the checkpoint, until its next push
     _restored: bool  # the shard was restored from a checkpoint
+    _bound: int  # --staleness auto: the bound in effect (0: a fixed bound)
 
     def _require(self, fingerprint: str, rank: int) -> ShardState:
         raise NotImplementedError
@@ -135,6 +137,12 @@ class PushPath:
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                if self._policy.drops_late:  # sync with backup workers: a late gradient is dropped
+                    late = drop_if_late(self._policy, self._view(), member, clock, base_version, self._restored,
+                                        self._counters, self.history)
+                    if late is not None:
+                        self._replicate_members()
+                        return late
                 try:
                     decision = self._policy.decide_push(rank, clock, self._view(), self._restored)
                     if not self._policy.aggregates:
@@ -177,7 +185,7 @@ class PushPath:
                 self._counters.staleness[staleness] += 1
                 self.history.append(("apply", state.version, ((rank, clock, staleness),)))
                 self._notify()
-                return PushResult(True, "", state.version, staleness, lr=lr)
+                return PushResult(True, "", state.version, staleness, lr=lr, bound=self._bound)
         finally:
             if not kept:
                 self.release(grad, wire)

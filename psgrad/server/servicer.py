@@ -286,6 +286,7 @@ class ParameterServicer:
             staleness=result.staleness,
             deferred=result.deferred,
             lr=result.lr,
+            staleness_bound=result.bound,
         )
 
     def _unreserve(self, r: _Reserved) -> None:

@@ -44,6 +44,8 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         rho=_optional(msg, "rho"),
         dc_asgd=msg.dc_asgd,
         dc_asgd_adaptive=msg.dc_asgd_adaptive,
+        backup_workers=msg.backup_workers,
+        staleness_max=msg.staleness_max,
     )
 
 
@@ -78,6 +80,8 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         rolled_back=status.rolled_back,
         job_lr=status.job_lr,
         job_lr_clock=status.job_lr_clock,
+        late_dropped=status.late_dropped,
+        staleness_bound=status.staleness_bound,
         pending=status.pending,
         waiting=status.waiting,
         uptime_s=status.uptime_s,
@@ -117,6 +121,8 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         rolled_back=msg.rolled_back,
         job_lr=msg.job_lr,
         job_lr_clock=msg.job_lr_clock,
+        late_dropped=msg.late_dropped,
+        staleness_bound=msg.staleness_bound,
         pending=msg.pending,
         waiting=msg.waiting,
         uptime_s=msg.uptime_s,

@@ -152,7 +152,9 @@ def train(
     with Session(config.servers, spec, rank, config.client) as session:
         opt = session.optimizer(model, overlap=config.overlap)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
-        mode = spec.mode + (f"(staleness {spec.staleness})" if spec.mode == "ssp" else "")
+        bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
+        mode = spec.mode + (f"(staleness {bound})" if spec.mode == "ssp" else "")
+        mode += f"(backup workers {spec.backup_workers})" if spec.backup_workers else ""
         buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
             f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.flat.numel:,} parameters"
@@ -203,7 +205,7 @@ def train(
                 "wait_s": stats.wait_s,
                 "version": stats.versions,
             }
-            for key in ("exchange_s", "staleness", "accepted"):
+            for key in ("exchange_s", "staleness", "accepted", "staleness_bound"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
             report.step(clock + 1, record)

@@ -283,6 +283,8 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True, momentum=0.9, nesterov=True, dc_asgd=0.5,
                    dc_asgd_adaptive=True).to_argv()
     spec += JobSpec(optimizer="rmsprop", centered=True).to_argv()  # boolean flags appear only when set
+    spec += JobSpec(mode="ssp", staleness_max=4).to_argv()  # --staleness auto --staleness-max 4
+    spec += JobSpec(mode="sync", num_workers=2, backup_workers=1).to_argv()  # only when set
     assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards"}  # from --servers
     flags_when_set = {"--staleness-lr", "--nesterov", "--centered", "--dc-asgd", "--dc-asgd-adaptive"}
     assert not flags_when_set & set(JobSpec().to_argv())

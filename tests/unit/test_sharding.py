@@ -201,6 +201,8 @@ SPEC_CHANGES = {
     "rho": (JobSpec(optimizer="adadelta"), 0.8),
     "dc_asgd": (JobSpec(), 0.04),
     "dc_asgd_adaptive": (JobSpec(dc_asgd=2.0), True),
+    "backup_workers": (JobSpec(mode="sync", num_workers=3), 1),
+    "staleness_max": (SSP_SPEC, 4),
 }
 
 
