@@ -103,20 +103,23 @@ class PushWriter(PayloadWriter):
             return
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
+        # The payload is another process's memory: read it once, into the private buffer, and check
+        # what was read there (a non-finite gradient gives non-finite next weights), so that a
+        # worker writing it meanwhile can tear the gradient but never slip a NaN past the check.
         if self._numel <= SMALL_NUMEL:  # below torch's grain: no thread pool woken for a small push
-            self.nonfinite += count_nonfinite(grad)
             if self._stage is None:
                 self._dest[:] = payload
             else:
                 self._apply(grad, 0)
+            self.nonfinite += count_nonfinite(self.grad)
         else:  # one op over the whole gradient: torch may spread it over its threads
-            if not math.isfinite(float(grad.sum())):
-                self.nonfinite += int((~torch.isfinite(grad)).sum())
             if self._stage is None:
                 self.grad.copy_(grad)
             else:
                 weights, rule, scale = self._stage
                 rule(weights, grad, self.grad, scale)
+            if not math.isfinite(float(self.grad.sum())):
+                self.nonfinite += int((~torch.isfinite(self.grad)).sum())
         self._handed = self._numel
         self.finish()
 
@@ -208,6 +211,11 @@ class PullStream:
     @property
     def nbytes(self) -> int:
         return self._numel * element_size(self._dtype)
+
+    @property
+    def complete(self) -> bool:
+        """Every value was read."""
+        return self._offset >= self._numel
 
     def __iter__(self) -> PullStream:
         return self
