@@ -86,6 +86,10 @@ class PushPath:
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
+            # A gradient that the worker's segment holds may be applied from there, in place: by an
+            # update rule that only reads it, applied on arrival, to weights without buffers.
+            writer.may_borrow = exact and not self._policy.aggregates and state.optimizer.reads_grad_only()
+            writer.may_borrow = writer.may_borrow and state.layout.trainable == state.layout.numel
             self._buffers.track(grad, writer)
             if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
                 scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
@@ -114,6 +118,7 @@ class PushPath:
             with self._cond:
                 writer = self._buffers.writer_of(grad)
             staged = writer is not None and writer.staged
+            source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
             bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
             with self._cond:
@@ -162,9 +167,9 @@ class PushPath:
                     kept = True
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
-                    state.average_buffer_deltas(grad)
-                    self._before_apply(grad, scale, lr)  # replication: the backup applies the same gradient
-                    state.apply(grad, scale, lr)
+                    state.average_buffer_deltas(source)
+                    self._before_apply(source, scale, lr)  # replication: the backup applies the same gradient
+                    state.apply(source, scale, lr)
                 state.version += 1
                 Membership.advance(member, clock)
                 self._updated()

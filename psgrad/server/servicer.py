@@ -292,6 +292,8 @@ class ParameterServicer:
                 extra = next(frames, None) if frames is not None else inline
                 if extra:
                     raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
+                # Applied in place only well within the caller's deadline: the worker waits meanwhile.
+                writer.may_borrow &= (context.time_remaining() or 60.0) > 4 * DEADLINE_MARGIN_S
                 writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
             elif frames is not None:
                 write_frames(frames, writer, FrameParser(pb.PushFrame, what))

@@ -2,6 +2,7 @@
 published, server/publisher.py) and gradients pushed from the worker's shared segment."""
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Iterator
@@ -212,6 +213,8 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
 
     from conftest import run_in_threads
 
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
     gen = torch.Generator().manual_seed(3)
     xs = [[torch.randn(8, 6, generator=gen) for _ in range(4)] for _ in range(2)]
     finals: dict[tuple[bool, int], list[torch.Tensor]] = {}
@@ -221,8 +224,7 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
                            shared_memory=shared)
 
         def worker(rank: int) -> None:
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
+            model = copy.deepcopy(init)  # (torch's global generator is shared by the threads)
             with psgrad.connect([s.address for s in running], rank=rank, num_workers=2, mode="sync",
                                 optimizer=psgrad.SGD(lr=0.1), client=cfg) as ps:
                 opt = ps.optimizer(model)
@@ -240,4 +242,35 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
 
         run_in_threads(2, worker)
     for rank in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(finals[(True, rank)], finals[(False, rank)]))
+        diffs = [float((a - b).abs().max()) for a, b in zip(finals[(True, rank)], finals[(False, rank)])]
+        assert not any(diffs), (rank, diffs)
+
+
+def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psgrad.server import transfers
+
+    borrowed: list[bool] = []
+    write_all = transfers.PushWriter.write_all
+
+    def spy(self: transfers.PushWriter, payload: memoryview, chunk_bytes: int) -> None:
+        write_all(self, payload, chunk_bytes)
+        borrowed.append(self.borrowed is not None)
+
+    monkeypatch.setattr(transfers.PushWriter, "write_all", spy)
+    results = []
+    for shared in (True, False):
+        running = start_server(ServerConfig(port=0, threads=8))
+        try:
+            with make_client(running, shared=shared, mode="async") as c:
+                c.join(initial_weights=initial)
+                grad = c.gradient_buffer() if shared else torch.empty(N)
+                assert grad is not None
+                flat = torch.empty(N)
+                for clock in range(3):
+                    grad.copy_(torch.linspace(-1, 1, N) * (clock + 1))
+                    c.exchange(grad, clock, flat, published=shared)
+                results.append(running.shard.weights_copy())
+        finally:
+            running.stop(0)
+    assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
+    assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
