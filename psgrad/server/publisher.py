@@ -2,12 +2,15 @@
 which slot; copies a version into a free slot once, however many workers then read it. No gRPC."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from psgrad.server.transfers import PullStream
 from psgrad.wire import published
+
+_log = logging.getLogger("psgrad.server")
 
 
 @dataclass
@@ -21,9 +24,11 @@ class Publisher:
 
     A worker leases the slot of the version it pulled until its next pull (which gives the lease
     back first) or until it is no longer a live member of the shard (evicted or left): a slot is
-    never rewritten while a live worker leases it. The ring has one slot per worker of the job
-    plus one, allocated at the first published pull; a pull that finds no free slot (more workers
-    than the job's num_workers) is served by a copy instead.
+    never rewritten while a live worker leases it. The ring has one slot per worker of the job,
+    allocated at the first published pull: a pull gives its worker's lease back before it takes
+    one, so the other workers hold at most num_workers - 1 slots and one is free. A pull that finds
+    none (more workers than num_workers, or an evicted one whose lease has not run out yet) is
+    served by a copy into the worker's segment instead.
     """
 
     def __init__(self, slot_bytes: int, slots: int, live: Callable[[], set[int]]) -> None:
@@ -49,6 +54,8 @@ class Publisher:
         with self._lock:
             if self._ring is None:
                 self._ring = published.Ring(self.slot_bytes, self.slots)
+                _log.info("same-host pulls: published versions in /dev/shm/%s, %d slot(s) of %.1f MB (%.1f MB)",
+                          self._ring.name, self.slots, self.slot_bytes / 1e6, self._ring.nbytes / 1e6)
             for slot in self._table:
                 slot.holders.discard(rank)  # its former version: it moved on
                 if version < self._newest:  # rolled back: a version number may now name other weights

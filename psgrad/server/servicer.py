@@ -229,7 +229,7 @@ class ParameterServicer:
             if self.publisher is None or self.publisher.slot_bytes != frames.nbytes:
                 if self.publisher is not None:
                     self.publisher.close()
-                self.publisher = Publisher(frames.nbytes, layout.spec.num_workers + 1, self.shard.live_ranks)
+                self.publisher = Publisher(frames.nbytes, layout.spec.num_workers, self.shard.live_ranks)
             publisher = self.publisher
         answer = publisher.lease(rank, frames.version, frames)
         if answer is None:
