@@ -98,6 +98,7 @@ class SameHostPath:
         if seg is None:
             return None
         self._pinned = seg.payload
+        seg.lent = True  # never unmapped under the caller's tensors, even when retired
         seg.lock.release()
         return seg.payload
 

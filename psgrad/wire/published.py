@@ -17,7 +17,7 @@ import re
 import secrets
 from collections.abc import Iterable
 
-from psgrad.wire.shm import HEADER_BYTES, SHM_DIR, SharedMemoryUnavailable, host_id
+from psgrad.wire.shm import SHM_DIR, SharedMemoryUnavailable, create, host_id, remove, unmap
 
 METADATA_KEY = "psgrad-pub"
 _MAGIC = b"psgrad-pub-v1\0\0\0"  # 16 bytes
@@ -76,18 +76,8 @@ class Ring:
         self._stride = _stride(slot_bytes)
         self.name = f"psgrad-pub-{os.getpid()}-{secrets.token_hex(8)}"
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        path = os.path.join(SHM_DIR, self.name)
-        size = _ALIGN + slots * self._stride
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self._map[: len(_MAGIC) + _NONCE_BYTES] = _MAGIC + self._nonce
+        # The user's own processes only (the workers map it read-only), like the segments.
+        self._map = create(self.name, _ALIGN + slots * self._stride, _MAGIC + self._nonce, 0o600)
         self._view = memoryview(self._map)
         self._linked = True
 
@@ -109,15 +99,8 @@ class Ring:
     def close(self) -> None:
         if self._linked:
             self._linked = False
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
-        self._view.release()
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive; the mapping goes with it
-            pass
+            remove(self.name)
+        unmap(self._view, self._map)
 
 
 class RingView:
