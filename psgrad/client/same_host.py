@@ -92,8 +92,9 @@ class SameHostPath:
 
     def gradient_buffer(self, nbytes: int) -> memoryview | None:
         """The segment's payload as the caller's gradient buffer (pushes of it are not copied), or
-        None (another host; no segment). Pulls then never copy into it unless the server lends no
-        slot (it is then written after the push was read: a step's gradient is consumed by then)."""
+        None (another host; no segment). Pulls that do not ask for a lent version then use frames;
+        one that asks and finds no free slot in the server's ring (more workers than num_workers)
+        gets the weights copied into it, after its push was read (a step's gradient is consumed)."""
         seg = self._take_segment(nbytes)
         if seg is None:
             return None
@@ -132,6 +133,9 @@ class SameHostPath:
         shard's payloads go through gRPC frames (another host, or the segment is busy)."""
         seg = self._take_segment(wire.nbytes)
         if seg is None:
+            return None
+        if seg.lent and not want:  # the caller's gradient: a pull that may not be lent a slot uses frames
+            seg.lock.release()
             return None
         t = self.config.rpc_timeout_s
         try:
