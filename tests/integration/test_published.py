@@ -262,3 +262,48 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypa
             running.stop(0)
     assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
     assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
+
+
+_HOLDER = """
+import sys, torch
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.sharding import ParamSpec, plan_shards
+params = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]
+c = ParameterClient([sys.argv[1]], JobSpec(num_shards=1, num_workers=2, lr=0.5), params, plan_shards(params, 1), 1,
+                    ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=10, reconnect_timeout_s=0))
+c.join(None)
+c.pull(torch.empty(2113), 0, published=True)
+assert c.views()[0] is not None
+print("holding", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.parametrize("server", [{"lease_s": 1.0}], indirect=True)
+def test_a_killed_worker_holding_a_version_frees_it_with_its_lease(server: RunningServer) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    with make_client(server, 0) as chief:
+        chief.join(initial_weights=initial)
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, server.address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            publisher = server.servicer.publisher
+            assert publisher is not None and publisher.held() == {1: 0}
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(30)
+        assert server.shard.wait_until(lambda st: st.evictions == 1, 30)
+        flat = torch.empty(N)
+        seen = set()
+        for clock in range(3):  # both slots serve the live worker: the dead one's lease has ended
+            chief.push(torch.full((N,), 0.01), clock)
+            chief.pull(flat, clock + 1, published=True)
+            view = chief.views()[0]
+            assert view is not None
+            seen.add(view.data_ptr())
+        assert len(seen) == 2 and publisher.held() == {0: 3}
