@@ -163,14 +163,21 @@ def probe_limits(params: int, reps: int) -> dict[str, Any]:
 
 
 def _rss_mb(pid: int) -> dict[str, float]:
-    """A process's resident memory, and the part of it that is shared memory (MB)."""
+    """A process's resident memory (MB): in all, its own pages (RssAnon + RssFile), and the shared
+    memory it maps (RssShmem: the published ring and the workers' segments it has open)."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssShmem", "VmHWM"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
                 out[key] = int(value.split()[0]) / 1024
     return out
+
+
+def _ring_mb(pid: int) -> float:
+    """The pages a server's published-versions ring holds in /dev/shm (MB)."""
+    shm = Path("/dev/shm")
+    return sum(p.stat().st_blocks * 512 for p in shm.glob(f"psgrad-pub-{pid}-*")) / 1e6
 
 
 def _cell(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -215,7 +222,8 @@ def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], pr
             with paused(psgrad_children):
                 limits.append(probe_limits(params, probe_reps))
             log(f"ray_ps: repetition {rep + 1}/{reps} done ({time.monotonic() - t_start:.0f} s)")
-        memory = {"psgrad_server": _rss_mb(server.popen.pid),
+        memory = {"psgrad_server": _rss_mb(server.popen.pid), "psgrad_ring_mb": _ring_mb(server.popen.pid),
+                  "psgrad_worker_segments_mb": max_w * payload / 1e6,
                   "ray_object_store_limit_mb": world.object_store_bytes / 1e6}
         failed = False
     finally:

@@ -31,5 +31,6 @@ def test_ray_ps_tiny_reports_psgrad_beside_ray_and_the_limits() -> None:
     assert out["grpc"]["push_vs_raw_sgd_upload_same_process"] > 0
     assert out["grpc"]["push_vs_raw_copy_upload_same_process"] > 0
     assert out["memory_mb"]["psgrad_server"]["VmRSS"] > 0
+    assert out["memory_mb"]["psgrad_ring_mb"] >= 4e6 / 1e6  # at least one published version (1M float32)
     assert {t["ceiling_name"] for t in out["targets"]} == {"Ray actor PS", "torch copy_", "w.add_(g)"}
     assert len(out["loadavg_before"]) == 3
