@@ -16,7 +16,7 @@ from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SameHostPath
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, copy_from_wire
+from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
@@ -24,7 +24,6 @@ from psgrad.wire.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
-    ERROR_METADATA_KEY,
     GATED_PUSH_BYTES,
     SERVICE_NAME,
     STEP_REQUEST_DATA,
