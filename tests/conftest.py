@@ -88,7 +88,7 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
     import json
 
     res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], capture_output=True, text=True,
-                         timeout=timeout_s, cwd=REPO)
+                         timeout=timeout_s, cwd=REPO, env=child_env())
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
 
