@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psgrad.core.credentials import check_bind
+from psgrad.core.stragglers import StragglerModel
 from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
@@ -302,6 +303,7 @@ class WorkerConfig:
     # a straggler's slowdown multiplies it. 0: steps take their compute time (x slowdown).
     step_time_ms: float = 0.0
     data_dir: str | None = None  # where a task that reads files finds them (fashion-mnist)
+    straggler_model: StragglerModel = field(default_factory=StragglerModel)  # random slow steps, a moving slow node
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -349,7 +351,7 @@ class WorkerConfig:
         argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
                  "--step-time-ms", str(self.step_time_ms)]
         argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
-        return argv + self.client.to_argv()
+        return argv + self.straggler_model.to_argv() + self.client.to_argv()
 
 
 @dataclass(frozen=True)
