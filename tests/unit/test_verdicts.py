@@ -1,0 +1,85 @@
+"""psgrad.experiments.verdicts and claims: synthetic summaries -> supported / not supported / feature missing."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from psgrad.experiments.claims import verdicts
+from psgrad.experiments.verdicts import (
+    MISSING, NOT_SUPPORTED, SUPPORTED, gap_claim, parse_table, table_markdown, time_ratio_claim, weights_claim,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def mode(time_s: float | None = None, final: float = 0.9, repeats: int = 3, reached: int | None = None,
+         std: float = 0.1) -> dict[str, Any]:
+    n = repeats if reached is None else reached
+    return {"repeats": repeats,
+            "time_to_target_s": {"mean": time_s, "std": std if time_s is not None else None, "n": n,
+                                 "reached": n if time_s is not None else 0},
+            "final_test_accuracy": {"mean": final, "std": 0.002, "n": repeats},
+            "final_test_loss": {"mean": 0.3, "std": 0.01, "n": repeats}}
+
+
+def test_time_ratio_supported_and_not() -> None:
+    summary = {"sync": mode(20.0), "ssp:2": mode(10.0), "async": mode(11.0)}
+    v = time_ratio_claim("c", "s", summary, ["ssp:2", "async"], "sync", 0.6)
+    assert v.verdict == SUPPORTED and "ssp:2/sync = 0.50" in v.check and "async/sync = 0.55" in v.check
+    assert "sync: 20.00 ± 0.10 s (3/3 reached)" in v.figures
+    slow = {"sync": mode(20.0), "ssp:2": mode(13.0), "async": mode(11.0)}
+    v = time_ratio_claim("c", "s", slow, ["ssp:2", "async"], "sync", 0.6)
+    assert v.verdict == NOT_SUPPORTED and "ssp:2 took 0.65x sync's time" in v.why
+
+
+def test_a_seed_that_never_reaches_the_target_is_not_a_ratio() -> None:
+    summary = {"sync": mode(20.0), "sync:backup=1": mode(5.0, reached=2)}
+    v = time_ratio_claim("c", "s", summary, ["sync:backup=1"], "sync", 0.75)
+    assert v.verdict == NOT_SUPPORTED and "did not reach the target in every seed" in v.why
+    summary = {"sync": mode(None), "sync:backup=1": mode(5.0)}
+    v = time_ratio_claim("c", "s", summary, ["sync:backup=1"], "sync", 0.75)
+    assert v.verdict == NOT_SUPPORTED and v.why.startswith("sync did not reach")
+
+
+def test_gap_recovery() -> None:
+    summary = {"sync": mode(final=0.90), "async": mode(final=0.86), "async:slr": mode(final=0.885),
+               "async:dc=0.04": mode(final=0.87)}
+    v = gap_claim("c", "s", summary, ["async:slr"], "test_accuracy")
+    assert v.verdict == SUPPORTED and "async:slr recovers 62%" in v.check
+    v = gap_claim("c", "s", summary, ["async:dc=0.04"], "test_accuracy")
+    assert v.verdict == NOT_SUPPORTED and "25%" in v.why
+    no_gap = {"sync": mode(final=0.90), "async": mode(final=0.91), "async:slr": mode(final=0.92)}
+    v = gap_claim("c", "s", no_gap, ["async:slr"], "test_accuracy")
+    assert v.verdict == NOT_SUPPORTED and "no gap to recover" in v.why
+    bpb = {"sync": {"repeats": 1, "final_test_bpb": {"mean": 3.0, "std": 0.0}},
+           "async": {"repeats": 1, "final_test_bpb": {"mean": 3.4, "std": 0.0}},
+           "async:slr": {"repeats": 1, "final_test_bpb": {"mean": 3.1, "std": 0.0}}}
+    assert gap_claim("c", "s", bpb, ["async:slr"], "test_bpb").verdict == SUPPORTED  # lower is better: 75 %
+
+
+def test_features_missing_and_weights() -> None:
+    summary = {"sync": mode(20.0), "async": mode(final=0.8)}
+    v = gap_claim("c", "s", summary, ["async:dc=0.04"], "test_accuracy", missing={"async:dc=0.04": ["--dc-asgd"]})
+    assert v.verdict == MISSING and "--dc-asgd" in v.why
+    v = time_ratio_claim("c", "s", summary, ["ssp:auto"], "sync", 0.6, missing={"ssp:auto": ["--staleness-max"]})
+    assert v.verdict == MISSING
+    good = {"max_abs_diff": 3e-7, "parameters": 171_000, "steps": 100, "loss_sync": 0.31, "loss_allreduce": 0.31}
+    assert weights_claim("c", "s", good).verdict == SUPPORTED
+    assert weights_claim("c", "s", dict(good, max_abs_diff=1e-3)).verdict == NOT_SUPPORTED
+    assert weights_claim("c", "s", {"error": "not saved"}).why == "not saved"
+
+
+def test_the_preset_table_has_every_claim_and_parses_back() -> None:
+    straggle = {"sync": mode(20.0), "sync:backup=1": mode(14.0), "async": mode(9.0), "ssp:2": mode(10.0),
+                "ssp:auto": mode(10.5)}
+    wide = {"sync": mode(final=0.90), "async": mode(final=0.86), "async:slr": mode(final=0.89),
+            "async:dc=0.04": mode(final=0.87), "async:dca=2": mode(final=0.88)}
+    weights = {"max_abs_diff": 0.0, "parameters": 10, "steps": 100, "loss_sync": 0.3, "loss_allreduce": 0.3}
+    rows = verdicts({"stragglers": straggle, "workers8": wide}, {}, weights)
+    assert [r.verdict for r in rows] == [SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED]
+    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"ssp:auto": ["--staleness-max"]}, None)
+    assert [r.verdict for r in rows][1] == MISSING and rows[-1].verdict == NOT_SUPPORTED
+    parsed = parse_table("# x\n\n" + "\n".join(table_markdown(rows)) + "\n\nafter\n")
+    assert [p["claim"] for p in parsed] == [r.claim for r in rows]
+    assert parsed[0]["verdict"] == "**supported**" and parsed[1]["verdict"].startswith(f"**{MISSING}**")
