@@ -83,6 +83,24 @@ def weight_difference(run_dir: Path, task: str, steps: int, loss: Mapping[str, f
             "loss_sync": loss.get("sync"), "loss_allreduce": loss.get("allreduce")}
 
 
+def emulation_check(directory: Path, step_time_ms: float) -> dict[str, Any] | None:
+    """How well the emulated step time held in an experiment's runs (grid runs aside): the median
+    compute time of a step and the share of steps (the first of each worker aside) whose compute
+    alone took longer than the emulated step, so that no wait was left (a busy machine)."""
+    from psgrad.metrics.jsonl import read_jsonl
+
+    if step_time_ms <= 0:
+        return None
+    steps = [r for path in sorted(directory.glob("runs/*-r*/worker*.jsonl")) for r in read_jsonl(path)
+             if "event" not in r and int(r.get("step", 0)) >= 2 and "delay_s" in r]
+    if not steps:
+        return None
+    compute = sorted(float(r["compute_s"]) for r in steps)
+    overran = sum(float(r["delay_s"]) <= 0.0 for r in steps)
+    return {"step_time_ms": step_time_ms, "median_compute_ms": 1000 * compute[len(compute) // 2],
+            "overrun_share": overran / len(steps), "steps": len(steps)}
+
+
 def verdicts(
     results: Mapping[str, Mapping[str, Any] | None], missing: Mapping[str, list[str]], weights: Mapping[str, Any] | None,
     metric: str = "test_accuracy",
@@ -132,6 +150,7 @@ def run_claims(
                                                               if lacking else ""))
             done[cfg.out_dir] = run_compare(cfg, f"{command}  # experiment {exp.name}", progress, log)["modes"]
         results[exp.name] = done[exp.config.out_dir]
+    emulation = {e.name: emulation_check(e.config.out_dir, e.config.step_time_ms) for e in experiments}
     weights_dir = next(e.config for e in experiments if e.name == "allreduce")
     weights = weight_difference(weights_dir.out_dir, weights_dir.task, weights_dir.steps,
                                 {m: _final_loss(results["allreduce"], m) for m in ("sync", "allreduce")})
@@ -139,7 +158,8 @@ def run_claims(
     elapsed, load_after = time.monotonic() - start, os.getloadavg()
     document = {"command": command, "quick": quick, "wall_s": elapsed, "loadavg_start": load_before,
                 "loadavg_end": load_after, "claims": [r.as_dict() for r in rows], "weights": weights,
-                "missing_features": missing, "experiments": {e.name: e.purpose for e in experiments}}
+                "missing_features": missing, "experiments": {e.name: e.purpose for e in experiments},
+                "emulation": emulation}
     (out / "claims.json").write_text(json.dumps(document, indent=2, default=str))
     write_claims_report(out, experiments, rows, document)
     for row in rows:
@@ -172,6 +192,13 @@ def write_claims_report(out: Path, experiments: list[Experiment], rows: list[Ver
                   f"Modes {', '.join(m.label for m in exp.config.modes)}; {exp.config.repeats} seed(s) from "
                   f"{exp.config.seed}; {exp.config.steps} steps per worker; full table in [{rel}/report.md]({rel}/report.md).",
                   ""]
+        emulated = doc["emulation"].get(exp.name)
+        if emulated is not None:
+            lines += [f"Emulation: a step's median compute took {emulated['median_compute_ms']:.0f} ms against the "
+                      f"emulated {emulated['step_time_ms']:g} ms; {emulated['overrun_share']:.0%} of "
+                      f"{emulated['steps']:,} steps overran it (no wait left: their time is this machine's, "
+                      "not the emulated accelerator's; a large share means the machine was too busy for the "
+                      "wall-time figures to mean what they should).", ""]
         for name, title in (("convergence.png", "convergence"), ("staleness.png", "staleness")):
             if (directory / name).exists():
                 lines += [f"![{exp.name}: {title}]({rel}/{name})", ""]

@@ -53,3 +53,31 @@ def test_run_grid_runs_each_mode_at_each_lr_short_and_reports(tmp_path: Path) ->
     assert "| sync | 0.9000 / not reached | **0.7500 / 10.0** | 0.2 (trains at 0.8) |" in md
     assert "| async | **0.9000 / not reached** | failed | 0.05 |" in md
     assert "20 steps per worker" in md
+
+
+def test_run_compare_trains_each_mode_at_its_grid_best_and_reports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psgrad.experiments import compare
+
+    seen: list[tuple[str, float, int, int]] = []
+
+    def fake(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path, repeat: int = 0) -> dict[str, Any]:
+        lr = cfg.mode_lr(mode)
+        seen.append((mode.label, lr, cfg.steps, seed))
+        final = 0.95 - abs(lr - (0.2 if mode.mode == "sync" else 0.05))  # sync is best at 0.2, async at 0.05
+        return {"time_to_target_s": None, "gradients_to_target": None, "final_test_accuracy": final,
+                "final_test_loss": 1 - final, "samples_per_s": 100.0, "staleness_mean": 0.0,
+                "staleness_histogram": {0: 4}, "curve": [(0.0, 0, 0.1, 2.0), (1.0, 8, final, 1 - final)]}
+
+    monkeypatch.setattr(compare, "_train", fake)
+    cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async"), steps=40, repeats=2,
+                        lr_grid=(0.05, 0.2), grid_by="final", target=0.99)
+    doc = compare.run_compare(cfg, "psgrad compare --lr-grid 0.05,0.2", progress=False, log=lambda _: None)
+    assert seen[:4] == [("sync", 0.05, 20, 0), ("sync", 0.2, 20, 0), ("async", 0.05, 20, 0), ("async", 0.2, 20, 0)]
+    assert seen[4:] == [("sync", 0.2, 40, 0), ("async", 0.05, 40, 0), ("sync", 0.2, 40, 1), ("async", 0.05, 40, 1)]
+    assert doc["lr_grid"]["best"] == {"sync": 0.2, "async": 0.05}
+    assert doc["modes"]["sync"]["lr"] == 0.2 and doc["settings"]["lrs"] == {"sync": 0.2, "async": 0.05}
+    report = (tmp_path / "report.md").read_text()
+    assert "| mode | lr | time to target (s) |" in report and "| sync | 0.2 | " in report
+    assert "## Learning-rate grid" in report and "| async | **0.9500 / not reached** | 0.8000 / not reached | 0.05 |" in report

@@ -83,3 +83,20 @@ def test_the_preset_table_has_every_claim_and_parses_back() -> None:
     parsed = parse_table("# x\n\n" + "\n".join(table_markdown(rows)) + "\n\nafter\n")
     assert [p["claim"] for p in parsed] == [r.claim for r in rows]
     assert parsed[0]["verdict"] == "**supported**" and parsed[1]["verdict"].startswith(f"**{MISSING}**")
+
+
+def test_emulation_check_counts_the_steps_whose_compute_overran_the_emulated_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from psgrad.experiments.claims import emulation_check
+
+    run = tmp_path / "runs" / "sync-r0"
+    run.mkdir(parents=True)
+    records = [{"step": 0, "event": "start"}] + [
+        {"step": s, "compute_s": c, "delay_s": d} for s, c, d in
+        [(1, 0.5, 0.0), (2, 0.02, 0.04), (3, 0.03, 0.03), (4, 0.07, 0.0), (5, 0.01, 0.05)]]
+    (run / "worker0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "runs" / "grid").mkdir()  # grid runs are not counted
+    check = emulation_check(tmp_path, 60.0)
+    assert check == {"step_time_ms": 60.0, "median_compute_ms": pytest.approx(30.0), "overrun_share": 0.25, "steps": 4}
+    assert emulation_check(tmp_path, 0.0) is None
