@@ -55,7 +55,7 @@ def preset(out: Path, quick: bool = False, seed: int = 0, data_dir: str | None =
         Experiment("stragglers", f"mnist, 4 workers, worker {STRAGGLER[0]} takes {STRAGGLER[1]:g}x the "
                    f"{STEP_TIME_MS:g} ms step: time to target by mode", CompareConfig(
                        out_dir=out / "stragglers", modes=parse_modes(STRAGGLER_MODES), num_workers=4, steps=120,
-                       repeats=2, stragglers=(STRAGGLER,), step_time_ms=STEP_TIME_MS, **mnist)),
+                       repeats=2, stragglers=(STRAGGLER,), step_time_ms=STEP_TIME_MS, eval_every=10, **mnist)),
         Experiment("workers8", f"fashion-mnist, 8 workers, a {2 * STEP_TIME_MS:g} ms step, no straggler: final "
                    "accuracy of async and its fixes against sync", CompareConfig(
                        out_dir=out / "workers8", modes=parse_modes(WIDE_MODES), num_workers=8, steps=120,
