@@ -41,13 +41,13 @@ class Experiment:
 
 def preset(out: Path, quick: bool = False, seed: int = 0, data_dir: str | None = None) -> list[Experiment]:
     """The experiments of --preset claims (quick: one tiny comparison of every mode on digits that
-    stands in for all three, to check the machinery, not the claims)."""
+    stands in for all three, to check the machinery, not the claims; with every straggler model)."""
     if quick:
         labels = dict.fromkeys(",".join((STRAGGLER_MODES, WIDE_MODES, WEIGHT_MODES)).split(","))
         modes = parse_modes(",".join(labels))
         cfg = CompareConfig(out_dir=out / "quick", modes=modes, task="digits", num_servers=1, num_workers=2,
                             steps=30, target=0.5, repeats=1, seed=seed, stragglers=((0, 2.0),), step_time_ms=5.0,
-                            save_weights=True, omp_threads=1)
+                            save_weights=True, omp_threads=1, straggler_dist=("pareto", 3.0), slow_node_rotate=10)
         return [Experiment(name, "every mode, tiny", cfg) for name in ("stragglers", "workers8", "allreduce")]
     mnist = dict(RECIPE, task="mnist", warmup_steps=15, target=0.95, seed=seed)
     fashion = dict(RECIPE, task="fashion-mnist", warmup_steps=30, target=0.85, seed=seed, data_dir=data_dir)

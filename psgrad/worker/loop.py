@@ -46,6 +46,7 @@ class TrainingLog:
         self._sink.write(
             0, event="start", clock=clock, batch_size=self._config.batch_size, mode=mode,
             slowdown=self._config.slowdown, jitter_ms=self._config.jitter_ms,
+            straggler_model=self._config.straggler_model.describe(),
         )
         self._window_start = time.perf_counter()
 

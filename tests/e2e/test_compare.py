@@ -171,3 +171,9 @@ def test_claims_preset_quick_writes_the_claims_table(tmp_path: Path) -> None:
     assert "Quick mode" in report and "![stragglers: convergence](quick/convergence.png)" in report
     assert (out / "quick" / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     assert claims["wall_s"] > 0 and len(claims["loadavg_start"]) == 3
+    # quick mode also runs the straggler models: they reach every worker, and the report records them
+    start = json.loads((out / "quick" / "runs" / "async-r0" / "worker1.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["slowdown"] == 2.0
+    assert start["straggler_model"] == ("Pareto slow steps (alpha 3); the slow node moves to the next rank every "
+                                        "10 steps, from rank 0")
+    assert "Pareto slow steps" in (out / "quick" / "report.md").read_text()
