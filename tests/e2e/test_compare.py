@@ -156,7 +156,7 @@ def test_claims_preset_quick_writes_the_claims_table(tmp_path: Path) -> None:
     rows = parse_table(report)
     assert [r["source"] for r in rows] == [
         "Ho et al., NIPS'13", "psgrad (--staleness auto)", "Chen et al., 2016", "Zhang et al., IJCAI'16",
-        "Zheng et al., ICML'17 (DC-ASGD)", "psgrad (float summation order aside)"]
+        "Zheng et al., ICML'17 (DC-ASGD)", "psgrad (float summation order aside)", "psgrad (control)"]
     claims = json.loads((out / "claims.json").read_text())
     assert [c["claim"] for c in claims["claims"]] == [r["claim"] for r in rows]
     for row, claim in zip(rows, claims["claims"]):
@@ -167,7 +167,7 @@ def test_claims_preset_quick_writes_the_claims_table(tmp_path: Path) -> None:
     ssp = claims["claims"][0]
     assert "sync: " in ssp["figures"] and " s (1/1 reached)" in ssp["figures"]  # mean ± std and how many reached
     assert "ssp:2/sync = " in ssp["check"]
-    assert claims["weights"]["max_abs_diff"] >= 0.0 and claims["weights"]["steps"] == 30
+    assert claims["weights"]["allreduce"]["max_abs_diff"] >= 0.0 and claims["weights"]["allreduce2"]["steps"] == 30
     assert "Quick mode" in report and "![stragglers: convergence](quick/convergence.png)" in report
     assert (out / "quick" / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     assert claims["wall_s"] > 0 and len(claims["loadavg_start"]) == 3

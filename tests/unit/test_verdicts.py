@@ -68,6 +68,9 @@ def test_features_missing_and_weights() -> None:
     assert weights_claim("c", "s", good).verdict == SUPPORTED
     assert weights_claim("c", "s", dict(good, max_abs_diff=1e-3)).verdict == NOT_SUPPORTED
     assert weights_claim("c", "s", {"error": "not saved"}).why == "not saved"
+    far = dict(good, max_abs_diff=0.03)
+    assert "the same algorithm, whose rounding" in weights_claim("c", "s", far, control=dict(good, max_abs_diff=0.0)).why
+    assert "more than summation order" in weights_claim("c", "s", far, control=far).why
 
 
 def test_the_preset_table_has_every_claim_and_parses_back() -> None:
@@ -76,9 +79,9 @@ def test_the_preset_table_has_every_claim_and_parses_back() -> None:
     wide = {"sync": mode(final=0.90), "async": mode(final=0.86), "async:slr": mode(final=0.89),
             "async:dc=0.04": mode(final=0.87), "async:dca=2": mode(final=0.88)}
     weights = {"max_abs_diff": 0.0, "parameters": 10, "steps": 100, "loss_sync": 0.3, "loss_allreduce": 0.3}
-    rows = verdicts({"stragglers": straggle, "workers8": wide}, {}, weights)
-    assert [r.verdict for r in rows] == [SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED, SUPPORTED]
-    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"ssp:auto": ["--staleness-max"]}, None)
+    rows = verdicts({"stragglers": straggle, "workers8": wide}, {}, {"allreduce": weights, "allreduce2": weights})
+    assert [r.verdict for r in rows] == [SUPPORTED] * 7
+    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"ssp:auto": ["--staleness-max"]}, {})
     assert [r.verdict for r in rows][1] == MISSING and rows[-1].verdict == NOT_SUPPORTED
     parsed = parse_table("# x\n\n" + "\n".join(table_markdown(rows)) + "\n\nafter\n")
     assert [p["claim"] for p in parsed] == [r.claim for r in rows]
