@@ -96,7 +96,7 @@ class CompareConfig:
             raise ConfigError(f"grid_steps must be >= 0 (0: half of --steps), got {self.grid_steps}")
         if self.slow_node_rotate and len(self.stragglers) != 1:
             raise ConfigError("--slow-node-rotate moves one slow node: give exactly one --straggler RANK:FACTOR")
-        self.straggler_model  # the distribution and rotation checked before any run starts
+        _ = self.straggler_model  # StragglerModel checks the distribution before any run starts
         for mode in self.modes:
             if mode.backup_workers >= self.num_workers:
                 raise ConfigError(f"mode {mode.label!r}: {mode.backup_workers} backup workers need more than "

@@ -47,11 +47,6 @@ class ModeRun:
             return self.label.replace(":", "")
         return self.label.replace(":", "-").replace("=", "")
 
-    @property
-    def kind(self) -> str:
-        """The label without lr=: what an lr grid compares at several learning rates."""
-        return ":".join(p for p in self.label.split(":") if not p.startswith("lr="))
-
     def averaged(self, num_workers: int) -> int:
         """How many gradients one update averages: N - backup for sync, N for allreduce, 1 otherwise."""
         return num_workers - self.backup_workers if self.mode in ("sync", *BASELINES) else 1

@@ -29,7 +29,6 @@ def test_variants_become_fields_and_flags() -> None:
     assert parse_mode("ssp:auto:max=8").extra == ("--staleness", "auto", "--staleness-max", "8")
     assert parse_mode("async:lr=0.02:slr") == ModeRun("async:lr=0.02:slr", "async", staleness_lr=True, lr=0.02)
     assert parse_mode("async:dc=0.04").slug == "async-dc0.04"
-    assert parse_mode("async:lr=0.02:slr").kind == "async:slr"
 
 
 @pytest.mark.parametrize("bad,message", [
