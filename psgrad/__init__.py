@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# gRPC's fork handlers (grpcio >= 1.80, on by default) restart its poller thread in a child that
+# fork() makes while channels or servers are busy; subprocess then closes that poller's epoll
+# descriptor before exec, and the child aborts ("epoll_wait error: Bad file descriptor") before it
+# runs anything (grpc/grpc#43055). psgrad's processes never use gRPC across a fork without exec,
+# so they turn the handlers off before gRPC starts (an explicit setting by the user wins).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from psgrad.config import AuthConfig, ClientConfig, JobSpec, ServerConfig, TlsConfig, WorkerConfig  # noqa: E402
 from psgrad.errors import (  # noqa: E402

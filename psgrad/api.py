@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -25,7 +24,9 @@ from psgrad.api_types import ExchangeResult, StepStats
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
+from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
+from psgrad.torch_optim import ScheduledOptimizer
 from psgrad.worker.flat import FlatModel
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
@@ -35,17 +36,24 @@ def connect(
     rank: int = 0,
     num_workers: int = 1,
     mode: str = "async",
-    staleness: int | None = None,
+    staleness: int | str | None = None,
     optimizer: ServerOptimizer | None = None,
     wire_dtype: str = "float32",
     staleness_lr: bool = False,
     client: ClientConfig | None = None,
+    dc_asgd: float = 0.0,
+    dc_asgd_adaptive: bool = False,
+    backup_workers: int = 0,
+    staleness_max: int = AUTO_STALENESS_MAX,
 ) -> Session:
     """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
 
     servers: the shard servers' HOST:PORT (a list or a comma-separated string), same order for
-    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise). Every worker
-    of a job must pass the same job settings; the servers refuse a mismatch, naming the field.
+    every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise), or "auto": the
+    servers adapt it within [1, staleness_max]. backup_workers (sync): an iteration applies the first
+    num_workers - backup_workers gradients. dc_asgd: DC-ASGD's lambda (0: off; async/ssp),
+    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker of a job must pass the
+    same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
         ConfigError: an invalid address or job setting (the message names it).
@@ -53,24 +61,38 @@ def connect(
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
     if staleness is None:
         staleness = 2 if mode == "ssp" else 0
+    auto = staleness == "auto"
+    if isinstance(staleness, str) and not auto:
+        raise ConfigError(f"staleness must be an integer >= 0 or 'auto', got {staleness!r}")
     spec = JobSpec(
         mode=mode,
-        staleness=staleness,
+        staleness=0 if auto else int(staleness),
+        staleness_max=staleness_max if auto else 0,
+        backup_workers=backup_workers,
         num_workers=num_workers,
         wire_dtype=wire_dtype,
         num_shards=len(addresses),
         staleness_lr=staleness_lr,
+        dc_asgd=dc_asgd,
+        dc_asgd_adaptive=dc_asgd_adaptive,
         **(optimizer or SGD()).job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())
 
 
 def check_overlap(spec: JobSpec, overlap: bool) -> None:
-    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync)."""
+    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
+    DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
     if overlap and spec.mode == "sync":
         raise ConfigError(
             "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
             "previous iteration's update (staleness 0), so there is nothing to overlap"
+        )
+    if overlap and spec.dc_asgd:
+        raise ConfigError(
+            "overlap and --dc-asgd do not go together: the servers compensate a gradient against the weights "
+            "its worker pulled last, and with overlap each gradient comes from the pull before that "
+            "(none would be compensated); drop one of them"
         )
 
 
@@ -136,7 +158,7 @@ class Session:
             self._optimizer.close()
 
 
-class PSOptimizer(torch.optim.Optimizer):
+class PSOptimizer(ScheduledOptimizer):
     """Steps a model against the parameter servers; a drop-in for a torch optimizer in the loop.
 
     step() pushes the flat gradient keyed by this worker's clock, then pulls the weights for the
@@ -145,11 +167,21 @@ class PSOptimizer(torch.optim.Optimizer):
     the model.
 
     It is a torch.optim.Optimizer with one parameter group whose "lr" starts at the job's lr, so a
-    torch LR scheduler drives it (LambdaLR, OneCycleLR without cycle_momentum, SequentialLR of
-    LinearLR warmup and CosineAnnealingLR, ...): each push carries the lr in effect, and the
-    servers apply that gradient with it (sync: the iteration's mean with the lowest rank's lr,
-    which is every worker's when their schedules follow their clocks). The other optimizer
+    torch LR scheduler drives it (StepLR, LambdaLR, OneCycleLR without cycle_momentum, SequentialLR
+    of LinearLR warmup and CosineAnnealingLR, ...) as does setting param_groups[0]["lr"] by hand.
+    The schedule is the job's: in sync mode every worker's push carries its lr, and the servers
+    apply the iteration's mean with the lowest rank's (every worker's, when their schedules follow
+    their clocks). In async and ssp mode the chief's (rank 0's) pushes carry its lr, which becomes
+    the job's on every shard (versioned by the chief's clock); the other workers' pushes carry none
+    and are applied with the job's, which the servers answer with and step() writes into their
+    param_groups (a schedule of their own is ignored, with a warning). The other optimizer
     settings are the job's and stay on the servers.
+
+    state_dict() holds what lives in the worker: the param group's settings (the lr a scheduler
+    set) and the clock. The weights and the optimizer's moments live on the servers, which
+    checkpoint them (--checkpoint-dir): load_state_dict() takes a state_dict() of a PSOptimizer
+    back (the lr; a scheduler's own state_dict() restores the schedule) and refuses per-parameter
+    state, such as a torch.optim optimizer's momentum buffers, which the servers keep instead.
 
     overlap=True runs each step's push + pull in a background thread while the caller computes the
     next step, and installs the pulled weights at the following step() call. The gradient of
@@ -165,7 +197,8 @@ class PSOptimizer(torch.optim.Optimizer):
         self.model = model
         self.overlap = overlap
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
-        super().__init__(self.flat.params, {"lr": spec.lr})
+        self.rank, self.mode, self.clock = session.rank, spec.mode, 0
+        super().__init__(self.flat.params, spec.lr, follows_job_lr=spec.mode != "sync" and session.rank != 0)
         self.params = param_specs(model) + (buffer_specs(model) if self.flat.buffers is not None else [])
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
@@ -199,25 +232,7 @@ class PSOptimizer(torch.optim.Optimizer):
         """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
         self.flat.zero_grad()
 
-    @property
-    def lr(self) -> float:
-        """The learning rate the next step() pushes with: param_groups[0]["lr"], which a torch LR
-        scheduler sets.
-
-        Raises:
-            ConfigError: not a finite number >= 0, or more than one parameter group.
-        """
-        if len(self.param_groups) != 1:
-            raise ConfigError(
-                f"psgrad applies one learning rate to the whole model; this optimizer has {len(self.param_groups)} "
-                "parameter groups (add_param_group is not supported)"
-            )
-        lr = float(self.param_groups[0]["lr"])
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ConfigError(f"the learning rate must be a finite number >= 0, got {lr!r} (param_groups[0]['lr'])")
-        return lr
-
-    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float) -> ExchangeResult:
+    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None) -> ExchangeResult:
         """Push grad as clock (computed on weights of versions `base`) with lr, then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
@@ -227,6 +242,8 @@ class PSOptimizer(torch.optim.Optimizer):
             staleness=max(r.staleness for r in replies),
             accepted=all(r.applied or r.deferred for r in replies),
             versions=versions,
+            lr=next((r.lr for r in replies if r.HasField("lr")), None),
+            bound=max(r.staleness_bound for r in replies),
         )
 
     def _finish_pending(self, stats: StepStats) -> None:
@@ -247,6 +264,9 @@ class PSOptimizer(torch.optim.Optimizer):
         stats.h2d_s = self.flat.h2d_s
         stats.exchange_s = done.exchange_s
         stats.staleness, stats.accepted = done.staleness, done.accepted
+        if self.job_lr_answered(done.lr) is not None:  # a follower reports the job's lr
+            stats.lr = self.lr
+        stats.staleness_bound = done.bound or None
 
     def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
         """Push this step's gradients with the lr in effect and bring fresh weights into the model
@@ -262,7 +282,8 @@ class PSOptimizer(torch.optim.Optimizer):
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
         clock = self.clock
-        stats = StepStats(clock=clock, lr=self.lr)
+        push_lr = self.push_lr()
+        stats = StepStats(clock=clock, lr=self.lr if push_lr is None else push_lr)
         if self.overlap:
             assert self._pool is not None
             base = self._versions  # the weights this step's gradient was computed on
@@ -275,12 +296,12 @@ class PSOptimizer(torch.optim.Optimizer):
                 return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), stats.lr)
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
         else:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             try:
-                done = self._exchange(grad, clock, self._versions, stats.lr)
+                done = self._exchange(grad, clock, self._versions, push_lr)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 stats.versions = list(self._versions)

@@ -17,13 +17,16 @@ class StepStats:
     """
 
     clock: int  # the clock of the gradient this step pushed (or started pushing)
-    lr: float = 0.0  # the learning rate this step's push carried (param_groups[0]["lr"])
+    # the learning rate this step's gradient is applied with: param_groups[0]["lr"], or in async and
+    # ssp for workers other than the chief, the job's (the chief's schedule), as the servers answered
+    lr: float = 0.0
     d2h_s: float = 0.0  # gradient gather + device->host copy
     h2d_s: float = 0.0  # pulled weights host->device (or into the model)
     exchange_s: float | None = None  # push + pull, including any wait at the sync/ssp gate
     wait_s: float = 0.0
     staleness: int | None = None  # the largest staleness any shard reported for the push
-    accepted: bool | None = None  # every shard applied or (sync) deferred the push
+    accepted: bool | None = None  # every shard applied or (sync) deferred the push (False: dropped as late)
+    staleness_bound: int | None = None  # ssp with staleness "auto": the largest bound a shard had in effect
     versions: list[int] = field(default_factory=list)  # base versions of the weights now in the model
     # sync: a restored shard was behind, so the job rolled back to this iteration and this step's
     # gradient was not applied; the optimizer's clock is now that iteration (compute it again)
@@ -41,3 +44,5 @@ class ExchangeResult:
     staleness: int
     accepted: bool
     versions: list[int]
+    lr: float | None = None  # the learning rate the (first) shard applies the push with
+    bound: int = 0  # the largest adaptive staleness bound a shard reported (0: fixed bounds)

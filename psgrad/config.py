@@ -9,11 +9,12 @@ from typing import Any
 
 from psgrad.core.credentials import check_bind
 from psgrad.core.stragglers import StragglerModel
+from psgrad.core.delay import check_dc_asgd
+from psgrad.core.modes import MODES, check_mode_fields, mode_argv
 from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
 from psgrad.optim import check_optimizer_fields
 
-MODES = ("async", "ssp", "sync")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
@@ -62,15 +63,14 @@ class JobSpec:
     alpha: float = 0.99  # rmsprop: decay of the squared-gradient average
     centered: bool = False  # rmsprop: divide by the gradient's estimated variance, not its raw second moment
     rho: float = 0.9  # adadelta: decay of both running averages
+    dc_asgd: float = 0.0  # DC-ASGD's lambda (0: off); async/ssp (see core/delay.py)
+    dc_asgd_adaptive: bool = False  # DC-ASGD-a: lambda0 / sqrt(mean square of the gradients)
+    backup_workers: int = 0  # sync: an iteration applies the first num_workers - backup_workers gradients
+    staleness_max: int = 0  # ssp: > 0 adapts the bound at run time within [1, staleness_max] (--staleness auto)
 
     def __post_init__(self) -> None:
-        _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        _check(self.staleness >= 0, f"staleness must be >= 0, got {self.staleness}")
-        _check(
-            self.staleness == 0 or self.mode == "ssp",
-            f"staleness bounds only mode 'ssp', got staleness {self.staleness} with mode {self.mode!r}",
-        )
         _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
+        check_mode_fields(self)  # mode, staleness (fixed or auto), backup_workers
         _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
         _check(
             math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr!r}"
@@ -80,6 +80,7 @@ class JobSpec:
             self.wire_dtype in WIRE_DTYPES,
             f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",
         )
+        check_dc_asgd(self)
         # The optimizer name is checked against the registry where it is built (optimizers.py).
 
     def differences(self, other: JobSpec) -> list[tuple[str, Any, Any]]:
@@ -97,14 +98,15 @@ class JobSpec:
         """The `psgrad worker` (and `psgrad allreduce`) flags that reproduce this spec. num_shards is
         not among them: a worker counts its shards in --servers (see WorkerConfig.to_argv)."""
         return [
-            "--mode", self.mode, "--staleness", str(self.staleness),
-            *(["--staleness-lr"] if self.staleness_lr else []),
+            *mode_argv(self), *(["--staleness-lr"] if self.staleness_lr else []),
             "--num-workers", str(self.num_workers), "--optimizer", self.optimizer, "--lr", str(self.lr),
             "--momentum", str(self.momentum), "--weight-decay", str(self.weight_decay),
             "--beta1", str(self.beta1), "--beta2", str(self.beta2), "--eps", str(self.eps),
             *(["--nesterov"] if self.nesterov else []), "--lr-decay", str(self.lr_decay),
             "--initial-accumulator-value", str(self.initial_accumulator_value), "--alpha", str(self.alpha),
             *(["--centered"] if self.centered else []), "--rho", str(self.rho), "--wire-dtype", self.wire_dtype,
+            *(["--dc-asgd", str(self.dc_asgd)] if self.dc_asgd else []),
+            *(["--dc-asgd-adaptive"] if self.dc_asgd_adaptive else []),
         ]  # str(float) round-trips: float(str(x)) == x
 
 

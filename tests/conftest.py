@@ -104,14 +104,15 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
 
 @pytest.fixture
 def make_servers():  # type: ignore[no-untyped-def]
-    """make_servers(n, lease_s=10.0) -> n in-process gRPC servers on port 0, stopped at teardown."""
+    """make_servers(n, lease_s=10.0, **ServerConfig fields) -> n in-process gRPC servers on port 0, stopped
+    at teardown."""
     from psgrad.config import ServerConfig
     from psgrad.server.runtime import start_server
 
     running = []
 
-    def make(n: int, lease_s: float = 10.0):  # type: ignore[no-untyped-def]
-        new = [start_server(ServerConfig(port=0, threads=16, lease_s=lease_s)) for _ in range(n)]
+    def make(n: int, lease_s: float = 10.0, **kw):  # type: ignore[no-untyped-def]
+        new = [start_server(ServerConfig(port=0, threads=16, lease_s=lease_s, **kw)) for _ in range(n)]
         running.extend(new)
         return new
 

@@ -166,6 +166,9 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay/nesterov matter.
     if ns.optimizer != "sgd":
         raise ConfigError(f"the all-reduce baseline applies SGD only, got --optimizer {ns.optimizer}")
+    if ns.dc_asgd or ns.dc_asgd_adaptive:
+        raise ConfigError("--dc-asgd compensates stale gradients on parameter servers; the all-reduce baseline "
+                          "is synchronous (nothing is stale) and has no servers: drop --dc-asgd")
     spec = JobSpec(
         mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay,
         nesterov=ns.nesterov,

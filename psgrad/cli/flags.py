@@ -19,6 +19,7 @@ from psgrad.config import (
     parse_servers,
 )
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
+from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.errors import ConfigError
 from psgrad.optim import DEFAULT_EPS
 
@@ -90,14 +91,19 @@ def straggler_model(ns: argparse.Namespace) -> StragglerModel:
     return StragglerModel(dist=dist, shape=shape, rotate_steps=steps, rotate_first=first)
 
 
-def positive_int(text: str) -> int:
+def int_at_least(text: str, low: int, alternative: str = "") -> int:
+    """An integer >= low (argparse type); `alternative` names what else the flag takes."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer{alternative}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}{alternative}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(text, 1)
 
 
 def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note: str = "", **kw: Any) -> None:
@@ -181,17 +187,31 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
          "see --staleness) or sync (BSP: one averaged update per iteration, staleness 0)", choices=MODES)
     g.add_argument(
         "--staleness",
-        type=int,
+        type=staleness_arg,
         default=None,  # not JobSpec.staleness: the default depends on --mode (SSP_STALENESS for ssp)
         help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
-        f"larger is faster with stragglers, smaller is fresher (default: {SSP_STALENESS} for ssp)",
+        "larger is faster with stragglers, smaller is fresher; 'auto': each server adapts it at run time "
+        "within [1, --staleness-max] from how long pulls wait for the slowest worker (README 'Consistency') "
+        f"(default: {SSP_STALENESS} for ssp)",
     )
+    flag(g, "--staleness-max", AUTO_STALENESS_MAX, "with --staleness auto: the largest bound the servers may "
+         "adopt; lower it to cap how stale gradients may get under a persistent straggler", type=positive_int)
+    flag(g, "--backup-workers", JobSpec.backup_workers, "sync only: an iteration applies the mean of the first "
+         "N-B gradients of its N live workers and drops the rest as late (Chen et al. 2016); try 1 when one "
+         "slow worker holds every iteration back; must be < --num-workers", type=int)
     g.add_argument(
         "--staleness-lr",
         action="store_true",
         help="scale each gradient's step by 1/max(1, staleness) (Zhang et al., IJCAI 2016); "
         "try it when async training with many workers diverges",
     )
+    flag(g, "--dc-asgd", JobSpec.dc_asgd, "async/ssp: delay-compensated ASGD (Zheng et al., ICML 2017) with this "
+         "LAMBDA: the servers apply g + LAMBDA*g*g*(w_now - w_pulled) for a gradient g computed on the weights "
+         "w_pulled; try e.g. 0.04 when stale gradients hurt; costs the servers one copy of the weights "
+         "per worker", ", off", type=float, metavar="LAMBDA")
+    flag(g, "--dc-asgd-adaptive", JobSpec.dc_asgd_adaptive, "with --dc-asgd LAMBDA0: DC-ASGD-a, whose lambda is "
+         "LAMBDA0/sqrt(mean square of the gradients) per element (e.g. LAMBDA0 2); try it when one "
+         "lambda does not suit every layer's gradient scale", action="store_true")
     g.add_argument("--steps", type=int, help="training iterations per worker: a worker trains until its clock "
                    "reaches this, so a resumed worker, or one joining a running sync/ssp job, trains the rest "
                    f"(default: recipe; {WorkerConfig.steps} for digits)")
@@ -293,10 +313,20 @@ def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._Arg
 
 
 # --------------------------------------------------------------------------- parsed flags -> config
+def staleness_arg(text: str) -> int | str:
+    """--staleness: a bound >= 0, or 'auto'."""
+    return text if text == "auto" else int_at_least(text, 0, " or 'auto'")
+
+
 def staleness(ns: argparse.Namespace) -> int:
     if ns.staleness is None:
         return SSP_STALENESS if ns.mode == "ssp" else 0
-    return int(ns.staleness)
+    return 0 if ns.staleness == "auto" else int(ns.staleness)
+
+
+def staleness_max(ns: argparse.Namespace) -> int:
+    """JobSpec.staleness_max: --staleness-max with --staleness auto, else 0 (a fixed bound)."""
+    return int(ns.staleness_max) if getattr(ns, "staleness", None) == "auto" else 0
 
 
 def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
@@ -306,6 +336,8 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
         beta2=ns.beta2, eps=DEFAULT_EPS.get(ns.optimizer, JobSpec.eps) if ns.eps is None else ns.eps,
         nesterov=ns.nesterov, lr_decay=ns.lr_decay, initial_accumulator_value=ns.initial_accumulator_value,
         alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
+        dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive,
+        backup_workers=ns.backup_workers, staleness_max=staleness_max(ns),
     )
 
 

@@ -85,10 +85,22 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             attached = f", backup {rep['backup']} attached (replicated to version {rep['replicated_version']})" if rep.get("backup") else ""
             follows = f" of {rep['primary']}" if rep.get("primary") else ""
             lines.append(f"shard {s['shard']}: {s['address']} is {rep['role']}{follows} at epoch {rep['epoch']}{attached}")
+        dc = s.get("delay") or {}
+        if s["spec"] and s["spec"].get("dc_asgd"):
+            lines.append(f"shard {s['shard']}: DC-ASGD lambda {s['spec']['dc_asgd']:g}"
+                         f"{' (adaptive)' if s['spec'].get('dc_asgd_adaptive') else ''}: copies of pulled weights for "
+                         f"{dc.get('copies', 0)} workers ({dc.get('nbytes', 0) / 1e6:.1f} MB), pushes compensated "
+                         f"{dc.get('compensated', 0)}, uncompensated {dc.get('uncompensated', 0)}")
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
+        if s.get("job_lr_clock", -1) >= 0:
+            lines.append(f"shard {s['shard']}: job lr {s['job_lr']:.6g} (set by the chief's push at clock {s['job_lr_clock']})")
         if s["rolled_back"]:
             lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
+        if s.get("late_dropped"):
+            lines.append(f"shard {s['shard']}: {s['late_dropped']} late gradients dropped (backup workers)")
+        if s.get("staleness_bound"):
+            lines.append(f"shard {s['shard']}: adaptive staleness bound now {s['staleness_bound']}")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
 

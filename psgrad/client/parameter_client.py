@@ -15,6 +15,7 @@ import torch
 from psgrad import errors
 from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.backup import LATE_REASON
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.credentials import worker_role
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
@@ -71,6 +72,9 @@ class ParameterClient:
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
+        # Sync with backup workers on several shards: shard 0 decides which gradients make an
+        # iteration, so pushes and pulls go to it first (README, "Consistency").
+        self._shard0_decides = spec.mode == "sync" and spec.backup_workers > 0 and plan.num_shards > 1
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
 
@@ -234,9 +238,13 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            return s.pull(req, flat[start:end], self._pull_wires[i])
+            return s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i])
 
-        versions = self._fan_out(one)
+        first, follow = None, req
+        if self._shard0_decides and not observe:  # the others' weights of shard 0's iteration (or later)
+            first = one(0, self.shards[0])
+            follow = pb.PullRequest(rank=self.rank, clock=max(clock, first), fingerprint=self.fingerprint)
+        versions = self._fan_out(lambda i, s: first if i == 0 and first is not None else one(i, s))
         if not observe:
             self.base_versions = versions
         return versions
@@ -261,7 +269,12 @@ class ParameterClient:
             start, end = self.plan.ranges[i]
             return s.push(self._push_header(i, clock, lr), self._push_wires[i].encode(flat_grad[start:end]))
 
-        return self._fan_out(one)
+        if not self._shard0_decides:
+            return self._fan_out(one)
+        first = one(0, self.shards[0])  # shard 0 decides whether the gradient is in its iteration
+        if first.reason.startswith(LATE_REASON):
+            return [first] * len(self.shards)  # late: no shard applies it
+        return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
 
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None
@@ -271,6 +284,8 @@ class ParameterClient:
         push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
         while another shard still receives the push. Returns the push replies and the versions
         pulled (remembered as base versions)."""
+        if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
+            return self.push(flat_grad, clock, lr), self.pull(flat, clock + 1)
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
 
         def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:

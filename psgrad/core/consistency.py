@@ -39,6 +39,11 @@ class ConsistencyPolicy(ABC):
     aggregates: ClassVar[bool] = False
     #: True: the first pull waits until num_workers workers have joined (no early head start).
     start_barrier: ClassVar[bool] = False
+    #: True: a push computed on an older iteration's weights is dropped as late, and the gate is
+    #: per worker (rank_ready): sync with backup workers (core/backup.py).
+    drops_late: ClassVar[bool] = False
+    #: True: the staleness bound moves at run time (observe_pull): ssp with `--staleness auto`.
+    adapts: ClassVar[bool] = False
 
     def __init__(self, staleness: int = 0) -> None:
         self.staleness = staleness
@@ -46,6 +51,21 @@ class ConsistencyPolicy(ABC):
     @abstractmethod
     def pull_ready(self, clock: int, view: ClockView) -> bool:
         """May a live worker that has completed `clock` iterations pull now?"""
+
+    def rank_ready(self, rank: int, clock: int, view: ClockView) -> bool:
+        """pull_ready for policies whose gate also depends on the worker (drops_late)."""
+        return self.pull_ready(clock, view)
+
+    def is_late(self, base_version: int, view: ClockView) -> bool:
+        """(drops_late) Was a gradient computed on weights of an iteration already complete?"""
+        return False
+
+    def handled(self, rank: int, iteration: int) -> None:
+        """(drops_late) rank's push for `iteration` was handled (buffered, skipped or dropped)."""
+
+    def observe_pull(self, waited_s: float, now: float, live: int, version: int) -> bool:
+        """(adapts) A pull was granted after waiting waited_s at the gate; True when the bound moved."""
+        return False
 
     def start_clock(self, view: ClockView) -> int:
         """Clock for a worker joining a running job: as far along as the slowest live worker

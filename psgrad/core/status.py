@@ -48,6 +48,16 @@ class ReplicaStatus:
 
 
 @dataclass(frozen=True)
+class DelayStatus:
+    """DC-ASGD on a shard (all 0 when off): its copies of the weights each worker pulled."""
+
+    copies: int = 0  # workers whose copy the shard keeps (one per live worker that pulled)
+    nbytes: int = 0  # memory of the copies and the compensation's scratch tensors
+    compensated: int = 0  # pushes compensated against their worker's copy
+    uncompensated: int = 0  # pushes applied as they came: no copy of the weights they were computed on
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
 
@@ -67,6 +77,10 @@ class ShardStatus:
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs to a checkpoint (recomputed)
+    job_lr: float = 0.0  # the learning rate of pushes that carry none: the chief's latest, else the spec's
+    job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
+    late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
+    staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
     uptime_s: float = 0.0
@@ -75,6 +89,7 @@ class ShardStatus:
     transfers: TransferStatus = field(default_factory=TransferStatus)
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
+    delay: DelayStatus = field(default_factory=DelayStatus)
 
     @property
     def numel(self) -> int:
@@ -108,6 +123,10 @@ class ShardStatus:
             "evictions": self.evictions,
             "updates_lost": self.updates_lost,
             "rolled_back": self.rolled_back,
+            "job_lr": self.job_lr,
+            "job_lr_clock": self.job_lr_clock,
+            "late_dropped": self.late_dropped,
+            "staleness_bound": self.staleness_bound,
             "pending": self.pending,
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,
@@ -126,6 +145,7 @@ class ShardStatus:
             },
             "transfers": dataclasses.asdict(self.transfers),
             "replica": dataclasses.asdict(self.replica),
+            "delay": dataclasses.asdict(self.delay),
             "missing_at_start": list(self.missing_at_start),
         }
 

@@ -20,7 +20,7 @@ Record = dict[str, Any]
 
 _WORKER_FILE = re.compile(r"worker(\d+)\.jsonl")
 _TARGET_METRICS = ("time_to_target_s", "gradients_to_target")
-_NOT_SCALAR = ("curve", "staleness_histogram")
+_NOT_SCALAR = ("curve", "staleness_histogram", "staleness_bound_curve")
 
 
 @dataclass
@@ -147,6 +147,9 @@ def run_metrics(run: RunData, target: float, metric: str = "test_accuracy") -> d
     last = finals[-1] if finals else None  # sorted by time: the final record written last
     hist = staleness_histogram(run)
     total = sum(hist.values())
+    # --staleness auto: the bound each step's push reported (largest over shards), over time
+    bounds = [(r["time"] - t0, int(r["staleness_bound"])) for r in steps if r.get("staleness_bound")]
+    late = [int(s.get("late_dropped", 0)) for s in run.status.get("shards", [])] if run.status else []
     final = {f"final_{key}": float(last[key]) if last is not None and key in last else None
              for key in dict.fromkeys(("test_accuracy", "test_loss", metric))}
     return {
@@ -161,6 +164,11 @@ def run_metrics(run: RunData, target: float, metric: str = "test_accuracy") -> d
         "staleness_p99": percentile_from_histogram(hist, 99) if total else None,
         "staleness_max": max(k for k, v in hist.items() if v > 0) if total else None,
         "staleness_histogram": hist,
+        # sync with backup workers: gradients dropped as late (shard 0 decides, so its count)
+        "late_dropped": max(late) if late else None,
+        "staleness_bound_mean": statistics.fmean(b for _t, b in bounds) if bounds else None,
+        "staleness_bound_max": max(b for _t, b in bounds) if bounds else None,
+        "staleness_bound_curve": bounds,
         "curve": curve,
     }
 

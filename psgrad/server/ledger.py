@@ -15,6 +15,8 @@ class PushResult:
     version: int
     staleness: int
     deferred: bool = False
+    lr: float | None = None  # the learning rate it is applied with (its own, or the job's)
+    bound: int = 0  # ssp with --staleness auto: the bound in effect on the shard (0: a fixed bound)
 
 
 @dataclass
@@ -40,4 +42,5 @@ class Counters:
     evictions: int = 0
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs (recomputed by the workers)
+    late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
     staleness: Counter[int] = field(default_factory=Counter)

@@ -72,6 +72,16 @@ class ShardCollector:
         yield counter("psgrad_evictions", "workers evicted after their lease expired", s.evictions)
         yield counter("psgrad_updates_lost", "updates lost to a restart from a checkpoint", s.updates_lost)
         yield counter("psgrad_rolled_back_iterations", "sync iterations undone by roll-backs", s.rolled_back)
+        yield gauge("psgrad_job_lr", "the job's learning rate: the chief's latest (async/ssp followers use it)", s.job_lr)
+        yield gauge("psgrad_dc_asgd_copy_bytes", "DC-ASGD (--dc-asgd; else 0): memory of the copies of the weights "
+                    "each worker pulled (and the compensation's scratch)", s.delay.nbytes)
+        yield counter("psgrad_dc_asgd_compensated", "DC-ASGD: pushes compensated against their worker's copy",
+                      s.delay.compensated)
+        yield counter("psgrad_dc_asgd_uncompensated", "DC-ASGD: pushes applied as they came (no copy of the "
+                      "weights they were computed on)", s.delay.uncompensated)
+        yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
+        if s.staleness_bound:
+            yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect", s.staleness_bound)
         live = sum(1 for w in s.workers if w.state == LIVE)
         yield gauge("psgrad_live_workers", "workers holding a lease", live)
         yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)

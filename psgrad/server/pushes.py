@@ -17,8 +17,10 @@ from psgrad.core.optimizers import UpdateRule
 from psgrad.errors import EvictedError, InvalidRequestError, NonFiniteGradientError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
+from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import Counters, PushResult
 from psgrad.server.membership import Member, Membership
+from psgrad.server.mode_hooks import drop_if_late
 from psgrad.server.state import ShardState
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
@@ -32,12 +34,14 @@ class PushPath:
     _members: Membership
     _policy: ConsistencyPolicy
     _rule: UpdateRule | None
+    _dc: DelayCompensation | None  # DC-ASGD: each worker's pulled weights
     _buffers: Buffers
     _round: SyncRound
     _counters: Counters
     history: deque[tuple[Any, ...]]
     _restored_clocks: dict[int, int]  # rank -> last push in the checkpoint, until its next push
     _restored: bool  # the shard was restored from a checkpoint
+    _bound: int  # --staleness auto: the bound in effect (0: a fixed bound)
 
     def _require(self, fingerprint: str, rank: int) -> ShardState:
         raise NotImplementedError
@@ -82,6 +86,7 @@ class PushPath:
             except (WorkerStateError, InvalidRequestError):
                 self._counters.pushes_rejected += 1
                 raise
+            lr = state.resolve_lr(rank, clock, lr)
             grad, wire = self._buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
@@ -132,6 +137,12 @@ class PushPath:
                 if clock <= member.last_push_clock:
                     self._counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                if self._policy.drops_late:  # sync with backup workers: a late gradient is dropped
+                    late = drop_if_late(self._policy, self._view(), member, clock, base_version, self._restored,
+                                        self._counters, self.history)
+                    if late is not None:
+                        self._replicate_members()
+                        return late
                 try:
                     decision = self._policy.decide_push(rank, clock, self._view(), self._restored)
                     if not self._policy.aggregates:
@@ -152,8 +163,8 @@ class PushPath:
                     before = state.version
                     self._refresh()
                     if state.version > before:
-                        return PushResult(True, "", state.version, 0)
-                    return PushResult(False, "buffered until every live worker pushed", state.version, 0, True)
+                        return PushResult(True, "", state.version, 0, lr=lr)
+                    return PushResult(False, "buffered until every live worker pushed", state.version, 0, True, lr)
                 staleness = max(0, state.version - base_version)
                 if staged:  # the buffer holds the next weights: swap them in
                     assert writer is not None and writer.staged_version == state.version
@@ -163,6 +174,8 @@ class PushPath:
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
                     state.average_buffer_deltas(grad)
+                    if self._dc is not None:  # DC-ASGD: compensated for the updates since its pull
+                        self._dc.compensate(rank, base_version, state.weights, grad)
                     self._before_apply(grad, scale, lr)  # replication: the backup applies the same gradient
                     state.apply(grad, scale, lr)
                 state.version += 1
@@ -172,7 +185,7 @@ class PushPath:
                 self._counters.staleness[staleness] += 1
                 self.history.append(("apply", state.version, ((rank, clock, staleness),)))
                 self._notify()
-                return PushResult(True, "", state.version, staleness)
+                return PushResult(True, "", state.version, staleness, lr=lr, bound=self._bound)
         finally:
             if not kept:
                 self.release(grad, wire)

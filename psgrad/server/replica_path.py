@@ -85,15 +85,17 @@ class ReplicaPath:
             return
         members = self._replica_members_sent = state.member_records(frozenset(self._round.pending))
         if payload is not None:
-            rep.offer(Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
-                             lr=payload[2]))
+            record = Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
+                            lr=payload[2])
         elif self._rule is not None:  # staged: the new weights are a tensor of their own, never written again
             stream = PullStream(state.weights, state.version, torch.float32, self._config.chunk_bytes, self._lock,
                                 self._end_read)
             self._buffers.open_read(stream)
-            rep.offer(Record(WEIGHTS, state.version, members, stream=stream))
+            record = Record(WEIGHTS, state.version, members, stream=stream)
         else:  # every gradient of a sync iteration was skipped
-            rep.offer(Record(NONE, state.version, members))
+            record = Record(NONE, state.version, members)
+        record.job_lr = (state.optimizer.lr, state.job_lr_clock)  # a backup that takes over keeps the schedule
+        rep.offer(record)
 
     def _replicate_members(self) -> None:
         """Workers joined, left or were evicted (caller holds the lock): the backup learns it
@@ -255,6 +257,8 @@ class ReplicaPath:
                 self._own_weights(state)
             else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
+            if record.job_lr is not None:
+                state.set_job_lr(*record.job_lr)
             state.version = record.version
             state.set_members(record.members, self._now())
             self._replica_members = record.members

@@ -65,7 +65,7 @@ class ReplicaServicer:
                 raise InvalidRequestError("replica record: the first frame must be the header")
             h = msg.header
             record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
-                            lr=h.lr if h.HasField("lr") else None)
+                            lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None)
             what = f"replica record {h.version}"
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None

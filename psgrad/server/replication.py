@@ -47,6 +47,7 @@ class Record:
     snapshot: ShardSnapshot | None = None
     in_segment: bool = False  # tensor is a view of the same-host segment (copied there already)
     lr: float | None = None  # gradient: the learning rate in effect on the primary (None: the job's)
+    job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -69,6 +70,8 @@ class Record:
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
             lr=self.lr,
         )
+        if self.job_lr is not None:
+            header.job_lr, header.job_lr_clock = self.job_lr
         head = pb.ReplicaFrame(header=header).SerializeToString()
         return self._frames(head, None if segment is not None else payload, chunk_bytes)
 

@@ -285,6 +285,8 @@ class ParameterServicer:
             version=result.version,
             staleness=result.staleness,
             deferred=result.deferred,
+            lr=result.lr,
+            staleness_bound=result.bound,
         )
 
     def _unreserve(self, r: _Reserved) -> None:

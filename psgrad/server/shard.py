@@ -13,14 +13,17 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, make_policy
+from psgrad.core.policies import policy_for
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.optimizers import UpdateRule
-from psgrad.core.status import ShardStatus
+from psgrad.core.status import DelayStatus, ShardStatus
 from psgrad.errors import JobMismatchError, NotInitializedError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
+from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, Counters, JoinResult, PushResult
 from psgrad.server.membership import Member, Membership
+from psgrad.server.mode_hooks import observe_pull
 from psgrad.server.pushes import PushPath
 from psgrad.server.recovery import Recovery, RollbackSource
 from psgrad.server.replica_path import ReplicaPath
@@ -28,7 +31,6 @@ from psgrad.server.state import NOT_INITIALIZED_HINT, ShardSnapshot, ShardState
 from psgrad.server.transfers import PullStream
 
 __all__ = ["HISTORY_LEN", "JoinResult", "Layout", "PushResult", "Shard"]
-
 
 
 class Shard(ReplicaPath, Recovery, PushPath):
@@ -56,7 +58,10 @@ class Shard(ReplicaPath, Recovery, PushPath):
         self._members = Membership(config.lease_s, now)
         self._state: ShardState | None = None
         self._policy: ConsistencyPolicy = make_policy("async")
+        self._adaptive = False  # --staleness auto: the policy's bound moves
+        self._bound = 0  # the adaptive bound in effect (0: a fixed one)
         self._rule: UpdateRule | None = None  # staged updates: the optimizer's piecewise rule
+        self._dc: DelayCompensation | None = None  # DC-ASGD's copies of the weights each worker pulled
         self._buffers = Buffers(lock, config.push_buffers, self._observers.notify_all)
         self._round = SyncRound()
         self._counters = Counters()
@@ -147,6 +152,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
             self._counters.evictions += 1
             self.history.append(("evict", m.rank, m.clock))
             self._buffers.revoke(m.rank)
+        if self._dc is not None:  # DC-ASGD: the copies of workers that left or were evicted go
+            self._dc.keep_only(self._members.live_ranks())
         if self._complete_iteration() or evicted:
             self._notify()
             self._replicate_members()
@@ -249,6 +256,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     raise JobMismatchError(problem)
                 return True
             self._install(state)
+            if self._dc is not None:  # the chief's gradients start from its initial weights
+                self._dc.record(rank, state.version, state.weights)
             self._register(rank)
             self._offer_snapshot()  # the first checkpoint: a restart never starts empty
             self._replicate_snapshot(state)  # the backup's starting state, if one is attached
@@ -259,11 +268,14 @@ class Shard(ReplicaPath, Recovery, PushPath):
         """Make state the shard's, with its job's policy and update path (caller holds the lock)."""
         spec = state.layout.spec
         self._state = state
-        self._policy = make_policy(spec.mode, spec.staleness)
+        self._policy = policy_for(spec)
+        self._adaptive = self._policy.adapts
+        self._bound = self._policy.staleness if self._adaptive else 0
         # Staged updates: a policy that applies on arrival, an exact wire, one receive buffer, an
         # optimizer with a piecewise rule (plain SGD), and no buffers in the range (they take deltas).
         staged = not self._policy.aggregates and get_codec(spec.wire_dtype).exact
-        staged = staged and state.layout.trainable == state.layout.numel
+        staged = staged and state.layout.trainable == state.layout.numel and not spec.dc_asgd
+        self._dc = DelayCompensation.for_job(spec, state.layout.trainable)  # DC-ASGD (None: off); no copies yet
         self._rule = state.optimizer.piecewise_rule() if staged and self._config.push_buffers == 1 else None
         self._buffers.configure(staged=self._rule is not None, per_worker=self._policy.aggregates)
         self._serving_changed()
@@ -285,7 +297,7 @@ class Shard(ReplicaPath, Recovery, PushPath):
         observe=True takes a read-only snapshot: no gate, no clock, no lease (evaluation, monitoring).
         """
         deadline = None if timeout_s is None else self._now() + timeout_s
-        parked = 0.0  # when this pull first waited at the gate (0: it has not)
+        parked = parked_now = 0.0  # when this pull first waited at the gate (0: it has not)
         with self._cond:
             state = self._require(fingerprint, rank)
             while True:
@@ -299,13 +311,16 @@ class Shard(ReplicaPath, Recovery, PushPath):
                         member.clock = clock
                         self._refresh()
                     view = self._view()
-                    ready = self._policy.pull_ready(clock, view)
+                    p = self._policy
+                    ready = p.rank_ready(rank, clock, view) if p.drops_late else p.pull_ready(clock, view)
                 if ready and not self._buffers.writers_waiting:
                     if not observe:
                         self._rewound.discard(rank)
                         self.history.append(("pull", rank, clock, view.min_clock, self.version))
                     if parked and self.on_gate_wait is not None:
                         self.on_gate_wait(time.monotonic() - parked)
+                    if self._adaptive and not observe:  # --staleness auto
+                        self._bound = observe_pull(self._policy, parked_now, self._now(), view, self.history, self._notify)
                     break
                 if not is_active() or self._closed:
                     return None
@@ -319,12 +334,14 @@ class Shard(ReplicaPath, Recovery, PushPath):
                     self._buffers.no_writers.wait(timeout=min(waits) if waits else None)
                     continue
                 self._waiting += 1
-                parked = parked or time.monotonic()
+                parked, parked_now = parked or time.monotonic(), parked_now or self._now()
                 self._observers.notify_all()
                 try:
                     self._cond.wait(timeout=min(waits) if waits else None)
                 finally:
                     self._waiting -= 1
+            if self._dc is not None and not observe:  # DC-ASGD: the weights this worker's next gradients use
+                self._dc.record(rank, state.version, state.weights)
             wire_dtype = get_codec(state.layout.spec.wire_dtype).dtype
             stream = PullStream(
                 state.weights, state.version, wire_dtype, self._config.chunk_bytes, self._lock, self._end_read
@@ -362,15 +379,13 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 fingerprint=layout.fingerprint if layout else "",
                 spec=layout.spec if layout else None,
                 version=self.version,
-                pushes_applied=c.pushes_applied,
-                pushes_duplicate=c.pushes_duplicate,
-                pushes_rejected=c.pushes_rejected,
-                pulls=c.pulls,
-                bytes_in=c.bytes_in,
-                bytes_out=c.bytes_out,
-                evictions=c.evictions,
-                updates_lost=c.updates_lost,
-                rolled_back=c.rolled_back,
+                pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
+                pushes_rejected=c.pushes_rejected, pulls=c.pulls, bytes_in=c.bytes_in, bytes_out=c.bytes_out,
+                evictions=c.evictions, updates_lost=c.updates_lost, rolled_back=c.rolled_back,
+                late_dropped=c.late_dropped,
+                job_lr=self._state.optimizer.lr if self._state else 0.0,
+                job_lr_clock=self._state.job_lr_clock if self._state else -1,
+                staleness_bound=self._bound,
                 pending=len(self._round.pending),
                 waiting=self._waiting,
                 uptime_s=self._now() - self._started,
@@ -379,5 +394,6 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 transfers=self._buffers.status(),
                 params=layout.params if layout and with_params else (),
                 replica=self._replica_status(),
+                delay=self._dc.status() if self._dc is not None else DelayStatus(),
             )
 

@@ -13,6 +13,8 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 
 OptimizerState = dict[str, torch.Tensor | float | int]
+# Keys of a snapshot's optimizer state that hold the job's lr and the chief's clock that set it.
+JOB_LR, JOB_LR_CLOCK = "job_lr", "job_lr_clock"
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
     "it sends the job spec and the initial weights"
@@ -52,6 +54,8 @@ class ShardState:
     optimizer: ShardOptimizer
     membership: Membership
     version: int = 0
+    #: The chief's clock whose push set the job's lr (optimizer.lr); -1: still the spec's.
+    job_lr_clock: int = -1
 
     @classmethod
     def create(cls, layout: Layout, weights: torch.Tensor, membership: Membership) -> ShardState:
@@ -79,6 +83,22 @@ class ShardState:
             self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
         self.weights[n:].add_(grad[n:])
 
+    def resolve_lr(self, rank: int, clock: int, lr: float | None) -> float:
+        """The learning rate a push is applied with: the one it carries, else the job's. The chief's
+        (rank 0's) pushes set the job's lr, which the other workers of an async or ssp job follow
+        (their pushes carry none): one schedule for the job, versioned by the chief's clock, so a
+        retried or late push of an older clock never turns it back."""
+        if lr is None:
+            return self.optimizer.lr
+        if rank == 0 and clock >= self.job_lr_clock:
+            self.optimizer.lr, self.job_lr_clock = lr, clock
+        return lr
+
+    def set_job_lr(self, lr: float, clock: int) -> None:
+        """Take the job's lr a primary (or a snapshot) says was set at the chief's `clock`."""
+        if clock >= self.job_lr_clock:
+            self.optimizer.lr, self.job_lr_clock = lr, clock
+
     def average_buffer_deltas(self, grad: torch.Tensor) -> None:
         """An update of one worker's push (async, ssp): its buffer deltas count 1/num_workers, so
         that the job's buffers move as much per round of pushes as a sync iteration's mean does."""
@@ -90,7 +110,8 @@ class ShardState:
         """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still
         buffers: the snapshot is taken at the iteration's start, where they still owe them."""
         records = self.member_records(pending_ranks)
-        return ShardSnapshot(self.layout, self.weights.clone(), self.optimizer.state_dict(), self.version, records)
+        optimizer = {**self.optimizer.state_dict(), JOB_LR: self.optimizer.lr, JOB_LR_CLOCK: self.job_lr_clock}
+        return ShardSnapshot(self.layout, self.weights.clone(), optimizer, self.version, records)
 
     def member_records(self, pending_ranks: frozenset[int] = frozenset()) -> tuple[MemberRecord, ...]:
         """Every worker's clocks as a snapshot (or a replicated update) keeps them, by rank."""
@@ -114,7 +135,11 @@ class ShardState:
         """The state a snapshot holds, with fresh copies of its tensors; members' leases start at
         `now` (a live worker that does not come back is evicted one lease later)."""
         state = cls.create(snap.layout, snap.weights.clone(), membership)
-        state.optimizer.load_state_dict(snap.optimizer)
+        saved = dict(snap.optimizer)
+        lr, lr_clock = saved.pop(JOB_LR, None), saved.pop(JOB_LR_CLOCK, None)
+        state.optimizer.load_state_dict(saved)
+        if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)
+            state.set_job_lr(float(lr), int(lr_clock))
         state.version = snap.version
         state.set_members(snap.members, now)
         return state

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import DelayStatus, ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -42,6 +42,10 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         alpha=_optional(msg, "alpha"),
         centered=msg.centered,
         rho=_optional(msg, "rho"),
+        dc_asgd=msg.dc_asgd,
+        dc_asgd_adaptive=msg.dc_asgd_adaptive,
+        backup_workers=msg.backup_workers,
+        staleness_max=msg.staleness_max,
     )
 
 
@@ -74,6 +78,10 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         evictions=status.evictions,
         updates_lost=status.updates_lost,
         rolled_back=status.rolled_back,
+        job_lr=status.job_lr,
+        job_lr_clock=status.job_lr_clock,
+        late_dropped=status.late_dropped,
+        staleness_bound=status.staleness_bound,
         pending=status.pending,
         waiting=status.waiting,
         uptime_s=status.uptime_s,
@@ -84,6 +92,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
+        delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -110,6 +119,10 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         evictions=msg.evictions,
         updates_lost=msg.updates_lost,
         rolled_back=msg.rolled_back,
+        job_lr=msg.job_lr,
+        job_lr_clock=msg.job_lr_clock,
+        late_dropped=msg.late_dropped,
+        staleness_bound=msg.staleness_bound,
         pending=msg.pending,
         waiting=msg.waiting,
         uptime_s=msg.uptime_s,
@@ -117,5 +130,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         staleness={int(b.staleness): int(b.count) for b in msg.staleness},
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
+        delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )

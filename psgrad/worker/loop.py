@@ -117,9 +117,16 @@ class DelayInjector:
         return extra
 
 
-def lr_scheduler(opt: PSOptimizer, factor: Callable[[int], float], clock: int) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_scheduler(
+    opt: PSOptimizer, factor: Callable[[int], float], clock: int
+) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A torch LambdaLR that sets the optimizer's lr to the job's times factor(step), positioned
-    at `clock` (a worker joining a running job, or rewinding, is where its clock is)."""
+    at `clock` (a worker joining a running job, or rewinding, is where its clock is). None for a
+    worker whose pushes follow the chief's schedule (async/ssp, rank > 0): it needs none. The
+    async/ssp chief's is positioned after each step at the job's progress, updates applied /
+    workers (the mean worker clock), so that a slow chief does not hold the job's schedule back."""
+    if opt.follows_job_lr:
+        return None
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
     return torch.optim.lr_scheduler.LambdaLR(opt, factor, last_epoch=clock - 1)
@@ -155,7 +162,9 @@ def train(
     with Session(config.servers, spec, rank, config.client) as session:
         opt = session.optimizer(model, overlap=config.overlap)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
-        mode = spec.mode + (f"(staleness {spec.staleness})" if spec.mode == "ssp" else "")
+        bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
+        mode = spec.mode + (f"(staleness {bound})" if spec.mode == "ssp" else "")
+        mode += f"(backup workers {spec.backup_workers})" if spec.backup_workers else ""
         buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
             f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.flat.numel:,} parameters"
@@ -189,7 +198,10 @@ def train(
                 log(f"{who}: a restored shard was behind: the job rolled back to iteration {stats.rolled_back_to}")
                 schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
-            schedule.step()
+            if schedule is not None:
+                if spec.mode != "sync" and stats.versions:  # the async/ssp chief: at the job's progress
+                    schedule.last_epoch = min(stats.versions) // spec.num_workers - 1
+                schedule.step()
             t1 = time.perf_counter()
             record: dict[str, Any] = {
                 "clock": stats.clock,
@@ -203,7 +215,7 @@ def train(
                 "wait_s": stats.wait_s,
                 "version": stats.versions,
             }
-            for key in ("exchange_s", "staleness", "accepted"):
+            for key in ("exchange_s", "staleness", "accepted", "staleness_bound"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
             report.step(clock + 1, record)

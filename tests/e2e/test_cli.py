@@ -354,3 +354,19 @@ def test_the_parser_imports_neither_torch_nor_grpc() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"  # `psgrad --help` stays fast: commands import them when they run
+
+
+def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale(tmp_path: Path) -> None:
+    from psgrad.cli.flags import apply_recipe, job_spec
+    from psgrad.cli.parser import build_parser
+
+    ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", "--dc-asgd", "2", "--dc-asgd-adaptive"])
+    apply_recipe(ns)
+    spec = job_spec(ns, 1, 1)
+    assert (spec.dc_asgd, spec.dc_asgd_adaptive) == (2.0, True) and "--dc-asgd-adaptive" in spec.to_argv()
+    res = run_cli(["launch", "--mode", "sync", "--dc-asgd", "0.04"])
+    assert res.returncode == 2 and "mode 'sync' applies every gradient" in res.stderr and "[launch]" not in res.stdout
+    res = run_cli(["launch", "--overlap", "--dc-asgd", "0.04"])
+    assert res.returncode == 2 and "overlap and --dc-asgd" in res.stderr
+    res = run_cli(["allreduce", "--store", str(tmp_path / "store"), "--dc-asgd", "0.04"])
+    assert res.returncode == 2 and "all-reduce baseline is synchronous" in res.stderr

@@ -1,4 +1,6 @@
-"""`psgrad run` end to end: jobs started only from a cluster engine's environment (TF_CONFIG, real torchrun) train digits."""
+"""`psgrad run` end to end on one machine: jobs started only from a cluster engine's environment (SLURM
+multi-prog, real torchrun) train digits. TF_CONFIG jobs and torchrun role groups run across hosts in
+test_netbed.py."""
 from __future__ import annotations
 
 import json
@@ -43,31 +45,6 @@ def start(argv: list[str], name: str, **env: str) -> Proc:
     """A child with only the engine variables given (none inherited from wherever the tests run)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ENGINE_PREFIXES)}
     return Proc(argv, name=name, cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1", **env}, new_session=False)
-
-
-def test_tf_config_job_of_2_servers_and_2_workers_trains_digits(tmp_path: Path) -> None:
-    """Kubeflow-style: every process gets the same cluster and its own task; nothing else tells it its role."""
-    ports = free_ports(2)
-    cluster = {"ps": [f"127.0.0.1:{p}" for p in ports], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
-    procs = []
-    try:
-        for kind, index in (("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0)):
-            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
-            argv = [sys.executable, "-m", "psgrad", "run", "--host", "127.0.0.1", "--metrics-dir", str(tmp_path), *JOB]
-            procs.append(start(argv, f"{kind}{index}", TF_CONFIG=tf_config))
-        codes = [p.wait(150) for p in procs]
-        assert codes == [0, 0, 0, 0], [p.lines[-5:] for p in procs]
-    finally:
-        for p in procs:
-            p.stop(grace_s=5)
-    servers, workers = procs[:2], procs[2:]
-    for i, p in enumerate(servers):
-        assert f"server {i} of 2, from the tf-config environment" in p.output
-        assert f"listening on 127.0.0.1:{ports[i]}" in p.output
-        assert "stopped (every worker left)" in p.output  # the job ends by itself
-    assert "worker rank 0 of 2 (the chief)" in workers[0].output and "worker rank 1 of 2" in workers[1].output
-    for rank in range(2):
-        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
 
 
 def consecutive_free_ports(n: int) -> int:
@@ -135,28 +112,6 @@ def test_real_torchrun_one_group_serves_and_trains(tmp_path: Path) -> None:
     (servers_line, *_) = [line for line in proc.lines if line.startswith("psgrad run: servers ")]
     assert sorted(servers_line.rsplit(" ", 1)[1].split(",")) == published  # read from the store as published
     assert out.count("stopped (every worker left)") == 2
-    for rank in range(2):
-        assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
-
-
-def test_real_torchrun_role_groups_one_serves_one_trains(tmp_path: Path) -> None:
-    """Two torchrun agents in one c10d rendezvous, `--role server` and `--role worker` (as on two nodes)."""
-    (port,) = free_ports(1)
-    procs = []
-    try:
-        for role in ("server", "worker"):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--role", role, "-m", "psgrad",
-                    "run", "--advertise-host", "127.0.0.1", "--insecure", "--metrics-dir", str(tmp_path), *JOB]
-            procs.append(start(argv, f"torchrun-{role}"))
-        assert [p.wait(150) for p in procs] == [0, 0], [p.lines[-20:] for p in procs]
-    finally:
-        for p in procs:
-            p.stop(grace_s=5)
-    servers, workers = procs
-    assert "server 0 of 2" in servers.output and "server 1 of 2" in servers.output
-    assert servers.output.count("stopped (every worker left)") == 2
-    assert "worker rank 0 of 2 (the chief)" in workers.output and "worker rank 1 of 2" in workers.output
     for rank in range(2):
         assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
 

@@ -55,9 +55,10 @@ def grad(rank: int, clock: int) -> torch.Tensor:
 
 
 def train(address: str, spec: JobSpec, clocks: Sequence[int], ranks: int = 2,
-          between: Callable[[], None] | None = None, config: ClientConfig = CONFIG) -> list[ParameterClient]:
+          between: Callable[[], None] | None = None, config: ClientConfig = CONFIG,
+          chief_lr: Callable[[int], float] | None = None) -> list[ParameterClient]:
     """Each rank (a thread) joins `address` and pushes clocks[:half], then (after `between` ran
-    once) the rest; returns the clients, closed."""
+    once) the rest, rank 0 with the lr chief_lr(clock) if given; returns the clients, closed."""
     half = len(clocks) // 2
     barrier = threading.Barrier(ranks, action=between)
     clients = [ParameterClient([address], spec, PARAMS, plan_shards(PARAMS, 1), r, config) for r in range(ranks)]
@@ -70,7 +71,7 @@ def train(address: str, spec: JobSpec, clocks: Sequence[int], ranks: int = 2,
         for i, clock in enumerate(clocks):
             if i == half:
                 barrier.wait()
-            c.exchange(grad(rank, clock), clock, flat)
+            c.exchange(grad(rank, clock), clock, flat, chief_lr(clock) if chief_lr and rank == 0 else None)
 
     try:
         run_in_threads(ranks, work)
@@ -101,6 +102,18 @@ def test_the_backup_holds_the_primarys_state_bit_for_bit(name: str, servers: Cal
     st = primary.shard.status().replica
     assert (st.role, st.backup, st.replicated_version, st.epoch) == ("primary", backup.address, expected, 0)
     assert backup.shard.status().replica.role == "backup" and backup.shard.status().replica.primary == primary.address
+
+
+def test_the_chiefs_lr_is_the_jobs_on_the_backup_too(servers: Callable[..., RunningServer]) -> None:
+    """async: the chief's pushes carry a decaying lr, the other worker's none; the backup applies
+    every push with the primary's lr and keeps the job's lr (it takes over with the schedule)."""
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    train(primary.address, JobSpec(optimizer="adam", lr=0.01, num_workers=2), range(6), chief_lr=lambda c: 0.01 / (1 + c))
+    status = primary.shard.status()
+    assert (status.job_lr, status.job_lr_clock) == (pytest.approx(0.01 / 6), 5)
+    assert_same_state(primary, backup)  # weights, moments, and the job's lr
+    assert (backup.shard.status().job_lr, backup.shard.status().job_lr_clock) == (status.job_lr, 5)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -66,6 +66,9 @@ JOB_BAD = [
     ("alpha", -0.5),
     ("rho", 1.5),
     ("rho", NAN),
+    ("dc_asgd", -0.1),
+    ("dc_asgd", NAN),
+    ("dc_asgd", INF),
 ]
 
 
@@ -277,10 +280,14 @@ def _flag(name: str) -> str:
 
 def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     # Without a flag a field silently takes its default in a launched worker; those left out say why.
-    spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True, momentum=0.9, nesterov=True).to_argv()
+    spec = JobSpec(mode="ssp", staleness=1, staleness_lr=True, momentum=0.9, nesterov=True, dc_asgd=0.5,
+                   dc_asgd_adaptive=True).to_argv()
     spec += JobSpec(optimizer="rmsprop", centered=True).to_argv()  # boolean flags appear only when set
+    spec += JobSpec(mode="ssp", staleness_max=4).to_argv()  # --staleness auto --staleness-max 4
+    spec += JobSpec(mode="sync", num_workers=2, backup_workers=1).to_argv()  # only when set
     assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards"}  # from --servers
-    assert not {"--staleness-lr", "--nesterov", "--centered"} & set(JobSpec().to_argv())
+    flags_when_set = {"--staleness-lr", "--nesterov", "--centered", "--dc-asgd", "--dc-asgd-adaptive"}
+    assert not flags_when_set & set(JobSpec().to_argv())
     client = ClientConfig().to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
         "--chunk-bytes",  # no flag: a worker has the default
@@ -436,3 +443,13 @@ def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(op
     apply_recipe(ns)  # the settings left out take the task's recipe (digits)
     assert job_spec(ns, 1, 1).eps == DEFAULT_EPS.get(optimizer, JobSpec.eps)
     assert DEFAULT_EPS.get(optimizer) == {"adagrad": 1e-10, "adadelta": 1e-6, "sgd": None}.get(optimizer, 1e-8)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_dc_asgd_is_a_setting_of_the_modes_with_stale_gradients(mode: str) -> None:
+    spec = JobSpec(mode=mode, dc_asgd=0.04, dc_asgd_adaptive=True)
+    assert spec.to_argv()[-3:] == ["--dc-asgd", "0.04", "--dc-asgd-adaptive"]
+    with pytest.raises(ConfigError, match="mode 'sync' applies every gradient to the weights it was computed on"):
+        JobSpec(mode="sync", dc_asgd=0.04)
+    with pytest.raises(ConfigError, match="--dc-asgd-adaptive .* give --dc-asgd > 0"):
+        JobSpec(mode=mode, dc_asgd_adaptive=True)

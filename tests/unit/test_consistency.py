@@ -199,7 +199,7 @@ def test_sync_applies_the_mean_once_every_live_worker_pushed() -> None:
 
     for r in (0, 1):
         result = push(s, layout, grads[r], rank=r, clock=0, base=0)
-        assert result == PushResult(False, result.reason, 0, 0, deferred=True)
+        assert result == PushResult(False, result.reason, 0, 0, deferred=True, lr=0.5)
         assert s.version == 0
         assert torch.equal(s.weights_copy(), w0)
         assert s.status().pending == r + 1

@@ -58,12 +58,13 @@ def push(
     rank: int = 0,
     clock: int = 0,
     base_version: int | None = None,
+    lr: float | None = None,
 ) -> PushResult:
     """The server's push sequence: header -> receive bytes -> finish -> apply. apply_push owns the
     buffers (it gives them back itself); they are released here only if it is never reached."""
     base = shard.version if base_version is None else base_version
     dtype = layout.spec.wire_dtype
-    buf, wire, writer = shard.push_target(rank, clock, base, grad.numel(), dtype, layout.fingerprint)
+    buf, wire, writer = shard.push_target(rank, clock, base, grad.numel(), dtype, layout.fingerprint, lr)
     try:
         sender = WireBuffer(grad.numel(), dtype)
         writer.write(sender.encode(grad.contiguous()))

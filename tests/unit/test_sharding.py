@@ -199,6 +199,10 @@ SPEC_CHANGES = {
     "alpha": (JobSpec(optimizer="rmsprop"), 0.9),
     "centered": (JobSpec(optimizer="rmsprop"), True),
     "rho": (JobSpec(optimizer="adadelta"), 0.8),
+    "dc_asgd": (JobSpec(), 0.04),
+    "dc_asgd_adaptive": (JobSpec(dc_asgd=2.0), True),
+    "backup_workers": (JobSpec(mode="sync", num_workers=3), 1),
+    "staleness_max": (SSP_SPEC, 4),
 }
 
 

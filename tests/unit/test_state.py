@@ -97,3 +97,31 @@ def test_snapshot_needs_a_job_and_restore_a_fresh_shard() -> None:
     s, _ = started(SPECS["sgd"])
     with pytest.raises(JobMismatchError, match="fresh shard"):
         s.restore(s.snapshot())
+
+
+def test_the_chiefs_lr_is_the_jobs_for_pushes_without_one_and_survives_a_snapshot() -> None:
+    """async: pushes that carry no lr (workers other than the chief) are applied with the job's,
+    which the chief's pushes set, versioned by its clock (a retried older push never turns it
+    back); a snapshot (checkpoint, standby) keeps it."""
+    spec = JobSpec(mode="async", lr=0.5, num_shards=2, num_workers=2)
+    shard, layout = started(spec)
+    w0 = shard.weights_copy()
+    g = grad(layout, 1)
+    assert push(shard, layout, g, rank=1, clock=0).lr == 0.5  # nothing set yet: the spec's
+    torch.testing.assert_close(shard.weights_copy(), w0 - 0.5 * g, rtol=0, atol=0)
+    assert push(shard, layout, grad(layout, 2), rank=0, clock=0, lr=0.5).lr == 0.5
+    assert push(shard, layout, grad(layout, 3), rank=0, clock=1, lr=0.05).lr == 0.05
+    before = shard.weights_copy()
+    assert push(shard, layout, g, rank=1, clock=1).lr == 0.05  # follows the chief's schedule
+    torch.testing.assert_close(shard.weights_copy(), before - 0.05 * g)
+    # a retried push of an older clock is a duplicate and leaves the job's lr as it is
+    assert not push(shard, layout, grad(layout, 2), rank=0, clock=0, lr=0.5).applied
+    assert push(shard, layout, g, rank=1, clock=2).lr == 0.05
+    # a worker other than the chief that sends its own lr gets it, without changing the job's
+    assert push(shard, layout, g, rank=1, clock=3, lr=0.2).lr == 0.2
+    status = shard.status()
+    assert (status.job_lr, status.job_lr_clock) == (0.05, 1)
+    restored = Shard(ServerConfig())
+    restored.restore(shard.snapshot())
+    assert (restored.status().job_lr, restored.status().job_lr_clock) == (0.05, 1)
+    assert push(restored, layout, g, rank=1, clock=4).lr == 0.05
