@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from psgrad.experiments.compare import CompareConfig, run_compare
-from psgrad.experiments.modes import known_flags, missing_features, parse_modes
+from psgrad.errors import PsgradError
+from psgrad.experiments.modes import parse_modes
 from psgrad.experiments.verdicts import (
-    BACKUP_RATIO, MISSING, STRAGGLER_RATIO, Verdict, gap_claim, table_markdown, time_ratio_claim, weights_claim,
+    BACKUP_RATIO, NOT_RUN, STRAGGLER_RATIO, Verdict, gap_claim, table_markdown, time_ratio_claim, weights_claim,
 )
 
 # The full preset: the CNN of "Tasks" with an emulated accelerator step, so that the waits, not this
@@ -106,22 +107,22 @@ def emulation_check(directory: Path, step_time_ms: float) -> dict[str, Any] | No
 
 
 def verdicts(
-    results: Mapping[str, Mapping[str, Any] | None], missing: Mapping[str, list[str]],
-    weights: Mapping[str, Mapping[str, Any] | None], metric: str = "test_accuracy",
+    results: Mapping[str, Mapping[str, Any] | None], weights: Mapping[str, Mapping[str, Any] | None],
+    metric: str = "test_accuracy",
 ) -> list[Verdict]:
     """The claims table's rows from each experiment's summary ({mode: aggregate}; None: not run)."""
     straggle, wide = results.get("stragglers"), results.get("workers8")
     return [
         time_ratio_claim("SSP beats BSP when there are stragglers (and so does async)", "Ho et al., NIPS'13",
-                         straggle, ["ssp:2", "async"], "sync", STRAGGLER_RATIO, missing),
+                         straggle, ["ssp:2", "async"], "sync", STRAGGLER_RATIO),
         time_ratio_claim("an adaptive staleness bound keeps SSP's advantage", "psgrad (--staleness auto)",
-                         straggle, ["ssp:auto"], "sync", STRAGGLER_RATIO, missing),
+                         straggle, ["ssp:auto"], "sync", STRAGGLER_RATIO),
         time_ratio_claim("sync with b = 1 backup worker beats plain sync", "Chen et al., 2016",
-                         straggle, ["sync:backup=1"], "sync", BACKUP_RATIO, missing),
+                         straggle, ["sync:backup=1"], "sync", BACKUP_RATIO),
         gap_claim("dividing the step by the staleness rescues async", "Zhang et al., IJCAI'16",
-                  wide, ["async:slr"], metric, missing),
+                  wide, ["async:slr"], metric),
         gap_claim("delay compensation closes most of async's gap", "Zheng et al., ICML'17 (DC-ASGD)",
-                  wide, ["async:dc=0.04", "async:dca=2"], metric, missing),
+                  wide, ["async:dc=0.04", "async:dca=2"], metric),
         weights_claim("sync and allreduce are the same algorithm", "psgrad (float summation order aside)",
                       weights.get("allreduce"), control=weights.get("allreduce2")),
         weights_claim("sync and allreduce are the same algorithm, 2 workers (no summation order to differ)",
@@ -144,39 +145,35 @@ def run_claims(
     out.mkdir(parents=True, exist_ok=True)
     start, load_before = time.monotonic(), os.getloadavg()
     experiments = preset(out, quick, seed, data_dir)
-    known = known_flags()
-    missing: dict[str, list[str]] = {}
-    done: dict[Path, Mapping[str, Any]] = {}
+    done: dict[Path, Mapping[str, Any] | None] = {}
+    failed: dict[str, str] = {}
     results: dict[str, Mapping[str, Any] | None] = {}
     for exp in experiments:
         if exp.config.out_dir not in done:
-            lacking = missing_features(exp.config.modes, known)
-            missing.update(lacking)
-            cfg = replace(exp.config, modes=tuple(m for m in exp.config.modes if m.label not in lacking))
-            log(f"== claims: {exp.name}: {exp.purpose}" + (f" (not run, feature missing: {', '.join(lacking)})"
-                                                              if lacking else ""))
-            done[cfg.out_dir] = run_compare(cfg, f"{command}  # experiment {exp.name}", progress, log)["modes"]
+            log(f"== claims: {exp.name}: {exp.purpose}")
+            try:
+                done[exp.config.out_dir] = run_compare(exp.config, f"{command}  # experiment {exp.name}", progress,
+                                                       log)["modes"]
+            except PsgradError as exc:  # one failed run costs its experiment's rows, not the others'
+                log(f"== claims: {exp.name} failed: {exc}")
+                failed[exp.name], done[exp.config.out_dir] = str(exc), None
         results[exp.name] = done[exp.config.out_dir]
     emulation = {e.name: emulation_check(e.config.out_dir, e.config.step_time_ms) for e in experiments}
     weights = {e.name: weight_difference(e.config.out_dir, e.config.task, e.config.steps,
                                          {m: _final_loss(results[e.name], m) for m in ("sync", "allreduce")})
                for e in experiments if e.name in WEIGHT_RUNS}
-    rows = verdicts(results, missing, weights)
+    rows = verdicts(results, weights)
     elapsed, load_after = time.monotonic() - start, os.getloadavg()
     document = {"command": command, "quick": quick, "wall_s": elapsed, "loadavg_start": load_before,
                 "loadavg_end": load_after, "claims": [r.as_dict() for r in rows], "weights": weights,
-                "missing_features": missing, "experiments": {e.name: e.purpose for e in experiments},
+                "failed": failed, "experiments": {e.name: e.purpose for e in experiments},
                 "emulation": emulation}
     (out / "claims.json").write_text(json.dumps(document, indent=2, default=str))
     write_claims_report(out, experiments, rows, document)
     for row in rows:
-        log(f"{row.verdict:>26}  {row.claim}: {row.check}")
+        log(f"{row.verdict:>13}  {row.claim}: {row.check}")
     log(f"wrote {out}/report.md and claims.json in {elapsed / 60:.1f} min")
     return 0
-
-
-def _ran(label: str, missing: Mapping[str, Any]) -> str:
-    return f"{label} (not run: feature missing)" if label in missing else label
 
 
 def write_claims_report(out: Path, experiments: list[Experiment], rows: list[Verdict], doc: Mapping[str, Any]) -> Path:
@@ -190,8 +187,10 @@ def write_claims_report(out: Path, experiments: list[Experiment], rows: list[Ver
                   "the preset runs, and its verdicts say nothing about the claims.", ""]
     lines += ["## Claims", "", *table_markdown(rows), "",
               "Verdicts compare means over the seeds with the thresholds in the check column (time ratios are "
-              f"of mean wall time to the target, every seed having reached it). \"{MISSING}\": this psgrad's "
-              "workers and servers do not have the flag the variant needs.", "", "## Experiments", ""]
+              f"of mean wall time to the target, every seed having reached it). \"{NOT_RUN}\": a run of the "
+              "experiment failed (below, and its output.log says why).", "",
+              *(f"- **{name} failed**: {why}" for name, why in doc["failed"].items()),
+              "## Experiments", ""]
     seen: set[Path] = set()
     for exp in experiments:
         directory = exp.config.out_dir
@@ -200,7 +199,7 @@ def write_claims_report(out: Path, experiments: list[Experiment], rows: list[Ver
         seen.add(directory)
         rel = directory.relative_to(out)
         lines += [f"### {exp.name}: {exp.purpose}", "",
-                  f"Modes {', '.join(_ran(m.label, doc['missing_features']) for m in exp.config.modes)}; "
+                  f"Modes {', '.join(m.label for m in exp.config.modes)}; "
                   f"{exp.config.repeats} seed(s) from "
                   f"{exp.config.seed}; {exp.config.steps} steps per worker; full table in [{rel}/report.md]({rel}/report.md).",
                   ""]

@@ -98,9 +98,6 @@ class CompareConfig:
             raise ConfigError("--slow-node-rotate moves one slow node: give exactly one --straggler RANK:FACTOR")
         _ = self.straggler_model  # StragglerModel checks the distribution before any run starts
         for mode in self.modes:
-            if mode.backup_workers >= self.num_workers:
-                raise ConfigError(f"mode {mode.label!r}: {mode.backup_workers} backup workers need more than "
-                                  f"{self.num_workers} workers")
             self.job_spec(mode)  # lr, momentum, ... checked by JobSpec before any run starts
 
     @property
@@ -144,7 +141,8 @@ class CompareConfig:
         """The spec of one run of mode (the all-reduce baseline: sync, which is what it does)."""
         return JobSpec(
             mode="sync" if mode.mode in BASELINES else mode.mode, staleness=mode.staleness,
-            staleness_lr=mode.staleness_lr, num_workers=self.num_workers, optimizer=self.optimizer,
+            staleness_max=mode.staleness_max, staleness_lr=mode.staleness_lr, backup_workers=mode.backup_workers,
+            dc_asgd=mode.dc_asgd, dc_asgd_adaptive=mode.dc_asgd_adaptive, num_workers=self.num_workers, optimizer=self.optimizer,
             lr=self.mode_lr(mode), momentum=self.momentum,
             weight_decay=self.weight_decay, wire_dtype=self.wire_dtype, num_shards=self.num_servers,
             eps=DEFAULT_EPS.get(self.optimizer, JobSpec.eps),
@@ -166,7 +164,7 @@ def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir
     """The flags of worker rank in one run of mode (after `psgrad worker`, or `psgrad allreduce` without servers)."""
     config = cfg.worker_config(seed, rank, run_dir, servers.split(",") if servers else ())
     board = [] if cfg.tensorboard is None else ["--tensorboard", str(Path(cfg.tensorboard) / run_dir.name)]
-    return [*config.to_argv(), *cfg.job_spec(mode).to_argv(), *mode.extra, *board]
+    return [*config.to_argv(), *cfg.job_spec(mode).to_argv(), *board]
 
 
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:

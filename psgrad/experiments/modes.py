@@ -1,11 +1,11 @@
-"""The --modes grammar of `psgrad compare`: MODE[:OPTION...], e.g. sync:backup=1, async:dc=0.04, ssp:auto, and the flags each variant becomes."""
+"""The --modes grammar of `psgrad compare`: MODE[:OPTION...], e.g. sync:backup=1, async:dc=0.04, ssp:auto, and the job settings each variant becomes."""
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, replace
 
 from psgrad.config import MODES
+from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.errors import ConfigError
 
 BASELINES = ("allreduce",)
@@ -25,20 +25,18 @@ GRAMMAR = (
 
 @dataclass(frozen=True)
 class ModeRun:
-    """One entry of --modes: the label as the user wrote it, the mode, its staleness bound, and its variant.
-
-    staleness_auto: ssp's bound adapts at run time (--staleness auto), at most staleness_max.
-    extra: the flags of variants built by other parts of psgrad (backup workers, DC-ASGD, the
-    adaptive bound), added after the job's flags in every worker's command line.
-    """
+    """One entry of --modes: the label as the user wrote it, the mode, and the job settings of its
+    variant (JobSpec's fields of the same names; CompareConfig.job_spec puts them together)."""
 
     label: str
     mode: str
     staleness: int = 0
+    staleness_max: int = 0  # ssp:auto: the bound adapts at run time within [1, staleness_max]
     staleness_lr: bool = False
     lr: float | None = None  # None: the comparison's lr (or the one its --lr-grid picked)
     backup_workers: int = 0
-    extra: tuple[str, ...] = ()
+    dc_asgd: float = 0.0
+    dc_asgd_adaptive: bool = False
 
     @property
     def slug(self) -> str:
@@ -54,12 +52,6 @@ class ModeRun:
     def with_lr(self, lr: float) -> ModeRun:
         """This variant at a fixed lr, labelled as before (the lr is reported beside it)."""
         return replace(self, lr=lr)
-
-    def flags(self) -> list[str]:
-        """The option names of `extra` (--backup-workers, --dc-asgd, ...): what this psgrad must know.
-        ssp:auto needs --staleness-max, which came with `--staleness auto` (--staleness itself is older)."""
-        needed = [f for f in self.extra if f.startswith("--") and f != "--staleness"]
-        return needed + (["--staleness-max"] if "auto" in self.extra and "--staleness-max" not in needed else [])
 
 
 def _number(item: str, key: str, value: str, integer: bool) -> float:
@@ -88,9 +80,8 @@ def parse_mode(item: str) -> ModeRun:
             staleness = int(bound)
         else:
             raise ConfigError(f"mode {item!r} in --modes: ssp needs its bound first, ssp:S (S >= 0) or ssp:auto")
-    run = ModeRun(item.strip(), name, staleness)
+    run = ModeRun(item.strip(), name, staleness, staleness_max=AUTO_STALENESS_MAX if auto else 0)
     seen: set[str] = set()
-    extra: list[str] = []
     for option in options:
         key, sep, value = option.partition("=")
         allowed = {o.partition("=")[0]: bool(o.partition("=")[1]) for o in OPTIONS[name]}
@@ -108,17 +99,16 @@ def parse_mode(item: str) -> ModeRun:
             run = replace(run, staleness_lr=True)
         elif key == "backup":
             run = replace(run, backup_workers=int(_number(item, key, value, integer=True)))
-            extra += ["--backup-workers", str(run.backup_workers)]
         elif key in ("dc", "dca"):
-            extra += ["--dc-asgd", repr(_number(item, key, value, integer=False))]
-            extra += ["--dc-asgd-adaptive"] if key == "dca" else []
+            run = replace(run, dc_asgd=_number(item, key, value, integer=False), dc_asgd_adaptive=key == "dca")
         elif key == "max":
             if not auto:
                 raise ConfigError(f"mode {item!r} in --modes: max= bounds ssp:auto only")
-            extra += ["--staleness-max", str(int(_number(item, key, value, integer=True)))]
-    if auto:
-        extra = ["--staleness", "auto", *extra]
-    return replace(run, extra=tuple(extra))
+            ceiling = int(_number(item, key, value, integer=True))
+            if ceiling < 1:
+                raise ConfigError(f"mode {item!r} in --modes: max= needs an integer >= 1, got {value!r}")
+            run = replace(run, staleness_max=ceiling)
+    return run
 
 
 def parse_modes(text: str) -> tuple[ModeRun, ...]:
@@ -128,19 +118,3 @@ def parse_modes(text: str) -> tuple[ModeRun, ...]:
     if len(set(labels)) != len(labels):
         raise ConfigError(f"--modes lists a mode twice: {text!r}")
     return out
-
-
-def known_flags() -> set[str]:
-    """Every option string `psgrad worker` and `psgrad server` accept in this psgrad."""
-    from psgrad.cli.parser import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {flag for command in ("worker", "server") for flag in sub.choices[command]._option_string_actions}
-
-
-def missing_features(modes: tuple[ModeRun, ...], known: set[str] | None = None) -> dict[str, list[str]]:
-    """{label: the flags its variant needs that this psgrad lacks}, for the modes that lack any."""
-    have = known_flags() if known is None and any(m.extra for m in modes) else (known or set())
-    out = {m.label: [f for f in m.flags() if f not in have] for m in modes}
-    return {label: flags for label, flags in out.items() if flags}

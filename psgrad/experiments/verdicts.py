@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SUPPORTED, NOT_SUPPORTED, MISSING = "supported", "not supported", "not run (feature missing)"
+SUPPORTED, NOT_SUPPORTED, NOT_RUN = "supported", "not supported", "not run"
 # The issue's thresholds: time-to-target ratios, the share of async's gap to recover, the weight tolerance.
 STRAGGLER_RATIO = 0.6
 BACKUP_RATIO = 0.75
@@ -24,7 +24,7 @@ class Verdict:
     source: str
     figures: str  # the measured figures, mean ± std over seeds
     check: str  # the test applied, with the measured value
-    verdict: str  # SUPPORTED, NOT_SUPPORTED or MISSING
+    verdict: str  # SUPPORTED, NOT_SUPPORTED or NOT_RUN
     why: str = ""  # what decided it, in words (always for "not supported")
 
     def as_dict(self) -> dict[str, str]:
@@ -60,16 +60,21 @@ def _all_reached(summary: Summary, label: str) -> bool:
     return entry is not None and entry.get("reached", 0) == summary[label].get("repeats", -1) > 0
 
 
+def _absent(summary: Summary | None, labels: Sequence[str]) -> str:
+    """Why a claim could not be checked ("" when every mode of labels has results)."""
+    if summary is None:
+        return "its experiment did not finish (see its output.log files)"
+    lacking = [label for label in labels if label not in summary]
+    return f"no results for {', '.join(lacking)}" if lacking else ""
+
+
 def time_ratio_claim(
     claim: str, source: str, summary: Summary | None, fast: Sequence[str], slow: str, limit: float,
-    missing: Mapping[str, Sequence[str]] | None = None,
 ) -> Verdict:
     """Each mode of `fast` reaches the target in <= limit x `slow`'s mean wall time (every seed reaching it)."""
-    absent = [label for label in fast if missing and label in missing]
+    absent = _absent(summary, [slow, *fast])
     if absent or summary is None:
-        flags = sorted({f for label in absent for f in (missing or {})[label]})
-        return Verdict(claim, source, "-", f"time to target <= {limit:g} x {slow}'s", MISSING,
-                       f"this psgrad lacks {', '.join(flags) or 'the experiment'}")
+        return Verdict(claim, source, "-", f"time to target <= {limit:g} x {slow}'s", NOT_RUN, absent)
     figures = "; ".join(_fig(summary, label, "time_to_target_s", " s") for label in (slow, *fast))
     base = _mean(summary, slow, "time_to_target_s")
     checks, failures = [], []
@@ -90,18 +95,16 @@ def time_ratio_claim(
 
 def gap_claim(
     claim: str, source: str, summary: Summary | None, fixes: Sequence[str], metric: str,
-    missing: Mapping[str, Sequence[str]] | None = None, bad: str = "async", good: str = "sync",
+    bad: str = "async", good: str = "sync",
 ) -> Verdict:
     """At least one of `fixes` recovers >= RECOVERED_SHARE of the final-metric gap from `bad` to `good`:
     (fix - bad) / (good - bad), signs taken so that better is positive (accuracy up, loss down)."""
-    ran = [label for label in fixes if not (missing and label in missing) and summary and label in summary]
     key = f"final_{metric}"
-    if not ran or summary is None:
-        flags = sorted({f for label in fixes for f in (missing or {}).get(label, ())})
-        return Verdict(claim, source, "-", f"recovers >= {RECOVERED_SHARE:.0%} of the {bad}-{good} gap", MISSING,
-                       f"this psgrad lacks {', '.join(flags) or 'the experiment'}")
+    absent = _absent(summary, [good, bad, *fixes])
+    if absent or summary is None:
+        return Verdict(claim, source, "-", f"recovers >= {RECOVERED_SHARE:.0%} of the {bad}-{good} gap", NOT_RUN, absent)
     name = metric.removeprefix("test_")
-    figures = f"final {name}: " + "; ".join(_fig(summary, label, key, decimals=4) for label in (good, bad, *ran))
+    figures = f"final {name}: " + "; ".join(_fig(summary, label, key, decimals=4) for label in (good, bad, *fixes))
     sign = 1.0 if metric.endswith("accuracy") else -1.0
     g, b = _mean(summary, good, key), _mean(summary, bad, key)
     if g is None or b is None:
@@ -110,14 +113,12 @@ def gap_claim(
     if gap <= 0:
         return Verdict(claim, source, figures, f"{good} - {bad} = {gap:+.4f}: no gap", NOT_SUPPORTED,
                        f"{bad} was not behind {good} here, so there was no gap to recover")
-    shares = {label: sign * ((_mean(summary, label, key) or math.nan) - b) / gap for label in ran}
+    shares = {label: sign * ((_mean(summary, label, key) or math.nan) - b) / gap for label in fixes}
     check = ", ".join(f"{label} recovers {share:.0%}" for label, share in shares.items())
     check += f" of the {gap:.4f} gap (need >= {RECOVERED_SHARE:.0%})"
     best = max((s for s in shares.values() if math.isfinite(s)), default=math.nan)
     ok = math.isfinite(best) and best >= RECOVERED_SHARE
     why = "" if ok else f"the best fix recovered {best:.0%} of the gap"
-    if missing and any(label in missing for label in fixes):
-        why += ("; " if why else "") + "not run: " + ", ".join(label for label in fixes if label in missing)
     return Verdict(claim, source, figures, check, SUPPORTED if ok else NOT_SUPPORTED, why)
 
 

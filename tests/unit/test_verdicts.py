@@ -1,4 +1,4 @@
-"""psgrad.experiments.verdicts and claims: synthetic summaries -> supported / not supported / feature missing."""
+"""psgrad.experiments.verdicts and claims: synthetic summaries -> supported / not supported / not run."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +7,7 @@ import pytest
 
 from psgrad.experiments.claims import verdicts
 from psgrad.experiments.verdicts import (
-    MISSING, NOT_SUPPORTED, SUPPORTED, gap_claim, parse_table, table_markdown, time_ratio_claim, weights_claim,
+    NOT_RUN, NOT_SUPPORTED, SUPPORTED, gap_claim, parse_table, table_markdown, time_ratio_claim, weights_claim,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,12 +58,12 @@ def test_gap_recovery() -> None:
     assert gap_claim("c", "s", bpb, ["async:slr"], "test_bpb").verdict == SUPPORTED  # lower is better: 75 %
 
 
-def test_features_missing_and_weights() -> None:
+def test_modes_without_results_are_not_run_and_weights() -> None:
     summary = {"sync": mode(20.0), "async": mode(final=0.8)}
-    v = gap_claim("c", "s", summary, ["async:dc=0.04"], "test_accuracy", missing={"async:dc=0.04": ["--dc-asgd"]})
-    assert v.verdict == MISSING and "--dc-asgd" in v.why
-    v = time_ratio_claim("c", "s", summary, ["ssp:auto"], "sync", 0.6, missing={"ssp:auto": ["--staleness-max"]})
-    assert v.verdict == MISSING
+    v = gap_claim("c", "s", summary, ["async:dc=0.04"], "test_accuracy")
+    assert v.verdict == NOT_RUN and v.why == "no results for async:dc=0.04"
+    v = time_ratio_claim("c", "s", None, ["ssp:auto"], "sync", 0.6)
+    assert v.verdict == NOT_RUN and "did not finish" in v.why
     good = {"max_abs_diff": 3e-7, "parameters": 171_000, "steps": 100, "loss_sync": 0.31, "loss_allreduce": 0.31}
     assert weights_claim("c", "s", good).verdict == SUPPORTED
     assert weights_claim("c", "s", dict(good, max_abs_diff=1e-3)).verdict == NOT_SUPPORTED
@@ -79,13 +79,13 @@ def test_the_preset_table_has_every_claim_and_parses_back() -> None:
     wide = {"sync": mode(final=0.90), "async": mode(final=0.86), "async:slr": mode(final=0.89),
             "async:dc=0.04": mode(final=0.87), "async:dca=2": mode(final=0.88)}
     weights = {"max_abs_diff": 0.0, "parameters": 10, "steps": 100, "loss_sync": 0.3, "loss_allreduce": 0.3}
-    rows = verdicts({"stragglers": straggle, "workers8": wide}, {}, {"allreduce": weights, "allreduce2": weights})
+    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"allreduce": weights, "allreduce2": weights})
     assert [r.verdict for r in rows] == [SUPPORTED] * 7
-    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"ssp:auto": ["--staleness-max"]}, {})
-    assert [r.verdict for r in rows][1] == MISSING and rows[-1].verdict == NOT_SUPPORTED
+    rows = verdicts({"stragglers": None, "workers8": wide}, {})
+    assert [r.verdict for r in rows][:3] == [NOT_RUN] * 3 and rows[-1].verdict == NOT_SUPPORTED
     parsed = parse_table("# x\n\n" + "\n".join(table_markdown(rows)) + "\n\nafter\n")
     assert [p["claim"] for p in parsed] == [r.claim for r in rows]
-    assert parsed[0]["verdict"] == "**supported**" and parsed[1]["verdict"].startswith(f"**{MISSING}**")
+    assert parsed[0]["verdict"].startswith(f"**{NOT_RUN}**") and parsed[3]["verdict"] == "**supported**"
 
 
 def test_emulation_check_counts_the_steps_whose_compute_overran_the_emulated_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
