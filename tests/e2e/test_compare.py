@@ -155,7 +155,8 @@ def test_claims_preset_quick_writes_the_claims_table(tmp_path: Path) -> None:
     report = (out / "report.md").read_text()
     rows = parse_table(report)
     assert [r["source"] for r in rows] == [
-        "Ho et al., NIPS'13", "psgrad (--staleness auto)", "Chen et al., 2016", "Zhang et al., IJCAI'16",
+        "Ho et al., NIPS'13", "Ho et al., NIPS'13", "psgrad (--staleness auto)", "Chen et al., 2016",
+        "Chen et al., 2016", "Zhang et al., IJCAI'16",
         "Zheng et al., ICML'17 (DC-ASGD)", "psgrad (float summation order aside)", "psgrad (control)"]
     claims = json.loads((out / "claims.json").read_text())
     assert [c["claim"] for c in claims["claims"]] == [r["claim"] for r in rows]

@@ -79,13 +79,18 @@ def test_the_preset_table_has_every_claim_and_parses_back() -> None:
     wide = {"sync": mode(final=0.90), "async": mode(final=0.86), "async:slr": mode(final=0.89),
             "async:dc=0.04": mode(final=0.87), "async:dca=2": mode(final=0.88)}
     weights = {"max_abs_diff": 0.0, "parameters": 10, "steps": 100, "loss_sync": 0.3, "loss_allreduce": 0.3}
-    rows = verdicts({"stragglers": straggle, "workers8": wide}, {"allreduce": weights, "allreduce2": weights})
-    assert [r.verdict for r in rows] == [SUPPORTED] * 7
-    rows = verdicts({"stragglers": None, "workers8": wide}, {})
-    assert [r.verdict for r in rows][:3] == [NOT_RUN] * 3 and rows[-1].verdict == NOT_SUPPORTED
+    straggle["ssp:auto"].update(staleness_bound_mean={"mean": 5.25, "std": 0.1}, staleness_bound_max={"mean": 8.0})
+    tail = {"sync": mode(20.0), "sync:backup=1": mode(12.0), "ssp:2": mode(11.0)}
+    results = {"stragglers": straggle, "tail": tail, "workers8": wide}
+    rows = verdicts(results, {"allreduce": weights, "allreduce2": weights})
+    assert [r.verdict for r in rows] == [SUPPORTED] * 9
+    assert rows[2].figures.endswith("ssp:auto's bound: mean 5.2, max 8.0")
+    rows = verdicts(dict(results, stragglers=None), {})
+    assert [r.verdict for r in rows] == [NOT_RUN, SUPPORTED, NOT_RUN, NOT_RUN, SUPPORTED, SUPPORTED, SUPPORTED,
+                                         NOT_SUPPORTED, NOT_SUPPORTED]
     parsed = parse_table("# x\n\n" + "\n".join(table_markdown(rows)) + "\n\nafter\n")
     assert [p["claim"] for p in parsed] == [r.claim for r in rows]
-    assert parsed[0]["verdict"].startswith(f"**{NOT_RUN}**") and parsed[3]["verdict"] == "**supported**"
+    assert parsed[0]["verdict"].startswith(f"**{NOT_RUN}**") and parsed[1]["verdict"] == "**supported**"
 
 
 def test_emulation_check_counts_the_steps_whose_compute_overran_the_emulated_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
