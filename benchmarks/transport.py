@@ -272,6 +272,12 @@ class _Agent:
         flat, grad = self._buffers(numel)
         clock = client.join(initial_weights=(lambda: flat) if rank == 0 else None)
         self.closers.append(client.close)
+        # Same host: the gradient lives in shared memory (a zero-copy push) and pulls take the
+        # version the server lends (zero-copy), as a CPU worker's PSOptimizer does.
+        shared = client.gradient_buffer()
+        if shared is not None:
+            shared.copy_(grad)
+            grad = shared
 
         def run(iters: int) -> dict[str, Any]:
             nonlocal clock
@@ -279,7 +285,7 @@ class _Agent:
             start = time.monotonic()
             for _ in range(iters):
                 t0 = time.monotonic()
-                client.pull(flat, clock)
+                client.pull(flat, clock, published=True)
                 t1 = time.monotonic()
                 client.push(grad, clock)
                 t2 = time.monotonic()

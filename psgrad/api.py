@@ -207,15 +207,21 @@ class PSOptimizer(ScheduledOptimizer):
         self._versions: list[int] = []
         self._left = False
         self._closed = False
+        self._zero_copy = False
         try:
             chief = session.rank == 0
             self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None)
             self.clock = self.start_clock
             self.rollbacks = 0
             self.rejoins = 0
+            # Same host, CPU float32: pushes read the gradient in place, and pulls lend versions
+            # that the parameters become views of (zero-copy; they are read-only between steps).
+            self._zero_copy = self.flat.zero_copy and session.client_config.shared_memory
+            grad = self.client.gradient_buffer() if self._zero_copy else None
+            if grad is not None:
+                self.flat.adopt_grad_buffer(grad)
             try:
-                self._versions = self.client.pull(self.flat.host_flat, self.clock)
-                self.flat.weights_pulled()
+                self._versions = self._pull(self.clock)
             except RollbackError:  # a resumed sync job whose shards checkpointed different iterations
                 self.start_clock = self._roll_back()
         except BaseException:
@@ -236,7 +242,7 @@ class PSOptimizer(ScheduledOptimizer):
         """Push grad as clock (computed on weights of versions `base`) with lr, then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr)
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy)
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
@@ -258,8 +264,18 @@ class PSOptimizer(ScheduledOptimizer):
         stats.wait_s = time.perf_counter() - t0
         self._record(done, stats)
 
+    def _pull(self, clock: int, observe: bool = False) -> list[int]:
+        """Pull the weights for clock into the model (zero-copy where a same-host shard lends them)."""
+        versions = self.client.pull(self.flat.host_flat, clock, observe, self._zero_copy)
+        self._install()
+        return versions
+
+    def _install(self) -> None:
+        views = self.client.views() if self._zero_copy else []
+        self.flat.weights_pulled([(start, v) for (start, _), v in zip(self.plan.ranges, views)])
+
     def _record(self, done: ExchangeResult, stats: StepStats) -> None:
-        self.flat.weights_pulled()
+        self._install()
         self._versions = done.versions
         stats.h2d_s = self.flat.h2d_s
         stats.exchange_s = done.exchange_s
@@ -328,12 +344,11 @@ class PSOptimizer(ScheduledOptimizer):
         for attempt in range(attempts):
             target = self.client.rollback()
             try:
-                self._versions = self.client.pull(self.flat.host_flat, target)
+                self._versions = self._pull(target)
             except RollbackError:  # another shard went back meanwhile
                 if attempt == attempts - 1:
                     raise
                 continue
-            self.flat.weights_pulled()
             self.clock = target
             self.rollbacks += 1
             return target
@@ -344,8 +359,7 @@ class PSOptimizer(ScheduledOptimizer):
         as a worker joining a running job does, pull the weights of the clock the shards give,
         and continue from it. Returns that clock."""
         self.clock = self.client.join(initial_weights=None)
-        self._versions = self.client.pull(self.flat.host_flat, self.clock)
-        self.flat.weights_pulled()
+        self._versions = self._pull(self.clock)
         self.rejoins += 1
         return self.clock
 
@@ -362,15 +376,14 @@ class PSOptimizer(ScheduledOptimizer):
         """Read the servers' latest weights into the model without a gate or lease (e.g. to
         evaluate after leave()); returns their versions."""
         self.synchronize()
-        versions = self.client.pull(self.flat.host_flat, self.clock, observe=True)
-        self.flat.weights_pulled()
-        return versions
+        return self._pull(self.clock, observe=True)
 
     def leave(self) -> None:
         if self._left:
             return
         try:
             self.synchronize()
+            self.flat.own_weights()  # the model keeps the weights it has, in memory of its own
         finally:
             self._left = True
             self.client.leave()

@@ -230,15 +230,16 @@ class ParameterClient:
         self._heartbeat = threading.Thread(target=beat, name="psgrad-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def pull(self, flat: torch.Tensor, clock: int, observe: bool = False) -> list[int]:
+    def pull(self, flat: torch.Tensor, clock: int, observe: bool = False, published: bool = False) -> list[int]:
         """Pull every shard into its range of flat (float32, CPU) once the mode's gate for `clock`
-        holds; remembers the base versions. observe=True reads a snapshot: no gate, no lease."""
+        holds; remembers the base versions. observe=True reads a snapshot: no gate, no lease.
+        published=True: a same-host shard may lend its version zero-copy instead (see views())."""
 
         req = pb.PullRequest(rank=self.rank, clock=clock, fingerprint=self.fingerprint, observe=observe)
 
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            return s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i])
+            return s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i], published and not observe)
 
         first, follow = None, req
         if self._shard0_decides and not observe:  # the others' weights of shard 0's iteration (or later)
@@ -277,7 +278,7 @@ class ParameterClient:
         return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
 
     def exchange(
-        self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None
+        self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False
     ) -> tuple[list[pb.PushReply], list[int]]:
         """One iteration's traffic: push(flat_grad, clock, lr), then pull(flat, clock + 1), per shard
         in one Step call where it fits (same host, or payloads of at most one chunk), else as a
@@ -285,21 +286,37 @@ class ParameterClient:
         while another shard still receives the push. Returns the push replies and the versions
         pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            return self.push(flat_grad, clock, lr), self.pull(flat, clock + 1)
+            return self.push(flat_grad, clock, lr), self.pull(flat, clock + 1, published=published)
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
 
         def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
             start, end = self.plan.ranges[i]
             header = self._push_header(i, clock, lr)
             payload = self._push_wires[i].encode(flat_grad[start:end])
-            done = s.step(header, payload, flat[start:end], self._pull_wires[i])
+            done = s.step(header, payload, flat[start:end], self._pull_wires[i], published)
             if done is None:
-                done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i])
+                done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
             return done
 
         results = self._fan_out(one)
         self.base_versions = [version for _, version in results]
         return [reply for reply, _ in results], list(self.base_versions)
+
+    def views(self) -> list[torch.Tensor | None]:
+        """After a pull or exchange with published=True: per shard, its weights as a read-only
+        float32 tensor of the version the server lent (valid until the next pull), or None where
+        they were written into flat."""
+        return [s.view for s in self.shards]
+
+    def gradient_buffer(self) -> torch.Tensor | None:
+        """A float32 buffer of the flat space in shared memory that pushes of it are not copied
+        from (a zero-copy push: the server reads the gradient in place), or None: one shard on
+        this host only, float32 wire. Valid while the client is open; write it only between
+        pushes (a push returns once the server has read it)."""
+        if len(self.shards) != 1 or self.spec.wire_dtype != "float32":
+            return None
+        view = self.shards[0].gradient_buffer(self._push_wires[0].nbytes)
+        return None if view is None else torch.frombuffer(view, dtype=torch.float32)
 
     def rollback(self, attempts: int = 5) -> int:
         """Sync mode, after a shard refused a call with RollbackError (it was restored from a

@@ -14,8 +14,9 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.client import reconnect
+from psgrad.client.same_host import SameHostPath
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, copy_from_wire
+from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
@@ -23,7 +24,6 @@ from psgrad.wire.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
-    ERROR_METADATA_KEY,
     GATED_PUSH_BYTES,
     SERVICE_NAME,
     STEP_REQUEST_DATA,
@@ -35,7 +35,7 @@ from psgrad.wire.security import client_channels
 T = TypeVar("T")
 
 
-class ShardClient:
+class ShardClient(SameHostPath):
     """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
     the one in use stops answering). Methods raise PsgradError subclasses, never grpc.RpcError."""
 
@@ -51,6 +51,7 @@ class ShardClient:
         self._server_shm = False  # the server said at Join that it takes shared-memory payloads
         self._segment: shm.Segment | None = None
         self._segment_guard = threading.Lock()
+        self._init_same_host()
         # Set once this worker has joined: sends the same Join again (deadline in seconds), before
         # a call is retried after the shard stopped answering.
         self.rejoin: Callable[[float], object] | None = None
@@ -108,32 +109,6 @@ class ShardClient:
         for channel in self._channels:
             channel.close()
 
-    def _take_segment(self, nbytes: int) -> shm.Segment | None:
-        """This shard's shared-memory segment, locked for one transfer; None: use gRPC frames
-        (another host, or the segment is busy with a concurrent transfer)."""
-        if not (self._shm and self._server_shm) or nbytes == 0:
-            return None
-        with self._segment_guard:
-            seg = self._segment
-            if seg is None or seg.nbytes != nbytes:
-                if seg is not None:
-                    seg.close()
-                try:
-                    seg = self._segment = shm.Segment(nbytes)
-                except OSError:
-                    self._shm = False
-                    return None
-            return seg if seg.lock.acquire(blocking=False) else None
-
-    def _drop_segment(self, seg: shm.Segment, for_good: bool = False) -> None:
-        """Never write this segment again (the server may still read it, or cannot open it)."""
-        with self._segment_guard:
-            if self._segment is seg:
-                self._segment = None
-            if for_good:
-                self._shm = False
-        seg.close()
-
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
         """fn(), reconnecting (or failing over) while the shard does not answer (see reconnect.call)."""
         rejoin = self.rejoin if retry else None
@@ -170,9 +145,11 @@ class ShardClient:
         t = self.config.rpc_timeout_s
         return self._call("the init stream", lambda: self._init(frames(), timeout=t), t)
 
-    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
-        """Pull the shard's weights into dest (float32 slice of the flat space); returns their version."""
-        version = self._pull_shared(req, dest, wire)
+    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
+        """Pull the shard's weights into dest (float32 slice of the flat space), or with published
+        (same host) into `view` where the server lends a slot; returns their version."""
+        self.view = None
+        version = self._pull_shared(req, dest, wire, published)
         return version if version is not None else self.pull_frames(req, dest, wire)
 
     def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
@@ -262,68 +239,9 @@ class ShardClient:
             )
         return header
 
-    # ----------------------------------------------------------------- through shared memory
-    def _pull_shared(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int | None:
-        """A same-host pull: the server copies the weights into this shard's segment and answers
-        with the header alone. None when this shard's payloads go through gRPC frames (another
-        host, or the segment is busy with a concurrent transfer)."""
-        seg = self._take_segment(wire.nbytes)
-        if seg is None:
-            return None
-        t = self.config.rpc_timeout_s
-        try:
-            first = self._pull_header_only(req, timeout=t, metadata=seg.metadata())
-        except grpc.RpcError as exc:
-            if self._shared_failed(seg, exc):
-                return self.pull_frames(req, dest, wire)
-            raise reconnect.as_error(exc, self.address, self.diagnose, "the pull", t) from None
-        try:
-            header = self._pull_header(first, dest, wire)
-            copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
-            seg.unlink()  # the server has it open
-        finally:
-            seg.lock.release()
-        return int(header.version)
-
-    def _push_shared(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply | None:
-        """A same-host push: the gradient goes into this shard's segment, the call carries the
-        header alone. None when this shard's payloads go through gRPC frames (see _pull_shared)."""
-        seg = self._take_segment(len(payload))
-        if seg is None:
-            return None
-        t = self.config.rpc_timeout_s
-        try:
-            copy_bytes(seg.payload[: len(payload)], payload)
-            frame = pb.PushFrame(header=header).SerializeToString()
-            reply: pb.PushReply = self._push_header_only(frame, timeout=t, metadata=seg.metadata())
-        except grpc.RpcError as exc:
-            if self._shared_failed(seg, exc):
-                return self.push_frames(header, payload)  # keyed: a retry is never applied twice
-            raise reconnect.as_error(exc, self.address, self.diagnose, "the push", t) from None
-        except BaseException:
-            seg.lock.release()
-            raise
-        seg.unlink()  # the server has it open
-        seg.lock.release()
-        return reply
-
-    def _shared_failed(self, seg: shm.Segment, exc: grpc.RpcError) -> bool:
-        """A same-host call failed: retire its segment (the server may still be using it), and say
-        whether the transfer should be redone through frames (refused, or worth a retry)."""
-        trailing = tuple(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ()
-        refused = (shm.METADATA_KEY, shm.REFUSED) in trailing
-        if refused or not any(key == ERROR_METADATA_KEY for key, _ in trailing):
-            # Refused, or the call ended without the server's answer, which may still be using
-            # the segment: never write it again. A restarted server can no longer open a name
-            # unlinked after first use, so a fresh segment may work next time; one that the
-            # server never opened will not (another host, another /dev/shm).
-            self._drop_segment(seg, for_good=refused and not seg.opened)
-        seg.lock.release()
-        return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self.config.reconnect_timeout_s > 0)
-
     # ----------------------------------------------------------------- push + pull in one call
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer
+        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False
     ) -> tuple[pb.PushReply, int] | None:
         """Push one gradient slice as header.clock, then pull the weights for header.clock + 1
         into dest, in one unary Step call: through this shard's segment (same host), else with
@@ -331,9 +249,10 @@ class ShardClient:
         pulled version; None when a Step call does not fit (a large payload to another host):
         then push and pull separately. Retries are safe (pushes are keyed).
         """
+        self.view = None
         seg = self._take_segment(len(payload))
         if seg is not None:
-            return self._step_shared(seg, header, payload, dest, wire)
+            return self._step_shared(seg, header, payload, dest, wire, published)
         if len(payload) > self.config.chunk_bytes:
             return None
         head = pb.StepRequest(push=header).SerializeToString()
@@ -348,30 +267,6 @@ class ShardClient:
                 f"server {self.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
             )
         copy_from_wire(dest, data, wire)
-        return reply.push, int(reply.pull.version)
-
-    def _step_shared(
-        self, seg: shm.Segment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer
-    ) -> tuple[pb.PushReply, int] | None:
-        """step() through the segment: the gradient goes in, the weights come back in it."""
-        t = self.config.rpc_timeout_s
-        try:
-            copy_bytes(seg.payload[: len(payload)], payload)
-            request = pb.StepRequest(push=header).SerializeToString()
-            reply: pb.StepReply = self._step(request, timeout=t, metadata=seg.metadata())
-        except grpc.RpcError as exc:
-            if self._shared_failed(seg, exc):
-                return None  # push and pull through frames instead (a keyed push is never applied twice)
-            raise reconnect.as_error(exc, self.address, self.diagnose, "the push and pull", t) from None
-        except BaseException:
-            seg.lock.release()
-            raise
-        try:
-            self._check_pull_header(reply.pull, dest, wire)
-            copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
-            seg.unlink()  # the server has it open
-        finally:
-            seg.lock.release()
         return reply.push, int(reply.pull.version)
 
     def status(self, timeout_s: float | None = None, with_params: bool = False) -> pb.StatusReply:

@@ -80,8 +80,8 @@ class ShardCollector:
         yield counter("psgrad_dc_asgd_uncompensated", "DC-ASGD: pushes applied as they came (no copy of the "
                       "weights they were computed on)", s.delay.uncompensated)
         yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
-        if s.staleness_bound:
-            yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect", s.staleness_bound)
+        yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect (0: a fixed bound)",
+                    s.staleness_bound)
         live = sum(1 for w in s.workers if w.state == LIVE)
         yield gauge("psgrad_live_workers", "workers holding a lease", live)
         yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)

@@ -91,6 +91,11 @@ class PushPath:
             exact = get_codec(dtype).exact
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
+            # A gradient that the worker's segment holds may be applied from there, in place: by an
+            # update rule that only reads it, applied on arrival, to weights without buffers.
+            writer.may_borrow = exact and not self._policy.aggregates and state.optimizer.reads_grad_only()
+            # (DC-ASGD rewrites the gradient before the apply: never in the worker's memory)
+            writer.may_borrow = writer.may_borrow and state.layout.trainable == state.layout.numel and self._dc is None
             self._buffers.track(grad, writer)
             if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
                 scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
@@ -119,6 +124,7 @@ class PushPath:
             with self._cond:
                 writer = self._buffers.writer_of(grad)
             staged = writer is not None and writer.staged
+            source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
             bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
             with self._cond:
@@ -173,11 +179,11 @@ class PushPath:
                     kept = True
                 else:
                     scale = self._policy.lr_scale(staleness, state.layout.spec.staleness_lr)
-                    state.average_buffer_deltas(grad)
+                    state.average_buffer_deltas(source)
                     if self._dc is not None:  # DC-ASGD: compensated for the updates since its pull
-                        self._dc.compensate(rank, base_version, state.weights, grad)
-                    self._before_apply(grad, scale, lr)  # replication: the backup applies the same gradient
-                    state.apply(grad, scale, lr)
+                        self._dc.compensate(rank, base_version, state.weights, source)
+                    self._before_apply(source, scale, lr)  # replication: the backup applies the same gradient
+                    state.apply(source, scale, lr)
                 state.version += 1
                 Membership.advance(member, clock)
                 self._updated()

@@ -96,6 +96,7 @@ class RunningServer:
         if self.shard.replication is not None:  # ... and replies waiting for the backup
             self.shard.replication.close()
         self._server.stop(grace).wait()
+        self.servicer.close()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
         self.observability.stop()

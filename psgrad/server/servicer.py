@@ -12,13 +12,14 @@ import torch
 
 from psgrad import errors
 from psgrad.wire import serde
-from psgrad.wire import shm
+from psgrad.wire import published, shm
 from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
+from psgrad.server.publisher import Publisher
 from psgrad.server.shard import Shard
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.wire import protocol
@@ -95,6 +96,7 @@ class ParameterServicer:
         self.config = config
         self._segments: dict[int, shm.Attached] = {}  # rank -> its shared-memory segment
         self._segments_lock = threading.Lock()
+        self.publisher: Publisher | None = None  # same-host pulls: published versions (zero copy)
 
     def _segment(self, rank: int, value: str, nbytes: int) -> shm.Attached:
         """The worker's same-host segment that a call names (opened once, kept while it is used).
@@ -217,6 +219,30 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             raise  # unreachable: abort raises
 
+    def _publish(self, context: grpc.ServicerContext, rank: int, frames: PullStream) -> bool:
+        """A same-host pull that asks for it: lend the worker a ring slot holding the version (see
+        Publisher); True when the trailing metadata names it, False: copy into its segment."""
+        layout = self.shard.layout
+        if layout is None or layout.spec.wire_dtype != "float32" or not published.requested(context.invocation_metadata()):
+            return False
+        with self._segments_lock:
+            if self.publisher is None or self.publisher.slot_bytes != frames.nbytes:
+                if self.publisher is not None:
+                    self.publisher.close()
+                self.publisher = Publisher(frames.nbytes, layout.spec.num_workers, self.shard.live_ranks)
+            publisher = self.publisher
+        answer = publisher.lease(rank, frames.version, frames)
+        if answer is None:
+            return False
+        context.set_trailing_metadata(answer)
+        return True
+
+    def close(self) -> None:
+        """Remove the published versions' ring from /dev/shm (workers keep their mappings)."""
+        with self._segments_lock:
+            if self.publisher is not None:
+                self.publisher.close()
+
     def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             version, frames = self._granted_pull(req.rank, req.clock, req.fingerprint, context, req.observe)
@@ -233,7 +259,8 @@ class ParameterServicer:
             # worker may call this method as a unary call).
             seg = self._shared_segment(context, req.rank, frames.nbytes)
             assert seg is not None
-            frames.copy_into(seg.payload)
+            if req.observe or not self._publish(context, req.rank, frames):
+                frames.copy_into(seg.payload)
             yield header
         finally:
             frames.close()
@@ -265,6 +292,8 @@ class ParameterServicer:
                 extra = next(frames, None) if frames is not None else inline
                 if extra:
                     raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
+                # Applied in place only well within the caller's deadline: the worker waits meanwhile.
+                writer.may_borrow &= (context.time_remaining() or 60.0) > 4 * DEADLINE_MARGIN_S
                 writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
             elif frames is not None:
                 write_frames(frames, writer, FrameParser(pb.PushFrame, what))
@@ -279,15 +308,9 @@ class ParameterServicer:
         # complete and replicated (the push is retried on the backup if this server dies before).
         # Step (hold=False) answers after its pull, which waits for that anyway.
         self._acked(result.version + (hold and result.deferred), context)
-        return pb.PushReply(
-            applied=result.applied,
-            reason=result.reason,
-            version=result.version,
-            staleness=result.staleness,
-            deferred=result.deferred,
-            lr=result.lr,
-            staleness_bound=result.bound,
-        )
+        return pb.PushReply(applied=result.applied, reason=result.reason, version=result.version,
+                            staleness=result.staleness, deferred=result.deferred, lr=result.lr,
+                            staleness_bound=result.bound)
 
     def _unreserve(self, r: _Reserved) -> None:
         """A reserved push that will not be received: its buffer goes back, counted as rejected."""
@@ -331,7 +354,8 @@ class ParameterServicer:
         try:
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
             if seg is not None:
-                frames.copy_into(seg.payload)
+                if not self._publish(context, h.rank, frames):
+                    frames.copy_into(seg.payload)
                 return reply
             prefix = bytes_field_prefix(STEP_REPLY_DATA, frames.nbytes)
             out = bytearray(len(reply) + len(prefix) + frames.nbytes)

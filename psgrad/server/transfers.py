@@ -59,6 +59,10 @@ class PushWriter(PayloadWriter):
         self._stage: tuple[torch.Tensor, UpdateRule, float] | None = None
         self.staged_version = -1  # the shard version the staged weights were computed from
         self._block = BLOCK
+        # Same host: the shard may apply a whole float32 gradient from the worker's segment in
+        # place (may_borrow); write_all then only checks it and leaves it there (borrowed).
+        self.may_borrow = False
+        self.borrowed: torch.Tensor | None = None
 
     def stage(self, weights: torch.Tensor, rule: UpdateRule, step_lr: float, version: int) -> None:
         """Compute `rule(weights, grad)` with this step's lr into the buffer as pieces arrive
@@ -103,20 +107,30 @@ class PushWriter(PayloadWriter):
             return
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
-        if self._numel <= SMALL_NUMEL:  # below torch's grain: no thread pool woken for a small push
+        if self.may_borrow:  # checked here, applied from there: the worker waits for the reply
             self.nonfinite += count_nonfinite(grad)
+            self._stage = None
+            self.borrowed = grad
+            self._handed = self._numel
+            self.finish()
+            return
+        # The payload is another process's memory: read it once, into the private buffer, and check
+        # what was read there (a non-finite gradient gives non-finite next weights), so that a
+        # worker writing it meanwhile can tear the gradient but never slip a NaN past the check.
+        if self._numel <= SMALL_NUMEL:  # below torch's grain: no thread pool woken for a small push
             if self._stage is None:
                 self._dest[:] = payload
             else:
                 self._apply(grad, 0)
+            self.nonfinite += count_nonfinite(self.grad)
         else:  # one op over the whole gradient: torch may spread it over its threads
-            if not math.isfinite(float(grad.sum())):
-                self.nonfinite += int((~torch.isfinite(grad)).sum())
             if self._stage is None:
                 self.grad.copy_(grad)
             else:
                 weights, rule, scale = self._stage
                 rule(weights, grad, self.grad, scale)
+            if not math.isfinite(float(self.grad.sum())):
+                self.nonfinite += int((~torch.isfinite(self.grad)).sum())
         self._handed = self._numel
         self.finish()
 
@@ -208,6 +222,11 @@ class PullStream:
     @property
     def nbytes(self) -> int:
         return self._numel * element_size(self._dtype)
+
+    @property
+    def complete(self) -> bool:
+        """Every value was read."""
+        return self._offset >= self._numel
 
     def __iter__(self) -> PullStream:
         return self

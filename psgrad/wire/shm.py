@@ -83,20 +83,11 @@ class Segment:
         self.nbytes = nbytes
         self.name = f"psgrad-{os.getpid()}-{secrets.token_hex(8)}"
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, HEADER_BYTES + nbytes)
-            self._map = mmap.mmap(fd, HEADER_BYTES + nbytes)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self._map[: len(_MAGIC) + _NONCE_BYTES] = _MAGIC + self._nonce
+        self._map = create(self.name, HEADER_BYTES + nbytes, _MAGIC + self._nonce, 0o600)
         self.payload = memoryview(self._map)[HEADER_BYTES:]
         self.lock = threading.Lock()  # one transfer at a time uses the segment
         self._linked = True
+        self.lent = False  # the caller's buffer (a gradient): close() leaves it mapped
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((METADATA_KEY, f"{self.name};{self._nonce.hex()};{self.nbytes};{host_id()}"),)
@@ -110,18 +101,47 @@ class Segment:
         """Remove the name (the server has opened it); the memory lives while either end maps it."""
         if self._linked:
             self._linked = False
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+            remove(self.name)
 
     def close(self) -> None:
+        """Unlink, and unmap unless lent (tensors over a lent payload keep it mapped until they go)."""
         self.unlink()
-        self.payload.release()
-        try:
-            self._map.close()
-        except BufferError:  # a view of it is still alive somewhere; the mapping goes with it
-            pass
+        if not self.lent:
+            unmap(self.payload, self._map)
+
+
+def create(name: str, size: int, header: bytes, mode: int) -> mmap.mmap:
+    """Make /dev/shm/NAME (it must not exist) of `size` bytes starting with `header`, mapped."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    try:
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    mapped[: len(header)] = header
+    return mapped
+
+
+def remove(name: str) -> None:
+    """Unlink /dev/shm/NAME if it is still there."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def unmap(view: memoryview, mapped: mmap.mmap) -> None:
+    """Release a view of a mapping and close the mapping (unless another view is still alive: it
+    then goes with the last one)."""
+    view.release()
+    try:
+        mapped.close()
+    except BufferError:
+        pass
 
 
 class Attached:

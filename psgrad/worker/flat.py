@@ -19,6 +19,7 @@ Every buffer is allocated once, here; a step allocates nothing large.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,7 @@ class FlatModel:
             self._dev_flat32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             self._dev_grad32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         self.staged = not zero_copy
+        self._lent = False  # some parameters are views of versions lent read-only (weights_pulled)
 
     def _build_groups(self, tail: int) -> None:
         """Allocate one (weights, grads) buffer pair per dtype (the first with `tail` elements more)
@@ -224,14 +226,37 @@ class FlatModel:
             for seg in self._segments:
                 seg.param.view(-1).copy_(src[seg.start : seg.start + seg.numel])
 
-    def weights_pulled(self) -> None:
+    @property
+    def zero_copy(self) -> bool:
+        """Whether pulled versions can be the model's parameters in place (CPU, float32, no staging)."""
+        return not self.staged
+
+    def adopt_grad_buffer(self, buf: torch.Tensor) -> None:
+        """Make buf (float32, the flat space's size: shared memory a push is not copied from) the
+        flat gradient buffer: every parameter's .grad becomes a view of it (unstaged only)."""
+        assert not self.staged and buf.numel() == self.total and buf.dtype == torch.float32
+        buf.copy_(self.host_grad)
+        flat, _ = self._groups[torch.float32]
+        self._groups[torch.float32] = (flat, buf)
+        self.host_grad = buf
+        self.grad = buf[: self.numel]
+        for seg in self._segments:
+            seg.grad = buf[seg.start : seg.start + seg.numel].view_as(seg.param)
+            seg.param.grad = seg.grad
+
+    def weights_pulled(self, views: Sequence[tuple[int, torch.Tensor | None]] = ()) -> None:
         """Move freshly pulled weights from host_flat into the model (no-op when they are the same buffer).
 
+        views (unstaged only): per shard, its start in the flat space and the version a same-host
+        server lent read-only (None: that range was written into host_flat). Parameters inside a
+        lent range become views of it (a pointer swap, no copy); the others, views of host_flat.
         On CUDA this waits for the copy, so host_flat may be overwritten by the next pull right after.
         Synchronized buffers take the pulled values too.
         """
+        if not self.staged and (views or self._lent):
+            self._point_params(views)
         if self.buffers is not None:
-            self.buffers.install(self.host_flat[self.numel :])
+            self.buffers.install(self._read(self.numel, self.total, views))
         if not self.staged:
             self.h2d_s = 0.0
             return
@@ -249,11 +274,45 @@ class FlatModel:
             self._from_float32(weights)
         self.h2d_s = time.perf_counter() - t0
 
+    def _read(self, start: int, end: int, views: Sequence[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+        """The pulled values of [start, end): a lent view where one shard's range holds them, else
+        host_flat (with the lent parts of a range that spans shards copied in)."""
+        ends = [*[b for b, _ in views[1:]], self.total]
+        for (begin, view), nxt in zip(views, ends):
+            if view is not None and begin <= start and end <= nxt:
+                return view[start - begin : end - begin]
+        for (begin, view), nxt in zip(views, ends):
+            a, b = max(start, begin), min(end, nxt)
+            if view is not None and a < b:
+                self.host_flat[a:b].copy_(view[a - begin : b - begin])
+        return self.host_flat[start:end]
+
+    def _point_params(self, views: Sequence[tuple[int, torch.Tensor | None]]) -> None:
+        """Parameters become views of the lent versions (or of host_flat) without copying."""
+        lent = False
+        for seg in self._segments:
+            src = self._read(seg.start, seg.start + seg.numel, views)
+            lent = lent or src.data_ptr() != self.host_flat[seg.start :].data_ptr()
+            seg.param.data = src.view_as(seg.param)
+        self._lent = lent
+
+    def own_weights(self) -> None:
+        """Parameters that are views of a lent, read-only version become views of host_flat with
+        the same values: the model is then the caller's to read and write (before the lease on
+        that version is given back, which lets the server write it again)."""
+        if not self._lent:
+            return
+        with torch.no_grad():
+            for seg in self._segments:
+                self.host_flat[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))
+        self._point_params(())
+
     def host_weights(self) -> torch.Tensor:
         """The model's current weights (and buffers) as a float32 CPU tensor of the flat space (a
         copy unless unstaged)."""
-        out = self.host_flat if not self.staged else torch.empty(self.total, dtype=torch.float32)
-        if self.staged:
+        copy = self.staged or self._lent
+        out = self.host_flat if not copy else torch.empty(self.total, dtype=torch.float32)
+        if copy:
             with torch.no_grad():
                 for seg in self._segments:
                     out[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))

@@ -72,6 +72,8 @@ class Calls:
             self.counts[name] += 1
             return fn(*args, **kwargs)
 
+        if hasattr(fn, "with_call"):  # a gRPC callable: same-host calls read its trailing metadata
+            call.with_call = self._counted(name, fn.with_call)  # type: ignore[attr-defined]
         return call
 
 

@@ -57,6 +57,11 @@ class ShardOptimizer(ABC):
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (for memory reporting)."""
 
+    def reads_grad_only(self) -> bool:
+        """Whether apply() only reads grad (it may then be another process's memory, applied from
+        in place). False (the default): grad is scratch the rule may write."""
+        return False
+
     def piecewise_rule(self) -> UpdateRule | None:
         """The update as an out-of-place rule on blocks, for rules without state whose result for
         an element depends only on that element: the shard then computes the next weights while

@@ -37,6 +37,9 @@ class SGD(ShardOptimizer):
             step = grad.add_(self._buf, alpha=self.momentum) if self.nesterov else self._buf
         weights.add_(step, alpha=-self.step_lr(lr, lr_scale))
 
+    def reads_grad_only(self) -> bool:
+        return not self.momentum and not self.weight_decay
+
     def piecewise_rule(self) -> UpdateRule | None:
         """Plain SGD (no momentum, with or without weight decay) element by element; the same torch
         ops as apply(), so the result is bit for bit the same."""

@@ -1,0 +1,292 @@
+"""psgrad's same-host path beside Ray's actor parameter server: same model, same workers, same run.
+
+    python benchmarks/ray_ps.py --preset full   # 25M float32 (100 MB), 1 shard, async; 1, 2, 4 workers
+    python benchmarks/ray_ps.py --preset tiny   # CI-sized
+
+The peer is the usual Ray pattern: a `ParameterServer` actor holds the model as one float32 array;
+each worker (an actor) pulls with `ray.get(ps.get_weights.remote())` (the weights go through Ray's
+shared-memory object store and the worker reads them zero-copy, as a read-only numpy view) and
+pushes with `ray.get(ps.push.remote(grad))` (the gradient goes into the object store, the actor
+reads it zero-copy and applies `w.add_(g, alpha=-lr)`, one call at a time). A copy-in variant copies
+each pulled version into the worker's own buffer, as a worker whose model must own its weights does.
+psgrad runs the same iteration (pull, push; async, lr 1e-9, one shard, no compute) with as many
+worker processes on the same host. Rounds alternate between the three, in rotating order.
+
+Beside them, in the same run: the physical limits (one 100 MB memory copy with torch `copy_`, and the
+SGD apply alone, `w.add_(g, alpha=-lr)`, on one thread as the shard runs it), psgrad's pull and push
+times over them, and the gRPC path's restated target (transport.py's one-shard comparison: a push
+against a raw gRPC upload doing the same copy + SGD arithmetic in the same server process, and the
+raw-copy ratio beside it). Ray runs with a bounded object store and is started and stopped here;
+while Ray's workers are measured psgrad's processes are paused (SIGSTOP). Ray's own idle daemons
+are not paused while psgrad is measured (they cost psgrad, not Ray). Prints one JSON document.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ceilings import (  # noqa: E402
+    Child,
+    MemcpyProbe,
+    aggregate,
+    figure,
+    log,
+    machine_info,
+    paused,
+    summarize,
+    target,
+    write_json,
+)
+from transport import PSGRAD_SERVER, compare_one_shard, open_swarm, psgrad_key, release_swarm  # noqa: E402
+
+from psgrad.config import DEFAULT_CHUNK_BYTES  # noqa: E402
+
+LR = 1e-9
+SYSTEMS = ("psgrad", "ray", "ray_copy_in")
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"params": 1_000_000, "reps": 2, "iters": 2, "workers": (1, 2), "probe_reps": 5, "grpc_reps": 2},
+    "full": {"params": 25_000_000, "reps": 5, "iters": 8, "workers": (1, 2, 4), "probe_reps": 15, "grpc_reps": 12},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The Ray parameter server (actors are defined when Ray is imported, in run_ray_world)
+
+
+def _make_actors(ray: Any) -> tuple[Any, Any]:
+    import numpy as np
+
+    @ray.remote(num_cpus=0)
+    class ParameterServer:
+        def __init__(self, params: int) -> None:
+            torch.set_num_threads(1)  # as a psgrad shard (its --torch-threads default)
+            self.weights = np.zeros(params, dtype=np.float32)
+            self._w = torch.from_numpy(self.weights)
+
+        def get_weights(self) -> Any:
+            return self.weights  # Ray copies it into the object store once per call
+
+        def push(self, grad: Any) -> bool:
+            with warnings.catch_warnings():  # the object store's view is read-only; it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                g = torch.from_numpy(grad)
+            self._w.add_(g, alpha=-LR)
+            return True
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def __init__(self, ps: Any, params: int) -> None:
+            self.ps = ps
+            self.grad = np.full(params, 1e-3, dtype=np.float32)
+            self.own = np.zeros(params, dtype=np.float32)
+
+        def run(self, iters: int, copy_in: bool) -> dict[str, Any]:
+            pull_s, push_s = [], []
+            start = time.monotonic()
+            for _ in range(iters):
+                t0 = time.monotonic()
+                weights = ray.get(self.ps.get_weights.remote())
+                if copy_in:
+                    np.copyto(self.own, weights)
+                t1 = time.monotonic()
+                ray.get(self.ps.push.remote(self.grad))
+                t2 = time.monotonic()
+                if weights.size != self.grad.size:
+                    raise ValueError(f"got {weights.size} weights, expected {self.grad.size}")
+                del weights
+                pull_s.append(t1 - t0)
+                push_s.append(t2 - t1)
+            return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
+
+    return ParameterServer, Worker
+
+
+class RayWorld:
+    """A local Ray instance (bounded object store) with a ParameterServer actor and worker actors."""
+
+    def __init__(self, params: int, workers: int) -> None:
+        import ray
+
+        self._ray = ray
+        # Room for every worker's pulled version and pushed gradient at once, plus slack.
+        self.object_store_bytes = max(80 << 20, (2 * workers + 2) * params * 4)
+        ray.init(num_cpus=os.cpu_count() or 1, object_store_memory=self.object_store_bytes, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+        ps_cls, worker_cls = _make_actors(ray)
+        self.ps = ps_cls.remote(params)
+        self.workers = [worker_cls.remote(self.ps, params) for _ in range(workers)]
+        ray.get([self.ps.pid.remote(), *[w.run.remote(0, False) for w in self.workers]])  # all up
+
+    def round(self, workers: int, iters: int, copy_in: bool, payload: int) -> dict[str, Any]:
+        replies = self._ray.get([w.run.remote(iters, copy_in) for w in self.workers[:workers]])
+        return aggregate(replies, payload)
+
+    def close(self) -> None:
+        self._ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# The physical limits, measured in this process on one torch thread
+
+
+def probe_limits(params: int, reps: int) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy = MemcpyProbe(params * 4)
+        w = torch.zeros(params)
+        g = torch.full((params,), 1e-3)
+        w.add_(g, alpha=-LR)
+        copy_s, apply_s = [], []
+        for _ in range(reps):
+            copy_s.append(copy.reused_s())
+            t0 = time.perf_counter()
+            w.add_(g, alpha=-LR)
+            apply_s.append(time.perf_counter() - t0)
+        return {"copy_ms": summarize(copy_s)["median"] * 1e3, "sgd_apply_ms": summarize(apply_s)["median"] * 1e3}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rss_mb(pid: int) -> dict[str, float]:
+    """A process's resident memory (MB): in all, its own pages (RssAnon + RssFile), and the shared
+    memory it maps (RssShmem: the published ring and the workers' segments it has open)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def _ring_mb(pid: int) -> float:
+    """The pages a server's published-versions ring holds in /dev/shm (MB)."""
+    shm = Path("/dev/shm")
+    return sum(p.stat().st_blocks * 512 for p in shm.glob(f"psgrad-pub-{pid}-*")) / 1e6
+
+
+def _cell(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ops_per_s": summarize([r["ops_per_s"] for r in rounds])["median"],
+        "reps_ops_per_s": [r["ops_per_s"] for r in rounds],
+        "pull_ms_median": summarize([t for r in rounds for t in r["pull_s"]])["median"] * 1e3,
+        "push_ms_median": summarize([t for r in rounds for t in r["push_s"]])["median"] * 1e3,
+    }
+
+
+def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], probe_reps: int) -> dict[str, Any]:
+    t_start = time.monotonic()
+    payload = params * 4
+    max_w = max(workers)
+    swarm = open_swarm(max_w)
+    world: RayWorld | None = None
+    failed = True
+    rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    limits: list[dict[str, Any]] = []
+    try:
+        server = swarm.servers(psgrad_key(1, params), 1, PSGRAD_SERVER)[0]
+        key = swarm.psgrad_job(1, params)
+        psgrad_children = list(swarm.children)
+        swarm.round(key, max_w, 1)  # warm-up: connections, segments, first allocations
+        with paused(psgrad_children):
+            world = RayWorld(params, max_w)
+            log(f"ray_ps: ray up after {time.monotonic() - t_start:.1f} s")
+            for copy_in in (False, True):
+                world.round(max_w, 1, copy_in, payload)  # warm-up
+        for rep in range(reps):
+            order = SYSTEMS[rep % 3:] + SYSTEMS[: rep % 3]  # nobody always first
+            for w in workers:
+                for system in order:
+                    if system == "psgrad":
+                        with paused(swarm.agents[w:]):
+                            r = swarm.round(key, w, iters)
+                    else:
+                        with paused(psgrad_children):
+                            r = world.round(w, iters, system == "ray_copy_in", payload)
+                    rounds.setdefault((system, w), []).append(r)
+            with paused(psgrad_children):
+                limits.append(probe_limits(params, probe_reps))
+            log(f"ray_ps: repetition {rep + 1}/{reps} done ({time.monotonic() - t_start:.0f} s)")
+        memory = {"psgrad_server": _rss_mb(server.popen.pid), "psgrad_ring_mb": _ring_mb(server.popen.pid),
+                  "psgrad_worker_segments_mb": max_w * payload / 1e6,
+                  "ray_object_store_limit_mb": world.object_store_bytes / 1e6}
+        failed = False
+    finally:
+        if world is not None:
+            world.close()
+        release_swarm(swarm, failed)
+    results = []
+    for w in workers:
+        cells = {s: _cell(rounds[(s, w)]) for s in SYSTEMS}
+        results.append({"workers": w, **cells,
+                        "ratio_vs_ray": cells["psgrad"]["ops_per_s"] / cells["ray"]["ops_per_s"],
+                        "ratio_vs_ray_copy_in": cells["psgrad"]["ops_per_s"] / cells["ray_copy_in"]["ops_per_s"]})
+    lim = {k: summarize([x[k] for x in limits])["median"] for k in ("copy_ms", "sgd_apply_ms")}
+    one = next(r for r in results if r["workers"] == 1)["psgrad"]
+    physical = {**lim, "psgrad_pull_ms": one["pull_ms_median"], "psgrad_push_ms": one["push_ms_median"],
+                "pull_vs_copy": one["pull_ms_median"] / lim["copy_ms"],
+                "push_vs_sgd_apply": one["push_ms_median"] / lim["sgd_apply_ms"]}
+    return {"params": params, "payload_bytes": payload, "reps": reps, "iters_per_round": iters,
+            "results": results, "physical": physical, "memory_mb": memory, "elapsed_s": time.monotonic() - t_start}
+
+
+def grpc_target(params: int, reps: int) -> dict[str, Any]:
+    """The gRPC path (no shared memory): transport.py's one-shard comparison, its ratios only."""
+    out = compare_one_shard(params, reps, "float32", DEFAULT_CHUNK_BYTES)
+    d = out["diagnostics"]
+    return {"push_vs_raw_sgd_upload_same_process": d["same_process_push_vs_raw_sgd_upload"],
+            "push_vs_raw_copy_upload_same_process": d["same_process_push_vs_raw_upload"],
+            "raw_sgd_upload_vs_raw_copy_upload": d["same_process_raw_sgd_upload_vs_raw_upload"],
+            "push_gb_per_s": out["results"]["same_process_push"]["gb_per_s"], "reps": reps}
+
+
+def run(preset: str) -> dict[str, Any]:
+    p = PRESETS[preset]
+    load_before = os.getloadavg()
+    out = run_compare(p["params"], p["reps"], p["iters"], p["workers"], p["probe_reps"])
+    out["grpc"] = grpc_target(p["params"], p["grpc_reps"])
+    mb = out["payload_bytes"] / 1e6
+    targets, figures = [], []
+    for r in out["results"]:
+        w = r["workers"]
+        targets.append(target(f"ray_ps: (pulls+pushes)/s, {mb:.0f} MB, {w} worker(s), psgrad same-host vs Ray actor PS",
+                              r["psgrad"]["ops_per_s"], r["ray"]["ops_per_s"], 1.0, "higher", "1/s", "Ray actor PS"))
+        figures.append(figure(f"ray_ps: (pulls+pushes)/s, {w} worker(s), vs Ray copy-in", r["psgrad"]["ops_per_s"],
+                              "1/s", r["ray_copy_in"]["ops_per_s"], "Ray actor PS, copy-in"))
+    ph = out["physical"]
+    targets.append(target(f"ray_ps: {mb:.0f} MB pull vs one memory copy", ph["psgrad_pull_ms"], ph["copy_ms"],
+                          1.5, "lower", "ms", "torch copy_"))
+    targets.append(target(f"ray_ps: {mb:.0f} MB push vs the SGD apply alone", ph["psgrad_push_ms"],
+                          ph["sgd_apply_ms"], 1.5, "lower", "ms", "w.add_(g)"))
+    return {**out, "preset": preset, "targets": targets, "figures": figures,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
+    args = parser.parse_args()
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        parser.exit(2, "ray_ps.py needs Ray: pip install 'psgrad[ray]'\n")
+    write_json({**run(args.preset), "machine": machine_info()})
+
+
+if __name__ == "__main__":
+    main()

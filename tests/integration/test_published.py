@@ -1,0 +1,314 @@
+"""Zero-copy same-host transfers: published weight versions lent from a shard's ring (psgrad.wire.
+published, server/publisher.py) and gradients pushed from the worker's shared segment."""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from conftest import run_in_threads
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.errors import InvalidRequestError
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.wire import published, shm
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not shm.supported(), reason="no /dev/shm on this host"),
+]
+
+PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
+N = 2113
+
+
+def make_client(server: RunningServer, rank: int = 0, shared: bool = True, **spec: object) -> ParameterClient:
+    job = JobSpec(num_shards=1, num_workers=2, lr=0.5, **spec)  # type: ignore[arg-type]
+    cfg = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=10, reconnect_timeout_s=0,
+                       chunk_bytes=1024, shared_memory=shared)
+    return ParameterClient([server.address], job, PARAMS, plan_shards(PARAMS, 1), rank, cfg)
+
+
+def initial() -> torch.Tensor:
+    return torch.arange(N, dtype=torch.float32) / 1000
+
+
+def my_rings() -> list[str]:
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"psgrad-pub-{os.getpid()}-")]
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    running = start_server(ServerConfig(port=0, threads=8, **getattr(request, "param", {})))
+    yield running
+    running.stop(0)
+
+
+def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer) -> None:
+    with make_client(server) as c:
+        c.join(initial_weights=initial)
+        flat = torch.full((N,), -7.0)
+        assert c.pull(flat, 0, published=True) == [0]
+        (view,) = c.views()
+        assert view is not None and torch.equal(view, initial())
+        assert torch.equal(flat, torch.full((N,), -7.0))  # nothing was copied into flat
+        first = view.data_ptr()
+        c.push(torch.ones(N), 0)
+        assert c.pull(flat, 1, published=True) == [1]
+        (view,) = c.views()
+        assert view is not None and view.data_ptr() != first  # a pointer swap to another slot
+        torch.testing.assert_close(view, initial() - 0.5)
+        c.pull(flat, 1, published=True)  # the same version: the same slot, nothing copied again
+        assert c.views()[0] is view
+        publisher = server.servicer.publisher
+        assert publisher is not None and publisher.copies == 2 and publisher.held() == {0: 1}
+        assert publisher.nbytes >= 2 * N * 4  # a slot per worker of the job
+        assert c.pull(flat, 1) == [1] and c.views() == [None]  # not asked: copied into flat
+        torch.testing.assert_close(flat, initial() - 0.5)
+    assert len(my_rings()) == 1
+    server.stop(0)
+    assert my_rings() == []  # the server removes its ring
+
+
+def test_the_ring_never_rewrites_a_leased_version(server: RunningServer) -> None:
+    with make_client(server, 0) as holder, make_client(server, 1) as busy:
+        holder.join(initial_weights=initial)
+        busy.join(None)
+        flat = torch.empty(N)
+        holder.pull(flat, 0, published=True)
+        (held,) = holder.views()
+        assert held is not None
+        kept = held.clone()
+        for clock in range(8):  # many versions through a ring of 2 slots
+            busy.push(torch.full((N,), 0.01), clock)
+            busy.pull(flat, clock + 1, published=True)
+            (view,) = busy.views()
+            assert view is not None and view.data_ptr() != held.data_ptr()
+        assert torch.equal(held, kept)
+        holder.pull(flat, 1, published=True)  # the holder moves on: its former slot is free again
+        assert server.servicer.publisher is not None and server.servicer.publisher.held() == {0: 8, 1: 8}
+
+
+@pytest.mark.parametrize("server", [{"lease_s": 1.0}], indirect=True)
+def test_an_evicted_workers_version_is_freed_with_its_lease(server: RunningServer) -> None:
+    gone, other = make_client(server, 0), make_client(server, 1)
+    with other:
+        gone.join(initial_weights=initial)
+        other.join(None)
+        flat = torch.empty(N)
+        gone.pull(flat, 0, published=True)
+        publisher = server.servicer.publisher
+        assert publisher is not None and publisher.held() == {0: 0}
+        gone.close()  # no leave, no more heartbeats: as if killed; its lease runs out
+        assert server.shard.wait_until(lambda st: st.evictions == 1, 30)
+        seen = set()
+        for clock in range(4):  # every slot is used again, the evicted worker's too
+            other.push(torch.full((N,), 0.01), clock)
+            other.pull(flat, clock + 1, published=True)
+            view = other.views()[0]
+            assert view is not None
+            seen.add(view.data_ptr())
+        assert len(seen) == 2 and publisher.held() == {1: 4}
+
+
+def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: RunningServer) -> None:
+    with make_client(server) as c:
+        c.join(initial_weights=initial)
+        grad = c.gradient_buffer()
+        assert grad is not None and grad.numel() == N
+        grad.fill_(1.0)
+        assert c.push(grad, 0)[0].applied
+        assert c.shards[0]._segment is not None
+        assert grad.data_ptr() == torch.frombuffer(c.shards[0]._segment.payload, dtype=torch.float32).data_ptr()
+        grad[N // 2] = float("nan")
+        with pytest.raises(InvalidRequestError, match="non-finite"):
+            c.push(grad, 1)
+        flat = torch.empty(N)
+        c.pull(flat, 1)
+        torch.testing.assert_close(flat, initial() - 0.5)  # nothing of the NaN push was applied
+        st = server.shard.status()
+        assert (st.version, st.pushes_applied, st.pushes_rejected) == (1, 1, 1)
+    grad[N // 2] = 0.0  # the client is closed: the lent buffer stays mapped while the tensor lives
+    assert float(grad.sum()) == N - 1
+
+
+def _sync_run(zero_copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    server = start_server(ServerConfig(port=0, threads=8))
+    pulled: list[torch.Tensor] = []
+    try:
+        clients = [make_client(server, r, shared=zero_copy, mode="sync") for r in range(2)]
+
+        def run(c: ParameterClient) -> None:
+            c.join(initial_weights=initial if c.rank == 0 else None)
+            flat = torch.empty(N)
+            shared = c.gradient_buffer() if zero_copy else None
+            assert (shared is not None) == zero_copy
+            grad = shared if shared is not None else torch.empty(N)
+            c.pull(flat, 0, published=zero_copy)
+            for clock in range(3):
+                weights = c.views()[0] if zero_copy else flat
+                assert weights is not None
+                torch.sin(weights * (c.rank + 1), out=grad)  # a gradient that depends on the weights
+                c.exchange(grad, clock, flat, published=zero_copy)
+            final = c.views()[0] if zero_copy else flat
+            assert final is not None
+            pulled.append(final.clone())
+
+        run_in_threads(2, lambda rank: run(clients[rank]))
+        for c in clients:
+            c.close()
+        weights = server.shard.weights_copy()
+        assert weights is not None and len(pulled) == 2
+        return weights, pulled
+    finally:
+        server.stop(0)
+
+
+def test_sync_zero_copy_is_bitwise_equal_to_grpc() -> None:
+    zc, frames = _sync_run(True), _sync_run(False)
+    assert torch.equal(zc[0], frames[0])
+    assert all(torch.equal(a, zc[0]) for a in zc[1] + frames[1])
+
+
+def test_published_answers_parse_and_refuse_bad_names() -> None:
+    ring = published.Ring(64, 2)
+    try:
+        ((key, value),) = ring.answer(1)
+        assert key == published.METADATA_KEY
+        name, nonce, size, slots, index = published.parse_answer(value)
+        view = published.RingView(name, nonce, size, slots)
+        ring.slot(1)[:4] = b"\x01\x02\x03\x04"
+        assert bytes(view.slot(1)[:4]) == b"\x01\x02\x03\x04"
+        with pytest.raises(shm.SharedMemoryUnavailable):
+            published.RingView(name, b"x" * 16, size, slots)  # another nonce
+        with pytest.raises(shm.SharedMemoryUnavailable):
+            published.RingView("../etc/passwd", nonce, size, slots)
+        with pytest.raises(shm.SharedMemoryUnavailable):
+            published.parse_answer("garbage")
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc(make_servers, shards: int) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two workers, a BatchNorm model (buffers synchronized): zero-copy and gRPC frames end
+    bitwise equal; with zero copy the parameters are views of the servers' rings and (one shard)
+    the gradient is pushed from the worker's shared segment."""
+    import psgrad
+    from torch import nn
+
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
+    gen = torch.Generator().manual_seed(3)
+    xs = [[torch.randn(8, 6, generator=gen) for _ in range(4)] for _ in range(2)]
+    finals: dict[tuple[bool, int], list[torch.Tensor]] = {}
+    for shared in (True, False):
+        running = make_servers(shards)
+        cfg = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0,
+                           shared_memory=shared)
+
+        def worker(rank: int) -> None:
+            model = copy.deepcopy(init)  # (torch's global generator is shared by the threads)
+            with psgrad.connect([s.address for s in running], rank=rank, num_workers=2, mode="sync",
+                                optimizer=psgrad.SGD(lr=0.1), client=cfg) as ps:
+                opt = ps.optimizer(model)
+                for x in xs[rank]:
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                lent = opt.flat._lent
+                assert lent == shared, (shared, lent)
+                if shared and shards == 1:
+                    seg = opt.client.shards[0]._segment
+                    assert seg is not None
+                    assert opt.flat.host_grad.data_ptr() == torch.frombuffer(seg.payload, dtype=torch.float32).data_ptr()
+                finals[(shared, rank)] = [t.detach().clone() for t in model.state_dict().values()]
+            # left: the model is the caller's again (memory of its own, the same values, writable; a
+            # write into a lent version would fault, and the server may reuse it once given back)
+            assert not opt.flat._lent
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # writes every parameter
+            assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), finals[(shared, rank)]))
+
+        run_in_threads(2, worker)
+    for rank in range(2):
+        diffs = [float((a - b).abs().max()) for a, b in zip(finals[(True, rank)], finals[(False, rank)])]
+        assert not any(diffs), (rank, diffs)
+
+
+def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psgrad.server import transfers
+
+    borrowed: list[bool] = []
+    write_all = transfers.PushWriter.write_all
+
+    def spy(self: transfers.PushWriter, payload: memoryview, chunk_bytes: int) -> None:
+        write_all(self, payload, chunk_bytes)
+        borrowed.append(self.borrowed is not None)
+
+    monkeypatch.setattr(transfers.PushWriter, "write_all", spy)
+    results = []
+    for shared in (True, False):
+        running = start_server(ServerConfig(port=0, threads=8))
+        try:
+            with make_client(running, shared=shared, mode="async") as c:
+                c.join(initial_weights=initial)
+                grad = c.gradient_buffer() if shared else torch.empty(N)
+                assert grad is not None
+                flat = torch.empty(N)
+                for clock in range(3):
+                    grad.copy_(torch.linspace(-1, 1, N) * (clock + 1))
+                    c.exchange(grad, clock, flat, published=shared)
+                results.append(running.shard.weights_copy())
+        finally:
+            running.stop(0)
+    assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
+    assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
+
+
+_HOLDER = """
+import sys, torch
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.sharding import ParamSpec, plan_shards
+params = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]
+c = ParameterClient([sys.argv[1]], JobSpec(num_shards=1, num_workers=2, lr=0.5), params, plan_shards(params, 1), 1,
+                    ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=10, reconnect_timeout_s=0))
+c.join(None)
+c.pull(torch.empty(2113), 0, published=True)
+assert c.views()[0] is not None
+print("holding", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.parametrize("server", [{"lease_s": 1.0}], indirect=True)
+def test_a_killed_worker_holding_a_version_frees_it_with_its_lease(server: RunningServer) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    with make_client(server, 0) as chief:
+        chief.join(initial_weights=initial)
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, server.address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            publisher = server.servicer.publisher
+            assert publisher is not None and publisher.held() == {1: 0}
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(30)
+        assert server.shard.wait_until(lambda st: st.evictions == 1, 30)
+        flat = torch.empty(N)
+        seen = set()
+        for clock in range(3):  # both slots serve the live worker: the dead one's lease has ended
+            chief.push(torch.full((N,), 0.01), clock)
+            chief.pull(flat, clock + 1, published=True)
+            view = chief.views()[0]
+            assert view is not None
+            seen.add(view.data_ptr())
+        assert len(seen) == 2 and publisher.held() == {0: 3}
