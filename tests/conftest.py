@@ -69,11 +69,17 @@ def _psgrad(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "psgrad", *args]
 
 
+def child_env() -> dict[str, str]:
+    """The tests' environment for psgrad children: one OpenMP thread each unless the caller set it
+    (several workers and servers share 2 vCPUs; OpenMP threads that spin made them far slower)."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def spawn(args: Sequence[str]) -> Proc:
     """Start `python -m psgrad ARGS` with merged, line-buffered output."""
     # In the test's own session: on Linux a session of its own is a scheduler autogroup of its own,
     # and processes whose OpenMP threads spin then ran several times slower on 2 vCPUs.
-    return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO, new_session=False)
+    return Proc(_psgrad(args), name=f"psgrad-{args[0]}", cwd=REPO, new_session=False, env=child_env())
 
 
 def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
@@ -93,7 +99,8 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
     Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
     """
     argv = _psgrad(args)
-    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True, new_session=False)
+    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True, new_session=False,
+                env=child_env())
     try:
         rc = proc.wait(timeout_s)
         stdout = "".join(line + "\n" for line in proc.lines)

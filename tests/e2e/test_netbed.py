@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Proc, run_benchmark
+from conftest import REPO, Proc, child_env, run_benchmark
 
 sys.path.insert(0, f"{REPO}/benchmarks")
 from netbed import NetBed  # noqa: E402
@@ -34,7 +34,7 @@ def bed() -> Iterator[NetBed]:
 def psgrad_on(bed: NetBed, host: int, args: Sequence[str], name: str) -> Proc:
     """`python -m psgrad ARGS` on a host of the bed (its network namespace and its /dev/shm)."""
     argv = bed.command(host, [sys.executable, "-m", "psgrad", *args])
-    return Proc(argv, name=name, cwd=REPO, new_session=False)
+    return Proc(argv, name=name, cwd=REPO, new_session=False, env=child_env())
 
 
 def start_server(bed: NetBed, host: int, *extra: str) -> tuple[Proc, str]:
