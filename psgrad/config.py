@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psgrad.core.credentials import check_bind
+from psgrad.core.stragglers import StragglerModel
 from psgrad.core.delay import check_dc_asgd
 from psgrad.core.modes import MODES, check_mode_fields, mode_argv
 from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
@@ -304,6 +305,7 @@ class WorkerConfig:
     # a straggler's slowdown multiplies it. 0: steps take their compute time (x slowdown).
     step_time_ms: float = 0.0
     data_dir: str | None = None  # where a task that reads files finds them (fashion-mnist)
+    straggler_model: StragglerModel = field(default_factory=StragglerModel)  # random slow steps, a moving slow node
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -351,7 +353,7 @@ class WorkerConfig:
         argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
                  "--step-time-ms", str(self.step_time_ms)]
         argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
-        return argv + self.client.to_argv()
+        return argv + self.straggler_model.to_argv() + self.client.to_argv()
 
 
 @dataclass(frozen=True)

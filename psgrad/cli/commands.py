@@ -28,7 +28,6 @@ from psgrad.errors import ConfigError
 if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
     from psgrad.metrics.jsonl import Exporter, MetricsSink
-    from psgrad.experiments.compare import CompareConfig
     from psgrad.tasks.recipes import Recipe
 
 
@@ -287,71 +286,6 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     finally:
         if keys is not None:
             keys.remove()
-
-
-def compare_config(ns: argparse.Namespace) -> CompareConfig:
-    """The CompareConfig of `psgrad compare`'s flags."""
-    import time
-
-    from psgrad.experiments.compare import CompareConfig, parse_modes
-
-    recipe = apply_recipe(ns, "compare_steps")
-    out = Path(ns.out) if ns.out else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
-    return CompareConfig(
-        out_dir=out,
-        modes=parse_modes(ns.modes),
-        task=ns.task,
-        num_servers=ns.num_servers,
-        num_workers=ns.num_workers,
-        steps=ns.steps,
-        batch_size=ns.batch_size,
-        optimizer=ns.optimizer,
-        lr=ns.lr,
-        momentum=ns.momentum,
-        weight_decay=ns.weight_decay,
-        wire_dtype=ns.wire_dtype,
-        metric=recipe.metric,
-        target=recipe.target if ns.target is None else ns.target,
-        lr_schedule=ns.lr_schedule,
-        warmup_steps=ns.warmup_steps,
-        step_time_ms=ns.step_time_ms,
-        data_dir=ns.data_dir,
-        repeats=ns.repeats,
-        seed=ns.seed,
-        stragglers=tuple(ns.straggler or ()),
-        jitter_ms=ns.jitter_ms,
-        eval_every=ns.eval_every,
-        lease_s=ns.lease_s,
-        omp_threads=ns.omp_threads or max(1, (os.cpu_count() or 1) // (ns.num_servers + ns.num_workers)),
-        tensorboard=ns.tensorboard,
-        security=ns.security,
-    )
-
-
-def cmd_compare(ns: argparse.Namespace) -> int:
-    import shlex
-
-    from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig, run_compare
-
-    explicit_steps = ns.steps is not None
-    _check_task(ns, steps_key="compare_steps")
-    cfg = compare_config(ns)
-    runs = len(cfg.modes) * cfg.repeats
-    defaults = (
-        cfg.task == CompareConfig.task and ns.modes == DEFAULT_MODES and not explicit_steps
-        and ns.repeats == CompareConfig.repeats and ns.num_workers == CompareConfig.num_workers
-        and ns.num_servers == CompareConfig.num_servers
-    )
-    eta = " (about 2 minutes on a 2-core machine with these defaults)" if defaults else ""
-    print(
-        f"psgrad compare: {', '.join(m.label for m in cfg.modes)} x {cfg.repeats} repeat(s) = {runs} runs, "
-        f"{cfg.num_servers} servers + {cfg.num_workers} workers each, {cfg.steps} steps of {cfg.task} "
-        f"({cfg.optimizer} lr {cfg.lr:g}, {cfg.lr_schedule} schedule), target {cfg.metric} {cfg.target:g}{eta}; "
-        f"writing to {cfg.out_dir}",
-        flush=True,
-    )
-    run_compare(cfg, " ".join(shlex.quote(a) for a in ["psgrad", *ns.raw_argv]))
-    return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:

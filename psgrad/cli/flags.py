@@ -18,6 +18,7 @@ from psgrad.config import (
     WorkerConfig,
     parse_servers,
 )
+from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.errors import ConfigError
 from psgrad.optim import DEFAULT_EPS
@@ -55,6 +56,39 @@ def straggler_arg(text: str) -> tuple[int, float]:
         return parse_straggler(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def dist_arg(text: str) -> tuple[str, float]:
+    try:
+        return parse_dist(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def lr_list_arg(text: str) -> tuple[float, ...]:
+    try:
+        lrs = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LR,LR,... (numbers > 0), got {text!r}") from None
+    if not all(lr > 0 and lr != float("inf") for lr in lrs) or len(set(lrs)) != len(lrs):
+        raise argparse.ArgumentTypeError(f"expected distinct finite learning rates > 0, got {text!r}")
+    return lrs
+
+
+def add_straggler_dist_arg(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--straggler-dist", type=dist_arg, default=("none", 0.0), metavar="lognormal:SIGMA|pareto:ALPHA",
+                   help="random slow steps with a heavy tail on every worker: each step's time (--step-time-ms, or "
+                   "its compute) is multiplied by a draw >= 1, seeded per (seed, rank, step): max(1, exp(SIGMA*Z)) "
+                   "or Pareto(ALPHA) (heavier as ALPHA falls), capped at 100x. Use it to test a mode against "
+                   "occasional slow steps rather than one slow node (default: none)")
+
+
+def straggler_model(ns: argparse.Namespace) -> StragglerModel:
+    """The worker's StragglerModel of --straggler-dist and --slow-node-rotate STEPS:FIRST (absent: none)."""
+    dist, shape = getattr(ns, "straggler_dist", None) or ("none", 0.0)
+    rotate = getattr(ns, "slow_node_rotate", None)
+    steps, first = parse_rotation(rotate) if rotate else (0, 0)
+    return StragglerModel(dist=dist, shape=shape, rotate_steps=steps, rotate_first=first)
 
 
 def int_at_least(text: str, low: int, alternative: str = "") -> int:
@@ -247,6 +281,11 @@ def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
     p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
     flag(p, "--slowdown", WorkerConfig.slowdown, "make this worker a straggler: each step takes FACTOR times "
          "its measured compute time (FACTOR x --step-time-ms when that is set)", ", no delay", type=float)
+    add_straggler_dist_arg(p)
+    p.add_argument("--slow-node-rotate", metavar="STEPS:FIRST", help="the slow node moves: rank FIRST takes "
+                   "--slowdown times as long for STEPS steps, then the next rank (mod --num-workers), and so on; "
+                   "every worker of the job gets the same value and the slow node's --slowdown (psgrad compare "
+                   "--slow-node-rotate sets both). Default: --slowdown applies to this worker on every step")
     p.add_argument("--save-model", metavar="PATH", help="write the final model's state_dict here (torch.save; "
                    "load it with model.load_state_dict(torch.load(PATH)))")
 
@@ -327,6 +366,7 @@ def worker_config(
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
         lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,
+        straggler_model=straggler_model(ns),
     )
 
 

@@ -7,7 +7,8 @@ from psgrad import __version__
 from psgrad.cli.launch_ray import add_ray_args
 from psgrad.cli.render import add_render_parsers
 from psgrad.cli.run import add_run_parser
-from psgrad.cli.commands import cmd_allreduce, cmd_compare, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
+from psgrad.cli.compare import cmd_compare
+from psgrad.cli.commands import cmd_allreduce, cmd_export, cmd_launch, cmd_server, cmd_status, cmd_worker
 from psgrad.cli.flags import (
     BUILTIN_TASKS,
     add_checkpoint_args,
@@ -17,6 +18,8 @@ from psgrad.cli.flags import (
     add_recipe_args,
     add_server_policy_args,
     add_step_time_arg,
+    add_straggler_dist_arg,
+    lr_list_arg,
     flag,
     positive_int,
     servers_arg,
@@ -158,8 +161,10 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_data_dir_arg(co)
     flag(co, "--num-servers", C.num_servers, "shards per run", type=positive_int)
     flag(co, "--num-workers", C.num_workers, "workers per run", type=positive_int)
-    flag(co, "--modes", DEFAULT_MODES, "comma-separated modes: sync, async, ssp:S, allreduce (the "
-         "torch.distributed baseline)")
+    flag(co, "--modes", DEFAULT_MODES, "comma-separated modes, each MODE[:OPTION...]: sync, async, ssp:S, "
+         "ssp:auto, allreduce (the torch.distributed baseline), and variants: sync:backup=B, async:slr "
+         "(staleness-aware lr), async:dc=LAMBDA / async:dca=LAMBDA (DC-ASGD, adaptive), ssp:auto:max=S, "
+         "MODE:lr=LR (README 'Comparing sync and async')")
     co.add_argument(
         "--straggler",
         type=straggler_arg,
@@ -169,6 +174,29 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     flag(co, "--jitter-ms", C.jitter_ms, "random extra delay of 0..MS ms per worker step, deterministic given the "
          "seed", type=float)
+    add_straggler_dist_arg(co)
+    flag(co, "--slow-node-rotate", C.slow_node_rotate, "the one --straggler's role moves to the next rank every "
+         "STEPS steps (a slow node that changes over time, e.g. a busy host); 0 keeps it on its rank", type=int)
+    g = co.add_argument_group("fair comparison")
+    g.add_argument("--lr-grid", type=lr_list_arg, metavar="LR,LR,...", help="first run each mode at each of these "
+                   "learning rates (--grid-steps, one seed), then compare every mode at its own best (see "
+                   "--grid-by); give it whenever modes are compared at all, since one lr favours some of them. "
+                   "Default: every mode at --lr")
+    flag(g, "--grid-steps", C.grid_steps, "steps per worker of each grid run; raise it when short runs rank the lrs "
+         "differently from full ones", " = half of --steps", type=int)
+    flag(g, "--grid-by", C.grid_by, "how the grid picks: time = soonest to --target (runs that miss it: by final "
+         "metric), final = best final metric (for comparing final quality)", choices=("time", "final"))
+    flag(g, "--sync-lr-scaling", C.sync_lr_scaling, "linear: modes that average k gradients per update (sync: "
+         "the workers, less backups; allreduce) train at k x lr (Goyal et al.), since they apply one update "
+         "where async applies k", choices=("none", "linear"))
+    flag(g, "--save-weights", C.save_weights, "worker 0 of every run writes its final model to "
+         "runs/RUN/model.pt (to compare runs' weights)", action="store_true")
+    g.add_argument("--preset", choices=("claims",), help="claims: run the experiments that check published claims "
+                   "(SSP and backup workers under a straggler, staleness-aware lr and DC-ASGD at 8 workers, sync "
+                   "== allreduce) on the mnist CNN with emulated step time, and write a claims table (README); "
+                   "the other flags but --out, --seed, --quick and --data-dir are ignored")
+    g.add_argument("--quick", action="store_true", help="with --preset claims: tiny settings (a minute), to check "
+                   "that it runs, not what it finds")
     co.add_argument("--target", "--target-accuracy", dest="target", type=float, help="the value of the task's "
                     "metric (accuracy, or bits per byte for charlm) whose time to reach is compared (default: "
                     "recipe; 0.9 accuracy for digits)")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 # exit, which can abort the process (SIGABRT, "terminate called without an active exception").
 import torch.distributed.nn  # noqa: F401
 
+from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics.jsonl import MetricsSink
@@ -127,7 +128,7 @@ def _train(
         flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, nesterov=spec.nesterov
     )
     data = BatchSchedule(task.train_dataset(), config.batch_size, config.seed, rank, world)
-    delays = DelayInjector(config.slowdown, config.jitter_ms, config.seed * 1000 + rank + 1, config.step_time_ms)
+    delays = DelayInjector(config, world)
     factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     log(
@@ -147,7 +148,7 @@ def _train(
         flat_model.collect_grads()
         _sync(device)
         compute_s = time.perf_counter() - t0
-        delay_s = delays.apply(compute_s)
+        delay_s = delays.apply(compute_s, step)
         t2 = time.perf_counter()
         with _collective(f"all_reduce of step {step}", who):
             dist.all_reduce(grad, op=dist.ReduceOp.SUM)
@@ -172,4 +173,7 @@ def _train(
             "accepted": True,
             "version": [step],
         })
-    return report.final(time.perf_counter() - start)
+    final = report.final(time.perf_counter() - start)
+    if config.save_model is not None:
+        log(f"{who}: saved the final model to {write_state_dict(model.state_dict(), config.save_model)}")
+    return final

@@ -161,21 +161,26 @@ def _cell(entry: Mapping[str, Any] | None, decimals: int, target: bool, repeats:
     return text
 
 
+def _has_lr(summary: Mapping[str, Mapping[str, Any]]) -> bool:
+    return any(isinstance(agg.get("lr"), float) for agg in summary.values())
+
+
 def _rows(summary: Mapping[str, Mapping[str, Any]], metric: str) -> list[list[str]]:
     rows = []
     for label, agg in summary.items():
         repeats = int(agg.get("repeats", 0))
-        rows.append([label] + [_cell(agg.get(key), d, t, repeats) for key, _, d, t in columns(metric)])
+        lr = [f"{agg['lr']:g}" if isinstance(agg.get("lr"), float) else "-"] if _has_lr(summary) else []
+        rows.append([label, *lr] + [_cell(agg.get(key), d, t, repeats) for key, _, d, t in columns(metric)])
     return rows
 
 
-def _headers(metric: str) -> list[str]:
-    return ["mode"] + [header for _, header, _, _ in columns(metric)]
+def _headers(metric: str, lr: bool = False) -> list[str]:
+    return ["mode", *(["lr"] if lr else [])] + [header for _, header, _, _ in columns(metric)]
 
 
 def format_table(summary: Mapping[str, Mapping[str, Any]], metric: str = "test_accuracy") -> str:
     """The results as an aligned plain-text table, one row per mode (mean ± std over repeats)."""
-    table = [_headers(metric)] + _rows(summary, metric)
+    table = [_headers(metric, _has_lr(summary))] + _rows(summary, metric)
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -208,15 +213,18 @@ def write_report(
     settings: Mapping[str, Any],
     notes: Mapping[str, str],
     metric: str = "test_accuracy",
+    sections: Sequence[str] = (),
 ) -> Path:
-    """Write out_dir/report.md: command, settings, results table, figures, reproducibility notes, versions."""
+    """Write out_dir/report.md: command, settings, results table, the lines of `sections` (e.g. an lr
+    grid), figures, reproducibility notes, versions."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# psgrad compare: consistency modes", "", "Command:", "", "```", command, "```", "", "## Settings", ""]
     lines += [f"- {key}: {value}" for key, value in _ordered(settings, SETTINGS_ORDER)]
     lines += ["", "## Results", ""]
-    lines.append("| " + " | ".join(_headers(metric)) + " |")
-    lines.append("|" + "---|" * len(_headers(metric)))
+    headers = _headers(metric, _has_lr(summary))
+    lines.append("| " + " | ".join(headers) + " |")
+    lines.append("|" + "---|" * len(headers))
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in _rows(summary, metric)]
     lines += [
         "",
@@ -225,6 +233,7 @@ def write_report(
         "of all workers. Staleness is the servers' count of updates applied between a gradient's pull "
         "and its apply, over every shard a gradient updated.",
         "",
+        *sections,
         "## Figures",
         "",
     ]

@@ -46,6 +46,7 @@ class TrainingLog:
         self._sink.write(
             0, event="start", clock=clock, batch_size=self._config.batch_size, mode=mode,
             slowdown=self._config.slowdown, jitter_ms=self._config.jitter_ms,
+            straggler_model=self._config.straggler_model.describe(),
         )
         self._window_start = time.perf_counter()
 
@@ -80,28 +81,37 @@ class TrainingLog:
 
 class DelayInjector:
     """Emulated step times, stragglers and noise: after each step's compute, wait so that the step
-    takes step_time_ms x slowdown (an emulated accelerator: the compute, then the rest of the
-    step), or, without step_time_ms, (slowdown - 1) x the measured compute time; plus a uniform
-    random jitter. Deterministic given the seed."""
+    takes step_time_ms x factor (an emulated accelerator: the compute, then the rest of the step),
+    or, without step_time_ms, (factor - 1) x the measured compute time; plus a uniform random
+    jitter. The factor is the worker's slowdown (on the slow node's steps only, when the model
+    rotates it) times the model's random draw for the step. Deterministic given the seed."""
 
-    def __init__(self, slowdown: float, jitter_ms: float, seed: int, step_time_ms: float = 0.0) -> None:
-        self.slowdown = slowdown
-        self.jitter_s = jitter_ms / 1000.0
-        self.step_time_s = step_time_ms / 1000.0
-        self._rng = random.Random(seed)
+    def __init__(self, config: WorkerConfig, num_workers: int) -> None:
+        self.slowdown = config.slowdown
+        self.jitter_s = config.jitter_ms / 1000.0
+        self.step_time_s = config.step_time_ms / 1000.0
+        self.model = config.straggler_model
+        self._seed, self._rank, self._world = config.seed, config.rank, num_workers
+        self._rng = random.Random(config.seed * 1000 + config.rank + 1)
         self._timer = threading.Event()  # never set: wait() is an interruptible sleep
 
-    def delay_s(self, compute_s: float) -> float:
+    def factor(self, step: int) -> float:
+        """How many times its nominal time (step_time_ms, or its compute) step `step` takes."""
+        fixed = self.model.slowdown_at(self.slowdown, step, self._rank, self._world)
+        return fixed * self.model.multiplier(self._seed, self._rank, step)
+
+    def delay_s(self, compute_s: float, step: int = 0) -> float:
+        factor = self.factor(step)
         if self.step_time_s > 0:
-            extra = max(0.0, self.step_time_s * self.slowdown - compute_s)
+            extra = max(0.0, self.step_time_s * factor - compute_s)
         else:
-            extra = (self.slowdown - 1.0) * compute_s
+            extra = (factor - 1.0) * compute_s
         if self.jitter_s:
             extra += self._rng.uniform(0.0, self.jitter_s)
         return extra
 
-    def apply(self, compute_s: float) -> float:
-        extra = self.delay_s(compute_s)
+    def apply(self, compute_s: float, step: int = 0) -> float:
+        extra = self.delay_s(compute_s, step)
         if extra > 0:
             self._timer.wait(extra)
         return extra
@@ -145,7 +155,7 @@ def train(
     rank = config.rank
     data = BatchSchedule(task.train_dataset(), config.batch_size, config.seed, rank, spec.num_workers)
     who = f"worker {rank}/{spec.num_workers}"
-    delays = DelayInjector(config.slowdown, config.jitter_ms, config.seed * 1000 + rank + 1, config.step_time_ms)
+    delays = DelayInjector(config, spec.num_workers)
     cuda = device.type == "cuda"
     factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
 
@@ -176,7 +186,7 @@ def train(
             if cuda:  # the compute time is the device's, not the launch's
                 torch.cuda.current_stream(device).synchronize()
             compute_s = time.perf_counter() - t0
-            delay_s = delays.apply(compute_s)
+            delay_s = delays.apply(compute_s, clock)
             stats = opt.step()
             if stats.rejoined_at is not None:
                 sink.write(clock + 1, event="rejoin", clock=clock, to_clock=stats.rejoined_at)

@@ -58,7 +58,8 @@ def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
         assert f"worker {r}/{world}: final test_loss " in p.output
         recs = _records(tmp_path / f"w{r}.jsonl")
         start, body, final = recs[0], recs[1:-1], recs[-1]
-        assert set(start) == {"time", "rank", "step", "event", "clock", "batch_size", "mode", "slowdown", "jitter_ms"}
+        assert set(start) == {"time", "rank", "step", "event", "clock", "batch_size", "mode", "slowdown", "jitter_ms",
+                              "straggler_model"}
         assert (start["event"], start["step"], start["clock"], start["mode"]) == ("start", 0, 0, "allreduce")
         assert (start["rank"], start["batch_size"], start["slowdown"], start["jitter_ms"]) == (r, 16, 1.5, 0.0)
         assert [rec["step"] for rec in body] == list(range(1, steps + 1))

@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, Proc, run_cli, spawn
 from psgrad.cli import flags
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.core.stragglers import StragglerModel
 
 
 def test_server_announces_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -279,7 +280,7 @@ def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...]) -> WorkerCo
 
 
 def test_flag_defaults_are_the_config_defaults(tmp_path: Path) -> None:
-    from psgrad.cli.commands import compare_config
+    from psgrad.cli.compare import compare_config
     from psgrad.experiments.compare import CompareConfig
 
     assert flags.server_config(_parse("server")) == ServerConfig()
@@ -330,7 +331,7 @@ WORKERS = [
     WorkerConfig(
         servers=("127.0.0.1:1", "[::1]:7001"), task="mnist1d", rank=2, steps=7, batch_size=5, device="cpu", seed=9,
         metrics_out="/tmp/w2.jsonl", eval_every=3, log_every=4, slowdown=2.5, jitter_ms=1.5, overlap=True,
-        save_model="/tmp/m.pt",
+        save_model="/tmp/m.pt", straggler_model=StragglerModel(dist="pareto", shape=1.5, rotate_steps=20, rotate_first=1),
         client=ClientConfig(connect_timeout_s=2.5, rpc_timeout_s=30.0, init_timeout_s=7.0, reconnect_timeout_s=4.5,
                             shared_memory=False),
     ),

@@ -20,6 +20,16 @@ def test_parse_modes() -> None:
             parse_modes(bad)
 
 
+def test_a_bad_variant_or_preset_flag_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    res = run_cli(["compare", "--modes", "sync,async:backup=1", "--out", str(tmp_path / "x")])
+    assert res.returncode == 2 and "mode 'async:backup=1' in --modes: 'backup=1' is not an option of async" in res.stderr
+    res = run_cli(["compare", "--quick", "--out", str(tmp_path / "x")])
+    assert res.returncode == 2 and "--quick shrinks --preset claims" in res.stderr
+    res = run_cli(["compare", "--slow-node-rotate", "10", "--out", str(tmp_path / "x")])
+    assert res.returncode == 2 and "give exactly one --straggler" in res.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_the_optimizer_reaches_every_run_and_allreduce_refuses_adam(tmp_path: Path) -> None:
     cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async"), optimizer="adam", lr=0.001)
     for mode in cfg.modes:
@@ -130,3 +140,40 @@ def test_every_run_is_launched_with_its_mode_and_the_comparison_settings(tmp_pat
 def test_a_spec_the_runs_cannot_have_is_refused_before_any_run(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="momentum applies only to optimizer 'sgd'"):
         CompareConfig(out_dir=tmp_path, optimizer="adam", momentum=0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_claims_preset_quick_writes_the_claims_table(tmp_path: Path) -> None:
+    """--preset claims --quick: every claim has a row with parsed figures (what the rows say is not checked:
+    quick mode is too small to test the claims)."""
+    from psgrad.experiments.verdicts import NOT_SUPPORTED, SUPPORTED, parse_table
+
+    out = tmp_path / "claims"
+    res = run_cli(["compare", "--preset", "claims", "--quick", "--out", str(out)], timeout_s=230)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = (out / "report.md").read_text()
+    rows = parse_table(report)
+    assert [r["source"] for r in rows] == [
+        "Ho et al., NIPS'13", "Ho et al., NIPS'13", "psgrad (--staleness auto)", "Chen et al., 2016",
+        "Chen et al., 2016", "Zhang et al., IJCAI'16",
+        "Zheng et al., ICML'17 (DC-ASGD)", "psgrad (float summation order aside)", "psgrad (control)"]
+    claims = json.loads((out / "claims.json").read_text())
+    assert [c["claim"] for c in claims["claims"]] == [r["claim"] for r in rows]
+    for row, claim in zip(rows, claims["claims"]):
+        assert claim["verdict"] in (SUPPORTED, NOT_SUPPORTED), claim  # every mode ran
+        assert row["verdict"].startswith(f"**{claim['verdict']}**")
+        assert claim["figures"] != "-" and claim["check"], claim
+    ssp = claims["claims"][0]
+    assert "sync: " in ssp["figures"] and " s (1/1 reached)" in ssp["figures"]  # mean ± std and how many reached
+    assert "ssp:2/sync = " in ssp["check"]
+    assert claims["weights"]["allreduce"]["max_abs_diff"] >= 0.0 and claims["weights"]["allreduce2"]["steps"] == 30
+    assert "Quick mode" in report and "![stragglers: convergence](quick/convergence.png)" in report
+    assert (out / "quick" / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    assert claims["wall_s"] > 0 and len(claims["loadavg_start"]) == 3
+    # quick mode also runs the straggler models: they reach every worker, and the report records them
+    start = json.loads((out / "quick" / "runs" / "async-r0" / "worker1.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["slowdown"] == 2.0
+    assert start["straggler_model"] == ("Pareto slow steps (alpha 3); the slow node moves to the next rank every "
+                                        "10 steps, from rank 0")
+    assert "Pareto slow steps" in (out / "quick" / "report.md").read_text()

@@ -108,10 +108,13 @@ def test_warmup_then_cosine_or_linear_decay() -> None:
 
 
 def test_an_emulated_step_takes_at_least_its_time_and_stragglers_multiply_it() -> None:
-    assert DelayInjector(1.0, 0.0, 0, step_time_ms=50).delay_s(0.01) == pytest.approx(0.04)
-    assert DelayInjector(1.0, 0.0, 0, step_time_ms=50).delay_s(0.08) == 0.0  # compute is longer: no wait
-    assert DelayInjector(4.0, 0.0, 0, step_time_ms=50).delay_s(0.01) == pytest.approx(0.19)
-    assert DelayInjector(4.0, 0.0, 0).delay_s(0.01) == pytest.approx(0.03)  # without: 3x the compute
+    def injector(slowdown: float, step_time_ms: float = 0.0) -> DelayInjector:
+        return DelayInjector(WorkerConfig((), slowdown=slowdown, step_time_ms=step_time_ms), 1)
+
+    assert injector(1.0, step_time_ms=50).delay_s(0.01) == pytest.approx(0.04)
+    assert injector(1.0, step_time_ms=50).delay_s(0.08) == 0.0  # compute is longer: no wait
+    assert injector(4.0, step_time_ms=50).delay_s(0.01) == pytest.approx(0.19)
+    assert injector(4.0).delay_s(0.01) == pytest.approx(0.03)  # without: 3x the compute
     argv = WorkerConfig(servers=(), step_time_ms=50).to_argv()
     assert argv[argv.index("--step-time-ms") + 1] == "50"
     with pytest.raises(ConfigError, match="step_time_ms must be a finite number >= 0"):

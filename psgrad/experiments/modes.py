@@ -1,0 +1,120 @@
+"""The --modes grammar of `psgrad compare`: MODE[:OPTION...], e.g. sync:backup=1, async:dc=0.04, ssp:auto, and the job settings each variant becomes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from psgrad.config import MODES
+from psgrad.core.modes import AUTO_STALENESS_MAX
+from psgrad.errors import ConfigError
+
+BASELINES = ("allreduce",)
+# What each mode accepts after its name (ssp first takes its bound: ssp:S or ssp:auto).
+OPTIONS = {
+    "sync": ("backup=B", "lr=LR"),
+    "async": ("slr", "dc=LAMBDA", "dca=LAMBDA", "lr=LR"),
+    "ssp": ("slr", "dc=LAMBDA", "dca=LAMBDA", "max=S", "lr=LR"),
+    "allreduce": ("lr=LR",),
+}
+GRAMMAR = (
+    "MODE[:OPTION...] with MODE sync, async, ssp:S (S >= 0) or ssp:auto, allreduce; options: "
+    "sync:backup=B (B backup workers), async/ssp: slr (staleness-aware lr), dc=LAMBDA (DC-ASGD), "
+    "dca=LAMBDA (adaptive DC-ASGD), ssp:auto:max=S (the adaptive bound's ceiling); any mode: lr=LR"
+)
+
+
+@dataclass(frozen=True)
+class ModeRun:
+    """One entry of --modes: the label as the user wrote it, the mode, and the job settings of its
+    variant (JobSpec's fields of the same names; CompareConfig.job_spec puts them together)."""
+
+    label: str
+    mode: str
+    staleness: int = 0
+    staleness_max: int = 0  # ssp:auto: the bound adapts at run time within [1, staleness_max]
+    staleness_lr: bool = False
+    lr: float | None = None  # None: the comparison's lr (or the one its --lr-grid picked)
+    backup_workers: int = 0
+    dc_asgd: float = 0.0
+    dc_asgd_adaptive: bool = False
+
+    @property
+    def slug(self) -> str:
+        """The label as a directory name: 'async:dc=0.04' -> 'async-dc0.04' ('ssp:2' -> 'ssp2', as before)."""
+        if self.label.startswith("ssp:") and self.label[4:].isdigit():
+            return self.label.replace(":", "")
+        return self.label.replace(":", "-").replace("=", "")
+
+    def averaged(self, num_workers: int) -> int:
+        """How many gradients one update averages: N - backup for sync, N for allreduce, 1 otherwise."""
+        return num_workers - self.backup_workers if self.mode in ("sync", *BASELINES) else 1
+
+    def with_lr(self, lr: float) -> ModeRun:
+        """This variant at a fixed lr, labelled as before (the lr is reported beside it)."""
+        return replace(self, lr=lr)
+
+
+def _number(item: str, key: str, value: str, integer: bool) -> float:
+    try:
+        number = int(value) if integer else float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0 and (integer or number > 0)):
+        kind = "an integer >= 0" if integer else "a finite number > 0"
+        raise ConfigError(f"mode {item!r} in --modes: {key}= needs {kind}, got {value!r}")
+    return number
+
+
+def parse_mode(item: str) -> ModeRun:
+    """One --modes entry -> ModeRun. Raises ConfigError naming the entry and what it may hold."""
+    parts = item.strip().split(":")
+    name, options = parts[0], parts[1:]
+    if name not in (*MODES, *BASELINES):
+        raise ConfigError(f"unknown mode {name!r} in --modes entry {item!r}; valid: {GRAMMAR}")
+    staleness, auto = 0, False
+    if name == "ssp":
+        bound = options.pop(0) if options else ""
+        if bound == "auto":
+            auto = True
+        elif bound.isdigit():
+            staleness = int(bound)
+        else:
+            raise ConfigError(f"mode {item!r} in --modes: ssp needs its bound first, ssp:S (S >= 0) or ssp:auto")
+    run = ModeRun(item.strip(), name, staleness, staleness_max=AUTO_STALENESS_MAX if auto else 0)
+    seen: set[str] = set()
+    for option in options:
+        key, sep, value = option.partition("=")
+        allowed = {o.partition("=")[0]: bool(o.partition("=")[1]) for o in OPTIONS[name]}
+        if key not in allowed or sep != ("=" if allowed[key] else ""):
+            raise ConfigError(
+                f"mode {item!r} in --modes: {option!r} is not an option of {name}; {name} takes "
+                f"{', '.join(OPTIONS[name])}" + (" (max= only with ssp:auto)" if key == "max" else "")
+            )
+        if key in seen or {key, *seen} >= {"dc", "dca"}:
+            raise ConfigError(f"mode {item!r} in --modes: {key} given twice (dc and dca exclude each other)")
+        seen.add(key)
+        if key == "lr":
+            run = replace(run, lr=_number(item, key, value, integer=False))
+        elif key == "slr":
+            run = replace(run, staleness_lr=True)
+        elif key == "backup":
+            run = replace(run, backup_workers=int(_number(item, key, value, integer=True)))
+        elif key in ("dc", "dca"):
+            run = replace(run, dc_asgd=_number(item, key, value, integer=False), dc_asgd_adaptive=key == "dca")
+        elif key == "max":
+            if not auto:
+                raise ConfigError(f"mode {item!r} in --modes: max= bounds ssp:auto only")
+            ceiling = int(_number(item, key, value, integer=True))
+            if ceiling < 1:
+                raise ConfigError(f"mode {item!r} in --modes: max= needs an integer >= 1, got {value!r}")
+            run = replace(run, staleness_max=ceiling)
+    return run
+
+
+def parse_modes(text: str) -> tuple[ModeRun, ...]:
+    """'sync,async:slr,ssp:2,allreduce' -> ModeRuns (see GRAMMAR). Raises ConfigError naming a bad entry."""
+    out = tuple(parse_mode(item) for item in text.split(","))
+    labels = [m.label for m in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--modes lists a mode twice: {text!r}")
+    return out
