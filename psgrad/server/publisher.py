@@ -2,10 +2,13 @@
 which slot; copies a version into a free slot once, however many workers then read it. No gRPC."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from psgrad.server.transfers import PullStream
 from psgrad.wire import published
@@ -17,6 +20,8 @@ _log = logging.getLogger("psgrad.server")
 class _Slot:
     version: int = -1  # the version it holds (-1: none yet)
     holders: set[int] = field(default_factory=set)  # ranks leasing it
+    origin: int = 0  # the uid of the shard state it was copied from
+    pins: int = 0  # pushes that may restore the shard's weights from it (never reused meanwhile)
 
 
 class Publisher:
@@ -70,19 +75,38 @@ class Publisher:
                 stream.copy_into(self._ring.slot(index))
                 if not stream.complete:  # the call ended mid-copy
                     return None
-                self._table[index].version = version
+                self._table[index].version, self._table[index].origin = version, stream.origin
                 self.copies += 1
             self._table[index].holders.add(rank)
             self.leases += 1
             return self._ring.answer(index)
 
+    @contextlib.contextmanager
+    def pinned(self, key: tuple[int, int]) -> Iterator[torch.Tensor | None]:
+        """An exact copy of the shard's weights `key` = (state uid, version) names, if a slot holds
+        it (else None): the slot is not reused while the block runs, so a push applied in place
+        before its check is done can be undone from it."""
+        with self._lock:
+            index = next((i for i, s in enumerate(self._table) if (s.origin, s.version) == key), None)
+            if self._ring is None or index is None:
+                copy = None
+            else:
+                self._table[index].pins += 1
+                copy = torch.frombuffer(self._ring.slot(index), dtype=torch.float32)
+        try:
+            yield copy
+        finally:
+            if copy is not None and index is not None:
+                with self._lock:
+                    self._table[index].pins -= 1
+
     def _free(self) -> int | None:
-        """A slot that no live worker leases, the oldest version first (leases of departed
-        workers end here)."""
+        """A slot that no live worker leases and no push pins, the oldest version first (leases of
+        departed workers end here)."""
         live = self._live()
         for slot in self._table:
             slot.holders &= live
-        free = [i for i, s in enumerate(self._table) if not s.holders]
+        free = [i for i, s in enumerate(self._table) if not s.holders and not s.pins]
         return min(free, key=lambda i: self._table[i].version) if free else None
 
     def held(self) -> dict[int, int]:

@@ -96,6 +96,7 @@ class PushPath:
             writer.may_borrow = exact and not self._policy.aggregates and state.optimizer.reads_grad_only()
             # (DC-ASGD rewrites the gradient before the apply: never in the worker's memory)
             writer.may_borrow = writer.may_borrow and state.layout.trainable == state.layout.numel and self._dc is None
+            writer.target = state.key
             self._buffers.track(grad, writer)
             if self._rule is not None and clock > member.last_push_clock:  # not a duplicate
                 scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
@@ -119,17 +120,24 @@ class PushPath:
         buffer it for the iteration's mean (sync). Duplicates of (rank, clock) are acknowledged
         only. Takes ownership of the buffers."""
         kept = False
+        with self._cond:
+            writer = self._buffers.writer_of(grad)
         try:
             wire.finish_receive(grad)
-            with self._cond:
-                writer = self._buffers.writer_of(grad)
             staged = writer is not None and writer.staged
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
-            bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
+            restore = writer.restore_from if writer is not None and writer.check_deferred else None
+            if restore is not None:  # checked as it is applied in place, undone from this copy of the weights
+                bad = 0
+            else:
+                bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
             with self._cond:
                 state = self._state
                 assert state is not None
+                target = writer.target if writer is not None else None
+                if restore is not None and (target != state.key or self._config.nonfinite == "allow"):
+                    restore, bad = None, count_nonfinite(source)  # the weights moved on: check, then apply
                 if not staged and not self._policy.aggregates:
                     known = self._members.get(rank)
                     if known is None or clock > known.last_push_clock:  # (re-checked below)
@@ -182,8 +190,14 @@ class PushPath:
                     state.average_buffer_deltas(source)
                     if self._dc is not None:  # DC-ASGD: compensated for the updates since its pull
                         self._dc.compensate(rank, base_version, state.weights, source)
-                    self._before_apply(source, scale, lr)  # replication: the backup applies the same gradient
-                    state.apply(source, scale, lr)
+                    if restore is not None:  # checked as it is applied, undone from the copy if need be
+                        bad = state.apply_checked(source, scale, lr, restore)
+                        if bad:
+                            return self._refuse_nonfinite(member, clock, bad, decision)
+                        self._before_apply(source, scale, lr)
+                    else:
+                        self._before_apply(source, scale, lr)  # replication: the backup applies the same gradient
+                        state.apply(source, scale, lr)
                 state.version += 1
                 Membership.advance(member, clock)
                 self._updated()

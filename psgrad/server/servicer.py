@@ -1,6 +1,7 @@
 """The gRPC edge of a parameter shard: decodes requests, delegates to Shard, maps errors to status codes."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -287,26 +288,28 @@ class ParameterServicer:
         names) and hand it to the shard; a failure gives the buffer back, nothing applied."""
         h, writer = r.header, r.writer
         what = f"push from worker rank {h.rank}"
-        try:
-            if r.segment is not None:  # the gradient is in the worker's segment: feed it as if it had arrived
-                extra = next(frames, None) if frames is not None else inline
-                if extra:
-                    raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
-                # Applied in place only well within the caller's deadline: the worker waits meanwhile.
-                writer.may_borrow &= (context.time_remaining() or 60.0) > 4 * DEADLINE_MARGIN_S
-                writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
-            elif frames is not None:
-                write_frames(frames, writer, FrameParser(pb.PushFrame, what))
-            else:
-                writer.write_all(inline if inline is not None else memoryview(b""), self.config.chunk_bytes)
-        except BaseException:
-            self._unreserve(r)
-            raise
-        result = self.shard.apply_push(h.rank, h.clock, h.base_version, r.grad, r.wire, r.wire.nbytes)
-        # Acknowledged once the backup has it. A sync gradient buffered for the iteration's mean
-        # exists on this server alone: with a backup, its push is answered once the iteration is
-        # complete and replicated (the push is retried on the backup if this server dies before).
-        # Step (hold=False) answers after its pull, which waits for that anyway.
+        with contextlib.ExitStack() as pins:  # the published copy an in-place apply may be undone from
+            try:
+                if r.segment is not None:  # the gradient is in the worker's segment: feed it as if it had arrived
+                    extra = next(frames, None) if frames is not None else inline
+                    if extra:
+                        raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
+                    # Applied in place only well within the caller's deadline: the worker waits meanwhile.
+                    writer.may_borrow &= (context.time_remaining() or 60.0) > 4 * DEADLINE_MARGIN_S
+                    if writer.may_borrow and self.publisher is not None:
+                        writer.restore_from = pins.enter_context(self.publisher.pinned(writer.target))
+                    writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
+                elif frames is not None:
+                    write_frames(frames, writer, FrameParser(pb.PushFrame, what))
+                else:
+                    writer.write_all(inline if inline is not None else memoryview(b""), self.config.chunk_bytes)
+            except BaseException:
+                self._unreserve(r)
+                raise
+            result = self.shard.apply_push(h.rank, h.clock, h.base_version, r.grad, r.wire, r.wire.nbytes)
+        # Acknowledged once the backup has it. A sync gradient buffered for the iteration's mean exists
+        # here alone: with a backup, its push is answered once the iteration is complete and replicated
+        # (retried on the backup if this server dies before); Step (hold=False) answers after its pull.
         self._acked(result.version + (hold and result.deferred), context)
         return pb.PushReply(applied=result.applied, reason=result.reason, version=result.version,
                             staleness=result.staleness, deferred=result.deferred, lr=result.lr,

@@ -343,9 +343,8 @@ class Shard(ReplicaPath, Recovery, PushPath):
             if self._dc is not None and not observe:  # DC-ASGD: the weights this worker's next gradients use
                 self._dc.record(rank, state.version, state.weights)
             wire_dtype = get_codec(state.layout.spec.wire_dtype).dtype
-            stream = PullStream(
-                state.weights, state.version, wire_dtype, self._config.chunk_bytes, self._lock, self._end_read
-            )
+            stream = PullStream(state.weights, state.version, wire_dtype, self._config.chunk_bytes, self._lock,
+                                self._end_read, state.uid)
             self._buffers.open_read(stream)
             self._counters.pulls += 1
             self._counters.bytes_out += stream.nbytes

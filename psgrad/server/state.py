@@ -3,7 +3,8 @@ weights, optimizer state, version, and every worker's clocks), apart from the sh
 transfer machinery. Not thread-safe on its own: the shard calls it under its lock."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,6 +12,7 @@ from psgrad.core.layout import Layout
 from psgrad.core.optimizers import ShardOptimizer, make_optimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
+from psgrad.server.transfers import apply_checked
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's optimizer state that hold the job's lr and the chief's clock that set it.
@@ -19,6 +21,7 @@ NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
     "it sends the job spec and the initial weights"
 )
+_UIDS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,13 @@ class ShardState:
     version: int = 0
     #: The chief's clock whose push set the job's lr (optimizer.lr); -1: still the spec's.
     job_lr_clock: int = -1
+    #: Tells this state from any other the process held: (uid, version) names one set of weights.
+    uid: int = field(default_factory=lambda: next(_UIDS), compare=False)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(uid, version): the weights as they are now, as a publication of them is labelled."""
+        return self.uid, self.version
 
     @classmethod
     def create(cls, layout: Layout, weights: torch.Tensor, membership: Membership) -> ShardState:
@@ -82,6 +92,19 @@ class ShardState:
         if n:
             self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
         self.weights[n:].add_(grad[n:])
+
+    def apply_checked(self, grad: torch.Tensor, lr_scale: float, lr: float | None, restore: torch.Tensor) -> int:
+        """Apply an element-wise update that only reads grad (plain SGD), checking grad piece by
+        piece as it goes (transfers.apply_checked); a non-finite gradient (or an error) restores
+        the weights from `restore`, an exact copy of them. Returns the non-finite values (0: applied)."""
+        weights, rule = self.weights, self.optimizer
+        bad = -1
+        try:
+            bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
+        finally:
+            if bad:  # undone, exactly: the copy holds the weights as they were
+                weights.copy_(restore)
+        return bad
 
     def resolve_lr(self, rank: int, clock: int, lr: float | None) -> float:
         """The learning rate a push is applied with: the one it carries, else the job's. The chief's

@@ -6,6 +6,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -63,6 +64,12 @@ class PushWriter(PayloadWriter):
         # place (may_borrow); write_all then only checks it and leaves it there (borrowed).
         self.may_borrow = False
         self.borrowed: torch.Tensor | None = None
+        # (shard state uid, version) when the push was reserved, and an exact copy of those weights
+        # (a published version) if one exists: a borrowed gradient is then checked piece by piece
+        # as the shard applies it (apply_checked), and the copy undoes a non-finite one.
+        self.target: tuple[int, int] = (0, -1)
+        self.restore_from: torch.Tensor | None = None
+        self.check_deferred = False
 
     def stage(self, weights: torch.Tensor, rule: UpdateRule, step_lr: float, version: int) -> None:
         """Compute `rule(weights, grad)` with this step's lr into the buffer as pieces arrive
@@ -108,7 +115,10 @@ class PushWriter(PayloadWriter):
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
         if self.may_borrow:  # checked here, applied from there: the worker waits for the reply
-            self.nonfinite += count_nonfinite(grad)
+            # checked as it is applied, on this thread and a helper (torch's own threads otherwise)
+            self.check_deferred = self.restore_from is not None and torch.get_num_threads() == 1
+            if not self.check_deferred:
+                self.nonfinite += count_nonfinite(grad)
             self._stage = None
             self.borrowed = grad
             self._handed = self._numel
@@ -137,7 +147,7 @@ class PushWriter(PayloadWriter):
     @property
     def checked(self) -> bool:
         """Every element was checked as it arrived: `nonfinite` counts them for the whole gradient."""
-        return self._checking and self._handed == self._numel
+        return self._checking and self._handed == self._numel and not self.check_deferred
 
     def _ingest_piece(self, piece: memoryview, start: int) -> int:
         end = start + len(piece) // 4
@@ -167,6 +177,45 @@ class PushWriter(PayloadWriter):
         for a in range(0, grad.numel(), self._block):
             b = min(a + self._block, grad.numel())
             rule(weights[start + a : start + b], grad[a:b], self.grad[start + a : start + b], scale)
+
+
+# apply_checked's pieces: 4 MB, checked and then applied while in cache.
+PIECE = 1 << 20
+_HELPER: ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
+
+
+def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:
+    """Check a gradient and apply it piece by piece, `update(start, end)` right after each piece's
+    check, on this thread and a helper thread (a half each): one pass over memory instead of two,
+    on both cores. Returns the gradient's non-finite values: 0, or some pieces were applied and the
+    caller must restore the weights. About the CPU time of a check and then an apply on one thread
+    (measured on 2 vCPUs), in half the time."""
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-apply")
+    stop = threading.Event()
+
+    def run(start: int, end: int) -> None:
+        for a in range(start, end, PIECE):
+            b = min(a + PIECE, end)
+            if stop.is_set() or count_nonfinite(grad[a:b]):
+                stop.set()
+                return
+            update(a, b)
+
+    n = grad.numel()
+    if n <= PIECE:
+        run(0, n)
+    else:
+        half = -(-n // 2 // PIECE) * PIECE
+        other = _HELPER.submit(run, half, n)
+        try:
+            run(0, half)
+        finally:
+            other.result()
+    return int(n - int(torch.isfinite(grad).sum())) if stop.is_set() else 0
 
 
 def count_nonfinite(values: torch.Tensor) -> int:
@@ -206,9 +255,11 @@ class PullStream:
         chunk_bytes: int,
         lock: threading.RLock,
         on_end: Callable[[PullStream], None],
+        origin: int = 0,
     ) -> None:
         self.source = source
         self.version = version
+        self.origin = origin  # the uid of the shard state it reads: (origin, version) names the weights
         self._numel = source.numel()
         self._dtype = wire_dtype
         self._chunk = max(1, chunk_bytes // element_size(wire_dtype))

@@ -28,6 +28,9 @@ def test_ray_ps_tiny_reports_psgrad_beside_ray_and_the_limits() -> None:
     assert ph["copy_ms"] > 0 and ph["sgd_apply_ms"] > 0
     assert ph["pull_vs_copy"] == pytest.approx(ph["psgrad_pull_ms"] / ph["copy_ms"])
     assert ph["push_vs_sgd_apply"] == pytest.approx(ph["psgrad_push_ms"] / ph["sgd_apply_ms"])
+    assert ph["copy_all_cores_ms"] > 0 and ph["sgd_apply_all_cores_ms"] > 0
+    assert ph["push_vs_sgd_apply_all_cores"] == pytest.approx(ph["psgrad_push_ms"] / ph["sgd_apply_all_cores_ms"])
+    assert {f["ceiling_name"] for f in out["figures"]} >= {"w.add_(g), all cores", "torch copy_, all cores"}
     assert out["grpc"]["push_vs_raw_sgd_upload_same_process"] > 0
     assert out["grpc"]["push_vs_raw_copy_upload_same_process"] > 0
     assert out["memory_mb"]["psgrad_server"]["VmRSS"] > 0

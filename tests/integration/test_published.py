@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -136,6 +136,83 @@ def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: Running
     assert float(grad.sum()) == N - 1
 
 
+@pytest.mark.parametrize("server", [{"nonfinite": "reject"}, {"nonfinite": "skip"}], indirect=True)
+def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async push from the segment onto a published version is checked while it is applied, in
+    pieces on two threads; a NaN in its last piece is found after most pieces were applied, and
+    the weights are restored, bitwise, from the published copy."""
+    from psgrad.server import state as state_module
+    from psgrad.server import transfers
+
+    monkeypatch.setattr(transfers, "PIECE", 64)  # 34 pieces of the 2113 values
+    pieces: list[int] = []
+    real = transfers.apply_checked
+
+    def spy(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:
+        pieces.append(0)
+        return real(grad, lambda a, b: (pieces.__setitem__(-1, pieces[-1] + 1), update(a, b))[1])
+
+    monkeypatch.setattr(state_module, "apply_checked", spy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as `psgrad server` runs (--torch-threads 1)
+    with make_client(server, mode="async") as c:
+        c.join(initial_weights=initial)
+        grad = c.gradient_buffer()
+        assert grad is not None
+        flat = torch.empty(N)
+        grad.copy_(torch.linspace(-1, 1, N))
+        c.pull(flat, 0, published=True)
+        assert c.push(grad, 0)[0].applied
+        assert pieces == [34]  # applied whole, from the pinned copy's path
+        before = server.shard.weights_copy()
+        assert before is not None
+        torch.testing.assert_close(before, initial() - 0.5 * torch.linspace(-1, 1, N))
+        c.pull(flat, 1, published=True)
+        grad[N - 1] = float("nan")
+        if server.servicer.config.nonfinite == "reject":
+            with pytest.raises(InvalidRequestError, match="1 non-finite"):
+                c.push(grad, 1)
+        else:
+            assert not c.push(grad, 1)[0].applied
+        assert len(pieces) == 2 and pieces[1] >= 17  # the first half at least was applied, then undone
+        after = server.shard.weights_copy()
+        assert after is not None and torch.equal(after, before)
+        st = server.shard.status()
+        assert (st.version, st.pushes_applied, st.pushes_rejected) == (1, 1, 1)
+        grad[N - 1] = 0.0
+        c.pull(flat, 2, published=True)  # (skip: the clock moved on; reject: the push may be redone)
+        assert c.push(grad, 2)[0].applied and len(pieces) == 3
+
+
+def test_a_pinned_version_is_not_reused_until_the_push_is_done() -> None:
+    import threading
+
+    from psgrad.server.publisher import Publisher
+    from psgrad.server.transfers import PullStream
+
+    weights = {v: torch.full((N,), float(v)) for v in range(4)}
+    lock = threading.RLock()
+
+    def stream(v: int, origin: int = 7) -> PullStream:
+        return PullStream(weights[v], v, torch.float32, 4096, lock, lambda s: None, origin)
+
+    publisher = Publisher(N * 4, 2, lambda: {0, 1})
+    try:
+        assert publisher.lease(0, 1, stream(1)) is not None
+        with publisher.pinned((8, 1)) as other_state:  # the same version of another shard state
+            assert other_state is None
+        with publisher.pinned((7, 1)) as copy:
+            assert copy is not None and torch.equal(copy, weights[1])
+            assert publisher.lease(0, 2, stream(2)) is not None  # gives version 1 back: only pinned
+            assert publisher.lease(1, 3, stream(3)) is None  # no free slot: served by a copy
+            assert torch.equal(copy, weights[1])
+        assert publisher.lease(1, 3, stream(3)) is not None  # unpinned: reused
+        assert publisher.held() == {0: 2, 1: 3}
+    finally:
+        publisher.close()
+
+
 def _sync_run(zero_copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     server = start_server(ServerConfig(port=0, threads=8))
     pulled: list[torch.Tensor] = []
@@ -250,6 +327,14 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypa
         borrowed.append(self.borrowed is not None)
 
     monkeypatch.setattr(transfers.PushWriter, "write_all", spy)
+    # onto a published version, checked as it is applied: in pieces on two threads
+    from psgrad.server import state as state_module
+
+    checked: list[int] = []
+    real = transfers.apply_checked
+    monkeypatch.setattr(state_module, "apply_checked", lambda g, u: checked.append(real(g, u)) or checked[-1])
+    monkeypatch.setattr(transfers, "PIECE", 100)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     results = []
     for shared in (True, False):
         running = start_server(ServerConfig(port=0, threads=8))
@@ -266,6 +351,7 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypa
         finally:
             running.stop(0)
     assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
+    assert checked == [0, 0]  # the first push: no version was published yet
     assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
 
 
