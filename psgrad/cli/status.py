@@ -91,6 +91,11 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                          f"{' (adaptive)' if s['spec'].get('dc_asgd_adaptive') else ''}: copies of pulled weights for "
                          f"{dc.get('copies', 0)} workers ({dc.get('nbytes', 0) / 1e6:.1f} MB), pushes compensated "
                          f"{dc.get('compensated', 0)}, uncompensated {dc.get('uncompensated', 0)}")
+        pub = s.get("published") or {}
+        if pub.get("slots"):
+            lines.append(f"shard {s['shard']}: same-host published versions: {pub['leased']} of {pub['slots']} slots "
+                         f"leased ({pub['nbytes'] / 1e6:.1f} MB in /dev/shm), {pub['copies']} versions published, "
+                         f"{pub['leases']} pulls served from them, {pub['pinned']} pushes checked as applied")
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
         if s.get("job_lr_clock", -1) >= 0:

@@ -58,6 +58,19 @@ class DelayStatus:
 
 
 @dataclass(frozen=True)
+class PublishedStatus:
+    """Same-host published versions (all 0 until a worker asks for one): the shard's ring of slots
+    in /dev/shm that workers map read-only."""
+
+    slots: int = 0  # slots in the ring: one per worker of the job
+    nbytes: int = 0  # shared memory the ring holds
+    leased: int = 0  # slots a worker leases now
+    copies: int = 0  # versions copied into a slot
+    leases: int = 0  # pulls served from a slot (zero-copy)
+    pinned: int = 0  # pushes that pinned a published copy of their weights: checked as applied, undone on a NaN
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
 
@@ -90,6 +103,7 @@ class ShardStatus:
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
     delay: DelayStatus = field(default_factory=DelayStatus)
+    published: PublishedStatus = field(default_factory=PublishedStatus)
 
     @property
     def numel(self) -> int:
@@ -146,6 +160,7 @@ class ShardStatus:
             "transfers": dataclasses.asdict(self.transfers),
             "replica": dataclasses.asdict(self.replica),
             "delay": dataclasses.asdict(self.delay),
+            "published": dataclasses.asdict(self.published),
             "missing_at_start": list(self.missing_at_start),
         }
 

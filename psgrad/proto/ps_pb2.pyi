@@ -265,7 +265,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class StatusReply(_message.Message):
     DELAY_FIELD_NUMBER: _ClassVar[int]
     LATE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     shard: ShardRange
     spec: JobSpec
@@ -320,7 +321,24 @@ class StatusReply(_message.Message):
     delay: DelayStatus
     late_dropped: int
     staleness_bound: int
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ...) -> None: ...
+    published: PublishedStatus
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ...) -> None: ...
+
+class PublishedStatus(_message.Message):
+    __slots__ = ("slots", "nbytes", "leased", "copies", "leases", "pinned")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    nbytes: int
+    leased: int
+    copies: int
+    leases: int
+    pinned: int
+    def __init__(self, slots: _Optional[int] = ..., nbytes: _Optional[int] = ..., leased: _Optional[int] = ..., copies: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
 
 class DelayStatus(_message.Message):
     __slots__ = ("copies", "nbytes", "compensated", "uncompensated")

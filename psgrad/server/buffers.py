@@ -201,6 +201,11 @@ class Buffers:
             stream.detach(copy)
             self.reads.discard(stream)
 
+    @property
+    def lent(self) -> int:
+        """Receive buffers out on loan: pushes in flight."""
+        return len(self._lent)
+
     def status(self) -> TransferStatus:
         return TransferStatus(
             streaming_pulls=len(self.reads),

@@ -79,6 +79,10 @@ class ShardCollector:
                       s.delay.compensated)
         yield counter("psgrad_dc_asgd_uncompensated", "DC-ASGD: pushes applied as they came (no copy of the "
                       "weights they were computed on)", s.delay.uncompensated)
+        yield gauge("psgrad_published_ring_bytes", "same-host published versions: shared memory the ring of "
+                    "slots holds in /dev/shm (0 until a worker asks for one)", s.published.nbytes)
+        yield counter("psgrad_published_pulls", "same-host pulls served from a published version (zero-copy)",
+                      s.published.leases)
         yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
         yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect (0: a fixed bound)",
                     s.staleness_bound)

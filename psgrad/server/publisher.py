@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from psgrad.core.status import PublishedStatus
 from psgrad.server.transfers import PullStream
 from psgrad.wire import published
 
@@ -46,6 +47,7 @@ class Publisher:
         self._newest = -1  # a version below it (a roll-back) voids what the slots hold
         self.copies = 0  # versions copied into a slot
         self.leases = 0  # pulls served from a slot
+        self.pins = 0  # pushes that found the copy of their weights (see pinned)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +94,7 @@ class Publisher:
                 copy = None
             else:
                 self._table[index].pins += 1
+                self.pins += 1
                 copy = torch.frombuffer(self._ring.slot(index), dtype=torch.float32)
         try:
             yield copy
@@ -108,6 +111,12 @@ class Publisher:
             slot.holders &= live
         free = [i for i, s in enumerate(self._table) if not s.holders and not s.pins]
         return min(free, key=lambda i: self._table[i].version) if free else None
+
+    def status(self) -> PublishedStatus:
+        """The ring's size and use, for `psgrad status` and the metrics."""
+        with self._lock:
+            leased = sum(1 for s in self._table if s.holders)
+            return PublishedStatus(self.slots, self.nbytes, leased, self.copies, self.leases, self.pins)
 
     def held(self) -> dict[int, int]:
         """rank -> the version it leases (for status and tests)."""

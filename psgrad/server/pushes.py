@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import ClockView, ConsistencyPolicy, PushDecision
 from psgrad.core.layout import explain_push_header
 from psgrad.core.optimizers import UpdateRule
+from psgrad.core.status import PublishedStatus
 from psgrad.errors import EvictedError, InvalidRequestError, NonFiniteGradientError, RollbackError, WorkerStateError
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.buffers import Buffers
@@ -38,6 +40,8 @@ class PushPath:
     _buffers: Buffers
     _round: SyncRound
     _counters: Counters
+    #: the same-host published versions' status (the servicer's Publisher, once it has one)
+    published_status: Callable[[], PublishedStatus] = PublishedStatus
     history: deque[tuple[Any, ...]]
     _restored_clocks: dict[int, int]  # rank -> last push in the checkpoint, until its next push
     _restored: bool  # the shard was restored from a checkpoint
@@ -102,6 +106,12 @@ class PushPath:
                 scale = self._policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
                 writer.stage(state.weights, self._rule, state.optimizer.step_lr(lr, scale), state.version)
         return grad, wire, writer
+
+    def may_check_as_applied(self) -> bool:
+        """Whether a borrowed gradient may be checked as it is applied, on this thread and a helper
+        (apply_checked): when it is the only push in flight (among others, each is checked as it
+        arrives, beside another's apply) and torch runs one thread (else it spreads ops itself)."""
+        return self._buffers.lent < 2 and torch.get_num_threads() == 1
 
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
         """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""

@@ -231,6 +231,7 @@ class ParameterServicer:
                 if self.publisher is not None:
                     self.publisher.close()
                 self.publisher = Publisher(frames.nbytes, layout.spec.num_workers, self.shard.live_ranks)
+                self.shard.published_status = self.publisher.status
             publisher = self.publisher
         answer = publisher.lease(rank, frames.version, frames)
         if answer is None:
@@ -296,7 +297,7 @@ class ParameterServicer:
                         raise InvalidRequestError(f"{what}: data in the call and a shared-memory segment")
                     # Applied in place only well within the caller's deadline: the worker waits meanwhile.
                     writer.may_borrow &= (context.time_remaining() or 60.0) > 4 * DEADLINE_MARGIN_S
-                    if writer.may_borrow and self.publisher is not None:
+                    if writer.may_borrow and self.publisher is not None and self.shard.may_check_as_applied():
                         writer.restore_from = pins.enter_context(self.publisher.pinned(writer.target))
                     writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
                 elif frames is not None:

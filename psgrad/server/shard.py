@@ -394,5 +394,6 @@ class Shard(ReplicaPath, Recovery, PushPath):
                 params=layout.params if layout and with_params else (),
                 replica=self._replica_status(),
                 delay=self._dc.status() if self._dc is not None else DelayStatus(),
+                published=self.published_status(),
             )
 

@@ -115,8 +115,7 @@ class PushWriter(PayloadWriter):
         self._advance(len(payload))
         grad = torch.frombuffer(payload, dtype=torch.float32)
         if self.may_borrow:  # checked here, applied from there: the worker waits for the reply
-            # checked as it is applied, on this thread and a helper (torch's own threads otherwise)
-            self.check_deferred = self.restore_from is not None and torch.get_num_threads() == 1
+            self.check_deferred = self.restore_from is not None  # checked as it is applied
             if not self.check_deferred:
                 self.nonfinite += count_nonfinite(grad)
             self._stage = None

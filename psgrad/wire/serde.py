@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import DelayStatus, ReplicaStatus, ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import (
+    DelayStatus,
+    PublishedStatus,
+    ReplicaStatus,
+    ShardStatus,
+    TransferStatus,
+    WorkerStatus,
+)
 
 _DEFAULT_SPEC = JobSpec()
 
@@ -93,6 +100,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         params=params_to_proto(status.params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
+        published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -131,5 +139,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
+        published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
         params=tuple(params_from_proto(msg.params)),
     )

@@ -3,6 +3,7 @@ published, server/publisher.py) and gradients pushed from the worker's shared se
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
@@ -67,6 +68,14 @@ def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer)
         publisher = server.servicer.publisher
         assert publisher is not None and publisher.copies == 2 and publisher.held() == {0: 1}
         assert publisher.nbytes >= 2 * N * 4  # a slot per worker of the job
+        # psgrad status: the ring's size and use, through the proto as the CLI reads it
+        from psgrad.cli.status import format_status
+        from psgrad.wire import serde
+
+        status = serde.status_from_proto(serde.status_to_proto(server.shard.status()))
+        assert dataclasses.astuple(status.published) == (2, publisher.nbytes, 1, 2, 3, 0)
+        text = format_status([{**status.to_dict(), "address": server.address}])
+        assert "same-host published versions: 1 of 2 slots leased" in text and "2 versions published" in text
         assert c.pull(flat, 1) == [1] and c.views() == [None]  # not asked: copied into flat
         torch.testing.assert_close(flat, initial() - 0.5)
     assert len(my_rings()) == 1
@@ -179,7 +188,7 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
         after = server.shard.weights_copy()
         assert after is not None and torch.equal(after, before)
         st = server.shard.status()
-        assert (st.version, st.pushes_applied, st.pushes_rejected) == (1, 1, 1)
+        assert (st.version, st.pushes_applied, st.pushes_rejected, st.published.pinned) == (1, 1, 1, 2)
         grad[N - 1] = 0.0
         c.pull(flat, 2, published=True)  # (skip: the clock moved on; reject: the push may be redone)
         assert c.push(grad, 2)[0].applied and len(pieces) == 3
