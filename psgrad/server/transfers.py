@@ -178,22 +178,37 @@ class PushWriter(PayloadWriter):
             rule(weights[start + a : start + b], grad[a:b], self.grad[start + a : start + b], scale)
 
 
-# apply_checked's pieces: 4 MB, checked and then applied while in cache.
+# on_two_threads' unit: apply_checked's pieces (4 MB, checked and then applied while in cache).
 PIECE = 1 << 20
 _HELPER: ThreadPoolExecutor | None = None
 _HELPER_LOCK = threading.Lock()
 
 
-def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:
-    """Check a gradient and apply it piece by piece, `update(start, end)` right after each piece's
-    check, on this thread and a helper thread (a half each): one pass over memory instead of two,
-    on both cores. Returns the gradient's non-finite values: 0, or some pieces were applied and the
-    caller must restore the weights. About the CPU time of a check and then an apply on one thread
-    (measured on 2 vCPUs), in half the time."""
+def on_two_threads(n: int, work: Callable[[int, int], object]) -> None:
+    """work(0, half) on this thread and work(half, n) on the helper thread at once (half a multiple
+    of PIECE; n <= PIECE: all here). Memory-bound passes over big tensors go twice as fast where
+    the host's memory bandwidth allows (on 2 vCPUs: 1.1-2x, varying with the machine's neighbours)."""
     global _HELPER
+    if n <= PIECE:
+        work(0, n)
+        return
     with _HELPER_LOCK:
         if _HELPER is None:
-            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-apply")
+            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-helper")
+    half = -(-n // 2 // PIECE) * PIECE
+    other = _HELPER.submit(work, half, n)
+    try:
+        work(0, half)
+    finally:
+        other.result()
+
+
+def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:
+    """Check a gradient and apply it piece by piece, `update(start, end)` right after each piece's
+    check, on this thread and the helper (on_two_threads): one pass over memory instead of two.
+    Returns the gradient's non-finite values: 0, or some pieces were applied and the caller must
+    restore the weights. About the CPU time of a check and then an apply on one thread (measured on
+    2 vCPUs), in 0.55-0.75 of the time."""
     stop = threading.Event()
 
     def run(start: int, end: int) -> None:
@@ -205,15 +220,7 @@ def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int
             update(a, b)
 
     n = grad.numel()
-    if n <= PIECE:
-        run(0, n)
-    else:
-        half = -(-n // 2 // PIECE) * PIECE
-        other = _HELPER.submit(run, half, n)
-        try:
-            run(0, half)
-        finally:
-            other.result()
+    on_two_threads(n, run)
     return int(n - int(torch.isfinite(grad).sum())) if stop.is_set() else 0
 
 
@@ -306,10 +313,16 @@ class PullStream:
 
     def copy_into(self, dest: memoryview) -> None:
         """Copy all the (remaining) values in the wire dtype into dest, chunk by chunk under the
-        shard lock like frames (the same-host shared-memory path), then end the stream."""
+        shard lock like frames (the same-host shared-memory path), then end the stream. A whole
+        float32 copy on one torch thread goes at once, under the lock, on two threads."""
         target = torch.frombuffer(dest, dtype=self._dtype) if len(dest) else torch.empty(0, dtype=self._dtype)
         size = element_size(self._dtype)
         try:
+            with self._lock:
+                source = self.source
+                if self.open and self._offset == 0 and source.dtype == self._dtype and torch.get_num_threads() == 1:
+                    on_two_threads(self._numel, lambda a, b: target[a:b].copy_(source[a:b]))
+                    self._offset = self._numel
             while True:
                 with self._lock:
                     start = self._offset

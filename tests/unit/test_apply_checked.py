@@ -70,3 +70,33 @@ def test_small_gradients_are_one_piece_on_this_thread() -> None:
     weights = torch.zeros(60)
     bad, pieces, threads = run(grad, weights)
     assert (bad, pieces, threads) == (0, [(0, 60)], {threading.get_ident()})
+
+
+def test_on_two_threads_covers_the_range_once_in_two_halves() -> None:
+    seen: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+
+    def work(a: int, b: int) -> None:
+        with lock:
+            seen.append((a, b, threading.get_ident()))
+
+    transfers.on_two_threads(1050, work)
+    assert sorted((a, b) for a, b, _ in seen) == [(0, 600), (600, 1050)]  # half: a multiple of PIECE
+    assert len({t for _, _, t in seen}) == 2
+
+
+@pytest.mark.parametrize("numel", [60, 1050])
+def test_a_pull_stream_copies_a_whole_float32_version_on_two_threads(numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as `psgrad server` runs
+    ended = []
+    source = torch.randn(numel)
+    stream = transfers.PullStream(source, 3, torch.float32, 64, threading.RLock(), ended.append)
+    dest = bytearray(4 * numel)
+    stream.copy_into(memoryview(dest))
+    assert torch.equal(torch.frombuffer(dest, dtype=torch.float32), source)
+    assert stream.complete and not stream.open and ended == [stream]
+    closed = transfers.PullStream(source, 3, torch.float32, 64, threading.RLock(), ended.append)
+    closed.close()
+    untouched = bytearray(4 * numel)
+    closed.copy_into(memoryview(untouched))
+    assert untouched == bytearray(4 * numel) and not closed.complete
