@@ -3,6 +3,7 @@ element-wise update rules, apply) the gradient piece by piece as it arrives; no 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -180,7 +181,7 @@ class PushWriter(PayloadWriter):
 
 # on_two_threads' unit: apply_checked's pieces (4 MB, checked and then applied while in cache).
 PIECE = 1 << 20
-_HELPER: ThreadPoolExecutor | None = None
+_HELPER: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it belongs to: a forked child makes its own)
 _HELPER_LOCK = threading.Lock()
 
 
@@ -193,10 +194,11 @@ def on_two_threads(n: int, work: Callable[[int, int], object]) -> None:
         work(0, n)
         return
     with _HELPER_LOCK:
-        if _HELPER is None:
-            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-helper")
+        if _HELPER is None or _HELPER[0] != os.getpid():
+            _HELPER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-helper"))
+        helper = _HELPER[1]
     half = -(-n // 2 // PIECE) * PIECE
-    other = _HELPER.submit(work, half, n)
+    other = helper.submit(work, half, n)
     try:
         work(0, half)
     finally:

@@ -100,3 +100,18 @@ def test_a_pull_stream_copies_a_whole_float32_version_on_two_threads(numel: int,
     untouched = bytearray(4 * numel)
     closed.copy_into(memoryview(untouched))
     assert untouched == bytearray(4 * numel) and not closed.complete
+
+
+def test_a_forked_child_gets_a_helper_of_its_own() -> None:
+    import multiprocessing
+
+    transfers.on_two_threads(1050, lambda a, b: None)  # the parent's helper thread exists
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:  # the child inherits the executor but not its thread
+        assert pool.apply_async(_two_halves_in_child).get(timeout=30) == 2
+
+
+def _two_halves_in_child() -> int:
+    threads: set[int] = set()
+    transfers.on_two_threads(1050, lambda a, b: threads.add(threading.get_ident()))
+    return len(threads)
