@@ -113,10 +113,12 @@ class Publisher:
         return min(free, key=lambda i: self._table[i].version) if free else None
 
     def status(self) -> PublishedStatus:
-        """The ring's size and use, for `psgrad status` and the metrics."""
-        with self._lock:
-            leased = sum(1 for s in self._table if s.holders)
-            return PublishedStatus(self.slots, self.nbytes, leased, self.copies, self.leases, self.pins)
+        """The ring's size and use, for `psgrad status` and the metrics. Takes no lock: the shard
+        asks under its own lock, which lease() takes while it holds this publisher's (a copy reads
+        the weights under the shard's lock), so taking ours here could deadlock; counters read a
+        moment apart are fine for a status."""
+        leased = sum(1 for s in self._table if s.holders)
+        return PublishedStatus(self.slots, self.nbytes, leased, self.copies, self.leases, self.pins)
 
     def held(self) -> dict[int, int]:
         """rank -> the version it leases (for status and tests)."""

@@ -222,6 +222,38 @@ def test_a_pinned_version_is_not_reused_until_the_push_is_done() -> None:
         publisher.close()
 
 
+def test_status_under_the_shard_lock_never_waits_for_a_publication() -> None:
+    """A publication holds the publisher's lock and copies under the shard's; the shard asks for the
+    published status under its own lock (psgrad status, wait_until): that must not wait (it did,
+    and `psgrad run` deadlocked)."""
+    import threading
+    import time
+
+    from psgrad.server.publisher import Publisher
+    from psgrad.server.transfers import PullStream
+
+    shard_lock = threading.RLock()
+    publisher = Publisher(N * 4, 2, lambda: {0})
+    stream = PullStream(torch.ones(N), 1, torch.float32, 4096, shard_lock, lambda s: None, 7)
+    answers: list[object] = []
+    try:
+        with shard_lock:  # the shard, asking for its status
+            lease = threading.Thread(target=lambda: answers.append(publisher.lease(0, 1, stream)))
+            lease.start()  # takes the publisher's lock, then waits for the shard's to copy
+            deadline = time.monotonic() + 10
+            while not publisher._lock.locked() and time.monotonic() < deadline:
+                time.sleep(0.001)  # (polling for the lease to hold its lock)
+            assert publisher._lock.locked()
+            status = threading.Thread(target=lambda: answers.append(publisher.status()))
+            status.start()
+            status.join(timeout=10)
+            assert not status.is_alive(), "status waited for the publication"
+        lease.join(timeout=10)
+        assert answers[0].slots == 2 and answers[1] is not None  # type: ignore[attr-defined]
+    finally:
+        publisher.close()
+
+
 def _sync_run(zero_copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     server = start_server(ServerConfig(port=0, threads=8))
     pulled: list[torch.Tensor] = []
