@@ -145,9 +145,6 @@ class PushPath:
             with self._cond:
                 state = self._state
                 assert state is not None
-                target = writer.target if writer is not None else None
-                if restore is not None and (target != state.key or self._config.nonfinite == "allow"):
-                    restore, bad = None, count_nonfinite(source)  # the weights moved on: check, then apply
                 if not staged and not self._policy.aggregates:
                     known = self._members.get(rank)
                     if known is None or clock > known.last_push_clock:  # (re-checked below)
@@ -200,6 +197,13 @@ class PushPath:
                     state.average_buffer_deltas(source)
                     if self._dc is not None:  # DC-ASGD: compensated for the updates since its pull
                         self._dc.compensate(rank, base_version, state.weights, source)
+                    allow = self._config.nonfinite == "allow"
+                    if restore is not None and (writer is None or writer.target != state.key or allow):
+                        # the weights moved on (another push applied while this one waited), or it need
+                        # not be checked: the copy would not undo it; check, then apply
+                        restore, bad = None, count_nonfinite(source)
+                        if bad and not allow:
+                            return self._refuse_nonfinite(member, clock, bad, decision)
                     if restore is not None:  # checked as it is applied, undone from the copy if need be
                         bad = state.apply_checked(source, scale, lr, restore)
                         if bad:

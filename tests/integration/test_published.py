@@ -14,7 +14,7 @@ from conftest import run_in_threads
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
-from psgrad.errors import InvalidRequestError
+from psgrad.errors import InvalidRequestError, NonFiniteGradientError
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.wire import published, shm
 
@@ -192,6 +192,26 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
         grad[N - 1] = 0.0
         c.pull(flat, 2, published=True)  # (skip: the clock moved on; reject: the push may be redone)
         assert c.push(grad, 2)[0].applied and len(pieces) == 3
+
+
+@pytest.mark.parametrize("server", [{"push_buffers": 2}], indirect=True)  # two pushes in flight at once
+def test_a_push_whose_weights_moved_on_while_it_waited_is_checked_first(server: RunningServer) -> None:
+    """The copy a push pinned names the weights when it was reserved; if another push applied
+    meanwhile, restoring from that copy would undo the other push: it is checked, then applied."""
+    with make_client(server, 0, mode="async") as c0, make_client(server, 1, mode="async") as c1:
+        c0.join(initial_weights=initial)
+        c1.join(None)
+        grad, wire, writer = server.shard.push_target(0, 0, 0, N, "float32", c0.fingerprint)
+        writer.restore_from = torch.zeros(N)  # what a stale copy would restore (never, here)
+        writer.check_deferred = True
+        assert c1.push(torch.ones(N), 0)[0].applied  # the weights move on
+        after_other = server.shard.weights_copy()
+        grad.fill_(1.0)
+        grad[N - 1] = float("nan")
+        with pytest.raises(NonFiniteGradientError):
+            server.shard.apply_push(0, 0, 0, grad, wire, 4 * N)
+        now = server.shard.weights_copy()
+        assert after_other is not None and now is not None and torch.equal(now, after_other)
 
 
 def test_a_pinned_version_is_not_reused_until_the_push_is_done() -> None:
