@@ -12,6 +12,7 @@ from psgrad.core.layout import Layout
 from psgrad.core.optimizers import ShardOptimizer, make_optimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
+from psgrad.server import kernels, transfers
 from psgrad.server.transfers import apply_checked
 
 OptimizerState = dict[str, torch.Tensor | float | int]
@@ -87,20 +88,28 @@ class ShardState:
         times lr_scale; the buffers' part of grad, which holds their deltas, is added as it is."""
         n = self.layout.trainable
         if n == self.weights.numel():
-            self.optimizer.apply(self.weights, grad, lr_scale, lr)
+            alpha = self.optimizer.axpy_alpha(lr, lr_scale) if n > transfers.PIECE and torch.get_num_threads() == 1 else None
+            if alpha is None or kernels.sgd_checked(self.weights, grad, alpha) is None:  # else: on two threads
+                self.optimizer.apply(self.weights, grad, lr_scale, lr)
             return
         if n:
             self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
         self.weights[n:].add_(grad[n:])
 
     def apply_checked(self, grad: torch.Tensor, lr_scale: float, lr: float | None, restore: torch.Tensor) -> int:
-        """Apply an element-wise update that only reads grad (plain SGD), checking grad piece by
-        piece as it goes (transfers.apply_checked); a non-finite gradient (or an error) restores
-        the weights from `restore`, an exact copy of them. Returns the non-finite values (0: applied)."""
+        """Apply an element-wise update that only reads grad (plain SGD), checking grad as it goes:
+        in one fused pass (kernels.sgd_checked) where it can, else piece by piece
+        (transfers.apply_checked); a non-finite gradient (or an error) restores the weights from
+        `restore`, an exact copy of them. Returns the non-finite values (0: applied)."""
         weights, rule = self.weights, self.optimizer
         bad = -1
         try:
-            bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
+            alpha = rule.axpy_alpha(lr, lr_scale)
+            finite = None if alpha is None else kernels.sgd_checked(weights, grad, alpha)
+            if finite is None:
+                bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
+            else:
+                bad = 0 if finite else int(grad.numel() - int(torch.isfinite(grad).sum()))
         finally:
             if bad:  # undone, exactly: the copy holds the weights as they were
                 weights.copy_(restore)

@@ -145,16 +145,40 @@ def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: Running
     assert float(grad.sum()) == N - 1
 
 
+def fused(on: bool, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Turn the fused SGD kernel on (compiled before the server sees a push) or off (the torch ops);
+    returns what each of its calls said (gradient finite or not)."""
+    from psgrad.server import kernels
+
+    said: list[bool] = []
+    if not on:
+        monkeypatch.setenv(kernels.ENV, "0")
+        return said
+    assert kernels.kernel(wait=True) is not None, "numba is a dependency: the fused kernel must compile"
+    real = kernels.sgd_checked
+
+    def spy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool | None:
+        out = real(weights, grad, alpha)
+        assert out is not None
+        said.append(out)
+        return out
+
+    monkeypatch.setattr(kernels, "sgd_checked", spy)
+    return said
+
+
 @pytest.mark.parametrize("server", [{"nonfinite": "reject"}, {"nonfinite": "skip"}], indirect=True)
 def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An async push from the segment onto a published version is checked while it is applied, in
-    pieces on two threads; a NaN in its last piece is found after most pieces were applied, and
-    the weights are restored, bitwise, from the published copy."""
+    pieces on two threads (torch ops; the fused kernel's way is the next test); a NaN in its last
+    piece is found after most pieces were applied, and the weights are restored, bitwise, from the
+    published copy."""
     from psgrad.server import state as state_module
     from psgrad.server import transfers
 
+    fused(False, monkeypatch)
     monkeypatch.setattr(transfers, "PIECE", 64)  # 34 pieces of the 2113 values
     pieces: list[int] = []
     real = transfers.apply_checked
@@ -192,6 +216,43 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
         grad[N - 1] = 0.0
         c.pull(flat, 2, published=True)  # (skip: the clock moved on; reject: the push may be redone)
         assert c.push(grad, 2)[0].applied and len(pieces) == 3
+
+
+@pytest.mark.parametrize("server", [{"nonfinite": "reject"}, {"nonfinite": "skip"}], indirect=True)
+def test_a_nan_applied_by_the_fused_kernel_is_undone_exactly(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with the fused kernel (update and check in one pass, half on a helper thread): the
+    whole gradient is applied before the NaN is known, and the published copy undoes it bitwise."""
+    from psgrad.server import transfers
+
+    said = fused(True, monkeypatch)
+    monkeypatch.setattr(transfers, "PIECE", 64)  # both threads take a half
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    with make_client(server, mode="async") as c:
+        c.join(initial_weights=initial)
+        grad = c.gradient_buffer()
+        assert grad is not None
+        flat = torch.empty(N)
+        grad.copy_(torch.linspace(-1, 1, N))
+        c.pull(flat, 0, published=True)
+        assert c.push(grad, 0)[0].applied and said == [True]
+        before = server.shard.weights_copy()
+        assert before is not None
+        torch.testing.assert_close(before, initial() - 0.5 * torch.linspace(-1, 1, N))
+        c.pull(flat, 1, published=True)
+        grad[0] = float("inf")  # the first half's first value and the second half's last
+        grad[N - 1] = float("nan")
+        if server.servicer.config.nonfinite == "reject":
+            with pytest.raises(InvalidRequestError, match="2 non-finite"):
+                c.push(grad, 1)
+        else:
+            assert not c.push(grad, 1)[0].applied
+        assert said == [True, False]
+        after = server.shard.weights_copy()
+        assert after is not None and torch.equal(after, before)
+        st = server.shard.status()
+        assert (st.version, st.pushes_applied, st.pushes_rejected, st.published.pinned) == (1, 1, 1, 2)
 
 
 @pytest.mark.parametrize("server", [{"push_buffers": 2}], indirect=True)  # two pushes in flight at once
@@ -377,8 +438,11 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
         assert not any(diffs), (rank, diffs)
 
 
-def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("on", [False, True], ids=["torch-ops", "fused"])
+def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from psgrad.server import transfers
+
+    said = fused(on, monkeypatch)
 
     borrowed: list[bool] = []
     write_all = transfers.PushWriter.write_all
@@ -412,8 +476,14 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(monkeypa
         finally:
             running.stop(0)
     assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
-    assert checked == [0, 0]  # the first push: no version was published yet
+    # the first push: no version was published yet (checked, then applied: the fused kernel does
+    # that apply too, on two threads); the frames path computes the next weights as they arrive
+    assert (checked, said) == (([0, 0], []) if not on else ([], [True] * 3))
     assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
+    expected = initial()
+    for clock in range(3):
+        expected.add_(torch.linspace(-1, 1, N) * (clock + 1), alpha=-0.5)
+    assert torch.equal(results[0], expected)  # bit for bit torch's add_
 
 
 _HOLDER = """

@@ -62,6 +62,11 @@ class ShardOptimizer(ABC):
         in place). False (the default): grad is scratch the rule may write."""
         return False
 
+    def axpy_alpha(self, lr: float | None, lr_scale: float) -> float | None:
+        """The a of an update that is exactly weights.add_(grad, alpha=a), or None (the default): a
+        fused kernel may then compute it, checking grad in the same pass."""
+        return None
+
     def piecewise_rule(self) -> UpdateRule | None:
         """The update as an out-of-place rule on blocks, for rules without state whose result for
         an element depends only on that element: the shard then computes the next weights while

@@ -40,6 +40,9 @@ class SGD(ShardOptimizer):
     def reads_grad_only(self) -> bool:
         return not self.momentum and not self.weight_decay
 
+    def axpy_alpha(self, lr: float | None, lr_scale: float) -> float | None:
+        return -self.step_lr(lr, lr_scale) if self.reads_grad_only() else None
+
     def piecewise_rule(self) -> UpdateRule | None:
         """Plain SGD (no momentum, with or without weight decay) element by element; the same torch
         ops as apply(), so the result is bit for bit the same."""
