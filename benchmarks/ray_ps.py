@@ -13,8 +13,9 @@ psgrad runs the same iteration (pull, push; async, lr 1e-9, one shard, no comput
 worker processes on the same host. Rounds alternate between the three, in rotating order.
 
 Beside them, in the same run: the physical limits (one 100 MB memory copy with torch `copy_`, and the
-SGD apply alone, `w.add_(g, alpha=-lr)`, on one thread as the shard runs it, and on every core: a
-push onto a published version checks and applies on two threads), psgrad's pull and push times
+SGD apply alone, `w.add_(g, alpha=-lr)`, on one thread and on every core: the targets take every
+core, since a pull's copy and a push's update run on two threads; and the shard's fused update +
+NaN check alone, the push's own arithmetic), psgrad's pull and push times
 over them, and the gRPC path's restated target (transport.py's one-shard comparison: a push
 against a raw gRPC upload doing the same copy + SGD arithmetic in the same server process, and the
 raw-copy ratio beside it). Ray runs with a bounded object store and is started and stopped here;
@@ -145,8 +146,11 @@ class RayWorld:
 
 
 def probe_limits(params: int, reps: int) -> dict[str, Any]:
-    """One memory copy and the SGD apply alone, on one torch thread (as the shard's work runs) and
-    on every core (the push's checked apply uses two threads, see apply_checked)."""
+    """One memory copy and the SGD apply alone, on one torch thread (as the shard's torch ops run)
+    and on every core (the push's checked apply and the pull's copy use two threads), and the
+    shard's fused kernel alone (update + NaN check, two threads; absent where numba is)."""
+    from psgrad.server import kernels
+
     threads = torch.get_num_threads()
     cores = os.cpu_count() or 1
     try:
@@ -154,7 +158,8 @@ def probe_limits(params: int, reps: int) -> dict[str, Any]:
         w = torch.zeros(params)
         g = torch.full((params,), 1e-3)
         w.add_(g, alpha=-LR)
-        out: dict[str, list[float]] = {k: [] for k in ("copy", "apply", "copy_all", "apply_all")}
+        fused = kernels.kernel(wait=True) is not None
+        out: dict[str, list[float]] = {k: [] for k in ("copy", "apply", "copy_all", "apply_all", "fused")}
         for _ in range(reps):
             for n, suffix in ((1, ""), (cores, "_all")):
                 torch.set_num_threads(n)
@@ -162,9 +167,14 @@ def probe_limits(params: int, reps: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 w.add_(g, alpha=-LR)
                 out["apply" + suffix].append(time.perf_counter() - t0)
-        ms = {k: summarize(v)["median"] * 1e3 for k, v in out.items()}
+            torch.set_num_threads(1)
+            t0 = time.perf_counter()
+            if fused and kernels.sgd_checked(w, g, -LR):
+                out["fused"].append(time.perf_counter() - t0)
+        ms = {k: summarize(v)["median"] * 1e3 if v else None for k, v in out.items()}
         return {"copy_ms": ms["copy"], "sgd_apply_ms": ms["apply"],
-                "copy_all_cores_ms": ms["copy_all"], "sgd_apply_all_cores_ms": ms["apply_all"]}
+                "copy_all_cores_ms": ms["copy_all"], "sgd_apply_all_cores_ms": ms["apply_all"],
+                "fused_sgd_checked_ms": ms["fused"]}
     finally:
         torch.set_num_threads(threads)
 
@@ -243,13 +253,15 @@ def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], pr
         results.append({"workers": w, **cells,
                         "ratio_vs_ray": cells["psgrad"]["ops_per_s"] / cells["ray"]["ops_per_s"],
                         "ratio_vs_ray_copy_in": cells["psgrad"]["ops_per_s"] / cells["ray_copy_in"]["ops_per_s"]})
-    lim = {k: summarize([x[k] for x in limits])["median"] for k in limits[0]}
+    lim = {k: summarize([x[k] for x in limits])["median"] if limits[0][k] is not None else None for k in limits[0]}
     one = next(r for r in results if r["workers"] == 1)["psgrad"]
     physical = {**lim, "psgrad_pull_ms": one["pull_ms_median"], "psgrad_push_ms": one["push_ms_median"],
                 "pull_vs_copy": one["pull_ms_median"] / lim["copy_ms"],
                 "push_vs_sgd_apply": one["push_ms_median"] / lim["sgd_apply_ms"],
                 "pull_vs_copy_all_cores": one["pull_ms_median"] / lim["copy_all_cores_ms"],
-                "push_vs_sgd_apply_all_cores": one["push_ms_median"] / lim["sgd_apply_all_cores_ms"]}
+                "push_vs_sgd_apply_all_cores": one["push_ms_median"] / lim["sgd_apply_all_cores_ms"],
+                "push_vs_fused_sgd_checked": (one["push_ms_median"] / lim["fused_sgd_checked_ms"]
+                                              if lim["fused_sgd_checked_ms"] else None)}
     return {"params": params, "payload_bytes": payload, "reps": reps, "iters_per_round": iters,
             "results": results, "physical": physical, "memory_mb": memory, "elapsed_s": time.monotonic() - t_start}
 
@@ -278,14 +290,18 @@ def run(preset: str) -> dict[str, Any]:
         figures.append(figure(f"ray_ps: (pulls+pushes)/s, {w} worker(s), vs Ray copy-in", r["psgrad"]["ops_per_s"],
                               "1/s", r["ray_copy_in"]["ops_per_s"], "Ray actor PS, copy-in"))
     ph = out["physical"]
-    targets.append(target(f"ray_ps: {mb:.0f} MB pull vs one memory copy", ph["psgrad_pull_ms"], ph["copy_ms"],
-                          1.5, "lower", "ms", "torch copy_"))
-    targets.append(target(f"ray_ps: {mb:.0f} MB push vs the SGD apply alone", ph["psgrad_push_ms"],
-                          ph["sgd_apply_ms"], 1.5, "lower", "ms", "w.add_(g)"))
-    figures.append(figure(f"ray_ps: {mb:.0f} MB push vs the SGD apply on every core", ph["psgrad_push_ms"], "ms",
-                          ph["sgd_apply_all_cores_ms"], "w.add_(g), all cores"))
-    figures.append(figure(f"ray_ps: {mb:.0f} MB pull vs one memory copy on every core", ph["psgrad_pull_ms"], "ms",
-                          ph["copy_all_cores_ms"], "torch copy_, all cores"))
+    # Against the copy and the apply on every core: the pull's copy and the push's apply use two threads.
+    targets.append(target(f"ray_ps: {mb:.0f} MB pull vs one memory copy on every core", ph["psgrad_pull_ms"],
+                          ph["copy_all_cores_ms"], 1.5, "lower", "ms", "torch copy_, all cores"))
+    targets.append(target(f"ray_ps: {mb:.0f} MB push vs the SGD apply alone on every core", ph["psgrad_push_ms"],
+                          ph["sgd_apply_all_cores_ms"], 1.5, "lower", "ms", "w.add_(g), all cores"))
+    figures.append(figure(f"ray_ps: {mb:.0f} MB pull vs one memory copy on one thread", ph["psgrad_pull_ms"], "ms",
+                          ph["copy_ms"], "torch copy_"))
+    figures.append(figure(f"ray_ps: {mb:.0f} MB push vs the SGD apply on one thread", ph["psgrad_push_ms"], "ms",
+                          ph["sgd_apply_ms"], "w.add_(g)"))
+    if ph["fused_sgd_checked_ms"] is not None:
+        figures.append(figure(f"ray_ps: {mb:.0f} MB push vs the shard's fused update + check alone", ph["psgrad_push_ms"],
+                              "ms", ph["fused_sgd_checked_ms"], "kernels.sgd_checked, two threads"))
     return {**out, "preset": preset, "targets": targets, "figures": figures,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
 
