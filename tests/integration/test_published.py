@@ -167,18 +167,19 @@ def fused(on: bool, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return said
 
 
+@pytest.mark.parametrize("on", [False, True], ids=["torch-ops", "fused"])
 @pytest.mark.parametrize("server", [{"nonfinite": "reject"}, {"nonfinite": "skip"}], indirect=True)
 def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+    server: RunningServer, on: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An async push from the segment onto a published version is checked while it is applied, in
-    pieces on two threads (torch ops; the fused kernel's way is the next test); a NaN in its last
-    piece is found after most pieces were applied, and the weights are restored, bitwise, from the
-    published copy."""
+    """An async push from the segment onto a published version is checked while it is applied, on
+    two threads: with torch ops in pieces (a NaN in the last piece is found after most pieces were
+    applied), with the fused kernel in two halves (the whole gradient is applied before the NaN is
+    known); either way the weights are restored, bitwise, from the published copy."""
     from psgrad.server import state as state_module
     from psgrad.server import transfers
 
-    fused(False, monkeypatch)
+    said = fused(on, monkeypatch)
     monkeypatch.setattr(transfers, "PIECE", 64)  # 34 pieces of the 2113 values
     pieces: list[int] = []
     real = transfers.apply_checked
@@ -197,7 +198,7 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
         grad.copy_(torch.linspace(-1, 1, N))
         c.pull(flat, 0, published=True)
         assert c.push(grad, 0)[0].applied
-        assert pieces == [34]  # applied whole, from the pinned copy's path
+        assert (pieces, said) == (([], [True]) if on else ([34], []))  # applied whole, from the pinned copy's path
         before = server.shard.weights_copy()
         assert before is not None
         torch.testing.assert_close(before, initial() - 0.5 * torch.linspace(-1, 1, N))
@@ -208,51 +209,17 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
                 c.push(grad, 1)
         else:
             assert not c.push(grad, 1)[0].applied
-        assert len(pieces) == 2 and pieces[1] >= 17  # the first half at least was applied, then undone
+        if on:
+            assert said == [True, False] and not pieces
+        else:  # the first half at least was applied, then undone
+            assert len(pieces) == 2 and pieces[1] >= 17
         after = server.shard.weights_copy()
         assert after is not None and torch.equal(after, before)
         st = server.shard.status()
         assert (st.version, st.pushes_applied, st.pushes_rejected, st.published.pinned) == (1, 1, 1, 2)
         grad[N - 1] = 0.0
         c.pull(flat, 2, published=True)  # (skip: the clock moved on; reject: the push may be redone)
-        assert c.push(grad, 2)[0].applied and len(pieces) == 3
-
-
-@pytest.mark.parametrize("server", [{"nonfinite": "reject"}, {"nonfinite": "skip"}], indirect=True)
-def test_a_nan_applied_by_the_fused_kernel_is_undone_exactly(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same with the fused kernel (update and check in one pass, half on a helper thread): the
-    whole gradient is applied before the NaN is known, and the published copy undoes it bitwise."""
-    from psgrad.server import transfers
-
-    said = fused(True, monkeypatch)
-    monkeypatch.setattr(transfers, "PIECE", 64)  # both threads take a half
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    with make_client(server, mode="async") as c:
-        c.join(initial_weights=initial)
-        grad = c.gradient_buffer()
-        assert grad is not None
-        flat = torch.empty(N)
-        grad.copy_(torch.linspace(-1, 1, N))
-        c.pull(flat, 0, published=True)
-        assert c.push(grad, 0)[0].applied and said == [True]
-        before = server.shard.weights_copy()
-        assert before is not None
-        torch.testing.assert_close(before, initial() - 0.5 * torch.linspace(-1, 1, N))
-        c.pull(flat, 1, published=True)
-        grad[0] = float("inf")  # the first half's first value and the second half's last
-        grad[N - 1] = float("nan")
-        if server.servicer.config.nonfinite == "reject":
-            with pytest.raises(InvalidRequestError, match="2 non-finite"):
-                c.push(grad, 1)
-        else:
-            assert not c.push(grad, 1)[0].applied
-        assert said == [True, False]
-        after = server.shard.weights_copy()
-        assert after is not None and torch.equal(after, before)
-        st = server.shard.status()
-        assert (st.version, st.pushes_applied, st.pushes_rejected, st.published.pinned) == (1, 1, 1, 2)
+        assert c.push(grad, 2)[0].applied and len(pieces) + len(said) == 3
 
 
 @pytest.mark.parametrize("server", [{"push_buffers": 2}], indirect=True)  # two pushes in flight at once
