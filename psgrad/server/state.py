@@ -12,8 +12,8 @@ from psgrad.core.layout import Layout
 from psgrad.core.optimizers import ShardOptimizer, make_optimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
-from psgrad.server import kernels, transfers
-from psgrad.server.transfers import apply_checked
+from psgrad.server import kernels
+from psgrad.server.transfers import apply_checked, on_two_threads
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's optimizer state that hold the job's lr and the chief's clock that set it.
@@ -88,9 +88,12 @@ class ShardState:
         times lr_scale; the buffers' part of grad, which holds their deltas, is added as it is."""
         n = self.layout.trainable
         if n == self.weights.numel():
-            alpha = self.optimizer.axpy_alpha(lr, lr_scale) if n > transfers.PIECE and torch.get_num_threads() == 1 else None
-            if alpha is None or kernels.sgd_checked(self.weights, grad, alpha) is None:  # else: on two threads
-                self.optimizer.apply(self.weights, grad, lr_scale, lr)
+            weights = self.weights
+            alpha = self.optimizer.axpy_alpha(lr, lr_scale) if torch.get_num_threads() == 1 else None
+            if alpha is None:
+                self.optimizer.apply(weights, grad, lr_scale, lr)
+            else:  # the optimizer's own add_, element by element: half on the helper thread
+                on_two_threads(n, lambda a, b: weights[a:b].add_(grad[a:b], alpha=alpha))
             return
         if n:
             self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)

@@ -443,9 +443,9 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(on: bool
         finally:
             running.stop(0)
     assert borrowed == [True] * 3  # the frames path never calls write_all with a segment
-    # the first push: no version was published yet (checked, then applied: the fused kernel does
-    # that apply too, on two threads); the frames path computes the next weights as they arrive
-    assert (checked, said) == (([0, 0], []) if not on else ([], [True] * 3))
+    # the first push: no version was published yet (checked, then applied); the frames path
+    # computes the next weights as they arrive
+    assert (checked, said) == (([0, 0], []) if not on else ([], [True] * 2))
     assert results[0] is not None and results[1] is not None and torch.equal(results[0], results[1])
     expected = initial()
     for clock in range(3):

@@ -13,6 +13,7 @@ from conftest import REPO
 from psgrad.config import JobSpec
 from psgrad.core.sharding import ParamSpec
 from psgrad.server import kernels, transfers
+from psgrad.server import state as state_module
 from psgrad.server.membership import Membership
 from psgrad.server.state import ShardState
 from test_shard import make_layout
@@ -109,29 +110,30 @@ def test_the_shard_applies_with_it_and_undoes_a_nan_from_the_copy(nonfinite_at: 
 
 
 @pytest.mark.parametrize("spec", [{}, {"momentum": 0.9}, {"weight_decay": 0.01}])
-def test_plain_applies_give_the_optimizers_result(spec: dict[str, float], monkeypatch: pytest.MonkeyPatch) -> None:
-    """ShardState.apply takes the kernel for plain SGD only (momentum and weight decay are not w +
-    a * g), above a piece's size and with one torch thread; the weights are the optimizer's."""
-    calls: list[float] = []
-    real = kernels.sgd_checked
+def test_plain_applies_give_the_optimizers_result_on_two_threads(
+    spec: dict[str, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ShardState.apply (a gradient checked before: no kernel, no numba) spreads plain SGD, w + a *
+    g, over this thread and the helper when torch runs one thread; the weights are the optimizer's
+    bit for bit. Momentum and weight decay are not w + a * g: the optimizer applies them whole."""
+    halves: list[tuple[int, int]] = []
+    real = transfers.on_two_threads
 
-    def spy(w: torch.Tensor, g: torch.Tensor, a: float) -> bool | None:
-        out = real(w, g, a)
-        if out is not None:  # it did the update
-            calls.append(a)
-        return out
+    def spy(n: int, work):  # type: ignore[no-untyped-def]
+        real(n, lambda a, b: (halves.append((a, b)), work(a, b)))
 
-    monkeypatch.setattr(kernels, "sgd_checked", spy)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    fused, reference = _state(3000, **spec), _state(3000, **spec)
-    monkeypatch.setenv(kernels.ENV, "0")
+    monkeypatch.setattr(state_module, "on_two_threads", spy)
+    monkeypatch.setattr(kernels, "sgd_checked", None)  # never called here
+    reference = _state(3000, **spec)
     for k in range(2):
-        reference.apply(torch.linspace(-1, 2, 3000) * (k + 1), 1.0, 0.1)
-    monkeypatch.delenv(kernels.ENV)
-    for k in range(2):
-        fused.apply(torch.linspace(-1, 2, 3000) * (k + 1), 1.0, 0.1)
-    assert torch.equal(fused.weights, reference.weights)
-    assert calls == ([pytest.approx(-0.1)] * 2 if not spec else [])
+        reference.optimizer.apply(reference.weights, torch.linspace(-1, 2, 3000) * (k + 1), 1.0, 0.1)
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        state, halves[:] = _state(3000, **spec), []
+        for k in range(2):
+            state.apply(torch.linspace(-1, 2, 3000) * (k + 1), 1.0, 0.1)
+        assert torch.equal(state.weights, reference.weights)
+        assert sorted(halves) == ([(0, 2000), (0, 2000), (2000, 3000), (2000, 3000)] if not spec and threads == 1 else [])
 
 
 def test_a_kernel_that_rounds_differently_is_refused() -> None:
