@@ -97,6 +97,8 @@ def sgd_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool
     if fn is None:
         return None
     w, g, a = weights.numpy(), grad.numpy(), np.float32(alpha)
+    if not (w.dtype == g.dtype == np.float32 and w.flags.c_contiguous and g.flags.c_contiguous and g.flags.writeable):
+        return None  # compiled (and checked against torch) for writable float32 vectors only
     sums: list[float] = []
     on_two_threads(w.shape[0], lambda s, e: sums.append(float(fn(w[s:e], g[s:e], a))))
     return all(np.isfinite(sums))

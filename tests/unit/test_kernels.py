@@ -153,3 +153,13 @@ def test_a_kernel_that_rounds_differently_is_refused() -> None:
     assert fn is not None and kernels._agrees_with_torch(fn)
     assert not kernels._agrees_with_torch(two_roundings)
     assert not kernels._agrees_with_torch(misses_nan)
+
+
+def test_only_writable_contiguous_float32_vectors_are_taken() -> None:
+    """Anything else (a strided view, float64) is left to torch's ops: the kernel was compiled and
+    checked for one type."""
+    weights = torch.zeros(64)
+    assert kernels.sgd_checked(weights, torch.ones(128)[::2], -1.0) is None
+    assert kernels.sgd_checked(weights.double(), torch.ones(64, dtype=torch.float64), -1.0) is None
+    assert torch.equal(weights, torch.zeros(64))
+    assert kernels.sgd_checked(weights, torch.ones(64), -1.0) is True and torch.equal(weights, -torch.ones(64))

@@ -63,8 +63,9 @@ class ShardOptimizer(ABC):
         return False
 
     def axpy_alpha(self, lr: float | None, lr_scale: float) -> float | None:
-        """The a of an update that is exactly weights.add_(grad, alpha=a), or None (the default): a
-        fused kernel may then compute it, checking grad in the same pass."""
+        """The a of an update that is exactly weights.add_(grad, alpha=a), or None (the default):
+        element by element, so the shard may split it over two threads, and a fused kernel may
+        compute it, checking grad in the same pass."""
         return None
 
     def piecewise_rule(self) -> UpdateRule | None:
