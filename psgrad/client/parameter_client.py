@@ -22,7 +22,7 @@ from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.wire import serde
+from psgrad.wire import serde, shm
 from psgrad.wire.heap import tune_allocator
 
 T = TypeVar("T")
@@ -68,13 +68,13 @@ class ParameterClient:
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
-        # Separate staging buffers for pulls and pushes so the two may overlap.
+        # Separate staging buffers for pulls and pushes, so the two may overlap
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
-        # Sync with backup workers on several shards: shard 0 decides which gradients make an
-        # iteration, so pushes and pulls go to it first (README, "Consistency").
+        # Sync with backup workers on several shards: shard 0 decides which gradients make an iteration (README)
         self._shard0_decides = spec.mode == "sync" and spec.backup_workers > 0 and plan.num_shards > 1
+        self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
 
@@ -90,6 +90,8 @@ class ParameterClient:
         self._pool.shutdown(wait=True)
         for s in self.shards:
             s.close()
+        if self._gradient is not None:  # its name; the caller's tensors keep the memory mapped
+            self._gradient.close()
 
     def _fan_out(self, fn: Callable[[int, ShardClient], T]) -> list[T]:
         """Run fn on every shard concurrently, the first one on this thread (a hand-off to another
@@ -310,13 +312,18 @@ class ParameterClient:
 
     def gradient_buffer(self) -> torch.Tensor | None:
         """A float32 buffer of the flat space in shared memory that pushes of it are not copied
-        from (a zero-copy push: the server reads the gradient in place), or None: one shard on
-        this host only, float32 wire. Valid while the client is open; write it only between
-        pushes (a push returns once the server has read it)."""
-        if len(self.shards) != 1 or self.spec.wire_dtype != "float32":
-            return None
-        view = self.shards[0].gradient_buffer(self._push_wires[0].nbytes)
-        return None if view is None else torch.frombuffer(view, dtype=torch.float32)
+        from (a zero-copy push: each shard's server on this host reads its range in place; others
+        are sent frames from it), or None: no shard on this host, or not a float32 wire. Valid
+        while the client is open; write it only between pushes (a push returns once read)."""
+        if self.spec.wire_dtype == "float32" and self._gradient is None and any(s.same_host for s in self.shards):
+            try:
+                self._gradient = shm.Shared(4 * self.plan.total)
+            except OSError:
+                return None
+            for i, s in enumerate(self.shards):
+                if s.same_host:
+                    s.lend_window(self._gradient.window(4 * self.plan.ranges[i][0], self._push_wires[i].nbytes))
+        return None if self._gradient is None else torch.frombuffer(self._gradient.payload, dtype=torch.float32)
 
     def rollback(self, attempts: int = 5) -> int:
         """Sync mode, after a shard refused a call with RollbackError (it was restored from a

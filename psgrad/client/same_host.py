@@ -30,15 +30,15 @@ class SameHostPath:
     Zero-copy pull (`pull(..., published=True)`): the server lends a read-only slot of its ring
     that holds the version, and `view` is then a float32 tensor of that slot (dest is not written);
     it stays valid until this client's next pull of the shard (the server never rewrites a leased
-    slot). Zero-copy push: `gradient_buffer()` makes the segment the caller's gradient buffer, and a
-    push whose payload is that buffer is not copied. A failed call retires the segment (the server
+    slot). Zero-copy push: `lend_window()` makes this shard's range of the caller's gradient buffer
+    (a shared segment) its segment, and a push whose payload is that range is not copied. A failed call retires the segment (the server
     may still read it); the caller's buffer then stays valid memory, and later pushes copy it."""
 
     config: ClientConfig
     address: str
     _shm: bool
     _server_shm: bool
-    _segment: shm.Segment | None
+    _segment: shm.AnySegment | None
     _segment_guard: threading.Lock
     _pull_header_only: grpc.UnaryUnaryMultiCallable
     _push_header_only: grpc.UnaryUnaryMultiCallable
@@ -50,7 +50,6 @@ class SameHostPath:
         self._ring: published.RingView | None = None
         self._slot_views: dict[int, torch.Tensor] = {}
         self._published_ok = True
-        self._pinned: memoryview | None = None  # the segment's payload, lent as the gradient buffer
 
     def pull_frames(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
         raise NotImplementedError
@@ -64,7 +63,7 @@ class SameHostPath:
     def _check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         raise NotImplementedError
 
-    def _take_segment(self, nbytes: int) -> shm.Segment | None:
+    def _take_segment(self, nbytes: int) -> shm.AnySegment | None:
         """This shard's shared-memory segment, locked for one transfer; None: use gRPC frames
         (another host, or the segment is busy with a concurrent transfer)."""
         if not (self._shm and self._server_shm) or nbytes == 0:
@@ -81,7 +80,7 @@ class SameHostPath:
                     return None
             return seg if seg.lock.acquire(blocking=False) else None
 
-    def _drop_segment(self, seg: shm.Segment, for_good: bool = False) -> None:
+    def _drop_segment(self, seg: shm.AnySegment, for_good: bool = False) -> None:
         """Never write this segment again (the server may still read it, or cannot open it)."""
         with self._segment_guard:
             if self._segment is seg:
@@ -90,20 +89,28 @@ class SameHostPath:
                 self._shm = False
         seg.close()
 
-    def gradient_buffer(self, nbytes: int) -> memoryview | None:
-        """The segment's payload as the caller's gradient buffer (pushes of it are not copied), or
-        None (another host; no segment). Pulls that do not ask for a lent version then use frames;
-        one that asks and finds no free slot in the server's ring (more workers than num_workers)
-        gets the weights copied into it, after its push was read (a step's gradient is consumed)."""
-        seg = self._take_segment(nbytes)
-        if seg is None:
-            return None
-        self._pinned = seg.payload
-        seg.lent = True  # never unmapped under the caller's tensors, even when retired
-        seg.lock.release()
-        return seg.payload
+    def lend_window(self, window: shm.Window) -> bool:
+        """Make `window` (this shard's range of the caller's gradient buffer, a shared segment: see
+        ParameterClient.gradient_buffer) this shard's segment: pushes of it are read in place.
+        Pulls that do not ask for a lent version then use frames; one that asks and finds no free
+        slot in the server's ring (more workers than num_workers) gets the weights copied into it,
+        after its push was read (a step's gradient is consumed). False (the window is retired):
+        another host, or a transfer is using the segment now; this shard's part is then copied."""
+        if not (self._shm and self._server_shm):
+            window.close()
+            return False
+        with self._segment_guard:
+            old = self._segment
+            if old is not None and not old.lock.acquire(blocking=False):
+                window.close()
+                return False
+            if old is not None:
+                old.lock.release()
+                old.close()
+            self._segment = window
+        return True
 
-    def _pull_metadata(self, seg: shm.Segment, want: bool) -> tuple[tuple[str, str], ...]:
+    def _pull_metadata(self, seg: shm.AnySegment, want: bool) -> tuple[tuple[str, str], ...]:
         return seg.metadata() + (published.request() if want and self._published_ok else ())
 
     def _adopt(self, call: grpc.Call, dest: torch.Tensor, wire: WireBuffer, want: bool) -> bool:
@@ -182,7 +189,7 @@ class SameHostPath:
         seg.lock.release()
         return reply
 
-    def _shared_failed(self, seg: shm.Segment, exc: grpc.RpcError) -> bool:
+    def _shared_failed(self, seg: shm.AnySegment, exc: grpc.RpcError) -> bool:
         """A same-host call failed: retire its segment (the server may still be using it), and say
         whether the transfer should be redone through frames (refused, or worth a retry)."""
         trailing = tuple(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ()
@@ -197,7 +204,7 @@ class SameHostPath:
         return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self.config.reconnect_timeout_s > 0)
 
     def _step_shared(
-        self, seg: shm.Segment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer,
+        self, seg: shm.AnySegment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer,
         want: bool = False,
     ) -> tuple[pb.PushReply, int] | None:
         """step() through the segment: the gradient goes in, the weights come back in it (or in a

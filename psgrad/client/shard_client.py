@@ -49,7 +49,7 @@ class ShardClient(SameHostPath):
         self._bind(self.addresses[0])
         self._shm = config.shared_memory and shm.supported()
         self._server_shm = False  # the server said at Join that it takes shared-memory payloads
-        self._segment: shm.Segment | None = None
+        self._segment: shm.AnySegment | None = None
         self._segment_guard = threading.Lock()
         self._init_same_host()
         # Set once this worker has joined: sends the same Join again (deadline in seconds), before

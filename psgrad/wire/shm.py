@@ -1,4 +1,5 @@
-"""Same-host payloads through shared memory: a worker's segment per shard, and a server's view of it.
+"""Same-host payloads through shared memory: a worker's segment per shard (or one for its whole
+gradient, windows of it per shard), and a server's view of it.
 
 A worker that shares a host with a shard can put its gradient into, and get the weights out of,
 a POSIX shared-memory segment (a file under /dev/shm) instead of streaming them through gRPC: the
@@ -110,6 +111,82 @@ class Segment:
             unmap(self.payload, self._map)
 
 
+class Shared:
+    """One segment for a worker's whole flat gradient when it has several shards: each same-host
+    shard's payloads go through its window (its range of the flat space), so the gradient the
+    caller writes there is read in place by every same-host shard's server. The name is unlinked
+    once every window's server has opened it (or given up on it), or at close()."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.name = f"psgrad-{os.getpid()}-{secrets.token_hex(8)}"
+        self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        self._map = create(self.name, HEADER_BYTES + nbytes, _MAGIC + self.nonce, 0o600)
+        self.payload = memoryview(self._map)[HEADER_BYTES:]  # lent to the caller: mapped while used
+        self._lock = threading.Lock()
+        self._pending = 0  # windows whose server has not opened the name yet
+        self._linked = True
+
+    def window(self, offset: int, nbytes: int) -> Window:
+        """The part [offset, offset + nbytes) of the payload, as one shard's segment."""
+        if offset < 0 or offset % 4 or offset + nbytes > self.nbytes:
+            raise ValueError(f"window [{offset}, {offset + nbytes}) outside the segment's {self.nbytes} bytes")
+        with self._lock:
+            self._pending += 1
+        return Window(self, offset, nbytes)
+
+    def done(self) -> None:
+        """A window's server has opened the name, or the window is retired."""
+        with self._lock:
+            self._pending -= 1
+            last = self._pending <= 0
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        """Unlink the name (the memory stays mapped: the caller's gradient buffer)."""
+        with self._lock:
+            linked, self._linked = self._linked, False
+        if linked:
+            remove(self.name)
+
+
+class Window:
+    """One shard's segment inside a Shared one: what a Segment offers a shard client (a lock per
+    transfer, the call metadata, unlink once the server has it), always lent to the caller."""
+
+    def __init__(self, shared: Shared, offset: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.name = shared.name
+        self.payload = shared.payload[offset : offset + nbytes]
+        self.lock = threading.Lock()
+        self.lent = True  # the caller's gradient buffer: never unmapped here
+        self._shared = shared
+        self._offset = offset
+        self._open = True  # not yet opened by the server, nor retired
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        s = self._shared
+        value = f"{s.name};{s.nonce.hex()};{self.nbytes};{host_id()};{self._offset};{s.nbytes}"
+        return ((METADATA_KEY, value),)
+
+    @property
+    def opened(self) -> bool:
+        return not self._open
+
+    def unlink(self) -> None:
+        if self._open:
+            self._open = False
+            self._shared.done()
+
+    def close(self) -> None:
+        self.unlink()
+
+
+# What a shard client's payloads go through: a segment of its own, or its window of a shared one.
+AnySegment = Segment | Window
+
+
 def create(name: str, size: int, header: bytes, mode: int) -> mmap.mmap:
     """Make /dev/shm/NAME (it must not exist) of `size` bytes starting with `header`, mapped."""
     path = os.path.join(SHM_DIR, name)
@@ -155,15 +232,19 @@ class Attached:
 
 
 def attach(value: str, nbytes: int) -> Attached:
-    """Open the segment a call's metadata names, checking its host, name, size and nonce.
+    """Open the segment a call's metadata names (`NAME;NONCE;NBYTES;HOST`, or a window of a shared
+    one: `...;OFFSET;TOTAL`), checking its host, name, size and nonce.
 
     Raises:
         SharedMemoryUnavailable: made on another host, no such segment here, or it is not the one described.
     """
     try:
-        name, nonce_hex, size_text, host = value.split(";")
+        name, nonce_hex, size_text, host, *window = value.split(";")
         size = int(size_text)
         nonce = bytes.fromhex(nonce_hex)
+        offset, total = (int(window[0]), int(window[1])) if len(window) == 2 else (0, size)
+        if window and len(window) != 2:
+            raise ValueError(value)
     except ValueError:
         raise SharedMemoryUnavailable(f"malformed {METADATA_KEY} metadata {value!r}") from None
     if host != host_id():
@@ -172,17 +253,20 @@ def attach(value: str, nbytes: int) -> Attached:
         raise SharedMemoryUnavailable(f"not a psgrad segment name: {name!r}")
     if size != nbytes:
         raise SharedMemoryUnavailable(f"segment {name} holds {size} bytes, the payload is {nbytes}")
+    if offset < 0 or offset % 4 or offset + size > total:
+        raise SharedMemoryUnavailable(f"segment {name}: a window [{offset}, {offset + size}) outside its {total} bytes")
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     except OSError as exc:
         raise SharedMemoryUnavailable(f"cannot open segment {name}: {exc.strerror}") from None
     try:
-        if os.fstat(fd).st_size != HEADER_BYTES + nbytes:
+        if os.fstat(fd).st_size != HEADER_BYTES + total:
             raise SharedMemoryUnavailable(f"segment {name} has the wrong size")
-        mapped = mmap.mmap(fd, HEADER_BYTES + nbytes)
+        mapped = mmap.mmap(fd, HEADER_BYTES + total)
     finally:
         os.close(fd)
     if mapped[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
         mapped.close()
         raise SharedMemoryUnavailable(f"segment {name} is not the one described")
-    return Attached(name, nbytes, memoryview(mapped)[HEADER_BYTES:], mapped)
+    start = HEADER_BYTES + offset
+    return Attached(name, nbytes, memoryview(mapped)[start : start + nbytes], mapped)

@@ -362,8 +362,8 @@ def test_published_answers_parse_and_refuse_bad_names() -> None:
 @pytest.mark.parametrize("shards", [1, 2])
 def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc(make_servers, shards: int) -> None:  # type: ignore[no-untyped-def]
     """Sync, two workers, a BatchNorm model (buffers synchronized): zero-copy and gRPC frames end
-    bitwise equal; with zero copy the parameters are views of the servers' rings and (one shard)
-    the gradient is pushed from the worker's shared segment."""
+    bitwise equal; with zero copy the parameters are views of the servers' rings and the gradient
+    is pushed from the worker's shared segment, each shard's range in place."""
     import psgrad
     from torch import nn
 
@@ -388,10 +388,11 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
                     opt.step()
                 lent = opt.flat._lent
                 assert lent == shared, (shared, lent)
-                if shared and shards == 1:
-                    seg = opt.client.shards[0]._segment
-                    assert seg is not None
-                    assert opt.flat.host_grad.data_ptr() == torch.frombuffer(seg.payload, dtype=torch.float32).data_ptr()
+                if shared:  # each shard's segment is its range of the gradient buffer
+                    for (start, _), s in zip(opt.client.plan.ranges, opt.client.shards):
+                        assert isinstance(s._segment, shm.Window)
+                        ptr = torch.frombuffer(s._segment.payload, dtype=torch.float32).data_ptr()
+                        assert ptr == opt.flat.host_grad[start:].data_ptr()
                 finals[(shared, rank)] = [t.detach().clone() for t in model.state_dict().values()]
             # left: the model is the caller's again (memory of its own, the same values, writable; a
             # write into a lent version would fault, and the server may reuse it once given back)

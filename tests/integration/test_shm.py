@@ -93,6 +93,38 @@ def test_segment_attaches_by_name_nonce_and_size() -> None:
     assert seg.name not in my_segments()
 
 
+def test_a_shared_segment_is_attached_window_by_window() -> None:
+    """A multi-shard worker's gradient buffer: one segment, a window per shard; each server maps
+    its window, and the name goes once every window's server has opened it."""
+    shared = shm.Shared(256)
+    try:
+        first, second = shared.window(0, 64), shared.window(64, 128)
+        (_, value), = second.metadata()
+        there = shm.attach(value, 128)
+        shared.payload[64:69] = b"hello"
+        assert bytes(there.payload[:5]) == b"hello" and len(there.payload) == 128
+        there.payload[127:128] = b"!"  # the window's last byte is the segment's 192nd
+        assert bytes(shared.payload[191:193]) == b"!\0"
+        name, nonce, size, host, offset, total = value.split(";")
+        assert (size, offset, total) == ("128", "64", "256")
+        for bad, match in ((f"{name};{nonce};{size};{host};192;{total}", "outside"),  # past the end
+                           (f"{name};{nonce};{size};{host};66;{total}", "outside"),  # not float-aligned
+                           (f"{name};{nonce};{size};{host};64;512", "wrong size"),
+                           (f"{name};{nonce};{size};{host};64", "malformed")):
+            with pytest.raises(shm.SharedMemoryUnavailable, match=match):
+                shm.attach(bad, 128)
+        with pytest.raises(ValueError, match="outside"):
+            shared.window(200, 64)
+        second.unlink()  # its server has it open; the first one's has not yet
+        assert second.opened and not first.opened and shared.name in my_segments()
+        first.close()  # retired without being opened: nobody needs the name any more
+        assert shared.name not in my_segments()
+        assert bytes(there.payload[:5]) == b"hello"  # mappings live on
+    finally:
+        shared.close()
+    assert my_segments() == []
+
+
 def _host_id_in(*unshare: str) -> str:
     code = "from psgrad.wire import shm; print(shm.host_id())"
     out = subprocess.run(["unshare", *unshare, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -143,6 +175,47 @@ def test_shared_memory_and_frames_give_the_same_results(wire_dtype: str) -> None
     assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3]
     assert all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
     assert my_segments() == []  # unlinked once the server had them open
+
+
+@pytest.mark.parametrize("servers", [2, 3], indirect=True)
+def test_shards_on_this_host_read_one_gradient_buffer_in_place(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several shards, gradient_buffer() is one segment and every shard on this host reads its
+    range of it where it lies (no copy on the worker); a shard elsewhere gets frames from it."""
+    from psgrad.client import same_host
+
+    copies: list[int] = []
+    real = same_host.copy_bytes
+    monkeypatch.setattr(same_host, "copy_bytes", lambda dst, src: (copies.append(len(src)), real(dst, src))[1])
+    with client(servers, mode="async") as c:
+        c.join(initial_weights=initial)
+        c.shards[-1]._server_shm = False  # as if the last shard's server ran on another host
+        grad = c.gradient_buffer()
+        assert grad is not None and grad.numel() == N
+        again = c.gradient_buffer()
+        assert again is not None and again.data_ptr() == grad.data_ptr()  # one buffer
+        windows = [s._segment for s in c.shards]
+        assert all(isinstance(w, shm.Window) for w in windows[:-1]) and windows[-1] is None
+        flat = torch.empty(N)
+        expected = initial()
+        for clock in range(3):
+            grad.copy_(torch.linspace(-1, 1, N) * (clock + 1))
+            expected.add_(grad, alpha=-0.5)
+            replies, _ = c.exchange(grad, clock, flat)  # (a step's pull writes the segment: the gradient is consumed)
+            assert all(r.applied for r in replies)
+            torch.testing.assert_close(flat, expected)
+        assert copies == []  # every same-host push was read from the buffer in place
+        assert attached(servers) == len(servers) - 1
+        assert my_segments() == []  # every server on this host opened it: the name is gone
+        grad.fill_(1.0)
+        expected -= 0.5
+        c.exchange(grad, 3, flat, published=True)  # the same-host shards lend their versions
+        assert copies == []
+        for (start, end), view in zip(c.plan.ranges, c.views()):
+            torch.testing.assert_close(view if view is not None else flat[start:end], expected[start:end])
+        assert [v is None for v in c.views()] == [False] * (len(servers) - 1) + [True]
+        torch.testing.assert_close(torch.cat([s.shard.weights_copy() for s in servers]), expected)
 
 
 def test_a_server_that_cannot_open_the_segment_gets_frames(
