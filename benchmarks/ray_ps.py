@@ -2,6 +2,7 @@
 
     python benchmarks/ray_ps.py --preset full   # 25M float32 (100 MB), 1 shard, async; 1, 2, 4 workers
     python benchmarks/ray_ps.py --preset tiny   # CI-sized
+    python benchmarks/ray_ps.py --preset full --shards 2   # psgrad on 2 shards, + pushes copied (A/B)
 
 The peer is the usual Ray pattern: a `ParameterServer` actor holds the model as one float32 array;
 each worker (an actor) pulls with `ray.get(ps.get_weights.remote())` (the weights go through Ray's
@@ -56,6 +57,7 @@ from psgrad.config import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 LR = 1e-9
 SYSTEMS = ("psgrad", "ray", "ray_copy_in")
+COPIED = "psgrad_copied_push"  # --shards > 1: the gradient in private memory, copied into each shard's segment
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "reps": 2, "iters": 2, "workers": (1, 2), "probe_reps": 5, "grpc_reps": 2},
     "full": {"params": 25_000_000, "reps": 5, "iters": 8, "workers": (1, 2, 4), "probe_reps": 15, "grpc_reps": 12},
@@ -207,7 +209,9 @@ def _cell(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], probe_reps: int) -> dict[str, Any]:
+def run_compare(
+    params: int, reps: int, iters: int, workers: tuple[int, ...], probe_reps: int, shards: int = 1
+) -> dict[str, Any]:
     t_start = time.monotonic()
     payload = params * 4
     max_w = max(workers)
@@ -217,22 +221,26 @@ def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], pr
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     limits: list[dict[str, Any]] = []
     try:
-        server = swarm.servers(psgrad_key(1, params), 1, PSGRAD_SERVER)[0]
-        key = swarm.psgrad_job(1, params)
+        server = swarm.servers(psgrad_key(shards, params), shards, PSGRAD_SERVER)[0]
+        keys = {"psgrad": swarm.psgrad_job(shards, params)}
+        if shards > 1:  # the same job with each push copied into the shards' segments (no shared gradient)
+            keys[COPIED] = swarm.psgrad_job(shards, params, copy_push=True)
+        systems = tuple(keys) + SYSTEMS[1:]
         psgrad_children = list(swarm.children)
-        swarm.round(key, max_w, 1)  # warm-up: connections, segments, first allocations
+        for key in keys.values():
+            swarm.round(key, max_w, 1)  # warm-up: connections, segments, first allocations
         with paused(psgrad_children):
             world = RayWorld(params, max_w)
             log(f"ray_ps: ray up after {time.monotonic() - t_start:.1f} s")
             for copy_in in (False, True):
                 world.round(max_w, 1, copy_in, payload)  # warm-up
         for rep in range(reps):
-            order = SYSTEMS[rep % 3:] + SYSTEMS[: rep % 3]  # nobody always first
+            order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # nobody always first
             for w in workers:
                 for system in order:
-                    if system == "psgrad":
+                    if system in keys:
                         with paused(swarm.agents[w:]):
-                            r = swarm.round(key, w, iters)
+                            r = swarm.round(keys[system], w, iters)
                     else:
                         with paused(psgrad_children):
                             r = world.round(w, iters, system == "ray_copy_in", payload)
@@ -250,10 +258,12 @@ def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], pr
         release_swarm(swarm, failed)
     results = []
     for w in workers:
-        cells = {s: _cell(rounds[(s, w)]) for s in SYSTEMS}
+        cells = {s: _cell(rounds[(s, w)]) for s in systems}
         results.append({"workers": w, **cells,
                         "ratio_vs_ray": cells["psgrad"]["ops_per_s"] / cells["ray"]["ops_per_s"],
                         "ratio_vs_ray_copy_in": cells["psgrad"]["ops_per_s"] / cells["ray_copy_in"]["ops_per_s"]})
+        if COPIED in cells:
+            results[-1]["ratio_vs_copied_push"] = cells["psgrad"]["ops_per_s"] / cells[COPIED]["ops_per_s"]
     lim = {k: summarize([x[k] for x in limits])["median"] if limits[0][k] is not None else None for k in limits[0]}
     one = next(r for r in results if r["workers"] == 1)["psgrad"]
     physical = {**lim, "psgrad_pull_ms": one["pull_ms_median"], "psgrad_push_ms": one["push_ms_median"],
@@ -263,7 +273,7 @@ def run_compare(params: int, reps: int, iters: int, workers: tuple[int, ...], pr
                 "push_vs_sgd_apply_all_cores": one["push_ms_median"] / lim["sgd_apply_all_cores_ms"],
                 "push_vs_fused_sgd_checked": (one["push_ms_median"] / lim["fused_sgd_checked_ms"]
                                               if lim["fused_sgd_checked_ms"] else None)}
-    return {"params": params, "payload_bytes": payload, "reps": reps, "iters_per_round": iters,
+    return {"params": params, "shards": shards, "payload_bytes": payload, "reps": reps, "iters_per_round": iters,
             "results": results, "physical": physical, "memory_mb": memory, "elapsed_s": time.monotonic() - t_start}
 
 
@@ -277,19 +287,26 @@ def grpc_target(params: int, reps: int) -> dict[str, Any]:
             "push_gb_per_s": out["results"]["same_process_push"]["gb_per_s"], "reps": reps}
 
 
-def run(preset: str) -> dict[str, Any]:
+def run(preset: str, shards: int = 1) -> dict[str, Any]:
     p = PRESETS[preset]
     load_before = os.getloadavg()
-    out = run_compare(p["params"], p["reps"], p["iters"], p["workers"], p["probe_reps"])
-    out["grpc"] = grpc_target(p["params"], p["grpc_reps"])
+    out = run_compare(p["params"], p["reps"], p["iters"], p["workers"], p["probe_reps"], shards)
     mb = out["payload_bytes"] / 1e6
+    on = f"{shards} shards, " if shards > 1 else ""
     targets, figures = [], []
     for r in out["results"]:
         w = r["workers"]
-        targets.append(target(f"ray_ps: (pulls+pushes)/s, {mb:.0f} MB, {w} worker(s), psgrad same-host vs Ray actor PS",
+        targets.append(target(f"ray_ps: (pulls+pushes)/s, {mb:.0f} MB, {on}{w} worker(s), psgrad same-host vs Ray actor PS",
                               r["psgrad"]["ops_per_s"], r["ray"]["ops_per_s"], 1.0, "higher", "1/s", "Ray actor PS"))
-        figures.append(figure(f"ray_ps: (pulls+pushes)/s, {w} worker(s), vs Ray copy-in", r["psgrad"]["ops_per_s"],
+        figures.append(figure(f"ray_ps: (pulls+pushes)/s, {on}{w} worker(s), vs Ray copy-in", r["psgrad"]["ops_per_s"],
                               "1/s", r["ray_copy_in"]["ops_per_s"], "Ray actor PS, copy-in"))
+        if COPIED in r:
+            figures.append(figure(f"ray_ps: (pulls+pushes)/s, {on}{w} worker(s), vs pushes copied into each shard's segment",
+                                  r["psgrad"]["ops_per_s"], "1/s", r[COPIED]["ops_per_s"], "psgrad, gradient copied"))
+    if shards > 1:  # the limits and the gRPC comparison are the one-shard job's
+        return {**out, "preset": preset, "targets": targets, "figures": figures,
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    out["grpc"] = grpc_target(p["params"], p["grpc_reps"])
     ph = out["physical"]
     # Against the copy and the apply on every core: the pull's copy and the push's apply use two threads.
     targets.append(target(f"ray_ps: {mb:.0f} MB pull vs one memory copy on every core", ph["psgrad_pull_ms"],
@@ -310,12 +327,17 @@ def run(preset: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
+    parser.add_argument("--shards", type=int, default=1, help="psgrad's shards (server processes), Ray's actor stays one; "
+                        "above 1 the same job with each push copied into the shards' segments runs beside it, and "
+                        "the one-shard limits and gRPC comparison are left out (default: 1)")
     args = parser.parse_args()
+    if args.shards < 1:
+        parser.error(f"--shards must be >= 1, got {args.shards}")
     try:
         import ray  # noqa: F401
     except ImportError:
         parser.exit(2, "ray_ps.py needs Ray: pip install 'psgrad[ray]'\n")
-    write_json({**run(args.preset), "machine": machine_info()})
+    write_json({**run(args.preset, args.shards), "machine": machine_info()})
 
 
 if __name__ == "__main__":

@@ -273,8 +273,9 @@ class _Agent:
         clock = client.join(initial_weights=(lambda: flat) if rank == 0 else None)
         self.closers.append(client.close)
         # Same host: the gradient lives in shared memory (a zero-copy push) and pulls take the
-        # version the server lends (zero-copy), as a CPU worker's PSOptimizer does.
-        shared = client.gradient_buffer()
+        # version the server lends (zero-copy), as a CPU worker's PSOptimizer does; copy_push keeps
+        # the gradient in private memory, copied into each shard's segment at every push.
+        shared = None if cmd.get("copy_push") else client.gradient_buffer()
         if shared is not None:
             shared.copy_(grad)
             grad = shared
@@ -375,14 +376,17 @@ class Swarm:
         for agent in self.agents:
             agent.recv(SETUP_TIMEOUT_S)
 
-    def psgrad_job(self, shards: int, params: int, wire_dtype: str = "float32", chunk: int = DEFAULT_CHUNK_BYTES) -> str:
+    def psgrad_job(
+        self, shards: int, params: int, wire_dtype: str = "float32", chunk: int = DEFAULT_CHUNK_BYTES,
+        copy_push: bool = False,
+    ) -> str:
         """Every agent joins an async job on `shards` fresh psgrad servers (rank 0 initializes them);
-        returns the job's key."""
-        key = psgrad_key(shards, params, wire_dtype, chunk)
+        returns the job's key. copy_push: the agents' gradients are private memory (see the agent)."""
+        key = psgrad_key(shards, params, wire_dtype, chunk) + ("-copied" if copy_push else "")
         if key not in self.payload:
             addrs = [s.address(timeout_s=SETUP_TIMEOUT_S) for s in self.servers(key, shards, PSGRAD_SERVER)]
             common = {"op": "psgrad", "key": key, "servers": addrs, "params": params, "wire_dtype": wire_dtype,
-                      "chunk": chunk, "num_workers": len(self.agents)}
+                      "chunk": chunk, "num_workers": len(self.agents), "copy_push": copy_push}
             self._setup([{**common, "rank": r} for r in range(len(self.agents))])
             self.payload[key] = wire_bytes(params, wire_dtype)
         return key
