@@ -163,3 +163,24 @@ def test_only_writable_contiguous_float32_vectors_are_taken() -> None:
     assert kernels.sgd_checked(weights.double(), torch.ones(64, dtype=torch.float64), -1.0) is None
     assert torch.equal(weights, torch.zeros(64))
     assert kernels.sgd_checked(weights, torch.ones(64), -1.0) is True and torch.equal(weights, -torch.ones(64))
+
+
+def test_without_a_writable_cache_the_kernel_is_compiled_all_the_same() -> None:
+    """numba refuses cache=True where no cache directory can be written (a read-only install
+    without a home): the kernel is then compiled uncached, in every process."""
+    code = (
+        "import numba\n"
+        "real = numba.njit\n"
+        "def njit(*args, cache=False, **kwargs):\n"
+        "    if cache:\n"
+        "        raise RuntimeError('cannot cache function: no locator available')\n"
+        "    return real(*args, **kwargs)\n"
+        "numba.njit = njit\n"
+        "import torch\n"
+        "from psgrad.server import kernels\n"
+        "assert kernels.kernel(wait=True) is not None\n"
+        "w = torch.zeros(5); assert kernels.sgd_checked(w, torch.ones(5), -1.0) is True\n"
+        "print(w.tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0 and out.stdout.strip() == "[-1.0, -1.0, -1.0, -1.0, -1.0]", out.stderr
