@@ -31,8 +31,9 @@ class SameHostPath:
     that holds the version, and `view` is then a float32 tensor of that slot (dest is not written);
     it stays valid until this client's next pull of the shard (the server never rewrites a leased
     slot). Zero-copy push: `lend_window()` makes this shard's range of the caller's gradient buffer
-    (a shared segment) its segment, and a push whose payload is that range is not copied. A failed call retires the segment (the server
-    may still read it); the caller's buffer then stays valid memory, and later pushes copy it."""
+    (a shared segment) its segment, and a push whose payload is that range is not copied. A failed
+    call retires the segment (the server may still read it); the caller's buffer then stays valid
+    memory, and later pushes copy it into a segment of this shard's own."""
 
     config: ClientConfig
     address: str

@@ -112,10 +112,10 @@ class Segment:
 
 
 class Shared:
-    """One segment for a worker's whole flat gradient when it has several shards: each same-host
-    shard's payloads go through its window (its range of the flat space), so the gradient the
-    caller writes there is read in place by every same-host shard's server. The name is unlinked
-    once every window's server has opened it (or given up on it), or at close()."""
+    """One segment for a worker's whole flat gradient (its gradient buffer): each same-host shard's
+    payloads go through its window (its range of the flat space), so the gradient the caller
+    writes there is read in place by every same-host shard's server. The name is unlinked once
+    every window's server has opened it (or the window was retired), or at close()."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
