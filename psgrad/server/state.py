@@ -12,7 +12,7 @@ from psgrad.core.layout import Layout
 from psgrad.core.optimizers import ShardOptimizer, make_optimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
-from psgrad.server import kernels
+from psgrad.server import kernels, transfers
 from psgrad.server.transfers import apply_checked, on_two_threads
 
 OptimizerState = dict[str, torch.Tensor | float | int]
@@ -107,7 +107,8 @@ class ShardState:
         weights, rule = self.weights, self.optimizer
         bad = -1
         try:
-            alpha = rule.axpy_alpha(lr, lr_scale)
+            # (a shard of one piece or less gains nothing worth loading numba for)
+            alpha = rule.axpy_alpha(lr, lr_scale) if grad.numel() > transfers.PIECE else None
             finite = None if alpha is None else kernels.sgd_checked(weights, grad, alpha)
             if finite is None:
                 bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))

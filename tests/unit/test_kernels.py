@@ -184,3 +184,13 @@ def test_without_a_writable_cache_the_kernel_is_compiled_all_the_same() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0 and out.stdout.strip() == "[-1.0, -1.0, -1.0, -1.0, -1.0]", out.stderr
+
+
+def test_a_shard_of_one_piece_or_less_never_loads_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below two pieces there is nothing to split over threads: the torch ops check and apply it,
+    and a server of a small model never pays numba's import and memory."""
+    monkeypatch.setattr(kernels, "sgd_checked", None)  # would fail if called
+    state = _state(1000)
+    before = state.weights.clone()
+    assert state.apply_checked(torch.ones(1000), 1.0, None, restore=before.clone()) == 0
+    assert torch.equal(state.weights, before.clone().add_(torch.ones(1000), alpha=-0.25))
