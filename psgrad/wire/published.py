@@ -17,7 +17,7 @@ import re
 import secrets
 from collections.abc import Iterable
 
-from psgrad.wire.shm import SHM_DIR, SharedMemoryUnavailable, create, host_id, remove, unmap
+from psgrad.wire.shm import SHM_DIR, SharedMemoryUnavailable, create, host_id, remove, sweep, unmap
 
 METADATA_KEY = "psgrad-pub"
 _MAGIC = b"psgrad-pub-v1\0\0\0"  # 16 bytes
@@ -42,28 +42,7 @@ def _stride(slot_bytes: int) -> int:
 
 def sweep_dead(directory: str = SHM_DIR) -> int:
     """Unlink the rings of servers that are gone (their pid no longer exists); returns how many."""
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        m = _NAME.match(name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or not ours to signal): keep it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
+    return sweep(_NAME, directory)
 
 
 class Ring:

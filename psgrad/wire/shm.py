@@ -34,7 +34,7 @@ SUPPORTED = "supported"  # the server's Join answer (initial metadata): "support
 _MAGIC = b"psgrad-shm-v1\0\0\0"  # 16 bytes
 _NONCE_BYTES = 16
 HEADER_BYTES = 64  # magic, nonce, padding: the payload starts 64-byte aligned
-_NAME = re.compile(r"^psgrad-[0-9]+-[0-9a-f]{16}$")
+_NAME = re.compile(r"^psgrad-([0-9]+)-[0-9a-f]{16}$")  # psgrad-PID-...
 
 
 class SharedMemoryUnavailable(Exception):
@@ -111,6 +111,33 @@ class Segment:
             unmap(self.payload, self._map)
 
 
+def sweep(pattern: re.Pattern[str], directory: str = SHM_DIR) -> int:
+    """Unlink the files in `directory` whose names match `pattern` (group 1: the maker's pid) and
+    whose maker is gone (a process killed outright leaves its names); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or not ours to signal): keep it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class Shared:
     """One segment for a worker's whole flat gradient (its gradient buffer): each same-host shard's
     payloads go through its window (its range of the flat space), so the gradient the caller
@@ -118,6 +145,9 @@ class Shared:
     every window's server has opened it (or the window was retired), or at close()."""
 
     def __init__(self, nbytes: int) -> None:
+        # It lives until its servers have opened it: a worker killed before that leaves its name
+        # (and so may one killed mid-call with a segment of its own), which the next one removes.
+        sweep(_NAME)
         self.nbytes = nbytes
         self.name = f"psgrad-{os.getpid()}-{secrets.token_hex(8)}"
         self.nonce = secrets.token_bytes(_NONCE_BYTES)

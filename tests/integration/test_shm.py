@@ -125,6 +125,25 @@ def test_a_shared_segment_is_attached_window_by_window() -> None:
     assert my_segments() == []
 
 
+def test_a_new_gradient_segment_removes_the_names_of_dead_workers() -> None:
+    """A worker killed before its servers opened its gradient segment leaves the name behind; the
+    next one made on the host removes it (and leaves live makers' names, and other files, alone)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+    names = [f"psgrad-{dead}-{'a' * 16}", f"psgrad-1-{'b' * 16}", f"psgrad-{dead}-not-ours"]
+    for name in names:
+        with open(os.path.join(shm.SHM_DIR, name), "wb") as f:
+            f.write(b"x")
+    try:
+        shared = shm.Shared(64)
+        shared.close()
+        left = set(os.listdir(shm.SHM_DIR))
+        assert names[0] not in left and {names[1], names[2]} <= left
+    finally:
+        for name in names:
+            shm.remove(name)
+
+
 def _host_id_in(*unshare: str) -> str:
     code = "from psgrad.wire import shm; print(shm.host_id())"
     out = subprocess.run(["unshare", *unshare, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
