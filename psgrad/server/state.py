@@ -13,7 +13,7 @@ from psgrad.core.optimizers import ShardOptimizer, make_optimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.server import kernels, transfers
-from psgrad.server.transfers import apply_checked, on_two_threads
+from psgrad.server.transfers import apply_checked, count_nonfinite, on_two_threads
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's optimizer state that hold the job's lr and the chief's clock that set it.
@@ -113,7 +113,7 @@ class ShardState:
             if finite is None:
                 bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
             else:
-                bad = 0 if finite else int(grad.numel() - int(torch.isfinite(grad).sum()))
+                bad = 0 if finite else count_nonfinite(grad)
         finally:
             if bad:  # undone, exactly: the copy holds the weights as they were
                 weights.copy_(restore)
