@@ -3,6 +3,7 @@ N - B gradients computed on its weights; a later one is late and dropped; pure."
 from __future__ import annotations
 
 from psgrad.core.consistency import ClockView, PushDecision, SyncPolicy
+from psgrad.errors import RollbackError
 
 # A late push's reply reason starts with this (the client reads it: a late gradient goes to no
 # other shard, see ParameterClient.push).
@@ -42,9 +43,26 @@ class BackupSyncPolicy(SyncPolicy):
         """rank's push for `iteration` was handled (buffered, skipped or dropped as late)."""
         self.pushed_for[rank] = iteration
 
+    def late(self, rank: int, base_version: int, view: ClockView, restored: bool) -> str | None:
+        """A push computed on an iteration that is already complete is late (dropped); any push
+        handled here is recorded for its worker's gate (buffered, skipped or dropped).
+
+        Raises:
+            RollbackError: computed on weights newer than a restored shard's (the job rolls back).
+        """
+        if restored and base_version > view.version:
+            raise RollbackError(
+                f"sync push from worker rank {rank} was computed on version {base_version}, but shard is at "
+                f"iteration {view.version}: it was restored from a checkpoint, so the job rolls back"
+            )
+        self.handled(rank, min(base_version, view.version))
+        if not self.is_late(base_version, view):
+            return None
+        return f"{LATE_REASON} iteration {base_version} completed without it (shard at {view.version})"
+
     def decide_push(self, rank: int, clock: int, view: ClockView, restored: bool = False) -> PushDecision:
         """Buffer: a late push (or one computed on a restored shard's future) never gets here
-        (server/mode_hooks.py drops or refuses it first), and its clock keys duplicates only."""
+        (late() drops or refuses it first), and its clock keys duplicates only."""
         return PushDecision.BUFFER
 
     def iteration_complete(self, iteration: int, view: ClockView, pushed: int) -> bool:

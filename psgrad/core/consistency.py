@@ -53,8 +53,25 @@ class ConsistencyPolicy(ABC):
         """May a live worker that has completed `clock` iterations pull now?"""
 
     def rank_ready(self, rank: int, clock: int, view: ClockView) -> bool:
-        """pull_ready for policies whose gate also depends on the worker (drops_late)."""
+        """The gate a shard asks: may live worker `rank`, having completed `clock` iterations, pull
+        now? pull_ready, for policies whose gate does not depend on the worker."""
         return self.pull_ready(clock, view)
+
+    @property
+    def reported_bound(self) -> int:
+        """The staleness bound a push reply reports: the one in effect where it moves at run time
+        (adapts), else 0 (a fixed bound, known from the job spec)."""
+        return self.staleness if self.adapts else 0
+
+    def late(self, rank: int, base_version: int, view: ClockView, restored: bool) -> str | None:
+        """Whether a worker's new gradient, computed on the weights of `base_version`, comes too
+        late to be applied: the reason (the push is then acknowledged, counted and dropped), or
+        None (the default: never late). `restored`: the shard was restored since it started.
+
+        Raises:
+            RollbackError: computed on weights newer than a restored shard's (the job rolls back).
+        """
+        return None
 
     def is_late(self, base_version: int, view: ClockView) -> bool:
         """(drops_late) Was a gradient computed on weights of an iteration already complete?"""

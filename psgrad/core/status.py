@@ -58,6 +58,17 @@ class DelayStatus:
 
 
 @dataclass(frozen=True)
+class TableStatus:
+    """One table of a shard: what kind it is and what it holds."""
+
+    name: str
+    kind: str  # "dense": a range of the flat space
+    numel: int = 0  # parameters held
+    nbytes: int = 0  # bytes of its fp32 master weights
+    state_bytes: int = 0  # bytes of its optimizer state
+
+
+@dataclass(frozen=True)
 class PublishedStatus:
     """Same-host published versions (all 0 until a worker asks for one): the shard's ring of slots
     in /dev/shm that workers map read-only."""
@@ -104,6 +115,7 @@ class ShardStatus:
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
     delay: DelayStatus = field(default_factory=DelayStatus)
     published: PublishedStatus = field(default_factory=PublishedStatus)
+    tables: tuple[TableStatus, ...] = ()  # what the shard holds, table by table
 
     @property
     def numel(self) -> int:
@@ -147,6 +159,7 @@ class ShardStatus:
             "bytes_out": self.bytes_out,
             "uptime_s": round(self.uptime_s, 3),
             "fingerprint": self.fingerprint,
+            "tables": [dataclasses.asdict(t) for t in self.tables],
             "spec": self.spec.as_dict() if self.spec is not None else None,
             "workers": [
                 {"rank": w.rank, "clock": w.clock, "state": w.state, "last_seen_s": round(w.last_seen_s, 3), "pushes": w.pushes}

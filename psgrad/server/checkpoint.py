@@ -21,13 +21,14 @@ from psgrad.config import JobSpec
 from psgrad.core.layout import Layout
 from psgrad.core.sharding import ParamSpec
 from psgrad.errors import CheckpointError, ConfigError
-from psgrad.server.state import MemberRecord, ShardSnapshot
+from psgrad.server.state import JOB_LR, JOB_LR_CLOCK, MemberRecord, ShardSnapshot
+from psgrad.server.tables import DENSE, DenseTable, TableSnapshot
 
 FORMAT = "psgrad-shard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the shard's state table by table (1: the dense range alone; still read)
+READABLE_VERSIONS = (1, 2)
 KEEP = 2
 _PREFIX = "ckpt-v"
-_OPTIMIZER = "optimizer."
 
 
 def _stem(version: int) -> str:
@@ -96,14 +97,15 @@ def save(snap: ShardSnapshot, directory: Path, keep: int = KEEP) -> Path:
 
 
 def _parts(snap: ShardSnapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A snapshot's tensors (by name) and its manifest, without the tensors file's entry."""
-    tensors: dict[str, torch.Tensor] = {"weights": snap.weights.contiguous()}
-    scalars: dict[str, float | int] = {}
-    for key, value in snap.optimizer.items():
-        if isinstance(value, torch.Tensor):
-            tensors[_OPTIMIZER + key] = value.contiguous()
-        else:
-            scalars[key] = value
+    """A snapshot's tensors (by name) and its manifest, without the tensors file's entry. Each
+    table's tensors are named `<table>/<name>`, except the dense table's, which keep the names of
+    the first format (`weights`, `optimizer.<key>`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    for name, table in snap.tables.items():
+        prefix = "" if name == DENSE else f"{name}/"
+        tensors.update({prefix + key: value.contiguous() for key, value in table.tensors.items()})
+        tables[name] = {"kind": table.kind, "scalars": dict(table.scalars), "tensors": sorted(table.tensors)}
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -111,7 +113,8 @@ def _parts(snap: ShardSnapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         "version": snap.version,
         "layout": _layout_to_json(snap.layout),
         "members": [dataclasses.asdict(m) for m in snap.members],
-        "optimizer": scalars,
+        "tables": tables,
+        "job": dict(snap.job),
     }
     return tensors, manifest
 
@@ -141,13 +144,28 @@ def decode(manifest: bytes, data: bytes) -> ShardSnapshot:
 
 def _snapshot(meta: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> ShardSnapshot:
     layout = _layout_from_json(meta["layout"])
-    weights = tensors.pop("weights")
+    if "tables" in meta:
+        tables = {}
+        for name, entry in meta["tables"].items():
+            prefix = "" if name == DENSE else f"{name}/"
+            missing = [k for k in entry["tensors"] if prefix + k not in tensors]
+            if missing:
+                raise CheckpointError(f"{where}: table {name!r} lacks its tensors {missing}")
+            tables[name] = TableSnapshot(str(entry["kind"]), {k: tensors[prefix + k] for k in entry["tensors"]},
+                                         dict(entry["scalars"]))
+        job = dict(meta["job"])
+    else:  # the first format: the dense table alone, the job's lr among the optimizer's scalars
+        scalars = dict(meta["optimizer"])
+        job = {k: scalars.pop(k) for k in (JOB_LR, JOB_LR_CLOCK) if k in scalars}
+        tables = {DENSE: TableSnapshot(DenseTable.kind, tensors, scalars)}
+    dense = tables.get(DENSE)
+    if dense is None or "weights" not in dense.tensors:
+        raise CheckpointError(f"{where}: no dense table with weights")
+    weights = dense.tensors["weights"]
     if weights.dtype != torch.float32 or weights.numel() != layout.numel:
         raise CheckpointError(f"{where}: weights are {weights.numel()} {weights.dtype}, the layout owns {layout.numel}")
-    optimizer: dict[str, torch.Tensor | float | int] = dict(meta["optimizer"])
-    optimizer.update({k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)})
     members = tuple(MemberRecord(**m) for m in meta["members"])
-    return ShardSnapshot(layout, weights, optimizer, int(meta["version"]), members)
+    return ShardSnapshot(layout, tables, int(meta["version"]), members, job)
 
 
 def _prune(directory: Path, keep: int) -> None:
@@ -171,8 +189,10 @@ def load(manifest: Path) -> ShardSnapshot:
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{manifest} is not a psgrad shard checkpoint")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{manifest} has format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        if meta.get("format_version") not in READABLE_VERSIONS:
+            raise CheckpointError(
+                f"{manifest} has format version {meta.get('format_version')}, expected one of {READABLE_VERSIONS}"
+            )
         data = manifest.parent / meta["tensors"]["file"]
         if not data.exists():
             raise CheckpointError(f"{manifest} names {data}, which does not exist")

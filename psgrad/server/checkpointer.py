@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from psgrad.core.policies import policy_for
 from psgrad.errors import CheckpointError, NotInitializedError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
@@ -66,7 +67,7 @@ class Checkpointer:
     def offer(self, snap: ShardSnapshot) -> None:
         """Take a snapshot to write (called under the shard's lock: never blocks on the disk). A
         newer offer replaces one not yet written."""
-        if snap.layout.spec.mode == "sync" and not self._every_versions and not self._warned_sync:
+        if not self._every_versions and not self._warned_sync and policy_for(snap.layout.spec).aggregates:
             self._warned_sync = True
             self._warn("sync mode checkpoints only at multiples of --checkpoint-every-versions, which is off: "
                        "a restart rolls the job back to its first iteration")

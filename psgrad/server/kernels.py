@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from psgrad.core.optimizers.base import register_axpy_path
 from psgrad.server.transfers import on_two_threads
 
 _log = logging.getLogger("psgrad.server")
@@ -102,3 +103,6 @@ def sgd_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool
     sums: list[float] = []
     on_two_threads(w.shape[0], lambda s, e: sums.append(float(fn(w[s:e], g[s:e], a))))
     return all(np.isfinite(sums))
+
+
+register_axpy_path("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looked up at each call)

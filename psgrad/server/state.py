@@ -1,6 +1,7 @@
 """A shard's state: what a checkpoint saves, a standby holds and a restart restores (the layout,
-weights, optimizer state, version, and every worker's clocks), apart from the short-lived
-transfer machinery. Not thread-safe on its own: the shard calls it under its lock."""
+its tables with their weights and optimizer state, the version, and every worker's clocks), apart
+from the short-lived transfer machinery. Not thread-safe on its own: the shard core calls it under
+its lock."""
 from __future__ import annotations
 
 import itertools
@@ -9,14 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from psgrad.core.layout import Layout
-from psgrad.core.optimizers import ShardOptimizer, make_optimizer
+from psgrad.core.optimizers import ShardOptimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
-from psgrad.server import kernels, transfers
-from psgrad.server.transfers import apply_checked, count_nonfinite, on_two_threads
+from psgrad.server.tables import DENSE, DenseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
-# Keys of a snapshot's optimizer state that hold the job's lr and the chief's clock that set it.
+# Keys of a snapshot's job scalars: the job's lr and the chief's clock that set it.
 JOB_LR, JOB_LR_CLOCK = "job_lr", "job_lr_clock"
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
@@ -39,29 +39,67 @@ class MemberRecord:
 
 @dataclass(frozen=True)
 class ShardSnapshot:
-    """A copy of a shard's state, taken at once under the shard's lock; shares no memory with it."""
+    """A copy of a shard's state, taken at once under the shard's lock; shares no memory with it.
+    `tables` holds each table's state by name; `job` the job's lr and the clock that set it."""
 
     layout: Layout
-    weights: torch.Tensor
-    optimizer: OptimizerState
+    tables: dict[str, TableSnapshot]
     version: int
     members: tuple[MemberRecord, ...]
+    job: dict[str, float | int] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The dense table's weights."""
+        return self.tables[DENSE].tensors["weights"]
+
+    @property
+    def optimizer(self) -> OptimizerState:
+        """The dense table's optimizer state and the job's lr (as the state of one optimizer)."""
+        dense = self.tables[DENSE]
+        state: OptimizerState = {k[len("optimizer."):]: v for k, v in dense.tensors.items() if k.startswith("optimizer.")}
+        return {**dense.scalars, **state, **self.job}
 
 
 @dataclass
 class ShardState:
-    """The state of an initialized shard. `weights` is replaced (not only written) by staged
-    updates; `membership` also holds each member's lease, which a snapshot leaves out."""
+    """The state of an initialized shard: its tables (today the dense one: the shard's range of the
+    flat space), the version, the job's lr, and its members. The dense table's `weights` are
+    replaced (not only written) by staged updates; `membership` also holds each member's lease,
+    which a snapshot leaves out."""
 
     layout: Layout
-    weights: torch.Tensor
-    optimizer: ShardOptimizer
+    tables: dict[str, Table]
     membership: Membership
     version: int = 0
-    #: The chief's clock whose push set the job's lr (optimizer.lr); -1: still the spec's.
+    #: The chief's clock whose push set the job's lr (every table's optimizer.lr); -1: still the spec's.
     job_lr_clock: int = -1
     #: Tells this state from any other the process held: (uid, version) names one set of weights.
     uid: int = field(default_factory=lambda: next(_UIDS), compare=False)
+
+    @property
+    def dense(self) -> DenseTable:
+        table = self.tables[DENSE]
+        assert isinstance(table, DenseTable)
+        return table
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The dense table's weights."""
+        return self.dense.weights
+
+    @weights.setter
+    def weights(self, value: torch.Tensor) -> None:
+        self.dense.weights = value
+
+    @property
+    def optimizer(self) -> ShardOptimizer:
+        """The dense table's optimizer (its lr is the job's)."""
+        return self.dense.optimizer
+
+    @property
+    def job_lr(self) -> float:
+        return self.dense.optimizer.lr
 
     @property
     def key(self) -> tuple[int, int]:
@@ -80,44 +118,16 @@ class ShardState:
                 f"initial weights of shard {layout.index} must be {layout.numel} float32 values, "
                 f"got {weights.numel()} {weights.dtype}"
             )
-        return cls(layout, weights, make_optimizer(layout.spec, layout.trainable), membership)
+        tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable)}
+        return cls(layout, tables, membership)
 
     def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
-        """Apply one update (grad is scratch the optimizer may overwrite): the optimizer to the
-        trainable prefix of the range, with the learning rate in effect `lr` (None: the job's)
-        times lr_scale; the buffers' part of grad, which holds their deltas, is added as it is."""
-        n = self.layout.trainable
-        if n == self.weights.numel():
-            weights = self.weights
-            alpha = self.optimizer.axpy_alpha(lr, lr_scale) if torch.get_num_threads() == 1 else None
-            if alpha is None:
-                self.optimizer.apply(weights, grad, lr_scale, lr)
-            else:  # the optimizer's own add_, element by element: half on the helper thread
-                on_two_threads(n, lambda a, b: weights[a:b].add_(grad[a:b], alpha=alpha))
-            return
-        if n:
-            self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
-        self.weights[n:].add_(grad[n:])
+        """Apply one update to the dense table (see DenseTable.apply)."""
+        self.dense.apply(grad, lr_scale, lr)
 
     def apply_checked(self, grad: torch.Tensor, lr_scale: float, lr: float | None, restore: torch.Tensor) -> int:
-        """Apply an element-wise update that only reads grad (plain SGD), checking grad as it goes:
-        in one fused pass (kernels.sgd_checked) where it can, else piece by piece
-        (transfers.apply_checked); a non-finite gradient (or an error) restores the weights from
-        `restore`, an exact copy of them. Returns the non-finite values (0: applied)."""
-        weights, rule = self.weights, self.optimizer
-        bad = -1
-        try:
-            # (a shard of one piece or less gains nothing worth loading numba for)
-            alpha = rule.axpy_alpha(lr, lr_scale) if grad.numel() > transfers.PIECE else None
-            finite = None if alpha is None else kernels.sgd_checked(weights, grad, alpha)
-            if finite is None:
-                bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
-            else:
-                bad = 0 if finite else count_nonfinite(grad)
-        finally:
-            if bad:  # undone, exactly: the copy holds the weights as they were
-                weights.copy_(restore)
-        return bad
+        """Apply a plain SGD update to the dense table, checking grad as it goes (see DenseTable.apply_checked)."""
+        return self.dense.apply_checked(grad, lr_scale, lr, restore)
 
     def resolve_lr(self, rank: int, clock: int, lr: float | None) -> float:
         """The learning rate a push is applied with: the one it carries, else the job's. The chief's
@@ -125,29 +135,33 @@ class ShardState:
         (their pushes carry none): one schedule for the job, versioned by the chief's clock, so a
         retried or late push of an older clock never turns it back."""
         if lr is None:
-            return self.optimizer.lr
+            return self.job_lr
         if rank == 0 and clock >= self.job_lr_clock:
-            self.optimizer.lr, self.job_lr_clock = lr, clock
+            self._set_lr(lr, clock)
         return lr
 
     def set_job_lr(self, lr: float, clock: int) -> None:
         """Take the job's lr a primary (or a snapshot) says was set at the chief's `clock`."""
         if clock >= self.job_lr_clock:
-            self.optimizer.lr, self.job_lr_clock = lr, clock
+            self._set_lr(lr, clock)
 
-    def average_buffer_deltas(self, grad: torch.Tensor) -> None:
-        """An update of one worker's push (async, ssp): its buffer deltas count 1/num_workers, so
-        that the job's buffers move as much per round of pushes as a sync iteration's mean does."""
-        n, workers = self.layout.trainable, self.layout.spec.num_workers
-        if n < grad.numel() and workers > 1:
-            grad[n:].div_(workers)
+    def _set_lr(self, lr: float, clock: int) -> None:
+        for table in self.tables.values():
+            table.optimizer.lr = lr
+        self.job_lr_clock = clock
+
+    def forget_workers(self, live: set[int]) -> None:
+        """Drop the per-worker state tables keep (DC-ASGD's copies) of workers no longer live."""
+        for table in self.tables.values():
+            table.forget_workers(live)
 
     def snapshot(self, pending_ranks: frozenset[int] = frozenset()) -> ShardSnapshot:
         """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still
         buffers: the snapshot is taken at the iteration's start, where they still owe them."""
         records = self.member_records(pending_ranks)
-        optimizer = {**self.optimizer.state_dict(), JOB_LR: self.optimizer.lr, JOB_LR_CLOCK: self.job_lr_clock}
-        return ShardSnapshot(self.layout, self.weights.clone(), optimizer, self.version, records)
+        tables = {name: table.snapshot() for name, table in self.tables.items()}
+        job: dict[str, float | int] = {JOB_LR: self.job_lr, JOB_LR_CLOCK: self.job_lr_clock}
+        return ShardSnapshot(self.layout, tables, self.version, records, job)
 
     def member_records(self, pending_ranks: frozenset[int] = frozenset()) -> tuple[MemberRecord, ...]:
         """Every worker's clocks as a snapshot (or a replicated update) keeps them, by rank."""
@@ -169,11 +183,18 @@ class ShardState:
     @classmethod
     def restore(cls, snap: ShardSnapshot, membership: Membership, now: float) -> ShardState:
         """The state a snapshot holds, with fresh copies of its tensors; members' leases start at
-        `now` (a live worker that does not come back is evicted one lease later)."""
-        state = cls.create(snap.layout, snap.weights.clone(), membership)
-        saved = dict(snap.optimizer)
-        lr, lr_clock = saved.pop(JOB_LR, None), saved.pop(JOB_LR_CLOCK, None)
-        state.optimizer.load_state_dict(saved)
+        `now` (a live worker that does not come back is evicted one lease later).
+
+        Raises:
+            InvalidRequestError: the snapshot's tables do not fit its layout.
+        """
+        state = cls.create(snap.layout, torch.empty(snap.layout.numel), membership)
+        names, kinds = set(snap.tables), {n: t.kind for n, t in snap.tables.items()}
+        if names != set(state.tables) or any(state.tables[n].kind != k for n, k in kinds.items()):
+            raise InvalidRequestError(f"a snapshot with tables {kinds} does not fit a shard holding {sorted(state.tables)}")
+        for name, table in state.tables.items():
+            table.load(snap.tables[name])
+        lr, lr_clock = snap.job.get(JOB_LR), snap.job.get(JOB_LR_CLOCK)
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)
             state.set_job_lr(float(lr), int(lr_clock))
         state.version = snap.version

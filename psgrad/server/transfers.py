@@ -16,6 +16,7 @@ from psgrad.core.codecs import byte_view, element_size
 from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import EvictedError
 from psgrad.core.optimizers import UpdateRule
+from psgrad.core.optimizers.base import register_axpy_path
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,
@@ -203,6 +204,18 @@ def on_two_threads(n: int, work: Callable[[int, int], object]) -> None:
         work(0, half)
     finally:
         other.result()
+
+
+def _split_axpy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+    """w += alpha * g, torch's own add_ element by element, half on the helper thread where torch
+    runs one thread (else torch spreads the op itself)."""
+    if torch.get_num_threads() == 1:
+        on_two_threads(weights.numel(), lambda a, b: weights[a:b].add_(grad[a:b], alpha=alpha))
+    else:
+        weights.add_(grad, alpha=alpha)
+
+
+register_axpy_path("split", lambda w, g, a: _split_axpy(w, g, a))  # (looked up at each call)
 
 
 def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:

@@ -147,7 +147,7 @@ def test_the_servers_apply_the_papers_update(case: str, shared_memory: bool,
     assert (expected - plain).abs().max() > 1e-2  # the compensation changed the run, far beyond the tolerance
     assert all(s.shard.version == sum(k != "pull" for k, _ in events) for s in shards)
     for s in shards:
-        dc = s.shard._dc
+        dc = s.shard.dc
         assert dc is not None and dc.uncompensated == 0 and dc.compensated == s.shard.version
         assert dc.copies == 0  # every worker left: its copy went with it
 
@@ -157,7 +157,7 @@ def test_lambda_0_is_plain_asgd_bit_for_bit(make_servers: Servers) -> None:
     shards = make_servers(2)
     run_psgrad([s.address for s in shards], JobSpec(lr=LR, num_workers=WORKERS, num_shards=2), events)
     assert torch.equal(weights(shards), Reference(initial(), 0.0, False).run(events))
-    assert all(s.shard._dc is None for s in shards)  # off: no copies, no compensation, staged SGD as before
+    assert all(s.shard.dc is None for s in shards)  # off: no copies, no compensation, staged SGD as before
 
 
 def test_without_delay_dc_asgd_changes_nothing(make_servers: Servers) -> None:
@@ -192,7 +192,7 @@ def test_a_worker_that_pulls_again_replaces_its_copy_and_one_that_leaves_drops_i
     [server] = make_servers(1)
     spec = JobSpec(lr=LR, num_workers=WORKERS, dc_asgd=0.5)
     clients = run_psgrad([server.address], spec, [("push", 0), ("pull", 1), ("pull", 2), ("pull", 1)], leave=False)
-    dc = server.shard._dc
+    dc = server.shard.dc
     assert dc is not None and dc.copies == 3 and dc.nbytes == 4 * NUMEL * (3 + 1)  # the copies and a scratch tensor
     version = server.shard.version
     clients[2].base_versions = [0]  # a gradient of weights older than its copy's (as with overlap)
@@ -208,7 +208,7 @@ def test_a_worker_that_pulls_again_replaces_its_copy_and_one_that_leaves_drops_i
     for c in clients:
         c.close()
     assert dc.copies == 2
-    server.shard._members.lease_s = 0.0  # leases end now (as if the workers had died): evicted
+    server.shard.core.members.lease_s = 0.0  # leases end now (as if the workers had died): evicted
     assert server.shard.live_ranks() == set() and dc.copies == 0
 
 

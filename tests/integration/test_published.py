@@ -176,7 +176,7 @@ def test_a_nan_applied_in_place_after_a_published_pull_is_undone_exactly(
     two threads: with torch ops in pieces (a NaN in the last piece is found after most pieces were
     applied), with the fused kernel in two halves (the whole gradient is applied before the NaN is
     known); either way the weights are restored, bitwise, from the published copy."""
-    from psgrad.server import state as state_module
+    from psgrad.server import tables as state_module
     from psgrad.server import transfers
 
     said = fused(on, monkeypatch)
@@ -421,7 +421,7 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(on: bool
 
     monkeypatch.setattr(transfers.PushWriter, "write_all", spy)
     # onto a published version, checked as it is applied: in pieces on two threads
-    from psgrad.server import state as state_module
+    from psgrad.server import tables as state_module
 
     checked: list[int] = []
     real = transfers.apply_checked

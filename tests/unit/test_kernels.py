@@ -13,7 +13,7 @@ from conftest import REPO
 from psgrad.config import JobSpec
 from psgrad.core.sharding import ParamSpec
 from psgrad.server import kernels, transfers
-from psgrad.server import state as state_module
+from psgrad.server import tables as state_module
 from psgrad.server.membership import Membership
 from psgrad.server.state import ShardState
 from test_shard import make_layout
@@ -128,7 +128,7 @@ def test_plain_applies_give_the_optimizers_result_on_two_threads(
     def spy(n: int, work):  # type: ignore[no-untyped-def]
         real(n, lambda a, b: (halves.append((a, b)), work(a, b)))
 
-    monkeypatch.setattr(state_module, "on_two_threads", spy)
+    monkeypatch.setattr(transfers, "on_two_threads", spy)
     monkeypatch.setattr(kernels, "sgd_checked", None)  # never called here
     reference = _state(3000, **spec)
     for k in range(2):

@@ -13,6 +13,37 @@ from psgrad.errors import ConfigError
 # either the gradient block itself or does not overlap it. The step lr is ShardOptimizer.step_lr's.
 UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
+# Faster ways to compute the update w += alpha * g (plain SGD's, the hottest loop of a shard), bit
+# for bit torch's w.add_(g, alpha=alpha): registered by the server, which owns threads and compiled
+# kernels (core has neither). "split": fn(w, g, alpha) -> None, over two threads; "checked":
+# fn(w, g, alpha) -> bool | None, with g checked for NaN/inf in the same pass (False: not finite,
+# the weights updated all the same; None: not available now, nothing done).
+AXPY_PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], bool | None]] = {}
+
+
+def register_axpy_path(name: str, fn: Callable[[torch.Tensor, torch.Tensor, float], bool | None]) -> None:
+    """Make fn the "split" or "checked" way of computing w += alpha * g."""
+    if name not in ("split", "checked"):
+        raise ConfigError(f"unknown axpy path {name!r}; valid: split, checked")
+    AXPY_PATHS[name] = fn
+
+
+def axpy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+    """weights += alpha * grad, by the registered split path where there is one."""
+    split = AXPY_PATHS.get("split")
+    if split is None:
+        weights.add_(grad, alpha=alpha)
+    else:
+        split(weights, grad, alpha)
+
+
+def axpy_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool | None:
+    """weights += alpha * grad with grad checked in the same pass (see AXPY_PATHS); None where no
+    checked path is available: nothing was done."""
+    checked = AXPY_PATHS.get("checked")
+    return None if checked is None else checked(weights, grad, alpha)
+
+
 # Rules with per-element state work through the shard in blocks of this many elements, so that
 # their scratch values need a few MiB, not more bytes per parameter (see adam.py's ADAM_BLOCK).
 BLOCK = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule
+from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule, axpy
 from psgrad.errors import ConfigError
 
 
@@ -24,17 +24,31 @@ class SGD(ShardOptimizer):
         self._buf: torch.Tensor | None = None
         self._numel = numel
 
+    def _rule(self, w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float, tmp: torch.Tensor) -> None:
+        """SGD without momentum, element by element: out = w - step_lr * (g + weight_decay * w), the
+        decayed gradient formed in tmp (g itself, or out where out does not overlap g). Every form
+        of the update (in place, staged block by block, and the axpy paths where there is no
+        decay) computes exactly these torch ops."""
+        if self.weight_decay:
+            g = torch.add(g, w, alpha=self.weight_decay, out=tmp)
+        torch.add(w, g, alpha=-step_lr, out=out)
+
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+        if not self.momentum:
+            alpha = self.axpy_alpha(lr, lr_scale)
+            if alpha is not None:  # w += alpha * g: the registered split path may take it
+                axpy(weights, grad, alpha)
+            else:
+                self._rule(weights, grad, weights, self.step_lr(lr, lr_scale), tmp=grad)
+            return
         if self.weight_decay:
             grad.add_(weights, alpha=self.weight_decay)
-        step = grad
-        if self.momentum:
-            if self._buf is None:  # first step: torch.optim.SGD initializes the buffer to the grad
-                self._buf = grad.clone()
-            else:
-                self._buf.mul_(self.momentum).add_(grad)
-            # Nesterov: step along grad + momentum * buf (grad is scratch: updated in place).
-            step = grad.add_(self._buf, alpha=self.momentum) if self.nesterov else self._buf
+        if self._buf is None:  # first step: torch.optim.SGD initializes the buffer to the grad
+            self._buf = grad.clone()
+        else:
+            self._buf.mul_(self.momentum).add_(grad)
+        # Nesterov: step along grad + momentum * buf (grad is scratch: updated in place).
+        step = grad.add_(self._buf, alpha=self.momentum) if self.nesterov else self._buf
         weights.add_(step, alpha=-self.step_lr(lr, lr_scale))
 
     def reads_grad_only(self) -> bool:
@@ -44,16 +58,13 @@ class SGD(ShardOptimizer):
         return -self.step_lr(lr, lr_scale) if self.reads_grad_only() else None
 
     def piecewise_rule(self) -> UpdateRule | None:
-        """Plain SGD (no momentum, with or without weight decay) element by element; the same torch
-        ops as apply(), so the result is bit for bit the same."""
+        """Plain SGD (no momentum, with or without weight decay) block by block: _rule into the
+        out block, so the result is bit for bit apply()'s."""
         if self.momentum:
             return None
-        decay = self.weight_decay
 
         def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float) -> None:
-            if decay:
-                g = torch.add(g, w, alpha=decay, out=out)
-            torch.add(w, g, alpha=-step_lr, out=out)
+            self._rule(w, g, out, step_lr, tmp=out)
 
         return rule
 

@@ -1,0 +1,153 @@
+"""The shard core: the lock and its conditions, the state (the shard's tables, version and
+members), the consistency policy in force, and the bookkeeping every part of a shard shares
+(transfer buffers, the sync round, counters, the audit history). The push path, recovery and
+replication are collaborators handed the core; they hear of updates and membership changes
+through its events. No network; every method is called with the lock held unless it says so."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from psgrad.config import ServerConfig
+from psgrad.core.codecs import get_codec
+from psgrad.core.consistency import ClockView, ConsistencyPolicy, make_policy
+from psgrad.core.layout import Layout
+from psgrad.core.policies import policy_for
+from psgrad.errors import JobMismatchError, NotInitializedError
+from psgrad.server.aggregation import SyncRound
+from psgrad.server.buffers import Buffers
+from psgrad.server.ledger import HISTORY_LEN, Counters
+from psgrad.server.membership import Membership
+from psgrad.server.state import NOT_INITIALIZED_HINT, ShardState
+from psgrad.server.transfers import PullStream
+
+
+@dataclass
+class RestoreMarks:
+    """What a shard remembers of having been restored from a snapshot (or rolled back)."""
+
+    restored: bool = False  # since it started
+    #: rank -> its last push in the snapshot, until its next push (the pushes between are lost)
+    last_pushes: dict[int, int] = field(default_factory=dict)
+    #: ranks whose clocks the snapshot set, until their next granted pull
+    rewound: set[int] = field(default_factory=set)
+
+
+class ShardCore:
+    """State, lock and shared bookkeeping of one shard."""
+
+    def __init__(self, config: ServerConfig, now: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.now = now
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)  # state changed: waiting pulls, joins, reaper re-check
+        # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
+        # same lock, so that parking a pull never wakes the other parked pulls.
+        self.observers = threading.Condition(self.lock)
+        # The reaper sleeps until the next lease expiry; only a new member or close() wakes it
+        # early (a renewed lease only moves expiries later), not every push.
+        self.reaper_wake = threading.Condition(self.lock)
+        self.started = now()
+        self.members = Membership(config.lease_s, now)
+        self.state: ShardState | None = None
+        self.policy: ConsistencyPolicy = make_policy("async")
+        self.buffers = Buffers(self.lock, config.push_buffers, self.observers.notify_all)
+        self.round = SyncRound()
+        self.counters = Counters()
+        self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
+        self.marks = RestoreMarks()
+        self.closed = False
+        self.waiting = 0  # pulls parked in the gate right now
+        self.on_serving: Callable[[bool], None] = lambda serving: None
+        #: completes the sync iteration nobody owes any more (the push path sets it); True if it did
+        self.complete_round: Callable[[], bool] = lambda: False
+        self._on_update: list[Callable[[], None]] = []
+        self._on_members: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------------- events
+    def subscribe(self, on_update: Callable[[], None] | None = None, on_members: Callable[[], None] | None = None) -> None:
+        """Be told, under the lock and in the order of subscription, after every applied update
+        (on_update) and every change of the members a backup must learn (on_members)."""
+        if on_update is not None:
+            self._on_update.append(on_update)
+        if on_members is not None:
+            self._on_members.append(on_members)
+
+    def updated(self) -> None:
+        """An update was applied (its version is the state's): tell the subscribers."""
+        for hook in self._on_update:
+            hook()
+
+    def members_changed(self) -> None:
+        """Workers joined, left, were evicted or had a push handled without an update."""
+        for hook in self._on_members:
+            hook()
+
+    def notify(self) -> None:
+        """Wake everything waiting for a state change."""
+        self.cond.notify_all()
+        self.observers.notify_all()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def layout(self) -> Layout | None:
+        return None if self.state is None else self.state.layout
+
+    @property
+    def version(self) -> int:
+        return 0 if self.state is None else self.state.version
+
+    def view(self) -> ClockView:
+        return ClockView(self.version, self.members.live_clocks())
+
+    def require(self, fingerprint: str, rank: int) -> ShardState:
+        """The state, for a worker of the job it belongs to.
+
+        Raises:
+            NotInitializedError: there is no state yet.
+            JobMismatchError: the worker's fingerprint is another job's.
+        """
+        state = self.state
+        if state is None:
+            raise NotInitializedError(NOT_INITIALIZED_HINT)
+        if fingerprint != state.layout.fingerprint:
+            raise JobMismatchError(
+                f"worker rank {rank} sent fingerprint {fingerprint or '(none)'}, but this shard was "
+                f"initialized for {state.layout.fingerprint}: the worker's model or job spec differs "
+                "(Join reports which field)"
+            )
+        return state
+
+    def install(self, state: ShardState) -> None:
+        """Make state the shard's, with its job's policy; each table decides its update path."""
+        spec = state.layout.spec
+        self.state = state
+        self.policy = policy_for(spec)
+        state.dense.configure(not self.policy.aggregates, get_codec(spec.wire_dtype).exact, self.config.push_buffers)
+        self.buffers.configure(staged=state.dense.rule is not None, per_worker=self.policy.aggregates)
+        self.serving_changed()
+
+    def serving_changed(self) -> None:
+        self.on_serving(self.state is not None and not self.closed)
+
+    def end_read(self, stream: PullStream) -> None:
+        """A pull stream of the weights ended (its close() holds the lock)."""
+        self.buffers.end_read(stream, None if self.state is None else self.state.weights)
+
+    # ----------------------------------------------------------------- membership
+    def refresh(self) -> None:
+        """Evict live members whose lease expired; complete a sync iteration nobody owes any more."""
+        evicted = self.members.expire()
+        for m in evicted:
+            self.counters.evictions += 1
+            self.history.append(("evict", m.rank, m.clock))
+            self.buffers.revoke(m.rank)
+        if evicted and self.state is not None:  # per-worker state of tables (DC-ASGD's copies) goes
+            self.state.forget_workers(self.members.live_ranks())
+        if self.complete_round() or evicted:
+            self.notify()
+            self.members_changed()
