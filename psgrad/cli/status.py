@@ -85,6 +85,11 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             attached = f", backup {rep['backup']} attached (replicated to version {rep['replicated_version']})" if rep.get("backup") else ""
             follows = f" of {rep['primary']}" if rep.get("primary") else ""
             lines.append(f"shard {s['shard']}: {s['address']} is {rep['role']}{follows} at epoch {rep['epoch']}{attached}")
+        tables = s.get("tables") or []
+        if tables:
+            lines.append(f"shard {s['shard']}: tables " + ", ".join(
+                f"{t['name']} ({t['kind']}, {t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state "
+                f"{t['state_bytes'] / 1e6:.1f} MB)" for t in tables))
         dc = s.get("delay") or {}
         if s["spec"] and s["spec"].get("dc_asgd"):
             lines.append(f"shard {s['shard']}: DC-ASGD lambda {s['spec']['dc_asgd']:g}"

@@ -96,6 +96,16 @@ class ShardCollector:
             for w in s.workers:
                 lag.add_metric([*shard, str(w.rank), w.state], w.clock)
             yield lag
+        if s.tables:
+            families = [GaugeMetricFamily(name, doc, labels=["shard", "table", "kind"]) for name, doc in (
+                ("psgrad_table_parameters", "parameters each table of the shard holds"),
+                ("psgrad_table_bytes", "bytes of each table's fp32 master weights"),
+                ("psgrad_table_optimizer_state_bytes", "bytes of each table's optimizer state"),
+            )]
+            for t in s.tables:
+                for family, value in zip(families, (t.numel, t.nbytes, t.state_bytes)):
+                    family.add_metric([*shard, t.name, t.kind], value)
+            yield from families
         buckets, total, count = staleness_buckets(s.staleness)
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
         h.add_metric(shard, buckets, total)

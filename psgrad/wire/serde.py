@@ -10,6 +10,7 @@ from psgrad.core.sharding import ParamSpec
 from psgrad.core.status import (
     DelayStatus,
     PublishedStatus,
+    TableStatus,
     ReplicaStatus,
     ShardStatus,
     TransferStatus,
@@ -101,6 +102,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
         published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
+        tables=[pb.TableStatus(**dataclasses.asdict(t)) for t in status.tables],
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -140,5 +142,6 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
+        tables=tuple(TableStatus(t.name, t.kind, t.numel, t.nbytes, t.state_bytes) for t in msg.tables),
         params=tuple(params_from_proto(msg.params)),
     )

@@ -197,3 +197,46 @@ def test_a_snapshot_encoded_in_memory_decodes_exactly_and_garbage_is_refused() -
         checkpoint.decode(b"{}", data)
     with pytest.raises(CheckpointError, match="cannot read a snapshot"):
         checkpoint.decode(manifest, data[:-10])
+
+
+def test_a_checkpoint_holds_the_shard_table_by_table_and_a_first_format_one_still_reads(tmp_path: Path) -> None:
+    """Format 2 writes each table's kind, tensors and scalars (the dense table's tensors keep the first
+    format's names); a checkpoint of the first format (the dense range alone, the job's lr among the
+    optimizer's scalars) still restores the same shard."""
+    import json
+
+    s, layout = trained(5, OPTIMIZER_SPECS["nesterov"])
+    s.core.state.set_job_lr(0.05, 4)  # type: ignore[union-attr]
+    snap = s.snapshot()
+    path = checkpoint.save(snap, tmp_path / "v2")
+    meta = json.loads(path.read_text())
+    assert meta["format_version"] == 2 and meta["job"] == {"job_lr": 0.05, "job_lr_clock": 4}
+    assert meta["tables"] == {"dense": {"kind": "dense", "scalars": {}, "tensors": ["optimizer.momentum_buffer", "weights"]}}
+    assert sorted(meta["tensors"]["names"]) == ["optimizer.momentum_buffer", "weights"]
+    # The same state as the first format wrote it.
+    old = dict(meta, format_version=1, optimizer={"job_lr": 0.05, "job_lr_clock": 4})
+    del old["tables"], old["job"]
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / Path(meta["tensors"]["file"])).write_bytes((path.parent / meta["tensors"]["file"]).read_bytes())
+    (v1 / path.name).write_text(json.dumps(old))
+    back = checkpoint.load(v1 / path.name)
+    assert set(back.tables) == {"dense"} and back.job == {"job_lr": 0.05, "job_lr_clock": 4}
+    restored = Shard(ServerConfig())
+    restored.restore(back)
+    assert restored.status().job_lr == 0.05 and restored.status().job_lr_clock == 4
+    for shard in (s, restored):
+        push(shard, layout, grad(layout, 99), rank=1, clock=2)  # type: ignore[arg-type]
+    assert torch.equal(s.weights_copy(), restored.weights_copy())  # momentum came back too
+
+
+def test_a_checkpoint_whose_tables_lack_a_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    import json
+
+    s, _ = trained(2)
+    path = checkpoint.save(s.snapshot(), tmp_path)
+    meta = json.loads(path.read_text())
+    meta["tables"]["dense"]["tensors"].append("optimizer.missing")
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="table 'dense' lacks its tensors \\['optimizer.missing'\\]"):
+        checkpoint.load(path)

@@ -125,3 +125,24 @@ def test_the_chiefs_lr_is_the_jobs_for_pushes_without_one_and_survives_a_snapsho
     restored.restore(shard.snapshot())
     assert (restored.status().job_lr, restored.status().job_lr_clock) == (0.05, 1)
     assert push(restored, layout, g, rank=1, clock=4).lr == 0.05
+
+
+def test_the_state_is_made_of_tables_and_status_lists_them() -> None:
+    """A shard holds named tables: the dense one is its range of the flat space, with its optimizer's
+    state; a snapshot copies each table, and a snapshot whose tables differ is refused on restore."""
+    import dataclasses
+
+    from psgrad.errors import InvalidRequestError
+    from psgrad.server.tables import DENSE, TableSnapshot
+
+    s, layout = started(JobSpec(optimizer="adam", lr=0.01, num_shards=2, num_workers=2))
+    push(s, layout, grad(layout, 1), rank=0, clock=0)
+    (table,) = s.status().tables
+    assert (table.name, table.kind, table.numel, table.nbytes) == (DENSE, "dense", layout.numel, 4 * layout.numel)
+    assert table.state_bytes >= 2 * 4 * layout.numel  # Adam's two moments (and its scratch block)
+    snap = s.snapshot()
+    assert set(snap.tables) == {DENSE} and snap.tables[DENSE].kind == "dense"
+    assert torch.equal(snap.weights, s.weights_copy())
+    odd = dataclasses.replace(snap, tables={**snap.tables, "extra": TableSnapshot("sparse", {})})
+    with pytest.raises(InvalidRequestError, match="does not fit a shard holding \\['dense'\\]"):
+        Shard(ServerConfig()).restore(odd)
