@@ -160,13 +160,13 @@ class Pushes:
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
                     if restore is not None:  # checked as it is applied, undone from the copy if need be
-                        bad = state.apply_checked(source, scale, lr, restore)
+                        bad = state.dense.apply_checked(source, scale, lr, restore)
                         if bad:
                             return self._refuse_nonfinite(member, clock, bad, decision)
                         self._replica.before_apply(source, scale, lr)
                     else:
                         self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
-                        state.apply(source, scale, lr)
+                        state.dense.apply(source, scale, lr)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.updated()
@@ -221,7 +221,7 @@ class Pushes:
             mean = SyncRound.mean(items)
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
             self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
-            state.apply(mean, 1.0, lr)
+            state.dense.apply(mean, 1.0, lr)
         applied_at = state.version
         state.version += 1
         core.updated()

@@ -227,7 +227,7 @@ class Replica:
             elif record.kind == GRADIENT and record.tensor is not None:
                 self._own_weights(state)
                 core.buffers.detach_reads(state.weights, wire)
-                state.apply(record.tensor, record.lr_scale, record.lr)
+                state.dense.apply(record.tensor, record.lr_scale, record.lr)
                 if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
                     self._scratch = record.tensor
             elif record.kind == NONE:

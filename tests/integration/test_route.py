@@ -1,0 +1,108 @@
+"""The gradient's route, module by module: which psgrad modules a pushed gradient passes through, from
+PSOptimizer.step() to the update the shard applies, on the gRPC path and on the same-host path. A
+concept check that the route stays short (a change that adds hops fails here, naming them), and the
+figure the README's Architecture section gives.
+
+The route is read off the call stacks, one worker and one shard in this process, in a steady-state
+step of async SGD: on the worker, every stack on which the push hands its gradient to the wire
+(frames for gRPC, the shared segment for the same host); on the server, every stack that reaches the
+optimizer's update (staged while the push arrives, or applied once it is whole)."""
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from psgrad.config import ClientConfig, ServerConfig
+from psgrad.server.runtime import start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+# The worker's calls that ship a push (gRPC frames, the combined Step call, a same-host segment).
+PUSH_CALLS = {"push", "push_frames", "_gated", "_push_shared", "step", "_step_shared"}
+# Where a worker's stack touches the gradient (gathered into the flat buffer, handed to the wire), and
+# a server's (received into a buffer, staged, applied), on the way of a push.
+WORKER_SINKS = ("psgrad.wire.", "psgrad.worker.")
+SERVER_SINKS = ("psgrad.core.optimizers", "psgrad.server.transfers", "psgrad.server.buffers", "psgrad.server.tables")
+# The modules and packages a gradient may cross (gRPC path, same-host path): the route today (the README).
+LIMITS = {False: (13, 6), True: (15, 6)}
+
+
+class Route:
+    """A profiler recording the psgrad module chains of the stacks that carry a gradient."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.chains: set[tuple[str, ...]] = set()
+        self.main = threading.get_ident()
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if not self.on or event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        worker = threading.get_ident() == self.main
+        if not module.startswith(WORKER_SINKS if worker else SERVER_SINKS):
+            return
+        chain, names, f = [], set(), frame  # type: tuple[list[str], set[str], FrameType | None]
+        while f is not None:
+            m = f.f_globals.get("__name__", "")
+            if m.startswith("psgrad.") and not m.startswith("psgrad.proto"):
+                names.add(f.f_code.co_qualname)
+                if not chain or chain[-1] != m:
+                    chain.append(m)
+            f = f.f_back
+        if worker and any(n.rsplit(".", 1)[-1] in PUSH_CALLS or n.startswith("FlatModel.") for n in names):
+            self.chains.add(tuple(reversed(chain)))
+        elif not worker and any("push" in n.lower() for n in names):
+            self.chains.add(tuple(reversed(chain)))
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({m for chain in self.chains for m in chain})
+
+
+def _route(shared_memory: bool) -> Route:
+    route = Route()
+    threading.setprofile(route)  # (the server's handler threads start after this)
+    server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        ps = psgrad.connect([server.address], mode="async", client=ClientConfig(shared_memory=shared_memory))
+        x = torch.randn(8, 256)
+        with ps:
+            opt = ps.optimizer(model)
+            for step in range(4):
+                route.on = step == 3  # a steady-state step
+                sys.setprofile(route if route.on else None)
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+                sys.setprofile(None)
+            assert server.shard.wait_until(lambda s: s.pushes_applied >= 4, 30.0)
+            route.on = False
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+        server.stop(0)
+    return route
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "same-host"])
+def test_the_gradients_route_stays_short(shared_memory: bool) -> None:
+    route = _route(shared_memory)
+    modules = route.modules
+    packages = {m.split(".")[1] for m in modules}
+    print(f"\n{len(modules)} modules in {len(packages)} packages:", " ".join(m[len("psgrad."):] for m in modules))
+    for chain in sorted(route.chains):
+        print("   ", " > ".join(m[len("psgrad."):] for m in chain))
+    assert "psgrad.api" in modules and any(m.startswith("psgrad.core.optimizers") for m in modules), route.chains
+    assert any(m.startswith("psgrad.server.pushes") for m in modules), route.chains
+    most, most_packages = LIMITS[shared_memory]
+    assert len(modules) <= most and len(packages) <= most_packages, modules
