@@ -104,23 +104,53 @@ class Membership:
         member.state = LEFT
         return member
 
-    @staticmethod
-    def check_clock(member: Member, clock: int, announced: bool = False) -> None:
+    def ceiling(self, version: int) -> int:
+        """The furthest clock a rejoining worker may say it continues from: one past
+        the shard's version or any member's clock, whichever is larger. A worker's clock on
+        another shard is at most that (every shard sees the same workers' pushes), so a clock
+        beyond it is forged or corrupt."""
+        return max([version, *(m.clock for m in self.members.values())]) + 1
+
+    def check_clock(self, member: Member, clock: int, announced: bool = False, version: int = 0) -> None:
         """A push's clock must be the worker's next one (a retry repeats an older one, which is
-        acknowledged as a duplicate). A worker that has not pushed since it joined, or whose clocks
-        a restart from a checkpoint lost (`announced`), continues wherever it says: from its last
-        push, or from the largest clock another shard gave it.
+        acknowledged as a duplicate). A worker that has not pushed since it (re)joined continues
+        wherever it says — from its last push, or from the largest clock another shard gave it —
+        where it rejoined, up to ceiling(version); one whose clocks a restart from a checkpoint lost (`announced`)
+        continues wherever it says.
 
         Raises:
-            InvalidRequestError: a clock ahead of the next one (a forged clock would make the
-                worker's real pushes look like duplicates); nothing is recorded.
+            InvalidRequestError: a clock ahead of the next one, or a rejoining worker's beyond the
+                ceiling (a forged clock would make the worker's real pushes look like duplicates);
+                nothing is recorded.
         """
-        if clock <= member.last_push_clock or clock == member.clock or member.fresh or member.pushes == 0 or announced:
+        if clock <= member.last_push_clock or announced:
+            return
+        if member.fresh or member.pushes == 0:
+            self.check_announced(member, clock, version)
+            return
+        if clock == member.clock:
             return
         raise InvalidRequestError(
             f"push from worker rank {member.rank} is for clock {clock}, but its next clock is {member.clock} "
             f"(its last push was {member.last_push_clock}); refused, nothing recorded"
         )
+
+    def check_announced(self, member: Member, clock: int, version: int) -> None:
+        """A worker says it continues from `clock` (its first pull or push after joining). One that
+        rejoins (it pushed before) may not go beyond ceiling(version); a new one says where it
+        starts (the largest clock the job's shards gave it).
+
+        Raises:
+            InvalidRequestError: a rejoining worker's clock beyond the ceiling; nothing is recorded.
+        """
+        if member.pushes == 0:
+            return
+        ceiling = self.ceiling(version)
+        if clock > ceiling:
+            raise InvalidRequestError(
+                f"worker rank {member.rank} says it continues from clock {clock}, beyond any this shard has seen "
+                f"(at most {ceiling}: its version and every worker's clock, plus one); refused, nothing recorded"
+            )
 
     @staticmethod
     def advance(member: Member, clock: int) -> None:

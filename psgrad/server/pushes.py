@@ -45,7 +45,7 @@ class Pushes:
             try:
                 member = core.members.live(rank)
                 if not core.policy.aggregates:  # (sync: the policy takes only the current iteration)
-                    Membership.check_clock(member, clock, rank in core.marks.last_pushes)
+                    core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
             except (WorkerStateError, InvalidRequestError):
                 core.counters.pushes_rejected += 1
                 raise
@@ -124,7 +124,7 @@ class Pushes:
                 try:
                     decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
                     if not policy.aggregates:
-                        Membership.check_clock(member, clock, rank in core.marks.last_pushes)
+                        core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
                 except (InvalidRequestError, RollbackError):
                     core.counters.pushes_rejected += 1
                     raise

@@ -278,6 +278,8 @@ class Shard:
                     if rank in core.marks.rewound:  # its clock came from a checkpoint: is the shard behind it?
                         policy.check_pull(rank, clock, member.last_push_clock, core.view())
                     if clock > member.clock:  # a joining worker announces where it continues from
+                        if member.fresh and not core.marks.restored:  # (a restored shard is behind the workers)
+                            core.members.check_announced(member, clock, core.version)
                         member.clock = clock
                         core.refresh()
                     view = core.view()

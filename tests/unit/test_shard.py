@@ -552,3 +552,21 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     assert s.status().evictions == 3  # rank 0 is not evicted twice; a left worker never is
     assert s.status().uptime_s == pytest.approx(105.5)
     assert [e for e in s.history if e[0] != "join"][-1] == ("evict", 2, 0)
+
+
+def test_a_forged_clock_is_refused_after_leave_and_rejoin_too(shard: Shard, layout: Layout) -> None:
+    """Leave, join again, push (or pull at) clock 10^12: refused, nothing recorded — else that worker's
+    real gradients would be dropped as duplicates from then on. Its real clock still works."""
+    g = torch.ones(layout.numel)
+    assert push(shard, layout, g, clock=0).applied
+    assert push(shard, layout, g, clock=1).applied
+    shard.leave(0)
+    shard.join(0, layout)
+    before = shard.weights_copy()
+    with pytest.raises(InvalidRequestError, match="beyond any this shard has seen"):
+        push(shard, layout, g, clock=10**12)
+    with pytest.raises(InvalidRequestError, match="continues from clock 1000000000000"):
+        shard.pull_frames(0, 10**12, layout.fingerprint, timeout_s=1.0)
+    assert torch.equal(shard.weights_copy(), before) and shard.status().workers[0].clock == 2
+    assert push(shard, layout, g, clock=2).applied  # where it really continues
+    assert not push(shard, layout, g, clock=2).applied  # (a retry of it is still a duplicate)
