@@ -1,4 +1,4 @@
-"""The package's shape, checked: imports point one way, gRPC stays at the edges, modules stay small."""
+"""The package's shape, checked: imports point one way, gRPC stays at the edges, every module says what it is for."""
 from __future__ import annotations
 
 import ast
@@ -66,10 +66,9 @@ def test_grpc_only_at_the_edges(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_modules_are_small_and_say_what_they_are_for(path: Path) -> None:
-    text = path.read_text()
-    assert len(text.splitlines()) <= 400, f"{path} has {len(text.splitlines())} lines"
-    assert ast.get_docstring(ast.parse(text)), f"{path} has no module docstring"
+def test_modules_say_what_they_are_for(path: Path) -> None:
+    """No cap on length: a module may be long where its concept is."""
+    assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
 
 
 def test_policies_are_asked_not_inspected() -> None:
