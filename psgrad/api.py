@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from psgrad.api_types import ExchangeResult, StepStats
 from psgrad.client.parameter_client import ParameterClient
-from psgrad.config import ClientConfig, JobSpec, parse_servers
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.core.modes import AUTO_STALENESS_MAX
-from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
-from psgrad.torch_optim import ScheduledOptimizer
+from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
+from psgrad.worker.step_stats import ExchangeResult, StepStats
+from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
 

@@ -16,12 +16,12 @@ from psgrad.config import (
     JobSpec,
     ServerConfig,
     WorkerConfig,
-    parse_servers,
 )
+from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.errors import ConfigError
-from psgrad.optim import DEFAULT_EPS
+from psgrad.core.optimizer_settings import DEFAULT_EPS
 
 if TYPE_CHECKING:
     from psgrad.tasks.recipes import Recipe

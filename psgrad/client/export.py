@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from psgrad.client.parameter_client import ParameterClient, credentials, shard_status
-from psgrad.config import ClientConfig, parse_servers
+from psgrad.config import ClientConfig
+from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError, StalledError

@@ -13,7 +13,7 @@ from typing import Any
 from psgrad.config import JobSpec, ServerConfig, WorkerConfig
 from psgrad.core.stragglers import StragglerModel
 from psgrad.experiments.modes import BASELINES, ModeRun, parse_modes
-from psgrad.optim import DEFAULT_EPS
+from psgrad.core.optimizer_settings import DEFAULT_EPS
 from psgrad.errors import ConfigError, PsgradError
 
 __all__ = ["BASELINES", "CompareConfig", "ModeRun", "parse_modes", "run_compare", "worker_argv"]

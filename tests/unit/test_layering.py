@@ -46,6 +46,12 @@ def test_the_package_is_laid_out_in_folders() -> None:
     assert {_part(p) for p in MODULES} >= {"core", "wire", "server", "client", "worker", "launch", "cli", "experiments"}
 
 
+def test_only_the_public_modules_are_top_level() -> None:
+    """Every other module lives in the folder of its layer."""
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top <= {"__init__", "__main__", "api", "config", "errors"}, sorted(top)
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_point_one_way(path: Path) -> None:
     part = _part(path)
