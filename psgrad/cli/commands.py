@@ -183,28 +183,14 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _resumed(ns: argparse.Namespace) -> argparse.Namespace:
-    """`launch --resume DIR`: the flags the job was launched with, then the ones given now."""
-    from psgrad.cli.parser import build_parser
-    from psgrad.launch import jobdir
-
-    directory = Path(ns.resume)
-    argv = jobdir.resume_argv(directory, ns.raw_argv[1:])
-    resumed = build_parser().parse_args(["launch", *argv])
-    resumed.raw_argv = ["launch", *argv]
-    jobdir.check_resumable(Path(resumed.checkpoint_dir), resumed.num_servers)
-    print(f"[launch] resuming the job in {directory}: psgrad launch {' '.join(argv)}", flush=True)
-    return resumed
-
-
 def cmd_launch(ns: argparse.Namespace) -> int:
+    """`psgrad launch`; with --resume DIR, ns holds the flags the job was launched with, then the
+    ones given now (main.resumed_launch parsed them) and ns.resume still names DIR."""
     from psgrad.cli.launch_ray import launch_on_ray, ray_config
     from psgrad.launch import jobdir, jobkeys
     from psgrad.launch.local import run_launch
 
     resuming = ns.resume is not None
-    if resuming:
-        ns = _resumed(ns)
     _check_task(ns)
     from psgrad.api import check_overlap
 
