@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psgrad.experiments.compare import CompareConfig, run_compare
+from psgrad.experiments.compare import run_compare
+from psgrad.experiments.compare_config import CompareConfig
 from psgrad.errors import PsgradError
 from psgrad.experiments.modes import parse_modes
 from psgrad.experiments.verdicts import (
