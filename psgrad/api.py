@@ -247,9 +247,9 @@ class PSOptimizer(ScheduledOptimizer):
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
-            accepted=all(r.applied or r.deferred for r in replies),
+            accepted=all(r.accepted for r in replies),
             versions=versions,
-            lr=next((r.lr for r in replies if r.HasField("lr")), None),
+            lr=next((r.lr for r in replies if r.lr is not None), None),
             bound=max(r.staleness_bound for r in replies),
         )
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,6 +154,76 @@ def test_grpc_only_at_the_edges(path: Path) -> None:
 def test_modules_say_what_they_are_for(path: Path) -> None:
     """No cap on length: a module may be long where its concept is."""
     assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+PROTOBUF_METHODS = {"HasField", "WhichOneof", "ListFields", "CopyFrom", "MergeFrom", "ClearField",
+                    "SerializeToString", "ParseFromString", "FromString"}
+
+
+def test_the_api_speaks_torch_and_psgrad_types_only() -> None:
+    """api.py imports no protobuf module and calls no protobuf message's methods: the client hands
+    it psgrad's types (PushOutcome, ints, tensors)."""
+    path = PACKAGE / "api.py"
+    protobuf = sorted(m for m in _imports(path) if m.startswith(("psgrad.proto", "google.protobuf")))
+    assert not protobuf, f"api.py imports {protobuf}"
+    calls = [f"api.py:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in PROTOBUF_METHODS]
+    assert not calls, calls
+
+
+def _protobuf_inside(value: Any, where: str = "") -> list[str]:
+    """Where value holds a protobuf message (in dataclass fields, sequences, mappings)."""
+    from google.protobuf.message import Message
+
+    if isinstance(value, Message):
+        return [f"{where or 'value'}: {type(value).__name__}"]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [x for f in dataclasses.fields(value) for x in _protobuf_inside(getattr(value, f.name), f"{where}.{f.name}")]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [x for i, v in enumerate(value) for x in _protobuf_inside(v, f"{where}[{i}]")]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _protobuf_inside(k, where) + _protobuf_inside(v, f"{where}[{k!r}]")]
+    return []
+
+
+def test_what_the_api_gets_and_returns_holds_no_protobuf(make_servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Best effort, at run time: in a sync job and an async job with overlap, what ParameterClient
+    hands PSOptimizer and what the API returns (StepStats, versions) hold no protobuf message."""
+    import torch
+    from torch import nn
+
+    import psgrad
+    from psgrad.client.parameter_client import ParameterClient
+    from psgrad.config import ClientConfig
+
+    from psgrad.proto import ps_pb2
+
+    assert _protobuf_inside({"replies": [ps_pb2.PushReply()]}) == ["['replies'][0]: PushReply"]  # the walk finds one
+    handed: list[tuple[str, Any]] = []
+    for name in ("join", "pull", "exchange", "rollback", "views", "gradient_buffer", "leave"):
+        def recording(self: ParameterClient, *args: Any, _name: str = name, _call: Any = getattr(ParameterClient, name),
+                      **kwargs: Any) -> Any:
+            result = _call(self, *args, **kwargs)
+            handed.append((_name, result))
+            return result
+
+        monkeypatch.setattr(ParameterClient, name, recording)
+    returned: list[tuple[str, Any]] = []
+    client = ClientConfig(connect_timeout_s=10, rpc_timeout_s=30, init_timeout_s=30, reconnect_timeout_s=0)
+    for mode, overlap in (("sync", False), ("async", True)):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        with psgrad.connect([s.address for s in make_servers(2)], mode=mode, client=client) as ps:
+            opt = ps.optimizer(model, overlap=overlap)
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(5, 8)).square().mean().backward()
+                returned.append((f"{mode} step()", opt.step()))
+            returned.append((f"{mode} synchronize()", opt.synchronize()))
+            returned.append((f"{mode} refresh()", opt.refresh()))
+    assert [name for name, _ in handed].count("exchange") == 6
+    found = [x for name, value in handed + returned for x in _protobuf_inside(value, name)]
+    assert not found, found
 
 
 def test_policies_are_asked_not_inspected() -> None:
