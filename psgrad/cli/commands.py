@@ -23,6 +23,7 @@ from psgrad.cli.flags import (
 )
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.core.modes import is_synchronous
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -300,7 +301,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns))
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())
-    at = (f"iteration {snap.versions[0]} on every shard" if snap.mode == "sync" else
+    at = (f"iteration {snap.versions[0]} on every shard" if is_synchronous(snap.mode) else
           f"shard versions {snap.versions}" + ("" if snap.consistent else " (pushes were in flight: each shard as of its own)"))
     print(f"psgrad export: wrote {len(snap.state_dict)} tensors ({values:,} values) at {at} to {out}")
     return 0

@@ -17,6 +17,7 @@ from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.credentials import worker_role
+from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
@@ -72,8 +73,9 @@ class ParameterClient:
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
-        # Sync with backup workers on several shards: shard 0 decides which gradients make an iteration (README)
-        self._shard0_decides = spec.mode == "sync" and spec.backup_workers > 0 and plan.num_shards > 1
+        # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
+        # decides which gradients make an iteration (README)
+        self._shard0_decides = policy_for(spec).drops_late and plan.num_shards > 1
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()

@@ -226,6 +226,36 @@ def test_what_the_api_gets_and_returns_holds_no_protobuf(make_servers, monkeypat
     assert not found, found
 
 
+MODE_NAMES = {"sync", "async", "ssp"}
+
+
+def _names_a_mode(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in MODE_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_mode(e) for e in node.elts)
+    return isinstance(node, ast.Starred) and _names_a_mode(node.value)
+
+
+def test_modes_are_asked_not_compared() -> None:
+    """Outside core/, no code compares anything with a mode's name ("sync", "async", "ssp", or a
+    tuple holding one; ==, !=, in, not in): it asks core (core.modes.is_synchronous, a policy's
+    drops_late, ...), so what a mode means lives in one place."""
+    found = []
+    for path in MODULES:
+        # server/ is exempt until its rewrite lands (checkpointer.py still compares); then drop this.
+        if _part(path) in ("core", "server"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
+                _names_a_mode(x) for x in (node.left, *node.comparators)
+            ):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "mode names compared outside core/:\n" + "\n".join(found)
+
+
 def test_policies_are_asked_not_inspected() -> None:
     """Only core/consistency.py may look at which policy class it has."""
     for path in MODULES:
