@@ -36,7 +36,7 @@ from psgrad.errors import (  # noqa: E402
 if TYPE_CHECKING:
     from psgrad.api import PSOptimizer, Session, StepStats, connect
     from psgrad.client.export import ModelSnapshot, fetch_model, fetch_state_dict
-    from psgrad.optim import SGD, Adadelta, Adagrad, Adam, RMSprop
+    from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
 
@@ -47,11 +47,11 @@ _LAZY = {
     "Session": "psgrad.api",
     "PSOptimizer": "psgrad.api",
     "StepStats": "psgrad.api",
-    "SGD": "psgrad.optim",
-    "Adam": "psgrad.optim",
-    "Adagrad": "psgrad.optim",
-    "RMSprop": "psgrad.optim",
-    "Adadelta": "psgrad.optim",
+    "SGD": "psgrad.core.optimizer_settings",
+    "Adam": "psgrad.core.optimizer_settings",
+    "Adagrad": "psgrad.core.optimizer_settings",
+    "RMSprop": "psgrad.core.optimizer_settings",
+    "Adadelta": "psgrad.core.optimizer_settings",
     "Task": "psgrad.tasks.base",
     "fetch_state_dict": "psgrad.client.export",
     "fetch_model": "psgrad.client.export",

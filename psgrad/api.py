@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from psgrad.api_types import ExchangeResult, StepStats
 from psgrad.client.parameter_client import ParameterClient
-from psgrad.config import ClientConfig, JobSpec, parse_servers
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
-from psgrad.core.modes import AUTO_STALENESS_MAX
-from psgrad.optim import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
-from psgrad.torch_optim import ScheduledOptimizer
+from psgrad.core.modes import AUTO_STALENESS_MAX, default_staleness, is_synchronous
+from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
+from psgrad.worker.step_stats import ExchangeResult, StepStats
+from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
 
@@ -60,7 +61,7 @@ def connect(
     """
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
     if staleness is None:
-        staleness = 2 if mode == "ssp" else 0
+        staleness = default_staleness(mode)
     auto = staleness == "auto"
     if isinstance(staleness, str) and not auto:
         raise ConfigError(f"staleness must be an integer >= 0 or 'auto', got {staleness!r}")
@@ -83,7 +84,7 @@ def connect(
 def check_overlap(spec: JobSpec, overlap: bool) -> None:
     """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
     DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
-    if overlap and spec.mode == "sync":
+    if overlap and is_synchronous(spec.mode):
         raise ConfigError(
             "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
             "previous iteration's update (staleness 0), so there is nothing to overlap"
@@ -198,7 +199,7 @@ class PSOptimizer(ScheduledOptimizer):
         self.overlap = overlap
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
-        super().__init__(self.flat.params, spec.lr, follows_job_lr=spec.mode != "sync" and session.rank != 0)
+        super().__init__(self.flat.params, spec.lr, follows_job_lr=not is_synchronous(spec.mode) and session.rank != 0)
         self.params = param_specs(model) + (buffer_specs(model) if self.flat.buffers is not None else [])
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
@@ -246,9 +247,9 @@ class PSOptimizer(ScheduledOptimizer):
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
-            accepted=all(r.applied or r.deferred for r in replies),
+            accepted=all(r.accepted for r in replies),
             versions=versions,
-            lr=next((r.lr for r in replies if r.HasField("lr")), None),
+            lr=next((r.lr for r in replies if r.lr is not None), None),
             bound=max(r.staleness_bound for r in replies),
         )
 

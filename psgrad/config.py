@@ -11,9 +11,9 @@ from psgrad.core.credentials import check_bind
 from psgrad.core.stragglers import StragglerModel
 from psgrad.core.delay import check_dc_asgd
 from psgrad.core.modes import MODES, check_mode_fields, mode_argv
-from psgrad.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
+from psgrad.core.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
-from psgrad.optim import check_optimizer_fields
+from psgrad.core.optimizer_settings import check_optimizer_fields
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
@@ -56,7 +56,7 @@ class JobSpec:
     staleness_lr: bool = False
     beta1: float = 0.9  # Adam's first-moment decay (adam, adamw)
     beta2: float = 0.999  # Adam's second-moment decay (adam, adamw)
-    eps: float = 1e-8  # the denominator term (Adam's default; see optim.DEFAULT_EPS)
+    eps: float = 1e-8  # the denominator term (Adam's default; see optimizer_settings.DEFAULT_EPS)
     nesterov: bool = False  # sgd with momentum: Nesterov's rule
     lr_decay: float = 0.0  # adagrad: lr / (1 + (step - 1) * lr_decay)
     initial_accumulator_value: float = 0.0  # adagrad: where the sum of squared gradients starts

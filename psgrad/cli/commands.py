@@ -23,6 +23,7 @@ from psgrad.cli.flags import (
 )
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.core.modes import is_synchronous
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -183,28 +184,14 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _resumed(ns: argparse.Namespace) -> argparse.Namespace:
-    """`launch --resume DIR`: the flags the job was launched with, then the ones given now."""
-    from psgrad.cli.parser import build_parser
-    from psgrad.launch import jobdir
-
-    directory = Path(ns.resume)
-    argv = jobdir.resume_argv(directory, ns.raw_argv[1:])
-    resumed = build_parser().parse_args(["launch", *argv])
-    resumed.raw_argv = ["launch", *argv]
-    jobdir.check_resumable(Path(resumed.checkpoint_dir), resumed.num_servers)
-    print(f"[launch] resuming the job in {directory}: psgrad launch {' '.join(argv)}", flush=True)
-    return resumed
-
-
 def cmd_launch(ns: argparse.Namespace) -> int:
+    """`psgrad launch`; with --resume DIR, ns holds the flags the job was launched with, then the
+    ones given now (main.resumed_launch parsed them) and ns.resume still names DIR."""
     from psgrad.cli.launch_ray import launch_on_ray, ray_config
     from psgrad.launch import jobdir, jobkeys
     from psgrad.launch.local import run_launch
 
     resuming = ns.resume is not None
-    if resuming:
-        ns = _resumed(ns)
     _check_task(ns)
     from psgrad.api import check_overlap
 
@@ -314,7 +301,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns))
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())
-    at = (f"iteration {snap.versions[0]} on every shard" if snap.mode == "sync" else
+    at = (f"iteration {snap.versions[0]} on every shard" if is_synchronous(snap.mode) else
           f"shard versions {snap.versions}" + ("" if snap.consistent else " (pushes were in flight: each shard as of its own)"))
     print(f"psgrad export: wrote {len(snap.state_dict)} tensors ({values:,} values) at {at} to {out}")
     return 0

@@ -11,7 +11,7 @@ from psgrad.cli.flags import apply_recipe
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
-    from psgrad.experiments.compare import CompareConfig
+    from psgrad.experiments.compare_config import CompareConfig
     from psgrad.tasks.recipes import Recipe
 
 
@@ -27,7 +27,8 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
     """The CompareConfig of `psgrad compare`'s flags."""
     import time
 
-    from psgrad.experiments.compare import CompareConfig, parse_modes
+    from psgrad.experiments.compare_config import CompareConfig
+    from psgrad.experiments.modes import parse_modes
 
     recipe = _check_task(ns)
     out = Path(ns.out) if ns.out else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
@@ -70,7 +71,8 @@ def compare_config(ns: argparse.Namespace) -> CompareConfig:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig, run_compare
+    from psgrad.experiments.compare import run_compare
+    from psgrad.experiments.compare_config import DEFAULT_MODES, CompareConfig
 
     command = " ".join(shlex.quote(a) for a in ["psgrad", *ns.raw_argv])
     if ns.preset == "claims":

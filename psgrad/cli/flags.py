@@ -16,18 +16,15 @@ from psgrad.config import (
     JobSpec,
     ServerConfig,
     WorkerConfig,
-    parse_servers,
 )
+from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
-from psgrad.core.modes import AUTO_STALENESS_MAX
+from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, default_staleness
 from psgrad.errors import ConfigError
-from psgrad.optim import DEFAULT_EPS
+from psgrad.core.optimizer_settings import DEFAULT_EPS
 
 if TYPE_CHECKING:
     from psgrad.tasks.recipes import Recipe
-
-# --staleness left out: 2 in ssp mode (JobSpec's 0 bounds nothing there), 0 otherwise.
-SSP_STALENESS = 2
 
 
 def servers_arg(text: str) -> tuple[str, ...]:
@@ -188,11 +185,11 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
     g.add_argument(
         "--staleness",
         type=staleness_arg,
-        default=None,  # not JobSpec.staleness: the default depends on --mode (SSP_STALENESS for ssp)
+        default=None,  # not JobSpec.staleness: the default depends on --mode (core.modes.default_staleness)
         help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
         "larger is faster with stragglers, smaller is fresher; 'auto': each server adapts it at run time "
         "within [1, --staleness-max] from how long pulls wait for the slowest worker (README 'Consistency') "
-        f"(default: {SSP_STALENESS} for ssp)",
+        f"(default: {DEFAULT_SSP_STALENESS} for ssp)",
     )
     flag(g, "--staleness-max", AUTO_STALENESS_MAX, "with --staleness auto: the largest bound the servers may "
          "adopt; lower it to cap how stale gradients may get under a persistent straggler", type=positive_int)
@@ -320,7 +317,7 @@ def staleness_arg(text: str) -> int | str:
 
 def staleness(ns: argparse.Namespace) -> int:
     if ns.staleness is None:
-        return SSP_STALENESS if ns.mode == "ssp" else 0
+        return default_staleness(ns.mode)
     return 0 if ns.staleness == "auto" else int(ns.staleness)
 
 

@@ -1,4 +1,5 @@
-"""main(): the `psgrad` entry point; parses argv, runs the command, and turns its errors into exit codes."""
+"""main(): the `psgrad` entry point; parses argv (for `launch --resume DIR`, the flags recorded in DIR too), runs the
+command, and turns its errors into exit codes."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,28 @@ from psgrad.errors import ConfigError, PsgradError, TaskError
 EXIT_USAGE = 2
 
 
+def resumed_launch(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
+    """`launch --resume DIR`: the flags the job was launched with (recorded in DIR), then the ones
+    given now, parsed; ns.resume still names DIR.
+
+    Raises:
+        ConfigError: DIR holds no launched job, or flags that contradict resuming.
+        CheckpointError: a shard of the job has no checkpoint to restore.
+    """
+    from pathlib import Path
+
+    from psgrad.launch import jobdir
+
+    directory = Path(ns.resume)
+    argv = jobdir.resume_argv(directory, ns.raw_argv[1:])
+    resumed = parser.parse_args(["launch", *argv])
+    resumed.raw_argv = ["launch", *argv]
+    resumed.resume = ns.resume
+    jobdir.check_resumable(Path(resumed.checkpoint_dir), resumed.num_servers)
+    print(f"[launch] resuming the job in {directory}: psgrad launch {' '.join(argv)}", flush=True)
+    return resumed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -19,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = ns.func
     logs.configure(ns.log_level, ns.log_format)
     try:
+        if ns.command == "launch" and ns.resume is not None:
+            ns = resumed_launch(parser, ns)
         return func(ns)
     except (ConfigError, TaskError) as exc:
         parser.print_usage(sys.stderr)

@@ -33,7 +33,7 @@ from psgrad.cli.security import (
     add_server_security_args,
 )
 from psgrad.config import WIRE_DTYPES, ServerConfig
-from psgrad.experiments.compare import DEFAULT_MODES, CompareConfig
+from psgrad.experiments.compare_config import DEFAULT_MODES, CompareConfig
 
 C = CompareConfig  # the defaults of `psgrad compare`
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 
 from psgrad.client.parameter_client import ParameterClient, credentials, shard_status
-from psgrad.config import ClientConfig, parse_servers
+from psgrad.config import ClientConfig
+from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN
+from psgrad.core.modes import is_synchronous
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
 
@@ -99,7 +101,7 @@ def fetch_model(
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
-            if first.spec.mode != "sync" or len(set(versions)) == 1:
+            if not is_synchronous(first.spec.mode) or len(set(versions)) == 1:
                 break
             left = deadline - time.monotonic()
             if left <= 0:

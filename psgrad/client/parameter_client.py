@@ -15,9 +15,10 @@ import torch
 from psgrad import errors
 from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.core.backup import LATE_REASON
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.credentials import worker_role
+from psgrad.core.policies import policy_for
+from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
@@ -72,8 +73,9 @@ class ParameterClient:
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
-        # Sync with backup workers on several shards: shard 0 decides which gradients make an iteration (README)
-        self._shard0_decides = spec.mode == "sync" and spec.backup_workers > 0 and plan.num_shards > 1
+        # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
+        # decides which gradients make an iteration (README)
+        self._shard0_decides = policy_for(spec).drops_late and plan.num_shards > 1
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
@@ -264,29 +266,30 @@ class ParameterClient:
             lr=lr,
         )
 
-    def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None) -> list[pb.PushReply]:
+    def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
-        and the learning rate in effect (None: the job's)."""
+        and the learning rate in effect (None: the job's). Returns each shard's answer."""
 
-        def one(i: int, s: ShardClient) -> pb.PushReply:
+        def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
-            return s.push(self._push_header(i, clock, lr), self._push_wires[i].encode(flat_grad[start:end]))
+            reply = s.push(self._push_header(i, clock, lr), self._push_wires[i].encode(flat_grad[start:end]))
+            return serde.push_outcome_from_proto(reply)
 
         if not self._shard0_decides:
             return self._fan_out(one)
         first = one(0, self.shards[0])  # shard 0 decides whether the gradient is in its iteration
-        if first.reason.startswith(LATE_REASON):
+        if first.late:
             return [first] * len(self.shards)  # late: no shard applies it
         return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
 
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False
-    ) -> tuple[list[pb.PushReply], list[int]]:
+    ) -> tuple[list[PushOutcome], list[int]]:
         """One iteration's traffic: push(flat_grad, clock, lr), then pull(flat, clock + 1), per shard
         in one Step call where it fits (same host, or payloads of at most one chunk), else as a
         push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
-        while another shard still receives the push. Returns the push replies and the versions
-        pulled (remembered as base versions)."""
+        while another shard still receives the push. Returns each shard's answer to the push and the
+        versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
             return self.push(flat_grad, clock, lr), self.pull(flat, clock + 1, published=published)
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
@@ -302,7 +305,7 @@ class ParameterClient:
 
         results = self._fan_out(one)
         self.base_versions = [version for _, version in results]
-        return [reply for reply, _ in results], list(self.base_versions)
+        return [serde.push_outcome_from_proto(reply) for reply, _ in results], list(self.base_versions)
 
     def views(self) -> list[torch.Tensor | None]:
         """After a pull or exchange with published=True: per shard, its weights as a read-only

@@ -1,1 +1,1 @@
-"""The pure core: shard plan, job layout, consistency policies, server optimizers and wire codecs (no gRPC, no threads)."""
+"""The pure core: shard plan, job layout, consistency policies, server optimizers and their settings, wire codecs and server addresses (no gRPC, no threads)."""

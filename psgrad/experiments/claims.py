@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psgrad.experiments.compare import CompareConfig, run_compare
+from psgrad.experiments.compare import run_compare
+from psgrad.experiments.compare_config import CompareConfig
 from psgrad.errors import PsgradError
 from psgrad.experiments.modes import parse_modes
 from psgrad.experiments.verdicts import (
@@ -29,6 +30,7 @@ TAIL = ("lognormal", 1.0)
 TAIL_MODES = "sync,sync:backup=1,ssp:2"
 WIDE_MODES = "sync,async,async:slr,async:dc=0.04,async:dca=2"  # DC-ASGD's lambdas: Zheng et al.'s
 WEIGHT_MODES = "sync,allreduce"
+WEIGHT_LABELS = tuple(WEIGHT_MODES.split(","))  # its runs' labels (runs/LABEL-r0/)
 WEIGHT_STEPS = 100
 # The issue's check runs 4 workers; the control, 2 workers, whose two gradients sum to the same float
 # in either order, so that the only difference left between sync and allreduce is the algorithm.
@@ -86,7 +88,7 @@ def weight_difference(run_dir: Path, task: str, steps: int, loss: Mapping[str, f
 
     from psgrad.tasks import get_task
 
-    paths = {mode: run_dir / "runs" / f"{mode}-r0" / "model.pt" for mode in ("sync", "allreduce")}
+    paths = {mode: run_dir / "runs" / f"{mode}-r0" / "model.pt" for mode in WEIGHT_LABELS}
     if not all(p.exists() for p in paths.values()):
         return {"error": "a final model was not saved: " + ", ".join(str(p) for p in paths.values() if not p.exists())}
     names = [name for name, _ in get_task(task).build_model().named_parameters()]
@@ -182,7 +184,7 @@ def run_claims(
         results[exp.name] = done[exp.config.out_dir]
     emulation = {e.name: emulation_check(e.config.out_dir, e.config.step_time_ms) for e in experiments}
     weights = {e.name: weight_difference(e.config.out_dir, e.config.task, e.config.steps,
-                                         {m: _final_loss(results[e.name], m) for m in ("sync", "allreduce")})
+                                         {m: _final_loss(results[e.name], m) for m in WEIGHT_LABELS})
                for e in experiments if e.name in WEIGHT_RUNS}
     rows = verdicts(results, weights)
     elapsed, load_after = time.monotonic() - start, os.getloadavg()

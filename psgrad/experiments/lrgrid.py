@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from psgrad.experiments.compare import CompareConfig
+    from psgrad.experiments.compare_config import CompareConfig
     from psgrad.experiments.modes import ModeRun
 
 GRID_BY = ("time", "final")

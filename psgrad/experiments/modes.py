@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, replace
 
 from psgrad.config import MODES
-from psgrad.core.modes import AUTO_STALENESS_MAX
+from psgrad.core.modes import AUTO_STALENESS_MAX, bounds_staleness, is_synchronous
 from psgrad.errors import ConfigError
 
 BASELINES = ("allreduce",)
@@ -47,7 +47,7 @@ class ModeRun:
 
     def averaged(self, num_workers: int) -> int:
         """How many gradients one update averages: N - backup for sync, N for allreduce, 1 otherwise."""
-        return num_workers - self.backup_workers if self.mode in ("sync", *BASELINES) else 1
+        return num_workers - self.backup_workers if is_synchronous(self.mode) or self.mode in BASELINES else 1
 
     def with_lr(self, lr: float) -> ModeRun:
         """This variant at a fixed lr, labelled as before (the lr is reported beside it)."""
@@ -72,7 +72,7 @@ def parse_mode(item: str) -> ModeRun:
     if name not in (*MODES, *BASELINES):
         raise ConfigError(f"unknown mode {name!r} in --modes entry {item!r}; valid: {GRAMMAR}")
     staleness, auto = 0, False
-    if name == "ssp":
+    if bounds_staleness(name):
         bound = options.pop(0) if options else ""
         if bound == "auto":
             auto = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from psgrad.config import parse_address
+from psgrad.core.addresses import parse_address
 from psgrad.errors import ConfigError
 
 SERVER, WORKER = "server", "worker"

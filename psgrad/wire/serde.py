@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
+from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec
 from psgrad.core.status import (
     DelayStatus,
@@ -54,6 +55,20 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         dc_asgd_adaptive=msg.dc_asgd_adaptive,
         backup_workers=msg.backup_workers,
         staleness_max=msg.staleness_max,
+    )
+
+
+def push_outcome_to_proto(outcome: PushOutcome) -> pb.PushReply:
+    return pb.PushReply(
+        applied=outcome.applied, reason=outcome.reason, version=outcome.version, staleness=outcome.staleness,
+        deferred=outcome.deferred, lr=outcome.lr, staleness_bound=outcome.staleness_bound,
+    )
+
+
+def push_outcome_from_proto(msg: pb.PushReply) -> PushOutcome:
+    return PushOutcome(
+        applied=msg.applied, reason=msg.reason, version=msg.version, staleness=msg.staleness,
+        deferred=msg.deferred, lr=msg.lr if msg.HasField("lr") else None, staleness_bound=msg.staleness_bound,
     )
 
 

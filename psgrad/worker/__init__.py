@@ -1,1 +1,1 @@
-"""The worker side: flat parameter/gradient buffers and the CLI training loop."""
+"""The worker side: flat parameter/gradient buffers, PSOptimizer's torch.optim face and step statistics, and the CLI training loop."""

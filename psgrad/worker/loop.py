@@ -14,6 +14,7 @@ from torch import nn
 from psgrad.api import PSOptimizer, Session
 from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
+from psgrad.core.modes import bounds_staleness, is_synchronous
 from psgrad.core.schedule import lr_factor
 from psgrad.worker.flat import resolve_device
 from psgrad.metrics.jsonl import MetricsSink
@@ -163,7 +164,7 @@ def train(
         opt = session.optimizer(model, overlap=config.overlap)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
-        mode = spec.mode + (f"(staleness {bound})" if spec.mode == "ssp" else "")
+        mode = spec.mode + (f"(staleness {bound})" if bounds_staleness(spec.mode) else "")
         mode += f"(backup workers {spec.backup_workers})" if spec.backup_workers else ""
         buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
@@ -199,7 +200,7 @@ def train(
                 schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
             if schedule is not None:
-                if spec.mode != "sync" and stats.versions:  # the async/ssp chief: at the job's progress
+                if not is_synchronous(spec.mode) and stats.versions:  # the async/ssp chief: at the job's progress
                     schedule.last_epoch = min(stats.versions) // spec.num_workers - 1
                 schedule.step()
             t1 = time.perf_counter()
@@ -223,7 +224,7 @@ def train(
         # In sync mode the last step's pull already waited for the final update. Otherwise leave
         # first, so nobody waits for this worker while it evaluates, then read the latest weights.
         session.leave()
-        if spec.mode != "sync":
+        if not is_synchronous(spec.mode):
             opt.refresh()
         final = report.final(elapsed)
         if config.save_model is not None:

@@ -281,7 +281,7 @@ def _worker_config(ns: argparse.Namespace, servers: tuple[str, ...]) -> WorkerCo
 
 def test_flag_defaults_are_the_config_defaults(tmp_path: Path) -> None:
     from psgrad.cli.compare import compare_config
-    from psgrad.experiments.compare import CompareConfig
+    from psgrad.experiments.compare_config import CompareConfig
 
     assert flags.server_config(_parse("server")) == ServerConfig()
     for argv, servers in ((["worker", "--servers", "127.0.0.1:1"], ("127.0.0.1:1",)), (["allreduce", "--store", "s"], ())):

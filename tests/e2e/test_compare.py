@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from psgrad.experiments.compare import CompareConfig, ModeRun, parse_modes, worker_argv
+from psgrad.experiments.compare import worker_argv
+from psgrad.experiments.compare_config import CompareConfig
+from psgrad.experiments.modes import ModeRun, parse_modes
 from psgrad.errors import ConfigError
 
 

@@ -437,7 +437,7 @@ def test_nesterov_needs_momentum() -> None:
 def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(optimizer: str) -> None:
     from psgrad.cli.flags import apply_recipe, job_spec
     from psgrad.cli.parser import build_parser
-    from psgrad.optim import DEFAULT_EPS
+    from psgrad.core.optimizer_settings import DEFAULT_EPS
 
     ns = build_parser().parse_args(["worker", "--servers", "a:1", "--optimizer", optimizer])
     apply_recipe(ns)  # the settings left out take the task's recipe (digits)

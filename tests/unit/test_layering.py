@@ -1,8 +1,10 @@
-"""The package's shape, checked: imports point one way, gRPC stays at the edges, modules stay small."""
+"""The package's shape, checked: imports point one way, gRPC stays at the edges, every module says what it is for."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,8 @@ PACKAGE = Path(REPO) / "psgrad"
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "proto" not in p.relative_to(PACKAGE).parts)
 # What each folder may import from psgrad (besides config, errors and proto, which anything may).
 ALLOWED = {
+    "config": {"core"},  # used everywhere, so it sits right above core
+    "errors": set(),
     "core": {"core"},
     "wire": {"core", "wire"},
     "server": {"core", "wire", "server"},
@@ -42,8 +46,89 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """psgrad module -> the psgrad modules its file imports, wherever: module level, under
+    TYPE_CHECKING, inside functions (a lazy import is still a dependency)."""
+    paths = {_module_name(p): p for p in MODULES}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                # `from psgrad import errors` imports the module psgrad.errors, not psgrad's __init__
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in paths and t != name)  # proto/ and outside psgrad: not nodes
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No module imports, directly or through others, a module that imports it (function-level
+    imports count: hiding an import in a function does not break a cycle)."""
+    graph = _import_graph()
+    assert {"psgrad.api", "psgrad.cli.main", "psgrad.server.shard"} <= graph.keys()  # the walk found the package
+    # Cycles entirely inside server/ are exempt for now: the server rewrite removes them
+    # (replica_path -> replica_servicer -> shard -> replica_path); drop this once it lands.
+    cycles = [c for c in _cycles(graph) if not all(m.startswith("psgrad.server.") for m in c)]
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " + ".join(c) + ": " + "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) for c in cycles
+    )
+
+
 def test_the_package_is_laid_out_in_folders() -> None:
     assert {_part(p) for p in MODULES} >= {"core", "wire", "server", "client", "worker", "launch", "cli", "experiments"}
+
+
+def test_only_the_public_modules_are_top_level() -> None:
+    """Every other module lives in the folder of its layer."""
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top <= {"__init__", "__main__", "api", "config", "errors"}, sorted(top)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -66,10 +151,109 @@ def test_grpc_only_at_the_edges(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_modules_are_small_and_say_what_they_are_for(path: Path) -> None:
-    text = path.read_text()
-    assert len(text.splitlines()) <= 400, f"{path} has {len(text.splitlines())} lines"
-    assert ast.get_docstring(ast.parse(text)), f"{path} has no module docstring"
+def test_modules_say_what_they_are_for(path: Path) -> None:
+    """No cap on length: a module may be long where its concept is."""
+    assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+PROTOBUF_METHODS = {"HasField", "WhichOneof", "ListFields", "CopyFrom", "MergeFrom", "ClearField",
+                    "SerializeToString", "ParseFromString", "FromString"}
+
+
+def test_the_api_speaks_torch_and_psgrad_types_only() -> None:
+    """api.py imports no protobuf module and calls no protobuf message's methods: the client hands
+    it psgrad's types (PushOutcome, ints, tensors)."""
+    path = PACKAGE / "api.py"
+    protobuf = sorted(m for m in _imports(path) if m.startswith(("psgrad.proto", "google.protobuf")))
+    assert not protobuf, f"api.py imports {protobuf}"
+    calls = [f"api.py:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in PROTOBUF_METHODS]
+    assert not calls, calls
+
+
+def _protobuf_inside(value: Any, where: str = "") -> list[str]:
+    """Where value holds a protobuf message (in dataclass fields, sequences, mappings)."""
+    from google.protobuf.message import Message
+
+    if isinstance(value, Message):
+        return [f"{where or 'value'}: {type(value).__name__}"]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [x for f in dataclasses.fields(value) for x in _protobuf_inside(getattr(value, f.name), f"{where}.{f.name}")]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [x for i, v in enumerate(value) for x in _protobuf_inside(v, f"{where}[{i}]")]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _protobuf_inside(k, where) + _protobuf_inside(v, f"{where}[{k!r}]")]
+    return []
+
+
+def test_what_the_api_gets_and_returns_holds_no_protobuf(make_servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Best effort, at run time: in a sync job and an async job with overlap, what ParameterClient
+    hands PSOptimizer and what the API returns (StepStats, versions) hold no protobuf message."""
+    import torch
+    from torch import nn
+
+    import psgrad
+    from psgrad.client.parameter_client import ParameterClient
+    from psgrad.config import ClientConfig
+
+    from psgrad.proto import ps_pb2
+
+    assert _protobuf_inside({"replies": [ps_pb2.PushReply()]}) == ["['replies'][0]: PushReply"]  # the walk finds one
+    handed: list[tuple[str, Any]] = []
+    for name in ("join", "pull", "exchange", "rollback", "views", "gradient_buffer", "leave"):
+        def recording(self: ParameterClient, *args: Any, _name: str = name, _call: Any = getattr(ParameterClient, name),
+                      **kwargs: Any) -> Any:
+            result = _call(self, *args, **kwargs)
+            handed.append((_name, result))
+            return result
+
+        monkeypatch.setattr(ParameterClient, name, recording)
+    returned: list[tuple[str, Any]] = []
+    client = ClientConfig(connect_timeout_s=10, rpc_timeout_s=30, init_timeout_s=30, reconnect_timeout_s=0)
+    for mode, overlap in (("sync", False), ("async", True)):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        with psgrad.connect([s.address for s in make_servers(2)], mode=mode, client=client) as ps:
+            opt = ps.optimizer(model, overlap=overlap)
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(5, 8)).square().mean().backward()
+                returned.append((f"{mode} step()", opt.step()))
+            returned.append((f"{mode} synchronize()", opt.synchronize()))
+            returned.append((f"{mode} refresh()", opt.refresh()))
+    assert [name for name, _ in handed].count("exchange") == 6
+    found = [x for name, value in handed + returned for x in _protobuf_inside(value, name)]
+    assert not found, found
+
+
+MODE_NAMES = {"sync", "async", "ssp"}
+
+
+def _names_a_mode(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in MODE_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_mode(e) for e in node.elts)
+    return isinstance(node, ast.Starred) and _names_a_mode(node.value)
+
+
+def test_modes_are_asked_not_compared() -> None:
+    """Outside core/, no code compares anything with a mode's name ("sync", "async", "ssp", or a
+    tuple holding one; ==, !=, in, not in): it asks core (core.modes.is_synchronous, a policy's
+    drops_late, ...), so what a mode means lives in one place."""
+    found = []
+    for path in MODULES:
+        # server/ is exempt until its rewrite lands (checkpointer.py still compares); then drop this.
+        if _part(path) in ("core", "server"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
+                _names_a_mode(x) for x in (node.left, *node.comparators)
+            ):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "mode names compared outside core/:\n" + "\n".join(found)
 
 
 def test_policies_are_asked_not_inspected() -> None:

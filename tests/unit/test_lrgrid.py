@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from psgrad.experiments.compare import CompareConfig, ModeRun
+from psgrad.experiments.compare_config import CompareConfig
 from psgrad.experiments.lrgrid import grid_markdown, pick_best, run_grid
-from psgrad.experiments.modes import parse_modes
+from psgrad.experiments.modes import ModeRun, parse_modes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from psgrad.errors import ConfigError
-from psgrad.experiments.compare import CompareConfig, worker_argv
+from psgrad.experiments.compare import worker_argv
+from psgrad.experiments.compare_config import CompareConfig
 from psgrad.experiments.modes import ModeRun, parse_mode, parse_modes
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import pytest
 from psgrad.wire import serde
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
+from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec
 from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
 
@@ -109,6 +110,27 @@ PARAMS = [
     ParamSpec("huge", (2**40,), "bfloat16"),  # int64 shape entries
     ParamSpec("bn.num_batches_tracked", (), "int64", buffer=True),
 ]
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        PushOutcome(applied=True, version=7, staleness=2, lr=0.05, staleness_bound=3),
+        PushOutcome(applied=True, lr=0.0),  # lr 0.0 said (proto3's default value) is not lr left out
+        PushOutcome(applied=False, reason="late: iteration 4 is complete"),
+        PushOutcome(applied=False, deferred=True, version=1),
+    ],
+)
+def test_push_outcome_round_trip(outcome: PushOutcome) -> None:
+    assert serde.push_outcome_from_proto(_through_wire(serde.push_outcome_to_proto(outcome))) == outcome
+
+
+def test_push_outcome_from_proto_reads_every_field() -> None:
+    fields = {f.name for f in pb.PushReply.DESCRIPTOR.fields}
+    assert fields == {f.name for f in dataclasses.fields(PushOutcome)}
+    outcome = serde.push_outcome_from_proto(pb.PushReply(applied=True, deferred=True, reason="r", version=3, staleness=1))
+    assert (outcome.lr, outcome.accepted, outcome.late) == (None, True, False)
+    assert serde.push_outcome_from_proto(pb.PushReply(reason="late: 2")).late
 
 
 def test_params_round_trip() -> None:

@@ -1,5 +1,5 @@
 """The public API's value types: what one PSOptimizer.step() did (StepStats) and what one exchange
-with the shards brought back (the optimizer settings are in psgrad/optim.py)."""
+with the shards brought back (the optimizer settings are in psgrad/core/optimizer_settings.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
