@@ -19,6 +19,7 @@ from psgrad.server.replication import (
     WEIGHTS,
     Record,
     Replication,
+    send_fence,
 )
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import MemberRecord, ShardState
@@ -247,6 +248,4 @@ def _fence(former: str, epoch: int, channels: ChannelFactory) -> None:
     """Tell the former primary (if it still runs) that a newer epoch took over; best effort."""
     if not former:
         return
-    from psgrad.server.replica_servicer import send_fence  # the gRPC edge, imported when used
-
     send_fence(former, epoch, channels=channels)

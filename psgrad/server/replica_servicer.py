@@ -12,14 +12,13 @@ from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
-from psgrad.server.replication import GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json
+from psgrad.server.replication import FENCE_TIMEOUT_S, GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json, send_fence
 from psgrad.server.shard import Shard
 from psgrad.wire import protocol, shm
 from psgrad.wire.frames import FrameParser, PayloadWriter, parse_frame, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
 from psgrad.wire.security import ChannelFactory, plaintext_channels
 
-FENCE_TIMEOUT_S = 2.0
 
 
 class ReplicaServicer:
@@ -129,17 +128,6 @@ def attach_to_primary(primary: str, address: str, timeout_s: float, channels: Ch
             cause = to_psgrad_error(exc, primary, "the attach request", timeout_s)
             raise ServerStartError(f"cannot become the backup of {primary}: {cause}") from None
         return int(reply.epoch)
-
-
-def send_fence(address: str, epoch: int, dropped: bool = False, channels: ChannelFactory = plaintext_channels) -> None:
-    """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
-    went on without it (best effort: it may be dead)."""
-    with channels(address, CLIENT_CHANNEL_OPTIONS) as channel:
-        fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
-        try:
-            fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
-        except grpc.RpcError:
-            pass
 
 
 def _attach_again(shard: Shard) -> None:

@@ -353,3 +353,17 @@ class Replication:
     def status(self) -> ReplicaStatus:
         with self._cond:
             return ReplicaStatus(self.role, self.epoch, self.backup, max(0, self.acked), self.primary)
+
+
+FENCE_TIMEOUT_S = 2.0
+
+
+def send_fence(address: str, epoch: int, dropped: bool = False, channels: ChannelFactory = plaintext_channels) -> None:
+    """Tell the server at `address` that epoch `epoch` took over, or (dropped) that its primary
+    went on without it (best effort: it may be dead)."""
+    with channels(address, CLIENT_CHANNEL_OPTIONS) as channel:
+        fence = channel.unary_unary(METHOD_PREFIX + "Fence", pb.FenceRequest.SerializeToString, pb.FenceReply.FromString)
+        try:
+            fence(pb.FenceRequest(epoch=epoch, dropped=dropped), timeout=FENCE_TIMEOUT_S)
+        except grpc.RpcError:
+            pass

@@ -113,9 +113,7 @@ def test_no_import_cycles() -> None:
     imports count: hiding an import in a function does not break a cycle)."""
     graph = _import_graph()
     assert {"psgrad.api", "psgrad.cli.main", "psgrad.server.shard"} <= graph.keys()  # the walk found the package
-    # Cycles entirely inside server/ are exempt for now: the server rewrite removes them
-    # (replica_path -> replica_servicer -> shard -> replica_path); drop this once it lands.
-    cycles = [c for c in _cycles(graph) if not all(m.startswith("psgrad.server.") for m in c)]
+    cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(
         " + ".join(c) + ": " + "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) for c in cycles
     )
@@ -243,8 +241,7 @@ def test_modes_are_asked_not_compared() -> None:
     drops_late, ...), so what a mode means lives in one place."""
     found = []
     for path in MODULES:
-        # server/ is exempt until its rewrite lands (checkpointer.py still compares); then drop this.
-        if _part(path) in ("core", "server"):
+        if _part(path) == "core":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Compare):
@@ -269,3 +266,38 @@ def test_policies_are_asked_not_inspected() -> None:
 def test_median_module_is_under_200_lines() -> None:
     sizes = sorted(len(p.read_text().splitlines()) for p in MODULES)
     assert sizes[len(sizes) // 2] < 200, sizes
+
+
+def _psgrad_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
+    """Every class defined in psgrad, by name."""
+    return {node.name: (path, node) for path in MODULES for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)}
+
+
+def test_no_class_inherits_from_two_psgrad_classes() -> None:
+    """Composition, not mixins: no class of psgrad has more than one psgrad class among its bases (the
+    shard was once `class Shard(ReplicaPath, Recovery, PushPath)`, glued by NotImplementedError stubs)."""
+    classes = _psgrad_classes()
+    mixed = [f"{path.relative_to(PACKAGE.parent)}: class {name}({', '.join(ast.unparse(b) for b in node.bases)})"
+             for name, (path, node) in classes.items()
+             if sum(ast.unparse(b).rsplit(".", 1)[-1] in classes for b in node.bases) > 1]
+    assert not mixed, "classes with several psgrad bases:\n" + "\n".join(mixed)
+
+
+def test_the_shard_is_composed_and_holds_tables() -> None:
+    """The shard has no psgrad base class and no `raise NotImplementedError` glue anywhere in
+    server/; its collaborators are objects it holds, and its state holds tables."""
+    from psgrad.server.shard import Shard
+    from psgrad.server.state import ShardState
+
+    assert Shard.__bases__ == (object,)
+    for path in (PACKAGE / "server").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                assert "NotImplementedError" not in ast.unparse(node.exc), f"{path.name}:{node.lineno}"
+    from psgrad.config import ServerConfig
+
+    shard = Shard(ServerConfig())
+    assert {type(c).__name__ for c in (shard.core, shard.pushes, shard.recovery, shard.replica)} == {
+        "ShardCore", "Pushes", "Recovery", "Replica"}
+    assert "tables" in ShardState.__dataclass_fields__
