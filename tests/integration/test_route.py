@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 PUSH_CALLS = {"push", "push_frames", "_gated", "_push_shared", "step", "_step_shared"}
 # Where a worker's stack touches the gradient (gathered into the flat buffer, handed to the wire), and
 # a server's (received into a buffer, staged, applied), on the way of a push.
-WORKER_SINKS = ("psgrad.wire.", "psgrad.worker.")
+WORKER_SINKS = ("psgrad.worker.flat", "psgrad.wire.frames", "psgrad.wire.shm", "psgrad.wire.published")
 SERVER_SINKS = ("psgrad.core.optimizers", "psgrad.server.transfers", "psgrad.server.buffers", "psgrad.server.tables")
 # The modules and packages a gradient may cross (gRPC path, same-host path): the route today (the README).
 LIMITS = {False: (13, 6), True: (15, 6)}
