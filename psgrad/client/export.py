@@ -62,6 +62,10 @@ def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, t
     return state
 
 
+# The table kinds an export reads: "dense", the shard's range of the flat space (pulled whole).
+READABLE_TABLES = ("dense",)
+
+
 def fetch_model(
     servers: str | Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
 ) -> ModelSnapshot:
@@ -91,6 +95,12 @@ def fetch_model(
             raise JobMismatchError(f"server {address} serves another job than {addresses[0]} (fingerprints differ)")
         if st.index != i:
             raise JobMismatchError(f"server {address} is shard {st.index}, listed as shard {i}: give --servers in shard order")
+        for table in st.tables:  # what each table holds is read by its kind
+            if table.kind not in READABLE_TABLES:
+                raise JobMismatchError(
+                    f"server {address} holds table {table.name!r} of kind {table.kind!r}, which this psgrad cannot "
+                    f"export (it reads {', '.join(READABLE_TABLES)} tables): upgrade psgrad on this machine"
+                )
     params = list(first.params)
     plan = plan_shards(params, len(addresses))
     backups = any("|" in a for a in addresses)  # a PRIMARY|BACKUP shard: the pull fails over to the one serving

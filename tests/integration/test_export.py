@@ -4,6 +4,7 @@ evaluates exactly like the workers that trained it; in sync mode at one iteratio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -71,6 +72,18 @@ def test_export_names_what_is_wrong(make_servers) -> None:  # type: ignore[no-un
         ps.optimizer(_model())
     with pytest.raises(JobMismatchError, match="listed as shard 0: give --servers in shard order"):
         export_state_dict(addresses[::-1])
+    # Each table is read by its kind: a kind this psgrad does not know is named, not misread.
+    from psgrad.core.status import TableStatus
+    from psgrad.server.tables import DenseTable
+
+    real = DenseTable.status
+    try:
+        DenseTable.status = lambda self, name: dataclasses.replace(real(self, name), kind="rows")  # type: ignore[method-assign]
+        with pytest.raises(JobMismatchError, match="holds table 'dense' of kind 'rows', which this psgrad cannot export"):
+            export_state_dict(addresses)
+    finally:
+        DenseTable.status = real  # type: ignore[method-assign]
+    assert isinstance(real(running[0].shard.core.state.dense, "dense"), TableStatus)
 
 
 # ----------------------------------------------------------------------------- psgrad.fetch_state_dict
