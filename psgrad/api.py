@@ -298,6 +298,16 @@ class PSOptimizer(ScheduledOptimizer):
             raise ConfigError("PSOptimizer.step() takes no closure: compute the loss, backward(), then step()")
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
+        edited = self.flat.edited_in_place()
+        if edited is not None:
+            # (a same-host version the change was written over is mapped afresh by the next pull)
+            self.client.forget_lent_versions()
+            raise ConfigError(
+                f"parameter {edited!r} was changed in place after ps.optimizer(model) (load_state_dict, nn.init, "
+                "or an in-place op): the servers hold the job's weights, and its next pull would overwrite the "
+                "change. Load or initialize the weights before ps.optimizer(model) (the chief's model becomes "
+                "the job's initial weights); opt.refresh() takes the job's weights back into the model"
+            )
         clock = self.clock
         push_lr = self.push_lr()
         stats = StepStats(clock=clock, lr=self.lr if push_lr is None else push_lr)

@@ -307,6 +307,12 @@ class ParameterClient:
         self.base_versions = [version for _, version in results]
         return [serde.push_outcome_from_proto(reply) for reply, _ in results], list(self.base_versions)
 
+    def forget_lent_versions(self) -> None:
+        """The model was written over a lent version (a private copy of those pages now): the next
+        pull maps each same-host server's ring afresh."""
+        for s in self.shards:
+            s.forget_ring()
+
     def views(self) -> list[torch.Tensor | None]:
         """After a pull or exchange with published=True: per shard, its weights as a read-only
         float32 tensor of the version the server lent (valid until the next pull), or None where

@@ -52,6 +52,11 @@ class SameHostPath:
         self._slot_views: dict[int, torch.Tensor] = {}
         self._published_ok = True
 
+    def forget_ring(self) -> None:
+        """Map the server's ring afresh at its next lend (views already handed out keep theirs)."""
+        self._ring = None
+        self._slot_views = {}
+
     def pull_frames(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
         raise NotImplementedError
 
@@ -129,7 +134,7 @@ class SameHostPath:
             self._slot_views = {}
         view = self._slot_views.get(index)
         if view is None:
-            with warnings.catch_warnings():  # read-only memory: written, it faults; nothing writes it
+            with warnings.catch_warnings():  # (a private mapping: a write stays in this process)
                 warnings.simplefilter("ignore", UserWarning)
                 view = self._slot_views[index] = torch.frombuffer(self._ring.slot(index), dtype=torch.float32)
         self.view = view

@@ -83,7 +83,8 @@ class Ring:
 
 
 class RingView:
-    """A worker's read-only mapping of a server's ring."""
+    """A worker's mapping of a server's ring: private, so that nothing the worker writes reaches
+    the server's slots (the file is opened read-only)."""
 
     def __init__(self, name: str, nonce: bytes, slot_bytes: int, slots: int) -> None:
         if not _NAME.match(name) or len(nonce) != _NONCE_BYTES:
@@ -100,7 +101,10 @@ class RingView:
         try:
             if os.fstat(fd).st_size != size:
                 raise SharedMemoryUnavailable(f"ring {name} has the wrong size")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            # Private and writable: a model parameter that views a slot and is written over by the
+            # user (load_state_dict, nn.init) gets a private copy of the page instead of a segfault
+            # (the worker refuses its next step, naming the parameter, and maps the ring afresh).
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         if self._map[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + nonce:
@@ -109,7 +113,7 @@ class RingView:
         self._view = memoryview(self._map)
 
     def slot(self, index: int) -> memoryview:
-        """Slot `index`'s bytes, read-only."""
+        """Slot `index`'s bytes (a write stays private to this process)."""
         if not 0 <= index < self.slots:
             raise SharedMemoryUnavailable(f"ring {self.name} has no slot {index}")
         start = _ALIGN + index * self._stride

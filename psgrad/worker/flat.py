@@ -128,6 +128,9 @@ class FlatModel:
             self._dev_grad32 = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         self.staged = not zero_copy
         self._lent = False  # some parameters are views of versions lent read-only (weights_pulled)
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._installed: list[int] = []  # each parameter's version counter when psgrad last wrote it
+        self.mark_installed()
 
     def _build_groups(self, tail: int) -> None:
         """Allocate one (weights, grads) buffer pair per dtype (the first with `tail` elements more)
@@ -259,6 +262,7 @@ class FlatModel:
             self.buffers.install(self._read(self.numel, self.total, views))
         if not self.staged:
             self.h2d_s = 0.0
+            self.mark_installed()
             return
         t0 = time.perf_counter()
         weights = self.host_flat[: self.numel]
@@ -273,6 +277,20 @@ class FlatModel:
         else:
             self._from_float32(weights)
         self.h2d_s = time.perf_counter() - t0
+        self.mark_installed()
+
+    def mark_installed(self) -> None:
+        """Remember each parameter's version counter: the weights in it are the job's."""
+        self._installed = [seg.param._version for seg in self._segments]
+
+    def edited_in_place(self) -> str | None:
+        """The name of a parameter written in place since the job's weights were installed
+        (load_state_dict, nn.init, an in-place op under no_grad), or None. Autograd's version
+        counter tells, at no cost; psgrad's own installs do not move it."""
+        for seg, version in zip(self._segments, self._installed):
+            if seg.param._version != version:
+                return self._names.get(id(seg.param), "?")
+        return None
 
     def _read(self, start: int, end: int, views: Sequence[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
         """The pulled values of [start, end): a lent view where one shard's range holds them, else

@@ -1,0 +1,67 @@
+"""Writing the model's parameters in place after ps.optimizer(model) — load_state_dict, nn.init, an
+in-place op — neither crashes (on the same-host path the parameters view weights a server lent,
+which once segfaulted the worker) nor is silently overwritten: the next step() refuses, naming the
+parameter, and refresh() takes the job's weights back."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+# In a child process: a segfault must fail the test, not end the test run.
+SCRIPT = """
+import sys, torch
+from torch import nn
+import psgrad
+from psgrad.config import ClientConfig, ServerConfig
+from psgrad.errors import ConfigError
+from psgrad.server.runtime import start_server
+
+shared_memory, edit = sys.argv[1] == "1", sys.argv[2]
+server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+x = torch.randn(16, 8)
+with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
+    opt = ps.optimizer(model)
+    def step():
+        opt.zero_grad(); model(x).sum().backward(); return opt.step()
+    step()
+    print("path", "lent" if opt.flat._lent else "copied", flush=True)
+    with torch.no_grad():
+        if edit == "load_state_dict":
+            model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+        else:
+            nn.init.zeros_(model[2].weight)
+    print("edited", flush=True)
+    try:
+        step()
+    except ConfigError as exc:
+        print("refused:", exc, flush=True)
+    else:
+        print("applied silently", flush=True)
+    opt.refresh()
+    assert float(model[2].weight.abs().sum()) > 0, "refresh brought the job's weights back"
+    step()
+    print("continued", flush=True)
+server.stop(0)
+"""
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
+@pytest.mark.parametrize("edit", ["load_state_dict", "nn.init"])
+def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, edit: str) -> None:
+    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", edit],
+                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
+    lines = res.stdout.splitlines()
+    assert lines[0] == ("path lent" if shared_memory else "path copied"), lines
+    assert lines[1] == "edited"
+    assert lines[2].startswith("refused: parameter '") and "changed in place after ps.optimizer(model)" in lines[2], lines
+    assert "'2.weight'" in lines[2] or edit == "load_state_dict", lines[2]
+    assert lines[3] == "continued", lines
