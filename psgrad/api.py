@@ -298,10 +298,8 @@ class PSOptimizer(ScheduledOptimizer):
             raise ConfigError("PSOptimizer.step() takes no closure: compute the loss, backward(), then step()")
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
-        edited = self.flat.edited_in_place()
+        edited = self._edited()
         if edited is not None:
-            # (a same-host version the change was written over is mapped afresh by the next pull)
-            self.client.forget_lent_versions()
             raise ConfigError(
                 f"parameter {edited!r} was changed in place after ps.optimizer(model) (load_state_dict, nn.init, "
                 "or an in-place op): the servers hold the job's weights, and its next pull would overwrite the "
@@ -385,9 +383,19 @@ class PSOptimizer(ScheduledOptimizer):
 
     def refresh(self) -> list[int]:
         """Read the servers' latest weights into the model without a gate or lease (e.g. to
-        evaluate after leave()); returns their versions."""
+        evaluate after leave(), or to undo an in-place edit); returns their versions."""
         self.synchronize()
+        self._edited()
         return self._pull(self.clock, observe=True)
+
+    def _edited(self) -> str | None:
+        """A parameter written in place since the job's weights were installed (or None); a
+        same-host version the change was written over (a private copy of its pages now) is
+        mapped afresh by the next pull."""
+        edited = self.flat.edited_in_place()
+        if edited is not None:
+            self.client.forget_lent_versions()
+        return edited
 
     def leave(self) -> None:
         if self._left:
