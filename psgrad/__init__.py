@@ -34,7 +34,7 @@ from psgrad.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from psgrad.api import PSOptimizer, Session, StepStats, connect
+    from psgrad.api import PSOptimizer, Session, StepStats, connect, serve
     from psgrad.client.export import ModelSnapshot, fetch_model, fetch_state_dict
     from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 # `import psgrad.config` stay fast.
 _LAZY = {
     "connect": "psgrad.api",
+    "serve": "psgrad.api",
     "Session": "psgrad.api",
     "PSOptimizer": "psgrad.api",
     "StepStats": "psgrad.api",
@@ -71,6 +72,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "__version__",
     "connect",
+    "serve",
     "Session",
     "PSOptimizer",
     "StepStats",

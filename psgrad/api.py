@@ -32,6 +32,33 @@ from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
 
 
+def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
+    """Start one shard server in this process (its gRPC threads serve in the background) and return
+    it: `.address` is the HOST:PORT workers connect to, `.stop()` stops it, and `with` stops it at
+    the end of the block (keep the handle: the server stops when it is garbage-collected). port 0 picks a free port. settings: the server's other settings, by
+    their names in psgrad.config.ServerConfig (lease_s, nonfinite, checkpoint_dir,
+    checkpoint_every_s, metrics_port, ...; the same as `psgrad server`'s flags). A job's S shards
+    are S servers, given to every worker in the same order:
+
+        servers = [psgrad.serve() for _ in range(2)]
+        with psgrad.connect([s.address for s in servers]) as ps: ...
+
+    Raises:
+        ConfigError: an unknown or invalid setting (named).
+        ServerStartError: the address cannot be bound.
+    """
+    import dataclasses
+
+    from psgrad.config import ServerConfig
+    from psgrad.server.runtime import start_server  # (the server side, loaded when asked for)
+
+    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"psgrad.serve() has no setting {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    return start_server(ServerConfig(host=host, port=port, **settings))
+
+
 def connect(
     servers: str | Sequence[str],
     rank: int = 0,

@@ -88,6 +88,12 @@ class RunningServer:
     def shard(self) -> Shard:
         return self.servicer.shard
 
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self, grace_s: float | None = None) -> None:
         grace = self.servicer.config.grace_s if grace_s is None else grace_s
         self.stopped.set()

@@ -39,3 +39,16 @@ def test_the_readme_example_trains_two_workers(start_servers, tmp_path: Path) ->
         assert w.returncode == 0, out
         last = re.findall(rf"rank {rank} epoch 4: loss [\d.]+ test accuracy ([\d.]+)", out)
         assert last and float(last[0]) > 0.9, out
+
+
+@pytest.mark.timeout(240)
+def test_the_readme_example_alone_serves_its_own_shards(tmp_path: Path) -> None:
+    """Without server addresses the example starts two shards in its own process (psgrad.serve)."""
+    script = tmp_path / "train_digits.py"
+    script.write_text(readme_example())
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=200, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    last = re.findall(r"rank 0 epoch 4: loss [\d.]+ test accuracy ([\d.]+)", res.stdout)
+    assert last and float(last[0]) > 0.9, res.stdout

@@ -222,3 +222,17 @@ def test_the_model_on_each_device_ends_with_the_servers_weights(make_servers, de
         got = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
         assert torch.equal(got, _masters(running))
         assert all(p.device.type == device for p in model.parameters())
+
+
+def test_serve_starts_shards_in_this_process_and_refuses_an_unknown_setting() -> None:
+    """psgrad.serve(): the Python way to start a job's servers (no second terminal)."""
+    with pytest.raises(ConfigError, match="psgrad.serve\\(\\) has no setting lease; valid: .*lease_s"):
+        psgrad.serve(lease=3)
+    with psgrad.serve(lease_s=5.0) as a, psgrad.serve() as b:
+        with psgrad.connect([a.address, b.address], client=CLIENT) as ps:
+            model = _model()
+            opt = ps.optimizer(model)
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+        assert a.shard.version == b.shard.version == 1 and a.shard.core.config.lease_s == 5.0
+    assert a.stopped.is_set() and b.stopped.is_set()
