@@ -62,10 +62,12 @@ class TableStatus:
     """One table of a shard: what kind it is and what it holds."""
 
     name: str
-    kind: str  # "dense": a range of the flat space
-    numel: int = 0  # parameters held
+    kind: str  # "dense": a range of the flat space; "sparse": rows of an embedding
+    numel: int = 0  # parameters held (sparse: in the rows made so far)
     nbytes: int = 0  # bytes of its fp32 master weights
     state_bytes: int = 0  # bytes of its optimizer state
+    rows: int = 0  # sparse: rows placed on this shard
+    rows_touched: int = 0  # sparse: rows made (pulled or updated) so far
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from psgrad.core.layout import Layout
 from psgrad.core.optimizers import ShardOptimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
-from psgrad.server.tables import DENSE, DenseTable, Table, TableSnapshot
+from psgrad.core.optimizers.rows import make_row_optimizer
+from psgrad.server.tables import DENSE, DenseTable, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's job scalars: the job's lr and the chief's clock that set it.
@@ -121,6 +122,23 @@ class ShardState:
         tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable)}
         return cls(layout, tables, membership)
 
+    def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0) -> SparseTable:
+        """Hold the rows of embedding table `name` that live on this shard, updated by the job's
+        optimizer in its row-wise form.
+
+        Raises:
+            InvalidRequestError: the name is taken, or the table's shape is not a table.
+            ConfigError: the job's optimizer has no row-wise form.
+        """
+        if name in self.tables:
+            raise InvalidRequestError(f"shard {self.layout.index} already holds a table {name!r}")
+        spec = self.layout.spec
+        table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed,
+                            make_row_optimizer(spec.optimizer, spec))
+        table.optimizer.lr = self.job_lr
+        self.tables[name] = table
+        return table
+
     def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         """Apply one update to the dense table (see DenseTable.apply)."""
         self.dense.apply(grad, lr_scale, lr)
@@ -189,14 +207,32 @@ class ShardState:
             InvalidRequestError: the snapshot's tables do not fit its layout.
         """
         state = cls.create(snap.layout, torch.empty(snap.layout.numel), membership)
-        names, kinds = set(snap.tables), {n: t.kind for n, t in snap.tables.items()}
-        if names != set(state.tables) or any(state.tables[n].kind != k for n, k in kinds.items()):
-            raise InvalidRequestError(f"a snapshot with tables {kinds} does not fit a shard holding {sorted(state.tables)}")
-        for name, table in state.tables.items():
-            table.load(snap.tables[name])
+        kinds = {n: t.kind for n, t in snap.tables.items()}
+        if kinds.get(DENSE) != DenseTable.kind:
+            raise InvalidRequestError(f"a snapshot with tables {kinds} has no dense table")
+        for name, table_snap in snap.tables.items():
+            if name != DENSE:
+                state.tables[name] = _table_from(name, table_snap, snap.layout)
+            state.tables[name].load(table_snap)
         lr, lr_clock = snap.job.get(JOB_LR), snap.job.get(JOB_LR_CLOCK)
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)
             state.set_job_lr(float(lr), int(lr_clock))
         state.version = snap.version
         state.set_members(snap.members, now)
         return state
+
+
+def _table_from(name: str, snap: TableSnapshot, layout: Layout) -> Table:
+    """An empty table of the kind and shape a snapshot holds (its state is loaded after).
+
+    Raises:
+        InvalidRequestError: a kind this psgrad does not know, or a sparse table without its shape.
+    """
+    if snap.kind != SparseTable.kind:
+        raise InvalidRequestError(f"a snapshot's table {name!r} is of kind {snap.kind!r}, which this psgrad does not know")
+    try:
+        s = snap.scalars
+        return SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
+                           int(s["seed"]), make_row_optimizer(layout.spec.optimizer, layout.spec), float(s["std"]))
+    except KeyError as exc:
+        raise InvalidRequestError(f"a snapshot's sparse table {name!r} lacks its {exc.args[0]}") from None

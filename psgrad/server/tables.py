@@ -1,8 +1,8 @@
 """A shard's tables: the unit of parameters a shard holds, each with its own layout, optimizer state
 and apply rule. A *dense* table is a contiguous range of the job's flat space (its trainable prefix
-takes the optimizer, the synchronized buffers after it take deltas), updated as one vector; other
-kinds (a sparse row table) hold their parameters their own way behind the same interface: apply an
-update, snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
+takes the optimizer, the synchronized buffers after it take deltas), updated as one vector; a
+*sparse* table holds the rows of an embedding placed on this shard, made on first touch and
+updated row by row. Both answer the same interface: snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
 calls them under its lock."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 
 from psgrad.config import JobSpec
 from psgrad.core.optimizers import ShardOptimizer, UpdateRule, make_optimizer
+from psgrad.core import rows
 from psgrad.core.optimizers.base import axpy_checked
+from psgrad.core.optimizers.rows import RowOptimizer, RowState
 from psgrad.core.status import DelayStatus, TableStatus
 from psgrad.errors import InvalidRequestError
 from psgrad.server import kernels, transfers  # (they register the axpy paths)
@@ -36,11 +38,17 @@ class TableSnapshot:
     scalars: Scalars = field(default_factory=dict)
 
 
+class _LearningRate(Protocol):
+    lr: float  # the job's: set on every table's optimizer when the chief's schedule moves it
+
+
 class Table(Protocol):
     """What the shard core, checkpoints, replication and status need of any table."""
 
     kind: ClassVar[str]
-    optimizer: ShardOptimizer
+
+    @property
+    def optimizer(self) -> _LearningRate: ...
 
     def snapshot(self) -> TableSnapshot:
         """A copy of the table's state (its weights and optimizer state)."""
@@ -168,3 +176,146 @@ class DenseTable:
     def delay_status(self) -> DelayStatus:
         return self.dc.status() if self.dc is not None else DelayStatus()
 
+
+
+class SparseTable:
+    """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
+    shard r mod S): made on first touch from (seed, table, row id), kept in an arena that grows by
+    doubling, each with the table version of its last update and its row-wise optimizer state.
+    Untouched rows cost nothing; a snapshot holds the touched rows only (the rest are their
+    initial values, made again on demand)."""
+
+    kind: ClassVar[str] = "sparse"
+
+    def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
+                 optimizer: RowOptimizer, std: float = 1.0) -> None:
+        if num_embeddings < 1 or dim < 1 or not 0 <= index < num_shards:
+            raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
+        self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
+        self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
+        self.optimizer = optimizer
+        self.key = rows.table_key(seed, name)
+        self.version = 0  # updates applied to the table
+        self._slot = torch.full((rows.rows_on_shard(num_embeddings, index, num_shards),), -1, dtype=torch.int64)
+        self.touched = 0  # rows made so far (arena slots in use)
+        self._ids = torch.empty(0, dtype=torch.int64)
+        self._values = torch.empty(0, dim)
+        self._versions = torch.empty(0, dtype=torch.int64)
+        self._state: RowState = optimizer.new_state(0, dim)
+
+    # ----------------------------------------------------------------- rows
+    def check(self, ids: torch.Tensor) -> None:
+        """Row ids of this table that live on this shard.
+
+        Raises:
+            InvalidRequestError: wrong dtype or shape, out of range, or placed on another shard.
+        """
+        rows.check_ids(ids, self.num_embeddings, f"table {self.name!r}")
+        if ids.numel() and self.num_shards > 1:
+            elsewhere = rows.shard_of(ids, self.num_shards) != self.index
+            if bool(elsewhere.any()):
+                bad = int(ids[elsewhere][0])
+                raise InvalidRequestError(
+                    f"table {self.name!r}: row {bad} lives on shard {bad % self.num_shards}, not on shard {self.index}"
+                )
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The arena slots of rows `ids` (checked), making the rows never touched."""
+        local = rows.local_index(ids.long(), self.num_shards)
+        slots = self._slot[local]
+        fresh = slots < 0
+        if bool(fresh.any()):
+            new_ids = torch.unique(ids[fresh].long())
+            self._make(new_ids)
+            slots = self._slot[local]
+        return slots
+
+    def _make(self, ids: torch.Tensor) -> None:
+        n, need = ids.numel(), self.touched + ids.numel()
+        if need > self._ids.numel():
+            capacity = max(need, 2 * self._ids.numel(), 1024)
+            self._grow(capacity)
+        at = slice(self.touched, need)
+        self._ids[at] = ids
+        self._values[at] = rows.initial_rows(self.key, ids, self.dim, self.std)
+        self._versions[at] = 0
+        for name, fresh in self.optimizer.new_state(n, self.dim).items():
+            self._state[name][at] = fresh
+        self._slot[rows.local_index(ids, self.num_shards)] = torch.arange(self.touched, need)
+        self.touched = need
+
+    def _grow(self, capacity: int) -> None:
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype)
+            out[: self.touched] = t[: self.touched]
+            return out
+
+        self._ids, self._values, self._versions = grown(self._ids), grown(self._values), grown(self._versions)
+        fresh = self.optimizer.new_state(capacity, self.dim)
+        for name, old in self._state.items():
+            fresh[name][: self.touched] = old[: self.touched]
+        self._state = fresh
+
+    def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
+        self.check(ids)
+        slots = self._slots(ids)
+        return self._values[slots], self._versions[slots]
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None) -> None:
+        """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim].
+
+        Raises:
+            InvalidRequestError: repeated ids, or gradients of another shape or dtype.
+        """
+        self.check(ids)
+        if grads.dtype != torch.float32 or tuple(grads.shape) != (ids.numel(), self.dim):
+            raise InvalidRequestError(
+                f"table {self.name!r}: gradients must be float32 [{ids.numel()}, {self.dim}], got {grads.dtype} {list(grads.shape)}"
+            )
+        if torch.unique(ids).numel() != ids.numel():
+            raise InvalidRequestError(f"table {self.name!r}: row ids of one update must be unique (coalesce them)")
+        slots = self._slots(ids)
+        weights = self._values[slots]
+        state = {name: t[slots] for name, t in self._state.items()}
+        self.optimizer.apply(weights, grads.clone(), state, lr)
+        self._values[slots] = weights
+        for name, t in state.items():
+            self._state[name][slots] = t
+        self.version += 1
+        self._versions[slots] = self.version
+
+    def forget_workers(self, live: set[int]) -> None:
+        """Nothing per worker here."""
+
+    # ----------------------------------------------------------------- state
+    def snapshot(self) -> TableSnapshot:
+        n = self.touched
+        tensors: Tensors = {"ids": self._ids[:n].clone(), "values": self._values[:n].clone(),
+                            "versions": self._versions[:n].clone()}
+        tensors.update({"state." + k: v[:n].clone() for k, v in self._state.items()})
+        scalars: Scalars = {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
+                            "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+        return TableSnapshot(self.kind, tensors, scalars)
+
+    def load(self, snap: TableSnapshot) -> None:
+        shape = (snap.scalars.get("num_embeddings"), snap.scalars.get("dim"), snap.scalars.get("index"),
+                 snap.scalars.get("num_shards"), snap.scalars.get("seed"))
+        if shape != (self.num_embeddings, self.dim, self.index, self.num_shards, self.seed):
+            raise InvalidRequestError(f"table {self.name!r}: a snapshot of {shape} does not fit this table")
+        ids = snap.tensors["ids"]
+        self._slot.fill_(-1)
+        self.touched = 0
+        self._grow(max(ids.numel(), 1024))
+        n = ids.numel()
+        self._ids[:n], self._values[:n], self._versions[:n] = ids, snap.tensors["values"], snap.tensors["versions"]
+        for name in self._state:
+            self._state[name][:n] = snap.tensors["state." + name]
+        self._slot[rows.local_index(ids, self.num_shards)] = torch.arange(n)
+        self.touched = n
+        self.version = int(snap.scalars["version"])
+
+    def status(self, name: str) -> TableStatus:
+        n = self.touched
+        state = sum(t[:n].numel() * t.element_size() for t in self._state.values())
+        return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=self._slot.numel(), rows_touched=n)

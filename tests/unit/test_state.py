@@ -143,6 +143,6 @@ def test_the_state_is_made_of_tables_and_status_lists_them() -> None:
     snap = s.snapshot()
     assert set(snap.tables) == {DENSE} and snap.tables[DENSE].kind == "dense"
     assert torch.equal(snap.weights, s.weights_copy())
-    odd = dataclasses.replace(snap, tables={**snap.tables, "extra": TableSnapshot("sparse", {})})
-    with pytest.raises(InvalidRequestError, match="does not fit a shard holding \\['dense'\\]"):
+    odd = dataclasses.replace(snap, tables={**snap.tables, "extra": TableSnapshot("rows", {})})
+    with pytest.raises(InvalidRequestError, match="table .extra. is of kind .rows., which this psgrad does not know"):
         Shard(ServerConfig()).restore(odd)

@@ -1,0 +1,83 @@
+"""Sparse tables' rows: where each row id lives (its shard and its place there) and what a row is
+before anyone trained it — a deterministic function of (seed, table, row id), so that a row costs
+nothing until touched and comes out the same on any server, after any restart; pure.
+
+Placement: row id r lives on shard r mod S, at local index r div S. Ids that are hot under a Zipf
+law are the small ones (or any run of consecutive ids), which this spreads evenly over the shards;
+a table of N rows holds ceil((N - i) / S) of them on shard i.
+
+Initial values: N(0, std²) per element, like torch.nn.Embedding's normal_(0, 1) with std=1, drawn
+from a counter-based generator (splitmix64 of the seed, the table's name and the element's index
+id * dim + j; Box-Muller from two such draws), so any subset of rows is made without the others."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from psgrad.errors import InvalidRequestError
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """The shard each row id lives on."""
+    return torch.remainder(ids, num_shards)
+
+
+def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """Each row id's place among the rows of its shard."""
+    return torch.div(ids, num_shards, rounding_mode="floor")
+
+
+def rows_on_shard(num_embeddings: int, index: int, num_shards: int) -> int:
+    """How many of a table's rows shard `index` holds."""
+    return max(0, -(-(num_embeddings - index) // num_shards))
+
+
+def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
+    """Row ids must be a 1-D int64 (or int32) tensor of values in [0, num_embeddings).
+
+    Raises:
+        InvalidRequestError: another dtype or shape, or an id out of range (the first one named).
+    """
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
+        raise InvalidRequestError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} of shape {list(ids.shape)}")
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_embeddings:
+            bad = low if low < 0 else high
+            raise InvalidRequestError(f"{what}: row id {bad} is out of range [0, {num_embeddings})")
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def table_key(seed: int, table: str) -> int:
+    """The generator key of one table of a job: its seed and its name."""
+    digest = hashlib.blake2b(table.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") ^ (seed * 0x9E3779B97F4A7C15)) & (2**64 - 1)
+
+
+def initial_rows(key: int, ids: torch.Tensor, dim: int, std: float = 1.0) -> torch.Tensor:
+    """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is."""
+    n = ids.numel()
+    if n == 0:
+        return torch.empty(0, dim)
+    with np.errstate(over="ignore"):
+        base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
+        counter = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
+        a = _splitmix(np.bitwise_xor(counter, np.uint64(key)))
+        b = _splitmix(a)
+    u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+    u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    return torch.from_numpy((z * std).astype(np.float32))

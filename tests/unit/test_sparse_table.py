@@ -1,0 +1,125 @@
+"""Sparse tables on a shard: rows placed by id, made on first touch from (seed, table, row id) and the
+same after any restart, updated row by row with row-wise SGD, Adagrad and lazy Adam (checked against
+torch), refused by name when ids are wrong, and carried whole through snapshots and checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.core import rows
+from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD, make_row_optimizer
+from psgrad.errors import ConfigError, InvalidRequestError
+from psgrad.server import checkpoint
+from psgrad.server.shard import Shard
+from psgrad.server.tables import SparseTable
+from test_shard import make_layout, weights_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def table(optimizer=None, num_embeddings: int = 1000, dim: int = 4, index: int = 0, shards: int = 1) -> SparseTable:  # type: ignore[no-untyped-def]
+    return SparseTable("emb", num_embeddings, dim, index, shards, seed=7, optimizer=optimizer or RowSGD(0.5))
+
+
+def test_placement_spreads_consecutive_hot_ids_and_covers_every_row_once() -> None:
+    ids = torch.arange(10)
+    assert rows.shard_of(ids, 3).tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    assert rows.local_index(ids, 3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert [rows.rows_on_shard(10, i, 3) for i in range(3)] == [4, 3, 3]
+    assert sum(rows.rows_on_shard(10_000_019, i, 7) for i in range(7)) == 10_000_019
+
+
+def test_rows_are_made_on_first_touch_deterministically_and_untouched_rows_cost_nothing() -> None:
+    t = table(num_embeddings=10_000_000, dim=32)  # 1.28 GB if it were dense
+    assert t.status("emb").rows_touched == 0 and t.status("emb").nbytes == 0
+    ids = torch.tensor([3, 9_999_999, 42])
+    values, versions = t.pull(ids)
+    assert values.shape == (3, 32) and versions.tolist() == [0, 0, 0]
+    assert t.status("emb").rows_touched == 3 and t.status("emb").nbytes == 3 * 32 * 4
+    again = table(num_embeddings=10_000_000, dim=32).pull(torch.tensor([42, 3]))[0]  # another server, any order
+    assert torch.equal(again, values[[2, 0]])
+    other = SparseTable("other", 10_000_000, 32, 0, 1, seed=7, optimizer=RowSGD(0.5)).pull(ids)[0]
+    assert not torch.equal(other, values)  # each table its own values
+    big = table(num_embeddings=100_000, dim=16).pull(torch.arange(100_000))[0]
+    assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 1.0) < 0.01  # N(0, 1), like nn.Embedding
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_row_wise_updates_equal_torch_on_the_dense_table(name: str) -> None:
+    """A dense table updated by torch's SGD / Adagrad with zero gradients on untouched rows is bit
+    for bit the sparse table updated row by row (neither moves a row it has no gradient for)."""
+    num, dim = 50, 3
+    sparse = table(RowSGD(0.1) if name == "sgd" else RowAdagrad(0.1, 0.1, 1e-10), num, dim)
+    weight = torch.nn.Parameter(sparse.pull(torch.arange(num))[0].clone())
+    ref = torch.optim.SGD([weight], lr=0.1) if name == "sgd" else torch.optim.Adagrad(
+        [weight], lr=0.1, initial_accumulator_value=0.1, eps=1e-10)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        ids = torch.randperm(num, generator=gen)[:7]
+        grads = torch.randn(7, dim, generator=gen)
+        sparse.apply(ids, grads)
+        weight.grad = torch.zeros(num, dim).index_add_(0, ids, grads)
+        ref.step()
+    assert torch.equal(sparse.pull(torch.arange(num))[0], weight.detach())
+
+
+def test_lazy_adam_counts_each_rows_own_steps() -> None:
+    t = table(RowAdam(0.01), 10, 2)
+    start = t.pull(torch.arange(10))[0]
+    for _ in range(3):
+        t.apply(torch.tensor([1]), torch.ones(1, 2))
+    t.apply(torch.tensor([1, 5]), torch.ones(2, 2))
+    after = t.pull(torch.arange(10))[0]
+    # Adam's first step moves a row by lr (m/(1-b1) = g, sqrt(v/(1-b2)) = |g|): row 5 took one step,
+    # row 1 four with the same gradient (each also lr), the others none.
+    assert torch.allclose(after[5], start[5] - 0.01, atol=1e-6)
+    assert torch.allclose(after[1], start[1] - 0.04, atol=1e-5)
+    assert torch.equal(after[[0, 2, 3, 4, 6, 7, 8, 9]], start[[0, 2, 3, 4, 6, 7, 8, 9]])
+    assert t.pull(torch.tensor([1, 5, 0]))[1].tolist() == [4, 4, 0]  # the table version of each row's last update
+
+
+def test_bad_ids_and_gradients_are_refused_by_name() -> None:
+    t = table(num_embeddings=100, index=1, shards=2)
+    with pytest.raises(InvalidRequestError, match="row id 100 is out of range \\[0, 100\\)"):
+        t.pull(torch.tensor([1, 100]))
+    with pytest.raises(InvalidRequestError, match="row id -1 is out of range"):
+        t.pull(torch.tensor([-1]))
+    with pytest.raises(InvalidRequestError, match="row ids must be a 1-D int64 tensor, got torch.float32"):
+        t.pull(torch.tensor([1.0]))
+    with pytest.raises(InvalidRequestError, match="row 4 lives on shard 0, not on shard 1"):
+        t.pull(torch.tensor([3, 4]))
+    with pytest.raises(InvalidRequestError, match="must be unique"):
+        t.apply(torch.tensor([3, 3]), torch.zeros(2, 4))
+    with pytest.raises(InvalidRequestError, match="gradients must be float32 \\[1, 4\\]"):
+        t.apply(torch.tensor([3]), torch.zeros(1, 5))
+    assert t.status("emb").rows_touched == 0  # nothing was made by a refused call
+    with pytest.raises(ConfigError, match="no row-wise form for sparse tables; valid: sgd, adagrad, adam"):
+        make_row_optimizer("rmsprop", JobSpec())
+
+
+def test_a_shard_with_a_sparse_table_checkpoints_and_restores_it_exactly(tmp_path: Path) -> None:
+    layout = make_layout(JobSpec(optimizer="adagrad", lr=0.1, num_shards=2, num_workers=1), index=1)
+    shard = Shard(ServerConfig())
+    shard.initialize(0, layout, weights_for(layout))
+    state = shard.core.state
+    assert state is not None
+    emb = state.add_sparse_table("emb", 4_000_001, 8, seed=3)
+    ids = torch.tensor([1, 3, 4_000_001 - 2, 77])
+    emb.apply(ids, torch.randn(4, 8))
+    status = {t.name: t for t in shard.status().tables}
+    assert status["emb"].kind == "sparse" and status["emb"].rows == 2_000_000 and status["emb"].rows_touched == 4
+    assert status["emb"].state_bytes == 4 * 8 * 4  # Adagrad's sums of the touched rows
+    path = checkpoint.save(shard.snapshot(), tmp_path)
+    restored = Shard(ServerConfig())
+    restored.restore(checkpoint.load(path))
+    back = restored.core.state.tables["emb"]  # type: ignore[union-attr]
+    assert isinstance(back, SparseTable) and back.version == 1 and back.touched == 4
+    probe = torch.tensor([77, 1, 5])  # two updated rows and one never touched
+    assert torch.equal(back.pull(probe)[0], emb.pull(probe)[0])
+    grads = torch.randn(2, 8)
+    emb.apply(torch.tensor([3, 9]), grads)
+    back.apply(torch.tensor([3, 9]), grads)  # the optimizer state came back too
+    assert torch.equal(back.pull(torch.tensor([3, 9]))[0], emb.pull(torch.tensor([3, 9]))[0])
