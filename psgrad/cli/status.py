@@ -88,8 +88,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
         tables = s.get("tables") or []
         if tables:
             lines.append(f"shard {s['shard']}: tables " + ", ".join(
-                f"{t['name']} ({t['kind']}, {t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state "
-                f"{t['state_bytes'] / 1e6:.1f} MB)" for t in tables))
+                f"{t['name']} ({t['kind']}, "
+                + (f"{t['rows_touched']:,} of {t['rows']:,} rows touched, " if t["kind"] == "sparse" else "")
+                + f"{t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state {t['state_bytes'] / 1e6:.1f} MB)"
+                for t in tables))
         dc = s.get("delay") or {}
         if s["spec"] and s["spec"].get("dc_asgd"):
             lines.append(f"shard {s['shard']}: DC-ASGD lambda {s['spec']['dc_asgd']:g}"

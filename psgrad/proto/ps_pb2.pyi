@@ -327,18 +327,22 @@ class StatusReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes")
+    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     numel: int
     nbytes: int
     state_bytes: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    rows: int
+    rows_touched: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ...) -> None: ...
 
 class PublishedStatus(_message.Message):
     __slots__ = ("slots", "nbytes", "leased", "copies", "leases", "pinned")

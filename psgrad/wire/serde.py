@@ -157,6 +157,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
-        tables=tuple(TableStatus(t.name, t.kind, t.numel, t.nbytes, t.state_bytes) for t in msg.tables),
+        tables=tuple(TableStatus(t.name, t.kind, t.numel, t.nbytes, t.state_bytes, t.rows, t.rows_touched)
+                     for t in msg.tables),
         params=tuple(params_from_proto(msg.params)),
     )

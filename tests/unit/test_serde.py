@@ -11,7 +11,7 @@ from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec
-from psgrad.core.status import ShardStatus, TransferStatus, WorkerStatus
+from psgrad.core.status import ShardStatus, TableStatus, TransferStatus, WorkerStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -244,6 +244,8 @@ def _status(initialized: bool = True) -> ShardStatus:
         staleness={0: 4, 3: 2},
         transfers=TransferStatus(1, 2, 3, True, 4, 5),
         params=(ParamSpec("fc.weight", (4, 3), "float32"), ParamSpec("fc.bias", (4,), "bfloat16")) if initialized else (),
+        tables=(TableStatus("dense", "dense", 16, 64, 64), TableStatus("emb", "sparse", 96, 384, 384, 500, 3))
+        if initialized else (),
     )
 
 
