@@ -58,6 +58,8 @@ def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, t
         if not dtype.is_floating_point:  # a counter buffer (num_batches_tracked) travels as float32
             values = values.round()
         state[p.name] = values.to(dtype).clone()
+        for alias in p.aliases:  # a tied weight: the state_dict names it under each module
+            state[alias] = state[p.name]
         offset += p.numel
     return state
 

@@ -2,6 +2,8 @@
 balanced ranges) and the job fingerprint; pure."""
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 from collections.abc import Sequence
@@ -22,6 +24,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str
     buffer: bool = False
+    #: the other names the model's state_dict has for the same tensor (tied weights: an LM's
+    #: output layer sharing the embedding); exports write the tensor under each of them too
+    aliases: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -36,8 +41,13 @@ def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
 
 
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
-    """The model's trainable parameters, in named_parameters() order."""
-    return [_spec(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    """The model's trainable parameters, in named_parameters() order, each with its other names
+    (a parameter tied to another module appears once, under its first name)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [dataclasses.replace(_spec(name, p), aliases=tuple(names[id(p)][1:]))
+            for name, p in model.named_parameters() if p.requires_grad]
 
 
 def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -108,7 +118,8 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
 def fingerprint(params: Sequence[ParamSpec], spec: JobSpec) -> str:
     """A hash of the parameter (and buffer) names, shapes, dtypes and the job spec (which includes S)."""
     doc = {
-        "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else [])] for p in params],
+        "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
+                    *(["aliases", *p.aliases] if p.aliases else [])] for p in params],
         "spec": spec.as_dict(),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

@@ -57,16 +57,18 @@ class JobSpec(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ..., dc_asgd: _Optional[float] = ..., dc_asgd_adaptive: _Optional[bool] = ..., backup_workers: _Optional[int] = ..., staleness_max: _Optional[int] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "buffer")
+    __slots__ = ("name", "shape", "dtype", "buffer", "aliases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     buffer: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")

@@ -258,7 +258,8 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot |
 def _layout_to_json(layout: Layout) -> dict[str, Any]:
     return {
         "spec": layout.spec.as_dict(),
-        "params": [[p.name, list(p.shape), p.dtype, *([True] if p.buffer else [])] for p in layout.params],
+        "params": [[p.name, list(p.shape), p.dtype, *([p.buffer, list(p.aliases)] if p.aliases else [True] if p.buffer else [])]
+                   for p in layout.params],
         "index": layout.index,
         "start": layout.start,
         "end": layout.end,
@@ -269,7 +270,8 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
 def _layout_from_json(d: dict[str, Any]) -> Layout:
     return Layout(
         spec=JobSpec(**d["spec"]),
-        params=tuple(ParamSpec(p[0], tuple(p[1]), p[2], bool(p[3:])) for p in d["params"]),
+        params=tuple(ParamSpec(p[0], tuple(p[1]), p[2], bool(p[3]) if p[3:] else False, tuple(p[4]) if p[4:] else ())
+                     for p in d["params"]),
         index=int(d["index"]),
         start=int(d["start"]),
         end=int(d["end"]),

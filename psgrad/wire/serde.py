@@ -73,11 +73,12 @@ def push_outcome_from_proto(msg: pb.PushReply) -> PushOutcome:
 
 
 def params_to_proto(params: Sequence[ParamSpec]) -> list[pb.ParamSpec]:
-    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype, buffer=p.buffer) for p in params]
+    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype, buffer=p.buffer, aliases=list(p.aliases))
+            for p in params]
 
 
 def params_from_proto(msgs: Sequence[pb.ParamSpec]) -> list[ParamSpec]:
-    return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer) for m in msgs]
+    return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer, tuple(m.aliases)) for m in msgs]
 
 
 def shard_range_to_proto(index: int, start: int, end: int) -> pb.ShardRange:

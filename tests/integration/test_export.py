@@ -217,3 +217,36 @@ def test_in_async_mode_each_shard_is_read_as_of_its_own_version(make_servers: An
         snap = psgrad.fetch_model(addresses, timeout_s=5)  # no waiting: no iteration spans the shards
     assert snap.versions == [1, 0] and not snap.consistent and snap.mode == "async"
     assert snap.state_dict["w"].tolist() == [-1.0] * (hi - lo) + [0.0] * (10 - hi + lo)
+
+
+def test_a_tied_weight_round_trips_under_each_of_its_names(make_servers: Any) -> None:
+    """An LM whose output layer shares the embedding's weight: the state_dict names the tensor twice,
+    the flat space holds it once; the export writes it under both names, so a strict load_state_dict
+    takes it."""
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.mix = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 20, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.mix(self.embed(x))))
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    addresses = [s.address for s in make_servers(2)]
+    with psgrad.connect(addresses, client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        x = torch.randint(0, 20, (16,))
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), x).backward()
+            opt.step()
+        state = psgrad.fetch_state_dict(addresses)
+    assert set(state) == set(model.state_dict()) and {"embed.weight", "head.weight"} <= set(state)
+    fresh = TiedLM()
+    fresh.load_state_dict(state)  # strict
+    assert torch.equal(fresh.head.weight, model.embed.weight.detach()) and fresh.head.weight is fresh.embed.weight
