@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -27,6 +27,7 @@ from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError,
 from psgrad.core.modes import AUTO_STALENESS_MAX, default_staleness, is_synchronous
 from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
+from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
@@ -151,7 +152,8 @@ class Session:
         except PsgradError:
             pass
 
-    def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True) -> PSOptimizer:
+    def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
+                  param_groups: Sequence[Mapping[str, Any]] | None = None) -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
         The chief (rank 0) initializes empty servers with the model's current weights. Put the
@@ -159,7 +161,10 @@ class Session:
         buffers psgrad owns. overlap=True pushes and pulls in the background while the next
         step computes (async and ssp only; see PSOptimizer). sync_buffers=True keeps the model's
         persistent buffers (BatchNorm running statistics) on the servers too, averaged over the
-        workers; False leaves each worker's own.
+        workers; False leaves each worker's own. param_groups: torch's list of {"params": [...],
+        "lr": ..., "weight_decay": ...} dicts (e.g. no weight decay on biases and norms); a group's
+        lr is kept as a fixed multiple of the job's (so a schedule scales every group alike), and
+        parameters in no group take the job's settings. Every worker must pass the same groups.
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
@@ -168,7 +173,7 @@ class Session:
             raise WorkerStateError("this session is closed; call psgrad.connect(...) again")
         if self._optimizer is not None:
             raise WorkerStateError("this session already has an optimizer: one model per job")
-        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers)
+        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups)
         return self._optimizer
 
     def leave(self) -> None:
@@ -218,7 +223,8 @@ class PSOptimizer(ScheduledOptimizer):
     older). Sync mode promises staleness 0, which leaves nothing to overlap, so it is refused.
     """
 
-    def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True) -> None:
+    def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
         spec = session.spec
         check_overlap(spec, overlap)
         self.session = session
@@ -227,7 +233,8 @@ class PSOptimizer(ScheduledOptimizer):
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not is_synchronous(spec.mode) and session.rank != 0)
-        self.params = param_specs(model) + (buffer_specs(model) if self.flat.buffers is not None else [])
+        self.params = with_groups(param_specs(model), model, param_groups, spec)
+        self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
         self._pool: futures.ThreadPoolExecutor | None = None

@@ -27,6 +27,10 @@ class ParamSpec:
     #: the other names the model's state_dict has for the same tensor (tied weights: an LM's
     #: output layer sharing the embedding); exports write the tensor under each of them too
     aliases: tuple[str, ...] = ()
+    #: its parameter group's settings (ps.optimizer(model, param_groups=...)): a multiplier of the
+    #: job's lr, and a weight decay of its own (None: the job's)
+    lr_scale: float = 1.0
+    weight_decay: float | None = None
 
     @property
     def numel(self) -> int:
@@ -119,7 +123,9 @@ def fingerprint(params: Sequence[ParamSpec], spec: JobSpec) -> str:
     """A hash of the parameter (and buffer) names, shapes, dtypes and the job spec (which includes S)."""
     doc = {
         "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
-                    *(["aliases", *p.aliases] if p.aliases else [])] for p in params],
+                    *(["aliases", *p.aliases] if p.aliases else []),
+                    *(["lr_scale", p.lr_scale] if p.lr_scale != 1.0 else []),
+                    *(["weight_decay", p.weight_decay] if p.weight_decay is not None else [])] for p in params],
         "spec": spec.as_dict(),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

@@ -57,18 +57,22 @@ class JobSpec(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ..., dc_asgd: _Optional[float] = ..., dc_asgd_adaptive: _Optional[bool] = ..., backup_workers: _Optional[int] = ..., staleness_max: _Optional[int] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "buffer", "aliases")
+    __slots__ = ("name", "shape", "dtype", "buffer", "aliases", "lr_scale", "weight_decay")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     buffer: bool
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    lr_scale: float
+    weight_decay: float
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., lr_scale: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")

@@ -258,8 +258,7 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot |
 def _layout_to_json(layout: Layout) -> dict[str, Any]:
     return {
         "spec": layout.spec.as_dict(),
-        "params": [[p.name, list(p.shape), p.dtype, *([p.buffer, list(p.aliases)] if p.aliases else [True] if p.buffer else [])]
-                   for p in layout.params],
+        "params": [_param_to_json(p) for p in layout.params],
         "index": layout.index,
         "start": layout.start,
         "end": layout.end,
@@ -270,10 +269,26 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
 def _layout_from_json(d: dict[str, Any]) -> Layout:
     return Layout(
         spec=JobSpec(**d["spec"]),
-        params=tuple(ParamSpec(p[0], tuple(p[1]), p[2], bool(p[3]) if p[3:] else False, tuple(p[4]) if p[4:] else ())
-                     for p in d["params"]),
+        params=tuple(_param_from_json(p) for p in d["params"]),
         index=int(d["index"]),
         start=int(d["start"]),
         end=int(d["end"]),
         fingerprint=str(d["fingerprint"]),
     )
+
+
+def _param_to_json(p: ParamSpec) -> Any:
+    """[name, shape, dtype] (+ [true] for a buffer), as the first format wrote it; with a group's
+    settings or aliases, all its fields by name."""
+    if not p.aliases and p.lr_scale == 1.0 and p.weight_decay is None:
+        return [p.name, list(p.shape), p.dtype, *([True] if p.buffer else [])]
+    return {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "buffer": p.buffer, "aliases": list(p.aliases),
+            "lr_scale": p.lr_scale, "weight_decay": p.weight_decay}
+
+
+def _param_from_json(p: Any) -> ParamSpec:
+    if isinstance(p, dict):
+        decay = p.get("weight_decay")
+        return ParamSpec(str(p["name"]), tuple(p["shape"]), str(p["dtype"]), bool(p.get("buffer", False)),
+                         tuple(p.get("aliases", ())), float(p.get("lr_scale", 1.0)), None if decay is None else float(decay))
+    return ParamSpec(p[0], tuple(p[1]), p[2], bool(p[3:]))

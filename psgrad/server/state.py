@@ -14,6 +14,7 @@ from psgrad.core.optimizers import ShardOptimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.core.optimizers.rows import make_row_optimizer
+from psgrad.core.optimizers.segments import segments_of
 from psgrad.server.tables import DENSE, DenseTable, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
@@ -119,7 +120,8 @@ class ShardState:
                 f"initial weights of shard {layout.index} must be {layout.numel} float32 values, "
                 f"got {weights.numel()} {weights.dtype}"
             )
-        tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable)}
+        segments = segments_of(layout.params, layout.start, layout.end)
+        tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable, segments)}
         return cls(layout, tables, membership)
 
     def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0) -> SparseTable:

@@ -6,6 +6,7 @@ updated row by row. Both answer the same interface: snapshot and restore, say wh
 calls them under its lock."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -16,6 +17,7 @@ from psgrad.core.optimizers import ShardOptimizer, UpdateRule, make_optimizer
 from psgrad.core import rows
 from psgrad.core.optimizers.base import axpy_checked
 from psgrad.core.optimizers.rows import RowOptimizer, RowState
+from psgrad.core.optimizers.segments import Segment, SegmentedOptimizer
 from psgrad.core.status import DelayStatus, TableStatus
 from psgrad.errors import InvalidRequestError
 from psgrad.server import kernels, transfers  # (they register the axpy paths)
@@ -70,11 +72,15 @@ class DenseTable:
 
     kind: ClassVar[str] = "dense"
 
-    def __init__(self, spec: JobSpec, weights: torch.Tensor, trainable: int) -> None:
+    def __init__(self, spec: JobSpec, weights: torch.Tensor, trainable: int,
+                 segments: Sequence[Segment] = ()) -> None:
         self.weights = weights
         self.trainable = trainable
         self.num_workers = spec.num_workers
-        self.optimizer = make_optimizer(spec, trainable)
+        # Parameter groups: an optimizer per segment of settings (one of the job's: the plain one).
+        grouped = [s for s in segments if not s.default]
+        self.optimizer: ShardOptimizer = (SegmentedOptimizer.build(spec, segments) if grouped
+                                          else make_optimizer(spec, trainable))
         self.dc = DelayCompensation.for_job(spec, trainable)  # DC-ASGD (None: off)
         #: staged updates: the optimizer's out-of-place rule, computed as a push arrives (see configure)
         self.rule: UpdateRule | None = None

@@ -73,12 +73,15 @@ def push_outcome_from_proto(msg: pb.PushReply) -> PushOutcome:
 
 
 def params_to_proto(params: Sequence[ParamSpec]) -> list[pb.ParamSpec]:
-    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype, buffer=p.buffer, aliases=list(p.aliases))
+    return [pb.ParamSpec(name=p.name, shape=list(p.shape), dtype=p.dtype, buffer=p.buffer, aliases=list(p.aliases),
+                         lr_scale=None if p.lr_scale == 1.0 else p.lr_scale, weight_decay=p.weight_decay)
             for p in params]
 
 
 def params_from_proto(msgs: Sequence[pb.ParamSpec]) -> list[ParamSpec]:
-    return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer, tuple(m.aliases)) for m in msgs]
+    return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer, tuple(m.aliases),
+                      m.lr_scale if m.HasField("lr_scale") else 1.0,
+                      m.weight_decay if m.HasField("weight_decay") else None) for m in msgs]
 
 
 def shard_range_to_proto(index: int, start: int, end: int) -> pb.ShardRange:
