@@ -14,7 +14,7 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.client import reconnect
-from psgrad.client.same_host import SameHostPath
+from psgrad.client.same_host import SameHost
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
@@ -35,7 +35,7 @@ from psgrad.wire.security import client_channels
 T = TypeVar("T")
 
 
-class ShardClient(SameHostPath):
+class ShardClient:
     """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
     the one in use stops answering). Methods raise PsgradError subclasses, never grpc.RpcError."""
 
@@ -47,11 +47,7 @@ class ShardClient(SameHostPath):
         self._channels: list[grpc.Channel] = []  # every one used; closed by close()
         self._bind_lock = threading.Lock()
         self._bind(self.addresses[0])
-        self._shm = config.shared_memory and shm.supported()
-        self._server_shm = False  # the server said at Join that it takes shared-memory payloads
-        self._segment: shm.AnySegment | None = None
-        self._segment_guard = threading.Lock()
-        self._init_same_host()
+        self.same = SameHost(self, usable=config.shared_memory and shm.supported())  # the same-host path
         # Set once this worker has joined: sends the same Join again (deadline in seconds), before
         # a call is retried after the shard stopped answering.
         self.rejoin: Callable[[float], object] | None = None
@@ -60,7 +56,20 @@ class ShardClient(SameHostPath):
     def same_host(self) -> bool:
         """Whether payloads go through shared memory (the server said at Join that it shares this
         host and takes segments, and this worker may use them), not gRPC frames."""
-        return self._shm and self._server_shm
+        return self.same.active
+
+    @property
+    def view(self) -> torch.Tensor | None:
+        """After a pull or step with published=True: the version the server lent (see SameHost)."""
+        return self.same.view
+
+    def lend_window(self, window: shm.Window) -> bool:
+        """Make `window` this shard's segment: pushes of it are read in place (see SameHost)."""
+        return self.same.lend_window(window)
+
+    def forget_ring(self) -> None:
+        """Map the server's ring afresh at its next lend (see SameHost)."""
+        self.same.forget_ring()
 
     def failover(self, failed: str) -> str | None:
         """The server at `failed` does not answer: use the shard's other server (if it has one and
@@ -102,10 +111,7 @@ class ShardClient(SameHostPath):
         self._step = ch.unary_unary(prefix + "Step", None, pb.StepReply.FromString)
 
     def close(self) -> None:
-        with self._segment_guard:
-            seg, self._segment = self._segment, None
-        if seg is not None:
-            seg.close()
+        self.same.close()
         for channel in self._channels:
             channel.close()
 
@@ -127,7 +133,7 @@ class ShardClient(SameHostPath):
         def run(t: float) -> pb.JoinReply:
             def attempt() -> pb.JoinReply:
                 reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
-                self._server_shm = shm.same_host_server(call.initial_metadata())
+                self.same.server_shm = shm.same_host_server(call.initial_metadata())
                 return reply
 
             return self._call("the join request", attempt, t, retry=False)
@@ -148,13 +154,13 @@ class ShardClient(SameHostPath):
     def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
         """Pull the shard's weights into dest (float32 slice of the flat space), or with published
         (same host) into `view` where the server lends a slot; returns their version."""
-        self.view = None
-        version = self._pull_shared(req, dest, wire, published)
+        self.same.view = None
+        version = self.same.pull(req, dest, wire, published)
         return version if version is not None else self.pull_frames(req, dest, wire)
 
     def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
         """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
-        reply = self._push_shared(header, payload)
+        reply = self.same.push(header, payload)
         return reply if reply is not None else self.push_frames(header, payload)
 
     # ----------------------------------------------------------------- through gRPC frames
@@ -163,7 +169,7 @@ class ShardClient(SameHostPath):
 
         def run() -> int:
             stream = self._pull(req, timeout=t)
-            header = self._pull_header(next(stream, None), dest, wire)
+            header = self.pull_header(next(stream, None), dest, wire)
             writer = PayloadWriter(wire.receive_view(dest), f"pull from {self.address}")
             write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {self.address}"))
             wire.finish_receive(dest)
@@ -226,12 +232,12 @@ class ShardClient(SameHostPath):
         finally:
             go.set()  # a call that failed before `ready` ends its request stream unsent
 
-    def _pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
+    def pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         if first is None:
             raise InvalidRequestError(f"server {self.address}: pull returned no header")
-        return self._check_pull_header(pb.PullFrame.FromString(first).header, dest, wire)
+        return self.check_pull_header(pb.PullFrame.FromString(first).header, dest, wire)
 
-    def _check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
+    def check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
         if header.numel != dest.numel() or header.dtype != wire.dtype_name:
             raise InvalidRequestError(
                 f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
@@ -249,10 +255,10 @@ class ShardClient(SameHostPath):
         pulled version; None when a Step call does not fit (a large payload to another host):
         then push and pull separately. Retries are safe (pushes are keyed).
         """
-        self.view = None
-        seg = self._take_segment(len(payload))
+        self.same.view = None
+        seg = self.same.take_segment(len(payload))
         if seg is not None:
-            return self._step_shared(seg, header, payload, dest, wire, published)
+            return self.same.step(seg, header, payload, dest, wire, published)
         if len(payload) > self.config.chunk_bytes:
             return None
         head = pb.StepRequest(push=header).SerializeToString()
@@ -260,7 +266,7 @@ class ShardClient(SameHostPath):
         t = self.config.rpc_timeout_s
 
         reply: pb.StepReply = self._call("the push and pull", lambda: self._step(request, timeout=t), t)
-        self._check_pull_header(reply.pull, dest, wire)
+        self.check_pull_header(reply.pull, dest, wire)
         data = memoryview(reply.data)
         if len(data) != wire.nbytes:
             raise InvalidRequestError(

@@ -25,7 +25,7 @@ from psgrad.server.runtime import start_server
 pytestmark = pytest.mark.timeout(120)
 
 # The worker's calls that ship a push (gRPC frames, the combined Step call, a same-host segment).
-PUSH_CALLS = {"push", "push_frames", "_gated", "_push_shared", "step", "_step_shared"}
+PUSH_CALLS = {"push", "push_frames", "_gated", "step"}
 # Where a worker's stack touches the gradient (gathered into the flat buffer, handed to the wire), and
 # a server's (received into a buffer, staged, applied), on the way of a push.
 WORKER_SINKS = ("psgrad.worker.flat", "psgrad.wire.frames", "psgrad.wire.shm", "psgrad.wire.published")
