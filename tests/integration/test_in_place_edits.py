@@ -22,11 +22,11 @@ from psgrad.config import ClientConfig, ServerConfig
 from psgrad.errors import ConfigError
 from psgrad.server.runtime import start_server
 
-shared_memory, edit = sys.argv[1] == "1", sys.argv[2]
+shared_memory, edit, device = sys.argv[1] == "1", sys.argv[2], sys.argv[3]
 server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
-x = torch.randn(16, 8)
+model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)).to(device)
+x = torch.randn(16, 8, device=device)
 with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
     opt = ps.optimizer(model)
     def step():
@@ -53,14 +53,16 @@ server.stop(0)
 """
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
+@pytest.mark.parametrize("shared_memory, device", [(True, "cpu"), (False, "cpu"), pytest.param(True, "cuda", marks=pytest.mark.cuda)],
+                         ids=["same-host", "grpc", "cuda"])
 @pytest.mark.parametrize("edit", ["load_state_dict", "nn.init"])
-def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, edit: str) -> None:
-    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", edit],
+def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, device: str, edit: str) -> None:
+    """(On CUDA the parameters are the worker's own device memory: the pulled weights are copied in.)"""
+    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", edit, device],
                          capture_output=True, text=True, timeout=100, cwd=REPO)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
     lines = res.stdout.splitlines()
-    assert lines[0] == ("path lent" if shared_memory else "path copied"), lines
+    assert lines[0] == ("path lent" if shared_memory and device == "cpu" else "path copied"), lines
     assert lines[1] == "edited"
     assert lines[2].startswith("refused: parameter '") and "changed in place after ps.optimizer(model)" in lines[2], lines
     assert "'2.weight'" in lines[2] or edit == "load_state_dict", lines[2]
