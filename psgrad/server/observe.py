@@ -37,9 +37,8 @@ def staleness_buckets(hist: dict[int, int]) -> tuple[list[tuple[str, float]], in
 class ShardCollector:
     """The shard's counters and gauges, read from one status snapshot per scrape."""
 
-    def __init__(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
+    def __init__(self, status: Callable[[], ShardStatus]) -> None:
         self._status = status
-        self._checkpoint_age_s = checkpoint_age_s
 
     def describe(self) -> list[Any]:
         return []  # collected at scrape time only (the shard's index is known once initialized)
@@ -110,9 +109,14 @@ class ShardCollector:
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
         h.add_metric(shard, buckets, total)
         yield h
-        age = self._checkpoint_age_s()
-        if age is not None:
-            yield gauge("psgrad_checkpoint_age_seconds", "seconds since the newest checkpoint was written", age)
+        ckpt = s.checkpoint
+        if ckpt.age_s >= 0:
+            yield gauge("psgrad_checkpoint_age_seconds", "seconds since the newest checkpoint was written", ckpt.age_s)
+        if ckpt.enabled:
+            yield counter("psgrad_checkpoint_failures", "checkpoint writes that failed (a full disk, ...; each "
+                          "retried at the next interval)", ckpt.failures)
+            yield gauge("psgrad_checkpoint_failing", "1 while the latest checkpoint write failed (psgrad status shows "
+                        "why)", float(ckpt.failing))
 
 
 class RpcMetrics(grpc.ServerInterceptor):
@@ -188,8 +192,8 @@ class Observability:
         self._http: Any = None
         self.metrics_address = ""
 
-    def watch(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
-        self.registry.register(ShardCollector(status, checkpoint_age_s))
+    def watch(self, status: Callable[[], ShardStatus]) -> None:
+        self.registry.register(ShardCollector(status))
 
     def add_services(self, server: grpc.Server) -> None:
         """The standard health service (NOT_SERVING until the shard serves a job) and reflection."""

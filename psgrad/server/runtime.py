@@ -181,7 +181,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
-    obs.watch(shard.status, lambda: None if checkpointer is None else checkpointer.age_s())
+    obs.watch(shard.status)
     shard.watch_serving(obs.set_serving)  # health: SERVING while the shard holds a job's state
     shard.on_gate_wait = obs.gate_wait.observe
     host = config.host

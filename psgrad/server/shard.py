@@ -14,7 +14,7 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
 from psgrad.core.layout import Layout, explain_mismatch
-from psgrad.core.status import DelayStatus, PublishedStatus, ShardStatus
+from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus
 from psgrad.errors import JobMismatchError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
@@ -48,6 +48,8 @@ class Shard:
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
         #: the same-host published versions' status (the servicer's Publisher, once it has one)
         self.published_status: Callable[[], PublishedStatus] = PublishedStatus
+        #: the server's checkpoints (its Checkpointer's status, once it has one)
+        self.checkpoint_status: Callable[[], CheckpointStatus] = CheckpointStatus
         # The collaborators' calls, as the shard's own.
         self.push_target = self.pushes.push_target
         self.apply_push = self.pushes.apply_push
@@ -369,4 +371,5 @@ class Shard:
                 delay=state.dense.delay_status() if state else DelayStatus(),
                 published=self.published_status(),
                 tables=tuple(t.status(name) for name, t in state.tables.items()) if state else (),
+                checkpoint=self.checkpoint_status(),
             )

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import health, run_in_threads, scrape
-from psgrad.client.parameter_client import ParameterClient
+from conftest import SmallDisk, health, run_in_threads, scrape
+from psgrad.cli.status import format_status
+from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import JobMismatchError, NonFiniteGradientError
+from psgrad.server import checkpoint
 from psgrad.server.runtime import RunningServer, start_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,6 +91,48 @@ def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
     shard = (("shard", "0"),)
     assert m[("psgrad_shard_initialized", shard)] == 1 and m[("psgrad_shard_version", shard)] == 3
     assert 0 <= m[("psgrad_checkpoint_age_seconds", shard)] < 60
+
+
+def poll(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll predicate until it holds (a server thread does the work); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_full_disk_never_ends_checkpointing_and_each_failure_is_reported_until_space_returns(
+    servers: Callable[..., RunningServer], small_disk: SmallDisk,
+) -> None:
+    # safetensors' own error killed the checkpoint thread: nothing was written again after the disk
+    # had space, and a later restart restored a stale state without a word anywhere.
+    directory = small_disk.path / "ckpt"
+    server = servers(checkpoint_dir=str(directory), checkpoint_every_s=0.1)
+    shard = (("shard", "0"),)
+    with client(server.address) as c:
+        c.join(lambda: torch.zeros(NUMEL))
+        c.push(torch.ones(NUMEL), 0)
+        poll("the first checkpoint", lambda: checkpoint.versions(directory)[:1] == [1])
+        small_disk.fill()
+        for clock in (1, 2):
+            c.push(torch.ones(NUMEL), clock)
+        poll("two failed writes", lambda: shard_status([server.address], 5)[0].checkpoint.failures >= 2)
+        status = shard_status([server.address], 5)[0]
+        m = scrape(server.metrics_url)
+        text = format_status([dict(status.to_dict(), address=server.address)])
+        print(f"disk full:\n{text}")
+        assert status.checkpoint.failing and status.checkpoint.version == 1 and status.version == 3
+        assert "No space left on device" in status.checkpoint.last_error
+        assert m[("psgrad_checkpoint_failures_total", shard)] >= 2 and m[("psgrad_checkpoint_failing", shard)] == 1
+        assert "shard 0: last checkpoint: version 1, " in text and "FAILING now" in text
+        small_disk.free()
+        poll("a checkpoint of version 3 once the disk has space", lambda: checkpoint.versions(directory)[:1] == [3])
+        c.push(torch.ones(NUMEL), 3)  # the shard served on all along
+    poll("the status to say so", lambda: not shard_status([server.address], 5)[0].checkpoint.failing)
+    recovered = shard_status([server.address], 5)[0].checkpoint
+    print(f"disk freed: {recovered}")
+    assert recovered.version >= 3 and recovered.writes >= 2
+    assert scrape(server.metrics_url)[("psgrad_checkpoint_failing", shard)] == 0
 
 
 def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningServer]) -> None:
