@@ -200,6 +200,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     replication = shard.replication = Replication(
         reachable, config.chunk_bytes, config.replica_timeout_s, warn, channels
     )
+    replication.note = note
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
     replication.on_dropped = lambda backup, epoch: threading.Thread(
         target=send_fence, args=(backup, epoch, True, channels), name="psgrad-drop", daemon=True
