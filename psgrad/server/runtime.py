@@ -181,9 +181,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
-    obs.watch(shard.status)
+    obs.watch(shard.status, lambda: "" if shard.layout is None else str(shard.layout.index))
     shard.watch_serving(obs.set_serving)  # health: SERVING while the shard holds a job's state
-    shard.on_gate_wait = obs.gate_wait.observe
+    shard.on_gate_wait = obs.observe_gate_wait
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"

@@ -4,6 +4,7 @@ TensorBoard event files."""
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import pty
@@ -39,6 +40,10 @@ def exported(url: str) -> set[str]:
     return {n for n in re.findall(r"^# TYPE (\S+) ", text, re.M) if not n.endswith("_created")}
 
 
+PROCESS_METRICS = {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+                   "process_open_fds", "process_max_fds", "process_start_time_seconds"}
+
+
 def scrape_until(url: str, what: str, ready: Callable[[dict[Any, float]], bool], timeout_s: float = 30.0) -> dict[Any, float]:
     """Scrape url until ready(samples) holds (an HTTP endpoint tells nobody when it changes)."""
     deadline = time.monotonic() + timeout_s
@@ -52,7 +57,7 @@ def readme_metric_names() -> set[str]:
     """The metric names README's "Watching a job" section documents (query suffixes dropped)."""
     text = (Path(REPO) / "README.md").read_text()
     section = text[text.index("### Watching a job"):text.index("### Bad input")]
-    names = set(re.findall(r"`(psgrad_[a-z_]+)", section))
+    names = set(re.findall(r"`((?:psgrad|process)_[a-z_]+)", section))
     return {n for n in names if not (n.endswith(("_bucket", "_count", "_sum")) and n.rsplit("_", 1)[0] in names)}
 
 
@@ -211,7 +216,13 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
         scrape_until(worker_url, "an evaluation", lambda m: any(k[0] == "psgrad_worker_evaluation" for k in m))
         names = exported(url) | exported(worker_url)
         assert names == readme_metric_names(), (names ^ readme_metric_names())
-        assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names)
+        assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names - PROCESS_METRICS)
+        # Both processes say what they cost (CPU, memory, descriptors) and which build they run.
+        assert PROCESS_METRICS <= exported(url) and PROCESS_METRICS <= exported(worker_url)
+        for m in (scrape(url), scrape(worker_url)):
+            assert m[("process_cpu_seconds_total", ())] > 0 and m[("process_open_fds", ())] > 0
+            (build,) = [dict(labels) for name, labels in m if name == "psgrad_build_info"]
+            assert build["version"] == importlib.metadata.version("psgrad"), build
     finally:
         if view.poll() is None:
             view.kill()

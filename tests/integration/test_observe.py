@@ -62,15 +62,18 @@ def test_refusals_are_counted_by_reason_and_every_call_is_timed(servers: Callabl
         other.join(None)  # another job's worker
     m = scrape(server.metrics_url)
     refused = {labels: v for (name, labels), v in m.items() if name == "psgrad_rpc_refused_total"}
-    assert refused == {(("method", "Push"), ("reason", "NonFiniteGradientError")): 1.0,
-                       (("method", "Join"), ("reason", "JobMismatchError")): 1.0}, refused
+    assert refused == {(("method", "Push"), ("reason", "NonFiniteGradientError"), ("shard", "0")): 1.0,
+                       (("method", "Join"), ("reason", "JobMismatchError"), ("shard", "0")): 1.0}, refused
     shard = (("shard", "0"),)
     assert m[("psgrad_pushes_rejected_total", shard)] == 1 and m[("psgrad_pushes_applied_total", shard)] == 2
-    calls = {labels[0][1]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
+    calls = {dict(labels)["method"]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
     assert calls["Push"] == 2 and calls["Pull"] == 1 and calls["Step"] == 1 and calls["Init"] == 1, calls
     for method in ("Push", "Pull", "Step"):  # latency histograms: every call falls in the +Inf bucket
-        assert m[("psgrad_rpc_duration_seconds_bucket", (("le", "+Inf"), ("method", method)))] == calls[method]
-        assert m[("psgrad_rpc_duration_seconds_sum", (("method", method),))] > 0
+        labels = (("le", "+Inf"), ("method", method), ("shard", "0"))
+        assert m[("psgrad_rpc_duration_seconds_bucket", labels)] == calls[method]
+        assert m[("psgrad_rpc_duration_seconds_sum", (("method", method), ("shard", "0")))] > 0
+    # The calls before the chief's init have no shard yet.
+    assert m[("psgrad_rpc_duration_seconds_count", (("method", "Join"), ("shard", "")))] >= 1
 
 
 def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
@@ -149,4 +152,5 @@ def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningS
         parked.join(10)
         assert not parked.is_alive()
     m = scrape(server.metrics_url)
-    assert m[("psgrad_gate_wait_seconds_count", ())] == 1 and m[("psgrad_gate_wait_seconds_sum", ())] > 0
+    shard = (("shard", "0"),)
+    assert m[("psgrad_gate_wait_seconds_count", shard)] == 1 and m[("psgrad_gate_wait_seconds_sum", shard)] > 0
