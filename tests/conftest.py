@@ -276,3 +276,48 @@ def note_first_sleep(monkeypatch: pytest.MonkeyPatch, module: Any) -> threading.
 
     monkeypatch.setattr(module, "time", Clock)
     return slept
+
+
+class SmallDisk:
+    """A 2 MB tmpfs mounted at `path`: fill() takes its last free byte, free() gives the space back."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+        self._filler = path / ".filler"
+
+    def fill(self) -> None:
+        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            chunk = b"\0" * 4096
+            while True:
+                try:
+                    os.write(fd, chunk)
+                except OSError:  # ENOSPC: the disk is full
+                    if len(chunk) == 1:
+                        break
+                    chunk = chunk[: len(chunk) // 2]
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self._filler.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Any) -> Iterator[SmallDisk]:
+    """A 2 MB tmpfs (mount needs root: the test is skipped, with the reason, where it cannot mount),
+    unmounted at teardown."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {res.stderr.strip()}")
+    try:
+        yield SmallDisk(mount)
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)

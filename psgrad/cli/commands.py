@@ -109,6 +109,14 @@ def ops_argv(ns: argparse.Namespace, worker: bool) -> list[str]:
     return argv
 
 
+def server_metrics_argv(ns: argparse.Namespace, index: int) -> list[str]:
+    """`launch --metrics-port P`: server `index`'s own endpoint, after the workers' P..P+W-1: P + W +
+    index (backups: index num_servers + i); with P = 0, a free port each (printed)."""
+    if ns.metrics_port is None:
+        return []
+    return ["--metrics-port", str(ns.metrics_port + ns.num_workers + index if ns.metrics_port else 0)]
+
+
 def worker_exporters(ns: argparse.Namespace, rank: int, steps: int, log: logging.Logger) -> list[Exporter]:
     """The worker's Prometheus endpoint, TensorBoard writer and progress bar, as its flags ask."""
     from psgrad.metrics import exporters
@@ -218,6 +226,12 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True), *(keys.worker_argv(rank) if keys else [])]
 
     check_ops_args(ns)
+    if ns.metrics_port:  # the workers' ports, then the servers' (and their backups')
+        last = ns.metrics_port + ns.num_workers + ns.num_servers * (1 + ns.replicas) - 1
+        if last > 65535:
+            raise ConfigError(f"--metrics-port {ns.metrics_port}: the workers and servers would need ports up to "
+                              f"{last} (P .. P + num_workers + num_servers{' x 2' if ns.replicas else ''} - 1), "
+                              "past 65535: give a lower port")
     if ray is not None and ns.security != "off":
         raise ConfigError("--tls and --tokens work with --backend local only for now (the credential files would have "
                           "to reach every node); on a Ray cluster you trust, give --insecure")
@@ -243,9 +257,12 @@ def cmd_launch(ns: argparse.Namespace) -> int:
                         "--checkpoint-every-versions", str(ns.checkpoint_every_versions)]
 
     def shard_args(index: int) -> list[str]:
-        if ns.checkpoint_dir is None:
-            return server_args
-        return [*server_args, "--checkpoint-dir", str(jobdir.shard_dir(Path(ns.checkpoint_dir), index))]
+        """Server `index`'s flags (index num_servers + i: server i's backup): its metrics port after the
+        workers' (P + num_workers + index), its checkpoint directory."""
+        own = [*server_args, *server_metrics_argv(ns, index)]
+        if ns.checkpoint_dir is None or index >= ns.num_servers:
+            return own
+        return [*own, "--checkpoint-dir", str(jobdir.shard_dir(Path(ns.checkpoint_dir), index))]
     env = dict(os.environ)
     if ns.omp_threads:
         env["OMP_NUM_THREADS"] = str(ns.omp_threads)

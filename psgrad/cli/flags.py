@@ -260,7 +260,8 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
          "naming it; raise it if servers take longer to come back, 0 fails at once", type=float)
     w.add_argument("--metrics-port", type=int, metavar="PORT", help="serve this worker's Prometheus metrics "
                    "(steps, step-phase times, loss, lr, staleness, evaluations) at http://--metrics-host:PORT+RANK/"
-                   "metrics; 0 picks a free port (printed). Default: none")
+                   "metrics (psgrad launch: server I at PORT+NUM_WORKERS+I, backups after them); 0 picks a free port "
+                   "(printed). Default: none")
     flag(w, "--metrics-host", "127.0.0.1", "address the worker's metrics endpoint binds (0.0.0.0: every interface)")
     w.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard scalars (loss, lr, staleness, step "
                    "time, evaluations) under DIR/workerRANK (needs: pip install 'psgrad[tensorboard]')")

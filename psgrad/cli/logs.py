@@ -12,9 +12,26 @@ FORMATS = ("text", "json")
 _PREFIX = {"psgrad.server": "psgrad server: ", "psgrad.run": "psgrad run: "}  # text lines as they always read; workers' carry their rank
 
 
+def _utc(record: logging.LogRecord) -> str:
+    """The record's time, UTC, ISO 8601 to the millisecond: 2026-11-25T14:03:07.412Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
 class TextFormatter(logging.Formatter):
+    """Readable lines: the message after its logger's prefix (`psgrad server: ...`); `stamped` (a
+    server's log) puts the time and the level first: `2026-11-25T14:03:07.412Z INFO psgrad server: ...`."""
+
+    def __init__(self, stamped: bool = False) -> None:
+        super().__init__()
+        self.stamped = stamped
+
     def format(self, record: logging.LogRecord) -> str:
-        return _PREFIX.get(record.name, "") + record.getMessage()
+        line = _PREFIX.get(record.name, "") + record.getMessage()
+        if self.stamped:
+            line = f"{_utc(record)} {record.levelname} {line}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -22,7 +39,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": _utc(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -42,14 +59,15 @@ class _Below(logging.Filter):
         return record.levelno < self.level
 
 
-def configure(level: str = "info", fmt: str = "text") -> None:
-    """Send the `psgrad` loggers' records at `level` and above to stdout (below warning) and stderr."""
+def configure(level: str = "info", fmt: str = "text", stamped: bool = False) -> None:
+    """Send the `psgrad` loggers' records at `level` and above to stdout (below warning) and stderr;
+    `stamped` text lines start with their time and level (servers: their log is read after the fact)."""
     if level not in LEVELS or fmt not in FORMATS:
         raise ValueError(f"log level must be one of {LEVELS} and format one of {FORMATS}")
     root = logging.getLogger("psgrad")
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    formatter: logging.Formatter = JsonFormatter() if fmt == "json" else TextFormatter()
+    formatter: logging.Formatter = JsonFormatter() if fmt == "json" else TextFormatter(stamped)
     out = logging.StreamHandler(sys.stdout)
     out.addFilter(_Below(logging.WARNING))
     err = logging.StreamHandler(sys.stderr)

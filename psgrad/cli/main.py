@@ -40,7 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     ns.raw_argv = list(argv) if argv is not None else sys.argv[1:]
     func: Callable[[argparse.Namespace], int] = ns.func
-    logs.configure(ns.log_level, ns.log_format)
+    # A server's lines carry their time and level (`psgrad run` may be one); a worker's and the
+    # launcher's console stay as they read.
+    logs.configure(ns.log_level, ns.log_format, stamped=ns.command in ("server", "run"))
     try:
         if ns.command == "launch" and ns.resume is not None:
             ns = resumed_launch(parser, ns)

@@ -103,6 +103,9 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: same-host published versions: {pub['leased']} of {pub['slots']} slots "
                          f"leased ({pub['nbytes'] / 1e6:.1f} MB in /dev/shm), {pub['copies']} versions published, "
                          f"{pub['leases']} pulls served from them, {pub['pinned']} pushes checked as applied")
+        ckpt = s.get("checkpoint") or {}
+        if ckpt.get("enabled"):
+            lines.append(f"shard {s['shard']}: {checkpoint_phrase(ckpt)}")
         if s["updates_lost"]:
             lines.append(f"shard {s['shard']}: {s['updates_lost']} updates lost to a restart from a checkpoint")
         if s.get("job_lr_clock", -1) >= 0:
@@ -115,6 +118,18 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: adaptive staleness bound now {s['staleness_bound']}")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
+
+
+def checkpoint_phrase(ckpt: dict[str, Any]) -> str:
+    """'last checkpoint: version 120, 3.2 s ago; ...' with its failed writes and the last error."""
+    newest = (f"version {ckpt['version']}, {ckpt['age_s']:.1f} s ago" if ckpt.get("version", -1) >= 0
+              else "none written yet")
+    text = f"last checkpoint: {newest}"
+    if ckpt.get("failures"):
+        state = "FAILING now" if ckpt.get("failing") else "written again since"
+        text += (f"; {ckpt['failures']} writes failed ({state}), the last {ckpt['error_age_s']:.0f} s ago: "
+                 f"{ckpt['last_error']}")
+    return text
 
 
 def percentile(hist: dict[Any, int], q: float) -> int | None:

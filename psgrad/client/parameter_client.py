@@ -352,8 +352,9 @@ class ParameterClient:
             if not common:
                 have = "; ".join(f"{s.address}: {sorted(p, reverse=True)}" for s, p in zip(self.shards, points))
                 raise errors.CheckpointError(
-                    f"no iteration that every shard can return to ({have}): give every server a "
-                    "--checkpoint-dir and the same --checkpoint-every-versions"
+                    f"no iteration that every shard can return to ({have}): every server needs a "
+                    "--checkpoint-dir and the same --checkpoint-every-versions, and checkpoints that were written "
+                    "(psgrad status shows each server's last checkpoint and why its writes failed, e.g. a full disk)"
                 )
             target = max(common)
             execute = pb.RollbackRequest(rank=self.rank, fingerprint=self.fingerprint, version=target, execute=True)

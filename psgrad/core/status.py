@@ -84,6 +84,20 @@ class PublishedStatus:
 
 
 @dataclass(frozen=True)
+class CheckpointStatus:
+    """A server's checkpoints (all defaults: it writes none, no --checkpoint-dir)."""
+
+    enabled: bool = False  # the server writes checkpoints (--checkpoint-dir)
+    version: int = -1  # the newest checkpoint written, or restored at the start (-1: none yet)
+    age_s: float = -1.0  # seconds since that checkpoint was written (-1: none yet)
+    writes: int = 0  # checkpoints this server wrote
+    failures: int = 0  # writes that failed (each retried at the next interval)
+    failing: bool = False  # the latest write failed: the newest checkpoint is older than the shard
+    last_error: str = ""  # why the latest failed write failed ("" if none ever failed)
+    error_age_s: float = -1.0  # seconds since that failure (-1: none)
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """A consistent snapshot of one shard: its range and job, counters, members, staleness."""
 
@@ -118,6 +132,7 @@ class ShardStatus:
     delay: DelayStatus = field(default_factory=DelayStatus)
     published: PublishedStatus = field(default_factory=PublishedStatus)
     tables: tuple[TableStatus, ...] = ()  # what the shard holds, table by table
+    checkpoint: CheckpointStatus = field(default_factory=CheckpointStatus)
 
     @property
     def numel(self) -> int:
@@ -176,6 +191,7 @@ class ShardStatus:
             "replica": dataclasses.asdict(self.replica),
             "delay": dataclasses.asdict(self.delay),
             "published": dataclasses.asdict(self.published),
+            "checkpoint": dataclasses.asdict(self.checkpoint),
             "missing_at_start": list(self.missing_at_start),
         }
 

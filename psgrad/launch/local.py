@@ -81,7 +81,7 @@ def run_launch(
     """Start servers, then workers; wait for the workers; stop everything. Returns an exit code.
 
     server_args: every server's flags after `psgrad server --host 127.0.0.1 --port 0`, or a function
-    of the server's index giving them. worker_args(rank, servers) gives each worker's argv after
+    of the server's index giving them (the backup of server i, with replicas, is index num_servers + i). worker_args(rank, servers) gives each worker's argv after
     `psgrad WORKER_COMMAND` (servers is
     "" when num_servers is 0, e.g. for the all-reduce baseline). If a worker fails,
     or a server exits early, every other child is stopped and 1 is returned. Ctrl-C / SIGTERM stop
@@ -108,7 +108,7 @@ def run_launch(
         addresses = _await_servers(events, server_names, start_timeout_s)
         if replicas:
             for i, name in enumerate(server_names):
-                own = _without_checkpoints(server_args(i) if callable(server_args) else server_args)
+                own = _without_checkpoints(server_args(num_servers + i) if callable(server_args) else server_args)
                 argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own,
                                       "--replica-of", addresses[name])
                 children.append(_start(f"{name}-backup", argv, env, log, events))

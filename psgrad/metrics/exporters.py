@@ -39,6 +39,22 @@ class _Histogram:
         return [*((str(b), float(n)) for b, n in zip(self.bounds, cumulative)), ("+Inf", float(cumulative[-1]))], total
 
 
+def build_labels() -> dict[str, str]:
+    """What runs: psgrad's version (the installed distribution's), Python's, grpcio's and torch's
+    (a server says the same: psgrad.server.observe.build_labels)."""
+    import importlib.metadata
+    import platform
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # (psgrad run from a checkout never installed)
+            return "unknown"
+
+    return {"version": version("psgrad"), "python": platform.python_version(), "grpcio": version("grpcio"),
+            "torch": version("torch")}
+
+
 class PrometheusExporter:
     """A worker's /metrics: steps, step/compute/exchange/wait time histograms, loss, lr, clock,
     staleness of its pushes and its latest evaluation, labelled with its rank.
@@ -47,7 +63,7 @@ class PrometheusExporter:
     scrapes (prometheus_client's own metrics take a lock per update: several times the cost)."""
 
     def __init__(self, rank: int, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, ProcessCollector
         from prometheus_client.exposition import start_http_server
 
         self.rank = str(rank)
@@ -58,6 +74,9 @@ class PrometheusExporter:
         self.staleness = _Histogram(STALENESS_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)  # a collector: collect() below
+        # The process's CPU seconds, memory, open and allowed descriptors (process_*, Linux).
+        ProcessCollector(registry=self.registry)
+        self._build = build_labels()
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self._http.server_address[1]}/metrics"
@@ -86,6 +105,10 @@ class PrometheusExporter:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         rank = [self.rank]
+        info = GaugeMetricFamily("psgrad_build_info", "the psgrad build running (always 1), by version",
+                                 labels=list(self._build))
+        info.add_metric(list(self._build.values()), 1.0)
+        yield info
         steps = CounterMetricFamily("psgrad_worker_steps", "training steps completed", labels=["rank"])
         steps.add_metric(rank, self.steps)
         yield steps

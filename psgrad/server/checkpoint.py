@@ -74,26 +74,46 @@ def save(snap: ShardSnapshot, directory: Path, keep: int = KEEP) -> Path:
     manifest naming its checksum, each appear only complete (renamed into place after fsync).
 
     Raises:
-        CheckpointError: the directory or a file cannot be written.
+        CheckpointError: the directory or a file cannot be written (a full disk, no permission, ...);
+            the temporary files are removed, and the previous checkpoints are left as they were.
     """
     stem = _stem(snap.version)
     tensors, manifest = _parts(snap)
+    data, tmp = directory / f"{stem}.safetensors", directory / f".{stem}.safetensors.tmp"
+    tmp_manifest, path = directory / f".{stem}.json.tmp", directory / f"{stem}.json"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        data, tmp = directory / f"{stem}.safetensors", directory / f".{stem}.safetensors.tmp"
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp))  # (raises SafetensorError, not OSError, when a write fails)
         _fsync_file(tmp)
         os.replace(tmp, data)
         manifest["tensors"] = {"file": data.name, "sha256": _sha256(data), "names": sorted(tensors)}
-        tmp_manifest = directory / f".{stem}.json.tmp"
         _fsync_write(tmp_manifest, json.dumps(manifest, indent=1).encode())
-        path = directory / f"{stem}.json"
         os.replace(tmp_manifest, path)
         _fsync_dir(directory)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write a checkpoint into {directory}: {exc}") from None
-    _prune(directory, keep)
+    except (OSError, SafetensorError) as exc:
+        _discard(tmp, tmp_manifest, *(() if path.exists() else (data,)))
+        raise CheckpointError(f"cannot write a checkpoint into {directory}: {_reason(exc)}") from None
+    try:
+        _prune(directory, keep)
+    except OSError:  # written all the same; the next checkpoint prunes again
+        pass
     return path
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, said once (safetensors wraps the OS error in its own message)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} (errno {exc.errno}{f', {exc.filename}' if exc.filename else ''})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _discard(*paths: Path) -> None:
+    """Remove what a failed write left (best effort: the disk may refuse this too)."""
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _parts(snap: ShardSnapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

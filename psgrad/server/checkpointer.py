@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from psgrad.core.policies import policy_for
+from psgrad.core.status import CheckpointStatus
 from psgrad.errors import CheckpointError, NotInitializedError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
@@ -34,31 +35,47 @@ class Checkpointer:
 
     In sync mode only the snapshots the shard hands over are written (the initial one and every
     K-th iteration, the same iterations on every shard), so that a roll-back finds the iteration
-    it returns to on every shard; a time-based or final one would be this shard's alone."""
+    it returns to on every shard; a time-based or final one would be this shard's alone.
+
+    A write that fails (a full disk, a directory gone read-only) is never fatal: the shard keeps
+    serving, the failure is logged once with its reason (and again when a checkpoint is written
+    after all), counted in the shard's status, and retried every `every_s` seconds: with a fresh
+    snapshot where time-based checkpoints are taken, else (sync) with the failed snapshot itself,
+    which a roll-back can still use meanwhile."""
 
     def __init__(
-        self, shard: Shard, directory: Path, every_s: float, every_versions: int, warn: Callable[[str], None] = warn
+        self, shard: Shard, directory: Path, every_s: float, every_versions: int, warn: Callable[[str], None] = warn,
+        note: Callable[[str], None] = note,
     ) -> None:
         self._shard = shard
         self.directory = directory
         self._every_s = every_s
         self._warn = warn
+        self._note = note
         self._cond = threading.Condition()
         self._offered: ShardSnapshot | None = None  # the newest snapshot the shard handed over
         self._writing: ShardSnapshot | None = None  # the one being written now
+        self._retry: ShardSnapshot | None = None  # a handed-over snapshot whose write failed
         self._stopping = False
         self._every_versions = every_versions
         self._warned_sync = False
         self.written_version = -1
         self.writes = 0
+        self.failures = 0  # writes that failed
+        self.last_error = ""  # why the latest failed write failed
+        self._failing_since: float | None = None  # time.time() of the first failure of the current run of them
+        self._error_at: float | None = None  # time.time() of the latest failure
         self.last_write_s = 0.0  # how long the last write took
         self._written_at: float | None = None  # time.time() of the newest write (or of the restored one)
+        self._newest = -1  # the version of that checkpoint
         if shard.layout is not None:  # restored from this directory: its checkpoint is the newest
+            self._newest = shard.version
             try:
                 self._written_at = checkpoint.manifest_of(directory, shard.version).stat().st_mtime
             except OSError:
                 pass
         shard.snapshot_at_multiples(every_versions, self.offer)
+        shard.checkpoint_status = self.status
         self._thread = threading.Thread(target=self._loop, name="psgrad-checkpointer", daemon=True)
 
     def start(self) -> None:
@@ -82,9 +99,12 @@ class Checkpointer:
                 while self._offered is None and not self._stopping and time.monotonic() < deadline:
                     self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
                 snap, self._offered, stopping = self._offered, None, self._stopping
+                due = snap is None and (stopping or time.monotonic() >= deadline)
+                if due:  # a failed write is retried, unless a newer snapshot replaces it below
+                    snap, self._retry = self._retry, None
                 self._writing = snap
-            if snap is None and (stopping or time.monotonic() >= deadline):
-                snap = self._changed_snapshot()
+            if due:
+                snap = self._changed_snapshot() or snap
                 deadline = time.monotonic() + self._every_s
             if snap is not None:
                 self._write(snap)
@@ -108,13 +128,48 @@ class Checkpointer:
         start = time.perf_counter()
         try:
             checkpoint.save(snap, self.directory)
-        except CheckpointError as exc:  # the shard keeps serving; the next checkpoint tries again
-            self._warn(str(exc))
+        except Exception as exc:  # CheckpointError, or anything else: the shard keeps serving, and
+            # the next interval tries again
+            self._failed(snap, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
             return
-        self.last_write_s = time.perf_counter() - start
-        self.written_version = snap.version
-        self.writes += 1
-        self._written_at = time.time()
+        now = time.time()
+        with self._cond:
+            self.last_write_s = time.perf_counter() - start
+            self.written_version = snap.version
+            self.writes += 1
+            self._written_at, self._newest = now, snap.version
+            if self._retry is not None and self._retry.version <= snap.version:
+                self._retry = None
+            since, self._failing_since = self._failing_since, None
+        _log.debug(f"checkpoint of version {snap.version} written into {self.directory} in {self.last_write_s:.3f} s")
+        if since is not None:
+            self._note(f"checkpoints are written again: version {snap.version} into {self.directory}, "
+                       f"{now - since:.0f} s after the first of the failed writes ({self.failures} failed in all)")
+
+    def _failed(self, snap: ShardSnapshot, reason: str) -> None:
+        now = time.time()
+        with self._cond:
+            self.failures += 1
+            self.last_error, self._error_at = reason, now
+            if self._retry is None or self._retry.version <= snap.version:
+                self._retry = snap  # written at the next interval, unless a newer one is by then
+            first, self._failing_since = self._failing_since is None, self._failing_since or now
+        if first:
+            self._warn(f"checkpoint of version {snap.version} failed: {reason}; the shard keeps serving, and the "
+                       f"write is retried every {self._every_s:g} s (logged again once it succeeds; psgrad status "
+                       "shows the last error)")
+        else:
+            _log.debug(f"checkpoint of version {snap.version} failed again: {reason}")
+
+    def status(self) -> CheckpointStatus:
+        """The newest checkpoint, its age and the failed writes (what `psgrad status` reports)."""
+        now = time.time()
+        return CheckpointStatus(
+            enabled=True, version=self._newest,
+            age_s=-1.0 if self._written_at is None else max(0.0, now - self._written_at),
+            writes=self.writes, failures=self.failures, failing=self._failing_since is not None,
+            last_error=self.last_error, error_age_s=-1.0 if self._error_at is None else max(0.0, now - self._error_at),
+        )
 
     def age_s(self) -> float | None:
         """Seconds since the newest checkpoint was written, by this server or (restored) before it
@@ -124,7 +179,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- the shard's RollbackSource
     def _unwritten(self) -> list[ShardSnapshot]:
         with self._cond:
-            return [s for s in (self._offered, self._writing) if s is not None]
+            return [s for s in (self._offered, self._writing, self._retry) if s is not None]
 
     def versions(self) -> list[int]:
         """The versions a roll-back can read: on disk, or handed over and not yet written."""

@@ -7,6 +7,8 @@ gate) is recorded as it happens, by a server interceptor and the shard's gate ho
 """
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import start_http_server
 
@@ -37,9 +39,8 @@ def staleness_buckets(hist: dict[int, int]) -> tuple[list[tuple[str, float]], in
 class ShardCollector:
     """The shard's counters and gauges, read from one status snapshot per scrape."""
 
-    def __init__(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
+    def __init__(self, status: Callable[[], ShardStatus]) -> None:
         self._status = status
-        self._checkpoint_age_s = checkpoint_age_s
 
     def describe(self) -> list[Any]:
         return []  # collected at scrape time only (the shard's index is known once initialized)
@@ -110,29 +111,71 @@ class ShardCollector:
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
         h.add_metric(shard, buckets, total)
         yield h
-        age = self._checkpoint_age_s()
-        if age is not None:
-            yield gauge("psgrad_checkpoint_age_seconds", "seconds since the newest checkpoint was written", age)
+        ckpt = s.checkpoint
+        if ckpt.age_s >= 0:
+            yield gauge("psgrad_checkpoint_age_seconds", "seconds since the newest checkpoint was written", ckpt.age_s)
+        if ckpt.enabled:
+            yield counter("psgrad_checkpoint_failures", "checkpoint writes that failed (a full disk, ...; each "
+                          "retried at the next interval)", ckpt.failures)
+            yield gauge("psgrad_checkpoint_failing", "1 while the latest checkpoint write failed (psgrad status shows "
+                        "why)", float(ckpt.failing))
+
+
+def build_labels() -> dict[str, str]:
+    """What runs: psgrad's version (the installed distribution's), Python's, grpcio's and torch's
+    (the worker's exporter says the same: psgrad.metrics.exporters.build_labels)."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # (psgrad run from a checkout never installed)
+            return "unknown"
+
+    return {"version": version("psgrad"), "python": platform.python_version(), "grpcio": version("grpcio"),
+            "torch": version("torch")}
+
+
+class BuildInfo:
+    """`psgrad_build_info{version,python,grpcio,torch} 1`: which build a server runs."""
+
+    def __init__(self) -> None:
+        self._labels = build_labels()
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        info = GaugeMetricFamily("psgrad_build_info", "the psgrad build serving (always 1), by version",
+                                 labels=list(self._labels))
+        info.add_metric(list(self._labels.values()), 1.0)
+        yield info
 
 
 class RpcMetrics(grpc.ServerInterceptor):
-    """Times every call of the parameter service and counts refusals by method and reason."""
+    """Times every call of the parameter service and counts refusals by method and reason, labelled
+    with the shard's index (`shard`: "" until the server holds a shard)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.latency = Histogram("psgrad_rpc_duration_seconds", "time a server spent in each call, by method",
-                                 ["method"], registry=registry, buckets=LATENCY_BUCKETS)
+                                 ["shard", "method"], registry=registry, buckets=LATENCY_BUCKETS)
         self.refused = Counter("psgrad_rpc_refused", "calls that ended with an error status, by method and reason "
-                               "(the psgrad error class, or the gRPC status code)", ["method", "reason"],
+                               "(the psgrad error class, or the gRPC status code)", ["shard", "method", "reason"],
                                registry=registry)
+        self.shard: Callable[[], str] = lambda: ""  # the shard's index, as a label (Observability.watch sets it)
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, that handler timed)
+        self._latency: dict[tuple[str, str], Any] = {}  # (shard, method) -> its histogram
 
-    def _done(self, method: str, latency: Any, start: float, context: grpc.ServicerContext) -> None:
-        latency.observe(time.perf_counter() - start)
+    def _done(self, method: str, start: float, context: grpc.ServicerContext) -> None:
+        took = time.perf_counter() - start
+        shard = self.shard()
+        latency = self._latency.get((shard, method))
+        if latency is None:
+            latency = self._latency[(shard, method)] = self.latency.labels(shard, method)
+        latency.observe(took)
         code = context.code()
         if code is not None and code != grpc.StatusCode.OK:
             reason = next((str(v) for k, v in (context.trailing_metadata() or ())
                            if k == ERROR_METADATA_KEY), code.name)
-            self.refused.labels(method, reason).inc()
+            self.refused.labels(shard, method, reason).inc()
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
@@ -147,7 +190,7 @@ class RpcMetrics(grpc.ServerInterceptor):
         return timed
 
     def _timed(self, method: str, handler: Any) -> Any:
-        done, latency = self._done, self.latency.labels(method)
+        done = self._done
         if handler.response_streaming:
             behavior = handler.unary_stream or handler.stream_stream
 
@@ -156,7 +199,7 @@ class RpcMetrics(grpc.ServerInterceptor):
                 try:
                     yield from behavior(request, context)
                 finally:
-                    done(method, latency, start, context)
+                    done(method, start, context)
 
             wrapped, kind = streaming, ("unary_stream" if handler.unary_stream else "stream_stream")
         else:
@@ -167,7 +210,7 @@ class RpcMetrics(grpc.ServerInterceptor):
                 try:
                     return behavior(request, context)
                 finally:
-                    done(method, latency, start, context)
+                    done(method, start, context)
 
             wrapped, kind = single, ("unary_unary" if handler.unary_unary else "stream_unary")
         return getattr(grpc, f"{kind}_rpc_method_handler")(
@@ -183,13 +226,23 @@ class Observability:
         self.registry = CollectorRegistry()
         self.rpc = RpcMetrics(self.registry)
         self.gate_wait = Histogram("psgrad_gate_wait_seconds", "time pulls waited at the mode's gate for other "
-                                   "workers", registry=self.registry, buckets=LATENCY_BUCKETS)
+                                   "workers", ["shard"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        # The process's CPU seconds, memory, open and allowed descriptors (process_*, Linux), and the build.
+        ProcessCollector(registry=self.registry)
+        self.registry.register(BuildInfo())
         self.health = health.HealthServicer()
         self._http: Any = None
         self.metrics_address = ""
 
-    def watch(self, status: Callable[[], ShardStatus], checkpoint_age_s: Callable[[], float | None]) -> None:
-        self.registry.register(ShardCollector(status, checkpoint_age_s))
+    def watch(self, status: Callable[[], ShardStatus], shard: Callable[[], str] = lambda: "") -> None:
+        """Read the shard's counters from `status` at each scrape; `shard`: its index as a label
+        ("" until it holds one), for the metrics recorded as calls happen."""
+        self.registry.register(ShardCollector(status))
+        self.rpc.shard = shard
+
+    def observe_gate_wait(self, seconds: float) -> None:
+        """A pull parked at the gate went on after `seconds`."""
+        self.gate_wait.labels(self.rpc.shard()).observe(seconds)
 
     def add_services(self, server: grpc.Server) -> None:
         """The standard health service (NOT_SERVING until the shard serves a job) and reflection."""

@@ -3,6 +3,7 @@ restart, and (sync) rolling the shard back to an iteration every shard of the jo
 A collaborator of the shard core, acting under its lock."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -10,6 +11,8 @@ from psgrad.errors import CheckpointError, InvalidRequestError, JobMismatchError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import RestoreMarks, ShardCore
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardSnapshot, ShardState
+
+_log = logging.getLogger("psgrad.server")
 
 
 class RollbackSource(Protocol):
@@ -156,6 +159,8 @@ class Recovery:
         core.buffers.give_back([(p.grad, p.wire) for p in dropped])
         core.counters.rolled_back += state.version - snap.version
         core.history.append(("rollback", state.version, snap.version))
+        _log.info(f"rolled back from iteration {state.version} to the checkpoint of iteration {snap.version} "
+                  f"(a shard of the job restarted from it); {len(dropped)} buffered gradients dropped")
         members = core.members.members
         fresh = ShardState.restore(snap, core.members, core.now())
         for m in members.values():  # the job's members now, not the checkpoint's

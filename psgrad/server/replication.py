@@ -114,7 +114,8 @@ class Replication:
         self.channels = channels  # to the shard's other server, with this server's credentials
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
-        self.log = log  # the operator's messages (stderr)
+        self.log = log  # the operator's warnings (stderr)
+        self.note: Callable[[str], None] = log  # ... and notes (the runtime logs them at level info)
         self._cond = threading.Condition()
         self.role = PRIMARY
         self.epoch = 0
@@ -177,7 +178,8 @@ class Replication:
         for record in dropped:
             record.close()
         threading.Thread(target=self._forward, args=(backup, generation), name="psgrad-replica", daemon=True).start()
-        self.log(f"backup {backup} attached (epoch {self.epoch})")
+        self.note(f"backup {backup} attached (epoch {self.epoch}): every update is sent to it before it is "
+                  "acknowledged")
 
     def payload_buffer(self, numel: int) -> tuple[torch.Tensor, bool]:
         """Where to copy a gradient for the backup: the same-host segment when it is free (the

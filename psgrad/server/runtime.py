@@ -187,9 +187,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     )
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
-    obs.watch(shard.status, lambda: None if checkpointer is None else checkpointer.age_s())
+    obs.watch(shard.status, lambda: "" if shard.layout is None else str(shard.layout.index))
     shard.watch_serving(obs.set_serving)  # health: SERVING while the shard holds a job's state
-    shard.on_gate_wait = obs.gate_wait.observe
+    shard.on_gate_wait = obs.observe_gate_wait
     host = config.host
     bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     target = f"{bind_host}:{config.port}"
@@ -206,6 +206,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     replication = shard.replication = Replication(
         reachable, config.chunk_bytes, config.replica_timeout_s, warn, channels
     )
+    replication.note = note
     replication.on_fenced = shard.close  # waiting calls end, and find the server fenced
     replication.on_dropped = lambda backup, epoch: threading.Thread(
         target=send_fence, args=(backup, epoch, True, channels), name="psgrad-drop", daemon=True

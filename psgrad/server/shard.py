@@ -3,6 +3,7 @@ recovery and replication — and the calls a worker makes of the shard itself: j
 gate, status; no network."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -14,7 +15,7 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
 from psgrad.core.layout import Layout, explain_mismatch
-from psgrad.core.status import DelayStatus, PublishedStatus, ShardStatus
+from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus
 from psgrad.errors import JobMismatchError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
@@ -28,6 +29,8 @@ from psgrad.server.state import ShardState
 from psgrad.server.transfers import PullStream
 
 __all__ = ["HISTORY_LEN", "JoinResult", "Layout", "PushResult", "Shard"]
+
+_log = logging.getLogger("psgrad.server")
 
 
 class Shard:
@@ -48,6 +51,8 @@ class Shard:
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
         #: the same-host published versions' status (the servicer's Publisher, once it has one)
         self.published_status: Callable[[], PublishedStatus] = PublishedStatus
+        #: the server's checkpoints (its Checkpointer's status, once it has one)
+        self.checkpoint_status: Callable[[], CheckpointStatus] = CheckpointStatus
         # The collaborators' calls, as the shard's own.
         self.push_target = self.pushes.push_target
         self.apply_push = self.pushes.apply_push
@@ -168,7 +173,8 @@ class Shard:
         with core.cond:
             member = core.members.leave(rank)
             if member is not None:
-                core.history.append(("leave", rank, member.clock))
+                core.event("leave", rank, member.clock, f"worker {rank} left at clock {member.clock} "
+                           f"({len(core.members.live_ranks())} live)")
                 if core.state is not None:  # per-worker state of tables (DC-ASGD's copies) goes
                     core.state.forget_workers(core.members.live_ranks())
             core.refresh()
@@ -187,7 +193,10 @@ class Shard:
         member, changed = core.members.register(rank, core.policy.start_clock(core.view()))
         if changed:
             core.members_changed()
-            core.history.append(("join", rank, member.clock))
+            layout = core.layout
+            of = f" of {layout.spec.num_workers}" if layout is not None else ""
+            core.event("join", rank, member.clock, f"worker {rank} joined at clock {member.clock} "
+                       f"({len(core.members.live_ranks())} live{of})")
             if core.version == 0 and core.policy.start_barrier and core.layout is not None:
                 if len(core.members) == core.layout.spec.num_workers:
                     # everyone has joined: checkpoint version 0 again, now with all its members, so
@@ -241,6 +250,10 @@ class Shard:
                     raise JobMismatchError(problem)
                 return True
             core.install(state)
+            spec = layout.spec
+            _log.info(f"initialized by the chief (worker {rank}): shard {layout.index} of {spec.num_shards}, "
+                      f"[{layout.start}, {layout.end}) = {layout.numel:,} parameters; {spec.mode} mode, {spec.num_workers} "
+                      f"workers, optimizer {spec.optimizer}, lr {spec.lr:g}")
             state.dense.on_pull(rank, state.version)  # (DC-ASGD) the chief's gradients start from its weights
             self._register(rank)
             self.recovery.offer_snapshot()  # the first checkpoint: a restart never starts empty
@@ -369,4 +382,5 @@ class Shard:
                 delay=state.dense.delay_status() if state else DelayStatus(),
                 published=self.published_status(),
                 tables=tuple(t.status(name) for name, t in state.tables.items()) if state else (),
+                checkpoint=self.checkpoint_status(),
             )

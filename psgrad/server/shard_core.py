@@ -5,6 +5,7 @@ replication are collaborators handed the core; they hear of updates and membersh
 through its events. No network; every method is called with the lock held unless it says so."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +25,8 @@ from psgrad.server.ledger import HISTORY_LEN, Counters
 from psgrad.server.membership import Membership
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardState
 from psgrad.server.transfers import PullStream
+
+_log = logging.getLogger("psgrad.server")
 
 
 @dataclass
@@ -87,6 +90,13 @@ class ShardCore:
         for hook in self._on_members:
             hook()
 
+    def event(self, kind: str, rank: int, clock: int, message: str) -> None:
+        """A change of the members ("join", "leave", "evict"): recorded in the audit history and
+        logged for the operator (info). Events are rare (never per push or pull), so logging's
+        handler writes the line here, under the lock."""
+        self.history.append((kind, rank, clock))
+        _log.info(message)
+
     def notify(self) -> None:
         """Wake everything waiting for a state change."""
         self.cond.notify_all()
@@ -144,7 +154,10 @@ class ShardCore:
         evicted = self.members.expire()
         for m in evicted:
             self.counters.evictions += 1
-            self.history.append(("evict", m.rank, m.clock))
+            self.event("evict", m.rank, m.clock, (
+                f"worker {m.rank} evicted at clock {m.clock}: no call for {self.now() - m.last_seen:.1f} s, past its "
+                f"lease (--lease-s {self.members.lease_s:g}); nobody waits for it now ({len(self.members.live_ranks())} "
+                "live), and it joins again by itself if it is alive"))
             self.buffers.revoke(m.rank)
         if evicted and self.state is not None:  # per-worker state of tables (DC-ASGD's copies) goes
             self.state.forget_workers(self.members.live_ranks())

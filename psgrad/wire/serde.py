@@ -9,6 +9,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec
 from psgrad.core.status import (
+    CheckpointStatus,
     DelayStatus,
     PublishedStatus,
     TableStatus,
@@ -122,6 +123,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
         published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
         tables=[pb.TableStatus(**dataclasses.asdict(t)) for t in status.tables],
+        checkpoint=pb.CheckpointStatus(**dataclasses.asdict(status.checkpoint)),
     )
     if status.initialized:
         reply.shard.CopyFrom(shard_range_to_proto(status.index, status.start, status.end))
@@ -163,5 +165,13 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
         tables=tuple(TableStatus(t.name, t.kind, t.numel, t.nbytes, t.state_bytes, t.rows, t.rows_touched)
                      for t in msg.tables),
+        checkpoint=_checkpoint_from_proto(msg),
         params=tuple(params_from_proto(msg.params)),
     )
+
+
+def _checkpoint_from_proto(msg: pb.StatusReply) -> CheckpointStatus:
+    if not msg.HasField("checkpoint"):  # a server from before checkpoints were reported
+        return CheckpointStatus()
+    c = msg.checkpoint
+    return CheckpointStatus(**{f.name: getattr(c, f.name) for f in dataclasses.fields(CheckpointStatus)})

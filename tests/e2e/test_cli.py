@@ -160,6 +160,53 @@ def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) 
     assert (tmp_path / "worker0.jsonl").exists() and (tmp_path / "worker1.jsonl").exists()
 
 
+def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_backups() -> None:
+    from psgrad.cli.commands import server_metrics_argv
+    from psgrad.cli.parser import build_parser
+
+    parse = build_parser().parse_args
+    ns = parse(["launch", "--num-servers", "2", "--num-workers", "3", "--replicas", "1", "--metrics-port", "9100"])
+    assert [server_metrics_argv(ns, i) for i in range(4)] == [
+        ["--metrics-port", str(p)] for p in (9103, 9104, 9105, 9106)]  # workers: 9100-9102
+    assert server_metrics_argv(parse(["launch", "--metrics-port", "0"]), 1) == ["--metrics-port", "0"]
+    assert server_metrics_argv(parse(["launch"]), 0) == []
+    res = run_cli(["launch", "--num-servers", "2", "--num-workers", "2", "--metrics-port", "65533"], timeout_s=60)
+    assert res.returncode == 2 and "ports up to 65536" in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(240)
+def test_launch_gives_every_server_a_metrics_endpoint_of_its_own() -> None:
+    # launch --metrics-port reached the workers only: the servers, where pushes and pulls are
+    # counted, had no endpoint.
+    from conftest import scrape
+
+    proc = spawn(["launch", "--num-servers", "2", "--num-workers", "2", "--mode", "async", "--steps", "100000",
+                  "--metrics-port", "0"])
+    try:
+        urls = {}
+        while len(urls) < 4:
+            line = proc.wait_for_line("metrics at http://", timeout_s=120)
+            name = re.match(r"^\[(\w+)\]", line)
+            assert name, line
+            urls[name.group(1)] = re.findall(r"http://\S+", line)[0]
+        assert set(urls) == {"server0", "server1", "worker0", "worker1"}, urls
+        assert len(set(urls.values())) == 4, urls
+        for i in (0, 1):
+            deadline = time.monotonic() + 60
+            while True:  # an HTTP endpoint tells nobody when it changes: scrape until the shard shows
+                m = scrape(urls[f"server{i}"])
+                if any(name == "psgrad_rpc_duration_seconds_count" and dict(labels)["shard"] == str(i)
+                       for name, labels in m):
+                    break
+                assert time.monotonic() < deadline, f"server{i}: no call timed for shard {i}"
+                time.sleep(0.2)
+            assert m[("psgrad_shard_initialized", (("shard", str(i)),))] == 1
+            assert m[("process_cpu_seconds_total", ())] > 0 and m[("process_open_fds", ())] > 0
+            assert any(name == "psgrad_build_info" for name, _ in m)
+    finally:
+        proc.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launch_with_replicas_starts_a_backup_per_shard_and_shows_their_roles() -> None:

@@ -4,6 +4,7 @@ TensorBoard event files."""
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import pty
@@ -39,6 +40,10 @@ def exported(url: str) -> set[str]:
     return {n for n in re.findall(r"^# TYPE (\S+) ", text, re.M) if not n.endswith("_created")}
 
 
+PROCESS_METRICS = {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+                   "process_open_fds", "process_max_fds", "process_start_time_seconds"}
+
+
 def scrape_until(url: str, what: str, ready: Callable[[dict[Any, float]], bool], timeout_s: float = 30.0) -> dict[Any, float]:
     """Scrape url until ready(samples) holds (an HTTP endpoint tells nobody when it changes)."""
     deadline = time.monotonic() + timeout_s
@@ -52,7 +57,7 @@ def readme_metric_names() -> set[str]:
     """The metric names README's "Watching a job" section documents (query suffixes dropped)."""
     text = (Path(REPO) / "README.md").read_text()
     section = text[text.index("### Watching a job"):text.index("### Bad input")]
-    names = set(re.findall(r"`(psgrad_[a-z_]+)", section))
+    names = set(re.findall(r"`((?:psgrad|process)_[a-z_]+)", section))
     return {n for n in names if not (n.endswith(("_bucket", "_count", "_sum")) and n.rsplit("_", 1)[0] in names)}
 
 
@@ -118,6 +123,45 @@ def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> No
     assert any(json.loads(x)["message"].startswith("worker 0/2: joined 1 shard(s)") for x in workers[0].lines)
 
 
+STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) psgrad server: (.*)$")
+
+
+def test_a_servers_log_lines_carry_time_and_level_and_tell_joins_init_leaves_evictions_and_checkpoints(
+    tmp_path: Path,
+) -> None:
+    # The server logged nearly nothing (no join, init, eviction: a sync job stalled a lease without a
+    # word), its lines had no time or level, and --log-level debug changed nothing.
+    proc = spawn(["server", "--host", "127.0.0.1", "--port", "0", "--lease-s", "2", "--log-level", "debug",
+                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every-s", "0.5"])
+    workers: list[Proc] = []
+    try:
+        address = proc.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]  # printed as it always was
+        args = ["worker", "--servers", address, "--mode", "async", "--num-workers", "2", "--lr", "0.1"]
+        workers = [spawn([*args, "--rank", "0", "--steps", "40"]), spawn([*args, "--rank", "1", "--steps", "100000"])]
+        assert workers[0].wait(120) == 0, workers[0].output
+        proc.wait_for_line("worker 1 joined at clock", timeout_s=60)
+        workers[1].popen.kill()  # rank 1 dies without a word: its lease runs out
+        evicted = proc.wait_for_line("worker 1 evicted at clock", timeout_s=60)
+        print(evicted)
+    finally:
+        for w in workers:
+            w.stop(grace_s=5)
+        assert proc.stop() == 0
+    lines = [x for x in proc.lines if not x.startswith("psgrad server listening on ")]
+    print("\n".join(lines))
+    parsed = [STAMPED.match(x) for x in lines]
+    assert all(parsed), [x for x, m in zip(lines, parsed) if not m]
+    said = [(m.group(1), m.group(2)) for m in parsed if m]
+    def has(level: str, start: str) -> bool:
+        return any(lv == level and text.startswith(start) for lv, text in said)
+    assert has("INFO", "initialized by the chief (worker 0): shard 0 of 1, ")
+    assert has("INFO", "worker 0 joined at clock 0") and has("INFO", "worker 1 joined at clock 0")
+    assert has("INFO", "worker 0 left at clock 40")
+    assert has("INFO", "worker 1 evicted at clock ") and "past its lease (--lease-s 2)" in evicted
+    assert has("DEBUG", "checkpoint of version ")  # --log-level debug shows what info leaves out
+    assert has("INFO", f"{address} stopped (SIGTERM)")
+
+
 def _read_until(fd: int, pattern: str, timeout_s: float) -> str:
     """Read a pseudo-terminal until pattern occurs (returns everything read); fails after timeout_s."""
     out = b""
@@ -172,7 +216,13 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
         scrape_until(worker_url, "an evaluation", lambda m: any(k[0] == "psgrad_worker_evaluation" for k in m))
         names = exported(url) | exported(worker_url)
         assert names == readme_metric_names(), (names ^ readme_metric_names())
-        assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names)
+        assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names - PROCESS_METRICS)
+        # Both processes say what they cost (CPU, memory, descriptors) and which build they run.
+        assert PROCESS_METRICS <= exported(url) and PROCESS_METRICS <= exported(worker_url)
+        for m in (scrape(url), scrape(worker_url)):
+            assert m[("process_cpu_seconds_total", ())] > 0 and m[("process_open_fds", ())] > 0
+            (build,) = [dict(labels) for name, labels in m if name == "psgrad_build_info"]
+            assert build["version"] == importlib.metadata.version("psgrad"), build
     finally:
         if view.poll() is None:
             view.kill()

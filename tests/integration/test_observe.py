@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import health, run_in_threads, scrape
-from psgrad.client.parameter_client import ParameterClient
+from conftest import SmallDisk, health, run_in_threads, scrape
+from psgrad.cli.status import format_status
+from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import JobMismatchError, NonFiniteGradientError
+from psgrad.server import checkpoint
 from psgrad.server.runtime import RunningServer, start_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,15 +62,18 @@ def test_refusals_are_counted_by_reason_and_every_call_is_timed(servers: Callabl
         other.join(None)  # another job's worker
     m = scrape(server.metrics_url)
     refused = {labels: v for (name, labels), v in m.items() if name == "psgrad_rpc_refused_total"}
-    assert refused == {(("method", "Push"), ("reason", "NonFiniteGradientError")): 1.0,
-                       (("method", "Join"), ("reason", "JobMismatchError")): 1.0}, refused
+    assert refused == {(("method", "Push"), ("reason", "NonFiniteGradientError"), ("shard", "0")): 1.0,
+                       (("method", "Join"), ("reason", "JobMismatchError"), ("shard", "0")): 1.0}, refused
     shard = (("shard", "0"),)
     assert m[("psgrad_pushes_rejected_total", shard)] == 1 and m[("psgrad_pushes_applied_total", shard)] == 2
-    calls = {labels[0][1]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
+    calls = {dict(labels)["method"]: v for (name, labels), v in m.items() if name == "psgrad_rpc_duration_seconds_count"}
     assert calls["Push"] == 2 and calls["Pull"] == 1 and calls["Step"] == 1 and calls["Init"] == 1, calls
     for method in ("Push", "Pull", "Step"):  # latency histograms: every call falls in the +Inf bucket
-        assert m[("psgrad_rpc_duration_seconds_bucket", (("le", "+Inf"), ("method", method)))] == calls[method]
-        assert m[("psgrad_rpc_duration_seconds_sum", (("method", method),))] > 0
+        labels = (("le", "+Inf"), ("method", method), ("shard", "0"))
+        assert m[("psgrad_rpc_duration_seconds_bucket", labels)] == calls[method]
+        assert m[("psgrad_rpc_duration_seconds_sum", (("method", method), ("shard", "0")))] > 0
+    # The calls before the chief's init have no shard yet.
+    assert m[("psgrad_rpc_duration_seconds_count", (("method", "Join"), ("shard", "")))] >= 1
 
 
 def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
@@ -90,6 +96,48 @@ def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
     assert 0 <= m[("psgrad_checkpoint_age_seconds", shard)] < 60
 
 
+def poll(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll predicate until it holds (a server thread does the work); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_full_disk_never_ends_checkpointing_and_each_failure_is_reported_until_space_returns(
+    servers: Callable[..., RunningServer], small_disk: SmallDisk,
+) -> None:
+    # safetensors' own error killed the checkpoint thread: nothing was written again after the disk
+    # had space, and a later restart restored a stale state without a word anywhere.
+    directory = small_disk.path / "ckpt"
+    server = servers(checkpoint_dir=str(directory), checkpoint_every_s=0.1)
+    shard = (("shard", "0"),)
+    with client(server.address) as c:
+        c.join(lambda: torch.zeros(NUMEL))
+        c.push(torch.ones(NUMEL), 0)
+        poll("the first checkpoint", lambda: checkpoint.versions(directory)[:1] == [1])
+        small_disk.fill()
+        for clock in (1, 2):
+            c.push(torch.ones(NUMEL), clock)
+        poll("two failed writes", lambda: shard_status([server.address], 5)[0].checkpoint.failures >= 2)
+        status = shard_status([server.address], 5)[0]
+        m = scrape(server.metrics_url)
+        text = format_status([dict(status.to_dict(), address=server.address)])
+        print(f"disk full:\n{text}")
+        assert status.checkpoint.failing and status.checkpoint.version == 1 and status.version == 3
+        assert "No space left on device" in status.checkpoint.last_error
+        assert m[("psgrad_checkpoint_failures_total", shard)] >= 2 and m[("psgrad_checkpoint_failing", shard)] == 1
+        assert "shard 0: last checkpoint: version 1, " in text and "FAILING now" in text
+        small_disk.free()
+        poll("a checkpoint of version 3 once the disk has space", lambda: checkpoint.versions(directory)[:1] == [3])
+        c.push(torch.ones(NUMEL), 3)  # the shard served on all along
+    poll("the status to say so", lambda: not shard_status([server.address], 5)[0].checkpoint.failing)
+    recovered = shard_status([server.address], 5)[0].checkpoint
+    print(f"disk freed: {recovered}")
+    assert recovered.version >= 3 and recovered.writes >= 2
+    assert scrape(server.metrics_url)[("psgrad_checkpoint_failing", shard)] == 0
+
+
 def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningServer]) -> None:
     server = servers()
     spec = JobSpec(mode="sync", lr=0.1, num_workers=2)
@@ -104,4 +152,5 @@ def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningS
         parked.join(10)
         assert not parked.is_alive()
     m = scrape(server.metrics_url)
-    assert m[("psgrad_gate_wait_seconds_count", ())] == 1 and m[("psgrad_gate_wait_seconds_sum", ())] > 0
+    shard = (("shard", "0"),)
+    assert m[("psgrad_gate_wait_seconds_count", shard)] == 1 and m[("psgrad_gate_wait_seconds_sum", shard)] > 0

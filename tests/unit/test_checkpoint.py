@@ -13,6 +13,7 @@ from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from test_shard import push
 from test_state import grad, started
+from conftest import SmallDisk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,6 +68,25 @@ def test_the_newest_two_are_kept_and_no_temporary_file_is_left(tmp_path: Path) -
         "ckpt-v000000000003.json", "ckpt-v000000000003.safetensors",
         "ckpt-v000000000004.json", "ckpt-v000000000004.safetensors",
     ]
+
+
+def test_a_full_disk_is_a_checkpoint_error_that_leaves_the_previous_checkpoint_and_no_temporary_file(
+    small_disk: SmallDisk,
+) -> None:
+    # safetensors raises its own SafetensorError (not OSError) when a write fails: it escaped save().
+    s, layout = trained(2)
+    directory = small_disk.path / "ckpt"
+    first = checkpoint.save(s.snapshot(), directory)
+    push(s, layout, grad(layout, 7), rank=0, clock=1)  # type: ignore[arg-type]
+    small_disk.fill()
+    with pytest.raises(CheckpointError, match="No space left on device") as refused:
+        checkpoint.save(s.snapshot(), directory)
+    print(f"a full disk: {refused.value}")
+    assert sorted(p.name for p in directory.iterdir()) == [first.name, first.with_suffix(".safetensors").name]
+    snap = checkpoint.load_latest(directory, print)
+    assert snap is not None and snap.version == 2
+    small_disk.free()
+    assert checkpoint.save(s.snapshot(), directory).name == "ckpt-v000000000003.json"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "missing"])

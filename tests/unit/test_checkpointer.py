@@ -3,6 +3,7 @@ versions on disk or not yet written, each read back whole)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from psgrad.server.checkpointer import Checkpointer
 from psgrad.server.shard import Shard
 from test_shard import make_layout, push, weights_for
 from test_state import grad, started
+from conftest import SmallDisk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,3 +94,49 @@ def test_the_roll_back_source_reads_what_is_on_disk_and_what_is_not_written_yet(
     loaded = other.load(1)
     assert loaded is not None and loaded.version == 1 and torch.equal(loaded.weights, s.weights_copy())
     assert other.load(7) is None and "version 7" in warned[0]
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll predicate until it holds (the writer works on its own thread); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_full_disk_is_logged_once_retried_every_interval_and_reported_until_a_checkpoint_is_written(
+    small_disk: SmallDisk, mode: str,
+) -> None:
+    # The writer caught OSError alone: safetensors' own error killed its thread, and nothing was
+    # checkpointed again, even after the space came back.
+    s, layout = started(JobSpec(mode=mode, lr=0.5, num_shards=2, num_workers=2))
+    warnings: list[str] = []
+    notes: list[str] = []
+    writer = Checkpointer(s, small_disk.path, every_s=0.05, every_versions=1, warn=warnings.append, note=notes.append)
+    writer.start()
+    try:
+        push(s, layout, grad(layout, 0), rank=0, clock=0)
+        push(s, layout, grad(layout, 1), rank=1, clock=0)
+        wait_for("the first checkpoint", lambda: writer.written_version == s.version)
+        small_disk.fill()
+        for rank in (0, 1):
+            push(s, layout, grad(layout, 2 + rank), rank=rank, clock=1)
+        version = s.version
+        wait_for("three failed writes", lambda: s.status().checkpoint.failures >= 3)
+        failing = s.status().checkpoint
+        print(f"disk full: {failing}; logged: {warnings}")
+        assert failing.failing and failing.version == version - (2 if mode == "async" else 1)
+        assert "No space left on device" in failing.last_error
+        assert len(warnings) == 1 and "No space left on device" in warnings[0] and "retried every 0.05 s" in warnings[0]
+        assert version in writer.versions()  # a sync roll-back can still return to it (held in memory)
+        small_disk.free()
+        wait_for("a checkpoint after the disk was freed", lambda: writer.written_version == version)
+        recovered = s.status().checkpoint
+        print(f"disk freed: {recovered}; logged: {notes}")
+        assert not recovered.failing and recovered.version == version and recovered.failures >= failing.failures
+        assert len(warnings) == 1 and len(notes) == 1 and "written again" in notes[0]
+    finally:
+        writer.stop(timeout_s=30)
+    snap = checkpoint.load_latest(small_disk.path, print)
+    assert snap is not None and snap.version == version

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -552,6 +553,37 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     assert s.status().evictions == 3  # rank 0 is not evicted twice; a left worker never is
     assert s.status().uptime_s == pytest.approx(105.5)
     assert [e for e in s.history if e[0] != "join"][-1] == ("evict", 2, 0)
+
+
+def test_joins_the_chiefs_init_evictions_and_leaves_are_logged_with_rank_clock_and_lease(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The server said nothing of them: a sync job stalled one lease for an evicted worker without a word.
+    layout = make_layout(JobSpec(lr=0.5, num_shards=2, num_workers=2))
+    clock = FakeClock()
+    s = Shard(ServerConfig(lease_s=5.0), now=clock)
+    with caplog.at_level(logging.DEBUG, logger="psgrad.server"):
+        s.initialize(0, layout, weights_for(layout))
+        s.join(1, layout)
+        s.join(1, layout)  # joined already: nothing new to say
+        push(s, layout, torch.ones(layout.numel), rank=0, clock=0)  # nothing per push
+        clock.t += 3.0
+        s.touch(0)
+        clock.t += 2.5
+        s.status()  # rank 1's lease ran out
+        s.leave(0)
+    lines = [(r.levelname, r.name, r.getMessage()) for r in caplog.records]
+    print("\n".join(m for _, _, m in lines))
+    assert [m for _, _, m in lines] == [
+        "initialized by the chief (worker 0): shard 0 of 2, [0, 8) = 8 parameters; async mode, 2 workers, "
+        "optimizer sgd, lr 0.5",
+        "worker 0 joined at clock 0 (1 live of 2)",
+        "worker 1 joined at clock 0 (2 live of 2)",
+        "worker 1 evicted at clock 0: no call for 5.5 s, past its lease (--lease-s 5); nobody waits for it now "
+        "(1 live), and it joins again by itself if it is alive",
+        "worker 0 left at clock 1 (0 live)",
+    ]
+    assert {(level, name) for level, name, _ in lines} == {("INFO", "psgrad.server")}
 
 
 def test_a_forged_clock_is_refused_after_leave_and_rejoin_too(shard: Shard, layout: Layout) -> None:
