@@ -204,3 +204,16 @@ def test_in_async_mode_each_shard_is_read_as_of_its_own_version(make_servers: An
         snap = psgrad.fetch_model(addresses, timeout_s=5)  # no waiting: no iteration spans the shards
     assert snap.versions == [1, 0] and not snap.consistent and snap.mode == "async"
     assert snap.state_dict["w"].tolist() == [-1.0] * (hi - lo) + [0.0] * (10 - hi + lo)
+
+
+def test_an_integer_lr_is_the_same_job_as_its_float(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """psgrad.SGD(lr=20), as pytorch/examples' word_language_model writes it: the export, and a worker
+    that says lr=20.0 (as `psgrad worker --lr 20` does), see the same job."""
+    running = make_servers(1)
+    addresses = [s.address for s in running]
+    with psgrad.connect(addresses, num_workers=2, optimizer=psgrad.SGD(lr=20), client=CLIENT) as ps:
+        ps.optimizer(_model())
+        state, versions = export_state_dict(addresses)  # was: "fingerprints differ"-like JobMismatchError
+        assert versions == [0] and len(state) == 4
+        with psgrad.connect(addresses, rank=1, num_workers=2, optimizer=psgrad.SGD(lr=20.0), client=CLIENT) as other:
+            other.optimizer(_model())  # was: JobMismatchError naming no field
