@@ -171,3 +171,25 @@ class Adadelta:
 
 # What `psgrad.connect(optimizer=...)` takes.
 ServerOptimizer = Union[SGD, Adam, Adagrad, RMSprop, Adadelta]
+SERVER_OPTIMIZERS = (SGD, Adam, Adagrad, RMSprop, Adadelta)
+
+
+def check_server_optimizer(optimizer: object) -> None:
+    """Raises ConfigError unless optimizer is one of the API's optimizer settings (psgrad.SGD, ...):
+    a torch.optim optimizer cannot be sent to the servers, which apply the update themselves."""
+    if isinstance(optimizer, SERVER_OPTIMIZERS):
+        return
+    names = ", ".join(f"psgrad.{c.__name__}" for c in SERVER_OPTIMIZERS[:-1]) + f" or psgrad.{SERVER_OPTIMIZERS[-1].__name__}"
+    kind = type(optimizer)
+    if kind.__module__.startswith("torch.optim"):
+        what = f"torch.optim.{kind.__name__}"
+        twin = next((c.__name__ for c in SERVER_OPTIMIZERS if c.__name__ == kind.__name__), None)
+        twin = twin or ("Adam" if kind.__name__ == "AdamW" else None)
+        hint = (f": the servers apply the update, so give its settings as psgrad.{twin}(lr=..., ...)"
+                f"{' with decoupled=True' if kind.__name__ == 'AdamW' else ''}" if twin else
+                ": the servers apply the update, and they have only these rules")
+        raise ConfigError(
+            f"optimizer must be {names} (the servers' update rule and its settings), got a {what}{hint}; "
+            "ps.optimizer(model) then gives you the torch.optim.Optimizer to step"
+        )
+    raise ConfigError(f"optimizer must be {names} (the servers' update rule and its settings), got {optimizer!r}")

@@ -474,3 +474,21 @@ def test_dc_asgd_is_a_setting_of_the_modes_with_stale_gradients(mode: str) -> No
         JobSpec(mode="sync", dc_asgd=0.04)
     with pytest.raises(ConfigError, match="--dc-asgd-adaptive .* give --dc-asgd > 0"):
         JobSpec(mode=mode, dc_asgd_adaptive=True)
+
+
+@pytest.mark.parametrize("kind, twin", [("SGD", "psgrad.SGD(lr="), ("AdamW", "psgrad.Adam(lr=..., ...) with decoupled=True"),
+                                        ("LBFGS", "only these rules")])
+def test_a_torch_optim_optimizer_is_refused_naming_the_ones_to_use(kind: str, twin: str) -> None:
+    """psgrad.connect(optimizer=torch.optim.SGD(...)) raised AttributeError ('job_fields')."""
+    import torch
+
+    import psgrad
+
+    torch_optimizer = getattr(torch.optim, kind)(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as info:
+        psgrad.connect("127.0.0.1:1", optimizer=torch_optimizer)  # nothing is sent: refused before
+    message = str(info.value)
+    assert ("optimizer must be psgrad.SGD, psgrad.Adam, psgrad.Adagrad, psgrad.RMSprop or psgrad.Adadelta" in message
+            and f"got a torch.optim.{kind}" in message and twin in message), message
+    with pytest.raises(ConfigError, match="got 'sgd'"):
+        psgrad.connect("127.0.0.1:1", optimizer="sgd")  # type: ignore[arg-type]
