@@ -25,7 +25,7 @@ from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.core.modes import AUTO_STALENESS_MAX, default_staleness, is_synchronous
-from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
+from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer, check_server_optimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
@@ -85,9 +85,12 @@ def connect(
     same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
-        ConfigError: an invalid address or job setting (the message names it).
+        ConfigError: an invalid address or job setting (the message names it), or an optimizer
+            that is not psgrad.SGD, Adam, Adagrad, RMSprop or Adadelta (a torch.optim one, say).
     """
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
+    optimizer = optimizer or SGD()
+    check_server_optimizer(optimizer)  # a torch.optim optimizer: say what to give instead
     if staleness is None:
         staleness = default_staleness(mode)
     auto = staleness == "auto"
@@ -104,7 +107,7 @@ def connect(
         staleness_lr=staleness_lr,
         dc_asgd=dc_asgd,
         dc_asgd_adaptive=dc_asgd_adaptive,
-        **(optimizer or SGD()).job_fields(),
+        **optimizer.job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())
 

@@ -13,7 +13,7 @@ from psgrad.core.delay import check_dc_asgd
 from psgrad.core.modes import MODES, check_mode_fields, mode_argv
 from psgrad.core.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import check_optimizer_fields
+from psgrad.core.optimizer_settings import check_optimizer_fields, floats_as_floats
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
@@ -69,6 +69,7 @@ class JobSpec:
     staleness_max: int = 0  # ssp: > 0 adapts the bound at run time within [1, staleness_max] (--staleness auto)
 
     def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0: one job, one fingerprint
         _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
         check_mode_fields(self)  # mode, staleness (fixed or auto), backup_workers
         _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")

@@ -51,6 +51,9 @@ class ShardClient:
         # Set once this worker has joined: sends the same Join again (deadline in seconds), before
         # a call is retried after the shard stopped answering.
         self.rejoin: Callable[[float], object] | None = None
+        # Set when a call gave up on the shard (it did not come back within --reconnect-timeout-s,
+        # or did not answer within its deadline): leaving does not wait for it a second time.
+        self.given_up: errors.ServerUnavailableError | None = None
 
     @property
     def same_host(self) -> bool:
@@ -118,7 +121,14 @@ class ShardClient:
     def _call(self, what: str, fn: Callable[[], T], timeout_s: float, retry: bool = True) -> T:
         """fn(), reconnecting (or failing over) while the shard does not answer (see reconnect.call)."""
         rejoin = self.rejoin if retry else None
-        return reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover, self.diagnose)
+        try:
+            result = reconnect.call(what, fn, timeout_s, self.address, self.config, rejoin, retry, self.failover, self.diagnose)
+        except errors.ServerUnavailableError as exc:
+            if retry:  # retried for the whole reconnect timeout (or out of time): the shard is gone
+                self.given_up = exc
+            raise
+        self.given_up = None  # it answers (again)
+        return result
 
     def diagnose(self) -> str:
         """After a call to the server in use ran out of time: what a quick status call finds."""
@@ -296,5 +306,10 @@ class ShardClient:
         return self._call("the roll-back request", lambda: self._rollback(req, timeout=t), t)
 
     def leave(self, rank: int, fp: str) -> None:
+        """Leave the shard, retried as any call; not sent to a shard a call gave up on already (the
+        worker is on its way out because of it, and waiting another reconnect timeout to say goodbye
+        would double its exit time: the shard drops the worker when its lease ends)."""
+        if self.given_up is not None:
+            return
         t = self.config.rpc_timeout_s
         self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t)

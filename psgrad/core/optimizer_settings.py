@@ -36,6 +36,19 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def floats_as_floats(obj: Any) -> None:
+    """Make every int in a frozen dataclass's float fields (and float pairs) a float, in place:
+    lr=20 and lr=20.0 are one job (the fingerprint hashes the values as JSON, where 20 is not 20.0;
+    the servers hold their spec as doubles). Bools and other types are left as they are."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type in ("float", float) and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(obj, f.name, float(value))
+        elif f.type == "tuple[float, float]" and isinstance(value, (tuple, list)):
+            object.__setattr__(obj, f.name, tuple(
+                float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value))
+
+
 def check_optimizer_fields(spec: Any) -> None:
     """Validate a JobSpec's optimizer settings (ranges, and none set that its optimizer ignores).
 
@@ -74,6 +87,9 @@ class SGD:
     weight_decay: float = 0.0
     nesterov: bool = False
 
+    def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "sgd", **dataclasses.asdict(self)}
 
@@ -87,6 +103,9 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled: bool = False
+
+    def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
 
     def job_fields(self) -> dict[str, Any]:
         return {
@@ -109,6 +128,9 @@ class Adagrad:
     initial_accumulator_value: float = 0.0
     eps: float = DEFAULT_EPS["adagrad"]
 
+    def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "adagrad", **dataclasses.asdict(self)}
 
@@ -124,6 +146,9 @@ class RMSprop:
     momentum: float = 0.0
     centered: bool = False
 
+    def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "rmsprop", **dataclasses.asdict(self)}
 
@@ -137,9 +162,34 @@ class Adadelta:
     eps: float = DEFAULT_EPS["adadelta"]
     weight_decay: float = 0.0
 
+    def __post_init__(self) -> None:
+        floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "adadelta", **dataclasses.asdict(self)}
 
 
 # What `psgrad.connect(optimizer=...)` takes.
 ServerOptimizer = Union[SGD, Adam, Adagrad, RMSprop, Adadelta]
+SERVER_OPTIMIZERS = (SGD, Adam, Adagrad, RMSprop, Adadelta)
+
+
+def check_server_optimizer(optimizer: object) -> None:
+    """Raises ConfigError unless optimizer is one of the API's optimizer settings (psgrad.SGD, ...):
+    a torch.optim optimizer cannot be sent to the servers, which apply the update themselves."""
+    if isinstance(optimizer, SERVER_OPTIMIZERS):
+        return
+    names = ", ".join(f"psgrad.{c.__name__}" for c in SERVER_OPTIMIZERS[:-1]) + f" or psgrad.{SERVER_OPTIMIZERS[-1].__name__}"
+    kind = type(optimizer)
+    if kind.__module__.startswith("torch.optim"):
+        what = f"torch.optim.{kind.__name__}"
+        twin = next((c.__name__ for c in SERVER_OPTIMIZERS if c.__name__ == kind.__name__), None)
+        twin = twin or ("Adam" if kind.__name__ == "AdamW" else None)
+        hint = (f": the servers apply the update, so give its settings as psgrad.{twin}(lr=..., ...)"
+                f"{' with decoupled=True' if kind.__name__ == 'AdamW' else ''}" if twin else
+                ": the servers apply the update, and they have only these rules")
+        raise ConfigError(
+            f"optimizer must be {names} (the servers' update rule and its settings), got a {what}{hint}; "
+            "ps.optimizer(model) then gives you the torch.optim.Optimizer to step"
+        )
+    raise ConfigError(f"optimizer must be {names} (the servers' update rule and its settings), got {optimizer!r}")

@@ -96,7 +96,7 @@ def _pod(job: K8sJob, role: str) -> dict[str, Any]:
     cpu, memory = (job.server_cpu, job.server_memory) if serving else (job.worker_cpu, job.worker_memory)
     limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
     if not serving and job.worker_gpus:
-        limits["nvidia.com/gpu"] = job.worker_gpus
+        limits["nvidia.com/gpu"] = str(job.worker_gpus)  # a quantity: a string, like cpu and memory
     container: dict[str, Any] = {"name": "psgrad", "image": job.image, "command": command}
     if serving:
         container["ports"] = [{"name": "grpc", "containerPort": job.port}]

@@ -24,12 +24,11 @@ def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]:
     raise refuse(f"{names[0]} is not set ({WHY}; also looked for {', '.join(names[1:])})")
 
 
-def _task_nodes(env: Mapping[str, str], suffix: str = "") -> list[str]:
-    """The node each task of the step (or of one het component) runs on, in task order."""
-    nodes_var, nodes_text = _first(env, tuple(f"{v}{suffix}" for v in (
-        "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")))
-    counts_var, counts_text = _first(env, tuple(f"{v}{suffix}" for v in (
-        "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")))
+def _task_nodes(env: Mapping[str, str], nodes_names: tuple[str, ...], counts_names: tuple[str, ...]) -> list[str]:
+    """The node each task of the step (or of one het component) runs on, in task order, from the
+    first of nodes_names (a node list) and of counts_names (tasks per node) that is set."""
+    nodes_var, nodes_text = _first(env, nodes_names)
+    counts_var, counts_text = _first(env, counts_names)
     try:
         nodes = expand_hostlist(nodes_text)
     except ConfigError as exc:
@@ -44,19 +43,47 @@ def _task_nodes(env: Mapping[str, str], suffix: str = "") -> list[str]:
     return node_of_tasks(nodes, counts)
 
 
+STEP_NODES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+STEP_COUNTS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def _component(name: str, g: int) -> tuple[str, ...]:
+    """The names SLURM gives variable `name` of het component g: SLURM_JOB_NODELIST_HET_GROUP_1 (since
+    20.02), its older copy SLURM_JOB_NODELIST_PACK_GROUP_1 (which 22.05 still sets)."""
+    return (f"{name}_HET_GROUP_{g}", f"{name}_PACK_GROUP_{g}")
+
+
 def _het_layout(env: Mapping[str, str], het_size: int) -> tuple[list[str], list[str]]:
-    """(server tasks' nodes, worker tasks' nodes) of a two-component heterogeneous step."""
+    """(server tasks' nodes, worker tasks' nodes) of a two-component heterogeneous step.
+
+    SLURM describes each component by the job's variables with a _HET_GROUP_g suffix (node list,
+    tasks per node, task count), and the step as a whole by SLURM_STEP_NODELIST and
+    SLURM_STEP_TASKS_PER_NODE (every component's nodes and tasks); where the whole step's are set,
+    they must place as many tasks on the same nodes. The SLURM_STEP_*_HET_GROUP_g names psgrad read
+    before are still read, after the real ones."""
     if het_size != 2:
         raise refuse(f"SLURM_HET_SIZE={het_size}: psgrad runs a heterogeneous job of exactly 2 components "
                      "(0: servers, 1: workers)")
     groups = []
     for g in range(2):
-        nodes = _task_nodes(env, f"_HET_GROUP_{g}")
-        var, text = _first(env, (f"SLURM_STEP_NUM_TASKS_HET_GROUP_{g}", f"SLURM_NTASKS_HET_GROUP_{g}"))
+        nodes = _task_nodes(
+            env, (*_component("SLURM_JOB_NODELIST", g), f"SLURM_STEP_NODELIST_HET_GROUP_{g}",
+                  f"SLURM_NODELIST_HET_GROUP_{g}"),
+            (*_component("SLURM_TASKS_PER_NODE", g), f"SLURM_STEP_TASKS_PER_NODE_HET_GROUP_{g}"))
+        var, text = _first(env, (*_component("SLURM_NTASKS", g), f"SLURM_STEP_NUM_TASKS_HET_GROUP_{g}"))
         if not text.isdigit() or int(text) != len(nodes):
             raise refuse(f"{var}={text!r} does not match the {len(nodes)} task(s) its node list and task "
                          "counts describe")
         groups.append(nodes)
+    if all(env.get(v, "").strip() for v in STEP_NODES[:1] + STEP_COUNTS[:1]):
+        step = _task_nodes(env, STEP_NODES[:1], STEP_COUNTS[:1])
+        if sorted(step) != sorted(groups[0] + groups[1]):
+            raise refuse(
+                f"the step (SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST'].strip()!r}, SLURM_STEP_TASKS_PER_NODE="
+                f"{env['SLURM_STEP_TASKS_PER_NODE'].strip()!r}) places {len(step)} task(s), but its components "
+                f"(SLURM_JOB_NODELIST_HET_GROUP_0/1, SLURM_TASKS_PER_NODE_HET_GROUP_0/1) place {len(groups[0])} + "
+                f"{len(groups[1])} elsewhere: run the whole allocation in one step (srun ... : ..., as `psgrad "
+                "slurm --het` writes it)")
     return groups[0], groups[1]
 
 
@@ -72,7 +99,7 @@ def from_slurm(env: Mapping[str, str], opts: RunOptions) -> Role:
         num_servers = len(server_nodes)
     else:
         ntasks = need_int(env, "SLURM_NTASKS", WHY, low=1)
-        nodes = _task_nodes(env)
+        nodes = _task_nodes(env, STEP_NODES, STEP_COUNTS)
         if len(nodes) != ntasks:
             raise refuse(f"SLURM_NTASKS={ntasks}, but the step's task counts place {len(nodes)} task(s) "
                          "(SLURM_STEP_TASKS_PER_NODE)")

@@ -250,3 +250,16 @@ def test_a_tied_weight_round_trips_under_each_of_its_names(make_servers: Any) ->
     fresh = TiedLM()
     fresh.load_state_dict(state)  # strict
     assert torch.equal(fresh.head.weight, model.embed.weight.detach()) and fresh.head.weight is fresh.embed.weight
+
+
+def test_an_integer_lr_is_the_same_job_as_its_float(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """psgrad.SGD(lr=20), as pytorch/examples' word_language_model writes it: the export, and a worker
+    that says lr=20.0 (as `psgrad worker --lr 20` does), see the same job."""
+    running = make_servers(1)
+    addresses = [s.address for s in running]
+    with psgrad.connect(addresses, num_workers=2, optimizer=psgrad.SGD(lr=20), client=CLIENT) as ps:
+        ps.optimizer(_model())
+        state, versions = export_state_dict(addresses)  # was: "fingerprints differ"-like JobMismatchError
+        assert versions == [0] and len(state) == 4
+        with psgrad.connect(addresses, rank=1, num_workers=2, optimizer=psgrad.SGD(lr=20.0), client=CLIENT) as other:
+            other.optimizer(_model())  # was: JobMismatchError naming no field

@@ -124,3 +124,47 @@ def test_a_worker_the_restored_checkpoint_does_not_know_joins_again(tmp_path: Pa
             assert {w.rank for w in again.shard.status().workers} == {0, 1}
         finally:
             again.stop(0)
+
+
+def test_a_worker_leaving_after_a_shard_is_gone_waits_one_reconnect_timeout_not_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The way out (leaving the job, as `with psgrad.connect(...)` and `psgrad worker` do after an error)
+    sent Leave to the shard that was just given up on, and retried it for a second whole
+    --reconnect-timeout-s (21.5 s for 10). It is not sent there now; the other shard is left."""
+    import psgrad
+    from torch import nn
+
+    window = 4.0
+    leaves: list[str] = []
+    real_call = reconnect.call
+
+    def recording(what: str, fn: Any, timeout_s: float, address: str, *rest: Any) -> Any:
+        if what == "the leave request":
+            leaves.append(address)
+        return real_call(what, fn, timeout_s, address, *rest)
+
+    monkeypatch.setattr(reconnect, "call", recording)
+    servers = [start_server(ServerConfig(port=0, threads=8)) for _ in range(2)]
+    gone, alive = servers
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=5, reconnect_timeout_s=window, shared_memory=False)
+    try:
+        model = nn.Linear(64, 10)
+        with pytest.raises(ServerUnavailableError) as info:
+            with psgrad.connect([s.address for s in servers], client=config) as ps:
+                opt = ps.optimizer(model)
+                model(torch.ones(1, 64)).sum().backward()
+                opt.step()
+                gone.stop(0)
+                start = time.monotonic()
+                model(torch.ones(1, 64)).sum().backward()
+                opt.step()
+        elapsed = time.monotonic() - start
+        match = re.search(rf"server {gone.address} refused the connection .* for (\d+\.\d) s of --reconnect-timeout-s 4:",
+                          str(info.value))
+        assert match, info.value
+        assert leaves == [alive.address], leaves  # left the live shard; nothing sent to the gone one
+        assert [state for _, _, state, *_ in alive.shard.status().workers] == ["left"]
+        assert elapsed < 1.5 * window + 0.5, elapsed  # was >= 2 * window: the leave retried a window of its own
+    finally:
+        alive.stop(0)

@@ -114,6 +114,27 @@ def test_job_spec_adam_fields_reach_fingerprint_and_mismatch_message() -> None:
     assert len(prints) == 5
 
 
+def test_ints_in_float_fields_are_the_same_job_as_their_floats() -> None:
+    """psgrad.SGD(lr=20) (pytorch/examples' word_language_model) and `--lr 20.0` are one job: the
+    fingerprint hashes the values as JSON, where 20 and 20.0 differ."""
+    import psgrad
+    from psgrad.core.sharding import ParamSpec, fingerprint
+
+    params = (ParamSpec("w", (10,), "float32"),)
+    as_ints = JobSpec(lr=20, dc_asgd=1, mode="async", weight_decay=0)
+    as_floats = JobSpec(lr=20.0, dc_asgd=1.0, mode="async", weight_decay=0.0)
+    assert fingerprint(params, as_ints) == fingerprint(params, as_floats)
+    assert type(as_ints.lr) is float and type(as_ints.weight_decay) is float and as_ints.staleness_lr is False
+    assert type(JobSpec(staleness=2, mode="ssp").staleness) is int  # int fields stay ints
+    for cls, kw in ((psgrad.SGD, {"lr": 20, "momentum": 0}), (psgrad.Adam, {"lr": 1, "betas": (0, 0.5)}),
+                    (psgrad.Adagrad, {"lr": 1}), (psgrad.RMSprop, {"lr": 1}), (psgrad.Adadelta, {"lr": 2})):
+        ints = JobSpec(**cls(**kw).job_fields())
+        floats = JobSpec(**cls(**{k: float(v) if isinstance(v, int) else tuple(map(float, v)) for k, v in kw.items()}
+                              ).job_fields())
+        assert fingerprint(params, ints) == fingerprint(params, floats), cls
+    assert psgrad.SGD(lr=20) == psgrad.SGD(lr=20.0) and repr(psgrad.SGD(lr=20)).startswith("SGD(lr=20.0,")
+
+
 def test_job_spec_lists_valid_choices() -> None:
     with pytest.raises(ConfigError) as info:
         JobSpec(wire_dtype="int8")
@@ -453,3 +474,21 @@ def test_dc_asgd_is_a_setting_of_the_modes_with_stale_gradients(mode: str) -> No
         JobSpec(mode="sync", dc_asgd=0.04)
     with pytest.raises(ConfigError, match="--dc-asgd-adaptive .* give --dc-asgd > 0"):
         JobSpec(mode=mode, dc_asgd_adaptive=True)
+
+
+@pytest.mark.parametrize("kind, twin", [("SGD", "psgrad.SGD(lr="), ("AdamW", "psgrad.Adam(lr=..., ...) with decoupled=True"),
+                                        ("LBFGS", "only these rules")])
+def test_a_torch_optim_optimizer_is_refused_naming_the_ones_to_use(kind: str, twin: str) -> None:
+    """psgrad.connect(optimizer=torch.optim.SGD(...)) raised AttributeError ('job_fields')."""
+    import torch
+
+    import psgrad
+
+    torch_optimizer = getattr(torch.optim, kind)(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as info:
+        psgrad.connect("127.0.0.1:1", optimizer=torch_optimizer)  # nothing is sent: refused before
+    message = str(info.value)
+    assert ("optimizer must be psgrad.SGD, psgrad.Adam, psgrad.Adagrad, psgrad.RMSprop or psgrad.Adadelta" in message
+            and f"got a torch.optim.{kind}" in message and twin in message), message
+    with pytest.raises(ConfigError, match="got 'sgd'"):
+        psgrad.connect("127.0.0.1:1", optimizer="sgd")  # type: ignore[arg-type]

@@ -157,14 +157,19 @@ def test_slurm_multi_prog_first_tasks_serve_on_port_base_plus_i() -> None:
     assert resolve(old, opts).servers == expected
 
 
-def het_env(procid: int) -> dict[str, str]:
-    return {
-        "SLURM_PROCID": str(procid), "SLURM_HET_SIZE": "2",
-        "SLURM_STEP_NODELIST_HET_GROUP_0": "cpu[1-2]", "SLURM_STEP_TASKS_PER_NODE_HET_GROUP_0": "1(x2)",
-        "SLURM_STEP_NUM_TASKS_HET_GROUP_0": "2",
-        "SLURM_STEP_NODELIST_HET_GROUP_1": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE_HET_GROUP_1": "2,1",
-        "SLURM_STEP_NUM_TASKS_HET_GROUP_1": "3",
-    }
+def het_env(procid: int, pack: bool = True, step: bool = True) -> dict[str, str]:
+    """What SLURM 22.05 sets in a task of a two-component het step (`srun ... : ...`): each component's
+    job variables with the suffix _HET_GROUP_g (and _PACK_GROUP_g copies), and the whole step's node
+    list and tasks per node; component 0 has 1 task on each of cpu1, cpu2, component 1 2 on gpu07
+    and 1 on gpu08."""
+    env = {"SLURM_PROCID": str(procid), "SLURM_HET_SIZE": "2", "SLURM_NTASKS": "5"}
+    for g, (nodes, counts, ntasks) in enumerate((("cpu[1-2]", "1(x2)", "2"), ("gpu[07-08]", "2,1", "3"))):
+        for kind in ("HET", "PACK") if pack else ("HET",):
+            env.update({f"SLURM_JOB_NODELIST_{kind}_GROUP_{g}": nodes, f"SLURM_TASKS_PER_NODE_{kind}_GROUP_{g}": counts,
+                        f"SLURM_NTASKS_{kind}_GROUP_{g}": ntasks})
+    if step:
+        env.update({"SLURM_STEP_NODELIST": "cpu[1-2],gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "1(x2),2,1"})
+    return env
 
 
 def test_slurm_het_job_component_0_serves() -> None:
@@ -172,6 +177,22 @@ def test_slurm_het_job_component_0_serves() -> None:
     assert [(r.kind, r.index) for r in roles] == [("server", 0), ("server", 1), ("worker", 0), ("worker", 1), ("worker", 2)]
     assert all(r.servers == (f"cpu1:{7070}", f"cpu2:{7071}") and r.num_workers == 3 for r in roles)
     assert roles[1].advertise_host == "cpu2"
+    here = {**het_env(3), "SLURMD_NODENAME": "gpu07"}  # task 3 = worker 1, the second task on gpu07
+    assert resolve(here, RunOptions()).index == 1
+
+
+def test_slurm_het_job_reads_the_pack_copies_and_the_old_names() -> None:
+    """Before 20.02 SLURM wrote _PACK_GROUP_ only; psgrad's SLURM_STEP_*_HET_GROUP_* names of before
+    still work after the real ones."""
+    pack_only = {k: v for k, v in het_env(0).items() if "_HET_GROUP_" not in k}
+    old = {"SLURM_PROCID": "0", "SLURM_HET_SIZE": "2",
+           "SLURM_STEP_NODELIST_HET_GROUP_0": "cpu[1-2]", "SLURM_STEP_TASKS_PER_NODE_HET_GROUP_0": "1(x2)",
+           "SLURM_STEP_NUM_TASKS_HET_GROUP_0": "2",
+           "SLURM_STEP_NODELIST_HET_GROUP_1": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE_HET_GROUP_1": "2,1",
+           "SLURM_STEP_NUM_TASKS_HET_GROUP_1": "3"}
+    for env in (pack_only, old, het_env(0, pack=False, step=False)):
+        got = resolve(env, RunOptions())
+        assert (got.kind, got.index, got.servers, got.num_workers) == ("server", 0, ("cpu1:7070", "cpu2:7071"), 3)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +210,13 @@ def test_slurm_het_job_component_0_serves() -> None:
         (slurm_env(2, SLURMD_NODENAME="gpu5"), RunOptions(num_servers=1), ["SLURMD_NODENAME=gpu5", "block"]),
         (slurm_env(0), RunOptions(num_servers=5), ["--num-servers 5"]),
         ({**het_env(0), "SLURM_HET_SIZE": "3"}, RunOptions(), ["SLURM_HET_SIZE=3"]),
-        ({**het_env(0), "SLURM_STEP_NUM_TASKS_HET_GROUP_1": "4"}, RunOptions(), ["SLURM_STEP_NUM_TASKS_HET_GROUP_1"]),
+        ({**het_env(0), "SLURM_NTASKS_HET_GROUP_1": "4"}, RunOptions(), ["SLURM_NTASKS_HET_GROUP_1='4'"]),
+        ({k: v for k, v in het_env(0).items() if not k.startswith("SLURM_TASKS_PER_NODE_")}, RunOptions(),
+         ["SLURM_TASKS_PER_NODE_HET_GROUP_0 is not set", "SLURM_TASKS_PER_NODE_PACK_GROUP_0"]),
+        ({k: v for k, v in het_env(0).items() if "NODELIST_" not in k}, RunOptions(),
+         ["SLURM_JOB_NODELIST_HET_GROUP_0 is not set"]),
+        ({**het_env(0), "SLURM_STEP_TASKS_PER_NODE": "1(x2),1,1"}, RunOptions(),  # srun ran fewer tasks
+         ["SLURM_STEP_TASKS_PER_NODE='1(x2),1,1') places 4 task(s)", "2 + 3", "srun ... : ..."]),
         (het_env(0), RunOptions(num_servers=1), ["--num-servers 1", "component 0"]),
     ],
 )

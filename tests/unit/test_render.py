@@ -97,6 +97,28 @@ def test_manifests_parse_back_to_the_objects(name: str, capsys: pytest.CaptureFi
     assert [d["kind"] for d in docs] == (["JobSet"] if "jobset" in name else ["Service", "Job", "Job"])
 
 
+@pytest.mark.parametrize("name", ["k8s-jobset.yaml", "k8s-jobs.yaml"])
+def test_resource_quantities_are_quoted_strings(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """cpu, memory and nvidia.com/gpu are Kubernetes quantities: strings, as `kubectl` writes them
+    (`nvidia.com/gpu: 1` was an int)."""
+    text = render(CASES[name], capsys)
+    assert "nvidia.com/gpu: 1" not in text
+    for doc in read_yaml(text):
+        for spec in _job_specs(doc):
+            resources = spec["template"]["spec"]["containers"][0]["resources"]
+            values = {**resources["requests"], **resources["limits"]}
+            assert values and all(isinstance(v, str) for v in values.values()), values
+    if name == "k8s-jobs.yaml":
+        assert '              nvidia.com/gpu: "1"' in text.splitlines()
+
+
+def _job_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Job specs in one manifest (a JobSet's replicated Jobs, a Job, or none)."""
+    if doc["kind"] == "JobSet":
+        return [rj["template"]["spec"] for rj in doc["spec"]["replicatedJobs"]]
+    return [doc["spec"]] if doc["kind"] == "Job" else []
+
+
 def _commands(docs: list[dict[str, Any]]) -> dict[str, list[str]]:
     """role -> the container command of its pods."""
     jobs = [rj["template"]["spec"] for rj in docs[0]["spec"]["replicatedJobs"]] if docs[0]["kind"] == "JobSet" \
