@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -50,34 +49,32 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ceilings import (  # noqa: E402
+from lib import (
+    PSGRAD_SERVER,
     Child,
-    MemcpyProbe,
     figure,
     log,
     machine_info,
     paused,
+    rep_order,
     start_server,
     stop_all,
     summarize,
     target,
     write_json,
 )
-from transport import PSGRAD_SERVER, rep_order  # noqa: E402
+from lib.ceilings import MemcpyProbe
 
-from psgrad.client.parameter_client import ParameterClient  # noqa: E402
-from psgrad.config import ClientConfig, JobSpec, ServerConfig  # noqa: E402
-from psgrad.core.codecs import byte_view  # noqa: E402
-from psgrad.core.layout import Layout  # noqa: E402
-from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards  # noqa: E402
-from psgrad.core.status import LIVE  # noqa: E402
-from psgrad.server import checkpoint  # noqa: E402
-from psgrad.server.shard import Shard  # noqa: E402
-from psgrad.server.state import MemberRecord, ShardSnapshot  # noqa: E402
-from psgrad.wire.heap import tune_allocator  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.core.codecs import byte_view
+from psgrad.core.layout import Layout
+from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
+from psgrad.core.status import LIVE
+from psgrad.server import checkpoint
+from psgrad.server.shard import Shard
+from psgrad.server.state import MemberRecord, ShardSnapshot
+from psgrad.wire.heap import tune_allocator
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "every_s": 0.5, "round_s": 1.5, "reps": 2, "poll_s": 0.05,

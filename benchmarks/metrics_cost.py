@@ -22,25 +22,19 @@ Prints one JSON document.
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from lib import PSGRAD_SERVER, Child, log, machine_info, start_server, stop_all, summarize, write_json
 
-from ceilings import Child, log, machine_info, start_server, stop_all, summarize, write_json  # noqa: E402
-from transport import PSGRAD_SERVER  # noqa: E402
-
-from psgrad.client.parameter_client import ParameterClient  # noqa: E402
-from psgrad.config import ClientConfig, JobSpec  # noqa: E402
-from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
-from psgrad.metrics.exporters import PrometheusExporter  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.metrics.exporters import PrometheusExporter
 
 SMALL = 100_000
 RATIOS = (("push", "push_throughput"), ("pull", "pull_throughput"), ("step", "step_rate"))

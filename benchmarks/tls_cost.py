@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +25,13 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from lib import PSGRAD_SERVER, Child, log, machine_info, start_server, stop_all, summarize, write_json
 
-from ceilings import Child, log, machine_info, start_server, stop_all, summarize, write_json  # noqa: E402
-from transport import PSGRAD_SERVER  # noqa: E402
-
-from psgrad.client.parameter_client import ParameterClient  # noqa: E402
-from psgrad.config import AuthConfig, ClientConfig, JobSpec, TlsConfig  # noqa: E402
-from psgrad.core.credentials import derive_token  # noqa: E402
-from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
-from psgrad.launch.certs import CertFiles, write_job_certs  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import AuthConfig, ClientConfig, JobSpec, TlsConfig
+from psgrad.core.credentials import derive_token
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.launch.certs import CertFiles, write_job_certs
 
 SMALL = 100_000
 PRESETS = {"tiny": {"mb": 4.0, "reps": 2, "steps": 20}, "full": {"mb": 100.0, "reps": 8, "steps": 300}}
