@@ -103,8 +103,9 @@ def test_a_bad_window_is_refused_before_anything_starts(argv: list[str]) -> None
 
 
 @pytest.mark.timeout(300)
-def test_fault_recovery_tiny_measures_both_runs() -> None:
-    out = _run("benchmarks/fault_recovery.py", "--preset", "tiny", "--modes", "sync")
+def test_a_killed_worker_tiny_measures_both_runs() -> None:
+    out = _run("benchmarks/faults.py", "--fault", "worker", "--preset", "tiny", "--modes", "sync")
+    assert out["benchmark"] == "fault_recovery" and out["fault"] == "worker"
     (row,) = out["results"]
     assert row["mode"] == "sync" and row["baseline_train_s"] > 0 and row["with_kill_train_s"] > 0
 
