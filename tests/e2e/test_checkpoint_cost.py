@@ -1,6 +1,7 @@
-"""benchmarks/feature_cost.py --feature checkpoint --preset tiny runs end to end: both servers measured in alternating
-rounds, checkpoints really written inside the checkpointing server's rounds, and the snapshot,
-save and load timed beside their ceilings (structure and sanity only, no timing assertions)."""
+"""benchmarks/feature_cost.py --feature checkpoint --preset tiny runs end to end: both servers
+measured in alternating rounds, checkpoints really written inside the checkpointing server's rounds,
+and the snapshot, save and load timed beside their ceilings (structure and sanity only, no timing
+assertions)."""
 from __future__ import annotations
 
 
