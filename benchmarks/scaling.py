@@ -33,8 +33,8 @@ from lib import (
     PSGRAD_SERVER,
     SETUP_TIMEOUT_S,
     Child,
+    CommandChild,
     add_preset,
-    command_loop,
     figure,
     log,
     machine_info,
@@ -61,12 +61,12 @@ WINDOW_STEPS = 10  # a window holds at least about this many compute times
 # Worker process
 
 
-class _Trainer:
+class _Trainer(CommandChild):
     """One worker process: a psgrad client per shard count, over shared flat buffers."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.loops: dict[str, Any] = {}
-        self.closers: list[Any] = []
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["op"] == "setup":
@@ -117,19 +117,11 @@ class _Trainer:
 
         return steps
 
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-
 
 def worker_main() -> None:
     import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
-    trainer = _Trainer()
-    try:
-        command_loop(trainer.handle)
-    finally:
-        trainer.close()
+    _Trainer().serve()
 
 
 # ---------------------------------------------------------------------------------------------

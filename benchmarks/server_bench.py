@@ -35,8 +35,8 @@ from lib import (
     RAW_SERVER,
     SETUP_TIMEOUT_S,
     Child,
+    CommandChild,
     add_preset,
-    command_loop,
     figure,
     log,
     machine_info,
@@ -80,12 +80,12 @@ def expected_state_bytes(name: str, numel: int) -> int:
 # Worker process
 
 
-class _Pusher:
+class _Pusher(CommandChild):
     """One worker process: a psgrad client per measured server and a raw gRPC client."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.push: dict[str, Any] = {}
-        self.closers: list[Any] = []
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["op"] == "setup":
@@ -147,19 +147,11 @@ class _Pusher:
             done.append(time.monotonic())
         return {"go": go, "start": starts, "done": done, "not_applied": not_applied}
 
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-
 
 def worker_main() -> None:
     import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
-    pusher = _Pusher()
-    try:
-        command_loop(pusher.handle)
-    finally:
-        pusher.close()
+    _Pusher().serve()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from lib.children import (
     SETUP_TIMEOUT_S,
     BenchError,
     Child,
+    CommandChild,
     command_loop,
     exit_now,
     lib_argv,
@@ -48,6 +49,7 @@ from lib.report import (
     machine_info,
     median_gbps,
     percentile,
+    pull_push_iterations,
     rep_order,
     summarize,
     target,
@@ -55,8 +57,8 @@ from lib.report import (
 )
 
 __all__ = [
-    "BENCH", "ONE_THREAD_ENV", "PSGRAD_SERVER", "RAW_SERVER", "REPO", "SETUP_TIMEOUT_S", "BenchError", "Child", "add_preset", "aggregate",
+    "BENCH", "ONE_THREAD_ENV", "PSGRAD_SERVER", "RAW_SERVER", "REPO", "SETUP_TIMEOUT_S", "BenchError", "Child", "CommandChild", "add_preset", "aggregate",
     "command_loop", "exit_now", "figure", "lib_argv", "log", "machine_info", "median_gbps", "overrides", "paused",
-    "percentile", "psgrad_launch", "psgrad_process", "psgrad_server", "read_jsonl", "rep_order", "run_together",
+    "percentile", "psgrad_launch", "pull_push_iterations", "psgrad_process", "psgrad_server", "read_jsonl", "rep_order", "run_together",
     "start_server", "stop_all", "summarize", "target", "window_argv", "window_bytes_arg", "write_json",
 ]

@@ -1,7 +1,7 @@
 """The processes a benchmark starts, and how it stops them.
 
 - Child: a benchmark child spoken to in JSON, one command per stdin line, one reply per stdout
-  line (command_loop is the child's side); servers started with start_server are children that
+  line (CommandChild, or command_loop, is the child's side); servers started with start_server are children that
   only announce their address and stop on SIGTERM. stop_all stops and reaps many at once.
 - psgrad_server, psgrad_process, psgrad_launch: `python -m psgrad ...` as a user runs it, for the
   benchmarks that measure whole jobs (a fault, a training run).
@@ -235,6 +235,28 @@ def command_loop(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
             reply(handle(cmd))
         except Exception as exc:
             reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class CommandChild:
+    """The child's side of Child, as an object: handle() answers one command; what it opened goes
+    into closers, closed last first when the loop ends (quit, or the end of stdin)."""
+
+    def __init__(self) -> None:
+        self.closers: list[Callable[[], object]] = []
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+
+    def serve(self) -> None:
+        """Answer the parent's commands until it says quit, then close."""
+        try:
+            command_loop(self.handle)
+        finally:
+            self.close()
 
 
 def exit_now(code: int = 0) -> None:

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 
@@ -84,6 +84,22 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 def median_gbps(times_s: Sequence[float], nbytes: int) -> float:
     """Bandwidth of the median time."""
     return nbytes / summarize(times_s)["median"] / 1e9
+
+
+def pull_push_iterations(iters: int, pull: Callable[[], object], push: Callable[[], object]) -> dict[str, Any]:
+    """Time `iters` iterations of pull() then push(): one worker's reply to a round (see aggregate),
+    on the monotonic clock, which is one clock for all processes on a Linux host."""
+    pull_s, push_s = [], []
+    start = time.monotonic()
+    for _ in range(iters):
+        t0 = time.monotonic()
+        pull()
+        t1 = time.monotonic()
+        push()
+        t2 = time.monotonic()
+        pull_s.append(t1 - t0)
+        push_s.append(t2 - t1)
+    return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
 
 
 def aggregate(replies: Sequence[dict[str, Any]], payload_bytes: int) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
@@ -22,7 +21,7 @@ from lib.children import (
     RAW_SERVER,
     SETUP_TIMEOUT_S,
     Child,
-    command_loop,
+    CommandChild,
     exit_now,
     lib_argv,
     run_together,
@@ -30,7 +29,7 @@ from lib.children import (
     stop_all,
 )
 from lib.raw_grpc import RawClient
-from lib.report import aggregate
+from lib.report import aggregate, pull_push_iterations
 
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec
@@ -55,14 +54,14 @@ def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-class _Agent:
+class _Agent(CommandChild):
     """One worker process: psgrad clients and raw gRPC clients over shared flat buffers."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.flat = torch.zeros(0)
         self.grad = torch.zeros(0)
         self.jobs: dict[str, Callable[[int], dict[str, Any]]] = {}
-        self.closers: list[Callable[[], None]] = []
 
     def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.flat.numel() != numel:
@@ -100,22 +99,13 @@ class _Agent:
             shared.copy_(grad)
             grad = shared
 
-        def run(iters: int) -> dict[str, Any]:
+        def push() -> None:
             nonlocal clock
-            pull_s, push_s = [], []
-            start = time.monotonic()
-            for _ in range(iters):
-                t0 = time.monotonic()
-                client.pull(flat, clock, published=True)
-                t1 = time.monotonic()
-                client.push(grad, clock)
-                t2 = time.monotonic()
-                clock += 1
-                pull_s.append(t1 - t0)
-                push_s.append(t2 - t1)
-            return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
+            client.push(grad, clock)
+            clock += 1
 
-        self.jobs[cmd["key"]] = run
+        self.jobs[cmd["key"]] = lambda iters: pull_push_iterations(
+            iters, lambda: client.pull(flat, clock, published=True), push)
 
     def _setup_raw(self, cmd: dict[str, Any]) -> None:
         nbytes, chunk, addrs = int(cmd["nbytes"]), int(cmd["chunk"]), list(cmd["servers"])
@@ -135,32 +125,13 @@ class _Agent:
                 for f in [pool.submit(fn, c, a, b) for c, (a, b) in zip(clients, ranges)]:
                     f.result()
 
-        def run(iters: int) -> dict[str, Any]:
-            pull_s, push_s = [], []
-            start = time.monotonic()
-            for _ in range(iters):
-                t0 = time.monotonic()
-                fan_out(lambda c, a, b: c.download(dst[a:b], chunk))
-                t1 = time.monotonic()
-                fan_out(lambda c, a, b: c.upload(src[a:b], chunk))
-                t2 = time.monotonic()
-                pull_s.append(t1 - t0)
-                push_s.append(t2 - t1)
-            return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
-
-        self.jobs[cmd["key"]] = run
-
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
+        self.jobs[cmd["key"]] = lambda iters: pull_push_iterations(
+            iters, lambda: fan_out(lambda c, a, b: c.download(dst[a:b], chunk)),
+            lambda: fan_out(lambda c, a, b: c.upload(src[a:b], chunk)))
 
 
 def agent_main() -> None:
-    agent = _Agent()
-    try:
-        command_loop(agent.handle)
-    finally:
-        agent.close()
+    _Agent().serve()
     exit_now()
 
 

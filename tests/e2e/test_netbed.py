@@ -1,5 +1,6 @@
-"""Jobs across hosts: servers and workers in network namespaces of their own (benchmarks/lib/netbed.py),
-each host with its own address and /dev/shm, joined by a switch; partitions made with nftables."""
+"""Jobs across hosts: servers and workers in network namespaces of their own
+(benchmarks/lib/netbed.py), each host with its own address and /dev/shm, joined by a switch;
+partitions made with nftables."""
 from __future__ import annotations
 
 import json
