@@ -159,7 +159,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
 
         params = [ParamSpec("weight", (num_params,), "float32")]
         spec = JobSpec(num_shards=1, wire_dtype=wire_dtype, lr=1e-9)
-        # The ratios compare gRPC with gRPC: no same-host shared memory (ray_ps.py measures that).
+        # The ratios compare gRPC with gRPC: no same-host shared memory (--part peer measures that).
         cfg = ClientConfig(rpc_timeout_s=300, chunk_bytes=chunk, shared_memory=False)
         flat = torch.zeros(num_params)
         grad = torch.full((num_params,), 1e-3)

@@ -2,11 +2,13 @@
 measured beside. The scripts (`python benchmarks/X.py`) have benchmarks/ on their path and import
 it as `lib`:
 
-- lib.children: benchmark children spoken to in JSON (Child, stop_all, paused, run_together,
-  command_loop), psgrad server and worker processes (psgrad_server, psgrad_process, psgrad_launch),
-  and lib_argv, the command line of a child that runs a function of lib;
+- lib.children: benchmark children spoken to in JSON (Child, stop_all, paused, run_together; on
+  the child's side CommandChild and command_loop), psgrad server and worker processes
+  (psgrad_server, psgrad_process, psgrad_launch), and lib_argv, the command line of a child that
+  runs a function of lib;
 - lib.report: progress on stderr, the JSON document on stdout, machine info, summary statistics,
-  target and figure rows, the alternating order of interleaved repetitions;
+  timed pull/push rounds and their aggregate, target and figure rows, the alternating order of
+  interleaved repetitions;
 - lib.args: the --preset argument, overrides of a preset's values, the stream window argument;
 - lib.procfs and lib.window: CPU time and memory from /proc, and a measured window of workers
   started together;
