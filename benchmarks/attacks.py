@@ -15,7 +15,6 @@ import argparse
 import datetime
 import hashlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,19 +24,16 @@ from typing import Any
 import grpc
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from lib import log, start_server, stop_all, write_json
 
-from ceilings import log, start_server, stop_all, write_json  # noqa: E402
-
-from psgrad.client.parameter_client import ParameterClient, shard_status  # noqa: E402
-from psgrad.config import AuthConfig, ClientConfig, JobSpec, TlsConfig  # noqa: E402
-from psgrad.core.credentials import ADMIN, derive_token  # noqa: E402
-from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
-from psgrad.launch.certs import CertFiles, new_ca, write_job_certs, write_pair  # noqa: E402
-from psgrad.proto import ps_pb2 as pb  # noqa: E402
-from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX  # noqa: E402
-from psgrad.wire.security import open_channel  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient, shard_status
+from psgrad.config import AuthConfig, ClientConfig, JobSpec, TlsConfig
+from psgrad.core.credentials import ADMIN, derive_token
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.launch.certs import CertFiles, new_ca, write_job_certs, write_pair
+from psgrad.proto import ps_pb2 as pb
+from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX
+from psgrad.wire.security import open_channel
 
 NUMEL = 1000
 SPEC = JobSpec(mode="async", num_workers=2, num_shards=1, lr=0.1)

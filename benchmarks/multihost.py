@@ -4,11 +4,11 @@ wire, and a sync iteration beside gloo all-reduce — all on one test bed, in on
     python benchmarks/multihost.py --preset full    # 10M float32 parameters, every link 1 Gbit/s
     python benchmarks/multihost.py --preset tiny    # 1M parameters, CI-sized
 
-The hosts are network namespaces (netbed.py), each with its own address and /dev/shm, every
+The hosts are network namespaces (lib/netbed.py), each with its own address and /dev/shm, every
 host's link shaped with `tc ... tbf` to `--rate-mbit` in both directions. Needs root, iproute2
 and tc. Prints one JSON document.
 
-- transport: one shard server, a raw gRPC server (raw_grpc.py: 1 MiB chunks through generic
+- transport: one shard server, a raw gRPC server (lib/raw_grpc.py: 1 MiB chunks through generic
   handlers, a copy per chunk) and a bfloat16 shard server on host 0; one client on host 2 pulls
   and pushes the model through each, repetitions interleaved in alternating order.
   `psgrad_vs_raw`: psgrad's throughput over raw gRPC's of the same bytes over the same link
@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from lib import RAW_SERVER, add_preset, log, machine_info, rep_order, write_json
+from lib.netbed import NetBed
+
+from psgrad.launch.supervisor import SupervisedProcess
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "reps": 3, "rounds": 2, "iters": 2, "rate_mbit": 1000},
@@ -41,16 +43,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _log(msg: str) -> None:
-    print(f"[multihost] {msg}", file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------------------------
 # Agents: run on a host of the bed as `python benchmarks/multihost.py --agent KIND ...`
-
-
-def _order(keys: list[str], rep: int) -> list[str]:
-    return keys if rep % 2 else keys[::-1]
 
 
 def agent_transport(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,7 +55,8 @@ def agent_transport(args: argparse.Namespace) -> dict[str, Any]:
     from psgrad.config import ClientConfig, JobSpec
     from psgrad.core.codecs import byte_view
     from psgrad.core.sharding import ParamSpec, plan_shards
-    from raw_grpc import RawClient
+
+    from lib.raw_grpc import RawClient
 
     n = args.params
     params = [ParamSpec("weight", (n,), "float32")]
@@ -89,7 +84,7 @@ def agent_transport(args: argparse.Namespace) -> dict[str, Any]:
         fn(0)
     times: dict[str, list[float]] = {k: [] for k in ops}
     for rep in range(1, args.reps + 1):
-        for key in _order(list(ops), rep):
+        for key in rep_order(list(ops), rep):
             t0 = time.perf_counter()
             ops[key](rep)
             times[key].append(time.perf_counter() - t0)
@@ -136,7 +131,7 @@ def agent_sync(args: argparse.Namespace) -> dict[str, Any]:
         fn()
     times: dict[str, list[float]] = {k: [] for k in ops}
     for rnd in range(1, args.rounds + 1):
-        for key in _order(list(ops), rnd):
+        for key in rep_order(list(ops), rnd):
             dist.barrier()
             for _ in range(args.iters):
                 t0 = time.perf_counter()
@@ -159,9 +154,6 @@ def _summary(times: list[float], nbytes: int) -> dict[str, float]:
 
 
 def run(preset: str, params: int | None = None, rate_mbit: float | None = None) -> dict[str, Any]:
-    from ceilings import machine_info
-    from netbed import NetBed
-
     cfg = dict(PRESETS[preset])
     if params:
         cfg["params"] = params
@@ -172,9 +164,8 @@ def run(preset: str, params: int | None = None, rate_mbit: float | None = None) 
         raise SystemExit(f"multihost: no test bed here: {why}")
     n = cfg["params"]
     py = sys.executable
-    me = str(HERE / "multihost.py")
+    me = str(Path(__file__).resolve())
     procs: list[Any] = []
-    from psgrad.launch.supervisor import SupervisedProcess
 
     def start(bed: NetBed, host: int, argv: list[str], marker: str, name: str) -> str:
         proc = SupervisedProcess(bed.command(host, argv), name=name, new_session=False)
@@ -198,16 +189,16 @@ def run(preset: str, params: int | None = None, rate_mbit: float | None = None) 
     with NetBed(4, rate_mbit=cfg["rate_mbit"]) as bed:
         try:
             a = [h.addr for h in bed.hosts]
-            _log(f"bed up: 4 hosts, links {cfg['rate_mbit']} Mbit/s; transport, {n:,} float32 parameters")
+            log(f"multihost: bed up: 4 hosts, links {cfg['rate_mbit']} Mbit/s; transport, {n:,} float32 parameters")
             ps = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-fp32")
             ps16 = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-bf16")
-            raw = start(bed, 0, [py, str(HERE / "raw_grpc.py"), "--serve", "--host", a[0]], "listening on", "raw")
+            raw = start(bed, 0, [py, *RAW_SERVER, "--host", a[0]], "listening on", "raw")
             t = result(agent(bed, 2, ["--agent", "transport", "--params", str(n), "--reps", str(cfg["reps"]),
                                       "--psgrad", ps, "--psgrad-bf16", ps16, "--raw", raw]))
             for p in procs:
                 p.stop(10)
             procs.clear()
-            _log("sync: 2 shards, 2 workers, beside gloo all-reduce")
+            log("multihost: sync: 2 shards, 2 workers, beside gloo all-reduce")
             s0 = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "shard0")
             s1 = start(bed, 1, [py, *server, "--host", a[1]], "listening on", "shard1")
             store = f"/tmp/psgrad-multihost-store-{os.getpid()}"
@@ -254,7 +245,7 @@ def run(preset: str, params: int | None = None, rate_mbit: float | None = None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
+    add_preset(parser, PRESETS, "model size and repetitions")
     parser.add_argument("--params", type=int, help="override the number of float32 parameters")
     parser.add_argument("--rate-mbit", type=float, help="override every link's rate in Mbit/s (default: 1000)")
     parser.add_argument("--agent", choices=["transport", "sync"], help=argparse.SUPPRESS)
@@ -274,7 +265,7 @@ def main() -> None:
         out = agent_transport(args) if args.agent == "transport" else agent_sync(args)
         print(json.dumps(out), flush=True)
         return
-    print(json.dumps(run(args.preset, args.params, args.rate_mbit), indent=2))
+    write_json(run(args.preset, args.params, args.rate_mbit))
 
 
 if __name__ == "__main__":

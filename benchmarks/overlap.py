@@ -17,18 +17,15 @@ Prints one JSON document; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import torch
 from torch import nn
+
+from lib import add_preset, log, machine_info, psgrad_server, write_json
 
 import psgrad
 from psgrad.config import ClientConfig
@@ -38,24 +35,6 @@ PRESETS: dict[str, dict[str, int]] = {
     "full": {"params": 4_000_000, "steps": 40, "blocks": 3},
 }
 TARGET = 1.3
-
-
-def _log(msg: str) -> None:
-    print(f"[overlap] {msg}", file=sys.stderr, flush=True)
-
-
-def _start_server() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "psgrad", "server", "--port", "0"],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "listening on" in line:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
-            return proc, line.rsplit(" ", 1)[1].strip()
-    proc.wait(timeout=10)
-    raise RuntimeError(f"the psgrad server exited ({proc.returncode}) before announcing its address")
 
 
 class Flat(nn.Module):
@@ -125,19 +104,19 @@ def run(preset: str, params: int | None = None, device_name: str = "cpu") -> dic
     # One intra-op thread: the worker shares this machine with the server, and OpenMP threads
     # waiting for a busy core turn a 1 ms copy into a 10 ms one.
     torch.set_num_threads(1)
-    proc, address = _start_server()
+    proc, address = psgrad_server("overlap-server", "--port", "0")
     try:
         addresses = [address]
-        _log(f"{numel:,} parameters through 1 shard at {address}, device {device}")
+        log(f"overlap: {numel:,} parameters through 1 shard at {address}, device {device}")
         first = run_block(addresses, numel, cfg["steps"], 0.0, False, device)
         compute_s = first["step_s"]
-        _log(f"communication per step C = {compute_s * 1e3:.1f} ms: simulated compute T = C")
+        log(f"overlap: communication per step C = {compute_s * 1e3:.1f} ms: simulated compute T = C")
         blocks: dict[str, list[dict[str, float]]] = {"comm": [first], "off": [], "on": []}
         for b in range(cfg["blocks"]):  # alternate, so machine noise hits every configuration alike
             for name, overlap, t in (("off", False, compute_s), ("on", True, compute_s), ("comm", False, 0.0)):
                 res = run_block(addresses, numel, cfg["steps"], t, overlap, device)
                 blocks[name].append(res)
-                _log(f"round {b + 1}/{cfg['blocks']} {name}: step {res['step_s'] * 1e3:.1f} ms")
+                log(f"overlap: round {b + 1}/{cfg['blocks']} {name}: step {res['step_s'] * 1e3:.1f} ms")
         comm = {"step_s": statistics.median(r["step_s"] for r in blocks["comm"])}
         step_off = statistics.median(r["step_s"] for r in blocks["off"])
         step_on = statistics.median(r["step_s"] for r in blocks["on"])
@@ -148,8 +127,7 @@ def run(preset: str, params: int | None = None, device_name: str = "cpu") -> dic
             "params": numel,
             "payload_bytes": numel * 4,
             "device": str(device),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "torch": torch.__version__},
+            "machine": machine_info(),
             "communication_s": comm["step_s"],
             "compute_s": compute_s,
             "step_overlap_off_s": step_off,
@@ -176,21 +154,16 @@ def run(preset: str, params: int | None = None, device_name: str = "cpu") -> dic
             out["copies"] = {"psgrad": mine, "pinned_ceiling": ceiling}
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop(grace_s=30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
+    add_preset(parser, PRESETS, "model size and repetitions")
     parser.add_argument("--params", type=int, help="override the number of float32 parameters")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     args = parser.parse_args()
-    print(json.dumps(run(args.preset, args.params, args.device), indent=2))
+    write_json(run(args.preset, args.params, args.device))
 
 
 if __name__ == "__main__":

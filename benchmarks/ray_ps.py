@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,24 +35,13 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from lib import PSGRAD_SERVER, add_preset, aggregate, figure, log, machine_info, paused, summarize, target, write_json
+from lib.ceilings import MemcpyProbe
+from lib.procfs import memory_bytes
+from lib.swarm import open_swarm, psgrad_key, release_swarm
+from transport import compare_one_shard
 
-from ceilings import (  # noqa: E402
-    Child,
-    MemcpyProbe,
-    aggregate,
-    figure,
-    log,
-    machine_info,
-    paused,
-    summarize,
-    target,
-    write_json,
-)
-from transport import PSGRAD_SERVER, compare_one_shard, open_swarm, psgrad_key, release_swarm  # noqa: E402
-
-from psgrad.config import DEFAULT_CHUNK_BYTES  # noqa: E402
+from psgrad.config import DEFAULT_CHUNK_BYTES
 
 LR = 1e-9
 SYSTEMS = ("psgrad", "ray", "ray_copy_in")
@@ -185,13 +173,7 @@ def probe_limits(params: int, reps: int) -> dict[str, Any]:
 def _rss_mb(pid: int) -> dict[str, float]:
     """A process's resident memory (MB): in all, its own pages (RssAnon + RssFile), and the shared
     memory it maps (RssShmem: the published ring and the workers' segments it has open)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    return out
+    return {k: v / (1 << 20) for k, v in memory_bytes(pid).items() if k != "own"}
 
 
 def _ring_mb(pid: int) -> float:
@@ -326,7 +308,7 @@ def run(preset: str, shards: int = 1) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
+    add_preset(parser, PRESETS, "model size and repetitions")
     parser.add_argument("--shards", type=int, default=1, help="psgrad's shards (server processes), Ray's actor stays one; "
                         "above 1 the same job with each push copied into the shards' segments runs beside it, and "
                         "the one-shard limits and gRPC comparison are left out (default: 1)")

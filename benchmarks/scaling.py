@@ -29,11 +29,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ceilings import Child, command_loop, figure, log, machine_info, start_server, stop_all, target, write_json  # noqa: E402
-from server_bench import PSGRAD_SERVER, SETUP_TIMEOUT_S, in_window, measure_window  # noqa: E402
+from lib import (
+    PSGRAD_SERVER,
+    SETUP_TIMEOUT_S,
+    Child,
+    CommandChild,
+    add_preset,
+    figure,
+    log,
+    machine_info,
+    start_server,
+    stop_all,
+    target,
+    write_json,
+)
+from lib.window import in_window, measure_window
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 250_000, "shards": (1,), "workers": (1, 2), "compute_ms": (0, 20), "reps": 1,
@@ -51,12 +61,12 @@ WINDOW_STEPS = 10  # a window holds at least about this many compute times
 # Worker process
 
 
-class _Trainer:
+class _Trainer(CommandChild):
     """One worker process: a psgrad client per shard count, over shared flat buffers."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.loops: dict[str, Any] = {}
-        self.closers: list[Any] = []
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["op"] == "setup":
@@ -107,19 +117,11 @@ class _Trainer:
 
         return steps
 
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-
 
 def worker_main() -> None:
     import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
-    trainer = _Trainer()
-    try:
-        command_loop(trainer.handle)
-    finally:
-        trainer.close()
+    _Trainer().serve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int
                 sets[f"S{s}"].append(start_server(f"psgrad-S{s}-{i}", PSGRAD_SERVER))
         max_w = max(worker_counts)
         for r in range(max_w):
-            workers.append(Child(f"worker{r}", [sys.executable, str(HERE / "scaling.py"), "--worker"]))
+            workers.append(Child(f"worker{r}", [sys.executable, str(Path(__file__).resolve()), "--worker"]))
         jobs = {key: [s.address(timeout_s=SETUP_TIMEOUT_S) for s in servers] for key, servers in sets.items()}
         pids = {key: [s.popen.pid for s in servers] for key, servers in sets.items()}
         log(f"servers up: {jobs}; setting up {max_w} workers, {params:,} parameters")
@@ -291,7 +293,7 @@ def run(preset: str, shared_memory: bool = True) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="sizes and sweep (default: tiny)")
+    add_preset(parser, PRESETS, "sizes and sweep")
     parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
                         help="send every payload through gRPC frames, as from another host (default: the "
                         "same-host shared-memory path)")

@@ -7,7 +7,7 @@ memory, for SGD, SGD with momentum and Adam, beside raw gRPC upload of the same 
     python benchmarks/server_bench.py --preset full --stream-window-bytes 0   # gRPC's own windows
 
 One psgrad server process per optimizer (`python -m psgrad server`), one raw gRPC server
-(benchmarks/raw_grpc.py) and W worker processes of this script (`--worker`). Workers only push
+(benchmarks/lib/raw_grpc.py) and W worker processes of this script (`--worker`). Workers only push
 (async mode, lr 1e-9, no pulls, no compute). A round gives W workers one target; they start
 together after a barrier and push back to back; the parent reads the server's CPU time from
 /proc/PID/stat at the start and the end of a measured window, after a warm-up, and counts the
@@ -26,17 +26,17 @@ import dataclasses
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ceilings import (  # noqa: E402
+from lib import (
+    PSGRAD_SERVER,
+    RAW_SERVER,
+    SETUP_TIMEOUT_S,
     Child,
-    command_loop,
+    CommandChild,
+    add_preset,
     figure,
     log,
     machine_info,
@@ -47,6 +47,8 @@ from ceilings import (  # noqa: E402
     window_bytes_arg,
     write_json,
 )
+from lib.procfs import OwnPeak, memory_bytes
+from lib.window import in_window, measure_window
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.2, "window_s": 0.5},
@@ -60,93 +62,8 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 }
 RAW = "raw"
 LR = 1e-9
-TAIL_S = 0.2  # workers push this much past the window, so it ends before any of them stops
-SETUP_TIMEOUT_S = 180.0
 MB = 1e6
 SLACK_BYTES = 64 * 10**6  # the target's "+ 64 MB"
-PSGRAD_SERVER = ["-m", "psgrad", "server", "--host", "127.0.0.1", "--port", "0", "--lease-s", "600"]
-
-
-# ---------------------------------------------------------------------------------------------
-# /proc readings (Linux)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    # fields[0] is the state (field 3 of stat(5)); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def memory_bytes(pid: int) -> dict[str, int]:
-    """VmHWM (peak resident), VmRSS, RssAnon, RssFile and RssShmem of a process, in bytes.
-    `own` = RssAnon + RssFile: resident memory without shared-memory pages (such as the workers'
-    same-host segments a server maps)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                out[key] = int(rest.split()[0]) * 1024  # the kernel reports kB
-    out["own"] = out.get("RssAnon", 0) + out.get("RssFile", 0)
-    return out
-
-
-class OwnPeak:
-    """Samples each process's `own` memory (see memory_bytes) every interval_s in a thread and
-    keeps the highest value seen: the kernel keeps a peak (VmHWM) only for all resident pages."""
-
-    def __init__(self, pids: dict[str, int], interval_s: float = 0.02) -> None:
-        self.peak = {n: memory_bytes(pid)["own"] for n, pid in pids.items()}
-        self._pids = pids
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    def _loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self.sample()
-
-    def sample(self) -> None:
-        """Take one reading of every process now."""
-        for n, pid in self._pids.items():
-            try:
-                self.peak[n] = max(self.peak[n], memory_bytes(pid)["own"])
-            except (OSError, ValueError):
-                pass  # the process is gone (shutdown): the peak stays
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    total = sum(values[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
-    tick = os.sysconf("SC_CLK_TCK")
-    return (total - idle) / tick, total / tick
-
-
-def busy_fraction(before: tuple[float, float], after: tuple[float, float]) -> float:
-    """Share of all CPUs' time that was busy between two machine_busy() readings."""
-    total = after[1] - before[1]
-    return (after[0] - before[0]) / total if total > 0 else 0.0
-
-
-def in_window(starts: list[float], ends: list[float], t1: float, t2: float) -> float:
-    """How many of the operations [starts[i], ends[i]] fell inside [t1, t2], counting an operation
-    that straddles an end by the fraction of its duration inside (no +-1 quantization when a
-    window holds only a few long operations)."""
-    total = 0.0
-    for a, b in zip(starts, ends, strict=True):
-        overlap = min(b, t2) - max(a, t1)
-        if overlap > 0:
-            total += overlap / (b - a) if b > a else 1.0
-    return total
 
 
 def expected_state_bytes(name: str, numel: int) -> int:
@@ -163,12 +80,12 @@ def expected_state_bytes(name: str, numel: int) -> int:
 # Worker process
 
 
-class _Pusher:
+class _Pusher(CommandChild):
     """One worker process: a psgrad client per measured server and a raw gRPC client."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.push: dict[str, Any] = {}
-        self.closers: list[Any] = []
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["op"] == "setup":
@@ -180,7 +97,7 @@ class _Pusher:
 
     def _setup(self, cmd: dict[str, Any]) -> None:
         import torch
-        from raw_grpc import RawClient
+        from lib.raw_grpc import RawClient
 
         from psgrad.client.parameter_client import ParameterClient
         from psgrad.core.codecs import byte_view
@@ -230,54 +147,15 @@ class _Pusher:
             done.append(time.monotonic())
         return {"go": go, "start": starts, "done": done, "not_applied": not_applied}
 
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-
 
 def worker_main() -> None:
     import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
 
-    pusher = _Pusher()
-    try:
-        command_loop(pusher.handle)
-    finally:
-        pusher.close()
+    _Pusher().serve()
 
 
 # ---------------------------------------------------------------------------------------------
 # Parent
-
-
-def measure_window(
-    workers: list[Child], command: dict[str, Any], pids: list[int], warmup_s: float, window_s: float
-) -> dict[str, Any]:
-    """Start `command` on the workers together (barrier, then go) and have them run for the warm-up,
-    the window and a tail; read the CPU time of the server processes `pids`, of the workers and of
-    the whole machine at both ends of the window [t1, t2]. Workers report times on the shared
-    monotonic clock."""
-    run_s = warmup_s + window_s + TAIL_S
-    timeout = run_s + 120.0
-    for w in workers:
-        w.send({**command, "run_s": run_s, "barrier": True})
-    for w in workers:
-        w.recv(timeout)
-    t0 = time.monotonic()
-    for w in workers:
-        w.send({"op": "go"})
-    time.sleep(max(0.0, t0 + warmup_s - time.monotonic()))
-    worker_pids = [w.popen.pid for w in workers]
-    t1, mach1 = time.monotonic(), machine_busy()
-    cpu1, wcpu1 = sum(cpu_seconds(p) for p in pids), sum(cpu_seconds(p) for p in worker_pids)
-    time.sleep(max(0.0, t1 + window_s - time.monotonic()))
-    t2, mach2 = time.monotonic(), machine_busy()
-    cpu2, wcpu2 = sum(cpu_seconds(p) for p in pids), sum(cpu_seconds(p) for p in worker_pids)
-    replies = [w.recv(timeout) for w in workers]
-    late = max(r["go"] - t0 for r in replies)
-    if late > warmup_s / 2:
-        log(f"{command}: a worker started {late:.2f} s after the go (warm-up {warmup_s} s)")
-    return {"t1": t1, "t2": t2, "replies": replies, "server_cpu_s": cpu2 - cpu1, "workers_cpu_s": wcpu2 - wcpu1,
-            "machine_busy_fraction": busy_fraction(mach1, mach2)}
 
 
 def _round(
@@ -344,10 +222,10 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
     try:
         for n, (_, env, _shared) in variants.items():
             servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER, *window_args], env=env, speaks=False)
-        servers[RAW] = start_server("raw-grpc", [str(HERE / "raw_grpc.py"), "--serve"])
+        servers[RAW] = start_server("raw-grpc", RAW_SERVER)
         max_w = max(worker_counts)
         for r in range(max_w):
-            workers.append(Child(f"worker{r}", [sys.executable, str(HERE / "server_bench.py"), "--worker"]))
+            workers.append(Child(f"worker{r}", [sys.executable, str(Path(__file__).resolve()), "--worker"]))
         addresses = {n: s.address(timeout_s=SETUP_TIMEOUT_S) for n, s in servers.items()}
         pids = {n: s.popen.pid for n, s in servers.items()}
         idle = {n: memory_bytes(pids[n]) for n in variants}
@@ -469,7 +347,7 @@ def run(preset: str, server_env: dict[str, str] | None = None, stream_window_byt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and rounds (default: tiny)")
+    add_preset(parser, PRESETS, "model size and rounds")
     parser.add_argument(
         "--server-env",
         action="append",

@@ -6,8 +6,8 @@
     python benchmarks/suite.py --preset full --markdown --save out.json
     python benchmarks/suite.py --from-json out.json --markdown       # render a saved run
 
-Each part is a module here with `run(preset) -> dict` (JSON-able), run one after the other in this
-process; a part that is missing or fails is recorded as {"error": ...} and the others still run.
+Each part is a function `run(preset) -> dict` (JSON-able) of a script here (transport.py holds
+three: the matrix, latency and peer parts), run one after the other in this process; a part that is missing or fails is recorded as {"error": ...} and the others still run.
 Prints one JSON document: {"machine", "preset", "parts": {name: result}, "targets": [...]} where
 "targets" concatenates the parts' own "targets" rows (name, value, ceiling, ratio, target, better,
 met), the summary to read first. --markdown prints the targets and figures as Markdown tables
@@ -28,16 +28,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from lib import log, machine_info, write_json
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ceilings import log, machine_info, write_json  # noqa: E402
-
-# part name -> module in benchmarks/ (server and scaling are written by another engineer)
+# part name -> "MODULE" (its run function) or "MODULE:FUNCTION", a script in benchmarks/
 PARTS = {
     "transport": "transport",
-    "peer": "peer_rpc",
-    "latency": "latency",
+    "peer": "transport:run_peer",
+    "latency": "transport:run_latency",
     "server": "server_bench",
     "scaling": "scaling",
 }
@@ -47,7 +45,8 @@ SHARE_PROCESSES = ("transport", "peer")  # these parts reuse one set of worker p
 
 def run_part(name: str, preset: str) -> dict[str, Any]:
     """One part's result, or {"error": ...} when its module is missing or its run fails."""
-    module_name = PARTS[name]
+    module_name, _, function = PARTS[name].partition(":")
+    function = function or "run"
     t0 = time.monotonic()
     try:
         module = importlib.import_module(module_name)
@@ -57,9 +56,9 @@ def run_part(name: str, preset: str) -> dict[str, Any]:
         return {"error": f"importing {module_name}: {exc}", "traceback": traceback.format_exc()}
     except Exception as exc:
         return {"error": f"importing {module_name}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    run = getattr(module, "run", None)
+    run = getattr(module, function, None)
     if not callable(run):
-        return {"error": f"benchmarks/{module_name}.py has no run(preset) function"}
+        return {"error": f"benchmarks/{module_name}.py has no {function}(preset) function"}
     try:
         result = run(preset)
     except Exception as exc:
@@ -81,10 +80,10 @@ def collect_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _sharing() -> contextlib.AbstractContextManager[Any]:
-    """transport.keep_swarms() when transport's module loads: transport and peer then share their
-    worker processes and psgrad servers instead of each starting its own."""
+    """lib.swarm.keep_swarms() when it loads: transport and peer then share their worker processes
+    and psgrad servers instead of each starting its own."""
     try:
-        keep: contextlib.AbstractContextManager[Any] = importlib.import_module("transport").keep_swarms()
+        keep: contextlib.AbstractContextManager[Any] = importlib.import_module("lib.swarm").keep_swarms()
         return keep
     except Exception:
         return contextlib.nullcontext()

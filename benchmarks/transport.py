@@ -1,53 +1,86 @@
-"""Push/pull throughput of psgrad shards beside raw gRPC streaming of the same bytes, in one run.
+"""psgrad's push and pull beside other transports of the same bytes, each in one run: raw gRPC
+streaming, raw gRPC unary calls and the classic torch.distributed.rpc parameter server.
 
-    python benchmarks/transport.py --preset full            # one shard, one client, 25M float32 (100 MB)
-    python benchmarks/transport.py --preset tiny            # the same, CI-sized
-    python benchmarks/transport.py --preset full --matrix   # 1 and 2 shards x 1, 2, 4 worker processes
+    python benchmarks/transport.py --preset full                  # one shard, one client, 25M float32 (100 MB)
+    python benchmarks/transport.py --preset tiny                  # the same, CI-sized
+    python benchmarks/transport.py --preset full --part matrix    # 1 and 2 shards x 1, 2, 4 worker processes
+    python benchmarks/transport.py --preset full --part latency   # a 100K-parameter iteration vs a unary call
+    python benchmarks/transport.py --preset full --part peer      # beside torch.distributed.rpc; 1, 2, 4 workers
 
-Servers run as separate processes on this machine; measurements of psgrad and of its ceilings are
-interleaved, repetition by repetition (in alternating order), so machine noise hits both alike.
-Prints one JSON document.
+Servers run as separate processes on this machine; measurements of psgrad and of what it is
+compared with are interleaved, repetition by repetition (in alternating order), so machine noise
+hits both alike. Prints one JSON document; progress goes to stderr. The suite runs the matrix
+(`run`, its part "transport"), the latency part (`run_latency`) and the peer part (`run_peer`).
 
-Without --matrix, one client in this process pulls and pushes through one shard beside raw gRPC
-(`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each side spent per
-operation and, as a diagnostic, a push beside raw uploads served by one server process
-(psgrad_with_raw.py), whose Upload copies, does a shard's per-chunk sum and SGD update into the
-next weights, or does that update in place (`diagnostics`). With --matrix (and `run(preset)`,
-which the suite calls), W worker processes pull and push at once (async mode, lr 1e-9, no
-compute) through S shards; the same W processes then stream the same bytes through S raw gRPC
-servers; loopback TCP and memory-copy bandwidth are measured in the same repetitions.
+--part one-shard (the default): one client in this process pulls and pushes through one shard
+beside raw gRPC (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each
+side spent per operation and, as a diagnostic, a push beside raw uploads served by one server
+process (lib/raw_grpc.py's psgrad_with_raw_main), whose Upload copies, does a shard's per-chunk
+sum and SGD update into the next weights, or does that update in place (`diagnostics`).
+`--stream-window-bytes N` starts both psgrad servers of this comparison with that window (`psgrad
+server --stream-window-bytes`; 0 = gRPC's automatic windows), to weigh the window's cost in push
+speed on your machine (server_bench.py takes the same flag for memory).
 
-`--stream-window-bytes N` starts both psgrad servers of the one-shard comparison with that
-window (`psgrad server --stream-window-bytes`; 0 = gRPC's automatic windows), to weigh the
-window's cost in push speed on your machine (server_bench.py takes the same flag for memory).
+--part matrix (`--matrix` for short): W worker processes pull and push at once (async mode, lr
+1e-9, no compute) through S shards; the same W processes then stream the same bytes through S raw
+gRPC servers; loopback TCP and memory-copy bandwidth are measured in the same repetitions.
+
+--part latency: two psgrad shards (each its own process) hold a 100K-parameter model (400 KB, async
+mode, lr 1e-9); a raw gRPC server process answers unary pings. Every round of the loop, in this order:
+- the iteration as PSOptimizer.step() runs it: `ParameterClient.exchange` (push clock c, pull
+  c + 1; one unary Step call per shard) through the same-host path (shared-memory payloads);
+- the same through gRPC only (payloads inside the messages, as for a server on another host);
+- the same traffic as two separate calls, push then pull (each a call per shard);
+- one unary round trip (tiny request, tiny reply) to the raw server.
+So all series see the same machine noise. Reports median and p99 of each and the ratios to the
+unary round trip.
+
+--part peer: the peer is the textbook RPC parameter server: one PS process holds the model as one
+float32 tensor; each worker iteration is `rpc_sync(ps, get_weights)` then `rpc_sync(ps, push_grad,
+(g,))`, and the PS applies `w.add_(g, alpha=-lr)` under a lock. Every rank is its own process
+(TensorPipe backend on the loopback interface, rendezvous through a FileStore in a temporary
+directory, so no fixed port). psgrad runs the same iteration (pull, push; async mode, lr 1e-9, one
+shard) with the same number of worker processes, and the two are interleaved round by round.
+TensorPipe picks the fastest transport and channel both ends support: on one host that can be
+shared memory and cross-memory attach (CMA: the receiver reads the sender's memory directly, one
+copy, no socket). Each setup measured reports what it actually used, read from TensorPipe's own
+log of one worker (TP_VERBOSE_LOGGING=7 on that process only: about 80 short lines per message,
+well under 1 ms, against a few hundred ms for a 100 MB message). While one system is measured, the
+other system's processes, and its own idle workers, are stopped (SIGSTOP): TensorPipe's
+shared-memory transport busy-polls while idle, and that CPU would otherwise be charged to
+whichever system is running. The idle CPU of each setup is reported.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import re
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ceilings import (  # noqa: E402
+from lib import (
+    PSGRAD_SERVER,
+    RAW_SERVER,
+    SETUP_TIMEOUT_S,
+    BenchError,
     Child,
-    MemcpyProbe,
-    TcpClient,
+    add_preset,
     aggregate,
     command_loop,
     exit_now,
     figure,
+    lib_argv,
     log,
     machine_info,
     median_gbps,
+    paused,
+    rep_order,
     run_together,
     start_server,
     stop_all,
@@ -57,24 +90,39 @@ from ceilings import (  # noqa: E402
     window_bytes_arg,
     write_json,
 )
-from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE  # noqa: E402
-from raw_grpc import SERVICE as RAW_SERVICE  # noqa: E402
-from raw_grpc import RawClient  # noqa: E402
+from lib.ceilings import MemcpyProbe, TcpClient
+from lib.raw_grpc import SERVICE as RAW_SERVICE
+from lib.raw_grpc import SGD_IN_PLACE_SERVICE, SGD_SERVICE, RawClient
+from lib.swarm import (
+    ROUND_TIMEOUT_S,
+    open_swarm,
+    psgrad_key,
+    release_swarm,
+    wire_bytes,
+)
 
-from psgrad.client.parameter_client import ParameterClient  # noqa: E402
-from psgrad.core.codecs import byte_view  # noqa: E402
-from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec  # noqa: E402
-from psgrad.core.sharding import ParamSpec, plan_shards  # noqa: E402
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec
+from psgrad.core.codecs import byte_view
+from psgrad.core.sharding import ParamSpec, plan_shards
 
-PRESETS = {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}}
-MATRIX_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"params": 1_000_000, "reps": 3, "iters": 2, "shards": (1, 2), "workers": (1, 2)},
-    "full": {"params": 25_000_000, "reps": 5, "iters": 3, "shards": (1, 2), "workers": (1, 2, 4)},
+PARTS = ("one-shard", "matrix", "latency", "peer")
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "one-shard": {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}},
+    "matrix": {
+        "tiny": {"params": 1_000_000, "reps": 3, "iters": 2, "shards": (1, 2), "workers": (1, 2)},
+        "full": {"params": 25_000_000, "reps": 5, "iters": 3, "shards": (1, 2), "workers": (1, 2, 4)},
+    },
+    "latency": {"tiny": {"params": 100_000, "iters": 30, "warmup": 5},
+                "full": {"params": 100_000, "iters": 200, "warmup": 20}},
+    "peer": {
+        "tiny": {"params": 1_000_000, "reps": 3, "iters": 2, "setups": {"default": (1, 2)}},
+        "full": {"params": 25_000_000, "reps": 4, "iters": 3,
+                 "setups": {"default": (1, 2, 4), "uv": (1, 2), "uv+basic": (1, 2)}},
+    },
 }
-PSGRAD_SERVER = ["-m", "psgrad", "server", "--host", "127.0.0.1", "--port", "0", "--lease-s", "600"]
-RAW_SERVER = [str(HERE / "raw_grpc.py"), "--serve"]
-ROUND_TIMEOUT_S = 600.0
-SETUP_TIMEOUT_S = 180.0
+PSGRAD_WITH_RAW = lib_argv("raw_grpc:psgrad_with_raw_main")
+TCP_SERVER = lib_argv("ceilings:tcp_serve_main")
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -88,17 +136,8 @@ def _summary(times: list[float], nbytes: int) -> dict[str, float]:
     return {"median_s": med, "gb_per_s": nbytes / med / 1e9, "best_gb_per_s": nbytes / min(times) / 1e9}
 
 
-def wire_bytes(num_params: int, wire_dtype: str) -> int:
-    return num_params * torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
-
-
-def rep_order(keys: list[str], rep: int) -> list[str]:
-    """The order of the operations in repetition `rep` (from 1): as listed, then reversed, in turn.
-    In a fixed order each operation always follows the same one, so whatever that one leaves
-    behind (another server process to switch away from, its buffers in the caches) weighs on it in
-    every repetition; in a fixed order psgrad's push always ran just after an upload to another
-    server process, and the bare uploads it is compared with never did."""
-    return keys if rep % 2 else keys[::-1]
+# ---------------------------------------------------------------------------------------------
+# One shard, one client
 
 
 def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
@@ -115,12 +154,12 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
         raw_server = start_server("raw-grpc", RAW_SERVER, one_thread=False)
         # A second shard server that also serves raw uploads (copy, and a shard's sum + SGD update
         # into the next weights or in place).
-        diag = start_server("psgrad-with-raw", [str(HERE / "psgrad_with_raw.py"), *window_args], one_thread=False)
+        diag = start_server("psgrad-with-raw", [*PSGRAD_WITH_RAW, *window_args], one_thread=False)
         children += [ps, raw_server, diag]
 
         params = [ParamSpec("weight", (num_params,), "float32")]
         spec = JobSpec(num_shards=1, wire_dtype=wire_dtype, lr=1e-9)
-        # The ratios compare gRPC with gRPC: no same-host shared memory (peer_rpc.py measures that).
+        # The ratios compare gRPC with gRPC: no same-host shared memory (--part peer measures that).
         cfg = ClientConfig(rpc_timeout_s=300, chunk_bytes=chunk, shared_memory=False)
         flat = torch.zeros(num_params)
         grad = torch.full((num_params,), 1e-3)
@@ -188,7 +227,7 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
                 "push_vs_raw_upload": gbps["psgrad_push"] / gbps["raw_upload"],
                 "pull_vs_raw_download": gbps["psgrad_pull"] / gbps["raw_download"],
             },
-            # Not targets: a push and bare gRPC uploads served by one process (psgrad_with_raw.py),
+            # Not targets: a push and bare gRPC uploads served by one process (psgrad_with_raw_main),
             # whose Upload copies (the ceiling's work) or does a shard's sum + SGD update per chunk
             # (into the next weights, as a push does, or in place).
             "diagnostics": {
@@ -218,244 +257,6 @@ def compare_one_shard(num_params: int, reps: int, wire_dtype: str, chunk: int,
         for c in clients:
             c.close()
         stop_all(children)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker processes (agents): `python benchmarks/transport.py --agent`, driven over stdin/stdout
-
-
-def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of sizes differing by at most one (how plan_shards splits parameters)."""
-    base, extra = divmod(total, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-class _Agent:
-    """One worker process: psgrad clients and raw gRPC clients over shared flat buffers."""
-
-    def __init__(self) -> None:
-        self.flat = torch.zeros(0)
-        self.grad = torch.zeros(0)
-        self.jobs: dict[str, Callable[[int], dict[str, Any]]] = {}
-        self.closers: list[Callable[[], None]] = []
-
-    def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.flat.numel() != numel:
-            self.flat = torch.zeros(numel)
-            self.grad = torch.full((numel,), 1e-3)
-        return self.flat, self.grad
-
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        op = cmd["op"]
-        if op == "psgrad":
-            self._setup_psgrad(cmd)
-        elif op == "raw":
-            self._setup_raw(cmd)
-        elif op == "run":
-            return self.jobs[cmd["key"]](int(cmd["iters"]))
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        return {"ok": True}
-
-    def _setup_psgrad(self, cmd: dict[str, Any]) -> None:
-        numel, rank, servers = int(cmd["params"]), int(cmd["rank"]), list(cmd["servers"])
-        params = [ParamSpec("weight", (numel,), "float32")]
-        spec = JobSpec(mode="async", num_workers=int(cmd["num_workers"]), num_shards=len(servers),
-                       wire_dtype=cmd["wire_dtype"], lr=1e-9)
-        cfg = ClientConfig(rpc_timeout_s=ROUND_TIMEOUT_S, init_timeout_s=SETUP_TIMEOUT_S, chunk_bytes=int(cmd["chunk"]))
-        client = ParameterClient(servers, spec, params, plan_shards(params, len(servers)), rank, cfg)
-        flat, grad = self._buffers(numel)
-        clock = client.join(initial_weights=(lambda: flat) if rank == 0 else None)
-        self.closers.append(client.close)
-        # Same host: the gradient lives in shared memory (a zero-copy push) and pulls take the
-        # version the server lends (zero-copy), as a CPU worker's PSOptimizer does; copy_push keeps
-        # the gradient in private memory, copied into each shard's segment at every push.
-        shared = None if cmd.get("copy_push") else client.gradient_buffer()
-        if shared is not None:
-            shared.copy_(grad)
-            grad = shared
-
-        def run(iters: int) -> dict[str, Any]:
-            nonlocal clock
-            pull_s, push_s = [], []
-            start = time.monotonic()
-            for _ in range(iters):
-                t0 = time.monotonic()
-                client.pull(flat, clock, published=True)
-                t1 = time.monotonic()
-                client.push(grad, clock)
-                t2 = time.monotonic()
-                clock += 1
-                pull_s.append(t1 - t0)
-                push_s.append(t2 - t1)
-            return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
-
-        self.jobs[cmd["key"]] = run
-
-    def _setup_raw(self, cmd: dict[str, Any]) -> None:
-        nbytes, chunk, addrs = int(cmd["nbytes"]), int(cmd["chunk"]), list(cmd["servers"])
-        flat, grad = self._buffers((nbytes + 3) // 4)
-        src, dst = byte_view(grad)[:nbytes], byte_view(flat)[:nbytes]
-        clients = [RawClient(a) for a in addrs]
-        ranges = split_ranges(nbytes, len(clients))
-        pool = futures.ThreadPoolExecutor(max_workers=len(clients)) if len(clients) > 1 else None
-        self.closers += [c.close for c in clients]
-        if pool is not None:
-            self.closers.append(lambda: pool.shutdown(wait=True))
-
-        def fan_out(fn: Callable[[RawClient, int, int], object]) -> None:
-            if pool is None:
-                fn(clients[0], 0, nbytes)
-            else:
-                for f in [pool.submit(fn, c, a, b) for c, (a, b) in zip(clients, ranges)]:
-                    f.result()
-
-        def run(iters: int) -> dict[str, Any]:
-            pull_s, push_s = [], []
-            start = time.monotonic()
-            for _ in range(iters):
-                t0 = time.monotonic()
-                fan_out(lambda c, a, b: c.download(dst[a:b], chunk))
-                t1 = time.monotonic()
-                fan_out(lambda c, a, b: c.upload(src[a:b], chunk))
-                t2 = time.monotonic()
-                pull_s.append(t1 - t0)
-                push_s.append(t2 - t1)
-            return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
-
-        self.jobs[cmd["key"]] = run
-
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-
-
-def agent_main() -> None:
-    agent = _Agent()
-    try:
-        command_loop(agent.handle)
-    finally:
-        agent.close()
-    exit_now()
-
-
-class Swarm:
-    """W worker processes plus the servers they talk to; close() stops and reaps every process.
-
-    Jobs are named by what they are (shards, model size, wire dtype, chunk), and asking for a job
-    that exists reuses it, so parts of one suite run can share a swarm (see keep_swarms).
-    """
-
-    def __init__(self, num_agents: int) -> None:
-        self.children: list[Child] = []
-        self.agents = [self._add(Child(f"agent{i}", [sys.executable, str(HERE / "transport.py"), "--agent"]))
-                       for i in range(num_agents)]
-        self.groups: dict[str, list[Child]] = {}
-        self.payload: dict[str, int] = {}
-
-    def _add(self, child: Child) -> Child:
-        self.children.append(child)
-        return child
-
-    def servers(self, group: str, count: int, argv: Sequence[str]) -> list[Child]:
-        """The first `count` servers of a group, starting the missing ones now (their addresses are
-        read when a job needs them, so servers started together come up together)."""
-        have = self.groups.setdefault(group, [])
-        while len(have) < count:
-            have.append(self._add(start_server(f"{group}.{len(have)}", argv)))
-        return have[:count]
-
-    def _setup(self, commands: list[dict[str, Any]]) -> None:
-        for agent, cmd in zip(self.agents, commands):
-            agent.send(cmd)
-        for agent in self.agents:
-            agent.recv(SETUP_TIMEOUT_S)
-
-    def psgrad_job(
-        self, shards: int, params: int, wire_dtype: str = "float32", chunk: int = DEFAULT_CHUNK_BYTES,
-        copy_push: bool = False,
-    ) -> str:
-        """Every agent joins an async job on `shards` fresh psgrad servers (rank 0 initializes them);
-        returns the job's key. copy_push: the agents' gradients are private memory (see the agent)."""
-        key = psgrad_key(shards, params, wire_dtype, chunk) + ("-copied" if copy_push else "")
-        if key not in self.payload:
-            addrs = [s.address(timeout_s=SETUP_TIMEOUT_S) for s in self.servers(key, shards, PSGRAD_SERVER)]
-            common = {"op": "psgrad", "key": key, "servers": addrs, "params": params, "wire_dtype": wire_dtype,
-                      "chunk": chunk, "num_workers": len(self.agents), "copy_push": copy_push}
-            self._setup([{**common, "rank": r} for r in range(len(self.agents))])
-            self.payload[key] = wire_bytes(params, wire_dtype)
-        return key
-
-    def raw_job(self, shards: int, nbytes: int, chunk: int = DEFAULT_CHUNK_BYTES) -> str:
-        """Every agent connects to `shards` raw gRPC servers, the bytes split among them; returns the key."""
-        key = f"raw-s{shards}-b{nbytes}-c{chunk}"
-        if key not in self.payload:
-            addrs = [s.address(timeout_s=SETUP_TIMEOUT_S) for s in self.servers("raw", shards, RAW_SERVER)]
-            self._setup([{"op": "raw", "key": key, "servers": addrs, "nbytes": nbytes, "chunk": chunk}] * len(self.agents))
-            self.payload[key] = nbytes
-        return key
-
-    def round(self, key: str, workers: int, iters: int) -> dict[str, Any]:
-        """`workers` agents each run `iters` pull+push iterations of job `key`, started together."""
-        replies = run_together(self.agents[:workers], [{"op": "run", "key": key, "iters": iters}] * workers,
-                               ROUND_TIMEOUT_S)
-        return aggregate(replies, self.payload[key])
-
-    def alive(self) -> bool:
-        return all(c.popen.poll() is None for c in self.children)
-
-    def close(self) -> None:
-        stop_all(self.children)
-
-
-def psgrad_key(shards: int, params: int, wire_dtype: str = "float32", chunk: int = DEFAULT_CHUNK_BYTES) -> str:
-    return f"psgrad-s{shards}-p{params}-{wire_dtype}-c{chunk}"
-
-
-_kept: list[Swarm] | None = None  # swarms shared while keep_swarms() is open
-
-
-@contextlib.contextmanager
-def keep_swarms() -> Iterator[None]:
-    """While open, open_swarm reuses a live swarm with enough agents (and its jobs) instead of
-    starting new processes; all are stopped when the block ends. The suite wraps transport and
-    peer in this: starting a process that imports torch costs seconds on a small machine."""
-    global _kept
-    if _kept is not None:
-        yield
-        return
-    _kept = []
-    try:
-        yield
-    finally:
-        kept, _kept = _kept, None
-        for swarm in kept:
-            swarm.close()
-
-
-def open_swarm(num_agents: int) -> Swarm:
-    if _kept is None:
-        return Swarm(num_agents)
-    for swarm in _kept:
-        if len(swarm.agents) >= num_agents and swarm.alive():
-            return swarm
-    swarm = Swarm(num_agents)
-    _kept.append(swarm)
-    return swarm
-
-
-def release_swarm(swarm: Swarm, failed: bool) -> None:
-    """Close a swarm unless keep_swarms keeps it; one whose part failed is always closed."""
-    if _kept is not None and swarm in _kept and not failed:
-        return
-    if _kept is not None and swarm in _kept:
-        _kept.remove(swarm)
-    swarm.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +294,7 @@ def run_matrix(params: int, reps: int, iters: int, shards: Sequence[int], worker
         for s in shards:  # start every server before waiting for any
             swarm.servers(psgrad_key(s, params, wire_dtype, chunk), s, PSGRAD_SERVER)
         swarm.servers("raw", max(shards), RAW_SERVER)
-        (tcp_server,) = swarm.servers("tcp", 1, [str(HERE / "ceilings.py"), "--tcp-serve"])
+        (tcp_server,) = swarm.servers("tcp", 1, TCP_SERVER)
         keys = {(system, s): swarm.psgrad_job(s, params, wire_dtype, chunk) if system == "psgrad"
                 else swarm.raw_job(s, payload, chunk) for s in shards for system in ("psgrad", "raw")}
         log(f"transport: {len(swarm.children)} processes up after {time.monotonic() - t_start:.1f} s")
@@ -550,7 +351,7 @@ def run_matrix(params: int, reps: int, iters: int, shards: Sequence[int], worker
     }
 
 
-def _targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _matrix_targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     mb = m["payload_bytes"] / 1e6
     one = next(c for c in m["cells"] if c["shards"] == 1 and c["workers"] == 1)
     dtype = m["wire_dtype"]
@@ -578,41 +379,397 @@ def _targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
 
 def run(preset: str) -> dict[str, Any]:
     """The suite's transport part: the shard x worker matrix with its ceilings, and its targets."""
-    p = MATRIX_PRESETS[preset]
+    p = PRESETS["matrix"][preset]
     m = run_matrix(p["params"], p["reps"], p["iters"], p["shards"], p["workers"])
-    targets, figures = _targets_and_figures(m)
+    targets, figures = _matrix_targets_and_figures(m)
     return {**m, "preset": preset, "targets": targets, "figures": figures}
+
+
+# ---------------------------------------------------------------------------------------------
+# Latency
+
+
+SHARDS = 2
+SERIES = ("iteration", "iteration_grpc", "separate", "raw_unary")
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {k: (v * 1e3 if k != "n" else v) for k, v in summarize(values).items()}
+
+
+def measure_latency(params: int, iters: int, warmup: int, shards: int = SHARDS) -> dict[str, Any]:
+    t_start = time.monotonic()
+    children: list[Child] = []
+    clients: list[ParameterClient] = []
+    raw: RawClient | None = None
+    try:
+        children += [start_server(f"psgrad{i}", PSGRAD_SERVER) for i in range(shards)]
+        raw_server = start_server("raw", RAW_SERVER)
+        children.append(raw_server)
+        addrs = [c.address(timeout_s=180) for c in children[:shards]]
+        specs = [ParamSpec("weight", (params,), "float32")]
+        spec = JobSpec(mode="async", num_workers=2, num_shards=shards, lr=1e-9)
+        plan = plan_shards(specs, shards)
+        # rank 0 may use shared memory, rank 1 goes through gRPC only
+        for rank, shared in ((0, True), (1, False)):
+            clients.append(ParameterClient(addrs, spec, specs, plan, rank, ClientConfig(shared_memory=shared)))
+        flat = torch.zeros(params)
+        grad = torch.full((params,), 1e-3)
+        clocks = [c.join(initial_weights=lambda: flat) for c in clients]
+        for c, clock in zip(clients, clocks):
+            c.pull(flat, clock)
+        raw = RawClient(raw_server.address(timeout_s=180))
+        log(f"latency: {len(children)} servers up after {time.monotonic() - t_start:.1f} s")
+
+        times: dict[str, list[float]] = {name: [] for name in SERIES}
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            clients[0].exchange(grad, clocks[0], flat)
+            t1 = time.perf_counter()
+            clients[1].exchange(grad, clocks[1], flat)
+            t2 = time.perf_counter()
+            clients[0].push(grad, clocks[0] + 1)
+            clients[0].pull(flat, clocks[0] + 2)
+            t3 = time.perf_counter()
+            raw.ping()
+            t4 = time.perf_counter()
+            clocks = [clocks[0] + 2, clocks[1] + 1]
+            if i >= warmup:
+                for name, seconds in zip(SERIES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[name].append(seconds)
+    finally:
+        for c in clients:
+            c.close()
+        if raw is not None:
+            raw.close()
+        stop_all(children)
+    ms = {f"{name}_ms": _ms(values) for name, values in times.items()}
+    unary = ms["raw_unary_ms"]
+    return {
+        "params": params,
+        "shards": shards,
+        "payload_bytes": params * 4,
+        "iters": iters,
+        "warmup": warmup,
+        **ms,
+        "ratio_median": ms["iteration_ms"]["median"] / unary["median"],
+        "ratio_p99": ms["iteration_ms"]["p99"] / unary["p99"],
+        "ratio_median_grpc": ms["iteration_grpc_ms"]["median"] / unary["median"],
+        "ratio_median_separate": ms["separate_ms"]["median"] / unary["median"],
+        "elapsed_s": time.monotonic() - t_start,
+    }
+
+
+def run_latency(preset: str) -> dict[str, Any]:
+    """The suite's latency part."""
+    p = PRESETS["latency"][preset]
+    out = measure_latency(p["params"], p["iters"], p["warmup"])
+    k = out["params"] / 1e3
+    it, unary = out["iteration_ms"], out["raw_unary_ms"]
+    what = f"latency: push+pull of a {k:.0f}K-parameter model over {out['shards']} shards, median"
+    targets = [
+        target(f"{what}, same host, vs raw gRPC unary round trip", it["median"], unary["median"], 3.0, "lower",
+               "ms", "raw gRPC unary round trip"),
+        target(f"{what}, gRPC only, vs raw gRPC unary round trip", out["iteration_grpc_ms"]["median"],
+               unary["median"], 3.0, "lower", "ms", "raw gRPC unary round trip"),
+    ]
+    figures = [
+        figure("latency: iteration (push+pull, one Step call per shard, same host) median", it["median"], "ms",
+               unary["median"], "raw gRPC unary, median"),
+        figure("latency: iteration, same host, p99", it["p99"], "ms", unary["p99"], "raw gRPC unary, p99"),
+        figure("latency: iteration through gRPC only (payloads in the messages) p99",
+               out["iteration_grpc_ms"]["p99"], "ms", unary["p99"], "raw gRPC unary, p99"),
+        figure("latency: push then pull as separate calls (same host) median", out["separate_ms"]["median"], "ms",
+               unary["median"], "raw gRPC unary, median"),
+    ]
+    return {**out, "preset": preset, "targets": targets, "figures": figures}
+
+
+# ---------------------------------------------------------------------------------------------
+# The peer: torch.distributed.rpc's parameter server
+
+LR = 1e-9
+# name -> TensorPipeRpcBackendOptions private transport/channel lists (None: TensorPipe's defaults)
+SETUPS: dict[str, dict[str, list[str]]] = {
+    "default": {},
+    "uv": {"_transports": ["uv"]},
+    "uv+basic": {"_transports": ["uv"], "_channels": ["basic"]},
+}
+TARGET_WORKERS = (1, 2)
+
+# The RPC processes (`--role ps|worker`). Functions called over RPC are pickled by name; every
+# rank runs this file as __main__, so they resolve to the same functions everywhere.
+
+_weights: torch.Tensor | None = None
+_lock = threading.Lock()
+
+
+def get_weights() -> torch.Tensor:
+    """PS side: the current weights (serialized by TensorPipe after return, as a classic PS does)."""
+    assert _weights is not None
+    return _weights
+
+
+def push_grad(grad: torch.Tensor) -> bool:
+    """PS side: one SGD step under the lock."""
+    assert _weights is not None
+    with _lock:
+        _weights.add_(grad, alpha=-LR)
+    return True
+
+
+def _rpc_worker_handle(params: int) -> Any:
+    from torch.distributed import rpc
+
+    grad = torch.full((params,), 1e-3)
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] != "run":
+            raise ValueError(f"unknown op {cmd['op']!r}")
+        pull_s, push_s = [], []
+        start = time.monotonic()
+        for _ in range(int(cmd["iters"])):
+            t0 = time.monotonic()
+            weights = rpc.rpc_sync("ps", get_weights)
+            t1 = time.monotonic()
+            rpc.rpc_sync("ps", push_grad, args=(grad,))
+            t2 = time.monotonic()
+            if weights.numel() != params:
+                raise ValueError(f"got {weights.numel()} weights, expected {params}")
+            pull_s.append(t1 - t0)
+            push_s.append(t2 - t1)
+        return {"start": start, "end": time.monotonic(), "pull_s": pull_s, "push_s": push_s}
+
+    return handle
+
+
+def role_main(role: str, rank: int, world: int, store: str, params: int, setup: str, threads: int) -> None:
+    from torch.distributed import rpc
+
+    global _weights
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", num_worker_threads=threads,
+                                              rpc_timeout=ROUND_TIMEOUT_S, **SETUPS[setup])  # type: ignore[arg-type]
+    if role == "ps":
+        _weights = torch.zeros(params)
+    name = "ps" if role == "ps" else f"worker{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    print("rpc ready", flush=True)
+    try:
+        command_loop(_rpc_worker_handle(params) if role == "worker" else (lambda cmd: {"ok": True}))
+    finally:
+        # The parent sends quit only when no call is in flight, so nothing is lost by not waiting for
+        # the other ranks (a graceful shutdown takes seconds here).
+        rpc.shutdown(graceful=False)
+    exit_now()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side
+
+
+class RpcWorld:
+    """A PS process and `workers` worker processes in one torch.distributed.rpc world."""
+
+    def __init__(self, setup: str, workers: int, params: int, threads: int = 16) -> None:
+        self.setup = setup
+        self.params = params
+        self._dir = tempfile.TemporaryDirectory(prefix="psgrad-peer-")
+        store = str(Path(self._dir.name) / "store")
+        world = workers + 1
+
+        def start(role: str, rank: int, env: dict[str, str]) -> Child:
+            argv = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--rank", str(rank), "--world", str(world),
+                    "--store", store, "--params", str(params), "--setup", setup, "--threads", str(threads)]
+            return Child(f"rpc-{role}{rank}-{setup}", argv, env={"TP_SOCKET_IFNAME": "lo", **env})
+
+        self.ps = start("ps", 0, {})
+        # Only worker 1 logs TensorPipe's choices, to report what was used.
+        self.workers = [start("worker", r, {"TP_VERBOSE_LOGGING": "7"} if r == 1 else {}) for r in range(1, world)]
+        self.children = [self.ps, *self.workers]
+
+    def wait_ready(self) -> None:
+        for c in self.children:
+            c.wait_line("rpc ready", SETUP_TIMEOUT_S)
+
+    def round(self, workers: int, iters: int) -> dict[str, Any]:
+        """`workers` workers run `iters` iterations together; the idle workers are paused meanwhile."""
+        with paused(self.workers[workers:]):
+            replies = run_together(self.workers[:workers], [{"op": "run", "iters": iters}] * workers, ROUND_TIMEOUT_S)
+        return aggregate(replies, self.params * 4)
+
+    def idle_cpu(self, seconds: float) -> float:
+        """CPU (in cores) each process of this world uses on average while nobody calls anything."""
+        before = [c.cpu_s() for c in self.children]
+        time.sleep(seconds)
+        after = [c.cpu_s() for c in self.children]
+        return sum(b - a for a, b in zip(before, after)) / seconds / len(self.children)
+
+    def used(self) -> dict[str, Any]:
+        """Transports and channels TensorPipe opened, counted from worker 1's log.
+
+        Every pipe first connects over uv (TCP) to exchange what both ends support, then opens
+        its connections on the best common transport and its channel connections."""
+        text = self.workers[0].stderr_text()
+        transports: dict[str, int] = {}
+        for name in re.findall(r"\.tr_(\w+) is opening connection", text):
+            transports[name] = transports.get(name, 0) + 1
+        channels = sorted(set(re.findall(r"\(for channel (\w+)\)", text)))
+        main = max(transports, key=lambda k: transports[k]) if transports else None
+        return {"transport": main, "transport_connections": transports, "channels": channels}
+
+    def close(self) -> None:
+        try:
+            stop_all(self.children, timeout_s=30)
+        finally:
+            self._dir.cleanup()
+
+
+def _peer_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ops_per_s": summarize([r["ops_per_s"] for r in rounds])["median"],
+        "gb_per_s": summarize([r["gb_per_s"] for r in rounds])["median"],
+        "reps_ops_per_s": [r["ops_per_s"] for r in rounds],
+        "pull_ms_median": summarize([t for r in rounds for t in r["pull_s"]])["median"] * 1e3,
+        "push_ms_median": summarize([t for r in rounds for t in r["push_s"]])["median"] * 1e3,
+    }
+
+
+def measure_peer(params: int, reps: int, iters: int, setups: dict[str, Sequence[int]]) -> dict[str, Any]:
+    """For each TensorPipe setup: an RPC world, rounds interleaved with psgrad (1 shard) per worker count."""
+    t_start = time.monotonic()
+    max_workers = max(max(w) for w in setups.values())
+    swarm = open_swarm(max_workers)
+    worlds: list[RpcWorld] = []
+    results: list[dict[str, Any]] = []
+    failed = True
+    try:
+        swarm.servers(psgrad_key(1, params), 1, PSGRAD_SERVER)
+        names = list(setups)
+        worlds.append(RpcWorld(names[0], max(setups[names[0]]), params))  # starts beside the swarm
+        key = swarm.psgrad_job(1, params)
+        psgrad_children = list(swarm.children)
+        swarm.round(key, max_workers, 1)  # warm-up
+        for i, name in enumerate(names):
+            world = worlds[-1]
+            world.wait_ready()
+            log(f"peer: setup {name!r} up after {time.monotonic() - t_start:.1f} s")
+            with paused(psgrad_children):
+                world.round(max(setups[name]), 1)  # warm-up: connections, first allocations
+                idle_cpu = world.idle_cpu(1.0)
+            rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
+            for rep in range(reps):
+                for w in setups[name]:
+                    for system in ("psgrad", "rpc") if rep % 2 == 0 else ("rpc", "psgrad"):  # neither always first
+                        if system == "psgrad":
+                            others = world.children + swarm.agents[w:]
+                        else:
+                            others = psgrad_children
+                        with paused(others):
+                            r = swarm.round(key, w, iters) if system == "psgrad" else world.round(w, iters)
+                        rounds.setdefault((system, w), []).append(r)
+                log(f"peer: setup {name!r} repetition {rep + 1}/{reps} done ({time.monotonic() - t_start:.0f} s)")
+            used = world.used()
+            world.close()
+            worlds.pop()
+            if i + 1 < len(names):
+                worlds.append(RpcWorld(names[i + 1], max(setups[names[i + 1]]), params))
+            for w in setups[name]:
+                ps, peer = _peer_summary(rounds[("psgrad", w)]), _peer_summary(rounds[("rpc", w)])
+                results.append({"setup": name, "options": SETUPS[name], "used": used, "workers": w,
+                                "rpc_idle_cpu_cores_per_process": idle_cpu,
+                                "psgrad": ps, "rpc": peer, "ratio_ops_per_s": ps["ops_per_s"] / peer["ops_per_s"]})
+        failed = False
+    finally:
+        for world in worlds:
+            world.close()
+        release_swarm(swarm, failed)
+    return {"params": params, "payload_bytes": params * 4, "reps": reps, "iters_per_round": iters,
+            "results": results, "elapsed_s": time.monotonic() - t_start}
+
+
+def _peer_targets_and_figures(out: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    mb = out["payload_bytes"] / 1e6
+    targets, figures = [], []
+    for r in out["results"]:
+        via = "/".join([r["used"]["transport"] or "?", *r["used"]["channels"]])
+        label = f"{r['workers']} worker(s), rpc setup {r['setup']} ({via})"
+        if r["setup"] == "default" and r["workers"] in TARGET_WORKERS:
+            targets.append(target(f"peer: (pulls+pushes)/s, {mb:.0f} MB model, {r['workers']} worker(s), psgrad 1 shard "
+                                  f"vs torch.distributed.rpc PS ({via})", r["psgrad"]["ops_per_s"],
+                                  r["rpc"]["ops_per_s"], 1.5, "higher", "1/s", "torch.distributed.rpc PS"))
+        figures.append(figure(f"peer: (pulls+pushes)/s, {label}", r["psgrad"]["ops_per_s"], "1/s",
+                              r["rpc"]["ops_per_s"], "torch.distributed.rpc PS"))
+        figures.append(figure(f"peer: pull+push GB/s, {label}", r["psgrad"]["gb_per_s"], "GB/s",
+                              r["rpc"]["gb_per_s"], "torch.distributed.rpc PS"))
+    return targets, figures
+
+
+def run_peer(preset: str) -> dict[str, Any]:
+    """The suite's peer part."""
+    p = PRESETS["peer"][preset]
+    out = measure_peer(p["params"], p["reps"], p["iters"], p["setups"])
+    targets, figures = _peer_targets_and_figures(out)
+    return {**out, "preset": preset, "targets": targets, "figures": figures,
+            "notes": "get_weights returns the PS tensor itself (no copy under the lock, so a pull may see a "
+                     "half-applied update; psgrad copies under its lock); the worker receives a freshly "
+                     "allocated tensor per pull, psgrad pulls into the worker's reused buffer."}
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and repetitions (default: tiny)")
-    parser.add_argument("--params", type=int, help="override the number of float32 parameters")
-    parser.add_argument("--reps", type=int, help="override the number of timed repetitions")
-    parser.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="wire dtype (default: float32)")
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="stream chunk size (default: 1 MiB)")
-    parser.add_argument("--matrix", action="store_true",
-                        help="run the shards x workers matrix with worker processes (what the suite runs)")
+    parser.add_argument("--part", choices=PARTS, default="one-shard",
+                        help="what psgrad is measured beside (default: one-shard; see above)")
+    parser.add_argument("--matrix", action="store_true", help="the same as --part matrix")
+    add_preset(parser, PRESETS["one-shard"], "model size and repetitions")
+    # one-shard and matrix only
+    parser.add_argument("--params", type=int, help="override the number of float32 parameters (one-shard, matrix)")
+    parser.add_argument("--reps", type=int, help="override the number of timed repetitions (one-shard, matrix)")
+    parser.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"],
+                        help="wire dtype (one-shard, matrix; default: float32)")
+    parser.add_argument("--chunk-bytes", type=int, help="stream chunk size (one-shard, matrix; default: 1 MiB)")
     parser.add_argument("--stream-window-bytes", type=window_bytes_arg, metavar="N",
                         help="start the psgrad servers with this stream window (0 = gRPC's automatic windows; "
-                        "default: the server's own); one-shard comparison only")
-    parser.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)  # a worker process of --matrix
+                        "default: the server's own); one-shard only")
+    # internal: one rank of the peer part's RPC world (--params too)
+    parser.add_argument("--role", choices=["ps", "worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--setup", default="default", choices=sorted(SETUPS), help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.agent:
-        agent_main()
+    if args.role:
+        if not args.store or not args.params:
+            raise BenchError("--role needs --store and --params")
+        role_main(args.role, args.rank, args.world, args.store, args.params, args.setup, args.threads)
         return
-    if args.matrix:
-        if args.stream_window_bytes is not None:
-            parser.error("--stream-window-bytes applies to the one-shard comparison, not to --matrix")
-        p = MATRIX_PRESETS[args.preset]
-        m = run_matrix(args.params or p["params"], args.reps or p["reps"], p["iters"], p["shards"], p["workers"],
-                       args.wire_dtype, args.chunk_bytes)
-        targets, figures = _targets_and_figures(m)
+    part = "matrix" if args.matrix else args.part
+    if args.matrix and args.part not in ("one-shard", "matrix"):
+        parser.error(f"--matrix and --part {args.part} are two different parts")
+    given = [flag for flag, value in (("--params", args.params), ("--reps", args.reps), ("--wire-dtype", args.wire_dtype),
+                                      ("--chunk-bytes", args.chunk_bytes)) if value is not None]
+    if part in ("latency", "peer") and given:
+        parser.error(f"{', '.join(given)}: only for --part one-shard and matrix, not {part}")
+    if part != "one-shard" and args.stream_window_bytes is not None:
+        parser.error(f"--stream-window-bytes applies to the one-shard comparison, not to --part {part}")
+    if part == "latency":
+        write_json({**run_latency(args.preset), "machine": machine_info()})
+        return
+    if part == "peer":
+        write_json({**run_peer(args.preset), "machine": machine_info()})
+        return
+    p = PRESETS[part][args.preset]
+    params, reps = args.params or p["params"], args.reps or p["reps"]
+    wire_dtype, chunk = args.wire_dtype or "float32", args.chunk_bytes or DEFAULT_CHUNK_BYTES
+    if part == "matrix":
+        m = run_matrix(params, reps, p["iters"], p["shards"], p["workers"], wire_dtype, chunk)
+        targets, figures = _matrix_targets_and_figures(m)
         write_json({**m, "preset": args.preset, "machine": machine_info(), "targets": targets, "figures": figures})
         return
-    preset = PRESETS[args.preset]
-    out = compare_one_shard(args.params or preset["params"], args.reps or preset["reps"], args.wire_dtype,
-                            args.chunk_bytes, args.stream_window_bytes)
+    out = compare_one_shard(params, reps, wire_dtype, chunk, args.stream_window_bytes)
     out["preset"] = args.preset
     write_json(out)
 

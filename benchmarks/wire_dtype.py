@@ -12,15 +12,11 @@ float32; the bar is |bf16 - fp32| <= 1 point. Prints one JSON document; progress
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from lib import add_preset, log, machine_info, psgrad_launch, read_jsonl, write_json
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"tasks": {"digits": {"steps": 60, "lr": 0.1, "momentum": 0.0}}, "dtypes": ["float32", "bfloat16"], "seeds": 1},
@@ -36,28 +32,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 TOLERANCE_POINTS = 1.0
 
 
-def _log(msg: str) -> None:
-    print(f"[wire_dtype] {msg}", file=sys.stderr, flush=True)
-
-
 def launch(task: str, dtype: str, steps: int, lr: float, momentum: float, seed: int, workdir: Path) -> dict[str, Any]:
     """One `psgrad launch` run; returns the workers' final records."""
     metrics = workdir / f"{task}-{dtype}"
-    argv = [
-        sys.executable, "-m", "psgrad", "launch", "--num-servers", "2", "--num-workers", "2",
+    wall_s = psgrad_launch([
+        "--num-servers", "2", "--num-workers", "2",
         "--task", task, "--mode", "sync", "--steps", str(steps), "--lr", str(lr), "--momentum", str(momentum),
         "--wire-dtype", dtype, "--seed", str(seed), "--metrics-dir", str(metrics),
-    ]
-    t0 = time.perf_counter()
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    ], timeout_s=1800)
     finals = []
     for path in sorted(metrics.glob("worker*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = read_jsonl(path)
         finals.append(next(r for r in reversed(records) if r.get("event") == "final"))
     accs = [f["test_accuracy"] for f in finals]
-    return {"test_accuracy": sum(accs) / len(accs), "per_worker": accs, "wall_s": time.perf_counter() - t0}
+    return {"test_accuracy": sum(accs) / len(accs), "per_worker": accs, "wall_s": wall_s}
 
 
 def run(preset: str, seeds: int | None = None, dtypes: list[str] | None = None) -> dict[str, Any]:
@@ -74,9 +62,9 @@ def run(preset: str, seeds: int | None = None, dtypes: list[str] | None = None) 
             for dtype in wire_dtypes:
                 runs = []
                 for seed in range(n_seeds):
-                    _log(f"{task}, wire {dtype}, seed {seed}, {t['steps']} steps ...")
+                    log(f"wire_dtype: {task}, wire {dtype}, seed {seed}, {t['steps']} steps ...")
                     r = launch(task, dtype, t["steps"], t["lr"], t["momentum"], seed, Path(tmp) / f"s{seed}")
-                    _log(f"{task}, wire {dtype}, seed {seed}: test accuracy {r['test_accuracy']:.4f} ({r['wall_s']:.0f} s)")
+                    log(f"wire_dtype: {task}, wire {dtype}, seed {seed}: test accuracy {r['test_accuracy']:.4f} ({r['wall_s']:.0f} s)")
                     runs.append(r)
                 accs = [r["test_accuracy"] for r in runs]
                 results[task][dtype] = {"test_accuracy": sum(accs) / len(accs), "per_seed": accs, "runs": runs}
@@ -95,7 +83,7 @@ def run(preset: str, seeds: int | None = None, dtypes: list[str] | None = None) 
         "benchmark": "wire_dtype",
         "preset": preset,
         "setup": {"servers": 2, "workers": 2, "mode": "sync", "seeds": n_seeds, "tasks": cfg["tasks"]},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "results": results,
         "targets": targets,
     }
@@ -103,14 +91,14 @@ def run(preset: str, seeds: int | None = None, dtypes: list[str] | None = None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="tasks and steps (default: tiny)")
+    add_preset(parser, PRESETS, "tasks and steps")
     parser.add_argument("--seeds", type=int, help="runs per task and dtype, seeds 0..N-1 (default: the preset's)")
     parser.add_argument(
         "--dtypes", help="comma-separated wire dtypes to compare with float32 (default: the preset's)"
     )
     args = parser.parse_args()
     dtypes = args.dtypes.split(",") if args.dtypes else None
-    print(json.dumps(run(args.preset, args.seeds, dtypes), indent=2))
+    write_json(run(args.preset, args.seeds, dtypes))
 
 
 if __name__ == "__main__":

@@ -21,18 +21,15 @@ is reported as skipped, with the reason, elsewhere. Prints one JSON document; pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lib import add_preset, log, machine_info, psgrad_launch, write_json
 
 from psgrad.core.schedule import lr_factor
 from psgrad.errors import TaskError
@@ -50,10 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": {"tasks": ["mnist", "fashion-mnist", "charlm"], "servers": 2, "workers": 4, "modes": list(MODES),
              "steps": None, "timing_steps": 20, "eval_every": 0},
 }
-
-
-def _log(msg: str) -> None:
-    print(f"[workloads] {msg}", file=sys.stderr, flush=True)
 
 
 def torch_optimizer(task: str, params: Any) -> torch.optim.Optimizer:
@@ -114,18 +107,14 @@ def launch(
 ) -> dict[str, Any]:
     """`psgrad launch` with the preset's servers and workers; returns the final evaluation and throughput."""
     metrics = workdir / "metrics"
-    argv = [sys.executable, "-m", "psgrad", "launch", "--num-servers", str(preset["servers"]),
-            "--num-workers", str(preset["workers"]),
+    args = ["--num-servers", str(preset["servers"]), "--num-workers", str(preset["workers"]),
             "--task", name, "--steps", str(steps), "--eval-every", str(eval_every), "--metrics-dir", str(metrics), *mode]
-    argv += ["--data-dir", data_dir] if data_dir else []
-    t0 = time.perf_counter()
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    args += ["--data-dir", data_dir] if data_dir else []
+    wall_s = psgrad_launch(args, timeout_s=3600)
     metric = recipe_for(name).metric
     m = analysis.run_metrics(analysis.load_run(metrics), recipe_for(name).target, metric)
     return {
-        "command": " ".join(["psgrad", *argv[3:]]), "wall_s": time.perf_counter() - t0, "train_s": m["train_s"],
+        "command": " ".join(["psgrad", "launch", *args]), "wall_s": wall_s, "train_s": m["train_s"],
         **{k: m[k] for k in m if k.startswith("final_")}, "samples_per_s": m["samples_per_s"],
         "staleness_mean": m["staleness_mean"], "staleness_max": m["staleness_max"],
     }
@@ -136,14 +125,14 @@ def run_task(name: str, preset: dict[str, Any], workdir: Path, data_dir: str | N
     try:
         task = get_task(name, 0, data_dir if name == "fashion-mnist" else None)
     except TaskError as exc:
-        _log(f"{name}: skipped ({exc})")
+        log(f"workloads: {name}: skipped ({exc})")
         return {"skipped": str(exc)}
     steps, workers = preset["steps"] or r.steps, preset["workers"]
     eval_every = preset["eval_every"] or max(1, steps // 5)
     out: dict[str, Any] = {"recipe": r.__dict__, "steps_per_worker": steps, "batch_per_worker": r.batch_size,
                            "parameters": sum(p.numel() for p in task.build_model().parameters())}
     out["step_ms_one_thread"] = step_time_ms(name, task, preset["timing_steps"])
-    _log(f"{name}: {out['step_ms_one_thread']} per step on one thread")
+    log(f"workloads: {name}: {out['step_ms_one_thread']} per step on one thread")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each worker; OpenMP threads on a busy machine only spin
     out["single"] = {
@@ -151,14 +140,14 @@ def run_task(name: str, preset: dict[str, Any], workdir: Path, data_dir: str | N
         "small_batch": single_process(name, task, r.batch_size, workers * steps, workers * r.warmup_steps),
     }
     torch.set_num_threads(threads)
-    _log(f"{name}: one process: {out['single']}")
+    log(f"workloads: {name}: one process: {out['single']}")
     out["modes"] = {}
     for label in preset["modes"]:
         result = launch(name, MODES[label], preset, steps, eval_every, workdir / name / label.replace(":", ""), data_dir)
         ref = out["single"]["big_batch" if label == "sync" else "small_batch"]
         result["vs_single"] = result[f"final_{r.metric}"] - ref[r.metric]
         out["modes"][label] = result
-        _log(f"{name} {label}: {r.metric} {result[f'final_{r.metric}']:.4f} (one process {ref[r.metric]:.4f}), "
+        log(f"workloads: {name} {label}: {r.metric} {result[f'final_{r.metric}']:.4f} (one process {ref[r.metric]:.4f}), "
              f"{result['wall_s']:.0f} s")
     return out
 
@@ -179,19 +168,18 @@ def run(preset_name: str, tasks: list[str] | None, data_dir: str | None) -> dict
     return {
         "benchmark": "workloads", "preset": preset_name,
         "setup": {k: preset[k] for k in ("servers", "workers", "modes")},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+        "machine": machine_info(),
         "results": results, "targets": targets,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="steps (default: tiny)")
+    add_preset(parser, PRESETS, "steps")
     parser.add_argument("--tasks", help="comma-separated tasks (default: mnist,fashion-mnist,charlm)")
     parser.add_argument("--data-dir", help="fashion-mnist's IDX files (default: /usr/share/datasets/fashion-mnist)")
     args = parser.parse_args()
-    print(json.dumps(run(args.preset, args.tasks.split(",") if args.tasks else None, args.data_dir), indent=2))
+    write_json(run(args.preset, args.tasks.split(",") if args.tasks else None, args.data_dir))
 
 
 if __name__ == "__main__":

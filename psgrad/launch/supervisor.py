@@ -95,9 +95,9 @@ class SupervisedProcess:
                 # Ctrl-C reaches the parent only; it stops its children in order. On Linux a session of
                 # its own is also a scheduler autogroup of its own, which lengthened the measured
                 # round trip between a benchmark's client and its server processes by about 7 %
-                # (benchmarks/latency.py, 2 vCPUs), and made the tests' psgrad processes, whose
-                # OpenMP threads spin, several times slower: benchmarks and tests keep their
-                # children in their own session.
+                # (benchmarks/transport.py --part latency, 2 vCPUs), and made the tests' psgrad
+                # processes, whose OpenMP threads spin, several times slower: benchmarks and tests
+                # keep their children in their own session.
                 start_new_session=new_session,
                 preexec_fn=_die_with_parent(),
             )

@@ -153,8 +153,8 @@ def reachable_address(config: ServerConfig, port: int) -> str:
 
 def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler] = ()) -> RunningServer:
     """Bind and start a shard server; port 0 picks a free port (see .address). `extra_handlers`
-    serve other services on the same gRPC server (benchmarks/psgrad_with_raw.py adds bare gRPC
-    methods, to compare them with psgrad's in the same process).
+    serve other services on the same gRPC server (psgrad_with_raw_main in benchmarks/lib/raw_grpc.py
+    adds bare gRPC methods, to compare them with psgrad's in the same process).
 
     With config.checkpoint_dir, the newest readable checkpoint there is restored first (the shard
     then serves that job at once), and checkpoints are written while it runs.

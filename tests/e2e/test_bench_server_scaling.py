@@ -1,5 +1,6 @@
-"""benchmarks/server_bench.py and benchmarks/scaling.py: their helpers, and their tiny presets end to end
-(JSON shape and positive figures; no timing thresholds)."""
+"""benchmarks/server_bench.py and benchmarks/scaling.py: their helpers (and lib's /proc readings and
+measured windows), and their tiny presets end to end (JSON shape and positive figures; no timing
+thresholds)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import scaling  # noqa: E402
 import server_bench  # noqa: E402
+from lib import procfs, window  # noqa: E402
 
 from psgrad.config import JobSpec  # noqa: E402
 from psgrad.core.optimizers import make_optimizer  # noqa: E402
@@ -50,37 +52,37 @@ def _check_targets(rows: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(30)
 def test_in_window_counts_fractions_of_straddling_operations() -> None:
     starts, ends = [0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]
-    assert server_bench.in_window(starts, ends, 0.0, 4.0) == pytest.approx(4.0)
-    assert server_bench.in_window(starts, ends, 0.5, 2.5) == pytest.approx(2.0)  # half + one + half
-    assert server_bench.in_window(starts, ends, 1.25, 1.5) == pytest.approx(0.25)
-    assert server_bench.in_window(starts, ends, 5.0, 6.0) == 0.0
-    assert server_bench.in_window([], [], 0.0, 1.0) == 0.0
+    assert window.in_window(starts, ends, 0.0, 4.0) == pytest.approx(4.0)
+    assert window.in_window(starts, ends, 0.5, 2.5) == pytest.approx(2.0)  # half + one + half
+    assert window.in_window(starts, ends, 1.25, 1.5) == pytest.approx(0.25)
+    assert window.in_window(starts, ends, 5.0, 6.0) == 0.0
+    assert window.in_window([], [], 0.0, 1.0) == 0.0
 
 
 @pytest.mark.timeout(30)
 def test_proc_readings_of_this_process() -> None:
-    before = server_bench.cpu_seconds(os.getpid())
+    before = procfs.cpu_seconds(os.getpid())
     x = torch.ones(2_000_000)
     # /proc counts CPU time in clock ticks (10 ms): work until one passes, for at most ~5 s of wall time
     deadline = time.monotonic() + 5.0
-    while server_bench.cpu_seconds(os.getpid()) <= before and time.monotonic() < deadline:
+    while procfs.cpu_seconds(os.getpid()) <= before and time.monotonic() < deadline:
         for _ in range(50):
             x.mul_(1.0001)
-    assert server_bench.cpu_seconds(os.getpid()) > before
-    mem = server_bench.memory_bytes(os.getpid())
+    assert procfs.cpu_seconds(os.getpid()) > before
+    mem = procfs.memory_bytes(os.getpid())
     assert set(mem) == {"VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "own"}
     assert mem["VmHWM"] >= mem["VmRSS"] > 8_000_000  # holds x at least
     assert mem["own"] == mem["RssAnon"] + mem["RssFile"] and mem["RssAnon"] > 8_000_000
-    sampler = server_bench.OwnPeak({"me": os.getpid()}, interval_s=60.0)
+    sampler = procfs.OwnPeak({"me": os.getpid()}, interval_s=60.0)
     y = torch.ones(5_000_000)  # 20 MB more, resident when sampled
     sampler.sample()
     del y
     sampler.sample()  # a lower reading leaves the peak
     sampler.stop()
     assert sampler.peak["me"] >= mem["own"] + 15_000_000
-    busy = server_bench.machine_busy()
+    busy = procfs.machine_busy()
     assert 0 <= busy[0] <= busy[1]
-    assert 0.0 <= server_bench.busy_fraction(busy, server_bench.machine_busy()) <= 1.0
+    assert 0.0 <= procfs.busy_fraction(busy, procfs.machine_busy()) <= 1.0
 
 
 @pytest.mark.timeout(30)

@@ -1,5 +1,6 @@
 """The benchmark scripts' tiny presets run end to end and print the figures they promise; the
-suite's plumbing (child processes, statistics, target rows, Markdown) behaves."""
+suite's plumbing and benchmarks/lib (child processes, statistics, target rows, ceilings, Markdown)
+behave."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ from conftest import REPO
 BENCH = Path(REPO) / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import ceilings  # noqa: E402
+import lib  # noqa: E402
 import suite  # noqa: E402
+from lib import ceilings, raw_grpc  # noqa: E402
 
 
 def _run(*args: str) -> dict:  # type: ignore[type-arg]
@@ -58,11 +60,9 @@ def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     assert out["stream_window_bytes"] is None  # the servers ran with their default window
 
 
-def test_transport_runs_its_operations_forward_then_backward() -> None:
-    import transport
-
+def test_interleaved_operations_run_forward_then_backward() -> None:
     keys = ["psgrad_push", "raw_upload", "same_process_push"]
-    orders = [transport.rep_order(keys, rep) for rep in range(1, 5)]
+    orders = [lib.rep_order(keys, rep) for rep in range(1, 5)]
     assert orders == [keys, keys[::-1], keys, keys[::-1]]
 
 
@@ -92,17 +92,20 @@ def test_transport_window_flag_reaches_both_psgrad_servers(monkeypatch: pytest.M
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ["transport.py", "server_bench.py", "psgrad_with_raw.py"])
-def test_a_bad_window_is_refused_before_anything_starts(script: str) -> None:
-    res = subprocess.run([sys.executable, f"benchmarks/{script}", "--stream-window-bytes", "1000"],
+@pytest.mark.parametrize("argv", [["benchmarks/transport.py"], ["benchmarks/server_bench.py"],
+                                  lib.lib_argv("raw_grpc:psgrad_with_raw_main")],
+                         ids=["transport", "server_bench", "psgrad_with_raw"])
+def test_a_bad_window_is_refused_before_anything_starts(argv: list[str]) -> None:
+    res = subprocess.run([sys.executable, *argv, "--stream-window-bytes", "1000"],
                          capture_output=True, text=True, timeout=100, cwd=REPO)
     assert res.returncode == 2
     assert "stream_window_bytes must be 0" in res.stderr and "got 1000" in res.stderr
 
 
 @pytest.mark.timeout(300)
-def test_fault_recovery_tiny_measures_both_runs() -> None:
-    out = _run("benchmarks/fault_recovery.py", "--preset", "tiny", "--modes", "sync")
+def test_a_killed_worker_tiny_measures_both_runs() -> None:
+    out = _run("benchmarks/faults.py", "--fault", "worker", "--preset", "tiny", "--modes", "sync")
+    assert out["benchmark"] == "fault_recovery" and out["fault"] == "worker"
     (row,) = out["results"]
     assert row["mode"] == "sync" and row["baseline_train_s"] > 0 and row["with_kill_train_s"] > 0
 
@@ -200,20 +203,20 @@ def test_suite_refuses_an_unknown_part() -> None:
 
 
 def test_target_rows_compare_in_the_stated_direction() -> None:
-    assert ceilings.target("t", 1.0, 2.0, 0.5, "higher")["met"] is True
-    assert ceilings.target("t", 0.9, 2.0, 0.5, "higher")["met"] is False
-    lat = ceilings.target("t", 6.0, 2.0, 3.0, "lower")
+    assert lib.target("t", 1.0, 2.0, 0.5, "higher")["met"] is True
+    assert lib.target("t", 0.9, 2.0, 0.5, "higher")["met"] is False
+    lat = lib.target("t", 6.0, 2.0, 3.0, "lower")
     assert lat["ratio"] == 3.0 and lat["met"] is True
-    assert ceilings.target("t", 6.1, 2.0, 3.0, "lower")["met"] is False
+    assert lib.target("t", 6.1, 2.0, 3.0, "lower")["met"] is False
     with pytest.raises(ValueError, match="better"):
-        ceilings.target("t", 1.0, 1.0, 1.0, "more")
+        lib.target("t", 1.0, 1.0, 1.0, "more")
 
 
 def test_summary_statistics_use_nearest_rank_percentiles() -> None:
-    s = ceilings.summarize([float(v) for v in range(1, 101)])
+    s = lib.summarize([float(v) for v in range(1, 101)])
     assert s["n"] == 100 and s["median"] == 50.5 and s["p99"] == 99.0 and s["min"] == 1.0 and s["max"] == 100.0
-    assert ceilings.summarize([3.0, 1.0, 2.0])["median"] == 2.0
-    assert ceilings.percentile([5.0], 99) == 5.0
+    assert lib.summarize([3.0, 1.0, 2.0])["median"] == 2.0
+    assert lib.percentile([5.0], 99) == 5.0
 
 
 def test_aggregate_counts_every_operation_over_the_shared_window() -> None:
@@ -221,7 +224,7 @@ def test_aggregate_counts_every_operation_over_the_shared_window() -> None:
         {"start": 10.0, "end": 12.0, "pull_s": [0.5, 0.5], "push_s": [0.5, 0.5]},
         {"start": 11.0, "end": 14.0, "pull_s": [1.0], "push_s": [1.0]},
     ]
-    agg = ceilings.aggregate(replies, payload_bytes=1_000_000_000)
+    agg = lib.aggregate(replies, payload_bytes=1_000_000_000)
     assert agg["window_s"] == 4.0 and agg["ops"] == 6
     assert agg["ops_per_s"] == 1.5 and agg["gb_per_s"] == 1.5
     assert [w["ops_per_s"] for w in agg["per_worker"]] == [2.0, 2 / 3]
@@ -257,8 +260,6 @@ def test_memcpy_probe_times_both_copies() -> None:
 
 
 def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
-    import raw_grpc
-
     server, address = raw_grpc.serve()
     client = raw_grpc.RawClient(address)
     try:
@@ -276,7 +277,6 @@ def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("in_place", [False, True])
 def test_raw_sgd_upload_writes_the_next_weights_beside_or_over_the_current_ones(in_place: bool) -> None:
-    import raw_grpc
     import torch
 
     state = raw_grpc._State()
@@ -291,27 +291,23 @@ def test_raw_sgd_upload_writes_the_next_weights_beside_or_over_the_current_ones(
 
 
 def test_raw_handler_refuses_unknown_upload_work() -> None:
-    import raw_grpc
-
     with pytest.raises(ValueError, match="unknown upload work 'sgdd'"):
         raw_grpc.raw_handler("sgdd")
 
 
 @pytest.mark.timeout(120)
 def test_psgrad_with_raw_serves_a_shard_and_the_raw_uploads_on_one_port() -> None:
-    import raw_grpc
     import torch
-    from psgrad_with_raw import SGD_IN_PLACE_SERVICE, SGD_SERVICE
 
     from psgrad.client.parameter_client import ParameterClient
     from psgrad.config import ClientConfig, JobSpec
     from psgrad.core.sharding import ParamSpec, plan_shards
 
-    server = ceilings.start_server("psgrad-with-raw", [str(BENCH / "psgrad_with_raw.py")])
+    server = lib.start_server("psgrad-with-raw", lib.lib_argv("raw_grpc:psgrad_with_raw_main"))
     clients: list = []  # type: ignore[type-arg]
     try:
         address = server.address()
-        for service in (raw_grpc.SERVICE, SGD_SERVICE, SGD_IN_PLACE_SERVICE):
+        for service in (raw_grpc.SERVICE, raw_grpc.SGD_SERVICE, raw_grpc.SGD_IN_PLACE_SERVICE):
             raw = raw_grpc.RawClient(address, service)
             clients.append(raw)
             assert raw.upload(memoryview(bytes(3 << 20)), 1 << 20) == 3 << 20
@@ -335,13 +331,13 @@ def test_psgrad_with_raw_serves_a_shard_and_the_raw_uploads_on_one_port() -> Non
     finally:
         for c in clients:
             c.close()
-        ceilings.stop_all([server])
+        lib.stop_all([server])
 
 
 _ECHO_CHILD = """
 import sys
 sys.path.insert(0, {bench!r})
-from ceilings import command_loop
+from lib import command_loop
 
 def handle(cmd):
     if cmd["op"] == "fail":
@@ -355,21 +351,21 @@ command_loop(handle)
 def test_children_answer_commands_behind_a_start_barrier(tmp_path: Path) -> None:
     script = tmp_path / "echo_child.py"
     script.write_text(_ECHO_CHILD.format(bench=str(BENCH)))
-    kids = [ceilings.Child(f"echo{i}", [sys.executable, str(script)]) for i in range(2)]
+    kids = [lib.Child(f"echo{i}", [sys.executable, str(script)]) for i in range(2)]
     try:
-        replies = ceilings.run_together(kids, [{"op": "echo", "value": i} for i in range(2)], timeout_s=60)
+        replies = lib.run_together(kids, [{"op": "echo", "value": i} for i in range(2)], timeout_s=60)
         assert replies == [{"echo": 0}, {"echo": 1}]
-        with pytest.raises(ceilings.BenchError, match="ValueError: asked to fail"):
+        with pytest.raises(lib.BenchError, match="ValueError: asked to fail"):
             kids[0].call({"op": "fail"}, timeout_s=60)
         assert kids[0].call({"op": "echo", "value": "still here"}, timeout_s=60) == {"echo": "still here"}
     finally:
-        ceilings.stop_all(kids)
+        lib.stop_all(kids)
     assert [k.popen.returncode for k in kids] == [0, 0]  # they left on the quit command
 
 
 def test_a_child_that_ignores_quit_and_sigterm_is_killed_and_reaped() -> None:
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
-    child = ceilings.Child("stubborn", [sys.executable, "-c", code])
+    child = lib.Child("stubborn", [sys.executable, "-c", code])
     child.wait_line("up", timeout_s=60)
     done = threading.Event()
     threading.Thread(target=lambda: (child.stop(timeout_s=0.5), done.set()), daemon=True).start()
@@ -378,9 +374,9 @@ def test_a_child_that_ignores_quit_and_sigterm_is_killed_and_reaped() -> None:
 
 
 def test_a_child_that_dies_is_reported_with_its_stderr() -> None:
-    child = ceilings.Child("dies", [sys.executable, "-c", "import sys; sys.stderr.write('it broke'); sys.exit(3)"])
+    child = lib.Child("dies", [sys.executable, "-c", "import sys; sys.stderr.write('it broke'); sys.exit(3)"])
     try:
-        with pytest.raises(ceilings.BenchError, match=r"(?s)exited with code 3.*it broke"):
+        with pytest.raises(lib.BenchError, match=r"(?s)exited with code 3.*it broke"):
             child.recv(timeout_s=60)
     finally:
         child.stop()

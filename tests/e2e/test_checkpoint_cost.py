@@ -1,6 +1,7 @@
-"""benchmarks/checkpoint_cost.py --preset tiny runs end to end: both servers measured in alternating
-rounds, checkpoints really written inside the checkpointing server's rounds, and the snapshot,
-save and load timed beside their ceilings (structure and sanity only, no timing assertions)."""
+"""benchmarks/feature_cost.py --feature checkpoint --preset tiny runs end to end: both servers
+measured in alternating rounds, checkpoints really written inside the checkpointing server's rounds,
+and the snapshot, save and load timed beside their ceilings (structure and sanity only, no timing
+assertions)."""
 from __future__ import annotations
 
 
@@ -11,8 +12,8 @@ from conftest import run_benchmark
 
 @pytest.mark.timeout(120)
 def test_checkpoint_cost_tiny_measures_with_and_without_checkpoints() -> None:
-    out = run_benchmark("checkpoint_cost.py", "--preset", "tiny", timeout_s=100)
-    assert out["benchmark"] == "checkpoint_cost" and out["preset"] == "tiny"
+    out = run_benchmark("feature_cost.py", "--feature", "checkpoint", "--preset", "tiny", timeout_s=100)
+    assert out["benchmark"] == "checkpoint_cost" and out["feature"] == "checkpoint" and out["preset"] == "tiny"
 
     tp = out["throughput"]
     assert tp["payload_bytes"] == 4 * tp["params"] and tp["path"] == "gRPC"

@@ -1,6 +1,6 @@
 """Killing a primary that has a hot-standby backup loses nothing: real processes, kill -9, no
 restart; every worker finishes, every push is applied exactly once, sync ends bitwise equal to an
-uninterrupted run, and the failover stall is short (benchmarks/failover.py --preset tiny)."""
+uninterrupted run, and the failover stall is short (benchmarks/faults.py --fault primary --preset tiny)."""
 from __future__ import annotations
 
 
@@ -12,7 +12,8 @@ from conftest import run_benchmark
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_job_survives_kill_9_of_a_primary_with_a_backup() -> None:
-    out = run_benchmark("failover.py", "--preset", "tiny", timeout_s=400)
+    out = run_benchmark("faults.py", "--fault", "primary", "--preset", "tiny", timeout_s=400)
+    assert out["benchmark"] == "failover" and out["fault"] == "primary"
     rows = {r["mode"]: r for r in out["results"]}
     assert set(rows) == {"sync", "async"}
     for row in rows.values():

@@ -1,5 +1,6 @@
-"""Jobs across hosts: servers and workers in network namespaces of their own (benchmarks/netbed.py),
-each host with its own address and /dev/shm, joined by a switch; partitions made with nftables."""
+"""Jobs across hosts: servers and workers in network namespaces of their own
+(benchmarks/lib/netbed.py), each host with its own address and /dev/shm, joined by a switch;
+partitions made with nftables."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from conftest import REPO, Proc, child_env, run_benchmark
 
 sys.path.insert(0, f"{REPO}/benchmarks")
-from netbed import NetBed  # noqa: E402
+from lib.netbed import NetBed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -301,7 +301,7 @@ def test_worker_exporter_serves_its_records() -> None:
 
 
 def test_metrics_cost_benchmark_measures_both_sides() -> None:
-    out = run_benchmark("metrics_cost.py", "--preset", "tiny")
+    out = run_benchmark("feature_cost.py", "--feature", "metrics", "--preset", "tiny")
     assert out["benchmark"] == "metrics_cost" and out["preset"] == "tiny" and out["payload_mb"] == pytest.approx(2.0)
     for name in ("push_s", "pull_s", "step_s"):
         assert set(out["median"][name]) == {"on", "off"} and all(v > 0 for v in out["median"][name].values())

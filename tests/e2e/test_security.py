@@ -86,7 +86,7 @@ def test_credential_errors_say_which_credential_is_missing(tmp_path: Path) -> No
 
 
 def test_the_cost_benchmark_measures_every_side() -> None:
-    out = run_benchmark("tls_cost.py", "--preset", "tiny", timeout_s=180)
+    out = run_benchmark("feature_cost.py", "--feature", "tls", "--preset", "tiny", timeout_s=180)
     assert out["payload_mb"] == pytest.approx(4.0)
     assert set(out["median"]["step_s"]) == {"plain", "tokens", "tls"}
     for name in ("push_throughput_ratio_tls_plain", "pull_throughput_ratio_tls_plain", "step_latency_ratio_tls_plain",

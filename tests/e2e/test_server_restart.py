@@ -15,9 +15,10 @@ from psgrad.tasks import get_task
 
 @pytest.fixture(scope="module")
 def restart_rows() -> dict[str, dict]:  # type: ignore[type-arg]
-    """benchmarks/server_restart.py --preset tiny: per mode, a run with server 0 killed (-9) and
+    """benchmarks/faults.py --fault server --preset tiny: per mode, a run with server 0 killed (-9) and
     restarted, and an uninterrupted one with the same seed."""
-    out = run_benchmark("server_restart.py", "--preset", "tiny", timeout_s=400)
+    out = run_benchmark("faults.py", "--fault", "server", "--preset", "tiny", timeout_s=400)
+    assert out["benchmark"] == "server_restart" and out["fault"] == "server"
     return {row["mode"]: row for row in out["results"]}
 
 

@@ -5,19 +5,28 @@ the server copies them into a reused buffer), Download (the server streams chunk
 and Ping (a unary echo: the round-trip ceiling for small calls). Concurrent uploads each get
 their own receive buffer from a pool, so W client processes can be measured at once.
 
-Run as a script it serves (`python benchmarks/raw_grpc.py --serve`) and prints
-`raw grpc listening on HOST:PORT`; import it for the client side. With `--upload-work sgd` the
-server does, per uploaded chunk, what a psgrad shard does with a float32 push instead of the copy:
-a finiteness sum and an out-of-place SGD update of a weight vector (torch, one thread). That is not
-a ceiling but a diagnostic: how fast bare gRPC goes with the parameter server's own arithmetic.
+The server runs as a child (`start_server(name, lib_argv("raw_grpc:main"))`, or by hand:
+`cd benchmarks && python -m lib.raw_grpc`) and prints `raw grpc listening on HOST:PORT`; import
+this module for the client side. With `--upload-work sgd` the server does, per uploaded chunk,
+what a psgrad shard does with a float32 push instead of the copy: a finiteness sum and an
+out-of-place SGD update of a weight vector (torch, one thread). That is not a ceiling but a
+diagnostic: how fast bare gRPC goes with the parameter server's own arithmetic.
 `--upload-work sgd-in-place` updates the weights in place instead, as psgrad does not (a push
 must apply whole or not at all, and a pull must never see half of one): it shows what writing
 the next weights beside the current ones costs over overwriting them.
+
+psgrad_with_raw_main runs a psgrad shard server whose gRPC server also serves these methods, three
+times over: `rawbench.Raw` (Upload copies each chunk, the ceiling's work), `rawbench.RawSgd`
+(Upload does a shard's per-chunk finiteness sum and SGD update into the next weights) and
+`rawbench.RawSgdInPlace` (the same update, in place). A psgrad push and the three raw uploads then
+share one server process, its gRPC settings and its memory, so comparing them leaves out what
+differs between processes (on a shared 2-vCPU machine two instances of the same server can differ
+by 15%). It prints `psgrad server listening on HOST:PORT` and stops on SIGTERM; transport.py uses
+it for `diagnostics`.
 """
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -26,7 +35,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from lib.args import window_bytes_arg
+from lib.ceilings import serve_until_signalled
+
 SERVICE = "rawbench.Raw"
+SGD_SERVICE = "rawbench.RawSgd"
+SGD_IN_PLACE_SERVICE = "rawbench.RawSgdInPlace"
 UPLOAD_WORK = ("copy", "sgd", "sgd-in-place")
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -160,8 +174,7 @@ class RawClient:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--serve", action="store_true", help="run the raw server until SIGTERM")
+    parser = argparse.ArgumentParser(prog="lib.raw_grpc", description="Serve the raw gRPC ceiling until SIGTERM.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     parser.add_argument(
@@ -173,15 +186,38 @@ def main() -> None:
         "(sgd), or the same update in place (sgd-in-place); the last two are diagnostics",
     )
     args = parser.parse_args()
-    if not args.serve:
-        parser.error("nothing to do: pass --serve")
     server, address = serve(args.host, args.port, args.upload_work)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"raw grpc listening on {address}", flush=True)
-    stop.wait()
-    server.stop(0).wait()
+    serve_until_signalled(f"raw grpc listening on {address}", lambda: server.stop(0).wait())
+
+
+def psgrad_with_raw_main() -> None:
+    """What `psgrad server` runs (default settings, torch on one thread, 127.0.0.1, port 0), with
+    the raw methods added to its gRPC server (see the module's docstring)."""
+    from psgrad.config import ServerConfig
+
+    parser = argparse.ArgumentParser(prog="lib.raw_grpc psgrad-with-raw",
+                                     description="A psgrad shard server that also serves raw gRPC uploads.")
+    parser.add_argument("--lease-s", type=float, default=600.0, help="worker lease in seconds (default: 600)")
+    parser.add_argument(
+        "--stream-window-bytes",
+        type=window_bytes_arg,
+        default=ServerConfig.stream_window_bytes,
+        help="as `psgrad server --stream-window-bytes` (0 = gRPC's automatic windows; "
+        f"default: {ServerConfig.stream_window_bytes})",
+    )
+    args = parser.parse_args()
+    import torch
+
+    from psgrad.server.runtime import serve_forever
+
+    torch.set_num_threads(1)  # as `psgrad server` (its --torch-threads default)
+    extra = (
+        raw_handler("copy", SERVICE),
+        raw_handler("sgd", SGD_SERVICE),
+        raw_handler("sgd-in-place", SGD_IN_PLACE_SERVICE),
+    )
+    config = ServerConfig(host="127.0.0.1", port=0, lease_s=args.lease_s, stream_window_bytes=args.stream_window_bytes)
+    serve_forever(config, lambda address: print(f"psgrad server listening on {address}", flush=True), extra)
 
 
 if __name__ == "__main__":
