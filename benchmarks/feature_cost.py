@@ -110,6 +110,7 @@ from psgrad.metrics.exporters import PrometheusExporter
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from psgrad.server.state import MemberRecord, ShardSnapshot
+from psgrad.server.tables import DENSE, TableSnapshot
 from psgrad.wire.heap import tune_allocator
 
 FEATURES = ("checkpoint", "metrics", "tls")
@@ -326,7 +327,10 @@ def _adam_shard(params: int) -> Shard:
     gen = torch.Generator().manual_seed(0)
     optimizer: dict[str, torch.Tensor | float | int] = {"step": 100, "exp_avg": 1e-3 * torch.randn(params, generator=gen),
                  "exp_avg_sq": 1e-6 * torch.rand(params, generator=gen)}
-    snap = ShardSnapshot(layout, torch.randn(params, generator=gen), optimizer, 100,
+    tensors = {"weights": torch.randn(params, generator=gen),
+               **{"optimizer." + k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}}
+    scalars = {k: v for k, v in optimizer.items() if not isinstance(v, torch.Tensor)}
+    snap = ShardSnapshot(layout, {DENSE: TableSnapshot("dense", tensors, scalars)}, 100,
                          (MemberRecord(0, 100, 99, 100, LIVE),))
     shard = Shard(ServerConfig())
     shard.restore(snap)
