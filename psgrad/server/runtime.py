@@ -25,6 +25,7 @@ from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, s
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
+from psgrad.server.streams import StreamLimits, stream_budget
 from psgrad.wire.heap import tune_allocator
 from psgrad.wire import security
 from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusing_undecodable
@@ -70,13 +71,14 @@ class RunningServer:
 
     def __init__(
         self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None,
-        observability: Observability | None = None,
+        observability: Observability | None = None, streams: StreamLimits | None = None,
     ) -> None:
         self._server = grpc_server
         self.servicer = servicer
         self.address = address
         self.checkpointer = checkpointer
         self.observability = observability or Observability()
+        self.streams = streams  # the client streams' limits and read deadline
         self.stopped = threading.Event()
 
     @property
@@ -96,6 +98,8 @@ class RunningServer:
         if self.shard.replication is not None:  # ... and replies waiting for the backup
             self.shard.replication.close()
         self._server.stop(grace).wait()
+        if self.streams is not None:
+            self.streams.close()
         self.servicer.close()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
@@ -173,6 +177,10 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     obs = Observability()
     # Calls are timed only where someone can read the figures (refusals by the guard included).
     interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
+    # Client streams read under a deadline and admitted within limits, before the guard reads their header.
+    streams = StreamLimits(config.stream_read_timeout_s, stream_budget(config.threads), config.max_streams_per_peer)
+    interceptors.append(streams)
+    shard.stream_counts = streams.counts
     if security.authenticates(config):
         interceptors.append(Guard(config))
     server = grpc.server(
@@ -225,7 +233,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     shard.start_reaper()
     if checkpointer is not None:
         checkpointer.start()
-    running = RunningServer(server, servicer, address, checkpointer, obs)
+    running = RunningServer(server, servicer, address, checkpointer, obs, streams)
     if config.metrics_port is not None:
         try:
             note(f"metrics at {obs.serve_http(config.host, config.metrics_port)}")
