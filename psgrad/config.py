@@ -172,7 +172,10 @@ class ServerConfig:
     # Client streams one connection may have open at once (more are refused for now: ServerBusyError,
     # which workers retry). In all, client streams may take 3/4 of `threads` (status, heartbeats,
     # joins, pulls and Step calls keep the rest).
-    max_streams_per_peer: int = 4
+    max_streams_per_peer: int = 8
+    # A connection must complete its handshake (TLS, HTTP/2) within this many seconds, or it is closed:
+    # connections that send nothing cannot hold the server's descriptors (gRPC's default is 120 s).
+    handshake_timeout_s: float = 10.0
     # Where the shard's checkpoints go (None: no checkpoints). A server started again with the same
     # directory restores the newest readable one and serves the job at once.
     checkpoint_dir: str | None = None
@@ -230,6 +233,8 @@ class ServerConfig:
         _check(math.isfinite(self.stream_read_timeout_s) and self.stream_read_timeout_s > 0,
                f"stream_read_timeout_s must be a finite number > 0, got {self.stream_read_timeout_s!r}")
         _check(self.max_streams_per_peer >= 1, f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
+        _check(math.isfinite(self.handshake_timeout_s) and self.handshake_timeout_s > 0,
+               f"handshake_timeout_s must be a finite number > 0, got {self.handshake_timeout_s!r}")
         _check(
             self.stream_window_bytes == 0 or self.stream_window_bytes >= 65536,
             f"stream_window_bytes must be 0 (gRPC's automatic windows) or >= 65536, got {self.stream_window_bytes}",

@@ -380,6 +380,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
+        handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         replica_of=ns.replica_of, replica_timeout_s=ns.replica_timeout_s, advertise_host=ns.advertise_host,
         metrics_port=ns.metrics_port, tls=security.tls_config(ns, client=False),

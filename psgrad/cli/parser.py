@@ -64,6 +64,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     flag(s, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
          "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
          "--threads", type=positive_int)
+    flag(s, "--handshake-timeout-s", ServerConfig.handshake_timeout_s, "close a connection that has not completed "
+         "its handshake (TLS, HTTP/2) within this many seconds, so that connections which send nothing cannot hold "
+         "the server's file descriptors", type=float)
     flag(s, "--torch-threads", 1, "torch intra-op threads of this process. A shard streams and updates the "
          "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
          "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "

@@ -17,7 +17,7 @@ from psgrad.core.credentials import is_loopback
 from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server import checkpoint
+from psgrad.server import checkpoint, limits
 from psgrad.server.checkpointer import Checkpointer, note, warn
 from psgrad.server.guard import Guard
 from psgrad.server.observe import Observability
@@ -72,6 +72,7 @@ class RunningServer:
     def __init__(
         self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None,
         observability: Observability | None = None, streams: StreamLimits | None = None,
+        fd_watch: limits.FdWatch | None = None,
     ) -> None:
         self._server = grpc_server
         self.servicer = servicer
@@ -79,6 +80,7 @@ class RunningServer:
         self.checkpointer = checkpointer
         self.observability = observability or Observability()
         self.streams = streams  # the client streams' limits and read deadline
+        self.fd_watch = fd_watch  # says when file descriptors run short
         self.stopped = threading.Event()
 
     @property
@@ -100,6 +102,8 @@ class RunningServer:
         self._server.stop(grace).wait()
         if self.streams is not None:
             self.streams.close()
+        if self.fd_watch is not None:
+            self.fd_watch.stop()
         self.servicer.close()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
@@ -162,6 +166,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         CheckpointError: the directory holds checkpoints, but none can be read.
     """
     tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
+    before, fd_limit = limits.raise_fd_limit()  # connections hold descriptors: take all the system allows
+    if fd_limit != before:
+        note(f"raised the open-file limit (RLIMIT_NOFILE) from {before} to {fd_limit}")
     shard = Shard(config)
     checkpointer = None
     if config.checkpoint_dir is not None:
@@ -185,8 +192,10 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         interceptors.append(Guard(config))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        options=server_options(config), interceptors=interceptors,
+        options=[*server_options(config), *limits.connection_options(fd_limit, config.handshake_timeout_s)],
+        interceptors=interceptors,
     )
+    fd_watch = limits.FdWatch(fd_limit, limits.connection_cap(fd_limit), config.handshake_timeout_s)
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
     obs.watch(shard.status, lambda: "" if shard.layout is None else str(shard.layout.index))
@@ -231,9 +240,10 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         warn(f"serving {address} with TLS but without checking callers: anyone who can reach it can read the "
              "weights and push gradients (give --tls-ca to require client certificates, or --job-secret-file)")
     shard.start_reaper()
+    fd_watch.start()
     if checkpointer is not None:
         checkpointer.start()
-    running = RunningServer(server, servicer, address, checkpointer, obs, streams)
+    running = RunningServer(server, servicer, address, checkpointer, obs, streams, fd_watch)
     if config.metrics_port is not None:
         try:
             note(f"metrics at {obs.serve_http(config.host, config.metrics_port)}")

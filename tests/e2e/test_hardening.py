@@ -3,6 +3,9 @@
 Loopback only; every channel, socket and process is closed at the end."""
 from __future__ import annotations
 
+import resource
+import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,9 +14,10 @@ import grpc
 import pytest
 import torch
 
-from conftest import Proc, spawn
+from conftest import REPO, Proc, child_env, spawn
 from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec
+from psgrad.errors import PsgradError
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import ERROR_METADATA_KEY, METHOD_PREFIX
@@ -128,4 +132,50 @@ def test_a_stalled_push_is_cancelled_at_the_read_deadline_and_never_starves_the_
             s.close()
         for c in clients:
             c.close()
+        proc.stop()
+
+
+IDLE = 300  # idle connections: past the server's descriptor limit below, few enough for any CI runner
+
+
+@pytest.mark.parametrize("limit", ["soft", "hard"])
+def test_hundreds_of_idle_connections_do_not_lock_out_a_new_client(limit: str) -> None:
+    # Before: a server at its soft limit of open files ran out of descriptors with idle TCP
+    # connections (they need no credential: they never finish a handshake), and gRPC accepted no
+    # one until they timed out (120 s by default; about 59 s here), saying nothing that named why.
+    # "soft": a soft limit of 256 under a higher hard one (the server raises it); "hard": both at 256
+    # (it cannot: the connection cap and the handshake deadline keep a place for the new client).
+    ours = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if ours != resource.RLIM_INFINITY and ours < IDLE + 200:
+        pytest.skip(f"the test process may open {ours} files, too few for {IDLE} connections")
+    hard = 256 if limit == "hard" else -1
+    code = ("import resource, runpy, sys; h = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard} if {hard} > 0 else h)); "
+            "sys.argv = ['psgrad', *sys.argv[1:]]; runpy.run_module('psgrad', run_name='__main__')")
+    proc = Proc([sys.executable, "-c", code, "server", "--host", "127.0.0.1", "--port", "0", "--handshake-timeout-s",
+                 "2"], name="psgrad-server", cwd=REPO, new_session=False, env=child_env())
+    idle: list[socket.socket] = []
+    try:
+        address = proc.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
+        host, port = address.rsplit(":", 1)
+        for _ in range(IDLE):  # connect, send nothing
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        started = time.monotonic()
+        while True:  # a new client (3 s per attempt) until its status call is answered
+            try:
+                status = shard_status([address], 3)[0]
+                break
+            except PsgradError as exc:
+                assert time.monotonic() - started < 30, f"locked out: {exc}"
+        took = time.monotonic() - started
+        print(f"{limit} limit, {IDLE} idle connections: a new client's status answered after {took:.1f} s")
+        assert not status.initialized and took < 8
+        if limit == "soft":
+            assert any("raised the open-file limit (RLIMIT_NOFILE) from 256 to" in x for x in proc.lines), proc.lines
+        else:  # the server says why a client may not get in
+            line = proc.wait_for_line("file descriptors are running short", timeout_s=10)
+            assert "of 256 open (RLIMIT_NOFILE)" in line and "--handshake-timeout-s 2" in line, line
+    finally:
+        for s in idle:
+            s.close()
         proc.stop()
