@@ -375,6 +375,20 @@ def check_ops_args(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metrics-port must be 0..65535, got {port}")
 
 
+def add_connection_args(g: argparse._ActionsContainer) -> None:
+    """A server's defences against peers that hold its threads, buffers and descriptors (`psgrad
+    server`, `psgrad run`)."""
+    flag(g, "--stream-read-timeout-s", ServerConfig.stream_read_timeout_s, "cancel a push (or another client "
+         "stream) whose next frame does not arrive within this many seconds, and give back what it held",
+         type=float)
+    flag(g, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
+         "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
+         "--threads", type=positive_int)
+    flag(g, "--handshake-timeout-s", ServerConfig.handshake_timeout_s, "close a connection that has not completed "
+         "its handshake (TLS, HTTP/2) within this many seconds, so that connections which send nothing cannot hold "
+         "the server's file descriptors", type=float)
+
+
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,

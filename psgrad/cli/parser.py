@@ -19,6 +19,7 @@ from psgrad.cli.flags import (
     add_server_policy_args,
     add_step_time_arg,
     add_straggler_dist_arg,
+    add_connection_args,
     lr_list_arg,
     flag,
     positive_int,
@@ -58,15 +59,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     flag(s, "--stream-window-bytes", ServerConfig.stream_window_bytes, "bytes gRPC receives ahead per stream: at "
          "most this much of a push the shard is slow to take waits in the server (pushes waiting for their turn "
          "send nothing). 0 = gRPC's automatic windows (tens of MB each), for links with a long round trip", type=int)
-    flag(s, "--stream-read-timeout-s", ServerConfig.stream_read_timeout_s, "cancel a push (or another client "
-         "stream) whose next frame does not arrive within this many seconds, and give back what it held",
-         type=float)
-    flag(s, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
-         "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
-         "--threads", type=positive_int)
-    flag(s, "--handshake-timeout-s", ServerConfig.handshake_timeout_s, "close a connection that has not completed "
-         "its handshake (TLS, HTTP/2) within this many seconds, so that connections which send nothing cannot hold "
-         "the server's file descriptors", type=float)
+    add_connection_args(s)
     flag(s, "--torch-threads", 1, "torch intra-op threads of this process. A shard streams and updates the "
          "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
          "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "
