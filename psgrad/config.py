@@ -166,6 +166,17 @@ class ServerConfig:
     # bandwidth-delay probing grows to tens of MB per stream (for links with a long round trip,
     # where 4 MiB in flight would limit a stream to 4 MiB per round trip).
     stream_window_bytes: int = 4 << 20
+    # A client stream (a push, the chief's init, a primary's replica record) whose next frame does not
+    # arrive within this many seconds is cancelled, and what it held (its receive buffer, a handler
+    # thread) given back: a peer that opens a push and stops sending cannot hold up the others.
+    stream_read_timeout_s: float = 30.0
+    # Client streams one connection may have open at once (more are refused for now: ServerBusyError,
+    # which workers retry). In all, client streams may take 3/4 of `threads` (status, heartbeats,
+    # joins, pulls and Step calls keep the rest).
+    max_streams_per_peer: int = 8
+    # A connection must complete its handshake (TLS, HTTP/2) within this many seconds, or it is closed:
+    # connections that send nothing cannot hold the server's descriptors (gRPC's default is 120 s).
+    handshake_timeout_s: float = 10.0
     # Where the shard's checkpoints go (None: no checkpoints). A server started again with the same
     # directory restores the newest readable one and serves the job at once.
     checkpoint_dir: str | None = None
@@ -220,6 +231,11 @@ class ServerConfig:
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
         _finite_nonneg("grace_s", self.grace_s)
         _check(self.push_buffers >= 1, f"push_buffers must be >= 1, got {self.push_buffers}")
+        _check(math.isfinite(self.stream_read_timeout_s) and self.stream_read_timeout_s > 0,
+               f"stream_read_timeout_s must be a finite number > 0, got {self.stream_read_timeout_s!r}")
+        _check(self.max_streams_per_peer >= 1, f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
+        _check(math.isfinite(self.handshake_timeout_s) and self.handshake_timeout_s > 0,
+               f"handshake_timeout_s must be a finite number > 0, got {self.handshake_timeout_s!r}")
         _check(
             self.stream_window_bytes == 0 or self.stream_window_bytes >= 65536,
             f"stream_window_bytes must be 0 (gRPC's automatic windows) or >= 65536, got {self.stream_window_bytes}",

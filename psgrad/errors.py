@@ -82,6 +82,12 @@ class PermissionDeniedError(PsgradError):
     initializing the job, anyone but a server replicating)."""
 
 
+class ServerBusyError(PsgradError):
+    """The server refused a call for now (too many pushes or other client streams open, in all or from
+    one connection): the caller should try again after a pause (workers do, within
+    --reconnect-timeout-s)."""
+
+
 class TaskError(PsgradError):
     """A training task could not be found, imported or built."""
 
@@ -112,6 +118,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         StaleEpochError,
         AuthenticationError,
         PermissionDeniedError,
+        ServerBusyError,
         TaskError,
         CheckpointError,
     )

@@ -375,10 +375,26 @@ def check_ops_args(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metrics-port must be 0..65535, got {port}")
 
 
+def add_connection_args(g: argparse._ActionsContainer) -> None:
+    """A server's defences against peers that hold its threads, buffers and descriptors (`psgrad
+    server`, `psgrad run`)."""
+    flag(g, "--stream-read-timeout-s", ServerConfig.stream_read_timeout_s, "cancel a push (or another client "
+         "stream) whose next frame does not arrive within this many seconds, and give back what it held",
+         type=float)
+    flag(g, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
+         "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
+         "--threads", type=positive_int)
+    flag(g, "--handshake-timeout-s", ServerConfig.handshake_timeout_s, "close a connection that has not completed "
+         "its handshake (TLS, HTTP/2) within this many seconds, so that connections which send nothing cannot hold "
+         "the server's file descriptors", type=float)
+
+
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
+        stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
+        handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         replica_of=ns.replica_of, replica_timeout_s=ns.replica_timeout_s, advertise_host=ns.advertise_host,
         metrics_port=ns.metrics_port, tls=security.tls_config(ns, client=False),

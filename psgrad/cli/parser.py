@@ -19,6 +19,7 @@ from psgrad.cli.flags import (
     add_server_policy_args,
     add_step_time_arg,
     add_straggler_dist_arg,
+    add_connection_args,
     lr_list_arg,
     flag,
     positive_int,
@@ -58,6 +59,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     flag(s, "--stream-window-bytes", ServerConfig.stream_window_bytes, "bytes gRPC receives ahead per stream: at "
          "most this much of a push the shard is slow to take waits in the server (pushes waiting for their turn "
          "send nothing). 0 = gRPC's automatic windows (tens of MB each), for links with a long round trip", type=int)
+    add_connection_args(s)
     flag(s, "--torch-threads", 1, "torch intra-op threads of this process. A shard streams and updates the "
          "gradient piece by piece, memory-bound work one thread does best (more threads are woken per piece and "
          "cost 15-30%% more server CPU per push on 2 vCPUs); raise it for Adam or momentum on large shards when "

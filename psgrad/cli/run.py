@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psgrad.cli.commands import _check_task, serve, train_worker
-from psgrad.cli.flags import add_checkpoint_args, add_job_args, add_server_policy_args, flag, job_spec, positive_int
+from psgrad.cli.flags import (
+    add_checkpoint_args,
+    add_connection_args,
+    add_job_args,
+    add_server_policy_args,
+    flag,
+    job_spec,
+    positive_int,
+)
 from psgrad.cli.security import add_server_security_args, auth_config, tls_config
 from psgrad.config import ServerConfig
 from psgrad.errors import ConfigError
@@ -69,6 +77,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     flag(s, "--stream-window-bytes", ServerConfig.stream_window_bytes, "bytes gRPC receives ahead per stream "
          "(0: gRPC's automatic windows)", type=int)
     flag(s, "--torch-threads", 1, "torch intra-op threads of a server process", type=positive_int)
+    add_connection_args(s)
     c = add_checkpoint_args(r, "server checkpoints")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="server i checkpoints into DIR/shardI and restores "
                    "the newest readable one at start (DIR on storage every server's node sees, or per node)")
@@ -110,6 +119,8 @@ def server_config(ns: argparse.Namespace, role: Role) -> ServerConfig:
     return ServerConfig(
         host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
+        stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
+        handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_dir=None if ns.checkpoint_dir is None else str(Path(ns.checkpoint_dir) / f"shard{role.index}"),
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         metrics_port=ns.metrics_port, tls=tls_config(ns, client=False),

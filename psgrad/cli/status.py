@@ -103,6 +103,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: same-host published versions: {pub['leased']} of {pub['slots']} slots "
                          f"leased ({pub['nbytes'] / 1e6:.1f} MB in /dev/shm), {pub['copies']} versions published, "
                          f"{pub['leases']} pulls served from them, {pub['pinned']} pushes checked as applied")
+        tr = s.get("transfers") or {}
+        if tr.get("streams_open") or tr.get("streams_cancelled") or tr.get("streams_refused"):
+            lines.append(f"shard {s['shard']}: client streams open {tr['streams_open']}, cancelled for a stalled read "
+                         f"{tr['streams_cancelled']}, refused over a limit {tr['streams_refused']}")
         ckpt = s.get("checkpoint") or {}
         if ckpt.get("enabled"):
             lines.append(f"shard {s['shard']}: {checkpoint_phrase(ckpt)}")

@@ -11,7 +11,7 @@ from typing import TypeVar
 import grpc
 
 from psgrad.config import ClientConfig
-from psgrad.errors import NotPrimaryError, PsgradError, ServerUnavailableError, UnknownWorkerError
+from psgrad.errors import NotPrimaryError, PsgradError, ServerBusyError, ServerUnavailableError, UnknownWorkerError
 from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, to_psgrad_error
 
 T = TypeVar("T")
@@ -102,7 +102,8 @@ def call(
     diagnose: Callable[[], str] | None = None,
 ) -> T:
     """fn(), each attempt under its deadline; while the shard does not answer (UNAVAILABLE: a
-    server restarting, dead, or fenced), retried for up to reconnect_timeout_s: at once on the
+    server restarting, dead, or fenced) or refuses it for now (ServerBusyError: too many pushes open
+    there; retried on the same server, with backoff), retried for up to reconnect_timeout_s: at once on the
     shard's other server when failover(address) gives one (fn must call the server in use), with
     backoff when both were tried. Retrying a push is safe: pushes are keyed by (rank, clock), so
     the shard applies one at most once. diagnose() says, after a deadline ran out, what a quick
@@ -129,6 +130,14 @@ def call(
                     continue
                 except PsgradError:
                     pass
+            if retry and _names(exc, ServerBusyError):  # the server sheds load: the same one, after a pause
+                now = time.monotonic()
+                give_up = now + config.reconnect_timeout_s if give_up is None else give_up
+                if now >= give_up:
+                    raise to_psgrad_error(exc, address, what, timeout_s) from None
+                time.sleep(min(backoff_s, give_up - now))
+                backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
+                continue
             if not (retry and isinstance(exc, grpc.Call) and exc.code() in RETRYABLE):
                 raise as_error(exc, address, diagnose or (lambda: ""), what, timeout_s) from None
             now = time.monotonic()

@@ -401,20 +401,26 @@ class DelayStatus(_message.Message):
     def __init__(self, copies: _Optional[int] = ..., nbytes: _Optional[int] = ..., compensated: _Optional[int] = ..., uncompensated: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer")
+    __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer", "streams_open", "streams_cancelled", "streams_refused")
     STREAMING_PULLS_FIELD_NUMBER: _ClassVar[int]
     WAITING_UPDATES_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_LENT_FIELD_NUMBER: _ClassVar[int]
     STAGED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     RETIRED_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     streaming_pulls: int
     waiting_updates: int
     buffers_lent: int
     staged_updates: bool
     retired_buffers: int
     waiting_for_buffer: int
-    def __init__(self, streaming_pulls: _Optional[int] = ..., waiting_updates: _Optional[int] = ..., buffers_lent: _Optional[int] = ..., staged_updates: _Optional[bool] = ..., retired_buffers: _Optional[int] = ..., waiting_for_buffer: _Optional[int] = ...) -> None: ...
+    streams_open: int
+    streams_cancelled: int
+    streams_refused: int
+    def __init__(self, streaming_pulls: _Optional[int] = ..., waiting_updates: _Optional[int] = ..., buffers_lent: _Optional[int] = ..., staged_updates: _Optional[bool] = ..., retired_buffers: _Optional[int] = ..., waiting_for_buffer: _Optional[int] = ..., streams_open: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., streams_refused: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "fingerprint")

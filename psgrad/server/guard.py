@@ -97,9 +97,17 @@ class Guard(grpc.ServerInterceptor):
         self._auth = Authenticator(config)
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the guarded one)
 
-    def _check(self, method: str, rule: Rule, context: grpc.ServicerContext, request: Any) -> None:
+    def _identify(self, context: grpc.ServicerContext) -> Identity:
         try:
-            who = self._auth.identify(context)
+            return self._auth.identify(context)
+        except PsgradError as exc:
+            protocol.abort(context, exc)
+            raise  # unreachable: abort raises
+
+    def _check(self, method: str, rule: Rule, context: grpc.ServicerContext, request: Any,
+               who: Identity | None = None) -> None:
+        try:
+            who = who or self._auth.identify(context)
             if not isinstance(request, Undecodable):  # (its handler refuses it: it names no rank)
                 permit(method, rule, who, request)
         except PsgradError as exc:
@@ -121,7 +129,7 @@ class Guard(grpc.ServerInterceptor):
         """handler, checking each call before it runs (see intercept_service)."""
         method = full[len(METHOD_PREFIX):] if full.startswith(METHOD_PREFIX) else ""
         rule = RULES.get(method)
-        check = self._check
+        check, identify = self._check, self._identify
         if rule is None:
             def refuse(request: Any, context: grpc.ServicerContext) -> Any:
                 protocol.abort(context, PermissionDeniedError(f"{full} is not served to anyone"))
@@ -131,12 +139,15 @@ class Guard(grpc.ServerInterceptor):
             behavior = handler.stream_unary or handler.stream_stream
 
             def streaming(frames: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+                # Who calls, from the TLS session and the metadata, before a byte of the stream is read:
+                # a caller without a credential holds no thread waiting for its frames.
+                who = identify(context)
                 first = next(frames, None)
                 try:
                     header = _header(rule.frame, first) if rule.frame is not None else None
                 except InvalidRequestError as exc:
                     protocol.abort(context, InvalidRequestError(f"{method}: {exc}"))
-                check(method, rule, context, header)
+                check(method, rule, context, header, who)
                 return behavior(itertools.chain(() if first is None else (first,), frames), context)
 
             kind = "stream_unary" if handler.stream_unary else "stream_stream"

@@ -91,6 +91,13 @@ class ShardCollector:
         yield gauge("psgrad_live_workers", "workers holding a lease", live)
         yield gauge("psgrad_sync_pending_gradients", "sync: gradients buffered for the current iteration", s.pending)
         yield gauge("psgrad_pulls_waiting", "pulls parked at the mode's gate right now", s.waiting)
+        streams = s.transfers
+        yield gauge("psgrad_client_streams_open", "client streams (pushes, init, replica records) open now",
+                    streams.streams_open)
+        yield counter("psgrad_client_streams_cancelled", "client streams cancelled: their next frame did not come "
+                      "within --stream-read-timeout-s", streams.streams_cancelled)
+        yield counter("psgrad_client_streams_refused", "client streams refused for now (ServerBusyError): over "
+                      "--max-streams-per-peer, or 3/4 of --threads open", streams.streams_refused)
         if s.workers:
             lag = GaugeMetricFamily("psgrad_shard_worker_clock", "each worker's clock as the shard sees it",
                                     labels=["shard", "rank", "state"])

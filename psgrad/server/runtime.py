@@ -17,7 +17,7 @@ from psgrad.core.credentials import is_loopback
 from psgrad.core.status import ShardStatus
 from psgrad.errors import ServerStartError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server import checkpoint
+from psgrad.server import checkpoint, limits
 from psgrad.server.checkpointer import Checkpointer, note, warn
 from psgrad.server.guard import Guard
 from psgrad.server.observe import Observability
@@ -25,6 +25,7 @@ from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, s
 from psgrad.server.replication import BACKUP, Replication
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
+from psgrad.server.streams import StreamLimits, stream_budget
 from psgrad.wire.heap import tune_allocator
 from psgrad.wire import security
 from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusing_undecodable
@@ -70,13 +71,16 @@ class RunningServer:
 
     def __init__(
         self, grpc_server: grpc.Server, servicer: ParameterServicer, address: str, checkpointer: Checkpointer | None = None,
-        observability: Observability | None = None,
+        observability: Observability | None = None, streams: StreamLimits | None = None,
+        fd_watch: limits.FdWatch | None = None,
     ) -> None:
         self._server = grpc_server
         self.servicer = servicer
         self.address = address
         self.checkpointer = checkpointer
         self.observability = observability or Observability()
+        self.streams = streams  # the client streams' limits and read deadline
+        self.fd_watch = fd_watch  # says when file descriptors run short
         self.stopped = threading.Event()
 
     @property
@@ -102,6 +106,10 @@ class RunningServer:
         if self.shard.replication is not None:  # ... and replies waiting for the backup
             self.shard.replication.close()
         self._server.stop(grace).wait()
+        if self.streams is not None:
+            self.streams.close()
+        if self.fd_watch is not None:
+            self.fd_watch.stop()
         self.servicer.close()
         if self.checkpointer is not None:  # a planned stop loses nothing: one last checkpoint
             self.checkpointer.stop()
@@ -164,6 +172,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         CheckpointError: the directory holds checkpoints, but none can be read.
     """
     tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
+    before, fd_limit = limits.raise_fd_limit()  # connections hold descriptors: take all the system allows
+    if fd_limit != before:
+        note(f"raised the open-file limit (RLIMIT_NOFILE) from {before} to {fd_limit}")
     shard = Shard(config)
     checkpointer = None
     if config.checkpoint_dir is not None:
@@ -179,12 +190,18 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     obs = Observability()
     # Calls are timed only where someone can read the figures (refusals by the guard included).
     interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
+    # Client streams read under a deadline and admitted within limits, before the guard reads their header.
+    streams = StreamLimits(config.stream_read_timeout_s, stream_budget(config.threads), config.max_streams_per_peer)
+    interceptors.append(streams)
+    shard.stream_counts = streams.counts
     if security.authenticates(config):
         interceptors.append(Guard(config))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
-        options=server_options(config), interceptors=interceptors,
+        options=[*server_options(config), *limits.connection_options(fd_limit, config.handshake_timeout_s)],
+        interceptors=interceptors,
     )
+    fd_watch = limits.FdWatch(fd_limit, limits.connection_cap(fd_limit), config.handshake_timeout_s)
     server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
     obs.add_services(server)
     obs.watch(shard.status, lambda: "" if shard.layout is None else str(shard.layout.index))
@@ -229,9 +246,10 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         warn(f"serving {address} with TLS but without checking callers: anyone who can reach it can read the "
              "weights and push gradients (give --tls-ca to require client certificates, or --job-secret-file)")
     shard.start_reaper()
+    fd_watch.start()
     if checkpointer is not None:
         checkpointer.start()
-    running = RunningServer(server, servicer, address, checkpointer, obs)
+    running = RunningServer(server, servicer, address, checkpointer, obs, streams, fd_watch)
     if config.metrics_port is not None:
         try:
             note(f"metrics at {obs.serve_http(config.host, config.metrics_port)}")

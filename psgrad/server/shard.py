@@ -3,6 +3,7 @@ recovery and replication — and the calls a worker makes of the shard itself: j
 gate, status; no network."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
 from psgrad.core.layout import Layout, explain_mismatch
-from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus
+from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
 from psgrad.errors import JobMismatchError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
@@ -51,6 +52,8 @@ class Shard:
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
         #: the same-host published versions' status (the servicer's Publisher, once it has one)
         self.published_status: Callable[[], PublishedStatus] = PublishedStatus
+        #: the server's client streams: (open, cancelled, refused) (its StreamLimits', once it has them)
+        self.stream_counts: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         #: the server's checkpoints (its Checkpointer's status, once it has one)
         self.checkpoint_status: Callable[[], CheckpointStatus] = CheckpointStatus
         # The collaborators' calls, as the shard's own.
@@ -348,6 +351,11 @@ class Shard:
             state = self.core.state
             return None if state is None else state.weights.clone()
 
+    def _transfers(self) -> TransferStatus:
+        opened, cancelled, refused = self.stream_counts()
+        return dataclasses.replace(self.core.buffers.status(), streams_open=opened, streams_cancelled=cancelled,
+                                   streams_refused=refused)
+
     def status(self, with_params: bool = False) -> ShardStatus:
         """A consistent snapshot of counters, membership, tables and the staleness histogram (and,
         when asked, the model's parameters)."""
@@ -376,7 +384,7 @@ class Shard:
                 uptime_s=core.now() - core.started,
                 workers=core.members.statuses(),
                 staleness=dict(sorted(c.staleness.items())),
-                transfers=core.buffers.status(),
+                transfers=self._transfers(),
                 params=layout.params if layout and with_params else (),
                 replica=self.replica.status(),
                 delay=state.dense.delay_status() if state else DelayStatus(),

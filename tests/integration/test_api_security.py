@@ -61,3 +61,35 @@ def test_a_wrong_credential_raises_the_error_that_names_it(secured: tuple[Runnin
         with psgrad.connect(server.address, client=client(files, "worker-1")) as ps:
             ps.optimizer(model)
     assert server.shard.layout is None  # nobody initialized it
+
+
+def test_a_push_stream_without_a_credential_is_refused_before_its_first_frame_is_awaited() -> None:
+    # The guard read the stream's first frame (the header) before it looked at the credential: a
+    # caller with none could hold a handler thread by opening a push and sending nothing.
+    import threading
+    import time
+
+    import grpc
+
+    from psgrad.wire.protocol import METHOD_PREFIX
+
+    server = start_server(ServerConfig(port=0, auth=AuthConfig(secret=SECRET), stream_read_timeout_s=60))
+    channel = grpc.secure_channel(server.address, grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP))
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait(30)  # opens the stream, never sends a frame
+        yield from ()
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.stream_unary(METHOD_PREFIX + "Push", None, None)(nothing(), timeout=20)
+        took = time.monotonic() - started
+        print(f"{refused.value.code()} after {took:.2f} s: {refused.value.details()}")
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED and "no token" in refused.value.details()
+        assert took < 10  # at once, not at the stream's deadline
+    finally:
+        release.set()
+        channel.close()
+        server.stop(0)

@@ -1,0 +1,179 @@
+"""Client streams held in check. A push (Push, PushGated), the chief's Init and a primary's
+ReplicaApply each hold a handler thread (and a push its receive buffer) while their frames
+arrive, so a peer that opens such a stream and stops sending could hold them for good. Here each
+stream reads its frames under a deadline (a stream whose next frame does not come within
+--stream-read-timeout-s is cancelled, and what it held is given back), and is admitted only while
+few enough are open: per connection (--max-streams-per-peer), and in all (at most 3/4 of
+--threads: status, heartbeats, joins, pulls and Step calls always find a thread). A stream over
+a limit is refused at once with ServerBusyError, which workers retry after a pause."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from psgrad.errors import ServerBusyError
+from psgrad.wire import protocol
+from psgrad.wire.protocol import METHOD_PREFIX
+
+_log = logging.getLogger("psgrad.server")
+
+
+def stream_budget(threads: int) -> int:
+    """How many client streams may be open at once: all of --threads but a quarter (at least one),
+    which the other calls keep."""
+    return max(1, threads - max(1, threads // 4))
+
+
+class _Stream:
+    """One admitted client stream: whose it is, and since when it waits for its next frame."""
+
+    __slots__ = ("method", "peer", "context", "since", "cancelled")
+
+    def __init__(self, method: str, peer: str, context: grpc.ServicerContext) -> None:
+        self.method, self.peer, self.context = method, peer, context
+        self.since = 0.0  # time.monotonic() when it began to wait for a frame (0: not waiting)
+        self.cancelled = False
+
+    def frames(self, frames: Iterator[bytes]) -> Iterator[bytes]:
+        """The call's frames, timed while the handler waits for each (two stores per frame)."""
+        while True:
+            self.since = time.monotonic()
+            frame = next(frames, None)
+            self.since = 0.0
+            if frame is None:
+                return
+            yield frame
+
+
+class StreamLimits(grpc.ServerInterceptor):
+    """The server's client streams: admitted within the limits, their reads under a deadline (a
+    watchdog thread cancels the stalled ones). Installed outermost but for the metrics interceptor,
+    so that the guard reads a stream's header under the deadline too."""
+
+    def __init__(self, read_timeout_s: float, max_streams: int, max_per_peer: int,
+                 warn: Callable[[str], None] = _log.warning) -> None:
+        self.read_timeout_s = read_timeout_s
+        self.max_streams = max_streams
+        self.max_per_peer = max_per_peer
+        self._warn = warn
+        self._cond = threading.Condition()
+        self._open: set[_Stream] = set()
+        self._per_peer: dict[str, int] = {}
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        self.cancelled = 0  # streams cancelled for a frame that did not come in time
+        self.refused = 0  # streams refused over a limit
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the one under limits)
+
+    # ----------------------------------------------------------------- admission
+    def _admit(self, method: str, context: grpc.ServicerContext) -> _Stream:
+        peer = context.peer() or "?"
+        with self._cond:
+            if self._closed:
+                problem = None
+            elif len(self._open) >= self.max_streams:
+                problem = (f"{len(self._open)} pushes and other client streams are open on this server, the most it "
+                           f"lets take its handler threads ({self.max_streams}, 3/4 of --threads)")
+            elif self._per_peer.get(peer, 0) >= self.max_per_peer:
+                problem = (f"{self._per_peer[peer]} client streams are open from {peer}, the most one connection may "
+                           f"hold (--max-streams-per-peer {self.max_per_peer})")
+            else:
+                problem = None
+                stream = _Stream(method, peer, context)
+                self._open.add(stream)
+                self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(target=self._watch, name="psgrad-stream-watch", daemon=True)
+                    self._watchdog.start()
+                return stream
+            self.refused += 1
+        protocol.abort(context, ServerBusyError(f"{method} refused for now: {problem}; try again once one ends"))
+        raise AssertionError("unreachable: abort raises")
+
+    def _release(self, stream: _Stream) -> None:
+        with self._cond:
+            self._open.discard(stream)
+            left = self._per_peer.get(stream.peer, 1) - 1
+            if left:
+                self._per_peer[stream.peer] = left
+            else:
+                self._per_peer.pop(stream.peer, None)
+
+    # ----------------------------------------------------------------- the deadline
+    def _watch(self) -> None:
+        tick = min(1.0, self.read_timeout_s / 4)
+        while True:
+            with self._cond:
+                while not self._open and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                now = time.monotonic()
+                late = [s for s in self._open if s.since and not s.cancelled and now - s.since > self.read_timeout_s]
+                for s in late:
+                    s.cancelled = True
+                    self.cancelled += 1
+            for s in late:  # (outside the lock: cancelling runs the call's callbacks)
+                s.context.cancel()
+                self._warn(f"cancelled a {s.method} call from {s.peer}: its next frame did not come within "
+                           f"--stream-read-timeout-s {self.read_timeout_s:g}; what it held (a receive buffer, a "
+                           "handler thread) is free again")
+            with self._cond:
+                if not self._closed:
+                    self._cond.wait(tick)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(client streams open now, cancelled for a late frame, refused over a limit)."""
+        return len(self._open), self.cancelled, self.refused
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- the interceptor
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not handler.request_streaming or not details.method.startswith(METHOD_PREFIX):
+            return handler
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:  # the method table's handlers never change
+            return cached[1]
+        limited = self._limited(details.method[len(METHOD_PREFIX):], handler)
+        self._wrapped[details.method] = (handler, limited)
+        return limited
+
+    def _limited(self, method: str, handler: Any) -> Any:
+        admit, release = self._admit, self._release
+        if handler.stream_unary:
+            behavior = handler.stream_unary
+
+            def single(frames: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+                stream = admit(method, context)
+                try:
+                    return behavior(stream.frames(frames), context)
+                finally:
+                    release(stream)
+
+            wrapped: Callable[..., Any] = single
+        else:
+            behavior = handler.stream_stream
+
+            def streaming(frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+                stream = admit(method, context)
+                try:
+                    yield from behavior(stream.frames(frames), context)
+                finally:
+                    release(stream)
+
+            wrapped = streaming
+        kind = "stream_unary" if handler.stream_unary else "stream_stream"
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            wrapped, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
