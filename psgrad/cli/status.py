@@ -20,7 +20,7 @@ def fetch(
     client: the credentials to ask with (see shard_status)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from psgrad.client.parameter_client import shard_status
+    from psgrad.client.status_client import shard_status  # no torch: status stays light
     from psgrad.errors import PsgradError
 
     servers = [a for entry in addresses for a in entry.split("|")]  # a shard's backup gets a row of its own
@@ -48,7 +48,7 @@ def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, clie
 
 def format_status(shards: Sequence[dict[str, Any]]) -> str:
     """The human-readable table `psgrad status` prints."""
-    from psgrad.core.status import start_wait_phrase  # torch: not at the CLI's start
+    from psgrad.core.status import start_wait_phrase  # not at the CLI's start
     head = f"{'shard':>5} {'address':<21} {'range':<21} {'version':>8} {'applied':>8} {'dup':>4} {'rej':>4} {'pulls':>7} {'MB in':>9} {'MB out':>9}"
     lines = [head]
     for s in shards:

@@ -29,7 +29,7 @@ def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir
 
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
     """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
-    from psgrad.client.parameter_client import shard_status
+    from psgrad.client.status_client import shard_status
     from psgrad.launch import jobkeys
     from psgrad.launch.local import run_launch
 
