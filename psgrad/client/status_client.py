@@ -80,8 +80,11 @@ def shard_status(
             return exc
 
     try:
-        with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            answers = dict(zip(servers, pool.map(ask, clients)))
+        if len(clients) == 1:  # no pool (its threads would be waited for at exit: see cli/status.py fetch)
+            answers = {servers[0]: ask(clients[0])}
+        else:
+            with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
+                answers = dict(zip(servers, pool.map(ask, clients)))
     finally:
         for c in clients:
             c.close()
