@@ -251,6 +251,14 @@ class ServerConfig:
         )
 
 
+# A first call (a worker's Join, a status request) to a server that refuses the connection (nothing
+# listens on its port), or whose address cannot be resolved or reached, is retried this long and
+# then reported (client/reconnect.py, first_call): a refused connection is an answer, and a server
+# being started binds its port within this. ClientConfig.wait_for_servers (`psgrad run`,
+# `--wait-for-servers`) waits the whole connect timeout instead, for servers started later.
+REFUSED_GRACE_S = 2.0
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Deadlines and transfer settings of a worker's connection to the shards."""
@@ -267,6 +275,10 @@ class ClientConfig:
     # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
     # segment per server.
     shared_memory: bool = True
+    # A first call to a server that refuses the connection (nothing listens on its port) reports it
+    # after REFUSED_GRACE_S; True waits up to connect_timeout_s for servers that start later
+    # (`psgrad run`: a cluster starts its processes in any order).
+    wait_for_servers: bool = False
     tls: TlsConfig | None = None  # None: plaintext, or gRPC's local credentials when sending a token
     auth: AuthConfig = field(default_factory=AuthConfig)  # the credential each call carries
 
@@ -288,6 +300,7 @@ class ClientConfig:
             "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
+            *(["--wait-for-servers"] if self.wait_for_servers else []),
             *(self.tls.to_argv() if self.tls is not None else []),
         ]
 

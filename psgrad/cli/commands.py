@@ -32,12 +32,18 @@ if TYPE_CHECKING:
     from psgrad.tasks.recipes import Recipe
 
 
-def _check_task(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
+def _check_task(ns: argparse.Namespace, steps_key: str = "steps", data: bool = False) -> Recipe:
     """Fail fast (before any process starts) on an unknown task or an import string that does not
-    resolve; fill the flags left to the task's recipe, and return it."""
-    from psgrad.tasks import resolve_task
+    resolve, and with `data` (a launcher, whose workers read the data on this machine) on a
+    built-in task's missing data (--data-dir); fill the flags left to the task's recipe, and return
+    it. Not `data` for `psgrad run` (a server reads none) and the cluster renderers (the data is on
+    the cluster)."""
+    from psgrad.tasks import check_task, resolve_task
 
-    resolve_task(ns.task)
+    if data:
+        check_task(ns.task, ns.data_dir)
+    else:
+        resolve_task(ns.task)
     return apply_recipe(ns, steps_key)
 
 
@@ -200,7 +206,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from psgrad.launch.local import run_launch
 
     resuming = ns.resume is not None
-    _check_task(ns)
+    _check_task(ns, data=ns.backend != "ray")  # on a Ray cluster the workers read the data on their nodes
     from psgrad.api import check_overlap
 
     spec = job_spec(ns, ns.num_workers, ns.num_servers)

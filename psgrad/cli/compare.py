@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 
 
 def _check_task(ns: argparse.Namespace) -> Recipe:
-    """Fail fast on an unknown task; fill the flags left to its recipe (compare's steps) and return it."""
-    from psgrad.tasks import resolve_task
+    """Fail fast on an unknown task or its missing data (before any run starts); fill the flags
+    left to its recipe (compare's steps) and return it."""
+    from psgrad.tasks import check_task
 
-    resolve_task(ns.task)
+    check_task(ns.task, ns.data_dir)
     return apply_recipe(ns, "compare_steps")
 
 

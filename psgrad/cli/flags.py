@@ -11,6 +11,7 @@ from psgrad.config import (
     MODES,
     NONFINITE_POLICIES,
     OPTIMIZER_NAMES,
+    REFUSED_GRACE_S,
     WIRE_DTYPES,
     ClientConfig,
     JobSpec,
@@ -172,9 +173,13 @@ def apply_recipe(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
     return recipe
 
 
-def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientConfig.connect_timeout_s) -> None:
+def add_job_args(
+    p: argparse.ArgumentParser, connect_timeout_s: float = ClientConfig.connect_timeout_s,
+    wait_for_servers: bool = ClientConfig.wait_for_servers,
+) -> None:
     """The job (JobSpec) and worker (WorkerConfig, ClientConfig) flags of worker, allreduce, launch and run
-    (whose workers may start long before their servers: it passes a longer connect_timeout_s)."""
+    (whose workers may start long before their servers: it passes a longer connect_timeout_s, and
+    waits through refused connections)."""
     g = p.add_argument_group("job (every worker must pass the same values; flags marked 'recipe' default to the "
                              "task's recipe, see README 'Tasks')")
     flag(g, "--task", WorkerConfig.task, "training task: a built-in name (" + BUILTIN_TASKS + ") or your own "
@@ -251,6 +256,9 @@ def add_job_args(p: argparse.ArgumentParser, connect_timeout_s: float = ClientCo
     flag(w, "--log-every", WorkerConfig.log_every, "print progress every N steps", " = 10 times", type=int)
     flag(w, "--connect-timeout-s", connect_timeout_s, "how long to wait for each server to answer the first call "
          "(a cluster may start the servers after the workers)", type=float)
+    flag(w, "--wait-for-servers", wait_for_servers, "at the first call, wait up to --connect-timeout-s for a "
+         "server that refuses the connection (one that starts later); --no-wait-for-servers reports a refused "
+         f"connection after {REFUSED_GRACE_S:g} s", action=argparse.BooleanOptionalAction)
     flag(w, "--rpc-timeout-s", ClientConfig.rpc_timeout_s, "deadline of each pull/push; raise it for very large "
          "models on slow links", type=float)
     flag(w, "--init-timeout-s", ClientConfig.init_timeout_s, "how long non-chief workers wait for rank 0 to "
@@ -343,7 +351,7 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     """The worker's ClientConfig, credentials included (`psgrad run`: worker `rank`'s certificate)."""
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
-        reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory,
+        reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, wait_for_servers=ns.wait_for_servers,
         tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),
     )
 

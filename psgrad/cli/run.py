@@ -82,7 +82,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     c.add_argument("--checkpoint-dir", metavar="DIR", help="server i checkpoints into DIR/shardI and restores "
                    "the newest readable one at start (DIR on storage every server's node sees, or per node)")
     r.add_argument("--metrics-dir", metavar="DIR", help="worker r writes its JSONL metrics to DIR/workerR.jsonl")
-    add_job_args(r, connect_timeout_s=CONNECT_TIMEOUT_S)
+    add_job_args(r, connect_timeout_s=CONNECT_TIMEOUT_S, wait_for_servers=True)
     add_server_security_args(r, run=True)
     r.set_defaults(func=cmd_run)
 

@@ -5,11 +5,16 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:
     from psgrad.config import ClientConfig
+
+T = TypeVar("T")
+# The live view's main thread never blocks longer than this: Python runs the Ctrl-C handler in the
+# main thread, and a signal that another thread (gRPC's, a status call's) received wakes no wait.
+WAKE_S = 0.1
 
 
 def fetch(
@@ -17,24 +22,36 @@ def fetch(
 ) -> list[dict[str, Any]]:
     """Every server's status as plain data (to_dict() plus its address). A server that does not
     answer is an error, unless the shards have backups or `tolerant`: then its row says why.
-    client: the credentials to ask with (see shard_status)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from psgrad.client.parameter_client import shard_status
+    client: the credentials to ask with (see shard_status). The servers are asked at once, each in
+    a daemon thread: a caller that stops waiting (Ctrl-C on the live view) leaves their calls to
+    end at their deadlines without the interpreter waiting for them at exit."""
+    from psgrad.client.status_client import shard_status  # no torch: status stays light
     from psgrad.errors import PsgradError
 
     servers = [a for entry in addresses for a in entry.split("|")]  # a shard's backup gets a row of its own
+    rows: list[dict[str, Any] | None] = [None] * len(servers)
+    failures: list[tuple[int, BaseException]] = []
 
-    def one(address: str) -> dict[str, Any]:
+    def one(i: int, address: str) -> None:
         try:
-            return dict(shard_status([address], timeout_s, client=client)[0].to_dict(), address=address)
+            rows[i] = dict(shard_status([address], timeout_s, client=client)[0].to_dict(), address=address)
         except PsgradError as exc:
             if not tolerant and "|" not in ",".join(addresses):
-                raise  # no backups: as before, a server that does not answer is an error
-            return {"address": address, "initialized": False, "error": str(exc)}
+                failures.append((i, exc))  # no backups: as before, a server that does not answer is an error
+            rows[i] = {"address": address, "initialized": False, "error": str(exc)}
+        except BaseException as exc:  # raised in the caller's thread below
+            failures.append((i, exc))
 
-    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-        return list(pool.map(one, servers))
+    threads = [threading.Thread(target=one, args=(i, a), name=f"psgrad-status-{i}", daemon=True)
+               for i, a in enumerate(servers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():  # in slices: the main thread sees Ctrl-C at once, whichever thread the signal hit
+            t.join(WAKE_S)
+    if failures:
+        raise min(failures, key=lambda f: f[0])[1]  # the first server's, in order
+    return [r for r in rows if r is not None]
 
 
 def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, client: ClientConfig | None = None) -> None:
@@ -48,7 +65,7 @@ def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, clie
 
 def format_status(shards: Sequence[dict[str, Any]]) -> str:
     """The human-readable table `psgrad status` prints."""
-    from psgrad.core.status import start_wait_phrase  # torch: not at the CLI's start
+    from psgrad.core.status import start_wait_phrase  # not at the CLI's start
     head = f"{'shard':>5} {'address':<21} {'range':<21} {'version':>8} {'applied':>8} {'dup':>4} {'rej':>4} {'pulls':>7} {'MB in':>9} {'MB out':>9}"
     lines = [head]
     for s in shards:
@@ -175,18 +192,53 @@ def watch_rows(now: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]] |
     return "\n".join(lines)
 
 
+def _pause(seconds: float) -> None:
+    """Wait, in slices of WAKE_S: a signal another thread received wakes no lock wait, so the main
+    thread must wake by itself to run the Ctrl-C handler."""
+    end = time.monotonic() + seconds
+    nap = threading.Event()  # never set: wait() is an interruptible pause
+    while (left := end - time.monotonic()) > 0:
+        nap.wait(min(left, WAKE_S))
+
+
+def _in_background(fn: Callable[[], T]) -> T:
+    """fn() in a daemon thread, waited for in slices (Ctrl-C ends the wait at once, and the thread
+    is abandoned: the process exits without waiting for its calls)."""
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:
+            box.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="psgrad-status-watch", daemon=True).start()
+    while not done.wait(WAKE_S):
+        pass
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, count: int | None = None,
                  out: TextIO | None = None, client: ClientConfig | None = None) -> None:
     """Refresh the live view every interval_s until Ctrl-C (or `count` refreshes): on a terminal in
-    place, elsewhere as successive blocks."""
+    place, elsewhere as successive blocks. Ctrl-C ends it within WAKE_S, even while a server takes
+    its time to answer (up to timeout_s): nothing waits for those calls."""
     stream = out or sys.stdout
     tty = stream.isatty()
+    servers = sum(len(entry.split("|")) for entry in addresses)
+    stream.write(f"psgrad status --watch: asking {servers} server(s) every {interval_s:g} s, Ctrl-C to stop\n")
+    stream.flush()
     before: list[dict[str, Any]] | None = None
     last = time.monotonic()
     done = 0
-    stop = threading.Event()  # never set: wait() is an interruptible pause between refreshes
     while count is None or done < count:
-        shards = fetch(addresses, timeout_s, tolerant=True, client=client)
+        shards = _in_background(lambda: fetch(addresses, timeout_s, tolerant=True, client=client))
         now = time.monotonic()
         table = watch_rows(shards, before, now - last)
         stamp = time.strftime("%H:%M:%S")
@@ -197,4 +249,4 @@ def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, 
         before, last = shards, now
         done += 1
         if count is None or done < count:
-            stop.wait(interval_s)
+            _pause(interval_s)

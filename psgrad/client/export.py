@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from psgrad.client.parameter_client import ParameterClient, credentials, shard_status
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.client.status_client import credentials, shard_status
 from psgrad.config import ClientConfig
 from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN

@@ -14,13 +14,14 @@ import torch
 
 from psgrad import errors
 from psgrad.client.shard_client import ShardClient
+from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer
 from psgrad.core.credentials import worker_role
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
-from psgrad.core.status import ShardStatus, missing_ranks, start_wait_phrase
+from psgrad.core.status import missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
@@ -35,11 +36,6 @@ START_FIRST_ROUND_S = 1.0
 START_NOTE_S = 30.0
 # A waiting Join's deadline is its round plus this; the server answers half a second before it.
 JOIN_MARGIN_S = 0.5
-
-
-def credentials(client: ClientConfig | None) -> dict[str, Any]:
-    """The credential fields of a client config (none: {}), to carry over into another one."""
-    return {} if client is None else {"tls": client.tls, "auth": client.auth}
 
 
 class ParameterClient:
@@ -375,36 +371,3 @@ class ParameterClient:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-
-
-def shard_status(
-    addresses: Sequence[str], timeout_s: float, with_params: bool = False, client: ClientConfig | None = None
-) -> list[ShardStatus]:
-    """Status of each shard (in the given order), every server asked concurrently; of a shard given
-    as PRIMARY|BACKUP, the server that serves it (the primary, or the backup that took over).
-    client: its credentials are used (the admin's token, from a job secret)."""
-    config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s, reconnect_timeout_s=0,
-                          **credentials(client))
-    servers = [a for entry in addresses for a in entry.split("|")]
-    clients = [ShardClient(a, config) for a in servers]
-
-    def ask(c: ShardClient) -> ShardStatus | PsgradError:
-        try:
-            return serde.status_from_proto(c.status(timeout_s, with_params))
-        except PsgradError as exc:
-            return exc
-
-    try:
-        with futures.ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            answers = dict(zip(servers, pool.map(ask, clients)))
-    finally:
-        for c in clients:
-            c.close()
-    out = []
-    for entry in addresses:
-        got = [answers[a] for a in entry.split("|")]
-        ok = [s for s in got if isinstance(s, ShardStatus)]
-        if not ok:
-            raise next(e for e in got if isinstance(e, PsgradError))
-        out.append(next((s for s in ok if s.replica.role == "primary"), ok[0]))
-    return out

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import grpc
 
-from psgrad.config import ClientConfig
+from psgrad.config import REFUSED_GRACE_S, ClientConfig
 from psgrad.errors import NotPrimaryError, PsgradError, ServerBusyError, ServerUnavailableError, UnknownWorkerError
 from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, to_psgrad_error
 
@@ -23,6 +23,11 @@ MAX_RECONNECT_BACKOFF_S = 2.0
 FAILOVER_JOIN_S = 2.0
 # How long the quick status call that explains a deadline waits for its answer (see diagnose).
 PROBE_S = 1.0
+# What connection_problem() says of a connection that failed with an answer: refused, or an
+# address that could not be resolved, or reached (the first two: maybe a server not started yet).
+ANSWERS = ("refused", "could not be resolved", "is unreachable")
+WAIT_FOR_SERVERS_HINT = (" (--wait-for-servers, or ClientConfig(wait_for_servers=True), waits up to --connect-timeout-s "
+                         "for a server that starts later)")
 
 
 def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:
@@ -60,6 +65,56 @@ def as_error(exc: grpc.RpcError, address: str, diagnose: Callable[[], str], what
     """exc as a PsgradError; a deadline the server did not explain is diagnosed (see diagnose)."""
     late = isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not _names_any(exc)
     return to_psgrad_error(exc, address, what, timeout_s, diagnosis=diagnose() if late else "")
+
+
+def first_call(
+    what: str,
+    attempt: Callable[[float, bool], T],
+    timeout_s: float,
+    address: str,
+    config: ClientConfig,
+    diagnose: Callable[[], str],
+    hint: str = "",
+) -> T:
+    """attempt(deadline_s, wait_for_ready), a server's first call: it waits up to timeout_s for an
+    answer, but a connection refused (nothing listens on the port), an address that cannot be
+    resolved or reached — answers, nothing was sent — is retried with backoff for REFUSED_GRACE_S
+    only, then reported (refused or unresolvable with `hint`), not at the end of timeout_s (gRPC's
+    wait_for_ready waits through refusals until the deadline). Any other connection failure (a
+    handshake that timed out: a busy or stopped server) is waited through until timeout_s, as
+    before. With config.wait_for_servers, everything is waited through until timeout_s.
+
+    Raises:
+        ServerUnavailableError: refused (or unresolvable, unreachable) for the grace period, or no
+            answer within timeout_s (DeadlineExceededError, with what a quick second call found).
+        PsgradError: the error the server raised.
+    """
+    started = time.monotonic()
+    give_up = started + timeout_s
+    patience = started + min(REFUSED_GRACE_S, timeout_s)
+    backoff_s = RECONNECT_BACKOFF_S
+    ready = config.wait_for_servers
+    while True:
+        try:
+            # without wait_for_ready a call fails at once where the connection does
+            return attempt(max(0.01, give_up - time.monotonic()), ready)
+        except grpc.RpcError as exc:
+            now = time.monotonic()
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            problem = connection_problem(exc.details() or "") if isinstance(exc, grpc.Call) else None
+            answered = (not ready and code == grpc.StatusCode.UNAVAILABLE and not _names_any(exc)
+                        and problem is not None and problem[0].startswith(ANSWERS))
+            if not answered:
+                if ready or code != grpc.StatusCode.UNAVAILABLE or _names_any(exc) or now >= give_up:
+                    raise as_error(exc, address, diagnose, what, timeout_s) from None
+                ready = True  # a busy or stopped server: wait for it until the deadline, as before
+                continue
+            if now >= patience:
+                waited = f" for {now - started:.1f} s" if now - started >= 0.05 else ""
+                later = problem is not None and problem[0].startswith(ANSWERS[:2])
+                raise to_psgrad_error(exc, address, what, timeout_s, waited, note=hint if later else "") from None
+            time.sleep(min(backoff_s, patience - now))  # a server just starting: it binds its port soon
+            backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
 
 
 def join_any(

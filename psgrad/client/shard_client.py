@@ -135,20 +135,23 @@ class ShardClient:
         return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t))
 
     def join(self, req: pb.JoinRequest, timeout_s: float, wait_for_ready: bool = True) -> pb.JoinReply:
-        """Join; waits for the channel to connect (up to timeout_s) instead of failing fast (a
-        shard with a backup: tries its servers in turn, see reconnect.join_any), unless not
-        wait_for_ready. Learns whether the server takes payloads through shared memory."""
-        ready = len(self.addresses) < 2 and wait_for_ready
+        """Join. As a first call (wait_for_ready) it waits up to timeout_s for the server to answer,
+        but reports a refused connection after a short grace (see reconnect.first_call); a shard
+        with a backup tries its servers in turn (see reconnect.join_any). Learns whether the server
+        takes payloads through shared memory."""
+        def attempt(t: float, ready: bool = False) -> pb.JoinReply:
+            reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
+            self.same.server_shm = shm.same_host_server(call.initial_metadata())
+            return reply
+
+        if len(self.addresses) < 2 and wait_for_ready:
+            return reconnect.first_call("the join request", attempt, timeout_s, self.address, self.config,
+                                        self.diagnose, reconnect.WAIT_FOR_SERVERS_HINT)
 
         def run(t: float) -> pb.JoinReply:
-            def attempt() -> pb.JoinReply:
-                reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
-                self.same.server_shm = shm.same_host_server(call.initial_metadata())
-                return reply
+            return self._call("the join request", lambda: attempt(t), t, retry=False)
 
-            return self._call("the join request", attempt, t, retry=False)
-
-        if ready or len(self.addresses) < 2:
+        if len(self.addresses) < 2:
             return run(timeout_s)
         return reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
 
@@ -286,13 +289,11 @@ class ShardClient:
         return reply.push, int(reply.pull.version)
 
     def status(self, timeout_s: float | None = None, with_params: bool = False) -> pb.StatusReply:
-        t = timeout_s or self.config.rpc_timeout_s
-        return self._call(
-            "the status request",
-            lambda: self._status(pb.StatusRequest(with_params=with_params), timeout=t, wait_for_ready=True),
-            t,
-            retry=False,
-        )
+        """The shard's status, as a first call (a refused connection is reported after a short grace)."""
+        req = pb.StatusRequest(with_params=with_params)
+        return reconnect.first_call(
+            "the status request", lambda t, ready: self._status(req, timeout=t, wait_for_ready=ready),
+            timeout_s or self.config.rpc_timeout_s, self.address, self.config, self.diagnose)
 
     def heartbeat(self, rank: int, fp: str) -> pb.HeartbeatReply:
         t = min(self.config.rpc_timeout_s, 5.0)

@@ -1,5 +1,6 @@
 """The flat space (trainable parameters, then synchronized buffers), its shard plan (contiguous
-balanced ranges) and the job fingerprint; pure."""
+balanced ranges) and the job fingerprint; pure. torch is imported where a model is read, not at
+import: `psgrad status` (ParamSpec, through the status it prints) stays light."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +9,13 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from psgrad.config import JobSpec
 from psgrad.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers the servers keep for the model, in named_buffers() order: the persistent ones
     (those in its state_dict: BatchNorm's running mean and variance, num_batches_tracked) of a
     floating-point or integer dtype. Non-persistent buffers (masks, caches) stay local."""
+    import torch
+
     keys = set(model.state_dict().keys())
     return [
         (name, b)

@@ -164,11 +164,19 @@ def run_claims(
     progress: bool = True, log: Callable[[str], None] = print,
 ) -> int:
     """Run the preset, then write out/report.md (the claims table, each experiment's figures) and
-    out/claims.json. Returns 0 (a claim that does not hold is a finding, not an error)."""
+    out/claims.json. Returns 0 (a claim that does not hold is a finding, not an error).
+
+    Raises:
+        TaskError: an experiment's task cannot find its data (before anything starts).
+    """
+    from psgrad.tasks import check_task
+
     out = out if out is not None else Path("runs") / time.strftime("claims-%Y%m%d-%H%M%S")
+    experiments = preset(out, quick, seed, data_dir)
+    for task, task_dir in dict.fromkeys((e.config.task, e.config.data_dir) for e in experiments):
+        check_task(task, task_dir)  # fashion-mnist's files missing: exit 2 before anything starts
     out.mkdir(parents=True, exist_ok=True)
     start, load_before = time.monotonic(), os.getloadavg()
-    experiments = preset(out, quick, seed, data_dir)
     done: dict[Path, Mapping[str, Any] | None] = {}
     failed: dict[str, str] = {}
     results: dict[str, Mapping[str, Any] | None] = {}

@@ -14,7 +14,7 @@ from psgrad.errors import PsgradError
 from psgrad.experiments.compare_config import CompareConfig
 from psgrad.experiments.modes import BASELINES, ModeRun, parse_modes
 
-__all__ = ["BASELINES", "CompareConfig", "ModeRun", "parse_modes", "run_compare", "worker_argv"]
+__all__ = ["BASELINES", "CompareConfig", "ModeRun", "parse_modes", "run_compare", "worker_argv", "write_summary"]
 
 # The rest (torch, grpc, matplotlib) is imported where a run needs it: `psgrad --help` reads
 # the settings (compare_config.py) and stays fast.
@@ -29,7 +29,7 @@ def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir
 
 def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
     """Train one mode once on a fresh cluster; metrics, status and output go into run_dir."""
-    from psgrad.client.parameter_client import shard_status
+    from psgrad.client.status_client import shard_status
     from psgrad.launch import jobkeys
     from psgrad.launch.local import run_launch
 
@@ -106,15 +106,17 @@ def run_compare(
 ) -> dict[str, Any]:
     """With an lr grid, first run it (lrgrid.run_grid) and give every mode its best lr. Then run
     every mode `repeats` times (mode after mode within a repeat, so machine noise hits all modes
-    alike), and write summary.json, report.md, convergence.png and staleness.png.
+    alike), and write summary.json, report.md, convergence.png and staleness.png (see
+    write_summary; on Ctrl-C, of the runs that finished before it).
 
     Raises:
         PsgradError: a run failed (the message points at its output.log).
-        KeyboardInterrupt: interrupted; every child process has been stopped.
+        KeyboardInterrupt: interrupted; every child process has been stopped, and the finished
+            runs summarized.
     """
     from tqdm import tqdm
 
-    from psgrad.experiments import analysis, lrgrid, report
+    from psgrad.experiments import lrgrid
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     grid = None
@@ -124,19 +126,44 @@ def run_compare(
         cfg = replace(cfg, modes=tuple(m.with_lr(best[m.label]) if m.label in best else m for m in cfg.modes), lr_grid=())
     plan = [(mode, repeat) for repeat in range(cfg.repeats) for mode in cfg.modes]
     per_mode: dict[str, list[dict[str, Any]]] = {m.label: [] for m in cfg.modes}
-    with tqdm(plan, desc="psgrad compare", unit="run", file=sys.stderr, disable=not progress) as bar:
-        for mode, repeat in bar:
-            bar.set_postfix_str(f"{mode.label} repeat {repeat + 1}/{cfg.repeats}")
-            run_dir = cfg.out_dir / "runs" / f"{mode.slug}-r{repeat}"
-            metrics = _train(cfg, mode, cfg.seed + repeat, run_dir, repeat)
-            if metrics is None:
-                raise PsgradError(f"{mode.label} (repeat {repeat}) failed; see {run_dir / 'output.log'}")
-            per_mode[mode.label].append(metrics)
-            bar.write(f"{mode.label:>10} repeat {repeat + 1}: {_one_line(metrics, cfg.metric)}")
+    try:
+        with tqdm(plan, desc="psgrad compare", unit="run", file=sys.stderr, disable=not progress) as bar:
+            for mode, repeat in bar:
+                bar.set_postfix_str(f"{mode.label} repeat {repeat + 1}/{cfg.repeats}")
+                run_dir = cfg.out_dir / "runs" / f"{mode.slug}-r{repeat}"
+                metrics = _train(cfg, mode, cfg.seed + repeat, run_dir, repeat)
+                if metrics is None:
+                    raise PsgradError(f"{mode.label} (repeat {repeat}) failed; see {run_dir / 'output.log'}")
+                per_mode[mode.label].append(metrics)
+                bar.write(f"{mode.label:>10} repeat {repeat + 1}: {_one_line(metrics, cfg.metric)}")
+    except KeyboardInterrupt:  # Ctrl-C: keep what the finished runs found
+        finished = sum(len(ms) for ms in per_mode.values())
+        if finished:
+            log(f"psgrad compare: interrupted after {finished} of {len(plan)} run(s); summarizing those")
+            write_summary(cfg, command, per_mode, grid, log, interrupted=True)
+        raise
+    return write_summary(cfg, command, per_mode, grid, log)
+
+
+def write_summary(
+    cfg: CompareConfig,
+    command: str,
+    per_mode: dict[str, list[dict[str, Any]]],
+    grid: dict[str, Any] | None,
+    log: Callable[[str], None] = print,
+    interrupted: bool = False,
+) -> dict[str, Any]:
+    """Write summary.json, report.md, convergence.png and staleness.png of the runs in per_mode
+    (label -> each finished repeat's metrics; modes without one are left out: an interrupted
+    comparison, whose summary says "interrupted": true), print the table; returns the summary."""
+    from psgrad.experiments import analysis, lrgrid, report
+
+    per_mode = {label: ms for label, ms in per_mode.items() if ms}
+    modes = [m for m in cfg.modes if m.label in per_mode]
     summary = {label: analysis.aggregate(ms) for label, ms in per_mode.items()}
-    for mode in cfg.modes:
+    for mode in modes:
         summary[mode.label]["lr"] = cfg.mode_lr(mode)
-    notes = analysis.nondeterminism_notes([m.label for m in cfg.modes])
+    notes = analysis.nondeterminism_notes([m.label for m in modes])
     env_versions = report.environment_versions()
     document = {
         "command": command,
@@ -148,6 +175,7 @@ def run_compare(
         },
         "nondeterminism": notes,
         "lr_grid": grid,
+        **({"interrupted": True} if interrupted else {}),
     }
     (cfg.out_dir / "summary.json").write_text(json.dumps(document, indent=2, default=str))
     report.plot_convergence(
@@ -160,6 +188,9 @@ def run_compare(
         cfg.out_dir / "staleness.png", {label: s["staleness_histogram"] for label, s in summary.items()}
     )
     sections = [] if grid is None else lrgrid.grid_markdown(grid, cfg.metric, cfg.settings()["lrs"])
+    if interrupted:
+        sections = ["Interrupted (Ctrl-C): these are the runs that finished before it; the others did not run.",
+                    "", *sections]
     report.write_report(cfg.out_dir, summary, command, env_versions, cfg.settings(), notes, cfg.metric, sections)
     log(report.format_table(summary, cfg.metric))
     log(f"wrote {cfg.out_dir}/summary.json, report.md, convergence.png, staleness.png and runs/")

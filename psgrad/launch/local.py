@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from psgrad.launch.supervisor import SupervisedProcess
 
 LISTEN_RE = re.compile(r"psgrad server listening on (\S+)")
+# The launcher's main thread waits for its children's events at most this long at a time.
+WAKE_S = 0.5
 # What the children report to run_launch: ("listening", name, address) or ("exit", name, code).
 Events = queue.Queue[tuple[str, str, object]]
 
@@ -123,7 +125,10 @@ def run_launch(
         running = set(worker_names)
         failed: list[str] = []
         while running:
-            kind, name, value = events.get()
+            try:  # in slices: Python runs the Ctrl-C handler in this thread, and a signal that another
+                kind, name, value = events.get(timeout=WAKE_S)  # thread received wakes no wait
+            except queue.Empty:
+                continue
             if kind != "exit":
                 continue
             if name in running:

@@ -98,18 +98,43 @@ class Task:
 
 
 TASKS: dict[str, Callable[..., Task]] = {}
+# name -> a quick check that the task finds its data (called with --data-dir), raising TaskError
+# where it would not: what `psgrad launch` and `compare` check before anything starts.
+DATA_CHECKS: dict[str, Callable[[str | None], object]] = {}
 
 
-def register_task(name: str, recipe: Recipe | None = None) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+def register_task(
+    name: str, recipe: Recipe | None = None, check: Callable[[str | None], object] | None = None,
+) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
     """Decorator: register a factory seed -> Task (or (seed, data_dir) -> Task, for a task that
-    reads files) under name, with its metric and recommended settings (default: DEFAULT's)."""
+    reads files) under name, with its metric and recommended settings (default: DEFAULT's), and
+    `check(data_dir)`, which raises TaskError (saying where it looked) when the data is missing."""
 
     def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
         TASKS[name] = factory
         RECIPES[name] = recipe or DEFAULT
+        if check is not None:
+            DATA_CHECKS[name] = check
         return factory
 
     return deco
+
+
+def check_task(name: str, data_dir: str | None = None) -> Callable[..., Task]:
+    """What a launcher checks before it starts any process: the task resolves (see resolve_task),
+    reads --data-dir if one is given, and (a built-in that reads files or a package) finds its
+    data; without building it. Returns its factory.
+
+    Raises:
+        TaskError: naming the problem, e.g. where fashion-mnist looked for its files.
+    """
+    factory = resolve_task(name)
+    if data_dir is not None and not _takes_data_dir(factory):
+        raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
+    check = DATA_CHECKS.get(name)
+    if check is not None:
+        check(data_dir)
+    return factory
 
 
 def recipe_for(name: str) -> Recipe:

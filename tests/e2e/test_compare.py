@@ -83,6 +83,33 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
     assert "sync" in res.stdout and "final test acc" in res.stdout  # the table printed at the end
 
 
+@pytest.mark.timeout(200)
+def test_ctrl_c_keeps_the_summary_of_the_runs_that_finished(tmp_path: Path) -> None:
+    """SIGINT threw away what the finished runs found (no summary.json); it is written for them
+    (marked "interrupted"), then compare exits 130. The signal is sent once the first run reported
+    its result, while the second one is still starting its processes."""
+    import signal
+
+    from conftest import spawn
+
+    out = tmp_path / "cmp"
+    proc = spawn(["compare", "--modes", "sync,async", "--num-servers", "1", "--num-workers", "1", "--steps", "20",
+                  "--step-time-ms", "20", "--target", "0.3", "--repeats", "1", "--out", str(out)])
+    try:
+        proc.wait_for_line("sync repeat 1:", timeout_s=150)
+        proc.popen.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, proc.output
+    finally:
+        proc.stop(grace_s=5)
+    assert "interrupted after 1 of 2 run(s); summarizing those" in proc.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and set(summary["modes"]) == {"sync"}, summary["modes"].keys()
+    assert summary["modes"]["sync"]["repeats"] == 1 and 0.0 < summary["modes"]["sync"]["final_test_accuracy"]["mean"]
+    report = (out / "report.md").read_text()
+    assert "Interrupted (Ctrl-C)" in report and "| sync" in report and "| async" not in report
+    assert (out / "convergence.png").exists() and (out / "staleness.png").exists()
+
+
 def assert_tensorboard_has_every_step(board: Path, runs: Path) -> None:
     """compare --tensorboard: each run's workers under BOARD/RUN/workerR, their loss and lr the JSONL's."""
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -232,6 +232,54 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
         proc.stop()
 
 
+class _SlowStatus:
+    """A gRPC server of the psgrad service whose Status answers only when released (a server busy,
+    paused, or cut off mid-call): `called` is set once a Status call arrived."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        from psgrad.proto import ps_pb2 as pb
+
+        self.called = threading.Event()
+        self.release = threading.Event()
+
+        def status(request: Any, context: grpc.ServicerContext) -> Any:
+            self.called.set()
+            self.release.wait(60)
+            return pb.StatusReply()
+
+        handlers = {"Status": grpc.unary_unary_rpc_method_handler(
+            status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString)}
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.stop(0)
+
+
+def test_ctrl_c_ends_the_live_view_at_once_while_a_server_is_slow_to_answer() -> None:
+    """Ctrl-C waited for the status calls in flight (the view's thread pool joined them), up to
+    --timeout-s, and then for the interpreter to collect torch's modules: once at load ~10 the view
+    did not exit within 30 s. The view says it runs before its first refresh; the test sends SIGINT
+    once the slow server holds the view's call (no sleep: both are waited for)."""
+    slow = _SlowStatus()
+    view = spawn(["status", "--watch", "--timeout-s", "60", "--interval-s", "0.3", "--servers", slow.address])
+    try:
+        view.wait_for_line("Ctrl-C to stop", timeout_s=60)
+        assert slow.called.wait(60), "the view never asked the server"
+        start = time.monotonic()
+        view.popen.send_signal(signal.SIGINT)
+        assert view.wait(20) == 0, view.lines  # was: the call's deadline, 60 s
+        assert time.monotonic() - start < 10
+    finally:
+        view.stop(grace_s=0)
+        slow.stop()
+
+
 def test_a_worker_on_a_terminal_shows_a_progress_bar_and_writes_tensorboard(tmp_path: Path) -> None:
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     quiet = spawn(["server", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"])

@@ -102,15 +102,17 @@ def _dead_port() -> str:
 
 
 def test_joining_a_port_nobody_listens_on_says_it_was_refused() -> None:
+    """A refused connection is an answer: reported after a short grace (a server starting binds its
+    port within it), not at the end of --connect-timeout-s (30 s here)."""
     address = _dead_port()
     start = time.monotonic()
-    with pytest.raises(DeadlineExceededError) as info:
-        psgrad.connect([address], client=ClientConfig(connect_timeout_s=1.0)).optimizer(nn.Linear(2, 2))
-    assert str(info.value) == (
-        f"server {address} did not answer the join request within 1 s (deadline exceeded): a second call found "
-        f"that it {REFUSED.replace(chr(92), '')}"
-    )
-    assert time.monotonic() - start < 5
+    with pytest.raises(ServerUnavailableError) as info:
+        psgrad.connect([address], client=ClientConfig(connect_timeout_s=30.0)).optimizer(nn.Linear(2, 2))
+    assert re.fullmatch(
+        rf"server {address} {REFUSED} for \d\.\d s: the join request was not sent \(--wait-for-servers, or "
+        r"ClientConfig\(wait_for_servers=True\), waits up to --connect-timeout-s for a server that starts later\)",
+        str(info.value)), info.value
+    assert time.monotonic() - start < 10
 
 
 def test_a_push_to_a_server_that_died_says_refused_and_not_retried(make_servers: Any) -> None:
@@ -126,8 +128,8 @@ def test_a_push_to_a_server_that_died_says_refused_and_not_retried(make_servers:
         opt.step()
     assert re.fullmatch(rf"server {addresses[1]} {REFUSED}: the push and pull were not sent "
                         r"\(not retried: --reconnect-timeout-s 0\)", str(info.value)), info.value
-    with pytest.raises(ServerUnavailableError, match=rf"{REFUSED}: the leave request was not sent"):
-        ps.close()
+    ps.close()  # leaves shard 0; nothing is sent to the shard that was given up on (no second wait)
+    assert [state for _, _, state, *_ in running[0].shard.status().workers] == ["left"]
 
 
 def test_a_server_that_takes_tcp_but_never_speaks_grpc_is_named_so() -> None:

@@ -154,3 +154,36 @@ def test_a_pull_parked_at_the_sync_gate_is_timed(servers: Callable[..., RunningS
     m = scrape(server.metrics_url)
     shard = (("shard", "0"),)
     assert m[("psgrad_gate_wait_seconds_count", shard)] == 1 and m[("psgrad_gate_wait_seconds_sum", shard)] > 0
+
+
+# What `python -m psgrad ARGS` imported: the command runs as in a shell, then the wrapper says.
+_IMPORTS = """
+import runpy, sys
+sys.argv = ["psgrad", *sys.argv[1:]]
+try:
+    runpy.run_module("psgrad", run_name="__main__")
+finally:
+    print("imported:", *(m for m in ("torch", "numpy") if m in sys.modules), file=sys.stderr)
+"""
+
+
+def test_psgrad_status_does_not_import_torch(servers: Callable[..., RunningServer]) -> None:
+    """`psgrad status` imported torch (1.6-1.9 s and 242 MB per call) through the client it asked with;
+    a table, JSON and the live view of a job with workers (and of a server that refuses) do without."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+
+    server = servers()
+    with ParameterClient([server.address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, CONFIG) as c:
+        c.join(lambda: torch.zeros(NUMEL))
+        c.push(torch.ones(NUMEL), 0)
+        for args in (["status", "--servers", server.address], ["status", "--servers", server.address, "--json"],
+                     ["status", "--watch", "--count", "2", "--interval-s", "0.1", "--servers", server.address],
+                     ["status", "--servers", server.address + "|127.0.0.1:1"]):
+            res = subprocess.run([sys.executable, "-c", _IMPORTS, *args], capture_output=True, text=True, cwd=REPO,
+                                 env=child_env(), timeout=60)
+            assert res.returncode == 0, res.stderr
+            assert "shard" in res.stdout and server.address in res.stdout, res.stdout
+            assert res.stderr.splitlines()[-1] == "imported:", (args, res.stderr)  # neither torch nor numpy

