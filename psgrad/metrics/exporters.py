@@ -7,6 +7,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from psgrad.core.build import build_labels
+
 # Per-step timings: from sub-millisecond exchanges to multi-second steps of a big model.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -37,22 +39,6 @@ class _Histogram:
         counts, total = list(self.counts), self.total
         cumulative = list(itertools.accumulate(counts))
         return [*((str(b), float(n)) for b, n in zip(self.bounds, cumulative)), ("+Inf", float(cumulative[-1]))], total
-
-
-def build_labels() -> dict[str, str]:
-    """What runs: psgrad's version (the installed distribution's), Python's, grpcio's and torch's
-    (a server says the same: psgrad.server.observe.build_labels)."""
-    import importlib.metadata
-    import platform
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:  # (psgrad run from a checkout never installed)
-            return "unknown"
-
-    return {"version": version("psgrad"), "python": platform.python_version(), "grpcio": version("grpcio"),
-            "torch": version("torch")}
 
 
 class PrometheusExporter:

@@ -7,8 +7,6 @@ gate) is recorded as it happens, by a server interceptor and the shard's gate ho
 """
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import start_http_server
 
+from psgrad.core.build import build_labels
 from psgrad.core.status import LIVE, ShardStatus
 from psgrad.wire.protocol import ERROR_METADATA_KEY, SERVICE_NAME
 
@@ -126,19 +125,6 @@ class ShardCollector:
                           "retried at the next interval)", ckpt.failures)
             yield gauge("psgrad_checkpoint_failing", "1 while the latest checkpoint write failed (psgrad status shows "
                         "why)", float(ckpt.failing))
-
-
-def build_labels() -> dict[str, str]:
-    """What runs: psgrad's version (the installed distribution's), Python's, grpcio's and torch's
-    (the worker's exporter says the same: psgrad.metrics.exporters.build_labels)."""
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:  # (psgrad run from a checkout never installed)
-            return "unknown"
-
-    return {"version": version("psgrad"), "python": platform.python_version(), "grpcio": version("grpcio"),
-            "torch": version("torch")}
 
 
 class BuildInfo:
