@@ -23,7 +23,7 @@ ALLOWED = {
     "server": {"core", "wire", "server"},
     "client": {"core", "wire", "client"},
     "worker": {"core", "wire", "client", "worker", "api", "metrics", "tasks"},
-    "metrics": {"metrics"},
+    "metrics": {"metrics", "core"},
     "tasks": {"tasks"},
 }
 GRPC_EDGES = {"wire", "server", "client"}
