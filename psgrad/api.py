@@ -156,7 +156,7 @@ class Session:
             pass
 
     def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
-                  param_groups: Sequence[Mapping[str, Any]] | None = None) -> PSOptimizer:
+                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "local") -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
         The chief (rank 0) initializes empty servers with the model's current weights. Put the
@@ -168,6 +168,9 @@ class Session:
         "lr": ..., "weight_decay": ...} dicts (e.g. no weight decay on biases and norms); a group's
         lr is kept as a fixed multiple of the job's (so a schedule scales every group alike), and
         parameters in no group take the job's settings. Every worker must pass the same groups.
+        frozen: where the frozen parameters (requires_grad=False) live: "local" (each worker's
+        own; exports lack them) or "servers" (part of the job, never moved: exports and
+        checkpoints hold the whole model, at the price of pulling them every step).
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
@@ -176,7 +179,9 @@ class Session:
             raise WorkerStateError("this session is closed; call psgrad.connect(...) again")
         if self._optimizer is not None:
             raise WorkerStateError("this session already has an optimizer: one model per job")
-        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups)
+        if frozen not in ("local", "servers"):
+            raise ConfigError(f"frozen must be 'local' or 'servers', got {frozen!r}")
+        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups, frozen == "servers")
         return self._optimizer
 
     def leave(self) -> None:
@@ -227,16 +232,16 @@ class PSOptimizer(ScheduledOptimizer):
     """
 
     def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
-                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: bool = False) -> None:
         spec = session.spec
         check_overlap(spec, overlap)
         self.session = session
         self.model = model
         self.overlap = overlap
-        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
+        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, frozen=frozen)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not is_synchronous(spec.mode) and session.rank != 0)
-        self.params = with_groups(param_specs(model), model, param_groups, spec)
+        self.params = with_groups(param_specs(model, frozen), model, param_groups, spec)
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)

@@ -47,14 +47,20 @@ def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
     return ParamSpec(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."), buffer)
 
 
-def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
+def param_specs(model: torch.nn.Module, frozen: bool = False) -> list[ParamSpec]:
     """The model's trainable parameters, in named_parameters() order, each with its other names
-    (a parameter tied to another module appears once, under its first name)."""
+    (a parameter tied to another module appears once, under its first name). frozen=True: the
+    frozen ones (requires_grad=False) too, in their place, as a group the servers never move
+    (lr_scale 0, no weight decay)."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return [dataclasses.replace(_spec(name, p), aliases=tuple(names[id(p)][1:]))
-            for name, p in model.named_parameters() if p.requires_grad]
+    specs = []
+    for name, p in model.named_parameters():
+        if p.requires_grad or frozen:
+            spec = dataclasses.replace(_spec(name, p), aliases=tuple(names[id(p)][1:]))
+            specs.append(spec if p.requires_grad else dataclasses.replace(spec, lr_scale=0.0, weight_decay=0.0))
+    return specs
 
 
 def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

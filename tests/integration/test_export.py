@@ -263,3 +263,33 @@ def test_an_integer_lr_is_the_same_job_as_its_float(make_servers) -> None:  # ty
         assert versions == [0] and len(state) == 4
         with psgrad.connect(addresses, rank=1, num_workers=2, optimizer=psgrad.SGD(lr=20.0), client=CLIENT) as other:
             other.optimizer(_model())  # was: JobMismatchError naming no field
+
+
+@pytest.mark.parametrize("frozen", ["servers", "local"])
+def test_a_frozen_backbone_round_trips_when_it_lives_on_the_servers(make_servers: Any, frozen: str) -> None:
+    """Fine-tuning with a frozen first layer: with frozen="servers" the frozen weights are part of the
+    job (never moved), so an export loads strictly and holds them unchanged; with "local" (the
+    default: nothing frozen travels) the export lacks them and a strict load says which."""
+    torch.manual_seed(0)
+    model = _model()
+    backbone = model[0].weight.detach().clone()  # type: ignore[index]
+    for p in model[0].parameters():  # type: ignore[index]
+        p.requires_grad_(False)
+    addresses = [s.address for s in make_servers(2)]
+    task = get_task("digits")
+    with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=0.1, momentum=0.9), client=CLIENT) as ps:
+        opt = ps.optimizer(model, frozen=frozen)
+        for k in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(task.train_x[: 32]), task.train_y[: 32]).backward()
+            opt.step()
+        state = psgrad.fetch_state_dict(addresses)
+    fresh = _model()
+    if frozen == "local":
+        assert "0.weight" not in state
+        with pytest.raises(RuntimeError, match="Missing key.*0.weight"):
+            fresh.load_state_dict(state)
+        return
+    fresh.load_state_dict(state)  # strict: every key
+    assert torch.equal(fresh[0].weight, backbone) and torch.equal(model[0].weight, backbone)  # type: ignore[index]
+    assert not torch.equal(fresh[2].weight, _model()[2].weight)  # type: ignore[index]  # the head trained
