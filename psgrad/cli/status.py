@@ -192,18 +192,19 @@ def watch_rows(now: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]] |
     return "\n".join(lines)
 
 
-def _pause(seconds: float) -> None:
-    """Wait, in slices of WAKE_S: a signal another thread received wakes no lock wait, so the main
-    thread must wake by itself to run the Ctrl-C handler."""
+def _pause(seconds: float, check: Callable[[], None]) -> None:
+    """Wait, in slices of WAKE_S, calling check() after each: a signal another thread received
+    wakes no lock wait, so the main thread must wake by itself to run the Ctrl-C handler."""
     end = time.monotonic() + seconds
     nap = threading.Event()  # never set: wait() is an interruptible pause
     while (left := end - time.monotonic()) > 0:
+        check()
         nap.wait(min(left, WAKE_S))
 
 
-def _in_background(fn: Callable[[], T]) -> T:
-    """fn() in a daemon thread, waited for in slices (Ctrl-C ends the wait at once, and the thread
-    is abandoned: the process exits without waiting for its calls)."""
+def _in_background(fn: Callable[[], T], check: Callable[[], None]) -> T:
+    """fn() in a daemon thread, waited for in slices, check() after each (Ctrl-C ends the wait at
+    once, and the thread is abandoned: the process exits without waiting for its calls)."""
     box: list[Any] = []
     done = threading.Event()
 
@@ -217,7 +218,7 @@ def _in_background(fn: Callable[[], T]) -> T:
 
     threading.Thread(target=run, name="psgrad-status-watch", daemon=True).start()
     while not done.wait(WAKE_S):
-        pass
+        check()
     ok, value = box[0]
     if not ok:
         raise value
@@ -228,7 +229,17 @@ def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, 
                  out: TextIO | None = None, client: ClientConfig | None = None) -> None:
     """Refresh the live view every interval_s until Ctrl-C (or `count` refreshes): on a terminal in
     place, elsewhere as successive blocks. Ctrl-C ends it within WAKE_S, even while a server takes
-    its time to answer (up to timeout_s): nothing waits for those calls."""
+    its time to answer (up to timeout_s): nothing waits for those calls; and even where Python
+    swallowed the KeyboardInterrupt (raised in a __del__ of a gRPC object the main thread collected):
+    see CtrlC."""
+    from psgrad.launch.supervisor import CtrlC
+
+    with CtrlC() as ctrl_c:
+        _watch(addresses, timeout_s, interval_s, count, out, client, ctrl_c.check)
+
+
+def _watch(addresses: Sequence[str], timeout_s: float, interval_s: float, count: int | None, out: TextIO | None,
+           client: ClientConfig | None, check: Callable[[], None]) -> None:
     stream = out or sys.stdout
     tty = stream.isatty()
     servers = sum(len(entry.split("|")) for entry in addresses)
@@ -238,7 +249,7 @@ def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, 
     last = time.monotonic()
     done = 0
     while count is None or done < count:
-        shards = _in_background(lambda: fetch(addresses, timeout_s, tolerant=True, client=client))
+        shards = _in_background(lambda: fetch(addresses, timeout_s, tolerant=True, client=client), check)
         now = time.monotonic()
         table = watch_rows(shards, before, now - last)
         stamp = time.strftime("%H:%M:%S")
@@ -249,4 +260,4 @@ def watch_status(addresses: Sequence[str], timeout_s: float, interval_s: float, 
         before, last = shards, now
         done += 1
         if count is None or done < count:
-            _pause(interval_s)
+            _pause(interval_s, check)

@@ -6,9 +6,10 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
-from psgrad.launch.supervisor import SupervisedProcess
+from psgrad.launch.supervisor import CtrlC, SupervisedProcess
 
 LISTEN_RE = re.compile(r"psgrad server listening on (\S+)")
 # The launcher's main thread waits for its children's events at most this long at a time.
@@ -53,12 +54,19 @@ def _without_checkpoints(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _await_servers(events: Events, names: Sequence[str], timeout_s: float) -> dict[str, str]:
+def _await_servers(
+    events: Events, names: Sequence[str], timeout_s: float, check: Callable[[], None] = lambda: None,
+) -> dict[str, str]:
+    """name -> address of each server, as they report listening; check() runs at least every WAKE_S."""
     addresses: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
     while len(addresses) < len(names):
+        check()
         try:
-            kind, name, value = events.get(timeout=timeout_s)
+            kind, name, value = events.get(timeout=max(0.0, min(WAKE_S, deadline - time.monotonic())))
         except queue.Empty:
+            if time.monotonic() < deadline:
+                continue
             missing = ", ".join(n for n in names if n not in addresses)
             raise LaunchError(f"{missing} did not report a listening address within {timeout_s:g} s") from None
         if kind == "listening":
@@ -101,20 +109,21 @@ def run_launch(
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_term)
+    ctrl_c = CtrlC().__enter__()  # a Ctrl-C swallowed while a child starts (an at-fork hook) is raised again
     try:
         server_names = [f"server{i}" for i in range(num_servers)]
         for i, name in enumerate(server_names):
             own = server_args(i) if callable(server_args) else server_args
             argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own)
             children.append(_start(name, argv, env, log, events))
-        addresses = _await_servers(events, server_names, start_timeout_s)
+        addresses = _await_servers(events, server_names, start_timeout_s, ctrl_c.check)
         if replicas:
             for i, name in enumerate(server_names):
                 own = _without_checkpoints(server_args(num_servers + i) if callable(server_args) else server_args)
                 argv = _python_psgrad("server", "--host", "127.0.0.1", "--port", "0", *own,
                                       "--replica-of", addresses[name])
                 children.append(_start(f"{name}-backup", argv, env, log, events))
-            backups = _await_servers(events, [f"{n}-backup" for n in server_names], start_timeout_s)
+            backups = _await_servers(events, [f"{n}-backup" for n in server_names], start_timeout_s, ctrl_c.check)
             addresses = {n: f"{addresses[n]}|{backups[n + '-backup']}" for n in server_names}
         servers = ",".join(addresses[n] for n in server_names)
         if num_servers:
@@ -125,6 +134,7 @@ def run_launch(
         running = set(worker_names)
         failed: list[str] = []
         while running:
+            ctrl_c.check()
             try:  # in slices: Python runs the Ctrl-C handler in this thread, and a signal that another
                 kind, name, value = events.get(timeout=WAKE_S)  # thread received wakes no wait
             except queue.Empty:
@@ -159,5 +169,6 @@ def run_launch(
             child.terminate()
         for child in children:
             child.stop(grace_s=5.0)
+        ctrl_c.__exit__()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)

@@ -27,6 +27,38 @@ class LineNotSeen(Exception):
         self.ended = ended
 
 
+class CtrlC:
+    """Ctrl-C that is never lost, for a main thread that waits in slices: while active, SIGINT is
+    noted and raises KeyboardInterrupt as usual, and check() raises it again where Python swallowed
+    it — raised inside an at-fork hook (starting a child: logging's _releaseLock), a __del__ or a
+    weakref callback, it is only printed ("Exception ignored in ...") and the program went on.
+    Outside the main thread, or where SIGINT is not Python's default (ignored), it does nothing."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Callable[..., object] | int | None = None
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C came (again, where it was swallowed)."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 @functools.cache
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn that asks Linux to SIGTERM the child when its parent dies (None elsewhere).

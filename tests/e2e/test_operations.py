@@ -180,6 +180,32 @@ def _read_until(fd: int, pattern: str, timeout_s: float) -> str:
     return out.decode(errors="replace")
 
 
+CLEAR = "\x1b[H\x1b[2J"  # the live view's redraw in place: home, clear
+
+
+def _read_frames(fd: int, ready: Callable[[str], object], timeout_s: float) -> str:
+    """Read the live view on a pseudo-terminal until its third complete frame (a redraw, ended by
+    the next one) or a later one satisfies ready(frame); returns that frame. Fails after timeout_s."""
+    out = ""
+    deadline = time.monotonic() + timeout_s
+    checked = 1  # frames[0] is what came before the first redraw
+    while True:
+        frames = out.split(CLEAR)
+        for i in range(checked, len(frames) - 1):  # the last one may be partial
+            if i >= 3 and ready(frames[i]):
+                return frames[i]
+        checked = max(checked, len(frames) - 1)
+        left = deadline - time.monotonic()
+        assert left > 0, f"no redraw was ready within {timeout_s} s: {out[-3000:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the other end closed (the process exited)
+                chunk = b""
+            assert chunk, f"the output ended before a ready redraw: {out[-3000:]!r}"
+            out += chunk.decode(errors="replace")
+
+
 def terminal() -> tuple[int, int]:
     """A pseudo-terminal of 40 rows and 160 columns: (our end, the program's end)."""
     main, secondary = pty.openpty()
@@ -198,8 +224,9 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
     try:
         worker_url = re.findall(r"http://\S+", w.wait_for_line("metrics at ", timeout_s=60))[0]
         w.wait_for_line("step 20/", timeout_s=60)  # training: versions move between refreshes
-        text = _read_until(main, r"(\x1b\[H\x1b\[2J.*?){3}push/s.*\n\s+0 \S+\s+\d+\s+\d+\.\d", 60)
-        assert "\x1b[H\x1b[2J" in text  # redrawn in place
+        # The third complete redraw or later whose row has rates: a frame at a time (a regular
+        # expression over all the output read, which piles up while the worker starts, took minutes)
+        text = _read_frames(main, lambda frame: re.search(r"^\s+0 \S+\s+\d+\s+\d+\.\d", frame, re.M), 60)
         header = [line for line in text.splitlines() if "push/s" in line][-1].split()
         assert header == ["shard", "address", "version", "push/s", "pull/s", "live", "clocks", "lag", "stale",
                           "p50/p99", "waiting"], header
