@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
+    from psgrad.worker.embedding import Embedding, EmbeddingBag
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -58,6 +59,8 @@ _LAZY = {
     "fetch_model": "psgrad.client.export",
     "ModelSnapshot": "psgrad.client.export",
     "ShardedSampler": "psgrad.tasks.data",
+    "Embedding": "psgrad.worker.embedding",
+    "EmbeddingBag": "psgrad.worker.embedding",
 }
 
 
@@ -86,6 +89,8 @@ __all__ = [
     "fetch_model",
     "ModelSnapshot",
     "ShardedSampler",
+    "Embedding",
+    "EmbeddingBag",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",
