@@ -30,7 +30,8 @@ from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
-from psgrad.core.sharding import buffer_specs, param_specs, plan_shards
+from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
+from psgrad.worker.embedding import sparse_modules
 
 
 def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
@@ -244,7 +245,16 @@ class PSOptimizer(ScheduledOptimizer):
         self.params = with_groups(param_specs(model, frozen), model, param_groups, spec)
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
-        self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config)
+        # Sparse tables: the model's psgrad embeddings, named by their place in it.
+        self.embeddings = sparse_modules(model)
+        if self.embeddings and overlap:
+            raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
+                              "after the step's push): leave out overlap")
+        tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
+        self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
+                                      tables=tables)
+        for name, module in self.embeddings:
+            module.bind(name, self.client)
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None
         self._versions: list[int] = []
@@ -282,10 +292,16 @@ class PSOptimizer(ScheduledOptimizer):
         self.flat.zero_grad()
 
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None) -> ExchangeResult:
-        """Push grad as clock (computed on weights of versions `base`) with lr, then pull clock + 1."""
+        """Push grad as clock (computed on weights of versions `base`) with lr, after the row
+        gradients of the model's psgrad embeddings, then pull clock + 1."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy)
+        rows = {}
+        for name, module in self.embeddings:
+            taken = module.take_gradients()
+            if taken is not None:
+                rows[name] = taken
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows)
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
@@ -447,6 +463,8 @@ class PSOptimizer(ScheduledOptimizer):
             self.flat.own_weights()  # the model keeps the weights it has, in memory of its own
         finally:
             self._left = True
+            for _, module in self.embeddings:  # forwards still read rows (evaluation), without a lease
+                module.read_only()
             self.client.leave()
 
     def close(self) -> None:

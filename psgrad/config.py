@@ -205,6 +205,10 @@ class ServerConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     # Allow binding a non-loopback address without TLS (see check_bind).
     insecure: bool = False
+    # What the shard's sparse (embedding) tables may hold in all, in MiB: their row index (8 bytes per
+    # row placed here) and the rows made so far with their optimizer state. A table that would grow
+    # past it refuses the rows (MemoryBudgetError, naming it). None: 3/4 of the machine's memory; 0: no limit.
+    memory_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
@@ -245,6 +249,8 @@ class ServerConfig:
             math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s > 0,
             f"checkpoint_every_s must be a finite number > 0, got {self.checkpoint_every_s!r}",
         )
+        _check(self.memory_budget_mb is None or (math.isfinite(self.memory_budget_mb) and self.memory_budget_mb >= 0),
+               f"memory_budget_mb must be a finite number >= 0 (0: no limit), got {self.memory_budget_mb!r}")
         _check(
             self.checkpoint_every_versions >= 0,
             f"checkpoint_every_versions must be >= 0 (0: off), got {self.checkpoint_every_versions}",

@@ -302,6 +302,10 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
          "workers on a busy host get evicted", type=float)
     flag(p, "--nonfinite", ServerConfig.nonfinite, "what to do with a gradient holding NaN/Inf: reject (error "
          "to the worker, shard unchanged), skip (acknowledge, do not apply) or allow", choices=NONFINITE_POLICIES)
+    p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB", help="what the server's sparse "
+                   "(embedding) tables may hold in all: 8 bytes per row placed on it, plus the rows touched so far "
+                   "with their optimizer state; a table that would grow past it is refused with an error naming it "
+                   "(default: 3/4 of the machine's memory; 0: no limit)")
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
@@ -400,7 +404,7 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
+        memory_budget_mb=ns.memory_budget_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,

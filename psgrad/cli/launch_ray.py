@@ -77,7 +77,7 @@ def launch_on_ray(
     from psgrad.launch import jobdir
     from psgrad.launch.ray import run_ray_launch
 
-    base = ServerConfig(lease_s=ns.lease_s, nonfinite=ns.nonfinite, checkpoint_every_s=ns.checkpoint_every_s,
+    base = ServerConfig(lease_s=ns.lease_s, nonfinite=ns.nonfinite, memory_budget_mb=ns.memory_budget_mb, checkpoint_every_s=ns.checkpoint_every_s,
                         checkpoint_every_versions=ns.checkpoint_every_versions, insecure=ns.insecure)
     # Paths travel to other nodes: absolute, as the driver means them.
     checkpoints = None if ns.checkpoint_dir is None else Path(ns.checkpoint_dir).absolute()

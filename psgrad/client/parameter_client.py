@@ -20,7 +20,8 @@ from psgrad.core.codecs import WireBuffer
 from psgrad.core.credentials import worker_role
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
-from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
+from psgrad.core import rows as row_placement
+from psgrad.core.sharding import ParamSpec, ShardPlan, TableSpec, fingerprint
 from psgrad.core.status import missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
@@ -28,6 +29,10 @@ from psgrad.wire import serde, shm
 from psgrad.wire.heap import tune_allocator
 
 T = TypeVar("T")
+# table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
+RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# A push whose shard lost the row gradients sent before it (it restarted) sends them again this often.
+ROWS_RESENDS = 3
 _log = logging.getLogger("psgrad.client")
 # A worker waiting at the sync/ssp start asks the shards again at least this often (each answer says
 # who has joined), and logs who is missing when that changes or every START_NOTE_S.
@@ -50,8 +55,10 @@ class ParameterClient:
         rank: int,
         config: ClientConfig,
         role: str | None = None,
+        tables: Sequence[TableSpec] = (),
     ) -> None:
-        """role: whose credential the calls carry (default: worker `rank`'s; export: the admin's)."""
+        """role: whose credential the calls carry (default: worker `rank`'s; export: the admin's);
+        tables: the job's sparse tables."""
         if len(addresses) != plan.num_shards or spec.num_shards != plan.num_shards:
             raise errors.ConfigError(
                 f"{len(addresses)} server addresses for a plan of {plan.num_shards} shards"
@@ -61,7 +68,10 @@ class ParameterClient:
         self.plan = plan
         self.rank = rank
         self.config = config
-        self.fingerprint = fingerprint(self.params, spec)
+        self.tables = {t.name: t for t in tables}
+        self.fingerprint = fingerprint(self.params, spec, tuple(tables))
+        # (table, shard) -> the table version that shard's rows were last pulled at
+        self.row_versions: dict[tuple[str, int], int] = {}
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
@@ -91,14 +101,17 @@ class ParameterClient:
         if self._gradient is not None:  # its name; the caller's tensors keep the memory mapped
             self._gradient.close()
 
-    def _fan_out(self, fn: Callable[[int, ShardClient], T]) -> list[T]:
-        """Run fn on every shard concurrently, the first one on this thread (a hand-off to another
-        thread costs about as much as a small call); wait for all, then re-raise the first failure
-        (in shard order)."""
-        futs = [self._pool.submit(fn, i, s) for i, s in enumerate(self.shards) if i > 0]
+    def _fan_out(self, fn: Callable[[int, ShardClient], T], only: Sequence[int] | None = None) -> list[T]:
+        """Run fn on every shard (or those `only` names) concurrently, the first one on this thread
+        (a hand-off to another thread costs about as much as a small call); wait for all, then
+        re-raise the first failure (in shard order)."""
+        chosen = list(range(len(self.shards))) if only is None else list(only)
+        if not chosen:
+            return []
+        futs = [self._pool.submit(fn, i, self.shards[i]) for i in chosen[1:]]
         outcomes: list[tuple[bool, Any]] = []
         try:
-            outcomes.append((True, fn(0, self.shards[0])))
+            outcomes.append((True, fn(chosen[0], self.shards[chosen[0]])))
         except BaseException as exc:  # the others are already running: let them finish first
             outcomes.append((False, exc))
         for f in futs:
@@ -118,6 +131,7 @@ class ParameterClient:
             shard=serde.shard_range_to_proto(index, start, end),
             fingerprint=self.fingerprint,
             wait_for_init=wait,
+            tables=serde.tables_to_proto(list(self.tables.values())),
         )
 
     def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> int:
@@ -250,9 +264,10 @@ class ParameterClient:
             self.base_versions = versions
         return versions
 
-    def _push_header(self, index: int, clock: int, lr: float | None = None) -> pb.PushHeader:
+    def _push_header(self, index: int, clock: int, lr: float | None = None, row_tables: int = 0) -> pb.PushHeader:
         start, end = self.plan.ranges[index]
         return pb.PushHeader(
+            row_tables=row_tables,
             rank=self.rank,
             clock=clock,
             base_version=self.base_versions[index],
@@ -262,14 +277,20 @@ class ParameterClient:
             lr=lr,
         )
 
-    def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None) -> list[PushOutcome]:
+    def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
+             rows: RowGradients | None = None) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
-        and the learning rate in effect (None: the job's). Returns each shard's answer."""
+        and the learning rate in effect (None: the job's), after its part of the step's row
+        gradients of sparse tables (`rows`). Returns each shard's answer."""
+        split = self._split_rows(rows)
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
-            reply = s.push(self._push_header(i, clock, lr), self._push_wires[i].encode(flat_grad[start:end]))
-            return serde.push_outcome_from_proto(reply)
+
+            def send(row_tables: int) -> pb.PushReply:
+                return s.push(self._push_header(i, clock, lr, row_tables), self._push_wires[i].encode(flat_grad[start:end]))
+
+            return serde.push_outcome_from_proto(self._with_rows(i, s, clock, split[i], send))
 
         if not self._shard0_decides:
             return self._fan_out(one)
@@ -279,7 +300,8 @@ class ParameterClient:
         return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
 
     def exchange(
-        self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False
+        self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
+        rows: RowGradients | None = None,
     ) -> tuple[list[PushOutcome], list[int]]:
         """One iteration's traffic: push(flat_grad, clock, lr), then pull(flat, clock + 1), per shard
         in one Step call where it fits (same host, or payloads of at most one chunk), else as a
@@ -287,21 +309,102 @@ class ParameterClient:
         while another shard still receives the push. Returns each shard's answer to the push and the
         versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            return self.push(flat_grad, clock, lr), self.pull(flat, clock + 1, published=published)
+            return self.push(flat_grad, clock, lr, rows), self.pull(flat, clock + 1, published=published)
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
+        split = self._split_rows(rows)
 
         def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
             start, end = self.plan.ranges[i]
-            header = self._push_header(i, clock, lr)
             payload = self._push_wires[i].encode(flat_grad[start:end])
-            done = s.step(header, payload, flat[start:end], self._pull_wires[i], published)
-            if done is None:
-                done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
-            return done
+
+            def send(row_tables: int) -> tuple[pb.PushReply, int]:
+                header = self._push_header(i, clock, lr, row_tables)
+                done = s.step(header, payload, flat[start:end], self._pull_wires[i], published)
+                if done is None:
+                    done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
+                return done
+
+            return self._with_rows(i, s, clock, split[i], send)
 
         results = self._fan_out(one)
         self.base_versions = [version for _, version in results]
         return [serde.push_outcome_from_proto(reply) for reply, _ in results], list(self.base_versions)
+
+    # ----------------------------------------------------------------- sparse tables
+    def pull_rows(self, table: str, ids: torch.Tensor, observe: bool = False) -> torch.Tensor:
+        """Rows [len(ids), dim] (float32, CPU) of sparse table `table` for row ids (unique, int64,
+        CPU), one call per shard that holds some of them, concurrently; remembers each shard's
+        table version (the push of their gradients says what they were pulled at).
+
+        Raises:
+            InvalidRequestError: the job has no such table, or an id is out of range.
+        """
+        spec = self._table(table)
+        row_placement.check_ids(ids, spec.num_embeddings, f"table {table!r}")
+        S = len(self.shards)
+        where = row_placement.shard_of(ids, S)
+        parts = {i: (where == i).nonzero().squeeze(1) for i in range(S)} if S > 1 else {0: None}
+        wanted = [i for i, at in parts.items() if at is None or at.numel()]
+        out = torch.empty(ids.numel(), spec.dim)
+
+        def one(i: int, s: ShardClient) -> None:
+            at = parts[i]
+            mine = ids if at is None else ids[at]
+            req = pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
+                                 ids=mine.numpy().tobytes(), observe=observe)
+            reply = s.pull_rows(req)
+            if len(reply.rows) != mine.numel() * spec.dim * 4:
+                raise errors.InvalidRequestError(
+                    f"server {s.address}: {len(reply.rows)} bytes of rows for {mine.numel()} ids of table {table!r} "
+                    f"(dim {spec.dim})")
+            values = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(-1, spec.dim)
+            if at is None:
+                out.copy_(values)
+            else:
+                out[at] = values
+            if not observe:
+                self.row_versions[(table, i)] = int(reply.version)
+
+        self._fan_out(one, wanted)
+        return out
+
+    def _table(self, name: str) -> TableSpec:
+        try:
+            return self.tables[name]
+        except KeyError:
+            have = ", ".join(repr(n) for n in self.tables) or "none"
+            raise errors.InvalidRequestError(f"the job has no sparse table {name!r}; its tables: {have}") from None
+
+    def _split_rows(self, rows: RowGradients | None) -> list[RowGradients]:
+        """Each shard's part of a step's row gradients (its rows: id mod S)."""
+        S = len(self.shards)
+        split: list[RowGradients] = [{} for _ in range(S)]
+        for name, (ids, grads) in (rows or {}).items():
+            if S == 1:
+                split[0][name] = (ids, grads)
+                continue
+            where = row_placement.shard_of(ids, S)
+            for i in range(S):
+                mask = where == i
+                if bool(mask.any()):
+                    split[i][name] = (ids[mask], grads[mask])
+        return split
+
+    def _with_rows(self, index: int, s: ShardClient, clock: int, rows: RowGradients, send: Callable[[int], T]) -> T:
+        """Send shard `index` its row gradients of `clock`, then send(how many tables they were of):
+        the push they go with. A shard that lost them before the push came (it restarted) refuses it
+        (RowsMissingError): both go again."""
+        for attempt in range(ROWS_RESENDS + 1):
+            for name, (ids, grads) in rows.items():
+                s.push_rows(pb.RowsPush(
+                    rank=self.rank, clock=clock, fingerprint=self.fingerprint, table=name, ids=ids.numpy().tobytes(),
+                    grads=grads.numpy().tobytes(), base_version=self.row_versions.get((name, index), 0)))
+            try:
+                return send(len(rows))
+            except errors.RowsMissingError:
+                if attempt == ROWS_RESENDS:
+                    raise
+        raise AssertionError("unreachable")
 
     def forget_lent_versions(self) -> None:
         """The model was written over a lent version (a private copy of those pages now): the next

@@ -107,6 +107,8 @@ class ShardClient:
         self._rollback = ch.unary_unary(
             prefix + "Rollback", pb.RollbackRequest.SerializeToString, pb.RollbackReply.FromString
         )
+        self._pull_rows = ch.unary_unary(prefix + "PullRows", pb.RowsRequest.SerializeToString, pb.RowsReply.FromString)
+        self._push_rows = ch.unary_unary(prefix + "PushRows", pb.RowsPush.SerializeToString, pb.RowsPushReply.FromString)
         # Same-host payloads: the Push method called with its header frame only, the gradient in
         # the segment (a client stream of one message is a unary call on the wire).
         self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
@@ -287,6 +289,18 @@ class ShardClient:
             )
         copy_from_wire(dest, data, wire)
         return reply.push, int(reply.pull.version)
+
+    # ----------------------------------------------------------------- sparse tables
+    def pull_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
+        """Rows of one sparse table by id (see ps.proto PullRows)."""
+        t = self.config.rpc_timeout_s
+        return self._call("the pull of rows", lambda: self._pull_rows(req, timeout=t), t)
+
+    def push_rows(self, req: pb.RowsPush) -> pb.RowsPushReply:
+        """Row gradients of one sparse table for the push of the same clock (see ps.proto PushRows);
+        retries are safe (they replace what the shard holds for that clock)."""
+        t = self.config.rpc_timeout_s
+        return self._call("the push of rows", lambda: self._push_rows(req, timeout=t), t)
 
     def status(self, timeout_s: float | None = None, with_params: bool = False) -> pb.StatusReply:
         """The shard's status, as a first call (a refused connection is reported after a short grace)."""

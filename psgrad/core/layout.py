@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from psgrad.config import JobSpec
-from psgrad.core.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec, TableSpec
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,10 @@ class Layout:
     start: int
     end: int
     fingerprint: str
+    tables: tuple[TableSpec, ...] = ()  # the job's sparse tables (this shard holds its rows of each)
+
+    def table(self, name: str) -> TableSpec | None:
+        return next((t for t in self.tables if t.name == name), None)
 
     @property
     def numel(self) -> int:
@@ -35,6 +39,10 @@ def _describe(p: ParamSpec) -> str:
     return f"{p.name} {list(p.shape)} {p.dtype}{' (buffer)' if p.buffer else ''}"
 
 
+def _table(t: TableSpec) -> str:
+    return f"{t.name} [{t.num_embeddings}, {t.dim}] (seed {t.seed}, std {t.std:g})"
+
+
 def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     """A message naming the first thing that differs between two layouts, or None if equal."""
     who = f"worker rank {rank}"
@@ -50,6 +58,10 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     for i, (a, b) in enumerate(zip(mine.params, theirs.params)):
         if a != b:
             return f"model differs at parameter {i}: shard has {_describe(a)}, {who} has {_describe(b)}"
+    if mine.tables != theirs.tables:
+        have = ", ".join(_table(t) for t in mine.tables) or "none"
+        sent = ", ".join(_table(t) for t in theirs.tables) or "none"
+        return f"sparse tables differ: this shard was initialized with {have}; {who} has {sent}"
     if (mine.index, mine.start, mine.end) != (theirs.index, theirs.start, theirs.end):
         return (
             f"shard plan differs: this server is shard {mine.index} owning [{mine.start}, {mine.end}), "

@@ -43,6 +43,23 @@ class ParamSpec:
         return n
 
 
+@dataclass(frozen=True)
+class TableSpec:
+    """A sparse (embedding) table of the job: num_embeddings rows of dim float32 values, row r on
+    shard r mod S, made on first touch as N(0, std²) draws from (seed, name, r)."""
+
+    name: str
+    num_embeddings: int
+    dim: int
+    seed: int = 0
+    std: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        """The whole table's bytes (float32)."""
+        return self.num_embeddings * self.dim * 4
+
+
 def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
     return ParamSpec(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."), buffer)
 
@@ -130,13 +147,16 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
     return ShardPlan(total, tuple(zip(bounds[:-1], bounds[1:])))
 
 
-def fingerprint(params: Sequence[ParamSpec], spec: JobSpec) -> str:
-    """A hash of the parameter (and buffer) names, shapes, dtypes and the job spec (which includes S)."""
-    doc = {
+def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[TableSpec] = ()) -> str:
+    """A hash of the parameter (and buffer) names, shapes, dtypes, the sparse tables and the job spec
+    (which includes S)."""
+    doc: dict[str, object] = {
         "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
                     *(["aliases", *p.aliases] if p.aliases else []),
                     *(["lr_scale", p.lr_scale] if p.lr_scale != 1.0 else []),
                     *(["weight_decay", p.weight_decay] if p.weight_decay is not None else [])] for p in params],
         "spec": spec.as_dict(),
     }
+    if tables:  # (a job without sparse tables keeps the fingerprint it always had)
+        doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std] for t in tables]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

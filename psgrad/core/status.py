@@ -71,6 +71,9 @@ class TableStatus:
     state_bytes: int = 0  # bytes of its optimizer state
     rows: int = 0  # sparse: rows placed on this shard
     rows_touched: int = 0  # sparse: rows made (pulled or updated) so far
+    updates: int = 0  # sparse: updates applied to the table (its version)
+    staleness_max: int = 0  # sparse: the most table updates between a pull of rows and their push
+    staleness_mean: float = 0.0  # sparse: the mean of that over the pushes applied
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,20 @@ class ParamSpec(_message.Message):
     weight_decay: float
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., lr_scale: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
+class TableSpec(_message.Message):
+    __slots__ = ("name", "num_embeddings", "dim", "seed", "std")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_embeddings: int
+    dim: int
+    seed: int
+    std: float
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ...) -> None: ...
+
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -85,20 +99,22 @@ class ShardRange(_message.Message):
     def __init__(self, index: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init")
+    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init", "tables")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_INIT_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     spec: JobSpec
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
     shard: ShardRange
     fingerprint: str
     wait_for_init: bool
-    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks")
@@ -173,7 +189,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "row_tables")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +197,7 @@ class PushHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    ROW_TABLES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     base_version: int
@@ -188,7 +205,8 @@ class PushHeader(_message.Message):
     dtype: str
     fingerprint: str
     lr: float
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+    row_tables: int
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., row_tables: _Optional[int] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -355,7 +373,7 @@ class CheckpointStatus(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., version: _Optional[int] = ..., age_s: _Optional[float] = ..., writes: _Optional[int] = ..., failures: _Optional[int] = ..., failing: _Optional[bool] = ..., last_error: _Optional[str] = ..., error_age_s: _Optional[float] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched")
+    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched", "updates", "staleness_max", "staleness_mean")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +381,9 @@ class TableStatus(_message.Message):
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROWS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_MAX_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_MEAN_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     numel: int
@@ -370,7 +391,56 @@ class TableStatus(_message.Message):
     state_bytes: int
     rows: int
     rows_touched: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ...) -> None: ...
+    updates: int
+    staleness_max: int
+    staleness_mean: float
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
+
+class RowsRequest(_message.Message):
+    __slots__ = ("rank", "fingerprint", "table", "ids", "observe")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    table: str
+    ids: bytes
+    observe: bool
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., observe: _Optional[bool] = ...) -> None: ...
+
+class RowsReply(_message.Message):
+    __slots__ = ("version", "rows")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rows: bytes
+    def __init__(self, version: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class RowsPush(_message.Message):
+    __slots__ = ("rank", "clock", "fingerprint", "table", "ids", "grads", "base_version")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    fingerprint: str
+    table: str
+    ids: bytes
+    grads: bytes
+    base_version: int
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class RowsPushReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class PublishedStatus(_message.Message):
     __slots__ = ("slots", "nbytes", "leased", "copies", "leases", "pinned")

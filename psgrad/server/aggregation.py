@@ -2,7 +2,7 @@
 iteration is complete, then averaged in rank order (so the mean does not depend on arrival order)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,8 @@ class Pending:
     clock: int
     base_version: int
     lr: float | None = None  # the learning rate the push carried (None: the job's)
+    #: its row gradients of sparse tables (see rows_path.RowGradients): table -> (ids, grads, base version)
+    rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
 
 
 class SyncRound:

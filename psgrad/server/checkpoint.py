@@ -19,7 +19,7 @@ from safetensors.torch import load as load_bytes, load_file, save as save_bytes,
 
 from psgrad.config import JobSpec
 from psgrad.core.layout import Layout
-from psgrad.core.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec, TableSpec
 from psgrad.errors import CheckpointError, ConfigError
 from psgrad.server.state import JOB_LR, JOB_LR_CLOCK, MemberRecord, ShardSnapshot
 from psgrad.server.tables import DENSE, DenseTable, TableSnapshot
@@ -283,6 +283,7 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
         "start": layout.start,
         "end": layout.end,
         "fingerprint": layout.fingerprint,
+        **({"tables": [dataclasses.asdict(t) for t in layout.tables]} if layout.tables else {}),
     }
 
 
@@ -294,6 +295,7 @@ def _layout_from_json(d: dict[str, Any]) -> Layout:
         start=int(d["start"]),
         end=int(d["end"]),
         fingerprint=str(d["fingerprint"]),
+        tables=tuple(TableSpec(**t) for t in d.get("tables", ())),
     )
 
 

@@ -9,11 +9,19 @@ import torch
 from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import PushDecision
 from psgrad.core.layout import explain_push_header
-from psgrad.errors import EvictedError, InvalidRequestError, NonFiniteGradientError, RollbackError, WorkerStateError
+from psgrad.errors import (
+    EvictedError,
+    InvalidRequestError,
+    NonFiniteGradientError,
+    RollbackError,
+    RowsMissingError,
+    WorkerStateError,
+)
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.ledger import PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.replica_path import Replica
+from psgrad.server.rows_path import Rows
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
@@ -21,17 +29,23 @@ from psgrad.server.transfers import PushWriter, count_nonfinite
 class Pushes:
     """Push handling of one shard."""
 
-    def __init__(self, core: ShardCore, replica: Replica) -> None:
+    def __init__(self, core: ShardCore, replica: Replica, rows: Rows) -> None:
         self._core = core
         self._replica = replica
+        self._rows = rows
         core.complete_round = self.complete_iteration
 
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
-        lr: float | None = None,
+        lr: float | None = None, row_tables: int = 0,
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
-        lr: the learning rate in effect for the push (the worker's schedule; None: the job's)."""
+        lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
+        row_tables: how many sparse tables' row gradients of this (rank, clock) the worker sent first.
+
+        Raises:
+            RowsMissingError: the shard does not hold them all (it restarted since): send them again.
+        """
         core = self._core
         with core.cond:
             state = core.require(fingerprint, rank)
@@ -49,6 +63,11 @@ class Pushes:
             except (WorkerStateError, InvalidRequestError):
                 core.counters.pushes_rejected += 1
                 raise
+            held = self._rows.held(rank, clock)
+            if row_tables > held and clock > member.last_push_clock:
+                raise RowsMissingError(
+                    f"push of worker rank {rank} at clock {clock} comes with row gradients of {row_tables} sparse "
+                    f"table(s), of which this shard holds {held} (it restarted since they were sent): send them again")
             lr = state.resolve_lr(rank, clock, lr)
             grad, wire = core.buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact
@@ -116,10 +135,12 @@ class Pushes:
                 if writer is not None and writer.revoked:
                     raise EvictedError(f"worker rank {rank} was evicted while pushing; nothing was applied")
                 if clock <= member.last_push_clock:
+                    self._rows.take(rank, clock)  # (applied with the push the first time)
                     core.counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
                 late = policy.late(rank, base_version, core.view(), core.marks.restored)
                 if late is not None:  # (sync with backup workers) its iteration completed without it
+                    self._rows.take(rank, clock)
                     return self._drop_late(member, clock, base_version, late)
                 try:
                     decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
@@ -132,9 +153,11 @@ class Pushes:
                 if lost_from is not None:  # its pushes between the checkpoint and this one were lost
                     core.counters.updates_lost += max(0, clock - lost_from - 1)
                 if bad and core.config.nonfinite != "allow":
+                    self._rows.take(rank, clock)
                     return self._refuse_nonfinite(member, clock, bad, decision)
+                rows = self._rows.take(rank, clock)
                 if decision is PushDecision.BUFFER:
-                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr))
+                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
                     core.buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -144,13 +167,13 @@ class Pushes:
                         return PushResult(True, "", state.version, 0, lr=lr)
                     return PushResult(False, "buffered until every live worker pushed", state.version, 0, True, lr)
                 staleness = max(0, state.version - base_version)
+                scale = policy.lr_scale(staleness, state.layout.spec.staleness_lr)
                 if staged:  # the buffer holds the next weights: swap them in
                     assert writer is not None and writer.staged_version == state.version
                     old, state.weights = state.weights, grad
                     core.buffers.commit(grad, old, wire)
                     kept = True
                 else:
-                    scale = policy.lr_scale(staleness, state.layout.spec.staleness_lr)
                     state.dense.prepare(rank, base_version, source, averaged=False)
                     allow = core.config.nonfinite == "allow"
                     if restore is not None and (writer is None or writer.target != state.key or allow):
@@ -167,6 +190,7 @@ class Pushes:
                     else:
                         self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
                         state.dense.apply(source, scale, lr)
+                self._rows.apply(state, rows, lr, scale)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.updated()
@@ -222,6 +246,7 @@ class Pushes:
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
             self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
             state.dense.apply(mean, 1.0, lr)
+            self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
         applied_at = state.version
         state.version += 1
         core.updated()

@@ -60,7 +60,7 @@ class Recovery:
         with core.cond:
             if core.state is not None:
                 raise JobMismatchError("shard already serves a job: restore into a fresh shard")
-            core.install(ShardState.restore(snap, core.members, core.now()))
+            core.install(ShardState.restore(snap, core.members, core.now(), core.budget_bytes))
             core.marks = RestoreMarks(True, {m.rank: m.last_push_clock for m in snap.members},
                                       {m.rank for m in snap.members})
             core.notify()
@@ -162,7 +162,7 @@ class Recovery:
         _log.info(f"rolled back from iteration {state.version} to the checkpoint of iteration {snap.version} "
                   f"(a shard of the job restarted from it); {len(dropped)} buffered gradients dropped")
         members = core.members.members
-        fresh = ShardState.restore(snap, core.members, core.now())
+        fresh = ShardState.restore(snap, core.members, core.now(), core.budget_bytes)
         for m in members.values():  # the job's members now, not the checkpoint's
             m.clock = min(m.clock, snap.version)
             m.last_push_clock = min(m.last_push_clock, snap.version - 1)

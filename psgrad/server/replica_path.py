@@ -38,6 +38,7 @@ class Replica:
         self._members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
         self._members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
+        self._rows_changed = False  # primary: the update being applied changed rows of sparse tables
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
@@ -49,15 +50,24 @@ class Replica:
             copy.copy_(grad)
             self._payload = (copy, lr_scale, lr, in_segment)
 
+    def rows_changed(self) -> None:
+        """The update being applied changed rows of sparse tables: its record is a snapshot of the
+        shard (rows travel with snapshots only; exact, and costly for large tables)."""
+        self._rows_changed = True
+
     def _record_update(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
         core = self._core
         rep, state = self.replication, core.state
         payload, self._payload = self._payload, None
+        rows, self._rows_changed = self._rows_changed, False
         if rep is None or not rep.active or state is None:
             return
         members = self._members_sent = state.member_records(frozenset(core.round.pending))
-        if payload is not None:
+        if rows:
+            snap = state.snapshot(frozenset(core.round.pending))
+            record = Record(SNAPSHOT, snap.version, snap.members, snapshot=snap)
+        elif payload is not None:
             record = Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
                             lr=payload[2])
         elif state.dense.rule is not None:  # staged: the new weights are a tensor of their own, never written again
@@ -196,7 +206,7 @@ class Replica:
             if record.kind == SNAPSHOT:
                 assert record.snapshot is not None
                 core.state = None
-                core.install(ShardState.restore(record.snapshot, core.members, core.now()))
+                core.install(ShardState.restore(record.snapshot, core.members, core.now(), core.budget_bytes))
                 self._weights_shared = False
                 self._members = record.snapshot.members
                 core.notify()

@@ -61,6 +61,8 @@ def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> g
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
             "Rollback": unary(servicer.Rollback, pb.RollbackRequest, pb.RollbackReply),
+            "PullRows": unary(servicer.PullRows, pb.RowsRequest, pb.RowsReply),
+            "PushRows": unary(servicer.PushRows, pb.RowsPush, pb.RowsPushReply),
             **replica.handlers(),
         },
     )

@@ -54,6 +54,7 @@ def _layout_from_join(req: pb.JoinRequest) -> Layout:
         start=req.shard.start,
         end=req.shard.end,
         fingerprint=req.fingerprint,
+        tables=tuple(serde.tables_from_proto(req.tables)),
     )
 
 
@@ -66,6 +67,20 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     if msg.WhichOneof("kind") != "header":
         raise InvalidRequestError(f"{what}: first frame must be the header")
     return msg.header
+
+
+def _tensor(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A 1-D tensor of the little-endian values `data` holds (a copy: the request's bytes are read-only).
+
+    Raises:
+        InvalidRequestError: the bytes are not a whole number of values.
+    """
+    size = torch.empty(0, dtype=dtype).element_size()
+    if len(data) % size:
+        raise InvalidRequestError(f"{what}: {len(data)} bytes is not a whole number of {dtype} values")
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 def _metadata(context: grpc.ServicerContext, key: str) -> str | None:
@@ -272,7 +287,8 @@ class ParameterServicer:
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
-            h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None
+            h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
+            h.row_tables,
         )
         try:
             seg = self._shared_segment(context, h.rank, wire.nbytes)
@@ -391,6 +407,24 @@ class ParameterServicer:
             return pb.RollbackReply(version=version)
         version, points = self.shard.rollback_points(req.rank, req.fingerprint)
         return pb.RollbackReply(version=version, points=points)
+
+    @_edge
+    def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsReply:
+        self.shard.serving()
+        ids = _tensor(req.ids, torch.int64, "row ids")
+        version, rows = self.shard.pull_rows(req.rank, req.fingerprint, req.table, ids)
+        return pb.RowsReply(version=version, rows=rows.numpy().tobytes())
+
+    @_edge
+    def PushRows(self, req: pb.RowsPush, context: grpc.ServicerContext) -> pb.RowsPushReply:
+        self.shard.serving()
+        ids = _tensor(req.ids, torch.int64, "row ids")
+        grads = _tensor(req.grads, torch.float32, "row gradients")
+        if ids.numel() == 0 or grads.numel() % ids.numel():
+            raise InvalidRequestError(f"push of rows: {grads.numel()} gradient values for {ids.numel()} row ids")
+        grads = grads.view(ids.numel(), -1)
+        version = self.shard.push_rows(req.rank, req.clock, req.fingerprint, req.table, ids, grads, req.base_version)
+        return pb.RowsPushReply(version=version)
 
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:

@@ -24,6 +24,7 @@ from psgrad.server.membership import Member
 from psgrad.server.pushes import Pushes
 from psgrad.server.recovery import Recovery
 from psgrad.server.replica_path import Replica
+from psgrad.server.rows_path import Rows
 from psgrad.server.replication import Replication
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
@@ -48,7 +49,8 @@ class Shard:
         # (the replica hears of each update before recovery: a record is queued, then a snapshot taken)
         self.replica = Replica(core)
         self.recovery = Recovery(core, self.replica)
-        self.pushes = Pushes(core, self.replica)
+        self.rows = Rows(core, self.replica)
+        self.pushes = Pushes(core, self.replica, self.rows)
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
         #: the same-host published versions' status (the servicer's Publisher, once it has one)
         self.published_status: Callable[[], PublishedStatus] = PublishedStatus
@@ -73,6 +75,8 @@ class Shard:
         self.forget_replica_state = self.replica.forget_state
         self.replica_buffer = self.replica.buffer
         self.apply_record = self.replica.apply_record
+        self.pull_rows = self.rows.pull
+        self.push_rows = self.rows.stage
 
     @property
     def replication(self) -> Replication | None:
@@ -245,7 +249,7 @@ class Shard:
         Returns True when the shard was already initialized with the same layout (nothing changes).
         """
         core = self.core
-        state = ShardState.create(layout, weights, core.members)
+        state = ShardState.create(layout, weights, core.members, core.budget_bytes)
         with core.cond:
             if core.layout is not None:
                 problem = explain_mismatch(core.layout, layout, rank)

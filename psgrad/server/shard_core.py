@@ -24,6 +24,7 @@ from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters
 from psgrad.server.membership import Membership
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardState
+from psgrad.server.tables import memory_budget_bytes
 from psgrad.server.transfers import PullStream
 
 _log = logging.getLogger("psgrad.server")
@@ -63,6 +64,8 @@ class ShardCore:
         self.counters = Counters()
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self.marks = RestoreMarks()
+        #: what the shard's sparse tables may hold in all (bytes; None: no limit)
+        self.budget_bytes = memory_budget_bytes(config.memory_budget_mb)
         self.closed = False
         self.waiting = 0  # pulls parked in the gate right now
         self.on_serving: Callable[[bool], None] = lambda serving: None

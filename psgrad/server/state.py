@@ -15,7 +15,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.core.optimizers.rows import make_row_optimizer
 from psgrad.core.optimizers.segments import segments_of
-from psgrad.server.tables import DENSE, DenseTable, SparseTable, Table, TableSnapshot
+from psgrad.server.tables import DENSE, DenseTable, MemoryBudget, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's job scalars: the job's lr and the chief's clock that set it.
@@ -78,6 +78,20 @@ class ShardState:
     job_lr_clock: int = -1
     #: Tells this state from any other the process held: (uid, version) names one set of weights.
     uid: int = field(default_factory=lambda: next(_UIDS), compare=False)
+    #: What its sparse tables may hold in all (the server's --memory-budget-mb).
+    budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None), compare=False)
+
+    def sparse(self, name: str, rank: int) -> SparseTable:
+        """Sparse table `name`.
+
+        Raises:
+            InvalidRequestError: the job has no sparse table of that name (those it has are named).
+        """
+        table = self.tables.get(name)
+        if not isinstance(table, SparseTable):
+            have = ", ".join(repr(n) for n, t in self.tables.items() if isinstance(t, SparseTable)) or "none"
+            raise InvalidRequestError(f"worker rank {rank} asked for sparse table {name!r}; the job's are: {have}")
+        return table
 
     @property
     def dense(self) -> DenseTable:
@@ -109,11 +123,14 @@ class ShardState:
         return self.uid, self.version
 
     @classmethod
-    def create(cls, layout: Layout, weights: torch.Tensor, membership: Membership) -> ShardState:
-        """A new shard of the job `layout` describes, at version 0 with the chief's weights.
+    def create(cls, layout: Layout, weights: torch.Tensor, membership: Membership,
+               budget_bytes: int | None = None) -> ShardState:
+        """A new shard of the job `layout` describes, at version 0 with the chief's weights and its
+        rows of the job's sparse tables (none made yet); budget_bytes: what those may hold in all.
 
         Raises:
             InvalidRequestError: the weights do not fit the shard's range.
+            MemoryBudgetError: the sparse tables' row index alone is over budget_bytes.
         """
         if weights.dtype != torch.float32 or weights.numel() != layout.numel:
             raise InvalidRequestError(
@@ -122,9 +139,12 @@ class ShardState:
             )
         segments = segments_of(layout.params, layout.start, layout.end)
         tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable, segments)}
-        return cls(layout, tables, membership)
+        state = cls(layout, tables, membership, budget=MemoryBudget(budget_bytes))
+        for t in layout.tables:
+            state.add_sparse_table(t.name, t.num_embeddings, t.dim, t.seed, t.std)
+        return state
 
-    def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0) -> SparseTable:
+    def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0, std: float = 1.0) -> SparseTable:
         """Hold the rows of embedding table `name` that live on this shard, updated by the job's
         optimizer in its row-wise form.
 
@@ -136,7 +156,7 @@ class ShardState:
             raise InvalidRequestError(f"shard {self.layout.index} already holds a table {name!r}")
         spec = self.layout.spec
         table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed,
-                            make_row_optimizer(spec.optimizer, spec))
+                            make_row_optimizer(spec.optimizer, spec), std, self.budget)
         table.optimizer.lr = self.job_lr
         self.tables[name] = table
         return table
@@ -201,20 +221,20 @@ class ShardState:
         }
 
     @classmethod
-    def restore(cls, snap: ShardSnapshot, membership: Membership, now: float) -> ShardState:
+    def restore(cls, snap: ShardSnapshot, membership: Membership, now: float, budget_bytes: int | None = None) -> ShardState:
         """The state a snapshot holds, with fresh copies of its tensors; members' leases start at
         `now` (a live worker that does not come back is evicted one lease later).
 
         Raises:
             InvalidRequestError: the snapshot's tables do not fit its layout.
         """
-        state = cls.create(snap.layout, torch.empty(snap.layout.numel), membership)
+        state = cls.create(snap.layout, torch.empty(snap.layout.numel), membership, budget_bytes)
         kinds = {n: t.kind for n, t in snap.tables.items()}
         if kinds.get(DENSE) != DenseTable.kind:
             raise InvalidRequestError(f"a snapshot with tables {kinds} has no dense table")
         for name, table_snap in snap.tables.items():
-            if name != DENSE:
-                state.tables[name] = _table_from(name, table_snap, snap.layout)
+            if name not in state.tables:  # (a table the layout does not name: an older checkpoint's)
+                state.tables[name] = _table_from(name, table_snap, snap.layout, state.budget)
             state.tables[name].load(table_snap)
         lr, lr_clock = snap.job.get(JOB_LR), snap.job.get(JOB_LR_CLOCK)
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)
@@ -224,7 +244,7 @@ class ShardState:
         return state
 
 
-def _table_from(name: str, snap: TableSnapshot, layout: Layout) -> Table:
+def _table_from(name: str, snap: TableSnapshot, layout: Layout, budget: MemoryBudget) -> Table:
     """An empty table of the kind and shape a snapshot holds (its state is loaded after).
 
     Raises:
@@ -235,6 +255,6 @@ def _table_from(name: str, snap: TableSnapshot, layout: Layout) -> Table:
     try:
         s = snap.scalars
         return SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
-                           int(s["seed"]), make_row_optimizer(layout.spec.optimizer, layout.spec), float(s["std"]))
+                           int(s["seed"]), make_row_optimizer(layout.spec.optimizer, layout.spec), float(s["std"]), budget)
     except KeyError as exc:
         raise InvalidRequestError(f"a snapshot's sparse table {name!r} lacks its {exc.args[0]}") from None

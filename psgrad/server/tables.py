@@ -6,6 +6,7 @@ updated row by row. Both answer the same interface: snapshot and restore, say wh
 calls them under its lock."""
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -19,7 +20,7 @@ from psgrad.core.optimizers.base import axpy_checked
 from psgrad.core.optimizers.rows import RowOptimizer, RowState
 from psgrad.core.optimizers.segments import Segment, SegmentedOptimizer
 from psgrad.core.status import DelayStatus, TableStatus
-from psgrad.errors import InvalidRequestError
+from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import kernels, transfers  # (they register the axpy paths)
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.transfers import apply_checked, count_nonfinite
@@ -184,6 +185,42 @@ class DenseTable:
 
 
 
+def memory_budget_bytes(mb: float | None) -> int | None:
+    """The bytes --memory-budget-mb allows (None: 3/4 of this machine's physical memory; 0: no limit)."""
+    if mb is None:
+        try:
+            return int(0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None if mb == 0 else int(mb * 2**20)
+
+
+class MemoryBudget:
+    """The bytes a shard's sparse tables may hold in all (their row index, rows and row state): a
+    table that would grow past it refuses the rows that would not fit, naming the budget."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit  # None: no limit
+        self.used = 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Take nbytes more for `what`.
+
+        Raises:
+            MemoryBudgetError: they would not fit (nothing is taken).
+        """
+        if self.limit is not None and self.used + nbytes > self.limit:
+            raise MemoryBudgetError(
+                f"{what} needs {nbytes / 2**20:,.1f} MiB more, but this server's sparse tables already hold "
+                f"{self.used / 2**20:,.1f} MiB of its --memory-budget-mb {self.limit / 2**20:,.0f}: give the servers more "
+                "memory (a larger budget, or more shards: each holds 1/S of every table), or make the table smaller"
+            )
+        self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
+
+
 class SparseTable:
     """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
     shard r mod S): made on first touch from (seed, table, row id), kept in an arena that grows by
@@ -194,7 +231,7 @@ class SparseTable:
     kind: ClassVar[str] = "sparse"
 
     def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
-                 optimizer: RowOptimizer, std: float = 1.0) -> None:
+                 optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None) -> None:
         if num_embeddings < 1 or dim < 1 or not 0 <= index < num_shards:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
         self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
@@ -202,7 +239,12 @@ class SparseTable:
         self.optimizer = optimizer
         self.key = rows.table_key(seed, name)
         self.version = 0  # updates applied to the table
-        self._slot = torch.full((rows.rows_on_shard(num_embeddings, index, num_shards),), -1, dtype=torch.int64)
+        self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0  # table updates between pull and push
+        self.budget = budget or MemoryBudget(None)
+        placed = rows.rows_on_shard(num_embeddings, index, num_shards)
+        self.budget.charge(8 * placed, f"the row index of table {name!r} ({placed:,} rows on shard {index})")
+        self._charged = 8 * placed
+        self._slot = torch.full((placed,), -1, dtype=torch.int64)
         self.touched = 0  # rows made so far (arena slots in use)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._values = torch.empty(0, dim)
@@ -250,7 +292,16 @@ class SparseTable:
         self._slot[rows.local_index(ids, self.num_shards)] = torch.arange(self.touched, need)
         self.touched = need
 
+    def row_bytes(self) -> int:
+        """Bytes a made row costs: its values, id, version and optimizer state."""
+        state = sum(t[0].numel() * t.element_size() for t in self.optimizer.new_state(1, self.dim).values())
+        return 4 * self.dim + 16 + state
+
     def _grow(self, capacity: int) -> None:
+        extra = (capacity - self._ids.numel()) * self.row_bytes()
+        self.budget.charge(extra, f"table {self.name!r} growing to {capacity:,} rows on shard {self.index}")
+        self._charged += extra
+
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype)
             out[: self.touched] = t[: self.touched]
@@ -268,8 +319,8 @@ class SparseTable:
         slots = self._slots(ids)
         return self._values[slots], self._versions[slots]
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None) -> None:
-        """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim].
+    def check_update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """An update's row ids (see check) and gradients.
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
@@ -281,6 +332,20 @@ class SparseTable:
             )
         if torch.unique(ids).numel() != ids.numel():
             raise InvalidRequestError(f"table {self.name!r}: row ids of one update must be unique (coalesce them)")
+
+    def release(self) -> None:
+        """The table is dropped (a restore replaces it): give its bytes back to the budget."""
+        self.budget.release(self._charged)
+        self._charged = 0
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None) -> None:
+        """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim];
+        base_version: the table version they were pulled at (its staleness is recorded).
+
+        Raises:
+            InvalidRequestError: repeated ids, or gradients of another shape or dtype.
+        """
+        self.check_update(ids, grads)
         slots = self._slots(ids)
         weights = self._values[slots]
         state = {name: t[slots] for name, t in self._state.items()}
@@ -288,6 +353,11 @@ class SparseTable:
         self._values[slots] = weights
         for name, t in state.items():
             self._state[name][slots] = t
+        if base_version is not None:
+            stale = max(0, self.version - base_version)
+            self.staleness_max = max(self.staleness_max, stale)
+            self.staleness_sum += stale
+            self.pushes += 1
         self.version += 1
         self._versions[slots] = self.version
 
@@ -312,6 +382,11 @@ class SparseTable:
         ids = snap.tensors["ids"]
         self._slot.fill_(-1)
         self.touched = 0
+        freed = self._ids.numel() * self.row_bytes()  # a fresh arena, sized for the snapshot's rows
+        self.budget.release(freed)
+        self._charged -= freed
+        self._ids, self._values = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
+        self._versions, self._state = torch.empty(0, dtype=torch.int64), self.optimizer.new_state(0, self.dim)
         self._grow(max(ids.numel(), 1024))
         n = ids.numel()
         self._ids[:n], self._values[:n], self._versions[:n] = ids, snap.tensors["values"], snap.tensors["versions"]
@@ -324,4 +399,6 @@ class SparseTable:
     def status(self, name: str) -> TableStatus:
         n = self.touched
         state = sum(t[:n].numel() * t.element_size() for t in self._state.values())
-        return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=self._slot.numel(), rows_touched=n)
+        mean = self.staleness_sum / self.pushes if self.pushes else 0.0
+        return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=self._slot.numel(), rows_touched=n,
+                           updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
 from psgrad.core.push_outcome import PushOutcome
-from psgrad.core.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec, TableSpec
 from psgrad.core.status import (
     CheckpointStatus,
     DelayStatus,
@@ -83,6 +83,14 @@ def params_from_proto(msgs: Sequence[pb.ParamSpec]) -> list[ParamSpec]:
     return [ParamSpec(m.name, tuple(m.shape), m.dtype, m.buffer, tuple(m.aliases),
                       m.lr_scale if m.HasField("lr_scale") else 1.0,
                       m.weight_decay if m.HasField("weight_decay") else None) for m in msgs]
+
+
+def tables_to_proto(tables: Sequence[TableSpec]) -> list[pb.TableSpec]:
+    return [pb.TableSpec(name=t.name, num_embeddings=t.num_embeddings, dim=t.dim, seed=t.seed, std=t.std) for t in tables]
+
+
+def tables_from_proto(msgs: Sequence[pb.TableSpec]) -> list[TableSpec]:
+    return [TableSpec(m.name, int(m.num_embeddings), int(m.dim), int(m.seed), float(m.std)) for m in msgs]
 
 
 def shard_range_to_proto(index: int, start: int, end: int) -> pb.ShardRange:
@@ -163,7 +171,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
         published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
-        tables=tuple(TableStatus(t.name, t.kind, t.numel, t.nbytes, t.state_bytes, t.rows, t.rows_touched)
+        tables=tuple(TableStatus(**{f.name: getattr(t, f.name) for f in dataclasses.fields(TableStatus)})
                      for t in msg.tables),
         checkpoint=_checkpoint_from_proto(msg),
         params=tuple(params_from_proto(msg.params)),
