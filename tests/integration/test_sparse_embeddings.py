@@ -1,0 +1,263 @@
+"""psgrad.Embedding / EmbeddingBag against real gRPC servers: rows pulled and pushed by id, sync equal
+to single-process training with a dense table (per-row mean over the workers), async applying each
+worker's rows with its push, per-table staleness, restarts that lose held rows, checkpoints of
+sparse tables, and errors that name the problem."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from conftest import run_in_threads
+from psgrad.config import ClientConfig
+from psgrad.errors import ConfigError, InvalidRequestError, MemoryBudgetError, WorkerStateError
+from psgrad.server import checkpoint
+from psgrad.server.tables import SparseTable
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
+ROWS, DIM = 1000, 8
+
+
+class Ctr(nn.Module):
+    """A bag of 3 ids per example from one table, and a linear head (sparse=False: a local dense table)."""
+
+    def __init__(self, sparse: bool = True, mode: str = "sum") -> None:
+        super().__init__()
+        self.emb: nn.Module = psgrad.EmbeddingBag(ROWS, DIM, mode=mode, std=0.1, seed=3)
+        if not sparse:
+            dense = nn.EmbeddingBag(ROWS, DIM, mode=mode)
+            self.emb.table = "emb"  # (the servers' name: its initial rows depend on it)
+            with torch.no_grad():
+                dense.weight.copy_(self.emb.initial_weight())
+            self.emb = dense
+        torch.manual_seed(0)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)).squeeze(-1)
+
+
+def _batch(gen: torch.Generator, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, ROWS, (n, 3), generator=gen)
+    return x, (x[:, 0] % 2).float()
+
+
+def _server_table(running: list, name: str = "emb") -> torch.Tensor:
+    """The whole table as the servers hold it: every shard's touched rows over the initial rows."""
+    probe = psgrad.EmbeddingBag(ROWS, DIM, std=0.1, seed=3)
+    probe.table = name
+    full = probe.initial_weight()
+    for s in running:
+        table = s.shard.core.state.tables[name]
+        assert isinstance(table, SparseTable)
+        snap = table.snapshot()
+        full[snap.tensors["ids"]] = snap.tensors["values"]
+    return full
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer, reference", [
+    (psgrad.SGD(lr=0.5), lambda ps: torch.optim.SGD(ps, lr=0.5)),
+    (psgrad.Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+], ids=["sgd", "adagrad"])
+def test_sync_rows_equal_single_process_training_with_a_dense_table(make_servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
+    """Two workers over two shards: each row's update is the sum of the workers' gradients over their
+    number, exactly what one process computing the mean of their losses applies to a dense table."""
+    workers, steps = 2, 6
+    running = make_servers(2)
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(workers)]
+    batches = [[_batch(gens[r]) for _ in range(steps)] for r in range(workers)]
+    init = Ctr()  # (built here: threads seeding torch's global generator at once would race)
+
+    def worker(rank: int) -> None:
+        model = copy.deepcopy(init)
+        with psgrad.connect([s.address for s in running], rank=rank, num_workers=workers, mode="sync",
+                            optimizer=optimizer, client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            for x, y in batches[rank]:
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+                assert opt.step().accepted
+
+    run_in_threads(workers, worker)
+    ref = Ctr(sparse=False)
+    opt = reference(ref.parameters())
+    for k in range(steps):
+        opt.zero_grad()
+        loss = sum(nn.functional.binary_cross_entropy_with_logits(ref(x), y)
+                   for x, y in (batches[r][k] for r in range(workers))) / workers
+        loss.backward()
+        opt.step()
+    torch.testing.assert_close(_server_table(running), ref.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    for s in running:
+        status = {t.name: t for t in s.shard.status().tables}["emb"]
+        assert status.kind == "sparse" and status.updates == steps and status.staleness_max == 0
+        assert 0 < status.rows_touched <= status.rows == ROWS // 2
+
+
+@pytest.mark.timeout(60)
+def test_async_rows_are_applied_with_each_push_and_their_staleness_is_measured(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(1)
+    model = Ctr(mode="mean")
+    gen = torch.Generator().manual_seed(5)
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=1.0), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        x, y = _batch(gen)
+        before = model.emb(x).detach()
+        # two forwards before one step: their row gradients are summed per id
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+        loss = loss + nn.functional.binary_cross_entropy_with_logits(model(x[:4]), y[:4])
+        loss.backward()
+        opt.step()
+        after = model.emb(x).detach()
+        assert not torch.equal(before, after)
+        table = running[0].shard.core.state.tables["emb"]
+        assert table.version == 1 and table.touched == torch.unique(x).numel()
+    status = {t.name: t for t in running[0].shard.status().tables}["emb"]
+    assert (status.updates, status.staleness_max, status.staleness_mean) == (1, 0, 0.0)
+
+
+@pytest.mark.timeout(60)
+def test_rows_outlive_the_job_in_checkpoints(make_servers, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A server restarted on its checkpoint directory holds the sparse rows it had, bit for bit."""
+    running = make_servers(1, checkpoint_dir=str(tmp_path), checkpoint_every_versions=1)
+    model = Ctr()
+    gen = torch.Generator().manual_seed(6)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            x, y = _batch(gen)
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+            opt.step()
+        assert running[0].shard.core.state.version == 3
+        deadline = time.monotonic() + 30  # (the checkpoint thread writes it)
+        while 3 not in checkpoint.versions(tmp_path):
+            assert time.monotonic() < deadline, "no checkpoint of version 3"
+            time.sleep(0.02)
+        held = _server_table(running)
+    running[0].stop(0)
+    again = make_servers(1, checkpoint_dir=str(tmp_path))
+    assert again[0].shard.version == 3
+    assert torch.equal(_server_table(again), held)
+    state = again[0].shard.core.state.tables["emb"].snapshot()
+    assert state.tensors["state.sum"].abs().sum() > 0  # Adagrad's row state came back too
+
+
+@pytest.mark.timeout(60)
+def test_a_push_whose_rows_the_shard_lost_is_refused_until_they_come_again(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A shard that restarted between a worker's PushRows and its push no longer holds the rows: the
+    push is refused (RowsMissingError) and the client sends both again, so nothing is lost."""
+    running = make_servers(1)
+    model = Ctr()
+    gen = torch.Generator().manual_seed(7)
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=1.0), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        client = opt.client
+        sent: list[int] = []
+        push_rows = client.shards[0].push_rows
+
+        def forgetful(req):  # type: ignore[no-untyped-def]
+            reply = push_rows(req)
+            sent.append(req.clock)
+            if len(sent) == 1:  # the shard "restarts" right after the first PushRows
+                running[0].shard.rows.take(req.rank, req.clock)
+            return reply
+
+        client.shards[0].push_rows = forgetful
+        x, y = _batch(gen)
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+        opt.step()
+        assert sent == [0, 0]
+        table = running[0].shard.core.state.tables["emb"]
+        assert table.version == 1  # the rows were applied, once
+
+
+@pytest.mark.timeout(60)
+def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(2)
+    model = Ctr()
+    with pytest.raises(WorkerStateError, match="not bound to a job"):
+        model(torch.zeros(2, 3, dtype=torch.long))
+    with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        with pytest.raises(InvalidRequestError, match=f"row id {ROWS} is out of range"):
+            model(torch.tensor([[1, 2, ROWS]]))
+        with pytest.raises(InvalidRequestError, match="row id -1 is out of range"):
+            model(torch.tensor([[-1, 2, 3]]))
+        with pytest.raises(InvalidRequestError, match="must be an integer tensor"):
+            model(torch.tensor([[1.0, 2.0, 3.0]]))
+        with pytest.raises(InvalidRequestError, match="no sparse table 'nope'"):
+            opt.client.pull_rows("nope", torch.tensor([1]))
+        # the server checks what a client sends, too: a row of another shard, a table it lacks
+        from psgrad.proto import ps_pb2 as pb
+        req = pb.RowsRequest(rank=0, fingerprint=opt.client.fingerprint, table="emb",
+                             ids=torch.tensor([1], dtype=torch.int64).numpy().tobytes())
+        with pytest.raises(InvalidRequestError, match="row 1 lives on shard 1, not on shard 0"):
+            opt.client.shards[0].pull_rows(req)
+        req.table = "other"
+        with pytest.raises(InvalidRequestError, match="the job's are: 'emb'"):
+            opt.client.shards[0].pull_rows(req)
+    with pytest.raises(ConfigError, match="overlap does not go with psgrad embeddings"):
+        with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+            ps.optimizer(Ctr(), overlap=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_table_over_the_servers_memory_budget_is_refused_by_name(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(1, memory_budget_mb=1)
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = psgrad.Embedding(10_000_000, 32)  # its row index alone: 80 MB
+            self.head = nn.Linear(32, 1)
+
+    with pytest.raises(MemoryBudgetError, match="row index of table 'table'.*--memory-budget-mb 1"):
+        with psgrad.connect([running[0].address], client=CLIENT) as ps:
+            ps.optimizer(Big())
+
+
+def test_embedding_modules_match_torch_on_the_same_rows() -> None:
+    """Bound to an in-process row source, psgrad's modules compute what torch's do on the same
+    table, and their gradients come out coalesced per id."""
+
+    class Local:
+        def __init__(self, weight: torch.Tensor) -> None:
+            self.weight = weight
+
+        def pull_rows(self, table: str, ids: torch.Tensor, observe: bool) -> torch.Tensor:
+            return self.weight[ids].clone()
+
+    torch.manual_seed(1)
+    weight = torch.randn(50, 4)
+    x = torch.tensor([[1, 7, 7], [3, 1, 0]])
+    for mine, theirs in [
+        (psgrad.Embedding(50, 4, padding_idx=0), nn.Embedding(50, 4, padding_idx=0)),
+        (psgrad.EmbeddingBag(50, 4, mode="sum"), nn.EmbeddingBag(50, 4, mode="sum")),
+        (psgrad.EmbeddingBag(50, 4, mode="mean"), nn.EmbeddingBag(50, 4, mode="mean")),
+    ]:
+        mine.bind("t", Local(weight))
+        with torch.no_grad():
+            theirs.weight.copy_(weight)
+            if isinstance(theirs, nn.Embedding):
+                theirs.weight[0] = 0
+        torch.testing.assert_close(mine(x), theirs(x))
+        mine(x).square().sum().backward()
+        mine(x[:1]).sum().backward()
+        theirs(x).square().sum().backward()
+        theirs(x[:1]).sum().backward()
+        ids, grads = mine.take_gradients()
+        assert ids.tolist() == sorted(set(x.flatten().tolist()))
+        torch.testing.assert_close(grads, theirs.weight.grad[ids])
+        assert mine.take_gradients() is None  # taken
+    with pytest.raises(ConfigError, match="mode must be one of sum, mean"):
+        psgrad.EmbeddingBag(5, 2, mode="max")
+    with pytest.raises(ConfigError, match="num_embeddings must be an integer >= 1"):
+        psgrad.Embedding(0, 2)
