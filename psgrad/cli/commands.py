@@ -322,7 +322,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
         raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
-    snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns))
+    snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns), materialize=ns.materialize)
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())
     at = (f"iteration {snap.versions[0]} on every shard" if is_synchronous(snap.mode) else

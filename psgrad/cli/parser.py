@@ -255,12 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="save a running job's current weights as a state_dict",
                         description="Read every shard's current weights (a snapshot; joins nothing, needs no job "
                         "flags) and save them as a state_dict keyed by parameter name: model.load_state_dict("
-                        "torch.load(PATH)). In sync mode every shard is read at the same iteration.")
+                        "torch.load(PATH)). In sync mode every shard is read at the same iteration. A sparse (embedding) table "
+                        "is written as its rows updated at least once (NAME.ids, NAME.rows) and how the servers make "
+                        "the others (NAME.init: rows, dim, seed; NAME.init_std), or with --materialize as the whole "
+                        "table (NAME.weight, what torch.nn.Embedding loads).")
     ex.add_argument("--servers", type=servers_arg, required=True, help="SHARD[,SHARD...] in shard order (a SHARD is "
                     "HOST:PORT or PRIMARY|BACKUP)")
     ex.add_argument("--out", required=True, metavar="PATH", help="file to write (torch.save), replaced atomically")
     flag(ex, "--timeout-s", 30.0, "deadline per server, and in sync mode how long the shards may take to agree on "
          "an iteration", type=float)
+    ex.add_argument("--materialize", action="store_true", help="write each sparse table whole, as NAME.weight "
+                    "[num_embeddings, dim] (untouched rows made from their seed): its full size in memory and on disk")
     add_client_security_args(ex, "the admin")
     ex.set_defaults(func=cmd_export)
     add_certs_parser(sub)

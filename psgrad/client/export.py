@@ -18,7 +18,8 @@ from psgrad.config import ClientConfig
 from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN
 from psgrad.core.modes import is_synchronous
-from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.core import rows as row_init
+from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
 
 # Between reads while a sync job's shards are at different iterations (one shard's update of an
@@ -65,18 +66,34 @@ def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, t
     return state
 
 
-# The table kinds an export reads: "dense", the shard's range of the flat space (pulled whole).
-READABLE_TABLES = ("dense",)
+# The table kinds an export reads: "dense", the shard's range of the flat space (pulled whole), and
+# "sparse", the rows of an embedding table (those updated at least once, read in pages).
+READABLE_TABLES = ("dense", "sparse")
+
+
+def sparse_entries(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor, materialize: bool) -> dict[str, torch.Tensor]:
+    """A sparse table's entries of an export: the rows updated at least once and how to make the
+    others (`NAME.ids` [n] int64, `NAME.rows` [n, dim], `NAME.init` [num_embeddings, dim, seed] int64,
+    `NAME.init_std`), or, materialized, the whole table as torch.nn.Embedding's `NAME.weight`."""
+    if materialize:
+        key = row_init.table_key(spec.seed, spec.name)
+        return {f"{spec.name}.weight": row_init.materialize(key, spec.num_embeddings, spec.dim, spec.std, ids, rows)}
+    return {f"{spec.name}.ids": ids, f"{spec.name}.rows": rows,
+            f"{spec.name}.init": torch.tensor([spec.num_embeddings, spec.dim, spec.seed], dtype=torch.int64),
+            f"{spec.name}.init_std": torch.tensor(spec.std, dtype=torch.float64)}
 
 
 def fetch_model(
-    servers: str | Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
+    servers: str | Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None, materialize: bool = False,
 ) -> ModelSnapshot:
     """Read a running (or finished) job's model from its servers: joins nothing, needs no job spec
     or model (the servers describe the tensors), and waits for nobody but, in sync mode, for the
     shards to agree on an iteration (see ModelSnapshot). `servers` lists the shards in order, as
     the workers were given them (a list, or "HOST:PORT,..."; PRIMARY|BACKUP entries fail over).
     client: its credentials are used (the admin's: read-only pulls as any rank; see README "Security").
+    Sparse (embedding) tables are read as the rows updated at least once plus how to make the
+    others (see sparse_entries), read after the dense weights; materialize=True writes each whole
+    table instead (its full size in memory).
 
     Raises:
         ConfigError: a malformed address.
@@ -110,7 +127,9 @@ def fetch_model(
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s,
                           reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False, **credentials(client))
     flat = torch.empty(plan.total)
-    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config, role=ADMIN) as reader:
+    tables = list(first.table_specs)
+    with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config, role=ADMIN,
+                         tables=tables) as reader:
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
@@ -125,7 +144,10 @@ def fetch_model(
                 )
             time.sleep(min(wait_s, left))  # a shard whose update of the iteration is still arriving
             wait_s = min(2 * wait_s, MAX_RETRY_S)
-    return ModelSnapshot(named_tensors(params, flat), versions, first.spec.mode)
+        state = named_tensors(params, flat)
+        for spec in tables:
+            state.update(sparse_entries(spec, *reader.updated_rows(spec.name), materialize))
+    return ModelSnapshot(state, versions, first.spec.mode)
 
 
 def fetch_state_dict(
@@ -137,10 +159,10 @@ def fetch_state_dict(
 
 
 def export_state_dict(
-    addresses: Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None
+    addresses: Sequence[str], timeout_s: float = 30.0, client: ClientConfig | None = None, materialize: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """fetch_model's state_dict and versions (`psgrad export`)."""
-    snap = fetch_model(addresses, timeout_s, client)
+    snap = fetch_model(addresses, timeout_s, client, materialize)
     return snap.state_dict, snap.versions
 
 

@@ -368,6 +368,30 @@ class ParameterClient:
         self._fan_out(one, wanted)
         return out
 
+    def updated_rows(self, table: str, page_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [n] int64, rows [n, dim]) of every row of sparse table `table` updated at least once,
+        in order of id, read from each shard in pages of page_rows (read-only: joins nothing)."""
+        spec = self._table(table)
+        page_rows = max(1, min(page_rows, (32 << 20) // (4 * spec.dim + 8)))  # pages well within a message
+
+        def one(i: int, s: ShardClient) -> tuple[torch.Tensor, torch.Tensor]:
+            ids_parts, row_parts, start = [], [], 0
+            while True:
+                reply = s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
+                                                   observe=True, updated=True, from_id=start, limit=page_rows))
+                ids = torch.frombuffer(bytearray(reply.ids), dtype=torch.int64) if reply.ids else torch.empty(0, dtype=torch.int64)
+                rows = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32) if reply.rows else torch.empty(0)
+                ids_parts.append(ids)
+                row_parts.append(rows.view(-1, spec.dim))
+                if ids.numel() < page_rows:
+                    return torch.cat(ids_parts), torch.cat(row_parts)
+                start = int(ids[-1]) + 1
+
+        parts = self._fan_out(one)
+        ids = torch.cat([p[0] for p in parts])
+        order = torch.argsort(ids)
+        return ids[order], torch.cat([p[1] for p in parts])[order]
+
     def _table(self, name: str) -> TableSpec:
         try:
             return self.tables[name]

@@ -81,3 +81,16 @@ def initial_rows(key: int, ids: torch.Tensor, dim: int, std: float = 1.0) -> tor
     u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
     return torch.from_numpy((z * std).astype(np.float32))
+
+
+def materialize(key: int, num_embeddings: int, dim: int, std: float, ids: torch.Tensor, values: torch.Tensor,
+                chunk_rows: int = 1 << 18) -> torch.Tensor:
+    """The whole table [num_embeddings, dim]: every row's initial value, with rows `ids` replaced by
+    `values` (made in chunks, so the temporaries stay small next to the table)."""
+    out = torch.empty(num_embeddings, dim)
+    for lo in range(0, num_embeddings, chunk_rows):
+        hi = min(num_embeddings, lo + chunk_rows)
+        out[lo:hi] = initial_rows(key, torch.arange(lo, hi), dim, std)
+    if ids.numel():
+        out[ids] = values
+    return out

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from psgrad.config import JobSpec
 from psgrad.core.consistency import make_policy
-from psgrad.core.sharding import ParamSpec
+from psgrad.core.sharding import ParamSpec, TableSpec
 
 LIVE, LEFT, EVICTED = "live", "left", "evicted"
 
@@ -134,6 +134,7 @@ class ShardStatus:
     staleness: dict[int, int] = field(default_factory=dict)  # staleness -> updates, ascending
     transfers: TransferStatus = field(default_factory=TransferStatus)
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
+    table_specs: tuple[TableSpec, ...] = ()  # the job's sparse tables, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
     delay: DelayStatus = field(default_factory=DelayStatus)
     published: PublishedStatus = field(default_factory=PublishedStatus)

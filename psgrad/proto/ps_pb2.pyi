@@ -289,7 +289,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class StatusReply(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_LOST_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SPECS_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +341,7 @@ class StatusReply(_message.Message):
     transfers: TransferStatus
     updates_lost: int
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    table_specs: _containers.RepeatedCompositeFieldContainer[TableSpec]
     rolled_back: int
     job_lr: float
     job_lr_clock: int
@@ -350,7 +352,7 @@ class StatusReply(_message.Message):
     published: PublishedStatus
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     checkpoint: CheckpointStatus
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("enabled", "version", "age_s", "writes", "failures", "failing", "last_error", "error_age_s")
@@ -397,26 +399,34 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
-    __slots__ = ("rank", "fingerprint", "table", "ids", "observe")
+    __slots__ = ("rank", "fingerprint", "table", "ids", "observe", "updated", "from_id", "limit")
     RANK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    FROM_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     fingerprint: str
     table: str
     ids: bytes
     observe: bool
-    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., observe: _Optional[bool] = ...) -> None: ...
+    updated: bool
+    from_id: int
+    limit: int
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., observe: _Optional[bool] = ..., updated: _Optional[bool] = ..., from_id: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class RowsReply(_message.Message):
-    __slots__ = ("version", "rows")
+    __slots__ = ("version", "rows", "ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rows: bytes
-    def __init__(self, version: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    ids: bytes
+    def __init__(self, version: _Optional[int] = ..., rows: _Optional[bytes] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsPush(_message.Message):
     __slots__ = ("rank", "clock", "fingerprint", "table", "ids", "grads", "base_version")

@@ -52,6 +52,22 @@ class Rows:
             core.counters.bytes_out += values.numel() * 4
             return t.version, values
 
+    def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
+        (see SparseTable.updated_rows).
+
+        Raises:
+            InvalidRequestError: no such table, or a limit of 0.
+        """
+        if limit < 1:
+            raise InvalidRequestError(f"a read of updated rows needs a limit >= 1, got {limit}")
+        core = self._core
+        with core.cond:
+            t = core.require(fingerprint, rank).sparse(table, rank)
+            ids, values = t.updated_rows(from_id, limit)
+            core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
+            return t.version, ids, values
+
     def stage(self, rank: int, clock: int, fingerprint: str, table: str, ids: torch.Tensor, grads: torch.Tensor,
               base_version: int) -> int:
         """Hold a worker's row gradients of (clock, table) until its push of that clock (another

@@ -411,6 +411,9 @@ class ParameterServicer:
     @_edge
     def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsReply:
         self.shard.serving()
+        if req.updated:
+            version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
+            return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes())
         ids = _tensor(req.ids, torch.int64, "row ids")
         version, rows = self.shard.pull_rows(req.rank, req.fingerprint, req.table, ids)
         return pb.RowsReply(version=version, rows=rows.numpy().tobytes())

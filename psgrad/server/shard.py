@@ -77,6 +77,7 @@ class Shard:
         self.apply_record = self.replica.apply_record
         self.pull_rows = self.rows.pull
         self.push_rows = self.rows.stage
+        self.updated_rows = self.rows.updated
 
     @property
     def replication(self) -> Replication | None:
@@ -390,6 +391,7 @@ class Shard:
                 staleness=dict(sorted(c.staleness.items())),
                 transfers=self._transfers(),
                 params=layout.params if layout and with_params else (),
+                table_specs=layout.tables if layout and with_params else (),
                 replica=self.replica.status(),
                 delay=state.dense.delay_status() if state else DelayStatus(),
                 published=self.published_status(),

@@ -319,6 +319,17 @@ class SparseTable:
         slots = self._slots(ids)
         return self._values[slots], self._versions[slots]
 
+    def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of at most `limit` rows updated at least once whose ids are >= from_id, in
+        order of id (copies): an export reads a table in such pages."""
+        n = self.touched
+        made = self._versions[:n] > 0
+        ids = self._ids[:n][made]
+        keep = ids >= from_id
+        ids, slots = ids[keep], made.nonzero().squeeze(1)[keep]
+        order = torch.argsort(ids)[:limit]
+        return ids[order].clone(), self._values[slots[order]]
+
     def check_update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """An update's row ids (see check) and gradients.
 

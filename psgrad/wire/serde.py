@@ -127,6 +127,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         staleness=[pb.StalenessBucket(staleness=k, count=v) for k, v in sorted(status.staleness.items())],
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
+        table_specs=tables_to_proto(status.table_specs),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
         published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
@@ -175,6 +176,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
                      for t in msg.tables),
         checkpoint=_checkpoint_from_proto(msg),
         params=tuple(params_from_proto(msg.params)),
+        table_specs=tuple(tables_from_proto(msg.table_specs)),
     )
 
 

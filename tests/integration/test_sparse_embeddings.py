@@ -261,3 +261,34 @@ def test_embedding_modules_match_torch_on_the_same_rows() -> None:
         psgrad.EmbeddingBag(5, 2, mode="max")
     with pytest.raises(ConfigError, match="num_embeddings must be an integer >= 1"):
         psgrad.Embedding(0, 2)
+
+
+@pytest.mark.timeout(60)
+def test_an_export_holds_the_updated_rows_and_can_materialize_the_whole_table(make_servers) -> None:  # type: ignore[no-untyped-def]
+    from psgrad.client.export import fetch_model
+
+    running = make_servers(2)
+    model = Ctr()
+    gen = torch.Generator().manual_seed(8)
+    with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            x, y = _batch(gen)
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+            opt.step()
+        model(torch.tensor([[ROWS - 1, ROWS - 1, ROWS - 1]]))  # pulled, never updated: not in the export
+    held = _server_table(running)
+    snap = fetch_model([s.address for s in running])
+    state = snap.state_dict
+    ids = state["emb.ids"]
+    tables = [s.shard.core.state.tables["emb"] for s in running]
+    assert ids.numel() == sum(int((t.snapshot().tensors["versions"] > 0).sum()) for t in tables) > 0
+    assert ids.tolist() == sorted(ids.tolist()) and ROWS - 1 not in ids.tolist()
+    assert torch.equal(state["emb.rows"], held[ids])
+    assert state["emb.init"].tolist() == [ROWS, DIM, 3] and float(state["emb.init_std"]) == pytest.approx(0.1)
+    assert torch.equal(state["head.weight"], model.head.weight.detach())
+    whole = fetch_model([s.address for s in running], materialize=True).state_dict
+    assert torch.equal(whole["emb.weight"], held)
+    dense = Ctr(sparse=False)
+    dense.load_state_dict(whole)  # the layout of torch.nn.EmbeddingBag
