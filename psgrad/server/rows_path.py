@@ -112,11 +112,6 @@ class Rows:
         staged = self._staged.pop(rank, None)
         return staged.tables if staged is not None and staged.clock == clock else {}
 
-    def forget(self, live: set[int]) -> None:
-        """Drop what workers that are no longer live held."""
-        for rank in [r for r in self._staged if r not in live]:
-            del self._staged[rank]
-
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's)."""
         for name in sorted(rows):

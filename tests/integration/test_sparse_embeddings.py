@@ -292,3 +292,41 @@ def test_an_export_holds_the_updated_rows_and_can_materialize_the_whole_table(ma
     assert torch.equal(whole["emb.weight"], held)
     dense = Ctr(sparse=False)
     dense.load_state_dict(whole)  # the layout of torch.nn.EmbeddingBag
+
+
+@pytest.mark.timeout(90)
+def test_a_hot_standby_holds_the_rows_and_takes_over_with_them(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A backup receives every update of the sparse table; when the primary stops, the worker goes on
+    with the backup, and the job ends exactly where a job without the failure ends."""
+    steps = 6
+
+    def run(address: str, between: object = None) -> tuple[torch.Tensor, nn.Module]:
+        model = Ctr()
+        gen = torch.Generator().manual_seed(9)
+        config = ClientConfig(connect_timeout_s=10, rpc_timeout_s=20, init_timeout_s=30, reconnect_timeout_s=20,
+                              shared_memory=False)
+        with psgrad.connect([address], optimizer=psgrad.Adagrad(lr=0.1), client=config) as ps:
+            opt = ps.optimizer(model)
+            for k in range(steps):
+                if k == steps // 2 and callable(between):
+                    between()
+                x, y = _batch(gen)
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+                opt.step()
+            ps.leave()
+            return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), model
+
+    reference = make_servers(1)
+    expected, _ = run(reference[0].address)
+    primary = make_servers(1)[0]
+    backup = make_servers(1, replica_of=primary.address)[0]
+
+    def check_and_stop() -> None:
+        assert torch.equal(_server_table([backup]), _server_table([primary]))
+        primary.stop(0)
+
+    got, _ = run(f"{primary.address}|{backup.address}", check_and_stop)
+    assert backup.shard.status().replica.role == "primary"
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(_server_table([backup]), _server_table(reference))
