@@ -113,6 +113,20 @@ class ShardCollector:
                 for family, value in zip(families, (t.numel, t.nbytes, t.state_bytes)):
                     family.add_metric([*shard, t.name, t.kind], value)
             yield from families
+        sparse = [t for t in s.tables if t.kind == "sparse"]
+        if sparse:
+            families = [GaugeMetricFamily(name, doc, labels=["shard", "table"]) for name, doc in (
+                ("psgrad_table_rows", "rows of each sparse table placed on the shard"),
+                ("psgrad_table_rows_touched", "rows of each sparse table made so far (pulled or updated)"),
+                ("psgrad_table_updates", "updates applied to each sparse table (its version)"),
+                ("psgrad_table_staleness_max", "the most table updates between a pull of rows and their push"),
+                ("psgrad_table_staleness_mean", "the mean table updates between a pull of rows and their push"),
+            )]
+            for t in sparse:
+                values = (t.rows, t.rows_touched, t.updates, t.staleness_max, t.staleness_mean)
+                for family, value in zip(families, values):
+                    family.add_metric([*shard, t.name], value)
+            yield from families
         buckets, total, count = staleness_buckets(s.staleness)
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
         h.add_metric(shard, buckets, total)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import run_in_threads
+from conftest import run_in_threads, scrape
+from psgrad.cli.status import format_status
 from psgrad.config import ClientConfig
 from psgrad.errors import ConfigError, InvalidRequestError, MemoryBudgetError, WorkerStateError
 from psgrad.server import checkpoint
@@ -101,7 +102,7 @@ def test_sync_rows_equal_single_process_training_with_a_dense_table(make_servers
 
 @pytest.mark.timeout(60)
 def test_async_rows_are_applied_with_each_push_and_their_staleness_is_measured(make_servers) -> None:  # type: ignore[no-untyped-def]
-    running = make_servers(1)
+    running = make_servers(1, metrics_port=0)
     model = Ctr(mode="mean")
     gen = torch.Generator().manual_seed(5)
     with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=1.0), client=CLIENT) as ps:
@@ -120,6 +121,12 @@ def test_async_rows_are_applied_with_each_push_and_their_staleness_is_measured(m
         assert table.version == 1 and table.touched == torch.unique(x).numel()
     status = {t.name: t for t in running[0].shard.status().tables}["emb"]
     assert (status.updates, status.staleness_max, status.staleness_mean) == (1, 0, 0.0)
+    m = scrape(running[0].metrics_url)
+    labels = (("shard", "0"), ("table", "emb"))
+    assert m[("psgrad_table_rows", labels)] == ROWS and m[("psgrad_table_updates", labels)] == 1
+    assert m[("psgrad_table_rows_touched", labels)] == status.rows_touched > 0
+    text = format_status([dict(running[0].shard.status().to_dict(), address=running[0].address)])
+    assert f"emb (sparse, {status.rows_touched:,} of {ROWS:,} rows touched, 1 updates" in text
 
 
 @pytest.mark.timeout(60)
