@@ -31,7 +31,8 @@ from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
-from psgrad.worker.embedding import sparse_modules
+from psgrad.worker.embedding import RowSource, sparse_modules
+from psgrad.worker.row_cache import RowCache
 
 
 def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
@@ -129,6 +130,13 @@ def check_overlap(spec: JobSpec, overlap: bool) -> None:
         )
 
 
+def check_row_cache(spec: JobSpec, rows: int) -> None:
+    """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows)."""
+    if rows and is_synchronous(spec.mode):
+        raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
+                          "does not allow: use mode async or ssp, or no row cache")
+
+
 class Session:
     """One worker's membership in a job: which servers, which job spec, which rank."""
 
@@ -157,7 +165,8 @@ class Session:
             pass
 
     def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
-                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "local") -> PSOptimizer:
+                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "local",
+                  row_cache: int = 0, row_cache_staleness: int = 1) -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
         The chief (rank 0) initializes empty servers with the model's current weights. Put the
@@ -171,7 +180,10 @@ class Session:
         parameters in no group take the job's settings. Every worker must pass the same groups.
         frozen: where the frozen parameters (requires_grad=False) live: "local" (each worker's
         own; exports lack them) or "servers" (part of the job, never moved: exports and
-        checkpoints hold the whole model, at the price of pulling them every step).
+        checkpoints hold the whole model, at the price of pulling them every step). row_cache: keep up
+        to this many hot rows of each psgrad embedding (psgrad.Embedding/EmbeddingBag: tables whose rows
+        live on the servers) in this worker, served for row_cache_staleness steps before they are
+        pulled again (async and ssp only; `opt.row_cache.stats` counts hits and misses).
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
@@ -182,7 +194,8 @@ class Session:
             raise WorkerStateError("this session already has an optimizer: one model per job")
         if frozen not in ("local", "servers"):
             raise ConfigError(f"frozen must be 'local' or 'servers', got {frozen!r}")
-        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups, frozen == "servers")
+        self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups, frozen == "servers",
+                                      row_cache, row_cache_staleness)
         return self._optimizer
 
     def leave(self) -> None:
@@ -233,9 +246,11 @@ class PSOptimizer(ScheduledOptimizer):
     """
 
     def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
-                 param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: bool = False) -> None:
+                 param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: bool = False,
+                 row_cache: int = 0, row_cache_staleness: int = 1) -> None:
         spec = session.spec
         check_overlap(spec, overlap)
+        check_row_cache(spec, row_cache)
         self.session = session
         self.model = model
         self.overlap = overlap
@@ -253,8 +268,12 @@ class PSOptimizer(ScheduledOptimizer):
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables)
+        self.row_cache: RowCache | None = None
+        source: RowSource = self.client
+        if row_cache and self.embeddings:
+            source = self.row_cache = RowCache(self.client, row_cache, row_cache_staleness, lambda: self.clock)
         for name, module in self.embeddings:
-            module.bind(name, self.client)
+            module.bind(name, source)
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None
         self._versions: list[int] = []

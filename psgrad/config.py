@@ -342,6 +342,10 @@ class WorkerConfig:
     step_time_ms: float = 0.0
     data_dir: str | None = None  # where a task that reads files finds them (fashion-mnist)
     straggler_model: StragglerModel = field(default_factory=StragglerModel)  # random slow steps, a moving slow node
+    # psgrad embeddings: up to this many hot rows per table kept in the worker and served for
+    # row_cache_staleness steps (async/ssp; 0: every forward pulls its rows)
+    row_cache_rows: int = 0
+    row_cache_staleness: int = 1
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -371,6 +375,8 @@ class WorkerConfig:
                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         _finite_nonneg("step_time_ms", self.step_time_ms)
+        _check(self.row_cache_rows >= 0, f"row_cache_rows must be >= 0 (0: no cache), got {self.row_cache_rows}")
+        _check(self.row_cache_staleness >= 1, f"row_cache_staleness must be >= 1 step, got {self.row_cache_staleness}")
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
@@ -389,6 +395,7 @@ class WorkerConfig:
         argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
                  "--step-time-ms", str(self.step_time_ms)]
         argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
+        argv += ["--row-cache-rows", str(self.row_cache_rows), "--row-cache-staleness", str(self.row_cache_staleness)]
         return argv + self.straggler_model.to_argv() + self.client.to_argv()
 
 

@@ -207,10 +207,11 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
     resuming = ns.resume is not None
     _check_task(ns, data=ns.backend != "ray")  # on a Ray cluster the workers read the data on their nodes
-    from psgrad.api import check_overlap
+    from psgrad.api import check_overlap, check_row_cache
 
     spec = job_spec(ns, ns.num_workers, ns.num_servers)
     check_overlap(spec, ns.overlap)  # validate before starting anything
+    check_row_cache(spec, ns.row_cache_rows)
     ray = ray_config(ns)
     # Absolute: under --backend ray the workers run elsewhere (on one machine it changes nothing).
     metrics_dir = Path(ns.metrics_dir).absolute() if ns.metrics_dir else None

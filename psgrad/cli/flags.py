@@ -252,6 +252,11 @@ def add_job_args(
     add_step_time_arg(w)
     flag(w, "--overlap", WorkerConfig.overlap, "push/pull in the background while the next step computes "
          "(async and ssp only); each gradient is then computed on weights one iteration older", action="store_true")
+    flag(w, "--row-cache-rows", WorkerConfig.row_cache_rows, "keep up to N hot rows of each psgrad embedding table in "
+         "the worker and serve them from there for --row-cache-staleness steps (async and ssp only; 0: every "
+         "forward pulls its rows)", type=int)
+    flag(w, "--row-cache-staleness", WorkerConfig.row_cache_staleness, "steps a cached row is served before it is "
+         "pulled again (it may miss that many steps of updates)", type=int)
     flag(w, "--eval-every", WorkerConfig.eval_every, "evaluate every N steps", " = 10 times per run", type=int)
     flag(w, "--log-every", WorkerConfig.log_every, "print progress every N steps", " = 10 times", type=int)
     flag(w, "--connect-timeout-s", connect_timeout_s, "how long to wait for each server to answer the first call "
@@ -376,7 +381,7 @@ def worker_config(
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
         lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,
-        straggler_model=straggler_model(ns),
+        straggler_model=straggler_model(ns), row_cache_rows=ns.row_cache_rows, row_cache_staleness=ns.row_cache_staleness,
     )
 
 

@@ -161,7 +161,8 @@ def train(
     factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
 
     with Session(config.servers, spec, rank, config.client) as session:
-        opt = session.optimizer(model, overlap=config.overlap)
+        opt = session.optimizer(model, overlap=config.overlap, row_cache=config.row_cache_rows,
+                                row_cache_staleness=config.row_cache_staleness)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
         mode = spec.mode + (f"(staleness {bound})" if bounds_staleness(spec.mode) else "")
@@ -219,6 +220,8 @@ def train(
             for key in ("exchange_s", "staleness", "accepted", "staleness_bound"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
+            if opt.row_cache is not None:  # rows served from the worker's cache, since the start
+                record["row_cache_hit_rate"] = opt.row_cache.stats.hit_rate
             report.step(clock + 1, record)
         elapsed = time.perf_counter() - start
         # In sync mode the last step's pull already waited for the final update. Otherwise leave

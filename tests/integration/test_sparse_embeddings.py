@@ -337,3 +337,26 @@ def test_a_hot_standby_holds_the_rows_and_takes_over_with_them(make_servers) -> 
     assert backup.shard.status().replica.role == "primary"
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert torch.equal(_server_table([backup]), _server_table(reference))
+
+
+@pytest.mark.timeout(60)
+def test_a_row_cache_serves_hot_rows_and_sync_mode_refuses_one(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(1)
+    model = Ctr()
+    x, y = _batch(torch.Generator().manual_seed(11))
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model, row_cache=100, row_cache_staleness=2)
+        pulls = []
+        pull = opt.client.pull_rows
+        opt.client.pull_rows = lambda table, ids, observe=False: pulls.append(ids.numel()) or pull(table, ids, observe)
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+            opt.step()
+        unique = torch.unique(x).numel()
+        assert pulls == [unique, unique]  # steps 0 and 2 pull; 1 and 3 are served from the cache
+        assert opt.row_cache.stats.hit_rate == pytest.approx(0.5)
+        assert running[0].shard.core.state.tables["emb"].version == 4  # every step's rows were pushed
+    with pytest.raises(ConfigError, match="sync mode"):
+        with psgrad.connect([running[0].address], mode="sync", client=CLIENT) as ps:
+            ps.optimizer(Ctr(), row_cache=10)
