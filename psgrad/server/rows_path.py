@@ -71,11 +71,12 @@ class Rows:
     def stage(self, rank: int, clock: int, fingerprint: str, table: str, ids: torch.Tensor, grads: torch.Tensor,
               base_version: int) -> int:
         """Hold a worker's row gradients of (clock, table) until its push of that clock (another
-        clock's held rows are dropped); returns the table's version.
+        clock's held rows are dropped; those of a clock whose push was handled already are a resent
+        copy, not held); returns the table's version.
 
         Raises:
             InvalidRequestError: no such table; ids repeated, out of range or on another shard;
-                gradients of another shape; a clock this worker already pushed.
+                gradients of another shape.
             NonFiniteGradientError: NaN/inf in the gradients (--nonfinite reject).
         """
         core = self._core
@@ -84,9 +85,8 @@ class Rows:
             t = state.sparse(table, rank)
             t.check_update(ids, grads)
             member = core.members.live(rank)
-            if clock <= member.last_push_clock and rank not in core.marks.last_pushes:
-                raise InvalidRequestError(
-                    f"row gradients of worker rank {rank} for clock {clock}: its push of that clock was handled already")
+            if clock <= member.last_push_clock:  # its push was handled: a resent copy, dropped
+                return t.version
             bad = count_nonfinite(grads)
             if bad and core.config.nonfinite != "allow":
                 if core.config.nonfinite == "reject":

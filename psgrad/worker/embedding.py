@@ -86,9 +86,12 @@ class SparseEmbedding(nn.Module):
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         unique = unique.to("cpu", torch.int64)
         rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}")
-        weight = self._source.pull_rows(self.table or "", unique, self._observe)
+        # Training pulls are the step's (a row cache may serve them; their versions are what the
+        # push says it computed on); evaluation's are read-only reads of the servers' rows.
+        training = self.training and torch.is_grad_enabled() and not self._observe
+        weight = self._source.pull_rows(self.table or "", unique, not training)
         weight = weight.to(ids.device)
-        if self.training and torch.is_grad_enabled() and not self._observe:
+        if training:
             weight.requires_grad_(True)
             self._touched.append((unique, weight))
         return inverse.view(ids.shape), weight
