@@ -21,7 +21,10 @@ restarted shard lost (applied after its last checkpoint), how long the server to
 and each worker's stall: the longest wait between two of its completed steps after the kill. In
 sync mode the job rolls back to the newest iteration both shards checkpointed and the workers
 recompute from there: the final weights of every worker are compared with the uninterrupted
-run's, bitwise, and the iterations rolled back are reported.
+run's, bitwise, and the iterations rolled back are reported. `--task` picks the workers' task
+(default digits): with `--task ctr` the model's embedding rows live on the servers, and the job
+the servers hold at the end (`psgrad export`: dense weights and every updated row of the sparse
+table) is compared with the uninterrupted run's too (`final_servers_bitwise_equal`).
 
 --fault primary: what losing a primary costs a job whose shards have hot-standby backups: the
 primary of shard 0 is killed mid-run, no restart; and what the backup costs while nothing fails:
@@ -90,10 +93,10 @@ CHECKPOINT_EVERY_S = 2.0
 # What the three share: the workers, and what their records say
 
 
-def _worker_args(servers: str, workers: int, steps: int, mode: str, seed: int) -> list[str]:
+def _worker_args(servers: str, workers: int, steps: int, mode: str, seed: int, task: str = "digits") -> list[str]:
     """`psgrad worker` arguments every rank of a job gets."""
     return ["--servers", servers, "--num-workers", str(workers), "--steps", str(steps), "--mode", mode,
-            "--seed", str(seed), "--log-every", "10", "--eval-every", str(steps)]
+            "--seed", str(seed), "--log-every", "10", "--eval-every", str(steps), "--task", task]
 
 
 def _start_workers(count: int, args: list[str], work: Path | None = None, save_model: bool = False,
@@ -190,15 +193,16 @@ def _checkpointing_server(directory: Path, port: int = 0) -> tuple[SupervisedPro
                          "--checkpoint-every-s", str(CHECKPOINT_EVERY_S), "--lease-s", "30")
 
 
-def run_server_kill(mode: str, steps: int, kill_at: int | None, seed: int, work: Path) -> dict[str, Any]:
-    """One job; with kill_at, server 0 is killed once worker 0 has logged that step, and restarted."""
+def run_server_kill(mode: str, steps: int, kill_at: int | None, seed: int, work: Path, task: str = "digits") -> dict[str, Any]:
+    """One job; with kill_at, server 0 is killed once worker 0 has logged that step, and restarted.
+    At the end the servers' model (sparse rows included) is exported to work/export.pt."""
     dirs = [work / f"shard{i}" for i in range(2)]
     procs: list[SupervisedProcess] = []
     try:
         servers = [_checkpointing_server(d) for d in dirs]
         procs += [p for p, _ in servers]
         addresses = [a for _, a in servers]
-        common = [*_worker_args(",".join(addresses), WORKERS, steps, mode, seed),
+        common = [*_worker_args(",".join(addresses), WORKERS, steps, mode, seed, task),
                   "--reconnect-timeout-s", "60", "--device", "cpu"]
         workers = _start_workers(WORKERS, common, work, save_model=True)
         procs += workers
@@ -214,6 +218,7 @@ def run_server_kill(mode: str, steps: int, kill_at: int | None, seed: int, work:
             restart_s = time.time() - killed_at
         _wait_all(workers)
         status = shard_status(addresses, 10.0)
+        torch.save(export_state_dict(addresses, 60.0)[0], work / "export.pt")
         out: dict[str, Any] = {"updates_lost": [s.updates_lost for s in status], "versions": [s.version for s in status],
                                "rolled_back": [s.rolled_back for s in status]}
         finals, stalls, rollbacks = [], [], []
@@ -238,23 +243,26 @@ def _same_tensors(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> boo
 
 
 def _weights_compared(a: Path, b: Path) -> dict[str, Any]:
-    """Every worker's saved final model in run a against the same worker's in run b."""
+    """Every worker's saved final model in run a against the same worker's in run b, and the model
+    the servers held at the end (an export: sparse tables' rows included)."""
     equal, diff = [], 0.0
     for r in range(WORKERS):
         x, y = torch.load(a / f"model{r}.pt"), torch.load(b / f"model{r}.pt")
         equal.append(_same_tensors(x, y))
-        diff = max([diff, *((x[k] - y[k]).abs().max().item() for k in x if k in y)])
-    return {"final_weights_bitwise_equal": equal, "final_weights_max_abs_diff": diff}
+        diff = max([diff, *((x[k] - y[k]).abs().max().item() for k in x if k in y and x[k].is_floating_point())])
+    servers = _same_tensors(torch.load(a / "export.pt"), torch.load(b / "export.pt"))
+    return {"final_weights_bitwise_equal": equal, "final_weights_max_abs_diff": diff,
+            "final_servers_bitwise_equal": servers}
 
 
-def bench_server(preset: str, seed: int, modes: list[str] | None, repeats: int) -> dict[str, Any]:
+def bench_server(preset: str, seed: int, modes: list[str] | None, repeats: int, task: str = "digits") -> dict[str, Any]:
     p = PRESETS["server"][preset]
     results = []
     for repeat in range(repeats):
         for mode in modes or p["modes"]:
             with tempfile.TemporaryDirectory(prefix="psgrad-restart-") as a, tempfile.TemporaryDirectory(prefix="psgrad-restart-") as b:
-                base = run_server_kill(mode, p["steps"], None, seed + repeat, Path(a))
-                killed = run_server_kill(mode, p["steps"], p["kill_at"], seed + repeat, Path(b))
+                base = run_server_kill(mode, p["steps"], None, seed + repeat, Path(a), task)
+                killed = run_server_kill(mode, p["steps"], p["kill_at"], seed + repeat, Path(b), task)
                 compared = _weights_compared(Path(a), Path(b))
             results.append({
                 "mode": mode,
@@ -270,7 +278,7 @@ def bench_server(preset: str, seed: int, modes: list[str] | None, repeats: int) 
                 "uninterrupted": base,
                 "with_kill": killed,
             })
-    return {"benchmark": "server_restart", "fault": "server", "preset": preset, "workers": WORKERS, "steps": p["steps"],
+    return {"benchmark": "server_restart", "fault": "server", "preset": preset, "task": task, "workers": WORKERS, "steps": p["steps"],
             "kill_at_step": p["kill_at"], "checkpoint_every_versions": CHECKPOINT_EVERY_VERSIONS,
             "checkpoint_every_s": CHECKPOINT_EVERY_S, "results": results}
 
@@ -462,12 +470,14 @@ def main() -> None:
                         "SEED, SEED+1, ... (default: 1)")
     parser.add_argument("--workers", type=int, help="--fault worker: workers per run; the last one is killed (default: 3)")
     parser.add_argument("--lease-s", type=float, help="--fault worker: the servers' lease (default: 2)")
+    parser.add_argument("--task", help="--fault server: the workers' task, e.g. ctr (its embedding rows on the "
+                        "servers; size it with PSGRAD_CTR_ROWS) (default: digits)")
     args = parser.parse_args()
     bad = sorted(set(args.modes or []) - set(MODES))
     if bad:
         parser.error(f"--modes takes {', '.join(MODES)} (got {', '.join(bad)})")
     only = {"--repeats": ("server", args.repeats), "--workers": ("worker", args.workers),
-            "--lease-s": ("worker", args.lease_s)}
+            "--lease-s": ("worker", args.lease_s), "--task": ("server", args.task)}
     wrong = [flag for flag, (fault, value) in only.items() if value is not None and fault != args.fault]
     if wrong:
         parser.error(f"{', '.join(wrong)}: not a flag of --fault {args.fault}")
@@ -479,7 +489,7 @@ def main() -> None:
     elif args.fault == "server":
         if args.repeats is not None and args.repeats < 1:
             parser.error("--repeats must be >= 1")
-        doc = bench_server(args.preset, args.seed, args.modes, args.repeats or 1)
+        doc = bench_server(args.preset, args.seed, args.modes, args.repeats or 1, args.task or "digits")
     else:
         doc = bench_primary(args.preset, args.seed, args.modes)
     write_json(doc)

@@ -40,6 +40,7 @@ def test_a_sync_job_rolls_back_after_kill_9_and_ends_bitwise_equal_to_an_uninter
     row = restart_rows["sync"]
     killed = row["with_kill"]
     assert row["final_weights_bitwise_equal"] == [True, True, True] and row["final_weights_max_abs_diff"] == 0.0
+    assert row["final_servers_bitwise_equal"]
     # the kill came at worker 0's step 30; checkpoints every 20 iterations: every worker rolled
     # back alike, to the iteration the restarted shard restored (20, or 0 if 20 was not yet
     # written), and the other shard undid the iterations past it (no roll-back is needed only if
