@@ -21,13 +21,18 @@ NONFINITE_POLICIES = ("reject", "skip", "allow")
 # tests/unit/test_optimizers.py keeps the two equal.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta")
 LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup-steps of linear warmup
-# What a task's evaluation reports and compare can rank by: accuracy rises, the others fall.
-METRICS = ("test_accuracy", "test_loss", "test_bpb")
+# What a task's evaluation reports and compare can rank by: accuracy and AUC rise, the others fall.
+METRICS = ("test_accuracy", "test_loss", "test_bpb", "test_auc")
+
+
+def metric_rises(metric: str) -> bool:
+    """Whether higher values of metric are better (accuracy, AUC)."""
+    return metric.endswith(("accuracy", "auc"))
 
 
 def metric_reached(value: float, target: float, metric: str) -> bool:
-    """Whether an evaluation's value of metric is at or past target (above for accuracy, below else)."""
-    return value >= target if metric.endswith("accuracy") else value <= target
+    """Whether an evaluation's value of metric is at or past target (above for accuracy and AUC, below else)."""
+    return value >= target if metric_rises(metric) else value <= target
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 

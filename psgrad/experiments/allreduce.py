@@ -115,7 +115,7 @@ def _train(
 ) -> dict[str, Any]:
     rank, world = config.rank, spec.num_workers
     torch.manual_seed(config.seed)
-    model = task.build_model().to(device)
+    model = (task.dense_model or task.build_model)().to(device)
     flat_model = FlatModel(model, device)
     if flat_model.flat is None or flat_model.grad is None:
         raise ConfigError(

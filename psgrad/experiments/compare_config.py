@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psgrad.config import JobSpec, ServerConfig, WorkerConfig
+from psgrad.config import JobSpec, ServerConfig, WorkerConfig, metric_rises
 from psgrad.core.optimizer_settings import DEFAULT_EPS
 from psgrad.core.stragglers import StragglerModel
 from psgrad.errors import ConfigError
@@ -62,7 +62,7 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if not self.modes:
             raise ConfigError("--modes must name at least one mode")
-        if self.metric.endswith("accuracy") and not 0.0 < self.target <= 1.0:
+        if metric_rises(self.metric) and not 0.0 < self.target <= 1.0:
             raise ConfigError(f"target accuracy must be in (0, 1], got {self.target}")
         if not self.target > 0:
             raise ConfigError(f"target {self.metric} must be > 0, got {self.target}")

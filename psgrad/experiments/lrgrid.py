@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from psgrad.config import metric_rises
 
 if TYPE_CHECKING:
     from psgrad.experiments.compare_config import CompareConfig
@@ -28,7 +29,7 @@ def score(outcome: Outcome, metric: str, by: str = "time") -> tuple[int, float]:
     final = outcome.get(f"final_{metric}")
     if final is None or not math.isfinite(final):
         return (3, 0.0)
-    signed = -final if metric.endswith("accuracy") else final
+    signed = -final if metric_rises(metric) else final
     reached = outcome.get("time_to_target_s")
     if by == "time" and reached is not None:
         return (0, float(reached))

@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # headless: this module only ever writes files
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+from psgrad.config import metric_rises
 
 DPI = 120
 CONVERGENCE_SIZE_IN = (12.0, 9.0)  # 1440 x 1080 pixels at DPI
@@ -105,7 +106,7 @@ def plot_convergence(
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
-        axes[0, 0].legend(loc="lower right" if metric.endswith("accuracy") else "upper right", fontsize="small")
+        axes[0, 0].legend(loc="lower right" if metric_rises(metric) else "upper right", fontsize="small")
         band = "; band: min..max over repeats" if most > 1 else ""
         fig.suptitle(f"Convergence by consistency mode (line: mean over repeats{band})")
         fig.tight_layout()

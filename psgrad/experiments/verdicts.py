@@ -5,6 +5,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+from psgrad.config import metric_rises
 
 SUPPORTED, NOT_SUPPORTED, NOT_RUN = "supported", "not supported", "not run"
 # The thresholds: time-to-target ratios, the share of async's gap to recover, the weight tolerance.
@@ -105,7 +106,7 @@ def gap_claim(
         return Verdict(claim, source, "-", f"recovers >= {RECOVERED_SHARE:.0%} of the {bad}-{good} gap", NOT_RUN, absent)
     name = metric.removeprefix("test_")
     figures = f"final {name}: " + "; ".join(_fig(summary, label, key, decimals=4) for label in (good, bad, *fixes))
-    sign = 1.0 if metric.endswith("accuracy") else -1.0
+    sign = 1.0 if metric_rises(metric) else -1.0
     g, b = _mean(summary, good, key), _mean(summary, bad, key)
     if g is None or b is None:
         return Verdict(claim, source, figures, "gap not measured", NOT_SUPPORTED, f"no final {name} of {good} or {bad}")

@@ -1,5 +1,6 @@
 """Built-in training tasks (model + data + loss + evaluation + recipe), looked up by name in a registry."""
 from psgrad.tasks import charlm as _charlm  # noqa: F401  (registers "charlm")
+from psgrad.tasks import ctr as _ctr  # noqa: F401  (registers "ctr")
 from psgrad.tasks import digits as _digits  # noqa: F401  (registers "digits")
 from psgrad.tasks import images as _images  # noqa: F401  (registers "mnist", "fashion-mnist")
 from psgrad.tasks import mnist1d as _mnist1d  # noqa: F401  (registers "mnist1d")

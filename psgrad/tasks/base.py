@@ -38,6 +38,12 @@ class Task:
     train_set: Dataset[Any] | None = None
     quick_eval: int | None = None
     eval_batch_size: int = 1000
+    #: evaluator(model, device, x, y) -> metrics, instead of the mean loss and argmax accuracy
+    #: (a task whose metric is not a classification accuracy: ctr's AUC)
+    evaluator: Callable[[nn.Module, torch.device, torch.Tensor, torch.Tensor], dict[str, float]] | None = None
+    #: the same model with its psgrad embeddings as ordinary local tables (dense gradients): what the
+    #: all-reduce baseline trains (None: build_model's)
+    dense_model: Callable[[], nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.build_model):
@@ -84,7 +90,10 @@ class Task:
 
     @torch.no_grad()
     def evaluate_on(self, model: nn.Module, device: torch.device, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-        """Mean loss and accuracy of the model (in eval mode) on x, y, in batches of eval_batch_size."""
+        """Mean loss and accuracy of the model (in eval mode) on x, y, in batches of eval_batch_size
+        (or the task's evaluator's metrics)."""
+        if self.evaluator is not None:
+            return self.evaluator(model, device, x, y)
         was_training = model.training
         model.eval()
         loss_sum, correct = 0.0, 0.0

@@ -73,10 +73,14 @@ class ShardedSampler(Sampler[int]):
 
 
 def fetch(data: Dataset[Any], idx: torch.Tensor) -> Any:
-    """The examples at idx as one batch: tensor datasets are indexed at once; any other dataset
-    one example at a time, collated as a DataLoader would."""
+    """The examples at idx as one batch: tensor datasets are indexed at once, as is a dataset with a
+    `batch(idx)` method (one that makes its examples, such as ctr's); any other dataset one example
+    at a time, collated as a DataLoader would."""
     if isinstance(data, TensorDataset):
         return tuple(t[idx] for t in data.tensors)
+    batch = getattr(data, "batch", None)
+    if callable(batch):
+        return batch(idx)
     return default_collate([data[i] for i in idx.tolist()])
 
 

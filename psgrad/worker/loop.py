@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,11 @@ from psgrad.worker.flat import resolve_device
 from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task
 from psgrad.tasks.data import BatchSchedule
+
+
+def max_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (kilobytes on Linux)
 
 
 def _every(value: int, steps: int, times: int) -> int:
@@ -63,6 +69,7 @@ class TrainingLog:
             rate = self._window_n / max(now - self._window_start, 1e-9)
             acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
             acc += f" test_bpb {record['test_bpb']:.3f}" if "test_bpb" in record else ""
+            acc += f" test_auc {record['test_auc']:.4f}" if "test_auc" in record else ""
             mean_loss = self._window_loss / self._window_n
             self._log(f"{self._who}: step {done}/{self.steps} loss {mean_loss:.4f}{acc} ({rate:.1f} steps/s)")
             self._window_start, self._window_loss, self._window_n = now, 0.0, 0
@@ -70,9 +77,11 @@ class TrainingLog:
     def final(self, elapsed_s: float) -> dict[str, Any]:
         """Evaluate the model as it is now and write the final record."""
         final = self._task.evaluate(self._model, self._device)
-        result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final}
+        result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final, "max_rss_mb": max_rss_mb()}
         self._sink.write(self.steps, **result)
         bpb = f" test_bpb {final['test_bpb']:.4f}" if "test_bpb" in final else ""
+        if "test_auc" in final:
+            bpb += f" test_auc {final['test_auc']:.4f}" + (f" (bayes {final['bayes_auc']:.4f})" if "bayes_auc" in final else "")
         self._log(
             f"{self._who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f}{bpb} "
             f"after {self.steps} steps in {elapsed_s:.1f} s"

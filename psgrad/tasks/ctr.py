@@ -1,0 +1,245 @@
+"""Task "ctr": a synthetic click-through-rate workload whose embedding table is too big to replicate,
+for psgrad's sparse tables (psgrad.Embedding: rows on the servers, pulled and pushed by id).
+
+Data: 26 categorical fields and 13 dense features per example. Field f has a vocabulary of V_f ids
+(the sizes fall geometrically from field to field and sum to PSGRAD_CTR_ROWS, default 32M: 4.1 GB of rows at dim 32); its
+ids follow a Zipf-like law (a continuous power law with exponent ZIPF_S on [1, V_f + 1), floored),
+so small ids are hot: the servers place row r on shard r mod S, which spreads them. Every example
+is a function of (seed, its index) alone — counter-based draws (splitmix64), made a batch at a
+time — so a worker holds no training data: the training set is 1M indices, the test set 50k
+examples made once.
+
+Labels come from a planted model, so the best test AUC is known: logit = bias + the sum over fields
+of an effect of the example's id (nonzero for the HOT_IDS most frequent ids of each field, N(0,
+EFFECT_STD^2) drawn from (field, id)) + a linear function of the dense features + one pairwise
+product of them; the label is a Bernoulli draw of sigmoid(logit). `bayes_auc` is that logit's AUC
+on the test set: no model can do better in expectation.
+
+Model: DLRM-style. One psgrad.Embedding of all fields' rows (field f's ids offset by the earlier
+vocabularies: one table, so a forward makes one pull per shard), a bottom MLP of the dense features,
+the pairwise dot products of the 27 vectors, and a top MLP. The dense variant (`Task.dense_model`,
+what the all-reduce baseline trains) has a torch.nn.Embedding of the same size instead.
+
+The input x of an example is one float64 row: its 26 ids (exact in float64), then its 13 features.
+PSGRAD_CTR_ROWS (total rows) and PSGRAD_CTR_DIM (embedding width, default 32) size the table: a
+task is built from its seed alone, so its size comes from the environment (every worker of a job
+must see the same values; the servers refuse a job whose table differs).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from psgrad.core.rows import _splitmix
+from psgrad.errors import TaskError
+from psgrad.tasks.base import Task, register_task
+from psgrad.tasks.recipes import Recipe
+
+FIELDS, DENSE = 26, 13
+DEFAULT_ROWS, DEFAULT_DIM = 32_000_000, 32
+MIN_ROWS = 10 * FIELDS
+ZIPF_S = 1.5
+HOT_IDS = 20  # ids with a planted effect, per field
+EFFECT_STD = 0.6
+DENSE_STD = 0.25
+BIAS = -1.0
+TRAIN_EXAMPLES, TEST_EXAMPLES = 1_000_000, 50_000
+EVAL_BATCH = 2048  # examples per forward when evaluating (its activations are the worker's peak memory)
+INIT_STD = 0.01  # the embedding rows' initial N(0, std^2)
+_SALT_DATA, _SALT_TEST, _SALT_PLANTED = 1, 2, 3
+_COLUMNS = FIELDS + 2 * DENSE + 1  # uniforms per example: ids, features (Box-Muller pairs), label
+
+
+def table_size() -> tuple[int, int]:
+    """(rows, dim) from PSGRAD_CTR_ROWS and PSGRAD_CTR_DIM.
+
+    Raises:
+        TaskError: not integers, or too small (at least 10 rows per field, dim >= 1).
+    """
+    try:
+        rows = int(os.environ.get("PSGRAD_CTR_ROWS", DEFAULT_ROWS))
+        dim = int(os.environ.get("PSGRAD_CTR_DIM", DEFAULT_DIM))
+    except ValueError as exc:
+        raise TaskError(f"task 'ctr': PSGRAD_CTR_ROWS and PSGRAD_CTR_DIM must be integers ({exc})") from None
+    if rows < MIN_ROWS or dim < 1:
+        raise TaskError(f"task 'ctr': PSGRAD_CTR_ROWS must be >= {MIN_ROWS} and PSGRAD_CTR_DIM >= 1, got {rows}, {dim}")
+    return rows, dim
+
+
+def vocabularies(total: int) -> np.ndarray:
+    """The 26 fields' vocabulary sizes: falling geometrically (ratio 0.8), at least 10 each, summing to total."""
+    weights = 0.8 ** np.arange(FIELDS)
+    sizes = np.maximum(10, np.floor(weights / weights.sum() * total)).astype(np.int64)
+    sizes[0] += total - sizes.sum()
+    return sizes
+
+
+def _uniforms(seed: int, salt: int, index: np.ndarray, columns: int) -> np.ndarray:
+    """[len(index), columns] uniforms in (0, 1), a function of (seed, salt, index, column) only."""
+    with np.errstate(over="ignore"):
+        key = _splitmix(np.array([seed * 0x9E3779B1 + salt], dtype=np.uint64))[0]
+        counter = index.astype(np.uint64)[:, None] * np.uint64(columns) + np.arange(columns, dtype=np.uint64)
+        bits = _splitmix(counter ^ key)
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+class Generator:
+    """Examples and their planted logits, as functions of (seed, index)."""
+
+    def __init__(self, seed: int, total_rows: int) -> None:
+        self.seed = seed
+        self.sizes = vocabularies(total_rows)
+        planted = np.random.default_rng([seed, _SALT_PLANTED])
+        hot = np.minimum(self.sizes, HOT_IDS)
+        self.effects = [planted.normal(0.0, EFFECT_STD, int(h)) for h in hot]  # field f: its hot ids' effects
+        self.dense_w = planted.normal(0.0, DENSE_STD, DENSE)
+        self.pair_w = 0.5
+
+    def _ids(self, u: np.ndarray) -> np.ndarray:
+        """Zipf-like ids per field from uniforms [n, 26] (inverse CDF of a power law on [1, V + 1))."""
+        v = self.sizes.astype(np.float64)
+        a = 1.0 - ZIPF_S
+        x = ((v + 1.0) ** a - 1.0) * u + 1.0
+        ids = np.floor(x ** (1.0 / a)) - 1.0
+        return np.clip(ids, 0, v - 1)
+
+    def examples(self, salt: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x [n, 39] float64: ids then features, labels [n] float32, planted logits [n])."""
+        u = _uniforms(self.seed, salt, index, _COLUMNS)
+        ids = self._ids(u[:, :FIELDS])
+        u1, u2 = u[:, FIELDS:FIELDS + DENSE], u[:, FIELDS + DENSE:FIELDS + 2 * DENSE]
+        dense = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+        logit = np.full(len(index), BIAS) + dense @ self.dense_w + self.pair_w * dense[:, 0] * dense[:, 1]
+        for f, effects in enumerate(self.effects):
+            col = ids[:, f].astype(np.int64)
+            hot = col < len(effects)
+            logit[hot] += effects[col[hot]]
+        labels = (u[:, -1] < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        return np.concatenate([ids, dense], axis=1), labels, logit
+
+
+class ClickStream(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The training examples: `length` indices, each example made when asked for (`batch` makes
+    a batch at once; BatchSchedule uses it)."""
+
+    def __init__(self, generator: Generator, length: int = TRAIN_EXAMPLES) -> None:
+        self.generator, self.length = generator, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, _ = self.generator.examples(_SALT_DATA, index.numpy())
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batch(torch.tensor([i]))
+        return x[0], y[0]
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """The area under the ROC curve: the probability that a positive scores above a negative, ties
+    counted half (ranks averaged over ties). 0.5 when one class is absent."""
+    scores, labels = scores.double().flatten(), labels.flatten() > 0.5
+    n_pos = int(labels.sum())
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return 0.5
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    # average the ranks of tied scores
+    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    if unique.numel() < scores.numel():
+        first = torch.cumsum(counts, 0) - counts + 1
+        mean_rank = first + (counts - 1) / 2.0
+        ranks[order] = mean_rank[inverse].double()
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+class DLRM(nn.Module):
+    """Embeddings of the 26 fields (one table), a bottom MLP of the 13 features, their pairwise dot
+    products, a top MLP; sparse=False: the table is a local torch.nn.Embedding (dense gradients)."""
+
+    def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD) -> None:
+        super().__init__()
+        import psgrad
+
+        total = int(sizes.sum())
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
+        self.register_buffer("offsets", offsets, persistent=False)
+        if sparse:
+            self.embedding: nn.Module = psgrad.Embedding(total, dim, std=init_std)
+        else:
+            self.embedding = nn.Embedding(total, dim)
+            nn.init.normal_(self.embedding.weight, 0.0, init_std)
+        self.bottom = nn.Sequential(nn.Linear(DENSE, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
+        pairs = (FIELDS + 1) * FIELDS // 2
+        self.register_buffer("pairs", torch.triu_indices(FIELDS + 1, FIELDS + 1, 1), persistent=False)
+        self.top = nn.Sequential(nn.Linear(pairs + dim, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = x[:, :FIELDS].long() + self.offsets
+        d = self.bottom(x[:, FIELDS:].float())
+        z = torch.cat([d.unsqueeze(1), self.embedding(ids)], dim=1)  # [B, 27, dim]
+        inter = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([d, inter], dim=1)).squeeze(1)
+
+
+def embedding_rows(model: nn.Module) -> tuple[int, int]:
+    """(rows, bytes) of the model's embedding tables: psgrad's (on the servers) and torch's (local)."""
+    from psgrad.worker.embedding import SparseEmbedding
+
+    rows = nbytes = 0
+    for m in model.modules():
+        if isinstance(m, SparseEmbedding):
+            rows, nbytes = rows + m.num_embeddings, nbytes + m.nbytes
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            rows, nbytes = rows + m.num_embeddings, nbytes + m.weight.numel() * m.weight.element_size()
+    return rows, nbytes
+
+
+def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, y.float())
+
+
+@register_task("ctr", Recipe(metric="test_auc", target=0.85, optimizer="adagrad", lr=0.05, batch_size=512,
+                             steps=1500, compare_steps=600))
+def ctr_task(seed: int = 0) -> Task:
+    """The synthetic click-through workload (see the module doc); its size from the environment."""
+    total, dim = table_size()
+    generator = Generator(seed, total)
+    parts = [generator.examples(_SALT_TEST, np.arange(lo, min(lo + EVAL_BATCH, TEST_EXAMPLES)))
+             for lo in range(0, TEST_EXAMPLES, EVAL_BATCH)]  # (in pieces: the temporaries stay small)
+    test_x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+    test_y = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+    bayes = auc(torch.from_numpy(np.concatenate([p[2] for p in parts])), test_y)
+
+    @torch.no_grad()
+    def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor,
+                    batch: int = EVAL_BATCH) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        logits = torch.cat([model(xs[lo:lo + batch].to(device)).float().cpu() for lo in range(0, len(xs), batch)])
+        model.train(was_training)
+        rows, nbytes = embedding_rows(model)
+        return {"test_loss": float(bce(logits, ys)), "test_accuracy": float(((logits > 0) == (ys > 0.5)).float().mean()),
+                "test_auc": auc(logits, ys), "bayes_auc": bayes, "embedding_rows": rows, "embedding_bytes": nbytes}
+
+    return Task(
+        name="ctr",
+        build_model=lambda: DLRM(generator.sizes, dim),
+        train_set=ClickStream(generator),
+        test_x=test_x,
+        test_y=test_y,
+        loss_fn=bce,
+        quick_eval=10_000,
+        evaluator=evaluate_on,
+        dense_model=lambda: DLRM(generator.sizes, dim, sparse=False),
+    )
