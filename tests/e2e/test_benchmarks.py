@@ -269,6 +269,9 @@ def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
         small = bytearray(1_500_000)  # smaller than the server's buffer: the last chunk must be cut
         assert client.download(memoryview(small), 1 << 20) == 1_500_000
         assert client.ping(b"hello") == b"hello"
+        rows = bytearray(1 << 20)  # a unary reply of exactly the size asked, whatever came along
+        assert client.fetch(bytes(32 << 10), memoryview(rows)) == 1 << 20 and rows == b"\x01" * (1 << 20)
+        assert client.put(bytes((1 << 20) + (32 << 10))) == (1 << 20) + (32 << 10)
     finally:
         client.close()
         server.stop(0).wait()
