@@ -353,15 +353,18 @@ class ParameterClient:
             req = pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
                                  ids=mine.numpy().tobytes(), observe=observe)
             reply = s.pull_rows(req)
-            if len(reply.rows) != mine.numel() * spec.dim * 4:
+            data = reply.rows  # (each read of the field is a copy of its bytes)
+            if len(data) != mine.numel() * spec.dim * 4:
                 raise errors.InvalidRequestError(
-                    f"server {s.address}: {len(reply.rows)} bytes of rows for {mine.numel()} ids of table {table!r} "
+                    f"server {s.address}: {len(data)} bytes of rows for {mine.numel()} ids of table {table!r} "
                     f"(dim {spec.dim})")
-            values = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(-1, spec.dim)
+            if not data:
+                return
+            values = torch.frombuffer(data, dtype=torch.float32).view(-1, spec.dim)  # read only: copied into out
             if at is None:
                 out.copy_(values)
             else:
-                out[at] = values
+                out.index_copy_(0, at, values)
             if not observe:
                 self.row_versions[(table, i)] = int(reply.version)
 
