@@ -15,8 +15,10 @@ server`), as is the worker (an agent that this script starts and sends the addre
 One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):
 - pull: `ParameterClient.pull_rows` of warm rows (made by an earlier pull): ids out, rows back;
 - cold_pull: the same for ids never touched before (the shard makes each row on first touch);
-- push: `ParameterClient.push` of the step with the rows' gradients: per shard a PushRows call
-  (ids and gradients) and the step's small dense Push, which applies them (what a step costs);
+- push: `ParameterClient.push` of a step with the rows' gradients: per shard a PushRows call
+  (ids and gradients) and the step's small dense Push, which applies them;
+- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard the PushRows call
+  and one unary Step call (the small dense push, which applies the rows, and the dense pull);
 - push_rows (diagnostic): the PushRows calls alone (the shard holds the gradients; none applied);
 - raw_pull, raw_put: per shard one bare gRPC unary call (lib/raw_grpc.py Fetch and Put, identity
   serializers, the same concurrency) moving the same bytes: the ids out and the rows' bytes back,
@@ -67,9 +69,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 GOAL = 0.8
 TABLE = "emb"
-OPS = ("pull", "raw_pull", "cold_pull", "push", "push_rows", "raw_put")
+OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "push_rows", "raw_put")
 # op -> the raw op it is compared with
-VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "push_rows": "raw_put"}
+VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put", "push_rows": "raw_put"}
 
 
 def payload_bytes(op: str, ids: int, dim: int) -> int:
@@ -116,7 +118,7 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
         warm = order[:n].sort().values
         fresh = iter(chunk.sort().values for chunk in order[n:].split(n) if chunk.numel() == n)
         grads = torch.full((n, dim), 1e-3)
-        dense = torch.zeros(client.plan.total)
+        dense, weights = torch.zeros(client.plan.total), torch.zeros(client.plan.total)
         clock = opt.clock
 
         # raw gRPC: shard i's ids (id mod S == i) out, their rows' bytes back into one buffer
@@ -143,6 +145,11 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
             client.push(dense, clock, rows={TABLE: (warm, grads)})
             clock += 1
 
+        def step() -> None:
+            nonlocal clock
+            client.exchange(dense, clock, weights, rows={TABLE: (warm, grads)})
+            clock += 1
+
         def push_rows() -> None:  # held by the shards for the next clock, replaced call by call
             split = client._split_rows({TABLE: (warm, grads)})
 
@@ -159,6 +166,7 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
             "raw_pull": raw_pull,
             "cold_pull": lambda: client.pull_rows(TABLE, next(fresh)),
             "push": push,
+            "step": step,
             "push_rows": push_rows,
             "raw_put": raw_put,
         }
@@ -296,7 +304,7 @@ def report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: floa
             vs = VERSUS[op]
             targets.append(target(f"sparse {op}: rows/s, {p['ids']:,} ids x {p['dim']}, {S} shard(s), {where}",
                                   r[op]["rows_per_s"], r[vs]["rows_per_s"], GOAL, "higher", "rows/s", f"raw gRPC {vs}"))
-        for op in ("pull", "cold_pull", "push", "push_rows"):
+        for op in ("pull", "cold_pull", "push", "step", "push_rows"):
             vs = VERSUS[op]
             figures.append(figure(f"sparse {op} rows/s, {S} shard(s), {where}", r[op]["rows_per_s"], "rows/s",
                                   r[vs]["rows_per_s"], f"raw gRPC {vs}"))
@@ -317,7 +325,9 @@ def report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: floa
         "targets": targets,
         "figures": figures,
         "notes": "push = per shard a PushRows call of the rows' ids and gradients + the step's small dense Push "
-                 "that applies them; push_rows = the PushRows calls alone (held, not applied); raw_put = one "
+                 "that applies them; step = per shard the PushRows call + a unary Step call (the small dense push "
+                 "that applies them, and the dense pull), as PSOptimizer.step sends; push_rows = the PushRows "
+                 "calls alone (held, not applied); raw_put = one "
                  "unary call of the same ids + gradients. Pulls move ids out and rows back in one unary call "
                  "per shard, as raw_pull does.",
     }
