@@ -35,7 +35,7 @@ the shared cores spent. Prints one JSON document; progress and a table go to std
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +103,7 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
     import psgrad
     from psgrad.config import ClientConfig
     from psgrad.core import rows as placement
+    from psgrad.core.codecs import byte_view
     from psgrad.proto import ps_pb2 as pb
 
     n, dim, reps, calls, S = cfg["ids"], cfg["dim"], cfg["reps"], cfg["calls"], job["shards"]
@@ -126,19 +127,22 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
         mine = [warm[where == i].contiguous() for i in range(S)]
         theirs = [grads[where == i].contiguous() for i in range(S)]
         out = torch.empty(n, dim)
-        byte_out = memoryview(out.numpy()).cast("B")
+        byte_out = byte_view(out)
         offsets = [0]
         for m in mine:
             offsets.append(offsets[-1] + m.numel() * dim * 4)
 
-        def raw_pull() -> None:
-            _fan(pool, [lambda i=i: raws[i].fetch(mine[i].numpy().tobytes(), byte_out[offsets[i]:offsets[i + 1]])
-                        for i in range(S)])
+        def fetch(i: int) -> None:
+            raws[i].fetch(mine[i].numpy().tobytes(), byte_out[offsets[i]:offsets[i + 1]])
 
-        def raw_put() -> None:  # the request made from the tensors, as any sender must
-            _fan(pool, [lambda i=i: raws[i].put(b"".join((memoryview(mine[i].numpy()).cast("B"),
-                                                          memoryview(theirs[i].numpy()).cast("B"))))
-                        for i in range(S)])
+        def put(i: int) -> None:  # the request made from the tensors, as any sender must
+            raws[i].put(b"".join((byte_view(mine[i]), byte_view(theirs[i]))))
+
+        def raw_pull() -> None:
+            _fan(pool, [functools.partial(fetch, i) for i in range(S)])
+
+        def raw_put() -> None:
+            _fan(pool, [functools.partial(put, i) for i in range(S)])
 
         def push() -> None:
             nonlocal clock
