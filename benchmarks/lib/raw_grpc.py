@@ -1,8 +1,11 @@
 """The ceiling psgrad is measured against: raw gRPC streaming of bytes, no protobuf, ~1 MiB chunks.
 
-Three methods on generic handlers with identity (de)serializers: Upload (client streams chunks,
-the server copies them into a reused buffer), Download (the server streams chunks of a buffer)
-and Ping (a unary echo: the round-trip ceiling for small calls). Concurrent uploads each get
+Methods on generic handlers with identity (de)serializers: Upload (client streams chunks, the
+server copies them into a reused buffer), Download (the server streams chunks of a buffer), Ping
+(a unary echo: the round-trip ceiling for small calls), and two unary calls of one message each
+way, the ceiling of unary transfers such as sparse rows: Fetch (a small request naming a reply
+size, answered with that many bytes of a buffer) and Put (a request copied into a reused buffer,
+answered with its length). Concurrent uploads each get
 their own receive buffer from a pool, so W client processes can be measured at once.
 
 The server runs as a child (`start_server(name, lib_argv("raw_grpc:main"))`, or by hand:
@@ -119,12 +122,35 @@ def raw_handler(work: str = "copy", service: str = SERVICE) -> grpc.GenericRpcHa
         for off in range(0, nbytes, chunk):
             yield bytes(view[off : off + chunk])
 
+    def fetch(request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Answer with the number of bytes the request's first 8 name (the rest is payload the
+        caller sends along, such as row ids), copied from a buffer into one bytes object."""
+        nbytes = int.from_bytes(request[:8], "little")
+        with state.lock:
+            if len(state.buf) < nbytes:
+                state.buf = np.ones(nbytes, dtype=np.uint8)
+            view = state.buf.data[:nbytes]
+        return bytes(view)
+
+    def put(request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Copy the request into a reused buffer; answer with its length."""
+        buf = state.take()
+        try:
+            if len(buf) < len(request):
+                buf = np.empty(len(request), dtype=np.uint8)
+            buf[: len(request)] = np.frombuffer(request, dtype=np.uint8)
+        finally:
+            state.give(buf)
+        return len(request).to_bytes(8, "little")
+
     return grpc.method_handlers_generic_handler(
         service,
         {
             "Upload": grpc.stream_unary_rpc_method_handler(upload),
             "Download": grpc.unary_stream_rpc_method_handler(download),
             "Ping": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+            "Fetch": grpc.unary_unary_rpc_method_handler(fetch),
+            "Put": grpc.unary_unary_rpc_method_handler(put),
         },
     )
 
@@ -149,6 +175,8 @@ class RawClient:
         self._upload = self.channel.stream_unary(f"/{service}/Upload")
         self._download = self.channel.unary_stream(f"/{service}/Download")
         self._ping = self.channel.unary_unary(f"/{service}/Ping")
+        self._fetch = self.channel.unary_unary(f"/{service}/Fetch")
+        self._put = self.channel.unary_unary(f"/{service}/Put")
 
     def upload(self, payload: memoryview, chunk: int) -> int:
         def gen() -> Iterator[bytes]:
@@ -168,6 +196,16 @@ class RawClient:
     def ping(self, payload: bytes = b"x") -> bytes:
         """One unary round trip with a tiny request and reply."""
         return self._ping(payload, timeout=10)
+
+    def fetch(self, payload: bytes, dest: memoryview) -> int:
+        """One unary call: send payload, receive len(dest) bytes into dest."""
+        reply = self._fetch(len(dest).to_bytes(8, "little") + payload, timeout=120)
+        dest[:] = reply
+        return len(reply)
+
+    def put(self, payload: bytes) -> int:
+        """One unary call carrying payload; the server's count of the bytes it received."""
+        return int.from_bytes(self._put(payload, timeout=120), "little")
 
     def close(self) -> None:
         self.channel.close()

@@ -16,7 +16,7 @@ from psgrad import errors
 from psgrad.client.shard_client import ShardClient
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.core.codecs import WireBuffer
+from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.core.credentials import worker_role
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
@@ -352,18 +352,19 @@ class ParameterClient:
             mine = ids if at is None else ids[at]
             req = pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
                                  ids=mine.numpy().tobytes(), observe=observe)
-            reply = s.pull_rows(req)
-            if len(reply.rows) != mine.numel() * spec.dim * 4:
+            version, data = s.pull_rows(req)
+            if len(data) != mine.numel() * spec.dim * 4:
                 raise errors.InvalidRequestError(
-                    f"server {s.address}: {len(reply.rows)} bytes of rows for {mine.numel()} ids of table {table!r} "
+                    f"server {s.address}: {len(data)} bytes of rows for {mine.numel()} ids of table {table!r} "
                     f"(dim {spec.dim})")
-            values = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(-1, spec.dim)
-            if at is None:
-                out.copy_(values)
-            else:
-                out[at] = values
+            # Copied as bytes (a view of the reply need not be aligned for float32), into out or
+            # into a shard's part to be placed.
+            values = out if at is None else torch.empty(mine.numel(), spec.dim)
+            byte_view(values)[:] = data
+            if at is not None:
+                out.index_copy_(0, at, values)
             if not observe:
-                self.row_versions[(table, i)] = int(reply.version)
+                self.row_versions[(table, i)] = version
 
         self._fan_out(one, wanted)
         return out

@@ -17,7 +17,15 @@ from psgrad.client import reconnect
 from psgrad.client.same_host import SameHost
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
-from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, write_frames
+from psgrad.wire.frames import (
+    FrameParser,
+    PayloadWriter,
+    bytes_field_prefix,
+    data_frames,
+    parse_frame,
+    trailing_bytes_field,
+    write_frames,
+)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
 from psgrad.wire.heap import tune_allocator
@@ -25,6 +33,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
     GATED_PUSH_BYTES,
+    ROWS_REPLY_ROWS,
     SERVICE_NAME,
     STEP_REQUEST_DATA,
 )
@@ -107,7 +116,7 @@ class ShardClient:
         self._rollback = ch.unary_unary(
             prefix + "Rollback", pb.RollbackRequest.SerializeToString, pb.RollbackReply.FromString
         )
-        self._pull_rows = ch.unary_unary(prefix + "PullRows", pb.RowsRequest.SerializeToString, pb.RowsReply.FromString)
+        self._pull_rows = ch.unary_unary(prefix + "PullRows", pb.RowsRequest.SerializeToString, None)
         self._push_rows = ch.unary_unary(prefix + "PushRows", pb.RowsPush.SerializeToString, pb.RowsPushReply.FromString)
         # Same-host payloads: the Push method called with its header frame only, the gradient in
         # the segment (a client stream of one message is a unary call on the wire).
@@ -291,10 +300,18 @@ class ShardClient:
         return reply.push, int(reply.pull.version)
 
     # ----------------------------------------------------------------- sparse tables
-    def pull_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
-        """Rows of one sparse table by id (see ps.proto PullRows)."""
+    def pull_rows(self, req: pb.RowsRequest) -> tuple[int, memoryview]:
+        """Rows of one sparse table by id (see ps.proto PullRows): the table's version and the rows'
+        bytes, a view of the reply (the server puts them last; parsed by protobuf if not there)."""
         t = self.config.rpc_timeout_s
-        return self._call("the pull of rows", lambda: self._pull_rows(req, timeout=t), t)
+        reply: bytes = self._call("the pull of rows", lambda: self._pull_rows(req, timeout=t), t)
+        what = f"the pull of rows from {self.address}"
+        split = trailing_bytes_field(reply, ROWS_REPLY_ROWS)
+        if split is not None:
+            head, rows = split
+            return int(parse_frame(pb.RowsReply, bytes(head), what).version), rows
+        msg = parse_frame(pb.RowsReply, reply, what)
+        return int(msg.version), memoryview(msg.rows)
 
     def push_rows(self, req: pb.RowsPush) -> pb.RowsPushReply:
         """Row gradients of one sparse table for the push of the same clock (see ps.proto PushRows);

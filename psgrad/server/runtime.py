@@ -32,8 +32,8 @@ from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusin
 
 
 def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> grpc.GenericRpcHandler:
-    """Method table; Init/Pull/Push frames, PushGated messages and Step replies pass as raw bytes
-    (serializer None). Requests that do not parse are refused as INVALID_ARGUMENT (decoder)."""
+    """Method table; Init/Pull/Push frames, PushGated messages, Step and PullRows replies pass as raw
+    bytes (serializer None). Requests that do not parse are refused as INVALID_ARGUMENT (decoder)."""
 
     def unary(fn: Callable[..., Any], req: Any, rep: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -61,7 +61,9 @@ def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> g
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Leave": unary(servicer.Leave, pb.LeaveRequest, pb.LeaveReply),
             "Rollback": unary(servicer.Rollback, pb.RollbackRequest, pb.RollbackReply),
-            "PullRows": unary(servicer.PullRows, pb.RowsRequest, pb.RowsReply),
+            "PullRows": grpc.unary_unary_rpc_method_handler(
+                refusing_undecodable(servicer.PullRows), request_deserializer=decoder(pb.RowsRequest)
+            ),
             "PushRows": unary(servicer.PushRows, pb.RowsPush, pb.RowsPushReply),
             **replica.handlers(),
         },

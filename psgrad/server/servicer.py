@@ -24,7 +24,7 @@ from psgrad.server.publisher import Publisher
 from psgrad.server.shard import Shard
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.wire import protocol
-from psgrad.wire.protocol import STEP_REPLY_DATA
+from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
 
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
 # server's explanation (who it was waiting for) rather than a bare local timeout.
@@ -409,14 +409,17 @@ class ParameterServicer:
         return pb.RollbackReply(version=version, points=points)
 
     @_edge
-    def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsReply:
+    def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> bytes:
+        """A serialized RowsReply, built by hand so the rows are copied once, after the version."""
         self.shard.serving()
         if req.updated:
             version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes())
         ids = _tensor(req.ids, torch.int64, "row ids")
         version, rows = self.shard.pull_rows(req.rank, req.fingerprint, req.table, ids)
-        return pb.RowsReply(version=version, rows=rows.numpy().tobytes())
+        head = pb.RowsReply(version=version).SerializeToString()
+        data = byte_view(rows.contiguous())
+        return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, len(data)), data))
 
     @_edge
     def PushRows(self, req: pb.RowsPush, context: grpc.ServicerContext) -> pb.RowsPushReply:

@@ -317,7 +317,8 @@ class SparseTable:
         """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
         self.check(ids)
         slots = self._slots(ids)
-        return self._values[slots], self._versions[slots]
+        # (index_select: a gather several times faster than indexing with a tensor of slots)
+        return self._values.index_select(0, slots), self._versions.index_select(0, slots)
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of at most `limit` rows updated at least once whose ids are >= from_id, in
@@ -358,19 +359,19 @@ class SparseTable:
         """
         self.check_update(ids, grads)
         slots = self._slots(ids)
-        weights = self._values[slots]
-        state = {name: t[slots] for name, t in self._state.items()}
+        weights = self._values.index_select(0, slots)
+        state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         self.optimizer.apply(weights, grads.clone(), state, lr)
-        self._values[slots] = weights
+        self._values.index_copy_(0, slots, weights)
         for name, t in state.items():
-            self._state[name][slots] = t
+            self._state[name].index_copy_(0, slots, t)
         if base_version is not None:
             stale = max(0, self.version - base_version)
             self.staleness_max = max(self.staleness_max, stale)
             self.staleness_sum += stale
             self.pushes += 1
         self.version += 1
-        self._versions[slots] = self.version
+        self._versions.index_fill_(0, slots, self.version)
 
     def forget_workers(self, live: set[int]) -> None:
         """Nothing per worker here."""

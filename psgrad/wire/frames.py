@@ -44,6 +44,47 @@ def bytes_field_prefix(number: int, length: int) -> bytes:
     return _varint(number << 3 | 2) + _varint(length)
 
 
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at pos and the position after it (ValueError past the end or after 10 bytes)."""
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(buf))):
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    raise ValueError("truncated varint")
+
+
+def trailing_bytes_field(message: bytes, number: int) -> tuple[memoryview, memoryview] | None:
+    """(the fields before it, its bytes) where a serialized message ends with the `bytes` field
+    `number` (as one built with bytes_field_prefix does), views, no copy; None when it does not, or
+    the bytes are not a message (parse it with protobuf)."""
+    view = memoryview(message)
+    pos = 0
+    try:
+        while pos < len(view):
+            start = pos
+            tag, pos = _read_varint(view, pos)
+            kind = tag & 7
+            if kind == 0:
+                _, pos = _read_varint(view, pos)
+            elif kind == 1:
+                pos += 8
+            elif kind == 5:
+                pos += 4
+            elif kind == 2:
+                length, pos = _read_varint(view, pos)
+                if tag >> 3 == number and pos + length == len(view):
+                    return view[:start], view[pos:]
+                pos += length
+            else:
+                return None
+    except ValueError:
+        return None
+    return None
+
+
 def data_frame(piece: memoryview) -> bytes:
     """One ``data`` frame holding piece: the tag and length prefix and the bytes, copied once."""
     return b"".join((_data_prefix(len(piece)), piece))

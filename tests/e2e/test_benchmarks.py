@@ -110,6 +110,48 @@ def test_a_killed_worker_tiny_measures_both_runs() -> None:
     assert row["mode"] == "sync" and row["baseline_train_s"] > 0 and row["with_kill_train_s"] > 0
 
 
+SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "push_rows", "raw_put"}
+
+
+def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
+    """benchmarks/sparse_rows.py's document has every op's figures, per shard count, and its ratios
+    to raw gRPC (their values are not checked)."""
+    assert out["benchmark"] == "sparse_rows"
+    assert [j["shards"] for j in out["jobs"]] == list(shards)
+    for job in out["jobs"]:
+        assert set(job["results"]) == SPARSE_OPS and sum(job["ids_per_shard"]) == out["ids"]
+        for op, r in job["results"].items():
+            assert r["rows_per_s"] > 0 and r["mb_per_s"] > 0 and r["call_ms_median"] > 0, op
+            assert set(r["cpu_ms_per_call"]) == {"worker", "servers"}
+        assert set(job["ratios"]) == {"pull_vs_raw_pull", "cold_pull_vs_raw_pull", "push_vs_raw_put",
+                                      "step_vs_raw_put", "push_rows_vs_raw_put"}
+        assert math.isclose(job["ratios"]["pull_vs_raw_pull"],
+                            job["results"]["pull"]["rows_per_s"] / job["results"]["raw_pull"]["rows_per_s"])
+    assert len(out["targets"]) == 2 * len(shards)  # pull and push, per shard count
+    for row in out["targets"]:
+        assert row["target"] == 0.8 and row["value"] > 0 and row["ceiling"] > 0
+    assert out["payload_bytes"]["pull"] == out["ids"] * out["dim"] * 4
+    assert out["payload_bytes"]["push"] == out["ids"] * (out["dim"] * 4 + 8)
+
+
+@pytest.mark.timeout(120)
+def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
+    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--preset", "quick", "--rows", "20000",
+                          "--ids", "256", "--reps", "2", "--calls", "2"],
+                         capture_output=True, text=True, timeout=110, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    check_sparse_rows(out, (1, 2))
+    assert out["network"] == "loopback" and out["link_mb_per_s"] is None
+    assert "ratio" in res.stderr and "raw_pull" in res.stderr  # the table
+
+
+def test_sparse_rows_refuses_a_table_too_small_for_its_cold_pulls() -> None:
+    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--rows", "1000", "--ids", "512"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode != 0 and "raise --rows" in res.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # The suite's own parts, tiny preset, end to end
 
@@ -269,6 +311,9 @@ def test_raw_grpc_download_sends_exactly_what_was_asked() -> None:
         small = bytearray(1_500_000)  # smaller than the server's buffer: the last chunk must be cut
         assert client.download(memoryview(small), 1 << 20) == 1_500_000
         assert client.ping(b"hello") == b"hello"
+        rows = bytearray(1 << 20)  # a unary reply of exactly the size asked, whatever came along
+        assert client.fetch(bytes(32 << 10), memoryview(rows)) == 1 << 20 and rows == b"\x01" * (1 << 20)
+        assert client.put(bytes((1 << 20) + (32 << 10))) == (1 << 20) + (32 << 10)
     finally:
         client.close()
         server.stop(0).wait()

@@ -323,3 +323,17 @@ def test_multihost_benchmark_tiny_measures_shaped_links(bed: NetBed) -> None:
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download", "bf16_vs_fp32_push",
                                   "bf16_vs_fp32_pull", "sync_iteration_vs_allreduce"}
     assert all(v > 0 for v in out["ratios"].values())
+
+
+@pytest.mark.timeout(240)
+def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
+    """benchmarks/sparse_rows.py --preset quick --netbed (a bed of its own): every op's figures,
+    per shard count, with its bytes/s beside the link's."""
+    out = run_benchmark("sparse_rows.py", "--preset", "quick", "--netbed", timeout_s=220)
+    assert out["network"] == "netbed" and out["rate_mbit"] == 1000 and out["link_mb_per_s"] == 125
+    assert [j["shards"] for j in out["jobs"]] == [1, 2]
+    for job in out["jobs"]:
+        assert set(job["results"]) == {"pull", "raw_pull", "cold_pull", "push", "step", "push_rows", "raw_put"}
+        for op, r in job["results"].items():
+            assert r["rows_per_s"] > 0 and r["vs_link"] == pytest.approx(r["mb_per_s"] / 125), op
+        assert all(v > 0 for v in job["ratios"].values())

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
-from psgrad.wire.frames import FrameParser, PayloadWriter, data_frames, frame_payload, write_frames
+from psgrad.wire.frames import (
+    FrameParser,
+    PayloadWriter,
+    bytes_field_prefix,
+    data_frames,
+    frame_payload,
+    trailing_bytes_field,
+    write_frames,
+)
 from psgrad.config import DEFAULT_CHUNK_BYTES
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
@@ -375,3 +383,27 @@ def test_codec_registry_matches_the_cli_names() -> None:
     assert {get_codec(n).element_size for n in ("bfloat16", "float16")} == {2}
     with pytest.raises(InvalidRequestError, match="valid: float32, bfloat16, float16"):
         get_codec("int8")
+
+
+@pytest.mark.parametrize("nrows", [0, 1, 300, 4096])
+def test_a_rows_reply_built_by_hand_splits_into_its_head_and_rows(nrows: int) -> None:
+    rows = bytes(range(256)) * nrows
+    head = pb.RowsReply(version=2**40 + 3).SerializeToString()
+    reply = b"".join((head, bytes_field_prefix(2, len(rows)), rows))
+    assert pb.RowsReply.FromString(reply).rows == rows  # what protobuf reads, too
+    split = trailing_bytes_field(reply, 2)
+    assert split is not None
+    assert bytes(split[0]) == head and pb.RowsReply.FromString(bytes(split[0])).version == 2**40 + 3
+    assert split[1] == rows and split[1].obj is reply  # a view, no copy
+
+
+def test_trailing_bytes_field_leaves_other_layouts_to_protobuf() -> None:
+    rows = b"\x01" * 100
+    first = b"".join((bytes_field_prefix(2, len(rows)), rows, pb.RowsReply(version=7).SerializeToString()))
+    assert trailing_bytes_field(first, 2) is None  # not last: a later field follows it
+    assert trailing_bytes_field(pb.RowsReply(version=7).SerializeToString(), 2) is None  # no such field
+    whole = pb.RowsReply(version=7, rows=rows).SerializeToString()
+    assert trailing_bytes_field(whole[:-1], 2) is None  # truncated
+    assert trailing_bytes_field(b"\xff" * 12, 2) is None  # not a message
+    split = trailing_bytes_field(whole, 2)  # protobuf's own encoding puts it last too
+    assert split is not None and split[1] == rows
