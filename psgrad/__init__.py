@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
-    from psgrad.worker.embedding import Embedding, EmbeddingBag
+    from psgrad.nn.embedding import Embedding, EmbeddingBag
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -59,8 +59,8 @@ _LAZY = {
     "fetch_model": "psgrad.client.export",
     "ModelSnapshot": "psgrad.client.export",
     "ShardedSampler": "psgrad.tasks.data",
-    "Embedding": "psgrad.worker.embedding",
-    "EmbeddingBag": "psgrad.worker.embedding",
+    "Embedding": "psgrad.nn.embedding",
+    "EmbeddingBag": "psgrad.nn.embedding",
 }
 
 

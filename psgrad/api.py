@@ -31,7 +31,7 @@ from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
-from psgrad.worker.embedding import RowSource, sparse_modules
+from psgrad.nn.embedding import RowSource, sparse_modules
 from psgrad.worker.row_cache import RowCache
 
 

@@ -378,8 +378,8 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> tuple[torch.Tensor, torch.Tensor]:
             ids_parts, row_parts, start = [], [], 0
             while True:
-                reply = s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
-                                                   observe=True, updated=True, from_id=start, limit=page_rows))
+                reply = s.updated_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
+                                                      observe=True, updated=True, from_id=start, limit=page_rows))
                 ids = torch.frombuffer(bytearray(reply.ids), dtype=torch.int64) if reply.ids else torch.empty(0, dtype=torch.int64)
                 rows = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32) if reply.rows else torch.empty(0)
                 ids_parts.append(ids)

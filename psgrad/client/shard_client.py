@@ -313,6 +313,12 @@ class ShardClient:
         msg = parse_frame(pb.RowsReply, reply, what)
         return int(msg.version), memoryview(msg.rows)
 
+    def updated_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
+        """A page of a sparse table's updated rows with their ids (req.updated; see ps.proto PullRows)."""
+        t = self.config.rpc_timeout_s
+        reply: bytes = self._call("the read of updated rows", lambda: self._pull_rows(req, timeout=t), t)
+        return parse_frame(pb.RowsReply, reply, f"the read of updated rows from {self.address}")
+
     def push_rows(self, req: pb.RowsPush) -> pb.RowsPushReply:
         """Row gradients of one sparse table for the push of the same clock (see ps.proto PushRows);
         retries are safe (they replace what the shard holds for that clock)."""

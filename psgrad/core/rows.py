@@ -53,7 +53,8 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
             raise InvalidRequestError(f"{what}: row id {bad} is out of range [0, {num_embeddings})")
 
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's mix of each uint64 (a counter-based generator: equal inputs, equal outputs)."""
     with np.errstate(over="ignore"):
         x = x + _GOLDEN
         x = (x ^ (x >> np.uint64(30))) * _MIX1
@@ -75,8 +76,8 @@ def initial_rows(key: int, ids: torch.Tensor, dim: int, std: float = 1.0) -> tor
     with np.errstate(over="ignore"):
         base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
         counter = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
-        a = _splitmix(np.bitwise_xor(counter, np.uint64(key)))
-        b = _splitmix(a)
+        a = splitmix64(np.bitwise_xor(counter, np.uint64(key)))
+        b = splitmix64(a)
     u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
     u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)

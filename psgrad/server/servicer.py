@@ -414,7 +414,7 @@ class ParameterServicer:
         self.shard.serving()
         if req.updated:
             version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
-            return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes())
+            return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
         ids = _tensor(req.ids, torch.int64, "row ids")
         version, rows = self.shard.pull_rows(req.rank, req.fingerprint, req.table, ids)
         head = pb.RowsReply(version=version).SerializeToString()

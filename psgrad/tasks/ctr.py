@@ -35,8 +35,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from psgrad.core.rows import _splitmix
+from psgrad.core.rows import splitmix64
 from psgrad.errors import TaskError
+from psgrad.nn.embedding import Embedding, SparseEmbedding
 from psgrad.tasks.base import Task, register_task
 from psgrad.tasks.recipes import Recipe
 
@@ -82,9 +83,9 @@ def vocabularies(total: int) -> np.ndarray:
 def _uniforms(seed: int, salt: int, index: np.ndarray, columns: int) -> np.ndarray:
     """[len(index), columns] uniforms in (0, 1), a function of (seed, salt, index, column) only."""
     with np.errstate(over="ignore"):
-        key = _splitmix(np.array([seed * 0x9E3779B1 + salt], dtype=np.uint64))[0]
+        key = splitmix64(np.array([seed * 0x9E3779B1 + salt], dtype=np.uint64))[0]
         counter = index.astype(np.uint64)[:, None] * np.uint64(columns) + np.arange(columns, dtype=np.uint64)
-        bits = _splitmix(counter ^ key)
+        bits = splitmix64(counter ^ key)
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
@@ -169,13 +170,11 @@ class DLRM(nn.Module):
 
     def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD) -> None:
         super().__init__()
-        import psgrad
-
         total = int(sizes.sum())
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
         self.register_buffer("offsets", offsets, persistent=False)
         if sparse:
-            self.embedding: nn.Module = psgrad.Embedding(total, dim, std=init_std)
+            self.embedding: nn.Module = Embedding(total, dim, std=init_std)
         else:
             self.embedding = nn.Embedding(total, dim)
             nn.init.normal_(self.embedding.weight, 0.0, init_std)
@@ -194,8 +193,6 @@ class DLRM(nn.Module):
 
 def embedding_rows(model: nn.Module) -> tuple[int, int]:
     """(rows, bytes) of the model's embedding tables: psgrad's (on the servers) and torch's (local)."""
-    from psgrad.worker.embedding import SparseEmbedding
-
     rows = nbytes = 0
     for m in model.modules():
         if isinstance(m, SparseEmbedding):

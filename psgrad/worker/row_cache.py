@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from psgrad.errors import ConfigError
-from psgrad.worker.embedding import RowSource
+from psgrad.nn.embedding import RowSource
 
 
 @dataclass

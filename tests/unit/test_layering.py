@@ -22,9 +22,10 @@ ALLOWED = {
     "wire": {"core", "wire"},
     "server": {"core", "wire", "server"},
     "client": {"core", "wire", "client"},
-    "worker": {"core", "wire", "client", "worker", "api", "metrics", "tasks"},
+    "worker": {"core", "wire", "client", "worker", "api", "metrics", "tasks", "nn"},
     "metrics": {"metrics", "core"},
-    "tasks": {"tasks"},
+    "nn": {"nn", "core"},  # modules of users' models (psgrad.Embedding): torch, no wire
+    "tasks": {"tasks", "nn", "core"},
 }
 GRPC_EDGES = {"wire", "server", "client"}
 
