@@ -123,9 +123,9 @@ class ShardCollector:
                 ("psgrad_table_staleness_mean", "the mean table updates between a pull of rows and their push"),
             )]
             for t in sparse:
-                values = (t.rows, t.rows_touched, t.updates, t.staleness_max, t.staleness_mean)
-                for family, value in zip(families, values):
-                    family.add_metric([*shard, t.name], value)
+                values: tuple[float, ...] = (t.rows, t.rows_touched, t.updates, t.staleness_max, t.staleness_mean)
+                for family, figure in zip(families, values):
+                    family.add_metric([*shard, t.name], figure)
             yield from families
         buckets, total, count = staleness_buckets(s.staleness)
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)

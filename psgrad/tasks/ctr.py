@@ -168,6 +168,9 @@ class DLRM(nn.Module):
     """Embeddings of the 26 fields (one table), a bottom MLP of the 13 features, their pairwise dot
     products, a top MLP; sparse=False: the table is a local torch.nn.Embedding (dense gradients)."""
 
+    offsets: torch.Tensor
+    pairs: torch.Tensor
+
     def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD) -> None:
         super().__init__()
         total = int(sizes.sum())

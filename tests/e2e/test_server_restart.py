@@ -51,6 +51,25 @@ def test_a_sync_job_rolls_back_after_kill_9_and_ends_bitwise_equal_to_an_uninter
     assert all(s is not None and 0 < s < 60 for s in killed["stall_s"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sync_job_with_embedding_rows_on_the_servers_ends_bitwise_equal_after_kill_9(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Task ctr (its embedding table on the servers): kill -9 of a server holding sparse rows, restart
+    from its checkpoint, roll back: every worker's model and the servers' rows end bit for bit as in
+    the run without the kill."""
+    monkeypatch.setenv("PSGRAD_CTR_ROWS", "200000")  # (the children inherit it)
+    monkeypatch.setenv("PSGRAD_CTR_DIM", "16")
+    out = run_benchmark("faults.py", "--fault", "server", "--preset", "tiny", "--modes", "sync", "--task", "ctr",
+                        timeout_s=280)
+    [row] = out["results"]
+    assert out["task"] == "ctr" and row["mode"] == "sync"
+    assert row["final_weights_bitwise_equal"] == [True, True, True] and row["final_servers_bitwise_equal"]
+    killed = row["with_kill"]
+    assert killed["versions"] == [60, 60] and all(s is not None and 0 < s < 60 for s in killed["stall_s"])
+    [targets] = {tuple(t) for t in killed["worker_rollbacks_to"]}
+    assert all(t % 20 == 0 for t in targets)
+
+
 def _checkpointed_job(tmp_path: Path, start_servers) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
     ckpt = tmp_path / "ckpt"
     [address] = start_servers(1, "--checkpoint-dir", str(ckpt), "--checkpoint-every-versions", "10")
