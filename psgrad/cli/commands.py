@@ -178,16 +178,13 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     if not store.parent.is_dir():
         raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
     # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
-    # synchronous by construction, so the spec says sync and only lr/momentum/weight_decay/nesterov matter.
-    if ns.optimizer != "sgd":
-        raise ConfigError(f"the all-reduce baseline applies SGD only, got --optimizer {ns.optimizer}")
+    # synchronous by construction, so the spec says sync and only the optimizer's settings matter.
     if ns.dc_asgd or ns.dc_asgd_adaptive:
         raise ConfigError("--dc-asgd compensates stale gradients on parameter servers; the all-reduce baseline "
                           "is synchronous (nothing is stale) and has no servers: drop --dc-asgd")
-    spec = JobSpec(
-        mode="sync", num_workers=ns.num_workers, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay,
-        nesterov=ns.nesterov,
-    )
+    job = job_spec(ns, ns.num_workers, 1)
+    spec = dataclasses.replace(job, mode="sync", staleness=0, staleness_max=0, backup_workers=0, staleness_lr=False,
+                               wire_dtype="float32")
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
     task = get_task(ns.task, ns.seed, ns.data_dir)

@@ -62,11 +62,11 @@ def train_allreduce(
 
     Every step each of the `spec.num_workers` ranks computes a gradient on its own batch, the
     flat gradients are summed with one all_reduce and divided by the world size, and every rank
-    applies the same torch.optim.SGD step (spec.lr, spec.momentum, spec.weight_decay, spec.nesterov). Model
+    applies the same torch.optim step (the job's optimizer and its settings: torch_optimizer). Model
     init, data slice, batch order, delay injection and the metrics schema are those of
     psgrad.worker.loop.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
     covers the optimizer step, and evaluations see the weights after this step's update.
-    Only spec.num_workers, lr, momentum, weight_decay and nesterov are read from spec.
+    Only spec.num_workers and the optimizer's settings are read from spec.
 
     `store_path` is the rendezvous FileStore, shared by all ranks; it must be new (or empty).
     Rendezvous and each collective wait at most config.client.init_timeout_s for the other ranks.
@@ -103,6 +103,27 @@ def train_allreduce(
         dist.destroy_process_group()
 
 
+def torch_optimizer(spec: JobSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch.optim optimizer with the job's name and settings: what the servers' optimizer of
+    that name applies (their tests hold the two equal), applied here by every rank to the mean gradient."""
+    name = spec.optimizer
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
+                               nesterov=spec.nesterov)
+    if name in ("adam", "adamw"):
+        adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return adam(params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps, weight_decay=spec.weight_decay)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=spec.lr, lr_decay=spec.lr_decay, weight_decay=spec.weight_decay,
+                                   initial_accumulator_value=spec.initial_accumulator_value, eps=spec.eps)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=spec.lr, alpha=spec.alpha, eps=spec.eps, weight_decay=spec.weight_decay,
+                                   momentum=spec.momentum, centered=spec.centered)
+    if name == "adadelta":
+        return torch.optim.Adadelta(params, lr=spec.lr, rho=spec.rho, eps=spec.eps, weight_decay=spec.weight_decay)
+    raise ConfigError(f"the all-reduce baseline has no optimizer {name!r}")
+
+
 def _train(
     config: WorkerConfig,
     spec: JobSpec,
@@ -124,9 +145,7 @@ def _train(
     flat, grad = flat_model.flat, flat_model.grad
     with _collective("broadcast of rank 0's initial weights", who):
         dist.broadcast(flat, src=0)
-    optimizer = torch.optim.SGD(
-        flat_model.params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, nesterov=spec.nesterov
-    )
+    optimizer = torch_optimizer(spec, flat_model.params)
     data = BatchSchedule(task.train_dataset(), config.batch_size, config.seed, rank, world)
     delays = DelayInjector(config, world)
     factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)

@@ -76,11 +76,6 @@ class CompareConfig:
             raise ConfigError(f"security must be off, tokens or tls, got {self.security!r}")
         if len({r for r, _ in self.stragglers}) != len(self.stragglers):
             raise ConfigError("--straggler names the same rank twice")
-        if self.optimizer != "sgd" and any(m.mode == "allreduce" for m in self.modes):
-            raise ConfigError(
-                f"the allreduce baseline trains with SGD only; drop allreduce from --modes to compare "
-                f"with --optimizer {self.optimizer}"
-            )
         if self.sync_lr_scaling not in LR_SCALINGS:
             raise ConfigError(f"sync lr scaling must be one of {', '.join(LR_SCALINGS)}, got {self.sync_lr_scaling!r}")
         if any(not (lr > 0) for lr in self.lr_grid) or len(set(self.lr_grid)) != len(self.lr_grid):

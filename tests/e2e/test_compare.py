@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli
 from psgrad.experiments.compare import worker_argv
@@ -32,13 +33,25 @@ def test_a_bad_variant_or_preset_flag_is_a_usage_error_naming_it(tmp_path: Path)
     assert not (tmp_path / "x").exists()
 
 
-def test_the_optimizer_reaches_every_run_and_allreduce_refuses_adam(tmp_path: Path) -> None:
-    cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async"), optimizer="adam", lr=0.001)
+def test_the_optimizer_reaches_every_run_the_allreduce_baselines_too(tmp_path: Path) -> None:
+    cfg = CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,async,allreduce"), optimizer="adagrad", lr=0.05)
     for mode in cfg.modes:
         args = worker_argv(cfg, mode, seed=0, rank=0, run_dir=tmp_path, servers="127.0.0.1:1")
-        assert args[args.index("--optimizer") + 1] == "adam"
-    with pytest.raises(ConfigError, match="allreduce baseline trains with SGD only"):
-        CompareConfig(out_dir=tmp_path, modes=parse_modes("sync,allreduce"), optimizer="adam")
+        assert args[args.index("--optimizer") + 1] == "adagrad"
+
+
+@pytest.mark.parametrize("name, cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW),
+                                       ("adagrad", torch.optim.Adagrad), ("rmsprop", torch.optim.RMSprop),
+                                       ("adadelta", torch.optim.Adadelta)])
+def test_the_allreduce_baseline_applies_the_jobs_optimizer_with_its_settings(name: str, cls: type) -> None:
+    from psgrad.config import JobSpec
+    from psgrad.experiments.allreduce import torch_optimizer
+
+    spec = JobSpec(optimizer=name, lr=0.03, weight_decay=0.01, **({} if name == "sgd" else {"eps": 1e-7}))
+    opt = torch_optimizer(spec, [torch.zeros(3, requires_grad=True)])
+    group = opt.param_groups[0]
+    assert type(opt) is cls and group["lr"] == 0.03 and group["weight_decay"] == 0.01
+    assert name == "sgd" or group["eps"] == 1e-7
 
 
 @pytest.mark.slow
