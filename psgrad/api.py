@@ -30,6 +30,7 @@ from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
+from psgrad.core.optimizers.rows import ROW_OPTIMIZERS
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
 from psgrad.nn.embedding import RowSource, sparse_modules
 from psgrad.worker.row_cache import RowCache
@@ -265,6 +266,9 @@ class PSOptimizer(ScheduledOptimizer):
         if self.embeddings and overlap:
             raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
                               "after the step's push): leave out overlap")
+        if self.embeddings and spec.optimizer not in ROW_OPTIMIZERS:
+            raise ConfigError(f"optimizer {spec.optimizer!r} has no row-wise form for psgrad embeddings (their rows are "
+                              f"updated on the servers one row at a time); use one of {', '.join(ROW_OPTIMIZERS)}")
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables)
