@@ -5,6 +5,7 @@ same workers, same links, one run.
 
     python benchmarks/ctr_time_to_auc.py --preset full    # 1M-row table x 32 dims, links 1 Gbit/s
     python benchmarks/ctr_time_to_auc.py --preset quick   # a 20k-row table, CI-sized
+    python benchmarks/ctr_time_to_auc.py --preset full --modes async,async:cache   # the worker's row cache
 
 The hosts are network namespaces (lib/netbed.py), every link shaped with tc to --rate-mbit in both
 directions: the two shard servers on hosts 0 and 1, the two workers on hosts 2 and 3 (the same
@@ -14,8 +15,9 @@ same settings), evaluating on the first 10,000 test examples every `eval_every` 
 target is the wall time from its first worker's start to the first evaluation at or above the
 target (lib: psgrad.experiments.analysis.run_metrics, as `psgrad compare` computes it). Needs root,
 iproute2 and tc. Prints one JSON document: per mode the time to target, steps/s, final test AUC and
-the planted model's (bayes_auc), and `allreduce_over_psgrad`: the all-reduce baseline's time to
-target over each psgrad mode's (goal >= 3).
+the planted model's (bayes_auc), and `allreduce_over_MODE`: the all-reduce baseline's time to
+target over each psgrad mode's (goal >= 3). Mode `async:cache` is async with the workers' row cache
+(--row-cache-rows 200000 --row-cache-staleness 4), with its hit rate.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "modes": ["async", "sync", "allreduce"]},
 }
 GOAL = 3.0
+MODES = ("async", "sync", "allreduce", "async:cache")
+CACHE = ["--row-cache-rows", "200000", "--row-cache-staleness", "4"]
 
 
 def run_mode(bed: NetBed, mode: str, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -46,7 +50,7 @@ def run_mode(bed: NetBed, mode: str, cfg: dict[str, Any], work: Path) -> dict[st
     py = [sys.executable, "-m", "psgrad"]
     env = {**os.environ, "PSGRAD_CTR_ROWS": str(cfg["rows"]), "PSGRAD_CTR_DIM": str(cfg["dim"]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-    run_dir = work / mode
+    run_dir = work / mode.replace(":", "-")
     run_dir.mkdir()
     common = ["--task", "ctr", "--num-workers", "2", "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
               "--log-every", str(cfg["steps"]), "--device", "cpu"]
@@ -64,7 +68,8 @@ def run_mode(bed: NetBed, mode: str, cfg: dict[str, Any], work: Path) -> dict[st
                                       new_session=False)
                 procs.append(p)
                 servers.append(p.wait_for_line("listening on", timeout_s=120).rsplit(" ", 1)[1])
-            argv = [*py, "worker", *common, "--mode", mode, "--servers", ",".join(servers)]
+            ps_mode, _, cache = mode.partition(":")
+            argv = [*py, "worker", *common, "--mode", ps_mode, "--servers", ",".join(servers), *(CACHE if cache else [])]
         workers = []
         for rank in range(2):
             w = SupervisedProcess(bed.command(2 + rank, [*argv, "--rank", str(rank), "--metrics-out",
@@ -79,9 +84,12 @@ def run_mode(bed: NetBed, mode: str, cfg: dict[str, Any], work: Path) -> dict[st
         for p in reversed(procs):
             p.stop(10)
     metrics = run_metrics(load_run(run_dir, mode), cfg["target"], "test_auc")
-    finals = [r for recs in load_run(run_dir, mode).records.values() for r in recs if r.get("event") == "final"]
+    records = load_run(run_dir, mode).records.values()
+    finals = [r for recs in records for r in recs if r.get("event") == "final"]
+    hits = [recs[-2]["row_cache_hit_rate"] for recs in records if len(recs) > 1 and "row_cache_hit_rate" in recs[-2]]
     elapsed = max(r["elapsed_s"] for r in finals)
     return {
+        **({"row_cache_hit_rate": min(hits)} if hits else {}),
         "time_to_target_s": metrics["time_to_target_s"],
         "steps_per_s": cfg["steps"] / elapsed,
         "final_test_auc": min(r["test_auc"] for r in finals),
@@ -98,7 +106,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override the steps per worker and run")
     parser.add_argument("--target", type=float, help="override the target test AUC")
     parser.add_argument("--rate-mbit", type=float, help="override every link's rate in Mbit/s")
+    parser.add_argument("--modes", type=lambda text: text.split(","), help=f"comma-separated, of {', '.join(MODES)} "
+                        "(default: async,sync,allreduce)")
     args = parser.parse_args()
+    bad = sorted(set(args.modes or ()) - set(MODES))
+    if bad:
+        parser.error(f"--modes takes {', '.join(MODES)}, got {', '.join(bad)}")
     cfg = overrides(args, PRESETS[args.preset])
     why = NetBed.unavailable()
     if why:

@@ -114,7 +114,7 @@ def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note
     p.add_argument(name, default=default, help=f"{help} (default: {shown}{note})", **kw)
 
 
-BUILTIN_TASKS = "digits, mnist1d, mnist, fashion-mnist, charlm"
+BUILTIN_TASKS = "digits, mnist1d, mnist, fashion-mnist, charlm, ctr"
 # The flags that default to the task's recipe (psgrad.tasks.recipes.Recipe), and the generic values
 # an optimizer other than the recipe's starts from.
 RECIPE_FLAGS = ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "steps", "lr_schedule", "warmup_steps")

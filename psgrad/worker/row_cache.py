@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from psgrad.errors import ConfigError
@@ -29,40 +30,52 @@ class CacheStats:
 
 
 class _TableCache:
-    def __init__(self, dim: int) -> None:
-        self.ids = torch.empty(0, dtype=torch.int64)  # sorted
-        self.rows = torch.empty(0, dim)
-        self.pulled = torch.empty(0, dtype=torch.int64)  # the step each row was pulled at
-        self.used = torch.empty(0, dtype=torch.int64)  # the step each row was last served at
+    """One table's cached rows: an arena of `capacity` rows, and an index of the cached ids (sorted,
+    with each one's slot) that lookups search; inserting moves only the index, and when the arena
+    is full the least recently used quarter goes at once (so eviction's cost is shared by many steps)."""
+
+    def __init__(self, dim: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys = np.empty(0, dtype=np.int64)  # cached ids, sorted
+        self.slots = np.empty(0, dtype=np.int64)  # each one's slot in the arena
+        self.rows = torch.empty(capacity, dim)
+        self.pulled = torch.full((capacity,), -1, dtype=torch.int64)  # the step each slot's row was pulled at
+        self.used = torch.full((capacity,), -1, dtype=torch.int64)  # the step it was last served at
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # unused slots (a stack)
+        self.nfree = capacity
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(whether each id is cached, its place)."""
-        if not self.ids.numel():
+        """(whether each id is cached, its slot where it is)."""
+        if not self.keys.size:
             return torch.zeros(ids.numel(), dtype=torch.bool), torch.zeros(ids.numel(), dtype=torch.int64)
-        at = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
-        return self.ids[at] == ids, at
+        wanted = ids.numpy()
+        at = np.minimum(np.searchsorted(self.keys, wanted), self.keys.size - 1)
+        return torch.from_numpy(self.keys[at] == wanted), torch.from_numpy(self.slots[at])
 
-    def put(self, ids: torch.Tensor, rows: torch.Tensor, step: int, capacity: int) -> None:
-        """Add or refresh rows `ids` (pulled at `step`), then keep the `capacity` most recently used."""
-        found, at = self.find(ids)
-        if bool(found.any()):
-            hit = at[found]
-            self.rows[hit], self.pulled[hit], self.used[hit] = rows[found], step, step
-        new = ~found
-        if bool(new.any()):
-            n = int(new.sum())
-            self.ids = torch.cat([self.ids, ids[new]])
-            self.rows = torch.cat([self.rows, rows[new]])
-            self.pulled = torch.cat([self.pulled, torch.full((n,), step)])
-            self.used = torch.cat([self.used, torch.full((n,), step)])
-            if self.ids.numel() > capacity:  # least recently used go
-                keep = torch.argsort(self.used, descending=True, stable=True)[:capacity]
-                self._take(keep)
-            self._take(torch.argsort(self.ids))
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, step: int) -> None:
+        """Cache rows `ids` (unique, sorted, none cached now) pulled at `step`, evicting if need be."""
+        n = min(ids.numel(), self.capacity)
+        ids, rows = ids[:n], rows[:n]
+        if n > self.nfree:
+            self._evict(max(n - self.nfree, self.capacity // 4))
+        slots = self.free[self.nfree - n:self.nfree].copy()
+        self.nfree -= n
+        taken = torch.from_numpy(slots)
+        self.rows[taken], self.pulled[taken], self.used[taken] = rows, step, step
+        new = ids.numpy()
+        at = np.searchsorted(self.keys, new)
+        self.keys, self.slots = np.insert(self.keys, at, new), np.insert(self.slots, at, slots)
 
-    def _take(self, order: torch.Tensor) -> None:
-        self.ids, self.rows = self.ids[order], self.rows[order]
-        self.pulled, self.used = self.pulled[order], self.used[order]
+    def _evict(self, count: int) -> None:
+        """Free the `count` least recently used slots."""
+        count = min(count, self.keys.size)
+        last_used = self.used[torch.from_numpy(self.slots)]
+        gone = torch.topk(last_used, count, largest=False).indices.numpy()
+        self.free[self.nfree:self.nfree + count] = self.slots[gone]
+        self.nfree += count
+        keep = np.ones(self.keys.size, dtype=bool)
+        keep[gone] = False
+        self.keys, self.slots = self.keys[keep], self.slots[keep]
 
 
 class RowCache:
@@ -83,22 +96,28 @@ class RowCache:
         cache = self._tables.get(table)
         if cache is None:
             out = self._source.pull_rows(table, ids, observe)
-            cache = self._tables[table] = _TableCache(out.shape[1])
-            cache.put(ids, out, step, self.capacity)
+            cache = self._tables[table] = _TableCache(out.shape[1], self.capacity)
+            cache.put(ids, out, step)
             self.stats.misses += ids.numel()
             return out
-        found, at = cache.find(ids)
+        found, slot = cache.find(ids)
         fresh = found.clone()
-        fresh[found] = step - cache.pulled[at[found]] < self.staleness
+        fresh[found] = step - cache.pulled[slot[found]] < self.staleness
         out = torch.empty(ids.numel(), cache.rows.shape[1])
-        hit = at[fresh]
+        hit = slot[fresh]
         out[fresh] = cache.rows[hit]
         cache.used[hit] = step
         missing = ~fresh
         if bool(missing.any()):
             pulled = self._source.pull_rows(table, ids[missing], observe)
             out[missing] = pulled
-            cache.put(ids[missing], pulled, step, self.capacity)
+            stale = found & missing  # cached, but too old: refreshed in place
+            if bool(stale.any()):
+                again = slot[stale]
+                cache.rows[again], cache.pulled[again], cache.used[again] = out[stale], step, step
+            new = missing & ~found
+            if bool(new.any()):
+                cache.put(ids[new], out[new], step)
         hits = int(fresh.sum())
         self.stats.hits += hits
         self.stats.misses += ids.numel() - hits
