@@ -345,28 +345,27 @@ class ParameterClient:
         where = row_placement.shard_of(ids, S)
         parts = {i: (where == i).nonzero().squeeze(1) for i in range(S)} if S > 1 else {0: None}
         wanted = [i for i, at in parts.items() if at is None or at.numel()]
+        # Torch work stays on this thread: the fan-out's threads only make the calls (two threads
+        # running torch ops at once contend for its OpenMP threads, which cost more than the ops).
+        mine = {i: ids if parts[i] is None else ids[parts[i]] for i in wanted}
+        requests = {i: pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
+                                      ids=mine[i].numpy().tobytes(), observe=observe) for i in wanted}
+        replies = dict(zip(wanted, self._fan_out(lambda i, s: s.pull_rows(requests[i]), wanted)))
         out = torch.empty(ids.numel(), spec.dim)
-
-        def one(i: int, s: ShardClient) -> None:
+        for i, (version, data) in replies.items():
             at = parts[i]
-            mine = ids if at is None else ids[at]
-            req = pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
-                                 ids=mine.numpy().tobytes(), observe=observe)
-            version, data = s.pull_rows(req)
-            if len(data) != mine.numel() * spec.dim * 4:
+            if len(data) != mine[i].numel() * spec.dim * 4:
                 raise errors.InvalidRequestError(
-                    f"server {s.address}: {len(data)} bytes of rows for {mine.numel()} ids of table {table!r} "
-                    f"(dim {spec.dim})")
+                    f"server {self.shards[i].address}: {len(data)} bytes of rows for {mine[i].numel()} ids of table "
+                    f"{table!r} (dim {spec.dim})")
             # Copied as bytes (a view of the reply need not be aligned for float32), into out or
             # into a shard's part to be placed.
-            values = out if at is None else torch.empty(mine.numel(), spec.dim)
+            values = out if at is None else torch.empty(mine[i].numel(), spec.dim)
             byte_view(values)[:] = data
             if at is not None:
                 out.index_copy_(0, at, values)
             if not observe:
                 self.row_versions[(table, i)] = version
-
-        self._fan_out(one, wanted)
         return out
 
     def updated_rows(self, table: str, page_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:

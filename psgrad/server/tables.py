@@ -269,13 +269,13 @@ class SparseTable:
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The arena slots of rows `ids` (checked), making the rows never touched."""
-        local = rows.local_index(ids.long(), self.num_shards)
-        slots = self._slot[local]
-        fresh = slots < 0
-        if bool(fresh.any()):
+        local = ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
+        slots = self._slot.index_select(0, local)
+        if int(slots.min()) < 0:  # (one reduction: most pulls find every row made)
+            fresh = slots < 0
             new_ids = torch.unique(ids[fresh].long())
             self._make(new_ids)
-            slots = self._slot[local]
+            slots = self._slot.index_select(0, local)
         return slots
 
     def _make(self, ids: torch.Tensor) -> None:
@@ -315,10 +315,19 @@ class SparseTable:
 
     def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
-        self.check(ids)
-        slots = self._slots(ids)
+        slots = self._checked_slots(ids)
         # (index_select: a gather several times faster than indexing with a tensor of slots)
         return self._values.index_select(0, slots), self._versions.index_select(0, slots)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [n, dim] for row ids (a copy): pull without the versions."""
+        slots = self._checked_slots(ids)  # (first: making rows may grow the arena)
+        return self._values.index_select(0, slots)
+
+    def _checked_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The arena slots of rows `ids` (see check), making the rows never touched."""
+        self.check(ids)
+        return self._slots(ids) if ids.numel() else torch.empty(0, dtype=torch.int64)
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of at most `limit` rows updated at least once whose ids are >= from_id, in
