@@ -337,3 +337,17 @@ def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
         for op, r in job["results"].items():
             assert r["rows_per_s"] > 0 and r["vs_link"] == pytest.approx(r["mb_per_s"] / 125), op
         assert all(v > 0 for v in job["ratios"].values())
+
+
+@pytest.mark.timeout(240)
+def test_ctr_time_to_auc_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
+    """benchmarks/ctr_time_to_auc.py --preset quick (a bed of its own): psgrad async and sync and
+    the all-reduce baseline train task ctr across hosts, each to the target, and the ratios are given."""
+    out = run_benchmark("ctr_time_to_auc.py", "--preset", "quick", timeout_s=220)
+    assert out["benchmark"] == "ctr_time_to_auc" and out["rate_mbit"] == 1000
+    assert set(out["results"]) == {"async", "sync", "allreduce"}
+    for mode, r in out["results"].items():
+        assert r["time_to_target_s"] is not None and r["time_to_target_s"] > 0, mode
+        assert 0.5 < r["final_test_auc"] < r["bayes_auc"] + 0.02 and r["max_rss_mb"] > 0, mode
+    assert set(out["ratios"]) == {"allreduce_over_async", "allreduce_over_sync"}
+    assert all(v > 0 for v in out["ratios"].values())
