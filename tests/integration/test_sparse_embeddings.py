@@ -47,6 +47,15 @@ def _batch(gen: torch.Generator, n: int = 16) -> tuple[torch.Tensor, torch.Tenso
     return x, (x[:, 0] % 2).float()
 
 
+def _train(model: nn.Module, opt: psgrad.PSOptimizer, gen: torch.Generator, steps: int) -> None:
+    """`steps` steps of the user's loop on batches from gen."""
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+        opt.step()
+
+
 def _server_table(running: list, name: str = "emb") -> torch.Tensor:
     """The whole table as the servers hold it: every shard's touched rows over the initial rows."""
     probe = psgrad.EmbeddingBag(ROWS, DIM, std=0.1, seed=3)
@@ -136,12 +145,7 @@ def test_rows_outlive_the_job_in_checkpoints(make_servers, tmp_path) -> None:  #
     model = Ctr()
     gen = torch.Generator().manual_seed(6)
     with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
-        opt = ps.optimizer(model)
-        for _ in range(3):
-            x, y = _batch(gen)
-            opt.zero_grad()
-            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
-            opt.step()
+        _train(model, ps.optimizer(model), gen, 3)
         assert running[0].shard.core.state.version == 3
         deadline = time.monotonic() + 30  # (the checkpoint thread writes it)
         while 3 not in checkpoint.versions(tmp_path):
@@ -281,12 +285,7 @@ def test_an_export_holds_the_updated_rows_and_can_materialize_the_whole_table(ma
     model = Ctr()
     gen = torch.Generator().manual_seed(8)
     with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
-        opt = ps.optimizer(model)
-        for _ in range(3):
-            x, y = _batch(gen)
-            opt.zero_grad()
-            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
-            opt.step()
+        _train(model, ps.optimizer(model), gen, 3)
         model(torch.tensor([[ROWS - 1, ROWS - 1, ROWS - 1]]))  # pulled, never updated: not in the export
     held = _server_table(running)
     snap = fetch_model([s.address for s in running])
