@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -103,7 +103,7 @@ def train_allreduce(
         dist.destroy_process_group()
 
 
-def torch_optimizer(spec: JobSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def torch_optimizer(spec: JobSpec, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """The torch.optim optimizer with the job's name and settings: what the servers' optimizer of
     that name applies (their tests hold the two equal), applied here by every rank to the mean gradient."""
     name = spec.optimizer
