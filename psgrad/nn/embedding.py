@@ -55,9 +55,8 @@ class SparseEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, std={self.std:g}{where}"
 
     def bind(self, table: str, source: RowSource) -> None:
-        """Make this module table `table` of a job (PSOptimizer does this)."""
-        if self._source is not None and self._source is not source:
-            raise WorkerStateError(f"psgrad embedding {table!r} is already bound to another job")
+        """Make this module table `table` of a job (PSOptimizer does this; a model given to a new
+        job's optimizer is bound to that one)."""
         self.table, self._source, self._observe = table, source, False
         self._touched.clear()
 
