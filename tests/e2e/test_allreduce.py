@@ -70,7 +70,8 @@ def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
             assert rec["exchange_s"] == rec["allreduce_s"] >= 0.0
             assert rec["delay_s"] == pytest.approx(0.5 * rec["compute_s"])
             assert rec["step_s"] >= rec["compute_s"] + rec["delay_s"] + rec["exchange_s"] - 1e-3
-        assert set(final) == {"time", "rank", "step", "event", "steps", "elapsed_s", "test_loss", "test_accuracy"}
+        assert set(final) == {"time", "rank", "step", "event", "steps", "elapsed_s", "test_loss", "test_accuracy",
+                              "max_rss_mb"}
         assert (final["event"], final["step"], final["steps"]) == ("final", steps, steps)
         finals.append(final)
     # every rank trains on its own data slice, yet both end with the same model
