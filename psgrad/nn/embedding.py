@@ -3,8 +3,8 @@ for torch.nn.Embedding and torch.nn.EmbeddingBag. The module holds no weight: `p
 binds each one to the job as a sparse table (named by its place in the model), a forward pulls
 only the rows of the batch's unique ids (one call per shard that holds some), and the optimizer's
 step pushes their gradients, coalesced per id, before the dense gradient of the same step. Rows
-start as N(0, std²) draws made on the servers from (seed, table, row id), so a table of 10M rows
-costs nothing until touched, and is the same on every server after every restart."""
+start as N(0, std²) draws made on the servers from (seed, table, row id), so an untouched row costs
+its server 8 bytes of index, and every row is the same on every server after every restart."""
 from __future__ import annotations
 
 from typing import Protocol

@@ -225,8 +225,8 @@ class SparseTable:
     """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
     shard r mod S): made on first touch from (seed, table, row id), kept in an arena that grows by
     doubling, each with the table version of its last update and its row-wise optimizer state.
-    Untouched rows cost nothing; a snapshot holds the touched rows only (the rest are their
-    initial values, made again on demand)."""
+    An untouched row costs its 8 bytes in the row index; a snapshot holds the touched rows only (the
+    rest are their initial values, made again on demand)."""
 
     kind: ClassVar[str] = "sparse"
 
