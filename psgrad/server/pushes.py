@@ -134,13 +134,13 @@ class Pushes:
                 member = core.members.live(rank)
                 if writer is not None and writer.revoked:
                     raise EvictedError(f"worker rank {rank} was evicted while pushing; nothing was applied")
+                # Its row gradients go with it: applied or buffered below, dropped on every other way out.
+                rows = self._rows.take(rank, clock)
                 if clock <= member.last_push_clock:
-                    self._rows.take(rank, clock)  # (applied with the push the first time)
                     core.counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
                 late = policy.late(rank, base_version, core.view(), core.marks.restored)
                 if late is not None:  # (sync with backup workers) its iteration completed without it
-                    self._rows.take(rank, clock)
                     return self._drop_late(member, clock, base_version, late)
                 try:
                     decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
@@ -153,9 +153,7 @@ class Pushes:
                 if lost_from is not None:  # its pushes between the checkpoint and this one were lost
                     core.counters.updates_lost += max(0, clock - lost_from - 1)
                 if bad and core.config.nonfinite != "allow":
-                    self._rows.take(rank, clock)
                     return self._refuse_nonfinite(member, clock, bad, decision)
-                rows = self._rows.take(rank, clock)
                 if decision is PushDecision.BUFFER:
                     core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
                     core.buffers.keep(grad)

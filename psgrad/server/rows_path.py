@@ -137,7 +137,7 @@ class Rows:
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
             total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
             total.mul_(1.0 / workers)
-            t.apply(unique, total, _scaled(lr, t.optimizer.lr, 1.0), min(p[2] for p in parts))
+            t.apply(unique, total, lr, min(p[2] for p in parts))
         if names:
             self._replica.rows_changed()
 
