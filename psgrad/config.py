@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from psgrad.core import compression
 from psgrad.core.credentials import check_bind
 from psgrad.core.stragglers import StragglerModel
 from psgrad.core.delay import check_dc_asgd
@@ -72,6 +73,8 @@ class JobSpec:
     dc_asgd_adaptive: bool = False  # DC-ASGD-a: lambda0 / sqrt(mean square of the gradients)
     backup_workers: int = 0  # sync: an iteration applies the first num_workers - backup_workers gradients
     staleness_max: int = 0  # ssp: > 0 adapts the bound at run time within [1, staleness_max] (--staleness auto)
+    compress: str = "none"  # how pushed gradients travel: none, topk:R, randomk:R, sign, int8 (core/compression.py)
+    error_feedback: bool = True  # biased codecs (topk, randomk, sign): workers keep what a push drops
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0: one job, one fingerprint
@@ -87,7 +90,20 @@ class JobSpec:
             f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",
         )
         check_dc_asgd(self)
+        # One spelling per setting, and error feedback only where a codec drops something: one job, one fingerprint.
+        object.__setattr__(self, "compress", compression.normalize(self.compress))
+        codec = compression.parse_compression(self.compress)
+        if codec is None or not codec.biased:
+            object.__setattr__(self, "error_feedback", True)
         # The optimizer name is checked against the registry where it is built (optimizers.py).
+
+    @property
+    def compression(self) -> compression.Compression:
+        """The codec of compressed pushes (ValueError for a job that sends plain gradients)."""
+        codec = compression.parse_compression(self.compress)
+        if codec is None:
+            raise ValueError("this job sends plain gradients (compress: none)")
+        return codec
 
     def differences(self, other: JobSpec) -> list[tuple[str, Any, Any]]:
         """Fields whose values differ, as (name, self's value, other's value)."""
@@ -113,6 +129,8 @@ class JobSpec:
             *(["--centered"] if self.centered else []), "--rho", str(self.rho), "--wire-dtype", self.wire_dtype,
             *(["--dc-asgd", str(self.dc_asgd)] if self.dc_asgd else []),
             *(["--dc-asgd-adaptive"] if self.dc_asgd_adaptive else []),
+            *(["--compress", self.compress] if self.compress != compression.NONE else []),
+            *([] if self.error_feedback else ["--no-error-feedback"]),
         ]  # str(float) round-trips: float(str(x)) == x
 
 
@@ -286,6 +304,10 @@ class ClientConfig:
     # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
     # segment per server.
     shared_memory: bool = True
+    # With a job's --compress: compress pushes to shards on this host too (through shared memory,
+    # where fewer bytes save nothing and encoding costs CPU). Off: those shards get the gradient
+    # itself, so a one-host job trains as uncompressed unless this is on.
+    compress_same_host: bool = False
     # A first call to a server that refuses the connection (nothing listens on its port) reports it
     # after REFUSED_GRACE_S; True waits up to connect_timeout_s for servers that start later
     # (`psgrad run`: a cluster starts its processes in any order).
@@ -311,6 +333,7 @@ class ClientConfig:
             "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
+            *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--wait-for-servers"] if self.wait_for_servers else []),
             *(self.tls.to_argv() if self.tls is not None else []),
         ]

@@ -184,7 +184,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
                           "is synchronous (nothing is stale) and has no servers: drop --dc-asgd")
     job = job_spec(ns, ns.num_workers, 1)
     spec = dataclasses.replace(job, mode="sync", staleness=0, staleness_max=0, backup_workers=0, staleness_lr=False,
-                               wire_dtype="float32")
+                               wire_dtype="float32", compress="none")
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
     task = get_task(ns.task, ns.seed, ns.data_dir)

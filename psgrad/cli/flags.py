@@ -240,6 +240,14 @@ def add_job_args(
          "faster", type=float)
     flag(g, "--wire-dtype", JobSpec.wire_dtype, "dtype of pushed gradients and pulled weights on the wire; "
          "bfloat16/float16 halve the bytes, servers keep float32 master weights", choices=WIRE_DTYPES)
+    flag(g, "--compress", JobSpec.compress, "compress pushed gradients: topk:RATIO or randomk:RATIO (that fraction "
+         "of the values, with their indices), sign (1 bit a value and a scale per 1,024), int8 (8 bits, stochastic "
+         "rounding, unbiased); e.g. topk:0.01 sends 2%% of the bytes; pulls stay in --wire-dtype; shards on the "
+         "worker's host get plain gradients unless --compress-same-host", metavar="NAME")
+    g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false", default=JobSpec.error_feedback,
+                   help="with --compress topk/randomk/sign: drop what a push leaves out instead of adding it to the "
+                   "worker's next gradient (error feedback is on by default for these biased codecs; int8 never "
+                   "needs it); for comparisons")
     flag(g, "--seed", WorkerConfig.seed, "seed for model init and batch order", type=int)
     w = p.add_argument_group("worker")
     flag(w, "--device", WorkerConfig.device, "auto (cuda if available: cuda:(--local-rank mod GPUs)), cpu, "
@@ -283,6 +291,9 @@ def add_job_args(
     flag(w, "--shared-memory", ClientConfig.shared_memory, "move payloads through /dev/shm segments when a "
          "server is on this host (falls back to gRPC frames by itself otherwise); --no-shared-memory forces "
          "gRPC", action=argparse.BooleanOptionalAction)
+    flag(w, "--compress-same-host", ClientConfig.compress_same_host, "with --compress: compress pushes to shards "
+         "on this host too (through shared memory fewer bytes save nothing, and encoding costs CPU)",
+         action="store_true")
 
 
 def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
@@ -351,8 +362,8 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
         beta2=ns.beta2, eps=DEFAULT_EPS.get(ns.optimizer, JobSpec.eps) if ns.eps is None else ns.eps,
         nesterov=ns.nesterov, lr_decay=ns.lr_decay, initial_accumulator_value=ns.initial_accumulator_value,
         alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
-        dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive,
-        backup_workers=ns.backup_workers, staleness_max=staleness_max(ns),
+        dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive, compress=ns.compress,
+        error_feedback=ns.error_feedback, backup_workers=ns.backup_workers, staleness_max=staleness_max(ns),
     )
 
 
@@ -361,6 +372,7 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, wait_for_servers=ns.wait_for_servers,
+        compress_same_host=ns.compress_same_host,
         tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),
     )
 

@@ -17,7 +17,9 @@ from psgrad.client.shard_client import ShardClient
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, byte_view
+from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
+from psgrad.core.gradient_codecs import Compressor
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core import rows as row_placement
@@ -78,6 +80,11 @@ class ParameterClient:
         # Separate staging buffers for pulls and pushes, so the two may overlap
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        # --compress: each shard's encoder, with its error-feedback residual (see _push_payload)
+        codec = parse_compression(spec.compress)
+        self._compressors = [None if codec is None else Compressor(
+            codec, plan.size(i), spec.wire_dtype, spec.error_feedback, seed=rank * 65_537 + i)
+            for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
         # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
         # decides which gradients make an iteration (README)
@@ -264,9 +271,21 @@ class ParameterClient:
             self.base_versions = versions
         return versions
 
-    def _push_header(self, index: int, clock: int, lr: float | None = None, row_tables: int = 0) -> pb.PushHeader:
+    def _push_payload(self, index: int, grad: torch.Tensor) -> tuple[memoryview, str]:
+        """Shard index's range of a gradient as it travels, and its codec ("": the wire dtype's
+        plain values): compressed with the job's --compress, except to a shard on this host unless
+        --compress-same-host. Encode once per push (error feedback): retries resend these bytes."""
+        compressor = self._compressors[index]
+        if compressor is not None and (self.config.compress_same_host or not self.shards[index].same_host):
+            return compressor.encode(grad), self.spec.compress
+        return self._push_wires[index].encode(grad), ""
+
+    def _push_header(
+        self, index: int, clock: int, lr: float | None = None, row_tables: int = 0, compress: str = "",
+    ) -> pb.PushHeader:
         start, end = self.plan.ranges[index]
         return pb.PushHeader(
+            compress=compress,
             row_tables=row_tables,
             rank=self.rank,
             clock=clock,
@@ -286,9 +305,10 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
+            payload, compress = self._push_payload(i, flat_grad[start:end])
 
             def send(row_tables: int) -> pb.PushReply:
-                return s.push(self._push_header(i, clock, lr, row_tables), self._push_wires[i].encode(flat_grad[start:end]))
+                return s.push(self._push_header(i, clock, lr, row_tables, compress), payload)
 
             return serde.push_outcome_from_proto(self._with_rows(i, s, clock, split[i], send))
 
@@ -315,10 +335,10 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
             start, end = self.plan.ranges[i]
-            payload = self._push_wires[i].encode(flat_grad[start:end])
+            payload, compress = self._push_payload(i, flat_grad[start:end])
 
             def send(row_tables: int) -> tuple[pb.PushReply, int]:
-                header = self._push_header(i, clock, lr, row_tables)
+                header = self._push_header(i, clock, lr, row_tables, compress)
                 done = s.step(header, payload, flat[start:end], self._pull_wires[i], published)
                 if done is None:
                     done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
@@ -447,7 +467,9 @@ class ParameterClient:
         from (a zero-copy push: each shard's server on this host reads its range in place; others
         are sent frames from it), or None: no shard on this host, or not a float32 wire. Valid
         while the client is open; write it only between pushes (a push returns once read)."""
-        if self.spec.wire_dtype == "float32" and self._gradient is None and any(s.same_host for s in self.shards):
+        compressed_here = self.spec.compress != "none" and self.config.compress_same_host
+        if (self.spec.wire_dtype == "float32" and not compressed_here and self._gradient is None
+                and any(s.same_host for s in self.shards)):
             try:
                 self._gradient = shm.Shared(4 * self.plan.total)
             except OSError:

@@ -102,6 +102,11 @@ class WireBuffer:
     def nbytes(self) -> int:
         return self.numel * self.codec.element_size
 
+    @property
+    def pooled(self) -> WireBuffer:
+        """The buffer a receive-buffer pool keeps (a compressed push's wraps one: see CompressedWire)."""
+        return self
+
     def encode(self, src: torch.Tensor) -> memoryview:
         """Bytes of src (float32, CPU, contiguous) in the wire dtype; aliases src when exact."""
         if self._buf is None:

@@ -74,9 +74,10 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
 
 
 def explain_push_header(
-    layout: Layout, rank: int, numel: int, dtype: str, base_version: int, version: int, lr: float | None = None
+    layout: Layout, rank: int, numel: int, dtype: str, base_version: int, version: int, lr: float | None = None,
+    compress: str = "",
 ) -> str | None:
-    """What is wrong with a push header, or None."""
+    """What is wrong with a push header, or None. compress: the payload's codec ("": none)."""
     if lr is not None and not (math.isfinite(lr) and lr >= 0):
         return f"push from worker rank {rank} carries learning rate {lr!r}; it must be a finite number >= 0"
     if numel != layout.numel:
@@ -86,6 +87,10 @@ def explain_push_header(
         )
     if dtype != layout.spec.wire_dtype:
         return f"push from worker rank {rank} is {dtype!r}, the job's wire dtype is {layout.spec.wire_dtype!r}"
+    if compress and compress != layout.spec.compress:
+        job = layout.spec.compress
+        return (f"push from worker rank {rank} is compressed as {compress!r}, but the job's --compress is {job!r}"
+                + (" (the job sends plain gradients)" if job == "none" else ""))
     if base_version > version:
         return f"push from worker rank {rank} claims base version {base_version}, newer than shard version {version}"
     return None

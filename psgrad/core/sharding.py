@@ -150,12 +150,16 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
 def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[TableSpec] = ()) -> str:
     """A hash of the parameter (and buffer) names, shapes, dtypes, the sparse tables and the job spec
     (which includes S)."""
+    job = spec.as_dict()
+    for name in ("compress", "error_feedback"):  # (an uncompressed job keeps the fingerprint it always had)
+        if job[name] == getattr(JobSpec, name):
+            del job[name]
     doc: dict[str, object] = {
         "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
                     *(["aliases", *p.aliases] if p.aliases else []),
                     *(["lr_scale", p.lr_scale] if p.lr_scale != 1.0 else []),
                     *(["weight_decay", p.weight_decay] if p.weight_decay is not None else [])] for p in params],
-        "spec": spec.as_dict(),
+        "spec": job,
     }
     if tables:  # (a job without sparse tables keeps the fingerprint it always had)
         doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std] for t in tables]

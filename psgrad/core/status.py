@@ -181,6 +181,10 @@ class ShardStatus:
             "waiting": self.waiting,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            # The same counts under the names the metrics give them: payload bytes of pushes (gradients as
+            # they travel, compressed or not, and row gradients) and of pulls (weights and rows).
+            "push_bytes_total": self.bytes_in,
+            "pull_bytes_total": self.bytes_out,
             "uptime_s": round(self.uptime_s, 3),
             "fingerprint": self.fingerprint,
             "tables": [dataclasses.asdict(t) for t in self.tables],

@@ -126,6 +126,7 @@ class Buffers:
 
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
         """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
+        wire = wire.pooled  # (a compressed push's wraps the one lent with grad)
         self._revoked.pop(id(grad), None)
         writer = self._lent.pop(id(grad), None)
         if writer is not None and writer.holds_turn:

@@ -67,8 +67,11 @@ class ShardCollector:
         yield counter("psgrad_pushes_rejected", "pushes not applied: refused (psgrad_rpc_refused_total says why) or, "
                       "under --nonfinite skip, acknowledged unapplied", s.pushes_rejected)
         yield counter("psgrad_pulls", "weight pulls served", s.pulls)
-        yield counter("psgrad_received_bytes", "gradient payload bytes received", s.bytes_in)
-        yield counter("psgrad_sent_bytes", "weight payload bytes sent", s.bytes_out)
+        yield counter("psgrad_push_bytes", "payload bytes of pushes received: gradients as they travel (compressed "
+                      "with --compress) and row gradients", s.bytes_in)
+        yield counter("psgrad_pull_bytes", "payload bytes of pulls served: weights and rows", s.bytes_out)
+        yield counter("psgrad_received_bytes", "psgrad_push_bytes_total's former name", s.bytes_in)
+        yield counter("psgrad_sent_bytes", "psgrad_pull_bytes_total's former name", s.bytes_out)
         yield counter("psgrad_evictions", "workers evicted after their lease expired", s.evictions)
         yield counter("psgrad_updates_lost", "updates lost to a restart from a checkpoint", s.updates_lost)
         yield counter("psgrad_rolled_back_iterations", "sync iterations undone by roll-backs", s.rolled_back)

@@ -8,6 +8,7 @@ import torch
 
 from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import PushDecision
+from psgrad.core.gradient_codecs import Codec, CompressedWire
 from psgrad.core.layout import explain_push_header
 from psgrad.errors import (
     EvictedError,
@@ -37,11 +38,12 @@ class Pushes:
 
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
-        lr: float | None = None, row_tables: int = 0,
+        lr: float | None = None, row_tables: int = 0, compress: str = "",
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
-        row_tables: how many sparse tables' row gradients of this (rank, clock) the worker sent first.
+        row_tables: how many sparse tables' row gradients of this (rank, clock) the worker sent first;
+        compress: the payload's codec ("": plain values; else the job's --compress, decoded once received).
 
         Raises:
             RowsMissingError: the shard does not hold them all (it restarted since): send them again.
@@ -52,7 +54,7 @@ class Pushes:
             # A shard restored from a checkpoint is behind the weights its workers pulled before the
             # crash: a gradient computed on those counts as fresh (staleness 0), not as a bad header.
             newest = state.version if not core.marks.restored else max(state.version, base_version)
-            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, newest, lr)
+            problem = explain_push_header(state.layout, rank, numel, dtype, base_version, newest, lr, compress)
             if problem:
                 core.counters.pushes_rejected += 1
                 raise InvalidRequestError(problem)
@@ -70,7 +72,10 @@ class Pushes:
                     f"table(s), of which this shard holds {held} (it restarted since they were sent): send them again")
             lr = state.resolve_lr(rank, clock, lr)
             grad, wire = core.buffers.lend(state.layout.numel, dtype, lambda: state.weights)
-            exact = get_codec(dtype).exact
+            exact = get_codec(dtype).exact and not compress
+            if compress:
+                codec = Codec(state.layout.spec.compression, state.layout.numel, dtype)
+                wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
             # A gradient that the worker's segment holds may be applied from there, in place: by an
@@ -112,6 +117,7 @@ class Pushes:
             writer = core.buffers.writer_of(grad)
         try:
             wire.finish_receive(grad)
+            wire = wire.pooled  # (a compressed push's payload is decoded into grad now)
             staged = writer is not None and writer.staged
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None

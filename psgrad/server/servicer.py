@@ -288,7 +288,7 @@ class ParameterServicer:
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
-            h.row_tables,
+            h.row_tables, h.compress,
         )
         try:
             seg = self._shared_segment(context, h.rank, wire.nbytes)

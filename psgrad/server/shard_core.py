@@ -140,7 +140,9 @@ class ShardCore:
         spec = state.layout.spec
         self.state = state
         self.policy = policy_for(spec)
-        state.dense.configure(not self.policy.aggregates, get_codec(spec.wire_dtype).exact, self.config.push_buffers)
+        # (a compressed job's pushes are decoded once received: nothing to stage as they arrive)
+        exact = get_codec(spec.wire_dtype).exact and spec.compress == "none"
+        state.dense.configure(not self.policy.aggregates, exact, self.config.push_buffers)
         self.buffers.configure(staged=state.dense.rule is not None, per_worker=self.policy.aggregates)
         self.serving_changed()
 

@@ -28,7 +28,9 @@ def _optional(msg: pb.JobSpec, name: str) -> float:
 
 
 def job_spec_to_proto(spec: JobSpec) -> pb.JobSpec:
-    return pb.JobSpec(**spec.as_dict())
+    fields = spec.as_dict()
+    fields["no_error_feedback"] = not fields.pop("error_feedback")  # (proto3: absent is false, i.e. on)
+    return pb.JobSpec(**fields)
 
 
 def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
@@ -56,6 +58,8 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         dc_asgd_adaptive=msg.dc_asgd_adaptive,
         backup_workers=msg.backup_workers,
         staleness_max=msg.staleness_max,
+        compress=msg.compress or "none",
+        error_feedback=not msg.no_error_feedback,
     )
 
 

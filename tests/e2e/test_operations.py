@@ -101,6 +101,7 @@ def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> No
     assert m[("psgrad_pushes_applied_total", shard)] == status["pushes_applied"] == 80
     for metric, key in (("psgrad_pulls_total", "pulls"), ("psgrad_shard_version", "version"),
                         ("psgrad_received_bytes_total", "bytes_in"), ("psgrad_sent_bytes_total", "bytes_out"),
+                        ("psgrad_push_bytes_total", "push_bytes_total"), ("psgrad_pull_bytes_total", "pull_bytes_total"),
                         ("psgrad_pushes_duplicate_total", "pushes_duplicate"), ("psgrad_evictions_total", "evictions")):
         assert m[(metric, shard)] == status[key], metric
     hist = {int(k): v for k, v in status["staleness"]["histogram"].items()}

@@ -1,0 +1,97 @@
+"""Gradient compression settings: the codecs a pushed gradient may travel in (top-k and random-k values
+with their indices, 1-bit signs with a scale per chunk, 8-bit stochastic quantization), the names
+users give them (`--compress topk:0.01`) and their payload sizes. No torch (the CLI reads these);
+the codecs themselves are in core/gradient_codecs.py.
+
+A codec turns n float32 values into a payload whose size depends only on n (and the values' wire
+dtype), so a receiver knows it from the push header, as for the plain wire dtypes. The payload
+layouts (little-endian throughout):
+
+- ``topk:R`` / ``randomk:R``: k = ceil(R * n) int32 indices, then k values in the job's wire dtype;
+  the receiver adds each value at its index into zeros (an index may repeat with value 0: padding).
+- ``sign``: one float32 scale per chunk of CHUNK values (the mean absolute value there), then n
+  bits (bit i set: value i is >= 0), least significant bit first; value i is +-scale.
+- ``int8``: one float32 scale per chunk (the largest absolute value there), then n int8 values q
+  with value = q * scale / 127, q rounded stochastically so that its expectation is the value
+  (QSGD-style: unbiased).
+
+Top-k, random-k and sign are biased: what they drop is lost unless the worker keeps it and adds it
+to its next gradient (error feedback, on by default for them: `Compressor`). int8 is unbiased and
+never keeps a residual.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from psgrad.errors import ConfigError
+
+# Values per scale of `sign` and `int8`: 4 bytes of scale per 1,024 values (0.4% of int8's payload,
+# 3% of sign's), and a scale that follows the gradient's magnitude within a layer.
+CHUNK = 1024
+NONE = "none"
+_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a sparse codec's values travel in the wire dtype
+NAMES = ("topk", "randomk", "sign", "int8")
+GRAMMAR = "none, topk:RATIO, randomk:RATIO (0 < RATIO <= 1), sign or int8"
+
+
+@dataclass(frozen=True)
+class Compression:
+    """One codec and its setting (`ratio`: the fraction of values top-k and random-k send)."""
+
+    name: str
+    ratio: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """The name users write: 'topk:0.01', 'sign'."""
+        return f"{self.name}:{self.ratio!r}" if self.sparse else self.name
+
+    @property
+    def sparse(self) -> bool:
+        """Sends some values with their indices (top-k, random-k)."""
+        return self.name in ("topk", "randomk")
+
+    @property
+    def biased(self) -> bool:
+        """The decoded gradient's expectation is not the gradient: error feedback makes up for it."""
+        return self.name != "int8"
+
+    def kept(self, numel: int) -> int:
+        """Values a sparse codec sends of numel: ceil(ratio * numel), at least 1 (0 for none)."""
+        return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0
+
+    def payload_bytes(self, numel: int, wire_dtype: str = "float32") -> int:
+        """Bytes of an encoded gradient of numel values."""
+        if self.sparse:
+            return self.kept(numel) * (4 + _VALUE_BYTES[wire_dtype])
+        scales = 4 * -(-numel // CHUNK)
+        return scales + (-(-numel // 8) if self.name == "sign" else numel)
+
+
+def parse_compression(text: str) -> Compression | None:
+    """'topk:0.01' -> Compression('topk', 0.01); 'none' -> None.
+
+    Raises:
+        ConfigError: not a codec, or a ratio outside (0, 1] (the message gives the grammar).
+    """
+    name, sep, arg = text.strip().partition(":")
+    if name == NONE and not sep:
+        return None
+    if name in ("sign", "int8") and not sep:
+        return Compression(name)
+    if name in ("topk", "randomk"):
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = math.nan
+        if math.isfinite(ratio) and 0 < ratio <= 1:
+            return Compression(name, ratio)
+        raise ConfigError(f"compression {text!r}: {name} needs a ratio 0 < RATIO <= 1, e.g. {name}:0.01")
+    raise ConfigError(f"unknown compression {text!r}; valid: {GRAMMAR}")
+
+
+def normalize(text: str) -> str:
+    """The canonical spelling of a compression setting ('topk:1e-2' -> 'topk:0.01', 'none')."""
+    c = parse_compression(text)
+    return NONE if c is None else c.label

@@ -1,0 +1,207 @@
+"""Gradient codecs: encoding float32 gradients into the payloads core/compression.py describes and
+decoding them, and the worker's error feedback (Compressor). Pure, no network."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from psgrad.core.codecs import WireBuffer, byte_view, get_codec
+from psgrad.core.compression import CHUNK, Compression
+from psgrad.errors import InvalidRequestError
+
+def _chunked(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values as [whole chunks, CHUNK] and the rest (views)."""
+    whole = values.numel() // CHUNK * CHUNK
+    return values[:whole].view(-1, CHUNK), values[whole:]
+
+
+def _chunk_scales(values: torch.Tensor, how: str) -> torch.Tensor:
+    """Per chunk of CHUNK values: the mean absolute value ('mean') or the largest ('max')."""
+    body, tail = _chunked(values)
+    parts = []
+    if body.numel():
+        a = body.abs()
+        parts.append(a.mean(dim=1) if how == "mean" else a.amax(dim=1))
+    if tail.numel():
+        a = tail.abs()
+        parts.append((a.mean() if how == "mean" else a.amax()).reshape(1))
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+# Top-k over more values than this first finds a threshold on a strided sample of about SAMPLE values
+# (with a margin of MARGIN times the share it needs), then selects among the values above it: three
+# passes over memory instead of a full selection (9x faster on 25M values on 2 vCPUs).
+SAMPLE = 1 << 17
+MARGIN = 1.5
+
+
+def _top_k(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of magnitudes (>= 0), in no particular order."""
+    n = magnitudes.numel()
+    if n > 8 * SAMPLE and k < n // 8:
+        sample = magnitudes[:: n // SAMPLE]
+        want = min(sample.numel(), math.ceil(MARGIN * k * sample.numel() / n) + 1)
+        threshold = torch.topk(sample, want, sorted=False).values.min()
+        candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+        if candidates.numel() >= k:  # else (a sample far from the whole) the full selection below
+            return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+    return torch.topk(magnitudes, k, sorted=False).indices
+
+
+def _expand(scales: torch.Tensor, numel: int) -> torch.Tensor:
+    """A chunk's scale for every value (numel values)."""
+    return scales.repeat_interleave(CHUNK)[:numel]
+
+
+class Codec:
+    """Encodes float32 gradients of one size into a reusable payload buffer and decodes payloads
+    of that size into float32; random choices (random-k's indices, int8's rounding) come from
+    its own generator."""
+
+    def __init__(self, compression: Compression, numel: int, wire_dtype: str = "float32", seed: int = 0) -> None:
+        self.compression = compression
+        self.numel = numel
+        self.value_dtype = get_codec(wire_dtype).dtype
+        self.nbytes = compression.payload_bytes(numel, wire_dtype)
+        self._payload: torch.Tensor | None = None  # encode's buffer (a decoder needs none)
+        self._gen = torch.Generator().manual_seed(seed)
+        self._k = compression.kept(numel)
+        self._scales = -(-numel // CHUNK)
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, values: torch.Tensor) -> memoryview:
+        """The payload of values (float32, CPU, contiguous, numel long): a view of this codec's
+        buffer, valid until the next encode."""
+        if values.numel() != self.numel:
+            raise ValueError(f"codec for {self.numel} values given {values.numel()}")
+        name = self.compression.name
+        if self._payload is None:
+            self._payload = torch.empty(self.nbytes, dtype=torch.uint8)
+        if self.numel == 0:
+            return byte_view(self._payload)
+        if self.compression.sparse:
+            if name == "topk":
+                idx = _top_k(values.abs(), self._k)
+            else:  # k draws with replacement; repeats are sent once, padded with zeros at index 0
+                idx = torch.randint(self.numel, (self._k,), generator=self._gen).unique()
+            vals = values[idx]
+            if idx.numel() < self._k:
+                pad = self._k - idx.numel()
+                idx = torch.cat([idx, torch.zeros(pad, dtype=idx.dtype)])
+                vals = torch.cat([vals, torch.zeros(pad)])
+            k = self._k
+            self._payload[: 4 * k].view(torch.int32).copy_(idx)
+            self._payload[4 * k :].view(self.value_dtype).copy_(vals)
+        elif name == "sign":
+            scales = _chunk_scales(values, "mean")
+            self._payload[: 4 * self._scales].view(torch.float32).copy_(scales)
+            bits = np.packbits((values >= 0).numpy(), bitorder="little")
+            self._payload[4 * self._scales :].numpy()[:] = bits
+        else:  # int8: q = floor(v / scale * 127 + u), u uniform in [0, 1): E[q] = v / scale * 127
+            scales = _chunk_scales(values, "max")
+            self._payload[: 4 * self._scales].view(torch.float32).copy_(scales)
+            unit = _expand(torch.where(scales > 0, 127.0 / scales, torch.zeros_like(scales)), self.numel)
+            q = torch.rand(self.numel, generator=self._gen).add_(values * unit).floor_().clamp_(-127, 127)
+            self._payload[4 * self._scales :].view(torch.int8).copy_(q)
+        return byte_view(self._payload)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, payload: memoryview, dest: torch.Tensor, alpha: float = 1.0, add: bool = False) -> None:
+        """dest = alpha * decoded (add=False) or dest += alpha * decoded (add=True); dest float32,
+        numel long.
+
+        Raises:
+            InvalidRequestError: the payload has the wrong size, or an index out of range.
+        """
+        if len(payload) != self.nbytes:
+            raise InvalidRequestError(
+                f"a {self.compression.label} payload of {self.numel} values is {self.nbytes} bytes, got {len(payload)}")
+        if not add:
+            dest.zero_()
+        if self.numel == 0:
+            return
+        raw = torch.frombuffer(payload, dtype=torch.uint8)
+        if self.compression.sparse:
+            k = self._k
+            idx = raw[: 4 * k].view(torch.int32) if _aligned(payload) else raw[: 4 * k].clone().view(torch.int32)
+            if int(idx.min()) < 0 or int(idx.max()) >= self.numel:
+                raise InvalidRequestError(
+                    f"a {self.compression.label} payload names an index outside [0, {self.numel})")
+            vals = raw[4 * k :].clone().view(self.value_dtype).float()
+            dest.index_add_(0, idx.long(), vals, alpha=alpha)
+            return
+        scales = raw[: 4 * self._scales].clone().view(torch.float32)
+        body = raw[4 * self._scales :]
+        if self.compression.name == "sign":
+            bits = np.unpackbits(body.numpy(), count=self.numel, bitorder="little")
+            decoded = torch.from_numpy(bits).float().mul_(2).sub_(1)
+            decoded.mul_(_expand(scales, self.numel))
+        else:
+            decoded = body.view(torch.int8).float().mul_(_expand(scales / 127.0, self.numel))
+        dest.add_(decoded, alpha=alpha)
+
+
+def _aligned(payload: memoryview) -> bool:
+    return np.frombuffer(payload, dtype=np.uint8).ctypes.data % 4 == 0
+
+
+class Compressor:
+    """A worker's encoder for one shard's range: the codec, and with error feedback the residual
+    (what earlier pushes dropped), added to each gradient before it is encoded and updated to what
+    this push drops. Encode each push once (its retries resend the same bytes)."""
+
+    def __init__(
+        self, compression: Compression, numel: int, wire_dtype: str = "float32", error_feedback: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.codec = Codec(compression, numel, wire_dtype, seed)
+        self.residual = torch.zeros(numel) if error_feedback and compression.biased else None
+        self.resets = 0  # times the residual held NaN/inf and was dropped
+
+    @property
+    def nbytes(self) -> int:
+        return self.codec.nbytes
+
+    def encode(self, grad: torch.Tensor) -> memoryview:
+        """The payload of grad (plus the residual); a view valid until the next encode."""
+        if self.residual is None:
+            return self.codec.encode(grad)
+        acc = self.residual.add_(grad)  # gradient + what earlier pushes dropped
+        payload = self.codec.encode(acc)
+        self.codec.decode(payload, acc, alpha=-1.0, add=True)  # keep what this one drops
+        if not math.isfinite(float(acc.sum())):  # a non-finite gradient would poison every later push
+            acc.zero_()
+            self.resets += 1
+        return payload
+
+
+class CompressedWire(WireBuffer):
+    """A shard's receive buffer for one compressed push: the payload's bytes land here, and
+    finish_receive decodes them into the float32 gradient buffer. It wraps the pooled WireBuffer
+    lent with that gradient buffer (`pooled`), which goes back to the pool with it."""
+
+    def __init__(self, pooled: WireBuffer, codec: Codec) -> None:
+        super().__init__(0, "float32")
+        self._pooled = pooled
+        self.codec_of_push = codec
+        self._bytes = bytearray(codec.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codec_of_push.nbytes
+
+    @property
+    def pooled(self) -> WireBuffer:
+        return self._pooled
+
+    def encode(self, src: torch.Tensor) -> memoryview:
+        raise TypeError("a CompressedWire receives; workers encode with a Compressor")
+
+    def receive_view(self, dest: torch.Tensor) -> memoryview:
+        return memoryview(self._bytes)
+
+    def finish_receive(self, dest: torch.Tensor) -> None:
+        """Decode the payload into dest (InvalidRequestError: it names an index out of range)."""
+        self.codec_of_push.decode(memoryview(self._bytes), dest)
