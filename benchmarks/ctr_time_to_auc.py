@@ -22,17 +22,15 @@ target over each psgrad mode's (goal >= 3). Mode `async:cache` is async with the
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from lib import add_preset, log, machine_info, overrides, write_json
+from lib.bedjob import train_on_bed
 from lib.netbed import NetBed
 
 from psgrad.experiments.analysis import load_run, run_metrics
-from psgrad.launch.supervisor import SupervisedProcess
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"rows": 20_000, "dim": 8, "steps": 40, "eval_every": 10, "target": 0.8, "rate_mbit": 1000,
@@ -47,42 +45,13 @@ CACHE = ["--row-cache-rows", "200000", "--row-cache-staleness", "4"]
 
 def run_mode(bed: NetBed, mode: str, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     """One run of `mode`: psgrad's servers on hosts 0, 1 and workers on 2, 3, or all-reduce ranks on 2, 3."""
-    py = [sys.executable, "-m", "psgrad"]
-    env = {**os.environ, "PSGRAD_CTR_ROWS": str(cfg["rows"]), "PSGRAD_CTR_DIM": str(cfg["dim"]),
-           "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {"PSGRAD_CTR_ROWS": str(cfg["rows"]), "PSGRAD_CTR_DIM": str(cfg["dim"])}
     run_dir = work / mode.replace(":", "-")
-    run_dir.mkdir()
-    common = ["--task", "ctr", "--num-workers", "2", "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
+    common = ["--task", "ctr", "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
               "--log-every", str(cfg["steps"]), "--device", "cpu"]
-    procs: list[SupervisedProcess] = []
-    try:
-        if mode == "allreduce":
-            store = work / "allreduce.store"
-            argv = [*py, "allreduce", *common, "--store", str(store)]
-        else:
-            servers = []
-            for host in (0, 1):
-                addr = bed.hosts[host].addr
-                p = SupervisedProcess(bed.command(host, [*py, "server", "--host", addr, "--port", "0", "--insecure",
-                                                         "--lease-s", "60"]), name=f"server{host}", env=env,
-                                      new_session=False)
-                procs.append(p)
-                servers.append(p.wait_for_line("listening on", timeout_s=120).rsplit(" ", 1)[1])
-            ps_mode, _, cache = mode.partition(":")
-            argv = [*py, "worker", *common, "--mode", ps_mode, "--servers", ",".join(servers), *(CACHE if cache else [])]
-        workers = []
-        for rank in range(2):
-            w = SupervisedProcess(bed.command(2 + rank, [*argv, "--rank", str(rank), "--metrics-out",
-                                                         str(run_dir / f"worker{rank}.jsonl")]),
-                                  name=f"{mode}-worker{rank}", env=env, new_session=False)
-            procs.append(w)
-            workers.append(w)
-        for w in workers:
-            if w.wait(3600) != 0:
-                raise SystemExit(f"ctr_time_to_auc: {w.name} failed: {w.output[-3000:]}")
-    finally:
-        for p in reversed(procs):
-            p.stop(10)
+    ps_mode, _, cache = mode.partition(":")
+    train_on_bed(bed, run_dir, mode, common, env, allreduce=mode == "allreduce",
+                 worker_argv=["--mode", ps_mode, *(CACHE if cache else [])])
     metrics = run_metrics(load_run(run_dir, mode), cfg["target"], "test_auc")
     records = load_run(run_dir, mode).records.values()
     finals = [r for recs in records for r in recs if r.get("event") == "final"]

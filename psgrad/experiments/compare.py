@@ -23,6 +23,8 @@ __all__ = ["BASELINES", "CompareConfig", "ModeRun", "parse_modes", "run_compare"
 def worker_argv(cfg: CompareConfig, mode: ModeRun, seed: int, rank: int, run_dir: Path, servers: str = "") -> list[str]:
     """The flags of worker rank in one run of mode (after `psgrad worker`, or `psgrad allreduce` without servers)."""
     config = cfg.worker_config(seed, rank, run_dir, servers.split(",") if servers else ())
+    if mode.compress != "none":  # its servers share the host: compress there too, or the variant would not
+        config = replace(config, client=replace(config.client, compress_same_host=True))
     board = [] if cfg.tensorboard is None else ["--tensorboard", str(Path(cfg.tensorboard) / run_dir.name)]
     return [*config.to_argv(), *cfg.job_spec(mode).to_argv(), *board]
 

@@ -135,7 +135,7 @@ class CompareConfig:
             dc_asgd=mode.dc_asgd, dc_asgd_adaptive=mode.dc_asgd_adaptive, num_workers=self.num_workers, optimizer=self.optimizer,
             lr=self.mode_lr(mode), momentum=self.momentum,
             weight_decay=self.weight_decay, wire_dtype=self.wire_dtype, num_shards=self.num_servers,
-            eps=DEFAULT_EPS.get(self.optimizer, JobSpec.eps),
+            eps=DEFAULT_EPS.get(self.optimizer, JobSpec.eps), compress=mode.compress, error_feedback=mode.error_feedback,
         )
 
     def worker_config(self, seed: int, rank: int, run_dir: Path, servers: Sequence[str] = ()) -> WorkerConfig:

@@ -11,15 +11,16 @@ from psgrad.errors import ConfigError
 BASELINES = ("allreduce",)
 # What each mode accepts after its name (ssp first takes its bound: ssp:S or ssp:auto).
 OPTIONS = {
-    "sync": ("backup=B", "lr=LR"),
-    "async": ("slr", "dc=LAMBDA", "dca=LAMBDA", "lr=LR"),
-    "ssp": ("slr", "dc=LAMBDA", "dca=LAMBDA", "max=S", "lr=LR"),
+    "sync": ("backup=B", "lr=LR", "compress=NAME", "noef"),
+    "async": ("slr", "dc=LAMBDA", "dca=LAMBDA", "lr=LR", "compress=NAME", "noef"),
+    "ssp": ("slr", "dc=LAMBDA", "dca=LAMBDA", "max=S", "lr=LR", "compress=NAME", "noef"),
     "allreduce": ("lr=LR",),
 }
 GRAMMAR = (
     "MODE[:OPTION...] with MODE sync, async, ssp:S (S >= 0) or ssp:auto, allreduce; options: "
     "sync:backup=B (B backup workers), async/ssp: slr (staleness-aware lr), dc=LAMBDA (DC-ASGD), "
-    "dca=LAMBDA (adaptive DC-ASGD), ssp:auto:max=S (the adaptive bound's ceiling); any mode: lr=LR"
+    "dca=LAMBDA (adaptive DC-ASGD), ssp:auto:max=S (the adaptive bound's ceiling); any mode: lr=LR; sync/async/ssp: "
+    "compress=NAME (--compress: topk:R, randomk:R, sign, int8), noef (without error feedback)"
 )
 
 
@@ -37,13 +38,15 @@ class ModeRun:
     backup_workers: int = 0
     dc_asgd: float = 0.0
     dc_asgd_adaptive: bool = False
+    compress: str = "none"  # --compress of the variant's job (its workers compress to same-host shards too)
+    error_feedback: bool = True
 
     @property
     def slug(self) -> str:
         """The label as a directory name: 'async:dc=0.04' -> 'async-dc0.04' ('ssp:2' -> 'ssp2', as before)."""
         if self.label.startswith("ssp:") and self.label[4:].isdigit():
             return self.label.replace(":", "")
-        return self.label.replace(":", "-").replace("=", "")
+        return self.label.replace(":", "-").replace("=", "")  # 'async:compress=topk:0.01' -> 'async-compresstopk-0.01'
 
     def averaged(self, num_workers: int) -> int:
         """How many gradients one update averages: N - backup for sync, N for allreduce, 1 otherwise."""
@@ -65,6 +68,27 @@ def _number(item: str, key: str, value: str, integer: bool) -> float:
     return number
 
 
+def _join_compress_ratios(options: list[str]) -> list[str]:
+    """['compress=topk', '0.01', 'noef'] -> ['compress=topk:0.01', 'noef']: a codec's ratio follows
+    its name after a colon, which also separates options."""
+    out: list[str] = []
+    for option in options:
+        if out and out[-1] in ("compress=topk", "compress=randomk"):
+            out[-1] += ":" + option
+        else:
+            out.append(option)
+    return out
+
+
+def _compression(item: str, value: str) -> str:
+    from psgrad.core.compression import normalize
+
+    try:
+        return normalize(value)
+    except ConfigError as exc:
+        raise ConfigError(f"mode {item!r} in --modes: {exc}") from None
+
+
 def parse_mode(item: str) -> ModeRun:
     """One --modes entry -> ModeRun. Raises ConfigError naming the entry and what it may hold."""
     parts = item.strip().split(":")
@@ -82,7 +106,7 @@ def parse_mode(item: str) -> ModeRun:
             raise ConfigError(f"mode {item!r} in --modes: ssp needs its bound first, ssp:S (S >= 0) or ssp:auto")
     run = ModeRun(item.strip(), name, staleness, staleness_max=AUTO_STALENESS_MAX if auto else 0)
     seen: set[str] = set()
-    for option in options:
+    for option in _join_compress_ratios(options):
         key, sep, value = option.partition("=")
         allowed = {o.partition("=")[0]: bool(o.partition("=")[1]) for o in OPTIONS[name]}
         if key not in allowed or sep != ("=" if allowed[key] else ""):
@@ -101,6 +125,10 @@ def parse_mode(item: str) -> ModeRun:
             run = replace(run, backup_workers=int(_number(item, key, value, integer=True)))
         elif key in ("dc", "dca"):
             run = replace(run, dc_asgd=_number(item, key, value, integer=False), dc_asgd_adaptive=key == "dca")
+        elif key == "compress":
+            run = replace(run, compress=_compression(item, value))
+        elif key == "noef":
+            run = replace(run, error_feedback=False)
         elif key == "max":
             if not auto:
                 raise ConfigError(f"mode {item!r} in --modes: max= bounds ssp:auto only")

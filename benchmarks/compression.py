@@ -1,0 +1,226 @@
+"""Fewer bytes per push: gradient compression (--compress) on shaped links beside float32, bfloat16
+and the all-reduce baseline, and what each codec costs the worker and the server.
+
+    python benchmarks/compression.py --preset full    # fashion-mnist, links of 100 Mbit/s and 1 Gbit/s, 2 seeds
+    python benchmarks/compression.py --preset quick   # digits, one link rate, one seed (CI-sized)
+    python benchmarks/compression.py --preset full --task charlm --rates 100 --seeds 1
+    python benchmarks/compression.py --preset full --parts codecs    # only the codecs' CPU cost
+
+Parts (--parts, default both):
+- codecs: per codec, the CPU time to encode a float32 gradient (with error feedback where the codec
+  keeps it, as a worker does) and to decode it (as a shard does), per 100 MB of gradient (25M
+  values, medians of --reps), on this process's one torch thread, and its payload bytes over
+  float32's.
+- train: the same job (task, seed, steps, recipe) with every config in turn on the test bed
+  (lib/netbed.py: network namespaces, every link shaped with tc to the rate in both directions):
+  two shard servers on hosts 0 and 1, two sync workers on hosts 2 and 3 (all-reduce: gloo ranks on
+  hosts 2 and 3). Configs: fp32 (plain), bf16 (--wire-dtype bfloat16: pushes and pulls), topk:0.01,
+  sign and int8 (--compress; error feedback on for topk and sign; pulls in float32), the same codecs
+  with bf16 pulls (+bf16: sparse values travel in bfloat16 too), and allreduce. Per run: time to the
+  task's target (wall time from the first worker's start to the first evaluation at or past it, as
+  `psgrad compare` computes it; evaluations included, the same for every config), steps/s, the final
+  metric (mean of the workers' final evaluations), and bytes per push as the servers counted them
+  (`psgrad status`: push_bytes_total / pushes). Configs run in a rotating order per seed, so a busy
+  moment of the machine does not always hit the same one. Summary per rate: each config's mean time
+  to target over fp32's (speedup), its final metric minus fp32's (points), and bytes per push over
+  fp32's. The goal: a compressed config >= 3x faster than fp32 to target at 100 Mbit/s, its final
+  accuracy within 0.5 point.
+
+Needs root, iproute2 and tc for the train part. Prints one JSON document; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lib import add_preset, log, machine_info, overrides, rep_order, write_json
+from lib.bedjob import train_on_bed
+from lib.netbed import NetBed
+
+from psgrad.config import metric_rises
+from psgrad.experiments.analysis import load_run, run_metrics
+from psgrad.tasks import recipe_for
+
+CONFIGS: dict[str, list[str]] = {
+    "fp32": [],
+    "bf16": ["--wire-dtype", "bfloat16"],
+    "topk:0.01": ["--compress", "topk:0.01"],
+    "sign": ["--compress", "sign"],
+    "int8": ["--compress", "int8"],
+    "topk:0.01+bf16": ["--compress", "topk:0.01", "--wire-dtype", "bfloat16"],
+    "sign+bf16": ["--compress", "sign", "--wire-dtype", "bfloat16"],
+    "int8+bf16": ["--compress", "int8", "--wire-dtype", "bfloat16"],
+    "topk:0.01:noef": ["--compress", "topk:0.01", "--no-error-feedback"],
+    "allreduce": [],
+}
+CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {"task": "digits", "target": 0.7, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
+              "reps": 3},
+    "full": {"task": "fashion-mnist", "target": None, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
+             "configs": ["fp32", "bf16", "topk:0.01", "sign", "int8", "topk:0.01+bf16", "sign+bf16", "allreduce"],
+             "parts": ["codecs", "train"], "codec_values": 25_000_000, "reps": 5},
+}
+SPEEDUP_GOAL = 3.0
+POINTS_GOAL = 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# codecs: CPU per 100 MB
+
+
+def codec_costs(values: int, reps: int) -> dict[str, Any]:
+    """Encode (with error feedback where the codec keeps it) and decode time per 100 MB of float32."""
+    import torch
+
+    from psgrad.core.compression import parse_compression
+    from psgrad.core.gradient_codecs import Codec, Compressor
+
+    torch.set_num_threads(1)
+    grad = torch.randn(values, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(values)
+    per_100mb = 100e6 / (4 * values)
+    results: dict[str, Any] = {}
+    for name in CODECS:
+        codec = parse_compression(name)
+        assert codec is not None
+        encoder = Compressor(codec, values)
+        decoder = Codec(codec, values)
+        enc, dec = [], []
+        for _ in range(reps):
+            t0 = time.process_time()
+            payload = encoder.encode(grad)
+            t1 = time.process_time()
+            decoder.decode(payload, out)
+            t2 = time.process_time()
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+        results[name] = {
+            "payload_over_fp32": round(codec.payload_bytes(values) / (4 * values), 5),
+            "encode_cpu_s_per_100mb": round(statistics.median(enc) * per_100mb, 4),
+            "decode_cpu_s_per_100mb": round(statistics.median(dec) * per_100mb, 4),
+            "error_feedback": encoder.residual is not None,
+        }
+        log(f"compression: codec {name}: {results[name]}")
+    return {"values": values, "reps": reps, "torch_threads": 1, "codecs": results}
+
+
+# --------------------------------------------------------------------------------------------
+# train: time to target on the bed
+
+
+def bytes_per_push(status: dict[str, Any]) -> float | None:
+    """Push payload bytes per push over the servers (psgrad status: push_bytes_total / pushes)."""
+    shards = status.get("shards", [])
+    pushes = sum(s["pushes_applied"] + s["pushes_duplicate"] + s["pushes_rejected"] for s in shards)
+    return sum(s["push_bytes_total"] for s in shards) / pushes if pushes else None
+
+
+def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    recipe = recipe_for(cfg["task"])
+    target = recipe.target if cfg["target"] is None else cfg["target"]
+    run_dir = work / f"{config.replace(':', '-')}-seed{seed}-{cfg['rate']:g}"
+    common = ["--task", cfg["task"], "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
+              "--log-every", str(cfg["steps"]), "--device", "cpu", "--seed", str(seed)]
+    status = train_on_bed(bed, run_dir, config, common, allreduce=config == "allreduce",
+                          worker_argv=["--mode", "sync", *CONFIGS[config]])
+    run = load_run(run_dir, config)
+    metrics = run_metrics(run, target, recipe.metric)
+    finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
+    elapsed = max(r["elapsed_s"] for r in finals)
+    return {
+        "time_to_target_s": metrics["time_to_target_s"],
+        "steps_per_s": cfg["steps"] / elapsed,
+        "final": statistics.mean(float(r[recipe.metric]) for r in finals),
+        "elapsed_s": elapsed,
+        "bytes_per_push": bytes_per_push(status) if status else None,
+    }
+
+
+def summarize_rate(runs: dict[str, list[dict[str, Any]]], metric: str) -> dict[str, Any]:
+    """Per config: mean time to target, its speedup over fp32, final metric and its difference to
+    fp32's (points for accuracy), bytes per push over fp32's."""
+    def mean(config: str, key: str) -> float | None:
+        values = [r[key] for r in runs.get(config, []) if r[key] is not None]
+        return statistics.mean(values) if values and len(values) == len(runs[config]) else None
+
+    base_t, base_final, base_bytes = mean("fp32", "time_to_target_s"), mean("fp32", "final"), mean("fp32", "bytes_per_push")
+    scale = 100.0 if metric.endswith("accuracy") else 1.0
+    out: dict[str, Any] = {}
+    for config in runs:
+        t, final, nbytes = mean(config, "time_to_target_s"), mean(config, "final"), mean(config, "bytes_per_push")
+        out[config] = {
+            "time_to_target_s": t,
+            "speedup_over_fp32": base_t / t if base_t and t else None,
+            "final": final,
+            "final_minus_fp32": (final - base_final) * scale if final is not None and base_final is not None else None,
+            "bytes_per_push": nbytes,
+            "bytes_over_fp32": nbytes / base_bytes if nbytes and base_bytes else None,
+            "steps_per_s": mean(config, "steps_per_s"),
+        }
+    return out
+
+
+def goal_met(summary: dict[str, Any], metric: str) -> list[str]:
+    """The compressed configs >= SPEEDUP_GOAL x fp32 to target with their final metric within
+    POINTS_GOAL of fp32's (no worse by more)."""
+    sign = 1.0 if metric_rises(metric) else -1.0
+    return [c for c, s in summary.items() if c not in ("fp32", "bf16", "allreduce")
+            and (s["speedup_over_fp32"] or 0) >= SPEEDUP_GOAL
+            and s["final_minus_fp32"] is not None and sign * s["final_minus_fp32"] >= -POINTS_GOAL]
+
+
+def train(cfg: dict[str, Any]) -> dict[str, Any]:
+    why = NetBed.unavailable()
+    if why:
+        raise SystemExit(f"compression: no test bed here: {why}")
+    metric = recipe_for(cfg["task"]).metric
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="psgrad-compress-") as tmp:
+        for rate in cfg["rates"]:
+            runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cfg["configs"]}
+            with NetBed(4, rate_mbit=rate) as bed:
+                for seed in range(cfg["seeds"]):
+                    for config in rep_order(cfg["configs"], seed + 1):
+                        log(f"compression: {cfg['task']} {rate:g} Mbit/s seed {seed}: {config} ...")
+                        r = train_one(bed, config, seed, {**cfg, "rate": rate}, Path(tmp))
+                        log(f"compression: {config}: {r}")
+                        runs[config].append(r)
+            summary = summarize_rate(runs, metric)
+            out[f"{rate:g}"] = {"runs": runs, "summary": summary, "goal_met_by": goal_met(summary, metric)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset(parser, PRESETS, "task, link rates, configs and seeds")
+    parser.add_argument("--task", help="override the task (its recipe gives the target, optimizer and lr)")
+    parser.add_argument("--steps", type=int, help="override the steps per worker and run")
+    parser.add_argument("--target", type=float, help="override the target (default: the task's recipe's)")
+    parser.add_argument("--eval-every", type=int, help="override how often the workers evaluate")
+    parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config runs")
+    parser.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], help="override the link rates, "
+                        "Mbit/s, comma-separated")
+    parser.add_argument("--configs", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--parts", type=lambda t: t.split(","), help="codecs, train or both (comma-separated)")
+    args = parser.parse_args()
+    bad = sorted(set(args.configs or ()) - set(CONFIGS)) + sorted(set(args.parts or ()) - {"codecs", "train"})
+    if bad:
+        parser.error(f"unknown config or part: {', '.join(bad)}; configs: {', '.join(CONFIGS)}; parts: codecs, train")
+    cfg = overrides(args, PRESETS[args.preset])
+    doc: dict[str, Any] = {"benchmark": "compression", "preset": args.preset, **cfg, "machine": machine_info(),
+                           "goal": {"speedup_over_fp32": SPEEDUP_GOAL, "final_within_points": POINTS_GOAL}}
+    if "codecs" in cfg["parts"]:
+        doc["codec_costs"] = codec_costs(cfg["codec_values"], cfg["reps"])
+    if "train" in cfg["parts"]:
+        doc["train"] = train(cfg)
+    write_json(doc)
+
+
+if __name__ == "__main__":
+    main()
