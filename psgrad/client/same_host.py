@@ -12,7 +12,7 @@ import torch
 
 from psgrad.client import reconnect
 from psgrad.config import ClientConfig
-from psgrad.core.codecs import WireBuffer, copy_bytes, copy_from_wire
+from psgrad.core.codecs import WireBuffer, copy_bytes, copy_from_wire, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import published, shm
@@ -192,7 +192,7 @@ class SameHost:
         """A same-host push: the gradient goes into this shard's segment (unless it is there
         already, see gradient_buffer), the call carries the header alone. None when this shard's
         payloads go through gRPC frames (see _pull_shared)."""
-        seg = self.take_segment(len(payload))
+        seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is None:
             return None
         t = self._client.config.rpc_timeout_s

@@ -16,7 +16,7 @@ from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SameHost
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
+from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire, segment_bytes
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
@@ -280,7 +280,7 @@ class ShardClient:
         then push and pull separately. Retries are safe (pushes are keyed).
         """
         self.same.view = None
-        seg = self.same.take_segment(len(payload))
+        seg = self.same.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is not None:
             return self.same.step(seg, header, payload, dest, wire, published)
         if len(payload) > self.config.chunk_bytes:

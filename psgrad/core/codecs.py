@@ -73,6 +73,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return get_codec(name).dtype
 
 
+def segment_bytes(numel: int, dtype: str, payload_bytes: int) -> int:
+    """The size of the same-host segment a push of numel values of wire dtype `dtype` travels in:
+    the plain payload's (the worker's pulls and steps use the same segment), or the push's payload
+    where that is larger (a compressed one may be)."""
+    return max(numel * get_codec(dtype).element_size, payload_bytes)
+
+
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per value of a wire dtype."""
     return _ELEMENT_SIZE[dtype]

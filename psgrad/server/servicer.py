@@ -14,7 +14,7 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.wire import published, shm
-from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
+from psgrad.core.codecs import WireBuffer, byte_view, segment_bytes, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
@@ -277,7 +277,7 @@ class ParameterServicer:
             seg = self._shared_segment(context, req.rank, frames.nbytes)
             assert seg is not None
             if req.observe or not self._publish(context, req.rank, frames):
-                frames.copy_into(seg.payload)
+                frames.copy_into(seg.payload[: frames.nbytes])
             yield header
         finally:
             frames.close()
@@ -291,7 +291,9 @@ class ParameterServicer:
             h.row_tables, h.compress,
         )
         try:
-            seg = self._shared_segment(context, h.rank, wire.nbytes)
+            # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed
+            # push's where that is larger: see SameHost.segment_bytes.
+            seg = self._shared_segment(context, h.rank, segment_bytes(h.numel, h.dtype, wire.nbytes))
         except BaseException:
             self.shard.release(grad, wire)  # never received: neither applied nor rejected
             raise
@@ -375,7 +377,7 @@ class ParameterServicer:
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
             if seg is not None:
                 if not self._publish(context, h.rank, frames):
-                    frames.copy_into(seg.payload)
+                    frames.copy_into(seg.payload[: frames.nbytes])
                 return reply
             prefix = bytes_field_prefix(STEP_REPLY_DATA, frames.nbytes)
             out = bytearray(len(reply) + len(prefix) + frames.nbytes)
