@@ -77,6 +77,8 @@ def connect(
     dc_asgd_adaptive: bool = False,
     backup_workers: int = 0,
     staleness_max: int = AUTO_STALENESS_MAX,
+    compress: str = "none",
+    error_feedback: bool = True,
 ) -> Session:
     """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
 
@@ -84,8 +86,11 @@ def connect(
     every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise), or "auto": the
     servers adapt it within [1, staleness_max]. backup_workers (sync): an iteration applies the first
     num_workers - backup_workers gradients. dc_asgd: DC-ASGD's lambda (0: off; async/ssp),
-    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker of a job must pass the
-    same job settings; the servers refuse a mismatch, naming the field.
+    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). compress: how pushed gradients travel
+    ("topk:0.01", "randomk:0.01", "sign", "int8"; shards on this host get plain ones unless
+    `client=ClientConfig(compress_same_host=True)`), error_feedback: whether the biased codecs
+    (topk, randomk, sign) add what a push left out to the next gradient. Every worker of a job must
+    pass the same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
         ConfigError: an invalid address or job setting (the message names it), or an optimizer
@@ -110,6 +115,8 @@ def connect(
         staleness_lr=staleness_lr,
         dc_asgd=dc_asgd,
         dc_asgd_adaptive=dc_asgd_adaptive,
+        compress=compress,
+        error_feedback=error_feedback,
         **optimizer.job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())

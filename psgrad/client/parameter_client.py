@@ -280,6 +280,20 @@ class ParameterClient:
             return compressor.encode(grad), self.spec.compress
         return self._push_wires[index].encode(grad), ""
 
+    def compression_note(self) -> str:
+        """How pushes travel, for the worker's start line: '' (plain), or the codec, whether error
+        feedback is on, and which shards get plain gradients (on this host)."""
+        if self.spec.compress == "none":
+            return ""
+        plain = [str(i) for i, c in enumerate(self._compressors)
+                 if c is not None and self.shards[i].same_host and not self.config.compress_same_host]
+        ef = any(c is not None and c.residual is not None for c in self._compressors)
+        note = f", pushes compressed {self.spec.compress}{' with error feedback' if ef else ''}"
+        if plain:
+            note += (f" (plain to shard{'s' if len(plain) > 1 else ''} {','.join(plain)} on this host: "
+                     "--compress-same-host compresses there too)")
+        return note
+
     def _push_header(
         self, index: int, clock: int, lr: float | None = None, row_tables: int = 0, compress: str = "",
     ) -> pb.PushHeader:

@@ -182,6 +182,7 @@ def train(
             f"{buffers}, mode {mode}{', overlap' if config.overlap else ''}, task {task.name}, "
             f"{len(data.sampler)} training examples per epoch, lr schedule {config.lr_schedule} "
             f"(warmup {config.warmup_steps}), device {device}, payloads {','.join(opt.client.transports())}"
+            f"{opt.client.compression_note()}"
         )
         report = TrainingLog(config, task, model, device, sink, who, log)
         report.start(opt.start_clock, spec.mode)

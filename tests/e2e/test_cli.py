@@ -419,3 +419,20 @@ def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale
     assert res.returncode == 2 and "overlap and --dc-asgd" in res.stderr
     res = run_cli(["allreduce", "--store", str(tmp_path / "store"), "--dc-asgd", "0.04"])
     assert res.returncode == 2 and "all-reduce baseline is synchronous" in res.stderr
+
+
+def test_compress_flags_reach_the_job_and_the_worker_and_bad_names_exit_2() -> None:
+    from psgrad.cli.flags import apply_recipe, client_config, job_spec
+    from psgrad.cli.parser import build_parser
+
+    ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", "--compress", "sign", "--no-error-feedback",
+                                    "--compress-same-host"])
+    apply_recipe(ns)
+    spec = job_spec(ns, 1, 1)
+    assert (spec.compress, spec.error_feedback) == ("sign", False)
+    assert client_config(ns).compress_same_host and "--compress-same-host" in client_config(ns).to_argv()
+    for args, says in ((["worker", "--servers", "127.0.0.1:1", "--compress", "topk"], "topk needs a ratio"),
+                       (["launch", "--compress", "zstd"], "unknown compression 'zstd'"),
+                       (["compare", "--modes", "async:compress=topk:2"], "0 < RATIO <= 1")):
+        res = run_cli(args)
+        assert res.returncode == 2 and says in res.stderr, res.stderr

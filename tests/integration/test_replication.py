@@ -31,6 +31,8 @@ SPECS = {
     "sync-sgd": JobSpec(mode="sync", lr=0.1, weight_decay=0.01, num_workers=2),
     "sync-adam": JobSpec(mode="sync", optimizer="adam", lr=0.01, num_workers=2),
     "staleness-lr": JobSpec(lr=0.1, staleness_lr=True, num_workers=2),
+    "async-topk": JobSpec(lr=0.1, num_workers=2, compress="topk:0.05"),  # the backup applies the decoded gradient
+    "sync-sign": JobSpec(mode="sync", lr=0.1, num_workers=2, compress="sign"),
 }
 CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, reconnect_timeout_s=10, shared_memory=False)
 
