@@ -80,6 +80,16 @@ def test_worker_argv_carries_each_variant(tmp_path: Path) -> None:
                   "ssp:auto:max=6": 0.1, "async:lr=0.01": 0.01}
 
 
+def test_worker_argv_of_a_compressed_variant_compresses_to_same_host_shards_too(tmp_path: Path) -> None:
+    modes = parse_modes("async,async:compress=topk:0.01,sync:compress=sign:noef")
+    cfg = CompareConfig(out_dir=tmp_path, modes=modes, num_workers=2, lr=0.1)
+    argv = {m.label: worker_argv(cfg, m, seed=0, rank=1, run_dir=tmp_path, servers="127.0.0.1:1") for m in modes}
+    assert "--compress" not in argv["async"] and "--compress-same-host" not in argv["async"]
+    topk = argv["async:compress=topk:0.01"]
+    assert topk[topk.index("--compress") + 1] == "topk:0.01" and "--compress-same-host" in topk
+    assert "--no-error-feedback" not in topk and "--no-error-feedback" in argv["sync:compress=sign:noef"]
+
+
 def test_linear_scaling_multiplies_by_the_gradients_each_update_averages(tmp_path: Path) -> None:
     modes = parse_modes("sync,sync:backup=1,allreduce,async,ssp:2")
     cfg = CompareConfig(out_dir=tmp_path, modes=modes, num_workers=4, lr=0.05, sync_lr_scaling="linear")
