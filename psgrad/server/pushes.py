@@ -116,7 +116,11 @@ class Pushes:
         with core.cond:
             writer = core.buffers.writer_of(grad)
         try:
-            wire.finish_receive(grad)
+            try:
+                wire.finish_receive(grad)
+            except InvalidRequestError:  # a compressed payload that does not decode: nothing applied
+                self.reject()
+                raise
             wire = wire.pooled  # (a compressed push's payload is decoded into grad now)
             staged = writer is not None and writer.staged
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad

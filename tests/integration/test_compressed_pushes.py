@@ -128,6 +128,7 @@ def test_a_push_in_another_codec_is_refused_and_a_bad_payload_applies_nothing(ma
         with pytest.raises(InvalidRequestError, match=r"index outside \[0, 10\)"):
             shard.push(c._push_header(0, 0, None, 0, spec.compress), memoryview(payload))
         assert server.shard.status().version == 0  # nothing applied
+        assert server.shard.status().pushes_rejected == 2
         reply = shard.push(c._push_header(0, 0, None, 0, spec.compress), codec.encode(torch.ones(10)))
         assert isinstance(reply, pb.PushReply) and reply.applied
 
