@@ -102,6 +102,13 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             attached = f", backup {rep['backup']} attached (replicated to version {rep['replicated_version']})" if rep.get("backup") else ""
             follows = f" of {rep['primary']}" if rep.get("primary") else ""
             lines.append(f"shard {s['shard']}: {s['address']} is {rep['role']}{follows} at epoch {rep['epoch']}{attached}")
+        spec = s.get("spec") or {}
+        if spec.get("compress", "none") != "none":
+            pushes = s["pushes_applied"] + s["pushes_duplicate"] + s["pushes_rejected"]
+            plain = (s["range"][1] - s["range"][0]) * (4 if spec["wire_dtype"] == "float32" else 2)
+            each = f": {s['bytes_in'] / pushes:,.0f} bytes a push, {s['bytes_in'] / pushes / plain:.3f} of plain" if pushes and plain else ""
+            ef = "" if spec.get("error_feedback", True) else ", no error feedback"
+            lines.append(f"shard {s['shard']}: pushes compressed {spec['compress']}{ef}{each}")
         tables = s.get("tables") or []
         if tables:
             lines.append(f"shard {s['shard']}: tables " + ", ".join(
