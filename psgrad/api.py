@@ -224,7 +224,7 @@ class PSOptimizer(ScheduledOptimizer):
 
     It is a torch.optim.Optimizer with one parameter group whose "lr" starts at the job's lr, so a
     torch LR scheduler drives it (StepLR, LambdaLR, OneCycleLR without cycle_momentum, SequentialLR
-    of LinearLR warmup and CosineAnnealingLR, ...) as does setting param_groups[0]["lr"] by hand.
+    of LinearLR warmup and CosineAnnealingLR, ...) as does setting `param_groups[0]["lr"]` by hand.
     The schedule is the job's: in sync mode every worker's push carries its lr, and the servers
     apply the iteration's mean with the lowest rank's (every worker's, when their schedules follow
     their clocks). In async and ssp mode the chief's (rank 0's) pushes carry its lr, which becomes
