@@ -84,7 +84,7 @@ def connect(
     every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise), or "auto": the
     servers adapt it within [1, staleness_max]. backup_workers (sync): an iteration applies the first
     num_workers - backup_workers gradients. dc_asgd: DC-ASGD's lambda (0: off; async/ssp),
-    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). Every worker of a job must pass the
+    dc_asgd_adaptive its adaptive variant (docs/guide/dc-asgd.md). Every worker of a job must pass the
     same job settings; the servers refuse a mismatch, naming the field.
 
     Raises:
