@@ -2,7 +2,7 @@
 runs): each tried for real, with the status the attacker got and whether the shard's state changed.
 
     python benchmarks/attacks.py              # one JSON document (tests/e2e/test_security.py runs it)
-    python benchmarks/attacks.py --markdown   # the table in README "Security"
+    python benchmarks/attacks.py --markdown   # the table in docs/operations/security.md
 
 One `psgrad server` (a subprocess) serves a 1,000-parameter async job of 2 workers; both join with
 their own certificates and tokens and take two steps. Then each attack is one gRPC call, built by

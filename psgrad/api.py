@@ -86,11 +86,12 @@ def connect(
     every worker. staleness: the SSP bound (default 2 for mode "ssp", 0 otherwise), or "auto": the
     servers adapt it within [1, staleness_max]. backup_workers (sync): an iteration applies the first
     num_workers - backup_workers gradients. dc_asgd: DC-ASGD's lambda (0: off; async/ssp),
-    dc_asgd_adaptive its adaptive variant (README "DC-ASGD"). compress: how pushed gradients travel
-    ("topk:0.01", "randomk:0.01", "sign", "int8"; shards on this host get plain ones unless
-    `client=ClientConfig(compress_same_host=True)`), error_feedback: whether the biased codecs
-    (topk, randomk, sign) add what a push left out to the next gradient. Every worker of a job must
-    pass the same job settings; the servers refuse a mismatch, naming the field.
+    dc_asgd_adaptive its adaptive variant (docs/guide/dc-asgd.md). compress: how pushed gradients
+    travel ("topk:0.01", "randomk:0.01", "sign", "int8"; shards on this host get plain ones unless
+    `client=ClientConfig(compress_same_host=True)`; docs/guide/compression.md), error_feedback:
+    whether the biased codecs (topk, randomk, sign) add what a push left out to the next gradient.
+    Every worker of a job must pass the same job settings; the servers refuse a mismatch, naming
+    the field.
 
     Raises:
         ConfigError: an invalid address or job setting (the message names it), or an optimizer
@@ -231,7 +232,7 @@ class PSOptimizer(ScheduledOptimizer):
 
     It is a torch.optim.Optimizer with one parameter group whose "lr" starts at the job's lr, so a
     torch LR scheduler drives it (StepLR, LambdaLR, OneCycleLR without cycle_momentum, SequentialLR
-    of LinearLR warmup and CosineAnnealingLR, ...) as does setting param_groups[0]["lr"] by hand.
+    of LinearLR warmup and CosineAnnealingLR, ...) as does setting `param_groups[0]["lr"]` by hand.
     The schedule is the job's: in sync mode every worker's push carries its lr, and the servers
     apply the iteration's mean with the lowest rank's (every worker's, when their schedules follow
     their clocks). In async and ssp mode the chief's (rank 0's) pushes carry its lr, which becomes

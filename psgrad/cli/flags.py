@@ -181,7 +181,7 @@ def add_job_args(
     (whose workers may start long before their servers: it passes a longer connect_timeout_s, and
     waits through refused connections)."""
     g = p.add_argument_group("job (every worker must pass the same values; flags marked 'recipe' default to the "
-                             "task's recipe, see README 'Tasks')")
+                             "task's recipe, see docs/guide/tasks.md)")
     flag(g, "--task", WorkerConfig.task, "training task: a built-in name (" + BUILTIN_TASKS + ") or your own "
          "as package.module:function returning a psgrad.Task; the current directory is searched")
     add_data_dir_arg(g)
@@ -193,7 +193,7 @@ def add_job_args(
         default=None,  # not JobSpec.staleness: the default depends on --mode (core.modes.default_staleness)
         help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
         "larger is faster with stragglers, smaller is fresher; 'auto': each server adapts it at run time "
-        "within [1, --staleness-max] from how long pulls wait for the slowest worker (README 'Consistency') "
+        "within [1, --staleness-max] from how long pulls wait for the slowest worker (docs/design/architecture.md, 'Adaptive staleness bound') "
         f"(default: {DEFAULT_SSP_STALENESS} for ssp)",
     )
     flag(g, "--staleness-max", AUTO_STALENESS_MAX, "with --staleness auto: the largest bound the servers may "

@@ -26,7 +26,7 @@ from psgrad.cli.flags import (
     servers_arg,
     straggler_arg,
 )
-from psgrad.cli import logs
+from psgrad.cli import helptext, logs
 from psgrad.cli.security import (
     add_certs_parser,
     add_client_security_args,
@@ -159,14 +159,14 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "repeat, and write summary.json, report.md, convergence.png, staleness.png and every run's raw metrics.",
     )
     flag(co, "--task", C.task, f"training task: {BUILTIN_TASKS} or package.module:function; its recipe gives the "
-         "flags marked 'recipe' (README 'Tasks')")
+         "flags marked 'recipe' (docs/guide/tasks.md)")
     add_data_dir_arg(co)
     flag(co, "--num-servers", C.num_servers, "shards per run", type=positive_int)
     flag(co, "--num-workers", C.num_workers, "workers per run", type=positive_int)
     flag(co, "--modes", DEFAULT_MODES, "comma-separated modes, each MODE[:OPTION...]: sync, async, ssp:S, "
          "ssp:auto, allreduce (the torch.distributed baseline), and variants: sync:backup=B, async:slr "
          "(staleness-aware lr), async:dc=LAMBDA / async:dca=LAMBDA (DC-ASGD, adaptive), ssp:auto:max=S, "
-         "MODE:lr=LR (README 'Comparing sync and async')")
+         "MODE:lr=LR (docs/guide/compare.md)")
     co.add_argument(
         "--straggler",
         type=straggler_arg,
@@ -195,7 +195,7 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
          "runs/RUN/model.pt (to compare runs' weights)", action="store_true")
     g.add_argument("--preset", choices=("claims",), help="claims: run the experiments that check published claims "
                    "(SSP and backup workers under a straggler, staleness-aware lr and DC-ASGD at 8 workers, sync "
-                   "== allreduce) on the mnist CNN with emulated step time, and write a claims table (README); "
+                   "== allreduce) on the mnist CNN with emulated step time, and write a claims table (docs/guide/compare.md); "
                    "the other flags but --out, --seed, --quick and --data-dir are ignored")
     g.add_argument("--quick", action="store_true", help="with --preset claims: tiny settings (a minute), to check "
                    "that it runs, not what it finds")
@@ -275,4 +275,5 @@ def build_parser() -> argparse.ArgumentParser:
              "problems warning or error)", choices=logs.LEVELS)
         flag(lg, "--log-format", "text", "text: readable lines; json: one JSON object per line (time, level, logger, "
              "message, pid) for a log collector", choices=logs.FORMATS)
+    helptext.decorate(parser, sub.choices)
     return parser

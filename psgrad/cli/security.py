@@ -18,7 +18,7 @@ RANK = "{rank}"  # `psgrad run`: replaced by the worker's rank in --tls-worker-c
 def add_server_security_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, run: bool = False) -> None:
     """A server's TLS, job secret and --insecure (`psgrad server`; `psgrad run`, whose workers also
     read --tls-ca, --job-secret-file and the worker flags)."""
-    g = p.add_argument_group("security (see README \"Security\")") if isinstance(p, argparse.ArgumentParser) else p
+    g = p.add_argument_group("security (see docs/operations/security.md)") if isinstance(p, argparse.ArgumentParser) else p
     g.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (`psgrad certs` makes one; "
                    "it must name the host clients connect to); needs --tls-key. Default: plaintext")
     g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -45,7 +45,7 @@ def add_server_security_args(p: argparse.ArgumentParser | argparse._ArgumentGrou
 def add_client_security_args(p: argparse.ArgumentParser, who: str) -> None:
     """A client's TLS files and credential (`psgrad worker`, `status`, `export`); who: whose
     certificate and derived token it uses ("worker R" or "the admin")."""
-    g = p.add_argument_group("security (see README \"Security\")")
+    g = p.add_argument_group("security (see docs/operations/security.md)")
     g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, verifying the servers' certificates with this "
                    "CA (`psgrad certs` writes ca.pem). Default: plaintext")
     g.add_argument("--tls-cert", metavar="PEM", help=f"{who}'s client certificate, for servers that require one "
@@ -63,7 +63,7 @@ def add_client_security_args(p: argparse.ArgumentParser, who: str) -> None:
 def add_launch_security_args(p: argparse.ArgumentParser, ray: bool = False) -> None:
     """`psgrad launch` and `psgrad compare`: credentials made for the job (a fresh temporary directory);
     launch's --insecure for --backend ray on a cluster."""
-    g = p.add_argument_group("security (see README \"Security\")")
+    g = p.add_argument_group("security (see docs/operations/security.md)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--tls", action="store_const", const="tls", dest="security", help="secure the job: a fresh CA, "
                       "TLS with a certificate per worker (mutual TLS) and a token per worker derived from a fresh job "

@@ -90,7 +90,7 @@ def fetch_model(
     or model (the servers describe the tensors), and waits for nobody but, in sync mode, for the
     shards to agree on an iteration (see ModelSnapshot). `servers` lists the shards in order, as
     the workers were given them (a list, or "HOST:PORT,..."; PRIMARY|BACKUP entries fail over).
-    client: its credentials are used (the admin's: read-only pulls as any rank; see README "Security").
+    client: its credentials are used (the admin's: read-only pulls as any rank; see docs/operations/security.md).
     Sparse (embedding) tables are read as the rows updated at least once plus how to make the
     others (see sparse_entries), read after the dense weights; materialize=True writes each whole
     table instead (its full size in memory).

@@ -87,7 +87,7 @@ class ParameterClient:
             for i in range(plan.num_shards)]
         self.base_versions = [0] * plan.num_shards
         # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
-        # decides which gradients make an iteration (README)
+        # decides which gradients make an iteration (docs/design/architecture.md)
         self._shard0_decides = policy_for(spec).drops_late and plan.num_shards > 1
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None

@@ -7,7 +7,7 @@ from collections import deque
 from psgrad.core.consistency import SSPPolicy
 from psgrad.core.modes import AUTO_STALENESS_START
 
-# The rule (README, "Consistency"): every WINDOW_PULLS granted pulls per live worker, the blocked
+# The rule (docs/design/architecture.md, "Consistency"): every WINDOW_PULLS granted pulls per live worker, the blocked
 # fraction f = (seconds the window's pulls waited at the gate) / (window seconds x live workers).
 # f > RAISE_ABOVE: s + 1 (workers wait for the slowest: let them run further ahead);
 # f < LOWER_BELOW: s - 1 (nobody waits: tighten, fresher gradients for free); else s stays.

@@ -31,7 +31,7 @@ class ClockView:
 
 
 class ConsistencyPolicy(ABC):
-    """Gate and apply rules of one mode (README, "Consistency")."""
+    """Gate and apply rules of one mode (docs/design/architecture.md, "Consistency")."""
 
     name: ClassVar[str]
     #: True: pushes of one iteration are buffered and their mean applied once (sync). The shard

@@ -35,7 +35,7 @@ WEIGHT_STEPS = 100
 # The check runs 4 workers; the control, 2 workers, whose two gradients sum to the same float
 # in either order, so that the only difference left between sync and allreduce is the algorithm.
 WEIGHT_RUNS = {"allreduce": 4, "allreduce2": 2}
-# The recipe of both image tasks (README "Tasks"), and its target, per task.
+# The recipe of both image tasks (docs/guide/tasks.md), and its target, per task.
 RECIPE: dict[str, Any] = dict(num_servers=2, optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4,
                               lr_schedule="cosine", omp_threads=1)
 

@@ -132,7 +132,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     255-276 MB with gRPC's windows in two sessions; 259-261 with 16 MiB; 249-255 with 8 MiB;
     232-240 with 4 MiB). The window costs push speed: the push vs raw upload ratio was a median
     0.04 higher with 8 or 16 MiB or gRPC's windows than with 4 MiB in the same round of
-    interleaved runs (README "Architecture"), and 2 MiB cost 10-15 % more (the sender waits for
+    interleaved runs (docs/design/decisions.md), and 2 MiB cost 10-15 % more (the sender waits for
     window updates). 4 MiB keeps the memory target with room to spare; none of the wider
     windows made the push reach 0.9 x raw reliably on 2 vCPUs. Measure both sides on your
     machine with `benchmarks/transport.py` and `benchmarks/server_bench.py --stream-window-bytes N`.

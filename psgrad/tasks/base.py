@@ -235,6 +235,6 @@ def get_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
     if not isinstance(task, Task):
         raise TaskError(
             f"task {name!r} returned a {type(task).__name__}, expected a psgrad.Task "
-            "(name, build_model, train_x, train_y, test_x, test_y[, loss_fn]); see the README's 'Custom tasks'"
+            "(name, build_model, train_x, train_y, test_x, test_y[, loss_fn]); see docs/guide/tasks.md, 'Custom tasks'"
         )
     return task

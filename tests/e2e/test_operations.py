@@ -54,9 +54,10 @@ def scrape_until(url: str, what: str, ready: Callable[[dict[Any, float]], bool],
 
 
 def readme_metric_names() -> set[str]:
-    """The metric names README's "Watching a job" section documents (query suffixes dropped)."""
-    text = (Path(REPO) / "README.md").read_text()
-    section = text[text.index("### Watching a job"):text.index("### Bad input")]
+    """The metric names the "Watching a job" section of docs/operations/monitoring.md documents (query
+    suffixes dropped)."""
+    text = (Path(REPO) / "docs" / "operations" / "monitoring.md").read_text()
+    section = text[text.index("## Watching a job"):]
     names = set(re.findall(r"`((?:psgrad|process)_[a-z_]+)", section))
     return {n for n in names if not (n.endswith(("_bucket", "_count", "_sum")) and n.rsplit("_", 1)[0] in names)}
 
@@ -238,12 +239,19 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
         assert row[8:10] == ("0", "0") and row[10] == "0", row  # async, alone: staleness 0, nobody waits
         view.send_signal(signal.SIGINT)
         assert view.wait(30) == 0
-        # Every name the README documents is exported, and nothing it does not.
+        # Every name the docs (Monitoring) document is exported, and nothing they do not.
         served = scrape_until(url, "a checkpoint's age", lambda m: ("psgrad_checkpoint_age_seconds", (("shard", "0"),)) in m)
         assert served[("psgrad_live_workers", (("shard", "0"),))] == 1
         scrape_until(worker_url, "an evaluation", lambda m: any(k[0] == "psgrad_worker_evaluation" for k in m))
         names = exported(url) | exported(worker_url)
         assert names == readme_metric_names(), (names ^ readme_metric_names())
+        # ... and the generated metrics reference (docs/hooks/reference.py) lists them, and besides them
+        # only the sparse tables' (a job with a psgrad.Embedding: this one has none).
+        from test_docs import reference
+        generated = {m.name for m in reference().metrics()}
+        assert names <= generated, names - generated
+        assert generated - names == {"psgrad_table_rows", "psgrad_table_rows_touched", "psgrad_table_updates",
+                                     "psgrad_table_staleness_max", "psgrad_table_staleness_mean"}
         assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names - PROCESS_METRICS)
         # Both processes say what they cost (CPU, memory, descriptors) and which build they run.
         assert PROCESS_METRICS <= exported(url) and PROCESS_METRICS <= exported(worker_url)

@@ -1,4 +1,5 @@
-"""The README's Python API example runs as written: two workers against two real servers."""
+"""The Python API examples run as written: the README's (two workers against two real servers, and
+alone) and the longer one of docs/guide/python-api.md (alone, with a GPU if there is one)."""
 from __future__ import annotations
 
 import os
@@ -14,11 +15,11 @@ from conftest import REPO, communicate_all
 MARKER = "<!-- example: train_digits.py"
 
 
-def readme_example() -> str:
-    text = Path(REPO, "README.md").read_text()
+def readme_example(page: str = "README.md") -> str:
+    text = Path(REPO, page).read_text()
     after = text[text.index(MARKER):]
     match = re.search(r"```python\n(.*?)```", after, re.S)
-    assert match, "the README lost its runnable example"
+    assert match, f"{page} lost its runnable example"
     return match.group(1)
 
 
@@ -42,10 +43,11 @@ def test_the_readme_example_trains_two_workers(start_servers, tmp_path: Path) ->
 
 
 @pytest.mark.timeout(240)
-def test_the_readme_example_alone_serves_its_own_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page", ["README.md", "docs/guide/python-api.md"])
+def test_the_readme_example_alone_serves_its_own_shards(page: str, tmp_path: Path) -> None:
     """Without server addresses the example starts two shards in its own process (psgrad.serve)."""
     script = tmp_path / "train_digits.py"
-    script.write_text(readme_example())
+    script.write_text(readme_example(page))
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=200, stdin=subprocess.DEVNULL)

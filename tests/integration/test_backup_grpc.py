@@ -80,7 +80,7 @@ def _worker(rank: int, plan: Plan, servers: list[RunningServer], spec: JobSpec, 
                 elif (replies[0].applied or replies[0].deferred) and log.leaving - {rank}:
                     # kept by shard 0, late on another: a worker had gone, so the live workers may
                     # have been fewer than N - B, where each shard's quorum follows its own view of
-                    # who is live (README, "Consistency"); the shards' histories are checked below
+                    # who is live (docs/design/architecture.md, "Consistency"); the shards' histories are checked below
                     log.acked.add((rank, clock + k))
                 else:
                     log.errors.append(f"rank {rank}: push {clock + k} neither kept nor late: {replies}")
@@ -164,7 +164,7 @@ def test_backup_worker_schedules_keep_the_invariants_on_every_shard(make_servers
             assert st_.late_dropped == len(log.late) == sum(e[0] == "late" for e in history)
         per_shard.append((applied, full))
     # The same gradients in the same iterations on every shard while at least N - B workers were
-    # live (README, "Consistency": below that, shards that see a worker go at different moments
+    # live (docs/design/architecture.md, "Consistency": below that, shards that see a worker go at different moments
     # may close an iteration with different members).
     prefix = min(full for _a, full in per_shard)
     assert per_shard[0][0][:prefix] == per_shard[1][0][:prefix], plan

@@ -264,7 +264,7 @@ def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backu
     replies: list[object] = []
     try:
         run_in_threads(2, lambda r: clients[r].join((lambda: torch.zeros(numel)) if r == 0 else None))
-        # joins reach the backup lazily (a known gap: see README "Hot standby"): wait until it knows both
+        # joins reach the backup lazily (a known gap: see docs/operations/fault-tolerance.md, "Hot standby"): wait until it knows both
         assert backup.shard.wait_until(lambda s: {w.rank for w in s.workers} == {0, 1}, 30)
         flat = torch.empty(numel)
         first = threading.Thread(target=lambda: replies.append(clients[0].exchange(torch.ones(numel), 0, flat)))

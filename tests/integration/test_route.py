@@ -1,7 +1,7 @@
 """The gradient's route, module by module: which psgrad modules a pushed gradient passes through, from
 PSOptimizer.step() to the update the shard applies, on the gRPC path and on the same-host path. A
 concept check that the route stays short (a change that adds hops fails here, naming them), and the
-figure the README's Architecture section gives.
+figure docs/design/decisions.md ("The gradient's route") gives.
 
 The route is read off the call stacks, one worker and one shard in this process, in a steady-state
 step of async SGD: on the worker, every stack on which the push hands its gradient to the wire
@@ -30,7 +30,7 @@ PUSH_CALLS = {"push", "push_frames", "_gated", "step"}
 # a server's (received into a buffer, staged, applied), on the way of a push.
 WORKER_SINKS = ("psgrad.worker.flat", "psgrad.wire.frames", "psgrad.wire.shm", "psgrad.wire.published")
 SERVER_SINKS = ("psgrad.core.optimizers", "psgrad.server.transfers", "psgrad.server.buffers", "psgrad.server.tables")
-# The modules and packages a gradient may cross (gRPC path, same-host path): the route today (the README).
+# The modules and packages a gradient may cross (gRPC path, same-host path): the route today (docs/design/decisions.md, "The gradient's route").
 LIMITS = {False: (13, 6), True: (15, 6)}
 
 

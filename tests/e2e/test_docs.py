@@ -1,0 +1,167 @@
+"""The documentation site builds (`mkdocs build --strict`), and its getting-started pages work as
+written: every shell block of docs/getting-started/ runs, in a fresh directory, and succeeds."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import REPO
+
+DOCS = Path(REPO, "docs")
+GETTING_STARTED = sorted((DOCS / "getting-started").glob("*.md"))
+SKIP = re.compile(r"<!-- not run: [^>]+ -->\n")
+BLOCK = re.compile(r"(<!-- not run: [^>]+ -->\n)?```bash\n(.*?)```", re.S)
+
+
+def shell_blocks(path: Path) -> list[tuple[bool, str]]:
+    """(run it?, code) of each ```bash block of a page; a block right after `<!-- not run: WHY -->` is not run."""
+    return [(not m.group(1), m.group(2)) for m in BLOCK.finditer(path.read_text())]
+
+
+def reference() -> ModuleType:
+    """docs/hooks/reference.py, the generator of the reference pages (not a package module)."""
+    spec = importlib.util.spec_from_file_location("psgrad_docs_reference", DOCS / "hooks" / "reference.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_script(script: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run a page's shell blocks as one bash script (set -euo pipefail), `psgrad` being this checkout's,
+    in a session of its own so that nothing it started in the background outlives it."""
+    bin_dir = cwd / ".bin"
+    bin_dir.mkdir()
+    (bin_dir / "psgrad").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m psgrad \"$@\"\n")
+    (bin_dir / "psgrad").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": REPO, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    log = cwd / ".output"
+    with log.open("w") as out:  # a file, not a pipe: a server left in the background would hold a pipe open
+        proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + script], cwd=cwd, env=env, text=True,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"timed out after {timeout_s} s:\n{log.read_text()[-5000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the script left in the background
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    out = log.read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("page", [p.name for p in GETTING_STARTED if any(run for run, _ in shell_blocks(p))])
+def test_every_shell_block_of_a_getting_started_page_runs(page: str, tmp_path: Path) -> None:
+    script = "\n".join(code for run, code in shell_blocks(DOCS / "getting-started" / page) if run)
+    res = _run_script(script, tmp_path, timeout_s=360)
+    print(res.stdout[-5000:])
+    assert res.returncode == 0, f"{page}: exit {res.returncode}\n{res.stdout[-5000:]}"
+
+
+@pytest.mark.timeout(300)
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """`mkdocs build --strict`: no broken link, no missing page, no docstring mkdocstrings cannot render,
+    the generated reference included (.ci/run installs the docs extra, so CI runs this)."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' (.ci/run does)")
+    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed: "
+                        "pip install -e '.[docs]'")
+    env = {**os.environ, "PYTHONPATH": REPO, "NO_MKDOCS_2_WARNING": "1"}
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for page in ("reference/cli", "reference/metrics", "reference/api", "getting-started/by-hand"):
+        assert (tmp_path / "site" / page / "index.html").is_file(), page
+    cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
+    assert "--staleness-max" in cli and "psgrad certs" in cli  # from the parser, not copied by hand
+
+
+def test_the_generated_reference_covers_every_command_flag_and_api_name() -> None:
+    ref = reference()
+    cli = ref.cli_markdown()
+    for name, command in ref._commands().items():
+        assert f"## psgrad {name}\n" in cli
+        for action in command._actions:
+            for option in (action.option_strings if action.dest != "help" else ()):
+                assert f"`{option}`" in cli, (name, option)
+    import psgrad
+
+    api = ref.api_markdown()
+    for name in psgrad.__all__:
+        if name != "__version__":
+            assert re.search(rf"^::: [\w.]+\.{name}$", api, re.M), name
+
+
+def test_every_help_ends_with_two_examples_that_parse_and_docs_that_exist() -> None:
+    from psgrad.cli.helptext import EXAMPLES
+    from psgrad.cli.parser import build_parser
+
+    parser = build_parser()
+    commands = reference()._commands()
+    assert set(EXAMPLES) == set(commands)
+    for name, command in commands.items():
+        text = command.format_help()
+        examples = [line.strip() for line in text[text.index("\nexamples:\n"):].splitlines()
+                    if "psgrad " in line and not line.strip().startswith("#") and not line.startswith("docs:")]
+        assert len(examples) == 2, (name, examples)
+        for example in examples:
+            argv = shlex.split(example.replace("$SERVERS", "127.0.0.1:7000,127.0.0.1:7001"))
+            argv = argv[argv.index("psgrad") + 1:]
+            assert argv[0] == name, example
+            parser.parse_args(argv)  # exits 2 (SystemExit) on a flag that is not there
+        docs = re.findall(r"docs/[\w/.-]+\.md", text)
+        assert docs, name
+        for path in docs:
+            assert Path(REPO, path).is_file(), (name, path)
+
+
+def test_long_group_headings_wrap_in_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psgrad.cli.parser import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    text = reference()._commands()["worker"].format_help()
+    assert max(len(line) for line in text.split("\nexamples:\n")[0].splitlines()
+               if not line.startswith(("usage:", " "))) <= 80
+    assert build_parser().format_help().rstrip().splitlines()[-1].startswith("docs: ")
+
+
+def test_readme_commands_are_the_getting_started_pages_and_the_install_is_cis() -> None:
+    """The README's path commands are blocks of the getting-started pages (so the test above runs
+    them); its install and quick-start commands install torch as .ci/run does."""
+    readme = Path(REPO, "README.md").read_text()
+    pages = "".join(p.read_text() for p in GETTING_STARTED)
+    ci = Path(REPO, ".ci", "run").read_text()
+    (torch_pin,) = set(re.findall(r"pip install --quiet (torch==[\d.]+)", ci))
+    for code in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        if "pip install" in code or code.strip() == "bash .ci/run":
+            assert "pip install torch" not in code or torch_pin in code, code
+            continue
+        assert f"```bash\n{code}```" in pages, f"a README block that no getting-started page runs:\n{code}"
+    for run, code in (b for p in GETTING_STARTED for b in shell_blocks(p)):
+        if "pip install torch" in code:
+            assert torch_pin in code, code
+    assert "'.[docs]'" in ci or ".[docs" in ci or "docs]" in ci, "the docs extra is not installed in CI"
+
+
+def test_the_docs_stand_alone() -> None:
+    """Every relative link of the README points into the repository, and no page names a path outside it."""
+    readme = Path(REPO, "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if not target.startswith("http"):
+            assert Path(REPO, target).exists(), target
+    for page in [Path(REPO, "README.md"), *DOCS.rglob("*.md")]:
+        assert "../shared" not in page.read_text(), page
