@@ -249,8 +249,9 @@ class _Job:
 class Bed:
     """K client processes and the jobs (shard servers) they join; close() stops every process."""
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, server_args: tuple[str, ...] = ()) -> None:
         script = str(Path(__file__).resolve())
+        self.server_args = list(server_args)  # more `psgrad server` arguments, for every shard
         self.hosts = [Child(f"clients{i}", [sys.executable, script, "--clients"]) for i in range(hosts)]
         self.servers: list[Child] = []
         self.jobs: dict[str, _Job] = {}
@@ -260,7 +261,7 @@ class Bed:
         key = f"{model}-S{shards}"
         if key in self.jobs:
             return self.jobs[key]
-        argv = [*PSGRAD_SERVER, "--threads", str(server_threads(max_workers))]
+        argv = [*PSGRAD_SERVER, "--threads", str(server_threads(max_workers)), *self.server_args]
         servers = [start_server(f"{key}.{i}", argv) for i in range(shards)]
         self.servers += servers
         job = self.jobs[key] = _Job(key, MODELS[model], servers, max_workers)
@@ -381,13 +382,14 @@ def _memory(job: _Job, counts: list[int]) -> dict[str, Any]:
     }
 
 
-def measure(preset: dict[str, Any], op: str) -> dict[str, Any]:
-    """Run the sweeps and the grid (each repetition forward then backward), stop every process."""
+def measure(preset: dict[str, Any], op: str, server_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run the sweeps and the grid (each repetition forward then backward), stop every process.
+    server_args: more `psgrad server` arguments for every shard."""
     reps, warmup_s, window_s = preset["reps"], preset["warmup_s"], preset["window_s"]
     sweep_counts = {m: list(ws) for m, ws in preset["sweep"].items()}
     grid_model = preset["grid_model"]
     grid_counts = list(preset["grid_workers"])
-    bed = Bed(preset["hosts"])
+    bed = Bed(preset["hosts"], server_args)
     try:
         # Every job sized for the most clients it will see (its num_workers and --threads).
         most: dict[tuple[str, int], int] = {}
@@ -503,11 +505,13 @@ def cost_model(sweeps: dict[str, Any], grid: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(preset: str, op: str = "exchange") -> dict[str, Any]:
+def run(preset: str, op: str = "exchange", push_buffers: int | None = None) -> dict[str, Any]:
     p = PRESETS[preset]
     t0 = time.monotonic()
-    m = measure(p, op)
-    return {"benchmark": "scaleout", "preset": preset, "op": op, "hosts": p["hosts"], "reps": p["reps"],
+    server_args = () if push_buffers is None else ("--push-buffers", str(push_buffers))
+    m = measure(p, op, server_args)
+    return {"benchmark": "scaleout", "preset": preset, "op": op, "server_args": list(server_args),
+            "hosts": p["hosts"], "reps": p["reps"],
             "warmup_s": p["warmup_s"], "window_s": p["window_s"], "models": MODELS, **m,
             "cost_model": cost_model(m["sweeps"], m["grid"]), "machine": machine_info(),
             "took_s": time.monotonic() - t0,
@@ -591,6 +595,8 @@ def main() -> None:
     parser.add_argument("--op", choices=("exchange", "push-pull"), default="exchange",
                         help="what a client does after its think time: one exchange (push + pull, as "
                         "PSOptimizer.step) or a push and a pull as two timed calls (default: exchange)")
+    parser.add_argument("--push-buffers", type=int, metavar="N",
+                        help="start every shard with `psgrad server --push-buffers N` (default: the server's own)")
     parser.add_argument("--from-json", metavar="PATH", help="render a saved run instead of measuring")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables and curves instead of JSON")
     parser.add_argument("--clients", action="store_true", help=argparse.SUPPRESS)
@@ -598,7 +604,7 @@ def main() -> None:
     if args.clients:
         clients_main()
         return
-    doc = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args.preset, args.op)
+    doc = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args.preset, args.op, args.push_buffers)
     if args.markdown:
         sys.stdout.write(markdown(doc))
     else:
