@@ -366,6 +366,13 @@ def saturation(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def before_saturation(row: dict[str, Any], sat: dict[str, Any]) -> bool:
+    """Whether a row's W is below where its sweep went flat or its shard reached a core (a
+    busy machine alone does not count: other work may have taken it)."""
+    limits = [w for w in (sat["flat_at_workers"], sat["shard_core_at_workers"]) if w is not None]
+    return not limits or row["workers"] < min(limits)
+
+
 def _memory(job: _Job, counts: list[int]) -> dict[str, Any]:
     """The shard's resident memory after each W, and what each client added (first server)."""
     rss = {w: job.memory[w][0]["VmRSS"] for w in counts}
@@ -426,7 +433,9 @@ def measure(preset: dict[str, Any], op: str, server_args: tuple[str, ...] = ()) 
                              "server_memory": _memory(jobs[(model, 1)], counts)}
         grid_rows = [_median_row(rounds[("grid", grid_model, s, w)]) for s in preset["grid_shards"] for w in grid_counts]
         grid = {"model": grid_model, "params": MODELS[grid_model], "think_ms": preset["think_ms"][grid_model],
-                "shards": list(preset["grid_shards"]), "workers": grid_counts, "rows": grid_rows}
+                "shards": list(preset["grid_shards"]), "workers": grid_counts, "rows": grid_rows,
+                "saturation": {str(s): saturation([r for r in grid_rows if r["shards"] == s])
+                               for s in preset["grid_shards"]}}
         return {"sweeps": sweeps, "grid": grid}
     finally:
         stop_all([*bed.hosts, *bed.servers])
@@ -481,21 +490,25 @@ def shards_needed(params: int, workers: int, steps_per_s: float, a_s: float, c_s
 def cost_model(sweeps: dict[str, Any], grid: dict[str, Any]) -> dict[str, Any]:
     """Server CPU per shard call against the bytes it moves, fitted over every measured
     configuration, and the extrapolation to hundreds of hosts."""
-    points = []
-    for sweep in sweeps.values():
-        for r in sweep["rows"]:
+    points, overload = [], []
+    sets = [(sweep["rows"], sweep["saturation"], sweep["payload_bytes"]) for sweep in sweeps.values()]
+    sets += [([r for r in grid["rows"] if r["shards"] == int(s)], sat, WIRE_BYTES * grid["params"])
+             for s, sat in grid["saturation"].items()]
+    for rows, sat, payload in sets:
+        for r in rows:
             if r.get("server_cpu_ms_per_push") is not None:
-                points.append((2 * sweep["payload_bytes"] / r["shards"], r["server_cpu_ms_per_push"] / 1000))
-    for r in grid["rows"]:
-        if r.get("server_cpu_ms_per_push") is not None:
-            points.append((2 * WIRE_BYTES * grid["params"] / r["shards"], r["server_cpu_ms_per_push"] / 1000))
-    a, c = fit_line(points)
-    a = max(a, min(y for _, y in points) / 2)  # a fit below zero says little: keep a floor
+                point = (2 * payload / r["shards"], r["server_cpu_ms_per_push"] / 1000)
+                (points if before_saturation(r, sat) else overload).append(point)
+    a, c = fit_line(points or overload)
+    a = max(a, min(y for _, y in points or overload) / 2)  # a fit below zero says little: keep a floor
     c = max(c, 0.0)
     return {
         "server_cpu_s_per_call": {"a_s": a, "c_s_per_byte": c,
                                   "points": [{"bytes": x, "cpu_s": y} for x, y in points],
-                                  "formula": "server CPU-s per shard call = a + c x (bytes pushed + pulled per call)"},
+                                  "overload_points": [{"bytes": x, "cpu_s": y} for x, y in overload],
+                                  "formula": "server CPU-s per shard call = a + c x (bytes pushed + pulled per call), "
+                                             "fitted over the configurations before saturation"},
+        "max_shard_calls_per_s": CPU_BUDGET_CORES / a,
         "bytes_per_iteration_formula": "per worker 2 P b; per worker per shard 2 P b / S; per shard, all workers "
                                        "2 P b W / S; calls: S per worker, W per shard (b = 4 for float32)",
         "assumptions": {"cpu_budget_cores_per_shard": CPU_BUDGET_CORES, "nic_bytes_per_s": NIC_BYTES_PER_S,
@@ -538,12 +551,15 @@ def markdown(doc: dict[str, Any]) -> str:
     for model, sw in doc["sweeps"].items():
         mem = sw["server_memory"]
         out.append(f"### One shard, {model} model ({sw['params']:,} parameters), think {sw['think_ms']:g} ms\n")
-        out.append("| W | pushes/s | exchange p50 / p99 ms | step p50 / p99 ms | server cores | server CPU ms/push "
+        split = doc.get("op") == "push-pull"
+        out.append("| W | pushes/s | " + ("push p50 / p99 ms | push + pull" if split else "exchange") +
+                   " p50 / p99 ms | step p50 / p99 ms | server cores | server CPU ms/push "
                    "| client cores | machine busy | server RSS MB | sockets |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if split else ""))
         for r in sw["rows"]:
             w = str(r["workers"])
-            out.append(f"| {w} | {_fmt(r['pushes_per_s'])} | {_fmt(r.get('exchange_ms_p50'))} / "
+            push = f"{_fmt(r.get('push_ms_p50'))} / {_fmt(r.get('push_ms_p99'))} | " if split else ""
+            out.append(f"| {w} | {_fmt(r['pushes_per_s'])} | {push}{_fmt(r.get('exchange_ms_p50'))} / "
                        f"{_fmt(r.get('exchange_ms_p99'))} | {_fmt(r.get('step_ms_p50'))} / {_fmt(r.get('step_ms_p99'))} "
                        f"| {_fmt(r['server_cores_busy'], 2)} | {_fmt(r.get('server_cpu_ms_per_push'), 2)} | "
                        f"{_fmt(r['client_cores_busy'], 2)} | {r['machine_busy_fraction']:.0%} | "
@@ -575,10 +591,15 @@ def markdown(doc: dict[str, Any]) -> str:
         cells = [f"{by[(s, w)]['pushes_per_s']:,.0f}/s, step {_fmt(by[(s, w)].get('step_ms_p50'))} ms, "
                  f"{_fmt(by[(s, w)].get('server_cpu_ms_per_push'), 2)} ms/push" for w in g["workers"]]
         out.append(f"| {s} | " + " | ".join(cells) + " |")
+    out.append("")
+    for s, sat in g.get("saturation", {}).items():  # (runs before it was recorded have none)
+        out.append(f"- S = {s}: peak {sat['peak_pushes_per_s']:,.0f} pushes/s at W = {sat['peak_at_workers']}; flat at W = "
+                   f"{_fmt(sat['flat_at_workers'])}; a shard >= 0.9 core at W = {_fmt(sat['shard_core_at_workers'])}")
     cm = doc["cost_model"]
     fit = cm["server_cpu_s_per_call"]
-    out.append(f"\nServer CPU per shard call: a = {fit['a_s'] * 1e3:.3f} ms + c = {fit['c_s_per_byte'] * 1e9:.3f} "
-               "ms per MB (pushed + pulled)\n")
+    out.append(f"\nServer CPU per shard call (fitted before saturation): a = {fit['a_s'] * 1e3:.3f} ms + "
+               f"c = {fit['c_s_per_byte'] * 1e9:.3f} ms per MB pushed + pulled; a shard's calls/s at most "
+               f"{cm.get('max_shard_calls_per_s', CPU_BUDGET_CORES / fit['a_s']):,.0f} (W x steps/s per worker, whatever S)\n")
     out.append("| P | W | steps/s per worker | bytes per worker step | shard calls/s | fixed cost cores/shard "
                "| shards (CPU) | shards (NIC) | shards needed |")
     out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
