@@ -39,9 +39,10 @@ smallest W, then those the next W adds), so the RSS growth between two W divided
 added is the server's memory per client (its connection, its member state, the handler threads
 that more concurrent calls start). Repetitions run the Ws forward, then backward (lib.report's
 rep_order); figures are medians over repetitions. Where it saturates: the first W whose pushes/s
-grew by less than 10 % over the previous W, the first W at which a shard used >= 0.9 core, and the
-first at which the machine was >= 90 % busy (clients and servers share its 2 cores: on this
-machine the clients' CPU competes with the shard's, which the cost model separates out).
+grew by less than 10 % over the previous W and the first W at which a shard used >= 0.9 core (the
+earlier of the two is saturated_at_workers), and, apart, the first at which the machine was >= 90 %
+busy (clients and servers share its 2 cores: on this machine the clients' CPU competes with the
+shard's, which the cost model separates out; other users' work counts there too).
 
 The cost model: bytes per iteration (2 P b per worker, 2 P b / S per worker per shard, for P
 parameters of b wire bytes), and the server's CPU per shard call fitted as a + c x payload bytes
@@ -192,11 +193,11 @@ class _ClientHost(CommandChild):
                     light.client.exchange(grad, light.clock, light.flat)
                     t2 = float("nan")
                 light.clock += 1
-                for k, v in zip(("begin", "sent", "pushed", "done"), (t0, t1, t2, time.monotonic())):
-                    mine[k].append(v)
+                for k, t in zip(("begin", "sent", "pushed", "done"), (t0, t1, t2, time.monotonic())):
+                    mine[k].append(t)
             with lock:
-                for k, v in mine.items():
-                    out[k] += v
+                for k, times in mine.items():
+                    out[k] += times
 
         threads = [threading.Thread(target=loop, args=(c,), name=f"client{c.rank}") for c in lights]
         for t in threads:
@@ -361,7 +362,8 @@ def saturation(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = max(rows, key=lambda r: r["pushes_per_s"])
     out["peak_pushes_per_s"] = best["pushes_per_s"]
     out["peak_at_workers"] = best["workers"]
-    hits = [w for w in (out["flat_at_workers"], out["shard_core_at_workers"], out["machine_busy_at_workers"]) if w]
+    # The machine's flag is kept apart: on a shared machine other work may fill it at any W.
+    hits = [w for w in (out["flat_at_workers"], out["shard_core_at_workers"]) if w]
     out["saturated_at_workers"] = min(hits) if hits else None
     return out
 
@@ -408,11 +410,12 @@ def measure(preset: dict[str, Any], op: str, server_args: tuple[str, ...] = ()) 
         for job in jobs.values():
             log(f"{job.key}: server idle RSS {job.idle[0]['VmRSS'] / 1e6:.0f} MB")
         # The rounds: (part, model, shards, W), the sweeps' Ws in increasing order first (memory per client).
-        plan = [("sweep", m, 1, w) for m, ws in sweep_counts.items() for w in ws]
+        plan: list[tuple[str, str, int, int]] = [("sweep", m, 1, w) for m, ws in sweep_counts.items() for w in ws]
         plan += [("grid", grid_model, s, w) for s in preset["grid_shards"] for w in grid_counts]
         rounds: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
         for rep in range(1, reps + 1):
-            for part, model, s, w in rep_order(plan, rep):
+            for i in rep_order([str(i) for i in range(len(plan))], rep):
+                part, model, s, w = plan[int(i)]
                 job = jobs[(model, s)]
                 think = preset["think_ms"][model]
                 r = bed.round(job, w, think, op, warmup_s, window_s)
@@ -490,7 +493,8 @@ def shards_needed(params: int, workers: int, steps_per_s: float, a_s: float, c_s
 def cost_model(sweeps: dict[str, Any], grid: dict[str, Any]) -> dict[str, Any]:
     """Server CPU per shard call against the bytes it moves, fitted over every measured
     configuration, and the extrapolation to hundreds of hosts."""
-    points, overload = [], []
+    points: list[tuple[float, float]] = []
+    overload: list[tuple[float, float]] = []
     sets = [(sweep["rows"], sweep["saturation"], sweep["payload_bytes"]) for sweep in sweeps.values()]
     sets += [([r for r in grid["rows"] if r["shards"] == int(s)], sat, WIRE_BYTES * grid["params"])
              for s, sat in grid["saturation"].items()]
@@ -577,7 +581,7 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"pushes/s (one shard, {model})")
         for r in sw["rows"]:
             out.append(f"W={r['workers']:>4} {_bar(r['pushes_per_s'], top):<40} {r['pushes_per_s']:,.0f}")
-        out.append(f"exchange p99 ms (one shard, {model})")
+        out.append(f"{'push + pull' if split else 'exchange'} p99 ms (one shard, {model})")
         for r in sw["rows"]:
             v = r.get("exchange_ms_p99") or 0
             out.append(f"W={r['workers']:>4} {_bar(v, top_lat):<40} {v:,.1f}")
