@@ -110,6 +110,59 @@ def test_a_killed_worker_tiny_measures_both_runs() -> None:
     assert row["mode"] == "sync" and row["baseline_train_s"] > 0 and row["with_kill_train_s"] > 0
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(300)
+def test_scaleout_tiny_reports_the_sweep_the_grid_and_the_cost_model() -> None:
+    import scaleout
+
+    out = _run("benchmarks/scaleout.py", "--preset", "tiny")
+    preset = scaleout.PRESETS["tiny"]
+    assert out["benchmark"] == "scaleout" and out["op"] == "exchange" and out["machine"]["cpus"] >= 1
+    for model, counts in preset["sweep"].items():
+        sweep = out["sweeps"][model]
+        assert sweep["payload_bytes"] == 4 * scaleout.MODELS[model]
+        assert [r["workers"] for r in sweep["rows"]] == list(counts)
+        for r in sweep["rows"]:
+            for key in ("pushes_per_s", "exchange_ms_p50", "exchange_ms_p99", "step_ms_p50", "step_ms_p99",
+                        "server_cpu_ms_per_push", "client_cpu_ms_per_step"):
+                assert _positive(r[key]), (model, r["workers"], key)
+            assert r["exchange_ms_p50"] <= r["exchange_ms_p99"] and r["step_ms_p50"] >= sweep["think_ms"]
+            # Each client its own connection (the listening socket besides), as from separate hosts.
+            assert r["server_sockets"][0] >= r["workers"] + 1
+        memory = sweep["server_memory"]
+        assert _positive(memory["idle_rss_bytes"]) and set(memory["rss_bytes"]) == {str(w) for w in counts}
+        assert math.isfinite(memory["rss_bytes_per_client"])
+        assert set(sweep["saturation"]) >= {"flat_at_workers", "shard_core_at_workers", "saturated_at_workers"}
+    grid = out["grid"]
+    assert {(r["shards"], r["workers"]) for r in grid["rows"]} == {
+        (s, w) for s in preset["grid_shards"] for w in preset["grid_workers"]}
+    assert all(_positive(r["pushes_per_s"]) and len(r["server_sockets"]) == r["shards"] for r in grid["rows"])
+    fit = out["cost_model"]["server_cpu_s_per_call"]
+    assert _positive(fit["a_s"]) and fit["c_s_per_byte"] >= 0
+    assert len(out["cost_model"]["extrapolation"]) == (len(scaleout.EXTRAPOLATE_PARAMS) * len(
+        scaleout.EXTRAPOLATE_WORKERS) * len(scaleout.EXTRAPOLATE_STEPS_PER_S))
+    text = scaleout.markdown(out)
+    assert "pushes/s" in text and "S \\ W" in text and "shards needed" in text
+
+
+def test_scaleout_cost_model_counts_bytes_and_shards() -> None:
+    import scaleout
+
+    b = scaleout.bytes_per_iteration(params=1000, shards=4, workers=8)
+    assert b["per_worker"] == 8000 and b["per_worker_per_shard"] == 2000 and b["per_shard_all_workers"] == 16000
+    assert scaleout.fit_line([(0.0, 1.0), (2.0, 5.0), (4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    # 100 workers x 1 step/s x 1 ms per call = 0.1 core per shard whatever S; the bytes' cost sets S.
+    row = scaleout.shards_needed(10_000_000, 100, 1.0, a_s=1e-3, c_s_per_byte=1e-9)
+    assert row["fixed_cost_cores_per_shard"] == pytest.approx(0.1)
+    assert row["shards_for_cpu"] == 12  # 8e9 bytes/s x 1e-9 s/byte = 8 cores over 0.7 core per shard
+    assert row["shards_needed"] == max(row["shards_for_cpu"], row["shards_for_nic"])
+    # 1000 calls/s x 1 ms: the fixed cost alone fills a shard, and more shards do not help.
+    assert scaleout.shards_needed(100_000, 1000, 1.0, a_s=1e-3, c_s_per_byte=1e-9)["shards_needed"] is None
+
+
 SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "push_rows", "raw_put"}
 
 
