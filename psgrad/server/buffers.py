@@ -35,7 +35,12 @@ class Buffers:
         self._revoked: dict[int, PushWriter] = {}  # ... whose worker was evicted mid-push
         self._building = False  # staged: a push holds the turn to build the next weights
         self._retired: list[torch.Tensor] = []
-        self._free = threading.Condition(lock)  # a push waits here for its turn or a buffer
+        # Pushes wait for a receive buffer on _free, staged ones for their turn on _turn, and each
+        # is woken one at a time: a buffer given back (or a turn ended) lets one waiter on, and
+        # waking every waiter at each release (as this did) cost a shard with 256 clients 147
+        # futile wake-ups per push, a third of its throughput (docs/benchmarks/scale-out.md).
+        self._free = threading.Condition(lock)
+        self._turn = threading.Condition(lock)
         self._buffer_waits = 0
         # Open pull streams reading a tensor the shard owns; weak, so a stream dropped unread ends.
         self.reads: weakref.WeakSet[PullStream] = weakref.WeakSet()
@@ -53,6 +58,7 @@ class Buffers:
     def close(self) -> None:
         self.closed = True
         self._free.notify_all()
+        self._turn.notify_all()
         self._reads_done.notify_all()
         self.no_writers.notify_all()
 
@@ -70,7 +76,7 @@ class Buffers:
                 idle = time.monotonic() - max(w.last_active for w in self._lent.values())
                 if idle >= transfers.STALL_S:  # every holder is stalled: lend one beyond the limit
                     break
-                self._wait(transfers.STALL_S - idle)
+                self._wait(self._free, transfers.STALL_S - idle)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, dtype)
@@ -80,7 +86,7 @@ class Buffers:
         is evicted gives it up), then for the spare tensor, which a pull stream of the former
         weights may still read (lend a new one if that stream is idle for STALL_S)."""
         while self._building and not self.closed:
-            self._wait(None)
+            self._wait(self._turn, None)
         self._building = True
         while not self._pool and self._retired and not self.closed:
             current = weights()  # the weights now, not when this push began to wait for its turn
@@ -88,16 +94,16 @@ class Buffers:
             idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
             if idle >= transfers.STALL_S:
                 break
-            self._wait(transfers.STALL_S - idle)
+            self._wait(self._free, transfers.STALL_S - idle)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, "float32")
 
-    def _wait(self, timeout_s: float | None) -> None:
+    def _wait(self, cond: threading.Condition, timeout_s: float | None) -> None:
         self._buffer_waits += 1
         self._on_wait()
         try:
-            self._free.wait(timeout=timeout_s)
+            cond.wait(timeout=timeout_s)
         finally:
             self._buffer_waits -= 1
 
@@ -122,7 +128,7 @@ class Buffers:
                 if writer.holds_turn:
                     self._revoked[key] = self._lent.pop(key)
                     self._building = False
-                    self._free.notify_all()
+                    self._turn.notify()
 
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
         """Return a receive buffer: to the pool, or to the allocator if it was lent beyond the limit."""
@@ -131,6 +137,7 @@ class Buffers:
         writer = self._lent.pop(id(grad), None)
         if writer is not None and writer.holds_turn:
             self._building = False
+            self._turn.notify()
         if self.per_worker:
             keep = True
         elif self.staged:
@@ -139,23 +146,24 @@ class Buffers:
             keep = len(self._pool) + len(self._lent) < self._push_buffers
         if keep:
             self._pool.append((grad, wire))
-        self._free.notify_all()
+        self._free.notify()  # a buffer back, or one loan fewer: one waiter may go on
 
     def give_back(self, items: list[tuple[torch.Tensor, WireBuffer]]) -> None:
         """Buffers the shard kept (a sync iteration's gradients) return to the pool."""
         self._pool.extend(items)
-        self._free.notify_all()
+        self._free.notify(len(items))
 
     def commit(self, new: torch.Tensor, old: torch.Tensor, wire: WireBuffer) -> None:
         """A staged buffer became the weights; the former weights become the spare buffer, once
         no pull stream reads them."""
         del self._lent[id(new)]
         self._building = False
+        self._turn.notify()
         if any(r.source is old for r in self.reads):
             self._retired.append(old)
         else:
             self._pool.append((old, wire))
-        self._free.notify_all()
+            self._free.notify()
 
     # ----------------------------------------------------------------- pull streams
     def open_read(self, stream: PullStream) -> None:
@@ -168,7 +176,7 @@ class Buffers:
         if any(t is source for t in self._retired) and not any(r.source is source for r in self.reads):
             self._retired = [t for t in self._retired if t is not source]
             self._pool.append((source, WireBuffer(source.numel(), "float32")))
-            self._free.notify_all()
+            self._free.notify()
         if self._writers_waiting and not self._current_reads(weights):
             self._reads_done.notify_all()
 
