@@ -81,10 +81,13 @@ class ParameterClient:
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         # --compress: each shard's encoder, with its error-feedback residual (see _push_payload)
+        # (a range's model buffers, which follow every parameter in the flat space, travel plain)
         codec = parse_compression(spec.compress)
+        trainable = sum(p.numel for p in self.params if not p.buffer)
         self._compressors = [None if codec is None else Compressor(
-            codec, plan.size(i), spec.wire_dtype, spec.error_feedback, seed=rank * 65_537 + i)
-            for i in range(plan.num_shards)]
+            codec, end - start, spec.wire_dtype, spec.error_feedback, seed=rank * 65_537 + i,
+            plain=(end - start) - max(0, min(end, trainable) - start))
+            for i, (start, end) in enumerate(plan.ranges)]
         self.base_versions = [0] * plan.num_shards
         # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
         # decides which gradients make an iteration (docs/design/architecture.md)

@@ -179,17 +179,75 @@ def _aligned(payload: memoryview) -> bool:
     return np.frombuffer(payload, dtype=np.uint8).ctypes.data % 4 == 0
 
 
+class RangeCodec:
+    """The codec of a shard's range of the flat space: its trainable prefix compressed, the model
+    buffers' deltas after it (BatchNorm's running statistics, which follow every parameter in the
+    flat space) plain in the wire dtype, appended: a statistic must arrive as it was (a running
+    variance rounded to a sign would go negative), and they are few."""
+
+    def __init__(
+        self, compression: Compression, numel: int, wire_dtype: str = "float32", seed: int = 0, plain: int = 0,
+    ) -> None:
+        if not 0 <= plain <= numel:
+            raise ValueError(f"{plain} plain values of a range of {numel}")
+        self.prefix = Codec(compression, numel - plain, wire_dtype, seed)
+        self.numel = numel
+        self.plain = plain
+        self._tail_dtype = get_codec(wire_dtype).dtype
+        self.nbytes = self.prefix.nbytes + plain * get_codec(wire_dtype).element_size
+        self._payload: torch.Tensor | None = None
+
+    @property
+    def compressed(self) -> int:
+        """Values of the compressed prefix."""
+        return self.numel - self.plain
+
+    def encode(self, values: torch.Tensor) -> memoryview:
+        """The payload of values (numel float32): see Codec.encode."""
+        n = self.compressed
+        return self.encode_parts(values[:n], values[n:])
+
+    def encode_parts(self, prefix: torch.Tensor, tail: torch.Tensor) -> memoryview:
+        """The payload of the prefix (compressed) and the tail (plain)."""
+        head = self.prefix.encode(prefix)
+        if not self.plain:
+            return head
+        if self._payload is None:
+            self._payload = torch.empty(self.nbytes, dtype=torch.uint8)
+        cut = self.prefix.nbytes
+        byte_view(self._payload)[:cut] = head
+        self._payload[cut:].view(self._tail_dtype).copy_(tail)
+        return byte_view(self._payload)
+
+    def decode(self, payload: memoryview, dest: torch.Tensor, alpha: float = 1.0, add: bool = False) -> None:
+        """dest = alpha * decoded, or += (add): see Codec.decode."""
+        if len(payload) != self.nbytes:
+            raise InvalidRequestError(
+                f"a {self.prefix.compression.label} payload of {self.numel} values ({self.plain} of them model "
+                f"buffers, plain) is {self.nbytes} bytes, got {len(payload)}")
+        n, cut = self.compressed, self.prefix.nbytes
+        self.prefix.decode(payload[:cut], dest[:n], alpha, add)
+        if self.plain:
+            tail = torch.frombuffer(payload[cut:], dtype=torch.uint8).clone().view(self._tail_dtype).float()
+            if add:
+                dest[n:].add_(tail, alpha=alpha)
+            else:
+                torch.mul(tail, alpha, out=dest[n:])
+
+
 class Compressor:
     """A worker's encoder for one shard's range: the codec, and with error feedback the residual
-    (what earlier pushes dropped), added to each gradient before it is encoded and updated to what
-    this push drops. Encode each push once (its retries resend the same bytes)."""
+    of its compressed prefix (what earlier pushes dropped), added to each gradient before it is
+    encoded and updated to what this push drops. Encode each push once (its retries resend the
+    same bytes)."""
 
     def __init__(
         self, compression: Compression, numel: int, wire_dtype: str = "float32", error_feedback: bool = True,
-        seed: int = 0,
+        seed: int = 0, plain: int = 0,
     ) -> None:
-        self.codec = Codec(compression, numel, wire_dtype, seed)
-        self.residual = torch.zeros(numel) if error_feedback and compression.biased else None
+        self.codec = RangeCodec(compression, numel, wire_dtype, seed, plain)
+        n = self.codec.compressed
+        self.residual = torch.zeros(n) if error_feedback and compression.biased else None
         self.resets = 0  # times the residual held NaN/inf and was dropped
 
     @property
@@ -200,9 +258,10 @@ class Compressor:
         """The payload of grad (plus the residual); a view valid until the next encode."""
         if self.residual is None:
             return self.codec.encode(grad)
-        acc = self.residual.add_(grad)  # gradient + what earlier pushes dropped
-        payload = self.codec.encode(acc)
-        self.codec.decode(payload, acc, alpha=-1.0, add=True)  # keep what this one drops
+        n = self.codec.compressed
+        acc = self.residual.add_(grad[:n])  # gradient + what earlier pushes dropped
+        payload = self.codec.encode_parts(acc, grad[n:])
+        self.codec.prefix.decode(payload[: self.codec.prefix.nbytes], acc, alpha=-1.0, add=True)  # keep what it drops
         if not math.isfinite(float(acc.sum())):  # a non-finite gradient would poison every later push
             acc.zero_()
             self.resets += 1
@@ -214,7 +273,7 @@ class CompressedWire(WireBuffer):
     finish_receive decodes them into the float32 gradient buffer. It wraps the pooled WireBuffer
     lent with that gradient buffer (`pooled`), which goes back to the pool with it."""
 
-    def __init__(self, pooled: WireBuffer, codec: Codec) -> None:
+    def __init__(self, pooled: WireBuffer, codec: RangeCodec) -> None:
         super().__init__(0, "float32")
         self._pooled = pooled
         self.codec_of_push = codec

@@ -8,7 +8,7 @@ import torch
 
 from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import PushDecision
-from psgrad.core.gradient_codecs import Codec, CompressedWire
+from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
 from psgrad.errors import (
     EvictedError,
@@ -74,7 +74,8 @@ class Pushes:
             grad, wire = core.buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact and not compress
             if compress:
-                codec = Codec(state.layout.spec.compression, state.layout.numel, dtype)
+                codec = RangeCodec(state.layout.spec.compression, state.layout.numel, dtype,
+                                   plain=state.layout.numel - state.layout.trainable)  # (model buffers: plain)
                 wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr

@@ -230,3 +230,28 @@ def test_the_python_api_trains_with_compressed_pushes(make_servers) -> None:  # 
     numel = sum(p.numel() for p in model.parameters())
     sent = sum(s.shard.status().bytes_in for s in servers)
     assert sent / (150 * 4 * numel) < 0.03
+
+
+@pytest.mark.parametrize("name", ["sign", "topk:0.05"])
+def test_model_buffers_deltas_travel_plain(make_servers, name: str) -> None:  # type: ignore[no-untyped-def]
+    """A range that holds model buffers (BatchNorm's statistics follow the parameters in the flat space)
+    gets their deltas exactly as a plain push would; only the parameters' part is compressed."""
+    params = [ParamSpec("w", (3000,), "float32"), ParamSpec("bn.running_var", (64,), "float32", buffer=True)]
+    plan = plan_shards(params, 2)  # shard 1: parameters, then the buffer
+    n = 3064
+    w0 = torch.rand(n) + 0.5
+
+    def one_push(spec: JobSpec) -> torch.Tensor:
+        (a, b) = make_servers(2)
+        flat = torch.empty(n)
+        with ParameterClient([a.address, b.address], spec, params, plan, 0, GRPC) as c:
+            c.join(lambda: w0.clone())
+            c.pull(flat, 0)
+            c.exchange(grad(7)[:n], 0, flat)
+            c.leave()
+        return flat
+
+    plain = one_push(JobSpec(lr=1.0, num_shards=2))
+    compressed = one_push(JobSpec(lr=1.0, num_shards=2, compress=name))
+    assert torch.equal(compressed[3000:], plain[3000:])  # the statistics, exactly
+    assert not torch.allclose(compressed[:3000], plain[:3000], atol=1e-3)  # the parameters, compressed

@@ -237,3 +237,29 @@ def test_compare_variants() -> None:
         parse_modes("async:compress=topk")
     with pytest.raises(ConfigError, match="not an option of allreduce"):
         parse_modes("allreduce:compress=sign")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", NAMES)
+def test_a_range_codec_sends_its_tail_plain(name: str) -> None:
+    from psgrad.core.gradient_codecs import RangeCodec
+
+    c = parse_compression(name)
+    assert c is not None
+    g = torch.randn(2000)
+    for wire in ("float32", "bfloat16"):
+        codec = RangeCodec(c, 2000, wire, plain=48)
+        payload = codec.encode(g)
+        assert len(payload) == codec.nbytes == c.payload_bytes(1952, wire) + 48 * (4 if wire == "float32" else 2)
+        out = torch.empty(2000)
+        codec.decode(payload, out)
+        assert torch.equal(out[1952:], g[1952:].to(get_dtype(wire)).float())
+        prefix = torch.empty(1952)
+        _codec(name, 1952, wire).decode(payload[: codec.prefix.nbytes], prefix)
+        assert torch.equal(out[:1952], prefix)
+    compressor = Compressor(c, 2000, plain=48)
+    assert compressor.residual is None or compressor.residual.numel() == 1952
+
+
+def get_dtype(wire: str) -> torch.dtype:
+    return torch.float32 if wire == "float32" else torch.bfloat16
