@@ -5,6 +5,7 @@ and the all-reduce baseline, and what each codec costs the worker and the server
     python benchmarks/compression.py --preset quick   # digits, one link rate, one seed (CI-sized)
     python benchmarks/compression.py --preset full --task charlm --rates 100 --seeds 1
     python benchmarks/compression.py --preset full --parts codecs    # only the codecs' CPU cost
+    python benchmarks/compression.py --from-json out.json --markdown  # the tables of a saved run
 
 Parts (--parts, default both):
 - codecs: per codec, the CPU time to encode a float32 gradient (with error feedback where the codec
@@ -31,7 +32,9 @@ Needs root, iproute2 and tc for the train part. Prints one JSON document; progre
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -196,6 +199,37 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The codec table and, per link rate, the time-to-target table of a run's JSON document."""
+    out = []
+    costs = doc.get("codec_costs")
+    if costs:
+        out += [f"Codecs, {costs['values']:,} float32 values (100 MB scaled), one torch thread, medians of {costs['reps']}:",
+                "", "| codec | payload / fp32 | encode s per 100 MB | decode s per 100 MB | error feedback |",
+                "|---|---|---|---|---|"]
+        for name, c in costs["codecs"].items():
+            out.append(f"| `{name}` | {c['payload_over_fp32']:.4f} | {c['encode_cpu_s_per_100mb']:.3f} | "
+                       f"{c['decode_cpu_s_per_100mb']:.3f} | {'yes' if c['error_feedback'] else 'no'} |")
+        out.append("")
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    metric = "final accuracy" if doc["task"] != "charlm" else "final bpb"
+    for rate, r in doc.get("train", {}).items():
+        seeds = len(next(iter(r["runs"].values())))
+        out += [f"{doc['task']}, links {rate} Mbit/s, {doc['steps']} steps a worker, means of {seeds} seed(s) "
+                f"(goal met by: {', '.join(r['goal_met_by']) or 'none'}):", "",
+                f"| config | time to target (s) | speedup vs fp32 | steps/s | {metric} | vs fp32 (points) | "
+                "bytes a push | vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+        for config, s in r["summary"].items():
+            out.append(f"| {config} | {num(s['time_to_target_s'], '.1f')} | {num(s['speedup_over_fp32'], '.2f')} | "
+                       f"{num(s['steps_per_s'], '.1f')} | {num(s['final'], '.4f')} | {num(s['final_minus_fp32'], '+.2f')} | "
+                       f"{num(s['bytes_per_push'], ',.0f')} | {num(s['bytes_over_fp32'], '.4f')} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_preset(parser, PRESETS, "task, link rates, configs and seeds")
@@ -208,7 +242,13 @@ def main() -> None:
                         "Mbit/s, comma-separated")
     parser.add_argument("--configs", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--parts", type=lambda t: t.split(","), help="codecs, train or both (comma-separated)")
+    parser.add_argument("--from-json", metavar="PATH", help="read a saved run's JSON document instead of running")
+    parser.add_argument("--markdown", action="store_true", help="print the tables in Markdown instead of JSON")
     args = parser.parse_args()
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        sys.stdout.write(markdown(doc) if args.markdown else json.dumps(doc, indent=1))
+        return
     bad = sorted(set(args.configs or ()) - set(CONFIGS)) + sorted(set(args.parts or ()) - {"codecs", "train"})
     if bad:
         parser.error(f"unknown config or part: {', '.join(bad)}; configs: {', '.join(CONFIGS)}; parts: codecs, train")
@@ -219,7 +259,10 @@ def main() -> None:
         doc["codec_costs"] = codec_costs(cfg["codec_values"], cfg["reps"])
     if "train" in cfg["parts"]:
         doc["train"] = train(cfg)
-    write_json(doc)
+    if args.markdown:
+        sys.stdout.write(markdown(doc))
+    else:
+        write_json(doc)
 
 
 if __name__ == "__main__":

@@ -351,3 +351,21 @@ def test_ctr_time_to_auc_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
         assert 0.5 < r["final_test_auc"] < r["bayes_auc"] + 0.02 and r["max_rss_mb"] > 0, mode
     assert set(out["ratios"]) == {"allreduce_over_async", "allreduce_over_sync"}
     assert all(v > 0 for v in out["ratios"].values())
+
+
+@pytest.mark.timeout(300)
+def test_compression_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
+    """benchmarks/compression.py --preset quick (a bed of its own): fp32, topk:0.01 and the all-reduce
+    baseline train digits across hosts; the servers counted about 2% of fp32's bytes a push for topk,
+    and the codecs' costs are given."""
+    out = run_benchmark("compression.py", "--preset", "quick", timeout_s=280)
+    assert out["benchmark"] == "compression"
+    codecs = out["codec_costs"]["codecs"]
+    assert set(codecs) == {"topk:0.01", "randomk:0.01", "sign", "int8"}
+    assert all(c["encode_cpu_s_per_100mb"] > 0 and c["decode_cpu_s_per_100mb"] > 0 for c in codecs.values())
+    summary = out["train"]["1000"]["summary"]
+    assert set(summary) == {"fp32", "topk:0.01", "allreduce"}
+    assert 0.015 < summary["topk:0.01"]["bytes_over_fp32"] < 0.03  # ~2%: values + indices, a few small ranges
+    for config, s in summary.items():
+        assert s["time_to_target_s"] is not None and s["time_to_target_s"] > 0, config
+        assert 0.7 <= s["final"] <= 1.0, config
