@@ -216,7 +216,8 @@ class RangeCodec:
             self._payload = torch.empty(self.nbytes, dtype=torch.uint8)
         cut = self.prefix.nbytes
         byte_view(self._payload)[:cut] = head
-        self._payload[cut:].view(self._tail_dtype).copy_(tail)
+        # (the prefix's payload may end at any byte: the tail is copied as bytes, not viewed as floats)
+        byte_view(self._payload)[cut:] = byte_view(tail.to(self._tail_dtype).contiguous())
         return byte_view(self._payload)
 
     def decode(self, payload: memoryview, dest: torch.Tensor, alpha: float = 1.0, add: bool = False) -> None:

@@ -247,6 +247,10 @@ def test_a_range_codec_sends_its_tail_plain(name: str) -> None:
     c = parse_compression(name)
     assert c is not None
     g = torch.randn(2000)
+    odd = RangeCodec(c, 2001, plain=48)  # a prefix payload ending at any byte (sign: 8 + 245 bytes)
+    out, g1 = torch.empty(2001), torch.cat([g, g[:1]])
+    odd.decode(odd.encode(g1), out)
+    assert torch.equal(out[1953:], g1[1953:])
     for wire in ("float32", "bfloat16"):
         codec = RangeCodec(c, 2000, wire, plain=48)
         payload = codec.encode(g)
