@@ -4,6 +4,7 @@ and the all-reduce baseline, and what each codec costs the worker and the server
     python benchmarks/compression.py --preset full    # fashion-mnist, links of 100 Mbit/s and 1 Gbit/s, 2 seeds
     python benchmarks/compression.py --preset quick   # digits, one link rate, one seed (CI-sized)
     python benchmarks/compression.py --preset full --task charlm --rates 100 --seeds 1
+    python benchmarks/compression.py --preset full --rates 1000 --worker-uplink-mbit 100   # workers behind slow uplinks
     python benchmarks/compression.py --preset full --parts codecs    # only the codecs' CPU cost
     python benchmarks/compression.py --from-json out.json --markdown  # the tables of a saved run
 
@@ -25,7 +26,9 @@ Parts (--parts, default both):
   moment of the machine does not always hit the same one. Summary per rate: each config's mean time
   to target over fp32's (speedup), its final metric minus fp32's (points), and bytes per push over
   fp32's. The goal: a compressed config >= 3x faster than fp32 to target at 100 Mbit/s, its final
-  accuracy within 0.5 point.
+  accuracy within 0.5 point. With --worker-uplink-mbit U the workers' uplinks (their pushes) run at
+  U instead (the rest at the rate): where push compression can pay on full-duplex links, since a
+  step's pushes and pulls go in opposite directions and compressing one leaves the other.
 
 Needs root, iproute2 and tc for the train part. Prints one JSON document; progress goes to stderr.
 """
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lib import add_preset, log, machine_info, overrides, rep_order, write_json
-from lib.bedjob import train_on_bed
+from lib.bedjob import WORKER_HOSTS, train_on_bed
 from lib.netbed import NetBed
 
 from psgrad.config import metric_rises
@@ -62,10 +65,10 @@ CONFIGS: dict[str, list[str]] = {
 }
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"task": "digits", "target": 0.7, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+    "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
               "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
               "reps": 3},
-    "full": {"task": "fashion-mnist", "target": None, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
+    "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
              "configs": ["fp32", "bf16", "topk:0.01", "sign", "int8", "topk:0.01+bf16", "sign+bf16", "allreduce"],
              "parts": ["codecs", "train"], "codec_values": 25_000_000, "reps": 5},
 }
@@ -187,15 +190,19 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="psgrad-compress-") as tmp:
         for rate in cfg["rates"]:
             runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cfg["configs"]}
-            with NetBed(4, rate_mbit=rate) as bed:
+            uplink = cfg["worker_uplink_mbit"]
+            uplinks = {h: uplink for h in WORKER_HOSTS} if uplink else {}
+            with NetBed(4, rate_mbit=rate, uplinks=uplinks) as bed:
                 for seed in range(cfg["seeds"]):
                     for config in rep_order(cfg["configs"], seed + 1):
-                        log(f"compression: {cfg['task']} {rate:g} Mbit/s seed {seed}: {config} ...")
+                        log(f"compression: {cfg['task']} {rate:g} Mbit/s{f' (workers send at {uplink:g})' if uplink else ''} "
+                            f"seed {seed}: {config} ...")
                         r = train_one(bed, config, seed, {**cfg, "rate": rate}, Path(tmp))
                         log(f"compression: {config}: {r}")
                         runs[config].append(r)
             summary = summarize_rate(runs, metric)
-            out[f"{rate:g}"] = {"runs": runs, "summary": summary, "goal_met_by": goal_met(summary, metric)}
+            key = f"{rate:g}" + (f"/up{uplink:g}" if uplink else "")
+            out[key] = {"runs": runs, "summary": summary, "goal_met_by": goal_met(summary, metric)}
     return out
 
 
@@ -218,7 +225,8 @@ def markdown(doc: dict[str, Any]) -> str:
     metric = "final accuracy" if doc["task"] != "charlm" else "final bpb"
     for rate, r in doc.get("train", {}).items():
         seeds = len(next(iter(r["runs"].values())))
-        out += [f"{doc['task']}, links {rate} Mbit/s, {doc['steps']} steps a worker, means of {seeds} seed(s) "
+        links = rate if "/up" not in rate else f"{rate.split('/up')[0]} (the workers' uplinks {rate.split('/up')[1]})"
+        out += [f"{doc['task']}, links {links} Mbit/s, {doc['steps']} steps a worker, means of {seeds} seed(s) "
                 f"(goal met by: {', '.join(r['goal_met_by']) or 'none'}):", "",
                 f"| config | time to target (s) | speedup vs fp32 | steps/s | {metric} | vs fp32 (points) | "
                 "bytes a push | vs fp32 |", "|---|---|---|---|---|---|---|---|"]
@@ -240,6 +248,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config runs")
     parser.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], help="override the link rates, "
                         "Mbit/s, comma-separated")
+    parser.add_argument("--worker-uplink-mbit", type=float, help="the workers' uplinks (what they send: pushes) at "
+                        "this rate instead, e.g. 100 with --rates 1000: workers behind a slow uplink")
     parser.add_argument("--configs", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--parts", type=lambda t: t.split(","), help="codecs, train or both (comma-separated)")
     parser.add_argument("--from-json", metavar="PATH", help="read a saved run's JSON document instead of running")

@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 PREFIX = "psgbed"
@@ -49,11 +49,16 @@ class Host:
 class NetBed:
     """Hosts in network namespaces on a shaped switch; a context manager that cleans up after itself."""
 
-    def __init__(self, num_hosts: int, rate_mbit: float | None = None) -> None:
+    def __init__(self, num_hosts: int, rate_mbit: float | None = None, uplinks: Mapping[int, float] | None = None) -> None:
+        """rate_mbit: every link's rate in both directions (None: unshaped); uplinks: hosts whose
+        uplink (what they send) has another rate, in Mbit/s (with rate_mbit)."""
         if not 1 <= num_hosts <= 200:
             raise ValueError(f"num_hosts must be 1..200, got {num_hosts}")
+        if uplinks and rate_mbit is None:
+            raise ValueError("uplinks need a rate_mbit for the other links")
         self.num_hosts = num_hosts
         self.rate_mbit = rate_mbit
+        self.uplinks = dict(uplinks or {})
         self.tag = f"{PREFIX}{os.getpid()}x{os.urandom(2).hex()}"
         self.switch = f"{self.tag}sw"
         self.hosts: list[Host] = []
@@ -109,9 +114,9 @@ class NetBed:
             _ip("-n", netns, "link", "set", "eth0", "up")
             _ip("-n", netns, "link", "set", "lo", "up")
             if self.rate_mbit is not None:  # the host's uplink (its egress) and downlink (the port's egress)
-                for ns, dev in ((netns, "eth0"), (self.switch, port)):
+                for ns, dev, rate in ((netns, "eth0", self.uplinks.get(i, self.rate_mbit)), (self.switch, port, self.rate_mbit)):
                     subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                                    f"{self.rate_mbit}mbit", "burst", BURST, "latency", "100ms"],
+                                    f"{rate}mbit", "burst", BURST, "latency", "100ms"],
                                    check=True, capture_output=True, timeout=30)
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
