@@ -306,13 +306,17 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     spec += JobSpec(optimizer="rmsprop", centered=True).to_argv()  # boolean flags appear only when set
     spec += JobSpec(mode="ssp", staleness_max=4).to_argv()  # --staleness auto --staleness-max 4
     spec += JobSpec(mode="sync", num_workers=2, backup_workers=1).to_argv()  # only when set
-    assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards"}  # from --servers
+    spec += JobSpec(compress="sign", error_feedback=False).to_argv()  # --compress, --no-error-feedback: when set
+    assert "--no-error-feedback" in spec and "--no-error-feedback" not in JobSpec(compress="sign").to_argv()
+    # --num-shards: from --servers; error_feedback's flag is --no-error-feedback (above)
+    assert {_flag(f.name) for f in dataclasses.fields(JobSpec)} - set(spec) == {"--num-shards", "--error-feedback"}
     flags_when_set = {"--staleness-lr", "--nesterov", "--centered", "--dc-asgd", "--dc-asgd-adaptive"}
     assert not flags_when_set & set(JobSpec().to_argv())
     client = ClientConfig().to_argv()
     assert "--wait-for-servers" not in client and "--wait-for-servers" in ClientConfig(wait_for_servers=True).to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
         "--wait-for-servers",  # a boolean flag: only when set (above)
+        "--compress-same-host",  # the same (below)
         "--chunk-bytes",  # no flag: a worker has the default
         "--tls",  # its files' flags (--tls-ca, ...), when given: below
         "--auth",  # secrets never go on a command line (a launcher passes files or the environment)
@@ -320,6 +324,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     ca = __file__  # any file passes TlsConfig's check
     assert ClientConfig(tls=TlsConfig(ca=ca, server_name="n")).to_argv()[-4:] == ["--tls-ca", ca, "--tls-server-name", "n"]
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
+    assert "--compress-same-host" in ClientConfig(compress_same_host=True).to_argv()
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
                           local_rank=1, data_dir="d").to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {

@@ -38,6 +38,7 @@ OTHER_SPECS = [
     JobSpec(dc_asgd=0.5, dc_asgd_adaptive=True),
     JobSpec(optimizer="sgd", mode="sync", num_workers=3, backup_workers=1),
     JobSpec(optimizer="sgd", mode="ssp", wire_dtype="float16", staleness_max=5),
+    JobSpec(optimizer="sgd", compress="topk:0.01", error_feedback=False),
 ]
 
 
@@ -58,6 +59,9 @@ def test_job_spec_round_trip(spec: JobSpec) -> None:
     msg = serde.job_spec_to_proto(spec)
     assert isinstance(msg, pb.JobSpec)
     for f in dataclasses.fields(JobSpec):
+        if f.name == "error_feedback":  # on the wire as no_error_feedback (proto3's absent false: on)
+            assert msg.no_error_feedback == (not spec.error_feedback)
+            continue
         assert getattr(msg, f.name) == getattr(spec, f.name), f.name
     back = serde.job_spec_from_proto(_through_wire(msg))
     assert back == spec

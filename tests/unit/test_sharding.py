@@ -203,6 +203,8 @@ SPEC_CHANGES = {
     "dc_asgd_adaptive": (JobSpec(dc_asgd=2.0), True),
     "backup_workers": (JobSpec(mode="sync", num_workers=3), 1),
     "staleness_max": (SSP_SPEC, 4),
+    "compress": (BASE_SPEC, "topk:0.01"),
+    "error_feedback": (JobSpec(compress="sign"), False),
 }
 
 
