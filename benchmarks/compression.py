@@ -223,12 +223,13 @@ def markdown(doc: dict[str, Any]) -> str:
         return "-" if value is None else format(value, fmt)
 
     metric = "final accuracy" if doc["task"] != "charlm" else "final bpb"
+    versus = "vs fp32 (points)" if doc["task"] != "charlm" else "vs fp32 (bpb; lower is better)"
     for rate, r in doc.get("train", {}).items():
         seeds = len(next(iter(r["runs"].values())))
         links = rate if "/up" not in rate else f"{rate.split('/up')[0]} (the workers' uplinks {rate.split('/up')[1]})"
         out += [f"{doc['task']}, links {links} Mbit/s, {doc['steps']} steps a worker, means of {seeds} seed(s) "
                 f"(goal met by: {', '.join(r['goal_met_by']) or 'none'}):", "",
-                f"| config | time to target (s) | speedup vs fp32 | steps/s | {metric} | vs fp32 (points) | "
+                f"| config | time to target (s) | speedup vs fp32 | steps/s | {metric} | {versus} | "
                 "bytes a push | vs fp32 |", "|---|---|---|---|---|---|---|---|"]
         for config, s in r["summary"].items():
             out.append(f"| {config} | {num(s['time_to_target_s'], '.1f')} | {num(s['speedup_over_fp32'], '.2f')} | "
