@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lib import add_preset, log, machine_info, overrides, rep_order, write_json
+from lib import add_preset, log, machine_info, overrides, rep_order, write_doc
 from lib.bedjob import WORKER_HOSTS, train_on_bed
 from lib.netbed import NetBed
 
@@ -270,10 +270,7 @@ def main() -> None:
         doc["codec_costs"] = codec_costs(cfg["codec_values"], cfg["reps"])
     if "train" in cfg["parts"]:
         doc["train"] = train(cfg)
-    if args.markdown:
-        sys.stdout.write(markdown(doc))
-    else:
-        write_json(doc)
+    write_doc(doc, markdown if args.markdown else None)
 
 
 if __name__ == "__main__":

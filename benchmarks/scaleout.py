@@ -79,7 +79,7 @@ from lib import (
     rep_order,
     start_server,
     stop_all,
-    write_json,
+    write_doc,
 )
 from lib.procfs import memory_bytes
 from lib.window import in_window, measure_window
@@ -630,10 +630,7 @@ def main() -> None:
         clients_main()
         return
     doc = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args.preset, args.op, args.push_buffers)
-    if args.markdown:
-        sys.stdout.write(markdown(doc))
-    else:
-        write_json(doc)
+    write_doc(doc, markdown if args.markdown else None)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from lib import log, machine_info, write_json
+from lib import log, machine_info, write_doc, write_json
 
 HERE = Path(__file__).resolve().parent
 # part name -> "MODULE" (its run function) or "MODULE:FUNCTION", a script in benchmarks/
@@ -208,10 +208,7 @@ def main() -> None:
         if args.save:
             with open(args.save, "w") as f:
                 write_json(doc, f)
-    if args.markdown:
-        sys.stdout.write(markdown(doc))
-    else:
-        write_json(doc)
+    write_doc(doc, markdown if args.markdown else None)
 
 
 if __name__ == "__main__":

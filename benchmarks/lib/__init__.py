@@ -55,6 +55,7 @@ from lib.report import (
     rep_order,
     summarize,
     target,
+    write_doc,
     write_json,
 )
 
@@ -62,5 +63,5 @@ __all__ = [
     "BENCH", "ONE_THREAD_ENV", "PSGRAD_SERVER", "RAW_SERVER", "REPO", "SETUP_TIMEOUT_S", "BenchError", "Child", "CommandChild", "add_preset", "aggregate",
     "command_loop", "exit_now", "figure", "lib_argv", "log", "machine_info", "median_gbps", "overrides", "paused",
     "percentile", "psgrad_launch", "pull_push_iterations", "psgrad_process", "psgrad_server", "read_jsonl", "rep_order", "run_together",
-    "start_server", "stop_all", "summarize", "target", "window_argv", "window_bytes_arg", "write_json",
+    "start_server", "stop_all", "summarize", "target", "window_argv", "window_bytes_arg", "write_doc", "write_json",
 ]

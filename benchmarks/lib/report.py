@@ -25,6 +25,15 @@ def write_json(obj: Any, out: IO[str] = sys.stdout) -> None:
     out.flush()
 
 
+def write_doc(doc: dict[str, Any], markdown: Callable[[dict[str, Any]], str] | None = None) -> None:
+    """A benchmark's result on stdout: its JSON document, or (markdown given) the tables it renders."""
+    if markdown is None:
+        write_json(doc)
+    else:
+        sys.stdout.write(markdown(doc))
+        sys.stdout.flush()
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
