@@ -84,6 +84,8 @@ from lib import (
 from lib.procfs import memory_bytes
 from lib.window import in_window, measure_window
 
+from psgrad.server.limits import count_sockets
+
 MODELS = {"small": 100_000, "medium": 5_000_000}  # float32 parameters
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"hosts": 2, "sweep": {"small": (2, 8)}, "think_ms": {"small": 20.0},
@@ -226,13 +228,7 @@ def server_threads(max_workers: int) -> int:
 
 def _sockets(pid: int) -> int:
     """Sockets a process holds open (a shard: its listening socket plus one per connection)."""
-    count = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return count
+    return count_sockets(os.listdir(f"/proc/{pid}/fd"), pid)
 
 
 class _Job:

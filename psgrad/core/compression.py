@@ -31,7 +31,6 @@ from psgrad.errors import ConfigError
 CHUNK = 1024
 NONE = "none"
 _VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a sparse codec's values travel in the wire dtype
-NAMES = ("topk", "randomk", "sign", "int8")
 GRAMMAR = "none, topk:RATIO, randomk:RATIO (0 < RATIO <= 1), sign or int8"
 
 

@@ -58,11 +58,12 @@ def _open_fds() -> list[str] | None:
         return None
 
 
-def _sockets(fds: list[str]) -> int:
+def count_sockets(fds: list[str], pid: int | str = "self") -> int:
+    """How many of a process's open descriptors `fds` (names in /proc/PID/fd) are sockets."""
     count = 0
     for fd in fds:
         try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
         except OSError:
             pass
     return count
@@ -91,7 +92,7 @@ class FdWatch:
             return
         used = len(fds)
         if not self.short and used >= 0.6 * self.fd_limit:
-            sockets = _sockets(fds)
+            sockets = count_sockets(fds)
             if used >= 0.8 * self.fd_limit or sockets >= self.cap:
                 self.short = True
                 self._warn(
