@@ -35,6 +35,7 @@ def _stop_all(procs: list[Proc]) -> None:
         p.popen.wait()
 
 
+@pytest.mark.slow
 def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,6 +111,7 @@ torch.save(torch.cat([p.detach().reshape(-1) for p in built[0].parameters()]), o
 """
 
 
+@pytest.mark.slow
 def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: Path) -> None:
     world, steps, batch, lr, momentum, wd, seed = 2, 5, 16, 0.2, 0.9, 0.01, 3
     store = tmp_path / "store"

@@ -19,6 +19,7 @@ def _run(*args: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> None:
     out = _run("benchmarks/overlap.py", "--preset", "tiny")
@@ -30,6 +31,7 @@ def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> Non
     assert out["split_overlap_on"]["wait_s"] < out["split_overlap_off"]["wait_s"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_wire_dtype_tiny_trains_with_both_dtypes() -> None:
     out = _run("benchmarks/wire_dtype.py", "--preset", "tiny")

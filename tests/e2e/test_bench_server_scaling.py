@@ -124,6 +124,7 @@ def test_falloff_finds_the_smallest_compute_time_from_which_the_goal_holds() -> 
 
 
 # ----------------------------------------------------------------------------- tiny presets
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_server_bench_tiny() -> None:
     out = _run("server_bench.py")
@@ -149,6 +150,7 @@ def test_server_bench_tiny() -> None:
         assert fig["value"] > 0 and fig["ceiling"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shared", [True, False], ids=["same-host", "grpc-only"])
 def test_scaling_tiny(shared: bool) -> None:

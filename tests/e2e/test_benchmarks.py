@@ -32,6 +32,7 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
     out = _run("benchmarks/transport.py", "--preset", "tiny")
@@ -102,6 +103,7 @@ def test_a_bad_window_is_refused_before_anything_starts(argv: list[str]) -> None
     assert "stream_window_bytes must be 0" in res.stderr and "got 1000" in res.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_worker_tiny_measures_both_runs() -> None:
     out = _run("benchmarks/faults.py", "--fault", "worker", "--preset", "tiny", "--modes", "sync")
@@ -114,6 +116,7 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scaleout_tiny_reports_the_sweep_the_grid_and_the_cost_model() -> None:
     import scaleout
@@ -187,6 +190,7 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
     assert out["payload_bytes"]["push"] == out["ids"] * (out["dim"] * 4 + 8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
     res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--preset", "quick", "--rows", "20000",
@@ -221,6 +225,7 @@ def _check_target_row(row: dict[str, Any]) -> None:
     assert row["met"] == (row["ratio"] >= row["target"] if row["better"] == "higher" else row["ratio"] <= row["target"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_suite_tiny_reports_every_figure_beside_its_ceiling(tiny_suite: dict[str, Any]) -> None:
     doc = tiny_suite

@@ -10,6 +10,7 @@ import pytest
 from conftest import run_benchmark
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_checkpoint_cost_tiny_measures_with_and_without_checkpoints() -> None:
     out = run_benchmark("feature_cost.py", "--feature", "checkpoint", "--preset", "tiny", timeout_s=100)

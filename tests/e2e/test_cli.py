@@ -120,6 +120,7 @@ def test_two_servers_two_async_workers_by_hand(start_servers, tmp_path: Path) ->
     assert text.returncode == 0 and "staleness histogram" in text.stdout
 
 
+@pytest.mark.slow
 def test_second_worker_with_another_lr_is_refused_naming_the_field(start_servers) -> None:  # type: ignore[no-untyped-def]
     servers = ",".join(start_servers(1))
     chief = run_cli(["worker", "--servers", servers, "--num-workers", "2", "--steps", "2", "--lr", "0.1"])
@@ -176,6 +177,7 @@ def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_back
     assert res.returncode == 2 and "ports up to 65536" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_launch_gives_every_server_a_metrics_endpoint_of_its_own() -> None:
     # launch --metrics-port reached the workers only: the servers, where pushes and pulls are
@@ -228,6 +230,7 @@ def test_launch_with_replicas_starts_a_backup_per_shard_and_shows_their_roles() 
     assert all(_gone(pid) for pid in _pids(out).values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_launch_stops_every_child_on_ctrl_c() -> None:
     # A shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, children inherit that,
@@ -247,6 +250,7 @@ def test_launch_stops_every_child_on_ctrl_c() -> None:
     assert "interrupted" in proc.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
     # every worker asks for a GPU that does not exist and exits with an error
@@ -259,6 +263,7 @@ def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
     assert len(pids) >= 2 and all(_gone(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_launch_with_overlap_trains_and_records_the_wait(tmp_path: Path) -> None:
     res = run_cli(
@@ -405,6 +410,7 @@ def test_the_parser_imports_neither_torch_nor_grpc() -> None:
     assert out.stdout.strip() == "[]"  # `psgrad --help` stays fast: commands import them when they run
 
 
+@pytest.mark.slow
 def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale(tmp_path: Path) -> None:
     from psgrad.cli.flags import apply_recipe, job_spec
     from psgrad.cli.parser import build_parser
@@ -421,6 +427,7 @@ def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale
     assert res.returncode == 2 and "all-reduce baseline is synchronous" in res.stderr
 
 
+@pytest.mark.slow
 def test_compress_flags_reach_the_job_and_the_worker_and_bad_names_exit_2() -> None:
     from psgrad.cli.flags import apply_recipe, client_config, job_spec
     from psgrad.cli.parser import build_parser

@@ -96,6 +96,7 @@ def test_tiny_comparison_writes_every_artifact(tmp_path: Path) -> None:
     assert "sync" in res.stdout and "final test acc" in res.stdout  # the table printed at the end
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_ctrl_c_keeps_the_summary_of_the_runs_that_finished(tmp_path: Path) -> None:
     """SIGINT threw away what the finished runs found (no summary.json); it is written for them

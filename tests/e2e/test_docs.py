@@ -63,6 +63,7 @@ def _run_script(script: str, cwd: Path, timeout_s: float) -> subprocess.Complete
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("page", [p.name for p in GETTING_STARTED if any(run for run, _ in shell_blocks(p))])
 def test_every_shell_block_of_a_getting_started_page_runs(page: str, tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ def server(*extra: str) -> tuple[Proc, str, str]:
     return proc, address, url
 
 
+@pytest.mark.slow
 def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> None:
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -128,6 +129,7 @@ def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> No
 STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) psgrad server: (.*)$")
 
 
+@pytest.mark.slow
 def test_a_servers_log_lines_carry_time_and_level_and_tell_joins_init_leaves_evictions_and_checkpoints(
     tmp_path: Path,
 ) -> None:
@@ -215,6 +217,7 @@ def terminal() -> tuple[int, int]:
     return main, secondary
 
 
+@pytest.mark.slow
 def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path: Path) -> None:
     proc, address, url = server("--lease-s", "30", "--checkpoint-dir", str(tmp_path / "ckpt"))
     w = spawn(["worker", "--servers", address, "--rank", "0", "--num-workers", "1", "--steps", "100000",
@@ -316,6 +319,7 @@ def test_ctrl_c_ends_the_live_view_at_once_while_a_server_is_slow_to_answer() ->
         slow.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_on_a_terminal_shows_a_progress_bar_and_writes_tensorboard(tmp_path: Path) -> None:
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     quiet = spawn(["server", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"])
@@ -384,6 +388,7 @@ def test_worker_exporter_serves_its_records() -> None:
         exp.close()
 
 
+@pytest.mark.slow
 def test_metrics_cost_benchmark_measures_both_sides() -> None:
     out = run_benchmark("feature_cost.py", "--feature", "metrics", "--preset", "tiny")
     assert out["benchmark"] == "metrics_cost" and out["preset"] == "tiny" and out["payload_mb"] == pytest.approx(2.0)

@@ -13,6 +13,7 @@ from conftest import REPO
 pytest.importorskip("ray")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_ps_tiny_reports_psgrad_beside_ray_and_the_limits() -> None:
     res = subprocess.run([sys.executable, "benchmarks/ray_ps.py", "--preset", "tiny"], capture_output=True,

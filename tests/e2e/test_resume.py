@@ -49,6 +49,7 @@ def test_a_stopped_sync_job_resumes_from_its_checkpoints_and_ends_as_an_uninterr
     assert [(r["test_loss"], r["test_accuracy"]) for r in got] == [(r["test_loss"], r["test_accuracy"]) for r in want]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with_a_job(tmp_path: Path) -> None:
     res = run_cli(["launch", "--resume", str(tmp_path)], timeout_s=60)

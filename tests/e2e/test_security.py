@@ -64,6 +64,7 @@ def test_a_server_binds_beyond_loopback_only_with_tls_or_insecure(tmp_path: Path
         assert proc.stop() == 0
 
 
+@pytest.mark.slow
 def test_credential_errors_say_which_credential_is_missing(tmp_path: Path) -> None:
     assert run_cli(["certs", str(tmp_path / "c"), "--num-workers", "1"]).returncode == 0
     c = tmp_path / "c"
@@ -85,6 +86,7 @@ def test_credential_errors_say_which_credential_is_missing(tmp_path: Path) -> No
     assert run_cli(["certs", str(c), "--num-workers", "1"]).returncode == 2  # never overwrites a job's keys
 
 
+@pytest.mark.slow
 def test_the_cost_benchmark_measures_every_side() -> None:
     out = run_benchmark("feature_cost.py", "--feature", "tls", "--preset", "tiny", timeout_s=180)
     assert out["payload_mb"] == pytest.approx(4.0)

@@ -80,6 +80,7 @@ def _checkpointed_job(tmp_path: Path, start_servers) -> tuple[str, Path]:  # typ
     return address, model
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_export_and_save_model_give_the_model_the_worker_evaluated(tmp_path: Path, start_servers) -> None:  # type: ignore[no-untyped-def]
     address, saved = _checkpointed_job(tmp_path, start_servers)
@@ -98,6 +99,7 @@ def test_export_and_save_model_give_the_model_the_worker_evaluated(tmp_path: Pat
     assert accuracy == pytest.approx(final["test_accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_restarted_server_refuses_damaged_checkpoints_by_name(tmp_path: Path, start_servers, server_procs) -> None:  # type: ignore[no-untyped-def]
     _checkpointed_job(tmp_path, start_servers)
