@@ -93,6 +93,26 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
     return json.loads(res.stdout)
 
 
+def once_per_run(name: str, compute: Callable[[], Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """compute() once per test run, its result (JSON) shared by every xdist worker that asks: the first
+    to ask computes it under a file lock, the others wait for it and read it. For a module fixture that
+    runs a benchmark, whose tests the scheduler may hand to different workers."""
+    import json
+
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # this run's directory, above every worker's own
+    path = shared / f"{name}.json"
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value))
+        return value
+
+
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run `python -m psgrad ARGS` to completion, capturing stdout and stderr apart.
 

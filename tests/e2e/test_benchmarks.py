@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import REPO
+from conftest import REPO, once_per_run
 
 BENCH = Path(REPO) / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -214,8 +214,9 @@ def test_sparse_rows_refuses_a_table_too_small_for_its_cold_pulls() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_suite() -> dict[str, Any]:
-    return _run("benchmarks/suite.py", "--preset", "tiny", "--only", "transport,peer,latency")
+def tiny_suite(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return once_per_run("suite-tiny", lambda: _run("benchmarks/suite.py", "--preset", "tiny", "--only",
+                                                   "transport,peer,latency"), tmp_path_factory)
 
 
 def _check_target_row(row: dict[str, Any]) -> None:
@@ -261,7 +262,8 @@ def test_suite_tiny_reports_every_figure_beside_its_ceiling(tiny_suite: dict[str
         assert latency[series]["p99"] >= latency[series]["median"] > 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # it may run the tiny suite (the fixture), or wait for another worker's run of it
 def test_suite_renders_a_saved_run_as_markdown(tiny_suite: dict[str, Any], tmp_path: Path) -> None:
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(tiny_suite))

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_benchmark, run_cli, spawn
+from conftest import once_per_run, run_benchmark, run_cli, spawn
 from psgrad.tasks import get_task
 
 
 @pytest.fixture(scope="module")
-def restart_rows() -> dict[str, dict]:  # type: ignore[type-arg]
+def restart_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:  # type: ignore[type-arg]
     """benchmarks/faults.py --fault server --preset tiny: per mode, a run with server 0 killed (-9) and
     restarted, and an uninterrupted one with the same seed."""
-    out = run_benchmark("faults.py", "--fault", "server", "--preset", "tiny", timeout_s=400)
+    out = once_per_run("faults-server-tiny", lambda: run_benchmark("faults.py", "--fault", "server", "--preset", "tiny",
+                                                                   timeout_s=400), tmp_path_factory)
     assert out["benchmark"] == "server_restart" and out["fault"] == "server"
     return {row["mode"]: row for row in out["results"]}
 

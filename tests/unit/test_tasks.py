@@ -1,4 +1,4 @@
-"""Tasks: the built-in mnist1d task, and users' own tasks loaded as package.module:function."""
+"""Tasks: the built-in digits and mnist1d tasks, and users' own tasks loaded as package.module:function."""
 from __future__ import annotations
 
 import json
@@ -90,6 +90,41 @@ def test_a_task_with_mismatched_data_is_refused() -> None:
     x = torch.zeros(10, 3)
     with pytest.raises(TaskError, match="train_x has 10 examples and train_y 9"):
         Task("bad", lambda: torch.nn.Linear(3, 2), x, torch.zeros(9, dtype=torch.long), x, torch.zeros(10))
+
+
+def test_digits_are_scikit_learns_split_as_train_test_split_splits_them() -> None:
+    """The digits task reads scikit-learn's data file itself and splits it itself (importing scikit-learn
+    cost every worker 0.9 s): the same pixels and labels as load_digits, and for the digits and random
+    label sets (ties between classes included) the same indices as train_test_split(stratify=...)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from psgrad.tasks.digits import SPLIT_SEED, TEST_FRACTION, load_digits_arrays, stratified_split
+
+    pixels, labels = load_digits_arrays()
+    ref = load_digits()
+    assert pixels.dtype == ref.data.dtype and np.array_equal(pixels, ref.data) and np.array_equal(labels, ref.target)
+    cases = [(labels, TEST_FRACTION, SPLIT_SEED)]
+    rng = np.random.RandomState(3)
+    while len(cases) < 40:
+        y = rng.randint(0, rng.randint(2, 7), size=rng.randint(30, 200))
+        if np.bincount(y).min() >= 2:
+            cases.append((y, float(rng.choice([0.1, 0.2, 0.25, 0.5])), int(rng.randint(1000))))
+    for y, fraction, seed in cases:
+        want_train, want_test = train_test_split(range(len(y)), test_size=fraction, random_state=seed, stratify=y)
+        train, test = stratified_split(y, fraction, seed)
+        assert (train.tolist(), test.tolist()) == (list(want_train), list(want_test)), (len(y), fraction, seed)
+    task = get_task("digits")
+    assert (len(task.train_y), len(task.test_y)) == (1437, 360)
+    assert torch.equal(task.test_x, torch.tensor(ref.data[stratified_split(labels, 0.2, 0)[1]], dtype=torch.float32) / 16)
+
+
+def test_the_tasks_import_without_scikit_learn() -> None:
+    code = "import sys, psgrad.tasks; print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy', 'pandas')))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
 
 
 def test_mnist1d_is_generated_locally_and_fits_its_cnn() -> None:
