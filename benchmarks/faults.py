@@ -111,6 +111,13 @@ def _start_workers(count: int, args: list[str], work: Path | None = None, save_m
     return [psgrad_process(f"worker{r}", "worker", "--rank", str(r), *args, *own(r), env=env) for r in range(count)]
 
 
+def _all_joined(workers: list[SupervisedProcess]) -> None:
+    """Wait until every worker has joined its shards: a server killed before a slow-starting worker's
+    first call would make that worker fail its join (refused), not ride out the kill."""
+    for w in workers:
+        w.wait_for_line(": joined ", timeout_s=300)
+
+
 def _wait_all(workers: list[SupervisedProcess]) -> None:
     for w in workers:
         if w.wait(600) != 0:
@@ -208,6 +215,7 @@ def run_server_kill(mode: str, steps: int, kill_at: int | None, seed: int, work:
         procs += workers
         killed_at = restart_s = None
         if kill_at is not None:
+            _all_joined(workers)
             workers[0].wait_for_line(f"step {kill_at}/", timeout_s=300)
             killed_at = time.time()
             servers[0][0].popen.kill()
@@ -323,6 +331,7 @@ def run_primary_kill(mode: str, steps: int, kill_steps: list[int], seed: int, wo
         procs += workers
         kills: list[float] = []
         serving = shards[0][0]  # shard 0's primary
+        _all_joined(workers)
         for k, at in enumerate(kill_steps):
             workers[0].wait_for_line(f"step {at}/", timeout_s=300)
             victim = live.pop(serving)
