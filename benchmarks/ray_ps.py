@@ -116,8 +116,9 @@ class RayWorld:
         self._ray = ray
         # Room for every worker's pulled version and pushed gradient at once, plus slack.
         self.object_store_bytes = max(80 << 20, (2 * workers + 2) * params * 4)
-        ray.init(num_cpus=os.cpu_count() or 1, object_store_memory=self.object_store_bytes, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        # address "local": an instance of its own, even where another Ray instance runs on this machine
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=self.object_store_bytes,
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
         ps_cls, worker_cls = _make_actors(ray)
         self.ps = ps_cls.remote(params)
         self.workers = [worker_cls.remote(self.ps, params) for _ in range(workers)]

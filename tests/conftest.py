@@ -103,14 +103,26 @@ def once_per_run(name: str, compute: Callable[[], Any], tmp_path_factory: pytest
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return compute()
-    shared = tmp_path_factory.getbasetemp().parent  # this run's directory, above every worker's own
-    path = shared / f"{name}.json"
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # this run's directory, above every worker's
     with FileLock(str(path) + ".lock"):
         if path.is_file():
             return json.loads(path.read_text())
         value = compute()
         path.write_text(json.dumps(value))
         return value
+
+
+@pytest.fixture
+def ray_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests that start Ray take turns across xdist workers: two Ray clusters at once on 2 vCPUs (each
+    with its GCS, raylets and agents) slowed each other past their tests' deadlines."""
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with FileLock(str(tmp_path_factory.getbasetemp().parent / "ray.lock")):
+        yield
 
 
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -270,10 +270,12 @@ def _connect(ray: ModuleType, config: RayConfig, needed_cpus: float) -> None:
         check_reachable(config.address)
         ray.init(address=config.address, **common)
         return
-    # A Ray instance on this machine for this job only: enough logical CPUs for every actor (the
-    # processes share the cores, as a local launch's do), no dashboard, a small object store (psgrad
-    # passes only small messages through it; Ray's default reserves 30% of RAM in /dev/shm).
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)), include_dashboard=False,
+    # A Ray instance on this machine for this job only (address "local": a new one even where another
+    # instance or `ray start` runs here; without it ray.init joins that one and refuses num_cpus):
+    # enough logical CPUs for every actor (the processes share the cores, as a local launch's do), no
+    # dashboard, a small object store (psgrad passes only small messages through it; Ray's default
+    # reserves 30% of RAM in /dev/shm).
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)), include_dashboard=False,
              object_store_memory=config.object_store_mb << 20, **common)
 
 

@@ -21,7 +21,7 @@ from conftest import Proc, run_cli, spawn
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'psgrad[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.usefixtures("ray_alone")]
 
 # Each node: one logical CPU (the actors ask for none: they share this machine's cores) and an
 # object store of 80 MiB (Ray's default would reserve 30% of the RAM in /dev/shm per node).
@@ -130,6 +130,14 @@ def test_launch_trains_across_two_nodes(tmp_path: Path) -> None:
         assert len(accuracies) == 2 and min(accuracies) >= 0.9, out
         assert (tmp_path / "worker1.jsonl").exists()
         assert not _workers_of(servers)
+
+        # Without --address the job gets a Ray instance of its own, beside the cluster running here (it
+        # used to join that cluster's head and fail: "num_cpus ... must not be provided").
+        res = run_cli(["launch", "--backend", "ray", "--insecure", *JOB, "--steps", "20"], timeout_s=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "a Ray instance started on this machine: 1 node(s)" in res.stdout, res.stdout  # not the cluster's two
+        assert len(_final_accuracies(res.stdout)) == 2, res.stdout
+        assert not _workers_of(_servers(res.stdout))
 
 
 def _stall_s(path: Path) -> float:
