@@ -112,19 +112,6 @@ def once_per_run(name: str, compute: Callable[[], Any], tmp_path_factory: pytest
         return value
 
 
-@pytest.fixture
-def ray_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Tests that start Ray take turns across xdist workers: two Ray clusters at once on 2 vCPUs (each
-    with its GCS, raylets and agents) slowed each other past their tests' deadlines."""
-    from filelock import FileLock
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
-    with FileLock(str(tmp_path_factory.getbasetemp().parent / "ray.lock")):
-        yield
-
-
 def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run `python -m psgrad ARGS` to completion, capturing stdout and stderr apart.
 
@@ -279,6 +266,24 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - torch import problems show up elsewhere
         return False
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Tests marked `ray` take turns across xdist workers: two Ray clusters at once on 2 vCPUs (each with
+    its GCS, raylets and agents) slowed each other past their deadlines. The turn is awaited outside
+    the test's timeout (this wrapper runs before pytest-timeout's)."""
+    if item.get_closest_marker("ray") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import tempfile
+
+    from filelock import FileLock
+
+    factory = getattr(item.config, "_tmp_path_factory", None)  # this run's directory, above every worker's
+    where = factory.getbasetemp().parent if factory is not None else tempfile.gettempdir()
+    with FileLock(os.path.join(where, "ray.lock")):
+        yield
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

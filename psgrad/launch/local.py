@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from psgrad.launch.supervisor import CtrlC, SupervisedProcess
+from psgrad.launch.supervisor import PRINT_LOCK, CtrlC, SupervisedProcess, print_line
 
 LISTEN_RE = re.compile(r"psgrad server listening on (\S+)")
 # The launcher's main thread waits for its children's events at most this long at a time.
@@ -99,7 +99,7 @@ def run_launch(
     replicas=1 starts a hot-standby backup per server (`--replica-of` it, once it listens);
     the workers' servers are then "PRIMARY|BACKUP" per shard.
     """
-    log = out if out is not None else lambda line: print(line, flush=True)
+    log = out if out is not None else print_line
     children: list[SupervisedProcess] = []
     events: Events = queue.Queue()
     previous = signal.getsignal(signal.SIGTERM)
@@ -155,7 +155,8 @@ def run_launch(
             log(f"[launch] failed: {', '.join(failed)}; stopping the others")
             return 1
         if status is not None and num_servers:
-            status(servers.split(","))  # a PRIMARY|BACKUP entry shows both servers
+            with PRINT_LOCK:  # its lines together, not split by a child's
+                status(servers.split(","))  # a PRIMARY|BACKUP entry shows both servers
         log(f"[launch] all {num_workers} worker(s) finished")
         return 0
     except LaunchError as exc:

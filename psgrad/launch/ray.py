@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from psgrad.config import RayConfig, ServerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.launch.ray_actors import ServerActor, WorkerActor
+from psgrad.launch.supervisor import PRINT_LOCK, print_line
 
 POLL_S = 0.5  # how often the driver collects the actors' output
 STOP_TIMEOUT_S = 15.0
@@ -294,7 +295,7 @@ def run_ray_launch(
         ConfigError: Ray is not installed.
     """
     ray = import_ray()
-    log = out if out is not None else lambda line: print(line, flush=True)
+    log = out if out is not None else print_line
     needed = len(server_configs) * config.server_cpus + num_workers * config.worker_cpus
     previous = signal.getsignal(signal.SIGTERM)
     main = threading.current_thread() is threading.main_thread()
@@ -325,7 +326,8 @@ def run_ray_launch(
         job.start_workers(placement, [worker_args(rank, servers) for rank in range(num_workers)], gpus, env or {})
         job.train()
         if status is not None:
-            status(addresses)
+            with PRINT_LOCK:  # its lines together, not split by a child's
+                status(addresses)
         log(f"[launch] all {num_workers} worker(s) finished ({time.monotonic() - start:.1f} s)")
         return 0
     except RayLaunchError as exc:

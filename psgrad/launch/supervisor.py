@@ -17,6 +17,19 @@ from typing import IO
 _PR_SET_PDEATHSIG = 1
 
 
+# Held while a whole line is written to stdout (print_line), and by whoever prints several lines that
+# must not be split by children's lines (a launch's final status).
+PRINT_LOCK = threading.RLock()
+
+
+def print_line(line: str) -> None:
+    """Print one line and flush, safely from any thread: print() writes the text and the newline in two
+    calls, and the lines of children relayed by several reader threads at once ran together."""
+    with PRINT_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 class LineNotSeen(Exception):
     """wait_for_line gave up: the process ended (ended=True), or time ran out, before the line came."""
 

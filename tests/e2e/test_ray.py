@@ -1,6 +1,7 @@
 """`psgrad launch --backend ray` on a real two-node Ray cluster on this machine (ray.cluster_utils.Cluster):
 it trains across both nodes, a killed server actor is restarted by Ray and restores its checkpoint, Ctrl-C
-or a failed worker stops every actor, and nothing the cluster started outlives it."""
+or a failed worker stops every actor, nothing the cluster started outlives it, and a job without
+--address starts a Ray instance of its own beside it."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ from conftest import Proc, run_cli, spawn
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'psgrad[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.usefixtures("ray_alone")]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(240)]
 
 # Each node: one logical CPU (the actors ask for none: they share this machine's cores) and an
 # object store of 80 MiB (Ray's default would reserve 30% of the RAM in /dev/shm per node).
@@ -131,9 +132,12 @@ def test_launch_trains_across_two_nodes(tmp_path: Path) -> None:
         assert (tmp_path / "worker1.jsonl").exists()
         assert not _workers_of(servers)
 
-        # Without --address the job gets a Ray instance of its own, beside the cluster running here (it
-        # used to join that cluster's head and fail: "num_cpus ... must not be provided").
-        res = run_cli(["launch", "--backend", "ray", "--insecure", *JOB, "--steps", "20"], timeout_s=180)
+
+def test_launch_without_address_starts_an_instance_of_its_own_beside_a_running_cluster() -> None:
+    """Without --address the job gets a Ray instance of its own even where a cluster runs on this machine
+    (it used to join that cluster's head, which refused its num_cpus, and the launch failed)."""
+    with two_nodes():
+        res = run_cli(["launch", "--backend", "ray", "--insecure", *JOB, "--steps", "20"], timeout_s=200)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "a Ray instance started on this machine: 1 node(s)" in res.stdout, res.stdout  # not the cluster's two
         assert len(_final_accuracies(res.stdout)) == 2, res.stdout

@@ -15,7 +15,7 @@ pytest.importorskip("ray")
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.usefixtures("ray_alone")
+@pytest.mark.ray
 def test_ray_ps_tiny_reports_psgrad_beside_ray_and_the_limits() -> None:
     res = subprocess.run([sys.executable, "benchmarks/ray_ps.py", "--preset", "tiny"], capture_output=True,
                          text=True, timeout=280, cwd=REPO)

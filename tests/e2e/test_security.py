@@ -43,7 +43,7 @@ def test_a_secured_job_trains_as_before(mode: str, security: str) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "mutual TLS" in res.stdout if security == "--tls" else "a token per worker" in res.stdout
     finals = {rank: (loss, float(acc)) for rank, loss, acc in FINAL.findall(res.stdout)}
-    assert set(finals) == {"0", "1"}
+    assert set(finals) == {"0", "1"}, res.stdout[-3000:]
     assert all(acc >= 0.85 for _, acc in finals.values()), finals
     versions = re.findall(r"^\s+\d+ 127\.0\.0\.1:\d+\s+\[\d+, \d+\)\s+(\d+)", res.stdout, re.M)
     assert versions == (["150", "150"] if mode == "sync" else ["300", "300"]), res.stdout  # the final status, as admin
