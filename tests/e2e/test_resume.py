@@ -11,8 +11,10 @@ import pytest
 
 from conftest import run_cli, spawn
 
+# Every step takes at least 25 ms (--step-time-ms: a wait, no CPU), so the 70 steps after the stop's
+# trigger (step 50, read from launch's relayed output) outlast that output's lag on a busy machine.
 JOB = ["--num-servers", "2", "--num-workers", "2", "--mode", "sync", "--steps", "120", "--log-every", "10",
-       "--eval-every", "120"]
+       "--eval-every", "120", "--step-time-ms", "25"]
 
 
 def finals(metrics: Path) -> list[dict]:  # type: ignore[type-arg]
