@@ -286,6 +286,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op torch thread in the test processes (as child_env gives their children), unless
+    OMP_NUM_THREADS says otherwise: `-n auto` already runs a test process per CPU and one more, and
+    OpenMP threads that spin-wait on a busy machine made a 3-second training test take 98 s at load
+    8 (one thread: 25 s)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (the default, see pyproject.toml): one test worker more than the CPUs, at most 12. The
     end-to-end tests spend much of their time waiting on their child processes; on 2 vCPUs 3 workers

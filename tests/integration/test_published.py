@@ -49,7 +49,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     running.stop(0)
 
 
-def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer) -> None:
+def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as `psgrad server` runs: the push pins its weights
     with make_client(server) as c:
         c.join(initial_weights=initial)
         flat = torch.full((N,), -7.0)
@@ -73,7 +74,7 @@ def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer)
         from psgrad.wire import serde
 
         status = serde.status_from_proto(serde.status_to_proto(server.shard.status()))
-        assert dataclasses.astuple(status.published) == (2, publisher.nbytes, 1, 2, 3, 0)
+        assert dataclasses.astuple(status.published) == (2, publisher.nbytes, 1, 2, 3, 1)
         text = format_status([{**status.to_dict(), "address": server.address}])
         assert "same-host published versions: 1 of 2 slots leased" in text and "2 versions published" in text
         assert c.pull(flat, 1) == [1] and c.views() == [None]  # not asked: copied into flat

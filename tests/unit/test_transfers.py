@@ -213,12 +213,11 @@ def test_piecewise_rule_only_for_element_wise_rules_without_state() -> None:
     assert (make_optimizer(JobSpec(optimizer="adam"), 4)).piecewise_rule() is None
 
 
-@pytest.fixture(params=[None, 1], ids=["default-threads", "one-thread"])
+@pytest.fixture(params=[2, 1], ids=["two-threads", "one-thread"])
 def torch_threads(request: pytest.FixtureRequest) -> Any:
     """With one torch thread a staged push works on whole pieces, else on blocks below the grain."""
     before = torch.get_num_threads()
-    if request.param:
-        torch.set_num_threads(request.param)
+    torch.set_num_threads(request.param)
     yield
     torch.set_num_threads(before)
 
