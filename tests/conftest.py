@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,6 +94,11 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
     return json.loads(res.stdout)
 
 
+def _run_directory(factory: pytest.TempPathFactory) -> Path:
+    """This test run's temporary directory, above every xdist worker's own: where they share files."""
+    return factory.getbasetemp().parent
+
+
 def once_per_run(name: str, compute: Callable[[], Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """compute() once per test run, its result (JSON) shared by every xdist worker that asks: the first
     to ask computes it under a file lock, the others wait for it and read it. For a module fixture that
@@ -103,7 +109,7 @@ def once_per_run(name: str, compute: Callable[[], Any], tmp_path_factory: pytest
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return compute()
-    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # this run's directory, above every worker's
+    path = _run_directory(tmp_path_factory) / f"{name}.json"
     with FileLock(str(path) + ".lock"):
         if path.is_file():
             return json.loads(path.read_text())
@@ -280,8 +286,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     from filelock import FileLock
 
-    factory = getattr(item.config, "_tmp_path_factory", None)  # this run's directory, above every worker's
-    where = factory.getbasetemp().parent if factory is not None else tempfile.gettempdir()
+    factory = getattr(item.config, "_tmp_path_factory", None)
+    where = _run_directory(factory) if factory is not None else tempfile.gettempdir()
     with FileLock(os.path.join(where, "ray.lock")):
         yield
 
