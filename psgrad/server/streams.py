@@ -68,6 +68,7 @@ class StreamLimits(grpc.ServerInterceptor):
         self._watchdog: threading.Thread | None = None
         self.cancelled = 0  # streams cancelled for a frame that did not come in time
         self.refused = 0  # streams refused over a limit
+        self.idle_waits = 0  # times the watchdog found no stream open and waited for one (tests read it)
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the one under limits)
 
     # ----------------------------------------------------------------- admission
@@ -87,6 +88,7 @@ class StreamLimits(grpc.ServerInterceptor):
                 stream = _Stream(method, peer, context)
                 self._open.add(stream)
                 self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+                self._cond.notify_all()  # wakes the watchdog if it waits for a stream to watch
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(target=self._watch, name="psgrad-stream-watch", daemon=True)
                     self._watchdog.start()
@@ -110,6 +112,7 @@ class StreamLimits(grpc.ServerInterceptor):
         while True:
             with self._cond:
                 while not self._open and not self._closed:
+                    self.idle_waits += 1
                     self._cond.wait()
                 if self._closed:
                     return

@@ -1,0 +1,124 @@
+"""StreamLimits without a server: the read deadline's watchdog, admission and release."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from psgrad.server.streams import StreamLimits, stream_budget
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Context:
+    """What StreamLimits uses of a grpc.ServicerContext: peer() and cancel()."""
+
+    def __init__(self, peer: str = "ipv4:127.0.0.1:1") -> None:
+        self._peer = peer
+        self.cancelled = threading.Event()
+
+    def peer(self) -> str:
+        return self._peer
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def stalled(release: threading.Event) -> Iterator[bytes]:
+    """One frame, then nothing until released."""
+    yield b"header"
+    release.wait(30)
+
+
+def read(limits: StreamLimits, context: Context, release: threading.Event) -> threading.Thread:
+    """Admits a stream and reads it on a thread, as a handler would."""
+    stream = limits._admit("Push", context)  # type: ignore[arg-type]
+
+    def handler() -> None:
+        try:
+            for _ in stream.frames(stalled(release)):
+                pass
+        finally:
+            limits._release(stream)
+
+    thread = threading.Thread(target=handler, daemon=True)
+    thread.start()
+    return thread
+
+
+def until(predicate: object, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def limits() -> Iterator[StreamLimits]:
+    warnings: list[str] = []
+    made = StreamLimits(0.3, 3, 2, warn=warnings.append)
+    made.warnings = warnings  # type: ignore[attr-defined]
+    yield made
+    made.close()
+
+
+def test_a_stalled_stream_is_cancelled_at_the_read_deadline(limits: StreamLimits) -> None:
+    release, context = threading.Event(), Context()
+    started = time.monotonic()
+    thread = read(limits, context, release)
+    assert context.cancelled.wait(20)
+    took = time.monotonic() - started
+    release.set()
+    thread.join(20)
+    assert took >= 0.3 and limits.counts() == (0, 1, 0)
+    assert "next frame did not come within --stream-read-timeout-s 0.3" in limits.warnings[0]  # type: ignore[attr-defined]
+
+
+def test_a_stream_admitted_after_a_quiet_spell_is_still_watched(limits: StreamLimits) -> None:
+    # Before: once no stream was open the watchdog waited to be woken, and admission never woke
+    # it: after the first quiet moment of a server's life no stalled push was ever cancelled
+    # (found by an end-to-end test whose joins took longer than one tick on a busy machine).
+    first = limits._admit("Init", Context())  # type: ignore[arg-type]
+    limits._release(first)
+    until(lambda: limits.idle_waits > 0)  # the watchdog found nothing open and waits
+    release, context = threading.Event(), Context()
+    thread = read(limits, context, release)
+    try:
+        assert context.cancelled.wait(20), "the stalled stream was never cancelled"
+    finally:
+        release.set()
+        thread.join(20)
+    assert limits.counts() == (0, 1, 0)
+
+
+def test_streams_over_a_limit_are_refused_and_freed_ones_admit_again(limits: StreamLimits) -> None:
+    aborted: list[str] = []
+
+    class Refusing(Context):
+        def abort(self, code: object, details: str) -> None:
+            aborted.append(details)
+            raise RuntimeError("aborted")
+
+        def set_trailing_metadata(self, metadata: object) -> None:
+            pass
+
+    held = [limits._admit("Push", Refusing("ipv4:a")) for _ in range(2)]  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        limits._admit("Push", Refusing("ipv4:a"))  # type: ignore[arg-type]  # 2 per connection
+    held.append(limits._admit("Push", Refusing("ipv4:b")))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        limits._admit("Push", Refusing("ipv4:c"))  # type: ignore[arg-type]  # 3 in all
+    assert limits.counts() == (3, 0, 2)
+    assert "--max-streams-per-peer 2" in aborted[0] and "3/4 of --threads" in aborted[1]
+    limits._release(held.pop())
+    held.append(limits._admit("Push", Refusing("ipv4:c")))  # type: ignore[arg-type]
+    for stream in held:
+        limits._release(stream)
+    assert limits.counts() == (0, 0, 2)
+
+
+@pytest.mark.parametrize(("threads", "budget"), [(1, 1), (2, 1), (4, 3), (8, 6), (16, 12)])
+def test_the_stream_budget_keeps_a_quarter_of_the_threads(threads: int, budget: int) -> None:
+    assert stream_budget(threads) == budget
