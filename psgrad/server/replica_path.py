@@ -153,6 +153,7 @@ class Replica:
             # evicted some meanwhile, seeing no calls), with fresh leases.
             core.state.set_members(self._members or core.state.member_records(), core.now())
             core.notify()
+            core.reaper_wake.notify_all()  # the leases it now keeps (the reaper may wait with none to watch)
         threading.Thread(target=_fence, args=(former, rep.epoch, rep.channels), name="psgrad-fence", daemon=True).start()
 
     def status(self) -> ReplicaStatus:

@@ -4,6 +4,7 @@ promoted backup fences its former primary; a restarted server rejoins as the new
 from __future__ import annotations
 
 import re
+import time
 import threading
 from collections.abc import Callable, Sequence
 
@@ -16,6 +17,7 @@ from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
 from psgrad.errors import NotPrimaryError, ServerStartError, ServerUnavailableError, StaleEpochError
+from psgrad.core.status import EVICTED
 from psgrad.server.replication import NONE, Record
 from psgrad.server.runtime import RunningServer, start_server
 
@@ -333,3 +335,28 @@ def test_a_dropped_backup_forgets_its_stale_state_and_attaches_again(servers: Ca
     assert_same_state(primary, backup)
     send_fence(backup.address, 7, dropped=True)  # not from its primary's epoch: ignored
     assert backup.shard.status().initialized
+
+
+def test_a_promoted_backup_evicts_a_worker_that_died_with_its_primary(servers: Callable[..., RunningServer]) -> None:
+    # Before: the backup's lease reaper, started with no member to watch, waited to be woken, and
+    # taking over did not wake it: a worker that never called the new primary stayed live until
+    # some other call happened to look (the reaper exists so that nobody has to).
+    primary = servers(lease_s=1.0)
+    backup = servers(replica_of=primary.address, lease_s=1.0)
+    spec = JobSpec(lr=0.1, num_workers=2)
+    plan = plan_shards(PARAMS, 1)
+    with ParameterClient([f"{primary.address}|{backup.address}"], spec, PARAMS, plan, 0, CONFIG) as a, \
+            ParameterClient([primary.address], spec, PARAMS, plan, 1, CONFIG) as dead:
+        a.join(lambda: torch.zeros(NUMEL))
+        dead.join(None)
+        a.push(grad(0, 0), 0)
+        assert backup.shard.wait_until(lambda s: {w.rank for w in s.workers} == {0, 1}, 10)
+        primary.stop(0)
+        a.push(grad(0, 1), 1)  # a fails over; the backup takes over, with fresh leases for both
+        assert backup.shard.status().replica.epoch == 1
+        a.close()  # leaves: no call reaches the backup from now on (a's heartbeats would evict on their own)
+        members = backup.shard.core.members.members  # read without a call
+        deadline = time.monotonic() + 20
+        while members[1].state != EVICTED:
+            assert time.monotonic() < deadline, "the dead worker was never evicted"
+            time.sleep(0.05)
