@@ -88,7 +88,8 @@ class StreamLimits(grpc.ServerInterceptor):
                 stream = _Stream(method, peer, context)
                 self._open.add(stream)
                 self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
-                self._cond.notify_all()  # wakes the watchdog if it waits for a stream to watch
+                if len(self._open) == 1:  # the watchdog may wait (untimed) for a stream to watch: wake it
+                    self._cond.notify_all()
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(target=self._watch, name="psgrad-stream-watch", daemon=True)
                     self._watchdog.start()
