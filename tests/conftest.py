@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,14 @@ def make_servers():  # type: ignore[no-untyped-def]
     yield make
     for s in running:
         s.stop(0)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll predicate until it holds (another thread or process does the work); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def run_in_threads(n: int, fn: Callable[[int], None], timeout_s: float = 90.0) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SmallDisk, health, run_in_threads, scrape
+from conftest import SmallDisk, health, run_in_threads, scrape, wait_for
 from psgrad.cli.status import format_status
 from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -96,14 +95,6 @@ def test_a_restored_server_serves_at_once_and_reports_its_checkpoint_age(
     assert 0 <= m[("psgrad_checkpoint_age_seconds", shard)] < 60
 
 
-def poll(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll predicate until it holds (a server thread does the work); fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_full_disk_never_ends_checkpointing_and_each_failure_is_reported_until_space_returns(
     servers: Callable[..., RunningServer], small_disk: SmallDisk,
 ) -> None:
@@ -115,11 +106,11 @@ def test_a_full_disk_never_ends_checkpointing_and_each_failure_is_reported_until
     with client(server.address) as c:
         c.join(lambda: torch.zeros(NUMEL))
         c.push(torch.ones(NUMEL), 0)
-        poll("the first checkpoint", lambda: checkpoint.versions(directory)[:1] == [1])
+        wait_for("the first checkpoint", lambda: checkpoint.versions(directory)[:1] == [1])
         small_disk.fill()
         for clock in (1, 2):
             c.push(torch.ones(NUMEL), clock)
-        poll("two failed writes", lambda: shard_status([server.address], 5)[0].checkpoint.failures >= 2)
+        wait_for("two failed writes", lambda: shard_status([server.address], 5)[0].checkpoint.failures >= 2)
         status = shard_status([server.address], 5)[0]
         m = scrape(server.metrics_url)
         text = format_status([dict(status.to_dict(), address=server.address)])
@@ -129,9 +120,9 @@ def test_a_full_disk_never_ends_checkpointing_and_each_failure_is_reported_until
         assert m[("psgrad_checkpoint_failures_total", shard)] >= 2 and m[("psgrad_checkpoint_failing", shard)] == 1
         assert "shard 0: last checkpoint: version 1, " in text and "FAILING now" in text
         small_disk.free()
-        poll("a checkpoint of version 3 once the disk has space", lambda: checkpoint.versions(directory)[:1] == [3])
+        wait_for("a checkpoint of version 3 once the disk has space", lambda: checkpoint.versions(directory)[:1] == [3])
         c.push(torch.ones(NUMEL), 3)  # the shard served on all along
-    poll("the status to say so", lambda: not shard_status([server.address], 5)[0].checkpoint.failing)
+    wait_for("the status to say so", lambda: not shard_status([server.address], 5)[0].checkpoint.failing)
     recovered = shard_status([server.address], 5)[0].checkpoint
     print(f"disk freed: {recovered}")
     assert recovered.version >= 3 and recovered.writes >= 2

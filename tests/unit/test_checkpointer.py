@@ -3,7 +3,6 @@ versions on disk or not yet written, each read back whole)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from psgrad.server.checkpointer import Checkpointer
 from psgrad.server.shard import Shard
 from test_shard import make_layout, push, weights_for
 from test_state import grad, started
-from conftest import SmallDisk
+from conftest import SmallDisk, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,14 +93,6 @@ def test_the_roll_back_source_reads_what_is_on_disk_and_what_is_not_written_yet(
     loaded = other.load(1)
     assert loaded is not None and loaded.version == 1 and torch.equal(loaded.weights, s.weights_copy())
     assert other.load(7) is None and "version 7" in warned[0]
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll predicate until it holds (the writer works on its own thread); fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

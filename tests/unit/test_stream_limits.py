@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from conftest import wait_for
 from psgrad.server.streams import StreamLimits, stream_budget
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,13 +49,6 @@ def read(limits: StreamLimits, context: Context, release: threading.Event) -> th
     return thread
 
 
-def until(predicate: object, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def limits() -> Iterator[StreamLimits]:
     warnings: list[str] = []
@@ -82,7 +76,7 @@ def test_a_stream_admitted_after_a_quiet_spell_is_still_watched(limits: StreamLi
     # (found by an end-to-end test whose joins took longer than one tick on a busy machine).
     first = limits._admit("Init", Context())  # type: ignore[arg-type]
     limits._release(first)
-    until(lambda: limits.idle_waits > 0)  # the watchdog found nothing open and waits
+    wait_for("the watchdog to find nothing open and wait", lambda: limits.idle_waits > 0)
     release, context = threading.Event(), Context()
     thread = read(limits, context, release)
     try:
