@@ -15,11 +15,10 @@ server`), as is the worker (an agent that this script starts and sends the addre
 One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):
 - pull: `ParameterClient.pull_rows` of warm rows (made by an earlier pull): ids out, rows back;
 - cold_pull: the same for ids never touched before (the shard makes each row on first touch);
-- push: `ParameterClient.push` of a step with the rows' gradients: per shard a PushRows call
-  (ids and gradients) and the step's small dense Push, which applies them;
-- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard the PushRows call
-  and one unary Step call (the small dense push, which applies the rows, and the dense pull);
-- push_rows (diagnostic): the PushRows calls alone (the shard holds the gradients; none applied);
+- push: `ParameterClient.push` of a step with the rows' gradients: per shard one Push call whose
+  header carries the ids and gradients beside the step's small dense gradient (applied together);
+- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard one unary Step
+  call (that push, and the dense pull);
 - raw_pull, raw_put: per shard one bare gRPC unary call (lib/raw_grpc.py Fetch and Put, identity
   serializers, the same concurrency) moving the same bytes: the ids out and the rows' bytes back,
   or the ids and gradients out and 8 bytes back; one raw server process beside each shard.
@@ -69,9 +68,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 GOAL = 0.8
 TABLE = "emb"
-OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "push_rows", "raw_put")
+OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "raw_put")
 # op -> the raw op it is compared with
-VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put", "push_rows": "raw_put"}
+VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put"}
 
 
 def payload_bytes(op: str, ids: int, dim: int) -> int:
@@ -104,7 +103,6 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
     from psgrad.config import ClientConfig
     from psgrad.core import rows as placement
     from psgrad.core.codecs import byte_view
-    from psgrad.proto import ps_pb2 as pb
 
     n, dim, reps, calls, S = cfg["ids"], cfg["dim"], cfg["reps"], cfg["calls"], job["shards"]
     model = nn.Module()
@@ -154,24 +152,12 @@ def measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool:
             client.exchange(dense, clock, weights, rows={TABLE: (warm, grads)})
             clock += 1
 
-        def push_rows() -> None:  # held by the shards for the next clock, replaced call by call
-            split = client._split_rows({TABLE: (warm, grads)})
-
-            def one(i: int, s: Any) -> None:
-                ids, g = split[i][TABLE]
-                s.push_rows(pb.RowsPush(rank=0, clock=clock, fingerprint=client.fingerprint, table=TABLE,
-                                        ids=ids.numpy().tobytes(), grads=g.numpy().tobytes(),
-                                        base_version=client.row_versions.get((TABLE, i), 0)))
-
-            client._fan_out(one, [i for i in range(S) if TABLE in split[i]])
-
         ops: dict[str, Callable[[], object]] = {
             "pull": lambda: client.pull_rows(TABLE, warm),
             "raw_pull": raw_pull,
             "cold_pull": lambda: client.pull_rows(TABLE, next(fresh)),
             "push": push,
             "step": step,
-            "push_rows": push_rows,
             "raw_put": raw_put,
         }
         server_pids = {op: job["pids"] if not op.startswith("raw") else cfg["raw_pids"][:S] for op in ops}
@@ -308,7 +294,7 @@ def report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: floa
             vs = VERSUS[op]
             targets.append(target(f"sparse {op}: rows/s, {p['ids']:,} ids x {p['dim']}, {S} shard(s), {where}",
                                   r[op]["rows_per_s"], r[vs]["rows_per_s"], GOAL, "higher", "rows/s", f"raw gRPC {vs}"))
-        for op in ("pull", "cold_pull", "push", "step", "push_rows"):
+        for op in ("pull", "cold_pull", "push", "step"):
             vs = VERSUS[op]
             figures.append(figure(f"sparse {op} rows/s, {S} shard(s), {where}", r[op]["rows_per_s"], "rows/s",
                                   r[vs]["rows_per_s"], f"raw gRPC {vs}"))
@@ -328,10 +314,9 @@ def report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: floa
         "jobs": jobs,
         "targets": targets,
         "figures": figures,
-        "notes": "push = per shard a PushRows call of the rows' ids and gradients + the step's small dense Push "
-                 "that applies them; step = per shard the PushRows call + a unary Step call (the small dense push "
-                 "that applies them, and the dense pull), as PSOptimizer.step sends; push_rows = the PushRows "
-                 "calls alone (held, not applied); raw_put = one "
+        "notes": "push = per shard one Push call carrying the rows' ids and gradients in its header with the "
+                 "step's small dense gradient, applied together; step = per shard one unary Step call (that push "
+                 "and the dense pull), as PSOptimizer.step sends; raw_put = one "
                  "unary call of the same ids + gradients. Pulls move ids out and rows back in one unary call "
                  "per shard, as raw_pull does.",
     }

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
     from psgrad.nn.embedding import Embedding, EmbeddingBag
+    from psgrad.nn.collection import EmbeddingBagCollection
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -61,6 +62,7 @@ _LAZY = {
     "ShardedSampler": "psgrad.tasks.data",
     "Embedding": "psgrad.nn.embedding",
     "EmbeddingBag": "psgrad.nn.embedding",
+    "EmbeddingBagCollection": "psgrad.nn.collection",
 }
 
 
@@ -91,6 +93,7 @@ __all__ = [
     "ShardedSampler",
     "Embedding",
     "EmbeddingBag",
+    "EmbeddingBagCollection",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",

@@ -13,14 +13,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from psgrad.client.parameter_client import ParameterClient
+from psgrad.client.parameter_client import ParameterClient, RowReads
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
@@ -32,8 +32,15 @@ from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import ROW_OPTIMIZERS
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
-from psgrad.nn.embedding import RowSource, sparse_modules
+from psgrad.nn.collection import EmbeddingBagCollection
+from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_modules
+from psgrad.worker.prefetch import Prefetched
 from psgrad.worker.row_cache import RowCache
+
+B = TypeVar("B")
+# What a forward of each psgrad embedding module (Embedding, EmbeddingBag, EmbeddingBagCollection)
+# will take: its first argument (ids, or a collection's features), by module.
+Lookups = Mapping[nn.Module, Any]
 
 
 def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
@@ -284,8 +291,10 @@ class PSOptimizer(ScheduledOptimizer):
         source: RowSource = self.client
         if row_cache and self.embeddings:
             source = self.row_cache = RowCache(self.client, row_cache, row_cache_staleness, lambda: self.clock)
+        self.prefetched = Prefetched(source)  # rows fetched ahead (prefetch, step(prefetch=...), pipeline)
         for name, module in self.embeddings:
-            module.bind(name, source)
+            module.bind(name, self.prefetched)
+        self._next_lookups: Lookups | None = None  # pipeline(): the next batch's, for the next step()
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None
         self._versions: list[int] = []
@@ -322,9 +331,10 @@ class PSOptimizer(ScheduledOptimizer):
         """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
         self.flat.zero_grad()
 
-    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None) -> ExchangeResult:
-        """Push grad as clock (computed on weights of versions `base`) with lr, after the row
-        gradients of the model's psgrad embeddings, then pull clock + 1."""
+    def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
+                  reads: RowReads | None = None) -> ExchangeResult:
+        """Push grad as clock (computed on weights of versions `base`) with lr and the row gradients
+        of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for)."""
         t0 = time.perf_counter()
         self.client.base_versions = base
         rows = {}
@@ -332,7 +342,7 @@ class PSOptimizer(ScheduledOptimizer):
             taken = module.take_gradients()
             if taken is not None:
                 rows[name] = taken
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows)
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads)
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
@@ -374,9 +384,64 @@ class PSOptimizer(ScheduledOptimizer):
             stats.lr = self.lr
         stats.staleness_bound = done.bound or None
 
-    def step(self, closure: Any = None) -> StepStats:  # type: ignore[override]
+    def prefetch(self, lookups: Lookups) -> None:
+        """Fetch now the rows that training forwards of these inputs will read, every table in one
+        call per shard, however many psgrad embedding modules hold them: `lookups` maps each module
+        (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection of this model) to the first
+        argument its forward will get (ids, or a collection's features). Each module's next
+        training forward with exactly those ids is served these rows; any other read pulls as
+        usual. So separate modules cost one call per shard per forward, like one table.
+
+        Raises:
+            ConfigError: a module that is not one of this model's psgrad embeddings.
+        """
+        ids = self._lookup_ids(lookups)
+        self.prefetched.hold(ids, self.client.pull_tables(ids))
+
+    def _lookup_ids(self, lookups: Lookups) -> dict[str, torch.Tensor]:
+        """The unique ids, by table, that forwards of `lookups` read."""
+        mine = {id(m) for _, m in self.embeddings}
+        ids: dict[str, torch.Tensor] = {}
+        for module, value in lookups.items():
+            tables = list(module.bags.values()) if isinstance(module, EmbeddingBagCollection) else [module]
+            if not isinstance(module, (SparseEmbedding, EmbeddingBagCollection)) or any(id(t) not in mine for t in tables):
+                raise ConfigError(f"prefetch: {type(module).__name__} is not a psgrad embedding of this optimizer's "
+                                  "model (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection)")
+            ids.update(module.lookup(value))
+        return ids
+
+    def pipeline(self, batches: Iterable[B], lookups: Callable[[B], Lookups]) -> Iterator[B]:
+        """The batches of `batches`, each with its rows fetched ahead: the first one's before it is
+        yielded (prefetch), each next one's by the step() in between, in the same call per shard
+        as that step's push and pull (step(prefetch=...)): a training step then makes one call per
+        shard, every table both ways. `lookups(batch)` names what each psgrad embedding module's
+        forward takes for that batch ({module: ids or features}). In sync mode the rows of batch
+        i+1 are read after iteration i's update (the same rows a pull in its forward would get);
+        in async and ssp mode their staleness counts from that read, as for any pull of rows.
+
+            for x, y in opt.pipeline(loader, lambda b: {model.users: b[0][:, 0], model.items: b[0][:, 1]}):
+                opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        """
+        it = iter(batches)
+        try:
+            current = next(it)
+        except StopIteration:
+            return
+        self.prefetch(lookups(current))
+        for following in it:
+            self._next_lookups = lookups(following)
+            try:
+                yield current
+            finally:
+                self._next_lookups = None
+            current = following
+        yield current
+
+    def step(self, closure: Any = None, prefetch: Lookups | None = None) -> StepStats:  # type: ignore[override]
         """Push this step's gradients with the lr in effect and bring fresh weights into the model
         (see the class doc). A closure (torch's signature) is refused: the loss is computed once.
+        prefetch: {module: its next forward's input}: those rows come back with the fresh weights
+        in the same calls (see pipeline()), for the next forward to use.
 
         Raises:
             PsgradError: a server refused the push or became unreachable.
@@ -414,8 +479,10 @@ class PSOptimizer(ScheduledOptimizer):
         else:
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
+            ahead = prefetch if prefetch is not None else self._next_lookups
+            reads = RowReads(self._lookup_ids(ahead)) if ahead else None
             try:
-                done = self._exchange(grad, clock, self._versions, push_lr)
+                done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 stats.versions = list(self._versions)
@@ -426,6 +493,8 @@ class PSOptimizer(ScheduledOptimizer):
                 return stats
             stats.wait_s = done.exchange_s
             self._record(done, stats)
+            if reads is not None:
+                self.prefetched.hold(reads.ids, reads.rows)
         stats.versions = list(self._versions)
         self.clock = clock + 1
         return stats
@@ -439,6 +508,7 @@ class PSOptimizer(ScheduledOptimizer):
         Raises:
             CheckpointError: no iteration common to every shard's checkpoints (named).
         """
+        self.prefetched.clear()  # rows read before the roll-back
         for attempt in range(attempts):
             target = self.client.rollback()
             try:
@@ -456,6 +526,7 @@ class PSOptimizer(ScheduledOptimizer):
         """The shards evicted this worker (no call of its arrived within its lease): join again,
         as a worker joining a running job does, pull the weights of the clock the shards give,
         and continue from it. Returns that clock."""
+        self.prefetched.clear()
         self.clock = self.client.join(initial_weights=None)
         self._versions = self._pull(self.clock)
         self.rejoins += 1

@@ -88,11 +88,6 @@ class ServerBusyError(PsgradError):
     --reconnect-timeout-s)."""
 
 
-class RowsMissingError(PsgradError):
-    """A push announced row gradients of sparse tables that the shard does not hold (it restarted
-    between the worker's PushRows and its push): the worker sends them again, then the push."""
-
-
 class MemoryBudgetError(PsgradError):
     """A sparse table would grow past the server's memory budget (--memory-budget-mb)."""
 
@@ -128,7 +123,6 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         AuthenticationError,
         PermissionDeniedError,
         ServerBusyError,
-        RowsMissingError,
         MemoryBudgetError,
         TaskError,
         CheckpointError,

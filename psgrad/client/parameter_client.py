@@ -6,14 +6,15 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from concurrent import futures
 from typing import Any, TypeVar
 
 import torch
 
 from psgrad import errors
-from psgrad.client.shard_client import ShardClient
+from psgrad.client.shard_client import RowsRead, ShardClient
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, byte_view
@@ -33,8 +34,6 @@ from psgrad.wire.heap import tune_allocator
 T = TypeVar("T")
 # table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
 RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor]]
-# A push whose shard lost the row gradients sent before it (it restarted) sends them again this often.
-ROWS_RESENDS = 3
 _log = logging.getLogger("psgrad.client")
 # A worker waiting at the sync/ssp start asks the shards again at least this often (each answer says
 # who has joined), and logs who is missing when that changes or every START_NOTE_S.
@@ -298,12 +297,12 @@ class ParameterClient:
         return note
 
     def _push_header(
-        self, index: int, clock: int, lr: float | None = None, row_tables: int = 0, compress: str = "",
+        self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowGradients | None = None,
     ) -> pb.PushHeader:
+        """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this shard)."""
         start, end = self.plan.ranges[index]
         return pb.PushHeader(
             compress=compress,
-            row_tables=row_tables,
             rank=self.rank,
             clock=clock,
             base_version=self.base_versions[index],
@@ -311,23 +310,23 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
+            rows=[pb.TableRows(table=name, ids=ids.numpy().tobytes(), grads=grads.numpy().tobytes(),
+                               base_version=self.row_versions.get((name, index), 0))
+                  for name, (ids, grads) in (rows or {}).items()],
         )
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
              rows: RowGradients | None = None) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
-        and the learning rate in effect (None: the job's), after its part of the step's row
-        gradients of sparse tables (`rows`). Returns each shard's answer."""
+        and the learning rate in effect (None: the job's), and its part of the step's row gradients
+        of sparse tables (`rows`) in the same call: applied together or not at all. Returns each
+        shard's answer."""
         split = self._split_rows(rows)
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
-
-            def send(row_tables: int) -> pb.PushReply:
-                return s.push(self._push_header(i, clock, lr, row_tables, compress), payload)
-
-            return serde.push_outcome_from_proto(self._with_rows(i, s, clock, split[i], send))
+            return serde.push_outcome_from_proto(s.push(self._push_header(i, clock, lr, compress, split[i]), payload))
 
         if not self._shard0_decides:
             return self._fan_out(one)
@@ -338,72 +337,63 @@ class ParameterClient:
 
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
-        rows: RowGradients | None = None,
+        rows: RowGradients | None = None, reads: RowReads | None = None,
     ) -> tuple[list[PushOutcome], list[int]]:
-        """One iteration's traffic: push(flat_grad, clock, lr), then pull(flat, clock + 1), per shard
-        in one Step call where it fits (same host, or payloads of at most one chunk), else as a
-        push followed by a pull. Each shard goes at its own pace: its pull may wait at its gate
-        while another shard still receives the push. Returns each shard's answer to the push and the
+        """One iteration's traffic: push(flat_grad, clock, lr, rows), then pull(flat, clock + 1) and
+        the rows `reads` asks for (reads.rows holds them afterwards), per shard in one Step call
+        where it fits (same host, or payloads of at most one chunk), else as a push followed by a
+        pull and a read of rows. The rows are read once the pull's gate holds (sync: after this
+        iteration's update). Each shard goes at its own pace: its pull may wait at its gate while
+        another shard still receives the push. Returns each shard's answer to the push and the
         versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            return self.push(flat_grad, clock, lr, rows), self.pull(flat, clock + 1, published=published)
+            done = self.push(flat_grad, clock, lr, rows), self.pull(flat, clock + 1, published=published)
+            if reads is not None:
+                reads.rows = self.pull_tables(reads.ids)
+            return done
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
         split = self._split_rows(rows)
+        plan = _ReadPlan(self, reads.ids) if reads is not None else None
 
-        def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int]:
+        def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int, RowsRead | None]:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
-
-            def send(row_tables: int) -> tuple[pb.PushReply, int]:
-                header = self._push_header(i, clock, lr, row_tables, compress)
-                done = s.step(header, payload, flat[start:end], self._pull_wires[i], published)
-                if done is None:
-                    done = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
-                return done
-
-            return self._with_rows(i, s, clock, split[i], send)
+            header = self._push_header(i, clock, lr, compress, split[i])
+            asks = plan.asks(i) if plan is not None else []
+            done = s.step(header, payload, flat[start:end], self._pull_wires[i], published, asks)
+            if done is None:
+                reply, version = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
+                done = reply, version, self._read(s, asks, False) if asks else None
+            return done
 
         results = self._fan_out(one)
-        self.base_versions = [version for _, version in results]
-        return [serde.push_outcome_from_proto(reply) for reply, _ in results], list(self.base_versions)
+        self.base_versions = [version for _, version, _ in results]
+        if reads is not None and plan is not None:
+            reads.rows = plan.place({i: got for i, (_, _, got) in enumerate(results) if got is not None}, False)
+        return [serde.push_outcome_from_proto(reply) for reply, _, _ in results], list(self.base_versions)
 
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, table: str, ids: torch.Tensor, observe: bool = False) -> torch.Tensor:
         """Rows [len(ids), dim] (float32, CPU) of sparse table `table` for row ids (unique, int64,
-        CPU), one call per shard that holds some of them, concurrently; remembers each shard's
-        table version (the push of their gradients says what they were pulled at).
+        CPU): pull_tables of one table."""
+        return self.pull_tables({table: ids}, observe)[table]
+
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool = False) -> dict[str, torch.Tensor]:
+        """Rows [len(ids), dim] (float32, CPU) of every sparse table `lookups` names, for its row
+        ids (unique, int64, CPU): one call per shard that holds some of them, whatever the number
+        of tables, concurrently. Remembers each shard's table versions (the push of their
+        gradients says what they were pulled at).
 
         Raises:
             InvalidRequestError: the job has no such table, or an id is out of range.
         """
-        spec = self._table(table)
-        row_placement.check_ids(ids, spec.num_embeddings, f"table {table!r}")
-        S = len(self.shards)
-        where = row_placement.shard_of(ids, S)
-        parts = {i: (where == i).nonzero().squeeze(1) for i in range(S)} if S > 1 else {0: None}
-        wanted = [i for i, at in parts.items() if at is None or at.numel()]
-        # Torch work stays on this thread: the fan-out's threads only make the calls (two threads
-        # running torch ops at once contend for its OpenMP threads, which cost more than the ops).
-        mine = {i: ids if parts[i] is None else ids[parts[i]] for i in wanted}
-        requests = {i: pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
-                                      ids=mine[i].numpy().tobytes(), observe=observe) for i in wanted}
-        replies = dict(zip(wanted, self._fan_out(lambda i, s: s.pull_rows(requests[i]), wanted)))
-        out = torch.empty(ids.numel(), spec.dim)
-        for i, (version, data) in replies.items():
-            at = parts[i]
-            if len(data) != mine[i].numel() * spec.dim * 4:
-                raise errors.InvalidRequestError(
-                    f"server {self.shards[i].address}: {len(data)} bytes of rows for {mine[i].numel()} ids of table "
-                    f"{table!r} (dim {spec.dim})")
-            # Copied as bytes (a view of the reply need not be aligned for float32), into out or
-            # into a shard's part to be placed.
-            values = out if at is None else torch.empty(mine[i].numel(), spec.dim)
-            byte_view(values)[:] = data
-            if at is not None:
-                out.index_copy_(0, at, values)
-            if not observe:
-                self.row_versions[(table, i)] = version
-        return out
+        plan = _ReadPlan(self, lookups)
+        wanted = [i for i in range(len(self.shards)) if plan.asks(i)]
+        got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
+        return plan.place(dict(zip(wanted, got)), observe)
+
+    def _read(self, s: ShardClient, asks: Sequence[pb.TableRows], observe: bool) -> RowsRead:
+        return s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe, tables=asks))
 
     def updated_rows(self, table: str, page_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64, rows [n, dim]) of every row of sparse table `table` updated at least once,
@@ -450,22 +440,6 @@ class ParameterClient:
                 if bool(mask.any()):
                     split[i][name] = (ids[mask], grads[mask])
         return split
-
-    def _with_rows(self, index: int, s: ShardClient, clock: int, rows: RowGradients, send: Callable[[int], T]) -> T:
-        """Send shard `index` its row gradients of `clock`, then send(how many tables they were of):
-        the push they go with. A shard that lost them before the push came (it restarted) refuses it
-        (RowsMissingError): both go again."""
-        for attempt in range(ROWS_RESENDS + 1):
-            for name, (ids, grads) in rows.items():
-                s.push_rows(pb.RowsPush(
-                    rank=self.rank, clock=clock, fingerprint=self.fingerprint, table=name, ids=ids.numpy().tobytes(),
-                    grads=grads.numpy().tobytes(), base_version=self.row_versions.get((name, index), 0)))
-            try:
-                return send(len(rows))
-            except errors.RowsMissingError:
-                if attempt == ROWS_RESENDS:
-                    raise
-        raise AssertionError("unreachable")
 
     def forget_lent_versions(self) -> None:
         """The model was written over a lent version (a private copy of those pages now): the next
@@ -537,3 +511,69 @@ class ParameterClient:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
+
+
+@dataclass
+class RowReads:
+    """Rows an exchange reads with its pull: row ids (unique, int64, CPU) by table, and once the
+    exchange returned, their rows ([len(ids), dim] float32, CPU) by table."""
+
+    ids: Mapping[str, torch.Tensor]
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _ReadPlan:
+    """Which rows of which tables a read asks each shard for (row r on shard r mod S), and where the
+    rows each shard sends back go. Torch work stays on the caller's thread: the fan-out's threads
+    only make the calls (two threads running torch ops at once contend for its OpenMP threads,
+    which cost more than the ops)."""
+
+    def __init__(self, client: ParameterClient, lookups: Mapping[str, torch.Tensor]) -> None:
+        self._client = client
+        S = len(client.shards)
+        # shard -> [(table, its ids there, their places in the table's ids (None: all of them))]
+        self._parts: list[list[tuple[str, torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(S)]
+        self._sizes: dict[str, tuple[int, int]] = {}
+        for table, ids in lookups.items():
+            spec = client._table(table)
+            row_placement.check_ids(ids, spec.num_embeddings, f"table {table!r}")
+            self._sizes[table] = (ids.numel(), spec.dim)
+            if S == 1:
+                self._parts[0].append((table, ids, None))
+                continue
+            where = row_placement.shard_of(ids, S)
+            for i in range(S):
+                at = (where == i).nonzero().squeeze(1)
+                if at.numel():
+                    self._parts[i].append((table, ids[at], at))
+        self._asks = [[pb.TableRows(table=t, ids=ids.numpy().tobytes()) for t, ids, _ in part] for part in self._parts]
+
+    def asks(self, index: int) -> list[pb.TableRows]:
+        """What shard `index` is asked for (empty: none of its rows)."""
+        return self._asks[index]
+
+    def place(self, replies: Mapping[int, RowsRead], observe: bool) -> dict[str, torch.Tensor]:
+        """Each table's rows from the shards' replies; remembers their versions (not when observe)."""
+        out = {table: torch.empty(n, dim) for table, (n, dim) in self._sizes.items()}
+        for i, (versions, data) in replies.items():
+            offset = 0
+            address = self._client.shards[i].address
+            for (table, ids, at), version in zip(self._parts[i], versions):
+                dim = self._sizes[table][1]
+                nbytes = ids.numel() * dim * 4
+                if offset + nbytes > len(data):
+                    raise errors.InvalidRequestError(
+                        f"server {address}: {len(data)} bytes of rows, short of the {ids.numel()} rows of table "
+                        f"{table!r} (dim {dim}) asked for")
+                # Copied as bytes (a view of the reply need not be aligned for float32), into the
+                # table's rows or into this shard's part of them to be placed.
+                values = out[table] if at is None else torch.empty(ids.numel(), dim)
+                byte_view(values)[:] = data[offset:offset + nbytes]
+                offset += nbytes
+                if at is not None:
+                    out[table].index_copy_(0, at, values)
+                if not observe:
+                    self._client.row_versions[(table, i)] = version
+            if offset != len(data):
+                raise errors.InvalidRequestError(f"server {address}: {len(data)} bytes of rows for {offset} asked for")
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
@@ -228,15 +229,15 @@ class SameHost:
 
     def step(
         self, seg: shm.AnySegment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer,
-        want: bool = False,
-    ) -> tuple[pb.PushReply, int] | None:
+        want: bool = False, reads: Sequence[pb.TableRows] = (),
+    ) -> tuple[pb.PushReply, int, pb.StepReply] | None:
         """step() through the segment: the gradient goes in, the weights come back in it (or in a
-        lent slot: want, see _adopt)."""
+        lent slot: want, see _adopt); the rows `reads` names come back in the reply (returned last)."""
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            request = pb.StepRequest(push=header).SerializeToString()
+            request = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
             reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, want))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
@@ -254,10 +255,10 @@ class SameHost:
                 lent = False
                 self.view = None
                 return reply.push, self._client.pull_frames(pb.PullRequest(
-                    rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint), dest, wire)
+                    rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint), dest, wire), reply
             if not lent:
                 copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
-        return reply.push, int(reply.pull.version)
+        return reply.push, int(reply.pull.version), reply

@@ -42,6 +42,8 @@ from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.wire.security import client_channels
 
 T = TypeVar("T")
+# Rows read from a shard: each table's version, and the rows' float32 bytes, table after table
+RowsRead = tuple[list[int], memoryview]
 
 
 class ShardClient:
@@ -117,7 +119,6 @@ class ShardClient:
             prefix + "Rollback", pb.RollbackRequest.SerializeToString, pb.RollbackReply.FromString
         )
         self._pull_rows = ch.unary_unary(prefix + "PullRows", pb.RowsRequest.SerializeToString, None)
-        self._push_rows = ch.unary_unary(prefix + "PushRows", pb.RowsPush.SerializeToString, pb.RowsPushReply.FromString)
         # Same-host payloads: the Push method called with its header frame only, the gradient in
         # the segment (a client stream of one message is a unary call on the wire).
         self._push_header_only = ch.unary_unary(prefix + "Push", None, pb.PushReply.FromString)
@@ -271,21 +272,25 @@ class ShardClient:
 
     # ----------------------------------------------------------------- push + pull in one call
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False
-    ) -> tuple[pb.PushReply, int] | None:
-        """Push one gradient slice as header.clock, then pull the weights for header.clock + 1
-        into dest, in one unary Step call: through this shard's segment (same host), else with
-        both payloads in the messages when they fit one chunk. Returns the push reply and the
-        pulled version; None when a Step call does not fit (a large payload to another host):
-        then push and pull separately. Retries are safe (pushes are keyed).
+        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: Sequence[pb.TableRows] = (),
+    ) -> tuple[pb.PushReply, int, RowsRead | None] | None:
+        """Push one gradient slice as header.clock (with the row gradients its header carries),
+        then pull the weights for header.clock + 1 into dest and the rows `reads` names (ids by
+        table), in one unary Step call: through this shard's segment (same host), else with both
+        payloads in the messages when they fit one chunk. Returns the push reply, the pulled
+        version and the rows read (None: none asked for); None when a Step call does not fit (a
+        large payload to another host): then push and pull separately. Retries are safe (pushes
+        are keyed).
         """
         self.same.view = None
         seg = self.same.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is not None:
-            return self.same.step(seg, header, payload, dest, wire, published)
+            done = self.same.step(seg, header, payload, dest, wire, published, reads)
+            return None if done is None else (done[0], done[1], self._rows_read(done[2], reads))
         if len(payload) > self.config.chunk_bytes:
             return None
-        head = pb.StepRequest(push=header).SerializeToString()
+        head = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
         request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
         t = self.config.rpc_timeout_s
 
@@ -297,33 +302,42 @@ class ShardClient:
                 f"server {self.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
             )
         copy_from_wire(dest, data, wire)
-        return reply.push, int(reply.pull.version)
+        return reply.push, int(reply.pull.version), self._rows_read(reply, reads)
+
+    def _rows_read(self, reply: pb.StepReply, reads: Sequence[pb.TableRows]) -> RowsRead | None:
+        """The rows a Step reply carries for `reads` (None: none asked for)."""
+        if not reads:
+            return None
+        return self._checked_rows(list(reply.row_versions), memoryview(reply.rows), len(reads), "step")
+
+    def _checked_rows(self, versions: list[int], rows: memoryview, tables: int, what: str) -> RowsRead:
+        if len(versions) != tables:
+            raise InvalidRequestError(f"server {self.address}: {what} returned the versions of {len(versions)} "
+                                      f"tables for {tables} asked for")
+        return versions, rows
 
     # ----------------------------------------------------------------- sparse tables
-    def pull_rows(self, req: pb.RowsRequest) -> tuple[int, memoryview]:
-        """Rows of one sparse table by id (see ps.proto PullRows): the table's version and the rows'
-        bytes, a view of the reply (the server puts them last; parsed by protobuf if not there)."""
+    def pull_rows(self, req: pb.RowsRequest) -> RowsRead:
+        """Rows of sparse tables by id (req.tables; see ps.proto PullRows): each table's version and
+        the rows' bytes, table after table, a view of the reply (the server puts them last; parsed
+        by protobuf if not there)."""
         t = self.config.rpc_timeout_s
         reply: bytes = self._call("the pull of rows", lambda: self._pull_rows(req, timeout=t), t)
         what = f"the pull of rows from {self.address}"
         split = trailing_bytes_field(reply, ROWS_REPLY_ROWS)
         if split is not None:
             head, rows = split
-            return int(parse_frame(pb.RowsReply, bytes(head), what).version), rows
-        msg = parse_frame(pb.RowsReply, reply, what)
-        return int(msg.version), memoryview(msg.rows)
+            msg = parse_frame(pb.RowsReply, bytes(head), what)
+        else:
+            msg = parse_frame(pb.RowsReply, reply, what)
+            rows = memoryview(msg.rows)
+        return self._checked_rows(list(msg.versions), rows, len(req.tables), "the pull of rows")
 
     def updated_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
         """A page of a sparse table's updated rows with their ids (req.updated; see ps.proto PullRows)."""
         t = self.config.rpc_timeout_s
         reply: bytes = self._call("the read of updated rows", lambda: self._pull_rows(req, timeout=t), t)
         return parse_frame(pb.RowsReply, reply, f"the read of updated rows from {self.address}")
-
-    def push_rows(self, req: pb.RowsPush) -> pb.RowsPushReply:
-        """Row gradients of one sparse table for the push of the same clock (see ps.proto PushRows);
-        retries are safe (they replace what the shard holds for that clock)."""
-        t = self.config.rpc_timeout_s
-        return self._call("the push of rows", lambda: self._push_rows(req, timeout=t), t)
 
     def status(self, timeout_s: float | None = None, with_params: bool = False) -> pb.StatusReply:
         """The shard's status, as a first call (a refused connection is reported after a short grace)."""

@@ -7,6 +7,7 @@ start as N(0, std²) draws made on the servers from (seed, table, row id), so an
 its server 8 bytes of index, and every row is the same on every server after every restart."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -20,10 +21,11 @@ EMBEDDING_BAG_MODES = ("sum", "mean")
 
 
 class RowSource(Protocol):
-    """Where a bound table's rows come from (the job's shards; see ParameterClient.pull_rows)."""
+    """Where a bound table's rows come from (the job's shards; see ParameterClient.pull_tables)."""
 
-    def pull_rows(self, table: str, ids: torch.Tensor, observe: bool) -> torch.Tensor:
-        """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU)."""
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU), by table: one call
+        per shard for all of them."""
 
 
 class SparseEmbedding(nn.Module):
@@ -74,26 +76,50 @@ class SparseEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inverse, rows): each id's index into rows, which are the batch's unique ids' rows
         pulled from the servers (a leaf that records its gradient when training)."""
+        source = self._bound_source()
+        unique, inverse = self.unique_ids(ids)
+        training = self._training()
+        got = source.pull_tables({self.table or "": unique}, not training)
+        return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training)
+
+    def _bound_source(self) -> RowSource:
         if self._source is None:
             raise WorkerStateError(
                 f"{type(self).__name__}({self.num_embeddings}, {self.embedding_dim}) is not bound to a job: "
                 "its rows live on the servers; build ps.optimizer(model) (or psgrad.connect(...).optimizer) first"
             )
+        return self._source
+
+    def _training(self) -> bool:
+        """Whether a forward now is a training step's (its rows take gradients and may be served
+        from what the step prefetched), not an evaluation's read-only read."""
+        return self.training and torch.is_grad_enabled() and not self._observe
+
+    def unique_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the unique ids of a forward's input, sorted, int64 on the CPU; each id's index into them).
+
+        Raises:
+            InvalidRequestError: not an integer tensor, or an id out of range.
+        """
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
-        flat = ids.reshape(-1)
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         unique = unique.to("cpu", torch.int64)
         rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}")
-        # Training pulls are the step's (a row cache may serve them; their versions are what the
-        # push says it computed on); evaluation's are read-only reads of the servers' rows.
-        training = self.training and torch.is_grad_enabled() and not self._observe
-        weight = self._source.pull_rows(self.table or "", unique, not training)
-        weight = weight.to(ids.device)
+        return unique, inverse.view(ids.shape)
+
+    def lookup(self, input: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows a forward of `input` reads, by table (what a prefetch asks the servers for)."""
+        return {self.table or "": self.unique_ids(input)[0]}
+
+    def attach_rows(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool) -> torch.Tensor:
+        """The pulled rows of `unique` as this forward uses them: on the input's device and, when
+        training, a leaf that records its gradient (taken by take_gradients)."""
+        weight = weight.to(device)
         if training:
             weight.requires_grad_(True)
             self._touched.append((unique, weight))
-        return inverse.view(ids.shape), weight
+        return weight
 
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients of the rows the forwards since the last call touched, coalesced per id:

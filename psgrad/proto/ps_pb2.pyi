@@ -193,7 +193,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "row_tables", "compress")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "rows")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -201,8 +201,8 @@ class PushHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
-    ROW_TABLES_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     base_version: int
@@ -210,9 +210,9 @@ class PushHeader(_message.Message):
     dtype: str
     fingerprint: str
     lr: float
-    row_tables: int
     compress: str
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., row_tables: _Optional[int] = ..., compress: _Optional[str] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -249,22 +249,28 @@ class PushProgress(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("push", "data")
+    __slots__ = ("push", "data", "pull_rows")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PULL_ROWS_FIELD_NUMBER: _ClassVar[int]
     push: PushHeader
     data: bytes
-    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    pull_rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pull_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("push", "pull", "data")
+    __slots__ = ("push", "pull", "data", "rows", "row_versions")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     push: PushReply
     pull: PullHeader
     data: bytes
-    def __init__(self, push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    rows: bytes
+    row_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., row_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "clock", "state", "last_seen_s", "pushes")
@@ -404,59 +410,49 @@ class TableStatus(_message.Message):
     staleness_mean: float
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
 
-class RowsRequest(_message.Message):
-    __slots__ = ("rank", "fingerprint", "table", "ids", "observe", "updated", "from_id", "limit")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    OBSERVE_FIELD_NUMBER: _ClassVar[int]
-    UPDATED_FIELD_NUMBER: _ClassVar[int]
-    FROM_ID_FIELD_NUMBER: _ClassVar[int]
-    LIMIT_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    fingerprint: str
-    table: str
-    ids: bytes
-    observe: bool
-    updated: bool
-    from_id: int
-    limit: int
-    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., observe: _Optional[bool] = ..., updated: _Optional[bool] = ..., from_id: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
-
-class RowsReply(_message.Message):
-    __slots__ = ("version", "rows", "ids")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    rows: bytes
-    ids: bytes
-    def __init__(self, version: _Optional[int] = ..., rows: _Optional[bytes] = ..., ids: _Optional[bytes] = ...) -> None: ...
-
-class RowsPush(_message.Message):
-    __slots__ = ("rank", "clock", "fingerprint", "table", "ids", "grads", "base_version")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+class TableRows(_message.Message):
+    __slots__ = ("table", "ids", "grads", "base_version")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    clock: int
-    fingerprint: str
     table: str
     ids: bytes
     grads: bytes
     base_version: int
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ...) -> None: ...
 
-class RowsPushReply(_message.Message):
-    __slots__ = ("version",)
+class RowsRequest(_message.Message):
+    __slots__ = ("rank", "fingerprint", "table", "observe", "updated", "from_id", "limit", "tables")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    FROM_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    table: str
+    observe: bool
+    updated: bool
+    from_id: int
+    limit: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., observe: _Optional[bool] = ..., updated: _Optional[bool] = ..., from_id: _Optional[int] = ..., limit: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class RowsReply(_message.Message):
+    __slots__ = ("version", "rows", "ids", "versions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    rows: bytes
+    ids: bytes
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., rows: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishedStatus(_message.Message):
     __slots__ = ("slots", "nbytes", "leased", "copies", "leases", "pinned")

@@ -60,7 +60,6 @@ RULES: dict[str, Rule] = {
     "Leave": Rule((WORKER,), _plain),
     "Rollback": Rule((WORKER,), _plain),
     "PullRows": Rule((WORKER, ADMIN), lambda r: (int(r.rank), bool(r.observe))),
-    "PushRows": Rule((WORKER,), _plain),
     "Status": Rule((WORKER, ADMIN)),
     "ReplicaAttach": Rule((SERVER,)),
     "ReplicaApply": Rule((SERVER,)),

@@ -13,16 +13,16 @@ from psgrad.core.layout import explain_push_header
 from psgrad.errors import (
     EvictedError,
     InvalidRequestError,
+    MemoryBudgetError,
     NonFiniteGradientError,
     RollbackError,
-    RowsMissingError,
     WorkerStateError,
 )
 from psgrad.server.aggregation import Pending, SyncRound
 from psgrad.server.ledger import PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.replica_path import Replica
-from psgrad.server.rows_path import Rows
+from psgrad.server.rows_path import RowGradients, Rows
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
@@ -38,15 +38,17 @@ class Pushes:
 
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
-        lr: float | None = None, row_tables: int = 0, compress: str = "",
+        lr: float | None = None, rows: RowGradients | None = None, compress: str = "",
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
-        row_tables: how many sparse tables' row gradients of this (rank, clock) the worker sent first;
+        rows: the row gradients of sparse tables it carries, checked in full here (and their rows
+        made) before any of its data is received, so a push refused for them changes nothing;
         compress: the payload's codec ("": plain values; else the job's --compress, decoded once received).
 
         Raises:
-            RowsMissingError: the shard does not hold them all (it restarted since): send them again.
+            InvalidRequestError, WorkerStateError: the header or its rows are refused (named).
+            MemoryBudgetError: the rows it touches would not fit the server's budget.
         """
         core = self._core
         with core.cond:
@@ -62,14 +64,10 @@ class Pushes:
                 member = core.members.live(rank)
                 if not core.policy.aggregates:  # (sync: the policy takes only the current iteration)
                     core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
-            except (WorkerStateError, InvalidRequestError):
+                rows_nonfinite = self._rows.check(state, rank, rows) if rows else 0
+            except (WorkerStateError, InvalidRequestError, MemoryBudgetError):
                 core.counters.pushes_rejected += 1
                 raise
-            held = self._rows.held(rank, clock)
-            if row_tables > held and clock > member.last_push_clock:
-                raise RowsMissingError(
-                    f"push of worker rank {rank} at clock {clock} comes with row gradients of {row_tables} sparse "
-                    f"table(s), of which this shard holds {held} (it restarted since they were sent): send them again")
             lr = state.resolve_lr(rank, clock, lr)
             grad, wire = core.buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact and not compress
@@ -79,6 +77,7 @@ class Pushes:
                 wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
+            writer.rows, writer.rows_nonfinite = rows or {}, rows_nonfinite
             # A gradient that the worker's segment holds may be applied from there, in place: by an
             # update rule that only reads it, applied on arrival.
             writer.may_borrow = exact and not core.policy.aggregates and state.dense.may_borrow()
@@ -146,7 +145,8 @@ class Pushes:
                 if writer is not None and writer.revoked:
                     raise EvictedError(f"worker rank {rank} was evicted while pushing; nothing was applied")
                 # Its row gradients go with it: applied or buffered below, dropped on every other way out.
-                rows = self._rows.take(rank, clock)
+                rows = writer.rows if writer is not None else {}
+                bad += writer.rows_nonfinite if writer is not None else 0
                 if clock <= member.last_push_clock:
                     core.counters.pushes_duplicate += 1
                     return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
@@ -165,6 +165,11 @@ class Pushes:
                     core.counters.updates_lost += max(0, clock - lost_from - 1)
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
+                try:  # (a restore since the header may have dropped the rows it made)
+                    self._rows.reserve(state, rows)
+                except MemoryBudgetError:
+                    core.counters.pushes_rejected += 1
+                    raise
                 if decision is PushDecision.BUFFER:
                     core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
                     core.buffers.keep(grad)

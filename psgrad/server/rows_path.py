@@ -1,16 +1,16 @@
-"""The sparse-table path of a shard: pulls of rows by id, and row gradients held per worker until its
-push of the same clock, then applied with it — at once (async, ssp), or (sync) with the iteration:
-summed over its workers in rank order and divided by their number, like the dense mean, so the
-update does not depend on the order pushes arrived in. A collaborator of the shard core, acting
-under its lock; it tells the replica when rows changed."""
+"""The sparse-table path of a shard: reads of rows by id (several tables in one call), and the row
+gradients that travel inside a push: checked in full before anything of the push is applied, then
+applied with its dense gradient — at once (async, ssp), or (sync) with the iteration: summed over its
+workers in rank order and divided by their number, like the dense mean, so the update does not
+depend on the order pushes arrived in. A collaborator of the shard core, acting under its lock; it
+tells the replica when rows changed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from psgrad.errors import InvalidRequestError, NonFiniteGradientError
+from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
@@ -18,14 +18,8 @@ from psgrad.server.transfers import count_nonfinite
 
 # table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at)
 RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor, int]]
-
-
-@dataclass
-class Staged:
-    """One worker's row gradients of one clock, by table."""
-
-    clock: int
-    tables: RowGradients = field(default_factory=dict)
+# (table, row ids [n] int64): rows a call reads
+Lookup = tuple[str, torch.Tensor]
 
 
 class Rows:
@@ -34,23 +28,38 @@ class Rows:
     def __init__(self, core: ShardCore, replica: Replica) -> None:
         self._core = core
         self._replica = replica
-        self._staged: dict[int, Staged] = {}  # rank -> its row gradients awaiting its push
 
-    def pull(self, rank: int, fingerprint: str, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(the table's version, rows [len(ids), dim]) of rows `ids` of sparse table `table`. No gate:
-        a worker pulls a step's rows after its dense pull passed the mode's.
+    def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> list[tuple[int, torch.Tensor]]:
+        """Per lookup (table, ids): (the table's version, rows [len(ids), dim]). No gate: a worker
+        pulls a step's rows after its dense pull passed the mode's.
 
         Raises:
             InvalidRequestError: no such table, or ids out of range, of another dtype or shard.
             MemoryBudgetError: making the rows never touched would pass the server's budget.
         """
-        core = self._core
-        with core.cond:
-            state = core.require(fingerprint, rank)
+        with self._core.cond:
+            return self.read(self._core.require(fingerprint, rank), rank, lookups)
+
+    def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> None:
+        """Check the tables and ids of a read (see SparseTable.check) without reading.
+
+        Raises:
+            InvalidRequestError: no such table, or ids out of range, of another dtype or shard.
+        """
+        with self._core.cond:
+            state = self._core.require(fingerprint, rank)
+            for table, ids in lookups:
+                state.sparse(table, rank).check(ids)
+
+    def read(self, state: ShardState, rank: int, lookups: Sequence[Lookup]) -> list[tuple[int, torch.Tensor]]:
+        """pull() under the lock the caller holds (a Step call reads its rows once its gate holds)."""
+        out = []
+        for table, ids in lookups:
             t = state.sparse(table, rank)
             values = t.rows(ids)
-            core.counters.bytes_out += values.numel() * 4
-            return t.version, values
+            self._core.counters.bytes_out += values.numel() * 4
+            out.append((t.version, values))
+        return out
 
     def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
@@ -68,49 +77,33 @@ class Rows:
             core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
             return t.version, ids, values
 
-    def stage(self, rank: int, clock: int, fingerprint: str, table: str, ids: torch.Tensor, grads: torch.Tensor,
-              base_version: int) -> int:
-        """Hold a worker's row gradients of (clock, table) until its push of that clock (another
-        clock's held rows are dropped; those of a clock whose push was handled already are a resent
-        copy, not held); returns the table's version.
+    def check(self, state: ShardState, rank: int, rows: RowGradients) -> int:
+        """Check a push's row gradients in full (tables, ids, shapes) and make the rows they touch,
+        so that applying them can no longer fail (the memory budget is charged here, before any
+        part of the push is applied). Returns their non-finite values: the push's non-finite
+        policy decides for the whole push. Under the lock.
 
         Raises:
             InvalidRequestError: no such table; ids repeated, out of range or on another shard;
                 gradients of another shape.
-            NonFiniteGradientError: NaN/inf in the gradients (--nonfinite reject).
+            MemoryBudgetError: the rows would not fit the server's budget.
         """
-        core = self._core
-        with core.cond:
-            state = core.require(fingerprint, rank)
-            t = state.sparse(table, rank)
+        bad = 0
+        for name, (ids, grads, _) in rows.items():
+            t = state.sparse(name, rank)
             t.check_update(ids, grads)
-            member = core.members.live(rank)
-            if clock <= member.last_push_clock:  # its push was handled: a resent copy, dropped
-                return t.version
-            bad = count_nonfinite(grads)
-            if bad and core.config.nonfinite != "allow":
-                if core.config.nonfinite == "reject":
-                    core.counters.pushes_rejected += 1
-                    raise NonFiniteGradientError(
-                        f"row gradients of table {table!r} from worker rank {rank} at clock {clock} have {bad} non-finite "
-                        "values; nothing was applied (start the server with --nonfinite skip|allow to change this)")
-                ids, grads = ids[:0], grads[:0]  # skip: held as none, so the push still finds them
-            staged = self._staged.get(rank)
-            if staged is None or staged.clock != clock:
-                staged = self._staged[rank] = Staged(clock)
-            staged.tables[table] = (ids, grads, base_version)
-            core.counters.bytes_in += grads.numel() * 4 + ids.numel() * 8
-            return t.version
+            bad += count_nonfinite(grads)
+        self.reserve(state, rows)
+        return bad
 
-    def held(self, rank: int, clock: int) -> int:
-        """How many tables' row gradients of (rank, clock) the shard holds."""
-        staged = self._staged.get(rank)
-        return len(staged.tables) if staged is not None and staged.clock == clock else 0
+    def reserve(self, state: ShardState, rows: RowGradients) -> None:
+        """Make the rows a push touches (checked already), charging the memory budget.
 
-    def take(self, rank: int, clock: int) -> RowGradients:
-        """The row gradients of (rank, clock), no longer held (none: an empty dict)."""
-        staged = self._staged.pop(rank, None)
-        return staged.tables if staged is not None and staged.clock == clock else {}
+        Raises:
+            MemoryBudgetError: they would not fit.
+        """
+        for name, (ids, _, _) in rows.items():
+            state.sparse(name, -1).reserve(ids)
 
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's)."""

@@ -64,7 +64,6 @@ def _generic_handler(servicer: ParameterServicer, replica: ReplicaServicer) -> g
             "PullRows": grpc.unary_unary_rpc_method_handler(
                 refusing_undecodable(servicer.PullRows), request_deserializer=decoder(pb.RowsRequest)
             ),
-            "PushRows": unary(servicer.PushRows, pb.RowsPush, pb.RowsPushReply),
             **replica.handlers(),
         },
     )

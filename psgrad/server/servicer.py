@@ -5,7 +5,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,6 +21,7 @@ from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.publisher import Publisher
+from psgrad.server.rows_path import Lookup, RowGradients
 from psgrad.server.shard import Shard
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.wire import protocol
@@ -81,6 +82,37 @@ def _tensor(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
     if not data:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def _row_gradients(items: Sequence[pb.TableRows], what: str) -> RowGradients:
+    """A push's row gradients (PushHeader.rows) as tensors, by table (tables without ids left out).
+
+    Raises:
+        InvalidRequestError: a table twice, or bytes that are not whole rows of gradients.
+    """
+    out: RowGradients = {}
+    for item in items:
+        if item.table in out:
+            raise InvalidRequestError(f"{what}: row gradients of table {item.table!r} twice")
+        ids = _tensor(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")
+        grads = _tensor(item.grads, torch.float32, f"{what}: row gradients of table {item.table!r}")
+        if not ids.numel() and not grads.numel():
+            continue
+        if not ids.numel() or grads.numel() % ids.numel():
+            raise InvalidRequestError(
+                f"{what}: {grads.numel()} gradient values for {ids.numel()} row ids of table {item.table!r}")
+        out[item.table] = (ids, grads.view(ids.numel(), -1), int(item.base_version))
+    return out
+
+
+def _lookups(items: Sequence[pb.TableRows], what: str) -> list[Lookup]:
+    """The (table, ids) a read of rows names."""
+    return [(item.table, _tensor(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")) for item in items]
+
+
+def _rows_bytes(rows: Sequence[torch.Tensor]) -> list[memoryview]:
+    """Rows read, as the bytes a reply carries them in (table after table)."""
+    return [byte_view(r.contiguous()) for r in rows]
 
 
 def _metadata(context: grpc.ServicerContext, key: str) -> str | None:
@@ -288,7 +320,7 @@ class ParameterServicer:
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
-            h.row_tables, h.compress,
+            _row_gradients(h.rows, f"push from worker rank {h.rank}"), h.compress,
         )
         try:
             # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed
@@ -369,12 +401,18 @@ class ParameterServicer:
         """Push, then pull for the next clock, in one unary call (see ps.proto). The reply is
         built by hand so the weights are copied once, straight after the serialized headers."""
         h = req.push
+        reads = _lookups(req.pull_rows, f"step of worker rank {h.rank}")
+        if reads:  # checked before the push: a read refused then leaves the push unapplied
+            self.shard.rows.check_reads(h.rank, h.fingerprint, reads)
         reserved = self._reserve(h, context)
         seg = reserved.segment
         pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
-            reply = pb.StepReply(push=pushed, pull=self._pull_header(version)).SerializeToString()
+            # The rows are read once the gate holds: in sync mode after this iteration's update.
+            got = self.shard.pull_rows(h.rank, h.fingerprint, reads) if reads else []
+            reply = pb.StepReply(push=pushed, pull=self._pull_header(version), row_versions=[v for v, _ in got],
+                                 rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
             if seg is not None:
                 if not self._publish(context, h.rank, frames):
                     frames.copy_into(seg.payload[: frames.nbytes])
@@ -417,22 +455,10 @@ class ParameterServicer:
         if req.updated:
             version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
-        ids = _tensor(req.ids, torch.int64, "row ids")
-        version, rows = self.shard.pull_rows(req.rank, req.fingerprint, req.table, ids)
-        head = pb.RowsReply(version=version).SerializeToString()
-        data = byte_view(rows.contiguous())
-        return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, len(data)), data))
-
-    @_edge
-    def PushRows(self, req: pb.RowsPush, context: grpc.ServicerContext) -> pb.RowsPushReply:
-        self.shard.serving()
-        ids = _tensor(req.ids, torch.int64, "row ids")
-        grads = _tensor(req.grads, torch.float32, "row gradients")
-        if ids.numel() == 0 or grads.numel() % ids.numel():
-            raise InvalidRequestError(f"push of rows: {grads.numel()} gradient values for {ids.numel()} row ids")
-        grads = grads.view(ids.numel(), -1)
-        version = self.shard.push_rows(req.rank, req.clock, req.fingerprint, req.table, ids, grads, req.base_version)
-        return pb.RowsPushReply(version=version)
+        got = self.shard.pull_rows(req.rank, req.fingerprint, _lookups(req.tables, "pull of rows"))
+        head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
+        data = _rows_bytes([r for _, r in got])
+        return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))
 
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:

@@ -76,7 +76,6 @@ class Shard:
         self.replica_buffer = self.replica.buffer
         self.apply_record = self.replica.apply_record
         self.pull_rows = self.rows.pull
-        self.push_rows = self.rows.stage
         self.updated_rows = self.rows.updated
 
     @property

@@ -313,6 +313,16 @@ class SparseTable:
             fresh[name][: self.touched] = old[: self.touched]
         self._state = fresh
 
+    def reserve(self, ids: torch.Tensor) -> None:
+        """Make rows `ids` (checked) if they were never touched, charging the memory budget, so an
+        update of them cannot fail for it later.
+
+        Raises:
+            MemoryBudgetError: they would not fit (nothing is made).
+        """
+        if ids.numel():
+            self._slots(ids)
+
     def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
         slots = self._checked_slots(ids)

@@ -59,6 +59,10 @@ class PushWriter(PayloadWriter):
         self.revoked = False  # its worker was evicted mid-push: it must never be applied
         self.holds_turn = False  # staged shards: this push is the one being received
         self.lr: float | None = None  # the learning rate the push carries (None: the job's)
+        # The row gradients of sparse tables the push carries (table -> ids, gradients, base version),
+        # checked with its header, and their non-finite values (the push's policy decides for both).
+        self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.rows_nonfinite = 0
         self._stage: tuple[torch.Tensor, UpdateRule, float] | None = None
         self.staged_version = -1  # the shard version the staged weights were computed from
         self._block = BLOCK

@@ -56,7 +56,6 @@ _STATUS_OF: dict[type[PsgradError], grpc.StatusCode] = {
     errors.StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-    errors.RowsMissingError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.MemoryBudgetError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ServerBusyError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # retried by workers, on the same server
 }

@@ -6,7 +6,7 @@ steps of updates (the worker's own included), a staleness sync mode does not all
 each table's entries are kept sorted by id, looked up with searchsorted."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,36 +89,52 @@ class RowCache:
         self._tables: dict[str, _TableCache] = {}
         self.stats = CacheStats()
 
-    def pull_rows(self, table: str, ids: torch.Tensor, observe: bool) -> torch.Tensor:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        """Each table's rows for its ids: the fresh cached ones from memory, the rest pulled from the
+        source, every table's misses in one grouped pull."""
         if observe:
-            return self._source.pull_rows(table, ids, observe)
+            return self._source.pull_tables(lookups, observe)
         step = self._step()
-        cache = self._tables.get(table)
-        if cache is None:
-            out = self._source.pull_rows(table, ids, observe)
-            cache = self._tables[table] = _TableCache(out.shape[1], self.capacity)
-            cache.put(ids, out, step)
-            self.stats.misses += ids.numel()
-            return out
-        found, slot = cache.find(ids)
-        fresh = found.clone()
-        fresh[found] = step - cache.pulled[slot[found]] < self.staleness
-        out = torch.empty(ids.numel(), cache.rows.shape[1])
-        hit = slot[fresh]
-        out[fresh] = cache.rows[hit]
-        cache.used[hit] = step
-        missing = ~fresh
-        if bool(missing.any()):
-            pulled = self._source.pull_rows(table, ids[missing], observe)
-            out[missing] = pulled
+        out: dict[str, torch.Tensor] = {}
+        plans: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # table -> (found, slot, missing)
+        misses: dict[str, torch.Tensor] = {}
+        for table, ids in lookups.items():
+            cache = self._tables.get(table)
+            if cache is None:  # a table met for the first time: all of it pulled
+                misses[table] = ids
+                continue
+            found, slot = cache.find(ids)
+            fresh = found.clone()
+            fresh[found] = step - cache.pulled[slot[found]] < self.staleness
+            out[table] = torch.empty(ids.numel(), cache.rows.shape[1])
+            hit = slot[fresh]
+            out[table][fresh] = cache.rows[hit]
+            cache.used[hit] = step
+            missing = ~fresh
+            hits = int(fresh.sum())
+            self.stats.hits += hits
+            self.stats.misses += ids.numel() - hits
+            if hits < ids.numel():
+                plans[table] = (found, slot, missing)
+                misses[table] = ids[missing]
+        pulled = self._source.pull_tables(misses, observe) if misses else {}
+        for table, got in pulled.items():
+            ids = lookups[table]
+            if table not in self._tables:
+                self._tables[table] = _TableCache(got.shape[1], self.capacity)
+                self._tables[table].put(ids, got, step)
+                self.stats.misses += ids.numel()
+                out[table] = got
+                continue
+            cache = self._tables[table]
+            found, slot, missing = plans[table]
+            rows = out[table]
+            rows[missing] = got
             stale = found & missing  # cached, but too old: refreshed in place
             if bool(stale.any()):
                 again = slot[stale]
-                cache.rows[again], cache.pulled[again], cache.used[again] = out[stale], step, step
+                cache.rows[again], cache.pulled[again], cache.used[again] = rows[stale], step, step
             new = missing & ~found
             if bool(new.any()):
-                cache.put(ids[new], out[new], step)
-        hits = int(fresh.sum())
-        self.stats.hits += hits
-        self.stats.misses += ids.numel() - hits
+                cache.put(ids[new], rows[new], step)
         return out

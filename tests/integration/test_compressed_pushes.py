@@ -124,17 +124,17 @@ def test_a_push_in_another_codec_is_refused_and_a_bad_payload_applies_nothing(ma
     with ParameterClient([server.address], spec, params, plan_shards(params, 1), 0, GRPC) as c:
         c.join(lambda: torch.zeros(10))
         shard = c.shards[0]
-        header = c._push_header(0, 0, None, 0, "sign")
+        header = c._push_header(0, 0, None, "sign")
         with pytest.raises(InvalidRequestError, match="compressed as 'sign', but the job's --compress is 'topk:0.5'"):
             shard.push(header, memoryview(bytes(Codec(parse_compression("sign"), 10).nbytes)))  # type: ignore[arg-type]
         codec = Codec(spec.compression, 10)
         payload = bytearray(codec.encode(torch.ones(10)))
         payload[0:4] = (99).to_bytes(4, "little")
         with pytest.raises(InvalidRequestError, match=r"index outside \[0, 10\)"):
-            shard.push(c._push_header(0, 0, None, 0, spec.compress), memoryview(payload))
+            shard.push(c._push_header(0, 0, None, spec.compress), memoryview(payload))
         assert server.shard.status().version == 0  # nothing applied
         assert server.shard.status().pushes_rejected == 2
-        reply = shard.push(c._push_header(0, 0, None, 0, spec.compress), codec.encode(torch.ones(10)))
+        reply = shard.push(c._push_header(0, 0, None, spec.compress), codec.encode(torch.ones(10)))
         assert isinstance(reply, pb.PushReply) and reply.applied
 
 

@@ -1,0 +1,128 @@
+"""psgrad.EmbeddingBagCollection: several embedding-bag tables whose rows live on the servers, looked up
+together from keyed features (a dict of id tensors, or keys / values / lengths as in TorchRec's
+KeyedJaggedTensor), so a forward makes one pull per shard for all its tables. Each table is a
+psgrad.EmbeddingBag of its own inside it (a job's table, named by its place in the model); the
+forward pools each feature's bags and concatenates the tables' outputs, as TorchRec's
+EmbeddingBagCollection does."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from psgrad.errors import ConfigError
+from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag
+
+# feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
+Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Tables of embedding bags looked up together: `tables` maps each feature's name to its
+    table's (num_embeddings, embedding_dim). forward(features) takes, for every feature, its ids:
+    a 2-D tensor (one bag per row), a pair (ids 1-D, offsets 1-D: bags starting at each offset),
+    or the whole batch as a KeyedJaggedTensor-like object (keys(), values(), lengths(): the
+    lengths of every bag, feature after feature); it returns [batch, sum of the dims]: each
+    table's pooled bags (mode "sum", "mean" or "max"), concatenated in the order of `tables`.
+
+    Bound by ps.optimizer(model) like psgrad.EmbeddingBag (its tables are `<name>.bags.<feature>`);
+    a training forward pulls the unique ids of every feature in one call per shard.
+    """
+
+    def __init__(self, tables: Mapping[str, tuple[int, int]], mode: str = "sum", std: float = 1.0,
+                 seed: int = 0) -> None:
+        super().__init__()
+        if not tables:
+            raise ConfigError("an EmbeddingBagCollection needs at least one table: {feature: (num_embeddings, dim)}")
+        if mode not in EMBEDDING_BAG_MODES:
+            raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
+        self.bags = nn.ModuleDict({name: EmbeddingBag(int(n), int(d), mode=mode, std=std, seed=seed)
+                                   for name, (n, d) in tables.items()})
+        self.mode = mode
+
+    @property
+    def features(self) -> list[str]:
+        """The features' names, in the order of the output's columns."""
+        return list(self.bags.keys())
+
+    @property
+    def output_dim(self) -> int:
+        return sum(bag.embedding_dim for bag in self._bags())
+
+    def _bags(self) -> list[EmbeddingBag]:
+        return [bag for bag in self.bags.values() if isinstance(bag, EmbeddingBag)]
+
+    def split(self, features: Any) -> Features:
+        """Each feature's (ids, offsets) from what forward takes (see the class doc).
+
+        Raises:
+            ConfigError: a feature missing or unknown, or lengths that do not add up to the ids.
+        """
+        if hasattr(features, "lengths") and hasattr(features, "values") and hasattr(features, "keys"):
+            parts = _keyed_jagged(list(features.keys()), features.values(), features.lengths())
+        elif isinstance(features, Mapping):
+            parts = {}
+            for name, value in features.items():
+                if isinstance(value, (tuple, list)) and len(value) == 2:
+                    parts[str(name)] = (value[0], value[1])
+                elif isinstance(value, torch.Tensor) and value.dim() == 2:
+                    parts[str(name)] = (value, None)
+                else:
+                    raise ConfigError(f"feature {name!r}: give a 2-D tensor of ids (one bag per row) or a pair "
+                                      "(ids, offsets)")
+        else:
+            raise ConfigError(f"an EmbeddingBagCollection takes a dict of features or a KeyedJaggedTensor, got "
+                              f"{type(features).__name__}")
+        missing, unknown = set(self.bags) - set(parts), set(parts) - set(self.bags)
+        if missing or unknown:
+            raise ConfigError(f"features: missing {sorted(missing)}, unknown {sorted(unknown)}; the tables are "
+                              f"{self.features}")
+        return parts
+
+    def lookup(self, features: Any) -> dict[str, torch.Tensor]:
+        """The rows a forward of `features` reads, by table (what a prefetch asks the servers for)."""
+        return {bag.table or "": bag.unique_ids(ids)[0] for bag, (ids, _) in zip(self._bags(), self._ordered(features))}
+
+    def _ordered(self, features: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        parts = self.split(features)
+        return [parts[name] for name in self.bags]
+
+    def forward(self, features: Any) -> torch.Tensor:
+        bags = self._bags()
+        source = bags[0]._bound_source()
+        training = bags[0]._training()
+        parts = self._ordered(features)
+        unique = [bag.unique_ids(ids) for bag, (ids, _) in zip(bags, parts)]
+        got = source.pull_tables({bag.table or "": u for bag, (u, _) in zip(bags, unique)}, not training)
+        outs = []
+        for bag, (ids, offsets), (u, inverse) in zip(bags, parts, unique):
+            weight = bag.attach_rows(u, got[bag.table or ""], ids.device, training)
+            outs.append(F.embedding_bag(inverse, weight, offsets, mode=bag.mode))
+        return torch.cat(outs, dim=1)
+
+
+def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> Features:
+    """Each key's (ids, offsets) from a KeyedJaggedTensor's keys, values and lengths (the lengths of
+    every bag, key after key: len(keys) x batch of them).
+
+    Raises:
+        ConfigError: lengths that are not len(keys) x batch, or do not add up to the values.
+    """
+    if not keys or lengths.numel() % len(keys):
+        raise ConfigError(f"keyed features: {lengths.numel()} lengths for {len(keys)} keys")
+    lengths = lengths.to(torch.int64)
+    if int(lengths.sum()) != values.numel():
+        raise ConfigError(f"keyed features: lengths add up to {int(lengths.sum())}, but there are {values.numel()} ids")
+    per_key = lengths.view(len(keys), -1)
+    out: Features = {}
+    start = 0
+    for key, bag_lengths in zip(keys, per_key):
+        total = int(bag_lengths.sum())
+        offsets = torch.zeros_like(bag_lengths)
+        offsets[1:] = torch.cumsum(bag_lengths, 0)[:-1]
+        out[str(key)] = (values[start:start + total], offsets)
+        start += total
+    return out

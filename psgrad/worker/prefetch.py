@@ -1,0 +1,58 @@
+"""Rows fetched ahead of the forward that reads them: `opt.prefetch(...)` (every table of a batch in one
+call per shard, whether its tables are one module or many) and a step's exchange that brings the next
+batch's rows back with the fresh weights (`opt.step(prefetch=...)`, `opt.pipeline(...)`). A RowSource
+in front of the worker's other one: a training forward that asks a table for exactly the ids that
+were fetched for it gets those rows (once); any other read goes through."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from psgrad.nn.embedding import RowSource
+
+
+@dataclass
+class PrefetchStats:
+    """Tables' reads served from rows fetched ahead (served), and fetched rows no forward asked for
+    (unused: the forward asked for other ids, or none came), since the start."""
+
+    served: int = 0
+    unused: int = 0
+
+
+class Prefetched:
+    """A RowSource that serves rows fetched ahead; everything else goes to `source`."""
+
+    def __init__(self, source: RowSource) -> None:
+        self._source = source
+        self._held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (ids, rows)
+        self.stats = PrefetchStats()
+
+    def hold(self, ids: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]) -> None:
+        """Keep the rows fetched for `ids` (by table) for the forward that reads them; rows held
+        before and never read are dropped."""
+        self.clear()
+        self._held = {table: (ids[table], rows[table]) for table in ids}
+
+    def clear(self) -> None:
+        self.stats.unused += len(self._held)
+        self._held = {}
+
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        if observe:
+            return self._source.pull_tables(lookups, observe)
+        out: dict[str, torch.Tensor] = {}
+        rest: dict[str, torch.Tensor] = {}
+        for table, ids in lookups.items():
+            held = self._held.pop(table, None)
+            if held is not None and held[0].shape == ids.shape and torch.equal(held[0], ids):
+                out[table] = held[1]
+                self.stats.served += 1
+            else:
+                self.stats.unused += held is not None
+                rest[table] = ids
+        if rest:
+            out.update(self._source.pull_tables(rest, observe))
+        return out

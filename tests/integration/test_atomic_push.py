@@ -1,0 +1,192 @@
+"""A push carries every table of its shard (the dense range's gradient and each sparse table's row
+gradients) and is all or nothing: a push refused for any reason — the memory budget, a bad row id,
+a non-finite value in the dense gradient or in a row, a compressed payload that does not decode —
+leaves the primary's and its hot standby's weights, rows, optimizer state and versions bitwise
+unchanged, and its retry (the same clock, the fault mended) is applied exactly once. Async and sync
+(where the job goes on to the next iteration afterwards); real gRPC servers in process."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from conftest import run_in_threads, wait_for
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig
+from psgrad.core import rows as row_placement
+from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
+from psgrad.errors import InvalidRequestError, MemoryBudgetError, NonFiniteGradientError
+from psgrad.server.runtime import RunningServer, start_server
+from psgrad.server.tables import SparseTable
+
+pytestmark = pytest.mark.timeout(120)
+
+NUMEL, ROWS, DIM = 500, 100_000, 8
+PARAMS = [ParamSpec("w", (NUMEL,), "float32")]
+TABLE = TableSpec("emb", ROWS, DIM, 5, 0.1)
+CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=20, reconnect_timeout_s=0, shared_memory=False)
+# Row index (8 bytes a row) + a first arena of 1,024 rows fit; the arena's doubling to 2,048 does not.
+ROW_BYTES = 4 * DIM + 16 + 4 * DIM  # values, id + version, Adagrad's accumulator
+BUDGET_MB = (8 * ROWS + 1536 * ROW_BYTES) / 2**20
+
+
+@pytest.fixture
+def job() -> Iterator[Callable[[str, int], tuple[RunningServer, RunningServer, list[ParameterClient]]]]:
+    """job(mode, workers) -> (primary, its backup, joined clients), all stopped at teardown."""
+    servers: list[RunningServer] = []
+    clients: list[ParameterClient] = []
+
+    def make(mode: str, workers: int) -> tuple[RunningServer, RunningServer, list[ParameterClient]]:
+        primary = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=BUDGET_MB))
+        servers.append(primary)
+        backup = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=BUDGET_MB, replica_of=primary.address))
+        servers.append(backup)
+        spec = JobSpec(mode=mode, optimizer="adagrad", lr=0.1, num_workers=workers, compress="topk:0.2")
+        new = [ParameterClient([primary.address], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG, tables=[TABLE])
+               for r in range(workers)]
+        clients.extend(new)
+        run_in_threads(workers, lambda r: new[r].join((lambda: torch.linspace(-1, 1, NUMEL)) if r == 0 else None))
+        return primary, backup, new
+
+    yield make
+    for c in clients:
+        c.close()
+    for s in servers:
+        s.stop(0)
+
+
+def state_of(server: RunningServer) -> dict[str, torch.Tensor | int]:
+    """What a push may change, comparable bit for bit: the dense weights and optimizer state, the
+    version, and the whole sparse table (rows never touched at their initial values, whether or not
+    the shard has made them) with each row's version and accumulator."""
+    state = server.shard.core.state
+    assert state is not None
+    out: dict[str, torch.Tensor | int] = {"version": state.version, "weights": state.weights.clone()}
+    out.update({"dense." + k: v.clone() for k, v in state.optimizer.state_dict().items() if isinstance(v, torch.Tensor)})
+    table = state.tables["emb"]
+    assert isinstance(table, SparseTable)
+    snap = table.snapshot()
+    ids = snap.tensors["ids"]
+    values = row_placement.initial_rows(row_placement.table_key(TABLE.seed, "emb"), torch.arange(ROWS), DIM, TABLE.std)
+    values[ids] = snap.tensors["values"]
+    versions = torch.zeros(ROWS, dtype=torch.int64)
+    versions[ids] = snap.tensors["versions"]
+    acc = torch.zeros(ROWS, DIM)
+    acc[ids] = snap.tensors["state.sum"]
+    out.update({"table.version": table.version, "rows": values, "row_versions": versions, "row_acc": acc})
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor | int], b: dict[str, torch.Tensor | int]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), key
+
+
+def rows_of(rank: int, clock: int, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + clock)
+    ids = torch.unique(torch.randint(0, 1000, (n,), generator=g))
+    return ids, torch.randn(ids.numel(), DIM, generator=g)
+
+
+def dense_of(rank: int, clock: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(7 + 100 * rank + clock))
+
+
+def _bad_payload(c: ParameterClient, clock: int) -> Callable[[], object]:
+    """A push whose topk payload names a value past the range (refused once received, as it decodes)."""
+    ids, grads = rows_of(c.rank, clock)
+    payload, compress = c._push_payload(0, dense_of(c.rank, clock))
+    broken = bytearray(payload)
+    broken[0:4] = (NUMEL + 3).to_bytes(4, "little")  # the first index: out of range
+    header = c._push_header(0, clock, None, compress, {"emb": (ids, grads)})
+    return lambda: c.shards[0].push(header, memoryview(bytes(broken)))
+
+
+def faulty_push(kind: str, c: ParameterClient, clock: int) -> Callable[[], object]:
+    """A push of (c's rank, clock) refused for `kind`; calling it sends it."""
+    ids, grads = rows_of(c.rank, clock)
+    dense = dense_of(c.rank, clock)
+    if kind == "budget":  # 3,000 rows never made: the arena would pass the budget
+        ids = torch.arange(10_000, 13_000)
+        grads = torch.ones(ids.numel(), DIM)
+    elif kind == "bad id":
+        ids = torch.cat([ids, torch.tensor([ROWS + 5])])
+        grads = torch.cat([grads, torch.ones(1, DIM)])
+    elif kind == "nonfinite row":
+        grads[0, 3] = float("nan")
+    elif kind == "nonfinite dense":
+        dense[17] = float("inf")
+    elif kind == "codec payload":
+        return _bad_payload(c, clock)
+    return lambda: c.push(dense, clock, rows={"emb": (ids, grads)})
+
+
+REFUSALS = {"budget": MemoryBudgetError, "bad id": InvalidRequestError, "nonfinite row": NonFiniteGradientError,
+            "nonfinite dense": NonFiniteGradientError, "codec payload": InvalidRequestError}
+
+
+def good_push(c: ParameterClient, clock: int, duplicate: bool = False) -> None:
+    ids, grads = rows_of(c.rank, clock)
+    [outcome] = c.push(dense_of(c.rank, clock), clock, rows={"emb": (ids, grads)})
+    if duplicate:
+        assert not outcome.accepted and outcome.reason.startswith("duplicate"), outcome
+    else:
+        assert outcome.accepted or outcome.deferred, outcome
+
+
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_a_refused_async_push_changes_nothing_and_its_retry_applies_once(job, kind: str) -> None:  # type: ignore[no-untyped-def]
+    primary, backup, [c] = job("async", 1)
+    good_push(c, 0)
+    before = state_of(primary)
+    assert_same(before, state_of(backup))
+    with pytest.raises(REFUSALS[kind]):
+        faulty_push(kind, c, 1)()
+    assert_same(before, state_of(primary))  # nothing of the push: not its dense part, not its rows
+    assert_same(before, state_of(backup))
+    good_push(c, 1)  # the retry of clock 1, mended
+    good_push(c, 1, duplicate=True)  # and again: acknowledged, not applied
+    after = state_of(primary)
+    assert after["version"] == 2 and after["table.version"] == 2
+    ids, _ = rows_of(0, 1)
+    assert torch.equal(after["row_versions"][ids], torch.full((ids.numel(),), 2))  # type: ignore[index]
+    assert primary.shard.status().pushes_duplicate == 1
+    assert_same(after, state_of(backup))
+
+
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_a_refused_sync_push_changes_nothing_and_the_job_goes_on(job, kind: str) -> None:  # type: ignore[no-untyped-def]
+    primary, backup, clients = job("sync", 2)
+    flat = torch.empty(NUMEL)
+    for c in clients:
+        c.pull(flat, 0)
+    # Worker 1's gradient of iteration 0 is buffered until worker 0's comes (with a standby its
+    # reply waits for the iteration: it is pushed from a thread of its own).
+    other = threading.Thread(target=good_push, args=(clients[1], 0), daemon=True)
+    other.start()
+    wait_for("worker 1's buffered push", lambda: primary.shard.status().pending == 1)
+    before = state_of(primary)
+    with pytest.raises(REFUSALS[kind]):
+        faulty_push(kind, clients[0], 0)()
+    assert_same(before, state_of(primary))
+    assert_same(before, state_of(backup))
+    assert primary.shard.version == 0 and primary.shard.status().pending == 1  # still waiting, not wedged
+    good_push(clients[0], 0)  # the retry completes the iteration: applied once
+    other.join(timeout=60)
+    assert not other.is_alive()
+    assert primary.shard.version == 1
+    after = state_of(primary)
+    assert after["table.version"] == 1
+
+    def next_iteration(rank: int) -> None:
+        clients[rank].pull(torch.empty(NUMEL), 1)
+        good_push(clients[rank], 1)
+
+    run_in_threads(2, next_iteration)
+    assert primary.shard.version == 2
+    assert state_of(primary)["table.version"] == 2
+    assert_same(state_of(primary), state_of(backup))

@@ -1,0 +1,204 @@
+"""Every table in one call per shard: psgrad.EmbeddingBagCollection's forward, prefetch of separate
+modules, and the pipeline that brings the next batch's rows back with the step's fresh weights —
+against real gRPC servers: the calls each makes, results equal to torch and to the unpipelined job
+(sync: bitwise, the next batch's rows read after the iteration's update), staleness counted (async)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from conftest import run_in_threads
+from psgrad.config import ClientConfig
+from psgrad.errors import ConfigError
+from psgrad.server.tables import SparseTable
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
+TABLES = {"a": (200, 4), "b": (300, 4), "c": (100, 4)}
+
+
+class Separate(nn.Module):
+    """Three psgrad.EmbeddingBag modules, as the docs teach, and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (psgrad.EmbeddingBag(n, d, mode="sum", std=0.1, seed=1) for n, d in TABLES.values())
+        torch.manual_seed(0)
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(torch.cat([self.a(x["a"]), self.b(x["b"]), self.c(x["c"])], dim=1)).squeeze(-1)
+
+    def lookups(self, x: dict[str, torch.Tensor]) -> dict[nn.Module, Any]:
+        return {self.a: x["a"], self.b: x["b"], self.c: x["c"]}
+
+
+class Collection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = psgrad.EmbeddingBagCollection(TABLES, mode="sum", std=0.1, seed=1)
+        torch.manual_seed(0)
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.ebc(x)).squeeze(-1)
+
+    def lookups(self, x: dict[str, torch.Tensor]) -> dict[nn.Module, Any]:
+        return {self.ebc: x}
+
+
+def batches(seed: int, n: int, size: int = 16) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = {name: torch.randint(0, rows, (size, 2), generator=g) for name, (rows, _) in TABLES.items()}
+        out.append((x, (x["a"][:, 0] % 2).float()))
+    return out
+
+
+def count_calls(opt: psgrad.PSOptimizer) -> dict[str, int]:
+    """Counts of the PullRows and Step calls the optimizer's client makes from now on."""
+    counts = {"pull_rows": 0, "step": 0}
+    for s in opt.client.shards:
+        for name in counts:
+            def wrapped(*a: Any, _f: Callable[..., Any] = getattr(s, name), _n: str = name, **k: Any) -> Any:
+                counts[_n] += 1
+                return _f(*a, **k)
+            setattr(s, name, wrapped)
+    return counts
+
+
+def train(opt: psgrad.PSOptimizer, model: nn.Module, data: list, pipelined: bool) -> None:
+    loop = opt.pipeline(data, lambda b: model.lookups(b[0])) if pipelined else iter(data)
+    for x, y in loop:
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+        opt.step()
+
+
+def tables_of(running: list) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, s in enumerate(running):
+        for name, t in s.shard.core.state.tables.items():
+            if isinstance(t, SparseTable):
+                snap = t.snapshot()
+                order = torch.argsort(snap.tensors["ids"])
+                out[f"{k}/{name}"] = torch.cat([snap.tensors["ids"][order].float().unsqueeze(1),
+                                                snap.tensors["values"][order]], dim=1)
+    return out
+
+
+def test_a_collection_pulls_every_table_in_one_call_per_shard_and_equals_torch(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running = make_servers(2)
+    model = Collection()
+    [(x, _)] = batches(3, 1)
+    with psgrad.connect([s.address for s in running], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        calls = count_calls(opt)
+        got = model.ebc(x)
+        assert calls["pull_rows"] == 2  # three tables, two shards: one call each
+        reference = []
+        for name in TABLES:
+            bag = model.ebc.bags[name]
+            torch_bag = nn.EmbeddingBag(*TABLES[name], mode="sum")
+            with torch.no_grad():
+                torch_bag.weight.copy_(bag.initial_weight())
+            reference.append(torch_bag(x[name]))
+        torch.testing.assert_close(got, torch.cat(reference, dim=1))
+        # the same from keys / values / lengths (TorchRec's KeyedJaggedTensor layout)
+        class Keyed:
+            def keys(self) -> list[str]:
+                return list(TABLES)
+
+            def values(self) -> torch.Tensor:
+                return torch.cat([x[k].reshape(-1) for k in TABLES])
+
+            def lengths(self) -> torch.Tensor:
+                return torch.full((len(TABLES) * 16,), 2)
+
+        torch.testing.assert_close(model.ebc(Keyed()), got)
+        with pytest.raises(ConfigError, match=r"missing \['c'\]"):
+            model.ebc({"a": x["a"], "b": x["b"]})
+
+
+@pytest.mark.parametrize("layout", [Separate, Collection], ids=["separate", "collection"])
+def test_a_pipelined_sync_job_equals_the_unpipelined_one_bitwise_in_one_call_per_shard(make_servers, layout) -> None:  # type: ignore[no-untyped-def]
+    """Two sync workers, two shards: the next batch's rows come back in the step's Step call, read
+    after the iteration's update, so the job is bit for bit the one whose forwards pull their rows."""
+    steps = 5
+    results = []
+    for pipelined in (False, True):
+        running = make_servers(2)
+        calls: list[dict[str, int]] = [{}, {}]
+        models = [layout(), layout()]  # (built here: torch's seed is one for every thread)
+
+        def work(rank: int) -> None:
+            model = models[rank]
+            with psgrad.connect([s.address for s in running], rank=rank, num_workers=2, mode="sync",
+                                optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+                opt = ps.optimizer(model)
+                calls[rank] = count_calls(opt)
+                train(opt, model, batches(10 + rank, steps), pipelined)
+
+        run_in_threads(2, work)
+        if pipelined:  # the first batch's prefetch; then every step's rows ride its Step calls
+            assert calls[0] == {"pull_rows": 2, "step": 2 * steps}, calls
+        else:  # every forward pulls: one call per shard (a collection), or per module and shard
+            assert calls[0]["pull_rows"] == (2 if layout is Collection else 6) * steps, calls
+        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
+    (plain_tables, plain_w), (piped_tables, piped_w) = results
+    assert plain_tables.keys() == piped_tables.keys() and len(plain_tables) == 6
+    for key in plain_tables:
+        assert torch.equal(plain_tables[key], piped_tables[key]), key
+    assert torch.equal(plain_w, piped_w)
+
+
+def test_prefetched_rows_of_async_steps_count_their_staleness(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Worker 0's rows for its second batch are read with its first step; worker 1 updates the table
+    before worker 0 pushes them: the table records that push one update stale."""
+    running = make_servers(1)
+    data = batches(5, 2)
+    models = [Separate(), Separate()]
+    with psgrad.connect([running[0].address], rank=0, num_workers=2, optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as p0, \
+            psgrad.connect([running[0].address], rank=1, num_workers=2, optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as p1:
+        opts = [p0.optimizer(models[0]), p1.optimizer(models[1])]
+
+        def one_step(k: int, x: dict[str, torch.Tensor], y: torch.Tensor, ahead: dict[str, torch.Tensor] | None) -> None:
+            opts[k].zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(models[k](x), y).backward()
+            opts[k].step(prefetch=models[k].lookups(ahead) if ahead is not None else None)
+
+        one_step(0, *data[0], ahead=data[1][0])  # table a: version 1; worker 0 holds batch 1's rows of version 1
+        one_step(1, *data[0], ahead=None)  # version 2
+        one_step(0, *data[1], ahead=None)  # rows read at version 1, applied at version 2
+        assert opts[0].prefetched.stats.served == 3  # its three tables' rows came from the step
+        table = running[0].shard.core.state.tables["a"]
+        assert isinstance(table, SparseTable)
+        assert (table.version, table.staleness_max) == (3, 1)
+        with pytest.raises(ConfigError, match="not a psgrad embedding of this optimizer's model"):
+            opts[0].prefetch({models[1].a: data[0][0]["a"]})
+
+
+@pytest.mark.cuda
+def test_a_pipelined_collection_trains_on_the_gpu_as_on_the_cpu(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """The model and its inputs on the GPU: rows travel to it and their gradients back, and the
+    servers end with the rows a CPU run gives (within float rounding)."""
+    results = []
+    for device in ("cpu", "cuda"):
+        running = make_servers(1)
+        model = Collection().to(device)
+        data = [({k: v.to(device) for k, v in x.items()}, y.to(device)) for x, y in batches(4, 4)]
+        with psgrad.connect([running[0].address], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            train(opt, model, data, pipelined=True)
+            assert opt.prefetched.stats.served == 3 * 4
+        results.append(tables_of(running))
+    assert results[0].keys() == results[1].keys()
+    for key in results[0]:
+        torch.testing.assert_close(results[1][key], results[0][key], rtol=1e-5, atol=1e-6)
