@@ -30,6 +30,7 @@ from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
 from psgrad.wire.heap import tune_allocator
+from psgrad.wire.rows import RowUpdate, lookups_to_proto, updates_to_proto
 
 T = TypeVar("T")
 # table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
@@ -310,9 +311,8 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
-            rows=[pb.TableRows(table=name, ids=ids.numpy().tobytes(), grads=grads.numpy().tobytes(),
-                               base_version=self.row_versions.get((name, index), 0))
-                  for name, (ids, grads) in (rows or {}).items()],
+            rows=updates_to_proto(RowUpdate(name, ids, grads, self.row_versions.get((name, index), 0))
+                                  for name, (ids, grads) in (rows or {}).items()),
         )
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
@@ -546,7 +546,7 @@ class _ReadPlan:
                 at = (where == i).nonzero().squeeze(1)
                 if at.numel():
                     self._parts[i].append((table, ids[at], at))
-        self._asks = [[pb.TableRows(table=t, ids=ids.numpy().tobytes()) for t, ids, _ in part] for part in self._parts]
+        self._asks = [lookups_to_proto((t, ids) for t, ids, _ in part) for part in self._parts]
 
     def asks(self, index: int) -> list[pb.TableRows]:
         """What shard `index` is asked for (empty: none of its rows)."""

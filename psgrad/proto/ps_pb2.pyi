@@ -411,16 +411,18 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
 
 class TableRows(_message.Message):
-    __slots__ = ("table", "ids", "grads", "base_version")
+    __slots__ = ("table", "ids", "grads", "base_version", "lr")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     grads: bytes
     base_version: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ...) -> None: ...
+    lr: float
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
     __slots__ = ("rank", "fingerprint", "table", "observe", "updated", "from_id", "limit", "tables")
@@ -577,7 +579,7 @@ class ReplicaAttachReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock")
+    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -589,6 +591,7 @@ class ReplicaHeader(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     version: int
     kind: str
@@ -600,7 +603,8 @@ class ReplicaHeader(_message.Message):
     lr: float
     job_lr: float
     job_lr_clock: int
-    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("header", "data")

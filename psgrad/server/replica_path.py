@@ -24,6 +24,7 @@ from psgrad.server.replication import (
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import MemberRecord, ShardState
 from psgrad.server.transfers import PullStream
+from psgrad.wire.rows import RowUpdate
 from psgrad.wire.security import ChannelFactory
 
 
@@ -38,7 +39,7 @@ class Replica:
         self._members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
         self._members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
-        self._rows_changed = False  # primary: the update being applied changed rows of sparse tables
+        self._rows: list[RowUpdate] = []  # primary: the row updates applied with the update being applied
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
@@ -50,24 +51,23 @@ class Replica:
             copy.copy_(grad)
             self._payload = (copy, lr_scale, lr, in_segment)
 
-    def rows_changed(self) -> None:
-        """The update being applied changed rows of sparse tables: its record is a snapshot of the
-        shard (rows travel with snapshots only; exact, and costly for large tables)."""
-        self._rows_changed = True
+    def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
+                     lr: float | None) -> None:
+        """The update being applied updated rows `ids` of sparse table `table` with `grads` (not
+        changed by the update) and `lr`: its record carries them, and the backup applies the same."""
+        if self.replication is not None and self.replication.active:
+            self._rows.append(RowUpdate(table, ids, grads, base_version, lr))
 
     def _record_update(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
         core = self._core
         rep, state = self.replication, core.state
         payload, self._payload = self._payload, None
-        rows, self._rows_changed = self._rows_changed, False
+        rows, self._rows = tuple(self._rows), []
         if rep is None or not rep.active or state is None:
             return
         members = self._members_sent = state.member_records(frozenset(core.round.pending))
-        if rows:
-            snap = state.snapshot(frozenset(core.round.pending))
-            record = Record(SNAPSHOT, snap.version, snap.members, snapshot=snap)
-        elif payload is not None:
+        if payload is not None:
             record = Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
                             lr=payload[2])
         elif state.dense.rule is not None:  # staged: the new weights are a tensor of their own, never written again
@@ -78,6 +78,7 @@ class Replica:
         else:  # every gradient of a sync iteration was skipped
             record = Record(NONE, state.version, members)
         record.job_lr = (state.job_lr, state.job_lr_clock)  # a backup that takes over keeps the schedule
+        record.rows = rows
         rep.offer(record)
 
     def _members_changed(self) -> None:
@@ -246,6 +247,8 @@ class Replica:
                 self._own_weights(state)
             else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
+            for u in record.rows:  # as the primary applied them, after the dense part
+                state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version)
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

@@ -17,6 +17,7 @@ from psgrad.server.shard import Shard
 from psgrad.wire import protocol, shm
 from psgrad.wire.frames import FrameParser, PayloadWriter, parse_frame, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
+from psgrad.wire.rows import updates_from_proto
 from psgrad.wire.security import ChannelFactory, plaintext_channels
 
 
@@ -63,9 +64,10 @@ class ReplicaServicer:
             if msg is None or msg.WhichOneof("kind") != "header":
                 raise InvalidRequestError("replica record: the first frame must be the header")
             h = msg.header
-            record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
-                            lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None)
             what = f"replica record {h.version}"
+            record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
+                            lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None,
+                            rows=tuple(updates_from_proto(h.rows, what)))
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
             if shared is not None:  # used in place (see Replication: the primary writes it again later)

@@ -23,6 +23,7 @@ from psgrad.server.transfers import PullStream
 from psgrad.wire import shm
 from psgrad.wire.frames import data_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, ERROR_METADATA_KEY, METHOD_PREFIX
+from psgrad.wire.rows import RowUpdate, updates_to_proto
 from psgrad.wire.security import ChannelFactory, plaintext_channels
 
 PRIMARY, BACKUP, FENCED = "primary", "backup", "fenced"
@@ -36,7 +37,8 @@ class Record:
     gradient: apply `tensor` with the optimizer (lr and lr_scale as on the primary); weights: the new
     weights, read lazily from the primary's live tensor (`stream`, plain SGD's staged updates);
     none: an update that changed no weight (every gradient skipped); members: no update, only the
-    workers changed (joined, left, evicted); snapshot: the whole state."""
+    workers changed (joined, left, evicted); snapshot: the whole state. Gradient, weights and none
+    records carry the row updates of sparse tables applied with them (`rows`)."""
 
     kind: str
     version: int
@@ -48,6 +50,7 @@ class Record:
     in_segment: bool = False  # tensor is a view of the same-host segment (copied there already)
     lr: float | None = None  # gradient: the learning rate in effect on the primary (None: the job's)
     job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
+    rows: tuple[RowUpdate, ...] = ()  # the row updates of sparse tables applied with it (their lr as applied)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -68,7 +71,7 @@ class Record:
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
-            lr=self.lr,
+            lr=self.lr, rows=updates_to_proto(self.rows),
         )
         if self.job_lr is not None:
             header.job_lr, header.job_lr_clock = self.job_lr

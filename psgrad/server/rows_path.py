@@ -111,9 +111,9 @@ class Rows:
             ids, grads, base = rows[name]
             t = state.sparse(name, -1)
             if ids.numel():
-                t.apply(ids, grads, _scaled(lr, t.optimizer.lr, lr_scale), base)
-        if rows:
-            self._replica.rows_changed()
+                step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
+                t.apply(ids, grads, step_lr, base, checked=True)  # (checked with the push)
+                self._replica.rows_applied(name, ids, grads, base, step_lr)
 
     def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:
         """Apply a sync iteration's row gradients (one dict per worker, in rank order): per table and
@@ -130,9 +130,9 @@ class Rows:
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
             total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
             total.mul_(1.0 / workers)
-            t.apply(unique, total, lr, min(p[2] for p in parts))
-        if names:
-            self._replica.rows_changed()
+            base = min(p[2] for p in parts)
+            t.apply(unique, total, lr, base, checked=True)  # (the union of checked pushes' ids)
+            self._replica.rows_applied(name, unique, total, base, lr)
 
 
 def _scaled(lr: float | None, job_lr: float, scale: float) -> float | None:

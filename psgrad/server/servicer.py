@@ -21,11 +21,12 @@ from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.publisher import Publisher
-from psgrad.server.rows_path import Lookup, RowGradients
+from psgrad.server.rows_path import RowGradients
 from psgrad.server.shard import Shard
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.wire import protocol
 from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
+from psgrad.wire.rows import lookups_from_proto, updates_from_proto
 
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
 # server's explanation (who it was waiting for) rather than a bare local timeout.
@@ -70,44 +71,9 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     return msg.header
 
 
-def _tensor(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A 1-D tensor of the little-endian values `data` holds (a copy: the request's bytes are read-only).
-
-    Raises:
-        InvalidRequestError: the bytes are not a whole number of values.
-    """
-    size = torch.empty(0, dtype=dtype).element_size()
-    if len(data) % size:
-        raise InvalidRequestError(f"{what}: {len(data)} bytes is not a whole number of {dtype} values")
-    if not data:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype)
-
-
 def _row_gradients(items: Sequence[pb.TableRows], what: str) -> RowGradients:
-    """A push's row gradients (PushHeader.rows) as tensors, by table (tables without ids left out).
-
-    Raises:
-        InvalidRequestError: a table twice, or bytes that are not whole rows of gradients.
-    """
-    out: RowGradients = {}
-    for item in items:
-        if item.table in out:
-            raise InvalidRequestError(f"{what}: row gradients of table {item.table!r} twice")
-        ids = _tensor(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")
-        grads = _tensor(item.grads, torch.float32, f"{what}: row gradients of table {item.table!r}")
-        if not ids.numel() and not grads.numel():
-            continue
-        if not ids.numel() or grads.numel() % ids.numel():
-            raise InvalidRequestError(
-                f"{what}: {grads.numel()} gradient values for {ids.numel()} row ids of table {item.table!r}")
-        out[item.table] = (ids, grads.view(ids.numel(), -1), int(item.base_version))
-    return out
-
-
-def _lookups(items: Sequence[pb.TableRows], what: str) -> list[Lookup]:
-    """The (table, ids) a read of rows names."""
-    return [(item.table, _tensor(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")) for item in items]
+    """A push's row gradients (PushHeader.rows) by table."""
+    return {u.table: (u.ids, u.grads, u.base_version) for u in updates_from_proto(items, what)}
 
 
 def _rows_bytes(rows: Sequence[torch.Tensor]) -> list[memoryview]:
@@ -401,7 +367,7 @@ class ParameterServicer:
         """Push, then pull for the next clock, in one unary call (see ps.proto). The reply is
         built by hand so the weights are copied once, straight after the serialized headers."""
         h = req.push
-        reads = _lookups(req.pull_rows, f"step of worker rank {h.rank}")
+        reads = lookups_from_proto(req.pull_rows, f"step of worker rank {h.rank}")
         if reads:  # checked before the push: a read refused then leaves the push unapplied
             self.shard.rows.check_reads(h.rank, h.fingerprint, reads)
         reserved = self._reserve(h, context)
@@ -455,7 +421,7 @@ class ParameterServicer:
         if req.updated:
             version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
-        got = self.shard.pull_rows(req.rank, req.fingerprint, _lookups(req.tables, "pull of rows"))
+        got = self.shard.pull_rows(req.rank, req.fingerprint, lookups_from_proto(req.tables, "pull of rows"))
         head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
         data = _rows_bytes([r for _, r in got])
         return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))

@@ -361,7 +361,8 @@ class SparseTable:
             raise InvalidRequestError(
                 f"table {self.name!r}: gradients must be float32 [{ids.numel()}, {self.dim}], got {grads.dtype} {list(grads.shape)}"
             )
-        if torch.unique(ids).numel() != ids.numel():
+        increasing = ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all())  # (as workers send them: no sort)
+        if not increasing and torch.unique(ids).numel() != ids.numel():
             raise InvalidRequestError(f"table {self.name!r}: row ids of one update must be unique (coalesce them)")
 
     def release(self) -> None:
@@ -369,14 +370,17 @@ class SparseTable:
         self.budget.release(self._charged)
         self._charged = 0
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None) -> None:
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
+              checked: bool = False) -> None:
         """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim];
-        base_version: the table version they were pulled at (its staleness is recorded).
+        base_version: the table version they were pulled at (its staleness is recorded); checked:
+        the caller checked them already (check_update).
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
         """
-        self.check_update(ids, grads)
+        if not checked:
+            self.check_update(ids, grads)
         slots = self._slots(ids)
         weights = self._values.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}

@@ -148,8 +148,14 @@ def test_a_refused_async_push_changes_nothing_and_its_retry_applies_once(job, ki
         faulty_push(kind, c, 1)()
     assert_same(before, state_of(primary))  # nothing of the push: not its dense part, not its rows
     assert_same(before, state_of(backup))
+    offered: list[tuple[str, list[str]]] = []  # the records the primary sends its backup: (kind, tables)
+    replication = primary.shard.replication
+    assert replication is not None
+    offer = replication.offer
+    replication.offer = lambda r: offered.append((r.kind, [u.table for u in r.rows])) or offer(r)  # type: ignore[method-assign]
     good_push(c, 1)  # the retry of clock 1, mended
     good_push(c, 1, duplicate=True)  # and again: acknowledged, not applied
+    assert offered == [("gradient", ["emb"])]  # a row record with the gradient's, not a snapshot
     after = state_of(primary)
     assert after["version"] == 2 and after["table.version"] == 2
     ids, _ = rows_of(0, 1)
