@@ -7,6 +7,7 @@ start as N(0, std²) draws made on the servers from (seed, table, row id), so an
 its server 8 bytes of index, and every row is the same on every server after every restart."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -46,6 +47,8 @@ class SparseEmbedding(nn.Module):
         self._source: RowSource | None = None
         self._observe = False  # after the worker left: read-only pulls
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows as leaves)
+        # the last input's unique ids: (the input, its version counter, unique ids, each id's index)
+        self._last_unique: tuple[weakref.ref[torch.Tensor], int, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -101,12 +104,17 @@ class SparseEmbedding(nn.Module):
         Raises:
             InvalidRequestError: not an integer tensor, or an id out of range.
         """
+        last = self._last_unique  # a prefetch and the forward it serves look at the same tensor
+        if last is not None and last[0]() is ids and last[1] == ids._version:
+            return last[2], last[3]
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
         unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         unique = unique.to("cpu", torch.int64)
         rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}")
-        return unique, inverse.view(ids.shape)
+        inverse = inverse.view(ids.shape)
+        self._last_unique = (weakref.ref(ids), ids._version, unique, inverse)
+        return unique, inverse
 
     def lookup(self, input: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rows a forward of `input` reads, by table (what a prefetch asks the servers for)."""
