@@ -3,6 +3,7 @@ what the primary applied) as TableRows messages and back, and the ids a read of 
 int64 and gradients float32, little-endian, one table per message."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ class RowUpdate:
 
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A 1-D tensor of the little-endian values `data` holds (a copy: a message's bytes are read-only).
+    """A 1-D tensor of the little-endian values `data` holds: a read-only view of the bytes (no
+    copy; whoever updates rows with it copies it first, as SparseTable.apply does).
 
     Raises:
         InvalidRequestError: the bytes are not a whole number of values.
@@ -36,7 +38,9 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
         raise InvalidRequestError(f"{what}: {len(data)} bytes is not a whole number of {dtype} values")
     if not data:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype)
+    with warnings.catch_warnings():  # (torch warns that the bytes are not writable: they are not written)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
 
 
 def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
