@@ -89,6 +89,10 @@ class RowCache:
         self._tables: dict[str, _TableCache] = {}
         self.stats = CacheStats()
 
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The servers' rows of `table` updated at least once (read past the cache)."""
+        return self._source.updated_rows(table)
+
     def pull_rows(self, table: str, ids: torch.Tensor, observe: bool) -> torch.Tensor:
         if observe:
             return self._source.pull_rows(table, ids, observe)
