@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
-    from psgrad.nn.embedding import Embedding, EmbeddingBag
+    from psgrad.nn.embedding import Embedding, EmbeddingBag, clip_grad_norm_
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -61,6 +61,7 @@ _LAZY = {
     "ShardedSampler": "psgrad.tasks.data",
     "Embedding": "psgrad.nn.embedding",
     "EmbeddingBag": "psgrad.nn.embedding",
+    "clip_grad_norm_": "psgrad.nn.embedding",
 }
 
 
@@ -91,6 +92,7 @@ __all__ = [
     "ShardedSampler",
     "Embedding",
     "EmbeddingBag",
+    "clip_grad_norm_",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",

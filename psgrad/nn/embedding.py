@@ -10,11 +10,12 @@ What torch's modules do that these do too: torch's options with torch's semantic
 scale_grad_by_freq, sparse, and for bags include_last_offset and mode "max"; max_norm is refused,
 naming why), `state_dict()`/`load_state_dict()` (a table's entries: the rows updated at least once
 and how to make the others, the layout `psgrad export` writes), pickling and `copy.deepcopy` (a
-copy is unbound: the rows stay on the servers). A module that loaded a state without being bound
-serves forwards from it (initial rows for the ids the state does not list): a trained model
-evaluates with no servers."""
+copy is unbound: the rows stay on the servers), and clip_grad_norm_, whose norm covers the rows'
+gradients too. A module that loaded a state without being bound serves forwards from it (initial
+rows for the ids the state does not list): a trained model evaluates with no servers."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -72,7 +73,7 @@ class SparseEmbedding(nn.Module):
                 f"max_norm={max_norm!r} is not supported by psgrad embeddings: torch renormalizes each row a forward "
                 "looks up in place, in the weight, and these rows live on the servers, which a forward does not write. "
                 "Leave max_norm out, and bound what the model sees in its forward instead (out * (max_norm / "
-                "out.norm(dim=-1, keepdim=True)).clamp(max=1))"
+                "out.norm(dim=-1, keepdim=True)).clamp(max=1)), or bound the updates with psgrad.clip_grad_norm_"
             )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.std, self.seed = float(std), int(seed)
@@ -245,6 +246,21 @@ class SparseEmbedding(nn.Module):
         summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
         return unique, summed
 
+    def row_gradient_leaves(self) -> list[torch.Tensor]:
+        """The touched rows' leaves with a gradient, merged into one leaf per id when several
+        forwards touched rows (its .grad: what the step pushes), for clip_grad_norm_ to measure and
+        scale in place."""
+        leaves = [w for _, w in self._touched if w.grad is not None]
+        if len(leaves) < 2:
+            return leaves
+        taken = self.take_gradients()
+        assert taken is not None
+        ids, grad = taken
+        merged = torch.zeros_like(grad)  # (its values are never read: a step pushes gradients only)
+        merged.grad = grad
+        self._touched = [(ids, merged)]
+        return [merged]
+
     # ----------------------------------------------------------------------------- state
 
     def stored_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,3 +406,19 @@ def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:
                               "their place in the model)")
     return found
 
+
+def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for models with psgrad embeddings: given the model, the norm
+    covers its parameters' gradients and the gradients of the rows its psgrad embeddings' forwards
+    touched since the last step (coalesced per id, as the step pushes them and as a dense table's
+    gradient holds them), and scales them all alike; returns the total norm, as torch does. Call it
+    between backward() and opt.step(). Given tensors (model.parameters()), it is torch's: the rows
+    are left out, which is why it takes the model."""
+    if isinstance(parameters, nn.Module):
+        tensors: list[torch.Tensor] = list(parameters.parameters())
+        for module in parameters.modules():
+            if isinstance(module, SparseEmbedding):
+                tensors += module.row_gradient_leaves()
+        return torch.nn.utils.clip_grad_norm_(tensors, max_norm, norm_type, error_if_nonfinite, foreach)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -1,6 +1,7 @@
-"""psgrad embeddings' state in a real job: a trained DLRM-like model's state_dict(), saved with
-torch.save, gives the same predictions in a fresh process with no servers; the same model given to
-a new job on the servers binds again."""
+"""psgrad embeddings' state and gradients in a real job: a trained DLRM-like model's state_dict(),
+saved with torch.save, gives the same predictions in a fresh process with no servers; the same
+model given to a new job on the servers binds again; psgrad.clip_grad_norm_ clips the rows'
+update as torch clips a dense table's."""
 from __future__ import annotations
 
 import subprocess
@@ -126,3 +127,50 @@ def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_withou
     assert res.returncode == 0, res.stderr[-3000:]
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-6, atol=1e-6)
 
+
+class Ctr(nn.Module):
+    """A bag of ids from one table and a linear head (dense=True: torch.nn.EmbeddingBag on the same
+    initial rows)."""
+
+    def __init__(self, dense: bool = False) -> None:
+        super().__init__()
+        self.emb: nn.Module = psgrad.EmbeddingBag(200, 4, mode="sum", std=0.5, seed=3)
+        if dense:
+            table = nn.EmbeddingBag(200, 4, mode="sum")
+            self.emb.table = "emb"  # (the job's name for it: its initial rows depend on it)
+            with torch.no_grad():
+                table.weight.copy_(self.emb.initial_weight())
+            self.emb = table
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)).squeeze(-1)
+
+
+@pytest.mark.timeout(60)
+def test_clip_grad_norm_clips_the_rows_update_as_torch_clips_a_dense_tables(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, one worker, SGD: each step's row update is lr times the clipped gradient, exactly what
+    torch's clip_grad_norm_ and SGD do to a dense table (and the head moves alike)."""
+    running = make_servers(1)
+    model, dense = Ctr(), Ctr(dense=True)
+    reference = torch.optim.SGD(dense.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(4)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            x = torch.randint(0, 200, (16, 3), generator=gen)
+            totals = []
+            for m, o, clip in ((model, opt, psgrad.clip_grad_norm_), (dense, reference, torch.nn.utils.clip_grad_norm_)):
+                o.zero_grad()
+                loss = m(x).square().mean() + m(x[:4]).sum()  # two forwards: rows touched twice
+                loss.backward()
+                totals.append(clip(m.parameters() if m is dense else m, 0.05))
+                o.step()
+            torch.testing.assert_close(totals[0], totals[1])
+            assert float(totals[0]) > 0.1  # clipped
+        state = model.state_dict()
+    ids = state["emb.ids"]
+    assert ids.numel() > 0
+    torch.testing.assert_close(state["emb.rows"], dense.emb.weight.detach()[ids], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, dense.head.weight, rtol=1e-5, atol=1e-6)

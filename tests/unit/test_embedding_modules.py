@@ -1,11 +1,12 @@
 """psgrad.Embedding / EmbeddingBag as a PyTorch user expects them, on an in-process row source: torch's
 module options (computed as torch computes them on the same weights, or refused naming why),
-state_dict()/load_state_dict() (the table's handle; an unbound module serves loaded rows), and
-pickles and copies (unbound)."""
+state_dict()/load_state_dict() (the table's handle; an unbound module serves loaded rows), pickles
+and copies (unbound), and psgrad.clip_grad_norm_ against torch's on an equivalent dense model."""
 from __future__ import annotations
 
 import copy
 import io
+import math
 import threading
 from typing import Any
 
@@ -137,7 +138,7 @@ def test_embedding_bag_options_compute_what_torchs_compute(options: dict[str, An
 def test_options_torch_has_and_psgrad_cannot_honour_are_refused_naming_the_alternative() -> None:
     for make in (lambda **kw: psgrad.Embedding(ROWS, DIM, **kw), lambda **kw: psgrad.EmbeddingBag(ROWS, DIM, **kw)):
         with pytest.raises(ConfigError, match=r"max_norm=1\.0 is not supported.*rows live on the servers.*"
-                                              r"out\.norm\(dim=-1"):
+                                              r"out\.norm\(dim=-1.*psgrad\.clip_grad_norm_"):
             make(max_norm=1.0, norm_type=2.0)
         assert make(norm_type=1.0).norm_type == 1.0  # (read only with max_norm, as in torch)
         assert make(sparse=True).sparse and make(scale_grad_by_freq=True).scale_grad_by_freq
@@ -281,3 +282,41 @@ def test_pickles_and_copies_leave_the_binding_and_a_copy_of_a_bound_module_is_un
     rebound.one.bind("one", sources["one"])
     torch.testing.assert_close(rebound(BAGS, ONE), before, rtol=0, atol=0)
 
+
+def _dense_twin(model: Model) -> nn.Module:
+    """The same model with torch.nn tables holding the bound tables' current rows."""
+    dense = copy.deepcopy(model)
+    for name, m in sparse_modules(model):
+        kind = nn.Embedding if isinstance(m, psgrad.Embedding) else nn.EmbeddingBag
+        options = {"padding_idx": m.padding_idx} if isinstance(m, psgrad.Embedding) else {"mode": m.mode}
+        table = kind(ROWS, DIM, **options)
+        with torch.no_grad():
+            table.weight.copy_(m._source.weight)  # type: ignore[union-attr]
+            if isinstance(m, psgrad.Embedding):
+                table.weight[0] = 0
+        setattr(dense, name, table)
+    return dense
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_covers_the_rows_as_torchs_does_a_dense_table(norm_type: float) -> None:
+    """Two forwards touching some rows twice: the norm is of the gradient per id (as a dense table
+    holds it), and the rows' gradients are scaled with the parameters'."""
+    model, _ = _bound_model()
+    dense = _dense_twin(model)
+    for m in (model, dense):
+        (m(BAGS, ONE).square().sum() + m(BAGS[:2], ONE[:2]).sum()).backward()
+    max_norm = 0.1
+    total = psgrad.clip_grad_norm_(model, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm, norm_type)
+    torch.testing.assert_close(total, expected)
+    assert float(total) > 5 * max_norm  # it clipped
+    torch.testing.assert_close(model.head.weight.grad, dense.head.weight.grad)
+    for name in ("bag", "one"):
+        ids, grads = getattr(model, name).take_gradients()
+        torch.testing.assert_close(grads, getattr(dense, name).weight.grad[ids])
+    # given tensors, it is torch's: the rows are not in the norm
+    model.zero_grad()
+    model(BAGS, ONE).sum().backward()
+    head_only = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.head.parameters()]), norm_type)
+    torch.testing.assert_close(psgrad.clip_grad_norm_(model.parameters(), 1e6, norm_type), head_only)
