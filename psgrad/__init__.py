@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from psgrad.core.optimizer_settings import SGD, Adadelta, Adagrad, Adam, RMSprop
     from psgrad.tasks.base import Task
     from psgrad.tasks.data import ShardedSampler
-    from psgrad.nn.embedding import Embedding, EmbeddingBag
+    from psgrad.nn.embedding import Embedding, EmbeddingBag, clip_grad_norm_
     from psgrad.nn.collection import EmbeddingBagCollection
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
@@ -63,6 +63,7 @@ _LAZY = {
     "Embedding": "psgrad.nn.embedding",
     "EmbeddingBag": "psgrad.nn.embedding",
     "EmbeddingBagCollection": "psgrad.nn.collection",
+    "clip_grad_norm_": "psgrad.nn.embedding",
 }
 
 
@@ -94,6 +95,7 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "EmbeddingBagCollection",
+    "clip_grad_norm_",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",

@@ -267,6 +267,17 @@ class PSOptimizer(ScheduledOptimizer):
         spec = session.spec
         check_overlap(spec, overlap)
         check_row_cache(spec, row_cache)
+        # Sparse tables: the model's psgrad embeddings, named by their place in it.
+        self.embeddings = sparse_modules(model)
+        if self.embeddings and overlap:
+            raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
+                              "after the step's push): leave out overlap, and fetch the next batch's rows with the "
+                              "step instead (opt.pipeline)")
+        if self.embeddings and spec.optimizer not in ROW_OPTIMIZERS:
+            raise ConfigError(f"optimizer {spec.optimizer!r} has no row-wise form for psgrad embeddings (their rows are "
+                              f"updated on the servers one row at a time); use one of {', '.join(ROW_OPTIMIZERS)}")
+        for _, module in self.embeddings:  # (before the model's state_dict() below: it then reads no rows)
+            module.prepare_to_bind()
         self.session = session
         self.model = model
         self.overlap = overlap
@@ -276,14 +287,6 @@ class PSOptimizer(ScheduledOptimizer):
         self.params = with_groups(param_specs(model, frozen), model, param_groups, spec)
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
-        # Sparse tables: the model's psgrad embeddings, named by their place in it.
-        self.embeddings = sparse_modules(model)
-        if self.embeddings and overlap:
-            raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
-                              "after the step's push): leave out overlap")
-        if self.embeddings and spec.optimizer not in ROW_OPTIMIZERS:
-            raise ConfigError(f"optimizer {spec.optimizer!r} has no row-wise form for psgrad embeddings (their rows are "
-                              f"updated on the servers one row at a time); use one of {', '.join(ROW_OPTIMIZERS)}")
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables)
@@ -578,4 +581,6 @@ class PSOptimizer(ScheduledOptimizer):
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            for _, module in self.embeddings:
+                module.release(self.prefetched, "its job was closed (ps.close(), or the end of `with psgrad.connect(...)`)")
             self.client.close()

@@ -176,7 +176,7 @@ def api_markdown() -> str:
     groups = {
         "Connecting and training": ["connect", "serve", "Session", "PSOptimizer", "StepStats"],
         "Server-side optimizers": ["SGD", "Adam", "Adagrad", "RMSprop", "Adadelta"],
-        "Data, tasks and embeddings": ["ShardedSampler", "Task", "Embedding", "EmbeddingBag"],
+        "Data, tasks and embeddings": ["ShardedSampler", "Task", "Embedding", "EmbeddingBag", "clip_grad_norm_"],
         "Reading a job's model": ["fetch_state_dict", "fetch_model", "ModelSnapshot"],
     }
     listed = {n for names in groups.values() for n in names}

@@ -92,9 +92,11 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, features: Any) -> torch.Tensor:
         bags = self._bags()
-        source = bags[0]._bound_source()
-        training = bags[0]._training()
         parts = self._ordered(features)
+        if any(bag._source is None for bag in bags):  # unbound: each bag serves a loaded state, or says why not
+            return torch.cat([bag(ids, offsets) for bag, (ids, offsets) in zip(bags, parts)], dim=1)
+        source = bags[0].bound_source()
+        training = bags[0]._training()
         unique = [bag.unique_ids(ids) for bag, (ids, _) in zip(bags, parts)]
         got = source.pull_tables({bag.table or "": u for bag, (u, _) in zip(bags, unique)}, not training)
         outs = []

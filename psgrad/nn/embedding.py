@@ -1,15 +1,24 @@
 """Embedding tables whose rows live on the servers: psgrad.Embedding and psgrad.EmbeddingBag, drop-ins
 for torch.nn.Embedding and torch.nn.EmbeddingBag. The module holds no weight: `ps.optimizer(model)`
 binds each one to the job as a sparse table (named by its place in the model), a forward pulls
-only the rows of the batch's unique ids (one call per shard that holds some), and the optimizer's
-step pushes their gradients, coalesced per id, before the dense gradient of the same step. Rows
+only the rows of the batch's unique ids (one call per shard that holds some, for every table a
+prefetch or a collection names), and the optimizer's step pushes their gradients, coalesced per id,
+in the same call as the dense gradient of the same step. Rows
 start as N(0, std²) draws made on the servers from (seed, table, row id), so an untouched row costs
-its server 8 bytes of index, and every row is the same on every server after every restart."""
+its server 8 bytes of index, and every row is the same on every server after every restart.
+
+What torch's modules do that these do too: torch's options with torch's semantics (padding_idx,
+scale_grad_by_freq, sparse, and for bags include_last_offset and mode "max"; max_norm is refused,
+naming why), `state_dict()`/`load_state_dict()` (a table's entries: the rows updated at least once
+and how to make the others, the layout `psgrad export` writes), pickling and `copy.deepcopy` (a
+copy is unbound: the rows stay on the servers), and clip_grad_norm_, whose norm covers the rows'
+gradients too. A module that loaded a state without being bound serves forwards from it (initial
+rows for the ids the state does not list): a trained model evaluates with no servers."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,7 +27,14 @@ from torch.nn import functional as F
 from psgrad.core import rows
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 
-EMBEDDING_BAG_MODES = ("sum", "mean")
+EMBEDDING_BAG_MODES = ("sum", "mean", "max")
+# A table's entries in a state_dict, after the module's prefix (the layout of `psgrad export`'s
+# sparse tables, plus the table's name): the rows updated at least once (ids [n] int64, sorted;
+# rows [n, dim] float32), how to make the others (init: [num_embeddings, dim, seed] int64; init_std:
+# float64), and table: the name their initial rows are drawn under (UTF-8 bytes as uint8; optional
+# when loading, where the module's place in the model names it).
+STATE_KEYS = ("ids", "rows", "init", "init_std", "table")
+REQUIRED_STATE_KEYS = STATE_KEYS[:4]
 
 
 class RowSource(Protocol):
@@ -28,12 +44,26 @@ class RowSource(Protocol):
         """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU), by table: one call
         per shard for all of them."""
 
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [n] int64 in order, rows [n, dim] float32) of every row of `table` updated at least
+        once (read-only)."""
+
 
 class SparseEmbedding(nn.Module):
     """What psgrad.Embedding and psgrad.EmbeddingBag share: the table's shape and initialisation,
-    the binding to a job, the forward's pull and the rows a backward gave gradients to."""
+    torch's options, the binding to a job, the forward's pull, the rows a backward gave gradients
+    to, and the table's state (state_dict, load_state_dict, copies).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 1.0, seed: int = 0) -> None:
+    A module is in one of four states: bound (ps.optimizer(model) bound it: forwards pull rows from
+    the job, state_dict() reads the rows updated at least once from its servers), fresh (never
+    bound, or ready to be bound again: forwards are refused, state_dict() is the table as it
+    starts), loaded (unbound, holding rows load_state_dict() gave it: forwards serve them, read-only)
+    and lost (a copy of a bound module, or one whose job was closed: the rows are on the servers,
+    not here, so forwards and state_dict() are refused, naming where to get them)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
+                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False) -> None:
         super().__init__()
         if not (isinstance(num_embeddings, int) and num_embeddings >= 1):
             raise ConfigError(f"num_embeddings must be an integer >= 1, got {num_embeddings!r}")
@@ -41,12 +71,26 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(f"embedding_dim must be an integer >= 1, got {embedding_dim!r}")
         if not (std == std and 0 <= std < float("inf")):
             raise ConfigError(f"std must be a finite number >= 0, got {std!r}")
+        if max_norm is not None:
+            raise ConfigError(
+                f"max_norm={max_norm!r} is not supported by psgrad embeddings: torch renormalizes each row a forward "
+                "looks up in place, in the weight, and these rows live on the servers, which a forward does not write. "
+                "Leave max_norm out, and bound what the model sees in its forward instead (out * (max_norm / "
+                "out.norm(dim=-1, keepdim=True)).clamp(max=1)), or bound the updates with psgrad.clip_grad_norm_"
+            )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.std, self.seed = float(std), int(seed)
-        self.table: str | None = None  # its name in the job, once bound
+        # torch's options: max_norm is refused above (norm_type is only read with it, as in torch);
+        # sparse changes nothing, the gradients pushed being per row always.
+        self.max_norm: float | None = None
+        self.norm_type = float(norm_type)
+        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
+        self.table: str | None = None  # its name in the job, once bound (or in the state it loaded)
         self._source: RowSource | None = None
         self._observe = False  # after the worker left: read-only pulls
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows as leaves)
+        self._loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) a state gave an unbound module
+        self._lost: str | None = None  # why an unbound module's rows are not here (a copy, a closed job)
         # the last input's unique ids: (the input, its version counter, unique ids, each id's index)
         self._last_unique: tuple[weakref.ref[torch.Tensor], int, torch.Tensor, torch.Tensor] | None = None
 
@@ -56,41 +100,127 @@ class SparseEmbedding(nn.Module):
         return self.num_embeddings * self.embedding_dim * 4
 
     def extra_repr(self) -> str:
-        where = f", table={self.table!r}" if self.table else ", unbound"
-        return f"{self.num_embeddings}, {self.embedding_dim}, std={self.std:g}{where}"
+        if self._source is not None:
+            where = f", table={self.table!r}"
+        elif self._loaded is not None:
+            where = f", table={self.table!r}, {self._loaded[0].numel()} rows loaded"
+        else:
+            where = ", unbound"
+        options = "".join(f", {name}=True" for name in ("scale_grad_by_freq", "sparse") if getattr(self, name))
+        return f"{self.num_embeddings}, {self.embedding_dim}, std={self.std:g}{options}{where}"
+
+    def _padding_index(self, padding_idx: int | None) -> int | None:
+        """torch's padding_idx, checked and made non-negative.
+
+        Raises:
+            ConfigError: outside [-num_embeddings, num_embeddings).
+        """
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += self.num_embeddings
+        if padding_idx is not None and not 0 <= padding_idx < self.num_embeddings:
+            raise ConfigError(f"padding_idx must be within num_embeddings ({self.num_embeddings}), got {padding_idx}")
+        return padding_idx
+
+    # ----------------------------------------------------------------------------- binding
+
+    def prepare_to_bind(self) -> None:
+        """Before a job binds this module (ps.optimizer(model) calls it first, before connecting):
+        forget an earlier job or loaded state, making the module fresh.
+
+        Raises:
+            ConfigError: the module holds rows load_state_dict() gave it, which a job cannot take
+                (its tables start from their initial rows).
+        """
+        if self._loaded is not None and self._loaded[0].numel():
+            raise ConfigError(
+                f"{self._what()} holds {self._loaded[0].numel()} rows loaded by load_state_dict(), and a job's tables "
+                "start from their initial rows: psgrad cannot put loaded rows on the servers yet. Evaluate the loaded "
+                "model without ps.optimizer (it serves the loaded rows), or resume the job's rows from its servers' "
+                "checkpoints (--checkpoint-dir) and give ps.optimizer a model that loaded no rows"
+            )
+        self._source, self._observe, self._loaded, self._lost = None, False, None, None
+        self._touched.clear()
 
     def bind(self, table: str, source: RowSource) -> None:
         """Make this module table `table` of a job (PSOptimizer does this; a model given to a new
-        job's optimizer is bound to that one)."""
-        self.table, self._source, self._observe = table, source, False
-        self._touched.clear()
+        job's optimizer is bound to that one).
+
+        Raises:
+            ConfigError: the module holds loaded rows (see prepare_to_bind).
+        """
+        self.prepare_to_bind()
+        self.table, self._source = table, source
 
     def read_only(self) -> None:
         """The worker left its job: forwards still read the rows (evaluation), nothing is pushed."""
         self._observe = True
         self._touched.clear()
 
+    def release(self, source: RowSource, why: str) -> None:
+        """The job of `source` let its connections go (`why` says how): if this module is bound to
+        it, it is lost (its rows are on that job's servers, not here)."""
+        if self._source is source:
+            self._source, self._lost = None, why
+            self._touched.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles and copies (torch.save(model), copy.deepcopy) leave the binding out: its RowSource
+        holds the job's connections, and the rows stay on the servers. A copy of a bound module is
+        lost (see the class doc); loaded rows are copied."""
+        state: dict[str, Any] = super().__getstate__()
+        if self._source is not None:
+            state["_lost"] = (f"it is a copy (copy.deepcopy, pickle, torch.save) of a module bound to table {self.table!r}, "
+                              "and a copy does not carry the rows, which live on the job's servers")
+        state.update(_source=None, _observe=False, _touched=[], _last_unique=None)
+        return state
+
+    def _what(self) -> str:
+        table = f" (table {self.table!r})" if self.table else ""
+        return f"{type(self).__name__}({self.num_embeddings}, {self.embedding_dim}){table}"
+
+    def _unbound_error(self) -> WorkerStateError:
+        if self._lost is not None:
+            return WorkerStateError(
+                f"{self._what()} is not bound to a job: {self._lost}. Bind it with ps.optimizer(model), or "
+                "load_state_dict() a state_dict() the bound model gave, to evaluate it without servers")
+        return WorkerStateError(
+            f"{self._what()} is not bound to a job: its rows live on the servers; build ps.optimizer(model) (or "
+            "psgrad.connect(...).optimizer) first, or load_state_dict() a trained model's state_dict() to evaluate "
+            "it without servers")
+
+    # ----------------------------------------------------------------------------- forwards
+
     def initial_weight(self) -> torch.Tensor:
         """The whole table as the servers make it before any update ([num_embeddings, dim]): for a
         local copy of a small table (tests, a dense baseline); a large one costs its full size."""
-        key = rows.table_key(self.seed, self.table or "")
-        return rows.initial_rows(key, torch.arange(self.num_embeddings), self.embedding_dim, self.std)
+        return rows.initial_rows(self._key(), torch.arange(self.num_embeddings), self.embedding_dim, self.std)
 
-    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inverse, rows): each id's index into rows, which are the batch's unique ids' rows
-        pulled from the servers (a leaf that records its gradient when training)."""
-        source = self._bound_source()
+    def _key(self) -> int:
+        return rows.table_key(self.seed, self.table or "")
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inverse, rows, unique): each id's index into rows, which are the rows of the batch's
+        unique ids (sorted, CPU) pulled from the servers (a leaf that records its gradient when
+        training), or, unbound, made from the loaded state (read-only)."""
+        if self._source is None and self._loaded is None:
+            raise self._unbound_error()
         unique, inverse = self.unique_ids(ids)
-        training = self._training()
-        got = source.pull_tables({self.table or "": unique}, not training)
-        return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training)
-
-    def _bound_source(self) -> RowSource:
         if self._source is None:
-            raise WorkerStateError(
-                f"{type(self).__name__}({self.num_embeddings}, {self.embedding_dim}) is not bound to a job: "
-                "its rows live on the servers; build ps.optimizer(model) (or psgrad.connect(...).optimizer) first"
-            )
+            return inverse, self._local_rows(unique).to(ids.device), unique
+        # Training pulls are the step's (rows fetched ahead or a row cache may serve them; their
+        # versions are what the push says it computed on); evaluation's are read-only reads.
+        training = self._training()
+        got = self._source.pull_tables({self.table or "": unique}, not training)
+        return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training), unique
+
+    def bound_source(self) -> RowSource:
+        """The job's rows this module is bound to.
+
+        Raises:
+            WorkerStateError: it is not bound (named how to bind it, or why its rows are not here).
+        """
+        if self._source is None:
+            raise self._unbound_error()
         return self._source
 
     def _training(self) -> bool:
@@ -129,6 +259,17 @@ class SparseEmbedding(nn.Module):
             self._touched.append((unique, weight))
         return weight
 
+    def _local_rows(self, unique: torch.Tensor) -> torch.Tensor:
+        """Rows `unique` of an unbound module's loaded state: the loaded ones, the others initial."""
+        assert self._loaded is not None
+        out = rows.initial_rows(self._key(), unique, self.embedding_dim, self.std)
+        ids, values = self._loaded
+        if ids.numel() and unique.numel():
+            at = torch.searchsorted(ids, unique).clamp_(max=ids.numel() - 1)
+            found = ids[at] == unique
+            out[found] = values[at[found]]
+        return out
+
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients of the rows the forwards since the last call touched, coalesced per id:
         (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none was touched.
@@ -146,27 +287,110 @@ class SparseEmbedding(nn.Module):
         summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
         return unique, summed
 
+    def row_gradient_leaves(self) -> list[torch.Tensor]:
+        """The touched rows' leaves with a gradient, merged into one leaf per id when several
+        forwards touched rows (its .grad: what the step pushes), for clip_grad_norm_ to measure and
+        scale in place."""
+        leaves = [w for _, w in self._touched if w.grad is not None]
+        if len(leaves) < 2:
+            return leaves
+        taken = self.take_gradients()
+        assert taken is not None
+        ids, grad = taken
+        merged = torch.zeros_like(grad)  # (its values are never read: a step pushes gradients only)
+        merged.grad = grad
+        self._touched = [(ids, merged)]
+        return [merged]
+
+    # ----------------------------------------------------------------------------- state
+
+    def stored_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [n] int64 in order, rows [n, dim] float32) of the rows that differ from their
+        initial values: read from the job's servers when bound, the loaded ones when loaded, none
+        when fresh.
+
+        Raises:
+            WorkerStateError: the module is lost (a copy of a bound one, or its job was closed).
+        """
+        if self._source is not None:
+            return self._source.updated_rows(self.table or "")
+        if self._loaded is not None:
+            return self._loaded
+        if self._lost is not None:
+            raise WorkerStateError(
+                f"state_dict() of {self._what()}: {self._lost}. Take state_dict() of the bound model (inside its "
+                "job, before ps.close()), or read the job's rows with psgrad.fetch_state_dict(servers) while its "
+                "servers run")
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        ids, values = self.stored_rows()
+        name = self.table if self.table is not None else prefix[:-1]
+        destination[prefix + "ids"] = ids
+        destination[prefix + "rows"] = values
+        destination[prefix + "init"] = torch.tensor([self.num_embeddings, self.embedding_dim, self.seed], dtype=torch.int64)
+        destination[prefix + "init_std"] = torch.tensor(self.std, dtype=torch.float64)
+        destination[prefix + "table"] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in STATE_KEYS)
+        missing = [prefix + k for k in REQUIRED_STATE_KEYS if prefix + k not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        where = f"{type(self).__name__} at {prefix[:-1] or 'the top'!r}"
+        if self._source is not None:
+            raise ConfigError(
+                f"load_state_dict() into {where}, bound to table {self.table!r}: a bound table's rows are the job's, "
+                "on its servers, which psgrad cannot write rows to yet. Load the state into an unbound copy "
+                "(copy.deepcopy(model), or a new model), which serves the loaded rows, or resume the job's rows from "
+                "its servers' checkpoints (--checkpoint-dir)")
+        num, dim, seed = (int(v) for v in state_dict[prefix + "init"].tolist())
+        if (num, dim) != (self.num_embeddings, self.embedding_dim):
+            raise ConfigError(
+                f"load_state_dict(): {prefix}init describes a table of {num} x {dim} rows, and {where} is "
+                f"{self.num_embeddings} x {self.embedding_dim}: build it with num_embeddings={num}, embedding_dim={dim}")
+        ids = state_dict[prefix + "ids"].to("cpu", torch.int64).reshape(-1)
+        values = state_dict[prefix + "rows"].detach().to("cpu", torch.float32)
+        if values.shape != (ids.numel(), dim):
+            raise ConfigError(f"load_state_dict(): {prefix}rows has shape {list(values.shape)}, not [{ids.numel()}, {dim}] "
+                              f"(one row of {dim} per id of {prefix}ids)")
+        try:
+            rows.check_ids(ids, num, f"load_state_dict(): {prefix}ids")
+        except InvalidRequestError as exc:
+            raise ConfigError(str(exc)) from None
+        ids, order = torch.sort(ids)
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ConfigError(f"load_state_dict(): {prefix}ids lists a row id more than once")
+        name = state_dict.get(prefix + "table")
+        self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
+        self.seed, self.std = seed, float(state_dict[prefix + "init_std"])
+        self._loaded, self._lost = (ids, values[order].contiguous()), None
+
 
 class Embedding(SparseEmbedding):
     """torch.nn.Embedding(num_embeddings, embedding_dim) with its rows on the parameter servers.
 
     Rows start as N(0, std²) (torch's default: std 1), drawn from (seed, the table's name, row id).
     padding_idx: that row's output is zeros and it takes no gradient, as in torch (its row on the
-    servers keeps its initial value, unused).
+    servers keeps its initial value, unused). scale_grad_by_freq: each row's gradient is divided by
+    how often its id occurs in the forward's input, as in torch. sparse: accepted, changes nothing
+    (the rows' gradients are pushed per row always). max_norm: refused (ConfigError naming why).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 std: float = 1.0, seed: int = 0) -> None:
-        super().__init__(num_embeddings, embedding_dim, std, seed)
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += num_embeddings
-        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
-            raise ConfigError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
-        self.padding_idx = padding_idx
+                 std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim, std, seed, max_norm=max_norm, norm_type=norm_type,
+                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        self.padding_idx = self._padding_index(padding_idx)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        inverse, weight = self._rows(input)
-        out = F.embedding(inverse, weight)
+        inverse, weight, _ = self._rows(input)
+        out = F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq)
         if self.padding_idx is not None:
             out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
         return out
@@ -174,20 +398,40 @@ class Embedding(SparseEmbedding):
 
 class EmbeddingBag(SparseEmbedding):
     """torch.nn.EmbeddingBag(num_embeddings, embedding_dim, mode) with its rows on the parameter
-    servers: the sum or mean of each bag's rows (a 2-D input: one bag per row; a 1-D input with
-    offsets: bags starting at each offset), optionally weighted per sample (mode "sum")."""
+    servers: the sum, mean or max of each bag's rows (a 2-D input: one bag per row; a 1-D input with
+    offsets: bags starting at each offset), optionally weighted per sample (mode "sum").
+
+    torch's options, with torch's semantics: include_last_offset (offsets has one more entry, the
+    end of the last bag), padding_idx (that id takes no part in its bag, mean's count included, and
+    no gradient), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
+    (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean",
-                 std: float = 1.0, seed: int = 0) -> None:
-        super().__init__(num_embeddings, embedding_dim, std, seed)
+                 std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False, include_last_offset: bool = False,
+                 padding_idx: int | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, std, seed, max_norm=max_norm, norm_type=norm_type,
+                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
+        if mode == "max" and scale_grad_by_freq:
+            raise ConfigError("scale_grad_by_freq does not go with mode 'max' (torch refuses it at the forward too): "
+                              "use mode 'sum' or 'mean', or leave scale_grad_by_freq out")
         self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+        self.padding_idx = self._padding_index(padding_idx)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        inverse, weight = self._rows(input)
-        return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+        inverse, weight, unique = self._rows(input)
+        padding = None  # the padding id's index among the pulled rows, where the input has it
+        if self.padding_idx is not None:
+            at = int(torch.searchsorted(unique, self.padding_idx))
+            padding = at if at < unique.numel() and int(unique[at]) == self.padding_idx else None
+        return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                               scale_grad_by_freq=self.scale_grad_by_freq,
+                               include_last_offset=self.include_last_offset, padding_idx=padding)
 
 
 def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:
@@ -202,3 +446,20 @@ def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:
             raise ConfigError("the model itself is a psgrad embedding: wrap it in a module (its tables are named by "
                               "their place in the model)")
     return found
+
+
+def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for models with psgrad embeddings: given the model, the norm
+    covers its parameters' gradients and the gradients of the rows its psgrad embeddings' forwards
+    touched since the last step (coalesced per id, as the step pushes them and as a dense table's
+    gradient holds them), and scales them all alike; returns the total norm, as torch does. Call it
+    between backward() and opt.step(). Given tensors (model.parameters()), it is torch's: the rows
+    are left out, which is why it takes the model."""
+    if isinstance(parameters, nn.Module):
+        tensors: list[torch.Tensor] = list(parameters.parameters())
+        for module in parameters.modules():
+            if isinstance(module, SparseEmbedding):
+                tensors += module.row_gradient_leaves()
+        return torch.nn.utils.clip_grad_norm_(tensors, max_norm, norm_type, error_if_nonfinite, foreach)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -40,6 +40,10 @@ class Prefetched:
         self.stats.unused += len(self._held)
         self._held = {}
 
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The servers' rows of `table` updated at least once (read past what is held)."""
+        return self._source.updated_rows(table)
+
     def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
         if observe:
             return self._source.pull_tables(lookups, observe)

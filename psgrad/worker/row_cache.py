@@ -89,6 +89,10 @@ class RowCache:
         self._tables: dict[str, _TableCache] = {}
         self.stats = CacheStats()
 
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The servers' rows of `table` updated at least once (read past the cache)."""
+        return self._source.updated_rows(table)
+
     def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
         """Each table's rows for its ids: the fresh cached ones from memory, the rest pulled from the
         source, every table's misses in one grouped pull."""

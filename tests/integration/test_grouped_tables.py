@@ -4,6 +4,8 @@ against real gRPC servers: the calls each makes, results equal to torch and to t
 (sync: bitwise, the next batch's rows read after the iteration's update), staleness counted (async)."""
 from __future__ import annotations
 
+import copy
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +16,7 @@ from torch import nn
 import psgrad
 from conftest import run_in_threads
 from psgrad.config import ClientConfig
-from psgrad.errors import ConfigError
+from psgrad.errors import ConfigError, WorkerStateError
 from psgrad.server.tables import SparseTable
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,6 +127,10 @@ def test_a_collection_pulls_every_table_in_one_call_per_shard_and_equals_torch(m
         torch.testing.assert_close(model.ebc(Keyed()), got)
         with pytest.raises(ConfigError, match=r"missing \['c'\]"):
             model.ebc({"a": x["a"], "b": x["b"]})
+        copied = copy.deepcopy(model)  # (the forward's remembered input is not copied: it cannot be pickled)
+        torch.save(model, io.BytesIO())
+        with pytest.raises(WorkerStateError, match="is a copy"):
+            copied.ebc(x)
 
 
 @pytest.mark.parametrize("layout", [Separate, Collection], ids=["separate", "collection"])

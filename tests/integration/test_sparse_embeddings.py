@@ -241,8 +241,8 @@ def test_embedding_modules_match_torch_on_the_same_rows() -> None:
         assert ids.tolist() == sorted(set(x.flatten().tolist()))
         torch.testing.assert_close(grads, theirs.weight.grad[ids])
         assert mine.take_gradients() is None  # taken
-    with pytest.raises(ConfigError, match="mode must be one of sum, mean"):
-        psgrad.EmbeddingBag(5, 2, mode="max")
+    with pytest.raises(ConfigError, match="mode must be one of sum, mean, max, got 'median'"):
+        psgrad.EmbeddingBag(5, 2, mode="median")
     with pytest.raises(ConfigError, match="num_embeddings must be an integer >= 1"):
         psgrad.Embedding(0, 2)
 

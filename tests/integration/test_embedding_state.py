@@ -1,0 +1,176 @@
+"""psgrad embeddings' state and gradients in a real job: a trained DLRM-like model's state_dict(),
+saved with torch.save, gives the same predictions in a fresh process with no servers; the same
+model given to a new job on the servers binds again; psgrad.clip_grad_norm_ clips the rows'
+update as torch clips a dense table's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from conftest import REPO, child_env
+from psgrad.config import ClientConfig
+from psgrad.errors import ConfigError, WorkerStateError
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
+
+# The model and its data, defined once for this process and the fresh one.
+MODEL = '''
+import torch
+from torch import nn
+import psgrad
+
+
+class Dlrm(nn.Module):
+    """Dense features through a bottom MLP; two categorical features from psgrad tables (a bag of
+    item ids with offsets, one user id with padding); their pairwise dot products; a top MLP."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bottom = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.items = psgrad.EmbeddingBag(500, 8, mode="sum", std=0.1, seed=5, include_last_offset=True)
+        self.user = psgrad.Embedding(300, 8, padding_idx=0, std=0.1, seed=6)
+        self.top = nn.Sequential(nn.Linear(8 + 3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense, items, offsets, user):
+        z = [self.bottom(dense), self.items(items, offsets), self.user(user)]
+        dots = torch.stack([(z[i] * z[j]).sum(-1) for i, j in ((0, 1), (0, 2), (1, 2))], dim=1)
+        return self.top(torch.cat([z[0], dots], dim=1)).squeeze(-1)
+
+
+def batch(seed, n=32):
+    """(dense, items, offsets, user, labels) of n examples, from seed."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, 4, generator=g)
+    lengths = torch.randint(1, 4, (n,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    items = torch.randint(0, 500, (int(lengths.sum()),), generator=g)
+    user = torch.randint(0, 300, (n,), generator=g)
+    return dense, items, offsets, user, (dense[:, 0] + items[offsets[:-1]] % 2 > 0.5).float()
+'''
+FRESH = MODEL + '''
+import sys
+
+state_path, out = sys.argv[1], sys.argv[2]
+model = Dlrm()
+model.load_state_dict(torch.load(state_path))  # weights_only (torch's default), strict
+model.eval()
+with torch.no_grad():
+    torch.save(model(*batch(99)[:4]), out)
+'''
+
+
+def _definitions() -> dict[str, Any]:
+    names: dict[str, Any] = {}
+    exec(MODEL, names)
+    return names
+
+
+@pytest.mark.timeout(120)
+def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_without_servers(tmp_path: Path) -> None:
+    defs = _definitions()
+    Dlrm, batch = defs["Dlrm"], defs["batch"]
+    servers = [psgrad.serve() for _ in range(2)]
+    try:
+        addresses = [s.address for s in servers]
+        model = Dlrm()
+        initial = model.items.initial_weight()
+        with psgrad.connect(addresses, mode="async", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model, row_cache=1000, row_cache_staleness=2)  # (the state reads past the cache)
+            for step in range(6):
+                *x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                expected = model(*batch(99)[:4])
+            state = model.state_dict()
+            exported = psgrad.fetch_state_dict(addresses)  # psgrad export's layout: the same tables
+            assert model.state_dict(keep_vars=True)["top.2.weight"] is model.top[2].weight
+            with pytest.raises(ConfigError, match="into EmbeddingBag at 'items', bound to table 'items'"):
+                model.load_state_dict(state)
+        ids = state["items.ids"]
+        assert ids.numel() > 0 and state["user.ids"].numel() > 0
+        assert not torch.allclose(state["items.rows"], initial[ids])  # the rows moved
+        for key in ("items.ids", "items.rows", "user.ids", "user.rows", "top.2.weight"):
+            assert torch.equal(exported[key], state[key]), key
+        # the job closed: the rows are on its servers, and the model says so
+        with pytest.raises(WorkerStateError, match="not bound to a job: its job was closed"):
+            model(*batch(99)[:4])
+        with pytest.raises(WorkerStateError, match="its job was closed.*psgrad.fetch_state_dict"):
+            model.state_dict()
+        # given to a new job on the same servers, the model binds again and reads the job's rows
+        with psgrad.connect(addresses, mode="async", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            ps.optimizer(model)
+            with torch.no_grad():
+                torch.testing.assert_close(model(*batch(99)[:4]), expected, rtol=0, atol=0)
+        from_export = Dlrm()
+        from_export.load_state_dict(exported)
+        from_export.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(from_export(*batch(99)[:4]), expected, rtol=0, atol=0)
+    finally:
+        for s in servers:
+            s.stop()
+    path, out = tmp_path / "model.pt", tmp_path / "predictions.pt"
+    torch.save(state, path)
+    res = subprocess.run([sys.executable, "-c", FRESH, str(path), str(out)], capture_output=True, text=True,
+                         timeout=90, cwd=REPO, env=child_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    torch.testing.assert_close(torch.load(out), expected, rtol=1e-6, atol=1e-6)
+
+
+class Ctr(nn.Module):
+    """A bag of ids from one table and a linear head (dense=True: torch.nn.EmbeddingBag on the same
+    initial rows)."""
+
+    def __init__(self, dense: bool = False) -> None:
+        super().__init__()
+        self.emb: nn.Module = psgrad.EmbeddingBag(200, 4, mode="sum", std=0.5, seed=3)
+        if dense:
+            table = nn.EmbeddingBag(200, 4, mode="sum")
+            self.emb.table = "emb"  # (the job's name for it: its initial rows depend on it)
+            with torch.no_grad():
+                table.weight.copy_(self.emb.initial_weight())
+            self.emb = table
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)).squeeze(-1)
+
+
+@pytest.mark.timeout(60)
+def test_clip_grad_norm_clips_the_rows_update_as_torch_clips_a_dense_tables(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, one worker, SGD: each step's row update is lr times the clipped gradient, exactly what
+    torch's clip_grad_norm_ and SGD do to a dense table (and the head moves alike)."""
+    running = make_servers(1)
+    model, dense = Ctr(), Ctr(dense=True)
+    reference = torch.optim.SGD(dense.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(4)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            x = torch.randint(0, 200, (16, 3), generator=gen)
+            totals = []
+            for m, o, clip in ((model, opt, psgrad.clip_grad_norm_), (dense, reference, torch.nn.utils.clip_grad_norm_)):
+                o.zero_grad()
+                loss = m(x).square().mean() + m(x[:4]).sum()  # two forwards: rows touched twice
+                loss.backward()
+                totals.append(clip(m.parameters() if m is dense else m, 0.05))
+                o.step()
+            torch.testing.assert_close(totals[0], totals[1])
+            assert float(totals[0]) > 0.1  # clipped
+        state = model.state_dict()
+    ids = state["emb.ids"]
+    assert ids.numel() > 0
+    torch.testing.assert_close(state["emb.rows"], dense.emb.weight.detach()[ids], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, dense.head.weight, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,324 @@
+"""psgrad.Embedding / EmbeddingBag as a PyTorch user expects them, on an in-process row source: torch's
+module options (computed as torch computes them on the same weights, or refused naming why),
+state_dict()/load_state_dict() (the table's handle; an unbound module serves loaded rows), pickles
+and copies (unbound), and psgrad.clip_grad_norm_ against torch's on an equivalent dense model."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import copy
+import io
+import math
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from psgrad.errors import ConfigError, WorkerStateError
+from psgrad.nn import SparseEmbedding, sparse_modules
+
+pytestmark = pytest.mark.timeout(60)
+
+ROWS, DIM = 40, 4
+
+
+class LocalRows:
+    """A RowSource holding the whole table in memory; the lock stands for a job's gRPC channels
+    (which cannot be pickled or copied either)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.clone()
+        self.updated: set[int] = set()
+        self.lock = threading.Lock()
+
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        return {table: self.weight[ids].clone() for table, ids in lookups.items()}
+
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(sorted(self.updated), dtype=torch.int64)
+        return ids, self.weight[ids].clone()
+
+    def update(self, ids: list[int], delta: float) -> None:
+        self.weight[ids] += delta
+        self.updated.update(ids)
+
+
+def _bound(module: SparseEmbedding, table: str = "emb") -> LocalRows:
+    """Bind module to a LocalRows of its initial weight (as table `table`); returns the source."""
+    module.table = table
+    source = LocalRows(module.initial_weight())
+    module.bind(table, source)
+    return source
+
+
+def _torch_twin(mine: SparseEmbedding, kind: type[nn.Module], **options: Any) -> nn.Module:
+    """torch's module with the same options, on mine's initial weight (its padding row zero, as torch
+    makes it)."""
+    theirs = kind(ROWS, DIM, **options)
+    with torch.no_grad():
+        theirs.weight.copy_(mine.initial_weight())
+        if options.get("padding_idx") is not None:
+            theirs.weight[options["padding_idx"]] = 0
+    return theirs
+
+
+IDS_2D = torch.tensor([[1, 7, 7, 2], [3, 1, 2, 2], [2, 2, 2, 2]])  # 2: the padding id where there is one
+IDS_1D = torch.tensor([1, 7, 7, 2, 3, 1, 5, 2, 2])
+OFFSETS = torch.tensor([0, 4, 4, 6])  # bags [0:4], [4:4] (empty), [4:6], [6:]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"padding_idx": 2}, {"padding_idx": -38}, {"scale_grad_by_freq": True}, {"sparse": True},
+    {"padding_idx": 2, "scale_grad_by_freq": True},
+], ids=str)
+def test_embedding_options_compute_what_torchs_compute(options: dict[str, Any]) -> None:
+    mine = psgrad.Embedding(ROWS, DIM, std=0.5, seed=4, **options)
+    _bound(mine)
+    theirs = _torch_twin(mine, nn.Embedding, **options)
+    out = mine(IDS_2D)
+    torch.testing.assert_close(out, theirs(IDS_2D))
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (out * probe).sum().backward()
+    (theirs(IDS_2D) * probe).sum().backward()
+    ids, grads = mine.take_gradients()
+    assert ids.tolist() == torch.unique(IDS_2D).tolist()
+    torch.testing.assert_close(grads, _dense_grad(theirs.weight)[ids])
+    if options.get("padding_idx") is not None:
+        assert not grads[ids.tolist().index(2)].any()  # the padding row takes no gradient
+
+
+BAG_CASES = [
+    {"mode": "sum"}, {"mode": "mean"}, {"mode": "max"},
+    {"mode": "sum", "include_last_offset": True}, {"mode": "mean", "include_last_offset": True},
+    {"mode": "max", "include_last_offset": True},
+    {"mode": "sum", "padding_idx": 2}, {"mode": "mean", "padding_idx": 2}, {"mode": "max", "padding_idx": 2},
+    {"mode": "mean", "padding_idx": 2, "include_last_offset": True},
+    {"mode": "sum", "scale_grad_by_freq": True}, {"mode": "mean", "scale_grad_by_freq": True, "padding_idx": 2},
+    {"mode": "sum", "sparse": True},
+]
+
+
+# Each case with the inputs it applies to: a 2-D input, a 1-D one with offsets, and weighted
+# (per_sample_weights: mode "sum" only, torch's rule); include_last_offset is about offsets.
+BAG_INPUTS = [(options, layout) for options in BAG_CASES for layout in ("2d", "offsets", "weighted")
+              if not (layout == "weighted" and options["mode"] != "sum")
+              and not (layout == "2d" and options.get("include_last_offset"))]
+
+
+def _dense_grad(weight: torch.Tensor) -> torch.Tensor:
+    """torch's gradient of a table (sparse=True makes it a sparse tensor)."""
+    assert weight.grad is not None
+    return weight.grad.to_dense() if weight.grad.is_sparse else weight.grad
+
+
+@pytest.mark.parametrize("options, layout", BAG_INPUTS, ids=str)
+def test_embedding_bag_options_compute_what_torchs_compute(options: dict[str, Any], layout: str) -> None:
+    mine = psgrad.EmbeddingBag(ROWS, DIM, std=0.5, seed=4, **options)
+    _bound(mine)
+    theirs = _torch_twin(mine, nn.EmbeddingBag, **options)
+    if layout == "2d":
+        args: tuple[Any, ...] = (IDS_2D,)
+    else:
+        offsets = torch.cat([OFFSETS, torch.tensor([IDS_1D.numel()])]) if options.get("include_last_offset") else OFFSETS
+        weights = torch.linspace(0.5, 2.0, IDS_1D.numel()) if layout == "weighted" else None
+        args = (IDS_1D, offsets, weights)
+    out = mine(*args)
+    torch.testing.assert_close(out, theirs(*args))
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (out * probe).sum().backward()
+    (theirs(*args) * probe).sum().backward()
+    ids, grads = mine.take_gradients()
+    torch.testing.assert_close(grads, _dense_grad(theirs.weight)[ids])
+    assert grads.abs().sum() > 0
+    if options.get("padding_idx") is not None:
+        assert not grads[ids.tolist().index(2)].any()
+
+
+def test_options_torch_has_and_psgrad_cannot_honour_are_refused_naming_the_alternative() -> None:
+    for make in (lambda **kw: psgrad.Embedding(ROWS, DIM, **kw), lambda **kw: psgrad.EmbeddingBag(ROWS, DIM, **kw)):
+        with pytest.raises(ConfigError, match=r"max_norm=1\.0 is not supported.*rows live on the servers.*"
+                                              r"out\.norm\(dim=-1.*psgrad\.clip_grad_norm_"):
+            make(max_norm=1.0, norm_type=2.0)
+        assert make(norm_type=1.0).norm_type == 1.0  # (read only with max_norm, as in torch)
+        assert make(sparse=True).sparse and make(scale_grad_by_freq=True).scale_grad_by_freq
+        with pytest.raises(ConfigError, match=f"padding_idx must be within num_embeddings \\({ROWS}\\), got {ROWS}"):
+            make(padding_idx=ROWS)
+    with pytest.raises(ConfigError, match="scale_grad_by_freq does not go with mode 'max'.*use mode 'sum' or 'mean'"):
+        psgrad.EmbeddingBag(ROWS, DIM, mode="max", scale_grad_by_freq=True)
+    with pytest.raises(ValueError, match="max mode does not support scaling"):  # torch's own refusal, at the forward
+        nn.EmbeddingBag(ROWS, DIM, mode="max", scale_grad_by_freq=True)(IDS_2D)
+    assert "sparse=True" in repr(psgrad.Embedding(ROWS, DIM, sparse=True))
+
+
+class Model(nn.Module):
+    """A bag table, a plain table and a linear head."""
+
+    def __init__(self, rows: int = ROWS) -> None:
+        super().__init__()
+        self.bag = psgrad.EmbeddingBag(rows, DIM, mode="sum", std=0.3, seed=1)
+        self.one = psgrad.Embedding(rows, DIM, padding_idx=0, std=0.2, seed=2)
+        torch.manual_seed(0)
+        self.head = nn.Linear(2 * DIM, 1)
+
+    def forward(self, bags: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.bag(bags), self.one(one)], dim=1)).squeeze(-1)
+
+
+BAGS, ONE = torch.tensor([[1, 2, 3], [3, 9, 9], [30, 0, 1]]), torch.tensor([0, 5, 39])
+
+
+def _bound_model() -> tuple[Model, dict[str, LocalRows]]:
+    """A Model bound to in-memory tables (named by place, as ps.optimizer names them), some of whose
+    rows moved."""
+    model = Model()
+    sources = {name: _bound(m, name) for name, m in sparse_modules(model)}
+    sources["bag"].update([3, 9, 30], 0.25)
+    sources["one"].update([5], -0.5)
+    return model, sources
+
+
+def test_state_dict_is_the_tables_handle_and_an_unbound_model_serves_it() -> None:
+    model, sources = _bound_model()
+    state = model.state_dict()
+    assert set(state) == {"head.weight", "head.bias"} | {f"{t}.{k}" for t in ("bag", "one")
+                                                         for k in ("ids", "rows", "init", "init_std", "table")}
+    assert state["bag.ids"].tolist() == [3, 9, 30] and state["one.ids"].tolist() == [5]
+    torch.testing.assert_close(state["bag.rows"], sources["bag"].weight[[3, 9, 30]])
+    assert state["bag.init"].tolist() == [ROWS, DIM, 1] and float(state["one.init_std"]) == pytest.approx(0.2)
+    assert bytes(state["one.table"].tolist()).decode() == "one"
+    # torch.save / torch.load (weights_only, torch's default: the handle is tensors only)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    fresh = Model()
+    with pytest.raises(WorkerStateError, match=r"EmbeddingBag\(40, 4\) is not bound to a job.*load_state_dict\(\)"):
+        fresh(BAGS, ONE)
+    assert fresh.load_state_dict(loaded) is not None
+    torch.testing.assert_close(fresh(BAGS, ONE), model(BAGS, ONE), rtol=0, atol=0)
+    assert "3 rows loaded" in repr(fresh.bag)
+    again = fresh.state_dict()  # a loaded module's state is what it loaded
+    assert all(torch.equal(again[k], state[k]) for k in state)
+    # a loaded module serves forwards read-only: its rows take no gradient and nothing is kept
+    fresh(BAGS, ONE).sum().backward()
+    assert fresh.bag.take_gradients() is None and fresh.head.weight.grad is not None
+
+
+def test_a_fresh_modules_state_is_its_initial_table_and_the_name_travels_with_the_state() -> None:
+    model = Model()
+    state = model.state_dict()
+    assert state["bag.ids"].numel() == 0 and state["bag.rows"].shape == (0, DIM)
+    outer = nn.Module()
+    outer.tower = Model()
+    outer.tower.load_state_dict(state)  # the rows are drawn under the table's name in the state: "bag"
+    model.bag.table = "bag"
+    torch.testing.assert_close(outer.tower.bag(BAGS), nn.functional.embedding_bag(BAGS, model.bag.initial_weight(), mode="sum"))
+    # psgrad export's layout (no .table entry): the module's place names the table
+    export = {k: v for k, v in state.items() if not k.endswith(".table")}
+    other = Model()
+    other.load_state_dict(export)
+    assert other.bag.table == "bag" and other.one.table == "one"
+
+
+def test_loads_that_cannot_be_honoured_are_refused_by_name() -> None:
+    model, _ = _bound_model()
+    state = model.state_dict()
+    with pytest.raises(ConfigError, match=r"init describes a table of 40 x 4 rows.*is 50 x 4: build it with "
+                                          r"num_embeddings=40, embedding_dim=4"):
+        Model(rows=50).load_state_dict(state)
+    with pytest.raises(ConfigError, match="load_state_dict\\(\\) into EmbeddingBag at 'bag', bound to table 'bag'.*"
+                                          "unbound copy.*checkpoints"):
+        model.load_state_dict(state)
+    duplicated = dict(state, **{"bag.ids": torch.tensor([3, 3, 9]), "bag.rows": torch.zeros(3, DIM)})
+    with pytest.raises(ConfigError, match="bag.ids lists a row id more than once"):
+        Model().load_state_dict(duplicated)
+    with pytest.raises(ConfigError, match="bag.ids: row id 99 is out of range"):
+        Model().load_state_dict(dict(state, **{"bag.ids": torch.tensor([3, 9, 99])}))
+    with pytest.raises(ConfigError, match=r"bag.rows has shape \[3, 4\], not \[2, 4\]"):
+        Model().load_state_dict(dict(state, **{"bag.ids": torch.tensor([3, 9])}))
+    # strict loading names what is missing and what is extra, as torch does; strict=False skips them
+    partial = {k: v for k, v in state.items() if k != "one.rows"}
+    partial["one.extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'(?s)Missing key\(s\) in state_dict: "one.rows".*Unexpected key\(s\) in '
+                                           r'state_dict: "one.extra"'):
+        Model().load_state_dict(partial)
+    lenient = Model()
+    result = lenient.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["one.rows"] and result.unexpected_keys == ["one.extra"]
+    assert lenient.bag.stored_rows()[0].tolist() == [3, 9, 30]  # the complete table loaded
+    with pytest.raises(WorkerStateError, match="not bound"):
+        lenient.one(ONE)  # the incomplete one did not
+    # rows a job cannot take: ps.optimizer refuses the loaded model before connecting anywhere
+    loaded = Model()
+    loaded.load_state_dict(state)
+    with pytest.raises(ConfigError, match="holds 3 rows loaded by load_state_dict\\(\\).*Evaluate the loaded model "
+                                          "without ps.optimizer"):
+        psgrad.connect(["127.0.0.1:9"]).optimizer(loaded)
+
+
+def test_pickles_and_copies_leave_the_binding_and_a_copy_of_a_bound_module_is_unbound() -> None:
+    model, sources = _bound_model()
+    before = model(BAGS, ONE)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole model: its sources' locks are not pickled
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        with pytest.raises(WorkerStateError, match=r"\(table 'bag'\) is not bound to a job: it is a copy \(copy.deepcopy, "
+                                                   r"pickle, torch.save\).*load_state_dict\(\)"):
+            copied(BAGS, ONE)
+        with pytest.raises(WorkerStateError, match="state_dict\\(\\) of EmbeddingBag.*a copy does not carry the rows.*"
+                                                   "Take state_dict\\(\\) of the bound model"):
+            copied.state_dict()
+        torch.testing.assert_close(copied.head.weight, model.head.weight)
+        copied.load_state_dict(model.state_dict())  # the documented way to give a copy its rows
+        torch.testing.assert_close(copied(BAGS, ONE), before, rtol=0, atol=0)
+        again = copy.deepcopy(copied)  # a loaded module's copy holds its rows
+        torch.testing.assert_close(again(BAGS, ONE), before, rtol=0, atol=0)
+    torch.testing.assert_close(model(BAGS, ONE), before, rtol=0, atol=0)  # the original is still bound
+    assert model.bag._source is sources["bag"]
+    rebound = copy.deepcopy(model)
+    rebound.bag.bind("bag", sources["bag"])
+    rebound.one.bind("one", sources["one"])
+    torch.testing.assert_close(rebound(BAGS, ONE), before, rtol=0, atol=0)
+
+
+def _dense_twin(model: Model) -> nn.Module:
+    """The same model with torch.nn tables holding the bound tables' current rows."""
+    dense = copy.deepcopy(model)
+    for name, m in sparse_modules(model):
+        kind = nn.Embedding if isinstance(m, psgrad.Embedding) else nn.EmbeddingBag
+        options = {"padding_idx": m.padding_idx} if isinstance(m, psgrad.Embedding) else {"mode": m.mode}
+        table = kind(ROWS, DIM, **options)
+        with torch.no_grad():
+            table.weight.copy_(m._source.weight)  # type: ignore[union-attr]
+            if isinstance(m, psgrad.Embedding):
+                table.weight[0] = 0
+        setattr(dense, name, table)
+    return dense
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_covers_the_rows_as_torchs_does_a_dense_table(norm_type: float) -> None:
+    """Two forwards touching some rows twice: the norm is of the gradient per id (as a dense table
+    holds it), and the rows' gradients are scaled with the parameters'."""
+    model, _ = _bound_model()
+    dense = _dense_twin(model)
+    for m in (model, dense):
+        (m(BAGS, ONE).square().sum() + m(BAGS[:2], ONE[:2]).sum()).backward()
+    max_norm = 0.1
+    total = psgrad.clip_grad_norm_(model, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm, norm_type)
+    torch.testing.assert_close(total, expected)
+    assert float(total) > 5 * max_norm  # it clipped
+    torch.testing.assert_close(model.head.weight.grad, dense.head.weight.grad)
+    for name in ("bag", "one"):
+        ids, grads = getattr(model, name).take_gradients()
+        torch.testing.assert_close(grads, getattr(dense, name).weight.grad[ids])
+    # given tensors, it is torch's: the rows are not in the norm
+    model.zero_grad()
+    model(BAGS, ONE).sum().backward()
+    head_only = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.head.parameters()]), norm_type)
+    torch.testing.assert_close(psgrad.clip_grad_norm_(model.parameters(), 1e6, norm_type), head_only)
