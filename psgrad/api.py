@@ -276,8 +276,10 @@ class PSOptimizer(ScheduledOptimizer):
         if self.embeddings and spec.optimizer not in ROW_OPTIMIZERS:
             raise ConfigError(f"optimizer {spec.optimizer!r} has no row-wise form for psgrad embeddings (their rows are "
                               f"updated on the servers one row at a time); use one of {', '.join(ROW_OPTIMIZERS)}")
-        for _, module in self.embeddings:  # (before the model's state_dict() below: it then reads no rows)
-            module.prepare_to_bind()
+        # (before the model's state_dict() below: it then reads no rows) Rows that a state_dict or
+        # pretrained weights gave the chief's model become the job's initial rows of their tables.
+        loaded = {name: module.prepare_to_bind() for name, module in self.embeddings}
+        initial_rows = {name: rows for name, rows in loaded.items() if rows is not None}
         self.session = session
         self.model = model
         self.overlap = overlap
@@ -306,7 +308,8 @@ class PSOptimizer(ScheduledOptimizer):
         self._zero_copy = False
         try:
             chief = session.rank == 0
-            self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None)
+            self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None,
+                                                initial_rows=initial_rows if chief else None)
             self.clock = self.start_clock
             self.rollbacks = 0
             self.rejoins = 0

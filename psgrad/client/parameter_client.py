@@ -144,25 +144,30 @@ class ParameterClient:
             tables=serde.tables_to_proto(list(self.tables.values())),
         )
 
-    def join(self, initial_weights: Callable[[], torch.Tensor] | None) -> int:
+    def join(self, initial_weights: Callable[[], torch.Tensor] | None,
+             initial_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Join every shard and return the clock this worker continues from.
 
-        The chief passes its initial flat weights and initializes any empty shard; every worker
-        then waits (server side, up to init_timeout_s) until the shards are initialized and, in
-        sync/ssp mode, until all num_workers workers have joined. Starts the lease heartbeat.
+        The chief passes its initial flat weights and initializes any empty shard, with the rows of
+        sparse tables that start from its values (`initial_rows`: table -> (unique ids, values
+        [n, dim])); every worker then waits (server side, up to init_timeout_s) until the shards are
+        initialized and, in sync/ssp mode, until all num_workers workers have joined. Starts the
+        lease heartbeat.
         """
         replies = self._fan_out(
             lambda i, s: s.join(self._join_request(i, wait=False), self.config.connect_timeout_s)
         )
         if initial_weights is not None and not all(r.initialized for r in replies):
             flat = initial_weights()
+            split = self._split_rows(initial_rows)
 
             def init(i: int, s: ShardClient) -> Any:
                 if replies[i].initialized:
                     return None
                 start, end = self.plan.ranges[i]
-                header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start)
-                return s.init(header, flat[start:end].contiguous())
+                header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start,
+                                       rows=lookups_to_proto((t, ids) for t, (ids, _) in split[i].items()))
+                return s.init(header, [flat[start:end], *(values for _, values in split[i].values())])
 
             self._fan_out(init)
         if not all(r.ready for r in replies):
@@ -426,8 +431,9 @@ class ParameterClient:
             have = ", ".join(repr(n) for n in self.tables) or "none"
             raise errors.InvalidRequestError(f"the job has no sparse table {name!r}; its tables: {have}") from None
 
-    def _split_rows(self, rows: RowGradients | None) -> list[RowGradients]:
-        """Each shard's part of a step's row gradients (its rows: id mod S)."""
+    def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowGradients]:
+        """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values):
+        its rows, id mod S."""
         S = len(self.shards)
         split: list[RowGradients] = [{} for _ in range(S)]
         for name, (ids, grads) in (rows or {}).items():

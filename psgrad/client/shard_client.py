@@ -167,11 +167,13 @@ class ShardClient:
             return run(timeout_s)
         return reconnect.join_any(run, timeout_s, lambda: self.address, self.failover)
 
-    def init(self, header: pb.InitHeader, weights: torch.Tensor) -> pb.InitReply:
-        """Stream a shard's initial float32 weights (sent once, by the chief)."""
+    def init(self, header: pb.InitHeader, payloads: Sequence[torch.Tensor]) -> pb.InitReply:
+        """Stream a shard's initial float32 weights and the values of the rows its header names,
+        in order (sent once, by the chief)."""
         def frames() -> Iterator[bytes]:
             yield pb.InitFrame(header=header).SerializeToString()
-            yield from data_frames(byte_view(weights), self.config.chunk_bytes)
+            for payload in payloads:
+                yield from data_frames(byte_view(payload.contiguous()), self.config.chunk_bytes)
 
         t = self.config.rpc_timeout_s
         return self._call("the init stream", lambda: self._init(frames(), timeout=t), t)

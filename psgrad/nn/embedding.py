@@ -90,6 +90,7 @@ class SparseEmbedding(nn.Module):
         self._observe = False  # after the worker left: read-only pulls
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows as leaves)
         self._loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) a state gave an unbound module
+        self.frozen = False  # from_pretrained(freeze=True): the rows take no gradient, the table never moves
         self._lost: str | None = None  # why an unbound module's rows are not here (a copy, a closed job)
         # the last input's unique ids: (the input, its version counter, unique ids, each id's index)
         self._last_unique: tuple[weakref.ref[torch.Tensor], int, torch.Tensor, torch.Tensor] | None = None
@@ -123,31 +124,19 @@ class SparseEmbedding(nn.Module):
 
     # ----------------------------------------------------------------------------- binding
 
-    def prepare_to_bind(self) -> None:
+    def prepare_to_bind(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Before a job binds this module (ps.optimizer(model) calls it first, before connecting):
-        forget an earlier job or loaded state, making the module fresh.
-
-        Raises:
-            ConfigError: the module holds rows load_state_dict() gave it, which a job cannot take
-                (its tables start from their initial rows).
-        """
-        if self._loaded is not None and self._loaded[0].numel():
-            raise ConfigError(
-                f"{self._what()} holds {self._loaded[0].numel()} rows loaded by load_state_dict(), and a job's tables "
-                "start from their initial rows: psgrad cannot put loaded rows on the servers yet. Evaluate the loaded "
-                "model without ps.optimizer (it serves the loaded rows), or resume the job's rows from its servers' "
-                "checkpoints (--checkpoint-dir) and give ps.optimizer a model that loaded no rows"
-            )
+        forget an earlier job or loaded state, making the module fresh. Returns the rows a state or
+        pretrained weights gave it, (ids, values), if any: the chief's become the job's initial rows
+        of this table (the servers start those rows from them)."""
+        loaded = self._loaded if self._loaded is not None and self._loaded[0].numel() else None
         self._source, self._observe, self._loaded, self._lost = None, False, None, None
         self._touched.clear()
+        return loaded
 
     def bind(self, table: str, source: RowSource) -> None:
-        """Make this module table `table` of a job (PSOptimizer does this; a model given to a new
-        job's optimizer is bound to that one).
-
-        Raises:
-            ConfigError: the module holds loaded rows (see prepare_to_bind).
-        """
+        """Make this module table `table` of a job (PSOptimizer does this, after prepare_to_bind; a
+        model given to a new job's optimizer is bound to that one)."""
         self.prepare_to_bind()
         self.table, self._source = table, source
 
@@ -252,12 +241,17 @@ class SparseEmbedding(nn.Module):
 
     def attach_rows(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool) -> torch.Tensor:
         """The pulled rows of `unique` as this forward uses them: on the input's device and, when
-        training, a leaf that records its gradient (taken by take_gradients)."""
+        training (and not frozen), a leaf that records its gradient (taken by take_gradients)."""
         weight = weight.to(device)
-        if training:
+        if training and not self.frozen:
             weight.requires_grad_(True)
             self._touched.append((unique, weight))
         return weight
+
+    def _pretrained(self, embeddings: torch.Tensor, freeze: bool) -> None:
+        """Hold `embeddings` as every row's loaded value (see from_pretrained)."""
+        values = embeddings.detach().to("cpu", torch.float32).contiguous()
+        self._loaded, self.frozen = (torch.arange(self.num_embeddings), values), bool(freeze)
 
     def _local_rows(self, unique: torch.Tensor) -> torch.Tensor:
         """Rows `unique` of an unbound module's loaded state: the loaded ones, the others initial."""
@@ -345,7 +339,8 @@ class SparseEmbedding(nn.Module):
         if self._source is not None:
             raise ConfigError(
                 f"load_state_dict() into {where}, bound to table {self.table!r}: a bound table's rows are the job's, "
-                "on its servers, which psgrad cannot write rows to yet. Load the state into an unbound copy "
+                "on its servers, and a running job's rows change only by its updates. Load the state before "
+                "ps.optimizer(model) (the chief's loaded rows become the job's initial rows), or into an unbound copy "
                 "(copy.deepcopy(model), or a new model), which serves the loaded rows, or resume the job's rows from "
                 "its servers' checkpoints (--checkpoint-dir)")
         num, dim, seed = (int(v) for v in state_dict[prefix + "init"].tolist())
@@ -388,6 +383,17 @@ class Embedding(SparseEmbedding):
                          scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
         self.padding_idx = self._padding_index(padding_idx)
 
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: int | None = None,
+                        std: float = 1.0, seed: int = 0, **options: Any) -> Embedding:
+        """torch.nn.Embedding.from_pretrained: a table of embeddings' shape whose rows start from
+        `embeddings` — the job's initial rows when the chief's model binds it (ps.optimizer), or
+        the rows an unbound module serves. freeze (torch's default, True): its rows take no
+        gradient, so the servers' table never moves."""
+        module = cls(*_shape(embeddings), padding_idx=padding_idx, std=std, seed=seed, **options)
+        module._pretrained(embeddings, freeze)
+        return module
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         inverse, weight, _ = self._rows(input)
         out = F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq)
@@ -422,6 +428,14 @@ class EmbeddingBag(SparseEmbedding):
         self.include_last_offset = bool(include_last_offset)
         self.padding_idx = self._padding_index(padding_idx)
 
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, mode: str = "mean", std: float = 1.0,
+                        seed: int = 0, **options: Any) -> EmbeddingBag:
+        """torch.nn.EmbeddingBag.from_pretrained (see Embedding.from_pretrained)."""
+        module = cls(*_shape(embeddings), mode=mode, std=std, seed=seed, **options)
+        module._pretrained(embeddings, freeze)
+        return module
+
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         inverse, weight, unique = self._rows(input)
@@ -432,6 +446,17 @@ class EmbeddingBag(SparseEmbedding):
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                scale_grad_by_freq=self.scale_grad_by_freq,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
+
+
+def _shape(embeddings: torch.Tensor) -> tuple[int, int]:
+    """(num_embeddings, embedding_dim) of pretrained embeddings.
+
+    Raises:
+        ConfigError: not a 2-D tensor.
+    """
+    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+        raise ConfigError(f"from_pretrained takes a 2-D tensor of embeddings, got {getattr(embeddings, 'shape', embeddings)!r}")
+    return int(embeddings.shape[0]), int(embeddings.shape[1])
 
 
 def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:

@@ -139,12 +139,14 @@ class JoinReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("join", "numel")
+    __slots__ = ("join", "numel", "rows")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     join: JoinRequest
     numel: int
-    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class InitFrame(_message.Message):
     __slots__ = ("header", "data")

@@ -175,9 +175,19 @@ class ParameterServicer:
         if self.shard.layout is not None:  # idempotent: check, and do not read 4 bytes per element
             self.shard.join(header.join.rank, layout)
             return pb.InitReply(already_initialized=True, version=self.shard.version)
-        weights = torch.empty(layout.numel, dtype=torch.float32)
-        write_frames(frames, PayloadWriter(byte_view(weights), "init"), FrameParser(pb.InitFrame, "init"))
-        already = self.shard.initialize(header.join.rank, layout, weights)
+        loaded = lookups_from_proto(header.rows, "init")  # rows that start from the chief's values
+        dims = {t.name: t.dim for t in layout.tables}
+        unknown = [table for table, _ in loaded if table not in dims]
+        if unknown:
+            raise InvalidRequestError(f"init: rows of {unknown[0]!r}, which is not one of the job's sparse tables "
+                                      f"({', '.join(map(repr, dims)) or 'none'})")
+        sizes = [ids.numel() * dims[table] for table, ids in loaded]
+        payload = torch.empty(layout.numel + sum(sizes), dtype=torch.float32)
+        write_frames(frames, PayloadWriter(byte_view(payload), "init"), FrameParser(pb.InitFrame, "init"))
+        weights = payload[: layout.numel] if not loaded else payload[: layout.numel].clone()
+        values = payload[layout.numel:].split(sizes)
+        rows = {table: (ids, v.view(ids.numel(), dims[table])) for (table, ids), v in zip(loaded, values)}
+        already = self.shard.initialize(header.join.rank, layout, weights, rows)
         self._acked(self.shard.version, context)
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -243,13 +243,18 @@ class Shard:
             ranks = tuple(sorted(core.members.members))
             return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks)
 
-    def initialize(self, rank: int, layout: Layout, weights: torch.Tensor) -> bool:
-        """Install the job and initial weights. Idempotent for an identical layout.
+    def initialize(self, rank: int, layout: Layout, weights: torch.Tensor,
+                   rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
+        """Install the job and initial weights, and rows of sparse tables that start from the
+        chief's values (`rows`: table -> (ids, values [n, dim]); see SparseTable.load_rows).
+        Idempotent for an identical layout.
 
         Returns True when the shard was already initialized with the same layout (nothing changes).
         """
         core = self.core
         state = ShardState.create(layout, weights, core.members, core.budget_bytes)
+        for table, (ids, values) in (rows or {}).items():
+            state.sparse(table, rank).load_rows(ids, values)
         with core.cond:
             if core.layout is not None:
                 problem = explain_mismatch(core.layout, layout, rank)

@@ -313,6 +313,26 @@ class SparseTable:
             fresh[name][: self.touched] = old[: self.touched]
         self._state = fresh
 
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Start rows `ids` from `values` [n, dim] instead of their initial values (the chief's model
+        loaded them): the table's first update, so the table is at version 1 and those rows count as
+        updated (exports and checkpoints hold them).
+
+        Raises:
+            InvalidRequestError: ids repeated, out of range or on another shard; values of another
+                shape; a table updated already.
+            MemoryBudgetError: the rows would not fit the server's budget.
+        """
+        if self.version:
+            raise InvalidRequestError(f"table {self.name!r}: rows are loaded into a new table only (it is at version {self.version})")
+        self.check_update(ids, values)
+        if not ids.numel():
+            return
+        slots = self._slots(ids)
+        self._values.index_copy_(0, slots, values)
+        self.version = 1
+        self._versions.index_fill_(0, slots, 1)
+
     def reserve(self, ids: torch.Tensor) -> None:
         """Make rows `ids` (checked) if they were never touched, charging the memory budget, so an
         update of them cannot fail for it later.

@@ -174,3 +174,57 @@ def test_clip_grad_norm_clips_the_rows_update_as_torch_clips_a_dense_tables(make
     assert ids.numel() > 0
     torch.testing.assert_close(state["emb.rows"], dense.emb.weight.detach()[ids], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.head.weight, dense.head.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_loaded_state_and_pretrained_weights_become_a_new_jobs_initial_rows(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """The chief's loaded rows (load_state_dict, from_pretrained) are sent with its initial weights:
+    a new job starts from them (the tables at version 1), and a frozen table never moves."""
+    defs = _definitions()
+    Dlrm, batch = defs["Dlrm"], defs["batch"]
+    first, second = make_servers(2), make_servers(2)
+    model = Dlrm()
+    with psgrad.connect([s.address for s in first], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for step in range(4):
+            *x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            expected = model(*batch(99)[:4])
+        state = model.state_dict()
+    resumed = Dlrm()
+    resumed.load_state_dict(state)
+    with psgrad.connect([s.address for s in second], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        ps.optimizer(resumed)  # the chief: its loaded rows go to the new servers with its weights
+        resumed.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(resumed(*batch(99)[:4]), expected, rtol=0, atol=0)
+        again = resumed.state_dict()  # read from the new servers
+        for key in ("items.ids", "items.rows", "user.ids", "user.rows"):
+            assert torch.equal(again[key], state[key]), key
+    assert {s.shard.core.state.tables["items"].version for s in second} == {1}
+
+    class Words(nn.Module):
+        def __init__(self, vectors: torch.Tensor, freeze: bool) -> None:
+            super().__init__()
+            self.words = psgrad.Embedding.from_pretrained(vectors, freeze=freeze)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.words(x)).sum()
+
+    vectors = torch.randn(50, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.tensor([[1, 2, 3], [4, 5, 49]])
+    for freeze, version in ((True, 1), (False, 2)):
+        running = make_servers(1)
+        words = Words(vectors, freeze)
+        with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(words)
+            torch.testing.assert_close(words.words(x), nn.Embedding.from_pretrained(vectors)(x), rtol=0, atol=0)
+            opt.zero_grad()
+            words(x).backward()
+            opt.step()
+        assert running[0].shard.core.state.tables["words"].version == version  # frozen: never updated

@@ -251,12 +251,6 @@ def test_loads_that_cannot_be_honoured_are_refused_by_name() -> None:
     assert lenient.bag.stored_rows()[0].tolist() == [3, 9, 30]  # the complete table loaded
     with pytest.raises(WorkerStateError, match="not bound"):
         lenient.one(ONE)  # the incomplete one did not
-    # rows a job cannot take: ps.optimizer refuses the loaded model before connecting anywhere
-    loaded = Model()
-    loaded.load_state_dict(state)
-    with pytest.raises(ConfigError, match="holds 3 rows loaded by load_state_dict\\(\\).*Evaluate the loaded model "
-                                          "without ps.optimizer"):
-        psgrad.connect(["127.0.0.1:9"]).optimizer(loaded)
 
 
 def test_pickles_and_copies_leave_the_binding_and_a_copy_of_a_bound_module_is_unbound() -> None:
