@@ -166,7 +166,7 @@ class Pushes:
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
                 try:  # (a restore since the header may have dropped the rows it made)
-                    self._rows.reserve(state, rows)
+                    slots = self._rows.reserve(state, rows)
                 except MemoryBudgetError:
                     core.counters.pushes_rejected += 1
                     raise
@@ -204,7 +204,7 @@ class Pushes:
                     else:
                         self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
                         state.dense.apply(source, scale, lr)
-                self._rows.apply(state, rows, lr, scale)
+                self._rows.apply(state, rows, lr, scale, slots)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.updated()

@@ -29,7 +29,8 @@ class Rows:
         self._core = core
         self._replica = replica
 
-    def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> list[tuple[int, torch.Tensor]]:
+    def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup],
+             checked: bool = False) -> list[tuple[int, torch.Tensor]]:
         """Per lookup (table, ids): (the table's version, rows [len(ids), dim]). No gate: a worker
         pulls a step's rows after its dense pull passed the mode's.
 
@@ -38,7 +39,7 @@ class Rows:
             MemoryBudgetError: making the rows never touched would pass the server's budget.
         """
         with self._core.cond:
-            return self.read(self._core.require(fingerprint, rank), rank, lookups)
+            return self.read(self._core.require(fingerprint, rank), rank, lookups, checked)
 
     def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> None:
         """Check the tables and ids of a read (see SparseTable.check) without reading.
@@ -51,12 +52,13 @@ class Rows:
             for table, ids in lookups:
                 state.sparse(table, rank).check(ids)
 
-    def read(self, state: ShardState, rank: int, lookups: Sequence[Lookup]) -> list[tuple[int, torch.Tensor]]:
-        """pull() under the lock the caller holds (a Step call reads its rows once its gate holds)."""
+    def read(self, state: ShardState, rank: int, lookups: Sequence[Lookup],
+             checked: bool = False) -> list[tuple[int, torch.Tensor]]:
+        """pull() under the lock the caller holds; checked: check_reads checked the ids already."""
         out = []
         for table, ids in lookups:
             t = state.sparse(table, rank)
-            values = t.rows(ids)
+            values = t.rows(ids, checked)
             self._core.counters.bytes_out += values.numel() * 4
             out.append((t.version, values))
         return out
@@ -96,23 +98,25 @@ class Rows:
         self.reserve(state, rows)
         return bad
 
-    def reserve(self, state: ShardState, rows: RowGradients) -> None:
-        """Make the rows a push touches (checked already), charging the memory budget.
+    def reserve(self, state: ShardState, rows: RowGradients) -> dict[str, torch.Tensor]:
+        """Make the rows a push touches (checked already), charging the memory budget; returns their
+        arena slots by table (for an apply under the same lock).
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        for name, (ids, _, _) in rows.items():
-            state.sparse(name, -1).reserve(ids)
+        return {name: state.sparse(name, -1).reserve(ids) for name, (ids, _, _) in rows.items()}
 
-    def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0) -> None:
-        """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's)."""
+    def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
+              slots: dict[str, torch.Tensor] | None = None) -> None:
+        """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
+        their arena slots by table, from a reserve under the same lock."""
         for name in sorted(rows):
             ids, grads, base = rows[name]
             t = state.sparse(name, -1)
             if ids.numel():
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
-                t.apply(ids, grads, step_lr, base, checked=True)  # (checked with the push)
+                t.apply(ids, grads, step_lr, base, checked=True, slots=None if slots is None else slots[name])
                 self._replica.rows_applied(name, ids, grads, base, step_lr)
 
     def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:

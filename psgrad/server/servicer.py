@@ -386,7 +386,7 @@ class ParameterServicer:
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
             # The rows are read once the gate holds: in sync mode after this iteration's update.
-            got = self.shard.pull_rows(h.rank, h.fingerprint, reads) if reads else []
+            got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version), row_versions=[v for v, _ in got],
                                  rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
             if seg is not None:

@@ -333,15 +333,15 @@ class SparseTable:
         self.version = 1
         self._versions.index_fill_(0, slots, 1)
 
-    def reserve(self, ids: torch.Tensor) -> None:
+    def reserve(self, ids: torch.Tensor) -> torch.Tensor:
         """Make rows `ids` (checked) if they were never touched, charging the memory budget, so an
-        update of them cannot fail for it later.
+        update of them cannot fail for it later; returns their arena slots (valid until the table
+        is replaced or rows are made again: an apply under the same lock may use them).
 
         Raises:
             MemoryBudgetError: they would not fit (nothing is made).
         """
-        if ids.numel():
-            self._slots(ids)
+        return self._slots(ids) if ids.numel() else torch.empty(0, dtype=torch.int64)
 
     def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
@@ -349,9 +349,12 @@ class SparseTable:
         # (index_select: a gather several times faster than indexing with a tensor of slots)
         return self._values.index_select(0, slots), self._versions.index_select(0, slots)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows [n, dim] for row ids (a copy): pull without the versions."""
-        slots = self._checked_slots(ids)  # (first: making rows may grow the arena)
+    def rows(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """Rows [n, dim] for row ids (a copy): pull without the versions; checked: the caller
+        checked the ids already (check)."""
+        if not ids.numel():
+            return self._values[:0].clone()
+        slots = self._slots(ids) if checked else self._checked_slots(ids)  # (first: making rows may grow the arena)
         return self._values.index_select(0, slots)
 
     def _checked_slots(self, ids: torch.Tensor) -> torch.Tensor:
@@ -391,17 +394,19 @@ class SparseTable:
         self._charged = 0
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
-              checked: bool = False) -> None:
+              checked: bool = False, slots: torch.Tensor | None = None) -> None:
         """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim];
         base_version: the table version they were pulled at (its staleness is recorded); checked:
-        the caller checked them already (check_update).
+        the caller checked them already (check_update); slots: their arena slots, from a reserve
+        under the same lock.
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
         """
         if not checked:
             self.check_update(ids, grads)
-        slots = self._slots(ids)
+        if slots is None:
+            slots = self._slots(ids)
         weights = self._values.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         self.optimizer.apply(weights, grads.clone(), state, lr)

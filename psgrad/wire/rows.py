@@ -12,6 +12,10 @@ import torch
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 
+# torch warns at every view of bytes that they are not writable: these views are never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
+
 
 @dataclass(frozen=True)
 class RowUpdate:
@@ -38,9 +42,7 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
         raise InvalidRequestError(f"{what}: {len(data)} bytes is not a whole number of {dtype} values")
     if not data:
         return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():  # (torch warns that the bytes are not writable: they are not written)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
 
 
 def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
