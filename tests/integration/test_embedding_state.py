@@ -73,6 +73,19 @@ def _definitions() -> dict[str, Any]:
     return names
 
 
+def _train_and_predict(model: nn.Module, opt: psgrad.PSOptimizer, batch: Any, steps: int) -> torch.Tensor:
+    """Train `steps` steps on batch(0..), then the model's predictions (in eval mode) on batch(99)."""
+    for step in range(steps):
+        *x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out: torch.Tensor = model(*batch(99)[:4])
+    return out
+
+
 @pytest.mark.timeout(120)
 def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_without_servers(tmp_path: Path) -> None:
     defs = _definitions()
@@ -84,14 +97,7 @@ def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_withou
         initial = model.items.initial_weight()
         with psgrad.connect(addresses, mode="async", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
             opt = ps.optimizer(model, row_cache=1000, row_cache_staleness=2)  # (the state reads past the cache)
-            for step in range(6):
-                *x, y = batch(step)
-                opt.zero_grad()
-                nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
-                opt.step()
-            model.eval()
-            with torch.no_grad():
-                expected = model(*batch(99)[:4])
+            expected = _train_and_predict(model, opt, batch, 6)
             state = model.state_dict()
             exported = psgrad.fetch_state_dict(addresses)  # psgrad export's layout: the same tables
             assert model.state_dict(keep_vars=True)["top.2.weight"] is model.top[2].weight
@@ -186,14 +192,7 @@ def test_a_loaded_state_and_pretrained_weights_become_a_new_jobs_initial_rows(ma
     model = Dlrm()
     with psgrad.connect([s.address for s in first], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
         opt = ps.optimizer(model)
-        for step in range(4):
-            *x, y = batch(step)
-            opt.zero_grad()
-            nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
-            opt.step()
-        model.eval()
-        with torch.no_grad():
-            expected = model(*batch(99)[:4])
+        expected = _train_and_predict(model, opt, batch, 4)
         state = model.state_dict()
     resumed = Dlrm()
     resumed.load_state_dict(state)
