@@ -27,8 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from lib import log, machine_info, write_doc, write_json
-from lib.report import code_version
+from lib import code_version, log, machine_info, write_doc, write_json
 
 # part name -> "MODULE" (its run function) or "MODULE:FUNCTION", a script in benchmarks/
 PARTS = {

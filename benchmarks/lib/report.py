@@ -15,8 +15,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def log(message: str) -> None:
     """Progress goes to stderr; stdout carries only the JSON document."""
@@ -72,7 +70,8 @@ def code_version() -> dict[str, Any]:
     """The commit measured, and the psgrad/ and benchmarks/ files changed since (None outside git)."""
     def git(*args: str) -> str | None:
         try:
-            res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO)
+            res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                 cwd=Path(__file__).resolve().parents[2])
         except (OSError, subprocess.SubprocessError):
             return None
         return res.stdout if res.returncode == 0 else None
