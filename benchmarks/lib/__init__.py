@@ -15,7 +15,9 @@ it as `lib`:
 - lib.ceilings (loopback TCP, memory copy), lib.raw_grpc (bare gRPC streaming and unary calls, and
   a psgrad server that also serves them): what psgrad is measured against in the same run;
 - lib.swarm: worker processes and servers shared by the transport comparisons and ray_ps.py;
-- lib.netbed: network namespaces as hosts on one Linux machine.
+- lib.netbed: network namespaces as hosts on one Linux machine;
+- lib.dlrm_model and lib.torchrec_worker: dlrm.py's model, batches and training loop (torch and
+  numpy only), and its TorchRec worker, which runs from TorchRec's own interpreter.
 
 The first three are re-exported here (they import neither torch nor gRPC).
 """
