@@ -37,10 +37,12 @@ workers. Embedding rows start at zero on both sides (lib/dlrm_model.py INIT_STD:
 TorchRec's random initial rows could not be the same), so a psgrad sync run and TorchRec's start
 from the same model.
 
-- psgrad: 2 `psgrad server` processes and 2 worker processes (Python API: psgrad.connect(...,
-  optimizer=psgrad.Adagrad(lr, eps)).optimizer(model); the servers apply Adagrad to the dense
-  weights and, row-wise with lazy per-row state, to the rows), --modes sync and/or async, the
-  same-host defaults (the transport each shard used is recorded: "shm" or "grpc"). --layouts:
+- psgrad: 2 shard servers and 2 worker processes. A server is psgrad.serve (what `psgrad server`
+  runs) in a process of its own, kept from run to run, a fresh server per run (a server holds one
+  job for life). The workers use the Python API: psgrad.connect(..., optimizer=psgrad.Adagrad(lr,
+  eps)).optimizer(model); the servers apply Adagrad to the dense weights and, per element with
+  lazy per-row state, to the rows. --modes sync and/or async, the same-host defaults (each shard's
+  transport of the dense part is recorded: "shm" or "grpc"; rows travel in gRPC messages). --layouts:
   `separate` = F psgrad.EmbeddingBag(rows, D, mode="sum") modules, as the docs teach;
   `single` = one psgrad.EmbeddingBag holding all F features' rows (feature f's ids offset by
   f x rows): the same rows in one table, the reference for separate (goal separate >= 0.9 x
@@ -65,7 +67,7 @@ with time.monotonic, one clock for the host's processes). The runs alternate, ps
 repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). Figures are
 medians over repetitions; the ratios are psgrad's over TorchRec's (goal >= 1.0, with the test
 AUC within 0.002) and separate's over single's (goal >= 0.9). Prints one JSON document; progress
-and a table go to stderr.
+and a table go to stderr. Method and figures: docs/benchmarks/dlrm.md.
 """
 from __future__ import annotations
 
@@ -581,8 +583,9 @@ def main() -> None:
     layouts = list(p["layouts"])
     if "collection" in layouts and getattr(psgrad, "EmbeddingBagCollection", None) is None:
         layouts.remove("collection")
+        why = "psgrad.EmbeddingBagCollection does not exist in this psgrad"
         for mode in p["modes"]:
-            skipped[run_key("psgrad", mode, "collection")] = "psgrad.EmbeddingBagCollection does not exist in this psgrad"
+            skipped[run_key("psgrad", mode, "collection")] = why
     torchrec = ({"available": False, "python": args.torchrec_python, "skipped": "--no-torchrec"} if args.no_torchrec
                 else torchrec_probe(args.torchrec_python))
     if not torchrec["available"]:
@@ -599,6 +602,9 @@ def main() -> None:
                                     "with lazy per-row state",
                           "torchrec": "tables: fbgemm's fused EXACT_ADAGRAD (per element), applied in the backward; "
                                       "dense part: torch.optim.Adagrad after DDP's all-reduce (gloo)"},
+           "transport_note": "psgrad's transports: per shard, how the dense weights and gradients travelled ('shm': "
+                             "same-host shared memory, psgrad's default; 'grpc': inside the messages); the rows travel "
+                             "inside gRPC messages either way (PullRows, PushRows)",
            "machine": machine_info(), "code": code_version(), "loadavg_before": load_before,
            "loadavg_after": list(os.getloadavg()), "torchrec": torchrec, "data": measured["data"],
            "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
