@@ -72,7 +72,9 @@ and a table go to stderr. Method and figures: docs/benchmarks/dlrm.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -347,8 +349,6 @@ def window(replies: list[dict[str, Any]]) -> dict[str, Any]:
 
 def torchrec_probe(python: str | None) -> dict[str, Any]:
     """Whether TorchRec's interpreter is there and loads torchrec; its versions, or why it is skipped."""
-    import subprocess
-
     if not python or not Path(python).exists():
         return {"available": False, "python": python,
                 "skipped": f"no TorchRec interpreter ({python or 'none given'}); make one with: {TORCHREC_INSTALL}"}
@@ -360,8 +360,6 @@ def torchrec_probe(python: str | None) -> dict[str, Any]:
         return {"available": False, "python": python, "skipped": f"{python} does not load torchrec "
                 f"({res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}); make it with: "
                 f"{TORCHREC_INSTALL}"}
-    import json
-
     return {"available": True, "python": python, "versions": json.loads(res.stdout.strip().splitlines()[-1])}
 
 
@@ -411,7 +409,7 @@ class Runner:
         scores = self.work / f"scores-{self.runs}.npy"
         cmds = [{"op": "run", **self.common(), "train": self.data["train"][r], "scores": str(scores)}
                 for r in range(WORKERS)]
-        with paused(self.agents):
+        with paused([*self.agents, *self.servers]):  # (the servers' processes: no server runs in them now)
             replies = run_together(self.torchrec, cmds, SETUP_TIMEOUT_S + 900)
         return {**window(replies), "test_auc": auc(np.load(scores), self.data["labels"]), "plan": replies[0]["plan"],
                 "backend": replies[0]["backend"]}
