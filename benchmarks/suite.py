@@ -21,16 +21,14 @@ import importlib
 import json
 import math
 import resource
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from lib import log, machine_info, write_doc, write_json
+from lib import code_version, log, machine_info, write_doc, write_json
 
-HERE = Path(__file__).resolve().parent
 # part name -> "MODULE" (its run function) or "MODULE:FUNCTION", a script in benchmarks/
 PARTS = {
     "transport": "transport",
@@ -97,23 +95,9 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _code_version() -> dict[str, Any]:
-    """The commit measured, and the psgrad/ and benchmarks/ files changed since (None outside git)."""
-    def git(*args: str) -> str | None:
-        try:
-            res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=HERE.parent)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return res.stdout if res.returncode == 0 else None
-
-    commit, changed = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "psgrad", "benchmarks")
-    return {"commit": commit.strip() if commit else None,
-            "changed_files": None if changed is None else [ln[3:] for ln in changed.splitlines()]}
-
-
 def run_suite(preset: str, only: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
-    doc: dict[str, Any] = {"machine": machine_info(), "code": _code_version(), "preset": preset, "parts": {},
+    doc: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "preset": preset, "parts": {},
                            "timing": {}}
     sharing = [n for n in only if n in SHARE_PROCESSES]
     with contextlib.ExitStack() as stack:

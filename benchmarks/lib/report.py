@@ -8,9 +8,11 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 
@@ -62,6 +64,21 @@ def machine_info() -> dict[str, Any]:
     except (OSError, StopIteration, IndexError, ValueError):
         pass
     return info
+
+
+def code_version() -> dict[str, Any]:
+    """The commit measured, and the psgrad/ and benchmarks/ files changed since (None outside git)."""
+    def git(*args: str) -> str | None:
+        try:
+            res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                 cwd=Path(__file__).resolve().parents[2])
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout if res.returncode == 0 else None
+
+    commit, changed = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "psgrad", "benchmarks")
+    return {"commit": commit.strip() if commit else None,
+            "changed_files": None if changed is None else [ln[3:] for ln in changed.splitlines()]}
 
 
 # ---------------------------------------------------------------------------------------------

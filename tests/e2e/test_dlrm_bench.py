@@ -1,0 +1,50 @@
+"""benchmarks/dlrm.py's tiny preset, psgrad alone (TorchRec is no psgrad dependency): both modes
+train the DLRM through real servers and report samples/s and a test AUC that learned something;
+the layouts a psgrad lacks and TorchRec left out are reported as skipped, with why."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dlrm_tiny_psgrad_reports_both_modes() -> None:
+    res = subprocess.run([sys.executable, "benchmarks/dlrm.py", "--preset", "tiny", "--no-torchrec"],
+                         capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["benchmark"] == "dlrm" and out["preset"] == "tiny"
+    assert out["torchrec"]["available"] is False and out["skipped"]["torchrec"] == "--no-torchrec"
+    assert 0.5 < out["data"]["bayes_auc"] <= 1.0
+    import psgrad
+
+    has_collection = getattr(psgrad, "EmbeddingBagCollection", None) is not None
+    layouts = ["separate", "single"] + (["collection"] if has_collection else [])
+    expected = {f"psgrad {mode} {layout}" for mode in ("sync", "async") for layout in layouts}
+    assert set(out["results"]) == expected
+    if not has_collection:
+        assert "EmbeddingBagCollection" in out["skipped"]["psgrad sync collection"]
+    steps, batch = out["config"]["steps"], out["config"]["batch"]
+    for key, r in out["results"].items():
+        assert r["samples_per_s"] > 0 and r["runs"] == 1, key
+        assert 0.5 < r["test_auc"] <= 1.0, key
+        assert len(r["transports"]) == 2 and set(r["transports"]) <= {"shm", "grpc"}, key
+    for run in out["runs"]:
+        assert run["samples"] == 2 * steps * batch and run["window_s"] > 0
+        assert run["samples_per_s"] == pytest.approx(run["samples"] / run["window_s"])
+        assert set(run["phase_ms_per_step"]) == {"forward", "backward", "step"}
+    # The same rows in one table or in several: a sync job computes the same model either way.
+    sync = [out["results"][f"psgrad sync {layout}"]["test_auc"] for layout in layouts]
+    assert max(sync) - min(sync) < 1e-3
+    # Ratios to the single table, none to the TorchRec that did not run.
+    assert set(out["ratios"]) == {f"psgrad {mode} {layout} / single" for mode in ("sync", "async")
+                                  for layout in layouts if layout != "single"}
+    assert len(out["targets"]) == len(out["ratios"])
+    assert all(t["ceiling_name"].endswith("single") and t["value"] > 0 for t in out["targets"])
+    assert "psgrad sync separate" in res.stderr and "samples/s" in res.stderr
