@@ -124,13 +124,19 @@ from psgrad.tasks.ctr import auc as rank_auc
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"features": 8, "rows": 20_000, "dim": 8, "batch": 64, "warmup": 3, "steps": 12, "test": 4_000,
-             "eval_batch": 1_000, "reps": 1, "layouts": ["separate", "single", "collection"],
+             "eval_batch": 1_000, "reps": 1, "layouts": ["separate", "single", "collection", "collection+pipeline"],
              "modes": ["sync", "async"]},
     "full": {"features": 8, "rows": 1_000_000, "dim": 32, "batch": 512, "warmup": 20, "steps": 200, "test": 20_000,
-             "eval_batch": 2_000, "reps": 3, "layouts": ["separate", "single", "collection"],
+             "eval_batch": 2_000, "reps": 3, "layouts": ["separate", "single", "collection", "separate+pipeline", "collection+pipeline"],
              "modes": ["sync", "async"]},
 }
-LAYOUTS = ("separate", "single", "collection")
+LAYOUTS = ("separate", "single", "collection", "separate+pipeline", "collection+pipeline")
+
+
+def base_layout(layout: str) -> tuple[str, bool]:
+    """(the tables' layout, whether each step fetches the next batch's rows: opt.pipeline)."""
+    base, _, pipe = layout.partition("+")
+    return base, pipe == "pipeline"
 MODES = ("sync", "async")
 WORKERS = 2  # per system; psgrad has as many servers
 LR, EPS, SEED = 0.05, 1e-10, 0
@@ -224,6 +230,14 @@ class PsgradNet(nn.Module):
             self.collection = psgrad.EmbeddingBagCollection(
                 {f"f{f}": (rows, dim) for f in range(features)}, mode="sum", std=INIT_STD, seed=0)
 
+    def lookups(self, sparse: Any) -> dict[nn.Module, Any]:
+        """What each psgrad module's forward takes for this input (opt.pipeline fetches it ahead)."""
+        if self.layout == "separate":
+            return {t: v for t, (v, _) in zip(self.tables, sparse, strict=True)}
+        if self.layout == "single":
+            return {self.table: sparse[0]}
+        return {self.collection: sparse}
+
     def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
         B = dense.shape[0]
         if self.layout == "separate":
@@ -264,13 +278,15 @@ class PsgradAgent:
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self.close()
-        layout = cmd["layout"]
+        layout, pipelined = base_layout(cmd["layout"])
         inputs = [(b.dense, psgrad_inputs(b, layout, cmd["rows"]), b.labels) for b in training_batches(cmd)]
         self.model = PsgradNet(layout, cmd["features"], cmd["rows"], cmd["dim"])
         self.session = psgrad.connect(cmd["servers"], rank=cmd["rank"], num_workers=cmd["workers"], mode=cmd["mode"],
                                       optimizer=psgrad.Adagrad(lr=cmd["lr"], eps=cmd["eps"]))
         self.opt = self.session.optimizer(self.model)
-        trained = train(self.model, self.opt, inputs, cmd["warmup"])
+        model = self.model
+        loop = self.opt.pipeline(inputs, lambda b: model.lookups(b[1])) if pipelined else None
+        trained = train(self.model, self.opt, inputs, cmd["warmup"], loop)
         stepped = trained.pop("stepped")
         transports = self.opt.client.transports()
         self.session.leave()
@@ -284,7 +300,7 @@ class PsgradAgent:
         self.opt.refresh()
         self.model.eval()
         with torch.no_grad():
-            scores = torch.cat([self.model(b.dense, psgrad_inputs(b, cmd["layout"], cmd["rows"]))
+            scores = torch.cat([self.model(b.dense, psgrad_inputs(b, base_layout(cmd["layout"])[0], cmd["rows"]))
                                 for b in load_batches(cmd["test"], cmd["eval_batch"])])
         np.save(cmd["scores"], scores.numpy())
         self.close()

@@ -9,7 +9,7 @@ An examples file (.npz, written by the driver) holds N examples of F categorical
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,16 +114,17 @@ def bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: nn.Module, opt: Any, inputs: Sequence[tuple[torch.Tensor, Any, torch.Tensor]],
-          warmup: int) -> dict[str, Any]:
-    """Train on inputs, (dense, the model's sparse input, labels) a step; the steps after `warmup`
-    are timed: their window on time.monotonic (one clock for every process of the host), the wall
-    time of their forwards, backwards and optimizer steps, and what each opt.step() returned."""
+          warmup: int, loop: Iterable[tuple[torch.Tensor, Any, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Train on inputs, (dense, the model's sparse input, labels) a step, as `loop` yields them if
+    given (psgrad's opt.pipeline of them); the steps after `warmup` are timed: their window on
+    time.monotonic (one clock for every process of the host), the wall time of their forwards,
+    backwards and optimizer steps, and what each opt.step() returned."""
     losses: list[float] = []
     stepped: list[Any] = []
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     start = 0.0
     model.train()
-    for i, (dense, sparse, labels) in enumerate(inputs):
+    for i, (dense, sparse, labels) in enumerate(inputs if loop is None else loop):
         if i == warmup:
             start = time.monotonic()
             phases = dict.fromkeys(phases, 0.0)
