@@ -32,14 +32,23 @@ class Rows:
     def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup],
              checked: bool = False) -> list[tuple[int, torch.Tensor]]:
         """Per lookup (table, ids): (the table's version, rows [len(ids), dim]). No gate: a worker
-        pulls a step's rows after its dense pull passed the mode's.
+        pulls a step's rows after its dense pull passed the mode's (a Step call once its gate
+        holds); checked: check_reads checked the ids already.
 
         Raises:
             InvalidRequestError: no such table, or ids out of range, of another dtype or shard.
             MemoryBudgetError: making the rows never touched would pass the server's budget.
         """
-        with self._core.cond:
-            return self.read(self._core.require(fingerprint, rank), rank, lookups, checked)
+        core = self._core
+        with core.cond:
+            state = core.require(fingerprint, rank)
+            out = []
+            for table, ids in lookups:
+                t = state.sparse(table, rank)
+                values = t.rows(ids, checked)
+                core.counters.bytes_out += values.numel() * 4
+                out.append((t.version, values))
+            return out
 
     def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> None:
         """Check the tables and ids of a read (see SparseTable.check) without reading.
@@ -51,17 +60,6 @@ class Rows:
             state = self._core.require(fingerprint, rank)
             for table, ids in lookups:
                 state.sparse(table, rank).check(ids)
-
-    def read(self, state: ShardState, rank: int, lookups: Sequence[Lookup],
-             checked: bool = False) -> list[tuple[int, torch.Tensor]]:
-        """pull() under the lock the caller holds; checked: check_reads checked the ids already."""
-        out = []
-        for table, ids in lookups:
-            t = state.sparse(table, rank)
-            values = t.rows(ids, checked)
-            self._core.counters.bytes_out += values.numel() * 4
-            out.append((t.version, values))
-        return out
 
     def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
