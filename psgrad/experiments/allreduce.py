@@ -1,6 +1,7 @@
 """The no-parameter-server baseline: synchronous data-parallel SGD whose workers average gradients by all-reduce."""
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -101,6 +102,9 @@ def train_allreduce(
         return result
     finally:
         dist.destroy_process_group()
+        # A reference cycle still holding the group would keep its threads past this point, to be
+        # torn down during interpreter exit (which can abort the process): collect it now.
+        gc.collect()
 
 
 def torch_optimizer(spec: JobSpec, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
