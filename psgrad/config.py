@@ -14,13 +14,13 @@ from psgrad.core.delay import check_dc_asgd
 from psgrad.core.modes import MODES, check_mode_fields, mode_argv
 from psgrad.core.addresses import parse_address, parse_servers, parse_shard  # noqa: F401 (config's names, as before)
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import check_optimizer_fields, floats_as_floats
+from psgrad.core.optimizer_settings import DECLS, check_optimizer_fields, floats_as_floats
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("reject", "skip", "allow")
-# The names optimizers.OPTIMIZERS registers (listed here so the CLI need not import torch);
-# tests/unit/test_optimizers.py keeps the two equal.
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta")
+# The optimizers' names, as optimizer_settings.DECLS declares them (the CLI's choices; the server
+# registry, optimizers.OPTIMIZERS, registers a rule for each: tests/unit/test_optimizers.py checks).
+OPTIMIZER_NAMES = tuple(DECLS)
 LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup-steps of linear warmup
 # What a task's evaluation reports and compare can rank by: accuracy and AUC rise, the others fall.
 METRICS = ("test_accuracy", "test_loss", "test_bpb", "test_auc")

@@ -22,7 +22,7 @@ from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, default_staleness
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import DEFAULT_EPS
+from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR
 
 if TYPE_CHECKING:
     from psgrad.tasks.recipes import Recipe
@@ -118,7 +118,7 @@ BUILTIN_TASKS = "digits, mnist1d, mnist, fashion-mnist, charlm, ctr"
 # The flags that default to the task's recipe (psgrad.tasks.recipes.Recipe), and the generic values
 # an optimizer other than the recipe's starts from.
 RECIPE_FLAGS = ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "steps", "lr_schedule", "warmup_steps")
-OPTIMIZER_LR = {"sgd": 0.1, "adam": 1e-3, "adamw": 1e-3, "adagrad": 1e-2, "rmsprop": 1e-2, "adadelta": 1.0}
+OPTIMIZER_LR = DEFAULT_LR  # torch's default lr of each optimizer (optimizer_settings.DECLS)
 
 
 # --------------------------------------------------------------------------- flag groups

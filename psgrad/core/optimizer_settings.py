@@ -1,6 +1,7 @@
-"""The server optimizers' settings: the API's classes (psgrad.SGD(...), psgrad.Adam(...), ...) and
-the JobSpec fields each sets, which optimizer reads which field, valid ranges, and torch.optim's
-defaults where they differ. No torch here: the CLI and config use it."""
+"""The server optimizers, declared once (DECLS): each one's name, its torch.optim twin, the JobSpec
+fields it reads with torch's defaults, and how sparse tables' rows take each setting; derived from
+them: which optimizer reads which field, valid ranges, and the API's classes (psgrad.SGD(...),
+psgrad.Adam(...), ...). No torch here: the CLI and config use it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,23 +11,77 @@ from typing import Any, Union
 
 from psgrad.errors import ConfigError
 
+# --------------------------------------------------------------------------- the declarations
+# How a sparse table's rows take a setting (core/optimizers/rows.py implements them):
+EXACT = "exact"  # the row form is the dense rule: untouched rows have a zero gradient and the rule leaves them be
+LAZY = "lazy"  # the row form is a different rule, named lazy: a row's state moves only when the row is updated
+
+
+@dataclass(frozen=True)
+class OptimizerDecl:
+    """One optimizer, declared once: its name, the torch.optim class it equals, the JobSpec fields it
+    reads (besides lr) with torch's defaults where JobSpec's differ, and how a sparse table's rows take
+    each setting: EXACT, LAZY, or (any other text) refused away from its default, for the reason given.
+    Everything else (config's OPTIMIZER_NAMES, the CLI's choices and defaults, READERS, DEFAULT_EPS, the
+    all-reduce baseline's torch optimizer, the server registry, the docs' table) is derived from these."""
+
+    name: str
+    torch: str  # the torch.optim class
+    settings: tuple[str, ...]  # JobSpec fields read, in torch's keyword order (beta1, beta2: its betas)
+    lr: float  # torch's default lr
+    eps: float | None = None  # torch's default eps (None: no eps)
+    rows: str | None = EXACT  # the row form as a whole: EXACT, LAZY, or None (no row form)
+    no_rows: str = ""  # rows None: why
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)  # setting -> why rows cannot take it
+
+    def row_rule(self, setting: str) -> str:
+        """EXACT or LAZY (the row form's), or the reason rows refuse the setting."""
+        return self.refused.get(setting, self.rows or self.no_rows)
+
+    def torch_kwargs(self, spec: Any) -> dict[str, Any]:
+        """The torch.optim keyword arguments of a JobSpec's settings."""
+        kwargs: dict[str, Any] = {"lr": spec.lr}
+        for name in self.settings:
+            if name == "beta1":
+                kwargs["betas"] = (spec.beta1, spec.beta2)
+            elif name != "beta2":
+                kwargs[name] = getattr(spec, name)
+        return kwargs
+
+
+_DECAY_MOVES_ROWS = ("an L2 weight decay moves every row at every step (a dense table's rows the batch did not touch "
+                     "decay too), which the rows, updated only when touched, do not")
+_MOMENTUM_MOVES_ROWS = ("momentum keeps moving every row whose buffer is not zero at every step, rows the batch did not "
+                        "touch too, which the rows, updated only when touched, do not")
+DECLS: dict[str, OptimizerDecl] = {d.name: d for d in (
+    OptimizerDecl("sgd", "SGD", ("momentum", "weight_decay", "nesterov"), lr=0.1,
+                  refused={"momentum": _MOMENTUM_MOVES_ROWS, "nesterov": _MOMENTUM_MOVES_ROWS,
+                           "weight_decay": _DECAY_MOVES_ROWS}),
+    OptimizerDecl("adam", "Adam", ("beta1", "beta2", "eps", "weight_decay"), lr=1e-3, eps=1e-8, rows=LAZY,
+                  refused={"weight_decay": _DECAY_MOVES_ROWS}),
+    OptimizerDecl("adamw", "AdamW", ("beta1", "beta2", "eps", "weight_decay"), lr=1e-3, eps=1e-8, rows=None,
+                  no_rows="AdamW's decoupled decay moves every row at every step; use adam (lazy) for the tables"),
+    OptimizerDecl("adagrad", "Adagrad", ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"), lr=1e-2,
+                  eps=1e-10, refused={"weight_decay": _DECAY_MOVES_ROWS}),
+    OptimizerDecl("rmsprop", "RMSprop", ("alpha", "eps", "weight_decay", "momentum", "centered"), lr=1e-2, eps=1e-8,
+                  rows=None, no_rows="its running averages decay at every step, rows the batch did not touch too"),
+    OptimizerDecl("adadelta", "Adadelta", ("rho", "eps", "weight_decay"), lr=1.0, eps=1e-6, rows=None,
+                  no_rows="its running averages decay at every step, rows the batch did not touch too"),
+)}
+ROW_FORMS = tuple(name for name, d in DECLS.items() if d.rows)  # the optimizers sparse tables take
+
 # field -> the optimizers that read it. Set away from its default for any other optimizer, a field
 # is refused: it would be ignored without a word.
 READERS: dict[str, tuple[str, ...]] = {
-    "momentum": ("sgd", "rmsprop"),
-    "nesterov": ("sgd",),
-    "beta1": ("adam", "adamw"),
-    "beta2": ("adam", "adamw"),
-    "eps": ("adam", "adamw", "adagrad", "rmsprop", "adadelta"),
-    "lr_decay": ("adagrad",),
-    "initial_accumulator_value": ("adagrad",),
-    "alpha": ("rmsprop",),
-    "centered": ("rmsprop",),
-    "rho": ("adadelta",),
+    field: tuple(d.name for d in DECLS.values() if field in d.settings)
+    for field in dict.fromkeys(f for d in DECLS.values() for f in d.settings)
 }
 # torch.optim's default eps per optimizer (JobSpec's own default is Adam's); the CLI and the API's
 # optimizer classes start from these.
-DEFAULT_EPS = {"adam": 1e-8, "adamw": 1e-8, "adagrad": 1e-10, "rmsprop": 1e-8, "adadelta": 1e-6}
+DEFAULT_EPS = {d.name: d.eps for d in DECLS.values() if d.eps is not None}
+# torch.optim's default lr per optimizer (the CLI's, for an optimizer other than the recipe's).
+DEFAULT_LR = {d.name: d.lr for d in DECLS.values()}
+
 _UNIT = ("momentum", "beta1", "beta2", "alpha", "rho")  # decay rates: [0, 1)
 _NONNEG = ("weight_decay", "lr_decay", "initial_accumulator_value")
 
@@ -82,7 +137,7 @@ class SGD:
     """Server-side SGD with optional momentum (heavy ball, or nesterov=True) and L2 weight decay
     (like torch.optim.SGD without dampening)."""
 
-    lr: float = 0.1
+    lr: float = DEFAULT_LR["sgd"]
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
@@ -98,9 +153,9 @@ class SGD:
 class Adam:
     """Server-side Adam (like torch.optim.Adam); decoupled=True gives AdamW's weight decay."""
 
-    lr: float = 1e-3
+    lr: float = DEFAULT_LR["adam"]
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    eps: float = DEFAULT_EPS["adam"]
     weight_decay: float = 0.0
     decoupled: bool = False
 
@@ -122,7 +177,7 @@ class Adam:
 class Adagrad:
     """Server-side Adagrad (like torch.optim.Adagrad, with its defaults)."""
 
-    lr: float = 1e-2
+    lr: float = DEFAULT_LR["adagrad"]
     lr_decay: float = 0.0
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
@@ -139,7 +194,7 @@ class Adagrad:
 class RMSprop:
     """Server-side RMSprop (like torch.optim.RMSprop, with its defaults)."""
 
-    lr: float = 1e-2
+    lr: float = DEFAULT_LR["rmsprop"]
     alpha: float = 0.99
     eps: float = DEFAULT_EPS["rmsprop"]
     weight_decay: float = 0.0
@@ -157,7 +212,7 @@ class RMSprop:
 class Adadelta:
     """Server-side Adadelta (like torch.optim.Adadelta, with its defaults: lr 1.0)."""
 
-    lr: float = 1.0
+    lr: float = DEFAULT_LR["adadelta"]
     rho: float = 0.9
     eps: float = DEFAULT_EPS["adadelta"]
     weight_decay: float = 0.0

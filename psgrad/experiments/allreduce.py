@@ -21,6 +21,7 @@ from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.errors import ConfigError, PsgradError
 from psgrad.metrics.jsonl import MetricsSink
+from psgrad.core.optimizer_settings import DECLS
 from psgrad.core.schedule import lr_factor
 from psgrad.tasks.base import Task
 from psgrad.tasks.data import BatchSchedule
@@ -110,22 +111,11 @@ def train_allreduce(
 def torch_optimizer(spec: JobSpec, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """The torch.optim optimizer with the job's name and settings: what the servers' optimizer of
     that name applies (their tests hold the two equal), applied here by every rank to the mean gradient."""
-    name = spec.optimizer
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
-                               nesterov=spec.nesterov)
-    if name in ("adam", "adamw"):
-        adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        return adam(params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps, weight_decay=spec.weight_decay)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=spec.lr, lr_decay=spec.lr_decay, weight_decay=spec.weight_decay,
-                                   initial_accumulator_value=spec.initial_accumulator_value, eps=spec.eps)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=spec.lr, alpha=spec.alpha, eps=spec.eps, weight_decay=spec.weight_decay,
-                                   momentum=spec.momentum, centered=spec.centered)
-    if name == "adadelta":
-        return torch.optim.Adadelta(params, lr=spec.lr, rho=spec.rho, eps=spec.eps, weight_decay=spec.weight_decay)
-    raise ConfigError(f"the all-reduce baseline has no optimizer {name!r}")
+    decl = DECLS.get(spec.optimizer)
+    if decl is None:
+        raise ConfigError(f"the all-reduce baseline has no optimizer {spec.optimizer!r}")
+    optimizer: torch.optim.Optimizer = getattr(torch.optim, decl.torch)(params, **decl.torch_kwargs(spec))
+    return optimizer
 
 
 def _train(

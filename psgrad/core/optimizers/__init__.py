@@ -3,8 +3,10 @@ adagrad, rmsprop, adadelta)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from psgrad.config import JobSpec
+from psgrad.core.optimizer_settings import DECLS
 from psgrad.core.optimizers.adadelta import Adadelta
 from psgrad.core.optimizers.adagrad import Adagrad
 from psgrad.core.optimizers.adam import ADAM_BLOCK, Adam
@@ -14,9 +16,18 @@ from psgrad.core.optimizers.sgd import SGD
 from psgrad.errors import ConfigError
 
 OptimizerFactory = Callable[[int, JobSpec], ShardOptimizer]
-# Name -> factory(numel, spec). config.OPTIMIZER_NAMES lists the names for the CLI (which must not
-# import torch); a test keeps the two equal.
+# Name -> factory(numel, spec): one dense rule for each optimizer optimizer_settings.DECLS declares
+# (config.OPTIMIZER_NAMES, for the CLI, which must not import torch; a test keeps the two equal).
 OPTIMIZERS: dict[str, OptimizerFactory] = {}
+# The class of each declared optimizer's rule, and what its constructor takes beyond the settings.
+RULES: dict[str, tuple[type[ShardOptimizer], dict[str, Any]]] = {
+    "sgd": (SGD, {}),
+    "adam": (Adam, {"decoupled": False}),
+    "adamw": (Adam, {"decoupled": True}),
+    "adagrad": (Adagrad, {}),
+    "rmsprop": (RMSprop, {}),
+    "adadelta": (Adadelta, {}),
+}
 
 
 def register_optimizer(name: str, factory: OptimizerFactory) -> None:
@@ -24,23 +35,20 @@ def register_optimizer(name: str, factory: OptimizerFactory) -> None:
     OPTIMIZERS[name] = factory
 
 
-def _adam(decoupled: bool) -> OptimizerFactory:
+def _declared(name: str) -> OptimizerFactory:
+    """The factory of a declared optimizer: its rule's class with the spec's lr and the settings the
+    declaration lists (by name: the constructors take the JobSpec fields' names)."""
+    cls, extra = RULES[name]
+    settings = DECLS[name].settings
+
     def build(numel: int, spec: JobSpec) -> ShardOptimizer:
-        return Adam(numel, spec.lr, spec.beta1, spec.beta2, spec.eps, spec.weight_decay, decoupled)
+        return cls(numel, spec.lr, **{f: getattr(spec, f) for f in settings}, **extra)  # type: ignore[call-arg]
 
     return build
 
 
-register_optimizer("sgd", lambda numel, s: SGD(numel, s.lr, s.momentum, s.weight_decay, s.nesterov))
-register_optimizer("adam", _adam(decoupled=False))
-register_optimizer("adamw", _adam(decoupled=True))
-register_optimizer(
-    "adagrad", lambda numel, s: Adagrad(numel, s.lr, s.lr_decay, s.weight_decay, s.initial_accumulator_value, s.eps)
-)
-register_optimizer(
-    "rmsprop", lambda numel, s: RMSprop(numel, s.lr, s.alpha, s.eps, s.weight_decay, s.momentum, s.centered)
-)
-register_optimizer("adadelta", lambda numel, s: Adadelta(numel, s.lr, s.rho, s.eps, s.weight_decay))
+for _name in DECLS:
+    register_optimizer(_name, _declared(_name))
 
 
 def make_optimizer(spec: JobSpec, numel: int) -> ShardOptimizer:
