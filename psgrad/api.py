@@ -30,7 +30,7 @@ from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
-from psgrad.core.optimizers.rows import ROW_OPTIMIZERS
+from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_modules
@@ -273,9 +273,10 @@ class PSOptimizer(ScheduledOptimizer):
             raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
-        if self.embeddings and spec.optimizer not in ROW_OPTIMIZERS:
-            raise ConfigError(f"optimizer {spec.optimizer!r} has no row-wise form for psgrad embeddings (their rows are "
-                              f"updated on the servers one row at a time); use one of {', '.join(ROW_OPTIMIZERS)}")
+        tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
+        dense_specs, tables = with_groups(param_specs(model, frozen), model, param_groups, spec, tables)
+        for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
+            check_row_settings(t.job_spec(spec), t.name)
         # (before the model's state_dict() below: it then reads no rows) Rows that a state_dict or
         # pretrained weights gave the chief's model become the job's initial rows of their tables.
         loaded = {name: module.prepare_to_bind() for name, module in self.embeddings}
@@ -286,10 +287,9 @@ class PSOptimizer(ScheduledOptimizer):
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, frozen=frozen)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not is_synchronous(spec.mode) and session.rank != 0)
-        self.params = with_groups(param_specs(model, frozen), model, param_groups, spec)
+        self.params = dense_specs
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
-        tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables)
         self.row_cache: RowCache | None = None

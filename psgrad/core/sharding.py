@@ -53,11 +53,43 @@ class TableSpec:
     dim: int
     seed: int = 0
     std: float = 1.0
+    #: its parameter group's settings (ps.optimizer(model, param_groups=...)): a multiplier of the
+    #: job's lr, and its own values of the job optimizer's settings, as sorted (JobSpec field, value)
+    lr_scale: float = 1.0
+    settings: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
+        object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
 
     @property
     def nbytes(self) -> int:
         """The whole table's bytes (float32)."""
         return self.num_embeddings * self.dim * 4
+
+    @property
+    def grouped(self) -> bool:
+        """Whether its parameter group sets anything (else: the job's settings)."""
+        return self.lr_scale != 1.0 or bool(self.settings)
+
+    def job_spec(self, spec: JobSpec) -> JobSpec:
+        """The job spec with the table's own optimizer settings (validated as the job's are).
+
+        Raises:
+            ConfigError: a setting that is not the job optimizer's, or out of its range (named).
+        """
+        if not self.settings:
+            return spec
+        fields = {f.name: f for f in dataclasses.fields(spec)}
+        own: dict[str, object] = {}
+        for key, value in self.settings:
+            f = fields.get(key)
+            if f is None:
+                raise ConfigError(f"table {self.name!r}: no optimizer setting {key!r}")
+            own[key] = bool(value) if f.type in ("bool", bool) else value
+        try:
+            return dataclasses.replace(spec, **own)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise ConfigError(f"table {self.name!r}'s param group: {exc}") from None
 
 
 def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
@@ -162,5 +194,7 @@ def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[Tab
         "spec": job,
     }
     if tables:  # (a job without sparse tables keeps the fingerprint it always had)
-        doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std] for t in tables]
+        doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std,
+                          *(["lr_scale", t.lr_scale] if t.lr_scale != 1.0 else []),
+                          *(["settings", [list(kv) for kv in t.settings]] if t.settings else [])] for t in tables]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

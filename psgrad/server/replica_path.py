@@ -248,7 +248,7 @@ class Replica:
             else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
             for u in record.rows:  # as the primary applied them, after the dense part
-                state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version)
+                state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version)
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

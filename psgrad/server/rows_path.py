@@ -114,7 +114,8 @@ class Rows:
             t = state.sparse(name, -1)
             if ids.numel():
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
-                t.apply(ids, grads, step_lr, base, checked=True, slots=None if slots is None else slots[name])
+                t.apply(ids, grads, step_lr, base, checked=True, slots=None if slots is None else slots[name],
+                        step=state.version + 1)
                 self._replica.rows_applied(name, ids, grads, base, step_lr)
 
     def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:
@@ -133,7 +134,7 @@ class Rows:
             total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
             total.mul_(1.0 / workers)
             base = min(p[2] for p in parts)
-            t.apply(unique, total, lr, base, checked=True)  # (the union of checked pushes' ids)
+            t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (the union of checked pushes' ids)
             self._replica.rows_applied(name, unique, total, base, lr)
 
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from psgrad.config import JobSpec
 from psgrad.core.layout import Layout
+from psgrad.core.sharding import TableSpec
 from psgrad.core.optimizers import ShardOptimizer
 from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
-from psgrad.core.optimizers.rows import make_row_optimizer
+from psgrad.core.optimizers.rows import RowOptimizer, make_row_optimizer
 from psgrad.core.optimizers.segments import segments_of
 from psgrad.server.tables import DENSE, DenseTable, MemoryBudget, SparseTable, Table, TableSnapshot
 
@@ -141,22 +143,25 @@ class ShardState:
         tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable, segments)}
         state = cls(layout, tables, membership, budget=MemoryBudget(budget_bytes))
         for t in layout.tables:
-            state.add_sparse_table(t.name, t.num_embeddings, t.dim, t.seed, t.std)
+            state.add_sparse_table(t.name, t.num_embeddings, t.dim, t.seed, t.std, t)
         return state
 
-    def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0, std: float = 1.0) -> SparseTable:
+    def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0, std: float = 1.0,
+                         group: TableSpec | None = None) -> SparseTable:
         """Hold the rows of embedding table `name` that live on this shard, updated by the job's
-        optimizer in its row-wise form.
+        optimizer in its row-wise form, with the settings of the table's parameter group (`group`:
+        its TableSpec; None: the job's).
 
         Raises:
             InvalidRequestError: the name is taken, or the table's shape is not a table.
-            ConfigError: the job's optimizer has no row-wise form.
+            ConfigError: the job's optimizer has no row-wise form, or a setting it cannot take.
         """
         if name in self.tables:
             raise InvalidRequestError(f"shard {self.layout.index} already holds a table {name!r}")
         spec = self.layout.spec
         table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed,
-                            make_row_optimizer(spec.optimizer, spec), std, self.budget)
+                            _row_optimizer(spec, group, name), std, self.budget,
+                            1.0 if group is None else group.lr_scale)
         table.optimizer.lr = self.job_lr
         self.tables[name] = table
         return table
@@ -254,7 +259,19 @@ def _table_from(name: str, snap: TableSnapshot, layout: Layout, budget: MemoryBu
         raise InvalidRequestError(f"a snapshot's table {name!r} is of kind {snap.kind!r}, which this psgrad does not know")
     try:
         s = snap.scalars
+        group = layout.table(name)
         return SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
-                           int(s["seed"]), make_row_optimizer(layout.spec.optimizer, layout.spec), float(s["std"]), budget)
+                           int(s["seed"]), _row_optimizer(layout.spec, group, name), float(s["std"]), budget,
+                           1.0 if group is None else group.lr_scale)
     except KeyError as exc:
         raise InvalidRequestError(f"a snapshot's sparse table {name!r} lacks its {exc.args[0]}") from None
+
+
+def _row_optimizer(spec: JobSpec, group: TableSpec | None, name: str) -> RowOptimizer:
+    """The row form of the job's optimizer for table `name`, with its parameter group's settings.
+
+    Raises:
+        ConfigError: no row form, or a setting it cannot take (named).
+    """
+    own = spec if group is None else group.job_spec(spec)
+    return make_row_optimizer(own.optimizer, own, name)

@@ -231,12 +231,14 @@ class SparseTable:
     kind: ClassVar[str] = "sparse"
 
     def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
-                 optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None) -> None:
+                 optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None,
+                 lr_scale: float = 1.0) -> None:
         if num_embeddings < 1 or dim < 1 or not 0 <= index < num_shards:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
         self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
         self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
         self.optimizer = optimizer
+        self.lr_scale = lr_scale  # its param group's multiple of the job's lr (1.0: none)
         self.key = rows.table_key(seed, name)
         self.version = 0  # updates applied to the table
         self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0  # table updates between pull and push
@@ -394,11 +396,13 @@ class SparseTable:
         self._charged = 0
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
-              checked: bool = False, slots: torch.Tensor | None = None) -> None:
-        """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim];
-        base_version: the table version they were pulled at (its staleness is recorded); checked:
-        the caller checked them already (check_update); slots: their arena slots, from a reserve
-        under the same lock.
+              checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None) -> None:
+        """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim]
+        at lr (None: the job's) times the table's lr_scale; base_version: the table version they
+        were pulled at (its staleness is recorded); checked: the caller checked them already
+        (check_update); slots: their arena slots, from a reserve under the same lock; step: the
+        dense rule's step number of this update (the shard's update number; None: the table's
+        version after it), which Adagrad's lr_decay counts.
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
@@ -409,7 +413,9 @@ class SparseTable:
             slots = self._slots(ids)
         weights = self._values.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
-        self.optimizer.apply(weights, grads.clone(), state, lr)
+        if self.lr_scale != 1.0:
+            lr = self.optimizer.step_lr(lr) * self.lr_scale
+        self.optimizer.apply(weights, grads.clone(), state, lr, self.version + 1 if step is None else step)
         self._values.index_copy_(0, slots, weights)
         for name, t in state.items():
             self._state[name].index_copy_(0, slots, t)

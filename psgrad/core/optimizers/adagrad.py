@@ -7,6 +7,23 @@ import torch
 from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
 
 
+def adagrad_lr(step_lr: float, step: int, lr_decay: float) -> float:
+    """The lr of Adagrad's step number `step` (1, 2, ...): Python floats, as torch.optim.Adagrad's
+    single-tensor path computes it."""
+    return step_lr / (1 + (step - 1) * lr_decay)
+
+
+def adagrad_rule(w: torch.Tensor, g: torch.Tensor, acc: torch.Tensor, std: torch.Tensor, clr: float,
+                 weight_decay: float, eps: float) -> None:
+    """One Adagrad step on a block, in place (g is scratch; std, scratch of the same shape): the one
+    statement of the rule, for a dense range and for a sparse table's gathered rows alike."""
+    if weight_decay:
+        g.add_(w, alpha=weight_decay)
+    acc.addcmul_(g, g, value=1)
+    torch.sqrt(acc, out=std).add_(eps)
+    w.addcdiv_(g, std, value=-clr)
+
+
 class Adagrad(ShardOptimizer):
     """Adagrad: each element's step is lr / (1 + (t-1) lr_decay) * g / (sqrt(sum of g^2) + eps).
 
@@ -34,16 +51,10 @@ class Adagrad(ShardOptimizer):
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         self.steps += 1
-        # Python floats, as torch.optim.Adagrad's single-tensor path computes them.
-        clr = self.step_lr(lr, lr_scale) / (1 + (self.steps - 1) * self.lr_decay)
+        clr = adagrad_lr(self.step_lr(lr, lr_scale), self.steps, self.lr_decay)
         for lo, hi in blocks(weights.numel(), self._block):
-            w, g, acc = weights[lo:hi], grad[lo:hi], self.sum[lo:hi]
-            std = self._std[: hi - lo]
-            if self.weight_decay:
-                g.add_(w, alpha=self.weight_decay)
-            acc.addcmul_(g, g, value=1)
-            torch.sqrt(acc, out=std).add_(self.eps)
-            w.addcdiv_(g, std, value=-clr)
+            adagrad_rule(weights[lo:hi], grad[lo:hi], self.sum[lo:hi], self._std[: hi - lo], clr, self.weight_decay,
+                         self.eps)
 
     def state_bytes(self) -> int:
         """The sum of squares and a block of scratch: (numel + min(numel, block)) float32 values."""

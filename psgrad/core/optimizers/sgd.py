@@ -8,6 +8,18 @@ from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule, axpy
 from psgrad.errors import ConfigError
 
 
+def sgd_rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float, weight_decay: float,
+             tmp: torch.Tensor) -> None:
+    """SGD without momentum, element by element: out = w - step_lr * (g + weight_decay * w), the
+    decayed gradient formed in tmp (g itself, or out where out does not overlap g). The one statement
+    of the rule: every form of the update (in place, staged block by block, the rows of a sparse
+    table, and the axpy paths where there is no decay: torch's add_, split over two threads, or the
+    fused kernel, each checked bit for bit against torch's add_) computes exactly these torch ops."""
+    if weight_decay:
+        g = torch.add(g, w, alpha=weight_decay, out=tmp)
+    torch.add(w, g, alpha=-step_lr, out=out)
+
+
 class SGD(ShardOptimizer):
     """SGD with optional momentum (heavy-ball, or Nesterov with nesterov=True) and L2 weight decay,
     like torch.optim.SGD (without dampening)."""
@@ -25,13 +37,7 @@ class SGD(ShardOptimizer):
         self._numel = numel
 
     def _rule(self, w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float, tmp: torch.Tensor) -> None:
-        """SGD without momentum, element by element: out = w - step_lr * (g + weight_decay * w), the
-        decayed gradient formed in tmp (g itself, or out where out does not overlap g). Every form
-        of the update (in place, staged block by block, and the axpy paths where there is no
-        decay) computes exactly these torch ops."""
-        if self.weight_decay:
-            g = torch.add(g, w, alpha=self.weight_decay, out=tmp)
-        torch.add(w, g, alpha=-step_lr, out=out)
+        sgd_rule(w, g, out, step_lr, self.weight_decay, tmp)
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         if not self.momentum:
