@@ -332,3 +332,55 @@ def test_a_row_cache_serves_hot_rows_and_sync_mode_refuses_one(make_servers) -> 
     with pytest.raises(ConfigError, match="sync mode"):
         with psgrad.connect([running[0].address], mode="sync", client=CLIENT) as ps:
             ps.optimizer(Ctr(), row_cache=10)
+
+
+@pytest.mark.timeout(120)
+def test_a_tables_own_lr_in_param_groups_changes_only_that_tables_update(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Two tables and a head over two shards, one table in a param group with half the job's lr: its
+    rows move by half of what the same job without the group moves them, the other table's and the
+    head's exactly as without it."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = psgrad.EmbeddingBag(ROWS, DIM, mode="sum", std=0.1, seed=3)
+            self.b = psgrad.EmbeddingBag(ROWS, DIM, mode="sum", std=0.1, seed=3)
+            torch.manual_seed(0)
+            self.head = nn.Linear(DIM, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.a(x) + self.b(x)).squeeze(-1)
+
+    x, y = _batch(torch.Generator().manual_seed(4))
+    moved = {}
+    for grouped in (False, True):
+        running, model = make_servers(2), Two()  # (a job of its own each)
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.SGD(lr=0.5),
+                            client=CLIENT) as ps:
+            groups = [{"params": [model.a], "lr": 0.25}] if grouped else None
+            opt = ps.optimizer(model, param_groups=groups)
+            ids = torch.unique(x)
+            before = {name: opt.client.pull_rows(name, ids).clone() for name in ("a", "b")}
+            head = model.head.weight.detach().clone()
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+            assert opt.step().accepted
+            moved[grouped] = {name: opt.client.pull_rows(name, ids) - before[name] for name in ("a", "b")}
+            moved[grouped]["head"] = model.head.weight.detach() - head
+    assert torch.equal(moved[True]["b"], moved[False]["b"]) and torch.equal(moved[True]["head"], moved[False]["head"])
+    torch.testing.assert_close(moved[True]["a"], moved[False]["a"] / 2, rtol=1e-4, atol=1e-7)
+    assert not torch.equal(moved[True]["a"], moved[False]["a"])
+
+    # The job's momentum does not reach rows: refused by name, until the tables' group sets it to 0.
+    running = make_servers(1)
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.5, momentum=0.9), client=CLIENT) as ps:
+        with pytest.raises(ConfigError, match="momentum 0.9 of optimizer 'sgd' does not apply to the rows of sparse "
+                                              "table 'a'.*param group of its own"):
+            ps.optimizer(Two())
+        model = Two()
+        opt = ps.optimizer(model, param_groups=[{"params": [model.a, model.b], "momentum": 0.0}])
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+        assert opt.step().accepted
+        state = running[0].shard.core.state
+        assert state.tables["a"].version == 1 and state.dense.optimizer.momentum == 0.9

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from psgrad.config import OPTIMIZER_NAMES, JobSpec
+from psgrad.core.optimizer_settings import DECLS, EXACT, LAZY
 from psgrad.errors import ConfigError
 from psgrad.core.optimizers import OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, RMSprop, ShardOptimizer, make_optimizer
 
@@ -385,3 +386,151 @@ def test_the_new_rules_apply_without_allocating(case: str) -> None:
     opt._block = 1 << 14  # type: ignore[attr-defined]
     largest = _largest_allocation_of_a_second_apply(opt, numel)
     assert largest < 1024, f"apply allocated {largest} bytes at once (P is {numel * 4} bytes)"
+
+
+# --------------------------------------------------------------------------- row forms, per setting
+# A value away from its default for every setting an optimizer declares (optimizer_settings.DECLS).
+ROW_VALUES = {"momentum": 0.9, "weight_decay": 0.01, "nesterov": True, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6,
+              "lr_decay": 0.1, "initial_accumulator_value": 0.1, "alpha": 0.9, "centered": True, "rho": 0.8}
+ROW_CASES = [(name, setting) for name, decl in DECLS.items() for setting in ("lr", *decl.settings)]
+
+
+def _row_spec(name: str, setting: str) -> JobSpec:
+    own: dict[str, object] = {"optimizer": name, "lr": 0.05}
+    if setting != "lr":
+        own[setting] = ROW_VALUES[setting]
+    if setting == "nesterov":
+        own["momentum"] = 0.9
+    return JobSpec(**own)  # type: ignore[arg-type]
+
+
+def _row_updates(num: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Five updates of 7 of `num` rows each (different rows each time; row 0 in every one)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(5):
+        ids = torch.cat([torch.tensor([0]), 1 + torch.randperm(num - 1, generator=gen)[:6]]).sort().values
+        out.append((ids, torch.randn(7, dim, generator=gen)))
+    return out
+
+
+@pytest.mark.parametrize("name, setting", ROW_CASES, ids=[f"{n}-{s}" for n, s in ROW_CASES])
+def test_each_setting_applies_to_rows_as_declared_or_is_refused_by_name(name: str, setting: str) -> None:
+    """For every optimizer and every setting it accepts: its row form on a sparse table equals the
+    dense rule (torch's, on a dense table with zero gradients on the untouched rows) bit for bit
+    where DECLS says EXACT; equals its lazy definition (each row its own Adam, stepped only when
+    touched) where LAZY; else make_row_optimizer refuses it, naming the setting and the alternative."""
+    from psgrad.core.optimizers.rows import make_row_optimizer
+    from psgrad.server.tables import SparseTable
+
+    spec, decl = _row_spec(name, setting), DECLS[name]
+    rule = decl.row_rule(setting) if decl.rows else None
+    if rule not in (EXACT, LAZY):
+        what = f"optimizer {name!r} has no row-wise form" if decl.rows is None else (
+            f"{'momentum' if setting == 'nesterov' else setting} .* of optimizer {name!r} does not apply to the rows "
+            "of sparse table 'emb'.*in a param group of its own")
+        with pytest.raises(ConfigError, match=what):
+            make_row_optimizer(name, spec, "emb")
+        return
+    num, dim = 40, 3
+    table = SparseTable("emb", num, dim, 0, 1, seed=7, optimizer=make_row_optimizer(name, spec, "emb"))
+    start = table.pull(torch.arange(num))[0].clone()
+    updates = _row_updates(num, dim)
+    for ids, grads in updates:
+        table.apply(ids, grads)
+    got = table.pull(torch.arange(num))[0]
+    torch_opt = getattr(torch.optim, decl.torch)
+    if rule == EXACT:
+        weight = torch.nn.Parameter(start.clone())
+        ref = torch_opt([weight], **decl.torch_kwargs(spec))
+        for ids, grads in updates:
+            weight.grad = torch.zeros(num, dim).index_add_(0, ids, grads)
+            ref.step()
+        assert torch.equal(got, weight.detach())
+        return
+    # LAZY: each row is its own dense-rule parameter, stepped only with the updates that touched it
+    expect = start.clone()
+    for r in range(num):
+        row = torch.nn.Parameter(start[r].clone())
+        ref = torch_opt([row], **decl.torch_kwargs(spec))
+        for ids, grads in updates:
+            hit = (ids == r).nonzero()
+            if hit.numel():
+                row.grad = grads[int(hit[0, 0])].clone()
+                ref.step()
+        expect[r] = row.detach()
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_lr_decay_on_rows_counts_the_shards_updates_not_the_tables() -> None:
+    """The dense rule's step number of an update is the shard's (a table's rows may sit out some of
+    its updates): the table takes it as `step`, and equals a dense Adagrad stepped at every update."""
+    from psgrad.core.optimizers.rows import make_row_optimizer
+    from psgrad.server.tables import SparseTable
+
+    spec = JobSpec(optimizer="adagrad", lr=0.05, lr_decay=0.3)
+    num, dim = 20, 2
+    table = SparseTable("emb", num, dim, 0, 1, seed=1, optimizer=make_row_optimizer("adagrad", spec))
+    weight = torch.nn.Parameter(table.pull(torch.arange(num))[0].clone())
+    ref = torch.optim.Adagrad([weight], lr=0.05, lr_decay=0.3)
+    for step, (ids, grads) in enumerate(_row_updates(num, dim), start=1):
+        weight.grad = torch.zeros(num, dim)
+        if step % 2:  # the even updates of the shard carried none of this table's rows
+            weight.grad.index_add_(0, ids, grads)
+            table.apply(ids, grads, step=step)
+        ref.step()
+    assert torch.equal(table.pull(torch.arange(num))[0], weight.detach())
+
+
+def test_optimizer_names_and_torch_twins_are_declared_once() -> None:
+    from psgrad.cli.flags import OPTIMIZER_LR
+    from psgrad.core import optimizer_settings as settings
+    from psgrad.core.optimizers.rows import ROW_OPTIMIZERS
+    from psgrad.experiments.allreduce import torch_optimizer
+
+    assert OPTIMIZER_NAMES == tuple(DECLS) and set(OPTIMIZERS) == set(DECLS)
+    assert set(ROW_OPTIMIZERS) == {n for n, d in DECLS.items() if d.rows}
+    assert OPTIMIZER_LR == {n: d.lr for n, d in DECLS.items()}
+    for cls in settings.SERVER_OPTIMIZERS:  # the API's classes start from torch's defaults
+        name = "adam" if cls is settings.Adam else cls.__name__.lower()
+        assert cls().lr == DECLS[name].lr and getattr(cls(), "eps", None) == DECLS[name].eps
+    for name, decl in DECLS.items():
+        opt = torch_optimizer(JobSpec(optimizer=name, eps=settings.DEFAULT_EPS.get(name, 1e-8)), [torch.zeros(2)])
+        assert type(opt).__name__ == decl.torch
+
+
+def test_a_tables_param_group_sets_its_lr_and_settings_and_lifts_a_refusal() -> None:
+    """A table in a param group of its own (the module in 'params') takes the group's lr multiple
+    and its own values of the job optimizer's settings; a setting its rows cannot take is refused
+    until its group sets the default (the refusal's alternative)."""
+    import psgrad
+    from psgrad.core.optimizers.rows import check_row_settings
+    from psgrad.core.sharding import TableSpec, param_specs
+    from psgrad.worker.param_groups import with_groups
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = psgrad.Embedding(100, 4), psgrad.Embedding(50, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+    model, spec = Two(), JobSpec(optimizer="sgd", lr=0.1, momentum=0.9)
+    tables = [TableSpec("a", 100, 4), TableSpec("b", 50, 4)]
+    with pytest.raises(ConfigError, match="momentum 0.9 of optimizer 'sgd' does not apply to the rows of sparse "
+                                          "table 'a'.*'momentum': 0.0"):
+        check_row_settings(spec, "a")
+    groups = [{"params": [model.a], "lr": 0.05, "momentum": 0.0}, {"params": [model.b], "momentum": 0}]
+    dense, grouped = with_groups(param_specs(model), model, groups, spec, tables)
+    assert [(t.lr_scale, t.settings) for t in grouped] == [(0.5, (("momentum", 0.0),)), (1.0, (("momentum", 0.0),))]
+    assert all(p.lr_scale == 1.0 and p.weight_decay is None for p in dense)  # the dense parameters keep the job's
+    for t in grouped:
+        check_row_settings(t.job_spec(spec), t.name)
+        assert t.job_spec(spec).momentum == 0.0
+    with pytest.raises(ConfigError, match="'momentum' and holds dense parameters"):
+        with_groups(param_specs(model), model, [{"params": [model.head.weight, model.a], "momentum": 0.0}], spec, tables)
+    with pytest.raises(ConfigError, match="'betas'.*sgd's settings"):
+        with_groups(param_specs(model), model, [{"params": [model.a], "betas": (0.9, 0.9)}], spec, tables)
+    with pytest.raises(ConfigError, match="not a psgrad embedding"):
+        with_groups(param_specs(model), model, [{"params": [model.head]}], spec, tables)
+    with pytest.raises(ConfigError, match="momentum must be in \\[0, 1\\)"):
+        with_groups(param_specs(model), model, [{"params": [model.a], "momentum": 2.0}], spec, tables)
