@@ -242,7 +242,6 @@ class SharedMemoryTransport:
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is None:
             return self.frames.step(header, payload, dest, wire, published, reads)
-        address = self._client.address
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
@@ -252,23 +251,22 @@ class SharedMemoryTransport:
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
                 return None  # push and pull through frames instead (a keyed push is never applied twice)
-            raise reconnect.as_error(exc, address, self._client.diagnose, "the push and pull", t) from None
+            raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the push and pull", t) from None
         except BaseException:
             seg.lock.release()
             raise
         try:
-            check_pull_header(address, reply.pull, dest, wire)
+            check_pull_header(self._client.address, reply.pull, dest, wire)
             try:
                 lent = self._adopt(call, dest, wire, published)
             except shm.SharedMemoryUnavailable:
                 self._published_ok = False
                 self.view = None
-                return reply.push, self.frames.pull(pb.PullRequest(
-                    rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint), dest, wire), \
-                    rows_read(address, reply, reads)
+                after = pb.PullRequest(rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint)
+                return reply.push, self.frames.pull(after, dest, wire), rows_read(self._client.address, reply, reads)
             if not lent:
                 copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
-        return reply.push, int(reply.pull.version), rows_read(address, reply, reads)
+        return reply.push, int(reply.pull.version), rows_read(self._client.address, reply, reads)

@@ -96,8 +96,9 @@ class ShardClient:
     def _refused(self) -> None:
         """Shared memory is refused for good (this host cannot make a segment, or the server cannot
         open this worker's): frames from now on, whatever a later Join answers."""
-        self._may_share = False
-        self.transport = self.frames
+        with self._bind_lock:
+            self._may_share = False
+            self.transport = self.frames
 
     @property
     def view(self) -> torch.Tensor | None:
