@@ -240,7 +240,7 @@ class ParameterClient:
 
     def transports(self) -> list[str]:
         """How each shard's payloads travel now: "shm" (same host) or "grpc"."""
-        return ["shm" if s.same_host else "grpc" for s in self.shards]
+        return [s.transport.name for s in self.shards]
 
     def _start_heartbeat(self, lease_s: float) -> None:
         """Renew this worker's lease every lease_s/3 while it trains (also while a pull waits)."""

@@ -1,17 +1,19 @@
-"""A shard client's same-host payloads, a collaborator it holds: its shared-memory segment (pushes read
-in place, pulls copied in), published weight versions read zero-copy from the server's ring, and the
-fallbacks to the client's gRPC frames."""
+"""The shared-memory transport (see client/transport.py): a shard client's payloads through its
+shared-memory segment (pushes read in place, pulls copied in), published weight versions read
+zero-copy from the server's ring, and the frames transport it hands a single transfer to when
+shared memory cannot take it."""
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import grpc
 import torch
 
 from psgrad.client import reconnect
+from psgrad.client.transport import Stepped, Transport, check_pull_header, pull_header, rows_read
 from psgrad.config import ClientConfig
 from psgrad.core.codecs import WireBuffer, copy_bytes, copy_from_wire, segment_bytes
 from psgrad.errors import InvalidRequestError
@@ -27,8 +29,8 @@ def _address(view: memoryview) -> int:
 
 
 class _Client(Protocol):
-    """What the same-host path uses of its shard client: where it calls, its frames path (the
-    fallback) and the header checks, and the calls that carry a header alone."""
+    """What the shared-memory transport uses of its shard client: where it calls, the explanation
+    of a deadline, and the calls that carry a header alone (bound to the server in use)."""
 
     config: ClientConfig
     address: str
@@ -38,18 +40,14 @@ class _Client(Protocol):
 
     def diagnose(self) -> str: ...
 
-    def pull_frames(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int: ...
 
-    def push_frames(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply: ...
-
-    def pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader: ...
-
-    def check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader: ...
-
-
-class SameHost:
-    """A shard client's same-host path (a collaborator it holds): the segment, the published
-    versions, and the calls that use them; each falls back to the client's gRPC frames.
+class SharedMemoryTransport:
+    """A shard client's payloads through shared memory (the Transport it picks when the server said
+    at Join that it shares this host and takes segments): the segment, the published versions, and
+    the calls that use them. A transfer that shared memory cannot take (the segment busy with a
+    concurrent transfer, a call refused or worth a retry) goes through `frames`, the frames
+    transport it holds; once shared memory is refused for good (this host cannot make a segment, or
+    the server can never open this worker's), it calls `refused` and the client uses frames.
 
     Zero-copy pull (`pull(..., published=True)`): the server lends a slot of its ring that holds
     the version, and `view` is then a float32 tensor of that slot (dest is not written); it stays
@@ -59,22 +57,19 @@ class SameHost:
     call retires the segment (the server may still read it); the caller's buffer then stays valid
     memory, and later pushes copy it into a segment of this shard's own."""
 
-    def __init__(self, client: _Client, usable: bool) -> None:
+    name = "shm"
+
+    def __init__(self, client: _Client, frames: Transport, refused: Callable[[], None]) -> None:
         self._client = client
-        self.usable = usable  # this worker may use shared memory (it is on, and the host has it)
-        self.server_shm = False  # the server said at Join that it takes shared-memory payloads
+        self.frames = frames  # a single transfer shared memory cannot take goes this way
+        self._refused = refused  # shared memory refused for good: the client switches to frames
+        self.usable = True  # until refused for good (then every transfer goes through frames)
         self.segment: shm.AnySegment | None = None
         self._segment_guard = threading.Lock()
         self.view: torch.Tensor | None = None
         self._ring: published.RingView | None = None
         self._slot_views: dict[int, torch.Tensor] = {}
         self._published_ok = True
-
-    @property
-    def active(self) -> bool:
-        """Whether payloads go through shared memory (the server said at Join that it shares this
-        host and takes segments, and this worker may use them), not gRPC frames."""
-        return self.usable and self.server_shm
 
     def close(self) -> None:
         with self._segment_guard:
@@ -88,9 +83,10 @@ class SameHost:
         self._slot_views = {}
 
     def take_segment(self, nbytes: int) -> shm.AnySegment | None:
-        """This shard's shared-memory segment, locked for one transfer; None: use gRPC frames
-        (another host, or the segment is busy with a concurrent transfer)."""
-        if not self.active or nbytes == 0:
+        """This shard's shared-memory segment, locked for one transfer; None: this transfer goes
+        through frames (the segment is busy with a concurrent transfer, no payload, or shared
+        memory was refused for good)."""
+        if not self.usable or nbytes == 0:
             return None
         with self._segment_guard:
             seg = self.segment
@@ -99,10 +95,12 @@ class SameHost:
                     seg.close()
                 try:
                     seg = self.segment = shm.Segment(nbytes)
-                except OSError:
+                except OSError:  # this host cannot make a segment
                     self.usable = False
-                    return None
-            return seg if seg.lock.acquire(blocking=False) else None
+            if self.usable:
+                return seg if seg is not None and seg.lock.acquire(blocking=False) else None
+        self._refused()
+        return None
 
     def _drop_segment(self, seg: shm.AnySegment, for_good: bool = False) -> None:
         """Never write this segment again (the server may still read it, or cannot open it)."""
@@ -112,6 +110,8 @@ class SameHost:
             if for_good:
                 self.usable = False
         seg.close()
+        if for_good:
+            self._refused()
 
     def lend_window(self, window: shm.Window) -> bool:
         """Make `window` (this shard's range of the caller's gradient buffer, a shared segment: see
@@ -119,8 +119,9 @@ class SameHost:
         Pulls that do not ask for a lent version then use frames; one that asks and finds no free
         slot in the server's ring (more workers than num_workers) gets the weights copied into it,
         after its push was read (a step's gradient is consumed). False (the window is retired):
-        another host, or a transfer is using the segment now; this shard's part is then copied."""
-        if not self.active:
+        shared memory was refused, or a transfer is using the segment now; this shard's part is
+        then copied."""
+        if not self.usable:
             window.close()
             return False
         with self._segment_guard:
@@ -158,30 +159,32 @@ class SameHost:
         self.view = view
         return True
 
-    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, want: bool) -> int | None:
-        """A same-host pull: the server lends a slot of its ring (want, see _adopt), or copies the
-        weights into this shard's segment, and answers with the header alone. None when this
-        shard's payloads go through gRPC frames (another host, or the segment is busy)."""
+    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
+        """A same-host pull: the server lends a slot of its ring (published, see _adopt), or copies
+        the weights into this shard's segment, and answers with the header alone. Through frames
+        when the segment is busy, or is the caller's gradient and no lent version is asked for."""
+        self.view = None
         seg = self.take_segment(wire.nbytes)
         if seg is None:
-            return None
-        if seg.lent and not want:  # the caller's gradient: a pull that may not be lent a slot uses frames
+            return self.frames.pull(req, dest, wire)
+        if seg.lent and not published:  # the caller's gradient: a pull that may not be lent a slot uses frames
             seg.lock.release()
-            return None
+            return self.frames.pull(req, dest, wire)
         t = self._client.config.rpc_timeout_s
         try:
-            first, call = self._client._pull_header_only.with_call(req, timeout=t, metadata=self._pull_metadata(seg, want))
+            first, call = self._client._pull_header_only.with_call(
+                req, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
-                return self._client.pull_frames(req, dest, wire)
+                return self.frames.pull(req, dest, wire)
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the pull", t) from None
         try:
-            header = self._client.pull_header(first, dest, wire)
+            header = pull_header(self._client.address, first, dest, wire)
             try:
-                lent = self._adopt(call, dest, wire, want)
+                lent = self._adopt(call, dest, wire, published)
             except shm.SharedMemoryUnavailable:
                 self._published_ok = False
-                return self._client.pull_frames(req, dest, wire)
+                return self.frames.pull(req, dest, wire)
             if not lent:
                 copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
@@ -189,13 +192,13 @@ class SameHost:
             seg.lock.release()
         return int(header.version)
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply | None:
+    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
         """A same-host push: the gradient goes into this shard's segment (unless it is there
-        already, see gradient_buffer), the call carries the header alone. None when this shard's
-        payloads go through gRPC frames (see _pull_shared)."""
+        already, see lend_window), the call carries the header alone. Through frames when the
+        segment is busy, or the call was refused or is worth a retry."""
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is None:
-            return None
+            return self.frames.push(header, payload)
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
@@ -204,7 +207,7 @@ class SameHost:
             reply: pb.PushReply = self._client._push_header_only(frame, timeout=t, metadata=seg.metadata())
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
-                return self._client.push_frames(header, payload)  # keyed: a retry is never applied twice
+                return self.frames.push(header, payload)  # keyed: a retry is never applied twice
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the push", t) from None
         except BaseException:
             seg.lock.release()
@@ -228,17 +231,23 @@ class SameHost:
         return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self._client.config.reconnect_timeout_s > 0)
 
     def step(
-        self, seg: shm.AnySegment, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer,
-        want: bool = False, reads: Sequence[pb.TableRows] = (),
-    ) -> tuple[pb.PushReply, int, pb.StepReply] | None:
-        """step() through the segment: the gradient goes in, the weights come back in it (or in a
-        lent slot: want, see _adopt); the rows `reads` names come back in the reply (returned last)."""
+        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: Sequence[pb.TableRows] = (),
+    ) -> Stepped | None:
+        """The Step call through the segment: the gradient goes in, the weights come back in it (or
+        in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The
+        frames transport's Step call when the segment is busy; None (push and pull separately)
+        when the call was refused or is worth a retry."""
+        self.view = None
+        seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
+        if seg is None:
+            return self.frames.step(header, payload, dest, wire, published, reads)
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
             request = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
-            reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, want))
+            reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
                 return None  # push and pull through frames instead (a keyed push is never applied twice)
@@ -247,18 +256,17 @@ class SameHost:
             seg.lock.release()
             raise
         try:
-            self._client.check_pull_header(reply.pull, dest, wire)
+            check_pull_header(self._client.address, reply.pull, dest, wire)
             try:
-                lent = self._adopt(call, dest, wire, want)
+                lent = self._adopt(call, dest, wire, published)
             except shm.SharedMemoryUnavailable:
                 self._published_ok = False
-                lent = False
                 self.view = None
-                return reply.push, self._client.pull_frames(pb.PullRequest(
-                    rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint), dest, wire), reply
+                after = pb.PullRequest(rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint)
+                return reply.push, self.frames.pull(after, dest, wire), rows_read(self._client.address, reply, reads)
             if not lent:
                 copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
-        return reply.push, int(reply.pull.version), reply
+        return reply.push, int(reply.pull.version), rows_read(self._client.address, reply, reads)

@@ -1,5 +1,6 @@
-"""One shard's channel: every call under a deadline, reconnecting with backoff, payloads through
-frames, Step calls or same-host segments, and gRPC status -> PsgradError."""
+"""One shard's channel: every call under a deadline, reconnecting with backoff, gRPC status ->
+PsgradError; its payloads through the transport picked at Join (see client/transport.py): the
+frames transport here (gRPC frames, or inline in a Step call), or shared memory (client/same_host.py)."""
 from __future__ import annotations
 
 import threading
@@ -14,9 +15,10 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.client import reconnect
-from psgrad.client.same_host import SameHost
+from psgrad.client.same_host import SharedMemoryTransport
+from psgrad.client.transport import RowsRead, Stepped, Transport, check_pull_header, checked_rows, pull_header, rows_read
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire, segment_bytes
+from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
@@ -42,8 +44,7 @@ from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.wire.security import client_channels
 
 T = TypeVar("T")
-# Rows read from a shard: each table's version, and the rows' float32 bytes, table after table
-RowsRead = tuple[list[int], memoryview]
+__all__ = ["FramesTransport", "RowsRead", "ShardClient"]
 
 
 class ShardClient:
@@ -58,7 +59,11 @@ class ShardClient:
         self._channels: list[grpc.Channel] = []  # every one used; closed by close()
         self._bind_lock = threading.Lock()
         self._bind(self.addresses[0])
-        self.same = SameHost(self, usable=config.shared_memory and shm.supported())  # the same-host path
+        # The payloads' transport: frames until a Join answer picks (see _pick)
+        self.frames = FramesTransport(self)
+        self.transport: Transport = self.frames
+        self._shared: SharedMemoryTransport | None = None  # made at the first Join that picks shared memory
+        self._may_share = config.shared_memory and shm.supported()  # until refused for good
         # Set once this worker has joined: sends the same Join again (deadline in seconds), before
         # a call is retried after the shard stopped answering.
         self.rejoin: Callable[[float], object] | None = None
@@ -70,20 +75,43 @@ class ShardClient:
     def same_host(self) -> bool:
         """Whether payloads go through shared memory (the server said at Join that it shares this
         host and takes segments, and this worker may use them), not gRPC frames."""
-        return self.same.active
+        return self.transport is not self.frames
+
+    def _pick(self, server_shares: bool) -> None:
+        """After a Join answer: payloads through shared memory where the server said it shares this
+        host and takes segments and this worker may use them (ClientConfig shared_memory, a host
+        with /dev/shm, not refused for good), else through frames. The same answer keeps the
+        transport (a rejoin to the same server); another server's may change it (a failover). A
+        switch back to shared memory maps the server's ring afresh at its next lend."""
+        with self._bind_lock:
+            if not (server_shares and self._may_share):
+                self.transport = self.frames
+            elif self.transport is self.frames:
+                if self._shared is None:
+                    self._shared = SharedMemoryTransport(self, self.frames, self._refused)
+                else:
+                    self._shared.forget_ring()
+                self.transport = self._shared
+
+    def _refused(self) -> None:
+        """Shared memory is refused for good (this host cannot make a segment, or the server cannot
+        open this worker's): frames from now on, whatever a later Join answers."""
+        with self._bind_lock:
+            self._may_share = False
+            self.transport = self.frames
 
     @property
     def view(self) -> torch.Tensor | None:
-        """After a pull or step with published=True: the version the server lent (see SameHost)."""
-        return self.same.view
+        """After a pull or step with published=True: the version the server lent (see Transport)."""
+        return self.transport.view
 
     def lend_window(self, window: shm.Window) -> bool:
-        """Make `window` this shard's segment: pushes of it are read in place (see SameHost)."""
-        return self.same.lend_window(window)
+        """Make `window` this shard's segment: pushes of it are read in place (see SharedMemoryTransport)."""
+        return self.transport.lend_window(window)
 
     def forget_ring(self) -> None:
-        """Map the server's ring afresh at its next lend (see SameHost)."""
-        self.same.forget_ring()
+        """Map the server's ring afresh at its next lend (see SharedMemoryTransport)."""
+        self.transport.forget_ring()
 
     def failover(self, failed: str) -> str | None:
         """The server at `failed` does not answer: use the shard's other server (if it has one and
@@ -126,7 +154,8 @@ class ShardClient:
         self._step = ch.unary_unary(prefix + "Step", None, pb.StepReply.FromString)
 
     def close(self) -> None:
-        self.same.close()
+        if self._shared is not None:
+            self._shared.close()
         for channel in self._channels:
             channel.close()
 
@@ -150,10 +179,10 @@ class ShardClient:
         """Join. As a first call (wait_for_ready) it waits up to timeout_s for the server to answer,
         but reports a refused connection after a short grace (see reconnect.first_call); a shard
         with a backup tries its servers in turn (see reconnect.join_any). Learns whether the server
-        takes payloads through shared memory."""
+        takes payloads through shared memory, which picks the payloads' transport (see _pick)."""
         def attempt(t: float, ready: bool = False) -> pb.JoinReply:
             reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
-            self.same.server_shm = shm.same_host_server(call.initial_metadata())
+            self._pick(shm.same_host_server(call.initial_metadata()))
             return reply
 
         if len(self.addresses) < 2 and wait_for_ready:
@@ -178,145 +207,29 @@ class ShardClient:
         t = self.config.rpc_timeout_s
         return self._call("the init stream", lambda: self._init(frames(), timeout=t), t)
 
+    # ----------------------------------------------------------------- payloads, through the transport
     def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
         """Pull the shard's weights into dest (float32 slice of the flat space), or with published
         (same host) into `view` where the server lends a slot; returns their version."""
-        self.same.view = None
-        version = self.same.pull(req, dest, wire, published)
-        return version if version is not None else self.pull_frames(req, dest, wire)
+        return self.transport.pull(req, dest, wire, published)
 
     def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
         """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
-        reply = self.same.push(header, payload)
-        return reply if reply is not None else self.push_frames(header, payload)
+        return self.transport.push(header, payload)
 
-    # ----------------------------------------------------------------- through gRPC frames
-    def pull_frames(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer) -> int:
-        t = self.config.rpc_timeout_s
-
-        def run() -> int:
-            stream = self._pull(req, timeout=t)
-            header = self.pull_header(next(stream, None), dest, wire)
-            writer = PayloadWriter(wire.receive_view(dest), f"pull from {self.address}")
-            write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {self.address}"))
-            wire.finish_receive(dest)
-            return int(header.version)
-
-        return self._call("the pull", run, t)
-
-    def push_frames(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
-        """Push through gRPC frames: with a go-ahead (PushGated) when the payload is larger than
-        GATED_PUSH_BYTES, so that it waits for its turn without sending; else in one stream."""
-        t = self.config.rpc_timeout_s
-        head = pb.PushFrame(header=header).SerializeToString()
-        if len(payload) > GATED_PUSH_BYTES:
-            return self._call("the push", lambda: self._gated(head, payload, t), t)
-
-        def frames() -> Iterator[bytes]:
-            yield head
-            yield from data_frames(payload, self.config.chunk_bytes)
-
-        return self._call("the push", lambda: self._push(frames(), timeout=t), t)
-
-    def _gated(self, head: bytes, payload: memoryview, timeout_s: float) -> pb.PushReply:
-        """One PushGated call: the header, the server's `ready`, the data frames, the reply.
-
-        While the data goes out this thread waits on an event of its own, not on the call: gRPC
-        wakes every thread waiting on a call at each message sent, and a waiter woken 100 times
-        per 100 MB push cost the worker 1.5-4 ms of CPU (GIL hand-offs) on 2 vCPUs."""
-        go = threading.Event()  # set on `ready`, and whenever the call ends
-        send = [False]  # whether to send the data once go is set
-        sent = threading.Event()  # the request stream is done, or the call ended
-
-        def frames() -> Iterator[bytes]:
-            try:
-                yield head
-                go.wait()  # the call's deadline ends the wait at the latest (see finally)
-                if send[0]:
-                    yield from data_frames(payload, self.config.chunk_bytes)
-            finally:
-                sent.set()
-
-        call = self._push_gated(frames(), timeout=timeout_s)
-        call.add_done_callback(lambda _: sent.set())  # a call ended mid-stream may leave frames() suspended
-        try:
-            first = next(call, None)
-            if first is None or first.WhichOneof("kind") != "ready":
-                raise InvalidRequestError(f"server {self.address}: push expected `ready`, got {first}")
-            send[0] = True
-            go.set()
-            sent.wait(timeout_s)  # the deadline ends the call, and so the wait, at the latest
-            last = next(call, None)
-            if last is None or last.WhichOneof("kind") != "reply":
-                raise InvalidRequestError(f"server {self.address}: push expected its reply, got {last}")
-            reply: pb.PushReply = last.reply
-            return reply
-        except grpc.RpcError:
-            raise
-        except BaseException:
-            call.cancel()
-            raise
-        finally:
-            go.set()  # a call that failed before `ready` ends its request stream unsent
-
-    def pull_header(self, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
-        if first is None:
-            raise InvalidRequestError(f"server {self.address}: pull returned no header")
-        return self.check_pull_header(pb.PullFrame.FromString(first).header, dest, wire)
-
-    def check_pull_header(self, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
-        if header.numel != dest.numel() or header.dtype != wire.dtype_name:
-            raise InvalidRequestError(
-                f"server {self.address}: pull sends {header.numel} {header.dtype} values, "
-                f"expected {dest.numel()} {wire.dtype_name}"
-            )
-        return header
-
-    # ----------------------------------------------------------------- push + pull in one call
     def step(
         self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: Sequence[pb.TableRows] = (),
-    ) -> tuple[pb.PushReply, int, RowsRead | None] | None:
+    ) -> Stepped | None:
         """Push one gradient slice as header.clock (with the row gradients its header carries),
         then pull the weights for header.clock + 1 into dest and the rows `reads` names (ids by
         table), in one unary Step call: through this shard's segment (same host), else with both
         payloads in the messages when they fit one chunk. Returns the push reply, the pulled
         version and the rows read (None: none asked for); None when a Step call does not fit (a
-        large payload to another host): then push and pull separately. Retries are safe (pushes
-        are keyed).
+        large payload to another host) or was refused: then push and pull separately. Retries are
+        safe (pushes are keyed).
         """
-        self.same.view = None
-        seg = self.same.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
-        if seg is not None:
-            done = self.same.step(seg, header, payload, dest, wire, published, reads)
-            return None if done is None else (done[0], done[1], self._rows_read(done[2], reads))
-        if len(payload) > self.config.chunk_bytes:
-            return None
-        head = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
-        request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
-        t = self.config.rpc_timeout_s
-
-        reply: pb.StepReply = self._call("the push and pull", lambda: self._step(request, timeout=t), t)
-        self.check_pull_header(reply.pull, dest, wire)
-        data = memoryview(reply.data)
-        if len(data) != wire.nbytes:
-            raise InvalidRequestError(
-                f"server {self.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
-            )
-        copy_from_wire(dest, data, wire)
-        return reply.push, int(reply.pull.version), self._rows_read(reply, reads)
-
-    def _rows_read(self, reply: pb.StepReply, reads: Sequence[pb.TableRows]) -> RowsRead | None:
-        """The rows a Step reply carries for `reads` (None: none asked for)."""
-        if not reads:
-            return None
-        return self._checked_rows(list(reply.row_versions), memoryview(reply.rows), len(reads), "step")
-
-    def _checked_rows(self, versions: list[int], rows: memoryview, tables: int, what: str) -> RowsRead:
-        if len(versions) != tables:
-            raise InvalidRequestError(f"server {self.address}: {what} returned the versions of {len(versions)} "
-                                      f"tables for {tables} asked for")
-        return versions, rows
+        return self.transport.step(header, payload, dest, wire, published, reads)
 
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, req: pb.RowsRequest) -> RowsRead:
@@ -333,7 +246,7 @@ class ShardClient:
         else:
             msg = parse_frame(pb.RowsReply, reply, what)
             rows = memoryview(msg.rows)
-        return self._checked_rows(list(msg.versions), rows, len(req.tables), "the pull of rows")
+        return checked_rows(self.address, list(msg.versions), rows, len(req.tables), "the pull of rows")
 
     def updated_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
         """A page of a sparse table's updated rows with their ids (req.updated; see ps.proto PullRows)."""
@@ -367,3 +280,122 @@ class ShardClient:
             return
         t = self.config.rpc_timeout_s
         self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t)
+
+
+class FramesTransport:
+    """A shard client's payloads through gRPC frames (the Transport of a server on another host, or
+    with shared memory off): pulls and pushes streamed in frames of config.chunk_bytes, a push
+    larger than GATED_PUSH_BYTES with a go-ahead, and a Step call with both payloads inline when
+    they fit one chunk. It calls through the client's channel (the server in use, its reconnect
+    and failover). Lends nothing: `view` stays None, a lent window is retired."""
+
+    name = "grpc"
+    view: torch.Tensor | None = None
+
+    def __init__(self, client: ShardClient) -> None:
+        self._client = client
+
+    def close(self) -> None:
+        """Nothing of its own (the client closes the channels)."""
+
+    def lend_window(self, window: shm.Window) -> bool:
+        window.close()
+        return False
+
+    def forget_ring(self) -> None:
+        """No ring: nothing lent."""
+
+    def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
+        """Pull the shard's weights into dest through frames (nothing is lent: published is moot)."""
+        c = self._client
+        t = c.config.rpc_timeout_s
+
+        def run() -> int:
+            stream = c._pull(req, timeout=t)
+            header = pull_header(c.address, next(stream, None), dest, wire)
+            writer = PayloadWriter(wire.receive_view(dest), f"pull from {c.address}")
+            write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {c.address}"))
+            wire.finish_receive(dest)
+            return int(header.version)
+
+        return c._call("the pull", run, t)
+
+    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+        """Push through gRPC frames: with a go-ahead (PushGated) when the payload is larger than
+        GATED_PUSH_BYTES, so that it waits for its turn without sending; else in one stream."""
+        c = self._client
+        t = c.config.rpc_timeout_s
+        head = pb.PushFrame(header=header).SerializeToString()
+        if len(payload) > GATED_PUSH_BYTES:
+            return c._call("the push", lambda: self._gated(head, payload, t), t)
+
+        def frames() -> Iterator[bytes]:
+            yield head
+            yield from data_frames(payload, c.config.chunk_bytes)
+
+        return c._call("the push", lambda: c._push(frames(), timeout=t), t)
+
+    def _gated(self, head: bytes, payload: memoryview, timeout_s: float) -> pb.PushReply:
+        """One PushGated call: the header, the server's `ready`, the data frames, the reply.
+
+        While the data goes out this thread waits on an event of its own, not on the call: gRPC
+        wakes every thread waiting on a call at each message sent, and a waiter woken 100 times
+        per 100 MB push cost the worker 1.5-4 ms of CPU (GIL hand-offs) on 2 vCPUs."""
+        c = self._client
+        go = threading.Event()  # set on `ready`, and whenever the call ends
+        send = [False]  # whether to send the data once go is set
+        sent = threading.Event()  # the request stream is done, or the call ended
+
+        def frames() -> Iterator[bytes]:
+            try:
+                yield head
+                go.wait()  # the call's deadline ends the wait at the latest (see finally)
+                if send[0]:
+                    yield from data_frames(payload, c.config.chunk_bytes)
+            finally:
+                sent.set()
+
+        call = c._push_gated(frames(), timeout=timeout_s)
+        call.add_done_callback(lambda _: sent.set())  # a call ended mid-stream may leave frames() suspended
+        try:
+            first = next(call, None)
+            if first is None or first.WhichOneof("kind") != "ready":
+                raise InvalidRequestError(f"server {c.address}: push expected `ready`, got {first}")
+            send[0] = True
+            go.set()
+            sent.wait(timeout_s)  # the deadline ends the call, and so the wait, at the latest
+            last = next(call, None)
+            if last is None or last.WhichOneof("kind") != "reply":
+                raise InvalidRequestError(f"server {c.address}: push expected its reply, got {last}")
+            reply: pb.PushReply = last.reply
+            return reply
+        except grpc.RpcError:
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            go.set()  # a call that failed before `ready` ends its request stream unsent
+
+    def step(
+        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: Sequence[pb.TableRows] = (),
+    ) -> Stepped | None:
+        """The Step call with both payloads inline (the gradient in the request, the weights in the
+        reply); None when the gradient does not fit one chunk: then push and pull separately."""
+        c = self._client
+        if len(payload) > c.config.chunk_bytes:
+            return None
+        head = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
+        request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
+        t = c.config.rpc_timeout_s
+
+        reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=t), t)
+        check_pull_header(c.address, reply.pull, dest, wire)
+        data = memoryview(reply.data)
+        if len(data) != wire.nbytes:
+            raise InvalidRequestError(
+                f"server {c.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
+            )
+        copy_from_wire(dest, data, wire)
+        return reply.push, int(reply.pull.version), rows_read(c.address, reply, reads)

@@ -132,8 +132,8 @@ def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: Running
         assert grad is not None and grad.numel() == N
         grad.fill_(1.0)
         assert c.push(grad, 0)[0].applied
-        assert c.shards[0].same.segment is not None
-        assert grad.data_ptr() == torch.frombuffer(c.shards[0].same.segment.payload, dtype=torch.float32).data_ptr()
+        assert c.shards[0].transport.segment is not None
+        assert grad.data_ptr() == torch.frombuffer(c.shards[0].transport.segment.payload, dtype=torch.float32).data_ptr()
         grad[N // 2] = float("nan")
         with pytest.raises(InvalidRequestError, match="non-finite"):
             c.push(grad, 1)
@@ -391,8 +391,8 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
                 assert lent == shared, (shared, lent)
                 if shared:  # each shard's segment is its range of the gradient buffer
                     for (start, _), s in zip(opt.client.plan.ranges, opt.client.shards):
-                        assert isinstance(s.same.segment, shm.Window)
-                        ptr = torch.frombuffer(s.same.segment.payload, dtype=torch.float32).data_ptr()
+                        assert isinstance(s.transport.segment, shm.Window)
+                        ptr = torch.frombuffer(s.transport.segment.payload, dtype=torch.float32).data_ptr()
                         assert ptr == opt.flat.host_grad[start:].data_ptr()
                 finals[(shared, rank)] = [t.detach().clone() for t in model.state_dict().values()]
             # left: the model is the caller's again (memory of its own, the same values, writable; a

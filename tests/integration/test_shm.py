@@ -209,12 +209,12 @@ def test_shards_on_this_host_read_one_gradient_buffer_in_place(
     monkeypatch.setattr(same_host, "copy_bytes", lambda dst, src: (copies.append(len(src)), real(dst, src))[1])
     with client(servers, mode="async") as c:
         c.join(initial_weights=initial)
-        c.shards[-1].same.server_shm = False  # as if the last shard's server ran on another host
+        c.shards[-1]._pick(False)  # as if the last shard's server ran on another host: frames
         grad = c.gradient_buffer()
         assert grad is not None and grad.numel() == N
         again = c.gradient_buffer()
         assert again is not None and again.data_ptr() == grad.data_ptr()  # one buffer
-        windows = [s.same.segment for s in c.shards]
+        windows = [s.transport.segment if s.same_host else None for s in c.shards]
         assert all(isinstance(w, shm.Window) for w in windows[:-1]) and windows[-1] is None
         flat = torch.empty(N)
         expected = initial()
@@ -250,7 +250,7 @@ def test_a_server_that_cannot_open_the_segment_gets_frames(
         assert c.push(torch.ones(N), 0)[0].applied  # refused, then sent as frames
         c.pull(flat, 1)
         torch.testing.assert_close(flat, initial() - 0.5)
-        assert all(not s.same.usable for s in c.shards)  # frames from now on
+        assert c.transports() == ["grpc", "grpc"]  # frames from now on
         assert [s.shard.status().pushes_applied for s in servers] == [1, 1]
         assert [s.shard.status().pushes_rejected for s in servers] == [0, 0]
     assert my_segments() == []
@@ -263,7 +263,7 @@ def test_a_restarted_server_gets_a_fresh_segment(servers: list[RunningServer]) -
         for s in servers:  # as after a restart: the unlinked names cannot be opened again
             s.servicer._segments.clear()
         assert all(r.applied for r in c.push(torch.ones(N), 1))  # refused, sent as frames
-        assert attached(servers) == 0 and all(s.same.usable for s in c.shards)
+        assert attached(servers) == 0 and c.transports() == ["shm", "shm"]
         c.push(torch.ones(N), 2)  # a new segment
         assert attached(servers) == 2
         flat = torch.empty(N)
@@ -286,7 +286,7 @@ def test_a_busy_segment_sends_frames(servers: list[RunningServer]) -> None:
     with client(servers) as c:
         c.join(initial_weights=initial)
         c.push(torch.zeros(N), 0)  # both segments exist now
-        segs = [s.same.segment for s in c.shards]
+        segs = [s.transport.segment for s in c.shards]
         assert all(seg is not None for seg in segs)
         assert segs[0] is not None and segs[0].lock.acquire(blocking=False)  # as if a pull were using it
         try:
