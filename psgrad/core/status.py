@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.core.consistency import make_policy
 from psgrad.core.sharding import ParamSpec, TableSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.core.optimizers.adadelta import Adadelta
 from psgrad.core.optimizers.adagrad import Adagrad
 from psgrad.core.optimizers.adam import ADAM_BLOCK, Adam
