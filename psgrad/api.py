@@ -8,7 +8,7 @@
         opt.step()                   # pushes the gradients, pulls fresh weights (mode-aware)
     ps.close()                       # leaves the job; `with psgrad.connect(...) as ps:` also works
 
-`psgrad worker` trains through this same API (psgrad.worker.loop.train).
+`psgrad worker` trains through this same API (psgrad.cli.train.train).
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def train_worker(
     """What `psgrad worker` runs (and `psgrad run` as a worker): train rank `rank` of the job flags in ns."""
     from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
-    from psgrad.worker.loop import train
+    from psgrad.cli.train import train
 
     _check_task(ns)
     check_ops_args(ns)
