@@ -12,7 +12,7 @@ import torch
 from psgrad.api import PSOptimizer, Session
 from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
-from psgrad.core.modes import bounds_staleness, is_synchronous
+from psgrad.core.modes import mode_of
 from psgrad.core.schedule import lr_factor
 from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task
@@ -62,13 +62,14 @@ def train(
     delays = DelayInjector(config, spec.num_workers)
     cuda = device.type == "cuda"
     factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)
+    job_mode = mode_of(spec)
 
     with Session(config.servers, spec, rank, config.client) as session:
         opt = session.optimizer(model, overlap=config.overlap, row_cache=config.row_cache_rows,
                                 row_cache_staleness=config.row_cache_staleness)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
-        mode = spec.mode + (f"(staleness {bound})" if bounds_staleness(spec.mode) else "")
+        mode = spec.mode + (f"(staleness {bound})" if job_mode.bounds_staleness else "")
         mode += f"(backup workers {spec.backup_workers})" if spec.backup_workers else ""
         buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
@@ -105,7 +106,7 @@ def train(
                 schedule = lr_scheduler(opt, factor, opt.clock)
                 continue
             if schedule is not None:
-                if not is_synchronous(spec.mode) and stats.versions:  # the async/ssp chief: at the job's progress
+                if not job_mode.synchronous and stats.versions:  # the async/ssp chief: at the job's progress
                     schedule.last_epoch = min(stats.versions) // spec.num_workers - 1
                 schedule.step()
             t1 = time.perf_counter()
@@ -131,7 +132,7 @@ def train(
         # In sync mode the last step's pull already waited for the final update. Otherwise leave
         # first, so nobody waits for this worker while it evaluates, then read the latest weights.
         session.leave()
-        if not is_synchronous(spec.mode):
+        if not job_mode.synchronous:
             opt.refresh()
         final = report.final(elapsed)
         if config.save_model is not None:
