@@ -8,7 +8,7 @@
         opt.step()                   # pushes the gradients, pulls fresh weights (mode-aware)
     ps.close()                       # leaves the job; `with psgrad.connect(...) as ps:` also works
 
-`psgrad worker` trains through this same API (psgrad.worker.loop.train).
+`psgrad worker` trains through this same API (psgrad.cli.train.train).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from psgrad.client.parameter_client import ParameterClient, RowReads
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
-from psgrad.core.modes import AUTO_STALENESS_MAX, default_staleness, is_synchronous
+from psgrad.core.modes import AUTO_STALENESS_MAX, find_mode, mode_of
 from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer, check_server_optimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
@@ -107,8 +107,9 @@ def connect(
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
     optimizer = optimizer or SGD()
     check_server_optimizer(optimizer)  # a torch.optim optimizer: say what to give instead
-    if staleness is None:
-        staleness = default_staleness(mode)
+    if staleness is None:  # the mode's default (an unknown mode: JobSpec names it below)
+        known = find_mode(mode)
+        staleness = known.default_staleness if known is not None else 0
     auto = staleness == "auto"
     if isinstance(staleness, str) and not auto:
         raise ConfigError(f"staleness must be an integer >= 0 or 'auto', got {staleness!r}")
@@ -133,7 +134,7 @@ def connect(
 def check_overlap(spec: JobSpec, overlap: bool) -> None:
     """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
     DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
-    if overlap and is_synchronous(spec.mode):
+    if overlap and mode_of(spec).synchronous:
         raise ConfigError(
             "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
             "previous iteration's update (staleness 0), so there is nothing to overlap"
@@ -148,7 +149,7 @@ def check_overlap(spec: JobSpec, overlap: bool) -> None:
 
 def check_row_cache(spec: JobSpec, rows: int) -> None:
     """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows)."""
-    if rows and is_synchronous(spec.mode):
+    if rows and mode_of(spec).synchronous:
         raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
                           "does not allow: use mode async or ssp, or no row cache")
 
@@ -286,7 +287,7 @@ class PSOptimizer(ScheduledOptimizer):
         self.overlap = overlap
         self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, frozen=frozen)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
-        super().__init__(self.flat.params, spec.lr, follows_job_lr=not is_synchronous(spec.mode) and session.rank != 0)
+        super().__init__(self.flat.params, spec.lr, follows_job_lr=not mode_of(spec).synchronous and session.rank != 0)
         self.params = dense_specs
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)

@@ -181,6 +181,7 @@ def api_markdown() -> str:
     }
     listed = {n for names in groups.values() for n in names}
     config = [n for n in where if n.endswith("Config") or n == "JobSpec"]
+    where.update({n: "psgrad.config" for n in config})  # where users import them (JobSpec is defined in core/job.py)
     groups["Configuration"] = config
     groups["Errors"] = sorted(n for n in where if n not in listed and n not in config)
     out = [HEADER, "# Python API reference\n\n",

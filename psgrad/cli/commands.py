@@ -23,7 +23,7 @@ from psgrad.cli.flags import (
 )
 from psgrad.cli.status import print_status
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
-from psgrad.core.modes import is_synchronous
+from psgrad.core.modes import SYNC, mode_named
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def train_worker(
     """What `psgrad worker` runs (and `psgrad run` as a worker): train rank `rank` of the job flags in ns."""
     from psgrad.metrics.jsonl import MetricsSink
     from psgrad.tasks import get_task
-    from psgrad.worker.loop import train
+    from psgrad.cli.train import train
 
     _check_task(ns)
     check_ops_args(ns)
@@ -183,7 +183,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
         raise ConfigError("--dc-asgd compensates stale gradients on parameter servers; the all-reduce baseline "
                           "is synchronous (nothing is stale) and has no servers: drop --dc-asgd")
     job = job_spec(ns, ns.num_workers, 1)
-    spec = dataclasses.replace(job, mode="sync", staleness=0, staleness_max=0, backup_workers=0, staleness_lr=False,
+    spec = dataclasses.replace(job, mode=SYNC.name, staleness=0, staleness_max=0, backup_workers=0, staleness_lr=False,
                                wire_dtype="float32", compress="none")
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
@@ -323,7 +323,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns), materialize=ns.materialize)
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())
-    at = (f"iteration {snap.versions[0]} on every shard" if is_synchronous(snap.mode) else
+    at = (f"iteration {snap.versions[0]} on every shard" if mode_named(snap.mode).synchronous else
           f"shard versions {snap.versions}" + ("" if snap.consistent else " (pushes were in flight: each shard as of its own)"))
     print(f"psgrad export: wrote {len(snap.state_dict)} tensors ({values:,} values) at {at} to {out}")
     return 0

@@ -20,7 +20,7 @@ from psgrad.config import (
 )
 from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
-from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, default_staleness
+from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, find_mode
 from psgrad.errors import ConfigError
 from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR
 
@@ -190,7 +190,7 @@ def add_job_args(
     g.add_argument(
         "--staleness",
         type=staleness_arg,
-        default=None,  # not JobSpec.staleness: the default depends on --mode (core.modes.default_staleness)
+        default=None,  # not JobSpec.staleness: the default depends on --mode (core.modes.Mode.default_staleness)
         help="ssp only: how many iterations a worker may run ahead of the slowest live worker; "
         "larger is faster with stragglers, smaller is fresher; 'auto': each server adapts it at run time "
         "within [1, --staleness-max] from how long pulls wait for the slowest worker (docs/design/architecture.md, 'Adaptive staleness bound') "
@@ -345,8 +345,9 @@ def staleness_arg(text: str) -> int | str:
 
 
 def staleness(ns: argparse.Namespace) -> int:
-    if ns.staleness is None:
-        return default_staleness(ns.mode)
+    if ns.staleness is None:  # the mode's default (--mode's choices are the modes)
+        known = find_mode(ns.mode)
+        return known.default_staleness if known is not None else 0
     return 0 if ns.staleness == "auto" else int(ns.staleness)
 
 

@@ -17,7 +17,7 @@ from psgrad.client.status_client import credentials, shard_status
 from psgrad.config import ClientConfig
 from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN
-from psgrad.core.modes import is_synchronous
+from psgrad.core.modes import mode_of
 from psgrad.core import rows as row_init
 from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
 from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
@@ -133,7 +133,7 @@ def fetch_model(
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
-            if not is_synchronous(first.spec.mode) or len(set(versions)) == 1:
+            if not mode_of(first.spec).synchronous or len(set(versions)) == 1:
                 break
             left = deadline - time.monotonic()
             if left <= 0:

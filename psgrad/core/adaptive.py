@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections import deque
 
 from psgrad.core.consistency import SSPPolicy
-from psgrad.core.modes import AUTO_STALENESS_START
+
+# --staleness auto: the default of --staleness-max, and where the bound starts (clamped to the max).
+AUTO_STALENESS_MAX = 8
+AUTO_STALENESS_START = 2
 
 # The rule (docs/design/architecture.md, "Consistency"): every WINDOW_PULLS granted pulls per live worker, the blocked
 # fraction f = (seconds the window's pulls waited at the gate) / (window seconds x live workers).

@@ -1,14 +1,15 @@
 """Consistency modes as small policy objects: when a pull may proceed, and what becomes of a push
-(apply it, buffer it for the iteration's mean, or refuse it); pure."""
+(apply it, buffer it for the iteration's mean, or refuse it); pure. core/modes.py declares the
+modes from these policies and makes a job's policy."""
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from psgrad.errors import ConfigError, InvalidRequestError, RollbackError
+from psgrad.errors import InvalidRequestError, RollbackError
 
 
 class PushDecision(enum.Enum):
@@ -201,22 +202,3 @@ class SyncPolicy(ConsistencyPolicy):
         """Iteration `iteration` is complete when someone pushed it (`pushed` counts gradients
         buffered or skipped) and no live worker still owes it (every live clock is past it)."""
         return pushed > 0 and all(c > iteration for c in view.live_clocks.values())
-
-
-POLICIES: dict[str, Callable[[int], ConsistencyPolicy]] = {
-    AsyncPolicy.name: AsyncPolicy,
-    SSPPolicy.name: SSPPolicy,
-    SyncPolicy.name: SyncPolicy,
-}
-
-
-def make_policy(mode: str, staleness: int = 0) -> ConsistencyPolicy:
-    """The policy for a mode name.
-
-    Raises:
-        ConfigError: unknown mode (the message lists the valid ones).
-    """
-    try:
-        return POLICIES[mode](staleness)
-    except KeyError:
-        raise ConfigError(f"unknown mode {mode!r}; valid: {', '.join(POLICIES)}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from psgrad.core.modes import DECLARED, find_mode
 from psgrad.errors import ConfigError
 
 # DC-ASGD-a keeps, per element, the running mean square of the gradients a shard receives,
@@ -12,7 +13,7 @@ from psgrad.errors import ConfigError
 # and compensates with lambda_t = lambda0 / sqrt(ms_t + EPS) instead of a constant lambda.
 MEAN_SQUARE_MOMENTUM = 0.95
 EPS = 1e-7
-MODES = ("async", "ssp")  # where a gradient can be stale
+MODES = tuple(m.name for m in DECLARED if m.stale_gradients)  # where a gradient can be stale
 
 
 class _DelaySpec(Protocol):
@@ -30,11 +31,12 @@ def check_dc_asgd(spec: _DelaySpec) -> None:
     lam = spec.dc_asgd
     if not (math.isfinite(lam) and lam >= 0):
         raise ConfigError(f"dc_asgd (--dc-asgd LAMBDA) must be a finite number >= 0 (0: off), got {lam!r}")
-    if lam and spec.mode not in MODES:
+    mode = find_mode(spec.mode)
+    if lam and not (mode is not None and mode.stale_gradients):
         raise ConfigError(
             f"--dc-asgd compensates a gradient for the updates applied since its worker pulled, but mode "
             f"{spec.mode!r} applies every gradient to the weights it was computed on (staleness 0): "
-            "use --mode async or ssp, or leave --dc-asgd at 0"
+            f"use --mode {' or '.join(MODES)}, or leave --dc-asgd at 0"
         )
     if spec.dc_asgd_adaptive and not lam:
         raise ConfigError("--dc-asgd-adaptive scales --dc-asgd LAMBDA0 per element: give --dc-asgd > 0 as well")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.core.sharding import ParamSpec, TableSpec
 
 

@@ -1,37 +1,140 @@
-"""The consistency modes by name: what each promises (the questions code outside core asks instead of
-comparing mode strings), and validation of a job's consistency fields: mode, the SSP bound (fixed or
-adaptive), backup workers; pure."""
+"""The consistency modes, declared once (DECLARED): each a Mode, its policy and what it promises (the
+questions code outside core asks instead of comparing mode names); the policy of a job spec made
+from it (registry by name, no comparisons); validation of a job's consistency fields: mode, the SSP
+bound (fixed or adaptive), backup workers; pure."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from psgrad.core.adaptive import AUTO_STALENESS_MAX, AUTO_STALENESS_START, AdaptiveSSPPolicy  # noqa: F401 (modes' names, as before)
+from psgrad.core.backup import BackupSyncPolicy
+from psgrad.core.consistency import AsyncPolicy, ConsistencyPolicy, SSPPolicy, SyncPolicy
 from psgrad.errors import ConfigError
 
-MODES = ("async", "ssp", "sync")
-# --staleness auto: the default of --staleness-max, and where the bound starts (clamped to the max).
-AUTO_STALENESS_MAX = 8
-AUTO_STALENESS_START = 2
 # --staleness left out: 2 in ssp mode (JobSpec's 0 bounds nothing there), 0 otherwise.
 DEFAULT_SSP_STALENESS = 2
 
 
-def is_synchronous(mode: str) -> bool:
-    """Whether mode applies each iteration once, the mean of its workers' gradients (sync): every
-    gradient is computed on the latest weights (staleness 0), a shard's version is an iteration, and
-    every worker's push carries its own lr. False for async and ssp, and for names that are no mode
-    (compare's allreduce baseline)."""
-    return mode == "sync"
+def _plain(spec: Any) -> ConsistencyPolicy | None:
+    return None
 
 
-def bounds_staleness(mode: str) -> bool:
-    """Whether mode's pulls wait until the slowest live worker is within a staleness bound (ssp:
-    --staleness S, or auto)."""
-    return mode == "ssp"
+def _with_backup_workers(spec: Any) -> ConsistencyPolicy | None:
+    """Sync with backup_workers > 0: an iteration applies the first N - B gradients (core/backup.py)."""
+    return BackupSyncPolicy(spec.backup_workers, spec.num_workers) if spec.backup_workers else None
 
 
-def default_staleness(mode: str) -> int:
-    """The staleness bound of mode when none is given: DEFAULT_SSP_STALENESS where it bounds one, else 0."""
-    return DEFAULT_SSP_STALENESS if bounds_staleness(mode) else 0
+def _adaptive_bound(spec: Any) -> ConsistencyPolicy | None:
+    """SSP with staleness_max > 0 (`--staleness auto`): the bound moves at run time (core/adaptive.py)."""
+    return AdaptiveSSPPolicy(spec.staleness_max) if spec.staleness_max else None
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One consistency mode: its policy, and what it promises. Code outside core asks these (a
+    job's mode_of(spec), a name's find_mode(name)) instead of comparing mode names."""
+
+    #: The mode's policy at a fixed bound; its name is the mode's name.
+    policy: type[ConsistencyPolicy]
+    #: Whether pulls wait until the slowest live worker is within a staleness bound (ssp: --staleness S,
+    #: or auto; its default bound is DEFAULT_SSP_STALENESS).
+    bounds_staleness: bool = False
+    #: The policy of a job spec whose fields ask for a variant of the mode (backup workers, an
+    #: adaptive bound), or None (the plain policy).
+    variant: Callable[[Any], ConsistencyPolicy | None] = _plain
+    #: Whether repeats of a run with the same seed train the same model (`psgrad compare`'s notes).
+    reproducibility: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether the mode applies each iteration once, the mean of its workers' gradients (sync):
+        every gradient is computed on the latest weights (staleness 0), a shard's version is an
+        iteration, and every worker's push carries its own lr."""
+        return self.policy.aggregates
+
+    @property
+    def stale_gradients(self) -> bool:
+        """Whether a gradient may be applied to weights newer than those it was computed on (async,
+        ssp): where delay compensation, a staleness-aware lr, overlap and a row cache apply."""
+        return not self.synchronous
+
+    @property
+    def takes_backup_workers(self) -> bool:
+        """Whether the mode may complete an iteration without its slowest workers (sync: --backup-workers)."""
+        return self.synchronous
+
+    @property
+    def default_staleness(self) -> int:
+        """The staleness bound when none is given: DEFAULT_SSP_STALENESS where the mode bounds one, else 0."""
+        return DEFAULT_SSP_STALENESS if self.bounds_staleness else 0
+
+    def policy_for(self, spec: Any) -> ConsistencyPolicy:
+        """spec (a JobSpec of this mode): its variant's policy, or the mode's at spec.staleness."""
+        return self.variant(spec) or self.policy(spec.staleness)
+
+
+# The one declaration of the modes; every other list of them (MODES, the CLI's choices, compare's
+# variants and notes, the modes with stale gradients) is made from it.
+DECLARED: tuple[Mode, ...] = (
+    Mode(
+        AsyncPolicy,
+        reproducibility="nondeterministic: updates are applied in arrival order, which depends on thread "
+        "scheduling and timing, so which weights each gradient was computed on differs from run to run.",
+    ),
+    Mode(
+        SSPPolicy, bounds_staleness=True, variant=_adaptive_bound,
+        reproducibility="nondeterministic: within the staleness bound updates are applied in arrival order, "
+        "which depends on thread scheduling and timing, so repeats differ even with the same seed.",
+    ),
+    Mode(
+        SyncPolicy, variant=_with_backup_workers,
+        reproducibility="deterministic given the seed: every iteration's gradients are summed in rank order "
+        "whatever their arrival order, and each worker's batch order is seeded, so the training "
+        "trajectory repeats (wall-clock times do not; CUDA kernels may add their own nondeterminism).",
+    ),
+)
+ASYNC, SSP, SYNC = DECLARED
+MODES = tuple(m.name for m in DECLARED)  # ("async", "ssp", "sync")
+_BY_NAME: Mapping[str, Mode] = {m.name: m for m in DECLARED}
+# mode name -> its policy class (the policy at a fixed bound: make_policy)
+POLICIES: Mapping[str, Callable[[int], ConsistencyPolicy]] = {m.name: m.policy for m in DECLARED}
+
+
+def find_mode(name: str) -> Mode | None:
+    """The mode of that name, or None (a name that is no mode: compare's allreduce baseline)."""
+    return _BY_NAME.get(name)
+
+
+def mode_named(name: str) -> Mode:
+    """The mode of that name.
+
+    Raises:
+        ConfigError: unknown mode (the message lists the valid ones).
+    """
+    mode = _BY_NAME.get(name)
+    if mode is None:
+        raise ConfigError(f"unknown mode {name!r}; valid: {', '.join(MODES)}")
+    return mode
+
+
+def mode_of(spec: Any) -> Mode:
+    """spec's (a JobSpec's) mode. Raises ConfigError for an unknown one."""
+    return mode_named(spec.mode)
+
+
+def make_policy(mode: str, staleness: int = 0) -> ConsistencyPolicy:
+    """The plain policy of a mode name at a fixed staleness bound.
+
+    Raises:
+        ConfigError: unknown mode (the message lists the valid ones).
+    """
+    return mode_named(mode).policy(staleness)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -45,15 +148,17 @@ def check_mode_fields(spec: Any) -> None:
     Raises:
         ConfigError: the field and the problem named.
     """
-    _check(spec.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
+    mode = find_mode(spec.mode)
+    if mode is None:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
     _check(spec.staleness >= 0, f"staleness must be >= 0, got {spec.staleness}")
     _check(
-        spec.staleness == 0 or bounds_staleness(spec.mode),
+        spec.staleness == 0 or mode.bounds_staleness,
         f"staleness bounds only mode 'ssp', got staleness {spec.staleness} with mode {spec.mode!r}",
     )
     _check(spec.staleness_max >= 0, f"staleness_max must be >= 0 (0: a fixed bound), got {spec.staleness_max}")
     _check(
-        spec.staleness_max == 0 or bounds_staleness(spec.mode),
+        spec.staleness_max == 0 or mode.bounds_staleness,
         f"--staleness auto adapts only mode 'ssp', got staleness_max {spec.staleness_max} with mode {spec.mode!r}",
     )
     _check(
@@ -62,7 +167,7 @@ def check_mode_fields(spec: Any) -> None:
     )
     _check(spec.backup_workers >= 0, f"backup_workers must be >= 0, got {spec.backup_workers}")
     _check(
-        spec.backup_workers == 0 or is_synchronous(spec.mode),
+        spec.backup_workers == 0 or mode.takes_backup_workers,
         f"backup workers apply only to mode 'sync', got backup_workers {spec.backup_workers} with mode {spec.mode!r}",
     )
     _check(

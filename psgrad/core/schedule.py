@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from psgrad.config import LR_SCHEDULES
 from psgrad.errors import ConfigError
+
+LR_SCHEDULES = ("constant", "cosine", "linear")  # after --warmup-steps of linear warmup
 
 
 def lr_factor(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from psgrad.config import JobSpec
-from psgrad.core.consistency import make_policy
+from psgrad.core.job import JobSpec
+from psgrad.core.modes import mode_of
 from psgrad.core.sharding import ParamSpec, TableSpec
 
 LIVE, LEFT, EVICTED = "live", "left", "evicted"
@@ -150,7 +150,7 @@ class ShardStatus:
         """sync/ssp: the ranks that have not joined while the shard waits for all num_workers to
         start together (empty otherwise)."""
         spec = self.spec
-        if spec is None or not make_policy(spec.mode, spec.staleness).start_barrier:
+        if spec is None or not mode_of(spec).policy.start_barrier:
             return ()
         if len(self.workers) >= spec.num_workers:
             return ()

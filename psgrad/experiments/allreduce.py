@@ -66,7 +66,7 @@ def train_allreduce(
     flat gradients are summed with one all_reduce and divided by the world size, and every rank
     applies the same torch.optim step (the job's optimizer and its settings: torch_optimizer). Model
     init, data slice, batch order, delay injection and the metrics schema are those of
-    psgrad.worker.loop.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
+    psgrad.cli.train.train; exchange_s (= allreduce_s) is the all-reduce time, step_s also
     covers the optimizer step, and evaluations see the weights after this step's update.
     Only spec.num_workers and the optimizer's settings are read from spec.
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrad.config import metric_reached
+from psgrad.core.modes import DECLARED
 from psgrad.metrics.jsonl import read_jsonl
 
 # One point of a convergence curve: (seconds since job start, gradients pushed so far, the task's metric
@@ -208,14 +209,9 @@ def aggregate(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# Each mode's note is its Mode.reproducibility (core/modes.py); the baseline's is here.
 _NOTES = {
-    "sync": "deterministic given the seed: every iteration's gradients are summed in rank order "
-    "whatever their arrival order, and each worker's batch order is seeded, so the training "
-    "trajectory repeats (wall-clock times do not; CUDA kernels may add their own nondeterminism).",
-    "async": "nondeterministic: updates are applied in arrival order, which depends on thread "
-    "scheduling and timing, so which weights each gradient was computed on differs from run to run.",
-    "ssp": "nondeterministic: within the staleness bound updates are applied in arrival order, "
-    "which depends on thread scheduling and timing, so repeats differ even with the same seed.",
+    **{m.name: m.reproducibility for m in DECLARED},
     "allreduce": "expected (not checked by a test) to be deterministic given the seed: for a fixed "
     "world size gloo's ring allreduce reduces in a fixed order and batch order is seeded "
     "(wall-clock times still vary).",

@@ -45,7 +45,7 @@ def run_one(cfg: CompareConfig, mode: ModeRun, seed: int, run_dir: Path) -> int:
                 log_file.write(line + "\n")
                 log_file.flush()
 
-        if mode.mode == "allreduce":
+        if mode.baseline:
             store = run_dir / "store"
             store.unlink(missing_ok=True)
             return run_launch(

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from psgrad.config import JobSpec, ServerConfig, WorkerConfig, metric_rises
+from psgrad.core.modes import SYNC
 from psgrad.core.optimizer_settings import DEFAULT_EPS
 from psgrad.core.stragglers import StragglerModel
 from psgrad.errors import ConfigError
-from psgrad.experiments.modes import BASELINES, ModeRun, parse_modes
+from psgrad.experiments.modes import ModeRun, parse_modes
 
 # No torch, grpc or matplotlib here: `psgrad --help` reads CompareConfig's defaults from here and stays fast.
 
@@ -130,7 +131,7 @@ class CompareConfig:
     def job_spec(self, mode: ModeRun) -> JobSpec:
         """The spec of one run of mode (the all-reduce baseline: sync, which is what it does)."""
         return JobSpec(
-            mode="sync" if mode.mode in BASELINES else mode.mode, staleness=mode.staleness,
+            mode=SYNC.name if mode.baseline else mode.mode, staleness=mode.staleness,
             staleness_max=mode.staleness_max, staleness_lr=mode.staleness_lr, backup_workers=mode.backup_workers,
             dc_asgd=mode.dc_asgd, dc_asgd_adaptive=mode.dc_asgd_adaptive, num_workers=self.num_workers, optimizer=self.optimizer,
             lr=self.mode_lr(mode), momentum=self.momentum,

@@ -4,18 +4,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from psgrad.config import MODES
-from psgrad.core.modes import AUTO_STALENESS_MAX, bounds_staleness, is_synchronous
+from psgrad.core.modes import AUTO_STALENESS_MAX, DECLARED, Mode, find_mode
 from psgrad.errors import ConfigError
 
-BASELINES = ("allreduce",)
-# What each mode accepts after its name (ssp first takes its bound: ssp:S or ssp:auto).
-OPTIONS = {
-    "sync": ("backup=B", "lr=LR", "compress=NAME", "noef"),
-    "async": ("slr", "dc=LAMBDA", "dca=LAMBDA", "lr=LR", "compress=NAME", "noef"),
-    "ssp": ("slr", "dc=LAMBDA", "dca=LAMBDA", "max=S", "lr=LR", "compress=NAME", "noef"),
-    "allreduce": ("lr=LR",),
-}
+BASELINES = ("allreduce",)  # no mode: compared beside them, on no servers
+
+
+def _options(mode: Mode) -> tuple[str, ...]:
+    """What a mode accepts after its name, from what it promises (one whose pulls are bounded first
+    takes its bound: ssp:S or ssp:auto)."""
+    return (
+        *(("backup=B",) if mode.takes_backup_workers else ()),
+        *(("slr", "dc=LAMBDA", "dca=LAMBDA") if mode.stale_gradients else ()),
+        *(("max=S",) if mode.bounds_staleness else ()),
+        "lr=LR", "compress=NAME", "noef",
+    )
+
+
+# What each mode (and baseline) accepts after its name.
+OPTIONS = {**{m.name: _options(m) for m in DECLARED}, **{b: ("lr=LR",) for b in BASELINES}}
 GRAMMAR = (
     "MODE[:OPTION...] with MODE sync, async, ssp:S (S >= 0) or ssp:auto, allreduce; options: "
     "sync:backup=B (B backup workers), async/ssp: slr (staleness-aware lr), dc=LAMBDA (DC-ASGD), "
@@ -42,15 +49,23 @@ class ModeRun:
     error_feedback: bool = True
 
     @property
+    def baseline(self) -> bool:
+        """Whether this is a baseline (allreduce: no servers), not a mode."""
+        return self.mode in BASELINES
+
+    @property
     def slug(self) -> str:
         """The label as a directory name: 'async:dc=0.04' -> 'async-dc0.04' ('ssp:2' -> 'ssp2', as before)."""
-        if self.label.startswith("ssp:") and self.label[4:].isdigit():
+        name, _, bound = self.label.partition(":")
+        mode = find_mode(name)
+        if mode is not None and mode.bounds_staleness and bound.isdigit():
             return self.label.replace(":", "")
         return self.label.replace(":", "-").replace("=", "")  # 'async:compress=topk:0.01' -> 'async-compresstopk-0.01'
 
     def averaged(self, num_workers: int) -> int:
         """How many gradients one update averages: N - backup for sync, N for allreduce, 1 otherwise."""
-        return num_workers - self.backup_workers if is_synchronous(self.mode) or self.mode in BASELINES else 1
+        mode = find_mode(self.mode)
+        return num_workers - self.backup_workers if self.baseline or (mode is not None and mode.synchronous) else 1
 
     def with_lr(self, lr: float) -> ModeRun:
         """This variant at a fixed lr, labelled as before (the lr is reported beside it)."""
@@ -93,10 +108,11 @@ def parse_mode(item: str) -> ModeRun:
     """One --modes entry -> ModeRun. Raises ConfigError naming the entry and what it may hold."""
     parts = item.strip().split(":")
     name, options = parts[0], parts[1:]
-    if name not in (*MODES, *BASELINES):
+    if name not in OPTIONS:
         raise ConfigError(f"unknown mode {name!r} in --modes entry {item!r}; valid: {GRAMMAR}")
+    mode = find_mode(name)
     staleness, auto = 0, False
-    if bounds_staleness(name):
+    if mode is not None and mode.bounds_staleness:
         bound = options.pop(0) if options else ""
         if bound == "auto":
             auto = True

@@ -15,7 +15,8 @@ from typing import Any
 
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
-from psgrad.core.consistency import ClockView, ConsistencyPolicy, make_policy
+from psgrad.core.consistency import ClockView, ConsistencyPolicy
+from psgrad.core.modes import ASYNC
 from psgrad.core.layout import Layout
 from psgrad.core.policies import policy_for
 from psgrad.errors import JobMismatchError, NotInitializedError
@@ -58,7 +59,7 @@ class ShardCore:
         self.started = now()
         self.members = Membership(config.lease_s, now)
         self.state: ShardState | None = None
-        self.policy: ConsistencyPolicy = make_policy("async")
+        self.policy: ConsistencyPolicy = ASYNC.policy()
         self.buffers = Buffers(self.lock, config.push_buffers, self.observers.notify_all)
         self.round = SyncRound()
         self.counters = Counters()

@@ -261,7 +261,7 @@ def test_the_cli_workers_async_schedule_follows_the_jobs_progress_not_the_slow_c
     from psgrad.config import JobSpec, WorkerConfig
     from psgrad.core.schedule import lr_factor
     from psgrad.metrics.jsonl import MetricsSink, read_jsonl
-    from psgrad.worker.loop import train
+    from psgrad.cli.train import train
 
     running = make_servers(2)
     steps, lr = 12, 0.2

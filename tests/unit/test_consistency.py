@@ -15,12 +15,11 @@ from psgrad.core.consistency import (
     AsyncPolicy,
     ClockView,
     ConsistencyPolicy,
-    POLICIES,
     PushDecision,
     SSPPolicy,
     SyncPolicy,
-    make_policy,
 )
+from psgrad.core.modes import POLICIES, make_policy
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 from psgrad.server.shard import JoinResult, Layout, PushResult, Shard
 from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards

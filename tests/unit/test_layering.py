@@ -1,8 +1,11 @@
-"""The package's shape, checked: imports point one way, gRPC stays at the edges, every module says what it is for."""
+"""The package's shape, checked: imports point one way (no cycle between modules nor between packages),
+gRPC stays at the edges, modes are asked (never compared by name) and declared once, every module
+says what it is for."""
 from __future__ import annotations
 
 import ast
 import dataclasses
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +17,16 @@ pytestmark = pytest.mark.timeout(60)
 
 PACKAGE = Path(REPO) / "psgrad"
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "proto" not in p.relative_to(PACKAGE).parts)
-# What each folder may import from psgrad (besides config, errors and proto, which anything may).
+# What each folder may import from psgrad (besides errors and proto, which anything may, and config,
+# which anything above core may).
 ALLOWED = {
     "config": {"core"},  # used everywhere, so it sits right above core
     "errors": set(),
-    "core": {"core"},
+    "core": {"core"},  # not even config: JobSpec lives in core (core/job.py), config names it
     "wire": {"core", "wire"},
     "server": {"core", "wire", "server"},
     "client": {"core", "wire", "client"},
-    "worker": {"core", "wire", "client", "worker", "api", "metrics", "tasks", "nn"},
+    "worker": {"core", "wire", "client", "worker", "metrics", "tasks", "nn"},  # not api: the API builds on worker
     "metrics": {"metrics", "core"},
     "nn": {"nn", "core"},  # modules of users' models (psgrad.Embedding): torch, no wire
     "tasks": {"tasks", "nn", "core"},
@@ -120,6 +124,70 @@ def test_no_import_cycles() -> None:
     )
 
 
+def _package(module: str) -> str:
+    """psgrad.core.modes -> core; psgrad.api -> api; psgrad (its __init__) -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _package_graph(modules: Mapping[str, Iterable[str]]) -> dict[str, dict[str, list[str]]]:
+    """module -> the modules it imports, as package -> package -> the imports that make the edge
+    ("psgrad.x.a -> psgrad.y.b"); imports within a package are no edge."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, deps in modules.items():
+        edges = graph.setdefault(_package(module), {})
+        for dep in sorted(deps):
+            if _package(dep) != _package(module):
+                graph.setdefault(_package(dep), {})
+                edges.setdefault(_package(dep), []).append(f"{module} -> {dep}")
+    return graph
+
+
+def _package_cycles(modules: Mapping[str, Iterable[str]]) -> list[str]:
+    """Each cycle between psgrad's packages (core <-> config, api <-> worker, ...), named with the
+    imports that close it; empty when the packages form a DAG."""
+    graph = _package_graph(modules)
+    found = []
+    for cycle in _cycles({package: set(edges) for package, edges in graph.items()}):
+        imports = [i for a in cycle for b in cycle if b in graph[a] for i in graph[a][b]]
+        found.append(" <-> ".join(cycle) + ": " + "; ".join(imports))
+    return found
+
+
+def test_no_cycles_between_packages() -> None:
+    """The packages (core, wire, server, client, worker, api, config, ...) import each other one way
+    only: a package-level cycle (core -> config -> core) is a failure even when no module-level
+    cycle closes it."""
+    graph = _import_graph()
+    packages = _package_graph(graph)
+    assert {"core", "config", "api", "worker", "cli", "experiments"} <= packages.keys()  # the walk found them
+    cycles = _package_cycles(graph)
+    assert not cycles, "cycles between packages:\n" + "\n".join(cycles)
+    assert "config" not in packages["core"] and "api" not in packages["worker"]  # core and worker point down
+
+
+def test_a_cycle_between_packages_is_reported() -> None:
+    """The check can fail: a cycle through two packages (no module-level cycle) is found and named,
+    with the imports that close it; the real graph with one upward import added fails too."""
+    fake = {
+        "psgrad.core.job": {"psgrad.core.modes"},
+        "psgrad.core.modes": {"psgrad.config"},  # core importing upward
+        "psgrad.config": {"psgrad.core.job"},
+        "psgrad.api": {"psgrad.worker.flat"},
+        "psgrad.worker.flat": set(),
+    }
+    assert _cycles({m: set(d) for m, d in fake.items()})  # (here the modules close one as well)
+    fake["psgrad.config"] = {"psgrad.core.job"}
+    fake["psgrad.core.modes"] = set()
+    fake["psgrad.core.status"] = {"psgrad.config"}  # module-level: no cycle; package-level: core <-> config
+    assert not _cycles({m: set(d) for m, d in fake.items()})
+    assert _package_cycles(fake) == [
+        "config <-> core: psgrad.config -> psgrad.core.job; psgrad.core.status -> psgrad.config"]
+    graph = {m: set(d) for m, d in _import_graph().items()}
+    graph["psgrad.worker.loop"].add("psgrad.api")  # what worker/loop.py once did
+    assert [c.split(":")[0] for c in _package_cycles(graph)] == ["api <-> worker"]
+
+
 def test_the_package_is_laid_out_in_folders() -> None:
     assert {_part(p) for p in MODULES} >= {"core", "wire", "server", "client", "worker", "launch", "cli", "experiments"}
 
@@ -134,7 +202,7 @@ def test_only_the_public_modules_are_top_level() -> None:
 def test_imports_point_one_way(path: Path) -> None:
     part = _part(path)
     used = {m.split(".")[1] for m in _imports(path) if m.startswith("psgrad.")}
-    used -= {"config", "errors", "proto", part}
+    used -= {"errors", "proto", part} | ({"config"} if part not in ("core", "errors") else set())
     if part in ALLOWED:
         assert used <= ALLOWED[part], f"{path.name} ({part}/) imports {sorted(used - ALLOWED[part])}"
     if part == "client":
@@ -225,7 +293,11 @@ def test_what_the_api_gets_and_returns_holds_no_protobuf(make_servers, monkeypat
     assert not found, found
 
 
-MODE_NAMES = {"sync", "async", "ssp"}
+from psgrad.core.modes import DECLARED, MODES  # noqa: E402 (the one declaration the checks below read)
+
+MODE_NAMES = set(MODES)
+# The string predicates code once asked about a mode by name; a Mode's properties replaced them.
+OLD_PREDICATES = {"is_synchronous", "bounds_staleness", "default_staleness"}
 
 
 def _names_a_mode(node: ast.expr) -> bool:
@@ -236,22 +308,109 @@ def _names_a_mode(node: ast.expr) -> bool:
     return isinstance(node, ast.Starred) and _names_a_mode(node.value)
 
 
+def _mode_string_tests(tree: ast.AST) -> list[str]:
+    """Where code tests a mode by its name: compares something with a mode's name (or a tuple holding
+    one; ==, !=, in, not in), calls one of the old string predicates (is_synchronous(spec.mode), ...)
+    or imports one, or asks whether a string starts or ends with a mode's name ("ssp:")."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
+                _names_a_mode(x) for x in (node.left, *node.comparators)
+            ):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            prefixes = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if name in OLD_PREDICATES or (name in ("startswith", "endswith") and any(
+                    p.split(":")[0] in MODE_NAMES for p in prefixes)):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and any(a.name in OLD_PREDICATES for a in node.names):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def test_modes_are_asked_not_compared() -> None:
-    """Outside core/, no code compares anything with a mode's name ("sync", "async", "ssp", or a
-    tuple holding one; ==, !=, in, not in): it asks core (core.modes.is_synchronous, a policy's
-    drops_late, ...), so what a mode means lives in one place."""
+    """Outside core/, no code tests a mode by its name (see _mode_string_tests): it asks the mode
+    (mode_of(spec).synchronous, find_mode(name).bounds_staleness, ...) or its policy
+    (policy_for(spec).drops_late, ...), so what a mode means lives in one place."""
     found = []
     for path in MODULES:
         if _part(path) == "core":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Compare):
-                continue
-            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
-                _names_a_mode(x) for x in (node.left, *node.comparators)
-            ):
-                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
-    assert not found, "mode names compared outside core/:\n" + "\n".join(found)
+        found += [f"{path.relative_to(PACKAGE.parent)}:{x}" for x in _mode_string_tests(ast.parse(path.read_text()))]
+    assert not found, "modes tested by name outside core/:\n" + "\n".join(found)
+
+
+def test_a_mode_tested_by_name_is_reported() -> None:
+    """The check can fail: each way of testing a mode by name is found."""
+    code = """
+if spec.mode == "sync": pass
+if mode in ("async", "ssp"): pass
+if is_synchronous(spec.mode) or modes.bounds_staleness(name): pass
+if label.startswith("ssp:"): pass
+from psgrad.core.modes import default_staleness
+if mode_of(spec).synchronous and label.startswith("sparse"): pass
+"""
+    assert sorted(int(x.split(":")[0]) for x in _mode_string_tests(ast.parse(code))) == [2, 3, 4, 4, 5, 6]
+
+
+def _mode_name_lists(tree: ast.AST) -> list[str]:
+    """Literal lists of modes: a tuple, list or set holding two mode names or more, or a dict with
+    two mode names or more among its keys (a second declaration of the modes)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [k for k in node.keys if k is not None]
+        else:
+            continue
+        named = {e.value for e in items if isinstance(e, ast.Constant) and e.value in MODE_NAMES}
+        if len(named) >= 2:
+            found.append(f"{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def _mode_name_declarations(tree: ast.AST) -> list[str]:
+    """Classes that name themselves after a mode (a policy's `name = "sync"`): the mode names' declaration."""
+    return [f"{s.lineno}: {s.value.value}" for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            for s in node.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)
+            and s.value.value in MODE_NAMES and any(getattr(x, "id", None) == "name" for x in s.targets)]
+
+
+def test_the_modes_are_declared_once() -> None:
+    """Each mode's name is written once as a declaration (its policy class's name, core/consistency.py),
+    the list of modes once (core/modes.py's DECLARED, of Mode objects), and everything else is made
+    from that: no literal list of mode names anywhere in psgrad (MODES, the CLI's --mode choices,
+    compare's variants and notes, the modes with stale gradients)."""
+    assert MODES == tuple(m.name for m in DECLARED) and len(set(MODES)) == len(MODES) >= 3
+    lists, declared = [], []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PACKAGE.parent)
+        lists += [f"{where}:{x}" for x in _mode_name_lists(tree)]
+        declared += [(str(where), x.split(": ")[1]) for x in _mode_name_declarations(tree)]
+    assert not lists, "literal lists of modes (derive them from core/modes.py's DECLARED):\n" + "\n".join(lists)
+    assert sorted(declared) == sorted(("psgrad/core/consistency.py", m) for m in MODES), declared
+
+
+def test_a_second_list_of_modes_is_reported() -> None:
+    """The check can fail: lists, sets and dict keys naming two modes or more are found, one mode
+    name alone (a default, a label) is not."""
+    code = """
+MODES = ("async", "ssp")
+OPTIONS = {"sync": (), "async": ()}
+CHOICES = ["sync", "async", "ssp", "allreduce"]
+DEFAULT = "sync"
+LABELS = ["ssp:2", "async"]
+class P:
+    name = "ssp"
+    mode = "sync"
+"""
+    tree = ast.parse(code)
+    assert sorted(int(x.split(":")[0]) for x in _mode_name_lists(tree)) == [2, 3, 4]
+    assert _mode_name_declarations(tree) == ["8: ssp"]
 
 
 def test_policies_are_asked_not_inspected() -> None:

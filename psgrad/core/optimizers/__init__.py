@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.core.optimizer_settings import DECLS
 from psgrad.core.optimizers.adadelta import Adadelta
 from psgrad.core.optimizers.adagrad import Adagrad

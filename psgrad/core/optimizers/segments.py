@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from psgrad.config import JobSpec
+from psgrad.core.job import JobSpec
 from psgrad.core.optimizers.base import ShardOptimizer
 
 
