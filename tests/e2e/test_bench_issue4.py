@@ -1,4 +1,5 @@
-"""The overlap and wire-dtype benchmarks' tiny presets run end to end and report their figures."""
+"""The overlap and wire-dtype benchmarks' tiny presets (scaling.py --part overlap, compression.py
+--parts wire-dtype) run end to end and report their figures."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ def _run(*args: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> None:
-    out = _run("benchmarks/overlap.py", "--preset", "tiny")
+    out = _run("benchmarks/scaling.py", "--part", "overlap", "--preset", "tiny")
     assert out["communication_s"] > 0 and out["compute_s"] > 0
     assert out["step_overlap_on_s"] > 0 and out["step_overlap_off_s"] > 0
     (target,) = out["targets"]
