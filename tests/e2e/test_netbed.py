@@ -341,9 +341,9 @@ def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
 
 @pytest.mark.timeout(240)
 def test_ctr_time_to_auc_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
-    """benchmarks/ctr_time_to_auc.py --preset quick (a bed of its own): psgrad async and sync and
+    """benchmarks/workloads.py --part ctr-auc --preset quick (a bed of its own): psgrad async and sync and
     the all-reduce baseline train task ctr across hosts, each to the target, and the ratios are given."""
-    out = run_benchmark("ctr_time_to_auc.py", "--preset", "quick", timeout_s=220)
+    out = run_benchmark("workloads.py", "--part", "ctr-auc", "--preset", "quick", timeout_s=220)
     assert out["benchmark"] == "ctr_time_to_auc" and out["rate_mbit"] == 1000
     assert set(out["results"]) == {"async", "sync", "allreduce"}
     for mode, r in out["results"].items():
