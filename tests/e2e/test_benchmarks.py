@@ -170,7 +170,7 @@ SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "raw_put"}
 
 
 def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
-    """benchmarks/sparse_rows.py's document has every op's figures, per shard count, and its ratios
+    """benchmarks/transport.py --part sparse-rows's document has every op's figures, per shard count, and its ratios
     to raw gRPC (their values are not checked)."""
     assert out["benchmark"] == "sparse_rows"
     assert [j["shards"] for j in out["jobs"]] == list(shards)
@@ -193,7 +193,7 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--preset", "quick", "--rows", "20000",
+    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--preset", "quick", "--rows", "20000",
                           "--ids", "256", "--reps", "2", "--calls", "2"],
                          capture_output=True, text=True, timeout=110, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -204,7 +204,7 @@ def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
 
 
 def test_sparse_rows_refuses_a_table_too_small_for_its_cold_pulls() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--rows", "1000", "--ids", "512"],
+    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--rows", "1000", "--ids", "512"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode != 0 and "raise --rows" in res.stderr
 
