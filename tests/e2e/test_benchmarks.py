@@ -32,6 +32,38 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
     return json.loads(res.stdout)
 
 
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+# Every parser a script builds answers for each of its flags (help=SUPPRESS: internal, for its children).
+_HELP_CHECK = """
+import argparse, json, runpy, sys
+sys.path.insert(0, sys.argv[1])
+script = sys.argv[2]
+sys.argv = [script, "--help"]
+def parse_args(self, *args, **kwargs):
+    undescribed = [a.option_strings for a in self._actions
+                   if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    print(json.dumps({"undescribed": undescribed, "help": self.format_help()}))
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_args
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_twelve_scripts_at_most() -> None:
+    assert len(SCRIPTS) <= 12, SCRIPTS
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_of_every_script_is_described_in_its_help(script: str) -> None:
+    res = subprocess.run([sys.executable, "-c", _HELP_CHECK, str(BENCH), str(BENCH / script)],
+                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["undescribed"] == [], (script, out["undescribed"])
+    assert out["help"].startswith("usage: "), out["help"][:200]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
