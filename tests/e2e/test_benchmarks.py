@@ -53,11 +53,11 @@ def test_twelve_scripts_at_most() -> None:
     assert len(SCRIPTS) <= 12, SCRIPTS
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_of_every_script_is_described_in_its_help(script: str) -> None:
     res = subprocess.run([sys.executable, "-c", _HELP_CHECK, str(BENCH), str(BENCH / script)],
-                         capture_output=True, text=True, timeout=100, cwd=REPO)
+                         capture_output=True, text=True, timeout=280, cwd=REPO)  # imports torch: slow at a high load
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["undescribed"] == [], (script, out["undescribed"])
