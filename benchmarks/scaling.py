@@ -8,32 +8,32 @@ overlapping its communication with its compute (overlap).
     python benchmarks/scaling.py --part overlap --preset tiny     # CI smoke run, a few seconds
 
 --part workers: samples/s with W = 1, 2, 4 workers against the ideal W x the single worker's
-samples/s, on 1 and 2 shards. Each worker process (this script, `--worker`) pulls once, then
-repeats sleep T -> exchange through the psgrad client (async mode, lr 1e-9):
-`ParameterClient.exchange` pushes clock c and pulls c + 1, one Step call per shard, as
-PSOptimizer.step() does. `--no-shared-memory` sends every payload through gRPC frames (as from
-another host) instead of the default same-host segments. Sleeping stands for the forward/backward
-pass: it takes time but no CPU, so what limits scaling is what psgrad itself costs (the network path, the servers' decode
-and apply, and the CPUs the processes share), not W copies of a model fighting over 2 cores. The
-W workers of a round start together; samples/s = batch x the steps completed inside the measured
-window / its length (a step straddling an end counts by the fraction inside). For each shard
-count and T, the rounds with W = 1, 2, 4 run back to back in one repetition (the order rotates
-between repetitions); efficiency(W) = samples/s(W) / (W x samples/s(1)), medians over the
-repetitions (each repetition's own ratio is kept too). The report gives the smallest T at which
-efficiency reaches 0.9 and, for the configurations below it, what limited them: psgrad's CPU cost
-per step (servers' and workers' CPU time / steps) tells whether W workers at one worker's pace
-need more cores than the machine has.
+samples/s, on 1 and 2 shards. Each worker process (this script, `--worker`) pulls once, then repeats
+sleep T -> exchange through the psgrad client (async mode, lr 1e-9): `ParameterClient.exchange`
+pushes clock c and pulls c + 1, one Step call per shard, as PSOptimizer.step() does.
+`--no-shared-memory` sends every payload through gRPC frames (as from another host) instead of the
+default same-host segments. Sleeping stands for the forward/backward pass: it takes time but no CPU,
+so what limits scaling is what psgrad itself costs (the network path, the servers' decode and apply,
+and the CPUs the processes share), not W copies of a model fighting over 2 cores. The W workers of a
+round start together; samples/s = batch x the steps completed inside the measured window / its
+length (a step straddling an end counts by the fraction inside). For each shard count and T, the
+rounds with W = 1, 2, 4 run back to back in one repetition (the order rotates between repetitions);
+efficiency(W) = samples/s(W) / (W x samples/s(1)), medians over the repetitions (each repetition's
+own ratio is kept too). The report gives the smallest T at which efficiency reaches 0.9 and, for the
+configurations below it, what limited them: psgrad's CPU cost per step (servers' and workers' CPU
+time / steps) tells whether W workers at one worker's pace need more cores than the machine has.
 
 --part overlap: does overlapping communication with computation hide the network? One worker runs
-the user's loop through the Python API (psgrad.connect / optimizer / step). Compute is simulated by sleeping T per step (as a GPU computing while the host is idle would), with T set
-to the measured communication time C of a step (push + pull, overlap off, no compute) in this same
-run. Then, in alternating rounds, it times steps with overlap off (expected about T + C), on
-(expected about max(T, C)) and again without compute (C, whose median over all rounds is the
-figure the ratios use); target: overlap on <= 1.3 x max(T, C).
+the user's loop through the Python API (psgrad.connect / optimizer / step). Compute is simulated by
+sleeping T per step (as a GPU computing while the host is idle would), with T set to the measured
+communication time C of a step (push + pull, overlap off, no compute) in this same run. Then, in
+alternating rounds, it times steps with overlap off (expected about T + C), on (expected about
+max(T, C)) and again without compute (C, whose median over all rounds is the figure the ratios use);
+target: overlap on <= 1.3 x max(T, C).
 
 With --part overlap --device cuda the model lives on the GPU and the report adds the per-step
-split into compute, device<->host copies and network, with the pinned-memory copy ceiling measured in the same run.
-Prints one JSON document; progress goes to stderr.
+split into compute, device<->host copies and network, with the pinned-memory copy ceiling measured
+in the same run. Prints one JSON document; progress goes to stderr.
 """
 from __future__ import annotations
 

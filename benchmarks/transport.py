@@ -11,10 +11,11 @@ machine, or across hosts on shaped links; dense weights, or sparse embedding row
     python benchmarks/transport.py --preset full --part sparse-rows            # 4,096 unique ids x 64 dims a call
     python benchmarks/transport.py --preset full --part sparse-rows --netbed   # the same on the shaped test bed
 
-Servers run as separate processes on this machine; measurements of psgrad and of what it is
-compared with are interleaved, repetition by repetition (in alternating order), so machine noise
-hits both alike. Prints one JSON document; progress goes to stderr. The suite runs the matrix
-(`run`, its part "transport"), the latency part (`run_latency`) and the peer part (`run_peer`).
+Servers run as separate processes (on this machine, or on the test bed's hosts); measurements of
+psgrad and of what it is compared with are interleaved, repetition by repetition (in alternating
+order), so machine noise hits both alike. Prints one JSON document; progress goes to stderr. The
+suite runs the matrix (`run`, its part "transport"), the latency part (`run_latency`) and the peer
+part (`run_peer`).
 
 --part one-shard (the default): one client in this process pulls and pushes through one shard
 beside raw gRPC (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each
@@ -56,9 +57,9 @@ whichever system is running. The idle CPU of each setup is reported.
 
 --part multihost: psgrad across hosts on shaped links: push/pull beside raw gRPC, bfloat16 beside
 float32 on the wire, and a sync iteration beside gloo all-reduce, all on one test bed, in one run
-(presets tiny, full; --params, --rate-mbit). The hosts are network namespaces (lib/netbed.py), each with its own address and /dev/shm, every
-host's link shaped with `tc ... tbf` to `--rate-mbit` in both directions. Needs root, iproute2
-and tc.
+(presets tiny, full; --params, --rate-mbit). The hosts are network namespaces (lib/netbed.py), each
+with its own address and /dev/shm, every host's link shaped with `tc ... tbf` to `--rate-mbit` in
+both directions. Needs root, iproute2 and tc.
 
 - transport: one shard server, a raw gRPC server (lib/raw_grpc.py: 1 MiB chunks through generic
   handlers, a copy per chunk) and a bfloat16 shard server on host 0; one client on host 2 pulls
@@ -75,11 +76,12 @@ and tc.
 
 --part sparse-rows: sparse rows over the wire: psgrad's pull and push of embedding rows beside raw
 gRPC unary calls moving the same bytes, in one run, through 1 and 2 shards; on loopback, or across
-hosts on links shaped to 1 Gbit/s (--netbed; presets tiny = quick, full). The job: one worker (rank 0, async mode, SGD lr 1e-9) whose model is a psgrad.Embedding of
-`--rows` x `--dim` (1M x 64 in full: its rows are made on the servers on first touch, so the table
-costs nothing until then) and a small nn.Linear, joined through `psgrad.connect(...).optimizer`
-with every byte over gRPC (no same-host shared memory). Every server is its own process (`psgrad
-server`), as is the worker (an agent that this script starts and sends the addresses to).
+hosts on links shaped to 1 Gbit/s (--netbed; presets tiny = quick, full). The job: one worker (rank
+0, async mode, SGD lr 1e-9) whose model is a psgrad.Embedding of `--rows` x `--dim` (1M x 64 in
+full: its rows are made on the servers on first touch, so the table costs nothing until then) and a
+small nn.Linear, joined through `psgrad.connect(...).optimizer` with every byte over gRPC (no
+same-host shared memory). Every server is its own process (`psgrad server`), as is the worker (an
+agent that this script starts and sends the addresses to).
 
 One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):
 - pull: `ParameterClient.pull_rows` of warm rows (made by an earlier pull): ids out, rows back;
