@@ -1,14 +1,17 @@
 """Fewer bytes per push: gradient compression (--compress) on shaped links beside float32, bfloat16
-and the all-reduce baseline, and what each codec costs the worker and the server.
+and the all-reduce baseline, what each codec costs the worker and the server, and what a narrower
+wire dtype costs in accuracy.
 
     python benchmarks/compression.py --preset full    # fashion-mnist, links of 100 Mbit/s and 1 Gbit/s, 2 seeds
     python benchmarks/compression.py --preset quick   # digits, one link rate, one seed (CI-sized)
+    python benchmarks/compression.py --preset tiny    # CI smoke run without a test bed: codecs and wire-dtype
+    python benchmarks/compression.py --preset full --parts wire-dtype   # digits and mnist1d, float32 vs bfloat16
     python benchmarks/compression.py --preset full --task charlm --rates 100 --seeds 1
     python benchmarks/compression.py --preset full --rates 1000 --worker-uplink-mbit 100   # workers behind slow uplinks
     python benchmarks/compression.py --preset full --parts codecs    # only the codecs' CPU cost
     python benchmarks/compression.py --from-json out.json --markdown  # the tables of a saved run
 
-Parts (--parts, default both):
+Parts (--parts; default codecs and train, with --preset tiny codecs and wire-dtype):
 - codecs: per codec, the CPU time to encode a float32 gradient (with error feedback where the codec
   keeps it, as a worker does) and to decode it (as a shard does), per 100 MB of gradient (25M
   values, medians of --reps), on this process's one torch thread, and its payload bytes over
@@ -30,6 +33,15 @@ Parts (--parts, default both):
   U instead (the rest at the rate): where push compression can pay on full-duplex links, since a
   step's pushes and pulls go in opposite directions and compressing one leaves the other.
 
+- wire-dtype: does a narrower wire dtype cost accuracy? The same job with float32, bfloat16 (and
+  --dtypes, e.g. float16) on the wire: each run is `psgrad launch` on this machine (2 servers + 2
+  workers, sync mode, a fixed seed), so the only difference between runs of one task is the wire
+  dtype (pushes and pulls; the servers keep float32 master weights). Reports each run's final test
+  accuracy (mean over the workers), the mean over seeds 0..N-1 (one run's accuracy moves by about a
+  point from seed to seed on mnist1d) and the difference of the means to float32; the bar is
+  |bf16 - fp32| <= 1 point. Tasks and steps: digits (and mnist1d in full) with their own presets;
+  --seeds overrides the seeds. Its result is the document's "wire_dtype" (setup, results, targets).
+
 Needs root, iproute2 and tc for the train part. Prints one JSON document; progress goes to stderr.
 """
 from __future__ import annotations
@@ -43,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lib import add_preset, log, machine_info, overrides, rep_order, write_doc
+from lib import add_preset, log, machine_info, overrides, psgrad_launch, read_jsonl, rep_order, write_doc
 from lib.bedjob import WORKER_HOSTS, train_on_bed
 from lib.netbed import NetBed
 
@@ -68,12 +80,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
               "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
               "reps": 3},
+    "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+             "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "wire-dtype"], "codec_values": 200_000,
+             "reps": 2},
     "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
              "configs": ["fp32", "bf16", "topk:0.01", "sign", "int8", "topk:0.01+bf16", "sign+bf16", "allreduce"],
              "parts": ["codecs", "train"], "codec_values": 25_000_000, "reps": 5},
 }
+PARTS = ("codecs", "train", "wire-dtype")
 SPEEDUP_GOAL = 3.0
 POINTS_GOAL = 0.5
+# --parts wire-dtype: tasks with their steps and settings, wire dtypes, seeds (quick is tiny's)
+WIRE_TINY: dict[str, Any] = {"tasks": {"digits": {"steps": 60, "lr": 0.1, "momentum": 0.0}},
+                             "dtypes": ["float32", "bfloat16"], "seeds": 1}
+WIRE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": WIRE_TINY,
+    "quick": WIRE_TINY,
+    "full": {
+        "tasks": {
+            "digits": {"steps": 1000, "lr": 0.1, "momentum": 0.9},
+            "mnist1d": {"steps": 2000, "lr": 0.05, "momentum": 0.9},
+        },
+        "dtypes": ["float32", "bfloat16"],
+        "seeds": 3,
+    },
+}
+TOLERANCE_POINTS = 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +238,65 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# wire-dtype: accuracy with a narrower wire dtype
+
+
+def launch_wire(task: str, dtype: str, steps: int, lr: float, momentum: float, seed: int, workdir: Path) -> dict[str, Any]:
+    """One `psgrad launch` run; returns the workers' final records."""
+    metrics = workdir / f"{task}-{dtype}"
+    wall_s = psgrad_launch([
+        "--num-servers", "2", "--num-workers", "2",
+        "--task", task, "--mode", "sync", "--steps", str(steps), "--lr", str(lr), "--momentum", str(momentum),
+        "--wire-dtype", dtype, "--seed", str(seed), "--metrics-dir", str(metrics),
+    ], timeout_s=1800)
+    finals = []
+    for path in sorted(metrics.glob("worker*.jsonl")):
+        records = read_jsonl(path)
+        finals.append(next(r for r in reversed(records) if r.get("event") == "final"))
+    accs = [f["test_accuracy"] for f in finals]
+    return {"test_accuracy": sum(accs) / len(accs), "per_worker": accs, "wall_s": wall_s}
+
+
+def wire_dtype(preset: str, seeds: int | None = None, dtypes: list[str] | None = None) -> dict[str, Any]:
+    """--parts wire-dtype: per task, the final test accuracy with each wire dtype beside float32's."""
+    cfg = WIRE_PRESETS[preset]
+    n_seeds = seeds or cfg["seeds"]
+    wire_dtypes = dtypes or cfg["dtypes"]
+    if "float32" not in wire_dtypes:
+        wire_dtypes = ["float32", *wire_dtypes]
+    results: dict[str, dict[str, Any]] = {}
+    targets = []
+    with tempfile.TemporaryDirectory(prefix="psgrad-wire-") as tmp:
+        for task, t in cfg["tasks"].items():
+            results[task] = {}
+            for dtype in wire_dtypes:
+                runs = []
+                for seed in range(n_seeds):
+                    log(f"wire_dtype: {task}, wire {dtype}, seed {seed}, {t['steps']} steps ...")
+                    r = launch_wire(task, dtype, t["steps"], t["lr"], t["momentum"], seed, Path(tmp) / f"s{seed}")
+                    log(f"wire_dtype: {task}, wire {dtype}, seed {seed}: test accuracy {r['test_accuracy']:.4f} ({r['wall_s']:.0f} s)")
+                    runs.append(r)
+                accs = [r["test_accuracy"] for r in runs]
+                results[task][dtype] = {"test_accuracy": sum(accs) / len(accs), "per_seed": accs, "runs": runs}
+            base = results[task]["float32"]["test_accuracy"]  # the mean over seeds
+            for dtype in wire_dtypes:
+                if dtype == "float32":
+                    continue
+                diff = 100 * (results[task][dtype]["test_accuracy"] - base)
+                results[task][dtype]["points_vs_float32"] = diff
+                targets.append({
+                    "name": f"{task}: {dtype} wire accuracy - float32 (points, mean of {n_seeds} seeds)",
+                    "value": results[task][dtype]["test_accuracy"], "ceiling": base, "ratio": diff,
+                    "target": TOLERANCE_POINTS, "better": "abs-lower", "met": abs(diff) <= TOLERANCE_POINTS,
+                })
+    return {
+        "setup": {"servers": 2, "workers": 2, "mode": "sync", "seeds": n_seeds, "tasks": cfg["tasks"]},
+        "results": results,
+        "targets": targets,
+    }
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The codec table and, per link rate, the time-to-target table of a run's JSON document."""
     out = []
@@ -236,23 +327,38 @@ def markdown(doc: dict[str, Any]) -> str:
                        f"{num(s['steps_per_s'], '.1f')} | {num(s['final'], '.4f')} | {num(s['final_minus_fp32'], '+.2f')} | "
                        f"{num(s['bytes_per_push'], ',.0f')} | {num(s['bytes_over_fp32'], '.4f')} |")
         out.append("")
+    wire = doc.get("wire_dtype")
+    if wire:
+        out += [f"Wire dtype, {wire['setup']['servers']} servers + {wire['setup']['workers']} sync workers, "
+                f"mean final test accuracy over {wire['setup']['seeds']} seed(s):", "",
+                "| task | wire dtype | test accuracy | vs float32 (points) |", "|---|---|---|---|"]
+        for task, by_dtype in wire["results"].items():
+            for dtype, r in by_dtype.items():
+                out.append(f"| {task} | {dtype} | {r['test_accuracy']:.4f} | {num(r.get('points_vs_float32'), '+.2f')} |")
+        out.append("")
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_preset(parser, PRESETS, "task, link rates, configs and seeds")
-    parser.add_argument("--task", help="override the task (its recipe gives the target, optimizer and lr)")
-    parser.add_argument("--steps", type=int, help="override the steps per worker and run")
-    parser.add_argument("--target", type=float, help="override the target (default: the task's recipe's)")
-    parser.add_argument("--eval-every", type=int, help="override how often the workers evaluate")
-    parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config runs")
+    add_preset(parser, PRESETS, "task, link rates, configs and seeds (train); values and repetitions (codecs); "
+               "tasks and steps (wire-dtype)")
+    parser.add_argument("--task", help="override the task (its recipe gives the target, optimizer and lr); train only")
+    parser.add_argument("--steps", type=int, help="override the steps per worker and run; train only")
+    parser.add_argument("--target", type=float, help="override the target (default: the task's recipe's); train only")
+    parser.add_argument("--eval-every", type=int, help="override how often the workers evaluate; train only")
+    parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config (train) or each "
+                        "task and wire dtype (wire-dtype) runs")
     parser.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], help="override the link rates, "
-                        "Mbit/s, comma-separated")
+                        "Mbit/s, comma-separated; train only")
     parser.add_argument("--worker-uplink-mbit", type=float, help="the workers' uplinks (what they send: pushes) at "
-                        "this rate instead, e.g. 100 with --rates 1000: workers behind a slow uplink")
-    parser.add_argument("--configs", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--parts", type=lambda t: t.split(","), help="codecs, train or both (comma-separated)")
+                        "this rate instead, e.g. 100 with --rates 1000: workers behind a slow uplink; train only")
+    parser.add_argument("--configs", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(CONFIGS)}; "
+                        "train only")
+    parser.add_argument("--parts", type=lambda t: t.split(","), help=f"comma-separated, of {', '.join(PARTS)} "
+                        "(default: the preset's)")
+    parser.add_argument("--dtypes", type=lambda t: t.split(","), help="comma-separated wire dtypes to compare with "
+                        "float32 (default: bfloat16); wire-dtype only")
     parser.add_argument("--from-json", metavar="PATH", help="read a saved run's JSON document instead of running")
     parser.add_argument("--markdown", action="store_true", help="print the tables in Markdown instead of JSON")
     args = parser.parse_args()
@@ -260,9 +366,9 @@ def main() -> None:
         doc = json.loads(Path(args.from_json).read_text())
         sys.stdout.write(markdown(doc) if args.markdown else json.dumps(doc, indent=1))
         return
-    bad = sorted(set(args.configs or ()) - set(CONFIGS)) + sorted(set(args.parts or ()) - {"codecs", "train"})
+    bad = sorted(set(args.configs or ()) - set(CONFIGS)) + sorted(set(args.parts or ()) - set(PARTS))
     if bad:
-        parser.error(f"unknown config or part: {', '.join(bad)}; configs: {', '.join(CONFIGS)}; parts: codecs, train")
+        parser.error(f"unknown config or part: {', '.join(bad)}; configs: {', '.join(CONFIGS)}; parts: {', '.join(PARTS)}")
     cfg = overrides(args, PRESETS[args.preset])
     doc: dict[str, Any] = {"benchmark": "compression", "preset": args.preset, **cfg, "machine": machine_info(),
                            "goal": {"speedup_over_fp32": SPEEDUP_GOAL, "final_within_points": POINTS_GOAL}}
@@ -270,6 +376,8 @@ def main() -> None:
         doc["codec_costs"] = codec_costs(cfg["codec_values"], cfg["reps"])
     if "train" in cfg["parts"]:
         doc["train"] = train(cfg)
+    if "wire-dtype" in cfg["parts"]:
+        doc["wire_dtype"] = wire_dtype(args.preset, args.seeds, args.dtypes)
     write_doc(doc, markdown if args.markdown else None)
 
 

@@ -1,30 +1,46 @@
-"""Data-parallel scaling: samples/s with W = 1, 2, 4 workers and a simulated compute of T ms per
-step, against the ideal W x the single worker's samples/s, on 1 and 2 shards.
+"""Does communication keep out of the way of compute? Two parts (--part), each with a simulated compute
+of T ms per step: data-parallel scaling over W workers (workers, the default), and one worker
+overlapping its communication with its compute (overlap).
 
-    python benchmarks/scaling.py --preset full   # 2M parameters, T = 0 to 200 ms, 1 and 2 shards
-    python benchmarks/scaling.py --preset tiny   # CI-sized (~15 s)
+    python benchmarks/scaling.py --preset full                    # 2M parameters, T = 0 to 200 ms, 1 and 2 shards
+    python benchmarks/scaling.py --preset tiny                    # CI-sized (~15 s)
+    python benchmarks/scaling.py --part overlap --preset full     # 4M float32 parameters (16 MB), 1 shard
+    python benchmarks/scaling.py --part overlap --preset tiny     # CI smoke run, a few seconds
 
-Each worker process (this script, `--worker`) pulls once, then repeats sleep T -> exchange through
-the psgrad client (async mode, lr 1e-9): `ParameterClient.exchange` pushes clock c and pulls c + 1,
-one Step call per shard, as PSOptimizer.step() does. `--no-shared-memory` sends every payload
-through gRPC frames (as from another host) instead of the default same-host segments. Sleeping stands for the forward/backward pass: it takes time but
-no CPU, so what limits scaling is what psgrad itself costs (the network path, the servers' decode
-and apply, and the CPUs the processes share), not W copies of a model fighting over 2 cores. The
-W workers of a round start together; samples/s = batch x the steps completed inside the measured
-window / its length (a step straddling an end counts by the fraction inside). For each shard
-count and T, the rounds with W = 1, 2, 4 run back to back in one repetition (the order rotates
-between repetitions); efficiency(W) = samples/s(W) / (W x samples/s(1)), medians over the
-repetitions (each repetition's own ratio is kept too). The report gives the smallest T at which
-efficiency reaches 0.9 and, for the configurations below it, what limited them: psgrad's CPU cost
-per step (servers' and workers' CPU time / steps) tells whether W workers at one worker's pace
-need more cores than the machine has. Prints one JSON document.
+--part workers: samples/s with W = 1, 2, 4 workers against the ideal W x the single worker's
+samples/s, on 1 and 2 shards. Each worker process (this script, `--worker`) pulls once, then repeats
+sleep T -> exchange through the psgrad client (async mode, lr 1e-9): `ParameterClient.exchange`
+pushes clock c and pulls c + 1, one Step call per shard, as PSOptimizer.step() does.
+`--no-shared-memory` sends every payload through gRPC frames (as from another host) instead of the
+default same-host segments. Sleeping stands for the forward/backward pass: it takes time but no CPU,
+so what limits scaling is what psgrad itself costs (the network path, the servers' decode and apply,
+and the CPUs the processes share), not W copies of a model fighting over 2 cores. The W workers of a
+round start together; samples/s = batch x the steps completed inside the measured window / its
+length (a step straddling an end counts by the fraction inside). For each shard count and T, the
+rounds with W = 1, 2, 4 run back to back in one repetition (the order rotates between repetitions);
+efficiency(W) = samples/s(W) / (W x samples/s(1)), medians over the repetitions (each repetition's
+own ratio is kept too). The report gives the smallest T at which efficiency reaches 0.9 and, for the
+configurations below it, what limited them: psgrad's CPU cost per step (servers' and workers' CPU
+time / steps) tells whether W workers at one worker's pace need more cores than the machine has.
+
+--part overlap: does overlapping communication with computation hide the network? One worker runs
+the user's loop through the Python API (psgrad.connect / optimizer / step). Compute is simulated by
+sleeping T per step (as a GPU computing while the host is idle would), with T set to the measured
+communication time C of a step (push + pull, overlap off, no compute) in this same run. Then, in
+alternating rounds, it times steps with overlap off (expected about T + C), on (expected about
+max(T, C)) and again without compute (C, whose median over all rounds is the figure the ratios use);
+target: overlap on <= 1.3 x max(T, C).
+
+With --part overlap --device cuda the model lives on the GPU and the report adds the per-step
+split into compute, device<->host copies and network, with the pinned-memory copy ceiling measured
+in the same run. Prints one JSON document; progress goes to stderr.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,14 +54,15 @@ from lib import (
     figure,
     log,
     machine_info,
+    psgrad_server,
     start_server,
-    stop_all,
     target,
     write_json,
 )
-from lib.window import in_window, measure_window
+from lib.window import Fleet, completed, measure_window, rotated, worker_main
 
-PRESETS: dict[str, dict[str, Any]] = {
+PARTS = ("workers", "overlap")
+PRESETS: dict[str, dict[str, Any]] = {  # --part workers
     "tiny": {"params": 250_000, "shards": (1,), "workers": (1, 2), "compute_ms": (0, 20), "reps": 1,
              "warmup_s": 0.2, "window_s": 0.5},
     "full": {"params": 2_000_000, "shards": (1, 2), "workers": (1, 2, 4), "compute_ms": (0, 10, 50, 100, 200),
@@ -55,6 +72,11 @@ BATCH = 32  # samples per step per worker (notional: the compute is simulated)
 LR = 1e-9
 GOAL = 0.9
 WINDOW_STEPS = 10  # a window holds at least about this many compute times
+OVERLAP_PRESETS: dict[str, dict[str, int]] = {  # --part overlap
+    "tiny": {"params": 200_000, "steps": 12, "blocks": 2},
+    "full": {"params": 4_000_000, "steps": 40, "blocks": 3},
+}
+OVERLAP_TARGET = 1.3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,12 +140,6 @@ class _Trainer(CommandChild):
         return steps
 
 
-def worker_main() -> None:
-    import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
-
-    _Trainer().serve()
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent
 
@@ -134,20 +150,17 @@ def _round(workers: list[Child], key: str, pids: list[int], compute_ms: float, w
     window = max(window_s, WINDOW_STEPS * compute_s)
     m = measure_window(workers, {"op": "steps", "key": key, "compute_s": compute_s}, pids,
                        max(warmup_s, 2 * compute_s), window)
-    t1, t2, replies = m["t1"], m["t2"], m["replies"]
-    steps = sum(in_window(r["start"], r["done"], t1, t2) for r in replies)
-    step_s = [b - a for r in replies for a, b in zip(r["start"], r["done"])]
-    comm_s = [c for r in replies for c in r["comm_s"]]
+    c = completed(m)
+    comm_s = [x for r in m["replies"] for x in r["comm_s"]]
     return {
-        "window_s": t2 - t1,
-        "steps": steps,
-        "samples_per_s": BATCH * steps / (t2 - t1),
-        "step_ms_median": 1000 * statistics.median(step_s),
+        "window_s": c["window_s"],
+        "steps": c["count"],
+        "samples_per_s": BATCH * c["per_s"],
+        "step_ms_median": 1000 * statistics.median(c["op_s"]),
         "comm_ms_median": 1000 * statistics.median(comm_s),
-        "server_cores_busy": m["server_cpu_s"] / (t2 - t1),
-        "workers_cores_busy": m["workers_cpu_s"] / (t2 - t1),
-        "cpu_ms_per_step": 1000 * (m["server_cpu_s"] + m["workers_cpu_s"]) / steps if steps else 0.0,
-        "machine_busy_fraction": m["machine_busy_fraction"],
+        **{k: c[k] for k in ("server_cores_busy", "workers_cores_busy")},
+        "cpu_ms_per_step": 1000 * (m["server_cpu_s"] + m["workers_cpu_s"]) / c["count"] if c["count"] else 0.0,
+        "machine_busy_fraction": c["machine_busy_fraction"],
     }
 
 
@@ -180,31 +193,24 @@ def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int
             shared_memory: bool = True) -> dict[str, Any]:
     """Start the servers (one set per shard count) and workers, run the rounds, stop everything.
     shared_memory=False: the workers send every payload through gRPC frames."""
-    sets: dict[str, list[Child]] = {}
-    workers: list[Child] = []
-    try:
+    with Fleet(str(Path(__file__).resolve())) as fleet:
         for s in shard_counts:
-            sets[f"S{s}"] = []
             for i in range(s):
-                sets[f"S{s}"].append(start_server(f"psgrad-S{s}-{i}", PSGRAD_SERVER))
+                fleet.servers[f"S{s}/{i}"] = start_server(f"psgrad-S{s}-{i}", PSGRAD_SERVER)
         max_w = max(worker_counts)
-        for r in range(max_w):
-            workers.append(Child(f"worker{r}", [sys.executable, str(Path(__file__).resolve()), "--worker"]))
-        jobs = {key: [s.address(timeout_s=SETUP_TIMEOUT_S) for s in servers] for key, servers in sets.items()}
-        pids = {key: [s.popen.pid for s in servers] for key, servers in sets.items()}
+        workers = fleet.start_workers(max_w)
+        addresses, server_pids = fleet.addresses(), fleet.pids()
+        jobs = {f"S{s}": [addresses[f"S{s}/{i}"] for i in range(s)] for s in shard_counts}
+        pids = {f"S{s}": [server_pids[f"S{s}/{i}"] for i in range(s)] for s in shard_counts}
         log(f"servers up: {jobs}; setting up {max_w} workers, {params:,} parameters")
-        for rank, w in enumerate(workers):  # all at once: non-chief joins wait for the chief's init
-            w.send({"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "jobs": jobs,
-                    "shared_memory": shared_memory})
-        for w in workers:
-            w.recv(SETUP_TIMEOUT_S)
+        fleet.setup(lambda rank: {"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "jobs": jobs,
+                                  "shared_memory": shared_memory})
 
         rows: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
         for rep in range(reps):
             for key in jobs:
                 for t in compute_ms:
-                    k = rep % len(worker_counts)
-                    for count in worker_counts[k:] + worker_counts[:k]:
+                    for count in rotated(worker_counts, rep):
                         r = _round(workers[:count], key, pids[key], t, warmup_s, window_s)
                         r["rep"] = rep
                         rows.setdefault((key, t, count), []).append(r)
@@ -215,8 +221,6 @@ def measure(params: int, shard_counts: tuple[int, ...], worker_counts: tuple[int
         return {"params": params, "payload_bytes": 4 * params, "batch": BATCH, "shards": list(shard_counts),
                 "workers": list(worker_counts), "compute_ms": list(compute_ms), "reps": reps,
                 "results": _summarize(rows, shard_counts, worker_counts, compute_ms)}
-    finally:
-        stop_all([*workers, *(c for servers in sets.values() for c in servers)])  # all asked at once
 
 
 def _summarize(rows: dict[tuple[str, float, int], list[dict[str, Any]]], shard_counts: tuple[int, ...],
@@ -291,17 +295,159 @@ def run(preset: str, shared_memory: bool = True) -> dict[str, Any]:
                      "shared machine, every W beside W = 1 in the same repetition."}
 
 
+# ---------------------------------------------------------------------------------------------
+# --part overlap: one worker through the Python API
+
+
+def _sync(device: Any) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def run_block(
+    addresses: list[str], numel: int, steps: int, compute_s: float, overlap: bool, device: Any
+) -> dict[str, float]:
+    """Join, run `steps` steps of (simulated compute, step()), leave; medians of the step split."""
+    import torch
+
+    import psgrad
+    from psgrad.config import ClientConfig
+
+    model = torch.nn.Module()  # one big parameter: the gradient is set by hand, compute is simulated
+    model.weight = torch.nn.Parameter(torch.zeros(numel, device=device))
+    cfg = ClientConfig(rpc_timeout_s=120)
+    timer = threading.Event()
+    times: dict[str, list[float]] = {k: [] for k in ("step_s", "d2h_s", "h2d_s", "exchange_s", "wait_s")}
+    with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=1e-9), client=cfg) as ps:
+        opt = ps.optimizer(model, overlap=overlap)
+        assert model.weight.grad is not None
+        model.weight.grad.fill_(1e-3)  # the "gradient" every step pushes
+        for k in range(steps + 2):  # the first two steps fill the pipeline and are not timed
+            t0 = time.perf_counter()
+            if compute_s > 0:
+                timer.wait(compute_s)  # the simulated computation (an interruptible sleep)
+            stats = opt.step()
+            elapsed = time.perf_counter() - t0
+            if k >= 2:
+                times["step_s"].append(elapsed)
+                for key in ("d2h_s", "h2d_s", "exchange_s", "wait_s"):
+                    value = getattr(stats, key)
+                    if value is not None:
+                        times[key].append(value)
+    return {k: statistics.median(v) for k, v in times.items() if v}
+
+
+def pinned_copy_ceiling(numel: int, device: Any, reps: int = 10) -> dict[str, float]:
+    """GB/s of device->pinned-host and pinned-host->device copies of numel float32 values."""
+    import torch
+
+    src = torch.empty(numel, device=device)
+    host = torch.empty(numel, pin_memory=True)
+    d2h, h2d = [], []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.copy_(src, non_blocking=True)
+        _sync(device)
+        t1 = time.perf_counter()
+        src.copy_(host, non_blocking=True)
+        _sync(device)
+        t2 = time.perf_counter()
+        d2h.append(t1 - t0)
+        h2d.append(t2 - t1)
+    nbytes = numel * 4
+    return {"d2h_gb_per_s": nbytes / statistics.median(d2h) / 1e9, "h2d_gb_per_s": nbytes / statistics.median(h2d) / 1e9}
+
+
+def run_overlap(preset: str, params: int | None = None, device_name: str = "cpu") -> dict[str, Any]:
+    """--part overlap: one worker's step time with overlap off and on, beside its communication time."""
+    import torch
+
+    cfg = dict(OVERLAP_PRESETS[preset])
+    numel = params or cfg["params"]
+    device = torch.device(device_name)
+    # One intra-op thread: the worker shares this machine with the server, and OpenMP threads
+    # waiting for a busy core turn a 1 ms copy into a 10 ms one.
+    torch.set_num_threads(1)
+    proc, address = psgrad_server("overlap-server", "--port", "0")
+    try:
+        addresses = [address]
+        log(f"overlap: {numel:,} parameters through 1 shard at {address}, device {device}")
+        first = run_block(addresses, numel, cfg["steps"], 0.0, False, device)
+        compute_s = first["step_s"]
+        log(f"overlap: communication per step C = {compute_s * 1e3:.1f} ms: simulated compute T = C")
+        blocks: dict[str, list[dict[str, float]]] = {"comm": [first], "off": [], "on": []}
+        for b in range(cfg["blocks"]):  # alternate, so machine noise hits every configuration alike
+            for name, overlap, t in (("off", False, compute_s), ("on", True, compute_s), ("comm", False, 0.0)):
+                res = run_block(addresses, numel, cfg["steps"], t, overlap, device)
+                blocks[name].append(res)
+                log(f"overlap: round {b + 1}/{cfg['blocks']} {name}: step {res['step_s'] * 1e3:.1f} ms")
+        comm = {"step_s": statistics.median(r["step_s"] for r in blocks["comm"])}
+        step_off = statistics.median(r["step_s"] for r in blocks["off"])
+        step_on = statistics.median(r["step_s"] for r in blocks["on"])
+        bound = max(compute_s, comm["step_s"])
+        out: dict[str, Any] = {
+            "benchmark": "overlap",
+            "preset": preset,
+            "params": numel,
+            "payload_bytes": numel * 4,
+            "device": str(device),
+            "machine": machine_info(),
+            "communication_s": comm["step_s"],
+            "compute_s": compute_s,
+            "step_overlap_off_s": step_off,
+            "step_overlap_on_s": step_on,
+            "off_vs_sum": step_off / (compute_s + comm["step_s"]),
+            "on_vs_max": step_on / bound,
+            "split_overlap_off": blocks["off"][-1],
+            "split_overlap_on": blocks["on"][-1],
+            "targets": [{
+                "name": "overlap: step time / max(compute, communication)",
+                "value": step_on, "ceiling": bound, "ratio": step_on / bound,
+                "target": OVERLAP_TARGET, "better": "lower", "met": step_on / bound <= OVERLAP_TARGET,
+            }],
+            "notes": "compute is simulated by sleeping (the host is idle, as while a GPU computes); "
+                     "C is the median no-compute step (push + pull + copies) measured in this run",
+        }
+        if device.type == "cuda":  # psgrad's own staging copies beside the pinned-copy ceiling
+            split = blocks["off"][-1]
+            ceiling = pinned_copy_ceiling(numel, device)
+            mine = {
+                "d2h_gb_per_s": numel * 4 / split["d2h_s"] / 1e9 if split.get("d2h_s") else None,
+                "h2d_gb_per_s": numel * 4 / split["h2d_s"] / 1e9 if split.get("h2d_s") else None,
+            }
+            out["copies"] = {"psgrad": mine, "pinned_ceiling": ceiling}
+        return out
+    finally:
+        proc.stop(grace_s=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_preset(parser, PRESETS, "sizes and sweep")
+    parser.add_argument("--part", choices=PARTS, default="workers",
+                        help="workers: data-parallel scaling over W workers (default); overlap: one worker "
+                        "overlapping communication with compute (see above)")
+    add_preset(parser, PRESETS, "sizes and sweep (workers), model size and repetitions (overlap)")
     parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
                         help="send every payload through gRPC frames, as from another host (default: the "
-                        "same-host shared-memory path)")
+                        "same-host shared-memory path); --part workers only")
+    parser.add_argument("--params", type=int, help="override the number of float32 parameters; --part overlap only")
+    parser.add_argument("--device", help="cpu or cuda[:N] (default: cpu); --part overlap only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker_main()
+        worker_main(_Trainer)
         return
+    if args.part == "overlap":
+        if not args.shared_memory:
+            parser.error("--no-shared-memory applies to --part workers, not overlap")
+        write_json(run_overlap(args.preset, args.params, args.device or "cpu"))
+        return
+    given = [flag for flag, value in (("--params", args.params), ("--device", args.device)) if value is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: only for --part overlap")
     write_json(run(args.preset, args.shared_memory))
 
 

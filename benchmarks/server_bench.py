@@ -41,14 +41,13 @@ from lib import (
     log,
     machine_info,
     start_server,
-    stop_all,
     target,
     window_argv,
     window_bytes_arg,
     write_json,
 )
 from lib.procfs import OwnPeak, memory_bytes
-from lib.window import in_window, measure_window
+from lib.window import Fleet, completed, measure_window, rotated, worker_main
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.2, "window_s": 0.5},
@@ -148,12 +147,6 @@ class _Pusher(CommandChild):
         return {"go": go, "start": starts, "done": done, "not_applied": not_applied}
 
 
-def worker_main() -> None:
-    import psgrad.client.shard_client  # noqa: F401  (import torch and grpc while the servers start)
-
-    _Pusher().serve()
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent
 
@@ -163,21 +156,18 @@ def _round(
 ) -> dict[str, Any]:
     """W workers push to one target together; the server's CPU and the completions in the window."""
     m = measure_window(workers, {"op": "push", "target": name}, [pid], warmup_s, window_s)
-    t1, t2, replies, cpu_s = m["t1"], m["t2"], m["replies"], m["server_cpu_s"]
-    pushes = sum(in_window(r["start"], r["done"], t1, t2) for r in replies)
-    gb = pushes * nbytes / 1e9
+    c, cpu_s = completed(m), m["server_cpu_s"]
+    gb = c["count"] * nbytes / 1e9
     return {
-        "window_s": t2 - t1,
-        "pushes": pushes,
-        "pushes_per_s": pushes / (t2 - t1),
-        "gb_per_s": gb / (t2 - t1),
+        "window_s": c["window_s"],
+        "pushes": c["count"],
+        "pushes_per_s": c["per_s"],
+        "gb_per_s": gb / c["window_s"],
         "server_cpu_s": cpu_s,
         "server_cpu_s_per_gb": cpu_s / gb if gb else None,
-        "server_cores_busy": cpu_s / (t2 - t1),
-        "workers_cores_busy": m["workers_cpu_s"] / (t2 - t1),
-        "machine_busy_fraction": m["machine_busy_fraction"],
-        "push_s_median": statistics.median([b - a for r in replies for a, b in zip(r["start"], r["done"])] or [0.0]),
-        "not_applied": sum(r["not_applied"] for r in replies),
+        **{k: c[k] for k in ("server_cores_busy", "workers_cores_busy", "machine_busy_fraction")},
+        "push_s_median": statistics.median(c["op_s"] or [0.0]),
+        "not_applied": sum(r["not_applied"] for r in m["replies"]),
     }
 
 
@@ -217,26 +207,20 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
     nbytes = 4 * params
     variants = _variants(server_env)
     names = [*variants, RAW]
-    servers: dict[str, Child] = {}
-    workers: list[Child] = []
-    try:
+    with Fleet(str(Path(__file__).resolve())) as fleet:
         for n, (_, env, _shared) in variants.items():
-            servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER, *window_args], env=env, speaks=False)
-        servers[RAW] = start_server("raw-grpc", RAW_SERVER)
+            fleet.servers[n] = Child(f"psgrad-{n}", [sys.executable, *PSGRAD_SERVER, *window_args], env=env,
+                                     speaks=False)
+        fleet.servers[RAW] = start_server("raw-grpc", RAW_SERVER)
         max_w = max(worker_counts)
-        for r in range(max_w):
-            workers.append(Child(f"worker{r}", [sys.executable, str(Path(__file__).resolve()), "--worker"]))
-        addresses = {n: s.address(timeout_s=SETUP_TIMEOUT_S) for n, s in servers.items()}
-        pids = {n: s.popen.pid for n, s in servers.items()}
+        workers = fleet.start_workers(max_w)
+        addresses, pids = fleet.addresses(), fleet.pids()
         idle = {n: memory_bytes(pids[n]) for n in variants}
         log(f"servers up: {addresses}; setting up {max_w} workers, {params:,} parameters")
         jobs = {n: {"address": addresses[n], "spec": OPTIMIZERS[opt], "shared_memory": shared}
                 for n, (opt, _, shared) in variants.items()}
-        for rank, w in enumerate(workers):  # all at once: non-chief joins wait for the chief's init
-            w.send({"op": "setup", "rank": rank, "num_workers": max_w, "params": params, "chunk": chunk,
-                    "servers": jobs, "raw": addresses[RAW]})
-        for w in workers:
-            w.recv(SETUP_TIMEOUT_S)
+        fleet.setup(lambda rank: {"op": "setup", "rank": rank, "num_workers": max_w, "params": params,
+                                  "chunk": chunk, "servers": jobs, "raw": addresses[RAW]})
         after_init = {n: memory_bytes(pids[n]) for n in variants}
         own_peak = OwnPeak({n: pids[n] for n in variants})
 
@@ -244,8 +228,7 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
         for count in worker_counts:
             rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
             for rep in range(reps):
-                order = names[rep % len(names):] + names[: rep % len(names)]
-                for n in order:
+                for n in rotated(names, rep):
                     r = _round(workers[:count], n, pids[n], warmup_s, window_s, nbytes)
                     log(f"W={count} rep {rep} {n:8s}: {r['pushes_per_s']:7.1f} pushes/s, server "
                         f"{r['server_cores_busy']:.2f} cores, workers {r['workers_cores_busy']:.2f} cores, "
@@ -294,8 +277,6 @@ def measure(params: int, worker_counts: tuple[int, ...], reps: int, warmup_s: fl
                 "stream_window_bytes": stream_window_bytes,  # None: the servers' default
                 "servers": list(variants), "reps": reps, "warmup_s": warmup_s, "window_s": window_s,
                 "by_workers": per_w, "memory": memory_rows}
-    finally:
-        stop_all([*workers, *servers.values()])  # all asked at once, so they exit in parallel
 
 
 def targets_and_figures(m: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -366,7 +347,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker_main()
+        worker_main(_Pusher)
         return
     env = {}
     for item in args.server_env:

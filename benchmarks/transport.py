@@ -1,16 +1,21 @@
 """psgrad's push and pull beside other transports of the same bytes, each in one run: raw gRPC
-streaming, raw gRPC unary calls and the classic torch.distributed.rpc parameter server.
+streaming, raw gRPC unary calls and the classic torch.distributed.rpc parameter server; on this
+machine, or across hosts on shaped links; dense weights, or sparse embedding rows.
 
     python benchmarks/transport.py --preset full                  # one shard, one client, 25M float32 (100 MB)
     python benchmarks/transport.py --preset tiny                  # the same, CI-sized
     python benchmarks/transport.py --preset full --part matrix    # 1 and 2 shards x 1, 2, 4 worker processes
     python benchmarks/transport.py --preset full --part latency   # a 100K-parameter iteration vs a unary call
     python benchmarks/transport.py --preset full --part peer      # beside torch.distributed.rpc; 1, 2, 4 workers
+    python benchmarks/transport.py --preset full --part multihost # 10M float32 parameters, every link 1 Gbit/s
+    python benchmarks/transport.py --preset full --part sparse-rows            # 4,096 unique ids x 64 dims a call
+    python benchmarks/transport.py --preset full --part sparse-rows --netbed   # the same on the shaped test bed
 
-Servers run as separate processes on this machine; measurements of psgrad and of what it is
-compared with are interleaved, repetition by repetition (in alternating order), so machine noise
-hits both alike. Prints one JSON document; progress goes to stderr. The suite runs the matrix
-(`run`, its part "transport"), the latency part (`run_latency`) and the peer part (`run_peer`).
+Servers run as separate processes (on this machine, or on the test bed's hosts); measurements of
+psgrad and of what it is compared with are interleaved, repetition by repetition (in alternating
+order), so machine noise hits both alike. Prints one JSON document; progress goes to stderr. The
+suite runs the matrix (`run`, its part "transport"), the latency part (`run_latency`) and the peer
+part (`run_peer`).
 
 --part one-shard (the default): one client in this process pulls and pushes through one shard
 beside raw gRPC (`ratios.push_vs_raw_upload`, `ratios.pull_vs_raw_download`), with the CPU each
@@ -49,16 +54,68 @@ well under 1 ms, against a few hundred ms for a 100 MB message). While one syste
 other system's processes, and its own idle workers, are stopped (SIGSTOP): TensorPipe's
 shared-memory transport busy-polls while idle, and that CPU would otherwise be charged to
 whichever system is running. The idle CPU of each setup is reported.
+
+--part multihost: psgrad across hosts on shaped links: push/pull beside raw gRPC, bfloat16 beside
+float32 on the wire, and a sync iteration beside gloo all-reduce, all on one test bed, in one run
+(presets tiny, full; --params, --rate-mbit). The hosts are network namespaces (lib/netbed.py), each
+with its own address and /dev/shm, every host's link shaped with `tc ... tbf` to `--rate-mbit` in
+both directions. Needs root, iproute2 and tc.
+
+- transport: one shard server, a raw gRPC server (lib/raw_grpc.py: 1 MiB chunks through generic
+  handlers, a copy per chunk) and a bfloat16 shard server on host 0; one client on host 2 pulls
+  and pushes the model through each, repetitions interleaved in alternating order.
+  `psgrad_vs_raw`: psgrad's throughput over raw gRPC's of the same bytes over the same link
+  (goal >= 0.9); `bf16_vs_fp32`: the bfloat16 wire's model throughput over float32's (goal >= 1.8).
+- sync: two shards (hosts 0 and 1), two sync workers (hosts 2 and 3); each iteration pushes the
+  gradient and pulls the weights (one Step call per shard). The same two processes then all-reduce
+  the same gradient with torch.distributed's gloo backend between hosts 2 and 3, rounds alternating.
+  `sync_vs_allreduce`: a sync iteration's time over an all-reduce's (lower is better).
+  Traffic per worker link is the same for both (the model's bytes in each direction; with two
+  ranks a ring all-reduce sends and receives half the bytes twice); each shard's link carries half
+  the model from each of the two workers.
+
+--part sparse-rows: sparse rows over the wire: psgrad's pull and push of embedding rows beside raw
+gRPC unary calls moving the same bytes, in one run, through 1 and 2 shards; on loopback, or across
+hosts on links shaped to 1 Gbit/s (--netbed; presets tiny = quick, full). The job: one worker (rank
+0, async mode, SGD lr 1e-9) whose model is a psgrad.Embedding of `--rows` x `--dim` (1M x 64 in
+full: its rows are made on the servers on first touch, so the table costs nothing until then) and a
+small nn.Linear, joined through `psgrad.connect(...).optimizer` with every byte over gRPC (no
+same-host shared memory). Every server is its own process (`psgrad server`), as is the worker (an
+agent that this script starts and sends the addresses to).
+
+One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):
+- pull: `ParameterClient.pull_rows` of warm rows (made by an earlier pull): ids out, rows back;
+- cold_pull: the same for ids never touched before (the shard makes each row on first touch);
+- push: `ParameterClient.push` of a step with the rows' gradients: per shard one Push call whose
+  header carries the ids and gradients beside the step's small dense gradient (applied together);
+- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard one unary Step
+  call (that push, and the dense pull);
+- raw_pull, raw_put: per shard one bare gRPC unary call (lib/raw_grpc.py Fetch and Put, identity
+  serializers, the same concurrency) moving the same bytes: the ids out and the rows' bytes back,
+  or the ids and gradients out and 8 bytes back; one raw server process beside each shard.
+Each repetition times `--calls` calls of each, back to back (so tc's 1 MB burst on the test bed
+is a small part of the bytes timed), in alternating order; figures are medians over repetitions.
+`payload` bytes are those in the heavy direction: the rows for pulls, ids + gradients for pushes.
+Ratios are psgrad's over raw gRPC's (rows/s and bytes/s alike: the same rows and bytes); goal
+>= 0.8 for pull and push. With --netbed the worker is on host 0 and shard i (and raw server i) on
+host i + 1 of lib/netbed.py's bed, every link shaped to --rate-mbit; the ratio to the link's
+bytes/s is reported too. CPU per call (the worker's and its servers', from /proc) shows what
+the shared cores spent. Progress and a table go to stderr.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import os
 import re
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +127,6 @@ from lib import (
     SETUP_TIMEOUT_S,
     BenchError,
     Child,
-    add_preset,
     aggregate,
     command_loop,
     exit_now,
@@ -79,6 +135,7 @@ from lib import (
     log,
     machine_info,
     median_gbps,
+    overrides,
     paused,
     rep_order,
     run_together,
@@ -91,6 +148,7 @@ from lib import (
     write_json,
 )
 from lib.ceilings import MemcpyProbe, TcpClient
+from lib.procfs import cpu_seconds
 from lib.raw_grpc import SERVICE as RAW_SERVICE
 from lib.raw_grpc import SGD_IN_PLACE_SERVICE, SGD_SERVICE, RawClient
 from lib.swarm import (
@@ -106,7 +164,7 @@ from psgrad.config import DEFAULT_CHUNK_BYTES, ClientConfig, JobSpec
 from psgrad.core.codecs import byte_view
 from psgrad.core.sharding import ParamSpec, plan_shards
 
-PARTS = ("one-shard", "matrix", "latency", "peer")
+PARTS = ("one-shard", "matrix", "latency", "peer", "multihost", "sparse-rows")
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "one-shard": {"tiny": {"params": 1_000_000, "reps": 3}, "full": {"params": 25_000_000, "reps": 24}},
     "matrix": {
@@ -119,6 +177,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "tiny": {"params": 1_000_000, "reps": 3, "iters": 2, "setups": {"default": (1, 2)}},
         "full": {"params": 25_000_000, "reps": 4, "iters": 3,
                  "setups": {"default": (1, 2, 4), "uv": (1, 2), "uv+basic": (1, 2)}},
+    },
+    "multihost": {
+    "tiny": {"params": 1_000_000, "reps": 3, "rounds": 2, "iters": 2, "rate_mbit": 1000},
+    "full": {"params": 10_000_000, "reps": 10, "rounds": 4, "iters": 5, "rate_mbit": 1000},
+    },
+    "sparse-rows": {  # quick is tiny
+    "tiny": {"rows": 100_000, "ids": 512, "dim": 64, "shards": (1, 2), "reps": 3, "calls": 3},
+    "quick": {"rows": 100_000, "ids": 512, "dim": 64, "shards": (1, 2), "reps": 3, "calls": 3},
+    "full": {"rows": 1_000_000, "ids": 4096, "dim": 64, "shards": (1, 2), "reps": 20, "calls": 10},
     },
 }
 PSGRAD_WITH_RAW = lib_argv("raw_grpc:psgrad_with_raw_main")
@@ -716,23 +783,545 @@ def run_peer(preset: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# --part multihost: across hosts on shaped links
+
+
+# Agents: run on a host of the bed as `python benchmarks/transport.py --agent multihost-KIND ...`
+
+
+def multihost_agent_transport(args: argparse.Namespace) -> dict[str, Any]:
+    """Interleaved pulls and pushes through psgrad (float32 and bfloat16) and raw gRPC."""
+    import torch
+
+    from psgrad.client.parameter_client import ParameterClient
+    from psgrad.config import ClientConfig, JobSpec
+    from psgrad.core.codecs import byte_view
+    from psgrad.core.sharding import ParamSpec, plan_shards
+
+    from lib.raw_grpc import RawClient
+
+    n = args.params
+    params = [ParamSpec("weight", (n,), "float32")]
+    cfg = ClientConfig(rpc_timeout_s=600, shared_memory=False)
+    flat, grad = torch.zeros(n), torch.full((n,), 1e-3)
+    clients = {}
+    for key, address, dtype in (("fp32", args.psgrad, "float32"), ("bf16", args.psgrad_bf16, "bfloat16")):
+        spec = JobSpec(num_shards=1, wire_dtype=dtype, lr=1e-9)
+        c = ParameterClient([address], spec, params, plan_shards(params, 1), 0, cfg)
+        c.join(initial_weights=lambda: flat)
+        clients[key] = c
+    raw = RawClient(args.raw)
+    chunk = 1 << 20
+    src = byte_view(torch.ones(n))
+    dst = byte_view(torch.empty(n))
+    ops = {
+        "psgrad_pull": lambda i: clients["fp32"].pull(flat, i),
+        "raw_download": lambda i: raw.download(dst, chunk),
+        "psgrad_push": lambda i: clients["fp32"].push(grad, i),
+        "raw_upload": lambda i: raw.upload(src, chunk),
+        "bf16_pull": lambda i: clients["bf16"].pull(flat, i),
+        "bf16_push": lambda i: clients["bf16"].push(grad, i),
+    }
+    for fn in ops.values():  # warm-up: buffers on both ends, connections
+        fn(0)
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for rep in range(1, args.reps + 1):
+        for key in rep_order(list(ops), rep):
+            t0 = time.perf_counter()
+            ops[key](rep)
+            times[key].append(time.perf_counter() - t0)
+    for c in clients.values():
+        c.close()
+    raw.close()
+    return {"times_s": times}
+
+
+def multihost_agent_sync(args: argparse.Namespace) -> dict[str, Any]:
+    """Sync iterations through two shards, then gloo all-reduces of the same gradient, in rounds."""
+    import torch
+    import torch.distributed as dist
+
+    from psgrad.client.parameter_client import ParameterClient
+    from psgrad.config import ClientConfig, JobSpec
+    from psgrad.core.sharding import ParamSpec, plan_shards
+
+    n, rank = args.params, args.rank
+    servers = args.servers.split(",")
+    params = [ParamSpec("weight", (n,), "float32")]
+    spec = JobSpec(num_shards=len(servers), num_workers=2, mode="sync", lr=1e-9)
+    cfg = ClientConfig(rpc_timeout_s=600, init_timeout_s=300, shared_memory=False)
+    flat, grad = torch.zeros(n), torch.full((n,), 1e-3)
+    client = ParameterClient(servers, spec, params, plan_shards(params, len(servers)), rank, cfg)
+    clock = client.join(initial_weights=(lambda: flat) if rank == 0 else None)
+    client.pull(flat, clock)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+    dist.init_process_group("gloo", store=dist.FileStore(args.store, 2), rank=rank, world_size=2)
+    reduced = grad.clone()
+
+    def sync_iteration() -> None:
+        nonlocal clock
+        client.exchange(grad, clock, flat)
+        clock += 1
+
+    def allreduce() -> None:
+        reduced.copy_(grad)
+        dist.all_reduce(reduced)
+        reduced.div_(2)
+
+    ops = {"sync_iteration": sync_iteration, "allreduce": allreduce}
+    for fn in ops.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for rnd in range(1, args.rounds + 1):
+        for key in rep_order(list(ops), rnd):
+            dist.barrier()
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                ops[key]()
+                times[key].append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    client.leave()
+    client.close()
+    return {"rank": rank, "times_s": times}
+
+
+# The driver: builds the bed, starts the servers, runs the agents, computes the figures
+
+
+def _link_summary(times: list[float], nbytes: int) -> dict[str, float]:
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "mb_per_s": nbytes / med / 1e6}
+
+
+def run_multihost(preset: str, params: int | None = None, rate_mbit: float | None = None) -> dict[str, Any]:
+    """--part multihost: the transport and sync comparisons on a bed of 4 hosts."""
+    from lib.netbed import NetBed
+
+    from psgrad.launch.supervisor import SupervisedProcess
+
+    cfg = dict(PRESETS["multihost"][preset])
+    if params:
+        cfg["params"] = params
+    if rate_mbit:
+        cfg["rate_mbit"] = rate_mbit
+    why = NetBed.unavailable()
+    if why:
+        raise SystemExit(f"multihost: no test bed here: {why}")
+    n = cfg["params"]
+    py = sys.executable
+    me = str(Path(__file__).resolve())
+    procs: list[Any] = []
+
+    def start(bed: NetBed, host: int, argv: list[str], marker: str, name: str) -> str:
+        proc = SupervisedProcess(bed.command(host, argv), name=name, new_session=False)
+        procs.append(proc)
+        return proc.wait_for_line(marker, timeout_s=120).rsplit(" ", 1)[1]
+
+    def agent(bed: NetBed, host: int, argv: list[str]) -> Any:
+        proc = SupervisedProcess(bed.command(host, [py, me, *argv]), name=f"agent@{host}", new_session=False,
+                                 stderr_file=True)
+        procs.append(proc)
+        return proc
+
+    def result(proc: Any) -> dict[str, Any]:
+        rc = proc.wait(3600)
+        if rc != 0:
+            raise SystemExit(f"multihost: {proc.name} failed (exit {rc}): {proc.stderr_text()[-3000:]}")
+        out: dict[str, Any] = json.loads(proc.lines[-1])
+        return out
+
+    server = ["-m", "psgrad", "server", "--port", "0", "--lease-s", "600", "--insecure"]  # a private bed
+    with NetBed(4, rate_mbit=cfg["rate_mbit"]) as bed:
+        try:
+            a = [h.addr for h in bed.hosts]
+            log(f"multihost: bed up: 4 hosts, links {cfg['rate_mbit']} Mbit/s; transport, {n:,} float32 parameters")
+            ps = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-fp32")
+            ps16 = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-bf16")
+            raw = start(bed, 0, [py, *RAW_SERVER, "--host", a[0]], "listening on", "raw")
+            t = result(agent(bed, 2, ["--agent", "multihost-transport", "--params", str(n), "--reps", str(cfg["reps"]),
+                                      "--psgrad", ps, "--psgrad-bf16", ps16, "--raw", raw]))
+            for p in procs:
+                p.stop(10)
+            procs.clear()
+            log("multihost: sync: 2 shards, 2 workers, beside gloo all-reduce")
+            s0 = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "shard0")
+            s1 = start(bed, 1, [py, *server, "--host", a[1]], "listening on", "shard1")
+            store = f"/tmp/psgrad-multihost-store-{os.getpid()}"
+            if os.path.exists(store):
+                os.remove(store)
+            common = ["--agent", "multihost-sync", "--params", str(n), "--servers", f"{s0},{s1}", "--store", store,
+                      "--rounds", str(cfg["rounds"]), "--iters", str(cfg["iters"])]
+            agents = [agent(bed, 2 + r, [*common, "--rank", str(r)]) for r in range(2)]
+            s = [result(x) for x in agents]
+            if os.path.exists(store):
+                os.remove(store)
+        finally:
+            for p in procs:
+                p.stop(10)
+    fp32_bytes, bf16_bytes = 4 * n, 2 * n
+    tr = {k: _link_summary(v, bf16_bytes if k.startswith("bf16") else fp32_bytes) for k, v in t["times_s"].items()}
+    # A sync iteration ends for both workers together; take the slower worker's time per iteration.
+    sync_times = {k: [max(x) for x in zip(*(r["times_s"][k] for r in s))] for k in ("sync_iteration", "allreduce")}
+    sy = {k: _link_summary(v, 2 * fp32_bytes) for k, v in sync_times.items()}
+    link_mb_s = cfg["rate_mbit"] / 8
+    model_time = {k: tr[k]["median_s"] for k in tr}
+    return {
+        "benchmark": "multihost",
+        "preset": preset,
+        "params": n,
+        "rate_mbit": cfg["rate_mbit"],
+        "link_ceiling_mb_per_s": link_mb_s,
+        "machine": machine_info(),
+        "transport": tr,
+        "sync": sy,
+        "ratios": {
+            "push_vs_raw_upload": tr["raw_upload"]["median_s"] / tr["psgrad_push"]["median_s"],
+            "pull_vs_raw_download": tr["raw_download"]["median_s"] / tr["psgrad_pull"]["median_s"],
+            # model parameters per second, bfloat16 wire over float32 wire
+            "bf16_vs_fp32_push": model_time["psgrad_push"] / model_time["bf16_push"],
+            "bf16_vs_fp32_pull": model_time["psgrad_pull"] / model_time["bf16_pull"],
+            # time of one sync iteration over one all-reduce of the same gradient (lower is better)
+            "sync_iteration_vs_allreduce": sy["sync_iteration"]["median_s"] / sy["allreduce"]["median_s"],
+        },
+        "goals": {"push_vs_raw_upload": 0.9, "pull_vs_raw_download": 0.9, "bf16_vs_fp32_push": 1.8,
+                  "bf16_vs_fp32_pull": 1.8},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# --part sparse-rows: embedding rows by id
+
+
+SPARSE_GOAL = 0.8
+SPARSE_TABLE = "emb"
+SPARSE_OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "raw_put")
+# op -> the raw op it is compared with
+SPARSE_VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put"}
+
+
+def sparse_payload_bytes(op: str, ids: int, dim: int) -> int:
+    """Bytes one call moves in its heavy direction: the rows (pulls), ids + gradients (pushes)."""
+    return ids * dim * 4 + (0 if "pull" in op else ids * 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent: the worker, in a process of its own (on host 0 of the bed with --netbed)
+
+
+def _fan(pool: futures.ThreadPoolExecutor, fns: Sequence[Callable[[], object]]) -> None:
+    """Run fns concurrently, the first on this thread (as ParameterClient fans out); wait for all."""
+    futs = [pool.submit(f) for f in fns[1:]]
+    fns[0]()
+    for f in futs:
+        f.result()
+
+
+def _cpu(pids: Sequence[int]) -> float:
+    return sum(cpu_seconds(p) for p in pids)
+
+
+def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool: futures.ThreadPoolExecutor) -> dict[str, Any]:
+    """Every op through one job's shards and as many raw servers, repetitions interleaved."""
+    import torch
+    from torch import nn
+
+    import psgrad
+    from psgrad.config import ClientConfig
+    from psgrad.core import rows as placement
+    from psgrad.core.codecs import byte_view
+
+    n, dim, reps, calls, S = cfg["ids"], cfg["dim"], cfg["reps"], cfg["calls"], job["shards"]
+    model = nn.Module()
+    model.emb = psgrad.Embedding(cfg["rows"], dim)
+    model.head = nn.Linear(dim, 8)
+    session = psgrad.connect(job["servers"], rank=0, num_workers=1, mode="async", optimizer=psgrad.SGD(lr=1e-9),
+                             client=ClientConfig(shared_memory=False, rpc_timeout_s=120))
+    try:
+        opt = session.optimizer(model)
+        client = opt.client
+        order = torch.randperm(cfg["rows"], generator=torch.Generator().manual_seed(S))
+        warm = order[:n].sort().values
+        fresh = iter(chunk.sort().values for chunk in order[n:].split(n) if chunk.numel() == n)
+        grads = torch.full((n, dim), 1e-3)
+        dense, weights = torch.zeros(client.plan.total), torch.zeros(client.plan.total)
+        clock = opt.clock
+
+        # raw gRPC: shard i's ids (id mod S == i) out, their rows' bytes back into one buffer
+        where = placement.shard_of(warm, S)
+        mine = [warm[where == i].contiguous() for i in range(S)]
+        theirs = [grads[where == i].contiguous() for i in range(S)]
+        out = torch.empty(n, dim)
+        byte_out = byte_view(out)
+        offsets = [0]
+        for m in mine:
+            offsets.append(offsets[-1] + m.numel() * dim * 4)
+
+        def fetch(i: int) -> None:
+            raws[i].fetch(mine[i].numpy().tobytes(), byte_out[offsets[i]:offsets[i + 1]])
+
+        def put(i: int) -> None:  # the request made from the tensors, as any sender must
+            raws[i].put(b"".join((byte_view(mine[i]), byte_view(theirs[i]))))
+
+        def raw_pull() -> None:
+            _fan(pool, [functools.partial(fetch, i) for i in range(S)])
+
+        def raw_put() -> None:
+            _fan(pool, [functools.partial(put, i) for i in range(S)])
+
+        def push() -> None:
+            nonlocal clock
+            client.push(dense, clock, rows={SPARSE_TABLE: (warm, grads)})
+            clock += 1
+
+        def step() -> None:
+            nonlocal clock
+            client.exchange(dense, clock, weights, rows={SPARSE_TABLE: (warm, grads)})
+            clock += 1
+
+        ops: dict[str, Callable[[], object]] = {
+            "pull": lambda: client.pull_rows(SPARSE_TABLE, warm),
+            "raw_pull": raw_pull,
+            "cold_pull": lambda: client.pull_rows(SPARSE_TABLE, next(fresh)),
+            "push": push,
+            "step": step,
+            "raw_put": raw_put,
+        }
+        server_pids = {op: job["pids"] if not op.startswith("raw") else cfg["raw_pids"][:S] for op in ops}
+        for fn in ops.values():  # warm-up: connections, buffers, and the warm rows made
+            for _ in range(calls):
+                fn()
+        batch_s: dict[str, list[float]] = {op: [] for op in ops}
+        call_s: dict[str, list[float]] = {op: [] for op in ops}
+        cpu = {op: {"worker": 0.0, "servers": 0.0} for op in ops}
+        for rep in range(1, reps + 1):
+            for op in rep_order(list(ops), rep):
+                fn = ops[op]
+                s0, c0 = _cpu(server_pids[op]), time.process_time()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    t1 = time.perf_counter()
+                    fn()
+                    call_s[op].append(time.perf_counter() - t1)
+                batch_s[op].append(time.perf_counter() - t0)
+                cpu[op]["worker"] += time.process_time() - c0
+                cpu[op]["servers"] += _cpu(server_pids[op]) - s0
+        per_shard = [int(m.numel()) for m in mine]
+        return {"shards": S, "ids_per_shard": per_shard, "batch_s": batch_s, "call_s": call_s,
+                "cpu_ms_per_call": {op: {k: 1e3 * v / (reps * calls) for k, v in c.items()} for op, c in cpu.items()}}
+    finally:
+        session.close()
+
+
+def sparse_agent_main() -> None:
+    """The worker's process: answers {"op": "run", ...config} with every job's timings."""
+    import torch
+
+    from lib.raw_grpc import RawClient
+
+    torch.set_num_threads(1)
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd.get("op") != "run":
+            raise BenchError(f"unknown op {cmd.get('op')!r}")
+        raws = [RawClient(a) for a in cmd["raw"]]
+        pool = futures.ThreadPoolExecutor(max_workers=max(len(cmd["raw"]), 1))
+        try:
+            return {"jobs": [sparse_measure_job(cmd, job, raws, pool) for job in cmd["jobs"]]}
+        finally:
+            pool.shutdown()
+            for r in raws:
+                r.close()
+
+    command_loop(handle)
+    exit_now()
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def run_sparse_rows(p: dict[str, Any], netbed: bool, rate_mbit: float) -> dict[str, Any]:
+    """Start the servers (psgrad: a job per shard count; raw: one per shard) and the agent, on
+    loopback or on hosts of a shaped bed; collect its timings."""
+    need = p["ids"] * (1 + p["calls"] * (p["reps"] + 1))
+    if need > p["rows"]:
+        raise SystemExit(f"sparse_rows: {p['reps']} repetitions of {p['calls']} cold pulls of {p['ids']} ids need "
+                         f"{need:,} rows; the table has {p['rows']:,} (raise --rows or lower --reps/--calls)")
+    top = max(p["shards"])
+    me = str(Path(__file__).resolve())
+    children: list[Child] = []
+    bed: Any = None
+    try:
+        if netbed:
+            from lib.netbed import NetBed
+
+            why = NetBed.unavailable()
+            if why:
+                raise SystemExit(f"sparse_rows: no test bed here: {why}")
+            bed = NetBed(1 + top, rate_mbit=rate_mbit).__enter__()
+            log(f"sparse_rows: bed up: {1 + top} hosts, every link {rate_mbit:g} Mbit/s")
+
+        def start(name: str, host: int, argv: list[str], speaks: bool = False) -> Child:
+            full = [sys.executable, *argv]
+            child = Child(name, bed.command(host, full) if bed else full, speaks=speaks)
+            children.append(child)
+            return child
+
+        def psgrad_argv(host: int) -> list[str]:  # plaintext on the bed: a private network
+            if not bed:
+                return PSGRAD_SERVER
+            return ["-m", "psgrad", "server", "--host", bed.hosts[host].addr, "--port", "0", "--lease-s", "600",
+                    "--insecure"]
+
+        def raw_argv(host: int) -> list[str]:
+            return [*RAW_SERVER, "--host", bed.hosts[host].addr] if bed else RAW_SERVER
+
+        agent = start("agent", 0, [me, "--agent", "sparse-rows"], speaks=True)
+        jobs = [(S, [start(f"psgrad-{S}s-{i}", 1 + i, psgrad_argv(1 + i)) for i in range(S)]) for S in p["shards"]]
+        raws = [start(f"raw-{i}", 1 + i, raw_argv(1 + i)) for i in range(top)]
+        cmd = {"op": "run", **{k: p[k] for k in ("rows", "ids", "dim", "reps", "calls")},
+               "raw": [r.address(timeout_s=SETUP_TIMEOUT_S) for r in raws], "raw_pids": [r.popen.pid for r in raws],
+               "jobs": [{"shards": S, "servers": [c.address(timeout_s=SETUP_TIMEOUT_S) for c in cs],
+                         "pids": [c.popen.pid for c in cs]} for S, cs in jobs]}
+        log(f"sparse_rows: servers up; {p['ids']:,} ids x {p['dim']} dims a call, {p['reps']} repetitions of "
+            f"{p['calls']} calls, shards {', '.join(map(str, p['shards']))}")
+        return agent.call(cmd, SETUP_TIMEOUT_S + 600)
+    finally:
+        stop_all(children)
+        if bed is not None:
+            bed.__exit__(None, None, None)
+
+
+def sparse_summarize_job(job: dict[str, Any], p: dict[str, Any], link_mb_s: float | None) -> dict[str, Any]:
+    """Per op: rows/s and MB/s of the median batch, the median call, CPU; ratios to raw gRPC."""
+    n, calls = p["ids"], p["calls"]
+    res: dict[str, Any] = {}
+    for op in SPARSE_OPS:
+        med = summarize(job["batch_s"][op])["median"]
+        nbytes = sparse_payload_bytes(op, n, p["dim"])
+        res[op] = {"rows_per_s": calls * n / med, "mb_per_s": calls * nbytes / med / 1e6,
+                   "call_ms_median": 1e3 * summarize(job["call_s"][op])["median"],
+                   "call_ms_p99": 1e3 * summarize(job["call_s"][op])["p99"],
+                   "cpu_ms_per_call": job["cpu_ms_per_call"][op]}
+        if link_mb_s:
+            res[op]["vs_link"] = res[op]["mb_per_s"] / link_mb_s
+    ratios = {f"{op}_vs_{raw}": res[op]["rows_per_s"] / res[raw]["rows_per_s"] for op, raw in SPARSE_VERSUS.items()}
+    return {"shards": job["shards"], "ids_per_shard": job["ids_per_shard"], "results": res, "ratios": ratios}
+
+
+def sparse_report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: float) -> dict[str, Any]:
+    link = rate_mbit / 8 if netbed else None
+    where = f"shaped {rate_mbit:g} Mbit/s links" if netbed else "loopback"
+    jobs = [sparse_summarize_job(j, p, link) for j in raw["jobs"]]
+    targets, figures = [], []
+    for j in jobs:
+        S, r = j["shards"], j["results"]
+        for op in ("pull", "push"):
+            vs = SPARSE_VERSUS[op]
+            targets.append(target(f"sparse {op}: rows/s, {p['ids']:,} ids x {p['dim']}, {S} shard(s), {where}",
+                                  r[op]["rows_per_s"], r[vs]["rows_per_s"], SPARSE_GOAL, "higher", "rows/s", f"raw gRPC {vs}"))
+        for op in ("pull", "cold_pull", "push", "step"):
+            vs = SPARSE_VERSUS[op]
+            figures.append(figure(f"sparse {op} rows/s, {S} shard(s), {where}", r[op]["rows_per_s"], "rows/s",
+                                  r[vs]["rows_per_s"], f"raw gRPC {vs}"))
+            figures.append(figure(f"sparse {op} MB/s, {S} shard(s), {where}", r[op]["mb_per_s"], "MB/s",
+                                  r[vs]["mb_per_s"], f"raw gRPC {vs}"))
+            if link:
+                figures.append(figure(f"sparse {op} MB/s, {S} shard(s), vs the link", r[op]["mb_per_s"], "MB/s",
+                                      link, f"{rate_mbit:g} Mbit/s link"))
+    return {
+        "benchmark": "sparse_rows",
+        "network": "netbed" if netbed else "loopback",
+        "rate_mbit": rate_mbit if netbed else None,
+        "link_mb_per_s": link,
+        **{k: p[k] for k in ("rows", "ids", "dim", "reps", "calls")},
+        "payload_bytes": {op: sparse_payload_bytes(op, p["ids"], p["dim"]) for op in SPARSE_OPS},
+        "machine": machine_info(),
+        "jobs": jobs,
+        "targets": targets,
+        "figures": figures,
+        "notes": "push = per shard one Push call carrying the rows' ids and gradients in its header with the "
+                 "step's small dense gradient, applied together; step = per shard one unary Step call (that push "
+                 "and the dense pull), as PSOptimizer.step sends; raw_put = one "
+                 "unary call of the same ids + gradients. Pulls move ids out and rows back in one unary call "
+                 "per shard, as raw_pull does.",
+    }
+
+
+def sparse_table(doc: dict[str, Any]) -> str:
+    """The figures as a fixed-width table."""
+    link = doc["link_mb_per_s"]
+    head = f"{'shards':>6} {'op':<10} {'rows/s':>10} {'MB/s':>8} {'ms/call':>8} {'raw MB/s':>9} {'ratio':>6}"
+    head += f" {'vs link':>7}" if link else ""
+    head += f" {'cpu ms/call w+s':>16}"
+    lines = [f"sparse rows, {doc['ids']:,} ids x {doc['dim']} dims a call ({doc['network']}"
+             + (f", {doc['rate_mbit']:g} Mbit/s" if link else "") + f"), medians of {doc['reps']} x {doc['calls']} calls",
+             head]
+    for j in doc["jobs"]:
+        r = j["results"]
+        for op in SPARSE_OPS:
+            vs = SPARSE_VERSUS.get(op)
+            ratio = f"{r[op]['rows_per_s'] / r[vs]['rows_per_s']:6.2f}" if vs else f"{'':>6}"
+            raw_mb = f"{r[vs]['mb_per_s']:9.1f}" if vs else f"{'':>9}"
+            c = r[op]["cpu_ms_per_call"]
+            line = (f"{j['shards']:>6} {op:<10} {r[op]['rows_per_s']:10,.0f} {r[op]['mb_per_s']:8.1f} "
+                    f"{r[op]['call_ms_median']:8.2f} {raw_mb} {ratio}")
+            line += f" {r[op]['vs_link']:7.2f}" if link else ""
+            line += f" {c['worker']:7.2f}+{c['servers']:<7.2f}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+# The public flags each part takes (argparse dests; the others are refused with that part).
+PART_FLAGS: dict[str, tuple[str, ...]] = {
+    "one-shard": ("params", "reps", "wire_dtype", "chunk_bytes", "stream_window_bytes"),
+    "matrix": ("params", "reps", "wire_dtype", "chunk_bytes"),
+    "latency": (),
+    "peer": (),
+    "multihost": ("params", "rate_mbit"),
+    "sparse-rows": ("netbed", "rate_mbit", "rows", "ids", "dim", "reps", "calls", "shards"),
+}
+PUBLIC_FLAGS = sorted({f for flags in PART_FLAGS.values() for f in flags})
+
+
+def _shard_counts(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=PARTS, default="one-shard",
-                        help="what psgrad is measured beside (default: one-shard; see above)")
+                        help="what psgrad is measured beside, and where (default: one-shard; see above)")
     parser.add_argument("--matrix", action="store_true", help="the same as --part matrix")
-    add_preset(parser, PRESETS["one-shard"], "model size and repetitions")
-    # one-shard and matrix only
-    parser.add_argument("--params", type=int, help="override the number of float32 parameters (one-shard, matrix)")
-    parser.add_argument("--reps", type=int, help="override the number of timed repetitions (one-shard, matrix)")
+    parser.add_argument("--preset", choices=["full", "quick", "tiny"], default="tiny",
+                        help="model size and repetitions: tiny (CI-sized) or full; --part sparse-rows also takes "
+                        "quick, the same as tiny (default: tiny)")
+    # one-shard, matrix and multihost
+    parser.add_argument("--params", type=int, help="override the number of float32 parameters (one-shard, matrix, "
+                        "multihost)")
+    parser.add_argument("--reps", type=int, help="override the number of timed repetitions (one-shard, matrix, "
+                        "sparse-rows)")
     parser.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"],
                         help="wire dtype (one-shard, matrix; default: float32)")
     parser.add_argument("--chunk-bytes", type=int, help="stream chunk size (one-shard, matrix; default: 1 MiB)")
     parser.add_argument("--stream-window-bytes", type=window_bytes_arg, metavar="N",
                         help="start the psgrad servers with this stream window (0 = gRPC's automatic windows; "
                         "default: the server's own); one-shard only")
+    # on the test bed
+    parser.add_argument("--rate-mbit", type=float, help="every link's rate on the test bed, Mbit/s (multihost, "
+                        "sparse-rows with --netbed; default: 1000)")
+    # sparse-rows
+    parser.add_argument("--netbed", action="store_true", default=None,
+                        help="worker and servers on hosts of a shaped test bed (root); sparse-rows only")
+    parser.add_argument("--rows", type=int, help="override the table's rows; sparse-rows only")
+    parser.add_argument("--ids", type=int, help="override the unique ids a call; sparse-rows only")
+    parser.add_argument("--dim", type=int, help="override the row width; sparse-rows only")
+    parser.add_argument("--calls", type=int, help="override the calls timed together per repetition; sparse-rows only")
+    parser.add_argument("--shards", type=_shard_counts, help="override the shard counts, e.g. 1,2; sparse-rows only")
     # internal: one rank of the peer part's RPC world (--params too)
     parser.add_argument("--role", choices=["ps", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -740,26 +1329,61 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--setup", default="default", choices=sorted(SETUPS), help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=16, help=argparse.SUPPRESS)
+    # internal: an agent of --part multihost (with --params, --reps, --rank, --store) or sparse-rows
+    parser.add_argument("--agent", choices=["multihost-transport", "multihost-sync", "sparse-rows"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--iters", type=int, default=2, help=argparse.SUPPRESS)
+    for name in ("--psgrad", "--psgrad-bf16", "--raw", "--servers"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         if not args.store or not args.params:
             raise BenchError("--role needs --store and --params")
         role_main(args.role, args.rank, args.world, args.store, args.params, args.setup, args.threads)
         return
+    if args.agent == "sparse-rows":
+        sparse_agent_main()
+        return
+    if args.agent:
+        if args.params is None:
+            parser.error("--agent needs --params")
+        torch.set_num_threads(1)
+        if args.agent == "multihost-transport":
+            out = multihost_agent_transport(argparse.Namespace(**{**vars(args), "reps": args.reps or 3}))
+        else:
+            out = multihost_agent_sync(args)
+        print(json.dumps(out), flush=True)
+        return
     part = "matrix" if args.matrix else args.part
     if args.matrix and args.part not in ("one-shard", "matrix"):
         parser.error(f"--matrix and --part {args.part} are two different parts")
-    given = [flag for flag, value in (("--params", args.params), ("--reps", args.reps), ("--wire-dtype", args.wire_dtype),
-                                      ("--chunk-bytes", args.chunk_bytes)) if value is not None]
-    if part in ("latency", "peer") and given:
-        parser.error(f"{', '.join(given)}: only for --part one-shard and matrix, not {part}")
-    if part != "one-shard" and args.stream_window_bytes is not None:
-        parser.error(f"--stream-window-bytes applies to the one-shard comparison, not to --part {part}")
+    given = [f"--{k.replace('_', '-')}" for k in PUBLIC_FLAGS if getattr(args, k) is not None]
+    refused = [flag for flag in given if flag[2:].replace("-", "_") not in PART_FLAGS[part]]
+    if refused:
+        takes = sorted(p for p, flags in PART_FLAGS.items() if refused[0][2:].replace("-", "_") in flags)
+        parser.error(f"{', '.join(refused)}: not for --part {part} ({refused[0]} is for --part {', '.join(takes)})")
+    if args.preset not in PRESETS[part]:
+        parser.error(f"--part {part} has presets {', '.join(sorted(PRESETS[part]))}, not {args.preset}")
     if part == "latency":
         write_json({**run_latency(args.preset), "machine": machine_info()})
         return
     if part == "peer":
         write_json({**run_peer(args.preset), "machine": machine_info()})
+        return
+    if part == "multihost":
+        write_json(run_multihost(args.preset, args.params, args.rate_mbit))
+        return
+    if part == "sparse-rows":
+        p = overrides(args, PRESETS[part][args.preset])
+        if min(p["shards"]) < 1 or min(p["ids"], p["dim"], p["reps"], p["calls"]) < 1:
+            parser.error("shards, ids, dim, reps and calls must be >= 1")
+        netbed, rate_mbit = bool(args.netbed), args.rate_mbit or 1000.0
+        t0 = time.monotonic()
+        raw = run_sparse_rows(p, netbed, rate_mbit)
+        doc = {**sparse_report(p, raw, netbed, rate_mbit), "preset": args.preset, "elapsed_s": time.monotonic() - t0}
+        print(sparse_table(doc), file=sys.stderr, flush=True)
+        write_json(doc)
         return
     p = PRESETS[part][args.preset]
     params, reps = args.params or p["params"], args.reps or p["reps"]
@@ -772,7 +1396,5 @@ def main() -> None:
     out = compare_one_shard(params, reps, wire_dtype, chunk, args.stream_window_bytes)
     out["preset"] = args.preset
     write_json(out)
-
-
 if __name__ == "__main__":
     main()

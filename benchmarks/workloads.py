@@ -1,11 +1,15 @@
-"""Real workloads through psgrad beside one process: does each consistency mode reach what a single
-process reaches with the same model, data and number of examples seen?
+"""Real workloads through psgrad. Two parts (--part): does each consistency mode reach what a single
+process reaches with the same model, data and number of examples seen (modes, the default); and
+how soon does task ctr reach a target test AUC across hosts, beside the all-reduce baseline (ctr-auc).
 
     python benchmarks/workloads.py --preset full                   # mnist, fashion-mnist, charlm
     python benchmarks/workloads.py --preset full --tasks charlm    # one of them
     python benchmarks/workloads.py --preset tiny                   # CI smoke run: a few steps of each
+    python benchmarks/workloads.py --part ctr-auc --preset full    # 1M-row table x 32 dims, links 1 Gbit/s
+    python benchmarks/workloads.py --part ctr-auc --preset quick   # a 20k-row table, CI-sized (tiny: the same)
+    python benchmarks/workloads.py --part ctr-auc --preset full --modes async,async:cache   # the worker's row cache
 
-For each task (its recipe: model, optimizer, lr schedule, batch size B, steps S per worker):
+--part modes: for each task (its recipe: model, optimizer, lr schedule, batch size B, steps S per worker):
 - the time of one training step (forward, backward, torch optimizer step) on one CPU thread: the
   median wall time and the median CPU time (the CPU time is what an idle core would take);
 - `psgrad launch` with 2 servers and 4 workers in sync, async and ssp (staleness 2) mode, S steps
@@ -16,7 +20,25 @@ For each task (its recipe: model, optimizer, lr schedule, batch size B, steps S 
   the one it is equivalent to; the bar is 1 accuracy point, or 0.05 bits per byte.
 
 fashion-mnist runs where its IDX files are (--data-dir, default the Debian package's directory) and
-is reported as skipped, with the reason, elsewhere. Prints one JSON document; progress on stderr.
+is reported as skipped, with the reason, elsewhere.
+
+--part ctr-auc: time to a target test AUC on task ctr across hosts on shaped links: psgrad async and
+sync (the embedding table's rows on the servers, pulled and pushed by id) against the all-reduce
+baseline (every worker holds the whole table and all-reduces its dense gradient every step): same
+task, same workers, same links, one run. The hosts are network namespaces (lib/netbed.py), every
+link shaped with tc to --rate-mbit in both directions: the two shard servers on hosts 0 and 1, the
+two workers on hosts 2 and 3 (the same hosts for the all-reduce ranks, gloo over the shaped links).
+Each run trains `steps` steps per worker with the task's recipe (Adagrad; the all-reduce baseline
+applies torch's Adagrad with the same settings), evaluating on the first 10,000 test examples every
+`eval_every` steps; its time to target is the wall time from its first worker's start to the first
+evaluation at or above the target (lib: psgrad.experiments.analysis.run_metrics, as `psgrad compare`
+computes it). Needs root, iproute2 and tc. Its JSON document ("benchmark": "ctr_time_to_auc") gives
+per mode the time to target, steps/s, final test AUC and the planted model's (bayes_auc), and
+`allreduce_over_MODE`: the all-reduce baseline's time to target over each psgrad mode's (goal >= 3).
+Mode `async:cache` is async with the workers' row cache (--row-cache-rows 200000
+--row-cache-staleness 4), with its hit rate.
+
+Prints one JSON document; progress on stderr.
 """
 from __future__ import annotations
 
@@ -29,7 +51,7 @@ from typing import Any
 
 import torch
 
-from lib import add_preset, log, machine_info, psgrad_launch, write_json
+from lib import log, machine_info, overrides, psgrad_launch, write_json
 
 from psgrad.core.schedule import lr_factor
 from psgrad.errors import TaskError
@@ -40,13 +62,27 @@ from psgrad.tasks.data import BatchSchedule
 
 MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"], "ssp:2": ["--mode", "ssp", "--staleness", "2"]}
 TOLERANCE = {"test_accuracy": 0.01, "test_bpb": 0.05}
-PRESETS: dict[str, dict[str, Any]] = {
+PARTS = ("modes", "ctr-auc")
+PRESETS: dict[str, dict[str, Any]] = {  # --part modes
     # CI: every piece once (the timing, both single-process runs, a sync launch), a few steps
     "tiny": {"tasks": ["mnist", "charlm"], "servers": 1, "workers": 1, "modes": ["sync"], "steps": 4,
              "timing_steps": 2, "eval_every": 2},
     "full": {"tasks": ["mnist", "fashion-mnist", "charlm"], "servers": 2, "workers": 4, "modes": list(MODES),
              "steps": None, "timing_steps": 20, "eval_every": 0},
 }
+
+
+CTR_QUICK: dict[str, Any] = {"rows": 20_000, "dim": 8, "steps": 40, "eval_every": 10, "target": 0.8, "rate_mbit": 1000,
+                             "modes": ["async", "sync", "allreduce"]}
+CTR_PRESETS: dict[str, dict[str, Any]] = {  # --part ctr-auc (tiny is quick)
+    "tiny": CTR_QUICK,
+    "quick": CTR_QUICK,
+    "full": {"rows": 1_000_000, "dim": 32, "steps": 150, "eval_every": 10, "target": 0.85, "rate_mbit": 1000,
+             "modes": ["async", "sync", "allreduce"]},
+}
+CTR_GOAL = 3.0
+CTR_MODES = ("async", "sync", "allreduce", "async:cache")
+CTR_CACHE = ["--row-cache-rows", "200000", "--row-cache-staleness", "4"]
 
 
 def torch_optimizer(task: str, params: Any) -> torch.optim.Optimizer:
@@ -173,12 +209,89 @@ def run(preset_name: str, tasks: list[str] | None, data_dir: str | None) -> dict
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# --part ctr-auc: time to a target AUC across hosts
+
+
+def ctr_run_mode(bed: Any, mode: str, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    """One run of `mode`: psgrad's servers on hosts 0, 1 and workers on 2, 3, or all-reduce ranks on 2, 3."""
+    from lib.bedjob import train_on_bed
+
+    env = {"PSGRAD_CTR_ROWS": str(cfg["rows"]), "PSGRAD_CTR_DIM": str(cfg["dim"])}
+    run_dir = work / mode.replace(":", "-")
+    common = ["--task", "ctr", "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
+              "--log-every", str(cfg["steps"]), "--device", "cpu"]
+    ps_mode, _, cache = mode.partition(":")
+    train_on_bed(bed, run_dir, mode, common, env, allreduce=mode == "allreduce",
+                 worker_argv=["--mode", ps_mode, *(CTR_CACHE if cache else [])])
+    metrics = analysis.run_metrics(analysis.load_run(run_dir, mode), cfg["target"], "test_auc")
+    records = analysis.load_run(run_dir, mode).records.values()
+    finals = [r for recs in records for r in recs if r.get("event") == "final"]
+    hits = [recs[-2]["row_cache_hit_rate"] for recs in records if len(recs) > 1 and "row_cache_hit_rate" in recs[-2]]
+    elapsed = max(r["elapsed_s"] for r in finals)
+    return {
+        **({"row_cache_hit_rate": min(hits)} if hits else {}),
+        "time_to_target_s": metrics["time_to_target_s"],
+        "steps_per_s": cfg["steps"] / elapsed,
+        "final_test_auc": min(r["test_auc"] for r in finals),
+        "bayes_auc": finals[0]["bayes_auc"],
+        "elapsed_s": elapsed,
+        "max_rss_mb": max(r["max_rss_mb"] for r in finals),
+    }
+
+
+def run_ctr(preset: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """--part ctr-auc: every mode's time to the target test AUC on one shaped bed, and the ratios."""
+    from lib.netbed import NetBed
+
+    why = NetBed.unavailable()
+    if why:
+        raise SystemExit(f"workloads --part ctr-auc: no test bed here: {why}")
+    results: dict[str, Any] = {}
+    with NetBed(4, rate_mbit=cfg["rate_mbit"]) as bed, tempfile.TemporaryDirectory(prefix="psgrad-ctr-") as tmp:
+        for mode in cfg["modes"]:
+            log(f"ctr_time_to_auc: {mode}: {cfg['rows']:,} rows x {cfg['dim']}, {cfg['steps']} steps, "
+                f"links {cfg['rate_mbit']:g} Mbit/s")
+            results[mode] = ctr_run_mode(bed, mode, cfg, Path(tmp))
+            log(f"ctr_time_to_auc: {mode}: {results[mode]}")
+    base = results.get("allreduce", {}).get("time_to_target_s")
+    ratios = {f"allreduce_over_{m}": (base / r["time_to_target_s"] if base and r["time_to_target_s"] else None)
+              for m, r in results.items() if m != "allreduce"}
+    return {"benchmark": "ctr_time_to_auc", "preset": preset, **cfg, "table_bytes": cfg["rows"] * cfg["dim"] * 4,
+            "machine": machine_info(), "results": results, "ratios": ratios, "goal": CTR_GOAL}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_preset(parser, PRESETS, "steps")
-    parser.add_argument("--tasks", help="comma-separated tasks (default: mnist,fashion-mnist,charlm)")
-    parser.add_argument("--data-dir", help="fashion-mnist's IDX files (default: /usr/share/datasets/fashion-mnist)")
+    parser.add_argument("--part", choices=PARTS, default="modes",
+                        help="modes: each consistency mode beside one process (default); ctr-auc: time to a target "
+                        "AUC on task ctr across hosts, beside all-reduce (see above)")
+    parser.add_argument("--preset", choices=["full", "quick", "tiny"], default="tiny",
+                        help="steps (modes: tiny or full); table size, steps and target (ctr-auc: quick, the same "
+                        "tiny, or full) (default: tiny)")
+    parser.add_argument("--tasks", help="comma-separated tasks (default: mnist,fashion-mnist,charlm); modes only")
+    parser.add_argument("--data-dir", help="fashion-mnist's IDX files (default: /usr/share/datasets/fashion-mnist); "
+                        "modes only")
+    parser.add_argument("--rows", type=int, help="override the table's rows (PSGRAD_CTR_ROWS); ctr-auc only")
+    parser.add_argument("--steps", type=int, help="override the steps per worker and run; ctr-auc only")
+    parser.add_argument("--target", type=float, help="override the target test AUC; ctr-auc only")
+    parser.add_argument("--rate-mbit", type=float, help="override every link's rate in Mbit/s; ctr-auc only")
+    parser.add_argument("--modes", type=lambda text: text.split(","), help=f"comma-separated, of {', '.join(CTR_MODES)} "
+                        "(default: async,sync,allreduce); ctr-auc only")
     args = parser.parse_args()
+    mine = {"modes": ("tasks", "data_dir"), "ctr-auc": ("rows", "steps", "target", "rate_mbit", "modes")}
+    other = [f"--{k.replace('_', '-')}" for part, keys in mine.items() if part != args.part for k in keys
+             if getattr(args, k) is not None]
+    if other:
+        parser.error(f"{', '.join(other)}: not for --part {args.part}")
+    if args.part == "ctr-auc":
+        bad = sorted(set(args.modes or ()) - set(CTR_MODES))
+        if bad:
+            parser.error(f"--modes takes {', '.join(CTR_MODES)}, got {', '.join(bad)}")
+        write_json(run_ctr(args.preset, overrides(args, CTR_PRESETS[args.preset])))
+        return
+    if args.preset not in PRESETS:
+        parser.error(f"--part modes has presets {', '.join(sorted(PRESETS))}, not {args.preset}")
     write_json(run(args.preset, args.tasks.split(",") if args.tasks else None, args.data_dir))
 
 

@@ -11,7 +11,9 @@ it as `lib`:
   and figure rows, the alternating order of interleaved repetitions;
 - lib.args: the --preset argument, overrides of a preset's values, the stream window argument;
 - lib.procfs and lib.window: CPU time and memory from /proc, and a measured window of workers
-  started together;
+  started together, with the skeleton of server_bench.py and scaling.py (Fleet: servers and the
+  script's own worker processes, set up together and stopped at once; rotated rounds; the
+  operations completed inside a window);
 - lib.ceilings (loopback TCP, memory copy), lib.raw_grpc (bare gRPC streaming and unary calls, and
   a psgrad server that also serves them): what psgrad is measured against in the same run;
 - lib.swarm: worker processes and servers shared by the transport comparisons and ray_ps.py;

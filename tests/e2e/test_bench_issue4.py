@@ -1,4 +1,5 @@
-"""The overlap and wire-dtype benchmarks' tiny presets run end to end and report their figures."""
+"""The overlap and wire-dtype benchmarks' tiny presets (scaling.py --part overlap, compression.py
+--parts wire-dtype) run end to end and report their figures."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ def _run(*args: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> None:
-    out = _run("benchmarks/overlap.py", "--preset", "tiny")
+    out = _run("benchmarks/scaling.py", "--part", "overlap", "--preset", "tiny")
     assert out["communication_s"] > 0 and out["compute_s"] > 0
     assert out["step_overlap_on_s"] > 0 and out["step_overlap_off_s"] > 0
     (target,) = out["targets"]
@@ -38,10 +39,13 @@ def test_overlap_tiny_times_both_settings_beside_the_communication_time() -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_wire_dtype_tiny_trains_with_both_dtypes() -> None:
-    out = _run("benchmarks/wire_dtype.py", "--preset", "tiny")
-    digits = out["results"]["digits"]
+    out = _run("benchmarks/compression.py", "--preset", "tiny", "--parts", "wire-dtype")
+    assert out["benchmark"] == "compression" and out["parts"] == ["wire-dtype"] and "codec_costs" not in out
+    digits = out["wire_dtype"]["results"]["digits"]
     assert set(digits) == {"float32", "bfloat16"}
     assert all(0.0 <= r["test_accuracy"] <= 1.0 and len(r["runs"][0]["per_worker"]) == 2 for r in digits.values())
     assert digits["bfloat16"]["points_vs_float32"] == pytest.approx(
         100 * (digits["bfloat16"]["test_accuracy"] - digits["float32"]["test_accuracy"])
     )
+    (target,) = out["wire_dtype"]["targets"]
+    assert target["met"] == (abs(digits["bfloat16"]["points_vs_float32"]) <= target["target"])

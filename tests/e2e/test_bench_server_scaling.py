@@ -185,7 +185,7 @@ def test_server_bench_window_flag_reaches_every_psgrad_server(monkeypatch: pytes
                 raise _Started
 
     monkeypatch.setattr(server_bench, "Child", Child)
-    monkeypatch.setattr(server_bench, "stop_all", lambda children: None)  # nothing was started
+    monkeypatch.setattr(window, "stop_all", lambda children: None)  # nothing was started
     with pytest.raises(_Started):
         server_bench.measure(1000, (1,), 1, 0.1, 0.1, stream_window_bytes=1 << 20)
     assert len(started) == 6

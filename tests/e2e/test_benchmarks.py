@@ -32,6 +32,38 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
     return json.loads(res.stdout)
 
 
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+# Every parser a script builds answers for each of its flags (help=SUPPRESS: internal, for its children).
+_HELP_CHECK = """
+import argparse, json, runpy, sys
+sys.path.insert(0, sys.argv[1])
+script = sys.argv[2]
+sys.argv = [script, "--help"]
+def parse_args(self, *args, **kwargs):
+    undescribed = [a.option_strings for a in self._actions
+                   if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    print(json.dumps({"undescribed": undescribed, "help": self.format_help()}))
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_args
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_twelve_scripts_at_most() -> None:
+    assert len(SCRIPTS) <= 12, SCRIPTS
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_of_every_script_is_described_in_its_help(script: str) -> None:
+    res = subprocess.run([sys.executable, "-c", _HELP_CHECK, str(BENCH), str(BENCH / script)],
+                         capture_output=True, text=True, timeout=280, cwd=REPO)  # imports torch: slow at a high load
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["undescribed"] == [], (script, out["undescribed"])
+    assert out["help"].startswith("usage: "), out["help"][:200]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_transport_tiny_reports_psgrad_beside_raw_grpc() -> None:
@@ -170,7 +202,7 @@ SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "raw_put"}
 
 
 def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
-    """benchmarks/sparse_rows.py's document has every op's figures, per shard count, and its ratios
+    """benchmarks/transport.py --part sparse-rows's document has every op's figures, per shard count, and its ratios
     to raw gRPC (their values are not checked)."""
     assert out["benchmark"] == "sparse_rows"
     assert [j["shards"] for j in out["jobs"]] == list(shards)
@@ -193,7 +225,7 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--preset", "quick", "--rows", "20000",
+    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--preset", "quick", "--rows", "20000",
                           "--ids", "256", "--reps", "2", "--calls", "2"],
                          capture_output=True, text=True, timeout=110, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -204,7 +236,7 @@ def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
 
 
 def test_sparse_rows_refuses_a_table_too_small_for_its_cold_pulls() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/sparse_rows.py", "--rows", "1000", "--ids", "512"],
+    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--rows", "1000", "--ids", "512"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode != 0 and "raise --rows" in res.stderr
 

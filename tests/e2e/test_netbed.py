@@ -312,9 +312,9 @@ def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -
 
 @pytest.mark.timeout(240)
 def test_multihost_benchmark_tiny_measures_shaped_links(bed: NetBed) -> None:
-    """benchmarks/multihost.py --preset tiny (a bed of its own, links shaped to 1 Gbit/s): every
+    """benchmarks/transport.py --part multihost --preset tiny (a bed of its own, links shaped to 1 Gbit/s): every
     figure is there, and no transfer beat the shaped link by more than the shaper's burst allows."""
-    out = run_benchmark("multihost.py", "--preset", "tiny", timeout_s=220)
+    out = run_benchmark("transport.py", "--part", "multihost", "--preset", "tiny", timeout_s=220)
     assert out["rate_mbit"] == 1000
     ceiling = out["link_ceiling_mb_per_s"]
     for key in ("psgrad_pull", "raw_download", "psgrad_push", "raw_upload", "bf16_pull", "bf16_push"):
@@ -327,9 +327,9 @@ def test_multihost_benchmark_tiny_measures_shaped_links(bed: NetBed) -> None:
 
 @pytest.mark.timeout(240)
 def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
-    """benchmarks/sparse_rows.py --preset quick --netbed (a bed of its own): every op's figures,
+    """benchmarks/transport.py --part sparse-rows --preset quick --netbed (a bed of its own): every op's figures,
     per shard count, with its bytes/s beside the link's."""
-    out = run_benchmark("sparse_rows.py", "--preset", "quick", "--netbed", timeout_s=220)
+    out = run_benchmark("transport.py", "--part", "sparse-rows", "--preset", "quick", "--netbed", timeout_s=220)
     assert out["network"] == "netbed" and out["rate_mbit"] == 1000 and out["link_mb_per_s"] == 125
     assert [j["shards"] for j in out["jobs"]] == [1, 2]
     for job in out["jobs"]:
@@ -341,9 +341,9 @@ def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
 
 @pytest.mark.timeout(240)
 def test_ctr_time_to_auc_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
-    """benchmarks/ctr_time_to_auc.py --preset quick (a bed of its own): psgrad async and sync and
+    """benchmarks/workloads.py --part ctr-auc --preset quick (a bed of its own): psgrad async and sync and
     the all-reduce baseline train task ctr across hosts, each to the target, and the ratios are given."""
-    out = run_benchmark("ctr_time_to_auc.py", "--preset", "quick", timeout_s=220)
+    out = run_benchmark("workloads.py", "--part", "ctr-auc", "--preset", "quick", timeout_s=220)
     assert out["benchmark"] == "ctr_time_to_auc" and out["rate_mbit"] == 1000
     assert set(out["results"]) == {"async", "sync", "allreduce"}
     for mode, r in out["results"].items():
