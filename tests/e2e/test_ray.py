@@ -158,15 +158,17 @@ def test_a_killed_server_actor_is_restarted_and_restores_its_shard(tmp_path: Pat
     with two_nodes() as cluster:
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         proc: Proc = spawn(["launch", "--backend", "ray", "--address", cluster.address, "--insecure", *JOB, "--mode", "async",
-                            "--steps", "3000", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                            "--steps", "1500", "--step-time-ms", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
                             "--checkpoint-every-versions", "200", "--metrics-dir", str(tmp_path / "metrics"),
                             "--reconnect-timeout-s", "300"])
         try:
             proc.wait_for_line("2 server(s) up", timeout_s=300)  # (the actor found before the kill is due)
             name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-server0"))
             actor = ray.get_actor(name, namespace="psgrad")
-            proc.wait_for_line("worker 0/2: step 300/3000", timeout_s=300)
+            proc.wait_for_line("worker 0/2: step 300/1500", timeout_s=300)
             killed = time.monotonic()
+            # (1200 steps of at least 20 ms are left, so the kill lands mid-run; from then on the workers
+            # wait for the shard: the job cannot end before its restore)
             ray.kill(actor, no_restart=False)  # as a crash: Ray restarts it
             restored = proc.wait_for_line("[server0] psgrad server: restored shard 0 at version", timeout_s=300)
             print(f"server0 restored {time.monotonic() - killed:.1f} s after the kill: {restored}")
