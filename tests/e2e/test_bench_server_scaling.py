@@ -4,6 +4,7 @@ thresholds)."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 import subprocess
@@ -74,9 +75,12 @@ def test_proc_readings_of_this_process() -> None:
     assert mem["VmHWM"] >= mem["VmRSS"] > 8_000_000  # holds x at least
     assert mem["own"] == mem["RssAnon"] + mem["RssFile"] and mem["RssAnon"] > 8_000_000
     sampler = procfs.OwnPeak({"me": os.getpid()}, interval_s=60.0)
-    y = torch.ones(5_000_000)  # 20 MB more, resident when sampled
+    # 20 MB more, resident when sampled: fresh pages of an anonymous mapping (a tensor can reuse heap
+    # pages this process already holds, late in a long-lived test process: its RSS then stays put)
+    y = mmap.mmap(-1, 20_000_000, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one counts as RssShmem)
+    y.write(b"\1" * 20_000_000)
     sampler.sample()
-    del y
+    y.close()
     sampler.sample()  # a lower reading leaves the peak
     sampler.stop()
     assert sampler.peak["me"] >= mem["own"] + 15_000_000
