@@ -14,6 +14,23 @@ from psgrad.errors import ConfigError
 STATE_KEY = "psgrad"  # the entry of a PSOptimizer's state_dict() that marks it as one
 
 
+def _beneath_dynamo_guard(method: Any) -> Any:
+    """The torch.optim.Optimizer method beneath torch's lazy `torch._dynamo.disable` wrapper.
+
+    torch wraps add_param_group, zero_grad, state_dict and load_state_dict so that TorchDynamo
+    never traces them, and the wrapper's first call imports torch._dynamo: 1.8 CPU-seconds in
+    every worker process on a 2-core machine, a third of a worker's start. Nothing traces a
+    psgrad optimizer (its step is network I/O), so it calls the undecorated method that
+    functools.wraps keeps as `__wrapped__`; where a torch version has no such wrapper, the method
+    itself.
+    """
+    return getattr(method, "__wrapped__", method)
+
+
+_ADD_PARAM_GROUP = _beneath_dynamo_guard(torch.optim.Optimizer.add_param_group)
+_STATE_DICT = _beneath_dynamo_guard(torch.optim.Optimizer.state_dict)
+
+
 class ScheduledOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer with one parameter group whose lr travels with the pushes.
 
@@ -29,6 +46,11 @@ class ScheduledOptimizer(torch.optim.Optimizer):
         self._follows_job_lr = follows_job_lr
         self._job_lr: float | None = None  # the job's lr as the servers last answered (followers)
         self._warned_lr = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim.Optimizer.add_param_group (the one group __init__ adds; `lr` refuses more),
+        without the import of torch._dynamo (see _beneath_dynamo_guard)."""
+        _ADD_PARAM_GROUP(self, param_group)
 
     @property
     def follows_job_lr(self) -> bool:
@@ -80,7 +102,7 @@ class ScheduledOptimizer(torch.optim.Optimizer):
         """What lives in the worker: the parameter group's settings (the lr a scheduler set, its
         initial_lr) and, for information, this worker's rank, mode and clock. The weights and the
         optimizer's moments live on the servers, which checkpoint them (--checkpoint-dir)."""
-        saved = super().state_dict()
+        saved = _STATE_DICT(self)
         saved[STATE_KEY] = {"rank": self.rank, "mode": self.mode, "clock": self.clock}
         return saved
 
