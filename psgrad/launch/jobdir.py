@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from psgrad.errors import CheckpointError, ConfigError
-from psgrad.server import checkpoint
 
 RECORD = "launch.json"
 FORMAT = "psgrad-launch"
@@ -95,6 +94,8 @@ def check_resumable(directory: Path, num_servers: int) -> None:
     Raises:
         CheckpointError: a shard directory is missing or holds none (named).
     """
+    from psgrad.server import checkpoint  # (imports torch, which a launcher otherwise needs not)
+
     for i in range(num_servers):
         shard = shard_dir(directory, i)
         if not shard.is_dir() or not checkpoint.manifests(shard):
