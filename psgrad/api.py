@@ -25,6 +25,7 @@ from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
 from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.core.modes import AUTO_STALENESS_MAX, find_mode, mode_of
+from psgrad.core.job import check_overlap, check_row_cache
 from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer, check_server_optimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
 from psgrad.worker.flat import FlatModel
 from psgrad.worker.param_groups import with_groups
@@ -129,29 +130,6 @@ def connect(
         **optimizer.job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())
-
-
-def check_overlap(spec: JobSpec, overlap: bool) -> None:
-    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
-    DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
-    if overlap and mode_of(spec).synchronous:
-        raise ConfigError(
-            "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
-            "previous iteration's update (staleness 0), so there is nothing to overlap"
-        )
-    if overlap and spec.dc_asgd:
-        raise ConfigError(
-            "overlap and --dc-asgd do not go together: the servers compensate a gradient against the weights "
-            "its worker pulled last, and with overlap each gradient comes from the pull before that "
-            "(none would be compensated); drop one of them"
-        )
-
-
-def check_row_cache(spec: JobSpec, rows: int) -> None:
-    """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows)."""
-    if rows and mode_of(spec).synchronous:
-        raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
-                          "does not allow: use mode async or ssp, or no row cache")
 
 
 class Session:

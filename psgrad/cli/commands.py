@@ -38,12 +38,12 @@ def _check_task(ns: argparse.Namespace, steps_key: str = "steps", data: bool = F
     built-in task's missing data (--data-dir); fill the flags left to the task's recipe, and return
     it. Not `data` for `psgrad run` (a server reads none) and the cluster renderers (the data is on
     the cluster)."""
-    from psgrad.tasks import check_task, resolve_task
+    from psgrad.tasks import check_task, known_task
 
     if data:
         check_task(ns.task, ns.data_dir)
     else:
-        resolve_task(ns.task)
+        known_task(ns.task)
     return apply_recipe(ns, steps_key)
 
 
@@ -204,7 +204,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
     resuming = ns.resume is not None
     _check_task(ns, data=ns.backend != "ray")  # on a Ray cluster the workers read the data on their nodes
-    from psgrad.api import check_overlap, check_row_cache
+    from psgrad.core.job import check_overlap, check_row_cache
 
     spec = job_spec(ns, ns.num_workers, ns.num_servers)
     check_overlap(spec, ns.overlap)  # validate before starting anything

