@@ -100,27 +100,27 @@ def heal_and_stop(bed: NetBed, procs: Sequence[Proc]) -> None:
 
 @pytest.mark.timeout(180)
 def test_servers_and_workers_by_hand_on_different_hosts_train_async(bed: NetBed) -> None:
-    """`psgrad server` on hosts 0 and 1; `psgrad worker` on hosts 2 and 3, and one on host 0 beside
-    server 0. Every worker trains digits to the usual accuracy; payloads go through shared memory
-    only between a worker and the server on its own host, through gRPC between hosts."""
+    """`psgrad server` on hosts 0 and 1; `psgrad worker` on host 2, and one on host 0 beside server 0.
+    Every worker trains digits to the usual accuracy; payloads go through shared memory only between
+    a worker and the server on its own host, through gRPC between hosts."""
     procs: list[Proc] = []
     try:
         a0, a1 = start_two_servers(bed, procs)
         assert a0.startswith(bed.hosts[0].addr + ":") and a1.startswith(bed.hosts[1].addr + ":")
         servers = f"{a0},{a1}"
-        workers = [start_worker(bed, h, servers, r, 3, "--mode", "async", "--steps", "300")
-                   for r, h in enumerate([2, 3, 0])]
+        workers = [start_worker(bed, h, servers, r, 2, "--mode", "async", "--steps", "300")
+                   for r, h in enumerate([2, 0])]
         procs += workers
         for w in workers:
             assert w.wait(150) == 0, w.output[-3000:]
         joined = [w.wait_for_line("joined 2 shard(s)", timeout_s=1) for w in workers]
-        assert joined[0].endswith("payloads grpc,grpc") and joined[1].endswith("payloads grpc,grpc"), joined
-        assert joined[2].endswith("payloads shm,grpc"), joined[2]  # beside server 0 only
+        assert joined[0].endswith("payloads grpc,grpc"), joined  # another host than both servers
+        assert joined[1].endswith("payloads shm,grpc"), joined[1]  # beside server 0 only
         for w in workers:
             assert final_accuracy(w) >= 0.88, w.output[-1500:]
         shards = status(bed, 2, servers)
-        assert all(worker_states(shards, r) == {"left"} for r in range(3)), shards
-        assert [s["version"] for s in shards] == [900, 900]  # an update per push
+        assert all(worker_states(shards, r) == {"left"} for r in range(2)), shards
+        assert [s["version"] for s in shards] == [600, 600]  # an update per push
     finally:
         stop_all(procs)
 
