@@ -78,8 +78,8 @@ CONFIGS: dict[str, list[str]] = {
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
-              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 200_000,
-              "reps": 2},
+              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
+              "reps": 3},
     "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "wire-dtype"], "codec_values": 200_000,
              "reps": 2},
