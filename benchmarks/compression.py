@@ -35,9 +35,9 @@ Parts (--parts; default codecs and train, with --preset tiny codecs and wire-dty
 
 - wire-dtype: does a narrower wire dtype cost accuracy? The same job with float32, bfloat16 (and
   --dtypes, e.g. float16) on the wire: each run is `psgrad launch` on this machine (2 servers + 2
-  workers, sync mode, a fixed seed), so the only difference between runs of one task is the wire
-  dtype (pushes and pulls; the servers keep float32 master weights). Reports each run's final test
-  accuracy (mean over the workers), the mean over seeds 0..N-1 (one run's accuracy moves by about a
+  workers, sync mode, a fixed seed; tiny and quick: 1 server), so the only difference between runs
+  of one task is the wire dtype (pushes and pulls; the servers keep float32 master weights). Reports
+  each run's final test accuracy (mean over the workers), the mean over seeds 0..N-1 (one run's accuracy moves by about a
   point from seed to seed on mnist1d) and the difference of the means to float32; the bar is
   |bf16 - fp32| <= 1 point. Tasks and steps: digits (and mnist1d in full) with their own presets;
   --seeds overrides the seeds. Its result is the document's "wire_dtype" (setup, results, targets).
@@ -90,9 +90,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 PARTS = ("codecs", "train", "wire-dtype")
 SPEEDUP_GOAL = 3.0
 POINTS_GOAL = 0.5
-# --parts wire-dtype: tasks with their steps and settings, wire dtypes, seeds (quick is tiny's)
+# --parts wire-dtype: tasks with their steps and settings, wire dtypes, seeds, servers per launch
+# (quick is tiny's: one server, so a CI run starts fewer processes; the full preset's figures use 2)
 WIRE_TINY: dict[str, Any] = {"tasks": {"digits": {"steps": 60, "lr": 0.1, "momentum": 0.0}},
-                             "dtypes": ["float32", "bfloat16"], "seeds": 1}
+                             "dtypes": ["float32", "bfloat16"], "seeds": 1, "servers": 1}
 WIRE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": WIRE_TINY,
     "quick": WIRE_TINY,
@@ -103,6 +104,7 @@ WIRE_PRESETS: dict[str, dict[str, Any]] = {
         },
         "dtypes": ["float32", "bfloat16"],
         "seeds": 3,
+        "servers": 2,
     },
 }
 TOLERANCE_POINTS = 1.0
@@ -242,11 +244,12 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
 # wire-dtype: accuracy with a narrower wire dtype
 
 
-def launch_wire(task: str, dtype: str, steps: int, lr: float, momentum: float, seed: int, workdir: Path) -> dict[str, Any]:
+def launch_wire(task: str, dtype: str, steps: int, lr: float, momentum: float, seed: int, workdir: Path,
+                servers: int = 2) -> dict[str, Any]:
     """One `psgrad launch` run; returns the workers' final records."""
     metrics = workdir / f"{task}-{dtype}"
     wall_s = psgrad_launch([
-        "--num-servers", "2", "--num-workers", "2",
+        "--num-servers", str(servers), "--num-workers", "2",
         "--task", task, "--mode", "sync", "--steps", str(steps), "--lr", str(lr), "--momentum", str(momentum),
         "--wire-dtype", dtype, "--seed", str(seed), "--metrics-dir", str(metrics),
     ], timeout_s=1800)
@@ -274,7 +277,8 @@ def wire_dtype(preset: str, seeds: int | None = None, dtypes: list[str] | None =
                 runs = []
                 for seed in range(n_seeds):
                     log(f"wire_dtype: {task}, wire {dtype}, seed {seed}, {t['steps']} steps ...")
-                    r = launch_wire(task, dtype, t["steps"], t["lr"], t["momentum"], seed, Path(tmp) / f"s{seed}")
+                    r = launch_wire(task, dtype, t["steps"], t["lr"], t["momentum"], seed, Path(tmp) / f"s{seed}",
+                                    cfg["servers"])
                     log(f"wire_dtype: {task}, wire {dtype}, seed {seed}: test accuracy {r['test_accuracy']:.4f} ({r['wall_s']:.0f} s)")
                     runs.append(r)
                 accs = [r["test_accuracy"] for r in runs]
@@ -291,7 +295,7 @@ def wire_dtype(preset: str, seeds: int | None = None, dtypes: list[str] | None =
                     "target": TOLERANCE_POINTS, "better": "abs-lower", "met": abs(diff) <= TOLERANCE_POINTS,
                 })
     return {
-        "setup": {"servers": 2, "workers": 2, "mode": "sync", "seeds": n_seeds, "tasks": cfg["tasks"]},
+        "setup": {"servers": cfg["servers"], "workers": 2, "mode": "sync", "seeds": n_seeds, "tasks": cfg["tasks"]},
         "results": results,
         "targets": targets,
     }

@@ -64,7 +64,7 @@ from lib.window import Fleet, completed, measure_window, rotated, worker_main
 PARTS = ("workers", "overlap")
 PRESETS: dict[str, dict[str, Any]] = {  # --part workers
     "tiny": {"params": 250_000, "shards": (1,), "workers": (1, 2), "compute_ms": (0, 20), "reps": 1,
-             "warmup_s": 0.2, "window_s": 0.5},
+             "warmup_s": 0.1, "window_s": 0.25},
     "full": {"params": 2_000_000, "shards": (1, 2), "workers": (1, 2, 4), "compute_ms": (0, 10, 50, 100, 200),
              "reps": 3, "warmup_s": 0.5, "window_s": 1.5},
 }
@@ -73,7 +73,7 @@ LR = 1e-9
 GOAL = 0.9
 WINDOW_STEPS = 10  # a window holds at least about this many compute times
 OVERLAP_PRESETS: dict[str, dict[str, int]] = {  # --part overlap
-    "tiny": {"params": 200_000, "steps": 12, "blocks": 2},
+    "tiny": {"params": 200_000, "steps": 12, "blocks": 1},
     "full": {"params": 4_000_000, "steps": 40, "blocks": 3},
 }
 OVERLAP_TARGET = 1.3

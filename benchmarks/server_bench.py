@@ -50,7 +50,7 @@ from lib.procfs import OwnPeak, memory_bytes
 from lib.window import Fleet, completed, measure_window, rotated, worker_main
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.2, "window_s": 0.5},
+    "tiny": {"params": 1_000_000, "workers": (1, 2), "reps": 1, "warmup_s": 0.1, "window_s": 0.25},
     "full": {"params": 25_000_000, "workers": (1, 2, 4), "reps": 3, "warmup_s": 1.0, "window_s": 3.0},
 }
 # The job spec fields of each measured optimizer (besides mode async, lr 1e-9).

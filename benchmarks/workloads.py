@@ -64,9 +64,10 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"], "ssp:2": ["--
 TOLERANCE = {"test_accuracy": 0.01, "test_bpb": 0.05}
 PARTS = ("modes", "ctr-auc")
 PRESETS: dict[str, dict[str, Any]] = {  # --part modes
-    # CI: every piece once (the timing, both single-process runs, a sync launch), a few steps
+    # CI: every piece once (the timing, the single-process run, a sync launch), a few steps; with one
+    # worker the two single-process runs are the same run (batch B, S steps), made once
     "tiny": {"tasks": ["mnist", "charlm"], "servers": 1, "workers": 1, "modes": ["sync"], "steps": 4,
-             "timing_steps": 2, "eval_every": 2},
+             "timing_steps": 2, "eval_every": 4},
     "full": {"tasks": ["mnist", "fashion-mnist", "charlm"], "servers": 2, "workers": 4, "modes": list(MODES),
              "steps": None, "timing_steps": 20, "eval_every": 0},
 }
@@ -171,10 +172,10 @@ def run_task(name: str, preset: dict[str, Any], workdir: Path, data_dir: str | N
     log(f"workloads: {name}: {out['step_ms_one_thread']} per step on one thread")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each worker; OpenMP threads on a busy machine only spin
-    out["single"] = {
-        "big_batch": single_process(name, task, workers * r.batch_size, steps, r.warmup_steps),
-        "small_batch": single_process(name, task, r.batch_size, workers * steps, workers * r.warmup_steps),
-    }
+    big = single_process(name, task, workers * r.batch_size, steps, r.warmup_steps)
+    # one worker: the small-batch run has the same batch, steps and warm-up (the same run, seed 0)
+    small = big if workers == 1 else single_process(name, task, r.batch_size, workers * steps, workers * r.warmup_steps)
+    out["single"] = {"big_batch": big, "small_batch": small}
     torch.set_num_threads(threads)
     log(f"workloads: {name}: one process: {out['single']}")
     out["modes"] = {}
