@@ -1,5 +1,6 @@
 """The all-reduce baseline with real processes: a 2-rank CLI run writes the PS worker's metrics
-schema and ends with one model, and K steps equal single-process SGD on the concatenated batches."""
+schema and ends with one model, its gloo group and threads gone when the run returns, and K steps
+equal single-process SGD on the concatenated batches."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, Proc, communicate_all, spawn
+from conftest import REPO, Proc, child_env, communicate_all, spawn
 from psgrad.tasks import get_task
 from psgrad.tasks.data import batches
 
@@ -35,6 +36,29 @@ def _stop_all(procs: list[Proc]) -> None:
         p.popen.wait()
 
 
+# Rank 0 of the CLI test's job runs under this: one CLI rank, then the names of the threads still
+# alive in its process (a fresh interpreter: no earlier import in the test process hides the problem).
+# A thread that is ending when the run returns is given 10 s to be gone (polled): one that stays
+# is held by a group still alive.
+_THREADS_AFTER = """
+import os, sys, time
+from psgrad.cli.main import main
+code = main(sys.argv[1:])
+def names():
+    out = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:  # that thread ended meanwhile
+            pass
+    return sorted(out)
+deadline = time.monotonic() + 10
+while any("gloo" in n for n in names()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("exit", code, "threads", ",".join(names()))
+"""
+
+
 @pytest.mark.slow
 def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -44,15 +68,24 @@ def test_two_ranks_via_cli_write_the_worker_schema_and_end_with_one_model(
     store = tmp_path / "store"
     common = ["--num-workers", str(world), "--store", str(store), "--task", "digits", "--steps", str(steps),
               "--batch-size", "16", "--momentum", "0.9", "--eval-every", "10", "--slowdown", "1.5"]
+    # Rank 0 reports the threads left when its run returned: a gloo group still alive at interpreter
+    # exit is torn down during finalization, which can abort the process after a successful run
+    # (exit -6, "terminate called without an active exception").
     procs = [
-        spawn(["allreduce", "--rank", str(r), *common, "--metrics-out", str(tmp_path / f"w{r}.jsonl")])
-        for r in range(world)
+        Proc([sys.executable, "-c", _THREADS_AFTER, "allreduce", "--rank", "0", *common, "--metrics-out",
+              str(tmp_path / "w0.jsonl")], name="psgrad-allreduce", cwd=REPO, new_session=False, env=child_env()),
+        *[spawn(["allreduce", "--rank", str(r), *common, "--metrics-out", str(tmp_path / f"w{r}.jsonl")])
+          for r in range(1, world)],
     ]
     try:
         for p in procs:
             assert p.wait(90) == 0, p.output
     finally:
         _stop_all(procs)
+    last = procs[0].lines[-1]
+    assert last.startswith("exit 0 threads "), procs[0].output
+    threads = last.split(" threads ", 1)[1].split(",")  # a thread name may hold spaces, never a comma
+    assert not [n for n in threads if "gloo" in n], last
     finals = []
     for r, p in enumerate(procs):
         assert f"worker {r}/{world}: step {steps}/{steps} loss " in p.output
@@ -146,44 +179,3 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
     init = task.build_model()  # sanity: training moved the weights well beyond the tolerance
     assert (expected - torch.cat([p.detach().reshape(-1) for p in init.parameters()])).abs().max() > 1e-2
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
-
-
-# Run in a fresh interpreter, so that no earlier import in the test process hides the problem:
-# one CLI rank of a 1-rank job, then the names of the threads still alive in the process.
-# A thread that is ending when the run returns is given 10 s to be gone (polled): one that stays
-# is held by a group still alive.
-_THREADS_AFTER = """
-import os, sys, time
-from psgrad.cli.main import main
-code = main(sys.argv[1:])
-def names():
-    out = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            out.append(open(f"/proc/self/task/{t}/comm").read().strip())
-        except OSError:  # that thread ended meanwhile
-            pass
-    return sorted(out)
-deadline = time.monotonic() + 10
-while any("gloo" in n for n in names()) and time.monotonic() < deadline:
-    time.sleep(0.05)
-print("exit", code, "threads", ",".join(names()))
-"""
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux /proc")
-def test_the_gloo_group_and_its_threads_are_gone_when_the_run_returns(tmp_path: Path) -> None:
-    # A group still alive at interpreter exit is torn down during finalization, which can abort the
-    # process after a successful run (exit -6, "terminate called without an active exception").
-    args = ["allreduce", "--rank", "0", "--num-workers", "1", "--store", str(tmp_path / "store"),
-            "--task", "digits", "--steps", "3", "--batch-size", "16", "--eval-every", "3"]
-    out = subprocess.run(
-        [sys.executable, "-c", _THREADS_AFTER, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("exit 0 threads "), out.stdout
-    assert "worker 0/1: final test_loss " in out.stdout
-    threads = last.split(" threads ", 1)[1].split(",")  # a thread name may hold spaces, never a comma
-    assert not [n for n in threads if "gloo" in n], last

@@ -25,8 +25,9 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import REPO, Proc, health, run_benchmark, run_cli, scrape, spawn
+from conftest import REPO, Proc, health, run_benchmark, scrape, spawn
 from psgrad.wire.protocol import SERVICE_NAME
+from test_security import cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +77,7 @@ def server(*extra: str) -> tuple[Proc, str, str]:
 
 
 @pytest.mark.slow
-def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> None:
+def test_metrics_agree_with_status_health_follows_init_and_logs_are_json(capsys: pytest.CaptureFixture[str]) -> None:
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -95,7 +96,9 @@ def test_metrics_agree_with_status_health_follows_init_and_logs_are_json() -> No
         for w in workers:
             assert w.wait(120) == 0, w.output
         assert health(address) == "SERVING"
-        status = json.loads(run_cli(["status", "--servers", address, "--json"]).stdout)["shards"][0]
+        code, out, err = cli(capsys, ["status", "--servers", address, "--json"])  # the command line, in this process
+        assert code == 0, err
+        status = json.loads(out)["shards"][0]
         m = scrape(url)
     finally:
         assert proc.stop() == 0

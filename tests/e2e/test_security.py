@@ -64,26 +64,54 @@ def test_a_server_binds_beyond_loopback_only_with_tls_or_insecure(tmp_path: Path
         assert proc.stop() == 0
 
 
+def cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
+    """`psgrad ARGS` in this process (the command line's own code: parser, command, errors turned into
+    exit codes): (exit code, stdout, stderr). The `psgrad` logger is left as it was found."""
+    import logging
+
+    from psgrad.cli.main import main
+
+    root = logging.getLogger("psgrad")
+    saved = (list(root.handlers), root.level, root.propagate)
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
+        root.propagate = saved[2]
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_credential_errors_say_which_credential_is_missing(tmp_path: Path) -> None:
-    assert run_cli(["certs", str(tmp_path / "c"), "--num-workers", "1"]).returncode == 0
+def test_credential_errors_say_which_credential_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server and the worker given another job's secret are real processes; the short commands
+    that only read files and ask a status (certs, status, a worker refused before it connects) run
+    the command line in this process."""
+    assert cli(capsys, ["certs", str(tmp_path / "c"), "--num-workers", "1"])[0] == 0
     c = tmp_path / "c"
     proc = spawn(["server", "--port", "0", "--job-secret-file", str(c / "job.secret")])
     try:
         address = proc.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
-        res = run_cli(["status", "--servers", address], timeout_s=60)
-        assert res.returncode == 1 and "no token: this server requires a token derived from the job secret" in res.stderr
-        res = run_cli(["status", "--servers", address, "--job-secret-file", str(c / "job.secret")], timeout_s=60)
-        assert res.returncode == 0 and "not initialized" in res.stdout  # the admin's token, over local credentials
+        code, _, err = cli(capsys, ["status", "--servers", address])
+        assert code == 1 and "no token: this server requires a token derived from the job secret" in err, err
+        code, out, err = cli(capsys, ["status", "--servers", address, "--job-secret-file", str(c / "job.secret")])
+        assert code == 0 and "not initialized" in out, err  # the admin's token, over local credentials
         (tmp_path / "other").write_text("another job's secret, 32 bytes...")
         res = run_cli(["worker", "--servers", address, "--steps", "1", "--job-secret-file", str(tmp_path / "other")],
                       timeout_s=90)
         assert res.returncode == 1 and "not derived from this job's secret" in res.stderr
     finally:
         proc.stop()
-    res = run_cli(["worker", "--servers", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")])
-    assert res.returncode == 2 and "missing.pem" in res.stderr
-    assert run_cli(["certs", str(c), "--num-workers", "1"]).returncode == 2  # never overwrites a job's keys
+    code, _, err = cli(capsys, ["worker", "--servers", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")])
+    assert code == 2 and "missing.pem" in err, err
+    assert cli(capsys, ["certs", str(c), "--num-workers", "1"])[0] == 2  # never overwrites a job's keys
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
 
-# In a child process: a segfault must fail the test, not end the test run.
+# In a child process: a segfault must fail the test, not end the test run. One child tries every
+# edit in turn (a fresh server, model and optimizer for each): its output is one block per edit.
 SCRIPT = """
 import sys, torch
 from torch import nn
@@ -22,48 +23,55 @@ from psgrad.config import ClientConfig, ServerConfig
 from psgrad.errors import ConfigError
 from psgrad.server.runtime import start_server
 
-shared_memory, edit, device = sys.argv[1] == "1", sys.argv[2], sys.argv[3]
-server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)).to(device)
-x = torch.randn(16, 8, device=device)
-with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
-    opt = ps.optimizer(model)
-    def step():
-        opt.zero_grad(); model(x).sum().backward(); return opt.step()
-    step()
-    print("path", "lent" if opt.flat._lent else "copied", flush=True)
-    with torch.no_grad():
-        if edit == "load_state_dict":
-            model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-        else:
-            nn.init.zeros_(model[2].weight)
-    print("edited", flush=True)
-    try:
+shared_memory, device, edits = sys.argv[1] == "1", sys.argv[2], sys.argv[3:]
+for edit in edits:
+    print("edit", edit, flush=True)
+    server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)).to(device)
+    x = torch.randn(16, 8, device=device)
+    with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
+        opt = ps.optimizer(model)
+        def step():
+            opt.zero_grad(); model(x).sum().backward(); return opt.step()
         step()
-    except ConfigError as exc:
-        print("refused:", exc, flush=True)
-    else:
-        print("applied silently", flush=True)
-    opt.refresh()
-    assert float(model[2].weight.abs().sum()) > 0, "refresh brought the job's weights back"
-    step()
-    print("continued", flush=True)
-server.stop(0)
+        print("path", "lent" if opt.flat._lent else "copied", flush=True)
+        with torch.no_grad():
+            if edit == "load_state_dict":
+                model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+            else:
+                nn.init.zeros_(model[2].weight)
+        print("edited", flush=True)
+        try:
+            step()
+        except ConfigError as exc:
+            print("refused:", exc, flush=True)
+        else:
+            print("applied silently", flush=True)
+        opt.refresh()
+        assert float(model[2].weight.abs().sum()) > 0, "refresh brought the job's weights back"
+        step()
+        print("continued", flush=True)
+    server.stop(0)
 """
+EDITS = ["load_state_dict", "nn.init"]
 
 
 @pytest.mark.parametrize("shared_memory, device", [(True, "cpu"), (False, "cpu"), pytest.param(True, "cuda", marks=pytest.mark.cuda)],
                          ids=["same-host", "grpc", "cuda"])
-@pytest.mark.parametrize("edit", ["load_state_dict", "nn.init"])
-def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, device: str, edit: str) -> None:
-    """(On CUDA the parameters are the worker's own device memory: the pulled weights are copied in.)"""
-    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", edit, device],
+def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, device: str) -> None:
+    """Each edit: load_state_dict, nn.init. (On CUDA the parameters are the worker's own device memory:
+    the pulled weights are copied in.)"""
+    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", device, *EDITS],
                          capture_output=True, text=True, timeout=100, cwd=REPO)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
-    lines = res.stdout.splitlines()
-    assert lines[0] == ("path lent" if shared_memory and device == "cpu" else "path copied"), lines
-    assert lines[1] == "edited"
-    assert lines[2].startswith("refused: parameter '") and "changed in place after ps.optimizer(model)" in lines[2], lines
-    assert "'2.weight'" in lines[2] or edit == "load_state_dict", lines[2]
-    assert lines[3] == "continued", lines
+    out = res.stdout.splitlines()
+    assert len(out) == 5 * len(EDITS), out
+    for k, edit in enumerate(EDITS):
+        edit_line, *lines = out[5 * k: 5 * k + 5]
+        assert edit_line == f"edit {edit}", out
+        assert lines[0] == ("path lent" if shared_memory and device == "cpu" else "path copied"), lines
+        assert lines[1] == "edited"
+        assert lines[2].startswith("refused: parameter '") and "changed in place after ps.optimizer(model)" in lines[2], lines
+        assert "'2.weight'" in lines[2] or edit == "load_state_dict", lines[2]
+        assert lines[3] == "continued", lines
