@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import signal
 import socket
@@ -18,6 +19,25 @@ from conftest import REPO, Proc, run_cli, spawn
 from psgrad.cli import flags
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.core.stragglers import StragglerModel
+
+
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`psgrad ARGS` run in this process, its exit code and output as run_cli gives them. For input the CLI
+    refuses before it starts anything (and for a worker whose servers refuse it): what a child would add
+    is only an interpreter and `import torch`, several CPU-seconds a call."""
+    from psgrad.cli.main import main
+
+    psgrad_log = logging.getLogger("psgrad")  # main() points the psgrad loggers at this test's streams
+    saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
+    capsys.readouterr()
+    try:
+        rc = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        rc = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
 
 
 def test_server_announces_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -53,11 +73,11 @@ def test_worker_exits_within_its_deadline_when_the_server_does_not_answer() -> N
     assert elapsed < 60  # interpreter start + 2 s deadline, not a hang
 
 
-def test_unknown_task_is_a_usage_error_listing_valid_tasks() -> None:
-    res = run_cli(["worker", "--servers", "127.0.0.1:1", "--task", "nope"])
+def test_unknown_task_is_a_usage_error_listing_valid_tasks(capsys: pytest.CaptureFixture[str]) -> None:
+    res = cli(["worker", "--servers", "127.0.0.1:1", "--task", "nope"], capsys)
     assert res.returncode == 2
     assert "unknown task 'nope'" in res.stderr and "digits" in res.stderr
-    res = run_cli(["launch", "--task", "nope"])
+    res = cli(["launch", "--task", "nope"], capsys)
     assert res.returncode == 2 and "digits" in res.stderr
 
 
@@ -121,11 +141,13 @@ def test_two_servers_two_async_workers_by_hand(start_servers, tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_second_worker_with_another_lr_is_refused_naming_the_field(start_servers) -> None:  # type: ignore[no-untyped-def]
+def test_second_worker_with_another_lr_is_refused_naming_the_field(start_servers, capsys) -> None:  # type: ignore[no-untyped-def]
+    # A real server process; the two workers (what is tested is the server's refusal and how the
+    # worker command reports it) run here: 2 steps and a refused join, not 2 x `import torch`.
     servers = ",".join(start_servers(1))
-    chief = run_cli(["worker", "--servers", servers, "--num-workers", "2", "--steps", "2", "--lr", "0.1"])
+    chief = cli(["worker", "--servers", servers, "--num-workers", "2", "--steps", "2", "--lr", "0.1"], capsys)
     assert chief.returncode == 0, chief.stderr
-    res = run_cli(["worker", "--servers", servers, "--rank", "1", "--num-workers", "2", "--steps", "2", "--lr", "0.3"])
+    res = cli(["worker", "--servers", servers, "--rank", "1", "--num-workers", "2", "--steps", "2", "--lr", "0.3"], capsys)
     assert res.returncode == 1
     assert "lr: shard has 0.1, worker rank 1 sent 0.3" in res.stderr
 
@@ -163,7 +185,7 @@ def test_launch_trains_reports_status_and_leaves_nothing_behind(tmp_path: Path) 
     assert (tmp_path / "worker0.jsonl").exists() and (tmp_path / "worker1.jsonl").exists()
 
 
-def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_backups() -> None:
+def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_backups(capsys: pytest.CaptureFixture[str]) -> None:
     from psgrad.cli.commands import server_metrics_argv
     from psgrad.cli.parser import build_parser
 
@@ -173,7 +195,7 @@ def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_back
         ["--metrics-port", str(p)] for p in (9103, 9104, 9105, 9106)]  # workers: 9100-9102
     assert server_metrics_argv(parse(["launch", "--metrics-port", "0"]), 1) == ["--metrics-port", "0"]
     assert server_metrics_argv(parse(["launch"]), 0) == []
-    res = run_cli(["launch", "--num-servers", "2", "--num-workers", "2", "--metrics-port", "65533"], timeout_s=60)
+    res = cli(["launch", "--num-servers", "2", "--num-workers", "2", "--metrics-port", "65533"], capsys)
     assert res.returncode == 2 and "ports up to 65536" in res.stderr, res.stderr
 
 
@@ -280,13 +302,14 @@ def test_launch_with_overlap_trains_and_records_the_wait(tmp_path: Path) -> None
     assert records[-1]["event"] == "final" and records[-1]["test_accuracy"] > 0.5
 
 
-def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts() -> None:
-    res = run_cli(["launch", "--mode", "sync", "--overlap"])
+def test_overlap_in_sync_mode_is_a_usage_error_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    res = cli(["launch", "--mode", "sync", "--overlap"], capsys)
     assert res.returncode == 2
     assert "overlap needs mode async or ssp" in res.stderr and "[launch]" not in res.stdout
 
 
-def test_transport_flags_reach_the_configs() -> None:
+def test_transport_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import psgrad.server.runtime
     from psgrad.cli.flags import client_config
     from psgrad.cli.parser import build_parser
 
@@ -296,13 +319,14 @@ def test_transport_flags_reach_the_configs() -> None:
     assert ns.shared_memory is True and "--no-shared-memory" not in client_config(ns).to_argv()
     assert build_parser().parse_args(["server", "--push-buffers", "3"]).push_buffers == 3
     assert build_parser().parse_args(["server"]).stream_window_bytes == 4 << 20
-    res = run_cli(["server", "--stream-window-bytes", "5"])
+    monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda *_, **__: pytest.fail("a bad flag was served"))
+    res = cli(["server", "--stream-window-bytes", "5"], capsys)
     assert res.returncode == 2 and "stream_window_bytes must be 0" in res.stderr
-    res = run_cli(["server", "--push-buffers", "0"])
+    res = cli(["server", "--push-buffers", "0"], capsys)
     assert res.returncode == 2 and "must be >= 1" in res.stderr
 
 
-def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     import psgrad.server.runtime
@@ -318,7 +342,7 @@ def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.Monkey
     finally:
         torch.set_num_threads(before)
     assert seen == [3, 1]  # one by default
-    res = run_cli(["server", "--torch-threads", "0"])
+    res = cli(["server", "--torch-threads", "0"], capsys)
     assert res.returncode == 2 and "--torch-threads" in res.stderr
 
 
@@ -411,7 +435,7 @@ def test_the_parser_imports_neither_torch_nor_grpc() -> None:
 
 
 @pytest.mark.slow
-def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale(tmp_path: Path) -> None:
+def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     from psgrad.cli.flags import apply_recipe, job_spec
     from psgrad.cli.parser import build_parser
 
@@ -419,16 +443,16 @@ def test_dc_asgd_flags_reach_the_job_spec_and_are_refused_where_nothing_is_stale
     apply_recipe(ns)
     spec = job_spec(ns, 1, 1)
     assert (spec.dc_asgd, spec.dc_asgd_adaptive) == (2.0, True) and "--dc-asgd-adaptive" in spec.to_argv()
-    res = run_cli(["launch", "--mode", "sync", "--dc-asgd", "0.04"])
+    res = cli(["launch", "--mode", "sync", "--dc-asgd", "0.04"], capsys)
     assert res.returncode == 2 and "mode 'sync' applies every gradient" in res.stderr and "[launch]" not in res.stdout
-    res = run_cli(["launch", "--overlap", "--dc-asgd", "0.04"])
+    res = cli(["launch", "--overlap", "--dc-asgd", "0.04"], capsys)
     assert res.returncode == 2 and "overlap and --dc-asgd" in res.stderr
-    res = run_cli(["allreduce", "--store", str(tmp_path / "store"), "--dc-asgd", "0.04"])
+    res = cli(["allreduce", "--store", str(tmp_path / "store"), "--dc-asgd", "0.04"], capsys)
     assert res.returncode == 2 and "all-reduce baseline is synchronous" in res.stderr
 
 
 @pytest.mark.slow
-def test_compress_flags_reach_the_job_and_the_worker_and_bad_names_exit_2() -> None:
+def test_compress_flags_reach_the_job_and_the_worker_and_bad_names_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     from psgrad.cli.flags import apply_recipe, client_config, job_spec
     from psgrad.cli.parser import build_parser
 
@@ -441,5 +465,5 @@ def test_compress_flags_reach_the_job_and_the_worker_and_bad_names_exit_2() -> N
     for args, says in ((["worker", "--servers", "127.0.0.1:1", "--compress", "topk"], "topk needs a ratio"),
                        (["launch", "--compress", "zstd"], "unknown compression 'zstd'"),
                        (["compare", "--modes", "async:compress=topk:2"], "0 < RATIO <= 1")):
-        res = run_cli(args)
+        res = cli(args, capsys)
         assert res.returncode == 2 and says in res.stderr, res.stderr
