@@ -3,12 +3,14 @@ written: every shell block of docs/getting-started/ runs, in a fresh directory, 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -36,9 +38,12 @@ def reference() -> ModuleType:
     return module
 
 
-def _run_script(script: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+def _run_script(
+    script: str, cwd: Path, timeout_s: float, check: Callable[[str, Path], None] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run a page's shell blocks as one bash script (set -euo pipefail), `psgrad` being this checkout's,
-    in a session of its own so that nothing it started in the background outlives it."""
+    in a session of its own so that nothing it started in the background outlives it; check(output,
+    cwd), if given, runs once the script has ended successfully, before that cleanup."""
     bin_dir = cwd / ".bin"
     bin_dir.mkdir()
     (bin_dir / "psgrad").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m psgrad \"$@\"\n")
@@ -51,6 +56,8 @@ def _run_script(script: str, cwd: Path, timeout_s: float) -> subprocess.Complete
                                 start_new_session=True)
     try:
         proc.wait(timeout=timeout_s)
+        if check is not None and proc.returncode == 0:
+            check(log.read_text(), cwd)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"timed out after {timeout_s} s:\n{log.read_text()[-5000:]}") from None
     finally:
@@ -63,12 +70,68 @@ def _run_script(script: str, cwd: Path, timeout_s: float) -> subprocess.Complete
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def launch_page_trains_reports_status_and_leaves_nothing_behind(out: str, cwd: Path) -> None:
+    """launch.md's `psgrad launch` (2 servers, 2 async workers, 300 steps): each worker's final line under
+    its prefix, every server's output relayed, the final status of both shards (each applied every push:
+    2 x 300), metrics files, and no child left once launch has exited (test_cli's launch test, which ran
+    the same job, folded in here)."""
+    assert re.search(r"^\[worker0\] worker 0/2: final test_loss", out, re.M), out
+    assert re.search(r"^\[worker1\] worker 1/2: final test_loss", out, re.M), out
+    assert re.search(r"^\[server1\] psgrad server listening on", out, re.M), out
+    versions = re.findall(r"^\s+\d+ 127\.0\.0\.1:\d+\s+\[\d+, \d+\)\s+(\d+)", out, re.M)
+    assert versions == ["600", "600"], out
+    pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"\[launch\] started (\S+) \(pid (\d+)\)", out)}
+    assert set(pids) == {"server0", "server1", "worker0", "worker1"}, out
+    assert all(_gone(pid) for pid in pids.values()), pids
+    assert (cwd / "metrics" / "worker0.jsonl").exists() and (cwd / "metrics" / "worker1.jsonl").exists()
+
+
+def by_hand_page_trains_and_its_status_adds_up(out: str, cwd: Path) -> None:
+    """by-hand.md's two servers and two async workers (300 steps each): both train (>= 0.9 test accuracy;
+    async with momentum 0.9 varies with how the pushes interleave: 0.925-0.975 seen on a busy 2-core VM),
+    their JSONL has every step, and `psgrad status` shows every push applied, each worker's clock and
+    that it left, and the staleness of every push (test_cli's by-hand test, which ran the same
+    processes, folded in here)."""
+    steps = 300
+    for r in range(2):
+        records = [json.loads(line) for line in (cwd / f"w{r}.jsonl").read_text().splitlines()]
+        assert all({"time", "rank", "step"} <= rec.keys() and rec["rank"] == r for rec in records)
+        assert records[0]["event"] == "start"
+        assert records[-1]["event"] == "final" and records[-1]["step"] == steps
+        assert records[-1]["test_accuracy"] >= 0.9, records[-1]
+        assert sum("test_accuracy" in rec for rec in records) >= 3
+        assert [rec["step"] for rec in records[1:-1]] == list(range(1, steps + 1))
+    rows = re.findall(r"^\s+(\d+) 127\.0\.0\.1:\d+\s+\[(\d+), (\d+)\)\s+(\d+)\s+(\d+) ", out, re.M)
+    assert [(shard, version, applied) for shard, _, _, version, applied in rows] == [
+        ("0", "600", "600"), ("1", "600", "600")], out
+    assert rows[0][2] == rows[1][1]  # shard 0 ends where shard 1 begins
+    assert f"shard 0: workers 0:clock={steps},left 1:clock={steps},left" in out, out
+    (hist,) = re.findall(r"^shard 0: staleness histogram (.*) \(mean", out, re.M)
+    assert sum(int(pair.split(":")[1]) for pair in hist.split()) == 2 * steps, hist
+
+
+PAGE_CHECKS: dict[str, Callable[[str, Path], None]] = {
+    "launch.md": launch_page_trains_reports_status_and_leaves_nothing_behind,
+    "by-hand.md": by_hand_page_trains_and_its_status_adds_up,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("page", [p.name for p in GETTING_STARTED if any(run for run, _ in shell_blocks(p))])
 def test_every_shell_block_of_a_getting_started_page_runs(page: str, tmp_path: Path) -> None:
+    """Every page's blocks succeed; the pages whose job the CLI tests ran too are checked as those did
+    (PAGE_CHECKS: one run of the job instead of two)."""
     script = "\n".join(code for run, code in shell_blocks(DOCS / "getting-started" / page) if run)
-    res = _run_script(script, tmp_path, timeout_s=360)
+    res = _run_script(script, tmp_path, timeout_s=360, check=PAGE_CHECKS.get(page))
     print(res.stdout[-5000:])
     assert res.returncode == 0, f"{page}: exit {res.returncode}\n{res.stdout[-5000:]}"
 

