@@ -135,6 +135,29 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
         proc.stop(grace_s=0)
 
 
+def cli_in_process(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`psgrad ARGS` run in this process (the command line's own code: parser, command, errors turned
+    into exit codes), its exit code and output as run_cli gives them. For input the CLI refuses before
+    it starts anything, and for commands a test runs beside real servers: a child would add only an
+    interpreter and its imports. The `psgrad` logger, which main() points at this test's streams, is
+    left as it was found."""
+    import logging
+
+    from psgrad.cli.main import main
+
+    psgrad_log = logging.getLogger("psgrad")
+    saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        rc = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
+
+
 @pytest.fixture
 def make_servers():  # type: ignore[no-untyped-def]
     """make_servers(n, lease_s=10.0, **ServerConfig fields) -> n in-process gRPC servers on port 0, stopped

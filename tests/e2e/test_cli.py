@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import re
 import signal
 import socket
@@ -15,29 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Proc, run_cli, spawn
+from conftest import REPO, Proc, cli_in_process as cli, run_cli, spawn
 from psgrad.cli import flags
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.core.stragglers import StragglerModel
-
-
-def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    """`psgrad ARGS` run in this process, its exit code and output as run_cli gives them. For input the CLI
-    refuses before it starts anything (and for a worker whose servers refuse it): what a child would add
-    is only an interpreter and `import torch`, several CPU-seconds a call."""
-    from psgrad.cli.main import main
-
-    psgrad_log = logging.getLogger("psgrad")  # main() points the psgrad loggers at this test's streams
-    saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
-    capsys.readouterr()
-    try:
-        rc = main(args)
-    except SystemExit as exc:  # argparse's usage errors
-        rc = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
 
 
 def test_server_announces_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -25,9 +25,8 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import REPO, Proc, health, run_benchmark, scrape, spawn
+from conftest import REPO, Proc, cli_in_process as cli, health, run_benchmark, scrape, spawn
 from psgrad.wire.protocol import SERVICE_NAME
-from test_security import cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,7 +95,8 @@ def test_metrics_agree_with_status_health_follows_init_and_logs_are_json(capsys:
         for w in workers:
             assert w.wait(120) == 0, w.output
         assert health(address) == "SERVING"
-        code, out, err = cli(capsys, ["status", "--servers", address, "--json"])  # the command line, in this process
+        res = cli(["status", "--servers", address, "--json"], capsys)
+        code, out, err = res.returncode, res.stdout, res.stderr  # the command line, in this process
         assert code == 0, err
         status = json.loads(out)["shards"][0]
         m = scrape(url)

@@ -4,14 +4,12 @@ uninterrupted one does."""
 from __future__ import annotations
 
 import json
-import logging
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, spawn
+from conftest import cli_in_process as cli, run_cli, spawn
 
 # Every step takes at least 25 ms (--step-time-ms: a wait, no CPU), so the 70 steps after the stop's
 # trigger (step 50, read from launch's relayed output) outlast that output's lag on a busy machine.
@@ -63,24 +61,6 @@ def test_a_stopped_sync_job_resumes_from_its_checkpoints_and_ends_as_an_uninterr
     assert [(r["test_loss"], r["test_accuracy"]) for r in got] == [(r["test_loss"], r["test_accuracy"]) for r in want], (
         said, [line for line in first.lines if "evicted" in line or "rolled back" in line or "restored" in line],
         resumed.stdout[-3000:])
-
-
-def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    """`psgrad ARGS` in this process (a launch refused before it starts anything: a child would add only
-    an interpreter and `import torch`), its exit code and output."""
-    from psgrad.cli.main import main
-
-    psgrad_log = logging.getLogger("psgrad")  # main() points the psgrad loggers at this test's streams
-    saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
-    capsys.readouterr()
-    try:
-        rc = main(args)
-    except SystemExit as exc:  # argparse's usage errors
-        rc = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
 
 
 @pytest.mark.timeout(120)

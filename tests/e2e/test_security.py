@@ -3,11 +3,12 @@ secured jobs training as before in every mode, the bind rule, and credential err
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import run_benchmark, run_cli, spawn
+from conftest import cli_in_process as cli, run_benchmark, run_cli, spawn
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,6 +35,10 @@ def test_every_attack_is_refused_or_harmless_and_leaves_the_shard_unchanged() ->
     assert "duplicate" in rows[("a replayed push (worker 1's last Step, sent again)", "Step")]["message"]
     assert len(doc["rows"]) >= 18
 
+
+
+def _triple(res: subprocess.CompletedProcess[str]) -> tuple[int, str, str]:
+    return res.returncode, res.stdout, res.stderr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, security", [("sync", "--tls"), ("async", "--tls"), ("ssp", "--tokens")])
@@ -64,44 +69,19 @@ def test_a_server_binds_beyond_loopback_only_with_tls_or_insecure(tmp_path: Path
         assert proc.stop() == 0
 
 
-def cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
-    """`psgrad ARGS` in this process (the command line's own code: parser, command, errors turned into
-    exit codes): (exit code, stdout, stderr). The `psgrad` logger is left as it was found."""
-    import logging
-
-    from psgrad.cli.main import main
-
-    root = logging.getLogger("psgrad")
-    saved = (list(root.handlers), root.level, root.propagate)
-    capsys.readouterr()
-    try:
-        code = main(args)
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        for handler in saved[0]:
-            root.addHandler(handler)
-        root.setLevel(saved[1])
-        root.propagate = saved[2]
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.slow
 def test_credential_errors_say_which_credential_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The server and the worker given another job's secret are real processes; the short commands
     that only read files and ask a status (certs, status, a worker refused before it connects) run
     the command line in this process."""
-    assert cli(capsys, ["certs", str(tmp_path / "c"), "--num-workers", "1"])[0] == 0
+    assert cli(["certs", str(tmp_path / "c"), "--num-workers", "1"], capsys).returncode == 0
     c = tmp_path / "c"
     proc = spawn(["server", "--port", "0", "--job-secret-file", str(c / "job.secret")])
     try:
         address = proc.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
-        code, _, err = cli(capsys, ["status", "--servers", address])
+        code, _, err = _triple(cli(["status", "--servers", address], capsys))
         assert code == 1 and "no token: this server requires a token derived from the job secret" in err, err
-        code, out, err = cli(capsys, ["status", "--servers", address, "--job-secret-file", str(c / "job.secret")])
+        code, out, err = _triple(cli(["status", "--servers", address, "--job-secret-file", str(c / "job.secret")], capsys))
         assert code == 0 and "not initialized" in out, err  # the admin's token, over local credentials
         (tmp_path / "other").write_text("another job's secret, 32 bytes...")
         res = run_cli(["worker", "--servers", address, "--steps", "1", "--job-secret-file", str(tmp_path / "other")],
@@ -109,9 +89,9 @@ def test_credential_errors_say_which_credential_is_missing(tmp_path: Path, capsy
         assert res.returncode == 1 and "not derived from this job's secret" in res.stderr
     finally:
         proc.stop()
-    code, _, err = cli(capsys, ["worker", "--servers", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")])
+    code, _, err = _triple(cli(["worker", "--servers", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")], capsys))
     assert code == 2 and "missing.pem" in err, err
-    assert cli(capsys, ["certs", str(c), "--num-workers", "1"])[0] == 2  # never overwrites a job's keys
+    assert cli(["certs", str(c), "--num-workers", "1"], capsys).returncode == 2  # never overwrites a job's keys
 
 
 @pytest.mark.slow
