@@ -459,17 +459,17 @@ def backup_throughput(megabytes: int, mode: str, workers: int, steps: int, backu
 def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, Any]:
     p = PRESETS["primary"][preset]
     kill_steps = [p["first_kill"] + k * p["kill_every"] for k in range(p["kills"])]
-    workers = p["workers"]
+    job_workers = p["workers"]  # (the throughput part's own counts are `workers` below)
     results = []
     for mode in modes or p["modes"]:
         with tempfile.TemporaryDirectory(prefix="psgrad-failover-") as a, \
                 tempfile.TemporaryDirectory(prefix="psgrad-failover-") as b:
             # sync always has its uninterrupted run: its weights are compared bit for bit
-            base = (run_primary_kill(mode, p["steps"], [], seed, Path(a), backups=False, workers_count=workers)
+            base = (run_primary_kill(mode, p["steps"], [], seed, Path(a), backups=False, workers_count=job_workers)
                     if mode == "sync" or mode in p["uninterrupted_modes"] else None)
             killed, _ = _until_mid_run(lambda d: run_primary_kill(mode, p["steps"], kill_steps, seed, d, backups=True,  # noqa: B023
-                                                                  workers_count=workers), Path(b))
-        expected = p["steps"] if mode == "sync" else workers * p["steps"]
+                                                                  workers_count=job_workers), Path(b))
+        expected = p["steps"] if mode == "sync" else job_workers * p["steps"]
         # None: every worker had finished when that kill landed (see _until_mid_run)
         worst = [max((s for s in per_kill if s is not None), default=None) for per_kill in killed["stall_s"]]
         row: dict[str, Any] = {
@@ -505,7 +505,7 @@ def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, 
                         # the fastest run with a backup against the fastest without: the least disturbed pair
                         "ratio_of_bests": round(max(w[key] for _, w in runs) / max(x[key] for x, _ in runs), 3)}
         cost[mode] = cost_row
-    return {"benchmark": "failover", "fault": "primary", "preset": preset, "workers": workers, "shards": SHARDS, "steps": p["steps"],
+    return {"benchmark": "failover", "fault": "primary", "preset": preset, "workers": job_workers, "shards": SHARDS, "steps": p["steps"],
             "kill_steps": kill_steps, "results": results, "throughput_mb": mb, "throughput": cost}
 
 
