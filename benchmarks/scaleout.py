@@ -88,8 +88,7 @@ from psgrad.server.limits import count_sockets
 
 MODELS = {"small": 100_000, "medium": 5_000_000}  # float32 parameters
 PRESETS: dict[str, dict[str, Any]] = {
-    # tiny: full's think time (CPU per second of a round grows as 1 / think: 20 ms cost 2.5x the CPU)
-    "tiny": {"hosts": 2, "sweep": {"small": (2, 8)}, "think_ms": {"small": 50.0},
+    "tiny": {"hosts": 2, "sweep": {"small": (2, 8)}, "think_ms": {"small": 20.0},
              "grid_model": "small", "grid_shards": (1, 2), "grid_workers": (2, 4), "reps": 1,
              "warmup_s": 0.3, "window_s": 0.8},
     "full": {"hosts": 4, "sweep": {"small": (4, 16, 32, 64, 128, 256), "medium": (4, 16, 64)},
