@@ -8,7 +8,9 @@ mode, on real server and worker processes on this machine (port 0). Prints one J
     python benchmarks/faults.py --fault primary --preset full    # 5 kills per mode (the killed server
                                                                   # rejoins as the backup between kills),
                                                                   # 100 MB throughput
-    python benchmarks/faults.py --fault primary --preset tiny    # CI-sized (every fault has a tiny preset)
+    python benchmarks/faults.py --fault primary --preset tiny    # CI-sized (every fault has a tiny preset;
+                                                                  # primary's: 2 workers, one kill per mode,
+                                                                  # sync alone run uninterrupted too)
 
 --fault worker: how long a SIGKILLed worker stalls the others. Two servers, and the last of the
 workers killed once it has logged step kill_at; the survivors' training time with the kill minus
@@ -33,12 +35,14 @@ process, and a backup process or none), `workers` clients in this process exchan
 through shared memory as on one host) a model of that many MB for a number of steps; rounds of one
 run without a backup and one with, each round's ratio and their median (async: 1 worker, one
 record per gradient; sync: 3 workers, one record per iteration, the mean). The kills: 2 shards,
-each a primary and a backup (`--replica-of`), 3 workers given `--servers P0|B0,P1|B1`. Per mode
+each a primary and a backup (`--replica-of`), the preset's workers (full: 3; tiny: 2) given
+`--servers P0|B0,P1|B1`. Per mode
 and kill: each worker's stall (the longest wait between two of its completed steps after the kill,
 before the next kill) and the worst over the workers; the checks: every worker finished, every
 push was applied exactly once on the survivors (sync: version = steps; async: version = workers x
 steps, so no acknowledged update was lost and none applied twice), and in sync mode the final
-weights are bitwise equal to the uninterrupted run's (which has no backups at all). With several
+weights are bitwise equal to the uninterrupted run's (which has no backups at all; the tiny preset
+runs no uninterrupted async job, whose accuracy without kills it reports as None). With several
 kills, the killed server is started again on its port as the backup of the survivor, and the next
 kill waits until it caught up.
 
@@ -82,13 +86,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "full": {"steps": 300, "kill_at": 100, "modes": ["sync", "async", "ssp"]},
     },
     "primary": {
+        # tiny: what CI checks (a kill per mode; sync's bitwise equality to its uninterrupted run) in
+        # as few processes as that takes: 2 workers, and no uninterrupted async run (nothing to compare
+        # an async run with bit for bit; its accuracy without the kill is reported as None)
         "tiny": {"steps": 60, "kills": 1, "first_kill": 20, "kill_every": 0, "modes": ["sync", "async"],
+                 "workers": 2, "uninterrupted_modes": ["sync"],
                  "throughput_mb": 8, "throughput_steps": 8, "throughput_rounds": 1},
         "full": {"steps": 400, "kills": 5, "first_kill": 40, "kill_every": 60, "modes": ["sync", "async"],
+                 "workers": 3, "uninterrupted_modes": ["sync", "async"],
                  "throughput_mb": 100, "throughput_steps": 10, "throughput_rounds": 3},
     },
 }
-WORKERS = 3  # the server and primary faults' workers (--fault worker: --workers)
+WORKERS = 3  # the server fault's workers (--fault primary: the preset's; --fault worker: --workers)
 SHARDS = 2
 CHECKPOINT_EVERY_VERSIONS = 20  # --fault server
 CHECKPOINT_EVERY_S = 2.0
@@ -339,8 +348,9 @@ def _server(name: str, *extra: str, port: int = 0) -> tuple[SupervisedProcess, s
 
 
 def run_primary_kill(mode: str, steps: int, kill_steps: list[int], seed: int, work: Path,
-                     backups: bool) -> dict[str, Any]:
-    """One job; at each of kill_steps (worker 0's step count) the primary of shard 0 is killed."""
+                     backups: bool, workers_count: int = WORKERS) -> dict[str, Any]:
+    """One job of workers_count workers; at each of kill_steps (worker 0's step count) the primary of
+    shard 0 is killed."""
     procs: list[SupervisedProcess] = []
     try:
         prim = [_server(f"primary{i}") for i in range(SHARDS)]
@@ -354,8 +364,8 @@ def run_primary_kill(mode: str, steps: int, kill_steps: list[int], seed: int, wo
                 shards[i].append(addr)
                 live[addr] = proc
         servers = ",".join("|".join(s) for s in shards)
-        common = [*_worker_args(servers, WORKERS, steps, mode, seed), "--reconnect-timeout-s", "30", "--device", "cpu"]
-        workers = _start_workers(WORKERS, common, work)
+        common = [*_worker_args(servers, workers_count, steps, mode, seed), "--reconnect-timeout-s", "30", "--device", "cpu"]
+        workers = _start_workers(workers_count, common, work)
         procs += workers
         kills: list[float] = []
         serving = shards[0][0]  # shard 0's primary
@@ -378,7 +388,7 @@ def run_primary_kill(mode: str, steps: int, kill_steps: list[int], seed: int, wo
         survivors = [serving] + [s[0] for s in shards[1:]]
         status = shard_status(survivors, 10.0)
         weights, _ = export_state_dict(survivors, 30.0)
-        records = [read_jsonl(work / f"w{r}.jsonl") for r in range(WORKERS)]
+        records = [read_jsonl(work / f"w{r}.jsonl") for r in range(workers_count)]
         out: dict[str, Any] = {
             "versions": [s.version for s in status],
             "pushes_duplicate": [s.pushes_duplicate for s in status],
@@ -449,14 +459,17 @@ def backup_throughput(megabytes: int, mode: str, workers: int, steps: int, backu
 def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, Any]:
     p = PRESETS["primary"][preset]
     kill_steps = [p["first_kill"] + k * p["kill_every"] for k in range(p["kills"])]
+    job_workers = p["workers"]  # (the throughput part's own counts are `workers` below)
     results = []
     for mode in modes or p["modes"]:
         with tempfile.TemporaryDirectory(prefix="psgrad-failover-") as a, \
                 tempfile.TemporaryDirectory(prefix="psgrad-failover-") as b:
-            base = run_primary_kill(mode, p["steps"], [], seed, Path(a), backups=False)
-            killed, _ = _until_mid_run(lambda d: run_primary_kill(mode, p["steps"], kill_steps, seed, d, backups=True),  # noqa: B023
-                                       Path(b))
-        expected = p["steps"] if mode == "sync" else WORKERS * p["steps"]
+            # sync always has its uninterrupted run: its weights are compared bit for bit
+            base = (run_primary_kill(mode, p["steps"], [], seed, Path(a), backups=False, workers_count=job_workers)
+                    if mode == "sync" or mode in p["uninterrupted_modes"] else None)
+            killed, _ = _until_mid_run(lambda d: run_primary_kill(mode, p["steps"], kill_steps, seed, d, backups=True,  # noqa: B023
+                                                                  workers_count=job_workers), Path(b))
+        expected = p["steps"] if mode == "sync" else job_workers * p["steps"]
         # None: every worker had finished when that kill landed (see _until_mid_run)
         worst = [max((s for s in per_kill if s is not None), default=None) for per_kill in killed["stall_s"]]
         row: dict[str, Any] = {
@@ -470,10 +483,10 @@ def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, 
             "expected_version": expected,
             "every_push_applied_once": all(v == expected for v in killed["versions"]),
             "epochs": killed["epochs"],
-            "final_accuracy_uninterrupted": base["final_accuracy"],
+            "final_accuracy_uninterrupted": None if base is None else base["final_accuracy"],
             "final_accuracy_with_kills": killed["final_accuracy"],
         }
-        if mode == "sync":
+        if base is not None and mode == "sync":
             row["weights_bitwise_equal"] = _same_tensors(base["weights"], killed["weights"])
         results.append(row)
     mb, n = p["throughput_mb"], p["throughput_steps"]
@@ -492,7 +505,7 @@ def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, 
                         # the fastest run with a backup against the fastest without: the least disturbed pair
                         "ratio_of_bests": round(max(w[key] for _, w in runs) / max(x[key] for x, _ in runs), 3)}
         cost[mode] = cost_row
-    return {"benchmark": "failover", "fault": "primary", "preset": preset, "workers": WORKERS, "shards": SHARDS, "steps": p["steps"],
+    return {"benchmark": "failover", "fault": "primary", "preset": preset, "workers": job_workers, "shards": SHARDS, "steps": p["steps"],
             "kill_steps": kill_steps, "results": results, "throughput_mb": mb, "throughput": cost}
 
 

@@ -4,7 +4,7 @@ in one run, rounds alternating, so machine noise hits both alike.
     python benchmarks/feature_cost.py --feature checkpoint --preset full   # 25M float32 (100 MB), checkpoints
                                                                            # every 10 s; the write part: an
                                                                            # Adam shard (300 MB of state)
-    python benchmarks/feature_cost.py --feature checkpoint --preset tiny   # CI-sized: 1M parameters, every 0.5 s
+    python benchmarks/feature_cost.py --feature checkpoint --preset tiny   # CI-sized: 1M parameters, every 0.25 s
     python benchmarks/feature_cost.py --feature metrics --preset full      # 100 MB push/pull x 30, 300
                                                                            # small-model steps a round
     python benchmarks/feature_cost.py --feature metrics --preset full --reps 20   # a preset, one size changed
@@ -116,7 +116,7 @@ from psgrad.wire.heap import tune_allocator
 FEATURES = ("checkpoint", "metrics", "tls")
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "checkpoint": {
-        "tiny": {"params": 1_000_000, "every_s": 0.5, "round_s": 1.5, "reps": 2, "poll_s": 0.05,
+        "tiny": {"params": 1_000_000, "every_s": 0.25, "round_s": 0.75, "reps": 2, "poll_s": 0.05,
                  "write_params": 1_000_000, "write_reps": 2},
         "full": {"params": 25_000_000, "every_s": 10.0, "round_s": 10.0, "reps": 12, "poll_s": 0.25,
                  "write_params": 25_000_000, "write_reps": 7},

@@ -16,6 +16,8 @@ def test_a_job_survives_kill_9_of_a_primary_with_a_backup() -> None:
     assert out["benchmark"] == "failover" and out["fault"] == "primary"
     rows = {r["mode"]: r for r in out["results"]}
     assert set(rows) == {"sync", "async"}
+    # async: every worker's every push, once (the document's worker count is the job's)
+    assert rows["async"]["expected_version"] == out["workers"] * out["steps"]
     for row in rows.values():
         assert row["kills"] == 1 and row["every_push_applied_once"], row
         assert row["versions"] == [row["expected_version"]] * 2
