@@ -1,6 +1,7 @@
 """Shared fixtures: real server subprocesses on port 0, and a reaper that leaves no child behind."""
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -343,14 +344,53 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min((os.cpu_count() or 1) + 1, 12)
 
 
+def _expected_cost(item: pytest.Item) -> float:
+    """A test's share of the run, as its timeout states it (the longer a test may take, the more it
+    costs): its timeout mark, else the suite's default."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None and mark.args:
+        return float(mark.args[0])
+    return float(item.config.getini("timeout") or 120)
+
+
+def _worksteal_chunks(count: int, workers: int) -> list[int]:
+    """How many tests xdist's worksteal scheduler first sends each worker: the collection in
+    contiguous chunks, each the pending count divided by the workers still to serve."""
+    sizes = []
+    for k in range(workers):
+        sizes.append(count // (workers - k))
+        count -= sizes[-1]
+    return sizes
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest tests first: those marked `ray` (they take turns, a chain of ~15 minutes under the
-    suite's own load that used to be its tail), then the other slow ones, then the rest. xdist's
-    worksteal hands each worker a contiguous part of this order, so the `ray` chain runs on one
-    worker from the start while the others share the rest. (On 2 vCPUs the suite is bound by CPU:
-    27:19 before, 26:59 after.)
+    """The longest tests first, on every xdist worker: the order is laid out in the contiguous chunks
+    xdist's worksteal hands the workers, and each chunk starts with its share of the slow tests
+    (heaviest first, shared out by their timeouts), then the quick ones. The tests marked `ray` (they
+    take turns, and share a cluster per module) all open the first chunk. A worker that runs out
+    steals the tail of another's chunk: quick tests. (In one order, ray then slow then the rest, the
+    first chunk held every slow test and the others only quick ones, and the slow tests a worker
+    stole ran last, the suite's tail.)
     Tests marked cuda skip (with the reason shown) on machines without a CUDA GPU."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("ray") else 1 if item.get_closest_marker("slow") else 2)
+    ray = [item for item in items if item.get_closest_marker("ray")]
+    slow = [item for item in items if item.get_closest_marker("slow") and not item.get_closest_marker("ray")]
+    heavy = {id(item) for item in ray + slow}
+    quick = [item for item in items if id(item) not in heavy]
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers <= 1:
+        items[:] = ray + slow + quick
+    else:
+        chunks: list[list[pytest.Item]] = [list(ray)] + [[] for _ in range(workers - 1)]
+        load = [sum(map(_expected_cost, ray))] + [0.0] * (workers - 1)
+        for item in sorted(slow, key=_expected_cost, reverse=True):
+            k = min(range(workers), key=lambda c: (load[c], c))
+            chunks[k].append(item)
+            load[k] += _expected_cost(item)
+        rest = iter(quick)
+        for chunk, size in zip(chunks, _worksteal_chunks(len(items), workers)):
+            chunk.extend(itertools.islice(rest, max(0, size - len(chunk))))
+        chunks[-1].extend(rest)
+        items[:] = [item for chunk in chunks for item in chunk]
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
