@@ -37,6 +37,15 @@ def _child_pids() -> list[int]:
     return out
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited (no /proc entry, or a zombie its parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.fixture(autouse=True)
 def _reap_children() -> Iterator[None]:
     """Kill any child process a test left running, and fail loudly if there was one."""

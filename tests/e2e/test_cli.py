@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Proc, cli_in_process as cli, run_cli, spawn
+from conftest import REPO, Proc, cli_in_process as cli, process_gone, run_cli, spawn
 from psgrad.cli import flags
 from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.core.stragglers import StragglerModel
@@ -100,14 +100,6 @@ def _pids(output: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"\[launch\] started (\S+) \(pid (\d+)\)", output)}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 # `psgrad launch` of 2 servers and 2 async workers training digits, its relayed output, final status and
 # no child left behind: the launch page's command is that job, and test_docs checks it as the test here did.
 
@@ -171,7 +163,7 @@ def test_launch_gives_every_server_a_metrics_endpoint_of_its_own_and_stops_every
         proc.stop()
     pids = _pids(proc.output)
     assert set(pids) == {"server0", "server1", "worker0"}, proc.output
-    assert all(_gone(pid) for pid in pids.values()), proc.output
+    assert all(process_gone(pid) for pid in pids.values()), proc.output
     assert "interrupted" in proc.output
 
 
@@ -192,7 +184,7 @@ def test_launch_with_replicas_starts_a_backup_per_shard_and_shows_their_roles() 
     assert f"{p0} is primary at epoch 0, backup {b0} attached (replicated to version 30)" in out
     assert f"{b1} is backup of {p1} at epoch 0" in out
     assert set(_pids(out)) == {"server0", "server1", "server0-backup", "server1-backup", "worker0"}
-    assert all(_gone(pid) for pid in _pids(out).values())
+    assert all(process_gone(pid) for pid in _pids(out).values())
 
 
 @pytest.mark.slow
@@ -205,7 +197,7 @@ def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
     assert re.search(r"worker0 \(exit code 2\)", res.stdout), res.stdout
     assert "cuda:99" in res.stdout
     pids = _pids(res.stdout)
-    assert set(pids) == {"server0", "worker0"} and all(_gone(pid) for pid in pids.values()), res.stdout
+    assert set(pids) == {"server0", "worker0"} and all(process_gone(pid) for pid in pids.values()), res.stdout
 
 
 @pytest.mark.slow

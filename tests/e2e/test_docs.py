@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, process_gone
 
 DOCS = Path(REPO, "docs")
 GETTING_STARTED = sorted((DOCS / "getting-started").glob("*.md"))
@@ -70,14 +70,6 @@ def _run_script(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def launch_page_trains_reports_status_and_leaves_nothing_behind(out: str, cwd: Path) -> None:
     """launch.md's `psgrad launch` (2 servers, 2 async workers, 300 steps): each worker's final line under
     its prefix, every server's output relayed, the final status of both shards (each applied every push:
@@ -90,7 +82,7 @@ def launch_page_trains_reports_status_and_leaves_nothing_behind(out: str, cwd: P
     assert versions == ["600", "600"], out
     pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"\[launch\] started (\S+) \(pid (\d+)\)", out)}
     assert set(pids) == {"server0", "server1", "worker0", "worker1"}, out
-    assert all(_gone(pid) for pid in pids.values()), pids
+    assert all(process_gone(pid) for pid in pids.values()), pids
     assert (cwd / "metrics" / "worker0.jsonl").exists() and (cwd / "metrics" / "worker1.jsonl").exists()
 
 
