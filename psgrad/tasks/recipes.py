@@ -37,6 +37,7 @@ class Recipe:
             raise ConfigError("batch_size, steps and compare_steps must be >= 1, warmup_steps >= 0")
 
 
-# Built-in tasks register theirs with register_task; a task given as module:function gets DEFAULT.
+# The built-in tasks' recipes are in registry.BUILT_IN; a task registered with register_task adds
+# its own here; a task given as module:function gets DEFAULT.
 DEFAULT = Recipe()
 RECIPES: dict[str, Recipe] = {}

