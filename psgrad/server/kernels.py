@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from psgrad.core.optimizers.base import register_axpy_path
+from psgrad.core.optimizers.base import register_axpy_backend
 from psgrad.server.transfers import on_two_threads
 
 _log = logging.getLogger("psgrad.server")
@@ -105,4 +105,4 @@ def sgd_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool
     return all(np.isfinite(sums))
 
 
-register_axpy_path("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looked up at each call)
+register_axpy_backend("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looked up at each call)

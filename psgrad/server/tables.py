@@ -16,12 +16,12 @@ import torch
 from psgrad.config import JobSpec
 from psgrad.core.optimizers import ShardOptimizer, UpdateRule, make_optimizer
 from psgrad.core import rows
-from psgrad.core.optimizers.base import axpy_checked
+from psgrad.core.optimizers.base import axpy_backend
 from psgrad.core.optimizers.rows import RowOptimizer, RowState
 from psgrad.core.optimizers.segments import Segment, SegmentedOptimizer
 from psgrad.core.status import DelayStatus, TableStatus
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
-from psgrad.server import kernels, transfers  # (they register the axpy paths)
+from psgrad.server import kernels, transfers  # (they register the axpy rule's split and checked backends)
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.transfers import apply_checked, count_nonfinite
 
@@ -83,7 +83,8 @@ class DenseTable:
         self.optimizer: ShardOptimizer = (SegmentedOptimizer.build(spec, segments) if grouped
                                           else make_optimizer(spec, trainable))
         self.dc = DelayCompensation.for_job(spec, trainable)  # DC-ASGD (None: off)
-        #: staged updates: the optimizer's out-of-place rule, computed as a push arrives (see configure)
+        #: staged updates: the block rule of the optimizer's element-wise form, computed as a push
+        #: arrives (see configure)
         self.rule: UpdateRule | None = None
 
     @property
@@ -93,11 +94,12 @@ class DenseTable:
     def configure(self, applies_on_arrival: bool, exact_wire: bool, push_buffers: int) -> None:
         """Decide whether pushes are staged: the next weights computed into the receive buffer while
         the gradient arrives. That takes a push applied on arrival (not a sync mean), an exact wire,
-        one receive buffer, an optimizer with a piecewise rule (plain SGD), no buffers in the range
-        (they take deltas) and no delay compensation (it rewrites the gradient first)."""
+        one receive buffer, an optimizer with an element-wise form (plain SGD), no buffers in the
+        range (they take deltas) and no delay compensation (it rewrites the gradient first)."""
         staged = applies_on_arrival and exact_wire and push_buffers == 1
         staged = staged and self.trainable == self.numel and self.dc is None
-        self.rule = self.optimizer.piecewise_rule() if staged else None
+        form = self.optimizer.elementwise() if staged else None
+        self.rule = None if form is None else form.block
 
     def may_borrow(self) -> bool:
         """Whether a push may be applied from the worker's own memory (a same-host segment): an
@@ -139,15 +141,17 @@ class DenseTable:
 
     def apply_checked(self, grad: torch.Tensor, lr_scale: float, lr: float | None, restore: torch.Tensor) -> int:
         """Apply an element-wise update that only reads grad (plain SGD), checking grad as it goes:
-        by the registered checked axpy path (one fused pass) where it can, else piece by piece
+        by the axpy rule's checked backend (one fused pass) where it can, else piece by piece
         (transfers.apply_checked); a non-finite gradient (or an error) restores the weights from
         `restore`, an exact copy of them. Returns the non-finite values (0: applied)."""
         weights, rule = self.weights, self.optimizer
         bad = -1
         try:
             # (a shard of one piece or less gains nothing worth loading numba for)
-            alpha = rule.axpy_alpha(lr, lr_scale) if grad.numel() > transfers.PIECE else None
-            finite = None if alpha is None else axpy_checked(weights, grad, alpha)
+            form = rule.elementwise() if grad.numel() > transfers.PIECE else None
+            alpha = None if form is None else form.alpha(rule.step_lr(lr, lr_scale))
+            checked = axpy_backend("checked")
+            finite = None if alpha is None or checked is None else checked(weights, grad, alpha)
             if finite is None:
                 bad = apply_checked(grad, lambda a, b: rule.apply(weights[a:b], grad[a:b], lr_scale, lr))
             else:

@@ -16,7 +16,7 @@ from psgrad.core.codecs import byte_view, element_size
 from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import EvictedError
 from psgrad.core.optimizers import UpdateRule
-from psgrad.core.optimizers.base import register_axpy_path
+from psgrad.core.optimizers.base import register_axpy_backend
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,
@@ -219,7 +219,7 @@ def _split_axpy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> None
         weights.add_(grad, alpha=alpha)
 
 
-register_axpy_path("split", lambda w, g, a: _split_axpy(w, g, a))  # (looked up at each call)
+register_axpy_backend("split", lambda w, g, a: _split_axpy(w, g, a))  # (looked up at each call)
 
 
 def apply_checked(grad: torch.Tensor, update: Callable[[int, int], None]) -> int:

@@ -363,7 +363,7 @@ def test_lr_scale_is_a_per_step_learning_rate_for_the_new_rules(case: str) -> No
 def test_the_new_rules_allocate_their_state_once(case: str) -> None:
     _, fields, _ = TORCH_CASES[case]
     opt = make_optimizer(_spec(fields), NUMEL)
-    assert opt.piecewise_rule() is None  # stateful: applied in place once a push is whole
+    assert opt.elementwise() is None  # stateful: applied in place once a push is whole
     w, g = torch.zeros(NUMEL), torch.ones(NUMEL)
     opt.apply(w, g.clone())
     held = opt.state_bytes()

@@ -206,11 +206,13 @@ def test_overflowing_sums_of_finite_values_are_applied(spec: dict[str, Any]) -> 
 
 
 # ----------------------------------------------------------------------------- staged updates
-def test_piecewise_rule_only_for_element_wise_rules_without_state() -> None:
-    assert (SGD(4, lr=0.1)).piecewise_rule() is not None
-    assert (SGD(4, lr=0.1, weight_decay=0.01)).piecewise_rule() is not None
-    assert (SGD(4, lr=0.1, momentum=0.9)).piecewise_rule() is None
-    assert (make_optimizer(JobSpec(optimizer="adam"), 4)).piecewise_rule() is None
+def test_elementwise_form_only_for_element_wise_rules_without_state() -> None:
+    plain, decayed = SGD(4, lr=0.1).elementwise(), SGD(4, lr=0.1, weight_decay=0.01).elementwise()
+    assert plain is not None and decayed is not None
+    assert plain.axpy and plain.alpha(0.25) == -0.25  # w.add_(g, alpha=-step_lr): its backends may take it
+    assert not decayed.axpy and decayed.alpha(0.25) is None  # weight decay: not an axpy
+    assert (SGD(4, lr=0.1, momentum=0.9)).elementwise() is None
+    assert (make_optimizer(JobSpec(optimizer="adam"), 4)).elementwise() is None
 
 
 @pytest.fixture(params=[2, 1], ids=["two-threads", "one-thread"])

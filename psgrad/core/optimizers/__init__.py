@@ -10,7 +10,7 @@ from psgrad.core.optimizer_settings import DECLS
 from psgrad.core.optimizers.adadelta import Adadelta
 from psgrad.core.optimizers.adagrad import Adagrad
 from psgrad.core.optimizers.adam import ADAM_BLOCK, Adam
-from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule
+from psgrad.core.optimizers.base import ElementwiseRule, ShardOptimizer, UpdateRule
 from psgrad.core.optimizers.rmsprop import RMSprop
 from psgrad.core.optimizers.sgd import SGD
 from psgrad.errors import ConfigError
@@ -75,6 +75,7 @@ __all__ = [
     "Adadelta",
     "Adagrad",
     "Adam",
+    "ElementwiseRule",
     "RMSprop",
     "ShardOptimizer",
     "UpdateRule",

@@ -1,9 +1,11 @@
-"""The server optimizer interface: an update rule on one shard's float32 range, its state, and
-(for rules that allow it) a fused piecewise form applied while a gradient arrives."""
+"""The server optimizer interface: an update rule on one shard's float32 range, its state, and (for
+rules that allow it) its element-wise form: a block rule applied while a gradient arrives, and for
+plain SGD the axpy w += alpha * g, computed by whichever registered backend the caller asks for."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -13,35 +15,57 @@ from psgrad.errors import ConfigError
 # either the gradient block itself or does not overlap it. The step lr is ShardOptimizer.step_lr's.
 UpdateRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
-# Faster ways to compute the update w += alpha * g (plain SGD's, the hottest loop of a shard), bit
-# for bit torch's w.add_(g, alpha=alpha): registered by the server, which owns threads and compiled
-# kernels (core has neither). "split": fn(w, g, alpha) -> None, over two threads; "checked":
-# fn(w, g, alpha) -> bool | None, with g checked for NaN/inf in the same pass (False: not finite,
-# the weights updated all the same; None: not available now, nothing done).
-AXPY_PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], bool | None]] = {}
+# A backend of the axpy rule: fn(w, g, alpha) computes w += alpha * g bit for bit as torch's
+# w.add_(g, alpha=alpha) (the tests check each against it). "torch" and "split" return None;
+# "checked" also checks g for NaN/inf in the same pass and returns whether it was finite (False:
+# the weights were updated all the same), or None where it is not available now: nothing done.
+AxpyBackend = Callable[[torch.Tensor, torch.Tensor, float], bool | None]
 
 
-def register_axpy_path(name: str, fn: Callable[[torch.Tensor, torch.Tensor, float], bool | None]) -> None:
-    """Make fn the "split" or "checked" way of computing w += alpha * g."""
+def torch_axpy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+    """The reference backend: torch's own weights.add_(grad, alpha=alpha)."""
+    weights.add_(grad, alpha=alpha)
+
+
+# The axpy rule's backends by name (plain SGD's update, the hottest loop of a shard). core declares
+# torch's; the server registers the other two, since it owns threads and compiled kernels (core has
+# neither): "split" (torch's add_ over two threads, transfers.py) and "checked" (the fused numba
+# kernel, kernels.py).
+AXPY_BACKENDS: dict[str, AxpyBackend] = {"torch": torch_axpy}
+
+
+def register_axpy_backend(name: str, fn: AxpyBackend) -> None:
+    """Make fn the "split" or "checked" backend of the axpy rule ("torch" is core's own)."""
     if name not in ("split", "checked"):
-        raise ConfigError(f"unknown axpy path {name!r}; valid: split, checked")
-    AXPY_PATHS[name] = fn
+        raise ConfigError(f"unknown axpy backend {name!r}; the server registers: split, checked")
+    AXPY_BACKENDS[name] = fn
 
 
-def axpy(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
-    """weights += alpha * grad, by the registered split path where there is one."""
-    split = AXPY_PATHS.get("split")
-    if split is None:
-        weights.add_(grad, alpha=alpha)
-    else:
-        split(weights, grad, alpha)
+def axpy_backend(name: str) -> AxpyBackend | None:
+    """The axpy rule's backend `name` ("torch", "split" or "checked"), or None where it is not
+    registered (in a process that has not imported the server)."""
+    return AXPY_BACKENDS.get(name)
 
 
-def axpy_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool | None:
-    """weights += alpha * grad with grad checked in the same pass (see AXPY_PATHS); None where no
-    checked path is available: nothing was done."""
-    checked = AXPY_PATHS.get("checked")
-    return None if checked is None else checked(weights, grad, alpha)
+@dataclass(frozen=True)
+class ElementwiseRule:
+    """The element-wise form of an update rule without state, whose result for an element depends
+    only on that element (ShardOptimizer.elementwise). Both forms give bit for bit what the
+    optimizer's apply() gives.
+
+    block: the update as an out-of-place rule on blocks: the shard computes the next weights while
+        the gradient arrives (staged pushes).
+    axpy: whether the update is exactly weights.add_(grad, alpha=-step_lr) (plain SGD without weight
+        decay): then any of its backends (AXPY_BACKENDS) may compute it, split over two threads or
+        fused with the gradient's NaN/inf check.
+    """
+
+    block: UpdateRule
+    axpy: bool = False
+
+    def alpha(self, step_lr: float) -> float | None:
+        """The a of the update weights.add_(grad, alpha=a) at this step lr, or None: not an axpy."""
+        return -step_lr if self.axpy else None
 
 
 # Rules with per-element state work through the shard in blocks of this many elements, so that
@@ -93,17 +117,10 @@ class ShardOptimizer(ABC):
         in place). False (the default): grad is scratch the rule may write."""
         return False
 
-    def axpy_alpha(self, lr: float | None, lr_scale: float) -> float | None:
-        """The a of an update that is exactly weights.add_(grad, alpha=a), or None (the default):
-        element by element, so the shard may split it over two threads, and a fused kernel may
-        compute it, checking grad in the same pass."""
-        return None
-
-    def piecewise_rule(self) -> UpdateRule | None:
-        """The update as an out-of-place rule on blocks, for rules without state whose result for
-        an element depends only on that element: the shard then computes the next weights while
-        the gradient arrives. None (the default): the rule keeps state, and is applied in place
-        once the push is whole. A rule must give bit for bit what apply() gives."""
+    def elementwise(self) -> ElementwiseRule | None:
+        """The rule's element-wise form (its block rule, and whether it is an axpy), for rules
+        without state whose result for an element depends only on that element. None (the
+        default): the rule keeps state, and is applied in place once the push is whole."""
         return None
 
     @abstractmethod

@@ -1,10 +1,10 @@
 """Server-side SGD: heavy-ball or Nesterov momentum and L2 weight decay like torch.optim.SGD, and
-its fused piecewise form for plain SGD."""
+plain SGD's element-wise form (its block rule, and without weight decay the axpy w += -lr * g)."""
 from __future__ import annotations
 
 import torch
 
-from psgrad.core.optimizers.base import ShardOptimizer, UpdateRule, axpy
+from psgrad.core.optimizers.base import ElementwiseRule, ShardOptimizer, axpy_backend, torch_axpy
 from psgrad.errors import ConfigError
 
 
@@ -13,8 +13,8 @@ def sgd_rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float
     """SGD without momentum, element by element: out = w - step_lr * (g + weight_decay * w), the
     decayed gradient formed in tmp (g itself, or out where out does not overlap g). The one statement
     of the rule: every form of the update (in place, staged block by block, the rows of a sparse
-    table, and the axpy paths where there is no decay: torch's add_, split over two threads, or the
-    fused kernel, each checked bit for bit against torch's add_) computes exactly these torch ops."""
+    table, and the axpy backends where there is no decay: torch's add_, split over two threads, or
+    the fused kernel, each checked bit for bit against torch's add_) computes exactly these torch ops."""
     if weight_decay:
         g = torch.add(g, w, alpha=weight_decay, out=tmp)
     torch.add(w, g, alpha=-step_lr, out=out)
@@ -40,12 +40,14 @@ class SGD(ShardOptimizer):
         sgd_rule(w, g, out, step_lr, self.weight_decay, tmp)
 
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
-        if not self.momentum:
-            alpha = self.axpy_alpha(lr, lr_scale)
-            if alpha is not None:  # w += alpha * g: the registered split path may take it
-                axpy(weights, grad, alpha)
+        form = self.elementwise()
+        if form is not None:
+            step_lr = self.step_lr(lr, lr_scale)
+            alpha = form.alpha(step_lr)
+            if alpha is not None:  # w += alpha * g: over two threads where the server registered that backend
+                (axpy_backend("split") or torch_axpy)(weights, grad, alpha)
             else:
-                self._rule(weights, grad, weights, self.step_lr(lr, lr_scale), tmp=grad)
+                self._rule(weights, grad, weights, step_lr, tmp=grad)
             return
         if self.weight_decay:
             grad.add_(weights, alpha=self.weight_decay)
@@ -60,19 +62,16 @@ class SGD(ShardOptimizer):
     def reads_grad_only(self) -> bool:
         return not self.momentum and not self.weight_decay
 
-    def axpy_alpha(self, lr: float | None, lr_scale: float) -> float | None:
-        return -self.step_lr(lr, lr_scale) if self.reads_grad_only() else None
-
-    def piecewise_rule(self) -> UpdateRule | None:
-        """Plain SGD (no momentum, with or without weight decay) block by block: _rule into the
-        out block, so the result is bit for bit apply()'s."""
+    def elementwise(self) -> ElementwiseRule | None:
+        """Plain SGD (no momentum, with or without weight decay): _rule block by block into the out
+        block, so the result is bit for bit apply()'s; an axpy without weight decay."""
         if self.momentum:
             return None
 
-        def rule(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float) -> None:
+        def block(w: torch.Tensor, g: torch.Tensor, out: torch.Tensor, step_lr: float) -> None:
             self._rule(w, g, out, step_lr, tmp=out)
 
-        return rule
+        return ElementwiseRule(block, axpy=not self.weight_decay)
 
     def state_bytes(self) -> int:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
