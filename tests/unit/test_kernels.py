@@ -11,7 +11,9 @@ import torch
 
 from conftest import REPO
 from psgrad.config import JobSpec
+from psgrad.core.optimizers.base import axpy_backend, register_axpy_backend, torch_axpy
 from psgrad.core.sharding import ParamSpec
+from psgrad.errors import ConfigError
 from psgrad.server import kernels, transfers
 from psgrad.server import tables as state_module
 from psgrad.server.membership import Membership
@@ -113,6 +115,18 @@ def test_the_shard_applies_with_it_and_undoes_a_nan_from_the_copy(nonfinite_at: 
         assert bad == 0 and torch.equal(state.weights, before.clone().add_(grad, alpha=-0.125))
     else:
         assert bad == 1 and torch.equal(state.weights, before)  # the whole half was applied, then undone
+
+
+def test_the_server_registers_the_axpy_rules_backends() -> None:
+    """One registry, core's: torch's add_ is core's own; the server adds split and checked (looked up
+    by name at each call, so a patched kernels.sgd_checked is the one used); no other name."""
+    assert axpy_backend("torch") is torch_axpy and axpy_backend("fused") is None
+    split, checked, w = axpy_backend("split"), axpy_backend("checked"), torch.zeros(3000)
+    assert split is not None and checked is not None
+    assert split(w, torch.ones(3000), -0.5) is None and torch.equal(w, torch.full((3000,), -0.5))
+    assert checked(w, torch.ones(3000), -0.5) is True and torch.equal(w, -torch.ones(3000))
+    with pytest.raises(ConfigError, match="unknown axpy backend 'torch'"):
+        register_axpy_backend("torch", torch_axpy)
 
 
 @pytest.mark.parametrize("spec", [{}, {"momentum": 0.9}, {"weight_decay": 0.01}])
