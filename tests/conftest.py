@@ -20,9 +20,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child_pids() -> list[int]:
-    """PIDs of this process's live children (from /proc; zombies excluded)."""
+    """PIDs of this process's live children (from /proc; zombies excluded): its preloaded templates'
+    children count as its own, the templates themselves (kept for the next test) do not."""
+    from psgrad.launch import template
+
+    running = template.templates()
+    kept = {str(t.proc.pid) for t in running}
     me = str(os.getpid())
-    out = []
+    out = [pid for t in running for pid in t.live_pids()]
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -32,7 +37,7 @@ def _child_pids() -> list[int]:
         except OSError:
             continue
         state, ppid = fields[0], fields[1]
-        if ppid == me and state != "Z":
+        if ppid == me and state != "Z" and entry not in kept:
             out.append(int(entry))
     return out
 
@@ -61,7 +66,12 @@ def _reap_children() -> Iterator[None]:
 
 
 class Proc(SupervisedProcess):
-    """A psgrad subprocess whose merged stdout/stderr lines are collected (psgrad's supervisor)."""
+    """A psgrad subprocess whose merged stdout/stderr lines are collected (psgrad's supervisor); a
+    `python -m psgrad` command is forked from a preloaded template, as `psgrad launch` starts its
+    children (preload=False: a cold interpreter)."""
+
+    def __init__(self, argv: Sequence[str], *, preload: bool = True, **kwargs: Any) -> None:
+        super().__init__(argv, preload=preload, **kwargs)
 
     def wait_for_line(self, marker: str, timeout_s: float = 60.0, at_start: bool = False) -> str:
         """Block until a line containing marker is printed; fail the test if the process ends or time runs out."""

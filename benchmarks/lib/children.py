@@ -275,7 +275,7 @@ def psgrad_process(name: str, *args: str, env: Mapping[str, str] | None = None) 
     """`python -m psgrad ARGS` (stdout and stderr merged, read line by line); env adds to this
     process's environment."""
     return SupervisedProcess([sys.executable, "-m", "psgrad", *args], name=name, new_session=False,
-                             env=None if env is None else {**os.environ, **env})
+                             env=None if env is None else {**os.environ, **env}, preload=True)
 
 
 def psgrad_server(name: str, *args: str, env: Mapping[str, str] | None = None,

@@ -41,6 +41,7 @@ def _start(
         argv, name=name, env=env, collect=False, on_line=on_line,
         on_start=lambda popen: out(f"[launch] started {name} (pid {popen.pid})"),
         on_exit=lambda code: events.put(("exit", name, code)),
+        preload=True,  # forks of one process that imported torch once (template.py), not N cold starts
     )
 
 
