@@ -45,7 +45,9 @@ PRELOAD = ("torch", "grpc", "numpy", "psgrad.cli.main", "psgrad.server.runtime",
 
 # Environment read only while an interpreter (or a library it loads at import) starts.
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "GRPC_")
-_RUNTIME_ONLY = frozenset({"PYTHONUNBUFFERED"})  # honoured by each child (its stdout is unbuffered)
+# Honoured by each child itself: its stdout's buffering, and its torch threads (torch.set_num_threads,
+# which sets OpenMP's and MKL's, as reading the variable at start-up would).
+_RUNTIME_ONLY = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 
 
 def _startup_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -334,11 +336,7 @@ def _become_child(message: dict[str, object], fds: list[int], keep_closed: Seque
         sys.path[0] = cwd  # as `python -m` puts the working directory first
         if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
             sys.modules["numpy.random"].seed()
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit() and int(threads) > 0:
-            import torch
-
-            torch.set_num_threads(int(threads))
+        _set_threads(os.environ.get("OMP_NUM_THREADS", ""))
         code = _run(list(message["argv"]))  # type: ignore[call-overload]
     except BaseException:  # noqa: BLE001 - the child's own failure, reported as an interpreter would
         import traceback
@@ -346,6 +344,16 @@ def _become_child(message: dict[str, object], fds: list[int], keep_closed: Seque
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _set_threads(value: str) -> None:
+    """torch's threads as OMP_NUM_THREADS=value would have set them at start-up (unset or not a
+    positive number: one per CPU this process may run on, OpenMP's default)."""
+    import torch
+
+    n = int(value) if value.strip().isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _set_title(args: Sequence[str]) -> None:

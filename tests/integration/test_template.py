@@ -1,0 +1,131 @@
+"""Preloaded children (psgrad/launch/template.py): a fork of the template behaves as a fresh
+`python -m psgrad ...` would (output, exit code, environment, process title), a child's own children
+are forks of the same template, children die with whoever asked for them, and anything the template
+cannot serve is started the plain way."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Proc
+
+import psgrad
+from psgrad.launch import template
+
+
+def _psgrad(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psgrad", *args]
+
+
+def _ended_within(pid: int, timeout_s: float) -> bool:
+    """Wait (on a pidfd, no polling) until the process pid has exited (or become a zombie)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_is_the_command_with_its_output_exit_code_environment_and_title() -> None:
+    ok = Proc(_psgrad("--version"), cwd=REPO)
+    assert ok.wait(60) == 0 and ok.lines == [f"psgrad {psgrad.__version__}"]
+    assert isinstance(ok.popen, template.TemplateChild)  # forked, not a cold interpreter
+    usage = Proc(_psgrad("worker"), cwd=REPO, stderr_file=True)
+    assert usage.wait(60) == 2 and "--servers" in usage.stderr_text() and usage.lines == []
+    # The child's environment is its own (the same template serves both: nothing here is read at start-up).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CONFIG", "JOB_COMPLETION", "SLURM"))}
+    runs = [Proc(_psgrad("run", "--num-servers", "1", "--task", "digits"), cwd=REPO, env={**clean, **extra})
+            for extra in ({}, {"JOB_COMPLETION_INDEX": "0"})]
+    assert [r.wait(60) for r in runs] == [2, 2]
+    assert "TF_CONFIG" in runs[0].output and "--role" in runs[1].output, [r.lines for r in runs]
+    assert runs[0].popen._template is runs[1].popen._template  # type: ignore[union-attr]
+    server = Proc(_psgrad("server", "--host", "127.0.0.1", "--port", "0"), cwd=REPO)
+    try:
+        server.wait_for_line("psgrad server listening on ")
+        with open(f"/proc/{server.popen.pid}/cmdline", "rb") as f:
+            assert f.read().startswith(b"python -m psgrad server --host 127.0.0.1 --port 0")  # what ps shows
+        server.popen.kill()
+        assert server.wait(60) == -signal.SIGKILL  # as Popen reports a signal
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_launchs_children_are_forks_of_the_same_template_and_die_with_the_launch() -> None:
+    """`psgrad launch`, itself forked from the tests' template, asks that template for its servers and
+    workers (no second torch import); SIGKILL of the launch, which gives it no chance to stop them,
+    still ends them: the template sends SIGTERM to the children of an asker that has gone."""
+    launch = Proc(_psgrad("launch", "--num-servers", "1", "--num-workers", "1", "--steps", "100000",
+                          "--task", "digits"), cwd=REPO)
+    try:
+        pids = {}
+        for name in ("server0", "worker0"):
+            line = launch.wait_for_line(f"[launch] started {name} (pid ", timeout_s=90)
+            pids[name] = int(re.search(r"pid (\d+)", line).group(1))  # type: ignore[union-attr]
+        launch.wait_for_line("[worker0] ", timeout_s=90)
+        ours = launch.popen._template  # type: ignore[union-attr]
+        assert ours.proc is not None
+        assert {name: _parent_of(pid) for name, pid in pids.items()} == {n: ours.proc.pid for n in pids}
+        launch.popen.kill()
+        assert launch.wait(60) == -signal.SIGKILL
+        assert all(_ended_within(pid, 60) for pid in pids.values()), pids
+    finally:
+        launch.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_templates_children_get_sigterm_when_the_parent_is_killed(tmp_path: Path) -> None:
+    """The parent-death signal, as for its plain children: the template ends with its parent, and
+    its children with it."""
+    code = textwrap.dedent(f"""
+        import sys
+        from psgrad.launch.supervisor import SupervisedProcess
+        p = SupervisedProcess([sys.executable, "-m", "psgrad", "server", "--host", "127.0.0.1", "--port", "0"],
+                              cwd={REPO!r}, preload=True)
+        p.wait_for_line("listening on", 90)
+        print("child", p.popen.pid, flush=True)
+        sys.stdin.read()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        assert line.startswith("child "), line
+        child = int(line.split()[1])
+        parent.kill()
+        parent.wait(30)
+        assert _ended_within(child, 60)
+    finally:
+        parent.kill()
+        parent.wait(30)
+
+
+@pytest.mark.timeout(60)
+def test_what_a_template_cannot_serve_starts_the_plain_way(tmp_path: Path) -> None:
+    off = Proc(_psgrad("--version"), cwd=REPO, env={**os.environ, "PSGRAD_PRELOAD": "0"})
+    assert off.wait(60) == 0 and isinstance(off.popen, subprocess.Popen)
+    (tmp_path / "psgrad").mkdir()  # another psgrad package in the working directory: `-m psgrad` would take it
+    (tmp_path / "psgrad" / "__main__.py").write_text("print('the other psgrad')\n")
+    (tmp_path / "psgrad" / "__init__.py").write_text("")
+    other = Proc(_psgrad("--version"), cwd=tmp_path)
+    assert other.wait(60) == 0 and isinstance(other.popen, subprocess.Popen) and other.lines == ["the other psgrad"]
+    plain = Proc(["/bin/sh", "-c", "echo hi"])
+    assert plain.wait(60) == 0 and isinstance(plain.popen, subprocess.Popen) and plain.lines == ["hi"]
