@@ -15,7 +15,7 @@ import psgrad
 from psgrad.config import ClientConfig
 from psgrad.errors import JobMismatchError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
 WIDTH = 256  # the backbone: 256 x 256 + 256 frozen values (257 KiB), the head 2,570 trainable ones
@@ -33,8 +33,9 @@ def _finetune(backbone: bool = True, seed: int = 0) -> nn.Sequential:
 
 def _steps(model: nn.Module, opt: psgrad.PSOptimizer, steps: int = STEPS) -> None:
     gen = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x, y = torch.randn(8, WIDTH, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        x, y = torch.randn(8, WIDTH, generator=gen).to(device), torch.randint(0, 10, (8,), generator=gen).to(device)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -66,18 +67,20 @@ def test_a_frozen_backbone_on_the_servers_adds_no_bytes_to_a_step(make_servers: 
     assert joined[True][1] - joined[False][1] == frozen  # read once, at join
 
 
-def test_every_worker_reads_the_chiefs_frozen_values_as_it_joins(make_servers: Any) -> None:
+@pytest.mark.parametrize("device, overlap", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.cuda)])
+def test_every_worker_reads_the_chiefs_frozen_values_as_it_joins(make_servers: Any, device: str, overlap: bool) -> None:
     running = make_servers(2)
     addresses = [s.address for s in running]
-    chief_model, other = _finetune(seed=0), _finetune(seed=1)
-    assert not torch.equal(chief_model[0].weight, other[0].weight)
-    backbone = [p.detach().clone() for p in chief_model[0].parameters()]
+    chief_model, other = _finetune(seed=0), _finetune(seed=1).to(device)
+    assert not torch.equal(chief_model[0].weight, other[0].weight.cpu())
+    backbone = [p.detach().clone().to(device) for p in chief_model[0].parameters()]
     with psgrad.connect(addresses, num_workers=2, client=CLIENT) as chief:
         chief.optimizer(chief_model)
         with psgrad.connect(addresses, rank=1, num_workers=2, client=CLIENT) as ps:
-            opt = ps.optimizer(other)
+            opt = ps.optimizer(other, overlap=overlap)
             assert all(torch.equal(a, b) for a, b in zip(other[0].parameters(), backbone))
             _steps(other, opt)
+            opt.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(other[0].parameters(), backbone))  # never moved
             assert opt.client.frozen_moved() == []
     tables = [t for s in running for t in s.shard.status().tables if t.kind == "frozen"]
