@@ -160,7 +160,7 @@ class Session:
             pass
 
     def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
-                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "local",
+                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "servers",
                   row_cache: int = 0, row_cache_staleness: int = 1) -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
@@ -173,9 +173,11 @@ class Session:
         "lr": ..., "weight_decay": ...} dicts (e.g. no weight decay on biases and norms); a group's
         lr is kept as a fixed multiple of the job's (so a schedule scales every group alike), and
         parameters in no group take the job's settings. Every worker must pass the same groups.
-        frozen: where the frozen parameters (requires_grad=False) live: "local" (each worker's
-        own; exports lack them) or "servers" (part of the job, never moved: exports and
-        checkpoints hold the whole model, at the price of pulling them every step). row_cache: keep up
+        frozen: where the frozen parameters (requires_grad=False) live: "servers" (the default:
+        part of the job, in a table of their own that no step pushes or pulls; the chief writes
+        them at init, every worker reads them as it joins, and exports, fetch_state_dict and
+        checkpoints hold the whole model) or "local" (each worker keeps its own; nothing frozen
+        travels, and exports lack them). row_cache: keep up
         to this many hot rows of each psgrad embedding (psgrad.Embedding/EmbeddingBag: tables whose rows
         live on the servers) in this worker, served for row_cache_staleness steps before they are
         pulled again (async and ssp only; `opt.row_cache.stats` counts hits and misses).
@@ -253,7 +255,15 @@ class PSOptimizer(ScheduledOptimizer):
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
-        dense_specs, tables = with_groups(param_specs(model, frozen), model, param_groups, spec, tables)
+        dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
+        # Frozen parameters on the servers: a table of their own, read at join (see _sync_frozen).
+        frozen_specs = param_specs(model, frozen=True) if frozen else []
+        named = dict(model.named_parameters())
+        self._frozen = [(s, named[s.name]) for s in frozen_specs]
+        for s, p in self._frozen:
+            if p.is_complex():
+                raise ConfigError(f"frozen parameter {s.name!r} is {p.dtype}: the servers keep float32 values; "
+                                  "pass frozen='local' to keep it in each worker")
         for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
             check_row_settings(t.job_spec(spec), t.name)
         # (before the model's state_dict() below: it then reads no rows) Rows that a state_dict or
@@ -263,14 +273,15 @@ class PSOptimizer(ScheduledOptimizer):
         self.session = session
         self.model = model
         self.overlap = overlap
-        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, frozen=frozen)
+        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not mode_of(spec).synchronous and session.rank != 0)
         self.params = dense_specs
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards)
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
-                                      tables=tables)
+                                      tables=tables, frozen=frozen_specs)
+        self._frozen_flat = torch.empty(sum(s.numel for s in frozen_specs))
         self.row_cache: RowCache | None = None
         source: RowSource = self.client
         if row_cache and self.embeddings:
@@ -288,7 +299,8 @@ class PSOptimizer(ScheduledOptimizer):
         try:
             chief = session.rank == 0
             self.start_clock = self.client.join(initial_weights=self.flat.host_weights if chief else None,
-                                                initial_rows=initial_rows if chief else None)
+                                                initial_rows=initial_rows if chief else None,
+                                                initial_frozen=self._frozen_values if chief else None)
             self.clock = self.start_clock
             self.rollbacks = 0
             self.rejoins = 0
@@ -358,6 +370,27 @@ class PSOptimizer(ScheduledOptimizer):
     def _install(self) -> None:
         views = self.client.views() if self._zero_copy else []
         self.flat.weights_pulled([(start, v) for (start, _), v in zip(self.plan.ranges, views)])
+        self._sync_frozen()
+
+    def _frozen_values(self) -> torch.Tensor:
+        """The model's frozen parameters as the frozen space (float32, CPU): the chief's init."""
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for _, p in self._frozen]
+                             or [torch.empty(0)])
+
+    def _sync_frozen(self) -> None:
+        """Read the frozen table of the shards where it moved since this worker read it (at join:
+        every shard; later only after a shard's restore, which a rejoin reports) into the model's
+        frozen parameters. A step's push and pull never carry them."""
+        moved = self.client.frozen_moved()
+        if not moved:
+            return
+        self.client.pull_frozen(self._frozen_flat, moved)
+        offset = 0
+        with torch.no_grad():
+            for s, p in self._frozen:
+                p.copy_(self._frozen_flat[offset:offset + s.numel].view(s.shape))
+                offset += s.numel
 
     def _record(self, done: ExchangeResult, stats: StepStats) -> None:
         self._install()

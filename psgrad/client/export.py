@@ -66,9 +66,10 @@ def named_tensors(specs: Sequence[ParamSpec], flat: torch.Tensor) -> dict[str, t
     return state
 
 
-# The table kinds an export reads: "dense", the shard's range of the flat space (pulled whole), and
-# "sparse", the rows of an embedding table (those updated at least once, read in pages).
-READABLE_TABLES = ("dense", "sparse")
+# The table kinds an export reads: "dense", the shard's range of the flat space (pulled whole),
+# "sparse", the rows of an embedding table (those updated at least once, read in pages), and
+# "frozen", the shard's range of the frozen parameters (pulled whole).
+READABLE_TABLES = ("dense", "sparse", "frozen")
 
 
 def sparse_entries(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor, materialize: bool) -> dict[str, torch.Tensor]:
@@ -93,7 +94,8 @@ def fetch_model(
     client: its credentials are used (the admin's: read-only pulls as any rank; see docs/operations/security.md).
     Sparse (embedding) tables are read as the rows updated at least once plus how to make the
     others (see sparse_entries), read after the dense weights; materialize=True writes each whole
-    table instead (its full size in memory).
+    table instead (its full size in memory). The frozen parameters the servers keep (ps.optimizer's
+    frozen="servers", the default) are read too, under their names (and their tied names).
 
     Raises:
         ConfigError: a malformed address.
@@ -128,8 +130,9 @@ def fetch_model(
                           reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False, **credentials(client))
     flat = torch.empty(plan.total)
     tables = list(first.table_specs)
+    frozen = list(first.frozen_params)
     with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config, role=ADMIN,
-                         tables=tables) as reader:
+                         tables=tables, frozen=frozen) as reader:
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing
@@ -145,6 +148,10 @@ def fetch_model(
             time.sleep(min(wait_s, left))  # a shard whose update of the iteration is still arriving
             wait_s = min(2 * wait_s, MAX_RETRY_S)
         state = named_tensors(params, flat)
+        if frozen:  # (they move only when written: read once, at any time)
+            frozen_flat = torch.empty(sum(p.numel for p in frozen))
+            reader.pull_frozen(frozen_flat, observe=True)
+            state.update(named_tensors(frozen, frozen_flat))
         for spec in tables:
             state.update(sparse_entries(spec, *reader.updated_rows(spec.name), materialize))
     return ModelSnapshot(state, versions, first.spec.mode)

@@ -24,7 +24,7 @@ from psgrad.core.gradient_codecs import Compressor
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import PushOutcome
 from psgrad.core import rows as row_placement
-from psgrad.core.sharding import ParamSpec, ShardPlan, TableSpec, fingerprint
+from psgrad.core.sharding import ParamSpec, ShardPlan, TableSpec, fingerprint, frozen_ranges
 from psgrad.core.status import missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
@@ -58,9 +58,11 @@ class ParameterClient:
         config: ClientConfig,
         role: str | None = None,
         tables: Sequence[TableSpec] = (),
+        frozen: Sequence[ParamSpec] = (),
     ) -> None:
         """role: whose credential the calls carry (default: worker `rank`'s; export: the admin's);
-        tables: the job's sparse tables."""
+        tables: the job's sparse tables; frozen: the model's frozen parameters the servers keep (the
+        frozen space, split over the shards by frozen_ranges)."""
         if len(addresses) != plan.num_shards or spec.num_shards != plan.num_shards:
             raise errors.ConfigError(
                 f"{len(addresses)} server addresses for a plan of {plan.num_shards} shards"
@@ -71,7 +73,13 @@ class ParameterClient:
         self.rank = rank
         self.config = config
         self.tables = {t.name: t for t in tables}
-        self.fingerprint = fingerprint(self.params, spec, tuple(tables))
+        self.frozen = list(frozen)
+        self.frozen_ranges = frozen_ranges(self.frozen, plan.num_shards) if self.frozen else ()
+        self.fingerprint = fingerprint(self.params, spec, tuple(tables), self.frozen)
+        # Per shard, the version of its frozen table this worker holds (-1: none read yet) and the
+        # one its latest join (or rejoin) answered: the table is read again when they differ.
+        self.frozen_held = [-1] * plan.num_shards
+        self.frozen_seen = [0] * plan.num_shards
         # (table, shard) -> the table version that shard's rows were last pulled at
         self.row_versions: dict[tuple[str, int], int] = {}
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
@@ -142,15 +150,18 @@ class ParameterClient:
             fingerprint=self.fingerprint,
             wait_for_init=wait,
             tables=serde.tables_to_proto(list(self.tables.values())),
+            frozen=serde.params_to_proto(self.frozen),
         )
 
     def join(self, initial_weights: Callable[[], torch.Tensor] | None,
-             initial_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+             initial_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             initial_frozen: Callable[[], torch.Tensor] | None = None) -> int:
         """Join every shard and return the clock this worker continues from.
 
         The chief passes its initial flat weights and initializes any empty shard, with the rows of
         sparse tables that start from its values (`initial_rows`: table -> (unique ids, values
-        [n, dim])); every worker then waits (server side, up to init_timeout_s) until the shards are
+        [n, dim])) and the frozen parameters (`initial_frozen`: the frozen space, float32; read
+        them with pull_frozen); every worker then waits (server side, up to init_timeout_s) until the shards are
         initialized and, in sync/ssp mode, until all num_workers workers have joined. Starts the
         lease heartbeat.
         """
@@ -159,23 +170,58 @@ class ParameterClient:
         )
         if initial_weights is not None and not all(r.initialized for r in replies):
             flat = initial_weights()
+            frozen = initial_frozen() if initial_frozen is not None and self.frozen else torch.empty(0)
             split = self._split_rows(initial_rows)
 
             def init(i: int, s: ShardClient) -> Any:
                 if replies[i].initialized:
                     return None
                 start, end = self.plan.ranges[i]
+                lo, hi = self.frozen_ranges[i] if self.frozen else (0, 0)
                 header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start,
-                                       rows=lookups_to_proto((t, ids) for t, (ids, _) in split[i].items()))
-                return s.init(header, [flat[start:end], *(values for _, values in split[i].values())])
+                                       rows=lookups_to_proto((t, ids) for t, (ids, _) in split[i].items()),
+                                       frozen_numel=hi - lo)
+                return s.init(header, [flat[start:end], *(values for _, values in split[i].values()), frozen[lo:hi]])
 
             self._fan_out(init)
         if not all(r.ready for r in replies):
             replies = self._wait_for_start(min(r.lease_s for r in replies))
         for i, s in enumerate(self.shards):
-            s.rejoin = functools.partial(s.join, self._join_request(i, wait=False))
+            s.rejoin = functools.partial(self._rejoin, i, s, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
         return max(r.start_clock for r in replies)
+
+    def _rejoin(self, index: int, shard: ShardClient, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
+        """Join shard `index` again (its server restarted, or its backup took over): its answer
+        says the version of its frozen table, which a restore may have moved."""
+        reply = shard.join(req, timeout_s)
+        self.frozen_seen[index] = int(reply.frozen_version)
+        return reply
+
+    def frozen_moved(self) -> list[int]:
+        """The shards whose frozen table moved (a version other than the one read), or that were
+        never read: pull_frozen reads them."""
+        if not self.frozen:
+            return []
+        return [i for i, (held, seen) in enumerate(zip(self.frozen_held, self.frozen_seen))
+                if held != seen and self.frozen_ranges[i][1] > self.frozen_ranges[i][0]]
+
+    def pull_frozen(self, dest: torch.Tensor, only: Sequence[int] | None = None, observe: bool = False) -> list[int]:
+        """Read the frozen table of every shard (or those `only` names) into dest, the frozen space
+        (float32); returns the versions read (remembered unless observe)."""
+        wanted = [i for i in (range(len(self.shards)) if only is None else only)
+                  if self.frozen_ranges[i][1] > self.frozen_ranges[i][0]]
+
+        def one(i: int, s: ShardClient) -> int:
+            lo, hi = self.frozen_ranges[i]
+            req = pb.PullRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe, table="frozen")
+            return s.pull_table(req, dest[lo:hi])
+
+        versions = self._fan_out(one, wanted)
+        if not observe:
+            for i, version in zip(wanted, versions):
+                self.frozen_held[i] = self.frozen_seen[i] = version
+        return versions
 
     def _wait_for_start(self, lease_s: float) -> list[pb.JoinReply]:
         """Join again, waiting server side, until every shard is initialized and (sync/ssp) all

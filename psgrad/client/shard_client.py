@@ -231,6 +231,24 @@ class ShardClient:
         """
         return self.transport.step(header, payload, dest, wire, published, reads)
 
+    def pull_table(self, req: pb.PullRequest, dest: torch.Tensor) -> int:
+        """Pull a whole table the request names (req.table: the frozen one) into dest (float32, its
+        size), through gRPC frames (read at join: no segment); returns the table's version."""
+        t = self.config.rpc_timeout_s
+        what = f"the pull of table {req.table!r} from {self.address}"
+
+        def run() -> int:
+            stream = self._pull(req, timeout=t)
+            first = next(stream, None)
+            header = pb.PullFrame.FromString(first).header if first is not None else None
+            if header is None or header.numel != dest.numel() or header.dtype != "float32":
+                raise InvalidRequestError(f"{what}: expected {dest.numel()} float32 values, the header says "
+                                          f"{'nothing' if header is None else f'{header.numel} {header.dtype}'}")
+            write_frames(stream, PayloadWriter(byte_view(dest), what), FrameParser(pb.PullFrame, what))
+            return int(header.version)
+
+        return self._call(f"the pull of table {req.table!r}", run, t)
+
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, req: pb.RowsRequest) -> RowsRead:
         """Rows of sparse tables by id (req.tables; see ps.proto PullRows): each table's version and

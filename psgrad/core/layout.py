@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from psgrad.core.job import JobSpec
-from psgrad.core.sharding import ParamSpec, TableSpec
+from psgrad.core.sharding import ParamSpec, TableSpec, frozen_ranges
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class Layout:
     end: int
     fingerprint: str
     tables: tuple[TableSpec, ...] = ()  # the job's sparse tables (this shard holds its rows of each)
+    #: the model's frozen parameters the servers keep (a space of their own: see frozen_ranges)
+    frozen: tuple[ParamSpec, ...] = ()
 
     def table(self, name: str) -> TableSpec | None:
         return next((t for t in self.tables if t.name == name), None)
@@ -26,6 +28,13 @@ class Layout:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    @property
+    def frozen_range(self) -> tuple[int, int]:
+        """This shard's [start, end) of the frozen space (empty without frozen parameters)."""
+        if not self.frozen:
+            return 0, 0
+        return frozen_ranges(self.frozen, self.spec.num_shards)[self.index]
 
     @property
     def trainable(self) -> int:
@@ -58,6 +67,12 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     for i, (a, b) in enumerate(zip(mine.params, theirs.params)):
         if a != b:
             return f"model differs at parameter {i}: shard has {_describe(a)}, {who} has {_describe(b)}"
+    if mine.frozen != theirs.frozen:
+        have = ", ".join(_describe(p) for p in mine.frozen) or "none"
+        sent = ", ".join(_describe(p) for p in theirs.frozen) or "none"
+        return (f"frozen parameters differ: this shard keeps {have}; {who} has {sent} (every worker must freeze the "
+                "same parameters and pass the same frozen= to ps.optimizer; a job begun when frozen='local' was the default "
+                "keeps its frozen parameters in the workers: pass frozen='local')")
     if mine.tables != theirs.tables:
         have = ", ".join(_table(t) for t in mine.tables) or "none"
         sent = ", ".join(_table(t) for t in theirs.tables) or "none"

@@ -98,18 +98,22 @@ def _spec(name: str, t: torch.Tensor, buffer: bool = False) -> ParamSpec:
 
 def param_specs(model: torch.nn.Module, frozen: bool = False) -> list[ParamSpec]:
     """The model's trainable parameters, in named_parameters() order, each with its other names
-    (a parameter tied to another module appears once, under its first name). frozen=True: the
-    frozen ones (requires_grad=False) too, in their place, as a group the servers never move
-    (lr_scale 0, no weight decay)."""
+    (a parameter tied to another module appears once, under its first name). frozen=True: its
+    frozen parameters (requires_grad=False) instead, the same way (see frozen_ranges)."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    specs = []
-    for name, p in model.named_parameters():
-        if p.requires_grad or frozen:
-            spec = dataclasses.replace(_spec(name, p), aliases=tuple(names[id(p)][1:]))
-            specs.append(spec if p.requires_grad else dataclasses.replace(spec, lr_scale=0.0, weight_decay=0.0))
-    return specs
+    return [dataclasses.replace(_spec(name, p), aliases=tuple(names[id(p)][1:]))
+            for name, p in model.named_parameters() if p.requires_grad != frozen]
+
+
+def frozen_ranges(frozen: Sequence[ParamSpec], num_shards: int) -> tuple[tuple[int, int], ...]:
+    """The frozen space (the frozen parameters, in order, float32: a space of its own, apart from
+    the flat space a step pushes and pulls) split into num_shards contiguous ranges whose sizes
+    differ by at most one; a shard's range may be empty."""
+    total = sum(p.numel for p in frozen)
+    bounds = [(i * total) // num_shards for i in range(num_shards + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -179,20 +183,27 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
     return ShardPlan(total, tuple(zip(bounds[:-1], bounds[1:])))
 
 
-def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[TableSpec] = ()) -> str:
-    """A hash of the parameter (and buffer) names, shapes, dtypes, the sparse tables and the job spec
-    (which includes S)."""
+def _param_doc(p: ParamSpec) -> list[object]:
+    return [p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
+            *(["aliases", *p.aliases] if p.aliases else []),
+            *(["lr_scale", p.lr_scale] if p.lr_scale != 1.0 else []),
+            *(["weight_decay", p.weight_decay] if p.weight_decay is not None else [])]
+
+
+def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[TableSpec] = (),
+                frozen: Sequence[ParamSpec] = ()) -> str:
+    """A hash of the parameter (and buffer) names, shapes, dtypes, the sparse tables, the frozen
+    parameters the servers keep and the job spec (which includes S)."""
     job = spec.as_dict()
     for name in ("compress", "error_feedback"):  # (an uncompressed job keeps the fingerprint it always had)
         if job[name] == getattr(JobSpec, name):
             del job[name]
     doc: dict[str, object] = {
-        "params": [[p.name, list(p.shape), p.dtype, *(["buffer"] if p.buffer else []),
-                    *(["aliases", *p.aliases] if p.aliases else []),
-                    *(["lr_scale", p.lr_scale] if p.lr_scale != 1.0 else []),
-                    *(["weight_decay", p.weight_decay] if p.weight_decay is not None else [])] for p in params],
+        "params": [_param_doc(p) for p in params],
         "spec": job,
     }
+    if frozen:  # (a job without frozen parameters on the servers keeps the fingerprint it always had)
+        doc["frozen"] = [_param_doc(p) for p in frozen]
     if tables:  # (a job without sparse tables keeps the fingerprint it always had)
         doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std,
                           *(["lr_scale", t.lr_scale] if t.lr_scale != 1.0 else []),

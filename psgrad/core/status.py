@@ -65,13 +65,13 @@ class TableStatus:
     """One table of a shard: what kind it is and what it holds."""
 
     name: str
-    kind: str  # "dense": a range of the flat space; "sparse": rows of an embedding
+    kind: str  # "dense": a range of the flat space; "sparse": rows of an embedding; "frozen": a range of the frozen space
     numel: int = 0  # parameters held (sparse: in the rows made so far)
     nbytes: int = 0  # bytes of its fp32 master weights
     state_bytes: int = 0  # bytes of its optimizer state
     rows: int = 0  # sparse: rows placed on this shard
     rows_touched: int = 0  # sparse: rows made (pulled or updated) so far
-    updates: int = 0  # sparse: updates applied to the table (its version)
+    updates: int = 0  # sparse: updates applied to the table (its version); frozen: writes of its values (its version)
     staleness_max: int = 0  # sparse: the most table updates between a pull of rows and their push
     staleness_mean: float = 0.0  # sparse: the mean of that over the pushes applied
 
@@ -135,6 +135,7 @@ class ShardStatus:
     transfers: TransferStatus = field(default_factory=TransferStatus)
     params: tuple[ParamSpec, ...] = ()  # the model's parameters, only when asked for (export)
     table_specs: tuple[TableSpec, ...] = ()  # the job's sparse tables, only when asked for (export)
+    frozen_params: tuple[ParamSpec, ...] = ()  # the frozen parameters the servers keep, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
     delay: DelayStatus = field(default_factory=DelayStatus)
     published: PublishedStatus = field(default_factory=PublishedStatus)

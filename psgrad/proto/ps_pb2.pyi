@@ -114,7 +114,7 @@ class ShardRange(_message.Message):
     def __init__(self, index: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init", "tables")
+    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init", "tables", "frozen")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class JoinRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_INIT_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
     rank: int
     spec: JobSpec
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
@@ -129,10 +130,11 @@ class JoinRequest(_message.Message):
     fingerprint: str
     wait_for_init: bool
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    frozen: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks")
+    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks", "frozen_version")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class JoinReply(_message.Message):
     JOINED_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     lease_s: float
@@ -147,17 +150,20 @@ class JoinReply(_message.Message):
     joined: int
     start_clock: int
     joined_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    frozen_version: int
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("join", "numel", "rows")
+    __slots__ = ("join", "numel", "rows", "frozen_numel")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_NUMEL_FIELD_NUMBER: _ClassVar[int]
     join: JoinRequest
     numel: int
     rows: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    frozen_numel: int
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., frozen_numel: _Optional[int] = ...) -> None: ...
 
 class InitFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -176,16 +182,18 @@ class InitReply(_message.Message):
     def __init__(self, already_initialized: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "clock", "fingerprint", "observe")
+    __slots__ = ("rank", "clock", "fingerprint", "observe", "table")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     fingerprint: str
     observe: bool
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., observe: _Optional[bool] = ...) -> None: ...
+    table: str
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., observe: _Optional[bool] = ..., table: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("version", "numel", "dtype")
@@ -314,7 +322,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "frozen_params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +344,7 @@ class StatusReply(_message.Message):
     UPDATES_LOST_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TABLE_SPECS_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_PARAMS_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +376,7 @@ class StatusReply(_message.Message):
     updates_lost: int
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
     table_specs: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    frozen_params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
     rolled_back: int
     job_lr: float
     job_lr_clock: int
@@ -377,7 +387,7 @@ class StatusReply(_message.Message):
     published: PublishedStatus
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     checkpoint: CheckpointStatus
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen_params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("enabled", "version", "age_s", "writes", "failures", "failing", "last_error", "error_age_s")

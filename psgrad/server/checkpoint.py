@@ -284,6 +284,7 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
         "end": layout.end,
         "fingerprint": layout.fingerprint,
         **({"tables": [dataclasses.asdict(t) for t in layout.tables]} if layout.tables else {}),
+        **({"frozen": [_param_to_json(p) for p in layout.frozen]} if layout.frozen else {}),
     }
 
 
@@ -296,6 +297,7 @@ def _layout_from_json(d: dict[str, Any]) -> Layout:
         end=int(d["end"]),
         fingerprint=str(d["fingerprint"]),
         tables=tuple(TableSpec(**t) for t in d.get("tables", ())),
+        frozen=tuple(_param_from_json(p) for p in d.get("frozen", ())),
     )
 
 

@@ -29,6 +29,8 @@ class JoinResult:
     # every rank that has joined (whatever became of it since); left out of == so that results
     # compare by what the worker acts on
     ranks: tuple[int, ...] = field(default=(), compare=False)
+    #: the version of the shard's frozen table (0: none, or not written yet)
+    frozen_version: int = 0
 
 
 @dataclass

@@ -15,7 +15,7 @@ from psgrad import errors
 from psgrad.wire import serde
 from psgrad.wire import published, shm
 from psgrad.core.codecs import WireBuffer, byte_view, segment_bytes, torch_dtype
-from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, parse_frame, write_frames
+from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
@@ -23,6 +23,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server.publisher import Publisher
 from psgrad.server.rows_path import RowGradients
 from psgrad.server.shard import Shard
+from psgrad.server.tables import FROZEN
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.wire import protocol
 from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
@@ -57,6 +58,7 @@ def _layout_from_join(req: pb.JoinRequest) -> Layout:
         end=req.shard.end,
         fingerprint=req.fingerprint,
         tables=tuple(serde.tables_from_proto(req.tables)),
+        frozen=tuple(serde.params_from_proto(req.frozen)),
     )
 
 
@@ -160,6 +162,7 @@ class ParameterServicer:
             joined=r.joined,
             start_clock=r.start_clock,
             joined_ranks=r.ranks,
+            frozen_version=r.frozen_version,
         )
 
     @_edge
@@ -181,13 +184,17 @@ class ParameterServicer:
         if unknown:
             raise InvalidRequestError(f"init: rows of {unknown[0]!r}, which is not one of the job's sparse tables "
                                       f"({', '.join(map(repr, dims)) or 'none'})")
-        sizes = [ids.numel() * dims[table] for table, ids in loaded]
+        start, end = layout.frozen_range
+        if header.frozen_numel != end - start:
+            raise InvalidRequestError(f"init announces {header.frozen_numel} frozen values for shard {layout.index} "
+                                      f"keeping [{start}, {end}) of the frozen parameters = {end - start}")
+        sizes = [ids.numel() * dims[table] for table, ids in loaded] + [end - start]
         payload = torch.empty(layout.numel + sum(sizes), dtype=torch.float32)
         write_frames(frames, PayloadWriter(byte_view(payload), "init"), FrameParser(pb.InitFrame, "init"))
-        weights = payload[: layout.numel] if not loaded else payload[: layout.numel].clone()
-        values = payload[layout.numel:].split(sizes)
+        weights = payload[: layout.numel] if len(payload) == layout.numel else payload[: layout.numel].clone()
+        *values, frozen = payload[layout.numel:].split(sizes)
         rows = {table: (ids, v.view(ids.numel(), dims[table])) for (table, ids), v in zip(loaded, values)}
-        already = self.shard.initialize(header.join.rank, layout, weights, rows)
+        already = self.shard.initialize(header.join.rank, layout, weights, rows, frozen if layout.frozen else None)
         self._acked(self.shard.version, context)
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 
@@ -269,6 +276,9 @@ class ParameterServicer:
                 self.publisher.close()
 
     def Pull(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        if req.table:
+            yield from self._pull_table(req, context)
+            return
         try:
             version, frames = self._granted_pull(req.rank, req.clock, req.fingerprint, context, req.observe)
         except PsgradError as exc:
@@ -289,6 +299,23 @@ class ParameterServicer:
             yield header
         finally:
             frames.close()
+
+    def _pull_table(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A pull of the frozen table (req.table): its version, then its values in float32 frames.
+        No gate and no clock (it moves only when written); read at join, and when its version moved."""
+        try:
+            if req.table != FROZEN:
+                raise InvalidRequestError(f"a pull of table {req.table!r}: only the {FROZEN!r} table is pulled whole "
+                                          "(the weights are pulled with no table named, sparse rows by PullRows)")
+            self.shard.serving(promote=not req.observe)
+            version, values = self.shard.frozen_values(req.rank, req.fingerprint)
+            self._acked(self.shard.version, context)  # never show a worker values its backup does not have
+        except PsgradError as exc:
+            protocol.abort(context, exc)
+            return
+        yield pb.PullFrame(header=pb.PullHeader(version=version, numel=values.numel(), dtype="float32")).SerializeToString()
+        for chunk in data_frames(byte_view(values), self.config.chunk_bytes):
+            yield chunk
 
     def _reserve(self, h: pb.PushHeader, context: grpc.ServicerContext) -> _Reserved:
         """Check a push header and wait for a receive buffer (see Shard.push_target)."""

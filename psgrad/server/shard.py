@@ -17,7 +17,7 @@ from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
-from psgrad.errors import JobMismatchError
+from psgrad.errors import InvalidRequestError, JobMismatchError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
 from psgrad.server.membership import Member
@@ -241,12 +241,33 @@ class Shard:
             if core.layout is None:
                 return JoinResult(False, False, 0, 0, core.version)
             ranks = tuple(sorted(core.members.members))
-            return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks)
+            frozen = core.state.frozen if core.state is not None else None
+            return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks,
+                              0 if frozen is None else frozen.version)
+
+    def frozen_values(self, rank: int, fingerprint: str) -> tuple[int, torch.Tensor]:
+        """(the frozen table's version, a copy of its values): the shard's range of the frozen
+        space. No gate, no clock: the values move only when written (Init, a restore).
+
+        Raises:
+            NotInitializedError, JobMismatchError: see ShardCore.require.
+            InvalidRequestError: the job keeps no frozen parameters on the servers.
+        """
+        core = self.core
+        with core.cond:
+            table = core.require(fingerprint, rank).frozen
+            if table is None:
+                raise InvalidRequestError(f"worker rank {rank} asked for the frozen parameters; this job keeps none "
+                                          "on the servers")
+            core.counters.bytes_out += table.numel * 4
+            return table.version, table.values.clone()
 
     def initialize(self, rank: int, layout: Layout, weights: torch.Tensor,
-                   rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
-        """Install the job and initial weights, and rows of sparse tables that start from the
-        chief's values (`rows`: table -> (ids, values [n, dim]); see SparseTable.load_rows).
+                   rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   frozen: torch.Tensor | None = None) -> bool:
+        """Install the job and initial weights, rows of sparse tables that start from the
+        chief's values (`rows`: table -> (ids, values [n, dim]); see SparseTable.load_rows), and
+        the shard's range of the frozen parameters (`frozen`, float32; the layout has some).
         Idempotent for an identical layout.
 
         Returns True when the shard was already initialized with the same layout (nothing changes).
@@ -255,6 +276,10 @@ class Shard:
         state = ShardState.create(layout, weights, core.members, core.budget_bytes)
         for table, (ids, values) in (rows or {}).items():
             state.sparse(table, rank).load_rows(ids, values)
+        if state.frozen is not None:
+            if frozen is None:
+                raise InvalidRequestError(f"init of shard {layout.index} brings no values of its frozen parameters")
+            state.frozen.write(frozen)
         with core.cond:
             if core.layout is not None:
                 problem = explain_mismatch(core.layout, layout, rank)
@@ -396,6 +421,7 @@ class Shard:
                 transfers=self._transfers(),
                 params=layout.params if layout and with_params else (),
                 table_specs=layout.tables if layout and with_params else (),
+                frozen_params=layout.frozen if layout and with_params else (),
                 replica=self.replica.status(),
                 delay=state.dense.delay_status() if state else DelayStatus(),
                 published=self.published_status(),

@@ -17,7 +17,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.core.optimizers.rows import RowOptimizer, make_row_optimizer
 from psgrad.core.optimizers.segments import segments_of
-from psgrad.server.tables import DENSE, DenseTable, MemoryBudget, SparseTable, Table, TableSnapshot
+from psgrad.server.tables import DENSE, FROZEN, DenseTable, FrozenTable, MemoryBudget, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's job scalars: the job's lr and the chief's clock that set it.
@@ -144,7 +144,19 @@ class ShardState:
         state = cls(layout, tables, membership, budget=MemoryBudget(budget_bytes))
         for t in layout.tables:
             state.add_sparse_table(t.name, t.num_embeddings, t.dim, t.seed, t.std, t)
+        if layout.frozen:  # the shard's range of the frozen space (written by the chief's Init)
+            if FROZEN in state.tables:
+                raise InvalidRequestError(f"a sparse table is named {FROZEN!r}, the name of the frozen parameters' "
+                                          "table: rename that embedding module, or pass frozen='local'")
+            start, end = layout.frozen_range
+            state.tables[FROZEN] = FrozenTable(end - start)
         return state
+
+    @property
+    def frozen(self) -> FrozenTable | None:
+        """The shard's range of the frozen space (None: the job keeps no frozen parameters here)."""
+        table = self.tables.get(FROZEN)
+        return table if isinstance(table, FrozenTable) else None
 
     def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0, std: float = 1.0,
                          group: TableSpec | None = None) -> SparseTable:

@@ -2,7 +2,8 @@
 and apply rule. A *dense* table is a contiguous range of the job's flat space (its trainable prefix
 takes the optimizer, the synchronized buffers after it take deltas), updated as one vector; a
 *sparse* table holds the rows of an embedding placed on this shard, made on first touch and
-updated row by row. Both answer the same interface: snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
+updated row by row; the *frozen* table holds the shard's range of the model's frozen parameters,
+which no push touches (a space of their own, so a step's push and pull never carry them). All answer the same interface: snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
 calls them under its lock."""
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from psgrad.server.transfers import apply_checked, count_nonfinite
 
 #: The name of the dense table: the job's flat space (every shard of a job holds one).
 DENSE = "dense"
+#: The name of the frozen table: the shard's range of the frozen space (a job with frozen
+#: parameters on the servers: every shard holds one, perhaps empty).
+FROZEN = "frozen"
 
 Tensors = dict[str, torch.Tensor]
 Scalars = dict[str, float | int]
@@ -187,6 +191,59 @@ class DenseTable:
     def delay_status(self) -> DelayStatus:
         return self.dc.status() if self.dc is not None else DelayStatus()
 
+
+
+class _Fixed:
+    """The optimizer of a table nothing updates: it only keeps the job's lr, as every table's does."""
+
+    def __init__(self) -> None:
+        self.lr = 0.0
+
+
+class FrozenTable:
+    """The shard's range of the frozen space: float32 values the chief wrote at Init, never
+    updated by a push, with a version that moves only when they are written (Init, a restore):
+    a worker reads them at join, and again only when that version moved."""
+
+    kind: ClassVar[str] = "frozen"
+
+    def __init__(self, numel: int) -> None:
+        self.values = torch.zeros(numel)
+        self.version = 0  # 0: not written yet
+        self.optimizer = _Fixed()
+
+    @property
+    def numel(self) -> int:
+        return self.values.numel()
+
+    def write(self, values: torch.Tensor) -> None:
+        """Take the frozen values (the chief's): the table's version moves.
+
+        Raises:
+            InvalidRequestError: values of another size or dtype.
+        """
+        if values.dtype != torch.float32 or values.numel() != self.numel:
+            raise InvalidRequestError(f"the frozen table of {self.numel} float32 values cannot take "
+                                      f"{values.numel()} {values.dtype}")
+        self.values.copy_(values.reshape(-1))
+        self.version += 1
+
+    def forget_workers(self, live: set[int]) -> None:
+        """Nothing per worker here."""
+
+    def snapshot(self) -> TableSnapshot:
+        return TableSnapshot(self.kind, {"values": self.values.clone()}, {"version": self.version})
+
+    def load(self, snap: TableSnapshot) -> None:
+        values = snap.tensors["values"]
+        if values.dtype != torch.float32 or values.numel() != self.numel:
+            raise InvalidRequestError(f"a frozen table of {self.numel} float32 values cannot take "
+                                      f"{values.numel()} {values.dtype}")
+        self.values.copy_(values)
+        self.version = int(snap.scalars.get("version", 1))
+
+    def status(self, name: str) -> TableStatus:
+        return TableStatus(name, self.kind, self.numel, self.numel * 4, 0, updates=self.version)
 
 
 def memory_budget_bytes(mb: float | None) -> int | None:

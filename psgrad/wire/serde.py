@@ -134,6 +134,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         transfers=pb.TransferStatus(**dataclasses.asdict(status.transfers)),
         params=params_to_proto(status.params),
         table_specs=tables_to_proto(status.table_specs),
+        frozen_params=params_to_proto(status.frozen_params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
         published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
@@ -183,6 +184,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         checkpoint=_checkpoint_from_proto(msg),
         params=tuple(params_from_proto(msg.params)),
         table_specs=tuple(tables_from_proto(msg.table_specs)),
+        frozen_params=tuple(params_from_proto(msg.frozen_params)),
     )
 
 

@@ -72,16 +72,16 @@ class FlatModel:
             last `buffers.numel` elements are the buffers' values (pulled) and deltas (pushed).
         numel: trainable elements; total: the flat space's (numel plus the buffers').
         d2h_s, h2d_s: the time the last gather_grads / weights_pulled spent copying.
-    frozen=True: the frozen parameters are in the flat space too (their gradient stays zero).
+    Frozen parameters (requires_grad=False) are not in the flat space: the servers keep them in a
+    table of their own (see PSOptimizer), or each worker does (frozen="local").
     """
 
     def __init__(
         self, model: nn.Module, device: torch.device | None = None, staging: bool = False, sync_buffers: bool = False,
-        frozen: bool = False,
     ) -> None:
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad or frozen]
-        if not any(p.requires_grad for p in self.params):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         devices = {p.device for p in self.params}
         if len(devices) != 1:

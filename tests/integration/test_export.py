@@ -265,11 +265,11 @@ def test_an_integer_lr_is_the_same_job_as_its_float(make_servers) -> None:  # ty
             other.optimizer(_model())  # was: JobMismatchError naming no field
 
 
-@pytest.mark.parametrize("frozen", ["servers", "local"])
-def test_a_frozen_backbone_round_trips_when_it_lives_on_the_servers(make_servers: Any, frozen: str) -> None:
-    """Fine-tuning with a frozen first layer: with frozen="servers" the frozen weights are part of the
-    job (never moved), so an export loads strictly and holds them unchanged; with "local" (the
-    default: nothing frozen travels) the export lacks them and a strict load says which."""
+@pytest.mark.parametrize("frozen", [None, "local"])
+def test_a_frozen_backbone_round_trips_when_it_lives_on_the_servers(make_servers: Any, frozen: str | None) -> None:
+    """Fine-tuning with a frozen first layer: by default (frozen="servers") the frozen weights are part
+    of the job (a table no step moves), so an export loads strictly and holds them unchanged; with
+    "local" (nothing frozen travels) the export lacks them and a strict load says which."""
     torch.manual_seed(0)
     model = _model()
     backbone = model[0].weight.detach().clone()  # type: ignore[index]
@@ -278,7 +278,7 @@ def test_a_frozen_backbone_round_trips_when_it_lives_on_the_servers(make_servers
     addresses = [s.address for s in make_servers(2)]
     task = get_task("digits")
     with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=0.1, momentum=0.9), client=CLIENT) as ps:
-        opt = ps.optimizer(model, frozen=frozen)
+        opt = ps.optimizer(model) if frozen is None else ps.optimizer(model, frozen=frozen)
         for k in range(3):
             opt.zero_grad()
             nn.functional.cross_entropy(model(task.train_x[: 32]), task.train_y[: 32]).backward()
@@ -293,3 +293,46 @@ def test_a_frozen_backbone_round_trips_when_it_lives_on_the_servers(make_servers
     fresh.load_state_dict(state)  # strict: every key
     assert torch.equal(fresh[0].weight, backbone) and torch.equal(model[0].weight, backbone)  # type: ignore[index]
     assert not torch.equal(fresh[2].weight, _model()[2].weight)  # type: ignore[index]  # the head trained
+
+
+def test_frozen_and_tied_parameters_round_trip_strictly_with_default_settings(make_servers: Any) -> None:
+    """An LM whose frozen embedding is tied to its output layer, with a frozen norm and a trainable
+    middle: with ps.optimizer's defaults the export holds every key (the frozen ones under each of
+    their names) and a strict load_state_dict takes it, frozen values unchanged and the middle trained."""
+
+    class FrozenTiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.norm = nn.LayerNorm(8)
+            self.mix = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 20, bias=False)
+            self.head.weight = self.embed.weight
+            self.embed.requires_grad_(False)
+            self.norm.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.mix(self.norm(self.embed(x)))))
+
+    torch.manual_seed(0)
+    model = FrozenTiedLM()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)  # not the fresh model's values
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    addresses = [s.address for s in make_servers(2)]
+    with psgrad.connect(addresses, client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randint(0, 20, (16,))
+            nn.functional.cross_entropy(model(x), (x + 1) % 20).backward()
+            opt.step()
+        state = psgrad.fetch_state_dict(addresses)
+    assert set(state) == set(model.state_dict())
+    fresh = FrozenTiedLM()
+    fresh.load_state_dict(state)  # strict
+    assert fresh.head.weight is fresh.embed.weight
+    for name in ("embed.weight", "head.weight", "norm.weight", "norm.bias"):
+        assert torch.equal(fresh.state_dict()[name], initial[name]), name
+    assert not torch.equal(fresh.mix.weight, initial["mix.weight"])
+    assert torch.equal(fresh.mix.weight, model.mix.weight)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import psgrad.config as config_module
 from psgrad.config import JobSpec
 from psgrad.errors import ConfigError
-from psgrad.core.sharding import ParamSpec, fingerprint, param_specs, plan_shards
+from psgrad.core.sharding import ParamSpec, fingerprint, frozen_ranges, param_specs, plan_shards
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -267,3 +267,20 @@ def test_param_specs_sees_requires_grad_changes() -> None:
     net.frozen.requires_grad_(True)
     names = [s.name for s in param_specs(net)]
     assert names == ["frozen", "scale", "zeta.weight", "alpha.weight"]
+
+
+def test_frozen_parameters_are_a_space_of_their_own_split_over_the_shards() -> None:
+    """param_specs(frozen=True) lists the frozen parameters as param_specs lists the trainable ones;
+    frozen_ranges splits them like the flat space, but a shard's range may be empty; the fingerprint
+    names them only when the servers keep some (a job without keeps the one it always had)."""
+    net = _Net()
+    net.zeta.requires_grad_(False)
+    frozen = param_specs(net, frozen=True)
+    assert [s.name for s in frozen] == ["frozen", "zeta.weight", "zeta.bias"]
+    assert [s.name for s in param_specs(net)] == ["scale", "alpha.weight"]
+    assert frozen_ranges(frozen, 2) == ((0, 6), (6, 13))
+    assert frozen_ranges(frozen[2:], 3) == ((0, 0), (0, 1), (1, 2))
+    assert frozen_ranges([], 2) == ((0, 0), (0, 0))
+    trainable = param_specs(net)
+    assert fingerprint(trainable, BASE_SPEC, (), ()) == fingerprint(trainable, BASE_SPEC)
+    assert fingerprint(trainable, BASE_SPEC, (), frozen) != fingerprint(trainable, BASE_SPEC)
