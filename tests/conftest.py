@@ -109,10 +109,27 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
     fails with the script's stderr if it exits non-zero)."""
     import json
 
-    res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], capture_output=True, text=True,
-                         timeout=timeout_s, cwd=REPO, env=child_env())
+    res = run_python([f"benchmarks/{script}", *args], timeout_s=timeout_s)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
+
+
+def run_python(args: Sequence[str], timeout_s: float = 240.0, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    """Run `python ARGS` (a script or `-m psgrad ...`) in the repository to completion, forked from the
+    preloaded template as `psgrad launch` starts its children, capturing stdout and stderr apart.
+
+    Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
+    """
+    argv = [sys.executable, *args]
+    proc = Proc(argv, name=os.path.basename(args[0]), cwd=REPO, stderr_file=True, new_session=False,
+                env=child_env() if env is None else env)
+    try:
+        rc = proc.wait(timeout_s)
+        stdout = "".join(line + "\n" for line in proc.lines)
+        return subprocess.CompletedProcess(argv, rc, stdout, proc.stderr_text())
+    finally:
+        proc.stop(grace_s=0)
 
 
 def _run_directory(factory: pytest.TempPathFactory) -> Path:
@@ -144,15 +161,7 @@ def run_cli(args: Sequence[str], timeout_s: float = 120.0) -> subprocess.Complet
 
     Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
     """
-    argv = _psgrad(args)
-    proc = Proc(argv, name=f"psgrad-{args[0] if args else ''}", cwd=REPO, stderr_file=True, new_session=False,
-                env=child_env())
-    try:
-        rc = proc.wait(timeout_s)
-        stdout = "".join(line + "\n" for line in proc.lines)
-        return subprocess.CompletedProcess(argv, rc, stdout, proc.stderr_text())
-    finally:
-        proc.stop(grace_s=0)
+    return run_python(["-m", "psgrad", *args], timeout_s)
 
 
 def cli_in_process(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:

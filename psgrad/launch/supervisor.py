@@ -105,9 +105,10 @@ class SupervisedProcess:
     at the end of its output on_exit gets the exit code. stdin is /dev/null, or with stdin_pipe a
     pipe for write_line. The child runs in a session of its own unless new_session=False (a Ctrl-C
     reaches only the parent, which stops it) and on Linux gets SIGTERM when the parent dies, so
-    nothing is left behind. preload=True: a `sys.executable -m psgrad ...` command is started as a
-    fork of a process that has already imported torch and psgrad (template.py), in milliseconds
-    instead of seconds; any other command, or where that cannot be done, the plain way.
+    nothing is left behind. preload=True: a `sys.executable -m psgrad ...` (or `sys.executable
+    SCRIPT.py ...`) command is started as a fork of a process that has already imported torch and
+    psgrad (template.py), in milliseconds instead of seconds; any other command, or where that
+    cannot be done, the plain way.
     """
 
     def __init__(
@@ -172,11 +173,11 @@ class SupervisedProcess:
         that does not apply (another command, a template that cannot serve this environment)."""
         from psgrad.launch import template
 
-        args = template.psgrad_args(argv)
+        args = template.preloadable(argv)
         if args is None or not template.enabled():
             return None
         where = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
-        tmpl = template.template_for(env, where)
+        tmpl = template.template_for(env, where, args)
         if tmpl is None:
             return None
         out_r, out_w = os.pipe()

@@ -5,14 +5,16 @@ machine, more than a short job's training). A launcher that starts N servers and
 pays that N times. Instead its first child starts a *template*: `python -m psgrad.launch.template`
 imports what every psgrad command imports, then waits. Each child is a fork of it, which takes
 milliseconds and shares the imported modules' memory copy-on-write; the child then runs
-`python -m psgrad ARGS` as a fresh interpreter would (its own environment, working directory, stdin,
-stdout and stderr, session and signal dispositions, exit code and exit handlers).
+`python -m psgrad ARGS` (or a Python script: a benchmark) as a fresh interpreter would (its own
+environment, working directory, stdin, stdout and stderr, session, process group and signal
+dispositions, exit code and exit handlers). A child's own children are forks of the same template
+(it keeps a connection to it), and when an asker ends, the children it asked for get SIGTERM.
 
 The template never starts a thread of its own, a gRPC channel or a CUDA context, so a fork of it is
 as safe as a fork before any work. What an interpreter reads only as it starts (PYTHON*, LD_*, OpenMP
 and BLAS thread settings) is part of the template's identity: a child whose environment differs
-there gets a template of its own, and one whose working directory holds another psgrad package is
-started the plain way (`subprocess`). So is every child where Linux lacks pidfds, or where
+there gets a template of its own (OMP_NUM_THREADS excepted: each child sets its torch threads), and
+one whose first sys.path entry holds another psgrad package is started the plain way (`subprocess`). So is every child where Linux lacks pidfds, or where
 PSGRAD_PRELOAD=0.
 
 Protocol (a SOCK_SEQPACKET socket pair; JSON messages): the parent sends {"argv", "env", "cwd",
@@ -173,7 +175,7 @@ class Template:
 
     def spawn(self, args: Sequence[str], env: Mapping[str, str], cwd: str, new_session: bool,
               stdin: int, stdout: int, stderr: int) -> int:
-        """Fork a child that runs `python -m psgrad ARGS` with these descriptors; its pid.
+        """Fork a child that runs `python ARGS` (preloadable's) with these descriptors; its pid.
 
         Raises:
             OSError: the template is gone, or could not fork.
@@ -233,26 +235,35 @@ def enabled() -> bool:
         os.environ.get("PSGRAD_PRELOAD", "1") != "0"
 
 
-def psgrad_args(argv: Sequence[str]) -> list[str] | None:
-    """ARGS of a `sys.executable -m psgrad ARGS` command line; None for any other."""
+def preloadable(argv: Sequence[str]) -> list[str] | None:
+    """What a template runs for this command line (the interpreter's arguments): `sys.executable -m
+    psgrad ARGS` or `sys.executable SCRIPT.py ARGS` (a benchmark, say); None for any other."""
     if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] == "psgrad":
-        return list(argv[3:])
+        return list(argv[1:])
+    if len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py") and not argv[1].startswith("-"):
+        return list(argv[1:])
     return None
 
 
-def _shadowed(cwd: str) -> bool:
-    """Whether `python -m psgrad` run in cwd would import a psgrad other than this one."""
+def _first_on_path(args: Sequence[str], cwd: str) -> str:
+    """The directory the interpreter would put first on sys.path: the working directory for `-m`, the
+    script's own directory for a script."""
+    return cwd if args[0] == "-m" else os.path.dirname(os.path.join(cwd, args[0]))
+
+
+def _shadowed(directory: str) -> bool:
+    """Whether a child with this directory first on sys.path would import a psgrad other than this one."""
     import psgrad
 
     here = os.path.dirname(os.path.abspath(psgrad.__file__))
-    there = os.path.join(cwd, "psgrad")
+    there = os.path.join(directory, "psgrad")
     return os.path.isdir(there) and not os.path.samefile(there, here)
 
 
-def template_for(env: Mapping[str, str], cwd: str) -> Template | None:
-    """The running template for a child with this environment and working directory (started on first
-    use), or None where the child must be started the plain way."""
-    if not enabled() or env.get("PSGRAD_PRELOAD", "1") == "0" or _shadowed(cwd):
+def template_for(env: Mapping[str, str], cwd: str, args: Sequence[str] = ("-m", "psgrad")) -> Template | None:
+    """The running template for a child with this environment, working directory and arguments
+    (preloadable's; started on first use), or None where the child must be started the plain way."""
+    if not enabled() or env.get("PSGRAD_PRELOAD", "1") == "0" or _shadowed(_first_on_path(args, cwd)):
         return None
     key = _startup_env(env)
     with _TEMPLATES_LOCK:
@@ -332,12 +343,14 @@ def _become_child(message: dict[str, object], fds: list[int], keep_closed: Seque
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=unbuffered)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
                                       line_buffering=True, write_through=True)
-        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-        sys.path[0] = cwd  # as `python -m` puts the working directory first
+        for name in ("stdin", "stdout", "stderr"):  # the originals are these, as in a fresh interpreter
+            setattr(sys, f"__{name}__", getattr(sys, name))
+        argv = [str(a) for a in message["argv"]]  # type: ignore[attr-defined]
+        sys.path[0] = _first_on_path(argv, cwd)  # as the interpreter would
         if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
             sys.modules["numpy.random"].seed()
         _set_threads(os.environ.get("OMP_NUM_THREADS", ""))
-        code = _run(list(message["argv"]))  # type: ignore[call-overload]
+        code = _run(argv)
     except BaseException:  # noqa: BLE001 - the child's own failure, reported as an interpreter would
         import traceback
 
@@ -358,12 +371,13 @@ def _set_threads(value: str) -> None:
 
 def _set_title(args: Sequence[str]) -> None:
     """Show the command in ps and /proc/PID/cmdline (with setproctitle installed; else its name in comm)."""
-    title = " ".join(["python", "-m", "psgrad", *args])
+    title = " ".join(["python", *args])
     try:
         from setproctitle import setproctitle
     except ImportError:
         try:
-            ctypes.CDLL(None).prctl(15, (" ".join(["psgrad", *args[:1]]))[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+            name = " ".join(args[1:3] if args[0] == "-m" else [os.path.basename(args[0])])
+            ctypes.CDLL(None).prctl(15, name[:15].encode(), 0, 0, 0)  # PR_SET_NAME
         except (OSError, AttributeError):
             pass
         return
@@ -371,14 +385,19 @@ def _set_title(args: Sequence[str]) -> None:
 
 
 def _run(args: list[str]) -> int:
-    """Run `python -m psgrad ARGS` in this process as the interpreter would; the exit code."""
+    """Run `python ARGS` (`-m psgrad ...` or `SCRIPT ...`) in this process as the interpreter would;
+    the exit code."""
     import runpy
     import traceback
 
-    sys.argv = ["-m", *args]
     code: int
     try:
-        runpy.run_module("psgrad", run_name="__main__", alter_sys=True)
+        if args[0] == "-m":
+            sys.argv = ["-m", *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         if exc.code is None:
@@ -414,7 +433,8 @@ def _serve(root: socket.socket) -> None:
     except (OSError, AttributeError):
         prctl = None
     selector = selectors.DefaultSelector()
-    connections: dict[int, tuple[socket.socket, set[int]]] = {root.fileno(): (root, set())}
+    # fd -> (the connection, the children asked for on it, the pid of the child it was given to: 0 for the parent's)
+    connections: dict[int, tuple[socket.socket, set[int], int]] = {root.fileno(): (root, set(), 0)}
     asked_by: dict[int, int] = {}  # child pid -> the fd of the connection that asked for it
     selector.register(root, selectors.EVENT_READ, None)
     _send(root, {"ready": True})
@@ -433,7 +453,7 @@ def _serve(root: socket.socket) -> None:
                     except OSError:
                         pass
                 continue
-            sock, asked = connections[key.fd]
+            sock, asked, asker = connections[key.fd]
             try:
                 message, fds = _receive(sock)
             except OSError:
@@ -451,11 +471,18 @@ def _serve(root: socket.socket) -> None:
                     except ProcessLookupError:
                         pass
                 continue
-            if not message.get("new_session") and sock is not root:
-                for fd in fds:  # its session is not the template's: the asker starts it itself
-                    os.close(fd)
-                _send(sock, {"error": "a child of a template starts children in its own session itself"})
-                continue
+            group = 0  # a child that stays in its asker's session joins the asker's process group
+            if not message.get("new_session") and asker:
+                try:
+                    same = os.getsid(asker) == os.getsid(0)
+                    group = os.getpgid(asker)
+                except ProcessLookupError:
+                    same = False
+                if not same:  # a session of its own: the asker starts the child itself
+                    for fd in fds:
+                        os.close(fd)
+                    _send(sock, {"error": "the asker's session is not the template's"})
+                    continue
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 pid = os.fork()
@@ -469,6 +496,8 @@ def _serve(root: socket.socket) -> None:
             if pid == 0:
                 others = [selector.fileno(), ours.fileno()]
                 others += [k.fd for k in selector.get_map().values()]
+                if group:
+                    os.setpgid(0, group)
                 _become_child(message, fds, others, prctl, theirs)
             for fd in fds:
                 os.close(fd)
@@ -476,7 +505,7 @@ def _serve(root: socket.socket) -> None:
             pidfd = os.pidfd_open(pid)
             selector.register(pidfd, selectors.EVENT_READ, pid)
             selector.register(ours, selectors.EVENT_READ, None)
-            connections[ours.fileno()] = (ours, set())
+            connections[ours.fileno()] = (ours, set(), pid)
             asked.add(pid)
             asked_by[pid] = key.fd
             _send(sock, {"pid": pid})
@@ -502,6 +531,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":  # (the module's own copy: its globals are the ones children import)
-    from psgrad.launch import template
+    import importlib
 
-    template.main(sys.argv[1:])
+    importlib.import_module("psgrad.launch.template").main(sys.argv[1:])

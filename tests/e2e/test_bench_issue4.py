@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import run_python
 
 
 def _run(*args: str) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=REPO,
-                         stdin=subprocess.DEVNULL)
+    res = run_python(args, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     out: dict[str, Any] = json.loads(res.stdout)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import REPO, once_per_run
+from conftest import REPO, once_per_run, run_python
 
 BENCH = Path(REPO) / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -27,7 +28,7 @@ from lib import ceilings, raw_grpc  # noqa: E402
 
 
 def _run(*args: str) -> dict:  # type: ignore[type-arg]
-    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=REPO)
+    res = run_python(args, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 

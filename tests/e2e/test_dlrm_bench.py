@@ -5,19 +5,17 @@ reported as skipped, with why."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 
-from conftest import REPO
+from conftest import run_python
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dlrm_tiny_psgrad_reports_both_modes() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/dlrm.py", "--preset", "tiny", "--no-torchrec"],
-                         capture_output=True, text=True, timeout=220, cwd=REPO)
+    res = run_python(["benchmarks/dlrm.py", "--preset", "tiny", "--no-torchrec"], timeout_s=220, env=dict(os.environ))
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["benchmark"] == "dlrm" and out["preset"] == "tiny"

@@ -129,3 +129,32 @@ def test_what_a_template_cannot_serve_starts_the_plain_way(tmp_path: Path) -> No
     assert other.wait(60) == 0 and isinstance(other.popen, subprocess.Popen) and other.lines == ["the other psgrad"]
     plain = Proc(["/bin/sh", "-c", "echo hi"])
     assert plain.wait(60) == 0 and isinstance(plain.popen, subprocess.Popen) and plain.lines == ["hi"]
+
+
+_SCRIPT = """
+import json, os, sys
+from psgrad.launch.supervisor import SupervisedProcess
+child = SupervisedProcess([sys.executable, "-m", "psgrad", "--version"], new_session=False, preload=True)
+assert child.wait(60) == 0, child.lines
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd": os.getcwd(),
+                  "preloaded": "torch" in sys.modules, "pgid": os.getpgid(0), "child": child.lines,
+                  "child_forked": type(child.popen).__name__}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_runs_as_python_script_py_would_and_its_children_share_its_process_group(tmp_path: Path) -> None:
+    """A benchmark script is forked too (sys.argv, sys.path[0], __main__ as `python SCRIPT` gives them);
+    its own child, asked to stay in its session, is a fork of the same template in its process group."""
+    import json
+
+    script = tmp_path / "probe.py"
+    script.write_text(_SCRIPT)
+    proc = Proc([sys.executable, str(script), "--flag", "x"], cwd=REPO, new_session=False)
+    assert proc.wait(60) == 0, proc.lines
+    assert isinstance(proc.popen, template.TemplateChild)
+    seen = json.loads(proc.lines[-1])
+    assert seen["argv"] == [str(script), "--flag", "x"] and seen["path0"] == str(tmp_path)
+    assert seen["name"] == "__main__" and seen["cwd"] == REPO and seen["preloaded"]
+    assert seen["child"] == [f"psgrad {psgrad.__version__}"] and seen["child_forked"] == "TemplateChild"
+    assert seen["pgid"] == os.getpgid(0)  # new_session=False: the tests' own group, as a plain child's
