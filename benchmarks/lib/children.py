@@ -74,7 +74,7 @@ class Child:
         self._address: str | None = None
         self.proc = SupervisedProcess(
             argv, name=f"bench-{name}", cwd=REPO, stdin_pipe=True, stderr_file=True, new_session=False,
-            env={**os.environ, **(ONE_THREAD_ENV if one_thread else {}), **(env or {})},
+            env={**os.environ, **(ONE_THREAD_ENV if one_thread else {}), **(env or {})}, preload=True,
         )
         self.popen = self.proc.popen
 

@@ -1,8 +1,6 @@
 """SupervisedProcess: one child process, its output read line by line on a thread, stopped and always reaped."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import queue
 import signal
@@ -12,15 +10,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Union
+from typing import IO, Union
 
-if TYPE_CHECKING:
-    from psgrad.launch.template import TemplateChild
+from psgrad.launch import template
+from psgrad.launch.template import TemplateChild, die_with_parent
 
 # A child process: a subprocess.Popen, or a fork of a preloaded template (template.TemplateChild).
-Child = Union["subprocess.Popen[str]", "TemplateChild"]
+Child = Union["subprocess.Popen[str]", TemplateChild]
 
-_PR_SET_PDEATHSIG = 1
 
 
 # Held while a whole line is written to stdout (print_line), and by whoever prints several lines that
@@ -76,25 +73,6 @@ class CtrlC:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
-
-
-@functools.cache
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies (None elsewhere).
-
-    prctl is looked up here, in the parent: between fork and exec the child must not dlopen.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return preexec
 
 
 class SupervisedProcess:
@@ -156,7 +134,7 @@ class SupervisedProcess:
                 # processes, whose OpenMP threads spin, several times slower: benchmarks and tests
                 # keep their children in their own session.
                 start_new_session=new_session,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         except BaseException:
             if self._stderr is not None:
@@ -171,8 +149,6 @@ class SupervisedProcess:
               stdin_pipe: bool, new_session: bool) -> TemplateChild | None:
         """Start `python -m psgrad ARGS` as a fork of a preloaded template (see template.py); None where
         that does not apply (another command, a template that cannot serve this environment)."""
-        from psgrad.launch import template
-
         args = template.preloadable(argv)
         if args is None or not template.enabled():
             return None

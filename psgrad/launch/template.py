@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import io
 import json
 import os
@@ -36,7 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 _PR_SET_PDEATHSIG = 1
@@ -67,6 +68,25 @@ def _receive(sock: socket.socket) -> tuple[dict[str, object] | None, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
+@functools.cache
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies (None elsewhere).
+
+    prctl is looked up here, in the parent: between fork and exec the child must not dlopen.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return preexec
+
+
 class TemplateChild:
     """A child forked by a template, with the part of subprocess.Popen's interface psgrad uses."""
 
@@ -130,12 +150,10 @@ class Template:
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            from psgrad.launch.supervisor import _die_with_parent
-
             proc = subprocess.Popen(
                 [sys.executable, "-m", "psgrad.launch.template", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL, env=dict(env), pass_fds=(theirs.fileno(),),
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         finally:
             theirs.close()
@@ -237,8 +255,10 @@ def enabled() -> bool:
 
 def preloadable(argv: Sequence[str]) -> list[str] | None:
     """What a template runs for this command line (the interpreter's arguments): `sys.executable -m
-    psgrad ARGS` or `sys.executable SCRIPT.py ARGS` (a benchmark, say); None for any other."""
-    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] == "psgrad":
+    psgrad ARGS`, `sys.executable SCRIPT.py ARGS` (a benchmark, say) or `sys.executable -c CODE ARGS`;
+    None for any other."""
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] in ("-m", "-c") and \
+            (argv[1] == "-c" or argv[2] == "psgrad"):
         return list(argv[1:])
     if len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py") and not argv[1].startswith("-"):
         return list(argv[1:])
@@ -246,9 +266,9 @@ def preloadable(argv: Sequence[str]) -> list[str] | None:
 
 
 def _first_on_path(args: Sequence[str], cwd: str) -> str:
-    """The directory the interpreter would put first on sys.path: the working directory for `-m`, the
-    script's own directory for a script."""
-    return cwd if args[0] == "-m" else os.path.dirname(os.path.join(cwd, args[0]))
+    """The directory the interpreter would put first on sys.path: the working directory for `-m` and
+    `-c`, the script's own directory for a script."""
+    return cwd if args[0] in ("-m", "-c") else os.path.dirname(os.path.join(cwd, args[0]))
 
 
 def _shadowed(directory: str) -> bool:
@@ -346,7 +366,7 @@ def _become_child(message: dict[str, object], fds: list[int], keep_closed: Seque
         for name in ("stdin", "stdout", "stderr"):  # the originals are these, as in a fresh interpreter
             setattr(sys, f"__{name}__", getattr(sys, name))
         argv = [str(a) for a in message["argv"]]  # type: ignore[attr-defined]
-        sys.path[0] = _first_on_path(argv, cwd)  # as the interpreter would
+        sys.path[0] = "" if argv[0] == "-c" else _first_on_path(argv, cwd)  # as the interpreter would
         if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
             sys.modules["numpy.random"].seed()
         _set_threads(os.environ.get("OMP_NUM_THREADS", ""))
@@ -395,6 +415,12 @@ def _run(args: list[str]) -> int:
         if args[0] == "-m":
             sys.argv = ["-m", *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            main = sys.modules["__main__"]
+            main.__dict__.clear()
+            main.__dict__.update(__name__="__main__", __builtins__=__builtins__)
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(args)
             runpy.run_path(args[0], run_name="__main__")

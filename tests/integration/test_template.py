@@ -143,18 +143,25 @@ print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd
 
 
 @pytest.mark.timeout(120)
-def test_a_script_runs_as_python_script_py_would_and_its_children_share_its_process_group(tmp_path: Path) -> None:
-    """A benchmark script is forked too (sys.argv, sys.path[0], __main__ as `python SCRIPT` gives them);
-    its own child, asked to stay in its session, is a fork of the same template in its process group."""
+@pytest.mark.parametrize("form", ["script", "-c"])
+def test_a_script_runs_as_python_would_run_it_and_its_children_share_its_process_group(tmp_path: Path,
+                                                                                         form: str) -> None:
+    """A benchmark script (or `python -c CODE`) is forked too, with sys.argv, sys.path[0] and __main__ as
+    the interpreter gives them; its own child, asked to stay in its session, is a fork of the same
+    template in its process group."""
     import json
 
     script = tmp_path / "probe.py"
     script.write_text(_SCRIPT)
-    proc = Proc([sys.executable, str(script), "--flag", "x"], cwd=REPO, new_session=False)
+    head = [str(script)] if form == "script" else ["-c", _SCRIPT]
+    proc = Proc([sys.executable, *head, "--flag", "x"], cwd=REPO, new_session=False)
     assert proc.wait(60) == 0, proc.lines
     assert isinstance(proc.popen, template.TemplateChild)
     seen = json.loads(proc.lines[-1])
-    assert seen["argv"] == [str(script), "--flag", "x"] and seen["path0"] == str(tmp_path)
+    if form == "script":
+        assert seen["argv"] == [str(script), "--flag", "x"] and seen["path0"] == str(tmp_path)
+    else:
+        assert seen["argv"] == ["-c", "--flag", "x"] and seen["path0"] == ""
     assert seen["name"] == "__main__" and seen["cwd"] == REPO and seen["preloaded"]
     assert seen["child"] == [f"psgrad {psgrad.__version__}"] and seen["child_forked"] == "TemplateChild"
     assert seen["pgid"] == os.getpgid(0)  # new_session=False: the tests' own group, as a plain child's
