@@ -194,6 +194,8 @@ class ServerConfig:
 # being started binds its port within this. ClientConfig.wait_for_servers (`psgrad run`,
 # `--wait-for-servers`) waits the whole connect timeout instead, for servers started later.
 REFUSED_GRACE_S = 2.0
+WAIT_FOR_SERVERS_HINT = (" (--wait-for-servers, or ClientConfig(wait_for_servers=True), waits up to --connect-timeout-s "
+                         "for a server that starts later)")
 
 
 @dataclass(frozen=True)

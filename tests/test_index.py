@@ -50,7 +50,6 @@ TESTS_OF: dict[str, tuple[str, ...]] = {
     "psgrad/client/status_client.py":       ("tests/integration/test_observe.py",
                                              "tests/integration/test_replication.py", "tests/e2e/test_hardening.py"),
     "psgrad/core/adaptive.py":              ("tests/unit/test_adaptive_staleness.py",),
-    "psgrad/core/addresses.py":             ("tests/unit/test_config.py", "tests/e2e/test_cli.py"),
     "psgrad/core/backup.py":                ("tests/unit/test_backup_workers.py",
                                              "tests/integration/test_backup_grpc.py"),
     "psgrad/core/build.py":                 ("tests/e2e/test_operations.py",),

@@ -22,9 +22,10 @@ from psgrad.cli.flags import (
     worker_config,
 )
 from psgrad.cli.status import print_status
-from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.config import REFUSED_GRACE_S, WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.core.addresses import REFUSED, refusing_shard
 from psgrad.core.modes import SYNC, mode_named
-from psgrad.errors import ConfigError
+from psgrad.errors import ConfigError, ServerUnavailableError
 
 if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
@@ -89,14 +90,20 @@ def train_worker(
     slowdown: float = WorkerConfig.slowdown,
 ) -> int:
     """What `psgrad worker` runs (and `psgrad run` as a worker): train rank `rank` of the job flags in ns."""
-    from psgrad.metrics.jsonl import MetricsSink
-    from psgrad.tasks import get_task
-    from psgrad.cli.train import train
-
     _check_task(ns)
     check_ops_args(ns)
     spec = job_spec(ns, num_workers, len(servers))
     config = worker_config(ns, servers, client_config(ns, rank), rank, slowdown, metrics_out)
+    if not config.client.wait_for_servers:  # a wrong port is said before torch is imported (seconds)
+        refused = refusing_shard(servers, REFUSED_GRACE_S)
+        if refused is not None:
+            address, waited_s = refused
+            raise ServerUnavailableError(f"server {address} {REFUSED} for {waited_s:.1f} s: the join request was "
+                                         f"not sent{WAIT_FOR_SERVERS_HINT}")
+    from psgrad.cli.train import train
+    from psgrad.metrics.jsonl import MetricsSink
+    from psgrad.tasks import get_task
+
     task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
     with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log)) as sink, _redirected(sink):

@@ -26,8 +26,6 @@ PROBE_S = 1.0
 # What connection_problem() says of a connection that failed with an answer: refused, or an
 # address that could not be resolved, or reached (the first two: maybe a server not started yet).
 ANSWERS = ("refused", "could not be resolved", "is unreachable")
-WAIT_FOR_SERVERS_HINT = (" (--wait-for-servers, or ClientConfig(wait_for_servers=True), waits up to --connect-timeout-s "
-                         "for a server that starts later)")
 
 
 def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:

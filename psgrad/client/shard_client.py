@@ -28,7 +28,7 @@ from psgrad.wire.frames import (
     trailing_bytes_field,
     write_frames,
 )
-from psgrad.config import ClientConfig, JobSpec
+from psgrad.config import WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
 from psgrad.wire.heap import tune_allocator
 from psgrad.proto import ps_pb2 as pb
@@ -187,7 +187,7 @@ class ShardClient:
 
         if len(self.addresses) < 2 and wait_for_ready:
             return reconnect.first_call("the join request", attempt, timeout_s, self.address, self.config,
-                                        self.diagnose, reconnect.WAIT_FOR_SERVERS_HINT)
+                                        self.diagnose, WAIT_FOR_SERVERS_HINT)
 
         def run(t: float) -> pb.JoinReply:
             return self._call("the join request", lambda: attempt(t), t, retry=False)

@@ -1,7 +1,14 @@
 """Server addresses as users write them: HOST:PORT, a shard's PRIMARY|BACKUP, and --servers lists."""
 from __future__ import annotations
 
+import socket
+import time
+from collections.abc import Sequence
+
 from psgrad.errors import ConfigError
+
+# What a connection refused means, in the words every such error uses (wire/protocol.py's too).
+REFUSED = "refused the connection (nothing listens on that port: is the server running, at that address?)"
 
 
 def parse_address(text: str) -> str:
@@ -42,3 +49,34 @@ def parse_servers(text: str) -> tuple[str, ...]:
             "e.g. 127.0.0.1:7000,127.0.0.1:7001"
         )
     return tuple("|".join(shard) for shard in shards)
+
+
+def _refuses(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to HOST:PORT is refused (anything else, a connection made included: no)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def refusing_shard(shards: Sequence[str], grace_s: float) -> tuple[str, float] | None:
+    """(an address, the seconds waited) of a shard whose every server refused TCP connections
+    throughout grace_s (nothing listens on their ports), or None: each shard has a server that
+    accepts, or fails some other way (which the gRPC path reports). A plain socket, no gRPC or torch:
+    a worker checks its servers with it before it imports them, and reports a wrong port at once."""
+    started = time.monotonic()
+    pending = [parse_shard(shard) for shard in shards]
+    backoff_s = 0.05
+    while True:
+        pending = [servers for servers in pending if all(_refuses(a, 1.0) for a in servers)]
+        now = time.monotonic()
+        if not pending:
+            return None
+        if now - started >= grace_s:
+            return pending[0][0], now - started
+        time.sleep(min(backoff_s, grace_s - (now - started)))  # a server just starting binds its port soon
+        backoff_s = min(2 * backoff_s, 0.5)

@@ -9,6 +9,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from psgrad import errors
+from psgrad.core.addresses import REFUSED
 from psgrad.errors import PsgradError, ServerUnavailableError
 from psgrad.proto import ps_pb2 as pb
 
@@ -107,8 +108,7 @@ def abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
 # No route to host" / "Network is unreachable", "errors resolving HOST: ... Domain name not found",
 # "connection attempt timed out before receiving SETTINGS frame" (TCP accepted, gRPC silent).
 _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
-    (("connection refused",),
-     "refused the connection (nothing listens on that port: is the server running, at that address?)", True),
+    (("connection refused",), REFUSED, True),
     (("domain name not found", "errors resolving", "name or service not known", "dns resolution"),
      "could not be resolved (is the host name right?)", True),
     (("no route to host", "network is unreachable", "host is unreachable"),
