@@ -391,13 +391,13 @@ def _set_threads(value: str) -> None:
 
 def _set_title(args: Sequence[str]) -> None:
     """Show the command in ps and /proc/PID/cmdline (with setproctitle installed; else its name in comm)."""
-    title = " ".join(["python", *args])
+    shown = ["-c", *args[2:]] if args[0] == "-c" else list(args)  # (not the code itself)
+    title = " ".join(["python", *shown]).replace("\n", " ")
     try:
         from setproctitle import setproctitle
     except ImportError:
         try:
-            name = " ".join(args[1:3] if args[0] == "-m" else [os.path.basename(args[0])])
-            ctypes.CDLL(None).prctl(15, name[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+            ctypes.CDLL(None).prctl(15, title[:15].encode(), 0, 0, 0)  # PR_SET_NAME
         except (OSError, AttributeError):
             pass
         return
