@@ -101,6 +101,13 @@ class ServerConfig:
     # arrive within this many seconds is cancelled, and what it held (its receive buffer, a handler
     # thread) given back: a peer that opens a push and stops sending cannot hold up the others.
     stream_read_timeout_s: float = 30.0
+    # A whole push (from the moment it holds a receive buffer), a pull being sent and the chief's init
+    # must move their bytes within transfer_allowance_s + their size at min_transfer_rate_mb_s (MB/s,
+    # 10^6 bytes a second), or they are cancelled and what they held given back: a peer that trickles
+    # a push (each frame in time) or stops reading a pull cannot hold a buffer, the weights or a thread
+    # for long. 0 MB/s: no such deadline.
+    transfer_allowance_s: float = 10.0
+    min_transfer_rate_mb_s: float = 1.0
     # Client streams one connection may have open at once (more are refused for now: ServerBusyError,
     # which workers retry). In all, client streams may take 3/4 of `threads` (status, heartbeats,
     # joins, pulls and Step calls keep the rest).
@@ -168,6 +175,10 @@ class ServerConfig:
         _check(self.push_buffers >= 1, f"push_buffers must be >= 1, got {self.push_buffers}")
         _check(math.isfinite(self.stream_read_timeout_s) and self.stream_read_timeout_s > 0,
                f"stream_read_timeout_s must be a finite number > 0, got {self.stream_read_timeout_s!r}")
+        _check(math.isfinite(self.transfer_allowance_s) and self.transfer_allowance_s > 0,
+               f"transfer_allowance_s must be a finite number > 0, got {self.transfer_allowance_s!r}")
+        _check(math.isfinite(self.min_transfer_rate_mb_s) and self.min_transfer_rate_mb_s >= 0,
+               f"min_transfer_rate_mb_s must be a finite number >= 0 (0: no deadline), got {self.min_transfer_rate_mb_s!r}")
         _check(self.max_streams_per_peer >= 1, f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
         _check(math.isfinite(self.handshake_timeout_s) and self.handshake_timeout_s > 0,
                f"handshake_timeout_s must be a finite number > 0, got {self.handshake_timeout_s!r}")

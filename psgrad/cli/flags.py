@@ -410,6 +410,13 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
     flag(g, "--stream-read-timeout-s", ServerConfig.stream_read_timeout_s, "cancel a push (or another client "
          "stream) whose next frame does not arrive within this many seconds, and give back what it held",
          type=float)
+    flag(g, "--transfer-allowance-s", ServerConfig.transfer_allowance_s, "a whole push (once it holds a receive "
+         "buffer), a pull being sent and the chief's init must end within this many seconds plus their size at "
+         "--min-transfer-rate-mb-s, or they are cancelled, what they held is given back and the server logs the peer",
+         type=float)
+    flag(g, "--min-transfer-rate-mb-s", ServerConfig.min_transfer_rate_mb_s, "the slowest rate (MB/s, 10^6 bytes a "
+         "second) a whole push or pull is given on top of --transfer-allowance-s (with both defaults a 100 MB push "
+         "may take 10 + 100 s); 0: no whole-transfer deadline", type=float)
     flag(g, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
          "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
          "--threads", type=positive_int)
@@ -423,6 +430,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         memory_budget_mb=ns.memory_budget_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
+        transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,
         handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
         replica_of=ns.replica_of, replica_timeout_s=ns.replica_timeout_s, advertise_host=ns.advertise_host,

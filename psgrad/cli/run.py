@@ -121,6 +121,7 @@ def server_config(ns: argparse.Namespace, role: Role) -> ServerConfig:
         memory_budget_mb=ns.memory_budget_mb,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
+        transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,
         handshake_timeout_s=ns.handshake_timeout_s,
         checkpoint_dir=None if ns.checkpoint_dir is None else str(Path(ns.checkpoint_dir) / f"shard{role.index}"),
         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,

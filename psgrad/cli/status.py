@@ -130,7 +130,7 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                          f"{pub['leases']} pulls served from them, {pub['pinned']} pushes checked as applied")
         tr = s.get("transfers") or {}
         if tr.get("streams_open") or tr.get("streams_cancelled") or tr.get("streams_refused"):
-            lines.append(f"shard {s['shard']}: client streams open {tr['streams_open']}, cancelled for a stalled read "
+            lines.append(f"shard {s['shard']}: client streams open {tr['streams_open']}, cancelled for a stalled or slow transfer "
                          f"{tr['streams_cancelled']}, refused over a limit {tr['streams_refused']}")
         ckpt = s.get("checkpoint") or {}
         if ckpt.get("enabled"):

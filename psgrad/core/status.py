@@ -35,7 +35,7 @@ class TransferStatus:
     retired_buffers: int = 0  # former weights a pull stream still reads
     waiting_for_buffer: int = 0  # pushes waiting for a receive buffer (or their turn)
     streams_open: int = 0  # client streams (pushes, init, replica records) open on the server
-    streams_cancelled: int = 0  # ... cancelled: their next frame did not come within the read deadline
+    streams_cancelled: int = 0  # ... cancelled: a frame late for the read deadline, or a whole push or pull past its own
     streams_refused: int = 0  # ... refused for now: over the per-connection limit or the thread budget
 
 

@@ -96,8 +96,9 @@ class ShardCollector:
         streams = s.transfers
         yield gauge("psgrad_client_streams_open", "client streams (pushes, init, replica records) open now",
                     streams.streams_open)
-        yield counter("psgrad_client_streams_cancelled", "client streams cancelled: their next frame did not come "
-                      "within --stream-read-timeout-s", streams.streams_cancelled)
+        yield counter("psgrad_client_streams_cancelled", "client streams and pulls cancelled: a frame late for "
+                      "--stream-read-timeout-s, or a whole push or pull past its deadline (--transfer-allowance-s, "
+                      "--min-transfer-rate-mb-s)", streams.streams_cancelled)
         yield counter("psgrad_client_streams_refused", "client streams refused for now (ServerBusyError): over "
                       "--max-streams-per-peer, or 3/4 of --threads open", streams.streams_refused)
         if s.workers:

@@ -194,7 +194,9 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     # Calls are timed only where someone can read the figures (refusals by the guard included).
     interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
     # Client streams read under a deadline and admitted within limits, before the guard reads their header.
-    streams = StreamLimits(config.stream_read_timeout_s, stream_budget(config.threads), config.max_streams_per_peer)
+    streams = StreamLimits(config.stream_read_timeout_s, stream_budget(config.threads), config.max_streams_per_peer,
+                           allowance_s=config.transfer_allowance_s, min_rate_mb_s=config.min_transfer_rate_mb_s)
+    servicer.streams = streams  # whole pushes and pulls under a deadline from their size
     interceptors.append(streams)
     shard.stream_counts = streams.counts
     if security.authenticates(config):

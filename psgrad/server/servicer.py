@@ -23,9 +23,10 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server.publisher import Publisher
 from psgrad.server.rows_path import RowGradients
 from psgrad.server.shard import Shard
+from psgrad.server.streams import StreamLimits
 from psgrad.server.tables import FROZEN
 from psgrad.server.transfers import PullStream, PushWriter
-from psgrad.wire import protocol
+from psgrad.wire import protocol, security
 from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
 from psgrad.wire.rows import lookups_from_proto, updates_from_proto
 
@@ -113,6 +114,20 @@ class ParameterServicer:
         self._segments: dict[int, shm.Attached] = {}  # rank -> its shared-memory segment
         self._segments_lock = threading.Lock()
         self.publisher: Publisher | None = None  # same-host pulls: published versions (zero copy)
+        # The server's client-stream limits: whole pushes and pulls run under their deadline there.
+        self.streams: StreamLimits | None = None
+        self._authenticated = security.authenticates(config)
+
+    def _timed(self, method: str, context: grpc.ServicerContext, rank: int, nbytes: int,
+               progress: Callable[[], int], observe: bool = False) -> contextlib.AbstractContextManager[None]:
+        """A block that moves nbytes to or from `rank` (a push's data frames, a pull's), under the
+        whole-transfer deadline (StreamLimits.transfer): cancelled if it has not ended in time."""
+        if self.streams is None:
+            return contextlib.nullcontext()
+        who = f"a read-only pull as rank {rank}" if observe else f"worker rank {rank}"
+        if not self._authenticated:
+            who += ", as its request says: this server authenticates no one"
+        return self.streams.transfer(method, who, context, nbytes, progress)
 
     def _segment(self, rank: int, value: str, nbytes: int) -> shm.Attached:
         """The worker's same-host segment that a call names (opened once, kept while it is used).
@@ -190,7 +205,9 @@ class ParameterServicer:
                                       f"keeping [{start}, {end}) of the frozen parameters = {end - start}")
         sizes = [ids.numel() * dims[table] for table, ids in loaded] + [end - start]
         payload = torch.empty(layout.numel + sum(sizes), dtype=torch.float32)
-        write_frames(frames, PayloadWriter(byte_view(payload), "init"), FrameParser(pb.InitFrame, "init"))
+        writer = PayloadWriter(byte_view(payload), "init")
+        with self._timed("Init", context, header.join.rank, writer.size, lambda: writer.received):
+            write_frames(frames, writer, FrameParser(pb.InitFrame, "init"))
         weights = payload[: layout.numel] if len(payload) == layout.numel else payload[: layout.numel].clone()
         *values, frozen = payload[layout.numel:].split(sizes)
         rows = {table: (ids, v.view(ids.numel(), dims[table])) for (table, ids), v in zip(loaded, values)}
@@ -287,8 +304,12 @@ class ParameterServicer:
         try:
             header = pb.PullFrame(header=self._pull_header(version)).SerializeToString()
             if _metadata(context, shm.METADATA_KEY) is None:
-                yield header
-                yield from frames
+                # A client that stops reading (or reads a trickle) holds the weights and a thread:
+                # the whole pull runs under its deadline.
+                with self._timed("Pull", context, req.rank, len(header) + frames.nbytes,
+                                 lambda: frames.sent, req.observe):
+                    yield header
+                    yield from frames
                 return
             # The weights go into the worker's segment; the reply is the header alone (so the
             # worker may call this method as a unary call).
@@ -336,7 +357,7 @@ class ParameterServicer:
 
     def _receive(
         self, r: _Reserved, context: grpc.ServicerContext, frames: Iterator[bytes] | None = None,
-        inline: memoryview | None = None, hold: bool = True,
+        inline: memoryview | None = None, hold: bool = True, method: str = "Push",
     ) -> pb.PushReply:
         """Receive a reserved push (its data frames, the inline bytes, or the segment the call
         names) and hand it to the shard; a failure gives the buffer back, nothing applied."""
@@ -354,7 +375,9 @@ class ParameterServicer:
                         writer.restore_from = pins.enter_context(self.publisher.pinned(writer.target))
                     writer.write_all(r.segment.payload[: r.wire.nbytes], self.config.chunk_bytes)
                 elif frames is not None:
-                    write_frames(frames, writer, FrameParser(pb.PushFrame, what))
+                    # From now on the push holds a receive buffer: the whole of it must arrive in time.
+                    with self._timed(method, context, h.rank, r.wire.nbytes, lambda: writer.received):
+                        write_frames(frames, writer, FrameParser(pb.PushFrame, what))
                 else:
                     writer.write_all(inline if inline is not None else memoryview(b""), self.config.chunk_bytes)
             except BaseException:
@@ -393,7 +416,7 @@ class ParameterServicer:
             self._unreserve(r)
             raise
         try:
-            reply = self._receive(r, context, frames=frames)
+            reply = self._receive(r, context, frames=frames, method="PushGated")
         except PsgradError as exc:
             protocol.abort(context, exc)
             return

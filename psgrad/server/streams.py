@@ -5,9 +5,17 @@ stream reads its frames under a deadline (a stream whose next frame does not com
 --stream-read-timeout-s is cancelled, and what it held is given back), and is admitted only while
 few enough are open: per connection (--max-streams-per-peer), and in all (at most 3/4 of
 --threads: status, heartbeats, joins, pulls and Step calls always find a thread). A stream over
-a limit is refused at once with ServerBusyError, which workers retry after a pause."""
+a limit is refused at once with ServerBusyError, which workers retry after a pause.
+
+A per-frame deadline alone lets a peer trickle a push (a few bytes per frame, each in time) and
+hold its receive buffer for hours, or stop reading a pull and hold the weights it streams. So a
+whole transfer, once its size is known, must also end within --transfer-allowance-s plus its size
+at --min-transfer-rate-mb-s (transfer(): a push from the moment it holds a receive buffer, a pull
+from the moment it is granted); the same watchdog cancels one that does not, and logs the peer
+and the figures."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +29,12 @@ from psgrad.wire import protocol
 from psgrad.wire.protocol import METHOD_PREFIX
 
 _log = logging.getLogger("psgrad.server")
+
+
+def transfer_deadline_s(nbytes: int, allowance_s: float, min_rate_mb_s: float) -> float:
+    """How long a transfer of nbytes may take: allowance_s + nbytes at min_rate_mb_s (MB/s, 10^6
+    bytes a second; 0: no deadline, inf)."""
+    return allowance_s + nbytes / (min_rate_mb_s * 1e6) if min_rate_mb_s > 0 else float("inf")
 
 
 def stream_budget(threads: int) -> int:
@@ -50,23 +64,42 @@ class _Stream:
             yield frame
 
 
+class _Transfer:
+    """One push or pull under a whole-transfer deadline (see StreamLimits.transfer)."""
+
+    __slots__ = ("method", "peer", "who", "context", "nbytes", "progress", "started", "deadline", "cancelled")
+
+    def __init__(self, method: str, who: str, context: grpc.ServicerContext, nbytes: int,
+                 progress: Callable[[], int], allowed_s: float) -> None:
+        self.method, self.who, self.context, self.nbytes, self.progress = method, who, context, nbytes, progress
+        self.peer = context.peer() or "?"
+        self.started = time.monotonic()
+        self.deadline = self.started + allowed_s
+        self.cancelled = False
+
+
 class StreamLimits(grpc.ServerInterceptor):
     """The server's client streams: admitted within the limits, their reads under a deadline (a
     watchdog thread cancels the stalled ones). Installed outermost but for the metrics interceptor,
     so that the guard reads a stream's header under the deadline too."""
 
     def __init__(self, read_timeout_s: float, max_streams: int, max_per_peer: int,
-                 warn: Callable[[str], None] = _log.warning) -> None:
+                 warn: Callable[[str], None] = _log.warning, allowance_s: float = 10.0,
+                 min_rate_mb_s: float = 1.0) -> None:
         self.read_timeout_s = read_timeout_s
+        self.allowance_s = allowance_s  # a whole push or pull: this long, plus its size at min_rate_mb_s
+        self.min_rate_mb_s = min_rate_mb_s
         self.max_streams = max_streams
         self.max_per_peer = max_per_peer
         self._warn = warn
         self._cond = threading.Condition()
         self._open: set[_Stream] = set()
+        self._transfers: set[_Transfer] = set()  # pushes and pulls under a whole-transfer deadline
         self._per_peer: dict[str, int] = {}
         self._closed = False
         self._watchdog: threading.Thread | None = None
-        self.cancelled = 0  # streams cancelled for a frame that did not come in time
+        self.cancelled = 0  # streams cancelled for a frame that did not come in time, or transfers past their deadline
+        self.transfers_cancelled = 0  # ... of which pushes and pulls past their whole-transfer deadline
         self.refused = 0  # streams refused over a limit
         self.idle_waits = 0  # times the watchdog found no stream open and waited for one (tests read it)
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the one under limits)
@@ -88,15 +121,48 @@ class StreamLimits(grpc.ServerInterceptor):
                 stream = _Stream(method, peer, context)
                 self._open.add(stream)
                 self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
-                if len(self._open) == 1:  # the watchdog may wait (untimed) for a stream to watch: wake it
-                    self._cond.notify_all()
-                if self._watchdog is None:
-                    self._watchdog = threading.Thread(target=self._watch, name="psgrad-stream-watch", daemon=True)
-                    self._watchdog.start()
+                self._watched()
                 return stream
             self.refused += 1
         protocol.abort(context, ServerBusyError(f"{method} refused for now: {problem}; try again once one ends"))
         raise AssertionError("unreachable: abort raises")
+
+    def _watched(self) -> None:
+        """(Under the lock, something to watch was just added.) Wake the watchdog if it waits untimed
+        for something to watch (else it looks again within a tick, which is at most a quarter of the
+        shortest deadline); start it at the first."""
+        if len(self._open) + len(self._transfers) == 1:
+            self._cond.notify_all()
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="psgrad-stream-watch", daemon=True)
+            self._watchdog.start()
+
+    def deadline_s(self, nbytes: int) -> float:
+        """How long a whole push or pull of nbytes may take (--transfer-allowance-s, --min-transfer-rate-mb-s)."""
+        return transfer_deadline_s(nbytes, self.allowance_s, self.min_rate_mb_s)
+
+    @contextlib.contextmanager
+    def transfer(self, method: str, who: str, context: grpc.ServicerContext, nbytes: int,
+                 progress: Callable[[], int]) -> Iterator[None]:
+        """Within the block, the call moves nbytes (a push receiving them, a pull sending them) and is
+        cancelled by the watchdog if the block has not ended deadline_s(nbytes) after it began. `who`
+        names the peer in the log line (its rank), `progress()` says how many bytes moved so far."""
+        allowed = self.deadline_s(nbytes)
+        if allowed == float("inf"):
+            yield
+            return
+        transfer = _Transfer(method, who, context, nbytes, progress, allowed)
+        with self._cond:
+            watched = not self._closed
+            if watched:
+                self._transfers.add(transfer)
+                self._watched()
+        try:
+            yield
+        finally:
+            if watched:
+                with self._cond:
+                    self._transfers.discard(transfer)
 
     def _release(self, stream: _Stream) -> None:
         with self._cond:
@@ -109,10 +175,10 @@ class StreamLimits(grpc.ServerInterceptor):
 
     # ----------------------------------------------------------------- the deadline
     def _watch(self) -> None:
-        tick = min(1.0, self.read_timeout_s / 4)
+        tick = min(1.0, self.read_timeout_s / 4, self.allowance_s / 4)
         while True:
             with self._cond:
-                while not self._open and not self._closed:
+                while not self._open and not self._transfers and not self._closed:
                     self.idle_waits += 1
                     self._cond.wait()
                 if self._closed:
@@ -122,17 +188,38 @@ class StreamLimits(grpc.ServerInterceptor):
                 for s in late:
                     s.cancelled = True
                     self.cancelled += 1
+                overdue = [t for t in self._transfers if not t.cancelled and now >= t.deadline]
+                for t in overdue:
+                    t.cancelled = True
+                    self.cancelled += 1
+                    self.transfers_cancelled += 1
             for s in late:  # (outside the lock: cancelling runs the call's callbacks)
                 s.context.cancel()
                 self._warn(f"cancelled a {s.method} call from {s.peer}: its next frame did not come within "
                            f"--stream-read-timeout-s {self.read_timeout_s:g}; what it held (a receive buffer, a "
                            "handler thread) is free again")
+            for t in overdue:
+                moved = t.progress()
+                t.context.cancel()
+                pushed = t.method != "Pull"
+                self._warn(
+                    f"cancelled a {t.method} call {'from' if pushed else 'to'} {t.peer} ({t.who}): "
+                    f"{moved} of {t.nbytes} bytes {'arrived' if pushed else 'sent'} in {now - t.started:.2f} s, "
+                    f"past its deadline of {t.deadline - t.started:.2f} s (--transfer-allowance-s {self.allowance_s:g} "
+                    f"+ {t.nbytes} bytes at --min-transfer-rate-mb-s {self.min_rate_mb_s:g}); "
+                    + ("what it held (a receive buffer, a handler thread) is free again" if pushed else
+                       "the weights it was sending and its handler thread are released"))
             with self._cond:
                 if not self._closed:
-                    self._cond.wait(tick)
+                    wait = tick
+                    if self._transfers:
+                        nearest = min((t.deadline for t in self._transfers if not t.cancelled), default=now + tick)
+                        wait = max(0.005, min(tick, nearest - time.monotonic() + 0.005))
+                    self._cond.wait(wait)
 
     def counts(self) -> tuple[int, int, int]:
-        """(client streams open now, cancelled for a late frame, refused over a limit)."""
+        """(client streams open now, cancelled for a late frame or past a whole-transfer deadline,
+        refused over a limit)."""
         return len(self._open), self.cancelled, self.refused
 
     def close(self) -> None:

@@ -300,6 +300,11 @@ class PullStream:
         return self._numel * element_size(self._dtype)
 
     @property
+    def sent(self) -> int:
+        """Bytes handed out so far (frames given to gRPC, or copied)."""
+        return self._offset * element_size(self._dtype)
+
+    @property
     def complete(self) -> bool:
         """Every value was read."""
         return self._offset >= self._numel

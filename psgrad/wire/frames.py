@@ -123,6 +123,16 @@ class PayloadWriter:
         self._offset = 0
         self._what = what
 
+    @property
+    def size(self) -> int:
+        """Payload bytes expected in all."""
+        return len(self._dest)
+
+    @property
+    def received(self) -> int:
+        """Payload bytes written so far."""
+        return self._offset
+
     def write(self, piece: memoryview) -> None:
         start = self._advance(len(piece))
         self._dest[start : self._offset] = piece

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import wait_for
-from psgrad.server.streams import StreamLimits, stream_budget
+from psgrad.server.streams import StreamLimits, stream_budget, transfer_deadline_s
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,3 +116,31 @@ def test_streams_over_a_limit_are_refused_and_freed_ones_admit_again(limits: Str
 @pytest.mark.parametrize(("threads", "budget"), [(1, 1), (2, 1), (4, 3), (8, 6), (16, 12)])
 def test_the_stream_budget_keeps_a_quarter_of_the_threads(threads: int, budget: int) -> None:
     assert stream_budget(threads) == budget
+
+
+def test_a_whole_transfer_is_cancelled_at_its_deadline_from_its_size() -> None:
+    # Before: only each frame had a deadline; a transfer that moved a little in time, frame after
+    # frame (a trickled push, a pull read slowly), was never cut.
+    warnings: list[str] = []
+    limits = StreamLimits(30.0, 3, 2, warn=warnings.append, allowance_s=0.2, min_rate_mb_s=1.0)
+    try:
+        assert limits.deadline_s(100_000) == pytest.approx(0.3)  # 0.2 s + 100,000 bytes at 1 MB/s
+        slow, quick = Context("ipv4:slow"), Context("ipv4:quick")
+        with limits.transfer("Pull", "worker rank 2", quick, 100_000, lambda: 100_000):  # type: ignore[arg-type]
+            pass
+        started = time.monotonic()
+        with limits.transfer("Push", "worker rank 1", slow, 100_000, lambda: 12):  # type: ignore[arg-type]
+            assert slow.cancelled.wait(20), "the slow transfer was never cancelled"
+        took = time.monotonic() - started
+        assert 0.3 <= took < 1.3 and not quick.cancelled.is_set()
+        assert limits.counts() == (0, 1, 0) and limits.transfers_cancelled == 1
+        assert warnings[0].startswith("cancelled a Push call from ipv4:slow (worker rank 1): 12 of 100000 bytes "
+                                      "arrived in 0.3"), warnings
+        assert "deadline of 0.30 s (--transfer-allowance-s 0.2 + 100000 bytes at --min-transfer-rate-mb-s 1)" in warnings[0]
+    finally:
+        limits.close()
+
+
+def test_a_floor_rate_of_zero_sets_no_whole_transfer_deadline() -> None:
+    assert transfer_deadline_s(10**12, 10.0, 0.0) == float("inf")
+    assert transfer_deadline_s(100 * 10**6, 10.0, 1.0) == pytest.approx(110.0)  # the defaults: 100 MB in 110 s
