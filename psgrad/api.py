@@ -340,6 +340,7 @@ class PSOptimizer(ScheduledOptimizer):
             if taken is not None:
                 rows[name] = taken
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads)
+        evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
             staleness=max(r.staleness for r in replies),
@@ -347,6 +348,8 @@ class PSOptimizer(ScheduledOptimizer):
             versions=versions,
             lr=next((r.lr for r in replies if r.lr is not None), None),
             bound=max(r.staleness_bound for r in replies),
+            evicted=evicted,
+            restores=restores,
         )
 
     def _finish_pending(self, stats: StepStats) -> None:
@@ -401,6 +404,7 @@ class PSOptimizer(ScheduledOptimizer):
         if self.job_lr_answered(done.lr) is not None:  # a follower reports the job's lr
             stats.lr = self.lr
         stats.staleness_bound = done.bound or None
+        stats.evicted, stats.restores = done.evicted, done.restores
 
     def prefetch(self, lookups: Lookups) -> None:
         """Fetch now the rows that training forwards of these inputs will read, every table in one

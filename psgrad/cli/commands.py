@@ -125,9 +125,10 @@ def ops_argv(ns: argparse.Namespace, worker: bool) -> list[str]:
 def server_metrics_argv(ns: argparse.Namespace, index: int) -> list[str]:
     """`launch --metrics-port P`: server `index`'s own endpoint, after the workers' P..P+W-1: P + W +
     index (backups: index num_servers + i); with P = 0, a free port each (printed)."""
-    if ns.metrics_port is None:
-        return []
-    return ["--metrics-port", str(ns.metrics_port + ns.num_workers + index if ns.metrics_port else 0)]
+    from psgrad.cli.launch_ray import server_metrics_port
+
+    port = server_metrics_port(ns, index)
+    return [] if port is None else ["--metrics-port", str(port)]
 
 
 def worker_exporters(ns: argparse.Namespace, rank: int, steps: int, log: logging.Logger) -> list[Exporter]:

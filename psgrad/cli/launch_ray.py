@@ -69,20 +69,37 @@ def ray_config(ns: argparse.Namespace) -> RayConfig | None:
     return config
 
 
-def launch_on_ray(
-    ns: argparse.Namespace, config: RayConfig, worker_args: Callable[[int, str], list[str]],
-    status: Callable[[list[str]], None],
-) -> int:
-    """Run the checked job of `psgrad launch` flags ns on Ray (psgrad.launch.ray)."""
+def server_metrics_port(ns: argparse.Namespace, index: int) -> int | None:
+    """`launch --metrics-port P`: server `index`'s own metrics port, after the workers' P..P+W-1: P + W +
+    index (backups: index num_servers + i); with P = 0, 0 (a free port each, logged); None without
+    --metrics-port. Both backends give their servers these."""
+    if ns.metrics_port is None:
+        return None
+    return ns.metrics_port + ns.num_workers + index if ns.metrics_port else 0
+
+
+def shard_configs(ns: argparse.Namespace) -> list[ServerConfig]:
+    """Each server actor's config from `psgrad launch` flags: the job's server settings, its own
+    metrics port (as the local backend gives it) and checkpoint directory."""
     from psgrad.launch import jobdir
-    from psgrad.launch.ray import run_ray_launch
 
     base = ServerConfig(lease_s=ns.lease_s, nonfinite=ns.nonfinite, memory_budget_mb=ns.memory_budget_mb, checkpoint_every_s=ns.checkpoint_every_s,
                         checkpoint_every_versions=ns.checkpoint_every_versions, insecure=ns.insecure)
     # Paths travel to other nodes: absolute, as the driver means them.
     checkpoints = None if ns.checkpoint_dir is None else Path(ns.checkpoint_dir).absolute()
-    shards = [base if checkpoints is None else dataclasses.replace(base, checkpoint_dir=str(jobdir.shard_dir(checkpoints, i)))
-              for i in range(ns.num_servers)]
+    return [dataclasses.replace(base, metrics_port=server_metrics_port(ns, i),
+                                checkpoint_dir=None if checkpoints is None else str(jobdir.shard_dir(checkpoints, i)))
+            for i in range(ns.num_servers)]
+
+
+def launch_on_ray(
+    ns: argparse.Namespace, config: RayConfig, worker_args: Callable[[int, str], list[str]],
+    status: Callable[[list[str]], None],
+) -> int:
+    """Run the checked job of `psgrad launch` flags ns on Ray (psgrad.launch.ray)."""
+    from psgrad.launch.ray import run_ray_launch
+
+    shards = shard_configs(ns)
     env = {"OMP_NUM_THREADS": str(ns.omp_threads)} if ns.omp_threads else {}
     formatter = logs.JsonFormatter() if ns.log_format == "json" else logs.TextFormatter()
     return run_ray_launch(config, shards, ns.num_workers, worker_args, env=env, status=status,

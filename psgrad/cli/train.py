@@ -95,6 +95,7 @@ def train(
             compute_s = time.perf_counter() - t0
             delay_s = delays.apply(compute_s, clock)
             stats = opt.step()
+            report.news(clock + 1, stats.evicted, stats.restores, spec.num_workers)
             if stats.rejoined_at is not None:
                 sink.write(clock + 1, event="rejoin", clock=clock, to_clock=stats.rejoined_at)
                 log(f"{who}: the shards had evicted this worker (lease ran out): joined again at clock {stats.rejoined_at}")

@@ -22,7 +22,7 @@ from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
 from psgrad.core.gradient_codecs import Compressor
 from psgrad.core.policies import policy_for
-from psgrad.core.push_outcome import PushOutcome
+from psgrad.core.push_outcome import Eviction, PushOutcome, Restore
 from psgrad.core import rows as row_placement
 from psgrad.core.sharding import ParamSpec, ShardPlan, TableSpec, fingerprint, frozen_ranges
 from psgrad.core.status import missing_ranks, start_wait_phrase
@@ -103,6 +103,13 @@ class ParameterClient:
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
+        # What the shards tell once (see _heard): the workers they evicted and restarts that lost
+        # updates, until take_news(); with the highest version each shard was seen at.
+        self.seen_versions = [0] * plan.num_shards
+        self._evictions: list[Eviction] = []
+        self._restores: list[Restore] = []
+        self._told: set[tuple[int, int]] = set()  # (rank, clock) of the evictions already reported
+        self._news_lock = threading.Lock()
 
     def __enter__(self) -> ParameterClient:
         return self
@@ -323,7 +330,37 @@ class ParameterClient:
         versions = self._fan_out(lambda i, s: first if i == 0 and first is not None else one(i, s))
         if not observe:
             self.base_versions = versions
+            self._saw(versions)
         return versions
+
+    def _heard(self, index: int, outcome: PushOutcome, pulled: int | None = None) -> PushOutcome:
+        """Shard index's answer to a push (and the version a pull after it got): what the shard
+        tells once is kept for take_news(). A restart from a checkpoint whose version is below the
+        highest this worker saw the shard at lost the updates in between."""
+        if outcome.evicted or outcome.restored_version is not None:
+            with self._news_lock:
+                for e in outcome.evicted:
+                    if (e.rank, e.clock) not in self._told:  # (every shard tells of the same eviction)
+                        self._told.add((e.rank, e.clock))
+                        self._evictions.append(e)
+                restored = outcome.restored_version
+                if restored is not None and self.seen_versions[index] > restored:
+                    self._restores.append(Restore(index, self.seen_versions[index], restored))
+                    self.seen_versions[index] = restored
+        self.seen_versions[index] = max(self.seen_versions[index], outcome.version, pulled or 0)
+        return outcome
+
+    def _saw(self, versions: Sequence[int]) -> None:
+        for i, v in enumerate(versions):
+            self.seen_versions[i] = max(self.seen_versions[i], v)
+
+    def take_news(self) -> tuple[list[Eviction], list[Restore]]:
+        """The evictions of other workers and the restarts that lost updates that the shards told
+        of since the last call (each once, whichever shards told it)."""
+        with self._news_lock:
+            news = self._evictions, self._restores
+            self._evictions, self._restores = [], []
+            return news
 
     def _push_payload(self, index: int, grad: torch.Tensor) -> tuple[memoryview, str]:
         """Shard index's range of a gradient as it travels, and its codec ("": the wire dtype's
@@ -377,7 +414,8 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
-            return serde.push_outcome_from_proto(s.push(self._push_header(i, clock, lr, compress, split[i]), payload))
+            return self._heard(i, serde.push_outcome_from_proto(s.push(self._push_header(i, clock, lr, compress, split[i]),
+                                                                        payload)))
 
         if not self._shard0_decides:
             return self._fan_out(one)
@@ -406,7 +444,7 @@ class ParameterClient:
         split = self._split_rows(rows)
         plan = _ReadPlan(self, reads.ids) if reads is not None else None
 
-        def one(i: int, s: ShardClient) -> tuple[pb.PushReply, int, RowsRead | None]:
+        def one(i: int, s: ShardClient) -> tuple[PushOutcome, int, RowsRead | None]:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
             header = self._push_header(i, clock, lr, compress, split[i])
@@ -415,13 +453,14 @@ class ParameterClient:
             if done is None:
                 reply, version = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
                 done = reply, version, self._read(s, asks, False) if asks else None
-            return done
+            reply, version, got = done
+            return self._heard(i, serde.push_outcome_from_proto(reply), version), version, got
 
         results = self._fan_out(one)
         self.base_versions = [version for _, version, _ in results]
         if reads is not None and plan is not None:
             reads.rows = plan.place({i: got for i, (_, _, got) in enumerate(results) if got is not None}, False)
-        return [serde.push_outcome_from_proto(reply) for reply, _, _ in results], list(self.base_versions)
+        return [outcome for outcome, _, _ in results], list(self.base_versions)
 
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, table: str, ids: torch.Tensor, observe: bool = False) -> torch.Tensor:

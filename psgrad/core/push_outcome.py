@@ -8,6 +8,40 @@ from psgrad.core.backup import LATE_REASON
 
 
 @dataclass(frozen=True)
+class Eviction:
+    """A shard evicted worker `rank` (its lease ran out) while it owed clock `clock`; `live` workers
+    were left on the shard. Each shard tells each worker once."""
+
+    rank: int
+    clock: int
+    lease_s: float
+    live: int
+
+    def describe(self, num_workers: int) -> str:
+        return (f"worker {self.rank} evicted at clock {self.clock} (lease {self.lease_s:g} s): continuing with "
+                f"{self.live} of {num_workers}")
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Shard `shard` restarted from its checkpoint of version `to_version` after this worker had
+    seen it at `from_version`: the updates in between were lost (at least these: the shard may
+    have applied more that this worker never saw)."""
+
+    shard: int
+    from_version: int
+    to_version: int
+
+    @property
+    def lost(self) -> int:
+        return self.from_version - self.to_version
+
+    def describe(self) -> str:
+        return (f"shard {self.shard} restarted from its checkpoint: its version went back from {self.from_version} "
+                f"to {self.to_version}, {self.lost} update{'s' if self.lost != 1 else ''} lost")
+
+
+@dataclass(frozen=True)
 class PushOutcome:
     """One shard's reply to a push (wire/serde.py converts the PushReply message)."""
 
@@ -18,6 +52,8 @@ class PushOutcome:
     deferred: bool = False  # sync: buffered, applied with its iteration's mean
     lr: float | None = None  # the learning rate the push is applied with; None: the shard did not say
     staleness_bound: int = 0  # ssp with `--staleness auto`: the bound in effect (0: a fixed bound)
+    evicted: tuple[Eviction, ...] = ()  # workers the shard evicted that it had not told this one of
+    restored_version: int | None = None  # the shard restarted from its checkpoint of this version (told once)
 
     @property
     def accepted(self) -> bool:

@@ -152,8 +152,9 @@ class RayJob:
                     actor.info = self.ray.get(ref)
                 except self.ray.exceptions.RayActorError as exc:
                     raise RayLaunchError(f"{actor.name} failed to start: {_cause(exc)}") from None
+                metrics = f", metrics at {actor.info['metrics']}" if actor.info.get("metrics") else ""
                 self.log(f"[launch] {actor.name} runs on node {actor.info['ip']} ({actor.info['node'][:8]}), "
-                         f"pid {actor.info['pid']}, actor {NAMESPACE}/psgrad-{self.id}-{actor.name}")
+                         f"pid {actor.info['pid']}, actor {NAMESPACE}/psgrad-{self.id}-{actor.name}{metrics}")
 
     def start_servers(self, placement: Placement, configs: Sequence[ServerConfig], local_only: bool,
                       formatter: logging.Formatter | None, log_level: str) -> list[str]:

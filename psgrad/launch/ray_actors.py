@@ -108,10 +108,11 @@ class ServerActor:
         if directory is not None:
             _record_port(directory, job, int(self.address.rpartition(":")[2]))
         self.output.add(f"psgrad server listening on {self.address}")
+        self.metrics = self._server.metrics_url  # "" without a metrics port (its server logs it, too)
 
     def ready(self) -> dict[str, Any]:
-        """Where it serves: address, node, ip, pid."""
-        return {"address": self.address, **where()}
+        """Where it serves: address, metrics (its Prometheus endpoint, or ""), node, ip, pid."""
+        return {"address": self.address, "metrics": self.metrics, **where()}
 
     def lines(self, pid: int | None, index: int) -> tuple[int, int, list[str]]:
         return self.output.since(pid, index)

@@ -244,7 +244,7 @@ class PushFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("applied", "reason", "version", "staleness", "deferred", "lr", "staleness_bound")
+    __slots__ = ("applied", "reason", "version", "staleness", "deferred", "lr", "staleness_bound", "evicted", "restored_version")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,8 @@ class PushReply(_message.Message):
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     reason: str
     version: int
@@ -259,7 +261,21 @@ class PushReply(_message.Message):
     deferred: bool
     lr: float
     staleness_bound: int
-    def __init__(self, applied: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., deferred: _Optional[bool] = ..., lr: _Optional[float] = ..., staleness_bound: _Optional[int] = ...) -> None: ...
+    evicted: _containers.RepeatedCompositeFieldContainer[Eviction]
+    restored_version: int
+    def __init__(self, applied: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., deferred: _Optional[bool] = ..., lr: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., evicted: _Optional[_Iterable[_Union[Eviction, _Mapping]]] = ..., restored_version: _Optional[int] = ...) -> None: ...
+
+class Eviction(_message.Message):
+    __slots__ = ("rank", "clock", "lease_s", "live")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    clock: int
+    lease_s: float
+    live: int
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., lease_s: _Optional[float] = ..., live: _Optional[int] = ...) -> None: ...
 
 class PushProgress(_message.Message):
     __slots__ = ("ready", "reply")

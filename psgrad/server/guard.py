@@ -98,6 +98,14 @@ class Guard(grpc.ServerInterceptor):
         self._auth = Authenticator(config)
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the guarded one)
 
+    def owner(self, context: grpc.ServicerContext) -> str | None:
+        """The caller's role ('worker-3', 'admin', 'server'), or None where its credential is missing
+        or not valid (the guard refuses its call): whose cap a client stream counts against."""
+        try:
+            return self._auth.identify(context).role
+        except PsgradError:
+            return None
+
     def _identify(self, context: grpc.ServicerContext) -> Identity:
         try:
             return self._auth.identify(context)

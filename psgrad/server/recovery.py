@@ -62,7 +62,7 @@ class Recovery:
                 raise JobMismatchError("shard already serves a job: restore into a fresh shard")
             core.install(ShardState.restore(snap, core.members, core.now(), core.budget_bytes))
             core.marks = RestoreMarks(True, {m.rank: m.last_push_clock for m in snap.members},
-                                      {m.rank for m in snap.members})
+                                      {m.rank for m in snap.members}, version=snap.version)
             core.notify()
             core.reaper_wake.notify_all()
 

@@ -193,14 +193,17 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     obs = Observability()
     # Calls are timed only where someone can read the figures (refusals by the guard included).
     interceptors: list[grpc.ServerInterceptor] = [obs.rpc] if config.metrics_port is not None else []
-    # Client streams read under a deadline and admitted within limits, before the guard reads their header.
+    # Client streams read under a deadline and admitted within limits (per caller identity where the
+    # server authenticates, else per host), before the guard reads their header.
+    guard = Guard(config) if security.authenticates(config) else None
     streams = StreamLimits(config.stream_read_timeout_s, stream_budget(config.threads), config.max_streams_per_peer,
+                           identify=guard.owner if guard is not None else None,
                            allowance_s=config.transfer_allowance_s, min_rate_mb_s=config.min_transfer_rate_mb_s)
     servicer.streams = streams  # whole pushes and pulls under a deadline from their size
     interceptors.append(streams)
     shard.stream_counts = streams.counts
-    if security.authenticates(config):
-        interceptors.append(Guard(config))
+    if guard is not None:
+        interceptors.append(guard)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
         options=[*server_options(config), *limits.connection_options(fd_limit, config.handshake_timeout_s)],

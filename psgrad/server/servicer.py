@@ -388,9 +388,11 @@ class ParameterServicer:
         # here alone: with a backup, its push is answered once the iteration is complete and replicated
         # (retried on the backup if this server dies before); Step (hold=False) answers after its pull.
         self._acked(result.version + (hold and result.deferred), context)
+        evicted, restored = self.shard.news(h.rank)
         return pb.PushReply(applied=result.applied, reason=result.reason, version=result.version,
                             staleness=result.staleness, deferred=result.deferred, lr=result.lr,
-                            staleness_bound=result.bound)
+                            staleness_bound=result.bound, evicted=serde.evictions_to_proto(evicted),
+                            restored_version=restored)
 
     def _unreserve(self, r: _Reserved) -> None:
         """A reserved push that will not be received: its buffer goes back, counted as rejected."""
@@ -437,6 +439,8 @@ class ParameterServicer:
         try:
             # The rows are read once the gate holds: in sync mode after this iteration's update.
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
+            evicted, _ = self.shard.news(h.rank)  # (sync: evicted while this pull waited for them)
+            pushed.evicted.extend(serde.evictions_to_proto(evicted))
             reply = pb.StepReply(push=pushed, pull=self._pull_header(version), row_versions=[v for v, _ in got],
                                  rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
             if seg is not None:

@@ -77,6 +77,7 @@ class Shard:
         self.apply_record = self.replica.apply_record
         self.pull_rows = self.rows.pull
         self.updated_rows = self.rows.updated
+        self.news = core.news
 
     @property
     def replication(self) -> Replication | None:
@@ -199,6 +200,7 @@ class Shard:
         core = self.core
         member, changed = core.members.register(rank, core.policy.start_clock(core.view()))
         if changed:
+            core.joined(rank)
             core.members_changed()
             layout = core.layout
             of = f" of {layout.spec.num_workers}" if layout is not None else ""

@@ -19,6 +19,7 @@ from psgrad.core.consistency import ClockView, ConsistencyPolicy
 from psgrad.core.modes import ASYNC
 from psgrad.core.layout import Layout
 from psgrad.core.policies import policy_for
+from psgrad.core.push_outcome import Eviction
 from psgrad.errors import JobMismatchError, NotInitializedError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
@@ -40,6 +41,10 @@ class RestoreMarks:
     last_pushes: dict[int, int] = field(default_factory=dict)
     #: ranks whose clocks the snapshot set, until their next granted pull
     rewound: set[int] = field(default_factory=set)
+    #: a restart restored the checkpoint of this version (None: no restart restored one)
+    version: int | None = None
+    #: ranks told of that restore (see ShardCore.news)
+    told: set[int] = field(default_factory=set)
 
 
 class ShardCore:
@@ -65,6 +70,10 @@ class ShardCore:
         self.counters = Counters()
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self.marks = RestoreMarks()
+        # What each worker is told once, in a push reply (see news): the latest evictions, and how
+        # many of all the shard's evictions (counters.evictions) each rank was told of or joined after.
+        self.evicted: deque[Eviction] = deque(maxlen=64)
+        self.told: dict[int, int] = {}
         #: what the shard's sparse tables may hold in all (bytes; None: no limit)
         self.budget_bytes = memory_budget_bytes(config.memory_budget_mb)
         self.closed = False
@@ -158,11 +167,13 @@ class ShardCore:
     def refresh(self) -> None:
         """Evict live members whose lease expired; complete a sync iteration nobody owes any more."""
         evicted = self.members.expire()
+        live = len(self.members.live_ranks())
         for m in evicted:
             self.counters.evictions += 1
+            self.evicted.append(Eviction(m.rank, m.clock, self.members.lease_s, live))
             self.event("evict", m.rank, m.clock, (
                 f"worker {m.rank} evicted at clock {m.clock}: no call for {self.now() - m.last_seen:.1f} s, past its "
-                f"lease (--lease-s {self.members.lease_s:g}); nobody waits for it now ({len(self.members.live_ranks())} "
+                f"lease (--lease-s {self.members.lease_s:g}); nobody waits for it now ({live} "
                 "live), and it joins again by itself if it is alive"))
             self.buffers.revoke(m.rank)
         if evicted and self.state is not None:  # per-worker state of tables (DC-ASGD's copies) goes
@@ -170,3 +181,25 @@ class ShardCore:
         if self.complete_round() or evicted:
             self.notify()
             self.members_changed()
+
+    def joined(self, rank: int) -> None:
+        """rank (re)joined: it is told of the evictions from now on, not of earlier ones."""
+        self.told[rank] = self.counters.evictions
+
+    def news(self, rank: int) -> tuple[tuple[Eviction, ...], int | None]:
+        """What `rank` has not been told yet (called for each push reply; takes the lock only when
+        there is something to tell): the workers evicted since it was last told (others than
+        itself), and the checkpoint version a restart restored (once per rank)."""
+        marks = self.marks
+        if self.told.get(rank, 0) == self.counters.evictions and (marks.version is None or rank in marks.told):
+            return (), None
+        with self.lock:
+            unseen = self.counters.evictions - self.told.get(rank, 0)
+            self.told[rank] = self.counters.evictions
+            evicted = tuple(e for e in list(self.evicted)[-unseen:] if e.rank != rank) if unseen > 0 else ()
+            restored = None
+            marks = self.marks
+            if marks.version is not None and rank not in marks.told:
+                marks.told.add(rank)
+                restored = marks.version
+            return evicted, restored

@@ -3,9 +3,12 @@ ReplicaApply each hold a handler thread (and a push its receive buffer) while th
 arrive, so a peer that opens such a stream and stops sending could hold them for good. Here each
 stream reads its frames under a deadline (a stream whose next frame does not come within
 --stream-read-timeout-s is cancelled, and what it held is given back), and is admitted only while
-few enough are open: per connection (--max-streams-per-peer), and in all (at most 3/4 of
---threads: status, heartbeats, joins, pulls and Step calls always find a thread). A stream over
-a limit is refused at once with ServerBusyError, which workers retry after a pause.
+few enough are open: per peer (--max-streams-per-peer), and in all (at most 3/4 of --threads:
+status, heartbeats, joins, pulls and Step calls always find a thread). A peer is the caller's
+authenticated identity (worker rank, admin, the job's servers) where the server authenticates,
+else its host (the address without the port): a caller that opens many connections gets no more
+streams than one. A stream over a limit is refused at once with ServerBusyError, which workers
+retry after a pause.
 
 A per-frame deadline alone lets a peer trickle a push (a few bytes per frame, each in time) and
 hold its receive buffer for hours, or stop reading a pull and hold the weights it streams. So a
@@ -37,6 +40,17 @@ def transfer_deadline_s(nbytes: int, allowance_s: float, min_rate_mb_s: float) -
     return allowance_s + nbytes / (min_rate_mb_s * 1e6) if min_rate_mb_s > 0 else float("inf")
 
 
+def peer_host(peer: str) -> str:
+    """A gRPC peer without its port: 'ipv4:10.0.0.7:41234' -> 'ipv4:10.0.0.7', 'ipv6:[::1]:41234' ->
+    'ipv6:[::1]'; any other kind (unix:...) as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, sep, port = rest.rpartition(":")
+        if sep and port.isdigit():
+            return f"{kind}:{host}"
+    return peer
+
+
 def stream_budget(threads: int) -> int:
     """How many client streams may be open at once: all of --threads but a quarter (at least one),
     which the other calls keep."""
@@ -46,10 +60,10 @@ def stream_budget(threads: int) -> int:
 class _Stream:
     """One admitted client stream: whose it is, and since when it waits for its next frame."""
 
-    __slots__ = ("method", "peer", "context", "since", "cancelled")
+    __slots__ = ("method", "peer", "owner", "context", "since", "cancelled")
 
-    def __init__(self, method: str, peer: str, context: grpc.ServicerContext) -> None:
-        self.method, self.peer, self.context = method, peer, context
+    def __init__(self, method: str, peer: str, owner: str, context: grpc.ServicerContext) -> None:
+        self.method, self.peer, self.owner, self.context = method, peer, owner, context  # owner: whose cap it counts in
         self.since = 0.0  # time.monotonic() when it began to wait for a frame (0: not waiting)
         self.cancelled = False
 
@@ -85,13 +99,17 @@ class StreamLimits(grpc.ServerInterceptor):
 
     def __init__(self, read_timeout_s: float, max_streams: int, max_per_peer: int,
                  warn: Callable[[str], None] = _log.warning, allowance_s: float = 10.0,
-                 min_rate_mb_s: float = 1.0) -> None:
+                 min_rate_mb_s: float = 1.0, identify: Callable[[grpc.ServicerContext], str | None] | None = None,
+                 ) -> None:
+        """identify(context): the caller's authenticated identity (None: it has none, or the server
+        does not authenticate); a stream counts against its identity's cap, else its host's."""
         self.read_timeout_s = read_timeout_s
         self.allowance_s = allowance_s  # a whole push or pull: this long, plus its size at min_rate_mb_s
         self.min_rate_mb_s = min_rate_mb_s
         self.max_streams = max_streams
         self.max_per_peer = max_per_peer
         self._warn = warn
+        self._identify = identify
         self._cond = threading.Condition()
         self._open: set[_Stream] = set()
         self._transfers: set[_Transfer] = set()  # pushes and pulls under a whole-transfer deadline
@@ -105,22 +123,28 @@ class StreamLimits(grpc.ServerInterceptor):
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the one under limits)
 
     # ----------------------------------------------------------------- admission
+    def _owner(self, peer: str, context: grpc.ServicerContext) -> str:
+        """Whose cap a stream counts against: its caller's identity, else its host."""
+        who = self._identify(context) if self._identify is not None else None
+        return who if who is not None else peer_host(peer)
+
     def _admit(self, method: str, context: grpc.ServicerContext) -> _Stream:
         peer = context.peer() or "?"
+        owner = self._owner(peer, context)
         with self._cond:
             if self._closed:
                 problem = None
             elif len(self._open) >= self.max_streams:
                 problem = (f"{len(self._open)} pushes and other client streams are open on this server, the most it "
                            f"lets take its handler threads ({self.max_streams}, 3/4 of --threads)")
-            elif self._per_peer.get(peer, 0) >= self.max_per_peer:
-                problem = (f"{self._per_peer[peer]} client streams are open from {peer}, the most one connection may "
-                           f"hold (--max-streams-per-peer {self.max_per_peer})")
+            elif self._per_peer.get(owner, 0) >= self.max_per_peer:
+                problem = (f"{self._per_peer[owner]} client streams are open from {owner} (over all its connections), "
+                           f"the most one peer may hold (--max-streams-per-peer {self.max_per_peer})")
             else:
                 problem = None
-                stream = _Stream(method, peer, context)
+                stream = _Stream(method, peer, owner, context)
                 self._open.add(stream)
-                self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+                self._per_peer[owner] = self._per_peer.get(owner, 0) + 1
                 self._watched()
                 return stream
             self.refused += 1
@@ -167,11 +191,11 @@ class StreamLimits(grpc.ServerInterceptor):
     def _release(self, stream: _Stream) -> None:
         with self._cond:
             self._open.discard(stream)
-            left = self._per_peer.get(stream.peer, 1) - 1
+            left = self._per_peer.get(stream.owner, 1) - 1
             if left:
-                self._per_peer[stream.peer] = left
+                self._per_peer[stream.owner] = left
             else:
-                self._per_peer.pop(stream.peer, None)
+                self._per_peer.pop(stream.owner, None)
 
     # ----------------------------------------------------------------- the deadline
     def _watch(self) -> None:

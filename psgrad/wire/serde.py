@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from psgrad.config import JobSpec
 from psgrad.proto import ps_pb2 as pb
-from psgrad.core.push_outcome import PushOutcome
+from psgrad.core.push_outcome import Eviction, PushOutcome
 from psgrad.core.sharding import ParamSpec, TableSpec
 from psgrad.core.status import (
     CheckpointStatus,
@@ -63,10 +63,15 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
     )
 
 
+def evictions_to_proto(evicted: Iterable[Eviction]) -> list[pb.Eviction]:
+    return [pb.Eviction(rank=e.rank, clock=e.clock, lease_s=e.lease_s, live=e.live) for e in evicted]
+
+
 def push_outcome_to_proto(outcome: PushOutcome) -> pb.PushReply:
     return pb.PushReply(
         applied=outcome.applied, reason=outcome.reason, version=outcome.version, staleness=outcome.staleness,
         deferred=outcome.deferred, lr=outcome.lr, staleness_bound=outcome.staleness_bound,
+        evicted=evictions_to_proto(outcome.evicted), restored_version=outcome.restored_version,
     )
 
 
@@ -74,6 +79,8 @@ def push_outcome_from_proto(msg: pb.PushReply) -> PushOutcome:
     return PushOutcome(
         applied=msg.applied, reason=msg.reason, version=msg.version, staleness=msg.staleness,
         deferred=msg.deferred, lr=msg.lr if msg.HasField("lr") else None, staleness_bound=msg.staleness_bound,
+        evicted=tuple(Eviction(e.rank, e.clock, e.lease_s, e.live) for e in msg.evicted),
+        restored_version=msg.restored_version if msg.HasField("restored_version") else None,
     )
 
 

@@ -7,13 +7,14 @@ import random
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from psgrad.config import WorkerConfig
+from psgrad.core.push_outcome import Eviction, Restore
 from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task
 
@@ -42,6 +43,7 @@ class TrainingLog:
         self._task, self._model, self._device = task, model, device
         self._sink, self._who, self._log = sink, who, log
         self._window_start, self._window_loss, self._window_n = time.perf_counter(), 0.0, 0
+        self.restores: list[Restore] = []  # restarts of shards that lost updates, as this worker saw them
 
     def start(self, clock: int, mode: str) -> None:
         """The run's first record: where the worker starts and how it is configured."""
@@ -69,10 +71,28 @@ class TrainingLog:
             self._log(f"{self._who}: step {done}/{self.steps} loss {mean_loss:.4f}{acc} ({rate:.1f} steps/s)")
             self._window_start, self._window_loss, self._window_n = now, 0.0, 0
 
+    def news(self, done: int, evicted: Sequence[Eviction], restores: Sequence[Restore], num_workers: int) -> None:
+        """What the shards told this worker at step `done` (each once): other workers they evicted
+        (a line, and an "evicted" record), and restarts from a checkpoint that lost updates (a
+        line, a "restore" record, and the count in the final record)."""
+        for e in evicted:
+            self._sink.write(done, event="evicted", rank=e.rank, clock=e.clock, lease_s=e.lease_s, live=e.live)
+            self._log(f"{self._who}: {e.describe(num_workers)}")
+        for r in restores:
+            self.restores.append(r)
+            self._sink.write(done, event="restore", shard=r.shard, from_version=r.from_version,
+                             to_version=r.to_version, updates_lost=r.lost)
+            self._log(f"{self._who}: {r.describe()}")
+
     def final(self, elapsed_s: float) -> dict[str, Any]:
-        """Evaluate the model as it is now and write the final record."""
+        """Evaluate the model as it is now and write the final record (with the updates that
+        restarts lost, if any did)."""
         final = self._task.evaluate(self._model, self._device)
         result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final, "max_rss_mb": max_rss_mb()}
+        if self.restores:
+            result["updates_lost"] = sum(r.lost for r in self.restores)
+            result["restores"] = [{"shard": r.shard, "from_version": r.from_version, "to_version": r.to_version}
+                                  for r in self.restores]
         self._sink.write(self.steps, **result)
         bpb = f" test_bpb {final['test_bpb']:.4f}" if "test_bpb" in final else ""
         if "test_auc" in final:

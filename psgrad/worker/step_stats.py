@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from psgrad.core.push_outcome import Eviction, Restore
+
 
 @dataclass
 class StepStats:
@@ -34,6 +36,11 @@ class StepStats:
     # the shards had evicted this worker (its lease ran out, e.g. in a network partition): the
     # gradient was not applied; the worker joined again and continues from this clock
     rejoined_at: int | None = None
+    # other workers the shards evicted (their lease ran out), told of since the last step: each once
+    evicted: list[Eviction] = field(default_factory=list)
+    # shards that restarted from a checkpoint older than the version this worker had seen them at
+    # (the updates in between were lost), told of since the last step: each once
+    restores: list[Restore] = field(default_factory=list)
 
 
 @dataclass
@@ -46,3 +53,5 @@ class ExchangeResult:
     versions: list[int]
     lr: float | None = None  # the learning rate the (first) shard applies the push with
     bound: int = 0  # the largest adaptive staleness bound a shard reported (0: fixed bounds)
+    evicted: list[Eviction] = field(default_factory=list)  # see StepStats
+    restores: list[Restore] = field(default_factory=list)

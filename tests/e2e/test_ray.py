@@ -199,7 +199,7 @@ def test_launch_trains_across_two_nodes(two_nodes: TwoNodes, tmp_path: Path) -> 
     started = time.monotonic()
     # 250 sync steps of digits reach a test accuracy of 0.93 (0.91 from step 160 on, 0.94 at 400)
     res = run_cli(["launch", "--backend", "ray", "--address", two_nodes.address, "--insecure", *JOB, "--mode", "sync",
-                   "--steps", "250", "--metrics-dir", str(tmp_path)], timeout_s=420)
+                   "--steps", "250", "--metrics-dir", str(tmp_path), "--metrics-port", "0"], timeout_s=420)
     print(f"psgrad launch --backend ray: {time.monotonic() - started:.1f} s")
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
@@ -209,6 +209,10 @@ def test_launch_trains_across_two_nodes(two_nodes: TwoNodes, tmp_path: Path) -> 
     assert placed["server0"][1] != placed["server1"][1] and placed["worker0"][1] != placed["worker1"][1], out
     servers = _servers(out)
     assert not servers.startswith("127."), "servers on a cluster listen on the node's address"
+    # --metrics-port 0: each server actor serves its metrics on a free port, as under the local backend
+    metrics = dict(re.findall(r"^\[launch\] (server\d) runs on node (?:\S+) .*, metrics at (http://\S+/metrics)$", out, re.M))
+    assert set(metrics) == {"server0", "server1"}, out
+    assert all(metrics[f"server{i}"].startswith(f"http://{placed[f'server{i}'][0]}:") for i in (0, 1)), metrics
     assert re.findall(r"^\s+\d \S+\s+\[\d+, \d+\)\s+(\d+)", out, re.M) == ["250", "250"], out  # sync: one per iteration
     accuracies = _final_accuracies(out)
     print(f"final test accuracy: {accuracies}")

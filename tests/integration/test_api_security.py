@@ -93,3 +93,52 @@ def test_a_push_stream_without_a_credential_is_refused_before_its_first_frame_is
         release.set()
         channel.close()
         server.stop(0)
+
+
+def test_64_connections_of_one_identity_hold_no_more_streams_than_its_cap() -> None:
+    # The cap was per connection: a worker opening 64 connections held 12 pushes (every stream the
+    # thread budget allows), not --max-streams-per-peer's 2. Now it counts per identity.
+    import threading
+
+    import grpc
+
+    from psgrad.core.credentials import derive_token
+    from psgrad.wire.protocol import METHOD_PREFIX
+    from psgrad.wire.security import open_channel
+
+    from conftest import wait_for
+
+    cap = 2
+    server = start_server(ServerConfig(port=0, threads=16, auth=AuthConfig(secret=SECRET), stream_read_timeout_s=60,
+                                       max_streams_per_peer=cap))
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait(60)  # opens the stream, sends nothing: holds it (until the read deadline)
+        yield from ()
+
+    def channel(role: str) -> grpc.Channel:  # a connection of its own (no shared subchannel)
+        return open_channel(server.address, None, derive_token(SECRET, role), [("grpc.use_local_subchannel_pool", 1)])
+
+    channels = [channel("worker-1") for _ in range(64)]
+    calls = []
+    try:
+        for ch in channels:
+            calls.append(ch.stream_unary(METHOD_PREFIX + "Push", None, None).future(nothing(), timeout=60))
+        wait_for("64 - cap streams refused", lambda: server.shard.stream_counts()[2] >= 64 - cap)
+        refused = [c for c in calls if c.done()]
+        assert len(refused) == 64 - cap and all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
+        assert "client streams are open from worker-1 (over all its connections)" in refused[0].details()
+        assert server.shard.stream_counts()[0] == cap
+        other = channel("worker-2")  # another identity has a cap of its own
+        channels.append(other)
+        calls.append(other.stream_unary(METHOD_PREFIX + "Push", None, None).future(nothing(), timeout=60))
+        wait_for("worker 2's stream admitted", lambda: server.shard.stream_counts()[0] == cap + 1)
+        assert server.shard.stream_counts()[2] == 64 - cap
+    finally:
+        release.set()
+        for c in calls:
+            c.cancel()
+        for ch in channels:
+            ch.close()
+        server.stop(0)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from psgrad.cli.launch_ray import RAY_FLAGS, ray_config
+from psgrad.cli.commands import server_metrics_argv
+from psgrad.cli.launch_ray import RAY_FLAGS, ray_config, shard_configs
 from psgrad.cli.main import main
 from psgrad.cli.parser import build_parser
 from psgrad.config import RayConfig
@@ -139,3 +140,18 @@ def test_an_address_where_nothing_listens_fails_fast() -> None:
     with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{port}"):
         check_reachable(f"127.0.0.1:{port}", timeout_s=5)
     check_reachable("auto")  # Ray resolves it
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "ports"), [([], [None, None]), (["--metrics-port", "0"], [0, 0]),
+                                              (["--metrics-port", "9100"], [9103, 9104])])
+def test_ray_servers_get_the_metrics_ports_local_servers_get(flags: list[str], ports: list[int | None],
+                                                               tmp_path: Path) -> None:
+    # Before: a server actor's config had no metrics port, whatever --metrics-port said.
+    ns = build_parser().parse_args(["launch", "--backend", "ray", "--num-servers", "2", "--num-workers", "3",
+                                    "--checkpoint-dir", str(tmp_path), *flags])
+    configs = shard_configs(ns)
+    assert [c.metrics_port for c in configs] == ports
+    local = [server_metrics_argv(ns, i) for i in range(2)]  # what the local backend passes its servers
+    assert local == [[] if p is None else ["--metrics-port", str(p)] for p in ports]
+    assert [c.checkpoint_dir for c in configs] == [str(tmp_path.absolute() / f"shard{i}") for i in range(2)]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import wait_for
-from psgrad.server.streams import StreamLimits, stream_budget, transfer_deadline_s
+from psgrad.server.streams import StreamLimits, peer_host, stream_budget, transfer_deadline_s
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,6 +141,36 @@ def test_a_whole_transfer_is_cancelled_at_its_deadline_from_its_size() -> None:
         limits.close()
 
 
+def test_the_cap_counts_per_identity_or_per_host_not_per_connection() -> None:
+    class Refusing(Context):
+        def abort(self, code: object, details: str) -> None:
+            raise RuntimeError(details)
+
+        def set_trailing_metadata(self, metadata: object) -> None:
+            pass
+
+    roles = {"ipv4:10.0.0.9:1": "worker-1", "ipv4:10.0.0.9:2": "worker-1", "ipv4:10.0.0.9:3": "worker-2"}
+    limits = StreamLimits(30, 10, 1, identify=lambda context: roles.get(context.peer()))
+    try:
+        limits._admit("Push", Refusing("ipv4:10.0.0.9:1"))  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="open from worker-1 .over all its connections"):
+            limits._admit("Push", Refusing("ipv4:10.0.0.9:2"))  # type: ignore[arg-type]  # another connection
+        limits._admit("Push", Refusing("ipv4:10.0.0.9:3"))  # type: ignore[arg-type]  # another identity
+        # without an identity: per host, whatever the port
+        limits._admit("Push", Refusing("ipv6:[::1]:5000"))  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match=r"open from ipv6:\[::1\] "):
+            limits._admit("Push", Refusing("ipv6:[::1]:5001"))  # type: ignore[arg-type]
+        assert limits.counts() == (3, 0, 2)
+    finally:
+        limits.close()
+
+
 def test_a_floor_rate_of_zero_sets_no_whole_transfer_deadline() -> None:
     assert transfer_deadline_s(10**12, 10.0, 0.0) == float("inf")
     assert transfer_deadline_s(100 * 10**6, 10.0, 1.0) == pytest.approx(110.0)  # the defaults: 100 MB in 110 s
+
+
+@pytest.mark.parametrize(("peer", "host"), [("ipv4:10.0.0.7:41234", "ipv4:10.0.0.7"), ("ipv6:[::1]:5", "ipv6:[::1]"),
+                                            ("ipv6:%5B::1%5D:5", "ipv6:%5B::1%5D"), ("unix:/tmp/s", "unix:/tmp/s")])
+def test_a_peer_host_is_its_address_without_the_port(peer: str, host: str) -> None:
+    assert peer_host(peer) == host

@@ -1,0 +1,116 @@
+"""What the shards tell a worker once, in its push replies, and what the worker says of it: another
+worker evicted (sync: "worker 2 evicted at clock 1 (lease 2 s): continuing with 2 of 3"), and a
+restart from a checkpoint that lost updates (the shard's version went back from V to V')."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import run_in_threads
+from psgrad.client.parameter_client import ParameterClient
+from psgrad.config import ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.core.push_outcome import Eviction, Restore
+from psgrad.core.sharding import ParamSpec, plan_shards
+from psgrad.metrics.jsonl import MetricsSink
+from psgrad.server import checkpoint
+from psgrad.server.runtime import start_server
+from psgrad.worker.loop import TrainingLog
+
+pytestmark = pytest.mark.timeout(90)
+
+PARAMS = [ParamSpec("w", (32,), "float32")]
+CONFIG = ClientConfig(connect_timeout_s=10, rpc_timeout_s=20, reconnect_timeout_s=30, shared_memory=False)
+
+
+def _client(address: str, spec: JobSpec, rank: int) -> ParameterClient:
+    return ParameterClient([address], spec, PARAMS, plan_shards(PARAMS, 1), rank, CONFIG)
+
+
+def test_the_survivors_of_a_sync_job_are_told_once_which_worker_was_evicted_and_how_many_go_on() -> None:
+    # Before: the server logged the eviction, and the surviving workers said nothing.
+    spec = JobSpec(mode="sync", lr=0.1, num_shards=1, num_workers=3)
+    server = start_server(ServerConfig(port=0, threads=8, lease_s=2.0))  # generous for a busy host
+    clients = [_client(server.address, spec, r) for r in range(3)]
+    try:
+        run_in_threads(3, lambda r: clients[r].join((lambda: torch.zeros(32)) if r == 0 else None))
+        flats = [torch.empty(32) for _ in range(3)]
+        run_in_threads(3, lambda r: clients[r].exchange(torch.ones(32), 0, flats[r]))
+        clients[2].close()  # no leave, no more heartbeats: as if killed; its lease runs out
+        told: dict[int, list[list[Eviction]]] = {0: [], 1: []}
+
+        def two_steps(r: int) -> None:
+            for clock in (1, 2):  # the first waits for worker 2 until its eviction completes iteration 1
+                outcomes, _ = clients[r].exchange(torch.ones(32), clock, flats[r])
+                assert all(o.accepted for o in outcomes)
+                told[r].append(clients[r].take_news()[0])
+
+        run_in_threads(2, two_steps)
+        for r in (0, 1):
+            assert told[r] == [[Eviction(2, 1, 2.0, 2)], []], told  # in the step it happened, once
+            assert told[r][0][0].describe(3) == "worker 2 evicted at clock 1 (lease 2 s): continuing with 2 of 3"
+        assert server.shard.version == 3
+    finally:
+        for c in clients[:2]:
+            c.close()
+        server.stop(0)
+
+
+def test_a_worker_is_told_once_how_many_updates_an_async_restart_lost(tmp_path: Path) -> None:
+    # Before: the restored shard served an older version, and the workers said nothing of it.
+    spec = JobSpec(mode="async", lr=0.1, num_shards=1)
+    server = start_server(ServerConfig(port=0, threads=8))
+    port = int(server.address.rsplit(":", 1)[1])
+    with _client(server.address, spec, 0) as c:
+        c.join(lambda: torch.zeros(32))
+        flat = torch.empty(32)
+        for clock in range(3):
+            c.exchange(torch.ones(32), clock, flat)
+        checkpoint.save(server.shard.snapshot(), tmp_path)  # version 3
+        for clock in range(3, 14):
+            c.exchange(torch.ones(32), clock, flat)
+        assert c.take_news() == ([], []) and server.shard.version == 14
+        server.stop(0)  # a crash: no checkpoint after version 3 (this server has no --checkpoint-dir)
+        again = start_server(ServerConfig(port=port, threads=8, checkpoint_dir=str(tmp_path)))
+        try:
+            assert again.shard.version == 3
+            c.exchange(torch.ones(32), 14, flat)
+            [restore] = c.take_news()[1]
+            assert restore == Restore(0, 14, 3) and restore.lost == 11
+            assert restore.describe() == ("shard 0 restarted from its checkpoint: its version went back from 14 to 3, "
+                                          "11 updates lost")
+            c.exchange(torch.ones(32), 15, flat)
+            assert c.take_news() == ([], [])  # once
+        finally:
+            again.stop(0)
+
+
+class _Task:
+    name = "stub"
+
+    def evaluate(self, model: Any, device: Any) -> dict[str, float]:
+        return {"test_loss": 1.0, "test_accuracy": 0.5}
+
+    def evaluate_during_training(self, model: Any, device: Any) -> dict[str, float]:
+        return {}
+
+
+@pytest.mark.timeout(30)
+def test_the_worker_logs_each_once_and_its_final_record_carries_the_updates_lost(tmp_path: Path) -> None:
+    lines: list[str] = []
+    sink = MetricsSink(tmp_path / "w.jsonl", 1)
+    report = TrainingLog(WorkerConfig(servers=("127.0.0.1:1",), rank=1, steps=5), _Task(), torch.nn.Linear(1, 1), torch.device("cpu"),  # type: ignore[arg-type]
+                         sink, "worker 1/3", lines.append)
+    report.news(4, [Eviction(2, 61, 10.0, 2)], [Restore(0, 311, 300)], 3)
+    final = report.final(1.0)
+    sink.close()
+    assert lines[:2] == ["worker 1/3: worker 2 evicted at clock 61 (lease 10 s): continuing with 2 of 3",
+                         "worker 1/3: shard 0 restarted from its checkpoint: its version went back from 311 to 300, "
+                         "11 updates lost"]
+    records = [json.loads(x) for x in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["evicted", "restore", "final"]
+    assert records[1]["updates_lost"] == 11 and final["updates_lost"] == records[2]["updates_lost"] == 11
+    assert records[2]["restores"] == [{"shard": 0, "from_version": 311, "to_version": 300}]
