@@ -25,7 +25,7 @@ def _child_pids() -> list[int]:
     from psgrad.launch import template
 
     running = template.templates()
-    kept = {str(t.proc.pid) for t in running}
+    kept = {str(t.proc.pid) for t in running if t.proc is not None}
     me = str(os.getpid())
     out = [pid for t in running for pid in t.live_pids()]
     for entry in os.listdir("/proc"):
