@@ -159,18 +159,18 @@ class SupervisedProcess:
         out_r, out_w = os.pipe()
         in_r, in_w = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), -1)
         err = out_w if self._stderr is None else self._stderr.fileno()
-        try:
-            pid = tmpl.spawn(args, env, where, new_session, in_r, out_w, err)
-        except OSError:
-            for fd in (out_r, out_w, in_r, in_w):
-                if fd >= 0:
-                    os.close(fd)
-            return None
-        os.close(out_w)
-        os.close(in_r)
-        child = template.TemplateChild(tmpl, pid, os.fdopen(in_w, "w", buffering=1) if in_w >= 0 else None,
+        child = template.TemplateChild(tmpl, os.fdopen(in_w, "w", buffering=1) if in_w >= 0 else None,
                                        os.fdopen(out_r, "r"))
-        tmpl.adopt(pid, child)
+        try:
+            tmpl.spawn(args, env, where, new_session, (in_r, out_w, err), child)
+        except OSError:
+            for stream in (child.stdin, child.stdout):
+                if stream is not None:
+                    stream.close()
+            return None
+        finally:
+            os.close(out_w)  # (the child has its own copies)
+            os.close(in_r)
         return child
 
     def _pump(self) -> None:

@@ -90,8 +90,8 @@ def die_with_parent() -> Callable[[], None] | None:
 class TemplateChild:
     """A child forked by a template, with the part of subprocess.Popen's interface psgrad uses."""
 
-    def __init__(self, template: Template, pid: int, stdin: IO[str] | None, stdout: IO[str]) -> None:
-        self.pid = pid
+    def __init__(self, template: Template, stdin: IO[str] | None, stdout: IO[str]) -> None:
+        self.pid = 0  # (set by Template.spawn)
         self.stdin = stdin
         self.stdout = stdout
         self.returncode: int | None = None
@@ -136,7 +136,7 @@ class Template:
         self._answers: list[dict[str, object]] = []
         self._answered = threading.Condition()
         self._children: dict[int, TemplateChild] = {}
-        self._early: dict[int, int] = {}  # exits reported before their spawn call registered the child
+        self._starting: TemplateChild | None = None  # the child of the request in flight (under _lock)
         self.alive = True
         self._reader = threading.Thread(target=self._read, name="psgrad-template-reader", daemon=True)
         self._reader.start()
@@ -176,12 +176,13 @@ class Template:
                 pid, rc = int(message["exited"]), int(message["rc"])  # type: ignore[call-overload]
                 with self._answered:
                     child = self._children.pop(pid, None)
-                    if child is None:
-                        self._early[pid] = rc
                 if child is not None:
                     child._exited(rc)
-            else:
+            else:  # the answer to the request in flight: its child is registered before its exit can come
                 with self._answered:
+                    if "pid" in message and self._starting is not None:
+                        self._starting.pid = int(message["pid"])  # type: ignore[call-overload]
+                        self._children[self._starting.pid] = self._starting
                     self._answers.append(message)
                     self._answered.notify_all()
         with self._answered:  # the template is gone, and with it every child (their parent-death signal)
@@ -192,8 +193,9 @@ class Template:
             child._exited(-signal.SIGTERM)
 
     def spawn(self, args: Sequence[str], env: Mapping[str, str], cwd: str, new_session: bool,
-              stdin: int, stdout: int, stderr: int) -> int:
-        """Fork a child that runs `python ARGS` (preloadable's) with these descriptors; its pid.
+              fds: tuple[int, int, int], child: TemplateChild) -> None:
+        """Fork a child that runs `python ARGS` (preloadable's) with these stdin, stdout and stderr
+        descriptors, as `child` (its pid set; its exit delivered to it).
 
         Raises:
             OSError: the template is gone, or could not fork.
@@ -201,26 +203,20 @@ class Template:
         with self._lock:
             if not self.alive:
                 raise OSError("the template process has ended")
-            _send(self._sock, {"argv": list(args), "env": dict(env), "cwd": cwd, "new_session": new_session},
-                  [stdin, stdout, stderr])
-            with self._answered:
-                while not self._answers and self.alive:
-                    self._answered.wait()
-                if not self._answers:
-                    raise OSError("the template process ended while starting a child")
-                answer = self._answers.pop(0)
+            self._starting = child
+            try:
+                _send(self._sock, {"argv": list(args), "env": dict(env), "cwd": cwd, "new_session": new_session},
+                      list(fds))
+                with self._answered:
+                    while not self._answers and self.alive:
+                        self._answered.wait()
+                    if not self._answers:
+                        raise OSError("the template process ended while starting a child")
+                    answer = self._answers.pop(0)
+            finally:
+                self._starting = None
         if "error" in answer:
             raise OSError(f"the template could not start the child: {answer['error']}")
-        return int(answer["pid"])  # type: ignore[call-overload]
-
-    def adopt(self, pid: int, child: TemplateChild) -> None:
-        """Route pid's exit to child (an exit already reported is delivered at once)."""
-        with self._answered:
-            rc = self._early.pop(pid, None)
-            if rc is None:
-                self._children[pid] = child
-        if rc is not None:
-            child._exited(rc)
 
     def live_pids(self) -> list[int]:
         """The pids of its children that have not exited yet."""
