@@ -16,6 +16,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from psgrad.config import AuthConfig, ClientConfig, JobSpec, ServerConfig, TlsConfig, WorkerConfig  # noqa: E402
 from psgrad.errors import (  # noqa: E402
+    CompressionWarning,
     ConfigError,
     InvalidRequestError,
     JobMismatchError,
@@ -102,6 +103,7 @@ __all__ = [
     "JobSpec",
     "ServerConfig",
     "WorkerConfig",
+    "CompressionWarning",
     "ConfigError",
     "InvalidRequestError",
     "JobMismatchError",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from torch import nn
 from psgrad.client.parameter_client import ParameterClient, RowReads
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
-from psgrad.errors import ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
+from psgrad.errors import CompressionWarning, ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
 from psgrad.core.modes import AUTO_STALENESS_MAX, find_mode, mode_of
 from psgrad.core.job import check_overlap, check_row_cache
 from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer, check_server_optimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
@@ -317,6 +318,13 @@ class PSOptimizer(ScheduledOptimizer):
         except BaseException:
             self.client.close()
             raise
+        plain = self.client.plain_shards()
+        if plain:  # say so once: the job's codec leaves these pushes as they are
+            warnings.warn(
+                f"compress={spec.compress!r} compresses pushes between hosts only: shard(s) "
+                f"{', '.join(map(str, plain))} share this host, and pushes to them travel plain through shared "
+                "memory (fewer bytes save nothing there); pass client=psgrad.ClientConfig(compress_same_host=True) "
+                "to compress them too", CompressionWarning, stacklevel=3)
         if overlap:
             self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psgrad-overlap")
 

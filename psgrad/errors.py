@@ -100,6 +100,11 @@ class CheckpointError(PsgradError):
     """A checkpoint could not be written, or none that could be read was found."""
 
 
+class CompressionWarning(UserWarning):
+    """A job's `compress` codec leaves some pushes plain: those to shards on this host, which
+    travel through shared memory (`ClientConfig(compress_same_host=True)` compresses them too)."""
+
+
 # Name -> class, so the client can re-raise the exact error the server raised.
 ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
     cls.__name__: cls

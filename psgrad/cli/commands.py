@@ -290,6 +290,11 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         f"worker(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']} each{secured}",
         flush=True,
     )
+    if spec.compress != "none" and base.client.shared_memory and not base.client.compress_same_host:
+        print(f"[launch] --compress {spec.compress} compresses pushes between hosts only: every server of this launch "
+              "shares the workers' host, so the workers push plain gradients through shared memory (fewer bytes "
+              "save nothing there; `psgrad status` counts them); add --compress-same-host to compress them too",
+              flush=True)
     try:
         return run_launch(
             ns.num_servers,

@@ -109,6 +109,11 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             each = f": {s['bytes_in'] / pushes:,.0f} bytes a push, {s['bytes_in'] / pushes / plain:.3f} of plain" if pushes and plain else ""
             ef = "" if spec.get("error_feedback", True) else ", no error feedback"
             lines.append(f"shard {s['shard']}: pushes compressed {spec['compress']}{ef}{each}")
+            if s.get("pushes_plain"):  # (why the ratio is near 1)
+                lines.append(f"shard {s['shard']}: {s['pushes_plain']:,} of {pushes:,} pushes came uncompressed, from "
+                             "workers on this server's host (through shared memory, where fewer bytes save nothing): "
+                             "the worker flag --compress-same-host, or ClientConfig(compress_same_host=True), "
+                             "compresses them too")
         tables = s.get("tables") or []
         if tables:
             lines.append(f"shard {s['shard']}: tables " + ", ".join(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.core.modes import mode_of
 from psgrad.core.schedule import lr_factor
+from psgrad.errors import CompressionWarning
 from psgrad.metrics.jsonl import MetricsSink
 from psgrad.tasks.base import Task
 from psgrad.tasks.data import BatchSchedule
@@ -65,8 +67,10 @@ def train(
     job_mode = mode_of(spec)
 
     with Session(config.servers, spec, rank, config.client) as session:
-        opt = session.optimizer(model, overlap=config.overlap, row_cache=config.row_cache_rows,
-                                row_cache_staleness=config.row_cache_staleness)
+        with warnings.catch_warnings():  # (the start line below says which pushes stay plain)
+            warnings.simplefilter("ignore", CompressionWarning)
+            opt = session.optimizer(model, overlap=config.overlap, row_cache=config.row_cache_rows,
+                                    row_cache_staleness=config.row_cache_staleness)
         schedule = lr_scheduler(opt, factor, opt.start_clock)
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
         mode = spec.mode + (f"(staleness {bound})" if job_mode.bounds_staleness else "")

@@ -371,13 +371,18 @@ class ParameterClient:
             return compressor.encode(grad), self.spec.compress
         return self._push_wires[index].encode(grad), ""
 
+    def plain_shards(self) -> list[int]:
+        """With --compress: the shards that get plain gradients all the same, being on this host
+        (shared memory; unless --compress-same-host)."""
+        return [i for i, c in enumerate(self._compressors)
+                if c is not None and self.shards[i].same_host and not self.config.compress_same_host]
+
     def compression_note(self) -> str:
         """How pushes travel, for the worker's start line: '' (plain), or the codec, whether error
         feedback is on, and which shards get plain gradients (on this host)."""
         if self.spec.compress == "none":
             return ""
-        plain = [str(i) for i, c in enumerate(self._compressors)
-                 if c is not None and self.shards[i].same_host and not self.config.compress_same_host]
+        plain = [str(i) for i in self.plain_shards()]
         ef = any(c is not None and c.residual is not None for c in self._compressors)
         note = f", pushes compressed {self.spec.compress}{' with error feedback' if ef else ''}"
         if plain:

@@ -126,6 +126,7 @@ class ShardStatus:
     job_lr: float = 0.0  # the learning rate of pushes that carry none: the chief's latest, else the spec's
     job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
+    pushes_plain: int = 0  # with --compress: pushes that came uncompressed (from workers on the server's host)
     staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
@@ -177,6 +178,7 @@ class ShardStatus:
             "job_lr": self.job_lr,
             "job_lr_clock": self.job_lr_clock,
             "late_dropped": self.late_dropped,
+            "pushes_plain": self.pushes_plain,
             "staleness_bound": self.staleness_bound,
             "pending": self.pending,
             "waiting": self.waiting,

@@ -45,4 +45,5 @@ class Counters:
     updates_lost: int = 0  # applied after the checkpoint a restart restored (counted as workers return)
     rolled_back: int = 0  # sync: iterations undone by roll-backs (recomputed by the workers)
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
+    pushes_plain: int = 0  # with --compress: pushes that came uncompressed (same-host workers)
     staleness: Counter[int] = field(default_factory=Counter)

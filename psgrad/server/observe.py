@@ -86,6 +86,8 @@ class ShardCollector:
                     "slots holds in /dev/shm (0 until a worker asks for one)", s.published.nbytes)
         yield counter("psgrad_published_pulls", "same-host pulls served from a published version (zero-copy)",
                       s.published.leases)
+        yield counter("psgrad_pushes_plain", "with --compress: pushes that came uncompressed (from workers on the "
+                      "server's host, without --compress-same-host)", s.pushes_plain)
         yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
         yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect (0: a fixed bound)",
                     s.staleness_bound)

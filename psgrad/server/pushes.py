@@ -69,6 +69,8 @@ class Pushes:
                 core.counters.pushes_rejected += 1
                 raise
             lr = state.resolve_lr(rank, clock, lr)
+            if not compress and state.layout.spec.compress != "none":
+                core.counters.pushes_plain += 1  # (a worker on this host: see `psgrad status`)
             grad, wire = core.buffers.lend(state.layout.numel, dtype, lambda: state.weights)
             exact = get_codec(dtype).exact and not compress
             if compress:

@@ -411,7 +411,7 @@ class Shard:
                 pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
                 pushes_rejected=c.pushes_rejected, pulls=c.pulls, bytes_in=c.bytes_in, bytes_out=c.bytes_out,
                 evictions=c.evictions, updates_lost=c.updates_lost, rolled_back=c.rolled_back,
-                late_dropped=c.late_dropped,
+                late_dropped=c.late_dropped, pushes_plain=c.pushes_plain,
                 job_lr=state.job_lr if state else 0.0,
                 job_lr_clock=state.job_lr_clock if state else -1,
                 staleness_bound=core.policy.reported_bound,

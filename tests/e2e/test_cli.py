@@ -118,6 +118,23 @@ def test_launch_metrics_ports_go_to_the_workers_then_the_servers_then_their_back
     assert res.returncode == 2 and "ports up to 65536" in res.stderr, res.stderr
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra,says", [((), True), (("--compress-same-host",), False), (("--no-shared-memory",), False)])
+def test_a_local_launch_with_compress_says_once_that_same_host_pushes_stay_plain(
+    extra: tuple[str, ...], says: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import psgrad.launch.local
+
+    started: list[int] = []
+    monkeypatch.setattr(psgrad.launch.local, "run_launch", lambda *a, **k: started.append(1) or 0)
+    res = cli(["launch", "--num-servers", "2", "--num-workers", "2", "--compress", "topk:0.01", *extra], capsys)
+    assert res.returncode == 0 and started == [1], res.stderr
+    note = "[launch] --compress topk:0.01 compresses pushes between hosts only"
+    assert res.stdout.count(note) == (1 if says else 0), res.stdout
+    if says:
+        assert "add --compress-same-host to compress them too" in res.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launch_gives_every_server_a_metrics_endpoint_of_its_own_and_stops_every_child_on_ctrl_c() -> None:

@@ -115,6 +115,39 @@ def test_same_host_shards_get_plain_gradients_unless_asked(make_servers, compres
     sent = sum(s.shard.status().bytes_in for s in servers)
     plain = 3 * 4 * NUMEL
     assert sent == (3 * sum(spec.compression.payload_bytes(e - s) for s, e in PLAN.ranges) if compress_same_host else plain)
+    # the servers count the pushes that came plain, and `psgrad status` says why the ratio is 1
+    from psgrad.cli.status import format_status
+
+    assert [s.shard.status().pushes_plain for s in servers] == [0 if compress_same_host else 3] * 2
+    text = format_status([{**servers[0].shard.status().to_dict(), "address": servers[0].address}])
+    because = "shard 0: 3 of 3 pushes came uncompressed, from workers on this server's host"
+    assert (because in text) != compress_same_host, text
+
+
+@pytest.mark.parametrize("compress_same_host", [False, True])
+def test_the_python_api_warns_once_that_same_host_pushes_stay_plain(make_servers, compress_same_host: bool) -> None:  # type: ignore[no-untyped-def]
+    import warnings
+
+    import psgrad
+
+    servers = make_servers(2)
+    model = torch.nn.Linear(4, 2)
+    config = ClientConfig(**{**SHM.__dict__, "compress_same_host": compress_same_host})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with psgrad.connect([s.address for s in servers], compress="sign", client=config) as ps:
+            opt = ps.optimizer(model)
+            for _ in range(2):
+                model(torch.ones(3, 4)).sum().backward()
+                opt.step()
+    ours = [w for w in caught if issubclass(w.category, psgrad.CompressionWarning)]
+    said = [str(w.message) for w in ours]
+    if compress_same_host:
+        assert said == []
+    else:
+        assert len(said) == 1 and "shard(s) 0, 1 share this host" in said[0], said
+        assert "ClientConfig(compress_same_host=True)" in said[0]
+        assert ours[0].filename == __file__  # points at the user's line (ps.optimizer)
 
 
 def test_a_push_in_another_codec_is_refused_and_a_bad_payload_applies_nothing(make_servers) -> None:  # type: ignore[no-untyped-def]
