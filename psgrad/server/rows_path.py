@@ -15,11 +15,33 @@ from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
 from psgrad.server.transfers import count_nonfinite
+from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 
 # table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at)
 RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor, int]]
 # (table, row ids [n] int64): rows a call reads
 Lookup = tuple[str, torch.Tensor]
+
+
+# The rows one reply may carry: a gRPC message's limit less room for the rest of the reply (the
+# dense weights of a Step travel beside it in frames or shared memory, not in this message).
+REPLY_ROWS_MAX_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
+
+
+def _check_reply_size(state: ShardState, rank: int, lookups: Sequence[Lookup]) -> None:
+    """Refuse a read whose reply would be too large to send, from its request alone (ids x dim x
+    4 bytes), before a byte of it is built.
+
+    Raises:
+        InvalidRequestError: it would pass REPLY_ROWS_MAX_BYTES (named, with the count of ids), or
+            names no such table.
+    """
+    nbytes = sum(ids.numel() * 4 * state.sparse(table, rank).dim for table, ids in lookups)
+    if nbytes > REPLY_ROWS_MAX_BYTES:
+        count = sum(ids.numel() for _, ids in lookups)
+        raise InvalidRequestError(
+            f"a read of {count:,} rows would make a reply of {nbytes:,} bytes, more than the {REPLY_ROWS_MAX_BYTES:,} "
+            "one call may carry: read fewer ids a call (unique ids: a batch's repeated ids need one row each)")
 
 
 class Rows:
@@ -36,12 +58,15 @@ class Rows:
         holds); checked: check_reads checked the ids already.
 
         Raises:
-            InvalidRequestError: no such table, or ids out of range, of another dtype or shard.
-            MemoryBudgetError: making the rows never touched would pass the server's budget.
+            InvalidRequestError: no such table; ids out of range, of another dtype or shard; or a
+                reply too large to send (refused before it is built). Reads store no rows, so
+                they never charge the memory budget.
         """
         core = self._core
         with core.cond:
             state = core.require(fingerprint, rank)
+            if not checked:
+                _check_reply_size(state, rank, lookups)
             out = []
             for table, ids in lookups:
                 t = state.sparse(table, rank)
@@ -54,10 +79,12 @@ class Rows:
         """Check the tables and ids of a read (see SparseTable.check) without reading.
 
         Raises:
-            InvalidRequestError: no such table, or ids out of range, of another dtype or shard.
+            InvalidRequestError: no such table; ids out of range, of another dtype or shard; or a
+                reply too large to send.
         """
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
+            _check_reply_size(state, rank, lookups)
             for table, ids in lookups:
                 state.sparse(table, rank).check(ids)
 
@@ -73,6 +100,12 @@ class Rows:
         core = self._core
         with core.cond:
             t = core.require(fingerprint, rank).sparse(table, rank)
+            per_row = 4 * t.dim + 8
+            if min(limit, t.touched) * per_row > REPLY_ROWS_MAX_BYTES:
+                raise InvalidRequestError(
+                    f"a read of up to {limit:,} updated rows of table {table!r} ({per_row} bytes each) could pass the "
+                    f"{REPLY_ROWS_MAX_BYTES:,} bytes a reply may carry: ask for at most "
+                    f"{REPLY_ROWS_MAX_BYTES // per_row:,} rows a call")
             ids, values = t.updated_rows(from_id, limit)
             core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
             return t.version, ids, values

@@ -1,8 +1,8 @@
 """A shard's tables: the unit of parameters a shard holds, each with its own layout, optimizer state
 and apply rule. A *dense* table is a contiguous range of the job's flat space (its trainable prefix
 takes the optimizer, the synchronized buffers after it take deltas), updated as one vector; a
-*sparse* table holds the rows of an embedding placed on this shard, made on first touch and
-updated row by row; the *frozen* table holds the shard's range of the model's frozen parameters,
+*sparse* table holds the rows of an embedding placed on this shard, stored at their first update
+(read before it as their computed initial values) and updated row by row; the *frozen* table holds the shard's range of the model's frozen parameters,
 which no push touches (a space of their own, so a step's push and pull never carry them). All answer the same interface: snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
 calls them under its lock."""
 from __future__ import annotations
@@ -284,10 +284,11 @@ class MemoryBudget:
 
 class SparseTable:
     """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
-    shard r mod S): made on first touch from (seed, table, row id), kept in an arena that grows by
-    doubling, each with the table version of its last update and its row-wise optimizer state.
-    An untouched row costs its 8 bytes in the row index; a snapshot holds the touched rows only (the
-    rest are their initial values, made again on demand)."""
+    shard r mod S): a row's initial value is computed from (seed, table, row id); a row is stored
+    at its first update (a push's reserve), in an arena that grows by doubling, each with the table
+    version of its last update and its row-wise optimizer state. Reads store nothing (rows never
+    updated are computed again), so only updates charge the memory budget. A row never stored
+    costs its 8 bytes in the row index; a snapshot holds the stored rows only."""
 
     kind: ClassVar[str] = "sparse"
 
@@ -407,23 +408,39 @@ class SparseTable:
         return self._slots(ids) if ids.numel() else torch.empty(0, dtype=torch.int64)
 
     def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [n, dim], the table version of each row's last update [n]) for row ids (a copy)."""
-        slots = self._checked_slots(ids)
-        # (index_select: a gather several times faster than indexing with a tensor of slots)
-        return self._values.index_select(0, slots), self._versions.index_select(0, slots)
+        """(rows [n, dim], the table version of each row's last update [n]: 0 for a row never
+        stored) for row ids (a copy). A read stores nothing: a row never stored reads as its
+        initial value, computed (see rows)."""
+        self.check(ids)
+        values, slots = self._read(ids)
+        versions = torch.zeros(ids.numel(), dtype=torch.int64)
+        stored = slots >= 0
+        versions[stored] = self._versions.index_select(0, slots[stored])
+        return values, versions
 
     def rows(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """Rows [n, dim] for row ids (a copy): pull without the versions; checked: the caller
-        checked the ids already (check)."""
-        if not ids.numel():
-            return self._values[:0].clone()
-        slots = self._slots(ids) if checked else self._checked_slots(ids)  # (first: making rows may grow the arena)
-        return self._values.index_select(0, slots)
+        checked the ids already (check). Reads never make rows, so they never charge the memory
+        budget: a row is stored at its first update (reserve)."""
+        if not checked:
+            self.check(ids)
+        return self._read(ids)[0]
 
-    def _checked_slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """The arena slots of rows `ids` (see check), making the rows never touched."""
-        self.check(ids)
-        return self._slots(ids) if ids.numel() else torch.empty(0, dtype=torch.int64)
+    def _read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n, dim], their arena slots, -1 where never stored) for checked ids: stored rows
+        gathered, the others computed from (seed, table, row id) as they would be made."""
+        if not ids.numel():
+            return self._values[:0].clone(), torch.empty(0, dtype=torch.int64)
+        local = ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
+        slots = self._slot.index_select(0, local)
+        if int(slots.min()) >= 0:  # (one reduction: most reads find every row stored)
+            # (index_select: a gather several times faster than indexing with a tensor of slots)
+            return self._values.index_select(0, slots), slots
+        stored = slots >= 0
+        out = torch.empty(ids.numel(), self.dim)
+        out[stored] = self._values.index_select(0, slots[stored])
+        out[~stored] = rows.initial_rows(self.key, ids[~stored].long(), self.dim, self.std)
+        return out, slots
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of at most `limit` rows updated at least once whose ids are >= from_id, in

@@ -1,5 +1,5 @@
-"""Sparse tables on a shard: rows placed by id, made on first touch from (seed, table, row id) and the
-same after any restart, updated row by row with row-wise SGD, Adagrad and lazy Adam (checked against
+"""Sparse tables on a shard: rows placed by id, read as their initial values from (seed, table, row id)
+(the same after any restart) and stored at their first update, updated row by row with row-wise SGD, Adagrad and lazy Adam (checked against
 torch), refused by name when ids are wrong, and carried whole through snapshots and checkpoints."""
 from __future__ import annotations
 
@@ -32,13 +32,19 @@ def test_placement_spreads_consecutive_hot_ids_and_covers_every_row_once() -> No
     assert sum(rows.rows_on_shard(10_000_019, i, 7) for i in range(7)) == 10_000_019
 
 
-def test_rows_are_made_on_first_touch_deterministically_and_untouched_rows_cost_nothing() -> None:
+def test_rows_read_as_their_initial_values_deterministically_and_only_an_update_stores_one() -> None:
     t = table(num_embeddings=10_000_000, dim=32)  # 1.28 GB if it were dense
     assert t.status("emb").rows_touched == 0 and t.status("emb").nbytes == 0
     ids = torch.tensor([3, 9_999_999, 42])
     values, versions = t.pull(ids)
     assert values.shape == (3, 32) and versions.tolist() == [0, 0, 0]
-    assert t.status("emb").rows_touched == 3 and t.status("emb").nbytes == 3 * 32 * 4
+    assert torch.equal(t.rows(ids), values)
+    assert t.status("emb").rows_touched == 0 and t.status("emb").nbytes == 0  # a read stores nothing
+    t.apply(torch.tensor([42]), torch.ones(1, 32))  # an update stores its row (SGD lr 0.5)
+    assert t.status("emb").rows_touched == 1 and t.status("emb").nbytes == 32 * 4
+    mixed, versions = t.pull(ids)  # stored and computed rows in one read
+    assert versions.tolist() == [0, 0, 1] and torch.equal(mixed[:2], values[:2])
+    assert torch.equal(mixed[2], values[2] - 0.5)
     again = table(num_embeddings=10_000_000, dim=32).pull(torch.tensor([42, 3]))[0]  # another server, any order
     assert torch.equal(again, values[[2, 0]])
     other = SparseTable("other", 10_000_000, 32, 0, 1, seed=7, optimizer=RowSGD(0.5)).pull(ids)[0]

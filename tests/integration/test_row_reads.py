@@ -1,0 +1,111 @@
+"""Reads of sparse rows within the servers' budget before any work: a read stores no row (a row never
+updated reads as its computed initial value; only an update stores it), so reads never charge
+--memory-budget-mb, and the admin's read-only credential cannot grow a table; a read whose reply
+would be too large to send is refused from its request alone, before a byte of the reply is built.
+In-process servers, real gRPC channels."""
+from __future__ import annotations
+
+import resource
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from psgrad.client.parameter_client import ParameterClient, shard_status
+from psgrad.config import AuthConfig, ClientConfig
+from psgrad.core.credentials import ADMIN, derive_token
+from psgrad.errors import InvalidRequestError, MemoryBudgetError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server.rows_path import REPLY_ROWS_MAX_BYTES
+from psgrad.wire.protocol import CHANNEL_OPTIONS, METHOD_PREFIX
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, reconnect_timeout_s=0, shared_memory=False)
+SECRET = b"a job secret of at least 32 bytes, for tests"
+
+
+class Ctr(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.emb = psgrad.Embedding(rows, 32)
+        self.head = nn.Linear(32, 1)
+
+
+def table_status(address: str, auth: AuthConfig | None = None):  # type: ignore[no-untyped-def]
+    (status,) = shard_status([address], 10, client=ClientConfig(auth=auth or AuthConfig()))
+    (emb,) = [t for t in status.tables if t.kind == "sparse"]
+    return emb
+
+
+def test_reads_store_no_rows_and_never_charge_the_budget_and_only_updates_do(make_servers) -> None:  # type: ignore[no-untyped-def]
+    # A budget that holds the table's row index (100,000 x 8 bytes) and a few thousand rows, not
+    # 60,000: reads of 60,000 new ids went through before only while the budget lasted.
+    (server,) = make_servers(1, memory_budget_mb=1.5, auth=AuthConfig(secret=SECRET))
+    model = Ctr(100_000)
+    worker = ClientConfig(**{**CLIENT.__dict__, "auth": AuthConfig(secret=SECRET)})
+    admin = ClientConfig(**{**CLIENT.__dict__, "auth": AuthConfig(token=derive_token(SECRET, "admin"))})
+    with psgrad.connect([server.address], optimizer=psgrad.SGD(lr=0.5), client=worker) as ps:
+        opt = ps.optimizer(model)
+        client = opt.client
+        table = model.emb.table
+        assert table
+        many = torch.arange(0, 60_000, dtype=torch.int64)
+        first = client.pull_rows(table, many)
+        assert torch.equal(client.pull_rows(table, many), first)  # computed again, the same
+        assert table_status(server.address, admin.auth).rows_touched == 0
+        # the admin's read-only pulls (as `psgrad export` and fetch_state_dict make them) store nothing either
+        observer = ParameterClient([server.address], client.spec, client.params, client.plan, 0, admin, role=ADMIN,
+                                   tables=list(client.tables.values()), frozen=client.frozen)
+        try:
+            assert torch.equal(observer.pull_rows(table, many[::7].contiguous(), observe=True), first[::7])
+        finally:
+            observer.close()
+        assert table_status(server.address, admin.auth).rows_touched == 0
+        # an update of a few rows stores them; one of 60,000 would pass the budget and changes nothing
+        x = torch.tensor([[5, 17, 99_999]])
+        model.emb(x).sum().backward()
+        model.head.weight.grad = torch.zeros_like(model.head.weight)
+        opt.step()
+        assert table_status(server.address, admin.auth).rows_touched == 3
+        with pytest.raises(MemoryBudgetError, match="--memory-budget-mb"):
+            client.push(torch.zeros(client.plan.total), opt.clock,
+                        rows={table: (many, torch.ones(many.numel(), 32))})
+        assert table_status(server.address, admin.auth).rows_touched == 3
+        after = client.pull_rows(table, torch.tensor([5, 6]))
+        assert torch.equal(after[1], first[6]) and not torch.equal(after[0], first[5])
+
+
+def test_a_read_whose_reply_would_be_too_large_is_refused_before_it_is_built(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: 8M copies of one id in a 64 MB PullRows made the server build a 1 GB reply before gRPC
+    refused to send it (272 -> 3,543 MB after two such calls)."""
+    (server,) = make_servers(1)
+    model = Ctr(1_000)
+    with psgrad.connect([server.address], client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        table, client = model.emb.table, opt.client
+        assert table
+        n = 4_000_000  # 32 MB of ids; the reply would be 4M x 32 x 4 = 512 MB
+        assert n * 32 * 4 > REPLY_ROWS_MAX_BYTES
+        request = pb.RowsRequest(rank=0, fingerprint=client.fingerprint,
+                                 tables=[pb.TableRows(table=table, ids=torch.full((n,), 7).numpy().tobytes())])
+        channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
+        try:
+            call = channel.unary_unary(METHOD_PREFIX + "PullRows", request_serializer=pb.RowsRequest.SerializeToString,
+                                       response_deserializer=None)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB: this process serves the call
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=60)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "would make a reply of 512,000,000 bytes, more than the" in str(refused.value.details())
+            grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+            print(f"peak memory grew {grown_mb:.0f} MB over two refused reads of {n:,} ids")
+            assert grown_mb < 400  # the request's copies (32 MB of ids), never the 512 MB reply
+        finally:
+            channel.close()
+        with pytest.raises(InvalidRequestError, match="would make a reply of"):  # through the client too
+            client.pull_rows(table, torch.zeros(REPLY_ROWS_MAX_BYTES // 128 + 1, dtype=torch.int64))
+        assert client.pull_rows(table, torch.tensor([7])).shape == (1, 32)  # the shard serves on
