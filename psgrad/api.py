@@ -88,6 +88,7 @@ def connect(
     staleness_max: int = AUTO_STALENESS_MAX,
     compress: str = "none",
     error_feedback: bool = True,
+    tables_mode: str = "",
 ) -> Session:
     """Describe this worker's place in a job; nothing is sent until `optimizer(model)`.
 
@@ -99,7 +100,9 @@ def connect(
     travel ("topk:0.01", "randomk:0.01", "sign", "int8"; shards on this host get plain ones unless
     `client=ClientConfig(compress_same_host=True)`; docs/guide/compression.md), error_feedback:
     whether the biased codecs (topk, randomk, sign) add what a push left out to the next gradient.
-    Every worker of a job must pass the same job settings; the servers refuse a mismatch, naming
+    tables_mode: the embedding tables' mode where it differs from `mode` ("async" with mode "sync":
+    each worker's row gradients are applied as they arrive, the dense part once per iteration;
+    docs/guide/embeddings.md). Every worker of a job must pass the same job settings; the servers refuse a mismatch, naming
     the field.
 
     Raises:
@@ -128,6 +131,7 @@ def connect(
         dc_asgd_adaptive=dc_asgd_adaptive,
         compress=compress,
         error_feedback=error_feedback,
+        tables_mode=tables_mode,
         **optimizer.job_fields(),
     )
     return Session(addresses, spec, rank, client or ClientConfig())

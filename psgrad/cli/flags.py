@@ -197,6 +197,10 @@ def add_job_args(
     )
     flag(g, "--staleness-max", AUTO_STALENESS_MAX, "with --staleness auto: the largest bound the servers may "
          "adopt; lower it to cap how stale gradients may get under a persistent straggler", type=positive_int)
+    g.add_argument("--tables-mode", choices=MODES, default=None, help="the embedding tables' consistency, where it "
+                   "differs from --mode: with --mode sync, 'async' applies each worker's row gradients as they "
+                   "arrive while the dense part stays one averaged update per iteration (hybrid, as Persia "
+                   "trains; docs/guide/embeddings.md) (default: --mode's)")
     flag(g, "--backup-workers", JobSpec.backup_workers, "sync only: an iteration applies the mean of the first "
          "N-B gradients of its N live workers and drops the rest as late (Chen et al. 2016); try 1 when one "
          "slow worker holds every iteration back; must be < --num-workers", type=int)
@@ -364,6 +368,7 @@ def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSp
         alpha=ns.alpha, centered=ns.centered, rho=ns.rho, wire_dtype=ns.wire_dtype, num_shards=num_shards,
         dc_asgd=ns.dc_asgd, dc_asgd_adaptive=ns.dc_asgd_adaptive, compress=ns.compress,
         error_feedback=ns.error_feedback, backup_workers=ns.backup_workers, staleness_max=staleness_max(ns),
+        tables_mode=ns.tables_mode or "",
     )
 
 

@@ -75,6 +75,7 @@ def train(
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
         mode = spec.mode + (f"(staleness {bound})" if job_mode.bounds_staleness else "")
         mode += f"(backup workers {spec.backup_workers})" if spec.backup_workers else ""
+        mode += f", tables {spec.tables_mode}" if spec.tables_mode else ""
         buffers = f" + {opt.flat.buffers.numel:,} in buffers" if opt.flat.buffers is not None else ""
         log(
             f"{who}: joined {spec.num_shards} shard(s) at clock {opt.start_clock}, {opt.flat.numel:,} parameters"

@@ -9,7 +9,7 @@ from typing import Any
 
 from psgrad.core import compression
 from psgrad.core.delay import check_dc_asgd
-from psgrad.core.modes import check_mode_fields, mode_argv, mode_of
+from psgrad.core.modes import check_mode_fields, check_tables_mode, mode_argv, mode_of
 from psgrad.core.optimizer_settings import check_optimizer_fields, floats_as_floats
 from psgrad.errors import ConfigError
 
@@ -50,11 +50,13 @@ class JobSpec:
     staleness_max: int = 0  # ssp: > 0 adapts the bound at run time within [1, staleness_max] (--staleness auto)
     compress: str = "none"  # how pushed gradients travel: none, topk:R, randomk:R, sign, int8 (core/compression.py)
     error_feedback: bool = True  # biased codecs (topk, randomk, sign): workers keep what a push drops
+    tables_mode: str = ""  # sparse tables' mode ("": the job's; "async" in a sync job: hybrid, core/modes.py)
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0: one job, one fingerprint
         _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
         check_mode_fields(self)  # mode, staleness (fixed or auto), backup_workers
+        object.__setattr__(self, "tables_mode", check_tables_mode(self))  # one spelling: "" for the job's own
         _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
         _check(
             math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr!r}"

@@ -128,6 +128,12 @@ def mode_of(spec: Any) -> Mode:
     return mode_named(spec.mode)
 
 
+def tables_mode_of(spec: Any) -> Mode:
+    """How spec's sparse tables are updated: its tables_mode (hybrid consistency: "async" tables
+    in a sync job, each worker's row gradients applied as they arrive), or the job's mode ("")."""
+    return mode_named(spec.tables_mode) if spec.tables_mode else mode_of(spec)
+
+
 def make_policy(mode: str, staleness: int = 0) -> ConsistencyPolicy:
     """The plain policy of a mode name at a fixed staleness bound.
 
@@ -177,9 +183,28 @@ def check_mode_fields(spec: Any) -> None:
     )
 
 
+def check_tables_mode(spec: Any) -> str:
+    """spec.tables_mode in its one spelling: "" where it is the job's mode, else a mode the tables
+    may take apart from the dense part (async tables in a sync job: Persia's hybrid).
+
+    Raises:
+        ConfigError: an unknown mode, or a pairing psgrad does not run (named, with the one it does).
+    """
+    if not spec.tables_mode or spec.tables_mode == spec.mode:
+        return ""
+    tables = mode_named(spec.tables_mode)
+    _check(
+        mode_of(spec).synchronous and not tables.synchronous and not tables.bounds_staleness,
+        f"tables mode {spec.tables_mode!r} with mode {spec.mode!r}: the tables may be async in a sync job "
+        "(--mode sync --tables-mode async: the dense part averaged per iteration, each worker's row gradients "
+        "applied as they arrive); in async and ssp jobs the tables already take each push as it comes",
+    )
+    return tables.name
+
+
 def mode_argv(spec: Any) -> list[str]:
     """The worker flags that reproduce a JobSpec's consistency fields."""
-    argv = ["--mode", spec.mode]
+    argv = ["--mode", spec.mode] + (["--tables-mode", spec.tables_mode] if spec.tables_mode else [])
     if spec.staleness_max:
         argv += ["--staleness", "auto", "--staleness-max", str(spec.staleness_max)]
     else:

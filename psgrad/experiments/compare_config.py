@@ -137,6 +137,7 @@ class CompareConfig:
             lr=self.mode_lr(mode), momentum=self.momentum,
             weight_decay=self.weight_decay, wire_dtype=self.wire_dtype, num_shards=self.num_servers,
             eps=DEFAULT_EPS.get(self.optimizer, JobSpec.eps), compress=mode.compress, error_feedback=mode.error_feedback,
+            tables_mode=mode.tables_mode,
         )
 
     def worker_config(self, seed: int, rank: int, run_dir: Path, servers: Sequence[str] = ()) -> WorkerConfig:

@@ -14,7 +14,7 @@ def _options(mode: Mode) -> tuple[str, ...]:
     """What a mode accepts after its name, from what it promises (one whose pulls are bounded first
     takes its bound: ssp:S or ssp:auto)."""
     return (
-        *(("backup=B",) if mode.takes_backup_workers else ()),
+        *(("backup=B", "tables=async") if mode.takes_backup_workers else ()),
         *(("slr", "dc=LAMBDA", "dca=LAMBDA") if mode.stale_gradients else ()),
         *(("max=S",) if mode.bounds_staleness else ()),
         "lr=LR", "compress=NAME", "noef",
@@ -25,7 +25,7 @@ def _options(mode: Mode) -> tuple[str, ...]:
 OPTIONS = {**{m.name: _options(m) for m in DECLARED}, **{b: ("lr=LR",) for b in BASELINES}}
 GRAMMAR = (
     "MODE[:OPTION...] with MODE sync, async, ssp:S (S >= 0) or ssp:auto, allreduce; options: "
-    "sync:backup=B (B backup workers), async/ssp: slr (staleness-aware lr), dc=LAMBDA (DC-ASGD), "
+    "sync:backup=B (B backup workers), sync:tables=async (hybrid: the embedding tables async), async/ssp: slr (staleness-aware lr), dc=LAMBDA (DC-ASGD), "
     "dca=LAMBDA (adaptive DC-ASGD), ssp:auto:max=S (the adaptive bound's ceiling); any mode: lr=LR; sync/async/ssp: "
     "compress=NAME (--compress: topk:R, randomk:R, sign, int8), noef (without error feedback)"
 )
@@ -47,6 +47,7 @@ class ModeRun:
     dc_asgd_adaptive: bool = False
     compress: str = "none"  # --compress of the variant's job (its workers compress to same-host shards too)
     error_feedback: bool = True
+    tables_mode: str = ""  # sync:tables=async: the embedding tables async (hybrid)
 
     @property
     def baseline(self) -> bool:
@@ -145,6 +146,10 @@ def parse_mode(item: str) -> ModeRun:
             run = replace(run, compress=_compression(item, value))
         elif key == "noef":
             run = replace(run, error_feedback=False)
+        elif key == "tables":
+            if find_mode(value) is None:
+                raise ConfigError(f"mode {item!r} in --modes: tables= takes a mode, e.g. sync:tables=async")
+            run = replace(run, tables_mode=value)
         elif key == "max":
             if not auto:
                 raise ConfigError(f"mode {item!r} in --modes: max= bounds ssp:auto only")

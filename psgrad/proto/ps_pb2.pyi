@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps", "nesterov", "lr_decay", "initial_accumulator_value", "alpha", "centered", "rho", "dc_asgd", "dc_asgd_adaptive", "backup_workers", "staleness_max", "compress", "no_error_feedback")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "lr", "momentum", "weight_decay", "wire_dtype", "num_shards", "staleness_lr", "beta1", "beta2", "eps", "nesterov", "lr_decay", "initial_accumulator_value", "alpha", "centered", "rho", "dc_asgd", "dc_asgd_adaptive", "backup_workers", "staleness_max", "compress", "no_error_feedback", "tables_mode")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class JobSpec(_message.Message):
     STALENESS_MAX_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
     NO_ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    TABLES_MODE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     staleness: int
     num_workers: int
@@ -58,7 +59,8 @@ class JobSpec(_message.Message):
     staleness_max: int
     compress: str
     no_error_feedback: bool
-    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ..., dc_asgd: _Optional[float] = ..., dc_asgd_adaptive: _Optional[bool] = ..., backup_workers: _Optional[int] = ..., staleness_max: _Optional[int] = ..., compress: _Optional[str] = ..., no_error_feedback: _Optional[bool] = ...) -> None: ...
+    tables_mode: str
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., num_shards: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., alpha: _Optional[float] = ..., centered: _Optional[bool] = ..., rho: _Optional[float] = ..., dc_asgd: _Optional[float] = ..., dc_asgd_adaptive: _Optional[bool] = ..., backup_workers: _Optional[int] = ..., staleness_max: _Optional[int] = ..., compress: _Optional[str] = ..., no_error_feedback: _Optional[bool] = ..., tables_mode: _Optional[str] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "buffer", "aliases", "lr_scale", "weight_decay")

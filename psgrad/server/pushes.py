@@ -10,6 +10,7 @@ from psgrad.core.codecs import WireBuffer, get_codec
 from psgrad.core.consistency import PushDecision
 from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
+from psgrad.core.modes import tables_mode_of
 from psgrad.errors import (
     EvictedError,
     InvalidRequestError,
@@ -173,6 +174,10 @@ class Pushes:
                     core.counters.pushes_rejected += 1
                     raise
                 if decision is PushDecision.BUFFER:
+                    if rows and not tables_mode_of(state.layout.spec).synchronous:
+                        # hybrid (--tables-mode async): the tables take each worker's rows as they come
+                        self._rows.apply(state, rows, lr, 1.0, slots)
+                        rows = {}
                     core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
                     core.buffers.keep(grad)
                     kept = True

@@ -50,16 +50,19 @@ def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
                          base_version=u.base_version, lr=u.lr) for u in updates]
 
 
-def updates_from_proto(items: Sequence[pb.TableRows], what: str) -> list[RowUpdate]:
-    """The row updates of TableRows messages (tables without ids left out).
+def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bool = False) -> list[RowUpdate]:
+    """The row updates of TableRows messages (tables without ids left out); in_sequence: updates
+    applied one after another, a table possibly several times (a replica record of a sync
+    iteration whose tables are async carries each worker's rows).
 
     Raises:
-        InvalidRequestError: a table twice, or bytes that are not whole rows of gradients.
+        InvalidRequestError: a table twice (unless in_sequence), or bytes that are not whole rows
+            of gradients.
     """
     out: list[RowUpdate] = []
     seen: set[str] = set()
     for item in items:
-        if item.table in seen:
+        if item.table in seen and not in_sequence:
             raise InvalidRequestError(f"{what}: row gradients of table {item.table!r} twice")
         seen.add(item.table)
         ids = tensor_from_bytes(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")

@@ -60,6 +60,7 @@ def job_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         staleness_max=msg.staleness_max,
         compress=msg.compress or "none",
         error_feedback=not msg.no_error_feedback,
+        tables_mode=msg.tables_mode,
     )
 
 

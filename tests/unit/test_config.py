@@ -305,7 +305,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
                    dc_asgd_adaptive=True).to_argv()
     spec += JobSpec(optimizer="rmsprop", centered=True).to_argv()  # boolean flags appear only when set
     spec += JobSpec(mode="ssp", staleness_max=4).to_argv()  # --staleness auto --staleness-max 4
-    spec += JobSpec(mode="sync", num_workers=2, backup_workers=1).to_argv()  # only when set
+    spec += JobSpec(mode="sync", num_workers=2, backup_workers=1, tables_mode="async").to_argv()  # only when set
     spec += JobSpec(compress="sign", error_feedback=False).to_argv()  # --compress, --no-error-feedback: when set
     assert "--no-error-feedback" in spec and "--no-error-feedback" not in JobSpec(compress="sign").to_argv()
     # --num-shards: from --servers; error_feedback's flag is --no-error-feedback (above)

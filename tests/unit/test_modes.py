@@ -35,7 +35,7 @@ def test_variants_become_job_settings() -> None:
     ("bsp", "unknown mode 'bsp' in --modes entry 'bsp'"),
     ("ssp", "ssp needs its bound first"),
     ("ssp:x", "ssp needs its bound first"),
-    ("sync:1", "'1' is not an option of sync; sync takes backup=B, lr=LR"),
+    ("sync:1", "'1' is not an option of sync; sync takes backup=B, tables=async, lr=LR"),
     ("sync:slr", "'slr' is not an option of sync"),
     ("async:backup=1", "'backup=1' is not an option of async"),
     ("async:dc", "'dc' is not an option of async"),

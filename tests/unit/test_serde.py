@@ -36,7 +36,7 @@ OTHER_SPECS = [
     JobSpec(optimizer="rmsprop", alpha=0.0, centered=True, momentum=0.5),  # alpha 0.0: proto3's default value
     JobSpec(optimizer="adadelta", lr=1.0, rho=0.0, eps=1e-6),
     JobSpec(dc_asgd=0.5, dc_asgd_adaptive=True),
-    JobSpec(optimizer="sgd", mode="sync", num_workers=3, backup_workers=1),
+    JobSpec(optimizer="sgd", mode="sync", num_workers=3, backup_workers=1, tables_mode="async"),
     JobSpec(optimizer="sgd", mode="ssp", wire_dtype="float16", staleness_max=5),
     JobSpec(optimizer="sgd", compress="topk:0.01", error_feedback=False),
 ]

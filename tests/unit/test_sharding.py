@@ -205,6 +205,7 @@ SPEC_CHANGES = {
     "staleness_max": (SSP_SPEC, 4),
     "compress": (BASE_SPEC, "topk:0.01"),
     "error_feedback": (JobSpec(compress="sign"), False),
+    "tables_mode": (JobSpec(mode="sync", num_workers=2), "async"),
 }
 
 
