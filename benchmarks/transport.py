@@ -93,8 +93,8 @@ One call moves `--ids` unique row ids (a fixed random set, about half on each of
 - raw_pull, raw_put: per shard one bare gRPC unary call (lib/raw_grpc.py Fetch and Put, identity
   serializers, the same concurrency) moving the same bytes: the ids out and the rows' bytes back,
   or the ids and gradients out and 8 bytes back; one raw server process beside each shard.
-Each repetition times `--calls` calls of each, back to back (so tc's 1 MB burst on the test bed
-is a small part of the bytes timed), in alternating order; figures are medians over repetitions.
+Each repetition times `--calls` calls of each, back to back (so the test bed's token bucket, at
+most 64 KB, is a small part of the bytes timed), in alternating order; figures are medians over repetitions.
 `payload` bytes are those in the heavy direction: the rows for pulls, ids + gradients for pushes.
 Ratios are psgrad's over raw gRPC's (rows/s and bytes/s alike: the same rows and bytes); goal
 >= 0.8 for pull and push. With --netbed the worker is on host 0 and shard i (and raw server i) on

@@ -313,13 +313,14 @@ def test_a_partitioned_server_makes_workers_fail_clearly_not_hang(bed: NetBed) -
 @pytest.mark.timeout(240)
 def test_multihost_benchmark_tiny_measures_shaped_links(bed: NetBed) -> None:
     """benchmarks/transport.py --part multihost --preset tiny (a bed of its own, links shaped to 1 Gbit/s): every
-    figure is there, and no transfer beat the shaped link by more than the shaper's burst allows."""
+    figure is there, and no transfer beat the shaped link by more than the shaper's burst (64 KB) allows."""
     out = run_benchmark("transport.py", "--part", "multihost", "--preset", "tiny", timeout_s=220)
     assert out["rate_mbit"] == 1000
     ceiling = out["link_ceiling_mb_per_s"]
     for key in ("psgrad_pull", "raw_download", "psgrad_push", "raw_upload", "bf16_pull", "bf16_push"):
-        # 4 MB (2 MB in bfloat16) a transfer; tbf lets a 1 MB burst through at once
-        assert 0 < out["transport"][key]["mb_per_s"] < 2 * ceiling, (key, out["transport"][key])
+        # 4 MB (2 MB in bfloat16) a transfer; tbf lets at most a 64 KB burst through at once (2 MB ahead
+        # of the rate, as the bed's former 1 MB bucket let through, would be 1.33x the link's rate or more)
+        assert 0 < out["transport"][key]["mb_per_s"] < 1.2 * ceiling, (key, out["transport"][key])
     assert set(out["ratios"]) == {"push_vs_raw_upload", "pull_vs_raw_download", "bf16_vs_fp32_push",
                                   "bf16_vs_fp32_pull", "sync_iteration_vs_allreduce"}
     assert all(v > 0 for v in out["ratios"].values())
