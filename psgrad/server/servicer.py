@@ -334,9 +334,15 @@ class ParameterServicer:
         except PsgradError as exc:
             protocol.abort(context, exc)
             return
-        yield pb.PullFrame(header=pb.PullHeader(version=version, numel=values.numel(), dtype="float32")).SerializeToString()
-        for chunk in data_frames(byte_view(values), self.config.chunk_bytes):
-            yield chunk
+        header = pb.PullFrame(header=pb.PullHeader(version=version, numel=values.numel(), dtype="float32")).SerializeToString()
+        sent = [0]
+        # Under the whole-transfer deadline, as a pull of the weights: a client that stops reading
+        # would hold this copy of the values and a thread.
+        with self._timed("Pull", context, req.rank, len(header) + 4 * values.numel(), lambda: sent[0], req.observe):
+            yield header
+            for chunk in data_frames(byte_view(values), self.config.chunk_bytes):
+                yield chunk
+                sent[0] += len(chunk)
 
     def _reserve(self, h: pb.PushHeader, context: grpc.ServicerContext) -> _Reserved:
         """Check a push header and wait for a receive buffer (see Shard.push_target)."""

@@ -189,3 +189,41 @@ def test_a_pull_whose_client_stops_reading_is_cut_at_its_deadline_and_released()
         for c in (chief, staller, other):
             c.close()
         running.stop(0)
+
+
+def test_a_pull_of_the_frozen_table_whose_client_stops_reading_is_cut_at_its_deadline() -> None:
+    # Before: the frozen table's pull (read at join) ran under no whole-transfer deadline: a client that
+    # read its header and nothing more held a copy of the values and a handler thread for as long as
+    # it kept the connection open.
+    numel = 4 << 20  # 16 MiB of frozen values
+    allowance_s, rate_mb_s = 1.5, 100.0
+    running, logged = serve(allowance_s, rate_mb_s)
+    params, frozen = [ParamSpec("w", (16,), "float32")], [ParamSpec("backbone", (numel,), "float32")]
+    chief = ParameterClient([running.address], SPEC, params, plan_shards(params, 1), 0, CONFIG, frozen=frozen)
+    chief.join(lambda: torch.zeros(16), initial_frozen=lambda: torch.ones(numel))
+    channel = grpc.insecure_channel(running.address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                               ("grpc.http2.bdp_probe", 0)])
+    try:
+        pull = channel.unary_stream(METHOD_PREFIX + "Pull", pb.PullRequest.SerializeToString, pb.PullFrame.FromString)
+        started = time.monotonic()
+        call = pull(pb.PullRequest(rank=1, table="frozen", fingerprint=chief.fingerprint), timeout=30)
+        header = next(call).header  # ... and nothing more is read
+        deadline_s = transfer_deadline_s(4 * numel + len(pb.PullFrame(header=header).SerializeToString()),
+                                         allowance_s, rate_mb_s)
+        wait_for("the server to cut the stalled pull", lambda: bool(logged), timeout_s=10)
+        cut_s = logged.at[0] - started
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in call:  # what reached the client before the cut, then the end
+                pass
+        print(f"a frozen-table pull whose client stopped reading was cut after {cut_s:.2f} s, its deadline {deadline_s:.2f} s")
+        assert ended.value.code() == grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+        assert deadline_s <= cut_s <= deadline_s + SLACK_S
+        (line,) = [x for x in logged if x.startswith("cancelled a Pull call to ")]
+        assert "(worker rank 1, as its request says" in line, line
+        got = torch.empty(numel)
+        chief.pull_frozen(got)  # the table serves on
+        assert torch.equal(got, torch.ones(numel))
+    finally:
+        channel.close()
+        chief.close()
+        running.stop(0)
