@@ -118,8 +118,10 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
         if tables:
             lines.append(f"shard {s['shard']}: tables " + ", ".join(
                 f"{t['name']} ({t['kind']}, "
-                + (f"{t['rows_touched']:,} of {t['rows']:,} rows touched, {t['updates']:,} updates, staleness max "
-                   f"{t['staleness_max']} mean {t['staleness_mean']:.2f}, " if t["kind"] == "sparse" else "")
+                + ((f"{t['rows_touched']:,} of {t['rows']:,} rows touched, " if t["rows"] else
+                    f"dynamic: {t['rows_touched']:,} rows stored, ")
+                   + f"{t['updates']:,} updates, staleness max {t['staleness_max']} mean {t['staleness_mean']:.2f}, "
+                   if t["kind"] == "sparse" else "")
                 + f"{t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state {t['state_bytes'] / 1e6:.1f} MB)"
                 for t in tables))
         dc = s.get("delay") or {}

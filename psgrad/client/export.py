@@ -20,7 +20,7 @@ from psgrad.core.credentials import ADMIN
 from psgrad.core.modes import mode_of
 from psgrad.core import rows as row_init
 from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
-from psgrad.errors import JobMismatchError, NotInitializedError, StalledError
+from psgrad.errors import ConfigError, JobMismatchError, NotInitializedError, StalledError
 
 # Between reads while a sync job's shards are at different iterations (one shard's update of an
 # iteration applied, another's just arriving): up to this long.
@@ -76,6 +76,9 @@ def sparse_entries(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor, mater
     """A sparse table's entries of an export: the rows updated at least once and how to make the
     others (`NAME.ids` [n] int64, `NAME.rows` [n, dim], `NAME.init` [num_embeddings, dim, seed] int64,
     `NAME.init_std`), or, materialized, the whole table as torch.nn.Embedding's `NAME.weight`."""
+    if materialize and spec.num_embeddings == row_init.DYNAMIC:
+        raise ConfigError(f"table {spec.name!r} is dynamic (any int64 id): it has no whole table to materialize; "
+                          "export without materializing (its updated rows by id, NAME.ids and NAME.rows)")
     if materialize:
         key = row_init.table_key(spec.seed, spec.name)
         return {f"{spec.name}.weight": row_init.materialize(key, spec.num_embeddings, spec.dim, spec.std, ids, rows)}

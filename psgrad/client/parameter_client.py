@@ -497,15 +497,17 @@ class ParameterClient:
         page_rows = max(1, min(page_rows, (32 << 20) // (4 * spec.dim + 8)))  # pages well within a message
 
         def one(i: int, s: ShardClient) -> tuple[torch.Tensor, torch.Tensor]:
-            ids_parts, row_parts, start = [], [], 0
+            # (a dynamic table's ids are any int64: from the smallest, sent as the uint64 of its bits)
+            ids_parts, row_parts, start = [], [], -(1 << 63) if spec.num_embeddings == row_placement.DYNAMIC else 0
             while True:
                 reply = s.updated_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, table=table,
-                                                      observe=True, updated=True, from_id=start, limit=page_rows))
+                                                      observe=True, updated=True, from_id=start % (1 << 64),
+                                                      limit=page_rows))
                 ids = torch.frombuffer(bytearray(reply.ids), dtype=torch.int64) if reply.ids else torch.empty(0, dtype=torch.int64)
                 rows = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32) if reply.rows else torch.empty(0)
                 ids_parts.append(ids)
                 row_parts.append(rows.view(-1, spec.dim))
-                if ids.numel() < page_rows:
+                if ids.numel() < page_rows or int(ids[-1]) == (1 << 63) - 1:
                     return torch.cat(ids_parts), torch.cat(row_parts)
                 start = int(ids[-1]) + 1
 
@@ -523,14 +525,14 @@ class ParameterClient:
 
     def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowGradients]:
         """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values):
-        its rows, id mod S."""
+        its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py)."""
         S = len(self.shards)
         split: list[RowGradients] = [{} for _ in range(S)]
         for name, (ids, grads) in (rows or {}).items():
             if S == 1:
                 split[0][name] = (ids, grads)
                 continue
-            where = row_placement.shard_of(ids, S)
+            where = row_placement.shard_of(ids, S, self._table(name).num_embeddings == row_placement.DYNAMIC)
             for i in range(S):
                 mask = where == i
                 if bool(mask.any()):
@@ -637,7 +639,7 @@ class _ReadPlan:
             if S == 1:
                 self._parts[0].append((table, ids, None))
                 continue
-            where = row_placement.shard_of(ids, S)
+            where = row_placement.shard_of(ids, S, spec.num_embeddings == row_placement.DYNAMIC)
             for i in range(S):
                 at = (where == i).nonzero().squeeze(1)
                 if at.numel():

@@ -4,7 +4,10 @@ nothing until touched and comes out the same on any server, after any restart; p
 
 Placement: row id r lives on shard r mod S, at local index r div S. Ids that are hot under a Zipf
 law are the small ones (or any run of consecutive ids), which this spreads evenly over the shards;
-a table of N rows holds ceil((N - i) / S) of them on shard i.
+a table of N rows holds ceil((N - i) / S) of them on shard i. A *dynamic* table (num_embeddings
+DYNAMIC: any int64 id, as hashed features are) places id r on shard splitmix64(r) mod S, which
+spreads any set of ids (hashes, or consecutive ones) evenly, and a shard finds its rows by id in a
+hash index, not at a local index.
 
 Initial values: N(0, std²) per element, like torch.nn.Embedding's normal_(0, 1) with std=1, drawn
 from a counter-based generator (splitmix64 of the seed, the table's name and the element's index
@@ -23,8 +26,15 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """The shard each row id lives on."""
+# num_embeddings of a dynamic table: no range, any int64 id (psgrad.Embedding(None, dim)).
+DYNAMIC = 0
+
+
+def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch.Tensor:
+    """The shard each row id lives on (dynamic: of a dynamic table, by the ids' hash)."""
+    if dynamic and num_shards > 1:
+        mixed = splitmix64(ids.to(torch.int64).contiguous().numpy().view(np.uint64))
+        return torch.from_numpy((mixed % np.uint64(num_shards)).astype(np.int64))
     return torch.remainder(ids, num_shards)
 
 
@@ -39,13 +49,19 @@ def rows_on_shard(num_embeddings: int, index: int, num_shards: int) -> int:
 
 
 def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
-    """Row ids must be a 1-D int64 (or int32) tensor of values in [0, num_embeddings).
+    """Row ids must be a 1-D int64 (or int32) tensor of values in [0, num_embeddings) (any value:
+    a dynamic table's).
 
     Raises:
         InvalidRequestError: another dtype or shape, or an id out of range (the first one named).
     """
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise InvalidRequestError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} of shape {list(ids.shape)}")
+    if ids.numel() and num_embeddings == DYNAMIC:
+        if ids.dtype == torch.int64 and bool((ids == torch.iinfo(torch.int64).min).any()):
+            raise InvalidRequestError(f"{what}: row id {torch.iinfo(torch.int64).min} (int64's smallest) is the one id a "
+                                      "dynamic table cannot hold (its index marks free places with it)")
+        return
     if ids.numel():
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_embeddings:

@@ -22,7 +22,7 @@ Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
 
 class EmbeddingBagCollection(nn.Module):
     """Tables of embedding bags looked up together: `tables` maps each feature's name to its
-    table's (num_embeddings, embedding_dim). forward(features) takes, for every feature, its ids:
+    table's (num_embeddings, embedding_dim) (num_embeddings None: a dynamic table, any int64 id). forward(features) takes, for every feature, its ids:
     a 2-D tensor (one bag per row), a pair (ids 1-D, offsets 1-D: bags starting at each offset),
     or the whole batch as a KeyedJaggedTensor-like object (keys(), values(), lengths(): the
     lengths of every bag, feature after feature); it returns [batch, sum of the dims]: each
@@ -32,14 +32,15 @@ class EmbeddingBagCollection(nn.Module):
     a training forward pulls the unique ids of every feature in one call per shard.
     """
 
-    def __init__(self, tables: Mapping[str, tuple[int, int]], mode: str = "sum", std: float = 1.0,
+    def __init__(self, tables: Mapping[str, tuple[int | None, int]], mode: str = "sum", std: float = 1.0,
                  seed: int = 0) -> None:
         super().__init__()
         if not tables:
             raise ConfigError("an EmbeddingBagCollection needs at least one table: {feature: (num_embeddings, dim)}")
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
-        self.bags = nn.ModuleDict({name: EmbeddingBag(int(n), int(d), mode=mode, std=std, seed=seed)
+        self.bags = nn.ModuleDict({name: EmbeddingBag(None if n is None else int(n), int(d), mode=mode, std=std,
+                                                      seed=seed)
                                    for name, (n, d) in tables.items()})
         self.mode = mode
 

@@ -61,12 +61,15 @@ class SparseEmbedding(nn.Module):
     and lost (a copy of a bound module, or one whose job was closed: the rows are on the servers,
     not here, so forwards and state_dict() are refused, naming where to get them)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False) -> None:
         super().__init__()
-        if not (isinstance(num_embeddings, int) and num_embeddings >= 1):
-            raise ConfigError(f"num_embeddings must be an integer >= 1, got {num_embeddings!r}")
+        if num_embeddings is None:  # a dynamic table: any int64 id (core/rows.py), stored as 0
+            num_embeddings = rows.DYNAMIC
+        elif not (isinstance(num_embeddings, int) and num_embeddings >= 1):
+            raise ConfigError(f"num_embeddings must be an integer >= 1, or None for a dynamic table (any int64 id), "
+                              f"got {num_embeddings!r}")
         if not (isinstance(embedding_dim, int) and embedding_dim >= 1):
             raise ConfigError(f"embedding_dim must be an integer >= 1, got {embedding_dim!r}")
         if not (std == std and 0 <= std < float("inf")):
@@ -96,8 +99,14 @@ class SparseEmbedding(nn.Module):
         self._last_unique: tuple[weakref.ref[torch.Tensor], int, torch.Tensor, torch.Tensor] | None = None
 
     @property
+    def dynamic(self) -> bool:
+        """Whether the table takes any int64 id (num_embeddings=None), rows stored as they are updated."""
+        return self.num_embeddings == rows.DYNAMIC
+
+    @property
     def nbytes(self) -> int:
-        """The whole table's bytes in float32 (what replicating it would cost every worker)."""
+        """The whole table's bytes in float32 (what replicating it would cost every worker; 0 for a
+        dynamic table, which has no whole)."""
         return self.num_embeddings * self.embedding_dim * 4
 
     def extra_repr(self) -> str:
@@ -108,7 +117,8 @@ class SparseEmbedding(nn.Module):
         else:
             where = ", unbound"
         options = "".join(f", {name}=True" for name in ("scale_grad_by_freq", "sparse") if getattr(self, name))
-        return f"{self.num_embeddings}, {self.embedding_dim}, std={self.std:g}{options}{where}"
+        size = "None (dynamic)" if self.dynamic else str(self.num_embeddings)
+        return f"{size}, {self.embedding_dim}, std={self.std:g}{options}{where}"
 
     def _padding_index(self, padding_idx: int | None) -> int | None:
         """torch's padding_idx, checked and made non-negative.
@@ -116,6 +126,8 @@ class SparseEmbedding(nn.Module):
         Raises:
             ConfigError: outside [-num_embeddings, num_embeddings).
         """
+        if self.dynamic:  # any id: no wrap-around from the end
+            return padding_idx
         if padding_idx is not None and padding_idx < 0:
             padding_idx += self.num_embeddings
         if padding_idx is not None and not 0 <= padding_idx < self.num_embeddings:
@@ -181,7 +193,14 @@ class SparseEmbedding(nn.Module):
 
     def initial_weight(self) -> torch.Tensor:
         """The whole table as the servers make it before any update ([num_embeddings, dim]): for a
-        local copy of a small table (tests, a dense baseline); a large one costs its full size."""
+        local copy of a small table (tests, a dense baseline); a large one costs its full size.
+
+        Raises:
+            ConfigError: a dynamic table, which has no whole.
+        """
+        if self.dynamic:
+            raise ConfigError("a dynamic table (num_embeddings=None) has no whole table to make: its ids are any "
+                              "int64; read the rows of the ids you need")
         return rows.initial_rows(self._key(), torch.arange(self.num_embeddings), self.embedding_dim, self.std)
 
     def _key(self) -> int:
@@ -376,7 +395,7 @@ class Embedding(SparseEmbedding):
     (the rows' gradients are pushed per row always). max_norm: refused (ConfigError naming why).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False, sparse: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim, std, seed, max_norm=max_norm, norm_type=norm_type,
@@ -413,7 +432,7 @@ class EmbeddingBag(SparseEmbedding):
     (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean",
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, mode: str = "mean",
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, include_last_offset: bool = False,
                  padding_idx: int | None = None) -> None:

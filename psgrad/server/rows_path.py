@@ -106,6 +106,8 @@ class Rows:
                     f"a read of up to {limit:,} updated rows of table {table!r} ({per_row} bytes each) could pass the "
                     f"{REPLY_ROWS_MAX_BYTES:,} bytes a reply may carry: ask for at most "
                     f"{REPLY_ROWS_MAX_BYTES // per_row:,} rows a call")
+            if from_id >= 1 << 63:  # (the request's uint64 carries a dynamic table's int64 ids bit for bit)
+                from_id -= 1 << 64
             ids, values = t.updated_rows(from_id, limit)
             core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
             return t.version, ids, values

@@ -24,6 +24,7 @@ from psgrad.core.status import DelayStatus, TableStatus
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import kernels, transfers  # (they register the axpy rule's split and checked backends)
 from psgrad.server.delay_comp import DelayCompensation
+from psgrad.server.row_index import DenseIndex, HashIndex
 from psgrad.server.transfers import apply_checked, count_nonfinite
 
 #: The name of the dense table: the job's flat space (every shard of a job holds one).
@@ -295,7 +296,7 @@ class SparseTable:
     def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
                  optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None,
                  lr_scale: float = 1.0) -> None:
-        if num_embeddings < 1 or dim < 1 or not 0 <= index < num_shards:
+        if num_embeddings < 0 or dim < 1 or not 0 <= index < num_shards:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
         self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
         self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
@@ -305,10 +306,16 @@ class SparseTable:
         self.version = 0  # updates applied to the table
         self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0  # table updates between pull and push
         self.budget = budget or MemoryBudget(None)
-        placed = rows.rows_on_shard(num_embeddings, index, num_shards)
-        self.budget.charge(8 * placed, f"the row index of table {name!r} ({placed:,} rows on shard {index})")
-        self._charged = 8 * placed
-        self._slot = torch.full((placed,), -1, dtype=torch.int64)
+        self.dynamic = num_embeddings == rows.DYNAMIC
+        self._index: DenseIndex | HashIndex
+        if self.dynamic:
+            self._index = HashIndex()
+            what = f"the row index of dynamic table {name!r} on shard {index}"
+        else:
+            self._index = DenseIndex(num_embeddings, index, num_shards)
+            what = f"the row index of table {name!r} ({self._index.rows:,} rows on shard {index})"
+        self.budget.charge(self._index.nbytes, what)
+        self._charged = self._index.nbytes
         self.touched = 0  # rows made so far (arena slots in use)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._values = torch.empty(0, dim)
@@ -324,26 +331,30 @@ class SparseTable:
         """
         rows.check_ids(ids, self.num_embeddings, f"table {self.name!r}")
         if ids.numel() and self.num_shards > 1:
-            elsewhere = rows.shard_of(ids, self.num_shards) != self.index
+            where = rows.shard_of(ids, self.num_shards, self.dynamic)
+            elsewhere = where != self.index
             if bool(elsewhere.any()):
                 bad = int(ids[elsewhere][0])
                 raise InvalidRequestError(
-                    f"table {self.name!r}: row {bad} lives on shard {bad % self.num_shards}, not on shard {self.index}"
+                    f"table {self.name!r}: row {bad} lives on shard {int(where[elsewhere][0])}, not on shard {self.index}"
                 )
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The arena slots of rows `ids` (checked), making the rows never touched."""
-        local = ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
-        slots = self._slot.index_select(0, local)
+        slots = self._index.lookup(ids)
         if int(slots.min()) < 0:  # (one reduction: most pulls find every row made)
             fresh = slots < 0
             new_ids = torch.unique(ids[fresh].long())
             self._make(new_ids)
-            slots = self._slot.index_select(0, local)
+            slots = self._index.lookup(ids)
         return slots
 
     def _make(self, ids: torch.Tensor) -> None:
         n, need = ids.numel(), self.touched + ids.numel()
+        grow_index = self._index.growth_bytes(need)
+        if grow_index:  # (charged first: a refusal leaves the rows unmade)
+            self.budget.charge(grow_index, f"the row index of dynamic table {self.name!r} growing on shard {self.index}")
+            self._charged += grow_index
         if need > self._ids.numel():
             capacity = max(need, 2 * self._ids.numel(), 1024)
             self._grow(capacity)
@@ -353,7 +364,7 @@ class SparseTable:
         self._versions[at] = 0
         for name, fresh in self.optimizer.new_state(n, self.dim).items():
             self._state[name][at] = fresh
-        self._slot[rows.local_index(ids, self.num_shards)] = torch.arange(self.touched, need)
+        self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
 
     def row_bytes(self) -> int:
@@ -431,8 +442,7 @@ class SparseTable:
         gathered, the others computed from (seed, table, row id) as they would be made."""
         if not ids.numel():
             return self._values[:0].clone(), torch.empty(0, dtype=torch.int64)
-        local = ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
-        slots = self._slot.index_select(0, local)
+        slots = self._index.lookup(ids)
         if int(slots.min()) >= 0:  # (one reduction: most reads find every row stored)
             # (index_select: a gather several times faster than indexing with a tensor of slots)
             return self._values.index_select(0, slots), slots
@@ -524,7 +534,7 @@ class SparseTable:
         if shape != (self.num_embeddings, self.dim, self.index, self.num_shards, self.seed):
             raise InvalidRequestError(f"table {self.name!r}: a snapshot of {shape} does not fit this table")
         ids = snap.tensors["ids"]
-        self._slot.fill_(-1)
+        self._index.clear()
         self.touched = 0
         freed = self._ids.numel() * self.row_bytes()  # a fresh arena, sized for the snapshot's rows
         self.budget.release(freed)
@@ -536,7 +546,10 @@ class SparseTable:
         self._ids[:n], self._values[:n], self._versions[:n] = ids, snap.tensors["values"], snap.tensors["versions"]
         for name in self._state:
             self._state[name][:n] = snap.tensors["state." + name]
-        self._slot[rows.local_index(ids, self.num_shards)] = torch.arange(n)
+        grow_index = self._index.growth_bytes(n)
+        self.budget.charge(grow_index, f"the row index of dynamic table {self.name!r} on shard {self.index}")
+        self._charged += grow_index
+        self._index.assign(ids, torch.arange(n))
         self.touched = n
         self.version = int(snap.scalars["version"])
 
@@ -544,5 +557,6 @@ class SparseTable:
         n = self.touched
         state = sum(t[:n].numel() * t.element_size() for t in self._state.values())
         mean = self.staleness_sum / self.pushes if self.pushes else 0.0
-        return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=self._slot.numel(), rows_touched=n,
+        placed = 0 if isinstance(self._index, HashIndex) else self._index.rows  # (dynamic: no fixed count)
+        return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=placed, rows_touched=n,
                            updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean)

@@ -1,0 +1,129 @@
+"""Where a shard finds a sparse table's stored rows: row id -> arena slot (-1: never stored). A table
+of N rows keeps a dense index (8 bytes per row it places, row r at local index r div S); a dynamic
+table (any int64 id) keeps a hash index whose size follows the rows stored. Both answer a batch of
+ids with tensor operations, not a Python loop over them. Not thread-safe: the table's shard calls
+them under its lock."""
+from __future__ import annotations
+
+import torch
+
+from psgrad.core import rows
+
+_EMPTY = torch.iinfo(torch.int64).min  # a free key: the one id a dynamic table cannot hold
+_MAX_LOAD = 0.5  # a hash index grows (doubles) before more than half of its places are used
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's multiplier
+
+
+class DenseIndex:
+    """Rows [0, num_embeddings) of a table placed on shard `index` of `num_shards`: an array of
+    slots by local index. Its memory is fixed: 8 bytes per row placed here."""
+
+    def __init__(self, num_embeddings: int, index: int, num_shards: int) -> None:
+        self.num_shards = num_shards
+        self.rows = rows.rows_on_shard(num_embeddings, index, num_shards)
+        self._slot = torch.full((self.rows,), -1, dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.rows
+
+    def growth_bytes(self, stored: int) -> int:
+        """Bytes more the index needs to hold `stored` rows in all (fixed: none)."""
+        return 0
+
+    def _local(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id (checked), -1 where never stored."""
+        return self._slot.index_select(0, self._local(ids))
+
+    def assign(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Ids (unique, not stored yet) are stored at `slots` from now on."""
+        self._slot[self._local(ids)] = slots
+
+    def clear(self) -> None:
+        self._slot.fill_(-1)
+
+
+class HashIndex:
+    """Any int64 ids (but the smallest, int64's minimum) -> slots, by open addressing with linear
+    probing in a power-of-two array of keys and one of slots: 16 bytes per place, at most half the
+    places used, so 32-64 bytes per stored row. A batch is looked up (and inserted) in rounds of
+    tensor operations: each round settles the ids whose probe found their key or a free place, and
+    moves the others one place on (a few rounds at this load)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
+        self._slots = torch.full((capacity,), -1, dtype=torch.int64)
+        self.stored = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 16 * self._keys.numel()
+
+    @staticmethod
+    def _capacity_for(stored: int, capacity: int) -> int:
+        while stored > _MAX_LOAD * capacity:
+            capacity *= 2
+        return capacity
+
+    def growth_bytes(self, stored: int) -> int:
+        """Bytes more the index needs to hold `stored` rows in all."""
+        capacity = self._keys.numel()
+        return 16 * (self._capacity_for(stored, capacity) - capacity)
+
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        bits = self._keys.numel().bit_length() - 1
+        return torch.bitwise_right_shift(ids * _MIX, 64 - bits) & (self._keys.numel() - 1) if bits else ids * 0
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id, -1 where never stored."""
+        ids = ids.long()
+        out = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        pending = torch.arange(ids.numel())
+        at = self._home(ids)
+        mask = self._keys.numel() - 1
+        while pending.numel():
+            keys = self._keys.index_select(0, at)
+            wanted = ids.index_select(0, pending)
+            found = keys == wanted
+            out[pending[found]] = self._slots.index_select(0, at[found])
+            go_on = ~found & (keys != _EMPTY)  # another id's place: probe the next one
+            pending, at = pending[go_on], (at[go_on] + 1) & mask
+        return out
+
+    def assign(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Ids (unique, not stored yet) are stored at `slots` from now on (the index grows first
+        where they would load it past half)."""
+        ids = ids.long()
+        need = self._capacity_for(self.stored + ids.numel(), self._keys.numel())
+        if need != self._keys.numel():
+            self._rehash(need)
+        self._insert(ids, slots)
+        self.stored += ids.numel()
+
+    def _insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        mask = self._keys.numel() - 1
+        at = self._home(ids)
+        while ids.numel():
+            free = self._keys.index_select(0, at) == _EMPTY
+            # Of the ids whose probe found a free place, one per place wins it (the last write);
+            # the others, and those that found a taken place, probe the next one.
+            self._keys.index_put_((at[free],), ids[free])
+            won = free & (self._keys.index_select(0, at) == ids)
+            self._slots.index_put_((at[won],), slots[won])
+            lost = ~won
+            ids, slots, at = ids[lost], slots[lost], (at[lost] + 1) & mask
+
+    def _rehash(self, capacity: int) -> None:
+        used = self._keys != _EMPTY
+        keys, slots = self._keys[used], self._slots[used]
+        self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
+        self._slots = torch.full((capacity,), -1, dtype=torch.int64)
+        self._insert(keys, slots)
+
+    def clear(self) -> None:
+        self._keys.fill_(_EMPTY)
+        self._slots.fill_(-1)
+        self.stored = 0

@@ -1,0 +1,99 @@
+"""Dynamic tables (psgrad.Embedding(None, dim)): any int64 id, no collisions, ids placed on the shards
+by their hash; a row reads as its computed initial value until its first update stores it. Trained
+against real in-process servers (two shards, one with a hot standby) with 64-bit hashed ids, and
+checked against plain arithmetic (SGD); the rows survive a checkpoint and restore, reach the
+standby, and come back through state_dict, fetch_state_dict and a fresh module."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from psgrad.client.export import export_state_dict
+from psgrad.client.parameter_client import shard_status
+from psgrad.config import ClientConfig, ServerConfig
+from psgrad.core import rows
+from psgrad.errors import ConfigError
+from psgrad.server import checkpoint
+from psgrad.server.shard import Shard
+from psgrad.server.tables import SparseTable
+from conftest import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, reconnect_timeout_s=0, shared_memory=False)
+DIM, LR = 8, 0.5
+
+
+class Clicks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = psgrad.Embedding(None, DIM)  # any int64 id
+        self.head = nn.Linear(DIM, 1)
+
+
+def hashed_ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**63) + 1, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+
+
+def test_a_dynamic_table_trains_on_64_bit_ids_and_keeps_its_rows_through_every_path(make_servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    primary, other = make_servers(2)
+    [backup] = make_servers(1, replica_of=primary.address)
+    servers = [f"{primary.address}|{backup.address}", other.address]
+    model = Clicks()
+    with psgrad.connect(servers, optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        table = model.item.table
+        assert table and "None (dynamic)" in repr(model.item)
+        batches = [hashed_ids(64, s) for s in range(3)]
+        initial = rows.initial_rows(rows.table_key(0, table), torch.unique(torch.cat(batches)), DIM)
+        before = opt.client.pull_rows(table, torch.unique(torch.cat(batches)))
+        assert torch.equal(before, initial)  # read as computed; nothing stored by the read
+        counts: dict[int, int] = {}
+        for x in batches:  # loss = the sum of the looked-up rows' values: each occurrence's gradient is 1
+            opt.zero_grad()
+            model.item(x).sum().backward()
+            model.head.weight.grad = torch.zeros_like(model.head.weight)
+            opt.step()
+            for i in x.tolist():
+                counts[i] = counts.get(i, 0) + 1
+        ids = torch.tensor(sorted(counts))
+        expected = initial - LR * torch.tensor([float(counts[i]) for i in sorted(counts)]).unsqueeze(1)
+        assert torch.allclose(opt.client.pull_rows(table, ids), expected, atol=1e-6)
+        # placed by hash over both shards, each row stored once, where its hash says
+        stored = []
+        for s in shard_status([primary.address, other.address], 10):
+            (t,) = [t for t in s.tables if t.kind == "sparse"]
+            assert t.rows == 0  # no fixed number of rows
+            stored.append(t.rows_touched)
+        assert sum(stored) == len(counts) and min(stored) > 0
+        assert stored[0] == int((rows.shard_of(ids, 2, dynamic=True) == 0).sum())
+        # the standby holds the same rows
+        state, mirror = primary.shard.core.state, backup.shard.core.state
+        assert state is not None and mirror is not None
+        wait_for("the standby to follow", lambda: mirror.version == state.version, timeout_s=20)
+        mine = ids[rows.shard_of(ids, 2, dynamic=True) == 0]
+        main_table, backup_table = state.tables[table], mirror.tables[table]
+        assert isinstance(main_table, SparseTable) and isinstance(backup_table, SparseTable)
+        assert torch.equal(main_table.rows(mine), backup_table.rows(mine))
+        # checkpoint and restore of the shard that holds them
+        restored = Shard(ServerConfig())
+        restored.restore(checkpoint.load(checkpoint.save(primary.shard.snapshot(), tmp_path)))
+        again = restored.core.state.tables[table]  # type: ignore[union-attr]
+        assert isinstance(again, SparseTable) and torch.equal(again.rows(mine), main_table.rows(mine))
+        # state_dict: the updated rows by id; a fresh unbound module serves them
+        saved = model.state_dict()
+        assert saved["item.init"].tolist() == [rows.DYNAMIC, DIM, 0] and saved["item.ids"].numel() == len(counts)
+        fetched = psgrad.fetch_state_dict(servers)
+        assert torch.equal(fetched[f"{table}.ids"], saved["item.ids"])
+        with pytest.raises(ConfigError, match="dynamic"):
+            export_state_dict(servers, materialize=True)
+    fresh = Clicks()
+    fresh.load_state_dict(saved)
+    assert torch.allclose(fresh.item(ids), expected, atol=1e-6)
+    with pytest.raises(ConfigError, match="no whole table"):
+        fresh.item.initial_weight()

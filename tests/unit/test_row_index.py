@@ -1,0 +1,59 @@
+"""Where a shard finds a sparse table's rows: the dense index of a table of N rows, and the hash
+index of a dynamic table (any int64 id), checked against a plain dict on random 64-bit ids (at
+half load, so probes run past taken places; from a capacity of 1, so it grows many times); a dynamic table's placement over the shards by the ids' hash."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psgrad.core import rows
+from psgrad.errors import InvalidRequestError
+from psgrad.server.row_index import DenseIndex, HashIndex
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    """n distinct int64 ids over the whole range (negative ones included), as 64-bit hashes are."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-(2**63) + 1, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+    return torch.unique(ids)
+
+
+@pytest.mark.parametrize("capacity", [1, 8, 1024])
+def test_a_hash_index_finds_what_was_stored_and_nothing_else(capacity: int) -> None:
+    index = HashIndex(capacity)
+    truth: dict[int, int] = {}
+    stored = 0
+    for batch in range(6):
+        ids = random_ids(3000, batch)
+        ids = ids[[int(i) not in truth for i in ids.tolist()]]
+        slots = torch.arange(stored, stored + ids.numel())
+        index.assign(ids, slots)
+        truth.update(zip(ids.tolist(), slots.tolist()))
+        stored += ids.numel()
+        probe = torch.cat([torch.tensor(list(truth)), random_ids(500, 100 + batch), torch.tensor([0, -1, 2**63 - 1])])
+        assert index.lookup(probe).tolist() == [truth.get(int(i), -1) for i in probe.tolist()]
+    assert index.stored == stored and index.nbytes <= 16 * 4 * stored  # at most half of its places used, >= a quarter
+    index.clear()
+    assert index.lookup(torch.tensor(list(truth)[:10])).tolist() == [-1] * 10
+
+
+def test_a_dense_index_places_row_r_at_r_div_s() -> None:
+    index = DenseIndex(10, 1, 3)  # rows 1, 4, 7 on shard 1
+    assert index.rows == 3 and index.nbytes == 24 and index.growth_bytes(3) == 0
+    index.assign(torch.tensor([4, 7]), torch.tensor([0, 1]))
+    assert index.lookup(torch.tensor([1, 4, 7])).tolist() == [-1, 0, 1]
+
+
+def test_a_dynamic_tables_ids_spread_over_the_shards_by_their_hash() -> None:
+    consecutive = torch.arange(100_000, dtype=torch.int64)
+    hashed = random_ids(100_000, 7)
+    for ids in (consecutive, hashed, consecutive * 1024):  # strided ids too, which id mod S would not spread
+        counts = torch.bincount(rows.shard_of(ids, 4, dynamic=True), minlength=4)
+        assert counts.min() > 0.95 * ids.numel() / 4, counts
+    assert torch.equal(rows.shard_of(hashed, 4, dynamic=True), rows.shard_of(hashed.clone(), 4, dynamic=True))
+    assert rows.shard_of(hashed, 1, dynamic=True).eq(0).all()
+    rows.check_ids(torch.tensor([-5, 2**63 - 1]), rows.DYNAMIC, "t")  # any int64 id
+    with pytest.raises(InvalidRequestError, match="int64's smallest"):
+        rows.check_ids(torch.tensor([-(2**63)]), rows.DYNAMIC, "t")
