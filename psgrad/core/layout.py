@@ -49,7 +49,8 @@ def _describe(p: ParamSpec) -> str:
 
 
 def _table(t: TableSpec) -> str:
-    return f"{t.name} [{t.num_embeddings}, {t.dim}] (seed {t.seed}, std {t.std:g})"
+    rows = t.num_embeddings or "any int64 id (dynamic)"
+    return f"{t.name} [{rows}, {t.dim}] (seed {t.seed}, std {t.std:g})"
 
 
 def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:

@@ -45,8 +45,9 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """A sparse (embedding) table of the job: num_embeddings rows of dim float32 values, row r on
-    shard r mod S, made on first touch as N(0, std²) draws from (seed, name, r)."""
+    """A sparse (embedding) table of the job: num_embeddings rows of dim float32 values (0: a
+    dynamic table, any int64 id), row r on shard r mod S (dynamic: by r's hash, core/rows.py),
+    starting as N(0, std²) draws from (seed, name, r), stored at its first update."""
 
     name: str
     num_embeddings: int
