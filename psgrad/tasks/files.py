@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sysconfig
 from pathlib import Path
 
 from psgrad.errors import TaskError
@@ -53,3 +54,22 @@ def find_fashion_files(data_dir: str | os.PathLike[str] | None) -> dict[str, Pat
         f"`apt-get install dataset-fashion-mnist` ({FASHION_DIR}) or torchvision's "
         "FashionMNIST(DIR, download=True) (DIR/FashionMNIST/raw)"
     )
+
+
+#: the standard-library packages task "pyfunc" classifies functions into (psgrad/tasks/pyfunc.py)
+STDLIB_PACKAGES = ("asyncio", "concurrent", "email", "http", "importlib", "logging", "multiprocessing", "tkinter",
+                   "unittest", "urllib", "xml", "xmlrpc")
+
+
+def stdlib_packages(_data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The standard library's folder (`sysconfig.get_paths()["stdlib"]`), where every package of
+    STDLIB_PACKAGES is.
+
+    Raises:
+        TaskError: a package is missing (named, with where it was looked for).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for name in STDLIB_PACKAGES:
+        if not (root / name / "__init__.py").is_file():
+            raise TaskError(f"task 'pyfunc' needs the standard library's package {name!r}, not found at {root / name}")
+    return root

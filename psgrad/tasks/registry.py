@@ -53,6 +53,10 @@ BUILT_IN: dict[str, BuiltIn] = {
     "ctr": BuiltIn("psgrad.tasks.ctr",
                    Recipe(metric="test_auc", target=0.85, optimizer="adagrad", lr=0.05, batch_size=512, steps=1500,
                           compare_steps=600)),
+    "pyfunc": BuiltIn("psgrad.tasks.pyfunc",
+                      Recipe(metric="test_accuracy", target=0.65, optimizer="adagrad", lr=0.1, batch_size=64, steps=400,
+                             compare_steps=300),
+                      check=files.stdlib_packages),
 }
 
 #: name -> factory of every task registered so far (a built-in's once its module is imported)
