@@ -259,7 +259,8 @@ class PSOptimizer(ScheduledOptimizer):
             raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
-        tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std) for name, m in self.embeddings]
+        tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std, min_count=m.min_count, ttl=m.ttl,
+                            evict=m.evict) for name, m in self.embeddings]
         dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
         # Frozen parameters on the servers: a table of their own, read at join (see _sync_frozen).
         frozen_specs = param_specs(model, frozen=True) if frozen else []

@@ -121,6 +121,8 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                 + ((f"{t['rows_touched']:,} of {t['rows']:,} rows touched, " if t["rows"] else
                     f"dynamic: {t['rows_touched']:,} rows stored, ")
                    + f"{t['updates']:,} updates, staleness max {t['staleness_max']} mean {t['staleness_mean']:.2f}, "
+                   + "".join(f"{t[k]:,} {k}, " for k in ("admitted", "expired", "evicted", "dropped")
+                             if t.get(k) and (k != "admitted" or t.get("expired") or t.get("evicted")))
                    if t["kind"] == "sparse" else "")
                 + f"{t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state {t['state_bytes'] / 1e6:.1f} MB)"
                 for t in tables))

@@ -26,8 +26,10 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-# num_embeddings of a dynamic table: no range, any int64 id (psgrad.Embedding(None, dim)).
+# num_embeddings of a dynamic table: no range, any int64 id (psgrad.Embedding(None, dim)) but the
+# two smallest, which its index reserves (server/row_index.py).
 DYNAMIC = 0
+RESERVED_IDS = (-(1 << 63), -(1 << 63) + 1)
 
 
 def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch.Tensor:
@@ -58,9 +60,10 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise InvalidRequestError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} of shape {list(ids.shape)}")
     if ids.numel() and num_embeddings == DYNAMIC:
-        if ids.dtype == torch.int64 and bool((ids == torch.iinfo(torch.int64).min).any()):
-            raise InvalidRequestError(f"{what}: row id {torch.iinfo(torch.int64).min} (int64's smallest) is the one id a "
-                                      "dynamic table cannot hold (its index marks free places with it)")
+        if ids.dtype == torch.int64 and bool((ids <= RESERVED_IDS[1]).any()):
+            raise InvalidRequestError(f"{what}: row id {int(ids.min())}: the two smallest int64 ids "
+                                      f"({RESERVED_IDS[0]}, {RESERVED_IDS[1]}) are the ones a dynamic table cannot hold "
+                                      "(its index marks free and removed places with them)")
         return
     if ids.numel():
         low, high = int(ids.min()), int(ids.max())

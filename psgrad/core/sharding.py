@@ -58,9 +58,25 @@ class TableSpec:
     #: job's lr, and its own values of the job optimizer's settings, as sorted (JobSpec field, value)
     lr_scale: float = 1.0
     settings: tuple[tuple[str, float], ...] = ()
+    #: admission: an id's updates are applied once it has been seen in that many updates (0, 1: at once)
+    min_count: int = 0
+    #: expiry: a row no update touched in that many updates of its table is dropped (0: never)
+    ttl: int = 0
+    #: at the servers' memory budget, drop the least recently updated rows instead of refusing
+    evict: bool = False
 
     def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
         object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
+        for name in ("min_count", "ttl"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ConfigError(f"table {self.name!r}: {name} must be an integer >= 0, got {value!r}")
+        object.__setattr__(self, "evict", bool(self.evict))
+
+    @property
+    def lifetime(self) -> tuple[int, int, bool]:
+        """(min_count, ttl, evict): how the table admits, expires and evicts rows."""
+        return self.min_count, self.ttl, self.evict
 
     @property
     def nbytes(self) -> int:
@@ -208,5 +224,6 @@ def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[Tab
     if tables:  # (a job without sparse tables keeps the fingerprint it always had)
         doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std,
                           *(["lr_scale", t.lr_scale] if t.lr_scale != 1.0 else []),
-                          *(["settings", [list(kv) for kv in t.settings]] if t.settings else [])] for t in tables]
+                          *(["settings", [list(kv) for kv in t.settings]] if t.settings else []),
+                          *(["lifetime", list(t.lifetime)] if t.lifetime != (0, 0, False) else [])] for t in tables]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

@@ -74,6 +74,10 @@ class TableStatus:
     updates: int = 0  # sparse: updates applied to the table (its version); frozen: writes of its values (its version)
     staleness_max: int = 0  # sparse: the most table updates between a pull of rows and their push
     staleness_mean: float = 0.0  # sparse: the mean of that over the pushes applied
+    admitted: int = 0  # sparse: rows stored by an update (ever)
+    expired: int = 0  # sparse: rows dropped by their table's ttl
+    evicted: int = 0  # sparse: rows dropped at the memory budget
+    dropped: int = 0  # sparse: row updates not applied, their ids not admitted yet (min_count)
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,16 @@ class SparseEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False) -> None:
+                 sparse: bool = False, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
         super().__init__()
+        for name, value in (("min_count", min_count), ("ttl", ttl)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ConfigError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+        # The rows' lifetime on the servers (docs/guide/embeddings.md): an id's updates are applied
+        # once it was seen in min_count updates; a row no update touched in ttl updates of its table
+        # is dropped; evict: at the servers' memory budget the least recently updated rows are
+        # dropped instead of refusing the push. A dropped row reads as new again.
+        self.min_count, self.ttl, self.evict = min_count, ttl, bool(evict)
         if num_embeddings is None:  # a dynamic table: any int64 id (core/rows.py), stored as 0
             num_embeddings = rows.DYNAMIC
         elif not (isinstance(num_embeddings, int) and num_embeddings >= 1):
@@ -397,9 +405,11 @@ class Embedding(SparseEmbedding):
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
-                 scale_grad_by_freq: bool = False, sparse: bool = False) -> None:
+                 scale_grad_by_freq: bool = False, sparse: bool = False, min_count: int = 0, ttl: int = 0,
+                 evict: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim, std, seed, max_norm=max_norm, norm_type=norm_type,
-                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, min_count=min_count, ttl=ttl,
+                         evict=evict)
         self.padding_idx = self._padding_index(padding_idx)
 
     @classmethod
@@ -435,9 +445,10 @@ class EmbeddingBag(SparseEmbedding):
     def __init__(self, num_embeddings: int | None, embedding_dim: int, mode: str = "mean",
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, include_last_offset: bool = False,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim, std, seed, max_norm=max_norm, norm_type=norm_type,
-                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+                         scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, min_count=min_count, ttl=ttl,
+                         evict=evict)
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
         if mode == "max" and scale_grad_by_freq:

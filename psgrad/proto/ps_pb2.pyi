@@ -81,7 +81,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., lr_scale: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings")
+    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings", "min_count", "ttl", "evict")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,9 @@ class TableSpec(_message.Message):
     STD_FIELD_NUMBER: _ClassVar[int]
     LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -103,7 +106,10 @@ class TableSpec(_message.Message):
     std: float
     lr_scale: float
     settings: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    min_count: int
+    ttl: int
+    evict: bool
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ..., min_count: _Optional[int] = ..., ttl: _Optional[int] = ..., evict: _Optional[bool] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")
@@ -430,7 +436,7 @@ class CheckpointStatus(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., version: _Optional[int] = ..., age_s: _Optional[float] = ..., writes: _Optional[int] = ..., failures: _Optional[int] = ..., failing: _Optional[bool] = ..., last_error: _Optional[str] = ..., error_age_s: _Optional[float] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched", "updates", "staleness_max", "staleness_mean")
+    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched", "updates", "staleness_max", "staleness_mean", "admitted", "expired", "evicted", "dropped")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +447,10 @@ class TableStatus(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     STALENESS_MAX_FIELD_NUMBER: _ClassVar[int]
     STALENESS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     numel: int
@@ -451,21 +461,27 @@ class TableStatus(_message.Message):
     updates: int
     staleness_max: int
     staleness_mean: float
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
+    admitted: int
+    expired: int
+    evicted: int
+    dropped: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., admitted: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class TableRows(_message.Message):
-    __slots__ = ("table", "ids", "grads", "base_version", "lr")
+    __slots__ = ("table", "ids", "grads", "base_version", "lr", "removed")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     grads: bytes
     base_version: int
     lr: float
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+    removed: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ..., removed: _Optional[bool] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
     __slots__ = ("rank", "fingerprint", "table", "observe", "updated", "from_id", "limit", "tables")

@@ -122,8 +122,8 @@ class ShardCollector:
         sparse = [t for t in s.tables if t.kind == "sparse"]
         if sparse:
             families = [GaugeMetricFamily(name, doc, labels=["shard", "table"]) for name, doc in (
-                ("psgrad_table_rows", "rows of each sparse table placed on the shard"),
-                ("psgrad_table_rows_touched", "rows of each sparse table made so far (pulled or updated)"),
+                ("psgrad_table_rows", "rows of each sparse table placed on the shard (0: a dynamic table)"),
+                ("psgrad_table_rows_touched", "rows of each sparse table stored now (stored at their first update)"),
                 ("psgrad_table_updates", "updates applied to each sparse table (its version)"),
                 ("psgrad_table_staleness_max", "the most table updates between a pull of rows and their push"),
                 ("psgrad_table_staleness_mean", "the mean table updates between a pull of rows and their push"),
@@ -133,6 +133,16 @@ class ShardCollector:
                 for family, figure in zip(families, values):
                     family.add_metric([*shard, t.name], figure)
             yield from families
+            lifetime = [CounterMetricFamily(name, doc, labels=["shard", "table"]) for name, doc in (
+                ("psgrad_table_rows_admitted", "rows of each sparse table stored by an update"),
+                ("psgrad_table_rows_expired", "rows dropped by their table's ttl (untouched that many updates)"),
+                ("psgrad_table_rows_evicted", "rows dropped at the memory budget (least recently updated first)"),
+                ("psgrad_table_updates_dropped", "row updates not applied: their ids not seen in min_count updates yet"),
+            )]
+            for t in sparse:
+                for counts, n in zip(lifetime, (t.admitted, t.expired, t.evicted, t.dropped)):
+                    counts.add_metric([*shard, t.name], n)
+            yield from lifetime
         buckets, total, count = staleness_buckets(s.staleness)
         h = HistogramMetricFamily("psgrad_staleness", "staleness of applied gradients (versions behind)", labels=labels)
         h.add_metric(shard, buckets, total)

@@ -169,7 +169,7 @@ class Pushes:
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
                 try:  # (a restore since the header may have dropped the rows it made)
-                    slots = self._rows.reserve(state, rows)
+                    slots = self._rows.reserve(state, rows, may_evict=True)
                 except MemoryBudgetError:
                     core.counters.pushes_rejected += 1
                     raise

@@ -58,6 +58,12 @@ class Replica:
         if self.replication is not None and self.replication.active:
             self._rows.append(RowUpdate(table, ids, grads, base_version, lr))
 
+    def rows_removed(self, table: str, ids: torch.Tensor) -> None:
+        """The update being applied dropped rows `ids` of sparse table `table` (expired or evicted):
+        its record says so, in order, and the backup drops the same."""
+        if self.replication is not None and self.replication.active:
+            self._rows.append(RowUpdate(table, ids, torch.empty(ids.numel(), 0), removed=True))
+
     def _record_update(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
         core = self._core
@@ -247,8 +253,12 @@ class Replica:
                 self._own_weights(state)
             else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
-            for u in record.rows:  # as the primary applied them, after the dense part
-                state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version)
+            for u in record.rows:  # as the primary applied (and dropped) them, after the dense part
+                if u.removed:
+                    state.sparse(u.table, -1).remove(u.ids)
+                else:
+                    state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version,
+                                                    replicated=True)
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

@@ -9,7 +9,8 @@ import torch
 
 from psgrad.core import rows
 
-_EMPTY = torch.iinfo(torch.int64).min  # a free key: the one id a dynamic table cannot hold
+_EMPTY, _GONE = rows.RESERVED_IDS  # a free place's key; a removed id's (a tombstone: lookups probe
+# past it, inserts reuse it): the two ids a dynamic table cannot hold
 _MAX_LOAD = 0.5  # a hash index grows (doubles) before more than half of its places are used
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's multiplier
 
@@ -31,6 +32,11 @@ class DenseIndex:
         """Bytes more the index needs to hold `stored` rows in all (fixed: none)."""
         return 0
 
+    @property
+    def room(self) -> int:
+        """Rows it holds without growing: every row it places."""
+        return self.rows
+
     def _local(self, ids: torch.Tensor) -> torch.Tensor:
         return ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
 
@@ -41,6 +47,14 @@ class DenseIndex:
     def assign(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Ids (unique, not stored yet) are stored at `slots` from now on."""
         self._slot[self._local(ids)] = slots
+
+    def move(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Ids (stored) are at `slots` from now on."""
+        self._slot[self._local(ids)] = slots
+
+    def remove(self, ids: torch.Tensor) -> None:
+        """Ids (stored) are no longer stored."""
+        self._slot[self._local(ids)] = -1
 
     def clear(self) -> None:
         self._slot.fill_(-1)
@@ -57,6 +71,7 @@ class HashIndex:
         self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
         self._slots = torch.full((capacity,), -1, dtype=torch.int64)
         self.stored = 0
+        self._gone = 0  # tombstones: places of removed ids (they count as used until a rehash)
 
     @property
     def nbytes(self) -> int:
@@ -73,12 +88,13 @@ class HashIndex:
         capacity = self._keys.numel()
         return 16 * (self._capacity_for(stored, capacity) - capacity)
 
-    def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        bits = self._keys.numel().bit_length() - 1
-        return torch.bitwise_right_shift(ids * _MIX, 64 - bits) & (self._keys.numel() - 1) if bits else ids * 0
+    @property
+    def room(self) -> int:
+        """Rows it holds without growing (half its places)."""
+        return int(_MAX_LOAD * self._keys.numel())
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot of each id, -1 where never stored."""
+    def _places(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each stored id's place in the arrays (-1 where not stored)."""
         ids = ids.long()
         out = torch.full((ids.numel(),), -1, dtype=torch.int64)
         pending = torch.arange(ids.numel())
@@ -86,28 +102,52 @@ class HashIndex:
         mask = self._keys.numel() - 1
         while pending.numel():
             keys = self._keys.index_select(0, at)
-            wanted = ids.index_select(0, pending)
-            found = keys == wanted
-            out[pending[found]] = self._slots.index_select(0, at[found])
-            go_on = ~found & (keys != _EMPTY)  # another id's place: probe the next one
+            found = keys == ids.index_select(0, pending)
+            out[pending[found]] = at[found]
+            go_on = ~found & (keys != _EMPTY)  # another id's place, or a tombstone: probe the next one
             pending, at = pending[go_on], (at[go_on] + 1) & mask
         return out
 
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        bits = self._keys.numel().bit_length() - 1
+        return torch.bitwise_right_shift(ids * _MIX, 64 - bits) & (self._keys.numel() - 1) if bits else ids * 0
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id, -1 where not stored."""
+        places = self._places(ids)
+        found = places >= 0
+        out = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        out[found] = self._slots.index_select(0, places[found])
+        return out
+
     def assign(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Ids (unique, not stored yet) are stored at `slots` from now on (the index grows first
-        where they would load it past half)."""
+        """Ids (unique, not stored yet) are stored at `slots` from now on (the index grows, or is
+        rebuilt without its tombstones, first where they would load it past half)."""
         ids = ids.long()
-        need = self._capacity_for(self.stored + ids.numel(), self._keys.numel())
-        if need != self._keys.numel():
-            self._rehash(need)
+        capacity = self._keys.numel()
+        if self.stored + self._gone + ids.numel() > _MAX_LOAD * capacity:
+            self._rehash(self._capacity_for(self.stored + ids.numel(), capacity))
         self._insert(ids, slots)
         self.stored += ids.numel()
+
+    def move(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Ids (stored) are at `slots` from now on."""
+        self._slots[self._places(ids)] = slots
+
+    def remove(self, ids: torch.Tensor) -> None:
+        """Ids (stored) are no longer stored: their places become tombstones."""
+        places = self._places(ids)
+        self._keys[places] = _GONE
+        self._slots[places] = -1
+        self.stored -= ids.numel()
+        self._gone += ids.numel()
 
     def _insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         mask = self._keys.numel() - 1
         at = self._home(ids)
         while ids.numel():
-            free = self._keys.index_select(0, at) == _EMPTY
+            keys = self._keys.index_select(0, at)
+            free = (keys == _EMPTY) | (keys == _GONE)  # (ids inserted are not stored: a tombstone may take one)
             # Of the ids whose probe found a free place, one per place wins it (the last write);
             # the others, and those that found a taken place, probe the next one.
             self._keys.index_put_((at[free],), ids[free])
@@ -117,13 +157,52 @@ class HashIndex:
             ids, slots, at = ids[lost], slots[lost], (at[lost] + 1) & mask
 
     def _rehash(self, capacity: int) -> None:
-        used = self._keys != _EMPTY
+        used = (self._keys != _EMPTY) & (self._keys != _GONE)
         keys, slots = self._keys[used], self._slots[used]
         self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
         self._slots = torch.full((capacity,), -1, dtype=torch.int64)
+        self._gone = 0
         self._insert(keys, slots)
 
     def clear(self) -> None:
         self._keys.fill_(_EMPTY)
         self._slots.fill_(-1)
-        self.stored = 0
+        self.stored = self._gone = 0
+
+
+class Sightings:
+    """How many updates have named each id not stored yet (admission, a table's min_count): a
+    count-min sketch of DEPTH rows of WIDTH saturating 8-bit counters, each id counted at one
+    counter per row (chosen by a mix of the id), its count the smallest of them. Its memory is fixed
+    whatever the number of ids: DEPTH x WIDTH bytes (2 MiB), nothing per id; a count is never too
+    low, and too high only where other ids share every counter of it (rare below a few hundred
+    thousand ids counted at once), so an id may be admitted early, never late."""
+
+    DEPTH, WIDTH = 2, 1 << 20
+
+    def __init__(self) -> None:
+        self.counts = torch.zeros(self.DEPTH, self.WIDTH, dtype=torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.numel()
+
+    def _cells(self, ids: torch.Tensor) -> torch.Tensor:
+        """[DEPTH, n] counter indices of each id, one mix per row."""
+        mixed = torch.stack([(ids.long() + 0x2545F4914F6CDD1D * (d + 1)) * _MIX for d in range(self.DEPTH)])
+        return torch.bitwise_right_shift(mixed, 64 - (self.WIDTH.bit_length() - 1)) & (self.WIDTH - 1)
+
+    def count(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's count (int64)."""
+        if not ids.numel():
+            return torch.empty(0, dtype=torch.int64)
+        cells = self._cells(ids)
+        return torch.stack([self.counts[d].index_select(0, cells[d]) for d in range(self.DEPTH)]).min(0).values.long()
+
+    def add(self, ids: torch.Tensor) -> torch.Tensor:
+        """Count one more sighting of each id (unique) and return their counts."""
+        cells = self._cells(ids)
+        for d in range(self.DEPTH):
+            row = self.counts[d]
+            row.index_put_((cells[d],), (row.index_select(0, cells[d]).long() + 1).clamp_(max=255).to(torch.uint8))
+        return self.count(ids)

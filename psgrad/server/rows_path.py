@@ -14,6 +14,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
+from psgrad.server.tables import SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 
@@ -131,14 +132,15 @@ class Rows:
         self.reserve(state, rows)
         return bad
 
-    def reserve(self, state: ShardState, rows: RowGradients) -> dict[str, torch.Tensor]:
+    def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
-        arena slots by table (for an apply under the same lock).
+        arena slots by table (for an apply under the same lock). may_evict: the push is being
+        applied (tables that evict make room now; see SparseTable.reserve).
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        return {name: state.sparse(name, -1).reserve(ids) for name, (ids, _, _) in rows.items()}
+        return {name: state.sparse(name, -1).reserve(ids, may_evict) for name, (ids, _, _) in rows.items()}
 
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
               slots: dict[str, torch.Tensor] | None = None) -> None:
@@ -149,9 +151,9 @@ class Rows:
             t = state.sparse(name, -1)
             if ids.numel():
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
-                t.apply(ids, grads, step_lr, base, checked=True, slots=None if slots is None else slots[name],
-                        step=state.version + 1)
-                self._replica.rows_applied(name, ids, grads, base, step_lr)
+                ids, grads = t.apply(ids, grads, step_lr, base, checked=True,
+                                     slots=None if slots is None else slots[name], step=state.version + 1)
+                self._report(name, t, ids, grads, base, step_lr)
 
     def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:
         """Apply a sync iteration's row gradients (one dict per worker, in rank order): per table and
@@ -169,8 +171,18 @@ class Rows:
             total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
             total.mul_(1.0 / workers)
             base = min(p[2] for p in parts)
-            t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (the union of checked pushes' ids)
-            self._replica.rows_applied(name, unique, total, base, lr)
+            unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
+            self._report(name, t, unique, total, base, lr)
+
+    def _report(self, name: str, t: SparseTable, ids: torch.Tensor, grads: torch.Tensor, base: int,
+                lr: float | None) -> None:
+        """Tell the replica what an update did to table `name`: the rows it dropped (expired or
+        evicted), then the rows it updated, in that order, as the standby must apply them."""
+        removed = t.take_removed()
+        if removed.numel():
+            self._replica.rows_removed(name, removed)
+        if ids.numel():
+            self._replica.rows_applied(name, ids, grads, base, lr)
 
 
 def _scaled(lr: float | None, job_lr: float, scale: float) -> float | None:

@@ -173,7 +173,7 @@ class ShardState:
         spec = self.layout.spec
         table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed,
                             _row_optimizer(spec, group, name), std, self.budget,
-                            1.0 if group is None else group.lr_scale)
+                            1.0 if group is None else group.lr_scale, (0, 0, False) if group is None else group.lifetime)
         table.optimizer.lr = self.job_lr
         self.tables[name] = table
         return table
@@ -274,7 +274,7 @@ def _table_from(name: str, snap: TableSnapshot, layout: Layout, budget: MemoryBu
         group = layout.table(name)
         return SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
                            int(s["seed"]), _row_optimizer(layout.spec, group, name), float(s["std"]), budget,
-                           1.0 if group is None else group.lr_scale)
+                           1.0 if group is None else group.lr_scale, (0, 0, False) if group is None else group.lifetime)
     except KeyError as exc:
         raise InvalidRequestError(f"a snapshot's sparse table {name!r} lacks its {exc.args[0]}") from None
 

@@ -24,7 +24,7 @@ from psgrad.core.status import DelayStatus, TableStatus
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import kernels, transfers  # (they register the axpy rule's split and checked backends)
 from psgrad.server.delay_comp import DelayCompensation
-from psgrad.server.row_index import DenseIndex, HashIndex
+from psgrad.server.row_index import DenseIndex, HashIndex, Sightings
 from psgrad.server.transfers import apply_checked, count_nonfinite
 
 #: The name of the dense table: the job's flat space (every shard of a job holds one).
@@ -295,7 +295,7 @@ class SparseTable:
 
     def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
                  optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None,
-                 lr_scale: float = 1.0) -> None:
+                 lr_scale: float = 1.0, lifetime: tuple[int, int, bool] = (0, 0, False)) -> None:
         if num_embeddings < 0 or dim < 1 or not 0 <= index < num_shards:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
         self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
@@ -316,6 +316,16 @@ class SparseTable:
             what = f"the row index of table {name!r} ({self._index.rows:,} rows on shard {index})"
         self.budget.charge(self._index.nbytes, what)
         self._charged = self._index.nbytes
+        # Row lifetime (TableSpec.lifetime): admission after min_count sightings, expiry after ttl
+        # updates untouched, eviction at the budget; and what each has done so far.
+        self.min_count, self.ttl, self.evict = lifetime
+        self.sightings: Sightings | None = None
+        if self.min_count > 1:
+            self.sightings = Sightings()
+            self.budget.charge(self.sightings.nbytes, f"the admission counts of table {name!r} on shard {index}")
+            self._charged += self.sightings.nbytes
+        self.admitted = self.expired = self.evicted = self.dropped = 0
+        self._removed: list[torch.Tensor] = []  # ids dropped since take_removed (the replica's records)
         self.touched = 0  # rows made so far (arena slots in use)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._values = torch.empty(0, dim)
@@ -349,15 +359,27 @@ class SparseTable:
             slots = self._index.lookup(ids)
         return slots
 
-    def _make(self, ids: torch.Tensor) -> None:
+    def _make(self, ids: torch.Tensor, protect: torch.Tensor | None = None, may_evict: bool = False) -> None:
+        """Store rows `ids` (unique, not stored) at their initial values; the arena grows by
+        doubling, or, where the budget refuses that and the table evicts (may_evict), the least
+        recently updated rows but `protect` make room.
+
+        Raises:
+            MemoryBudgetError: they do not fit (nothing is made).
+        """
         n, need = ids.numel(), self.touched + ids.numel()
-        grow_index = self._index.growth_bytes(need)
-        if grow_index:  # (charged first: a refusal leaves the rows unmade)
-            self.budget.charge(grow_index, f"the row index of dynamic table {self.name!r} growing on shard {self.index}")
-            self._charged += grow_index
-        if need > self._ids.numel():
-            capacity = max(need, 2 * self._ids.numel(), 1024)
-            self._grow(capacity)
+        capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
+        extra = (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+        try:  # the arena's and the index's growth at once: a refusal changes nothing
+            self.budget.charge(extra, f"table {self.name!r} growing to {need:,} rows on shard {self.index}")
+        except MemoryBudgetError:
+            room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
+            if not (may_evict and self.evict) or not self._make_room(need - room, ids, protect):
+                raise
+            capacity, extra, need = self._ids.numel(), 0, self.touched + n
+        self._charged += extra
+        if capacity > self._ids.numel():
+            self._grow(capacity, charged=True)
         at = slice(self.touched, need)
         self._ids[at] = ids
         self._values[at] = rows.initial_rows(self.key, ids, self.dim, self.std)
@@ -366,16 +388,71 @@ class SparseTable:
             self._state[name][at] = fresh
         self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
+        self.admitted += n
+
+    def _make_room(self, k: int, making: torch.Tensor, protect: torch.Tensor | None) -> bool:
+        """Drop the k least recently updated rows (by the table version of their last update; ties:
+        the older slot) that the update does not touch; False where there are not k such rows."""
+        n = self.touched
+        if k > n:
+            return False
+        versions = self._versions[:n].clone()
+        if protect is not None and protect.numel():
+            kept = self._index.lookup(protect)
+            versions[kept[kept >= 0]] = torch.iinfo(torch.int64).max
+        order = torch.argsort(versions, stable=True)[:k]
+        if bool((versions[order] == torch.iinfo(torch.int64).max).any()):
+            return False
+        self._drop(self._ids[:n][order].clone())
+        self.evicted += k
+        return True
+
+    def _drop(self, ids: torch.Tensor) -> None:
+        """Rows `ids` (stored) are no longer stored: they read as new again. The arena stays dense:
+        the last rows move into the holes."""
+        if not ids.numel():
+            return
+        n, k = self.touched, ids.numel()
+        holes = self._index.lookup(ids)
+        gone = torch.zeros(n, dtype=torch.bool)
+        gone[holes] = True
+        targets = holes[holes < n - k].sort().values  # holes below the new end, filled from the tail
+        movers = (~gone[n - k:]).nonzero().squeeze(1) + (n - k)
+        self._index.remove(ids)
+        if movers.numel():
+            moved_ids = self._ids[movers].clone()
+            self._ids[targets] = self._ids[movers]
+            self._values[targets] = self._values[movers]
+            self._versions[targets] = self._versions[movers]
+            for t in self._state.values():
+                t[targets] = t[movers]
+            self._index.move(moved_ids, targets)
+        self.touched = n - k
+        self._removed.append(ids)
+
+    def remove(self, ids: torch.Tensor) -> None:
+        """Drop the stored rows among `ids` (a standby applying its primary's record)."""
+        slots = self._index.lookup(ids)
+        self._drop(ids[slots >= 0])
+        self._removed.clear()
+
+    def take_removed(self) -> torch.Tensor:
+        """The ids dropped (expired or evicted) since the last call."""
+        out = torch.cat(self._removed) if self._removed else torch.empty(0, dtype=torch.int64)
+        self._removed = []
+        return out
 
     def row_bytes(self) -> int:
         """Bytes a made row costs: its values, id, version and optimizer state."""
         state = sum(t[0].numel() * t.element_size() for t in self.optimizer.new_state(1, self.dim).values())
         return 4 * self.dim + 16 + state
 
-    def _grow(self, capacity: int) -> None:
-        extra = (capacity - self._ids.numel()) * self.row_bytes()
-        self.budget.charge(extra, f"table {self.name!r} growing to {capacity:,} rows on shard {self.index}")
-        self._charged += extra
+    def _grow(self, capacity: int, charged: bool = False) -> None:
+        """The arena at `capacity` rows (charged: the budget was charged for it already)."""
+        if not charged:
+            extra = (capacity - self._ids.numel()) * self.row_bytes()
+            self.budget.charge(extra, f"table {self.name!r} growing to {capacity:,} rows on shard {self.index}")
+            self._charged += extra
 
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype)
@@ -408,15 +485,34 @@ class SparseTable:
         self.version = 1
         self._versions.index_fill_(0, slots, 1)
 
-    def reserve(self, ids: torch.Tensor) -> torch.Tensor:
-        """Make rows `ids` (checked) if they were never touched, charging the memory budget, so an
-        update of them cannot fail for it later; returns their arena slots (valid until the table
-        is replaced or rows are made again: an apply under the same lock may use them).
+    def reserve(self, ids: torch.Tensor, may_evict: bool = False) -> torch.Tensor:
+        """Make the rows of an update of `ids` (checked) that it will store, charging the memory
+        budget, so the update cannot fail for it later; returns their arena slots (-1: an id its
+        update will not admit yet, see min_count), valid until rows are made or dropped again (an
+        apply under the same lock may use them). may_evict: with evict, make room by dropping the
+        least recently updated other rows (only as the update is applied: a push refused after its
+        header must change nothing); else, with evict, the rows that do not fit are left for then.
 
         Raises:
-            MemoryBudgetError: they would not fit (nothing is made).
+            MemoryBudgetError: they would not fit, and no room may be made (nothing is made).
         """
-        return self._slots(ids) if ids.numel() else torch.empty(0, dtype=torch.int64)
+        if not ids.numel():
+            return torch.empty(0, dtype=torch.int64)
+        slots = self._index.lookup(ids)
+        new = slots < 0
+        if not bool(new.any()):
+            return slots
+        fresh = ids[new].long()
+        if self.sightings is not None:  # would this update's sighting admit them?
+            fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
+        if fresh.numel():
+            try:
+                self._make(torch.unique(fresh), protect=ids[~new], may_evict=may_evict)
+            except MemoryBudgetError:
+                if not self.evict or may_evict:
+                    raise
+            slots = self._index.lookup(ids)
+        return slots
 
     def pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [n, dim], the table version of each row's last update [n]: 0 for a row never
@@ -484,21 +580,37 @@ class SparseTable:
         self._charged = 0
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
-              checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None) -> None:
+              checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None,
+              replicated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim]
         at lr (None: the job's) times the table's lr_scale; base_version: the table version they
         were pulled at (its staleness is recorded); checked: the caller checked them already
         (check_update); slots: their arena slots, from a reserve under the same lock; step: the
         dense rule's step number of this update (the shard's update number; None: the table's
-        version after it), which Adagrad's lr_decay counts.
+        version after it), which Adagrad's lr_decay counts. With min_count, the ids not stored are
+        counted, and those not seen in min_count updates yet are left out (dropped); with ttl, rows
+        untouched in ttl updates are dropped after it. replicated: a standby applying its primary's
+        record, which admitted, expired and evicted already (and says so). Returns the (ids,
+        gradients) applied.
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
+            MemoryBudgetError: rows to store do not fit (only where no reserve made them).
         """
         if not checked:
             self.check_update(ids, grads)
-        if slots is None:
-            slots = self._slots(ids)
+        if self.sightings is not None and not replicated and ids.numel():
+            stored = self._index.lookup(ids) >= 0
+            admit = stored.clone()
+            admit[~stored] = self.sightings.add(ids[~stored].long()) >= self.min_count
+            if not bool(admit.all()):
+                self.dropped += int((~admit).sum())
+                ids, grads = ids[admit], grads[admit]
+                slots = None
+        if not ids.numel():
+            return ids, grads
+        if self.min_count > 1 or self.evict or slots is None:  # (rows may have been made or moved since a reserve)
+            slots = self.reserve(ids, may_evict=not replicated) if not replicated else self._slots(ids)
         weights = self._values.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         if self.lr_scale != 1.0:
@@ -514,6 +626,19 @@ class SparseTable:
             self.pushes += 1
         self.version += 1
         self._versions.index_fill_(0, slots, self.version)
+        if self.ttl and not replicated and self.version % max(1, self.ttl // 8) == 0:
+            self._expire()
+        return ids, grads
+
+    def _expire(self) -> None:
+        """Drop the rows no update touched in the last ttl updates of the table (checked every
+        ttl/8 updates, so a row lives ttl to 1.125 ttl updates untouched)."""
+        n = self.touched
+        stale = self._versions[:n] <= self.version - self.ttl
+        if bool(stale.any()):
+            ids = self._ids[:n][stale].clone()
+            self._drop(ids)
+            self.expired += ids.numel()
 
     def forget_workers(self, live: set[int]) -> None:
         """Nothing per worker here."""
@@ -524,8 +649,11 @@ class SparseTable:
         tensors: Tensors = {"ids": self._ids[:n].clone(), "values": self._values[:n].clone(),
                             "versions": self._versions[:n].clone()}
         tensors.update({"state." + k: v[:n].clone() for k, v in self._state.items()})
+        if self.sightings is not None:
+            tensors["sightings"] = self.sightings.counts.clone()
         scalars: Scalars = {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
                             "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+        scalars.update({k: getattr(self, k) for k in ("admitted", "expired", "evicted", "dropped") if getattr(self, k)})
         return TableSnapshot(self.kind, tensors, scalars)
 
     def load(self, snap: TableSnapshot) -> None:
@@ -552,6 +680,11 @@ class SparseTable:
         self._index.assign(ids, torch.arange(n))
         self.touched = n
         self.version = int(snap.scalars["version"])
+        if self.sightings is not None and "sightings" in snap.tensors:
+            self.sightings.counts.copy_(snap.tensors["sightings"])
+        for k in ("admitted", "expired", "evicted", "dropped"):
+            setattr(self, k, int(snap.scalars.get(k, 0)))
+        self._removed = []
 
     def status(self, name: str) -> TableStatus:
         n = self.touched
@@ -559,4 +692,5 @@ class SparseTable:
         mean = self.staleness_sum / self.pushes if self.pushes else 0.0
         placed = 0 if isinstance(self._index, HashIndex) else self._index.rows  # (dynamic: no fixed count)
         return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=placed, rows_touched=n,
+                           admitted=self.admitted, expired=self.expired, evicted=self.evicted, dropped=self.dropped,
                            updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean)

@@ -42,11 +42,11 @@ _SECOND = 0x5BD1E995  # the second CRC's start value
 
 
 def word_id(word: bytes) -> int:
-    """A word's (or a pair's) 64-bit id, as a signed int64, never 0 (the padding) nor int64's
-    smallest (which a dynamic table cannot hold)."""
+    """A word's (or a pair's) 64-bit id, as a signed int64, never 0 (the padding) nor one of the two
+    ids a dynamic table cannot hold (int64's two smallest)."""
     value = (zlib.crc32(word) << 32) | zlib.crc32(word, _SECOND)
     value = value - (1 << 64) if value >= 1 << 63 else value
-    return value if value not in (0, -(1 << 63)) else 1
+    return value if value not in (0, -(1 << 63), -(1 << 63) + 1) else 1
 
 
 def features(source: bytes) -> list[int]:

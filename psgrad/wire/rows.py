@@ -28,6 +28,7 @@ class RowUpdate:
     grads: torch.Tensor
     base_version: int = 0
     lr: float | None = None
+    removed: bool = False  # (replica records) the rows `ids` were dropped, not updated: no grads
 
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -47,7 +48,7 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
 
 def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
     return [pb.TableRows(table=u.table, ids=u.ids.numpy().tobytes(), grads=u.grads.numpy().tobytes(),
-                         base_version=u.base_version, lr=u.lr) for u in updates]
+                         base_version=u.base_version, lr=u.lr, removed=u.removed) for u in updates]
 
 
 def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bool = False) -> list[RowUpdate]:
@@ -72,8 +73,10 @@ def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bo
         if not ids.numel() or grads.numel() % ids.numel():
             raise InvalidRequestError(
                 f"{what}: {grads.numel()} gradient values for {ids.numel()} row ids of table {item.table!r}")
+        if item.removed and not in_sequence:
+            raise InvalidRequestError(f"{what}: rows of table {item.table!r} marked removed (only a replica record drops rows)")
         out.append(RowUpdate(item.table, ids, grads.view(ids.numel(), -1), int(item.base_version),
-                             item.lr if item.HasField("lr") else None))
+                             item.lr if item.HasField("lr") else None, item.removed))
     return out
 
 

@@ -257,7 +257,9 @@ def test_live_view_on_a_terminal_and_the_exported_names_are_the_readmes(tmp_path
         generated = {m.name for m in reference().metrics()}
         assert names <= generated, names - generated
         assert generated - names == {"psgrad_table_rows", "psgrad_table_rows_touched", "psgrad_table_updates",
-                                     "psgrad_table_staleness_max", "psgrad_table_staleness_mean"}
+                                     "psgrad_table_staleness_max", "psgrad_table_staleness_mean",
+                                     "psgrad_table_rows_admitted_total", "psgrad_table_rows_expired_total",
+                                     "psgrad_table_rows_evicted_total", "psgrad_table_updates_dropped_total"}
         assert all(re.fullmatch(r"psgrad_[a-z_]+", n) for n in names - PROCESS_METRICS)
         # Both processes say what they cost (CPU, memory, descriptors) and which build they run.
         assert PROCESS_METRICS <= exported(url) and PROCESS_METRICS <= exported(worker_url)

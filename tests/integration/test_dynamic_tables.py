@@ -37,7 +37,7 @@ class Clicks(nn.Module):
 
 def hashed_ids(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-(2**63) + 1, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+    return torch.randint(-(2**63) + 2, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
 
 
 def test_a_dynamic_table_trains_on_64_bit_ids_and_keeps_its_rows_through_every_path(make_servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -97,3 +97,46 @@ def test_a_dynamic_table_trains_on_64_bit_ids_and_keeps_its_rows_through_every_p
     assert torch.allclose(fresh.item(ids), expected, atol=1e-6)
     with pytest.raises(ConfigError, match="no whole table"):
         fresh.item.initial_weight()
+
+
+def test_admission_expiry_and_eviction_travel_to_the_servers_and_their_standby(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Through real gRPC: the table's min_count, ttl and evict reach the servers with the job (a worker
+    with other values is refused), the primary's drops reach its standby in its records, and status
+    counts them."""
+    budget_mb = 2.09  # the admission counts (2 MiB) and an arena of 1,024 rows, not the 2,048 it would grow to
+    [primary] = make_servers(1, memory_budget_mb=budget_mb)
+    [backup] = make_servers(1, replica_of=primary.address, memory_budget_mb=budget_mb)
+
+    class Model(nn.Module):
+        def __init__(self, **lifetime: object) -> None:
+            super().__init__()
+            self.item = psgrad.Embedding(None, DIM, **lifetime)  # type: ignore[arg-type]
+            self.head = nn.Linear(DIM, 1)
+
+    lifetime = {"min_count": 2, "ttl": 16, "evict": True}
+    model = Model(**lifetime)
+    servers = [f"{primary.address}|{backup.address}"]
+    with psgrad.connect(servers, optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        g = torch.Generator().manual_seed(1)
+        for step in range(40):
+            x = torch.randint(0, 6000 if step % 2 else 300, (256,), generator=g)  # hot ids, and a wide spread
+            opt.zero_grad()
+            model.item(x).sum().backward()
+            model.head.weight.grad = torch.zeros_like(model.head.weight)
+            opt.step()
+        (status,) = shard_status([primary.address], 10)
+        (t,) = [t for t in status.tables if t.kind == "sparse"]
+        assert t.dropped and t.expired and t.evicted and t.admitted > t.rows_touched, t
+        state, mirror = primary.shard.core.state, backup.shard.core.state
+        assert state is not None and mirror is not None
+        wait_for("the standby to follow", lambda: mirror.version == state.version, timeout_s=20)
+        every = torch.arange(6000)
+        table = model.item.table
+        assert table
+        main, copy = state.tables[table], mirror.tables[table]
+        assert isinstance(main, SparseTable) and isinstance(copy, SparseTable)
+        assert main.touched == copy.touched and torch.equal(main.rows(every), copy.rows(every))
+        with pytest.raises(psgrad.JobMismatchError, match="item"):  # the lifetime is part of the job
+            with psgrad.connect(servers, optimizer=psgrad.SGD(lr=LR), client=CLIENT, rank=0) as other:
+                other.optimizer(Model(min_count=3, ttl=16, evict=True))

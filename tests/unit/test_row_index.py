@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 def random_ids(n: int, seed: int) -> torch.Tensor:
     """n distinct int64 ids over the whole range (negative ones included), as 64-bit hashes are."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-(2**63) + 1, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+    ids = torch.randint(-(2**63) + 2, 2**63 - 1, (n,), generator=g, dtype=torch.int64)
     return torch.unique(ids)
 
 
@@ -55,5 +55,30 @@ def test_a_dynamic_tables_ids_spread_over_the_shards_by_their_hash() -> None:
     assert torch.equal(rows.shard_of(hashed, 4, dynamic=True), rows.shard_of(hashed.clone(), 4, dynamic=True))
     assert rows.shard_of(hashed, 1, dynamic=True).eq(0).all()
     rows.check_ids(torch.tensor([-5, 2**63 - 1]), rows.DYNAMIC, "t")  # any int64 id
-    with pytest.raises(InvalidRequestError, match="int64's smallest"):
-        rows.check_ids(torch.tensor([-(2**63)]), rows.DYNAMIC, "t")
+    for reserved in rows.RESERVED_IDS:
+        with pytest.raises(InvalidRequestError, match="the two smallest int64 ids"):
+            rows.check_ids(torch.tensor([5, reserved]), rows.DYNAMIC, "t")
+
+
+@pytest.mark.parametrize("kind", ["hash", "dense"])
+def test_removed_ids_are_gone_moved_ids_are_found_and_the_rest_stay(kind: str) -> None:
+    if kind == "hash":
+        index: HashIndex | DenseIndex = HashIndex(8)
+        ids = random_ids(2000, 3)
+    else:
+        index = DenseIndex(100_000, 0, 1)
+        ids = torch.unique(torch.randint(0, 100_000, (2000,), generator=torch.Generator().manual_seed(3)))
+    index.assign(ids, torch.arange(ids.numel()))
+    gone, kept = ids[::3], torch.cat([ids[1::3], ids[2::3]])
+    index.remove(gone)
+    index.move(kept[:10], torch.arange(5000, 5010))
+    assert index.lookup(gone).eq(-1).all()
+    assert index.lookup(kept[:10]).tolist() == list(range(5000, 5010))
+    truth = {int(i): k for k, i in enumerate(ids.tolist())}
+    assert index.lookup(kept[10:]).tolist() == [truth[int(i)] for i in kept[10:].tolist()]
+    index.assign(gone[:50], torch.arange(9000, 9050))  # stored again (a tombstone's place reused)
+    assert index.lookup(gone[:50]).tolist() == list(range(9000, 9050))
+    if isinstance(index, HashIndex):
+        assert index.stored == kept.numel() + 50
+        index.assign(random_ids(5000, 4), torch.arange(20_000, 20_000 + random_ids(5000, 4).numel()))  # rebuilt
+        assert index.lookup(kept[10:]).tolist() == [truth[int(i)] for i in kept[10:].tolist()]

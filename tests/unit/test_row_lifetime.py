@@ -1,0 +1,110 @@
+"""A sparse table's rows over their lifetime: admission (an id's updates applied once it was seen in
+min_count updates, counted in a fixed-size sketch), expiry (a row no update touched in ttl updates
+dropped), eviction at the memory budget (the least recently updated rows dropped instead of a
+refusal); every drop reads as new again, is counted, survives a snapshot, and a standby that applies
+its primary's drops and updates holds the same table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psgrad.core import rows
+from psgrad.core.optimizers.rows import RowSGD
+from psgrad.errors import MemoryBudgetError
+from psgrad.server.row_index import Sightings
+from psgrad.server.tables import MemoryBudget, SparseTable
+
+pytestmark = pytest.mark.timeout(60)
+DIM, LR = 4, 0.5
+
+
+def table(lifetime: tuple[int, int, bool] = (0, 0, False), budget: int | None = None, dynamic: bool = True) -> SparseTable:
+    return SparseTable("emb", rows.DYNAMIC if dynamic else 10_000, DIM, 0, 1, seed=3, optimizer=RowSGD(LR),
+                       budget=MemoryBudget(budget), lifetime=lifetime)
+
+
+def initial(ids: list[int]) -> torch.Tensor:
+    return rows.initial_rows(rows.table_key(3, "emb"), torch.tensor(ids), DIM)
+
+
+def update(t: SparseTable, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return t.apply(torch.tensor(ids), torch.ones(len(ids), DIM))
+
+
+def test_an_id_is_admitted_at_its_min_count_th_update_and_stored_ones_always_are() -> None:
+    t = table((3, 0, False))
+    assert update(t, [5, 7])[0].tolist() == [] and update(t, [5])[0].tolist() == []  # seen 2 and 1 times
+    assert t.touched == 0 and t.dropped == 3 and torch.equal(t.rows(torch.tensor([5])), initial([5]))
+    applied, _ = update(t, [5, 7])  # 5: the third sighting, admitted; 7: the second
+    assert applied.tolist() == [5] and t.admitted == 1 and t.dropped == 4
+    assert torch.equal(t.rows(torch.tensor([5])), initial([5]) - LR)  # only the admitting update, not the dropped two
+    assert update(t, [5])[0].tolist() == [5]  # stored: every update applies
+    assert t.status("emb").dropped == 4 and t.status("emb").admitted == 1
+
+
+def test_rows_untouched_for_ttl_updates_expire_and_read_as_new() -> None:
+    t = table((0, 8, False), dynamic=False)
+    update(t, [1, 2])
+    for _ in range(10):
+        update(t, [3])
+    assert t.expired == 2 and t.touched == 1  # 1 and 2 untouched in 10 updates: dropped; 3 kept
+    assert torch.equal(t.rows(torch.tensor([1, 2])), initial([1, 2]))
+    assert torch.equal(t.rows(torch.tensor([3])), initial([3]) - 10 * LR)
+    update(t, [1])  # new again: from its initial value
+    assert torch.equal(t.rows(torch.tensor([1])), initial([1]) - LR)
+
+
+def test_at_the_budget_the_least_recently_updated_rows_make_room() -> None:
+    probe = table()
+    index_bytes = probe._index.nbytes
+    # room for the first arena (1,024 rows) and its index, not for the arena's doubling
+    budget = index_bytes + 1024 * probe.row_bytes() + 16 * 4096 + 1000
+    refusing = table(budget=budget)
+    update(refusing, list(range(1024)))
+    with pytest.raises(MemoryBudgetError):
+        update(refusing, [5000, 5001])
+    t = table((0, 0, True), budget=budget)
+    for lo in range(0, 1024, 128):
+        update(t, list(range(lo, lo + 128)))  # rows 0-127 updated first (oldest)
+    update(t, [0, 1])  # now the most recent
+    applied, _ = update(t, [2, 5000, 5001, 5002])  # three new rows: evict the 3 least recently updated others
+    assert applied.tolist() == [2, 5000, 5001, 5002] and t.evicted == 3 and t.touched == 1024
+    assert t.status("emb").evicted == 3
+    gone = torch.tensor([3, 4, 5])  # the oldest rows but those this update and the last one touched
+    assert torch.equal(t.rows(gone), initial([3, 4, 5]))
+    assert torch.equal(t.rows(torch.tensor([0, 1])), initial([0, 1]) - 2 * LR)
+    assert torch.equal(t.rows(torch.tensor([6, 1023])), initial([6, 1023]) - LR)
+
+
+def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_table_and_a_snapshot_keeps_it() -> None:
+    lifetime = (2, 16, True)
+    primary, standby = table(lifetime, budget=(2 << 20) + 200_000), table(lifetime)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        ids = torch.unique(torch.randint(0, 3000, (200,), generator=g))
+        applied, grads = primary.apply(ids, torch.randn(ids.numel(), DIM, generator=g))
+        standby.remove(primary.take_removed())
+        standby.apply(applied, grads, replicated=True)
+    assert primary.dropped and primary.expired and primary.evicted, (primary.dropped, primary.expired, primary.evicted)
+    every = torch.arange(3000)
+    assert torch.equal(primary.rows(every), standby.rows(every)) and primary.touched == standby.touched
+    snap = primary.snapshot()
+    back = table(lifetime, budget=(2 << 20) + 200_000)
+    back.load(snap)
+    assert torch.equal(back.rows(every), primary.rows(every))
+    assert (back.admitted, back.expired, back.evicted, back.dropped) == (primary.admitted, primary.expired,
+                                                                         primary.evicted, primary.dropped)
+    assert back.sightings is not None and primary.sightings is not None
+    assert torch.equal(back.sightings.counts, primary.sightings.counts)
+
+
+def test_sightings_are_never_undercounted_and_saturate() -> None:
+    s = Sightings()
+    ids = torch.arange(0, 200_000, dtype=torch.int64) * 7919
+    for k in range(1, 4):
+        assert bool((s.add(ids) >= k).all())
+    assert s.nbytes == 2 << 20
+    few = torch.tensor([11, 12])
+    for _ in range(300):
+        s.add(few)
+    assert s.count(few).tolist() == [255, 255]
