@@ -2,9 +2,10 @@
 and apply rule. A *dense* table is a contiguous range of the job's flat space (its trainable prefix
 takes the optimizer, the synchronized buffers after it take deltas), updated as one vector; a
 *sparse* table holds the rows of an embedding placed on this shard, stored at their first update
-(read before it as their computed initial values) and updated row by row; the *frozen* table holds the shard's range of the model's frozen parameters,
-which no push touches (a space of their own, so a step's push and pull never carry them). All answer the same interface: snapshot and restore, say what they hold. Not thread-safe on their own: the shard core
-calls them under its lock."""
+(read before it as their computed initial values) and updated row by row; the *frozen* table holds
+the shard's range of the model's frozen parameters, which no push touches (a space of their own, so
+a step's push and pull never carry them). All answer the same interface: snapshot and restore, say
+what they hold. Not thread-safe on their own: the shard core calls them under its lock."""
 from __future__ import annotations
 
 import os
