@@ -129,6 +129,31 @@ def add_data_dir_arg(p: argparse._ActionsContainer) -> None:
                    "from Debian's dataset-fashion-mnist)")
 
 
+def add_drift_arg(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--drift", metavar="RATE", type=float, default=None,
+                   help="task ctr only: a drifting click stream read in time order (item popularity and "
+                   "preferences move, new ids keep arriving; test AUC on the most recent window); RATE 1: the hot "
+                   "ids move 2,000 ranks and preferences a quarter turn per million examples; sets "
+                   "PSGRAD_CTR_DRIFT for this process and the ones it starts (default: none)")
+
+
+def apply_drift(ns: argparse.Namespace) -> None:
+    """--drift RATE: checked, and given to the ctr task (and every process this one starts) as
+    PSGRAD_CTR_DRIFT.
+
+    Raises:
+        ConfigError: not task ctr, or not a number >= 0.
+    """
+    rate = getattr(ns, "drift", None)
+    if rate is None:
+        return
+    if getattr(ns, "task", None) != "ctr":
+        raise ConfigError(f"--drift is for --task ctr (a drifting click stream), not task {getattr(ns, 'task', None)!r}")
+    if not 0 <= rate < float("inf"):
+        raise ConfigError(f"--drift must be a number >= 0 (0: no drift), got {rate!r}")
+    os.environ["PSGRAD_CTR_DRIFT"] = repr(rate)
+
+
 def add_step_time_arg(p: argparse._ActionsContainer) -> None:
     flag(p, "--step-time-ms", WorkerConfig.step_time_ms, "emulate an accelerator: every step takes at least MS "
          "milliseconds (compute, then wait the rest; a straggler's factor multiplies it), so a small machine can "
@@ -184,6 +209,7 @@ def add_job_args(
     flag(g, "--task", WorkerConfig.task, "training task: a built-in name (" + BUILTIN_TASKS + ") or your own "
          "as package.module:function returning a psgrad.Task; the current directory is searched")
     add_data_dir_arg(g)
+    add_drift_arg(g)
     flag(g, "--mode", JobSpec.mode, "consistency: async (never wait; fastest, stalest), ssp (bounded staleness, "
          "see --staleness) or sync (BSP: one averaged update per iteration, staleness 0)", choices=MODES)
     g.add_argument(

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from psgrad.cli import logs
+from psgrad.cli.flags import apply_drift
 from psgrad.cli.parser import build_parser
 from psgrad.errors import ConfigError, PsgradError, TaskError
 
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "launch" and ns.resume is not None:
             ns = resumed_launch(parser, ns)
+        apply_drift(ns)
         return func(ns)
     except (ConfigError, TaskError) as exc:
         parser.print_usage(sys.stderr)

@@ -13,6 +13,7 @@ from psgrad.cli.flags import (
     BUILTIN_TASKS,
     add_checkpoint_args,
     add_data_dir_arg,
+    add_drift_arg,
     add_job_args,
     add_rank_args,
     add_recipe_args,
@@ -161,6 +162,7 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     flag(co, "--task", C.task, f"training task: {BUILTIN_TASKS} or package.module:function; its recipe gives the "
          "flags marked 'recipe' (docs/guide/tasks.md)")
     add_data_dir_arg(co)
+    add_drift_arg(co)
     flag(co, "--num-servers", C.num_servers, "shards per run", type=positive_int)
     flag(co, "--num-workers", C.num_workers, "workers per run", type=positive_int)
     flag(co, "--modes", DEFAULT_MODES, "comma-separated modes, each MODE[:OPTION...]: sync, async, ssp:S, "

@@ -24,6 +24,15 @@ The input x of an example is one float64 row: its 26 ids (exact in float64), the
 PSGRAD_CTR_ROWS (total rows) and PSGRAD_CTR_DIM (embedding width, default 32) size the table: a
 task is built from its seed alone, so its size comes from the environment (every worker of a job
 must see the same values; the servers refuse a job whose table differs).
+
+Drift (PSGRAD_CTR_DRIFT=RATE, default 0: none). The clicks become a stream whose example i happens
+at time t = i / 1M, read in time order (never shuffled, never repeated: BatchSchedule). Popularity
+moves: field f's id of Zipf rank k at time t is (k + floor(RATE * t * SHIFT_IDS)) mod V_f, so the
+hot ids change and ids never seen before keep arriving. Preferences move: every id has a planted
+effect, EFFECT_STD * (a cos(theta) + b sin(theta)) with a, b ~ N(0, 1) drawn from (field, id) and
+theta = RATE * t * pi / 2. The test set is the most recent window: RECENT_EXAMPLES examples spread
+over the last RECENT_WINDOW of time before the newest example the worker trained on, drawn afresh
+at each evaluation (and `bayes_auc` on that window).
 """
 from __future__ import annotations
 
@@ -52,6 +61,9 @@ TRAIN_EXAMPLES, TEST_EXAMPLES = 1_000_000, 50_000
 EVAL_BATCH = 2048  # examples per forward when evaluating (its activations are the worker's peak memory)
 INIT_STD = 0.01  # the embedding rows' initial N(0, std^2)
 _SALT_DATA, _SALT_TEST, _SALT_PLANTED = 1, 2, 3
+_SALT_EFFECT_A, _SALT_EFFECT_B = 4, 5
+SHIFT_IDS = 2000  # drift: how far (in Zipf ranks) the hot ids move per unit of time at RATE 1
+RECENT_EXAMPLES, RECENT_WINDOW = 10_000, 0.02  # drift: the test window (examples, and its span in time)
 _COLUMNS = FIELDS + 2 * DENSE + 1  # uniforms per example: ids, features (Box-Muller pairs), label
 
 
@@ -69,6 +81,28 @@ def table_size() -> tuple[int, int]:
     if rows < MIN_ROWS or dim < 1:
         raise TaskError(f"task 'ctr': PSGRAD_CTR_ROWS must be >= {MIN_ROWS} and PSGRAD_CTR_DIM >= 1, got {rows}, {dim}")
     return rows, dim
+
+
+def drift_rate() -> float:
+    """PSGRAD_CTR_DRIFT: how fast the stream drifts (0: a fixed distribution, the default).
+
+    Raises:
+        TaskError: not a number >= 0.
+    """
+    raw = os.environ.get("PSGRAD_CTR_DRIFT", "0")
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not rate >= 0 or rate == float("inf"):
+        raise TaskError(f"task 'ctr': PSGRAD_CTR_DRIFT must be a number >= 0 (0: no drift), got {raw!r}")
+    return rate
+
+
+def _normal(seed: int, salt: int, field: int, ids: np.ndarray) -> np.ndarray:
+    """N(0, 1) draws, one per (field, id), a function of (seed, salt, field, id) only."""
+    u = _uniforms(seed, salt * 64 + field, ids, 2)
+    return np.sqrt(-2.0 * np.log(u[:, 0])) * np.cos(2.0 * np.pi * u[:, 1])
 
 
 def vocabularies(total: int) -> np.ndarray:
@@ -91,8 +125,8 @@ def _uniforms(seed: int, salt: int, index: np.ndarray, columns: int) -> np.ndarr
 class Generator:
     """Examples and their planted logits, as functions of (seed, index)."""
 
-    def __init__(self, seed: int, total_rows: int) -> None:
-        self.seed = seed
+    def __init__(self, seed: int, total_rows: int, drift: float = 0.0) -> None:
+        self.seed, self.drift = seed, drift
         self.sizes = vocabularies(total_rows)
         planted = np.random.default_rng([seed, _SALT_PLANTED])
         hot = np.minimum(self.sizes, HOT_IDS)
@@ -108,13 +142,26 @@ class Generator:
         ids = np.floor(x ** (1.0 / a)) - 1.0
         return np.clip(ids, 0, v - 1)
 
-    def examples(self, salt: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(x [n, 39] float64: ids then features, labels [n] float32, planted logits [n])."""
+    def examples(self, salt: int, index: np.ndarray, times: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x [n, 39] float64: ids then features, labels [n] float32, planted logits [n]); with
+        drift, each example at its time (default: its index / TRAIN_EXAMPLES, the stream's)."""
         u = _uniforms(self.seed, salt, index, _COLUMNS)
         ids = self._ids(u[:, :FIELDS])
         u1, u2 = u[:, FIELDS:FIELDS + DENSE], u[:, FIELDS + DENSE:FIELDS + 2 * DENSE]
         dense = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
         logit = np.full(len(index), BIAS) + dense @ self.dense_w + self.pair_w * dense[:, 0] * dense[:, 1]
+        if self.drift:
+            t = index.astype(np.float64) / TRAIN_EXAMPLES if times is None else times
+            shift = np.floor(self.drift * t * SHIFT_IDS)
+            theta = self.drift * t * np.pi / 2
+            for f in range(FIELDS):
+                ids[:, f] = np.mod(ids[:, f] + shift, self.sizes[f])
+                col = ids[:, f].astype(np.int64)
+                a, b = _normal(self.seed, _SALT_EFFECT_A, f, col), _normal(self.seed, _SALT_EFFECT_B, f, col)
+                logit += EFFECT_STD * (a * np.cos(theta) + b * np.sin(theta))
+            labels = (u[:, -1] < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+            return np.concatenate([ids, dense], axis=1), labels, logit
         for f, effects in enumerate(self.effects):
             col = ids[:, f].astype(np.int64)
             hot = col < len(effects)
@@ -129,12 +176,17 @@ class ClickStream(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __init__(self, generator: Generator, length: int = TRAIN_EXAMPLES) -> None:
         self.generator, self.length = generator, length
+        #: with drift: a stream in time order (BatchSchedule reads it so), and its newest example here
+        self.in_time_order = generator.drift > 0
+        self.latest = -1
 
     def __len__(self) -> int:
         return self.length
 
     def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y, _ = self.generator.examples(_SALT_DATA, index.numpy())
+        if index.numel():
+            self.latest = max(self.latest, int(index.max()))
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,28 +264,44 @@ def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def ctr_task(seed: int = 0) -> Task:
     """The synthetic click-through workload (see the module doc); its size from the environment."""
     total, dim = table_size()
-    generator = Generator(seed, total)
+    generator = Generator(seed, total, drift_rate())
+    stream = ClickStream(generator)
     parts = [generator.examples(_SALT_TEST, np.arange(lo, min(lo + EVAL_BATCH, TEST_EXAMPLES)))
              for lo in range(0, TEST_EXAMPLES, EVAL_BATCH)]  # (in pieces: the temporaries stay small)
     test_x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
     test_y = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     bayes = auc(torch.from_numpy(np.concatenate([p[2] for p in parts])), test_y)
 
+    def recent_window() -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Drift: the test window before the newest example this worker trained on (x, y, its
+        bayes AUC, the time it ends at)."""
+        now = (stream.latest + 1) / TRAIN_EXAMPLES
+        index = np.arange(RECENT_EXAMPLES)
+        times = now - RECENT_WINDOW * (1.0 - index / RECENT_EXAMPLES)
+        x, y, logit = generator.examples(_SALT_TEST, index, times)
+        labels = torch.from_numpy(y)
+        return torch.from_numpy(x), labels, auc(torch.from_numpy(logit), labels), now
+
     @torch.no_grad()
     def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor,
                     batch: int = EVAL_BATCH) -> dict[str, float]:
+        best, extra = bayes, {}
+        if generator.drift:  # the most recent window, not the fixed test set
+            xs, ys, best, now = recent_window()
+            extra = {"test_time": now}
         was_training = model.training
         model.eval()
         logits = torch.cat([model(xs[lo:lo + batch].to(device)).float().cpu() for lo in range(0, len(xs), batch)])
         model.train(was_training)
         rows, nbytes = embedding_rows(model)
         return {"test_loss": float(bce(logits, ys)), "test_accuracy": float(((logits > 0) == (ys > 0.5)).float().mean()),
-                "test_auc": auc(logits, ys), "bayes_auc": bayes, "embedding_rows": rows, "embedding_bytes": nbytes}
+                "test_auc": auc(logits, ys), "bayes_auc": best, "embedding_rows": rows, "embedding_bytes": nbytes,
+                **extra}
 
     return Task(
         name="ctr",
         build_model=lambda: DLRM(generator.sizes, dim),
-        train_set=ClickStream(generator),
+        train_set=stream,
         test_x=test_x,
         test_y=test_y,
         loss_fn=bce,

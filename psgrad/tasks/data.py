@@ -105,7 +105,13 @@ class BatchSchedule:
         return _seed(self.seed, 1, self.sampler.rank, clock)
 
     def indices_at(self, clock: int) -> torch.Tensor:
-        """The dataset indices of iteration `clock` (0-based)."""
+        """The dataset indices of iteration `clock` (0-based). A stream in time order (a dataset
+        whose `in_time_order` is true: examples whose index is their time, ctr's drifting clicks)
+        is read in order, never shuffled nor repeated: iteration c of rank r is the batch at
+        (c * num_workers + r) * batch_size, so every step trains on the stream's newest examples."""
+        if getattr(self.data, "in_time_order", False):
+            start = (clock * self.sampler.num_replicas + self.sampler.rank) * self.batch_size
+            return torch.arange(start, start + self.batch_size)
         epoch, i = divmod(clock, self.per_epoch)
         if epoch != self._epoch:
             self._epoch, self._order = epoch, self.sampler.indices(epoch)

@@ -100,3 +100,49 @@ def test_the_sparse_model_needs_a_job_and_the_size_comes_from_the_environment(sm
     monkeypatch.setenv("PSGRAD_CTR_ROWS", "lots")
     with pytest.raises(TaskError, match="must be integers"):
         get_task("ctr")
+
+
+def test_a_drifting_stream_is_read_in_time_order_and_moves_popularity_and_preferences(
+    small: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PSGRAD_CTR_DRIFT", "2")
+    task = get_task("ctr", seed=1)
+    data = task.train_set
+    assert data.in_time_order
+    # workers read the stream in order, in disjoint consecutive batches, never shuffled nor repeated
+    schedules = [BatchSchedule(data, 4, seed=0, rank=r, num_workers=2) for r in range(2)]
+    got = [schedules[c % 2].indices_at(c // 2).tolist() for c in range(4)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    gen = data.generator
+    index = np.arange(20_000)
+    early, _, _ = gen.examples(ctr._SALT_TEST, index, np.zeros(len(index)))
+    late, _, late_logit = gen.examples(ctr._SALT_TEST, index, np.ones(len(index)))
+    # popularity: field 0's most frequent id moved, and ids never seen early are common late
+    top = lambda x: int(np.bincount(x[:, 0].astype(np.int64)).argmax())  # noqa: E731
+    assert top(early) != top(late)
+    new = ~np.isin(late[:, 0], early[:, 0])
+    assert new.mean() > 0.3, new.mean()
+    # preferences: the same example at another time has another planted logit
+    _, _, again = gen.examples(ctr._SALT_TEST, index, np.full(len(index), 0.5))
+    assert not np.allclose(again, late_logit)
+    # the test set is the window before the newest example trained on, and says when it ends
+    data.batch(torch.arange(600_000, 600_010))
+    model = task.dense_model()
+    metrics = task.evaluate(model, torch.device("cpu"))
+    assert metrics["test_time"] == pytest.approx(600_010 / ctr.TRAIN_EXAMPLES)
+    assert 0.5 < metrics["bayes_auc"] <= 1.0
+    with_no_drift = ctr.Generator(1, 20_000, 0.0)
+    assert not with_no_drift.drift and not ctr.ClickStream(with_no_drift).in_time_order
+
+
+def test_drift_is_for_ctr_and_a_rate_at_least_0(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import cli_in_process
+
+    monkeypatch.delenv("PSGRAD_CTR_DRIFT", raising=False)
+    res = cli_in_process(["worker", "--servers", "127.0.0.1:1", "--task", "digits", "--drift", "1"], capsys)
+    assert res.returncode == 2 and "--drift is for --task ctr" in res.stderr, res.stderr
+    res = cli_in_process(["launch", "--task", "ctr", "--drift", "-1"], capsys)
+    assert res.returncode == 2 and "--drift must be a number >= 0" in res.stderr, res.stderr
+    monkeypatch.setenv("PSGRAD_CTR_DRIFT", "fast")
+    with pytest.raises(TaskError, match="PSGRAD_CTR_DRIFT must be a number >= 0"):
+        ctr.drift_rate()
