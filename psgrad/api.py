@@ -102,8 +102,8 @@ def connect(
     whether the biased codecs (topk, randomk, sign) add what a push left out to the next gradient.
     tables_mode: the embedding tables' mode where it differs from `mode` ("async" with mode "sync":
     each worker's row gradients are applied as they arrive, the dense part once per iteration;
-    docs/guide/embeddings.md). Every worker of a job must pass the same job settings; the servers refuse a mismatch, naming
-    the field.
+    docs/guide/embeddings.md). Every worker of a job must pass the same job settings; the servers
+    refuse a mismatch, naming the field.
 
     Raises:
         ConfigError: an invalid address or job setting (the message names it), or an optimizer
