@@ -20,7 +20,10 @@ vocabularies: one table, so a forward makes one pull per shard), a bottom MLP of
 the pairwise dot products of the 27 vectors, and a top MLP. The dense variant (`Task.dense_model`,
 what the all-reduce baseline trains) has a torch.nn.Embedding of the same size instead.
 
-The input x of an example is one float64 row: its 26 ids (exact in float64), then its 13 features.
+The input x of an example is one float64 row: its 26 ids (exact in float64), then its 13 features;
+with PSGRAD_CTR_IDS=hashed, one int64 row: the 26 ids hashed with their field to raw 64-bit ids (as
+a recommender's logs carry them; the model's table is then dynamic, any int64 id), then the
+features' float64 bits.
 PSGRAD_CTR_ROWS (total rows) and PSGRAD_CTR_DIM (embedding width, default 32) size the table: a
 task is built from its seed alone, so its size comes from the environment (every worker of a job
 must see the same values; the servers refuse a job whose table differs).
@@ -99,6 +102,30 @@ def drift_rate() -> float:
     return rate
 
 
+def hashed_ids() -> bool:
+    """PSGRAD_CTR_IDS: "hashed" feeds the model raw 64-bit hashed ids (a dynamic table), "dense" (the
+    default) each field's ids offset into one table of PSGRAD_CTR_ROWS rows.
+
+    Raises:
+        TaskError: another value.
+    """
+    kind = os.environ.get("PSGRAD_CTR_IDS", "dense")
+    if kind not in ("dense", "hashed"):
+        raise TaskError(f"task 'ctr': PSGRAD_CTR_IDS must be 'dense' or 'hashed', got {kind!r}")
+    return kind == "hashed"
+
+
+def encode_hashed(x: np.ndarray) -> torch.Tensor:
+    """Examples as a recommender's logs carry them: [n, 39] int64, each field's id hashed with its
+    field to a 64-bit id (splitmix64 of field << 56 | id; never int64's two smallest, which a dynamic
+    table reserves), then the 13 features' float64 bits (the model views them back)."""
+    ids = x[:, :FIELDS].astype(np.uint64) | (np.arange(FIELDS, dtype=np.uint64) << np.uint64(56))
+    hashed = splitmix64(ids).view(np.int64)
+    hashed[hashed <= np.iinfo(np.int64).min + 1] += 2
+    features = np.ascontiguousarray(x[:, FIELDS:]).view(np.int64)
+    return torch.from_numpy(np.concatenate([hashed, features], axis=1))
+
+
 def _normal(seed: int, salt: int, field: int, ids: np.ndarray) -> np.ndarray:
     """N(0, 1) draws, one per (field, id), a function of (seed, salt, field, id) only."""
     u = _uniforms(seed, salt * 64 + field, ids, 2)
@@ -174,8 +201,8 @@ class ClickStream(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """The training examples: `length` indices, each example made when asked for (`batch` makes
     a batch at once; BatchSchedule uses it)."""
 
-    def __init__(self, generator: Generator, length: int = TRAIN_EXAMPLES) -> None:
-        self.generator, self.length = generator, length
+    def __init__(self, generator: Generator, length: int = TRAIN_EXAMPLES, hashed: bool = False) -> None:
+        self.generator, self.length, self.hashed = generator, length, hashed
         #: with drift: a stream in time order (BatchSchedule reads it so), and its newest example here
         self.in_time_order = generator.drift > 0
         self.latest = -1
@@ -187,7 +214,7 @@ class ClickStream(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         x, y, _ = self.generator.examples(_SALT_DATA, index.numpy())
         if index.numel():
             self.latest = max(self.latest, int(index.max()))
-        return torch.from_numpy(x), torch.from_numpy(y)
+        return (encode_hashed(x) if self.hashed else torch.from_numpy(x)), torch.from_numpy(y)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.batch(torch.tensor([i]))
@@ -222,14 +249,16 @@ class DLRM(nn.Module):
     offsets: torch.Tensor
     pairs: torch.Tensor
 
-    def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD) -> None:
+    def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD,
+                 hashed: bool = False) -> None:
         super().__init__()
         total = int(sizes.sum())
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
         self.register_buffer("offsets", offsets, persistent=False)
+        self.hashed, self.total = hashed, total  # hashed: x holds 64-bit ids and the features' float64 bits
         if sparse:
-            self.embedding: nn.Module = Embedding(total, dim, std=init_std)
-        else:
+            self.embedding: nn.Module = Embedding(None if hashed else total, dim, std=init_std)
+        else:  # (hashed: the hashing trick, ids mod the table's rows)
             self.embedding = nn.Embedding(total, dim)
             nn.init.normal_(self.embedding.weight, 0.0, init_std)
         self.bottom = nn.Sequential(nn.Linear(DENSE, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
@@ -238,8 +267,14 @@ class DLRM(nn.Module):
         self.top = nn.Sequential(nn.Linear(pairs + dim, 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = x[:, :FIELDS].long() + self.offsets
-        d = self.bottom(x[:, FIELDS:].float())
+        if self.hashed:
+            ids = x[:, :FIELDS]
+            if isinstance(self.embedding, nn.Embedding):
+                ids = torch.remainder(ids, self.total)
+            d = self.bottom(x[:, FIELDS:].contiguous().view(torch.float64).float())
+        else:
+            ids = x[:, :FIELDS].long() + self.offsets
+            d = self.bottom(x[:, FIELDS:].float())
         z = torch.cat([d.unsqueeze(1), self.embedding(ids)], dim=1)  # [B, 27, dim]
         inter = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([d, inter], dim=1)).squeeze(1)
@@ -265,10 +300,12 @@ def ctr_task(seed: int = 0) -> Task:
     """The synthetic click-through workload (see the module doc); its size from the environment."""
     total, dim = table_size()
     generator = Generator(seed, total, drift_rate())
-    stream = ClickStream(generator)
+    hashed = hashed_ids()
+    stream = ClickStream(generator, hashed=hashed)
+    as_input = encode_hashed if hashed else torch.from_numpy
     parts = [generator.examples(_SALT_TEST, np.arange(lo, min(lo + EVAL_BATCH, TEST_EXAMPLES)))
              for lo in range(0, TEST_EXAMPLES, EVAL_BATCH)]  # (in pieces: the temporaries stay small)
-    test_x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+    test_x = as_input(np.concatenate([p[0] for p in parts]))
     test_y = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     bayes = auc(torch.from_numpy(np.concatenate([p[2] for p in parts])), test_y)
 
@@ -280,7 +317,7 @@ def ctr_task(seed: int = 0) -> Task:
         times = now - RECENT_WINDOW * (1.0 - index / RECENT_EXAMPLES)
         x, y, logit = generator.examples(_SALT_TEST, index, times)
         labels = torch.from_numpy(y)
-        return torch.from_numpy(x), labels, auc(torch.from_numpy(logit), labels), now
+        return as_input(x), labels, auc(torch.from_numpy(logit), labels), now
 
     @torch.no_grad()
     def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor,
@@ -300,12 +337,12 @@ def ctr_task(seed: int = 0) -> Task:
 
     return Task(
         name="ctr",
-        build_model=lambda: DLRM(generator.sizes, dim),
+        build_model=lambda: DLRM(generator.sizes, dim, hashed=hashed),
         train_set=stream,
         test_x=test_x,
         test_y=test_y,
         loss_fn=bce,
         quick_eval=10_000,
         evaluator=evaluate_on,
-        dense_model=lambda: DLRM(generator.sizes, dim, sparse=False),
+        dense_model=lambda: DLRM(generator.sizes, dim, sparse=False, hashed=hashed),
     )

@@ -146,3 +146,40 @@ def test_drift_is_for_ctr_and_a_rate_at_least_0(capsys: pytest.CaptureFixture[st
     monkeypatch.setenv("PSGRAD_CTR_DRIFT", "fast")
     with pytest.raises(TaskError, match="PSGRAD_CTR_DRIFT must be a number >= 0"):
         ctr.drift_rate()
+
+
+def test_hashed_ids_come_as_raw_64_bit_ids_and_train_a_dynamic_table(small: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psgrad
+    from psgrad.config import ClientConfig
+
+    plain = get_task("ctr", seed=2).train_set.batch(torch.arange(256))[0]
+    monkeypatch.setenv("PSGRAD_CTR_IDS", "hashed")
+    task = get_task("ctr", seed=2)
+    x, y = task.train_set.batch(torch.arange(256))
+    assert x.dtype == torch.int64 and x.shape == plain.shape
+    ids = x[:, :ctr.FIELDS]
+    assert int(ids.abs().max()) > 2**53  # beyond what a float64 holds exactly
+    assert torch.equal(x[:, ctr.FIELDS:].contiguous().view(torch.float64), plain[:, ctr.FIELDS:])  # the same features
+    same = (plain[:, 0].unsqueeze(0) == plain[:, 0].unsqueeze(1)) == (ids[:, 0].unsqueeze(0) == ids[:, 0].unsqueeze(1))
+    assert bool(same.all())  # one id, one hash (field 0)
+    assert task.dense_model()(x).shape == (256,)  # the all-reduce baseline: the hashing trick
+    model = task.build_model()
+    assert model.embedding.dynamic
+    servers = [psgrad.serve() for _ in range(2)]
+    try:
+        with psgrad.connect([s.address for s in servers], optimizer=psgrad.Adagrad(lr=0.05),
+                            client=ClientConfig(shared_memory=False)) as ps:
+            opt = ps.optimizer(model)
+            for step in range(3):
+                bx, by = task.train_set.batch(torch.arange(256 * step, 256 * (step + 1)))
+                opt.zero_grad()
+                task.loss_fn(model(bx), by).backward()
+                opt.step()
+            stored = [sum(t.rows_touched for t in s.shard.status().tables if t.kind == "sparse") for s in servers]
+            assert min(stored) > 100, stored  # rows stored by hashed id, on both shards
+    finally:
+        for s in servers:
+            s.stop()
+    monkeypatch.setenv("PSGRAD_CTR_IDS", "raw")
+    with pytest.raises(TaskError, match="PSGRAD_CTR_IDS must be 'dense' or 'hashed'"):
+        get_task("ctr")
