@@ -3,7 +3,8 @@ written, shell blocks run as one script in a fresh directory, fragments checked,
 skipped), succeed, and each step prints what its expected output promises.
 
 The extractor here is local to this page; the general runner of every guide page
-(tests/e2e/test_doc_examples.py) follows the same convention."""
+(tests/e2e/test_doc_examples.py) follows the same convention, and can take
+`tutorial_prints_what_it_promises(output, cwd)` as this page's check."""
 from __future__ import annotations
 
 import json
@@ -122,8 +123,11 @@ def test_the_tutorial_runs_and_prints_what_it_promises(tmp_path: Path) -> None:
     print(f"tutorial.md: ran {p.counts['ran']} blocks, wrote {p.counts['wrote']} files, checked "
           f"{p.counts['fragments']} fragments, skipped {p.counts['skipped']}")
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}"
-    out = res.stdout
+    tutorial_prints_what_it_promises(res.stdout, tmp_path)
 
+
+def tutorial_prints_what_it_promises(out: str, cwd: Path) -> None:
+    """The checks of the page's output (the whole script's, in order) and of the files it left in cwd."""
     # the steps' output, cut where each step's first line appears
     compare = out.index("psgrad compare: sync, async")
     pixels = out.index("table input for 2 test images")
@@ -145,8 +149,8 @@ def test_the_tutorial_runs_and_prints_what_it_promises(tmp_path: Path) -> None:
     for mode, row in rows.items():
         final = re.search(r"(\d\.\d{4}) ± \d\.\d{4}", row)
         assert final and float(final.group(1)) > 0.8, (mode, row)
-    summary = json.loads((tmp_path / "runs" / "modes" / "summary.json").read_text())
-    assert "sync" in json.dumps(summary) and (tmp_path / "runs" / "modes" / "report.md").is_file()
+    summary = json.loads((cwd / "runs" / "modes" / "summary.json").read_text())
+    assert "sync" in json.dumps(summary) and (cwd / "runs" / "modes" / "report.md").is_file()
 
     # 4: the table's input shown, and the model with the table trains
     assert "torch.int64 [2, 64]; image 0, pixels 0-7: [0, 0, 2, 13, 16, 9, 0, 0] -> ids [0, 17, 36, 64, 84, " \
@@ -159,7 +163,7 @@ def test_the_tutorial_runs_and_prints_what_it_promises(tmp_path: Path) -> None:
     assert restored > 0, steps56
     finals = []
     for rank in range(2):
-        log = (tmp_path / f"worker{rank}.log").read_text()
+        log = (cwd / f"worker{rank}.log").read_text()
         told = re.findall(rf"^rank {rank}: shard 0 restarted from its checkpoint: its version went back from "
                           rf"(\d+) to (\d+), (\d+) updates? lost$", log, re.M)
         assert len(told) == 1 and int(told[0][1]) == restored and int(told[0][0]) >= restored, log
@@ -177,4 +181,4 @@ def test_the_tutorial_runs_and_prints_what_it_promises(tmp_path: Path) -> None:
     assert sorted(r for r, _ in tls_done) == ["0", "1"] and all(float(a) > 0.85 for _, a in tls_done), step7
     assert re.search(r"^shard 1: workers 0:clock=\d+,left 1:clock=\d+,left$", step7, re.M), step7
     assert "did its TLS refuse this client" in step7 and "exit 1: refused without the job's credentials" in step7
-    assert "initialized by the chief" in (tmp_path / "server0.log").read_text()
+    assert "initialized by the chief" in (cwd / "server0.log").read_text()
