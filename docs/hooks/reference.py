@@ -181,13 +181,13 @@ API_PAGES = {  # page -> its title in the overview
     "reference/api-errors.md": "Errors",
 }
 DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.M)
-FIELDS = re.compile(r"^<!-- fields: (\w+) ([\w-]+) -->$", re.M)
+FIELDS = re.compile(r"^<!-- fields: (\w+) ([\w-]+)(?: prefix=(\w+))? -->$", re.M)
 # Fields that no flag of the command sets, with what they are.
 UNFLAGGED = {
     "chunk_bytes": "bytes of payload per gRPC data frame of a transfer (at least 1,024)",
     "grace_s": "seconds a stopping server lets in-flight calls finish (`.stop()`, SIGTERM)",
     "tls": "a `TlsConfig`: the `--tls-*` flags",
-    "auth": "an `AuthConfig`: the credential (from `--token-file` or `--secret-file`)",
+    "auth": "an `AuthConfig`: the credential (`--job-secret-file`, or a worker's `--token-file`)",
     "straggler_model": "random slow steps and a moving slow node: `--straggler-dist`, `--slow-node-rotate`",
     "client": "a `ClientConfig`: the connection flags",
     "num_shards": "the number of servers in `--servers` (every worker gives the same list)",
@@ -207,12 +207,12 @@ def api_directives() -> dict[str, list[str]]:
     return {page: DIRECTIVE.findall((REPO / "docs" / page).read_text()) for page in API_PAGES}
 
 
-def _first_line(obj: Any) -> str:
+def _first_sentence(obj: Any) -> str:
     import inspect
 
-    doc = inspect.getdoc(obj) or ""
-    paragraph = doc.split("\n\n")[0]
-    return " ".join(paragraph.split()).replace("|", "/")
+    doc = " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+    sentence = re.match(r"(.+?[.!?])(?=\s+[A-Z`(]|$)", doc)  # its first sentence
+    return (sentence.group(1) if sentence else doc).replace("|", "/")
 
 
 def api_markdown() -> str:
@@ -232,14 +232,14 @@ def api_markdown() -> str:
             module, name = ident.rsplit(".", 1)
             obj = getattr(importlib.import_module(module), name)
             shown = f"psgrad.{name}" if name in names else ident
-            out.append(f"| [`{shown}`]({page.removeprefix('reference/')}#{ident}) | {_first_line(obj)} |\n")
+            out.append(f"| [`{shown}`]({page.removeprefix('reference/')}#{ident}) | {_first_sentence(obj)} |\n")
         out.append("\n")
     return "".join(out)
 
 
-def fields_markdown(class_name: str, command: str) -> str:
-    """A table of a configuration class's fields: default, the `psgrad COMMAND` flag that sets it, and
-    the flag's help (or, for the few no flag sets, what they are)."""
+def fields_markdown(class_name: str, command: str, prefix: str = "") -> str:
+    """A table of a configuration class's fields: default, the `psgrad COMMAND` flag that sets it (its
+    dest is PREFIX + the field's name), and the flag's help (or, for the few no flag sets, what they are)."""
     import dataclasses
 
     import psgrad
@@ -255,7 +255,7 @@ def fields_markdown(class_name: str, command: str) -> str:
             default = f"`{type(f.default_factory()).__name__}()`"  # type: ignore[misc]
         else:
             default = "required"
-        action = actions.get(f.name)
+        action = actions.get(prefix + f.name)
         if action is not None:
             flag, what = ", ".join(f"`{o}`" for o in action.option_strings), _help(parser, action)
         else:
@@ -266,7 +266,7 @@ def fields_markdown(class_name: str, command: str) -> str:
 
 
 def fill_fields(markdown: str) -> str:
-    return FIELDS.sub(lambda m: fields_markdown(m.group(1), m.group(2)), markdown)
+    return FIELDS.sub(lambda m: fields_markdown(m.group(1), m.group(2), m.group(3) or ""), markdown)
 
 
 # ----------------------------------------------------------------------------------------- the hook
