@@ -204,6 +204,19 @@ def embeddings_tables_train(out: str, cwd: Path) -> None:
     assert re.search(r"^dlrm: \d+ steps, loss [\d.]+ -> [\d.]+, prefetched reads \d+$", out, re.M), out[-3000:]
 
 
+def compare_runs_the_variants_and_the_claims_preset(out: str, cwd: Path) -> None:
+    """compare.md: the three variants each ran (summary.json), and the claims preset's quick run wrote
+    its whole report (tests/e2e/test_compare.py's checks of it)."""
+    import json
+
+    from test_compare import claims_quick_report_is_complete
+
+    summary = json.loads((cwd / "runs" / "variants" / "summary.json").read_text())
+    assert "async:dc=0.04" in json.dumps(summary) and "ssp:auto" in json.dumps(summary), summary
+    assert re.search(r"^ssp:auto\s+0\.1\s", out, re.M), out[-3000:]
+    claims_quick_report_is_complete(cwd / "runs" / "claims")
+
+
 def tutorial_check() -> Callable[[str, Path], None] | None:
     """The tutorial's own checks of what it prints (tests/e2e/test_tutorial.py), where that exists."""
     try:
@@ -216,8 +229,10 @@ def tutorial_check() -> Callable[[str, Path], None] | None:
 PAGE_CHECKS: dict[str, Callable[[], Callable[[str, Path], None] | None]] = {
     "guide/python-api.md": lambda: python_api_two_workers_train,
     "guide/embeddings.md": lambda: embeddings_tables_train,
+    "guide/compare.md": lambda: compare_runs_the_variants_and_the_claims_preset,
     "tutorial.md": tutorial_check,
 }
+TIMEOUT_S = {"guide/compare.md": 450, "tutorial.md": 420}  # the script's limit (default 300)
 SERVERS = re.compile(r"psgrad (server|launch|compare|run|worker)\b|psgrad\.(serve|connect)\(")
 
 
@@ -236,14 +251,14 @@ def _params() -> list[object]:
     return out
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("page", _params())
 def test_every_block_of_the_page_runs(page: str, tmp_path: Path) -> None:
     """The page's files written, its script run in a fresh directory: it exits 0, and prints what the
     page says it prints where PAGE_CHECKS holds a check for it."""
     p = page_plan(DOCS / page)
     print(p.summary(page))
-    res = run_page(p, tmp_path, timeout_s=420 if page == "tutorial.md" else 300, check=PAGE_CHECKS.get(page, lambda: None)())
+    res = run_page(p, tmp_path, timeout_s=TIMEOUT_S.get(page, 300), check=PAGE_CHECKS.get(page, lambda: None)())
     print(res.stdout[-5000:])
     assert res.returncode == 0, f"{page}: exit {res.returncode}\n{res.stdout[-6000:]}"
 
