@@ -24,7 +24,6 @@ from __future__ import annotations
 import py_compile
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
