@@ -1,13 +1,15 @@
 """Generated reference pages: the CLI from psgrad's argparse parser, the metrics from the collectors
-that serve them, the Python API from `psgrad.__all__` (rendered by mkdocstrings).
+that serve them, the Python API's index from `psgrad.__all__` and the per-topic API pages
+(docs/reference/api-*.md, rendered by mkdocstrings).
 
 mkdocs runs this as a hook (mkdocs.yml, `hooks:`): `on_files` adds reference/cli.md,
 reference/metrics.md and reference/api.md to the site at build time, so they cannot drift from the
-code. Tests import it too (tests/e2e/test_docs.py, tests/e2e/test_operations.py).
+code, and `on_page_markdown` fills the configuration classes' field tables of the API pages. Tests import it too (tests/e2e/test_docs.py, tests/e2e/test_operations.py).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -166,34 +168,105 @@ def metrics_markdown() -> str:
 
 
 # -------------------------------------------------------------------------------------- Python API
+# The Python API reference is one page per topic, written by hand around mkdocstrings' `::: NAME`
+# directives (docs/reference/api-*.md). The build checks that every name `import psgrad` exports is on
+# one of them, generates reference/api.md (every name, its page and its first docstring line), and
+# fills each `<!-- fields: CLASS COMMAND -->` marker with the class's fields and their flags.
 
-def api_markdown() -> str:
+API_PAGES = {  # page -> its title in the overview
+    "reference/api-training.md": "Connect and the optimizer",
+    "reference/api-embeddings.md": "Embeddings",
+    "reference/api-data.md": "Data, tasks and exports",
+    "reference/api-config.md": "Configuration objects",
+    "reference/api-errors.md": "Errors",
+}
+DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.M)
+FIELDS = re.compile(r"^<!-- fields: (\w+) ([\w-]+)(?: prefix=(\w+))? -->$", re.M)
+# Fields that no flag of the command sets, with what they are.
+UNFLAGGED = {
+    "chunk_bytes": "bytes of payload per gRPC data frame of a transfer (at least 1,024)",
+    "grace_s": "seconds a stopping server lets in-flight calls finish (`.stop()`, SIGTERM)",
+    "tls": "a `TlsConfig`: the `--tls-*` flags",
+    "auth": "an `AuthConfig`: the credential (`--job-secret-file`, or a worker's `--token-file`)",
+    "straggler_model": "random slow steps and a moving slow node: `--straggler-dist`, `--slow-node-rotate`",
+    "client": "a `ClientConfig`: the connection flags",
+    "num_shards": "the number of servers in `--servers` (every worker gives the same list)",
+}
+
+
+def public_names() -> dict[str, str]:
+    """Every name `import psgrad` exports (but __version__) -> the module it is defined in."""
     import psgrad
 
-    eager = {name: getattr(psgrad, name).__module__ for name in psgrad.__all__
-             if name != "__version__" and name not in psgrad._LAZY}
-    where = {**psgrad._LAZY, **eager}
-    groups = {
-        "Connecting and training": ["connect", "serve", "Session", "PSOptimizer", "StepStats"],
-        "Server-side optimizers": ["SGD", "Adam", "Adagrad", "RMSprop", "Adadelta"],
-        "Data, tasks and embeddings": ["ShardedSampler", "Task", "Embedding", "EmbeddingBag", "clip_grad_norm_"],
-        "Reading a job's model": ["fetch_state_dict", "fetch_model", "ModelSnapshot"],
-    }
-    listed = {n for names in groups.values() for n in names}
-    config = [n for n in where if n.endswith("Config") or n == "JobSpec"]
-    where.update({n: "psgrad.config" for n in config})  # where users import them (JobSpec is defined in core/job.py)
-    groups["Configuration"] = config
-    groups["Errors"] = sorted(n for n in where if n not in listed and n not in config)
+    return {name: psgrad._LAZY.get(name) or getattr(psgrad, name).__module__
+            for name in psgrad.__all__ if name != "__version__"}
+
+
+def api_directives() -> dict[str, list[str]]:
+    """page -> the identifiers its `::: IDENTIFIER` directives render, in page order."""
+    return {page: DIRECTIVE.findall((REPO / "docs" / page).read_text()) for page in API_PAGES}
+
+
+def _first_sentence(obj: Any) -> str:
+    import inspect
+
+    doc = " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+    sentence = re.match(r"(.+?[.!?])(?=\s+[A-Z`(]|$)", doc)  # its first sentence
+    return (sentence.group(1) if sentence else doc).replace("|", "/")
+
+
+def api_markdown() -> str:
+    """reference/api.md: every exported name, the page that documents it, and what it is."""
+    import importlib
+
+    names = public_names()
+    where = {ident.rsplit(".", 1)[1]: (page, ident) for page, idents in api_directives().items() for ident in idents}
+    missing = sorted(set(names) - set(where))
+    assert not missing, f"psgrad.__all__ names on no API reference page ({', '.join(API_PAGES)}): {missing}"
     out = [HEADER, "# Python API reference\n\n",
-           "The names `import psgrad` exports (`psgrad.__all__`), from their docstrings. A guided tour: "
-           "[The Python API](../guide/python-api.md).\n\n"]
-    for title, names in groups.items():
-        out.append(f"## {title}\n\n")
-        for name in names:
-            out.append(f"::: {where[name]}.{name}\n    options:\n      heading_level: 3\n\n")
-    missing = set(where) - {n for names in groups.values() for n in names}
-    assert not missing, f"psgrad.__all__ names not in the API reference: {sorted(missing)}"
+           "Everything `import psgrad` exports, one page per topic. A guided tour with a complete example: "
+           "[The Python API](../guide/python-api.md); embedding tables: [Embedding tables](../guide/embeddings.md).\n\n"]
+    for page, title in API_PAGES.items():
+        out.append(f"## [{title}]({page.removeprefix('reference/')})\n\n| name | what |\n|---|---|\n")
+        for ident in api_directives()[page]:
+            module, name = ident.rsplit(".", 1)
+            obj = getattr(importlib.import_module(module), name)
+            shown = f"psgrad.{name}" if name in names else ident
+            out.append(f"| [`{shown}`]({page.removeprefix('reference/')}#{ident}) | {_first_sentence(obj)} |\n")
+        out.append("\n")
     return "".join(out)
+
+
+def fields_markdown(class_name: str, command: str, prefix: str = "") -> str:
+    """A table of a configuration class's fields: default, the `psgrad COMMAND` flag that sets it (its
+    dest is PREFIX + the field's name), and the flag's help (or, for the few no flag sets, what they are)."""
+    import dataclasses
+
+    import psgrad
+
+    cls = getattr(psgrad, class_name)
+    actions = {a.dest: a for a in _commands()[command]._actions if a.option_strings}
+    parser = _commands()[command]
+    out = [f"| field | default | `psgrad {command}` flag | what |\n|---|---|---|---|\n"]
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f"`{f.default!r}`"
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f"`{type(f.default_factory()).__name__}()`"  # type: ignore[misc]
+        else:
+            default = "required"
+        action = actions.get(prefix + f.name)
+        if action is not None:
+            flag, what = ", ".join(f"`{o}`" for o in action.option_strings), _help(parser, action)
+        else:
+            flag, what = "-", UNFLAGGED.get(f.name, "")
+        assert what, f"{class_name}.{f.name}: no `psgrad {command}` flag sets it, and UNFLAGGED does not say what it is"
+        out.append(f"| `{f.name}` | {default} | {flag} | {what.replace('|', '/')} |\n")
+    return "".join(out)
+
+
+def fill_fields(markdown: str) -> str:
+    return FIELDS.sub(lambda m: fields_markdown(m.group(1), m.group(2), m.group(3) or ""), markdown)
 
 
 # ----------------------------------------------------------------------------------------- the hook
@@ -204,3 +277,9 @@ def on_files(files: Any, config: Any) -> Any:
     for path, make in zip(GENERATED, (cli_markdown, metrics_markdown, api_markdown)):
         files.append(File.generated(config, path, content=make()))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if page.file.src_uri in API_PAGES:
+        return fill_fields(markdown)
+    return markdown

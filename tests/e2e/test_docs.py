@@ -140,10 +140,13 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
-    for page in ("reference/cli", "reference/metrics", "reference/api", "getting-started/by-hand"):
+    for page in ("reference/cli", "reference/metrics", "reference/api", "reference/api-training", "reference/api-errors",
+                 "getting-started/by-hand"):
         assert (tmp_path / "site" / page / "index.html").is_file(), page
     cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     assert "--staleness-max" in cli and "psgrad certs" in cli  # from the parser, not copied by hand
+    config = (tmp_path / "site" / "reference" / "api-config" / "index.html").read_text()
+    assert "--connect-timeout-s" in config and "<!-- fields:" not in config  # the field tables were filled
 
 
 def test_the_generated_reference_covers_every_command_flag_and_api_name() -> None:
@@ -156,10 +159,52 @@ def test_the_generated_reference_covers_every_command_flag_and_api_name() -> Non
                 assert f"`{option}`" in cli, (name, option)
     import psgrad
 
-    api = ref.api_markdown()
+    pages = "".join((DOCS / page).read_text() for page in ref.API_PAGES)
+    index = ref.api_markdown()  # asserts that every exported name is on a page
     for name in psgrad.__all__:
         if name != "__version__":
-            assert re.search(rf"^::: [\w.]+\.{name}$", api, re.M), name
+            assert re.search(rf"^::: [\w.]+\.{name}$", pages, re.M), name
+            assert f"[`psgrad.{name}`](" in index, name
+
+
+def test_the_api_pages_document_every_parameter_field_and_error() -> None:
+    """The hand-written parts of the per-topic API pages keep up with the code: connect's table has
+    every parameter of its signature (and the guide's signature each with its default), StepStats'
+    table every field, the errors page every error class, and each configuration class's generated
+    table every field."""
+    import dataclasses
+    import inspect
+
+    import psgrad
+    import psgrad.errors
+    from psgrad.worker.step_stats import StepStats
+
+    ref = reference()
+    training = (DOCS / "reference" / "api-training.md").read_text()
+    guide = (DOCS / "guide" / "python-api.md").read_text()
+    signature = re.search(r"```text\n(psgrad\.connect\(.*?\) -> Session)\n```", guide, re.S)
+    assert signature, "python-api.md lost connect's signature"
+    shown = " ".join(signature.group(1).split())
+    for name, param in inspect.signature(psgrad.connect).parameters.items():
+        assert re.search(rf"^\| `{name}` \|", training, re.M), f"connect's {name} is not in api-training.md's table"
+        default = "" if param.default is inspect.Parameter.empty else "=" + repr(param.default).replace("'", '"')
+        assert f"{name}{default}" in shown, f"python-api.md's connect signature lacks {name}{default}"
+    for f in dataclasses.fields(StepStats):
+        assert re.search(rf"^\| [^|]*`{f.name}`[^|]*\|", training, re.M), f"StepStats.{f.name} is not in api-training.md"
+    errors = (DOCS / "reference" / "api-errors.md").read_text()
+    classes = [c for c in vars(psgrad.errors).values()
+               if isinstance(c, type) and issubclass(c, (psgrad.PsgradError, Warning)) and c.__module__ == "psgrad.errors"]
+    for cls in classes:
+        exported = f"psgrad.{cls.__name__}" if cls.__name__ in psgrad.__all__ else f"psgrad.errors.{cls.__name__}"
+        assert f"| `{exported}` |" in errors, f"{exported} has no row on api-errors.md"
+        assert f"::: psgrad.errors.{cls.__name__}\n" in errors, cls
+    config = (DOCS / "reference" / "api-config.md").read_text()
+    for marker in ref.FIELDS.finditer(config):
+        table = ref.fields_markdown(marker.group(1), marker.group(2), marker.group(3) or "")
+        cls = getattr(psgrad, marker.group(1))
+        assert [row.split("`")[1] for row in table.splitlines()[2:]] == [f.name for f in dataclasses.fields(cls)]
+    for name in ("ClientConfig", "TlsConfig", "ServerConfig", "JobSpec", "WorkerConfig"):
+        assert f"<!-- fields: {name} " in config, name
 
 
 def test_every_help_ends_with_two_examples_that_parse_and_docs_that_exist() -> None:
@@ -221,3 +266,38 @@ def test_the_docs_stand_alone() -> None:
             assert Path(REPO, target).exists(), target
     for page in [Path(REPO, "README.md"), *DOCS.rglob("*.md")]:
         assert "../shared" not in page.read_text(), page
+
+
+MID_TOKEN = "-_=|/([{."  # a span wrapped after one of these gains a space inside a token when rendered
+
+
+def broken_spans(text: str) -> list[int]:
+    """The lines (1-based) after which an inline code span wraps inside a token. Spans are found as
+    CommonMark finds them: a run of N backticks opens one, the next run of exactly N closes it; fenced
+    blocks are left out, and a blank line ends a paragraph (and any span left open in it)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        fence = line.lstrip().startswith("```")
+        lines.append("" if fenced or fence else line)
+        fenced ^= fence
+    out: list[int] = []
+    opener = None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            opener = None
+            continue
+        for run in re.findall(r"`+", line):
+            opener = run if opener is None else None if run == opener else opener
+        if opener and line.rstrip()[-1] in MID_TOKEN:
+            out.append(n)
+    return out
+
+
+def test_no_inline_code_span_breaks_inside_a_word() -> None:
+    """An inline code span may wrap where its text has a space (the line break renders as one), but
+    not inside a token: `--no-error-` + newline + `feedback` renders, and copies, as
+    `--no-error- feedback`."""
+    assert broken_spans("a `--no-error-\nfeedback` b\n\n`ok\nhere` and ` ```text ` too\n") == [1]
+    bad = [f"{page.relative_to(REPO)}:{n}" for page in [Path(REPO, "README.md"), *sorted(DOCS.rglob("*.md"))]
+           for n in broken_spans(page.read_text())]
+    assert not bad, "inline code broken inside a word at " + ", ".join(bad)
