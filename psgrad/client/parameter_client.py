@@ -336,7 +336,7 @@ class ParameterClient:
     def _heard(self, index: int, outcome: PushOutcome, pulled: int | None = None) -> PushOutcome:
         """Shard index's answer to a push (and the version a pull after it got): what the shard
         tells once is kept for take_news(). A restart from a checkpoint whose version is below the
-        highest this worker saw the shard at lost the updates in between."""
+        highest this worker saw the shard at lost the updates in between (one at or above it, none)."""
         if outcome.evicted or outcome.restored_version is not None:
             with self._news_lock:
                 for e in outcome.evicted:
@@ -344,8 +344,8 @@ class ParameterClient:
                         self._told.add((e.rank, e.clock))
                         self._evictions.append(e)
                 restored = outcome.restored_version
-                if restored is not None and self.seen_versions[index] > restored:
-                    self._restores.append(Restore(index, self.seen_versions[index], restored))
+                if restored is not None:  # (told once per worker: lost or not, a restart is news)
+                    self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored))
                     self.seen_versions[index] = restored
         self.seen_versions[index] = max(self.seen_versions[index], outcome.version, pulled or 0)
         return outcome

@@ -26,7 +26,8 @@ class Eviction:
 class Restore:
     """Shard `shard` restarted from its checkpoint of version `to_version` after this worker had
     seen it at `from_version`: the updates in between were lost (at least these: the shard may
-    have applied more that this worker never saw)."""
+    have applied more that this worker never saw). `from_version == to_version`: the checkpoint
+    held every update this worker had seen (a restart is told all the same)."""
 
     shard: int
     from_version: int
@@ -37,6 +38,9 @@ class Restore:
         return self.from_version - self.to_version
 
     def describe(self) -> str:
+        if not self.lost:
+            return (f"shard {self.shard} restarted from its checkpoint of version {self.to_version}, which held every "
+                    "update this worker had seen: none lost")
         return (f"shard {self.shard} restarted from its checkpoint: its version went back from {self.from_version} "
                 f"to {self.to_version}, {self.lost} update{'s' if self.lost != 1 else ''} lost")
 

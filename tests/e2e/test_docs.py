@@ -301,3 +301,58 @@ def test_no_inline_code_span_breaks_inside_a_word() -> None:
     bad = [f"{page.relative_to(REPO)}:{n}" for page in [Path(REPO, "README.md"), *sorted(DOCS.rglob("*.md"))]
            for n in broken_spans(page.read_text())]
     assert not bad, "inline code broken inside a word at " + ", ".join(bad)
+
+
+def _source_strings() -> list[str]:
+    """Every string literal of psgrad/ as the parser joins it (implicit concatenation merged), an
+    f-string's literal parts split where a value is formatted in."""
+    import ast
+
+    out: list[str] = []
+    for path in Path(REPO, "psgrad").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out.append(node.value)
+            elif isinstance(node, ast.JoinedStr):
+                out.extend(v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+    return out
+
+
+VARYING = re.compile(r"\.\.\.|\b[A-Z][A-Z_]*\b(?![a-z])|\d[\d,.]*|'[^']*'|ipv4:\S+")
+
+
+def message_fragments(message: str) -> list[str]:
+    """A quoted message's fixed parts: cut where it varies (`...`, CAPITALS, figures, quoted names)."""
+    return [f.strip(" :;,()") for f in VARYING.split(message) if len(f.strip(" :;,()")) >= 12]
+
+
+def _triples(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"[\w-]+", text.lower())
+    return {tuple(words[k:k + 2]) for k in range(len(words) - 1)}
+
+
+def test_troubleshooting_quotes_messages_psgrad_prints() -> None:
+    """Each message shown on the troubleshooting page (its ```text blocks) is psgrad's: cut where it
+    varies (`...`, CAPITALS, figures, quoted names), at least two in three of its fixed word pairs
+    are in psgrad's string literals. Messages are built from parts (a method's name
+    formatted in, a clause per cause), so a fixed part need not be one literal; a page that
+    paraphrases, or a message that changed, fails here."""
+    page = (DOCS / "operations" / "troubleshooting.md").read_text()
+    known: set[tuple[str, ...]] = set()
+    for text in _source_strings():
+        known |= _triples(text)
+
+    def unknown(message: str) -> float:
+        """The share of the message's fixed word triples that psgrad's strings do not hold."""
+        triples = [t for frag in message_fragments(message) for t in _triples(frag)]
+        return sum(t not in known for t in triples) / max(1, len(triples))
+
+    assert message_fragments("server ADDRESS refused the connection (nothing listens on that port: ...) for 60.0 s") \
+        == ["refused the connection (nothing listens on that port"]
+    assert unknown("server ADDRESS rejected our connection attempt (no process is bound to the port): ...") > 1 / 3
+    blocks = re.findall(r"^```text\n(.*?)^```$", page, re.S | re.M)
+    assert len(blocks) >= 10, len(blocks)
+    shares = {line: unknown(line) for block in blocks for line in block.splitlines()}
+    print("\n".join(f"{share:.2f} {line[:90]}" for line, share in shares.items()))
+    missing = [line for line, share in shares.items() if share > 1 / 3]
+    assert not missing, "more than a third of these messages' words are not psgrad's:\n" + "\n".join(missing)

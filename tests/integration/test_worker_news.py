@@ -88,6 +88,14 @@ def test_a_worker_is_told_once_how_many_updates_an_async_restart_lost(tmp_path: 
             again.stop(0)
 
 
+def test_a_restart_that_lost_nothing_this_worker_saw_is_told_too() -> None:
+    # Before: a worker whose last seen version the checkpoint held heard nothing of the restart.
+    restore = Restore(0, 80, 80)
+    assert restore.lost == 0
+    assert restore.describe() == ("shard 0 restarted from its checkpoint of version 80, which held every update "
+                                  "this worker had seen: none lost")
+
+
 class _Task:
     name = "stub"
 
