@@ -356,3 +356,85 @@ def test_troubleshooting_quotes_messages_psgrad_prints() -> None:
     print("\n".join(f"{share:.2f} {line[:90]}" for line, share in shares.items()))
     missing = [line for line, share in shares.items() if share > 1 / 3]
     assert not missing, "more than a third of these messages' words are not psgrad's:\n" + "\n".join(missing)
+
+
+# The glossary's terms, linked where a page first uses them (in prose: not in code, headings or
+# another link's text).
+GLOSSARY_TERMS = ("shard", "chief", "clock", "lease", "gate", "fingerprint", "staleness")
+NOT_PROSE = re.compile(r"(`+)(?:.(?!\1))*?.?\1|!?\[[^\]]*\]\([^)]*\)|<!--.*?-->|<https?://[^>]*>")
+
+
+def _code_spans(lines: list[str]):
+    """Per line, the (start, end) of inline code on it, spans carried across lines as CommonMark
+    does (a run of N backticks opens, the next run of exactly N closes; a blank line ends it)."""
+    opener = None
+    for line in lines:
+        spans, start = [], 0
+        if not line.strip():
+            opener = None
+        for m in re.finditer(r"`+", line):
+            if opener is None:
+                opener, start = m.group(), m.start()
+            elif m.group() == opener:
+                spans.append((start, m.end()))
+                opener = None
+        if opener is not None:
+            spans.append((start, len(line)))
+        yield spans
+
+
+NOT_PROSE = re.compile(r"!?\[[^\]]*\]\([^)]*\)|<!--.*?-->|<https?://[^>]*>")
+
+
+def _prose_uses(text: str, term: str):
+    """(line index, start, end, linked) of each prose use of term (or its plural), in order; linked:
+    already a link to the glossary."""
+    word = re.compile(rf"(?<![\w/.\-#]){term}s?(?![\w\-/])", re.I)
+    lines, fenced = [], False
+    for line in text.split("\n"):
+        fence = line.lstrip().startswith("```")
+        lines.append("" if fenced or fence else line)
+        fenced ^= fence
+    for n, (line, code) in enumerate(zip(lines, _code_spans(lines))):
+        if line.lstrip().startswith("#"):
+            continue
+        spans = list(code)
+        for m in NOT_PROSE.finditer(line):
+            if any(a <= m.start() < b for a, b in code):
+                continue
+            spans.append((m.start(), m.end()))
+            if m.group().startswith("[") and f"glossary.md#{term}" in m.group():
+                yield n, m.start(), m.end(), True
+        for m in word.finditer(line):
+            if not any(a <= m.start() < b for a, b in spans):
+                yield n, m.start(), m.end(), False
+
+
+def _first_use(text: str, term: str):
+    uses = sorted(_prose_uses(text, term), key=lambda u: (u[0], u[1]))
+    return uses[0] if uses else None
+
+
+
+GLOSSED_PAGES = ["index.md", "concepts.md", "faq.md", "tutorial.md", "getting-started/*.md", "guide/*.md", "operations/*.md"]
+
+
+def test_each_page_links_a_glossary_term_where_it_first_uses_it() -> None:
+    """On the pages people read in order (home, concepts, FAQ, tutorial, getting started, the guide,
+    operations), the first prose use of shard, chief, clock, lease, gate, fingerprint and staleness
+    links to its glossary entry, and the glossary has an entry for each."""
+    glossary = (DOCS / "glossary.md").read_text()
+    for term in GLOSSARY_TERMS:
+        assert re.search(rf"^### {term}$", glossary, re.M), f"the glossary has no entry {term!r}"
+    assert _first_use("A `shard` here, then a [shard](glossary.md#shard).", "shard")[3]
+    assert not _first_use("Each shard, then a [shard](glossary.md#shard).", "shard")[3]
+    assert _first_use("`code\nshard` then [shards](glossary.md#shard)", "shard")[3]  # a span across lines
+    unlinked = []
+    for pattern in GLOSSED_PAGES:
+        for page in sorted(DOCS.glob(pattern)):
+            text = page.read_text()
+            for term in GLOSSARY_TERMS:
+                use = _first_use(text, term)
+                if use is not None and not use[3]:
+                    unlinked.append(f"{page.relative_to(DOCS)}:{use[0] + 1}: {term}")
+    assert not unlinked, "first used without a glossary link: " + ", ".join(unlinked)
