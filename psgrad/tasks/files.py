@@ -73,3 +73,31 @@ def stdlib_packages(_data_dir: str | os.PathLike[str] | None = None) -> Path:
         if not (root / name / "__init__.py").is_file():
             raise TaskError(f"task 'pyfunc' needs the standard library's package {name!r}, not found at {root / name}")
     return root
+
+
+SKIPGRAM_SOURCES = "stdlib,torch"
+
+
+def skipgram_sources(_data_dir: str | os.PathLike[str] | None = None) -> list[tuple[str, Path]]:
+    """Task 'skipgram''s corpus: (name, folder) of each source PSGRAD_SKIPGRAM_SOURCES names,
+    comma-separated (default "stdlib,torch"): "stdlib" is the running Python's standard library,
+    any other name an installed top-level package (found without importing it).
+
+    Raises:
+        TaskError: no source named, or a name that is neither.
+    """
+    names = [n.strip() for n in os.environ.get("PSGRAD_SKIPGRAM_SOURCES", SKIPGRAM_SOURCES).split(",") if n.strip()]
+    if not names:
+        raise TaskError("task 'skipgram': PSGRAD_SKIPGRAM_SOURCES names no source (e.g. stdlib,torch)")
+    out = []
+    for name in names:
+        if name == "stdlib":
+            out.append((name, Path(sysconfig.get_paths()["stdlib"])))
+            continue
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not locations:
+            raise TaskError(f"task 'skipgram': source {name!r} is neither 'stdlib' nor an installed package "
+                            "(PSGRAD_SKIPGRAM_SOURCES names 'stdlib' or top-level packages, e.g. stdlib,torch)")
+        out.append((name, Path(locations[0])))
+    return out

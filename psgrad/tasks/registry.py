@@ -57,6 +57,10 @@ BUILT_IN: dict[str, BuiltIn] = {
                       Recipe(metric="test_accuracy", target=0.65, optimizer="adagrad", lr=0.1, batch_size=64, steps=400,
                              compare_steps=300),
                       check=files.stdlib_packages),
+    "skipgram": BuiltIn("psgrad.tasks.skipgram",
+                        Recipe(metric="test_loss", target=2.0, optimizer="adagrad", lr=0.2, batch_size=1024,
+                               steps=2000, compare_steps=600),
+                        check=files.skipgram_sources),
 }
 
 #: name -> factory of every task registered so far (a built-in's once its module is imported)
