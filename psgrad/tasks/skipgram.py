@@ -21,9 +21,10 @@ ids drawn from the unigram distribution to the power 3/4. Every draw is a functi
 position), so the stream is the same on every worker and every run; x is [center, context,
 negatives...] as int64, y is unused.
 
-Model: two psgrad.Embedding tables of V rows (the words as centers and as contexts), on the servers;
-the logits are the dot products of the center's row with the context's and the negatives' rows,
-and the loss is word2vec's: -log σ(positive) - Σ log σ(-negative), averaged over the batch.
+Model: two psgrad.Embedding tables of V rows of DIM values (PSGRAD_SKIPGRAM_DIM, default 64; the words as centers and as contexts), on the servers;
+the logits are the dot products of the center's row with the context's and the negatives' rows
+(times a learned scale, plus a learned bias: two dense parameters, as a psgrad model needs at least
+one), and the loss is word2vec's: -log σ(positive) - Σ log σ(-negative), averaged over the batch.
 
 Evaluation: `test_loss`, the same loss on HELD_OUT_PAIRS pairs of the held-out files with fixed
 negatives; `test_neighbours`, the share of PROBES (pairs of related identifiers: encode/decode,
@@ -37,6 +38,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import sysconfig
 import re
 import sys
 import zlib
@@ -76,6 +78,18 @@ PROBES = (("encode", "decode"), ("read", "write"), ("min", "max"), ("start", "st
           ("row", "col"), ("enter", "exit"), ("get", "set"), ("push", "pop"), ("train", "eval"))
 
 
+def dim() -> int:
+    """PSGRAD_SKIPGRAM_DIM: the rows' width (default DIM).
+
+    Raises:
+        TaskError: not an integer >= 1.
+    """
+    raw = os.environ.get("PSGRAD_SKIPGRAM_DIM", str(DIM))
+    if not raw.isdigit() or int(raw) < 1:
+        raise TaskError(f"task 'skipgram': PSGRAD_SKIPGRAM_DIM must be an integer >= 1, got {raw!r}")
+    return int(raw)
+
+
 def min_count() -> int:
     """PSGRAD_SKIPGRAM_MIN_COUNT: the fewest times a word is seen to be in the vocabulary.
 
@@ -88,9 +102,12 @@ def min_count() -> int:
     return int(raw)
 
 
-def version_of(name: str) -> str:
+def version_of(name: str, root: Path) -> str:
+    """"Python 3.11.7", "torch 2.13.0+cpu", "json (Python 3.11.7)": what pins a source's files."""
     if name == "stdlib":
         return f"Python {platform.python_version()}"
+    if root.parent == Path(sysconfig.get_paths()["stdlib"]):
+        return f"{name} (Python {platform.python_version()})"
     try:
         return f"{name} {importlib.metadata.version(name)}"
     except importlib.metadata.PackageNotFoundError:
@@ -129,7 +146,7 @@ class Corpus:
         if not files:
             raise TaskError(f"task 'skipgram': no .py files under {', '.join(names)}")
         key = hashlib.sha256(repr((least, [(rel, p.stat().st_size) for rel, p in files])).encode()).hexdigest()[:16]
-        described = " + ".join(version_of(n) for n in names)
+        described = " + ".join(version_of(n, r) for n, r in roots)
         cache = Path(os.environ.get("PSGRAD_CACHE_DIR") or Path.home() / ".cache" / "psgrad") / f"skipgram-{key}.npz"
         try:
             with np.load(cache) as z:
@@ -228,10 +245,14 @@ class SkipGram(nn.Module):
         else:
             self.words, self.contexts = Embedding(vocabulary, dim, std=0.5 / dim), Embedding(vocabulary, dim, std=0.0)
 
+        # a scale and a bias of the logits: word2vec has no dense weights, psgrad's step needs some
+        self.scale = nn.Parameter(torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         center = self.words(x[:, 0])
         others = self.contexts(x[:, 1:])
-        return torch.einsum("nd,nkd->nk", center, others)
+        return self.scale * torch.einsum("nd,nkd->nk", center, others) + self.bias
 
 
 def negative_sampling_loss(logits: torch.Tensor, _y: torch.Tensor) -> torch.Tensor:
@@ -268,7 +289,7 @@ def skipgram_task(seed: int = 0) -> Task:
     held = PairStream(corpus.test, corpus.counts, seed=0, salt=_SALT_HELD_OUT)  # the same pairs for every seed
     picked = torch.from_numpy(np.linspace(0, len(held) - 1, min(HELD_OUT_PAIRS, len(held))).astype(np.int64))
     test_x, test_y = held.batch(picked)
-    vocabulary = len(corpus.words)
+    vocabulary, width = len(corpus.words), dim()
 
     @torch.no_grad()
     def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor) -> dict[str, float]:
@@ -283,11 +304,11 @@ def skipgram_task(seed: int = 0) -> Task:
 
     return Task(
         name="skipgram",
-        build_model=lambda: SkipGram(vocabulary),
+        build_model=lambda: SkipGram(vocabulary, width),
         train_set=stream,
         test_x=test_x,
         test_y=test_y,
         loss_fn=negative_sampling_loss,
         evaluator=evaluate_on,
-        dense_model=lambda: SkipGram(vocabulary, dense=True),
+        dense_model=lambda: SkipGram(vocabulary, width, dense=True),
     )

@@ -67,6 +67,8 @@ class TrainingLog:
             acc = f" test_acc {record['test_accuracy']:.3f}" if "test_accuracy" in record else ""
             acc += f" test_bpb {record['test_bpb']:.3f}" if "test_bpb" in record else ""
             acc += f" test_auc {record['test_auc']:.4f}" if "test_auc" in record else ""
+            if "test_neighbours" in record:  # (skipgram: a held-out loss and a neighbour check, no accuracy)
+                acc += f" test_loss {record['test_loss']:.4f} test_neighbours {record['test_neighbours']:.3f}"
             mean_loss = self._window_loss / self._window_n
             self._log(f"{self._who}: step {done}/{self.steps} loss {mean_loss:.4f}{acc} ({rate:.1f} steps/s)")
             self._window_start, self._window_loss, self._window_n = now, 0.0, 0
@@ -97,10 +99,11 @@ class TrainingLog:
         bpb = f" test_bpb {final['test_bpb']:.4f}" if "test_bpb" in final else ""
         if "test_auc" in final:
             bpb += f" test_auc {final['test_auc']:.4f}" + (f" (bayes {final['bayes_auc']:.4f})" if "bayes_auc" in final else "")
-        self._log(
-            f"{self._who}: final test_loss {final['test_loss']:.4f} test_accuracy {final['test_accuracy']:.4f}{bpb} "
-            f"after {self.steps} steps in {elapsed_s:.1f} s"
-        )
+        if "test_neighbours" in final:
+            bpb += (f" test_neighbours {final['test_neighbours']:.3f} (corpus {final['corpus_tokens']:,.0f} tokens, "
+                    f"vocabulary {final['vocabulary']:,.0f})")
+        acc = f" test_accuracy {final['test_accuracy']:.4f}" if "test_accuracy" in final else ""
+        self._log(f"{self._who}: final test_loss {final['test_loss']:.4f}{acc}{bpb} after {self.steps} steps in {elapsed_s:.1f} s")
         return result
 
 

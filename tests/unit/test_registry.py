@@ -36,7 +36,7 @@ def test_names_recipes_and_checks_import_no_torch() -> None:
     assert res.returncode == 0, res.stderr
     refused, names, torch_modules = res.stdout.strip().splitlines()
     assert refused == "TaskError task 'digits' reads no data directory: leave out --data-dir"
-    assert names == "digits, mnist1d, mnist, fashion-mnist, charlm, ctr, pyfunc"
+    assert names == "digits, mnist1d, mnist, fashion-mnist, charlm, ctr, pyfunc, skipgram"
     assert torch_modules == "[]"
 
 

@@ -78,7 +78,7 @@ def test_a_broken_users_task_is_refused_with_the_reason(user_module: str, suffix
         ("pkg:", "malformed task"),
         (":fn", "malformed task"),
         ("a-b:fn", "malformed task"),
-        ("nope", "unknown task 'nope'; valid tasks: charlm, ctr, digits, fashion-mnist, mnist, mnist1d, pyfunc"),
+        ("nope", "unknown task 'nope'; valid tasks: charlm, ctr, digits, fashion-mnist, mnist, mnist1d, pyfunc, skipgram"),
     ],
 )
 def test_task_names_that_do_not_resolve_are_refused(name: str, message: str) -> None:
