@@ -24,6 +24,8 @@ The input x of an example is one float64 row: its 26 ids (exact in float64), the
 with PSGRAD_CTR_IDS=hashed, one int64 row: the 26 ids hashed with their field to raw 64-bit ids (as
 a recommender's logs carry them; the model's table is then dynamic, any int64 id), then the
 features' float64 bits.
+PSGRAD_CTR_MIN_COUNT, PSGRAD_CTR_TTL and PSGRAD_CTR_EVICT set the table's row lifetime (psgrad.Embedding's
+min_count=, ttl=, evict=; default off).
 PSGRAD_CTR_ROWS (total rows) and PSGRAD_CTR_DIM (embedding width, default 32) size the table: a
 task is built from its seed alone, so its size comes from the environment (every worker of a job
 must see the same values; the servers refuse a job whose table differs).
@@ -100,6 +102,23 @@ def drift_rate() -> float:
     if not rate >= 0 or rate == float("inf"):
         raise TaskError(f"task 'ctr': PSGRAD_CTR_DRIFT must be a number >= 0 (0: no drift), got {raw!r}")
     return rate
+
+
+def row_lifetime() -> tuple[int, int, bool]:
+    """The table's row lifetime, (min_count, ttl, evict) of psgrad.Embedding, from PSGRAD_CTR_MIN_COUNT,
+    PSGRAD_CTR_TTL (integers >= 0, default 0: off) and PSGRAD_CTR_EVICT (0 or 1, default 0).
+
+    Raises:
+        TaskError: another value.
+    """
+    values = []
+    for name in ("PSGRAD_CTR_MIN_COUNT", "PSGRAD_CTR_TTL", "PSGRAD_CTR_EVICT"):
+        raw = os.environ.get(name, "0")
+        flag = name == "PSGRAD_CTR_EVICT"
+        if not raw.isdigit() or (flag and raw not in ("0", "1")):
+            raise TaskError(f"task 'ctr': {name} must be {'0 or 1' if flag else 'an integer >= 0 (0: off)'}, got {raw!r}")
+        values.append(int(raw))
+    return values[0], values[1], values[2] == 1
 
 
 def hashed_ids() -> bool:
@@ -250,14 +269,15 @@ class DLRM(nn.Module):
     pairs: torch.Tensor
 
     def __init__(self, sizes: np.ndarray, dim: int, sparse: bool = True, init_std: float = INIT_STD,
-                 hashed: bool = False) -> None:
+                 hashed: bool = False, lifetime: tuple[int, int, bool] = (0, 0, False)) -> None:
         super().__init__()
         total = int(sizes.sum())
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
         self.register_buffer("offsets", offsets, persistent=False)
         self.hashed, self.total = hashed, total  # hashed: x holds 64-bit ids and the features' float64 bits
         if sparse:
-            self.embedding: nn.Module = Embedding(None if hashed else total, dim, std=init_std)
+            self.embedding: nn.Module = Embedding(None if hashed else total, dim, std=init_std, min_count=lifetime[0],
+                                                  ttl=lifetime[1], evict=lifetime[2])
         else:  # (hashed: the hashing trick, ids mod the table's rows)
             self.embedding = nn.Embedding(total, dim)
             nn.init.normal_(self.embedding.weight, 0.0, init_std)
@@ -300,7 +320,7 @@ def ctr_task(seed: int = 0) -> Task:
     """The synthetic click-through workload (see the module doc); its size from the environment."""
     total, dim = table_size()
     generator = Generator(seed, total, drift_rate())
-    hashed = hashed_ids()
+    hashed, lifetime = hashed_ids(), row_lifetime()
     stream = ClickStream(generator, hashed=hashed)
     as_input = encode_hashed if hashed else torch.from_numpy
     parts = [generator.examples(_SALT_TEST, np.arange(lo, min(lo + EVAL_BATCH, TEST_EXAMPLES)))
@@ -337,7 +357,7 @@ def ctr_task(seed: int = 0) -> Task:
 
     return Task(
         name="ctr",
-        build_model=lambda: DLRM(generator.sizes, dim, hashed=hashed),
+        build_model=lambda: DLRM(generator.sizes, dim, hashed=hashed, lifetime=lifetime),
         train_set=stream,
         test_x=test_x,
         test_y=test_y,

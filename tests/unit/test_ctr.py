@@ -183,3 +183,20 @@ def test_hashed_ids_come_as_raw_64_bit_ids_and_train_a_dynamic_table(small: None
     monkeypatch.setenv("PSGRAD_CTR_IDS", "raw")
     with pytest.raises(TaskError, match="PSGRAD_CTR_IDS must be 'dense' or 'hashed'"):
         get_task("ctr")
+
+
+def test_the_tables_row_lifetime_comes_from_the_environment(small: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = get_task("ctr").build_model().embedding
+    assert (table.min_count, table.ttl, table.evict) == (0, 0, False)
+    monkeypatch.setenv("PSGRAD_CTR_MIN_COUNT", "2")
+    monkeypatch.setenv("PSGRAD_CTR_TTL", "5000")
+    monkeypatch.setenv("PSGRAD_CTR_EVICT", "1")
+    table = get_task("ctr").build_model().embedding
+    assert (table.min_count, table.ttl, table.evict) == (2, 5000, True)
+    monkeypatch.setenv("PSGRAD_CTR_EVICT", "yes")
+    with pytest.raises(TaskError, match="PSGRAD_CTR_EVICT must be 0 or 1, got 'yes'"):
+        get_task("ctr")
+    monkeypatch.setenv("PSGRAD_CTR_EVICT", "0")
+    monkeypatch.setenv("PSGRAD_CTR_TTL", "-3")
+    with pytest.raises(TaskError, match="PSGRAD_CTR_TTL must be an integer >= 0"):
+        get_task("ctr")
