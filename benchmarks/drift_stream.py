@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lib import add_preset, log, machine_info, overrides, read_jsonl, write_doc
+from lib.args import names_arg
 from lib.procfs import memory_bytes
 
 from psgrad.launch.supervisor import SupervisedProcess
@@ -116,7 +117,8 @@ def summarize(config: str, budget: float, samples: list[tuple[float, list[float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_preset(parser, PRESETS, "the run's length, the table's size, drift and budget")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", type=names_arg(CONFIGS), default=list(CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
     parser.add_argument("--minutes", type=float, help="how long each config's job runs")
     parser.add_argument("--budget-mb", type=float, help="--memory-budget-mb of each server (lifetime and evict)")
     parser.add_argument("--rows", type=int, help="PSGRAD_CTR_ROWS: the ranged table's rows")
@@ -125,10 +127,7 @@ def main() -> None:
     parser.add_argument("--min-count", type=int, help="the lifetime config's admission count")
     args = parser.parse_args()
     cfg = overrides(args, PRESETS[args.preset])
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown or not configs:
-        parser.error(f"unknown config(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(CONFIGS)}")
+    configs = args.configs
     results = []
     with tempfile.TemporaryDirectory(prefix="psgrad-drift-") as tmp:
         for config in configs:

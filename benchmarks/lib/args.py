@@ -3,7 +3,7 @@ override one value of a preset, and the psgrad server's stream window."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
@@ -35,3 +35,17 @@ def window_bytes_arg(text: str) -> int:
 def window_argv(window: int | None) -> list[str]:
     """The psgrad server arguments that set its stream window; none for its default (None)."""
     return [] if window is None else ["--stream-window-bytes", str(window)]
+
+
+def names_arg(valid: Iterable[str]) -> Callable[[str], list[str]]:
+    """argparse type of a comma-separated list of names, each one of `valid` (e.g. --configs)."""
+    known = list(valid)
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(known)}")
+        return names
+
+    return parse

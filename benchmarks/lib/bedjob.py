@@ -22,11 +22,12 @@ WORKER_HOSTS = (2, 3)
 def train_on_bed(
     bed: NetBed, run_dir: Path, name: str, common: Sequence[str], env: Mapping[str, str] | None = None,
     allreduce: bool = False, worker_argv: Sequence[str] = (), server_argv: Sequence[str] = (),
-    timeout_s: float = 3600.0,
+    timeout_s: float = 3600.0, rank_argv: Mapping[int, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Train one job: `psgrad worker COMMON WORKER_ARGV --servers ...` (or `psgrad allreduce COMMON
-    --store ...`) as ranks 0 and 1, each writing run_dir/workerRANK.jsonl. Returns the servers'
-    `psgrad status --json` read after the workers finished (empty for all-reduce).
+    --store ...`) as ranks 0 and 1 (rank r with rank_argv[r] added: a straggler's --slowdown), each
+    writing run_dir/workerRANK.jsonl. Returns the servers' `psgrad status --json` read after the
+    workers finished (empty for all-reduce).
 
     Raises:
         SystemExit: a worker failed (its output's tail in the message).
@@ -50,7 +51,8 @@ def train_on_bed(
             argv = [*PSGRAD, "worker", *common, *worker_argv, "--servers", ",".join(servers)]
         workers = []
         for rank, host in enumerate(WORKER_HOSTS):
-            w = SupervisedProcess(bed.command(host, [*argv, "--num-workers", str(len(WORKER_HOSTS)), "--rank", str(rank),
+            w = SupervisedProcess(bed.command(host, [*argv, *(rank_argv or {}).get(rank, ()),
+                                                     "--num-workers", str(len(WORKER_HOSTS)), "--rank", str(rank),
                                                      "--metrics-out", str(run_dir / f"worker{rank}.jsonl")]),
                                   name=f"{name}-worker{rank}", env=env, new_session=False)
             procs.append(w)

@@ -557,3 +557,20 @@ def test_drift_stream_sets_each_configs_table_and_sums_what_it_measured(tmp_path
     assert out["server_own_mb"]["peak"] == 124.0 and out["steps"] == 800
     assert out["test_auc"] == pytest.approx(sum([0.9, 1.0, 1.1, 0.91, 1.01, 1.11]) / 6, abs=1e-4)
     assert out["bayes_auc"] == 0.9
+
+
+def test_hybrid_summary_sets_each_config_beside_sync() -> None:
+    """benchmarks/hybrid.py's summary (no bed): a time only where every seed reached the target, ratios
+    and AUC differences to sync's."""
+    import hybrid
+
+    def run(t: float | None, auc: float) -> dict[str, Any]:
+        return {"time_to_target_s": t, "final_auc": auc, "elapsed_s": 10.0, "samples_per_s": 1000.0,
+                "rows_staleness_mean": 0.5}
+
+    out = hybrid.summarize({"sync": [run(40.0, 0.86), run(60.0, 0.88)], "hybrid": [run(20.0, 0.87), run(30.0, 0.87)],
+                            "async": [run(10.0, 0.84), run(None, 0.84)]})
+    assert out["sync"]["time_over_sync"] == 1.0 and out["hybrid"]["time_over_sync"] == 0.5
+    assert out["hybrid"]["final_auc_minus_sync"] == pytest.approx(0.0)
+    assert out["async"]["time_to_target_s"] is None and out["async"]["time_over_sync"] is None
+    assert out["async"]["final_auc_minus_sync"] == pytest.approx(-0.03)
