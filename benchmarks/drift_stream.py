@@ -43,7 +43,7 @@ PSGRAD = [sys.executable, "-m", "psgrad"]
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"minutes": 0.67, "rows": 200_000, "drift": 4.0, "budget_mb": 16.0, "min_count": 2, "ttl": 200,
              "eval_every": 100, "sample_s": 5.0},
-    "full": {"minutes": 10.0, "rows": 4_000_000, "drift": 2.0, "budget_mb": 64.0, "min_count": 2, "ttl": 3000,
+    "full": {"minutes": 10.0, "rows": 4_000_000, "drift": 2.0, "budget_mb": 64.0, "min_count": 2, "ttl": 1000,
              "eval_every": 500, "sample_s": 10.0},
 }
 CONFIGS = ("lifetime", "evict", "unbounded")

@@ -283,6 +283,10 @@ class MemoryBudget:
     def release(self, nbytes: int) -> None:
         self.used = max(0, self.used - nbytes)
 
+    def free(self) -> int | None:
+        """The bytes left (None: no limit)."""
+        return None if self.limit is None else max(0, self.limit - self.used)
+
 
 class SparseTable:
     """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
@@ -362,8 +366,9 @@ class SparseTable:
 
     def _make(self, ids: torch.Tensor, protect: torch.Tensor | None = None, may_evict: bool = False) -> None:
         """Store rows `ids` (unique, not stored) at their initial values; the arena grows by
-        doubling, or, where the budget refuses that and the table evicts (may_evict), the least
-        recently updated rows but `protect` make room.
+        doubling, or where the budget refuses that, to the most rows the budget has room for; where
+        even `need` rows do not fit and the table evicts (may_evict), the least recently updated
+        rows but `protect` make room.
 
         Raises:
             MemoryBudgetError: they do not fit (nothing is made).
@@ -371,13 +376,20 @@ class SparseTable:
         n, need = ids.numel(), self.touched + ids.numel()
         capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
         extra = (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+        what = f"table {self.name!r} growing to {need:,} rows on shard {self.index}"
         try:  # the arena's and the index's growth at once: a refusal changes nothing
-            self.budget.charge(extra, f"table {self.name!r} growing to {need:,} rows on shard {self.index}")
+            self.budget.charge(extra, what)
         except MemoryBudgetError:
-            room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
-            if not (may_evict and self.evict) or not self._make_room(need - room, ids, protect):
-                raise
-            capacity, extra, need = self._ids.numel(), 0, self.touched + n
+            fitting = self._fitting_capacity(need)
+            if fitting is not None:  # (a doubling past the budget would leave up to half of it unused)
+                capacity = fitting
+                extra = (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+                self.budget.charge(extra, what)
+            else:
+                room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
+                if not (may_evict and self.evict) or not self._make_room(need - room, ids, protect):
+                    raise
+                capacity, extra, need = self._ids.numel(), 0, self.touched + n
         self._charged += extra
         if capacity > self._ids.numel():
             self._grow(capacity, charged=True)
@@ -390,6 +402,16 @@ class SparseTable:
         self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
         self.admitted += n
+
+    def _fitting_capacity(self, need: int) -> int | None:
+        """The largest arena of at least `need` rows whose growth (and the index's, to `need` rows)
+        the budget has room for; None where `need` rows do not fit."""
+        free = self.budget.free()
+        if free is None:
+            return None
+        rows_more = (free - self._index.growth_bytes(need)) // self.row_bytes()
+        capacity = self._ids.numel() + max(0, rows_more)
+        return capacity if capacity >= need > self._ids.numel() else None
 
     def _make_room(self, k: int, making: torch.Tensor, protect: torch.Tensor | None) -> bool:
         """Drop the k least recently updated rows (by the table version of their last update; ties:

@@ -54,11 +54,19 @@ def test_rows_untouched_for_ttl_updates_expire_and_read_as_new() -> None:
     assert torch.equal(t.rows(torch.tensor([1])), initial([1]) - LR)
 
 
+def _charged_for(n: int, dynamic: bool = True) -> int:
+    """The bytes a table without a limit charged for n rows (its arena, row index)."""
+    probe = table(dynamic=dynamic)
+    update(probe, list(range(n)))
+    used = probe.budget.used
+    assert used > 0
+    return used
+
+
 def test_at_the_budget_the_least_recently_updated_rows_make_room() -> None:
-    probe = table()
-    index_bytes = probe._index.nbytes
-    # room for the first arena (1,024 rows) and its index, not for the arena's doubling
-    budget = index_bytes + 1024 * probe.row_bytes() + 16 * 4096 + 1000
+    # room for the first arena (1,024 rows) and its index, and less than a row more: neither the
+    # arena nor the index can grow
+    budget = _charged_for(1024) + 16
     refusing = table(budget=budget)
     update(refusing, list(range(1024)))
     with pytest.raises(MemoryBudgetError):
@@ -76,9 +84,28 @@ def test_at_the_budget_the_least_recently_updated_rows_make_room() -> None:
     assert torch.equal(t.rows(torch.tensor([6, 1023])), initial([6, 1023]) - LR)
 
 
+def test_past_a_refused_doubling_the_arena_grows_to_what_the_budget_holds() -> None:
+    # Before: a doubling past the budget was refused whole, so the table refused (or evicted) with
+    # up to half of its budget unused.
+    probe = table(dynamic=False)
+    row = probe.row_bytes()
+    budget = _charged_for(1024, dynamic=False) + 300 * row + row // 2  # the first arena, room for 300 rows more
+    t = table(budget=budget, dynamic=False)
+    update(t, list(range(1024)))
+    update(t, list(range(1024, 1324)))  # doubling to 2,048 does not fit; 1,324 rows do
+    assert t.touched == 1324 and t._ids.numel() == 1324 and t.evicted == 0
+    with pytest.raises(MemoryBudgetError, match="growing to 1,325 rows"):
+        update(t, [5000])
+    e = table((0, 0, True), budget=budget, dynamic=False)
+    update(e, list(range(1324)))
+    update(e, [5000])  # full: now the least recently updated row makes room
+    assert e.evicted == 1 and e.touched == 1324
+
+
 def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_table_and_a_snapshot_keeps_it() -> None:
     lifetime = (2, 16, True)
-    primary, standby = table(lifetime, budget=(2 << 20) + 200_000), table(lifetime)
+    budget = (2 << 20) + 120_000  # the sketch, and room for the arena to grow to ~1,700 rows (not 2,048): all three drops
+    primary, standby = table(lifetime, budget=budget), table(lifetime)
     g = torch.Generator().manual_seed(0)
     for _ in range(120):
         ids = torch.unique(torch.randint(0, 3000, (200,), generator=g))
@@ -89,7 +116,7 @@ def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_tabl
     every = torch.arange(3000)
     assert torch.equal(primary.rows(every), standby.rows(every)) and primary.touched == standby.touched
     snap = primary.snapshot()
-    back = table(lifetime, budget=(2 << 20) + 200_000)
+    back = table(lifetime, budget=budget)
     back.load(snap)
     assert torch.equal(back.rows(every), primary.rows(every))
     assert (back.admitted, back.expired, back.evicted, back.dropped) == (primary.admitted, primary.expired,
