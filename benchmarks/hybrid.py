@@ -38,7 +38,7 @@ from psgrad.experiments.analysis import load_run, run_metrics
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"rate_mbit": 1000.0, "rows": 200_000, "steps": 100, "eval_every": 25, "target": 0.75, "slowdown": 3.0,
              "seeds": 1},
-    "full": {"rate_mbit": 1000.0, "rows": 2_000_000, "steps": 800, "eval_every": 50, "target": 0.85, "slowdown": 3.0,
+    "full": {"rate_mbit": 1000.0, "rows": 2_000_000, "steps": 800, "eval_every": 50, "target": 0.9, "slowdown": 3.0,
              "seeds": 2},
 }
 CONFIGS = {"sync": ["--mode", "sync"], "hybrid": ["--mode", "sync", "--tables-mode", "async"],
