@@ -78,27 +78,17 @@ PROBES = (("encode", "decode"), ("read", "write"), ("min", "max"), ("start", "st
           ("row", "col"), ("enter", "exit"), ("get", "set"), ("push", "pop"), ("train", "eval"))
 
 
-def dim() -> int:
-    """PSGRAD_SKIPGRAM_DIM: the rows' width (default DIM).
+def setting(name: str, default: int) -> int:
+    """An integer setting of the task from the environment: PSGRAD_SKIPGRAM_DIM (the rows' width,
+    default DIM), PSGRAD_SKIPGRAM_MIN_COUNT (the fewest sightings of a word in the vocabulary,
+    default DEFAULT_MIN_COUNT). Every process of a job must see the same values.
 
     Raises:
         TaskError: not an integer >= 1.
     """
-    raw = os.environ.get("PSGRAD_SKIPGRAM_DIM", str(DIM))
+    raw = os.environ.get(name, str(default))
     if not raw.isdigit() or int(raw) < 1:
-        raise TaskError(f"task 'skipgram': PSGRAD_SKIPGRAM_DIM must be an integer >= 1, got {raw!r}")
-    return int(raw)
-
-
-def min_count() -> int:
-    """PSGRAD_SKIPGRAM_MIN_COUNT: the fewest times a word is seen to be in the vocabulary.
-
-    Raises:
-        TaskError: not an integer >= 1.
-    """
-    raw = os.environ.get("PSGRAD_SKIPGRAM_MIN_COUNT", str(DEFAULT_MIN_COUNT))
-    if not raw.isdigit() or int(raw) < 1:
-        raise TaskError(f"task 'skipgram': PSGRAD_SKIPGRAM_MIN_COUNT must be an integer >= 1, got {raw!r}")
+        raise TaskError(f"task 'skipgram': {name} must be an integer >= 1, got {raw!r}")
     return int(raw)
 
 
@@ -281,7 +271,7 @@ def neighbour_share(model: SkipGram, corpus: Corpus) -> float:
 @register_task("skipgram")  # its recipe: psgrad/tasks/registry.py
 def skipgram_task(seed: int = 0) -> Task:
     """word2vec on the identifiers of the standard library and torch (see the module doc)."""
-    corpus = Corpus.build(skipgram_sources(), min_count())
+    corpus = Corpus.build(skipgram_sources(), setting("PSGRAD_SKIPGRAM_MIN_COUNT", DEFAULT_MIN_COUNT))
     if len(corpus.train) < 2 * WINDOW or len(corpus.test) < 2 * WINDOW:
         raise TaskError(f"task 'skipgram': {corpus.described} gives too few tokens to train and test on "
                         f"({len(corpus.train):,} and {len(corpus.test):,})")
@@ -289,7 +279,7 @@ def skipgram_task(seed: int = 0) -> Task:
     held = PairStream(corpus.test, corpus.counts, seed=0, salt=_SALT_HELD_OUT)  # the same pairs for every seed
     picked = torch.from_numpy(np.linspace(0, len(held) - 1, min(HELD_OUT_PAIRS, len(held))).astype(np.int64))
     test_x, test_y = held.batch(picked)
-    vocabulary, width = len(corpus.words), dim()
+    vocabulary, width = len(corpus.words), setting("PSGRAD_SKIPGRAM_DIM", DIM)
 
     @torch.no_grad()
     def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor) -> dict[str, float]:
