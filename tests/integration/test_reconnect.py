@@ -4,6 +4,7 @@ it is back), or fails naming the shard after the timeout."""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -60,13 +61,25 @@ def test_a_push_to_a_restarting_server_is_retried_until_it_is_back_and_applied_o
             again.stop(0)
 
 
+def _hold(port: int) -> socket.socket:
+    """The freed port bound, not listening: a connection to it is refused, and no other test's
+    server (port 0, in another process of the parallel run) can be handed it meanwhile."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past the stopped server's TIME_WAITs)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
 def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout() -> None:
+    # Before the port was held, a parallel test's server once got it and answered the push
+    # ("shard is not initialized") instead of the refusal this test is about.
     server = start_server(ServerConfig(port=0, threads=8))
     with _client(server.address, reconnect_timeout_s=0.5) as c:
         c.join(lambda: torch.zeros(32))
         server.stop(0)
+        held = _hold(int(server.address.rsplit(":", 1)[1]))
         start = time.monotonic()
-        with pytest.raises(ServerUnavailableError) as info:
+        with held, pytest.raises(ServerUnavailableError) as info:
             c.push(torch.ones(32), 0)
         elapsed = time.monotonic() - start
         assert elapsed < 10
