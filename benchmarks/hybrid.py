@@ -51,8 +51,9 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
               "--log-every", str(cfg["steps"]), "--device", "cpu", "--seed", str(seed)]
     status = train_on_bed(bed, run_dir, config, common, env={"PSGRAD_CTR_ROWS": str(cfg["rows"])},
                           worker_argv=CONFIGS[config], rank_argv={1: ["--slowdown", str(cfg["slowdown"])]})
-    metrics = run_metrics(load_run(run_dir, config), cfg["target"], "test_auc")
-    finals = [r for recs in load_run(run_dir, config).records.values() for r in recs if r.get("event") == "final"]
+    run = load_run(run_dir, config)
+    metrics = run_metrics(run, cfg["target"], "test_auc")
+    finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
     staleness = [t.get("staleness_mean", 0.0) for s in status.get("shards", []) for t in s.get("tables", [])
                  if t.get("kind") == "sparse"]
     return {

@@ -374,16 +374,17 @@ class SparseTable:
             MemoryBudgetError: they do not fit (nothing is made).
         """
         n, need = ids.numel(), self.touched + ids.numel()
+        def growth(capacity: int) -> int:  # the arena's and the index's, charged at once
+            return (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+
         capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
-        extra = (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
-        what = f"table {self.name!r} growing to {need:,} rows on shard {self.index}"
-        try:  # the arena's and the index's growth at once: a refusal changes nothing
+        extra, what = growth(capacity), f"table {self.name!r} growing to {need:,} rows on shard {self.index}"
+        try:  # a refusal changes nothing
             self.budget.charge(extra, what)
         except MemoryBudgetError:
             fitting = self._fitting_capacity(need)
             if fitting is not None:  # (a doubling past the budget would leave up to half of it unused)
-                capacity = fitting
-                extra = (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+                capacity, extra = fitting, growth(fitting)
                 self.budget.charge(extra, what)
             else:
                 room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing

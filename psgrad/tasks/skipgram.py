@@ -286,8 +286,8 @@ def skipgram_task(seed: int = 0) -> Task:
     def evaluate_on(model: nn.Module, device: torch.device, xs: torch.Tensor, ys: torch.Tensor) -> dict[str, float]:
         was_training = model.training
         model.eval()
-        loss = sum(float(negative_sampling_loss(model(xs[lo:lo + 4096].to(device)), ys)) * len(xs[lo:lo + 4096])
-                   for lo in range(0, len(xs), 4096)) / len(xs)
+        chunks = xs.split(4096)
+        loss = sum(float(negative_sampling_loss(model(x.to(device)), ys)) * len(x) for x in chunks) / len(xs)
         share = neighbour_share(model, corpus) if isinstance(model, SkipGram) else 0.0
         model.train(was_training)
         return {"test_loss": loss, "test_neighbours": share, "corpus_tokens": float(len(corpus.train) + len(corpus.test)),
