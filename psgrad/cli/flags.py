@@ -447,7 +447,8 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
          type=float)
     flag(g, "--min-transfer-rate-mb-s", ServerConfig.min_transfer_rate_mb_s, "the slowest rate (MB/s, 10^6 bytes a "
          "second) a whole push or pull is given on top of --transfer-allowance-s (with both defaults a 100 MB push "
-         "may take 10 + 100 s); 0: no whole-transfer deadline", type=float)
+         "may take 10 + 100 s); one slower than this for 0.1 s no longer holds up others, who go ahead beside it; "
+         "0: no whole-transfer deadline", type=float)
     flag(g, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
          "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
          "--threads", type=positive_int)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -20,20 +20,27 @@ from psgrad.server.transfers import PullStream, PushWriter
 class Buffers:
     """Receive buffers and pull-stream bookkeeping of one shard."""
 
-    def __init__(self, lock: threading.RLock, push_buffers: int, on_wait: Callable[[], None]) -> None:
+    def __init__(self, lock: threading.RLock, push_buffers: int, on_wait: Callable[[], None],
+                 min_rate_mb_s: float = 0.0) -> None:
         self._push_buffers = push_buffers
+        # The floor rate (--min-transfer-rate-mb-s, bytes a second here): a transfer holding what
+        # another waits for is behind below it (transfers.behind_in), and the waiter goes ahead.
+        self._min_rate_bps = min_rate_mb_s * 1e6
         self._on_wait = on_wait  # a push or an update starts waiting (wakes the shard's observers)
         self.closed = False
         # Receive buffers. Async/ssp lend at most push_buffers at once. With staged updates the
         # one push being received computes the next weights into its buffer as it arrives, and the
         # update swaps tensors: the former weights become the spare buffer once no pull stream
-        # reads them (`_retired` until then). Sync (per_worker) keeps one per pushing worker.
+        # reads them and no staged push computes from them (`_retired` until then). A push that
+        # waits for the turn while every staged push in flight is behind is staged beside them
+        # (into a tensor beyond the spare), and one that the shard's weights moved past meanwhile
+        # is rebased as it is applied. Sync (per_worker) keeps one per pushing worker.
         self.staged = False
         self.per_worker = False
         self._pool: list[tuple[torch.Tensor, WireBuffer]] = []
         self._lent: dict[int, PushWriter] = {}  # id(grad) -> writer, for buffers out on loan
         self._revoked: dict[int, PushWriter] = {}  # ... whose worker was evicted mid-push
-        self._building = False  # staged: a push holds the turn to build the next weights
+        self._builders = 0  # staged pushes holding a turn to build the next weights (one, unless behind)
         self._retired: list[torch.Tensor] = []
         # Pushes wait for a receive buffer on _free, staged ones for their turn on _turn, and each
         # is woken one at a time: a buffer given back (or a turn ended) lets one waiter on, and
@@ -73,31 +80,53 @@ class Buffers:
             return self._staged_buffer(numel, weights)
         if not self.per_worker:
             while not self._pool and len(self._lent) >= self._push_buffers and not self.closed:
-                idle = time.monotonic() - max(w.last_active for w in self._lent.values())
-                if idle >= transfers.STALL_S:  # every holder is stalled: lend one beyond the limit
+                wait_s = self._behind_in(self._lent.values())
+                if wait_s <= 0:  # every holder is behind: lend one beyond the limit
                     break
-                self._wait(self._free, transfers.STALL_S - idle)
+                self._wait(self._free, wait_s)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, dtype)
 
     def _staged_buffer(self, numel: int, weights: Callable[[], torch.Tensor | None]) -> tuple[torch.Tensor, WireBuffer]:
-        """Wait for the turn to build the next weights (one push at a time; a push whose worker
-        is evicted gives it up), then for the spare tensor, which a pull stream of the former
-        weights may still read (lend a new one if that stream is idle for STALL_S)."""
-        while self._building and not self.closed:
-            self._wait(self._turn, None)
-        self._building = True
+        """Wait for the turn to build the next weights (one push at a time, unless every push
+        holding a turn is behind; a push whose worker is evicted gives it up), then for the spare
+        tensor, which a pull stream of the former weights may still read (lend a new one once
+        that stream is behind)."""
+        while self._builders and not self.closed:
+            wait_s = self._behind_in(w for w in self._lent.values() if w.holds_turn)
+            if wait_s <= 0:  # every builder is behind: build beside them
+                break
+            self._wait(self._turn, wait_s)
+        self._builders += 1
         while not self._pool and self._retired and not self.closed:
             current = weights()  # the weights now, not when this push began to wait for its turn
-            reads = [r for r in self.reads if r.source is not current]
-            idle = time.monotonic() - max((r.last_active for r in reads), default=0.0)
-            if idle >= transfers.STALL_S:
+            wait_s = self._behind_in(r for r in self.reads if r.source is not current)
+            if wait_s <= 0:
                 break
-            self._wait(self._free, transfers.STALL_S - idle)
+            self._wait(self._free, wait_s)
         if self._pool:
             return self._pool.pop()
         return torch.empty(numel), WireBuffer(numel, "float32")
+
+    def _behind_in(self, holders: Iterable[PushWriter | PullStream]) -> float:
+        """Seconds until every one of `holders` is behind (transfers.behind_in; <= 0: they are, or
+        there are none)."""
+        now = time.monotonic()
+        return max((transfers.behind_in(h, now, self._min_rate_bps) for h in holders), default=0.0)
+
+    def _in_use(self, tensor: torch.Tensor) -> bool:
+        """Whether a pull stream reads `tensor` or a staged push computes from it."""
+        return (any(r.source is tensor for r in self.reads)
+                or any(w.base is tensor for w in (*self._lent.values(), *self._revoked.values())))
+
+    def _settle(self) -> None:
+        """Former weights that nothing uses any more: the spare tensor if there is none, else freed."""
+        for tensor in [t for t in self._retired if not self._in_use(t)]:
+            self._retired = [t for t in self._retired if t is not tensor]
+            if not self._pool:
+                self._pool.append((tensor, WireBuffer(tensor.numel(), "float32")))
+                self._free.notify()
 
     def _wait(self, cond: threading.Condition, timeout_s: float | None) -> None:
         self._buffer_waits += 1
@@ -127,7 +156,7 @@ class Buffers:
                 writer.revoked = True
                 if writer.holds_turn:
                     self._revoked[key] = self._lent.pop(key)
-                    self._building = False
+                    self._builders -= 1
                     self._turn.notify()
 
     def release(self, grad: torch.Tensor, wire: WireBuffer) -> None:
@@ -136,7 +165,7 @@ class Buffers:
         self._revoked.pop(id(grad), None)
         writer = self._lent.pop(id(grad), None)
         if writer is not None and writer.holds_turn:
-            self._building = False
+            self._builders -= 1
             self._turn.notify()
         if self.per_worker:
             keep = True
@@ -147,23 +176,22 @@ class Buffers:
         if keep:
             self._pool.append((grad, wire))
         self._free.notify()  # a buffer back, or one loan fewer: one waiter may go on
+        if self.staged:
+            self._settle()  # (former weights it computed from)
 
     def give_back(self, items: list[tuple[torch.Tensor, WireBuffer]]) -> None:
         """Buffers the shard kept (a sync iteration's gradients) return to the pool."""
         self._pool.extend(items)
         self._free.notify(len(items))
 
-    def commit(self, new: torch.Tensor, old: torch.Tensor, wire: WireBuffer) -> None:
+    def commit(self, new: torch.Tensor, old: torch.Tensor) -> None:
         """A staged buffer became the weights; the former weights become the spare buffer, once
-        no pull stream reads them."""
+        no pull stream reads them and no staged push computes from them."""
         del self._lent[id(new)]
-        self._building = False
+        self._builders -= 1
         self._turn.notify()
-        if any(r.source is old for r in self.reads):
-            self._retired.append(old)
-        else:
-            self._pool.append((old, wire))
-            self._free.notify()
+        self._retired.append(old)
+        self._settle()
 
     # ----------------------------------------------------------------- pull streams
     def open_read(self, stream: PullStream) -> None:
@@ -172,11 +200,8 @@ class Buffers:
     def end_read(self, stream: PullStream, weights: torch.Tensor | None) -> None:
         """A pull stream ended: free what only it kept."""
         self.reads.discard(stream)
-        source = stream.source
-        if any(t is source for t in self._retired) and not any(r.source is source for r in self.reads):
-            self._retired = [t for t in self._retired if t is not source]
-            self._pool.append((source, WireBuffer(source.numel(), "float32")))
-            self._free.notify()
+        if any(t is stream.source for t in self._retired):
+            self._settle()
         if self._writers_waiting and not self._current_reads(weights):
             self._reads_done.notify_all()
 
@@ -185,16 +210,16 @@ class Buffers:
 
     def await_reads(self, weights: torch.Tensor, wire_dtype: str) -> None:
         """Before an in-place update: wait until no pull stream reads the current weights. Pulls
-        granted meanwhile wait for the update; a stream idle for STALL_S gets a private copy."""
+        granted meanwhile wait for the update; a stream that is behind gets a private copy."""
         while reads := self._current_reads(weights):
-            idle = time.monotonic() - max(r.last_active for r in reads)
-            if idle >= transfers.STALL_S or self.closed:
+            wait_s = self._behind_in(reads)
+            if wait_s <= 0 or self.closed:
                 self.detach_reads(weights, wire_dtype)
                 return
             self._writers_waiting += 1
             self._on_wait()
             try:
-                self._reads_done.wait(timeout=transfers.STALL_S - idle)
+                self._reads_done.wait(timeout=wait_s)
             finally:
                 self._writers_waiting -= 1
                 if not self._writers_waiting:

@@ -89,7 +89,7 @@ class Pushes:
             rule = state.dense.rule
             if rule is not None and clock > member.last_push_clock:  # staged, and not a duplicate
                 scale = core.policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
-                writer.stage(state.weights, rule, state.optimizer.step_lr(lr, scale), state.version)
+                writer.stage(state.weights, rule, state.optimizer.step_lr(lr, scale))
         return grad, wire, writer
 
     def may_check_as_applied(self) -> bool:
@@ -190,9 +190,11 @@ class Pushes:
                 staleness = max(0, state.version - base_version)
                 scale = policy.lr_scale(staleness, state.layout.spec.staleness_lr)
                 if staged:  # the buffer holds the next weights: swap them in
-                    assert writer is not None and writer.staged_version == state.version
+                    assert writer is not None
+                    if writer.base is not state.weights:  # staged beside a slow push, which was applied first
+                        writer.rebase(state.weights)
                     old, state.weights = state.weights, grad
-                    core.buffers.commit(grad, old, wire)
+                    core.buffers.commit(grad, old)
                     kept = True
                 else:
                     state.dense.prepare(rank, base_version, source, averaged=False)

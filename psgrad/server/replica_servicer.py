@@ -2,6 +2,7 @@
 the primary sends it, and the fence a promoted backup sends the primary it replaced."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
 from psgrad.server.replication import FENCE_TIMEOUT_S, GRADIENT, SNAPSHOT, WEIGHTS, Record, members_from_json, send_fence
 from psgrad.server.shard import Shard
+from psgrad.server.streams import StreamLimits
 from psgrad.wire import protocol, shm
 from psgrad.wire.frames import FrameParser, PayloadWriter, parse_frame, write_frames
 from psgrad.wire.protocol import CLIENT_CHANNEL_OPTIONS, METHOD_PREFIX, to_psgrad_error
@@ -25,8 +27,9 @@ from psgrad.wire.security import ChannelFactory, plaintext_channels
 class ReplicaServicer:
     """Handlers of the replication methods for one shard."""
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, streams: StreamLimits | None = None) -> None:
         self.shard = shard
+        self._streams = streams  # a record's payload arrives under the whole-transfer deadline there
         self._segments: dict[str, shm.Attached] = {}  # the primary's same-host segments, by name
 
     def _segment(self, context: grpc.ServicerContext, nbytes: int) -> memoryview | None:
@@ -74,11 +77,11 @@ class ReplicaServicer:
                 record.tensor, record.in_segment = torch.frombuffer(shared, dtype=torch.float32), True
             elif h.kind == SNAPSHOT:
                 data = bytearray(h.nbytes)
-                write_frames(frames, PayloadWriter(memoryview(data), what), parse)
+                self._receive(context, h.primary, frames, PayloadWriter(memoryview(data), what), parse)
                 record.snapshot = checkpoint.decode(h.manifest, bytes(data))
             elif h.kind in (GRADIENT, WEIGHTS):
                 record.tensor = self.shard.replica_buffer(h.nbytes // 4)
-                write_frames(frames, PayloadWriter(byte_view(record.tensor), what), parse)
+                self._receive(context, h.primary, frames, PayloadWriter(byte_view(record.tensor), what), parse)
             rep = self.shard.replication
             if rep is not None and not rep.primary:
                 rep.primary = h.primary
@@ -86,6 +89,17 @@ class ReplicaServicer:
         except PsgradError as exc:
             protocol.abort(context, exc)
             raise  # unreachable: abort raises
+
+    def _receive(self, context: grpc.ServicerContext, primary: str, frames: Iterator[bytes], writer: PayloadWriter,
+                 parse: FrameParser) -> None:
+        """A record's payload, read under the whole-transfer deadline (--transfer-allowance-s + its
+        size at --min-transfer-rate-mb-s), as a worker's push is: a primary (or a caller with the
+        servers' credential) that trickles it is cut, and the handler thread is free again."""
+        timed = (contextlib.nullcontext() if self._streams is None else
+                 self._streams.transfer("ReplicaApply", f"primary {primary or '?'}", context, writer.size,
+                                        lambda: writer.received))
+        with timed:
+            write_frames(frames, writer, parse)
 
     def Fence(self, req: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceReply:
         rep = self.shard.replication

@@ -210,7 +210,7 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         interceptors=interceptors,
     )
     fd_watch = limits.FdWatch(fd_limit, limits.connection_cap(fd_limit), config.handshake_timeout_s)
-    server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard)), *extra_handlers))
+    server.add_generic_rpc_handlers((_generic_handler(servicer, ReplicaServicer(shard, streams)), *extra_handlers))
     obs.add_services(server)
     obs.watch(shard.status, lambda: "" if shard.layout is None else str(shard.layout.index))
     shard.watch_serving(obs.set_serving)  # health: SERVING while the shard holds a job's state

@@ -65,7 +65,7 @@ class ShardCore:
         self.members = Membership(config.lease_s, now)
         self.state: ShardState | None = None
         self.policy: ConsistencyPolicy = ASYNC.policy()
-        self.buffers = Buffers(self.lock, config.push_buffers, self.observers.notify_all)
+        self.buffers = Buffers(self.lock, config.push_buffers, self.observers.notify_all, config.min_transfer_rate_mb_s)
         self.round = SyncRound()
         self.counters = Counters()
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)

@@ -14,8 +14,9 @@ A per-frame deadline alone lets a peer trickle a push (a few bytes per frame, ea
 hold its receive buffer for hours, or stop reading a pull and hold the weights it streams. So a
 whole transfer, once its size is known, must also end within --transfer-allowance-s plus its size
 at --min-transfer-rate-mb-s (transfer(): a push from the moment it holds a receive buffer, a pull
-from the moment it is granted); the same watchdog cancels one that does not, and logs the peer
-and the figures."""
+from the moment it is granted, a replica record's payload as it arrives); the same watchdog cancels
+one that does not, and logs the peer and the figures. Until then a transfer that is slower than the
+floor rate holds up no other: see transfers.behind_in."""
 from __future__ import annotations
 
 import contextlib

@@ -22,6 +22,14 @@ from psgrad.core.optimizers.base import register_axpy_backend
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,
 # and a push lends itself a receive buffer beyond push_buffers.
 STALL_S = 2.0
+# A transfer that holds what another one waits for (a receive buffer, the staged turn, the weights an
+# update would write or reuse) also counts as behind, once it has held it HOLD_GRACE_S, while it has
+# moved fewer bytes than the server's floor rate (--min-transfer-rate-mb-s) allows for the time it
+# has held it: the waiter then goes ahead beside it (a receive buffer beyond push_buffers, a second
+# staged push, a private copy of the weights for the stream) instead of waiting until the
+# whole-transfer deadline cuts it. A push trickled a few bytes at a time holds up nobody for more
+# than this grace.
+HOLD_GRACE_S = 0.1
 # Torch runs an element-wise op on fewer elements than its grain size (32768) on the calling
 # thread. Piecewise work on a gradient in flight stays below it: a parallel op per piece would
 # wake torch's OpenMP pool every time, and its threads spin between pieces (measured on 2 vCPUs:
@@ -30,6 +38,17 @@ BLOCK = 2047 * 16
 # A push of at most this many values read in place (shared memory) is worked through in blocks on
 # the calling thread; a bigger one with one multi-threaded torch op per step.
 SMALL_NUMEL = 16 * BLOCK
+
+def behind_in(transfer: PushWriter | PullStream, now: float, min_rate_bps: float) -> float:
+    """Seconds until `transfer` counts as behind if it moves no more bytes (<= 0: it is behind now):
+    STALL_S without a byte, or, from HOLD_GRACE_S after it began, fewer bytes than min_rate_bps
+    (bytes a second; 0: no floor) for the time since it began."""
+    stalled_at = transfer.last_active + STALL_S
+    if min_rate_bps <= 0:
+        return stalled_at - now
+    slow_at = transfer.started + max(HOLD_GRACE_S, transfer.moved / min_rate_bps)
+    return min(stalled_at, slow_at) - now
+
 
 class PushWriter(PayloadWriter):
     """Receives one gradient into a lent float32 buffer.
@@ -55,7 +74,7 @@ class PushWriter(PayloadWriter):
         self._checking = checking  # float32 wire: pieces are summed (and staged) as they arrive
         self._handed = 0  # elements checked (and staged or copied) so far
         self.nonfinite = 0  # NaN/inf values among them
-        self.last_active = time.monotonic()
+        self.started = self.last_active = time.monotonic()  # (when it was lent its buffer; its last bytes)
         self.revoked = False  # its worker was evicted mid-push: it must never be applied
         self.holds_turn = False  # staged shards: this push is the one being received
         self.lr: float | None = None  # the learning rate the push carries (None: the job's)
@@ -64,7 +83,6 @@ class PushWriter(PayloadWriter):
         self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.rows_nonfinite = 0
         self._stage: tuple[torch.Tensor, UpdateRule, float] | None = None
-        self.staged_version = -1  # the shard version the staged weights were computed from
         self._block = BLOCK
         # Same host: the shard may apply a whole float32 gradient from the worker's segment in
         # place (may_borrow); write_all then only checks it and leaves it there (borrowed).
@@ -77,18 +95,41 @@ class PushWriter(PayloadWriter):
         self.restore_from: torch.Tensor | None = None
         self.check_deferred = False
 
-    def stage(self, weights: torch.Tensor, rule: UpdateRule, step_lr: float, version: int) -> None:
+    def stage(self, weights: torch.Tensor, rule: UpdateRule, step_lr: float) -> None:
         """Compute `rule(weights, grad)` with this step's lr into the buffer as pieces arrive
         (before the first write)."""
         assert self._checking and self._offset == 0
         self._stage = (weights, rule, step_lr)
-        self.staged_version = version
         # With one torch thread nothing can spin: whole pieces in one call each.
         self._block = max(1, self._numel) if torch.get_num_threads() == 1 else BLOCK
 
     @property
     def staged(self) -> bool:
         return self._stage is not None
+
+    @property
+    def base(self) -> torch.Tensor | None:
+        """The weights a staged push computes its next weights from (the shard's when it was staged)."""
+        return None if self._stage is None else self._stage[0]
+
+    @property
+    def moved(self) -> int:
+        return self.received
+
+    def rebase(self, current: torch.Tensor) -> None:
+        """Make the staged next weights rule(current, grad) instead of rule(base, grad): another
+        staged push, let go ahead beside this slow one, was applied meanwhile. Element-wise forms
+        are affine in the weights (out = a * w - lr * g), so adding rule(current - base, 0) is
+        exact in real arithmetic (one rounding apart in float32); a pass over the shard, taken only
+        in that case."""
+        assert self._stage is not None
+        base, rule, step_lr = self._stage
+        zeros, moved = torch.zeros(min(self._numel, BLOCK)), torch.empty(min(self._numel, BLOCK))
+        for a in range(0, self._numel, BLOCK):
+            b = min(a + BLOCK, self._numel)
+            rule(current[a:b] - base[a:b], zeros[: b - a], moved[: b - a], step_lr)  # (out must not be w)
+            self.grad[a:b] += moved[: b - a]
+        self._stage = (current, rule, step_lr)
 
     def write(self, piece: memoryview) -> None:
         if self.revoked:
@@ -292,7 +333,7 @@ class PullStream:
         self._stage: torch.Tensor | None = None  # chunk-sized, for converting to a narrower dtype
         self._lock = lock
         self._on_end = on_end
-        self.last_active = time.monotonic()
+        self.started = self.last_active = time.monotonic()
         self.open = True
 
     @property
@@ -303,6 +344,10 @@ class PullStream:
     def sent(self) -> int:
         """Bytes handed out so far (frames given to gRPC, or copied)."""
         return self._offset * element_size(self._dtype)
+
+    @property
+    def moved(self) -> int:
+        return self.sent
 
     @property
     def complete(self) -> bool:

@@ -102,6 +102,7 @@ def test_dropped_or_closed_pull_streams_end() -> None:
 
 def test_in_place_update_waits_for_a_stream_of_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streams, "STALL_S", 600.0)  # however slow this host, nothing counts as stalled
+    monkeypatch.setattr(streams, "HOLD_GRACE_S", 600.0)  # ... or behind the floor rate
     s, layout = make_shard(spec=IN_PLACE)
     before = s.weights_copy()
     version, frames = s.pull_frames(1, 0, layout.fingerprint)
@@ -150,6 +151,7 @@ def test_sync_iteration_gives_an_observing_stream_a_copy() -> None:
 @pytest.mark.parametrize("spec", [STAGED, IN_PLACE], ids=["staged", "in-place"])
 def test_pushes_beyond_push_buffers_wait(monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> None:
     monkeypatch.setattr(streams, "STALL_S", 600.0)
+    monkeypatch.setattr(streams, "HOLD_GRACE_S", 600.0)
     s, layout = make_shard(spec=spec, push_buffers=1)
     s.join(2, layout)
     grad, wire, writer = s.push_target(1, 0, 0, layout.numel, "float32", layout.fingerprint)
@@ -291,6 +293,36 @@ def test_staged_push_waits_for_a_stream_of_the_spare_tensor(monkeypatch: pytest.
     assert push(s, layout, torch.ones(layout.numel), clock=1).applied
     assert torch.allclose(s.weights_copy(), before - 1.0)
     assert torch.equal(decode_frames([first, *frames], layout.numel), before)
+
+
+@pytest.mark.parametrize("spec", [STAGED, {"lr": 0.5, "weight_decay": 0.1}, IN_PLACE],
+                         ids=["staged", "staged-decay", "in-place"])
+def test_a_push_behind_the_floor_rate_holds_up_no_other(monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> None:
+    # Before: a push that kept sending a few bytes (never idle for STALL_S) held the shard's one
+    # receive buffer, or its staged turn, until it ended or was cut, and every other push waited.
+    monkeypatch.setattr(streams, "STALL_S", 600.0)  # only the floor rate can put it behind
+    monkeypatch.setattr(streams, "HOLD_GRACE_S", 0.05)
+    s, layout = make_shard(spec=spec, push_buffers=1, min_transfer_rate_mb_s=1.0)
+    s.join(2, layout)
+    w0 = s.weights_copy()
+    slow_grad = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
+    grad, wire, writer = s.push_target(1, 0, 0, layout.numel, "float32", layout.fingerprint)
+    payload = byte_view(slow_grad)
+    writer.write(memoryview(bytes(payload[:2000])))  # 2,000 of 4,000 bytes, then nothing for a while
+    fast = push(s, layout, torch.ones(layout.numel), rank=2)  # goes ahead beside it: no thread needed
+    assert fast.applied and s.version == 1
+    assert s.status().transfers.buffers_lent == 1  # the slow push's, still in flight
+    writer.write(memoryview(bytes(payload[2000:])))
+    writer.finish()
+    assert s.apply_push(1, 0, 0, grad, wire, wire.nbytes).applied and s.version == 2
+    # Both applied, in the order they completed: the slow push's staged weights were rebased.
+    expected, opt = w0.clone(), make_optimizer(JobSpec(**spec), layout.numel)
+    for g in (torch.ones(layout.numel), slow_grad):
+        opt.apply(expected, g.clone())
+    assert torch.allclose(s.weights_copy(), expected, rtol=0, atol=1e-6)
+    transfers = s.status().transfers
+    assert transfers.buffers_lent == 0 and transfers.retired_buffers == 0, transfers
+    assert push(s, layout, torch.ones(layout.numel), rank=2, clock=1).applied  # the shard goes on
 
 
 def test_eviction_ends_a_stalled_staged_push() -> None:
