@@ -321,7 +321,9 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            return s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i], published and not observe)
+            version = s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i], published and not observe)
+            self._heard_pulls(i)
+            return version
 
         first, follow = None, req
         if self._shard0_decides and not observe:  # the others' weights of shard 0's iteration (or later)
@@ -337,18 +339,29 @@ class ParameterClient:
         """Shard index's answer to a push (and the version a pull after it got): what the shard
         tells once is kept for take_news(). A restart from a checkpoint whose version is below the
         highest this worker saw the shard at lost the updates in between (one at or above it, none)."""
-        if outcome.evicted or outcome.restored_version is not None:
-            with self._news_lock:
-                for e in outcome.evicted:
-                    if (e.rank, e.clock) not in self._told:  # (every shard tells of the same eviction)
-                        self._told.add((e.rank, e.clock))
-                        self._evictions.append(e)
-                restored = outcome.restored_version
-                if restored is not None:  # (told once per worker: lost or not, a restart is news)
-                    self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored))
-                    self.seen_versions[index] = restored
+        self._note(index, outcome.evicted, outcome.restored_version)
         self.seen_versions[index] = max(self.seen_versions[index], outcome.version, pulled or 0)
+        self._heard_pulls(index)
         return outcome
+
+    def _note(self, index: int, evicted: Sequence[Eviction], restored: int | None) -> None:
+        """Keep what shard index told once: other workers it evicted, a restart (and its version)."""
+        if not evicted and restored is None:
+            return
+        with self._news_lock:
+            for e in evicted:
+                if (e.rank, e.clock) not in self._told:  # (every shard tells of the same eviction)
+                    self._told.add((e.rank, e.clock))
+                    self._evictions.append(e)
+            if restored is not None:  # (told once per worker: lost or not, a restart is news)
+                self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored))
+                self.seen_versions[index] = restored
+
+    def _heard_pulls(self, index: int) -> None:
+        """What shard index's pull headers told since (an eviction while a pull waited at the gate)."""
+        for header in self.shards[index].take_pull_news():
+            self._note(index, serde.evictions_from_proto(header.evicted),
+                       header.restored_version if header.HasField("restored_version") else None)
 
     def _saw(self, versions: Sequence[int]) -> None:
         for i, v in enumerate(versions):

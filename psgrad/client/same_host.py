@@ -40,6 +40,8 @@ class _Client(Protocol):
 
     def diagnose(self) -> str: ...
 
+    def heard(self, header: pb.PullHeader) -> pb.PullHeader: ...
+
 
 class SharedMemoryTransport:
     """A shard client's payloads through shared memory (the Transport it picks when the server said
@@ -179,7 +181,7 @@ class SharedMemoryTransport:
                 return self.frames.pull(req, dest, wire)
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the pull", t) from None
         try:
-            header = pull_header(self._client.address, first, dest, wire)
+            header = self._client.heard(pull_header(self._client.address, first, dest, wire))
             try:
                 lent = self._adopt(call, dest, wire, published)
             except shm.SharedMemoryUnavailable:

@@ -61,6 +61,10 @@ class ShardClient:
         self._bind(self.addresses[0])
         # The payloads' transport: frames until a Join answer picks (see _pick)
         self.frames = FramesTransport(self)
+        # What pull headers told once (evictions of other workers, a restart: ps.proto PullHeader),
+        # until taken (take_pull_news).
+        self._pull_news: list[pb.PullHeader] = []
+        self._news_lock = threading.Lock()
         self.transport: Transport = self.frames
         self._shared: SharedMemoryTransport | None = None  # made at the first Join that picks shared memory
         self._may_share = config.shared_memory and shm.supported()  # until refused for good
@@ -231,6 +235,21 @@ class ShardClient:
         """
         return self.transport.step(header, payload, dest, wire, published, reads)
 
+    def heard(self, header: pb.PullHeader) -> pb.PullHeader:
+        """Keep what a pull's header tells once (a transport calls this for every pull it reads)."""
+        if header.evicted or header.HasField("restored_version"):
+            with self._news_lock:
+                self._pull_news.append(header)
+        return header
+
+    def take_pull_news(self) -> list[pb.PullHeader]:
+        """The pull headers that told something since the last call."""
+        if not self._pull_news:
+            return []
+        with self._news_lock:
+            news, self._pull_news = self._pull_news, []
+            return news
+
     def pull_table(self, req: pb.PullRequest, dest: torch.Tensor) -> int:
         """Pull a whole table the request names (req.table: the frozen one) into dest (float32, its
         size), through gRPC frames (read at join: no segment); returns the table's version."""
@@ -330,7 +349,7 @@ class FramesTransport:
 
         def run() -> int:
             stream = c._pull(req, timeout=t)
-            header = pull_header(c.address, next(stream, None), dest, wire)
+            header = c.heard(pull_header(c.address, next(stream, None), dest, wire))
             writer = PayloadWriter(wire.receive_view(dest), f"pull from {c.address}")
             write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {c.address}"))
             wire.finish_receive(dest)

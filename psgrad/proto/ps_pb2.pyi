@@ -204,14 +204,18 @@ class PullRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., observe: _Optional[bool] = ..., table: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "numel", "dtype")
+    __slots__ = ("version", "numel", "dtype", "evicted", "restored_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     numel: int
     dtype: str
-    def __init__(self, version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    evicted: _containers.RepeatedCompositeFieldContainer[Eviction]
+    restored_version: int
+    def __init__(self, version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., evicted: _Optional[_Iterable[_Union[Eviction, _Mapping]]] = ..., restored_version: _Optional[int] = ...) -> None: ...
 
 class PullFrame(_message.Message):
     __slots__ = ("header", "data")

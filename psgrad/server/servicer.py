@@ -302,7 +302,13 @@ class ParameterServicer:
             protocol.abort(context, exc)
             return
         try:
-            header = pb.PullFrame(header=self._pull_header(version)).SerializeToString()
+            head = self._pull_header(version)
+            if not req.observe:  # told once: e.g. a worker evicted while this pull waited for it
+                evicted, restored = self.shard.news(req.rank)
+                head.evicted.extend(serde.evictions_to_proto(evicted))
+                if restored is not None:
+                    head.restored_version = restored
+            header = pb.PullFrame(header=head).SerializeToString()
             if _metadata(context, shm.METADATA_KEY) is None:
                 # A client that stops reading (or reads a trickle) holds the weights and a thread:
                 # the whole pull runs under its deadline.

@@ -70,7 +70,7 @@ class ShardCore:
         self.counters = Counters()
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY_LEN)
         self.marks = RestoreMarks()
-        # What each worker is told once, in a push reply (see news): the latest evictions, and how
+        # What each worker is told once, in a push or pull reply (see news): the latest evictions, and how
         # many of all the shard's evictions (counters.evictions) each rank was told of or joined after.
         self.evicted: deque[Eviction] = deque(maxlen=64)
         self.told: dict[int, int] = {}
@@ -187,9 +187,9 @@ class ShardCore:
         self.told[rank] = self.counters.evictions
 
     def news(self, rank: int) -> tuple[tuple[Eviction, ...], int | None]:
-        """What `rank` has not been told yet (called for each push reply; takes the lock only when
-        there is something to tell): the workers evicted since it was last told (others than
-        itself), and the checkpoint version a restart restored (once per rank)."""
+        """What `rank` has not been told yet (called for each push reply and each of its pulls;
+        takes the lock only when there is something to tell): the workers evicted since it was last
+        told (others than itself), and the checkpoint version a restart restored (once per rank)."""
         marks = self.marks
         if self.told.get(rank, 0) == self.counters.evictions and (marks.version is None or rank in marks.told):
             return (), None

@@ -68,6 +68,10 @@ def evictions_to_proto(evicted: Iterable[Eviction]) -> list[pb.Eviction]:
     return [pb.Eviction(rank=e.rank, clock=e.clock, lease_s=e.lease_s, live=e.live) for e in evicted]
 
 
+def evictions_from_proto(msgs: Iterable[pb.Eviction]) -> tuple[Eviction, ...]:
+    return tuple(Eviction(e.rank, e.clock, e.lease_s, e.live) for e in msgs)
+
+
 def push_outcome_to_proto(outcome: PushOutcome) -> pb.PushReply:
     return pb.PushReply(
         applied=outcome.applied, reason=outcome.reason, version=outcome.version, staleness=outcome.staleness,
@@ -80,7 +84,7 @@ def push_outcome_from_proto(msg: pb.PushReply) -> PushOutcome:
     return PushOutcome(
         applied=msg.applied, reason=msg.reason, version=msg.version, staleness=msg.staleness,
         deferred=msg.deferred, lr=msg.lr if msg.HasField("lr") else None, staleness_bound=msg.staleness_bound,
-        evicted=tuple(Eviction(e.rank, e.clock, e.lease_s, e.live) for e in msg.evicted),
+        evicted=evictions_from_proto(msg.evicted),
         restored_version=msg.restored_version if msg.HasField("restored_version") else None,
     )
 

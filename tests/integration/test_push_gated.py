@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import psgrad.client.shard_client
+import psgrad.server.transfers
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
@@ -93,6 +94,10 @@ class TurnHeld:
     client starts reading its gradient into data frames."""
 
     def __init__(self, server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        # A holder that is never behind (however long it holds the turn without sending): else the
+        # other push would go ahead beside it (server/transfers.behind_in).
+        monkeypatch.setattr(psgrad.server.transfers, "STALL_S", 600.0)
+        monkeypatch.setattr(psgrad.server.transfers, "HOLD_GRACE_S", 600.0)
         shard = server.shard
         assert shard.layout is not None
         self._shard = shard

@@ -1,4 +1,4 @@
-"""What the shards tell a worker once, in its push replies, and what the worker says of it: another
+"""What the shards tell a worker once, in its push (and pull) replies, and what the worker says of it: another
 worker evicted (sync: "worker 2 evicted at clock 1 (lease 2 s): continuing with 2 of 3"), and a
 restart from a checkpoint that lost updates (the shard's version went back from V to V')."""
 from __future__ import annotations
@@ -53,6 +53,35 @@ def test_the_survivors_of_a_sync_job_are_told_once_which_worker_was_evicted_and_
             assert told[r] == [[Eviction(2, 1, 2.0, 2)], []], told  # in the step it happened, once
             assert told[r][0][0].describe(3) == "worker 2 evicted at clock 1 (lease 2 s): continuing with 2 of 3"
         assert server.shard.version == 3
+    finally:
+        for c in clients[:2]:
+            c.close()
+        server.stop(0)
+
+
+def test_a_worker_evicted_while_the_survivors_last_pull_waits_for_it_is_told_in_that_pull() -> None:
+    # Before: only push (and Step) replies told of evictions. Survivors that push and pull in separate
+    # calls (a payload over one frame to another host does) pushed their last iteration, then pulled;
+    # that pull waited at the gate for the dead worker until its eviction, and nobody said so.
+    spec = JobSpec(mode="sync", lr=0.1, num_shards=1, num_workers=3)
+    server = start_server(ServerConfig(port=0, threads=8, lease_s=2.0))
+    clients = [_client(server.address, spec, r) for r in range(3)]
+    try:
+        run_in_threads(3, lambda r: clients[r].join((lambda: torch.zeros(32)) if r == 0 else None))
+        flats = [torch.empty(32) for _ in range(3)]
+        run_in_threads(3, lambda r: clients[r].exchange(torch.ones(32), 0, flats[r]))
+        clients[2].close()  # as if killed: its lease runs out
+        told: dict[int, list[Eviction]] = {}
+
+        def last_iteration(r: int) -> None:
+            outcomes = clients[r].push(torch.ones(32), 1)
+            assert all(o.deferred for o in outcomes) and clients[r].take_news() == ([], [])  # (not yet)
+            clients[r].pull(flats[r], 2)  # waits at the gate until worker 2 is evicted
+            told[r] = clients[r].take_news()[0]
+
+        run_in_threads(2, last_iteration)
+        assert told == {0: [Eviction(2, 1, 2.0, 2)], 1: [Eviction(2, 1, 2.0, 2)]}, told
+        assert server.shard.version == 2
     finally:
         for c in clients[:2]:
             c.close()

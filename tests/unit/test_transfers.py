@@ -325,7 +325,9 @@ def test_a_push_behind_the_floor_rate_holds_up_no_other(monkeypatch: pytest.Monk
     assert push(s, layout, torch.ones(layout.numel), rank=2, clock=1).applied  # the shard goes on
 
 
-def test_eviction_ends_a_stalled_staged_push() -> None:
+def test_eviction_ends_a_stalled_staged_push(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streams, "STALL_S", 600.0)  # only the eviction lets the other push on
+    monkeypatch.setattr(streams, "HOLD_GRACE_S", 600.0)
     clock = FakeClock()
     s, layout = make_shard(now=clock, lease_s=5.0)
     s.join(2, layout)
