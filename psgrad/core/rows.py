@@ -90,8 +90,8 @@ def table_key(seed: int, table: str) -> int:
 def initial_rows(key: int, ids: torch.Tensor, dim: int, std: float = 1.0) -> torch.Tensor:
     """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is."""
     n = ids.numel()
-    if n == 0:
-        return torch.empty(0, dim)
+    if n == 0 or std == 0.0:  # (rows that start at zero: no draws to make)
+        return torch.zeros(n, dim)
     with np.errstate(over="ignore"):
         base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
         counter = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)

@@ -53,6 +53,17 @@ def test_rows_read_as_their_initial_values_deterministically_and_only_an_update_
     assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 1.0) < 0.01  # N(0, 1), like nn.Embedding
 
 
+def test_rows_that_start_at_zero_read_as_plain_zeros() -> None:
+    # std 0: no draws are made (they were, and multiplied by zero: a fifth of a recommender shard's
+    # CPU, benchmarks/dlrm.py), and no row reads as -0.0 (a negative draw times zero did).
+    ids = torch.tensor([3, 9_999_999, 42, 7])
+    t = SparseTable("emb", 10_000_000, 32, 0, 1, seed=3, optimizer=RowSGD(0.5), std=0.0)
+    for values in (t.rows(ids), rows.initial_rows(t.key, ids, 32, 0.0)):
+        assert torch.equal(values, torch.zeros(4, 32)) and not bool(torch.signbit(values).any())
+    t.apply(torch.tensor([42]), torch.ones(1, 32))
+    assert torch.equal(t.rows(ids)[2], torch.full((32,), -0.5)) and torch.equal(t.rows(ids)[[0, 1, 3]], torch.zeros(3, 32))
+
+
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_row_wise_updates_equal_torch_on_the_dense_table(name: str) -> None:
     """A dense table updated by torch's SGD / Adagrad with zero gradients on untouched rows is bit
