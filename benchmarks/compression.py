@@ -18,10 +18,12 @@ Parts (--parts; default codecs and train, with --preset tiny codecs and wire-dty
   float32's.
 - train: the same job (task, seed, steps, recipe) with every config in turn on the test bed
   (lib/netbed.py: network namespaces, every link shaped with tc to the rate in both directions):
-  two shard servers on hosts 0 and 1, two sync workers on hosts 2 and 3 (all-reduce: gloo ranks on
-  hosts 2 and 3). Configs: fp32 (plain), bf16 (--wire-dtype bfloat16: pushes and pulls), topk:0.01,
+  two shard servers on hosts 0 and 1, two workers on hosts 2 and 3 (sync, or --mode; all-reduce:
+  gloo ranks on hosts 2 and 3). Configs: fp32 (plain), bf16 (--wire-dtype bfloat16: pushes and pulls), topk:0.01,
   sign and int8 (--compress; error feedback on for topk and sign; pulls in float32), the same codecs
-  with bf16 pulls (+bf16: sparse values travel in bfloat16 too), and allreduce. Per run: time to the
+  with bf16 pulls (+bf16: sparse values travel in bfloat16 too), fp32-duplex and int8-duplex
+  (async: push and pull at once, as two calls, --duplex; the others make one Step call per shard,
+  whose reply comes after the whole request), and allreduce. Per run: time to the
   task's target (wall time from the first worker's start to the first evaluation at or past it, as
   `psgrad compare` computes it; evaluations included, the same for every config), steps/s, the final
   metric (mean of the workers' final evaluations), and bytes per push as the servers counted them
@@ -73,17 +75,19 @@ CONFIGS: dict[str, list[str]] = {
     "sign+bf16": ["--compress", "sign", "--wire-dtype", "bfloat16"],
     "int8+bf16": ["--compress", "int8", "--wire-dtype", "bfloat16"],
     "topk:0.01:noef": ["--compress", "topk:0.01", "--no-error-feedback"],
+    "fp32-duplex": ["--duplex"],  # async: push and pull at once, as two calls, instead of one Step call per shard
+    "int8-duplex": ["--compress", "int8", "--duplex"],
     "allreduce": [],
 }
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+    "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
               "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
               "reps": 3},
-    "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+    "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "wire-dtype"], "codec_values": 200_000,
              "reps": 2},
-    "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
+    "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "mode": "sync", "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
              "configs": ["fp32", "bf16", "topk:0.01", "sign", "int8", "topk:0.01+bf16", "sign+bf16", "allreduce"],
              "parts": ["codecs", "train"], "codec_values": 25_000_000, "reps": 5},
 }
@@ -168,7 +172,7 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
     common = ["--task", cfg["task"], "--steps", str(cfg["steps"]), "--eval-every", str(cfg["eval_every"]),
               "--log-every", str(cfg["steps"]), "--device", "cpu", "--seed", str(seed)]
     status = train_on_bed(bed, run_dir, config, common, allreduce=config == "allreduce",
-                          worker_argv=["--mode", "sync", *CONFIGS[config]])
+                          worker_argv=["--mode", cfg["mode"], *CONFIGS[config]])
     run = load_run(run_dir, config)
     metrics = run_metrics(run, target, recipe.metric)
     finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
@@ -349,6 +353,7 @@ def main() -> None:
                "tasks and steps (wire-dtype)")
     parser.add_argument("--task", help="override the task (its recipe gives the target, optimizer and lr); train only")
     parser.add_argument("--steps", type=int, help="override the steps per worker and run; train only")
+    parser.add_argument("--mode", choices=("sync", "async", "ssp"), help="the workers' mode (default sync); train only")
     parser.add_argument("--target", type=float, help="override the target (default: the task's recipe's); train only")
     parser.add_argument("--eval-every", type=int, help="override how often the workers evaluate; train only")
     parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config (train) or each "

@@ -229,6 +229,12 @@ class ClientConfig:
     # where fewer bytes save nothing and encoding costs CPU). Off: those shards get the gradient
     # itself, so a one-host job trains as uncompressed unless this is on.
     compress_same_host: bool = False
+    # Async: push a step's gradient and pull the next weights at once, as two calls, to a shard on
+    # another host, so both directions of the link carry data together (one Step call sends its
+    # reply only after the whole request arrived). The weights pulled then may not hold the
+    # worker's own last push yet (a step staler). Off, and in sync and ssp (whose pulls follow the
+    # push): one Step call (where it fits).
+    duplex: bool = False
     # A first call to a server that refuses the connection (nothing listens on its port) reports it
     # after REFUSED_GRACE_S; True waits up to connect_timeout_s for servers that start later
     # (`psgrad run`: a cluster starts its processes in any order).
@@ -255,6 +261,7 @@ class ClientConfig:
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
             *(["--compress-same-host"] if self.compress_same_host else []),
+            *(["--duplex"] if self.duplex else []),
             *(["--wait-for-servers"] if self.wait_for_servers else []),
             *(self.tls.to_argv() if self.tls is not None else []),
         ]

@@ -323,6 +323,11 @@ def add_job_args(
     flag(w, "--compress-same-host", ClientConfig.compress_same_host, "with --compress: compress pushes to shards "
          "on this host too (through shared memory fewer bytes save nothing, and encoding costs CPU)",
          action="store_true")
+    flag(w, "--duplex", ClientConfig.duplex, "async: push a step's gradient and pull the next weights at once, as "
+         "two calls, to shards on other hosts (both directions of the link busy together; the weights pulled "
+         "may miss this worker's last push, a step staler); off: one Step call per shard, which sends the reply "
+         "after the whole request (sync and ssp always do)",
+         action=argparse.BooleanOptionalAction)
 
 
 def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
@@ -403,7 +408,7 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, wait_for_servers=ns.wait_for_servers,
-        compress_same_host=ns.compress_same_host,
+        compress_same_host=ns.compress_same_host, duplex=ns.duplex,
         tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),
     )
 

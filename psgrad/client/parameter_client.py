@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from psgrad import errors
-from psgrad.client.shard_client import RowsRead, ShardClient
+from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, byte_view
@@ -100,6 +100,13 @@ class ParameterClient:
         # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
         # decides which gradients make an iteration (docs/design/architecture.md)
         self._shard0_decides = policy_for(spec).drops_late and plan.num_shards > 1
+        # Async (no gate: a pull need not follow this worker's push): a step to a shard on another
+        # host pushes and pulls at once, as two calls (ClientConfig.duplex); the pushes run on
+        # threads of their own, beside the fan-out's. Not ssp: its gate counts a worker's clock from
+        # its pulls, so a pull that overtook its push would count a push not yet applied.
+        self._duplex = config.duplex and not policy_for(spec).gates_pulls
+        self._pushers = (futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-push")
+                         if self._duplex else None)
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
@@ -121,6 +128,8 @@ class ParameterClient:
         """Close the channels without leaving (the servers drop this worker when its lease ends)."""
         self._halt_heartbeat()
         self._pool.shutdown(wait=True)
+        if self._pushers is not None:
+            self._pushers.shutdown(wait=True)
         for s in self.shards:
             s.close()
         if self._gradient is not None:  # its name; the caller's tensors keep the memory mapped
@@ -467,7 +476,11 @@ class ParameterClient:
             payload, compress = self._push_payload(i, flat_grad[start:end])
             header = self._push_header(i, clock, lr, compress, split[i])
             asks = plan.asks(i) if plan is not None else []
-            done = s.step(header, payload, flat[start:end], self._pull_wires[i], published, asks)
+            done: Stepped | None
+            if self._pushers is not None and not s.same_host:
+                done = self._duplex_step(s, header, payload, req, flat[start:end], self._pull_wires[i], asks)
+            else:
+                done = s.step(header, payload, flat[start:end], self._pull_wires[i], published, asks)
             if done is None:
                 reply, version = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
                 done = reply, version, self._read(s, asks, False) if asks else None
@@ -479,6 +492,22 @@ class ParameterClient:
         if reads is not None and plan is not None:
             reads.rows = plan.place({i: got for i, (_, _, got) in enumerate(results) if got is not None}, False)
         return [outcome for outcome, _, _ in results], list(self.base_versions)
+
+    def _duplex_step(self, s: ShardClient, header: pb.PushHeader, payload: memoryview, req: pb.PullRequest,
+                     dest: torch.Tensor, wire: WireBuffer, asks: list[pb.TableRows]) -> Stepped:
+        """Push and pull (and read the next rows) at once, as separate calls: the gradient goes up
+        while the weights come down, where one Step call sends its reply only after the whole
+        request arrived. The pull does not wait for this push (async), so the weights it brings
+        may or may not hold it (the server counts the staleness either way)."""
+        assert self._pushers is not None
+        pushing = self._pushers.submit(s.push, header, payload)
+        try:
+            version = s.pull(req, dest, wire)
+            got = self._read(s, asks, False) if asks else None
+        except BaseException:
+            pushing.exception()  # (let the push end before the pull's failure is raised)
+            raise
+        return pushing.result(), version, got
 
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, table: str, ids: torch.Tensor, observe: bool = False) -> torch.Tensor:

@@ -45,6 +45,9 @@ class ConsistencyPolicy(ABC):
     drops_late: ClassVar[bool] = False
     #: True: the staleness bound moves at run time (observe_pull): ssp with `--staleness auto`.
     adapts: ClassVar[bool] = False
+    #: False: a pull never waits at a gate, so it need not follow the worker's push and may go
+    #: beside it (async; ClientConfig.duplex). Gated modes count a worker's clock from its pulls.
+    gates_pulls: ClassVar[bool] = True
 
     def __init__(self, staleness: int = 0) -> None:
         self.staleness = staleness
@@ -126,6 +129,7 @@ class AsyncPolicy(ConsistencyPolicy):
     """ASP: pulls never wait; every push is applied on arrival."""
 
     name = "async"
+    gates_pulls = False
 
     def pull_ready(self, clock: int, view: ClockView) -> bool:
         return True

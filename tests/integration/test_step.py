@@ -27,9 +27,10 @@ N = 2113
 INLINE = 64 << 10  # chunk_bytes: both shards' payloads (about 4 KB each) fit one message
 
 
-def config(shared: bool, chunk_bytes: int = INLINE, rpc_timeout_s: float = 10) -> ClientConfig:
+def config(shared: bool, chunk_bytes: int = INLINE, rpc_timeout_s: float = 10, duplex: bool = False) -> ClientConfig:
+    """duplex: push and pull at once (async, another host; off: a Step call)."""
     return ClientConfig(connect_timeout_s=5, rpc_timeout_s=rpc_timeout_s, init_timeout_s=5, reconnect_timeout_s=0,
-                        chunk_bytes=chunk_bytes, shared_memory=shared)
+                        chunk_bytes=chunk_bytes, shared_memory=shared, duplex=duplex)
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def servers(request: pytest.FixtureRequest) -> Iterator[list[RunningServer]]:
 
 
 def client(servers: list[RunningServer], cfg: ClientConfig, rank: int = 0, **spec: Any) -> ParameterClient:
-    job = JobSpec(num_shards=len(servers), num_workers=2, lr=0.5, **spec)
+    job = JobSpec(**{"num_shards": len(servers), "num_workers": 2, "lr": 0.5, **spec})
     return ParameterClient([s.address for s in servers], job, PARAMS, plan_shards(PARAMS, len(servers)), rank, cfg)
 
 
@@ -110,6 +111,63 @@ def test_payloads_over_one_chunk_to_another_host_push_and_pull_separately(
         assert calls.counts == {"step": 0, "push": 2, "pull": 2}
         assert [r.applied for r in replies] == [True, True] and versions == [1, 1]
         torch.testing.assert_close(flat, initial() - 0.5)
+
+
+def test_an_async_step_to_another_host_pushes_and_pulls_at_once(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before (one Step call): the reply, and its weights, were sent only once the whole request had
+    # arrived, so a link carried the push up, then the pull down. Each push here is held until its
+    # shard's pull has begun: one after the other, that wait would time out.
+    with client(servers, config(shared=False, duplex=True), num_workers=1) as c:
+        flat = ready(c)
+        calls = Calls(c, monkeypatch)
+        pulling = {s.address: threading.Event() for s in c.shards}
+        push, pull = ShardClient.push, ShardClient.pull
+
+        def held_push(self: ShardClient, *args: Any) -> Any:
+            assert pulling[self.address].wait(10), "the pull did not begin while the push was on its way"
+            return push(self, *args)
+
+        def marked_pull(self: ShardClient, *args: Any, **kwargs: Any) -> Any:
+            pulling[self.address].set()
+            return pull(self, *args, **kwargs)
+
+        monkeypatch.setattr(ShardClient, "push", held_push)
+        monkeypatch.setattr(ShardClient, "pull", marked_pull)
+        grad = torch.linspace(-1, 1, N)
+        replies, versions = c.exchange(grad, 0, flat)
+        assert [r.applied for r in replies] == [True, True] and all(v in (0, 1) for v in versions), versions
+        assert calls.counts["step"] == 0
+        # the weights pulled: before or after this push, as the server's version says
+        for i, s in enumerate(servers):
+            start, end = c.plan.ranges[i]
+            mine = initial()[start:end] - 0.5 * grad[start:end] if versions[i] else initial()[start:end]
+            torch.testing.assert_close(flat[start:end], mine)
+            torch.testing.assert_close(s.shard.weights_copy(), initial()[start:end] - 0.5 * grad[start:end])
+        replies, _ = c.exchange(grad, 1, flat)  # the next push counts its staleness from what was pulled
+        assert [r.staleness for r in replies] == [1 - v for v in versions]
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_sync_and_ssp_steps_stay_one_call_with_duplex_on(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Sync: the pull waits for the iteration this push completes; ssp's gate counts a worker's clock
+    # from its pulls: a pull must follow its push.
+    bound = {"staleness": 1} if mode == "ssp" else {}
+    a, b = (client(servers, config(False, duplex=True), rank=r, mode=mode, **bound) for r in (0, 1))
+    with a, b:
+        t = threading.Thread(target=b.join, args=(None,))
+        t.start()
+        a.join(initial_weights=initial)
+        t.join(timeout=30)
+        b.leave()
+        flat = torch.empty(N)
+        a.pull(flat, 0)
+        calls = Calls(a, monkeypatch)
+        a.exchange(torch.ones(N), 0, flat)
+        assert calls.counts == {"step": 2, "push": 0, "pull": 0}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["inline", "shm"])

@@ -317,6 +317,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert {_flag(f.name) for f in dataclasses.fields(ClientConfig)} - set(client) == {
         "--wait-for-servers",  # a boolean flag: only when set (above)
         "--compress-same-host",  # the same (below)
+        "--duplex",  # the same (below)
         "--chunk-bytes",  # no flag: a worker has the default
         "--tls",  # its files' flags (--tls-ca, ...), when given: below
         "--auth",  # secrets never go on a command line (a launcher passes files or the environment)
@@ -325,6 +326,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert ClientConfig(tls=TlsConfig(ca=ca, server_name="n")).to_argv()[-4:] == ["--tls-ca", ca, "--tls-server-name", "n"]
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     assert "--compress-same-host" in ClientConfig(compress_same_host=True).to_argv()
+    assert "--duplex" in ClientConfig(duplex=True).to_argv()
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
                           local_rank=1, data_dir="d").to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {
