@@ -8,6 +8,7 @@ wire dtype costs in accuracy.
     python benchmarks/compression.py --preset full --parts wire-dtype   # digits and mnist1d, float32 vs bfloat16
     python benchmarks/compression.py --preset full --task charlm --rates 100 --seeds 1
     python benchmarks/compression.py --preset full --rates 1000 --worker-uplink-mbit 100   # workers behind slow uplinks
+    python benchmarks/compression.py --preset full --parts train --rates 100 --rtt-ms 20   # links across regions
     python benchmarks/compression.py --preset full --parts codecs    # only the codecs' CPU cost
     python benchmarks/compression.py --from-json out.json --markdown  # the tables of a saved run
 
@@ -81,13 +82,13 @@ CONFIGS: dict[str, list[str]] = {
 }
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+    "quick": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "rtt_ms": 0.0, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
               "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "train"], "codec_values": 1_000_000,
               "reps": 3},
-    "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
+    "tiny": {"task": "digits", "target": 0.7, "worker_uplink_mbit": None, "mode": "sync", "rtt_ms": 0.0, "steps": 60, "eval_every": 20, "rates": [1000.0], "seeds": 1,
              "configs": ["fp32", "topk:0.01", "allreduce"], "parts": ["codecs", "wire-dtype"], "codec_values": 200_000,
              "reps": 2},
-    "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "mode": "sync", "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
+    "full": {"task": "fashion-mnist", "target": None, "worker_uplink_mbit": None, "mode": "sync", "rtt_ms": 0.0, "steps": 600, "eval_every": 30, "rates": [100.0, 1000.0], "seeds": 2,
              "configs": ["fp32", "bf16", "topk:0.01", "sign", "int8", "topk:0.01+bf16", "sign+bf16", "allreduce"],
              "parts": ["codecs", "train"], "codec_values": 25_000_000, "reps": 5},
 }
@@ -230,11 +231,12 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cfg["configs"]}
             uplink = cfg["worker_uplink_mbit"]
             uplinks = {h: uplink for h in WORKER_HOSTS} if uplink else {}
-            with NetBed(4, rate_mbit=rate, uplinks=uplinks) as bed:
+            link = f"{rate:g} Mbit/s" + (f" (workers send at {uplink:g})" if uplink else "")
+            link += f", rtt {cfg['rtt_ms']:g} ms" if cfg["rtt_ms"] else ""
+            with NetBed(4, rate_mbit=rate, uplinks=uplinks, rtt_ms=cfg["rtt_ms"]) as bed:
                 for seed in range(cfg["seeds"]):
                     for config in rep_order(cfg["configs"], seed + 1):
-                        log(f"compression: {cfg['task']} {rate:g} Mbit/s{f' (workers send at {uplink:g})' if uplink else ''} "
-                            f"seed {seed}: {config} ...")
+                        log(f"compression: {cfg['task']} {link} seed {seed}: {config} ...")
                         r = train_one(bed, config, seed, {**cfg, "rate": rate}, Path(tmp))
                         log(f"compression: {config}: {r}")
                         runs[config].append(r)
@@ -354,6 +356,8 @@ def main() -> None:
     parser.add_argument("--task", help="override the task (its recipe gives the target, optimizer and lr); train only")
     parser.add_argument("--steps", type=int, help="override the steps per worker and run; train only")
     parser.add_argument("--mode", choices=("sync", "async", "ssp"), help="the workers' mode (default sync); train only")
+    parser.add_argument("--rtt-ms", type=float, help="a round-trip delay between hosts (default 0; lib/netbed.py's "
+                        "RTT_RACK_MS 0.5 inside a rack, RTT_REGION_MS 20 across regions); train only")
     parser.add_argument("--target", type=float, help="override the target (default: the task's recipe's); train only")
     parser.add_argument("--eval-every", type=int, help="override how often the workers evaluate; train only")
     parser.add_argument("--seeds", type=int, help="override how many seeds (0..N-1) each config (train) or each "

@@ -6,8 +6,9 @@ on a host sees that host's private tmpfs there, so psgrad's same-host shared-mem
 cross hosts by accident. Hosts are joined by veth pairs to a bridge in a namespace of its own (the
 "switch"); the root namespace is never touched. Optional: every link shaped with `tc ... tbf` to a
 rate (both directions; a token bucket of a few ms of line rate, at most 64 KB: see BURST_S), and a
-host cut off from the others with nftables drops (`partition`). No delay is added: this kernel has
-no netem.
+host cut off from the others with nftables drops (`partition`), and a round-trip delay on every TCP
+connection between two hosts (`rtt_ms`: this kernel has no netem, so a relay in each host, lib/
+delay_relay.py, holds the bytes; nftables hands it the host's connections).
 
     with NetBed(3, rate_mbit=1000) as bed:
         server = subprocess.Popen(bed.command(0, ["python", "-m", "psgrad", "server", ...]))
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,11 @@ SUBNET = "198.18.0"  # host i is SUBNET.(i+1)/24
 # Measured on the project's VM with a 20-200 MB TCP transfer: 95-99 % of the rate at 100 Mbit/s and
 # 1 Gbit/s with these buckets, as with the 1 MB one.
 BURST_S, BURST_MIN, BURST_MAX = 0.002, 16 << 10, 64 << 10
+# Round-trip delay (rtt_ms): this kernel has no netem, so each host runs lib/delay_relay.py, which
+# its nftables rules hand every TCP connection the host opens to another host. A privileged port:
+# never one a process of the bed is given for port 0. Documented defaults for the figures:
+RELAY_PORT = 1019
+RTT_RACK_MS, RTT_REGION_MS = 0.5, 20.0  # inside a rack; across regions
 
 
 def burst_bytes(rate_mbit: float) -> int:
@@ -61,9 +68,12 @@ class Host:
 class NetBed:
     """Hosts in network namespaces on a shaped switch; a context manager that cleans up after itself."""
 
-    def __init__(self, num_hosts: int, rate_mbit: float | None = None, uplinks: Mapping[int, float] | None = None) -> None:
+    def __init__(self, num_hosts: int, rate_mbit: float | None = None, uplinks: Mapping[int, float] | None = None,
+                 rtt_ms: float = 0.0) -> None:
         """rate_mbit: every link's rate in both directions (None: unshaped); uplinks: hosts whose
-        uplink (what they send) has another rate, in Mbit/s (with rate_mbit)."""
+        uplink (what they send) has another rate, in Mbit/s (with rate_mbit); rtt_ms: a round-trip
+        delay added to every TCP connection between two hosts (half each way; 0: none; see
+        RTT_RACK_MS, RTT_REGION_MS)."""
         if not 1 <= num_hosts <= 200:
             raise ValueError(f"num_hosts must be 1..200, got {num_hosts}")
         if uplinks and rate_mbit is None:
@@ -71,6 +81,10 @@ class NetBed:
         self.num_hosts = num_hosts
         self.rate_mbit = rate_mbit
         self.uplinks = dict(uplinks or {})
+        if rtt_ms < 0:
+            raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms}")
+        self.rtt_ms = rtt_ms
+        self._relays: list[subprocess.Popen[str]] = []
         self.tag = f"{PREFIX}{os.getpid()}x{os.urandom(2).hex()}"
         self.switch = f"{self.tag}sw"
         self.hosts: list[Host] = []
@@ -130,6 +144,26 @@ class NetBed:
                     subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                                     f"{rate}mbit", "burst", str(burst_bytes(rate)), "latency", "100ms"],
                                    check=True, capture_output=True, timeout=30)
+        if self.rtt_ms:
+            for host in self.hosts:
+                self._delay(host)
+
+    def _delay(self, h: Host) -> None:
+        """Start the host's delay relay and redirect its TCP connections to other hosts to it."""
+        relay = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_relay.py")
+        p = subprocess.Popen(["ip", "netns", "exec", h.netns, sys.executable, relay, "--port", str(RELAY_PORT),
+                              "--one-way-ms", str(self.rtt_ms / 2)], stdout=subprocess.PIPE, text=True)
+        self._relays.append(p)
+        assert p.stdout is not None
+        if not p.stdout.readline().startswith("relaying on"):
+            raise RuntimeError(f"the delay relay of host {h.index} did not start (exit {p.poll()})")
+        rules = (f"table ip {PREFIX}rtt {{\n"
+                 "  chain out { type nat hook output priority -100;\n"
+                 f"    meta mark != 0x5053 ip daddr {SUBNET}.0/24 ip daddr != {h.addr} meta l4proto tcp "
+                 f"redirect to :{RELAY_PORT}; }}\n"
+                 "}\n")
+        subprocess.run(["ip", "netns", "exec", h.netns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=30)
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """argv run on a host: in its network namespace, with the host's own /dev/shm."""
@@ -165,7 +199,11 @@ class NetBed:
         self._partitioned.discard(host)
 
     def close(self) -> None:
-        """Remove every namespace, link, qdisc, rule and tmpfs this bed made (idempotent)."""
+        """Remove every namespace, link, qdisc, rule, relay and tmpfs this bed made (idempotent)."""
+        for p in self._relays:
+            p.kill()
+            p.wait(timeout=30)
+        self._relays = []
         for h in self.hosts:
             _ip("netns", "del", h.netns, check=False)  # its veth pair, qdiscs and nft tables go with it
         _ip("netns", "del", self.switch, check=False)

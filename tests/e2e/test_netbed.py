@@ -370,3 +370,47 @@ def test_compression_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
     for config, s in summary.items():
         assert s["time_to_target_s"] is not None and s["time_to_target_s"] > 0, config
         assert 0.7 <= s["final"] <= 1.0, config
+
+
+PING = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.create_server((sys.argv[2], 0)); print(s.getsockname()[1], flush=True)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(1)):
+        c.sendall(d)
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3]))); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(5):
+        t = time.perf_counter(); c.sendall(b"p"); assert c.recv(1) == b"p"; rtts.append(time.perf_counter() - t)
+    print(min(rtts))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_bed_with_a_round_trip_delay_adds_it_to_every_connection_between_hosts() -> None:
+    # Before: the bed could add no delay (this kernel has no netem); now a relay in each host holds
+    # the bytes of its connections to other hosts half the round trip each way.
+    why = NetBed.unavailable()
+    if why:
+        pytest.skip(f"no multi-host test bed here: {why}")
+    with NetBed(2, rate_mbit=100, rtt_ms=20.0) as bed:
+        echo = Proc(bed.command(0, [sys.executable, "-c", PING, "serve", bed.hosts[0].addr]), name="echo",
+                    new_session=False)
+        procs = [echo]
+        try:
+            port = echo.wait_for_line("", timeout_s=30).strip()
+            out = bed.run(1, [sys.executable, "-c", PING, "ping", bed.hosts[0].addr, port], timeout_s=60)
+            assert out.returncode == 0, out.stderr
+            rtt_s = float(out.stdout)
+            server, address = start_server(bed, 0)
+            procs.append(server)
+            t = time.monotonic()
+            shards = status(bed, 1, address)  # gRPC through the relay
+            print(f"ping-pong across the bed: {rtt_s * 1e3:.2f} ms (rtt_ms 20); psgrad status: "
+                  f"{time.monotonic() - t:.2f} s")
+            assert rtt_s >= 0.020, rtt_s
+            assert shards and shards[0]["address"] == address, shards
+        finally:
+            stop_all(procs)
