@@ -8,6 +8,8 @@ that the redirect skips) and forwards what either side sends `--one-way-ms` afte
 order, a chunk at a time. At most --buffer-bytes wait in each direction, so a sender still feels
 the link's backpressure as TCP's window would make it. The shaped link (tc tbf on the host's veth)
 lies after the relay, so the delay adds to the serialization time as a propagation delay does.
+Unlike a real link's, the handshake is not delayed (the relay accepts at once, then connects), and
+a port nothing listens on shows as a connection closed at once instead of refused.
 
     python benchmarks/lib/delay_relay.py --port 7000 --one-way-ms 10    # prints "relaying on 7000"
 """
