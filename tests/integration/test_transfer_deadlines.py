@@ -131,7 +131,9 @@ def test_a_trickling_push_is_cut_at_its_deadline_and_another_workers_step_goes_o
         # The Step went ahead beside the trickle (which the floor rate puts behind once it has held the
         # buffer HOLD_GRACE_S, 0.1 s), long before the cut.
         assert outcomes[0].applied and trickling and step_s < deadline_s / 2, (step_s, trickling)
-        (line,) = [x for x in logged if x.startswith("cancelled a Push call from ")]
+        cut = "cancelled a Push call from "  # (logged by the watchdog just after it cancels)
+        wait_for("the server to log the cut", lambda: any(x.startswith(cut) for x in logged), timeout_s=10)
+        (line,) = [x for x in logged if x.startswith(cut)]
         assert "(worker rank 1, as its request says" in line and f"of {4 * numel} bytes arrived in" in line, line
         assert "--transfer-allowance-s 2 + 20000 bytes at --min-transfer-rate-mb-s 1" in line, line
         status = shard_status([running.address], 5)[0]
@@ -254,7 +256,9 @@ def test_a_trickled_replica_record_is_cut_at_its_deadline() -> None:
               f"{trickle.end_s:.2f} s, its deadline {deadline_s:.2f} s")
         assert code == grpc.StatusCode.CANCELLED
         assert deadline_s <= trickle.end_s <= deadline_s + SLACK_S
-        (line,) = [x for x in logged if x.startswith("cancelled a ReplicaApply call from ")]
+        cut = "cancelled a ReplicaApply call from "  # (logged by the watchdog just after it cancels)
+        wait_for("the server to log the cut", lambda: any(x.startswith(cut) for x in logged), timeout_s=10)
+        (line,) = [x for x in logged if x.startswith(cut)]
         assert "(primary 127.0.0.1:1)" in line and f"of {nbytes} bytes arrived in" in line, line
         assert shard_status([running.address], 5)[0].transfers.streams_open == 0
     finally:
