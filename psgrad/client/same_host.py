@@ -258,7 +258,7 @@ class SharedMemoryTransport:
             seg.lock.release()
             raise
         try:
-            check_pull_header(self._client.address, reply.pull, dest, wire)
+            self._client.heard(check_pull_header(self._client.address, reply.pull, dest, wire))
             try:
                 lent = self._adopt(call, dest, wire, published)
             except shm.SharedMemoryUnavailable:

@@ -428,7 +428,7 @@ class FramesTransport:
         t = c.config.rpc_timeout_s
 
         reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=t), t)
-        check_pull_header(c.address, reply.pull, dest, wire)
+        c.heard(check_pull_header(c.address, reply.pull, dest, wire))
         data = memoryview(reply.data)
         if len(data) != wire.nbytes:
             raise InvalidRequestError(

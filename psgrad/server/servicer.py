@@ -248,10 +248,18 @@ class ParameterServicer:
             raise
         return version, frames
 
-    def _pull_header(self, version: int) -> pb.PullHeader:
+    def _pull_header(self, version: int, rank: int | None = None) -> pb.PullHeader:
+        """The header of a pull of `version`; with a worker's rank (not an observing pull), what the
+        shard tells it once and it was not told yet: e.g. a worker evicted while this pull waited."""
         layout = self.shard.layout
         assert layout is not None
-        return pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
+        head = pb.PullHeader(version=version, numel=layout.numel, dtype=layout.spec.wire_dtype)
+        if rank is not None:
+            evicted, restored = self.shard.news(rank)
+            head.evicted.extend(serde.evictions_to_proto(evicted))
+            if restored is not None:
+                head.restored_version = restored
+        return head
 
     def _shared_segment(self, context: grpc.ServicerContext, rank: int, nbytes: int) -> shm.Attached | None:
         """The same-host segment the call names (None: payloads in the messages). One this server
@@ -302,13 +310,7 @@ class ParameterServicer:
             protocol.abort(context, exc)
             return
         try:
-            head = self._pull_header(version)
-            if not req.observe:  # told once: e.g. a worker evicted while this pull waited for it
-                evicted, restored = self.shard.news(req.rank)
-                head.evicted.extend(serde.evictions_to_proto(evicted))
-                if restored is not None:
-                    head.restored_version = restored
-            header = pb.PullFrame(header=head).SerializeToString()
+            header = pb.PullFrame(header=self._pull_header(version, None if req.observe else req.rank)).SerializeToString()
             if _metadata(context, shm.METADATA_KEY) is None:
                 # A client that stops reading (or reads a trickle) holds the weights and a thread:
                 # the whole pull runs under its deadline.
@@ -451,9 +453,7 @@ class ParameterServicer:
         try:
             # The rows are read once the gate holds: in sync mode after this iteration's update.
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
-            evicted, _ = self.shard.news(h.rank)  # (sync: evicted while this pull waited for them)
-            pushed.evicted.extend(serde.evictions_to_proto(evicted))
-            reply = pb.StepReply(push=pushed, pull=self._pull_header(version), row_versions=[v for v, _ in got],
+            reply = pb.StepReply(push=pushed, pull=self._pull_header(version, h.rank), row_versions=[v for v, _ in got],
                                  rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
             if seg is not None:
                 if not self._publish(context, h.rank, frames):
