@@ -11,6 +11,7 @@ from psgrad.core.addresses import parse_address, parse_servers, parse_shard  # n
 from psgrad.core.job import WIRE_DTYPES, JobSpec  # noqa: F401 (config's names: JobSpec lives in core, which imports nothing above it)
 from psgrad.core.modes import MODES  # noqa: F401 (config's name, as before)
 from psgrad.core.schedule import LR_SCHEDULES  # noqa: F401 (config's name, as before)
+from psgrad.core.compression import parse_compression
 from psgrad.errors import ConfigError
 from psgrad.core.optimizer_settings import DECLS
 
@@ -205,6 +206,10 @@ class ServerConfig:
 # being started binds its port within this. ClientConfig.wait_for_servers (`psgrad run`,
 # `--wait-for-servers`) waits the whole connect timeout instead, for servers started later.
 REFUSED_GRACE_S = 2.0
+# Compressed pulls (ClientConfig.compress_pull): the copy a worker holds is made exact again every
+# this many versions of a shard, and whenever it would be this far from the weights (relative).
+PULL_RESYNC_EVERY = 0
+PULL_RESYNC_ERROR = 0.1
 WAIT_FOR_SERVERS_HINT = (" (--wait-for-servers, or ClientConfig(wait_for_servers=True), waits up to --connect-timeout-s "
                          "for a server that starts later)")
 
@@ -235,6 +240,16 @@ class ClientConfig:
     # worker's own last push yet (a step staler). Off, and in sync and ssp (whose pulls follow the
     # push): one Step call (where it fits).
     duplex: bool = False
+    # Pull the change of the weights since the copy this worker holds, compressed with a push codec
+    # (topk:R, randomk:R, sign, int8; "none": the weights themselves), error feedback kept by the
+    # server per worker (docs/guide/compression.md, "Compressed pulls"). To shards on other hosts,
+    # or on this host too with compress_same_host. Costs each such shard a copy of its range per
+    # worker, and the worker a copy of the whole model. The copy is made exact again every
+    # pull_resync_every versions of a shard (0: never), and whenever it would be further than
+    # pull_resync_error from the weights (relative: ||w - copy|| / ||w||; 0: never).
+    compress_pull: str = "none"
+    pull_resync_every: int = PULL_RESYNC_EVERY
+    pull_resync_error: float = PULL_RESYNC_ERROR
     # A first call to a server that refuses the connection (nothing listens on its port) reports it
     # after REFUSED_GRACE_S; True waits up to connect_timeout_s for servers that start later
     # (`psgrad run`: a cluster starts its processes in any order).
@@ -251,6 +266,10 @@ class ClientConfig:
             f"reconnect_timeout_s must be a finite number >= 0, got {self.reconnect_timeout_s!r}",
         )
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        parse_compression(self.compress_pull)  # (ConfigError naming the grammar)
+        _check(self.pull_resync_every >= 0, f"pull_resync_every must be >= 0 (0: never), got {self.pull_resync_every}")
+        _check(math.isfinite(self.pull_resync_error) and self.pull_resync_error >= 0,
+               f"pull_resync_error must be a finite number >= 0 (0: never), got {self.pull_resync_error!r}")
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config. chunk_bytes has no flag: a worker
@@ -262,6 +281,8 @@ class ClientConfig:
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
             *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--duplex"] if self.duplex else []),
+            "--compress-pull", self.compress_pull, "--pull-resync-every", str(self.pull_resync_every),
+            "--pull-resync-error", str(self.pull_resync_error),
             *(["--wait-for-servers"] if self.wait_for_servers else []),
             *(self.tls.to_argv() if self.tls is not None else []),
         ]

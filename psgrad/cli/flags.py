@@ -271,8 +271,9 @@ def add_job_args(
          "bfloat16/float16 halve the bytes, servers keep float32 master weights", choices=WIRE_DTYPES)
     flag(g, "--compress", JobSpec.compress, "compress pushed gradients: topk:RATIO or randomk:RATIO (that fraction "
          "of the values, with their indices), sign (1 bit a value and a scale per 1,024), int8 (8 bits, stochastic "
-         "rounding, unbiased); e.g. topk:0.01 sends 2%% of the bytes; pulls stay in --wire-dtype; shards on the "
-         "worker's host get plain gradients unless --compress-same-host", metavar="NAME")
+         "rounding, unbiased); e.g. topk:0.01 sends 2%% of the bytes; pulls stay in --wire-dtype (see "
+         "--compress-pull); shards on the worker's host get plain gradients unless --compress-same-host",
+         metavar="NAME")
     g.add_argument("--no-error-feedback", dest="error_feedback", action="store_false", default=JobSpec.error_feedback,
                    help="with --compress topk/randomk/sign: drop what a push leaves out instead of adding it to the "
                    "worker's next gradient (error feedback is on by default for these biased codecs; int8 never "
@@ -328,6 +329,16 @@ def add_job_args(
          "may miss this worker's last push, a step staler); off: one Step call per shard, which sends the reply "
          "after the whole request (sync and ssp always do)",
          action=argparse.BooleanOptionalAction)
+    flag(w, "--compress-pull", ClientConfig.compress_pull, "pull the change of the weights since the copy this "
+         "worker holds, compressed with a push codec (topk:RATIO, randomk:RATIO, sign, int8; none: the weights "
+         "themselves); what a pull leaves out the server keeps per worker and sends later (error feedback); "
+         "to shards on other hosts, or this one too with --compress-same-host; costs each shard a copy of its "
+         "range per such worker", metavar="NAME")
+    flag(w, "--pull-resync-every", ClientConfig.pull_resync_every, "with --compress-pull: pull the exact weights "
+         "again once the worker's copy was last exact this many versions of a shard ago (0: never)", type=int)
+    flag(w, "--pull-resync-error", ClientConfig.pull_resync_error, "with --compress-pull: pull the exact weights "
+         "instead whenever the worker's copy would be further than this from them, ||w - copy|| / ||w|| (0: never)",
+         type=float)
 
 
 def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
@@ -408,7 +419,8 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, wait_for_servers=ns.wait_for_servers,
-        compress_same_host=ns.compress_same_host, duplex=ns.duplex,
+        compress_same_host=ns.compress_same_host, duplex=ns.duplex, compress_pull=ns.compress_pull,
+        pull_resync_every=ns.pull_resync_every, pull_resync_error=ns.pull_resync_error,
         tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),
     )
 

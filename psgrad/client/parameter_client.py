@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from psgrad import errors
+from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
@@ -85,13 +86,19 @@ class ParameterClient:
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
+        trainable = sum(p.numel for p in self.params if not p.buffer)
         # Separate staging buffers for pulls and pushes, so the two may overlap
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
         self._push_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
+        # --compress-pull: each shard's pull buffer that holds this worker's copy (see DeltaWire)
+        pull_codec = parse_compression(config.compress_pull)
+        self._delta_wires = [None if pull_codec is None else DeltaWire(
+            end - start, spec.wire_dtype, pull_codec, plain=(end - start) - max(0, min(end, trainable) - start),
+            resync_every=config.pull_resync_every, resync_error=config.pull_resync_error)
+            for start, end in plan.ranges]
         # --compress: each shard's encoder, with its error-feedback residual (see _push_payload)
         # (a range's model buffers, which follow every parameter in the flat space, travel plain)
         codec = parse_compression(spec.compress)
-        trainable = sum(p.numel for p in self.params if not p.buffer)
         self._compressors = [None if codec is None else Compressor(
             codec, end - start, spec.wire_dtype, spec.error_feedback, seed=rank * 65_537 + i,
             plain=(end - start) - max(0, min(end, trainable) - start))
@@ -330,7 +337,9 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> int:
             start, end = self.plan.ranges[i]
-            version = s.pull(req if i == 0 else follow, flat[start:end], self._pull_wires[i], published and not observe)
+            wire = self._pull_wire(i, observe)
+            version = s.pull(req if i == 0 else follow, flat[start:end], wire,
+                             published and not observe and wire is self._pull_wires[i])
             self._heard_pulls(i)
             return version
 
@@ -343,6 +352,21 @@ class ParameterClient:
             self.base_versions = versions
             self._saw(versions)
         return versions
+
+    def _pull_wire(self, index: int, observe: bool = False) -> WireBuffer:
+        """Shard index's pull buffer: with --compress-pull the one holding this worker's copy (see
+        DeltaWire), except for observing pulls (exact) and to a shard on this host unless
+        --compress-same-host; else the plain one."""
+        delta = self._delta_wires[index]
+        if delta is None or observe or (self.shards[index].same_host and not self.config.compress_same_host):
+            return self._pull_wires[index]
+        return delta
+
+    def pull_drift(self) -> float | None:
+        """With --compress-pull: the largest distance of this worker's copy from the weights over
+        the shards, ||w - copy|| / ||w||, as the servers reported it at the last pulls (None: off)."""
+        drifts = [w.drift for w in self._delta_wires if w is not None and w.pulls]
+        return max(drifts) if drifts else None
 
     def _heard(self, index: int, outcome: PushOutcome, pulled: int | None = None) -> PushOutcome:
         """Shard index's answer to a push (and the version a pull after it got): what the shard
@@ -476,13 +500,15 @@ class ParameterClient:
             payload, compress = self._push_payload(i, flat_grad[start:end])
             header = self._push_header(i, clock, lr, compress, split[i])
             asks = plan.asks(i) if plan is not None else []
+            wire = self._pull_wire(i)
+            lend = published and wire is self._pull_wires[i]  # (a compressed pull is never lent)
             done: Stepped | None
             if self._pushers is not None and not s.same_host:
-                done = self._duplex_step(s, header, payload, req, flat[start:end], self._pull_wires[i], asks)
+                done = self._duplex_step(s, header, payload, req, flat[start:end], wire, asks)
             else:
-                done = s.step(header, payload, flat[start:end], self._pull_wires[i], published, asks)
+                done = s.step(header, payload, flat[start:end], wire, lend, asks)
             if done is None:
-                reply, version = s.push(header, payload), s.pull(req, flat[start:end], self._pull_wires[i], published)
+                reply, version = s.push(header, payload), s.pull(req, flat[start:end], wire, lend)
                 done = reply, version, self._read(s, asks, False) if asks else None
             reply, version, got = done
             return self._heard(i, serde.push_outcome_from_proto(reply), version), version, got

@@ -13,9 +13,11 @@ import grpc
 import torch
 
 from psgrad.client import reconnect
-from psgrad.client.transport import Stepped, Transport, check_pull_header, pull_header, rows_read
+from psgrad.client.transport import (
+    Stepped, Transport, asking, check_pull_header, pull_header, rows_read, step_request,
+)
 from psgrad.config import ClientConfig
-from psgrad.core.codecs import WireBuffer, copy_bytes, copy_from_wire, segment_bytes
+from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import published, shm
@@ -166,6 +168,7 @@ class SharedMemoryTransport:
         the weights into this shard's segment, and answers with the header alone. Through frames
         when the segment is busy, or is the caller's gradient and no lent version is asked for."""
         self.view = None
+        req = asking(req, wire)
         seg = self.take_segment(wire.nbytes)
         if seg is None:
             return self.frames.pull(req, dest, wire)
@@ -188,7 +191,7 @@ class SharedMemoryTransport:
                 self._published_ok = False
                 return self.frames.pull(req, dest, wire)
             if not lent:
-                copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
+                wire.load(dest, seg.payload[: wire.nbytes])
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
@@ -248,7 +251,7 @@ class SharedMemoryTransport:
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            request = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
+            request = step_request(header, reads, wire).SerializeToString()
             reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
@@ -267,7 +270,7 @@ class SharedMemoryTransport:
                 after = pb.PullRequest(rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint)
                 return reply.push, self.frames.pull(after, dest, wire), rows_read(self._client.address, reply, reads)
             if not lent:
-                copy_from_wire(dest, seg.payload[: wire.nbytes], wire)
+                wire.load(dest, seg.payload[: wire.nbytes])
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()

@@ -16,9 +16,11 @@ from psgrad import errors
 from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SharedMemoryTransport
-from psgrad.client.transport import RowsRead, Stepped, Transport, check_pull_header, checked_rows, pull_header, rows_read
+from psgrad.client.transport import (
+    RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read, step_request,
+)
 from psgrad.wire import shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_from_wire
+from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
@@ -348,7 +350,7 @@ class FramesTransport:
         t = c.config.rpc_timeout_s
 
         def run() -> int:
-            stream = c._pull(req, timeout=t)
+            stream = c._pull(asking(req, wire), timeout=t)
             header = c.heard(pull_header(c.address, next(stream, None), dest, wire))
             writer = PayloadWriter(wire.receive_view(dest), f"pull from {c.address}")
             write_frames(stream, writer, FrameParser(pb.PullFrame, f"pull from {c.address}"))
@@ -423,7 +425,7 @@ class FramesTransport:
         c = self._client
         if len(payload) > c.config.chunk_bytes:
             return None
-        head = pb.StepRequest(push=header, pull_rows=reads).SerializeToString()
+        head = step_request(header, reads, wire).SerializeToString()
         request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
         t = c.config.rpc_timeout_s
 
@@ -434,5 +436,5 @@ class FramesTransport:
             raise InvalidRequestError(
                 f"server {c.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
             )
-        copy_from_wire(dest, data, wire)
+        wire.load(dest, data)
         return reply.push, int(reply.pull.version), rows_read(c.address, reply, reads)

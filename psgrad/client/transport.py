@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from psgrad.client.delta_wire import DeltaWire
 from psgrad.core.codecs import WireBuffer
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
@@ -69,13 +70,40 @@ class Transport(Protocol):
 
 
 def check_pull_header(address: str, header: pb.PullHeader, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:
-    """The header of pulled weights, checked against what dest expects."""
+    """The header of pulled weights, checked against what dest expects (and handed to a compressed
+    pull's buffer, which then knows what the payload is: see DeltaWire)."""
     if header.numel != dest.numel() or header.dtype != wire.dtype_name:
         raise InvalidRequestError(
             f"server {address}: pull sends {header.numel} {header.dtype} values, "
             f"expected {dest.numel()} {wire.dtype_name}"
         )
+    if isinstance(wire, DeltaWire):
+        try:
+            wire.expect(header.compress, header.copy, header.drift)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"server {address}: {exc}") from None
+    elif header.compress:
+        raise InvalidRequestError(f"server {address}: a pull compressed {header.compress}, which this worker "
+                                  "did not ask for")
     return header
+
+
+def asking(req: pb.PullRequest, wire: WireBuffer) -> pb.PullRequest:
+    """The pull request a pull into `wire` sends: req, with a compressed pull's ask (DeltaWire)."""
+    if not isinstance(wire, DeltaWire) or req.observe:
+        return req
+    out = pb.PullRequest()
+    out.CopyFrom(req)
+    out.delta.CopyFrom(wire.ask())
+    return out
+
+
+def step_request(header: pb.PushHeader, reads: Sequence[pb.TableRows], wire: WireBuffer) -> pb.StepRequest:
+    """The Step request (without its gradient) of a push with `header` and a pull into `wire`."""
+    req = pb.StepRequest(push=header, pull_rows=reads)
+    if isinstance(wire, DeltaWire):
+        req.delta.CopyFrom(wire.ask())
+    return req
 
 
 def pull_header(address: str, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:

@@ -130,6 +130,13 @@ class WireBuffer:
         if self._buf is not None:
             dest.copy_(self._buf)
 
+    def load(self, dest: torch.Tensor, src: memoryview) -> None:
+        """Wire bytes received whole (in a message or a segment) into dest (float32)."""
+        if self.codec.exact:
+            copy_bytes(byte_view(dest), src)
+        else:
+            dest.copy_(torch.frombuffer(src, dtype=self.dtype))
+
 
 # Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
 # spreads over torch's threads (and would wake them, to spin afterwards, for a small one).
@@ -142,11 +149,3 @@ def copy_bytes(dest: memoryview, src: memoryview) -> None:
         dest[:] = src
     else:
         torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-
-def copy_from_wire(dest: torch.Tensor, src: memoryview, wire: WireBuffer) -> None:
-    """Wire-dtype bytes into dest (float32), converting if the wire dtype is narrower."""
-    if wire.codec.exact:
-        copy_bytes(byte_view(dest), src)
-    else:
-        dest.copy_(torch.frombuffer(src, dtype=wire.dtype))

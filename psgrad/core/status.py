@@ -61,6 +61,20 @@ class DelayStatus:
 
 
 @dataclass(frozen=True)
+class DeltaStatus:
+    """Compressed pulls on a shard (all 0 when no worker uses --compress-pull): the copies of what
+    each such worker holds, and how their pulls went."""
+
+    copies: int = 0  # workers whose copy the shard keeps
+    nbytes: int = 0  # memory of the copies (and their codecs' buffers)
+    compressed: int = 0  # pulls sent as a compressed change
+    exact: int = 0  # pulls of those workers sent exact: first pulls, copies not held here, resyncs
+    resyncs: int = 0  # of the exact ones: periodic, or for the error
+    drift: float = 0.0  # the latest such pull: ||weights - copy|| / ||weights|| once applied
+    drift_max: float = 0.0  # the largest drift since the server started
+
+
+@dataclass(frozen=True)
 class TableStatus:
     """One table of a shard: what kind it is and what it holds."""
 
@@ -143,6 +157,7 @@ class ShardStatus:
     frozen_params: tuple[ParamSpec, ...] = ()  # the frozen parameters the servers keep, only when asked for (export)
     replica: ReplicaStatus = field(default_factory=ReplicaStatus)
     delay: DelayStatus = field(default_factory=DelayStatus)
+    delta: DeltaStatus = field(default_factory=DeltaStatus)
     published: PublishedStatus = field(default_factory=PublishedStatus)
     tables: tuple[TableStatus, ...] = ()  # what the shard holds, table by table
     checkpoint: CheckpointStatus = field(default_factory=CheckpointStatus)
@@ -208,6 +223,7 @@ class ShardStatus:
             "transfers": dataclasses.asdict(self.transfers),
             "replica": dataclasses.asdict(self.replica),
             "delay": dataclasses.asdict(self.delay),
+            "delta": dataclasses.asdict(self.delta),
             "published": dataclasses.asdict(self.published),
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "missing_at_start": list(self.missing_at_start),

@@ -190,32 +190,52 @@ class InitReply(_message.Message):
     def __init__(self, already_initialized: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "clock", "fingerprint", "observe", "table")
+    __slots__ = ("rank", "clock", "fingerprint", "observe", "table", "delta")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     fingerprint: str
     observe: bool
     table: str
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., observe: _Optional[bool] = ..., table: _Optional[str] = ...) -> None: ...
+    delta: DeltaAsk
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., fingerprint: _Optional[str] = ..., observe: _Optional[bool] = ..., table: _Optional[str] = ..., delta: _Optional[_Union[DeltaAsk, _Mapping]] = ...) -> None: ...
+
+class DeltaAsk(_message.Message):
+    __slots__ = ("codec", "holds", "resync_every", "resync_error")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_ERROR_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    holds: int
+    resync_every: int
+    resync_error: float
+    def __init__(self, codec: _Optional[str] = ..., holds: _Optional[int] = ..., resync_every: _Optional[int] = ..., resync_error: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "numel", "dtype", "evicted", "restored_version")
+    __slots__ = ("version", "numel", "dtype", "evicted", "restored_version", "compress", "copy", "drift")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
     version: int
     numel: int
     dtype: str
     evicted: _containers.RepeatedCompositeFieldContainer[Eviction]
     restored_version: int
-    def __init__(self, version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., evicted: _Optional[_Iterable[_Union[Eviction, _Mapping]]] = ..., restored_version: _Optional[int] = ...) -> None: ...
+    compress: str
+    copy: int
+    drift: float
+    def __init__(self, version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., evicted: _Optional[_Iterable[_Union[Eviction, _Mapping]]] = ..., restored_version: _Optional[int] = ..., compress: _Optional[str] = ..., copy: _Optional[int] = ..., drift: _Optional[float] = ...) -> None: ...
 
 class PullFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -298,14 +318,16 @@ class PushProgress(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("push", "data", "pull_rows")
+    __slots__ = ("push", "data", "pull_rows", "delta")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PULL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     push: PushHeader
     data: bytes
     pull_rows: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pull_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    delta: DeltaAsk
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pull_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., delta: _Optional[_Union[DeltaAsk, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("push", "pull", "data", "rows", "row_versions")
@@ -350,7 +372,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "frozen_params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint", "pushes_plain")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "frozen_params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint", "pushes_plain", "delta")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +406,7 @@ class StatusReply(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PUSHES_PLAIN_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     shard: ShardRange
     spec: JobSpec
@@ -417,7 +440,8 @@ class StatusReply(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     checkpoint: CheckpointStatus
     pushes_plain: int
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen_params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., pushes_plain: _Optional[int] = ...) -> None: ...
+    delta: DeltaStatus
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen_params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., pushes_plain: _Optional[int] = ..., delta: _Optional[_Union[DeltaStatus, _Mapping]] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("enabled", "version", "age_s", "writes", "failures", "failing", "last_error", "error_age_s")
@@ -534,6 +558,24 @@ class PublishedStatus(_message.Message):
     leases: int
     pinned: int
     def __init__(self, slots: _Optional[int] = ..., nbytes: _Optional[int] = ..., leased: _Optional[int] = ..., copies: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class DeltaStatus(_message.Message):
+    __slots__ = ("copies", "nbytes", "compressed", "exact", "resyncs", "drift", "drift_max")
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_MAX_FIELD_NUMBER: _ClassVar[int]
+    copies: int
+    nbytes: int
+    compressed: int
+    exact: int
+    resyncs: int
+    drift: float
+    drift_max: float
+    def __init__(self, copies: _Optional[int] = ..., nbytes: _Optional[int] = ..., compressed: _Optional[int] = ..., exact: _Optional[int] = ..., resyncs: _Optional[int] = ..., drift: _Optional[float] = ..., drift_max: _Optional[float] = ...) -> None: ...
 
 class DelayStatus(_message.Message):
     __slots__ = ("copies", "nbytes", "compensated", "uncompensated")

@@ -82,6 +82,14 @@ class ShardCollector:
                       s.delay.compensated)
         yield counter("psgrad_dc_asgd_uncompensated", "DC-ASGD: pushes applied as they came (no copy of the "
                       "weights they were computed on)", s.delay.uncompensated)
+        yield counter("psgrad_pulls_compressed", "compressed pulls (--compress-pull): pulls sent as the compressed "
+                      "change since the worker's copy", s.delta.compressed)
+        yield counter("psgrad_pulls_exact_resync", "compressed pulls (--compress-pull): pulls sent exact instead "
+                      "(first pulls, copies not held here, periodic or error resyncs)", s.delta.exact)
+        yield gauge("psgrad_pull_copy_bytes", "compressed pulls (--compress-pull): memory of the copies of what "
+                    "each such worker holds", s.delta.nbytes)
+        yield gauge("psgrad_pull_drift", "compressed pulls (--compress-pull): the latest pull's distance of the "
+                    "worker's copy from the weights, ||w - copy|| / ||w||", s.delta.drift)
         yield gauge("psgrad_published_ring_bytes", "same-host published versions: shared memory the ring of "
                     "slots holds in /dev/shm (0 until a worker asks for one)", s.published.nbytes)
         yield counter("psgrad_published_pulls", "same-host pulls served from a published version (zero-copy)",

@@ -14,7 +14,7 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.wire import published, shm
-from psgrad.core.codecs import WireBuffer, byte_view, segment_bytes, torch_dtype
+from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, segment_bytes, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
@@ -26,6 +26,7 @@ from psgrad.server.shard import Shard
 from psgrad.server.streams import StreamLimits
 from psgrad.server.tables import FROZEN
 from psgrad.server.transfers import PullStream, PushWriter
+from psgrad.server.worker_copies import check_ask
 from psgrad.wire import protocol, security
 from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
 from psgrad.wire.rows import lookups_from_proto, updates_from_proto
@@ -304,10 +305,16 @@ class ParameterServicer:
         if req.table:
             yield from self._pull_table(req, context)
             return
+        delta = req.HasField("delta") and not req.observe
         try:
+            if delta:
+                check_ask(req.delta, req.rank)
             version, frames = self._granted_pull(req.rank, req.clock, req.fingerprint, context, req.observe)
         except PsgradError as exc:
             protocol.abort(context, exc)
+            return
+        if delta:
+            yield from self._delta_pull(req, version, frames, context)
             return
         try:
             header = pb.PullFrame(header=self._pull_header(version, None if req.observe else req.rank)).SerializeToString()
@@ -328,6 +335,39 @@ class ParameterServicer:
             yield header
         finally:
             frames.close()
+
+    def _changed(self, rank: int, ask: pb.DeltaAsk, version: int, frames: PullStream) -> tuple[pb.PullHeader, memoryview]:
+        """A compressed pull's header and payload (see WorkerCopies); ends the stream."""
+        out = self.shard.delta_pull(rank, ask, frames)
+        header = self._pull_header(version, rank)
+        header.compress, header.copy, header.drift = out.compress, out.copy, out.drift
+        return header, out.payload
+
+    def _delta_pull(
+        self, req: pb.PullRequest, version: int, frames: PullStream, context: grpc.ServicerContext,
+    ) -> Iterator[bytes]:
+        """Pull's reply to a worker that asked for the change since its copy: the header, then the
+        payload in data frames, or copied into the worker's segment (same host; never lent from
+        the ring of published versions, which hold the weights)."""
+        try:
+            head, payload = self._changed(req.rank, req.delta, version, frames)
+            seg = self._shared_segment(context, req.rank, frames.nbytes)
+        except PsgradError as exc:
+            protocol.abort(context, exc)
+            return
+        finally:
+            frames.close()
+        header = pb.PullFrame(header=head).SerializeToString()
+        if seg is not None:
+            copy_bytes(seg.payload[: len(payload)], payload)
+            yield header
+            return
+        sent = [0]
+        with self._timed("Pull", context, req.rank, len(header) + len(payload), lambda: sent[0]):
+            yield header
+            for chunk in data_frames(payload, self.config.chunk_bytes):
+                yield chunk
+                sent[0] += len(chunk)
 
     def _pull_table(self, req: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """A pull of the frozen table (req.table): its version, then its values in float32 frames.
@@ -446,6 +486,9 @@ class ParameterServicer:
         reads = lookups_from_proto(req.pull_rows, f"step of worker rank {h.rank}")
         if reads:  # checked before the push: a read refused then leaves the push unapplied
             self.shard.rows.check_reads(h.rank, h.fingerprint, reads)
+        delta = req.delta if req.HasField("delta") else None
+        if delta is not None:
+            check_ask(delta, h.rank)
         reserved = self._reserve(h, context)
         seg = reserved.segment
         pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
@@ -453,17 +496,25 @@ class ParameterServicer:
         try:
             # The rows are read once the gate holds: in sync mode after this iteration's update.
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
-            reply = pb.StepReply(push=pushed, pull=self._pull_header(version, h.rank), row_versions=[v for v, _ in got],
+            head, payload = (self._changed(h.rank, delta, version, frames) if delta is not None
+                             else (self._pull_header(version, h.rank), None))
+            reply = pb.StepReply(push=pushed, pull=head, row_versions=[v for v, _ in got],
                                  rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
+            nbytes = frames.nbytes if payload is None else len(payload)
             if seg is not None:
-                if not self._publish(context, h.rank, frames):
-                    frames.copy_into(seg.payload[: frames.nbytes])
+                if payload is not None:
+                    copy_bytes(seg.payload[:nbytes], payload)
+                elif not self._publish(context, h.rank, frames):
+                    frames.copy_into(seg.payload[:nbytes])
                 return reply
-            prefix = bytes_field_prefix(STEP_REPLY_DATA, frames.nbytes)
-            out = bytearray(len(reply) + len(prefix) + frames.nbytes)
+            prefix = bytes_field_prefix(STEP_REPLY_DATA, nbytes)
+            out = bytearray(len(reply) + len(prefix) + nbytes)
             out[: len(reply)] = reply
             out[len(reply) : len(reply) + len(prefix)] = prefix
-            frames.copy_into(memoryview(out)[len(reply) + len(prefix) :])
+            if payload is not None:
+                out[len(reply) + len(prefix) :] = payload
+            else:
+                frames.copy_into(memoryview(out)[len(reply) + len(prefix) :])
             return bytes(out)
         finally:
             frames.close()

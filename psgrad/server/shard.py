@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from psgrad.config import ServerConfig
-from psgrad.core.codecs import get_codec
+from psgrad.core.codecs import byte_view, get_codec
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
 from psgrad.errors import InvalidRequestError, JobMismatchError
@@ -29,6 +29,7 @@ from psgrad.server.replication import Replication
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
 from psgrad.server.transfers import PullStream
+from psgrad.server.worker_copies import DeltaPull, WorkerCopies
 
 __all__ = ["HISTORY_LEN", "JoinResult", "Layout", "PushResult", "Shard"]
 
@@ -52,6 +53,7 @@ class Shard:
         self.rows = Rows(core, self.replica)
         self.pushes = Pushes(core, self.replica, self.rows)
         self.on_gate_wait: Callable[[float], None] | None = None  # told how long each parked pull waited
+        self.copies = WorkerCopies()  # compressed pulls: what each such worker holds
         #: the same-host published versions' status (the servicer's Publisher, once it has one)
         self.published_status: Callable[[], PublishedStatus] = PublishedStatus
         #: the server's client streams: (open, cancelled, refused) (its StreamLimits', once it has them)
@@ -375,6 +377,20 @@ class Shard:
             core.counters.bytes_out += stream.nbytes
             return state.version, stream
 
+    def delta_pull(self, rank: int, ask: Any, stream: PullStream) -> DeltaPull:
+        """The payload of a granted pull that asked for the change since the worker's copy
+        (`ask`, a DeltaAsk; see WorkerCopies): the stream's weights are read into a snapshot, which
+        ends the stream (no update waits while the change is encoded), and the bytes sent counted."""
+        layout = self.layout
+        assert layout is not None  # (granted: the shard serves a job)
+        snapshot = torch.empty(stream.nbytes // get_codec(layout.spec.wire_dtype).element_size)
+        stream.copy_into(byte_view(snapshot), torch.float32)
+        out = self.copies.serve(rank, ask, snapshot, stream.version, layout.spec.wire_dtype,
+                                layout.numel - layout.trainable)
+        with self.core.lock:
+            self.core.counters.bytes_out += len(out.payload) - stream.nbytes  # (the grant counted the weights)
+        return out
+
     def blocking(self, rank: int, clock: int) -> list[int]:
         """Ranks that a pull of `rank` at `clock` waits for (for error messages)."""
         with self.core.cond:
@@ -426,6 +442,7 @@ class Shard:
                 frozen_params=layout.frozen if layout and with_params else (),
                 replica=self.replica.status(),
                 delay=state.dense.delay_status() if state else DelayStatus(),
+                delta=self.copies.status(),
                 published=self.published_status(),
                 tables=tuple(t.status(name) for name, t in state.tables.items()) if state else (),
                 checkpoint=self.checkpoint_status(),

@@ -380,16 +380,18 @@ class PullStream:
         self.last_active = time.monotonic()
         return data_frame(byte_view(piece))
 
-    def copy_into(self, dest: memoryview) -> None:
-        """Copy all the (remaining) values in the wire dtype into dest, chunk by chunk under the
-        shard lock like frames (the same-host shared-memory path), then end the stream. A whole
-        float32 copy on one torch thread goes at once, under the lock, on two threads."""
-        target = torch.frombuffer(dest, dtype=self._dtype) if len(dest) else torch.empty(0, dtype=self._dtype)
-        size = element_size(self._dtype)
+    def copy_into(self, dest: memoryview, dtype: torch.dtype | None = None) -> None:
+        """Copy all the (remaining) values in the wire dtype (or `dtype`) into dest, chunk by chunk
+        under the shard lock like frames (the same-host shared-memory path, a compressed pull's
+        snapshot), then end the stream. A whole float32 copy on one torch thread goes at once,
+        under the lock, on two threads."""
+        dtype = dtype or self._dtype
+        target = torch.frombuffer(dest, dtype=dtype) if len(dest) else torch.empty(0, dtype=dtype)
+        size = element_size(dtype)
         try:
             with self._lock:
                 source = self.source
-                if self.open and self._offset == 0 and source.dtype == self._dtype and torch.get_num_threads() == 1:
+                if self.open and self._offset == 0 and source.dtype == dtype and torch.get_num_threads() == 1:
                     on_two_threads(self._numel, lambda a, b: target[a:b].copy_(source[a:b]))
                     self._offset = self._numel
             while True:
@@ -399,7 +401,7 @@ class PullStream:
                         return
                     end = min(start + self._chunk, self._numel)
                     piece = self.source[start:end]
-                    if piece.dtype == self._dtype:  # a plain memcpy: no torch thread pool per chunk
+                    if piece.dtype == dtype:  # a plain memcpy: no torch thread pool per chunk
                         dest[start * size : end * size] = byte_view(piece)
                     else:
                         for a in range(start, end, BLOCK):

@@ -11,6 +11,7 @@ from psgrad.core.sharding import ParamSpec, TableSpec
 from psgrad.core.status import (
     CheckpointStatus,
     DelayStatus,
+    DeltaStatus,
     PublishedStatus,
     TableStatus,
     ReplicaStatus,
@@ -152,6 +153,7 @@ def status_to_proto(status: ShardStatus) -> pb.StatusReply:
         frozen_params=params_to_proto(status.frozen_params),
         replica=pb.ReplicaStatus(**dataclasses.asdict(status.replica)),
         delay=pb.DelayStatus(**dataclasses.asdict(status.delay)),
+        delta=pb.DeltaStatus(**dataclasses.asdict(status.delta)),
         published=pb.PublishedStatus(**dataclasses.asdict(status.published)),
         tables=[pb.TableStatus(**dataclasses.asdict(t)) for t in status.tables],
         checkpoint=pb.CheckpointStatus(**dataclasses.asdict(status.checkpoint)),
@@ -194,6 +196,7 @@ def status_from_proto(msg: pb.StatusReply) -> ShardStatus:
         transfers=TransferStatus(**{f.name: getattr(msg.transfers, f.name) for f in dataclasses.fields(TransferStatus)}),
         replica=ReplicaStatus(**{f.name: getattr(msg.replica, f.name) for f in dataclasses.fields(ReplicaStatus)}),
         delay=DelayStatus(**{f.name: getattr(msg.delay, f.name) for f in dataclasses.fields(DelayStatus)}),
+        delta=DeltaStatus(**{f.name: getattr(msg.delta, f.name) for f in dataclasses.fields(DeltaStatus)}),
         published=PublishedStatus(**{f.name: getattr(msg.published, f.name) for f in dataclasses.fields(PublishedStatus)}),
         tables=tuple(TableStatus(**{f.name: getattr(t, f.name) for f in dataclasses.fields(TableStatus)})
                      for t in msg.tables),
