@@ -281,8 +281,8 @@ class ClientConfig:
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
             *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--duplex"] if self.duplex else []),
-            "--compress-pull", self.compress_pull, "--pull-resync-every", str(self.pull_resync_every),
-            "--pull-resync-error", str(self.pull_resync_error),
+            *(["--compress-pull", self.compress_pull, "--pull-resync-every", str(self.pull_resync_every),
+               "--pull-resync-error", str(self.pull_resync_error)] if self.compress_pull != "none" else []),
             *(["--wait-for-servers"] if self.wait_for_servers else []),
             *(self.tls.to_argv() if self.tls is not None else []),
         ]

@@ -114,6 +114,12 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                              "workers on this server's host (through shared memory, where fewer bytes save nothing): "
                              "the worker flag --compress-same-host, or ClientConfig(compress_same_host=True), "
                              "compresses them too")
+        delta = s.get("delta") or {}
+        if delta.get("compressed") or delta.get("exact"):
+            lines.append(
+                f"shard {s['shard']}: compressed pulls: {delta['compressed']:,} changes, {delta['exact']:,} exact "
+                f"({delta['resyncs']:,} resyncs), drift now {delta['drift']:.4f} (max {delta['drift_max']:.4f}), "
+                f"copies of {delta['copies']} worker(s) {delta['nbytes'] / 1e6:.1f} MB")
         tables = s.get("tables") or []
         if tables:
             lines.append(f"shard {s['shard']}: tables " + ", ".join(

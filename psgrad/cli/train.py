@@ -131,6 +131,9 @@ def train(
             for key in ("exchange_s", "staleness", "accepted", "staleness_bound"):
                 if getattr(stats, key) is not None:
                     record[key] = getattr(stats, key)
+            drift = opt.client.pull_drift()
+            if drift is not None:  # --compress-pull: how far this worker's copy is from the weights
+                record["pull_drift"] = drift
             if opt.row_cache is not None:  # rows served from the worker's cache, since the start
                 record["row_cache_hit_rate"] = opt.row_cache.stats.hit_rate
             report.step(clock + 1, record)

@@ -424,16 +424,25 @@ class ParameterClient:
                 if c is not None and self.shards[i].same_host and not self.config.compress_same_host]
 
     def compression_note(self) -> str:
-        """How pushes travel, for the worker's start line: '' (plain), or the codec, whether error
-        feedback is on, and which shards get plain gradients (on this host)."""
-        if self.spec.compress == "none":
-            return ""
-        plain = [str(i) for i in self.plain_shards()]
-        ef = any(c is not None and c.residual is not None for c in self._compressors)
-        note = f", pushes compressed {self.spec.compress}{' with error feedback' if ef else ''}"
-        if plain:
-            note += (f" (plain to shard{'s' if len(plain) > 1 else ''} {','.join(plain)} on this host: "
-                     "--compress-same-host compresses there too)")
+        """How pushes and pulls travel, for the worker's start line: '' (plain), or the codecs,
+        whether pushes keep error feedback, and which shards are plain all the same (on this host)."""
+        note = ""
+        if self.spec.compress != "none":
+            plain = [str(i) for i in self.plain_shards()]
+            ef = any(c is not None and c.residual is not None for c in self._compressors)
+            note += f", pushes compressed {self.spec.compress}{' with error feedback' if ef else ''}"
+            if plain:
+                note += (f" (plain to shard{'s' if len(plain) > 1 else ''} {','.join(plain)} on this host: "
+                         "--compress-same-host compresses there too)")
+        if self._delta_wires[0] is not None:
+            plain = [str(i) for i in range(len(self.shards)) if self._pull_wire(i) is self._pull_wires[i]]
+            c = self.config
+            resync = " or ".join(([f"every {c.pull_resync_every} versions"] if c.pull_resync_every else [])
+                                 + ([f"past drift {c.pull_resync_error:g}"] if c.pull_resync_error else [])) or "never"
+            note += f", pulls compressed {self._delta_wires[0].label} (exact again {resync})"
+            if plain:
+                note += (f" (plain from shard{'s' if len(plain) > 1 else ''} {','.join(plain)} on this host: "
+                         "--compress-same-host compresses there too)")
         return note
 
     def _push_header(

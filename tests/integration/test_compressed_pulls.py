@@ -75,6 +75,11 @@ def test_the_workers_copy_is_the_servers_bit_for_bit_and_drifts_by_what_the_code
         # bytes: one exact pull, then six encoded changes
         assert st.bytes_out == 4 * (end - start) + 6 * parse_compression(codec).payload_bytes(end - start)
         assert st.to_dict()["delta"]["drift"] == st.delta.drift > 0
+    if mode == "async" and codec == "int8":  # psgrad status says how pulls travel
+        from psgrad.cli.status import format_status
+
+        text = format_status([{**servers[0].shard.status().to_dict(), "address": servers[0].address}])
+        assert "shard 0: compressed pulls: 6 changes, 1 exact (0 resyncs), drift now 0.0" in text, text
 
 
 def test_what_a_pull_leaves_out_is_sent_later(make_servers) -> None:  # type: ignore[no-untyped-def]

@@ -318,6 +318,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
         "--wait-for-servers",  # a boolean flag: only when set (above)
         "--compress-same-host",  # the same (below)
         "--duplex",  # the same (below)
+        "--compress-pull", "--pull-resync-every", "--pull-resync-error",  # with compressed pulls (below)
         "--chunk-bytes",  # no flag: a worker has the default
         "--tls",  # its files' flags (--tls-ca, ...), when given: below
         "--auth",  # secrets never go on a command line (a launcher passes files or the environment)
@@ -327,6 +328,8 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     assert "--compress-same-host" in ClientConfig(compress_same_host=True).to_argv()
     assert "--duplex" in ClientConfig(duplex=True).to_argv()
+    pulls = ClientConfig(compress_pull="topk:0.01", pull_resync_every=50, pull_resync_error=0.2).to_argv()
+    assert pulls[-6:] == ["--compress-pull", "topk:0.01", "--pull-resync-every", "50", "--pull-resync-error", "0.2"]
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
                           local_rank=1, data_dir="d").to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {
