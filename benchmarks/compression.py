@@ -24,7 +24,9 @@ Parts (--parts; default codecs and train, with --preset tiny codecs and wire-dty
   sign and int8 (--compress; error feedback on for topk and sign; pulls in float32), the same codecs
   with bf16 pulls (+bf16: sparse values travel in bfloat16 too), fp32-duplex and int8-duplex
   (async: push and pull at once, as two calls, --duplex; the others make one Step call per shard,
-  whose reply comes after the whole request), and allreduce. Per run: time to the
+  whose reply comes after the whole request), both ways compressed (PUSH+pull:PULL: the push codec
+  and --compress-pull PULL, e.g. int8+pull:int8; :resync100 adds --pull-resync-every 100), and
+  allreduce. Per run: time to the
   task's target (wall time from the first worker's start to the first evaluation at or past it, as
   `psgrad compare` computes it; evaluations included, the same for every config), steps/s, the final
   metric (mean of the workers' final evaluations), and bytes per push as the servers counted them
@@ -78,6 +80,13 @@ CONFIGS: dict[str, list[str]] = {
     "topk:0.01:noef": ["--compress", "topk:0.01", "--no-error-feedback"],
     "fp32-duplex": ["--duplex"],  # async: push and pull at once, as two calls, instead of one Step call per shard
     "int8-duplex": ["--compress", "int8", "--duplex"],
+    # Both ways: the push codec, then the pull's (--compress-pull: the change since the worker's copy)
+    "int8+pull:int8": ["--compress", "int8", "--compress-pull", "int8"],
+    "topk:0.01+pull:topk:0.01": ["--compress", "topk:0.01", "--compress-pull", "topk:0.01"],
+    "topk:0.01+pull:int8": ["--compress", "topk:0.01", "--compress-pull", "int8"],
+    "topk:0.01+pull:topk:0.1": ["--compress", "topk:0.01", "--compress-pull", "topk:0.1"],
+    "sign+pull:sign": ["--compress", "sign", "--compress-pull", "sign"],
+    "int8+pull:int8:resync100": ["--compress", "int8", "--compress-pull", "int8", "--pull-resync-every", "100"],
     "allreduce": [],
 }
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")
@@ -166,6 +175,13 @@ def bytes_per_push(status: dict[str, Any]) -> float | None:
     return sum(s["push_bytes_total"] for s in shards) / pushes if pushes else None
 
 
+def bytes_per_pull(status: dict[str, Any]) -> float | None:
+    """Pull payload bytes per pull over the servers (psgrad status: pull_bytes_total / pulls)."""
+    shards = status.get("shards", [])
+    pulls = sum(s["pulls"] for s in shards)
+    return sum(s["pull_bytes_total"] for s in shards) / pulls if pulls else None
+
+
 def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     recipe = recipe_for(cfg["task"])
     target = recipe.target if cfg["target"] is None else cfg["target"]
@@ -178,12 +194,17 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
     metrics = run_metrics(run, target, recipe.metric)
     finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
     elapsed = max(r["elapsed_s"] for r in finals)
+    drifts = [float(r["pull_drift"]) for recs in run.records.values() for r in recs if "pull_drift" in r]
     return {
         "time_to_target_s": metrics["time_to_target_s"],
         "steps_per_s": cfg["steps"] / elapsed,
         "final": statistics.mean(float(r[recipe.metric]) for r in finals),
         "elapsed_s": elapsed,
         "bytes_per_push": bytes_per_push(status) if status else None,
+        "bytes_per_pull": bytes_per_pull(status) if status else None,
+        # --compress-pull: the workers' copies' distance from the weights, ||w - copy|| / ||w||
+        "pull_drift_max": max(drifts) if drifts else None,
+        "pull_drift_mean": statistics.mean(drifts) if drifts else None,
     }
 
 
@@ -206,6 +227,7 @@ def summarize_rate(runs: dict[str, list[dict[str, Any]]], metric: str) -> dict[s
             "final_minus_fp32": (final - base_final) * scale if final is not None and base_final is not None else None,
             "bytes_per_push": nbytes,
             "bytes_over_fp32": nbytes / base_bytes if nbytes and base_bytes else None,
+            "bytes_per_pull": mean(config, "bytes_per_pull"),
             "steps_per_s": mean(config, "steps_per_s"),
         }
     return out
@@ -331,11 +353,12 @@ def markdown(doc: dict[str, Any]) -> str:
         out += [f"{doc['task']}, links {links} Mbit/s, {doc['steps']} steps a worker, means of {seeds} seed(s) "
                 f"(goal met by: {', '.join(r['goal_met_by']) or 'none'}):", "",
                 f"| config | time to target (s) | speedup vs fp32 | steps/s | {metric} | {versus} | "
-                "bytes a push | vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+                "bytes a push | vs fp32 | bytes a pull |", "|---|---|---|---|---|---|---|---|---|"]
         for config, s in r["summary"].items():
             out.append(f"| {config} | {num(s['time_to_target_s'], '.1f')} | {num(s['speedup_over_fp32'], '.2f')} | "
                        f"{num(s['steps_per_s'], '.1f')} | {num(s['final'], '.4f')} | {num(s['final_minus_fp32'], '+.2f')} | "
-                       f"{num(s['bytes_per_push'], ',.0f')} | {num(s['bytes_over_fp32'], '.4f')} |")
+                       f"{num(s['bytes_per_push'], ',.0f')} | {num(s['bytes_over_fp32'], '.4f')} | "
+                       f"{num(s.get('bytes_per_pull'), ',.0f')} |")
         out.append("")
     wire = doc.get("wire_dtype")
     if wire:

@@ -2,13 +2,16 @@
 transport the worker's copy equals the server's copy of it bit for bit after every pull, and moves
 toward the master weights by what the codec sends (error feedback on the server's side); the first
 pull, a periodic resync, one for the error and a failover to a standby are exact; observing pulls
-and exports read the master weights; the servers count the bytes sent."""
+and exports read the master weights; the servers count the bytes sent. (The server's half is
+psgrad/server/worker_copies.py, the worker's psgrad/client/delta_wire.py.)"""
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
+
+from conftest import cli_in_process, run_in_threads
 
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient
@@ -225,7 +228,11 @@ def test_a_reply_the_worker_never_read_makes_its_next_pull_exact(make_servers) -
         assert servers[0].shard.status().delta.exact == 2 and servers[1].shard.status().delta.exact == 1
 
 
-def test_bad_asks_are_refused_with_the_grammar(make_servers) -> None:  # type: ignore[no-untyped-def]
+def test_bad_asks_are_refused_with_the_grammar(make_servers, capsys) -> None:  # type: ignore[no-untyped-def]
+    for flags, message in ((["--compress-pull", "zip"], "unknown compression 'zip'; valid: none, topk:RATIO"),
+                           (["--compress-pull", "int8", "--pull-resync-error", "-1"], "pull_resync_error must be")):
+        done = cli_in_process(["worker", "--servers", "127.0.0.1:1", *flags], capsys)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
     with pytest.raises(ConfigError, match="unknown compression 'zip'"):
         ClientConfig(compress_pull="zip")
     with pytest.raises(ConfigError, match="pull_resync_error must be a finite number >= 0"):
@@ -257,7 +264,6 @@ def test_two_workers_each_hold_their_own_copy(make_servers) -> None:  # type: ig
             ok.append(all(torch.equal(flat[a:b], copy_of(s, rank)) for s, (a, b) in zip(servers, PLAN.ranges)))
             barrier.wait()
 
-    from conftest import run_in_threads
     run_in_threads(2, work)
     assert ok == [True, True]
     assert servers[0].shard.status().delta.copies == 2
