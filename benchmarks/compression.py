@@ -25,8 +25,9 @@ Parts (--parts; default codecs and train, with --preset tiny codecs and wire-dty
   with bf16 pulls (+bf16: sparse values travel in bfloat16 too), fp32-duplex and int8-duplex
   (async: push and pull at once, as two calls, --duplex; the others make one Step call per shard,
   whose reply comes after the whole request), both ways compressed (PUSH+pull:PULL: the push codec
-  and --compress-pull PULL, e.g. int8+pull:int8; :resync100 adds --pull-resync-every 100), and
-  allreduce. Per run: time to the
+  and --compress-pull PULL, e.g. int8+pull:int8; :resync100 adds --pull-resync-every 100, :noresync
+  sets --pull-resync-error 0), -overlap (async: --overlap, the exchange behind the next step's
+  compute), and allreduce. Per run: time to the
   task's target (wall time from the first worker's start to the first evaluation at or past it, as
   `psgrad compare` computes it; evaluations included, the same for every config), steps/s, the final
   metric (mean of the workers' final evaluations), and bytes per push as the servers counted them
@@ -87,6 +88,14 @@ CONFIGS: dict[str, list[str]] = {
     "topk:0.01+pull:topk:0.1": ["--compress", "topk:0.01", "--compress-pull", "topk:0.1"],
     "sign+pull:sign": ["--compress", "sign", "--compress-pull", "sign"],
     "int8+pull:int8:resync100": ["--compress", "int8", "--compress-pull", "int8", "--pull-resync-every", "100"],
+    "topk:0.01+pull:topk:0.01:noresync": ["--compress", "topk:0.01", "--compress-pull", "topk:0.01",
+                                          "--pull-resync-error", "0"],
+    "topk:0.01+pull:topk:0.01:resync50": ["--compress", "topk:0.01", "--compress-pull", "topk:0.01",
+                                          "--pull-resync-error", "0", "--pull-resync-every", "50"],
+    # async and ssp: push and pull in the background while the next step computes (--overlap)
+    "fp32-overlap": ["--overlap"],
+    "int8+pull:int8-overlap": ["--compress", "int8", "--compress-pull", "int8", "--overlap"],
+    "topk:0.01+pull:int8-overlap": ["--compress", "topk:0.01", "--compress-pull", "int8", "--overlap"],
     "allreduce": [],
 }
 CODECS = ("topk:0.01", "randomk:0.01", "sign", "int8")

@@ -56,6 +56,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -108,10 +109,14 @@ KILL_ATTEMPTS = 3  # runs of a job with a kill, at most, until every kill landed
 # What the three share: the workers, and what their records say
 
 
+# --worker-flags: more `psgrad worker` flags for every worker of every job (e.g. compressed pulls)
+WORKER_FLAGS: list[str] = []
+
+
 def _worker_args(servers: str, workers: int, steps: int, mode: str, seed: int, task: str = "digits") -> list[str]:
     """`psgrad worker` arguments every rank of a job gets."""
     return ["--servers", servers, "--num-workers", str(workers), "--steps", str(steps), "--mode", mode,
-            "--seed", str(seed), "--log-every", "10", "--eval-every", str(steps), "--task", task]
+            "--seed", str(seed), "--log-every", "10", "--eval-every", str(steps), "--task", task, *WORKER_FLAGS]
 
 
 def _start_workers(count: int, args: list[str], work: Path | None = None, save_model: bool = False,
@@ -395,6 +400,9 @@ def run_primary_kill(mode: str, steps: int, kill_steps: list[int], seed: int, wo
             "epochs": [s.replica.epoch for s in status],
             "final_accuracy": [_final_accuracy(rs) for rs in records],
             "weights": weights,
+            # --compress-pull (--worker-flags): the survivors' pulls sent as changes, and exact
+            "pulls_compressed": sum(s.delta.compressed for s in status),
+            "pulls_exact": sum(s.delta.exact for s in status),
         }
         if kills:
             bounds = kills[1:] + [math.inf]
@@ -456,7 +464,7 @@ def backup_throughput(megabytes: int, mode: str, workers: int, steps: int, backu
         _stop_all(procs)
 
 
-def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, Any]:
+def bench_primary(preset: str, seed: int, modes: list[str] | None, throughput: bool = True) -> dict[str, Any]:
     p = PRESETS["primary"][preset]
     kill_steps = [p["first_kill"] + k * p["kill_every"] for k in range(p["kills"])]
     job_workers = p["workers"]  # (the throughput part's own counts are `workers` below)
@@ -485,13 +493,14 @@ def bench_primary(preset: str, seed: int, modes: list[str] | None) -> dict[str, 
             "epochs": killed["epochs"],
             "final_accuracy_uninterrupted": None if base is None else base["final_accuracy"],
             "final_accuracy_with_kills": killed["final_accuracy"],
+            "pulls_compressed_exact_on_survivors": [killed["pulls_compressed"], killed["pulls_exact"]],
         }
         if base is not None and mode == "sync":
             row["weights_bitwise_equal"] = _same_tensors(base["weights"], killed["weights"])
         results.append(row)
     mb, n = p["throughput_mb"], p["throughput_steps"]
-    cost = {}
-    for mode, workers in (("async", 1), ("sync", 3)):
+    cost: dict[str, Any] = {}
+    for mode, workers in (("async", 1), ("sync", 3)) if throughput else ():
         cost_row: dict[str, Any] = {"workers": workers}
         runs = []
         for _ in range(p["throughput_rounds"]):  # a round: one run without a backup, one with
@@ -525,7 +534,12 @@ def main() -> None:
     parser.add_argument("--lease-s", type=float, help="--fault worker: the servers' lease (default: 2)")
     parser.add_argument("--task", help="--fault server: the workers' task, e.g. ctr (its embedding rows on the "
                         "servers; size it with PSGRAD_CTR_ROWS) (default: digits)")
+    parser.add_argument("--worker-flags", default="", help="more `psgrad worker` flags for every worker, in one "
+                        "string, e.g. \"--compress-pull int8 --compress-same-host\" (default: none)")
+    parser.add_argument("--no-throughput", dest="throughput", action="store_false",
+                        help="--fault primary: skip the throughput part (what a backup costs while nothing fails)")
     args = parser.parse_args()
+    WORKER_FLAGS[:] = shlex.split(args.worker_flags)
     bad = sorted(set(args.modes or []) - set(MODES))
     if bad:
         parser.error(f"--modes takes {', '.join(MODES)} (got {', '.join(bad)})")
@@ -544,7 +558,8 @@ def main() -> None:
             parser.error("--repeats must be >= 1")
         doc = bench_server(args.preset, args.seed, args.modes, args.repeats or 1, args.task or "digits")
     else:
-        doc = bench_primary(args.preset, args.seed, args.modes)
+        doc = bench_primary(args.preset, args.seed, args.modes, args.throughput)
+    doc["worker_flags"] = WORKER_FLAGS
     write_json(doc)
 
 

@@ -141,7 +141,6 @@ TESTS_OF: dict[str, tuple[str, ...]] = {
     "psgrad/tasks/mnist1d.py":              ("tests/unit/test_tasks.py",),
     "psgrad/tasks/recipes.py":              ("tests/unit/test_registry.py", "tests/unit/test_workloads.py",
                                              "tests/unit/test_ctr.py"),
-    "psgrad/server/worker_copies.py":       ("tests/integration/test_compressed_pulls.py",),
     "psgrad/wire/frames.py":                ("tests/unit/test_codecs.py", "tests/unit/test_transfers.py",
                                              "tests/integration/test_push_gated.py"),
     "psgrad/wire/rows.py":                  ("tests/integration/test_sparse_embeddings.py",

@@ -97,7 +97,7 @@ class WorkerCopies:
             if copy is None or copy.values.numel() != weights.numel():
                 copy = self._copies[rank] = _Copy(torch.empty_like(weights), 0, version)
         with copy.lock:
-            why = self._exact_because(copy, ask, version)
+            why = self._exact_because(copy, compression, ask, version, wire_dtype)
             if why is None:
                 out = self._change(copy, compression, weights, ask, wire_dtype, plain)
                 if out is not None:
@@ -108,13 +108,19 @@ class WorkerCopies:
             self._count(out, resync=why in ("periodic", "error"))
             return out
 
-    def _exact_because(self, copy: _Copy, ask: pb.DeltaAsk, version: int) -> str | None:
+    def _exact_because(
+        self, copy: _Copy, compression: Compression, ask: pb.DeltaAsk, version: int, wire_dtype: str,
+    ) -> str | None:
         """Why this pull must be exact (None: it may send a change): the worker holds no copy of
-        this server's ("copy"), or the copy was last exact resync_every versions ago ("periodic")."""
+        this server's ("copy"), the copy was last exact resync_every versions ago ("periodic"), or
+        the codec's payload would be no smaller than the weights ("size": topk:0.6, say)."""
         if not ask.holds or ask.holds != copy.token:
             return "copy"
         if ask.resync_every and version - copy.synced >= ask.resync_every:
             return "periodic"
+        numel = copy.values.numel()
+        if compression.payload_bytes(numel, wire_dtype) >= numel * get_codec(wire_dtype).element_size:
+            return "size"
         return None
 
     def _change(
@@ -127,8 +133,6 @@ class WorkerCopies:
         if copy.codec is None or copy.label != label:
             copy.codec = RangeCodec(compression, weights.numel(), wire_dtype, seed=copy.token, plain=plain)
             copy.label = label
-        if copy.codec.nbytes >= weights.numel() * get_codec(wire_dtype).element_size:
-            return None  # (a change as large as the weights: send them exact)
         payload = copy.codec.encode(weights - copy.values)
         # The copy moves exactly as the worker's will: the same decode added to the same values.
         copy.codec.decode(payload, copy.values, add=True)
