@@ -52,10 +52,11 @@ class DelayCompensation:
     def status(self) -> DelayStatus:
         return DelayStatus(self.copies, self.nbytes, self.compensated, self.uncompensated)
 
-    def record(self, rank: int, version: int, weights: torch.Tensor) -> None:
-        """`rank` was served `weights` at `version` (a granted pull, or the chief's initial weights)."""
+    def record(self, rank: int, version: int, weights: torch.Tensor, replace: bool = False) -> None:
+        """`rank` was served `weights` at `version` (a granted pull, or the chief's initial weights;
+        replace: what a compressed pull of that version left the worker with, its copy)."""
         held = self._copies.get(rank)
-        if held is not None and held[0] == version:
+        if held is not None and held[0] == version and not replace:
             return  # the same version holds the same weights
         copy = held[1] if held is not None else torch.empty(self._n)
         copy.copy_(weights[: self._n])

@@ -389,6 +389,10 @@ class Shard:
                                 layout.numel - layout.trainable)
         with self.core.lock:
             self.core.counters.bytes_out += len(out.payload) - stream.nbytes  # (the grant counted the weights)
+            state = self.core.state
+            if out.compress and state is not None and state.dense.dc is not None:
+                # DC-ASGD compensates against the weights the worker computes on: its copy
+                state.dense.dc.record(rank, stream.version, out.held, replace=True)
         return out
 
     def blocking(self, rank: int, clock: int) -> list[int]:

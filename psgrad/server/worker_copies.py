@@ -44,6 +44,7 @@ class DeltaPull:
     compress: str
     copy: int
     drift: float
+    held: torch.Tensor  # the worker's copy once applied (the server's: read it before that worker's next pull)
 
 
 class _Copy:
@@ -141,7 +142,7 @@ class WorkerCopies:
         if ask.resync_error and drift > ask.resync_error:
             return None  # (the exact payload then overwrites the copy)
         copy.token = _token()
-        return DeltaPull(memoryview(bytes(payload)), label, copy.token, drift)
+        return DeltaPull(memoryview(bytes(payload)), label, copy.token, drift, copy.values)
 
     def _exact_payload(self, copy: _Copy, weights: torch.Tensor, version: int, wire_dtype: str) -> DeltaPull:
         """The weights themselves in the wire dtype; the copy becomes what the worker reads of them."""
@@ -149,7 +150,7 @@ class WorkerCopies:
         sent = weights if weights.dtype == dtype else weights.to(dtype)
         copy.values.copy_(sent)
         copy.token, copy.synced = _token(), version
-        return DeltaPull(byte_view(sent), "", copy.token, 0.0)  # (weights: this pull's own snapshot)
+        return DeltaPull(byte_view(sent), "", copy.token, 0.0, copy.values)  # (weights: this pull's own snapshot)
 
     def _count(self, out: DeltaPull, resync: bool) -> None:
         with self._lock:

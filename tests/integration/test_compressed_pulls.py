@@ -267,3 +267,21 @@ def test_two_workers_each_hold_their_own_copy(make_servers) -> None:  # type: ig
     run_in_threads(2, work)
     assert ok == [True, True]
     assert servers[0].shard.status().delta.copies == 2
+
+
+def test_dc_asgd_compensates_against_the_workers_copy(make_servers) -> None:  # type: ignore[no-untyped-def]
+    spec = JobSpec(lr=0.1, num_shards=2, dc_asgd=0.5)
+    servers = make_servers(2)
+    flat = torch.empty(NUMEL)
+    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "topk:0.05", "pull_resync_error": 0.0})
+    with client([s.address for s in servers], spec, config) as c:
+        c.join(lambda: W0.clone())
+        c.pull(flat, 0)
+        for k in range(3):
+            c.exchange(grad(0, k), k, flat)
+            for s in servers:
+                dc = s.shard.core.state.dense.dc
+                version, kept = dc._copies[0]
+                assert version == s.shard.version and torch.equal(kept, copy_of(s, 0))
+                assert not torch.equal(kept, s.shard.weights_copy())  # (not the master weights)
+        assert servers[0].shard.status().delay.compensated >= 2
