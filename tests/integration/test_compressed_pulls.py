@@ -6,7 +6,9 @@ and exports read the master weights; the servers count the bytes sent. (The serv
 psgrad/server/worker_copies.py, the worker's psgrad/client/delta_wire.py.)"""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -47,18 +49,27 @@ def client(addresses: list[str], spec: JobSpec, config: ClientConfig, rank: int 
     return ParameterClient(addresses, spec, PARAMS, PLAN, rank, config)
 
 
+@contextlib.contextmanager
+def joined(make_servers, spec: JobSpec, codec: str, **settings: object  # type: ignore[no-untyped-def]
+           ) -> Iterator[tuple[list[RunningServer], ParameterClient, torch.Tensor]]:
+    """Two servers, and worker 0 pulling with `codec` (no resync unless `settings` say), joined and
+    its first pull made: (servers, client, its weights)."""
+    servers = make_servers(2)
+    flat = torch.empty(NUMEL)
+    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": codec, "pull_resync_error": 0.0, **settings})
+    with client([s.address for s in servers], spec, config) as c:
+        c.join(lambda: W0.clone())
+        c.pull(flat, 0)
+        yield servers, c, flat
+
+
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 @pytest.mark.parametrize("codec", ["topk:0.05", "randomk:0.05", "sign", "int8"])
 def test_the_workers_copy_is_the_servers_bit_for_bit_and_drifts_by_what_the_codec_leaves_out(
     make_servers, mode: str, codec: str,  # type: ignore[no-untyped-def]
 ) -> None:
     spec = JobSpec(mode=mode, staleness=1 if mode == "ssp" else 0, lr=0.1, num_shards=2)
-    servers = make_servers(2)
-    flat = torch.empty(NUMEL)
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": codec, "pull_resync_error": 0.0})
-    with client([s.address for s in servers], spec, config) as c:
-        clock = c.join(lambda: W0.clone())
-        c.pull(flat, clock)
+    with joined(make_servers, spec, codec) as (servers, c, flat):
         assert torch.equal(flat, W0)  # the first pull is exact
         drifts = []
         for k in range(6):
@@ -89,12 +100,7 @@ def test_what_a_pull_leaves_out_is_sent_later(make_servers) -> None:  # type: ig
     """With no update in between, pulls of top-k changes converge on the master weights: the
     server sends what it left out before (error feedback), and the copy ends exact."""
     spec = JobSpec(lr=0.5, num_shards=2)
-    servers = make_servers(2)
-    flat = torch.empty(NUMEL)
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "topk:0.25", "pull_resync_error": 0.0})
-    with client([s.address for s in servers], spec, config) as c:
-        c.join(lambda: W0.clone())
-        c.pull(flat, 0)
+    with joined(make_servers, spec, "topk:0.25") as (servers, c, flat):
         c.push(grad(0, 0), 0)
         master = torch.cat([s.shard.weights_copy() for s in servers])
         gaps = []
@@ -108,14 +114,9 @@ def test_what_a_pull_leaves_out_is_sent_later(make_servers) -> None:  # type: ig
 @pytest.mark.parametrize("how", ["periodic", "error"])
 def test_resyncs_make_the_copy_exact(make_servers, how: str) -> None:  # type: ignore[no-untyped-def]
     spec = JobSpec(lr=0.1, num_shards=2)
-    servers = make_servers(2)
-    flat = torch.empty(NUMEL)
-    settings = {"pull_resync_every": 3, "pull_resync_error": 0.0} if how == "periodic" else {"pull_resync_error": 1e-3}
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "topk:0.01", **settings})
+    settings = {"pull_resync_every": 3} if how == "periodic" else {"pull_resync_error": 1e-3}
     exact_after = []
-    with client([s.address for s in servers], spec, config) as c:
-        c.join(lambda: W0.clone())
-        c.pull(flat, 0)
+    with joined(make_servers, spec, "topk:0.01", **settings) as (servers, c, flat):
         for k in range(7):
             c.exchange(grad(0, k), k, flat)
             master = torch.cat([s.shard.weights_copy() for s in servers])
@@ -156,12 +157,8 @@ def test_same_host_pulls_are_plain_unless_asked_and_compressed_through_the_segme
 
 def test_observing_pulls_and_exports_read_the_master_weights(make_servers) -> None:  # type: ignore[no-untyped-def]
     spec = JobSpec(lr=0.1, num_shards=2)
-    servers = make_servers(2)
-    flat, seen = torch.empty(NUMEL), torch.empty(NUMEL)
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "sign", "pull_resync_error": 0.0})
-    with client([s.address for s in servers], spec, config) as c:
-        c.join(lambda: W0.clone())
-        c.pull(flat, 0)
+    seen = torch.empty(NUMEL)
+    with joined(make_servers, spec, "sign") as (servers, c, flat):
         for k in range(3):
             c.exchange(grad(0, k), k, flat)
         master = torch.cat([s.shard.weights_copy() for s in servers])
@@ -212,12 +209,7 @@ def test_a_reply_the_worker_never_read_makes_its_next_pull_exact(make_servers) -
     """The server moved its copy for a pull whose reply was lost: the name the worker sends is no
     longer that copy's, and the server sends the weights rather than a change to the wrong base."""
     spec = JobSpec(lr=0.1, num_shards=2)
-    servers = make_servers(2)
-    flat = torch.empty(NUMEL)
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "int8", "pull_resync_error": 0.0})
-    with client([s.address for s in servers], spec, config) as c:
-        c.join(lambda: W0.clone())
-        c.pull(flat, 0)
+    with joined(make_servers, spec, "int8") as (servers, c, flat):
         c.exchange(grad(0, 0), 0, flat)
         wire = c._delta_wires[0]
         assert wire is not None
@@ -271,12 +263,7 @@ def test_two_workers_each_hold_their_own_copy(make_servers) -> None:  # type: ig
 
 def test_dc_asgd_compensates_against_the_workers_copy(make_servers) -> None:  # type: ignore[no-untyped-def]
     spec = JobSpec(lr=0.1, num_shards=2, dc_asgd=0.5)
-    servers = make_servers(2)
-    flat = torch.empty(NUMEL)
-    config = ClientConfig(**{**GRPC.__dict__, "compress_pull": "topk:0.05", "pull_resync_error": 0.0})
-    with client([s.address for s in servers], spec, config) as c:
-        c.join(lambda: W0.clone())
-        c.pull(flat, 0)
+    with joined(make_servers, spec, "topk:0.05") as (servers, c, flat):
         for k in range(3):
             c.exchange(grad(0, k), k, flat)
             for s in servers:
