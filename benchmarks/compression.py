@@ -204,6 +204,12 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
     finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
     elapsed = max(r["elapsed_s"] for r in finals)
     drifts = [float(r["pull_drift"]) for recs in run.records.values() for r in recs if "pull_drift" in r]
+    steps = [r for recs in run.records.values() for r in recs if "compute_s" in r]
+
+    def median_ms(key: str) -> float | None:
+        values = [float(r[key]) for r in steps if r.get(key) is not None]
+        return 1000 * statistics.median(values) if values else None
+
     return {
         "time_to_target_s": metrics["time_to_target_s"],
         "steps_per_s": cfg["steps"] / elapsed,
@@ -214,6 +220,9 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
         # --compress-pull: the workers' copies' distance from the weights, ||w - copy|| / ||w||
         "pull_drift_max": max(drifts) if drifts else None,
         "pull_drift_mean": statistics.mean(drifts) if drifts else None,
+        # where a step goes (medians over both workers' steps): its compute, and the push + pull
+        "compute_ms": median_ms("compute_s"),
+        "exchange_ms": median_ms("exchange_s"),
     }
 
 
