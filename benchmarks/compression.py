@@ -204,6 +204,9 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
     finals = [r for recs in run.records.values() for r in recs if r.get("event") == "final"]
     elapsed = max(r["elapsed_s"] for r in finals)
     drifts = [float(r["pull_drift"]) for recs in run.records.values() for r in recs if "pull_drift" in r]
+    # the drift over the run: worker 0's mean in each tenth of its steps
+    first = [float(r["pull_drift"]) for r in next(iter(run.records.values()), []) if "pull_drift" in r]
+    tenths = [first[len(first) * k // 10 : len(first) * (k + 1) // 10] for k in range(10)] if len(first) >= 10 else []
     steps = [r for recs in run.records.values() for r in recs if "compute_s" in r]
 
     def median_ms(key: str) -> float | None:
@@ -220,6 +223,7 @@ def train_one(bed: NetBed, config: str, seed: int, cfg: dict[str, Any], work: Pa
         # --compress-pull: the workers' copies' distance from the weights, ||w - copy|| / ||w||
         "pull_drift_max": max(drifts) if drifts else None,
         "pull_drift_mean": statistics.mean(drifts) if drifts else None,
+        "pull_drift_by_tenth": [round(statistics.mean(t), 5) for t in tenths],
         # where a step goes (medians over both workers' steps): its compute, and the push + pull
         "compute_ms": median_ms("compute_s"),
         "exchange_ms": median_ms("exchange_s"),
