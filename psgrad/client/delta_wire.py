@@ -9,8 +9,8 @@ payload streamed in frames) or load (one in a message or a segment) then write t
 destination, which is the model's range: it receives the copy whole each time, so what the model
 changed there meanwhile (model buffers such as BatchNorm statistics, which the gradient carries as
 deltas) is replaced as a plain pull replaces it. The copy and its name change only once a whole
-payload arrived: a pull that failed half-way leaves both as they were, and the next one is exact
-(the server's copy moved on; the name the worker sends is no longer its).
+payload arrived: a pull that failed half-way leaves both as they were, and if the server's copy
+moved on meanwhile the name the worker sends is no longer its, so the next pull is exact.
 """
 from __future__ import annotations
 
