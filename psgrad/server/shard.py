@@ -383,7 +383,7 @@ class Shard:
         ends the stream (no update waits while the change is encoded), and the bytes sent counted."""
         layout = self.layout
         assert layout is not None  # (granted: the shard serves a job)
-        snapshot = torch.empty(stream.nbytes // get_codec(layout.spec.wire_dtype).element_size)
+        snapshot = torch.empty(layout.numel)
         stream.copy_into(byte_view(snapshot), torch.float32)
         out = self.copies.serve(rank, ask, snapshot, stream.version, layout.spec.wire_dtype,
                                 layout.numel - layout.trainable)

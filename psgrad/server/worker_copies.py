@@ -50,14 +50,13 @@ class DeltaPull:
 class _Copy:
     """One worker's copy of a shard's range: its values (float32), the token that names them, the
     version they were last exact at, and the codec that encodes the changes (its random draws and
-    payload buffer)."""
+    payload buffer; made at the first change, again if the worker asks for another codec)."""
 
     def __init__(self, values: torch.Tensor, token: int, synced: int) -> None:
         self.values = values
         self.token = token
         self.synced = synced
         self.codec: RangeCodec | None = None
-        self.label = ""
         self.lock = threading.Lock()  # one pull of this worker at a time reads and moves the copy
 
 
@@ -128,21 +127,20 @@ class WorkerCopies:
         self, copy: _Copy, compression: Compression, weights: torch.Tensor, ask: pb.DeltaAsk, wire_dtype: str,
         plain: int,
     ) -> DeltaPull | None:
-        """The encoded change since the copy, with the copy moved by it; None (the copy unmoved)
-        when the copy would end further than ask.resync_error from the weights."""
-        label = compression.label
-        if copy.codec is None or copy.label != label:
+        """The encoded change since the copy, with the copy moved by it; None when the copy would
+        end further than ask.resync_error from the weights (the caller then sends them exact, which
+        overwrites the copy)."""
+        if copy.codec is None or copy.codec.prefix.compression != compression:
             copy.codec = RangeCodec(compression, weights.numel(), wire_dtype, seed=copy.token, plain=plain)
-            copy.label = label
         payload = copy.codec.encode(weights - copy.values)
         # The copy moves exactly as the worker's will: the same decode added to the same values.
         copy.codec.decode(payload, copy.values, add=True)
         total = _norm(weights)
         drift = _norm(weights - copy.values) / total if total else 0.0
         if ask.resync_error and drift > ask.resync_error:
-            return None  # (the exact payload then overwrites the copy)
+            return None
         copy.token = _token()
-        return DeltaPull(memoryview(bytes(payload)), label, copy.token, drift, copy.values)
+        return DeltaPull(memoryview(bytes(payload)), compression.label, copy.token, drift, copy.values)
 
     def _exact_payload(self, copy: _Copy, weights: torch.Tensor, version: int, wire_dtype: str) -> DeltaPull:
         """The weights themselves in the wire dtype; the copy becomes what the worker reads of them."""
