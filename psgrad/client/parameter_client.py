@@ -609,11 +609,10 @@ class ParameterClient:
             if S == 1:
                 split[0][name] = (ids, grads)
                 continue
-            where = row_placement.shard_of(ids, S, self._table(name).num_embeddings == row_placement.DYNAMIC)
-            for i in range(S):
-                mask = where == i
-                if bool(mask.any()):
-                    split[i][name] = (ids[mask], grads[mask])
+            dynamic = self._table(name).num_embeddings == row_placement.DYNAMIC
+            for i, at in enumerate(row_placement.places_by_shard(ids, S, dynamic)):
+                if at.numel():
+                    split[i][name] = (ids.index_select(0, at), grads.index_select(0, at))
         return split
 
     def forget_lent_versions(self) -> None:
@@ -716,11 +715,9 @@ class _ReadPlan:
             if S == 1:
                 self._parts[0].append((table, ids, None))
                 continue
-            where = row_placement.shard_of(ids, S, spec.num_embeddings == row_placement.DYNAMIC)
-            for i in range(S):
-                at = (where == i).nonzero().squeeze(1)
+            for i, at in enumerate(row_placement.places_by_shard(ids, S, spec.num_embeddings == row_placement.DYNAMIC)):
                 if at.numel():
-                    self._parts[i].append((table, ids[at], at))
+                    self._parts[i].append((table, ids.index_select(0, at), at))
         self._asks = [lookups_to_proto((t, ids) for t, ids, _ in part) for part in self._parts]
 
     def asks(self, index: int) -> list[pb.TableRows]:

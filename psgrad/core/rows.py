@@ -40,6 +40,17 @@ def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch
     return torch.remainder(ids, num_shards)
 
 
+def places_by_shard(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> list[torch.Tensor]:
+    """Each shard's places in `ids` (see shard_of), one tensor per shard, in the ids' order (so the
+    ids of a shard stay sorted where `ids` are): one sort for every shard, where a mask per shard
+    would scan the ids once per shard."""
+    if num_shards == 1:
+        return [torch.arange(ids.numel())]
+    where = shard_of(ids, num_shards, dynamic)
+    order = torch.argsort(where, stable=True)
+    return list(order.split(torch.bincount(where, minlength=num_shards).tolist()))
+
+
 def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     """Each row id's place among the rows of its shard."""
     return torch.div(ids, num_shards, rounding_mode="floor")

@@ -510,7 +510,7 @@ class SparseTable:
         self._versions.index_fill_(0, slots, 1)
 
     def reserve(self, ids: torch.Tensor, may_evict: bool = False) -> torch.Tensor:
-        """Make the rows of an update of `ids` (checked) that it will store, charging the memory
+        """Make the rows of an update of `ids` (checked: unique) that it will store, charging the memory
         budget, so the update cannot fail for it later; returns their arena slots (-1: an id its
         update will not admit yet, see min_count), valid until rows are made or dropped again (an
         apply under the same lock may use them). may_evict: with evict, make room by dropping the
@@ -531,7 +531,8 @@ class SparseTable:
             fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
         if fresh.numel():
             try:
-                self._make(torch.unique(fresh), protect=ids[~new], may_evict=may_evict)
+                # (ids are unique: a checked update's; only a table that evicts protects the others)
+                self._make(fresh, protect=ids[~new] if self.evict else None, may_evict=may_evict)
             except MemoryBudgetError:
                 if not self.evict or may_evict:
                     raise

@@ -32,6 +32,18 @@ def test_placement_spreads_consecutive_hot_ids_and_covers_every_row_once() -> No
     assert sum(rows.rows_on_shard(10_000_019, i, 7) for i in range(7)) == 10_000_019
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+def test_places_by_shard_give_each_shard_its_ids_in_their_order(dynamic: bool) -> None:
+    ids = torch.tensor([2, 5, 7, 8, 11, 12, 20, 31])
+    where = rows.shard_of(ids, 3, dynamic)
+    places = rows.places_by_shard(ids, 3, dynamic)
+    assert len(places) == 3
+    for i, at in enumerate(places):  # exactly shard i's places, increasing (the ids' order kept)
+        assert at.tolist() == (where == i).nonzero().squeeze(1).tolist()
+    assert [p.tolist() for p in rows.places_by_shard(ids, 1, dynamic)] == [list(range(8))]
+    assert [p.numel() for p in rows.places_by_shard(torch.tensor([3, 6, 9]), 3)] == [3, 0, 0]  # (empty shards too)
+
+
 def test_rows_read_as_their_initial_values_deterministically_and_only_an_update_stores_one() -> None:
     t = table(num_embeddings=10_000_000, dim=32)  # 1.28 GB if it were dense
     assert t.status("emb").rows_touched == 0 and t.status("emb").nbytes == 0
