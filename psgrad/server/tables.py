@@ -531,8 +531,10 @@ class SparseTable:
             fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
         if fresh.numel():
             try:
-                # (ids are unique: a checked update's; only a table that evicts protects the others)
-                self._make(fresh, protect=ids[~new] if self.evict else None, may_evict=may_evict)
+                # (ids are unique, a checked update's: sorted, not made unique again, so the rows
+                # are laid out as a standby makes them; only a table that evicts protects the others)
+                self._make(torch.sort(fresh).values, protect=ids[~new] if self.evict else None,
+                           may_evict=may_evict)
             except MemoryBudgetError:
                 if not self.evict or may_evict:
                     raise

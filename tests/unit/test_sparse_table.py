@@ -44,6 +44,16 @@ def test_places_by_shard_give_each_shard_its_ids_in_their_order(dynamic: bool) -
     assert [p.numel() for p in rows.places_by_shard(torch.tensor([3, 6, 9]), 3)] == [3, 0, 0]  # (empty shards too)
 
 
+def test_an_update_in_any_order_lays_its_rows_out_as_a_standby_applying_its_record_does() -> None:
+    primary, standby = table(), table()
+    ids, grads = torch.tensor([9, 3, 6]), torch.ones(3, 4)  # unique, not sorted (a worker sends them sorted)
+    primary.apply(ids, grads)
+    standby.apply(ids, grads, replicated=True)
+    a, b = primary.snapshot().tensors, standby.snapshot().tensors
+    assert a["ids"].tolist() == b["ids"].tolist() == [3, 6, 9]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_rows_read_as_their_initial_values_deterministically_and_only_an_update_stores_one() -> None:
     t = table(num_embeddings=10_000_000, dim=32)  # 1.28 GB if it were dense
     assert t.status("emb").rows_touched == 0 and t.status("emb").nbytes == 0
