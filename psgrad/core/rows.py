@@ -44,8 +44,6 @@ def places_by_shard(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -
     """Each shard's places in `ids` (see shard_of), one tensor per shard, in the ids' order (so the
     ids of a shard stay sorted where `ids` are): one sort for every shard, where a mask per shard
     would scan the ids once per shard."""
-    if num_shards == 1:
-        return [torch.arange(ids.numel())]
     where = shard_of(ids, num_shards, dynamic)
     order = torch.argsort(where, stable=True)
     return list(order.split(torch.bincount(where, minlength=num_shards).tolist()))
