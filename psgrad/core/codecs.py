@@ -30,7 +30,7 @@ class Codec:
     @property
     def element_size(self) -> int:
         """Bytes per value on the wire."""
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def exact(self) -> bool:

@@ -75,7 +75,7 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
                                       "(its index marks free and removed places with them)")
         return
     if ids.numel():
-        low, high = int(ids.min()), int(ids.max())
+        low, high = (int(v) for v in torch.aminmax(ids))
         if low < 0 or high >= num_embeddings:
             bad = low if low < 0 else high
             raise InvalidRequestError(f"{what}: row id {bad} is out of range [0, {num_embeddings})")

@@ -336,6 +336,7 @@ class SparseTable:
         self._values = torch.empty(0, dim)
         self._versions = torch.empty(0, dtype=torch.int64)
         self._state: RowState = optimizer.new_state(0, dim)
+        self._row_bytes: int | None = None
 
     # ----------------------------------------------------------------- rows
     def check(self, ids: torch.Tensor) -> None:
@@ -468,8 +469,10 @@ class SparseTable:
 
     def row_bytes(self) -> int:
         """Bytes a made row costs: its values, id, version and optimizer state."""
-        state = sum(t[0].numel() * t.element_size() for t in self.optimizer.new_state(1, self.dim).values())
-        return 4 * self.dim + 16 + state
+        if self._row_bytes is None:  # (an optimizer's state per row is fixed: measured once)
+            state = sum(t[0].numel() * t.element_size() for t in self.optimizer.new_state(1, self.dim).values())
+            self._row_bytes = 4 * self.dim + 16 + state
+        return self._row_bytes
 
     def _grow(self, capacity: int, charged: bool = False) -> None:
         """The arena at `capacity` rows (charged: the budget was charged for it already)."""
@@ -570,9 +573,13 @@ class SparseTable:
             # (index_select: a gather several times faster than indexing with a tensor of slots)
             return self._values.index_select(0, slots), slots
         stored = slots >= 0
-        out = torch.empty(ids.numel(), self.dim)
-        out[stored] = self._values.index_select(0, slots[stored])
-        out[~stored] = rows.initial_rows(self.key, ids[~stored].long(), self.dim, self.std)
+        if not self.touched:  # (nothing stored yet: every row computed)
+            return rows.initial_rows(self.key, ids.long(), self.dim, self.std), slots
+        out = self._values.index_select(0, slots.clamp(min=0))  # (a never-stored row's place: replaced below)
+        if self.std == 0.0:  # (rows that start at zero: one select, where a mask would copy twice)
+            return torch.where(stored.unsqueeze(1), out, 0.0), slots
+        fresh = ~stored
+        out[fresh] = rows.initial_rows(self.key, ids[fresh].long(), self.dim, self.std)
         return out, slots
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
     Raises:
         InvalidRequestError: the bytes are not a whole number of values.
     """
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(data) % size:
         raise InvalidRequestError(f"{what}: {len(data)} bytes is not a whole number of {dtype} values")
     if not data:

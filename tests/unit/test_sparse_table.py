@@ -84,6 +84,7 @@ def test_rows_that_start_at_zero_read_as_plain_zeros() -> None:
         assert torch.equal(values, torch.zeros(4, 32)) and not bool(torch.signbit(values).any())
     t.apply(torch.tensor([42]), torch.ones(1, 32))
     assert torch.equal(t.rows(ids)[2], torch.full((32,), -0.5)) and torch.equal(t.rows(ids)[[0, 1, 3]], torch.zeros(3, 32))
+    assert not bool(torch.signbit(t.rows(ids)[[0, 1, 3]]).any())  # (rows never stored, beside a stored one)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
