@@ -286,7 +286,7 @@ class PsgradAgent:
         self.opt = self.session.optimizer(self.model)
         model = self.model
         loop = self.opt.pipeline(inputs, lambda b: model.lookups(b[1])) if pipelined else None
-        trained = train(self.model, self.opt, inputs, cmd["warmup"], loop)
+        trained = train(self.model, self.opt, inputs, cmd["warmup"], loop, watch=cmd["server_pids"] if cmd["rank"] == 0 else ())
         stepped = trained.pop("stepped")
         transports = self.opt.client.transports()
         self.session.leave()
@@ -356,7 +356,11 @@ def window(replies: list[dict[str, Any]]) -> dict[str, Any]:
     first timed step to the last worker's end."""
     start, end = min(r["start"] for r in replies), max(r["end"] for r in replies)
     samples = sum(r["steps"] * r["batch"] for r in replies)
+    # CPU per 1,000 samples: the workers' own, and the servers' (read by worker 0 over its window)
+    cpu = {"workers": 1e6 * sum(r["cpu_s"] for r in replies) / samples,
+           "servers": 1e6 * sum(r["watched_cpu_s"] for r in replies) / samples}
     return {"samples_per_s": samples / (end - start), "window_s": end - start, "samples": samples,
+            "cpu_ms_per_1k_samples": cpu,
             "per_worker_samples_per_s": [r["steps"] * r["batch"] / (r["end"] - r["start"]) for r in replies],
             "losses": [r["losses"] for r in replies], "loss_last": [r["losses"][-1] for r in replies],
             "phase_ms_per_step": {k: sum(r["phase_ms_per_step"][k] for r in replies) / len(replies)
@@ -407,7 +411,8 @@ class Runner:
         addresses = [s.call({"op": "start"}, SETUP_TIMEOUT_S)["address"] for s in self.servers]
         try:
             cmds = [{"op": "run", **self.common(), "servers": addresses, "rank": r, "workers": WORKERS, "mode": mode,
-                     "layout": layout, "train": self.data["train"][r], "evaluate": r == 0} for r in range(WORKERS)]
+                     "layout": layout, "train": self.data["train"][r], "evaluate": r == 0,
+                     "server_pids": [s.popen.pid for s in self.servers]} for r in range(WORKERS)]
             with paused(self.torchrec):
                 replies = run_together(self.agents, cmds, SETUP_TIMEOUT_S + 900)
                 scores = self.work / f"scores-{self.runs}.npy"
@@ -499,6 +504,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     "runs": len(mine), "samples_per_s": speed["median"], "samples_per_s_min": speed["min"],
                     "samples_per_s_max": speed["max"], "test_auc": aucs["median"], "test_auc_min": aucs["min"],
                     "test_auc_max": aucs["max"]}
+        for role in ("workers", "servers"):
+            out[key][f"cpu_ms_per_1k_samples_{role}"] = summarize([r["cpu_ms_per_1k_samples"][role] for r in mine])["median"]
         if mine[0]["system"] == "psgrad":
             out[key]["transports"] = mine[0]["transports"]
         gaps = [r["max_loss_gap_vs_torchrec"] for r in mine if "max_loss_gap_vs_torchrec" in r]
@@ -545,13 +552,14 @@ def table(doc: dict[str, Any]) -> str:
              f"{p['steps']} timed steps after {p['warmup']}; medians of {p['reps']} repetitions "
              f"(planted AUC {doc['data']['bayes_auc']:.4f})",
              f"{'run':<26} {'samples/s':>10} {'range':>17} {'test AUC':>9} {'/TorchRec':>9} {'AUC gap':>8} "
-             f"{'/single':>8}"]
+             f"{'/single':>8} {'CPU ms/1k samples: workers+servers':>34}"]
     for key, r in doc["results"].items():
         span = f"{r['samples_per_s_min']:,.0f}-{r['samples_per_s_max']:,.0f}"
         lines.append(f"{key:<26} {r['samples_per_s']:10,.0f} {span:>17} {r['test_auc']:9.4f} "
                      f"{ratio(key + ' / torchrec', 'samples_per_s', '.2f'):>9} "
                      f"{ratio(key + ' / torchrec', 'auc_gap', '+.4f'):>8} "
-                     f"{ratio(key + ' / single', 'samples_per_s', '.2f'):>8}")
+                     f"{ratio(key + ' / single', 'samples_per_s', '.2f'):>8} "
+                     f"{r['cpu_ms_per_1k_samples_workers']:>22.1f}+{r['cpu_ms_per_1k_samples_servers']:<11.1f}")
     for key, why in doc["skipped"].items():
         lines.append(f"{key:<26} skipped: {why}")
     for t in doc["targets"]:

@@ -19,6 +19,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+try:  # (imported as lib.dlrm_model beside psgrad; as dlrm_model from TorchRec's interpreter, lib's folder on its path)
+    from lib.procfs import cpu_seconds
+except ImportError:
+    from procfs import cpu_seconds  # type: ignore[no-redef]
+
 DENSE = 13  # dense features per example
 MAX_BAG = 3  # ids per bag: 1..MAX_BAG
 BOTTOM, TOP = 64, 64  # hidden widths of the bottom and top MLPs
@@ -114,19 +119,22 @@ def bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: nn.Module, opt: Any, inputs: Sequence[tuple[torch.Tensor, Any, torch.Tensor]],
-          warmup: int, loop: Iterable[tuple[torch.Tensor, Any, torch.Tensor]] | None = None) -> dict[str, Any]:
+          warmup: int, loop: Iterable[tuple[torch.Tensor, Any, torch.Tensor]] | None = None,
+          watch: Sequence[int] = ()) -> dict[str, Any]:
     """Train on inputs, (dense, the model's sparse input, labels) a step, as `loop` yields them if
     given (psgrad's opt.pipeline of them); the steps after `warmup` are timed: their window on
     time.monotonic (one clock for every process of the host), the wall time of their forwards,
-    backwards and optimizer steps, and what each opt.step() returned."""
+    backwards and optimizer steps, what each opt.step() returned, and the CPU seconds this process
+    and the processes `watch` (pids on this host: the servers) spent in the window."""
     losses: list[float] = []
     stepped: list[Any] = []
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-    start = 0.0
+    start = cpu = watched = 0.0
     model.train()
     for i, (dense, sparse, labels) in enumerate(inputs if loop is None else loop):
         if i == warmup:
             start = time.monotonic()
+            cpu, watched = time.process_time(), sum(cpu_seconds(pid) for pid in watch)
             phases = dict.fromkeys(phases, 0.0)
             stepped.clear()
         t0 = time.perf_counter()
@@ -142,4 +150,5 @@ def train(model: nn.Module, opt: Any, inputs: Sequence[tuple[torch.Tensor, Any, 
         losses.append(float(loss.detach()))
     timed = len(inputs) - warmup
     return {"start": start, "end": time.monotonic(), "steps": timed, "losses": losses, "stepped": stepped,
-            "phase_ms_per_step": {k: 1e3 * v / timed for k, v in phases.items()}}
+            "phase_ms_per_step": {k: 1e3 * v / timed for k, v in phases.items()},
+            "cpu_s": time.process_time() - cpu, "watched_cpu_s": sum(cpu_seconds(pid) for pid in watch) - watched}
