@@ -1,12 +1,14 @@
 """The gradient's route, module by module: which psgrad modules a pushed gradient passes through, from
-PSOptimizer.step() to the update the shard applies, on the gRPC path and on the same-host path. A
-concept check that the route stays short (a change that adds hops fails here, naming them), and the
-figure docs/design/decisions.md ("The gradient's route") gives.
+PSOptimizer.step() to the update the shard applies, on the gRPC path and on the same-host path, for a
+dense gradient and for an embedding table's row gradient. A concept check that the route stays short
+(a change that adds hops fails here, naming them), and the figures docs/design/decisions.md ("The
+gradient's route") gives.
 
 The route is read off the call stacks, one worker and one shard in this process, in a steady-state
 step of async SGD: on the worker, every stack on which the push hands its gradient to the wire
-(frames for gRPC, the shared segment for the same host); on the server, every stack that reaches the
-optimizer's update (staged while the push arrives, or applied once it is whole)."""
+(frames for gRPC, the shared segment for the same host; a row gradient: taken from its module, put
+in the push's header); on the server, every stack that reaches the optimizer's update (staged while
+the push arrives, or applied once it is whole; a row gradient: through the sparse-table path)."""
 from __future__ import annotations
 
 import sys
@@ -30,14 +32,23 @@ PUSH_CALLS = {"push", "push_frames", "_gated", "step"}
 # a server's (received into a buffer, staged, applied), on the way of a push.
 WORKER_SINKS = ("psgrad.worker.flat", "psgrad.wire.frames", "psgrad.wire.shm", "psgrad.wire.published")
 SERVER_SINKS = ("psgrad.core.optimizers", "psgrad.server.transfers", "psgrad.server.buffers", "psgrad.server.tables")
-# The modules and packages a gradient may cross (gRPC path, same-host path): the route today (docs/design/decisions.md, "The gradient's route").
-LIMITS = {False: (13, 6), True: (15, 6)}
+# A row gradient's (an embedding table's): taken from its module, split over the shards and put on
+# the wire; on the server, the stacks through the sparse-table path (checked, rows made, applied).
+ROW_WORKER_SINKS = ("psgrad.nn.embedding", "psgrad.core.rows", "psgrad.wire.rows")
+ROW_SERVER_SINKS = (*SERVER_SINKS, "psgrad.server.rows_path", "psgrad.server.row_index", "psgrad.core.rows")
+ROW_PATH = "psgrad.server.rows_path"
+# The modules and packages a gradient may cross (gRPC path, same-host path; a dense gradient, a row
+# gradient): the route today (docs/design/decisions.md, "The gradient's route").
+LIMITS = {(False, "dense"): (13, 6), (True, "dense"): (15, 6), (False, "rows"): (14, 6), (True, "rows"): (14, 6)}
 
 
 class Route:
     """A profiler recording the psgrad module chains of the stacks that carry a gradient."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: bool = False) -> None:
+        self.worker_sinks = ROW_WORKER_SINKS if rows else WORKER_SINKS
+        self.server_sinks = ROW_SERVER_SINKS if rows else SERVER_SINKS
+        self.rows = rows
         self.on = False
         self.chains: set[tuple[str, ...]] = set()
         self.main = threading.get_ident()
@@ -47,7 +58,7 @@ class Route:
             return
         module = frame.f_globals.get("__name__", "")
         worker = threading.get_ident() == self.main
-        if not module.startswith(WORKER_SINKS if worker else SERVER_SINKS):
+        if not module.startswith(self.worker_sinks if worker else self.server_sinks):
             return
         chain, names, f = [], set(), frame  # type: tuple[list[str], set[str], FrameType | None]
         while f is not None:
@@ -59,7 +70,7 @@ class Route:
             f = f.f_back
         if worker and any(n.rsplit(".", 1)[-1] in PUSH_CALLS or n.startswith("FlatModel.") for n in names):
             self.chains.add(tuple(reversed(chain)))
-        elif not worker and any("push" in n.lower() for n in names):
+        elif not worker and any("push" in n.lower() for n in names) and (not self.rows or ROW_PATH in chain):
             self.chains.add(tuple(reversed(chain)))
 
     @property
@@ -67,15 +78,27 @@ class Route:
         return sorted({m for chain in self.chains for m in chain})
 
 
-def _route(shared_memory: bool) -> Route:
-    route = Route()
+class _WithTable(nn.Module):
+    """A dense head over an embedding table's pooled rows: its push carries a row gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags = psgrad.EmbeddingBag(1000, 256, mode="sum")
+        self.head = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bags(ids))
+
+
+def _route(shared_memory: bool, rows: bool = False) -> Route:
+    route = Route(rows)
     threading.setprofile(route)  # (the server's handler threads start after this)
     server = start_server(ServerConfig(port=0, threads=4, lease_s=10.0))
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        model = _WithTable() if rows else nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
         ps = psgrad.connect([server.address], mode="async", client=ClientConfig(shared_memory=shared_memory))
-        x = torch.randn(8, 256)
+        x = torch.randint(0, 1000, (8, 3)) if rows else torch.randn(8, 256)
         with ps:
             opt = ps.optimizer(model)
             for step in range(4):
@@ -94,9 +117,10 @@ def _route(shared_memory: bool) -> Route:
     return route
 
 
+@pytest.mark.parametrize("gradient", ["dense", "rows"])
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "same-host"])
-def test_the_gradients_route_stays_short(shared_memory: bool) -> None:
-    route = _route(shared_memory)
+def test_the_gradients_route_stays_short(shared_memory: bool, gradient: str) -> None:
+    route = _route(shared_memory, gradient == "rows")
     modules = route.modules
     packages = {m.split(".")[1] for m in modules}
     print(f"\n{len(modules)} modules in {len(packages)} packages:", " ".join(m[len("psgrad."):] for m in modules))
@@ -104,5 +128,7 @@ def test_the_gradients_route_stays_short(shared_memory: bool) -> None:
         print("   ", " > ".join(m[len("psgrad."):] for m in chain))
     assert "psgrad.api" in modules and any(m.startswith("psgrad.core.optimizers") for m in modules), route.chains
     assert any(m.startswith("psgrad.server.pushes") for m in modules), route.chains
-    most, most_packages = LIMITS[shared_memory]
+    if gradient == "rows":
+        assert {"psgrad.nn.embedding", "psgrad.server.rows_path", "psgrad.core.optimizers.rows"} <= set(modules), modules
+    most, most_packages = LIMITS[shared_memory, gradient]
     assert len(modules) <= most and len(packages) <= most_packages, modules
