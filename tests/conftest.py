@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -49,6 +50,25 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.fixture(autouse=True)
+def _restore_psgrad_logging() -> Iterator[None]:
+    """Give the `psgrad` logger back its handlers after a test: a CLI run in this process (psgrad's
+    logs.configure) points them at the test's captured stdout and stderr, which are closed once the
+    test ends, and a server thread still logging then (a lease reaper evicting a worker) would print
+    "--- Logging error ---" into a later test's output."""
+    log = logging.getLogger("psgrad")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    for handler in list(log.handlers):
+        if handler not in handlers:
+            log.removeHandler(handler)
+    for handler in handlers:
+        if handler not in log.handlers:
+            log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 @pytest.fixture(autouse=True)
