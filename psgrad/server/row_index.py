@@ -20,7 +20,7 @@ class DenseIndex:
     slots by local index. Its memory is fixed: 8 bytes per row placed here."""
 
     def __init__(self, num_embeddings: int, index: int, num_shards: int) -> None:
-        self.num_shards = num_shards
+        self.num_shards, self._index = num_shards, index
         self.rows = rows.rows_on_shard(num_embeddings, index, num_shards)
         self._slot = torch.full((self.rows,), -1, dtype=torch.int64)
 
@@ -58,6 +58,15 @@ class DenseIndex:
 
     def clear(self) -> None:
         self._slot.fill_(-1)
+
+    def extend(self, num_embeddings: int) -> int:
+        """Place rows [0, num_embeddings) from now on (at least those placed now; the new ones
+        never stored); returns the bytes more it holds."""
+        more = rows.rows_on_shard(num_embeddings, self._index, self.num_shards) - self.rows
+        if more > 0:
+            self._slot = torch.cat([self._slot, torch.full((more,), -1, dtype=torch.int64)])
+            self.rows += more
+        return 8 * max(more, 0)
 
 
 class HashIndex:

@@ -14,6 +14,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
+from psgrad.server.table_groups import GroupedTable, in_arena
 from psgrad.server.tables import SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -68,10 +69,20 @@ class Rows:
             state = core.require(fingerprint, rank)
             if not checked:
                 _check_reply_size(state, rank, lookups)
+            tables = [state.sparse(table, rank) for table, _ in lookups]
+            read: list[torch.Tensor | None] = [None] * len(lookups)
+            for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
+                if not checked:
+                    for i in places:
+                        tables[i].check(lookups[i][1])
+                ids = torch.cat([_arena_ids(tables[i], lookups[i][1]) for i in places])
+                parts = arena.rows(ids, checked=True).split([lookups[i][1].numel() for i in places])
+                for i, part in zip(places, parts):
+                    read[i] = part
             out = []
-            for table, ids in lookups:
-                t = state.sparse(table, rank)
-                values = t.rows(ids, checked)
+            for t, (_, ids), values in zip(tables, lookups, read):
+                if values is None:
+                    values = t.rows(ids, checked)
                 core.counters.bytes_out += values.numel() * 4
                 out.append((t.version, values))
             return out
@@ -140,16 +151,40 @@ class Rows:
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        return {name: state.sparse(name, -1).reserve(ids, may_evict) for name, (ids, _, _) in rows.items()}
+        names = list(rows)
+        tables = [state.sparse(name, -1) for name in names]
+        out: dict[str, torch.Tensor] = {}
+        for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
+            ids = torch.cat([_arena_ids(tables[i], rows[names[i]][0]) for i in places])
+            parts = arena.reserve(ids, may_evict).split([rows[names[i]][0].numel() for i in places])
+            out.update((names[i], part) for i, part in zip(places, parts))
+        for name, t in zip(names, tables):
+            if name not in out:
+                out[name] = t.reserve(rows[name][0], may_evict)
+        return out
 
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
               slots: dict[str, torch.Tensor] | None = None) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
         their arena slots by table, from a reserve under the same lock."""
-        for name in sorted(rows):
+        names = sorted(name for name in rows if rows[name][0].numel())
+        tables = [state.sparse(name, -1) for name in names]
+        for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
+            step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
+            ids = torch.cat([_arena_ids(tables[i], rows[names[i]][0]) for i in places])
+            grads = torch.cat([rows[names[i]][1] for i in places])
+            at = None if slots is None else torch.cat([slots[names[i]] for i in places])
+            arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1)
+            versions = []
+            for i in places:  # (reported in the arena's order: a standby makes their rows in the same order)
+                member, (member_ids, member_grads, base) = _grouped(tables[i]), rows[names[i]]
+                member.updated(base)
+                versions.append(torch.full((member_ids.numel(),), member.version, dtype=torch.int64))
+                self._report(names[i], member, member_ids, member_grads, base, step_lr)
+            arena.stamp(ids, torch.cat(versions))
+        for name, t in zip(names, tables):
             ids, grads, base = rows[name]
-            t = state.sparse(name, -1)
-            if ids.numel():
+            if not isinstance(t, GroupedTable):
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
                 ids, grads = t.apply(ids, grads, step_lr, base, checked=True,
                                      slots=None if slots is None else slots[name], step=state.version + 1)
@@ -159,18 +194,38 @@ class Rows:
         """Apply a sync iteration's row gradients (one dict per worker, in rank order): per table and
         row, their sum over the workers divided by `workers` (the iteration's gradients: rows a
         worker did not touch count as its zero gradient, as in the mean of the workers' losses)."""
-        names = sorted({name for rows in per_rank for name in rows})
-        for name in names:
-            parts = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
-            if not parts:
+        names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
+        tables = [state.sparse(name, -1) for name in names]
+        for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
+            members = [names[i] for i in places]
+            parts = [(name, rows[name]) for rows in per_rank for name in members if name in rows and rows[name][0].numel()]
+            ids = torch.cat([_arena_ids(state.sparse(name, -1), p[0]) for name, p in parts])
+            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            total = torch.zeros(unique.numel(), arena.dim).index_add_(0, inverse, torch.cat([p[1] for _, p in parts]))
+            total.mul_(1.0 / workers)  # (each row's parts summed in rank order, as for a table on its own)
+            arena.apply(unique, total, lr, None, checked=True, step=state.version + 1)
+            ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
+                                                            for i in places])).tolist()
+            start, versions = 0, []
+            for i, end in zip(places, ends):
+                member = _grouped(tables[i])
+                if end > start:
+                    base = min(p[2] for name, p in parts if name == names[i])
+                    member.updated(base)
+                    versions.append(torch.full((end - start,), member.version, dtype=torch.int64))
+                    self._report(names[i], member, unique[start:end] - member.base, total[start:end], base, lr)
+                start = end
+            arena.stamp(unique, torch.cat(versions))
+        for name, t in zip(names, tables):
+            if isinstance(t, GroupedTable):
                 continue
-            t = state.sparse(name, -1)
-            ids = torch.cat([p[0] for p in parts])
-            grads = torch.cat([p[1] for p in parts])
+            parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
+            ids = torch.cat([p[0] for p in parts_])
+            grads = torch.cat([p[1] for p in parts_])
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
             total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
             total.mul_(1.0 / workers)
-            base = min(p[2] for p in parts)
+            base = min(p[2] for p in parts_)
             unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
 
@@ -183,6 +238,16 @@ class Rows:
             self._replica.rows_removed(name, removed)
         if ids.numel():
             self._replica.rows_applied(name, ids, grads, base, lr)
+
+
+def _grouped(table: SparseTable) -> GroupedTable:
+    assert isinstance(table, GroupedTable)
+    return table
+
+
+def _arena_ids(table: SparseTable, ids: torch.Tensor) -> torch.Tensor:
+    """A grouped table's row ids as its arena's."""
+    return _grouped(table).to_arena(ids)
 
 
 def _scaled(lr: float | None, job_lr: float, scale: float) -> float | None:

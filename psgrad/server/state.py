@@ -5,11 +5,13 @@ its lock."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from psgrad.config import JobSpec
+from psgrad.core import rows
 from psgrad.core.layout import Layout
 from psgrad.core.sharding import TableSpec
 from psgrad.core.optimizers import ShardOptimizer
@@ -17,6 +19,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.core.optimizers.rows import RowOptimizer, make_row_optimizer
 from psgrad.core.optimizers.segments import segments_of
+from psgrad.server.table_groups import GroupedTable, RowArena, group_key
 from psgrad.server.tables import DENSE, FROZEN, DenseTable, FrozenTable, MemoryBudget, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
@@ -82,6 +85,8 @@ class ShardState:
     uid: int = field(default_factory=lambda: next(_UIDS), compare=False)
     #: What its sparse tables may hold in all (the server's --memory-budget-mb).
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None), compare=False)
+    #: The arenas of its sparse tables stored together, by what they share (server/table_groups.py).
+    arenas: dict[Hashable, RowArena] = field(default_factory=dict, compare=False)
 
     def sparse(self, name: str, rank: int) -> SparseTable:
         """Sparse table `name`.
@@ -171,12 +176,38 @@ class ShardState:
         if name in self.tables:
             raise InvalidRequestError(f"shard {self.layout.index} already holds a table {name!r}")
         spec = self.layout.spec
-        table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed,
-                            _row_optimizer(spec, group, name), std, self.budget,
-                            1.0 if group is None else group.lr_scale, (0, 0, False) if group is None else group.lifetime)
+        optimizer = _row_optimizer(spec, group, name)
+        lr_scale = 1.0 if group is None else group.lr_scale
+        lifetime = (0, 0, False) if group is None else group.lifetime
+        key = group_key(optimizer, dim, lr_scale, lifetime, num_embeddings == rows.DYNAMIC)
+        table: SparseTable
+        if key is None:
+            table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed, optimizer, std,
+                                self.budget, lr_scale, lifetime)
+        else:  # stored with the job's other tables of its shape (server/table_groups.py)
+            arena = self.arenas.get(key)
+            if arena is None:
+                arena = self.arenas[key] = RowArena(dim, self.layout.index, spec.num_shards, optimizer, self.budget,
+                                                    lr_scale)
+            table = GroupedTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed, std, arena)
         table.optimizer.lr = self.job_lr
         self.tables[name] = table
         return table
+
+    def _add_table_of(self, name: str, snap: TableSnapshot) -> None:
+        """An empty table of the kind and shape a snapshot holds (its state is loaded after): stored
+        with the tables of its shape where it is this shard's (add_sparse_table).
+
+        Raises:
+            InvalidRequestError: a kind this psgrad does not know, or a sparse table without its shape.
+        """
+        s = snap.scalars
+        if snap.kind == SparseTable.kind and (s.get("index"), s.get("num_shards")) == (
+                self.layout.index, self.layout.spec.num_shards) and all(k in s for k in ("num_embeddings", "dim", "seed", "std")):
+            self.add_sparse_table(name, int(s["num_embeddings"]), int(s["dim"]), int(s["seed"]), float(s["std"]),
+                                  self.layout.table(name))
+        else:
+            self.tables[name] = _table_from(name, snap, self.layout, self.budget)
 
     def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         """Apply one update to the dense table (see DenseTable.apply)."""
@@ -251,7 +282,7 @@ class ShardState:
             raise InvalidRequestError(f"a snapshot with tables {kinds} has no dense table")
         for name, table_snap in snap.tables.items():
             if name not in state.tables:  # (a table the layout does not name: an older checkpoint's)
-                state.tables[name] = _table_from(name, table_snap, snap.layout, state.budget)
+                state._add_table_of(name, table_snap)
             state.tables[name].load(table_snap)
         lr, lr_clock = snap.job.get(JOB_LR), snap.job.get(JOB_LR_CLOCK)
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)

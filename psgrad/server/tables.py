@@ -355,6 +355,10 @@ class SparseTable:
                     f"table {self.name!r}: row {bad} lives on shard {int(where[elsewhere][0])}, not on shard {self.index}"
                 )
 
+    def _initial(self, ids: torch.Tensor) -> torch.Tensor:
+        """The initial values of rows `ids` (int64): computed from (seed, table, row id)."""
+        return rows.initial_rows(self.key, ids, self.dim, self.std)
+
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The arena slots of rows `ids` (checked), making the rows never touched."""
         slots = self._index.lookup(ids)
@@ -397,7 +401,7 @@ class SparseTable:
             self._grow(capacity, charged=True)
         at = slice(self.touched, need)
         self._ids[at] = ids
-        self._values[at] = rows.initial_rows(self.key, ids, self.dim, self.std)
+        self._values[at] = self._initial(ids)
         self._versions[at] = 0
         for name, fresh in self.optimizer.new_state(n, self.dim).items():
             self._state[name][at] = fresh
@@ -574,12 +578,12 @@ class SparseTable:
             return self._values.index_select(0, slots), slots
         stored = slots >= 0
         if not self.touched:  # (nothing stored yet: every row computed)
-            return rows.initial_rows(self.key, ids.long(), self.dim, self.std), slots
+            return self._initial(ids.long()), slots
         out = self._values.index_select(0, slots.clamp(min=0))  # (a never-stored row's place: replaced below)
         if self.std == 0.0:  # (rows that start at zero: one select, where a mask would copy twice)
             return torch.where(stored.unsqueeze(1), out, 0.0), slots
         fresh = ~stored
-        out[fresh] = rows.initial_rows(self.key, ids[fresh].long(), self.dim, self.std)
+        out[fresh] = self._initial(ids[fresh].long())
         return out, slots
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:

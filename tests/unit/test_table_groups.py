@@ -1,0 +1,157 @@
+"""Sparse tables of one shape stored together in one arena (server/table_groups.py): which tables share
+one, and that a push, a sync round, a read, a snapshot and a restore of tables stored together give
+what the same tables on their own give, bit for bit, through the shard's sparse-table path."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from psgrad.config import JobSpec, ServerConfig
+from psgrad.core.sharding import TableSpec
+from psgrad.server import checkpoint
+from psgrad.server.shard import Shard
+from psgrad.server.state import ShardState
+from psgrad.server.table_groups import GroupedTable
+from psgrad.server.tables import SparseTable
+from test_shard import make_layout, weights_for
+
+pytestmark = pytest.mark.timeout(60)
+
+# (rows, dim, std): a and b start at zero, c is drawn (its initial rows are its own in the arena too)
+TABLES = {"a": (1000, 4, 0.0), "b": (37, 4, 0.0), "c": (5000, 4, 0.5)}
+
+
+def shard(apart: bool = False) -> Shard:
+    """Shard 1 of 2 of an Adagrad job with TABLES (apart: each stored on its own, as before groups)."""
+    layout = make_layout(JobSpec(optimizer="adagrad", lr=0.1, num_shards=2, num_workers=2), index=1)
+    s = Shard(ServerConfig())
+    s.initialize(0, layout, weights_for(layout))
+    state = s.core.state
+    assert state is not None
+    for name, (n, dim, std) in TABLES.items():
+        state.add_sparse_table(name, n, dim, seed=3, std=std)
+        if apart:
+            t = state.tables[name]
+            assert isinstance(t, SparseTable)
+            state.tables[name] = SparseTable(name, n, dim, 1, 2, 3, t.optimizer, std, state.budget)
+    return s
+
+
+def pushes(seed: int, count: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]]:
+    """Row gradients of `count` pushes: shard 1's ids (odd), unique and sorted, some tables absent."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(count):
+        rows = {}
+        for name, (n, dim, _) in TABLES.items():
+            if k % 3 == 2 and name == "b":
+                continue
+            ids = torch.unique(torch.randint(0, n // 2, (12,), generator=g) * 2 + 1)
+            rows[name] = (ids, torch.randn(ids.numel(), dim, generator=g), max(0, k - 1))
+        out.append(rows)
+    return out
+
+
+def state_of(s: Shard) -> ShardState:
+    assert s.core.state is not None
+    return s.core.state
+
+
+def push(s: Shard, rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    state = state_of(s)
+    s.rows.check(state, 0, rows)
+    slots = s.rows.reserve(state, rows, may_evict=True)
+    s.rows.apply(state, rows, None, 1.0, slots)
+
+
+def assert_same_tables(mine: Shard, theirs: Shard, staleness: bool = True) -> None:
+    """Rows, snapshots and statuses equal (staleness False: not the staleness seen since the start,
+    which a snapshot does not keep)."""
+    probe = torch.arange(1, 1000, 2)
+    for name in TABLES:
+        a, b = state_of(mine).tables[name], state_of(theirs).tables[name]
+        assert isinstance(a, SparseTable) and isinstance(b, SparseTable)
+        ids = probe[probe < b.num_embeddings]
+        assert torch.equal(a.rows(ids), b.rows(ids)), name
+        sa, sb = a.snapshot(), b.snapshot()
+        assert sa.scalars == sb.scalars, name
+        assert sa.tensors.keys() == sb.tensors.keys(), name
+        for key in sa.tensors:
+            assert torch.equal(sa.tensors[key], sb.tensors[key]), (name, key)
+        ka, kb = a.status(name), b.status(name)
+        if not staleness:
+            ka, kb = (dataclasses.replace(k, staleness_max=0, staleness_mean=0.0) for k in (ka, kb))
+        assert ka == kb, name
+
+
+def test_tables_of_one_width_share_an_arena_and_others_keep_their_own() -> None:
+    s = shard()
+    state = state_of(s)
+    state.add_sparse_table("wide", 100, 8)
+    state.add_sparse_table("any_id", 0, 4)  # dynamic: any int64 id
+    state.add_sparse_table("aging", 100, 4, group=TableSpec("aging", 100, 4, ttl=50))
+    tables = state.tables
+    grouped = [n for n in ("a", "b", "c") if isinstance(tables[n], GroupedTable)]
+    assert grouped == ["a", "b", "c"]
+    arenas = {id(t.arena) for n, t in tables.items() if isinstance(t, GroupedTable)}  # type: ignore[attr-defined]
+    assert len(arenas) == 2  # width 4, and "wide" on its own width
+    assert not isinstance(tables["any_id"], GroupedTable) and not isinstance(tables["aging"], GroupedTable)
+    bases = [tables[n].base for n in ("a", "b", "c")]  # type: ignore[attr-defined]
+    assert bases == [0, 1000, 1038]  # multiples of the shard count: a row's shard is its table's row's
+
+
+def test_pushes_reads_and_sync_rounds_equal_tables_on_their_own() -> None:
+    together, apart = shard(), shard(apart=True)
+    assert isinstance(state_of(together).tables["a"], GroupedTable)
+    assert not isinstance(state_of(apart).tables["a"], GroupedTable)
+    for rows in pushes(0, 6):  # async: each push applied as it comes
+        push(together, rows)
+        push(apart, rows)
+    assert_same_tables(together, apart)
+    for first, second in zip(pushes(1, 3), pushes(2, 3)):  # sync: a round of two workers' rows
+        for s in (together, apart):
+            state = state_of(s)
+            for rows in (first, second):
+                s.rows.check(state, 0, rows)
+            s.rows.apply_round(state, [first, second], 2, None)
+    assert_same_tables(together, apart)
+    # a read of several tables (one gather from the arena), in any order, stored rows and new ones
+    reads = [("c", torch.tensor([1, 4999, 7])), ("a", torch.tensor([999, 1])), ("b", torch.tensor([35])),
+             ("a", torch.tensor([3]))]
+    for checked in (False, True):
+        got = together.rows.pull(0, state_of(together).layout.fingerprint, reads, checked)
+        want = apart.rows.pull(0, state_of(apart).layout.fingerprint, reads, checked)
+        assert [v for v, _ in got] == [v for v, _ in want]
+        for (_, a), (_, b) in zip(got, want):
+            assert torch.equal(a, b)
+    with pytest.raises(Exception, match="table 'b'.*row 36 lives on shard 0"):
+        together.rows.pull(0, state_of(together).layout.fingerprint, [("b", torch.tensor([36]))])
+
+
+def test_a_snapshot_of_tables_stored_together_restores_them_exactly(tmp_path: Path) -> None:
+    s = shard()
+    for rows in pushes(3, 4):
+        push(s, rows)
+    path = checkpoint.save(s.snapshot(), tmp_path)
+    back = Shard(ServerConfig())
+    back.restore(checkpoint.load(path))
+    assert all(isinstance(state_of(back).tables[n], GroupedTable) for n in TABLES)
+    assert_same_tables(back, s, staleness=False)
+    for rows in pushes(4, 2):  # the optimizer state and versions came back too
+        push(s, rows)
+        push(back, rows)
+    assert_same_tables(back, s, staleness=False)
+
+
+def test_a_refused_push_changes_no_table_of_the_arena() -> None:
+    s, reference = shard(), shard()
+    rows = pushes(5, 1)[0]
+    bad = dict(rows)
+    ids, grads, base = rows["b"]
+    bad["b"] = (torch.cat([ids, torch.tensor([37])]), torch.cat([grads, torch.ones(1, 4)]), base)  # b has 37 rows
+    with pytest.raises(Exception, match="table 'b'"):
+        push(s, bad)
+    assert_same_tables(s, reference)
