@@ -22,7 +22,7 @@ from psgrad.core.optimizers.rows import RowOptimizer
 from psgrad.core.status import TableStatus
 from psgrad.errors import InvalidRequestError
 from psgrad.server.row_index import DenseIndex
-from psgrad.server.tables import MemoryBudget, Scalars, SparseTable, TableSnapshot, Tensors
+from psgrad.server.tables import MemoryBudget, SparseTable, TableSnapshot, Tensors
 
 
 def group_key(optimizer: RowOptimizer, dim: int, lr_scale: float, lifetime: tuple[int, int, bool],
@@ -143,15 +143,6 @@ class GroupedTable(SparseTable):
         self.check(ids)
         return self.arena.pull(self.to_arena(ids))
 
-    def updated(self, base_version: int | None) -> None:
-        """Count one update of the table (its rows applied by the arena), pulled at base_version."""
-        if base_version is not None:
-            stale = max(0, self.version - base_version)
-            self.staleness_max = max(self.staleness_max, stale)
-            self.staleness_sum += stale
-            self.pushes += 1
-        self.version += 1
-
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
               checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None,
               replicated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,17 +190,13 @@ class GroupedTable(SparseTable):
                             "values": arena._values.index_select(0, slots),
                             "versions": arena._versions.index_select(0, slots)}
         tensors.update({"state." + k: v.index_select(0, slots) for k, v in arena._state.items()})
-        scalars: Scalars = {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
-                            "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+        scalars = self._scalars()
         if slots.numel():  # (rows made so far: every row stored, as a table on its own counts them)
             scalars["admitted"] = int(slots.numel())
         return TableSnapshot(self.kind, tensors, scalars)
 
     def load(self, snap: TableSnapshot) -> None:
-        shape = (snap.scalars.get("num_embeddings"), snap.scalars.get("dim"), snap.scalars.get("index"),
-                 snap.scalars.get("num_shards"), snap.scalars.get("seed"))
-        if shape != (self.num_embeddings, self.dim, self.index, self.num_shards, self.seed):
-            raise InvalidRequestError(f"table {self.name!r}: a snapshot of {shape} does not fit this table")
+        self._check_fits(snap)
         arena = self.arena
         arena._drop(arena._ids.index_select(0, arena.mine(self)))
         arena.take_removed()

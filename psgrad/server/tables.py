@@ -657,16 +657,20 @@ class SparseTable:
         self._values.index_copy_(0, slots, weights)
         for name, t in state.items():
             self._state[name].index_copy_(0, slots, t)
+        self.updated(base_version)
+        self._versions.index_fill_(0, slots, self.version)
+        if self.ttl and not replicated and self.version % max(1, self.ttl // 8) == 0:
+            self._expire()
+        return ids, grads
+
+    def updated(self, base_version: int | None) -> None:
+        """Count one update of the table, of rows pulled at base_version (None: not a worker's)."""
         if base_version is not None:
             stale = max(0, self.version - base_version)
             self.staleness_max = max(self.staleness_max, stale)
             self.staleness_sum += stale
             self.pushes += 1
         self.version += 1
-        self._versions.index_fill_(0, slots, self.version)
-        if self.ttl and not replicated and self.version % max(1, self.ttl // 8) == 0:
-            self._expire()
-        return ids, grads
 
     def _expire(self) -> None:
         """Drop the rows no update touched in the last ttl updates of the table (checked every
@@ -689,16 +693,23 @@ class SparseTable:
         tensors.update({"state." + k: v[:n].clone() for k, v in self._state.items()})
         if self.sightings is not None:
             tensors["sightings"] = self.sightings.counts.clone()
-        scalars: Scalars = {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
-                            "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+        scalars = self._scalars()
         scalars.update({k: getattr(self, k) for k in ("admitted", "expired", "evicted", "dropped") if getattr(self, k)})
         return TableSnapshot(self.kind, tensors, scalars)
 
-    def load(self, snap: TableSnapshot) -> None:
-        shape = (snap.scalars.get("num_embeddings"), snap.scalars.get("dim"), snap.scalars.get("index"),
-                 snap.scalars.get("num_shards"), snap.scalars.get("seed"))
+    def _scalars(self) -> Scalars:
+        """A snapshot's scalars: the table's shape and version."""
+        return {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
+                "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+
+    def _check_fits(self, snap: TableSnapshot) -> None:
+        """Raises InvalidRequestError where `snap` is a snapshot of a table of another shape."""
+        shape = tuple(snap.scalars.get(k) for k in ("num_embeddings", "dim", "index", "num_shards", "seed"))
         if shape != (self.num_embeddings, self.dim, self.index, self.num_shards, self.seed):
             raise InvalidRequestError(f"table {self.name!r}: a snapshot of {shape} does not fit this table")
+
+    def load(self, snap: TableSnapshot) -> None:
+        self._check_fits(snap)
         ids = snap.tensors["ids"]
         self._index.clear()
         self.touched = 0
