@@ -11,6 +11,7 @@ import torch
 
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.core.sharding import TableSpec
+from psgrad.errors import InvalidRequestError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from psgrad.server.state import ShardState
@@ -127,7 +128,7 @@ def test_pushes_reads_and_sync_rounds_equal_tables_on_their_own() -> None:
         assert [v for v, _ in got] == [v for v, _ in want]
         for (_, a), (_, b) in zip(got, want):
             assert torch.equal(a, b)
-    with pytest.raises(Exception, match="table 'b'.*row 36 lives on shard 0"):
+    with pytest.raises(InvalidRequestError, match="table 'b'.*row 36 lives on shard 0"):
         together.rows.pull(0, state_of(together).layout.fingerprint, [("b", torch.tensor([36]))])
 
 
@@ -146,12 +147,43 @@ def test_a_snapshot_of_tables_stored_together_restores_them_exactly(tmp_path: Pa
     assert_same_tables(back, s, staleness=False)
 
 
-def test_a_refused_push_changes_no_table_of_the_arena() -> None:
-    s, reference = shard(), shard()
+BAD_PUSHES = {  # b's part of a push -> what the refusal says (b has 37 rows; this is shard 1 of 2)
+    "out of range": (lambda ids, g: (torch.cat([ids, torch.tensor([37])]), torch.cat([g, torch.ones(1, 4)])),
+                     "table 'b': row id 37 is out of range"),
+    "negative": (lambda ids, g: (torch.cat([torch.tensor([-1]), ids]), torch.cat([torch.ones(1, 4), g])),
+                 "table 'b': row id -1 is out of range"),
+    "another shard's": (lambda ids, g: (torch.cat([ids, torch.tensor([36])]), torch.cat([g, torch.ones(1, 4)])),
+                        "table 'b': row 36 lives on shard 0"),
+    "repeated": (lambda ids, g: (torch.cat([ids, ids[:1]]), torch.cat([g, g[:1]])), "table 'b'.*must be unique"),
+    "narrow": (lambda ids, g: (ids, g[:, :3].contiguous()), "table 'b': gradients must be float32"),
+    "int32": (lambda ids, g: (ids.int(), g), None),  # (accepted: the tables' own check takes int32 ids)
+    "unsorted": (lambda ids, g: (ids.flip(0), g.flip(0)), None),  # (accepted: unique, in any order)
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_a_push_is_checked_as_each_table_checks_it(case: str) -> None:
+    s, reference = shard(), shard(apart=True)
     rows = pushes(5, 1)[0]
-    bad = dict(rows)
+    change, refusal = BAD_PUSHES[case]
     ids, grads, base = rows["b"]
-    bad["b"] = (torch.cat([ids, torch.tensor([37])]), torch.cat([grads, torch.ones(1, 4)]), base)  # b has 37 rows
-    with pytest.raises(Exception, match="table 'b'"):
+    bad = {**rows, "b": (*change(ids, grads), base)}
+    if refusal is None:  # accepted, and applied as tables on their own apply it
         push(s, bad)
+        push(reference, bad)
+    else:  # refused, naming the table, and nothing of it applied
+        with pytest.raises(InvalidRequestError, match=refusal):
+            push(s, bad)
+        with pytest.raises(InvalidRequestError, match=refusal):
+            push(reference, bad)
     assert_same_tables(s, reference)
+
+
+def test_a_read_is_checked_as_each_table_checks_it() -> None:
+    s = shard()
+    fingerprint = state_of(s).layout.fingerprint
+    s.rows.check_reads(0, fingerprint, [("a", torch.tensor([5, 1, 3])), ("b", torch.tensor([35]))])  # any order
+    for ids, refusal in ((torch.tensor([1, 37]), "row id 37 is out of range"), (torch.tensor([2]), "lives on shard 0"),
+                         (torch.tensor([1.0]), "must be a 1-D int64 tensor")):
+        with pytest.raises(InvalidRequestError, match=f"table 'b'.*{refusal}"):
+            s.rows.check_reads(0, fingerprint, [("a", torch.tensor([1])), ("b", ids)])
