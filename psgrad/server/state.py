@@ -5,7 +5,8 @@ its lock."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -147,8 +148,7 @@ class ShardState:
         segments = segments_of(layout.params, layout.start, layout.end)
         tables: dict[str, Table] = {DENSE: DenseTable(layout.spec, weights, layout.trainable, segments)}
         state = cls(layout, tables, membership, budget=MemoryBudget(budget_bytes))
-        for t in layout.tables:
-            state.add_sparse_table(t.name, t.num_embeddings, t.dim, t.seed, t.std, t)
+        state.add_sparse_tables([(t.name, t.num_embeddings, t.dim, t.seed, t.std, t) for t in layout.tables])
         if layout.frozen:  # the shard's range of the frozen space (written by the chief's Init)
             if FROZEN in state.tables:
                 raise InvalidRequestError(f"a sparse table is named {FROZEN!r}, the name of the frozen parameters' "
@@ -163,11 +163,28 @@ class ShardState:
         table = self.tables.get(FROZEN)
         return table if isinstance(table, FrozenTable) else None
 
+    def _group_of(self, name: str, num_embeddings: int, dim: int, group: TableSpec | None) -> Hashable | None:
+        """What a table stored with others shares with them (table_groups.group_key); None: alone."""
+        optimizer = _row_optimizer(self.layout.spec, group, name)
+        return group_key(optimizer, dim, 1.0 if group is None else group.lr_scale,
+                         (0, 0, False) if group is None else group.lifetime, num_embeddings == rows.DYNAMIC)
+
+    def add_sparse_tables(self, tables: Sequence[tuple[str, int, int, int, float, TableSpec | None]]) -> None:
+        """add_sparse_table for each (name, num_embeddings, dim, seed, std, group): those that share
+        their shape with another of them, or with a table stored together already, are stored
+        together (one table alone in an arena would cost more than on its own)."""
+        keys = [self._group_of(name, n, dim, group) for name, n, dim, _, _, group in tables]
+        count = Counter(keys)
+        for (name, n, dim, seed, std, group), key in zip(tables, keys):
+            together = key is not None and (count[key] > 1 or key in self.arenas)
+            self.add_sparse_table(name, n, dim, seed, std, group, together)
+
     def add_sparse_table(self, name: str, num_embeddings: int, dim: int, seed: int = 0, std: float = 1.0,
-                         group: TableSpec | None = None) -> SparseTable:
+                         group: TableSpec | None = None, together: bool = False) -> SparseTable:
         """Hold the rows of embedding table `name` that live on this shard, updated by the job's
         optimizer in its row-wise form, with the settings of the table's parameter group (`group`:
-        its TableSpec; None: the job's).
+        its TableSpec; None: the job's); together: stored with the job's other tables of its shape
+        (server/table_groups.py), where it has one (see add_sparse_tables).
 
         Raises:
             InvalidRequestError: the name is taken, or the table's shape is not a table.
@@ -179,12 +196,12 @@ class ShardState:
         optimizer = _row_optimizer(spec, group, name)
         lr_scale = 1.0 if group is None else group.lr_scale
         lifetime = (0, 0, False) if group is None else group.lifetime
-        key = group_key(optimizer, dim, lr_scale, lifetime, num_embeddings == rows.DYNAMIC)
+        key = group_key(optimizer, dim, lr_scale, lifetime, num_embeddings == rows.DYNAMIC) if together else None
         table: SparseTable
         if key is None:
             table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed, optimizer, std,
                                 self.budget, lr_scale, lifetime)
-        else:  # stored with the job's other tables of its shape (server/table_groups.py)
+        else:
             arena = self.arenas.get(key)
             if arena is None:
                 arena = self.arenas[key] = RowArena(dim, self.layout.index, spec.num_shards, optimizer, self.budget,
@@ -194,20 +211,24 @@ class ShardState:
         self.tables[name] = table
         return table
 
-    def _add_table_of(self, name: str, snap: TableSnapshot) -> None:
-        """An empty table of the kind and shape a snapshot holds (its state is loaded after): stored
-        with the tables of its shape where it is this shard's (add_sparse_table).
+    def _add_tables_of(self, snaps: dict[str, TableSnapshot]) -> None:
+        """Empty tables of the kinds and shapes snapshots hold (tables the layout does not name: an
+        older checkpoint's; their state is loaded after): this shard's sparse tables as
+        add_sparse_tables stores them, any other as the snapshot says.
 
         Raises:
             InvalidRequestError: a kind this psgrad does not know, or a sparse table without its shape.
         """
-        s = snap.scalars
-        if snap.kind == SparseTable.kind and (s.get("index"), s.get("num_shards")) == (
-                self.layout.index, self.layout.spec.num_shards) and all(k in s for k in ("num_embeddings", "dim", "seed", "std")):
-            self.add_sparse_table(name, int(s["num_embeddings"]), int(s["dim"]), int(s["seed"]), float(s["std"]),
-                                  self.layout.table(name))
-        else:
-            self.tables[name] = _table_from(name, snap, self.layout, self.budget)
+        mine = []
+        for name, snap in snaps.items():
+            s = snap.scalars
+            if snap.kind == SparseTable.kind and (s.get("index"), s.get("num_shards")) == (
+                    self.layout.index, self.layout.spec.num_shards) and all(k in s for k in ("num_embeddings", "dim", "seed", "std")):
+                mine.append((name, int(s["num_embeddings"]), int(s["dim"]), int(s["seed"]), float(s["std"]),
+                             self.layout.table(name)))
+            else:
+                self.tables[name] = _table_from(name, snap, self.layout, self.budget)
+        self.add_sparse_tables(mine)
 
     def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         """Apply one update to the dense table (see DenseTable.apply)."""
@@ -280,9 +301,8 @@ class ShardState:
         kinds = {n: t.kind for n, t in snap.tables.items()}
         if kinds.get(DENSE) != DenseTable.kind:
             raise InvalidRequestError(f"a snapshot with tables {kinds} has no dense table")
+        state._add_tables_of({name: t for name, t in snap.tables.items() if name not in state.tables})
         for name, table_snap in snap.tables.items():
-            if name not in state.tables:  # (a table the layout does not name: an older checkpoint's)
-                state._add_table_of(name, table_snap)
             state.tables[name].load(table_snap)
         lr, lr_clock = snap.job.get(JOB_LR), snap.job.get(JOB_LR_CLOCK)
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)

@@ -1,12 +1,12 @@
-"""Sparse tables of one shape stored together: a shard keeps the rows of every table of a job that has
-the same row width and the same row-wise optimizer settings (and no row lifetime: admission, expiry,
-eviction) in one arena, as TorchRec's table-batched embeddings keep a worker's tables in one buffer.
-Each table is still a table of its own to everything outside the shard core — its name, ids, checks,
-version, staleness, snapshot and status are its own, and a checkpoint holds it as a table on its
-own, the same bytes as before — but a push or a read that touches several of them gathers, updates
-and scatters all their rows with one set of tensor operations, where one set per table costs its
-overhead once per table (a recommender step of 8 tables: 2.1 ms of a shard's CPU, against 0.84 ms
-for one table holding the same rows).
+"""Sparse tables of one shape stored together: where two or more tables of a job have the same row
+width and the same row-wise optimizer settings (and no row lifetime: admission, expiry, eviction), a
+shard keeps their rows in one arena, as TorchRec's table-batched embeddings keep a worker's tables
+in one buffer. Each table is still a table of its own to everything outside the shard core — its
+name, ids, checks, version, staleness, snapshot and status are its own, and a checkpoint holds it
+as a table on its own, the same bytes as before — but a push or a read that touches several of
+them makes, gathers, updates and scatters all their rows with one set of tensor operations, where
+one set per table costs its overhead once per table (benchmarks/dlrm.py: the servers' CPU for 8
+tables fell by a fifth; docs/benchmarks/dlrm.md).
 
 How: the arena is a SparseTable over one id space in which table t's row r is row base_t + r (bases
 multiples of the shard count, so a row's shard is the same in both spaces), its initial value still

@@ -79,15 +79,17 @@ class Route:
 
 
 class _WithTable(nn.Module):
-    """A dense head over an embedding table's pooled rows: its push carries a row gradient."""
+    """A dense head over two embedding tables' pooled rows (of one width: a shard stores them
+    together): its push carries row gradients."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bags = psgrad.EmbeddingBag(1000, 256, mode="sum")
+        self.more = psgrad.EmbeddingBag(500, 256, mode="sum")
         self.head = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bags(ids))
+        return self.head(self.bags(ids) + self.more(ids % 500))
 
 
 def _route(shared_memory: bool, rows: bool = False) -> Route:

@@ -32,8 +32,8 @@ def shard(apart: bool = False) -> Shard:
     s.initialize(0, layout, weights_for(layout))
     state = s.core.state
     assert state is not None
+    state.add_sparse_tables([(name, n, dim, 3, std, None) for name, (n, dim, std) in TABLES.items()])
     for name, (n, dim, std) in TABLES.items():
-        state.add_sparse_table(name, n, dim, seed=3, std=std)
         if apart:
             t = state.tables[name]
             assert isinstance(t, SparseTable)
@@ -91,17 +91,18 @@ def assert_same_tables(mine: Shard, theirs: Shard, staleness: bool = True) -> No
 def test_tables_of_one_width_share_an_arena_and_others_keep_their_own() -> None:
     s = shard()
     state = state_of(s)
-    state.add_sparse_table("wide", 100, 8)
-    state.add_sparse_table("any_id", 0, 4)  # dynamic: any int64 id
-    state.add_sparse_table("aging", 100, 4, group=TableSpec("aging", 100, 4, ttl=50))
-    tables = state.tables
-    grouped = [n for n in ("a", "b", "c") if isinstance(tables[n], GroupedTable)]
-    assert grouped == ["a", "b", "c"]
-    arenas = {id(t.arena) for n, t in tables.items() if isinstance(t, GroupedTable)}  # type: ignore[attr-defined]
-    assert len(arenas) == 2  # width 4, and "wide" on its own width
-    assert not isinstance(tables["any_id"], GroupedTable) and not isinstance(tables["aging"], GroupedTable)
-    bases = [tables[n].base for n in ("a", "b", "c")]  # type: ignore[attr-defined]
-    assert bases == [0, 1000, 1038]  # multiples of the shard count: a row's shard is its table's row's
+    state.add_sparse_tables([("wide", 100, 8, 0, 1.0, None), ("wide2", 50, 8, 0, 1.0, None),
+                             ("lonely", 100, 16, 0, 1.0, None),  # the only one of its width
+                             ("any_id", 0, 4, 0, 1.0, None),  # dynamic: any int64 id
+                             ("aging", 100, 4, 0, 1.0, TableSpec("aging", 100, 4, ttl=50)),  # a row lifetime
+                             ("late", 10, 4, 0, 1.0, None)])  # joins the arena of a, b and c
+    arena_of = {n: t.arena for n, t in state.tables.items() if isinstance(t, GroupedTable)}
+    assert sorted(arena_of) == ["a", "b", "c", "late", "wide", "wide2"]
+    assert arena_of["a"] is arena_of["b"] is arena_of["c"] is arena_of["late"] and arena_of["wide"] is arena_of["wide2"]
+    assert arena_of["a"] is not arena_of["wide"] and len(state.arenas) == 2
+    assert all(isinstance(state.tables[n], SparseTable) for n in ("lonely", "any_id", "aging"))
+    bases = [arena_of["a"].members[i].base for i in range(4)]
+    assert bases == [0, 1000, 1038, 6038]  # multiples of the shard count: a row's shard is its table's row's
 
 
 def test_pushes_reads_and_sync_rounds_equal_tables_on_their_own() -> None:
