@@ -273,9 +273,10 @@ class MemoryBudget:
             MemoryBudgetError: they would not fit (nothing is taken).
         """
         if self.limit is not None and self.used + nbytes > self.limit:
+            mb = self.limit / 2**20  # (as given: 0.1 stays 0.1, 4096 reads 4,096)
             raise MemoryBudgetError(
                 f"{what} needs {nbytes / 2**20:,.1f} MiB more, but this server's sparse tables already hold "
-                f"{self.used / 2**20:,.1f} MiB of its --memory-budget-mb {self.limit / 2**20:,.0f}: give the servers more "
+                f"{self.used / 2**20:,.1f} MiB of its --memory-budget-mb {f'{mb:,.0f}' if mb.is_integer() else f'{mb:g}'}: give the servers more "
                 "memory (a larger budget, or more shards: each holds 1/S of every table), or make the table smaller"
             )
         self.used += nbytes

@@ -11,7 +11,7 @@ import torch
 
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.core.sharding import TableSpec
-from psgrad.errors import InvalidRequestError
+from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from psgrad.server.state import ShardState
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.timeout(60)
 TABLES = {"a": (1000, 4, 0.0), "b": (37, 4, 0.0), "c": (5000, 4, 0.5)}
 
 
-def shard(apart: bool = False) -> Shard:
+def shard(apart: bool = False, budget_mb: float | None = None) -> Shard:
     """Shard 1 of 2 of an Adagrad job with TABLES (apart: each stored on its own, as before groups)."""
     layout = make_layout(JobSpec(optimizer="adagrad", lr=0.1, num_shards=2, num_workers=2), index=1)
-    s = Shard(ServerConfig())
+    s = Shard(ServerConfig(memory_budget_mb=budget_mb))
     s.initialize(0, layout, weights_for(layout))
     state = s.core.state
     assert state is not None
@@ -188,3 +188,22 @@ def test_a_read_is_checked_as_each_table_checks_it() -> None:
                          (torch.tensor([1.0]), "must be a 1-D int64 tensor")):
         with pytest.raises(InvalidRequestError, match=f"table 'b'.*{refusal}"):
             s.rows.check_reads(0, fingerprint, [("a", torch.tensor([1])), ("b", ids)])
+
+
+def test_a_push_over_the_memory_budget_changes_no_table_of_the_arena() -> None:
+    # 100 KiB: the tables' row index (24 KiB) and an arena of 1,024 rows (48 bytes each), then room
+    # for ~650 rows more; a push of 3,000 new rows does not fit
+    s, reference = shard(budget_mb=0.1), shard(budget_mb=0.1)
+    for rows in pushes(6, 3):
+        push(s, rows)
+        push(reference, rows)
+    g = torch.Generator().manual_seed(7)
+    big = {name: (ids, torch.randn(ids.numel(), 4, generator=g), 0)
+           for name, ids in (("a", torch.arange(1, 1000, 2)), ("c", torch.arange(1, 5000, 2)))}
+    with pytest.raises(MemoryBudgetError, match=r"table 'a\+b\+c' growing to 3,015 rows"):
+        push(s, big)
+    assert_same_tables(s, reference)
+    for rows in pushes(8, 2):  # and the next pushes are applied as before
+        push(s, rows)
+        push(reference, rows)
+    assert_same_tables(s, reference)
