@@ -3,7 +3,8 @@ gradients) and is all or nothing: a push refused for any reason — the memory b
 a non-finite value in the dense gradient or in a row, a compressed payload that does not decode —
 leaves the primary's and its hot standby's weights, rows, optimizer state and versions bitwise
 unchanged, and its retry (the same clock, the fault mended) is applied exactly once. Async and sync
-(where the job goes on to the next iteration afterwards); real gRPC servers in process."""
+(where the job goes on to the next iteration afterwards); one table, and two of one width (which a
+shard stores together, in one arena); real gRPC servers in process."""
 from __future__ import annotations
 
 import threading
@@ -19,6 +20,7 @@ from psgrad.core import rows as row_placement
 from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
 from psgrad.errors import InvalidRequestError, MemoryBudgetError, NonFiniteGradientError
 from psgrad.server.runtime import RunningServer, start_server
+from psgrad.server.table_groups import GroupedTable
 from psgrad.server.tables import SparseTable
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,28 +28,38 @@ pytestmark = pytest.mark.timeout(120)
 NUMEL, ROWS, DIM = 500, 100_000, 8
 PARAMS = [ParamSpec("w", (NUMEL,), "float32")]
 TABLE = TableSpec("emb", ROWS, DIM, 5, 0.1)
+OTHER = TableSpec("emb2", ROWS, DIM, 6, 0.1)  # of emb's width: the two share an arena on the shard
 CONFIG = ClientConfig(connect_timeout_s=5, rpc_timeout_s=20, reconnect_timeout_s=0, shared_memory=False)
 # Row index (8 bytes a row) + a first arena of 1,024 rows fit; the arena's doubling to 2,048 does not.
 ROW_BYTES = 4 * DIM + 16 + 4 * DIM  # values, id + version, Adagrad's accumulator
-BUDGET_MB = (8 * ROWS + 1536 * ROW_BYTES) / 2**20
+def budget_mb(tables: list[TableSpec]) -> float:
+    return (8 * ROWS * len(tables) + 1536 * ROW_BYTES) / 2**20
+
+
+@pytest.fixture(params=[[TABLE], [TABLE, OTHER]], ids=["one table", "two tables in an arena"])
+def tables(request: pytest.FixtureRequest) -> list[TableSpec]:
+    return list(request.param)
 
 
 @pytest.fixture
-def job() -> Iterator[Callable[[str, int], tuple[RunningServer, RunningServer, list[ParameterClient]]]]:
+def job(tables: list[TableSpec]) -> Iterator[Callable[[str, int], tuple[RunningServer, RunningServer, list[ParameterClient]]]]:
     """job(mode, workers) -> (primary, its backup, joined clients), all stopped at teardown."""
     servers: list[RunningServer] = []
     clients: list[ParameterClient] = []
+    budget = budget_mb(tables)
 
     def make(mode: str, workers: int) -> tuple[RunningServer, RunningServer, list[ParameterClient]]:
-        primary = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=BUDGET_MB))
+        primary = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=budget))
         servers.append(primary)
-        backup = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=BUDGET_MB, replica_of=primary.address))
+        backup = start_server(ServerConfig(port=0, threads=16, memory_budget_mb=budget, replica_of=primary.address))
         servers.append(backup)
         spec = JobSpec(mode=mode, optimizer="adagrad", lr=0.1, num_workers=workers, compress="topk:0.2")
-        new = [ParameterClient([primary.address], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG, tables=[TABLE])
+        new = [ParameterClient([primary.address], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG, tables=tables)
                for r in range(workers)]
         clients.extend(new)
         run_in_threads(workers, lambda r: new[r].join((lambda: torch.linspace(-1, 1, NUMEL)) if r == 0 else None))
+        state = primary.shard.core.state
+        assert state is not None and isinstance(state.tables["emb"], GroupedTable) == (len(tables) > 1)
         return primary, backup, new
 
     yield make
@@ -65,17 +77,23 @@ def state_of(server: RunningServer) -> dict[str, torch.Tensor | int]:
     assert state is not None
     out: dict[str, torch.Tensor | int] = {"version": state.version, "weights": state.weights.clone()}
     out.update({"dense." + k: v.clone() for k, v in state.optimizer.state_dict().items() if isinstance(v, torch.Tensor)})
-    table = state.tables["emb"]
-    assert isinstance(table, SparseTable)
-    snap = table.snapshot()
-    ids = snap.tensors["ids"]
-    values = row_placement.initial_rows(row_placement.table_key(TABLE.seed, "emb"), torch.arange(ROWS), DIM, TABLE.std)
-    values[ids] = snap.tensors["values"]
-    versions = torch.zeros(ROWS, dtype=torch.int64)
-    versions[ids] = snap.tensors["versions"]
-    acc = torch.zeros(ROWS, DIM)
-    acc[ids] = snap.tensors["state.sum"]
-    out.update({"table.version": table.version, "rows": values, "row_versions": versions, "row_acc": acc})
+    for spec in (TABLE, OTHER):
+        table = state.tables.get(spec.name)
+        if table is None:
+            continue
+        assert isinstance(table, SparseTable)
+        snap = table.snapshot()
+        ids = snap.tensors["ids"]
+        values = row_placement.initial_rows(row_placement.table_key(spec.seed, spec.name), torch.arange(ROWS), DIM,
+                                            spec.std)
+        values[ids] = snap.tensors["values"]
+        versions = torch.zeros(ROWS, dtype=torch.int64)
+        versions[ids] = snap.tensors["versions"]
+        acc = torch.zeros(ROWS, DIM)
+        acc[ids] = snap.tensors["state.sum"]
+        suffix = "" if spec is TABLE else "." + spec.name
+        out.update({"table.version" + suffix: table.version, "rows" + suffix: values,
+                    "row_versions" + suffix: versions, "row_acc" + suffix: acc})
     return out
 
 
@@ -92,6 +110,15 @@ def rows_of(rank: int, clock: int, n: int = 64) -> tuple[torch.Tensor, torch.Ten
     return ids, torch.randn(ids.numel(), DIM, generator=g)
 
 
+def all_rows(c: ParameterClient, clock: int, emb: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A push's rows of every table of c's job: emb's (given, or rows_of), the other's own."""
+    out = {"emb": emb if emb is not None else rows_of(c.rank, clock)}
+    if len(c.tables) > 1:
+        out["emb2"] = rows_of(c.rank, clock + 500)
+    return out
+
+
 def dense_of(rank: int, clock: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(7 + 100 * rank + clock))
 
@@ -102,7 +129,7 @@ def _bad_payload(c: ParameterClient, clock: int) -> Callable[[], object]:
     payload, compress = c._push_payload(0, dense_of(c.rank, clock))
     broken = bytearray(payload)
     broken[0:4] = (NUMEL + 3).to_bytes(4, "little")  # the first index: out of range
-    header = c._push_header(0, clock, None, compress, {"emb": (ids, grads)})
+    header = c._push_header(0, clock, None, compress, all_rows(c, clock, (ids, grads)))
     return lambda: c.shards[0].push(header, memoryview(bytes(broken)))
 
 
@@ -122,7 +149,7 @@ def faulty_push(kind: str, c: ParameterClient, clock: int) -> Callable[[], objec
         dense[17] = float("inf")
     elif kind == "codec payload":
         return _bad_payload(c, clock)
-    return lambda: c.push(dense, clock, rows={"emb": (ids, grads)})
+    return lambda: c.push(dense, clock, rows=all_rows(c, clock, (ids, grads)))
 
 
 REFUSALS = {"budget": MemoryBudgetError, "bad id": InvalidRequestError, "nonfinite row": NonFiniteGradientError,
@@ -130,8 +157,7 @@ REFUSALS = {"budget": MemoryBudgetError, "bad id": InvalidRequestError, "nonfini
 
 
 def good_push(c: ParameterClient, clock: int, duplicate: bool = False) -> None:
-    ids, grads = rows_of(c.rank, clock)
-    [outcome] = c.push(dense_of(c.rank, clock), clock, rows={"emb": (ids, grads)})
+    [outcome] = c.push(dense_of(c.rank, clock), clock, rows=all_rows(c, clock))
     if duplicate:
         assert not outcome.accepted and outcome.reason.startswith("duplicate"), outcome
     else:
@@ -155,7 +181,7 @@ def test_a_refused_async_push_changes_nothing_and_its_retry_applies_once(job, ki
     replication.offer = lambda r: offered.append((r.kind, [u.table for u in r.rows])) or offer(r)  # type: ignore[method-assign]
     good_push(c, 1)  # the retry of clock 1, mended
     good_push(c, 1, duplicate=True)  # and again: acknowledged, not applied
-    assert offered == [("gradient", ["emb"])]  # a row record with the gradient's, not a snapshot
+    assert offered == [("gradient", list(c.tables))]  # row records with the gradient's, not a snapshot
     after = state_of(primary)
     assert after["version"] == 2 and after["table.version"] == 2
     ids, _ = rows_of(0, 1)
