@@ -200,9 +200,7 @@ class Rows:
             members = [names[i] for i in places]
             parts = [(name, rows[name]) for rows in per_rank for name in members if name in rows and rows[name][0].numel()]
             ids = torch.cat([_arena_ids(state.sparse(name, -1), p[0]) for name, p in parts])
-            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            total = torch.zeros(unique.numel(), arena.dim).index_add_(0, inverse, torch.cat([p[1] for _, p in parts]))
-            total.mul_(1.0 / workers)  # (each row's parts summed in rank order, as for a table on its own)
+            unique, total = _round_mean(ids, torch.cat([p[1] for _, p in parts]), workers)
             arena.apply(unique, total, lr, None, checked=True, step=state.version + 1)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
                                                             for i in places])).tolist()
@@ -220,11 +218,7 @@ class Rows:
             if isinstance(t, GroupedTable):
                 continue
             parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
-            ids = torch.cat([p[0] for p in parts_])
-            grads = torch.cat([p[1] for p in parts_])
-            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            total = torch.zeros(unique.numel(), t.dim).index_add_(0, inverse, grads)  # in rank order
-            total.mul_(1.0 / workers)
+            unique, total = _round_mean(torch.cat([p[0] for p in parts_]), torch.cat([p[1] for p in parts_]), workers)
             base = min(p[2] for p in parts_)
             unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
@@ -238,6 +232,14 @@ class Rows:
             self._replica.rows_removed(name, removed)
         if ids.numel():
             self._replica.rows_applied(name, ids, grads, base, lr)
+
+
+def _round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique ids, sorted; their gradients summed in the order given (rank order) and divided by
+    `workers`): a sync round's row gradients, one per row."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    total = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    return unique, total.mul_(1.0 / workers)
 
 
 def _grouped(table: SparseTable) -> GroupedTable:

@@ -104,18 +104,9 @@ class GroupedTable(SparseTable):
         if num_embeddings < 1 or dim != arena.dim:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} does not go in an arena of width {arena.dim}")
         # (no SparseTable.__init__: the rows, their index and the budget's charges are the arena's)
-        self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
-        self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
+        self._name_it(name, num_embeddings, dim, index, num_shards, seed, std, arena.optimizer, arena.lr_scale,
+                      arena.budget)
         self.arena = arena
-        self.optimizer, self.lr_scale, self.budget = arena.optimizer, arena.lr_scale, arena.budget
-        self.key = rows.table_key(seed, name)
-        self.version = 0
-        self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0
-        self.dynamic = False
-        self.min_count, self.ttl, self.evict = 0, 0, False
-        self.sightings = None
-        self.admitted = self.expired = self.evicted = self.dropped = 0
-        self._charged = 0
         self.base = arena.join(self)
 
     # ----------------------------------------------------------------- rows

@@ -298,21 +298,15 @@ class SparseTable:
     costs its 8 bytes in the row index; a snapshot holds the stored rows only."""
 
     kind: ClassVar[str] = "sparse"
+    sightings: Sightings | None  # (admission's counts: with min_count > 1)
 
     def __init__(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int,
                  optimizer: RowOptimizer, std: float = 1.0, budget: MemoryBudget | None = None,
                  lr_scale: float = 1.0, lifetime: tuple[int, int, bool] = (0, 0, False)) -> None:
         if num_embeddings < 0 or dim < 1 or not 0 <= index < num_shards:
             raise InvalidRequestError(f"table {name!r}: {num_embeddings} x {dim} on shard {index} of {num_shards} is not a table")
-        self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
-        self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
-        self.optimizer = optimizer
-        self.lr_scale = lr_scale  # its param group's multiple of the job's lr (1.0: none)
-        self.key = rows.table_key(seed, name)
-        self.version = 0  # updates applied to the table
-        self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0  # table updates between pull and push
-        self.budget = budget or MemoryBudget(None)
-        self.dynamic = num_embeddings == rows.DYNAMIC
+        self._name_it(name, num_embeddings, dim, index, num_shards, seed, std, optimizer, lr_scale,
+                      budget or MemoryBudget(None))
         self._index: DenseIndex | HashIndex
         if self.dynamic:
             self._index = HashIndex()
@@ -325,12 +319,10 @@ class SparseTable:
         # Row lifetime (TableSpec.lifetime): admission after min_count sightings, expiry after ttl
         # updates untouched, eviction at the budget; and what each has done so far.
         self.min_count, self.ttl, self.evict = lifetime
-        self.sightings: Sightings | None = None
         if self.min_count > 1:
             self.sightings = Sightings()
             self.budget.charge(self.sightings.nbytes, f"the admission counts of table {name!r} on shard {index}")
             self._charged += self.sightings.nbytes
-        self.admitted = self.expired = self.evicted = self.dropped = 0
         self._removed: list[torch.Tensor] = []  # ids dropped since take_removed (the replica's records)
         self.touched = 0  # rows made so far (arena slots in use)
         self._ids = torch.empty(0, dtype=torch.int64)
@@ -338,6 +330,24 @@ class SparseTable:
         self._versions = torch.empty(0, dtype=torch.int64)
         self._state: RowState = optimizer.new_state(0, dim)
         self._row_bytes: int | None = None
+
+    def _name_it(self, name: str, num_embeddings: int, dim: int, index: int, num_shards: int, seed: int, std: float,
+                 optimizer: RowOptimizer, lr_scale: float, budget: MemoryBudget) -> None:
+        """What the table is, whatever holds its rows: its shape and place, optimizer, version and
+        counters (no row lifetime yet: __init__ sets one)."""
+        self.name, self.num_embeddings, self.dim = name, num_embeddings, dim
+        self.index, self.num_shards, self.seed, self.std = index, num_shards, seed, std
+        self.optimizer = optimizer
+        self.lr_scale = lr_scale  # its param group's multiple of the job's lr (1.0: none)
+        self.key = rows.table_key(seed, name)
+        self.version = 0  # updates applied to the table
+        self.staleness_max, self.staleness_sum, self.pushes = 0, 0, 0  # table updates between pull and push
+        self.budget = budget
+        self.dynamic = num_embeddings == rows.DYNAMIC
+        self.min_count, self.ttl, self.evict = 0, 0, False
+        self.sightings = None
+        self.admitted = self.expired = self.evicted = self.dropped = 0
+        self._charged = 0
 
     # ----------------------------------------------------------------- rows
     def check(self, ids: torch.Tensor) -> None:
