@@ -602,18 +602,35 @@ class ParameterClient:
 
     def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowGradients]:
         """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values):
-        its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py)."""
+        its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py), placed for all
+        tables of one row width at once."""
         S = len(self.shards)
         split: list[RowGradients] = [{} for _ in range(S)]
-        for name, (ids, grads) in (rows or {}).items():
-            if S == 1:
-                split[0][name] = (ids, grads)
-                continue
-            dynamic = self._table(name).num_embeddings == row_placement.DYNAMIC
-            for i, at in enumerate(row_placement.places_by_shard(ids, S, dynamic)):
-                if at.numel():
-                    split[i][name] = (ids.index_select(0, at), grads.index_select(0, at))
+        if S == 1 or not rows:
+            split[0].update(rows or {})
+            return split
+        for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
+                                        lambda name: tuple(rows[name][1].shape[1:])):
+            ids = place.split(_cat([rows[name][0] for name in names]))
+            values = place.split(_cat([rows[name][1] for name in names]))
+            for i in range(S):
+                for t, name in enumerate(names):
+                    if place.counts[i][t]:
+                        split[i][name] = (ids[i][t], values[i][t])
         return split
+
+    def _place(self, lookups: Mapping[str, torch.Tensor],
+               width: Callable[[str], object]) -> list[tuple[list[str], row_placement.TablesOnShards]]:
+        """The tables of `lookups` in groups of one row width (width(name)), each group's ids placed
+        on the shards at once."""
+        groups: dict[object, list[str]] = {}
+        for name in lookups:
+            groups.setdefault(width(name), []).append(name)
+        S = len(self.shards)
+        return [(names, row_placement.TablesOnShards(
+                    [lookups[name] for name in names], S,
+                    [self._table(name).num_embeddings == row_placement.DYNAMIC for name in names]))
+                for names in groups.values()]
 
     def forget_lent_versions(self) -> None:
         """The model was written over a lent version (a private copy of those pages now): the next
@@ -698,27 +715,24 @@ class RowReads:
 
 class _ReadPlan:
     """Which rows of which tables a read asks each shard for (row r on shard r mod S), and where the
-    rows each shard sends back go. Torch work stays on the caller's thread: the fan-out's threads
+    rows each shard sends back go: tables of one row width are placed together, and their rows
+    from a shard land with one copy. Torch work stays on the caller's thread: the fan-out's threads
     only make the calls (two threads running torch ops at once contend for its OpenMP threads,
     which cost more than the ops)."""
 
     def __init__(self, client: ParameterClient, lookups: Mapping[str, torch.Tensor]) -> None:
         self._client = client
         S = len(client.shards)
-        # shard -> [(table, its ids there, their places in the table's ids (None: all of them))]
-        self._parts: list[list[tuple[str, torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(S)]
-        self._sizes: dict[str, tuple[int, int]] = {}
         for table, ids in lookups.items():
-            spec = client._table(table)
-            row_placement.check_ids(ids, spec.num_embeddings, f"table {table!r}")
-            self._sizes[table] = (ids.numel(), spec.dim)
-            if S == 1:
-                self._parts[0].append((table, ids, None))
-                continue
-            for i, at in enumerate(row_placement.places_by_shard(ids, S, spec.num_embeddings == row_placement.DYNAMIC)):
-                if at.numel():
-                    self._parts[i].append((table, ids.index_select(0, at), at))
-        self._asks = [lookups_to_proto((t, ids) for t, ids, _ in part) for part in self._parts]
+            row_placement.check_ids(ids, client._table(table).num_embeddings, f"table {table!r}")
+        self._groups = client._place(lookups, lambda name: client._table(name).dim)
+        # shard -> [(group, table's place in it, table, its ids there)], in the order asked
+        self._parts: list[list[tuple[int, int, str, torch.Tensor]]] = [[] for _ in range(S)]
+        for g, (names, place) in enumerate(self._groups):
+            ids = place.split(_cat([lookups[name] for name in names]))
+            for i in range(S):
+                self._parts[i] += [(g, t, name, ids[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
+        self._asks = [lookups_to_proto((table, ids) for _, _, table, ids in part) for part in self._parts]
 
     def asks(self, index: int) -> list[pb.TableRows]:
         """What shard `index` is asked for (empty: none of its rows)."""
@@ -726,26 +740,35 @@ class _ReadPlan:
 
     def place(self, replies: Mapping[int, RowsRead], observe: bool) -> dict[str, torch.Tensor]:
         """Each table's rows from the shards' replies; remembers their versions (not when observe)."""
-        out = {table: torch.empty(n, dim) for table, (n, dim) in self._sizes.items()}
+        dims = [self._client._table(names[0]).dim for names, _ in self._groups]
+        out = [torch.empty(sum(place.sizes), dim) for (_, place), dim in zip(self._groups, dims)]
         for i, (versions, data) in replies.items():
-            offset = 0
             address = self._client.shards[i].address
-            for (table, ids, at), version in zip(self._parts[i], versions):
-                dim = self._sizes[table][1]
-                nbytes = ids.numel() * dim * 4
-                if offset + nbytes > len(data):
-                    raise errors.InvalidRequestError(
-                        f"server {address}: {len(data)} bytes of rows, short of the {ids.numel()} rows of table "
-                        f"{table!r} (dim {dim}) asked for")
+            asked = sum(ids.numel() * dims[g] * 4 for g, _, _, ids in self._parts[i])
+            if len(data) != asked or len(versions) != len(self._parts[i]):
+                raise errors.InvalidRequestError(
+                    f"server {address}: {len(data)} bytes of rows and {len(versions)} table versions for "
+                    f"{asked} bytes of {len(self._parts[i])} tables asked for")
+            offset = 0
+            for g, (_, place) in enumerate(self._groups):
+                rows = sum(place.counts[i])
+                if not rows:
+                    continue
+                nbytes = rows * dims[g] * 4
+                at = place.positions(i)
                 # Copied as bytes (a view of the reply need not be aligned for float32), into the
-                # table's rows or into this shard's part of them to be placed.
-                values = out[table] if at is None else torch.empty(ids.numel(), dim)
+                # group's rows or into this shard's part of them to be placed.
+                values = out[g] if at is None else torch.empty(rows, dims[g])
                 byte_view(values)[:] = data[offset:offset + nbytes]
-                offset += nbytes
                 if at is not None:
-                    out[table].index_copy_(0, at, values)
-                if not observe:
+                    out[g].index_copy_(0, at, values)
+                offset += nbytes
+            if not observe:
+                for (_, _, table, _), version in zip(self._parts[i], versions):
                     self._client.row_versions[(table, i)] = version
-            if offset != len(data):
-                raise errors.InvalidRequestError(f"server {address}: {len(data)} bytes of rows for {offset} asked for")
-        return out
+        return {name: rows for (names, place), group in zip(self._groups, out)
+                for name, rows in zip(names, group.split(place.sizes))}
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

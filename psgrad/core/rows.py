@@ -15,6 +15,7 @@ id * dim + j; Box-Muller from two such draws), so any subset of rows is made wit
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -40,13 +41,59 @@ def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch
     return torch.remainder(ids, num_shards)
 
 
-def places_by_shard(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> list[torch.Tensor]:
-    """Each shard's places in `ids` (see shard_of), one tensor per shard, in the ids' order (so the
-    ids of a shard stay sorted where `ids` are): one sort for every shard, where a mask per shard
-    would scan the ids once per shard."""
-    where = shard_of(ids, num_shards, dynamic)
-    order = torch.argsort(where, stable=True)
-    return list(order.split(torch.bincount(where, minlength=num_shards).tolist()))
+class TablesOnShards:
+    """Several tables' row ids placed on the shards at once (see shard_of): the tables' ids,
+    concatenated table after table, regrouped shard by shard, table by table within a shard, each
+    table's ids in their order. One stable sort of the shard numbers (numpy's radix sort of small
+    integers: several times torch's argsort on a worker's few thousand ids) and one count for every
+    table and shard, where placing table by table costs a sort and a split per table (a worker's
+    step reads and pushes rows of every table of its model; their number should not count).
+
+    counts[s][t]: how many of table t's ids live on shard s; positions(s): their places in the
+    concatenation (table t's first, then t + 1's), or None where one shard holds every id."""
+
+    def __init__(self, ids: Sequence[torch.Tensor], num_shards: int, dynamic: Sequence[bool]) -> None:
+        self.sizes = [int(t.numel()) for t in ids]
+        self.num_shards = S = num_shards
+        T = len(ids)
+        self.order: torch.Tensor | None = None
+        if S == 1:
+            self.counts = [list(self.sizes)]
+            return
+        flat = (torch.cat(list(ids)) if T > 1 else ids[0]).to(torch.int64).numpy()
+        where = _shards_of(flat, S, all(dynamic))
+        if any(dynamic) and not all(dynamic):  # (a dynamic table's ids are placed by their hash)
+            start = 0
+            for size, hashed in zip(self.sizes, dynamic):
+                if hashed:
+                    where[start:start + size] = _shards_of(flat[start:start + size], S, True)
+                start += size
+        small = where.astype(np.uint8 if S <= 256 else np.uint16)  # (radix-sorted)
+        self.order = torch.from_numpy(np.argsort(small, kind="stable"))
+        key = where if T == 1 else where * T + np.repeat(np.arange(T), self.sizes)
+        self.counts = np.bincount(key, minlength=S * T).reshape(S, T).tolist()
+
+    def positions(self, shard: int) -> torch.Tensor | None:
+        if self.order is None:
+            return None
+        start = sum(sum(row) for row in self.counts[:shard])
+        return self.order[start:start + sum(self.counts[shard])]
+
+    def split(self, values: torch.Tensor) -> list[list[torch.Tensor]]:
+        """values: the tables' rows (or ids) concatenated in the tables' order, [sum(sizes), ...];
+        returns [shard][table] their pieces on each shard (views of one gather)."""
+        if self.order is None:
+            return [list(values.split_with_sizes(self.sizes))]
+        flat = values.index_select(0, self.order).split_with_sizes([c for row in self.counts for c in row])
+        T = len(self.sizes)
+        return [list(flat[s * T:(s + 1) * T]) for s in range(self.num_shards)]
+
+
+def _shards_of(ids: np.ndarray, num_shards: int, dynamic: bool) -> np.ndarray:
+    """shard_of of int64 ids, in numpy."""
+    if dynamic:
+        return (splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+    return ids % num_shards
 
 
 def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:

@@ -32,16 +32,30 @@ def test_placement_spreads_consecutive_hot_ids_and_covers_every_row_once() -> No
     assert sum(rows.rows_on_shard(10_000_019, i, 7) for i in range(7)) == 10_000_019
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
-def test_places_by_shard_give_each_shard_its_ids_in_their_order(dynamic: bool) -> None:
-    ids = torch.tensor([2, 5, 7, 8, 11, 12, 20, 31])
-    where = rows.shard_of(ids, 3, dynamic)
-    places = rows.places_by_shard(ids, 3, dynamic)
-    assert len(places) == 3
-    for i, at in enumerate(places):  # exactly shard i's places, increasing (the ids' order kept)
-        assert at.tolist() == (where == i).nonzero().squeeze(1).tolist()
-    assert [p.tolist() for p in rows.places_by_shard(ids, 1, dynamic)] == [list(range(8))]
-    assert [p.numel() for p in rows.places_by_shard(torch.tensor([3, 6, 9]), 3)] == [3, 0, 0]  # (empty shards too)
+@pytest.mark.parametrize("dynamic", [(False, False, False), (True, True, True), (False, True, False)],
+                         ids=["fixed", "dynamic", "mixed"])
+def test_tables_placed_together_give_each_shard_each_tables_ids_in_their_order(dynamic: tuple[bool, ...]) -> None:
+    tables = [torch.tensor([2, 5, 7, 8, 11, 12, 20, 31]), torch.tensor([0, 3, 4, 9]), torch.tensor([1, 6, 8, 13, 14])]
+    place = rows.TablesOnShards(tables, 3, dynamic)
+    grads = [torch.arange(t.numel() * 2, dtype=torch.float32).view(-1, 2) + 100 * k for k, t in enumerate(tables)]
+    ids_on, grads_on = place.split(torch.cat(tables)), place.split(torch.cat(grads))
+    starts = [0, 8, 12]
+    for i in range(3):
+        positions = place.positions(i)
+        assert positions is not None
+        expect_positions = []
+        for t, (ids, hashed) in enumerate(zip(tables, dynamic)):
+            mine = (rows.shard_of(ids, 3, hashed) == i).nonzero().squeeze(1)  # exactly shard i's, in order
+            assert place.counts[i][t] == mine.numel()
+            assert ids_on[i][t].tolist() == ids[mine].tolist()
+            assert torch.equal(grads_on[i][t], grads[t][mine])
+            expect_positions += (mine + starts[t]).tolist()
+        assert positions.tolist() == expect_positions
+    one = rows.TablesOnShards(tables, 1, dynamic)
+    assert one.positions(0) is None and one.counts == [[8, 4, 5]]
+    assert [[p.tolist() for p in shard] for shard in one.split(torch.cat(tables))] == [[t.tolist() for t in tables]]
+    empty = rows.TablesOnShards([torch.tensor([3, 6, 9])], 3, [False])
+    assert empty.counts == [[3], [0], [0]]  # (empty shards too)
 
 
 def test_an_update_in_any_order_lays_its_rows_out_as_a_standby_applying_its_record_does() -> None:
