@@ -729,9 +729,9 @@ class _ReadPlan:
         # shard -> [(group, table's place in it, table, its ids there)], in the order asked
         self._parts: list[list[tuple[int, int, str, torch.Tensor]]] = [[] for _ in range(S)]
         for g, (names, place) in enumerate(self._groups):
-            ids = place.split(_cat([lookups[name] for name in names]))
+            on_shards = place.split(_cat([lookups[name] for name in names]))
             for i in range(S):
-                self._parts[i] += [(g, t, name, ids[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
+                self._parts[i] += [(g, t, name, on_shards[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
         self._asks = [lookups_to_proto((table, ids) for _, _, table, ids in part) for part in self._parts]
 
     def asks(self, index: int) -> list[pb.TableRows]:
