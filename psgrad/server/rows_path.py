@@ -14,7 +14,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, in_arena
+from psgrad.server.table_groups import GroupedTable, in_arena, per_row
 from psgrad.server.tables import SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -72,11 +72,10 @@ class Rows:
             tables = [state.sparse(table, rank) for table, _ in lookups]
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
+                members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
                 if not checked:
-                    for i in places:
-                        tables[i].check(lookups[i][1])
-                ids = torch.cat([_arena_ids(tables[i], lookups[i][1]) for i in places])
-                parts = arena.rows(ids, checked=True).split([lookups[i][1].numel() for i in places])
+                    arena.check_members(members, ids_)
+                parts = arena.rows(arena.ids_of(members, ids_), checked=True).split([i.numel() for i in ids_])
                 for i, part in zip(places, parts):
                     read[i] = part
             out = []
@@ -97,8 +96,12 @@ class Rows:
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
             _check_reply_size(state, rank, lookups)
-            for table, ids in lookups:
-                state.sparse(table, rank).check(ids)
+            tables = [state.sparse(table, rank) for table, _ in lookups]
+            for arena, places in in_arena(tables).items():  # tables stored together: checked at once
+                arena.check_members([_grouped(tables[i]) for i in places], [lookups[i][1] for i in places])
+            for t, (_, ids) in zip(tables, lookups):
+                if not isinstance(t, GroupedTable):
+                    t.check(ids)
 
     def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
@@ -135,10 +138,15 @@ class Rows:
                 gradients of another shape.
             MemoryBudgetError: the rows would not fit the server's budget.
         """
+        names = list(rows)
+        tables = [state.sparse(name, rank) for name in names]
+        for arena, places in in_arena(tables).items():  # tables stored together: checked at once
+            arena.check_members([_grouped(tables[i]) for i in places], [rows[names[i]][0] for i in places],
+                                [rows[names[i]][1] for i in places])
         bad = 0
-        for name, (ids, grads, _) in rows.items():
-            t = state.sparse(name, rank)
-            t.check_update(ids, grads)
+        for t, (ids, grads, _) in zip(tables, rows.values()):
+            if not isinstance(t, GroupedTable):
+                t.check_update(ids, grads)
             bad += count_nonfinite(grads)
         self.reserve(state, rows)
         return bad
@@ -155,8 +163,9 @@ class Rows:
         tables = [state.sparse(name, -1) for name in names]
         out: dict[str, torch.Tensor] = {}
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
-            ids = torch.cat([_arena_ids(tables[i], rows[names[i]][0]) for i in places])
-            parts = arena.reserve(ids, may_evict).split([rows[names[i]][0].numel() for i in places])
+            ids_ = [rows[names[i]][0] for i in places]
+            parts = arena.reserve(arena.ids_of([_grouped(tables[i]) for i in places], ids_), may_evict).split(
+                [i.numel() for i in ids_])
             out.update((names[i], part) for i, part in zip(places, parts))
         for name, t in zip(names, tables):
             if name not in out:
@@ -171,17 +180,16 @@ class Rows:
         tables = [state.sparse(name, -1) for name in names]
         for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
             step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
-            ids = torch.cat([_arena_ids(tables[i], rows[names[i]][0]) for i in places])
+            members = [_grouped(tables[i]) for i in places]
+            ids = arena.ids_of(members, [rows[names[i]][0] for i in places])
             grads = torch.cat([rows[names[i]][1] for i in places])
             at = None if slots is None else torch.cat([slots[names[i]] for i in places])
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1)
-            versions = []
-            for i in places:  # (reported in the arena's order: a standby makes their rows in the same order)
-                member, (member_ids, member_grads, base) = _grouped(tables[i]), rows[names[i]]
+            for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
+                member_ids, member_grads, base = rows[names[i]]
                 member.updated(base)
-                versions.append(torch.full((member_ids.numel(),), member.version, dtype=torch.int64))
                 self._report(names[i], member, member_ids, member_grads, base, step_lr)
-            arena.stamp(ids, torch.cat(versions))
+            arena.stamp(ids, per_row([m.version for m in members], [rows[names[i]][0] for i in places]))
         for name, t in zip(names, tables):
             ids, grads, base = rows[name]
             if not isinstance(t, GroupedTable):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from psgrad.core import rows
@@ -83,6 +84,42 @@ class RowArena(SparseTable):
             member = self.members[i]
             out[at] = rows.initial_rows(member.key, ids[at] - member.base, self.dim, member.std)
         return out
+
+    def ids_of(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The arena ids of member tables' row ids (checked), concatenated in the members' order:
+        one offset for all of them, where each table's to_arena is one per table."""
+        if len(members) == 1:
+            return members[0].to_arena(ids[0])
+        return torch.cat(list(ids)).long() + per_row([m.base for m in members], ids)
+
+    def check_members(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
+                      grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Check member tables' row ids (and, for an update, their gradients) as each one's check
+        (check_update) does, with one set of tensor operations for all of them where everything is
+        in order (members in the order of their bases, as in_arena gives them); where something is
+        not, the members' own checks run and name it.
+
+        Raises:
+            InvalidRequestError: as SparseTable.check (check_update) words it.
+        """
+        fine = all(i.dtype in (torch.int64, torch.int32) and i.dim() == 1 for i in ids)
+        if fine and grads is not None:
+            fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim) for i, g in zip(ids, grads))
+        if fine and any(i.numel() for i in ids):
+            local = torch.cat(list(ids)).long()
+            wrong = (local < 0) | (local >= per_row([m.num_embeddings for m in members], ids))
+            if self.num_shards > 1:
+                wrong |= torch.remainder(local, self.num_shards) != self.index
+            fine = not bool(wrong.any())
+            if fine and grads is not None and local.numel() > 1:  # (in range: arena ids increase with the bases)
+                at = local + per_row([m.base for m in members], ids)
+                fine = bool((at[1:] > at[:-1]).all())  # (as workers send them: unique, sorted)
+        if not fine:
+            for k, member in enumerate(members):
+                if grads is None:
+                    member.check(ids[k])
+                else:
+                    member.check_update(ids[k], grads[k])
 
     def stamp(self, ids: torch.Tensor, versions: torch.Tensor) -> None:
         """Rows `ids` (arena ids, stored) were last updated at their tables' `versions` (a row's
@@ -219,3 +256,9 @@ def in_arena(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:
     for places in out.values():
         places.sort(key=lambda i: tables[i].base)  # type: ignore[attr-defined]
     return out
+
+
+def per_row(values: Sequence[int], ids: Sequence[torch.Tensor]) -> torch.Tensor:
+    """values[k] for each of the ids[k], concatenated (int64; numpy's repeat: a fraction of torch's
+    repeat_interleave on a few tables)."""
+    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), [i.numel() for i in ids]))
