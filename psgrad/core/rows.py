@@ -143,20 +143,28 @@ def table_key(seed: int, table: str) -> int:
     return (int.from_bytes(digest, "little") ^ (seed * 0x9E3779B97F4A7C15)) & (2**64 - 1)
 
 
-def initial_rows(key: int, ids: torch.Tensor, dim: int, std: float = 1.0) -> torch.Tensor:
-    """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is."""
+def initial_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float | np.ndarray = 1.0) -> torch.Tensor:
+    """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is;
+    or, with a key and a std per row (uint64 and float64 arrays of len(ids)), of rows of several
+    tables at once, each row its own table's value."""
     n = ids.numel()
-    if n == 0 or std == 0.0:  # (rows that start at zero: no draws to make)
+    per_row = isinstance(key, np.ndarray)
+    if n == 0 or (not per_row and std == 0.0):  # (rows that start at zero: no draws to make)
         return torch.zeros(n, dim)
+    keys = key.astype(np.uint64)[:, None] if isinstance(key, np.ndarray) else np.uint64(key)
     with np.errstate(over="ignore"):
         base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
         counter = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
-        a = splitmix64(np.bitwise_xor(counter, np.uint64(key)))
+        a = splitmix64(np.bitwise_xor(counter, keys))
         b = splitmix64(a)
     u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
     u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-    return torch.from_numpy((z * std).astype(np.float32))
+    if isinstance(std, np.ndarray):
+        z = np.where(std[:, None] == 0.0, 0.0, z * std[:, None])  # (zero rows: +0.0, as torch.zeros)
+    else:
+        z *= std
+    return torch.from_numpy(z.astype(np.float32))
 
 
 def materialize(key: int, num_embeddings: int, dim: int, std: float, ids: torch.Tensor, values: torch.Tensor,

@@ -77,13 +77,10 @@ class RowArena(SparseTable):
         """Each row's initial value as its own table computes it."""
         if self.std == 0.0 or not ids.numel():
             return torch.zeros(ids.numel(), self.dim)
-        which = torch.searchsorted(self._bases, ids, right=True) - 1
-        out = torch.empty(ids.numel(), self.dim)
-        for i in torch.unique(which).tolist():
-            at = (which == i).nonzero().squeeze(1)
-            member = self.members[i]
-            out[at] = rows.initial_rows(member.key, ids[at] - member.base, self.dim, member.std)
-        return out
+        which = (torch.searchsorted(self._bases, ids, right=True) - 1).numpy()  # (each row's table: one draw for all)
+        keys = np.array([m.key for m in self.members], dtype=np.uint64)[which]
+        stds = np.array([m.std for m in self.members], dtype=np.float64)[which]
+        return rows.initial_rows(keys, ids - self._bases[torch.from_numpy(which)], self.dim, stds)
 
     def ids_of(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor]) -> torch.Tensor:
         """The arena ids of member tables' row ids (checked), concatenated in the members' order:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,3 +178,16 @@ def test_a_shard_with_a_sparse_table_checkpoints_and_restores_it_exactly(tmp_pat
     emb.apply(torch.tensor([3, 9]), grads)
     back.apply(torch.tensor([3, 9]), grads)  # the optimizer state came back too
     assert torch.equal(back.pull(torch.tensor([3, 9]))[0], emb.pull(torch.tensor([3, 9]))[0])
+
+
+def test_initial_rows_of_several_tables_at_once_are_each_tables_own() -> None:
+    ids = torch.tensor([4, 0, 9, 4, 7, 2])
+    tables = [(rows.table_key(3, "a"), 1.0), (rows.table_key(3, "b"), 0.0), (rows.table_key(3, "c"), 0.25)]
+    which = np.array([0, 1, 2, 2, 0, 1])
+    keys = np.array([k for k, _ in tables], dtype=np.uint64)[which]
+    stds = np.array([s for _, s in tables])[which]
+    together = rows.initial_rows(keys, ids, 5, stds)
+    for i, t in enumerate(which):
+        key, std = tables[t]
+        alone = rows.initial_rows(key, ids[i:i + 1], 5, std)[0]
+        assert together[i].numpy().tobytes() == alone.numpy().tobytes()  # (bit for bit, +0.0 where std is 0)
