@@ -68,7 +68,7 @@ class TablesOnShards:
                 if hashed:
                     where[start:start + size] = _shards_of(flat[start:start + size], S, True)
                 start += size
-        small = where.astype(np.uint8 if S <= 256 else np.uint16)  # (radix-sorted)
+        small = where.astype(np.uint8 if S <= 256 else np.uint16 if S <= 65536 else np.int64)  # (radix-sorted)
         self.order = torch.from_numpy(np.argsort(small, kind="stable"))
         key = where if T == 1 else where * T + np.repeat(np.arange(T), self.sizes)
         self.counts = np.bincount(key, minlength=S * T).reshape(S, T).tolist()
