@@ -67,21 +67,20 @@ class Rows:
         core = self._core
         with core.cond:
             state = core.require(fingerprint, rank)
+            tables = [state.sparse(table, rank) for table, _ in lookups]
             if not checked:
                 _check_reply_size(state, rank, lookups)
-            tables = [state.sparse(table, rank) for table, _ in lookups]
+                _check_tables(tables, [ids for _, ids in lookups])
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
-                if not checked:
-                    arena.check_members(members, ids_)
                 parts = arena.rows(arena.ids_of(members, ids_), checked=True).split([i.numel() for i in ids_])
                 for i, part in zip(places, parts):
                     read[i] = part
             out = []
             for t, (_, ids), values in zip(tables, lookups, read):
                 if values is None:
-                    values = t.rows(ids, checked)
+                    values = t.rows(ids, checked=True)
                 core.counters.bytes_out += values.numel() * 4
                 out.append((t.version, values))
             return out
@@ -96,12 +95,7 @@ class Rows:
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
             _check_reply_size(state, rank, lookups)
-            tables = [state.sparse(table, rank) for table, _ in lookups]
-            for arena, places in in_arena(tables).items():  # tables stored together: checked at once
-                arena.check_members([_grouped(tables[i]) for i in places], [lookups[i][1] for i in places])
-            for t, (_, ids) in zip(tables, lookups):
-                if not isinstance(t, GroupedTable):
-                    t.check(ids)
+            _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups])
 
     def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
@@ -138,16 +132,9 @@ class Rows:
                 gradients of another shape.
             MemoryBudgetError: the rows would not fit the server's budget.
         """
-        names = list(rows)
-        tables = [state.sparse(name, rank) for name in names]
-        for arena, places in in_arena(tables).items():  # tables stored together: checked at once
-            arena.check_members([_grouped(tables[i]) for i in places], [rows[names[i]][0] for i in places],
-                                [rows[names[i]][1] for i in places])
-        bad = 0
-        for t, (ids, grads, _) in zip(tables, rows.values()):
-            if not isinstance(t, GroupedTable):
-                t.check_update(ids, grads)
-            bad += count_nonfinite(grads)
+        _check_tables([state.sparse(name, rank) for name in rows], [ids for ids, _, _ in rows.values()],
+                      [grads for _, grads, _ in rows.values()])
+        bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
         self.reserve(state, rows)
         return bad
 
@@ -207,7 +194,7 @@ class Rows:
         for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
             members = [names[i] for i in places]
             parts = [(name, rows[name]) for rows in per_rank for name in members if name in rows and rows[name][0].numel()]
-            ids = torch.cat([_arena_ids(state.sparse(name, -1), p[0]) for name, p in parts])
+            ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
             unique, total = _round_mean(ids, torch.cat([p[1] for _, p in parts]), workers)
             arena.apply(unique, total, lr, None, checked=True, step=state.version + 1)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
@@ -242,6 +229,26 @@ class Rows:
             self._replica.rows_applied(name, ids, grads, base, lr)
 
 
+def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
+                  grads: Sequence[torch.Tensor] | None = None) -> None:
+    """Check a call's row ids of `tables` (and, for an update, their gradients; see
+    SparseTable.check and check_update): those stored together at once, per arena, the others
+    each on its own.
+
+    Raises:
+        InvalidRequestError: as the table concerned words it.
+    """
+    for arena, places in in_arena(tables).items():
+        arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
+                            None if grads is None else [grads[i] for i in places])
+    for k, t in enumerate(tables):
+        if not isinstance(t, GroupedTable):
+            if grads is None:
+                t.check(ids[k])
+            else:
+                t.check_update(ids[k], grads[k])
+
+
 def _round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique ids, sorted; their gradients summed in the order given (rank order) and divided by
     `workers`): a sync round's row gradients, one per row."""
@@ -253,11 +260,6 @@ def _round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[t
 def _grouped(table: SparseTable) -> GroupedTable:
     assert isinstance(table, GroupedTable)
     return table
-
-
-def _arena_ids(table: SparseTable, ids: torch.Tensor) -> torch.Tensor:
-    """A grouped table's row ids as its arena's."""
-    return _grouped(table).to_arena(ids)
 
 
 def _scaled(lr: float | None, job_lr: float, scale: float) -> float | None:

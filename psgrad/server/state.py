@@ -196,7 +196,7 @@ class ShardState:
         optimizer = _row_optimizer(spec, group, name)
         lr_scale = 1.0 if group is None else group.lr_scale
         lifetime = (0, 0, False) if group is None else group.lifetime
-        key = group_key(optimizer, dim, lr_scale, lifetime, num_embeddings == rows.DYNAMIC) if together else None
+        key = self._group_of(name, num_embeddings, dim, group) if together else None
         table: SparseTable
         if key is None:
             table = SparseTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed, optimizer, std,
