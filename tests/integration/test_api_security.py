@@ -126,6 +126,8 @@ def test_64_connections_of_one_identity_hold_no_more_streams_than_its_cap() -> N
         for ch in channels:
             calls.append(ch.stream_unary(METHOD_PREFIX + "Push", None, None).future(nothing(), timeout=60))
         wait_for("64 - cap streams refused", lambda: server.shard.stream_counts()[2] >= 64 - cap)
+        # the server counts a refusal before its status reaches the client: wait for the clients too
+        wait_for("64 - cap refusals received", lambda: sum(c.done() for c in calls) >= 64 - cap)
         refused = [c for c in calls if c.done()]
         assert len(refused) == 64 - cap and all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
         assert "client streams are open from worker-1 (over all its connections)" in refused[0].details()
