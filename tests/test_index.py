@@ -143,7 +143,7 @@ TESTS_OF: dict[str, tuple[str, ...]] = {
                                              "tests/unit/test_ctr.py"),
     "psgrad/wire/frames.py":                ("tests/unit/test_codecs.py", "tests/unit/test_transfers.py",
                                              "tests/integration/test_push_gated.py"),
-    "psgrad/wire/rows.py":                  ("tests/integration/test_sparse_embeddings.py",
+    "psgrad/wire/rows.py":                  ("tests/integration/test_sparse_embeddings.py", "tests/unit/test_serde.py",
                                              "tests/integration/test_atomic_push.py",
                                              "tests/integration/test_replication.py"),
     "psgrad/worker/loop.py":                ("tests/unit/test_stragglers.py", "tests/unit/test_workloads.py"),
@@ -201,10 +201,6 @@ BY_BEHAVIOUR: dict[str, tuple[str, str]] = {
     "psgrad/server/shard_core.py": (
         "psgrad.server.shard.Shard",
         "Shard is built on it: its lock, conditions and state",
-    ),
-    "psgrad/wire/rows.py": (
-        "test_sync_rows_equal_single_process_training_with_a_dense_table",
-        "rows on the wire, both ends",
     ),
     "psgrad/worker/prefetch.py": (
         "test_prefetched_rows_of_async_steps_count_their_staleness",

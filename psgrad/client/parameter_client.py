@@ -16,6 +16,7 @@ import torch
 from psgrad import errors
 from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
+from psgrad.client.transport import PushHead
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, byte_view
@@ -31,7 +32,7 @@ from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
 from psgrad.wire.heap import tune_allocator
-from psgrad.wire.rows import RowUpdate, lookups_to_proto, updates_to_proto
+from psgrad.wire.rows import RowUpdate, lookups_to_proto
 
 T = TypeVar("T")
 # table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
@@ -447,10 +448,10 @@ class ParameterClient:
 
     def _push_header(
         self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowGradients | None = None,
-    ) -> pb.PushHeader:
+    ) -> PushHead:
         """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this shard)."""
         start, end = self.plan.ranges[index]
-        return pb.PushHeader(
+        return PushHead(pb.PushHeader(
             compress=compress,
             rank=self.rank,
             clock=clock,
@@ -459,9 +460,7 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
-            rows=updates_to_proto(RowUpdate(name, ids, grads, self.row_versions.get((name, index), 0))
-                                  for name, (ids, grads) in (rows or {}).items()),
-        )
+        ), [RowUpdate(name, ids, grads, self.row_versions.get((name, index), 0)) for name, (ids, grads) in (rows or {}).items()])
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
              rows: RowGradients | None = None) -> list[PushOutcome]:
@@ -528,7 +527,7 @@ class ParameterClient:
             reads.rows = plan.place({i: got for i, (_, _, got) in enumerate(results) if got is not None}, False)
         return [outcome for outcome, _, _ in results], list(self.base_versions)
 
-    def _duplex_step(self, s: ShardClient, header: pb.PushHeader, payload: memoryview, req: pb.PullRequest,
+    def _duplex_step(self, s: ShardClient, header: PushHead, payload: memoryview, req: pb.PullRequest,
                      dest: torch.Tensor, wire: WireBuffer, asks: list[pb.TableRows]) -> Stepped:
         """Push and pull (and read the next rows) at once, as separate calls: the gradient goes up
         while the weights come down, where one Step call sends its reply only after the whole

@@ -14,7 +14,7 @@ import torch
 
 from psgrad.client import reconnect
 from psgrad.client.transport import (
-    Stepped, Transport, asking, check_pull_header, pull_header, rows_read, step_request,
+    PushHead, Stepped, Transport, asking, check_pull_header, pull_header, rows_read,
 )
 from psgrad.config import ClientConfig
 from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
@@ -197,22 +197,21 @@ class SharedMemoryTransport:
             seg.lock.release()
         return int(header.version)
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+    def push(self, head: PushHead, payload: memoryview) -> pb.PushReply:
         """A same-host push: the gradient goes into this shard's segment (unless it is there
         already, see lend_window), the call carries the header alone. Through frames when the
         segment is busy, or the call was refused or is worth a retry."""
-        seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
+        seg = self.take_segment(segment_bytes(head.header.numel, head.header.dtype, len(payload)))
         if seg is None:
-            return self.frames.push(header, payload)
+            return self.frames.push(head, payload)
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            frame = pb.PushFrame(header=header).SerializeToString()
-            reply: pb.PushReply = self._client._push_header_only(frame, timeout=t, metadata=seg.metadata())
+            reply: pb.PushReply = self._client._push_header_only(head.frame(), timeout=t, metadata=seg.metadata())
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):
-                return self.frames.push(header, payload)  # keyed: a retry is never applied twice
+                return self.frames.push(head, payload)  # keyed: a retry is never applied twice
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the push", t) from None
         except BaseException:
             seg.lock.release()
@@ -236,7 +235,7 @@ class SharedMemoryTransport:
         return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self._client.config.reconnect_timeout_s > 0)
 
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: Sequence[pb.TableRows] = (),
     ) -> Stepped | None:
         """The Step call through the segment: the gradient goes in, the weights come back in it (or
@@ -244,14 +243,15 @@ class SharedMemoryTransport:
         frames transport's Step call when the segment is busy; None (push and pull separately)
         when the call was refused or is worth a retry."""
         self.view = None
+        header = head.header
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is None:
-            return self.frames.step(header, payload, dest, wire, published, reads)
+            return self.frames.step(head, payload, dest, wire, published, reads)
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            request = step_request(header, reads, wire).SerializeToString()
+            request = head.step_request(reads, wire, None)
             reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):

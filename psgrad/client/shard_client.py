@@ -17,14 +17,13 @@ from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.transport import (
-    RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read, step_request,
+    PushHead, RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read,
 )
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
-    bytes_field_prefix,
     data_frames,
     parse_frame,
     trailing_bytes_field,
@@ -39,7 +38,6 @@ from psgrad.wire.protocol import (
     GATED_PUSH_BYTES,
     ROWS_REPLY_ROWS,
     SERVICE_NAME,
-    STEP_REQUEST_DATA,
 )
 from psgrad.core.credentials import ADMIN
 from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
@@ -219,23 +217,24 @@ class ShardClient:
         (same host) into `view` where the server lends a slot; returns their version."""
         return self.transport.pull(req, dest, wire, published)
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
-        """Push one gradient slice (already in the wire dtype). Retries are safe: pushes are keyed."""
-        return self.transport.push(header, payload)
+    def push(self, head: PushHead, payload: memoryview) -> pb.PushReply:
+        """Push one gradient slice (already in the wire dtype) and the row gradients head carries.
+        Retries are safe: pushes are keyed."""
+        return self.transport.push(head, payload)
 
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: Sequence[pb.TableRows] = (),
     ) -> Stepped | None:
-        """Push one gradient slice as header.clock (with the row gradients its header carries),
-        then pull the weights for header.clock + 1 into dest and the rows `reads` names (ids by
+        """Push one gradient slice as head.header.clock (with the row gradients head carries),
+        then pull the weights for the next clock into dest and the rows `reads` names (ids by
         table), in one unary Step call: through this shard's segment (same host), else with both
         payloads in the messages when they fit one chunk. Returns the push reply, the pulled
         version and the rows read (None: none asked for); None when a Step call does not fit (a
         large payload to another host) or was refused: then push and pull separately. Retries are
         safe (pushes are keyed).
         """
-        return self.transport.step(header, payload, dest, wire, published, reads)
+        return self.transport.step(head, payload, dest, wire, published, reads)
 
     def heard(self, header: pb.PullHeader) -> pb.PullHeader:
         """Keep what a pull's header tells once (a transport calls this for every pull it reads)."""
@@ -359,12 +358,12 @@ class FramesTransport:
 
         return c._call("the pull", run, t)
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
+    def push(self, push: PushHead, payload: memoryview) -> pb.PushReply:
         """Push through gRPC frames: with a go-ahead (PushGated) when the payload is larger than
         GATED_PUSH_BYTES, so that it waits for its turn without sending; else in one stream."""
         c = self._client
         t = c.config.rpc_timeout_s
-        head = pb.PushFrame(header=header).SerializeToString()
+        head = push.frame()
         if len(payload) > GATED_PUSH_BYTES:
             return c._call("the push", lambda: self._gated(head, payload, t), t)
 
@@ -417,7 +416,7 @@ class FramesTransport:
             go.set()  # a call that failed before `ready` ends its request stream unsent
 
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: Sequence[pb.TableRows] = (),
     ) -> Stepped | None:
         """The Step call with both payloads inline (the gradient in the request, the weights in the
@@ -425,8 +424,7 @@ class FramesTransport:
         c = self._client
         if len(payload) > c.config.chunk_bytes:
             return None
-        head = step_request(header, reads, wire).SerializeToString()
-        request = b"".join((head, bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload))
+        request = head.step_request(reads, wire, payload)
         t = c.config.rpc_timeout_s
 
         reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=t), t)

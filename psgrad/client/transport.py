@@ -13,6 +13,7 @@ transfer, or a call refused or worth a retry): an explicit collaborator, not a c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +23,9 @@ from psgrad.core.codecs import WireBuffer
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import shm
+from psgrad.wire.frames import bytes_field_prefix
+from psgrad.wire.protocol import STEP_REQUEST_DATA
+from psgrad.wire.rows import RowUpdate, updates_to_proto, updates_to_wire
 
 # Rows read from a shard: each table's version, and the rows' float32 bytes, table after table
 RowsRead = tuple[list[int], memoryview]
@@ -43,15 +47,15 @@ class Transport(Protocol):
         (same host) into `view` where the server lends a slot; returns their version."""
         ...
 
-    def push(self, header: pb.PushHeader, payload: memoryview) -> pb.PushReply:
-        """Push one gradient slice (already in the wire dtype)."""
+    def push(self, head: PushHead, payload: memoryview) -> pb.PushReply:
+        """Push one gradient slice (already in the wire dtype) and the row gradients head carries."""
         ...
 
     def step(
-        self, header: pb.PushHeader, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: Sequence[pb.TableRows] = (),
     ) -> Stepped | None:
-        """Push as header.clock, then pull header.clock + 1 into dest (or `view`, see pull) and the
+        """Push as head.header.clock, then pull its clock + 1 into dest (or `view`, see pull) and the
         rows `reads` names, in one Step call. None when a Step call does not fit (frames: a payload
         over one chunk) or the call should be redone (shared memory refused): then push and pull
         separately."""
@@ -98,12 +102,45 @@ def asking(req: pb.PullRequest, wire: WireBuffer) -> pb.PullRequest:
     return out
 
 
-def step_request(header: pb.PushHeader, reads: Sequence[pb.TableRows], wire: WireBuffer) -> pb.StepRequest:
-    """The Step request (without its gradient) of a push with `header` and a pull into `wire`."""
-    req = pb.StepRequest(push=header, pull_rows=reads)
-    if isinstance(wire, DeltaWire):
-        req.delta.CopyFrom(wire.ask())
-    return req
+_HEADER_ROWS = pb.PushHeader.DESCRIPTOR.fields_by_name["rows"].number
+_FRAME_HEADER = pb.PushFrame.DESCRIPTOR.fields_by_name["header"].number
+_STEP_PUSH = pb.StepRequest.DESCRIPTOR.fields_by_name["push"].number
+
+
+@dataclass(frozen=True)
+class PushHead:
+    """A push's header as it travels: its fields (`header`, without rows) and the row gradients it
+    carries, written straight into the bytes of the call (the push's header frame, or its Step
+    request) so that the rows are copied once, when those bytes are joined."""
+
+    header: pb.PushHeader
+    rows: Sequence[RowUpdate] = ()
+
+    def _pieces(self) -> list[bytes | memoryview]:
+        """The serialized PushHeader, rows and all, in pieces."""
+        return [self.header.SerializeToString(), *updates_to_wire(self.rows, _HEADER_ROWS)]
+
+    def message(self) -> pb.PushHeader:
+        """The whole PushHeader message (its rows copied into it)."""
+        out = pb.PushHeader()
+        out.CopyFrom(self.header)
+        out.rows.extend(updates_to_proto(self.rows))
+        return out
+
+    def frame(self) -> bytes:
+        """The push's header frame (a PushFrame holding the header)."""
+        pieces = self._pieces()
+        return b"".join([bytes_field_prefix(_FRAME_HEADER, sum(len(p) for p in pieces)), *pieces])
+
+    def step_request(self, reads: Sequence[pb.TableRows], wire: WireBuffer, payload: memoryview | None) -> bytes:
+        """The Step request of this push with `payload` inline (None: in a shared-memory segment)
+        and a pull into `wire`, reading the rows `reads` names."""
+        rest = pb.StepRequest(pull_rows=reads)
+        if isinstance(wire, DeltaWire):
+            rest.delta.CopyFrom(wire.ask())
+        pieces = self._pieces()
+        tail: list[bytes | memoryview] = [] if payload is None else [bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload]
+        return b"".join([bytes_field_prefix(_STEP_PUSH, sum(len(p) for p in pieces)), *pieces, rest.SerializeToString(), *tail])
 
 
 def pull_header(address: str, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:

@@ -28,7 +28,7 @@ from psgrad.server.tables import FROZEN
 from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.server.worker_copies import check_ask
 from psgrad.wire import protocol, security
-from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA
+from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA, STEP_REPLY_ROWS
 from psgrad.wire.rows import lookups_from_proto, updates_from_proto
 
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
@@ -481,7 +481,8 @@ class ParameterServicer:
     @_edge
     def Step(self, req: pb.StepRequest, context: grpc.ServicerContext) -> bytes:
         """Push, then pull for the next clock, in one unary call (see ps.proto). The reply is
-        built by hand so the weights are copied once, straight after the serialized headers."""
+        built by hand so the rows read and the weights are copied once, when it is joined (the
+        weights, unless compressed, once before that: from the version's copy)."""
         h = req.push
         reads = lookups_from_proto(req.pull_rows, f"step of worker rank {h.rank}")
         if reads:  # checked before the push: a read refused then leaves the push unapplied
@@ -498,24 +499,25 @@ class ParameterServicer:
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
             head, payload = (self._changed(h.rank, delta, version, frames) if delta is not None
                              else (self._pull_header(version, h.rank), None))
-            reply = pb.StepReply(push=pushed, pull=head, row_versions=[v for v, _ in got],
-                                 rows=b"".join(_rows_bytes([r for _, r in got]))).SerializeToString()
+            reply: list[bytes | memoryview] = [
+                pb.StepReply(push=pushed, pull=head, row_versions=[v for v, _ in got]).SerializeToString()]
+            rows = _rows_bytes([r for _, r in got])
+            if rows:
+                reply += [bytes_field_prefix(STEP_REPLY_ROWS, sum(len(r) for r in rows)), *rows]
             nbytes = frames.nbytes if payload is None else len(payload)
             if seg is not None:
                 if payload is not None:
                     copy_bytes(seg.payload[:nbytes], payload)
                 elif not self._publish(context, h.rank, frames):
                     frames.copy_into(seg.payload[:nbytes])
-                return reply
-            prefix = bytes_field_prefix(STEP_REPLY_DATA, nbytes)
-            out = bytearray(len(reply) + len(prefix) + nbytes)
-            out[: len(reply)] = reply
-            out[len(reply) : len(reply) + len(prefix)] = prefix
-            if payload is not None:
-                out[len(reply) + len(prefix) :] = payload
+                return b"".join(reply)
+            data: bytes | memoryview | bytearray
+            if payload is None:
+                data = bytearray(nbytes)
+                frames.copy_into(memoryview(data))
             else:
-                frames.copy_into(memoryview(out)[len(reply) + len(prefix) :])
-            return bytes(out)
+                data = payload
+            return b"".join([*reply, bytes_field_prefix(STEP_REPLY_DATA, nbytes), data])
         finally:
             frames.close()
 

@@ -18,8 +18,9 @@ METHOD_PREFIX = f"/{SERVICE_NAME}/"
 # Step messages carry their payload in a `bytes data` field appended by hand after the headers.
 STEP_REPLY_DATA = pb.StepReply.DESCRIPTOR.fields_by_name["data"].number
 STEP_REQUEST_DATA = pb.StepRequest.DESCRIPTOR.fields_by_name["data"].number
-# So do PullRows replies, their rows.
+# So do PullRows and Step replies, their rows.
 ROWS_REPLY_ROWS = pb.RowsReply.DESCRIPTOR.fields_by_name["rows"].number
+STEP_REPLY_ROWS = pb.StepReply.DESCRIPTOR.fields_by_name["rows"].number
 # Trailing-metadata key naming the PsgradError class a server raised.
 ERROR_METADATA_KEY = "psgrad-error"
 MAX_MESSAGE_BYTES = 64 << 20

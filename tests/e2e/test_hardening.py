@@ -84,7 +84,7 @@ def test_a_stalled_push_is_cancelled_at_the_read_deadline_and_never_starves_the_
         other.join(None)
 
         # 1. A push stalled after its header holds the receive buffer; another worker's push waits for it.
-        head = pb.PushFrame(header=staller._push_header(0, 0, None)).SerializeToString()
+        head = staller._push_header(0, 0, None).frame()
         stalls.append(held := Stall(address, [head]))
         started = time.monotonic()
         while shard_status([address], 5)[0].transfers.buffers_lent == 0:  # the stalled push holds the buffer

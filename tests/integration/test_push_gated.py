@@ -13,6 +13,7 @@ import torch
 import psgrad.client.shard_client
 import psgrad.server.transfers
 from psgrad.client.parameter_client import ParameterClient
+from psgrad.client.transport import PushHead
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
@@ -175,7 +176,7 @@ def test_a_gated_push_refused_before_ready_raises_and_changes_nothing(server: Ru
         header = pb.PushHeader(rank=0, clock=0, base_version=0, numel=N + 1, dtype="float32", fingerprint=c.fingerprint)
         payload = memoryview(bytes(4 * (N + 1)))
         with pytest.raises(InvalidRequestError, match=f"has {N + 1} elements"):
-            c.shards[0].frames.push(header, payload)
+            c.shards[0].frames.push(PushHead(header), payload)
         assert server.shard.version == 0
         torch.testing.assert_close(weights(server), initial())
         [reply] = c.push(torch.ones(N), 0)  # the shard is not left waiting for anything

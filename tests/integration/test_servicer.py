@@ -21,6 +21,7 @@ from psgrad.errors import (
     ServerUnavailableError,
     StalledError,
 )
+from psgrad.client.transport import PushHead
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.core.sharding import ParamSpec, plan_shards
@@ -113,13 +114,13 @@ def test_push_of_wrong_length_is_invalid_argument_and_changes_nothing(servers: l
         header = pb.PushHeader(rank=0, clock=0, numel=size - 1, dtype="float32", fingerprint=c.fingerprint)
         payload = memoryview(torch.ones(size - 1).numpy()).cast("B")
         with pytest.raises(InvalidRequestError) as info:
-            shard.push(header, payload)
+            shard.push(PushHead(header), payload)
         msg = str(info.value)
         assert str(size - 1) in msg and str(size) in msg
         # header claims the right size but fewer bytes arrive
         header.numel = size
         with pytest.raises(InvalidRequestError, match="ended after"):
-            shard.push(header, payload)
+            shard.push(PushHead(header), payload)
         shard.close()
         assert torch.equal(servers[0].shard.weights_copy(), before)
         assert servers[0].shard.version == 0

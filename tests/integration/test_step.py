@@ -242,7 +242,7 @@ def test_step_reply_is_a_valid_step_reply_message(servers: list[RunningServer]) 
         try:
             step = channel.unary_unary(f"/{SERVICE_NAME}/Step", pb.StepRequest.SerializeToString, None)
             grad = torch.ones(end - start)
-            raw = step(pb.StepRequest(push=c._push_header(1, 0), data=grad.numpy().tobytes()), timeout=10)
+            raw = step(pb.StepRequest(push=c._push_header(1, 0).message(), data=grad.numpy().tobytes()), timeout=10)
         finally:
             channel.close()
         reply = pb.StepReply.FromString(raw)

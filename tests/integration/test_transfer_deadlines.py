@@ -108,7 +108,7 @@ def test_a_trickling_push_is_cut_at_its_deadline_and_another_workers_step_goes_o
     deadline_s = transfer_deadline_s(4 * numel, 2.0, 1.0)  # 2 s + 20,000 bytes at 1 MB/s = 2.02 s
     running, logged = serve(2.0, 1.0)
     chief, staller, other = clients(running.address, numel, optimizer)
-    trickle = Trickle(running.address, pb.PushFrame(header=staller._push_header(0, 0)).SerializeToString())
+    trickle = Trickle(running.address, staller._push_header(0, 0).frame())
     try:
         wait_for("the trickling push to hold the receive buffer",
                  lambda: shard_status([running.address], 5)[0].transfers.buffers_lent == 1, timeout_s=10)

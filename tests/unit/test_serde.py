@@ -271,3 +271,32 @@ def test_status_json_is_the_typed_status_as_dict() -> None:
     assert d["transfers"]["waiting_for_buffer"] == 5 and d["transfers"]["staged_updates"] is True
     assert d == serde.status_from_proto(serde.status_to_proto(_status())).to_dict()
     json.dumps(d)
+
+
+def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
+    # PushHead writes the rows' bytes straight into the call (copied once, by the join); what goes
+    # out must parse as the PushHeader (and PushFrame, StepRequest) that protobuf would have built.
+    import torch
+
+    from psgrad.client.transport import PushHead
+    from psgrad.core.codecs import WireBuffer
+    from psgrad.wire.rows import RowUpdate, lookups_to_proto
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 5, generator=g).t()  # [5, 6], not contiguous: sent as its values in row order
+    rows = [RowUpdate("a", torch.tensor([2, 9, 40]), torch.randn(3, 4, generator=g), base_version=7),
+            RowUpdate("b", torch.arange(5) * 3, wide, lr=0.25),
+            RowUpdate("empty", torch.empty(0, dtype=torch.int64), torch.empty(0, 8))]
+    head = PushHead(pb.PushHeader(rank=3, clock=11, base_version=4, numel=6, dtype="float32", fingerprint="fp",
+                                  lr=0.5, compress="int8"), rows)
+    whole = head.message()
+    assert [r.table for r in whole.rows] == ["a", "b", "empty"]
+    assert torch.equal(torch.frombuffer(bytearray(whole.rows[1].grads), dtype=torch.float32).view(5, 6), wide)
+    assert whole.rows[0].base_version == 7 and whole.rows[1].lr == 0.25 and not whole.rows[0].HasField("lr")
+    assert pb.PushFrame.FromString(head.frame()) == pb.PushFrame(header=whole)
+    reads = lookups_to_proto([("a", torch.tensor([1, 2])), ("b", torch.tensor([0]))])
+    payload = memoryview(bytes(range(24)))
+    request = pb.StepRequest.FromString(head.step_request(reads, WireBuffer(6, "float32"), payload))
+    assert request == pb.StepRequest(push=whole, pull_rows=reads, data=bytes(payload))
+    in_segment = pb.StepRequest.FromString(head.step_request(reads, WireBuffer(6, "float32"), None))
+    assert in_segment == pb.StepRequest(push=whole, pull_rows=reads) and not in_segment.data
