@@ -16,7 +16,6 @@ import torch
 from psgrad import errors
 from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
-from psgrad.client.transport import PushHead
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, byte_view
@@ -31,6 +30,7 @@ from psgrad.core.status import missing_ranks, start_wait_phrase
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
+from psgrad.wire.frames import PushHead
 from psgrad.wire.heap import tune_allocator
 from psgrad.wire.rows import RowUpdate, lookups_to_proto
 

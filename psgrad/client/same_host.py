@@ -14,13 +14,14 @@ import torch
 
 from psgrad.client import reconnect
 from psgrad.client.transport import (
-    PushHead, Stepped, Transport, asking, check_pull_header, pull_header, rows_read,
+    Stepped, Transport, asking, check_pull_header, pull_header, rows_read, step_request,
 )
 from psgrad.config import ClientConfig
 from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import published, shm
+from psgrad.wire.frames import PushHead
 from psgrad.wire.protocol import ERROR_METADATA_KEY
 
 
@@ -251,7 +252,7 @@ class SharedMemoryTransport:
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            request = head.step_request(reads, wire, None)
+            request = head.step_request(step_request(reads, wire), None)
             reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
             if self._shared_failed(seg, exc):

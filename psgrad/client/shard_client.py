@@ -17,13 +17,14 @@ from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.transport import (
-    PushHead, RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read,
+    RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read, step_request,
 )
 from psgrad.wire import shm
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
+    PushHead,
     data_frames,
     parse_frame,
     trailing_bytes_field,
@@ -358,17 +359,17 @@ class FramesTransport:
 
         return c._call("the pull", run, t)
 
-    def push(self, push: PushHead, payload: memoryview) -> pb.PushReply:
+    def push(self, head: PushHead, payload: memoryview) -> pb.PushReply:
         """Push through gRPC frames: with a go-ahead (PushGated) when the payload is larger than
         GATED_PUSH_BYTES, so that it waits for its turn without sending; else in one stream."""
         c = self._client
         t = c.config.rpc_timeout_s
-        head = push.frame()
+        first = head.frame()
         if len(payload) > GATED_PUSH_BYTES:
-            return c._call("the push", lambda: self._gated(head, payload, t), t)
+            return c._call("the push", lambda: self._gated(first, payload, t), t)
 
         def frames() -> Iterator[bytes]:
-            yield head
+            yield first
             yield from data_frames(payload, c.config.chunk_bytes)
 
         return c._call("the push", lambda: c._push(frames(), timeout=t), t)
@@ -424,7 +425,7 @@ class FramesTransport:
         c = self._client
         if len(payload) > c.config.chunk_bytes:
             return None
-        request = head.step_request(reads, wire, payload)
+        request = head.step_request(step_request(reads, wire), payload)
         t = c.config.rpc_timeout_s
 
         reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=t), t)

@@ -13,7 +13,6 @@ transfer, or a call refused or worth a retry): an explicit collaborator, not a c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,9 +22,7 @@ from psgrad.core.codecs import WireBuffer
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import shm
-from psgrad.wire.frames import bytes_field_prefix
-from psgrad.wire.protocol import STEP_REQUEST_DATA
-from psgrad.wire.rows import RowUpdate, updates_to_proto, updates_to_wire
+from psgrad.wire.frames import PushHead
 
 # Rows read from a shard: each table's version, and the rows' float32 bytes, table after table
 RowsRead = tuple[list[int], memoryview]
@@ -102,45 +99,13 @@ def asking(req: pb.PullRequest, wire: WireBuffer) -> pb.PullRequest:
     return out
 
 
-_HEADER_ROWS = pb.PushHeader.DESCRIPTOR.fields_by_name["rows"].number
-_FRAME_HEADER = pb.PushFrame.DESCRIPTOR.fields_by_name["header"].number
-_STEP_PUSH = pb.StepRequest.DESCRIPTOR.fields_by_name["push"].number
-
-
-@dataclass(frozen=True)
-class PushHead:
-    """A push's header as it travels: its fields (`header`, without rows) and the row gradients it
-    carries, written straight into the bytes of the call (the push's header frame, or its Step
-    request) so that the rows are copied once, when those bytes are joined."""
-
-    header: pb.PushHeader
-    rows: Sequence[RowUpdate] = ()
-
-    def _pieces(self) -> list[bytes | memoryview]:
-        """The serialized PushHeader, rows and all, in pieces."""
-        return [self.header.SerializeToString(), *updates_to_wire(self.rows, _HEADER_ROWS)]
-
-    def message(self) -> pb.PushHeader:
-        """The whole PushHeader message (its rows copied into it)."""
-        out = pb.PushHeader()
-        out.CopyFrom(self.header)
-        out.rows.extend(updates_to_proto(self.rows))
-        return out
-
-    def frame(self) -> bytes:
-        """The push's header frame (a PushFrame holding the header)."""
-        pieces = self._pieces()
-        return b"".join([bytes_field_prefix(_FRAME_HEADER, sum(len(p) for p in pieces)), *pieces])
-
-    def step_request(self, reads: Sequence[pb.TableRows], wire: WireBuffer, payload: memoryview | None) -> bytes:
-        """The Step request of this push with `payload` inline (None: in a shared-memory segment)
-        and a pull into `wire`, reading the rows `reads` names."""
-        rest = pb.StepRequest(pull_rows=reads)
-        if isinstance(wire, DeltaWire):
-            rest.delta.CopyFrom(wire.ask())
-        pieces = self._pieces()
-        tail: list[bytes | memoryview] = [] if payload is None else [bytes_field_prefix(STEP_REQUEST_DATA, len(payload)), payload]
-        return b"".join([bytes_field_prefix(_STEP_PUSH, sum(len(p) for p in pieces)), *pieces, rest.SerializeToString(), *tail])
+def step_request(reads: Sequence[pb.TableRows], wire: WireBuffer) -> pb.StepRequest:
+    """A Step request's pull part (the push goes in by PushHead.step_request): the rows `reads`
+    names, and a compressed pull's ask where `wire` is one (DeltaWire)."""
+    req = pb.StepRequest(pull_rows=reads)
+    if isinstance(wire, DeltaWire):
+        req.delta.CopyFrom(wire.ask())
+    return req
 
 
 def pull_header(address: str, first: bytes | None, dest: torch.Tensor, wire: WireBuffer) -> pb.PullHeader:

@@ -9,10 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.wire.frames import bytes_field_prefix
 
 # torch warns at every view of bytes that they are not writable: these views are never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
@@ -51,28 +49,6 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
 def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
     return [pb.TableRows(table=u.table, ids=u.ids.numpy().tobytes(), grads=u.grads.numpy().tobytes(),
                          base_version=u.base_version, lr=u.lr, removed=u.removed) for u in updates]
-
-
-_IDS = pb.TableRows.DESCRIPTOR.fields_by_name["ids"].number
-_GRADS = pb.TableRows.DESCRIPTOR.fields_by_name["grads"].number
-
-
-def updates_to_wire(updates: Iterable[RowUpdate], number: int) -> list[bytes | memoryview]:
-    """The bytes of a repeated TableRows field `number` holding `updates`, in pieces that, joined
-    and appended to the enclosing message's other fields (protobuf allows any field order), parse
-    as updates_to_proto's messages. The ids and gradients are views of their tensors: whoever joins
-    the pieces copies them once, where a message built with them copies them at every nesting and
-    again to serialize (four times the copying for a megabyte of rows)."""
-    out: list[bytes | memoryview] = []
-    for u in updates:
-        parts: list[bytes | memoryview] = [
-            pb.TableRows(table=u.table, base_version=u.base_version, lr=u.lr, removed=u.removed).SerializeToString()]
-        for field, values in ((_IDS, u.ids), (_GRADS, u.grads)):
-            if values.numel():
-                view = byte_view(values.contiguous())
-                parts += [bytes_field_prefix(field, len(view)), view]
-        out += [bytes_field_prefix(number, sum(len(part) for part in parts)), *parts]
-    return out
 
 
 def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bool = False) -> list[RowUpdate]:

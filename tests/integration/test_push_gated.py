@@ -13,7 +13,7 @@ import torch
 import psgrad.client.shard_client
 import psgrad.server.transfers
 from psgrad.client.parameter_client import ParameterClient
-from psgrad.client.transport import PushHead
+from psgrad.wire.frames import PushHead
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb

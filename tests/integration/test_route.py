@@ -42,6 +42,13 @@ ROW_PATH = "psgrad.server.rows_path"
 LIMITS = {(False, "dense"): (13, 6), (True, "dense"): (15, 6), (False, "rows"): (15, 6), (True, "rows"): (15, 6)}
 
 
+def _carries_payload(frame: FrameType) -> bool:
+    """Whether a call into wire.frames handles a dense gradient's bytes: its data frames, or a Step
+    request carrying it inline (the module also writes a push's header, where row gradients travel)."""
+    name = frame.f_code.co_name
+    return name == "data_frames" or (name == "step_request" and frame.f_locals.get("payload") is not None)
+
+
 class Route:
     """A profiler recording the psgrad module chains of the stacks that carry a gradient."""
 
@@ -60,6 +67,8 @@ class Route:
         worker = threading.get_ident() == self.main
         if not module.startswith(self.worker_sinks if worker else self.server_sinks):
             return
+        if worker and not self.rows and module == "psgrad.wire.frames" and not _carries_payload(frame):
+            return  # a push's header (PushHead), which a dense gradient does not travel in
         chain, names, f = [], set(), frame  # type: tuple[list[str], set[str], FrameType | None]
         while f is not None:
             m = f.f_globals.get("__name__", "")

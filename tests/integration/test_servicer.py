@@ -21,7 +21,7 @@ from psgrad.errors import (
     ServerUnavailableError,
     StalledError,
 )
-from psgrad.client.transport import PushHead
+from psgrad.wire.frames import PushHead
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.core.sharding import ParamSpec, plan_shards

@@ -278,8 +278,9 @@ def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
     # out must parse as the PushHeader (and PushFrame, StepRequest) that protobuf would have built.
     import torch
 
-    from psgrad.client.transport import PushHead
+    from psgrad.client.transport import step_request
     from psgrad.core.codecs import WireBuffer
+    from psgrad.wire.frames import PushHead
     from psgrad.wire.rows import RowUpdate, lookups_to_proto
 
     g = torch.Generator().manual_seed(0)
@@ -296,7 +297,7 @@ def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
     assert pb.PushFrame.FromString(head.frame()) == pb.PushFrame(header=whole)
     reads = lookups_to_proto([("a", torch.tensor([1, 2])), ("b", torch.tensor([0]))])
     payload = memoryview(bytes(range(24)))
-    request = pb.StepRequest.FromString(head.step_request(reads, WireBuffer(6, "float32"), payload))
+    request = pb.StepRequest.FromString(head.step_request(step_request(reads, WireBuffer(6, "float32")), payload))
     assert request == pb.StepRequest(push=whole, pull_rows=reads, data=bytes(payload))
-    in_segment = pb.StepRequest.FromString(head.step_request(reads, WireBuffer(6, "float32"), None))
+    in_segment = pb.StepRequest.FromString(head.step_request(step_request(reads, WireBuffer(6, "float32")), None))
     assert in_segment == pb.StepRequest(push=whole, pull_rows=reads) and not in_segment.data
