@@ -347,6 +347,19 @@ def test_byte_view_aliases_and_is_writable() -> None:
     assert t[0, 1].item() == 2.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                   torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5)], ids=["0-d", "1-d", "2-d"])
+def test_byte_view_is_every_dtypes_bytes_in_order(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    # numpy's own view where numpy has the dtype, a uint8 view where it does not (bfloat16)
+    t = (torch.arange(max(1, torch.Size(shape).numel())).reshape(shape) * 3 % 7).to(dtype)
+    view = byte_view(t)
+    assert view.format == "B" and view.ndim == 1 and not view.readonly
+    assert bytes(view) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    view[0] ^= 1  # aliases the tensor
+    assert t.reshape(-1).view(torch.uint8)[0].item() == bytes(view)[0]
+
+
 def test_byte_view_of_offset_slice() -> None:
     base = torch.arange(10, dtype=torch.float32)
     part = base[3:6]  # contiguous, nonzero storage offset
