@@ -13,8 +13,8 @@ placement of rows over the shards.
   every push (most of the DLRM benchmark's ids are new to the servers), rows made and read before
   they are stored (their initial values drawn).
 - worker: ParameterClient's placement of a step's rows over 2 shards: the read plan of the next
-  batch's ids, each shard's reply placed back into the tables, and the push's split of ids and row
-  gradients.
+  batch's ids, each shard's reply placed back into the tables, the push's split of ids and row
+  gradients, and each shard's Step request built (its push header with the rows, the reads).
 
 `layouts`: `tables` = F tables of R rows (stored in one arena per shard: server/table_groups.py),
 `one` = one table of F x R rows holding the same ids (feature f's offset by f x R). With --against
@@ -55,7 +55,7 @@ def load_psgrad(root: Path) -> dict[str, ModuleType]:
     sys.path.insert(0, str(root))
     try:
         return {name: importlib.import_module(f"psgrad.{name}") for name in
-                ("config", "core.sharding", "server.shard", "client.parameter_client")}
+                ("config", "core.sharding", "core.codecs", "server.shard", "client.parameter_client", "client.transport")}
     finally:
         sys.path.remove(str(root))
 
@@ -112,14 +112,19 @@ class Bench:
         return 1e3 * (time.process_time() - start) / len(batches)
 
     def worker_steps(self, layout: str, gen: torch.Generator) -> Callable[[], float]:
-        """A function timing the worker's placement of one step's rows (CPU ms a step)."""
+        """A function timing the worker's placement of one step's rows and its requests built (CPU ms a step)."""
         pc = self.m["client.parameter_client"]
         F, R, D, n = self.p["features"], self.p["rows"], self.p["dim"], self.p["ids"]
         sizes = {f"f{f}": R for f in range(F)} if layout == "tables" else {"all": F * R}
+        dense = 1_000  # (a step's dense payload per shard: small, as the DLRM model's)
         client = SimpleNamespace(shards=[SimpleNamespace(address=f"shard{i}") for i in range(SHARDS)],
                                  tables={t: SimpleNamespace(num_embeddings=r, dim=D) for t, r in sizes.items()},
-                                 row_versions={})
-        for method in ("_table", "_place"):  # (the methods the placement calls, on this stand-in client)
+                                 row_versions={}, rank=0, fingerprint="f" * 32, base_versions=[0] * SHARDS,
+                                 plan=SimpleNamespace(ranges=[(i * dense, (i + 1) * dense) for i in range(SHARDS)]),
+                                 spec=SimpleNamespace(wire_dtype="float32"))
+        transport, wire = self.m["client.transport"], self.m["core.codecs"].WireBuffer(dense, "float32")
+        payload = memoryview(bytes(4 * dense))
+        for method in ("_table", "_place", "_push_header"):  # (the methods a step calls, on this stand-in client)
             if hasattr(pc.ParameterClient, method):
                 setattr(client, method, getattr(pc.ParameterClient, method).__get__(client))
         per_feature = [torch.unique(torch.randint(0, R, (2 * n,), generator=gen)) for _ in range(F)]
@@ -134,7 +139,14 @@ class Bench:
             replies = {i: ([0] * len(plan.asks(i)), memoryview(bytes(sum(len(a.ids) // 8 for a in plan.asks(i)) * D * 4)))
                        for i in range(SHARDS)}
             plan.place(replies, False)
-            pc.ParameterClient._split_rows(client, rows)
+            split = pc.ParameterClient._split_rows(client, rows)
+            for i in range(SHARDS):  # each shard's Step request: its push (rows and all), the next reads
+                head = client._push_header(i, 1, None, "", split[i])
+                if hasattr(head, "step_request"):  # PushHead: the rows joined into the request once
+                    head.step_request(transport.step_request(plan.asks(i), wire), payload)
+                else:  # (checkouts before it: a PushHeader message holding the rows, then serialized)
+                    request = transport.step_request(head, plan.asks(i), wire).SerializeToString()
+                    b"".join((request, payload))
 
         def timed(k: int = 50) -> float:
             start = time.process_time()
