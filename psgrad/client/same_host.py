@@ -14,7 +14,7 @@ import torch
 
 from psgrad.client import reconnect
 from psgrad.client.transport import (
-    Stepped, Transport, asking, check_pull_header, pull_header, rows_read, step_request,
+    RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, step_request,
 )
 from psgrad.config import ClientConfig
 from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
@@ -29,6 +29,11 @@ def _address(view: memoryview) -> int:
     import numpy as np
 
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+# Replies that bring their rows inline although a rows segment large enough was named (the server
+# could not open it) before this worker stops making rows segments for the shard.
+_ROWS_SEGMENT_TRIES = 3
 
 
 class _Client(Protocol):
@@ -75,12 +80,53 @@ class SharedMemoryTransport:
         self._ring: published.RingView | None = None
         self._slot_views: dict[int, torch.Tensor] = {}
         self._published_ok = True
+        # The rows a Step call reads come back in this segment (sized by the rows that came back
+        # in replies before), not through gRPC; used under the segment's lock, as Step calls are.
+        self._rows_segment: shm.Segment | None = None
+        self._rows_misses = 0  # replies that brought rows inline though they fit the segment named
+        self.rows_through_segment = 0  # Step replies whose rows came through it
 
     def close(self) -> None:
         with self._segment_guard:
             seg, self.segment = self.segment, None
         if seg is not None:
             seg.close()
+        self._drop_rows_segment()
+
+    def _drop_rows_segment(self) -> None:
+        """Never name the rows segment again (a call that failed may still have it written)."""
+        rows, self._rows_segment = self._rows_segment, None
+        if rows is not None:
+            rows.close()
+
+    def _rows_metadata(self, reads: Sequence[pb.TableRows]) -> tuple[tuple[str, str], ...]:
+        rows = self._rows_segment if reads else None
+        return rows.metadata(shm.ROWS_METADATA_KEY) if rows is not None else ()
+
+    def _rows_read(self, reply: pb.StepReply, reads: Sequence[pb.TableRows]) -> RowsRead | None:
+        """The rows a Step reply brought, from the rows segment (copied out: the next call writes
+        it) or from the reply; a segment is made or grown for the next call from what came inline."""
+        if not reads:
+            return None
+        address, segment, n = self._client.address, self._rows_segment, reply.rows_in_segment
+        if n:
+            if segment is None or n > segment.nbytes:
+                raise InvalidRequestError(f"server {address}: sent {n} bytes of rows in a segment this worker did not offer")
+            rows = memoryview(bytes(segment.payload[:n]))
+            segment.unlink()  # the server has it open
+            self.rows_through_segment += 1
+        else:
+            rows = memoryview(reply.rows)
+            if len(rows):  # a fresh segment for the next call, twice as large as these rows
+                if segment is not None and len(rows) <= segment.nbytes:
+                    self._rows_misses += 1  # named and large enough, yet inline: the server could not open it
+                self._drop_rows_segment()
+                if self._rows_misses < _ROWS_SEGMENT_TRIES:
+                    try:
+                        self._rows_segment = shm.Segment(max(2 * len(rows), 1 << 16))
+                    except OSError:  # this host cannot make one: the rows stay in the replies
+                        self._rows_misses = _ROWS_SEGMENT_TRIES
+        return checked_rows(address, list(reply.row_versions), rows, len(reads), "step")
 
     def forget_ring(self) -> None:
         """Map the server's ring afresh at its next lend (views already handed out keep theirs)."""
@@ -253,8 +299,10 @@ class SharedMemoryTransport:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
             request = head.step_request(step_request(reads, wire), None)
-            reply, call = self._client._step.with_call(request, timeout=t, metadata=self._pull_metadata(seg, published))
+            reply, call = self._client._step.with_call(
+                request, timeout=t, metadata=self._pull_metadata(seg, published) + self._rows_metadata(reads))
         except grpc.RpcError as exc:
+            self._drop_rows_segment()  # (the server may still write it)
             if self._shared_failed(seg, exc):
                 return None  # push and pull through frames instead (a keyed push is never applied twice)
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the push and pull", t) from None
@@ -262,6 +310,7 @@ class SharedMemoryTransport:
             seg.lock.release()
             raise
         try:
+            got = self._rows_read(reply, reads)
             self._client.heard(check_pull_header(self._client.address, reply.pull, dest, wire))
             try:
                 lent = self._adopt(call, dest, wire, published)
@@ -269,10 +318,10 @@ class SharedMemoryTransport:
                 self._published_ok = False
                 self.view = None
                 after = pb.PullRequest(rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint)
-                return reply.push, self.frames.pull(after, dest, wire), rows_read(self._client.address, reply, reads)
+                return reply.push, self.frames.pull(after, dest, wire), got
             if not lent:
                 wire.load(dest, seg.payload[: wire.nbytes])
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
-        return reply.push, int(reply.pull.version), rows_read(self._client.address, reply, reads)
+        return reply.push, int(reply.pull.version), got

@@ -330,18 +330,20 @@ class StepRequest(_message.Message):
     def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pull_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., delta: _Optional[_Union[DeltaAsk, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("push", "pull", "data", "rows", "row_versions")
+    __slots__ = ("push", "pull", "data", "rows", "row_versions", "rows_in_segment")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_IN_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     push: PushReply
     pull: PullHeader
     data: bytes
     rows: bytes
     row_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., row_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    rows_in_segment: int
+    def __init__(self, push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., row_versions: _Optional[_Iterable[int]] = ..., rows_in_segment: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "clock", "state", "last_seen_s", "pushes")

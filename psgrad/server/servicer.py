@@ -113,6 +113,7 @@ class ParameterServicer:
         self.shard = shard
         self.config = config
         self._segments: dict[int, shm.Attached] = {}  # rank -> its shared-memory segment
+        self._row_segments: dict[int, shm.Attached] = {}  # rank -> the segment its Step calls' rows go into
         self._segments_lock = threading.Lock()
         self.publisher: Publisher | None = None  # same-host pulls: published versions (zero copy)
         # The server's client-stream limits: whole pushes and pulls run under their deadline there.
@@ -146,13 +147,33 @@ class ParameterServicer:
         self._unmap_departed()
         return seg
 
+    def _rows_segment(self, context: grpc.ServicerContext, rank: int) -> shm.Attached | None:
+        """The worker's segment a Step call names for the rows it reads (psgrad-rows-shm; opened
+        once, kept while it is named); None: the rows go in the reply (none named, or this server
+        cannot open it: the worker then sees them in the reply and stops naming one after a few)."""
+        value = _metadata(context, shm.ROWS_METADATA_KEY)
+        if value is None:
+            return None
+        with self._segments_lock:
+            seg = self._row_segments.get(rank)
+            if seg is not None and value.startswith(seg.name + ";"):
+                return seg
+        try:
+            seg = shm.attach(value, shm.described_bytes(value))
+        except shm.SharedMemoryUnavailable:
+            return None
+        with self._segments_lock:
+            self._row_segments[rank] = seg  # one per worker and shard; a new one replaces it
+        return seg
+
     def _unmap_departed(self) -> None:
         """Drop the mappings of segments whose workers left or were evicted (their memory goes
         once neither end maps it), so a dead worker's segment does not stay in this server."""
         live = self.shard.live_ranks()
         with self._segments_lock:
-            for rank in [r for r in self._segments if r not in live]:
-                del self._segments[rank]
+            for segments in (self._segments, self._row_segments):
+                for rank in [r for r in segments if r not in live]:
+                    del segments[rank]
 
     def _acked(self, version: int, context: grpc.ServicerContext) -> None:
         """Replication: hold a reply that reveals `version` until the backup has it."""
@@ -499,10 +520,11 @@ class ParameterServicer:
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
             head, payload = (self._changed(h.rank, delta, version, frames) if delta is not None
                              else (self._pull_header(version, h.rank), None))
-            reply: list[bytes | memoryview] = [
-                pb.StepReply(push=pushed, pull=head, row_versions=[v for v, _ in got]).SerializeToString()]
             rows = _rows_bytes([r for _, r in got])
-            if rows:
+            in_segment = self._rows_into_segment(context, h.rank, rows)
+            reply: list[bytes | memoryview] = [pb.StepReply(push=pushed, pull=head, row_versions=[v for v, _ in got],
+                                                            rows_in_segment=in_segment).SerializeToString()]
+            if rows and not in_segment:
                 reply += [bytes_field_prefix(STEP_REPLY_ROWS, sum(len(r) for r in rows)), *rows]
             nbytes = frames.nbytes if payload is None else len(payload)
             if seg is not None:
@@ -529,7 +551,7 @@ class ParameterServicer:
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         self.shard.serving()
         version = self.shard.touch(req.rank)
-        if self._segments:
+        if self._segments or self._row_segments:
             self._unmap_departed()  # every lease/3 from each live worker: departed ones go soon
         return pb.HeartbeatReply(version=version)
 
@@ -542,6 +564,20 @@ class ParameterServicer:
             return pb.RollbackReply(version=version)
         version, points = self.shard.rollback_points(req.rank, req.fingerprint)
         return pb.RollbackReply(version=version, points=points)
+
+    def _rows_into_segment(self, context: grpc.ServicerContext, rank: int, rows: Sequence[memoryview]) -> int:
+        """Write a Step call's rows read into the worker's rows segment, where the call names one
+        and they fit (same host: no bytes through gRPC); how many bytes were written (0: none,
+        they go in the reply)."""
+        total = sum(len(r) for r in rows)
+        seg = self._rows_segment(context, rank) if total else None
+        if seg is None or total > seg.nbytes:
+            return 0
+        at = 0
+        for r in rows:
+            copy_bytes(seg.payload[at:at + len(r)], r)
+            at += len(r)
+        return total
 
     @_edge
     def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> bytes:

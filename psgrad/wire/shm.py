@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 SHM_DIR = "/dev/shm"
 METADATA_KEY = "psgrad-shm"
+ROWS_METADATA_KEY = "psgrad-rows-shm"  # a Step call's segment for the rows its reply reads (see ps.proto)
 REFUSED = "unavailable"  # the server's answer (trailing metadata) when it cannot use the segment
 SUPPORTED = "supported"  # the server's Join answer (initial metadata): "supported;HOST", it takes segments
 _MAGIC = b"psgrad-shm-v1\0\0\0"  # 16 bytes
@@ -90,8 +91,8 @@ class Segment:
         self._linked = True
         self.lent = False  # the caller's buffer (a gradient): close() leaves it mapped
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((METADATA_KEY, f"{self.name};{self._nonce.hex()};{self.nbytes};{host_id()}"),)
+    def metadata(self, key: str = METADATA_KEY) -> tuple[tuple[str, str], ...]:
+        return ((key, f"{self.name};{self._nonce.hex()};{self.nbytes};{host_id()}"),)
 
     @property
     def opened(self) -> bool:
@@ -259,6 +260,18 @@ class Attached:
         self.nbytes = nbytes
         self.payload = payload
         self._map = keep
+
+
+def described_bytes(value: str) -> int:
+    """The size a segment's metadata value (see attach) describes.
+
+    Raises:
+        SharedMemoryUnavailable: a malformed value.
+    """
+    try:
+        return int(value.split(";")[2])
+    except (IndexError, ValueError):
+        raise SharedMemoryUnavailable(f"malformed segment metadata {value!r}") from None
 
 
 def attach(value: str, nbytes: int) -> Attached:

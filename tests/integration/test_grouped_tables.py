@@ -5,6 +5,7 @@ against real gRPC servers: the calls each makes, results equal to torch and to t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from conftest import run_in_threads
 from psgrad.config import ClientConfig
 from psgrad.errors import ConfigError, WorkerStateError
 from psgrad.server.tables import SparseTable
+from psgrad.wire import shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,6 +165,44 @@ def test_a_pipelined_sync_job_equals_the_unpipelined_one_bitwise_in_one_call_per
     for key in plain_tables:
         assert torch.equal(plain_tables[key], piped_tables[key]), key
     assert torch.equal(plain_w, piped_w)
+
+
+def test_on_one_host_the_rows_a_step_reads_come_back_through_a_segment(make_servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Same host: from the second Step call on (the first one's rows size the segment) the shards
+    write the rows they read into a segment of the worker's, not into the reply. A server that
+    cannot open it sends them in the reply, and after three such replies the worker stops naming
+    one. Each way the job is bit for bit the one whose rows travel in gRPC messages."""
+    steps = 8
+    results = {}
+    for way in ("frames", "segment", "refused"):
+        running = make_servers(2)
+        if way == "refused":  # (only rows segments are described by their size alone: dense ones keep working)
+            def refuse(value: str) -> int:
+                raise shm.SharedMemoryUnavailable("not here")
+            monkeypatch.setattr(shm, "described_bytes", refuse)
+        model = Collection()
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=dataclasses.replace(CLIENT, shared_memory=way != "frames")) as ps:
+            opt = ps.optimizer(model)
+            train(opt, model, batches(3, steps), pipelined=True)
+            transports = [s.transport for s in opt.client.shards]
+            if way == "frames":
+                assert all(t.name == "grpc" for t in transports)
+            else:
+                assert all(t.name == "shm" for t in transports)
+                through = [t.rows_through_segment for t in transports]  # type: ignore[attr-defined]
+                misses = [t._rows_misses for t in transports]  # type: ignore[attr-defined]
+                if way == "segment":  # the steps that read the next batch's rows (not the last), after the first
+                    assert through == [steps - 2] * 2 and misses == [0, 0], (through, misses)
+                else:
+                    assert through == [0, 0] and misses == [3, 3], (through, misses)
+                    assert all(t._rows_segment is None for t in transports)  # type: ignore[attr-defined]
+        results[way] = tables_of(running)
+        monkeypatch.undo()
+    assert results["frames"].keys() == results["segment"].keys() == results["refused"].keys()
+    for key in results["frames"]:
+        assert torch.equal(results["frames"][key], results["segment"][key]), key
+        assert torch.equal(results["frames"][key], results["refused"][key]), key
 
 
 def test_prefetched_rows_of_async_steps_count_their_staleness(make_servers) -> None:  # type: ignore[no-untyped-def]
