@@ -625,8 +625,9 @@ def main() -> None:
                           "torchrec": "tables: fbgemm's fused EXACT_ADAGRAD (per element), applied in the backward; "
                                       "dense part: torch.optim.Adagrad after DDP's all-reduce (gloo)"},
            "transport_note": "psgrad's transports: per shard, how the dense weights and gradients travelled ('shm': "
-                             "same-host shared memory, psgrad's default; 'grpc': inside the messages); the rows travel "
-                             "inside gRPC messages either way (PullRows, PushRows)",
+                             "same-host shared memory, psgrad's default; 'grpc': inside the messages); pushed rows "
+                             "travel in the push's header, rows read in a Step call come back through a segment "
+                             "with 'shm' and in the reply with 'grpc'",
            "machine": machine_info(), "code": code_version(), "loadavg_before": load_before,
            "loadavg_after": list(os.getloadavg()), "torchrec": torchrec, "data": measured["data"],
            "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
