@@ -31,8 +31,8 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
-# Replies that bring their rows inline although a rows segment large enough was named (the server
-# could not open it) before this worker stops making rows segments for the shard.
+# Replies in a row that bring their rows inline although a rows segment large enough was named (the
+# server could not open it) before this worker stops making rows segments for the shard.
 _ROWS_SEGMENT_TRIES = 3
 
 
@@ -83,7 +83,7 @@ class SharedMemoryTransport:
         # The rows a Step call reads come back in this segment (sized by the rows that came back
         # in replies before), not through gRPC; used under the segment's lock, as Step calls are.
         self._rows_segment: shm.Segment | None = None
-        self._rows_misses = 0  # replies that brought rows inline though they fit the segment named
+        self._rows_misses = 0  # replies in a row that brought rows inline though they fit the segment named
         self.rows_through_segment = 0  # Step replies whose rows came through it
 
     def close(self) -> None:
@@ -115,6 +115,7 @@ class SharedMemoryTransport:
             rows = memoryview(bytes(segment.payload[:n]))
             segment.unlink()  # the server has it open
             self.rows_through_segment += 1
+            self._rows_misses = 0  # (a restarted server opens the fresh segment made after its miss)
         else:
             rows = memoryview(reply.rows)
             if len(rows):  # a fresh segment for the next call, twice as large as these rows

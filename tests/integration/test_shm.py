@@ -332,3 +332,42 @@ def test_an_evicted_workers_segment_is_unmapped_at_the_next_heartbeat() -> None:
     finally:
         for s in running:
             s.stop(0)
+
+
+def test_the_rows_segment_is_made_from_inline_rows_grown_and_given_up_after_three_misses_in_a_row() -> None:
+    # SharedMemoryTransport's rows segment (the rows a Step call reads, on one host), reply by reply.
+    from types import SimpleNamespace
+
+    from psgrad.client.same_host import SharedMemoryTransport
+    from psgrad.proto import ps_pb2 as pb
+
+    t = SharedMemoryTransport(SimpleNamespace(address="here"), None, lambda: None)  # type: ignore[arg-type]
+    reads = [pb.TableRows(table="a", ids=bytes(8))]
+    inline = pb.StepReply(rows=b"r" * 100, row_versions=[1])
+    try:
+        assert t._rows_read(inline, ()) is None and t._rows_segment is None  # nothing read: nothing made
+        assert bytes(t._rows_read(inline, reads)[1]) == b"r" * 100  # type: ignore[index]
+        first = t._rows_segment
+        assert first is not None and first.nbytes == 1 << 16 and t._rows_metadata(reads)[0][0] == shm.ROWS_METADATA_KEY
+        first.payload[:4] = b"abcd"  # the server writes the next rows there
+        versions, rows = t._rows_read(pb.StepReply(rows_in_segment=4, row_versions=[7]), reads)  # type: ignore[misc]
+        assert versions == [7] and bytes(rows) == b"abcd" and t.rows_through_segment == 1
+        first.payload[:4] = b"wxyz"
+        assert bytes(rows) == b"abcd"  # copied out: the next call writes the segment again
+        big = pb.StepReply(rows=b"b" * 100_000, row_versions=[1])  # outgrows it: a larger one, not a miss
+        t._rows_read(big, reads)
+        assert t._rows_segment is not first and t._rows_segment.nbytes == 200_000 and t._rows_misses == 0
+        for _ in range(2):  # inline although they fit: the server could not open it; a fresh one each time
+            t._rows_read(inline, reads)
+        assert t._rows_misses == 2 and t._rows_segment is not None
+        t._rows_segment.payload[:1] = b"z"
+        t._rows_read(pb.StepReply(rows_in_segment=1, row_versions=[1]), reads)
+        assert t._rows_misses == 0  # one through it: the misses were not in a row
+        for _ in range(3):
+            t._rows_read(inline, reads)
+        assert t._rows_misses == 3 and t._rows_segment is None and t._rows_metadata(reads) == ()
+        with pytest.raises(InvalidRequestError, match="did not offer"):
+            t._rows_read(pb.StepReply(rows_in_segment=4, row_versions=[1]), reads)
+    finally:
+        t.close()
+    assert my_segments() == []
