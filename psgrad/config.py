@@ -230,6 +230,11 @@ class ClientConfig:
     # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
     # segment per server.
     shared_memory: bool = True
+    # With shared_memory: make each step's Step call to a server on this host over the local socket
+    # the server offers at Join (a Unix socket; a connection is bound to this worker's rank by a
+    # token in the Join answer), not gRPC, which costs both ends more CPU per call than a small
+    # model's push; a failed connection sends the calls through gRPC again. Off: gRPC.
+    local_socket: bool = True
     # With a job's --compress: compress pushes to shards on this host too (through shared memory,
     # where fewer bytes save nothing and encoding costs CPU). Off: those shards get the gradient
     # itself, so a one-host job trains as uncompressed unless this is on.
@@ -279,6 +284,7 @@ class ClientConfig:
             "--connect-timeout-s", str(self.connect_timeout_s), "--rpc-timeout-s", str(self.rpc_timeout_s),
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
+            *([] if self.local_socket else ["--no-local-socket"]),
             *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--duplex"] if self.duplex else []),
             *(["--compress-pull", self.compress_pull, "--pull-resync-every", str(self.pull_resync_every),

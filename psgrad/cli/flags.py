@@ -321,6 +321,9 @@ def add_job_args(
     flag(w, "--shared-memory", ClientConfig.shared_memory, "move payloads through /dev/shm segments when a "
          "server is on this host (falls back to gRPC frames by itself otherwise); --no-shared-memory forces "
          "gRPC", action=argparse.BooleanOptionalAction)
+    flag(w, "--local-socket", ClientConfig.local_socket, "with --shared-memory: make each step's call to a server "
+         "on this host over the local socket it offers at join (a Unix socket bound to this worker's rank), not "
+         "gRPC; --no-local-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
     flag(w, "--compress-same-host", ClientConfig.compress_same_host, "with --compress: compress pushes to shards "
          "on this host too (through shared memory fewer bytes save nothing, and encoding costs CPU)",
          action="store_true")
@@ -418,7 +421,8 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     """The worker's ClientConfig, credentials included (`psgrad run`: worker `rank`'s certificate)."""
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
-        reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, wait_for_servers=ns.wait_for_servers,
+        reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, local_socket=ns.local_socket,
+        wait_for_servers=ns.wait_for_servers,
         compress_same_host=ns.compress_same_host, duplex=ns.duplex, compress_pull=ns.compress_pull,
         pull_resync_every=ns.pull_resync_every, pull_resync_error=ns.pull_resync_error,
         tls=security.tls_config(ns, client=True, rank=rank), auth=security.auth_config(ns, os.environ, client=True),

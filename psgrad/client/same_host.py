@@ -20,7 +20,7 @@ from psgrad.config import ClientConfig
 from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.wire import published, shm
+from psgrad.wire import local_socket, published, shm
 from psgrad.wire.frames import PushHead
 from psgrad.wire.protocol import ERROR_METADATA_KEY
 
@@ -85,6 +85,11 @@ class SharedMemoryTransport:
         self._rows_segment: shm.Segment | None = None
         self._rows_misses = 0  # replies in a row that brought rows inline though they fit the segment named
         self.rows_through_segment = 0  # Step replies whose rows came through it
+        # Step calls over the server's local socket (wire/local_socket.py): what the last Join
+        # offered (None: none, or given up after a failed connection), the connection made to it.
+        self._local_offer: tuple[str, int, str] | None = None
+        self._local: local_socket.LocalChannel | None = None
+        self.steps_through_socket = 0  # Step calls made over it
 
     def close(self) -> None:
         with self._segment_guard:
@@ -92,6 +97,51 @@ class SharedMemoryTransport:
         if seg is not None:
             seg.close()
         self._drop_rows_segment()
+        self.offer_local(None)
+
+    def offer_local(self, offer: tuple[str, int, str] | None) -> None:
+        """A Join answer offered this local socket for Step calls (None: none): a connection to
+        another one is closed; the next Step call connects."""
+        if offer != self._local_offer:
+            channel, self._local, self._local_offer = self._local, None, offer
+            if channel is not None:
+                channel.close()
+
+    def _local_channel(self) -> local_socket.LocalChannel | None:
+        """The connection for a Step call (made now where there is none); None where no socket is
+        offered or connecting failed (given up until a Join offers one again)."""
+        if self._local is None and self._local_offer is not None:
+            name, rank, token = self._local_offer
+            try:
+                self._local = local_socket.LocalChannel(name, rank, token)
+            except local_socket.ChannelLost as exc:
+                warnings.warn(f"server {self._client.address}: {exc}; Step calls go through gRPC", stacklevel=3)
+                self._local_offer = None
+        return self._local
+
+    def _step_call(self, request: bytes, timeout_s: float,
+                   metadata: tuple[tuple[str, str], ...]) -> tuple[pb.StepReply, grpc.Call | local_socket.LocalCall]:
+        """The Step call: over the local socket where there is one, else through gRPC.
+
+        Raises:
+            local_socket.ChannelLost: the socket's connection failed during the call (given up
+                until a Join offers a socket again; the server may or may not have the call).
+        """
+        channel = self._local_channel()
+        if channel is None:
+            reply, call = self._client._step.with_call(request, timeout=timeout_s, metadata=metadata)
+            return reply, call
+        try:
+            done = channel.with_call(request, timeout_s, metadata)
+        except local_socket.LocalCallError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._local = None  # (closed: a late reply must not answer the next call; reconnected then)
+            raise
+        except local_socket.ChannelLost:
+            self._local, self._local_offer = None, None
+            raise
+        self.steps_through_socket += 1
+        return done
 
     def _drop_rows_segment(self) -> None:
         """Never name the rows segment again (a call that failed may still have it written)."""
@@ -190,7 +240,7 @@ class SharedMemoryTransport:
     def _pull_metadata(self, seg: shm.AnySegment, want: bool) -> tuple[tuple[str, str], ...]:
         return seg.metadata() + (published.request() if want and self._published_ok else ())
 
-    def _adopt(self, call: grpc.Call, dest: torch.Tensor, wire: WireBuffer, want: bool) -> bool:
+    def _adopt(self, call: grpc.Call | local_socket.LocalCall, dest: torch.Tensor, wire: WireBuffer, want: bool) -> bool:
         """Take the slot the server lent (trailing metadata) as the weights; False: it lent none
         (the weights are in the segment)."""
         self.view = None
@@ -289,7 +339,8 @@ class SharedMemoryTransport:
         """The Step call through the segment: the gradient goes in, the weights come back in it (or
         in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The
         frames transport's Step call when the segment is busy; None (push and pull separately)
-        when the call was refused or is worth a retry."""
+        when the call was refused or is worth a retry, or the local socket it went over broke.
+        Over the server's local socket where the Join answer offered one (_step_call)."""
         self.view = None
         header = head.header
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
@@ -300,8 +351,13 @@ class SharedMemoryTransport:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
             request = head.step_request(step_request(reads, wire), None)
-            reply, call = self._client._step.with_call(
-                request, timeout=t, metadata=self._pull_metadata(seg, published) + self._rows_metadata(reads))
+            try:
+                reply, call = self._step_call(request, t, self._pull_metadata(seg, published) + self._rows_metadata(reads))
+            except local_socket.ChannelLost:  # the server may still write the segments: never again
+                self._drop_rows_segment()
+                self._drop_segment(seg)
+                seg.lock.release()
+                return None  # push and pull through gRPC instead (a keyed push is never applied twice)
         except grpc.RpcError as exc:
             self._drop_rows_segment()  # (the server may still write it)
             if self._shared_failed(seg, exc):

@@ -19,7 +19,7 @@ from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.transport import (
     RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read, step_request,
 )
-from psgrad.wire import shm
+from psgrad.wire import local_socket, shm
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import (
     FrameParser,
@@ -82,12 +82,13 @@ class ShardClient:
         host and takes segments, and this worker may use them), not gRPC frames."""
         return self.transport is not self.frames
 
-    def _pick(self, server_shares: bool) -> None:
+    def _pick(self, server_shares: bool, local: tuple[str, int, str] | None = None) -> None:
         """After a Join answer: payloads through shared memory where the server said it shares this
         host and takes segments and this worker may use them (ClientConfig shared_memory, a host
         with /dev/shm, not refused for good), else through frames. The same answer keeps the
         transport (a rejoin to the same server); another server's may change it (a failover). A
-        switch back to shared memory maps the server's ring afresh at its next lend."""
+        switch back to shared memory maps the server's ring afresh at its next lend. local: the
+        local socket the answer offers for Step calls (see wire/local_socket.py), or None."""
         with self._bind_lock:
             if not (server_shares and self._may_share):
                 self.transport = self.frames
@@ -97,6 +98,8 @@ class ShardClient:
                 else:
                     self._shared.forget_ring()
                 self.transport = self._shared
+            if self._shared is not None:
+                self._shared.offer_local(local if self.config.local_socket else None)
 
     def _refused(self) -> None:
         """Shared memory is refused for good (this host cannot make a segment, or the server cannot
@@ -187,7 +190,8 @@ class ShardClient:
         takes payloads through shared memory, which picks the payloads' transport (see _pick)."""
         def attempt(t: float, ready: bool = False) -> pb.JoinReply:
             reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
-            self._pick(shm.same_host_server(call.initial_metadata()))
+            answer = call.initial_metadata()
+            self._pick(shm.same_host_server(answer), local_socket.offer_in(answer))
             return reply
 
         if len(self.addresses) < 2 and wait_for_ready:

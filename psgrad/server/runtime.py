@@ -20,6 +20,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint, limits
 from psgrad.server.checkpointer import Checkpointer, note, warn
 from psgrad.server.guard import Guard
+from psgrad.server.local_calls import LocalCalls
 from psgrad.server.observe import Observability
 from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
@@ -27,7 +28,7 @@ from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.server.streams import StreamLimits, stream_budget
 from psgrad.wire.heap import tune_allocator
-from psgrad.wire import security
+from psgrad.wire import local_socket, security, shm
 from psgrad.wire.protocol import CHANNEL_OPTIONS, SERVICE_NAME, decoder, refusing_undecodable
 
 
@@ -106,6 +107,8 @@ class RunningServer:
         self.stopped.set()
         self.observability.health.enter_graceful_shutdown()
         self.shard.close()  # waiting pulls return at once instead of holding up the shutdown
+        if self.servicer.local is not None:  # workers' Step calls go through gRPC, and find it stopping
+            self.servicer.local.close()
         if self.shard.replication is not None:  # ... and replies waiting for the backup
             self.shard.replication.close()
         self._server.stop(grace).wait()
@@ -238,12 +241,16 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
+    if shm.supported() and local_socket.supported():  # workers on this host: Step calls over a socket
+        servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None)
     server.start()
     if config.replica_of is not None:
         try:  # the state and the updates arrive as ReplicaApply calls, from now on
             epoch = attach_to_primary(config.replica_of, reachable, config.replica_timeout_s, channels)
         except ServerStartError:
             server.stop(0)
+            if servicer.local is not None:
+                servicer.local.close()
             raise
         replication.epoch = max(replication.epoch, epoch)
         note(f"backup of {config.replica_of} (epoch {epoch})")

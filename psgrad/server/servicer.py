@@ -20,6 +20,7 @@ from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
+from psgrad.server.local_calls import LocalCalls
 from psgrad.server.publisher import Publisher
 from psgrad.server.rows_path import RowGradients
 from psgrad.server.shard import Shard
@@ -119,6 +120,8 @@ class ParameterServicer:
         # The server's client-stream limits: whole pushes and pulls run under their deadline there.
         self.streams: StreamLimits | None = None
         self._authenticated = security.authenticates(config)
+        # Same-host Step calls over a local socket, offered at Join (see server/local_calls.py).
+        self.local: LocalCalls | None = None
 
     def _timed(self, method: str, context: grpc.ServicerContext, rank: int, nbytes: int,
                progress: Callable[[], int], observe: bool = False) -> contextlib.AbstractContextManager[None]:
@@ -190,7 +193,10 @@ class ParameterServicer:
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
         if shm.supported():  # a worker on this host may then move payloads through shared memory
-            context.send_initial_metadata(((shm.METADATA_KEY, shm.server_answer()),))
+            answer = [(shm.METADATA_KEY, shm.server_answer())]
+            if self.local is not None:  # ... and make its Step calls over the local socket
+                answer.append(self.local.offer(req.rank))
+            context.send_initial_metadata(tuple(answer))
         return pb.JoinReply(
             initialized=r.initialized,
             version=r.version,

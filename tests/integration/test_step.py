@@ -17,6 +17,7 @@ from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, StalledError
 from psgrad.server.runtime import RunningServer, start_server
+from psgrad.wire.local_socket import LocalChannel
 from psgrad.wire.protocol import SERVICE_NAME
 from psgrad.core.sharding import ParamSpec, plan_shards
 
@@ -65,6 +66,8 @@ class Calls:
         self.counts = {"step": 0, "push": 0, "pull": 0}
         for s in c.shards:
             monkeypatch.setattr(s, "_step", self._counted("step", s._step))
+        # (on one host a Step call goes over the server's local socket where it offers one)
+        monkeypatch.setattr(LocalChannel, "with_call", self._counted("step", LocalChannel.with_call))
         for name in ("push", "pull"):
             monkeypatch.setattr(ShardClient, name, self._counted(name, getattr(ShardClient, name)))
 

@@ -1,0 +1,197 @@
+"""The server's end of same-host Step calls over a local socket (see wire/local_socket.py): an
+abstract Unix socket with a random name, offered at Join to workers on this host; a thread per
+connection reads a Step request, runs the servicer's Step handler with a context that holds the
+call's metadata and deadline, and writes its reply or its error status back. Connections are
+bound to a worker rank by the token of the Join answer, and their number is capped."""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from psgrad.errors import InvalidRequestError, PermissionDeniedError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.wire import local_socket, protocol
+
+log = logging.getLogger("psgrad.server")
+
+MAX_CONNECTIONS = 256  # beyond this many open connections, new ones are closed at once
+
+
+class _Aborted(Exception):
+    """context.abort: the call ends with this status (as gRPC's abort, it raises)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class LocalContext:
+    """What a Step handler uses of a grpc.ServicerContext, for a call over the socket."""
+
+    def __init__(self, metadata: local_socket.Metadata, timeout_s: float) -> None:
+        self._metadata = metadata
+        self._deadline = time.monotonic() + timeout_s
+        self._trailing: local_socket.Metadata = ()
+        self._code: grpc.StatusCode | None = None
+        self._callbacks: list[Callable[[], Any]] = []
+
+    def invocation_metadata(self) -> local_socket.Metadata:
+        return self._metadata
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return True
+
+    def add_callback(self, callback: Callable[[], Any]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self._trailing = tuple((str(k), str(v)) for k, v in metadata)
+
+    def trailing_metadata(self) -> local_socket.Metadata:
+        return self._trailing
+
+    def send_initial_metadata(self, metadata: Any) -> None:
+        """(a Step sends none; accepted and dropped)"""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        raise _Aborted(code, details)
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def ended(self) -> None:
+        """The call ended: its callbacks run, as gRPC runs them when a call terminates."""
+        for callback in self._callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 (a callback's failure must not end the connection)
+                log.exception("a local call's callback failed")
+
+
+class LocalCalls:
+    """The socket, its connections' threads, and the offer Join makes."""
+
+    def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
+                 done: Callable[[str, float, Any], None] | None = None) -> None:
+        """step: the servicer's Step handler; done(method, start, context): a call's end, for the
+        server's call metrics (RpcMetrics._done), or None."""
+        self._step, self._done = step, done
+        self._key = secrets.token_bytes(32)
+        self.name = f"psgrad-{secrets.token_hex(12)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self.name)
+        self._listener.listen(64)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = False
+        self.calls = 0  # Step calls served (status and tests)
+        threading.Thread(target=self._accept, name="psgrad-local-accept", daemon=True).start()
+
+    def offer(self, rank: int) -> tuple[str, str]:
+        """The Join answer's metadata entry for worker rank `rank`."""
+        return local_socket.offer(self.name, self._key, rank)
+
+    def close(self) -> None:
+        """Stop listening and end every connection (their workers' next calls go through gRPC)."""
+        with self._lock:
+            self._closed = True
+            socks = list(self._open)
+            self._open.clear()
+        for s in [self._listener, *socks]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                admitted = not self._closed and len(self._open) < MAX_CONNECTIONS
+                if admitted:
+                    self._open.add(conn)
+            if not admitted:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="psgrad-local", daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> int | None:
+        """The rank a connection's first message proves (its token), or None (refused, told why)."""
+        conn.settimeout(local_socket.HELLO_TIMEOUT_S)
+        metadata, _, _ = local_socket.receive(conn, max_body=0)
+        fields = dict(metadata)
+        rank = fields.get("rank", "")
+        if rank.isdigit() and secrets.compare_digest(fields.get("token", ""), local_socket.token(self._key, int(rank))):
+            local_socket.send(conn, (), 0.0, b"")
+            conn.settimeout(None)
+            return int(rank)
+        local_socket.send(conn, (), 1.0, b"no valid token for the rank named (a Join answer offers one)")
+        return None
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            rank = self._hello(conn)
+            while rank is not None:
+                metadata, timeout_s, body = local_socket.receive(conn)
+                self._call(conn, rank, metadata, timeout_s, body)
+        except (local_socket.ChannelLost, OSError):
+            pass  # the worker went away, or the server closed the socket
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def _call(self, conn: socket.socket, rank: int, metadata: local_socket.Metadata, timeout_s: float,
+              body: bytearray) -> None:
+        context = LocalContext(metadata, timeout_s)
+        start = time.perf_counter()
+        try:
+            try:
+                request = pb.StepRequest.FromString(bytes(body))
+            except DecodeError as exc:
+                raise InvalidRequestError(f"the request is not a valid {pb.StepRequest.DESCRIPTOR.full_name}: {exc}") from None
+            if request.push.rank != rank:
+                raise PermissionDeniedError(f"this connection is worker {rank}'s: it cannot push as worker "
+                                            f"{request.push.rank}")
+            reply = self._step(request, context)
+        except _Aborted as stop:
+            self._answer_error(conn, context, stop.code, stop.details)
+        except (InvalidRequestError, PermissionDeniedError) as exc:
+            try:
+                protocol.abort(context, exc)
+            except _Aborted as stop:
+                self._answer_error(conn, context, stop.code, stop.details)
+        except Exception as exc:  # noqa: BLE001 (as gRPC answers a handler's bug: UNKNOWN)
+            traceback.print_exc()
+            context._code = grpc.StatusCode.UNKNOWN
+            self._answer_error(conn, context, grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
+        else:
+            self.calls += 1
+            local_socket.send(conn, context.trailing_metadata(), 0.0, reply)
+        finally:
+            context.ended()
+            if self._done is not None:
+                self._done("Step", start, context)
+
+    @staticmethod
+    def _answer_error(conn: socket.socket, context: LocalContext, code: grpc.StatusCode, details: str) -> None:
+        metadata = (*context.trailing_metadata(), (local_socket.CODE_KEY, code.name))
+        local_socket.send(conn, metadata, 1.0, details.encode())

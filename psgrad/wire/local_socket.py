@@ -1,0 +1,230 @@
+"""Same-host Step calls over a local socket: a worker on a server's host makes its per-iteration Step
+call through a Unix socket the server listens on, not through gRPC.
+
+Why: on one host a Step call's payloads already travel through shared memory (wire/shm.py), and
+what is left of the call is gRPC's own per-call work — HTTP/2 framing, completion queues, the
+hand-off from gRPC's polling thread to a handler thread, and back — which costs both ends about a
+millisecond of CPU a call on this project's 2-core machine, more than the shard's handling of a
+small model's push. A socket carries the same request bytes and reply bytes, with a blocking
+read on each side (benchmarks/dlrm.py: docs/benchmarks/dlrm.md).
+
+What it is: the server listens on an abstract Unix socket (Linux; a random name, in the server's
+network namespace, so another host or test-bed host cannot reach it) and offers it in a Join's
+answer (initial metadata `psgrad-local: NAME RANK TOKEN`), with a token that binds a connection to
+the joining worker's rank: HMAC-SHA256 of the rank under a key the server draws at start. Only a
+caller the server authenticated as that rank (or anyone, on a server that checks no one, which
+takes anyone's gRPC calls too) ever sees the token. A connection's first message names the rank
+and the token; every Step request on it must push as that rank. Everything else a Step does is the
+gRPC handler's own: the server calls the same method with a context that carries the call's
+metadata and deadline, and answers with its reply, or its status code, details and trailing
+metadata (the psgrad error's class), which the worker raises as a gRPC error
+(LocalCallError), so retries, failover and error messages are those of the gRPC call.
+
+A worker whose connection fails (the server restarted, or closed it) makes that call, and every
+later one, through gRPC until a Join offers a socket again; a push is keyed, so a call that may
+have reached the server is safe to make again.
+
+Messages, both ways: a header `<I I d` (metadata length, body length, a number: the request's
+timeout in seconds; the reply's status, 0 for OK), the metadata as JSON (a list of [key, value]
+pairs), then the body (the serialized StepRequest; the StepReply, or an error's details in UTF-8).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from psgrad.proto import ps_pb2 as pb
+from psgrad.wire.protocol import MAX_MESSAGE_BYTES
+
+METADATA_KEY = "psgrad-local"  # a Join answer's offer: "NAME RANK TOKEN"
+CODE_KEY = "psgrad-local-code"  # an error reply's status code (its name), among its metadata
+_HEADER = struct.Struct("<IId")
+_MAX_METADATA = 1 << 16
+HELLO_TIMEOUT_S = 5.0  # a connection that does not name its rank and token within this is closed
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def supported() -> bool:
+    """Whether this platform has abstract Unix sockets (Linux)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+
+
+def token(key: bytes, rank: int) -> str:
+    """The token that binds a connection to worker rank `rank` (see the module doc)."""
+    return hmac.new(key, f"psgrad-local-rank-{rank}".encode(), hashlib.sha256).hexdigest()
+
+
+def offer(name: str, key: bytes, rank: int) -> tuple[str, str]:
+    """The Join answer's metadata entry offering the socket `name` to worker rank `rank`."""
+    return METADATA_KEY, f"{name} {rank} {token(key, rank)}"
+
+
+def offer_in(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, int, str] | None:
+    """(name, rank, token) of the socket a Join answer offers; None where it offers none."""
+    value = next((str(v) for k, v in metadata or () if k == METADATA_KEY), None)
+    parts = value.split() if value is not None else []
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+class ChannelLost(Exception):
+    """The connection failed or was closed (the call may or may not have reached the server)."""
+
+
+def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float, body: bytes | memoryview) -> None:
+    """One message (see the module doc)."""
+    md = json.dumps([list(p) for p in metadata]).encode() if metadata else b""
+    try:
+        sock.sendall(_HEADER.pack(len(md), len(body), number) + md)
+        if len(body):
+            sock.sendall(body)
+    except OSError as exc:
+        raise ChannelLost(str(exc)) from None
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise
+        except OSError as exc:
+            raise ChannelLost(str(exc)) from None
+        if not k:
+            raise ChannelLost("the other end closed the connection")
+        got += k
+    return buf
+
+
+def receive(sock: socket.socket, max_body: int = MAX_MESSAGE_BYTES) -> tuple[Metadata, float, bytearray]:
+    """One message: (metadata, its number, body).
+
+    Raises:
+        ChannelLost: the connection ended, or the message is malformed or too large (nothing
+            sensible can follow it on this connection).
+        socket.timeout: none arrived within the socket's timeout.
+    """
+    md_len, body_len, number = _HEADER.unpack(_exactly(sock, _HEADER.size))
+    if md_len > _MAX_METADATA or body_len > max_body:
+        raise ChannelLost(f"a message of {md_len} + {body_len} bytes, more than a call may carry")
+    try:
+        pairs = json.loads(bytes(_exactly(sock, md_len))) if md_len else []
+        metadata = tuple((str(k), str(v)) for k, v in pairs)
+    except (ValueError, TypeError) as exc:
+        raise ChannelLost(f"malformed metadata: {exc}") from None
+    return metadata, number, _exactly(sock, body_len) if body_len else bytearray()
+
+
+class LocalCallError(grpc.RpcError, grpc.Call):
+    """A Step call over the socket ended with an error status: raised as the gRPC call's would be."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        super().__init__(details)
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    def initial_metadata(self) -> Metadata:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+
+class LocalCall:
+    """What a finished call tells besides its reply (as grpc.Call does): its metadata."""
+
+    def __init__(self, trailing: Metadata) -> None:
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    def initial_metadata(self) -> Metadata:
+        return ()
+
+
+class LocalChannel:
+    """A worker's connection to one server's socket, bound to its rank (one call at a time: the
+    caller serializes them, as a shard's Step calls are).
+
+    Raises (connect):
+        ChannelLost: the socket cannot be reached, or the server refused the rank and token.
+    """
+
+    def __init__(self, name: str, rank: int, token_: str) -> None:
+        self.name = name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(HELLO_TIMEOUT_S)
+            self._sock.connect("\0" + name)
+            send(self._sock, (("rank", str(rank)), ("token", token_)), 0.0, b"")
+            _, status, body = receive(self._sock)
+        except (OSError, ChannelLost) as exc:
+            self.close()
+            raise ChannelLost(f"local socket {name}: {exc}") from None
+        if status:
+            self.close()
+            raise ChannelLost(f"local socket {name} refused this worker: {bytes(body).decode(errors='replace')}")
+
+    def with_call(self, request: bytes, timeout: float, metadata: Metadata = ()) -> tuple[pb.StepReply, LocalCall]:
+        """The Step call: (its reply, its call) as gRPC's with_call returns them.
+
+        Raises:
+            LocalCallError: the server answered with an error status, or the deadline passed (the
+                connection is closed then: a late reply must not answer the next call).
+            ChannelLost: the connection failed (closed).
+        """
+        try:
+            self._sock.settimeout(timeout)
+            send(self._sock, metadata, float(timeout), request)
+            md, status, body = receive(self._sock)
+        except socket.timeout:
+            self.close()
+            raise LocalCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except ChannelLost:
+            self.close()
+            raise
+        except OSError as exc:  # (closed already)
+            self.close()
+            raise ChannelLost(str(exc)) from None
+        if status:
+            code = next((v for k, v in md if k == CODE_KEY), "UNKNOWN")
+            trailing = tuple((k, v) for k, v in md if k != CODE_KEY)
+            raise LocalCallError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN,
+                                 bytes(body).decode(errors="replace"), trailing)
+        return pb.StepReply.FromString(bytes(body)), LocalCall(md)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,108 @@
+"""Same-host Step calls over the servers' local sockets (server/local_calls.py, wire/local_socket.py):
+a sync job of two workers on real server processes makes every Step call over them, each worker's
+connection bound to its own rank, and trains bit for bit as over gRPC; a server whose socket closes
+mid-job gets the calls through gRPC again, the job unchanged."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from conftest import run_in_threads
+from psgrad.config import ClientConfig
+from psgrad.wire import local_socket, shm
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not (local_socket.supported() and shm.supported()),
+                                 reason="needs abstract Unix sockets and /dev/shm (Linux)")]
+
+CLIENT = ClientConfig(connect_timeout_s=20, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
+STEPS = 6
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = psgrad.EmbeddingBagCollection({"a": (300, 4), "b": (200, 4)}, mode="sum", std=0.1, seed=1)
+        torch.manual_seed(0)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.ebc(x)).squeeze(-1)
+
+
+@dataclasses.dataclass
+class Seen:
+    """What a worker's transport of a shard says at the end of its job."""
+
+    name: str = ""
+    steps_through_socket: int = 0  # its Step calls over the socket
+    _local_offer: tuple[str, int, str] | None = None  # the socket offered (rank bound), None: none or given up
+
+
+def data(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return [({"a": torch.randint(0, 300, (16, 2), generator=g), "b": torch.randint(0, 200, (16, 3), generator=g)},
+             torch.randint(0, 2, (16,), generator=g).float()) for _ in range(STEPS)]
+
+
+def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None] = lambda rank, k: None,
+        ) -> tuple[dict[str, torch.Tensor], list[list[Seen]]]:
+    """Two sync workers (threads) of Model for STEPS steps: (worker 0's state_dict of the servers'
+    final weights and rows, what each worker's shard transports say at its end)."""
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    transports: dict[int, list[Seen]] = {}
+
+    def worker(rank: int) -> None:
+        model = Model()
+        with psgrad.connect(addresses, rank=rank, num_workers=2, mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=dataclasses.replace(CLIENT, local_socket=local)) as ps:
+            opt = ps.optimizer(model)
+            for k, (x, y) in enumerate(data(rank)):
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+                opt.step()
+                after_step(rank, k)
+            transports[rank] = [dataclasses.replace(Seen(), name=s.transport.name, **{  # (as the job ends)
+                k: getattr(s.transport, k) for k in ("steps_through_socket", "_local_offer") if hasattr(s.transport, k)})
+                for s in opt.client.shards]
+            if rank == 0:
+                opt.refresh()
+                states[0] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    run_in_threads(2, worker, timeout_s=150)
+    return states[0], [transports[0], transports[1]]
+
+
+def test_a_same_host_jobs_step_calls_go_over_the_socket_bit_for_bit_as_over_grpc(start_servers) -> None:  # type: ignore[no-untyped-def]
+    over_socket, socket_transports = job(start_servers(2), local=True)
+    over_grpc, grpc_transports = job(start_servers(2), local=False)
+    for rank, shards in enumerate(socket_transports):
+        assert [t.name for t in shards] == ["shm", "shm"]
+        assert [t.steps_through_socket for t in shards] == [STEPS, STEPS]
+        assert [t._local_offer[1] for t in shards] == [rank, rank]  # each connection bound to its own rank
+    assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4
+    assert over_socket.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_socket)
+    for key in over_socket:
+        assert torch.equal(over_socket[key], over_grpc[key]), key
+
+
+def test_a_server_whose_socket_closes_mid_job_gets_the_calls_through_grpc(make_servers) -> None:  # type: ignore[no-untyped-def]
+    reference, _ = job([s.address for s in make_servers(2)], local=False)
+    running = make_servers(2)
+
+    def close_shard_0s_socket(rank: int, k: int) -> None:
+        if rank == 0 and k == 1:
+            running[0].servicer.local.close()
+
+    result, transports = job([s.address for s in running], local=True, after_step=close_shard_0s_socket)
+    for shards in transports:
+        assert shards[0].steps_through_socket < STEPS and shards[0]._local_offer is None  # given up
+        assert shards[1].steps_through_socket == STEPS
+    assert transports[0][0].steps_through_socket == 2
+    for key in reference:
+        assert torch.equal(result[key], reference[key]), key

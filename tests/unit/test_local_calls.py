@@ -1,0 +1,172 @@
+"""Same-host Step calls over a local socket, both ends (server/local_calls.py, wire/local_socket.py), with
+a stand-in Step handler: a connection proves its rank with the Join answer's token and pushes only as
+that rank; replies, errors (status code, details, the psgrad error's class), trailing metadata,
+callbacks and deadlines travel as a gRPC call's do; a call past its deadline ends its connection; a
+closed server ends its connections and takes no new ones."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from psgrad.errors import StalledError
+from psgrad.proto import ps_pb2 as pb
+from psgrad.server import local_calls
+from psgrad.server.local_calls import LocalCalls
+from psgrad.wire import local_socket, protocol
+from psgrad.wire.local_socket import ChannelLost, LocalCallError, LocalChannel
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not local_socket.supported(), reason="needs abstract Unix sockets (Linux)")]
+
+Handler = Callable[[pb.StepRequest, Any], bytes]
+
+
+def echo(req: pb.StepRequest, context: Any) -> bytes:
+    """A Step handler's stand-in: the push's clock back as the version, and the call's metadata."""
+    context.set_trailing_metadata(tuple(context.invocation_metadata()))
+    return pb.StepReply(push=pb.PushReply(version=req.push.clock)).SerializeToString()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Handler], LocalCalls]]:
+    made: list[LocalCalls] = []
+
+    def make(step: Handler = echo) -> LocalCalls:
+        made.append(LocalCalls(step))
+        return made[-1]
+
+    yield make
+    for calls in made:
+        calls.close()
+
+
+def connect(calls: LocalCalls, rank: int) -> LocalChannel:
+    name, offered_rank, token = local_socket.offer_in([calls.offer(rank)]) or ("", -1, "")
+    assert (name, offered_rank) == (calls.name, rank)
+    return LocalChannel(name, rank, token)
+
+
+def request(rank: int, clock: int = 1) -> bytes:
+    return pb.StepRequest(push=pb.PushHeader(rank=rank, clock=clock)).SerializeToString()
+
+
+def test_a_connection_pushes_only_as_the_rank_its_token_proves(serve) -> None:  # type: ignore[no-untyped-def]
+    calls = serve()
+    channel = connect(calls, 3)
+    reply, call = channel.with_call(request(3, clock=7), 10.0, (("psgrad-shm", "seg;1;2;h"),))
+    assert reply.push.version == 7 and calls.calls == 1
+    assert ("psgrad-shm", "seg;1;2;h") in call.trailing_metadata()  # the call's metadata reached the handler
+    with pytest.raises(LocalCallError) as refused:
+        channel.with_call(request(4), 10.0)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (protocol.ERROR_METADATA_KEY, "PermissionDeniedError") in refused.value.trailing_metadata()
+    assert "worker 3's" in refused.value.details() and calls.calls == 1
+    channel.with_call(request(3, clock=8), 10.0)  # (a refused call leaves the connection usable)
+    channel.close()
+    _, _, token_of_3 = local_socket.offer_in([calls.offer(3)]) or ("", 0, "")
+    for rank, token in ((4, token_of_3), (3, "0" * 64), (3, local_socket.token(b"another server's key", 3))):
+        with pytest.raises(ChannelLost, match="refused this worker"):
+            LocalChannel(calls.name, rank, token)
+
+
+def test_errors_metadata_callbacks_and_deadlines_travel_as_a_grpc_calls_do(serve) -> None:  # type: ignore[no-untyped-def]
+    seen: dict[str, Any] = {}
+    ended = threading.Event()
+
+    def step(req: pb.StepRequest, context: Any) -> bytes:
+        seen["remaining"] = context.time_remaining()
+        context.add_callback(ended.set)
+        if req.push.clock == 1:
+            protocol.abort(context, StalledError("waited for worker 1"))
+        if req.push.clock == 2:
+            raise ValueError("a bug")
+        return pb.StepReply().SerializeToString()
+
+    channel = connect(serve(step), 0)
+    with pytest.raises(LocalCallError) as stalled:
+        channel.with_call(request(0, clock=1), 30.0)
+    assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # StalledError's status, as over gRPC
+    assert stalled.value.details() == "waited for worker 1"
+    assert (protocol.ERROR_METADATA_KEY, "StalledError") in stalled.value.trailing_metadata()
+    assert 25.0 < seen["remaining"] <= 30.0 and ended.is_set()  # the deadline sent; callbacks run at the end
+    with pytest.raises(LocalCallError) as bug:
+        channel.with_call(request(0, clock=2), 30.0)
+    assert bug.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in bug.value.details()
+    with pytest.raises(LocalCallError) as garbage:
+        channel.with_call(b"\xff\xff\xff", 30.0)
+    assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid psgrad.StepRequest" in garbage.value.details()
+    reply, _ = channel.with_call(request(0, clock=3), 30.0)
+    assert reply == pb.StepReply()
+
+
+def test_a_call_past_its_deadline_ends_its_connection(serve) -> None:  # type: ignore[no-untyped-def]
+    release, entered = threading.Event(), threading.Event()
+
+    def slow(req: pb.StepRequest, context: Any) -> bytes:
+        entered.set()
+        release.wait(30.0)
+        return pb.StepReply().SerializeToString()
+
+    calls = serve(slow)
+    channel = connect(calls, 0)
+    try:
+        with pytest.raises(LocalCallError) as late:
+            channel.with_call(request(0), 0.3)  # the handler holds the call until released
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and entered.is_set()
+        with pytest.raises(ChannelLost):  # closed: its late reply cannot answer a later call
+            channel.with_call(request(0), 5.0)
+    finally:
+        release.set()
+    reply, _ = connect(calls, 0).with_call(request(0), 30.0)  # a new connection is served
+    assert reply == pb.StepReply()
+
+
+def test_a_closed_server_ends_its_connections_and_takes_no_new_ones(serve, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    calls = serve()
+    channel = connect(calls, 0)
+    channel.with_call(request(0), 10.0)
+    calls.close()
+    with pytest.raises(ChannelLost):
+        channel.with_call(request(0), 10.0)
+    with pytest.raises(ChannelLost):
+        connect(calls, 0)
+    monkeypatch.setattr(local_calls, "MAX_CONNECTIONS", 1)
+    capped = serve()
+    first = connect(capped, 1)
+    with pytest.raises(ChannelLost):  # beyond the cap: closed at once
+        connect(capped, 2)
+    first.with_call(request(1), 10.0)
+
+
+def test_a_malformed_message_ends_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    import struct
+
+    calls = serve()
+    _, _, token = local_socket.offer_in([calls.offer(0)]) or ("", 0, "")
+    for junk in (struct.pack("<IId", 0, protocol.MAX_MESSAGE_BYTES + 1, 1.0), struct.pack("<IId", 5, 0, 1.0) + b"{nope"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10.0)
+        sock.connect("\0" + calls.name)
+        local_socket.send(sock, (("rank", "0"), ("token", token)), 0.0, b"")
+        assert local_socket.receive(sock)[1] == 0.0  # admitted
+        sock.sendall(junk)
+        assert sock.recv(1) == b""  # the server closed it
+        sock.close()
+    assert calls.calls == 0
+
+
+@pytest.mark.parametrize("metadata, expected", [
+    ([("psgrad-local", "psgrad-ab12 3 f00d")], ("psgrad-ab12", 3, "f00d")),
+    ([("psgrad-shm", "x")], None),
+    ([("psgrad-local", "psgrad-ab12 three f00d")], None),
+    ([("psgrad-local", "psgrad-ab12 3")], None),
+    (None, None),
+])
+def test_an_offer_is_read_only_when_well_formed(metadata: Any, expected: Any) -> None:
+    assert local_socket.offer_in(metadata) == expected
