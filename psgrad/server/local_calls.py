@@ -37,8 +37,8 @@ class _Aborted(Exception):
 class LocalContext:
     """What a Step handler uses of a grpc.ServicerContext, for a call over the socket."""
 
-    def __init__(self, metadata: local_socket.Metadata, timeout_s: float) -> None:
-        self._metadata = metadata
+    def __init__(self, metadata: local_socket.Metadata, timeout_s: float, conn: socket.socket | None = None) -> None:
+        self._metadata, self._conn = metadata, conn
         self._deadline = time.monotonic() + timeout_s
         self._trailing: local_socket.Metadata = ()
         self._code: grpc.StatusCode | None = None
@@ -51,7 +51,16 @@ class LocalContext:
         return max(0.0, self._deadline - time.monotonic())
 
     def is_active(self) -> bool:
-        return True
+        """False once the worker closed its end (a pull waiting at its gate then stops waiting, as
+        a cancelled gRPC call's does; the worker sends nothing else while it waits for a reply)."""
+        if self._conn is None:
+            return True
+        try:
+            return self._conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def add_callback(self, callback: Callable[[], Any]) -> bool:
         self._callbacks.append(callback)
@@ -161,7 +170,7 @@ class LocalCalls:
 
     def _call(self, conn: socket.socket, rank: int, metadata: local_socket.Metadata, timeout_s: float,
               body: bytearray) -> None:
-        context = LocalContext(metadata, timeout_s)
+        context = LocalContext(metadata, timeout_s, conn)
         start = time.perf_counter()
         try:
             try:

@@ -126,6 +126,36 @@ def test_a_call_past_its_deadline_ends_its_connection(serve) -> None:  # type: i
     assert reply == pb.StepReply()
 
 
+def test_a_call_whose_worker_hangs_up_is_no_longer_active(serve) -> None:  # type: ignore[no-untyped-def]
+    entered, seen = threading.Event(), threading.Event()
+    states: list[bool] = []
+
+    def waiting(req: pb.StepRequest, context: Any) -> bytes:  # as a pull parked at its gate re-checks
+        states.append(context.is_active())
+        entered.set()
+        while context.is_active():
+            seen.wait(0.01)
+        states.append(context.is_active())
+        seen.set()
+        return pb.StepReply().SerializeToString()
+
+    channel = connect(serve(waiting), 0)
+    lost: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            channel.with_call(request(0), 30.0)
+        except ChannelLost as exc:
+            lost.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert entered.wait(30.0)
+    channel._sock.shutdown(2)  # the worker hangs up while its call waits
+    caller.join(30.0)
+    assert seen.wait(30.0) and states == [True, False] and lost
+
+
 def test_a_closed_server_ends_its_connections_and_takes_no_new_ones(serve, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     calls = serve()
     channel = connect(calls, 0)
