@@ -2,46 +2,18 @@
 details grpcio 1.85 gives for it, becomes a message saying what happened."""
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 import pytest
 
 from psgrad import errors
+from psgrad.wire.local_socket import LocalCallError
 from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, not_sent, to_psgrad_error
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class FailedCall(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    """A failed call as grpc raises it: code, details, trailing metadata."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
-        self._code, self._details, self._trailing = code, details, trailing
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> Any:
-        return self._trailing
-
-    def initial_metadata(self) -> Any:
-        return ()
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: Any) -> bool:
-        return False
+# A failed call as grpc raises it (code, details, trailing metadata): the local socket's error is one.
+FailedCall = LocalCallError
 
 
 # The details grpcio 1.85 gave on Linux for each case (seen by calling such addresses, the routes in
