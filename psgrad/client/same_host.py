@@ -134,11 +134,12 @@ class SharedMemoryTransport:
         try:
             done = channel.with_call(request, timeout_s, metadata)
         except local_socket.LocalCallError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._local is channel:
                 self._local = None  # (closed: a late reply must not answer the next call; reconnected then)
             raise
         except local_socket.ChannelLost:
-            self._local, self._local_offer = None, None
+            if self._local is channel:  # (not where a Join offered another socket meanwhile)
+                self._local, self._local_offer = None, None
             raise
         self.steps_through_socket += 1
         return done

@@ -148,7 +148,8 @@ class LocalCalls:
         metadata, _, _ = local_socket.receive(conn, max_body=0)
         fields = dict(metadata)
         rank = fields.get("rank", "")
-        if rank.isdigit() and secrets.compare_digest(fields.get("token", ""), local_socket.token(self._key, int(rank))):
+        token = fields.get("token", "").encode(errors="replace")
+        if rank.isdigit() and secrets.compare_digest(token, local_socket.token(self._key, int(rank)).encode()):
             local_socket.send(conn, (), 0.0, b"")
             conn.settimeout(None)
             return int(rank)

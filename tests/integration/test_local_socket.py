@@ -82,10 +82,10 @@ def test_a_same_host_jobs_step_calls_go_over_the_socket_bit_for_bit_as_over_grpc
     over_socket, socket_transports = job(start_servers(2), local=True)
     over_grpc, grpc_transports = job(start_servers(2), local=False)
     for rank, shards in enumerate(socket_transports):
-        assert [t.name for t in shards] == ["shm", "shm"]
-        assert [t.steps_through_socket for t in shards] == [STEPS, STEPS]
-        assert [t._local_offer[1] for t in shards] == [rank, rank]  # each connection bound to its own rank
-    assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4
+        assert [t.name for t in shards] == ["shm", "shm"], socket_transports
+        assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], socket_transports
+        assert [t._local_offer and t._local_offer[1] for t in shards] == [rank, rank], socket_transports  # its own rank
+    assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
     assert over_socket.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_socket)
     for key in over_socket:
         assert torch.equal(over_socket[key], over_grpc[key]), key

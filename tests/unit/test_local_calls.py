@@ -68,7 +68,7 @@ def test_a_connection_pushes_only_as_the_rank_its_token_proves(serve) -> None:  
     channel.with_call(request(3, clock=8), 10.0)  # (a refused call leaves the connection usable)
     channel.close()
     _, _, token_of_3 = local_socket.offer_in([calls.offer(3)]) or ("", 0, "")
-    for rank, token in ((4, token_of_3), (3, "0" * 64), (3, local_socket.token(b"another server's key", 3))):
+    for rank, token in ((4, token_of_3), (3, "0" * 64), (3, local_socket.token(b"another server's key", 3)), (3, "é")):
         with pytest.raises(ChannelLost, match="refused this worker"):
             LocalChannel(calls.name, rank, token)
 
