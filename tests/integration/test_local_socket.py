@@ -56,9 +56,10 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
     final weights and rows, what each worker's shard transports say at its end)."""
     states: dict[int, dict[str, torch.Tensor]] = {}
     transports: dict[int, list[Seen]] = {}
+    models = [Model(), Model()]  # (here: the threads would draw their initial weights from one generator)
 
     def worker(rank: int) -> None:
-        model = Model()
+        model = models[rank]
         with psgrad.connect(addresses, rank=rank, num_workers=2, mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
                             client=dataclasses.replace(CLIENT, local_socket=local)) as ps:
             opt = ps.optimizer(model)
