@@ -225,7 +225,7 @@ class ClientConfig:
     # checkpoint) are retried, with backoff, before the worker gives up naming the shard; 0: at once.
     reconnect_timeout_s: float = 60.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    # Move payloads to and from a shard on the same host through shared memory (gRPC carries
+    # Move payloads to and from a shard on the same host through shared memory (the calls carry
     # only headers); off another host, or where the server cannot open the segment, gRPC frames
     # as usual. Turn it off to measure the gRPC path alone, or to save the worker one shard-sized
     # segment per server.

@@ -3,8 +3,8 @@ gradient, windows of it per shard), and a server's view of it.
 
 A worker that shares a host with a shard can put its gradient into, and get the weights out of,
 a POSIX shared-memory segment (a file under /dev/shm) instead of streaming them through gRPC: the
-calls still go through gRPC, carrying only headers, and name the segment in the call metadata
-(`psgrad-shm: NAME;NONCE;NBYTES;HOST`). The segment starts with a magic string and a random nonce the
+calls carry only headers (through gRPC, or a step's Step call over the server's local socket:
+wire/local_socket.py) and name the segment in the call metadata (`psgrad-shm: NAME;NONCE;NBYTES;HOST`). The segment starts with a magic string and a random nonce the
 server checks, so a name can only ever resolve to the segment that the worker made. Both ends must
 be on one host: HOST is the maker's `host_id()` (kernel boot, network namespace and /dev/shm
 filesystem), which the server compares with its own before it opens anything, and the server's Join
