@@ -15,9 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from psgrad.errors import InvalidRequestError, PermissionDeniedError
+from psgrad.errors import PermissionDeniedError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import local_socket, protocol
 
@@ -99,6 +98,7 @@ class LocalCalls:
         """step: the servicer's Step handler; done(method, start, context): a call's end, for the
         server's call metrics (RpcMetrics._done), or None."""
         self._step, self._done = step, done
+        self._decode = protocol.decoder(pb.StepRequest)
         self._key = secrets.token_bytes(32)
         self.name = f"psgrad-{secrets.token_hex(12)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -174,21 +174,15 @@ class LocalCalls:
         context = LocalContext(metadata, timeout_s, conn)
         start = time.perf_counter()
         try:
-            try:
-                request = pb.StepRequest.FromString(bytes(body))
-            except DecodeError as exc:
-                raise InvalidRequestError(f"the request is not a valid {pb.StepRequest.DESCRIPTOR.full_name}: {exc}") from None
-            if request.push.rank != rank:
-                raise PermissionDeniedError(f"this connection is worker {rank}'s: it cannot push as worker "
-                                            f"{request.push.rank}")
+            request = self._decode(body)  # (as the gRPC method's deserializer: an Undecodable is refused)
+            if isinstance(request, protocol.Undecodable):
+                protocol.abort(context, request.error)
+            elif request.push.rank != rank:
+                protocol.abort(context, PermissionDeniedError(f"this connection is worker {rank}'s: it cannot push as "
+                                                              f"worker {request.push.rank}"))
             reply = self._step(request, context)
         except _Aborted as stop:
             self._answer_error(conn, context, stop.code, stop.details)
-        except (InvalidRequestError, PermissionDeniedError) as exc:
-            try:
-                protocol.abort(context, exc)
-            except _Aborted as stop:
-                self._answer_error(conn, context, stop.code, stop.details)
         except Exception as exc:  # noqa: BLE001 (as gRPC answers a handler's bug: UNKNOWN)
             traceback.print_exc()
             context._code = grpc.StatusCode.UNKNOWN
