@@ -24,17 +24,20 @@ def _psgrad(*args: str) -> list[str]:
     return [sys.executable, "-m", "psgrad", *args]
 
 
-def _ended_within(pid: int, timeout_s: float) -> bool:
-    """Wait (on a pidfd, no polling) until the process pid has exited (or become a zombie)."""
+def _watch(pid: int) -> int:
+    """A pidfd for a process known to be running now. Open it before anything may end the process:
+    once it has ended and been reaped, its pid can name another process (the suite's many threads
+    wrap Linux's pid counter within minutes), and a pidfd opened then would watch that one."""
+    return os.pidfd_open(pid)
+
+
+def _ended_within(pidfd: int, timeout_s: float) -> bool:
+    """Wait (on the pidfd, no polling) until its process has exited (or become a zombie); closes it."""
     try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
         return bool(ready)
     finally:
-        os.close(fd)
+        os.close(pidfd)
 
 
 def _parent_of(pid: int) -> int:
@@ -83,9 +86,11 @@ def test_a_launchs_children_are_forks_of_the_same_template_and_die_with_the_laun
         ours = launch.popen._template  # type: ignore[union-attr]
         assert ours.proc is not None
         assert {name: _parent_of(pid) for name, pid in pids.items()} == {n: ours.proc.pid for n in pids}
+        watched = {name: _watch(pid) for name, pid in pids.items()}
         launch.popen.kill()
         assert launch.wait(60) == -signal.SIGKILL
-        assert all(_ended_within(pid, 60) for pid in pids.values()), pids
+        ended = {name: _ended_within(fd, 60) for name, fd in watched.items()}
+        assert all(ended.values()), (pids, ended)
     finally:
         launch.stop()
 
@@ -109,7 +114,7 @@ def test_the_templates_children_get_sigterm_when_the_parent_is_killed(tmp_path: 
         assert parent.stdout is not None
         line = parent.stdout.readline()
         assert line.startswith("child "), line
-        child = int(line.split()[1])
+        child = _watch(int(line.split()[1]))
         parent.kill()
         parent.wait(30)
         assert _ended_within(child, 60)
