@@ -65,7 +65,7 @@ class Pushes:
                 member = core.members.live(rank)
                 if not core.policy.aggregates:  # (sync: the policy takes only the current iteration)
                     core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
-                rows_nonfinite = self._rows.check(state, rank, rows) if rows else 0
+                rows_nonfinite, reserved = self._rows.check(state, rank, rows) if rows else (0, None)
             except (WorkerStateError, InvalidRequestError, MemoryBudgetError):
                 core.counters.pushes_rejected += 1
                 raise
@@ -80,7 +80,7 @@ class Pushes:
                 wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
-            writer.rows, writer.rows_nonfinite = rows or {}, rows_nonfinite
+            writer.rows, writer.rows_nonfinite, writer.rows_reserved = rows or {}, rows_nonfinite, reserved
             # A gradient that the worker's segment holds may be applied from there, in place: by an
             # update rule that only reads it, applied on arrival.
             writer.may_borrow = exact and not core.policy.aggregates and state.dense.may_borrow()
@@ -168,8 +168,9 @@ class Pushes:
                     core.counters.updates_lost += max(0, clock - lost_from - 1)
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
-                try:  # (a restore since the header may have dropped the rows it made)
-                    slots = self._rows.reserve(state, rows, may_evict=True)
+                try:  # (a restore, or rows dropped since the header, may have undone what its check made)
+                    slots = self._rows.reserve(state, rows, may_evict=True,
+                                               made=writer.rows_reserved if writer is not None else None)
                 except MemoryBudgetError:
                     core.counters.pushes_rejected += 1
                     raise

@@ -7,6 +7,7 @@ tells the replica when rows changed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,14 @@ from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor, int]]
 # (table, row ids [n] int64): rows a call reads
 Lookup = tuple[str, torch.Tensor]
+
+
+class Reserved(NamedTuple):
+    """The arena slots a push's check made for its rows, by table, and what they hold for: the
+    shard state they were made in and their tables' placement counts (SparseTable.placement)."""
+    state: ShardState
+    placements: tuple[int, ...]
+    slots: dict[str, torch.Tensor]
 
 
 # The rows one reply may carry: a gRPC message's limit less room for the rest of the reply (the
@@ -121,33 +130,42 @@ class Rows:
             core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
             return t.version, ids, values
 
-    def check(self, state: ShardState, rank: int, rows: RowGradients) -> int:
+    def check(self, state: ShardState, rank: int, rows: RowGradients) -> tuple[int, Reserved]:
         """Check a push's row gradients in full (tables, ids, shapes) and make the rows they touch,
         so that applying them can no longer fail (the memory budget is charged here, before any
-        part of the push is applied). Returns their non-finite values: the push's non-finite
-        policy decides for the whole push. Under the lock.
+        part of the push is applied). Returns their non-finite values (the push's non-finite
+        policy decides for the whole push) and the slots made, for the apply (see reserve). Under
+        the lock.
 
         Raises:
             InvalidRequestError: no such table; ids repeated, out of range or on another shard;
                 gradients of another shape.
             MemoryBudgetError: the rows would not fit the server's budget.
         """
-        _check_tables([state.sparse(name, rank) for name in rows], [ids for ids, _, _ in rows.values()],
-                      [grads for _, grads, _ in rows.values()])
+        tables = [state.sparse(name, rank) for name in rows]
+        _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()])
         bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
-        self.reserve(state, rows)
-        return bad
+        slots = self.reserve(state, rows)
+        return bad, Reserved(state, tuple(t.placement() for t in tables), slots)
 
-    def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False) -> dict[str, torch.Tensor]:
+    def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
+                made: Reserved | None = None) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
-        applied (tables that evict make room now; see SparseTable.reserve).
+        applied (tables that evict make room now; see SparseTable.reserve). made: what the push's
+        check reserved; its slots are returned as they are where they still hold (the same state,
+        no row of those tables dropped or moved since, no table with a row lifetime, whose rows
+        the apply may admit or evict).
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
         names = list(rows)
         tables = [state.sparse(name, -1) for name in names]
+        if made is not None and made.state is state and len(made.slots) == len(names) and \
+                made.placements == tuple(t.placement() for t in tables) and \
+                not any(t.evict or t.min_count > 1 for t in tables):
+            return made.slots
         out: dict[str, torch.Tensor] = {}
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]
@@ -176,7 +194,7 @@ class Rows:
                 member_ids, member_grads, base = rows[names[i]]
                 member.updated(base)
                 self._report(names[i], member, member_ids, member_grads, base, step_lr)
-            arena.stamp(ids, per_row([m.version for m in members], [rows[names[i]][0] for i in places]))
+            arena.stamp(ids, per_row([m.version for m in members], [rows[names[i]][0] for i in places]), at)
         for name, t in zip(names, tables):
             ids, grads, base = rows[name]
             if not isinstance(t, GroupedTable):

@@ -118,10 +118,10 @@ class RowArena(SparseTable):
                 else:
                     member.check_update(ids[k], grads[k])
 
-    def stamp(self, ids: torch.Tensor, versions: torch.Tensor) -> None:
-        """Rows `ids` (arena ids, stored) were last updated at their tables' `versions` (a row's
-        version is its own table's, as in a table on its own, not the arena's count)."""
-        self._versions.index_copy_(0, self._index.lookup(ids), versions)
+    def stamp(self, ids: torch.Tensor, versions: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Rows `ids` (arena ids, stored; at `slots` where known) were last updated at their tables'
+        `versions` (a row's version is its own table's, as in a table on its own, not the arena's count)."""
+        self._versions.index_copy_(0, self._index.lookup(ids) if slots is None else slots, versions)
 
     def mine(self, table: GroupedTable) -> torch.Tensor:
         """The arena slots of `table`'s stored rows, in slot order."""
@@ -155,6 +155,9 @@ class GroupedTable(SparseTable):
 
     def row_bytes(self) -> int:
         return self.arena.row_bytes()
+
+    def placement(self) -> int:
+        return self.arena.placement()
 
     def reserve(self, ids: torch.Tensor, may_evict: bool = False) -> torch.Tensor:
         return self.arena.reserve(self.to_arena(ids), may_evict)

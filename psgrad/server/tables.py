@@ -348,6 +348,7 @@ class SparseTable:
         self.sightings = None
         self.admitted = self.expired = self.evicted = self.dropped = 0
         self._charged = 0
+        self._moved = 0  # times stored rows were dropped or moved: slots a reserve gave before are stale
 
     # ----------------------------------------------------------------- rows
     def check(self, ids: torch.Tensor) -> None:
@@ -365,6 +366,11 @@ class SparseTable:
                 raise InvalidRequestError(
                     f"table {self.name!r}: row {bad} lives on shard {int(where[elsewhere][0])}, not on shard {self.index}"
                 )
+
+    def placement(self) -> int:
+        """A count that changes whenever stored rows are dropped or moved: the slots a reserve gave
+        stay valid while it is the same (rows made since go to new slots; growth keeps the slots)."""
+        return self._moved
 
     def _initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The initial values of rows `ids` (int64): computed from (seed, table, row id)."""
@@ -452,6 +458,7 @@ class SparseTable:
         the last rows move into the holes."""
         if not ids.numel():
             return
+        self._moved += 1
         n, k = self.touched, ids.numel()
         holes = self._index.lookup(ids)
         gone = torch.zeros(n, dtype=torch.bool)
@@ -723,6 +730,7 @@ class SparseTable:
         self._check_fits(snap)
         ids = snap.tensors["ids"]
         self._index.clear()
+        self._moved += 1
         self.touched = 0
         freed = self._ids.numel() * self.row_bytes()  # a fresh arena, sized for the snapshot's rows
         self.budget.release(freed)

@@ -63,8 +63,8 @@ def state_of(s: Shard) -> ShardState:
 
 def push(s: Shard, rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     state = state_of(s)
-    s.rows.check(state, 0, rows)
-    slots = s.rows.reserve(state, rows, may_evict=True)
+    _, made = s.rows.check(state, 0, rows)
+    slots = s.rows.reserve(state, rows, may_evict=True, made=made)
     s.rows.apply(state, rows, None, 1.0, slots)
 
 
@@ -131,6 +131,32 @@ def test_pushes_reads_and_sync_rounds_equal_tables_on_their_own() -> None:
             assert torch.equal(a, b)
     with pytest.raises(InvalidRequestError, match="table 'b'.*row 36 lives on shard 0"):
         together.rows.pull(0, state_of(together).layout.fingerprint, [("b", torch.tensor([36]))])
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_pushs_apply_takes_the_slots_its_check_made_unless_rows_moved_since(apart: bool) -> None:
+    """The apply does not make a checked push's rows again; where rows were dropped in between (the
+    tail of the arena moves into their places), it looks them up again and updates the right rows."""
+    first, second = pushes(5, 2)
+    s, reference = shard(apart), shard(apart)
+    for x in (s, reference):
+        push(x, first)
+        state_of(x).tables["a"].remove(first["a"][0][:2])
+        x.rows.check(state_of(x), 0, second)
+    state = state_of(s)
+    _, made = s.rows.check(state, 0, second)
+    assert s.rows.reserve(state, second, may_evict=True, made=made) is made.slots  # nothing moved: as made
+    dropped = first["a"][0][2:5]
+    for x in (s, reference):
+        state_of(x).tables["a"].remove(dropped)  # (as a standby applies its primary's drops)
+    again = s.rows.reserve(state, second, may_evict=True, made=made)
+    assert again is not made.slots
+    s.rows.apply(state, second, None, 1.0, again)
+    # the reference made the same rows, and looks their slots up afresh after the drop
+    reference.rows.apply(state_of(reference), second, None, 1.0,
+                         reference.rows.reserve(state_of(reference), second, may_evict=True))
+    assert_same_tables(s, reference)
+    assert not torch.equal(state.tables["a"].rows(second["a"][0]), state_of(shard(apart)).tables["a"].rows(second["a"][0]))
 
 
 def test_a_snapshot_of_tables_stored_together_restores_them_exactly(tmp_path: Path) -> None:
