@@ -8,7 +8,7 @@ placement of rows over the shards.
 
 - shard: a psgrad Shard (server/shard.py) of 2, Adagrad; per push, what a shard does with a
   worker's rows under its lock: check the push (tables, ids, shapes; the memory budget, rows made),
-  make its rows again after the dense payload (reserve), apply the update, check and read the next
+  take the slots its check made after the dense payload (reserve), apply the update, check and read the next
   batch's rows. `warm`: the same 40 batches over and over, every row stored; `new`: fresh ids at
   every push (most of the DLRM benchmark's ids are new to the servers), rows made and read before
   they are stored (their initial values drawn).
@@ -103,8 +103,11 @@ class Bench:
         fp = state.layout.fingerprint
         start = time.process_time()
         for k, rows in enumerate(batches):
-            s.rows.check(state, 0, rows)
-            slots = s.rows.reserve(state, rows, may_evict=True)
+            checked = s.rows.check(state, 0, rows)
+            if isinstance(checked, tuple):  # (the slots its check made, taken again by the apply)
+                slots = s.rows.reserve(state, rows, may_evict=True, made=checked[1])
+            else:  # (checkouts before 2026-11-29: the rows made again)
+                slots = s.rows.reserve(state, rows, may_evict=True)
             s.rows.apply(state, rows, None, 1.0, slots)
             reads = [(name, r[0]) for name, r in batches[(k + 1) % len(batches)].items()]
             s.rows.check_reads(0, fp, reads)

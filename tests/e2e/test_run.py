@@ -110,7 +110,8 @@ def test_real_torchrun_one_group_serves_and_trains(tmp_path: Path) -> None:
         assert line in out
     published = sorted(line.rsplit(" ", 1)[1] for line in proc.lines if "reachable at" in line)
     (servers_line, *_) = [line for line in proc.lines if line.startswith("psgrad run: servers ")]
-    assert sorted(servers_line.rsplit(" ", 1)[1].split(",")) == published  # read from the store as published
+    # read from the store as published (the lines in the message: a mismatch once seen in CI went unexplained)
+    assert sorted(servers_line.rsplit(" ", 1)[1].split(",")) == published, proc.lines
     assert out.count("stopped (every worker left)") == 2
     for rank in range(2):
         assert final_accuracy(tmp_path / f"worker{rank}.jsonl") >= 0.9
