@@ -7,7 +7,6 @@ tells the replica when rows changed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -26,12 +25,10 @@ RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor, int]]
 Lookup = tuple[str, torch.Tensor]
 
 
-class Reserved(NamedTuple):
-    """The arena slots a push's check made for its rows, by table, and what they hold for: the
-    shard state they were made in and their tables' placement counts (SparseTable.placement)."""
-    state: ShardState
-    placements: tuple[int, ...]
-    slots: dict[str, torch.Tensor]
+# What a push's check reserved: (the uid of the shard state it was made in, its tables' placement
+# counts (SparseTable.placement), the arena slots made, by table). A plain tuple: the push's writer
+# (server/transfers.py, below this module) carries it to the apply.
+Reserved = tuple[int, tuple[int, ...], dict[str, torch.Tensor]]
 
 
 # The rows one reply may carry: a gRPC message's limit less room for the rest of the reply (the
@@ -146,7 +143,7 @@ class Rows:
         _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()])
         bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
         slots = self.reserve(state, rows)
-        return bad, Reserved(state, tuple(t.placement() for t in tables), slots)
+        return bad, (state.uid, tuple(t.placement() for t in tables), slots)
 
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
                 made: Reserved | None = None) -> dict[str, torch.Tensor]:
@@ -162,10 +159,11 @@ class Rows:
         """
         names = list(rows)
         tables = [state.sparse(name, -1) for name in names]
-        if made is not None and made.state is state and len(made.slots) == len(names) and \
-                made.placements == tuple(t.placement() for t in tables) and \
-                not any(t.evict or t.min_count > 1 for t in tables):
-            return made.slots
+        if made is not None:
+            uid, placements, slots = made
+            if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \
+                    and not any(t.evict or t.min_count > 1 for t in tables):
+                return slots
         out: dict[str, torch.Tensor] = {}
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,9 +17,6 @@ from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import EvictedError
 from psgrad.core.optimizers import UpdateRule
 from psgrad.core.optimizers.base import register_axpy_backend
-
-if TYPE_CHECKING:
-    from psgrad.server.rows_path import Reserved
 
 # A transfer that moved no chunk for this long counts as stalled, and the shard stops waiting for
 # it: an in-place update gives a pull stream that still reads the weights a private copy instead,
@@ -86,7 +82,8 @@ class PushWriter(PayloadWriter):
         # checked with its header, and their non-finite values (the push's policy decides for both).
         self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.rows_nonfinite = 0
-        self.rows_reserved: Reserved | None = None  # the slots its check made for them (Rows.reserve)
+        # What its check reserved for them (rows_path.Reserved: state uid, placements, slots by table).
+        self.rows_reserved: tuple[int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
         self._stage: tuple[torch.Tensor, UpdateRule, float] | None = None
         self._block = BLOCK
         # Same host: the shard may apply a whole float32 gradient from the worker's segment in
