@@ -40,6 +40,22 @@ def _ended_within(pidfd: int, timeout_s: float) -> bool:
         os.close(pidfd)
 
 
+def _describe(pid: int) -> str:
+    """What a process that did not end is doing: its state, and each thread's name and kernel wait."""
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError as exc:
+            return f"({exc.strerror})"
+
+    state = [line for line in read(f"/proc/{pid}/status").splitlines() if line.startswith(("State", "SigBlk", "SigCgt"))]
+    threads = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else []:
+        threads.append(f"{read(f'/proc/{pid}/task/{tid}/comm')}: {read(f'/proc/{pid}/task/{tid}/wchan')}")
+    return f"pid {pid}: {'; '.join(state)}; threads: {', '.join(threads)}"
+
+
 def _parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -90,7 +106,7 @@ def test_a_launchs_children_are_forks_of_the_same_template_and_die_with_the_laun
         launch.popen.kill()
         assert launch.wait(60) == -signal.SIGKILL
         ended = {name: _ended_within(fd, 60) for name, fd in watched.items()}
-        assert all(ended.values()), (pids, ended)
+        assert all(ended.values()), [_describe(pids[name]) for name, done in ended.items() if not done] + launch.lines
     finally:
         launch.stop()
 
