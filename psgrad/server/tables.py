@@ -671,7 +671,7 @@ class SparseTable:
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         if self.lr_scale != 1.0:
             lr = self.optimizer.step_lr(lr) * self.lr_scale
-        self.optimizer.apply(weights, grads.clone(), state, lr, self.version + 1 if step is None else step)
+        self.optimizer.apply(weights, grads, state, lr, self.version + 1 if step is None else step)  # (grads: read only)
         self._values.index_copy_(0, slots, weights)
         for name, t in state.items():
             self._state[name].index_copy_(0, slots, t)

@@ -33,7 +33,7 @@ class RowUpdate:
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
     """A 1-D tensor of the little-endian values `data` holds: a read-only view of the bytes (no
-    copy; whoever updates rows with it copies it first, as SparseTable.apply does).
+    copy; the row rules only read their gradients, see RowOptimizer.apply).
 
     Raises:
         InvalidRequestError: the bytes are not a whole number of values.

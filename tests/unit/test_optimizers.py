@@ -534,3 +534,16 @@ def test_a_tables_param_group_sets_its_lr_and_settings_and_lifts_a_refusal() -> 
         with_groups(param_specs(model), model, [{"params": [model.head]}], spec, tables)
     with pytest.raises(ConfigError, match="momentum must be in \\[0, 1\\)"):
         with_groups(param_specs(model), model, [{"params": [model.a], "momentum": 2.0}], spec, tables)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_a_row_rule_only_reads_its_gradients(name: str) -> None:
+    """The tables hand a rule the request's gradient bytes as they are (no copy): it must not write them."""
+    from psgrad.core.optimizers.rows import ROW_OPTIMIZERS
+
+    rule = ROW_OPTIMIZERS[name](JobSpec(optimizer=name, lr=0.1))
+    grads = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    kept, weights, state = grads.clone(), torch.ones(5, 3), rule.new_state(5, 3)
+    for step in (1, 2):
+        rule.apply(weights, grads, state, None, step)
+    assert torch.equal(grads, kept) and not torch.equal(weights, torch.ones(5, 3))

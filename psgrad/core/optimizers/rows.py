@@ -50,7 +50,8 @@ class RowOptimizer(ABC):
     @abstractmethod
     def apply(self, weights: torch.Tensor, grads: torch.Tensor, state: RowState, lr: float | None = None,
               step: int = 1) -> None:
-        """Update weights (and state) in place; grads is scratch. lr: the learning rate in effect
+        """Update weights (and state) in place; grads is only read (it may be a read-only view of the
+        request's bytes: no copy is made for the rule). lr: the learning rate in effect
         (None: the job's); step: the dense rule's step number of this update (1, 2, ...)."""
 
     def step_lr(self, lr: float | None) -> float:
