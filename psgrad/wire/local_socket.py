@@ -92,7 +92,7 @@ def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float
         # One system call for both parts: the reader, waiting for the header, wakes once for the
         # whole message (two sends cost a wake-up and a context switch more per message).
         sent = sock.sendmsg([head, body])
-        if sent < len(head):  # (a blocking send stops short only where a signal cut it)
+        if sent < len(head):  # (a send stops short where the socket's buffer fills before its timeout, or a signal)
             sock.sendall(head[sent:])
             sent = len(head)
         if sent < len(head) + len(body):

@@ -229,3 +229,19 @@ def test_a_message_is_one_send_and_a_short_one_is_finished(first: int) -> None:
         a.sendall(sock.out)
         assert local_socket.receive(b) == ((("k", "v"),), 2.5, bytearray(body))
     assert sock.calls == 1
+
+
+def test_a_message_larger_than_the_sockets_buffer_arrives_whole() -> None:
+    """On a socket with a timeout one sendmsg takes what the buffer holds; the rest follows."""
+    import socket
+
+    body = bytes(range(256)) * 40_000  # 10 MB, far more than a socket buffer
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(30)
+        got: dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: got.update(message=local_socket.receive(b, max_body=1 << 30)))
+        reader.start()
+        local_socket.send(a, (("k", "v"),), 1.0, body)
+        reader.join(30)
+        assert got["message"] == ((("k", "v"),), 1.0, bytearray(body))
