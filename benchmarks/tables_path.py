@@ -48,14 +48,16 @@ SHARDS = 2
 PARTS = ("shard-warm", "shard-new", "worker")
 
 
-def load_psgrad(root: Path) -> dict[str, ModuleType]:
+MODULES = ("config", "core.sharding", "core.codecs", "server.shard", "client.parameter_client", "client.transport")
+
+
+def load_psgrad(root: Path, names: tuple[str, ...] = MODULES) -> dict[str, ModuleType]:
     """The modules of the psgrad under `root`, imported afresh (another checkout's sit beside)."""
     for name in [m for m in sys.modules if m == "psgrad" or m.startswith("psgrad.")]:
         del sys.modules[name]
     sys.path.insert(0, str(root))
     try:
-        return {name: importlib.import_module(f"psgrad.{name}") for name in
-                ("config", "core.sharding", "core.codecs", "server.shard", "client.parameter_client", "client.transport")}
+        return {name: importlib.import_module(f"psgrad.{name}") for name in names}
     finally:
         sys.path.remove(str(root))
 
@@ -180,8 +182,11 @@ def main() -> None:
     if args.against is not None and not (args.against / "psgrad" / "__init__.py").exists():
         raise SystemExit(f"tables_path: --against {args.against}: no psgrad package there")
     torch.set_num_threads(1)
-    trees = {"this": REPO} | ({"against": args.against.resolve()} if args.against else {})
+    # The allocator settings of a server and a worker process (both set them at start): fresh rows'
+    # blocks come from the heap, not from a fresh mmap (page faults) each.
+    load_psgrad(REPO, ("wire.heap",))["wire.heap"].tune_allocator()
     benches = {}
+    trees = {"this": REPO} | ({"against": args.against.resolve()} if args.against else {})
     for tag, root in trees.items():
         log(f"tables_path: psgrad from {root}")
         benches[tag] = Bench(load_psgrad(root), p)
