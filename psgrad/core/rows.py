@@ -128,13 +128,17 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
             raise InvalidRequestError(f"{what}: row id {bad} is out of range [0, {num_embeddings})")
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's mix of each uint64 (a counter-based generator: equal inputs, equal outputs)."""
-    with np.errstate(over="ignore"):
-        x = x + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _MIX1
-        x = (x ^ (x >> np.uint64(27))) * _MIX2
-        return x ^ (x >> np.uint64(31))
+def splitmix64(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's mix of each uint64 (a counter-based generator: equal inputs, equal outputs);
+    into `out` where given (it may be x itself), without temporaries but one."""
+    out = np.add(x, _GOLDEN, out=out)
+    tmp = np.empty_like(out)
+    for shift, factor in ((30, _MIX1), (27, _MIX2), (31, None)):
+        np.right_shift(out, np.uint64(shift), out=tmp)
+        np.bitwise_xor(out, tmp, out=out)
+        if factor is not None:
+            np.multiply(out, factor, out=out)
+    return out
 
 
 def table_key(seed: int, table: str) -> int:
@@ -152,14 +156,27 @@ def initial_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float 
     if n == 0 or (not per_row and std == 0.0):  # (rows that start at zero: no draws to make)
         return torch.zeros(n, dim)
     keys = key.astype(np.uint64)[:, None] if isinstance(key, np.ndarray) else np.uint64(key)
+    # Box-Muller on two splitmix64 draws per value. Each step writes over its input where it can:
+    # the values are those of the plain formula, bit for bit (tests/unit/test_sparse_table.py).
     with np.errstate(over="ignore"):
         base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
-        counter = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
-        a = splitmix64(np.bitwise_xor(counter, keys))
+        a = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
+        np.bitwise_xor(a, keys, out=a)
+        splitmix64(a, out=a)
         b = splitmix64(a)
-    u1 = ((a >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
-    u2 = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
-    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    np.right_shift(a, np.uint64(11), out=a)
+    z = a.astype(np.float64)  # u1 = (a >> 11 + 1) 2^-53, in (0, 1]; z: sqrt(-2 log u1)
+    np.add(z, 1.0, out=z)
+    np.multiply(z, 2.0**-53, out=z)
+    np.log(z, out=z)
+    np.multiply(z, -2.0, out=z)
+    np.sqrt(z, out=z)
+    np.right_shift(b, np.uint64(11), out=b)
+    c = b.astype(np.float64)  # u2 = (b >> 11) 2^-53, in [0, 1); c: cos(2 pi u2)
+    np.multiply(c, 2.0**-53, out=c)
+    np.multiply(c, 2.0 * np.pi, out=c)
+    np.cos(c, out=c)
+    np.multiply(z, c, out=z)
     if isinstance(std, np.ndarray):
         z = np.where(std[:, None] == 0.0, 0.0, z * std[:, None])  # (zero rows: +0.0, as torch.zeros)
     else:
