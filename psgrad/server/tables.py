@@ -37,6 +37,13 @@ FROZEN = "frozen"
 Tensors = dict[str, torch.Tensor]
 Scalars = dict[str, float | int]
 
+# A row never stored is drawn (rows.initial_rows: a function of the table and the row id alone) when
+# a read reaches it, and drawn again when an update makes it, most often one step later. A table
+# keeps what its last DRAWN_READS reads drew, up to DRAWN_BYTES in all, and an update takes the
+# rows it finds there instead of drawing them twice (the same values, copied).
+DRAWN_READS = 4
+DRAWN_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class TableSnapshot:
@@ -349,6 +356,7 @@ class SparseTable:
         self.admitted = self.expired = self.evicted = self.dropped = 0
         self._charged = 0
         self._moved = 0  # times stored rows were dropped or moved: slots a reserve gave before are stale
+        self._drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # recent reads' drawn rows: (ids sorted, values)
 
     # ----------------------------------------------------------------- rows
     def check(self, ids: torch.Tensor) -> None:
@@ -375,6 +383,35 @@ class SparseTable:
     def _initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The initial values of rows `ids` (int64): computed from (seed, table, row id)."""
         return rows.initial_rows(self.key, ids, self.dim, self.std)
+
+    def _draw(self, ids: torch.Tensor) -> torch.Tensor:
+        """The initial values of rows `ids` (int64, none stored) for a read, kept for the update
+        that makes them (see DRAWN_READS)."""
+        values = self._initial(ids)
+        if self.std != 0.0 and ids.numel():
+            order = torch.argsort(ids)
+            kept = [*self._drawn, (ids[order], values[order])][-DRAWN_READS:]
+            while kept and sum(v.numel() * 4 for _, v in kept) > DRAWN_BYTES:
+                kept.pop(0)
+            self._drawn = kept
+        return values
+
+    def _recall(self, ids: torch.Tensor) -> torch.Tensor:
+        """The initial values of rows `ids` (int64) that an update makes: those a recent read
+        drew, copied; the others drawn."""
+        if not self._drawn:
+            return self._initial(ids)
+        out = torch.empty(ids.numel(), self.dim)
+        missing = torch.ones(ids.numel(), dtype=torch.bool)
+        for drawn_ids, drawn in self._drawn:
+            at = torch.searchsorted(drawn_ids, ids).clamp_(max=drawn_ids.numel() - 1)
+            found = missing & (drawn_ids[at] == ids)
+            if bool(found.any()):
+                out[found] = drawn[at[found]]
+                missing &= ~found
+        if bool(missing.any()):
+            out[missing] = self._initial(ids[missing])
+        return out
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The arena slots of rows `ids` (checked), making the rows never touched."""
@@ -418,7 +455,7 @@ class SparseTable:
             self._grow(capacity, charged=True)
         at = slice(self.touched, need)
         self._ids[at] = ids
-        self._values[at] = self._initial(ids)
+        self._values[at] = self._recall(ids)
         self._versions[at] = 0
         for name, fresh in self.optimizer.new_state(n, self.dim).items():
             self._state[name][at] = fresh
@@ -596,12 +633,12 @@ class SparseTable:
             return self._values.index_select(0, slots), slots
         stored = slots >= 0
         if not self.touched:  # (nothing stored yet: every row computed)
-            return self._initial(ids.long()), slots
+            return self._draw(ids.long()), slots
         out = self._values.index_select(0, slots.clamp(min=0))  # (a never-stored row's place: replaced below)
         if self.std == 0.0:  # (rows that start at zero: one select, where a mask would copy twice)
             return torch.where(stored.unsqueeze(1), out, 0.0), slots
         fresh = ~stored
-        out[fresh] = self._initial(ids[fresh].long())
+        out[fresh] = self._draw(ids[fresh].long())
         return out, slots
 
     def updated_rows(self, from_id: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:

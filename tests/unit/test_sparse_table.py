@@ -222,3 +222,41 @@ def test_initial_rows_of_several_tables_at_once_are_each_tables_own() -> None:
         key, std = tables[t]
         alone = rows.initial_rows(key, ids[i:i + 1], 5, std)[0]
         assert together[i].numpy().tobytes() == alone.numpy().tobytes()  # (bit for bit, +0.0 where std is 0)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "dynamic", "arena"])
+def test_rows_a_read_drew_are_made_from_it_not_drawn_again(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row never stored is drawn when read; the update that makes it next takes the read's values
+    (the same bits as drawn afresh) and draws only the rows no recent read reached."""
+    from psgrad.server import table_groups, tables
+
+    drawn: list[int] = []
+    plain = rows.initial_rows
+
+    def counting(key, ids, dim, std=1.0):  # type: ignore[no-untyped-def]
+        drawn.append(ids.numel())
+        return plain(key, ids, dim, std)
+
+    def make() -> SparseTable:
+        if kind == "arena":
+            arena = table_groups.RowArena(4, 0, 1, RowSGD(0.5), tables.MemoryBudget(None), 1.0)
+            table_groups.GroupedTable("other", 50, 4, 0, 1, 7, 0.5, arena)
+            return table_groups.GroupedTable("emb", 1000, 4, 0, 1, 7, 1.0, arena)
+        return SparseTable("emb", rows.DYNAMIC if kind == "dynamic" else 1000, 4, 0, 1, seed=7, optimizer=RowSGD(0.5))
+
+    read, pushed = torch.tensor([9, 3, 500, 41]), torch.tensor([3, 9, 41, 77])  # 77: read by nobody
+    grads = torch.ones(4, 4)
+    fresh = make()
+    fresh.apply(pushed, grads)  # no read before: every row drawn when made
+    monkeypatch.setattr(rows, "initial_rows", counting)
+    t = make()
+    before = t.rows(read)
+    t.apply(pushed, grads)
+    assert drawn == [4, 1]  # the read's four rows, then only row 77
+    assert torch.equal(t.rows(pushed), fresh.rows(pushed))  # bit for bit what drawing afresh made
+    assert torch.equal(t.rows(torch.tensor([500])), before[2:3])
+    for k in range(3 * tables.DRAWN_READS):  # what it keeps stays bounded
+        t.rows(torch.arange(100 + 50 * k, 140 + 50 * k))
+    keeper = t.arena if kind == "arena" else t  # type: ignore[attr-defined]
+    assert 0 < len(keeper._drawn) <= tables.DRAWN_READS
+    assert sum(v.numel() * 4 for _, v in keeper._drawn) <= tables.DRAWN_BYTES
