@@ -388,7 +388,7 @@ class SparseTable:
         """The initial values of rows `ids` (int64, none stored) for a read, kept for the update
         that makes them (see DRAWN_READS)."""
         values = self._initial(ids)
-        if self.std != 0.0 and ids.numel():
+        if self.std != 0.0 and 0 < values.numel() * 4 <= DRAWN_BYTES:  # (a larger read is not kept)
             order = torch.argsort(ids)
             kept = [*self._drawn, (ids[order], values[order])][-DRAWN_READS:]
             while kept and sum(v.numel() * 4 for _, v in kept) > DRAWN_BYTES:

@@ -260,3 +260,7 @@ def test_rows_a_read_drew_are_made_from_it_not_drawn_again(kind: str, monkeypatc
     keeper = t.arena if kind == "arena" else t  # type: ignore[attr-defined]
     assert 0 < len(keeper._drawn) <= tables.DRAWN_READS
     assert sum(v.numel() * 4 for _, v in keeper._drawn) <= tables.DRAWN_BYTES
+    kept = list(keeper._drawn)
+    monkeypatch.setattr(tables, "DRAWN_BYTES", 4 * 4 * 30)  # room for 30 rows of 4
+    t.rows(torch.arange(600, 640))  # 40 rows drawn: more than is kept, and nothing it kept is lost for it
+    assert len(keeper._drawn) == len(kept) and all(a is b for a, b in zip(keeper._drawn, kept))
