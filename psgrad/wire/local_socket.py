@@ -82,7 +82,12 @@ class ChannelLost(Exception):
 
 
 def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float, body: bytes | memoryview) -> None:
-    """One message (see the module doc)."""
+    """One message (see the module doc).
+
+    Raises:
+        ChannelLost: the connection failed.
+        socket.timeout: the other end took none of it within the socket's timeout (as receive).
+    """
     md = json.dumps([list(p) for p in metadata]).encode() if metadata else b""
     head = _HEADER.pack(len(md), len(body), number) + md
     try:
@@ -97,6 +102,8 @@ def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float
             sent = len(head)
         if sent < len(head) + len(body):
             sock.sendall(memoryview(body)[sent - len(head):])
+    except socket.timeout:
+        raise
     except OSError as exc:
         raise ChannelLost(str(exc)) from None
 

@@ -245,3 +245,15 @@ def test_a_message_larger_than_the_sockets_buffer_arrives_whole() -> None:
         local_socket.send(a, (("k", "v"),), 1.0, body)
         reader.join(30)
         assert got["message"] == ((("k", "v"),), 1.0, bytearray(body))
+
+
+def test_a_send_the_other_end_never_takes_times_out_as_a_receive_does() -> None:
+    """A request the server does not read within the call's timeout ends as its deadline (the
+    caller's LocalCallError DEADLINE_EXCEEDED), not as a lost connection."""
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            local_socket.send(a, (), 1.0, bytes(64 << 20))  # far more than the socket's buffer
