@@ -21,7 +21,9 @@ placement of rows over the shards.
 PATH, the psgrad of that checkout is loaded beside this one, into the same process, and every
 measurement alternates between the two (the order reversed every other repetition), so machine
 noise hits both alike. Figures: the median over --reps repetitions of the mean over a repetition's
-pushes (process CPU time). Prints one JSON document; progress and a table go to stderr.
+pushes (process CPU time). A psgrad with row kernels (server/kernels.py) has them compiled before
+the clock starts, as a server has after its first large push. Prints one JSON document; progress
+and a table go to stderr.
 """
 from __future__ import annotations
 
@@ -189,7 +191,11 @@ def main() -> None:
     trees = {"this": REPO} | ({"against": args.against.resolve()} if args.against else {})
     for tag, root in trees.items():
         log(f"tables_path: psgrad from {root}")
-        benches[tag] = Bench(load_psgrad(root), p)
+        modules = load_psgrad(root, (*MODULES, "server.kernels"))
+        rows_kernels = getattr(modules["server.kernels"], "rows", None)  # (a checkout before the row kernels: none)
+        if rows_kernels is not None and rows_kernels(wait=True) is None:
+            log(f"tables_path: the row kernels of {root} are unavailable: its torch ops are measured")
+        benches[tag] = Bench(modules, p)
     gen = torch.Generator().manual_seed(0)
     warm = {layout: benches["this"].batches(layout, False, gen) for layout in ("tables", "one")}
     workers = {(tag, layout): b.worker_steps(layout, torch.Generator().manual_seed(1))

@@ -346,6 +346,21 @@ def health(address: str, wait_for: str | None = None, timeout_s: float = 10.0) -
         raise AssertionError(f"{address}: the health watch ended before {wait_for} (saw {seen})")
 
 
+@pytest.fixture(params=["torch-ops", "row-kernels"])
+def row_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test of sparse tables run both ways a shard updates and reads rows: by the tables' torch
+    ops (the fused kernels turned off) and by the row kernels (compiled first: numba is a
+    dependency, so they must be)."""
+    from psgrad.server import kernels
+
+    if request.param == "torch-ops":
+        monkeypatch.setenv(kernels.ENV, "0")
+    else:
+        monkeypatch.delenv(kernels.ENV, raising=False)
+        assert kernels.rows(wait=True) is not None, "the row kernels must compile and agree with torch's ops"
+    return str(request.param)
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -1,9 +1,15 @@
-"""A fused update for the shard's hottest loop: plain SGD (w += alpha * g) that checks the gradient
-for NaN/inf in the same pass, on two threads. torch has no op that both updates and reduces, so a
-checked apply otherwise reads the gradient twice (a sum, then the update): about 1.3-1.4 x the
-update's time on these machines. The kernel is compiled with numba in the background the first
-time one is asked for; until it is ready (or where numba is missing, or its result would differ
-from torch's in any bit) callers get None and use the torch ops. PSGRAD_FUSED_APPLY=0 turns it off.
+"""Fused kernels for the shard's hottest loops, compiled with numba in the background the first
+time one is asked for; until they are ready (or where numba is missing, or a result would differ
+from torch's in any bit) callers get None and use the torch ops. PSGRAD_FUSED_APPLY=0 turns them
+all off.
+
+- sgd_checked: plain SGD (w += alpha * g) that checks the gradient for NaN/inf in the same pass,
+  on two threads. torch has no op that both updates and reduces, so a checked apply otherwise
+  reads the gradient twice (a sum, then the update): about 1.3-1.4 x the update's time here.
+- the row kernels (rows()): a sparse table's call works through its rows in one pass each where
+  torch takes one op per step of it (a gather, each op of the rule, a scatter, a version stamp; a
+  check of the ids in several comparisons and reductions, then a lookup): at a few hundred rows
+  a table, a call's cost is those ops' overhead more than their arithmetic.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,49 +31,61 @@ Kernel = Callable[[np.ndarray, np.ndarray, np.float32], np.float32]
 
 
 class _Compiled:
-    """One process's kernel: compiled once (a forked child compiles its own)."""
+    """One process's compiled kernels of one kind: compiled once (a forked child compiles its own)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.fn: Kernel | None = None  # None while compiling, or where it is unavailable
+        self.fn: Any = None  # None while compiling, or where it is unavailable
 
 
-_BY_PID: dict[int, _Compiled] = {}
+_BY_PID: dict[tuple[int, str], _Compiled] = {}
 _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    """Whether the fused kernel may be used at all (PSGRAD_FUSED_APPLY is not 0/false/off/no)."""
+    """Whether the fused kernels may be used at all (PSGRAD_FUSED_APPLY is not 0/false/off/no)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def kernel(wait: bool = False) -> Kernel | None:
-    """The compiled kernel, or None: not ready yet (the first call starts compiling it on a
-    background thread; wait=True waits for that), turned off, or unavailable here."""
+def _get(kind: str, make: Callable[[], Any], start: bool, wait: bool) -> Any:
+    """The compiled kernels of `kind`, or None: not ready yet (start: a call that starts compiling
+    them on a background thread; wait=True waits for that), turned off, or unavailable here."""
     if not enabled():
         return None
+    key = (os.getpid(), kind)
     with _LOCK:
-        compiled = _BY_PID.get(os.getpid())
+        compiled = _BY_PID.get(key)
         if compiled is None:
-            compiled = _BY_PID[os.getpid()] = _Compiled()
-            threading.Thread(target=_compile, args=(compiled,), name="psgrad-compile", daemon=True).start()
+            if not (start or wait):
+                return None
+            compiled = _BY_PID[key] = _Compiled()
+            threading.Thread(target=_compile, args=(compiled, kind, make), name="psgrad-compile", daemon=True).start()
     if wait:
         compiled.done.wait(120)
     return compiled.fn
 
 
-def _compile(compiled: _Compiled) -> None:
+def _compile(compiled: _Compiled, kind: str, make: Callable[[], Any]) -> None:
     try:
-        from psgrad.server._sgd_kernel import sgd_checked
-
-        if _agrees_with_torch(sgd_checked):
-            compiled.fn = sgd_checked
-        else:
-            _log.warning("fused SGD kernel differs from torch's add_ on this machine; using torch ops")
+        compiled.fn = make()
+        if compiled.fn is None:
+            _log.warning("fused %s kernels differ from torch's ops on this machine; using torch ops", kind)
     except Exception as e:  # numba missing or broken here: the torch ops do the work
-        _log.info("fused SGD kernel unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        _log.info("fused %s kernels unavailable (%s: %s); using torch ops", kind, type(e).__name__, e)
     finally:
         compiled.done.set()
+
+
+def kernel(wait: bool = False) -> Kernel | None:
+    """The compiled SGD kernel, or None: not ready yet (the first call starts compiling it on a
+    background thread; wait=True waits for that), turned off, or unavailable here."""
+    return _get("sgd", _make_sgd, True, wait)
+
+
+def _make_sgd() -> Kernel | None:
+    from psgrad.server._sgd_kernel import sgd_checked
+
+    return sgd_checked if _agrees_with_torch(sgd_checked) else None
 
 
 def _agrees_with_torch(fn: Kernel) -> bool:
@@ -106,3 +125,111 @@ def sgd_checked(weights: torch.Tensor, grad: torch.Tensor, alpha: float) -> bool
 
 
 register_axpy_backend("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looked up at each call)
+
+
+# ----------------------------------------------------------------------------------- row kernels
+
+#: Values (rows x width) in one call from which a sparse table starts compiling the row kernels: a
+#: process whose calls are all smaller (a test's, a toy model's) never loads numba for them; calls
+#: smaller than this use the kernels once they are compiled all the same.
+ROW_KERNEL_MIN = 16384
+
+
+class RowKernels:
+    """The compiled row kernels (_row_kernels.py) as the tables call them: torch tensors in and
+    out, each call one pass over the rows. Arrays must be contiguous, of the dtypes named."""
+
+    def __init__(self, compiled: dict[str, Any]) -> None:
+        self._k = compiled
+
+    def locate(self, ids: torch.Tensor, counts: np.ndarray, sizes: np.ndarray, bases: np.ndarray, num_shards: int,
+               index: int, ascending: bool, slot_of: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """Check row ids of several tables of an arena (concatenated, int64; counts[k] of table k,
+        of sizes[k] rows, based at bases[k]) and find their rows: (the position of the first id
+        out of its table's range, on another shard, or (ascending) not above the one before it in
+        arena order, -1 for none; the count of ids never stored; their arena ids; their slots, -1
+        where never stored). Past a bad id, arena ids and slots are not filled."""
+        arena_ids, slots = torch.empty(ids.numel(), dtype=torch.int64), torch.empty(ids.numel(), dtype=torch.int64)
+        bad, new = self._k["locate"](ids.numpy(), counts, sizes, bases, num_shards, index, ascending,
+                                     slot_of.numpy(), arena_ids.numpy(), slots.numpy())
+        return int(bad), int(new), arena_ids, slots
+
+    def gather(self, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """values[slots] (rows [n, dim]), zeros where a slot is -1."""
+        out = torch.empty(slots.numel(), values.shape[1])
+        self._k["gather"](values.numpy(), slots.numpy(), out.numpy())
+        return out
+
+    def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
+              slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor) -> bool:
+        """Apply a row rule's fused form (RowOptimizer.fused) to rows at `slots` (unique) of values and
+        their state, in place, and stamp versions[slots] = stamp; False: nothing done (the form or
+        the arrays are not the kernels'), the torch ops apply it."""
+        kind, scale, eps = form
+        if not slots.numel() or int(slots.min()) < 0:  # (a row not made: torch's index ops raise for it)
+            return False
+        g = grads.numpy()
+        if g.dtype != np.float32 or not g.flags.c_contiguous or g.shape != (slots.numel(), values.shape[1]):
+            return False
+        if kind == "sgd":
+            self._k["sgd_rows"](values.numpy(), slots.numpy(), g, np.float32(scale), versions.numpy(), stamp.numpy())
+            return True
+        if kind == "adagrad":
+            # the sums' square roots by torch's sqrt (not always correctly rounded: its vectorized
+            # sqrt; the kernels' would be), on a tensor made as the torch path makes its own
+            denom = torch.empty_like(grads)
+            self._k["square_sums"](state["sum"].numpy(), slots.numpy(), g, denom.numpy())
+            torch.sqrt(denom, out=denom).add_(eps)
+            self._k["divided_rows"](values.numpy(), slots.numpy(), g, denom.numpy(), np.float32(scale),
+                                    versions.numpy(), stamp.numpy())
+            return True
+        return False
+
+
+def rows(start: bool = False, wait: bool = False) -> RowKernels | None:
+    """The compiled row kernels, or None: not ready yet (start: the call starts compiling them on a
+    background thread, where nothing did yet; wait=True waits for that), turned off, or
+    unavailable here (numba missing, or a rule's kernel differs from its torch ops in a bit)."""
+    return _get("rows", _make_rows, start, wait)
+
+
+def _make_rows() -> RowKernels | None:
+    from psgrad.server._row_kernels import KERNELS
+
+    made = RowKernels(KERNELS)
+    return made if _rows_agree_with_torch(made) else None
+
+
+def _rows_agree_with_torch(k: RowKernels) -> bool:
+    """Whether each row rule's fused form gives what its torch ops give (the rule's apply on the
+    gathered rows, then the scatter), bit for bit, at row widths and counts that meet every vector
+    loop's tail, for rows of a table of several times their number."""
+    from psgrad.core.optimizers.rows import RowAdagrad, RowSGD
+
+    gen = torch.Generator().manual_seed(0)
+    for rule in (RowSGD(0.05), RowAdagrad(0.05, 0.1, 1e-10), RowAdagrad(0.3, 0.0, 1e-6, lr_decay=0.01)):
+        for n, dim in ((1, 1), (3, 5), (17, 8), (40, 33), (300, 32)):
+            values = torch.randn(4 * n, dim, generator=gen)
+            state = {name: t.uniform_(0, 2, generator=gen) for name, t in rule.new_state(4 * n, dim).items()}
+            slots = torch.randperm(4 * n, generator=gen)[:n]
+            grads = torch.randn(n, dim, generator=gen) * 10 ** float(torch.randint(-4, 3, (), generator=gen))
+            expect_values = values.clone()
+            expect_state = {name: t.clone() for name, t in state.items()}
+            rows, rows_state = expect_values.index_select(0, slots), {n_: t.index_select(0, slots) for n_, t in expect_state.items()}
+            rule.apply(rows, grads, rows_state, 0.07, 3)
+            expect_values.index_copy_(0, slots, rows)
+            for name, t in rows_state.items():
+                expect_state[name].index_copy_(0, slots, t)
+            form = rule.fused(0.07, 3)
+            versions, stamp = torch.zeros(4 * n, dtype=torch.int64), torch.arange(1, n + 1)
+            if form is None or not k.apply(form, values, state, slots, grads, versions, stamp):
+                return False
+            if not (_same_bits(values, expect_values) and all(_same_bits(state[n_], expect_state[n_]) for n_ in state)
+                    and torch.equal(versions[slots], stamp)):
+                return False
+    return True
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal takes -0.0 for 0.0)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -40,6 +40,11 @@ class DenseIndex:
     def _local(self, ids: torch.Tensor) -> torch.Tensor:
         return ids.long() if self.num_shards == 1 else rows.local_index(ids.long(), self.num_shards)
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot of each local index, -1 where never stored (the row kernels read it)."""
+        return self._slot
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id (checked), -1 where never stored."""
         return self._slot.index_select(0, self._local(ids))

@@ -14,7 +14,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, in_arena, per_row
+from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, per_row
 from psgrad.server.tables import SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -80,7 +80,12 @@ class Rows:
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
-                parts = arena.rows(arena.ids_of(members, ids_), checked=True).split([i.numel() for i in ids_])
+                found = arena.locate(members, ids_, ascending=False)
+                if found is None:
+                    got = arena.rows(arena.ids_of(members, ids_), checked=True)
+                else:
+                    got = arena.read_at(found[0], found[1], found[2])
+                parts = got.split([i.numel() for i in ids_])
                 for i, part in zip(places, parts):
                     read[i] = part
             out = []
@@ -140,19 +145,20 @@ class Rows:
             MemoryBudgetError: the rows would not fit the server's budget.
         """
         tables = [state.sparse(name, rank) for name in rows]
-        _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()])
+        located = _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()])
         bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
-        slots = self.reserve(state, rows)
+        slots = self.reserve(state, rows, located=located)
         return bad, (state.uid, tuple(t.placement() for t in tables), slots)
 
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
-                made: Reserved | None = None) -> dict[str, torch.Tensor]:
+                made: Reserved | None = None, located: dict[RowArena, Located] | None = None) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
         applied (tables that evict make room now; see SparseTable.reserve). made: what the push's
         check reserved; its slots are returned as they are where they still hold (the same state,
         no row of those tables dropped or moved since, no table with a row lifetime, whose rows
-        the apply may admit or evict).
+        the apply may admit or evict). located: what a check under this lock found of their rows
+        (_check_tables), by arena.
 
         Raises:
             MemoryBudgetError: they would not fit.
@@ -167,8 +173,12 @@ class Rows:
         out: dict[str, torch.Tensor] = {}
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]
-            parts = arena.reserve(arena.ids_of([_grouped(tables[i]) for i in places], ids_), may_evict).split(
-                [i.numel() for i in ids_])
+            found = None if located is None else located.get(arena)
+            if found is None:
+                made_ = arena.reserve(arena.ids_of([_grouped(tables[i]) for i in places], ids_), may_evict)
+            else:
+                made_ = arena.reserve(found[0], may_evict, slots=found[1], new=found[2])
+            parts = made_.split([i.numel() for i in ids_])
             out.update((names[i], part) for i, part in zip(places, parts))
         for name, t in zip(names, tables):
             if name not in out:
@@ -187,12 +197,12 @@ class Rows:
             ids = arena.ids_of(members, [rows[names[i]][0] for i in places])
             grads = torch.cat([rows[names[i]][1] for i in places])
             at = None if slots is None else torch.cat([slots[names[i]] for i in places])
-            arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1)
+            versions = per_row([m.version + 1 for m in members], [rows[names[i]][0] for i in places])  # (their next)
+            arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1, versions=versions)
             for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
                 member_ids, member_grads, base = rows[names[i]]
                 member.updated(base)
                 self._report(names[i], member, member_ids, member_grads, base, step_lr)
-            arena.stamp(ids, per_row([m.version for m in members], [rows[names[i]][0] for i in places]), at)
         for name, t in zip(names, tables):
             ids, grads, base = rows[name]
             if not isinstance(t, GroupedTable):
@@ -246,23 +256,28 @@ class Rows:
 
 
 def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
-                  grads: Sequence[torch.Tensor] | None = None) -> None:
+                  grads: Sequence[torch.Tensor] | None = None) -> dict[RowArena, Located]:
     """Check a call's row ids of `tables` (and, for an update, their gradients; see
     SparseTable.check and check_update): those stored together at once, per arena, the others
-    each on its own.
+    each on its own. Returns what the arenas' checks found of their rows, where the row kernels
+    found it (RowArena.locate: valid under this lock).
 
     Raises:
         InvalidRequestError: as the table concerned words it.
     """
+    found: dict[RowArena, Located] = {}
     for arena, places in in_arena(tables).items():
-        arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
-                            None if grads is None else [grads[i] for i in places])
+        located = arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
+                                      None if grads is None else [grads[i] for i in places])
+        if located is not None:
+            found[arena] = located
     for k, t in enumerate(tables):
         if not isinstance(t, GroupedTable):
             if grads is None:
                 t.check(ids[k])
             else:
                 t.check_update(ids[k], grads[k])
+    return found
 
 
 def _round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,13 @@ from psgrad.core import rows
 from psgrad.core.optimizers.rows import RowOptimizer
 from psgrad.core.status import TableStatus
 from psgrad.errors import InvalidRequestError
+from psgrad.server import kernels
 from psgrad.server.row_index import DenseIndex
 from psgrad.server.tables import MemoryBudget, SparseTable, TableSnapshot, Tensors
+
+# What RowArena.locate finds of a call's ids: (their arena ids, their slots (-1: never stored), the
+# count of ids never stored)
+Located = tuple[torch.Tensor, torch.Tensor, int]
 
 
 def group_key(optimizer: RowOptimizer, dim: int, lr_scale: float, lifetime: tuple[int, int, bool],
@@ -90,11 +95,12 @@ class RowArena(SparseTable):
         return torch.cat(list(ids)).long() + per_row([m.base for m in members], ids)
 
     def check_members(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
-                      grads: Sequence[torch.Tensor] | None = None) -> None:
+                      grads: Sequence[torch.Tensor] | None = None) -> Located | None:
         """Check member tables' row ids (and, for an update, their gradients) as each one's check
-        (check_update) does, with one set of tensor operations for all of them where everything is
-        in order (members in the order of their bases, as in_arena gives them); where something is
-        not, the members' own checks run and name it.
+        (check_update) does, with one pass of the row kernels for all of them (locate), or one set
+        of tensor operations, where everything is in order (members in the order of their bases,
+        as in_arena gives them); where something is not, the members' own checks run and name it.
+        Returns what locate found (None: it did not run).
 
         Raises:
             InvalidRequestError: as SparseTable.check (check_update) words it.
@@ -103,6 +109,9 @@ class RowArena(SparseTable):
         if fine and grads is not None:
             fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim) for i, g in zip(ids, grads))
         if fine and any(i.numel() for i in ids):
+            found = self.locate(members, ids, ascending=grads is not None)
+            if found is not None:
+                return found
             local = torch.cat(list(ids)).long()
             wrong = (local < 0) | (local >= per_row([m.num_embeddings for m in members], ids))
             if self.num_shards > 1:
@@ -112,11 +121,43 @@ class RowArena(SparseTable):
                 at = local + per_row([m.base for m in members], ids)
                 fine = bool((at[1:] > at[:-1]).all())  # (as workers send them: unique, sorted)
         if not fine:
-            for k, member in enumerate(members):
-                if grads is None:
-                    member.check(ids[k])
-                else:
-                    member.check_update(ids[k], grads[k])
+            self._check_each(members, ids, grads)
+        return None
+
+    def _check_each(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
+                    grads: Sequence[torch.Tensor] | None) -> None:
+        for k, member in enumerate(members):
+            if grads is None:
+                member.check(ids[k])
+            else:
+                member.check_update(ids[k], grads[k])
+
+    def locate(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor], ascending: bool) -> Located | None:
+        """Member tables' row ids (members in the order of their bases) checked, and found in the
+        arena, in one pass of the row kernels: (their arena ids, concatenated; their slots, -1
+        where never stored; how many are never stored), valid under this lock. None: the kernels
+        are not compiled here, the ids are not int64, or (ascending: an update's) they are not
+        in increasing order, which the members' own checks allow (the torch ops go on).
+
+        Raises:
+            InvalidRequestError: an id out of range or on another shard, as the member's check
+                words it.
+        """
+        n = sum(i.numel() for i in ids)
+        fused = kernels.rows(start=n * self.dim >= kernels.ROW_KERNEL_MIN)
+        if fused is None or not all(i.dtype == torch.int64 for i in ids):
+            return None
+        index = self._index
+        assert isinstance(index, DenseIndex)
+        flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0].contiguous()
+        bad, new, arena_ids, slots = fused.locate(
+            flat, np.array([i.numel() for i in ids], dtype=np.int64),
+            np.array([m.num_embeddings for m in members], dtype=np.int64),
+            np.array([m.base for m in members], dtype=np.int64), self.num_shards, self.index, ascending, index.slots)
+        if bad >= 0:
+            self._check_each(members, ids, None)  # (raises where an id is out of range or elsewhere)
+            return None
+        return arena_ids, slots, new
 
     def stamp(self, ids: torch.Tensor, versions: torch.Tensor, slots: torch.Tensor | None = None) -> None:
         """Rows `ids` (arena ids, stored; at `slots` where known) were last updated at their tables'
@@ -159,8 +200,9 @@ class GroupedTable(SparseTable):
     def placement(self) -> int:
         return self.arena.placement()
 
-    def reserve(self, ids: torch.Tensor, may_evict: bool = False) -> torch.Tensor:
-        return self.arena.reserve(self.to_arena(ids), may_evict)
+    def reserve(self, ids: torch.Tensor, may_evict: bool = False, slots: torch.Tensor | None = None,
+                new: int | None = None) -> torch.Tensor:
+        return self.arena.reserve(self.to_arena(ids), may_evict, slots, new)
 
     def rows(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
         if not checked:
@@ -173,15 +215,16 @@ class GroupedTable(SparseTable):
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
               checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None,
-              replicated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              replicated: bool = False, versions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if not checked:
             self.check_update(ids, grads)
         if ids.numel():
             at = self.to_arena(ids)
             self.arena.apply(at, grads, lr, None, checked=True, slots=slots,
-                             step=self.version + 1 if step is None else step, replicated=replicated)
+                             step=self.version + 1 if step is None else step, replicated=replicated,
+                             versions=torch.full((ids.numel(),), self.version + 1, dtype=torch.int64)
+                             if versions is None else versions)
             self.updated(base_version)
-            self.arena.stamp(at, torch.full((ids.numel(),), self.version, dtype=torch.int64))
         return ids, grads
 
     def load_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:

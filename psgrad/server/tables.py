@@ -571,31 +571,37 @@ class SparseTable:
         self.version = 1
         self._versions.index_fill_(0, slots, 1)
 
-    def reserve(self, ids: torch.Tensor, may_evict: bool = False) -> torch.Tensor:
+    def reserve(self, ids: torch.Tensor, may_evict: bool = False, slots: torch.Tensor | None = None,
+                new: int | None = None) -> torch.Tensor:
         """Make the rows of an update of `ids` (checked: unique) that it will store, charging the memory
         budget, so the update cannot fail for it later; returns their arena slots (-1: an id its
         update will not admit yet, see min_count), valid until rows are made or dropped again (an
         apply under the same lock may use them). may_evict: with evict, make room by dropping the
         least recently updated other rows (only as the update is applied: a push refused after its
         header must change nothing); else, with evict, the rows that do not fit are left for then.
+        slots, new: the ids' slots and the count never stored, as a lookup under this lock found
+        them (RowArena.locate; None: looked up here).
 
         Raises:
             MemoryBudgetError: they would not fit, and no room may be made (nothing is made).
         """
         if not ids.numel():
             return torch.empty(0, dtype=torch.int64)
-        slots = self._index.lookup(ids)
-        new = slots < 0
-        if not bool(new.any()):
+        if slots is None:
+            slots = self._index.lookup(ids)
+        if new == 0:
             return slots
-        fresh = ids[new].long()
+        unstored = slots < 0
+        if new is None and not bool(unstored.any()):
+            return slots
+        fresh = ids[unstored].long()
         if self.sightings is not None:  # would this update's sighting admit them?
             fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
         if fresh.numel():
             try:
                 # (ids are unique, a checked update's: sorted, not made unique again, so the rows
                 # are laid out as a standby makes them; only a table that evicts protects the others)
-                self._make(torch.sort(fresh).values, protect=ids[~new] if self.evict else None,
+                self._make(torch.sort(fresh).values, protect=ids[~unstored] if self.evict else None,
                            may_evict=may_evict)
             except MemoryBudgetError:
                 if not self.evict or may_evict:
@@ -622,13 +628,25 @@ class SparseTable:
             self.check(ids)
         return self._read(ids)[0]
 
-    def _read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_at(self, ids: torch.Tensor, slots: torch.Tensor, new: int) -> torch.Tensor:
+        """Rows [n, dim] of checked ids whose slots (and count never stored) a lookup under this
+        lock found (RowArena.locate): rows, as rows(ids) reads them."""
+        return self._read(ids, slots, new)[0]
+
+    def _read(self, ids: torch.Tensor, slots: torch.Tensor | None = None,
+              new: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [n, dim], their arena slots, -1 where never stored) for checked ids: stored rows
-        gathered, the others computed from (seed, table, row id) as they would be made."""
+        gathered, the others computed from (seed, table, row id) as they would be made. slots,
+        new: as a lookup under this lock found them (None: looked up here)."""
         if not ids.numel():
             return self._values[:0].clone(), torch.empty(0, dtype=torch.int64)
-        slots = self._index.lookup(ids)
-        if int(slots.min()) >= 0:  # (one reduction: most reads find every row stored)
+        if slots is None:
+            slots = self._index.lookup(ids)
+        if new == 0 or self.std == 0.0:
+            fused = kernels.rows()  # (one pass, zeros where never stored; compiled by a table's update)
+            if fused is not None:
+                return fused.gather(self._values, slots), slots
+        if new == 0 or (new is None and int(slots.min()) >= 0):  # (one reduction: most reads find every row stored)
             # (index_select: a gather several times faster than indexing with a tensor of slots)
             return self._values.index_select(0, slots), slots
         stored = slots >= 0
@@ -674,7 +692,7 @@ class SparseTable:
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None, base_version: int | None = None,
               checked: bool = False, slots: torch.Tensor | None = None, step: int | None = None,
-              replicated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              replicated: bool = False, versions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply one update to rows `ids` (unique: coalesced per id) with their gradients [n, dim]
         at lr (None: the job's) times the table's lr_scale; base_version: the table version they
         were pulled at (its staleness is recorded); checked: the caller checked them already
@@ -683,8 +701,11 @@ class SparseTable:
         version after it), which Adagrad's lr_decay counts. With min_count, the ids not stored are
         counted, and those not seen in min_count updates yet are left out (dropped); with ttl, rows
         untouched in ttl updates are dropped after it. replicated: a standby applying its primary's
-        record, which admitted, expired and evicted already (and says so). Returns the (ids,
-        gradients) applied.
+        record, which admitted, expired and evicted already (and says so); versions: the version
+        each row is stamped with (an arena's: its own table's), None: the table's after this
+        update. The rows are updated by the row kernels (kernels.rows) where the rule has a fused
+        form and they are compiled, else by the rule's torch ops, bit for bit the same. Returns
+        the (ids, gradients) applied.
 
         Raises:
             InvalidRequestError: repeated ids, or gradients of another shape or dtype.
@@ -699,21 +720,29 @@ class SparseTable:
             if not bool(admit.all()):
                 self.dropped += int((~admit).sum())
                 ids, grads = ids[admit], grads[admit]
-                slots = None
+                slots = None if slots is None else slots[admit]
+                versions = None if versions is None else versions[admit]
         if not ids.numel():
             return ids, grads
         if self.min_count > 1 or self.evict or slots is None:  # (rows may have been made or moved since a reserve)
             slots = self.reserve(ids, may_evict=not replicated) if not replicated else self._slots(ids)
-        weights = self._values.index_select(0, slots)
-        state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         if self.lr_scale != 1.0:
             lr = self.optimizer.step_lr(lr) * self.lr_scale
-        self.optimizer.apply(weights, grads, state, lr, self.version + 1 if step is None else step)  # (grads: read only)
-        self._values.index_copy_(0, slots, weights)
-        for name, t in state.items():
-            self._state[name].index_copy_(0, slots, t)
+        step = self.version + 1 if step is None else step
+        form = self.optimizer.fused(lr, step)
+        fused = None if form is None else kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
+        if versions is None:
+            versions = torch.full((ids.numel(),), self.version + 1, dtype=torch.int64)
+        if fused is None or form is None or not fused.apply(form, self._values, self._state, slots, grads,
+                                                            self._versions, versions):
+            weights = self._values.index_select(0, slots)
+            state = {name: t.index_select(0, slots) for name, t in self._state.items()}
+            self.optimizer.apply(weights, grads, state, lr, step)  # (grads: read only)
+            self._values.index_copy_(0, slots, weights)
+            for name, t in state.items():
+                self._state[name].index_copy_(0, slots, t)
+            self._versions.index_copy_(0, slots, versions)
         self.updated(base_version)
-        self._versions.index_fill_(0, slots, self.version)
         if self.ttl and not replicated and self.version % max(1, self.ttl // 8) == 0:
             self._expire()
         return ids, grads

@@ -14,7 +14,7 @@ from psgrad.errors import MemoryBudgetError
 from psgrad.server.row_index import Sightings
 from psgrad.server.tables import MemoryBudget, SparseTable
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
 DIM, LR = 4, 0.5
 
 

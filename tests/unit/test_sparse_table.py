@@ -18,7 +18,7 @@ from psgrad.server.shard import Shard
 from psgrad.server.tables import SparseTable
 from test_shard import make_layout, weights_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
 
 
 def table(optimizer=None, num_embeddings: int = 1000, dim: int = 4, index: int = 0, shards: int = 1) -> SparseTable:  # type: ignore[no-untyped-def]

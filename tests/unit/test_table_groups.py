@@ -19,7 +19,7 @@ from psgrad.server.table_groups import GroupedTable
 from psgrad.server.tables import SparseTable
 from test_shard import make_layout, weights_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
 
 # (rows, dim, std): a and b start at zero, c is drawn (its initial rows are its own in the arena too)
 TABLES = {"a": (1000, 4, 0.0), "b": (37, 4, 0.0), "c": (5000, 4, 0.5)}

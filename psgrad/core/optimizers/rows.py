@@ -57,6 +57,13 @@ class RowOptimizer(ABC):
     def step_lr(self, lr: float | None) -> float:
         return self.lr if lr is None else lr
 
+    def fused(self, lr: float | None = None, step: int = 1) -> tuple[str, float, float] | None:
+        """This rule at (lr, step) as the server's fused row kernels compute it, one pass over the
+        rows in place of gather, rule and scatter: (its kind, its scale, its eps), or None where
+        there is none (the torch ops apply it). A kernel is used only where it gives what apply()
+        gives, bit for bit (checked after compiling, server/kernels.py)."""
+        return None
+
 
 class RowSGD(RowOptimizer):
     """SGD's dense rule (sgd_rule, without weight decay) on the touched rows: w -= lr * g. Exact."""
@@ -72,6 +79,9 @@ class RowSGD(RowOptimizer):
     def apply(self, weights: torch.Tensor, grads: torch.Tensor, state: RowState, lr: float | None = None,
               step: int = 1) -> None:
         sgd_rule(weights, grads, weights, self.step_lr(lr), 0.0, grads)
+
+    def fused(self, lr: float | None = None, step: int = 1) -> tuple[str, float, float] | None:
+        return "sgd", -self.step_lr(lr), 0.0  # w + (-lr) * g
 
 
 class RowAdagrad(RowOptimizer):
@@ -95,6 +105,9 @@ class RowAdagrad(RowOptimizer):
               step: int = 1) -> None:
         clr = adagrad_lr(self.step_lr(lr), step, self.lr_decay)
         adagrad_rule(weights, grads, state["sum"], torch.empty_like(grads), clr, 0.0, self.eps)
+
+    def fused(self, lr: float | None = None, step: int = 1) -> tuple[str, float, float] | None:
+        return "adagrad", -adagrad_lr(self.step_lr(lr), step, self.lr_decay), self.eps
 
 
 class RowAdam(RowOptimizer):

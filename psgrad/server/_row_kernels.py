@@ -1,0 +1,116 @@
+"""The compiled row kernels (numba): imported only by psgrad.server.kernels, on a background thread
+(importing numba and compiling take a second or two; the machine code is cached next to this file,
+or in the user's cache directory where this one is read-only; where neither can be written it is
+compiled in every process). Each does in one pass over a call's rows what the torch ops of a
+sparse table do in several (see kernels.py); the arithmetic ones are checked bit for bit against
+the row rules after compiling.
+
+Signatures are given, so nothing is compiled at a call: inputs a kernel only reads are typed
+read-only (a request's bytes are), which writable arrays also match."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+
+_F32 = types.Array(types.float32, 2, "C")
+_F32_IN = types.Array(types.float32, 2, "C", readonly=True)
+_I64 = types.Array(types.int64, 1, "C")
+_I64_IN = types.Array(types.int64, 1, "C", readonly=True)
+
+
+def _locate(ids, counts, sizes, bases, num_shards, index, ascending, slot_of, arena_ids, slots):  # pragma: no cover
+    # ids: member tables' row ids, concatenated (counts[k] of member k, whose rows are [0, sizes[k])
+    # and start at arena id bases[k]). Fills arena_ids and slots (-1: never stored); returns (the
+    # position of the first id out of range, on another shard, or (ascending) not above the one
+    # before it in arena order; -1: none), and the number of ids never stored.
+    at, new, last = 0, 0, np.int64(-1)
+    for k in range(counts.shape[0]):
+        size, base = sizes[k], bases[k]
+        for _ in range(counts[k]):
+            r = ids[at]
+            if r < 0 or r >= size or (num_shards > 1 and r % num_shards != index):
+                return at, new
+            a = r + base
+            if ascending and a <= last:
+                return at, new
+            last = a
+            arena_ids[at] = a
+            s = slot_of[a // num_shards]
+            slots[at] = s
+            if s < 0:
+                new += 1
+            at += 1
+    return -1, new
+
+
+def _gather(values, slots, out):  # pragma: no cover
+    # out[i] = values[slots[i]] for the stored rows; rows never stored (slot -1) are zeros
+    n, d = out.shape
+    for i in range(n):
+        s = slots[i]
+        if s >= 0:
+            for j in range(d):
+                out[i, j] = values[s, j]
+        else:
+            for j in range(d):
+                out[i, j] = 0
+
+
+def _sgd_rows(values, slots, grads, alpha, versions, stamp):  # pragma: no cover
+    # values[s] + alpha * g as one fused multiply-add (as torch's add_ with alpha computes it)
+    n, d = grads.shape
+    for i in range(n):
+        s = slots[i]
+        for j in range(d):
+            values[s, j] = values[s, j] + alpha * grads[i, j]
+        versions[s] = stamp[i]
+
+
+def _square_sums(acc, slots, grads, out):  # pragma: no cover
+    # acc[s] + g * g as one fused multiply-add (as torch's addcmul_ computes it); out[i]: the new sums
+    n, d = grads.shape
+    for i in range(n):
+        s = slots[i]
+        for j in range(d):
+            g = grads[i, j]
+            a = acc[s, j] + g * g
+            acc[s, j] = a
+            out[i, j] = a
+
+
+def _divided_rows(values, slots, grads, denom, scale, versions, stamp):  # pragma: no cover
+    # values[s] + (scale * g) / denom, as torch's addcdiv_ computes it (no fused multiply-add here)
+    n, d = grads.shape
+    for i in range(n):
+        s = slots[i]
+        for j in range(d):
+            values[s, j] = values[s, j] + (scale * grads[i, j]) / denom[i, j]
+        versions[s] = stamp[i]
+
+
+# error_model "numpy": a division by zero gives inf or NaN, as torch's does, where numba's default
+# would check every division to raise ZeroDivisionError (and so keep the loop from vectorizing).
+def _jit(fn, signature, cache: bool, contract: bool):
+    return numba.njit(signature, cache=cache, nogil=True, boundscheck=False, error_model="numpy",
+                      fastmath={"contract"} if contract else False)(fn)
+
+
+def _compile(cache: bool) -> dict[str, object]:
+    f32 = types.float32
+    return {
+        "locate": _jit(_locate, types.UniTuple(types.int64, 2)(_I64_IN, _I64_IN, _I64_IN, _I64_IN, types.int64,
+                                                               types.int64, types.boolean, _I64_IN, _I64, _I64),
+                       cache, False),
+        "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
+        "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN), cache, True),
+        "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32), cache, True),
+        "divided_rows": _jit(_divided_rows, types.void(_F32, _I64_IN, _F32_IN, _F32_IN, f32, _I64, _I64_IN),
+                             cache, False),
+    }
+
+
+try:
+    KERNELS = _compile(cache=True)
+except RuntimeError:  # no writable place for the cache
+    KERNELS = _compile(cache=False)

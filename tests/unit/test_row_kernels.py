@@ -1,0 +1,189 @@
+"""The row kernels (server/kernels.py, compiled from server/_row_kernels.py): each row rule's fused
+form gives its torch ops' rows, state and versions bit for bit; locate checks ids as the tables'
+checks do and finds the same slots as the index; gather reads what the table reads; and a process
+whose calls are all small never compiles them. The tables' own tests run both ways (the
+row_kernels fixture)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowOptimizer, RowSGD
+from psgrad.server import kernels
+from psgrad.server.row_index import DenseIndex
+from psgrad.wire.rows import tensor_from_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def k(monkeypatch: pytest.MonkeyPatch) -> kernels.RowKernels:
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    compiled = kernels.rows(wait=True)
+    assert compiled is not None, "numba is a dependency: the row kernels must compile and agree with torch's ops"
+    return compiled
+
+
+def _torch_update(rule: RowOptimizer, values: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor,
+                  grads: torch.Tensor, lr: float, step: int) -> None:
+    """What a table's torch ops do: gather, the rule, scatter."""
+    rows, rows_state = values.index_select(0, slots), {n: t.index_select(0, slots) for n, t in state.items()}
+    rule.apply(rows, grads, rows_state, lr, step)
+    values.index_copy_(0, slots, rows)
+    for name, t in rows_state.items():
+        state[name].index_copy_(0, slots, t)
+
+
+RULES = {"sgd": lambda: RowSGD(0.05), "adagrad": lambda: RowAdagrad(0.05, 0.1, 1e-10),
+         "adagrad-decay": lambda: RowAdagrad(0.2, 0.0, 1e-6, lr_decay=0.05)}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("n,dim", [(1, 1), (5, 3), (64, 32), (257, 13), (1000, 64)])
+def test_a_fused_rule_is_its_torch_ops_bit_for_bit(k: kernels.RowKernels, rule: str, n: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(n * 100 + dim)
+    opt = RULES[rule]()
+    values = torch.randn(3 * n, dim, generator=gen)
+    state = {name: t.uniform_(0, 3, generator=gen) for name, t in opt.new_state(3 * n, dim).items()}
+    expect_values, expect_state = values.clone(), {name: t.clone() for name, t in state.items()}
+    versions = torch.zeros(3 * n, dtype=torch.int64)
+    for step in (1, 2, 7):  # (Adagrad's lr_decay counts the step)
+        slots = torch.randperm(3 * n, generator=gen)[:n]
+        grads = torch.randn(n, dim, generator=gen) * 10.0 ** float(torch.randint(-6, 4, (), generator=gen))
+        grads[0, 0] = 0.0
+        _torch_update(opt, expect_values, expect_state, slots, grads, 0.03, step)
+        form = opt.fused(0.03, step)
+        assert form is not None
+        assert k.apply(form, values, state, slots, grads, versions, torch.full((n,), step)) is True
+        assert kernels._same_bits(values, expect_values)
+        assert all(kernels._same_bits(state[name], expect_state[name]) for name in state)
+        assert torch.equal(versions[slots], torch.full((n,), step))
+
+
+def test_a_requests_bytes_are_read_in_place_and_left_as_they_were(k: kernels.RowKernels) -> None:
+    """Row gradients are a view of a request's bytes (wire/rows.py): the kernels read them there,
+    as the rule does, and change none of them."""
+    raw = (torch.arange(12, dtype=torch.float32) / 7).numpy().tobytes()
+    grads = tensor_from_bytes(raw, torch.float32, "test").view(3, 4)
+    values, versions, slots = torch.ones(5, 4), torch.zeros(5, dtype=torch.int64), torch.tensor([4, 0, 2])
+    expect = values.clone()
+    _torch_update(RowSGD(0.5), expect, {}, slots, grads, 0.5, 1)
+    assert k.apply(("sgd", -0.5, 0.0), values, {}, slots, grads, versions, torch.tensor([3, 3, 3])) is True
+    assert torch.equal(values, expect) and versions.tolist() == [3, 0, 3, 0, 3]
+    assert raw == (torch.arange(12, dtype=torch.float32) / 7).numpy().tobytes()
+
+
+def test_what_the_kernels_do_not_take_is_left_to_torch(k: kernels.RowKernels) -> None:
+    """Adam's lazy rule has no fused form; a slot of -1 (a row not made), a strided or float64
+    gradient are not the kernels' either: nothing is changed, and the caller's torch ops go on."""
+    assert RowAdam(0.01).fused(0.01, 1) is None
+    values, versions = torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64)
+    stamp = torch.ones(2, dtype=torch.int64)
+    for slots, grads in ((torch.tensor([0, -1]), torch.ones(2, 2)), (torch.tensor([0, 1]), torch.ones(2, 4)[:, ::2]),
+                         (torch.tensor([0, 1]), torch.ones(2, 2, dtype=torch.float64))):
+        assert k.apply(("sgd", -1.0, 0.0), values, {}, slots, grads, versions, stamp) is False
+    assert k.apply(("adam", -1.0, 1e-8), values, {}, torch.tensor([0, 1]), torch.ones(2, 2), versions, stamp) is False
+    assert torch.equal(values, torch.zeros(4, 2)) and not versions.any()
+
+
+def _index(rows: int, stored: dict[int, int], index: int = 1, shards: int = 2) -> DenseIndex:
+    out = DenseIndex(rows, index, shards)
+    if stored:
+        out.assign(torch.tensor(sorted(stored)), torch.tensor([stored[i] for i in sorted(stored)]))
+    return out
+
+
+def _locate(k: kernels.RowKernels, ids: list[list[int]], sizes: list[int], bases: list[int], index: DenseIndex,
+            ascending: bool = True) -> tuple[int, int, list[int], list[int]]:
+    flat = torch.tensor([i for part in ids for i in part], dtype=torch.int64)
+    bad, new, arena_ids, slots = k.locate(flat, np.array([len(p) for p in ids]), np.array(sizes), np.array(bases),
+                                          2, 1, ascending, index.slots)
+    return bad, new, arena_ids.tolist(), slots.tolist()
+
+
+def test_locate_finds_the_arena_ids_and_the_indexs_slots(k: kernels.RowKernels) -> None:
+    """Two tables of an arena of shard 1 of 2 (the second based at 10): each id's arena id, and the
+    slot the index's lookup gives (-1: never stored), with the count never stored."""
+    index = _index(30, {11: 0, 3: 5, 17: 2})
+    bad, new, arena_ids, slots = _locate(k, [[1, 3, 9], [1, 7]], [10, 20], [0, 10], index)
+    assert bad == -1 and arena_ids == [1, 3, 9, 11, 17]
+    assert slots == index.lookup(torch.tensor(arena_ids)).tolist() == [-1, 5, -1, 0, 2] and new == 2
+
+
+@pytest.mark.parametrize("ids,bad", [
+    ([[1, 3, 10], [1]], 2),   # out of the first table's range
+    ([[1, -1], [1]], 1),      # negative
+    ([[1, 3], [2]], 2),       # on shard 0
+    ([[1, 21], []], 1),       # out of range (an arena id the index has no place for)
+    ([[3, 1], [1]], 1),       # not increasing (an update's ids, as workers send them)
+])
+def test_locate_names_the_first_id_the_checks_refuse(k: kernels.RowKernels, ids: list[list[int]], bad: int) -> None:
+    assert _locate(k, ids, [10, 20], [0, 10], _index(30, {}))[0] == bad
+
+
+def test_reads_need_not_be_in_order(k: kernels.RowKernels) -> None:
+    bad, new, arena_ids, _ = _locate(k, [[9, 1], [3, 1]], [10, 20], [0, 10], _index(30, {}), ascending=False)
+    assert bad == -1 and new == 4 and arena_ids == [9, 1, 13, 11]
+
+
+def test_gather_reads_stored_rows_and_zeros_for_the_others(k: kernels.RowKernels) -> None:
+    values = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    out = k.gather(values, torch.tensor([2, -1, 0, 2]))
+    assert torch.equal(out, torch.tensor([[6.0, 7, 8], [0, 0, 0], [0, 1, 2], [6, 7, 8]]))
+
+
+def test_a_broken_kernel_is_not_used(k: kernels.RowKernels) -> None:
+    """The check after compiling: a rule computed with two roundings where torch's addcmul_ fuses
+    them (or any other bit off) leaves the shard on torch's ops."""
+    assert kernels._rows_agree_with_torch(k)
+
+    def two_roundings(acc: np.ndarray, slots: np.ndarray, grads: np.ndarray, out: np.ndarray) -> None:
+        for i, s in enumerate(slots):
+            acc[s] = acc[s] + np.float32(1) * (grads[i] * grads[i])
+            out[i] = acc[s]
+
+    broken = kernels.RowKernels({**k._k, "square_sums": two_roundings})
+    assert not kernels._rows_agree_with_torch(broken)
+
+
+def _python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_small_calls_do_not_compile_them_and_a_large_one_does() -> None:
+    """A process whose tables see only small calls (a test's, a toy model's) never loads numba for
+    the rows; the first update of ROW_KERNEL_MIN values or more starts compiling them."""
+    code = (
+        "import os, sys, torch\n"
+        "os.environ.pop('PSGRAD_FUSED_APPLY', None)\n"
+        "from psgrad.core.optimizers.rows import RowAdagrad\n"
+        "from psgrad.server import kernels\n"
+        "from psgrad.server.tables import SparseTable\n"
+        "t = SparseTable('t', 100_000, 32, 0, 1, 0, RowAdagrad(0.1))\n"
+        "t.apply(torch.arange(100), torch.ones(100, 32))\n"
+        "print('numba' in sys.modules, kernels.rows() is None)\n"
+        "t.apply(torch.arange(1000), torch.ones(1000, 32))\n"
+        "print(kernels.rows(wait=True) is not None)\n"
+    )
+    assert _python(code).split() == ["False", "True", "True"]
+
+
+def test_without_numba_the_tables_use_torch_ops() -> None:
+    code = (
+        "import sys, torch; sys.modules['numba'] = None\n"
+        "from psgrad.core.optimizers.rows import RowAdagrad\n"
+        "from psgrad.server import kernels\n"
+        "from psgrad.server.tables import SparseTable\n"
+        "assert kernels.rows(wait=True) is None\n"
+        "t = SparseTable('t', 100_000, 32, 0, 1, 0, RowAdagrad(0.1), std=0.0)\n"
+        "t.apply(torch.arange(1000), torch.ones(1000, 32))\n"
+        "print(float(t.rows(torch.tensor([5]))[0, 0]))\n"
+    )
+    assert float(_python(code)) == pytest.approx(-0.1)
