@@ -455,10 +455,13 @@ class SparseTable:
             self._grow(capacity, charged=True)
         at = slice(self.touched, need)
         self._ids[at] = ids
-        self._values[at] = self._recall(ids)
+        if self.std == 0.0:  # (rows that start at zero: filled, nothing drawn or allocated)
+            self._values[at] = 0.0
+        else:
+            self._values[at] = self._recall(ids)
         self._versions[at] = 0
-        for name, fresh in self.optimizer.new_state(n, self.dim).items():
-            self._state[name][at] = fresh
+        for name, fresh in self.optimizer.new_state(1, self.dim).items():  # (every row starts alike: one row's state,
+            self._state[name][at] = fresh                                    # broadcast, where n rows' would be allocated)
         self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
         self.admitted += n

@@ -45,7 +45,8 @@ class RowOptimizer(ABC):
 
     @abstractmethod
     def new_state(self, rows: int, dim: int) -> RowState:
-        """The state of `rows` fresh rows (what a row starts with when first touched)."""
+        """The state of `rows` fresh rows (what a row starts with when first touched: the same for
+        every row, so a table may broadcast one row's)."""
 
     @abstractmethod
     def apply(self, weights: torch.Tensor, grads: torch.Tensor, state: RowState, lr: float | None = None,
