@@ -583,7 +583,7 @@ class SparseTable:
         least recently updated other rows (only as the update is applied: a push refused after its
         header must change nothing); else, with evict, the rows that do not fit are left for then.
         slots, new: the ids' slots and the count never stored, as a lookup under this lock found
-        them (RowArena.locate; None: looked up here).
+        them (RowArena.locate, which also found the ids in increasing order; None: looked up here).
 
         Raises:
             MemoryBudgetError: they would not fit, and no room may be made (nothing is made).
@@ -601,6 +601,14 @@ class SparseTable:
         if self.sightings is not None:  # would this update's sighting admit them?
             fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
         if fresh.numel():
+            if new is not None and self.sightings is None and not self.evict:
+                # (located: the ids increase, so the new rows are made in their order, at the next
+                # slots, and nothing else moves: their slots are known without a second lookup)
+                start = self.touched
+                self._make(fresh)
+                slots = slots.clone()
+                slots[unstored] = torch.arange(start, self.touched)
+                return slots
             try:
                 # (ids are unique, a checked update's: sorted, not made unique again, so the rows
                 # are laid out as a standby makes them; only a table that evicts protects the others)

@@ -159,6 +159,23 @@ def test_a_pushs_apply_takes_the_slots_its_check_made_unless_rows_moved_since(ap
     assert not torch.equal(state.tables["a"].rows(second["a"][0]), state_of(shard(apart)).tables["a"].rows(second["a"][0]))
 
 
+def test_a_pushs_check_gives_each_id_the_slot_the_index_holds_for_it() -> None:
+    """The rows a check makes get their slots without a second lookup where the row kernels found
+    the ids (in order); either way each id's slot is the one the arena's index holds for it after,
+    new rows and stored ones alike, and the pushes end as the same pushes apart do."""
+    s, apart = shard(), shard(apart=True)
+    for rows in pushes(7, 4):  # (the same ids again and again: rows stored and rows new)
+        state = state_of(s)
+        _, made = s.rows.check(state, 0, rows)
+        for name, (ids, _, _) in rows.items():
+            table = state.tables[name]
+            assert isinstance(table, GroupedTable)
+            assert torch.equal(made[2][name], table.arena._index.lookup(table.to_arena(ids)))
+        s.rows.apply(state, rows, None, 1.0, s.rows.reserve(state, rows, may_evict=True, made=made))
+        push(apart, rows)
+    assert_same_tables(s, apart)
+
+
 def test_a_snapshot_of_tables_stored_together_restores_them_exactly(tmp_path: Path) -> None:
     s = shard()
     for rows in pushes(3, 4):
