@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from psgrad.errors import InvalidRequestError
@@ -222,19 +223,20 @@ class Rows:
             parts = [(name, rows[name]) for rows in per_rank for name in members if name in rows and rows[name][0].numel()]
             ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
             unique, total = _round_mean(ids, torch.cat([p[1] for _, p in parts]), workers)
-            arena.apply(unique, total, lr, None, checked=True, step=state.version + 1)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
                                                             for i in places])).tolist()
-            start, versions = 0, []
+            counts = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+            versions = torch.from_numpy(np.repeat(np.array([_grouped(tables[i]).version + 1 for i in places],
+                                                           dtype=np.int64), counts))  # (each row its table's next)
+            arena.apply(unique, total, lr, None, checked=True, step=state.version + 1, versions=versions)
+            start = 0
             for i, end in zip(places, ends):
                 member = _grouped(tables[i])
                 if end > start:
                     base = min(p[2] for name, p in parts if name == names[i])
                     member.updated(base)
-                    versions.append(torch.full((end - start,), member.version, dtype=torch.int64))
                     self._report(names[i], member, unique[start:end] - member.base, total[start:end], base, lr)
                 start = end
-            arena.stamp(unique, torch.cat(versions))
         for name, t in zip(names, tables):
             if isinstance(t, GroupedTable):
                 continue
