@@ -159,11 +159,6 @@ class RowArena(SparseTable):
             return None
         return arena_ids, slots, new
 
-    def stamp(self, ids: torch.Tensor, versions: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        """Rows `ids` (arena ids, stored; at `slots` where known) were last updated at their tables'
-        `versions` (a row's version is its own table's, as in a table on its own, not the arena's count)."""
-        self._versions.index_copy_(0, self._index.lookup(ids) if slots is None else slots, versions)
-
     def mine(self, table: GroupedTable) -> torch.Tensor:
         """The arena slots of `table`'s stored rows, in slot order."""
         ids = self._ids[:self.touched]
