@@ -215,11 +215,7 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
             grads = torch.randn(n, dim, generator=gen) * 10 ** float(torch.randint(-4, 3, (), generator=gen))
             expect_values = values.clone()
             expect_state = {name: t.clone() for name, t in state.items()}
-            rows, rows_state = expect_values.index_select(0, slots), {n_: t.index_select(0, slots) for n_, t in expect_state.items()}
-            rule.apply(rows, grads, rows_state, 0.07, 3)
-            expect_values.index_copy_(0, slots, rows)
-            for name, t in rows_state.items():
-                expect_state[name].index_copy_(0, slots, t)
+            rule.apply_at(expect_values, expect_state, slots, grads, 0.07, 3)
             form = rule.fused(0.07, 3)
             versions, stamp = torch.zeros(4 * n, dtype=torch.int64), torch.arange(1, n + 1)
             if form is None or not k.apply(form, values, state, slots, grads, versions, stamp):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from psgrad.errors import InvalidRequestError
@@ -225,9 +224,8 @@ class Rows:
             unique, total = _round_mean(ids, torch.cat([p[1] for _, p in parts]), workers)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
                                                             for i in places])).tolist()
-            counts = [end - start for start, end in zip([0, *ends[:-1]], ends)]
-            versions = torch.from_numpy(np.repeat(np.array([_grouped(tables[i]).version + 1 for i in places],
-                                                           dtype=np.int64), counts))  # (each row its table's next)
+            versions = per_row([_grouped(tables[i]).version + 1 for i in places],  # (each row its table's next)
+                               [unique[start:end] for start, end in zip([0, *ends[:-1]], ends)])
             arena.apply(unique, total, lr, None, checked=True, step=state.version + 1, versions=versions)
             start = 0
             for i, end in zip(places, ends):

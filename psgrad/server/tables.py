@@ -746,12 +746,7 @@ class SparseTable:
             versions = torch.full((ids.numel(),), self.version + 1, dtype=torch.int64)
         if fused is None or form is None or not fused.apply(form, self._values, self._state, slots, grads,
                                                             self._versions, versions):
-            weights = self._values.index_select(0, slots)
-            state = {name: t.index_select(0, slots) for name, t in self._state.items()}
-            self.optimizer.apply(weights, grads, state, lr, step)  # (grads: read only)
-            self._values.index_copy_(0, slots, weights)
-            for name, t in state.items():
-                self._state[name].index_copy_(0, slots, t)
+            self.optimizer.apply_at(self._values, self._state, slots, grads, lr, step)  # (grads: read only)
             self._versions.index_copy_(0, slots, versions)
         self.updated(base_version)
         if self.ttl and not replicated and self.version % max(1, self.ttl // 8) == 0:

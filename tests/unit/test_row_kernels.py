@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowOptimizer, RowSGD
+from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD
 from psgrad.server import kernels
 from psgrad.server.row_index import DenseIndex
 from psgrad.wire.rows import tensor_from_bytes
@@ -27,16 +27,6 @@ def k(monkeypatch: pytest.MonkeyPatch) -> kernels.RowKernels:
     compiled = kernels.rows(wait=True)
     assert compiled is not None, "numba is a dependency: the row kernels must compile and agree with torch's ops"
     return compiled
-
-
-def _torch_update(rule: RowOptimizer, values: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor,
-                  grads: torch.Tensor, lr: float, step: int) -> None:
-    """What a table's torch ops do: gather, the rule, scatter."""
-    rows, rows_state = values.index_select(0, slots), {n: t.index_select(0, slots) for n, t in state.items()}
-    rule.apply(rows, grads, rows_state, lr, step)
-    values.index_copy_(0, slots, rows)
-    for name, t in rows_state.items():
-        state[name].index_copy_(0, slots, t)
 
 
 RULES = {"sgd": lambda: RowSGD(0.05), "adagrad": lambda: RowAdagrad(0.05, 0.1, 1e-10),
@@ -56,7 +46,7 @@ def test_a_fused_rule_is_its_torch_ops_bit_for_bit(k: kernels.RowKernels, rule: 
         slots = torch.randperm(3 * n, generator=gen)[:n]
         grads = torch.randn(n, dim, generator=gen) * 10.0 ** float(torch.randint(-6, 4, (), generator=gen))
         grads[0, 0] = 0.0
-        _torch_update(opt, expect_values, expect_state, slots, grads, 0.03, step)
+        opt.apply_at(expect_values, expect_state, slots, grads, 0.03, step)
         form = opt.fused(0.03, step)
         assert form is not None
         assert k.apply(form, values, state, slots, grads, versions, torch.full((n,), step)) is True
@@ -72,7 +62,7 @@ def test_a_requests_bytes_are_read_in_place_and_left_as_they_were(k: kernels.Row
     grads = tensor_from_bytes(raw, torch.float32, "test").view(3, 4)
     values, versions, slots = torch.ones(5, 4), torch.zeros(5, dtype=torch.int64), torch.tensor([4, 0, 2])
     expect = values.clone()
-    _torch_update(RowSGD(0.5), expect, {}, slots, grads, 0.5, 1)
+    RowSGD(0.5).apply_at(expect, {}, slots, grads, 0.5, 1)
     assert k.apply(("sgd", -0.5, 0.0), values, {}, slots, grads, versions, torch.tensor([3, 3, 3])) is True
     assert torch.equal(values, expect) and versions.tolist() == [3, 0, 3, 0, 3]
     assert raw == (torch.arange(12, dtype=torch.float32) / 7).numpy().tobytes()

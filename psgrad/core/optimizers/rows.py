@@ -58,6 +58,17 @@ class RowOptimizer(ABC):
     def step_lr(self, lr: float | None) -> float:
         return self.lr if lr is None else lr
 
+    def apply_at(self, values: torch.Tensor, state: RowState, slots: torch.Tensor, grads: torch.Tensor,
+                 lr: float | None = None, step: int = 1) -> None:
+        """apply() to rows `slots` (unique) of a table's arrays, in place: the rows and their state
+        gathered, updated, and scattered back (the torch ops a fused form must equal)."""
+        weights = values.index_select(0, slots)
+        gathered = {name: t.index_select(0, slots) for name, t in state.items()}
+        self.apply(weights, grads, gathered, lr, step)
+        values.index_copy_(0, slots, weights)
+        for name, t in gathered.items():
+            state[name].index_copy_(0, slots, t)
+
     def fused(self, lr: float | None = None, step: int = 1) -> tuple[str, float, float] | None:
         """This rule at (lr, step) as the server's fused row kernels compute it, one pass over the
         rows in place of gather, rule and scatter: (its kind, its scale, its eps), or None where
