@@ -11,7 +11,8 @@ hash index, not at a local index.
 
 Initial values: N(0, std²) per element, like torch.nn.Embedding's normal_(0, 1) with std=1, drawn
 from a counter-based generator (splitmix64 of the seed, the table's name and the element's index
-id * dim + j; Box-Muller from two such draws), so any subset of rows is made without the others."""
+id * dim + j; Box-Muller from two such draws, by the arithmetic initial_rows's comment says), so any
+subset of rows is made without the others, and the same on any machine."""
 from __future__ import annotations
 
 import hashlib
@@ -147,6 +148,130 @@ def table_key(seed: int, table: str) -> int:
     return (int.from_bytes(digest, "little") ^ (seed * 0x9E3779B97F4A7C15)) & (2**64 - 1)
 
 
+# Box-Muller's normal, sqrt(-2 ln u1) cos(2 pi u2), by the arithmetic below: only +, -, *, / and sqrt of
+# IEEE doubles (each correctly rounded, everywhere), in a fixed order, where a math library's log and
+# cos give results that differ in their last bits from one library, or one CPU's vector unit, to the
+# next. So a row's initial value is the same wherever it is drawn: numpy here, the servers' compiled
+# kernel (server/_row_kernels.py draw, the same steps), any machine. Both factors are within about 1.5 units
+# in the last place of a double of their exact values, so the float32 a row holds is the exact
+# normal's rounding but in the rarest cases (tests/unit/test_sparse_table.py).
+#
+# ln u1, u1 = n 2^-53 (n = (a >> 11) + 1, 1 <= n <= 2^53, exact as a double): with n = m 2^e, m in
+# [sqrt(1/2), sqrt(2)), ln u1 = (e - 53) ln 2 + ln m, and ln m = ln(1 + f) = 2 atanh(s), s = f / (2 + f),
+# as f - (f^2/2 - s (f^2/2 + R)), R = sum 2 s^2k / (2k + 1) (k = 1..10: |s| <= 0.172, the rest < 1e-18),
+# ln 2 in two parts (the first with 21 significant bits, so that (e - 53) times it is exact).
+_LN2_HI = float.fromhex("0x1.62e42p-1")
+_LN2_LO = float.fromhex("0x1.fdf473de6af28p-22")
+_SQRT2 = float.fromhex("0x1.6a09e667f3bcdp+0")
+_LOG_R = tuple(2.0 / (2 * k + 1) for k in range(1, 11))
+# cos(2 pi u2), u2 = t 2^-53 (t = b >> 11): t = q 2^51 + r, |r| <= 2^50 (q quarter turns, exactly), so
+# cos(2 pi u2) is cos(2 pi x), -sin, -cos or sin(2 pi x) for q mod 4 = 0, 1, 2, 3, x = r 2^-53 in
+# [-1/8, 1/8]: Taylor series in x^2 of (2 pi)^2k / (2k)! and (2 pi)^(2k+1) / (2k+1)! (k = 0..9: the
+# rest < 1e-17), their coefficients rounded to doubles once.
+_COS = tuple(float.fromhex(h) for h in (
+    "0x1.0000000000000p+0", "-0x1.3bd3cc9be45dep+4", "0x1.03c1f081b5ac4p+6", "-0x1.55d3c7e3cbffap+6",
+    "0x1.e1f506891babbp+5", "-0x1.a6d1f2a204a8cp+4", "0x1.f9d38a3763cc3p+2", "-0x1.b6e24f44b128fp+0",
+    "0x1.20c62c2f2d7f5p-2", "-0x1.2a0c591af8314p-5"))
+_SIN = tuple(float.fromhex(h) for h in (
+    "0x1.921fb54442d18p+2", "-0x1.4abbce625be53p+5", "0x1.466bc6775aae2p+6", "-0x1.32d2cce62bd86p+6",
+    "0x1.50783487ee782p+5", "-0x1.e3074fde8871fp+3", "0x1.e8f434d018d63p+1", "-0x1.6fadb9f155744p-1",
+    "0x1.aaec32af93359p-4", "-0x1.8a404211f9547p-7"))
+
+
+_CHUNK = 16384  # values a pass of normal() works through at once (its temporaries stay in the cache)
+
+
+def _horner(coefficients: tuple[float, ...], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """c0 + x (c1 + x (c2 + ...)), innermost first, into out."""
+    out.fill(coefficients[-1])
+    for c in coefficients[-2::-1]:
+        np.multiply(out, x, out=out)
+        np.add(out, c, out=out)
+    return out
+
+
+def normal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Box-Muller's first normal (float64, of a's shape) of the uint64 draws a and b (same shape,
+    contiguous), by the arithmetic the comment above says; a and b are written over."""
+    out = np.empty(a.shape, np.float64)
+    flat_a, flat_b, flat_out = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    scratch = np.empty((6, min(_CHUNK, flat_out.size)), np.float64)
+    for lo in range(0, flat_out.size, _CHUNK):
+        hi = min(lo + _CHUNK, flat_out.size)
+        _normal(flat_a[lo:hi], flat_b[lo:hi], flat_out[lo:hi], scratch[:, :hi - lo])
+    return out
+
+
+def _normal(a: np.ndarray, b: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+    f, s, z, r, k, c = scratch
+    # ln u1 (see above), into r. m = x 2^-e, e = x's exponent (+ 1 where that m > sqrt 2): x times
+    # a power of two made from its bits, exact.
+    n = np.right_shift(a, np.uint64(11), out=a)
+    np.add(n, np.uint64(1), out=n)
+    x = n.astype(np.float64)
+    e = np.right_shift(x.view(np.uint64), np.uint64(52), out=n).view(np.int64)
+    e -= 1023
+    scale = np.empty_like(e)
+    np.subtract(1023, e, out=scale)
+    np.left_shift(scale, 52, out=scale)
+    np.multiply(x, scale.view(np.float64), out=f)
+    big = np.greater(f, _SQRT2)
+    e += big
+    np.subtract(1023, e, out=scale)
+    np.left_shift(scale, 52, out=scale)
+    np.multiply(x, scale.view(np.float64), out=f)
+    e -= 53
+    np.copyto(k, e, casting="unsafe")
+    np.subtract(f, 1.0, out=f)
+    np.add(f, 2.0, out=s)
+    np.divide(f, s, out=s)
+    np.multiply(s, s, out=z)
+    _horner(_LOG_R, z, r)
+    np.multiply(r, z, out=r)
+    hfsq = np.multiply(f, 0.5, out=z)
+    np.multiply(hfsq, f, out=hfsq)
+    np.add(r, hfsq, out=r)
+    np.multiply(r, s, out=r)
+    np.add(r, np.multiply(k, _LN2_LO, out=s), out=r)
+    np.subtract(hfsq, r, out=r)
+    np.subtract(f, r, out=r)
+    np.multiply(k, _LN2_HI, out=k)
+    np.add(k, r, out=r)
+    # sqrt(-2 ln u1), into out
+    np.multiply(r, -2.0, out=out)
+    np.sqrt(out, out=out)
+    # cos(2 pi u2) (see above): the cosine's or the sine's series (q even or odd), negated (its sign
+    # bit flipped) for q mod 4 = 1, 2
+    t = np.right_shift(b, np.uint64(11), out=b)
+    q = np.add(t, np.uint64(1 << 50), out=a)
+    np.right_shift(q, np.uint64(51), out=q)
+    np.subtract(t, np.left_shift(q, np.uint64(51)), out=t)  # (mod 2^64: r's two's complement)
+    np.copyto(f, t.view(np.int64), casting="unsafe")
+    np.multiply(f, 2.0 ** -53, out=f)
+    np.multiply(f, f, out=z)
+    _horner(_COS, z, c)
+    _horner(_SIN, z, s)
+    np.multiply(s, f, out=s)
+    c[:] = np.where(np.bitwise_and(q, np.uint64(1), out=t) != 0, s, c)
+    np.add(q, np.uint64(1), out=q)
+    np.bitwise_and(q, np.uint64(2), out=q)
+    np.left_shift(q, np.uint64(62), out=q)
+    np.bitwise_xor(c.view(np.uint64), q, out=c.view(np.uint64))
+    np.multiply(out, c, out=out)
+
+
+def draws(key: np.ndarray | np.uint64, ids: torch.Tensor, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two splitmix64 draws (uint64 [len(ids), dim] each) of every element of rows `ids`:
+    element j of row r counts r * dim + j, keyed (a key, or one per row, uint64 [len(ids), 1])."""
+    with np.errstate(over="ignore"):
+        base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
+        a = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
+        np.bitwise_xor(a, key, out=a)
+        splitmix64(a, out=a)
+        b = splitmix64(a)
+    return a, b
+
+
 def initial_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float | np.ndarray = 1.0) -> torch.Tensor:
     """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is;
     or, with a key and a std per row (uint64 and float64 arrays of len(ids)), of rows of several
@@ -156,27 +281,7 @@ def initial_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float 
     if n == 0 or (not per_row and std == 0.0):  # (rows that start at zero: no draws to make)
         return torch.zeros(n, dim)
     keys = key.astype(np.uint64)[:, None] if isinstance(key, np.ndarray) else np.uint64(key)
-    # Box-Muller on two splitmix64 draws per value. Each step writes over its input where it can:
-    # the values are those of the plain formula, bit for bit (tests/unit/test_sparse_table.py).
-    with np.errstate(over="ignore"):
-        base = ids.numpy().astype(np.uint64)[:, None] * np.uint64(dim)
-        a = np.add(base, np.arange(dim, dtype=np.uint64), dtype=np.uint64)
-        np.bitwise_xor(a, keys, out=a)
-        splitmix64(a, out=a)
-        b = splitmix64(a)
-    np.right_shift(a, np.uint64(11), out=a)
-    z = a.astype(np.float64)  # u1 = (a >> 11 + 1) 2^-53, in (0, 1]; z: sqrt(-2 log u1)
-    np.add(z, 1.0, out=z)
-    np.multiply(z, 2.0**-53, out=z)
-    np.log(z, out=z)
-    np.multiply(z, -2.0, out=z)
-    np.sqrt(z, out=z)
-    np.right_shift(b, np.uint64(11), out=b)
-    c = b.astype(np.float64)  # u2 = (b >> 11) 2^-53, in [0, 1); c: cos(2 pi u2)
-    np.multiply(c, 2.0**-53, out=c)
-    np.multiply(c, 2.0 * np.pi, out=c)
-    np.cos(c, out=c)
-    np.multiply(z, c, out=z)
+    z = normal(*draws(keys, ids, dim))
     if isinstance(std, np.ndarray):
         z = np.where(std[:, None] == 0.0, 0.0, z * std[:, None])  # (zero rows: +0.0, as torch.zeros)
     else:

@@ -10,6 +10,8 @@ all off.
   torch takes one op per step of it (a gather, each op of the rule, a scatter, a version stamp; a
   check of the ids in several comparisons and reductions, then a lookup): at a few hundred rows
   a table, a call's cost is those ops' overhead more than their arithmetic.
+- the draw of rows never stored (RowKernels.draw): core/rows.py's steps for their initial values
+  in one pass, where numpy makes some sixty passes over the values.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from psgrad.core import rows as row_init
 from psgrad.core.optimizers.base import register_axpy_backend
 from psgrad.server.transfers import on_two_threads
 
@@ -160,6 +163,13 @@ class RowKernels:
         self._k["gather"](values.numpy(), slots.numpy(), out.numpy())
         return out
 
+    def draw(self, keys: np.ndarray, ids: torch.Tensor, dim: int, stds: np.ndarray) -> torch.Tensor:
+        """rows.initial_rows of rows `ids` (int64), row i of the table whose key is keys[i] (uint64),
+        times stds[i] (float64; +0.0 where it is 0): the same bits, in one pass."""
+        out = torch.empty(ids.numel(), dim)
+        self._k["draw"](ids.contiguous().numpy(), dim, keys, stds, out.numpy())
+        return out
+
     def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
               slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor) -> bool:
         """Apply a row rule's fused form (RowOptimizer.fused) to rows at `slots` (unique) of values and
@@ -197,7 +207,7 @@ def _make_rows() -> RowKernels | None:
     from psgrad.server._row_kernels import KERNELS
 
     made = RowKernels(KERNELS)
-    return made if _rows_agree_with_torch(made) else None
+    return made if _rows_agree_with_torch(made) and _draws_agree(made) else None
 
 
 def _rows_agree_with_torch(k: RowKernels) -> bool:
@@ -223,6 +233,19 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
             if not (_same_bits(values, expect_values) and all(_same_bits(state[n_], expect_state[n_]) for n_ in state)
                     and torch.equal(versions[slots], stamp)):
                 return False
+    return True
+
+
+def _draws_agree(k: RowKernels) -> bool:
+    """Whether the draw kernel gives rows.initial_rows's values bit for bit, at row widths that meet
+    every vector loop's tail, for ids of either sign, several tables' keys and stds (0 among them)."""
+    gen = torch.Generator().manual_seed(0)
+    for n, dim in ((1, 1), (5, 7), (40, 33), (64, 64)):
+        ids = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen)
+        keys = np.array([row_init.table_key(s, "t") for s in range(n)], dtype=np.uint64)
+        stds = np.array([(0.0, 1.0, 0.01, 3.5)[i % 4] for i in range(n)])
+        if not _same_bits(k.draw(keys, ids, dim, stds), row_init.initial_rows(keys, ids, dim, stds)):
+            return False
     return True
 
 
