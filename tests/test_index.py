@@ -54,6 +54,7 @@ TESTS_OF: dict[str, tuple[str, ...]] = {
     "psgrad/core/backup.py":                ("tests/unit/test_backup_workers.py",
                                              "tests/integration/test_backup_grpc.py"),
     "psgrad/core/build.py":                 ("tests/e2e/test_operations.py",),
+    "psgrad/core/compiled.py":              ("tests/unit/test_draw_kernel.py",),
     "psgrad/core/compression.py":           ("tests/unit/test_gradient_codecs.py",
                                              "tests/integration/test_compressed_pushes.py"),
     "psgrad/core/delay.py":                 ("tests/unit/test_config.py", "tests/integration/test_dc_asgd.py",

@@ -16,11 +16,12 @@ subset of rows is made without the others, and the same on any machine."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from psgrad.core import compiled
 from psgrad.errors import InvalidRequestError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -151,8 +152,8 @@ def table_key(seed: int, table: str) -> int:
 # Box-Muller's normal, sqrt(-2 ln u1) cos(2 pi u2), by the arithmetic below: only +, -, *, / and sqrt of
 # IEEE doubles (each correctly rounded, everywhere), in a fixed order, where a math library's log and
 # cos give results that differ in their last bits from one library, or one CPU's vector unit, to the
-# next. So a row's initial value is the same wherever it is drawn: numpy here, the servers' compiled
-# kernel (server/_row_kernels.py draw, the same steps), any machine. Both factors are within about 1.5 units
+# next. So a row's initial value is the same wherever it is drawn: numpy here, the compiled draw
+# (core/_draw_kernel.py, the same steps), any machine. Both factors are within about 1.5 units
 # in the last place of a double of their exact values, so the float32 a row holds is the exact
 # normal's rounding but in the rarest cases (tests/unit/test_sparse_table.py).
 #
@@ -177,6 +178,10 @@ _SIN = tuple(float.fromhex(h) for h in (
     "0x1.50783487ee782p+5", "-0x1.e3074fde8871fp+3", "0x1.e8f434d018d63p+1", "-0x1.6fadb9f155744p-1",
     "0x1.aaec32af93359p-4", "-0x1.8a404211f9547p-7"))
 
+
+# What the compiled draw is given (core/_draw_kernel.py): splitmix64's constants, and this arithmetic's.
+DRAW_CONSTANTS = (np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64),
+                  np.array([_LN2_HI, _LN2_LO, _SQRT2, *_LOG_R, *_COS, *_SIN], dtype=np.float64))
 
 _CHUNK = 16384  # values a pass of normal() works through at once (its temporaries stay in the cache)
 
@@ -272,21 +277,71 @@ def draws(key: np.ndarray | np.uint64, ids: torch.Tensor, dim: int) -> tuple[np.
     return a, b
 
 
+#: Values (rows x width) from which a draw starts compiling the draw kernel: a process whose draws
+#: are all smaller (a test's, a toy model's) never loads numba for them.
+DRAW_KERNEL_MIN = 16384
+
+
+def draw_kernel(start: bool = False, wait: bool = False) -> Callable[..., None] | None:
+    """The compiled draw (core/_draw_kernel.py: numpy's steps below in one pass, the same bits), or
+    None: not ready yet (start: this call starts compiling it in the background; wait=True waits
+    for that), turned off (PSGRAD_FUSED_APPLY=0), or unavailable here."""
+    return compiled.get("draw", _make_draw, start, wait)
+
+
+def _make_draw() -> Callable[..., None] | None:
+    from psgrad.core._draw_kernel import DRAW
+
+    def draw(ids: np.ndarray, dim: int, keys: np.ndarray, stds: np.ndarray, out: np.ndarray) -> None:
+        DRAW(ids, dim, keys, stds, out, *DRAW_CONSTANTS)  # type: ignore[operator]
+
+    return draw if _draw_agrees(draw) else None
+
+
+def _draw_agrees(draw: Callable[..., None]) -> bool:
+    """Whether a draw kernel gives numpy's values bit for bit, at row widths that meet every vector
+    loop's tail, for ids of either sign, several tables' keys and stds (0 among them)."""
+    gen = np.random.default_rng(0)
+    for n, dim in ((1, 1), (5, 7), (40, 33), (64, 64)):
+        ids = torch.from_numpy(gen.integers(-(1 << 62), 1 << 62, n))
+        keys = np.array([table_key(s, "t") for s in range(n)], dtype=np.uint64)
+        stds = np.array([(0.0, 1.0, 0.01, 3.5)[i % 4] for i in range(n)])
+        out = np.empty((n, dim), np.float32)
+        draw(ids.numpy(), dim, keys, stds, out)
+        if out.tobytes() != _numpy_rows(keys, ids, dim, stds).tobytes():
+            return False
+    return True
+
+
 def initial_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float | np.ndarray = 1.0) -> torch.Tensor:
     """The initial values of rows `ids` ([len(ids), dim] float32) of the table whose key this is;
     or, with a key and a std per row (uint64 and float64 arrays of len(ids)), of rows of several
-    tables at once, each row its own table's value."""
+    tables at once, each row its own table's value. Drawn by the compiled draw where it is ready
+    (a draw of DRAW_KERNEL_MIN values or more starts compiling it), else by numpy's steps: the
+    same bits."""
     n = ids.numel()
     per_row = isinstance(key, np.ndarray)
     if n == 0 or (not per_row and std == 0.0):  # (rows that start at zero: no draws to make)
         return torch.zeros(n, dim)
+    fused = draw_kernel(start=n * dim >= DRAW_KERNEL_MIN)
+    if fused is None:
+        return torch.from_numpy(_numpy_rows(key, ids, dim, std))
+    keys = key.astype(np.uint64) if isinstance(key, np.ndarray) else np.full(n, key, np.uint64)
+    stds = std.astype(np.float64) if isinstance(std, np.ndarray) else np.full(n, float(std))
+    out = torch.empty(n, dim)
+    fused(ids.to(torch.int64).contiguous().numpy(), dim, keys, stds, out.numpy())
+    return out
+
+
+def _numpy_rows(key: int | np.ndarray, ids: torch.Tensor, dim: int, std: float | np.ndarray) -> np.ndarray:
+    """initial_rows by numpy's steps (float32 [len(ids), dim])."""
     keys = key.astype(np.uint64)[:, None] if isinstance(key, np.ndarray) else np.uint64(key)
     z = normal(*draws(keys, ids, dim))
     if isinstance(std, np.ndarray):
         z = np.where(std[:, None] == 0.0, 0.0, z * std[:, None])  # (zero rows: +0.0, as torch.zeros)
     else:
         z *= std
-    return torch.from_numpy(z.astype(np.float32))
+    return z.astype(np.float32)
 
 
 def materialize(key: int, num_embeddings: int, dim: int, std: float, ids: torch.Tensor, values: torch.Tensor,
@@ -294,6 +349,8 @@ def materialize(key: int, num_embeddings: int, dim: int, std: float, ids: torch.
     """The whole table [num_embeddings, dim]: every row's initial value, with rows `ids` replaced by
     `values` (made in chunks, so the temporaries stay small next to the table)."""
     out = torch.empty(num_embeddings, dim)
+    if std and num_embeddings * dim >= 1 << 23:  # (compiling once costs less than numpy's steps here)
+        draw_kernel(wait=True)
     for lo in range(0, num_embeddings, chunk_rows):
         hi = min(num_embeddings, lo + chunk_rows)
         out[lo:hi] = initial_rows(key, torch.arange(lo, hi), dim, std)

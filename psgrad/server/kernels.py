@@ -1,7 +1,7 @@
 """Fused kernels for the shard's hottest loops, compiled with numba in the background the first
-time one is asked for; until they are ready (or where numba is missing, or a result would differ
-from torch's in any bit) callers get None and use the torch ops. PSGRAD_FUSED_APPLY=0 turns them
-all off.
+time one is asked for (core/compiled.py); until they are ready (or where numba is missing, or a
+result would differ from torch's in any bit) callers get None and use the torch ops.
+PSGRAD_FUSED_APPLY=0 turns them all off.
 
 - sgd_checked: plain SGD (w += alpha * g) that checks the gradient for NaN/inf in the same pass,
   on two threads. torch has no op that both updates and reduces, so a checked apply otherwise
@@ -10,73 +10,21 @@ all off.
   torch takes one op per step of it (a gather, each op of the rule, a scatter, a version stamp; a
   check of the ids in several comparisons and reductions, then a lookup): at a few hundred rows
   a table, a call's cost is those ops' overhead more than their arithmetic.
-- the draw of rows never stored (RowKernels.draw): core/rows.py's steps for their initial values
-  in one pass, where numpy makes some sixty passes over the values.
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from psgrad.core import rows as row_init
+from psgrad.core.compiled import ENV  # noqa: F401 (the switch, named here too)
+from psgrad.core.compiled import get as _get
 from psgrad.core.optimizers.base import register_axpy_backend
 from psgrad.server.transfers import on_two_threads
 
-_log = logging.getLogger("psgrad.server")
-ENV = "PSGRAD_FUSED_APPLY"
 Kernel = Callable[[np.ndarray, np.ndarray, np.float32], np.float32]
-
-
-class _Compiled:
-    """One process's compiled kernels of one kind: compiled once (a forked child compiles its own)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.fn: Any = None  # None while compiling, or where it is unavailable
-
-
-_BY_PID: dict[tuple[int, str], _Compiled] = {}
-_LOCK = threading.Lock()
-
-
-def enabled() -> bool:
-    """Whether the fused kernels may be used at all (PSGRAD_FUSED_APPLY is not 0/false/off/no)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def _get(kind: str, make: Callable[[], Any], start: bool, wait: bool) -> Any:
-    """The compiled kernels of `kind`, or None: not ready yet (start: a call that starts compiling
-    them on a background thread; wait=True waits for that), turned off, or unavailable here."""
-    if not enabled():
-        return None
-    key = (os.getpid(), kind)
-    with _LOCK:
-        compiled = _BY_PID.get(key)
-        if compiled is None:
-            if not (start or wait):
-                return None
-            compiled = _BY_PID[key] = _Compiled()
-            threading.Thread(target=_compile, args=(compiled, kind, make), name="psgrad-compile", daemon=True).start()
-    if wait:
-        compiled.done.wait(120)
-    return compiled.fn
-
-
-def _compile(compiled: _Compiled, kind: str, make: Callable[[], Any]) -> None:
-    try:
-        compiled.fn = make()
-        if compiled.fn is None:
-            _log.warning("fused %s kernels differ from torch's ops on this machine; using torch ops", kind)
-    except Exception as e:  # numba missing or broken here: the torch ops do the work
-        _log.info("fused %s kernels unavailable (%s: %s); using torch ops", kind, type(e).__name__, e)
-    finally:
-        compiled.done.set()
 
 
 def kernel(wait: bool = False) -> Kernel | None:
@@ -163,13 +111,6 @@ class RowKernels:
         self._k["gather"](values.numpy(), slots.numpy(), out.numpy())
         return out
 
-    def draw(self, keys: np.ndarray, ids: torch.Tensor, dim: int, stds: np.ndarray) -> torch.Tensor:
-        """rows.initial_rows of rows `ids` (int64), row i of the table whose key is keys[i] (uint64),
-        times stds[i] (float64; +0.0 where it is 0): the same bits, in one pass."""
-        out = torch.empty(ids.numel(), dim)
-        self._k["draw"](ids.contiguous().numpy(), dim, keys, stds, out.numpy())
-        return out
-
     def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
               slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor) -> bool:
         """Apply a row rule's fused form (RowOptimizer.fused) to rows at `slots` (unique) of values and
@@ -207,7 +148,7 @@ def _make_rows() -> RowKernels | None:
     from psgrad.server._row_kernels import KERNELS
 
     made = RowKernels(KERNELS)
-    return made if _rows_agree_with_torch(made) and _draws_agree(made) else None
+    return made if _rows_agree_with_torch(made) else None
 
 
 def _rows_agree_with_torch(k: RowKernels) -> bool:
@@ -233,19 +174,6 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
             if not (_same_bits(values, expect_values) and all(_same_bits(state[n_], expect_state[n_]) for n_ in state)
                     and torch.equal(versions[slots], stamp)):
                 return False
-    return True
-
-
-def _draws_agree(k: RowKernels) -> bool:
-    """Whether the draw kernel gives rows.initial_rows's values bit for bit, at row widths that meet
-    every vector loop's tail, for ids of either sign, several tables' keys and stds (0 among them)."""
-    gen = torch.Generator().manual_seed(0)
-    for n, dim in ((1, 1), (5, 7), (40, 33), (64, 64)):
-        ids = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen)
-        keys = np.array([row_init.table_key(s, "t") for s in range(n)], dtype=np.uint64)
-        stds = np.array([(0.0, 1.0, 0.01, 3.5)[i % 4] for i in range(n)])
-        if not _same_bits(k.draw(keys, ids, dim, stds), row_init.initial_rows(keys, ids, dim, stds)):
-            return False
     return True
 
 

@@ -24,7 +24,7 @@ from psgrad.core.status import TableStatus
 from psgrad.errors import InvalidRequestError
 from psgrad.server import kernels
 from psgrad.server.row_index import DenseIndex
-from psgrad.server.tables import MemoryBudget, SparseTable, TableSnapshot, Tensors, draw_rows
+from psgrad.server.tables import MemoryBudget, SparseTable, TableSnapshot, Tensors
 
 # What RowArena.locate finds of a call's ids: (their arena ids, their slots (-1: never stored), the
 # count of ids never stored)
@@ -85,7 +85,7 @@ class RowArena(SparseTable):
         which = (torch.searchsorted(self._bases, ids, right=True) - 1).numpy()  # (each row's table: one draw for all)
         keys = np.array([m.key for m in self.members], dtype=np.uint64)[which]
         stds = np.array([m.std for m in self.members], dtype=np.float64)[which]
-        return draw_rows(keys, ids - self._bases[torch.from_numpy(which)], self.dim, stds)
+        return rows.initial_rows(keys, ids - self._bases[torch.from_numpy(which)], self.dim, stds)
 
     def ids_of(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor]) -> torch.Tensor:
         """The arena ids of member tables' row ids (checked), concatenated in the members' order:

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-import numpy as np
 import torch
 
 from psgrad.config import JobSpec
@@ -44,16 +43,6 @@ Scalars = dict[str, float | int]
 # rows it finds there instead of drawing them twice (the same values, copied).
 DRAWN_READS = 4
 DRAWN_BYTES = 1 << 20
-
-
-def draw_rows(keys: np.ndarray, ids: torch.Tensor, dim: int, stds: np.ndarray) -> torch.Tensor:
-    """rows.initial_rows of rows `ids`, row i of the table keyed keys[i] with std stds[i]: by the row
-    kernels' one pass where they are compiled (a draw this large starts compiling them), else by
-    numpy; the same bits either way."""
-    fused = kernels.rows(start=ids.numel() * dim >= kernels.ROW_KERNEL_MIN)
-    if fused is not None and ids.numel():
-        return fused.draw(keys, ids, dim, stds)
-    return rows.initial_rows(keys, ids, dim, stds)
 
 
 @dataclass(frozen=True)
@@ -393,10 +382,7 @@ class SparseTable:
 
     def _initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The initial values of rows `ids` (int64): computed from (seed, table, row id)."""
-        n = ids.numel()
-        if not self.std:
-            return torch.zeros(n, self.dim)
-        return draw_rows(np.full(n, self.key, np.uint64), ids, self.dim, np.full(n, self.std))
+        return rows.initial_rows(self.key, ids, self.dim, self.std)
 
     def _draw(self, ids: torch.Tensor) -> torch.Tensor:
         """The initial values of rows `ids` (int64, none stored) for a read, kept for the update

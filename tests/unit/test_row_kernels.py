@@ -1,8 +1,7 @@
 """The row kernels (server/kernels.py, compiled from server/_row_kernels.py): each row rule's fused
 form gives its torch ops' rows, state and versions bit for bit; locate checks ids as the tables'
-checks do and finds the same slots as the index; gather reads what the table reads; draw gives the
-generator's values of rows never stored (core/rows.py) bit for bit; and a process whose calls are
-all small never compiles them. The tables' own tests run both ways (the
+checks do and finds the same slots as the index; gather reads what the table reads; and a process
+whose calls are all small never compiles them. The tables' own tests run both ways (the
 row_kernels fixture)."""
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 from conftest import REPO
-from psgrad.core import rows
 from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD
 from psgrad.server import kernels
 from psgrad.server.row_index import DenseIndex
@@ -143,32 +141,6 @@ def test_a_broken_kernel_is_not_used(k: kernels.RowKernels) -> None:
     assert not kernels._rows_agree_with_torch(broken)
 
 
-@pytest.mark.parametrize("n,dim", [(1, 1), (6, 7), (300, 33), (2000, 64)])
-def test_the_draw_kernel_gives_the_generators_values_bit_for_bit(k: kernels.RowKernels, n: int, dim: int) -> None:
-    """Rows never stored, drawn in one compiled pass: the bits numpy's steps give (core/rows.py), for
-    ids of either sign (a dynamic table's), rows of several tables (keys and stds per row, 0 among
-    them: +0.0)."""
-    gen = torch.Generator().manual_seed(n)
-    ids = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen)
-    ids[0] = rows.RESERVED_IDS[1] + 1
-    keys = np.array([rows.table_key(i % 3, f"t{i % 5}") for i in range(n)], dtype=np.uint64)
-    stds = np.array([(1.0, 0.0, 0.02, 7.5)[i % 4] for i in range(n)])
-    drawn, expected = k.draw(keys, ids, dim, stds), rows.initial_rows(keys, ids, dim, stds)
-    assert drawn.numpy().tobytes() == expected.numpy().tobytes()
-    assert drawn[1::4].abs().sum() == 0 and not drawn[1::4].signbit().any()
-
-
-def test_a_broken_draw_is_not_used(k: kernels.RowKernels) -> None:
-    """The check after compiling: a draw one bit off the generator leaves the shard on numpy's."""
-    assert kernels._draws_agree(k)
-
-    def one_bit_off(ids: np.ndarray, dim: int, keys: np.ndarray, stds: np.ndarray, out: np.ndarray) -> None:
-        k._k["draw"](ids, dim, keys, stds, out)
-        out.view(np.int32)[-1, -1] ^= 1
-
-    assert not kernels._draws_agree(kernels.RowKernels({**k._k, "draw": one_bit_off}))
-
-
 def _python(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
@@ -191,27 +163,6 @@ def test_small_calls_do_not_compile_them_and_a_large_one_does() -> None:
         "print(kernels.rows(wait=True) is not None)\n"
     )
     assert _python(code).split() == ["False", "True", "True"]
-
-
-def test_a_large_read_of_rows_never_stored_compiles_them_and_draws_with_them() -> None:
-    code = (
-        "import os, sys, torch\n"
-        "os.environ.pop('PSGRAD_FUSED_APPLY', None)\n"
-        "from psgrad.core import rows\n"
-        "from psgrad.core.optimizers.rows import RowSGD\n"
-        "from psgrad.server import kernels\n"
-        "from psgrad.server.tables import SparseTable\n"
-        "t = SparseTable('t', 100_000, 32, 0, 1, 0, RowSGD(0.1))\n"
-        "ids = torch.arange(1000)\n"
-        "first = t.rows(ids)\n"
-        "print(kernels.rows(wait=True) is not None)\n"
-        "calls = []\n"
-        "real = kernels.RowKernels.draw\n"
-        "kernels.RowKernels.draw = lambda self, *a: calls.append(1) or real(self, *a)\n"
-        "again = t.rows(ids + 1000)\n"
-        "print(len(calls), torch.equal(again, rows.initial_rows(t.key, ids + 1000, 32)), torch.equal(first, rows.initial_rows(t.key, ids, 32)))\n"
-    )
-    assert _python(code).split() == ["True", "1", "True", "True"]
 
 
 def test_without_numba_the_tables_use_torch_ops() -> None:

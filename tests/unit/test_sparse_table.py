@@ -263,18 +263,12 @@ def test_rows_a_read_drew_are_made_from_it_not_drawn_again(kind: str, monkeypatc
     (the same bits as drawn afresh) and draws only the rows no recent read reached."""
     from psgrad.server import table_groups, tables
 
-    from psgrad.server import kernels
-
     drawn: list[int] = []
-    plain, fused = rows.initial_rows, kernels.RowKernels.draw
+    plain = rows.initial_rows
 
     def counting(key, ids, dim, std=1.0):  # type: ignore[no-untyped-def]
         drawn.append(ids.numel())
         return plain(key, ids, dim, std)
-
-    def counting_fused(self, keys, ids, dim, stds):  # type: ignore[no-untyped-def]
-        drawn.append(ids.numel())
-        return fused(self, keys, ids, dim, stds)
 
     def make() -> SparseTable:
         if kind == "arena":
@@ -288,7 +282,6 @@ def test_rows_a_read_drew_are_made_from_it_not_drawn_again(kind: str, monkeypatc
     fresh = make()
     fresh.apply(pushed, grads)  # no read before: every row drawn when made
     monkeypatch.setattr(rows, "initial_rows", counting)
-    monkeypatch.setattr(kernels.RowKernels, "draw", counting_fused)
     t = make()
     before = t.rows(read)
     t.apply(pushed, grads)
