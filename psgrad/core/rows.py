@@ -11,7 +11,7 @@ hash index, not at a local index.
 
 Initial values: N(0, std²) per element, like torch.nn.Embedding's normal_(0, 1) with std=1, drawn
 from a counter-based generator (splitmix64 of the seed, the table's name and the element's index
-id * dim + j; Box-Muller from two such draws, by the arithmetic initial_rows's comment says), so any
+id * dim + j; Box-Muller from two such draws, by the arithmetic the comment above normal() says), so any
 subset of rows is made without the others, and the same on any machine."""
 from __future__ import annotations
 
