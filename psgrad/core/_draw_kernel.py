@@ -2,8 +2,9 @@
 steps in the same order as rows.py's numpy ones (its comment says why they are only +, -, *, / and
 sqrt), so the same bits, in one pass over the rows where numpy makes some sixty; rows.py passes
 its constants in (DRAW_CONSTANTS), so each is the same double. Imported only by psgrad.core.rows,
-on a background thread (core/compiled.py), which checks it against numpy's steps before using it. The machine code is cached next to this file, or in the user's cache directory
-where this one is read-only; where neither can be written it is compiled in every process."""
+on a background thread (core/compiled.py), which checks it against numpy's steps before using it.
+The machine code is cached next to this file, or in the user's cache directory where this one is
+read-only; where neither can be written it is compiled in every process."""
 from __future__ import annotations
 
 import numba
