@@ -188,8 +188,8 @@ def run_page(p: Plan, cwd: Path, timeout_s: float,
 
 def python_api_two_workers_train(out: str, cwd: Path) -> None:
     """python-api.md: both workers of train_digits.py (by hand, two servers) end above 0.9."""
-    for rank in range(2):
-        last = re.findall(rf"^rank {rank} epoch 4: loss [\d.]+ test accuracy ([\d.]+)$", out, re.M)
+    for rank in range(2):  # (not anchored at line ends: both print to one terminal, see test_tutorial.py)
+        last = re.findall(rf"rank {rank} epoch 4: loss [\d.]+ test accuracy (\d\.\d{{3}})", out)
         assert last and float(last[-1]) > 0.9, (rank, out[-3000:])
 
 
