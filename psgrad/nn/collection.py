@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from psgrad.errors import ConfigError
+from psgrad.nn import pooling
 from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag
 
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
@@ -100,11 +101,15 @@ class EmbeddingBagCollection(nn.Module):
         training = bags[0]._training()
         unique = [bag.unique_ids(ids) for bag, (ids, _) in zip(bags, parts)]
         got = source.pull_tables({bag.table or "": u for bag, (u, _) in zip(bags, unique)}, not training)
-        outs = []
-        for bag, (ids, offsets), (u, inverse) in zip(bags, parts, unique):
-            weight = bag.attach_rows(u, got[bag.table or ""], ids.device, training)
-            outs.append(F.embedding_bag(inverse, weight, offsets, mode=bag.mode))
-        return torch.cat(outs, dim=1)
+        weights = [bag.attach_rows(u, got[bag.table or ""], ids.device, training)
+                   for bag, (ids, _), (u, _) in zip(bags, parts, unique)]
+        inverses = [inverse for _, inverse in unique]
+        if all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # every table's bags in one pass
+            out = pooling.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean")
+            if out is not None:
+                return out
+        return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)
+                          for bag, weight, inverse, (_, offsets) in zip(bags, weights, inverses, parts)], dim=1)
 
 
 def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> Features:

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from psgrad.core import rows
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
+from psgrad.nn import pooling
 
 EMBEDDING_BAG_MODES = ("sum", "mean", "max")
 # A table's entries in a state_dict, after the module's prefix (the layout of `psgrad export`'s
@@ -473,9 +474,19 @@ class EmbeddingBag(SparseEmbedding):
         if self.padding_idx is not None:
             at = int(torch.searchsorted(unique, self.padding_idx))
             padding = at if at < unique.numel() and int(unique[at]) == self.padding_idx else None
+        if padding is None and self.plain_bags() and per_sample_weights is None:
+            out = pooling.pooled([weight], [inverse], [offsets], self.mode == "mean")
+            if out is not None:
+                return out
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                scale_grad_by_freq=self.scale_grad_by_freq,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
+
+    def plain_bags(self) -> bool:
+        """Whether this module's bags are plain sums or means (no padding_idx, include_last_offset
+        or scale_grad_by_freq): what the compiled pooling serves (psgrad/nn/pooling.py)."""
+        return (self.mode != "max" and self.padding_idx is None and not self.include_last_offset
+                and not self.scale_grad_by_freq)
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,106 @@
+"""The compiled pooling kernels (numba): imported only by psgrad.nn.pooling, on a background thread
+(importing numba and compiling take a second or two; the machine code is cached next to this file,
+or in the user's cache directory where this one is read-only; where neither can be written it is
+compiled in every process). One pass over every id of every table of a lookup pools the bags
+(forward) or spreads the output's gradient over the rows (backward), where torch takes an
+embedding_bag, its backward (a sort of the ids, then a pass) and a concatenation per table.
+
+The layout both take: the tables' rows in one array [rows, D] (table t's from row_start[t]); each
+id's row within its table (`inverse`, table after table: table t's ids at id_start[t] to
+id_start[t + 1]); each table's bag starts among its ids (`offsets` [T, B]: bag b of table t is its
+ids offsets[t, b] to offsets[t, b + 1], the last one to its end); the output [B, T * D], table t's
+pooled bags in columns t * D to (t + 1) * D. The arithmetic is torch's, in torch's order: a bag's
+sum adds its rows in order from zero, a mean divides that sum by the bag's size; a row's gradient
+adds, in the order of the ids, the output gradient of each bag holding it (a mean's times
+1 / size). pooling.py checks the results bit for bit against torch's after compiling."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+
+_F32 = types.Array(types.float32, 2, "C")
+_F32_IN = types.Array(types.float32, 2, "C", readonly=True)
+_I64_IN = types.Array(types.int64, 1, "C", readonly=True)
+_I64_2D_IN = types.Array(types.int64, 2, "C", readonly=True)
+
+
+def _valid(inverse, id_start, offsets, rows_of):  # pragma: no cover
+    # Whether every bag start is in order within its table (the first at 0, none past the table's
+    # ids) and every id's row within its table's rows (rows_of[t]).
+    T, B = offsets.shape
+    for t in range(T):
+        n = id_start[t + 1] - id_start[t]
+        last = np.int64(0)
+        for b in range(B):
+            s = offsets[t, b]
+            if (b == 0 and s != 0) or s < last or s > n:
+                return False
+            last = s
+        for i in range(id_start[t], id_start[t + 1]):
+            r = inverse[i]
+            if r < 0 or r >= rows_of[t]:
+                return False
+    return True
+
+
+def _pool(weight, inverse, id_start, offsets, row_start, mean, out):  # pragma: no cover
+    T, B = offsets.shape
+    d = weight.shape[1]
+    for t in range(T):
+        first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
+        for b in range(B):
+            s = offsets[t, b]
+            e = offsets[t, b + 1] if b + 1 < B else n
+            for j in range(d):
+                out[b, col + j] = 0
+            for i in range(s, e):
+                r = r0 + inverse[first + i]
+                for j in range(d):
+                    out[b, col + j] += weight[r, j]
+            if mean and e > s:
+                size = np.float32(e - s)
+                for j in range(d):
+                    out[b, col + j] /= size
+
+
+def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_weight):  # pragma: no cover
+    T, B = offsets.shape
+    d = grad_weight.shape[1]
+    for t in range(T):
+        first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
+        for b in range(B):
+            s = offsets[t, b]
+            e = offsets[t, b + 1] if b + 1 < B else n
+            if mean:
+                scale = np.float32(1) / np.float32(max(e - s, 1))
+                for i in range(s, e):
+                    r = r0 + inverse[first + i]
+                    for j in range(d):
+                        grad_weight[r, j] += scale * grad_out[b, col + j]
+            else:
+                for i in range(s, e):
+                    r = r0 + inverse[first + i]
+                    for j in range(d):
+                        grad_weight[r, j] += grad_out[b, col + j]
+
+
+def _jit(fn, signature, cache: bool):
+    # no fused multiply-adds (fastmath off): a mean's gradient is a product, then a sum, as torch's
+    return numba.njit(signature, cache=cache, nogil=True, boundscheck=False, error_model="numpy")(fn)
+
+
+def _compile(cache: bool) -> dict[str, object]:
+    b = types.boolean
+    return {
+        "valid": _jit(_valid, b(_I64_IN, _I64_IN, _I64_2D_IN, _I64_IN), cache),
+        "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32), cache),
+        "pool_backward": _jit(_pool_backward, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32),
+                              cache),
+    }
+
+
+try:
+    KERNELS = _compile(cache=True)
+except RuntimeError:  # no writable place for the cache
+    KERNELS = _compile(cache=False)

@@ -1,0 +1,180 @@
+"""Bags of several tables pooled in one pass: the forward of psgrad.EmbeddingBagCollection (and of
+a psgrad.EmbeddingBag, one table) as one compiled kernel that pools every bag of every table
+straight into the output's columns, and one for the backward that adds each bag's output gradient
+to its rows — where torch takes, per table, an embedding_bag, a backward that sorts the ids and
+then a pass, and a concatenation of the tables' outputs both ways. On a recommender's step (8
+tables, a batch of 512 bags: benchmarks/dlrm.py) a worker's backward took 2.4 ms of CPU where it
+took 3.5 (docs/benchmarks/dlrm.md).
+
+The arithmetic is torch's embedding_bag's: a bag's sum adds its rows in order from zero, a mean
+divides it by the bag's size (an empty bag is zeros); checked bit for bit against torch's forward
+after compiling. The backward adds a row's gradients in the order of the ids (a mean's each times
+1 / size), as index_add_ does; torch's own backward adds them in the order its sort of the ids
+leaves them, so a row that several bags share may differ from torch's in the last bits (the same
+from run to run, as torch's is).
+
+The kernels serve sum and mean bags of float32 rows on the CPU, without per-sample weights,
+padding_idx, include_last_offset or scale_grad_by_freq; pooled() returns None for anything else
+(or while they compile, or where numba is missing or they disagree with torch, or with
+PSGRAD_FUSED_APPLY=0), and the caller runs torch's ops."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from psgrad.core.compiled import get as _get
+
+#: Ids x width of one lookup from which the kernels start compiling: a process whose lookups are all
+#: smaller (a test's, a toy model's) never loads numba for them; smaller lookups use the kernels
+#: once they are compiled all the same.
+POOL_KERNEL_MIN = 16384
+
+
+def kernels(start: bool = False, wait: bool = False) -> dict[str, Any] | None:
+    """The compiled pooling kernels, or None: not ready yet (start: the call starts compiling them
+    on a background thread; wait=True waits for that), turned off, or unavailable here."""
+    return _get("pooling", _make, start, wait)
+
+
+def _make() -> dict[str, Any] | None:
+    from psgrad.nn._pool_kernels import KERNELS
+
+    return KERNELS if _agrees_with_torch(KERNELS) else None
+
+
+def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
+           offsets: Sequence[torch.Tensor | None], mean: bool) -> torch.Tensor | None:
+    """torch.cat([F.embedding_bag(inverse, weight, offset, mode) for each table], dim=1) in one
+    pass each way: weights[t] the rows table t's bags read ([rows, D], one D for all), inverses[t]
+    its ids as rows of weights[t] (1-D with offsets[t], the bags' starts, or 2-D: a bag per row).
+    Returns [B, T * D] (recording a gradient for each weight that requires one), or None: the
+    kernels do not serve this lookup (see the module doc), or its bags are not valid for torch
+    (then torch's ops, run by the caller, say why)."""
+    k = kernels()
+    n = sum(int(i.numel()) for i in inverses)
+    if k is None:
+        if n * int(weights[0].shape[-1]) >= POOL_KERNEL_MIN:
+            kernels(start=True)
+        return None
+    plan = _Plan.make(weights, inverses, offsets, mean, k)
+    if plan is None:
+        return None
+    return _Pooled.apply(plan, *weights)
+
+
+class _Plan:
+    """One lookup's layout as the kernels take it (see _pool_kernels.py)."""
+
+    def __init__(self, kernels_: dict[str, Any], inverse: np.ndarray, id_start: np.ndarray, offsets: np.ndarray,
+                 sizes: list[int], dim: int, mean: bool) -> None:
+        self.k, self.inverse, self.id_start, self.offsets = kernels_, inverse, id_start, offsets
+        self.sizes, self.dim, self.mean = sizes, dim, mean
+        self.row_start = np.cumsum([0] + sizes[:-1], dtype=np.int64)
+
+    @classmethod
+    def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
+             offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any]) -> _Plan | None:
+        dim = int(weights[0].shape[-1]) if weights[0].dim() == 2 else -1
+        cpu = torch.device("cpu")
+        for w, i in zip(weights, inverses):
+            if not (w.dim() == 2 and w.shape[1] == dim and w.dtype == torch.float32 and w.device == cpu
+                    and i.device == cpu and i.dtype == torch.int64):
+                return None
+        starts, flat = [], []
+        for i, o in zip(inverses, offsets):
+            if o is None:  # 2-D: one bag per row
+                if i.dim() != 2 or not i.shape[1]:  # (bags of no ids: torch refuses them)
+                    return None
+                starts.append(torch.arange(0, i.numel(), int(i.shape[1])))
+            else:
+                if i.dim() != 1 or o.dim() != 1 or o.dtype != torch.int64 or o.device != cpu:
+                    return None
+                starts.append(o)
+            flat.append(i.reshape(-1))
+        bags = int(starts[0].numel())
+        if any(int(s.numel()) != bags for s in starts):
+            return None  # (the outputs would not concatenate: torch.cat says so)
+        sizes = [int(w.shape[0]) for w in weights]
+        inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
+        id_start = np.cumsum([0] + [int(f.numel()) for f in flat], dtype=np.int64)
+        table_offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
+        if not k["valid"](inverse, id_start, table_offsets, np.array(sizes, dtype=np.int64)):
+            return None
+        return cls(k, inverse, id_start, table_offsets, sizes, dim, mean)
+
+    def rows(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        """All tables' rows as one [rows, D] tensor: a view where they lie one after another in one
+        storage (as a step's prefetched rows of tables of one width do), else a copy."""
+        first = weights[0]
+        if len(weights) == 1:
+            return first.contiguous()
+        row_bytes = self.dim * 4
+        storage = first.untyped_storage().data_ptr()
+        if all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage
+               and w.data_ptr() == first.data_ptr() + int(at) * row_bytes for w, at in zip(weights, self.row_start)):
+            return first.as_strided((sum(self.sizes), self.dim), (self.dim, 1))
+        return torch.cat(list(weights))
+
+
+class _Pooled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.plan = plan
+        rows = plan.rows(weights)
+        out = torch.empty(plan.offsets.shape[1], len(weights) * plan.dim)
+        plan.k["pool"](rows.detach().numpy(), plan.inverse, plan.id_start, plan.offsets, plan.row_start, plan.mean,
+                       out.numpy())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        grad = torch.zeros(sum(plan.sizes), plan.dim)
+        plan.k["pool_backward"](grad_out.to(torch.float32).contiguous().numpy(), plan.inverse, plan.id_start,
+                                plan.offsets, plan.row_start, plan.mean, grad.numpy())
+        parts = grad.split(plan.sizes)
+        return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
+
+
+def _agrees_with_torch(k: dict[str, Any]) -> bool:
+    """Whether the kernels compute torch's embedding_bag (forward) and index_add_ of each bag's
+    output gradient (backward), bit for bit, for sum and mean bags of several tables (empty bags,
+    repeated rows, widths that meet every vector loop's tail), and refuse bags out of order."""
+    gen = torch.Generator().manual_seed(0)
+    for mean in (False, True):
+        for tables, bags, dim, rows in ((1, 1, 1, 3), (3, 7, 5, 4), (2, 100, 33, 10), (4, 64, 16, 1000)):
+            weights, inverses, offsets, lengths = [], [], [], []
+            for t in range(tables):
+                length = torch.randint(0 if t % 2 else 1, 4, (bags,), generator=gen)
+                inverses.append(torch.randint(0, rows, (int(length.sum()),), generator=gen))
+                offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), length.cumsum(0)[:-1]]))
+                weights.append(torch.randn(rows, dim, generator=gen))
+                lengths.append(length)
+            plan = _Plan.make(weights, inverses, offsets, mean, k)
+            if plan is None:
+                return False
+            leaves = [w.clone().requires_grad_() for w in weights]
+            out = _Pooled.apply(plan, *leaves)
+            mode = "mean" if mean else "sum"
+            expect = torch.cat([torch.nn.functional.embedding_bag(i, w, o, mode=mode)
+                                for i, w, o in zip(inverses, weights, offsets)], dim=1)
+            grad_out = torch.randn(out.shape, generator=gen)
+            out.backward(grad_out)
+            for t, (leaf, inverse, length) in enumerate(zip(leaves, inverses, lengths)):
+                bag = torch.repeat_interleave(torch.arange(bags), length)
+                source = grad_out[:, t * dim:(t + 1) * dim][bag]
+                if mean:
+                    source = source * (1.0 / length.clamp(min=1).to(torch.float32))[bag].unsqueeze(1)
+                if leaf.grad is None or not _same_bits(leaf.grad, torch.zeros(rows, dim).index_add_(0, inverse, source)):
+                    return False
+            if not _same_bits(out.detach(), expect):
+                return False
+    bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
+    return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, k) is None for o in bad)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))

@@ -1,0 +1,154 @@
+"""The compiled pooling of embedding bags (psgrad/nn/pooling.py, its kernels psgrad/nn/_pool_kernels.py):
+several tables' bags pooled in one pass, equal to torch's embedding_bag forward bit for bit, the
+backward equal to index_add_ of each bag's output gradient bit for bit (and to torch's backward
+within rounding), used by psgrad.EmbeddingBag and psgrad.EmbeddingBagCollection, and refused (None:
+torch's ops run) for what it does not serve."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import psgrad
+from psgrad.core import compiled
+from psgrad.nn import pooling
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if pooling.kernels(start=True, wait=True) is None:
+        pytest.skip("the compiled pooling kernels are unavailable here (numba missing)")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def lookup(gen: torch.Generator, tables: int, bags: int, dim: int, rows: int, empty: bool = True):  # type: ignore[no-untyped-def]
+    weights, inverses, offsets, lengths = [], [], [], []
+    for t in range(tables):
+        length = torch.randint(0 if empty and t % 2 else 1, 4, (bags,), generator=gen)
+        inverses.append(torch.randint(0, rows, (int(length.sum()),), generator=gen))
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), length.cumsum(0)[:-1]]))
+        weights.append(torch.randn(rows, dim, generator=gen))
+        lengths.append(length)
+    return weights, inverses, offsets, lengths
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_several_tables_pool_as_torchs_embedding_bags_in_one_pass(kernels, mode) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(1)
+    weights, inverses, offsets, lengths = lookup(gen, 8, 512, 32, 60)  # (many bags share rows)
+    leaves = [w.clone().requires_grad_() for w in weights]
+    out = pooling.pooled(leaves, inverses, offsets, mode == "mean")
+    assert out is not None
+    torch_leaves = [w.clone().requires_grad_() for w in weights]
+    expect = torch.cat([F.embedding_bag(i, w, o, mode=mode) for i, w, o in zip(inverses, torch_leaves, offsets)], 1)
+    assert same_bits(out.detach(), expect.detach())
+    grad_out = torch.randn(out.shape, generator=gen)
+    out.backward(grad_out)
+    expect.backward(grad_out)
+    for t, (leaf, torch_leaf) in enumerate(zip(leaves, torch_leaves)):
+        assert leaf.grad is not None and torch_leaf.grad is not None
+        torch.testing.assert_close(leaf.grad, torch_leaf.grad, rtol=1e-5, atol=1e-6)  # (torch's sort: its own order)
+        bag = torch.repeat_interleave(torch.arange(512), lengths[t])
+        source = grad_out[:, 32 * t:32 * (t + 1)][bag]
+        if mode == "mean":
+            source = source * (1.0 / lengths[t].clamp(min=1).float())[bag].unsqueeze(1)
+        assert same_bits(leaf.grad, torch.zeros(60, 32).index_add_(0, inverses[t], source))
+
+
+def test_two_dimensional_inputs_are_a_bag_per_row(kernels) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(9, 5, generator=gen)
+    inverse = torch.randint(0, 9, (7, 3), generator=gen)
+    out = pooling.pooled([weight], [inverse], [None], True)
+    assert out is not None and same_bits(out, F.embedding_bag(inverse, weight, mode="mean"))
+    empty = torch.empty(4, 0, dtype=torch.int64)  # (bags of no ids: torch refuses them, and says why)
+    assert pooling.pooled([weight], [empty], [None], False) is None
+    with pytest.raises(RuntimeError):
+        F.embedding_bag(empty, weight, mode="sum")
+
+
+def test_rows_that_lie_one_after_another_are_read_in_place(kernels) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(3)
+    weights, inverses, offsets, _ = lookup(gen, 3, 20, 4, 10)
+    together = torch.cat(weights)
+    views = list(together.split([10, 10, 10]))
+    plan = pooling._Plan.make(views, inverses, offsets, False, pooling.kernels())
+    assert plan is not None
+    assert plan.rows(views).data_ptr() == together.data_ptr()  # (a view: no copy)
+    apart = [w.clone() for w in weights]
+    assert plan.rows(apart).data_ptr() not in {w.data_ptr() for w in apart}  # (a copy of tables stored apart)
+    assert same_bits(pooling.pooled(views, inverses, offsets, False), pooling.pooled(apart, inverses, offsets, False))
+
+
+def test_what_the_kernels_do_not_serve_is_left_to_torch(kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(4)
+    weights, inverses, offsets, _ = lookup(gen, 2, 6, 4, 5, empty=False)
+    assert pooling.pooled(weights, inverses, offsets, False) is not None
+    refused = [
+        ([weights[0], torch.randn(5, 3)], inverses, offsets),  # widths differ
+        (weights, inverses, [offsets[0], offsets[1][:-1]]),  # bag counts differ: torch.cat refuses
+        ([w.double() for w in weights], inverses, offsets),  # not float32
+        (weights, [i.int() for i in inverses], offsets),  # int32 ids
+        (weights, inverses, [offsets[0], offsets[1].flip(0)]),  # bags out of order
+        (weights, inverses, [offsets[0] + 1, offsets[1]]),  # not starting at 0
+        (weights, [inverses[0], inverses[1] + 5], offsets),  # a row past the table's
+        (weights, inverses, [offsets[0], None]),  # 1-D ids without offsets: torch's error
+    ]
+    for w, i, o in refused:
+        assert pooling.pooled(w, i, o, False) is None
+    with pytest.raises(ValueError, match="offsets"):  # (torch says what is wrong)
+        F.embedding_bag(inverses[1], weights[1], None, mode="sum")
+    monkeypatch.setenv(compiled.ENV, "0")
+    assert pooling.pooled(weights, inverses, offsets, False) is None
+
+
+class Rows:
+    """A RowSource serving fixed rows for every table (the job's servers' part)."""
+
+    def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
+        self.tables = tables
+
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        return {name: self.tables[name][ids].clone() for name, ids in lookups.items()}
+
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("not read here")
+
+
+@pytest.mark.parametrize("kind", ["collection", "bag"])
+def test_the_modules_pool_their_bags_with_the_kernels_and_push_torchs_gradients(kernels, monkeypatch, kind) -> None:  # type: ignore[no-untyped-def]
+    """A bound collection (and a bag) with the kernels: the same outputs as with torch's ops, and
+    the row gradients a step takes within rounding of them (equal where no row is shared)."""
+    gen = torch.Generator().manual_seed(5)
+    tables = {"a": torch.randn(50, 8, generator=gen), "b": torch.randn(70, 8, generator=gen)}
+    x = {"a": torch.randint(0, 50, (40, 3), generator=gen),
+         "b": (torch.randint(0, 70, (90,), generator=gen), torch.arange(0, 80, 2))}
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv(compiled.ENV, "1" if fused else "0")
+        calls = []
+        monkeypatch.setattr(pooling._Pooled, "apply", lambda *a, _f=pooling._Pooled.apply: calls.append(1) or _f(*a))
+        if kind == "collection":
+            module = psgrad.EmbeddingBagCollection({"a": (50, 8), "b": (70, 8)}, mode="mean")
+            bags = dict(module.bags.items())
+        else:
+            module = psgrad.EmbeddingBag(70, 8, mode="sum")
+            bags = {"b": module}
+        for name, bag in bags.items():
+            bag.bind(name, Rows(tables))
+        out = module(x) if kind == "collection" else module(*x["b"])
+        assert len(calls) == int(fused)
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        results[fused] = out.detach(), {name: bag.take_gradients() for name, bag in bags.items()}
+    assert same_bits(results[True][0], results[False][0])
+    for name, (ids, grads) in results[True][1].items():
+        torch_ids, torch_grads = results[False][1][name]
+        assert torch.equal(ids, torch_ids)
+        torch.testing.assert_close(grads, torch_grads, rtol=1e-5, atol=1e-6)
