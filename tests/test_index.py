@@ -104,7 +104,7 @@ TESTS_OF: dict[str, tuple[str, ...]] = {
                                              "tests/integration/test_fork_safety.py"),
     "psgrad/metrics/exporters.py":          ("tests/e2e/test_operations.py",),
     "psgrad/metrics/jsonl.py":              ("tests/integration/test_schedules.py", "tests/e2e/test_allreduce.py"),
-    "psgrad/nn/_pool_kernels.py":           ("tests/unit/test_pooling.py",),
+    "psgrad/nn/_lookup_kernels.py":         ("tests/unit/test_lookups.py",),
     "psgrad/nn/collection.py":              ("tests/integration/test_grouped_tables.py",
                                              "tests/e2e/test_dlrm_bench.py"),
     "psgrad/nn/embedding.py":               ("tests/unit/test_embedding_modules.py",

@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from psgrad.errors import ConfigError
-from psgrad.nn import pooling
-from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag
+from psgrad.nn import lookups
+from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, unique_ids_of
 
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
 Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
@@ -86,7 +86,9 @@ class EmbeddingBagCollection(nn.Module):
 
     def lookup(self, features: Any) -> dict[str, torch.Tensor]:
         """The rows a forward of `features` reads, by table (what a prefetch asks the servers for)."""
-        return {bag.table or "": bag.unique_ids(ids)[0] for bag, (ids, _) in zip(self._bags(), self._ordered(features))}
+        bags = self._bags()
+        unique = unique_ids_of(bags, [ids for ids, _ in self._ordered(features)])
+        return {bag.table or "": u for bag, (u, _) in zip(bags, unique)}
 
     def _ordered(self, features: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         parts = self.split(features)
@@ -99,13 +101,13 @@ class EmbeddingBagCollection(nn.Module):
             return torch.cat([bag(ids, offsets) for bag, (ids, offsets) in zip(bags, parts)], dim=1)
         source = bags[0].bound_source()
         training = bags[0]._training()
-        unique = [bag.unique_ids(ids) for bag, (ids, _) in zip(bags, parts)]
+        unique = unique_ids_of(bags, [ids for ids, _ in parts])
         got = source.pull_tables({bag.table or "": u for bag, (u, _) in zip(bags, unique)}, not training)
         weights = [bag.attach_rows(u, got[bag.table or ""], ids.device, training)
                    for bag, (ids, _), (u, _) in zip(bags, parts, unique)]
         inverses = [inverse for _, inverse in unique]
         if all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # every table's bags in one pass
-            out = pooling.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean")
+            out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean")
             if out is not None:
                 return out
         return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)

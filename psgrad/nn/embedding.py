@@ -17,7 +17,7 @@ rows for the ids the state does not list): a trained model evaluates with no ser
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from psgrad.core import rows
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
-from psgrad.nn import pooling
+from psgrad.nn import lookups
 
 EMBEDDING_BAG_MODES = ("sum", "mean", "max")
 # A table's entries in a state_dict, after the module's prefix (the layout of `psgrad export`'s
@@ -251,15 +251,21 @@ class SparseEmbedding(nn.Module):
         Raises:
             InvalidRequestError: not an integer tensor, or an id out of range.
         """
-        last = self._last_unique  # a prefetch and the forward it serves look at the same tensor
+        return unique_ids_of([self], [ids])[0]
+
+    def _remembered(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """unique_ids of `ids` where this module computed them last (a prefetch and the forward it
+        serves look at the same tensor, unchanged since), else None."""
+        last = self._last_unique
         if last is not None and last[0]() is ids and last[1] == ids._version:
             return last[2], last[3]
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
-        unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-        unique = unique.to("cpu", torch.int64)
+        return None
+
+    def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the unique ids of `ids` and keep them for the next unique_ids of the same tensor."""
         rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}")
-        inverse = inverse.view(ids.shape)
         self._last_unique = (weakref.ref(ids), ids._version, unique, inverse)
         return unique, inverse
 
@@ -475,7 +481,7 @@ class EmbeddingBag(SparseEmbedding):
             at = int(torch.searchsorted(unique, self.padding_idx))
             padding = at if at < unique.numel() and int(unique[at]) == self.padding_idx else None
         if padding is None and self.plain_bags() and per_sample_weights is None:
-            out = pooling.pooled([weight], [inverse], [offsets], self.mode == "mean")
+            out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean")
             if out is not None:
                 return out
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
@@ -484,7 +490,7 @@ class EmbeddingBag(SparseEmbedding):
 
     def plain_bags(self) -> bool:
         """Whether this module's bags are plain sums or means (no padding_idx, include_last_offset
-        or scale_grad_by_freq): what the compiled pooling serves (psgrad/nn/pooling.py)."""
+        or scale_grad_by_freq): what the compiled pooling serves (psgrad/nn/lookups.py)."""
         return (self.mode != "max" and self.padding_idx is None and not self.include_last_offset
                 and not self.scale_grad_by_freq)
 
@@ -498,6 +504,28 @@ def _shape(embeddings: torch.Tensor) -> tuple[int, int]:
     if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
         raise ConfigError(f"from_pretrained takes a 2-D tensor of embeddings, got {getattr(embeddings, 'shape', embeddings)!r}")
     return int(embeddings.shape[0]), int(embeddings.shape[1])
+
+
+def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each module's unique_ids of its input: those it does not remember computed for all of them
+    in one pass (psgrad/nn/lookups.py) where the kernels serve them, else by torch.unique each.
+
+    Raises:
+        InvalidRequestError: ids that are not an integer tensor, or out of a module's range.
+    """
+    out = [m._remembered(i) for m, i in zip(modules, inputs)]
+    todo = [k for k, o in enumerate(out) if o is None]
+    if not todo:
+        return out  # type: ignore[return-value]
+    fused = lookups.unique_ids([inputs[k] for k in todo], max(modules[k].embedding_dim for k in todo))
+    for n, k in enumerate(todo):
+        if fused is not None:
+            unique, inverse = fused[n]
+        else:
+            unique, inverse = torch.unique(inputs[k].reshape(-1), sorted=True, return_inverse=True)
+            unique, inverse = unique.to("cpu", torch.int64), inverse.view(inputs[k].shape)
+        out[k] = modules[k]._remember(inputs[k], unique, inverse)
+    return out  # type: ignore[return-value]
 
 
 def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:

@@ -1,18 +1,23 @@
-"""The compiled pooling kernels (numba): imported only by psgrad.nn.pooling, on a background thread
-(importing numba and compiling take a second or two; the machine code is cached next to this file,
-or in the user's cache directory where this one is read-only; where neither can be written it is
-compiled in every process). One pass over every id of every table of a lookup pools the bags
-(forward) or spreads the output's gradient over the rows (backward), where torch takes an
-embedding_bag, its backward (a sort of the ids, then a pass) and a concatenation per table.
+"""The compiled kernels of a lookup in embedding tables (numba): imported only by psgrad.nn.lookups,
+on a background thread (importing numba and compiling take a second or two; the machine code is
+cached next to this file, or in the user's cache directory where this one is read-only; where
+neither can be written it is compiled in every process). One pass over the ids of every table of
+a lookup finds each table's unique ids (where torch takes a unique per table: a sort of its ids), and
+one pools the bags (forward) or spreads the output's gradient over the rows (backward), where torch
+takes an embedding_bag, its backward (another sort of the ids, then a pass) and a concatenation per
+table.
 
-The layout both take: the tables' rows in one array [rows, D] (table t's from row_start[t]); each
-id's row within its table (`inverse`, table after table: table t's ids at id_start[t] to
-id_start[t + 1]); each table's bag starts among its ids (`offsets` [T, B]: bag b of table t is its
-ids offsets[t, b] to offsets[t, b + 1], the last one to its end); the output [B, T * D], table t's
-pooled bags in columns t * D to (t + 1) * D. The arithmetic is torch's, in torch's order: a bag's
-sum adds its rows in order from zero, a mean divides that sum by the bag's size; a row's gradient
-adds, in the order of the ids, the output gradient of each bag holding it (a mean's times
-1 / size). pooling.py checks the results bit for bit against torch's after compiling."""
+The layout they take: the tables' ids one table after another (table t's at id_start[t] to
+id_start[t + 1]). unique: table t's unique ids, in increasing order, at the start of its place
+(counts[t] of them), and each id's index among them (torch.unique's sorted ids and inverse):
+a hash table gives each id the index of its first occurrence, then the few unique ids are sorted.
+Pooling: the tables' rows in one array [rows, D] (table t's from row_start[t]); each id's row within
+its table (`inverse`); each table's bag starts among its ids (`offsets` [T, B]: bag b of table t is
+its ids offsets[t, b] to offsets[t, b + 1], the last one to its end); the output [B, T * D], table
+t's pooled bags in columns t * D to (t + 1) * D. The arithmetic is torch's, in torch's order: a
+bag's sum adds its rows in order from zero, a mean divides that sum by the bag's size; a row's
+gradient adds, in the order of the ids, the output gradient of each bag holding it (a mean's times
+1 / size). lookups.py checks every result bit for bit against torch's after compiling."""
 from __future__ import annotations
 
 import numba
@@ -21,8 +26,45 @@ from numba import types
 
 _F32 = types.Array(types.float32, 2, "C")
 _F32_IN = types.Array(types.float32, 2, "C", readonly=True)
+_I64 = types.Array(types.int64, 1, "C")
 _I64_IN = types.Array(types.int64, 1, "C", readonly=True)
 _I64_2D_IN = types.Array(types.int64, 2, "C", readonly=True)
+
+
+def _unique(ids, id_start, unique, inverse, counts):  # pragma: no cover
+    T = id_start.shape[0] - 1
+    most = 1
+    for t in range(T):
+        most = max(most, id_start[t + 1] - id_start[t])
+    bits = 4  # a hash table of 2^bits places, at least twice the most ids of a table
+    while (1 << bits) < 2 * most:
+        bits += 1
+    mask, shift, mult = (1 << bits) - 1, np.uint64(64 - bits), np.uint64(0x9E3779B97F4A7C15)
+    key = np.empty(1 << bits, np.int64)
+    at = np.empty(1 << bits, np.int64)  # the index of the id in that place (-1: free)
+    firsts = np.empty(most, np.int64)  # the unique ids in the order of their first occurrence
+    first_of = np.empty(most, np.int64)  # each id's index among firsts
+    rank = np.empty(most, np.int64)
+    for t in range(T):
+        s, e = id_start[t], id_start[t + 1]
+        at[:] = -1
+        u = 0
+        for i in range(s, e):
+            x = ids[i]
+            h = np.int64((np.uint64(x) * mult) >> shift)  # (Fibonacci hashing: the high bits of x * 2^64 / phi)
+            while at[h] >= 0 and key[h] != x:
+                h = (h + 1) & mask
+            if at[h] < 0:
+                at[h], key[h], firsts[u] = u, x, x
+                u += 1
+            first_of[i - s] = at[h]
+        order = np.argsort(firsts[:u])
+        for j in range(u):
+            rank[order[j]] = j
+            unique[s + j] = firsts[order[j]]
+        for i in range(s, e):
+            inverse[i] = rank[first_of[i - s]]
+        counts[t] = u
 
 
 def _valid(inverse, id_start, offsets, rows_of):  # pragma: no cover
@@ -93,6 +135,7 @@ def _jit(fn, signature, cache: bool):
 def _compile(cache: bool) -> dict[str, object]:
     b = types.boolean
     return {
+        "unique": _jit(_unique, types.void(_I64_IN, _I64_IN, _I64, _I64, _I64), cache),
         "valid": _jit(_valid, b(_I64_IN, _I64_IN, _I64_2D_IN, _I64_IN), cache),
         "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32), cache),
         "pool_backward": _jit(_pool_backward, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32),

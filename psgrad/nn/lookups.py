@@ -1,22 +1,23 @@
-"""Bags of several tables pooled in one pass: the forward of psgrad.EmbeddingBagCollection (and of
-a psgrad.EmbeddingBag, one table) as one compiled kernel that pools every bag of every table
-straight into the output's columns, and one for the backward that adds each bag's output gradient
-to its rows — where torch takes, per table, an embedding_bag, a backward that sorts the ids and
-then a pass, and a concatenation of the tables' outputs both ways. On a recommender's step (8
-tables, a batch of 512 bags: benchmarks/dlrm.py) a worker's backward took 2.4 ms of CPU where it
-took 3.5 (docs/benchmarks/dlrm.md).
+"""A lookup in several embedding tables in compiled passes: each table's unique ids (the rows a
+forward pulls) for every table at once, and the bags of every table pooled in one pass forward and
+one backward — what psgrad.EmbeddingBagCollection's forward (and a psgrad.EmbeddingBag's, one table)
+does per step, where torch takes, per table, a unique (a sort of its ids), an embedding_bag, a
+backward that sorts the ids again and then a pass, and a concatenation of the tables' outputs both
+ways. On a recommender's step (8 tables, a batch of 512 bags: benchmarks/dlrm.py) a worker's
+backward took 2.4 ms of CPU where it took 3.5 (docs/benchmarks/dlrm.md).
 
-The arithmetic is torch's embedding_bag's: a bag's sum adds its rows in order from zero, a mean
-divides it by the bag's size (an empty bag is zeros); checked bit for bit against torch's forward
-after compiling. The backward adds a row's gradients in the order of the ids (a mean's each times
+The results are torch's: unique ids and inverse as torch.unique(sorted=True, return_inverse=True)
+gives them; bags pooled as torch's embedding_bag (a bag's sum adds its rows in order from zero, a
+mean divides it by the bag's size, an empty bag is zeros), both checked bit for bit after
+compiling. The backward adds a row's gradients in the order of the ids (a mean's each times
 1 / size), as index_add_ does; torch's own backward adds them in the order its sort of the ids
 leaves them, so a row that several bags share may differ from torch's in the last bits (the same
 from run to run, as torch's is).
 
-The kernels serve sum and mean bags of float32 rows on the CPU, without per-sample weights,
-padding_idx, include_last_offset or scale_grad_by_freq; pooled() returns None for anything else
-(or while they compile, or where numba is missing or they disagree with torch, or with
-PSGRAD_FUSED_APPLY=0), and the caller runs torch's ops."""
+The kernels serve int64 (or int32) ids and sum and mean bags of float32 rows on the CPU, without
+per-sample weights, padding_idx, include_last_offset or scale_grad_by_freq; unique_ids() and
+pooled() return None for anything else (or while the kernels compile, or where numba is missing
+or they disagree with torch, or with PSGRAD_FUSED_APPLY=0), and the caller runs torch's ops."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,19 +31,44 @@ from psgrad.core.compiled import get as _get
 #: Ids x width of one lookup from which the kernels start compiling: a process whose lookups are all
 #: smaller (a test's, a toy model's) never loads numba for them; smaller lookups use the kernels
 #: once they are compiled all the same.
-POOL_KERNEL_MIN = 16384
+LOOKUP_KERNEL_MIN = 16384
 
 
 def kernels(start: bool = False, wait: bool = False) -> dict[str, Any] | None:
-    """The compiled pooling kernels, or None: not ready yet (start: the call starts compiling them
+    """The compiled lookup kernels, or None: not ready yet (start: the call starts compiling them
     on a background thread; wait=True waits for that), turned off, or unavailable here."""
-    return _get("pooling", _make, start, wait)
+    return _get("lookups", _make, start, wait)
 
 
 def _make() -> dict[str, Any] | None:
-    from psgrad.nn._pool_kernels import KERNELS
+    from psgrad.nn._lookup_kernels import KERNELS
 
-    return KERNELS if _agrees_with_torch(KERNELS) else None
+    return KERNELS if _unique_agrees_with_torch(KERNELS) and _pooling_agrees_with_torch(KERNELS) else None
+
+
+def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """torch.unique(i.reshape(-1), sorted=True, return_inverse=True) of each tensor of ids (of
+    tables `dim` wide), as (unique int64, inverse int64 shaped as i), in one pass: or None, where
+    the kernels do not serve these ids (see the module doc)."""
+    k = kernels()
+    if k is None:
+        if sum(int(i.numel()) for i in ids) * dim >= LOOKUP_KERNEL_MIN:
+            kernels(start=True)
+        return None
+    cpu = torch.device("cpu")
+    if not ids or not all(i.device == cpu and i.dtype in (torch.int64, torch.int32) for i in ids):
+        return None
+    return _unique_with(k, ids)
+
+
+def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    flat = [i.reshape(-1) for i in ids]
+    joined = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
+    id_start = np.cumsum([0] + [int(f.numel()) for f in flat], dtype=np.int64)
+    unique, inverse, counts = torch.empty_like(joined), torch.empty_like(joined), np.empty(len(flat), np.int64)
+    k["unique"](joined.numpy(), id_start, unique.numpy(), inverse.numpy(), counts)
+    return [(unique[start:start + count], inverse[start:end].view(i.shape))
+            for i, start, end, count in zip(ids, id_start[:-1].tolist(), id_start[1:].tolist(), counts.tolist())]
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
@@ -54,9 +80,8 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
     kernels do not serve this lookup (see the module doc), or its bags are not valid for torch
     (then torch's ops, run by the caller, say why)."""
     k = kernels()
-    n = sum(int(i.numel()) for i in inverses)
     if k is None:
-        if n * int(weights[0].shape[-1]) >= POOL_KERNEL_MIN:
+        if sum(int(i.numel()) for i in inverses) * int(weights[0].shape[-1]) >= LOOKUP_KERNEL_MIN:
             kernels(start=True)
         return None
     plan = _Plan.make(weights, inverses, offsets, mean, k)
@@ -66,7 +91,7 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
 
 
 class _Plan:
-    """One lookup's layout as the kernels take it (see _pool_kernels.py)."""
+    """One lookup's layout as the pooling kernels take it (see _lookup_kernels.py)."""
 
     def __init__(self, kernels_: dict[str, Any], inverse: np.ndarray, id_start: np.ndarray, offsets: np.ndarray,
                  sizes: list[int], dim: int, mean: bool) -> None:
@@ -139,7 +164,23 @@ class _Pooled(torch.autograd.Function):
         return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
 
 
-def _agrees_with_torch(k: dict[str, Any]) -> bool:
+def _unique_agrees_with_torch(k: dict[str, Any]) -> bool:
+    """Whether the unique kernel gives torch.unique's sorted ids and inverse, for tables of no
+    ids, one, repeated ones, ids of either sign and the int64 extremes, and many ids (the hash
+    table's probing and growth)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.empty(0, dtype=torch.int64), torch.tensor([7]), torch.tensor([3, -2, 3, 3, -2]),
+             torch.tensor([-(1 << 63), (1 << 63) - 1, 0, -(1 << 63)]), torch.randint(0, 50, (4, 9), generator=gen),
+             torch.randint(-(1 << 62), 1 << 62, (700,), generator=gen), torch.arange(0, 4096, 16).repeat(3)]
+    got = _unique_with(k, cases)
+    for ids, (unique, inverse) in zip(cases, got):
+        u, i = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        if not (torch.equal(unique, u) and torch.equal(inverse, i.view(ids.shape))):
+            return False
+    return True
+
+
+def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
     """Whether the kernels compute torch's embedding_bag (forward) and index_add_ of each bag's
     output gradient (backward), bit for bit, for sum and mean bags of several tables (empty bags,
     repeated rows, widths that meet every vector loop's tail), and refuse bags out of order."""

@@ -1,8 +1,9 @@
-"""The compiled pooling of embedding bags (psgrad/nn/pooling.py, its kernels psgrad/nn/_pool_kernels.py):
-several tables' bags pooled in one pass, equal to torch's embedding_bag forward bit for bit, the
-backward equal to index_add_ of each bag's output gradient bit for bit (and to torch's backward
-within rounding), used by psgrad.EmbeddingBag and psgrad.EmbeddingBagCollection, and refused (None:
-torch's ops run) for what it does not serve."""
+"""A lookup in several embedding tables in compiled passes (psgrad/nn/lookups.py, its kernels
+psgrad/nn/_lookup_kernels.py): each table's unique ids for every table at once, equal to
+torch.unique's; several tables' bags pooled in one pass, equal to torch's embedding_bag forward bit
+for bit, the backward equal to index_add_ of each bag's output gradient bit for bit (and to torch's
+backward within rounding); used by psgrad.EmbeddingBag and psgrad.EmbeddingBagCollection, and
+refused (None: torch's ops run) for what they do not serve."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -13,14 +14,14 @@ from torch.nn import functional as F
 
 import psgrad
 from psgrad.core import compiled
-from psgrad.nn import pooling
+from psgrad.nn import lookups
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def kernels() -> None:
-    if pooling.kernels(start=True, wait=True) is None:
+    if lookups.kernels(start=True, wait=True) is None:
         pytest.skip("the compiled pooling kernels are unavailable here (numba missing)")
 
 
@@ -39,12 +40,46 @@ def lookup(gen: torch.Generator, tables: int, bags: int, dim: int, rows: int, em
     return weights, inverses, offsets, lengths
 
 
+def test_unique_ids_of_several_tables_at_once_are_torchs(kernels) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randint(0, 1000, (1500,), generator=gen), torch.empty(0, dtype=torch.int64),
+              torch.randint(-5, 5, (6, 4), generator=gen).int(), torch.tensor([(1 << 63) - 1, -(1 << 63), 0, 0]),
+              (torch.rand(3000, generator=gen) ** 8 * 1e6).long()]
+    got = lookups.unique_ids(tables, 32)
+    assert got is not None and len(got) == len(tables)
+    for ids, (unique, inverse) in zip(tables, got):
+        u, i = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        assert unique.dtype == inverse.dtype == torch.int64
+        assert torch.equal(unique, u.long()) and torch.equal(inverse, i.view(ids.shape))
+    assert lookups.unique_ids([torch.zeros(3)], 8) is None  # (not ids: the module says so)
+
+
+def test_a_collection_finds_every_tables_unique_ids_in_one_pass_and_remembers_them(kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    ebc = psgrad.EmbeddingBagCollection({"a": (50, 8), "b": (70, 8), "c": (9, 8)})
+    gen = torch.Generator().manual_seed(1)
+    x = {"a": torch.randint(0, 50, (40, 3), generator=gen), "b": torch.randint(0, 70, (40, 2), generator=gen),
+         "c": torch.randint(0, 9, (40, 1), generator=gen)}
+    for name, bag in ebc.bags.items():
+        bag.table = name  # (named as binding names them)
+    calls = []
+    monkeypatch.setattr(lookups, "unique_ids", lambda ids, dim, _f=lookups.unique_ids: calls.append(len(ids)) or _f(ids, dim))
+    first = ebc.lookup(x)
+    assert calls == [3]  # every table in one pass
+    assert all(torch.equal(first[name], torch.unique(ids)) for name, ids in x.items())
+    assert ebc.lookup(x).keys() == first.keys() and calls == [3]  # the same tensors: remembered
+    x["a"][0, 0] = 49 if int(x["a"][0, 0]) != 49 else 48  # (changed in place: found again, alone)
+    ebc.lookup(x)
+    assert calls == [3, 1]
+    with pytest.raises(psgrad.InvalidRequestError, match="out of range"):
+        ebc.lookup({**x, "c": torch.full((40, 1), 9)})
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_several_tables_pool_as_torchs_embedding_bags_in_one_pass(kernels, mode) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(1)
     weights, inverses, offsets, lengths = lookup(gen, 8, 512, 32, 60)  # (many bags share rows)
     leaves = [w.clone().requires_grad_() for w in weights]
-    out = pooling.pooled(leaves, inverses, offsets, mode == "mean")
+    out = lookups.pooled(leaves, inverses, offsets, mode == "mean")
     assert out is not None
     torch_leaves = [w.clone().requires_grad_() for w in weights]
     expect = torch.cat([F.embedding_bag(i, w, o, mode=mode) for i, w, o in zip(inverses, torch_leaves, offsets)], 1)
@@ -66,10 +101,10 @@ def test_two_dimensional_inputs_are_a_bag_per_row(kernels) -> None:  # type: ign
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(9, 5, generator=gen)
     inverse = torch.randint(0, 9, (7, 3), generator=gen)
-    out = pooling.pooled([weight], [inverse], [None], True)
+    out = lookups.pooled([weight], [inverse], [None], True)
     assert out is not None and same_bits(out, F.embedding_bag(inverse, weight, mode="mean"))
     empty = torch.empty(4, 0, dtype=torch.int64)  # (bags of no ids: torch refuses them, and says why)
-    assert pooling.pooled([weight], [empty], [None], False) is None
+    assert lookups.pooled([weight], [empty], [None], False) is None
     with pytest.raises(RuntimeError):
         F.embedding_bag(empty, weight, mode="sum")
 
@@ -79,18 +114,18 @@ def test_rows_that_lie_one_after_another_are_read_in_place(kernels) -> None:  # 
     weights, inverses, offsets, _ = lookup(gen, 3, 20, 4, 10)
     together = torch.cat(weights)
     views = list(together.split([10, 10, 10]))
-    plan = pooling._Plan.make(views, inverses, offsets, False, pooling.kernels())
+    plan = lookups._Plan.make(views, inverses, offsets, False, lookups.kernels())
     assert plan is not None
     assert plan.rows(views).data_ptr() == together.data_ptr()  # (a view: no copy)
     apart = [w.clone() for w in weights]
     assert plan.rows(apart).data_ptr() not in {w.data_ptr() for w in apart}  # (a copy of tables stored apart)
-    assert same_bits(pooling.pooled(views, inverses, offsets, False), pooling.pooled(apart, inverses, offsets, False))
+    assert same_bits(lookups.pooled(views, inverses, offsets, False), lookups.pooled(apart, inverses, offsets, False))
 
 
 def test_what_the_kernels_do_not_serve_is_left_to_torch(kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(4)
     weights, inverses, offsets, _ = lookup(gen, 2, 6, 4, 5, empty=False)
-    assert pooling.pooled(weights, inverses, offsets, False) is not None
+    assert lookups.pooled(weights, inverses, offsets, False) is not None
     refused = [
         ([weights[0], torch.randn(5, 3)], inverses, offsets),  # widths differ
         (weights, inverses, [offsets[0], offsets[1][:-1]]),  # bag counts differ: torch.cat refuses
@@ -102,11 +137,11 @@ def test_what_the_kernels_do_not_serve_is_left_to_torch(kernels, monkeypatch) ->
         (weights, inverses, [offsets[0], None]),  # 1-D ids without offsets: torch's error
     ]
     for w, i, o in refused:
-        assert pooling.pooled(w, i, o, False) is None
+        assert lookups.pooled(w, i, o, False) is None
     with pytest.raises(ValueError, match="offsets"):  # (torch says what is wrong)
         F.embedding_bag(inverses[1], weights[1], None, mode="sum")
     monkeypatch.setenv(compiled.ENV, "0")
-    assert pooling.pooled(weights, inverses, offsets, False) is None
+    assert lookups.pooled(weights, inverses, offsets, False) is None
 
 
 class Rows:
@@ -134,7 +169,7 @@ def test_the_modules_pool_their_bags_with_the_kernels_and_push_torchs_gradients(
     for fused in (True, False):
         monkeypatch.setenv(compiled.ENV, "1" if fused else "0")
         calls = []
-        monkeypatch.setattr(pooling._Pooled, "apply", lambda *a, _f=pooling._Pooled.apply: calls.append(1) or _f(*a))
+        monkeypatch.setattr(lookups._Pooled, "apply", lambda *a, _f=lookups._Pooled.apply: calls.append(1) or _f(*a))
         if kind == "collection":
             module = psgrad.EmbeddingBagCollection({"a": (50, 8), "b": (70, 8)}, mode="mean")
             bags = dict(module.bags.items())
