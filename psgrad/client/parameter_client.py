@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from concurrent import futures
@@ -18,7 +19,7 @@ from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.core.codecs import WireBuffer, byte_view
+from psgrad.core.codecs import WireBuffer, byte_view, joined
 from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
 from psgrad.core.gradient_codecs import Compressor
@@ -84,6 +85,10 @@ class ParameterClient:
         self.frozen_seen = [0] * plan.num_shards
         # (table, shard) -> the table version that shard's rows were last pulled at
         self.row_versions: dict[tuple[str, int], int] = {}
+        # The latest placement of each group of tables (see _place): a step pushes the gradients of
+        # the very ids its forward read, which the step before placed when it fetched them.
+        self._placed: dict[tuple[str, ...], tuple[list[tuple[weakref.ref[torch.Tensor], int]],
+                                                  row_placement.TablesOnShards]] = {}
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
@@ -610,8 +615,8 @@ class ParameterClient:
             return split
         for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
                                         lambda name: tuple(rows[name][1].shape[1:])):
-            ids = place.split(_cat([rows[name][0] for name in names]))
-            values = place.split(_cat([rows[name][1] for name in names]))
+            ids = place.split(joined([rows[name][0] for name in names]))
+            values = place.split(joined([rows[name][1] for name in names]))
             for i in range(S):
                 for t, name in enumerate(names):
                     if place.counts[i][t]:
@@ -625,11 +630,22 @@ class ParameterClient:
         groups: dict[object, list[str]] = {}
         for name in lookups:
             groups.setdefault(width(name), []).append(name)
-        S = len(self.shards)
-        return [(names, row_placement.TablesOnShards(
-                    [lookups[name] for name in names], S,
-                    [self._table(name).num_embeddings == row_placement.DYNAMIC for name in names]))
-                for names in groups.values()]
+        return [(names, self._placement(names, [lookups[name] for name in names])) for names in groups.values()]
+
+    def _placement(self, names: list[str], ids: list[torch.Tensor]) -> row_placement.TablesOnShards:
+        """The placement of tables' ids on the shards: the one made last for these tables where it
+        was made for these very tensors, unchanged since (the ids a step pushes gradients for are
+        the ones the step before fetched), else a new one."""
+        key = tuple(names)
+        held = self._placed.get(key)
+        if held is not None and all(ref() is i and version == i._version for (ref, version), i in zip(held[0], ids)):
+            return held[1]
+        place = row_placement.TablesOnShards(ids, len(self.shards),
+                                             [self._table(name).num_embeddings == row_placement.DYNAMIC for name in names])
+        if len(self._placed) >= 16:  # (a few groups of tables in a model's steps; reads of others come and go)
+            self._placed.clear()
+        self._placed[key] = ([(weakref.ref(i), i._version) for i in ids], place)
+        return place
 
     def forget_lent_versions(self) -> None:
         """The model was written over a lent version (a private copy of those pages now): the next
@@ -728,7 +744,7 @@ class _ReadPlan:
         # shard -> [(group, table's place in it, table, its ids there)], in the order asked
         self._parts: list[list[tuple[int, int, str, torch.Tensor]]] = [[] for _ in range(S)]
         for g, (names, place) in enumerate(self._groups):
-            on_shards = place.split(_cat([lookups[name] for name in names]))
+            on_shards = place.split(joined([lookups[name] for name in names]))
             for i in range(S):
                 self._parts[i] += [(g, t, name, on_shards[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
         self._asks = [lookups_to_proto((table, ids) for _, _, table, ids in part) for part in self._parts]
@@ -769,5 +785,3 @@ class _ReadPlan:
                 for name, rows in zip(names, group.split(place.sizes))}
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -100,6 +100,30 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")  # bfloat16, which numpy lacks
 
 
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(tensors) (along dim 0): a view where they lie one after another in one storage,
+    contiguous, of one dtype and row shape (a step's rows of several tables, split from one
+    tensor, are), else a copy."""
+    if len(tensors) == 1:
+        return tensors[0]
+    full = [t for t in tensors if t.numel()]  # (an empty tensor has no place: its data_ptr is 0)
+    first = full[0] if full else tensors[0]
+    if not full or not all(t.dim() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:] for t in tensors):
+        return torch.cat(tensors)
+    step, at, storage = first[0].numel() * first.element_size(), first.data_ptr(), first.untyped_storage().data_ptr()
+    for t in full:
+        if not (t.is_contiguous() and t.data_ptr() == at and t.untyped_storage().data_ptr() == storage):
+            return torch.cat(tensors)
+        at += t.shape[0] * step
+    size = (sum(int(t.shape[0]) for t in full), *first.shape[1:])
+    strides: list[int] = []
+    span = 1
+    for n in reversed(size):  # (a contiguous tensor's, whatever the strides of the parts' size-1 dims)
+        strides.insert(0, span)
+        span *= n
+    return first.as_strided(size, strides)
+
+
 class WireBuffer:
     """A reusable staging tensor for converting float32 <-> a narrower wire dtype."""
 

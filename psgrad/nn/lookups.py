@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from psgrad.core.codecs import joined
 from psgrad.core.compiled import get as _get
 
 #: Ids x width of one lookup from which the kernels start compiling: a process whose lookups are all
@@ -133,15 +134,7 @@ class _Plan:
     def rows(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """All tables' rows as one [rows, D] tensor: a view where they lie one after another in one
         storage (as a step's prefetched rows of tables of one width do), else a copy."""
-        first = weights[0]
-        if len(weights) == 1:
-            return first.contiguous()
-        row_bytes = self.dim * 4
-        storage = first.untyped_storage().data_ptr()
-        if all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage
-               and w.data_ptr() == first.data_ptr() + int(at) * row_bytes for w, at in zip(weights, self.row_start)):
-            return first.as_strided((sum(self.sizes), self.dim), (self.dim, 1))
-        return torch.cat(list(weights))
+        return joined(list(weights)).contiguous()
 
 
 class _Pooled(torch.autograd.Function):

@@ -420,3 +420,21 @@ def test_trailing_bytes_field_leaves_other_layouts_to_protobuf() -> None:
     assert trailing_bytes_field(b"\xff" * 12, 2) is None  # not a message
     split = trailing_bytes_field(whole, 2)  # protobuf's own encoding puts it last too
     assert split is not None and split[1] == rows
+
+
+def test_joined_views_tensors_that_lie_one_after_another_and_copies_others() -> None:
+    from psgrad.core.codecs import joined
+
+    whole = torch.arange(24, dtype=torch.float32).view(12, 2)
+    parts = list(whole.split([3, 0, 5, 4]))
+    out = joined(parts)
+    assert torch.equal(out, whole) and out.data_ptr() == whole.data_ptr()  # a view: no copy
+    apart = [whole[:3], whole[5:]]  # a gap between them
+    out = joined(apart)
+    assert torch.equal(out, torch.cat(apart)) and out.data_ptr() != whole.data_ptr()
+    reordered = [whole[6:], whole[:6]]
+    assert torch.equal(joined(reordered), torch.cat(reordered))
+    other = [whole[:2], torch.arange(4, 8, dtype=torch.float32).view(2, 2)]  # another storage
+    assert torch.equal(joined(other), torch.cat(other))
+    ids = torch.arange(10)
+    assert torch.equal(joined(list(ids.split([4, 6]))), ids) and joined([ids]) is ids
