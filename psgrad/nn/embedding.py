@@ -160,6 +160,8 @@ class SparseEmbedding(nn.Module):
         model given to a new job's optimizer is bound to that one)."""
         self.prepare_to_bind()
         self.table, self._source = table, source
+        if self.dynamic or self.num_embeddings * self.embedding_dim >= lookups.LOOKUP_KERNEL_MIN:
+            lookups.kernels(start=True)  # (compiled while the job starts, not in its first steps)
 
     def read_only(self) -> None:
         """The worker left its job: forwards still read the rows (evaluation), nothing is pushed."""

@@ -29,9 +29,10 @@ import torch
 from psgrad.core.codecs import joined
 from psgrad.core.compiled import get as _get
 
-#: Ids x width of one lookup from which the kernels start compiling: a process whose lookups are all
-#: smaller (a test's, a toy model's) never loads numba for them; smaller lookups use the kernels
-#: once they are compiled all the same.
+#: Ids x width of one lookup (or rows x width of a table bound to a job; any dynamic table) from which
+#: the kernels start compiling: a process whose lookups and tables are all smaller (a test's, a toy
+#: model's) never loads numba for them; smaller lookups use the kernels once they are compiled all
+#: the same.
 LOOKUP_KERNEL_MIN = 16384
 
 

@@ -187,3 +187,14 @@ def test_the_modules_pool_their_bags_with_the_kernels_and_push_torchs_gradients(
         torch_ids, torch_grads = results[False][1][name]
         assert torch.equal(ids, torch_ids)
         torch.testing.assert_close(grads, torch_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_binding_a_large_table_starts_compiling_the_kernels_and_a_small_one_does_not(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    started = []
+    monkeypatch.setattr(lookups, "kernels", lambda start=False, wait=False: started.append(start))
+    source = Rows({})
+    psgrad.EmbeddingBag(200, 4).bind("small", source)
+    assert started == []
+    psgrad.EmbeddingBag(1_000_000, 32).bind("large", source)
+    psgrad.Embedding(None, 4).bind("dynamic", source)
+    assert started == [True, True]
