@@ -12,9 +12,11 @@ placement of rows over the shards.
   batch's rows. `warm`: the same 40 batches over and over, every row stored; `new`: fresh ids at
   every push (most of the DLRM benchmark's ids are new to the servers), rows made and read before
   they are stored (their initial values drawn).
-- worker: ParameterClient's placement of a step's rows over 2 shards: the read plan of the next
-  batch's ids, each shard's reply placed back into the tables, the push's split of ids and row
-  gradients, and each shard's Step request built (its push header with the rows, the reads).
+- worker: ParameterClient's placement of a step's rows over 2 shards: the push's split of the ids
+  and row gradients of the batch the step before read (in turn over 4 batches, so a checkout that
+  keeps the read's placement finds it, as in training), the read plan of the next batch's ids,
+  each shard's reply placed back into the tables, and each shard's Step request built (its push
+  header with the rows, the reads).
 
 `layouts`: `tables` = F tables of R rows (stored in one arena per shard: server/table_groups.py),
 `one` = one table of F x R rows holding the same ids (feature f's offset by f x R). With --against
@@ -126,27 +128,33 @@ class Bench:
         dense = 1_000  # (a step's dense payload per shard: small, as the DLRM model's)
         client = SimpleNamespace(shards=[SimpleNamespace(address=f"shard{i}") for i in range(SHARDS)],
                                  tables={t: SimpleNamespace(num_embeddings=r, dim=D) for t, r in sizes.items()},
-                                 row_versions={}, rank=0, fingerprint="f" * 32, base_versions=[0] * SHARDS,
+                                 row_versions={}, rank=0, fingerprint="f" * 32, base_versions=[0] * SHARDS, _placed={},
                                  plan=SimpleNamespace(ranges=[(i * dense, (i + 1) * dense) for i in range(SHARDS)]),
                                  spec=SimpleNamespace(wire_dtype="float32"))
         transport, wire = self.m["client.transport"], self.m["core.codecs"].WireBuffer(dense, "float32")
         payload = memoryview(bytes(4 * dense))
-        for method in ("_table", "_place", "_push_header"):  # (the methods a step calls, on this stand-in client)
+        for method in ("_table", "_place", "_placement", "_push_header"):  # (the methods a step calls, on this stand-in client)
             if hasattr(pc.ParameterClient, method):
                 setattr(client, method, getattr(pc.ParameterClient, method).__get__(client))
-        per_feature = [torch.unique(torch.randint(0, R, (2 * n,), generator=gen)) for _ in range(F)]
-        if layout == "tables":
-            lookups = {f"f{f}": i for f, i in enumerate(per_feature)}
-        else:
-            lookups = {"all": torch.cat([i + f * R for f, i in enumerate(per_feature)])}
-        rows = {t: (i, torch.randn(i.numel(), D, generator=gen)) for t, i in lookups.items()}
+        def batch() -> dict[str, torch.Tensor]:
+            per_feature = [torch.unique(torch.randint(0, R, (2 * n,), generator=gen)) for _ in range(F)]
+            if layout == "tables":
+                return {f"f{f}": i for f, i in enumerate(per_feature)}
+            return {"all": torch.cat([i + f * R for f, i in enumerate(per_feature)])}
+
+        # A step pushes the gradients of the rows the step before read, then reads the next batch's
+        # (in that order, as ParameterClient.exchange does): a few batches, in turn.
+        batches = [batch() for _ in range(4)]
+        grads = [{t: (i, torch.randn(i.numel(), D, generator=gen)) for t, i in lookups.items()} for lookups in batches]
+        turn = [0]
 
         def step() -> None:
-            plan = pc._ReadPlan(client, lookups)
+            k = turn[0] = (turn[0] + 1) % len(batches)
+            split = pc.ParameterClient._split_rows(client, grads[k])
+            plan = pc._ReadPlan(client, batches[(k + 1) % len(batches)])
             replies = {i: ([0] * len(plan.asks(i)), memoryview(bytes(sum(len(a.ids) // 8 for a in plan.asks(i)) * D * 4)))
                        for i in range(SHARDS)}
             plan.place(replies, False)
-            split = pc.ParameterClient._split_rows(client, rows)
             for i in range(SHARDS):  # each shard's Step request: its push (rows and all), the next reads
                 head = client._push_header(i, 1, None, "", split[i])
                 if hasattr(head, "step_request"):  # PushHead: the rows joined into the request once

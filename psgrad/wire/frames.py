@@ -28,7 +28,12 @@ from psgrad.wire.rows import RowUpdate, updates_to_proto
 _DATA_TAG = 0x12  # field 2, wire type 2 (length-delimited)
 
 
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))  # (tags, and most lengths of a header's fields)
+
+
 def _varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL_VARINTS[n]
     out = bytearray()
     while True:
         low = n & 0x7F
