@@ -35,7 +35,7 @@ from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
 from psgrad.nn.collection import EmbeddingBagCollection
-from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_modules
+from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_modules, unique_ids_of
 from psgrad.worker.prefetch import Prefetched
 from psgrad.worker.row_cache import RowCache
 
@@ -437,12 +437,19 @@ class PSOptimizer(ScheduledOptimizer):
         """The unique ids, by table, that forwards of `lookups` read."""
         mine = {id(m) for _, m in self.embeddings}
         ids: dict[str, torch.Tensor] = {}
+        single: list[tuple[SparseEmbedding, torch.Tensor]] = []  # modules of a table each: found together
         for module, value in lookups.items():
             tables = list(module.bags.values()) if isinstance(module, EmbeddingBagCollection) else [module]
             if not isinstance(module, (SparseEmbedding, EmbeddingBagCollection)) or any(id(t) not in mine for t in tables):
                 raise ConfigError(f"prefetch: {type(module).__name__} is not a psgrad embedding of this optimizer's "
                                   "model (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection)")
-            ids.update(module.lookup(value))
+            if isinstance(module, SparseEmbedding):
+                single.append((module, value))
+            else:
+                ids.update(module.lookup(value))
+        if single:  # every table's unique ids in one pass (nn/lookups.py)
+            found = unique_ids_of([m for m, _ in single], [v for _, v in single])
+            ids.update((m.table or "", unique) for (m, _), (unique, _) in zip(single, found))
         return ids
 
     def pipeline(self, batches: Iterable[B], lookups: Callable[[B], Lookups]) -> Iterator[B]:

@@ -198,3 +198,24 @@ def test_binding_a_large_table_starts_compiling_the_kernels_and_a_small_one_does
     psgrad.EmbeddingBag(1_000_000, 32).bind("large", source)
     psgrad.Embedding(None, 4).bind("dynamic", source)
     assert started == [True, True]
+
+
+def test_a_steps_lookups_of_separate_modules_are_found_in_one_pass(kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What opt.prefetch / opt.pipeline ask the servers for: every separate module's unique ids in
+    one call of the kernels, a collection's in one of its own."""
+    from types import SimpleNamespace
+
+    bags = {name: psgrad.EmbeddingBag(100, 8) for name in "abc"}
+    ebc = psgrad.EmbeddingBagCollection({"d": (50, 8), "e": (60, 8)})
+    for name, bag in [*bags.items(), *(("ebc." + n, b) for n, b in ebc.bags.items())]:
+        bag.table = name
+    gen = torch.Generator().manual_seed(2)
+    x = {name: torch.randint(0, 100, (30, 2), generator=gen) for name in bags}
+    features = {"d": torch.randint(0, 50, (30, 2), generator=gen), "e": torch.randint(0, 60, (30, 1), generator=gen)}
+    calls = []
+    monkeypatch.setattr(lookups, "unique_ids", lambda ids, dim, _f=lookups.unique_ids: calls.append(len(ids)) or _f(ids, dim))
+    opt = SimpleNamespace(embeddings=[*bags.items(), *(("ebc." + n, b) for n, b in ebc.bags.items())])
+    got = psgrad.PSOptimizer._lookup_ids(opt, {**{bags[n]: x[n] for n in bags}, ebc: features})
+    assert sorted(calls) == [2, 3]
+    expect = {**{n: torch.unique(v) for n, v in x.items()}, **{"ebc." + n: torch.unique(v) for n, v in features.items()}}
+    assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
