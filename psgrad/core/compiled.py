@@ -3,8 +3,9 @@ background, the first time a caller asks for it; until it is ready (or where num
 the kind's check after compiling finds one bit different from the code it replaces) callers get
 None and run that code. PSGRAD_FUSED_APPLY=0 turns every kind off.
 
-The kinds: the shard's fused SGD update and its row kernels (server/kernels.py), and the draw of
-sparse tables' initial rows (core/rows.py), which servers, workers and exports share."""
+The kinds: the shard's fused SGD update and its row kernels (server/kernels.py), the draw of
+sparse tables' initial rows (core/rows.py), which servers, workers and exports share, and a
+worker's lookup in its embedding tables: unique ids and pooled bags (nn/lookups.py)."""
 from __future__ import annotations
 
 import logging
