@@ -110,9 +110,11 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     first = full[0] if full else tensors[0]
     if not full or not all(t.dim() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:] for t in tensors):
         return torch.cat(tensors)
-    step, at, storage = first[0].numel() * first.element_size(), first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in full:
-        if not (t.is_contiguous() and t.data_ptr() == at and t.untyped_storage().data_ptr() == storage):
+    step, at, base = first[0].numel() * first.element_size(), first.data_ptr(), first._base
+    storage = first.untyped_storage().data_ptr() if base is None else 0
+    for t in full:  # (views of one tensor share their base: the storage then goes without asking)
+        if not (t.is_contiguous() and t.data_ptr() == at
+                and (t._base is base if base is not None else t.untyped_storage().data_ptr() == storage)):
             return torch.cat(tensors)
         at += t.shape[0] * step
     size = (sum(int(t.shape[0]) for t in full), *first.shape[1:])

@@ -20,6 +20,7 @@ pooled() return None for anything else (or while the kernels compile, or where n
 or they disagree with torch, or with PSGRAD_FUSED_APPLY=0), and the caller runs torch's ops."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,7 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
 def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     flat = [i.reshape(-1) for i in ids]
     joined = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
-    id_start = np.cumsum([0] + [int(f.numel()) for f in flat], dtype=np.int64)
+    id_start = _starts([int(f.numel()) for f in flat])
     unique, inverse, counts = torch.empty_like(joined), torch.empty_like(joined), np.empty(len(flat), np.int64)
     k["unique"](joined.numpy(), id_start, unique.numpy(), inverse.numpy(), counts)
     return [(unique[start:start + count], inverse[start:end].view(i.shape))
@@ -99,7 +100,7 @@ class _Plan:
                  sizes: list[int], dim: int, mean: bool) -> None:
         self.k, self.inverse, self.id_start, self.offsets = kernels_, inverse, id_start, offsets
         self.sizes, self.dim, self.mean = sizes, dim, mean
-        self.row_start = np.cumsum([0] + sizes[:-1], dtype=np.int64)
+        self.row_start = _starts(sizes)[:-1]
 
     @classmethod
     def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
@@ -126,7 +127,7 @@ class _Plan:
             return None  # (the outputs would not concatenate: torch.cat says so)
         sizes = [int(w.shape[0]) for w in weights]
         inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
-        id_start = np.cumsum([0] + [int(f.numel()) for f in flat], dtype=np.int64)
+        id_start = _starts([int(f.numel()) for f in flat])
         table_offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
         if not k["valid"](inverse, id_start, table_offsets, np.array(sizes, dtype=np.int64)):
             return None
@@ -209,6 +210,12 @@ def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
                 return False
     bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
     return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, k) is None for o in bad)
+
+
+def _starts(sizes: list[int]) -> np.ndarray:
+    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each part starts, and the end (int64; a
+    Python sum: numpy's cumsum of a short list costs more than its arithmetic)."""
+    return np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
