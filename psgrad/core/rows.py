@@ -108,9 +108,10 @@ def rows_on_shard(num_embeddings: int, index: int, num_shards: int) -> int:
     return max(0, -(-(num_embeddings - index) // num_shards))
 
 
-def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
+def check_ids(ids: torch.Tensor, num_embeddings: int, what: str, ordered: bool = False) -> None:
     """Row ids must be a 1-D int64 (or int32) tensor of values in [0, num_embeddings) (any value:
-    a dynamic table's).
+    a dynamic table's). ordered: the caller knows them in increasing order (unique ids, sorted), so
+    the first and the last are the least and the greatest.
 
     Raises:
         InvalidRequestError: another dtype or shape, or an id out of range (the first one named).
@@ -118,13 +119,14 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str) -> None:
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise InvalidRequestError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} of shape {list(ids.shape)}")
     if ids.numel() and num_embeddings == DYNAMIC:
-        if ids.dtype == torch.int64 and bool((ids <= RESERVED_IDS[1]).any()):
+        least = int(ids[0]) if ordered else None
+        if ids.dtype == torch.int64 and (least <= RESERVED_IDS[1] if least is not None else bool((ids <= RESERVED_IDS[1]).any())):
             raise InvalidRequestError(f"{what}: row id {int(ids.min())}: the two smallest int64 ids "
                                       f"({RESERVED_IDS[0]}, {RESERVED_IDS[1]}) are the ones a dynamic table cannot hold "
                                       "(its index marks free and removed places with them)")
         return
     if ids.numel():
-        low, high = (int(v) for v in torch.aminmax(ids))
+        low, high = (int(ids[0]), int(ids[-1])) if ordered else (int(v) for v in torch.aminmax(ids))
         if low < 0 or high >= num_embeddings:
             bad = low if low < 0 else high
             raise InvalidRequestError(f"{what}: row id {bad} is out of range [0, {num_embeddings})")

@@ -267,8 +267,10 @@ class SparseEmbedding(nn.Module):
 
     def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Check the unique ids of `ids` and keep them for the next unique_ids of the same tensor."""
-        rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}")
-        self._last_unique = (weakref.ref(ids), ids._version, unique, inverse)
+        rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}", ordered=True)
+        # (not through nn.Module.__setattr__, which looks for a parameter, buffer or module of the
+        # name first: a step sets this for every table)
+        self.__dict__["_last_unique"] = (weakref.ref(ids), ids._version, unique, inverse)
         return unique, inverse
 
     def lookup(self, input: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -304,7 +306,8 @@ class SparseEmbedding(nn.Module):
         """The gradients of the rows the forwards since the last call touched, coalesced per id:
         (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none was touched.
         Rows a forward pulled but no backward reached count as zero gradients."""
-        touched, self._touched = self._touched, []
+        touched = self._touched
+        self.__dict__["_touched"] = []  # (as _last_unique: not through nn.Module.__setattr__)
         parts = [(ids, w.grad) for ids, w in touched if w.grad is not None]
         if not parts:
             return None

@@ -58,6 +58,12 @@ def test_a_dynamic_tables_ids_spread_over_the_shards_by_their_hash() -> None:
     for reserved in rows.RESERVED_IDS:
         with pytest.raises(InvalidRequestError, match="the two smallest int64 ids"):
             rows.check_ids(torch.tensor([5, reserved]), rows.DYNAMIC, "t")
+        with pytest.raises(InvalidRequestError, match="the two smallest int64 ids"):  # ordered: the least is first
+            rows.check_ids(torch.tensor([reserved, 5]), rows.DYNAMIC, "t", ordered=True)
+    rows.check_ids(torch.tensor([0, 3, 9]), 10, "t", ordered=True)  # ordered: the ends are checked
+    for bad, ids in ((10, [0, 3, 10]), (-1, [-1, 3, 9])):
+        with pytest.raises(InvalidRequestError, match=f"row id {bad} is out of range"):
+            rows.check_ids(torch.tensor(ids), 10, "t", ordered=True)
 
 
 @pytest.mark.parametrize("kind", ["hash", "dense"])
