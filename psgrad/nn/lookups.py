@@ -37,6 +37,12 @@ from psgrad.core.compiled import get as _get
 LOOKUP_KERNEL_MIN = 16384
 
 
+#: The most ids of one table whose unique ids the kernel finds: its hash table and indices take
+#: about 56 bytes an id (a forward's few thousand ids: kilobytes); more (an evaluation of a huge
+#: batch) go to torch.unique, whose sort needs less memory.
+UNIQUE_MAX_IDS = 1 << 20
+
+
 def kernels(start: bool = False, wait: bool = False) -> dict[str, Any] | None:
     """The compiled lookup kernels, or None: not ready yet (start: the call starts compiling them
     on a background thread; wait=True waits for that), turned off, or unavailable here."""
@@ -59,7 +65,8 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
             kernels(start=True)
         return None
     cpu = torch.device("cpu")
-    if not ids or not all(i.device == cpu and i.dtype in (torch.int64, torch.int32) for i in ids):
+    if not ids or not all(i.device == cpu and i.dtype in (torch.int64, torch.int32) and i.numel() <= UNIQUE_MAX_IDS
+                          for i in ids):
         return None
     return _unique_with(k, ids)
 

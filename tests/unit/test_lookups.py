@@ -52,6 +52,7 @@ def test_unique_ids_of_several_tables_at_once_are_torchs(kernels) -> None:  # ty
         assert unique.dtype == inverse.dtype == torch.int64
         assert torch.equal(unique, u.long()) and torch.equal(inverse, i.view(ids.shape))
     assert lookups.unique_ids([torch.zeros(3)], 8) is None  # (not ids: the module says so)
+    assert lookups.unique_ids([torch.zeros(lookups.UNIQUE_MAX_IDS + 1, dtype=torch.int64)], 8) is None  # (torch's)
 
 
 def test_a_collection_finds_every_tables_unique_ids_in_one_pass_and_remembers_them(kernels, monkeypatch) -> None:  # type: ignore[no-untyped-def]
