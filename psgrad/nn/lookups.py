@@ -14,10 +14,13 @@ compiling. The backward adds a row's gradients in the order of the ids (a mean's
 leaves them, so a row that several bags share may differ from torch's in the last bits (the same
 from run to run, as torch's is).
 
-The kernels serve int64 (or int32) ids and sum and mean bags of float32 rows on the CPU, without
+They serve int64 (or int32) ids and sum and mean bags of float32 rows on the CPU, without
 per-sample weights, padding_idx, include_last_offset or scale_grad_by_freq; unique_ids() and
-pooled() return None for anything else (or while the kernels compile, or where numba is missing
-or they disagree with torch, or with PSGRAD_FUSED_APPLY=0), and the caller runs torch's ops."""
+pooled() return None for anything else, and the caller runs torch's own ops. Until the kernels
+are compiled (or where numba is missing, or they disagree with torch, or with
+PSGRAD_FUSED_APPLY=0), unique_ids() returns None (torch.unique gives the same ids) and pooled()
+does the same passes with torch's ops in the same order (embedding_bag forward, index_add_
+backward): a job's bits do not depend on when the kernels became ready."""
 from __future__ import annotations
 
 import itertools
@@ -83,17 +86,17 @@ def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[t
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
            offsets: Sequence[torch.Tensor | None], mean: bool) -> torch.Tensor | None:
-    """torch.cat([F.embedding_bag(inverse, weight, offset, mode) for each table], dim=1) in one
-    pass each way: weights[t] the rows table t's bags read ([rows, D], one D for all), inverses[t]
-    its ids as rows of weights[t] (1-D with offsets[t], the bags' starts, or 2-D: a bag per row).
-    Returns [B, T * D] (recording a gradient for each weight that requires one), or None: the
-    kernels do not serve this lookup (see the module doc), or its bags are not valid for torch
-    (then torch's ops, run by the caller, say why)."""
+    """torch.cat([F.embedding_bag(inverse, weight, offset, mode) for each table], dim=1), one
+    autograd node for all the tables: weights[t] the rows table t's bags read ([rows, D], one D for
+    all), inverses[t] its ids as rows of weights[t] (1-D with offsets[t], the bags' starts, or 2-D:
+    a bag per row). Returns [B, T * D] (recording a gradient for each weight that requires one):
+    by the kernels, one pass each way, where they are compiled, else by torch's ops, with the same
+    bits either way (the backward adds a row's gradients in the order of the ids, as index_add_
+    does, in both); or None: a lookup this does not serve (see the module doc), or bags that are
+    not valid for torch (then torch's ops, run by the caller, say why)."""
     k = kernels()
-    if k is None:
-        if sum(int(i.numel()) for i in inverses) * int(weights[0].shape[-1]) >= LOOKUP_KERNEL_MIN:
-            kernels(start=True)
-        return None
+    if k is None and sum(int(i.numel()) for i in inverses) * int(weights[0].shape[-1]) >= LOOKUP_KERNEL_MIN:
+        kernels(start=True)
     plan = _Plan.make(weights, inverses, offsets, mean, k)
     if plan is None:
         return None
@@ -101,17 +104,21 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
 
 
 class _Plan:
-    """One lookup's layout as the pooling kernels take it (see _lookup_kernels.py)."""
+    """One lookup's layout: as the pooling kernels take it (see _lookup_kernels.py), or as tensors
+    for torch's ops (k None: the kernels are not compiled here)."""
 
-    def __init__(self, kernels_: dict[str, Any], inverse: np.ndarray, id_start: np.ndarray, offsets: np.ndarray,
+    def __init__(self, kernels_: dict[str, Any] | None, flat: list[torch.Tensor], starts: list[torch.Tensor],
                  sizes: list[int], dim: int, mean: bool) -> None:
-        self.k, self.inverse, self.id_start, self.offsets = kernels_, inverse, id_start, offsets
-        self.sizes, self.dim, self.mean = sizes, dim, mean
+        self.k, self.flat, self.starts, self.sizes, self.dim, self.mean = kernels_, flat, starts, sizes, dim, mean
+        self.bags = int(starts[0].numel())
         self.row_start = _starts(sizes)[:-1]
+        self.inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
+        self.id_start = _starts([int(f.numel()) for f in flat])
+        self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
     @classmethod
     def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
-             offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any]) -> _Plan | None:
+             offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any] | None) -> _Plan | None:
         dim = int(weights[0].shape[-1]) if weights[0].dim() == 2 else -1
         cpu = torch.device("cpu")
         for w, i in zip(weights, inverses):
@@ -130,39 +137,69 @@ class _Plan:
                 starts.append(o)
             flat.append(i.reshape(-1))
         bags = int(starts[0].numel())
-        if any(int(s.numel()) != bags for s in starts):
-            return None  # (the outputs would not concatenate: torch.cat says so)
+        if not bags or any(int(s.numel()) != bags for s in starts):
+            return None  # (no bags, or outputs that would not concatenate: torch says so)
         sizes = [int(w.shape[0]) for w in weights]
-        inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
-        id_start = _starts([int(f.numel()) for f in flat])
-        table_offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
-        if not k["valid"](inverse, id_start, table_offsets, np.array(sizes, dtype=np.int64)):
-            return None
-        return cls(k, inverse, id_start, table_offsets, sizes, dim, mean)
+        plan = cls(k, flat, starts, sizes, dim, mean)
+        return plan if plan.valid() else None
+
+    def valid(self) -> bool:
+        """Whether every table's bag starts are in order (the first at 0, none past its ids) and
+        every id's row within its table's rows: the bags torch pools as these passes do."""
+        if self.k is not None:
+            return bool(self.k["valid"](self.inverse, self.id_start, self.offsets, np.array(self.sizes, dtype=np.int64)))
+        for i, o, rows in zip(self.flat, self.starts, self.sizes):
+            if int(o[0]) != 0 or int(o[-1]) > i.numel() or (o.numel() > 1 and bool((o[1:] < o[:-1]).any())):
+                return False
+            if i.numel() and not 0 <= int(i.min()) <= int(i.max()) < rows:
+                return False
+        return True
 
     def rows(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """All tables' rows as one [rows, D] tensor: a view where they lie one after another in one
         storage (as a step's prefetched rows of tables of one width do), else a copy."""
         return joined(list(weights)).contiguous()
 
+    def forward(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The tables' pooled bags, [B, T * D]."""
+        if self.k is None:
+            mode = "mean" if self.mean else "sum"
+            return torch.cat([torch.nn.functional.embedding_bag(i, w.detach(), o, mode=mode)
+                              for i, w, o in zip(self.flat, weights, self.starts)], dim=1)
+        out = torch.empty(self.bags, len(weights) * self.dim)
+        self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
+                       self.mean, out.numpy())
+        return out
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """The rows' gradients, [rows of all tables, D]: each bag's output gradient added to its
+        rows (a mean's times 1 / size) in the order of the ids."""
+        grad_out = grad_out.to(torch.float32).contiguous()
+        grad = torch.zeros(sum(self.sizes), self.dim)
+        if self.k is not None:
+            self.k["pool_backward"](grad_out.numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
+                                    self.mean, grad.numpy())
+            return grad
+        for t, (i, o, part) in enumerate(zip(self.flat, self.starts, grad.split(self.sizes))):
+            lengths = torch.diff(o, append=torch.tensor([i.numel()]))
+            bag = torch.repeat_interleave(torch.arange(self.bags), lengths)
+            source = grad_out[:, t * self.dim:(t + 1) * self.dim].index_select(0, bag)
+            if self.mean:
+                source = source * (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag).unsqueeze(1)
+            part.index_add_(0, i, source)
+        return grad
+
 
 class _Pooled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *weights: torch.Tensor) -> torch.Tensor:
         ctx.plan = plan
-        rows = plan.rows(weights)
-        out = torch.empty(plan.offsets.shape[1], len(weights) * plan.dim)
-        plan.k["pool"](rows.detach().numpy(), plan.inverse, plan.id_start, plan.offsets, plan.row_start, plan.mean,
-                       out.numpy())
-        return out
+        return plan.forward(weights)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
-        grad = torch.zeros(sum(plan.sizes), plan.dim)
-        plan.k["pool_backward"](grad_out.to(torch.float32).contiguous().numpy(), plan.inverse, plan.id_start,
-                                plan.offsets, plan.row_start, plan.mean, grad.numpy())
-        parts = grad.split(plan.sizes)
+        parts = plan.backward(grad_out).split(plan.sizes)
         return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
 
 
@@ -183,40 +220,34 @@ def _unique_agrees_with_torch(k: dict[str, Any]) -> bool:
 
 
 def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
-    """Whether the kernels compute torch's embedding_bag (forward) and index_add_ of each bag's
-    output gradient (backward), bit for bit, for sum and mean bags of several tables (empty bags,
-    repeated rows, widths that meet every vector loop's tail), and refuse bags out of order."""
+    """Whether the kernels compute what torch's ops do (pooled() without them: embedding_bag
+    forward, index_add_ of each bag's output gradient backward), bit for bit, for sum and mean
+    bags of several tables (empty bags, repeated rows, widths that meet every vector loop's tail),
+    and refuse the bags torch's way refuses."""
     gen = torch.Generator().manual_seed(0)
     for mean in (False, True):
         for tables, bags, dim, rows in ((1, 1, 1, 3), (3, 7, 5, 4), (2, 100, 33, 10), (4, 64, 16, 1000)):
-            weights, inverses, offsets, lengths = [], [], [], []
+            weights, inverses, offsets = [], [], []
             for t in range(tables):
                 length = torch.randint(0 if t % 2 else 1, 4, (bags,), generator=gen)
                 inverses.append(torch.randint(0, rows, (int(length.sum()),), generator=gen))
                 offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), length.cumsum(0)[:-1]]))
                 weights.append(torch.randn(rows, dim, generator=gen))
-                lengths.append(length)
-            plan = _Plan.make(weights, inverses, offsets, mean, k)
-            if plan is None:
-                return False
-            leaves = [w.clone().requires_grad_() for w in weights]
-            out = _Pooled.apply(plan, *leaves)
-            mode = "mean" if mean else "sum"
-            expect = torch.cat([torch.nn.functional.embedding_bag(i, w, o, mode=mode)
-                                for i, w, o in zip(inverses, weights, offsets)], dim=1)
-            grad_out = torch.randn(out.shape, generator=gen)
-            out.backward(grad_out)
-            for t, (leaf, inverse, length) in enumerate(zip(leaves, inverses, lengths)):
-                bag = torch.repeat_interleave(torch.arange(bags), length)
-                source = grad_out[:, t * dim:(t + 1) * dim][bag]
-                if mean:
-                    source = source * (1.0 / length.clamp(min=1).to(torch.float32))[bag].unsqueeze(1)
-                if leaf.grad is None or not _same_bits(leaf.grad, torch.zeros(rows, dim).index_add_(0, inverse, source)):
+            grad_out = torch.randn(bags, tables * dim, generator=gen)
+            got = []
+            for kernels_ in (k, None):
+                plan = _Plan.make(weights, inverses, offsets, mean, kernels_)
+                if plan is None:
                     return False
-            if not _same_bits(out.detach(), expect):
+                leaves = [w.clone().requires_grad_() for w in weights]
+                out = _Pooled.apply(plan, *leaves)
+                out.backward(grad_out)
+                got.append([out.detach(), *(leaf.grad for leaf in leaves)])
+            if not all(a is not None and b is not None and _same_bits(a, b) for a, b in zip(*got)):
                 return False
     bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
-    return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, k) is None for o in bad)
+    return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, kernels_) is None
+               for o in bad for kernels_ in (k, None))
 
 
 def _starts(sizes: list[int]) -> np.ndarray:
