@@ -76,10 +76,10 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
 
 def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     flat = [i.reshape(-1) for i in ids]
-    joined = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
+    all_ids = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
     id_start = _starts([int(f.numel()) for f in flat])
-    unique, inverse, counts = torch.empty_like(joined), torch.empty_like(joined), np.empty(len(flat), np.int64)
-    k["unique"](joined.numpy(), id_start, unique.numpy(), inverse.numpy(), counts)
+    unique, inverse, counts = torch.empty_like(all_ids), torch.empty_like(all_ids), np.empty(len(flat), np.int64)
+    k["unique"](all_ids.numpy(), id_start, unique.numpy(), inverse.numpy(), counts)
     return [(unique[start:start + count], inverse[start:end].view(i.shape))
             for i, start, end, count in zip(ids, id_start[:-1].tolist(), id_start[1:].tolist(), counts.tolist())]
 
@@ -111,10 +111,11 @@ class _Plan:
                  sizes: list[int], dim: int, mean: bool) -> None:
         self.k, self.flat, self.starts, self.sizes, self.dim, self.mean = kernels_, flat, starts, sizes, dim, mean
         self.bags = int(starts[0].numel())
-        self.row_start = _starts(sizes)[:-1]
-        self.inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
-        self.id_start = _starts([int(f.numel()) for f in flat])
-        self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
+        if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
+            self.row_start = _starts(sizes)[:-1]
+            self.inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
+            self.id_start = _starts([int(f.numel()) for f in flat])
+            self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
     @classmethod
     def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
