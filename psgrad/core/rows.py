@@ -119,8 +119,8 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str, ordered: bool =
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise InvalidRequestError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} of shape {list(ids.shape)}")
     if ids.numel() and num_embeddings == DYNAMIC:
-        least = int(ids[0]) if ordered else None
-        if ids.dtype == torch.int64 and (least <= RESERVED_IDS[1] if least is not None else bool((ids <= RESERVED_IDS[1]).any())):
+        reserved = int(ids[0]) <= RESERVED_IDS[1] if ordered else bool((ids <= RESERVED_IDS[1]).any())
+        if ids.dtype == torch.int64 and reserved:
             raise InvalidRequestError(f"{what}: row id {int(ids.min())}: the two smallest int64 ids "
                                       f"({RESERVED_IDS[0]}, {RESERVED_IDS[1]}) are the ones a dynamic table cannot hold "
                                       "(its index marks free and removed places with them)")
