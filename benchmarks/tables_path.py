@@ -52,7 +52,8 @@ SHARDS = 2
 PARTS = ("shard-warm", "shard-new", "worker")
 
 
-MODULES = ("config", "core.sharding", "core.codecs", "server.shard", "client.parameter_client", "client.transport")
+MODULES = ("config", "core.sharding", "core.codecs", "server.shard", "client.parameter_client", "client.transport",
+           "wire.rows")
 
 
 def load_psgrad(root: Path, names: tuple[str, ...] = MODULES) -> dict[str, ModuleType]:
@@ -97,10 +98,20 @@ class Bench:
             ids = [torch.unique(torch.randint(0, high, (n,), generator=gen)) * SHARDS for _ in range(F)]
             grads = [torch.randn(i.numel(), D, generator=gen) for i in ids]
             if layout == "tables":
-                out.append({f"f{f}": (i, g, 0) for f, (i, g) in enumerate(zip(ids, grads))})
+                parts = [(f"f{f}", i, g) for f, (i, g) in enumerate(zip(ids, grads))]
             else:
-                out.append({"all": (torch.cat([i + f * R for f, i in enumerate(ids)]), torch.cat(grads), 0)})
+                parts = [("all", torch.cat([i + f * R for f, i in enumerate(ids)]), torch.cat(grads))]
+            out.append(self._arrived(parts))
         return out
+
+    def _arrived(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Any:
+        """A push's rows as the shard has them from the wire: one RowBlock of all its tables (views
+        of the message's two buffers), or (checkouts before it) a dict of each table's tensors."""
+        block = getattr(self.m["wire.rows"], "RowBlock", None)
+        if block is None:
+            return {name: (ids, grads, 0) for name, ids, grads in parts}
+        msg = block.of([(name, ids) for name, ids, _ in parts], [g for _, _, g in parts], [0] * len(parts)).message()
+        return block.from_proto(type(msg).FromString(msg.SerializeToString()), "push", push=True).updates()
 
     def shard_pushes(self, layout: str, batches: list[dict[str, Any]]) -> float:
         """CPU ms per push of the shard's sparse path over `batches`."""
@@ -152,8 +163,8 @@ class Bench:
             k = turn[0] = (turn[0] + 1) % len(batches)
             split = pc.ParameterClient._split_rows(client, grads[k])
             plan = pc._ReadPlan(client, batches[(k + 1) % len(batches)])
-            replies = {i: ([0] * len(plan.asks(i)), memoryview(bytes(sum(len(a.ids) // 8 for a in plan.asks(i)) * D * 4)))
-                       for i in range(SHARDS)}
+            replies = {i: ([0] * tables, memoryview(bytes(rows * D * 4)))
+                       for i, (tables, rows) in enumerate(asked(plan.asks(i)) for i in range(SHARDS))}
             plan.place(replies, False)
             for i in range(SHARDS):  # each shard's Step request: its push (rows and all), the next reads
                 head = client._push_header(i, 1, None, "", split[i])
@@ -162,6 +173,11 @@ class Bench:
                 else:  # (checkouts before it: a PushHeader message holding the rows, then serialized)
                     request = transport.step_request(head, plan.asks(i), wire).SerializeToString()
                     b"".join((request, payload))
+
+        def asked(asks: Any) -> tuple[int, int]:  # (tables, ids) a shard is asked for
+            if hasattr(asks, "tables"):  # a RowBlock: all tables in one
+                return len(asks.tables), asks.ids.numel()
+            return len(asks), sum(len(a.ids) // 8 for a in asks)  # (checkouts before it: a TableRows per table)
 
         def timed(k: int = 50) -> float:
             start = time.process_time()

@@ -33,7 +33,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
 from psgrad.wire.frames import PushHead
 from psgrad.wire.heap import tune_allocator
-from psgrad.wire.rows import RowUpdate, lookups_to_proto
+from psgrad.wire.rows import RowBlock
 
 T = TypeVar("T")
 # table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
@@ -208,7 +208,7 @@ class ParameterClient:
                 start, end = self.plan.ranges[i]
                 lo, hi = self.frozen_ranges[i] if self.frozen else (0, 0)
                 header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start,
-                                       rows=lookups_to_proto((t, ids) for t, (ids, _) in split[i].items()),
+                                       row_block=RowBlock.of([(t, ids) for t, (ids, _) in split[i].items()]).message(),
                                        frozen_numel=hi - lo)
                 return s.init(header, [flat[start:end], *(values for _, values in split[i].values()), frozen[lo:hi]])
 
@@ -454,8 +454,14 @@ class ParameterClient:
     def _push_header(
         self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowGradients | None = None,
     ) -> PushHead:
-        """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this shard)."""
+        """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this
+        shard) in one block."""
         start, end = self.plan.ranges[index]
+        block = None
+        if rows:
+            names = list(rows)
+            block = RowBlock.of([(name, rows[name][0]) for name in names], [rows[name][1] for name in names],
+                                [self.row_versions.get((name, index), 0) for name in names])
         return PushHead(pb.PushHeader(
             compress=compress,
             rank=self.rank,
@@ -465,7 +471,7 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
-        ), [RowUpdate(name, ids, grads, self.row_versions.get((name, index), 0)) for name, (ids, grads) in (rows or {}).items()])
+        ), block)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
              rows: RowGradients | None = None) -> list[PushOutcome]:
@@ -512,7 +518,7 @@ class ParameterClient:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
             header = self._push_header(i, clock, lr, compress, split[i])
-            asks = plan.asks(i) if plan is not None else []
+            asks = plan.asks(i) if plan is not None else None
             wire = self._pull_wire(i)
             lend = published and wire is self._pull_wires[i]  # (a compressed pull is never lent)
             done: Stepped | None
@@ -533,7 +539,7 @@ class ParameterClient:
         return [outcome for outcome, _, _ in results], list(self.base_versions)
 
     def _duplex_step(self, s: ShardClient, header: PushHead, payload: memoryview, req: pb.PullRequest,
-                     dest: torch.Tensor, wire: WireBuffer, asks: list[pb.TableRows]) -> Stepped:
+                     dest: torch.Tensor, wire: WireBuffer, asks: RowBlock | None) -> Stepped:
         """Push and pull (and read the next rows) at once, as separate calls: the gradient goes up
         while the weights come down, where one Step call sends its reply only after the whole
         request arrived. The pull does not wait for this push (async), so the weights it brings
@@ -568,8 +574,9 @@ class ParameterClient:
         got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
         return plan.place(dict(zip(wanted, got)), observe)
 
-    def _read(self, s: ShardClient, asks: Sequence[pb.TableRows], observe: bool) -> RowsRead:
-        return s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe, tables=asks))
+    def _read(self, s: ShardClient, asks: RowBlock, observe: bool) -> RowsRead:
+        return s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe,
+                                          block=asks.message()))
 
     def updated_rows(self, table: str, page_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64, rows [n, dim]) of every row of sparse table `table` updated at least once,
@@ -747,10 +754,10 @@ class _ReadPlan:
             on_shards = place.split(joined([lookups[name] for name in names]))
             for i in range(S):
                 self._parts[i] += [(g, t, name, on_shards[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
-        self._asks = [lookups_to_proto((table, ids) for _, _, table, ids in part) for part in self._parts]
+        self._asks = [RowBlock.of([(table, ids) for _, _, table, ids in part]) for part in self._parts]
 
-    def asks(self, index: int) -> list[pb.TableRows]:
-        """What shard `index` is asked for (empty: none of its rows)."""
+    def asks(self, index: int) -> RowBlock:
+        """What shard `index` is asked for, all tables in one block (empty: none of its rows)."""
         return self._asks[index]
 
     def place(self, replies: Mapping[int, RowsRead], observe: bool) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -22,6 +22,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import local_socket, published, shm
 from psgrad.wire.frames import PushHead
+from psgrad.wire.rows import RowBlock
 from psgrad.wire.protocol import ERROR_METADATA_KEY
 
 
@@ -150,11 +151,11 @@ class SharedMemoryTransport:
         if rows is not None:
             rows.close()
 
-    def _rows_metadata(self, reads: Sequence[pb.TableRows]) -> tuple[tuple[str, str], ...]:
+    def _rows_metadata(self, reads: RowBlock | None) -> tuple[tuple[str, str], ...]:
         rows = self._rows_segment if reads else None
         return rows.metadata(shm.ROWS_METADATA_KEY) if rows is not None else ()
 
-    def _rows_read(self, reply: pb.StepReply, reads: Sequence[pb.TableRows]) -> RowsRead | None:
+    def _rows_read(self, reply: pb.StepReply, reads: RowBlock | None) -> RowsRead | None:
         """The rows a Step reply brought, from the rows segment (copied out: the next call writes
         it) or from the reply; a segment is made or grown for the next call from what came inline."""
         if not reads:
@@ -178,7 +179,7 @@ class SharedMemoryTransport:
                         self._rows_segment = shm.Segment(max(2 * len(rows), 1 << 16))
                     except OSError:  # this host cannot make one: the rows stay in the replies
                         self._rows_misses = _ROWS_SEGMENT_TRIES
-        return checked_rows(address, list(reply.row_versions), rows, len(reads), "step")
+        return checked_rows(address, list(reply.row_versions), rows, len(reads.tables), "step")
 
     def forget_ring(self) -> None:
         """Map the server's ring afresh at its next lend (views already handed out keep theirs)."""
@@ -335,7 +336,7 @@ class SharedMemoryTransport:
 
     def step(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: Sequence[pb.TableRows] = (),
+        reads: RowBlock | None = None,
     ) -> Stepped | None:
         """The Step call through the segment: the gradient goes in, the weights come back in it (or
         in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The

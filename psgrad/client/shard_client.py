@@ -33,6 +33,7 @@ from psgrad.wire.frames import (
 from psgrad.config import WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec
 from psgrad.errors import InvalidRequestError
 from psgrad.wire.heap import tune_allocator
+from psgrad.wire.rows import RowBlock
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
@@ -229,7 +230,7 @@ class ShardClient:
 
     def step(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: Sequence[pb.TableRows] = (),
+        reads: RowBlock | None = None,
     ) -> Stepped | None:
         """Push one gradient slice as head.header.clock (with the row gradients head carries),
         then pull the weights for the next clock into dest and the rows `reads` names (ids by
@@ -276,7 +277,7 @@ class ShardClient:
 
     # ----------------------------------------------------------------- sparse tables
     def pull_rows(self, req: pb.RowsRequest) -> RowsRead:
-        """Rows of sparse tables by id (req.tables; see ps.proto PullRows): each table's version and
+        """Rows of sparse tables by id (req.block; see ps.proto PullRows): each table's version and
         the rows' bytes, table after table, a view of the reply (the server puts them last; parsed
         by protobuf if not there)."""
         t = self.config.rpc_timeout_s
@@ -289,7 +290,7 @@ class ShardClient:
         else:
             msg = parse_frame(pb.RowsReply, reply, what)
             rows = memoryview(msg.rows)
-        return checked_rows(self.address, list(msg.versions), rows, len(req.tables), "the pull of rows")
+        return checked_rows(self.address, list(msg.versions), rows, len(req.block.tables), "the pull of rows")
 
     def updated_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
         """A page of a sparse table's updated rows with their ids (req.updated; see ps.proto PullRows)."""
@@ -422,7 +423,7 @@ class FramesTransport:
 
     def step(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: Sequence[pb.TableRows] = (),
+        reads: RowBlock | None = None,
     ) -> Stepped | None:
         """The Step call with both payloads inline (the gradient in the request, the weights in the
         reply); None when the gradient does not fit one chunk: then push and pull separately."""

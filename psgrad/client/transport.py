@@ -12,7 +12,6 @@ holds the frames transport as its fallback for a single transfer (its segment bu
 transfer, or a call refused or worth a retry): an explicit collaborator, not a chain of checks."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -23,6 +22,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import shm
 from psgrad.wire.frames import PushHead
+from psgrad.wire.rows import RowBlock
 
 # Rows read from a shard: each table's version, and the rows' float32 bytes, table after table
 RowsRead = tuple[list[int], memoryview]
@@ -50,7 +50,7 @@ class Transport(Protocol):
 
     def step(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: Sequence[pb.TableRows] = (),
+        reads: RowBlock | None = None,
     ) -> Stepped | None:
         """Push as head.header.clock, then pull its clock + 1 into dest (or `view`, see pull) and the
         rows `reads` names, in one Step call. None when a Step call does not fit (frames: a payload
@@ -99,10 +99,10 @@ def asking(req: pb.PullRequest, wire: WireBuffer) -> pb.PullRequest:
     return out
 
 
-def step_request(reads: Sequence[pb.TableRows], wire: WireBuffer) -> pb.StepRequest:
+def step_request(reads: RowBlock | None, wire: WireBuffer) -> pb.StepRequest:
     """A Step request's pull part (the push goes in by PushHead.step_request): the rows `reads`
     names, and a compressed pull's ask where `wire` is one (DeltaWire)."""
-    req = pb.StepRequest(pull_rows=reads)
+    req = pb.StepRequest(read_block=reads.message()) if reads else pb.StepRequest()
     if isinstance(wire, DeltaWire):
         req.delta.CopyFrom(wire.ask())
     return req
@@ -122,9 +122,9 @@ def checked_rows(address: str, versions: list[int], rows: memoryview, tables: in
     return versions, rows
 
 
-def rows_read(address: str, reply: pb.StepReply, reads: Sequence[pb.TableRows]) -> RowsRead | None:
+def rows_read(address: str, reply: pb.StepReply, reads: RowBlock | None) -> RowsRead | None:
     """The rows a Step reply carries for `reads` (None: none asked for)."""
     if not reads:
         return None
-    return checked_rows(address, list(reply.row_versions), memoryview(reply.rows), len(reads), "step")
+    return checked_rows(address, list(reply.row_versions), memoryview(reply.rows), len(reads.tables), "step")
 

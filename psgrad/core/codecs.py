@@ -100,12 +100,20 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")  # bfloat16, which numpy lacks
 
 
+# Below about this many bytes (judged by the first part), joined copies without looking for a view:
+# finding one costs ~20 us of Python on these machines whatever the size, a copy that much at ~500 KiB.
+JOIN_VIEW_MIN_BYTES = 512 << 10
+
+
 def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(tensors) (along dim 0): a view where they lie one after another in one storage,
     contiguous, of one dtype and row shape (a step's rows of several tables, split from one
-    tensor, are), else a copy."""
+    tensor, are) and large enough that the copy would cost more than looking (JOIN_VIEW_MIN_BYTES),
+    else a copy."""
     if len(tensors) == 1:
         return tensors[0]
+    if tensors[0].numel() * tensors[0].element_size() * len(tensors) < JOIN_VIEW_MIN_BYTES:
+        return torch.cat(tensors)
     full = [t for t in tensors if t.numel()]  # (an empty tensor has no place: its data_ptr is 0)
     first = full[0] if full else tensors[0]
     if not full or not all(t.dim() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:] for t in tensors):

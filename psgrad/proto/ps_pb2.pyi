@@ -162,16 +162,16 @@ class JoinReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("join", "numel", "rows", "frozen_numel")
+    __slots__ = ("join", "numel", "frozen_numel", "row_block")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     FROZEN_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     join: JoinRequest
     numel: int
-    rows: _containers.RepeatedCompositeFieldContainer[TableRows]
     frozen_numel: int
-    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., frozen_numel: _Optional[int] = ...) -> None: ...
+    row_block: RowBlock
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., numel: _Optional[int] = ..., frozen_numel: _Optional[int] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class InitFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -246,7 +246,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "rows")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -255,7 +255,7 @@ class PushHeader(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     base_version: int
@@ -264,8 +264,8 @@ class PushHeader(_message.Message):
     fingerprint: str
     lr: float
     compress: str
-    rows: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    row_block: RowBlock
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -318,16 +318,16 @@ class PushProgress(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("push", "data", "pull_rows", "delta")
+    __slots__ = ("push", "data", "delta", "read_block")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    PULL_ROWS_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    READ_BLOCK_FIELD_NUMBER: _ClassVar[int]
     push: PushHeader
     data: bytes
-    pull_rows: _containers.RepeatedCompositeFieldContainer[TableRows]
     delta: DeltaAsk
-    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pull_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., delta: _Optional[_Union[DeltaAsk, _Mapping]] = ...) -> None: ...
+    read_block: RowBlock
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., delta: _Optional[_Union[DeltaAsk, _Mapping]] = ..., read_block: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("push", "pull", "data", "rows", "row_versions", "rows_in_segment")
@@ -513,8 +513,24 @@ class TableRows(_message.Message):
     removed: bool
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ..., removed: _Optional[bool] = ...) -> None: ...
 
+class RowBlock(_message.Message):
+    __slots__ = ("tables", "counts", "ids", "widths", "base_versions", "grads")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    ids: bytes
+    widths: _containers.RepeatedScalarFieldContainer[int]
+    base_versions: _containers.RepeatedScalarFieldContainer[int]
+    grads: bytes
+    def __init__(self, tables: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., ids: _Optional[bytes] = ..., widths: _Optional[_Iterable[int]] = ..., base_versions: _Optional[_Iterable[int]] = ..., grads: _Optional[bytes] = ...) -> None: ...
+
 class RowsRequest(_message.Message):
-    __slots__ = ("rank", "fingerprint", "table", "observe", "updated", "from_id", "limit", "tables")
+    __slots__ = ("rank", "fingerprint", "table", "observe", "updated", "from_id", "limit", "block")
     RANK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -522,7 +538,7 @@ class RowsRequest(_message.Message):
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     FROM_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
-    TABLES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     fingerprint: str
     table: str
@@ -530,8 +546,8 @@ class RowsRequest(_message.Message):
     updated: bool
     from_id: int
     limit: int
-    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., observe: _Optional[bool] = ..., updated: _Optional[bool] = ..., from_id: _Optional[int] = ..., limit: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    block: RowBlock
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., observe: _Optional[bool] = ..., updated: _Optional[bool] = ..., from_id: _Optional[int] = ..., limit: _Optional[int] = ..., block: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class RowsReply(_message.Message):
     __slots__ = ("version", "rows", "ids", "versions")

@@ -2,6 +2,7 @@
 iteration is complete, then averaged in rank order (so the mean does not depend on arrival order)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ class Pending:
     base_version: int
     lr: float | None = None  # the learning rate the push carried (None: the job's)
     #: its row gradients of sparse tables (see rows_path.RowGradients): table -> (ids, grads, base version)
-    rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    rows: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
 
 
 class SyncRound:

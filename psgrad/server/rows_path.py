@@ -6,10 +6,11 @@ depend on the order pushes arrived in. A collaborator of the shard core, acting 
 tells the replica when rows changed."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
@@ -18,9 +19,11 @@ from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena
 from psgrad.server.tables import SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
+from psgrad.wire.rows import BlockGradients
 
-# table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at)
-RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor, int]]
+# table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at):
+# a push's RowBlock (wire/rows.py), whose tables' parts are views of one buffer
+RowGradients = Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
 # (table, row ids [n] int64): rows a call reads
 Lookup = tuple[str, torch.Tensor]
 
@@ -145,8 +148,13 @@ class Rows:
             MemoryBudgetError: the rows would not fit the server's budget.
         """
         tables = [state.sparse(name, rank) for name in rows]
-        located = _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()])
-        bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
+        block = rows.block if isinstance(rows, BlockGradients) else None
+        located = _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()],
+                                None if block is None else block.ids)
+        if block is not None and block.grads is not None:
+            bad = count_nonfinite(block.grads)  # (one sum for all its tables)
+        else:
+            bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
         slots = self.reserve(state, rows, located=located)
         return bad, (state.uid, tuple(t.placement() for t in tables), slots)
 
@@ -194,9 +202,11 @@ class Rows:
         for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
             step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
             members = [_grouped(tables[i]) for i in places]
-            ids = arena.ids_of(members, [rows[names[i]][0] for i in places])
-            grads = torch.cat([rows[names[i]][1] for i in places])
-            at = None if slots is None else torch.cat([slots[names[i]] for i in places])
+            order = [names[i] for i in places]
+            whole = rows.flat(order) if isinstance(rows, BlockGradients) else None  # (the push's block: no copy)
+            ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
+            grads = torch.cat([rows[name][1] for name in order]) if whole is None else whole[1]
+            at = None if slots is None else joined([slots[name] for name in order])
             versions = per_row([m.version + 1 for m in members], [rows[names[i]][0] for i in places])  # (their next)
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1, versions=versions)
             for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
@@ -256,10 +266,11 @@ class Rows:
 
 
 def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
-                  grads: Sequence[torch.Tensor] | None = None) -> dict[RowArena, Located]:
+                  grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None) -> dict[RowArena, Located]:
     """Check a call's row ids of `tables` (and, for an update, their gradients; see
     SparseTable.check and check_update): those stored together at once, per arena, the others
-    each on its own. Returns what the arenas' checks found of their rows, where the row kernels
+    each on its own. flat: all the ids joined in the tables' order, where the call brought them
+    so (a RowBlock). Returns what the arenas' checks found of their rows, where the row kernels
     found it (RowArena.locate: valid under this lock).
 
     Raises:
@@ -267,8 +278,9 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
     """
     found: dict[RowArena, Located] = {}
     for arena, places in in_arena(tables).items():
+        whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
         located = arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
-                                      None if grads is None else [grads[i] for i in places])
+                                      None if grads is None else [grads[i] for i in places], whole)
         if located is not None:
             found[arena] = located
     for k, t in enumerate(tables):

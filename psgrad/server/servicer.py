@@ -30,7 +30,7 @@ from psgrad.server.transfers import PullStream, PushWriter
 from psgrad.server.worker_copies import check_ask
 from psgrad.wire import protocol, security
 from psgrad.wire.protocol import ROWS_REPLY_ROWS, STEP_REPLY_DATA, STEP_REPLY_ROWS
-from psgrad.wire.rows import lookups_from_proto, updates_from_proto
+from psgrad.wire.rows import RowBlock
 
 # A waiting pull gives up this long before the caller's deadline, so that the caller receives the
 # server's explanation (who it was waiting for) rather than a bare local timeout.
@@ -76,9 +76,14 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     return msg.header
 
 
-def _row_gradients(items: Sequence[pb.TableRows], what: str) -> RowGradients:
-    """A push's row gradients (PushHeader.rows) by table."""
-    return {u.table: (u.ids, u.grads, u.base_version) for u in updates_from_proto(items, what)}
+def _row_gradients(h: pb.PushHeader, what: str) -> RowGradients | None:
+    """A push's row gradients (PushHeader.row_block), all its tables in one block."""
+    return RowBlock.from_proto(h.row_block, what, push=True).updates() if h.HasField("row_block") else None
+
+
+def _reads(block: pb.RowBlock, what: str) -> list[tuple[str, torch.Tensor]]:
+    """The (table, ids) a read of rows names (a RowBlock of ids)."""
+    return RowBlock.from_proto(block, what).lookups()
 
 
 def _rows_bytes(rows: Sequence[torch.Tensor]) -> list[memoryview]:
@@ -221,7 +226,7 @@ class ParameterServicer:
         if self.shard.layout is not None:  # idempotent: check, and do not read 4 bytes per element
             self.shard.join(header.join.rank, layout)
             return pb.InitReply(already_initialized=True, version=self.shard.version)
-        loaded = lookups_from_proto(header.rows, "init")  # rows that start from the chief's values
+        loaded = _reads(header.row_block, "init")  # rows that start from the chief's values (ids; values follow)
         dims = {t.name: t.dim for t in layout.tables}
         unknown = [table for table, _ in loaded if table not in dims]
         if unknown:
@@ -425,7 +430,7 @@ class ParameterServicer:
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
-            _row_gradients(h.rows, f"push from worker rank {h.rank}"), h.compress,
+            _row_gradients(h, f"push from worker rank {h.rank}"), h.compress,
         )
         try:
             # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed
@@ -511,7 +516,7 @@ class ParameterServicer:
         built by hand so the rows read and the weights are copied once, when it is joined (the
         weights, unless compressed, once before that: from the version's copy)."""
         h = req.push
-        reads = lookups_from_proto(req.pull_rows, f"step of worker rank {h.rank}")
+        reads = _reads(req.read_block, f"step of worker rank {h.rank}")
         if reads:  # checked before the push: a read refused then leaves the push unapplied
             self.shard.rows.check_reads(h.rank, h.fingerprint, reads)
         delta = req.delta if req.HasField("delta") else None
@@ -592,7 +597,7 @@ class ParameterServicer:
         if req.updated:
             version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
-        got = self.shard.pull_rows(req.rank, req.fingerprint, lookups_from_proto(req.tables, "pull of rows"))
+        got = self.shard.pull_rows(req.rank, req.fingerprint, _reads(req.block, "pull of rows"))
         head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
         data = _rows_bytes([r for _, r in got])
         return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))

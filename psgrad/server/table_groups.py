@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from psgrad.core import rows
+from psgrad.core.codecs import joined
 from psgrad.core.optimizers.rows import RowOptimizer
 from psgrad.core.status import TableStatus
 from psgrad.errors import InvalidRequestError
@@ -87,20 +88,23 @@ class RowArena(SparseTable):
         stds = np.array([m.std for m in self.members], dtype=np.float64)[which]
         return rows.initial_rows(keys, ids - self._bases[torch.from_numpy(which)], self.dim, stds)
 
-    def ids_of(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The arena ids of member tables' row ids (checked), concatenated in the members' order:
-        one offset for all of them, where each table's to_arena is one per table."""
+    def ids_of(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
+               flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The arena ids of member tables' row ids (checked), concatenated in the members' order
+        (flat: that concatenation, where the caller has it): one offset for all of them, where
+        each table's to_arena is one per table."""
         if len(members) == 1:
             return members[0].to_arena(ids[0])
-        return torch.cat(list(ids)).long() + per_row([m.base for m in members], ids)
+        return (joined(list(ids)) if flat is None else flat).long() + per_row([m.base for m in members], ids)
 
     def check_members(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
-                      grads: Sequence[torch.Tensor] | None = None) -> Located | None:
+                      grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None) -> Located | None:
         """Check member tables' row ids (and, for an update, their gradients) as each one's check
         (check_update) does, with one pass of the row kernels for all of them (locate), or one set
         of tensor operations, where everything is in order (members in the order of their bases,
         as in_arena gives them); where something is not, the members' own checks run and name it.
-        Returns what locate found (None: it did not run).
+        flat: the ids joined, where the caller has them so. Returns what locate found (None: it
+        did not run).
 
         Raises:
             InvalidRequestError: as SparseTable.check (check_update) words it.
@@ -109,10 +113,10 @@ class RowArena(SparseTable):
         if fine and grads is not None:
             fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim) for i, g in zip(ids, grads))
         if fine and any(i.numel() for i in ids):
-            found = self.locate(members, ids, ascending=grads is not None)
+            found = self.locate(members, ids, ascending=grads is not None, flat=flat)
             if found is not None:
                 return found
-            local = torch.cat(list(ids)).long()
+            local = (joined(list(ids)) if flat is None else flat).long()
             wrong = (local < 0) | (local >= per_row([m.num_embeddings for m in members], ids))
             if self.num_shards > 1:
                 wrong |= torch.remainder(local, self.num_shards) != self.index
@@ -132,9 +136,11 @@ class RowArena(SparseTable):
             else:
                 member.check_update(ids[k], grads[k])
 
-    def locate(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor], ascending: bool) -> Located | None:
+    def locate(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor], ascending: bool,
+               flat: torch.Tensor | None = None) -> Located | None:
         """Member tables' row ids (members in the order of their bases) checked, and found in the
-        arena, in one pass of the row kernels: (their arena ids, concatenated; their slots, -1
+        arena (flat: the ids joined, where the caller has them so), in one pass of the row
+        kernels: (their arena ids, concatenated; their slots, -1
         where never stored; how many are never stored), valid under this lock. None: the kernels
         are not compiled here, the ids are not int64, or (ascending: an update's) they are not
         in increasing order, which the members' own checks allow (the torch ops go on).
@@ -149,7 +155,9 @@ class RowArena(SparseTable):
             return None
         index = self._index
         assert isinstance(index, DenseIndex)
-        flat = torch.cat(list(ids)) if len(ids) > 1 else ids[0].contiguous()
+        if flat is None:
+            flat = joined(list(ids))
+        flat = flat.contiguous()
         bad, new, arena_ids, slots = fused.locate(
             flat, np.array([i.numel() for i in ids], dtype=np.int64),
             np.array([m.num_embeddings for m in members], dtype=np.int64),

@@ -6,7 +6,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -80,7 +80,7 @@ class PushWriter(PayloadWriter):
         self.lr: float | None = None  # the learning rate the push carries (None: the job's)
         # The row gradients of sparse tables the push carries (table -> ids, gradients, base version),
         # checked with its header, and their non-finite values (the push's policy decides for both).
-        self.rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.rows: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.rows_nonfinite = 0
         # What its check reserved for them (rows_path.Reserved: state uid, placements, slots by table).
         self.rows_reserved: tuple[int, tuple[int, ...], dict[str, torch.Tensor]] | None = None

@@ -7,13 +7,13 @@ tensor bytes go straight between torch memory and gRPC's ``bytes`` without passi
 protobuf object (which would copy them twice more), while the wire stays exactly what
 ``protos/psgrad/proto/ps.proto`` says.
 
-A push's header goes the same way (PushHead): its rows' ids and gradients are joined straight
-into the header frame or the Step request, copied once.
+A push's header goes the same way (PushHead): its rows' ids and gradients (one block of all its
+tables) are joined straight into the header frame or the Step request, copied once.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from psgrad.config import DEFAULT_CHUNK_BYTES
 from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.wire.rows import RowUpdate, updates_to_proto
+from psgrad.wire.rows import RowBlock
 
 _DATA_TAG = 0x12  # field 2, wire type 2 (length-delimited)
 
@@ -204,29 +204,27 @@ class FrameParser:
         return memoryview(msg.data)
 
 
-_IDS = pb.TableRows.DESCRIPTOR.fields_by_name["ids"].number
-_GRADS = pb.TableRows.DESCRIPTOR.fields_by_name["grads"].number
+_BLOCK_IDS = pb.RowBlock.DESCRIPTOR.fields_by_name["ids"].number
+_BLOCK_GRADS = pb.RowBlock.DESCRIPTOR.fields_by_name["grads"].number
 
 
-def updates_to_wire(updates: Iterable[RowUpdate], number: int) -> list[bytes | memoryview]:
-    """The bytes of a repeated TableRows field `number` holding `updates`, in pieces that, joined
-    and appended to the enclosing message's other fields (protobuf allows any field order), parse
-    as updates_to_proto's messages. The ids and gradients are views of their tensors: whoever joins
-    the pieces copies them once, where a message built with them copies them at every nesting and
-    again to serialize (four times the copying for a megabyte of rows)."""
-    out: list[bytes | memoryview] = []
-    for u in updates:
-        parts: list[bytes | memoryview] = [
-            pb.TableRows(table=u.table, base_version=u.base_version, lr=u.lr, removed=u.removed).SerializeToString()]
-        for field, values in ((_IDS, u.ids), (_GRADS, u.grads)):
-            if values.numel():
-                view = byte_view(values.contiguous())
-                parts += [bytes_field_prefix(field, len(view)), view]
-        out += [bytes_field_prefix(number, sum(len(part) for part in parts)), *parts]
-    return out
+def block_to_wire(block: RowBlock, number: int) -> list[bytes | memoryview]:
+    """The bytes of a RowBlock field `number` holding `block`, in pieces that, joined and appended
+    to the enclosing message's other fields (protobuf allows any field order), parse as
+    block.message(). The ids and gradients are views of their tensors: whoever joins the pieces
+    copies them once, where a message built with them copies them at every nesting and again to
+    serialize (four times the copying for a megabyte of rows)."""
+    head = pb.RowBlock(tables=block.tables, counts=block.counts, widths=block.widths,
+                       base_versions=block.base_versions)
+    parts: list[bytes | memoryview] = [head.SerializeToString()]
+    for field, values in ((_BLOCK_IDS, block.ids), (_BLOCK_GRADS, block.grads)):
+        if values is not None and values.numel():
+            view = byte_view(values)
+            parts += [bytes_field_prefix(field, len(view)), view]
+    return [bytes_field_prefix(number, sum(len(part) for part in parts)), *parts]
 
 
-_HEADER_ROWS = pb.PushHeader.DESCRIPTOR.fields_by_name["rows"].number
+_HEADER_ROWS = pb.PushHeader.DESCRIPTOR.fields_by_name["row_block"].number
 _FRAME_HEADER = pb.PushFrame.DESCRIPTOR.fields_by_name["header"].number
 _STEP_PUSH = pb.StepRequest.DESCRIPTOR.fields_by_name["push"].number
 _STEP_DATA = pb.StepRequest.DESCRIPTOR.fields_by_name["data"].number
@@ -235,21 +233,25 @@ _STEP_DATA = pb.StepRequest.DESCRIPTOR.fields_by_name["data"].number
 @dataclass(frozen=True)
 class PushHead:
     """A push's header as it travels: its fields (`header`, without rows) and the row gradients it
-    carries, written straight into the bytes of the call (the push's header frame, or its Step
-    request) so that the rows are copied once, when those bytes are joined."""
+    carries (all its tables in one block), written straight into the bytes of the call (the
+    push's header frame, or its Step request) so that the rows are copied once, when those bytes
+    are joined."""
 
     header: pb.PushHeader
-    rows: Sequence[RowUpdate] = ()
+    rows: RowBlock | None = None
 
     def _pieces(self) -> list[bytes | memoryview]:
         """The serialized PushHeader, rows and all, in pieces."""
-        return [self.header.SerializeToString(), *updates_to_wire(self.rows, _HEADER_ROWS)]
+        if not self.rows:
+            return [self.header.SerializeToString()]
+        return [self.header.SerializeToString(), *block_to_wire(self.rows, _HEADER_ROWS)]
 
     def message(self) -> pb.PushHeader:
         """The whole PushHeader message (its rows copied into it)."""
         out = pb.PushHeader()
         out.CopyFrom(self.header)
-        out.rows.extend(updates_to_proto(self.rows))
+        if self.rows:
+            out.row_block.CopyFrom(self.rows.message())
         return out
 
     def frame(self) -> bytes:

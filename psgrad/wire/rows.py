@@ -1,14 +1,16 @@
-"""Rows of sparse tables on the wire, both ends: the row updates a push carries (and a replica record:
-what the primary applied) as TableRows messages and back, and the ids a read of rows names. Ids are
-int64 and gradients float32, little-endian, one table per message."""
+"""Rows of sparse tables on the wire, both ends: a call's rows of all its tables as one RowBlock (the
+ids a read names; the ids and gradients a push carries), and the row updates of a replica record
+(what the primary applied) or an initialization as TableRows messages, one table each. Ids are
+int64 and gradients float32, little-endian."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 
@@ -51,21 +53,16 @@ def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
                          base_version=u.base_version, lr=u.lr, removed=u.removed) for u in updates]
 
 
-def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bool = False) -> list[RowUpdate]:
-    """The row updates of TableRows messages (tables without ids left out); in_sequence: updates
-    applied one after another, a table possibly several times (a replica record of a sync
+def updates_from_proto(items: Sequence[pb.TableRows], what: str) -> list[RowUpdate]:
+    """The row updates of a replica record's TableRows messages (tables without ids left out), in
+    the order the primary applied them: a table possibly several times (a record of a sync
     iteration whose tables are async carries each worker's rows).
 
     Raises:
-        InvalidRequestError: a table twice (unless in_sequence), or bytes that are not whole rows
-            of gradients.
+        InvalidRequestError: bytes that are not whole rows of gradients.
     """
     out: list[RowUpdate] = []
-    seen: set[str] = set()
     for item in items:
-        if item.table in seen and not in_sequence:
-            raise InvalidRequestError(f"{what}: row gradients of table {item.table!r} twice")
-        seen.add(item.table)
         ids = tensor_from_bytes(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}")
         grads = tensor_from_bytes(item.grads, torch.float32, f"{what}: row gradients of table {item.table!r}")
         if not ids.numel() and not grads.numel():
@@ -73,18 +70,122 @@ def updates_from_proto(items: Sequence[pb.TableRows], what: str, in_sequence: bo
         if not ids.numel() or grads.numel() % ids.numel():
             raise InvalidRequestError(
                 f"{what}: {grads.numel()} gradient values for {ids.numel()} row ids of table {item.table!r}")
-        if item.removed and not in_sequence:
-            raise InvalidRequestError(f"{what}: rows of table {item.table!r} marked removed (only a replica record drops rows)")
         out.append(RowUpdate(item.table, ids, grads.view(ids.numel(), -1), int(item.base_version),
                              item.lr if item.HasField("lr") else None, item.removed))
     return out
 
 
-def lookups_from_proto(items: Sequence[pb.TableRows], what: str) -> list[tuple[str, torch.Tensor]]:
-    """The (table, ids) a read of rows names."""
-    return [(item.table, tensor_from_bytes(item.ids, torch.int64, f"{what}: row ids of table {item.table!r}"))
-            for item in items]
+class RowBlock:
+    """A call's rows of several sparse tables, as one RowBlock message carries them: the tables in
+    order, each one's count of ids, all their ids in one int64 tensor (table after table) and, in a
+    push, all their gradients in one float32 tensor likewise, with each table's row width and the
+    version its rows were pulled at. One buffer per kind, whatever the number of tables: a call's
+    rows are parsed as one set of arrays (a table's part is a view). True where it holds an id."""
+
+    def __init__(self, tables: Sequence[str], counts: Sequence[int], ids: torch.Tensor,
+                 grads: torch.Tensor | None = None, widths: Sequence[int] = (), base_versions: Sequence[int] = ()) -> None:
+        self.tables, self.counts = tuple(tables), tuple(counts)
+        self.ids = ids  # int64 [sum(counts)]
+        self.grads = grads  # float32 [sum(counts[k] * widths[k])] (a push's), else None
+        self.widths, self.base_versions = tuple(widths), tuple(base_versions)
+
+    def __bool__(self) -> bool:
+        return self.ids.numel() > 0
+
+    @classmethod
+    def of(cls, parts: Sequence[tuple[str, torch.Tensor]], grads: Sequence[torch.Tensor] | None = None,
+           base_versions: Sequence[int] = ()) -> RowBlock:
+        """The block of tables' ids (parts: (table, ids [n])) and a push's gradients of them
+        (grads [n, width] each, in the same order)."""
+        ids = [i.to(torch.int64) for _, i in parts]
+        flat = joined(ids).contiguous() if ids else torch.empty(0, dtype=torch.int64)
+        if grads is None:
+            return cls([t for t, _ in parts], [i.numel() for i in ids], flat)
+        values = [g.to(torch.float32) for g in grads]
+        if values and len({tuple(g.shape[1:]) for g in values}) == 1:
+            block = joined(values).contiguous().view(-1)
+        else:
+            block = torch.cat([g.reshape(-1) for g in values]) if values else torch.empty(0)
+        return cls([t for t, _ in parts], [i.numel() for i in ids], flat, block,
+                   [int(g.shape[1]) if g.dim() == 2 else 1 for g in values], base_versions)
+
+    @classmethod
+    def from_proto(cls, msg: pb.RowBlock, what: str, push: bool = False) -> RowBlock:
+        """The block a RowBlock message holds: its ids (and, push: gradients) are read-only views of
+        the message's bytes.
+
+        Raises:
+            InvalidRequestError: counts (widths, base versions) that do not match the tables, a
+                table twice, or buffers that are not the counts' size (each named).
+        """
+        tables, counts = list(msg.tables), list(msg.counts)
+        if len(counts) != len(tables):
+            raise InvalidRequestError(f"{what}: {len(counts)} counts of row ids for {len(tables)} tables")
+        if len(set(tables)) != len(tables):
+            twice = sorted({t for t in tables if tables.count(t) > 1})
+            raise InvalidRequestError(f"{what}: rows of table {twice[0]!r} twice in one call")
+        ids = tensor_from_bytes(msg.ids, torch.int64, f"{what}: row ids")
+        if ids.numel() != sum(counts):
+            raise InvalidRequestError(f"{what}: {ids.numel()} row ids for counts summing to {sum(counts)}")
+        if not push:
+            if msg.grads or msg.widths:
+                raise InvalidRequestError(f"{what}: a read of rows carries no gradients")
+            return cls(tables, counts, ids)
+        widths, bases = list(msg.widths), list(msg.base_versions)
+        if len(widths) != len(tables) or len(bases) != len(tables):
+            raise InvalidRequestError(f"{what}: {len(widths)} row widths and {len(bases)} base versions "
+                                      f"for {len(tables)} tables")
+        grads = tensor_from_bytes(msg.grads, torch.float32, f"{what}: row gradients")
+        expected = sum(c * w for c, w in zip(counts, widths))
+        if grads.numel() != expected:
+            raise InvalidRequestError(f"{what}: {grads.numel()} gradient values for row ids and widths "
+                                      f"that make {expected}")
+        return cls(tables, counts, ids, grads, widths, bases)
+
+    def message(self) -> pb.RowBlock:
+        """The RowBlock message (its buffers copied into it)."""
+        out = pb.RowBlock(tables=self.tables, counts=self.counts, ids=self.ids.numpy().tobytes())
+        if self.grads is not None:
+            out.widths.extend(self.widths)
+            out.base_versions.extend(self.base_versions)
+            out.grads = self.grads.numpy().tobytes()
+        return out
+
+    def lookups(self) -> list[tuple[str, torch.Tensor]]:
+        """(table, its ids) for each table, in order (views of the ids)."""
+        return list(zip(self.tables, self.ids.split(self.counts))) if self.tables else []
+
+    def updates(self) -> BlockGradients:
+        """A push's row gradients by table (tables with ids only): views of the block."""
+        assert self.grads is not None, "a read's block holds no gradients"
+        out = BlockGradients(self)
+        ids = self.ids.split(self.counts)
+        if len(set(self.widths)) == 1:
+            grads = self.grads.view(-1, self.widths[0]).split(self.counts)
+        else:
+            grads = tuple(g.view(c, w) for g, c, w in zip(
+                self.grads.split([c * w for c, w in zip(self.counts, self.widths)]), self.counts, self.widths))
+        for t, i, g, b, c in zip(self.tables, ids, grads, self.base_versions, self.counts):
+            if c:
+                out[t] = (i, g, b)
+        return out
 
 
-def lookups_to_proto(lookups: Iterable[tuple[str, torch.Tensor]]) -> list[pb.TableRows]:
-    return [pb.TableRows(table=table, ids=ids.numpy().tobytes()) for table, ids in lookups]
+class BlockGradients(dict[str, tuple[torch.Tensor, torch.Tensor, int]]):
+    """A push's row gradients by table, table -> (ids [n], gradients [n, width], base version), as
+    RowBlock.updates gives them: views of the block, which `flat` hands over whole (one tensor of
+    all the tables' ids or gradients, where they are the block's tables in its order: no copy to
+    join them)."""
+
+    def __init__(self, block: RowBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def flat(self, tables: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [n], gradients [n, width]) of `tables` joined in that order, where they are the
+        block's tables with ids, in its order, all of one width; else None."""
+        b = self.block
+        if len(tables) != len(self) or tuple(tables) != tuple(self) or len(set(b.widths)) != 1:
+            return None
+        assert b.grads is not None
+        return b.ids, b.grads.view(-1, b.widths[0])

@@ -90,7 +90,8 @@ def test_a_read_whose_reply_would_be_too_large_is_refused_before_it_is_built(mak
         n = 4_000_000  # 32 MB of ids; the reply would be 4M x 32 x 4 = 512 MB
         assert n * 32 * 4 > REPLY_ROWS_MAX_BYTES
         request = pb.RowsRequest(rank=0, fingerprint=client.fingerprint,
-                                 tables=[pb.TableRows(table=table, ids=torch.full((n,), 7).numpy().tobytes())])
+                                 block=pb.RowBlock(tables=[table], counts=[n],
+                                                   ids=torch.full((n,), 7).numpy().tobytes()))
         channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
         try:
             call = channel.unary_unary(METHOD_PREFIX + "PullRows", request_serializer=pb.RowsRequest.SerializeToString,

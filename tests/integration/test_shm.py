@@ -340,12 +340,13 @@ def test_the_rows_segment_is_made_from_inline_rows_grown_and_given_up_after_thre
 
     from psgrad.client.same_host import SharedMemoryTransport
     from psgrad.proto import ps_pb2 as pb
+    from psgrad.wire.rows import RowBlock
 
     t = SharedMemoryTransport(SimpleNamespace(address="here"), None, lambda: None)  # type: ignore[arg-type]
-    reads = [pb.TableRows(table="a", ids=bytes(8))]
+    reads = RowBlock.of([("a", torch.zeros(1, dtype=torch.int64))])
     inline = pb.StepReply(rows=b"r" * 100, row_versions=[1])
     try:
-        assert t._rows_read(inline, ()) is None and t._rows_segment is None  # nothing read: nothing made
+        assert t._rows_read(inline, None) is None and t._rows_segment is None  # nothing read: nothing made
         assert bytes(t._rows_read(inline, reads)[1]) == b"r" * 100  # type: ignore[index]
         first = t._rows_segment
         assert first is not None and first.nbytes == 1 << 16 and t._rows_metadata(reads)[0][0] == shm.ROWS_METADATA_KEY

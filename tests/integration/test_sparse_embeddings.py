@@ -179,10 +179,11 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
         # the server checks what a client sends, too: a row of another shard, a table it lacks
         from psgrad.proto import ps_pb2 as pb
         one = torch.tensor([1], dtype=torch.int64).numpy().tobytes()
-        req = pb.RowsRequest(rank=0, fingerprint=opt.client.fingerprint, tables=[pb.TableRows(table="emb", ids=one)])
+        req = pb.RowsRequest(rank=0, fingerprint=opt.client.fingerprint,
+                             block=pb.RowBlock(tables=["emb"], counts=[1], ids=one))
         with pytest.raises(InvalidRequestError, match="row 1 lives on shard 1, not on shard 0"):
             opt.client.shards[0].pull_rows(req)
-        req.tables[0].table = "other"
+        req.block.tables[0] = "other"
         with pytest.raises(InvalidRequestError, match="the job's are: 'emb'"):
             opt.client.shards[0].pull_rows(req)
     with pytest.raises(ConfigError, match="optimizer 'rmsprop' has no row-wise form.*sgd, adam, adagrad"):

@@ -106,7 +106,9 @@ def test_a_launchs_children_are_forks_of_the_same_template_and_die_with_the_laun
         launch.popen.kill()
         assert launch.wait(60) == -signal.SIGKILL
         ended = {name: _ended_within(fd, 60) for name, fd in watched.items()}
-        assert all(ended.values()), [_describe(pids[name]) for name, done in ended.items() if not done] + launch.lines
+        if not all(ended.values()):  # (printed whole: pytest shortens an assertion's message)
+            print("\n".join([_describe(pids[name]) for name, done in ended.items() if not done] + launch.lines))
+        assert all(ended.values()), ended
     finally:
         launch.stop()
 

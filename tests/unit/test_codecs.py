@@ -422,11 +422,15 @@ def test_trailing_bytes_field_leaves_other_layouts_to_protobuf() -> None:
     assert split is not None and split[1] == rows
 
 
-def test_joined_views_tensors_that_lie_one_after_another_and_copies_others() -> None:
+def test_joined_views_tensors_that_lie_one_after_another_and_copies_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psgrad.core import codecs
     from psgrad.core.codecs import joined
 
     whole = torch.arange(24, dtype=torch.float32).view(12, 2)
     parts = list(whole.split([3, 0, 5, 4]))
+    small = joined(parts)  # below JOIN_VIEW_MIN_BYTES: copied without looking (a copy costs less)
+    assert torch.equal(small, whole) and small.data_ptr() != whole.data_ptr()
+    monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 0)
     out = joined(parts)
     assert torch.equal(out, whole) and out.data_ptr() == whole.data_ptr()  # a view: no copy
     apart = [whole[:3], whole[5:]]  # a gap between them

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
@@ -281,23 +282,71 @@ def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
     from psgrad.client.transport import step_request
     from psgrad.core.codecs import WireBuffer
     from psgrad.wire.frames import PushHead
-    from psgrad.wire.rows import RowUpdate, lookups_to_proto
+    from psgrad.wire.rows import RowBlock
 
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(6, 5, generator=g).t()  # [5, 6], not contiguous: sent as its values in row order
-    rows = [RowUpdate("a", torch.tensor([2, 9, 40]), torch.randn(3, 4, generator=g), base_version=7),
-            RowUpdate("b", torch.arange(5) * 3, wide, lr=0.25),
-            RowUpdate("empty", torch.empty(0, dtype=torch.int64), torch.empty(0, 8))]
+    narrow = torch.randn(3, 4, generator=g)
+    rows = RowBlock.of([("a", torch.tensor([2, 9, 40])), ("b", torch.arange(5) * 3),
+                        ("empty", torch.empty(0, dtype=torch.int64))],
+                       [narrow, wide, torch.empty(0, 8)], [7, 0, 3])
     head = PushHead(pb.PushHeader(rank=3, clock=11, base_version=4, numel=6, dtype="float32", fingerprint="fp",
                                   lr=0.5, compress="int8"), rows)
     whole = head.message()
-    assert [r.table for r in whole.rows] == ["a", "b", "empty"]
-    assert torch.equal(torch.frombuffer(bytearray(whole.rows[1].grads), dtype=torch.float32).view(5, 6), wide)
-    assert whole.rows[0].base_version == 7 and whole.rows[1].lr == 0.25 and not whole.rows[0].HasField("lr")
+    block = whole.row_block
+    assert list(block.tables) == ["a", "b", "empty"] and list(block.counts) == [3, 5, 0]
+    assert list(block.widths) == [4, 6, 8] and list(block.base_versions) == [7, 0, 3]
+    grads = torch.frombuffer(bytearray(block.grads), dtype=torch.float32)
+    assert torch.equal(grads[:12].view(3, 4), narrow) and torch.equal(grads[12:].view(5, 6), wide)
     assert pb.PushFrame.FromString(head.frame()) == pb.PushFrame(header=whole)
-    reads = lookups_to_proto([("a", torch.tensor([1, 2])), ("b", torch.tensor([0]))])
+    parsed = RowBlock.from_proto(block, "push", push=True)  # what the server reads: each table a view
+    updates = parsed.updates()
+    assert list(updates) == ["a", "b"] and updates["b"][2] == 0 and torch.equal(updates["b"][1], wide)
+    assert updates.flat(["a", "b"]) is None  # (two widths: no one tensor of them)
+    reads = RowBlock.of([("a", torch.tensor([1, 2])), ("b", torch.tensor([0]))])
     payload = memoryview(bytes(range(24)))
     request = pb.StepRequest.FromString(head.step_request(step_request(reads, WireBuffer(6, "float32")), payload))
-    assert request == pb.StepRequest(push=whole, pull_rows=reads, data=bytes(payload))
+    assert request == pb.StepRequest(push=whole, read_block=reads.message(), data=bytes(payload))
     in_segment = pb.StepRequest.FromString(head.step_request(step_request(reads, WireBuffer(6, "float32")), None))
-    assert in_segment == pb.StepRequest(push=whole, pull_rows=reads) and not in_segment.data
+    assert in_segment == pb.StepRequest(push=whole, read_block=reads.message()) and not in_segment.data
+    assert [(t, i.tolist()) for t, i in RowBlock.from_proto(request.read_block, "step").lookups()] == \
+        [("a", [1, 2]), ("b", [0])]
+
+
+def test_a_push_block_hands_its_tables_rows_over_whole_only_in_its_own_order() -> None:
+    import torch
+
+    from psgrad.wire.rows import RowBlock
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(2, 3, generator=g), torch.randn(0, 3), torch.randn(4, 3, generator=g)]
+    msg = RowBlock.of([("a", torch.tensor([1, 5])), ("none", torch.empty(0, dtype=torch.int64)),
+                       ("b", torch.tensor([0, 2, 4, 6]))], grads, [3, 0, 9]).message()
+    updates = RowBlock.from_proto(pb.RowBlock.FromString(msg.SerializeToString()), "push", push=True).updates()
+    assert list(updates) == ["a", "b"] and [updates[t][2] for t in updates] == [3, 9]
+    whole = updates.flat(["a", "b"])
+    assert whole is not None and whole[0].tolist() == [1, 5, 0, 2, 4, 6]
+    assert torch.equal(whole[1], torch.cat([grads[0], grads[2]]))
+    assert whole[1].data_ptr() == updates["a"][1].data_ptr()  # the block itself, not a copy
+    assert updates.flat(["b", "a"]) is None and updates.flat(["a"]) is None
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (lambda m: m.counts.append(1), "2 counts of row ids for 1 tables"),
+    (lambda m: (m.tables.append("a"), m.counts.append(0)), "rows of table 'a' twice"),
+    (lambda m: setattr(m, "ids", m.ids[:-8]), "1 row ids for counts summing to 2"),
+    (lambda m: m.widths.append(2), "2 row widths and 1 base versions for 1 tables"),
+    (lambda m: setattr(m, "grads", m.grads[:-4]), "7 gradient values for row ids and widths that make 8"),
+    (lambda m: setattr(m, "ids", m.ids[:-3]), "13 bytes is not a whole number"),
+])
+def test_a_row_block_whose_parts_disagree_is_refused_by_name(change: Any, refusal: str) -> None:
+    import torch
+
+    from psgrad.errors import InvalidRequestError
+    from psgrad.wire.rows import RowBlock
+
+    msg = RowBlock.of([("a", torch.tensor([4, 8]))], [torch.ones(2, 4)], [1]).message()
+    assert RowBlock.from_proto(msg, "push", push=True).updates()["a"][1].shape == (2, 4)
+    change(msg)
+    with pytest.raises(InvalidRequestError, match=refusal):
+        RowBlock.from_proto(msg, "push", push=True)
