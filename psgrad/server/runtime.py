@@ -286,8 +286,10 @@ def serve_forever(
     received: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        # Only noted: a handler runs between two bytecodes of the main thread, which may be holding
+        # `stop`'s lock just then (setting the event here could wait on it forever); the main
+        # thread looks every half second.
         received.append(signal.Signals(signum).name)
-        stop.set()
 
     def watch(predicate: Callable[[ShardStatus], bool]) -> None:
         while not stop.is_set():
@@ -303,7 +305,9 @@ def serve_forever(
     announce(running.address)
     if until is not None:
         threading.Thread(target=watch, args=(until,), name="psgrad-until", daemon=True).start()
-    stop.wait()
+    while not received and not stop.wait(0.5):
+        pass
+    stop.set()  # (the watch thread ends with it)
     running.stop()
     announce_stop = received[0] if received else "request"
     note(f"{running.address} stopped ({announce_stop})")
