@@ -200,7 +200,7 @@ class ParameterClient:
         if initial_weights is not None and not all(r.initialized for r in replies):
             flat = initial_weights()
             frozen = initial_frozen() if initial_frozen is not None and self.frozen else torch.empty(0)
-            split = self._split_rows(initial_rows)
+            split = self._split_rows(initial_rows)  # (the values travel as the blocks' "gradients")
 
             def init(i: int, s: ShardClient) -> Any:
                 if replies[i].initialized:
@@ -208,9 +208,10 @@ class ParameterClient:
                 start, end = self.plan.ranges[i]
                 lo, hi = self.frozen_ranges[i] if self.frozen else (0, 0)
                 header = pb.InitHeader(join=self._join_request(i, wait=False), numel=end - start,
-                                       row_block=RowBlock.of([(t, ids) for t, (ids, _) in split[i].items()]).message(),
+                                       row_block=RowBlock(split[i].tables, split[i].counts, split[i].ids).message(),
                                        frozen_numel=hi - lo)
-                return s.init(header, [flat[start:end], *(values for _, values in split[i].values()), frozen[lo:hi]])
+                values = split[i].grads
+                return s.init(header, [flat[start:end], torch.empty(0) if values is None else values, frozen[lo:hi]])
 
             self._fan_out(init)
         if not all(r.ready for r in replies):
@@ -452,16 +453,11 @@ class ParameterClient:
         return note
 
     def _push_header(
-        self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowGradients | None = None,
+        self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowBlock | None = None,
     ) -> PushHead:
         """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this
-        shard) in one block."""
+        shard: _split_rows') in one block."""
         start, end = self.plan.ranges[index]
-        block = None
-        if rows:
-            names = list(rows)
-            block = RowBlock.of([(name, rows[name][0]) for name in names], [rows[name][1] for name in names],
-                                [self.row_versions.get((name, index), 0) for name in names])
         return PushHead(pb.PushHeader(
             compress=compress,
             rank=self.rank,
@@ -471,7 +467,7 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
-        ), block)
+        ), rows)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
              rows: RowGradients | None = None) -> list[PushOutcome]:
@@ -611,24 +607,31 @@ class ParameterClient:
             have = ", ".join(repr(n) for n in self.tables) or "none"
             raise errors.InvalidRequestError(f"the job has no sparse table {name!r}; its tables: {have}") from None
 
-    def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowGradients]:
-        """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values):
+    def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowBlock]:
+        """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values), as
+        one block per shard (tables with ids there only), with each table's version on that shard:
         its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py), placed for all
-        tables of one row width at once."""
+        tables of one row width at once; a shard's rows of one width are one slice of one gather."""
         S = len(self.shards)
-        split: list[RowGradients] = [{} for _ in range(S)]
-        if S == 1 or not rows:
-            split[0].update(rows or {})
-            return split
-        for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
-                                        lambda name: tuple(rows[name][1].shape[1:])):
-            ids = place.split(joined([rows[name][0] for name in names]))
-            values = place.split(joined([rows[name][1] for name in names]))
-            for i in range(S):
-                for t, name in enumerate(names):
-                    if place.counts[i][t]:
-                        split[i][name] = (ids[i][t], values[i][t])
-        return split
+        parts: list[list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]]] = [[] for _ in range(S)]
+        if rows:
+            for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
+                                            lambda name: tuple(rows[name][1].shape[1:])):
+                ids = place.by_shard(joined([rows[name][0] for name in names]).to(torch.int64))
+                values = place.by_shard(joined([rows[name][1] for name in names]).to(torch.float32))
+                for i in range(S):
+                    kept = [t for t in range(len(names)) if place.counts[i][t]]
+                    parts[i].append(([names[t] for t in kept], [place.counts[i][t] for t in kept], ids[i], values[i]))
+        out = []
+        for i, groups in enumerate(parts):
+            names = [name for g in groups for name in g[0]]
+            widths = [int(g[3].shape[1]) if g[3].dim() == 2 else 1 for g in groups for _ in g[0]]
+            ids_, values_ = [g[2] for g in groups], [g[3].reshape(-1) for g in groups]
+            out.append(RowBlock(names, [c for g in groups for c in g[1]],
+                                (ids_[0] if len(ids_) == 1 else torch.cat(ids_)) if ids_ else torch.empty(0, dtype=torch.int64),
+                                (values_[0] if len(values_) == 1 else torch.cat(values_)) if values_ else torch.empty(0),
+                                widths, [self.row_versions.get((name, i), 0) for name in names]))
+        return out
 
     def _place(self, lookups: Mapping[str, torch.Tensor],
                width: Callable[[str], object]) -> list[tuple[list[str], row_placement.TablesOnShards]]:
@@ -748,13 +751,18 @@ class _ReadPlan:
         for table, ids in lookups.items():
             row_placement.check_ids(ids, client._table(table).num_embeddings, f"table {table!r}")
         self._groups = client._place(lookups, lambda name: client._table(name).dim)
-        # shard -> [(group, table's place in it, table, its ids there)], in the order asked
-        self._parts: list[list[tuple[int, int, str, torch.Tensor]]] = [[] for _ in range(S)]
+        # shard -> [(group, table's place in it, table, its count of ids there)], in the order asked
+        self._parts: list[list[tuple[int, int, str, int]]] = [[] for _ in range(S)]
+        asked: list[list[torch.Tensor]] = [[] for _ in range(S)]  # shard -> its ids of each group
         for g, (names, place) in enumerate(self._groups):
-            on_shards = place.split(joined([lookups[name] for name in names]))
+            on_shards = place.by_shard(joined([lookups[name] for name in names]).to(torch.int64))
             for i in range(S):
-                self._parts[i] += [(g, t, name, on_shards[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
-        self._asks = [RowBlock.of([(table, ids) for _, _, table, ids in part]) for part in self._parts]
+                self._parts[i] += [(g, t, name, place.counts[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
+                asked[i].append(on_shards[i])
+        # (a shard's ids of one width are one slice of one gather: the block's buffer as it is)
+        self._asks = [RowBlock([table for _, _, table, _ in part], [n for _, _, _, n in part],
+                               torch.cat(mine) if len(mine) > 1 else mine[0] if mine else torch.empty(0, dtype=torch.int64))
+                      for part, mine in zip(self._parts, asked)]
 
     def asks(self, index: int) -> RowBlock:
         """What shard `index` is asked for, all tables in one block (empty: none of its rows)."""
@@ -766,7 +774,7 @@ class _ReadPlan:
         out = [torch.empty(sum(place.sizes), dim) for (_, place), dim in zip(self._groups, dims)]
         for i, (versions, data) in replies.items():
             address = self._client.shards[i].address
-            asked = sum(ids.numel() * dims[g] * 4 for g, _, _, ids in self._parts[i])
+            asked = sum(n * dims[g] * 4 for g, _, _, n in self._parts[i])
             if len(data) != asked or len(versions) != len(self._parts[i]):
                 raise errors.InvalidRequestError(
                     f"server {address}: {len(data)} bytes of rows and {len(versions)} table versions for "

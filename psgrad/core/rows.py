@@ -81,6 +81,13 @@ class TablesOnShards:
         start = sum(sum(row) for row in self.counts[:shard])
         return self.order[start:start + sum(self.counts[shard])]
 
+    def by_shard(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """values: the tables' rows (or ids) concatenated in the tables' order, [sum(sizes), ...];
+        returns each shard's, its tables' one after another (counts[s]): views of one gather."""
+        if self.order is None:
+            return [values]
+        return list(values.index_select(0, self.order).split_with_sizes([sum(row) for row in self.counts]))
+
     def split(self, values: torch.Tensor) -> list[list[torch.Tensor]]:
         """values: the tables' rows (or ids) concatenated in the tables' order, [sum(sizes), ...];
         returns [shard][table] their pieces on each shard (views of one gather)."""

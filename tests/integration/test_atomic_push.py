@@ -129,7 +129,7 @@ def _bad_payload(c: ParameterClient, clock: int) -> Callable[[], object]:
     payload, compress = c._push_payload(0, dense_of(c.rank, clock))
     broken = bytearray(payload)
     broken[0:4] = (NUMEL + 3).to_bytes(4, "little")  # the first index: out of range
-    header = c._push_header(0, clock, None, compress, all_rows(c, clock, (ids, grads)))
+    header = c._push_header(0, clock, None, compress, c._split_rows(all_rows(c, clock, (ids, grads)))[0])
     return lambda: c.shards[0].push(header, memoryview(bytes(broken)))
 
 
