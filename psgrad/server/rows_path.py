@@ -22,7 +22,7 @@ from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 from psgrad.wire.rows import BlockGradients
 
 # table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at):
-# a push's RowBlock (wire/rows.py), whose tables' parts are views of one buffer
+# a push's rows as its RowBlock gives them (BlockGradients, wire/rows.py: views of the block's buffers)
 RowGradients = Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
 # (table, row ids [n] int64): rows a call reads
 Lookup = tuple[str, torch.Tensor]

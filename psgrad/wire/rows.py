@@ -1,11 +1,11 @@
 """Rows of sparse tables on the wire, both ends: a call's rows of all its tables as one RowBlock (the
-ids a read names; the ids and gradients a push carries), and the row updates of a replica record
-(what the primary applied) or an initialization as TableRows messages, one table each. Ids are
-int64 and gradients float32, little-endian."""
+ids a read names; the ids and gradients a push carries; an initialization's ids and starting
+values), and the row updates of a replica record (what the primary applied) as TableRows messages,
+one table each. Ids are int64 and gradients float32, little-endian."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
