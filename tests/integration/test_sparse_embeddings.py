@@ -186,6 +186,21 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
         req.block.tables[0] = "other"
         with pytest.raises(InvalidRequestError, match="the job's are: 'emb'"):
             opt.client.shards[0].pull_rows(req)
+        # a push whose row block is not the size its counts and widths make: refused by name, nothing applied
+        from psgrad.wire.frames import PushHead
+        from psgrad.wire.rows import RowBlock
+        c = opt.client
+        start, end = c.plan.ranges[0]
+        payload = memoryview(bytes(4 * (end - start)))
+        dim = c.tables["emb"].dim
+        good = RowBlock(["emb"], [2], torch.tensor([0, 2]), torch.ones(2 * dim), [dim], [0])
+        short = RowBlock(["emb"], [2], good.ids, good.grads[:-1], [dim], [0])  # type: ignore[index]
+        before = running[0].shard.version
+        with pytest.raises(InvalidRequestError, match=f"{2 * dim - 1} gradient values for row ids and widths that make {2 * dim}"):
+            c.shards[0].push(PushHead(c._push_header(0, 0).header, short), payload)
+        assert running[0].shard.version == before
+        assert c.shards[0].push(PushHead(c._push_header(0, 0).header, good), payload).applied  # its retry: once
+        assert running[0].shard.version == before + 1
     with pytest.raises(ConfigError, match="optimizer 'rmsprop' has no row-wise form.*sgd, adam, adagrad"):
         with psgrad.connect([s.address for s in running], optimizer=psgrad.RMSprop(lr=0.01), client=CLIENT) as ps:
             ps.optimizer(Ctr())
