@@ -88,15 +88,6 @@ class TablesOnShards:
             return [values]
         return list(values.index_select(0, self.order).split_with_sizes([sum(row) for row in self.counts]))
 
-    def split(self, values: torch.Tensor) -> list[list[torch.Tensor]]:
-        """values: the tables' rows (or ids) concatenated in the tables' order, [sum(sizes), ...];
-        returns [shard][table] their pieces on each shard (views of one gather)."""
-        if self.order is None:
-            return [list(values.split_with_sizes(self.sizes))]
-        flat = values.index_select(0, self.order).split_with_sizes([c for row in self.counts for c in row])
-        T = len(self.sizes)
-        return [list(flat[s * T:(s + 1) * T]) for s in range(self.num_shards)]
-
 
 def _shards_of(ids: np.ndarray, num_shards: int, dynamic: bool) -> np.ndarray:
     """shard_of of int64 ids, in numpy."""

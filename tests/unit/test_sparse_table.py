@@ -39,22 +39,26 @@ def test_tables_placed_together_give_each_shard_each_tables_ids_in_their_order(d
     tables = [torch.tensor([2, 5, 7, 8, 11, 12, 20, 31]), torch.tensor([0, 3, 4, 9]), torch.tensor([1, 6, 8, 13, 14])]
     place = rows.TablesOnShards(tables, 3, dynamic)
     grads = [torch.arange(t.numel() * 2, dtype=torch.float32).view(-1, 2) + 100 * k for k, t in enumerate(tables)]
-    ids_on, grads_on = place.split(torch.cat(tables)), place.split(torch.cat(grads))
+    ids_on, grads_on = place.by_shard(torch.cat(tables)), place.by_shard(torch.cat(grads))
     starts = [0, 8, 12]
     for i in range(3):
         positions = place.positions(i)
         assert positions is not None
         expect_positions = []
+        expect_ids: list[int] = []
+        expect_grads = []
         for t, (ids, hashed) in enumerate(zip(tables, dynamic)):
             mine = (rows.shard_of(ids, 3, hashed) == i).nonzero().squeeze(1)  # exactly shard i's, in order
             assert place.counts[i][t] == mine.numel()
-            assert ids_on[i][t].tolist() == ids[mine].tolist()
-            assert torch.equal(grads_on[i][t], grads[t][mine])
+            expect_ids += ids[mine].tolist()
+            expect_grads.append(grads[t][mine])
             expect_positions += (mine + starts[t]).tolist()
         assert positions.tolist() == expect_positions
+        assert ids_on[i].tolist() == expect_ids  # (its tables' one after another, each in its order)
+        assert torch.equal(grads_on[i], torch.cat(expect_grads))
     one = rows.TablesOnShards(tables, 1, dynamic)
     assert one.positions(0) is None and one.counts == [[8, 4, 5]]
-    assert [[p.tolist() for p in shard] for shard in one.split(torch.cat(tables))] == [[t.tolist() for t in tables]]
+    assert [shard.tolist() for shard in one.by_shard(torch.cat(tables))] == [torch.cat(tables).tolist()]
     empty = rows.TablesOnShards([torch.tensor([3, 6, 9])], 3, [False])
     assert empty.counts == [[3], [0], [0]]  # (empty shards too)
 
