@@ -613,7 +613,7 @@ class ParameterClient:
         its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py), placed for all
         tables of one row width at once; a shard's rows of one width are one slice of one gather."""
         S = len(self.shards)
-        parts: list[list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]]] = [[] for _ in range(S)]
+        parts: list[list[tuple[list[str], list[int], torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(S)]
         if rows:
             for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
                                             lambda name: tuple(rows[name][1].shape[1:])):
@@ -622,16 +622,8 @@ class ParameterClient:
                 for i in range(S):
                     kept = [t for t in range(len(names)) if place.counts[i][t]]
                     parts[i].append(([names[t] for t in kept], [place.counts[i][t] for t in kept], ids[i], values[i]))
-        out = []
-        for i, groups in enumerate(parts):
-            names = [name for g in groups for name in g[0]]
-            widths = [int(g[3].shape[1]) if g[3].dim() == 2 else 1 for g in groups for _ in g[0]]
-            ids_, values_ = [g[2] for g in groups], [g[3].reshape(-1) for g in groups]
-            out.append(RowBlock(names, [c for g in groups for c in g[1]],
-                                (ids_[0] if len(ids_) == 1 else torch.cat(ids_)) if ids_ else torch.empty(0, dtype=torch.int64),
-                                (values_[0] if len(values_) == 1 else torch.cat(values_)) if values_ else torch.empty(0),
-                                widths, [self.row_versions.get((name, i), 0) for name in names]))
-        return out
+        return [RowBlock.of_groups(groups, [self.row_versions.get((name, i), 0) for g in groups for name in g[0]])
+                for i, groups in enumerate(parts)]
 
     def _place(self, lookups: Mapping[str, torch.Tensor],
                width: Callable[[str], object]) -> list[tuple[list[str], row_placement.TablesOnShards]]:
@@ -753,16 +745,15 @@ class _ReadPlan:
         self._groups = client._place(lookups, lambda name: client._table(name).dim)
         # shard -> [(group, table's place in it, table, its count of ids there)], in the order asked
         self._parts: list[list[tuple[int, int, str, int]]] = [[] for _ in range(S)]
-        asked: list[list[torch.Tensor]] = [[] for _ in range(S)]  # shard -> its ids of each group
+        # shard -> its ids of each group (one slice of one gather: the block's buffer as it is)
+        asked: list[list[tuple[list[str], list[int], torch.Tensor, None]]] = [[] for _ in range(S)]
         for g, (names, place) in enumerate(self._groups):
             on_shards = place.by_shard(joined([lookups[name] for name in names]).to(torch.int64))
             for i in range(S):
-                self._parts[i] += [(g, t, name, place.counts[i][t]) for t, name in enumerate(names) if place.counts[i][t]]
-                asked[i].append(on_shards[i])
-        # (a shard's ids of one width are one slice of one gather: the block's buffer as it is)
-        self._asks = [RowBlock([table for _, _, table, _ in part], [n for _, _, _, n in part],
-                               torch.cat(mine) if len(mine) > 1 else mine[0] if mine else torch.empty(0, dtype=torch.int64))
-                      for part, mine in zip(self._parts, asked)]
+                kept = [(t, name) for t, name in enumerate(names) if place.counts[i][t]]
+                self._parts[i] += [(g, t, name, place.counts[i][t]) for t, name in kept]
+                asked[i].append(([name for _, name in kept], [place.counts[i][t] for t, _ in kept], on_shards[i], None))
+        self._asks = [RowBlock.of_groups(groups, push=False) for groups in asked]
 
     def asks(self, index: int) -> RowBlock:
         """What shard `index` is asked for, all tables in one block (empty: none of its rows)."""

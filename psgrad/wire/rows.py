@@ -96,18 +96,29 @@ class RowBlock:
     def of(cls, parts: Sequence[tuple[str, torch.Tensor]], grads: Sequence[torch.Tensor] | None = None,
            base_versions: Sequence[int] = ()) -> RowBlock:
         """The block of tables' ids (parts: (table, ids [n])) and a push's gradients of them
-        (grads [n, width] each, in the same order)."""
-        ids = [i.to(torch.int64) for _, i in parts]
-        flat = joined(ids).contiguous() if ids else torch.empty(0, dtype=torch.int64)
-        if grads is None:
-            return cls([t for t, _ in parts], [i.numel() for i in ids], flat)
-        values = [g.to(torch.float32) for g in grads]
-        if values and len({tuple(g.shape[1:]) for g in values}) == 1:
-            block = joined(values).contiguous().view(-1)
+        (grads [n, width] each, in the same order): of_groups of a table each."""
+        return cls.of_groups([([t], [int(i.numel())], i, None if grads is None else grads[k])
+                              for k, (t, i) in enumerate(parts)], base_versions, push=grads is not None)
+
+    @classmethod
+    def of_groups(cls, groups: Sequence[tuple[Sequence[str], Sequence[int], torch.Tensor, torch.Tensor | None]],
+                  base_versions: Sequence[int] = (), push: bool = True) -> RowBlock:
+        """The block of groups of tables whose ids (and a push's gradients, [n, width]) already lie
+        one after another: (tables, their counts, ids [sum(counts)], gradients or None). A group
+        of one tensor each (a shard's rows of one width, sliced from one gather) goes in as it is."""
+        tables = [t for g in groups for t in g[0]]
+        counts = [int(c) for g in groups for c in g[1]]
+        ids = [g[2].to(torch.int64) for g in groups]
+        flat = (joined(ids) if len(ids) > 1 else ids[0]).contiguous() if ids else torch.empty(0, dtype=torch.int64)
+        if not push:
+            return cls(tables, counts, flat)
+        values = [g[3].to(torch.float32) for g in groups if g[3] is not None]
+        widths = [int(v.shape[1]) if v.dim() == 2 else 1 for v, g in zip(values, groups) for _ in g[0]]
+        if len(values) == 1 or (values and len({tuple(v.shape[1:]) for v in values}) == 1):
+            block = (joined(values) if len(values) > 1 else values[0]).contiguous().view(-1)
         else:
-            block = torch.cat([g.reshape(-1) for g in values]) if values else torch.empty(0)
-        return cls([t for t, _ in parts], [i.numel() for i in ids], flat, block,
-                   [int(g.shape[1]) if g.dim() == 2 else 1 for g in values], base_versions)
+            block = torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)
+        return cls(tables, counts, flat, block, widths, base_versions)
 
     @classmethod
     def from_proto(cls, msg: pb.RowBlock, what: str, push: bool = False) -> RowBlock:
