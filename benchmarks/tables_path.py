@@ -20,7 +20,8 @@ placement of rows over the shards.
 
 `layouts`: `tables` = F tables of R rows (stored in one arena per shard: server/table_groups.py),
 `one` = one table of F x R rows holding the same ids (feature f's offset by f x R). With --against
-PATH, the psgrad of that checkout is loaded beside this one, into the same process, and every
+PATH (a checkout whose ps.proto is this one's: protobuf loads one per process), the psgrad of that
+checkout is loaded beside this one, into the same process, and every
 measurement alternates between the two (the order reversed every other repetition), so machine
 noise hits both alike. Figures: the median over --reps repetitions of the mean over a repetition's
 pushes (process CPU time). A psgrad with row kernels (server/kernels.py) has them compiled before
@@ -215,7 +216,14 @@ def main() -> None:
     trees = {"this": REPO} | ({"against": args.against.resolve()} if args.against else {})
     for tag, root in trees.items():
         log(f"tables_path: psgrad from {root}")
-        modules = load_psgrad(root, (*MODULES, "server.kernels"))
+        try:
+            modules = load_psgrad(root, (*MODULES, "server.kernels"))
+        except TypeError as exc:  # (protobuf's one descriptor pool per process holds one ps.proto)
+            if "duplicate file name" not in str(exc):
+                raise
+            raise SystemExit(f"tables_path: --against {args.against}: its protos/psgrad/proto/ps.proto differs from "
+                             "this checkout's, and protobuf loads one per process: run each checkout's "
+                             "tables_path.py on its own, alternating them") from None
         rows_kernels = getattr(modules["server.kernels"], "rows", None)  # (a checkout before the row kernels: none)
         if rows_kernels is not None and rows_kernels(wait=True) is None:
             log(f"tables_path: the row kernels of {root} are unavailable: its torch ops are measured")
