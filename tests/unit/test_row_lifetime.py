@@ -102,6 +102,21 @@ def test_past_a_refused_doubling_the_arena_grows_to_what_the_budget_holds() -> N
     assert e.evicted == 1 and e.touched == 1324
 
 
+def test_a_tables_arena_grows_in_its_reserved_storage_without_copying_and_a_dynamic_one_by_doubling() -> None:
+    # A fixed-size table's arena is the start of storage reserved for every row the shard can hold:
+    # growing neither moves nor copies the rows made (the budget is still charged by doubling).
+    for dynamic in (False, True):
+        t = table(dynamic=dynamic)
+        update(t, list(range(1000)))
+        before, charged, capacity = t._values.data_ptr(), t._charged, t._ids.numel()
+        update(t, list(range(1000, 3000)))  # past the first arena's 1,024 rows
+        assert t.touched == 3000 and t._ids.numel() > capacity and t._charged > charged
+        assert (t._values.data_ptr() == before) != dynamic  # (a dynamic table has no most rows to reserve for)
+        every = torch.arange(3000)
+        assert torch.equal(t.rows(every), initial(list(range(3000))) - LR)
+        assert torch.equal(t._ids[:3000], every)
+
+
 def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_table_and_a_snapshot_keeps_it() -> None:
     lifetime = (2, 16, True)
     budget = (2 << 20) + 120_000  # the sketch, and room for the arena to grow to ~1,700 rows (not 2,048): all three drops
