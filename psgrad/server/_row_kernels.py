@@ -89,6 +89,46 @@ def _divided_rows(values, slots, grads, denom, scale, versions, stamp):  # pragm
         versions[s] = stamp[i]
 
 
+def _merged_rows(ids, ends, grads, scale, out_ids, out_grads):  # pragma: no cover
+    # ids: runs [ends[k-1], ends[k]) (a sync round's workers' arena ids, rank after rank), each
+    # increasing. Fills out_ids with every id once, in increasing order, and out_grads with its rows'
+    # sum, run after run (0 + the first + the next..., as index_add_ adds them), times scale;
+    # returns how many, or -1 where a run does not increase (nothing else done then).
+    w = ends.shape[0]
+    heads = np.empty(w, np.int64)
+    start = 0
+    for k in range(w):
+        heads[k] = start
+        for i in range(start + 1, ends[k]):
+            if ids[i] <= ids[i - 1]:
+                return -1
+        start = ends[k]
+    d = grads.shape[1]
+    n = 0
+    while True:
+        m = np.int64(0)
+        found = False
+        for k in range(w):
+            h = heads[k]
+            if h < ends[k] and (not found or ids[h] < m):
+                m = ids[h]
+                found = True
+        if not found:
+            return n
+        out_ids[n] = m
+        for j in range(d):
+            out_grads[n, j] = 0.0
+        for k in range(w):
+            h = heads[k]
+            if h < ends[k] and ids[h] == m:
+                for j in range(d):
+                    out_grads[n, j] = out_grads[n, j] + grads[h, j]
+                heads[k] = h + 1
+        for j in range(d):
+            out_grads[n, j] = out_grads[n, j] * scale
+        n += 1
+
+
 # error_model "numpy": a division by zero gives inf or NaN, as torch's does, where numba's default
 # would check every division to raise ZeroDivisionError (and so keep the loop from vectorizing).
 def _jit(fn, signature, cache: bool, contract: bool):
@@ -105,6 +145,7 @@ def _compile(cache: bool) -> dict[str, object]:
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
         "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN), cache, True),
         "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32), cache, True),
+        "merged_rows": _jit(_merged_rows, types.int64(_I64_IN, _I64_IN, _F32_IN, f32, _I64, _F32), cache, False),
         "divided_rows": _jit(_divided_rows, types.void(_F32, _I64_IN, _F32_IN, _F32_IN, f32, _I64, _I64_IN),
                              cache, False),
     }

@@ -13,7 +13,7 @@ PSGRAD_FUSED_APPLY=0 turns them all off.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,6 +111,21 @@ class RowKernels:
         self._k["gather"](values.numpy(), slots.numpy(), out.numpy())
         return out
 
+    def merge(self, ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
+              workers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sync round's row gradients, one per row, in one pass (what rows_path.round_mean
+        computes, bit for bit): ids (int64) and grads [n, dim] (float32) hold each worker's rows in
+        turn, worker k's ending at ends[k], each worker's ids increasing; (their ids once, sorted;
+        each one's rows summed in that order, divided by `workers`). None: a worker's ids do not
+        increase, or the arrays are not the kernels'."""
+        g = grads.numpy()
+        if ids.dtype != torch.int64 or g.dtype != np.float32 or not g.flags.c_contiguous or g.shape[0] != ids.numel():
+            return None
+        out_ids, out_grads = torch.empty(ids.numel(), dtype=torch.int64), torch.empty(g.shape)
+        n = self._k["merged_rows"](ids.contiguous().numpy(), np.asarray(ends, dtype=np.int64), g,
+                                   np.float32(1.0 / workers), out_ids.numpy(), out_grads.numpy())
+        return None if n < 0 else (out_ids[:n], out_grads[:n])
+
     def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
               slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor) -> bool:
         """Apply a row rule's fused form (RowOptimizer.fused) to rows at `slots` (unique) of values and
@@ -174,7 +189,26 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
             if not (_same_bits(values, expect_values) and all(_same_bits(state[n_], expect_state[n_]) for n_ in state)
                     and torch.equal(versions[slots], stamp)):
                 return False
-    return True
+    return _merge_agrees_with_torch(k)
+
+
+def _merge_agrees_with_torch(k: RowKernels) -> bool:
+    """Whether the sync round's merge gives round_mean's ids and sums, bit for bit, for 1-5 workers
+    whose rows overlap in part, at row widths that meet every vector loop's tail."""
+    from psgrad.server.rows_path import torch_round_mean
+
+    gen = torch.Generator().manual_seed(1)
+    for workers, dim in ((1, 3), (2, 32), (3, 17), (5, 64)):
+        runs = [torch.randperm(60, generator=gen)[:int(torch.randint(0, 40, (), generator=gen))].sort().values
+                for _ in range(workers)]
+        ids = torch.cat(runs)
+        grads = torch.randn(ids.numel(), dim, generator=gen) * 10 ** float(torch.randint(-4, 3, (), generator=gen))
+        ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
+        got = k.merge(ids, ends, grads, workers)
+        expect = torch_round_mean(ids, grads, workers)
+        if got is None or not (torch.equal(got[0], expect[0]) and _same_bits(got[1], expect[1])):
+            return False
+    return k.merge(torch.tensor([2, 1]), [2], torch.zeros(2, 4), 1) is None  # (a run that does not increase)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
+from psgrad.server import kernels
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
@@ -229,9 +230,11 @@ class Rows:
         tables = [state.sparse(name, -1) for name in names]
         for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
             members = [names[i] for i in places]
-            parts = [(name, rows[name]) for rows in per_rank for name in members if name in rows and rows[name][0].numel()]
+            mine = [[(name, rows[name]) for name in members if name in rows and rows[name][0].numel()] for rows in per_rank]
+            parts = [part for rank in mine for part in rank]
             ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
-            unique, total = _round_mean(ids, torch.cat([p[1] for _, p in parts]), workers)
+            ends = torch.tensor([sum(p[0].numel() for _, p in rank) for rank in mine]).cumsum(0).tolist()
+            unique, total = round_mean(ids, ends, torch.cat([p[1] for _, p in parts]), workers)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
                                                             for i in places])).tolist()
             versions = per_row([_grouped(tables[i]).version + 1 for i in places],  # (each row its table's next)
@@ -249,7 +252,9 @@ class Rows:
             if isinstance(t, GroupedTable):
                 continue
             parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
-            unique, total = _round_mean(torch.cat([p[0] for p in parts_]), torch.cat([p[1] for p in parts_]), workers)
+            ends = torch.tensor([p[0].numel() for p in parts_]).cumsum(0).tolist()
+            unique, total = round_mean(torch.cat([p[0] for p in parts_]).long(), ends, torch.cat([p[1] for p in parts_]),
+                                       workers)
             base = min(p[2] for p in parts_)
             unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
@@ -292,9 +297,19 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
     return found
 
 
-def _round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
+               workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique ids, sorted; their gradients summed in the order given (rank order) and divided by
-    `workers`): a sync round's row gradients, one per row."""
+    `workers`): a sync round's row gradients, one per row. ids and grads hold each worker's rows in
+    turn, worker k's ending at ends[k]: where each worker's ids increase (as workers send them),
+    the row kernels merge them in one pass, else torch sorts them (the same bits either way)."""
+    fused = kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
+    merged = None if fused is None else fused.merge(ids, ends, grads, workers)
+    return merged if merged is not None else torch_round_mean(ids, grads, workers)
+
+
+def torch_round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """round_mean by torch's ops: the ids sorted and made unique, their rows added in order."""
     unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     total = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
     return unique, total.mul_(1.0 / workers)

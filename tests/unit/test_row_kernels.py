@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO
 from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD
-from psgrad.server import kernels
+from psgrad.server import kernels, rows_path
 from psgrad.server.row_index import DenseIndex
 from psgrad.wire.rows import tensor_from_bytes
 
@@ -125,6 +125,34 @@ def test_gather_reads_stored_rows_and_zeros_for_the_others(k: kernels.RowKernels
     values = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     out = k.gather(values, torch.tensor([2, -1, 0, 2]))
     assert torch.equal(out, torch.tensor([[6.0, 7, 8], [0, 0, 0], [0, 1, 2], [6, 7, 8]]))
+
+
+@pytest.mark.parametrize("workers,dim", [(1, 4), (2, 32), (3, 13), (4, 64)])
+def test_a_sync_rounds_merge_is_the_torch_sum_bit_for_bit(k: kernels.RowKernels, workers: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(workers)
+    runs = [torch.randperm(500, generator=gen)[:int(torch.randint(0, 300, (), generator=gen))].sort().values
+            for _ in range(workers)]
+    ids, grads = torch.cat(runs), torch.randn(sum(r.numel() for r in runs), dim, generator=gen) * 1e3
+    ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
+    got, expect = k.merge(ids, ends, grads, workers), rows_path.torch_round_mean(ids, grads, workers)
+    assert got is not None and torch.equal(got[0], expect[0]) and torch.equal(got[0], torch.unique(ids))
+    assert torch.equal(got[1].view(torch.int32), expect[1].view(torch.int32))
+
+
+def test_a_sync_round_whose_ids_do_not_increase_goes_to_torch(k: kernels.RowKernels) -> None:
+    ids, grads = torch.tensor([5, 2, 2, 7]), torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    assert k.merge(ids, [2, 4], grads, 2) is None  # worker 0's ids 5, 2
+    unique, total = rows_path.round_mean(ids, [2, 4], grads, 2)  # (torch's ops: the same rule)
+    assert unique.tolist() == [2, 5, 7] and total.tolist() == [[3.0, 4.0], [0.0, 0.5], [3.0, 3.5]]
+
+
+def test_a_broken_merge_leaves_every_row_kernel_unused(k: kernels.RowKernels) -> None:
+    def scaled_first(ids, ends, grads, scale, out_ids, out_grads):  # type: ignore[no-untyped-def]
+        n = k._k["merged_rows"](ids, ends, grads, scale, out_ids, out_grads)
+        out_grads[:n] *= np.float32(1.0000001)  # (a bit off)
+        return n
+
+    assert not kernels._rows_agree_with_torch(kernels.RowKernels({**k._k, "merged_rows": scaled_first}))
 
 
 def test_a_broken_kernel_is_not_used(k: kernels.RowKernels) -> None:
