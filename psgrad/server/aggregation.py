@@ -56,3 +56,12 @@ class SyncRound:
             total.add_(item.grad)
         total.mul_(1.0 / len(items))
         return total
+
+
+def rows_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sync round's row gradients by torch's ops (rows_path.round_mean, which the row kernels
+    also compute): (the ids once, sorted; each one's rows added in the order given, rank order, as
+    the dense mean adds its workers', and divided by `workers`)."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    total = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    return unique, total.mul_(1.0 / workers)

@@ -113,7 +113,7 @@ class RowKernels:
 
     def merge(self, ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
               workers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A sync round's row gradients, one per row, in one pass (what rows_path.round_mean
+        """A sync round's row gradients, one per row, in one pass (what aggregation.rows_mean
         computes, bit for bit): ids (int64) and grads [n, dim] (float32) hold each worker's rows in
         turn, worker k's ending at ends[k], each worker's ids increasing; (their ids once, sorted;
         each one's rows summed in that order, divided by `workers`). None: a worker's ids do not
@@ -195,7 +195,7 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
 def _merge_agrees_with_torch(k: RowKernels) -> bool:
     """Whether the sync round's merge gives round_mean's ids and sums, bit for bit, for 1-5 workers
     whose rows overlap in part, at row widths that meet every vector loop's tail."""
-    from psgrad.server.rows_path import torch_round_mean
+    from psgrad.server.aggregation import rows_mean
 
     gen = torch.Generator().manual_seed(1)
     for workers, dim in ((1, 3), (2, 32), (3, 17), (5, 64)):
@@ -205,7 +205,7 @@ def _merge_agrees_with_torch(k: RowKernels) -> bool:
         grads = torch.randn(ids.numel(), dim, generator=gen) * 10 ** float(torch.randint(-4, 3, (), generator=gen))
         ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
         got = k.merge(ids, ends, grads, workers)
-        expect = torch_round_mean(ids, grads, workers)
+        expect = rows_mean(ids, grads, workers)
         if got is None or not (torch.equal(got[0], expect[0]) and _same_bits(got[1], expect[1])):
             return False
     return k.merge(torch.tensor([2, 1]), [2], torch.zeros(2, 4), 1) is None  # (a run that does not increase)

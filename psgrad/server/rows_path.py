@@ -12,7 +12,7 @@ import torch
 
 from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
-from psgrad.server import kernels
+from psgrad.server import aggregation, kernels
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
@@ -305,14 +305,7 @@ def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
     the row kernels merge them in one pass, else torch sorts them (the same bits either way)."""
     fused = kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
     merged = None if fused is None else fused.merge(ids, ends, grads, workers)
-    return merged if merged is not None else torch_round_mean(ids, grads, workers)
-
-
-def torch_round_mean(ids: torch.Tensor, grads: torch.Tensor, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """round_mean by torch's ops: the ids sorted and made unique, their rows added in order."""
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    total = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
-    return unique, total.mul_(1.0 / workers)
+    return merged if merged is not None else aggregation.rows_mean(ids, grads, workers)
 
 
 def _grouped(table: SparseTable) -> GroupedTable:

@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO
 from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD
-from psgrad.server import kernels, rows_path
+from psgrad.server import aggregation, kernels, rows_path
 from psgrad.server.row_index import DenseIndex
 from psgrad.wire.rows import tensor_from_bytes
 
@@ -134,7 +134,7 @@ def test_a_sync_rounds_merge_is_the_torch_sum_bit_for_bit(k: kernels.RowKernels,
             for _ in range(workers)]
     ids, grads = torch.cat(runs), torch.randn(sum(r.numel() for r in runs), dim, generator=gen) * 1e3
     ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
-    got, expect = k.merge(ids, ends, grads, workers), rows_path.torch_round_mean(ids, grads, workers)
+    got, expect = k.merge(ids, ends, grads, workers), aggregation.rows_mean(ids, grads, workers)
     assert got is not None and torch.equal(got[0], expect[0]) and torch.equal(got[0], torch.unique(ids))
     assert torch.equal(got[1].view(torch.int32), expect[1].view(torch.int32))
 
