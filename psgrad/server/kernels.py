@@ -121,6 +121,8 @@ class RowKernels:
         g = grads.numpy()
         if ids.dtype != torch.int64 or g.dtype != np.float32 or not g.flags.c_contiguous or g.shape[0] != ids.numel():
             return None
+        if not ends or ends[-1] != ids.numel() or any(b < a for a, b in zip([0, *ends], ends)):
+            return None  # (runs that do not cover the ids, one after another: the loops are not bounds-checked)
         out_ids, out_grads = torch.empty(ids.numel(), dtype=torch.int64), torch.empty(g.shape)
         n = self._k["merged_rows"](ids.contiguous().numpy(), np.asarray(ends, dtype=np.int64), g,
                                    np.float32(1.0 / workers), out_ids.numpy(), out_grads.numpy())

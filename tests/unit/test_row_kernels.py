@@ -142,6 +142,8 @@ def test_a_sync_rounds_merge_is_the_torch_sum_bit_for_bit(k: kernels.RowKernels,
 def test_a_sync_round_whose_ids_do_not_increase_goes_to_torch(k: kernels.RowKernels) -> None:
     ids, grads = torch.tensor([5, 2, 2, 7]), torch.arange(8, dtype=torch.float32).reshape(4, 2)
     assert k.merge(ids, [2, 4], grads, 2) is None  # worker 0's ids 5, 2
+    assert k.merge(ids, [1, 5], grads, 2) is None  # (runs past the ids' end)
+    assert k.merge(torch.tensor([1, 2, 3, 4]), [3, 1, 4], grads, 3) is None  # (runs out of order, each increasing)
     unique, total = rows_path.round_mean(ids, [2, 4], grads, 2)  # (torch's ops: the same rule)
     assert unique.tolist() == [2, 5, 7] and total.tolist() == [[3.0, 4.0], [0.0, 0.5], [3.0, 3.5]]
 
