@@ -5,6 +5,8 @@ refusal); every drop reads as new again, is counted, survives a snapshot, and a 
 its primary's drops and updates holds the same table."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -115,6 +117,22 @@ def test_a_tables_arena_grows_in_its_reserved_storage_without_copying_and_a_dyna
         every = torch.arange(3000)
         assert torch.equal(t.rows(every), initial(list(range(3000))) - LR)
         assert torch.equal(t._ids[:3000], every)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc/self/statm")
+def test_the_reserved_storage_takes_memory_only_for_the_rows_written() -> None:
+    # 2M rows x 64 on this shard: ~1 GB of values and state reserved; 5,000 rows made take ~2.6 MB.
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    t = SparseTable("big", 2_000_000, 64, 0, 1, seed=3, optimizer=RowSGD(LR), std=0.0, budget=MemoryBudget(None))
+    t.apply(torch.arange(10), torch.ones(10, 64))
+    before = resident_mb()
+    for start in range(10, 5010, 1000):  # (growing past the first arena's 1,024 rows, and again)
+        t.apply(torch.arange(start, start + 1000), torch.ones(1000, 64))
+    assert t.touched == 5010 and t._room is not None and t._room["values"].shape[0] == 2_000_000
+    assert resident_mb() - before < 64, resident_mb() - before
 
 
 def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_table_and_a_snapshot_keeps_it() -> None:
