@@ -140,10 +140,13 @@ def test_server_bench_tiny() -> None:
         assert set(by_name) == names | {"raw"}
         for name, row in by_name.items():
             assert row["pushes_per_s"] > 0 and row["gb_per_s"] > 0, name
-            assert row["server_cpu_s_per_gb"] > 0, name
+            # (a process's CPU time in /proc moves in the kernel's 10 ms ticks: a tiny preset's 0.25 s
+            # window of a server on a loaded machine may fall between two, and read 0)
+            assert row["server_cpu_s_per_gb"] >= 0, name
             assert all(r["not_applied"] == 0 for r in row["rounds"]), name
             if name != "raw":
                 assert row["peak_rss_bytes"] >= row["peak_own_bytes"] > 0
+    assert sum(row["server_cpu_s_per_gb"] for by_name in out["by_workers"].values() for row in by_name.values()) > 0
     assert set(out["memory"]) == names
     assert out["memory"]["adam"]["optimizer_state_bytes"] > out["memory"]["momentum"]["optimizer_state_bytes"] > 0
     assert {n: row["shared_memory"] for n, row in out["memory"].items()} == {n: not n.endswith("]") for n in names}
