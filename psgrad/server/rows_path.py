@@ -7,6 +7,7 @@ tells the replica when rows changed."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -233,8 +234,8 @@ class Rows:
             mine = [[(name, rows[name]) for name in members if name in rows and rows[name][0].numel()] for rows in per_rank]
             parts = [part for rank in mine for part in rank]
             ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
-            ends = torch.tensor([sum(p[0].numel() for _, p in rank) for rank in mine]).cumsum(0).tolist()
-            unique, total = round_mean(ids, ends, torch.cat([p[1] for _, p in parts]), workers)
+            rank_ends = list(accumulate(sum(p[0].numel() for _, p in rank) for rank in mine))
+            unique, total = round_mean(ids, rank_ends, torch.cat([p[1] for _, p in parts]), workers)
             ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
                                                             for i in places])).tolist()
             versions = per_row([_grouped(tables[i]).version + 1 for i in places],  # (each row its table's next)
@@ -252,9 +253,9 @@ class Rows:
             if isinstance(t, GroupedTable):
                 continue
             parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
-            ends = torch.tensor([p[0].numel() for p in parts_]).cumsum(0).tolist()
-            unique, total = round_mean(torch.cat([p[0] for p in parts_]).long(), ends, torch.cat([p[1] for p in parts_]),
-                                       workers)
+            rank_ends = list(accumulate(p[0].numel() for p in parts_))
+            unique, total = round_mean(torch.cat([p[0] for p in parts_]).long(), rank_ends,
+                                       torch.cat([p[1] for p in parts_]), workers)
             base = min(p[2] for p in parts_)
             unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
