@@ -131,6 +131,7 @@ class LocalCalls:
         while True:
             try:
                 conn, _ = self._listener.accept()
+                local_socket.widen(conn)
             except OSError:
                 return  # closed
             with self._lock:

@@ -247,6 +247,32 @@ def test_a_message_larger_than_the_sockets_buffer_arrives_whole() -> None:
         assert got["message"] == ((("k", "v"),), 1.0, bytearray(body))
 
 
+def test_both_ends_of_a_connection_buffer_a_recommenders_step_whole(serve) -> None:  # type: ignore[no-untyped-def]
+    """The worker's socket and the server's end of it take SOCKET_BUFFER_BYTES of send and
+    receive buffer, or the most the system allows (Linux reports twice what was set)."""
+    import socket
+
+    def most(name: str) -> int:
+        try:
+            with open(f"/proc/sys/net/core/{name}") as f:
+                return int(f.read())
+        except OSError:
+            return local_socket.SOCKET_BUFFER_BYTES
+    wanted = {socket.SO_SNDBUF: min(local_socket.SOCKET_BUFFER_BYTES, most("wmem_max")),
+              socket.SO_RCVBUF: min(local_socket.SOCKET_BUFFER_BYTES, most("rmem_max"))}
+    calls = serve()
+    channel = connect(calls, 0)
+    try:
+        channel.with_call(request(0), 10.0)
+        ends = [channel._sock, *calls._open]
+        assert len(ends) == 2
+        for end in ends:
+            for option, size in wanted.items():
+                assert end.getsockopt(socket.SOL_SOCKET, option) >= size, (end, option)
+    finally:
+        channel.close()
+
+
 def test_a_send_the_other_end_never_takes_times_out_as_a_receive_does() -> None:
     """A request the server does not read within the call's timeout ends as its deadline (the
     caller's LocalCallError DEADLINE_EXCEEDED), not as a lost connection."""
