@@ -431,10 +431,11 @@ class PSOptimizer(ScheduledOptimizer):
             ConfigError: a module that is not one of this model's psgrad embeddings.
         """
         ids = self._lookup_ids(lookups)
-        self.prefetched.hold(ids, self.client.pull_tables(ids))
+        self.prefetched.hold(ids, self.client.pull_tables(ids, checked=True))
 
     def _lookup_ids(self, lookups: Lookups) -> dict[str, torch.Tensor]:
-        """The unique ids, by table, that forwards of `lookups` read."""
+        """The unique ids, by table, that forwards of `lookups` read (checked against their
+        tables' ranges, as a forward's are)."""
         mine = {id(m) for _, m in self.embeddings}
         ids: dict[str, torch.Tensor] = {}
         single: list[tuple[SparseEmbedding, torch.Tensor]] = []  # modules of a table each: found together
@@ -522,7 +523,7 @@ class PSOptimizer(ScheduledOptimizer):
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             ahead = prefetch if prefetch is not None else self._next_lookups
-            reads = RowReads(self._lookup_ids(ahead)) if ahead else None
+            reads = RowReads(self._lookup_ids(ahead), checked=True) if ahead else None
             try:
                 done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:

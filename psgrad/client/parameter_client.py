@@ -504,11 +504,11 @@ class ParameterClient:
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
             done = self.push(flat_grad, clock, lr, rows), self.pull(flat, clock + 1, published=published)
             if reads is not None:
-                reads.rows = self.pull_tables(reads.ids)
+                reads.rows = self.pull_tables(reads.ids, checked=reads.checked)
             return done
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
         split = self._split_rows(rows)
-        plan = _ReadPlan(self, reads.ids) if reads is not None else None
+        plan = _ReadPlan(self, reads.ids, reads.checked) if reads is not None else None
 
         def one(i: int, s: ShardClient) -> tuple[PushOutcome, int, RowsRead | None]:
             start, end = self.plan.ranges[i]
@@ -556,16 +556,18 @@ class ParameterClient:
         CPU): pull_tables of one table."""
         return self.pull_tables({table: ids}, observe)[table]
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool = False) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool = False,
+                    checked: bool = False) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] (float32, CPU) of every sparse table `lookups` names, for its row
         ids (unique, int64, CPU): one call per shard that holds some of them, whatever the number
         of tables, concurrently. Remembers each shard's table versions (the push of their
-        gradients says what they were pulled at).
+        gradients says what they were pulled at). checked: the caller checked the ids against
+        their tables' ranges (see RowReads).
 
         Raises:
             InvalidRequestError: the job has no such table, or an id is out of range.
         """
-        plan = _ReadPlan(self, lookups)
+        plan = _ReadPlan(self, lookups, checked)
         wanted = [i for i in range(len(self.shards)) if plan.asks(i)]
         got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
         return plan.place(dict(zip(wanted, got)), observe)
@@ -617,7 +619,7 @@ class ParameterClient:
         if rows:
             for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
                                             lambda name: tuple(rows[name][1].shape[1:])):
-                ids = place.by_shard(joined([rows[name][0] for name in names]).to(torch.int64))
+                ids = place.ids_by_shard()
                 values = place.by_shard(joined([rows[name][1] for name in names]).to(torch.float32))
                 for i in range(S):
                     kept = [t for t in range(len(names)) if place.counts[i][t]]
@@ -724,10 +726,13 @@ class ParameterClient:
 @dataclass
 class RowReads:
     """Rows an exchange reads with its pull: row ids (unique, int64, CPU) by table, and once the
-    exchange returned, their rows ([len(ids), dim] float32, CPU) by table."""
+    exchange returned, their rows ([len(ids), dim] float32, CPU) by table. checked: the caller
+    checked the ids against their tables' ranges already (a model's embedding modules do, finding
+    a forward's unique ids), so the read does not check them again."""
 
     ids: Mapping[str, torch.Tensor]
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    checked: bool = False
 
 
 class _ReadPlan:
@@ -737,18 +742,19 @@ class _ReadPlan:
     only make the calls (two threads running torch ops at once contend for its OpenMP threads,
     which cost more than the ops)."""
 
-    def __init__(self, client: ParameterClient, lookups: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, client: ParameterClient, lookups: Mapping[str, torch.Tensor], checked: bool = False) -> None:
         self._client = client
         S = len(client.shards)
-        for table, ids in lookups.items():
-            row_placement.check_ids(ids, client._table(table).num_embeddings, f"table {table!r}")
+        if not checked:
+            for table, ids in lookups.items():
+                row_placement.check_ids(ids, client._table(table).num_embeddings, f"table {table!r}")
         self._groups = client._place(lookups, lambda name: client._table(name).dim)
         # shard -> [(group, table's place in it, table, its count of ids there)], in the order asked
         self._parts: list[list[tuple[int, int, str, int]]] = [[] for _ in range(S)]
         # shard -> its ids of each group (one slice of one gather: the block's buffer as it is)
         asked: list[list[tuple[list[str], list[int], torch.Tensor, None]]] = [[] for _ in range(S)]
         for g, (names, place) in enumerate(self._groups):
-            on_shards = place.by_shard(joined([lookups[name] for name in names]).to(torch.int64))
+            on_shards = place.ids_by_shard()
             for i in range(S):
                 kept = [(t, name) for t, name in enumerate(names) if place.counts[i][t]]
                 self._parts[i] += [(g, t, name, place.counts[i][t]) for t, name in kept]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from psgrad.core import compiled
+from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -52,17 +53,22 @@ class TablesOnShards:
     step reads and pushes rows of every table of its model; their number should not count).
 
     counts[s][t]: how many of table t's ids live on shard s; positions(s): their places in the
-    concatenation (table t's first, then t + 1's), or None where one shard holds every id."""
+    concatenation (table t's first, then t + 1's), or None where one shard holds every id;
+    ids_by_shard(): the ids themselves, by shard (made once: a step's push places the ids its read
+    placed)."""
 
     def __init__(self, ids: Sequence[torch.Tensor], num_shards: int, dynamic: Sequence[bool]) -> None:
         self.sizes = [int(t.numel()) for t in ids]
         self.num_shards = S = num_shards
         T = len(ids)
         self.order: torch.Tensor | None = None
+        self._ids: torch.Tensor | list[torch.Tensor] = list(ids)  # (joined once asked for, where not yet)
+        self._by_shard: list[torch.Tensor] | None = None
         if S == 1:
             self.counts = [list(self.sizes)]
             return
-        flat = (torch.cat(list(ids)) if T > 1 else ids[0]).to(torch.int64).numpy()
+        self._ids = (torch.cat(list(ids)) if T > 1 else ids[0]).to(torch.int64)
+        flat = self._ids.numpy()
         where = _shards_of(flat, S, all(dynamic))
         if any(dynamic) and not all(dynamic):  # (a dynamic table's ids are placed by their hash)
             start = 0
@@ -80,6 +86,13 @@ class TablesOnShards:
             return None
         start = sum(sum(row) for row in self.counts[:shard])
         return self.order[start:start + sum(self.counts[shard])]
+
+    def ids_by_shard(self) -> list[torch.Tensor]:
+        """The tables' ids (int64) as by_shard gives them, made the first time."""
+        if self._by_shard is None:
+            ids = self._ids if isinstance(self._ids, torch.Tensor) else joined(self._ids).to(torch.int64)
+            self._by_shard = self.by_shard(ids)
+        return self._by_shard
 
     def by_shard(self, values: torch.Tensor) -> list[torch.Tensor]:
         """values: the tables' rows (or ids) concatenated in the tables' order, [sum(sizes), ...];

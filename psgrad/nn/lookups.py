@@ -75,13 +75,17 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
 
 
 def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    flat = [i.reshape(-1) for i in ids]
+    flat = [i if i.dim() == 1 else i.reshape(-1) for i in ids]
+    sizes = [int(f.numel()) for f in flat]
     all_ids = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
-    id_start = _starts([int(f.numel()) for f in flat])
     unique, inverse, counts = torch.empty_like(all_ids), torch.empty_like(all_ids), np.empty(len(flat), np.int64)
-    k["unique"](all_ids.numpy(), id_start, unique.numpy(), inverse.numpy(), counts)
-    return [(unique[start:start + count], inverse[start:end].view(i.shape))
-            for i, start, end, count in zip(ids, id_start[:-1].tolist(), id_start[1:].tolist(), counts.tolist())]
+    k["unique"](all_ids.numpy(), _starts(sizes), unique.numpy(), inverse.numpy(), counts)
+    # (each table's unique ids begin its place: one split into them and the rest of each place, one
+    # into the inverses; a few torch calls for all the tables, where slicing costs some per table)
+    kept = counts.tolist()
+    uniques = unique.split_with_sizes([n for c, size in zip(kept, sizes) for n in (c, size - c)])[::2]
+    inverses = inverse.split_with_sizes(sizes)
+    return [(u, inv if i.dim() == 1 else inv.view(i.shape)) for i, u, inv in zip(ids, uniques, inverses)]
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],

@@ -51,7 +51,7 @@ class Prefetched:
         rest: dict[str, torch.Tensor] = {}
         for table, ids in lookups.items():
             held = self._held.pop(table, None)
-            if held is not None and held[0].shape == ids.shape and torch.equal(held[0], ids):
+            if held is not None and (held[0] is ids or held[0].shape == ids.shape and torch.equal(held[0], ids)):
                 out[table] = held[1]
                 self.stats.served += 1
             else:

@@ -55,10 +55,13 @@ def test_tables_placed_together_give_each_shard_each_tables_ids_in_their_order(d
             expect_positions += (mine + starts[t]).tolist()
         assert positions.tolist() == expect_positions
         assert ids_on[i].tolist() == expect_ids  # (its tables' one after another, each in its order)
+        assert place.ids_by_shard()[i].tolist() == expect_ids and place.ids_by_shard()[i].dtype == torch.int64
         assert torch.equal(grads_on[i], torch.cat(expect_grads))
     one = rows.TablesOnShards(tables, 1, dynamic)
     assert one.positions(0) is None and one.counts == [[8, 4, 5]]
     assert [shard.tolist() for shard in one.by_shard(torch.cat(tables))] == [torch.cat(tables).tolist()]
+    assert [shard.tolist() for shard in one.ids_by_shard()] == [torch.cat(tables).tolist()]
+    assert rows.TablesOnShards([t.int() for t in tables], 3, dynamic).ids_by_shard()[0].dtype == torch.int64
     empty = rows.TablesOnShards([torch.tensor([3, 6, 9])], 3, [False])
     assert empty.counts == [[3], [0], [0]]  # (empty shards too)
 
