@@ -19,11 +19,12 @@ _I64 = types.Array(types.int64, 1, "C")
 _I64_IN = types.Array(types.int64, 1, "C", readonly=True)
 
 
-def _locate(ids, counts, sizes, bases, num_shards, index, ascending, slot_of, arena_ids, slots):  # pragma: no cover
+def _locate(ids, counts, sizes, bases, num_shards, index, ascending, find, slot_of, arena_ids, slots):  # pragma: no cover
     # ids: member tables' row ids, concatenated (counts[k] of member k, whose rows are [0, sizes[k])
-    # and start at arena id bases[k]). Fills arena_ids and slots (-1: never stored); returns (the
-    # position of the first id out of range, on another shard, or (ascending) not above the one
-    # before it in arena order; -1: none), and the number of ids never stored.
+    # and start at arena id bases[k]). Fills arena_ids and slots (-1: never stored), where find
+    # (else it only checks, and reads and writes none of the three arrays); returns (the position
+    # of the first id out of range, on another shard, or (ascending) not above the one before it
+    # in arena order; -1: none), and the number of ids never stored.
     at, new, last = 0, 0, np.int64(-1)
     for k in range(counts.shape[0]):
         size, base = sizes[k], bases[k]
@@ -35,12 +36,14 @@ def _locate(ids, counts, sizes, bases, num_shards, index, ascending, slot_of, ar
             if ascending and a <= last:
                 return at, new
             last = a
-            arena_ids[at] = a
+            at += 1
+            if not find:
+                continue
+            arena_ids[at - 1] = a
             s = slot_of[a // num_shards]
-            slots[at] = s
+            slots[at - 1] = s
             if s < 0:
                 new += 1
-            at += 1
     return -1, new
 
 
@@ -139,8 +142,8 @@ def _jit(fn, signature, cache: bool, contract: bool):
 def _compile(cache: bool) -> dict[str, object]:
     f32 = types.float32
     return {
-        "locate": _jit(_locate, types.UniTuple(types.int64, 2)(_I64_IN, _I64_IN, _I64_IN, _I64_IN, types.int64,
-                                                               types.int64, types.boolean, _I64_IN, _I64, _I64),
+        "locate": _jit(_locate, types.UniTuple(types.int64, 2)(_I64_IN, _I64_IN, _I64_IN, _I64_IN, types.int64, types.int64,
+                                                               types.boolean, types.boolean, _I64_IN, _I64, _I64),
                        cache, False),
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
         "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN), cache, True),

@@ -84,6 +84,7 @@ register_axpy_backend("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looke
 #: process whose calls are all smaller (a test's, a toy model's) never loads numba for them; calls
 #: smaller than this use the kernels once they are compiled all the same.
 ROW_KERNEL_MIN = 16384
+_NO_IDS = torch.empty(0, dtype=torch.int64)  # (the arrays a check alone neither reads nor writes)
 
 
 class RowKernels:
@@ -94,14 +95,21 @@ class RowKernels:
         self._k = compiled
 
     def locate(self, ids: torch.Tensor, counts: np.ndarray, sizes: np.ndarray, bases: np.ndarray, num_shards: int,
-               index: int, ascending: bool, slot_of: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+               index: int, ascending: bool, slot_of: torch.Tensor,
+               find: bool = True) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None]:
         """Check row ids of several tables of an arena (concatenated, int64; counts[k] of table k,
         of sizes[k] rows, based at bases[k]) and find their rows: (the position of the first id
         out of its table's range, on another shard, or (ascending) not above the one before it in
         arena order, -1 for none; the count of ids never stored; their arena ids; their slots, -1
-        where never stored). Past a bad id, arena ids and slots are not filled."""
+        where never stored). Past a bad id, arena ids and slots are not filled. find=False: the
+        check alone (one pass over the ids, none of the row index read): (bad, 0, None, None)."""
+        if not find:
+            none = _NO_IDS.numpy()
+            bad, _ = self._k["locate"](ids.numpy(), counts, sizes, bases, num_shards, index, ascending, False,
+                                       none, none, none)
+            return int(bad), 0, None, None
         arena_ids, slots = torch.empty(ids.numel(), dtype=torch.int64), torch.empty(ids.numel(), dtype=torch.int64)
-        bad, new = self._k["locate"](ids.numpy(), counts, sizes, bases, num_shards, index, ascending,
+        bad, new = self._k["locate"](ids.numpy(), counts, sizes, bases, num_shards, index, ascending, True,
                                      slot_of.numpy(), arena_ids.numpy(), slots.numpy())
         return int(bad), int(new), arena_ids, slots
 

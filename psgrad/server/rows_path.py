@@ -111,7 +111,7 @@ class Rows:
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
             _check_reply_size(state, rank, lookups)
-            _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups])
+            _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups], find=False)
 
     def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
@@ -272,12 +272,14 @@ class Rows:
 
 
 def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
-                  grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None) -> dict[RowArena, Located]:
+                  grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None,
+                  find: bool = True) -> dict[RowArena, Located]:
     """Check a call's row ids of `tables` (and, for an update, their gradients; see
     SparseTable.check and check_update): those stored together at once, per arena, the others
     each on its own. flat: all the ids joined in the tables' order, where the call brought them
     so (a RowBlock). Returns what the arenas' checks found of their rows, where the row kernels
-    found it (RowArena.locate: valid under this lock).
+    found it (RowArena.locate: valid under this lock); find=False: nothing (the check alone,
+    which reads none of the row index: a read checked before it is made).
 
     Raises:
         InvalidRequestError: as the table concerned words it.
@@ -286,7 +288,7 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
     for arena, places in in_arena(tables).items():
         whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
         located = arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
-                                      None if grads is None else [grads[i] for i in places], whole)
+                                      None if grads is None else [grads[i] for i in places], whole, find)
         if located is not None:
             found[arena] = located
     for k, t in enumerate(tables):

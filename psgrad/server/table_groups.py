@@ -98,13 +98,14 @@ class RowArena(SparseTable):
         return (joined(list(ids)) if flat is None else flat).long() + per_row([m.base for m in members], ids)
 
     def check_members(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor],
-                      grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None) -> Located | None:
+                      grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None,
+                      find: bool = True) -> Located | None:
         """Check member tables' row ids (and, for an update, their gradients) as each one's check
         (check_update) does, with one pass of the row kernels for all of them (locate), or one set
         of tensor operations, where everything is in order (members in the order of their bases,
         as in_arena gives them); where something is not, the members' own checks run and name it.
         flat: the ids joined, where the caller has them so. Returns what locate found (None: it
-        did not run).
+        did not run, or not find: the check alone, which reads none of the row index).
 
         Raises:
             InvalidRequestError: as SparseTable.check (check_update) words it.
@@ -113,9 +114,9 @@ class RowArena(SparseTable):
         if fine and grads is not None:
             fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim) for i, g in zip(ids, grads))
         if fine and any(i.numel() for i in ids):
-            found = self.locate(members, ids, ascending=grads is not None, flat=flat)
+            found = self.locate(members, ids, ascending=grads is not None, flat=flat, find=find)
             if found is not None:
-                return found
+                return found if find else None
             local = (joined(list(ids)) if flat is None else flat).long()
             wrong = (local < 0) | (local >= per_row([m.num_embeddings for m in members], ids))
             if self.num_shards > 1:
@@ -137,13 +138,15 @@ class RowArena(SparseTable):
                 member.check_update(ids[k], grads[k])
 
     def locate(self, members: Sequence[GroupedTable], ids: Sequence[torch.Tensor], ascending: bool,
-               flat: torch.Tensor | None = None) -> Located | None:
+               flat: torch.Tensor | None = None, find: bool = True) -> Located | None:
         """Member tables' row ids (members in the order of their bases) checked, and found in the
         arena (flat: the ids joined, where the caller has them so), in one pass of the row
         kernels: (their arena ids, concatenated; their slots, -1
         where never stored; how many are never stored), valid under this lock. None: the kernels
         are not compiled here, the ids are not int64, or (ascending: an update's) they are not
         in increasing order, which the members' own checks allow (the torch ops go on).
+        find=False: checked only (a read checked before its call's push: its rows are found
+        when they are read); what it returns then holds the ids joined and no slots (empty).
 
         Raises:
             InvalidRequestError: an id out of range or on another shard, as the member's check
@@ -161,10 +164,13 @@ class RowArena(SparseTable):
         bad, new, arena_ids, slots = fused.locate(
             flat, np.array([i.numel() for i in ids], dtype=np.int64),
             np.array([m.num_embeddings for m in members], dtype=np.int64),
-            np.array([m.base for m in members], dtype=np.int64), self.num_shards, self.index, ascending, index.slots)
+            np.array([m.base for m in members], dtype=np.int64), self.num_shards, self.index, ascending, index.slots,
+            find)
         if bad >= 0:
             self._check_each(members, ids, None)  # (raises where an id is out of range or elsewhere)
             return None
+        if arena_ids is None or slots is None:  # (find=False: checked, nothing found)
+            return flat, torch.empty(0, dtype=torch.int64), 0
         return arena_ids, slots, new
 
     def mine(self, table: GroupedTable) -> torch.Tensor:

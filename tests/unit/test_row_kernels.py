@@ -114,6 +114,16 @@ def test_locate_finds_the_arena_ids_and_the_indexs_slots(k: kernels.RowKernels) 
 ])
 def test_locate_names_the_first_id_the_checks_refuse(k: kernels.RowKernels, ids: list[list[int]], bad: int) -> None:
     assert _locate(k, ids, [10, 20], [0, 10], _index(30, {}))[0] == bad
+    # the check alone (a read's, before its call's push) refuses the same id and finds nothing
+    flat = torch.tensor([i for part in ids for i in part], dtype=torch.int64)
+    assert k.locate(flat, np.array([len(p) for p in ids]), np.array([10, 20]), np.array([0, 10]), 2, 1, True,
+                    _index(30, {}).slots, find=False) == (bad, 0, None, None)
+
+
+def test_a_check_alone_passes_what_locate_passes_and_reads_no_index(k: kernels.RowKernels) -> None:
+    flat = torch.tensor([1, 3, 9, 1, 7], dtype=torch.int64)
+    counts, sizes, bases = np.array([3, 2]), np.array([10, 20]), np.array([0, 10])
+    assert k.locate(flat, counts, sizes, bases, 2, 1, True, torch.empty(0, dtype=torch.int64), find=False) == (-1, 0, None, None)
 
 
 def test_reads_need_not_be_in_order(k: kernels.RowKernels) -> None:
