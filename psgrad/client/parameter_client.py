@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from concurrent import futures
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from psgrad import errors
@@ -783,12 +784,10 @@ class _ReadPlan:
                     continue
                 nbytes = rows * dims[g] * 4
                 at = place.positions(i)
-                # Copied as bytes (a view of the reply need not be aligned for float32), into the
-                # group's rows or into this shard's part of them to be placed.
-                values = out[g] if at is None else torch.empty(rows, dims[g])
-                byte_view(values)[:] = data[offset:offset + nbytes]
-                if at is not None:
-                    out[g].index_copy_(0, at, values)
+                if at is None:  # (one shard holds them all: copied as bytes into the group's rows)
+                    byte_view(out[g])[:] = data[offset:offset + nbytes]
+                else:
+                    out[g].index_copy_(0, at, _float_rows(data[offset:offset + nbytes], rows, dims[g]))
                 offset += nbytes
             if not observe:
                 for (_, _, table, _), version in zip(self._parts[i], versions):
@@ -797,3 +796,13 @@ class _ReadPlan:
                 for name, rows in zip(names, group.split(place.sizes))}
 
 
+def _float_rows(data: memoryview, rows: int, dim: int) -> torch.Tensor:
+    """Rows [rows, dim] (float32) of a reply's bytes: a view where they are writable and aligned
+    for float32 (a rows segment's, copied out of it into a tensor's storage), else a copy (a
+    reply's own bytes are read-only and need not be aligned)."""
+    flat = np.frombuffer(data, dtype=np.uint8)
+    if not data.readonly and flat.ctypes.data % 4 == 0:
+        return torch.from_numpy(flat.view(np.float32)).view(rows, dim)
+    values = torch.empty(rows, dim)
+    byte_view(values)[:] = data
+    return values

@@ -17,7 +17,7 @@ from psgrad.client.transport import (
     RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, step_request,
 )
 from psgrad.config import ClientConfig
-from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
+from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import local_socket, published, shm
@@ -164,7 +164,9 @@ class SharedMemoryTransport:
         if n:
             if segment is None or n > segment.nbytes:
                 raise InvalidRequestError(f"server {address}: sent {n} bytes of rows in a segment this worker did not offer")
-            rows = memoryview(bytes(segment.payload[:n]))
+            copied = torch.empty(n, dtype=torch.uint8)  # (aligned and writable: the rows are placed from it as it is)
+            rows = byte_view(copied)
+            copy_bytes(rows, segment.payload[:n])
             segment.unlink()  # the server has it open
             self.rows_through_segment += 1
             self._rows_misses = 0  # (a restarted server opens the fresh segment made after its miss)
