@@ -47,6 +47,20 @@ def _locate(ids, counts, sizes, bases, num_shards, index, ascending, find, slot_
     return -1, new
 
 
+def _claimed(slots, ids, start, out_slots, fresh):  # pragma: no cover
+    # An update's rows never stored (slot -1), in their order, take the next slots from `start`:
+    # out_slots is slots with theirs filled in, fresh their ids; returns how many.
+    k = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0:
+            fresh[k] = ids[i]
+            s = start + k
+            k += 1
+        out_slots[i] = s
+    return k
+
+
 def _gather(values, slots, out):  # pragma: no cover
     # out[i] = values[slots[i]] for the stored rows; rows never stored (slot -1) are zeros
     n, d = out.shape
@@ -145,6 +159,7 @@ def _compile(cache: bool) -> dict[str, object]:
         "locate": _jit(_locate, types.UniTuple(types.int64, 2)(_I64_IN, _I64_IN, _I64_IN, _I64_IN, types.int64, types.int64,
                                                                types.boolean, types.boolean, _I64_IN, _I64, _I64),
                        cache, False),
+        "claimed": _jit(_claimed, types.int64(_I64_IN, _I64_IN, types.int64, _I64, _I64), cache, False),
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
         "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN), cache, True),
         "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32), cache, True),

@@ -113,6 +113,14 @@ class RowKernels:
                                      slot_of.numpy(), arena_ids.numpy(), slots.numpy())
         return int(bad), int(new), arena_ids, slots
 
+    def claimed(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots with those of the rows never stored (-1) filled in: start, start + 1, ... in
+        their order; the ids of those rows, in that order), in one pass: the slots an update's
+        new rows take when they are made in that order (int64 arrays of one length)."""
+        out, fresh = torch.empty_like(slots), torch.empty_like(ids)
+        n = self._k["claimed"](slots.numpy(), ids.numpy(), start, out.numpy(), fresh.numpy())
+        return out, fresh[:n]
+
     def gather(self, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """values[slots] (rows [n, dim]), zeros where a slot is -1."""
         out = torch.empty(slots.numel(), values.shape[1])

@@ -614,6 +614,14 @@ class SparseTable:
             slots = self._index.lookup(ids)
         if new == 0:
             return slots
+        fused = kernels.rows() if new is not None and self.sightings is None and not self.evict else None
+        if fused is not None and ids.dtype == torch.int64 and slots.dtype == torch.int64 and ids.is_contiguous() \
+                and slots.is_contiguous():
+            # (located, as below: the new rows' slots and ids in one pass, then the rows made)
+            claimed, fresh = fused.claimed(slots, ids, self.touched)
+            if fresh.numel():
+                self._make(fresh)
+            return claimed
         unstored = slots < 0
         if new is None and not bool(unstored.any()):
             return slots

@@ -126,6 +126,16 @@ def test_a_check_alone_passes_what_locate_passes_and_reads_no_index(k: kernels.R
     assert k.locate(flat, counts, sizes, bases, 2, 1, True, torch.empty(0, dtype=torch.int64), find=False) == (-1, 0, None, None)
 
 
+def test_an_updates_new_rows_claim_the_next_slots_in_their_order(k: kernels.RowKernels) -> None:
+    slots = torch.tensor([4, -1, 0, -1, -1, 7])
+    ids = torch.tensor([3, 5, 9, 11, 13, 15])
+    claimed, fresh = k.claimed(slots, ids, 20)
+    assert claimed.tolist() == [4, 20, 0, 21, 22, 7] and fresh.tolist() == [5, 11, 13]
+    assert slots.tolist() == [4, -1, 0, -1, -1, 7]  # (a new tensor: the slots given are left as they were)
+    claimed, fresh = k.claimed(torch.tensor([1, 2]), torch.tensor([8, 9]), 5)
+    assert claimed.tolist() == [1, 2] and fresh.numel() == 0
+
+
 def test_reads_need_not_be_in_order(k: kernels.RowKernels) -> None:
     bad, new, arena_ids, _ = _locate(k, [[9, 1], [3, 1]], [10, 20], [0, 10], _index(30, {}), ascending=False)
     assert bad == -1 and new == 4 and arena_ids == [9, 1, 13, 11]
