@@ -615,9 +615,9 @@ class SparseTable:
         if new == 0:
             return slots
         fused = kernels.rows() if new is not None and self.sightings is None and not self.evict else None
-        if fused is not None and ids.dtype == torch.int64 and slots.dtype == torch.int64 and ids.is_contiguous() \
-                and slots.is_contiguous():
-            # (located, as below: the new rows' slots and ids in one pass, then the rows made)
+        if fused is not None:
+            # (located by the row kernels: the ids increase, so the new rows are made in their order,
+            # at the next slots, and nothing else moves: their slots and ids in one pass, then made)
             claimed, fresh = fused.claimed(slots, ids, self.touched)
             if fresh.numel():
                 self._make(fresh)
@@ -629,14 +629,6 @@ class SparseTable:
         if self.sightings is not None:  # would this update's sighting admit them?
             fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
         if fresh.numel():
-            if new is not None and self.sightings is None and not self.evict:
-                # (located: the ids increase, so the new rows are made in their order, at the next
-                # slots, and nothing else moves: their slots are known without a second lookup)
-                start = self.touched
-                self._make(fresh)
-                slots = slots.clone()
-                slots[unstored] = torch.arange(start, self.touched)
-                return slots
             try:
                 # (ids are unique, a checked update's: sorted, not made unique again, so the rows
                 # are laid out as a standby makes them; only a table that evicts protects the others)
