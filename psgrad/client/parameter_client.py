@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from concurrent import futures
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from psgrad import errors
@@ -20,7 +19,7 @@ from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import ClientConfig, JobSpec
-from psgrad.core.codecs import WireBuffer, byte_view, joined
+from psgrad.core.codecs import WireBuffer, aligned, byte_view, joined
 from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
 from psgrad.core.gradient_codecs import Compressor
@@ -800,9 +799,8 @@ def _float_rows(data: memoryview, rows: int, dim: int) -> torch.Tensor:
     """Rows [rows, dim] (float32) of a reply's bytes: a view where they are writable and aligned
     for float32 (a rows segment's, copied out of it into a tensor's storage), else a copy (a
     reply's own bytes are read-only and need not be aligned)."""
-    flat = np.frombuffer(data, dtype=np.uint8)
-    if not data.readonly and flat.ctypes.data % 4 == 0:
-        return torch.from_numpy(flat.view(np.float32)).view(rows, dim)
+    if not data.readonly and aligned(data):
+        return torch.frombuffer(data, dtype=torch.float32).view(rows, dim)
     values = torch.empty(rows, dim)
     byte_view(values)[:] = data
     return values

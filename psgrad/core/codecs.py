@@ -6,6 +6,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from psgrad.errors import InvalidRequestError
@@ -180,6 +181,12 @@ class WireBuffer:
 # Copies up to this size are a plain memcpy on the calling thread; larger ones a torch copy, which
 # spreads over torch's threads (and would wake them, to spin afterwards, for a small one).
 _SMALL_COPY_BYTES = 4 << 20
+
+
+def aligned(view: memoryview | bytes, size: int = 4) -> bool:
+    """Whether view's bytes start at an address values of `size` bytes (float32, int32) can be
+    read at in place (False for no bytes)."""
+    return bool(len(view)) and np.frombuffer(view, dtype=np.uint8).ctypes.data % size == 0
 
 
 def copy_bytes(dest: memoryview, src: memoryview) -> None:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from psgrad.core.codecs import WireBuffer, byte_view, get_codec
+from psgrad.core.codecs import WireBuffer, aligned, byte_view, get_codec
 from psgrad.core.compression import CHUNK, Compression
 from psgrad.errors import InvalidRequestError
 
@@ -150,7 +150,7 @@ class Codec:
             if not add:
                 dest.zero_()
             k = self._k
-            idx = raw[: 4 * k].view(torch.int32) if _aligned(payload) else raw[: 4 * k].clone().view(torch.int32)
+            idx = raw[: 4 * k].view(torch.int32) if aligned(payload) else raw[: 4 * k].clone().view(torch.int32)
             if int(idx.min()) < 0 or int(idx.max()) >= self.numel:
                 raise InvalidRequestError(
                     f"a {self.compression.label} payload names an index outside [0, {self.numel})")
@@ -179,10 +179,6 @@ class Codec:
                 out.mul_(factor)
         if add:
             dest.add_(target)
-
-
-def _aligned(payload: memoryview) -> bool:
-    return np.frombuffer(payload, dtype=np.uint8).ctypes.data % 4 == 0
 
 
 class RangeCodec:

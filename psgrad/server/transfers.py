@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from psgrad.core.codecs import byte_view, element_size
+from psgrad.core.codecs import aligned, byte_view, element_size
 from psgrad.wire.frames import PayloadWriter, data_frame
 from psgrad.errors import EvictedError
 from psgrad.core.optimizers import UpdateRule
@@ -156,7 +156,7 @@ class PushWriter(PayloadWriter):
         or copy it, with one torch op over the whole gradient each; then finish."""
         if self.revoked:
             raise EvictedError(f"worker rank {self.rank} was evicted while pushing; nothing was applied")
-        if not self._checking or self._offset or len(payload) != 4 * self._numel or not _aligned(payload):
+        if not self._checking or self._offset or len(payload) != 4 * self._numel or not aligned(payload):
             for off in range(0, len(payload), chunk_bytes):
                 self.write(payload[off : off + chunk_bytes])
             self.finish()
@@ -199,7 +199,7 @@ class PushWriter(PayloadWriter):
 
     def _ingest_piece(self, piece: memoryview, start: int) -> int:
         end = start + len(piece) // 4
-        if not _aligned(piece):  # rare (an odd-sized frame prefix): copy, then work from the buffer
+        if not aligned(piece):  # rare (an odd-sized frame prefix): copy, then work from the buffer
             self._dest[4 * start : 4 * end] = piece
             return self._ingest_range(start, end)
         values = torch.frombuffer(piece, dtype=torch.float32)
@@ -300,11 +300,6 @@ def count_nonfinite(values: torch.Tensor) -> int:
     if math.isfinite(total):
         return 0
     return int(values.numel() - int(torch.isfinite(values).sum()))
-
-
-def _aligned(payload: memoryview) -> bool:
-    """Whether float32 values can be read in place from payload (4-byte aligned, not empty)."""
-    return bool(payload) and np.frombuffer(payload, dtype=np.uint8).ctypes.data % 4 == 0
 
 
 class PullStream:
