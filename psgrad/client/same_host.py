@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Protocol
 
 import grpc
@@ -120,9 +120,16 @@ class SharedMemoryTransport:
                 self._local_offer = None
         return self._local
 
-    def _step_call(self, request: bytes, timeout_s: float,
-                   metadata: tuple[tuple[str, str], ...]) -> tuple[pb.StepReply, grpc.Call | local_socket.LocalCall]:
-        """The Step call: over the local socket where there is one, else through gRPC.
+    @property
+    def staged(self) -> bool:
+        """Whether stepping() yields between sending its request and reading the reply: its Step
+        calls go over the server's local socket (one is offered)."""
+        return self._local_offer is not None
+
+    def _step_calling(self, request: bytes, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+                      ) -> Generator[None, None, tuple[pb.StepReply, grpc.Call | local_socket.LocalCall]]:
+        """The Step call: over the local socket where there is one (yielding once the request is
+        sent: see stepping), else through gRPC (no yield).
 
         Raises:
             local_socket.ChannelLost: the socket's connection failed during the call (given up
@@ -133,7 +140,14 @@ class SharedMemoryTransport:
             reply, call = self._client._step.with_call(request, timeout=timeout_s, metadata=metadata)
             return reply, call
         try:
-            done = channel.with_call(request, timeout_s, metadata)
+            channel.start(request, timeout_s, metadata)
+            try:
+                yield
+            except GeneratorExit:  # (abandoned with its reply unread: that reply must not answer the next call)
+                self._local = None
+                channel.close()
+                raise
+            done = channel.finish()
         except local_socket.LocalCallError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._local is channel:
                 self._local = None  # (closed: a late reply must not answer the next call; reconnected then)
@@ -344,7 +358,20 @@ class SharedMemoryTransport:
         in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The
         frames transport's Step call when the segment is busy; None (push and pull separately)
         when the call was refused or is worth a retry, or the local socket it went over broke.
-        Over the server's local socket where the Join answer offered one (_step_call)."""
+        Over the server's local socket where the Join answer offered one (_step_calling)."""
+        stages = self.stepping(head, payload, dest, wire, published, reads)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as done:
+                return done.value
+
+    def stepping(
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: RowBlock | None = None,
+    ) -> Generator[None, None, Stepped | None]:
+        """step() in two parts: it yields once the request went over the local socket, before the
+        reply is read (where the call goes through gRPC or frames, it runs whole, no yield)."""
         self.view = None
         header = head.header
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
@@ -356,10 +383,13 @@ class SharedMemoryTransport:
                 copy_bytes(seg.payload[: len(payload)], payload)
             request = head.step_request(step_request(reads, wire), None)
             try:
-                reply, call = self._step_call(request, t, self._pull_metadata(seg, published) + self._rows_metadata(reads))
-            except local_socket.ChannelLost:  # the server may still write the segments: never again
+                reply, call = yield from self._step_calling(
+                    request, t, self._pull_metadata(seg, published) + self._rows_metadata(reads))
+            except (local_socket.ChannelLost, GeneratorExit) as exc:  # the server may still write the segments: never again
                 self._drop_rows_segment()
                 self._drop_segment(seg)
+                if isinstance(exc, GeneratorExit):
+                    raise  # (the lock is released below)
                 seg.lock.release()
                 return None  # push and pull through gRPC instead (a keyed push is never applied twice)
         except grpc.RpcError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -242,6 +242,19 @@ class ShardClient:
         """
         return self.transport.step(head, payload, dest, wire, published, reads)
 
+    def stepping(
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: RowBlock | None = None,
+    ) -> Generator[None, None, Stepped | None]:
+        """step() in stages (see Transport.stepping): where `staged`, it yields while the server
+        works on the call."""
+        return self.transport.stepping(head, payload, dest, wire, published, reads)
+
+    @property
+    def staged(self) -> bool:
+        """Whether stepping() yields while the server works (see Transport.staged)."""
+        return self.transport.staged
+
     def heard(self, header: pb.PullHeader) -> pb.PullHeader:
         """Keep what a pull's header tells once (a transport calls this for every pull it reads)."""
         if header.evicted or header.HasField("restored_version"):
@@ -341,6 +354,16 @@ class FramesTransport:
 
     def close(self) -> None:
         """Nothing of its own (the client closes the channels)."""
+
+    staged = False  # (a gRPC call blocks its thread until it is answered)
+
+    def stepping(
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: RowBlock | None = None,
+    ) -> Generator[None, None, Stepped | None]:
+        """step(), whole: no stage to yield at."""
+        return self.step(head, payload, dest, wire, published, reads)
+        yield  # (a generator, as Transport.stepping is)  # pragma: no cover
 
     def lend_window(self, window: shm.Window) -> bool:
         window.close()

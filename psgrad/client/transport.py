@@ -12,6 +12,7 @@ holds the frames transport as its fallback for a single transfer (its segment bu
 transfer, or a call refused or worth a retry): an explicit collaborator, not a chain of checks."""
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Protocol
 
 import torch
@@ -56,6 +57,21 @@ class Transport(Protocol):
         rows `reads` names, in one Step call. None when a Step call does not fit (frames: a payload
         over one chunk) or the call should be redone (shared memory refused): then push and pull
         separately."""
+        ...
+
+    def stepping(
+        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
+        reads: RowBlock | None = None,
+    ) -> Generator[None, None, Stepped | None]:
+        """step() in stages: where `staged`, it yields once the request is sent, before its reply
+        is read, so that one thread sends every shard's Step call before it waits for any answer;
+        elsewhere it runs the whole call before it returns (no yield)."""
+        ...
+
+    @property
+    def staged(self) -> bool:
+        """Whether stepping() yields while the server works (a Step call over a same-host server's
+        local socket); False: a caller that wants the shards' calls at once runs them on threads."""
         ...
 
     def lend_window(self, window: shm.Window) -> bool:

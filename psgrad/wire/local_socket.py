@@ -31,13 +31,14 @@ Both ends widen their socket's buffers (widen) so that a message goes in one pie
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import socket
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -229,17 +230,51 @@ class LocalChannel:
             raise ChannelLost(f"local socket {name} refused this worker: {bytes(body).decode(errors='replace')}")
 
     def with_call(self, request: bytes, timeout: float, metadata: Metadata = ()) -> tuple[pb.StepReply, LocalCall]:
-        """The Step call: (its reply, its call) as gRPC's with_call returns them.
+        """The Step call: (its reply, its call) as gRPC's with_call returns them (start, then finish).
 
         Raises:
             LocalCallError: the server answered with an error status, or the deadline passed (the
                 connection is closed then: a late reply must not answer the next call).
             ChannelLost: the connection failed (closed).
         """
-        try:
+        self.start(request, timeout, metadata)
+        return self.finish()
+
+    def start(self, request: bytes, timeout: float, metadata: Metadata = ()) -> None:
+        """Send a Step call's request; its reply is read by finish (a caller may send other
+        servers' calls in between: each server works on its call meanwhile).
+
+        Raises:
+            LocalCallError: the deadline passed before the request was taken (closed).
+            ChannelLost: the connection failed (closed).
+        """
+        with self._failures():
             self._sock.settimeout(timeout)
             send(self._sock, metadata, float(timeout), request)
+
+    def finish(self) -> tuple[pb.StepReply, LocalCall]:
+        """The reply to the request start sent: (the reply, its call).
+
+        Raises:
+            LocalCallError: the server answered with an error status, or the deadline passed (the
+                connection is closed then: a late reply must not answer the next call).
+            ChannelLost: the connection failed (closed).
+        """
+        with self._failures():
             md, status, body = receive(self._sock)
+        if status:
+            code = next((v for k, v in md if k == CODE_KEY), "UNKNOWN")
+            trailing = tuple((k, v) for k, v in md if k != CODE_KEY)
+            raise LocalCallError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN,
+                                 bytes(body).decode(errors="replace"), trailing)
+        return pb.StepReply.FromString(body), LocalCall(md)  # (protobuf parses the bytearray: no copy)
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """A socket's failure as the call's: the deadline passed (LocalCallError), or the connection
+        failed (ChannelLost); the connection is closed either way."""
+        try:
+            yield
         except socket.timeout:
             self.close()
             raise LocalCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
@@ -249,12 +284,6 @@ class LocalChannel:
         except OSError as exc:  # (closed already)
             self.close()
             raise ChannelLost(str(exc)) from None
-        if status:
-            code = next((v for k, v in md if k == CODE_KEY), "UNKNOWN")
-            trailing = tuple((k, v) for k, v in md if k != CODE_KEY)
-            raise LocalCallError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN,
-                                 bytes(body).decode(errors="replace"), trailing)
-        return pb.StepReply.FromString(body), LocalCall(md)  # (protobuf parses the bytearray: no copy)
 
     def close(self) -> None:
         try:

@@ -67,14 +67,15 @@ def batches(seed: int, n: int, size: int = 16) -> list[tuple[dict[str, torch.Ten
 
 
 def count_calls(opt: psgrad.PSOptimizer) -> dict[str, int]:
-    """Counts of the PullRows and Step calls the optimizer's client makes from now on."""
+    """Counts of the PullRows and Step calls the optimizer's client makes from now on (an
+    exchange's Step call, whole or in stages, starts as the shard client's stepping())."""
     counts = {"pull_rows": 0, "step": 0}
     for s in opt.client.shards:
-        for name in counts:
-            def wrapped(*a: Any, _f: Callable[..., Any] = getattr(s, name), _n: str = name, **k: Any) -> Any:
+        for name, method in (("pull_rows", "pull_rows"), ("step", "stepping")):
+            def wrapped(*a: Any, _f: Callable[..., Any] = getattr(s, method), _n: str = name, **k: Any) -> Any:
                 counts[_n] += 1
                 return _f(*a, **k)
-            setattr(s, name, wrapped)
+            setattr(s, method, wrapped)
     return counts
 
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from psgrad.wire import shm
-from psgrad.client.parameter_client import ParameterClient
+from psgrad.wire import local_socket, shm
+from psgrad.client.parameter_client import ParameterClient, _in_stages
 from psgrad.client.shard_client import ShardClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, StalledError
@@ -66,8 +66,9 @@ class Calls:
         self.counts = {"step": 0, "push": 0, "pull": 0}
         for s in c.shards:
             monkeypatch.setattr(s, "_step", self._counted("step", s._step))
-        # (on one host a Step call goes over the server's local socket where it offers one)
-        monkeypatch.setattr(LocalChannel, "with_call", self._counted("step", LocalChannel.with_call))
+        # (on one host a Step call goes over the server's local socket where it offers one: each
+        # call starts there, whole or in stages)
+        monkeypatch.setattr(LocalChannel, "start", self._counted("step", LocalChannel.start))
         for name in ("push", "pull"):
             monkeypatch.setattr(ShardClient, name, self._counted(name, getattr(ShardClient, name)))
 
@@ -253,3 +254,80 @@ def test_step_reply_is_a_valid_step_reply_message(servers: list[RunningServer]) 
         assert (reply.pull.version, reply.pull.numel, reply.pull.dtype) == (1, end - start, "float32")
         got = torch.frombuffer(bytearray(reply.data), dtype=torch.float32)
         torch.testing.assert_close(got, initial()[start:end] - 0.5)
+
+
+@pytest.mark.skipif(not (local_socket.supported() and shm.supported()), reason="needs abstract Unix sockets and /dev/shm")
+def test_same_host_steps_are_all_sent_before_a_reply_is_read_on_one_thread(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one host the exchange sends every shard's Step request over its local socket, then reads
+    the replies, all on the caller's thread (no hand-off to a pool thread): each server works on its
+    call while the next one's request goes out. The weights are those of push then pull."""
+    seen: list[tuple[str, str, int]] = []
+    for name in ("start", "finish"):
+        def traced(self: LocalChannel, *args: Any, _orig: Any = getattr(LocalChannel, name), _name: str = name) -> Any:
+            seen.append((_name, self.name, threading.get_ident()))
+            return _orig(self, *args)
+        monkeypatch.setattr(LocalChannel, name, traced)
+    with client(servers, config(True)) as c:
+        flat = ready(c)
+        assert all(s.staged for s in c.shards)
+        seen.clear()
+        grad = torch.linspace(-1, 1, N)
+        replies, versions = c.exchange(grad, 0, flat)
+        sockets = [s.transport._local.name for s in c.shards]  # type: ignore[attr-defined]
+        me = threading.get_ident()
+        assert seen == [("start", sockets[0], me), ("start", sockets[1], me),
+                        ("finish", sockets[0], me), ("finish", sockets[1], me)]
+        assert [r.applied for r in replies] == [True, True] and versions == [1, 1]
+        torch.testing.assert_close(flat, initial() - 0.5 * grad)
+
+
+@pytest.mark.skipif(not (local_socket.supported() and shm.supported()), reason="needs abstract Unix sockets and /dev/shm")
+def test_a_step_abandoned_after_its_request_went_out_drops_its_connection(servers: list[RunningServer]) -> None:
+    """A Step call in stages closed between its request and its reply (its reply never read) closes
+    the connection, whose late reply must not answer the next call; the next exchange connects
+    afresh, and the push the server did receive is not applied twice."""
+    with client(servers, config(True)) as c:
+        flat = ready(c)
+        start, end = c.plan.ranges[0]
+        grad = torch.ones(N)
+        payload, compress = c._push_payload(0, grad[start:end])
+        stages = c.shards[0].stepping(c._push_header(0, 0, None, compress), payload, flat[start:end], c._pull_wire(0))
+        next(stages)  # the request is out
+        channel = c.shards[0].transport._local  # type: ignore[attr-defined]
+        stages.close()
+        assert channel._sock.fileno() == -1 and c.shards[0].transport._local is None  # type: ignore[attr-defined]
+        assert servers[0].shard.wait_until(lambda st: st.version == 1, 30)  # the server had the push
+        replies, versions = c.exchange(grad, 0, flat)  # clock 0 again: a duplicate on shard 0
+        assert [r.applied for r in replies] == [False, True] and "duplicate" in replies[0].reason
+        assert versions == [1, 1] and c.shards[0].transport.steps_through_socket >= 1  # type: ignore[attr-defined]
+        torch.testing.assert_close(flat, initial() - 0.5)
+
+
+def test_calls_in_stages_all_run_and_the_first_failure_is_raised() -> None:
+    """_in_stages: every call's first stage, then every call's rest; a call that fails (at either
+    stage) does not stop the others, and the first failure in call order is raised."""
+    log: list[str] = []
+
+    def call(k: int, fail_at: int | None) -> Any:
+        log.append(f"send {k}")
+        if fail_at == 0:
+            raise ValueError(f"call {k} failed to send")
+        yield
+        log.append(f"read {k}")
+        if fail_at == 1:
+            raise KeyError(f"call {k} failed to read")
+        return k * 10
+
+    def whole(k: int) -> Any:
+        log.append(f"whole {k}")
+        return k * 10
+        yield  # pragma: no cover
+
+    assert _in_stages([call(0, None), whole(1), call(2, None)]) == [0, 10, 20]
+    assert log == ["send 0", "whole 1", "send 2", "read 0", "read 2"]
+    log.clear()
+    with pytest.raises(KeyError, match="call 1 failed to read"):
+        _in_stages([call(0, None), call(1, 1), call(2, 0), call(3, None)])
+    assert log == ["send 0", "send 1", "send 2", "send 3", "read 0", "read 1", "read 3"]
