@@ -528,7 +528,7 @@ class ParameterClient:
             reply, version, got = done
             return self._heard(i, serde.push_outcome_from_proto(reply), version), version, got
 
-        if len(self.shards) > 1 and self._pushers is None and all(s.staged for s in self.shards):
+        if len(self.shards) > 1 and all(s.staged for s in self.shards):  # (same host: never a duplex push)
             results = _in_stages([one(i, s) for i, s in enumerate(self.shards)])
         else:
             results = self._fan_out(lambda i, s: run_through(one(i, s)))
