@@ -46,6 +46,10 @@ START_FIRST_ROUND_S = 1.0
 START_NOTE_S = 30.0
 # A waiting Join's deadline is its round plus this; the server answers half a second before it.
 JOIN_MARGIN_S = 0.5
+# A same-host shard's weights of fewer bytes are copied into the worker's segment at each pull, not
+# lent from the server's ring: a lease's bookkeeping (the ring's slots and holders, the copy into a
+# slot, the worker's views) costs both ends ~0.1-0.2 ms a pull, a copy of 1 MiB about as much.
+LEND_MIN_BYTES = 1 << 20
 
 
 class ParameterClient:
@@ -346,7 +350,7 @@ class ParameterClient:
             start, end = self.plan.ranges[i]
             wire = self._pull_wire(i, observe)
             version = s.pull(req if i == 0 else follow, flat[start:end], wire,
-                             published and not observe and wire is self._pull_wires[i])
+                             published and not observe and self._lends(i, wire))
             self._heard_pulls(i)
             return version
 
@@ -414,6 +418,13 @@ class ParameterClient:
             news = self._evictions, self._restores
             self._evictions, self._restores = [], []
             return news
+
+    def _lends(self, index: int, wire: WireBuffer) -> bool:
+        """Whether a same-host pull of shard index asks to be lent the version (zero-copy, from the
+        server's ring) rather than have it copied into the segment: not a compressed pull's, and
+        not below LEND_MIN_BYTES, where the lease's bookkeeping on both ends costs more than the
+        copy it saves."""
+        return wire is self._pull_wires[index] and wire.nbytes >= LEND_MIN_BYTES
 
     def _push_payload(self, index: int, grad: torch.Tensor) -> tuple[memoryview, str]:
         """Shard index's range of a gradient as it travels, and its codec ("": the wire dtype's
@@ -516,7 +527,7 @@ class ParameterClient:
             header = self._push_header(i, clock, lr, compress, split[i])
             asks = plan.asks(i) if plan is not None else None
             wire = self._pull_wire(i)
-            lend = published and wire is self._pull_wires[i]  # (a compressed pull is never lent)
+            lend = published and self._lends(i, wire)
             done: Stepped | None
             if self._pushers is not None and not s.same_host:
                 done = self._duplex_step(s, header, payload, req, flat[start:end], wire, asks)

@@ -258,7 +258,7 @@ class FlatModel:
         On CUDA this waits for the copy, so host_flat may be overwritten by the next pull right after.
         Synchronized buffers take the pulled values too.
         """
-        if not self.staged and (views or self._lent):
+        if not self.staged and (any(v is not None for _, v in views) or self._lent):  # (else they view host_flat)
             self._point_params(views)
         if self.buffers is not None:
             self.buffers.install(self._read(self.numel, self.total, views))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import run_in_threads
+from psgrad.client import parameter_client
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.core.sharding import ParamSpec, plan_shards
@@ -22,6 +23,13 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not shm.supported(), reason="no /dev/shm on this host"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _lend_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests' models are small: lend their versions all the same (by default a shard's
+    weights below LEND_MIN_BYTES are copied into the segment, not lent)."""
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
 N = 2113
@@ -47,6 +55,30 @@ def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     running = start_server(ServerConfig(port=0, threads=8, **getattr(request, "param", {})))
     yield running
     running.stop(0)
+
+
+def test_a_shards_weights_below_the_lending_size_are_copied_not_lent(server: RunningServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's weights of fewer than LEND_MIN_BYTES come into the worker's segment, copied, even
+    where a lent version is asked for (a lease costs more than copying them): no slot is leased,
+    and the weights are the same; from that size on they are lent. Pulls and Step calls alike."""
+    with make_client(server) as c:
+        c.join(initial_weights=initial)
+        flat = torch.full((N,), -7.0)
+        monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 4 * N + 1)
+        assert c.pull(flat, 0, published=True) == [0] and c.views() == [None]
+        assert torch.equal(flat, initial())
+        c.exchange(torch.ones(N), 0, flat, published=True)
+        assert c.views() == [None]
+        torch.testing.assert_close(flat, initial() - 0.5)
+        before = server.servicer.publisher
+        assert before is None or before.leases == 0  # (no ring is made until a version is lent)
+        monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 4 * N)
+        c.exchange(torch.ones(N), 1, flat, published=True)
+        (view,) = c.views()
+        publisher = server.servicer.publisher
+        assert view is not None and publisher is not None and publisher.held() == {0: 2} and publisher.leases == 1
+        torch.testing.assert_close(view, initial() - 1.0)
 
 
 def test_a_pull_lends_the_version_read_only_and_zero_copy(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -457,9 +489,11 @@ def test_an_async_push_from_the_segment_is_applied_in_place_like_frames(on: bool
 
 _HOLDER = """
 import sys, torch
+from psgrad.client import parameter_client
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.sharding import ParamSpec, plan_shards
+parameter_client.LEND_MIN_BYTES = 0  # (a small model's version, lent all the same)
 params = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]
 c = ParameterClient([sys.argv[1]], JobSpec(num_shards=1, num_workers=2, lr=0.5), params, plan_shards(params, 1), 1,
                     ClientConfig(connect_timeout_s=5, rpc_timeout_s=10, init_timeout_s=10, reconnect_timeout_s=0))

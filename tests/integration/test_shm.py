@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from psgrad.client import parameter_client
 from psgrad.wire import shm
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -23,6 +24,13 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not shm.supported(), reason="no /dev/shm on this host"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _lend_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests' models are small: lend their versions all the same (by default a shard's
+    weights below LEND_MIN_BYTES are copied into the segment, not lent)."""
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
 N = 2113

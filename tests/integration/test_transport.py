@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from psgrad.client import parameter_client
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.shard_client import FramesTransport
@@ -21,6 +22,13 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not shm.supported(), reason="no /dev/shm on this host"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _lend_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests' models are small: lend their versions all the same (by default a shard's
+    weights below LEND_MIN_BYTES are copied into the segment, not lent)."""
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)
 
 PARAMS = [ParamSpec("w", (300, 7), "float32"), ParamSpec("b", (13,), "float32")]  # 2113 elements
 N = 2113
@@ -104,12 +112,12 @@ def test_a_join_that_answers_otherwise_picks_again(servers: list[RunningServer],
     with client(servers) as c:
         c.join(initial_weights=initial)
         shared = [s.transport for s in c.shards]
-        monkeypatch.setattr(shm, "same_host_server", lambda metadata: False)
-        c.join(initial_weights=None)
-        assert c.transports() == ["grpc", "grpc"]
-        flat = torch.empty(N)
-        c.exchange(torch.ones(N), 0, flat)
-        monkeypatch.undo()
+        with monkeypatch.context() as m:
+            m.setattr(shm, "same_host_server", lambda metadata: False)
+            c.join(initial_weights=None)
+            assert c.transports() == ["grpc", "grpc"]
+            flat = torch.empty(N)
+            c.exchange(torch.ones(N), 0, flat)
         c.join(initial_weights=None)
         assert [s.transport for s in c.shards] == shared
         c.exchange(torch.ones(N), 1, flat, published=True)
