@@ -350,33 +350,22 @@ class SharedMemoryTransport:
         seg.lock.release()
         return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self._client.config.reconnect_timeout_s > 0)
 
-    def step(
-        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: RowBlock | None = None,
-    ) -> Stepped | None:
-        """The Step call through the segment: the gradient goes in, the weights come back in it (or
-        in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The
-        frames transport's Step call when the segment is busy; None (push and pull separately)
-        when the call was refused or is worth a retry, or the local socket it went over broke.
-        Over the server's local socket where the Join answer offered one (_step_calling)."""
-        stages = self.stepping(head, payload, dest, wire, published, reads)
-        while True:
-            try:
-                next(stages)
-            except StopIteration as done:
-                return done.value
-
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: RowBlock | None = None,
     ) -> Generator[None, None, Stepped | None]:
-        """step() in two parts: it yields once the request went over the local socket, before the
-        reply is read (where the call goes through gRPC or frames, it runs whole, no yield)."""
+        """The Step call through the segment: the gradient goes in, the weights come back in it (or
+        in a lent slot: published, see _adopt); the rows `reads` names come back in the reply. The
+        frames transport's Step call when the segment is busy; None (push and pull separately)
+        when the call was refused or is worth a retry, or the local socket it went over broke.
+        Over the server's local socket where the Join answer offered one (_step_calling): it then
+        yields once the request went out, before the reply is read (through gRPC or frames it runs
+        whole, no yield)."""
         self.view = None
         header = head.header
         seg = self.take_segment(segment_bytes(header.numel, header.dtype, len(payload)))
         if seg is None:
-            return self.frames.step(head, payload, dest, wire, published, reads)
+            return (yield from self.frames.stepping(head, payload, dest, wire, published, reads))
         t = self._client.config.rpc_timeout_s
         try:
             if _address(payload) != _address(seg.payload):

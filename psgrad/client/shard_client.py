@@ -228,26 +228,18 @@ class ShardClient:
         Retries are safe: pushes are keyed."""
         return self.transport.push(head, payload)
 
-    def step(
-        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: RowBlock | None = None,
-    ) -> Stepped | None:
-        """Push one gradient slice as head.header.clock (with the row gradients head carries),
-        then pull the weights for the next clock into dest and the rows `reads` names (ids by
-        table), in one unary Step call: through this shard's segment (same host), else with both
-        payloads in the messages when they fit one chunk. Returns the push reply, the pulled
-        version and the rows read (None: none asked for); None when a Step call does not fit (a
-        large payload to another host) or was refused: then push and pull separately. Retries are
-        safe (pushes are keyed).
-        """
-        return self.transport.step(head, payload, dest, wire, published, reads)
-
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: RowBlock | None = None,
     ) -> Generator[None, None, Stepped | None]:
-        """step() in stages (see Transport.stepping): where `staged`, it yields while the server
-        works on the call."""
+        """Push one gradient slice as head.header.clock (with the row gradients head carries),
+        then pull the weights for the next clock into dest and the rows `reads` names (ids by
+        table), in one unary Step call: through this shard's segment (same host), else with both
+        payloads in the messages when they fit one chunk. A generator (see Transport.stepping:
+        where `staged`, it yields while the server works on the call) that returns the push
+        reply, the pulled version and the rows read (None: none asked for); None when a Step call
+        does not fit (a large payload to another host) or was refused: then push and pull
+        separately. Retries are safe (pushes are keyed)."""
         return self.transport.stepping(head, payload, dest, wire, published, reads)
 
     @property

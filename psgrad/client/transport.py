@@ -49,23 +49,17 @@ class Transport(Protocol):
         """Push one gradient slice (already in the wire dtype) and the row gradients head carries."""
         ...
 
-    def step(
-        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: RowBlock | None = None,
-    ) -> Stepped | None:
-        """Push as head.header.clock, then pull its clock + 1 into dest (or `view`, see pull) and the
-        rows `reads` names, in one Step call. None when a Step call does not fit (frames: a payload
-        over one chunk) or the call should be redone (shared memory refused): then push and pull
-        separately."""
-        ...
-
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: RowBlock | None = None,
     ) -> Generator[None, None, Stepped | None]:
-        """step() in stages: where `staged`, it yields once the request is sent, before its reply
-        is read, so that one thread sends every shard's Step call before it waits for any answer;
-        elsewhere it runs the whole call before it returns (no yield)."""
+        """Push as head.header.clock, then pull its clock + 1 into dest (or `view`, see pull) and the
+        rows `reads` names, in one Step call, as a generator that returns (the push's reply, the
+        version pulled, the rows read); None when a Step call does not fit (frames: a payload over
+        one chunk) or the call should be redone (shared memory refused): then push and pull
+        separately. Where `staged`, it yields once the request is sent, before its reply is read,
+        so that one thread sends every shard's Step call before it waits for any answer; elsewhere
+        it runs the whole call before it returns (no yield)."""
         ...
 
     @property
