@@ -426,12 +426,19 @@ class Embedding(SparseEmbedding):
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: int | None = None,
-                        std: float = 1.0, seed: int = 0, **options: Any) -> Embedding:
-        """torch.nn.Embedding.from_pretrained: a table of embeddings' shape whose rows start from
-        `embeddings` — the job's initial rows when the chief's model binds it (ps.optimizer), or
-        the rows an unbound module serves. freeze (torch's default, True): its rows take no
-        gradient, so the servers' table never moves."""
-        module = cls(*_shape(embeddings), padding_idx=padding_idx, std=std, seed=seed, **options)
+                        max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False, *, std: float = 1.0, seed: int = 0, **options: Any) -> Embedding:
+        """torch.nn.Embedding.from_pretrained, with torch's arguments in torch's order (psgrad's
+        own, std, seed and the row lifetime's, by name): a table of embeddings' shape whose rows
+        start from `embeddings` — the job's initial rows when the chief's model binds it
+        (ps.optimizer), or the rows an unbound module serves. freeze (torch's default, True): its
+        rows take no gradient, so the servers' table never moves.
+
+        Raises:
+            ConfigError: embeddings that are not a 2-D tensor, or an option the constructor refuses.
+        """
+        module = cls(*_shape(embeddings), padding_idx=padding_idx, std=std, seed=seed, max_norm=max_norm,
+                     norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, **options)
         module._pretrained(embeddings, freeze)
         return module
 
@@ -471,10 +478,23 @@ class EmbeddingBag(SparseEmbedding):
         self.padding_idx = self._padding_index(padding_idx)
 
     @classmethod
-    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, mode: str = "mean", std: float = 1.0,
-                        seed: int = 0, **options: Any) -> EmbeddingBag:
-        """torch.nn.EmbeddingBag.from_pretrained (see Embedding.from_pretrained)."""
-        module = cls(*_shape(embeddings), mode=mode, std=std, seed=seed, **options)
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                        sparse: bool = False, include_last_offset: bool = False, padding_idx: int | None = None, *,
+                        std: float = 1.0, seed: int = 0, **options: Any) -> EmbeddingBag:
+        """torch.nn.EmbeddingBag.from_pretrained, with torch's arguments in torch's order (see
+        Embedding.from_pretrained): the third is max_norm, not mode.
+
+        Raises:
+            ConfigError: embeddings that are not a 2-D tensor, a mode given in max_norm's place, or
+                an option the constructor refuses.
+        """
+        if isinstance(max_norm, str):
+            raise ConfigError(f"EmbeddingBag.from_pretrained takes torch's arguments in torch's order: the third is "
+                              f"max_norm, not mode: pass mode={max_norm!r} by name")
+        module = cls(*_shape(embeddings), mode=mode, std=std, seed=seed, max_norm=max_norm, norm_type=norm_type,
+                     scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, include_last_offset=include_last_offset,
+                     padding_idx=padding_idx, **options)
         module._pretrained(embeddings, freeze)
         return module
 

@@ -153,6 +153,31 @@ def test_options_torch_has_and_psgrad_cannot_honour_are_refused_naming_the_alter
     assert "sparse=True" in repr(psgrad.Embedding(ROWS, DIM, sparse=True))
 
 
+
+def test_from_pretrained_takes_torch_arguments_in_torch_order() -> None:
+    """psgrad's from_pretrained takes torch's positional arguments where torch has them (EmbeddingBag's
+    third is max_norm, not mode), psgrad's own (std, seed) by name; a mode in max_norm's place is
+    refused naming the fix."""
+    vectors = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+    bag_args = (True, None, 2.0, False, "sum", False, False, 2)  # freeze .. padding_idx, as torch orders them
+    mine, theirs = psgrad.EmbeddingBag.from_pretrained(vectors, *bag_args), nn.EmbeddingBag.from_pretrained(vectors, *bag_args)
+    assert (mine.mode, mine.padding_idx) == ("sum", 2) and (IDS_2D == 2).any()
+    torch.testing.assert_close(mine(IDS_2D), theirs(IDS_2D), rtol=0, atol=0)
+    table_args = (True, 1, None, 2.0, True, True)  # freeze, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+    one = psgrad.Embedding.from_pretrained(vectors, *table_args)
+    assert (one.padding_idx, one.scale_grad_by_freq, one.sparse) == (1, True, True)
+    # (the padding id's output is zeros, as a fresh torch table's: torch's from_pretrained keeps the
+    # padding row it is given, so the two agree where that row is zeros; docs/guide/embeddings.md)
+    zeroed = vectors.clone()
+    zeroed[1] = 0.0
+    torch.testing.assert_close(one(IDS_2D), nn.Embedding.from_pretrained(zeroed, *table_args)(IDS_2D), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="the third is max_norm, not mode: pass mode='sum' by name"):
+        psgrad.EmbeddingBag.from_pretrained(vectors, True, "sum")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"max_norm=1\.0 is not supported"):
+        psgrad.Embedding.from_pretrained(vectors, True, None, 1.0)
+    named = psgrad.EmbeddingBag.from_pretrained(vectors, mode="max", std=0.5, seed=3)
+    assert (named.mode, named.std, named.seed) == ("max", 0.5, 3)
+
 class Model(nn.Module):
     """A bag table, a plain table and a linear head."""
 
