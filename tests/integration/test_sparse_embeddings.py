@@ -208,6 +208,16 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
         with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
             ps.optimizer(Ctr(), overlap=True)
 
+    class Factors(nn.Module):  # a plain matrix factorization: tables alone, no dense parameter
+        def __init__(self) -> None:
+            super().__init__()
+            self.users, self.items = psgrad.Embedding(100, 4), psgrad.Embedding(100, 4)
+
+    with pytest.raises(ConfigError, match=r"only trainable weights are psgrad embedding tables \(users, items\).*"
+                                          r"self\.bias = nn\.Parameter\(torch\.zeros\(1\)\)"):
+        with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+            ps.optimizer(Factors())
+
 
 @pytest.mark.timeout(60)
 def test_a_table_over_the_servers_memory_budget_is_refused_by_name(make_servers) -> None:  # type: ignore[no-untyped-def]
