@@ -290,7 +290,7 @@ class PSOptimizer(ScheduledOptimizer):
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not mode_of(spec).synchronous and session.rank != 0)
         self.params = dense_specs
         self.params += buffer_specs(model) if self.flat.buffers is not None else []
-        self.plan = plan_shards(self.params, spec.num_shards)
+        self.plan = plan_shards(self.params, spec.num_shards, tables=bool(tables))
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables, frozen=frozen_specs)
         self._frozen_flat = torch.empty(sum(s.numel for s in frozen_specs))

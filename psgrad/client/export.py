@@ -127,7 +127,7 @@ def fetch_model(
                     f"export (it reads {', '.join(READABLE_TABLES)} tables): upgrade psgrad on this machine"
                 )
     params = list(first.params)
-    plan = plan_shards(params, len(addresses))
+    plan = plan_shards(params, len(addresses), tables=bool(first.table_specs))
     backups = any("|" in a for a in addresses)  # a PRIMARY|BACKUP shard: the pull fails over to the one serving
     config = ClientConfig(connect_timeout_s=timeout_s, rpc_timeout_s=timeout_s,
                           reconnect_timeout_s=timeout_s if backups else 0, shared_memory=False, **credentials(client))

@@ -180,21 +180,25 @@ class ShardPlan:
         return out
 
 
-def plan_shards(params: Sequence[ParamSpec], num_shards: int) -> ShardPlan:
+def plan_shards(params: Sequence[ParamSpec], num_shards: int, tables: bool = False) -> ShardPlan:
     """Split the flat space into num_shards contiguous ranges whose sizes differ by at most one.
 
     A tensor larger than one shard's share is split across servers; the plan depends only on
-    the parameter sizes and num_shards, so every worker computes the same one.
+    the parameter sizes and num_shards, so every worker computes the same one. tables: the job
+    has sparse tables, whose rows every shard holds a part of, so a shard may hold no dense
+    element (a recommender whose dense part is a bias, on more servers than it has elements);
+    without tables such a server would hold nothing.
 
     Raises:
-        ConfigError: num_shards < 1, or fewer elements than shards (a shard would be empty).
+        ConfigError: num_shards < 1, no element, or (without tables) fewer elements than shards.
     """
     if num_shards < 1:
         raise ConfigError(f"num_shards must be >= 1, got {num_shards}")
     total = sum(p.numel for p in params)
-    if total < num_shards:
+    if total == 0 or (total < num_shards and not tables):
         raise ConfigError(
-            f"the model has {total} trainable elements, fewer than {num_shards} shards; use fewer servers"
+            f"the model has {total} trainable elements, fewer than {num_shards} shards: a server would hold nothing; "
+            "use fewer servers"
         )
     bounds = [(i * total) // num_shards for i in range(num_shards + 1)]
     return ShardPlan(total, tuple(zip(bounds[:-1], bounds[1:])))

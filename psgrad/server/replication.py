@@ -187,6 +187,8 @@ class Replication:
     def payload_buffer(self, numel: int) -> tuple[torch.Tensor, bool]:
         """Where to copy a gradient for the backup: the same-host segment when it is free (the
         record then needs no second copy), else a new tensor. Returns (tensor, in the segment)."""
+        if not numel:  # (a shard without dense elements: nothing to copy, no segment to claim)
+            return torch.empty(0), False
         with self._cond:
             seg = None if self._segment_claimed else self._segment_of(4 * numel, 0)
             if seg is not None:

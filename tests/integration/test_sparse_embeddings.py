@@ -160,6 +160,76 @@ def test_rows_outlive_the_job_in_checkpoints(make_servers, tmp_path) -> None:  #
     assert state.tensors["state.sum"].abs().sum() > 0  # Adagrad's row state came back too
 
 
+class BiasedFactors(nn.Module):
+    """A matrix factorization whose dense part is one global bias: on more servers than that, some
+    shards hold no dense element, only their part of the tables' rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users, self.items = psgrad.Embedding(200, 4), psgrad.EmbeddingBag(300, 4, mode="sum")
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.users(users) * self.items(items)).sum(-1) + self.bias
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "same-host"])
+def test_shards_without_dense_elements_hold_rows_as_any_other(make_servers, tmp_path,  # type: ignore[no-untyped-def]
+                                                              shared_memory: bool) -> None:
+    """A bias-only dense part on 3 servers (two shards hold no dense element) trains bit for bit as
+    on one server, its state_dict loads strictly into the model, status reports every shard, and a
+    shard without dense elements keeps a hot standby and restarts from its checkpoint with its rows."""
+    gen = torch.Generator().manual_seed(9)
+    users, items, y = torch.randint(0, 200, (32,), generator=gen), torch.randint(0, 300, (32, 2), generator=gen), \
+        torch.randn(32, generator=gen)
+    client = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0,
+                          shared_memory=shared_memory)
+    got = []
+    for n in (1, 3):
+        running = make_servers(1, checkpoint_dir=str(tmp_path), checkpoint_every_versions=1) + make_servers(n - 1)
+        standby = make_servers(1, replica_of=running[0].address) if n == 3 else []
+        model = BiasedFactors()
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=client) as ps:
+            opt = ps.optimizer(model)
+            losses = []
+            for _ in range(4):
+                opt.zero_grad()
+                loss = ((model(users, items) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            state = psgrad.fetch_state_dict([s.address for s in running], client=client)
+        BiasedFactors().load_state_dict(state)  # (strict)
+        got.append((losses, state))
+        if n == 3:
+            layouts = [s.shard.core.state.layout for s in running]
+            assert [layout.end - layout.start for layout in layouts] == [0, 0, 1]
+            text = format_status([dict(s.shard.status().to_dict(), address=s.address) for s in running])
+            assert "users" in text and "items" in text
+            held = running[0].shard.core.state.tables["users"].snapshot().tensors
+            assert held["ids"].numel() > 0  # (the shard without dense elements holds rows)
+            mirrored = standby[0].shard.core.state.tables["users"].snapshot().tensors  # (its hot standby: the same)
+            assert mirrored.keys() == held.keys() and all(torch.equal(mirrored[k], held[k]) for k in held)
+            deadline = time.monotonic() + 30  # (the checkpoint thread writes it)
+            while 4 not in checkpoint.versions(tmp_path):
+                assert time.monotonic() < deadline, "no checkpoint of version 4"
+                time.sleep(0.02)
+            running[0].stop(0)
+            again = make_servers(1, checkpoint_dir=str(tmp_path))
+            back = again[0].shard.core.state.tables["users"].snapshot().tensors
+            assert again[0].shard.version == 4 and back.keys() == held.keys()
+            assert all(torch.equal(back[k], held[k]) for k in held)
+        else:
+            running[0].stop(0)
+            for f in tmp_path.iterdir():  # (the 3-server job checkpoints into the same directory)
+                f.unlink()
+    (losses_1, state_1), (losses_3, state_3) = got
+    assert losses_1 == losses_3 and losses_3[-1] < losses_3[0]
+    assert state_1.keys() == state_3.keys()
+    assert all(torch.equal(state_1[k], state_3[k]) for k in state_1)
+
 @pytest.mark.timeout(60)
 def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> None:  # type: ignore[no-untyped-def]
     running = make_servers(2)
