@@ -255,12 +255,6 @@ class PSOptimizer(ScheduledOptimizer):
         check_row_cache(spec, row_cache)
         # Sparse tables: the model's psgrad embeddings, named by their place in it.
         self.embeddings = sparse_modules(model)
-        if self.embeddings and not any(p.requires_grad for p in model.parameters()):
-            names = ", ".join(name for name, _ in self.embeddings[:4]) + (", ..." if len(self.embeddings) > 4 else "")
-            raise ConfigError(f"the model's only trainable weights are psgrad embedding tables ({names}): psgrad needs "
-                              "at least one trainable nn.Parameter beside them, whose weights the servers keep with "
-                              "the tables' rows (a matrix factorization, for one: add a global bias, "
-                              "self.bias = nn.Parameter(torch.zeros(1)), and add it to the score)")
         if self.embeddings and overlap:
             raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
@@ -285,7 +279,7 @@ class PSOptimizer(ScheduledOptimizer):
         self.session = session
         self.model = model
         self.overlap = overlap
-        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers)
+        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, tables=bool(self.embeddings))
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not mode_of(spec).synchronous and session.rank != 0)
         self.params = dense_specs

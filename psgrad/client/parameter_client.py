@@ -683,6 +683,8 @@ class ParameterClient:
         are sent frames from it), or None: no shard on this host, or not a float32 wire. Valid
         while the client is open; write it only between pushes (a push returns once read)."""
         compressed_here = self.spec.compress != "none" and self.config.compress_same_host
+        if not self.plan.total:  # (a model of tables alone: no dense gradient to lend)
+            return None
         if (self.spec.wire_dtype == "float32" and not compressed_here and self._gradient is None
                 and any(s.same_host for s in self.shards)):
             try:

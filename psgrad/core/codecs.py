@@ -174,7 +174,7 @@ class WireBuffer:
         """Wire bytes received whole (in a message or a segment) into dest (float32)."""
         if self.codec.exact:
             copy_bytes(byte_view(dest), src)
-        else:
+        elif len(src):  # (torch.frombuffer refuses an empty buffer: a shard without dense elements)
             dest.copy_(torch.frombuffer(src, dtype=self.dtype))
 
 

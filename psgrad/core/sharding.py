@@ -195,7 +195,7 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int, tables: bool = Fal
     if num_shards < 1:
         raise ConfigError(f"num_shards must be >= 1, got {num_shards}")
     total = sum(p.numel for p in params)
-    if total == 0 or (total < num_shards and not tables):
+    if total < num_shards and not tables:
         raise ConfigError(
             f"the model has {total} trainable elements, fewer than {num_shards} shards: a server would hold nothing; "
             "use fewer servers"

@@ -288,8 +288,10 @@ class Replication:
 
         def send(record: Record, epoch: int) -> None:
             seg = None
+            nbytes = 0
             if record.sharable:
                 nbytes = record.stream.nbytes if record.stream is not None else 4 * record.tensor.numel()  # type: ignore[union-attr]
+            if nbytes:  # (a shard without dense elements: its records carry rows alone, in frames)
                 with self._cond:
                     if self._generation != generation:  # a new backup has segments of its own
                         return

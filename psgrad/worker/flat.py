@@ -73,17 +73,20 @@ class FlatModel:
         numel: trainable elements; total: the flat space's (numel plus the buffers').
         d2h_s, h2d_s: the time the last gather_grads / weights_pulled spent copying.
     Frozen parameters (requires_grad=False) are not in the flat space: the servers keep them in a
-    table of their own (see PSOptimizer), or each worker does (frozen="local").
+    table of their own (see PSOptimizer), or each worker does (frozen="local"). tables: the model
+    has psgrad embedding tables, which may be its only trainable weights (a matrix factorization):
+    its flat space is then empty (float32, on the CPU), where a model without either is refused.
     """
 
     def __init__(
         self, model: nn.Module, device: torch.device | None = None, staging: bool = False, sync_buffers: bool = False,
+        tables: bool = False,
     ) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
+        if not self.params and not tables:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
-        devices = {p.device for p in self.params}
+        devices = {p.device for p in self.params} or {torch.device("cpu")}  # (tables alone: an empty flat space)
         if len(devices) != 1:
             raise ConfigError(
                 f"the model's parameters are spread over {sorted(map(str, devices))}; psgrad needs them on one device"
@@ -95,7 +98,7 @@ class FlatModel:
         for p in self.params:
             if not p.is_floating_point():
                 raise ConfigError(f"parameters must be floating point, got {p.dtype}")
-        self.dtypes = list(dict.fromkeys(p.dtype for p in self.params))
+        self.dtypes = list(dict.fromkeys(p.dtype for p in self.params)) or [torch.float32]
         self.numel = sum(p.numel() for p in self.params)
         self.buffers = ModelBuffers(model, self.device) if sync_buffers else None
         if self.buffers is not None and self.buffers.numel == 0:

@@ -42,7 +42,7 @@ class ScheduledOptimizer(torch.optim.Optimizer):
     clock: int
 
     def __init__(self, params: Sequence[torch.Tensor], lr: float, follows_job_lr: bool) -> None:
-        super().__init__(params, {"lr": lr})
+        super().__init__([{"params": list(params)}], {"lr": lr})  # (one group, even of no parameters: a model of tables alone)
         self._follows_job_lr = follows_job_lr
         self._job_lr: float | None = None  # the job's lr as the servers last answered (followers)
         self._warned_lr = False

@@ -160,26 +160,30 @@ def test_rows_outlive_the_job_in_checkpoints(make_servers, tmp_path) -> None:  #
     assert state.tensors["state.sum"].abs().sum() > 0  # Adagrad's row state came back too
 
 
-class BiasedFactors(nn.Module):
-    """A matrix factorization whose dense part is one global bias: on more servers than that, some
-    shards hold no dense element, only their part of the tables' rows."""
+class Factors(nn.Module):
+    """A matrix factorization: two tables and (biased) a global bias as its whole dense part. On more
+    servers than that, some shards hold no dense element (without the bias, none does), only their
+    part of the tables' rows."""
 
-    def __init__(self) -> None:
+    def __init__(self, biased: bool) -> None:
         super().__init__()
         self.users, self.items = psgrad.Embedding(200, 4), psgrad.EmbeddingBag(300, 4, mode="sum")
-        self.bias = nn.Parameter(torch.zeros(1))
+        self.bias = nn.Parameter(torch.zeros(1)) if biased else None
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return (self.users(users) * self.items(items)).sum(-1) + self.bias
+        score = (self.users(users) * self.items(items)).sum(-1)
+        return score if self.bias is None else score + self.bias
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("biased", [True, False], ids=["bias", "tables-alone"])
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "same-host"])
 def test_shards_without_dense_elements_hold_rows_as_any_other(make_servers, tmp_path,  # type: ignore[no-untyped-def]
-                                                              shared_memory: bool) -> None:
-    """A bias-only dense part on 3 servers (two shards hold no dense element) trains bit for bit as
-    on one server, its state_dict loads strictly into the model, status reports every shard, and a
-    shard without dense elements keeps a hot standby and restarts from its checkpoint with its rows."""
+                                                              shared_memory: bool, biased: bool) -> None:
+    """A matrix factorization whose dense part is a bias or nothing, on 3 servers (shards without
+    dense elements), trains bit for bit as on one server; its state_dict loads strictly into the
+    model; status reports every shard; a shard without dense elements keeps its hot standby (never
+    dropped) and restarts from its checkpoint with its rows."""
     gen = torch.Generator().manual_seed(9)
     users, items, y = torch.randint(0, 200, (32,), generator=gen), torch.randint(0, 300, (32, 2), generator=gen), \
         torch.randn(32, generator=gen)
@@ -189,7 +193,7 @@ def test_shards_without_dense_elements_hold_rows_as_any_other(make_servers, tmp_
     for n in (1, 3):
         running = make_servers(1, checkpoint_dir=str(tmp_path), checkpoint_every_versions=1) + make_servers(n - 1)
         standby = make_servers(1, replica_of=running[0].address) if n == 3 else []
-        model = BiasedFactors()
+        model = Factors(biased)
         with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
                             client=client) as ps:
             opt = ps.optimizer(model)
@@ -201,16 +205,17 @@ def test_shards_without_dense_elements_hold_rows_as_any_other(make_servers, tmp_
                 opt.step()
                 losses.append(loss.item())
             state = psgrad.fetch_state_dict([s.address for s in running], client=client)
-        BiasedFactors().load_state_dict(state)  # (strict)
+        Factors(biased).load_state_dict(state)  # (strict)
         got.append((losses, state))
         if n == 3:
             layouts = [s.shard.core.state.layout for s in running]
-            assert [layout.end - layout.start for layout in layouts] == [0, 0, 1]
+            assert [layout.end - layout.start for layout in layouts] == ([0, 0, 1] if biased else [0, 0, 0])
             text = format_status([dict(s.shard.status().to_dict(), address=s.address) for s in running])
             assert "users" in text and "items" in text
             held = running[0].shard.core.state.tables["users"].snapshot().tensors
             assert held["ids"].numel() > 0  # (the shard without dense elements holds rows)
-            mirrored = standby[0].shard.core.state.tables["users"].snapshot().tensors  # (its hot standby: the same)
+            assert running[0].shard.replication._generation == 1  # (its standby attached once, never dropped)
+            mirrored = standby[0].shard.core.state.tables["users"].snapshot().tensors
             assert mirrored.keys() == held.keys() and all(torch.equal(mirrored[k], held[k]) for k in held)
             deadline = time.monotonic() + 30  # (the checkpoint thread writes it)
             while 4 not in checkpoint.versions(tmp_path):
@@ -277,16 +282,6 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
     with pytest.raises(ConfigError, match="overlap does not go with psgrad embeddings"):
         with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
             ps.optimizer(Ctr(), overlap=True)
-
-    class Factors(nn.Module):  # a plain matrix factorization: tables alone, no dense parameter
-        def __init__(self) -> None:
-            super().__init__()
-            self.users, self.items = psgrad.Embedding(100, 4), psgrad.Embedding(100, 4)
-
-    with pytest.raises(ConfigError, match=r"only trainable weights are psgrad embedding tables \(users, items\).*"
-                                          r"self\.bias = nn\.Parameter\(torch\.zeros\(1\)\)"):
-        with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
-            ps.optimizer(Factors())
 
 
 @pytest.mark.timeout(60)

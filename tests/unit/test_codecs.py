@@ -85,6 +85,20 @@ def test_round_trip(wire_dtype: str, numel: int, chunk_bytes: int) -> None:
     assert torch.equal(src, original), "encoding must not modify the source tensor"
 
 
+
+@pytest.mark.parametrize("wire_dtype", list(WIRE_DTYPES))
+def test_a_payload_received_whole_may_be_empty(wire_dtype: str) -> None:
+    """load() of no bytes into no elements (a shard without dense elements) is a no-op on every
+    wire, where torch.frombuffer refuses an empty buffer; and bytes of one element still load."""
+    wire = WireBuffer(0, wire_dtype)
+    dest = torch.empty(0)
+    wire.load(dest, memoryview(b""))
+    assert dest.numel() == 0
+    one, value = WireBuffer(1, wire_dtype), torch.tensor([1.5])
+    out = torch.zeros(1)
+    one.load(out, byte_view(value.to(WIRE_DTYPES[wire_dtype])))
+    assert torch.equal(out, value)
+
 def test_round_trip_with_write_frames_and_noncanonical_frame() -> None:
     src = _source(1001, seed=3)
     frames = _send(src, "float32", 1000)

@@ -152,6 +152,9 @@ def test_bad_models_are_refused_with_a_reason() -> None:
         p.requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
         FlatModel(frozen)
+    empty = FlatModel(frozen, tables=True)  # (its trainable weights are psgrad tables: an empty flat space)
+    assert empty.numel == empty.total == 0 and empty.gather_grads().numel() == 0
+    empty.weights_pulled()
     with pytest.raises(ConfigError, match="requested"):
         FlatModel(_model(), torch.device("meta"))
 
