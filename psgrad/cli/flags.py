@@ -171,7 +171,7 @@ def add_recipe_args(g: argparse._ActionsContainer) -> None:
                    "per parameter on the servers (default: recipe; sgd for digits)")
     g.add_argument("--lr", type=float, help="learning rate (the servers apply it; see --lr-schedule) (default: "
                    f"recipe; {JobSpec.lr} for digits; with an optimizer other than the recipe's, 0.1 for sgd, "
-                   "1e-3 for adam/adamw, 1e-2 for adagrad/rmsprop, 1.0 for adadelta: torch's defaults)")
+                   "and torch's defaults for the others: 1e-3 for adam/adamw, 1e-2 for adagrad/rmsprop, 1.0 for adadelta)")
     g.add_argument("--momentum", type=float, help="sgd and rmsprop: momentum on the servers; with many async "
                    "workers, effective momentum grows with staleness: lower it if training oscillates "
                    "(default: recipe; 0)")

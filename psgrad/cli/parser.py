@@ -168,7 +168,7 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     flag(co, "--modes", DEFAULT_MODES, "comma-separated modes, each MODE[:OPTION...]: sync, async, ssp:S, "
          "ssp:auto, allreduce (the torch.distributed baseline), and variants: sync:backup=B, async:slr "
          "(staleness-aware lr), async:dc=LAMBDA / async:dca=LAMBDA (DC-ASGD, adaptive), ssp:auto:max=S, "
-         "MODE:lr=LR (docs/guide/compare.md)")
+         "sync:tables=async (hybrid), MODE:lr=LR, MODE:compress=NAME[:noef] (docs/guide/compare.md)")
     co.add_argument(
         "--straggler",
         type=straggler_arg,
