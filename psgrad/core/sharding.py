@@ -190,7 +190,7 @@ def plan_shards(params: Sequence[ParamSpec], num_shards: int, tables: bool = Fal
     without tables such a server would hold nothing.
 
     Raises:
-        ConfigError: num_shards < 1, no element, or (without tables) fewer elements than shards.
+        ConfigError: num_shards < 1, or (without tables) fewer elements than shards, none included.
     """
     if num_shards < 1:
         raise ConfigError(f"num_shards must be >= 1, got {num_shards}")
