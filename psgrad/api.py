@@ -177,7 +177,9 @@ class Session:
         workers; False leaves each worker's own. param_groups: torch's list of {"params": [...],
         "lr": ..., "weight_decay": ...} dicts (e.g. no weight decay on biases and norms); a group's
         lr is kept as a fixed multiple of the job's (so a schedule scales every group alike), and
-        parameters in no group take the job's settings. Every worker must pass the same groups.
+        parameters in no group take the job's settings; a group of psgrad embeddings (the modules in
+        "params") may also set its optimizer's settings, or name an optimizer of its own for their
+        rows ("optimizer": "adagrad" or psgrad.Adagrad(lr=...)). Every worker must pass the same groups.
         frozen: where the frozen parameters (requires_grad=False) live: "servers" (the default:
         part of the job, in a table of their own that no step pushes or pulls; the chief writes
         them at init, every worker reads them as it joins, and exports, fetch_state_dict and

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from psgrad.core.credentials import check_bind
 from psgrad.core.stragglers import StragglerModel
@@ -13,7 +14,7 @@ from psgrad.core.modes import MODES  # noqa: F401 (config's name, as before)
 from psgrad.core.schedule import LR_SCHEDULES  # noqa: F401 (config's name, as before)
 from psgrad.core.compression import parse_compression
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import DECLS
+from psgrad.core.optimizer_settings import DECLS, ROW_FORMS
 
 NONFINITE_POLICIES = ("reject", "skip", "allow")
 # The optimizers' names, as optimizer_settings.DECLS declares them (the CLI's choices; the server
@@ -329,6 +330,10 @@ class WorkerConfig:
     # row_cache_staleness steps (async/ssp; 0: every forward pulls its rows)
     row_cache_rows: int = 0
     row_cache_staleness: int = 1
+    # psgrad embeddings: an optimizer of their own for their rows ("": the job's) and their lr (None:
+    # the job's, or torch's default lr of table_optimizer), in one param group of all the model's tables
+    table_optimizer: str = ""
+    table_lr: float | None = None
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
@@ -360,6 +365,19 @@ class WorkerConfig:
         _finite_nonneg("step_time_ms", self.step_time_ms)
         _check(self.row_cache_rows >= 0, f"row_cache_rows must be >= 0 (0: no cache), got {self.row_cache_rows}")
         _check(self.row_cache_staleness >= 1, f"row_cache_staleness must be >= 1 step, got {self.row_cache_staleness}")
+        _check(not self.table_optimizer or self.table_optimizer in ROW_FORMS,
+               f"table_optimizer must be one of {', '.join(ROW_FORMS)} (the optimizers with a row form), "
+               f"got {self.table_optimizer!r}")
+        _check(self.table_lr is None or (math.isfinite(self.table_lr) and self.table_lr > 0),
+               f"table_lr must be a finite number > 0, got {self.table_lr!r}")
+
+    def table_groups(self) -> dict[str, Any] | None:
+        """The param group of the model's psgrad embeddings these settings make (without "params"),
+        or None: the tables take the job's optimizer and lr."""
+        if not self.table_optimizer and self.table_lr is None:
+            return None
+        return {**({"optimizer": self.table_optimizer} if self.table_optimizer else {}),
+                **({"lr": self.table_lr} if self.table_lr is not None else {})}
 
     def to_argv(self) -> list[str]:
         """The `psgrad worker` flags that reproduce this config, its client's included. With no servers
@@ -379,6 +397,8 @@ class WorkerConfig:
                  "--step-time-ms", str(self.step_time_ms)]
         argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]
         argv += ["--row-cache-rows", str(self.row_cache_rows), "--row-cache-staleness", str(self.row_cache_staleness)]
+        argv += ["--table-optimizer", self.table_optimizer] if self.table_optimizer else []
+        argv += [] if self.table_lr is None else ["--table-lr", str(self.table_lr)]
         return argv + self.straggler_model.to_argv() + self.client.to_argv()
 
 

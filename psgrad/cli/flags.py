@@ -22,7 +22,7 @@ from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, find_mode
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR
+from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR, ROW_FORMS
 from psgrad.tasks.registry import BUILT_IN, recipe_for
 
 if TYPE_CHECKING:
@@ -295,6 +295,13 @@ def add_job_args(
          "forward pulls its rows)", type=int)
     flag(w, "--row-cache-staleness", WorkerConfig.row_cache_staleness, "steps a cached row is served before it is "
          "pulled again (it may miss that many steps of updates)", type=int)
+    w.add_argument("--table-optimizer", choices=ROW_FORMS, default=WorkerConfig.table_optimizer, help="an optimizer "
+                   "of their own for the rows of the task's psgrad embedding tables, at torch's defaults: e.g. "
+                   "adagrad rows with --optimizer adamw, which has no row form (docs/guide/embeddings.md) (default: "
+                   "--optimizer's, with its settings)")
+    w.add_argument("--table-lr", type=float, default=WorkerConfig.table_lr, metavar="LR", help="the tables' "
+                   "learning rate, kept as a multiple of --lr so that --lr-schedule scales both (default: --lr, or "
+                   "torch's default lr of --table-optimizer)")
     flag(w, "--eval-every", WorkerConfig.eval_every, "evaluate every N steps", " = 10 times per run", type=int)
     flag(w, "--log-every", WorkerConfig.log_every, "print progress every N steps", " = 10 times", type=int)
     flag(w, "--connect-timeout-s", connect_timeout_s, "how long to wait for each server to answer the first call "
@@ -446,6 +453,7 @@ def worker_config(
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
         lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,
         straggler_model=straggler_model(ns), row_cache_rows=ns.row_cache_rows, row_cache_staleness=ns.row_cache_staleness,
+        table_optimizer=ns.table_optimizer, table_lr=ns.table_lr,
     )
 
 

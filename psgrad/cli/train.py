@@ -15,8 +15,9 @@ from psgrad.client.export import write_state_dict
 from psgrad.config import JobSpec, WorkerConfig
 from psgrad.core.modes import mode_of
 from psgrad.core.schedule import lr_factor
-from psgrad.errors import CompressionWarning
+from psgrad.errors import CompressionWarning, ConfigError
 from psgrad.metrics.jsonl import MetricsSink
+from psgrad.nn.embedding import sparse_modules
 from psgrad.tasks.base import Task
 from psgrad.tasks.data import BatchSchedule
 from psgrad.worker.flat import resolve_device
@@ -36,6 +37,23 @@ def lr_scheduler(
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
     return torch.optim.lr_scheduler.LambdaLR(opt, factor, last_epoch=clock - 1)
+
+
+def table_groups(model: torch.nn.Module, config: WorkerConfig, task: str) -> list[dict[str, Any]] | None:
+    """The param group of the model's psgrad embedding tables that --table-optimizer and --table-lr
+    make (None: neither given, the tables take the job's optimizer and lr).
+
+    Raises:
+        ConfigError: either given for a task whose model has no psgrad embedding table.
+    """
+    group = config.table_groups()
+    if group is None:
+        return None
+    tables = [module for _, module in sparse_modules(model)]
+    if not tables:
+        raise ConfigError(f"--table-optimizer and --table-lr set the rows of psgrad embedding tables, and task {task!r} "
+                          "has none (its model is dense parameters only): leave them out")
+    return [{"params": tables, **group}]
 
 
 def train(
@@ -70,7 +88,8 @@ def train(
         with warnings.catch_warnings():  # (the start line below says which pushes stay plain)
             warnings.simplefilter("ignore", CompressionWarning)
             opt = session.optimizer(model, overlap=config.overlap, row_cache=config.row_cache_rows,
-                                    row_cache_staleness=config.row_cache_staleness)
+                                    row_cache_staleness=config.row_cache_staleness,
+                                    param_groups=table_groups(model, config, task.name))
         schedule = lr_scheduler(opt, factor, opt.start_clock)
         bound = f"auto, at most {spec.staleness_max}" if spec.staleness_max else spec.staleness
         mode = spec.mode + (f"(staleness {bound})" if job_mode.bounds_staleness else "")

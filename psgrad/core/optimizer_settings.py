@@ -82,6 +82,22 @@ DEFAULT_EPS = {d.name: d.eps for d in DECLS.values() if d.eps is not None}
 # torch.optim's default lr per optimizer (the CLI's, for an optimizer other than the recipe's).
 DEFAULT_LR = {d.name: d.lr for d in DECLS.values()}
 
+
+def with_optimizer(spec: Any, name: str) -> Any:
+    """A JobSpec with optimizer `name` and every optimizer setting at that optimizer's torch default
+    (the job's lr and everything else kept): where a sparse table's own optimizer (its param group's)
+    starts, since the job optimizer's settings belong to another rule.
+
+    Raises:
+        ConfigError: no optimizer of that name (the valid ones named).
+    """
+    if name not in DECLS:
+        raise ConfigError(f"no optimizer {name!r}; valid: {', '.join(DECLS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(spec) if f.name in READERS}
+    defaults["eps"] = DEFAULT_EPS.get(name, defaults["eps"])
+    return dataclasses.replace(spec, optimizer=name, **defaults)
+
+
 _UNIT = ("momentum", "beta1", "beta2", "alpha", "rho")  # decay rates: [0, 1)
 _NONNEG = ("weight_decay", "lr_decay", "initial_accumulator_value")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from psgrad.core.job import JobSpec
+from psgrad.core.optimizer_settings import DECLS, with_optimizer
 from psgrad.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class TableSpec:
     ttl: int = 0
     #: at the servers' memory budget, drop the least recently updated rows instead of refusing
     evict: bool = False
+    #: its parameter group's own optimizer for its rows (a name of optimizer_settings.DECLS; "": the
+    #: job's): its settings then start from that optimizer's torch defaults, not the job's
+    optimizer: str = ""
 
     def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
         object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
@@ -72,6 +76,8 @@ class TableSpec:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ConfigError(f"table {self.name!r}: {name} must be an integer >= 0, got {value!r}")
         object.__setattr__(self, "evict", bool(self.evict))
+        if self.optimizer and self.optimizer not in DECLS:
+            raise ConfigError(f"table {self.name!r}: no optimizer {self.optimizer!r}; valid: {', '.join(DECLS)}")
 
     @property
     def lifetime(self) -> tuple[int, int, bool]:
@@ -86,14 +92,18 @@ class TableSpec:
     @property
     def grouped(self) -> bool:
         """Whether its parameter group sets anything (else: the job's settings)."""
-        return self.lr_scale != 1.0 or bool(self.settings)
+        return self.lr_scale != 1.0 or bool(self.settings) or bool(self.optimizer)
 
     def job_spec(self, spec: JobSpec) -> JobSpec:
-        """The job spec with the table's own optimizer settings (validated as the job's are).
+        """The job spec with the table's own optimizer and settings (validated as the job's are):
+        the job's optimizer and settings, or the table's own optimizer at its torch defaults; then
+        the group's settings over them. The lr stays the job's (the table's is lr_scale times it).
 
         Raises:
-            ConfigError: a setting that is not the job optimizer's, or out of its range (named).
+            ConfigError: a setting that is not its optimizer's, or out of its range (named).
         """
+        if self.optimizer:
+            spec = with_optimizer(spec, self.optimizer)
         if not self.settings:
             return spec
         fields = {f.name: f for f in dataclasses.fields(spec)}
@@ -229,5 +239,6 @@ def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[Tab
         doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std,
                           *(["lr_scale", t.lr_scale] if t.lr_scale != 1.0 else []),
                           *(["settings", [list(kv) for kv in t.settings]] if t.settings else []),
-                          *(["lifetime", list(t.lifetime)] if t.lifetime != (0, 0, False) else [])] for t in tables]
+                          *(["lifetime", list(t.lifetime)] if t.lifetime != (0, 0, False) else []),
+                          *(["optimizer", t.optimizer] if t.optimizer else [])] for t in tables]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

@@ -69,14 +69,26 @@ def _server_table(running: list, name: str = "emb") -> torch.Tensor:
     return full
 
 
+def _own_adagrad(model: nn.Module) -> list[dict]:
+    return [{"params": [model.emb], "optimizer": psgrad.Adagrad(lr=0.2, initial_accumulator_value=0.1)}]
+
+
+def _adamw_and_adagrad(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.AdamW(model.head.parameters(), lr=0.01, weight_decay=0.05),
+            torch.optim.Adagrad(model.emb.parameters(), lr=0.2, initial_accumulator_value=0.1)]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer, reference", [
-    (psgrad.SGD(lr=0.5), lambda ps: torch.optim.SGD(ps, lr=0.5)),
-    (psgrad.Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
-], ids=["sgd", "adagrad"])
-def test_sync_rows_equal_single_process_training_with_a_dense_table(make_servers, optimizer, reference) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("optimizer, groups, reference", [
+    (psgrad.SGD(lr=0.5), None, lambda m: [torch.optim.SGD(m.parameters(), lr=0.5)]),
+    (psgrad.Adagrad(lr=0.1), None, lambda m: [torch.optim.Adagrad(m.parameters(), lr=0.1)]),
+    # The table's own optimizer (its param group's) under a job optimizer without a row form.
+    (psgrad.Adam(lr=0.01, weight_decay=0.05, decoupled=True), _own_adagrad, _adamw_and_adagrad),
+], ids=["sgd", "adagrad", "adamw-with-adagrad-rows"])
+def test_sync_rows_equal_single_process_training_with_a_dense_table(make_servers, optimizer, groups, reference) -> None:  # type: ignore[no-untyped-def]
     """Two workers over two shards: each row's update is the sum of the workers' gradients over their
-    number, exactly what one process computing the mean of their losses applies to a dense table."""
+    number, exactly what one process computing the mean of their losses applies to a dense table
+    (with the job's optimizer, or the table's own)."""
     workers, steps = 2, 6
     running = make_servers(2)
     gens = [torch.Generator().manual_seed(10 + r) for r in range(workers)]
@@ -87,22 +99,28 @@ def test_sync_rows_equal_single_process_training_with_a_dense_table(make_servers
         model = copy.deepcopy(init)
         with psgrad.connect([s.address for s in running], rank=rank, num_workers=workers, mode="sync",
                             optimizer=optimizer, client=CLIENT) as ps:
-            opt = ps.optimizer(model)
+            opt = ps.optimizer(model, param_groups=groups(model) if groups else None)
             for x, y in batches[rank]:
                 opt.zero_grad()
                 nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
                 assert opt.step().accepted
+            heads.append(model.head.weight.detach().clone())
 
+    heads: list[torch.Tensor] = []
     run_in_threads(workers, worker)
     ref = Ctr(sparse=False)
-    opt = reference(ref.parameters())
+    opts = reference(ref)
     for k in range(steps):
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss = sum(nn.functional.binary_cross_entropy_with_logits(ref(x), y)
                    for x, y in (batches[r][k] for r in range(workers))) / workers
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
     torch.testing.assert_close(_server_table(running), ref.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    for head in heads:
+        torch.testing.assert_close(head, ref.head.weight.detach(), rtol=1e-5, atol=1e-6)
     for s in running:
         status = {t.name: t for t in s.shard.status().tables}["emb"]
         assert status.kind == "sparse" and status.updates == steps and status.staleness_max == 0

@@ -200,3 +200,35 @@ def test_the_tables_row_lifetime_comes_from_the_environment(small: None, monkeyp
     monkeypatch.setenv("PSGRAD_CTR_TTL", "-3")
     with pytest.raises(TaskError, match="PSGRAD_CTR_TTL must be an integer >= 0"):
         get_task("ctr")
+
+
+def test_table_flags_give_the_tables_an_optimizer_of_their_own(small: None) -> None:
+    """`psgrad worker --optimizer adamw --table-optimizer adagrad --table-lr 0.05`: the task's table
+    takes Adagrad at 0.05 in a param group of its own (its spec as the servers get it), the dense
+    part AdamW; given for a task without psgrad embeddings, the flags are refused by name."""
+    from psgrad.cli.flags import apply_recipe, client_config, job_spec, worker_config
+    from psgrad.cli.parser import build_parser
+    from psgrad.cli.train import table_groups
+    from psgrad.core.optimizers.rows import check_row_settings
+    from psgrad.core.sharding import TableSpec, param_specs
+    from psgrad.errors import ConfigError
+    from psgrad.worker.param_groups import with_groups
+
+    argv = ["worker", "--servers", "127.0.0.1:1", "--task", "ctr", "--optimizer", "adamw", "--table-optimizer", "adagrad",
+            "--table-lr", "0.05"]
+    ns = build_parser().parse_args(argv)
+    apply_recipe(ns)
+    spec, config = job_spec(ns, 1, 1), worker_config(ns, ("127.0.0.1:1",), client_config(ns), 0, 1.0, None)
+    assert (spec.optimizer, config.table_optimizer, config.table_lr) == ("adamw", "adagrad", 0.05)
+    model = get_task("ctr").build_model()
+    groups = table_groups(model, config, "ctr")
+    assert groups is not None and groups[0]["params"] == [model.embedding]
+    emb = model.embedding
+    _, (table,) = with_groups(param_specs(model), model, groups, spec, [TableSpec("embedding", emb.num_embeddings, emb.embedding_dim)])
+    assert (table.optimizer, table.lr_scale) == ("adagrad", pytest.approx(0.05 / spec.lr))
+    check_row_settings(table.job_spec(spec), "embedding")  # (AdamW for the table alone is refused)
+    plain = build_parser().parse_args(argv[:7])
+    apply_recipe(plain)
+    assert table_groups(model, worker_config(plain, (), client_config(plain), 0, 1.0, None), "ctr") is None
+    with pytest.raises(ConfigError, match="task 'digits' has none"):
+        table_groups(get_task("digits").build_model(), config, "digits")

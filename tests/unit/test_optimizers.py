@@ -2,7 +2,9 @@
 match torch.optim's; their state round trips; the registry."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
@@ -534,6 +536,68 @@ def test_a_tables_param_group_sets_its_lr_and_settings_and_lifts_a_refusal() -> 
         with_groups(param_specs(model), model, [{"params": [model.head]}], spec, tables)
     with pytest.raises(ConfigError, match="momentum must be in \\[0, 1\\)"):
         with_groups(param_specs(model), model, [{"params": [model.a], "momentum": 2.0}], spec, tables)
+
+
+def test_a_tables_param_group_may_name_an_optimizer_of_its_own() -> None:
+    """Under a job optimizer without a row form (AdamW), the refusal names the way out, and a
+    table's param group that names an optimizer of its own (a name, or psgrad.Adagrad(...) with its
+    settings) gives its rows that optimizer at torch's defaults plus what the group sets, at the
+    lr the group (or the optimizer) gives; the job's settings do not leak into it."""
+    import psgrad
+    from psgrad.core.optimizers.rows import RowAdagrad, RowSGD, check_row_settings, make_row_optimizer
+    from psgrad.core.sharding import TableSpec, fingerprint, param_specs
+    from psgrad.wire import serde
+    from psgrad.worker.param_groups import with_groups
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = psgrad.Embedding(100, 4), psgrad.Embedding(50, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+    model, spec = Two(), JobSpec(optimizer="adamw", lr=1e-3, weight_decay=0.01, eps=1e-6)
+    tables = [TableSpec("a", 100, 4), TableSpec("b", 50, 4)]
+    params = param_specs(model)
+    with pytest.raises(ConfigError, match="'adamw' has no row-wise form for sparse table 'a'.*rows take sgd, adam, "
+                                          "adagrad.*'optimizer': psgrad.Adagrad"):
+        check_row_settings(spec, "a")
+    groups = [{"params": [model.a], "optimizer": psgrad.Adagrad(lr=0.05, initial_accumulator_value=0.1)},
+              {"params": [model.b], "optimizer": "sgd"}]
+    dense, (a, b) = with_groups(params, model, groups, spec, tables)
+    assert (a.optimizer, a.lr_scale, a.settings) == ("adagrad", pytest.approx(50.0), (("initial_accumulator_value", 0.1),))
+    assert (b.optimizer, b.lr_scale, b.settings) == ("sgd", pytest.approx(100.0), ())  # (SGD's default lr, 0.1)
+    assert all(p.lr_scale == 1.0 and p.weight_decay is None for p in dense)  # the dense parameters keep AdamW's
+    own = a.job_spec(spec)  # Adagrad at torch's defaults (eps 1e-10, no decay), not AdamW's eps and decay
+    assert (own.optimizer, own.eps, own.weight_decay, own.initial_accumulator_value, own.lr) == \
+        ("adagrad", 1e-10, 0.0, 0.1, 1e-3)
+    for t, kind in ((a, RowAdagrad), (b, RowSGD)):
+        check_row_settings(t.job_spec(spec), t.name)
+        assert isinstance(make_row_optimizer(t.job_spec(spec).optimizer, t.job_spec(spec), t.name), kind)
+    assert serde.tables_from_proto(serde.tables_to_proto([a, b])) == [a, b]  # (to the servers and their standbys)
+    assert TableSpec(**json.loads(json.dumps(dataclasses.asdict(a)))) == a  # (a checkpoint's layout)
+    assert len({fingerprint(params, spec, [a, b]), fingerprint(params, spec, [dataclasses.replace(a, optimizer=""), b])}) == 2
+    # A name and the object at its defaults are one table spec; a group's lr is the table's lr.
+    _, (by_name, _) = with_groups(params, model, [{"params": [model.a], "optimizer": "adagrad", "lr": 0.05}], spec, tables)
+    _, (by_object, _) = with_groups(params, model, [{"params": [model.a], "optimizer": psgrad.Adagrad(lr=0.05)}], spec, tables)
+    assert by_name == by_object and by_name.lr_scale == pytest.approx(50.0)
+    # Refused by name: no such optimizer, no row form, a setting rows cannot take, settings given twice,
+    # another optimizer's setting, an optimizer for dense parameters.
+    def own_table(**group: object) -> TableSpec:
+        return with_groups(params, model, [{"params": [model.a], **group}], spec, tables)[1][0]
+    with pytest.raises(ConfigError, match="names no optimizer: 'adagard'"):
+        own_table(optimizer="adagard")
+    with pytest.raises(ConfigError, match="must be an optimizer's name"):
+        own_table(optimizer=torch.optim.Adagrad)
+    with pytest.raises(ConfigError, match="'rmsprop' has no row-wise form"):
+        check_row_settings(own_table(optimizer="rmsprop").job_spec(spec), "a")
+    with pytest.raises(ConfigError, match="momentum 0.9 of optimizer 'sgd' does not apply to the rows"):
+        check_row_settings(own_table(optimizer="sgd", momentum=0.9).job_spec(spec), "a")
+    with pytest.raises(ConfigError, match="psgrad.Adagrad\\(...\\) and sets 'lr' beside it"):
+        own_table(optimizer=psgrad.Adagrad(), lr=0.1)
+    with pytest.raises(ConfigError, match="'betas'.*adagrad's settings"):
+        own_table(optimizer="adagrad", betas=(0.9, 0.99))
+    with pytest.raises(ConfigError, match="has 'optimizer': a group may set only 'lr' and 'weight_decay' for dense"):
+        with_groups(params, model, [{"params": [model.head.weight], "optimizer": "sgd"}], spec, tables)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])

@@ -158,7 +158,7 @@ def test_bad_ids_and_gradients_are_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError, match="gradients must be float32 \\[1, 4\\]"):
         t.apply(torch.tensor([3]), torch.zeros(1, 5))
     assert t.status("emb").rows_touched == 0  # nothing was made by a refused call
-    with pytest.raises(ConfigError, match="no row-wise form for sparse tables \\(its running averages decay .*\\); valid: sgd, adam, adagrad"):
+    with pytest.raises(ConfigError, match="no row-wise form for sparse tables \\(its running averages decay .*\\); rows take sgd, adam, adagrad: name one for the tables in a param group of their own"):
         make_row_optimizer("rmsprop", JobSpec())
 
 

@@ -16,7 +16,8 @@ adagrad.py), and optimizer_settings.DECLS says, setting by setting, how rows tak
   move every row, at every step).
 - refused: a setting whose dense rule moves untouched rows (momentum, weight decay) is refused by
   name with the alternative (make_row_optimizer), never ignored; so is an optimizer without a row
-  form (rmsprop, adadelta, adamw).
+  form (rmsprop, adadelta, adamw), whose job's tables name one of these in a param group of their
+  own (TableSpec.optimizer).
 """
 from __future__ import annotations
 
@@ -172,7 +173,11 @@ def check_row_settings(spec: object, table: str | None = None) -> None:
     decl = DECLS.get(name)
     if decl is None or decl.rows is None:
         why = f" ({decl.no_rows})" if decl is not None and decl.no_rows else ""
-        raise ConfigError(f"optimizer {name!r} has no row-wise form for {where}{why}; valid: {', '.join(ROW_FORMS)}")
+        raise ConfigError(
+            f"optimizer {name!r} has no row-wise form for {where}{why}; rows take {', '.join(ROW_FORMS)}: name one "
+            f"for {'the table' if table else 'the tables'} in a param group of {'its' if table else 'their'} own "
+            f"(ps.optimizer(model, param_groups=[{{'params': [model.<table>], 'optimizer': psgrad.Adagrad(lr=...)}}, "
+            f"...]; psgrad's commands: --table-optimizer): the dense parameters keep {name!r})")
     defaults = {f.name: f.default for f in dataclasses.fields(spec)}  # type: ignore[arg-type]
     for setting in decl.settings:
         value = getattr(spec, setting)
