@@ -466,21 +466,60 @@ class PSOptimizer(ScheduledOptimizer):
 
             for x, y in opt.pipeline(loader, lambda b: {model.users: b[0][:, 0], model.items: b[0][:, 1]}):
                 opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+        Batch k is iteration start + k (start: opt.clock at the first batch). When a step rolls the
+        job back (sync: a server restored its checkpoint; StepStats.rolled_back_to) or the worker
+        rejoins (StepStats.rejoined_at), the clock moves: `batches` that can be indexed (a list, a
+        Dataset: len() and [k]) go on from batch opt.clock - start, so that a sync job recomputes
+        the same iterations and ends as if never interrupted; an iterator cannot go back, so a
+        roll-back raises RollbackError (start a new pipeline from batch opt.clock), and after a
+        rejoin it goes on with its next batch.
+
+        Raises:
+            RollbackError: the job rolled back, and `batches` cannot be indexed or the iteration
+                it went back to comes before this pipeline's first batch (named).
         """
-        it = iter(batches)
-        try:
-            current = next(it)
-        except StopIteration:
-            return
-        self.prefetch(lookups(current))
-        for following in it:
-            self._next_lookups = lookups(following)
+        indexed = hasattr(batches, "__getitem__") and hasattr(batches, "__len__")
+        it = None if indexed else iter(batches)
+        start, k = self.clock, 0
+
+        def at(index: int) -> tuple[bool, B | None]:
+            if it is None:
+                return (True, batches[index]) if index < len(batches) else (False, None)  # type: ignore[index, arg-type]
             try:
-                yield current
+                return True, next(it)
+            except StopIteration:
+                return False, None
+
+        ok, current = at(0)
+        if not ok:
+            return
+        self.prefetch(lookups(current))  # type: ignore[arg-type]
+        while True:
+            more, following = at(k + 1)
+            self._next_lookups = lookups(following) if more else None  # type: ignore[arg-type]
+            moved = (self.rollbacks, self.rejoins)
+            try:
+                yield current  # type: ignore[misc]
             finally:
                 self._next_lookups = None
+            if (self.rollbacks, self.rejoins) == moved or (it is not None and self.rollbacks == moved[0]):
+                k += 1  # (an iterator after a rejoin: its next batch)
+            else:
+                k = self.clock - start
+                if it is not None or k < 0:
+                    raise RollbackError(
+                        f"opt.pipeline: the job rolled back to iteration {self.clock} (a server restored its checkpoint), "
+                        + ("and this pipeline's batches cannot go back (an iterator): " if it is not None else
+                           f"before this pipeline's first batch (iteration {start}): ")
+                        + f"start a new pipeline from the batch of iteration {self.clock} (opt.clock), or give the "
+                        "pipeline batches it can index (a list, a Dataset) to have it recompute by itself")
+                more, following = at(k)
+                if more:  # (the step that moved fetched no rows: fetch this batch's now)
+                    self.prefetch(lookups(following))  # type: ignore[arg-type]
+            if not more:
+                return
             current = following
-        yield current
 
     def step(self, closure: Any = None, prefetch: Lookups | None = None) -> StepStats:  # type: ignore[override]
         """Push this step's gradients with the lr in effect and bring fresh weights into the model

@@ -116,3 +116,64 @@ def test_without_an_iteration_common_to_every_shard_the_roll_back_names_what_eac
         c.close()
         for s in servers:
             s.stop(0)
+
+
+def _pipelined_job(tmp_path: Path, batches: list, restart_at: int | None, indexed: bool = True) -> tuple[torch.Tensor, ...]:
+    """A sync job of one worker with an embedding table, trained through opt.pipeline over
+    `batches`; with restart_at, shard 0 restarts from an older checkpoint (its newest one lost) once
+    the job is past iteration restart_at. Returns the table's touched rows and the head's weights."""
+    import psgrad
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = psgrad.EmbeddingBag(200, 4, mode="sum", std=0.1, seed=2)
+            torch.manual_seed(0)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x)).squeeze(-1)
+
+    servers = [_server(tmp_path / f"shard{i}") for i in range(2)]
+    client = ClientConfig(connect_timeout_s=5, rpc_timeout_s=20, reconnect_timeout_s=30, shared_memory=False)
+    model, rolled = Model(), []
+    try:
+        with psgrad.connect([s.address for s in servers], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=client) as ps:
+            opt = ps.optimizer(model)
+            source = batches if indexed else iter(batches)
+            for x, y in opt.pipeline(source, lambda b: {model.emb: b[0]}):
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+                stats = opt.step()
+                if stats.rolled_back_to is not None:
+                    rolled.append(stats.rolled_back_to)
+                if restart_at is not None and opt.clock == restart_at and not rolled:
+                    _written(tmp_path, restart_at)
+                    for f in (tmp_path / "shard0").glob(f"ckpt-v{restart_at:012d}.*"):
+                        f.unlink()  # shard 0 comes back at iteration restart_at - 2
+                    _restart(servers, 0, tmp_path / "shard0")
+            snaps = [s.shard.core.state.tables["emb"].snapshot().tensors for s in servers]
+            ids = torch.cat([t["ids"] for t in snaps])
+            table = torch.cat([t["values"] for t in snaps])[torch.argsort(ids)]  # (by id: a restore stores them anew)
+            return table, model.head.weight.detach().clone(), torch.tensor(rolled), torch.tensor(opt.clock)
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+def test_a_pipeline_recomputes_the_iterations_a_roll_back_undid(tmp_path: Path) -> None:
+    """opt.pipeline over a list: after a roll-back (StepStats.rolled_back_to) it goes on from the
+    batch of the iteration the job went back to, so the sync job ends bit for bit as the one never
+    interrupted; over an iterator, which cannot go back, the roll-back is raised, naming what to do."""
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(8):
+        x = torch.randint(0, 200, (8, 3), generator=gen)
+        batches.append((x, (x[:, 0] % 2).float()))
+    clean = _pipelined_job(tmp_path / "clean", batches, None)
+    again = _pipelined_job(tmp_path / "again", batches, 6)
+    assert again[2].tolist() == [4] and int(again[3]) == int(clean[3]) == 8
+    assert torch.equal(again[0], clean[0]) and torch.equal(again[1], clean[1])
+    with pytest.raises(RollbackError, match="rolled back to iteration 4.*cannot go back \\(an iterator\\).*opt.clock"):
+        _pipelined_job(tmp_path / "iterator", batches, 6, indexed=False)
