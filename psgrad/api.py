@@ -24,7 +24,8 @@ from torch import nn
 from psgrad.client.parameter_client import ParameterClient, RowReads
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
-from psgrad.errors import CompressionWarning, ConfigError, EvictedError, PsgradError, RollbackError, WorkerStateError
+from psgrad.errors import (CompressionWarning, ConfigError, EvictedError, InvalidRequestError, PsgradError, RollbackError,
+                           WorkerStateError)
 from psgrad.core.modes import AUTO_STALENESS_MAX, find_mode, mode_of
 from psgrad.core.job import check_overlap, check_row_cache
 from psgrad.core.optimizer_settings import SGD, Adam, ServerOptimizer, check_server_optimizer  # noqa: F401 (Adam: psgrad.api.Adam, as before)
@@ -564,7 +565,11 @@ class PSOptimizer(ScheduledOptimizer):
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             ahead = prefetch if prefetch is not None else self._next_lookups
-            reads = RowReads(self._lookup_ids(ahead), checked=True) if ahead else None
+            try:
+                reads = RowReads(self._lookup_ids(ahead), checked=True) if ahead else None
+            except InvalidRequestError as exc:  # (nothing sent yet: the step can be taken again)
+                raise type(exc)(f"the next batch's rows, which this step fetches ahead (opt.pipeline, "
+                                f"step(prefetch=...)): {exc}; this step pushed nothing") from None
             try:
                 done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:

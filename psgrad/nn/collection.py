@@ -36,8 +36,14 @@ class EmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Mapping[str, tuple[int | None, int]], mode: str = "sum", std: float = 1.0,
                  seed: int = 0) -> None:
         super().__init__()
-        if not tables:
+        if not isinstance(tables, Mapping) or not tables:
             raise ConfigError("an EmbeddingBagCollection needs at least one table: {feature: (num_embeddings, dim)}")
+        for name, shape in tables.items():
+            if not (isinstance(shape, (tuple, list)) and len(shape) == 2
+                    and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in shape)
+                    and shape[1] is not None):
+                raise ConfigError(f"table {name!r}: give (num_embeddings, embedding_dim) as two integers "
+                                  f"(num_embeddings None: a dynamic table, any int64 id), got {shape!r}")
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
         self.bags = nn.ModuleDict({name: EmbeddingBag(None if n is None else int(n), int(d), mode=mode, std=std,
@@ -82,6 +88,14 @@ class EmbeddingBagCollection(nn.Module):
         if missing or unknown:
             raise ConfigError(f"features: missing {sorted(missing)}, unknown {sorted(unknown)}; the tables are "
                               f"{self.features}")
+        for name, (ids, offsets) in parts.items():
+            if not isinstance(ids, torch.Tensor) or not (offsets is None or isinstance(offsets, torch.Tensor)):
+                raise ConfigError(f"feature {name!r}: ids and offsets must be tensors, got "
+                                  f"{type(ids).__name__} and {type(offsets).__name__}")
+        batch = {name: int(ids.shape[0] if offsets is None else offsets.numel()) for name, (ids, offsets) in parts.items()}
+        if len(set(batch.values())) > 1:
+            raise ConfigError(f"features of different batch sizes: {', '.join(f'{n!r} has {b} bags' for n, b in batch.items())}; "
+                              "every feature needs one bag per example (an example without ids: an empty bag)")
         return parts
 
     def lookup(self, features: Any) -> dict[str, torch.Tensor]:
@@ -107,7 +121,8 @@ class EmbeddingBagCollection(nn.Module):
                    for bag, (ids, _), (u, _) in zip(bags, parts, unique)]
         inverses = [inverse for _, inverse in unique]
         if all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # every table's bags in one pass
-            out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean")
+            out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean",
+                                 list(self.bags))
             if out is not None:
                 return out
         return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)
@@ -123,7 +138,11 @@ def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor) 
     """
     if not keys or lengths.numel() % len(keys):
         raise ConfigError(f"keyed features: {lengths.numel()} lengths for {len(keys)} keys")
+    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        raise ConfigError(f"keyed features: lengths must be integers, got {lengths.dtype}")
     lengths = lengths.to(torch.int64)
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ConfigError(f"keyed features: a negative length ({int(lengths.min())}); a bag has 0 ids or more")
     if int(lengths.sum()) != values.numel():
         raise ConfigError(f"keyed features: lengths add up to {int(lengths.sum())}, but there are {values.numel()} ids")
     per_key = lengths.view(len(keys), -1)

@@ -261,6 +261,9 @@ class SparseEmbedding(nn.Module):
         last = self._last_unique
         if last is not None and last[0]() is ids and last[1] == ids._version:
             return last[2], last[3]
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got a "
+                                      f"{type(ids).__name__} (torch.tensor(...) of it)")
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
         return None
@@ -506,7 +509,7 @@ class EmbeddingBag(SparseEmbedding):
             at = int(torch.searchsorted(unique, self.padding_idx))
             padding = at if at < unique.numel() and int(unique[at]) == self.padding_idx else None
         if padding is None and self.plain_bags() and per_sample_weights is None:
-            out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean")
+            out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean", [self.table or "embedding bag"])
             if out is not None:
                 return out
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,

@@ -32,6 +32,7 @@ import torch
 
 from psgrad.core.codecs import joined
 from psgrad.core.compiled import get as _get
+from psgrad.errors import InvalidRequestError
 
 #: Ids x width of one lookup (or rows x width of a table bound to a job; any dynamic table) from which
 #: the kernels start compiling: a process whose lookups and tables are all smaller (a test's, a toy
@@ -89,7 +90,7 @@ def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[t
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
-           offsets: Sequence[torch.Tensor | None], mean: bool) -> torch.Tensor | None:
+           offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = ()) -> torch.Tensor | None:
     """torch.cat([F.embedding_bag(inverse, weight, offset, mode) for each table], dim=1), one
     autograd node for all the tables: weights[t] the rows table t's bags read ([rows, D], one D for
     all), inverses[t] its ids as rows of weights[t] (1-D with offsets[t], the bags' starts, or 2-D:
@@ -97,14 +98,39 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
     by the kernels, one pass each way, where they are compiled, else by torch's ops, with the same
     bits either way (the backward adds a row's gradients in the order of the ids, as index_add_
     does, in both); or None: a lookup this does not serve (see the module doc), or bags that are
-    not valid for torch (then torch's ops, run by the caller, say why)."""
+    not valid for torch (then torch's ops, run by the caller, say why). names: the tables', for
+    the message below.
+
+    Raises:
+        InvalidRequestError: bag offsets that do not start at 0, decrease, or pass the ids' end
+            (torch refuses some of these and pools arbitrary memory for decreasing ones).
+    """
     k = kernels()
     if k is None and sum(int(i.numel()) for i in inverses) * int(weights[0].shape[-1]) >= LOOKUP_KERNEL_MIN:
         kernels(start=True)
     plan = _Plan.make(weights, inverses, offsets, mean, k)
     if plan is None:
+        _check_offsets(inverses, offsets, names)
         return None
     return _Pooled.apply(plan, *weights)
+
+
+def _check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+    """Refuse bag offsets no pooling can take (see pooled), naming the table and the problem."""
+    for t, (i, o) in enumerate(zip(inverses, offsets)):
+        if o is None or not isinstance(o, torch.Tensor) or o.dim() != 1 or not o.numel() or o.is_floating_point():
+            continue  # (torch's ops say what is wrong with those)
+        where = f"table {names[t]!r}" if t < len(names) else "a table"
+        o = o.to("cpu", torch.int64)
+        if int(o[0]) != 0:
+            raise InvalidRequestError(f"{where}: bag offsets must start at 0, got {int(o[0])}")
+        down = torch.nonzero(o[1:] < o[:-1])
+        if down.numel():
+            b = int(down[0]) + 1
+            raise InvalidRequestError(f"{where}: bag offsets must not decrease, got {int(o[b])} after {int(o[b - 1])} "
+                                      f"(bag {b})")
+        if int(o[-1]) > i.numel():
+            raise InvalidRequestError(f"{where}: a bag starts at offset {int(o[-1])}, past the {i.numel()} ids")
 
 
 class _Plan:

@@ -69,6 +69,10 @@ def with_groups(specs: Sequence[ParamSpec], model: nn.Module, groups: Iterable[M
         params = [raw] if isinstance(raw, (torch.Tensor, nn.Module)) else list(raw)
         dense = [p for p in params if not isinstance(p, nn.Module)]
         modules = [p for p in params if isinstance(p, nn.Module)]
+        if not params:
+            raise ConfigError(f"param_groups[{i}] holds no parameter, so its settings would apply to nothing: a psgrad "
+                              "embedding has no local parameters (its rows live on the servers), and its .parameters() "
+                              "are empty; put the module itself in 'params' ([model.<table>])")
         unknown = sorted(set(group) - set(GROUP_KEYS) - (set(allowed) if modules else set()))
         if unknown:
             raise ConfigError(f"param_groups[{i}] has {', '.join(map(repr, unknown))}: a group may set only "

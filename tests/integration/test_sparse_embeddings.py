@@ -265,6 +265,8 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
             model(torch.tensor([[-1, 2, 3]]))
         with pytest.raises(InvalidRequestError, match="must be an integer tensor"):
             model(torch.tensor([[1.0, 2.0, 3.0]]))
+        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64 or int32\\), got a list"):
+            model([[1, 2, 3]])
         with pytest.raises(InvalidRequestError, match="no sparse table 'nope'"):
             opt.client.pull_rows("nope", torch.tensor([1]))
         # the server checks what a client sends, too: a row of another shard, a table it lacks
@@ -298,6 +300,23 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
     with pytest.raises(ConfigError, match="overlap does not go with psgrad embeddings"):
         with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
             ps.optimizer(Ctr(), overlap=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_id_in_the_batch_a_step_fetches_ahead_is_named_and_nothing_is_pushed(make_servers) -> None:  # type: ignore[no-untyped-def]
+    running, model = make_servers(2), Ctr()
+    with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        x = torch.tensor([[1, 2, 3]])
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(x), torch.ones(1)).backward()
+        versions = [s.shard.version for s in running]
+        with pytest.raises(InvalidRequestError, match=f"the next batch's rows, which this step fetches ahead .*row id "
+                                                      f"{ROWS} is out of range.*this step pushed nothing"):
+            opt.step(prefetch={model.emb: torch.tensor([[1, ROWS, 3]])})
+        assert [s.shard.version for s in running] == versions and opt.clock == 0
+        assert opt.step(prefetch={model.emb: x}).accepted  # taken again: applied once
+        assert [s.shard.version for s in running] == [v + 1 for v in versions]
 
 
 @pytest.mark.timeout(60)

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import psgrad
 from psgrad.core import compiled
+from psgrad.errors import ConfigError, InvalidRequestError
 from psgrad.nn import lookups
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,21 +136,31 @@ def test_what_the_kernels_do_not_serve_is_left_to_torch(kernels, monkeypatch) ->
         (weights, inverses, [offsets[0], offsets[1][:-1]]),  # bag counts differ: torch.cat refuses
         ([w.double() for w in weights], inverses, offsets),  # not float32
         (weights, [i.int() for i in inverses], offsets),  # int32 ids
-        (weights, inverses, [offsets[0], offsets[1].flip(0)]),  # bags out of order
-        (weights, inverses, [offsets[0] + 1, offsets[1]]),  # not starting at 0
         (weights, [inverses[0], inverses[1] + 5], offsets),  # a row past the table's
         (weights, inverses, [offsets[0], None]),  # 1-D ids without offsets: torch's error
     ]
-    for w, i, o in refused:
-        assert lookups.pooled(w, i, o, False) is None
+    # Offsets no pooling can take (torch refuses some, and pools arbitrary memory for decreasing
+    # ones): refused by name, with or without the kernels.
+    down = offsets[1].clone()
+    down[2], down[3] = down[3] + 1, down[3]
+    invalid = [
+        ([offsets[0], down], "table 'b': bag offsets must not decrease, got .* \\(bag 3\\)"),
+        ([offsets[0] + 1, offsets[1]], "table 'a': bag offsets must start at 0, got 1"),
+        ([offsets[0], torch.cat([offsets[1][:-1], offsets[1][-1:] + 99])], "table 'b': a bag starts at offset"),
+    ]
+    for compiled_too in (True, False):
+        for w, i, o in refused:
+            assert lookups.pooled(w, i, o, False) is None
+        for o, message in invalid:
+            with pytest.raises(InvalidRequestError, match=message):
+                lookups.pooled(weights, inverses, o, False, ["a", "b"])
+        if compiled_too:
+            compiled_out = lookups.pooled(weights, inverses, offsets, False)
+            monkeypatch.setenv(compiled.ENV, "0")  # (torch's ops then: the same bits)
+            out = lookups.pooled(weights, inverses, offsets, False)
+            assert out is not None and compiled_out is not None and same_bits(out, compiled_out)
     with pytest.raises(ValueError, match="offsets"):  # (torch says what is wrong)
         F.embedding_bag(inverses[1], weights[1], None, mode="sum")
-    compiled_out = lookups.pooled(weights, inverses, offsets, False)
-    monkeypatch.setenv(compiled.ENV, "0")  # (torch's ops then: the same bits)
-    out = lookups.pooled(weights, inverses, offsets, False)
-    assert out is not None and compiled_out is not None and same_bits(out, compiled_out)
-    for w, i, o in refused:
-        assert lookups.pooled(w, i, o, False) is None
 
 
 class Rows:
@@ -234,3 +245,36 @@ def test_a_steps_lookups_of_separate_modules_are_found_in_one_pass(kernels, monk
     assert sorted(calls) == [2, 3]
     expect = {**{n: torch.unique(v) for n, v in x.items()}, **{"ebc." + n: torch.unique(v) for n, v in features.items()}}
     assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+def test_a_collections_features_are_checked_and_refused_by_name() -> None:
+    """What a collection is built from and fed is checked before any lookup: table shapes as two
+    integers, features of one batch size, keyed lengths that are integers >= 0, tensors of ids."""
+    for tables in ({"a": 10}, {"a": (10.5, 4)}, {"a": (10, None)}, {"a": (True, 4)}, {}):
+        with pytest.raises(ConfigError, match="table 'a': give \\(num_embeddings, embedding_dim\\)|at least one table"):
+            psgrad.EmbeddingBagCollection(tables)  # type: ignore[arg-type]
+    ebc = psgrad.EmbeddingBagCollection({"a": (100, 4), "b": (None, 8)})
+    with pytest.raises(ConfigError, match="different batch sizes: 'a' has 3 bags, 'b' has 2 bags"):
+        ebc.split({"a": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])), "b": torch.tensor([[4], [5]])})
+    with pytest.raises(ConfigError, match="feature 'a': ids and offsets must be tensors, got list"):
+        ebc.split({"a": ([1, 2], torch.tensor([0])), "b": torch.tensor([[4]])})
+
+    class Keyed:
+        def __init__(self, lengths: torch.Tensor) -> None:
+            self._lengths = lengths
+
+        def keys(self) -> list[str]:
+            return ["a", "b"]
+
+        def values(self) -> torch.Tensor:
+            return torch.arange(5)
+
+        def lengths(self) -> torch.Tensor:
+            return self._lengths
+
+    with pytest.raises(ConfigError, match="a negative length \\(-1\\)"):
+        ebc.split(Keyed(torch.tensor([4, -1, 1, 1])))
+    with pytest.raises(ConfigError, match="lengths must be integers, got torch.float32"):
+        ebc.split(Keyed(torch.tensor([2.0, 1.0, 1.0, 1.0])))
+    a, b = ebc.split(Keyed(torch.tensor([2, 1, 1, 1]))).values()
+    assert torch.equal(a[1], torch.tensor([0, 2])) and torch.equal(b[0], torch.tensor([3, 4]))

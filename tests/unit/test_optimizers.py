@@ -596,6 +596,8 @@ def test_a_tables_param_group_may_name_an_optimizer_of_its_own() -> None:
         own_table(optimizer=psgrad.Adagrad(), lr=0.1)
     with pytest.raises(ConfigError, match="'betas'.*adagrad's settings"):
         own_table(optimizer="adagrad", betas=(0.9, 0.99))
+    with pytest.raises(ConfigError, match="holds no parameter.*put the module itself in 'params'"):
+        with_groups(params, model, [{"params": model.a.parameters(), "lr": 0.5}], spec, tables)  # (a table's: none)
     with pytest.raises(ConfigError, match="has 'optimizer': a group may set only 'lr' and 'weight_decay' for dense"):
         with_groups(params, model, [{"params": [model.head.weight], "optimizer": "sgd"}], spec, tables)
 
