@@ -44,6 +44,23 @@ def _finite_nonneg(name: str, value: float) -> None:
     _check(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
 
 
+def _check_key_pair(cert: str, key: str) -> None:
+    """Refuse a certificate and key that do not belong together (gRPC would only say so in its log,
+    and a server then fails to bind, a client to connect, as if the port or the network were at fault).
+
+    Raises:
+        ConfigError: naming both files and what OpenSSL found.
+    """
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        raise ConfigError(f"--tls-cert {cert!r} and --tls-key {key!r} are not a certificate and its private key (a "
+                          f"key of another certificate, the two swapped, an encrypted key, or not PEM files): "
+                          f"{exc.reason or exc}") from None
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS files (PEM paths). A server: its certificate and key; with `ca`, it requires client
@@ -61,6 +78,8 @@ class TlsConfig:
             path = getattr(self, name)
             _check(path is None or os.path.isfile(path), f"--tls-{name} {path!r} is not a file")
         _check(self.server_name is None or bool(self.server_name.strip()), "--tls-server-name must not be empty")
+        if self.cert is not None and self.key is not None:
+            _check_key_pair(self.cert, self.key)
 
     def to_argv(self) -> list[str]:
         """The flags that reproduce this config."""

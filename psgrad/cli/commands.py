@@ -25,7 +25,7 @@ from psgrad.cli.status import print_status
 from psgrad.config import REFUSED_GRACE_S, WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec, ServerConfig, WorkerConfig
 from psgrad.core.addresses import REFUSED, refusing_shard
 from psgrad.core.modes import SYNC, mode_named
-from psgrad.errors import ConfigError, ServerUnavailableError
+from psgrad.errors import ConfigError, ServerStartError, ServerUnavailableError
 
 if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
@@ -82,6 +82,11 @@ def serve(
 
 
 def cmd_server(ns: argparse.Namespace) -> int:
+    if ns.port_file:  # (its folder made as --metrics-out's is, before the server binds: a failure named now)
+        try:
+            Path(ns.port_file).absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--port-file {ns.port_file!r}: cannot make its folder: {exc.strerror or exc}") from None
     return serve(server_config(ns), ns.torch_threads, ns.port_file)
 
 
@@ -136,11 +141,18 @@ def worker_exporters(ns: argparse.Namespace, rank: int, steps: int, log: logging
     from psgrad.metrics import exporters
 
     out: list[Exporter] = []
+    if ns.metrics_port is not None:
+        port = ns.metrics_port + rank if ns.metrics_port else 0
+        try:
+            prom = exporters.PrometheusExporter(rank, ns.metrics_host, port)
+        except ImportError as exc:
+            raise ConfigError(f"worker {rank}: {exc}") from None
+        except OSError as exc:  # (as a server's: the address and the flag named, a run-time failure)
+            raise ServerStartError(f"worker {rank}: cannot serve metrics on {ns.metrics_host}:{port} (--metrics-port "
+                                   f"{ns.metrics_port} + rank {rank}): {exc.strerror or exc}") from None
+        out.append(prom)
+        log.info(f"worker {rank}: metrics at {prom.url}")
     try:
-        if ns.metrics_port is not None:
-            prom = exporters.PrometheusExporter(rank, ns.metrics_host, ns.metrics_port + rank if ns.metrics_port else 0)
-            out.append(prom)
-            log.info(f"worker {rank}: metrics at {prom.url}")
         if ns.tensorboard is not None:
             out.append(exporters.TensorBoardExporter(ns.tensorboard, rank))
         if ns.progress == "on" or (ns.progress == "auto" and sys.stderr.isatty()):
@@ -258,10 +270,17 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     def status(addresses: list[str]) -> None:
         print_status(addresses, 10.0, False, keys.admin() if keys else None)
 
-    if ns.checkpoint_dir is not None and not resuming:  # everything checked: record the new job
+    recorded = ns.checkpoint_dir is not None and not resuming
+    if recorded:  # everything checked: record the new job
         jobdir.start_new(Path(ns.checkpoint_dir), ns.raw_argv[1:])
+
+    def ended(code: int) -> int:  # (a launch that failed before any checkpoint leaves no record behind)
+        if code != 0 and recorded:
+            jobdir.forget_unstarted(Path(ns.checkpoint_dir))
+        return code
+
     if ray is not None:
-        return launch_on_ray(ns, ray, worker_args, status)
+        return ended(launch_on_ray(ns, ray, worker_args, status))
     server_args = ["--lease-s", str(ns.lease_s), "--nonfinite", ns.nonfinite, *ops_argv(ns, worker=False),
                    *([] if ns.memory_budget_mb is None else ["--memory-budget-mb", str(ns.memory_budget_mb)]),
                    *(keys.server_argv() if keys else [])]
@@ -296,7 +315,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
               "save nothing there; `psgrad status` counts them); add --compress-same-host to compress them too",
               flush=True)
     try:
-        return run_launch(
+        return ended(run_launch(
             ns.num_servers,
             ns.num_workers,
             shard_args,
@@ -304,7 +323,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             status=status,
             env=env,
             replicas=ns.replicas,
-        )
+        ))
     finally:
         if keys is not None:
             keys.remove()

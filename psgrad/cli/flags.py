@@ -479,8 +479,9 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
          "may take 10 + 100 s); one slower than this for 0.1 s no longer holds up others, who go ahead beside it; "
          "0: no whole-transfer deadline", type=float)
     flag(g, "--max-streams-per-peer", ServerConfig.max_streams_per_peer, "pushes and other client streams one "
-         "connection may have open at once; more are refused for now (workers retry). In all they may take 3/4 of "
-         "--threads", type=positive_int)
+         "caller may have open at once, however many connections it opens (a caller: its authenticated identity, "
+         "a worker rank or the admin, else its host); more are refused for now (workers retry). In all they may "
+         "take 3/4 of --threads", type=positive_int)
     flag(g, "--handshake-timeout-s", ServerConfig.handshake_timeout_s, "close a connection that has not completed "
          "its handshake (TLS, HTTP/2) within this many seconds, so that connections which send nothing cannot hold "
          "the server's file descriptors", type=float)

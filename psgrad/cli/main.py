@@ -37,6 +37,16 @@ def resumed_launch(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # (the output went to `head` or the like, which has read its fill: not an error)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nothing more to flush at exit)
+        return 0
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.raw_argv = list(argv) if argv is not None else sys.argv[1:]
@@ -49,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns = resumed_launch(parser, ns)
         apply_drift(ns)
         return func(ns)
-    except (ConfigError, TaskError) as exc:
-        parser.print_usage(sys.stderr)
+    except (ConfigError, TaskError) as exc:  # (the command's usage in one line: its full one runs to dozens)
+        print(f"usage: psgrad {ns.command} [flags] (psgrad {ns.command} --help: every flag)", file=sys.stderr)
         print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PsgradError as exc:

@@ -151,7 +151,8 @@ def cmd_certs(ns: argparse.Namespace) -> int:
     files = write_job_certs(ns.dir, ns.num_workers, names, ns.days)
     write_job_secret(files.directory, ns.num_workers)
     last = ns.num_workers - 1
-    print(f"psgrad certs: wrote ca.pem, server.pem/.key (valid for {', '.join(names)}, {SERVER_NAME}), admin.pem/"
+    valid = list(dict.fromkeys([*names, SERVER_NAME]))  # (psgrad-server given by name too: once)
+    print(f"psgrad certs: wrote ca.pem, server.pem/.key (valid for {', '.join(valid)}), admin.pem/"
           f".key, worker-0..{last}.pem/.key, {SECRET_FILE} and the tokens derived from it (admin.token, "
           f"worker-0..{last}.token) to {files.directory}")
     return 0

@@ -14,6 +14,9 @@ REFUSED = "refused the connection (nothing listens on that port: is the server r
 def parse_address(text: str) -> str:
     """Validate one HOST:PORT (IPv6 as [::1]:PORT) and return it stripped."""
     addr = text.strip()
+    if "://" in addr or "/" in addr:
+        raise ConfigError(f"malformed server address {text!r}: expected HOST:PORT, without a scheme or a path "
+                          "(gRPC's, not a URL), e.g. 127.0.0.1:7000 or [::1]:7000")
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ConfigError(

@@ -37,6 +37,13 @@ def _flag_value(argv: Sequence[str], name: str) -> tuple[list[str], str | None]:
     return rest, value
 
 
+def forget_unstarted(directory: Path) -> None:
+    """After a launch that failed: remove its record where no shard wrote a checkpoint, so that the
+    directory takes a new launch again (it holds nothing --resume could restore)."""
+    if not any(directory.glob("shard*/ckpt-v*.json")):
+        (directory / RECORD).unlink(missing_ok=True)
+
+
 def start_new(directory: Path, argv: Sequence[str]) -> None:
     """Record a new job's launch command in directory (created) before anything starts.
 

@@ -305,7 +305,10 @@ def run_ray_launch(
         _connect(ray, config, needed)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = config.address or "a new instance on this machine"
-        log(f"[launch] failed: cannot start or reach Ray ({where}): {exc}")
+        hint = ("" if config.address is None or os.environ.get("RAY_AUTH_MODE") else
+                " (a cluster with token authentication, which `ray start` reports, needs RAY_AUTH_MODE=token in this "
+                "command's environment: docs/operations/clusters.md)")
+        log(f"[launch] failed: cannot start or reach Ray ({where}): {exc}{hint}")
         return 1
 
     def on_term(signum: int, _frame: object) -> None:

@@ -116,7 +116,8 @@ _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
      "is unreachable (no route to that address: is it right, is the network up?)", True),
     (("before receiving settings frame", "handshake"),
      "took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
-     "that port, or TLS on one side only?)", True),
+     "that port, TLS on one side only, or a TLS handshake that failed: a --tls-ca that did not sign the server's "
+     "certificate?)", True),
     (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
      "closed the connection (did it stop or crash, or did its TLS refuse this client: plaintext against TLS, "
      "another CA, a missing or expired certificate? The server logs why)", False),

@@ -58,3 +58,14 @@ def test_a_worker_reports_a_refused_port_before_it_imports_torch() -> None:
                        res.stderr)
     assert waited is not None and float(waited.group(1)) >= REFUSED_GRACE_S - 0.05, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_a_url_is_not_a_server_address() -> None:
+    """(`--servers http://host:port` was taken for a host name and failed to resolve after seconds.)"""
+    from psgrad.core.addresses import parse_address, parse_servers
+    from psgrad.errors import ConfigError
+
+    for text in ("http://127.0.0.1:7000", "grpc://h:1", "127.0.0.1:7000/", "h/x:7000"):
+        with pytest.raises(ConfigError, match="without a scheme or a path"):
+            parse_address(text)
+    assert parse_servers("127.0.0.1:7000,[::1]:7001|h:2") == ("127.0.0.1:7000", "[::1]:7001|h:2")

@@ -98,6 +98,27 @@ def test_a_server_config_checks_it_and_hides_its_secret() -> None:
         TlsConfig(ca="/no/such/ca.pem")
 
 
+def test_a_certificate_and_a_key_that_do_not_belong_together_are_named(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """gRPC only logs a mismatched pair, and a server then failed to bind as if its port were taken:
+    the pair is checked where the flags are read, naming both files (a usage error, before binding)."""
+    from psgrad.cli.main import main
+    from psgrad.launch.certs import write_job_certs
+
+    files = write_job_certs(tmp_path / "job", 1, ["psgrad-server"])
+    cert, key = (str(p) for p in files.pair("server"))
+    other_key = str(files.pair("worker-0")[1])
+    assert TlsConfig(cert=cert, key=key).key == key
+    for c, k in ((cert, other_key), (key, cert)):  # another certificate's key; the two swapped
+        with pytest.raises(ConfigError, match="are not a certificate and its private key"):
+            TlsConfig(cert=c, key=k)
+    assert main(["server", "--port", "0", "--tls-cert", cert, "--tls-key", other_key]) == 2
+    err = capsys.readouterr().err
+    assert f"--tls-key {other_key!r} are not a certificate and its private key" in err and "bind" not in err
+    assert err.startswith("usage: psgrad server [flags] (psgrad server --help: every flag)\n")
+    assert main(["certs", str(tmp_path / "again"), "--num-workers", "1", "--names", "psgrad-server,node-1"]) == 0
+    assert "(valid for psgrad-server, node-1)" in capsys.readouterr().out  # (each name once)
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(list(argv))
 
@@ -121,18 +142,23 @@ def test_secrets_come_from_files_or_the_environment(tmp_path: Path) -> None:
     assert {f for f in flags if "secret" in f or "token" in f} == named
 
 
-def test_run_gives_each_worker_its_own_certificate() -> None:
-    ns = _parse("run", "--tls-cert", __file__, "--tls-key", __file__, "--tls-ca", __file__,
+def test_run_gives_each_worker_its_own_certificate(tmp_path: Path) -> None:
+    from psgrad.launch.certs import write_job_certs
+
+    files = write_job_certs(tmp_path, 1, ["psgrad-server"])
+    cert, key = (str(p) for p in files.pair("server"))
+    ca = str(files.ca)
+    ns = _parse("run", "--tls-cert", cert, "--tls-key", key, "--tls-ca", ca,
                 "--tls-worker-cert", "/c/worker-{rank}.pem", "--tls-worker-key", "/c/worker-{rank}.key")
     server = tls_config(ns, client=False)
-    assert server is not None and (server.cert, server.ca) == (__file__, __file__)
+    assert server is not None and (server.cert, server.ca) == (cert, ca)
     with pytest.raises(ConfigError, match="worker-3.pem"):  # rank 3's file, which does not exist here
         tls_config(ns, client=True, rank=3)
-    plain = _parse("run", "--tls-cert", __file__, "--tls-key", __file__, "--tls-ca", __file__)
+    plain = _parse("run", "--tls-cert", cert, "--tls-key", key, "--tls-ca", ca)
     server = tls_config(plain, client=False)
     assert server is not None and server.ca is None  # no worker certificates: none required
     client = tls_config(plain, client=True, rank=0)
-    assert client is not None and (client.ca, client.cert) == (__file__, None)  # TLS servers: TLS workers
+    assert client is not None and (client.ca, client.cert) == (ca, None)  # TLS servers: TLS workers
 
 
 def test_a_launched_job_hands_each_worker_its_token_and_never_the_secret(tmp_path: Path) -> None:

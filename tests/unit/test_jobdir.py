@@ -34,6 +34,19 @@ def test_a_directory_that_holds_a_job_is_not_reused_for_a_new_one(tmp_path: Path
         jobdir.start_new(tmp_path / "file", [])
 
 
+def test_a_launch_that_failed_before_any_checkpoint_leaves_the_directory_to_a_new_one(tmp_path: Path) -> None:
+    """(A Ray cluster that refused the driver left a record and nothing else, and the same command then
+    answered that the directory held a job's checkpoints.)"""
+    jobdir.start_new(tmp_path, ["--steps", "1"])
+    jobdir.forget_unstarted(tmp_path)
+    jobdir.start_new(tmp_path, ["--steps", "2"])  # taken again
+    (tmp_path / "shard0").mkdir()
+    (tmp_path / "shard0" / "ckpt-v000000000004.json").write_text("{}")
+    jobdir.forget_unstarted(tmp_path)  # a checkpoint: the record stays, for --resume
+    with pytest.raises(ConfigError, match="--resume"):
+        jobdir.start_new(tmp_path, ["--steps", "1"])
+
+
 def test_resume_refusals_name_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no launch.json"):
         jobdir.resume_argv(tmp_path, [])

@@ -1,0 +1,62 @@
+"""Command-line failures an outside check met, each named instead of a traceback, a hang or a
+misleading word: a worker's metrics port in use, a --port-file in a folder not made yet, output cut
+short by `head`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from psgrad.cli.commands import worker_exporters
+from psgrad.errors import ServerStartError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_workers_metrics_port_in_use_names_the_port_and_the_flag() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ns = argparse.Namespace(metrics_port=port - 1, metrics_host="127.0.0.1", tensorboard=None, progress="off")
+        with pytest.raises(ServerStartError, match=f"worker 1: cannot serve metrics on 127.0.0.1:{port} "
+                                                   f"\\(--metrics-port {port - 1} \\+ rank 1\\)"):
+            worker_exporters(ns, 1, 10, logging.getLogger("test"))
+
+
+def test_a_servers_port_file_folder_is_made_as_the_metrics_files_are(tmp_path: Path) -> None:
+    port_file = tmp_path / "not" / "yet" / "ps0"
+    proc = subprocess.Popen([sys.executable, "-m", "psgrad", "server", "--port", "0", "--port-file", str(port_file)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 45
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no port file"
+            time.sleep(0.05)
+        assert port_file.read_text().strip().startswith("127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_output_cut_short_is_not_an_error(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """`psgrad status ... | head -2` printed a BrokenPipeError traceback: a reader that has read its
+    fill is not a failure (here the reader is gone before the first line)."""
+    server = make_servers(1)[0]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "psgrad", "status", "--servers", server.address], cwd=REPO,
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=50)
+    finally:
+        os.close(write)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
