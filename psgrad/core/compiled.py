@@ -8,9 +8,11 @@ sparse tables' initial rows (core/rows.py), which servers, workers and exports s
 worker's lookup in its embedding tables: unique ids and pooled bags (nn/lookups.py)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +54,20 @@ def get(kind: str, make: Callable[[], Any], start: bool, wait: bool) -> Any:
     if wait:
         compiled.done.wait(120)
     return compiled.fn
+
+
+def _wait_at_exit(timeout_s: float = 120.0) -> None:
+    """At the interpreter's exit, let this process's compiles in flight end first: numba's compiler
+    (LLVM) still running on its daemon thread while the interpreter finalizes aborts the process
+    ("terminate called without an active exception", exit 134), which a script that ended within
+    a second or two of a table's first lookup met."""
+    deadline = time.monotonic() + timeout_s
+    for (pid, _), compiled in list(_BY_PID.items()):
+        if pid == os.getpid():
+            compiled.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_wait_at_exit)
 
 
 def _compile(compiled: _Compiled, kind: str, make: Callable[[], Any]) -> None:

@@ -142,7 +142,8 @@ def test_a_server_that_takes_tcp_but_never_speaks_grpc_is_named_so() -> None:
     assert str(info.value) == (
         f"server {address} did not answer the join request within 1 s (deadline exceeded): a second call found that "
         "it took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on that "
-        "port, or TLS on one side only?)"
+        "port, TLS on one side only, or a TLS handshake that failed: a --tls-ca that did not sign the server's "
+        "certificate?)"
     )
 
 

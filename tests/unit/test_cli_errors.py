@@ -1,6 +1,6 @@
 """Command-line failures an outside check met, each named instead of a traceback, a hang or a
 misleading word: a worker's metrics port in use, a --port-file in a folder not made yet, output cut
-short by `head`."""
+short by `head`; a script that ends while kernels compile."""
 from __future__ import annotations
 
 import argparse
@@ -60,3 +60,27 @@ def test_output_cut_short_is_not_an_error(make_servers) -> None:  # type: ignore
     finally:
         os.close(write)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+_EXIT_WHILE_COMPILING = """
+import sys, time
+from psgrad.core import compiled
+
+def make():
+    time.sleep(1.0)  # (a compile still running when the script ends)
+    open(sys.argv[1], "w").write("compiled")
+    return object()
+
+compiled.get("test-kind", make, start=True, wait=False)
+"""
+
+
+def test_a_script_that_ends_while_kernels_compile_waits_for_them(tmp_path: Path) -> None:
+    """Numba's compiler still running on its daemon thread as the interpreter finalized aborted the
+    process (exit 134, "terminate called without an active exception"): a short script that ended
+    within a second or two of a table's first lookup met it. The exit now waits for compiles in flight."""
+    done = tmp_path / "done"
+    res = subprocess.run([sys.executable, "-c", _EXIT_WHILE_COMPILING, str(done)], cwd=REPO, capture_output=True,
+                         text=True, timeout=50)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert done.read_text() == "compiled"  # the compile ended before the process did
