@@ -150,9 +150,12 @@ def _pipelined_job(tmp_path: Path, batches: list, restart_at: int | None, indexe
                     rolled.append(stats.rolled_back_to)
                 if restart_at is not None and opt.clock == restart_at and not rolled:
                     _written(tmp_path, restart_at)
+                    port = int(servers[0].address.rsplit(":", 1)[1])
+                    servers[0].stop(0)  # (its checkpoint writer stopped with it: nothing written after this)
                     for f in (tmp_path / "shard0").glob(f"ckpt-v{restart_at:012d}.*"):
                         f.unlink()  # shard 0 comes back at iteration restart_at - 2
-                    _restart(servers, 0, tmp_path / "shard0")
+                    assert checkpoint.versions(tmp_path / "shard0")[0] == restart_at - 2
+                    servers[0] = _server(tmp_path / "shard0", port)
             snaps = [s.shard.core.state.tables["emb"].snapshot().tensors for s in servers]
             ids = torch.cat([t["ids"] for t in snaps])
             table = torch.cat([t["values"] for t in snaps])[torch.argsort(ids)]  # (by id: a restore stores them anew)
