@@ -125,6 +125,7 @@ class EmbeddingBagCollection(nn.Module):
                                  list(self.bags))
             if out is not None:
                 return out
+        lookups.check_offsets(inverses, [offsets for _, offsets in parts], list(self.bags))  # (max bags: torch's pooling)
         return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)
                           for bag, weight, inverse, (_, offsets) in zip(bags, weights, inverses, parts)], dim=1)
 

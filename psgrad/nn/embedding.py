@@ -512,6 +512,8 @@ class EmbeddingBag(SparseEmbedding):
             out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean", [self.table or "embedding bag"])
             if out is not None:
                 return out
+        if offsets is not None:  # (max bags, padding_idx, ...: torch's pooling, which does not check all of them)
+            lookups.check_offsets([inverse], [offsets], [self.table or "embedding bag"])
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                scale_grad_by_freq=self.scale_grad_by_freq,
                                include_last_offset=self.include_last_offset, padding_idx=padding)

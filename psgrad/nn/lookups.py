@@ -110,13 +110,18 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
         kernels(start=True)
     plan = _Plan.make(weights, inverses, offsets, mean, k)
     if plan is None:
-        _check_offsets(inverses, offsets, names)
+        check_offsets(inverses, offsets, names)
         return None
     return _Pooled.apply(plan, *weights)
 
 
-def _check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
-    """Refuse bag offsets no pooling can take (see pooled), naming the table and the problem."""
+def check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
+    """Refuse bag offsets no pooling can take (see pooled; torch's embedding_bag pools arbitrary
+    memory for decreasing ones), naming the table and the problem.
+
+    Raises:
+        InvalidRequestError: offsets that do not start at 0, decrease, or pass the ids' end.
+    """
     for t, (i, o) in enumerate(zip(inverses, offsets)):
         if o is None or not isinstance(o, torch.Tensor) or o.dim() != 1 or not o.numel() or o.is_floating_point():
             continue  # (torch's ops say what is wrong with those)

@@ -278,3 +278,21 @@ def test_a_collections_features_are_checked_and_refused_by_name() -> None:
         ebc.split(Keyed(torch.tensor([2.0, 1.0, 1.0, 1.0])))
     a, b = ebc.split(Keyed(torch.tensor([2, 1, 1, 1]))).values()
     assert torch.equal(a[1], torch.tensor([0, 2])) and torch.equal(b[0], torch.tensor([3, 4]))
+
+
+@pytest.mark.parametrize("options", [{"mode": "max"}, {"mode": "sum", "padding_idx": 0}, {"mode": "sum"}])
+def test_bag_offsets_are_checked_on_every_pooling_path(options) -> None:  # type: ignore[no-untyped-def]
+    """Decreasing offsets: refused by name on the compiled path and on torch's (max bags, padding),
+    where torch's embedding_bag pooled arbitrary memory (a collection of max bags likewise)."""
+    tables = {"t": torch.randn(10, 4, generator=torch.Generator().manual_seed(1))}
+    bag = psgrad.EmbeddingBag(10, 4, **options)
+    bag.bind("t", Rows(tables))
+    ids = torch.tensor([1, 2, 3, 4])
+    assert bag(ids, torch.tensor([0, 1, 3])).shape == (3, 4)
+    with pytest.raises(InvalidRequestError, match="table 't': bag offsets must not decrease, got 1 after 3 \\(bag 2\\)"):
+        bag(ids, torch.tensor([0, 3, 1]))
+    if options["mode"] == "max":
+        ebc = psgrad.EmbeddingBagCollection({"t": (10, 4)}, mode="max")
+        ebc.bags["t"].bind("t", Rows(tables))
+        with pytest.raises(InvalidRequestError, match="table 't': bag offsets must start at 0"):
+            ebc({"t": (ids, torch.tensor([1, 3]))})
