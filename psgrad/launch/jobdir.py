@@ -37,10 +37,15 @@ def _flag_value(argv: Sequence[str], name: str) -> tuple[list[str], str | None]:
     return rest, value
 
 
+def _has_checkpoints(directory: Path) -> bool:
+    """Whether a shard of the job in directory wrote a checkpoint."""
+    return any(directory.glob("shard*/ckpt-v*.json"))
+
+
 def forget_unstarted(directory: Path) -> None:
     """After a launch that failed: remove its record where no shard wrote a checkpoint, so that the
     directory takes a new launch again (it holds nothing --resume could restore)."""
-    if not any(directory.glob("shard*/ckpt-v*.json")):
+    if not _has_checkpoints(directory):
         (directory / RECORD).unlink(missing_ok=True)
 
 
@@ -52,7 +57,7 @@ def start_new(directory: Path, argv: Sequence[str]) -> None:
     """
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--checkpoint-dir {directory} is a file, not a directory")
-    if (directory / RECORD).exists() or any(directory.glob("shard*/ckpt-v*.json")):
+    if (directory / RECORD).exists() or _has_checkpoints(directory):
         raise ConfigError(
             f"{directory} already holds a job's checkpoints: start it again with --resume {directory}, "
             "or give a new job a directory of its own"

@@ -123,9 +123,10 @@ class EmbeddingBagCollection(nn.Module):
         if all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # every table's bags in one pass
             out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean",
                                  list(self.bags))
-            if out is not None:
+            if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
                 return out
-        lookups.check_offsets(inverses, [offsets for _, offsets in parts], list(self.bags))  # (max bags: torch's pooling)
+        else:  # (max bags: torch's pooling)
+            lookups.check_offsets(inverses, [offsets for _, offsets in parts], list(self.bags))
         return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)
                           for bag, weight, inverse, (_, offsets) in zip(bags, weights, inverses, parts)], dim=1)
 

@@ -510,9 +510,9 @@ class EmbeddingBag(SparseEmbedding):
             padding = at if at < unique.numel() and int(unique[at]) == self.padding_idx else None
         if padding is None and self.plain_bags() and per_sample_weights is None:
             out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean", [self.table or "embedding bag"])
-            if out is not None:
+            if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
                 return out
-        if offsets is not None:  # (max bags, padding_idx, ...: torch's pooling, which does not check all of them)
+        elif offsets is not None:  # (max bags, padding_idx, ...: torch's pooling, which does not check all of them)
             lookups.check_offsets([inverse], [offsets], [self.table or "embedding bag"])
         return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                scale_grad_by_freq=self.scale_grad_by_freq,
