@@ -196,6 +196,7 @@ def cli_in_process(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> s
 
     psgrad_log = logging.getLogger("psgrad")
     saved = (list(psgrad_log.handlers), psgrad_log.level, psgrad_log.propagate)
+    verbosity = os.environ.get("GRPC_VERBOSITY")  # (main sets it for the command's children)
     capsys.readouterr()
     try:
         rc = main(list(args))
@@ -203,6 +204,10 @@ def cli_in_process(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> s
         rc = exc.code if isinstance(exc.code, int) else 2
     finally:
         psgrad_log.handlers[:], psgrad_log.level, psgrad_log.propagate = saved
+        if verbosity is None:
+            os.environ.pop("GRPC_VERBOSITY", None)
+        else:
+            os.environ["GRPC_VERBOSITY"] = verbosity
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["psgrad", *args], rc, out, err)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -77,3 +78,11 @@ def configure(level: str = "info", fmt: str = "text", stamped: bool = False) -> 
         root.addHandler(handler)
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def quiet_grpc(level: str) -> None:
+    """Keep gRPC's own log lines (E1201 12:00:00.000 ... add_port.cc] ...) off the console unless
+    `level` is debug: psgrad names the problems they report in its own words (a port in use, a
+    failed handshake, an unreachable server), and a stray line breaks a --log-format json stream.
+    GRPC_VERBOSITY set by the user wins. Must run before grpc is imported (it reads it once)."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if level == "debug" else "NONE")

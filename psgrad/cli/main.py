@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from psgrad.cli import logs
 from psgrad.cli.flags import apply_drift
-from psgrad.cli.parser import build_parser
+from psgrad.cli.parser import build_parser, one_line_usage
 from psgrad.errors import ConfigError, PsgradError, TaskError
 
 EXIT_USAGE = 2
@@ -54,13 +54,14 @@ def _run(argv: Sequence[str] | None) -> int:
     # A server's lines carry their time and level (`psgrad run` may be one); a worker's and the
     # launcher's console stay as they read.
     logs.configure(ns.log_level, ns.log_format, stamped=ns.command in ("server", "run"))
+    logs.quiet_grpc(ns.log_level)  # (before any command imports grpc)
     try:
         if ns.command == "launch" and ns.resume is not None:
             ns = resumed_launch(parser, ns)
         apply_drift(ns)
         return func(ns)
     except (ConfigError, TaskError) as exc:  # (the command's usage in one line: its full one runs to dozens)
-        print(f"usage: psgrad {ns.command} [flags] (psgrad {ns.command} --help: every flag)", file=sys.stderr)
+        print(one_line_usage(ns.command), file=sys.stderr)
         print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PsgradError as exc:

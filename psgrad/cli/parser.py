@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any, NoReturn, cast
 
 from psgrad import __version__
 from psgrad.cli.launch_ray import add_ray_args
@@ -226,13 +227,40 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     co.set_defaults(func=cmd_compare)
 
 
+def one_line_usage(command: str) -> str:
+    """A command's usage in one line, before its error (its full usage runs to dozens of lines)."""
+    return f"usage: psgrad {command} [flags] (psgrad {command} --help: every flag)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose commands' usage errors read as psgrad's own: the command's one-line
+    usage, then `psgrad COMMAND: error: ...` (exit 2), for an unknown flag too (argparse blames the
+    top-level parser for those)."""
+
+    commands: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str) -> NoReturn:
+        if self.prog == "psgrad":
+            super().error(message)
+        command = self.prog.removeprefix("psgrad ")
+        self.exit(2, f"{one_line_usage(command)}\n{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.commands.get(getattr(ns, "command", ""), self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="psgrad",
         description="psgrad: sharded gRPC parameter servers and workers for data-parallel PyTorch training.",
     )
     parser.add_argument("--version", action="version", version=f"psgrad {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",  # (its parsers are Parsers)
+               parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    parser.commands = sub.choices
     _add_server(sub)
     _add_workers(sub)
     _add_launch(sub)

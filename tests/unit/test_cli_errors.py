@@ -1,6 +1,7 @@
 """Command-line failures an outside check met, each named instead of a traceback, a hang or a
 misleading word: a worker's metrics port in use, a --port-file in a folder not made yet, output cut
-short by `head`; a script that ends while kernels compile."""
+short by `head`; a script that ends while kernels compile; a usage error shown with the top-level
+usage or its command's usage of dozens of lines."""
 from __future__ import annotations
 
 import argparse
@@ -84,3 +85,22 @@ def test_a_script_that_ends_while_kernels_compile_waits_for_them(tmp_path: Path)
                          text=True, timeout=50)
     assert res.returncode == 0, res.stderr[-2000:]
     assert done.read_text() == "compiled"  # the compile ended before the process did
+
+
+@pytest.mark.parametrize("argv, command, error", [
+    (["server", "--bogus", "1"], "server", "unrecognized arguments: --bogus 1"),  # (argparse blamed `psgrad`)
+    (["server", "--port", "abc"], "server", "argument --port: invalid int value: 'abc'"),
+    (["launch", "--num-workers", "two"], "launch", "argument --num-workers"),
+])
+def test_a_usage_error_shows_its_commands_usage_in_one_line(argv: list[str], command: str, error: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    from psgrad.cli.parser import build_parser
+
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"usage: psgrad {command} [flags] (psgrad {command} --help: every flag)"
+    assert lines[1].startswith(f"psgrad {command}: error: {error}") and len(lines) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bogus"])  # (no command: the top-level usage, which names them)
+    assert "choose from 'server'" in capsys.readouterr().err
