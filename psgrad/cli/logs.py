@@ -82,7 +82,9 @@ def configure(level: str = "info", fmt: str = "text", stamped: bool = False) -> 
 
 def quiet_grpc(level: str) -> None:
     """Keep gRPC's own log lines (E1201 12:00:00.000 ... add_port.cc] ...) off the console unless
-    `level` is debug: psgrad names the problems they report in its own words (a port in use, a
-    failed handshake, an unreachable server), and a stray line breaks a --log-format json stream.
-    GRPC_VERBOSITY set by the user wins. Must run before grpc is imported (it reads it once)."""
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if level == "debug" else "NONE")
+    `level` is debug: psgrad names the problems they report in its own words (a port in use, an
+    unreachable server), and a stray line breaks a --log-format json stream. At debug gRPC logs
+    from info up, where a server says why a peer's TLS handshake failed (at its default, error,
+    it says nothing of them). GRPC_VERBOSITY set by the user wins. Must run before grpc is
+    imported (it reads it once); children (launch's) inherit it."""
+    os.environ.setdefault("GRPC_VERBOSITY", "INFO" if level == "debug" else "NONE")

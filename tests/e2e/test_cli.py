@@ -44,7 +44,7 @@ def test_server_on_a_port_in_use_fails_loudly(start_servers) -> None:  # type: i
     assert "add_port" not in res.stderr  # gRPC's own line stays off the console: psgrad said it
     debug = run_python(["-m", "psgrad", "server", "--port", port, "--log-level", "debug"], timeout_s=60,
                        env={**env, "PSGRAD_PRELOAD": "0"})
-    assert debug.returncode != 0 and "add_port" in debug.stderr
+    assert debug.returncode != 0 and "add_port" in debug.stderr  # (gRPC's lines from its info level up)
 
 
 def test_worker_exits_within_its_deadline_when_the_server_does_not_answer() -> None:
