@@ -80,11 +80,13 @@ def configure(level: str = "info", fmt: str = "text", stamped: bool = False) -> 
     root.propagate = False
 
 
-def quiet_grpc(level: str) -> None:
-    """Keep gRPC's own log lines (E1201 12:00:00.000 ... add_port.cc] ...) off the console unless
-    `level` is debug: psgrad names the problems they report in its own words (a port in use, an
-    unreachable server), and a stray line breaks a --log-format json stream. At debug gRPC logs
-    from info up, where a server says why a peer's TLS handshake failed (at its default, error,
-    it says nothing of them). GRPC_VERBOSITY set by the user wins. Must run before grpc is
-    imported (it reads it once); children (launch's) inherit it."""
-    os.environ.setdefault("GRPC_VERBOSITY", "INFO" if level == "debug" else "NONE")
+def quiet_grpc(level: str, command: str) -> None:
+    """Keep gRPC's own log lines off a client command's console unless `level` is debug: psgrad
+    names the problems they report in its own words, and a stray line breaks a --log-format json
+    stream. A server's console keeps gRPC's default (`server`, `run`, and `launch`, whose children
+    inherit the environment): there gRPC logs why a peer's TLS handshake failed, the only record
+    of it. GRPC_VERBOSITY set by the user wins. Must run before grpc is imported (it reads it once)."""
+    if level == "debug":
+        os.environ.setdefault("GRPC_VERBOSITY", "INFO")
+    elif command not in ("server", "run", "launch"):
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")

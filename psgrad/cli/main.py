@@ -54,7 +54,7 @@ def _run(argv: Sequence[str] | None) -> int:
     # A server's lines carry their time and level (`psgrad run` may be one); a worker's and the
     # launcher's console stay as they read.
     logs.configure(ns.log_level, ns.log_format, stamped=ns.command in ("server", "run"))
-    logs.quiet_grpc(ns.log_level)  # (before any command imports grpc)
+    logs.quiet_grpc(ns.log_level, ns.command)  # (before any command imports grpc)
     try:
         if ns.command == "launch" and ns.resume is not None:
             ns = resumed_launch(parser, ns)

@@ -120,7 +120,7 @@ _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
      "certificate?)", True),
     (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
      "closed the connection (did it stop or crash, or did its TLS refuse this client: plaintext against TLS, "
-     "another CA, a missing or expired certificate? A server run with --log-level debug logs why)", False),
+     "another CA, a missing or expired certificate? The server logs why)", False),
 )
 
 
