@@ -104,3 +104,19 @@ def test_a_usage_error_shows_its_commands_usage_in_one_line(argv: list[str], com
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bogus"])  # (no command: the top-level usage, which names them)
     assert "choose from 'server'" in capsys.readouterr().err
+
+
+def test_grpcs_own_lines_are_muted_on_client_commands_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's console keeps gRPC's default (why a peer's handshake failed: see test_security);
+    a client's is muted; debug shows them anywhere; a GRPC_VERBOSITY the user set wins."""
+    from psgrad.cli import logs
+
+    for level, command, expected in (("info", "worker", "NONE"), ("warning", "status", "NONE"),
+                                     ("info", "server", None), ("info", "launch", None), ("info", "run", None),
+                                     ("debug", "worker", "INFO"), ("debug", "server", "INFO")):
+        monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+        logs.quiet_grpc(level, command)
+        assert os.environ.get("GRPC_VERBOSITY") == expected, (level, command)
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    logs.quiet_grpc("info", "worker")
+    assert os.environ["GRPC_VERBOSITY"] == "ERROR"
