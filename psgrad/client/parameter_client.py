@@ -680,20 +680,23 @@ class ParameterClient:
     def gradient_buffer(self) -> torch.Tensor | None:
         """A float32 buffer of the flat space in shared memory that pushes of it are not copied
         from (a zero-copy push: each shard's server on this host reads its range in place; others
-        are sent frames from it), or None: no shard on this host, or not a float32 wire. Valid
-        while the client is open; write it only between pushes (a push returns once read)."""
+        are sent frames from it), or None: no shard on this host lends its versions (see _lends), or
+        not a float32 wire. Valid while the client is open; write it only between pushes (a push
+        returns once read). No call writes it: the weights come back elsewhere."""
         compressed_here = self.spec.compress != "none" and self.config.compress_same_host
         if not self.plan.total:  # (a model of tables alone: no dense gradient to lend)
             return None
-        if (self.spec.wire_dtype == "float32" and not compressed_here and self._gradient is None
-                and any(s.same_host for s in self.shards)):
+        # Only where the shard lends its versions too (a range of at least LEND_MIN_BYTES): the
+        # weights then come back in a ring slot, never into the caller's gradient; a smaller range
+        # is copied into the shard's own segment, which the weights come back in.
+        lending = [i for i, s in enumerate(self.shards) if s.same_host and self._lends(i, self._pull_wires[i])]
+        if self.spec.wire_dtype == "float32" and not compressed_here and self._gradient is None and lending:
             try:
                 self._gradient = shm.Shared(4 * self.plan.total)
             except OSError:
                 return None
-            for i, s in enumerate(self.shards):
-                if s.same_host:
-                    s.lend_window(self._gradient.window(4 * self.plan.ranges[i][0], self._push_wires[i].nbytes))
+            for i in lending:
+                self.shards[i].lend_window(self._gradient.window(4 * self.plan.ranges[i][0], self._push_wires[i].nbytes))
         return None if self._gradient is None else torch.frombuffer(self._gradient.payload, dtype=torch.float32)
 
     def rollback(self, attempts: int = 5) -> int:

@@ -236,9 +236,9 @@ class SharedMemoryTransport:
     def lend_window(self, window: shm.Window) -> bool:
         """Make `window` (this shard's range of the caller's gradient buffer, a shared segment: see
         ParameterClient.gradient_buffer) this shard's segment: pushes of it are read in place.
-        Pulls that do not ask for a lent version then use frames; one that asks and finds no free
-        slot in the server's ring (more workers than num_workers) gets the weights copied into it,
-        after its push was read (a step's gradient is consumed). False (the window is retired):
+        No call writes it: pulls that are not lent a version (no free slot in the server's ring:
+        more workers than num_workers) use frames, and a Step call's weights then come back in
+        its reply. False (the window is retired):
         shared memory was refused, or a transfer is using the segment now; this shard's part is
         then copied."""
         if not self.usable:
@@ -296,6 +296,9 @@ class SharedMemoryTransport:
             first, call = self._client._pull_header_only.with_call(
                 req, timeout=t, metadata=self._pull_metadata(seg, published))
         except grpc.RpcError as exc:
+            if seg.lent and (shm.METADATA_KEY, shm.NOT_LENT) in _trailing(exc):
+                seg.lock.release()  # no slot to lend: the weights come through frames, never into the gradient
+                return self.frames.pull(req, dest, wire)
             if self._shared_failed(seg, exc):
                 return self.frames.pull(req, dest, wire)
             raise reconnect.as_error(exc, self._client.address, self._client.diagnose, "the pull", t) from None
@@ -339,7 +342,7 @@ class SharedMemoryTransport:
     def _shared_failed(self, seg: shm.AnySegment, exc: grpc.RpcError) -> bool:
         """A same-host call failed: retire its segment (the server may still be using it), and say
         whether the transfer should be redone through frames (refused, or worth a retry)."""
-        trailing = tuple(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ()
+        trailing = _trailing(exc)
         refused = (shm.METADATA_KEY, shm.REFUSED) in trailing
         if refused or not any(key == ERROR_METADATA_KEY for key, _ in trailing):
             # Refused, or the call ended without the server's answer, which may still be using
@@ -399,9 +402,17 @@ class SharedMemoryTransport:
                 self.view = None
                 after = pb.PullRequest(rank=header.rank, clock=header.clock + 1, fingerprint=header.fingerprint)
                 return reply.push, self.frames.pull(after, dest, wire), got
-            if not lent:
-                wire.load(dest, seg.payload[: wire.nbytes])
+            if not lent:  # in the segment, or in the reply where the segment is the caller's gradient
+                if seg.lent and len(reply.data) != wire.nbytes:
+                    raise InvalidRequestError(f"server {self._client.address}: a step reply of {len(reply.data)} "
+                                              f"bytes of weights, expected {wire.nbytes}")
+                wire.load(dest, memoryview(reply.data) if seg.lent else seg.payload[: wire.nbytes])
             seg.unlink()  # the server has it open
         finally:
             seg.lock.release()
         return reply.push, int(reply.pull.version), got
+
+
+def _trailing(exc: grpc.RpcError) -> tuple[tuple[str, str], ...]:
+    """A failed call's trailing metadata (none where it never reached a server)."""
+    return tuple(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ()

@@ -363,6 +363,9 @@ class ParameterServicer:
             seg = self._shared_segment(context, req.rank, frames.nbytes)
             assert seg is not None
             if req.observe or not self._publish(context, req.rank, frames):
+                if seg.window:  # the worker's gradient, never written: it pulls through frames instead
+                    context.set_trailing_metadata(((shm.METADATA_KEY, shm.NOT_LENT),))
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no free slot to lend the version in")
                 frames.copy_into(seg.payload[: frames.nbytes])
             yield header
         finally:
@@ -391,6 +394,9 @@ class ParameterServicer:
             frames.close()
         header = pb.PullFrame(header=head).SerializeToString()
         if seg is not None:
+            if seg.window:  # (the worker's gradient, never written; its compressed pulls are never lent)
+                context.set_trailing_metadata(((shm.METADATA_KEY, shm.NOT_LENT),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a compressed pull names the worker's gradient")
             copy_bytes(seg.payload[: len(payload)], payload)
             yield header
             return
@@ -538,10 +544,12 @@ class ParameterServicer:
             if rows and not in_segment:
                 reply += [bytes_field_prefix(STEP_REPLY_ROWS, sum(len(r) for r in rows)), *rows]
             nbytes = frames.nbytes if payload is None else len(payload)
-            if seg is not None:
+            if seg is not None and payload is None and self._publish(context, h.rank, frames):
+                return b"".join(reply)
+            if seg is not None and not seg.window:  # (a window is the worker's gradient: never written)
                 if payload is not None:
                     copy_bytes(seg.payload[:nbytes], payload)
-                elif not self._publish(context, h.rank, frames):
+                else:
                     frames.copy_into(seg.payload[:nbytes])
                 return b"".join(reply)
             data: bytes | memoryview | bytearray

@@ -31,6 +31,7 @@ SHM_DIR = "/dev/shm"
 METADATA_KEY = "psgrad-shm"
 ROWS_METADATA_KEY = "psgrad-rows-shm"  # a Step call's segment for the rows its reply reads (see ps.proto)
 REFUSED = "unavailable"  # the server's answer (trailing metadata) when it cannot use the segment
+NOT_LENT = "not-lent"  # its answer to a pull naming a window (see Window) when it could not lend the version
 SUPPORTED = "supported"  # the server's Join answer (initial metadata): "supported;HOST", it takes segments
 _MAGIC = b"psgrad-shm-v1\0\0\0"  # 16 bytes
 _NONCE_BYTES = 16
@@ -255,8 +256,10 @@ def unmap(view: memoryview, mapped: mmap.mmap) -> None:
 class Attached:
     """A server's mapping of a worker's segment."""
 
-    def __init__(self, name: str, nbytes: int, payload: memoryview, keep: mmap.mmap) -> None:
+    def __init__(self, name: str, nbytes: int, payload: memoryview, keep: mmap.mmap, window: bool = False) -> None:
         self.name = name
+        # A window of the worker's gradient buffer (its parameters' .grad): read, never written.
+        self.window = window
         self.nbytes = nbytes
         self.payload = payload
         self._map = keep
@@ -312,4 +315,4 @@ def attach(value: str, nbytes: int) -> Attached:
         mapped.close()
         raise SharedMemoryUnavailable(f"segment {name} is not the one described")
     start = HEADER_BYTES + offset
-    return Attached(name, nbytes, memoryview(mapped)[start : start + nbytes], mapped)
+    return Attached(name, nbytes, memoryview(mapped)[start : start + nbytes], mapped, window=bool(window))

@@ -157,6 +157,34 @@ def test_an_evicted_workers_version_is_freed_with_its_lease(server: RunningServe
         assert len(seen) == 2 and publisher.held() == {1: 4}
 
 
+def test_no_call_writes_the_callers_gradient(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradient buffer is the model's .grad: a version that cannot be lent (no free slot in
+    the ring) comes back in the Step call's reply, or through frames for a pull, never into it
+    (the weights once overwrote the gradient there). Below the lending size no window is lent."""
+    from psgrad.server.publisher import Publisher
+
+    monkeypatch.setattr(Publisher, "lease", lambda *args: None)  # the ring is full
+    with make_client(server) as c:
+        c.join(initial_weights=initial)
+        grad = c.gradient_buffer()
+        assert grad is not None
+        flat = torch.full((N,), -7.0)
+        for clock in range(2):
+            grad.copy_(torch.linspace(-1, 1, N))
+            c.exchange(grad, clock, flat, published=True)  # one Step call through the window
+            assert c.views() == [None] and torch.equal(grad, torch.linspace(-1, 1, N))
+            assert c.shards[0].transport.segment is not None and c.shards[0].transport.segment.lent
+            torch.testing.assert_close(flat, initial() - 0.5 * (clock + 1) * torch.linspace(-1, 1, N))
+        flat.fill_(-7.0)
+        assert c.pull(flat, 2, published=True) == [2]
+        assert torch.equal(grad, torch.linspace(-1, 1, N)) and c.shards[0].transport.segment.lent
+        torch.testing.assert_close(flat, initial() - torch.linspace(-1, 1, N))
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 4 * N + 1)
+    with make_client(server, 1) as c:
+        c.join(None)
+        assert c.gradient_buffer() is None  # (copied into the shard's own segment, weights come back there)
+
+
 def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: RunningServer) -> None:
     with make_client(server) as c:
         c.join(initial_weights=initial)
@@ -418,7 +446,9 @@ def test_the_optimizers_model_runs_on_lent_versions_and_trains_bitwise_like_grpc
                 for x in xs[rank]:
                     opt.zero_grad()
                     model(x).square().mean().backward()
+                    grads = [p.grad.clone() for p in model.parameters()]
                     opt.step()
+                    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # as torch leaves them
                 lent = opt.flat._lent
                 assert lent == shared, (shared, lent)
                 if shared:  # each shard's segment is its range of the gradient buffer
