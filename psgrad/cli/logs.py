@@ -90,3 +90,22 @@ def quiet_grpc(level: str, command: str) -> None:
         os.environ.setdefault("GRPC_VERBOSITY", "INFO")
     elif command not in ("server", "run", "launch"):
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
+def one_line_warnings(command: str) -> None:
+    """psgrad's own warnings on a command's console as one line each (`psgrad worker: warning:
+    ...`), not Python's `FILE:LINE: UserWarning: ...` with the source line under it; other
+    packages' warnings keep their form (a user's task names its own file)."""
+    import warnings
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    default = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if not os.path.abspath(filename).startswith(package):
+            default(message, category, filename, lineno, file, line)
+            return
+        print(f"psgrad {command}: warning: {message}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show

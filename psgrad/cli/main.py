@@ -55,6 +55,7 @@ def _run(argv: Sequence[str] | None) -> int:
     # launcher's console stay as they read.
     logs.configure(ns.log_level, ns.log_format, stamped=ns.command in ("server", "run"))
     logs.quiet_grpc(ns.log_level, ns.command)  # (before any command imports grpc)
+    logs.one_line_warnings(ns.command)
     try:
         if ns.command == "launch" and ns.resume is not None:
             ns = resumed_launch(parser, ns)

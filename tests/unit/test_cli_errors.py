@@ -120,3 +120,23 @@ def test_grpcs_own_lines_are_muted_on_client_commands_only(monkeypatch: pytest.M
     monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
     logs.quiet_grpc("info", "worker")
     assert os.environ["GRPC_VERBOSITY"] == "ERROR"
+
+
+def test_psgrads_own_warnings_are_one_line_on_a_commands_console(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """(A worker printed `.../client/same_host.py:375: UserWarning: ...` and the source line under
+    it.) Other packages' warnings keep Python's form."""
+    import warnings
+
+    from psgrad.cli import logs
+    from psgrad.client import same_host
+
+    others: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, *rest: others.append(filename))
+    logs.one_line_warnings("worker")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("the socket broke; Step calls go through gRPC", UserWarning, same_host.__file__, 119)
+        warnings.warn_explicit("elsewhere", UserWarning, "/somewhere/else.py", 3)
+    assert capsys.readouterr().err.splitlines() == ["psgrad worker: warning: the socket broke; Step calls go through gRPC"]
+    assert others == ["/somewhere/else.py"]  # (shown as Python shows them)
