@@ -52,6 +52,20 @@ JOIN_MARGIN_S = 0.5
 LEND_MIN_BYTES = 1 << 20
 
 
+def continue_from(replies: Sequence[pb.JoinReply], sync: bool) -> int:
+    """The clock a worker continues from after joining every shard: the furthest-ahead shard's,
+    except in a sync job (without backup workers) where every shard ahead of the others is ahead
+    by this worker's own pushes (it was evicted, or restarted, after a push reached some shards
+    only): then from the furthest-behind shard's. It redoes those iterations, which the shards
+    that have them acknowledge as duplicates; skipping them instead left the others' gates shut
+    when no other worker would push them there (every worker evicted at once: the job wedged)."""
+    starts = [int(r.start_clock) for r in replies]
+    low = min(starts)
+    if sync and all(r.start_clock == low or r.last_push_clock + 1 >= r.start_clock for r in replies):
+        return low
+    return max(starts)
+
+
 class ParameterClient:
     """A worker's view of the whole job: S shard clients, the shard plan, concurrent fan-out."""
 
@@ -125,7 +139,7 @@ class ParameterClient:
         self._pushers = (futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-push")
                          if self._duplex else None)
         self._gradient: shm.Shared | None = None  # gradient_buffer(): shards on this host read windows of it
-        self._heartbeat: threading.Thread | None = None
+        self._heartbeat: list[threading.Thread] | None = None
         self._stop_heartbeat = threading.Event()
         # What the shards tell once (see _heard): the workers they evicted and restarts that lost
         # updates, until take_news(); with the highest version each shard was seen at.
@@ -223,7 +237,7 @@ class ParameterClient:
         for i, s in enumerate(self.shards):
             s.rejoin = functools.partial(self._rejoin, i, s, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
-        return max(r.start_clock for r in replies)
+        return continue_from(replies, policy_for(self.spec).aggregates and not self._shard0_decides)
 
     def _rejoin(self, index: int, shard: ShardClient, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
         """Join shard `index` again (its server restarted, or its backup took over): its answer
@@ -328,16 +342,19 @@ class ParameterClient:
             return
         stop = self._stop_heartbeat
 
-        def beat() -> None:
+        def beat(s: ShardClient) -> None:
             while not stop.wait(lease_s / 3):
-                for s in self.shards:
-                    try:
-                        s.heartbeat(self.rank, self.fingerprint)
-                    except PsgradError:
-                        pass  # the training loop's own calls report a lost server or eviction
+                try:
+                    s.heartbeat(self.rank, self.fingerprint)
+                except PsgradError:
+                    pass  # the training loop's own calls report a lost server or eviction
 
-        self._heartbeat = threading.Thread(target=beat, name="psgrad-heartbeat", daemon=True)
-        self._heartbeat.start()
+        # A thread per shard: a shard that does not answer (paused, unreachable) holds up its own
+        # heartbeat for the call's deadline, never the other shards' (whose leases would run out).
+        self._heartbeat = [threading.Thread(target=beat, args=(s,), name=f"psgrad-heartbeat-{i}", daemon=True)
+                           for i, s in enumerate(self.shards)]
+        for thread in self._heartbeat:
+            thread.start()
 
     def pull(self, flat: torch.Tensor, clock: int, observe: bool = False, published: bool = False) -> list[int]:
         """Pull every shard into its range of flat (float32, CPU) once the mode's gate for `clock`
@@ -737,9 +754,10 @@ class ParameterClient:
 
     def _halt_heartbeat(self) -> None:
         self._stop_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
-            self._heartbeat = None
+        for thread in self._heartbeat or ():
+            thread.join()
+        self._heartbeat = None
+        self._stop_heartbeat = threading.Event()  # (a later join starts it again)
 
 
 def run_through(stages: Generator[None, None, T]) -> T:

@@ -31,6 +31,8 @@ class JoinResult:
     ranks: tuple[int, ...] = field(default=(), compare=False)
     #: the version of the shard's frozen table (0: none, or not written yet)
     frozen_version: int = 0
+    #: this worker's last push the shard handled (-1: none)
+    last_push_clock: int = -1
 
 
 @dataclass

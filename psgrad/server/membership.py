@@ -22,6 +22,9 @@ class Member:
     fresh: bool = False  # (re)joined and pushed nothing since: its first push may say where it continues
 
 
+STALL_S = 1.0  # the lease reaper this much later than it meant to look: the process stalled (see expire)
+
+
 class Membership:
     """The members of one shard, keyed by rank."""
 
@@ -29,6 +32,8 @@ class Membership:
         self.lease_s = lease_s
         self._now = now
         self.members: dict[int, Member] = {}
+        self._due: float | None = None  # when the lease reaper means to look next (see reaper_wait_s)
+        self.stalled_s = 0.0  # the last stall of this process that expire() found (see there); 0: none since read
 
     def __len__(self) -> int:
         return len(self.members)
@@ -44,8 +49,19 @@ class Membership:
         return {r for r, m in self.members.items() if m.state == LIVE}
 
     def expire(self) -> list[Member]:
-        """Evict the live members whose lease ran out; returns them."""
+        """Evict the live members whose lease ran out; returns them.
+
+        A shard that did not run does not blame the workers for its own silence: where the lease
+        reaper looks more than STALL_S after it meant to (the process was stopped, or starved of
+        CPU), every live lease starts again now (stalled_s says for how long), as the workers'
+        calls and heartbeats of that time went unanswered, not unsent."""
         now = self._now()
+        if self._due is not None and now - self._due > STALL_S:
+            self.stalled_s = now - self._due
+            for m in self.members.values():
+                if m.state == LIVE:
+                    m.last_seen = max(m.last_seen, now)
+            self._due = None  # (the reaper sets the next)
         gone = [m for m in self.members.values() if m.state == LIVE and now - m.last_seen > self.lease_s]
         for m in gone:
             m.state = EVICTED
@@ -56,6 +72,18 @@ class Membership:
         now = self._now()
         times = [m.last_seen + self.lease_s - now for m in self.members.values() if m.state == LIVE]
         return max(0.0, min(times)) + 1e-3 if times else None
+
+    def reaper_wait_s(self) -> float | None:
+        """How long the lease reaper may wait before it looks again (None: no live member): until
+        the next lease runs out, and at most a quarter lease (and 1 s), so that expire() tells a
+        stall of this process from an idle wait."""
+        wait = self.next_expiry_s()
+        if wait is None:
+            self._due = None
+            return None
+        wait = min(wait, self.lease_s / 4, 1.0)
+        self._due = self._now() + wait
+        return wait
 
     def live(self, rank: int) -> Member:
         """The live member of that rank, its lease renewed.

@@ -211,6 +211,7 @@ class ParameterServicer:
             start_clock=r.start_clock,
             joined_ranks=r.ranks,
             frozen_version=r.frozen_version,
+            last_push_clock=r.last_push_clock,
         )
 
     @_edge

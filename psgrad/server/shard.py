@@ -121,7 +121,7 @@ class Shard:
             with core.cond:
                 while not core.closed:
                     core.refresh()
-                    core.reaper_wake.wait(timeout=core.members.next_expiry_s())
+                    core.reaper_wake.wait(timeout=core.members.reaper_wait_s())
 
         thread = threading.Thread(target=loop, name="psgrad-lease-reaper", daemon=True)
         thread.start()
@@ -247,7 +247,7 @@ class Shard:
             ranks = tuple(sorted(core.members.members))
             frozen = core.state.frozen if core.state is not None else None
             return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks,
-                              0 if frozen is None else frozen.version)
+                              0 if frozen is None else frozen.version, member.last_push_clock)
 
     def frozen_values(self, rank: int, fingerprint: str) -> tuple[int, torch.Tensor]:
         """(the frozen table's version, a copy of its values): the shard's range of the frozen

@@ -168,6 +168,10 @@ class ShardCore:
         """Evict live members whose lease expired; complete a sync iteration nobody owes any more."""
         evicted = self.members.expire()
         live = len(self.members.live_ranks())
+        if self.members.stalled_s:
+            _log.warning("this server did not run for %.1f s (stopped, or starved of CPU): the leases of its %d live "
+                         "worker(s) start again now, as their calls went unanswered", self.members.stalled_s, live)
+            self.members.stalled_s = 0.0
         for m in evicted:
             self.counters.evictions += 1
             self.evicted.append(Eviction(m.rank, m.clock, self.members.lease_s, live))

@@ -51,3 +51,36 @@ def test_sigkilled_worker_is_evicted_and_the_others_finish(start_servers, tmp_pa
         # every other step ran at normal speed
         assert step_times[-1] < LEASE_S + 3.0, step_times[-5:]
         assert step_times[-2] < LEASE_S, step_times[-5:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers, server_procs) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP one of two servers for longer than the lease in the middle of a sync job, then
+    SIGCONT it: the job finishes. The other server evicts nobody (each shard's heartbeat goes on
+    while another shard does not answer), and the stopped one, which did not run, starts every
+    lease again instead of evicting (it says so). Before, both shards evicted both workers, which
+    rejoined at different clocks, and the job wedged."""
+    import time
+
+    lease = 3.0
+    servers = start_servers(2, "--lease-s", str(lease))
+    common = ["--servers", ",".join(servers), "--num-workers", "2", "--steps", "30", "--mode", "sync",
+              "--step-time-ms", "100", "--log-every", "1", "--eval-every", "1000", "--rpc-timeout-s", "30"]
+    workers = [spawn(["worker", "--rank", str(r), *common]) for r in range(2)]
+    workers[0].wait_for_line("worker 0/2: step 3/", timeout_s=120)
+    stopped = server_procs[-2]
+    stopped.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3 * lease)  # the fault itself: the server does not run for three leases
+    finally:
+        stopped.popen.send_signal(signal.SIGCONT)
+    for w in workers:
+        assert w.wait(200) == 0, w.output
+        assert "final test_loss" in w.output
+    stopped.wait_for_line("this server did not run for", timeout_s=30)
+    res = run_cli(["status", "--servers", ",".join(servers), "--json"])
+    assert res.returncode == 0, res.stderr
+    for shard in json.loads(res.stdout)["shards"]:
+        assert shard["evictions"] == 0, shard
+        assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left", 1: "left"}

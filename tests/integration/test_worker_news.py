@@ -1,6 +1,7 @@
 """What the shards tell a worker once, in its push (and pull) replies, and what the worker says of it: another
 worker evicted (sync: "worker 2 evicted at clock 1 (lease 2 s): continuing with 2 of 3"), and a
-restart from a checkpoint that lost updates (the shard's version went back from V to V')."""
+restart from a checkpoint that lost updates (the shard's version went back from V to V'); and
+where a worker every shard evicted continues."""
 from __future__ import annotations
 
 import json
@@ -151,3 +152,55 @@ def test_the_worker_logs_each_once_and_its_final_record_carries_the_updates_lost
     assert [r["event"] for r in records] == ["evicted", "restore", "final"]
     assert records[1]["updates_lost"] == 11 and final["updates_lost"] == records[2]["updates_lost"] == 11
     assert records[2]["restores"] == [{"shard": 0, "from_version": 311, "to_version": 300}]
+
+
+def test_a_sync_worker_every_shard_evicted_rejoins_at_the_furthest_behind_shards_iteration() -> None:
+    """Iteration 1 reached shard 1 only when the worker went silent past its lease on both shards
+    (a paused server, say): it rejoins at iteration 1 (shard 0's), which shard 1 acknowledges as
+    a duplicate, and the job goes on. Before, it continued from iteration 2 (shard 1's): shard 0's
+    gate for it never opened, as nobody would push iteration 1 there."""
+    spec = JobSpec(mode="sync", lr=0.1, num_shards=2, num_workers=1)
+    servers = [start_server(ServerConfig(port=0, threads=8, lease_s=1.0)) for _ in range(2)]
+    params = [ParamSpec("w", (64,), "float32")]
+    config = ClientConfig(connect_timeout_s=10, rpc_timeout_s=10, reconnect_timeout_s=0, shared_memory=False)
+    c = ParameterClient([s.address for s in servers], spec, params, plan_shards(params, 2), 0, config)
+    try:
+        c.join(lambda: torch.zeros(64))
+        flat = torch.empty(64)
+        c.exchange(torch.ones(64), 0, flat)
+        (start, end) = c.plan.ranges[1]
+        c.shards[1].push(c._push_header(1, 1, None, "", c._split_rows(None)[1]),
+                         c._push_payload(1, torch.ones(end - start))[0])
+        c._halt_heartbeat()  # silent: both shards evict it
+        for s in servers:
+            assert s.shard.wait_until(lambda st: st.evictions == 1, 30)
+        assert [s.shard.version for s in servers] == [1, 2]
+        assert c.join(None) == 1
+        for clock in (1, 2):
+            outcomes, versions = c.exchange(torch.ones(64), clock, flat)
+            assert outcomes[0].applied and versions == [clock + 1] * 2
+        assert outcomes[1].applied
+        torch.testing.assert_close(flat, torch.full((64,), -0.3))  # three updates on both shards
+    finally:
+        c.close()
+        for s in servers:
+            s.stop(0)
+
+
+def test_a_worker_continues_from_the_furthest_behind_shard_only_where_its_own_pushes_are_ahead() -> None:
+    """(ParameterClient.join's rule.) Sync: back to the furthest-behind shard's clock where every
+    shard ahead of it is ahead by this worker's pushes (a duplicate there); a worker new to the
+    job, or one the shards went on without, continues from the furthest-ahead shard's (it skips
+    the iteration that completed without it, on every shard alike). Async: furthest ahead."""
+    from psgrad.client.parameter_client import continue_from
+    from psgrad.proto import ps_pb2 as pb
+
+    def replies(*pairs: tuple[int, int]) -> list[pb.JoinReply]:
+        return [pb.JoinReply(start_clock=start, last_push_clock=last) for start, last in pairs]
+
+    assert continue_from(replies((2, 1), (3, 2)), sync=True) == 2  # its push of 2 reached shard 1 only
+    assert continue_from(replies((2, 1), (4, 3), (3, 2)), sync=True) == 2
+    assert continue_from(replies((2, -1), (3, -1)), sync=True) == 3  # new: shard 1 completed 2 without it
+    assert continue_from(replies((2, 0), (3, 0)), sync=True) == 3  # shard 1 went on without it
+    assert continue_from(replies((2, 1), (3, 2)), sync=False) == 3
+    assert continue_from(replies((5, 4), (5, 4)), sync=True) == 5

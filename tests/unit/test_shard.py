@@ -555,6 +555,34 @@ def test_lease_expiry_and_leave(layout: Layout) -> None:
     assert [e for e in s.history if e[0] != "join"][-1] == ("evict", 2, 0)
 
 
+def test_a_stall_of_the_server_itself_starts_every_lease_again(layout: Layout, caplog: pytest.LogCaptureFixture) -> None:
+    """A server that did not run (SIGSTOP, a starved host) does not evict the workers whose calls
+    it left unanswered: where the lease reaper looks more than STALL_S after it meant to, every
+    live lease starts again (and the server says so). On time, leases run out as before."""
+    from psgrad.server.membership import STALL_S
+
+    clock = FakeClock()
+    s = Shard(ServerConfig(lease_s=4.0), now=clock)
+    s.initialize(0, layout, weights_for(layout))
+    s.join(1, layout)
+    members = s.core.members
+
+    def states() -> dict[int, str]:
+        return {rank: state for rank, _, state, _, _ in s.status().workers}
+
+    assert members.reaper_wait_s() == 1.0  # a quarter lease: a stall is told from an idle wait
+    clock.t += 1.0 + STALL_S + 10.0  # stopped for 10 s past the lease
+    with caplog.at_level(logging.WARNING, logger="psgrad.server"):
+        assert states() == {0: "live", 1: "live"}
+    assert "this server did not run for 11.0 s" in caplog.text and "2 live worker(s)" in caplog.text
+    clock.t += 3.0
+    s.touch(1)
+    members.reaper_wait_s()
+    clock.t += 1.0 + STALL_S - 0.01  # late, but within STALL_S: no stall; rank 0 has been silent 5 s
+    assert states() == {0: "evicted", 1: "live"}
+    assert members.stalled_s == 0.0 and s.status().evictions == 1
+
+
 def test_joins_the_chiefs_init_evictions_and_leaves_are_logged_with_rank_clock_and_lease(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
