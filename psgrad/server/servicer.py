@@ -196,7 +196,8 @@ class ParameterServicer:
         if req.wait_for_init:  # answer before the deadline: the worker then learns who it waits for
             remaining = context.time_remaining()
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
-        r = self.shard.join(req.rank, _layout_from_join(req), wait_s)
+        # a Join that is not a round of waiting at the start may be a worker restarted within its lease: logged
+        r = self.shard.join(req.rank, _layout_from_join(req), wait_s, rejoin=not req.wait_for_init)
         if shm.supported():  # a worker on this host may then move payloads through shared memory
             answer = [(shm.METADATA_KEY, shm.server_answer())]
             if self.local is not None:  # ... and make its Step calls over the local socket

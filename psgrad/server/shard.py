@@ -198,9 +198,17 @@ class Shard:
                 self.core.notify()
 
     # ----------------------------------------------------------------- join / init
-    def _register(self, rank: int) -> Member:
+    def _register(self, rank: int, rejoin: bool = False) -> Member:
+        """Register rank as a live member; a new or returning one is logged (and recorded), and with
+        `rejoin` (a worker's first Join of a session, not a round of waiting at the start) so is
+        one whose lease still held: a worker that restarted within its lease."""
         core = self.core
         member, changed = core.members.register(rank, core.policy.start_clock(core.view()))
+        if not changed and rejoin:
+            layout = core.layout
+            of = f" of {layout.spec.num_workers}" if layout is not None else ""
+            _log.info(f"worker {rank} joined again at clock {member.clock}, within its lease "
+                      f"({len(core.members.live_ranks())} live{of})")
         if changed:
             core.joined(rank)
             core.members_changed()
@@ -223,9 +231,11 @@ class Shard:
             return False
         return not self.core.policy.start_barrier or len(self.core.members) >= layout.spec.num_workers
 
-    def join(self, rank: int, layout: Layout, wait_s: float = 0.0) -> JoinResult:
+    def join(self, rank: int, layout: Layout, wait_s: float = 0.0, rejoin: bool = False) -> JoinResult:
         """Check a worker's layout against the installed one and register it; optionally wait (up to
-        wait_s) for the chief's initialization and, in sync/ssp, for all num_workers to join.
+        wait_s) for the chief's initialization and, in sync/ssp, for all num_workers to join. With
+        `rejoin` (a Join that is not a round of waiting at the start), a rank that is live already
+        is logged as joining again (a worker restarted within its lease).
 
         Raises:
             JobMismatchError: the worker's job spec, model or shard range differs (named).
@@ -238,7 +248,8 @@ class Shard:
                     problem = explain_mismatch(core.layout, layout, rank)
                     if problem:
                         raise JobMismatchError(problem)
-                    member = self._register(rank)
+                    member = self._register(rank, rejoin)
+                    rejoin = False  # (once: a wait that wakes registers again)
                 if self._ready() or core.now() >= deadline:
                     break
                 core.cond.wait(timeout=max(0.0, deadline - core.now()))

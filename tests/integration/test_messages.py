@@ -95,6 +95,32 @@ def test_a_barrier_that_fills_up_starts_and_says_nothing_more(make_servers: Any,
     assert running[0].shard.status().missing_at_start == ()
 
 
+def test_a_worker_restarted_within_its_lease_is_logged_joining_again(
+    make_servers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server logs each join; a worker that restarts while its lease still holds (its rank is live)
+    joined again without a line. The rounds of waiting at sync's start barrier log nothing."""
+    address = make_servers(1)[0].address
+    caplog.set_level(logging.INFO, logger="psgrad.server")
+    clients: list[Any] = []
+
+    def start(rank: int) -> None:
+        ps = psgrad.connect([address], rank=rank, num_workers=2, mode="sync")
+        clients.append(ps)  # kept open: a process that died keeps its lease until it runs out
+        ps.optimizer(nn.Linear(4, 2))
+
+    try:
+        run_in_threads(2, start)  # one waits at the start for the other
+        start(1)  # rank 1 restarted
+    finally:
+        for ps in clients:
+            ps.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "psgrad.server" and "join" in r.getMessage()]
+    assert sorted(logged[:2]) == ["worker 0 joined at clock 0 (1 live of 2)", "worker 1 joined at clock 0 (2 live of 2)"] \
+        or sorted(logged[:2]) == ["worker 0 joined at clock 0 (2 live of 2)", "worker 1 joined at clock 0 (1 live of 2)"], logged
+    assert logged[2:] == ["worker 1 joined again at clock 0, within its lease (2 live of 2)"], logged
+
+
 def _dead_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -614,6 +614,21 @@ def test_joins_the_chiefs_init_evictions_and_leaves_are_logged_with_rank_clock_a
     assert {(level, name) for level, name, _ in lines} == {("INFO", "psgrad.server")}
 
 
+def test_a_worker_joining_again_within_its_lease_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # A worker restarted within its lease joined again without a word: the server logged every join but that one.
+    layout = make_layout(JobSpec(lr=0.5, num_workers=2))
+    s = Shard(ServerConfig(lease_s=5.0), now=FakeClock())
+    s.initialize(0, layout, weights_for(layout))
+    s.join(1, layout)
+    push(s, layout, torch.ones(layout.numel), rank=1, clock=0)
+    with caplog.at_level(logging.DEBUG, logger="psgrad.server"):
+        s.join(1, layout)  # a round of waiting at the start: nothing new to say
+        assert s.join(1, layout, rejoin=True).start_clock == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker 1 joined again at clock 1, within its lease (2 live of 2)"]
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
 def test_a_forged_clock_is_refused_after_leave_and_rejoin_too(shard: Shard, layout: Layout) -> None:
     """Leave, join again, push (or pull at) clock 10^12: refused, nothing recorded — else that worker's
     real gradients would be dropped as duplicates from then on. Its real clock still works."""
