@@ -124,7 +124,8 @@ def get_task(name: str, seed: int = 0, data_dir: str | None = None) -> Task:
     except TaskError:
         raise
     except Exception as exc:
-        raise TaskError(f"task {name!r}: building it raised {type(exc).__name__}: {exc}") from exc
+        said = " ".join(str(exc).split())  # one line
+        raise TaskError(f"task {name!r}: building it raised {type(exc).__name__}: {said}") from exc
     if not isinstance(task, Task):
         raise TaskError(
             f"task {name!r} returned a {type(task).__name__}, expected a psgrad.Task "

@@ -2,9 +2,11 @@
 user registers; looked up without importing torch.
 
 A built-in task's module (which imports torch and builds the model and data) is imported the first
-time its factory is asked for. So a launcher checks a task name, its recipe and its data, and a
-command answers a usage error, in a fraction of a second: importing torch costs about 3 CPU-seconds
-on a small machine, and a launcher never builds a model.
+time its factory is asked for. So a launcher checks a built-in task's name, its recipe and its data,
+and a command answers a usage error, in a fraction of a second: importing torch costs about 3
+CPU-seconds on a small machine, and a launcher never builds a built-in task. A user's task (an import
+string) it builds once, before it starts anything: a function that raises or returns something else
+is a usage error then, not a worker's failure after the servers started.
 """
 from __future__ import annotations
 
@@ -102,7 +104,9 @@ def recipe_for(name: str) -> Recipe:
 def check_task(name: str, data_dir: str | None = None) -> None:
     """What a launcher checks before it starts any process: the task resolves (see resolve_task;
     a built-in's module is not imported), reads --data-dir if one is given, and (a built-in that
-    reads files or a package) finds its data; without building it.
+    reads files or a package) finds its data, without building it; a user's task (an import
+    string) is built, once (with seed 0), so that a function that raises, returns something other
+    than a psgrad.Task or data whose lengths disagree stops the launcher, not its workers.
 
     Raises:
         TaskError: naming the problem, e.g. where fashion-mnist looked for its files.
@@ -116,6 +120,10 @@ def check_task(name: str, data_dir: str | None = None) -> None:
         raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
     if check is not None:
         check(data_dir)
+    if ":" in name:
+        from psgrad.tasks.base import get_task  # (torch: the user's module imported it already, most likely)
+
+        get_task(name, 0, data_dir)
 
 
 def known_task(name: str) -> None:

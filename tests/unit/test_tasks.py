@@ -185,6 +185,38 @@ def test_launch_and_compare_refuse_missing_task_data_before_starting_anything(co
     assert "[launch]" not in res.stdout and "[server" not in res.stdout and not (tmp_path / "out").exists(), res.stdout
 
 
+@pytest.mark.parametrize("command", [
+    ["launch", "--num-servers", "1", "--num-workers", "1", "--steps", "10"],
+    ["compare", "--modes", "sync", "--repeats", "1", "--steps", "10"],
+])
+@pytest.mark.parametrize("function, message", [
+    ("broken", "task 'mytask:broken': building it raised ValueError: the data file is missing"),
+    ("wrong_type", "task 'mytask:wrong_type' returned a dict, expected a psgrad.Task"),
+])
+def test_launch_and_compare_refuse_a_users_task_that_does_not_build_before_starting_anything(
+    command: list[str], function: str, message: str, tmp_path: Path,
+) -> None:
+    """A user's function that raised or returned something else: launch started the servers and
+    exited 1 when its worker exited 2, compare named only a run's log file; now a usage error (exit
+    2) at once, the task's error in one line."""
+    (tmp_path / "mytask.py").write_text(GOOD_TASK)
+    out = ["--out", str(tmp_path / "out")] if command[0] == "compare" else []
+    res = subprocess.run([sys.executable, "-m", "psgrad", *command, "--task", f"mytask:{function}", *out],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"psgrad {command[0]}: error: {message}" in res.stderr.splitlines()[-1], res.stderr
+    assert "[launch]" not in res.stdout and "[server" not in res.stdout and not (tmp_path / "out").exists(), res.stdout
+
+
+def test_check_task_builds_a_users_task(user_module: str) -> None:
+    from psgrad.tasks import check_task
+
+    check_task(f"{user_module}:make_task")
+    with pytest.raises(TaskError, match=r"building it raised ValueError: the data file is missing$"):
+        check_task(f"{user_module}:broken")
+
+
 def test_check_task_names_missing_data_without_building_the_task(tmp_path: Path) -> None:
     from psgrad.errors import TaskError
     from psgrad.tasks import check_task
