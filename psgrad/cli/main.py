@@ -19,8 +19,8 @@ def resumed_launch(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> a
     given now, parsed; ns.resume still names DIR.
 
     Raises:
-        ConfigError: DIR holds no launched job, or flags that contradict resuming.
-        CheckpointError: a shard of the job has no checkpoint to restore.
+        ConfigError: DIR holds no launched job, flags that contradict resuming, or a shard of the
+            job has no checkpoint to restore.
     """
     from pathlib import Path
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from psgrad.errors import CheckpointError, ConfigError
+from psgrad.errors import ConfigError
 
 RECORD = "launch.json"
 FORMAT = "psgrad-launch"
@@ -79,7 +79,6 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
 
     Raises:
         ConfigError: directory holds no launched job, or flags that contradict resuming.
-        CheckpointError: a shard of the job has no checkpoint (named).
     """
     record_path = directory / RECORD
     try:
@@ -101,14 +100,15 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
 
 
 def check_resumable(directory: Path, num_servers: int) -> None:
-    """Every shard of the job has a checkpoint to restore.
+    """Every shard of the job has a checkpoint to restore: checked before anything starts, so one
+    missing is a usage error of --resume (exit 2), like a directory that holds no launched job.
 
     Raises:
-        CheckpointError: a shard directory is missing or holds none (named).
+        ConfigError: a shard directory is missing or holds none (named).
     """
     from psgrad.server import checkpoint  # (imports torch, which a launcher otherwise needs not)
 
     for i in range(num_servers):
         shard = shard_dir(directory, i)
         if not shard.is_dir() or not checkpoint.manifests(shard):
-            raise CheckpointError(f"cannot resume: {shard} holds no checkpoint of shard {i}")
+            raise ConfigError(f"--resume: {shard} holds no checkpoint of shard {i}, so the job cannot resume")

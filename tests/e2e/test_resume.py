@@ -71,7 +71,9 @@ def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with
     assert res.returncode == 2 and "no launch.json" in res.stderr
     (tmp_path / "launch.json").write_text(json.dumps({"format": "psgrad-launch", "argv": ["--checkpoint-dir", str(tmp_path)]}))
     res = cli(["launch", "--resume", str(tmp_path)], capsys)
-    assert res.returncode == 1 and "shard0 holds no checkpoint" in res.stderr
+    # found before anything starts: a usage error of --resume (it exited 1, a runtime failure's code)
+    assert res.returncode == 2 and f"psgrad launch: error: --resume: {tmp_path}/shard0 holds no checkpoint" in res.stderr
+    assert "[launch] started" not in res.stdout
     res = cli(["launch", "--checkpoint-dir", str(tmp_path), "--steps", "1"], capsys)
     assert res.returncode == 2 and f"--resume {tmp_path}" in res.stderr
     assert "[launch] started" not in res.stdout

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from psgrad.config import JobSpec
-from psgrad.errors import CheckpointError, ConfigError
+from psgrad.errors import ConfigError
 from psgrad.launch import jobdir
 from psgrad.server import checkpoint
 from test_state import started
@@ -59,11 +59,11 @@ def test_resume_refusals_name_what_is_missing(tmp_path: Path) -> None:
     jobdir.start_new(tmp_path / "job", ["--num-servers", "2"])
     with pytest.raises(ConfigError, match="--num-servers"):
         jobdir.resume_argv(tmp_path / "job", ["--num-servers", "3"])
-    with pytest.raises(CheckpointError, match="shard0 holds no checkpoint of shard 0"):
+    with pytest.raises(ConfigError, match="--resume: .*shard0 holds no checkpoint of shard 0"):
         jobdir.check_resumable(tmp_path / "job", 2)
     s, _ = started(JobSpec(num_shards=2, num_workers=2))
     checkpoint.save(s.snapshot(), jobdir.shard_dir(tmp_path / "job", 0))
-    with pytest.raises(CheckpointError, match="shard1 holds no checkpoint of shard 1"):
+    with pytest.raises(ConfigError, match="--resume: .*shard1 holds no checkpoint of shard 1"):
         jobdir.check_resumable(tmp_path / "job", 2)
     checkpoint.save(s.snapshot(), jobdir.shard_dir(tmp_path / "job", 1))
     jobdir.check_resumable(tmp_path / "job", 2)
