@@ -22,7 +22,7 @@ from psgrad.core.addresses import parse_servers
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, find_mode
 from psgrad.errors import ConfigError
-from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR, ROW_FORMS
+from psgrad.core.optimizer_settings import DEFAULT_EPS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, ROW_FORMS
 from psgrad.tasks.registry import BUILT_IN, recipe_for
 
 if TYPE_CHECKING:
@@ -176,7 +176,8 @@ def add_recipe_args(g: argparse._ActionsContainer) -> None:
                    "workers, effective momentum grows with staleness: lower it if training oscillates "
                    "(default: recipe; 0)")
     g.add_argument("--weight-decay", type=float, help="weight decay: L2 added to the gradient, except adamw's, "
-                   "which is decoupled (default: recipe; 0)")
+                   "which is decoupled (default: recipe; with an optimizer other than the recipe's, torch's: "
+                   f"{DEFAULT_WEIGHT_DECAY['adamw']:g} for adamw, 0 for the others)")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, help="the lr each step pushes: --lr times a schedule "
                    "of the step (a torch LambdaLR on the worker's optimizer): constant, or cosine/linear decay to 0 "
                    "at --steps, after --warmup-steps of linear warmup (default: recipe; constant for digits)")
@@ -186,10 +187,12 @@ def add_recipe_args(g: argparse._ActionsContainer) -> None:
 
 def apply_recipe(ns: argparse.Namespace, steps_key: str = "steps") -> Recipe:
     """Fill the recipe flags left out (None) from the task's recipe; returns the recipe. An
-    --optimizer other than the recipe's takes its generic lr and no momentum or weight decay."""
+    --optimizer other than the recipe's takes torch's lr and weight decay for it (0.01 for adamw, else
+    0; sgd's lr is 0.1) and no momentum."""
     recipe = recipe_for(ns.task)  # (a built-in's module is not imported)
     own = ns.optimizer is None or ns.optimizer == recipe.optimizer
-    generic = {"lr": OPTIMIZER_LR.get(ns.optimizer or "", JobSpec.lr), "momentum": 0.0, "weight_decay": 0.0}
+    generic = {"lr": OPTIMIZER_LR.get(ns.optimizer or "", JobSpec.lr), "momentum": 0.0,
+               "weight_decay": DEFAULT_WEIGHT_DECAY.get(ns.optimizer or "", JobSpec.weight_decay)}
     for name in RECIPE_FLAGS:
         if getattr(ns, name, 0) is None:
             value = getattr(recipe, steps_key if name == "steps" else name)

@@ -30,6 +30,7 @@ class OptimizerDecl:
     settings: tuple[str, ...]  # JobSpec fields read, in torch's keyword order (beta1, beta2: its betas)
     lr: float  # torch's default lr
     eps: float | None = None  # torch's default eps (None: no eps)
+    weight_decay: float = 0.0  # torch's default weight_decay (AdamW's is 0.01)
     rows: str | None = EXACT  # the row form as a whole: EXACT, LAZY, or None (no row form)
     no_rows: str = ""  # rows None: why
     refused: dict[str, str] = dataclasses.field(default_factory=dict)  # setting -> why rows cannot take it
@@ -59,7 +60,8 @@ DECLS: dict[str, OptimizerDecl] = {d.name: d for d in (
                            "weight_decay": _DECAY_MOVES_ROWS}),
     OptimizerDecl("adam", "Adam", ("beta1", "beta2", "eps", "weight_decay"), lr=1e-3, eps=1e-8, rows=LAZY,
                   refused={"weight_decay": _DECAY_MOVES_ROWS}),
-    OptimizerDecl("adamw", "AdamW", ("beta1", "beta2", "eps", "weight_decay"), lr=1e-3, eps=1e-8, rows=None,
+    OptimizerDecl("adamw", "AdamW", ("beta1", "beta2", "eps", "weight_decay"), lr=1e-3, eps=1e-8, weight_decay=0.01,
+                  rows=None,
                   no_rows="AdamW's decoupled decay moves every row at every step; use adam (lazy) for the tables"),
     OptimizerDecl("adagrad", "Adagrad", ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"), lr=1e-2,
                   eps=1e-10, refused={"weight_decay": _DECAY_MOVES_ROWS}),
@@ -81,6 +83,9 @@ READERS: dict[str, tuple[str, ...]] = {
 DEFAULT_EPS = {d.name: d.eps for d in DECLS.values() if d.eps is not None}
 # torch.optim's default lr per optimizer (the CLI's, for an optimizer other than the recipe's).
 DEFAULT_LR = {d.name: d.lr for d in DECLS.values()}
+# torch.optim's default weight_decay per optimizer: 0, but 0.01 for AdamW. The CLI (an optimizer other
+# than the recipe's), recipes and the API's optimizer classes start from these; JobSpec's own is 0.
+DEFAULT_WEIGHT_DECAY = {d.name: d.weight_decay for d in DECLS.values()}
 
 
 def with_optimizer(spec: Any, name: str) -> Any:
@@ -167,15 +172,18 @@ class SGD:
 
 @dataclass(frozen=True)
 class Adam:
-    """Server-side Adam (like torch.optim.Adam); decoupled=True gives AdamW's weight decay."""
+    """Server-side Adam (like torch.optim.Adam); decoupled=True is AdamW (like torch.optim.AdamW),
+    whose weight_decay left out is torch.optim.AdamW's default, 0.01 (Adam's: 0)."""
 
     lr: float = DEFAULT_LR["adam"]
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = DEFAULT_EPS["adam"]
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None: torch's default, 0.01 with decoupled=True (AdamW), else 0
     decoupled: bool = False
 
     def __post_init__(self) -> None:
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", DEFAULT_WEIGHT_DECAY["adamw" if self.decoupled else "adam"])
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
 
     def job_fields(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from psgrad.config import LR_SCHEDULES, METRICS, OPTIMIZER_NAMES
+from psgrad.core.optimizer_settings import DEFAULT_WEIGHT_DECAY
 from psgrad.errors import ConfigError
 
 
@@ -21,7 +22,7 @@ class Recipe:
     optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.0
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None: torch's default for the optimizer (0; AdamW's 0.01)
     batch_size: int = 32
     steps: int = 1000
     compare_steps: int = 400
@@ -33,6 +34,8 @@ class Recipe:
             raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
         if self.optimizer not in OPTIMIZER_NAMES or self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r} or schedule {self.lr_schedule!r}")
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", DEFAULT_WEIGHT_DECAY[self.optimizer])
         if min(self.batch_size, self.steps, self.compare_steps) < 1 or self.warmup_steps < 0:
             raise ConfigError("batch_size, steps and compare_steps must be >= 1, warmup_steps >= 0")
 

@@ -486,6 +486,56 @@ def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(op
     assert DEFAULT_EPS.get(optimizer) == {"adagrad": 1e-10, "adadelta": 1e-6, "sgd": None}.get(optimizer, 1e-8)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"])
+def test_weight_decay_left_out_is_torchs_default_for_the_optimizer(optimizer: str) -> None:
+    """AdamW's weight decay left out was 0 (torch.optim.AdamW's is 0.01): on the command line, in
+    psgrad.Adam(decoupled=True) and in a task's Recipe; the others' is 0, as in torch."""
+    import inspect
+
+    import torch
+
+    import psgrad
+    from psgrad.cli.flags import apply_recipe, job_spec
+    from psgrad.cli.parser import build_parser
+    from psgrad.core.optimizer_settings import DECLS, SERVER_OPTIMIZERS
+    from psgrad.tasks.recipes import Recipe
+
+    torch_default = inspect.signature(getattr(torch.optim, DECLS[optimizer].torch)).parameters["weight_decay"].default
+    assert torch_default == (0.01 if optimizer == "adamw" else 0)
+    ns = build_parser().parse_args(["worker", "--servers", "a:1", "--optimizer", optimizer])
+    apply_recipe(ns)  # digits' recipe is sgd's, without weight decay
+    assert job_spec(ns, 1, 1).weight_decay == torch_default
+    assert Recipe(optimizer=optimizer).weight_decay == torch_default
+    api = {c.__name__.lower(): c() for c in SERVER_OPTIMIZERS}
+    api["adamw"] = psgrad.Adam(decoupled=True)
+    fields = api[optimizer].job_fields()
+    assert (fields["optimizer"], fields["weight_decay"]) == (optimizer, torch_default)
+    assert psgrad.Adam(weight_decay=0, decoupled=True).job_fields()["weight_decay"] == 0.0  # given: kept
+    given = build_parser().parse_args(["worker", "--servers", "a:1", "--optimizer", optimizer, "--weight-decay", "0"])
+    apply_recipe(given)
+    assert job_spec(given, 1, 1).weight_decay == 0.0
+
+
+def test_the_optimizer_classes_defaults_are_torchs() -> None:
+    """Every setting of psgrad.SGD, Adam (and AdamW: decoupled=True), Adagrad, RMSprop and Adadelta left out
+    is torch.optim's default for it, but SGD's lr (0.1; torch's 1e-3)."""
+    import inspect
+
+    import torch
+
+    import psgrad
+    from psgrad.core.optimizer_settings import SERVER_OPTIMIZERS
+
+    cases = [(c(), c.__name__) for c in SERVER_OPTIMIZERS] + [(psgrad.Adam(decoupled=True), "AdamW")]
+    for ours, name in cases:
+        theirs = {k: p.default for k, p in inspect.signature(getattr(torch.optim, name)).parameters.items()}
+        for field, value in dataclasses.asdict(ours).items():
+            if field == "decoupled":
+                continue
+            want = 0.1 if (name, field) == ("SGD", "lr") else theirs[field]
+            assert value == want, (name, field, value, theirs[field])
+
+
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_dc_asgd_is_a_setting_of_the_modes_with_stale_gradients(mode: str) -> None:
     spec = JobSpec(mode=mode, dc_asgd=0.04, dc_asgd_adaptive=True)
