@@ -1,17 +1,22 @@
 """A launched job's checkpoint directory: one subdirectory per shard and the command that started
-the job (launch.json), so that `psgrad launch --resume DIR` can start the same job again."""
+the job (launch.json), so that `psgrad launch --resume DIR` can start the same job again. The paths
+the command names inside the directory are recorded relative to it, and --resume DIR finds them in
+DIR: a job directory copied or moved resumes (and writes) where it is now."""
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from psgrad.errors import ConfigError
 
 RECORD = "launch.json"
 FORMAT = "psgrad-launch"
+# The launch flags that name a path. A value inside the job's directory is recorded relative to it
+# (the record's "in_job_dir" lists those flags); any other stays as given.
+PATH_FLAGS = ("--checkpoint-dir", "--metrics-dir", "--data-dir", "--tensorboard")
 
 
 def shard_dir(directory: Path, index: int) -> Path:
@@ -35,6 +40,24 @@ def _flag_value(argv: Sequence[str], name: str) -> tuple[list[str], str | None]:
             rest.append(arg)
         i += 1
     return rest, value
+
+
+def _map_paths(argv: Sequence[str], fn: Callable[[str, str], str]) -> list[str]:
+    """argv with the value v of each path flag (PATH_FLAGS; `name v` or `name=v`) replaced by fn(name, v)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if eq and name in PATH_FLAGS:
+            out.append(f"{name}={fn(name, value)}")
+        elif arg in PATH_FLAGS and i + 1 < len(argv):
+            out += [arg, fn(arg, argv[i + 1])]
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
 
 
 def _has_checkpoints(directory: Path) -> bool:
@@ -62,8 +85,19 @@ def start_new(directory: Path, argv: Sequence[str]) -> None:
             f"{directory} already holds a job's checkpoints: start it again with --resume {directory}, "
             "or give a new job a directory of its own"
         )
+    root = directory.resolve()
+    inside = {"--checkpoint-dir"}
+
+    def relative(name: str, value: str) -> str:  # (a path inside the job's directory: relative to it)
+        path = Path(value).resolve()
+        if not path.is_relative_to(root):
+            return value
+        inside.add(name)
+        return str(path.relative_to(root))
+
     rest, _ = _flag_value(argv, "--checkpoint-dir")
-    record = {"format": FORMAT, "created_unix_s": time.time(), "argv": [*rest, "--checkpoint-dir", str(directory.resolve())]}
+    record = {"format": FORMAT, "created_unix_s": time.time(), "argv": [*_map_paths(rest, relative), "--checkpoint-dir", "."],
+              "in_job_dir": sorted(inside)}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{RECORD}.tmp"
@@ -75,7 +109,10 @@ def start_new(directory: Path, argv: Sequence[str]) -> None:
 
 def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
     """The launch arguments that start the job checkpointed in directory again: the recorded ones,
-    then the ones given now (without --resume), so that a flag given now wins.
+    then the ones given now (without --resume), so that a flag given now wins. The job's checkpoint
+    directory is `directory` (made absolute), and a recorded path inside the job's directory is found
+    in `directory`, wherever the job was started: a record that lists it in "in_job_dir" holds it
+    relative; one written before (with none) holds it absolute, inside its --checkpoint-dir.
 
     Raises:
         ConfigError: directory holds no launched job, or flags that contradict resuming.
@@ -84,6 +121,8 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
         saved = [str(a) for a in record["argv"]] if record.get("format") == FORMAT else None
+        in_job = record.get("in_job_dir")
+        in_job = None if in_job is None else {str(name) for name in in_job}
     except FileNotFoundError:
         raise ConfigError(
             f"--resume {directory}: no {RECORD} there; it resumes a job started with psgrad launch --checkpoint-dir"
@@ -96,7 +135,19 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
     for name in ("--checkpoint-dir", "--num-servers"):
         if any(a == name or a.startswith(name + "=") for a in given):
             raise ConfigError(f"--resume takes the job's {name} from {record_path}; do not give it again")
-    return [*saved, *given]
+    root = directory.absolute()
+    saved, recorded = _flag_value(saved, "--checkpoint-dir")
+    old_root = Path(recorded) if in_job is None and recorded is not None and Path(recorded).is_absolute() else None
+
+    def rebased(name: str, value: str) -> str:
+        if in_job is not None:
+            return str(root / value) if name in in_job else value
+        path = Path(value)  # (an older record: absolute paths inside the directory the job was started in)
+        if old_root is not None and path.is_absolute() and path.is_relative_to(old_root):
+            return str(root / path.relative_to(old_root))
+        return value
+
+    return [*_map_paths(saved, rebased), "--checkpoint-dir", str(root), *given]
 
 
 def check_resumable(directory: Path, num_servers: int) -> None:
