@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from psgrad.cli.flags import (
     apply_recipe,
     check_ops_args,
+    check_out_dir,
+    check_out_file,
     client_config,
     credentials_config,
     job_spec,
@@ -193,10 +195,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     _check_task(ns)
     _check_rank(ns)
     store = Path(ns.store)
-    if store.is_dir():
-        raise ConfigError(f"--store {ns.store!r} is a directory; give the path of a (new) file")
-    if not store.parent.is_dir():
-        raise ConfigError(f"--store {ns.store!r}: directory {str(store.parent)!r} does not exist")
+    check_out_file("--store", ns.store)
     # The PS-only options (--mode, --staleness, --wire-dtype, ...) do not apply: all-reduce is
     # synchronous by construction, so the spec says sync and only the optimizer's settings matter.
     if ns.dc_asgd or ns.dc_asgd_adaptive:
@@ -232,6 +231,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     ray = ray_config(ns)
     # Absolute: under --backend ray the workers run elsewhere (on one machine it changes nothing).
     metrics_dir = Path(ns.metrics_dir).absolute() if ns.metrics_dir else None
+    if ns.metrics_dir:
+        check_out_dir("--metrics-dir", ns.metrics_dir)
 
     slowdowns = dict(ns.straggler or [])
     for rank in slowdowns:
@@ -350,8 +351,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from psgrad.client.export import fetch_model, write_state_dict
 
     out = Path(ns.out)
-    if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise ConfigError(f"--out {ns.out!r} must be a file in an existing directory")
+    check_out_file("--out", ns.out)
     snap = fetch_model(ns.servers, ns.timeout_s, credentials_config(ns), materialize=ns.materialize)
     write_state_dict(snap.state_dict, out)
     values = sum(t.numel() for t in snap.state_dict.values())

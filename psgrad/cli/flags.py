@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psgrad.cli import security
@@ -448,7 +449,10 @@ def worker_config(
     ns: argparse.Namespace, servers: tuple[str, ...], client: ClientConfig, rank: int, slowdown: float,
     metrics_out: str | None,
 ) -> WorkerConfig:
-    """The WorkerConfig of the job flags (add_job_args), for one rank."""
+    """The WorkerConfig of the job flags (add_job_args), for one rank; a --save-model that cannot be
+    written is refused now, not after training (ConfigError)."""
+    if getattr(ns, "save_model", None) is not None:
+        check_out_file("--save-model", ns.save_model)
     return WorkerConfig(
         servers=servers, task=ns.task, rank=rank, steps=ns.steps, batch_size=ns.batch_size, device=ns.device,
         seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
@@ -458,6 +462,39 @@ def worker_config(
         straggler_model=straggler_model(ns), row_cache_rows=ns.row_cache_rows, row_cache_staleness=ns.row_cache_staleness,
         table_optimizer=ns.table_optimizer, table_lr=ns.table_lr,
     )
+
+
+def check_out_file(flag: str, value: str) -> None:
+    """A file a command writes (export --out, --save-model, allreduce --store), checked before
+    anything starts: not a directory, and in a folder that exists.
+
+    Raises:
+        ConfigError: naming the flag as typed, the path and what to do.
+    """
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {value!r} is a directory: give the path of a file to write (in it, or elsewhere)")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {value!r}: folder {str(folder)!r} does not exist: create it, or give a file in a "
+                          "folder that exists")
+
+
+def check_out_dir(flag: str, value: str) -> None:
+    """A directory the command's processes write files into (launch --metrics-dir), made if missing:
+    checked before anything starts, so that it is not (in) a regular file.
+
+    Raises:
+        ConfigError: naming the flag as typed, the path and what to do.
+    """
+    path = Path(value).absolute()
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                what = "is a file" if existing == path else f": {str(existing)!r} is a file"
+                raise ConfigError(f"{flag} {value!r}{' ' if existing == path else ''}{what}, not a directory: give a "
+                                  "directory (it is made if missing)")
+            return
 
 
 def check_ops_args(ns: argparse.Namespace) -> None:

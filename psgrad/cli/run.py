@@ -16,6 +16,7 @@ from psgrad.cli.flags import (
     add_connection_args,
     add_job_args,
     add_server_policy_args,
+    check_out_dir,
     flag,
     job_spec,
     positive_int,
@@ -178,5 +179,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
     if role.kind == SERVER:
         server_config(ns, role)  # the bind rule (TLS or --insecure) is checked before anything starts
+    elif ns.metrics_dir is not None:
+        check_out_dir("--metrics-dir", ns.metrics_dir)
     _log.info(role.describe())
     return _serve(ns, role) if role.kind == SERVER else _train(ns, role)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, cli_in_process as cli
 
 from psgrad.cli.commands import worker_exporters
 from psgrad.errors import ServerStartError
@@ -140,3 +140,47 @@ def test_psgrads_own_warnings_are_one_line_on_a_commands_console(monkeypatch: py
         warnings.warn_explicit("elsewhere", UserWarning, "/somewhere/else.py", 3)
     assert capsys.readouterr().err.splitlines() == ["psgrad worker: warning: the socket broke; Step calls go through gRPC"]
     assert others == ["/somewhere/else.py"]  # (shown as Python shows them)
+
+
+def _nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a worker, an all-reduce process or a launch fails the test."""
+    import psgrad.cli.train
+    import psgrad.experiments.allreduce
+    import psgrad.launch.local
+
+    def started(*_: object, **__: object) -> None:
+        pytest.fail("it started")
+
+    monkeypatch.setattr(psgrad.cli.train, "train", started)
+    monkeypatch.setattr(psgrad.experiments.allreduce, "train_allreduce", started)
+    monkeypatch.setattr(psgrad.launch.local, "run_launch", started)
+
+
+@pytest.mark.parametrize("command", [["worker", "--servers", "127.0.0.1:1"],
+                                     ["allreduce", "--store", "STORE"]])
+def test_a_save_model_path_that_cannot_be_written_is_refused_before_anything_starts(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a missing folder or a directory given to --save-model was a traceback after training."""
+    _nothing_starts(monkeypatch)
+    argv = [str(tmp_path / "store") if a == "STORE" else a for a in command]
+    for path, says in ((tmp_path / "nodir" / "x.pt", f"folder {str(tmp_path / 'nodir')!r} does not exist"),
+                       (tmp_path, "is a directory")):
+        res = cli([*argv, "--save-model", str(path)], capsys)
+        assert res.returncode == 2, res.stderr
+        [error] = [line for line in res.stderr.splitlines() if "error" in line]
+        assert error.startswith(f"psgrad {command[0]}: error: --save-model {str(path)!r}") and says in error
+
+
+def test_a_launch_metrics_dir_that_is_a_file_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: every worker failed with a FileExistsError traceback."""
+    _nothing_starts(monkeypatch)
+    file = tmp_path / "file"
+    file.write_text("x")
+    for given, says in ((file, f"--metrics-dir {str(file)!r} is a file"),
+                        (file / "sub", f"--metrics-dir {str(file / 'sub')!r}: {str(file)!r} is a file")):
+        res = cli(["launch", "--metrics-dir", str(given)], capsys)
+        assert res.returncode == 2 and f"psgrad launch: error: {says}, not a directory" in res.stderr, res.stderr
+        assert "[launch]" not in res.stdout
