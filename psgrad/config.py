@@ -326,6 +326,7 @@ class WorkerConfig:
     device: str = "auto"
     seed: int = 0
     metrics_out: str | None = None
+    metrics_append: bool = False  # write metrics_out after the records it holds (a resumed job), not anew
     eval_every: int = 0  # 0: about 10 evaluations per run
     log_every: int = 0  # 0: about 10 progress lines per run
     slowdown: float = 1.0  # straggler: each step takes this many times its measured compute time
@@ -409,6 +410,7 @@ class WorkerConfig:
             "--slowdown", str(self.slowdown), "--jitter-ms", str(self.jitter_ms),
         ]
         argv += [] if self.metrics_out is None else ["--metrics-out", self.metrics_out]
+        argv += ["--metrics-append"] if self.metrics_append else []
         argv += ["--overlap"] if self.overlap else []
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
         argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]

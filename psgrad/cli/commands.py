@@ -113,7 +113,8 @@ def train_worker(
 
     task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
-    with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log)) as sink, _redirected(sink):
+    with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log),
+                     append=config.metrics_append) as sink, _redirected(sink):
         train(config, spec, task, sink, log=log.info)
     return 0
 
@@ -209,7 +210,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
     task = get_task(ns.task, ns.seed, ns.data_dir)
     check_ops_args(ns)
     exporters = worker_exporters(ns, ns.rank, config.steps, logging.getLogger("psgrad.worker"))
-    with MetricsSink(ns.metrics_out, ns.rank, exporters) as sink, _redirected(sink):
+    with MetricsSink(ns.metrics_out, ns.rank, exporters, append=config.metrics_append) as sink, _redirected(sink):
         train_allreduce(config, spec, task, sink, str(store.absolute()))
     return 0
 
@@ -246,6 +247,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         config = dataclasses.replace(
             base, servers=tuple(servers.split(",")), rank=rank,
             slowdown=slowdowns.get(rank, WorkerConfig.slowdown), metrics_out=metrics_out,
+            metrics_append=resuming and metrics_out is not None,  # (the stopped run's records stay)
             local_rank=rank,  # one machine: --device auto gives worker r GPU r mod GPUs
         )
         return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True), *(keys.worker_argv(rank) if keys else [])]

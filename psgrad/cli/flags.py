@@ -360,6 +360,9 @@ def add_rank_args(p: argparse.ArgumentParser, rank_help: str) -> None:
     flag(p, "--rank", WorkerConfig.rank, rank_help, type=int)
     flag(p, "--num-workers", JobSpec.num_workers, "workers in the job", type=positive_int)
     p.add_argument("--metrics-out", help="write one JSON record per step to this JSONL file")
+    p.add_argument("--metrics-append", action="store_true", help="add the records after those --metrics-out holds "
+                   "(psgrad launch --resume passes it, so that a resumed job's files keep the stopped run's records); "
+                   "default: the file is written anew")
     flag(p, "--slowdown", WorkerConfig.slowdown, "make this worker a straggler: each step takes FACTOR times "
          "its measured compute time (FACTOR x --step-time-ms when that is set)", ", no delay", type=float)
     add_straggler_dist_arg(p)
@@ -455,7 +458,8 @@ def worker_config(
         check_out_file("--save-model", ns.save_model)
     return WorkerConfig(
         servers=servers, task=ns.task, rank=rank, steps=ns.steps, batch_size=ns.batch_size, device=ns.device,
-        seed=ns.seed, metrics_out=metrics_out, eval_every=ns.eval_every, log_every=ns.log_every,
+        seed=ns.seed, metrics_out=metrics_out, metrics_append=getattr(ns, "metrics_append", False),
+        eval_every=ns.eval_every, log_every=ns.log_every,
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
         lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,

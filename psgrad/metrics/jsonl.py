@@ -18,16 +18,21 @@ class Exporter(Protocol):
 
 
 class MetricsSink:
-    """Appends records to a JSONL file (or nowhere, when path is None); flushed per record. Each
-    record is also handed to every exporter."""
+    """Writes records to a JSONL file (or nowhere, when path is None), flushed per record: a new
+    file, or with `append` after the records it holds (a resumed job's worker keeps the stopped
+    run's; a record torn by that run's stop is dropped first). Each record is also handed to
+    every exporter."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, rank: int, exporters: Sequence[Exporter] = ()) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, rank: int, exporters: Sequence[Exporter] = (),
+                 append: bool = False) -> None:
         self.rank = rank
         self.exporters = list(exporters)
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
+            if append:
+                _drop_torn_record(Path(path))
+            self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, step: int, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "rank": self.rank, "step": step, **fields}
@@ -51,6 +56,24 @@ class MetricsSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drop_torn_record(path: Path) -> None:
+    """Cut what follows the last newline of path (a record a killed process left half written), if
+    it exists; records are short, so the newline is within the last MiB."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - (1 << 20))
+        f.seek(start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n")
+            if cut >= 0 or start == 0:
+                f.truncate(start + cut + 1)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

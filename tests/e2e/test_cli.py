@@ -340,7 +340,8 @@ WORKERS = [
     WorkerConfig(servers=("127.0.0.1:1",)),
     WorkerConfig(
         servers=("127.0.0.1:1", "[::1]:7001"), task="mnist1d", rank=2, steps=7, batch_size=5, device="cpu", seed=9,
-        metrics_out="/tmp/w2.jsonl", eval_every=3, log_every=4, slowdown=2.5, jitter_ms=1.5, overlap=True,
+        metrics_out="/tmp/w2.jsonl", metrics_append=True, eval_every=3, log_every=4, slowdown=2.5, jitter_ms=1.5,
+        overlap=True,
         save_model="/tmp/m.pt", straggler_model=StragglerModel(dist="pareto", shape=1.5, rotate_steps=20, rotate_first=1),
         client=ClientConfig(connect_timeout_s=2.5, rpc_timeout_s=30.0, init_timeout_s=7.0, reconnect_timeout_s=4.5,
                             shared_memory=False),

@@ -93,6 +93,28 @@ def test_load_run_without_workers_or_with_a_bad_line(tmp_path: Path) -> None:
         load_run(bad)
 
 
+def test_a_sink_that_appends_keeps_the_records_there_and_drops_a_torn_one(tmp_path: Path) -> None:
+    """A resumed job's workers append (before: their files were written anew, the stopped run's steps
+    lost); a record the stopped run tore is dropped, so that every line reads back."""
+    from psgrad.metrics.jsonl import MetricsSink, read_jsonl
+
+    path = tmp_path / "worker0.jsonl"
+    with MetricsSink(path, 0) as sink:
+        sink.write(1, loss=1.0)
+        sink.write(2, loss=0.5)
+    with open(path, "a") as f:
+        f.write('{"time": 1010.0, "rank": 0, "st')  # killed mid-write
+    with MetricsSink(path, 0, append=True) as sink:
+        sink.write(2, event="start", clock=2)
+        sink.write(3, loss=0.25)
+    assert [(r["step"], r.get("loss")) for r in read_jsonl(path)] == [(1, 1.0), (2, 0.5), (2, None), (3, 0.25)]
+    with MetricsSink(tmp_path / "new.jsonl", 0, append=True) as sink:  # (no file yet: a new one)
+        sink.write(1, loss=1.0)
+    with MetricsSink(path, 0) as sink:  # without append: anew
+        sink.write(1, loss=2.0)
+    assert [r["loss"] for r in read_jsonl(path)] == [2.0] and len(read_jsonl(tmp_path / "new.jsonl")) == 1
+
+
 def test_time_and_gradients_to_target_use_merged_workers(run_dir: Path) -> None:
     m = run_metrics(load_run(run_dir), target=0.75)
     # First evaluation >= 0.75 in time order is worker 1's at +6 (worker 0 alone would say +7);

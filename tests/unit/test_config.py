@@ -336,7 +336,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert "--duplex" in ClientConfig(duplex=True).to_argv()
     pulls = ClientConfig(compress_pull="topk:0.01", pull_resync_every=50, pull_resync_error=0.2).to_argv()
     assert pulls[-6:] == ["--compress-pull", "topk:0.01", "--pull-resync-every", "50", "--pull-resync-error", "0.2"]
-    worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", overlap=True, save_model="m.pt",
+    worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", metrics_append=True, overlap=True, save_model="m.pt",
                           local_rank=1, data_dir="d", table_optimizer="adagrad", table_lr=0.05).to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {
         "--client",
@@ -344,7 +344,8 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     }
     assert worker[-len(client):] == client
     assert worker[:2] == ["--servers", "a:1"] and "--servers" not in WorkerConfig(servers=()).to_argv()
-    assert not {"--metrics-out", "--overlap", "--save-model", "--local-rank", "--table-optimizer", "--table-lr"} & \
+    assert not {"--metrics-out", "--metrics-append", "--overlap", "--save-model", "--local-rank", "--table-optimizer",
+                "--table-lr"} & \
         set(WorkerConfig(servers=()).to_argv())
     assert worker[worker.index("--table-optimizer"):][:4] == ["--table-optimizer", "adagrad", "--table-lr", "0.05"]
 
