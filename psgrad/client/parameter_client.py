@@ -144,6 +144,7 @@ class ParameterClient:
         # What the shards tell once (see _heard): the workers they evicted and restarts that lost
         # updates, until take_news(); with the highest version each shard was seen at.
         self.seen_versions = [0] * plan.num_shards
+        self._heard_from = [False] * plan.num_shards  # a push or pull reply of the shard's was heard
         self._evictions: list[Eviction] = []
         self._restores: list[Restore] = []
         self._told: set[tuple[int, int]] = set()  # (rank, clock) of the evictions already reported
@@ -415,7 +416,8 @@ class ParameterClient:
                     self._told.add((e.rank, e.clock))
                     self._evictions.append(e)
             if restored is not None:  # (told once per worker: lost or not, a restart is news)
-                self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored))
+                self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored,
+                                              joined_after=not self._heard_from[index]))
                 self.seen_versions[index] = restored
 
     def _heard_pulls(self, index: int) -> None:
@@ -423,6 +425,7 @@ class ParameterClient:
         for header in self.shards[index].take_pull_news():
             self._note(index, serde.evictions_from_proto(header.evicted),
                        header.restored_version if header.HasField("restored_version") else None)
+        self._heard_from[index] = True  # (a restart told from now on came after this worker saw the shard)
 
     def _saw(self, versions: Sequence[int]) -> None:
         for i, v in enumerate(versions):

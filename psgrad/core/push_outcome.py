@@ -27,17 +27,25 @@ class Restore:
     """Shard `shard` restarted from its checkpoint of version `to_version` after this worker had
     seen it at `from_version`: the updates in between were lost (at least these: the shard may
     have applied more that this worker never saw). `from_version == to_version`: the checkpoint
-    held every update this worker had seen (a restart is told all the same)."""
+    held every update this worker had seen (a restart is told all the same). `joined_after`: this
+    worker first heard from the shard after the restart (it joined a resumed job, or a restarted
+    server): it saw none of the updates the restart may have lost, so it cannot count them, and
+    `lost` (0) says nothing of them."""
 
     shard: int
     from_version: int
     to_version: int
+    joined_after: bool = False
 
     @property
     def lost(self) -> int:
         return self.from_version - self.to_version
 
     def describe(self) -> str:
+        if self.joined_after:
+            return (f"shard {self.shard} was restored from its checkpoint of version {self.to_version} before this "
+                    "worker joined (e.g. a resumed job): updates applied after that checkpoint before the restart, "
+                    "if any, are lost, and this worker, which never saw them, cannot count them")
         if not self.lost:
             return (f"shard {self.shard} restarted from its checkpoint of version {self.to_version}, which held every "
                     "update this worker had seen: none lost")

@@ -83,7 +83,8 @@ class TrainingLog:
         for r in restores:
             self.restores.append(r)
             self._sink.write(done, event="restore", shard=r.shard, from_version=r.from_version,
-                             to_version=r.to_version, updates_lost=r.lost)
+                             to_version=r.to_version, updates_lost=None if r.joined_after else r.lost,
+                             **({"joined_after": True} if r.joined_after else {}))
             self._log(f"{self._who}: {r.describe()}")
 
     def final(self, elapsed_s: float) -> dict[str, Any]:
@@ -91,10 +92,12 @@ class TrainingLog:
         restarts lost, if any did)."""
         final = self._task.evaluate(self._model, self._device)
         result = {"event": "final", "steps": self.steps, "elapsed_s": elapsed_s, **final, "max_rss_mb": max_rss_mb()}
-        if self.restores:
-            result["updates_lost"] = sum(r.lost for r in self.restores)
-            result["restores"] = [{"shard": r.shard, "from_version": r.from_version, "to_version": r.to_version}
-                                  for r in self.restores]
+        if self.restores:  # (updates_lost: what this worker could count; not a restart from before it joined)
+            counted = [r for r in self.restores if not r.joined_after]
+            if counted:
+                result["updates_lost"] = sum(r.lost for r in counted)
+            result["restores"] = [{"shard": r.shard, "from_version": r.from_version, "to_version": r.to_version,
+                                   **({"joined_after": True} if r.joined_after else {})} for r in self.restores]
         self._sink.write(self.steps, **result)
         bpb = f" test_bpb {final['test_bpb']:.4f}" if "test_bpb" in final else ""
         if "test_auc" in final:

@@ -126,6 +126,46 @@ def test_a_restart_that_lost_nothing_this_worker_saw_is_told_too() -> None:
                                   "this worker had seen: none lost")
 
 
+def test_a_worker_that_joins_a_restored_shard_does_not_claim_that_none_were_lost(tmp_path: Path) -> None:
+    """A resumed job's workers are new processes: each heard of the restore as it joined and said
+    "which held every update this worker had seen: none lost", which claims what it cannot know (the
+    stopped job may have applied updates after that checkpoint)."""
+    spec = JobSpec(mode="async", lr=0.1, num_shards=1)
+    server = start_server(ServerConfig(port=0, threads=8))
+    try:
+        with _client(server.address, spec, 0) as c:
+            c.join(lambda: torch.zeros(32))
+            flat = torch.empty(32)
+            for clock in range(3):
+                c.exchange(torch.ones(32), clock, flat)
+            checkpoint.save(server.shard.snapshot(), tmp_path)  # version 3
+            c.exchange(torch.ones(32), 3, flat)  # (applied after the checkpoint: lost below)
+            c.leave()
+    finally:
+        server.stop(0)
+    again = start_server(ServerConfig(port=0, threads=8, checkpoint_dir=str(tmp_path)))
+    try:
+        with _client(again.address, spec, 0) as fresh:  # the resumed job's worker 0
+            assert fresh.join(None) == 3
+            fresh.exchange(torch.ones(32), 3, torch.empty(32))
+            [restore] = fresh.take_news()[1]
+    finally:
+        again.stop(0)
+    assert restore == Restore(0, 3, 3, joined_after=True)
+    assert restore.describe() == ("shard 0 was restored from its checkpoint of version 3 before this worker joined (e.g. "
+                                  "a resumed job): updates applied after that checkpoint before the restart, if any, "
+                                  "are lost, and this worker, which never saw them, cannot count them")
+    lines: list[str] = []
+    with MetricsSink(tmp_path / "w.jsonl", 0) as sink:
+        report = TrainingLog(WorkerConfig(servers=("127.0.0.1:1",), steps=5), _Task(), torch.nn.Linear(1, 1),  # type: ignore[arg-type]
+                             torch.device("cpu"), sink, "worker 0/1", lines.append)
+        report.news(4, [], [restore], 1)
+        final = report.final(1.0)
+    record = json.loads((tmp_path / "w.jsonl").read_text().splitlines()[0])
+    assert record["updates_lost"] is None and record["joined_after"] is True  # (not 0: not counted)
+    assert "updates_lost" not in final and final["restores"][0]["joined_after"] is True
+
+
 class _Task:
     name = "stub"
 
