@@ -268,6 +268,13 @@ def cmd_launch(ns: argparse.Namespace) -> int:
                           "reaches")
     if ns.insecure and ray is None:
         raise ConfigError("--insecure is for --backend ray (a local launch binds loopback only)")
+    if resuming:  # (a job whose checkpoints hold every worker at --steps: nothing is started)
+        reached = jobdir.reached_clock(Path(ns.checkpoint_dir), ns.num_servers, ns.num_workers)
+        if reached is not None and reached >= ns.steps:
+            print(f"[launch] the job in {ns.resume} had already finished: its checkpoints hold every worker at clock "
+                  f"{reached} and --steps is {ns.steps}, so nothing is left to train and nothing was started "
+                  "(to train on, resume it with a larger --steps)", flush=True)
+            return 0
     keys = jobkeys.create(ns.security, ns.num_workers)
 
     def status(addresses: list[str]) -> None:

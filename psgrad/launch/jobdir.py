@@ -150,6 +150,30 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
     return [*_map_paths(saved, rebased), "--checkpoint-dir", str(root), *given]
 
 
+def reached_clock(directory: Path, num_servers: int, num_workers: int) -> int | None:
+    """The clock every worker of the job had reached by the checkpoints a resume restores (each
+    shard's newest readable manifest): the lowest over ranks and shards; None where a manifest
+    names no clock for a rank (or none reads), so that nothing is claimed."""
+    from psgrad.server import checkpoint
+
+    lowest: int | None = None
+    for i in range(num_servers):
+        for manifest in checkpoint.manifests(shard_dir(directory, i)):
+            try:
+                members = json.loads(manifest.read_text(encoding="utf-8"))["members"]
+                clocks = {int(m["rank"]): int(m["clock"]) for m in members}
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # (as a restoring server skips it)
+            break
+        else:
+            return None
+        if any(rank not in clocks for rank in range(num_workers)):
+            return None
+        shard = min(clocks[rank] for rank in range(num_workers))
+        lowest = shard if lowest is None else min(lowest, shard)
+    return lowest
+
+
 def check_resumable(directory: Path, num_servers: int) -> None:
     """Every shard of the job has a checkpoint to restore: checked before anything starts, so one
     missing is a usage error of --resume (exit 2), like a directory that holds no launched job.

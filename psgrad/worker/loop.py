@@ -44,9 +44,15 @@ class TrainingLog:
         self._sink, self._who, self._log = sink, who, log
         self._window_start, self._window_loss, self._window_n = time.perf_counter(), 0.0, 0
         self.restores: list[Restore] = []  # restarts of shards that lost updates, as this worker saw them
+        self.start_clock = 0  # the clock this run started from (a resumed job's worker: its checkpointed one)
 
     def start(self, clock: int, mode: str) -> None:
-        """The run's first record: where the worker starts and how it is configured."""
+        """The run's first record: where the worker starts and how it is configured; a worker that
+        starts at --steps or past it says that nothing is left to train."""
+        self.start_clock = clock
+        if clock >= self.steps:
+            self._log(f"{self._who}: joined at clock {clock}, and --steps is {self.steps}: the job had already "
+                      "finished, nothing is left to train (give a larger --steps to train on)")
         self._sink.write(
             0, event="start", clock=clock, batch_size=self._config.batch_size, mode=mode,
             slowdown=self._config.slowdown, jitter_ms=self._config.jitter_ms,
@@ -106,7 +112,13 @@ class TrainingLog:
             bpb += (f" test_neighbours {final['test_neighbours']:.3f} (corpus {final['corpus_tokens']:,.0f} tokens, "
                     f"vocabulary {final['vocabulary']:,.0f})")
         acc = f" test_accuracy {final['test_accuracy']:.4f}" if "test_accuracy" in final else ""
-        self._log(f"{self._who}: final test_loss {final['test_loss']:.4f}{acc}{bpb} after {self.steps} steps in {elapsed_s:.1f} s")
+        if self.start_clock >= self.steps:
+            trained = f" at clock {self.start_clock}, nothing trained (the job had already finished)"
+        elif self.start_clock:
+            trained = f" after {self.steps} steps ({self.steps - self.start_clock} in this run) in {elapsed_s:.1f} s"
+        else:
+            trained = f" after {self.steps} steps in {elapsed_s:.1f} s"
+        self._log(f"{self._who}: final test_loss {final['test_loss']:.4f}{acc}{bpb}{trained}")
         return result
 
 

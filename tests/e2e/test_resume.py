@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_in_process as cli, run_cli, spawn
+from psgrad.metrics.jsonl import read_jsonl
 
 # Every step takes at least 25 ms (--step-time-ms: a wait, no CPU), so the 70 steps after the stop's
 # trigger (step 50, read from launch's relayed output) outlast that output's lag on a busy machine.
@@ -77,3 +78,31 @@ def test_resume_refuses_a_directory_without_a_job_and_a_new_job_refuses_one_with
     res = cli(["launch", "--checkpoint-dir", str(tmp_path), "--steps", "1"], capsys)
     assert res.returncode == 2 and f"--resume {tmp_path}" in res.stderr
     assert "[launch] started" not in res.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_job_keeps_its_metrics_and_says_what_it_trained_and_a_finished_one_starts_nothing(
+    tmp_path: Path
+) -> None:
+    """Before: --resume wrote the workers' metrics files anew (the stopped run's records lost), its
+    fresh workers said the restore lost none ("which held every update this worker had seen: none
+    lost"), and resuming a finished job started everything to report "after 30 steps", nothing trained."""
+    job, metrics = tmp_path / "job", tmp_path / "m"
+    first = run_cli(["launch", "--num-servers", "1", "--num-workers", "1", "--mode", "async", "--steps", "20",
+                     "--log-every", "10", "--eval-every", "20", "--checkpoint-every-versions", "10",
+                     "--checkpoint-dir", str(job), "--metrics-dir", str(metrics)], timeout_s=120)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    resumed = run_cli(["launch", "--resume", str(job), "--steps", "30"], timeout_s=120)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert ("worker 0/1: shard 0 was restored from its checkpoint of version 20 before this worker joined"
+            in resumed.stdout) and "none lost" not in resumed.stdout, resumed.stdout[-3000:]
+    assert "after 30 steps (10 in this run)" in resumed.stdout
+    records = read_jsonl(metrics / "worker0.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))  # the first run's 20, then 10
+    assert [r["clock"] for r in records if r.get("event") == "start"] == [0, 20]
+    finished = run_cli(["launch", "--resume", str(job), "--steps", "30"], timeout_s=120)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert (f"[launch] the job in {job} had already finished: its checkpoints hold every worker at clock 30 and "
+            "--steps is 30, so nothing is left to train and nothing was started") in finished.stdout
+    assert "[launch] started" not in finished.stdout and "final test_loss" not in finished.stdout
+    assert len(read_jsonl(metrics / "worker0.jsonl")) == len(records)

@@ -244,3 +244,23 @@ def test_a_worker_continues_from_the_furthest_behind_shard_only_where_its_own_pu
     assert continue_from(replies((2, 0), (3, 0)), sync=True) == 3  # shard 1 went on without it
     assert continue_from(replies((2, 1), (3, 2)), sync=False) == 3
     assert continue_from(replies((5, 4), (5, 4)), sync=True) == 5
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_starts_at_its_steps_says_the_job_had_finished_and_a_resumed_one_what_it_trained(
+    tmp_path: Path
+) -> None:
+    """Before: resuming a finished job printed "final ... after 300 steps in 0.0 s", nothing trained."""
+    for start, said, final_says in (
+        (5, ["worker 0/1: joined at clock 5, and --steps is 5: the job had already finished, nothing is left to train "
+             "(give a larger --steps to train on)"], "at clock 5, nothing trained (the job had already finished)"),
+        (2, [], "after 5 steps (3 in this run) in 1.0 s"),
+        (0, [], "after 5 steps in 1.0 s"),
+    ):
+        lines: list[str] = []
+        with MetricsSink(None, 0) as sink:
+            report = TrainingLog(WorkerConfig(servers=("127.0.0.1:1",), steps=5), _Task(), torch.nn.Linear(1, 1),  # type: ignore[arg-type]
+                                 torch.device("cpu"), sink, "worker 0/1", lines.append)
+            report.start(start, "async")
+            report.final(1.0)
+        assert lines == [*said, f"worker 0/1: final test_loss 1.0000 test_accuracy 0.5000 {final_says}"], lines

@@ -113,3 +113,13 @@ def test_resume_refusals_name_what_is_missing(tmp_path: Path) -> None:
         jobdir.check_resumable(tmp_path / "job", 2)
     checkpoint.save(s.snapshot(), jobdir.shard_dir(tmp_path / "job", 1))
     jobdir.check_resumable(tmp_path / "job", 2)
+
+
+def test_the_clock_a_resume_would_start_from_is_read_from_every_shards_newest_checkpoint(tmp_path: Path) -> None:
+    """(What `launch --resume` compares with --steps: a finished job is said so and nothing starts.)"""
+    job = tmp_path / "job"
+    assert jobdir.reached_clock(job, 1, 1) is None  # no checkpoint
+    s, _ = started(JobSpec(num_shards=2, num_workers=2))  # (ranks 0 and 1 joined, at clock 0)
+    checkpoint.save(s.snapshot(), jobdir.shard_dir(job, 0))
+    assert jobdir.reached_clock(job, 1, 2) == 0 and jobdir.reached_clock(job, 2, 2) is None  # (shard 1: none)
+    assert jobdir.reached_clock(job, 1, 3) is None  # (rank 2 in no checkpoint: nothing claimed)
