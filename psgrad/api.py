@@ -531,12 +531,15 @@ class PSOptimizer(ScheduledOptimizer):
         Raises:
             PsgradError: a server refused the push or became unreachable.
             WorkerStateError: the worker has left the job.
-            ConfigError: a closure, or a learning rate that is not a finite number >= 0.
+            ConfigError: a closure, a learning rate that is not a finite number >= 0, a parameter
+                changed in place, or one the model converted or replaced since ps.optimizer(model)
+                (model.double(), .half(), .to(device)).
         """
         if closure is not None:
             raise ConfigError("PSOptimizer.step() takes no closure: compute the loss, backward(), then step()")
         if self._left:
             raise WorkerStateError("this worker has left the job: step() after leave()/close()")
+        self._check_attached()
         edited = self._edited()
         if edited is not None:
             raise ConfigError(
@@ -634,8 +637,21 @@ class PSOptimizer(ScheduledOptimizer):
         """Read the servers' latest weights into the model without a gate or lease (e.g. to
         evaluate after leave(), or to undo an in-place edit); returns their versions."""
         self.synchronize()
+        self._check_attached()
         self._edited()
         return self._pull(self.clock, observe=True)
+
+    def _check_attached(self) -> None:
+        """Refuse a step or refresh once a parameter left the flat buffers (model.double(), ...):
+        they would then push and pull weights the model no longer uses, training nothing."""
+        detached = self.flat.detached()
+        if detached is not None:
+            raise ConfigError(
+                f"{detached} after ps.optimizer(model) (model.double(), .half(), .to(...), or a new parameter): "
+                "the model no longer uses the buffers the job's pushes and pulls go through, so steps would train "
+                "nothing; convert the model before ps.optimizer(model) (mid-run: ps.close(), then "
+                "ps.optimizer(model) on a new psgrad.connect(...))"
+            )
 
     def _edited(self) -> str | None:
         """A parameter written in place since the job's weights were installed (or None); a

@@ -19,7 +19,7 @@ Every buffer is allocated once, here; a step allocates nothing large.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +135,21 @@ class FlatModel:
         self._lent = False  # some parameters are views of versions lent read-only (weights_pulled)
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._installed: list[int] = []  # each parameter's version counter when psgrad last wrote it
+        self._storage: list[int] = []  # each parameter's data_ptr() then: another one, new memory
+        self._layout = [(p.dtype, p.device) for p in self.params]
+        self._places: list[tuple[Mapping[str, object], str, object]] = []
+        self._record_places()
         self.mark_installed()
+
+    def _record_places(self) -> None:
+        """Where each module and trainable parameter sits in the model, to see one replaced (a new
+        nn.Parameter, or a module swapped in) at a dict lookup each: (the parent's dict, key, object)."""
+        tracked = {id(p) for p in self.params}
+        self._places = []
+        for module in self.model.modules():
+            self._places += [(module._modules, key, child) for key, child in module._modules.items()]
+            self._places += [(module._parameters, key, p) for key, p in module._parameters.items()
+                             if p is not None and id(p) in tracked]
 
     def _build_groups(self, tail: int) -> None:
         """Allocate one (weights, grads) buffer pair per dtype (the first with `tail` elements more)
@@ -285,8 +299,41 @@ class FlatModel:
         self.mark_installed()
 
     def mark_installed(self) -> None:
-        """Remember each parameter's version counter: the weights in it are the job's."""
+        """Remember each parameter's version counter and memory: the weights in it are the job's."""
         self._installed = [seg.param._version for seg in self._segments]
+        self._storage = [seg.param.data_ptr() for seg in self._segments]
+
+    def detached(self) -> str | None:
+        """What took a parameter out of the flat buffers since the job's weights were installed
+        (model.double(), .half(), .to(another device), a tensor given to its .data, a new
+        nn.Parameter or module in its place), as "parameter 'name' ...", or None. Pulls would no
+        longer reach the model, nor its gradients the pushes."""
+        if [seg.param.data_ptr() for seg in self._segments] == self._storage:  # (the common case, at once)
+            return self._replaced()
+        for seg, ptr, (dtype, device) in zip(self._segments, self._storage, self._layout):
+            p = seg.param
+            if p.data_ptr() != ptr:
+                name = self._names.get(id(p), "?")
+                if p.dtype != dtype:
+                    return f"parameter {name!r} became {p.dtype} (was {dtype})"
+                if p.device != device:
+                    return f"parameter {name!r} moved to {p.device} (was on {device})"
+                return f"parameter {name!r} holds another tensor (one given to its .data)"
+        return self._replaced()
+
+    def _replaced(self) -> str | None:
+        """detached()'s part for a parameter replaced in the model (or None)."""
+        for parent, key, obj in self._places:
+            if parent.get(key) is not obj:
+                break
+        else:
+            return None
+        present = {id(p) for p in self.model.parameters()}
+        gone = next((seg.param for seg in self._segments if id(seg.param) not in present), None)
+        if gone is None:  # a module without trainable parameters swapped (nn.ReLU for nn.GELU): no matter
+            self._record_places()
+            return None
+        return f"parameter {self._names.get(id(gone), '?')!r} was replaced (a new nn.Parameter or module)"
 
     def edited_in_place(self) -> str | None:
         """The name of a parameter written in place since the job's weights were installed
@@ -329,6 +376,7 @@ class FlatModel:
             for seg in self._segments:
                 self.host_flat[seg.start : seg.start + seg.numel].copy_(seg.param.reshape(-1))
         self._point_params(())
+        self._storage = [seg.param.data_ptr() for seg in self._segments]  # (psgrad's move, not the user's)
 
     def host_weights(self) -> torch.Tensor:
         """The model's current weights (and buffers) as a float32 CPU tensor of the flat space (a

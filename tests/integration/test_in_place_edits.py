@@ -8,8 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
+import psgrad
 from conftest import REPO
+from psgrad.client import parameter_client
+from psgrad.config import ClientConfig
+from psgrad.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,3 +83,55 @@ def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, de
         assert lines[2].startswith("refused: parameter '") and "changed in place after ps.optimizer(model)" in lines[2], lines
         assert "'2.weight'" in lines[2] or edit == "load_state_dict", lines[2]
         assert lines[3] == "continued", lines
+
+
+CONVERSIONS = {
+    "double": lambda m: m.double(),
+    "half": lambda m: m.half(),
+    "new-data": lambda m: setattr(m[2].weight, "data", m[2].weight.detach().clone()),
+    "new-parameter": lambda m: setattr(m[2], "weight", nn.Parameter(m[2].weight.detach().clone())),
+    "new-module": lambda m: m.__setitem__(2, nn.Linear(4, 2)),
+}
+
+
+@pytest.mark.parametrize("conversion", list(CONVERSIONS))
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
+def test_a_model_converted_after_ps_optimizer_is_refused_by_name(make_servers, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                                  shared_memory: bool, conversion: str) -> None:
+    """model.double() (or .half(), a new tensor or parameter) after ps.optimizer(model) leaves the
+    optimizer's buffers, which the job pushes and pulls, out of the model: step() and refresh() refuse
+    it, naming the parameter, instead of training nothing."""
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)  # (same host: the parameters view lent versions)
+    (server,) = make_servers(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(16, 8)
+    with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
+        opt = ps.optimizer(model)
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+        model[1] = nn.GELU()  # (a module without parameters swapped: nothing left the buffers)
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+        CONVERSIONS[conversion](model)
+        dtype = next(model.parameters()).dtype
+        opt.zero_grad(); model(x.to(dtype)).sum().backward()
+        name = "'0.weight'" if conversion in ("double", "half") else "'2.weight'"
+        for call in (opt.step, opt.refresh):
+            with pytest.raises(ConfigError, match=f"parameter {name} .* after ps.optimizer\\(model\\).* convert the "
+                                                  "model before ps.optimizer\\(model\\)"):
+                call()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
+def test_refresh_after_leave_is_not_taken_for_a_conversion(make_servers, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                           shared_memory: bool) -> None:
+    """leave() gives the parameters memory of their own (off the lent versions): psgrad's move, so a
+    refresh() for evaluation after it still works."""
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)
+    (server,) = make_servers(1)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    with psgrad.connect([server.address], client=ClientConfig(shared_memory=shared_memory)) as ps:
+        opt = ps.optimizer(model)
+        opt.zero_grad(); model(torch.randn(16, 8)).sum().backward(); opt.step()
+        assert opt.flat._lent == shared_memory
+        ps.leave()
+        opt.refresh()
