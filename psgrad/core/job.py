@@ -3,7 +3,6 @@ re-exports it), and the flags that reproduce it; pure (no torch: the CLI imports
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +57,7 @@ class JobSpec:
         check_mode_fields(self)  # mode, staleness (fixed or auto), backup_workers
         object.__setattr__(self, "tables_mode", check_tables_mode(self))  # one spelling: "" for the job's own
         _check(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
-        _check(
-            math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr!r}"
-        )
-        check_optimizer_fields(self)  # momentum, weight_decay, beta1, ..., rho: ranges, and who reads them
+        check_optimizer_fields(self)  # lr, momentum, weight_decay, beta1, ..., rho: ranges, and who reads them
         _check(
             self.wire_dtype in WIRE_DTYPES,
             f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}",

@@ -125,19 +125,56 @@ def floats_as_floats(obj: Any) -> None:
                 float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value))
 
 
-def check_optimizer_fields(spec: Any) -> None:
-    """Validate a JobSpec's optimizer settings (ranges, and none set that its optimizer ignores).
+_BOOLS = ("nesterov", "centered", "decoupled")
+
+
+def check_settings(values: dict[str, Any], spelled: dict[str, str] | None = None) -> None:
+    """Check the types and ranges of the optimizer settings in `values` (by JobSpec field name; those
+    absent are not checked): lr and eps finite and > 0, the decay rates in [0, 1), weight_decay,
+    lr_decay and initial_accumulator_value finite and >= 0, the flags bools. JobSpec and the API's
+    classes (psgrad.SGD(...), ...) both check theirs here. spelled: how the caller's user names a
+    field, where that differs (Adam's betas[0] for beta1).
 
     Raises:
+        TypeError: a setting of the wrong type (a number given as a string), named.
+        ConfigError: a setting out of its range, named with its value.
+    """
+    def named(name: str) -> str:
+        return (spelled or {}).get(name, name)
+
+    for name, value in values.items():
+        if name in _BOOLS:
+            if not isinstance(value, bool):
+                raise TypeError(f"{named(name)} must be True or False, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{named(name)} must be a number, got {value!r} ({type(value).__name__})")
+    for name in ("lr", "eps"):
+        if name in values:
+            _check(math.isfinite(values[name]) and values[name] > 0,
+                   f"{named(name)} must be a finite number > 0, got {values[name]!r}")
+    for name in _UNIT:
+        if name in values:
+            _check(math.isfinite(values[name]) and 0 <= values[name] < 1,
+                   f"{named(name)} must be in [0, 1), got {values[name]!r}")
+    for name in _NONNEG:
+        if name in values:
+            _check(math.isfinite(values[name]) and values[name] >= 0,
+                   f"{named(name)} must be a finite number >= 0, got {values[name]!r}")
+
+
+def check_nesterov(momentum: float, nesterov: bool) -> None:
+    """Raises ConfigError for nesterov without momentum."""
+    _check(not nesterov or momentum > 0, f"nesterov needs momentum > 0 (like torch.optim.SGD), got momentum {momentum!r}")
+
+
+def check_optimizer_fields(spec: Any) -> None:
+    """Validate a JobSpec's optimizer settings (types, ranges, and none set that its optimizer ignores).
+
+    Raises:
+        TypeError: a setting of the wrong type, named.
         ConfigError: naming the field and its value.
     """
-    for name in _UNIT:
-        value = getattr(spec, name)
-        _check(math.isfinite(value) and 0 <= value < 1, f"{name} must be in [0, 1), got {value!r}")
-    for name in _NONNEG:
-        value = getattr(spec, name)
-        _check(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
-    _check(math.isfinite(spec.eps) and spec.eps > 0, f"eps must be a finite number > 0, got {spec.eps!r}")
+    check_settings({name: getattr(spec, name) for name in ("lr", *READERS)})
     defaults = {f.name: f.default for f in dataclasses.fields(spec)}
     for name, readers in READERS.items():
         value = getattr(spec, name)
@@ -148,8 +185,24 @@ def check_optimizer_fields(spec: Any) -> None:
             f"{name} applies only to optimizer {' or '.join(repr(r) for r in readers)}{hint}, "
             f"got {name} {value!r} with optimizer {spec.optimizer!r}"
         )
-    _check(not spec.nesterov or spec.momentum > 0,
-           f"nesterov needs momentum > 0 (like torch.optim.SGD), got momentum {spec.momentum!r}")
+    check_nesterov(spec.momentum, spec.nesterov)
+
+
+def _check_api_settings(obj: Any) -> None:
+    """An API class's settings (psgrad.SGD(...), ...), checked as it is built, by the rules JobSpec
+    checks them with (check_settings), in the names its constructor takes: lr, betas, eps, ..."""
+    values = dataclasses.asdict(obj)
+    try:
+        betas = values.pop("betas", None)
+        if betas is not None:
+            if not isinstance(betas, tuple) or len(betas) != 2:
+                raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+            values["beta1"], values["beta2"] = betas
+        check_settings(values, spelled={"beta1": "betas[0]", "beta2": "betas[1]"})
+        if "nesterov" in values:
+            check_nesterov(values["momentum"], values["nesterov"])
+    except (TypeError, ConfigError) as exc:  # (which class was given the setting)
+        raise type(exc)(f"psgrad.{type(obj).__name__}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- the API's classes
@@ -165,6 +218,7 @@ class SGD:
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+        _check_api_settings(self)  # as torch.optim's constructors do, not at connect
 
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "sgd", **dataclasses.asdict(self)}
@@ -185,6 +239,7 @@ class Adam:
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", DEFAULT_WEIGHT_DECAY["adamw" if self.decoupled else "adam"])
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+        _check_api_settings(self)  # as torch.optim's constructors do, not at connect
 
     def job_fields(self) -> dict[str, Any]:
         return {
@@ -209,6 +264,7 @@ class Adagrad:
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+        _check_api_settings(self)  # as torch.optim's constructors do, not at connect
 
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "adagrad", **dataclasses.asdict(self)}
@@ -227,6 +283,7 @@ class RMSprop:
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+        _check_api_settings(self)  # as torch.optim's constructors do, not at connect
 
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "rmsprop", **dataclasses.asdict(self)}
@@ -243,6 +300,7 @@ class Adadelta:
 
     def __post_init__(self) -> None:
         floats_as_floats(self)  # lr=20 is lr=20.0 (the job fingerprint hashes the values)
+        _check_api_settings(self)  # as torch.optim's constructors do, not at connect
 
     def job_fields(self) -> dict[str, Any]:
         return {"optimizer": "adadelta", **dataclasses.asdict(self)}

@@ -475,6 +475,45 @@ def test_nesterov_needs_momentum() -> None:
         JobSpec(nesterov=True)
 
 
+API_OPTIMIZER_CASES = [
+    ("SGD", {"lr": "0.1"}, TypeError, "psgrad.SGD: lr must be a number, got '0.1' (str)"),
+    ("SGD", {"lr": -0.1}, ConfigError, "psgrad.SGD: lr must be a finite number > 0, got -0.1"),
+    ("SGD", {"momentum": -0.5}, ConfigError, "psgrad.SGD: momentum must be in [0, 1), got -0.5"),
+    ("SGD", {"weight_decay": -1}, ConfigError, "psgrad.SGD: weight_decay must be a finite number >= 0, got -1.0"),
+    ("SGD", {"nesterov": True}, ConfigError, "psgrad.SGD: nesterov needs momentum > 0 (like torch.optim.SGD), got momentum 0.0"),
+    ("SGD", {"nesterov": "yes", "momentum": 0.9}, TypeError, "psgrad.SGD: nesterov must be True or False, got 'yes'"),
+    ("Adam", {"betas": (0.9, 1.0)}, ConfigError, "psgrad.Adam: betas[1] must be in [0, 1), got 1.0"),
+    ("Adam", {"betas": 0.9}, TypeError, "psgrad.Adam: betas must be a pair of numbers (beta1, beta2), got 0.9"),
+    ("Adam", {"eps": 0.0}, ConfigError, "psgrad.Adam: eps must be a finite number > 0, got 0.0"),
+    ("Adam", {"lr": NAN}, ConfigError, "psgrad.Adam: lr must be a finite number > 0, got nan"),
+    ("Adagrad", {"lr_decay": -1.0}, ConfigError, "psgrad.Adagrad: lr_decay must be a finite number >= 0, got -1.0"),
+    ("Adagrad", {"initial_accumulator_value": None}, TypeError,
+     "psgrad.Adagrad: initial_accumulator_value must be a number, got None (NoneType)"),
+    ("RMSprop", {"alpha": 1.5}, ConfigError, "psgrad.RMSprop: alpha must be in [0, 1), got 1.5"),
+    ("Adadelta", {"rho": INF}, ConfigError, "psgrad.Adadelta: rho must be in [0, 1), got inf"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, error, message", API_OPTIMIZER_CASES,
+                         ids=[f"{c[0]}-{next(iter(c[1]))}-{i}" for i, c in enumerate(API_OPTIMIZER_CASES)])
+def test_the_apis_optimizers_check_their_settings_as_they_are_built(cls: str, kwargs: dict[str, object],
+                                                                    error: type[Exception], message: str) -> None:
+    """psgrad.SGD(lr='0.1') was taken, and connect() failed later with a TypeError naming nothing; as
+    torch.optim's constructors do, the settings are checked at once, by JobSpec's own rules."""
+    import psgrad
+
+    with pytest.raises(error) as info:
+        getattr(psgrad, cls)(**kwargs)
+    assert str(info.value) == message and type(info.value) is error
+
+
+def test_a_job_specs_optimizer_settings_are_type_checked_by_name() -> None:
+    with pytest.raises(TypeError, match=r"^lr must be a number, got '0.1' \(str\)$"):
+        JobSpec(lr="0.1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^momentum must be a number, got None \(NoneType\)$"):
+        JobSpec(momentum=None)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"])
 def test_eps_left_out_on_the_command_line_is_torchs_default_for_the_optimizer(optimizer: str) -> None:
     from psgrad.cli.flags import apply_recipe, job_spec
