@@ -109,6 +109,7 @@ def connect(
     Raises:
         ConfigError: an invalid address or job setting (the message names it), or an optimizer
             that is not psgrad.SGD, Adam, Adagrad, RMSprop or Adadelta (a torch.optim one, say).
+        TypeError: a setting of the wrong type, named (compress=0.01 for "topk:0.01").
     """
     addresses = parse_servers(servers) if isinstance(servers, str) else parse_servers(",".join(servers))
     optimizer = optimizer or SGD()

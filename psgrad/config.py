@@ -12,7 +12,7 @@ from psgrad.core.addresses import parse_address, parse_servers, parse_shard  # n
 from psgrad.core.job import WIRE_DTYPES, JobSpec  # noqa: F401 (config's names: JobSpec lives in core, which imports nothing above it)
 from psgrad.core.modes import MODES  # noqa: F401 (config's name, as before)
 from psgrad.core.schedule import LR_SCHEDULES  # noqa: F401 (config's name, as before)
-from psgrad.core.compression import parse_compression
+from psgrad.core.compression import check_text, parse_compression
 from psgrad.errors import ConfigError
 from psgrad.core.optimizer_settings import DECLS, ROW_FORMS
 
@@ -291,6 +291,7 @@ class ClientConfig:
             f"reconnect_timeout_s must be a finite number >= 0, got {self.reconnect_timeout_s!r}",
         )
         _check(self.chunk_bytes >= 1024, f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        check_text(self.compress_pull, "compress_pull")
         parse_compression(self.compress_pull)  # (ConfigError naming the grammar)
         _check(self.pull_resync_every >= 0, f"pull_resync_every must be >= 0 (0: never), got {self.pull_resync_every}")
         _check(math.isfinite(self.pull_resync_error) and self.pull_resync_error >= 0,

@@ -68,6 +68,17 @@ class Compression:
         return scales + (-(-numel // 8) if self.name == "sign" else numel)
 
 
+def check_text(value: object, name: str) -> None:
+    """A compression setting (`name`: compress, compress_pull) is a string of GRAMMAR.
+
+    Raises:
+        TypeError: it is not a string (compress=0.01, which meant 'topk:0.01'), named with the grammar.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {GRAMMAR} (e.g. {name}='topk:0.01'), got {value!r} "
+                        f"({type(value).__name__})")
+
+
 def parse_compression(text: str) -> Compression | None:
     """'topk:0.01' -> Compression('topk', 0.01); 'none' -> None.
 

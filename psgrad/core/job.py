@@ -64,6 +64,7 @@ class JobSpec:
         )
         check_dc_asgd(self)
         # One spelling per setting, and error feedback only where a codec drops something: one job, one fingerprint.
+        compression.check_text(self.compress, "compress")
         object.__setattr__(self, "compress", compression.normalize(self.compress))
         codec = compression.parse_compression(self.compress)
         if codec is None or not codec.biased:

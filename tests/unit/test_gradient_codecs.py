@@ -47,6 +47,22 @@ def test_bad_names_are_refused_naming_the_problem(text: str, says: str) -> None:
         parse_compression(text)
 
 
+@pytest.mark.timeout(30)
+def test_a_compression_setting_that_is_not_a_string_is_refused_naming_it() -> None:
+    """psgrad.connect(compress=0.01) raised AttributeError ('float' object has no attribute 'strip')."""
+    import psgrad
+    from psgrad.config import ClientConfig
+
+    grammar = "one of none, topk:RATIO, randomk:RATIO (0 < RATIO <= 1), sign or int8"
+    with pytest.raises(TypeError) as info:
+        psgrad.connect("127.0.0.1:1", compress=0.01)  # type: ignore[arg-type]  # (nothing is sent: refused before)
+    assert str(info.value) == f"compress must be a string, {grammar} (e.g. compress='topk:0.01'), got 0.01 (float)"
+    with pytest.raises(TypeError, match=r"^compress must be a string, .* got None \(NoneType\)$"):
+        JobSpec(compress=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^compress_pull must be a string, .* got 1 \(int\)$"):
+        ClientConfig(compress_pull=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("numel", SIZES)
