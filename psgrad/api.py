@@ -193,11 +193,18 @@ class Session:
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
+            TypeError: model is not an nn.Module (a list of parameters, as torch.optim takes).
         """
         if self._closed:
             raise WorkerStateError("this session is closed; call psgrad.connect(...) again")
         if self._optimizer is not None:
             raise WorkerStateError("this session already has an optimizer: one model per job")
+        if not isinstance(model, nn.Module):  # (torch.optim's first argument: parameters)
+            what = f"a {type(model).__name__}" + (" of parameters" if isinstance(model, (list, tuple)) else "")
+            raise TypeError(
+                f"ps.optimizer(model) takes the model, an nn.Module, got {what}: psgrad makes the model's parameters "
+                "views of buffers it exchanges with the servers, so pass the module itself (ps.optimizer(model)); "
+                "per-parameter settings go in param_groups=[{'params': [...], 'lr': ...}]")
         if frozen not in ("local", "servers"):
             raise ConfigError(f"frozen must be 'local' or 'servers', got {frozen!r}")
         self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups, frozen == "servers",

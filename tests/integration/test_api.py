@@ -179,6 +179,19 @@ def test_session_misuse_is_refused_by_name(make_servers) -> None:  # type: ignor
         ps.optimizer(_model())
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("given, what", [("list", "a list of parameters"), ("generator", "a generator")])
+def test_parameters_instead_of_the_model_are_refused_saying_what_to_pass(given: str, what: str) -> None:
+    """ps.optimizer([params]) (torch.optim's first argument) raised AttributeError; nothing is sent."""
+    model = _model()
+    params = list(model.parameters()) if given == "list" else model.parameters()
+    ps = psgrad.connect("127.0.0.1:1", client=CLIENT)
+    with pytest.raises(TypeError, match=f"^ps.optimizer\\(model\\) takes the model, an nn.Module, got {what}: .* pass the "
+                                        "module itself \\(ps.optimizer\\(model\\)\\); per-parameter settings go in "
+                                        "param_groups="):
+        ps.optimizer(params)  # type: ignore[arg-type]
+
+
 @pytest.mark.timeout(60)
 def test_an_unreachable_server_fails_within_the_connect_timeout() -> None:
     dead = start_server(ServerConfig(port=0))
