@@ -48,8 +48,20 @@ class ScheduledOptimizer(torch.optim.Optimizer):
         self._warned_lr = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch.optim.Optimizer.add_param_group (the one group __init__ adds; `lr` refuses more),
-        without the import of torch._dynamo (see _beneath_dynamo_guard)."""
+        """torch.optim.Optimizer.add_param_group for the one group __init__ adds, without the import
+        of torch._dynamo (see _beneath_dynamo_guard).
+
+        Raises:
+            ConfigError: a second group (opt.add_param_group(...)): the model's parameters are all in
+                the first, and per-parameter settings are given to ps.optimizer(model, param_groups=...).
+        """
+        if self.param_groups:
+            raise ConfigError(
+                "opt.add_param_group(...) is not supported: psgrad's optimizer holds every parameter of the model "
+                "in its one group, whose lr (a scheduler's) the job applies; give per-parameter settings to "
+                "ps.optimizer(model, param_groups=[{'params': [...], 'lr': ..., 'weight_decay': ...}]), where "
+                "a group of psgrad embeddings may also name an optimizer of its own ('optimizer': psgrad.Adagrad(...))"
+            )
         _ADD_PARAM_GROUP(self, param_group)
 
     @property

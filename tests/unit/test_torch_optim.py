@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, child_env
+from psgrad.errors import ConfigError
 
 _PROGRAM = """
 import sys, torch
@@ -36,3 +37,24 @@ def test_building_and_saving_the_optimizer_never_imports_torch_dynamo() -> None:
                          env=child_env())
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_add_param_group_is_refused_at_the_call_saying_where_groups_go() -> None:
+    """opt.add_param_group(...) was taken, and only the next step() failed, with a message about one
+    learning rate."""
+    import torch
+
+    from psgrad.worker.torch_optim import ScheduledOptimizer
+
+    class Opt(ScheduledOptimizer):
+        rank, mode, clock = 0, "async", 0
+
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            return None
+
+    opt = Opt([torch.zeros(3, requires_grad=True)], 0.25, follows_job_lr=False)
+    with pytest.raises(ConfigError, match=r"^opt.add_param_group\(...\) is not supported: .* give per-parameter settings "
+                                          r"to ps.optimizer\(model, param_groups=\[\{'params': \[...\], 'lr': ..."):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.1})
+    assert len(opt.param_groups) == 1 and opt.lr == 0.25
