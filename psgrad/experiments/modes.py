@@ -131,8 +131,11 @@ def parse_mode(item: str) -> ModeRun:
                 f"mode {item!r} in --modes: {option!r} is not an option of {name}; {name} takes "
                 f"{', '.join(OPTIONS[name])}" + (" (max= only with ssp:auto)" if key == "max" else "")
             )
-        if key in seen or {key, *seen} >= {"dc", "dca"}:
-            raise ConfigError(f"mode {item!r} in --modes: {key} given twice (dc and dca exclude each other)")
+        if key in seen:
+            raise ConfigError(f"mode {item!r} in --modes: {key} given twice; give it once")
+        if {key, *seen} >= {"dc", "dca"}:
+            raise ConfigError(f"mode {item!r} in --modes: dc= and dca= exclude each other (dca=LAMBDA is adaptive "
+                              "DC-ASGD with its own lambda): give one of them")
         seen.add(key)
         if key == "lr":
             run = replace(run, lr=_number(item, key, value, integer=False))

@@ -45,7 +45,7 @@ def test_variants_become_job_settings() -> None:
     ("sync:backup=-1", "backup= needs an integer >= 0"),
     ("ssp:2:max=4", "max= bounds ssp:auto only"),
     ("ssp:auto:max=0", "max= needs an integer >= 1"),
-    ("async:dc=0.1:dca=2", "dc and dca exclude each other"),
+    ("async:dc=0.1:dca=2", "dc= and dca= exclude each other"),
     ("async:slr:slr", "slr given twice"),
     ("allreduce:slr", "'slr' is not an option of allreduce"),
     ("", "unknown mode ''"),
@@ -53,6 +53,22 @@ def test_variants_become_job_settings() -> None:
 def test_bad_variants_are_named(bad: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         parse_mode(bad)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("async:dc=0.04:dca=2", "dc= and dca= exclude each other (dca=LAMBDA is adaptive DC-ASGD with its own lambda): "
+                            "give one of them"),
+    ("ssp:2:dca=2:dc=0.04", "dc= and dca= exclude each other (dca=LAMBDA is adaptive DC-ASGD with its own lambda): "
+                            "give one of them"),
+    ("async:dca=2:dca=3", "dca given twice; give it once"),
+    ("async:dc=1:dc=2", "dc given twice; give it once"),
+    ("async:slr:slr", "slr given twice; give it once"),
+])
+def test_dc_and_dca_together_are_not_said_to_be_given_twice(bad: str, message: str) -> None:
+    """async:dc=0.04:dca=2 said "dca given twice", as if dc and dca were one key."""
+    with pytest.raises(ConfigError) as info:
+        parse_mode(bad)
+    assert str(info.value) == f"mode {bad!r} in --modes: {message}"
 
 
 def test_a_mode_twice_is_refused() -> None:
