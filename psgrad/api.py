@@ -24,6 +24,7 @@ from torch import nn
 from psgrad.client.parameter_client import ParameterClient, RowReads
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.core.addresses import parse_servers
+from psgrad.core.compression import BIASED, NONE, feeds_back
 from psgrad.errors import (CompressionWarning, ConfigError, EvictedError, InvalidRequestError, PsgradError, RollbackError,
                            WorkerStateError)
 from psgrad.core.modes import AUTO_STALENESS_MAX, find_mode, mode_of
@@ -136,7 +137,17 @@ def connect(
         tables_mode=tables_mode,
         **optimizer.job_fields(),
     )
-    return Session(addresses, spec, rank, client or ClientConfig())
+    client = client or ClientConfig()
+    # Settings with nothing to act on are refused rather than ignored (JobSpec keeps error feedback on).
+    if not error_feedback and not feeds_back(spec.compress):
+        raise ConfigError(f"error_feedback=False needs compress= a biased codec ({BIASED}): with compress="
+                          f"{spec.compress!r} no push leaves anything out to feed back; leave error_feedback out, "
+                          "or pass compress='topk:0.01' (say)")
+    if client.compress_same_host and spec.compress == NONE and client.compress_pull == NONE:
+        raise ConfigError("ClientConfig(compress_same_host=True) needs compress= (or the client's compress_pull=) a "
+                          "codec: with compress='none' nothing is compressed, on this host or another; leave "
+                          "compress_same_host out, or pass compress='topk:0.01' (say)")
+    return Session(addresses, spec, rank, client)
 
 
 class Session:

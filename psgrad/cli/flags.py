@@ -20,6 +20,7 @@ from psgrad.config import (
     WorkerConfig,
 )
 from psgrad.core.addresses import parse_servers
+from psgrad.core.compression import BIASED, NONE, feeds_back
 from psgrad.core.stragglers import StragglerModel, parse_dist, parse_rotation
 from psgrad.core.modes import AUTO_STALENESS_MAX, DEFAULT_SSP_STALENESS, find_mode
 from psgrad.errors import ConfigError
@@ -419,6 +420,20 @@ def staleness_max(ns: argparse.Namespace) -> int:
 
 
 def job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
+    """The JobSpec of the job flags; flags with nothing to act on (--no-error-feedback without a
+    biased codec, --compress-same-host without --compress or --compress-pull) are refused by name."""
+    spec = _job_spec(ns, num_workers, num_shards)
+    if not ns.error_feedback and not feeds_back(spec.compress):
+        raise ConfigError(f"--no-error-feedback needs --compress with a biased codec ({BIASED}): with --compress "
+                          f"{spec.compress} no push leaves anything out to feed back; leave the flag out, or add "
+                          "--compress topk:0.01 (say)")
+    if getattr(ns, "compress_same_host", False) and spec.compress == NONE and getattr(ns, "compress_pull", NONE) == NONE:
+        raise ConfigError("--compress-same-host needs --compress (or --compress-pull): without either nothing is "
+                          "compressed, on this host or another; leave the flag out, or add --compress topk:0.01 (say)")
+    return spec
+
+
+def _job_spec(ns: argparse.Namespace, num_workers: int, num_shards: int) -> JobSpec:
     return JobSpec(
         mode=ns.mode, staleness=staleness(ns), staleness_lr=ns.staleness_lr, num_workers=num_workers,
         optimizer=ns.optimizer, lr=ns.lr, momentum=ns.momentum, weight_decay=ns.weight_decay, beta1=ns.beta1,

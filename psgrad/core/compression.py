@@ -79,6 +79,22 @@ def check_text(value: object, name: str) -> None:
                         f"({type(value).__name__})")
 
 
+BIASED = "topk:RATIO, randomk:RATIO or sign"  # the codecs error feedback acts on
+
+
+def feeds_back(text: str) -> bool:
+    """Whether error feedback acts on the pushes of a compression setting: a biased codec's (it
+    keeps what a push leaves out). Without compression, or with int8 (unbiased, nothing kept),
+    turning it off would change nothing (JobSpec then keeps it on: one job, one fingerprint), so
+    the user-facing settings (psgrad.connect, the CLI's flags, --modes) refuse that by name.
+
+    Raises:
+        ConfigError: not a compression setting (see parse_compression).
+    """
+    codec = parse_compression(text)
+    return codec is not None and codec.biased
+
+
 def parse_compression(text: str) -> Compression | None:
     """'topk:0.01' -> Compression('topk', 0.01); 'none' -> None.
 

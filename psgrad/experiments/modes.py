@@ -160,7 +160,17 @@ def parse_mode(item: str) -> ModeRun:
             if ceiling < 1:
                 raise ConfigError(f"mode {item!r} in --modes: max= needs an integer >= 1, got {value!r}")
             run = replace(run, staleness_max=ceiling)
+    if not run.error_feedback and not _feeds_back(run.compress):
+        raise ConfigError(f"mode {item!r} in --modes: noef needs compress= a biased codec (topk:R, randomk:R or sign): "
+                          f"with compress {run.compress} no push leaves anything out to feed back; e.g. "
+                          f"{name}:compress=topk:0.01:noef")
     return run
+
+
+def _feeds_back(compress: str) -> bool:
+    from psgrad.core.compression import feeds_back
+
+    return feeds_back(compress)
 
 
 def parse_modes(text: str) -> tuple[ModeRun, ...]:

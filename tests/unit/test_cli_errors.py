@@ -184,3 +184,34 @@ def test_a_launch_metrics_dir_that_is_a_file_is_refused_before_anything_starts(
         res = cli(["launch", "--metrics-dir", str(given)], capsys)
         assert res.returncode == 2 and f"psgrad launch: error: {says}, not a directory" in res.stderr, res.stderr
         assert "[launch]" not in res.stdout
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["worker", "--servers", "127.0.0.1:1", "--no-error-feedback"],
+     "--no-error-feedback needs --compress with a biased codec (topk:RATIO, randomk:RATIO or sign): with --compress "
+     "none no push leaves anything out to feed back; leave the flag out, or add --compress topk:0.01 (say)"),
+    (["launch", "--compress", "int8", "--no-error-feedback"],
+     "--no-error-feedback needs --compress with a biased codec (topk:RATIO, randomk:RATIO or sign): with --compress "
+     "int8 no push leaves anything out to feed back; leave the flag out, or add --compress topk:0.01 (say)"),
+    (["worker", "--servers", "127.0.0.1:1", "--compress-same-host"],
+     "--compress-same-host needs --compress (or --compress-pull): without either nothing is compressed, on this host "
+     "or another; leave the flag out, or add --compress topk:0.01 (say)"),
+], ids=["worker-noef", "launch-noef-int8", "worker-same-host"])
+def test_a_compression_flag_with_nothing_to_act_on_is_refused(argv: list[str], error: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--no-error-feedback and --compress-same-host without --compress were taken without a word."""
+    from psgrad.cli.main import main
+
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith(f"psgrad {argv[0]}: error: {error}"), lines
+
+
+def test_a_compression_flag_that_acts_is_taken() -> None:
+    from psgrad.cli.flags import apply_recipe, job_spec
+    from psgrad.cli.parser import build_parser
+
+    for flags in (["--compress", "sign", "--no-error-feedback"], ["--compress-pull", "int8", "--compress-same-host"],
+                  ["--compress", "topk:0.01", "--compress-same-host"]):
+        ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", *flags])
+        apply_recipe(ns)  # (the settings left out: the task's recipe)
+        job_spec(ns, 1, 1)

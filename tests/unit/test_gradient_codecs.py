@@ -63,6 +63,25 @@ def test_a_compression_setting_that_is_not_a_string_is_refused_naming_it() -> No
         ClientConfig(compress_pull=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(30)
+def test_compression_settings_with_nothing_to_act_on_are_refused_by_connect() -> None:
+    """psgrad.connect(error_feedback=False) without a biased codec, and compress_same_host without a
+    codec, were taken without a word (JobSpec keeps error feedback on: one job)."""
+    import psgrad
+    from psgrad.config import ClientConfig
+
+    with pytest.raises(ConfigError, match=r"^error_feedback=False needs compress= a biased codec \(topk:RATIO, "
+                                          r"randomk:RATIO or sign\): with compress='none' .* leave error_feedback out"):
+        psgrad.connect("127.0.0.1:1", error_feedback=False)
+    with pytest.raises(ConfigError, match="error_feedback=False needs .* with compress='int8'"):
+        psgrad.connect("127.0.0.1:1", compress="int8", error_feedback=False)
+    with pytest.raises(ConfigError, match=r"^ClientConfig\(compress_same_host=True\) needs compress= .* leave "
+                                          "compress_same_host out"):
+        psgrad.connect("127.0.0.1:1", client=ClientConfig(compress_same_host=True))
+    assert not psgrad.connect("127.0.0.1:1", compress="sign", error_feedback=False).spec.error_feedback
+    psgrad.connect("127.0.0.1:1", client=ClientConfig(compress_same_host=True, compress_pull="int8"))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("numel", SIZES)

@@ -71,6 +71,19 @@ def test_dc_and_dca_together_are_not_said_to_be_given_twice(bad: str, message: s
     assert str(info.value) == f"mode {bad!r} in --modes: {message}"
 
 
+@pytest.mark.parametrize("bad, codec", [("async:noef", "none"), ("sync:compress=int8:noef", "int8"),
+                                        ("ssp:2:noef:compress=int8", "int8")])
+def test_noef_without_a_biased_codec_is_refused(bad: str, codec: str) -> None:
+    """async:noef (error feedback off in a job that compresses nothing) was taken without a word."""
+    with pytest.raises(ConfigError) as info:
+        parse_mode(bad)
+    name = bad.partition(":")[0]
+    assert str(info.value) == (f"mode {bad!r} in --modes: noef needs compress= a biased codec (topk:R, randomk:R or "
+                               f"sign): with compress {codec} no push leaves anything out to feed back; e.g. "
+                               f"{name}:compress=topk:0.01:noef")
+    assert not parse_mode(f"{name}{':2' if name == 'ssp' else ''}:noef:compress=sign").error_feedback
+
+
 def test_a_mode_twice_is_refused() -> None:
     with pytest.raises(ConfigError, match="lists a mode twice"):
         parse_modes("sync,sync")
