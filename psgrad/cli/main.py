@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from psgrad.cli import logs
 from psgrad.cli.flags import apply_drift
-from psgrad.cli.parser import build_parser, one_line_usage
+from psgrad.cli.parser import build_parser, flags_named, one_line_usage
 from psgrad.errors import ConfigError, PsgradError, TaskError
 
 EXIT_USAGE = 2
@@ -63,10 +63,10 @@ def _run(argv: Sequence[str] | None) -> int:
         return func(ns)
     except (ConfigError, TaskError) as exc:  # (the command's usage in one line: its full one runs to dozens)
         print(one_line_usage(ns.command), file=sys.stderr)
-        print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
+        print(f"psgrad {ns.command}: error: {flags_named(str(exc), parser, ns.command)}", file=sys.stderr)
         return EXIT_USAGE
-    except PsgradError as exc:
-        print(f"psgrad {ns.command}: error: {exc}", file=sys.stderr)
+    except PsgradError as exc:  # (a server's refusal names the job's fields too: JobMismatchError)
+        print(f"psgrad {ns.command}: error: {flags_named(str(exc), parser, ns.command)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"psgrad {ns.command}: interrupted", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, NoReturn, cast
 
 from psgrad import __version__
@@ -225,6 +226,38 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "(RUN as under OUT/runs; needs: pip install 'psgrad[tensorboard]')")
     add_launch_security_args(co)
     co.set_defaults(func=cmd_compare)
+
+
+# The settings' Python names a message may give bare, one word (the others are snake_case): the
+# optimizer's, which `psgrad worker` takes as flags of the same names.
+_ONE_WORD_FIELDS = frozenset({"lr", "momentum", "eps", "beta1", "beta2", "alpha", "rho", "nesterov", "centered"})
+# A Python name in a message: not part of a flag, path, attribute or keyword argument (x.y, --x-y, x=).
+_NAME = re.compile(r"(?<![\w./-])([a-z][a-z0-9]*(?:_[a-z0-9]+)*)(?![\w/(=-])")
+
+
+def flags_named(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """A message shown to a user of `psgrad COMMAND`, with each setting named by its flag instead of
+    the config field behind it ('lr_decay must be ...' -> '--lr-decay must be ...'): the checks live
+    in the config dataclasses (JobSpec, ClientConfig, ...), which the Python API shares and which
+    name their fields; the CLI's flags are those fields' dests, so the command's parser maps them,
+    in this one place. A field already followed by its flag in parentheses gives the flag once.
+    parser: build_parser()'s."""
+    sub = getattr(parser, "commands", {}).get(command)
+    if sub is None:
+        return message
+    flags: dict[str, str] = {}
+    for action in sub._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and action.dest not in flags and ("_" in action.dest or action.dest in _ONE_WORD_FIELDS):
+            flags[action.dest] = next((o for o in longs if not o.startswith("--no-")), longs[0])
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return flags.get(name, name)
+
+    for name, option in flags.items():  # "dc_asgd (--dc-asgd LAMBDA)": the flag once
+        message = re.sub(rf"(?<![\w./-]){name} \({re.escape(option)}(?: [A-Z]+)?\)", option, message)
+    return _NAME.sub(flag, message)
 
 
 def one_line_usage(command: str) -> str:

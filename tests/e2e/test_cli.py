@@ -253,7 +253,7 @@ def test_transport_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch, caps
     assert build_parser().parse_args(["server"]).stream_window_bytes == 4 << 20
     monkeypatch.setattr(psgrad.server.runtime, "serve_forever", lambda *_, **__: pytest.fail("a bad flag was served"))
     res = cli(["server", "--stream-window-bytes", "5"], capsys)
-    assert res.returncode == 2 and "stream_window_bytes must be 0" in res.stderr
+    assert res.returncode == 2 and "--stream-window-bytes must be 0" in res.stderr
     res = cli(["server", "--push-buffers", "0"], capsys)
     assert res.returncode == 2 and "must be >= 1" in res.stderr
 

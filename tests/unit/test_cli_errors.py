@@ -215,3 +215,33 @@ def test_a_compression_flag_that_acts_is_taken() -> None:
         ns = build_parser().parse_args(["worker", "--servers", "127.0.0.1:1", *flags])
         apply_recipe(ns)  # (the settings left out: the task's recipe)
         job_spec(ns, 1, 1)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--optimizer", "adagrad", "--lr-decay", "-1"], "--lr-decay must be a finite number >= 0, got -1.0"),
+    (["--optimizer", "adagrad", "--initial-accumulator-value", "-1"],
+     "--initial-accumulator-value must be a finite number >= 0, got -1.0"),
+    (["--rho", "0.5"], "--rho applies only to optimizer 'adadelta', got --rho 0.5 with optimizer 'sgd'"),
+    (["--dc-asgd", "-1"], "--dc-asgd must be a finite number >= 0 (0: off), got -1.0"),
+    (["--backup-workers", "3"], "backup workers apply only to mode 'sync', got --backup-workers 3 with mode 'async'"),
+    (["--connect-timeout-s", "0"], "--connect-timeout-s must be > 0, got 0.0"),
+], ids=["lr-decay", "initial-accumulator-value", "rho", "dc-asgd", "backup-workers", "connect-timeout-s"])
+def test_a_bad_flag_value_is_named_by_its_flag_not_its_field(flags: list[str], error: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`psgrad worker --lr-decay -1` said 'lr_decay must be ...': the config's field, not the flag given."""
+    from psgrad.cli.main import main
+
+    assert main(["worker", "--servers", "127.0.0.1:1", *flags]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"psgrad worker: error: {error}"
+
+
+def test_only_the_commands_fields_given_bare_become_flags() -> None:
+    from psgrad.cli.parser import build_parser, flags_named
+
+    parser = build_parser()
+    kept = ("pass client=psgrad.ClientConfig(compress_same_host=True); psgrad.Adagrad(lr=0.1); --lr-decay 1; "
+            "/tmp/lr_decay/x; model.weight_decay; rank must be in [0, num_workers=2); the servers refuse it")
+    assert flags_named(kept, parser, "worker") == kept
+    assert flags_named("lr_decay: shard has 0.0, worker rank 1 sent 0.1", parser, "worker") == \
+        "--lr-decay: shard has 0.0, worker rank 1 sent 0.1"  # (a server's JobMismatchError)
+    assert flags_named("lease_s must be > 0", parser, "server") == "--lease-s must be > 0"
+    assert flags_named("lr_decay must be >= 0", parser, "status") == "lr_decay must be >= 0"  # (not a flag there)
