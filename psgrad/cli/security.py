@@ -89,9 +89,10 @@ def auth_config(ns: argparse.Namespace, env: Mapping[str, str], client: bool) ->
     (--token-file, else $PSGRAD_TOKEN)."""
     secret: bytes | None = None
     if getattr(ns, "job_secret_file", None):
-        secret = check_secret(_read(ns.job_secret_file, "--job-secret-file"))
+        secret = check_secret(_read(ns.job_secret_file, "--job-secret-file"),
+                              f"--job-secret-file {ns.job_secret_file!r}")
     elif env.get(SECRET_ENV):
-        secret = check_secret(env[SECRET_ENV].encode())
+        secret = check_secret(env[SECRET_ENV].encode(), f"${SECRET_ENV}")
     token: str | None = None
     if client and getattr(ns, "token_file", None):
         token = _read(ns.token_file, "--token-file").decode(errors="replace").strip()

@@ -44,17 +44,18 @@ def parse_role(role: str) -> Identity | None:
     return Identity(WORKER, int(m.group(1))) if m.group(1) is not None else Identity(role)
 
 
-def check_secret(secret: bytes) -> bytes:
+def check_secret(secret: bytes, source: str = "") -> bytes:
     """The job secret with surrounding whitespace removed (a file's trailing newline), checked.
+    source: where it was read (a file's flag and path, an environment variable), for the message.
 
     Raises:
-        ConfigError: shorter than MIN_SECRET_BYTES.
+        ConfigError: shorter than MIN_SECRET_BYTES (naming the source).
     """
     secret = secret.strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(
-            f"the job secret has {len(secret)} bytes; use at least {MIN_SECRET_BYTES} random ones, e.g. "
-            "`head -c 32 /dev/urandom | base64 > job.secret`"
+            f"the job secret{f' in {source}' if source else ''} has {len(secret)} bytes; use at least "
+            f"{MIN_SECRET_BYTES} random ones, e.g. `head -c 32 /dev/urandom | base64 > job.secret`"
         )
     return secret
 

@@ -134,6 +134,14 @@ def test_secrets_come_from_files_or_the_environment(tmp_path: Path) -> None:
     assert auth_config(ns, {"PSGRAD_TOKEN": "t"}, client=False).token is None  # servers take no token
     with pytest.raises(ConfigError, match="--job-secret-file"):
         auth_config(_parse("worker", "--servers", "127.0.0.1:1", "--job-secret-file", "/no/such"), {}, client=True)
+    short = tmp_path / "short.secret"
+    short.write_bytes(b"tooshort\n")  # (the message named no file: which one is short?)
+    with pytest.raises(ConfigError) as info:
+        auth_config(_parse("server", "--job-secret-file", str(short)), {}, client=False)
+    assert str(info.value) == (f"the job secret in --job-secret-file {str(short)!r} has 8 bytes; use at least 16 random "
+                               "ones, e.g. `head -c 32 /dev/urandom | base64 > job.secret`")
+    with pytest.raises(ConfigError, match=r"^the job secret in \$PSGRAD_JOB_SECRET has 5 bytes"):
+        auth_config(ns, {"PSGRAD_JOB_SECRET": "short"}, client=True)
     # no flag of any command takes a secret or token itself (`ps` would show it)
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
