@@ -258,6 +258,12 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot |
     try:
         directory.mkdir(parents=True, exist_ok=True)  # fail now, not at the first checkpoint
     except OSError as exc:
+        # A file in the way ("File exists", "Not a directory"): name it, not errno's words.
+        blocking = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            what = "it is a file" if blocking == directory else f"{blocking} is a file"
+            raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {what}, not a folder; give "
+                                  "the path of a folder (made if missing), or move the file away") from None
         raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from None
     found = manifests(directory)
     problems = []

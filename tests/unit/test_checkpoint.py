@@ -129,6 +129,18 @@ def test_an_empty_or_missing_directory_holds_no_checkpoint(tmp_path: Path) -> No
         checkpoint.load_latest(tmp_path / "file", lambda _: None)
 
 
+def test_a_file_in_the_checkpoint_directorys_place_is_named_as_a_file(tmp_path: Path) -> None:
+    """A regular file given as --checkpoint-dir said "[Errno 17] File exists"."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_latest(tmp_path / "file", lambda _: None)
+    assert str(info.value) == (f"cannot use {tmp_path / 'file'} as a checkpoint directory: it is a file, not a folder; "
+                               "give the path of a folder (made if missing), or move the file away")
+    with pytest.raises(CheckpointError, match=f"^cannot use {tmp_path / 'file' / 'shard0'} as a checkpoint directory: "
+                                              f"{tmp_path / 'file'} is a file, not a folder; give the path of a folder"):
+        checkpoint.load_latest(tmp_path / "file" / "shard0", lambda _: None)
+
+
 def test_another_files_json_is_not_taken_for_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "ckpt-v000000000009.json").write_text('{"format": "something-else"}')
     with pytest.raises(CheckpointError, match="not a psgrad shard checkpoint"):
