@@ -222,7 +222,7 @@ def test_a_reply_the_worker_never_read_makes_its_next_pull_exact(make_servers) -
 
 def test_bad_asks_are_refused_with_the_grammar(make_servers, capsys) -> None:  # type: ignore[no-untyped-def]
     for flags, message in ((["--compress-pull", "zip"], "unknown compression 'zip'; valid: none, topk:RATIO"),
-                           (["--compress-pull", "int8", "--pull-resync-error", "-1"], "pull_resync_error must be")):
+                           (["--compress-pull", "int8", "--pull-resync-error", "-1"], "--pull-resync-error must be")):
         done = cli_in_process(["worker", "--servers", "127.0.0.1:1", *flags], capsys)
         assert done.returncode == 2 and message in done.stderr, done.stderr
     with pytest.raises(ConfigError, match="unknown compression 'zip'"):
