@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
+from psgrad.core.addresses import REFUSED, refusing_shard
 from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
 from psgrad.proto import ps_pb2 as pb
@@ -142,6 +143,10 @@ def attach_to_primary(primary: str, address: str, timeout_s: float, channels: Ch
             reply = attach(pb.ReplicaAttachRequest(address=address), timeout=timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
             cause = to_psgrad_error(exc, primary, "the attach request", timeout_s)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and refusing_shard([primary], 0.0) is not None:
+                # (waiting for it to be ready, gRPC reports a port nobody listens on as a deadline)
+                raise ServerStartError(f"cannot become the backup of {primary}: server {primary} {REFUSED} "
+                                       f"throughout {timeout_s:g} s (--replica-timeout-s)") from None
             raise ServerStartError(f"cannot become the backup of {primary}: {cause}") from None
         return int(reply.epoch)
 

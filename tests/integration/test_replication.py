@@ -246,8 +246,11 @@ def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(s
 def test_a_backup_whose_primary_does_not_answer_does_not_start() -> None:
     dead = start_server(ServerConfig(port=0, threads=4))
     dead.stop(0)
-    with pytest.raises(ServerStartError, match=f"cannot become the backup of {dead.address}"):
+    with pytest.raises(ServerStartError, match=f"cannot become the backup of {dead.address}") as info:
         start_server(ServerConfig(port=0, threads=4, replica_of=dead.address, replica_timeout_s=1))
+    # nothing listens there: said so, not "did not answer" (gRPC waiting for it reports a deadline)
+    assert f"server {dead.address} refused the connection (nothing listens on that port" in str(info.value), info.value
+    assert "throughout 1 s (--replica-timeout-s)" in str(info.value)
 
 
 def test_a_sync_push_buffered_on_a_primary_that_dies_is_taken_again_by_the_backup(
