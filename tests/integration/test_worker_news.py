@@ -89,17 +89,23 @@ def test_a_worker_evicted_while_the_survivors_last_pull_waits_for_it_is_told_in_
         server.stop(0)
 
 
+def _three_steps_and_a_checkpoint(c: ParameterClient, server: Any, directory: Path) -> torch.Tensor:
+    """Join as the chief (zeros), take 3 steps, checkpoint the shard (version 3); returns the weights' buffer."""
+    c.join(lambda: torch.zeros(32))
+    flat = torch.empty(32)
+    for clock in range(3):
+        c.exchange(torch.ones(32), clock, flat)
+    checkpoint.save(server.shard.snapshot(), directory)  # version 3
+    return flat
+
+
 def test_a_worker_is_told_once_how_many_updates_an_async_restart_lost(tmp_path: Path) -> None:
     # Before: the restored shard served an older version, and the workers said nothing of it.
     spec = JobSpec(mode="async", lr=0.1, num_shards=1)
     server = start_server(ServerConfig(port=0, threads=8))
     port = int(server.address.rsplit(":", 1)[1])
     with _client(server.address, spec, 0) as c:
-        c.join(lambda: torch.zeros(32))
-        flat = torch.empty(32)
-        for clock in range(3):
-            c.exchange(torch.ones(32), clock, flat)
-        checkpoint.save(server.shard.snapshot(), tmp_path)  # version 3
+        flat = _three_steps_and_a_checkpoint(c, server, tmp_path)
         for clock in range(3, 14):
             c.exchange(torch.ones(32), clock, flat)
         assert c.take_news() == ([], []) and server.shard.version == 14
@@ -134,11 +140,7 @@ def test_a_worker_that_joins_a_restored_shard_does_not_claim_that_none_were_lost
     server = start_server(ServerConfig(port=0, threads=8))
     try:
         with _client(server.address, spec, 0) as c:
-            c.join(lambda: torch.zeros(32))
-            flat = torch.empty(32)
-            for clock in range(3):
-                c.exchange(torch.ones(32), clock, flat)
-            checkpoint.save(server.shard.snapshot(), tmp_path)  # version 3
+            flat = _three_steps_and_a_checkpoint(c, server, tmp_path)
             c.exchange(torch.ones(32), 3, flat)  # (applied after the checkpoint: lost below)
             c.leave()
     finally:
