@@ -120,10 +120,6 @@ def check_task(name: str, data_dir: str | None = None) -> None:
         raise TaskError(f"task {name!r} reads no data directory: leave out --data-dir")
     if check is not None:
         check(data_dir)
-    if ":" in name:
-        from psgrad.tasks.base import get_task  # (torch: the user's module imported it already, most likely)
-
-        get_task(name, 0, data_dir)
 
 
 def known_task(name: str) -> None:
