@@ -147,7 +147,9 @@ class ParameterClient:
         self._heard_from = [False] * plan.num_shards  # a push or pull reply of the shard's was heard
         self._evictions: list[Eviction] = []
         self._restores: list[Restore] = []
-        self._told: set[tuple[int, int]] = set()  # (rank, clock) of the evictions already reported
+        # rank -> the shards that told of its latest eviction (every shard tells of it, at the clock
+        # it knew the worker at: they differ where its last push reached some shards only)
+        self._told: dict[int, set[int]] = {}
         self._news_lock = threading.Lock()
 
     def __enter__(self) -> ParameterClient:
@@ -412,9 +414,12 @@ class ParameterClient:
             return
         with self._news_lock:
             for e in evicted:
-                if (e.rank, e.clock) not in self._told:  # (every shard tells of the same eviction)
-                    self._told.add((e.rank, e.clock))
+                told = self._told.setdefault(e.rank, set())
+                if index in told:  # this shard tells of a later eviction of that worker
+                    told.clear()
+                if not told:  # (reported once, by the first shard that tells)
                     self._evictions.append(e)
+                told.add(index)
             if restored is not None:  # (told once per worker: lost or not, a restart is news)
                 self._restores.append(Restore(index, max(self.seen_versions[index], restored), restored,
                                               joined_after=not self._heard_from[index]))

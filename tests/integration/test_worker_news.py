@@ -266,3 +266,31 @@ def test_a_worker_that_starts_at_its_steps_says_the_job_had_finished_and_a_resum
             report.start(start, "async")
             report.final(1.0)
         assert lines == [*said, f"worker 0/1: final test_loss 1.0000 test_accuracy 0.5000 {final_says}"], lines
+
+
+def test_an_eviction_the_shards_tell_at_different_clocks_is_told_once() -> None:
+    """Worker 1's push of iteration 1 reached shard 0 only before it went silent: shard 0 evicts it
+    at clock 2, shard 1 at clock 1. Worker 0 hears of it once (it heard it twice, one per clock)."""
+    spec = JobSpec(mode="sync", lr=0.1, num_shards=2, num_workers=2)
+    servers = [start_server(ServerConfig(port=0, threads=8, lease_s=1.0)) for _ in range(2)]
+    params = [ParamSpec("w", (64,), "float32")]
+    config = ClientConfig(connect_timeout_s=10, rpc_timeout_s=30, reconnect_timeout_s=0, shared_memory=False)
+    clients = [ParameterClient([s.address for s in servers], spec, params, plan_shards(params, 2), r, config)
+               for r in range(2)]
+    try:
+        run_in_threads(2, lambda r: clients[r].join((lambda: torch.zeros(64)) if r == 0 else None))
+        flats = [torch.empty(64) for _ in range(2)]
+        run_in_threads(2, lambda r: clients[r].exchange(torch.ones(64), 0, flats[r]))
+        c = clients[1]
+        start, end = c.plan.ranges[0]
+        c.shards[0].push(c._push_header(0, 1, None, "", c._split_rows(None)[0]), c._push_payload(0, torch.ones(end - start))[0])
+        c._halt_heartbeat()  # silent from now on: both shards evict it
+        clients[0].exchange(torch.ones(64), 1, flats[0])  # waits for the evictions
+        clients[0].exchange(torch.ones(64), 2, flats[0])
+        evicted, _ = clients[0].take_news()
+        assert [e.rank for e in evicted] == [1], evicted
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop(0)
