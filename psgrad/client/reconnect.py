@@ -15,7 +15,7 @@ from psgrad.errors import NotPrimaryError, PsgradError, ServerBusyError, ServerU
 from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, to_psgrad_error
 
 T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)  # and a deadline a silent server let pass (worth_retrying)
 RECONNECT_BACKOFF_S = 0.1
 MAX_RECONNECT_BACKOFF_S = 2.0
 # A shard with a backup: how long joining again may wait for a server that may be dead (the
@@ -23,6 +23,7 @@ MAX_RECONNECT_BACKOFF_S = 2.0
 FAILOVER_JOIN_S = 2.0
 # How long the quick status call that explains a deadline waits for its answer (see diagnose).
 PROBE_S = 1.0
+SILENT = f"a status call got no answer within {PROBE_S:g} s"  # what diagnose() says of a server that is silent
 # What connection_problem() says of a connection that failed with an answer: refused, or an
 # address that could not be resolved, or reached (the first two: maybe a server not started yet).
 ANSWERS = ("refused", "could not be resolved", "is unreachable")
@@ -50,13 +51,27 @@ def diagnose(probe: Callable[[float], object]) -> str:
         code = exc.code() if isinstance(exc, grpc.Call) else None
         details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return (f"a status call got no answer within {PROBE_S:g} s either: is it paused or overloaded, or does a "
+            return (f"{SILENT} either: is it paused or overloaded, or does a "
                     "firewall or network partition drop the packets to it?")
         if code == grpc.StatusCode.UNAVAILABLE:
             problem = connection_problem(details)
             return f"a second call found that it {problem[0]}" if problem else f"a status call failed too ({details})"
     return ("it answers other calls, so this one took too long: a busy server or a slow link (raise the deadline if "
             "that is expected)")
+
+
+def worth_retrying(exc: grpc.RpcError, config: ClientConfig, diagnose: Callable[[], str] | None) -> bool:
+    """Whether a failed call may be tried again (for up to reconnect_timeout_s):
+    the shard did not answer (UNAVAILABLE: restarting, dead, fenced), or the call's deadline passed
+    with the server silent (a quick status call got no answer either: stopped, or starved of CPU,
+    which it may come back from). Not a deadline the server explained (a sync pull still waiting
+    for the other workers), nor one a server that answers other calls let pass."""
+    if not isinstance(exc, grpc.Call):
+        return False
+    if exc.code() in RETRYABLE:
+        return True
+    return (config.reconnect_timeout_s > 0 and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not _names_any(exc)
+            and diagnose is not None and diagnose().startswith(SILENT))
 
 
 def as_error(exc: grpc.RpcError, address: str, diagnose: Callable[[], str], what: str, timeout_s: float) -> PsgradError:
@@ -191,7 +206,7 @@ def call(
                 time.sleep(min(backoff_s, give_up - now))
                 backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
                 continue
-            if not (retry and isinstance(exc, grpc.Call) and exc.code() in RETRYABLE):
+            if not (retry and worth_retrying(exc, config, diagnose)):
                 raise as_error(exc, address, diagnose or (lambda: ""), what, timeout_s) from None
             now = time.monotonic()
             give_up = now + config.reconnect_timeout_s if give_up is None else give_up

@@ -351,7 +351,8 @@ class SharedMemoryTransport:
             # server never opened will not (another host, another /dev/shm).
             self._drop_segment(seg, for_good=refused and not seg.opened)
         seg.lock.release()
-        return refused or (isinstance(exc, grpc.Call) and exc.code() in reconnect.RETRYABLE and self._client.config.reconnect_timeout_s > 0)
+        config = self._client.config
+        return refused or (config.reconnect_timeout_s > 0 and reconnect.worth_retrying(exc, config, self._client.diagnose))
 
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,

@@ -55,18 +55,23 @@ def test_sigkilled_worker_is_evicted_and_the_others_finish(start_servers, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers, server_procs) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rpc_timeout", ["30", "3"], ids=["within-the-deadline", "past-the-deadline"])
+def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers, server_procs,  # type: ignore[no-untyped-def]
+                                                                   rpc_timeout: str) -> None:
     """SIGSTOP one of two servers for longer than the lease in the middle of a sync job, then
     SIGCONT it: the job finishes. The other server evicts nobody (each shard's heartbeat goes on
     while another shard does not answer), and the stopped one, which did not run, starts every
     lease again instead of evicting (it says so). Before, both shards evicted both workers, which
-    rejoined at different clocks, and the job wedged."""
+    rejoined at different clocks, and the job wedged. Stopped for longer than the workers' call
+    deadline, it is called again (a quick status call found it silent) until it answers, within
+    --reconnect-timeout-s; before, the workers failed at the first deadline."""
     import time
 
     lease = 3.0
     servers = start_servers(2, "--lease-s", str(lease))
     common = ["--servers", ",".join(servers), "--num-workers", "2", "--steps", "30", "--mode", "sync",
-              "--step-time-ms", "100", "--log-every", "1", "--eval-every", "1000", "--rpc-timeout-s", "30"]
+              "--step-time-ms", "100", "--log-every", "1", "--eval-every", "1000", "--rpc-timeout-s", rpc_timeout,
+              "--reconnect-timeout-s", "60"]
     workers = [spawn(["worker", "--rank", str(r), *common]) for r in range(2)]
     workers[0].wait_for_line("worker 0/2: step 3/", timeout_s=120)
     stopped = server_procs[-2]
