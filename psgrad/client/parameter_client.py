@@ -714,7 +714,7 @@ class ParameterClient:
         # Only where the shard lends its versions too (a range of at least LEND_MIN_BYTES): the
         # weights then come back in a ring slot, never into the caller's gradient; a smaller range
         # is copied into the shard's own segment, which the weights come back in.
-        lending = [i for i, s in enumerate(self.shards) if s.same_host and self._lends(i, self._pull_wires[i])]
+        lending = [i for i, s in enumerate(self.shards) if s.same_host and self._lends(i, self._pull_wire(i))]
         if self.spec.wire_dtype == "float32" and not compressed_here and self._gradient is None and lending:
             try:
                 self._gradient = shm.Shared(4 * self.plan.total)

@@ -183,6 +183,12 @@ def test_no_call_writes_the_callers_gradient(server: RunningServer, monkeypatch:
     with make_client(server, 1) as c:
         c.join(None)
         assert c.gradient_buffer() is None  # (copied into the shard's own segment, weights come back there)
+    monkeypatch.setattr(parameter_client, "LEND_MIN_BYTES", 0)
+    job = JobSpec(num_shards=1, num_workers=2, lr=0.5)
+    compressed = ClientConfig(rpc_timeout_s=10, reconnect_timeout_s=0, compress_pull="int8", compress_same_host=True)
+    with ParameterClient([server.address], job, PARAMS, plan_shards(PARAMS, 1), 1, compressed) as c:
+        c.join(None)
+        assert c.gradient_buffer() is None  # compressed pulls on this host are never lent: no window either
 
 
 def test_a_nan_gradient_pushed_from_the_segment_is_refused_whole(server: RunningServer) -> None:
