@@ -293,7 +293,7 @@ class PSOptimizer(ScheduledOptimizer):
                 raise ConfigError(f"frozen parameter {s.name!r} is {p.dtype}: the servers keep float32 values; "
                                   "pass frozen='local' to keep it in each worker")
         for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
-            check_row_settings(t.job_spec(spec), t.name)
+            check_row_settings(t.job_spec(spec), t.name, own=bool(t.optimizer))
         # (before the model's state_dict() below: it then reads no rows) Rows that a state_dict or
         # pretrained weights gave the chief's model become the job's initial rows of their tables.
         loaded = {name: module.prepare_to_bind() for name, module in self.embeddings}

@@ -192,6 +192,9 @@ def check_tables_mode(spec: Any) -> str:
     """
     if not spec.tables_mode or spec.tables_mode == spec.mode:
         return ""
+    if spec.tables_mode not in _BY_NAME:
+        raise ConfigError(f"unknown tables_mode {spec.tables_mode!r} (--tables-mode); valid: {', '.join(MODES)}, or "
+                          "the job's own mode")
     tables = mode_named(spec.tables_mode)
     _check(
         mode_of(spec).synchronous and not tables.synchronous and not tables.bounds_staleness,

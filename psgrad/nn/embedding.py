@@ -76,9 +76,9 @@ class SparseEmbedding(nn.Module):
         self.min_count, self.ttl, self.evict = min_count, ttl, bool(evict)
         if num_embeddings is None:  # a dynamic table: any int64 id (core/rows.py), stored as 0
             num_embeddings = rows.DYNAMIC
-        elif not (isinstance(num_embeddings, int) and num_embeddings >= 1):
-            raise ConfigError(f"num_embeddings must be an integer >= 1, or None for a dynamic table (any int64 id), "
-                              f"got {num_embeddings!r}")
+        elif not (isinstance(num_embeddings, int) and 1 <= num_embeddings < 2**63):
+            raise ConfigError(f"num_embeddings must be an integer in [1, 2**63), or None for a dynamic table (any int64 "
+                              f"id), got {num_embeddings!r}")
         if not (isinstance(embedding_dim, int) and embedding_dim >= 1):
             raise ConfigError(f"embedding_dim must be an integer >= 1, got {embedding_dim!r}")
         if not (std == std and 0 <= std < float("inf")):

@@ -24,9 +24,14 @@ class DenseIndex:
         self.rows = rows.rows_on_shard(num_embeddings, index, num_shards)
         self._slot = torch.full((self.rows,), -1, dtype=torch.int64)
 
+    @staticmethod
+    def bytes_for(placed: int) -> int:
+        """What an index of `placed` rows holds (its memory, charged before it is made)."""
+        return 8 * placed
+
     @property
     def nbytes(self) -> int:
-        return 8 * self.rows
+        return self.bytes_for(self.rows)
 
     def growth_bytes(self, stored: int) -> int:
         """Bytes more the index needs to hold `stored` rows in all (fixed: none)."""

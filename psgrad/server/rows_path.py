@@ -54,7 +54,8 @@ def _check_reply_size(state: ShardState, rank: int, lookups: Sequence[Lookup]) -
         count = sum(ids.numel() for _, ids in lookups)
         raise InvalidRequestError(
             f"a read of {count:,} rows would make a reply of {nbytes:,} bytes, more than the {REPLY_ROWS_MAX_BYTES:,} "
-            "one call may carry: read fewer ids a call (unique ids: a batch's repeated ids need one row each)")
+            "one call may carry: give the step fewer distinct ids (a smaller batch), more servers (each reads "
+            "its share of the rows), or narrower rows")
 
 
 class Rows:

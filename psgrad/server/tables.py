@@ -326,11 +326,19 @@ class SparseTable:
         self._index: DenseIndex | HashIndex
         if self.dynamic:
             self._index = HashIndex()
-            what = f"the row index of dynamic table {name!r} on shard {index}"
+            self.budget.charge(self._index.nbytes, f"the row index of dynamic table {name!r} on shard {index}")
         else:
-            self._index = DenseIndex(num_embeddings, index, num_shards)
-            what = f"the row index of table {name!r} ({self._index.rows:,} rows on shard {index})"
-        self.budget.charge(self._index.nbytes, what)
+            placed = rows.rows_on_shard(num_embeddings, index, num_shards)
+            what = f"the row index of table {name!r} ({placed:,} rows on shard {index})"
+            self.budget.charge(DenseIndex.bytes_for(placed), what)  # (before it is made: 8 bytes a row)
+            try:
+                self._index = DenseIndex(num_embeddings, index, num_shards)
+            except (RuntimeError, OverflowError):  # (no budget set: the allocator refused it)
+                self.budget.release(DenseIndex.bytes_for(placed))
+                raise MemoryBudgetError(
+                    f"{what} needs {DenseIndex.bytes_for(placed) / 2**20:,.1f} MiB, which this server cannot "
+                    "allocate: give the table fewer rows, more servers, or make it dynamic (num_embeddings=None: "
+                    "any 64-bit id, memory for the rows stored only)") from None
         self._charged = self._index.nbytes
         # Row lifetime (TableSpec.lifetime): admission after min_count sightings, expiry after ttl
         # updates untouched, eviction at the budget; and what each has done so far.

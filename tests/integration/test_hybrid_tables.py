@@ -38,7 +38,7 @@ def test_the_tables_mode_is_a_job_setting_in_one_spelling() -> None:
     for mode, tables in (("ssp", "async"), ("async", "sync"), ("sync", "ssp")):
         with pytest.raises(ConfigError, match=f"tables mode '{tables}' with mode '{mode}': the tables may be async in a sync job"):
             JobSpec(mode=mode, tables_mode=tables)
-    with pytest.raises(ConfigError, match="unknown mode 'eventual'"):
+    with pytest.raises(ConfigError, match="unknown tables_mode 'eventual'"):
         JobSpec(mode="sync", tables_mode="eventual")
     assert parse_mode("sync:tables=async").tables_mode == "async"
     with pytest.raises(ConfigError, match="'tables=async' is not an option of async"):

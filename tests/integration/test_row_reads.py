@@ -101,7 +101,9 @@ def test_a_read_whose_reply_would_be_too_large_is_refused_before_it_is_built(mak
                 with pytest.raises(grpc.RpcError) as refused:
                     call(request, timeout=60)
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "would make a reply of 512,000,000 bytes, more than the" in str(refused.value.details())
+                details = str(refused.value.details())
+                assert "would make a reply of 512,000,000 bytes, more than the" in details
+                assert "give the step fewer distinct ids (a smaller batch), more servers" in details  # (what a user can do)
             grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
             print(f"peak memory grew {grown_mb:.0f} MB over two refused reads of {n:,} ids")
             assert grown_mb < 400  # the request's copies (32 MB of ids), never the 512 MB reply

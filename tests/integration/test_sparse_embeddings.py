@@ -369,8 +369,9 @@ def test_embedding_modules_match_torch_on_the_same_rows() -> None:
         assert mine.take_gradients() is None  # taken
     with pytest.raises(ConfigError, match="mode must be one of sum, mean, max, got 'median'"):
         psgrad.EmbeddingBag(5, 2, mode="median")
-    with pytest.raises(ConfigError, match="num_embeddings must be an integer >= 1"):
-        psgrad.Embedding(0, 2)
+    for bad in (0, 2**63):  # (2**63 rows: an int64 id cannot name the last; it failed at bind, unnamed)
+        with pytest.raises(ConfigError, match=r"num_embeddings must be an integer in \[1, 2\*\*63\)"):
+            psgrad.Embedding(bad, 2)
 
 
 @pytest.mark.timeout(60)

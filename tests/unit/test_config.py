@@ -602,3 +602,9 @@ def test_a_torch_optim_optimizer_is_refused_naming_the_ones_to_use(kind: str, tw
             and f"got a torch.optim.{kind}" in message and twin in message), message
     with pytest.raises(ConfigError, match="got 'sgd'"):
         psgrad.connect("127.0.0.1:1", optimizer="sgd")  # type: ignore[arg-type]
+
+
+def test_an_unknown_tables_mode_is_named_as_the_tables_mode() -> None:
+    """(It said "unknown mode 'bogus'", as if the job's mode were wrong.)"""
+    with pytest.raises(ConfigError, match=r"unknown tables_mode 'bogus' \(--tables-mode\); valid: async, ssp, sync"):
+        JobSpec(mode="sync", tables_mode="bogus")

@@ -590,6 +590,11 @@ def test_a_tables_param_group_may_name_an_optimizer_of_its_own() -> None:
         own_table(optimizer=torch.optim.Adagrad)
     with pytest.raises(ConfigError, match="'rmsprop' has no row-wise form"):
         check_row_settings(own_table(optimizer="rmsprop").job_spec(spec), "a")
+    with pytest.raises(ConfigError) as info:  # (it said to do what the user did, and that the dense parameters keep it)
+        check_row_settings(own_table(optimizer="rmsprop").job_spec(spec), "a", own=True)
+    assert str(info.value) == ("optimizer 'rmsprop', which the param group of sparse table 'a' names, has no row-wise "
+                               "form (its running averages decay at every step, rows the batch did not touch too): "
+                               "a table's own optimizer is one of sgd, adam, adagrad"), info.value
     with pytest.raises(ConfigError, match="momentum 0.9 of optimizer 'sgd' does not apply to the rows"):
         check_row_settings(own_table(optimizer="sgd", momentum=0.9).job_spec(spec), "a")
     with pytest.raises(ConfigError, match="psgrad.Adagrad\\(...\\) and sets 'lr' beside it"):

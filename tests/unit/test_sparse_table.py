@@ -304,3 +304,29 @@ def test_rows_a_read_drew_are_made_from_it_not_drawn_again(kind: str, monkeypatc
     monkeypatch.setattr(tables, "DRAWN_BYTES", 4 * 4 * 30)  # room for 30 rows of 4
     t.rows(torch.arange(600, 640))  # 40 rows drawn: more than is kept, and nothing it kept is lost for it
     assert len(keeper._drawn) == len(kept) and all(a is b for a, b in zip(keeper._drawn, kept))
+
+
+def test_a_tables_row_index_is_charged_to_the_budget_before_it_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The index, 8 bytes a row, was allocated first: a table far past --memory-budget-mb took its
+    memory, and one past the machine's failed with the allocator's error.) Past the budget, nothing
+    is allocated; past what the server can allocate, a MemoryBudgetError says what to do."""
+    from psgrad.errors import MemoryBudgetError
+    from psgrad.server import row_index, tables
+
+    made: list[int] = []
+    real = row_index.DenseIndex.__init__
+
+    def spy(self: row_index.DenseIndex, num_embeddings: int, index: int, num_shards: int) -> None:
+        made.append(num_embeddings)
+        real(self, num_embeddings, index, num_shards)
+
+    monkeypatch.setattr(row_index.DenseIndex, "__init__", spy)
+    budget = tables.MemoryBudget(1 << 20)
+    with pytest.raises(MemoryBudgetError, match=r"the row index of table 't' \(1,000,000 rows on shard 0\) needs 7.6 MiB"):
+        SparseTable("t", 1_000_000, 4, 0, 1, 0, RowSGD(0.1), budget=budget)
+    assert made == [] and budget.used == 0
+    with pytest.raises(MemoryBudgetError, match="which this server cannot allocate: give the table fewer rows, more "
+                                                "servers, or make it dynamic"):
+        SparseTable("t", 10**13, 4, 0, 1, 0, RowSGD(0.1), budget=tables.MemoryBudget(None))
+    SparseTable("t", 1000, 4, 0, 1, 0, RowSGD(0.1), budget=budget)
+    assert made == [10**13, 1000] and budget.used == 8000

@@ -161,9 +161,10 @@ ROW_OPTIMIZERS: dict[str, Callable[..., RowOptimizer]] = {
 assert set(ROW_OPTIMIZERS) == set(ROW_FORMS), "a row form for each optimizer DECLS gives one"
 
 
-def check_row_settings(spec: object, table: str | None = None) -> None:
+def check_row_settings(spec: object, table: str | None = None, own: bool = False) -> None:
     """Refuse, by name, an optimizer without a row form or a setting its row form cannot take
-    (optimizer_settings.DECLS), naming the alternative.
+    (optimizer_settings.DECLS), naming the alternative. own: the optimizer is the table's own
+    (its param group's 'optimizer'), not the job's.
 
     Raises:
         ConfigError: naming the optimizer or the setting, and what to do instead.
@@ -173,6 +174,9 @@ def check_row_settings(spec: object, table: str | None = None) -> None:
     decl = DECLS.get(name)
     if decl is None or decl.rows is None:
         why = f" ({decl.no_rows})" if decl is not None and decl.no_rows else ""
+        if own:
+            raise ConfigError(f"optimizer {name!r}, which the param group of {where} names, has no row-wise "
+                              f"form{why}: a table's own optimizer is one of {', '.join(ROW_FORMS)}")
         raise ConfigError(
             f"optimizer {name!r} has no row-wise form for {where}{why}; rows take {', '.join(ROW_FORMS)}: name one "
             f"for {'the table' if table else 'the tables'} in a param group of {'its' if table else 'their'} own "
