@@ -366,8 +366,7 @@ class ParameterServicer:
             assert seg is not None
             if req.observe or not self._publish(context, req.rank, frames):
                 if seg.window:  # the worker's gradient, never written: it pulls through frames instead
-                    context.set_trailing_metadata(((shm.METADATA_KEY, shm.NOT_LENT),))
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no free slot to lend the version in")
+                    _not_lent(context, "no free slot to lend the version in")
                 frames.copy_into(seg.payload[: frames.nbytes])
             yield header
         finally:
@@ -397,8 +396,7 @@ class ParameterServicer:
         header = pb.PullFrame(header=head).SerializeToString()
         if seg is not None:
             if seg.window:  # (the worker's gradient, never written; its compressed pulls are never lent)
-                context.set_trailing_metadata(((shm.METADATA_KEY, shm.NOT_LENT),))
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a compressed pull names the worker's gradient")
+                _not_lent(context, "a compressed pull names the worker's gradient")
             copy_bytes(seg.payload[: len(payload)], payload)
             yield header
             return
@@ -618,3 +616,10 @@ class ParameterServicer:
         self.shard.leave(req.rank)
         self._unmap_departed()
         return pb.LeaveReply()
+
+
+def _not_lent(context: grpc.ServicerContext, why: str) -> None:
+    """Refuse a pull that names the worker's gradient window (never written) and could not be lent
+    a version: the worker pulls through frames instead (see SharedMemoryTransport.pull)."""
+    context.set_trailing_metadata(((shm.METADATA_KEY, shm.NOT_LENT),))
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
