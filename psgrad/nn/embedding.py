@@ -10,7 +10,8 @@ its server 8 bytes of index, and every row is the same on every server after eve
 What torch's modules do that these do too: torch's options with torch's semantics (padding_idx,
 scale_grad_by_freq, sparse, and for bags include_last_offset and mode "max"; max_norm is refused,
 naming why), `state_dict()`/`load_state_dict()` (a table's entries: the rows updated at least once
-and how to make the others, the layout `psgrad export` writes), pickling and `copy.deepcopy` (a
+and how to make the others, the layout `psgrad export` writes; torch's own, `weight`, loads too, as
+every row), pickling and `copy.deepcopy` (a
 copy is unbound: the rows stay on the servers), and clip_grad_norm_, whose norm covers the rows'
 gradients too. A module that loaded a state without being bound serves forwards from it (initial
 rows for the ids the state does not list): a trained model evaluates with no servers."""
@@ -372,19 +373,28 @@ class SparseEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in STATE_KEYS)
+        # torch.nn.Embedding's layout (`weight`, the whole table) where the state has none of this one's
+        weight = state_dict.get(prefix + "weight") if not any(prefix + k in state_dict for k in STATE_KEYS) else None
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in STATE_KEYS
+                               and not (weight is not None and k == prefix + "weight"))
         missing = [prefix + k for k in REQUIRED_STATE_KEYS if prefix + k not in state_dict]
-        if missing:
+        if missing and weight is None:
             missing_keys.extend(missing)
             return
         where = f"{type(self).__name__} at {prefix[:-1] or 'the top'!r}"
         if self._source is not None:
+            torch_state = (f" A torch.nn.{type(self).__name__}'s state ({prefix}weight) loads the same way: into the "
+                           f"model before ps.optimizer(model), as psgrad.{type(self).__name__}.from_pretrained(weight) "
+                           "starts a table from it" if weight is not None else "")
             raise ConfigError(
                 f"load_state_dict() into {where}, bound to table {self.table!r}: a bound table's rows are the job's, "
                 "on its servers, and a running job's rows change only by its updates. Load the state before "
                 "ps.optimizer(model) (the chief's loaded rows become the job's initial rows), or into an unbound copy "
                 "(copy.deepcopy(model), or a new model), which serves the loaded rows, or resume the job's rows from "
-                "its servers' checkpoints (--checkpoint-dir)")
+                f"its servers' checkpoints (--checkpoint-dir).{torch_state}")
+        if weight is not None:
+            self._load_weight(weight, prefix, where)
+            return
         num, dim, seed = (int(v) for v in state_dict[prefix + "init"].tolist())
         if (num, dim) != (self.num_embeddings, self.embedding_dim):
             raise ConfigError(
@@ -406,6 +416,26 @@ class SparseEmbedding(nn.Module):
         self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
         self.seed, self.std = seed, float(state_dict[prefix + "init_std"])
         self._loaded, self._lost = (ids, values[order].contiguous()), None
+
+    def _load_weight(self, weight: Any, prefix: str, where: str) -> None:
+        """Take torch.nn.Embedding's state, the whole table as `weight` [rows, dim]: every row
+        loaded, as from_pretrained loads them (row i is id i; a dynamic table takes ids 0..rows-1,
+        its other ids start as their initial values).
+
+        Raises:
+            ConfigError: not a tensor of this table's shape.
+        """
+        shape = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        fits = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == self.embedding_dim
+        if not fits or (not self.dynamic and weight.shape[0] != self.num_embeddings):
+            size = "any number of" if self.dynamic else f"{self.num_embeddings}"
+            raise ConfigError(
+                f"load_state_dict(): {prefix}weight (a torch.nn.{type(self).__name__}'s whole table) has shape {shape}, and "
+                f"{where} takes [{size} rows, {self.embedding_dim}]: build it with the weight's shape "
+                "(num_embeddings, embedding_dim)")
+        values = weight.detach().to("cpu", torch.float32).contiguous()
+        self.table = prefix[:-1]
+        self._loaded, self._lost = (torch.arange(values.shape[0]), values), None
 
 
 class Embedding(SparseEmbedding):

@@ -227,3 +227,26 @@ def test_a_loaded_state_and_pretrained_weights_become_a_new_jobs_initial_rows(ma
             words(x).backward()
             opt.step()
         assert running[0].shard.core.state.tables["words"].version == version  # frozen: never updated
+
+
+@pytest.mark.timeout(60)
+def test_a_torch_models_state_loaded_before_the_job_becomes_its_initial_rows(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A torch.nn.EmbeddingBag's state_dict (`weight`) loads into the psgrad model: ps.optimizer then
+    starts the servers' table from it, so the model computes what torch's does; loaded into the
+    bound model, it is refused naming the way that works."""
+    reference = Ctr(dense=True)
+    with torch.no_grad():
+        reference.emb.weight.normal_(generator=torch.Generator().manual_seed(8))
+    state = reference.state_dict()
+    model = Ctr()
+    model.load_state_dict(state)
+    running = make_servers(1)
+    x = torch.randint(0, 200, (8, 3), generator=torch.Generator().manual_seed(9))
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        ps.optimizer(model)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        with pytest.raises(ConfigError, match=r"bound to table 'emb'.*emb.weight.*before ps.optimizer\(model\).*"
+                                              r"psgrad.EmbeddingBag.from_pretrained\(weight\)"):
+            model.load_state_dict(state)
+    assert running[0].shard.core.state.tables["emb"].version == 1  # the rows were loaded, as the table's first update

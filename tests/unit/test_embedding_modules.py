@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import psgrad
+from psgrad.core import rows
 from psgrad.errors import ConfigError, WorkerStateError
 from psgrad.nn import SparseEmbedding, sparse_modules
 
@@ -276,6 +277,38 @@ def test_loads_that_cannot_be_honoured_are_refused_by_name() -> None:
     assert lenient.bag.stored_rows()[0].tolist() == [3, 9, 30]  # the complete table loaded
     with pytest.raises(WorkerStateError, match="not bound"):
         lenient.one(ONE)  # the incomplete one did not
+
+
+def test_a_torch_modules_state_loads_as_every_row_and_a_bound_module_refuses_it() -> None:
+    """torch.nn.Embedding's state (`weight`, the whole table) loads into the psgrad module where it
+    has the table's shape: every row loaded, served unbound and the job's initial rows once bound;
+    a bound module refuses it, naming from_pretrained and loading before ps.optimizer."""
+    twin = nn.Module()
+    twin.bag, twin.one = nn.EmbeddingBag(ROWS, DIM, mode="sum"), nn.Embedding(ROWS, DIM, padding_idx=0)
+    twin.head = nn.Linear(2 * DIM, 1)
+    state = twin.state_dict()
+    model = Model()
+    assert not model.load_state_dict(state).missing_keys  # strict: every key taken
+    expected = twin.head(torch.cat([twin.bag(BAGS), twin.one(ONE)], dim=1)).squeeze(-1)
+    torch.testing.assert_close(model(BAGS, ONE), expected, rtol=0, atol=0)
+    loaded = model.bag.prepare_to_bind()  # (what the chief sends as the job's initial rows)
+    assert loaded is not None
+    ids, values = loaded
+    assert ids.tolist() == list(range(ROWS)) and torch.equal(values, state["bag.weight"])
+    with pytest.raises(ConfigError, match=r"bag.weight \(a torch.nn.EmbeddingBag's whole table\) has shape \[40, 4\], "
+                                          r"and EmbeddingBag at 'bag' takes \[50 rows, 4\]"):
+        Model(rows=50).load_state_dict(state)
+    dynamic = psgrad.Embedding(None, DIM, seed=2)
+    dynamic.load_state_dict({"weight": state["one.weight"]})  # ids 0..39 loaded, any other initial
+    served = dynamic(torch.tensor([3, 10**12]))
+    torch.testing.assert_close(served[0], state["one.weight"][3], rtol=0, atol=0)
+    initial = rows.initial_rows(rows.table_key(2, ""), torch.tensor([10**12]), DIM, 1.0)[0]  # (named "": no prefix)
+    torch.testing.assert_close(served[1], initial, rtol=0, atol=0)
+    bound, _ = _bound_model()
+    with pytest.raises(ConfigError, match=r"into EmbeddingBag at 'bag', bound to table 'bag'.*torch.nn.EmbeddingBag's "
+                                          r"state \(bag.weight\).*before ps.optimizer\(model\).*"
+                                          r"psgrad.EmbeddingBag.from_pretrained\(weight\)"):
+        bound.load_state_dict(state)
 
 
 def test_pickles_and_copies_leave_the_binding_and_a_copy_of_a_bound_module_is_unbound() -> None:
