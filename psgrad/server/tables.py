@@ -274,6 +274,15 @@ def memory_budget_bytes(mb: float | None) -> int | None:
     return None if mb == 0 else int(mb * 2**20)
 
 
+#: What a refusal of the memory budget advises besides more memory, where nothing closer applies.
+SMALLER = "or make the table smaller"
+
+
+def _mib(nbytes: int) -> str:
+    """nbytes for a message: in MiB, or KiB under a tenth of one (where "0.0 MiB" would say nothing)."""
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes / 2**10:,.1f} KiB"
+
+
 class MemoryBudget:
     """The bytes a shard's sparse tables may hold in all (their row index, rows and row state): a
     table that would grow past it refuses the rows that would not fit, naming the budget."""
@@ -282,20 +291,24 @@ class MemoryBudget:
         self.limit = limit  # None: no limit
         self.used = 0
 
-    def charge(self, nbytes: int, what: str) -> None:
+    def charge(self, nbytes: int, what: str, advice: str = SMALLER) -> None:
         """Take nbytes more for `what`.
 
         Raises:
-            MemoryBudgetError: they would not fit (nothing is taken).
+            MemoryBudgetError: they would not fit (nothing is taken); its message ends with `advice`.
         """
         if self.limit is not None and self.used + nbytes > self.limit:
-            mb = self.limit / 2**20  # (as given: 0.1 stays 0.1, 4096 reads 4,096)
-            raise MemoryBudgetError(
-                f"{what} needs {nbytes / 2**20:,.1f} MiB more, but this server's sparse tables already hold "
-                f"{self.used / 2**20:,.1f} MiB of its --memory-budget-mb {f'{mb:,.0f}' if mb.is_integer() else f'{mb:g}'}: give the servers more "
-                "memory (a larger budget, or more shards: each holds 1/S of every table), or make the table smaller"
-            )
+            raise self.refusal(nbytes, what, advice)
         self.used += nbytes
+
+    def refusal(self, nbytes: int, what: str, advice: str = SMALLER) -> MemoryBudgetError:
+        """The error refusing nbytes more for `what`: the budget and what it holds, then what to
+        do (more memory, or `advice`)."""
+        mb = (self.limit or 0) / 2**20  # (as given: 0.1 stays 0.1, 4096 reads 4,096)
+        return MemoryBudgetError(
+            f"{what} needs {_mib(nbytes)} more, but this server's sparse tables already hold {_mib(self.used)} "
+            f"of its --memory-budget-mb {f'{mb:,.0f}' if mb.is_integer() else f'{mb:g}'}: give the servers more "
+            f"memory (a larger budget, or more shards: each holds 1/S of every table), {advice}")
 
     def release(self, nbytes: int) -> None:
         self.used = max(0, self.used - nbytes)
@@ -456,17 +469,20 @@ class SparseTable:
 
         capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
         extra, what = growth(capacity), f"table {self.name!r} growing to {need:,} rows on shard {self.index}"
+        advice = self._budget_advice()
         try:  # a refusal changes nothing
-            self.budget.charge(extra, what)
+            self.budget.charge(extra, what, advice)
         except MemoryBudgetError:
             fitting = self._fitting_capacity(need)
             if fitting is not None:  # (a doubling past the budget would leave up to half of it unused)
                 capacity, extra = fitting, growth(fitting)
-                self.budget.charge(extra, what)
+                self.budget.charge(extra, what, advice)
             else:
                 room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
                 if not (may_evict and self.evict) or not self._make_room(need - room, ids, protect):
-                    raise
+                    # (naming what these rows need, not the doubling tried first: the budget that
+                    # holds that much more takes them)
+                    raise self.budget.refusal(growth(max(need, self._ids.numel())), what, advice) from None
                 capacity, extra, need = self._ids.numel(), 0, self.touched + n
         self._charged += extra
         if capacity > self._ids.numel():
@@ -483,6 +499,19 @@ class SparseTable:
         self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
         self.admitted += n
+
+    def _budget_advice(self) -> str:
+        """What a refusal of the memory budget advises for this table besides more memory: a
+        dynamic table, which grows with every new id, names the options that bound its rows."""
+        if not self.dynamic:
+            return SMALLER
+        if self.evict:
+            return (f"or fewer distinct new ids an update: dynamic table {self.name!r} evicts (evict=True), but the "
+                    "rows of this update do not fit even with every row it does not touch dropped")
+        return (f"or bound the rows dynamic table {self.name!r} stores, with its module's options (psgrad.Embedding, "
+                f"EmbeddingBag, EmbeddingBagCollection; now min_count={self.min_count}, ttl={self.ttl}, evict=False): "
+                "evict=True drops the least recently updated rows at the budget instead of refusing, ttl=T drops rows "
+                "no update touched in T updates, min_count=N stores an id only once N updates named it")
 
     def _fitting_capacity(self, need: int) -> int | None:
         """The largest arena of at least `need` rows whose growth (and the index's, to `need` rows)

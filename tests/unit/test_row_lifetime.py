@@ -86,6 +86,37 @@ def test_at_the_budget_the_least_recently_updated_rows_make_room() -> None:
     assert torch.equal(t.rows(torch.tensor([6, 1023])), initial([6, 1023]) - LR)
 
 
+def test_a_refusal_names_what_the_rows_need_and_for_a_dynamic_table_the_options_that_bound_them() -> None:
+    # Before: it named the doubling it tried first (twice what the rows need, or more) and advised
+    # only "make the table smaller", which a dynamic table, growing with every new id, cannot.
+    budget = _charged_for(1024) + 16  # the first arena and its index, and less than a row more
+    t = table(budget=budget)
+    update(t, list(range(1024)))
+    needed = 2 * t.row_bytes() + t._index.growth_bytes(1026)  # two rows, and the index that holds them
+    with pytest.raises(MemoryBudgetError) as refused:
+        update(t, [5000, 5001])
+    message = str(refused.value)
+    assert f"growing to 1,026 rows on shard 0 needs {needed / 1024:.1f} KiB more" in message, message
+    for option in ("now min_count=0, ttl=0, evict=False", "evict=True drops", "ttl=T", "min_count=N"):
+        assert option in message, message
+    for more, fits in ((needed - 1, False), (needed, True)):  # the figure is just enough
+        other = table(budget=t.budget.used + more)
+        update(other, list(range(1024)))
+        if fits:
+            assert update(other, [5000, 5001])[0].tolist() == [5000, 5001]
+        else:
+            with pytest.raises(MemoryBudgetError):
+                update(other, [5000, 5001])
+    fixed = table(budget=_charged_for(1024, dynamic=False) + 16, dynamic=False)
+    update(fixed, list(range(1024)))
+    with pytest.raises(MemoryBudgetError, match="or make the table smaller$"):
+        update(fixed, [5000])
+    evicting = table((0, 0, True), budget=budget)
+    update(evicting, list(range(1024)))
+    with pytest.raises(MemoryBudgetError, match=r"evicts \(evict=True\), but the rows of this update do not fit"):
+        update(evicting, list(range(5000, 7000)))  # more new rows than the whole budget holds
+
+
 def test_past_a_refused_doubling_the_arena_grows_to_what_the_budget_holds() -> None:
     # Before: a doubling past the budget was refused whole, so the table refused (or evicted) with
     # up to half of its budget unused.
