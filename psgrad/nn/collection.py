@@ -31,10 +31,16 @@ class EmbeddingBagCollection(nn.Module):
 
     Bound by ps.optimizer(model) like psgrad.EmbeddingBag (its tables are `<name>.bags.<feature>`);
     a training forward pulls the unique ids of every feature in one call per shard.
+
+    min_count, ttl, evict: every table's row lifetime, as psgrad.EmbeddingBag takes them (an id's
+    updates applied once it was seen in min_count updates; a row no update touched in ttl updates
+    of its table dropped; evict: at the servers' memory budget the least recently updated rows
+    dropped instead of refusing the push), for a collection of dynamic tables above all. Tables
+    that need other values go in a collection (or a psgrad.EmbeddingBag) of their own.
     """
 
     def __init__(self, tables: Mapping[str, tuple[int | None, int]], mode: str = "sum", std: float = 1.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, *, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
         super().__init__()
         if not isinstance(tables, Mapping) or not tables:
             raise ConfigError("an EmbeddingBagCollection needs at least one table: {feature: (num_embeddings, dim)}")
@@ -47,7 +53,7 @@ class EmbeddingBagCollection(nn.Module):
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
         self.bags = nn.ModuleDict({name: EmbeddingBag(None if n is None else int(n), int(d), mode=mode, std=std,
-                                                      seed=seed)
+                                                      seed=seed, min_count=min_count, ttl=ttl, evict=evict)
                                    for name, (n, d) in tables.items()})
         self.mode = mode
 

@@ -99,6 +99,28 @@ def test_a_dynamic_table_trains_on_64_bit_ids_and_keeps_its_rows_through_every_p
         fresh.item.initial_weight()
 
 
+def test_a_collections_row_lifetime_reaches_every_one_of_its_tables_on_the_servers(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """EmbeddingBagCollection takes min_count, ttl and evict as EmbeddingBag does, for each of its
+    tables (before, it had none: a collection of dynamic tables could not bound its rows)."""
+    [server] = make_servers(1)
+    model = nn.Module()
+    model.ebc = psgrad.EmbeddingBagCollection({"a": (None, DIM), "b": (100, DIM)}, min_count=2, ttl=16, evict=True)
+    with pytest.raises(ConfigError, match="min_count must be an integer >= 0"):
+        psgrad.EmbeddingBagCollection({"a": (None, DIM)}, min_count=-1)
+    with psgrad.connect([server.address], optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        opt.zero_grad()
+        model.ebc({"a": hashed_ids(8, 0).view(4, 2), "b": torch.arange(4).view(4, 1)}).sum().backward()
+        opt.step()
+        state = server.shard.core.state
+        assert state is not None
+        for name in ("ebc.bags.a", "ebc.bags.b"):
+            table = state.tables[name]
+            assert isinstance(table, SparseTable)
+            assert (table.min_count, table.ttl, table.evict) == (2, 16, True), name
+            assert table.touched == 0 and table.dropped > 0, name  # seen once: not admitted yet
+
+
 def test_admission_expiry_and_eviction_travel_to_the_servers_and_their_standby(make_servers) -> None:  # type: ignore[no-untyped-def]
     """Through real gRPC: the table's min_count, ttl and evict reach the servers with the job (a worker
     with other values is refused), the primary's drops reach its standby in its records, and status
