@@ -63,6 +63,13 @@ def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, clie
     print(format_status(shards), flush=True)
 
 
+def _lifetime_shows(table: dict[str, Any]) -> bool:
+    """Whether a sparse table's line shows its admitted rows: a dynamic table's always (rows come and
+    go by id), another's where rows were dropped, expired or evicted (else admitted is the rows
+    touched, said already)."""
+    return not table["rows"] or any(table.get(k) for k in ("expired", "evicted", "dropped"))
+
+
 def format_status(shards: Sequence[dict[str, Any]]) -> str:
     """The human-readable table `psgrad status` prints."""
     from psgrad.core.status import start_wait_phrase  # not at the CLI's start
@@ -127,8 +134,8 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
                 + ((f"{t['rows_touched']:,} of {t['rows']:,} rows touched, " if t["rows"] else
                     f"dynamic: {t['rows_touched']:,} rows stored, ")
                    + f"{t['updates']:,} updates, staleness max {t['staleness_max']} mean {t['staleness_mean']:.2f}, "
-                   + "".join(f"{t[k]:,} {k}, " for k in ("admitted", "expired", "evicted", "dropped")
-                             if t.get(k) and (k != "admitted" or t.get("expired") or t.get("evicted")))
+                   + "".join(f"{t.get(k, 0):,} {k}, " for k in ("admitted", "expired", "evicted", "dropped")
+                             if (_lifetime_shows(t) if k == "admitted" else t.get(k)))
                    if t["kind"] == "sparse" else "")
                 + f"{t['numel']:,} parameters, {t['nbytes'] / 1e6:.1f} MB, optimizer state {t['state_bytes'] / 1e6:.1f} MB)"
                 for t in tables))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import psgrad
+from psgrad.cli.status import format_status
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import shard_status
 from psgrad.config import ClientConfig, ServerConfig
@@ -119,6 +120,35 @@ def test_a_collections_row_lifetime_reaches_every_one_of_its_tables_on_the_serve
             assert isinstance(table, SparseTable)
             assert (table.min_count, table.ttl, table.evict) == (2, 16, True), name
             assert table.touched == 0 and table.dropped > 0, name  # seen once: not admitted yet
+
+
+def test_psgrad_status_shows_a_dynamic_tables_admitted_rows(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """`psgrad status` text: a dynamic table's admitted count is shown always (before, only beside
+    expired or evicted rows, so admission's 0 admitted / N dropped, then N admitted, were hidden); a
+    fixed table without drops leaves it out (it is its rows touched)."""
+    [server] = make_servers(1)
+    model = nn.Module()
+    model.item = psgrad.Embedding(None, DIM, min_count=2)
+    model.fixed = psgrad.Embedding(100, DIM)
+    x = torch.tensor([3, 5, 3, 7])
+
+    def text() -> str:
+        (status,) = shard_status([server.address], 10)
+        line = [ln for ln in format_status([dict(status.to_dict(), address=server.address)]).splitlines()
+                if ": tables " in ln]
+        assert len(line) == 1
+        return line[0]
+
+    with psgrad.connect([server.address], optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for step in range(2):  # ids 3, 5, 7: seen once (dropped), then admitted
+            opt.zero_grad()
+            (model.item(x).sum() + model.fixed(x).sum()).backward()
+            opt.step()
+            shown = text()
+            item, fixed = shown.split("item (")[1].split("), ")[0], shown.split("fixed (")[1]
+            assert ("0 admitted, 3 dropped" if step == 0 else "3 admitted, 3 dropped") in item, shown
+            assert "admitted" not in fixed and "3 of 100 rows touched" in fixed, shown
 
 
 def test_admission_expiry_and_eviction_travel_to_the_servers_and_their_standby(make_servers) -> None:  # type: ignore[no-untyped-def]
