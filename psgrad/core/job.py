@@ -125,7 +125,15 @@ def check_overlap(spec: JobSpec, overlap: bool) -> None:
 
 
 def check_row_cache(spec: JobSpec, rows: int) -> None:
-    """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows)."""
+    """Raises ConfigError when a row cache is asked for in sync mode (which allows no stale rows),
+    hybrid tables included (async tables in a sync job: a row cache is for async and ssp jobs)."""
+    if rows and mode_of(spec).synchronous and spec.tables_mode:
+        raise ConfigError(
+            f"a row cache does not go with hybrid tables (tables_mode={spec.tables_mode!r} with mode={spec.mode!r}; "
+            f"--tables-mode {spec.tables_mode}): the row cache is for jobs whose mode is async or ssp, and this job's mode is sync, its "
+            "dense part one averaged update per iteration. Leave the row cache out (the hybrid tables already take "
+            f"each worker's rows as they come), or make the whole job {spec.tables_mode} (mode={spec.tables_mode!r} "
+            "without tables_mode) to keep it")
     if rows and mode_of(spec).synchronous:
         raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
                           "does not allow: use mode async or ssp, or no row cache")

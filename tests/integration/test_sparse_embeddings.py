@@ -459,6 +459,12 @@ def test_a_row_cache_serves_hot_rows_and_sync_mode_refuses_one(make_servers) -> 
     with pytest.raises(ConfigError, match="sync mode"):
         with psgrad.connect([running[0].address], mode="sync", client=CLIENT) as ps:
             ps.optimizer(Ctr(), row_cache=10)
+    # hybrid tables: refused naming them, not sync mode alone (their rows are async already)
+    with pytest.raises(ConfigError, match=r"a row cache does not go with hybrid tables \(tables_mode='async' with "
+                                          r"mode='sync'; --tables-mode async\).*Leave the row cache out.*make the "
+                                          r"whole job async \(mode='async' without tables_mode\)"):
+        with psgrad.connect([running[0].address], mode="sync", tables_mode="async", client=CLIENT) as ps:
+            ps.optimizer(Ctr(), row_cache=10)
 
 
 @pytest.mark.timeout(120)
