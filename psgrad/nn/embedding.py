@@ -126,9 +126,13 @@ class SparseEmbedding(nn.Module):
             where = f", table={self.table!r}, {self._loaded[0].numel()} rows loaded"
         else:
             where = ", unbound"
+        # torch's options as torch's repr shows them (a bag's mode always, padding_idx where set), then psgrad's
+        torch_options = f", mode={self.mode!r}" if isinstance(self, EmbeddingBag) else ""
+        padding_idx = getattr(self, "padding_idx", None)
+        torch_options += f", padding_idx={padding_idx}" if padding_idx is not None else ""
         options = "".join(f", {name}=True" for name in ("scale_grad_by_freq", "sparse") if getattr(self, name))
         size = "None (dynamic)" if self.dynamic else str(self.num_embeddings)
-        return f"{size}, {self.embedding_dim}, std={self.std:g}{options}{where}"
+        return f"{size}, {self.embedding_dim}{torch_options}, std={self.std:g}{options}{where}"
 
     def _padding_index(self, padding_idx: int | None) -> int | None:
         """torch's padding_idx, checked and made non-negative.

@@ -154,6 +154,16 @@ def test_options_torch_has_and_psgrad_cannot_honour_are_refused_naming_the_alter
     assert "sparse=True" in repr(psgrad.Embedding(ROWS, DIM, sparse=True))
 
 
+@pytest.mark.parametrize("options", [{}, {"mode": "sum"}, {"mode": "max", "padding_idx": -1}, {"padding_idx": 3}], ids=str)
+def test_repr_starts_as_torchs_with_the_bags_mode(options: dict[str, Any]) -> None:
+    """repr shows torch's options as torch's does (a bag's mode always, before: left out), then psgrad's."""
+    bag_only = {"mode"} & set(options)
+    pairs = [(psgrad.EmbeddingBag, nn.EmbeddingBag)] + ([] if bag_only else [(psgrad.Embedding, nn.Embedding)])
+    for mine, theirs in pairs:
+        shown, torchs = repr(mine(ROWS, DIM, **options)), repr(theirs(ROWS, DIM, **options))
+        assert shown.startswith(torchs[:-1] + ", std=1"), (shown, torchs)
+
+
 
 def test_from_pretrained_takes_torch_arguments_in_torch_order() -> None:
     """psgrad's from_pretrained takes torch's positional arguments where torch has them (EmbeddingBag's
