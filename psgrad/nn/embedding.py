@@ -17,6 +17,7 @@ gradients too. A module that loaded a state without being bound serves forwards 
 rows for the ids the state does not list): a trained model evaluates with no servers."""
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -135,12 +136,24 @@ class SparseEmbedding(nn.Module):
         return f"{size}, {self.embedding_dim}{torch_options}, std={self.std:g}{options}{where}"
 
     def _padding_index(self, padding_idx: int | None) -> int | None:
-        """torch's padding_idx, checked and made non-negative.
+        """torch's padding_idx, checked and made non-negative; a dynamic table's is an id as it is
+        (any int64 id but the two reserved: there is no end to count a negative one from, so -1
+        pads id -1).
 
         Raises:
-            ConfigError: outside [-num_embeddings, num_embeddings).
+            ConfigError: not an integer; outside [-num_embeddings, num_embeddings); for a dynamic
+                table, not an id it can hold.
         """
+        if padding_idx is not None:  # (an int, or one of another integer type: numpy's)
+            if isinstance(padding_idx, bool) or not hasattr(type(padding_idx), "__index__"):
+                raise ConfigError(f"padding_idx must be an integer (a row id) or None, got {padding_idx!r}")
+            padding_idx = operator.index(padding_idx)
         if self.dynamic:  # any id: no wrap-around from the end
+            if padding_idx is not None and not rows.RESERVED_IDS[1] < padding_idx < 2**63:
+                raise ConfigError(
+                    f"padding_idx {padding_idx} is not an id a dynamic table holds: its ids are int64 but the two "
+                    f"smallest ({rows.RESERVED_IDS[0]}, {rows.RESERVED_IDS[1]}); give the id your inputs pad with "
+                    "(e.g. -1 or 0), as it is: a dynamic table has no end to count a negative padding_idx from")
             return padding_idx
         if padding_idx is not None and padding_idx < 0:
             padding_idx += self.num_embeddings
@@ -447,7 +460,8 @@ class Embedding(SparseEmbedding):
 
     Rows start as N(0, std²) (torch's default: std 1), drawn from (seed, the table's name, row id).
     padding_idx: that row's output is zeros and it takes no gradient, as in torch (its row on the
-    servers keeps its initial value, unused). scale_grad_by_freq: each row's gradient is divided by
+    servers keeps its initial value, unused); a dynamic table's is an id as it is (-1 pads id -1:
+    there is no last row to count from). scale_grad_by_freq: each row's gradient is divided by
     how often its id occurs in the forward's input, as in torch. sparse: accepted, changes nothing
     (the rows' gradients are pushed per row always). max_norm: refused (ConfigError naming why).
     """
@@ -494,7 +508,7 @@ class EmbeddingBag(SparseEmbedding):
 
     torch's options, with torch's semantics: include_last_offset (offsets has one more entry, the
     end of the last bag), padding_idx (that id takes no part in its bag, mean's count included, and
-    no gradient), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
+    no gradient; a dynamic table's is an id as it is, -1 pads id -1), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
     (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
     """
 

@@ -165,6 +165,47 @@ def test_repr_starts_as_torchs_with_the_bags_mode(options: dict[str, Any]) -> No
 
 
 
+class DrawnRows:
+    """A RowSource of a dynamic table: every row its initial value (any int64 id)."""
+
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        return {table: rows.initial_rows(rows.table_key(0, table), ids, DIM) for table, ids in lookups.items()}
+
+    def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, DIM)
+
+
+def test_a_dynamic_tables_padding_idx_is_an_id_as_it_is_and_one_it_cannot_hold_is_refused() -> None:
+    """A dynamic table has no end to count a negative padding_idx from: -1 pads id -1 (output zeros,
+    no gradient; in a bag, no part in it), while a table of N rows reads -1 as row N - 1, as torch
+    does. A padding_idx that is no id the table holds (a reserved one, past int64, not an integer)
+    was accepted and matched nothing; now it is refused by name."""
+    x = torch.tensor([[5, -1, 7], [-1, -1, 9]])
+    drawn = rows.initial_rows(rows.table_key(0, "t"), torch.tensor([5, 7, 9]), DIM)
+    table = psgrad.Embedding(None, DIM, padding_idx=-1)
+    table.bind("t", DrawnRows())
+    out = table(x)
+    torch.testing.assert_close(out[0], torch.stack([drawn[0], torch.zeros(DIM), drawn[1]]), rtol=0, atol=0)
+    assert not out[1, :2].any()
+    out.sum().backward()
+    taken = table.take_gradients()
+    assert taken is not None
+    ids, grads = taken
+    assert ids.tolist() == [-1, 5, 7, 9] and not grads[0].any() and bool((grads[1:] == 1).all())
+    bag = psgrad.EmbeddingBag(None, DIM, mode="mean", padding_idx=-1)
+    bag.bind("t", DrawnRows())
+    torch.testing.assert_close(bag(x), torch.stack([drawn[:2].mean(0), drawn[2]]), rtol=0, atol=0)
+    assert psgrad.Embedding(ROWS, DIM, padding_idx=-1).padding_idx == ROWS - 1  # (a table of N rows: as torch)
+    for kind in (psgrad.Embedding, psgrad.EmbeddingBag):
+        for bad in (-(2**63), -(2**63) + 1, 2**63):
+            with pytest.raises(ConfigError, match=f"padding_idx {bad} is not an id a dynamic table holds.*-1 or 0"):
+                kind(None, DIM, padding_idx=bad)
+        for size in (None, ROWS):
+            for wrong in (1.5, True, "0"):
+                with pytest.raises(ConfigError, match=f"padding_idx must be an integer \\(a row id\\) or None, got {wrong!r}"):
+                    kind(size, DIM, padding_idx=wrong)  # type: ignore[arg-type]
+
+
 def test_from_pretrained_takes_torch_arguments_in_torch_order() -> None:
     """psgrad's from_pretrained takes torch's positional arguments where torch has them (EmbeddingBag's
     third is max_norm, not mode), psgrad's own (std, seed) by name; a mode in max_norm's place is
