@@ -21,7 +21,6 @@ import importlib
 import json
 import math
 import resource
-import sys
 import time
 import traceback
 from pathlib import Path

@@ -24,7 +24,7 @@ from psgrad.cli.flags import (
     worker_config,
 )
 from psgrad.cli.status import print_status
-from psgrad.config import REFUSED_GRACE_S, WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec, ServerConfig, WorkerConfig
+from psgrad.config import REFUSED_GRACE_S, WAIT_FOR_SERVERS_HINT, ClientConfig, ServerConfig, WorkerConfig
 from psgrad.core.addresses import REFUSED, refusing_shard
 from psgrad.core.modes import SYNC, mode_named
 from psgrad.errors import ConfigError, ServerStartError, ServerUnavailableError

@@ -4,16 +4,13 @@ frames transport here (gRPC frames, or inline in a Step call), or shared memory 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent import futures
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 
 from psgrad import errors
-from psgrad.wire import serde
 from psgrad.client import reconnect
 from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.transport import (
@@ -30,9 +27,8 @@ from psgrad.wire.frames import (
     trailing_bytes_field,
     write_frames,
 )
-from psgrad.config import WAIT_FOR_SERVERS_HINT, ClientConfig, JobSpec
+from psgrad.config import WAIT_FOR_SERVERS_HINT, ClientConfig
 from psgrad.errors import InvalidRequestError
-from psgrad.wire.heap import tune_allocator
 from psgrad.wire.rows import RowBlock
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
@@ -42,7 +38,6 @@ from psgrad.wire.protocol import (
     SERVICE_NAME,
 )
 from psgrad.core.credentials import ADMIN
-from psgrad.core.sharding import ParamSpec, ShardPlan, fingerprint
 from psgrad.wire.security import client_channels
 
 T = TypeVar("T")

@@ -19,7 +19,6 @@ from psgrad.client.parameter_client import ParameterClient, shard_status
 from psgrad.config import ClientConfig, JobSpec
 from psgrad.errors import PsgradError
 from psgrad.core.sharding import ParamSpec, plan_shards
-from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import ERROR_METADATA_KEY, METHOD_PREFIX
 
 pytestmark = pytest.mark.timeout(120)

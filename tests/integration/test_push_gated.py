@@ -18,7 +18,6 @@ from psgrad.config import ClientConfig, JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.runtime import RunningServer, start_server
-from psgrad.wire.protocol import SERVICE_NAME
 from psgrad.core.sharding import ParamSpec, plan_shards
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ from psgrad.core.codecs import WireBuffer
 from psgrad.core.consistency import ClockView, SSPPolicy
 from psgrad.core.modes import AUTO_STALENESS_MAX
 from psgrad.core.policies import policy_for
-from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
+from psgrad.core.sharding import ParamSpec, fingerprint
 from psgrad.errors import ConfigError
 from psgrad.server.shard import Layout, Shard
 

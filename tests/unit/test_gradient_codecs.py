@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from psgrad.config import JobSpec
-from psgrad.core.compression import CHUNK, Compression, normalize, parse_compression
+from psgrad.core.compression import CHUNK, Compression, parse_compression
 from psgrad.core.gradient_codecs import Codec, Compressor, _top_k
 from psgrad.core.layout import explain_push_header
 from psgrad.core.sharding import ParamSpec, fingerprint

@@ -15,7 +15,6 @@ from psgrad.core.optimizers.base import axpy_backend, register_axpy_backend, tor
 from psgrad.core.sharding import ParamSpec
 from psgrad.errors import ConfigError
 from psgrad.server import kernels, transfers
-from psgrad.server import tables as state_module
 from psgrad.server.membership import Membership
 from psgrad.server.state import ShardState
 from test_shard import make_layout

@@ -13,7 +13,6 @@ from psgrad.cli.main import main
 from psgrad.errors import ConfigError
 from psgrad.launch.env import resolve
 from psgrad.launch.k8s import K8sJob, manifests, to_yaml
-from psgrad.launch.roles import RunOptions
 from psgrad.launch.slurm import SlurmJob
 
 pytestmark = pytest.mark.timeout(60)

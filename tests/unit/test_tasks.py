@@ -179,7 +179,7 @@ def test_launch_and_compare_refuse_missing_task_data_before_starting_anything(co
     res = subprocess.run([sys.executable, "-m", "psgrad", *command, *task, "--data-dir", str(missing), *out],
                          capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert (f"task 'fashion-mnist' needs the Fashion-MNIST IDX files" in res.stderr and f"found none in {missing}, "
+    assert ("task 'fashion-mnist' needs the Fashion-MNIST IDX files" in res.stderr and f"found none in {missing}, "
             f"{missing}/raw, {missing}/FashionMNIST/raw" in res.stderr and "apt-get install dataset-fashion-mnist"
             in res.stderr), res.stderr
     assert "[launch]" not in res.stdout and "[server" not in res.stdout and not (tmp_path / "out").exists(), res.stdout
