@@ -19,6 +19,27 @@ if TYPE_CHECKING:
     import torch
 
 
+#: the most sightings of an id the servers count (a byte a counter: see the admission sketch in
+#: server/row_index.py); a min_count above it would never admit a row
+MIN_COUNT_MAX = 255
+
+
+def check_lifetime(min_count: object, ttl: object, where: str = "") -> None:
+    """A table's admission and expiry settings (min_count, ttl): integers >= 0 (0: off), min_count
+    at most MIN_COUNT_MAX. where: what the message names first ("table 'x': ").
+
+    Raises:
+        ConfigError: either is out of range or not an integer.
+    """
+    for name, value in (("min_count", min_count), ("ttl", ttl)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ConfigError(f"{where}{name} must be an integer >= 0 (0: off), got {value!r}")
+    assert isinstance(min_count, int)
+    if min_count > MIN_COUNT_MAX:
+        raise ConfigError(f"{where}min_count={min_count}: the servers count at most {MIN_COUNT_MAX} sightings of an "
+                          f"id, so no row would ever be admitted; use a min_count of {MIN_COUNT_MAX} or less")
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One trainable parameter as it appears in named_parameters() order, or (buffer=True) one of
@@ -71,10 +92,7 @@ class TableSpec:
 
     def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
         object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
-        for name in ("min_count", "ttl"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise ConfigError(f"table {self.name!r}: {name} must be an integer >= 0, got {value!r}")
+        check_lifetime(self.min_count, self.ttl, f"table {self.name!r}: ")
         object.__setattr__(self, "evict", bool(self.evict))
         if self.optimizer and self.optimizer not in DECLS:
             raise ConfigError(f"table {self.name!r}: no optimizer {self.optimizer!r}; valid: {', '.join(DECLS)}")

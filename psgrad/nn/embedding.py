@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from psgrad.core import rows
+from psgrad.core.sharding import check_lifetime
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 from psgrad.nn import lookups
 
@@ -68,9 +69,7 @@ class SparseEmbedding(nn.Module):
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
         super().__init__()
-        for name, value in (("min_count", min_count), ("ttl", ttl)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise ConfigError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+        check_lifetime(min_count, ttl)
         # The rows' lifetime on the servers (docs/guide/embeddings.md): an id's updates are applied
         # once it was seen in min_count updates; a row no update touched in ttl updates of its table
         # is dropped; evict: at the servers' memory budget the least recently updated rows are

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from psgrad.core import rows
+from psgrad.core.sharding import MIN_COUNT_MAX
 
 _EMPTY, _GONE = rows.RESERVED_IDS  # a free place's key; a removed id's (a tombstone: lookups probe
 # past it, inserts reuse it): the two ids a dynamic table cannot hold
@@ -223,5 +224,5 @@ class Sightings:
         cells = self._cells(ids)
         for d in range(self.DEPTH):
             row = self.counts[d]
-            row.index_put_((cells[d],), (row.index_select(0, cells[d]).long() + 1).clamp_(max=255).to(torch.uint8))
+            row.index_put_((cells[d],), (row.index_select(0, cells[d]).long() + 1).clamp_(max=MIN_COUNT_MAX).to(torch.uint8))
         return self.count(ids)

@@ -199,3 +199,20 @@ def test_sightings_are_never_undercounted_and_saturate() -> None:
     for _ in range(300):
         s.add(few)
     assert s.count(few).tolist() == [255, 255]
+
+
+def test_a_min_count_past_what_the_sightings_count_is_refused_where_a_table_is_declared() -> None:
+    """The sketch saturates at MIN_COUNT_MAX: a larger min_count admitted nothing, silently (every
+    update of a new id counted as dropped). The modules, the collection and the job's table
+    description refuse it, naming the limit; the limit itself is accepted."""
+    import psgrad
+    from psgrad.core.sharding import MIN_COUNT_MAX, TableSpec
+    from psgrad.errors import ConfigError
+
+    assert MIN_COUNT_MAX == 255 and Sightings().counts.dtype == torch.uint8  # (the limit is the counters')
+    for make in (lambda k: psgrad.Embedding(None, 4, min_count=k), lambda k: psgrad.EmbeddingBag(None, 4, min_count=k),
+                 lambda k: psgrad.EmbeddingBagCollection({"a": (None, 4)}, min_count=k),
+                 lambda k: TableSpec("t", 0, 4, min_count=k)):
+        make(MIN_COUNT_MAX)
+        with pytest.raises(ConfigError, match=f"min_count={MIN_COUNT_MAX + 1}: the servers count at most 255"):
+            make(MIN_COUNT_MAX + 1)
