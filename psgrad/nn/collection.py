@@ -28,6 +28,9 @@ class EmbeddingBagCollection(nn.Module):
     or the whole batch as a KeyedJaggedTensor-like object (keys(), values(), lengths(): the
     lengths of every bag, feature after feature); it returns [batch, sum of the dims]: each
     table's pooled bags (mode "sum", "mean" or "max"), concatenated in the order of `tables`.
+    Weighted features (mode "sum", as torch.nn.EmbeddingBag's per_sample_weights): a triple
+    (ids, offsets, weights) or (2-D ids, None, 2-D weights) for a feature of the dict, or a
+    KeyedJaggedTensor with weights (weights_or_none(), one per id).
 
     Bound by ps.optimizer(model) like psgrad.EmbeddingBag (its tables are `<name>.bags.<feature>`);
     a training forward pulls the unique ids of every feature in one call per shard.
@@ -80,13 +83,13 @@ class EmbeddingBagCollection(nn.Module):
         elif isinstance(features, Mapping):
             parts = {}
             for name, value in features.items():
-                if isinstance(value, (tuple, list)) and len(value) == 2:
+                if isinstance(value, (tuple, list)) and len(value) in (2, 3):
                     parts[str(name)] = (value[0], value[1])
                 elif isinstance(value, torch.Tensor) and value.dim() == 2:
                     parts[str(name)] = (value, None)
                 else:
-                    raise ConfigError(f"feature {name!r}: give a 2-D tensor of ids (one bag per row) or a pair "
-                                      "(ids, offsets)")
+                    raise ConfigError(f"feature {name!r}: give a 2-D tensor of ids (one bag per row), a pair "
+                                      "(ids, offsets), or a triple (ids, offsets, per-sample weights)")
         else:
             raise ConfigError(f"an EmbeddingBagCollection takes a dict of features or a KeyedJaggedTensor, got "
                               f"{type(features).__name__}")
@@ -104,6 +107,39 @@ class EmbeddingBagCollection(nn.Module):
                               "every feature needs one bag per example (an example without ids: an empty bag)")
         return parts
 
+    def per_sample_weights(self, features: Any, parts: Features | None = None) -> dict[str, torch.Tensor] | None:
+        """Each weighted feature's per-sample weights (the shape of its ids), from what forward takes
+        (parts: split(features), where the caller has it); None: no feature is weighted.
+
+        Raises:
+            ConfigError: weights that are not floating point, or not one per id.
+        """
+        parts = self.split(features) if parts is None else parts
+        out: dict[str, torch.Tensor] = {}
+        if hasattr(features, "lengths") and hasattr(features, "values") and hasattr(features, "keys"):
+            weights = _kjt_weights(features)
+            if weights is not None:
+                if weights.numel() != features.values().numel():
+                    raise ConfigError(f"keyed features: {weights.numel()} weights for {features.values().numel()} ids")
+                start = 0
+                for key in features.keys():
+                    n = parts[str(key)][0].numel()
+                    out[str(key)] = weights[start:start + n]
+                    start += n
+        elif isinstance(features, Mapping):
+            out = {str(name): value[2] for name, value in features.items()
+                   if isinstance(value, (tuple, list)) and len(value) == 3 and value[2] is not None}
+        for name, w in out.items():
+            ids = parts[name][0]
+            if not (isinstance(w, torch.Tensor) and w.is_floating_point() and tuple(w.shape) == tuple(ids.shape)):
+                raise ConfigError(f"feature {name!r}: per-sample weights must be a floating-point tensor shaped as its "
+                                  f"ids {list(ids.shape)}, got {getattr(w, 'dtype', type(w).__name__)} "
+                                  f"{list(getattr(w, 'shape', []))}")
+        if out and self.mode != "sum":
+            raise ConfigError(f"weighted features need mode 'sum' (as torch.nn.EmbeddingBag's per_sample_weights); "
+                              f"this collection's mode is {self.mode!r}")
+        return out or None
+
     def lookup(self, features: Any) -> dict[str, torch.Tensor]:
         """The rows a forward of `features` reads, by table (what a prefetch asks the servers for)."""
         bags = self._bags()
@@ -116,9 +152,12 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, features: Any) -> torch.Tensor:
         bags = self._bags()
-        parts = self._ordered(features)
+        split = self.split(features)
+        parts = [split[name] for name in self.bags]
+        weighted = self.per_sample_weights(features, split) or {}
+        per_sample = [weighted.get(name) for name in self.bags]
         if any(bag._source is None for bag in bags):  # unbound: each bag serves a loaded state, or says why not
-            return torch.cat([bag(ids, offsets) for bag, (ids, offsets) in zip(bags, parts)], dim=1)
+            return torch.cat([bag(ids, offsets, w) for bag, (ids, offsets), w in zip(bags, parts, per_sample)], dim=1)
         source = bags[0].bound_source()
         training = bags[0]._training()
         unique = unique_ids_of(bags, [ids for ids, _ in parts])
@@ -126,15 +165,31 @@ class EmbeddingBagCollection(nn.Module):
         weights = [bag.attach_rows(u, got[bag.table or ""], ids.device, training)
                    for bag, (ids, _), (u, _) in zip(bags, parts, unique)]
         inverses = [inverse for _, inverse in unique]
-        if all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # every table's bags in one pass
+        if not weighted and all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # all in one pass
             out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean",
                                  list(self.bags))
             if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
                 return out
-        else:  # (max bags: torch's pooling)
+        else:  # (max or weighted bags: torch's pooling)
             lookups.check_offsets(inverses, [offsets for _, offsets in parts], list(self.bags))
-        return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode)
-                          for bag, weight, inverse, (_, offsets) in zip(bags, weights, inverses, parts)], dim=1)
+        return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode, per_sample_weights=w)
+                          for bag, weight, inverse, (_, offsets), w in zip(bags, weights, inverses, parts, per_sample)],
+                         dim=1)
+
+
+def _kjt_weights(features: Any) -> torch.Tensor | None:
+    """A KeyedJaggedTensor's weights, or None where it has none (TorchRec's weights() raises then;
+    weights_or_none() says so)."""
+    if callable(getattr(features, "weights_or_none", None)):
+        weights = features.weights_or_none()
+    elif callable(getattr(features, "weights", None)):
+        try:
+            weights = features.weights()
+        except (AssertionError, AttributeError, RuntimeError, ValueError):
+            return None
+    else:
+        return None
+    return weights if weights is None or isinstance(weights, torch.Tensor) else torch.as_tensor(weights)
 
 
 def _keyed_jagged(keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> Features:

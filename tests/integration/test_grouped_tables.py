@@ -249,3 +249,57 @@ def test_a_pipelined_collection_trains_on_the_gpu_as_on_the_cpu(make_servers) ->
     assert results[0].keys() == results[1].keys()
     for key in results[0]:
         torch.testing.assert_close(results[1][key], results[0][key], rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A feature's per-sample weights (a dict triple, or a KeyedJaggedTensor's weights) weigh its
+    ids in the sum and in their rows' gradients, as torch.nn.EmbeddingBag's per_sample_weights do
+    (before, a weighted KeyedJaggedTensor pooled as unweighted, silently)."""
+    lr = 0.5
+    running = make_servers(2)
+    model = nn.Module()
+    model.ebc = psgrad.EmbeddingBagCollection(TABLES, mode="sum", std=0.1, seed=1)
+    [(x, _)] = batches(4, 1)
+    g = torch.Generator().manual_seed(5)
+    w = {name: torch.rand(x[name].shape, generator=g) + 0.5 for name in TABLES}
+    weighted = {name: (x[name].reshape(-1), torch.arange(0, x[name].numel(), 2), w[name].reshape(-1)) for name in TABLES}
+
+    class Keyed:  # (TorchRec's KeyedJaggedTensor: weights_or_none() where it has weights)
+        def keys(self) -> list[str]:
+            return list(TABLES)
+
+        def values(self) -> torch.Tensor:
+            return torch.cat([x[k].reshape(-1) for k in TABLES])
+
+        def lengths(self) -> torch.Tensor:
+            return torch.full((len(TABLES) * 16,), 2)
+
+        def weights_or_none(self) -> torch.Tensor:
+            return torch.cat([w[k].reshape(-1) for k in TABLES])
+
+    with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=lr), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        torch_bags = {}
+        for name in TABLES:  # (a table's initial rows are drawn from its name, which binding gives it)
+            torch_bags[name] = nn.EmbeddingBag(*TABLES[name], mode="sum")
+            with torch.no_grad():
+                torch_bags[name].weight.copy_(model.ebc.bags[name].initial_weight())
+        reference = torch.cat([torch_bags[n](x[n], per_sample_weights=w[n]) for n in TABLES], dim=1)
+        unweighted = model.ebc(x)
+        assert not torch.allclose(unweighted, reference)
+        torch.testing.assert_close(model.ebc(Keyed()), reference)
+        opt.zero_grad()
+        out = model.ebc(weighted)
+        torch.testing.assert_close(out, reference)
+        (out * torch.arange(12.0)).sum().backward()
+        opt.step()
+        (reference * torch.arange(12.0)).sum().backward()
+        for name in TABLES:
+            ids = torch.unique(x[name])
+            expected = torch_bags[name].weight.detach()[ids] - lr * torch_bags[name].weight.grad[ids]
+            torch.testing.assert_close(opt.client.pull_rows(f"ebc.bags.{name}", ids), expected)
+        with pytest.raises(ConfigError, match="per-sample weights must be a floating-point tensor shaped as its ids"):
+            model.ebc({**weighted, "a": (weighted["a"][0], weighted["a"][1], torch.ones(3))})
+    maxed = psgrad.EmbeddingBagCollection({"a": (10, 4)}, mode="max")
+    with pytest.raises(ConfigError, match="weighted features need mode 'sum'"):
+        maxed({"a": (torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))})
