@@ -32,6 +32,15 @@ def resumed_launch(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> a
     resumed.raw_argv = ["launch", *argv]
     resumed.resume = ns.resume
     jobdir.check_resumable(Path(resumed.checkpoint_dir), resumed.num_servers)
+    where = jobdir.launched_in(directory)
+    if ":" in str(getattr(resumed, "task", "")) and where is not None and where != Path.cwd():
+        # A task of the user's was imported from the directory the job was launched in: it is
+        # searched there again (this process, and its servers and workers through PYTHONPATH).
+        import os
+
+        sys.path.insert(0, str(where))
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(where), *filter(None, [os.environ.get("PYTHONPATH")])])
+        print(f"[launch] the task {resumed.task} is searched in {where} too, where the job was launched", flush=True)
     print(f"[launch] resuming the job in {directory}: psgrad launch {' '.join(argv)}", flush=True)
     return resumed
 

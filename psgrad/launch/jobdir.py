@@ -97,7 +97,7 @@ def start_new(directory: Path, argv: Sequence[str]) -> None:
 
     rest, _ = _flag_value(argv, "--checkpoint-dir")
     record = {"format": FORMAT, "created_unix_s": time.time(), "argv": [*_map_paths(rest, relative), "--checkpoint-dir", "."],
-              "in_job_dir": sorted(inside)}
+              "in_job_dir": sorted(inside), "launched_in": str(Path.cwd())}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{RECORD}.tmp"
@@ -148,6 +148,17 @@ def resume_argv(directory: Path, argv: Sequence[str]) -> list[str]:
         return value
 
     return [*_map_paths(saved, rebased), "--checkpoint-dir", str(root), *given]
+
+
+def launched_in(directory: Path) -> Path | None:
+    """The working directory the job in `directory` was launched from (where a task of the user's,
+    package.module:function, was found: the current directory is searched), where the record names
+    one that still exists; None otherwise (a record written before, or a directory gone)."""
+    try:
+        where = json.loads((directory / RECORD).read_text(encoding="utf-8")).get("launched_in")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(where) if isinstance(where, str) and Path(where).is_dir() else None
 
 
 def reached_clock(directory: Path, num_servers: int, num_workers: int) -> int | None:

@@ -156,6 +156,29 @@ def test_launch_trains_a_users_task_from_its_directory(tmp_path: Path) -> None:
     assert final["event"] == "final" and final["test_accuracy"] > 0.8  # a linearly separable problem
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_users_task_resumes_from_another_directory(tmp_path: Path) -> None:
+    """`launch --resume DIR` from a directory other than the launch's: the task's module is searched
+    where the job was launched too (before: "cannot import module 'mytask'", exit 2)."""
+    project, elsewhere, job = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "job"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "mytask.py").write_text(GOOD_TASK)
+
+    def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "psgrad", "launch", *args], capture_output=True, text=True,
+                              timeout=200, cwd=cwd, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": REPO})
+
+    first = launch(["--num-servers", "1", "--num-workers", "1", "--task", "mytask:make_task", "--steps", "10",
+                    "--checkpoint-every-versions", "10", "--checkpoint-dir", str(job)], project)
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = launch(["--resume", str(job), "--steps", "20"], elsewhere)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr
+    assert f"the task mytask:make_task is searched in {project} too" in resumed.stdout
+    assert "after 20 steps (10 in this run)" in resumed.stdout, resumed.stdout[-3000:]
+
+
 def test_cli_refuses_a_task_that_cannot_be_imported_before_starting_anything() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "psgrad", "launch", "--task", "no_such_mod_q:make"],
