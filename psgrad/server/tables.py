@@ -310,6 +310,10 @@ class MemoryBudget:
             f"of its --memory-budget-mb {f'{mb:,.0f}' if mb.is_integer() else f'{mb:g}'}: give the servers more "
             f"memory (a larger budget, or more shards: each holds 1/S of every table), {advice}")
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether nbytes more would fit (charge would take them: the limit is not passed)."""
+        return self.limit is None or self.used + nbytes <= self.limit
+
     def release(self, nbytes: int) -> None:
         self.used = max(0, self.used - nbytes)
 
@@ -458,32 +462,20 @@ class SparseTable:
         """Store rows `ids` (unique, not stored) at their initial values; the arena grows by
         doubling, or where the budget refuses that, to the most rows the budget has room for; where
         even `need` rows do not fit and the table evicts (may_evict), the least recently updated
-        rows but `protect` make room.
+        rows but `protect` (stored rows) make room (see _plan).
 
         Raises:
             MemoryBudgetError: they do not fit (nothing is made).
         """
-        n, need = ids.numel(), self.touched + ids.numel()
-        def growth(capacity: int) -> int:  # the arena's and the index's, charged at once
-            return (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
-
-        capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
-        extra, what = growth(capacity), f"table {self.name!r} growing to {need:,} rows on shard {self.index}"
-        advice = self._budget_advice()
-        try:  # a refusal changes nothing
-            self.budget.charge(extra, what, advice)
-        except MemoryBudgetError:
-            fitting = self._fitting_capacity(need)
-            if fitting is not None:  # (a doubling past the budget would leave up to half of it unused)
-                capacity, extra = fitting, growth(fitting)
-                self.budget.charge(extra, what, advice)
-            else:
-                room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
-                if not (may_evict and self.evict) or not self._make_room(need - room, ids, protect):
-                    # (naming what these rows need, not the doubling tried first: the budget that
-                    # holds that much more takes them)
-                    raise self.budget.refusal(growth(max(need, self._ids.numel())), what, advice) from None
-                capacity, extra, need = self._ids.numel(), 0, self.touched + n
+        n = ids.numel()
+        capacity, extra, evicting = self._plan(n, 0 if protect is None else protect.numel(), may_evict)
+        if evicting:
+            made_room = self._make_room(evicting, ids, protect)
+            assert made_room  # (planned: there are that many rows the update does not touch)
+        elif extra:
+            self.budget.charge(extra, f"table {self.name!r} growing to {self.touched + n:,} rows on shard {self.index}",
+                               self._budget_advice())
+        need = self.touched + n
         self._charged += extra
         if capacity > self._ids.numel():
             self._grow(capacity, charged=True)
@@ -500,6 +492,57 @@ class SparseTable:
         self.touched = need
         self.admitted += n
 
+    def _plan(self, n: int, protected: int, may_evict: bool, spent: int = 0) -> tuple[int, int, int]:
+        """How storing n new rows goes, changing nothing: (the arena's capacity then, the bytes the
+        budget is charged, the rows evicted first). The arena grows by doubling, or where the budget
+        refuses that, to the most rows the budget has room for; where even the rows needed do not
+        fit and the table evicts (may_evict), it keeps the rows it has room for without growing,
+        the least recently updated of the rows it stores but the `protected` ones (stored rows the
+        update touches) making room. spent: bytes of the budget taken as if charged already (a plan
+        of several tables' rows).
+
+        Raises:
+            MemoryBudgetError: they do not fit.
+        """
+        need = self.touched + n
+        def growth(capacity: int) -> int:  # the arena's and the index's, charged at once
+            return (capacity - self._ids.numel()) * self.row_bytes() + self._index.growth_bytes(need)
+
+        capacity = max(need, 2 * self._ids.numel(), 1024) if need > self._ids.numel() else self._ids.numel()
+        if self.budget.fits(spent + growth(capacity)):
+            return capacity, growth(capacity), 0
+        fitting = self._fitting_capacity(need, spent)
+        if fitting is not None:  # (a doubling past the budget would leave up to half of it unused)
+            return fitting, growth(fitting), 0
+        room = min(self._ids.numel(), self._index.room)  # rows that fit with neither growing
+        evicting = need - room
+        if may_evict and self.evict and evicting <= self.touched - protected:
+            return self._ids.numel(), 0, max(evicting, 0)
+        # (naming what these rows need, not the doubling tried first: the budget that holds that
+        # much more takes them)
+        raise self.budget.refusal(growth(max(need, self._ids.numel())),
+                                  f"table {self.name!r} growing to {need:,} rows on shard {self.index}",
+                                  self._budget_advice())
+
+    def check_room(self, ids: torch.Tensor, spent: int = 0) -> int:
+        """That an update of `ids` (checked, unique) could store the rows it would make, evicting
+        where the table evicts, as reserve(ids, may_evict=True) would now with `spent` bytes more
+        of the budget taken; returns the bytes it would charge. It changes nothing (a sync push
+        checks so the rows its iteration will make, which are made only then).
+
+        Raises:
+            MemoryBudgetError: they would not fit (as reserve words it).
+        """
+        if not ids.numel():
+            return 0
+        unstored = self._index.lookup(ids) < 0
+        fresh = ids[unstored].long()
+        if self.sightings is not None:  # (as reserve admits them)
+            fresh = fresh[self.sightings.count(fresh) + 1 >= self.min_count]
+        if not fresh.numel():
+            return 0
+        return self._plan(fresh.numel(), int((~unstored).sum()) if self.evict else 0, True, spent)[1]
+
     def _budget_advice(self) -> str:
         """What a refusal of the memory budget advises for this table besides more memory: a
         dynamic table, which grows with every new id, names the options that bound its rows."""
@@ -513,12 +556,13 @@ class SparseTable:
                 "evict=True drops the least recently updated rows at the budget instead of refusing, ttl=T drops rows "
                 "no update touched in T updates, min_count=N stores an id only once N updates named it")
 
-    def _fitting_capacity(self, need: int) -> int | None:
+    def _fitting_capacity(self, need: int, spent: int = 0) -> int | None:
         """The largest arena of at least `need` rows whose growth (and the index's, to `need` rows)
-        the budget has room for; None where `need` rows do not fit."""
+        the budget has room for (less `spent` bytes); None where `need` rows do not fit."""
         free = self.budget.free()
         if free is None:
             return None
+        free -= spent
         rows_more = (free - self._index.growth_bytes(need)) // self.row_bytes()
         capacity = self._ids.numel() + max(0, rows_more)
         return capacity if capacity >= need > self._ids.numel() else None
