@@ -65,7 +65,7 @@ class Pushes:
                 member = core.members.live(rank)
                 if not core.policy.aggregates:  # (sync: the policy takes only the current iteration)
                     core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
-                rows_nonfinite, reserved = self._rows.check(state, rank, rows) if rows else (0, None)
+                rows_nonfinite, reserved = self._rows.check(state, rank, rows, self._round_rows()) if rows else (0, None)
             except (WorkerStateError, InvalidRequestError, MemoryBudgetError):
                 core.counters.pushes_rejected += 1
                 raise
@@ -91,6 +91,16 @@ class Pushes:
                 scale = core.policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
                 writer.stage(state.weights, rule, state.optimizer.step_lr(lr, scale))
         return grad, wire, writer
+
+    def _round_rows(self) -> list[RowGradients] | None:
+        """Sync, where the tables take the iteration's mean: the row gradients of the pushes
+        buffered for the iteration so far (a push's rows of tables that evict are made by the
+        iteration, not as it arrives: see Rows.check_round); None otherwise. Under the lock."""
+        core = self._core
+        state = core.state
+        if state is None or not core.policy.aggregates or not tables_mode_of(state.layout.spec).synchronous:
+            return None
+        return [item.rows for item in core.round.pending.values()]
 
     def may_check_as_applied(self) -> bool:
         """Whether a borrowed gradient may be checked as it is applied, on this thread and a helper
@@ -168,8 +178,11 @@ class Pushes:
                     core.counters.updates_lost += max(0, clock - lost_from - 1)
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
+                round_rows = self._round_rows() if decision is PushDecision.BUFFER else None
                 try:  # (a restore, or rows dropped since the header, may have undone what its check made)
-                    slots = self._rows.reserve(state, rows, may_evict=True,
+                    if round_rows is not None and rows:  # (under this lock until it is buffered)
+                        self._rows.check_round(state, rows, round_rows)
+                    slots = self._rows.reserve(state, rows, may_evict=True, sync=round_rows is not None,
                                                made=writer.rows_reserved if writer is not None else None)
                 except MemoryBudgetError:
                     core.counters.pushes_rejected += 1

@@ -138,12 +138,15 @@ class Rows:
             core.counters.bytes_out += values.numel() * 4 + ids.numel() * 8
             return t.version, ids, values
 
-    def check(self, state: ShardState, rank: int, rows: RowGradients) -> tuple[int, Reserved]:
+    def check(self, state: ShardState, rank: int, rows: RowGradients,
+              pending: Sequence[RowGradients] | None = None) -> tuple[int, Reserved]:
         """Check a push's row gradients in full (tables, ids, shapes) and make the rows they touch,
         so that applying them can no longer fail (the memory budget is charged here, before any
         part of the push is applied). Returns their non-finite values (the push's non-finite
         policy decides for the whole push) and the slots made, for the apply (see reserve). Under
-        the lock.
+        the lock. pending: a sync push, with the rows of the pushes of its iteration buffered so
+        far; the rows of tables that evict are not made here but by the iteration (see
+        check_round).
 
         Raises:
             InvalidRequestError: no such table; ids repeated, out of range or on another shard;
@@ -158,23 +161,47 @@ class Rows:
             bad = count_nonfinite(block.grads)  # (one sum for all its tables)
         else:
             bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
-        slots = self.reserve(state, rows, located=located)
+        if pending is not None:
+            self.check_round(state, rows, pending)
+        slots = self.reserve(state, rows, located=located, sync=pending is not None)
         return bad, (state.uid, tuple(t.placement() for t in tables), slots)
 
+    def check_round(self, state: ShardState, rows: RowGradients, pending: Sequence[RowGradients]) -> None:
+        """Check that the rows of a sync push's tables that evict will fit when its iteration is
+        applied, changing nothing (SparseTable.check_room): the union of its ids and those of the
+        pushes buffered for the iteration (`pending`). Those rows are made by the iteration's
+        apply (apply_round), in order of id, evicting as the iteration's rows decide, not as
+        pushes arrive: which rows an iteration makes and evicts depends on its gradients alone.
+        Under the lock.
+
+        Raises:
+            MemoryBudgetError: they would not fit even with every row the iteration does not touch
+                dropped (nothing is made or dropped).
+        """
+        spent = 0  # (the tables share the budget: each is checked with what those made before it take)
+        for name in sorted({name for p in (rows, *pending) for name in p}):  # (in apply_round's order)
+            t = state.sparse(name, -1)
+            if not t.evict:
+                continue
+            parts = [p[name][0] for p in (rows, *pending) if name in p]
+            spent += t.check_room(parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts).long()), spent)
+
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
-                made: Reserved | None = None, located: dict[RowArena, Located] | None = None) -> dict[str, torch.Tensor]:
+                made: Reserved | None = None, located: dict[RowArena, Located] | None = None,
+                sync: bool = False) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
         applied (tables that evict make room now; see SparseTable.reserve). made: what the push's
         check reserved; its slots are returned as they are where they still hold (the same state,
         no row of those tables dropped or moved since, no table with a row lifetime, whose rows
         the apply may admit or evict). located: what a check under this lock found of their rows
-        (_check_tables), by arena.
+        (_check_tables), by arena. sync: a sync push's, whose tables that evict are left out (their
+        rows are made by its iteration: see check_round).
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        names = list(rows)
+        names = [name for name in rows if not (sync and state.sparse(name, -1).evict)]
         tables = [state.sparse(name, -1) for name in names]
         if made is not None:
             uid, placements, slots = made
