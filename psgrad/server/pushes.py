@@ -44,7 +44,8 @@ class Pushes:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
         rows: the row gradients of sparse tables it carries, checked in full here (and their rows
-        made) before any of its data is received, so a push refused for them changes nothing;
+        made; in sync, those of tables that evict are made by the iteration, and the room for
+        them checked here) before any of its data is received, so a push refused for them changes nothing;
         compress: the payload's codec ("": plain values; else the job's --compress, decoded once received).
 
         Raises:

@@ -161,10 +161,11 @@ class Rows:
             bad = count_nonfinite(block.grads)  # (one sum for all its tables)
         else:
             bad = sum(count_nonfinite(grads) for _, grads, _ in rows.values())
+        sync = pending is not None
         if pending is not None:
             self.check_round(state, rows, pending)
-        slots = self.reserve(state, rows, located=located, sync=pending is not None)
-        return bad, (state.uid, tuple(t.placement() for t in tables), slots)
+        slots = self.reserve(state, rows, located=located, sync=sync)
+        return bad, (state.uid, tuple(t.placement() for t in tables if not (sync and t.evict)), slots)
 
     def check_round(self, state: ShardState, rows: RowGradients, pending: Sequence[RowGradients]) -> None:
         """Check that the rows of a sync push's tables that evict will fit when its iteration is
