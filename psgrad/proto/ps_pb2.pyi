@@ -502,20 +502,26 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., admitted: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class TableRows(_message.Message):
-    __slots__ = ("table", "ids", "grads", "base_version", "lr", "removed")
+    __slots__ = ("table", "ids", "grads", "base_version", "lr", "removed", "expired", "sighted", "made")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    SIGHTED_FIELD_NUMBER: _ClassVar[int]
+    MADE_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     grads: bytes
     base_version: int
     lr: float
     removed: bool
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ..., removed: _Optional[bool] = ...) -> None: ...
+    expired: bool
+    sighted: bool
+    made: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., base_version: _Optional[int] = ..., lr: _Optional[float] = ..., removed: _Optional[bool] = ..., expired: _Optional[bool] = ..., sighted: _Optional[bool] = ..., made: _Optional[bool] = ...) -> None: ...
 
 class RowBlock(_message.Message):
     __slots__ = ("tables", "counts", "ids", "widths", "base_versions", "grads")

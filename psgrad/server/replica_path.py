@@ -23,6 +23,7 @@ from psgrad.server.replication import (
 )
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import MemberRecord, ShardState
+from psgrad.server.tables import EVICTED, EXPIRED, MADE, SIGHTED
 from psgrad.server.transfers import PullStream
 from psgrad.wire.rows import RowUpdate
 from psgrad.wire.security import ChannelFactory
@@ -58,11 +59,15 @@ class Replica:
         if self.replication is not None and self.replication.active:
             self._rows.append(RowUpdate(table, ids, grads, base_version, lr))
 
-    def rows_removed(self, table: str, ids: torch.Tensor) -> None:
-        """The update being applied dropped rows `ids` of sparse table `table` (expired or evicted):
-        its record says so, in order, and the backup drops the same."""
+    def rows_lifetime(self, table: str, what: str, ids: torch.Tensor) -> None:
+        """The update being applied counted ids `ids` of sparse table `table` for admission
+        (SIGHTED: the backup counts the same, so its admission counts stay the primary's), stored
+        their rows (MADE, in this order: the backup's arena is laid out as the primary's), or
+        dropped their rows (EVICTED, EXPIRED): its record says so, in order, and the backup does
+        the same (and counts it alike)."""
         if self.replication is not None and self.replication.active:
-            self._rows.append(RowUpdate(table, ids, torch.empty(ids.numel(), 0), removed=True))
+            self._rows.append(RowUpdate(table, ids, torch.empty(ids.numel(), 0), removed=what in (EVICTED, EXPIRED),
+                                        expired=what == EXPIRED, sighted=what == SIGHTED, made=what == MADE))
 
     def _record_update(self) -> None:
         """An update was applied (caller holds the lock): queue its record for the backup."""
@@ -253,12 +258,18 @@ class Replica:
                 self._own_weights(state)
             else:
                 raise InvalidRequestError(f"backup {rep.address}: malformed record of kind {record.kind!r}")
-            for u in record.rows:  # as the primary applied (and dropped) them, after the dense part
-                if u.removed:
-                    state.sparse(u.table, -1).remove(u.ids)
+            for u in record.rows:  # as the primary applied (counted, made, dropped) them, after the dense part
+                if u.sighted:
+                    state.sparse(u.table, -1).sight(u.ids)
+                elif u.made:
+                    state.sparse(u.table, -1).make(u.ids)
+                elif u.removed:
+                    state.sparse(u.table, -1).remove(u.ids, expired=u.expired)
                 else:
                     state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version,
                                                     replicated=True)
+            for name in {u.table for u in record.rows}:  # (what doing so logged: a primary's to send, not ours)
+                state.sparse(name, -1).take_lifetime()
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

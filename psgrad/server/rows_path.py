@@ -291,11 +291,12 @@ class Rows:
 
     def _report(self, name: str, t: SparseTable, ids: torch.Tensor, grads: torch.Tensor, base: int,
                 lr: float | None) -> None:
-        """Tell the replica what an update did to table `name`: the rows it dropped (expired or
-        evicted), then the rows it updated, in that order, as the standby must apply them."""
-        removed = t.take_removed()
-        if removed.numel():
-            self._replica.rows_removed(name, removed)
+        """Tell the replica what an update did to table `name`: what its row lifetime did (the ids
+        counted for admission, the rows dropped: evicted or expired), then the rows it updated, in
+        that order, as the standby must apply them."""
+        for what, changed in t.take_lifetime():
+            if changed.numel():
+                self._replica.rows_lifetime(name, what, changed)
         if ids.numel():
             self._replica.rows_applied(name, ids, grads, base, lr)
 

@@ -253,11 +253,11 @@ class GroupedTable(SparseTable):
         keep = ids < self.base + self.num_embeddings
         return ids[keep] - self.base, values[keep]
 
-    def remove(self, ids: torch.Tensor) -> None:
-        self.arena.remove(self.to_arena(ids))
+    def remove(self, ids: torch.Tensor, expired: bool = False) -> None:
+        self.arena.remove(self.to_arena(ids), expired)
 
-    def take_removed(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64)  # (no row lifetime: no rows dropped)
+    def take_lifetime(self) -> list[tuple[str, torch.Tensor]]:
+        return []  # (no row lifetime: no ids sighted, no rows dropped)
 
     def release(self) -> None:
         """Nothing of its own to give back: the arena's charges are the group's."""
@@ -279,7 +279,6 @@ class GroupedTable(SparseTable):
         self._check_fits(snap)
         arena = self.arena
         arena._drop(arena._ids.index_select(0, arena.mine(self)))
-        arena.take_removed()
         ids = self.to_arena(snap.tensors["ids"])
         if ids.numel():
             arena._make(ids)

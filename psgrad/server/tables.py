@@ -44,6 +44,13 @@ Scalars = dict[str, float | int]
 DRAWN_READS = 4
 DRAWN_BYTES = 1 << 20
 
+# What a table with a row lifetime did to ids besides updating them (SparseTable.take_lifetime; a
+# replica record says so, in order, and a standby does the same): counted them in the admission
+# counts (min_count), stored their rows (in this order: the arena's layout, which decides ties among
+# the rows eviction may drop), or dropped their rows at the memory budget (evict) or after ttl
+# updates untouched.
+SIGHTED, MADE, EVICTED, EXPIRED = "sighted", "made", "evicted", "expired"
+
 
 @dataclass(frozen=True)
 class TableSnapshot:
@@ -364,7 +371,6 @@ class SparseTable:
             self.sightings = Sightings()
             self.budget.charge(self.sightings.nbytes, f"the admission counts of table {name!r} on shard {index}")
             self._charged += self.sightings.nbytes
-        self._removed: list[torch.Tensor] = []  # ids dropped since take_removed (the replica's records)
         self.touched = 0  # rows made so far (arena slots in use)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._values = torch.empty(0, dim)
@@ -389,6 +395,7 @@ class SparseTable:
         self.min_count, self.ttl, self.evict = 0, 0, False
         self.sightings = None
         self.admitted = self.expired = self.evicted = self.dropped = 0
+        self._lifetime: list[tuple[str, torch.Tensor]] = []  # what the row lifetime did since take_lifetime
         self._charged = 0
         self._moved = 0  # times stored rows were dropped or moved: slots a reserve gave before are stale
         self._drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # recent reads' drawn rows: (ids sorted, values)
@@ -491,6 +498,8 @@ class SparseTable:
         self._index.assign(ids, torch.arange(self.touched, need))
         self.touched = need
         self.admitted += n
+        if self.min_count > 1 or self.ttl or self.evict:  # (a layout a standby must keep: see MADE)
+            self._lifetime.append((MADE, ids))
 
     def _plan(self, n: int, protected: int, may_evict: bool, spent: int = 0) -> tuple[int, int, int]:
         """How storing n new rows goes, changing nothing: (the arena's capacity then, the bytes the
@@ -580,7 +589,9 @@ class SparseTable:
         order = torch.argsort(versions, stable=True)[:k]
         if bool((versions[order] == torch.iinfo(torch.int64).max).any()):
             return False
-        self._drop(self._ids[:n][order].clone())
+        dropped = self._ids[:n][order].clone()
+        self._drop(dropped)
+        self._lifetime.append((EVICTED, dropped))
         self.evicted += k
         return True
 
@@ -606,18 +617,37 @@ class SparseTable:
                 t[targets] = t[movers]
             self._index.move(moved_ids, targets)
         self.touched = n - k
-        self._removed.append(ids)
 
-    def remove(self, ids: torch.Tensor) -> None:
-        """Drop the stored rows among `ids` (a standby applying its primary's record)."""
+    def remove(self, ids: torch.Tensor, expired: bool = False) -> None:
+        """Drop the stored rows among `ids` (a standby applying its primary's record), counted as
+        the primary counted them: expired (by the ttl), else evicted."""
         slots = self._index.lookup(ids)
         self._drop(ids[slots >= 0])
-        self._removed.clear()
+        if expired:
+            self.expired += ids.numel()
+        else:
+            self.evicted += ids.numel()
 
-    def take_removed(self) -> torch.Tensor:
-        """The ids dropped (expired or evicted) since the last call."""
-        out = torch.cat(self._removed) if self._removed else torch.empty(0, dtype=torch.int64)
-        self._removed = []
+    def make(self, ids: torch.Tensor) -> None:
+        """Store rows `ids` (unique) at their initial values, in this order, as the primary made
+        them (a standby applying its primary's record); those stored already are left as they are
+        (rows a primary made before the snapshot that started this standby)."""
+        fresh = ids[self._index.lookup(ids) < 0]
+        if fresh.numel():
+            self._make(fresh)
+
+    def sight(self, ids: torch.Tensor) -> None:
+        """Count one sighting of each of `ids` (unique, not stored) in the admission counts, as an
+        update of them did on the primary (a standby applying its primary's record: the ids its
+        apply counted); those counted fewer than min_count times were dropped from that update."""
+        if self.sightings is not None and ids.numel():
+            self.dropped += int((self.sightings.add(ids) < self.min_count).sum())
+
+    def take_lifetime(self) -> list[tuple[str, torch.Tensor]]:
+        """What the row lifetime did since the last call, in order: (SIGHTED, ids counted in the
+        admission counts), (MADE, rows stored: a table with a row lifetime only), (EVICTED or
+        EXPIRED, rows dropped)."""
+        out, self._lifetime = self._lifetime, []
         return out
 
     def row_bytes(self) -> int:
@@ -828,7 +858,9 @@ class SparseTable:
         if self.sightings is not None and not replicated and ids.numel():
             stored = self._index.lookup(ids) >= 0
             admit = stored.clone()
-            admit[~stored] = self.sightings.add(ids[~stored].long()) >= self.min_count
+            sighted = ids[~stored].long()
+            admit[~stored] = self.sightings.add(sighted) >= self.min_count
+            self._lifetime.append((SIGHTED, sighted))
             if not bool(admit.all()):
                 self.dropped += int((~admit).sum())
                 ids, grads = ids[admit], grads[admit]
@@ -871,6 +903,7 @@ class SparseTable:
         if bool(stale.any()):
             ids = self._ids[:n][stale].clone()
             self._drop(ids)
+            self._lifetime.append((EXPIRED, ids))
             self.expired += ids.numel()
 
     def forget_workers(self, live: set[int]) -> None:
@@ -926,7 +959,7 @@ class SparseTable:
             self.sightings.counts.copy_(snap.tensors["sightings"])
         for k in ("admitted", "expired", "evicted", "dropped"):
             setattr(self, k, int(snap.scalars.get(k, 0)))
-        self._removed = []
+        self._lifetime = []
 
     def status(self, name: str) -> TableStatus:
         n = self.touched

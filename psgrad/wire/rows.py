@@ -23,7 +23,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 class RowUpdate:
     """One table's part of an update: row ids [n] (unique), their gradients [n, dim], the table
     version they were pulled at, and (replica records) the learning rate they were applied with
-    (None: the job's)."""
+    (None: the job's). A replica record's entry may instead say what the update did to the
+    table's row lifetime, with no gradients: rows dropped (removed; expired by the ttl, else
+    evicted), ids counted in its admission counts (sighted; see SparseTable.sight), or rows
+    stored in this order (made; see SparseTable.make)."""
 
     table: str
     ids: torch.Tensor
@@ -31,6 +34,9 @@ class RowUpdate:
     base_version: int = 0
     lr: float | None = None
     removed: bool = False  # (replica records) the rows `ids` were dropped, not updated: no grads
+    expired: bool = False  # (with removed) dropped by the table's ttl, else evicted at the memory budget
+    sighted: bool = False  # (replica records) ids counted in the admission counts, not updated: no grads
+    made: bool = False  # (replica records) rows stored at their initial values in this order, not updated: no grads
 
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -50,7 +56,9 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tenso
 
 def updates_to_proto(updates: Iterable[RowUpdate]) -> list[pb.TableRows]:
     return [pb.TableRows(table=u.table, ids=u.ids.numpy().tobytes(), grads=u.grads.numpy().tobytes(),
-                         base_version=u.base_version, lr=u.lr, removed=u.removed) for u in updates]
+                         base_version=u.base_version, lr=u.lr, removed=u.removed, expired=u.expired, sighted=u.sighted,
+                         made=u.made)
+            for u in updates]
 
 
 def updates_from_proto(items: Sequence[pb.TableRows], what: str) -> list[RowUpdate]:
@@ -71,7 +79,8 @@ def updates_from_proto(items: Sequence[pb.TableRows], what: str) -> list[RowUpda
             raise InvalidRequestError(
                 f"{what}: {grads.numel()} gradient values for {ids.numel()} row ids of table {item.table!r}")
         out.append(RowUpdate(item.table, ids, grads.view(ids.numel(), -1), int(item.base_version),
-                             item.lr if item.HasField("lr") else None, item.removed))
+                             item.lr if item.HasField("lr") else None, item.removed, item.expired, item.sighted,
+                             item.made))
     return out
 
 

@@ -14,7 +14,7 @@ from psgrad.core import rows
 from psgrad.core.optimizers.rows import RowSGD
 from psgrad.errors import MemoryBudgetError
 from psgrad.server.row_index import Sightings
-from psgrad.server.tables import MemoryBudget, SparseTable
+from psgrad.server.tables import EXPIRED, MADE, SIGHTED, MemoryBudget, SparseTable
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
 DIM, LR = 4, 0.5
@@ -174,11 +174,24 @@ def test_a_standby_that_takes_its_primarys_drops_and_updates_holds_the_same_tabl
     for _ in range(120):
         ids = torch.unique(torch.randint(0, 3000, (200,), generator=g))
         applied, grads = primary.apply(ids, torch.randn(ids.numel(), DIM, generator=g))
-        standby.remove(primary.take_removed())
+        for what, changed in primary.take_lifetime():  # (as a replica record carries them: replica_path)
+            if what == SIGHTED:
+                standby.sight(changed)
+            elif what == MADE:
+                standby.make(changed)
+            else:
+                standby.remove(changed, expired=what == EXPIRED)
         standby.apply(applied, grads, replicated=True)
     assert primary.dropped and primary.expired and primary.evicted, (primary.dropped, primary.expired, primary.evicted)
     every = torch.arange(3000)
     assert torch.equal(primary.rows(every), standby.rows(every)) and primary.touched == standby.touched
+    # its admission counts and counters too: a standby that takes over admits, and counts, as the primary would
+    assert standby.sightings is not None and primary.sightings is not None
+    assert torch.equal(standby.sightings.counts, primary.sightings.counts)
+    assert (standby.admitted, standby.expired, standby.evicted, standby.dropped) == (
+        primary.admitted, primary.expired, primary.evicted, primary.dropped)
+    mine, its = primary.snapshot().tensors, standby.snapshot().tensors  # laid out alike: eviction's ties fall alike
+    assert mine.keys() == its.keys() and all(torch.equal(mine[k], its[k]) for k in mine)
     snap = primary.snapshot()
     back = table(lifetime, budget=budget)
     back.load(snap)
