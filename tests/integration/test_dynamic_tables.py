@@ -189,6 +189,14 @@ def test_admission_expiry_and_eviction_travel_to_the_servers_and_their_standby(m
         main, copy = state.tables[table], mirror.tables[table]
         assert isinstance(main, SparseTable) and isinstance(copy, SparseTable)
         assert main.touched == copy.touched and torch.equal(main.rows(every), copy.rows(every))
+        # the admission counts, the counters and the arena's layout too: a standby that takes over
+        # admits, evicts and counts as its primary would have
+        assert main.sightings is not None and copy.sightings is not None
+        assert torch.equal(main.sightings.counts, copy.sightings.counts)
+        assert (main.admitted, main.dropped, main.expired, main.evicted) == (copy.admitted, copy.dropped,
+                                                                             copy.expired, copy.evicted)
+        mine, its = main.snapshot().tensors, copy.snapshot().tensors
+        assert mine.keys() == its.keys() and all(torch.equal(mine[k], its[k]) for k in mine)
         with pytest.raises(psgrad.JobMismatchError, match="item"):  # the lifetime is part of the job
             with psgrad.connect(servers, optimizer=psgrad.SGD(lr=LR), client=CLIENT, rank=0) as other:
                 other.optimizer(Model(min_count=3, ttl=16, evict=True))

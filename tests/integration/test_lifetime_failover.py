@@ -1,0 +1,95 @@
+"""A dynamic table with a row lifetime (admission after min_count sightings, expiry, eviction at the
+memory budget) on a primary with a hot standby, real server processes: the standby follows what
+the primary's row lifetime did (the ids it counted for admission, the rows it stored, expired and
+evicted, and its counts of them), so after SIGKILL of the primary the job goes on from the standby
+and ends bit for bit as the same job on a server that never failed. (Before, the standby's
+admission counts stayed as they were when it attached and it counted no drops: after a failover ids
+were admitted later than on the primary, and the shard's counters started from 0.)"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+import psgrad
+from conftest import Proc, wait_for
+from psgrad.client.parameter_client import shard_status
+from psgrad.config import ClientConfig
+from psgrad.core.status import TableStatus
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM, LR, STEPS, KILL_AT = 8, 0.5, 40, 20
+BUDGET_MB = "2.09"  # the admission counts (2 MiB) and an arena of 1,024 rows, not the 2,048 it would grow to
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=30, reconnect_timeout_s=30, shared_memory=False)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = psgrad.Embedding(None, DIM, min_count=2, ttl=16, evict=True)
+        self.head = nn.Linear(DIM, 1)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)  # hot ids, and a wide spread seen once or twice: all of admission's paths
+    return [torch.randint(0, 6000 if step % 2 else 300, (256,), generator=g) for step in range(STEPS)]
+
+
+def train(servers: str, xs: Sequence[torch.Tensor], between: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """One worker's sync job of steps xs (loss: the sum of the looked-up rows; `between` run after
+    KILL_AT steps); returns the job's state_dict fetched from the servers at its end."""
+    torch.manual_seed(0)
+    model = Model()
+    with psgrad.connect(servers, mode="sync", optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for step, x in enumerate(xs):
+            if step == KILL_AT and between is not None:
+                between()
+            opt.zero_grad()
+            model.item(x).sum().backward()
+            model.head.weight.grad = torch.zeros_like(model.head.weight)
+            opt.step()
+        return psgrad.fetch_state_dict(servers)
+
+
+def lifetime(address: str) -> tuple[int, ...]:
+    """The dynamic table's counts on the server at `address`: rows, admitted, dropped, expired,
+    evicted, updates."""
+    (status,) = shard_status([address], 10)
+    (t,) = [t for t in status.tables if t.kind == "sparse"]
+    assert isinstance(t, TableStatus)
+    return t.rows_touched, t.admitted, t.dropped, t.expired, t.evicted, t.updates
+
+
+def test_a_standby_follows_the_row_lifetime_and_a_job_that_fails_over_ends_as_one_that_did_not(
+        start_servers, server_procs: list[Proc]) -> None:  # type: ignore[no-untyped-def]
+    reference, primary = start_servers(2, "--memory-budget-mb", BUDGET_MB)
+    primary_proc = server_procs[-1]
+    [backup] = start_servers(1, "--memory-budget-mb", BUDGET_MB, "--replica-of", primary)
+    wait_for("the backup to attach", lambda: shard_status([primary], 10)[0].replica.backup != "", timeout_s=30)
+    xs = batches()
+    expected = train(reference, xs)
+    counts = lifetime(reference)
+    _, admitted, dropped, expired, evicted, _ = counts
+    assert admitted and dropped and expired and evicted, counts  # (every part of the lifetime at work)
+
+    def check_the_standby_then_kill_the_primary() -> None:
+        def replicated() -> bool:
+            (st,) = shard_status([primary], 10)
+            return st.replica.replicated_version == st.version
+        wait_for("the backup to acknowledge every update", replicated, timeout_s=30)
+        mine, its = lifetime(primary), lifetime(backup)
+        assert mine == its, (mine, its)
+        assert mine[2] and mine[3], mine  # dropped and expired before the failover: the standby counted them
+        primary_proc.popen.kill()
+        assert primary_proc.wait(30) != 0
+
+    got = train(f"{primary}|{backup}", xs, between=check_the_standby_then_kill_the_primary)
+    assert shard_status([backup], 10)[0].replica.role == "primary"  # (it took over)
+    assert lifetime(backup) == counts, (lifetime(backup), counts)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():  # bit for bit: the rows stored, their values, the dense weights
+        assert torch.equal(got[key], value), key
