@@ -18,7 +18,7 @@ from psgrad.core.sharding import ParamSpec, TableSpec, fingerprint, plan_shards
 from psgrad.errors import MemoryBudgetError
 from psgrad.server.shard import Layout, PushResult, Shard
 from psgrad.server.state import ShardState
-from psgrad.server.tables import SparseTable
+from psgrad.server.tables import EVICTED, EXPIRED, MADE, SIGHTED, SparseTable
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
 
@@ -97,7 +97,7 @@ def run(order: Sequence[Sequence[int]], budget: int) -> tuple[Shard, list[tuple[
     records its replica was told (("removed" | "applied", ids), in order)."""
     s = sync_shard(budget)
     told: list[tuple[str, torch.Tensor]] = []
-    s.replica.rows_removed = lambda table, ids: told.append(("removed", ids.clone()))  # type: ignore[method-assign]
+    s.replica.rows_lifetime = lambda table, what, ids: told.append((what, ids.clone()))  # type: ignore[method-assign]
     s.replica.rows_applied = lambda table, ids, grads, base, lr: told.append(("applied", ids.clone()))  # type: ignore[method-assign]
     for step, pair in enumerate(iterations(len(order))):
         for rank in order[step]:
@@ -126,12 +126,17 @@ def test_an_iterations_rows_and_evictions_do_not_depend_on_the_order_its_pushes_
         assert_same_table(table_of(other), t)
         assert [kind for kind, _ in told] == [kind for kind, _ in told_first]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(told, told_first))
-    # a standby that takes the records (drops, then updates, in order) holds the table laid out the same
-    # (the gradients do not matter here: what is compared is which rows it holds, in which slots)
+    # a standby that takes the records (what the row lifetime did, then the updates, in order) holds
+    # the table laid out the same (the gradients do not matter here: what is compared is which rows
+    # it holds, in which slots)
     standby = table_of(sync_shard(None))
     for kind, ids in told_first:
-        if kind == "removed":
-            standby.remove(ids)
+        if kind == SIGHTED:
+            standby.sight(ids)
+        elif kind == MADE:
+            standby.make(ids)
+        elif kind in (EVICTED, EXPIRED):
+            standby.remove(ids, expired=kind == EXPIRED)
         else:
             standby.apply(ids, torch.zeros(ids.numel(), DIM), replicated=True)
     assert standby.touched == t.touched
