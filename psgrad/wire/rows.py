@@ -155,6 +155,10 @@ class RowBlock:
         if len(widths) != len(tables) or len(bases) != len(tables):
             raise InvalidRequestError(f"{what}: {len(widths)} row widths and {len(bases)} base versions "
                                       f"for {len(tables)} tables")
+        narrow = [(t, w) for t, w in zip(tables, widths) if w < 1]
+        if narrow:
+            raise InvalidRequestError(f"{what}: table {narrow[0][0]!r} has rows of width {narrow[0][1]}; a row has 1 "
+                                      "value or more (its table's embedding_dim)")
         grads = tensor_from_bytes(msg.grads, torch.float32, f"{what}: row gradients")
         expected = sum(c * w for c, w in zip(counts, widths))
         if grads.numel() != expected:

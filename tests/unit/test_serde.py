@@ -338,6 +338,8 @@ def test_a_push_block_hands_its_tables_rows_over_whole_only_in_its_own_order() -
     (lambda m: m.widths.append(2), "2 row widths and 1 base versions for 1 tables"),
     (lambda m: setattr(m, "grads", m.grads[:-4]), "7 gradient values for row ids and widths that make 8"),
     (lambda m: setattr(m, "ids", m.ids[:-3]), "13 bytes is not a whole number"),
+    # rows of width 0 and no gradients (0 values make 2 x 0): a crash in reshaping them before
+    (lambda m: (m.widths.__setitem__(0, 0), setattr(m, "grads", b"")), "table 'a' has rows of width 0"),
 ])
 def test_a_row_block_whose_parts_disagree_is_refused_by_name(change: Any, refusal: str) -> None:
     import torch
