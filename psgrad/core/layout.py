@@ -1,10 +1,12 @@
 """What a shard was initialized with (job spec, parameters, range, fingerprint), and how to say what differs."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from psgrad.core.job import JobSpec
+from psgrad.core.optimizer_settings import LR_MAX
 from psgrad.core.sharding import ParamSpec, TableSpec, frozen_ranges
 
 
@@ -24,6 +26,12 @@ class Layout:
 
     def table(self, name: str) -> TableSpec | None:
         return next((t for t in self.tables if t.name == name), None)
+
+    @functools.cached_property
+    def lr_scale_max(self) -> float:
+        """The largest factor a push's lr is applied with here (a parameter group's or table's
+        lr_scale; 1: the job's)."""
+        return max([1.0, *(p.lr_scale for p in self.params), *(t.lr_scale for t in self.tables)])
 
     @property
     def numel(self) -> int:
@@ -96,6 +104,9 @@ def explain_push_header(
     """What is wrong with a push header, or None. compress: the payload's codec ("": none)."""
     if lr is not None and not (math.isfinite(lr) and lr >= 0):
         return f"push from worker rank {rank} carries learning rate {lr!r}; it must be a finite number >= 0"
+    if lr is not None and lr * layout.lr_scale_max > LR_MAX:
+        return (f"push from worker rank {rank} carries learning rate {lr!r}; times the largest lr_scale here "
+                f"({layout.lr_scale_max:g}) it must be at most {LR_MAX:.4g} (the servers apply it in float32)")
     if numel != layout.numel:
         return (
             f"push from worker rank {rank} has {numel} elements, but shard {layout.index} owns "

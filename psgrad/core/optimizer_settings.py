@@ -103,6 +103,9 @@ def with_optimizer(spec: Any, name: str) -> Any:
     return dataclasses.replace(spec, optimizer=name, **defaults)
 
 
+#: the largest learning rate: the servers apply it in float32 (a larger one overflowed as it was
+#: applied, after the push had been taken)
+LR_MAX = 3.4028234663852886e38
 _UNIT = ("momentum", "beta1", "beta2", "alpha", "rho")  # decay rates: [0, 1)
 _NONNEG = ("weight_decay", "lr_decay", "initial_accumulator_value")
 
@@ -152,6 +155,9 @@ def check_settings(values: dict[str, Any], spelled: dict[str, str] | None = None
         if name in values:
             _check(math.isfinite(values[name]) and values[name] > 0,
                    f"{named(name)} must be a finite number > 0, got {values[name]!r}")
+    if "lr" in values:
+        _check(values["lr"] <= LR_MAX, f"{named('lr')} must be at most {LR_MAX:.4g} (the servers apply it in float32), "
+                                       f"got {values['lr']!r}")
     for name in _UNIT:
         if name in values:
             _check(math.isfinite(values[name]) and 0 <= values[name] < 1,

@@ -478,6 +478,7 @@ def test_nesterov_needs_momentum() -> None:
 API_OPTIMIZER_CASES = [
     ("SGD", {"lr": "0.1"}, TypeError, "psgrad.SGD: lr must be a number, got '0.1' (str)"),
     ("SGD", {"lr": -0.1}, ConfigError, "psgrad.SGD: lr must be a finite number > 0, got -0.1"),
+    ("SGD", {"lr": 1e39}, ConfigError, "psgrad.SGD: lr must be at most 3.403e+38 (the servers apply it in float32), got 1e+39"),
     ("SGD", {"momentum": -0.5}, ConfigError, "psgrad.SGD: momentum must be in [0, 1), got -0.5"),
     ("SGD", {"weight_decay": -1}, ConfigError, "psgrad.SGD: weight_decay must be a finite number >= 0, got -1.0"),
     ("SGD", {"nesterov": True}, ConfigError, "psgrad.SGD: nesterov needs momentum > 0 (like torch.optim.SGD), got momentum 0.0"),
