@@ -66,6 +66,26 @@ def batches(seed: int, n: int, size: int = 16) -> list[tuple[dict[str, torch.Ten
     return out
 
 
+class Keyed:
+    """A batch of `batches` in TorchRec's KeyedJaggedTensor layout (keys, values, lengths; and
+    weights_or_none(), its per-sample weights, where given)."""
+
+    def __init__(self, x: dict[str, torch.Tensor], weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.x, self.w = x, weights
+
+    def keys(self) -> list[str]:
+        return list(TABLES)
+
+    def values(self) -> torch.Tensor:
+        return torch.cat([self.x[k].reshape(-1) for k in TABLES])
+
+    def lengths(self) -> torch.Tensor:
+        return torch.cat([torch.full((self.x[k].shape[0],), self.x[k].shape[1]) for k in TABLES])
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return None if self.w is None else torch.cat([self.w[k].reshape(-1) for k in TABLES])
+
+
 def count_calls(opt: psgrad.PSOptimizer) -> dict[str, int]:
     """Counts of the PullRows and Step calls the optimizer's client makes from now on (an
     exchange's Step call, whole or in stages, starts as the shard client's stepping())."""
@@ -117,17 +137,7 @@ def test_a_collection_pulls_every_table_in_one_call_per_shard_and_equals_torch(m
             reference.append(torch_bag(x[name]))
         torch.testing.assert_close(got, torch.cat(reference, dim=1))
         # the same from keys / values / lengths (TorchRec's KeyedJaggedTensor layout)
-        class Keyed:
-            def keys(self) -> list[str]:
-                return list(TABLES)
-
-            def values(self) -> torch.Tensor:
-                return torch.cat([x[k].reshape(-1) for k in TABLES])
-
-            def lengths(self) -> torch.Tensor:
-                return torch.full((len(TABLES) * 16,), 2)
-
-        torch.testing.assert_close(model.ebc(Keyed()), got)
+        torch.testing.assert_close(model.ebc(Keyed(x)), got)
         with pytest.raises(ConfigError, match=r"missing \['c'\]"):
             model.ebc({"a": x["a"], "b": x["b"]})
         copied = copy.deepcopy(model)  # (the forward's remembered input is not copied: it cannot be pickled)
@@ -264,19 +274,6 @@ def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_serv
     w = {name: torch.rand(x[name].shape, generator=g) + 0.5 for name in TABLES}
     weighted = {name: (x[name].reshape(-1), torch.arange(0, x[name].numel(), 2), w[name].reshape(-1)) for name in TABLES}
 
-    class Keyed:  # (TorchRec's KeyedJaggedTensor: weights_or_none() where it has weights)
-        def keys(self) -> list[str]:
-            return list(TABLES)
-
-        def values(self) -> torch.Tensor:
-            return torch.cat([x[k].reshape(-1) for k in TABLES])
-
-        def lengths(self) -> torch.Tensor:
-            return torch.full((len(TABLES) * 16,), 2)
-
-        def weights_or_none(self) -> torch.Tensor:
-            return torch.cat([w[k].reshape(-1) for k in TABLES])
-
     with psgrad.connect([s.address for s in running], optimizer=psgrad.SGD(lr=lr), client=CLIENT) as ps:
         opt = ps.optimizer(model)
         torch_bags = {}
@@ -287,7 +284,7 @@ def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_serv
         reference = torch.cat([torch_bags[n](x[n], per_sample_weights=w[n]) for n in TABLES], dim=1)
         unweighted = model.ebc(x)
         assert not torch.allclose(unweighted, reference)
-        torch.testing.assert_close(model.ebc(Keyed()), reference)
+        torch.testing.assert_close(model.ebc(Keyed(x, w)), reference)
         opt.zero_grad()
         out = model.ebc(weighted)
         torch.testing.assert_close(out, reference)
