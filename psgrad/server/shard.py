@@ -239,17 +239,12 @@ class Shard:
 
         Raises:
             JobMismatchError: the worker's job spec, model or shard range differs (named).
-            InvalidRequestError: a rank the job has not (num_workers of them: 0 to num_workers - 1).
         """
         core = self.core
         deadline = core.now() + max(0.0, wait_s)
         with core.cond:
             while True:
                 if core.layout is not None:
-                    workers = core.layout.spec.num_workers
-                    if not 0 <= rank < workers:  # (a member the job has not: sync would wait for it)
-                        raise InvalidRequestError(f"worker rank {rank} cannot join a job of {workers} workers: "
-                                                  f"its ranks are 0 to {workers - 1}")
                     problem = explain_mismatch(core.layout, layout, rank)
                     if problem:
                         raise JobMismatchError(problem)

@@ -30,8 +30,8 @@ def server() -> Iterator[RunningServer]:
     running.stop(0)
 
 
-def client(server: RunningServer, rank: int, job: JobSpec = JOB) -> ParameterClient:
-    return ParameterClient([server.address], job, PARAMS, plan_shards(PARAMS, 1), rank, CONFIG)
+def client(server: RunningServer, rank: int) -> ParameterClient:
+    return ParameterClient([server.address], JOB, PARAMS, plan_shards(PARAMS, 1), rank, CONFIG)
 
 
 def test_a_learning_rate_float32_cannot_hold_is_refused_at_the_header_and_the_sync_job_goes_on(server) -> None:  # type: ignore[no-untyped-def]
@@ -52,15 +52,3 @@ def test_a_learning_rate_float32_cannot_hold_is_refused_at_the_header_and_the_sy
         assert server.shard.version == 2
         torch.testing.assert_close(flat, torch.full((64,), -2 * 0.5 * 1.5))  # two means of 1 and 2, at the job's lr
 
-
-def test_a_rank_the_job_has_not_cannot_join(server) -> None:  # type: ignore[no-untyped-def]
-    """Before: ranks 2, 5 or 2**32 - 1 of a 2-worker job joined ("5 live of 2"), and a sync
-    iteration waited for them until their leases ran out (or for good, while something sent their
-    heartbeats)."""
-    job = JobSpec(num_shards=1, num_workers=2, lr=0.5, mode="async")  # (sync: the chief's join waits for rank 1)
-    chief, stranger = client(server, 0, job), client(server, 2, job)
-    with chief, stranger:
-        chief.join(initial_weights=lambda: torch.zeros(64))
-        with pytest.raises(InvalidRequestError, match="worker rank 2 cannot join a job of 2 workers: its ranks are 0 to 1"):
-            stranger.join(None)
-        assert sorted(server.shard.core.members.members) == [0]
