@@ -66,19 +66,21 @@ class Rows:
         self._replica = replica
 
     def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup],
-             checked: bool = False) -> list[tuple[int, torch.Tensor]]:
+             checked: bool = False, observe: bool = False) -> list[tuple[int, torch.Tensor]]:
         """Per lookup (table, ids): (the table's version, rows [len(ids), dim]). No gate: a worker
         pulls a step's rows after its dense pull passed the mode's (a Step call once its gate
-        holds); checked: check_reads checked the ids already.
+        holds); checked: check_reads checked the ids already; observe: a read-only read (any
+        caller), else a worker's, from a rank that joined (see ShardCore.require_reader).
 
         Raises:
             InvalidRequestError: no such table; ids out of range, of another dtype or shard; or a
                 reply too large to send (refused before it is built). Reads store no rows, so
                 they never charge the memory budget.
+            UnknownWorkerError: a worker's read (not observe) from a rank that never joined.
         """
         core = self._core
         with core.cond:
-            state = core.require(fingerprint, rank)
+            state = core.require_reader(fingerprint, rank, observe, "a read of rows")
             tables = [state.sparse(table, rank) for table, _ in lookups]
             if not checked:
                 _check_reply_size(state, rank, lookups)
@@ -114,18 +116,21 @@ class Rows:
             _check_reply_size(state, rank, lookups)
             _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups], find=False)
 
-    def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int,
+                observe: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
-        (see SparseTable.updated_rows).
+        (see SparseTable.updated_rows); observe: a read-only read (any caller), else a worker's,
+        from a rank that joined.
 
         Raises:
             InvalidRequestError: no such table, or a limit of 0.
+            UnknownWorkerError: a worker's read (not observe) from a rank that never joined.
         """
         if limit < 1:
             raise InvalidRequestError(f"a read of updated rows needs a limit >= 1, got {limit}")
         core = self._core
         with core.cond:
-            t = core.require(fingerprint, rank).sparse(table, rank)
+            t = core.require_reader(fingerprint, rank, observe, "a read of updated rows").sparse(table, rank)
             per_row = 4 * t.dim + 8
             if min(limit, t.touched) * per_row > REPLY_ROWS_MAX_BYTES:
                 raise InvalidRequestError(

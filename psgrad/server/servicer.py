@@ -415,7 +415,7 @@ class ParameterServicer:
                 raise InvalidRequestError(f"a pull of table {req.table!r}: only the {FROZEN!r} table is pulled whole "
                                           "(the weights are pulled with no table named, sparse rows by PullRows)")
             self.shard.serving(promote=not req.observe)
-            version, values = self.shard.frozen_values(req.rank, req.fingerprint)
+            version, values = self.shard.frozen_values(req.rank, req.fingerprint, req.observe)
             self._acked(self.shard.version, context)  # never show a worker values its backup does not have
         except PsgradError as exc:
             protocol.abort(context, exc)
@@ -603,9 +603,10 @@ class ParameterServicer:
         """A serialized RowsReply, built by hand so the rows are copied once, after the version."""
         self.shard.serving()
         if req.updated:
-            version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit)
+            version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit,
+                                                         req.observe)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
-        got = self.shard.pull_rows(req.rank, req.fingerprint, _reads(req.block, "pull of rows"))
+        got = self.shard.pull_rows(req.rank, req.fingerprint, _reads(req.block, "pull of rows"), observe=req.observe)
         head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
         data = _rows_bytes([r for _, r in got])
         return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))

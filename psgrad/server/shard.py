@@ -260,17 +260,19 @@ class Shard:
             return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks,
                               0 if frozen is None else frozen.version, member.last_push_clock)
 
-    def frozen_values(self, rank: int, fingerprint: str) -> tuple[int, torch.Tensor]:
+    def frozen_values(self, rank: int, fingerprint: str, observe: bool = False) -> tuple[int, torch.Tensor]:
         """(the frozen table's version, a copy of its values): the shard's range of the frozen
-        space. No gate, no clock: the values move only when written (Init, a restore).
+        space. No gate, no clock: the values move only when written (Init, a restore). observe: a
+        read-only read (any caller), else a worker's, from a rank that joined.
 
         Raises:
             NotInitializedError, JobMismatchError: see ShardCore.require.
+            UnknownWorkerError: a worker's read (not observe) from a rank that never joined.
             InvalidRequestError: the job keeps no frozen parameters on the servers.
         """
         core = self.core
         with core.cond:
-            table = core.require(fingerprint, rank).frozen
+            table = core.require_reader(fingerprint, rank, observe, "a read of the frozen parameters").frozen
             if table is None:
                 raise InvalidRequestError(f"worker rank {rank} asked for the frozen parameters; this job keeps none "
                                           "on the servers")

@@ -20,7 +20,7 @@ from psgrad.core.modes import ASYNC
 from psgrad.core.layout import Layout
 from psgrad.core.policies import policy_for
 from psgrad.core.push_outcome import Eviction
-from psgrad.errors import JobMismatchError, NotInitializedError
+from psgrad.errors import JobMismatchError, NotInitializedError, UnknownWorkerError
 from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters
@@ -143,6 +143,25 @@ class ShardCore:
                 f"initialized for {state.layout.fingerprint}: the worker's model or job spec differs "
                 "(Join reports which field)"
             )
+        return state
+
+    def require_reader(self, fingerprint: str, rank: int, observe: bool, what: str) -> ShardState:
+        """The state, for a read (`what`: of rows, of the frozen table) of the job it belongs to: a
+        worker's read (not `observe`) only from a rank that has joined this shard (live, or left or
+        evicted since); a read-only one (observe: an export, fetch_state_dict, an evaluation) from
+        any caller, as it joins nothing.
+
+        Raises:
+            NotInitializedError, JobMismatchError: see require.
+            UnknownWorkerError: a worker's read from a rank that never joined this shard (or that a
+                restart from a checkpoint taken before it joined does not know: the client joins
+                again by itself and retries).
+        """
+        state = self.require(fingerprint, rank)
+        if not observe and self.members.get(rank) is None:
+            raise UnknownWorkerError(
+                f"{what} as worker rank {rank} refused: worker rank {rank} has not joined this shard (Join first; "
+                "a reader that joins nothing, as psgrad export and fetch_state_dict, reads with observe set)")
         return state
 
     def install(self, state: ShardState) -> None:

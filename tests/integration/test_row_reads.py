@@ -112,3 +112,83 @@ def test_a_read_whose_reply_would_be_too_large_is_refused_before_it_is_built(mak
         with pytest.raises(InvalidRequestError, match="would make a reply of"):  # through the client too
             client.pull_rows(table, torch.zeros(REPLY_ROWS_MAX_BYTES // 128 + 1, dtype=torch.int64))
         assert client.pull_rows(table, torch.tensor([7])).shape == (1, 32)  # the shard serves on
+
+
+class WithFrozen(nn.Module):
+    """A table, a trained head and a frozen layer (kept on the servers: a frozen table of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = psgrad.Embedding(100, 8)
+        self.head = nn.Linear(8, 1)
+        self.backbone = nn.Linear(4, 4)
+        self.backbone.requires_grad_(False)
+
+
+def test_a_workers_read_from_a_rank_that_never_joined_is_refused_and_every_reader_that_joins_nothing_reads(
+        start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: without --job-secret-file a PullRows (or a read of the frozen table, or of a table's
+    updated rows) that named any rank was answered, though that rank never joined: the dense pull
+    alone asked. Now a worker's read (not marked observe) from a rank that has not joined the
+    shard is refused by name (FAILED_PRECONDITION), while the read-only ones (observe: psgrad
+    export, fetch_state_dict, an evaluation after leave), `psgrad status`, and a joiner past
+    num_workers (how a running job takes a new worker) read as before. A real server process."""
+    (address,) = start_servers(1)
+    model = WithFrozen()
+    with psgrad.connect([address], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        client, table = opt.client, model.emb.table
+        assert table
+        model.head(model.emb(torch.tensor([[3, 7]])).sum(1)).sum().backward()
+        opt.step()
+        ids = torch.tensor([3, 7, 9])
+        rows = client.pull_rows(table, ids)  # rank 0 joined: its reads are answered
+        block = pb.RowBlock(tables=[table], counts=[3], ids=ids.numpy().tobytes())
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            pull_rows = channel.unary_unary(METHOD_PREFIX + "PullRows", request_serializer=pb.RowsRequest.SerializeToString,
+                                            response_deserializer=pb.RowsReply.FromString)
+            pull = channel.unary_stream(METHOD_PREFIX + "Pull", request_serializer=pb.PullRequest.SerializeToString,
+                                        response_deserializer=pb.PullFrame.FromString)
+            reads = {
+                "a read of rows": lambda observe: pull_rows(pb.RowsRequest(
+                    rank=5, fingerprint=client.fingerprint, block=block, observe=observe), timeout=30),
+                "a read of updated rows": lambda observe: pull_rows(pb.RowsRequest(
+                    rank=5, fingerprint=client.fingerprint, table=table, updated=True, limit=10, observe=observe),
+                    timeout=30),
+                "a read of the frozen parameters": lambda observe: list(pull(pb.PullRequest(
+                    rank=5, fingerprint=client.fingerprint, table="frozen", observe=observe), timeout=30)),
+            }
+            for what, read in reads.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    read(False)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, what
+                assert (f"{what} as worker rank 5 refused: worker rank 5 has not joined this shard"
+                        in str(refused.value.details())), refused.value.details()
+                read(True)  # the same read marked read-only (observe) joins nothing and is answered
+            reply = pull_rows(pb.RowsRequest(rank=5, fingerprint=client.fingerprint, block=block, observe=True),
+                              timeout=30)
+            assert torch.equal(torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(3, 8), rows)
+        finally:
+            channel.close()
+        # A joiner past num_workers (1) joins and reads as any worker.
+        joiner = ParameterClient([address], client.spec, client.params, client.plan, 3, CLIENT,
+                                 tables=list(client.tables.values()), frozen=client.frozen)
+        try:
+            joiner.join(initial_weights=None)
+            assert torch.equal(joiner.pull_rows(table, ids), rows)
+            frozen = torch.empty(sum(p.numel for p in client.frozen))
+            joiner.pull_frozen(frozen)
+            assert torch.equal(frozen, torch.cat([p.reshape(-1) for p in model.backbone.parameters()]))
+        finally:
+            joiner.close()
+        # The readers that join nothing: the status client (`psgrad status`), fetch_state_dict / export.
+        (status,) = shard_status([address], 10)
+        assert status.initialized and status.version == 1
+        state = psgrad.fetch_state_dict([address])
+        assert torch.equal(state["emb.rows"], client.pull_rows(table, state["emb.ids"]))
+        assert state["emb.ids"].tolist() == [3, 7]
+        assert torch.equal(state["backbone.weight"], model.backbone.weight)
+        ps.leave()
+        with torch.no_grad():  # a worker that left evaluates: read-only reads
+            assert torch.equal(model.emb(ids.view(1, 3))[0], rows)
