@@ -160,6 +160,7 @@ class Replica:
             if core.state is None:
                 raise NotPrimaryError(f"backup {rep.address} has no state from its primary yet")
             former = rep.promote()
+            core.took_over = True
             self._own_weights(core.state)
             # The members as the primary last replicated them (this backup's own reaper may have
             # evicted some meanwhile, seeing no calls), with fresh leases.

@@ -155,10 +155,11 @@ class Rows:
 
         Raises:
             InvalidRequestError: no such table; ids repeated, out of range or on another shard;
-                gradients of another shape.
+                gradients of another shape; a base version outside the table's (see check_bases).
             MemoryBudgetError: the rows would not fit the server's budget.
         """
         tables = [state.sparse(name, rank) for name in rows]
+        self.check_bases(rank, rows, tables)
         block = rows.block if isinstance(rows, BlockGradients) else None
         located = _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()],
                                 None if block is None else block.ids)
@@ -171,6 +172,27 @@ class Rows:
             self.check_round(state, rows, pending)
         slots = self.reserve(state, rows, located=located, sync=sync)
         return bad, (state.uid, tuple(t.placement() for t in tables if not (sync and t.evict)), slots)
+
+    def check_bases(self, rank: int, rows: RowGradients, tables: Sequence[SparseTable]) -> None:
+        """Check each table's base version, the table version its rows were pulled at (a table's
+        version on this shard counts the updates applied to it, and a read answers it): from 0 to
+        the table's version now, which never goes back but by a restore or a roll-back. A shard
+        restored from a checkpoint (or rolled back), or a backup that took over (a read of rows
+        waits for no backup, so a worker may have read versions the former primary never
+        replicated), is behind what its workers read: there the version is not bounded above, as
+        a push's dense base version is not either. The versions only feed the tables' staleness
+        figures, which a bogus one corrupted (negative: a huge staleness; past the table: none).
+
+        Raises:
+            InvalidRequestError: a negative base version, or (see above) one past the table's.
+        """
+        behind = self._core.marks.restored or self._core.took_over
+        for (name, (_, _, base)), t in zip(rows.items(), tables):
+            if base < 0 or (base > t.version and not behind):
+                raise InvalidRequestError(
+                    f"push from worker rank {rank}: table {name!r}'s rows claim base version {base}, but the table is at "
+                    f"version {t.version} on this shard: a base version is the table version its rows were read at, "
+                    f"0 to {t.version}")
 
     def check_round(self, state: ShardState, rows: RowGradients, pending: Sequence[RowGradients]) -> None:
         """Check that the rows of a sync push's tables that evict will fit when its iteration is

@@ -77,6 +77,9 @@ class ShardCore:
         #: what the shard's sparse tables may hold in all (bytes; None: no limit)
         self.budget_bytes = memory_budget_bytes(config.memory_budget_mb)
         self.closed = False
+        #: this server is a backup that took its shard over: a worker may have read rows of versions its
+        #: former primary applied and never replicated (a read of rows waits for no backup)
+        self.took_over = False
         self.waiting = 0  # pulls parked in the gate right now
         self.on_serving: Callable[[bool], None] = lambda serving: None
         #: completes the sync iteration nobody owes any more (the push path sets it); True if it did

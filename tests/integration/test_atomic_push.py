@@ -149,11 +149,37 @@ def faulty_push(kind: str, c: ParameterClient, clock: int) -> Callable[[], objec
         dense[17] = float("inf")
     elif kind == "codec payload":
         return _bad_payload(c, clock)
+    elif kind in ("base version ahead", "base version -1"):  # of emb's rows: the version they were read at
+        return lambda: _with_base(c, "ahead" if kind.endswith("ahead") else 2**64 - 1,
+                                  lambda: c.push(dense, clock, rows=all_rows(c, clock, (ids, grads))))
     return lambda: c.push(dense, clock, rows=all_rows(c, clock, (ids, grads)))
 
 
+def _with_base(c: ParameterClient, base: int | str, push: Callable[[], object]) -> object:
+    """push() with emb's rows claiming base version `base` ("ahead": one past the table's version on
+    the shard; 2**64 - 1: an int64 -1 sent as the wire's uint64), as no worker's read gave it."""
+    if base == "ahead":
+        (status,) = [t for t in c.shards[0].status().tables if t.name == "emb"]
+        base = status.updates + 1
+    held = c.row_versions.get(("emb", 0))
+    c.row_versions[("emb", 0)] = int(base)
+    try:
+        return push()
+    except InvalidRequestError as exc:  # (the test expects it; refused by name)
+        assert f"table 'emb''s rows claim base version {base}, but the table is at version" in str(exc), exc
+        raise
+    finally:
+        if held is None:
+            c.row_versions.pop(("emb", 0))
+        else:
+            c.row_versions[("emb", 0)] = held
+
+
 REFUSALS = {"budget": MemoryBudgetError, "bad id": InvalidRequestError, "nonfinite row": NonFiniteGradientError,
-            "nonfinite dense": NonFiniteGradientError, "codec payload": InvalidRequestError}
+            "nonfinite dense": NonFiniteGradientError, "codec payload": InvalidRequestError,
+            # Before: a base version past the table's (or a negative one) was taken, its rows applied: it feeds
+            # only the table's staleness figures, which it corrupted.
+            "base version ahead": InvalidRequestError, "base version -1": InvalidRequestError}
 
 
 def good_push(c: ParameterClient, clock: int, duplicate: bool = False) -> None:

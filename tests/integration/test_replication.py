@@ -185,6 +185,7 @@ def test_a_promoted_backup_fences_its_former_primary(servers: Callable[..., Runn
         health(backup.address, wait_for="SERVING")  # a backup with its primary's state is ready to take over
         b.join(None)  # a worker's call at the backup (as if it had lost the primary): it takes over
         assert backup.shard.status().replica.epoch == 1
+        assert backup.shard.core.took_over and not primary.shard.core.took_over  # (its tables' base versions: unbounded)
         assert primary.shard.wait_until(lambda s: s.replica.role == "fenced", 10)
         health(primary.address, wait_for="NOT_SERVING")  # a readiness probe takes the fenced one out
         assert health(backup.address) == "SERVING"

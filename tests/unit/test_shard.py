@@ -645,3 +645,45 @@ def test_a_forged_clock_is_refused_after_leave_and_rejoin_too(shard: Shard, layo
     assert torch.equal(shard.weights_copy(), before) and shard.status().workers[0].clock == 2
     assert push(shard, layout, g, clock=2).applied  # where it really continues
     assert not push(shard, layout, g, clock=2).applied  # (a retry of it is still a duplicate)
+
+
+def test_a_negative_or_future_table_base_version_is_refused_at_the_header_and_changes_nothing() -> None:
+    """A table's base version (the table version its rows were read at) is 0 to the table's version
+    on the shard. The wire's uint64 cannot say -1, but a caller of the shard can: before, -1 was taken
+    and counted as a staleness of the table's version + 1; one past the table's counted as 0. Now
+    both are refused at the header (push_target: nothing received, nothing applied). A shard
+    restored from a checkpoint is behind what its workers read: there only a negative one is."""
+    from psgrad.core.sharding import TableSpec
+
+    spec = JobSpec(lr=0.5, num_shards=1, optimizer="adagrad")
+    tables = (TableSpec("emb", 100, 4, 1, 0.1),)
+    lay = Layout(spec, PARAMS, 0, 0, 16, fingerprint(PARAMS, spec, tables), tables=tables)
+    s = Shard(ServerConfig())
+    s.initialize(0, lay, weights_for(lay))
+    ids = torch.tensor([1, 4])
+
+    def push_rows(clock: int, base: int) -> PushResult:
+        buf, wire, writer = s.push_target(0, clock, s.version, 16, "float32", lay.fingerprint,
+                                          rows={"emb": (ids, torch.ones(2, 4), base)})
+        writer.write(WireBuffer(16, "float32").encode(torch.zeros(16)))
+        writer.finish()
+        return s.apply_push(0, clock, s.version, buf, wire, wire.nbytes)
+
+    assert push_rows(0, 0).applied
+    table = s.core.state.sparse("emb", 0)  # type: ignore[union-attr]
+    before = (s.version, table.status("emb"), table.rows(ids).clone(), s.status().pushes_rejected)
+    for base in (-1, -(2**63), 2, 2**70):
+        with pytest.raises(InvalidRequestError, match=f"table 'emb''s rows claim base version {base}, but the table "
+                                                      "is at version 1 on this shard"):
+            push_rows(1, base)
+    assert (s.version, table.status("emb")) == before[:2] and torch.equal(table.rows(ids), before[2])
+    assert s.status().pushes_rejected == before[3] + 4
+    assert push_rows(1, 1).applied and table.status("emb").updates == 2  # the clock stayed open
+    # Behind what its workers read, no upper bound: a backup that took over (a worker may have read
+    # rows its former primary never replicated), a shard restored from a checkpoint or rolled back.
+    s.core.took_over = True
+    assert push_rows(2, 7).applied
+    s.core.took_over, s.core.marks.restored = False, True
+    assert push_rows(3, 9).applied
+    with pytest.raises(InvalidRequestError, match="claim base version -1"):
+        push_rows(4, -1)
