@@ -325,7 +325,10 @@ class SparseEmbedding(nn.Module):
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients of the rows the forwards since the last call touched, coalesced per id:
         (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none was touched.
-        Rows a forward pulled but no backward reached count as zero gradients."""
+        Rows a forward pulled but no backward reached count as zero gradients. The padding id's
+        row (padding_idx), which takes no gradient, is left out: pushed, its zero gradient would
+        make the servers store the row (a dynamic table's too), count it for admission and step its
+        optimizer state (Adam's moments decay), where torch leaves the padding row as it is."""
         touched = self._touched
         self.__dict__["_touched"] = []  # (as _last_unique: not through nn.Module.__setattr__)
         parts = [(ids, w.grad) for ids, w in touched if w.grad is not None]
@@ -333,12 +336,23 @@ class SparseEmbedding(nn.Module):
             return None
         if len(parts) == 1:
             ids, grad = parts[0]
-            return ids, grad.detach().to("cpu", torch.float32).contiguous()
+            return self._without_padding(ids, grad.detach().to("cpu", torch.float32).contiguous())
         all_ids = torch.cat([ids for ids, _ in parts])
         grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in parts])
         unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
         summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
-        return unique, summed
+        return self._without_padding(unique, summed)
+
+    def _without_padding(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids, grads) without the padding id's row (ids: unique, sorted); None when nothing is left."""
+        padding = getattr(self, "padding_idx", None)
+        if padding is not None and ids.numel():
+            at = int(torch.searchsorted(ids, padding))
+            if at < ids.numel() and int(ids[at]) == padding:
+                keep = torch.ones(ids.numel(), dtype=torch.bool)
+                keep[at] = False
+                ids, grads = ids[keep], grads[keep]
+        return (ids, grads) if ids.numel() else None
 
     def row_gradient_leaves(self) -> list[torch.Tensor]:
         """The touched rows' leaves with a gradient, merged into one leaf per id when several
@@ -348,7 +362,8 @@ class SparseEmbedding(nn.Module):
         if len(leaves) < 2:
             return leaves
         taken = self.take_gradients()
-        assert taken is not None
+        if taken is None:  # (the padding row alone: nothing to push, nothing to measure)
+            return []
         ids, grad = taken
         merged = torch.zeros_like(grad)  # (its values are never read: a step pushes gradients only)
         merged.grad = grad
@@ -458,9 +473,10 @@ class Embedding(SparseEmbedding):
     """torch.nn.Embedding(num_embeddings, embedding_dim) with its rows on the parameter servers.
 
     Rows start as N(0, std²) (torch's default: std 1), drawn from (seed, the table's name, row id).
-    padding_idx: that row's output is zeros and it takes no gradient, as in torch (its row on the
-    servers keeps its initial value, unused); a dynamic table's is an id as it is (-1 pads id -1:
-    there is no last row to count from). scale_grad_by_freq: each row's gradient is divided by
+    padding_idx: that row's output is zeros and it takes no gradient, as in torch; its row is never
+    pushed, so the servers never store or update it (it keeps its initial value, unused, and no
+    optimizer state); a dynamic table's is an id as it is (-1 pads id -1: there is no last row to
+    count from). scale_grad_by_freq: each row's gradient is divided by
     how often its id occurs in the forward's input, as in torch. sparse: accepted, changes nothing
     (the rows' gradients are pushed per row always). max_norm: refused (ConfigError naming why).
     """
@@ -507,7 +523,7 @@ class EmbeddingBag(SparseEmbedding):
 
     torch's options, with torch's semantics: include_last_offset (offsets has one more entry, the
     end of the last bag), padding_idx (that id takes no part in its bag, mean's count included, and
-    no gradient; a dynamic table's is an id as it is, -1 pads id -1), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
+    no gradient: its row is never pushed; a dynamic table's is an id as it is, -1 pads id -1), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
     (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
     """
 

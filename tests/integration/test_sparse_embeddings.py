@@ -364,7 +364,8 @@ def test_embedding_modules_match_torch_on_the_same_rows() -> None:
         theirs(x).square().sum().backward()
         theirs(x[:1]).sum().backward()
         ids, grads = mine.take_gradients()
-        assert ids.tolist() == sorted(set(x.flatten().tolist()))
+        padding = getattr(mine, "padding_idx", None)  # (its row takes no gradient and is not pushed)
+        assert ids.tolist() == sorted(set(x.flatten().tolist()) - {padding})
         torch.testing.assert_close(grads, theirs.weight.grad[ids])
         assert mine.take_gradients() is None  # taken
     with pytest.raises(ConfigError, match="mode must be one of sum, mean, max, got 'median'"):
@@ -517,3 +518,93 @@ def test_a_tables_own_lr_in_param_groups_changes_only_that_tables_update(make_se
         assert opt.step().accepted
         state = running[0].shard.core.state
         assert state.tables["a"].version == 1 and state.dense.optimizer.momentum == 0.9
+
+
+class Padded(nn.Module):
+    """A table, a bag and a dynamic table, each with a padding id (0, 0 and -1), and a head: the
+    psgrad modules, or (dense=True) torch's twins on the same initial rows (the padding row zero,
+    as torch makes it; the dynamic table's rows of `vocab`, its padding id's first)."""
+
+    def __init__(self, dense: bool = False, vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.emb: nn.Module = psgrad.Embedding(50, 4, padding_idx=0, std=0.5, seed=1)
+        self.bag: nn.Module = psgrad.EmbeddingBag(50, 4, mode="mean", padding_idx=0, std=0.5, seed=2)
+        self.dyn: nn.Module = psgrad.Embedding(None, 4, padding_idx=-1, std=0.5, seed=3)
+        torch.manual_seed(0)
+        self.head = nn.Linear(12, 1)
+        self.vocab = vocab
+        if dense:
+            assert vocab is not None and int(vocab[0]) == -1
+            emb, bag = nn.Embedding(50, 4, padding_idx=0), nn.EmbeddingBag(50, 4, mode="mean", padding_idx=0)
+            dyn = nn.Embedding(vocab.numel(), 4, padding_idx=0)
+            with torch.no_grad():
+                for name, mine, theirs in (("emb", self.emb, emb), ("bag", self.bag, bag)):
+                    mine.table = name  # (the servers' name: its initial rows depend on it)
+                    theirs.weight.copy_(mine.initial_weight())
+                    theirs.weight[0] = 0
+                dyn.weight.copy_(row_initial(3, "dyn", vocab))
+                dyn.weight[0] = 0
+            self.emb, self.bag, self.dyn = emb, bag, dyn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(x == 0, -1, x * 7919)  # the dynamic table's ids (padding: -1)
+        if isinstance(self.dyn, nn.Embedding):  # torch's twin: the vocabulary's places
+            assert self.vocab is not None
+            ids = torch.searchsorted(self.vocab, ids)
+        return self.head(torch.cat([self.emb(x).sum(1), self.bag(x), self.dyn(ids).sum(1)], 1)).squeeze(-1)
+
+
+def row_initial(seed: int, table: str, ids: torch.Tensor) -> torch.Tensor:
+    from psgrad.core import rows
+
+    return rows.initial_rows(rows.table_key(seed, table), ids, 4, 0.5)
+
+
+def test_the_padding_ids_row_is_never_pushed_or_stored_and_training_equals_torchs(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: a forward pulled the padding id's row, and its zero gradient was pushed with the
+    others: the servers stored the row (a dynamic table made one for -1), counted it, and stepped its
+    optimizer state. Now the worker pushes no gradient for it, so after training on batches full of
+    padding the servers hold no row of it (it reads as its initial value, unused), and the model
+    equals torch's modules trained alike (their padding rows stay zero). A real server process."""
+    from psgrad.client.parameter_client import shard_status
+
+    (address,) = start_servers(1)
+    gen = torch.Generator().manual_seed(4)
+    batches = []
+    for _ in range(5):
+        x = torch.randint(1, 50, (6, 4), generator=gen)
+        x[torch.rand(6, 4, generator=gen) < 0.4] = 0  # padding, in every batch
+        x[0] = 0  # a row of padding alone
+        batches.append((x, torch.rand(6, generator=gen)))
+    vocab = torch.unique(torch.cat([torch.where(x == 0, -1, x * 7919).flatten() for x, _ in batches]))
+    model, twin = Padded(), Padded(dense=True, vocab=vocab)
+    theirs = torch.optim.Adagrad(twin.parameters(), lr=0.3)
+    with psgrad.connect([address], optimizer=psgrad.Adagrad(lr=0.3), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for x, y in batches:
+            for m, o in ((model, opt), (twin, theirs)):
+                o.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(m(x), y).backward()
+                o.step()
+        client = opt.client
+        used = torch.unique(torch.cat([x.flatten() for x, _ in batches]))
+        for name, pad, ids in (("emb", 0, used), ("bag", 0, used), ("dyn", -1, vocab)):
+            stored, values = client.updated_rows(name)
+            assert pad in ids.tolist() and pad not in stored.tolist(), name
+            assert stored.tolist() == [i for i in ids.tolist() if i != pad], name
+            expected = getattr(twin, name).weight.detach()
+            at = stored if name != "dyn" else torch.searchsorted(vocab, stored)
+            torch.testing.assert_close(values, expected[at], msg=name)
+        # The padding rows: as they were made, never updated (no row stored, no optimizer state).
+        assert torch.equal(client.pull_rows("emb", torch.tensor([0])), row_initial(1, "emb", torch.tensor([0])))
+        assert torch.equal(client.pull_rows("dyn", torch.tensor([-1])), row_initial(3, "dyn", torch.tensor([-1])))
+        (status,) = shard_status([address], 10)
+        touched = {t.name: (t.rows_touched, t.admitted) for t in status.tables if t.kind == "sparse"}
+        n = used.numel() - 1
+        assert touched == {"emb": (n, n), "bag": (n, n), "dyn": (vocab.numel() - 1, vocab.numel() - 1)}, touched
+        torch.testing.assert_close(model.head.weight, twin.head.weight)
+        model.eval()
+        twin.eval()
+        with torch.no_grad():
+            for x, _ in batches:  # the forwards (padding's outputs included) are torch's
+                torch.testing.assert_close(model(x), twin(x))
