@@ -24,11 +24,16 @@ class Pending:
 
 
 class SyncRound:
-    """The gradients buffered (or skipped as non-finite) for the current iteration."""
+    """The gradients buffered (or skipped as non-finite) for the current iteration. The iteration
+    is applied from them (items, mean) and only then taken (take): an apply that fails leaves the
+    round as it was, for the next attempt (see Pushes.complete_iteration)."""
 
     def __init__(self) -> None:
         self.pending: dict[int, Pending] = {}
         self.skipped = 0  # pushes of the current iteration skipped as non-finite
+        # A mean computed for an apply that failed: the rank whose buffer holds it, the ranks it is
+        # the mean of (what a second attempt reuses, or folds later gradients into).
+        self._held: tuple[int, frozenset[int]] | None = None
 
     @property
     def handled(self) -> int:
@@ -41,20 +46,38 @@ class SyncRound:
     def skip(self) -> None:
         self.skipped += 1
 
+    def items(self) -> tuple[list[int], list[Pending]]:
+        """The buffered gradients in rank order (the round keeps them: see take)."""
+        ranks = sorted(self.pending)
+        return ranks, [self.pending[r] for r in ranks]
+
     def take(self) -> tuple[list[int], list[Pending]]:
         """The buffered gradients in rank order; the round starts over."""
-        ranks = sorted(self.pending)
-        items = [self.pending.pop(r) for r in ranks]
-        self.skipped = 0
+        ranks, items = self.items()
+        self.pending.clear()
+        self.skipped, self._held = 0, None
         return ranks, items
 
-    @staticmethod
-    def mean(items: list[Pending]) -> torch.Tensor:
-        """The mean of the gradients, summed in rank order into the first one's buffer."""
-        total = items[0].grad
-        for item in items[1:]:
-            total.add_(item.grad)
+    def mean(self) -> torch.Tensor:
+        """The mean of the buffered gradients, summed in rank order into the lowest rank's buffer
+        (which then holds it; the others are only read). Asked again before take() (the apply that
+        used it failed, and is tried again), the same tensor: the mean computed then, with the
+        gradients buffered since (a worker that joined meanwhile owes the iteration too) folded in."""
+        ranks, items = self.items()
+        if self._held is None:
+            holder, done = ranks[0], frozenset(ranks[:1])
+            total = items[0].grad
+        else:
+            holder, done = self._held
+            total = self.pending[holder].grad
+            if done == frozenset(ranks):
+                return total
+            total.mul_(len(done))  # back to their sum (to rounding), then the others added
+        for rank, item in zip(ranks, items):
+            if rank not in done:
+                total.add_(item.grad)
         total.mul_(1.0 / len(items))
+        self._held = (holder, frozenset(ranks))
         return total
 
 

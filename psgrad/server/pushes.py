@@ -19,7 +19,7 @@ from psgrad.errors import (
     RollbackError,
     WorkerStateError,
 )
-from psgrad.server.aggregation import Pending, SyncRound
+from psgrad.server.aggregation import Pending
 from psgrad.server.ledger import PushResult
 from psgrad.server.membership import Member, Membership
 from psgrad.server.replica_path import Replica
@@ -269,22 +269,31 @@ class Pushes:
 
     def complete_iteration(self) -> bool:
         """Apply the mean of the buffered gradients once the policy says the iteration is complete
-        (sync: no live worker still owes it); under the lock."""
+        (sync: no live worker still owes it); under the lock. The round is taken once the update is
+        applied: an apply that raises leaves the round (and the mean it computed) in place, so the
+        next call (any refresh: a push, its retry, a pull, the lease reaper) completes the iteration
+        instead of the job waiting for gradients it lost. A failure after the update began to write
+        the weights or rows is not undone (those seen fail at its first operation)."""
         core = self._core
         state = core.state
         if state is None or not core.round.handled:  # nothing buffered: no clock view to build
             return False
         if not core.policy.iteration_complete(state.version, core.view(), core.round.handled):
             return False
-        ranks, items = core.round.take()
+        ranks, items = core.round.items()
         if items:  # else every gradient of the iteration was skipped: an empty update
             # only snapshots (observe) can be streaming here; rare
             core.buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
-            mean = SyncRound.mean(items)
+            mean = core.round.mean()
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
-            self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
-            state.dense.apply(mean, 1.0, lr)
-            self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
+            try:
+                self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
+                state.dense.apply(mean, 1.0, lr)
+                self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
+            except BaseException:
+                self._replica.abandon()  # (its record is made again when the iteration is applied)
+                raise
+        core.round.take()
         applied_at = state.version
         state.version += 1
         core.updated()

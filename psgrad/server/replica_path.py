@@ -52,6 +52,12 @@ class Replica:
             copy.copy_(grad)
             self._payload = (copy, lr_scale, lr, in_segment)
 
+    def abandon(self) -> None:
+        """The update being applied failed before it was applied (caller holds the lock): what was
+        kept of it for its record goes, so no later update's record carries it (its retry keeps it
+        again)."""
+        self._payload, self._rows = None, []
+
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
         """The update being applied updated rows `ids` of sparse table `table` with `grads` (not

@@ -120,7 +120,10 @@ class Shard:
         def loop() -> None:
             with core.cond:
                 while not core.closed:
-                    core.refresh()
+                    try:
+                        core.refresh()
+                    except Exception:  # (a sync iteration whose apply failed: kept, tried again at the next look)
+                        _log.exception("the lease reaper's refresh failed; it looks again")
                     core.reaper_wake.wait(timeout=core.members.reaper_wait_s())
 
         thread = threading.Thread(target=loop, name="psgrad-lease-reaper", daemon=True)

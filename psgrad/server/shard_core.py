@@ -204,9 +204,13 @@ class ShardCore:
             self.buffers.revoke(m.rank)
         if evicted and self.state is not None:  # per-worker state of tables (DC-ASGD's copies) goes
             self.state.forget_workers(self.members.live_ranks())
-        if self.complete_round() or evicted:
-            self.notify()
-            self.members_changed()
+        completed = False
+        try:
+            completed = self.complete_round()  # (one whose apply fails raises, and is kept: see Pushes)
+        finally:
+            if completed or evicted:
+                self.notify()
+                self.members_changed()
 
     def joined(self, rank: int) -> None:
         """rank (re)joined: it is told of the evictions from now on, not of earlier ones."""

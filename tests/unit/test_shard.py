@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import decode_frames
+from conftest import decode_frames, wait_for
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
@@ -687,3 +687,134 @@ def test_a_negative_or_future_table_base_version_is_refused_at_the_header_and_ch
     assert push_rows(3, 9).applied
     with pytest.raises(InvalidRequestError, match="claim base version -1"):
         push_rows(4, -1)
+
+
+def _sync_shard(joined: int = 2) -> tuple[Shard, Layout]:
+    """A sync shard of 2 workers (`joined` of them joined: one past num_workers is a new worker)
+    with a sparse table "emb", its SGD at lr 0.5."""
+    from psgrad.core.sharding import TableSpec
+
+    spec = JobSpec(lr=0.5, num_shards=1, mode="sync", num_workers=2)
+    tables = (TableSpec("emb", 100, 4, 1, 0.1),)
+    lay = Layout(spec, PARAMS, 0, 0, 16, fingerprint(PARAMS, spec, tables), tables=tables)
+    s = Shard(ServerConfig())
+    s.initialize(0, lay, weights_for(lay))
+    for rank in range(1, joined):
+        s.join(rank, lay)
+    return s, lay
+
+
+def _sync_push(s: Shard, lay: Layout, rank: int, clock: int = 0) -> PushResult:
+    """Worker `rank`'s push of iteration `clock`: a dense gradient and rows of "emb" of its own."""
+    g = torch.Generator().manual_seed(10 * rank + clock)
+    ids = torch.unique(torch.randint(0, 100, (6,), generator=g))
+    rows = {"emb": (ids, torch.randn(ids.numel(), 4, generator=g), 0)}
+    grad = torch.randn(16, generator=g)
+    buf, wire, writer = s.push_target(rank, clock, s.version, 16, "float32", lay.fingerprint, rows=rows)
+    writer.write(WireBuffer(16, "float32").encode(grad))
+    writer.finish()
+    return s.apply_push(rank, clock, s.version, buf, wire, wire.nbytes)
+
+
+def _weights_and_rows(s: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    state = s.core.state
+    assert state is not None
+    return state.weights.clone(), state.sparse("emb", 0).rows(torch.arange(100))
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, s: Shard) -> list[int]:
+    """Make the shard's next dense apply raise (before it writes anything); returns the calls seen."""
+    state = s.core.state
+    assert state is not None
+    apply, calls = state.dense.apply, []
+
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the apply failed")
+        apply(grad, lr_scale, lr)
+
+    monkeypatch.setattr(state.dense, "apply", failing)
+    return calls
+
+
+def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: complete_iteration took the round's gradients and then applied them; an apply that
+    raised lost them, and the shard waited for an iteration nobody would push again (the job wedged).
+    Now the round is taken once the update is applied: the failed apply leaves everything as it
+    was (weights, rows, version, the buffered gradients, no record for the standby), and the retry
+    of the push that completed the round applies it: bit for bit the iteration of a shard where
+    nothing failed."""
+    reference, lay = _sync_shard()
+    for rank in range(2):
+        _sync_push(reference, lay, rank)
+    assert reference.version == 1
+    s, _ = _sync_shard()
+    before = _weights_and_rows(s)
+    calls = _fail_once(monkeypatch, s)
+    assert _sync_push(s, lay, 0).deferred
+    with pytest.raises(RuntimeError, match="injected"):
+        _sync_push(s, lay, 1)  # it completes the round, whose apply fails
+    assert calls == [1] and s.version == 0 and len(s.core.round.pending) == 2  # the round is kept
+    assert all(torch.equal(a, b) for a, b in zip(_weights_and_rows(s), before))
+    assert s.replica._payload is None and s.replica._rows == []  # (nothing of it for a record)
+    retried = _sync_push(s, lay, 1)  # the worker's retry: its refresh applies the iteration first
+    assert not retried.applied and retried.reason.startswith("duplicate") and retried.version == 1
+    assert calls == [1, 1] and s.version == 1 and s.status().pending == 0
+    assert all(torch.equal(a, b) for a, b in zip(_weights_and_rows(s), _weights_and_rows(reference)))
+    assert [e for e in s.history if e[0] == "apply"] == [e for e in reference.history if e[0] == "apply"]
+    for rank in range(2):  # and the job goes on
+        assert _sync_push(s, lay, rank, clock=1).deferred or s.version == 2
+    assert s.version == 2
+
+
+def test_a_worker_that_joins_while_a_failed_iteration_waits_is_folded_into_its_mean(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that joins after the round's apply failed owes the iteration too (a sync worker
+    joins at the current one): the mean computed for the failed apply, kept, takes its gradient in
+    (to rounding: the mean is scaled back to the sum), as if the three had pushed."""
+    reference, lay = _sync_shard(3)
+    for rank in range(3):
+        _sync_push(reference, lay, rank)
+    s, _ = _sync_shard()
+    _fail_once(monkeypatch, s)
+    _sync_push(s, lay, 0)
+    with pytest.raises(RuntimeError, match="injected"):
+        _sync_push(s, lay, 1)
+    s.join(2, lay)  # a new worker (past num_workers): it owes the current iteration
+    assert s.version == 0 and len(s.core.round.pending) == 2
+    assert _sync_push(s, lay, 2).applied and s.version == 1
+    for a, b in zip(_weights_and_rows(s), _weights_and_rows(reference)):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_lease_reaper_survives_a_failed_iteration_and_completes_it(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The lease reaper refreshes the shard at least every second, which tries a kept iteration
+    again: one whose apply fails there too is logged and tried at its next look (the reaper used to
+    die with the exception, and no lease ran out after it)."""
+    s, lay = _sync_shard()
+    state = s.core.state
+    assert state is not None
+    apply, calls = state.dense.apply, []
+
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+        calls.append(threading.current_thread().name)
+        if len(calls) <= 2:  # the push's refresh, then the reaper's first look
+            raise RuntimeError("injected: the apply failed")
+        apply(grad, lr_scale, lr)
+
+    monkeypatch.setattr(state.dense, "apply", failing)
+    _sync_push(s, lay, 0)
+    reaper = s.start_reaper()
+    try:
+        with caplog.at_level(logging.ERROR, logger="psgrad.server"):
+            with pytest.raises(RuntimeError, match="injected"):
+                _sync_push(s, lay, 1)
+            # no call of a worker's (nor status(), which refreshes): the reaper alone completes it
+            wait_for("the reaper to apply the iteration", lambda: s.version == 1, timeout_s=20)
+        assert calls[1:] == ["psgrad-lease-reaper"] * 2 and reaper.is_alive()
+        assert "the lease reaper's refresh failed; it looks again" in caplog.text
+    finally:
+        s.close()
+        reaper.join(timeout=10)
