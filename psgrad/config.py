@@ -96,6 +96,13 @@ class AuthConfig:
     token: str | None = field(default=None, repr=False)
 
 
+# The bytes the replies to reads of rows may hold at once on a server (ServerConfig.max_read_mb, in
+# MiB): a few times a DLRM step's rows for every worker (a few MB each), and 4 of the largest reply
+# one message carries (64 MiB); at least READ_LIMIT_MIN_MB where there is one (an export's page).
+MAX_READ_MB = 256.0
+READ_LIMIT_MIN_MB = 8.0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How one parameter-server process binds and treats requests."""
@@ -168,6 +175,12 @@ class ServerConfig:
     # row placed here) and the rows made so far with their optimizer state. A table that would grow
     # past it refuses the rows (MemoryBudgetError, naming it). None: 3/4 of the machine's memory; 0: no limit.
     memory_budget_mb: float | None = None
+    # What the replies to reads of rows (a worker's rows of a step, PullRows, an export's pages) may
+    # hold at once, in MiB, counted from each request (ids x width x 4 bytes) and held until the
+    # reply was sent: reads past it wait their turn (in order of arrival, within their deadline), and
+    # one larger than all of it is refused naming this limit. 0: no limit. At least READ_LIMIT_MIN_MB
+    # otherwise (an export reads pages of up to that much).
+    max_read_mb: float = MAX_READ_MB
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
@@ -214,6 +227,9 @@ class ServerConfig:
         )
         _check(self.memory_budget_mb is None or (math.isfinite(self.memory_budget_mb) and self.memory_budget_mb >= 0),
                f"memory_budget_mb must be a finite number >= 0 (0: no limit), got {self.memory_budget_mb!r}")
+        _check(self.max_read_mb == 0 or (math.isfinite(self.max_read_mb) and self.max_read_mb >= READ_LIMIT_MIN_MB),
+               f"max_read_mb must be 0 (no limit) or a finite number >= {READ_LIMIT_MIN_MB:g} (an export reads pages "
+               f"of up to {READ_LIMIT_MIN_MB:g} MiB), got {self.max_read_mb!r}")
         _check(
             self.checkpoint_every_versions >= 0,
             f"checkpoint_every_versions must be >= 0 (0: off), got {self.checkpoint_every_versions}",

@@ -12,6 +12,7 @@ from psgrad.config import (
     MODES,
     NONFINITE_POLICIES,
     OPTIMIZER_NAMES,
+    READ_LIMIT_MIN_MB,
     REFUSED_GRACE_S,
     WIRE_DTYPES,
     ClientConfig,
@@ -385,6 +386,12 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
                    "(embedding) tables may hold in all: 8 bytes per row placed on it, plus the rows touched so far "
                    "with their optimizer state; a table that would grow past it is refused with an error naming it "
                    "(default: 3/4 of the machine's memory; 0: no limit)")
+    flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
+         "step, pulls of rows, an export's pages) may hold on the server at once, counted from each request "
+         "(ids x width x 4 bytes) until its reply was sent; reads store no rows, so --memory-budget-mb does not "
+         "bound them. Reads past it wait their turn within their deadline, and one larger than all of it is "
+         f"refused naming the value it needs. 0: no limit; else at least {READ_LIMIT_MIN_MB:g} (an export's page)",
+         type=float, metavar="MB")
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
@@ -549,7 +556,7 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        memory_budget_mb=ns.memory_budget_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
+        memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,
         handshake_timeout_s=ns.handshake_timeout_s,

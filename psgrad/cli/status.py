@@ -154,6 +154,8 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
         if tr.get("streams_open") or tr.get("streams_cancelled") or tr.get("streams_refused"):
             lines.append(f"shard {s['shard']}: client streams open {tr['streams_open']}, cancelled for a stalled or slow transfer "
                          f"{tr['streams_cancelled']}, refused over a limit {tr['streams_refused']}")
+        if tr.get("reads_queued") or tr.get("reads_refused"):
+            lines.append(f"shard {s['shard']}: {reads_phrase(tr)}")
         ckpt = s.get("checkpoint") or {}
         if ckpt.get("enabled"):
             lines.append(f"shard {s['shard']}: {checkpoint_phrase(ckpt)}")
@@ -169,6 +171,17 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: adaptive staleness bound now {s['staleness_bound']}")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")
     return "\n".join(lines)
+
+
+def reads_phrase(tr: dict[str, Any]) -> str:
+    """'reads of rows: 12.0 MB in flight now (peak 40.0 MB) of --max-read-mb 64, ...': the bound on the
+    bytes of reads in flight and what it made reads do."""
+    limit = tr.get("read_limit_bytes", 0)
+    bound = f" of --max-read-mb {limit / 2**20:g}" if limit else " (no --max-read-mb)"
+    return (f"reads of rows: {tr['read_bytes'] / 1e6:.1f} MB in flight now (peak {tr['read_bytes_peak'] / 1e6:.1f} MB)"
+            f"{bound}, {tr['reads_waiting']} waiting for their turn; {tr['reads_queued']:,} waited their turn, "
+            f"{tr['reads_expired']:,} of them until their deadline, {tr['reads_refused']:,} refused as larger than "
+            "all of it")
 
 
 def checkpoint_phrase(ckpt: dict[str, Any]) -> str:

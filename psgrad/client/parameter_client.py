@@ -18,7 +18,7 @@ from psgrad import errors
 from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
-from psgrad.config import ClientConfig, JobSpec
+from psgrad.config import READ_LIMIT_MIN_MB, ClientConfig, JobSpec
 from psgrad.core.codecs import WireBuffer, aligned, byte_view, joined
 from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
@@ -619,7 +619,8 @@ class ParameterClient:
         """(ids [n] int64, rows [n, dim]) of every row of sparse table `table` updated at least once,
         in order of id, read from each shard in pages of page_rows (read-only: joins nothing)."""
         spec = self._table(table)
-        page_rows = max(1, min(page_rows, (32 << 20) // (4 * spec.dim + 8)))  # pages well within a message
+        # pages well within a message, and within the least --max-read-mb a server takes
+        page_rows = max(1, min(page_rows, int(READ_LIMIT_MIN_MB * 2**20) // (4 * spec.dim + 8)))
 
         def one(i: int, s: ShardClient) -> tuple[torch.Tensor, torch.Tensor]:
             # (a dynamic table's ids are any int64: from the smallest, sent as the uint64 of its bits)

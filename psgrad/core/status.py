@@ -37,6 +37,13 @@ class TransferStatus:
     streams_open: int = 0  # client streams (pushes, init, replica records) open on the server
     streams_cancelled: int = 0  # ... cancelled: a frame late for the read deadline, or a whole push or pull past its own
     streams_refused: int = 0  # ... refused for now: over the per-connection limit or the thread budget
+    read_limit_bytes: int = 0  # what the replies to reads of rows may hold at once (--max-read-mb; 0: no limit)
+    read_bytes: int = 0  # ... hold now: the reads in progress (built, or being sent)
+    read_bytes_peak: int = 0  # ... held at most at once since the server started
+    reads_waiting: int = 0  # reads waiting for their turn now
+    reads_queued: int = 0  # reads that waited for their turn (ever)
+    reads_expired: int = 0  # ... and gave up: their deadline came first, or their call ended (ServerBusyError)
+    reads_refused: int = 0  # reads refused as larger than all of --max-read-mb
 
 
 @dataclass(frozen=True)

@@ -618,7 +618,7 @@ class DelayStatus(_message.Message):
     def __init__(self, copies: _Optional[int] = ..., nbytes: _Optional[int] = ..., compensated: _Optional[int] = ..., uncompensated: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer", "streams_open", "streams_cancelled", "streams_refused")
+    __slots__ = ("streaming_pulls", "waiting_updates", "buffers_lent", "staged_updates", "retired_buffers", "waiting_for_buffer", "streams_open", "streams_cancelled", "streams_refused", "read_limit_bytes", "read_bytes", "read_bytes_peak", "reads_waiting", "reads_queued", "reads_expired", "reads_refused")
     STREAMING_PULLS_FIELD_NUMBER: _ClassVar[int]
     WAITING_UPDATES_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_LENT_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +628,13 @@ class TransferStatus(_message.Message):
     STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     STREAMS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    READ_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PEAK_FIELD_NUMBER: _ClassVar[int]
+    READS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    READS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    READS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    READS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     streaming_pulls: int
     waiting_updates: int
     buffers_lent: int
@@ -637,7 +644,14 @@ class TransferStatus(_message.Message):
     streams_open: int
     streams_cancelled: int
     streams_refused: int
-    def __init__(self, streaming_pulls: _Optional[int] = ..., waiting_updates: _Optional[int] = ..., buffers_lent: _Optional[int] = ..., staged_updates: _Optional[bool] = ..., retired_buffers: _Optional[int] = ..., waiting_for_buffer: _Optional[int] = ..., streams_open: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., streams_refused: _Optional[int] = ...) -> None: ...
+    read_limit_bytes: int
+    read_bytes: int
+    read_bytes_peak: int
+    reads_waiting: int
+    reads_queued: int
+    reads_expired: int
+    reads_refused: int
+    def __init__(self, streaming_pulls: _Optional[int] = ..., waiting_updates: _Optional[int] = ..., buffers_lent: _Optional[int] = ..., staged_updates: _Optional[bool] = ..., retired_buffers: _Optional[int] = ..., waiting_for_buffer: _Optional[int] = ..., streams_open: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., streams_refused: _Optional[int] = ..., read_limit_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., read_bytes_peak: _Optional[int] = ..., reads_waiting: _Optional[int] = ..., reads_queued: _Optional[int] = ..., reads_expired: _Optional[int] = ..., reads_refused: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "fingerprint")

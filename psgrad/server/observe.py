@@ -111,6 +111,18 @@ class ShardCollector:
                       "--min-transfer-rate-mb-s)", streams.streams_cancelled)
         yield counter("psgrad_client_streams_refused", "client streams refused for now (ServerBusyError): over "
                       "--max-streams-per-peer, or 3/4 of --threads open", streams.streams_refused)
+        yield gauge("psgrad_read_bytes", "bytes the replies to reads of rows hold now (built, or being sent): what "
+                    "--max-read-mb bounds", streams.read_bytes)
+        yield gauge("psgrad_read_bytes_peak", "the most bytes the replies to reads of rows held at once since the "
+                    "server started", streams.read_bytes_peak)
+        yield gauge("psgrad_reads_waiting", "reads of rows waiting for their turn under --max-read-mb now",
+                    streams.reads_waiting)
+        yield counter("psgrad_reads_queued", "reads of rows that waited for their turn under --max-read-mb",
+                      streams.reads_queued)
+        yield counter("psgrad_reads_expired", "reads of rows that waited for their turn until their deadline "
+                      "(ServerBusyError, which workers retry)", streams.reads_expired)
+        yield counter("psgrad_reads_refused", "reads of rows refused as larger than all of --max-read-mb",
+                      streams.reads_refused)
         if s.workers:
             lag = GaugeMetricFamily("psgrad_shard_worker_clock", "each worker's clock as the shard sees it",
                                     labels=["shard", "rank", "state"])

@@ -14,6 +14,7 @@ import torch
 from psgrad.core.codecs import joined
 from psgrad.errors import InvalidRequestError
 from psgrad.server import aggregation, kernels
+from psgrad.server.read_limit import ReadLimit
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
@@ -41,21 +42,25 @@ Reserved = tuple[int, tuple[int, ...], dict[str, torch.Tensor]]
 REPLY_ROWS_MAX_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 
 
-def _check_reply_size(state: ShardState, rank: int, lookups: Sequence[Lookup]) -> None:
-    """Refuse a read whose reply would be too large to send, from its request alone (ids x dim x
-    4 bytes), before a byte of it is built.
+def _check_reply_size(state: ShardState, rank: int, lookups: Sequence[Lookup], reads: ReadLimit) -> int:
+    """Refuse a read whose reply would be too large to send, or larger than all the server lets
+    the replies to reads hold at once (--max-read-mb), from its request alone (ids x dim x 4
+    bytes), before a byte of it is built. Returns those bytes.
 
     Raises:
-        InvalidRequestError: it would pass REPLY_ROWS_MAX_BYTES (named, with the count of ids), or
-            names no such table.
+        InvalidRequestError: it would pass REPLY_ROWS_MAX_BYTES (named, with the count of ids) or
+            the server's --max-read-mb (named, with the value it would need), or names no such
+            table.
     """
     nbytes = sum(ids.numel() * 4 * state.sparse(table, rank).dim for table, ids in lookups)
+    count = sum(ids.numel() for _, ids in lookups)
     if nbytes > REPLY_ROWS_MAX_BYTES:
-        count = sum(ids.numel() for _, ids in lookups)
         raise InvalidRequestError(
             f"a read of {count:,} rows would make a reply of {nbytes:,} bytes, more than the {REPLY_ROWS_MAX_BYTES:,} "
             "one call may carry: give the step fewer distinct ids (a smaller batch), more servers (each reads "
             "its share of the rows), or narrower rows")
+    reads.check(nbytes, f"a read of {count:,} rows")
+    return nbytes
 
 
 class Rows:
@@ -83,7 +88,7 @@ class Rows:
             state = core.require_reader(fingerprint, rank, observe, "a read of rows")
             tables = [state.sparse(table, rank) for table, _ in lookups]
             if not checked:
-                _check_reply_size(state, rank, lookups)
+                _check_reply_size(state, rank, lookups, core.reads)
                 _check_tables(tables, [ids for _, ids in lookups])
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
@@ -104,26 +109,33 @@ class Rows:
                 out.append((t.version, values))
             return out
 
-    def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup]) -> None:
-        """Check the tables and ids of a read (see SparseTable.check) without reading.
+    def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup], ids: bool = True) -> int:
+        """Check the tables and ids of a read (see SparseTable.check; ids=False: its size and
+        tables alone, which pull checks again) without reading. Returns the bytes of its reply
+        (what it takes of --max-read-mb: see ReadLimit).
 
         Raises:
             InvalidRequestError: no such table; ids out of range, of another dtype or shard; or a
-                reply too large to send.
+                reply too large to send, or larger than the server's --max-read-mb.
         """
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
-            _check_reply_size(state, rank, lookups)
-            _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups], find=False)
+            nbytes = _check_reply_size(state, rank, lookups, self._core.reads)
+            if ids:
+                _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups],
+                              find=False)
+            return nbytes
 
-    def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int,
-                observe: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
-        (see SparseTable.updated_rows); observe: a read-only read (any caller), else a worker's,
-        from a rank that joined.
+    def updated_page(self, rank: int, fingerprint: str, table: str, limit: int,
+                     observe: bool = False) -> tuple[int, int]:
+        """(the most rows, their bytes) a page of at most `limit` updated rows of `table` holds:
+        `limit`, or fewer where the table stores fewer rows now (at least 1): a read of the page
+        with that limit makes a reply of at most those bytes, which it takes of --max-read-mb, and
+        tells the reader the same (a page shorter than the limit it asked for is the last).
 
         Raises:
-            InvalidRequestError: no such table, or a limit of 0.
+            InvalidRequestError: no such table, a limit of 0, or a page that could pass the bytes a
+                reply may carry or the server's --max-read-mb (named, with what to ask for).
             UnknownWorkerError: a worker's read (not observe) from a rank that never joined.
         """
         if limit < 1:
@@ -132,11 +144,30 @@ class Rows:
         with core.cond:
             t = core.require_reader(fingerprint, rank, observe, "a read of updated rows").sparse(table, rank)
             per_row = 4 * t.dim + 8
-            if min(limit, t.touched) * per_row > REPLY_ROWS_MAX_BYTES:
+            rows_ = max(1, min(limit, t.touched))
+            if rows_ * per_row > REPLY_ROWS_MAX_BYTES:
                 raise InvalidRequestError(
                     f"a read of up to {limit:,} updated rows of table {table!r} ({per_row} bytes each) could pass the "
                     f"{REPLY_ROWS_MAX_BYTES:,} bytes a reply may carry: ask for at most "
                     f"{REPLY_ROWS_MAX_BYTES // per_row:,} rows a call")
+            core.reads.check(rows_ * per_row, f"a read of up to {rows_:,} updated rows of table {table!r} "
+                                              f"({per_row} bytes each)")
+            return rows_, rows_ * per_row
+
+    def updated(self, rank: int, fingerprint: str, table: str, from_id: int, limit: int,
+                observe: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(the table's version, ids, rows) of a page of the rows of `table` updated at least once
+        (see SparseTable.updated_rows); observe: a read-only read (any caller), else a worker's,
+        from a rank that joined.
+
+        Raises:
+            InvalidRequestError: no such table, a limit of 0, or a page too large (see updated_page).
+            UnknownWorkerError: a worker's read (not observe) from a rank that never joined.
+        """
+        self.updated_page(rank, fingerprint, table, limit, observe)
+        core = self._core
+        with core.cond:
+            t = core.require_reader(fingerprint, rank, observe, "a read of updated rows").sparse(table, rank)
             if from_id >= 1 << 63:  # (the request's uint64 carries a dynamic table's int64 ids bit for bit)
                 from_id -= 1 << 64
             ids, values = t.updated_rows(from_id, limit)

@@ -523,8 +523,8 @@ class ParameterServicer:
         weights, unless compressed, once before that: from the version's copy)."""
         h = req.push
         reads = _reads(req.read_block, f"step of worker rank {h.rank}")
-        if reads:  # checked before the push: a read refused then leaves the push unapplied
-            self.shard.rows.check_reads(h.rank, h.fingerprint, reads)
+        # checked before the push: a read refused then leaves the push unapplied
+        read_bytes = self.shard.rows.check_reads(h.rank, h.fingerprint, reads) if reads else 0
         delta = req.delta if req.HasField("delta") else None
         if delta is not None:
             check_ask(delta, h.rank)
@@ -533,7 +533,12 @@ class ParameterServicer:
         pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
-            # The rows are read once the gate holds: in sync mode after this iteration's update.
+            # The rows are read once the gate holds: in sync mode after this iteration's update. Their
+            # reply's bytes are taken of --max-read-mb first, waiting for their turn, past the gate: what
+            # holds such bytes then waits for no other worker (held at the gate, they could be what the
+            # step of the worker it waits for waits for).
+            if read_bytes:
+                self._hold_read(context, read_bytes, f"the rows of a step of worker rank {h.rank}")
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
             head, payload = (self._changed(h.rank, delta, version, frames) if delta is not None
                              else (self._pull_header(version, h.rank), None))
@@ -598,15 +603,42 @@ class ParameterServicer:
             at += len(r)
         return total
 
+    def _hold_read(self, context: grpc.ServicerContext, nbytes: int, what: str) -> None:
+        """Take nbytes of what the replies to reads may hold at once (--max-read-mb: see ReadLimit)
+        until the call ends (its reply sent, or not), waiting for the read's turn until shortly
+        before the call's deadline (or until it is cancelled).
+
+        Raises:
+            InvalidRequestError: more than all of --max-read-mb.
+            ServerBusyError: the deadline came first (the caller retries), or the call ended.
+        """
+        reads = self.shard.reads
+        context.add_callback(reads.wake)  # a cancelled read stops waiting at once
+        remaining = context.time_remaining()
+        timeout_s = None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
+        reads.acquire(nbytes, what, timeout_s, context.is_active)
+        if not context.add_callback(functools.partial(reads.release, nbytes)):
+            reads.release(nbytes)
+            raise errors.ServerBusyError(f"{what}: the call ended while it waited for its turn")
+
     @_edge
     def PullRows(self, req: pb.RowsRequest, context: grpc.ServicerContext) -> bytes:
-        """A serialized RowsReply, built by hand so the rows are copied once, after the version."""
+        """A serialized RowsReply, built by hand so the rows are copied once, after the version;
+        its bytes taken of --max-read-mb before it is built, until it was sent."""
         self.shard.serving()
         if req.updated:
-            version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, req.limit,
+            limit, nbytes = self.shard.rows.updated_page(req.rank, req.fingerprint, req.table, req.limit,
+                                                          req.observe)
+            self._hold_read(context, nbytes, f"a read of updated rows of table {req.table!r} (rank {req.rank})")
+            # (at most `limit` rows, what was taken: as many as the request's limit, or the table's
+            # rows, fewer, which ends the reader's pages as the request's own limit would)
+            version, ids, rows = self.shard.updated_rows(req.rank, req.fingerprint, req.table, req.from_id, limit,
                                                          req.observe)
             return pb.RowsReply(version=version, rows=rows.numpy().tobytes(), ids=ids.numpy().tobytes()).SerializeToString()
-        got = self.shard.pull_rows(req.rank, req.fingerprint, _reads(req.block, "pull of rows"), observe=req.observe)
+        lookups = _reads(req.block, "pull of rows")
+        nbytes = self.shard.rows.check_reads(req.rank, req.fingerprint, lookups, ids=False)
+        self._hold_read(context, nbytes, f"a pull of rows (rank {req.rank})")
+        got = self.shard.pull_rows(req.rank, req.fingerprint, lookups, observe=req.observe)
         head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
         data = _rows_bytes([r for _, r in got])
         return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))

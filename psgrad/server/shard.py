@@ -78,6 +78,7 @@ class Shard:
         self.replica_buffer = self.replica.buffer
         self.apply_record = self.replica.apply_record
         self.pull_rows = self.rows.pull
+        self.reads = core.reads  # (the bound on the bytes of reads in flight: see ReadLimit)
         self.updated_rows = self.rows.updated
         self.news = core.news
 
@@ -425,8 +426,11 @@ class Shard:
 
     def _transfers(self) -> TransferStatus:
         opened, cancelled, refused = self.stream_counts()
+        r = self.core.reads.counts()
         return dataclasses.replace(self.core.buffers.status(), streams_open=opened, streams_cancelled=cancelled,
-                                   streams_refused=refused)
+                                   streams_refused=refused, read_limit_bytes=r.limit, read_bytes=r.in_flight,
+                                   read_bytes_peak=r.peak, reads_waiting=r.waiting, reads_queued=r.queued,
+                                   reads_expired=r.expired, reads_refused=r.refused)
 
     def status(self, with_params: bool = False) -> ShardStatus:
         """A consistent snapshot of counters, membership, tables and the staleness histogram (and,

@@ -25,6 +25,7 @@ from psgrad.server.aggregation import SyncRound
 from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters
 from psgrad.server.membership import Membership
+from psgrad.server.read_limit import ReadLimit, read_limit_bytes
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardState
 from psgrad.server.tables import memory_budget_bytes
 from psgrad.server.transfers import PullStream
@@ -76,6 +77,9 @@ class ShardCore:
         self.told: dict[int, int] = {}
         #: what the shard's sparse tables may hold in all (bytes; None: no limit)
         self.budget_bytes = memory_budget_bytes(config.memory_budget_mb)
+        #: the bytes the replies to reads of rows hold at once (--max-read-mb; its own lock: a read
+        #: waits for its turn without the shard's)
+        self.reads = ReadLimit(read_limit_bytes(config.max_read_mb))
         self.closed = False
         #: this server is a backup that took its shard over: a worker may have read rows of versions its
         #: former primary applied and never replicated (a read of rows waits for no backup)

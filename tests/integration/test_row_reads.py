@@ -1,11 +1,14 @@
 """Reads of sparse rows within the servers' budget before any work: a read stores no row (a row never
 updated reads as its computed initial value; only an update stores it), so reads never charge
 --memory-budget-mb, and the admin's read-only credential cannot grow a table; a read whose reply
-would be too large to send is refused from its request alone, before a byte of the reply is built.
-In-process servers, real gRPC channels."""
+would be too large to send is refused from its request alone, before a byte of the reply is built;
+the replies to reads in flight hold at most --max-read-mb at once (reads past it wait their turn,
+one larger than all of it is refused naming the flag). In-process servers, or real server processes
+where the server's flags are what is tested; real gRPC channels."""
 from __future__ import annotations
 
 import resource
+import threading
 
 import grpc
 import pytest
@@ -20,6 +23,8 @@ from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.rows_path import REPLY_ROWS_MAX_BYTES
 from psgrad.wire.protocol import CHANNEL_OPTIONS, METHOD_PREFIX
+
+from conftest import run_in_threads, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,3 +197,86 @@ def test_a_workers_read_from_a_rank_that_never_joined_is_refused_and_every_reade
         ps.leave()
         with torch.no_grad():  # a worker that left evaluates: read-only reads
             assert torch.equal(model.emb(ids.view(1, 3))[0], rows)
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = psgrad.Embedding(200_000, 64)  # 256 bytes a row
+        self.head = nn.Linear(64, 1)
+
+
+def transfers(address: str):  # type: ignore[no-untyped-def]
+    (status,) = shard_status([address], 10)
+    return status.transfers
+
+
+def test_concurrent_reads_of_rows_hold_at_most_max_read_mb_and_one_larger_than_it_is_refused(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: reads were under no bound (--memory-budget-mb counts stored rows, and reads store
+    none): 16 concurrent PullRows of 61 MB took one server to 1.5 GB. A real server with
+    --max-read-mb 8: 16 concurrent reads of 3 MiB each (at most two fit at once) all get their rows,
+    the bytes in flight (the status' gauge, counted until each reply was sent) never passed 8 MiB,
+    and a read of 9 MiB is refused naming the flag and the value it needs."""
+    (address,) = start_servers(1, "--max-read-mb", "8")
+    model = Wide()
+    with psgrad.connect([address], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        table, client = model.emb.table, opt.client
+        assert table
+        for step in range(3):  # a worker's steps (rows read in its Step calls) within the bound as before
+            opt.zero_grad()
+            model.head(model.emb(torch.tensor([[step, 1000 + step, 7]]))).sum().backward()
+            opt.step()
+        n = 3 * 2**20 // 256  # 3 MiB of rows a read
+        asks = [torch.arange(k, 200_000, 16, dtype=torch.int64)[:n] for k in range(16)]
+        expected = [client.pull_rows(table, ids) for ids in asks]  # one at a time
+        assert transfers(address).reads_queued == 0
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            call = channel.unary_unary(METHOD_PREFIX + "PullRows", request_serializer=pb.RowsRequest.SerializeToString,
+                                       response_deserializer=pb.RowsReply.FromString)
+
+            def request(ids: torch.Tensor) -> pb.RowsRequest:
+                return pb.RowsRequest(rank=0, fingerprint=client.fingerprint, observe=True,
+                                      block=pb.RowBlock(tables=[table], counts=[ids.numel()], ids=ids.numpy().tobytes()))
+
+            start = threading.Barrier(16)
+
+            def read(k: int) -> None:
+                start.wait(30)
+                reply = call(request(asks[k]), timeout=60)
+                got = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(n, 64)
+                assert torch.equal(got, expected[k]), f"read {k} got other rows"
+
+            rounds = 0
+            while transfers(address).reads_queued == 0:  # (16 at once wait for their turn, at the latest in a few rounds)
+                assert rounds < 10, "16 concurrent reads of 3 MiB never waited for their turn under --max-read-mb 8"
+                run_in_threads(16, read)
+                rounds += 1
+            wait_for("the reads' bytes to be given back", lambda: transfers(address).read_bytes == 0)
+            after = transfers(address)
+            print(f"{rounds} round(s) of 16 reads: peak {after.read_bytes_peak:,} bytes in flight, "
+                  f"{after.reads_queued} reads waited for their turn")
+            assert after.read_limit_bytes == 8 * 2**20
+            assert n * 256 <= after.read_bytes_peak <= 8 * 2**20  # the bound held
+            assert after.reads_queued >= 1 and after.reads_expired == 0 and after.reads_waiting == 0
+
+            with pytest.raises(grpc.RpcError) as refused:  # larger than all of it: refused, whatever is in flight
+                call(request(torch.arange(0, 9 * 2**20 // 256, dtype=torch.int64)), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = str(refused.value.details())
+            assert "a read of 36,864 rows would make a reply of 9,437,184 bytes (9.0 MiB), more than the 8.0 MiB this " \
+                   "server lets the replies to reads hold at once (--max-read-mb 8)" in details, details
+            assert "start the servers with --max-read-mb 9 or more" in details
+        finally:
+            channel.close()
+        assert transfers(address).reads_refused == 1
+        with pytest.raises(InvalidRequestError, match="--max-read-mb 9 or more"):  # a worker's read, through the client
+            client.pull_rows(table, torch.arange(0, 9 * 2**20 // 256, dtype=torch.int64))
+        # an export reads its pages within the bound (pages of at most 8 MiB), and training goes on
+        ids, rows = client.updated_rows(table)
+        assert ids.tolist() == [0, 1, 2, 7, 1000, 1001, 1002]
+        assert torch.equal(rows, client.pull_rows(table, ids))
+        opt.zero_grad()
+        model.head(model.emb(torch.tensor([[5]]))).sum().backward()
+        opt.step()
