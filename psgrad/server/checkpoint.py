@@ -135,6 +135,7 @@ def _parts(snap: ShardSnapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         "members": [dataclasses.asdict(m) for m in snap.members],
         "tables": tables,
         "job": dict(snap.job),
+        **({"counters": dict(snap.counters)} if snap.counters else {}),
     }
     return tensors, manifest
 
@@ -185,7 +186,10 @@ def _snapshot(meta: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
     if weights.dtype != torch.float32 or weights.numel() != layout.numel:
         raise CheckpointError(f"{where}: weights are {weights.numel()} {weights.dtype}, the layout owns {layout.numel}")
     members = tuple(MemberRecord(**m) for m in meta["members"])
-    return ShardSnapshot(layout, tables, int(meta["version"]), members, job)
+    counters = meta.get("counters", {})  # (none in a checkpoint of an older psgrad: the counters start at 0)
+    if not isinstance(counters, dict):
+        raise CheckpointError(f"{where}: its counters are {type(counters).__name__}, not a mapping")
+    return ShardSnapshot(layout, tables, int(meta["version"]), members, job, counters)
 
 
 def _prune(directory: Path, keep: int) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from psgrad.core.policies import policy_for
 from psgrad.core.status import CheckpointStatus
@@ -60,6 +61,7 @@ class Checkpointer:
         self._every_versions = every_versions
         self._warned_sync = False
         self.written_version = -1
+        self._written_counters: dict[str, Any] = {}  # the counters the newest checkpoint written holds
         self.writes = 0
         self.failures = 0  # writes that failed
         self.last_error = ""  # why the latest failed write failed
@@ -111,18 +113,25 @@ class Checkpointer:
             with self._cond:
                 self._writing = None
             if stopping:
-                final = self._changed_snapshot()  # updates after the last offered snapshot
+                final = self._changed_snapshot(counted=True)  # updates (or counts) after the last one written
                 if final is not None:
                     self._write(final)
                 return
 
-    def _changed_snapshot(self) -> ShardSnapshot | None:
-        if self._shard.version == self.written_version or self._shard.checkpoints_aligned:
+    def _changed_snapshot(self, counted: bool = False) -> ShardSnapshot | None:
+        """A snapshot of the shard where it moved on since the newest checkpoint written (its
+        version; counted: or its counters, which a graceful stop keeps: pulls and retried pushes
+        change no version); None where it did not, or (sync) where only the snapshots handed over
+        are written."""
+        if self._shard.checkpoints_aligned or (self._shard.version == self.written_version and not counted):
             return None
         try:
-            return self._shard.snapshot()
+            snap = self._shard.snapshot()
         except NotInitializedError:
             return None
+        if snap.version == self.written_version and (not counted or snap.counters == self._written_counters):
+            return None
+        return snap
 
     def _write(self, snap: ShardSnapshot) -> None:
         start = time.perf_counter()
@@ -135,7 +144,7 @@ class Checkpointer:
         now = time.time()
         with self._cond:
             self.last_write_s = time.perf_counter() - start
-            self.written_version = snap.version
+            self.written_version, self._written_counters = snap.version, snap.counters
             self.writes += 1
             self._written_at, self._newest = now, snap.version
             if self._retry is not None and self._retry.version <= snap.version:

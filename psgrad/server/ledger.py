@@ -3,7 +3,9 @@ histogram, and the bounded audit history the consistency tests check."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 HISTORY_LEN = 100_000
 
@@ -49,3 +51,22 @@ class Counters:
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
     pushes_plain: int = 0  # with --compress: pushes that came uncompressed (same-host workers)
     staleness: Counter[int] = field(default_factory=Counter)
+
+    def saved(self) -> dict[str, Any]:
+        """What a snapshot keeps of them, as JSON: every count, and the staleness histogram by
+        staleness (a restart continues them: see restored)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "staleness"}
+        out["staleness"] = {str(k): v for k, v in sorted(self.staleness.items())}
+        return out
+
+    @classmethod
+    def restored(cls, saved: Mapping[str, Any]) -> Counters:
+        """The counters a snapshot kept (saved()); those it has not (a checkpoint of an older psgrad
+        kept none) start at 0, and names this psgrad does not count are left out.
+
+        Raises:
+            ValueError, TypeError, AttributeError: a value that is not a count.
+        """
+        counts = {f.name: int(saved[f.name]) for f in fields(cls) if f.name != "staleness" and f.name in saved}
+        staleness = Counter({int(k): int(v) for k, v in dict(saved.get("staleness", {})).items()})
+        return cls(**counts, staleness=staleness)

@@ -231,9 +231,9 @@ class Pushes:
                 self._rows.apply(state, rows, lr, scale, slots)
                 state.version += 1
                 Membership.advance(member, clock)
-                core.updated()
-                core.counters.pushes_applied += 1
+                core.counters.pushes_applied += 1  # (before the update's hooks: a snapshot of it counts it)
                 core.counters.staleness[staleness] += 1
+                core.updated()
                 core.history.append(("apply", state.version, ((rank, clock, staleness),)))
                 core.notify()
                 return PushResult(True, "", state.version, staleness, lr=lr, bound=policy.reported_bound)
@@ -296,11 +296,11 @@ class Pushes:
         core.round.take()
         applied_at = state.version
         state.version += 1
-        core.updated()
         stale = tuple((r, it.clock, applied_at - it.base_version) for r, it in zip(ranks, items))
-        for _, _, s in stale:
+        for _, _, s in stale:  # (before the update's hooks: a snapshot of the iteration counts its pushes)
             core.counters.staleness[s] += 1
         core.counters.pushes_applied += len(items)
+        core.updated()
         core.history.append(("apply", state.version, stale))
         core.buffers.give_back([(it.grad, it.wire) for it in items])
         return True

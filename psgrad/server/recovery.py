@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from psgrad.errors import CheckpointError, InvalidRequestError, JobMismatchError, NotInitializedError, RollbackError
+from psgrad.server.ledger import Counters
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import RestoreMarks, ShardCore
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardSnapshot, ShardState
@@ -47,20 +48,28 @@ class Recovery:
         with core.cond:
             if core.state is None:
                 raise NotInitializedError(NOT_INITIALIZED_HINT)
-            return core.state.snapshot(frozenset(core.round.pending))
+            return core.state.snapshot(frozenset(core.round.pending), core.counters.saved())
 
     def restore(self, snap: ShardSnapshot) -> None:
         """Serve the state a snapshot holds (a restart or a standby taking over): every member
-        continues from its recorded clocks, and a push it had made before is a duplicate.
+        continues from its recorded clocks, and a push it had made before is a duplicate; the
+        shard's counters (pushes applied, the staleness histogram, ...) continue from those it
+        kept (a snapshot that kept none: from 0).
 
         Raises:
             JobMismatchError: this shard already serves a job.
+            CheckpointError: its counters are not counts.
         """
         core = self._core
+        try:
+            counters = Counters.restored(snap.counters)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"a snapshot's counters are not counts ({type(exc).__name__}: {exc})") from None
         with core.cond:
             if core.state is not None:
                 raise JobMismatchError("shard already serves a job: restore into a fresh shard")
             core.install(ShardState.restore(snap, core.members, core.now(), core.budget_bytes))
+            core.counters = counters
             core.marks = RestoreMarks(True, {m.rank: m.last_push_clock for m in snap.members},
                                       {m.rank for m in snap.members}, version=snap.version)
             core.notify()
@@ -78,7 +87,7 @@ class Recovery:
         """Hand the sink a snapshot now (caller holds the lock)."""
         core = self._core
         if self._snapshot_sink is not None and core.state is not None:
-            self._snapshot_sink(core.state.snapshot(frozenset(core.round.pending)))
+            self._snapshot_sink(core.state.snapshot(frozenset(core.round.pending), core.counters.saved()))
 
     def _updated(self) -> None:
         """An update was applied (caller holds the lock): a snapshot to the checkpointer at every

@@ -8,6 +8,7 @@ import itertools
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class ShardSnapshot:
     version: int
     members: tuple[MemberRecord, ...]
     job: dict[str, float | int] = field(default_factory=dict)
+    #: the shard's counters (ledger.Counters.saved: pushes applied, the staleness histogram, ...), which
+    #: a restart continues; empty: none kept (an older checkpoint's, or a standby's copy)
+    counters: dict[str, Any] = field(default_factory=dict)
 
     @property
     def weights(self) -> torch.Tensor:
@@ -264,13 +268,15 @@ class ShardState:
         for table in self.tables.values():
             table.forget_workers(live)
 
-    def snapshot(self, pending_ranks: frozenset[int] = frozenset()) -> ShardSnapshot:
+    def snapshot(self, pending_ranks: frozenset[int] = frozenset(),
+                 counters: dict[str, Any] | None = None) -> ShardSnapshot:
         """Copy the state. `pending_ranks` (sync) pushed gradients the current iteration still
-        buffers: the snapshot is taken at the iteration's start, where they still owe them."""
+        buffers: the snapshot is taken at the iteration's start, where they still owe them.
+        counters: the shard's counters to keep with it (see ShardSnapshot.counters)."""
         records = self.member_records(pending_ranks)
         tables = {name: table.snapshot() for name, table in self.tables.items()}
         job: dict[str, float | int] = {JOB_LR: self.job_lr, JOB_LR_CLOCK: self.job_lr_clock}
-        return ShardSnapshot(self.layout, tables, self.version, records, job)
+        return ShardSnapshot(self.layout, tables, self.version, records, job, dict(counters or {}))
 
     def member_records(self, pending_ranks: frozenset[int] = frozenset()) -> tuple[MemberRecord, ...]:
         """Every worker's clocks as a snapshot (or a replicated update) keeps them, by rank."""

@@ -288,6 +288,7 @@ class GroupedTable(SparseTable):
             for name, t in arena._state.items():
                 t.index_copy_(0, slots, snap.tensors["state." + name])
         self.version = int(snap.scalars["version"])
+        self._load_staleness(snap)
 
     def status(self, name: str) -> TableStatus:
         n = self.touched

@@ -329,6 +329,10 @@ class MemoryBudget:
         return None if self.limit is None else max(0, self.limit - self.used)
 
 
+# A sparse table's staleness so far as a snapshot's scalars name it: scalar -> attribute.
+STALENESS_SCALARS = {"staleness_max": "staleness_max", "staleness_sum": "staleness_sum", "staleness_pushes": "pushes"}
+
+
 class SparseTable:
     """The rows of an embedding table (num_embeddings x dim) that live on this shard (row id r on
     shard r mod S): a row's initial value is computed from (seed, table, row id); a row is stored
@@ -922,9 +926,16 @@ class SparseTable:
         return TableSnapshot(self.kind, tensors, scalars)
 
     def _scalars(self) -> Scalars:
-        """A snapshot's scalars: the table's shape and version."""
+        """A snapshot's scalars: the table's shape and version, and its staleness so far (where
+        there is some: what `psgrad status` shows of it, which a restart continues)."""
         return {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
-                "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version}
+                "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version,
+                **{key: getattr(self, name) for key, name in STALENESS_SCALARS.items() if getattr(self, name)}}
+
+    def _load_staleness(self, snap: TableSnapshot) -> None:
+        """The staleness so far a snapshot kept (none: 0, as in a checkpoint of an older psgrad)."""
+        for key, name in STALENESS_SCALARS.items():
+            setattr(self, name, int(snap.scalars.get(key, 0)))
 
     def _check_fits(self, snap: TableSnapshot) -> None:
         """Raises InvalidRequestError where `snap` is a snapshot of a table of another shape."""
@@ -959,6 +970,7 @@ class SparseTable:
             self.sightings.counts.copy_(snap.tensors["sightings"])
         for k in ("admitted", "expired", "evicted", "dropped"):
             setattr(self, k, int(snap.scalars.get(k, 0)))
+        self._load_staleness(snap)
         self._lifetime = []
 
     def status(self, name: str) -> TableStatus:

@@ -130,3 +130,71 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     path.write_text("x")
     res = run_cli(["server", "--port", "0", "--checkpoint-dir", str(path)], timeout_s=60)
     assert res.returncode != 0 and str(path) in res.stderr
+
+
+# What `psgrad status --json` shows of a shard's counters, and of its sparse tables'.
+COUNTERS = ("version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "evictions", "updates_lost",
+            "rolled_back", "late_dropped", "pushes_plain", "staleness")
+TABLE_COUNTERS = ("updates", "staleness_max", "staleness_mean", "rows_touched", "admitted")
+
+
+def _counters(address: str) -> dict[str, Any]:
+    res = run_cli(["status", "--servers", address, "--json"], timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    [shard] = json.loads(res.stdout)["shards"]
+    tables = {t["name"]: {k: t[k] for k in TABLE_COUNTERS} for t in shard["tables"] if t["kind"] == "sparse"}
+    return {**{k: shard[k] for k in COUNTERS}, "MB": (shard["bytes_in"], shard["bytes_out"]), "tables": tables}
+
+
+@pytest.mark.timeout(240)
+def test_a_server_restored_from_its_checkpoint_continues_the_counters_psgrad_status_shows(
+        tmp_path: Path, server_procs) -> None:  # type: ignore[no-untyped-def]
+    """Before: a server started again on its --checkpoint-dir showed 0 pushes applied, an empty
+    staleness histogram and 0 staleness for every table, whatever the job had done. A real server
+    trains an async job with an embedding table on it (rows pushed at older table versions, so
+    their staleness is not 0; a retried push), is stopped (its last checkpoint), and a fresh
+    process restored from the directory shows the same counters in `psgrad status`."""
+    from torch import nn
+
+    import psgrad
+    from psgrad.config import ClientConfig
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = psgrad.Embedding(1000, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x)).sum()
+
+    args = ["server", "--host", "127.0.0.1", "--port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--checkpoint-every-s", "3600"]  # (its checkpoints: the chief's init, and the last one at its stop)
+    first = spawn(args)
+    server_procs.append(first)
+    address = first.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
+    client = ClientConfig(rpc_timeout_s=60, reconnect_timeout_s=0, shared_memory=False)
+    model = Model()
+    with psgrad.connect([address], mode="async", optimizer=psgrad.SGD(lr=0.1), client=client) as ps:
+        opt = ps.optimizer(model)
+        for step in range(6):
+            opt.zero_grad()
+            model(torch.tensor([[step, 10 + step, 500]])).backward()
+            opt.step()
+        table, raw = model.emb.table, opt.client
+        assert table
+        ids = torch.tensor([3, 4, 5])
+        raw.pull_rows(table, ids)  # the rows at one table version, pushed three times: staleness 0, 1, 2
+        for k in range(3):
+            raw.push(torch.zeros(raw.plan.total), opt.clock + k, rows={table: (ids, torch.full((3, 8), 0.01))})
+        assert not raw.push(torch.zeros(raw.plan.total), opt.clock + 2)[0].applied  # a retry: a duplicate
+    before = _counters(address)
+    assert before["pushes_applied"] == 9 and before["pushes_duplicate"] == 1 and before["version"] == 9
+    assert sum(before["staleness"]["histogram"].values()) == 9 and before["staleness"]["max"] >= 2
+    assert before["tables"][table]["staleness_max"] == 2 and before["tables"][table]["updates"] == 9
+    assert first.stop() == 0
+    again = spawn(args)
+    server_procs.append(again)
+    restarted = again.wait_for_line("psgrad server listening on ").rsplit(" ", 1)[1]
+    assert "restored shard 0 at version 9" in again.output, again.output
+    assert _counters(restarted) == before

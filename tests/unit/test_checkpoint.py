@@ -159,6 +159,66 @@ def test_updates_applied_after_the_checkpoint_are_counted_as_lost_when_their_wor
     assert restored.status().updates_lost == 3  # rank 0's clocks 2, 3, 4; rank 1 lost nothing
 
 
+def counters_of(shard: Shard) -> dict[str, object]:
+    """What `psgrad status` shows of a shard's counters."""
+    st = shard.status()
+    names = ("pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "evictions",
+             "updates_lost", "rolled_back", "late_dropped", "pushes_plain")
+    return {**{n: getattr(st, n) for n in names}, "staleness": dict(st.staleness)}
+
+
+def test_a_restored_shard_continues_the_counters_its_checkpoint_kept_and_an_older_one_starts_them_at_0(
+        tmp_path: Path) -> None:
+    """Before: a shard restored from a checkpoint counted pushes applied, the staleness histogram and
+    the rest from 0 again (`psgrad status` after a restart showed 0 pushes applied). A checkpoint
+    keeps them now; one written by an older psgrad (no counters) restores with them at 0."""
+    import json
+
+    s, layout = trained(6)
+    push(s, layout, grad(layout, 9), rank=1, clock=2)  # type: ignore[arg-type]  # (a retry: a duplicate)
+    push(s, layout, grad(layout, 10), rank=0, clock=3, base_version=1)  # type: ignore[arg-type]  # (stale by 5)
+    with pytest.raises(InvalidRequestError):
+        push(s, layout, grad(layout, 11), rank=0, clock=9)  # type: ignore[arg-type]  # (a clock ahead: rejected)
+    s.pull_frames(0, 4, layout.fingerprint)[1].close()  # type: ignore[index, union-attr, attr-defined]
+    before = counters_of(s)
+    assert before["pushes_applied"] == 7 and before["pushes_duplicate"] == 1 and before["pushes_rejected"] == 1
+    assert before["pulls"] == 1 and before["staleness"] == {0: 6, 5: 1}
+    path = checkpoint.save(s.snapshot(), tmp_path)
+    restored = Shard(ServerConfig())
+    restored.restore(checkpoint.load(path))
+    assert counters_of(restored) == before
+    assert push(restored, layout, grad(layout, 12), rank=1, clock=3).applied  # type: ignore[arg-type]
+    assert counters_of(restored)["pushes_applied"] == 8  # and it counts on
+    # A checkpoint of an older psgrad: no counters; it restores, counting from 0.
+    meta = json.loads(path.read_text())
+    assert meta["counters"]["pushes_applied"] == 7 and meta["counters"]["staleness"] == {"0": 6, "5": 1}
+    del meta["counters"]
+    path.write_text(json.dumps(meta))
+    older = Shard(ServerConfig())
+    older.restore(checkpoint.load(path))
+    assert older.version == s.version and counters_of(older) == counters_of(Shard(ServerConfig()))
+    assert push(older, layout, grad(layout, 12), rank=1, clock=3).applied  # type: ignore[arg-type]
+    assert older.status().pushes_applied == 1 and older.status().staleness == {0: 1}
+
+
+def test_a_snapshot_taken_as_an_update_is_applied_counts_its_pushes() -> None:
+    """A sync checkpoint is taken by the update that brings the version to a multiple of
+    --checkpoint-every-versions: its pushes are counted before (they were counted after, so a shard
+    restored from it showed one iteration's pushes fewer than the shard had applied)."""
+    spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
+    s, layout = started(spec)
+    taken: list[tuple[int, int]] = []
+    s.snapshot_at_multiples(2, lambda snap: taken.append((snap.version, snap.counters["pushes_applied"])))
+    for clock in range(4):
+        for rank in (0, 1):
+            push(s, layout, grad(layout, clock), rank=rank, clock=clock)  # type: ignore[arg-type]
+    assert taken == [(2, 4), (4, 8)]
+    a, alayout = trained(3)
+    a.snapshot_at_multiples(1, lambda snap: taken.append((snap.version, snap.counters["pushes_applied"])))
+    push(a, alayout, grad(alayout, 3), rank=1, clock=1)  # type: ignore[arg-type]
+    assert taken[-1] == (4, 4)
+
+
 def test_sync_shards_snapshot_at_the_same_iterations_with_nothing_buffered() -> None:
     spec = JobSpec(mode="sync", lr=0.5, num_shards=2, num_workers=2)
     s, layout = started(spec)

@@ -38,6 +38,28 @@ def test_async_writes_a_last_checkpoint_at_stop(tmp_path: Path) -> None:
     assert versions == [6] and warnings == []
 
 
+def test_the_last_checkpoint_at_stop_keeps_what_was_counted_since_one_of_the_same_version(tmp_path: Path) -> None:
+    """A graceful stop writes the shard again where only its counters moved (a retried push, pulls:
+    no new version), so that the restarted server's `psgrad status` continues them all."""
+    s, layout = started(JobSpec(lr=0.5, num_shards=2, num_workers=2))
+    writer = Checkpointer(s, tmp_path, every_s=3600, every_versions=1)
+    writer.start()
+    push(s, layout, grad(layout, 0), rank=0, clock=0)
+    wait_for("the checkpoint of version 1", lambda: writer.written_version == 1)
+    assert not push(s, layout, grad(layout, 0), rank=0, clock=0).applied  # a retry: counted, no new version
+    writer.stop(timeout_s=30)
+    assert checkpoint.versions(tmp_path) == [1]
+    kept = checkpoint.load_version(tmp_path, 1).counters
+    assert (kept["pushes_applied"], kept["pushes_duplicate"]) == (1, 1)
+    writer = Checkpointer(s, tmp_path / "again", every_s=3600, every_versions=1)
+    writer.start()
+    push(s, layout, grad(layout, 1), rank=1, clock=0)
+    wait_for("the checkpoint of version 2", lambda: writer.written_version == 2)
+    writes = writer.writes
+    writer.stop(timeout_s=30)
+    assert writer.writes == writes  # nothing counted since: not written again
+
+
 def test_the_checkpoint_age_counts_from_the_newest_write_or_the_restored_checkpoint(tmp_path: Path) -> None:
     writer = Checkpointer(Shard(ServerConfig()), tmp_path, every_s=3600, every_versions=0)
     assert writer.age_s() is None  # nothing written, nothing restored
