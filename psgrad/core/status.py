@@ -99,6 +99,7 @@ class TableStatus:
     expired: int = 0  # sparse: rows dropped by their table's ttl
     evicted: int = 0  # sparse: rows dropped at the memory budget
     dropped: int = 0  # sparse: row updates not applied, their ids not admitted yet (min_count)
+    capacity: int = 0  # sparse: rows its storage holds before it grows again (tables stored together: their arena's)
 
 
 @dataclass(frozen=True)

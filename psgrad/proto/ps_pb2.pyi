@@ -470,7 +470,7 @@ class CheckpointStatus(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., version: _Optional[int] = ..., age_s: _Optional[float] = ..., writes: _Optional[int] = ..., failures: _Optional[int] = ..., failing: _Optional[bool] = ..., last_error: _Optional[str] = ..., error_age_s: _Optional[float] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched", "updates", "staleness_max", "staleness_mean", "admitted", "expired", "evicted", "dropped")
+    __slots__ = ("name", "kind", "numel", "nbytes", "state_bytes", "rows", "rows_touched", "updates", "staleness_max", "staleness_mean", "admitted", "expired", "evicted", "dropped", "capacity")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class TableStatus(_message.Message):
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     numel: int
@@ -499,7 +500,8 @@ class TableStatus(_message.Message):
     expired: int
     evicted: int
     dropped: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., admitted: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., numel: _Optional[int] = ..., nbytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_touched: _Optional[int] = ..., updates: _Optional[int] = ..., staleness_max: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., admitted: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class TableRows(_message.Message):
     __slots__ = ("table", "ids", "grads", "base_version", "lr", "removed", "expired", "sighted", "made")

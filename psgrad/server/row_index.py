@@ -87,7 +87,9 @@ class HashIndex:
     tensor operations: each round settles the ids whose probe found their key or a free place, and
     moves the others one place on (a few rounds at this load)."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    INITIAL = 1024  # places of a new index
+
+    def __init__(self, capacity: int = INITIAL) -> None:
         self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
         self._slots = torch.full((capacity,), -1, dtype=torch.int64)
         self.stored = 0
@@ -96,6 +98,16 @@ class HashIndex:
     @property
     def nbytes(self) -> int:
         return 16 * self._keys.numel()
+
+    @property
+    def capacity(self) -> int:
+        """Its places (a power of two; at most half of them used)."""
+        return self._keys.numel()
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to `capacity` places (a power of two) if it has fewer (another index's, adopted)."""
+        if capacity > self._keys.numel():
+            self._rehash(capacity)
 
     @staticmethod
     def _capacity_for(stored: int, capacity: int) -> int:

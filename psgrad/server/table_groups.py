@@ -275,10 +275,18 @@ class GroupedTable(SparseTable):
             scalars["admitted"] = int(slots.numel())
         return TableSnapshot(self.kind, tensors, scalars)
 
+    def _capacities(self) -> dict[str, float | int]:
+        return self.arena._capacities()  # (the arena's: every table stored in it says the same)
+
+    def adopt_capacity(self, snap: TableSnapshot, stored: int) -> None:
+        self.arena.adopt_capacity(snap, self.arena.touched + stored)
+
     def load(self, snap: TableSnapshot) -> None:
         self._check_fits(snap)
         arena = self.arena
         arena._drop(arena._ids.index_select(0, arena.mine(self)))
+        # (the snapshot's arena's capacity, where the budget holds it: see SparseTable.adopt_capacity)
+        arena.adopt_capacity(snap, arena.touched + snap.tensors["ids"].numel())
         ids = self.to_arena(snap.tensors["ids"])
         if ids.numel():
             arena._make(ids)
@@ -296,7 +304,8 @@ class GroupedTable(SparseTable):
         mean = self.staleness_sum / self.pushes if self.pushes else 0.0
         placed = rows.rows_on_shard(self.num_embeddings, self.index, self.num_shards)
         return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=placed, rows_touched=n,
-                           admitted=n, updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean)
+                           admitted=n, updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean,
+                           capacity=self.arena._ids.numel())
 
 
 def in_arena(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:

@@ -329,6 +329,9 @@ class MemoryBudget:
         return None if self.limit is None else max(0, self.limit - self.used)
 
 
+# A sparse table's storage capacity as a snapshot's scalars name it: its arena's rows (an arena's,
+# for tables stored together), a dynamic table's row index's places.
+CAPACITY, INDEX_CAPACITY = "capacity", "index_capacity"
 # A sparse table's staleness so far as a snapshot's scalars name it: scalar -> attribute.
 STALENESS_SCALARS = {"staleness_max": "staleness_max", "staleness_sum": "staleness_sum", "staleness_pushes": "pushes"}
 
@@ -926,11 +929,47 @@ class SparseTable:
         return TableSnapshot(self.kind, tensors, scalars)
 
     def _scalars(self) -> Scalars:
-        """A snapshot's scalars: the table's shape and version, and its staleness so far (where
-        there is some: what `psgrad status` shows of it, which a restart continues)."""
+        """A snapshot's scalars: the table's shape and version, its staleness so far (where there
+        is some: what `psgrad status` shows of it, which a restart continues), and the capacity of
+        its storage (see adopt_capacity)."""
         return {"num_embeddings": self.num_embeddings, "dim": self.dim, "index": self.index,
                 "num_shards": self.num_shards, "seed": self.seed, "std": self.std, "version": self.version,
-                **{key: getattr(self, name) for key, name in STALENESS_SCALARS.items() if getattr(self, name)}}
+                **{key: getattr(self, name) for key, name in STALENESS_SCALARS.items() if getattr(self, name)},
+                **self._capacities()}
+
+    def _capacities(self) -> Scalars:
+        """The capacity of the table's storage as a snapshot keeps it: its arena's rows, and a
+        dynamic table's row index's places (where they are more than a fresh one's)."""
+        out: Scalars = {CAPACITY: self._ids.numel()}
+        if isinstance(self._index, HashIndex) and self._index.capacity > HashIndex.INITIAL:
+            out[INDEX_CAPACITY] = self._index.capacity
+        return out
+
+    def adopt_capacity(self, snap: TableSnapshot, stored: int) -> None:
+        """Grow the storage to the capacity a snapshot says its table had (its arena's rows, a
+        dynamic table's row index), charging the budget as that table was charged, where the
+        budget has room for all of it (else it is left to grow as the rows come, as before): a
+        standby attached mid-run, or a server restarted from a checkpoint, then grows as the table
+        did (a smaller arena doubles to other sizes than its primary's and charges the budget
+        more: near the budget it refused an update its primary had applied, and was dropped).
+        stored: the rows it holds once loaded (their room is counted in what must fit)."""
+        if CAPACITY not in snap.scalars and INDEX_CAPACITY not in snap.scalars:
+            return  # (an older psgrad's snapshot: loaded as it was)
+        rows_ = max(int(snap.scalars.get(CAPACITY, 0)), stored, 1024)
+        more = max(0, rows_ - self._ids.numel()) * self.row_bytes()
+        places = 0
+        if isinstance(self._index, HashIndex):
+            places = int(snap.scalars.get(INDEX_CAPACITY, 0))
+            more += max(16 * (places - self._index.capacity), self._index.growth_bytes(stored))
+        if not self.budget.fits(more):
+            return
+        if rows_ > self._ids.numel():
+            self._grow(rows_)
+        if isinstance(self._index, HashIndex) and places > self._index.capacity:
+            extra = 16 * (places - self._index.capacity)
+            self.budget.charge(extra, f"the row index of dynamic table {self.name!r} on shard {self.index}")
+            self._charged += extra
+            self._index.reserve(places)
 
     def _load_staleness(self, snap: TableSnapshot) -> None:
         """The staleness so far a snapshot kept (none: 0, as in a checkpoint of an older psgrad)."""
@@ -955,7 +994,9 @@ class SparseTable:
         self._ids, self._values = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
         self._versions, self._state = torch.empty(0, dtype=torch.int64), self.optimizer.new_state(0, self.dim)
         self._room = None
-        self._grow(max(ids.numel(), 1024))
+        self.adopt_capacity(snap, ids.numel())  # (the snapshot's table's capacity, where the budget holds it)
+        if self._ids.numel() < max(ids.numel(), 1024):
+            self._grow(max(ids.numel(), 1024))
         n = ids.numel()
         self._ids[:n], self._values[:n], self._versions[:n] = ids, snap.tensors["values"], snap.tensors["versions"]
         for name in self._state:
@@ -980,4 +1021,5 @@ class SparseTable:
         placed = 0 if isinstance(self._index, HashIndex) else self._index.rows  # (dynamic: no fixed count)
         return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=placed, rows_touched=n,
                            admitted=self.admitted, expired=self.expired, evicted=self.evicted, dropped=self.dropped,
-                           updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean)
+                           updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean,
+                           capacity=self._ids.numel())

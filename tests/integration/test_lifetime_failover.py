@@ -4,7 +4,9 @@ the primary's row lifetime did (the ids it counted for admission, the rows it st
 evicted, and its counts of them), so after SIGKILL of the primary the job goes on from the standby
 and ends bit for bit as the same job on a server that never failed. (Before, the standby's
 admission counts stayed as they were when it attached and it counted no drops: after a failover ids
-were admitted later than on the primary, and the shard's counters started from 0.)"""
+were admitted later than on the primary, and the shard's counters started from 0.) A standby
+attached mid-run lays its tables' storage out as the primary's: the same arena capacity, and it
+grows as the primary's does."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -93,3 +95,65 @@ def test_a_standby_follows_the_row_lifetime_and_a_job_that_fails_over_ends_as_on
     assert got.keys() == expected.keys()
     for key, value in expected.items():  # bit for bit: the rows stored, their values, the dense weights
         assert torch.equal(got[key], value), key
+
+
+class Grows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = psgrad.Embedding(None, DIM, evict=True)  # (48 bytes a row with SGD, and its hash index's places)
+        self.head = nn.Linear(DIM, 1)
+
+
+def storage(address: str) -> tuple[int, ...]:
+    """The dynamic table's storage on the server at `address`: capacity (rows before it grows), rows
+    stored, evicted, updates."""
+    (status,) = shard_status([address], 10)
+    (t,) = [t for t in status.tables if t.kind == "sparse"]
+    return t.capacity, t.rows_touched, t.evicted, t.updates
+
+
+def test_a_standby_attached_mid_run_takes_the_primarys_arena_capacity_and_grows_as_it_does(
+        start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: a standby attached mid-run made its arena as large as the rows it was sent (1,500),
+    where the primary's had doubled to 2,048, so it grew to other sizes than the primary's (3,000 and
+    6,000 where the primary's were 2,048 and 4,096) and charged the budget more: near the budget it
+    refused an update its primary had applied (MemoryBudgetError, growing to 4,200 rows), and the
+    primary dropped it (it attached again). Real processes, --memory-budget-mb 0.5: the primary stores
+    1,500 rows alone, a standby attaches, and both tables have the same capacity then, and after
+    each step that follows, as the table grows (doubling, then to what the budget holds) and
+    evicts."""
+    [primary] = start_servers(1, "--memory-budget-mb", "0.5")
+    g = torch.Generator().manual_seed(2)
+    fresh = iter(torch.randperm(1 << 20, generator=g).split(300))  # 300 new ids a step
+    torch.manual_seed(0)
+    model = Grows()
+
+    def replicated() -> bool:
+        (st,) = shard_status([primary], 10)
+        return st.replica.backup != "" and st.replica.replicated_version == st.version
+
+    with psgrad.connect([primary], mode="async", optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+
+        def step() -> None:
+            opt.zero_grad()
+            model.item(next(fresh)).sum().backward()
+            model.head.weight.grad = torch.zeros_like(model.head.weight)
+            opt.step()
+
+        for _ in range(5):
+            step()
+        capacity, rows, evicted, _ = storage(primary)
+        assert (capacity, rows, evicted) == (2048, 1500, 0)  # (doubled from 1,024)
+        [backup] = start_servers(1, "--memory-budget-mb", "0.5", "--replica-of", primary)
+        wait_for("the backup to attach and take the state", replicated, timeout_s=30)
+        seen = [storage(primary)]
+        assert storage(backup) == seen[-1], (storage(backup), seen[-1])
+        while seen[-1][2] == 0 or len(seen) < 4:  # on until the budget is reached and the table evicts
+            assert len(seen) < 60, seen
+            step()
+            wait_for("the backup to acknowledge every update", replicated, timeout_s=30)
+            seen.append(storage(primary))
+            assert storage(backup) == seen[-1], (storage(backup), seen)  # at every size the table passes through
+        capacities = sorted({capacity for capacity, *_ in seen})
+        assert capacities[:2] == [2048, 4096] and len(capacities) >= 3, seen  # (doubled, then up to the budget)

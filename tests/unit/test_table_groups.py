@@ -250,3 +250,55 @@ def test_a_push_over_the_memory_budget_changes_no_table_of_the_arena() -> None:
         push(s, rows)
         push(reference, rows)
     assert_same_tables(s, reference)
+
+
+def test_a_table_loaded_from_a_snapshot_takes_the_capacity_its_table_had_where_the_budget_holds_it() -> None:
+    """A standby attached mid-run (or a server restarted from a checkpoint) lays a table's storage
+    out as the table it copies: its arena's rows (1,500 stored, room for 2,048 after doubling; it
+    made room for 1,500 alone before), a dynamic table's row index's places (kept after rows were
+    dropped), and the arena of tables stored together; charging the budget the same. Where the
+    budget cannot hold that capacity, as many rows as the snapshot has (as before); a snapshot
+    that says none (an older psgrad's) loads as before."""
+    from psgrad.core import rows as rows_
+    from psgrad.core.optimizers.rows import RowSGD
+    from psgrad.server.tables import CAPACITY, INDEX_CAPACITY, MemoryBudget, TableSnapshot
+
+    def made(dynamic: bool, budget: MemoryBudget) -> SparseTable:
+        return SparseTable("emb", rows_.DYNAMIC if dynamic else 100_000, 4, 0, 1, 7, RowSGD(0.5), budget=budget)
+
+    for dynamic in (False, True):
+        budget = MemoryBudget(None)
+        t = made(dynamic, budget)
+        for k in range(5):
+            ids = torch.arange(300 * k, 300 * (k + 1))
+            t.apply(ids, torch.ones(300, 4))
+        if dynamic:
+            t.remove(torch.arange(0, 1500, 2))  # (750 rows left; the index keeps its 4,096 places)
+        snap = t.snapshot()
+        stored = 750 if dynamic else 1500
+        assert snap.scalars[CAPACITY] == 2048 and t.status("emb").capacity == 2048 and t.touched == stored
+        assert snap.scalars.get(INDEX_CAPACITY) == (4096 if dynamic else None)
+        copy = made(dynamic, MemoryBudget(None))
+        copy.load(snap)
+        assert copy.status("emb") == t.status("emb") and copy.budget.used == budget.used, dynamic
+        ids = torch.arange(1500, 1500 + 2101 - stored)  # and they grow alike, past 2,048
+        for table in (t, copy):
+            table.apply(ids, torch.ones(ids.numel(), 4))
+        assert copy.status("emb").capacity == t.status("emb").capacity == 4096 and copy.budget.used == budget.used
+        tight = made(dynamic, MemoryBudget(made(dynamic, MemoryBudget(None)).budget.used
+                                           + max(stored, 1024) * t.row_bytes() + (16 * 1024 if dynamic else 0)))
+        tight.load(snap)  # (room for the rows, not for the capacity: loaded as before)
+        assert tight.status("emb").capacity == max(stored, 1024) and tight.touched == stored
+        older = made(dynamic, MemoryBudget(None))
+        older.load(TableSnapshot(snap.kind, snap.tensors, {k: v for k, v in snap.scalars.items()
+                                                           if k not in (CAPACITY, INDEX_CAPACITY)}))
+        assert older.status("emb").capacity == max(stored, 1024) and older.touched == stored
+    s = shard()  # tables stored together: the arena's capacity
+    for rows in pushes(3, 120):
+        push(s, rows)
+    arena = state_of(s).tables["a"].arena  # type: ignore[attr-defined]
+    assert arena.touched > 1024 and arena.status("x").capacity == 2048
+    back = Shard(ServerConfig())
+    back.restore(s.snapshot())
+    assert state_of(back).tables["a"].arena.status("x").capacity == 2048  # type: ignore[attr-defined]
+    assert state_of(back).budget.used == state_of(s).budget.used
