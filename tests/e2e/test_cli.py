@@ -256,6 +256,12 @@ def test_transport_flags_reach_the_configs(monkeypatch: pytest.MonkeyPatch, caps
     assert res.returncode == 2 and "--stream-window-bytes must be 0" in res.stderr
     res = cli(["server", "--push-buffers", "0"], capsys)
     assert res.returncode == 2 and "must be >= 1" in res.stderr
+    from psgrad.cli.flags import server_config
+
+    assert server_config(build_parser().parse_args(["server"])).max_read_mb == 256
+    assert server_config(build_parser().parse_args(["server", "--max-read-mb", "16"])).max_read_mb == 16
+    res = cli(["server", "--max-read-mb", "4"], capsys)  # (an export's pages are up to 8 MiB)
+    assert res.returncode == 2 and "--max-read-mb must be 0 (no limit) or a finite number >= 8" in res.stderr
 
 
 def test_server_runs_with_the_torch_threads_asked_for(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -155,3 +155,10 @@ def test_ray_servers_get_the_metrics_ports_local_servers_get(flags: list[str], p
     local = [server_metrics_argv(ns, i) for i in range(2)]  # what the local backend passes its servers
     assert local == [[] if p is None else ["--metrics-port", str(p)] for p in ports]
     assert [c.checkpoint_dir for c in configs] == [str(tmp_path.absolute() / f"shard{i}") for i in range(2)]
+
+
+def test_ray_servers_get_the_read_bound_launch_was_given() -> None:
+    ns = build_parser().parse_args(["launch", "--backend", "ray", "--num-servers", "2", "--max-read-mb", "32"])
+    assert [c.max_read_mb for c in shard_configs(ns)] == [32, 32]
+    ns = build_parser().parse_args(["launch", "--backend", "ray", "--num-servers", "1"])
+    assert [c.max_read_mb for c in shard_configs(ns)] == [256]
