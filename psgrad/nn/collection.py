@@ -20,6 +20,22 @@ from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, unique_ids_of
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
 Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
 
+# torch.nn.EmbeddingBag's (and TorchRec's) options a collection does not take, and what to do instead
+_OTHER_MODULE = "a feature that needs it can be a psgrad.EmbeddingBag of its own beside the collection, which takes it"
+REFUSED_OPTIONS = {
+    "padding_idx": ("a collection's tables take no padding id; leave the padding ids out of the features (shorter "
+                    f"bags: a KeyedJaggedTensor's lengths say how many ids each bag has), or {_OTHER_MODULE}"),
+    "include_last_offset": ("a collection's offsets are where each bag starts (or a KeyedJaggedTensor's lengths); "
+                            f"pass offsets[:-1] for offsets that end with the ids' count, or {_OTHER_MODULE}"),
+    "max_norm": ("psgrad embeddings do not renormalize rows (they live on the servers, which a forward does not "
+                 "write); bound what the model sees in its forward instead (out * (max_norm / out.norm(dim=-1, "
+                 "keepdim=True)).clamp(max=1)), or the updates with psgrad.clip_grad_norm_"),
+    "norm_type": "it is read only with max_norm, which psgrad embeddings do not take",
+    "scale_grad_by_freq": _OTHER_MODULE,
+    "device": ("the rows live on the servers and the output is on the features' device: build the collection "
+               "without one"),
+}
+
 
 class EmbeddingBagCollection(nn.Module):
     """Tables of embedding bags looked up together: `tables` maps each feature's name to its
@@ -39,12 +55,20 @@ class EmbeddingBagCollection(nn.Module):
     updates applied once it was seen in min_count updates; a row no update touched in ttl updates
     of its table dropped; evict: at the servers' memory budget the least recently updated rows
     dropped instead of refusing the push), for a collection of dynamic tables above all. Tables
-    that need other values go in a collection (or a psgrad.EmbeddingBag) of their own.
+    that need other values go in a collection (or a psgrad.EmbeddingBag) of their own. torch's
+    options padding_idx, include_last_offset, max_norm and scale_grad_by_freq are refused (a
+    ConfigError saying what to do instead); sparse is accepted and changes nothing, as for
+    psgrad.EmbeddingBag.
     """
 
     def __init__(self, tables: Mapping[str, tuple[int | None, int]], mode: str = "sum", std: float = 1.0,
-                 seed: int = 0, *, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
+                 seed: int = 0, *, min_count: int = 0, ttl: int = 0, evict: bool = False, sparse: bool = False,
+                 **options: Any) -> None:
         super().__init__()
+        for option in options:
+            if option in REFUSED_OPTIONS:
+                raise ConfigError(f"EmbeddingBagCollection takes no {option}=: {REFUSED_OPTIONS[option]}")
+            raise TypeError(f"EmbeddingBagCollection() got an unexpected keyword argument {option!r}")
         if not isinstance(tables, Mapping) or not tables:
             raise ConfigError("an EmbeddingBagCollection needs at least one table: {feature: (num_embeddings, dim)}")
         for name, shape in tables.items():
@@ -53,10 +77,15 @@ class EmbeddingBagCollection(nn.Module):
                     and shape[1] is not None):
                 raise ConfigError(f"table {name!r}: give (num_embeddings, embedding_dim) as two integers "
                                   f"(num_embeddings None: a dynamic table, any int64 id), got {shape!r}")
+            if not isinstance(name, str) or not name or "." in name or hasattr(nn.ModuleDict, name):
+                raise ConfigError(f"table {name!r}: a table's name is the name of its module in the collection's "
+                                  "ModuleDict (`bags`): a str without '.', and not one of ModuleDict's attributes "
+                                  "(items, keys, values, ...)")
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
         self.bags = nn.ModuleDict({name: EmbeddingBag(None if n is None else int(n), int(d), mode=mode, std=std,
-                                                      seed=seed, min_count=min_count, ttl=ttl, evict=evict)
+                                                      seed=seed, min_count=min_count, ttl=ttl, evict=evict,
+                                                      sparse=sparse)
                                    for name, (n, d) in tables.items()})
         self.mode = mode
 
@@ -165,13 +194,13 @@ class EmbeddingBagCollection(nn.Module):
         weights = [bag.attach_rows(u, got[bag.table or ""], ids.device, training)
                    for bag, (ids, _), (u, _) in zip(bags, parts, unique)]
         inverses = [inverse for _, inverse in unique]
+        names = [bag.table or name for bag, name in zip(bags, self.bags)]  # (as the ids' checks name them)
         if not weighted and all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # all in one pass
-            out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean",
-                                 list(self.bags))
+            out = lookups.pooled(weights, inverses, [offsets for _, offsets in parts], self.mode == "mean", names)
             if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
                 return out
         else:  # (max or weighted bags: torch's pooling)
-            lookups.check_offsets(inverses, [offsets for _, offsets in parts], list(self.bags))
+            lookups.check_offsets(inverses, [offsets for _, offsets in parts], names)
         return torch.cat([F.embedding_bag(inverse, weight, offsets, mode=bag.mode, per_sample_weights=w)
                           for bag, weight, inverse, (_, offsets), w in zip(bags, weights, inverses, parts, per_sample)],
                          dim=1)

@@ -279,10 +279,10 @@ class SparseEmbedding(nn.Module):
         if last is not None and last[0]() is ids and last[1] == ids._version:
             return last[2], last[3]
         if not isinstance(ids, torch.Tensor):
-            raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got a "
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got a "
                                       f"{type(ids).__name__} (torch.tensor(...) of it)")
         if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidRequestError(f"{self.table}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
         return None
 
     def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
