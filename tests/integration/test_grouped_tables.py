@@ -262,13 +262,14 @@ def test_a_pipelined_collection_trains_on_the_gpu_as_on_the_cpu(make_servers) ->
 
 
 def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_servers) -> None:  # type: ignore[no-untyped-def]
-    """A feature's per-sample weights (a dict triple, or a KeyedJaggedTensor's weights) weigh its
-    ids in the sum and in their rows' gradients, as torch.nn.EmbeddingBag's per_sample_weights do
-    (before, a weighted KeyedJaggedTensor pooled as unweighted, silently)."""
+    """A feature's per-sample weights (a dict triple, or a KeyedJaggedTensor's weights given
+    is_weighted=True) weigh its ids in the sum and in their rows' gradients, as
+    torch.nn.EmbeddingBag's per_sample_weights do (before, a weighted KeyedJaggedTensor pooled as
+    unweighted, silently)."""
     lr = 0.5
     running = make_servers(2)
     model = nn.Module()
-    model.ebc = psgrad.EmbeddingBagCollection(TABLES, mode="sum", std=0.1, seed=1)
+    model.ebc = psgrad.EmbeddingBagCollection(TABLES, mode="sum", std=0.1, seed=1, is_weighted=True)
     [(x, _)] = batches(4, 1)
     g = torch.Generator().manual_seed(5)
     w = {name: torch.rand(x[name].shape, generator=g) + 0.5 for name in TABLES}
