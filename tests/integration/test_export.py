@@ -336,3 +336,43 @@ def test_frozen_and_tied_parameters_round_trip_strictly_with_default_settings(ma
         assert torch.equal(fresh.state_dict()[name], initial[name]), name
     assert not torch.equal(fresh.mix.weight, initial["mix.weight"])
     assert torch.equal(fresh.mix.weight, model.mix.weight)
+
+
+def test_a_fetched_table_loaded_under_another_prefix_predicts_as_the_job_did(make_servers: Any) -> None:
+    """A table's rows never updated are drawn from (seed, its name in the job, id). The export now
+    writes that name (`NAME.table`), as the module's own state_dict() does, so a model that loads it
+    after stripping a wrapper's prefix (DDP's `module.`) predicts as the job did for every id; it drew
+    them under the prefix-less name before, silently different."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = psgrad.EmbeddingBag(100, 4, mode="sum")
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.items(x)).squeeze(-1)
+
+    torch.manual_seed(0)
+    wrapped = nn.Module()
+    wrapped.net = Net()
+    train_x, test_x = torch.tensor([[1, 2]]), torch.tensor([[1, 50]])  # id 50 is never updated
+    addresses = [s.address for s in make_servers(1)]
+    with psgrad.connect(addresses, mode="sync", client=CLIENT) as ps:
+        opt = ps.optimizer(wrapped)
+        opt.zero_grad()
+        wrapped.net(train_x).sum().backward()
+        opt.step()
+        wrapped.eval()
+        with torch.no_grad():
+            in_job = wrapped.net(test_x)
+        fetched = psgrad.fetch_state_dict(addresses)
+        exported, _ = export_state_dict(addresses)
+        own = wrapped.state_dict()
+    assert bytes(fetched["net.items.table"].tolist()).decode() == "net.items"
+    assert set(fetched) == set(exported) == set(own) and torch.equal(fetched["net.items.table"], own["net.items.table"])
+    net = Net()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in fetched.items()})  # strict
+    net.eval()
+    with torch.no_grad():
+        assert torch.equal(net(test_x), in_job)

@@ -294,7 +294,7 @@ def test_a_fresh_modules_state_is_its_initial_table_and_the_name_travels_with_th
     outer.tower.load_state_dict(state)  # the rows are drawn under the table's name in the state: "bag"
     model.bag.table = "bag"
     torch.testing.assert_close(outer.tower.bag(BAGS), nn.functional.embedding_bag(BAGS, model.bag.initial_weight(), mode="sum"))
-    # psgrad export's layout (no .table entry): the module's place names the table
+    # an export of an older psgrad (no .table entry): the module's place names the table
     export = {k: v for k, v in state.items() if not k.endswith(".table")}
     other = Model()
     other.load_state_dict(export)
