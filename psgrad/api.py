@@ -37,7 +37,7 @@ from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
 from psgrad.nn.collection import EmbeddingBagCollection
-from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_modules, unique_ids_of
+from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
 from psgrad.worker.prefetch import Prefetched
 from psgrad.worker.row_cache import RowCache
 
@@ -281,8 +281,9 @@ class PSOptimizer(ScheduledOptimizer):
             raise ConfigError("overlap does not go with psgrad embeddings (their rows are pulled by each forward, "
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
+        aliases = sparse_aliases(model)  # (a table registered under several names: exports write each)
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std, min_count=m.min_count, ttl=m.ttl,
-                            evict=m.evict) for name, m in self.embeddings]
+                            evict=m.evict, aliases=aliases.get(name, ())) for name, m in self.embeddings]
         dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
         # Frozen parameters on the servers: a table of their own, read at join (see _sync_frozen).
         frozen_specs = param_specs(model, frozen=True) if frozen else []

@@ -100,8 +100,9 @@ def fetch_model(
     the workers were given them (a list, or "HOST:PORT,..."; PRIMARY|BACKUP entries fail over).
     client: its credentials are used (the admin's: read-only pulls as any rank; see docs/operations/security.md).
     Sparse (embedding) tables are read as the rows updated at least once plus how to make the
-    others (see sparse_entries), read after the dense weights; materialize=True writes each whole
-    table instead (its full size in memory). The frozen parameters the servers keep (ps.optimizer's
+    others (see sparse_entries), read after the dense weights, under each of the table's names in
+    the model (one module registered under several); materialize=True writes each whole table
+    instead (its full size in memory). The frozen parameters the servers keep (ps.optimizer's
     frozen="servers", the default) are read too, under their names (and their tied names).
 
     Raises:
@@ -160,7 +161,10 @@ def fetch_model(
             reader.pull_frozen(frozen_flat, observe=True)
             state.update(named_tensors(frozen, frozen_flat))
         for spec in tables:
-            state.update(sparse_entries(spec, *reader.updated_rows(spec.name), materialize))
+            entries = sparse_entries(spec, *reader.updated_rows(spec.name), materialize)
+            state.update(entries)
+            for alias in spec.aliases:  # a table under several names in the model: its entries under each
+                state.update({alias + key[len(spec.name):]: value for key, value in entries.items()})
     return ModelSnapshot(state, versions, first.spec.mode)
 
 

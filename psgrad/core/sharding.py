@@ -89,9 +89,15 @@ class TableSpec:
     #: its parameter group's own optimizer for its rows (a name of optimizer_settings.DECLS; "": the
     #: job's): its settings then start from that optimizer's torch defaults, not the job's
     optimizer: str = ""
+    #: its other names in the model's state_dict (one module registered under several names: a
+    #: two-tower model's shared item table); exports write its entries under each of them too. Only
+    #: names, not what the job is: neither compared nor in the fingerprint (a worker, or a
+    #: checkpoint of an older psgrad, without them is the same job; the chief's Init gives them)
+    aliases: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
         object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
+        object.__setattr__(self, "aliases", tuple(str(a) for a in self.aliases))
         check_lifetime(self.min_count, self.ttl, f"table {self.name!r}: ")
         object.__setattr__(self, "evict", bool(self.evict))
         if self.optimizer and self.optimizer not in DECLS:

@@ -635,6 +635,17 @@ def sparse_modules(model: nn.Module) -> list[tuple[str, SparseEmbedding]]:
     return found
 
 
+def sparse_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each psgrad embedding's other names in the model (a module registered under several, as a
+    two-tower model shares its item table), by its first name (the one sparse_modules gives);
+    the model's state_dict() holds its entries under every one."""
+    names: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, SparseEmbedding):
+            names.setdefault(id(m), []).append(name)
+    return {found[0]: tuple(dict.fromkeys(found[1:])) for found in names.values()}
+
+
 def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for models with psgrad embeddings: given the model, the norm

@@ -293,9 +293,14 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
         "start": layout.start,
         "end": layout.end,
         "fingerprint": layout.fingerprint,
-        **({"tables": [dataclasses.asdict(t) for t in layout.tables]} if layout.tables else {}),
+        **({"tables": [_table_to_json(t) for t in layout.tables]} if layout.tables else {}),
         **({"frozen": [_param_to_json(p) for p in layout.frozen]} if layout.frozen else {}),
     }
+
+
+def _table_to_json(t: TableSpec) -> dict[str, Any]:
+    """A table's spec, its aliases only where it has some (a checkpoint an older psgrad reads too)."""
+    return {k: v for k, v in dataclasses.asdict(t).items() if k != "aliases" or v}
 
 
 def _layout_from_json(d: dict[str, Any]) -> Layout:

@@ -376,3 +376,47 @@ def test_a_fetched_table_loaded_under_another_prefix_predicts_as_the_job_did(mak
     net.eval()
     with torch.no_grad():
         assert torch.equal(net(test_x), in_job)
+
+
+def test_a_table_shared_by_two_places_in_the_model_round_trips_strictly(make_servers: Any) -> None:
+    """One psgrad.Embedding registered under two names (a two-tower model's history and candidate
+    items): the model's state_dict holds its entries under both, the job one table. The export
+    wrote them under the first name only, and a strict load failed ("Missing key(s):
+    cand_items.ids, ..."); now under each name, and the loaded model predicts as the job did."""
+
+    class TwoTower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = psgrad.Embedding(20, 4)
+            self.user_items = shared
+            self.cand_items = shared
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, hist: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+            return self.head(self.user_items(hist) * self.cand_items(cand)).squeeze(-1)
+
+    hist, cand = torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5])
+    torch.manual_seed(0)
+    model = TwoTower()
+    addresses = [s.address for s in make_servers(2)]
+    with psgrad.connect(addresses, mode="sync", client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(2):
+            opt.zero_grad()
+            model(hist, cand).sum().backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            in_job = model(hist, cand)
+        own = model.state_dict()
+        fetched = psgrad.fetch_state_dict(addresses)
+        whole = export.fetch_model(addresses, materialize=True).state_dict
+    assert set(fetched) == set(own) and {"user_items.ids", "cand_items.ids"} <= set(fetched)
+    for key in own:
+        assert torch.equal(fetched[key], own[key]), key
+    assert torch.equal(whole["cand_items.weight"], whole["user_items.weight"])
+    fresh = TwoTower()
+    fresh.load_state_dict(fetched)  # strict
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(hist, cand), in_job)

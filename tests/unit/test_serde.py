@@ -352,3 +352,23 @@ def test_a_row_block_whose_parts_disagree_is_refused_by_name(change: Any, refusa
     change(msg)
     with pytest.raises(InvalidRequestError, match=refusal):
         RowBlock.from_proto(msg, "push", push=True)
+
+
+def test_a_tables_aliases_reach_the_servers_standbys_and_checkpoints_without_changing_the_job() -> None:
+    """A table registered under several names in the model (a two-tower model's shared items) names
+    them to the servers, which tell an export (StatusReply's table specs) to write its entries
+    under each; they are names, not what the job is: the fingerprint and the layouts' comparison
+    leave them out, and a checkpoint writes them only where a table has some."""
+    from psgrad.core.layout import Layout
+    from psgrad.core.sharding import TableSpec, fingerprint
+    from psgrad.server import checkpoint
+
+    shared = TableSpec("user_items", 20, 4, aliases=("cand_items",))
+    plain = TableSpec("user_items", 20, 4)
+    assert serde.tables_from_proto(serde.tables_to_proto([shared])) == [shared]
+    assert serde.tables_from_proto(serde.tables_to_proto([shared]))[0].aliases == ("cand_items",)
+    assert shared == plain and fingerprint([], SPEC, [shared]) == fingerprint([], SPEC, [plain])
+    layout = Layout(SPEC, (), 0, 0, 0, "f", tables=(shared, TableSpec("b", 5, 2)))
+    as_json = checkpoint._layout_to_json(layout)
+    assert [("aliases" in t) for t in as_json["tables"]] == [True, False]
+    assert checkpoint._layout_from_json(json.loads(json.dumps(as_json))).tables[0].aliases == ("cand_items",)
