@@ -35,7 +35,7 @@ from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
-from psgrad.core.sharding import TableSpec, buffer_specs, param_specs, plan_shards
+from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
 from psgrad.worker.prefetch import Prefetched
@@ -187,7 +187,9 @@ class Session:
         buffers psgrad owns. overlap=True pushes and pulls in the background while the next
         step computes (async and ssp only; see PSOptimizer). sync_buffers=True keeps the model's
         persistent buffers (BatchNorm running statistics) on the servers too, averaged over the
-        workers; False leaves each worker's own. param_groups: torch's list of {"params": [...],
+        workers, but a buffer whose values the wire dtype cannot hold exactly now (a bool mask, an
+        int64 id map past 2**24, a float64 constant) is kept exactly with the frozen parameters (the
+        chief's values, never averaged); False leaves each worker's own. param_groups: torch's list of {"params": [...],
         "lr": ..., "weight_decay": ...} dicts (e.g. no weight decay on biases and norms); a group's
         lr is kept as a fixed multiple of the job's (so a schedule scales every group alike), and
         parameters in no group take the job's settings; a group of psgrad embeddings (the modules in
@@ -285,32 +287,33 @@ class PSOptimizer(ScheduledOptimizer):
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std, min_count=m.min_count, ttl=m.ttl,
                             evict=m.evict, aliases=aliases.get(name, ())) for name, m in self.embeddings]
         dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
-        # Frozen parameters on the servers: a table of their own, read at join (see _sync_frozen).
-        frozen_specs = param_specs(model, frozen=True) if frozen else []
-        named = dict(model.named_parameters())
-        self._frozen = [(s, named[s.name]) for s in frozen_specs]
-        for s, p in self._frozen:
-            if p.is_complex():
-                raise ConfigError(f"frozen parameter {s.name!r} is {p.dtype}: the servers keep float32 values; "
-                                  "pass frozen='local' to keep it in each worker")
         for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
             check_row_settings(t.job_spec(spec), t.name, own=bool(t.optimizer))
         # (before the model's state_dict() below: it then reads no rows) Rows that a state_dict or
         # pretrained weights gave the chief's model become the job's initial rows of their tables.
         loaded = {name: module.prepare_to_bind() for name, module in self.embeddings}
         initial_rows = {name: rows for name, rows in loaded.items() if rows is not None}
+        # Frozen parameters on the servers: a table of their own, read at join (see _sync_frozen),
+        # with the buffers the flat space cannot sync exactly (split_buffers: a bool mask, an int64
+        # id map past 2**24, a float64 constant), kept bit for bit
+        # (the buffers are found in the model's state_dict(), read after prepare_to_bind: no rows).
+        frozen_specs = param_specs(model, frozen=True) if frozen else []
+        frozen_specs += buffer_specs(model, spec.wire_dtype, kept=True) if sync_buffers else []
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._frozen = [(s, named[s.name]) for s in frozen_specs]
         self.session = session
         self.model = model
         self.overlap = overlap
-        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, tables=bool(self.embeddings))
+        self.flat = FlatModel(model, staging=overlap, sync_buffers=sync_buffers, tables=bool(self.embeddings),
+                              wire_dtype=spec.wire_dtype)
         self.rank, self.mode, self.clock = session.rank, spec.mode, 0
         super().__init__(self.flat.params, spec.lr, follows_job_lr=not mode_of(spec).synchronous and session.rank != 0)
         self.params = dense_specs
-        self.params += buffer_specs(model) if self.flat.buffers is not None else []
+        self.params += buffer_specs(model, spec.wire_dtype) if self.flat.buffers is not None else []
         self.plan = plan_shards(self.params, spec.num_shards, tables=bool(tables))
         self.client = ParameterClient(session.servers, spec, self.params, self.plan, session.rank, session.client_config,
                                       tables=tables, frozen=frozen_specs)
-        self._frozen_flat = torch.empty(sum(s.numel for s in frozen_specs))
+        self._frozen_flat = torch.empty(sum(frozen_words(s) for s in frozen_specs))
         self.row_cache: RowCache | None = None
         source: RowSource = self.client
         if row_cache and self.embeddings:
@@ -412,24 +415,22 @@ class PSOptimizer(ScheduledOptimizer):
         self._sync_frozen()
 
     def _frozen_values(self) -> torch.Tensor:
-        """The model's frozen parameters as the frozen space (float32, CPU): the chief's init."""
-        with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for _, p in self._frozen]
-                             or [torch.empty(0)])
+        """The model's frozen parameters and kept buffers as the frozen space (float32 elements,
+        CPU; see frozen_space): the chief's init."""
+        return frozen_space(self._frozen)
 
     def _sync_frozen(self) -> None:
         """Read the frozen table of the shards where it moved since this worker read it (at join:
         every shard; later only after a shard's restore, which a rejoin reports) into the model's
-        frozen parameters. A step's push and pull never carry them."""
+        frozen parameters and kept buffers, exactly. A step's push and pull never carry them."""
         moved = self.client.frozen_moved()
         if not moved:
             return
         self.client.pull_frozen(self._frozen_flat, moved)
-        offset = 0
+        values = frozen_tensors([s for s, _ in self._frozen], self._frozen_flat)
         with torch.no_grad():
             for s, p in self._frozen:
-                p.copy_(self._frozen_flat[offset:offset + s.numel].view(s.shape))
-                offset += s.numel
+                p.copy_(values[s.name])
 
     def _record(self, done: ExchangeResult, stats: StepStats) -> None:
         self._install()

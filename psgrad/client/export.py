@@ -19,7 +19,7 @@ from psgrad.core.addresses import parse_servers
 from psgrad.core.credentials import ADMIN
 from psgrad.core.modes import mode_of
 from psgrad.core import rows as row_init
-from psgrad.core.sharding import ParamSpec, TableSpec, plan_shards
+from psgrad.core.sharding import ParamSpec, TableSpec, frozen_tensors, frozen_words, plan_shards
 from psgrad.errors import ConfigError, JobMismatchError, NotInitializedError, StalledError
 
 # Between reads while a sync job's shards are at different iterations (one shard's update of an
@@ -157,9 +157,9 @@ def fetch_model(
             wait_s = min(2 * wait_s, MAX_RETRY_S)
         state = named_tensors(params, flat)
         if frozen:  # (they move only when written: read once, at any time)
-            frozen_flat = torch.empty(sum(p.numel for p in frozen))
+            frozen_flat = torch.empty(sum(frozen_words(p) for p in frozen))
             reader.pull_frozen(frozen_flat, observe=True)
-            state.update(named_tensors(frozen, frozen_flat))
+            state.update(frozen_tensors(frozen, frozen_flat))
         for spec in tables:
             entries = sparse_entries(spec, *reader.updated_rows(spec.name), materialize)
             state.update(entries)

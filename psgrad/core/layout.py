@@ -52,6 +52,20 @@ class Layout:
         return max(0, min(self.end, params_end) - self.start)
 
 
+def _kept_differently(mine: Layout, theirs: Layout) -> tuple[str, str] | None:
+    """(a buffer's name, "synced" or "kept exactly" on this shard) where this shard syncs a buffer
+    the other layout keeps exactly, or the other way round (see core/sharding.py, split_buffers)."""
+    synced = {p.name for p in mine.params if p.buffer}
+    kept = {p.name for p in mine.frozen if p.buffer}
+    for p in theirs.frozen:
+        if p.buffer and p.name in synced:
+            return p.name, "synced"
+    for p in theirs.params:
+        if p.buffer and p.name in kept:
+            return p.name, "kept exactly"
+    return None
+
+
 def _describe(p: ParamSpec) -> str:
     return f"{p.name} {list(p.shape)} {p.dtype}{' (buffer)' if p.buffer else ''}"
 
@@ -68,6 +82,14 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     if diffs:
         parts = "; ".join(f"{n}: shard has {a!r}, {who} sent {b!r}" for n, a, b in diffs)
         return f"job spec differs from the one this shard was initialized with ({parts})"
+    moved = _kept_differently(mine, theirs)
+    if moved is not None:
+        name, here = moved
+        there = "kept exactly" if here == "synced" else "synced"
+        return (f"buffer {name!r} is {here} on this shard and {there} by {who}: a persistent buffer is synced (the "
+                "flat space, averaged) where the job's wire dtype holds its every value when ps.optimizer(model) runs, "
+                "and kept exactly (the chief's values, never averaged) where it does not (a bool, an int64 id past "
+                "2**24, a float64 value float32 rounds): every worker's model must hold the same values of it then")
     if len(mine.params) != len(theirs.params):
         return (
             f"model differs: this shard was initialized with {len(mine.params)} parameters, "
@@ -81,7 +103,8 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
         sent = ", ".join(_describe(p) for p in theirs.frozen) or "none"
         return (f"frozen parameters differ: this shard keeps {have}; {who} has {sent} (every worker must freeze the "
                 "same parameters and pass the same frozen= to ps.optimizer; a job begun when frozen='local' was the default "
-                "keeps its frozen parameters in the workers: pass frozen='local')")
+                "keeps its frozen parameters in the workers: pass frozen='local'; the buffers among them are those the "
+                "flat space cannot sync exactly, kept there with sync_buffers=True)")
     if mine.tables != theirs.tables:
         have = ", ".join(_table(t) for t in mine.tables) or "none"
         sent = ", ".join(_table(t) for t in theirs.tables) or "none"

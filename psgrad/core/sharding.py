@@ -158,32 +158,128 @@ def param_specs(model: torch.nn.Module, frozen: bool = False) -> list[ParamSpec]
             for name, p in model.named_parameters() if p.requires_grad != frozen]
 
 
+#: The dtypes the frozen space holds as float32 values (float32 holds every value of theirs); any
+#: other's values are held as their bytes, 4 to a float32 element (see frozen_words).
+FROZEN_AS_FLOAT32 = ("float32", "float16", "bfloat16")
+
+
+def frozen_words(p: ParamSpec) -> int:
+    """How many float32 elements of the frozen space `p` takes: its numel where its dtype is one of
+    FROZEN_AS_FLOAT32 (its values, as float32), else its bytes' worth, rounded up (a float64,
+    integer, bool or complex tensor held bit for bit: no float32 rounding of its values)."""
+    if p.dtype in FROZEN_AS_FLOAT32:
+        return p.numel
+    import torch
+
+    return -(-p.numel * getattr(torch, p.dtype).itemsize // 4)
+
+
 def frozen_ranges(frozen: Sequence[ParamSpec], num_shards: int) -> tuple[tuple[int, int], ...]:
-    """The frozen space (the frozen parameters, in order, float32: a space of its own, apart from
-    the flat space a step pushes and pulls) split into num_shards contiguous ranges whose sizes
-    differ by at most one; a shard's range may be empty."""
-    total = sum(p.numel for p in frozen)
+    """The frozen space (the frozen parameters and the kept buffers, in order, each as
+    frozen_words says: a space of float32 elements of its own, apart from the flat space a step
+    pushes and pulls) split into num_shards contiguous ranges whose sizes differ by at most one; a
+    shard's range may be empty."""
+    total = sum(frozen_words(p) for p in frozen)
     bounds = [(i * total) // num_shards for i in range(num_shards + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
-def synced_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers the servers keep for the model, in named_buffers() order: the persistent ones
-    (those in its state_dict: BatchNorm's running mean and variance, num_batches_tracked) of a
-    floating-point or integer dtype. Non-persistent buffers (masks, caches) stay local."""
+def frozen_space(entries: Sequence[tuple[ParamSpec, torch.Tensor]]) -> torch.Tensor:
+    """The frozen space of these tensors (float32, CPU): each one's values as float32 where its
+    dtype is one of FROZEN_AS_FLOAT32, else its bytes (see frozen_words); frozen_tensors reads it."""
     import torch
 
+    out = torch.zeros(sum(frozen_words(p) for p, _ in entries))
+    at = 0
+    with torch.no_grad():
+        for p, t in entries:
+            n = frozen_words(p)
+            if p.dtype in FROZEN_AS_FLOAT32:
+                out[at:at + n].copy_(t.detach().reshape(-1))
+            else:
+                raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                out[at:at + n].view(torch.uint8)[:raw.numel()].copy_(raw)
+            at += n
+    return out
+
+
+def frozen_tensors(specs: Sequence[ParamSpec], space: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The frozen space (as frozen_space writes it) cut into {name: tensor of its shape and dtype},
+    in order, each also under its other names (aliases)."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    at = 0
+    for p in specs:
+        n = frozen_words(p)
+        dtype = getattr(torch, p.dtype)
+        piece = space[at:at + n]
+        if p.dtype in FROZEN_AS_FLOAT32:
+            value = piece.to(dtype).reshape(p.shape).clone()
+        else:  # (a copy first: a view of another dtype needs an aligned start)
+            value = piece.contiguous().view(torch.uint8)[:p.numel * dtype.itemsize].clone().view(dtype).reshape(p.shape)
+        out[p.name] = value
+        for alias in p.aliases:
+            out[alias] = value
+        at += n
+    return out
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tuple[str, ...]]]:
+    """The model's persistent buffers (those in its state_dict), in named_buffers() order, each
+    with its other names (a buffer registered in several modules appears once, under its first)."""
     keys = set(model.state_dict().keys())
-    return [
-        (name, b)
-        for name, b in model.named_buffers()
-        if name in keys and (b.is_floating_point() or not (b.is_complex() or b.dtype == torch.bool))
-    ]
+    names: dict[int, list[str]] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name in keys:
+            names.setdefault(id(b), []).append(name)
+    return [(name, b, tuple(names[id(b)][1:])) for name, b in model.named_buffers() if name in keys]
 
 
-def buffer_specs(model: torch.nn.Module) -> list[ParamSpec]:
-    """The synced_buffers of the model as ParamSpecs (buffer=True)."""
-    return [_spec(name, b, buffer=True) for name, b in synced_buffers(model)]
+def _wire_holds(b: torch.Tensor, wire_dtype: str) -> bool:
+    """Whether every value of `b` comes back from the wire dtype (and float32) as it is."""
+    import torch
+
+    if b.dtype == torch.bool or b.is_complex():
+        return False
+    if b.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return True  # (the weights' own kind: they travel as the weights do, in the wire dtype)
+    back = b.to(getattr(torch, wire_dtype)).to(b.dtype)
+    same = back == b
+    if b.is_floating_point():
+        same |= back.isnan() & b.isnan()
+    return bool(same.all())
+
+
+def split_buffers(model: torch.nn.Module, wire_dtype: str = "float32"
+                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """The buffers the servers keep for the model (its persistent ones, those in its state_dict, in
+    named_buffers() order), as (synced, kept). Synced: those of a float32, float16 or bfloat16
+    dtype (BatchNorm's running statistics), and those of another dtype whose every value the wire
+    dtype holds exactly (BatchNorm's num_batches_tracked): they are the flat space's tail, moved
+    by the workers' averaged deltas (model_buffers.py). Kept: the others (a bool mask, an int64 id
+    map with ids past 2**24, a float64 constant float32 would round): held exactly in the frozen
+    space, the chief's values, read by every worker as it joins, never averaged. Decided from the
+    values when called (ps.optimizer(model)): every worker's model must hold the same such values.
+    Non-persistent buffers (masks, caches) stay local."""
+    synced: list[tuple[str, torch.Tensor]] = []
+    kept: list[tuple[str, torch.Tensor]] = []
+    for name, b, _ in _persistent_buffers(model):
+        (synced if _wire_holds(b, wire_dtype) else kept).append((name, b))
+    return synced, kept
+
+
+def synced_buffers(model: torch.nn.Module, wire_dtype: str = "float32") -> list[tuple[str, torch.Tensor]]:
+    """The buffers the flat space holds for the model: split_buffers' synced ones."""
+    return split_buffers(model, wire_dtype)[0]
+
+
+def buffer_specs(model: torch.nn.Module, wire_dtype: str = "float32", kept: bool = False) -> list[ParamSpec]:
+    """The synced buffers of the model (kept=True: its kept ones; see split_buffers) as ParamSpecs
+    (buffer=True), each with its other names."""
+    aliases = {name: other for name, _, other in _persistent_buffers(model)}
+    chosen = split_buffers(model, wire_dtype)[1 if kept else 0]
+    return [dataclasses.replace(_spec(name, b, buffer=True), aliases=aliases[name]) for name, b in chosen]
 
 
 @dataclass(frozen=True)
@@ -258,7 +354,7 @@ def fingerprint(params: Sequence[ParamSpec], spec: JobSpec, tables: Sequence[Tab
         "spec": job,
     }
     if frozen:  # (a job without frozen parameters on the servers keeps the fingerprint it always had)
-        doc["frozen"] = [_param_doc(p) for p in frozen]
+        doc["frozen"] = [_param_doc(p) + ([] if p.dtype in FROZEN_AS_FLOAT32 else ["bytes"]) for p in frozen]
     if tables:  # (a job without sparse tables keeps the fingerprint it always had)
         doc["tables"] = [[t.name, t.num_embeddings, t.dim, t.seed, t.std,
                           *(["lr_scale", t.lr_scale] if t.lr_scale != 1.0 else []),

@@ -76,11 +76,13 @@ class FlatModel:
     table of their own (see PSOptimizer), or each worker does (frozen="local"). tables: the model
     has psgrad embedding tables, which may be its only trainable weights (a matrix factorization):
     its flat space is then empty (float32, on the CPU), where a model without either is refused.
+    wire_dtype: the job's, which decides the buffers the flat space syncs (those whose values it
+    holds exactly; see core/sharding.py, split_buffers).
     """
 
     def __init__(
         self, model: nn.Module, device: torch.device | None = None, staging: bool = False, sync_buffers: bool = False,
-        tables: bool = False,
+        tables: bool = False, wire_dtype: str = "float32",
     ) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -100,7 +102,7 @@ class FlatModel:
                 raise ConfigError(f"parameters must be floating point, got {p.dtype}")
         self.dtypes = list(dict.fromkeys(p.dtype for p in self.params)) or [torch.float32]
         self.numel = sum(p.numel() for p in self.params)
-        self.buffers = ModelBuffers(model, self.device) if sync_buffers else None
+        self.buffers = ModelBuffers(model, self.device, wire_dtype) if sync_buffers else None
         if self.buffers is not None and self.buffers.numel == 0:
             self.buffers = None
         tail = self.buffers.numel if self.buffers is not None else 0

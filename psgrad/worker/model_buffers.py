@@ -6,7 +6,9 @@ The servers keep the job's buffers after the parameters and add what each push s
 in sync mode the mean of the workers' deltas (each worker's running mean moved from the same
 pulled value, so the mean is the average of their running means), in async/ssp mode each delta
 divided by the number of workers. Integer buffers (num_batches_tracked) travel as float32 and are
-rounded when installed.
+rounded when installed: only those whose values the wire dtype holds exactly when the job starts
+are synced here; the others (and bool or complex ones) are kept exactly with the frozen parameters
+(core/sharding.py, split_buffers).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ class ModelBuffers:
     """The synchronized buffers of one model: their values, and a snapshot of what was last
     installed (or pushed), against which the next delta is taken."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.named = synced_buffers(model)
+    def __init__(self, model: nn.Module, device: torch.device, wire_dtype: str = "float32") -> None:
+        self.named = synced_buffers(model, wire_dtype)
         self.numel = sum(b.numel() for _, b in self.named)
         for name, b in self.named:
             if b.device != device:

@@ -139,3 +139,92 @@ def test_frozen_values_survive_a_failover_to_the_standby(make_servers: Any) -> N
         with psgrad.connect(shard, rank=1, num_workers=2, client=config) as ps:
             ps.optimizer(late)  # lists the dead primary first
             assert torch.equal(late[0].weight, chief_model[0].weight) and torch.equal(late[0].bias, chief_model[0].bias)
+
+
+class Recommender(nn.Module):
+    """A recommender's state the flat float32 space rounded or left out: an int64 id map with ids
+    past 2**24, a frozen float64 scale, a bool mask; beside a trainable part with BatchNorm."""
+
+    def __init__(self, ids: tuple[int, ...] = (2**40 + 1, 123456789012345, 7), scale: float = 1 / 3,
+                 mask: tuple[bool, ...] = (True, False, True)) -> None:
+        super().__init__()
+        self.items = psgrad.Embedding(20, 8)
+        self.proj = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.scale = nn.Parameter(torch.tensor([scale], dtype=torch.float64), requires_grad=False)
+        self.register_buffer("id_map", torch.tensor(ids))
+        self.register_buffer("mask", torch.tensor(mask))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.proj(self.items(x))) * self.scale.float()
+
+
+def _exact(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {"id_map": model.id_map.clone(), "scale": model.scale.detach().clone(), "mask": model.mask.clone()}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_int64_and_bool_buffers_and_float64_frozen_values_stay_exact(make_servers: Any) -> None:
+    """With ps.optimizer's defaults, an int64 buffer [2**40 + 1, 123456789012345] became
+    [1099511627776, 123456788103168] in the worker's own model the moment it joined, and a frozen
+    float64 1/3 0.3333333432674408 (both went through float32), silently; a bool buffer was left out
+    of the job, so fetch_state_dict did not load strictly (Missing key(s): "mask"). Now they are
+    kept bit for bit: the chief's, in every worker as it joins and after its steps, and in the
+    export, which loads strictly. A worker whose id map float32 could hold is refused, by name."""
+    addresses = [s.address for s in make_servers(2)]
+    torch.manual_seed(0)
+    chief = Recommender()
+    want = _exact(chief)
+    x = torch.randint(0, 20, (6,))
+    with psgrad.connect(addresses, num_workers=2, client=CLIENT) as ps:
+        opt = ps.optimizer(chief)
+        assert _same(_exact(chief), want)
+        other = Recommender(ids=(2**41 + 3, 5, 9), scale=2 / 3, mask=(False, True, False))
+        with psgrad.connect(addresses, rank=1, num_workers=2, client=CLIENT) as ps1:
+            opt1 = ps1.optimizer(other)
+            assert _same(_exact(other), want)  # the chief's values, exactly
+            for model, o in [(chief, opt), (other, opt1)] * 2:
+                o.zero_grad()
+                model(x).pow(2).mean().backward()
+                o.step()
+            assert _same(_exact(chief), want) and _same(_exact(other), want)
+            synced = [p.name for p in opt.params if p.buffer]
+            assert synced == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]  # (float32 holds them)
+        with psgrad.connect(addresses, rank=1, num_workers=2, client=CLIENT) as ps2:
+            with pytest.raises(JobMismatchError, match="buffer 'id_map' is kept exactly on this shard and "
+                                                       "synced by worker rank 1"):
+                ps2.optimizer(Recommender(ids=(1, 2, 3)))
+        opt.refresh()  # (async: the other worker's last push came after the chief's pull)
+        chief.eval()
+        with torch.no_grad():
+            in_job = chief(x)
+        own = chief.state_dict()
+        fetched = psgrad.fetch_state_dict(addresses)
+    assert set(fetched) == set(own)
+    for key in own:
+        assert own[key].dtype == fetched[key].dtype and torch.equal(own[key], fetched[key]), key
+    fresh = Recommender(ids=(0, 0, 0), scale=0.0, mask=(False, False, False))
+    fresh.load_state_dict(fetched)  # strict
+    assert _same(_exact(fresh), want)
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(x), in_job)
+
+
+def test_exact_values_survive_a_restart_from_a_checkpoint(make_servers: Any, tmp_path: Path) -> None:
+    [first] = make_servers(1, checkpoint_dir=str(tmp_path))
+    model = Recommender()
+    want = _exact(model)
+    with psgrad.connect([first.address], client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        opt.zero_grad()
+        model(torch.arange(6)).sum().backward()
+        opt.step()
+    first.stop(0)  # a last checkpoint
+    [restored] = make_servers(1, checkpoint_dir=str(tmp_path))
+    fresh = Recommender(ids=(0, 0, 0))
+    fresh.load_state_dict(psgrad.fetch_state_dict([restored.address]))  # strict
+    assert _same(_exact(fresh), want)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from psgrad.config import JobSpec, ServerConfig
-from psgrad.core.sharding import ParamSpec, buffer_specs, param_specs, plan_shards
+from psgrad.core.sharding import (ParamSpec, buffer_specs, fingerprint, frozen_space, frozen_tensors, frozen_words,
+                                  param_specs, plan_shards, split_buffers)
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
 from psgrad.worker.flat import FlatModel
@@ -133,3 +134,79 @@ def test_buffers_travel_the_staged_and_device_paths(device: str, dtype: torch.dt
     flat.weights_pulled()
     assert model[1].running_var.device.type == device and int(model[1].num_batches_tracked) == 8
     torch.testing.assert_close(model[1].running_var.float().cpu(), torch.arange(4.0, 8.0))
+
+
+class Lookups(nn.Module):
+    """A recommender's buffers beside BatchNorm's: an int64 id map and hash with ids float32
+    cannot hold, small int64 ids it can, a float64 constant, a bool mask, a complex one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(2)
+        self.register_buffer("id_map", torch.tensor([2**40 + 1, 123456789012345, 7]))
+        self.register_buffer("small_ids", torch.tensor([3, 2**24, -(2**24)]))
+        self.register_buffer("scale", torch.tensor([1 / 3], dtype=torch.float64))
+        self.register_buffer("halves", torch.tensor([0.5, -2.0], dtype=torch.float64))
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("phase", torch.tensor([1 + 2j], dtype=torch.complex64))
+        self.register_buffer("counts", torch.tensor([1001], dtype=torch.int16))
+        self.register_buffer("cache", torch.zeros(3, dtype=torch.int64), persistent=False)
+
+
+def test_buffers_the_wire_dtype_holds_exactly_are_synced_and_the_others_kept_exactly() -> None:
+    """The flat space is float32 (and the wire dtype): a buffer travelling in it was rounded there
+    (an int64 id 2**40 + 1 became 2**40, a float64 1/3 0.3333333432674408, silently), and bool or
+    complex ones were left out of the job (and of its exports). Now the flat space syncs a buffer
+    only where it holds its every value (as the chief's model has them at ps.optimizer), and keeps
+    the others exactly, in their own dtype, with the frozen parameters."""
+    model = Lookups()
+    synced, kept = split_buffers(model)
+    assert [n for n, _ in synced] == ["small_ids", "halves", "counts", "bn.running_mean", "bn.running_var",
+                                      "bn.num_batches_tracked"]
+    assert [n for n, _ in kept] == ["id_map", "scale", "mask", "phase"]
+    synced, kept = split_buffers(model, "bfloat16")  # (1001 needs 10 significant bits, bfloat16 has 8)
+    assert [n for n, _ in kept] == ["id_map", "scale", "mask", "phase", "counts"]
+    model.small_ids[0] = 2**24 + 1
+    assert "small_ids" in [n for n, _ in split_buffers(model)[1]]
+    specs = buffer_specs(Lookups(), kept=True)
+    assert [(s.name, s.dtype, s.buffer) for s in specs] == [("id_map", "int64", True), ("scale", "float64", True),
+                                                            ("mask", "bool", True), ("phase", "complex64", True)]
+    # a buffer registered in two modules: once, with its other name (an export writes both)
+    model = nn.Module()
+    model.x, model.y = nn.Module(), nn.Module()
+    for owner in (model.x, model.y):
+        owner.register_buffer("mean", model.x.mean if hasattr(model.x, "mean") else torch.zeros(2))
+        owner.register_buffer("mask", model.x.mask if hasattr(model.x, "mask") else torch.ones(2, dtype=torch.bool))
+    assert [(s.name, s.aliases) for s in buffer_specs(model)] == [("x.mean", ("y.mean",))]
+    assert [(s.name, s.aliases) for s in buffer_specs(model, kept=True)] == [("x.mask", ("y.mask",))]
+
+
+def test_the_frozen_space_holds_every_dtype_bit_for_bit() -> None:
+    """float32, float16 and bfloat16 values as float32 (one element each, as before); any other
+    dtype's bytes, 4 to an element: int64 values whose halves read as float32 NaNs and infinities,
+    float64 values float32 would round, bools, complex values; tied names under each name."""
+    tensors = {
+        "f32": torch.tensor([1.5, -0.0, float("nan")]),
+        "bf16": torch.tensor([[0.1, 3.0]], dtype=torch.bfloat16),
+        "i64": torch.tensor([2**40 + 1, 0x7FC00001_7F800001, -1, 0x7F800000_FFFFFFFF]),
+        "f64": torch.tensor([1 / 3, 1e300, -5e-324], dtype=torch.float64),
+        "mask": torch.tensor([True, False, True]),
+        "c64": torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64),
+        "i8": torch.tensor([-128, 127, 5], dtype=torch.int8),
+        "none": torch.empty(0, 3, dtype=torch.float64),
+    }
+    specs = [ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), aliases=("tied",) if n == "f64" else ())
+             for n, t in tensors.items()]
+    assert [frozen_words(s) for s in specs] == [3, 2, 8, 6, 1, 4, 1, 0]
+    space = frozen_space(list(zip(specs, tensors.values())))
+    assert space.dtype == torch.float32 and space.numel() == 25
+    back = frozen_tensors(specs, space.clone())
+    assert list(back) == ["f32", "bf16", "i64", "f64", "tied", "mask", "c64", "i8", "none"]
+    for name, t in tensors.items():
+        got = back[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    assert back["tied"] is back["f64"]
+    # a frozen float64 parameter now takes its bytes: another fingerprint than when it took float32 values
+    f64 = [ParamSpec("w", (3,), "float64")]
+    assert fingerprint([], JobSpec(), (), f64) != fingerprint([], JobSpec(), (), [ParamSpec("w", (3,), "float32")])
