@@ -46,17 +46,54 @@ class RowSource(Protocol):
 
     def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU), by table: one call
-        per shard for all of them."""
+        per shard for all of them. observe: a read-only read (a forward with autograd off, or after
+        the worker left)."""
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64 in order, rows [n, dim] float32) of every row of `table` updated at least
         once (read-only)."""
 
 
+class Touched:
+    """The rows one training forward of a table read: their ids, and their leaf, which records their
+    gradient. The leaf is held weakly until a backward gives it a gradient, then until the step
+    takes it: a forward no backward reaches (an evaluation with autograd on, its output gone) keeps
+    nothing in the worker, while the graph of one whose backward is still to come keeps its leaf
+    alive."""
+
+    __slots__ = ("ids", "_ref", "_held")
+
+    def __init__(self, ids: torch.Tensor, leaf: torch.Tensor, kept: bool = False) -> None:
+        self.ids = ids
+        self._ref = weakref.ref(leaf)
+        self._held: torch.Tensor | None = leaf if kept else None
+        if not kept:
+            leaf.register_post_accumulate_grad_hook(self._keep)
+
+    def _keep(self, leaf: torch.Tensor) -> None:
+        self._held = leaf
+
+    def leaf(self) -> torch.Tensor | None:
+        return self._held if self._held is not None else self._ref()
+
+    def gradient(self) -> torch.Tensor | None:
+        leaf = self.leaf()
+        return None if leaf is None else leaf.grad
+
+    def release(self) -> None:
+        self._held = None
+
+
 class SparseEmbedding(nn.Module):
     """What psgrad.Embedding and psgrad.EmbeddingBag share: the table's shape and initialisation,
     torch's options, the binding to a job, the forward's pull, the rows a backward gave gradients
     to, and the table's state (state_dict, load_state_dict, copies).
+
+    A forward with autograd on (torch.is_grad_enabled(), in train() or eval() mode alike, as for
+    torch's modules) is a training forward: its rows take gradients unless the table is frozen
+    (from_pretrained(freeze=True)), and it may be served rows fetched ahead (opt.prefetch, the
+    pipeline) or a row cache's. One under torch.no_grad() or torch.inference_mode(), or after the
+    worker left its job, is a read-only read: no gradients, and rows read now from the servers.
 
     A module is in one of four states: bound (ps.optimizer(model) bound it: forwards pull rows from
     the job, state_dict() reads the rows updated at least once from its servers), fresh (never
@@ -101,7 +138,7 @@ class SparseEmbedding(nn.Module):
         self.table: str | None = None  # its name in the job, once bound (or in the state it loaded)
         self._source: RowSource | None = None
         self._observe = False  # after the worker left: read-only pulls
-        self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows as leaves)
+        self._touched: list[Touched] = []  # the rows of the training forwards since the last step
         self._loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) a state gave an unbound module
         self.frozen = False  # from_pretrained(freeze=True): the rows take no gradient, the table never moves
         self._lost: str | None = None  # why an unbound module's rows are not here (a copy, a closed job)
@@ -169,7 +206,7 @@ class SparseEmbedding(nn.Module):
         of this table (the servers start those rows from them)."""
         loaded = self._loaded if self._loaded is not None and self._loaded[0].numel() else None
         self._source, self._observe, self._loaded, self._lost = None, False, None, None
-        self._touched.clear()
+        self._drop_touched()
         return loaded
 
     def bind(self, table: str, source: RowSource) -> None:
@@ -183,14 +220,14 @@ class SparseEmbedding(nn.Module):
     def read_only(self) -> None:
         """The worker left its job: forwards still read the rows (evaluation), nothing is pushed."""
         self._observe = True
-        self._touched.clear()
+        self._drop_touched()
 
     def release(self, source: RowSource, why: str) -> None:
         """The job of `source` let its connections go (`why` says how): if this module is bound to
         it, it is lost (its rows are on that job's servers, not here)."""
         if self._source is source:
             self._source, self._lost = None, why
-            self._touched.clear()
+            self._drop_touched()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickles and copies (torch.save(model), copy.deepcopy) leave the binding out: its RowSource
@@ -244,7 +281,7 @@ class SparseEmbedding(nn.Module):
         if self._source is None:
             return inverse, self._local_rows(unique).to(ids.device), unique
         # Training pulls are the step's (rows fetched ahead or a row cache may serve them; their
-        # versions are what the push says it computed on); evaluation's are read-only reads.
+        # versions are what the push says it computed on); read-only ones are read now.
         training = self._training()
         got = self._source.pull_tables({self.table or "": unique}, not training)
         return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training), unique
@@ -260,9 +297,11 @@ class SparseEmbedding(nn.Module):
         return self._source
 
     def _training(self) -> bool:
-        """Whether a forward now is a training step's (its rows take gradients and may be served
-        from what the step prefetched), not an evaluation's read-only read."""
-        return self.training and torch.is_grad_enabled() and not self._observe
+        """Whether a forward now is a training forward (autograd on, the worker in its job): its
+        rows take gradients (unless frozen) and may be served from what was fetched ahead, where
+        a read-only read is not. Not self.training: torch's embeddings train in eval() mode too
+        (fine-tuning with dropout off and BatchNorm statistics fixed), and so do these."""
+        return torch.is_grad_enabled() and not self._observe
 
     def unique_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the unique ids of a forward's input, sorted, int64 on the CPU; each id's index into them).
@@ -303,7 +342,9 @@ class SparseEmbedding(nn.Module):
         weight = weight.to(device)
         if training and not self.frozen:
             weight.requires_grad_(True)
-            self._touched.append((unique, weight))
+            if len(self._touched) >= 64:  # (forwards no backward reached, their outputs gone: nothing to keep)
+                self.__dict__["_touched"] = [t for t in self._touched if t.leaf() is not None]
+            self._touched.append(Touched(unique, weight))
         return weight
 
     def _pretrained(self, embeddings: torch.Tensor, freeze: bool) -> None:
@@ -324,14 +365,13 @@ class SparseEmbedding(nn.Module):
 
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients of the rows the forwards since the last call touched, coalesced per id:
-        (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none was touched.
-        Rows a forward pulled but no backward reached count as zero gradients. The padding id's
-        row (padding_idx), which takes no gradient, is left out: pushed, its zero gradient would
-        make the servers store the row (a dynamic table's too), count it for admission and step its
+        (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none has one.
+        Rows a forward pulled but no backward reached have none. The padding id's row
+        (padding_idx), which takes no gradient, is left out: pushed, its zero gradient would make
+        the servers store the row (a dynamic table's too), count it for admission and step its
         optimizer state (Adam's moments decay), where torch leaves the padding row as it is."""
-        touched = self._touched
-        self.__dict__["_touched"] = []  # (as _last_unique: not through nn.Module.__setattr__)
-        parts = [(ids, w.grad) for ids, w in touched if w.grad is not None]
+        parts = [(t.ids, grad) for t in self._touched for grad in [t.gradient()] if grad is not None]
+        self._drop_touched()
         if not parts:
             return None
         if len(parts) == 1:
@@ -358,17 +398,26 @@ class SparseEmbedding(nn.Module):
         """The touched rows' leaves with a gradient, merged into one leaf per id when several
         forwards touched rows (its .grad: what the step pushes), for clip_grad_norm_ to measure and
         scale in place."""
-        leaves = [w for _, w in self._touched if w.grad is not None]
+        leaves = [leaf for leaf in (t.leaf() for t in self._touched) if leaf is not None and leaf.grad is not None]
         if len(leaves) < 2:
             return leaves
+        pending = [t for t in self._touched if t.leaf() is not None and t.gradient() is None]  # (a backward may come)
         taken = self.take_gradients()
         if taken is None:  # (the padding row alone: nothing to push, nothing to measure)
             return []
         ids, grad = taken
         merged = torch.zeros_like(grad)  # (its values are never read: a step pushes gradients only)
         merged.grad = grad
-        self._touched = [(ids, merged)]
+        self._touched = [Touched(ids, merged, kept=True), *pending]
         return [merged]
+
+    def _drop_touched(self) -> list[Touched]:
+        """Forget the rows touched since the last step; returns them (their leaves held until then)."""
+        touched = self._touched
+        self.__dict__["_touched"] = []  # (as _last_unique: not through nn.Module.__setattr__)
+        for t in touched:
+            t.release()
+        return touched
 
     # ----------------------------------------------------------------------------- state
 

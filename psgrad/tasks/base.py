@@ -95,11 +95,12 @@ class Task:
         was_training = model.training
         model.eval()
         loss_sum, correct = 0.0, 0.0
-        for lo in range(0, len(x), self.eval_batch_size):
-            xb, yb = x[lo : lo + self.eval_batch_size].to(device), y[lo : lo + self.eval_batch_size].to(device)
-            logits = model(xb)
-            loss_sum += float(self.loss_fn(logits, yb)) * len(xb)
-            correct += float((logits.argmax(dim=1) == yb).float().sum())
+        with torch.no_grad():  # (an evaluation: no graph, and psgrad embeddings read their rows read-only)
+            for lo in range(0, len(x), self.eval_batch_size):
+                xb, yb = x[lo : lo + self.eval_batch_size].to(device), y[lo : lo + self.eval_batch_size].to(device)
+                logits = model(xb)
+                loss_sum += float(self.loss_fn(logits, yb)) * len(xb)
+                correct += float((logits.argmax(dim=1) == yb).float().sum())
         model.train(was_training)
         return {"test_loss": loss_sum / len(x), "test_accuracy": correct / len(x)}
 

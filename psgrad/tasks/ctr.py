@@ -348,7 +348,8 @@ def ctr_task(seed: int = 0) -> Task:
             extra = {"test_time": now}
         was_training = model.training
         model.eval()
-        logits = torch.cat([model(xs[lo:lo + batch].to(device)).float().cpu() for lo in range(0, len(xs), batch)])
+        with torch.no_grad():  # (read-only reads of the rows: an evaluation's forwards take no gradient)
+            logits = torch.cat([model(xs[lo:lo + batch].to(device)).float().cpu() for lo in range(0, len(xs), batch)])
         model.train(was_training)
         rows, nbytes = embedding_rows(model)
         return {"test_loss": float(bce(logits, ys)), "test_accuracy": float(((logits > 0) == (ys > 0.5)).float().mean()),

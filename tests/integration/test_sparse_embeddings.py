@@ -608,3 +608,37 @@ def test_the_padding_ids_row_is_never_pushed_or_stored_and_training_equals_torch
         with torch.no_grad():
             for x, _ in batches:  # the forwards (padding's outputs included) are torch's
                 torch.testing.assert_close(model(x), twin(x))
+
+
+def _bce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(model(x), y)
+
+
+@pytest.mark.timeout(60)
+def test_a_training_step_in_eval_mode_trains_the_rows_as_torch_does(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """model.eval() with autograd on (fine-tuning with dropout off and BatchNorm's statistics fixed):
+    torch's table trains, and so does psgrad's (before, its forwards in eval mode gave the rows no
+    gradient: only the head trained). A forward under torch.no_grad() records nothing and is not
+    served rows fetched ahead; a training forward in eval mode is."""
+    running = make_servers(1)
+    model, reference = Ctr(mode="mean"), Ctr(sparse=False, mode="mean")
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(22)
+    data = [_batch(gen) for _ in range(2)]
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for m, o in ((model, opt), (reference, torch_opt)):
+            m.eval()
+            for x, y in data:
+                o.zero_grad()
+                _bce(m, x, y).backward()
+                o.step()
+        x, _ = data[0]
+        opt.prefetch({model.emb: x})
+        with torch.no_grad():
+            model.emb(x)  # a read-only read: records nothing, takes none of the prefetched rows
+        assert opt.prefetched.stats.served == 0 and model.emb.take_gradients() is None
+        model.emb(x).sum().backward()  # eval mode, autograd on: a training forward, served the prefetched rows
+        assert opt.prefetched.stats.served == 1 and model.emb.take_gradients() is not None
+    torch.testing.assert_close(_server_table(running), reference.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-5, atol=1e-6)

@@ -426,3 +426,23 @@ def test_clip_grad_norm_covers_the_rows_as_torchs_does_a_dense_table(norm_type: 
     model(BAGS, ONE).sum().backward()
     head_only = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.head.parameters()]), norm_type)
     torch.testing.assert_close(psgrad.clip_grad_norm_(model.parameters(), 1e6, norm_type), head_only)
+
+
+def test_rows_take_gradients_while_autograd_is_on_in_train_and_eval_mode_alike() -> None:
+    """A forward with autograd on takes gradients in eval mode too (torch's tables train there), and
+    keeps its rows only while its graph may still be backpropagated: an evaluation forgetting
+    torch.no_grad() keeps nothing once its output is gone."""
+    mine = psgrad.EmbeddingBag(ROWS, DIM, mode="sum")
+    _bound(mine)
+    mine.eval()
+    out = mine(IDS_2D)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert not mine(IDS_2D).requires_grad
+    del out
+    assert [t.leaf() for t in mine._touched] == [None]  # gone with its output
+    assert mine.take_gradients() is None
+    out = mine(IDS_2D)
+    out.sum().backward()
+    del out  # (the graph is freed by the backward: the leaf is kept for its gradient)
+    assert mine.take_gradients() is not None
