@@ -364,8 +364,13 @@ class PSOptimizer(ScheduledOptimizer):
         return self.flat.device
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)."""
+        """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)
+        and drop the gradients of the rows the model's psgrad embeddings touched since the last step
+        (either way: a row without a gradient is not pushed), as torch's zero_grad clears a table's
+        weight.grad. A backward after it (of a forward before it, too) gives gradients anew."""
         self.flat.zero_grad()
+        for _, module in self.embeddings:
+            module.zero_grad(set_to_none)
 
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
                   reads: RowReads | None = None) -> ExchangeResult:

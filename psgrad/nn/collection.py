@@ -135,6 +135,12 @@ class EmbeddingBagCollection(nn.Module):
         assert isinstance(bag, EmbeddingBag)
         return bag
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of the rows its tables' forwards touched since the last step (see
+        psgrad.EmbeddingBag.zero_grad)."""
+        for bag in self._bags():
+            bag.zero_grad(set_to_none)
+
     def split(self, features: Any) -> Features:
         """Each feature's (ids, offsets) from what forward takes (see the class doc).
 

@@ -57,7 +57,7 @@ class RowSource(Protocol):
 class Touched:
     """The rows one training forward of a table read: their ids, and their leaf, which records their
     gradient. The leaf is held weakly until a backward gives it a gradient, then until the step
-    takes it: a forward no backward reaches (an evaluation with autograd on, its output gone) keeps
+    takes it (or zero_grad() drops it): a forward no backward reaches (an evaluation with autograd on, its output gone) keeps
     nothing in the worker, while the graph of one whose backward is still to come keeps its leaf
     alive."""
 
@@ -80,6 +80,13 @@ class Touched:
         leaf = self.leaf()
         return None if leaf is None else leaf.grad
 
+    def drop_gradient(self) -> None:
+        """zero_grad(): the leaf's gradient is dropped (a backward still to come gives it anew)."""
+        leaf = self.leaf()
+        if leaf is not None:
+            leaf.grad = None
+        self._held = None
+
     def release(self) -> None:
         self._held = None
 
@@ -94,6 +101,8 @@ class SparseEmbedding(nn.Module):
     (from_pretrained(freeze=True)), and it may be served rows fetched ahead (opt.prefetch, the
     pipeline) or a row cache's. One under torch.no_grad() or torch.inference_mode(), or after the
     worker left its job, is a read-only read: no gradients, and rows read now from the servers.
+    Rows a training forward touched keep their gradients until the step pushes them; zero_grad()
+    (the module's, a collection's, or the optimizer's) drops them.
 
     A module is in one of four states: bound (ps.optimizer(model) bound it: forwards pull rows from
     the job, state_dict() reads the rows updated at least once from its servers), fresh (never
@@ -303,6 +312,15 @@ class SparseEmbedding(nn.Module):
         (fine-tuning with dropout off and BatchNorm statistics fixed), and so do these."""
         return torch.is_grad_enabled() and not self._observe
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of the rows this module's forwards touched since the last step (torch's
+        zero_grad of the table's weight): they are not pushed. A forward whose backward comes after
+        this still gives its rows gradients. set_to_none: accepted as torch's (a row's gradient
+        either way is gone: a row without one is not pushed)."""
+        super().zero_grad(set_to_none)
+        for touched in self._touched:
+            touched.drop_gradient()
+
     def unique_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the unique ids of a forward's input, sorted, int64 on the CPU; each id's index into them).
 
@@ -366,10 +384,11 @@ class SparseEmbedding(nn.Module):
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients of the rows the forwards since the last call touched, coalesced per id:
         (unique ids [n] int64, their gradients [n, dim] float32, CPU); None when none has one.
-        Rows a forward pulled but no backward reached have none. The padding id's row
-        (padding_idx), which takes no gradient, is left out: pushed, its zero gradient would make
-        the servers store the row (a dynamic table's too), count it for admission and step its
-        optimizer state (Adam's moments decay), where torch leaves the padding row as it is."""
+        Rows a forward pulled but no backward reached (or whose gradient zero_grad() dropped) have
+        none. The padding id's row (padding_idx), which takes no gradient, is left out: pushed, its
+        zero gradient would make the servers store the row (a dynamic table's too), count it for
+        admission and step its optimizer state (Adam's moments decay), where torch leaves the
+        padding row as it is."""
         parts = [(t.ids, grad) for t in self._touched for grad in [t.gradient()] if grad is not None]
         self._drop_touched()
         if not parts:

@@ -642,3 +642,47 @@ def test_a_training_step_in_eval_mode_trains_the_rows_as_torch_does(make_servers
         assert opt.prefetched.stats.served == 1 and model.emb.take_gradients() is not None
     torch.testing.assert_close(_server_table(running), reference.emb.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zeroing", ["optimizer", "modules"])
+def test_zero_grad_drops_the_rows_gradients_as_torch_does(make_servers, zeroing) -> None:  # type: ignore[no-untyped-def]
+    """A backward whose step is skipped (zero_grad, then another batch), a NaN loss skipped the same
+    way, and zero_grad between a forward and its backward: the table and the head end as torch's
+    dense model does, zeroed by opt.zero_grad() or by the modules' own zero_grad() (the table's for
+    its rows). Before, zero_grad left the rows' gradients: the next step pushed the skipped batch's
+    too, and after the NaN loss it failed with NonFiniteGradientError."""
+    running = make_servers(1)
+    model, reference = Ctr(), Ctr(sparse=False)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(21)
+    (xa, ya), (xb, yb), (xc, yc) = (_batch(gen) for _ in range(3))
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+
+        def zero_psgrad() -> None:
+            if zeroing == "optimizer":
+                opt.zero_grad()
+            else:  # (model.zero_grad() reaches the parameters only: the table's rows take their own)
+                model.zero_grad()
+                model.emb.zero_grad()
+
+        for m, o, zero in ((model, opt, zero_psgrad), (reference, torch_opt, torch_opt.zero_grad)):
+            zero()
+            _bce(m, xa, ya).backward()  # a step skipped
+            zero()
+            _bce(m, xb, yb).backward()
+            o.step()
+            zero()
+            (_bce(m, xa, ya) * float("nan")).backward()  # a NaN loss, skipped
+            zero()
+            _bce(m, xc, yc).backward()
+            o.step()
+            loss = _bce(m, xa, ya)
+            zero()  # between the forward and its backward: the rows still take this backward's gradient
+            loss.backward()
+            o.step()
+        assert model.emb.take_gradients() is None
+    torch.testing.assert_close(_server_table(running), reference.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-5, atol=1e-6)
+    assert running[0].shard.core.state.tables["emb"].version == 3

@@ -428,10 +428,11 @@ def test_clip_grad_norm_covers_the_rows_as_torchs_does_a_dense_table(norm_type: 
     torch.testing.assert_close(psgrad.clip_grad_norm_(model.parameters(), 1e6, norm_type), head_only)
 
 
-def test_rows_take_gradients_while_autograd_is_on_in_train_and_eval_mode_alike() -> None:
+def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> None:
     """A forward with autograd on takes gradients in eval mode too (torch's tables train there), and
-    keeps its rows only while its graph may still be backpropagated: an evaluation forgetting
-    torch.no_grad() keeps nothing once its output is gone."""
+    keeps its rows only while its graph may still be backpropagated (an evaluation forgetting
+    torch.no_grad() keeps nothing once its output is gone); zero_grad() of a table or a collection
+    drops its rows' gradients, and a backward after it still counts."""
     mine = psgrad.EmbeddingBag(ROWS, DIM, mode="sum")
     _bound(mine)
     mine.eval()
@@ -443,6 +444,18 @@ def test_rows_take_gradients_while_autograd_is_on_in_train_and_eval_mode_alike()
     assert [t.leaf() for t in mine._touched] == [None]  # gone with its output
     assert mine.take_gradients() is None
     out = mine(IDS_2D)
+    mine.zero_grad()  # between a forward and its backward
     out.sum().backward()
     del out  # (the graph is freed by the backward: the leaf is kept for its gradient)
     assert mine.take_gradients() is not None
+    mine(IDS_2D).sum().backward()
+    mine.zero_grad(set_to_none=False)
+    assert mine.take_gradients() is None
+
+    ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)})
+    source = LocalRows(ebc.bags["a"].initial_weight())
+    for name, bag in ebc.bags.items():
+        bag.bind(f"ebc.bags.{name}", source)
+    ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
+    ebc.zero_grad()
+    assert all(bag.take_gradients() is None for bag in ebc.bags.values())
