@@ -135,6 +135,19 @@ class EmbeddingBagCollection(nn.Module):
         assert isinstance(bag, EmbeddingBag)
         return bag
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any of its tables takes gradients (see requires_grad_)."""
+        return any(bag.requires_grad for bag in self._bags())
+
+    def requires_grad_(self, requires_grad: bool = True) -> EmbeddingBagCollection:
+        """Freeze (False) or unfreeze (True) every table of the collection (psgrad.EmbeddingBag's
+        requires_grad_: frozen rows take no gradient, and the servers' rows do not move)."""
+        for bag in self._bags():
+            bag.requires_grad_(requires_grad)
+        super().requires_grad_(requires_grad)
+        return self
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the rows its tables' forwards touched since the last step (see
         psgrad.EmbeddingBag.zero_grad)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ EMBEDDING_BAG_MODES = ("sum", "mean", "max")
 # when loading, where the module's place in the model names it).
 STATE_KEYS = ("ids", "rows", "init", "init_std", "table")
 REQUIRED_STATE_KEYS = STATE_KEYS[:4]
+E = TypeVar("E", bound="SparseEmbedding")
 
 
 class RowSource(Protocol):
@@ -98,11 +99,11 @@ class SparseEmbedding(nn.Module):
 
     A forward with autograd on (torch.is_grad_enabled(), in train() or eval() mode alike, as for
     torch's modules) is a training forward: its rows take gradients unless the table is frozen
-    (from_pretrained(freeze=True)), and it may be served rows fetched ahead (opt.prefetch, the
-    pipeline) or a row cache's. One under torch.no_grad() or torch.inference_mode(), or after the
-    worker left its job, is a read-only read: no gradients, and rows read now from the servers.
-    Rows a training forward touched keep their gradients until the step pushes them; zero_grad()
-    (the module's, a collection's, or the optimizer's) drops them.
+    (requires_grad_(False), or from_pretrained(freeze=True)), and it may be served rows fetched
+    ahead (opt.prefetch, the pipeline) or a row cache's. One under torch.no_grad() or
+    torch.inference_mode(), or after the worker left its job, is a read-only read: no gradients,
+    and rows read now from the servers. Rows a training forward touched keep their gradients until
+    the step pushes them; zero_grad() (the module's, a collection's, or the optimizer's) drops them.
 
     A module is in one of four states: bound (ps.optimizer(model) bound it: forwards pull rows from
     the job, state_dict() reads the rows updated at least once from its servers), fresh (never
@@ -149,7 +150,8 @@ class SparseEmbedding(nn.Module):
         self._observe = False  # after the worker left: read-only pulls
         self._touched: list[Touched] = []  # the rows of the training forwards since the last step
         self._loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) a state gave an unbound module
-        self.frozen = False  # from_pretrained(freeze=True): the rows take no gradient, the table never moves
+        # requires_grad_(False), from_pretrained(freeze=True): the rows take no gradient, the table does not move
+        self.frozen = False
         self._lost: str | None = None  # why an unbound module's rows are not here (a copy, a closed job)
         # the last input's unique ids: (the input, its version counter, unique ids, each id's index)
         self._last_unique: tuple[weakref.ref[torch.Tensor], int, torch.Tensor, torch.Tensor] | None = None
@@ -311,6 +313,27 @@ class SparseEmbedding(nn.Module):
         a read-only read is not. Not self.training: torch's embeddings train in eval() mode too
         (fine-tuning with dropout off and BatchNorm statistics fixed), and so do these."""
         return torch.is_grad_enabled() and not self._observe
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the rows take gradients (torch's weight.requires_grad): False once frozen by
+        requires_grad_(False) or from_pretrained(freeze=True)."""
+        return not self.frozen
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
+    def requires_grad_(self: E, requires_grad: bool = True) -> E:
+        """Freeze (False) or unfreeze (True) the table, as torch's requires_grad_ does a module's
+        weight: a frozen table's forwards give its rows no gradient, so no step pushes any and its
+        rows on the servers do not move (the rule from_pretrained(freeze=True) sets). Gradients of
+        forwards before it stay until the step or zero_grad(), as torch's .grad does. A parent's
+        requires_grad_ does not reach this module (torch's walks parameters(), and a table has
+        none): call it on the table (or the collection), or on each of model.modules()."""
+        super().requires_grad_(requires_grad)
+        self.frozen = not requires_grad
+        return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the rows this module's forwards touched since the last step (torch's

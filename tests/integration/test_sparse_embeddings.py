@@ -686,3 +686,42 @@ def test_zero_grad_drops_the_rows_gradients_as_torch_does(make_servers, zeroing)
     torch.testing.assert_close(_server_table(running), reference.emb.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-5, atol=1e-6)
     assert running[0].shard.core.state.tables["emb"].version == 3
+
+
+@pytest.mark.timeout(60)
+def test_requires_grad_false_freezes_a_tables_rows_and_true_unfreezes_them(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """module.requires_grad_(False), torch's way to freeze a module: the table's rows stay as they
+    are on the servers while the head trains, as torch's frozen table does; requires_grad_(True)
+    (or requires_grad = True) trains them again. Before, requires_grad_ reached no parameter (a
+    table has none) and the rows kept training."""
+    running = make_servers(1)
+    model, reference = Ctr(), Ctr(sparse=False)
+    assert model.emb.requires_grad_(False) is model.emb and model.emb.requires_grad is False
+    reference.emb.requires_grad_(False)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(23)
+    data = [_batch(gen) for _ in range(4)]
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for m, o in ((model, opt), (reference, torch_opt)):
+            for k, (x, y) in enumerate(data):
+                if k == 2:  # unfrozen for the last two steps
+                    if m is model:
+                        m.emb.requires_grad = True
+                    else:
+                        m.emb.requires_grad_(True)
+                o.zero_grad()
+                _bce(m, x, y).backward()
+                o.step()
+                if k == 1 and m is model:
+                    assert running[0].shard.core.state.tables["emb"].version == 0  # frozen: never updated
+        assert model.emb.requires_grad is True
+    assert running[0].shard.core.state.tables["emb"].version == 2
+    torch.testing.assert_close(_server_table(running), reference.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-5, atol=1e-6)
+    # one rule for every way to freeze: a collection's tables, from_pretrained(freeze=True)
+    collection = psgrad.EmbeddingBagCollection({"a": (10, 2), "b": (20, 2)})
+    assert collection.requires_grad_(False) is collection and not collection.requires_grad
+    assert not any(bag.requires_grad for bag in collection.bags.values())
+    pretrained = psgrad.Embedding.from_pretrained(torch.zeros(5, 2))
+    assert pretrained.requires_grad is False and pretrained.requires_grad_().requires_grad is True

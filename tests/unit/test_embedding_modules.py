@@ -432,7 +432,8 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     """A forward with autograd on takes gradients in eval mode too (torch's tables train there), and
     keeps its rows only while its graph may still be backpropagated (an evaluation forgetting
     torch.no_grad() keeps nothing once its output is gone); zero_grad() of a table or a collection
-    drops its rows' gradients, and a backward after it still counts."""
+    drops its rows' gradients, and a backward after it still counts; requires_grad_(False)
+    freezes the rows (the collection's: every table's)."""
     mine = psgrad.EmbeddingBag(ROWS, DIM, mode="sum")
     _bound(mine)
     mine.eval()
@@ -451,6 +452,8 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     mine(IDS_2D).sum().backward()
     mine.zero_grad(set_to_none=False)
     assert mine.take_gradients() is None
+    mine.requires_grad_(False)
+    assert not mine(IDS_2D).requires_grad and mine.take_gradients() is None
 
     ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)})
     source = LocalRows(ebc.bags["a"].initial_weight())
@@ -459,3 +462,8 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
     ebc.zero_grad()
     assert all(bag.take_gradients() is None for bag in ebc.bags.values())
+    ebc.requires_grad_(False)
+    assert not ebc({"a": IDS_2D, "b": IDS_2D}).requires_grad and not ebc.requires_grad
+    ebc.requires_grad_(True)
+    ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
+    assert all(bag.take_gradients() is not None for bag in ebc.bags.values())
