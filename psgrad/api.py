@@ -378,12 +378,13 @@ class PSOptimizer(ScheduledOptimizer):
         of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for)."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        rows = {}
+        rows, bases = {}, {}
         for name, module in self.embeddings:
-            taken = module.take_gradients()
-            if taken is not None:
-                rows[name] = taken
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads)
+            taken = module.take_row_gradients()
+            if taken is not None:  # (pushed with the versions its rows were read at: their staleness)
+                rows[name], bases[name] = (taken.ids, taken.grads), taken.bases
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
+                                                 bases)
         evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,

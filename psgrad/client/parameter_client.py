@@ -38,6 +38,8 @@ from psgrad.wire.rows import RowBlock
 T = TypeVar("T")
 # table -> (unique row ids [n] int64, their gradients [n, dim] float32): one step's row gradients
 RowGradients = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# table -> {shard: the version its rows were read at}: the base of a push of gradients computed on them
+RowBases = Mapping[str, Mapping[int, int]]
 _log = logging.getLogger("psgrad.client")
 # A worker waiting at the sync/ssp start asks the shards again at least this often (each answer says
 # who has joined), and logs who is missing when that changes or every START_NOTE_S.
@@ -101,7 +103,9 @@ class ParameterClient:
         # one its latest join (or rejoin) answered: the table is read again when they differ.
         self.frozen_held = [-1] * plan.num_shards
         self.frozen_seen = [0] * plan.num_shards
-        # (table, shard) -> the table version that shard's rows were last pulled at
+        # (table, shard) -> the table version that shard's rows were last pulled at: a push's base
+        # for rows whose read it is not told (a push is told each table's oldest read its gradient
+        # came from: PSOptimizer passes them, from the rows its forwards were served)
         self.row_versions: dict[tuple[str, int], int] = {}
         # The latest placement of each group of tables (see _place): a step pushes the gradients of
         # the very ids its forward read, which the step before placed when it fetched them.
@@ -506,12 +510,12 @@ class ParameterClient:
         ), rows)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
-             rows: RowGradients | None = None) -> list[PushOutcome]:
+             rows: RowGradients | None = None, bases: RowBases | None = None) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
         and the learning rate in effect (None: the job's), and its part of the step's row gradients
-        of sparse tables (`rows`) in the same call: applied together or not at all. Returns each
-        shard's answer."""
-        split = self._split_rows(rows)
+        of sparse tables (`rows`, computed on rows read at `bases`: see _split_rows) in the same
+        call: applied together or not at all. Returns each shard's answer."""
+        split = self._split_rows(rows, bases)
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
@@ -528,9 +532,9 @@ class ParameterClient:
 
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
-        rows: RowGradients | None = None, reads: RowReads | None = None,
+        rows: RowGradients | None = None, reads: RowReads | None = None, bases: RowBases | None = None,
     ) -> tuple[list[PushOutcome], list[int]]:
-        """One iteration's traffic: push(flat_grad, clock, lr, rows), then pull(flat, clock + 1) and
+        """One iteration's traffic: push(flat_grad, clock, lr, rows, bases), then pull(flat, clock + 1) and
         the rows `reads` asks for (reads.rows holds them afterwards), per shard in one Step call
         where it fits (same host, or payloads of at most one chunk), else as a push followed by a
         pull and a read of rows. The rows are read once the pull's gate holds (sync: after this
@@ -538,12 +542,12 @@ class ParameterClient:
         another shard still receives the push. Returns each shard's answer to the push and the
         versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            done = self.push(flat_grad, clock, lr, rows), self.pull(flat, clock + 1, published=published)
+            done = self.push(flat_grad, clock, lr, rows, bases), self.pull(flat, clock + 1, published=published)
             if reads is not None:
                 reads.rows = self.pull_tables(reads.ids, checked=reads.checked)
             return done
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
-        split = self._split_rows(rows)
+        split = self._split_rows(rows, bases)
         plan = _ReadPlan(self, reads.ids, reads.checked) if reads is not None else None
 
         def one(i: int, s: ShardClient) -> Generator[None, None, tuple[PushOutcome, int, RowsRead | None]]:
@@ -596,12 +600,12 @@ class ParameterClient:
         return self.pull_tables({table: ids}, observe)[table]
 
     def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool = False,
-                    checked: bool = False) -> dict[str, torch.Tensor]:
+                    checked: bool = False) -> row_placement.PulledRows:
         """Rows [len(ids), dim] (float32, CPU) of every sparse table `lookups` names, for its row
         ids (unique, int64, CPU): one call per shard that holds some of them, whatever the number
-        of tables, concurrently. Remembers each shard's table versions (the push of their
-        gradients says what they were pulled at). checked: the caller checked the ids against
-        their tables' ranges (see RowReads).
+        of tables, concurrently, with the versions they were read at (the push of their gradients
+        says so; remembered as row_versions too, unless observe). checked: the caller checked the
+        ids against their tables' ranges (see RowReads).
 
         Raises:
             InvalidRequestError: the job has no such table, or an id is out of range.
@@ -649,10 +653,12 @@ class ParameterClient:
             have = ", ".join(repr(n) for n in self.tables) or "none"
             raise errors.InvalidRequestError(f"the job has no sparse table {name!r}; its tables: {have}") from None
 
-    def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> list[RowBlock]:
+    def _split_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
+                    bases: RowBases | None = None) -> list[RowBlock]:
         """Each shard's part of rows of sparse tables, table -> (ids, their gradients or values), as
-        one block per shard (tables with ids there only), with each table's version on that shard:
-        its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py), placed for all
+        one block per shard (tables with ids there only), with each table's base version on that
+        shard: the version its rows were read at (bases[table][shard], the oldest read the
+        gradient came from; else that shard's latest read of the table, row_versions): its rows (id mod S; a dynamic table's by the ids' hash, see core/rows.py), placed for all
         tables of one row width at once; a shard's rows of one width are one slice of one gather."""
         S = len(self.shards)
         parts: list[list[tuple[list[str], list[int], torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(S)]
@@ -664,7 +670,9 @@ class ParameterClient:
                 for i in range(S):
                     kept = [t for t in range(len(names)) if place.counts[i][t]]
                     parts[i].append(([names[t] for t in kept], [place.counts[i][t] for t in kept], ids[i], values[i]))
-        return [RowBlock.of_groups(groups, [self.row_versions.get((name, i), 0) for g in groups for name in g[0]])
+        known = bases or {}
+        return [RowBlock.of_groups(groups, [known.get(name, {}).get(i, self.row_versions.get((name, i), 0))
+                                            for g in groups for name in g[0]])
                 for i, groups in enumerate(parts)]
 
     def _place(self, lookups: Mapping[str, torch.Tensor],
@@ -813,7 +821,7 @@ class RowReads:
     a forward's unique ids), so the read does not check them again."""
 
     ids: Mapping[str, torch.Tensor]
-    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: row_placement.PulledRows = field(default_factory=row_placement.PulledRows)
     checked: bool = False
 
 
@@ -847,10 +855,12 @@ class _ReadPlan:
         """What shard `index` is asked for, all tables in one block (empty: none of its rows)."""
         return self._asks[index]
 
-    def place(self, replies: Mapping[int, RowsRead], observe: bool) -> dict[str, torch.Tensor]:
-        """Each table's rows from the shards' replies; remembers their versions (not when observe)."""
+    def place(self, replies: Mapping[int, RowsRead], observe: bool) -> row_placement.PulledRows:
+        """Each table's rows from the shards' replies, with the versions they were read at;
+        remembers those as the client's row_versions too (not when observe)."""
         dims = [self._client._table(names[0]).dim for names, _ in self._groups]
         out = [torch.empty(sum(place.sizes), dim) for (_, place), dim in zip(self._groups, dims)]
+        read: dict[str, dict[int, int]] = {name: {} for names, _ in self._groups for name in names}
         for i, (versions, data) in replies.items():
             address = self._client.shards[i].address
             asked = sum(n * dims[g] * 4 for g, _, _, n in self._parts[i])
@@ -870,11 +880,12 @@ class _ReadPlan:
                 else:
                     out[g].index_copy_(0, at, _float_rows(data[offset:offset + nbytes], rows, dims[g]))
                 offset += nbytes
-            if not observe:
-                for (_, _, table, _), version in zip(self._parts[i], versions):
+            for (_, _, table, _), version in zip(self._parts[i], versions):
+                read[table][i] = version
+                if not observe:
                     self._client.row_versions[(table, i)] = version
-        return {name: rows for (names, place), group in zip(self._groups, out)
-                for name, rows in zip(names, group.split(place.sizes))}
+        return row_placement.PulledRows({name: rows for (names, place), group in zip(self._groups, out)
+                                         for name, rows in zip(names, group.split(place.sizes))}, read)
 
 
 def _float_rows(data: memoryview, rows: int, dim: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ subset of rows is made without the others, and the same on any machine."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -107,6 +107,28 @@ def _shards_of(ids: np.ndarray, num_shards: int, dynamic: bool) -> np.ndarray:
     if dynamic:
         return (splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
     return ids % num_shards
+
+
+class PulledRows(dict[str, torch.Tensor]):
+    """Rows read from a job's shards, by table ([len(ids), dim] float32, CPU), with `versions`: the
+    version each table had on each shard its rows came from (table -> {shard: version}). A push of
+    gradients computed on these rows says so (its per-table base version on each shard), and the
+    table's staleness counts from it."""
+
+    def __init__(self, rows: Mapping[str, torch.Tensor] | None = None,
+                 versions: Mapping[str, Mapping[int, int]] | None = None) -> None:
+        super().__init__(rows or {})
+        self.versions: dict[str, dict[int, int]] = {t: dict(v) for t, v in (versions or {}).items()}
+
+
+def oldest(*versions: Mapping[int, int] | None) -> dict[int, int]:
+    """Each shard's oldest version among reads' versions ({shard: version} each; None: a read
+    whose versions are not known, left out)."""
+    out: dict[int, int] = {}
+    for read in versions:
+        for shard, version in (read or {}).items():
+            out[shard] = min(version, out.get(shard, version))
+    return out
 
 
 def local_index(ids: torch.Tensor, num_shards: int) -> torch.Tensor:

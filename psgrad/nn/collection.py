@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from psgrad.errors import ConfigError
 from psgrad.nn import lookups
-from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, unique_ids_of
+from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, read_versions, unique_ids_of
 
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
 Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
@@ -288,7 +288,7 @@ class EmbeddingBagCollection(nn.Module):
         training = bags[0]._training()
         got = source.pull_tables({bag.table or "": u for bag, u in zip(bags, uniques)}, not training)
         device = {table: parts[k][0].device for k, table in reversed(list(enumerate(tables)))}  # its first feature's
-        rows = {name: bag.attach_rows(u, got[bag.table or ""], device[name], training)
+        rows = {name: bag.attach_rows(u, got[bag.table or ""], device[name], training, read_versions(got, bag.table or ""))
                 for name, bag, u in zip(self.bags, bags, uniques)}
         weights = [rows[table] for table in tables]
         offsets = [o for _, o, _ in parts]

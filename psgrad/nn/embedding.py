@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -47,25 +47,38 @@ class RowSource(Protocol):
 
     def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU), by table: one call
-        per shard for all of them. observe: a read-only read (a forward with autograd off, or after
-        the worker left)."""
+        per shard for all of them. A job's sources return a rows.PulledRows, which also says the
+        versions the rows were read at (what the push of their gradients reports as its base).
+        observe: a read-only read (a forward with autograd off, or after the worker left)."""
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64 in order, rows [n, dim] float32) of every row of `table` updated at least
         once (read-only)."""
 
 
+class RowGradient(NamedTuple):
+    """A table's row gradients for a push: the ids (unique, sorted, int64), their gradients
+    coalesced per id ([n, dim] float32, CPU), and bases: the versions the rows were read at, per
+    shard the oldest read a gradient came from ({shard: version}; empty where the source did not
+    say)."""
+
+    ids: torch.Tensor
+    grads: torch.Tensor
+    bases: dict[int, int]
+
+
 class Touched:
-    """The rows one training forward of a table read: their ids, and their leaf, which records their
-    gradient. The leaf is held weakly until a backward gives it a gradient, then until the step
-    takes it (or zero_grad() drops it): a forward no backward reaches (an evaluation with autograd on, its output gone) keeps
-    nothing in the worker, while the graph of one whose backward is still to come keeps its leaf
-    alive."""
+    """The rows one training forward of a table read: their ids, the versions they were read at by
+    shard (None: not known), and their leaf, which records their gradient. The leaf is held weakly
+    until a backward gives it a gradient, then until the step takes it (or zero_grad() drops it):
+    a forward no backward reaches (an evaluation with autograd on, its output gone) keeps nothing
+    in the worker, while the graph of one whose backward is still to come keeps its leaf alive."""
 
-    __slots__ = ("ids", "_ref", "_held")
+    __slots__ = ("ids", "versions", "_ref", "_held")
 
-    def __init__(self, ids: torch.Tensor, leaf: torch.Tensor, kept: bool = False) -> None:
-        self.ids = ids
+    def __init__(self, ids: torch.Tensor, leaf: torch.Tensor, versions: Mapping[int, int] | None,
+                 kept: bool = False) -> None:
+        self.ids, self.versions = ids, None if versions is None else dict(versions)
         self._ref = weakref.ref(leaf)
         self._held: torch.Tensor | None = leaf if kept else None
         if not kept:
@@ -295,7 +308,8 @@ class SparseEmbedding(nn.Module):
         # versions are what the push says it computed on); read-only ones are read now.
         training = self._training()
         got = self._source.pull_tables({self.table or "": unique}, not training)
-        return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training), unique
+        return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training,
+                                         read_versions(got, self.table or "")), unique
 
     def bound_source(self) -> RowSource:
         """The job's rows this module is bound to.
@@ -377,15 +391,17 @@ class SparseEmbedding(nn.Module):
         """The rows a forward of `input` reads, by table (what a prefetch asks the servers for)."""
         return {self.table or "": self.unique_ids(input)[0]}
 
-    def attach_rows(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool) -> torch.Tensor:
+    def attach_rows(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool,
+                    versions: Mapping[int, int] | None = None) -> torch.Tensor:
         """The pulled rows of `unique` as this forward uses them: on the input's device and, when
-        training (and not frozen), a leaf that records its gradient (taken by take_gradients)."""
+        training (and not frozen), a leaf that records its gradient (taken by take_gradients), with
+        the versions the rows were read at by shard (the base of the push of that gradient)."""
         weight = weight.to(device)
         if training and not self.frozen:
             weight.requires_grad_(True)
             if len(self._touched) >= 64:  # (forwards no backward reached, their outputs gone: nothing to keep)
                 self.__dict__["_touched"] = [t for t in self._touched if t.leaf() is not None]
-            self._touched.append(Touched(unique, weight))
+            self._touched.append(Touched(unique, weight, versions))
         return weight
 
     def _pretrained(self, embeddings: torch.Tensor, freeze: bool) -> None:
@@ -412,18 +428,28 @@ class SparseEmbedding(nn.Module):
         zero gradient would make the servers store the row (a dynamic table's too), count it for
         admission and step its optimizer state (Adam's moments decay), where torch leaves the
         padding row as it is."""
-        parts = [(t.ids, grad) for t in self._touched for grad in [t.gradient()] if grad is not None]
+        taken = self.take_row_gradients()
+        return None if taken is None else (taken.ids, taken.grads)
+
+    def take_row_gradients(self) -> RowGradient | None:
+        """take_gradients(), with the versions the rows were read at: per shard the oldest read
+        among the forwards whose rows have a gradient (two forwards before one step: the first's,
+        where it read that shard), what the push reports as the rows' base."""
+        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
         self._drop_touched()
         if not parts:
             return None
+        bases = rows.oldest(*(versions for _, _, versions in parts))
         if len(parts) == 1:
-            ids, grad = parts[0]
-            return self._without_padding(ids, grad.detach().to("cpu", torch.float32).contiguous())
-        all_ids = torch.cat([ids for ids, _ in parts])
-        grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in parts])
-        unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
-        summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
-        return self._without_padding(unique, summed)
+            ids, grad, _ = parts[0]
+            kept = self._without_padding(ids, grad.detach().to("cpu", torch.float32).contiguous())
+        else:
+            all_ids = torch.cat([ids for ids, _, _ in parts])
+            grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g, _ in parts])
+            unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+            summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
+            kept = self._without_padding(unique, summed)
+        return None if kept is None else RowGradient(kept[0], kept[1], bases)
 
     def _without_padding(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids, grads) without the padding id's row (ids: unique, sorted); None when nothing is left."""
@@ -444,13 +470,13 @@ class SparseEmbedding(nn.Module):
         if len(leaves) < 2:
             return leaves
         pending = [t for t in self._touched if t.leaf() is not None and t.gradient() is None]  # (a backward may come)
-        taken = self.take_gradients()
+        taken = self.take_row_gradients()
         if taken is None:  # (the padding row alone: nothing to push, nothing to measure)
+            self._touched = [*pending]
             return []
-        ids, grad = taken
-        merged = torch.zeros_like(grad)  # (its values are never read: a step pushes gradients only)
-        merged.grad = grad
-        self._touched = [Touched(ids, merged, kept=True), *pending]
+        merged = torch.zeros_like(taken.grads)  # (its values are never read: a step pushes gradients only)
+        merged.grad = taken.grads
+        self._touched = [Touched(taken.ids, merged, taken.bases, kept=True), *pending]
         return [merged]
 
     def _drop_touched(self) -> list[Touched]:
@@ -688,6 +714,11 @@ def _shape(embeddings: torch.Tensor) -> tuple[int, int]:
     if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
         raise ConfigError(f"from_pretrained takes a 2-D tensor of embeddings, got {getattr(embeddings, 'shape', embeddings)!r}")
     return int(embeddings.shape[0]), int(embeddings.shape[1])
+
+
+def read_versions(got: Mapping[str, torch.Tensor], table: str) -> dict[int, int] | None:
+    """The versions a source's read of `table` was made at, by shard (None: it did not say)."""
+    return got.versions.get(table) if isinstance(got, rows.PulledRows) else None
 
 
 def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

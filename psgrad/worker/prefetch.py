@@ -2,7 +2,10 @@
 call per shard, whether its tables are one module or many) and a step's exchange that brings the next
 batch's rows back with the fresh weights (`opt.step(prefetch=...)`, `opt.pipeline(...)`). A RowSource
 in front of the worker's other one: a training forward that asks a table for exactly the ids that
-were fetched for it gets those rows (once); any other read goes through."""
+were fetched for it gets those rows (once); any other read goes through. Each held table keeps
+the versions its rows were read at, which the forward's leaves keep, and the push of their
+gradients reports (the staleness of a table counts from the read its gradient was computed on, not
+from a later one)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from psgrad.core.rows import PulledRows
 from psgrad.nn.embedding import RowSource
 
 
@@ -27,14 +31,16 @@ class Prefetched:
 
     def __init__(self, source: RowSource) -> None:
         self._source = source
-        self._held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (ids, rows)
+        self._held: dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, int] | None]] = {}  # table -> (ids, rows, versions)
         self.stats = PrefetchStats()
 
     def hold(self, ids: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]) -> None:
-        """Keep the rows fetched for `ids` (by table) for the forward that reads them; rows held
-        before and never read are dropped."""
+        """Keep the rows fetched for `ids` (by table) for the forward that reads them, with the
+        versions they were read at (where `rows` is a PulledRows); rows held before and never read
+        are dropped."""
         self.clear()
-        self._held = {table: (ids[table], rows[table]) for table in ids}
+        versions = rows.versions if isinstance(rows, PulledRows) else {}
+        self._held = {table: (ids[table], rows[table], versions.get(table)) for table in ids}
 
     def clear(self) -> None:
         self.stats.unused += len(self._held)
@@ -44,19 +50,25 @@ class Prefetched:
         """The servers' rows of `table` updated at least once (read past what is held)."""
         return self._source.updated_rows(table)
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
         if observe:
-            return self._source.pull_tables(lookups, observe)
-        out: dict[str, torch.Tensor] = {}
+            got = self._source.pull_tables(lookups, observe)
+            return got if isinstance(got, PulledRows) else PulledRows(got)
+        out = PulledRows()
         rest: dict[str, torch.Tensor] = {}
         for table, ids in lookups.items():
             held = self._held.pop(table, None)
             if held is not None and (held[0] is ids or held[0].shape == ids.shape and torch.equal(held[0], ids)):
                 out[table] = held[1]
+                if held[2] is not None:
+                    out.versions[table] = held[2]
                 self.stats.served += 1
             else:
                 self.stats.unused += held is not None
                 rest[table] = ids
         if rest:
-            out.update(self._source.pull_tables(rest, observe))
+            got = self._source.pull_tables(rest, observe)
+            out.update(got)
+            if isinstance(got, PulledRows):
+                out.versions.update(got.versions)
         return out

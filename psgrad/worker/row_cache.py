@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from psgrad.core.rows import PulledRows, oldest
 from psgrad.errors import ConfigError
 from psgrad.nn.embedding import RowSource
 
@@ -43,6 +44,20 @@ class _TableCache:
         self.used = torch.full((capacity,), -1, dtype=torch.int64)  # the step it was last served at
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # unused slots (a stack)
         self.nfree = capacity
+        # step -> the versions (by shard) of the table's pulls at that step: a hit's read versions
+        self.read_at: dict[int, dict[int, int]] = {}
+
+    def pulled_at(self, step: int, versions: dict[int, int] | None, staleness: int) -> None:
+        """Remember the versions of a pull at `step` (forgetting steps no cached row is fresh from)."""
+        self.read_at[step] = oldest(self.read_at.get(step), versions)
+        for old in [s for s in self.read_at if s <= step - staleness]:
+            del self.read_at[old]
+
+    def hit_versions(self, slots: torch.Tensor) -> dict[int, int]:
+        """The versions the cached rows in `slots` were read at, by shard: the oldest of the pulls
+        they came from (a shard's may be older than its rows' own: the pull's other rows there)."""
+        steps = torch.unique(self.pulled[slots]).tolist()
+        return oldest(*(self.read_at.get(int(step)) for step in steps))
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(whether each id is cached, its slot where it is)."""
@@ -93,13 +108,15 @@ class RowCache:
         """The servers' rows of `table` updated at least once (read past the cache)."""
         return self._source.updated_rows(table)
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
         """Each table's rows for its ids: the fresh cached ones from memory, the rest pulled from the
-        source, every table's misses in one grouped pull."""
+        source, every table's misses in one grouped pull; with the versions they were read at (a
+        table's: per shard the oldest of its hits' pulls and this one)."""
         if observe:
-            return self._source.pull_tables(lookups, observe)
+            read_only = self._source.pull_tables(lookups, observe)
+            return read_only if isinstance(read_only, PulledRows) else PulledRows(read_only)
         step = self._step()
-        out: dict[str, torch.Tensor] = {}
+        out = PulledRows()
         plans: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # table -> (found, slot, missing)
         misses: dict[str, torch.Tensor] = {}
         for table, ids in lookups.items():
@@ -114,6 +131,8 @@ class RowCache:
             hit = slot[fresh]
             out[table][fresh] = cache.rows[hit]
             cache.used[hit] = step
+            if hit.numel():
+                out.versions[table] = cache.hit_versions(hit)
             missing = ~fresh
             hits = int(fresh.sum())
             self.stats.hits += hits
@@ -122,15 +141,19 @@ class RowCache:
                 plans[table] = (found, slot, missing)
                 misses[table] = ids[missing]
         pulled = self._source.pull_tables(misses, observe) if misses else {}
+        read = pulled.versions if isinstance(pulled, PulledRows) else {}
         for table, got in pulled.items():
             ids = lookups[table]
+            out.versions[table] = oldest(out.versions.get(table), read.get(table))
             if table not in self._tables:
                 self._tables[table] = _TableCache(got.shape[1], self.capacity)
+                self._tables[table].pulled_at(step, read.get(table), self.staleness)
                 self._tables[table].put(ids, got, step)
                 self.stats.misses += ids.numel()
                 out[table] = got
                 continue
             cache = self._tables[table]
+            cache.pulled_at(step, read.get(table), self.staleness)
             found, slot, missing = plans[table]
             rows = out[table]
             rows[missing] = got

@@ -725,3 +725,39 @@ def test_requires_grad_false_freezes_a_tables_rows_and_true_unfreezes_them(make_
     assert not any(bag.requires_grad for bag in collection.bags.values())
     pretrained = psgrad.Embedding.from_pretrained(torch.zeros(5, 2))
     assert pretrained.requires_grad is False and pretrained.requires_grad_().requires_grad is True
+
+
+@pytest.mark.timeout(60)
+def test_a_push_counts_the_rows_staleness_from_the_oldest_read_of_its_gradient(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Async, two workers: worker 0 reads rows, worker 1 updates them, worker 0 reads them again and
+    pushes the gradient of both forwards (gradient accumulation): its push is one update stale (it
+    claimed its latest read before, staleness 0). With a row cache, a forward of cached rows (read a
+    step ago) and pulled ones counts from the cached ones."""
+    running = make_servers(1)
+    gen = torch.Generator().manual_seed(24)
+    x, y = _batch(gen)
+    models = [Ctr(), Ctr()]
+    with psgrad.connect([running[0].address], rank=0, num_workers=2, optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as p0, \
+            psgrad.connect([running[0].address], rank=1, num_workers=2, optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as p1:
+        opts = [p0.optimizer(models[0]), p1.optimizer(models[1])]
+        opts[0].zero_grad()
+        _bce(models[0], x, y).backward()  # rows of version 0
+        opts[1].zero_grad()
+        _bce(models[1], x, y).backward()
+        opts[1].step()  # version 1
+        _bce(models[0], x, y).backward()  # rows of version 1
+        opts[0].step()
+        table = running[0].shard.core.state.tables["emb"]
+        assert (table.version, table.staleness_max, table.staleness_sum) == (2, 1, 1)
+
+    running = make_servers(1)
+    model = Ctr()
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model, row_cache=100, row_cache_staleness=3)
+        for ids in ([[1, 2, 3]], [[1, 2, 4]]):  # step 1: rows 1 and 2 cached at version 0, row 4 pulled at 1
+            opt.zero_grad()
+            _bce(model, torch.tensor(ids), torch.ones(1)).backward()
+            opt.step()
+        assert opt.row_cache.stats.hits == 2
+        table = running[0].shard.core.state.tables["emb"]
+        assert (table.version, table.staleness_max) == (2, 1)

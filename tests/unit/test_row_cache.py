@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
+from psgrad.core.rows import PulledRows
 from psgrad.errors import ConfigError
 from psgrad.worker.row_cache import RowCache
 
@@ -69,3 +70,25 @@ def test_every_tables_misses_go_in_one_pull() -> None:
     assert source.tables == [["a", "b"], ["a", "b"]] and source.calls == [[1, 2], [4]]
     assert got["b"][:, 0].tolist() == [1003, 2005]
     assert (cache.stats.hits, cache.stats.misses) == (3, 5)
+
+
+def test_a_read_says_the_versions_of_the_pulls_its_cached_rows_came_from() -> None:
+    """Each pull of the source is read at a newer version (the number of calls); a read that the cache
+    serves in part says, per shard, the oldest version its rows came from: a push of their
+    gradients counts their staleness from it (not from the newest pull's)."""
+
+    class Versioned(Source):
+        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
+            got = super().pull_tables(lookups, observe)
+            return PulledRows(got, {t: {0: len(self.calls)} for t in lookups})
+
+    source, step = Versioned(), [0]
+    cache = RowCache(source, capacity=10, staleness=3, step=lambda: step[0])
+    assert cache.pull_tables({"t": torch.tensor([1, 2])}, False).versions == {"t": {0: 1}}
+    step[0] = 1
+    assert cache.pull_tables({"t": torch.tensor([3])}, False).versions == {"t": {0: 2}}
+    step[0] = 2
+    assert cache.pull_tables({"t": torch.tensor([2, 3, 4])}, False).versions == {"t": {0: 1}}  # 2: step 0's pull
+    assert cache.pull_tables({"t": torch.tensor([3, 4])}, False).versions == {"t": {0: 2}}  # all cached
+    step[0] = 5  # steps 0-2 too old: every row pulled again
+    assert cache.pull_tables({"t": torch.tensor([2, 3])}, False).versions == {"t": {0: 4}}
