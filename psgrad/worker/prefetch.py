@@ -19,8 +19,9 @@ from psgrad.nn.embedding import RowSource
 
 @dataclass
 class PrefetchStats:
-    """Tables' reads served from rows fetched ahead (served), and fetched rows no forward asked for
-    (unused: the forward asked for other ids, or none came), since the start."""
+    """Since the start: served, the tables' reads (one forward's ids of one table) served from rows
+    fetched ahead; unused, the rows fetched ahead that no forward used (a forward asked that table
+    for other ids, or none asked before a prefetch replaced them)."""
 
     served: int = 0
     unused: int = 0
@@ -43,7 +44,7 @@ class Prefetched:
         self._held = {table: (ids[table], rows[table], versions.get(table)) for table in ids}
 
     def clear(self) -> None:
-        self.stats.unused += len(self._held)
+        self.stats.unused += sum(int(ids.numel()) for ids, _, _ in self._held.values())
         self._held = {}
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,8 @@ class Prefetched:
                     out.versions[table] = held[2]
                 self.stats.served += 1
             else:
-                self.stats.unused += held is not None
+                if held is not None:
+                    self.stats.unused += int(held[0].numel())
                 rest[table] = ids
         if rest:
             got = self._source.pull_tables(rest, observe)

@@ -19,6 +19,7 @@ from conftest import run_in_threads
 from psgrad.config import ClientConfig
 from psgrad.errors import ConfigError, WorkerStateError
 from psgrad.server.tables import SparseTable
+from psgrad.worker.prefetch import PrefetchStats
 from psgrad.wire import shm
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,6 +241,23 @@ def test_prefetched_rows_of_async_steps_count_their_staleness(make_servers) -> N
         assert (table.version, table.staleness_max) == (3, 1)
         with pytest.raises(ConfigError, match="not a psgrad embedding of this optimizer's model"):
             opts[0].prefetch({models[1].a: data[0][0]["a"]})
+
+
+def test_prefetched_rows_no_forward_used_are_counted_in_rows(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """opt.prefetched.stats: served counts the tables' reads served from rows fetched ahead, unused the
+    fetched rows no forward used, as the docs say (before, unused counted tables)."""
+    running = make_servers(1)
+    model = Separate()
+    [(x, _), (other, y)] = batches(9, 2)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        opt.prefetch(model.lookups(x))
+        nn.functional.binary_cross_entropy_with_logits(model(other), y).backward()  # other ids: none used
+        opt.step()
+        opt.prefetch(model.lookups(x))
+        model(x)
+        fetched = sum(torch.unique(ids).numel() for ids in x.values())
+        assert opt.prefetched.stats == PrefetchStats(served=3, unused=fetched) and fetched > 3
 
 
 @pytest.mark.cuda
