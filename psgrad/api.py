@@ -450,17 +450,31 @@ class PSOptimizer(ScheduledOptimizer):
         stats.evicted, stats.restores = done.evicted, done.restores
 
     def prefetch(self, lookups: Lookups) -> None:
-        """Fetch now the rows that training forwards of these inputs will read, every table in one
-        call per shard, however many psgrad embedding modules hold them: `lookups` maps each module
+        """Fetch the rows that training forwards of these inputs will read, every table in one call
+        per shard, however many psgrad embedding modules hold them: `lookups` maps each module
         (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection of this model) to the first
         argument its forward will get (ids, or a collection's features). Each module's next
-        training forward with exactly those ids is served these rows; any other read pulls as
-        usual. So separate modules cost one call per shard per forward, like one table.
+        training forward with exactly those ids, before the next step, is served these rows; any
+        other read pulls as usual. So separate modules cost one call per shard per forward, like
+        one table.
+
+        When: with no step pending (after opt.step(), before the next forward) the rows are read
+        now. While a step is pending (a training forward read rows since the last step: the
+        prefetch sits after the forward or the backward), they are read by that step instead, in
+        its calls, after its update (as step(prefetch=...) reads them): a forward never gets rows
+        that miss the step before it, so a sync job equals the one without prefetch, and async
+        and ssp count each table's staleness from the read the gradient was computed on. A step
+        drops rows fetched before it that no forward used (PrefetchStats.unused). A prefetch
+        replaces the rows of an earlier one not yet used.
 
         Raises:
             ConfigError: a module that is not one of this model's psgrad embeddings.
+            InvalidRequestError: an id out of its table's range, or not an integer tensor (named).
         """
         ids = self._lookup_ids(lookups)
+        if self.prefetched.pending:  # (rows read now would miss the pending step's update)
+            self.prefetched.defer(ids)
+            return
         self.prefetched.hold(ids, self.client.pull_tables(ids, checked=True))
 
     def _lookup_ids(self, lookups: Lookups) -> dict[str, torch.Tensor]:
@@ -553,7 +567,9 @@ class PSOptimizer(ScheduledOptimizer):
         """Push this step's gradients with the lr in effect and bring fresh weights into the model
         (see the class doc). A closure (torch's signature) is refused: the loss is computed once.
         prefetch: {module: its next forward's input}: those rows come back with the fresh weights
-        in the same calls (see pipeline()), for the next forward to use.
+        in the same calls (see pipeline()), for the next forward to use; so do the rows of a
+        prefetch() made since the last step (after this step's forward), and in a pipeline the next
+        batch's.
 
         Raises:
             PsgradError: a server refused the push or became unreachable.
@@ -592,14 +608,15 @@ class PSOptimizer(ScheduledOptimizer):
             stats.d2h_s = self.flat.d2h_s
             self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
         else:
-            grad = self.flat.gather_grads()
-            stats.d2h_s = self.flat.d2h_s
             ahead = prefetch if prefetch is not None else self._next_lookups
             try:
-                reads = RowReads(self._lookup_ids(ahead), checked=True) if ahead else None
+                wanted = {**self.prefetched.deferred, **(self._lookup_ids(ahead) if ahead else {})}
             except InvalidRequestError as exc:  # (nothing sent yet: the step can be taken again)
                 raise type(exc)(f"the next batch's rows, which this step fetches ahead (opt.pipeline, "
                                 f"step(prefetch=...)): {exc}; this step pushed nothing") from None
+            grad = self.flat.gather_grads()
+            stats.d2h_s = self.flat.d2h_s
+            reads = RowReads(wanted, checked=True) if wanted else None
             try:
                 done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:
@@ -612,8 +629,8 @@ class PSOptimizer(ScheduledOptimizer):
                 return stats
             stats.wait_s = done.exchange_s
             self._record(done, stats)
-            if reads is not None:
-                self.prefetched.hold(reads.ids, reads.rows)
+            # rows fetched before this step miss its update: dropped; the ones it read are held
+            self.prefetched.stepped(reads.ids if reads is not None else None, reads.rows if reads is not None else None)
         stats.versions = list(self._versions)
         self.clock = clock + 1
         return stats
@@ -627,7 +644,7 @@ class PSOptimizer(ScheduledOptimizer):
         Raises:
             CheckpointError: no iteration common to every shard's checkpoints (named).
         """
-        self.prefetched.clear()  # rows read before the roll-back
+        self.prefetched.reset()  # rows read before the roll-back
         for attempt in range(attempts):
             target = self.client.rollback()
             try:
@@ -645,7 +662,7 @@ class PSOptimizer(ScheduledOptimizer):
         """The shards evicted this worker (no call of its arrived within its lease): join again,
         as a worker joining a running job does, pull the weights of the clock the shards give,
         and continue from it. Returns that clock."""
-        self.prefetched.clear()
+        self.prefetched.reset()
         self.clock = self.client.join(initial_weights=None)
         self._versions = self._pull(self.clock)
         self.rejoins += 1

@@ -260,6 +260,89 @@ def test_prefetched_rows_no_forward_used_are_counted_in_rows(make_servers) -> No
         assert opt.prefetched.stats == PrefetchStats(served=3, unused=fetched) and fetched > 3
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_prefetch_between_backward_and_step_is_carried_by_that_step(make_servers, mode) -> None:  # type: ignore[no-untyped-def]
+    """opt.prefetch(the next batch) after backward(), before opt.step(): the step reads those rows in
+    its own calls, after its update, so every forward computes what it computes without the prefetch
+    (bit for bit, in either mode), no push is stale, and the prefetch costs no call of its own.
+    Before, the prefetch read the rows then: the next forward got rows that missed the step's update,
+    and its push claimed the prefetch's read, newer than its rows (staleness 0 where it was 1)."""
+    steps = 4
+    data = batches(7, steps)
+    results = []
+    for prefetching in (False, True):
+        running = make_servers(2)
+        model = Separate()
+        outs = []
+        with psgrad.connect([s.address for s in running], mode=mode, optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            calls = count_calls(opt)
+            for k, (x, y) in enumerate(data):
+                opt.zero_grad()
+                out = model(x)
+                outs.append(out.detach())
+                nn.functional.binary_cross_entropy_with_logits(out, y).backward()
+                if prefetching and k + 1 < steps:
+                    opt.prefetch(model.lookups(data[k + 1][0]))
+                opt.step()
+            if prefetching:  # the first forward pulled (three modules, two shards); the rest rode the steps
+                assert calls == {"pull_rows": 6, "step": 2 * steps}, calls
+                assert opt.prefetched.stats == PrefetchStats(served=3 * (steps - 1), unused=0)
+        assert {t.staleness_max for s in running for t in s.shard.status().tables if t.kind == "sparse"} == {0}
+        results.append((outs, tables_of(running)))
+    (plain_outs, plain_tables), (outs, tables) = results
+    for k, (a, b) in enumerate(zip(plain_outs, outs)):
+        assert torch.equal(a, b), k
+    assert plain_tables.keys() == tables.keys() and all(torch.equal(plain_tables[k], tables[k]) for k in tables)
+
+
+def test_rows_fetched_ahead_are_not_served_after_the_next_step(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two workers: worker 0 fetches its next batch's rows with no step pending (read then),
+    then skips a batch (zero_grad and step, to keep the iteration) while worker 1's gradient moves
+    those rows. That step drops the rows (counted unused, in rows), and the next forward reads them
+    after the update: the job equals the one without the prefetch. Before, the forward was served
+    the rows read before the update, and unused counted tables."""
+    steps = 3
+    data = batches(8, steps)
+    results = []
+    for prefetching in (False, True):
+        running = make_servers(1)
+        models = [Separate(), Separate()]
+        outs: list[torch.Tensor] = []
+        stats: list[PrefetchStats] = []
+
+        def work(rank: int) -> None:
+            model = models[rank]
+            with psgrad.connect([running[0].address], rank=rank, num_workers=2, mode="sync",
+                                optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+                opt = ps.optimizer(model)
+                for k in range(steps):
+                    x, y = data[2] if rank == 1 or k == 2 else data[k]  # (worker 1 trains on worker 0's last batch)
+                    if rank == 0 and k == 1:
+                        if prefetching:
+                            opt.prefetch(model.lookups(data[2][0]))
+                        opt.zero_grad()  # batch skipped: no forward
+                        opt.step()
+                        continue
+                    opt.zero_grad()
+                    out = model(x)
+                    nn.functional.binary_cross_entropy_with_logits(out, y).backward()
+                    opt.step()
+                    if rank == 0:
+                        outs.append(out.detach())
+                if rank == 0:
+                    stats.append(opt.prefetched.stats)
+
+        run_in_threads(2, work)
+        if prefetching:
+            fetched = sum(torch.unique(v).numel() for v in data[2][0].values())
+            assert stats == [PrefetchStats(served=0, unused=fetched)]
+        results.append((outs, tables_of(running)))
+    (plain_outs, plain_tables), (outs, tables) = results
+    assert len(outs) == 2 and all(torch.equal(a, b) for a, b in zip(plain_outs, outs))
+    assert plain_tables.keys() == tables.keys() and all(torch.equal(plain_tables[k], tables[k]) for k in tables)
+
+
 @pytest.mark.cuda
 def test_a_pipelined_collection_trains_on_the_gpu_as_on_the_cpu(make_servers) -> None:  # type: ignore[no-untyped-def]
     """The model and its inputs on the GPU: rows travel to it and their gradients back, and the
