@@ -571,6 +571,12 @@ class PSOptimizer(ScheduledOptimizer):
         prefetch() made since the last step (after this step's forward), and in a pipeline the next
         batch's.
 
+        A bad id in the rows a step fetches ahead (InvalidRequestError, naming it) stops the step
+        before it sends anything. The rows of the pipeline's next batch are then dropped, so
+        opt.step() again pushes this step without them, and that batch's forward reads its rows
+        itself (refusing the same id, for the loop to skip the batch); a step(prefetch=...) is
+        taken again without prefetch= (or with good ids).
+
         Raises:
             PsgradError: a server refused the push or became unreachable.
             WorkerStateError: the worker has left the job.
@@ -612,8 +618,14 @@ class PSOptimizer(ScheduledOptimizer):
             try:
                 wanted = {**self.prefetched.deferred, **(self._lookup_ids(ahead) if ahead else {})}
             except InvalidRequestError as exc:  # (nothing sent yet: the step can be taken again)
+                if prefetch is None:  # the pipeline's next batch: a step again goes on without its rows
+                    self._next_lookups = None
+                    how = ("opt.step() again pushes this step without fetching them, and that batch's forward then "
+                           "reads its rows itself (and refuses the same id: skip the batch there)")
+                else:
+                    how = "take the step again without prefetch= (or with valid ids)"
                 raise type(exc)(f"the next batch's rows, which this step fetches ahead (opt.pipeline, "
-                                f"step(prefetch=...)): {exc}; this step pushed nothing") from None
+                                f"step(prefetch=...)): {exc}; this step pushed nothing: {how}") from None
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
             reads = RowReads(wanted, checked=True) if wanted else None

@@ -5,6 +5,7 @@ sparse tables, and errors that name the problem."""
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -761,3 +762,36 @@ def test_a_push_counts_the_rows_staleness_from_the_oldest_read_of_its_gradient(m
         assert opt.row_cache.stats.hits == 2
         table = running[0].shard.core.state.tables["emb"]
         assert (table.version, table.staleness_max) == (2, 1)
+
+
+@pytest.mark.timeout(60)
+def test_after_a_bad_id_in_the_pipelines_next_batch_a_step_again_goes_on(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """The pipeline's next batch holds an id out of range: the step refuses before sending anything,
+    saying how to go on; taken again it pushes without that batch's rows, whose own forward then
+    refuses the id, and the loop skips it. Before, the step taken again was refused the same way
+    (the pipeline still held that batch's lookups)."""
+    running, model = make_servers(2), Ctr()
+    batches = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]]), torch.tensor([[7, ROWS, 8]]), torch.tensor([[9, 1, 2]])]
+    refused: list[str] = []
+    with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for x in opt.pipeline(batches, lambda b: {model.emb: b}):
+            opt.zero_grad()
+            try:
+                loss = _bce(model, x, torch.ones(1))
+            except InvalidRequestError as exc:  # the bad batch's own forward: skipped
+                refused.append(str(exc))
+                continue
+            loss.backward()
+            try:
+                opt.step()
+            except InvalidRequestError as exc:
+                refused.append(str(exc))
+                versions = [s.shard.version for s in running]
+                assert opt.step().accepted  # taken again: goes on without the next batch's rows
+                assert [s.shard.version for s in running] == [v + 1 for v in versions]
+        assert opt.clock == 3
+    assert len(refused) == 2, refused
+    assert re.search(f"the next batch's rows, which this step fetches ahead.*row id {ROWS} is out of range.*this step "
+                     r"pushed nothing: opt.step\(\) again pushes this step without fetching them", refused[0]), refused[0]
+    assert f"table 'emb': row id {ROWS} is out of range" in refused[1]
