@@ -35,28 +35,50 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
 
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 # Every parser a script builds answers for each of its flags (help=SUPPRESS: internal, for its children).
+# One process checks every script in turn (each run as `python SCRIPT --help` would run it), printing
+# one JSON line per script: a process per script spent most of its time importing torch again.
 _HELP_CHECK = """
-import argparse, json, runpy, sys
+import argparse, json, runpy, sys, traceback
 sys.path.insert(0, sys.argv[1])
-script = sys.argv[2]
-sys.argv = [script, "--help"]
 def parse_args(self, *args, **kwargs):
     undescribed = [a.option_strings for a in self._actions
                    if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
-    print(json.dumps({"undescribed": undescribed, "help": self.format_help()}))
-    raise SystemExit(0)
+    raise SystemExit(json.dumps({"undescribed": undescribed, "help": self.format_help()}))
 argparse.ArgumentParser.parse_args = parse_args
-runpy.run_path(script, run_name="__main__")
+for script in sys.argv[2:]:
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        out = {"error": "it exited without parsing its arguments"}
+    except SystemExit as exc:
+        out = json.loads(exc.code) if isinstance(exc.code, str) and exc.code.startswith("{") else \
+            {"error": f"SystemExit({exc.code!r}) before parsing its arguments"}
+    except BaseException:
+        out = {"error": traceback.format_exc()}
+    print(json.dumps({"script": script, **out}), flush=True)
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def every_scripts_help(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """{script: {"undescribed": [...], "help": TEXT} or {"error": ...}}: every script's `--help`, from one
+    process (forked from the preloaded template), once per test run."""
+    def compute() -> dict[str, dict[str, Any]]:
+        res = run_python(["-c", _HELP_CHECK, str(BENCH), *(str(BENCH / s) for s in SCRIPTS)], timeout_s=250)
+        assert res.returncode == 0, res.stderr[-3000:]
+        lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith('{"script": ')]
+        return {Path(line.pop("script")).name: line for line in lines}
+
+    return once_per_run("benchmark-helps", compute, tmp_path_factory)  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(300)  # it may check every script (the fixture), or wait for another worker's check
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_flag_of_every_script_is_described_in_its_help(script: str) -> None:
-    res = subprocess.run([sys.executable, "-c", _HELP_CHECK, str(BENCH), str(BENCH / script)],
-                         capture_output=True, text=True, timeout=280, cwd=REPO)  # imports torch: slow at a high load
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+def test_every_flag_of_every_script_is_described_in_its_help(script: str,
+                                                             every_scripts_help: dict[str, dict[str, Any]]) -> None:
+    out = every_scripts_help.get(script)
+    assert out is not None, f"{script}: no result (the checker's output: {sorted(every_scripts_help)})"
+    assert "error" not in out, (script, out.get("error"))
     assert out["undescribed"] == [], (script, out["undescribed"])
     assert out["help"].startswith("usage: "), out["help"][:200]
 
