@@ -246,6 +246,25 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"))
 
 
+@functools.cache
+def _names_from(src: Path) -> dict[str, tuple[str, str]]:
+    """name -> (module, its name there) for each name a module takes from another psgrad module: its
+    `from psgrad... import` lines and, for a package's lazy names, its dicts {"Task": "psgrad.tasks.base",
+    ...}; the first in ast.walk's order wins. (Once per module: _origin asks for many names.)"""
+    out: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(_tree(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("psgrad"):
+            for alias in node.names:
+                out.setdefault(alias.asname or alias.name, (node.module or "", alias.name))
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and isinstance(value, ast.Constant) \
+                        and isinstance(value.value, str) and _source(value.value) is not None:
+                    out.setdefault(key.value, (value.value, key.value))
+    return out
+
+
+@functools.cache
 def _origin(dotted: str, name: str, depth: int = 0) -> str:
     """The psgrad module that defines `name` as seen from module `dotted`, through re-exports."""
     if _source(f"{dotted}.{name}") is not None:
@@ -253,17 +272,8 @@ def _origin(dotted: str, name: str, depth: int = 0) -> str:
     src = _source(dotted)
     if src is None or depth > 5:
         return dotted
-    for node in ast.walk(_tree(src)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("psgrad"):
-            for alias in node.names:
-                if (alias.asname or alias.name) == name:
-                    return _origin(node.module or "", alias.name, depth + 1)
-        if isinstance(node, ast.Dict):  # a package's lazy names: {"Task": "psgrad.tasks.base", ...}
-            for key, value in zip(node.keys, node.values):
-                if isinstance(key, ast.Constant) and key.value == name and isinstance(value, ast.Constant) \
-                        and isinstance(value.value, str) and _source(value.value) is not None:
-                    return _origin(value.value, name, depth + 1)
-    return dotted
+    found = _names_from(src).get(name)
+    return dotted if found is None else _origin(found[0], found[1], depth + 1)
 
 
 @functools.cache
