@@ -134,15 +134,17 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> Any:
     return json.loads(res.stdout)
 
 
-def run_python(args: Sequence[str], timeout_s: float = 240.0, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess[str]:
-    """Run `python ARGS` (a script or `-m psgrad ...`) in the repository to completion, forked from the
-    preloaded template as `psgrad launch` starts its children, capturing stdout and stderr apart.
+def run_python(args: Sequence[str], timeout_s: float = 240.0, env: dict[str, str] | None = None,
+               cwd: str | os.PathLike[str] = REPO) -> subprocess.CompletedProcess[str]:
+    """Run `python ARGS` (a script, `-c CODE` or `-m psgrad ...`) in cwd (default: the repository) to
+    completion, forked from the preloaded template as `psgrad launch` starts its children (stdin
+    /dev/null), capturing stdout and stderr apart. A fork skips the seconds a cold interpreter spends
+    importing torch; it runs the command as a fresh interpreter would (psgrad/launch/template.py).
 
     Raises subprocess.TimeoutExpired (the process killed and reaped) after timeout_s.
     """
     argv = [sys.executable, *args]
-    proc = Proc(argv, name=os.path.basename(args[0]), cwd=REPO, stderr_file=True, new_session=False,
+    proc = Proc(argv, name=os.path.basename(args[0]), cwd=cwd, stderr_file=True, new_session=False,
                 env=child_env() if env is None else env)
     try:
         rc = proc.wait(timeout_s)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_python
 from psgrad.errors import TaskError
 from psgrad.tasks import TASKS, Task, get_task, resolve_task
 from psgrad.tasks.mnist1d import build_cnn
@@ -144,12 +144,9 @@ def test_mnist1d_is_generated_locally_and_fits_its_cnn() -> None:
 def test_launch_trains_a_users_task_from_its_directory(tmp_path: Path) -> None:
     (tmp_path / "mytask.py").write_text(GOOD_TASK)
     # One worker: each worker process imports the task from the launch's directory alike.
-    res = subprocess.run(
-        [sys.executable, "-m", "psgrad", "launch", "--num-servers", "1", "--num-workers", "1",
-         "--task", "mytask:make_task", "--steps", "60", "--metrics-dir", str(tmp_path / "m")],
-        capture_output=True, text=True, timeout=200, cwd=tmp_path, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
+    res = run_python(["-m", "psgrad", "launch", "--num-servers", "1", "--num-workers", "1", "--task",
+                      "mytask:make_task", "--steps", "60", "--metrics-dir", str(tmp_path / "m")],
+                     timeout_s=200, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "task halfplane" in res.stdout
     final = [json.loads(line) for line in (tmp_path / "m" / "worker0.jsonl").read_text().splitlines()][-1]
@@ -167,8 +164,8 @@ def test_a_users_task_resumes_from_another_directory(tmp_path: Path) -> None:
     (project / "mytask.py").write_text(GOOD_TASK)
 
     def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "psgrad", "launch", *args], capture_output=True, text=True,
-                              timeout=200, cwd=cwd, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": REPO})
+        return run_python(["-m", "psgrad", "launch", *args], timeout_s=200, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": REPO})
 
     first = launch(["--num-servers", "1", "--num-workers", "1", "--task", "mytask:make_task", "--steps", "10",
                     "--checkpoint-every-versions", "10", "--checkpoint-dir", str(job)], project)
@@ -180,10 +177,7 @@ def test_a_users_task_resumes_from_another_directory(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_a_task_that_cannot_be_imported_before_starting_anything() -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "psgrad", "launch", "--task", "no_such_mod_q:make"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL,
-    )
+    res = run_python(["-m", "psgrad", "launch", "--task", "no_such_mod_q:make"], timeout_s=60)
     assert res.returncode == 2
     assert "cannot import module 'no_such_mod_q'" in res.stderr and "[launch]" not in res.stdout
 
@@ -199,8 +193,7 @@ def test_launch_and_compare_refuse_missing_task_data_before_starting_anything(co
     missing = tmp_path / "no-such-dir"
     task = [] if "--preset" in command else ["--task", "fashion-mnist"]
     out = ["--out", str(tmp_path / "out")] if command[0] == "compare" else []
-    res = subprocess.run([sys.executable, "-m", "psgrad", *command, *task, "--data-dir", str(missing), *out],
-                         capture_output=True, text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL)
+    res = run_python(["-m", "psgrad", *command, *task, "--data-dir", str(missing), *out], timeout_s=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert ("task 'fashion-mnist' needs the Fashion-MNIST IDX files" in res.stderr and f"found none in {missing}, "
             f"{missing}/raw, {missing}/FashionMNIST/raw" in res.stderr and "apt-get install dataset-fashion-mnist"
@@ -224,9 +217,8 @@ def test_launch_and_compare_refuse_a_users_task_that_does_not_build_before_start
     2) at once, the task's error in one line."""
     (tmp_path / "mytask.py").write_text(GOOD_TASK)
     out = ["--out", str(tmp_path / "out")] if command[0] == "compare" else []
-    res = subprocess.run([sys.executable, "-m", "psgrad", *command, "--task", f"mytask:{function}", *out],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    res = run_python(["-m", "psgrad", *command, "--task", f"mytask:{function}", *out], timeout_s=60, cwd=tmp_path,
+                     env={**os.environ, "PYTHONPATH": REPO})
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"psgrad {command[0]}: error: {message}" in res.stderr.splitlines()[-1], res.stderr
     assert "[launch]" not in res.stdout and "[server" not in res.stdout and not (tmp_path / "out").exists(), res.stdout
