@@ -4,14 +4,12 @@ ready — servers, workers, exports — compiled by the first large draw and nev
 left unused where its check after compiling finds one bit different."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_python
 from psgrad.core import compiled, rows
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,12 +65,12 @@ def test_a_broken_draw_is_not_used(draw) -> None:  # type: ignore[no-untyped-def
 
 
 def _python(code: str, **env: str) -> str:
-    """code's output in a fresh interpreter, with env added (PSGRAD_FUSED_APPLY unset unless given)."""
+    """code's output in a process of its own (forked from the preloaded template, which has imported
+    psgrad but neither numba nor a kernel), with env added (PSGRAD_FUSED_APPLY unset unless given)."""
     import os
 
     inherited = {k: v for k, v in os.environ.items() if k != compiled.ENV}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100,
-                         env={**inherited, **env})
+    out = run_python(["-c", code], timeout_s=100, env={**inherited, **env})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -2,14 +2,12 @@
 pass, half on a helper thread; bit for bit torch's add_, and the shard's use of it."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_python
 from psgrad.config import JobSpec
 from psgrad.core.optimizers.base import axpy_backend, register_axpy_backend, torch_axpy
 from psgrad.core.sharding import ParamSpec
@@ -90,8 +88,9 @@ def test_without_numba_the_shard_uses_torch_ops() -> None:
 
 
 def _python(code: str) -> str:
-    """What `python -c code` prints, in a process of its own (it must succeed)."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
+    """What `python -c code` prints, in a process of its own (forked from the preloaded template, which
+    has imported psgrad but neither numba nor a kernel; it must succeed)."""
+    out = run_python(["-c", code], timeout_s=100)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -5,14 +5,12 @@ whose calls are all small never compiles them. The tables' own tests run both wa
 row_kernels fixture)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_python
 from psgrad.core.optimizers.rows import RowAdagrad, RowAdam, RowSGD
 from psgrad.server import aggregation, kernels, rows_path
 from psgrad.server.row_index import DenseIndex
@@ -192,7 +190,9 @@ def test_a_broken_kernel_is_not_used(k: kernels.RowKernels) -> None:
 
 
 def _python(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100)
+    """What `python -c code` prints, in a process of its own (forked from the preloaded template, which
+    has imported psgrad but neither numba nor a kernel; it must succeed)."""
+    out = run_python(["-c", code], timeout_s=100)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
