@@ -4,8 +4,6 @@ model given to a new job on the servers binds again; psgrad.clip_grad_norm_ clip
 update as torch clips a dense table's."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import REPO, child_env
+from conftest import run_python
 from psgrad.config import ClientConfig
 from psgrad.errors import ConfigError, WorkerStateError
 
@@ -128,8 +126,7 @@ def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_withou
             s.stop()
     path, out = tmp_path / "model.pt", tmp_path / "predictions.pt"
     torch.save(state, path)
-    res = subprocess.run([sys.executable, "-c", FRESH, str(path), str(out)], capture_output=True, text=True,
-                         timeout=90, cwd=REPO, env=child_env())
+    res = run_python(["-c", FRESH, str(path), str(out)], timeout_s=90)  # (forked from the template: no servers)
     assert res.returncode == 0, res.stderr[-3000:]
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-6, atol=1e-6)
 

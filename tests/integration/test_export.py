@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import REPO, note_first_sleep, run_in_threads
+from conftest import note_first_sleep, run_in_threads, run_python
 from psgrad.client import export
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient
@@ -117,8 +115,7 @@ def _build(kind: str) -> nn.Module:
 def _fresh_logits(servers: list[str], kind: str, tmp_path: Path) -> torch.Tensor:
     out = tmp_path / f"{kind}.pt"
     script = FRESH.replace("{kinds}", "{" + ", ".join(f"{k!r}: {v}" for k, v in KINDS.items()) + "}")
-    res = subprocess.run([sys.executable, "-c", script, ",".join(servers), kind, str(out)],
-                         capture_output=True, text=True, timeout=90, cwd=REPO)
+    res = run_python(["-c", script, ",".join(servers), kind, str(out)], timeout_s=90)  # (forked from the template)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)  # type: ignore[no-any-return]
 

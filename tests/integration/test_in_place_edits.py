@@ -4,15 +4,13 @@ which once segfaulted the worker) nor is silently overwritten: the next step() r
 parameter, and refresh() takes the job's weights back."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 import psgrad
-from conftest import REPO
+from conftest import run_python
 from psgrad.client import parameter_client
 from psgrad.config import ClientConfig
 from psgrad.errors import ConfigError
@@ -70,8 +68,7 @@ EDITS = ["load_state_dict", "nn.init"]
 def test_an_in_place_edit_is_refused_by_name_not_a_crash(shared_memory: bool, device: str) -> None:
     """Each edit: load_state_dict, nn.init. (On CUDA the parameters are the worker's own device memory:
     the pulled weights are copied in.)"""
-    res = subprocess.run([sys.executable, "-c", SCRIPT, "1" if shared_memory else "0", device, *EDITS],
-                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    res = run_python(["-c", SCRIPT, "1" if shared_memory else "0", device, *EDITS], timeout_s=100)  # (from the template)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
     out = res.stdout.splitlines()
     assert len(out) == 5 * len(EDITS), out

@@ -10,11 +10,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_in_process as cli
+from conftest import REPO, cli_in_process as cli, spawn
 
 from psgrad.cli.commands import worker_exporters
 from psgrad.errors import ServerStartError
@@ -35,18 +34,13 @@ def test_a_workers_metrics_port_in_use_names_the_port_and_the_flag() -> None:
 
 def test_a_servers_port_file_folder_is_made_as_the_metrics_files_are(tmp_path: Path) -> None:
     port_file = tmp_path / "not" / "yet" / "ps0"
-    proc = subprocess.Popen([sys.executable, "-m", "psgrad", "server", "--port", "0", "--port-file", str(port_file)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn(["server", "--port", "0", "--port-file", str(port_file)])  # (forked from the preloaded template)
     try:
-        deadline = time.monotonic() + 45
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no port file"
-            time.sleep(0.05)
-        assert port_file.read_text().strip().startswith("127.0.0.1:")
+        # the port file is written (atomically) before the server prints its address
+        address = proc.wait_for_line("psgrad server listening on ", timeout_s=45).rsplit(" ", 1)[1]
+        assert address.startswith("127.0.0.1:") and port_file.read_text() == address + "\n"
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop(grace_s=30)
 
 
 def test_output_cut_short_is_not_an_error(make_servers) -> None:  # type: ignore[no-untyped-def]

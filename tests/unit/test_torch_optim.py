@@ -1,12 +1,10 @@
 """psgrad/worker/torch_optim.py: the torch.optim face of PSOptimizer."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, child_env
+from conftest import run_python
 from psgrad.errors import ConfigError
 
 _PROGRAM = """
@@ -33,8 +31,8 @@ print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
 def test_building_and_saving_the_optimizer_never_imports_torch_dynamo() -> None:
     """torch.optim.Optimizer's add_param_group and state_dict import torch._dynamo on their first
     call (1.8 CPU-s in each worker process); psgrad's optimizer skips that wrapper."""
-    res = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, timeout=100, cwd=REPO,
-                         env=child_env())
+    # (a process forked from the preloaded template, which has imported torch and psgrad but not torch._dynamo)
+    res = run_python(["-c", _PROGRAM], timeout_s=100)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout
 
