@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -148,8 +147,7 @@ def test_transport_window_flag_reaches_both_psgrad_servers(monkeypatch: pytest.M
                                   lib.lib_argv("raw_grpc:psgrad_with_raw_main")],
                          ids=["transport", "server_bench", "psgrad_with_raw"])
 def test_a_bad_window_is_refused_before_anything_starts(argv: list[str]) -> None:
-    res = subprocess.run([sys.executable, *argv, "--stream-window-bytes", "1000"],
-                         capture_output=True, text=True, timeout=100, cwd=REPO)
+    res = run_python([*argv, "--stream-window-bytes", "1000"], timeout_s=100)
     assert res.returncode == 2
     assert "stream_window_bytes must be 0" in res.stderr and "got 1000" in res.stderr
 
@@ -245,9 +243,8 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--preset", "quick", "--rows", "20000",
-                          "--ids", "256", "--reps", "2", "--calls", "2"],
-                         capture_output=True, text=True, timeout=110, cwd=REPO)
+    res = run_python(["benchmarks/transport.py", "--part", "sparse-rows", "--preset", "quick", "--rows", "20000",
+                      "--ids", "256", "--reps", "2", "--calls", "2"], timeout_s=110)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     check_sparse_rows(out, (1, 2))
@@ -256,8 +253,7 @@ def test_sparse_rows_quick_reports_pull_and_push_beside_raw_grpc() -> None:
 
 
 def test_sparse_rows_refuses_a_table_too_small_for_its_cold_pulls() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/transport.py", "--part", "sparse-rows", "--rows", "1000", "--ids", "512"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = run_python(["benchmarks/transport.py", "--part", "sparse-rows", "--rows", "1000", "--ids", "512"], timeout_s=60)
     assert res.returncode != 0 and "raise --rows" in res.stderr
 
 
@@ -319,8 +315,7 @@ def test_suite_tiny_reports_every_figure_beside_its_ceiling(tiny_suite: dict[str
 def test_suite_renders_a_saved_run_as_markdown(tiny_suite: dict[str, Any], tmp_path: Path) -> None:
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(tiny_suite))
-    res = subprocess.run([sys.executable, "benchmarks/suite.py", "--from-json", str(saved), "--markdown"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = run_python(["benchmarks/suite.py", "--from-json", str(saved), "--markdown"], timeout_s=60)
     assert res.returncode == 0, res.stderr
     assert "| target | psgrad | beside | ratio | goal | met |" in res.stdout
     assert res.stdout.count("\n| transport: ") >= 2 and "| peer: " in res.stdout and "| latency: " in res.stdout
@@ -351,8 +346,7 @@ def test_suite_records_a_missing_or_failing_part_and_goes_on(monkeypatch: pytest
 
 
 def test_suite_refuses_an_unknown_part() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/suite.py", "--only", "transport,bogus"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = run_python(["benchmarks/suite.py", "--only", "transport,bogus"], timeout_s=60)
     assert res.returncode == 2 and "unknown part(s) bogus" in res.stderr and res.stdout == ""
 
 
