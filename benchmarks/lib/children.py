@@ -290,14 +290,20 @@ def psgrad_server(name: str, *args: str, env: Mapping[str, str] | None = None,
 
 
 def psgrad_launch(args: Sequence[str], timeout_s: float) -> float:
-    """Run `psgrad launch ARGS` to completion; its wall time in seconds. Raises RuntimeError, with the
-    end of its output, if it fails."""
+    """Run `psgrad launch ARGS` to completion (started as psgrad_process starts its commands: a fork of
+    the preloaded template, which the launch's servers and workers are forks of too); its wall time in
+    seconds. Raises RuntimeError, with the end of its output, if it fails (subprocess.TimeoutExpired,
+    the launch stopped, after timeout_s)."""
     argv = [sys.executable, "-m", "psgrad", "launch", *args]
     t0 = time.perf_counter()
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    proc = SupervisedProcess(argv, name="psgrad-launch", new_session=False, stderr_file=True, preload=True)
+    try:
+        rc = proc.wait(timeout_s)
+        if rc != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({rc}):\n{proc.output[-3000:]}\n{proc.stderr_text()[-3000:]}")
+        return time.perf_counter() - t0
+    finally:
+        proc.stop()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
