@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Union
 
 from psgrad.launch import template
-from psgrad.launch.template import TemplateChild, die_with_parent
+from psgrad.launch.template import Template, TemplateChild, die_with_parent
 
 # A child process: a subprocess.Popen, or a fork of a preloaded template (template.TemplateChild).
 Child = Union["subprocess.Popen[str]", TemplateChild]
@@ -86,7 +86,8 @@ class SupervisedProcess:
     nothing is left behind. preload=True: a `sys.executable -m psgrad ...` (or `sys.executable
     SCRIPT.py ...`) command is started as a fork of a process that has already imported torch and
     psgrad (template.py), in milliseconds instead of seconds; any other command, or where that
-    cannot be done, the plain way.
+    cannot be done, the plain way. template=T: a fork of that template (Template.start(env, wrap):
+    one running in another network namespace, say), or OSError; never the plain way.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class SupervisedProcess:
         on_line: Callable[[str], None] | None = None,
         on_exit: Callable[[int], None] | None = None,
         preload: bool = False,
+        template: Template | None = None,
     ) -> None:
         self.name = name or os.path.basename(argv[0])
         self.lines: list[str] = []
@@ -117,7 +119,8 @@ class SupervisedProcess:
             self._stderr = tempfile.TemporaryFile(mode="w+", prefix=f"psgrad-{self.name}-stderr-")
         env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         try:
-            forked = self._fork(argv, env, cwd, stdin_pipe, new_session) if preload else None
+            forked = self._fork(argv, env, cwd, stdin_pipe, new_session, template) \
+                if preload or template is not None else None
             self.popen: Child = forked if forked is not None else subprocess.Popen(
                 list(argv),
                 stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
@@ -146,14 +149,19 @@ class SupervisedProcess:
         self._reader.start()
 
     def _fork(self, argv: Sequence[str], env: dict[str, str], cwd: str | os.PathLike[str] | None,
-              stdin_pipe: bool, new_session: bool) -> TemplateChild | None:
+              stdin_pipe: bool, new_session: bool, given: Template | None = None) -> TemplateChild | None:
         """Start `python -m psgrad ARGS` as a fork of a preloaded template (see template.py); None where
-        that does not apply (another command, a template that cannot serve this environment)."""
+        that does not apply (another command, a template that cannot serve this environment). With a
+        template given, a fork of that one or an error (OSError), never None: it runs where the plain
+        command would not (another network namespace, say)."""
         args = template.preloadable(argv)
-        if args is None or not template.enabled():
+        if given is not None and args is None:
+            raise OSError(f"a template runs `python -m psgrad ...`, `python -c ...` or `python SCRIPT.py ...`, "
+                          f"not {list(argv)!r}")
+        if args is None or (given is None and not template.enabled()):
             return None
         where = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
-        tmpl = template.template_for(env, where, args)
+        tmpl = given if given is not None else template.template_for(env, where, args)
         if tmpl is None:
             return None
         out_r, out_w = os.pipe()
@@ -167,6 +175,8 @@ class SupervisedProcess:
             for stream in (child.stdin, child.stdout):
                 if stream is not None:
                     stream.close()
+            if given is not None:
+                raise
             return None
         finally:
             os.close(out_w)  # (the child has its own copies)

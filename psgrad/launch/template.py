@@ -142,27 +142,56 @@ class Template:
         self._reader.start()
 
     @classmethod
-    def start(cls, env: Mapping[str, str]) -> Template:
-        """Start a template with this environment and wait until it has imported everything.
+    def start(cls, env: Mapping[str, str],
+              wrap: Callable[[list[str]], Sequence[str]] | None = None) -> Template:
+        """Start a template with this environment and wait until it has imported everything. wrap, if
+        given, turns the template's command line into the one that runs it (one that ends by exec'ing
+        it, such as `ip netns exec NS ...`: its children then run where it runs). Such a template is
+        this caller's own (SupervisedProcess(template=...)); template_for never hands it out.
 
         Raises:
             OSError: it could not start, or ended before it was ready.
         """
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        return cls.start_all(env, [wrap])[0]
+
+    @classmethod
+    def start_all(cls, env: Mapping[str, str],
+                  wraps: Sequence[Callable[[list[str]], Sequence[str]] | None]) -> list[Template]:
+        """Start one template per wrap (as start does) at once, and wait until all are ready: they
+        import in parallel. All or none: where one fails, those started are ended.
+
+        Raises:
+            OSError: one could not start, or ended before it was ready.
+        """
+        started: list[tuple[subprocess.Popen[bytes], socket.socket]] = []
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "psgrad.launch.template", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL, env=dict(env), pass_fds=(theirs.fileno(),),
-                preexec_fn=die_with_parent(),
-            )
-        finally:
-            theirs.close()
-        ready, _fds = _receive(ours)
-        if not ready or "ready" not in ready:
-            ours.close()
-            proc.wait()
-            raise OSError(f"the template process ended before it was ready (exit code {proc.returncode})")
-        return cls(proc, ours)
+            for wrap in wraps:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                argv = [sys.executable, "-m", "psgrad.launch.template", str(theirs.fileno())]
+                try:
+                    proc = subprocess.Popen(
+                        list(wrap(argv)) if wrap is not None else argv,
+                        stdin=subprocess.DEVNULL, env=dict(env), pass_fds=(theirs.fileno(),),
+                        preexec_fn=die_with_parent(),
+                    )
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
+                started.append((proc, ours))
+            for proc, ours in started:
+                ready, _fds = _receive(ours)
+                if not ready or "ready" not in ready:
+                    ours.close()
+                    proc.wait()
+                    raise OSError(f"the template process ended before it was ready (exit code {proc.returncode})")
+        except BaseException:
+            for proc, ours in started:
+                ours.close()  # (a template whose parent's connection ends exits)
+                proc.wait()
+            raise
+        return [cls(proc, ours) for proc, ours in started]
 
     def _read(self) -> None:
         while True:
@@ -550,6 +579,12 @@ def main(argv: Sequence[str]) -> None:
         _serve(sock)
     except (BrokenPipeError, ConnectionResetError):
         pass
+    # The parent is gone (or closed it): exit now. The template holds no file, thread or child of its
+    # own to finish, and the interpreter's teardown with torch and gRPC loaded took 1-3 s, which the
+    # parent's close() (a launch's exit, say) waited for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # (the module's own copy: its globals are the ones children import)

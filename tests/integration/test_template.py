@@ -188,3 +188,30 @@ def test_a_script_runs_as_python_would_run_it_and_its_children_share_its_process
     assert seen["name"] == "__main__" and seen["cwd"] == REPO and seen["preloaded"]
     assert seen["child"] == [f"psgrad {psgrad.__version__}"] and seen["child_forked"] == "TemplateChild"
     assert seen["pgid"] == os.getpgid(0)  # new_session=False: the tests' own group, as a plain child's
+
+
+@pytest.mark.timeout(120)
+def test_templates_started_through_a_wrapper_serve_only_who_names_them() -> None:
+    """Template.start_all(env, wraps) starts templates through a command that execs them (here `env
+    VAR=...`, on a test bed `ip netns exec ...`) and waits until all are ready; SupervisedProcess(
+    template=T) forks the command from T (its environment, where it was started), never from the
+    template of this process's environment, and refuses what a template cannot run instead of
+    starting it the plain way. The template exits at once when closed."""
+    from psgrad.launch.supervisor import SupervisedProcess
+
+    wrapped = template.Template.start_all(
+        dict(os.environ), [lambda argv, n=n: ["env", f"PSGRAD_TEST_WRAPPED={n}", *argv] for n in (0, 1)])
+    try:
+        assert all(t not in template.templates() for t in wrapped)  # never handed out by template_for
+        code = "import os; print(os.getppid(), open(f'/proc/{os.getppid()}/environ').read().count('PSGRAD_TEST_WRAPPED=1'))"
+        child = SupervisedProcess([sys.executable, "-c", code], template=wrapped[1], cwd=REPO)
+        assert child.wait(60) == 0, child.output
+        assert child.lines == [f"{wrapped[1].proc.pid} 1"]  # a fork of the second template (`env` exec'd it)
+        with pytest.raises(OSError, match="a template runs"):
+            SupervisedProcess(["/bin/true"], template=wrapped[0])
+    finally:
+        pidfds = [_watch(t.proc.pid) for t in wrapped if t.proc is not None]
+        for t in wrapped:
+            t.close()
+    assert all(_ended_within(fd, 0) for fd in pidfds)
+    assert [t.proc.returncode for t in wrapped if t.proc is not None] == [0, 0]
