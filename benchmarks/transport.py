@@ -914,13 +914,13 @@ def run_multihost(preset: str, params: int | None = None, rate_mbit: float | Non
     procs: list[Any] = []
 
     def start(bed: NetBed, host: int, argv: list[str], marker: str, name: str) -> str:
-        proc = SupervisedProcess(bed.command(host, argv), name=name, new_session=False)
+        proc = SupervisedProcess(argv, name=name, new_session=False, template=bed.templates([host])[0])
         procs.append(proc)
         return proc.wait_for_line(marker, timeout_s=120).rsplit(" ", 1)[1]
 
     def agent(bed: NetBed, host: int, argv: list[str]) -> Any:
-        proc = SupervisedProcess(bed.command(host, [py, me, *argv]), name=f"agent@{host}", new_session=False,
-                                 stderr_file=True)
+        proc = SupervisedProcess([py, me, *argv], name=f"agent@{host}", new_session=False, stderr_file=True,
+                                 template=bed.templates([host])[0])
         procs.append(proc)
         return proc
 
@@ -936,6 +936,7 @@ def run_multihost(preset: str, params: int | None = None, rate_mbit: float | Non
         try:
             a = [h.addr for h in bed.hosts]
             log(f"multihost: bed up: 4 hosts, links {cfg['rate_mbit']} Mbit/s; transport, {n:,} float32 parameters")
+            bed.templates(range(4))  # (each host's processes are forks of its template)
             ps = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-fp32")
             ps16 = start(bed, 0, [py, *server, "--host", a[0]], "listening on", "psgrad-bf16")
             raw = start(bed, 0, [py, *RAW_SERVER, "--host", a[0]], "listening on", "raw")
@@ -1161,10 +1162,10 @@ def run_sparse_rows(p: dict[str, Any], netbed: bool, rate_mbit: float) -> dict[s
                 raise SystemExit(f"sparse_rows: no test bed here: {why}")
             bed = NetBed(1 + top, rate_mbit=rate_mbit).__enter__()
             log(f"sparse_rows: bed up: {1 + top} hosts, every link {rate_mbit:g} Mbit/s")
+            bed.templates(range(1 + top))  # (each host's processes are forks of its template)
 
         def start(name: str, host: int, argv: list[str], speaks: bool = False) -> Child:
-            full = [sys.executable, *argv]
-            child = Child(name, bed.command(host, full) if bed else full, speaks=speaks)
+            child = Child(name, [sys.executable, *argv], speaks=speaks, template=bed.templates([host])[0] if bed else None)
             children.append(child)
             return child
 

@@ -27,7 +27,8 @@ def train_on_bed(
     """Train one job: `psgrad worker COMMON WORKER_ARGV --servers ...` (or `psgrad allreduce COMMON
     --store ...`) as ranks 0 and 1 (rank r with rank_argv[r] added: a straggler's --slowdown), each
     writing run_dir/workerRANK.jsonl. Returns the servers' `psgrad status --json` read after the
-    workers finished (empty for all-reduce).
+    workers finished (empty for all-reduce). Servers and workers are forks of the hosts' templates
+    (bed.templates: started by the first job on a bed, kept for the next), started together.
 
     Raises:
         SystemExit: a worker failed (its output's tail in the message).
@@ -38,23 +39,23 @@ def train_on_bed(
     status: dict[str, Any] = {}
     try:
         servers = []
+        templates = dict(zip(WORKER_HOSTS if allreduce else SERVER_HOSTS + WORKER_HOSTS,
+                             bed.templates(WORKER_HOSTS if allreduce else SERVER_HOSTS + WORKER_HOSTS)))
         if allreduce:
             argv = [*PSGRAD, "allreduce", *common, "--store", str(run_dir / "allreduce.store")]
         else:
             for host in SERVER_HOSTS:
                 addr = bed.hosts[host].addr
-                p = SupervisedProcess(bed.command(host, [*PSGRAD, "server", "--host", addr, "--port", "0", "--insecure",
-                                                         "--lease-s", "60", *server_argv]),
-                                      name=f"server{host}", env=env, new_session=False)
-                procs.append(p)
-                servers.append(p.wait_for_line("listening on", timeout_s=120).rsplit(" ", 1)[1])
+                procs.append(SupervisedProcess([*PSGRAD, "server", "--host", addr, "--port", "0", "--insecure",
+                                                "--lease-s", "60", *server_argv],
+                                               name=f"server{host}", env=env, new_session=False, template=templates[host]))
+            servers = [p.wait_for_line("listening on", timeout_s=120).rsplit(" ", 1)[1] for p in procs]
             argv = [*PSGRAD, "worker", *common, *worker_argv, "--servers", ",".join(servers)]
         workers = []
         for rank, host in enumerate(WORKER_HOSTS):
-            w = SupervisedProcess(bed.command(host, [*argv, *(rank_argv or {}).get(rank, ()),
-                                                     "--num-workers", str(len(WORKER_HOSTS)), "--rank", str(rank),
-                                                     "--metrics-out", str(run_dir / f"worker{rank}.jsonl")]),
-                                  name=f"{name}-worker{rank}", env=env, new_session=False)
+            w = SupervisedProcess([*argv, *(rank_argv or {}).get(rank, ()), "--num-workers", str(len(WORKER_HOSTS)),
+                                   "--rank", str(rank), "--metrics-out", str(run_dir / f"worker{rank}.jsonl")],
+                                  name=f"{name}-worker{rank}", env=env, new_session=False, template=templates[host])
             procs.append(w)
             workers.append(w)
         for w in workers:

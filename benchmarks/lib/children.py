@@ -26,6 +26,7 @@ from lib.procfs import cpu_seconds
 from lib.report import log
 
 from psgrad.launch.supervisor import LineNotSeen, SupervisedProcess
+from psgrad.launch.template import Template
 
 BENCH = Path(__file__).resolve().parents[1]
 REPO = BENCH.parent
@@ -68,13 +69,16 @@ class Child:
     """
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, speaks: bool = True,
-                 one_thread: bool = True) -> None:
+                 one_thread: bool = True, template: Template | None = None) -> None:
+        """template: fork the child from this one (a test bed host's: NetBed.templates), not the
+        preloaded template of this process's environment."""
         self.name = name
         self.speaks = speaks  # True: stopped with a quit command; False (servers): with SIGTERM
         self._address: str | None = None
         self.proc = SupervisedProcess(
             argv, name=f"bench-{name}", cwd=REPO, stdin_pipe=True, stderr_file=True, new_session=False,
             env={**os.environ, **(ONE_THREAD_ENV if one_thread else {}), **(env or {})}, preload=True,
+            template=template,
         )
         self.popen = self.proc.popen
 

@@ -8,7 +8,9 @@ cross hosts by accident. Hosts are joined by veth pairs to a bridge in a namespa
 rate (both directions; a token bucket of a few ms of line rate, at most 64 KB: see BURST_S), and a
 host cut off from the others with nftables drops (`partition`), and a round-trip delay on every TCP
 connection between two hosts (`rtt_ms`: this kernel has no netem, so a relay in each host, lib/
-delay_relay.py, holds the bytes; nftables hands it the host's connections).
+delay_relay.py, holds the bytes; nftables hands it the host's connections). `templates(hosts)` runs
+a preloaded template (psgrad/launch/template.py) on hosts, so that their psgrad processes start as
+forks of it instead of cold interpreters.
 
     with NetBed(3, rate_mbit=1000) as bed:
         server = subprocess.Popen(bed.command(0, ["python", "-m", "psgrad", "server", ...]))
@@ -26,8 +28,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from psgrad.launch.template import Template
 
 PREFIX = "psgbed"
 SUBNET = "198.18.0"  # host i is SUBNET.(i+1)/24
@@ -90,6 +95,8 @@ class NetBed:
         self.hosts: list[Host] = []
         self._root = ""
         self._partitioned: set[int] = set()
+        self._templates: dict[int, Template] = {}
+        self._templates_lock = threading.Lock()
 
     @staticmethod
     def unavailable() -> str | None:
@@ -171,6 +178,20 @@ class NetBed:
         script = 'mount --bind "$0" /dev/shm && exec "$@"'
         return ["ip", "netns", "exec", h.netns, "sh", "-c", script, h.shm_dir, *argv]
 
+    def templates(self, hosts: Sequence[int]) -> list[Template]:
+        """A preloaded template (psgrad/launch/template.py) running on each of these hosts (its network
+        namespace and /dev/shm), those not running yet started together; each is kept until the bed
+        closes. `SupervisedProcess([sys.executable, "-m", "psgrad", ...], template=bed.templates([h])[0])`
+        starts the command on host h as a fork of it, in milliseconds instead of the seconds a cold
+        interpreter spends importing torch. (Templates are started with this process's environment;
+        each child gets its own.)"""
+        with self._templates_lock:
+            missing = sorted(set(hosts) - set(self._templates))
+            if missing:
+                wraps = [lambda argv, h=h: self.command(h, argv) for h in missing]
+                self._templates.update(zip(missing, Template.start_all(dict(os.environ), wraps)))
+            return [self._templates[h] for h in hosts]
+
     def run(self, host: int, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run argv on a host to completion (output captured)."""
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout_s)
@@ -199,7 +220,14 @@ class NetBed:
         self._partitioned.discard(host)
 
     def close(self) -> None:
-        """Remove every namespace, link, qdisc, rule, relay and tmpfs this bed made (idempotent)."""
+        """Remove every namespace, link, qdisc, rule, relay, template and tmpfs this bed made (idempotent)."""
+        with self._templates_lock:
+            running, self._templates = list(self._templates.values()), {}
+        closing = [threading.Thread(target=t.close) for t in running]  # (at once: each exit takes seconds)
+        for t in closing:  # (their children, if any are left, get SIGTERM)
+            t.start()
+        for t in closing:
+            t.join()
         for p in self._relays:
             p.kill()
             p.wait(timeout=30)
