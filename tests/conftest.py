@@ -20,12 +20,17 @@ from psgrad.launch.supervisor import LineNotSeen, SupervisedProcess
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Templates a module fixture keeps for its tests (a test bed's hosts': test_netbed.py), besides the
+# preloaded ones of template.templates(): their children are a test's, they themselves are not.
+KEPT_TEMPLATES: list[Any] = []
+
+
 def _child_pids() -> list[int]:
     """PIDs of this process's live children (from /proc; zombies excluded): its preloaded templates'
     children count as its own, the templates themselves (kept for the next test) do not."""
     from psgrad.launch import template
 
-    running = template.templates()
+    running = template.templates() + KEPT_TEMPLATES
     kept = {str(t.proc.pid) for t in running if t.proc is not None}
     me = str(os.getpid())
     out = [pid for t in running for pid in t.live_pids()]

@@ -192,6 +192,11 @@ class NetBed:
                 self._templates.update(zip(missing, Template.start_all(dict(os.environ), wraps)))
             return [self._templates[h] for h in hosts]
 
+    def templates_started(self) -> list[Template]:
+        """The templates running on the bed's hosts now."""
+        with self._templates_lock:
+            return list(self._templates.values())
+
     def run(self, host: int, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run argv on a host to completion (output captured)."""
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout_s)

@@ -10,10 +10,11 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import REPO, Proc, child_env, run_benchmark
+from conftest import KEPT_TEMPLATES, REPO, Proc, child_env, run_benchmark
 
 sys.path.insert(0, f"{REPO}/benchmarks")
 from lib.netbed import NetBed  # noqa: E402
@@ -29,13 +30,27 @@ def bed() -> Iterator[NetBed]:
     if why:
         pytest.skip(f"no multi-host test bed here: {why}")
     with NetBed(5) as b:
-        yield b
+        try:
+            yield b
+        finally:
+            ours = b.templates_started()  # (and those of the beds tests made of their own, closed by now)
+            KEPT_TEMPLATES[:] = [t for t in KEPT_TEMPLATES if t.alive and t not in ours]
 
 
-def psgrad_on(bed: NetBed, host: int, args: Sequence[str], name: str) -> Proc:
-    """`python -m psgrad ARGS` on a host of the bed (its network namespace and its /dev/shm)."""
-    argv = bed.command(host, [sys.executable, "-m", "psgrad", *args])
-    return Proc(argv, name=name, cwd=REPO, new_session=False, env=child_env())
+def host_template(bed: NetBed, host: int) -> Any:
+    """The host's preloaded template (started on first use, kept with the bed for the module's next
+    tests: conftest's KEPT_TEMPLATES)."""
+    (t,) = bed.templates([host])
+    if t not in KEPT_TEMPLATES:
+        KEPT_TEMPLATES.append(t)
+    return t
+
+
+def psgrad_on(bed: NetBed, host: int, args: Sequence[str], name: str, env: dict[str, str] | None = None) -> Proc:
+    """`python -m psgrad ARGS` on a host of the bed (its network namespace and its /dev/shm), forked
+    from the host's template."""
+    return Proc([sys.executable, "-m", "psgrad", *args], name=name, cwd=REPO, new_session=False,
+                env=child_env() if env is None else env, template=host_template(bed, host))
 
 
 def start_server(bed: NetBed, host: int, *extra: str) -> tuple[Proc, str]:
@@ -153,9 +168,7 @@ def test_a_tf_config_job_of_2_ps_and_3_workers_on_5_hosts_trains_sync(bed: NetBe
     try:
         for host, (kind, index) in enumerate(tasks):
             tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
-            argv = bed.command(host, [sys.executable, "-m", "psgrad", "run", *job])
-            procs.append(Proc(argv, name=f"{kind}{index}", cwd=REPO, env=engine_env(TF_CONFIG=tf_config),
-                              new_session=False))
+            procs.append(psgrad_on(bed, host, ["run", *job], f"{kind}{index}", env=engine_env(TF_CONFIG=tf_config)))
         assert [p.wait(150) for p in procs] == [0] * 5, [p.lines[-8:] for p in procs]
     finally:
         stop_all(procs)
