@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import run_python
 
 pytest.importorskip("ray")
 
@@ -17,8 +15,7 @@ pytest.importorskip("ray")
 @pytest.mark.timeout(300)
 @pytest.mark.ray
 def test_ray_ps_tiny_reports_psgrad_beside_ray_and_the_limits() -> None:
-    res = subprocess.run([sys.executable, "benchmarks/ray_ps.py", "--preset", "tiny"], capture_output=True,
-                         text=True, timeout=280, cwd=REPO)
+    res = run_python(["benchmarks/ray_ps.py", "--preset", "tiny"], timeout_s=280, env=None)  # (from the template)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert [r["workers"] for r in out["results"]] == [1, 2]
