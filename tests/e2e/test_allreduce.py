@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, Proc, child_env, communicate_all, spawn
+from conftest import REPO, Proc, child_env, spawn
 from psgrad.tasks import get_task
 from psgrad.tasks.data import batches
 
@@ -149,17 +148,18 @@ def test_k_steps_equal_single_process_sgd_on_the_concatenated_batches(tmp_path: 
     world, steps, batch, lr, momentum, wd, seed = 2, 5, 16, 0.2, 0.9, 0.01, 3
     store = tmp_path / "store"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(r), str(world), str(steps), str(batch), str(lr), str(momentum),
-             str(wd), str(store), str(tmp_path / f"w{r}.pt")],
-            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+    procs = [  # (forked from the preloaded template)
+        Proc([sys.executable, "-c", _CHILD, str(r), str(world), str(steps), str(batch), str(lr), str(momentum),
+              str(wd), str(store), str(tmp_path / f"w{r}.pt")], name=f"rank{r}", cwd=REPO, new_session=False, env=env)
         for r in range(world)
     ]
-    outputs = communicate_all(procs, timeout_s=90)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
+    try:
+        codes = [p.wait(90) for p in procs]
+    finally:
+        for p in procs:
+            p.stop(grace_s=0)
+    for p, code in zip(procs, codes):
+        assert code == 0, p.output
     got = [torch.load(tmp_path / f"w{r}.pt") for r in range(world)]
     assert torch.equal(got[0], got[1]), "the ranks' models diverged"
 

@@ -7,14 +7,13 @@ import json
 import mmap
 import os
 import time
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
@@ -29,10 +28,8 @@ TARGET_KEYS = {"name", "value", "ceiling", "ratio", "target", "better", "met"}
 
 
 def _run(script: str, *extra: str) -> dict[str, Any]:
-    res = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", script), "--preset", "tiny", *extra],
-        capture_output=True, text=True, timeout=240, cwd=REPO, stdin=subprocess.DEVNULL,
-    )
+    res = run_python([os.path.join("benchmarks", script), "--preset", "tiny", *extra], timeout_s=240,
+                     env=dict(os.environ))  # (forked from the preloaded template)
     assert res.returncode == 0, res.stderr[-3000:]
     out: dict[str, Any] = json.loads(res.stdout)  # exactly one JSON document on stdout
     return out

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from conftest import run_in_threads
+from conftest import REPO, Proc, run_in_threads
 from psgrad.client import parameter_client
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -544,20 +544,21 @@ sys.stdin.read()  # until killed
 @pytest.mark.parametrize("server", [{"lease_s": 1.0}], indirect=True)
 def test_a_killed_worker_holding_a_version_frees_it_with_its_lease(server: RunningServer) -> None:
     import signal
-    import subprocess
     import sys
 
     with make_client(server, 0) as chief:
         chief.join(initial_weights=initial)
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, server.address], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        # (a process of its own, forked from the preloaded template; its stdin a pipe it waits on)
+        holder = Proc([sys.executable, "-c", _HOLDER, server.address], name="holder", cwd=REPO, stdin_pipe=True,
+                      new_session=False)
         try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            holder.wait_for_line("holding", timeout_s=90, at_start=True)
             publisher = server.servicer.publisher
             assert publisher is not None and publisher.held() == {1: 0}
         finally:
-            holder.send_signal(signal.SIGKILL)
-            holder.wait(30)
+            holder.popen.send_signal(signal.SIGKILL)
+            assert holder.wait(30) == -signal.SIGKILL
+            holder.stop(grace_s=0)
         assert server.shard.wait_until(lambda st: st.evictions == 1, 30)
         flat = torch.empty(N)
         seen = set()
