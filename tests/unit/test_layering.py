@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ ALLOWED = {
 GRPC_EDGES = {"wire", "server", "client"}
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The file's syntax tree, parsed once per test process (the tests only read it)."""
+    return ast.parse(path.read_text())
+
+
 def _part(path: Path) -> str:
     rel = path.relative_to(PACKAGE)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
@@ -42,7 +49,7 @@ def _part(path: Path) -> str:
 def _imports(path: Path) -> set[str]:
     """Every module path imported anywhere in the file (function-level imports included)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -64,7 +71,7 @@ def _import_graph() -> dict[str, set[str]]:
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -220,7 +227,7 @@ def test_grpc_only_at_the_edges(path: Path) -> None:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_modules_say_what_they_are_for(path: Path) -> None:
     """No cap on length: a module may be long where its concept is."""
-    assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+    assert ast.get_docstring(_tree(path)), f"{path} has no module docstring"
 
 
 PROTOBUF_METHODS = {"HasField", "WhichOneof", "ListFields", "CopyFrom", "MergeFrom", "ClearField",
@@ -233,7 +240,7 @@ def test_the_api_speaks_torch_and_psgrad_types_only() -> None:
     path = PACKAGE / "api.py"
     protobuf = sorted(m for m in _imports(path) if m.startswith(("psgrad.proto", "google.protobuf")))
     assert not protobuf, f"api.py imports {protobuf}"
-    calls = [f"api.py:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+    calls = [f"api.py:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(_tree(path))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in PROTOBUF_METHODS]
     assert not calls, calls
 
@@ -338,7 +345,7 @@ def test_modes_are_asked_not_compared() -> None:
     for path in MODULES:
         if _part(path) == "core":
             continue
-        found += [f"{path.relative_to(PACKAGE.parent)}:{x}" for x in _mode_string_tests(ast.parse(path.read_text()))]
+        found += [f"{path.relative_to(PACKAGE.parent)}:{x}" for x in _mode_string_tests(_tree(path))]
     assert not found, "modes tested by name outside core/:\n" + "\n".join(found)
 
 
@@ -387,7 +394,7 @@ def test_the_modes_are_declared_once() -> None:
     assert MODES == tuple(m.name for m in DECLARED) and len(set(MODES)) == len(MODES) >= 3
     lists, declared = [], []
     for path in MODULES:
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         where = path.relative_to(PACKAGE.parent)
         lists += [f"{where}:{x}" for x in _mode_name_lists(tree)]
         declared += [(str(where), x.split(": ")[1]) for x in _mode_name_declarations(tree)]
@@ -418,7 +425,7 @@ def test_policies_are_asked_not_inspected() -> None:
     for path in MODULES:
         if path.name == "consistency.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 assert "Policy" not in ast.unparse(node.args[1]), f"{path}: {ast.unparse(node)}"
 
@@ -430,7 +437,7 @@ def test_median_module_is_under_200_lines() -> None:
 
 def _psgrad_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
     """Every class defined in psgrad, by name."""
-    return {node.name: (path, node) for path in MODULES for node in ast.walk(ast.parse(path.read_text()))
+    return {node.name: (path, node) for path in MODULES for node in ast.walk(_tree(path))
             if isinstance(node, ast.ClassDef)}
 
 
@@ -452,7 +459,7 @@ def test_the_shard_is_composed_and_holds_tables() -> None:
 
     assert Shard.__bases__ == (object,)
     for path in MODULES:  # (the client's same-host path is a collaborator too)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Raise) and node.exc is not None:
                 assert "NotImplementedError" not in ast.unparse(node.exc), f"{path.name}:{node.lineno}"
     from psgrad.config import ServerConfig
