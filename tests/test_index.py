@@ -204,10 +204,6 @@ BY_BEHAVIOUR: dict[str, tuple[str, str]] = {
         "psgrad.server.shard.Shard",
         "Shard is built on it: its lock, conditions and state",
     ),
-    "psgrad/worker/prefetch.py": (
-        "test_prefetched_rows_of_async_steps_count_their_staleness",
-        "opt.prefetch / step(prefetch=)",
-    ),
 }
 
 

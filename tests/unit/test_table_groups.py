@@ -45,13 +45,15 @@ def pushes(seed: int, count: int) -> list[dict[str, tuple[torch.Tensor, torch.Te
     """Row gradients of `count` pushes: shard 1's ids (odd), unique and sorted, some tables absent."""
     g = torch.Generator().manual_seed(seed)
     out = []
+    done = dict.fromkeys(TABLES, 0)  # each table's pushes so far: its version (a base is one behind it)
     for k in range(count):
         rows = {}
         for name, (n, dim, _) in TABLES.items():
             if k % 3 == 2 and name == "b":
                 continue
             ids = torch.unique(torch.randint(0, n // 2, (12,), generator=g) * 2 + 1)
-            rows[name] = (ids, torch.randn(ids.numel(), dim, generator=g), max(0, k - 1))
+            rows[name] = (ids, torch.randn(ids.numel(), dim, generator=g), max(0, done[name] - 1))
+            done[name] += 1
         out.append(rows)
     return out
 
