@@ -375,16 +375,24 @@ class PSOptimizer(ScheduledOptimizer):
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
                   reads: RowReads | None = None) -> ExchangeResult:
         """Push grad as clock (computed on weights of versions `base`) with lr and the row gradients
-        of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for)."""
+        of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for). The
+        rows' gradients are dropped once the exchange succeeded: one that raises leaves them for the
+        step taken again (the same clock, which a shard that applied it already acknowledges as a
+        duplicate: applied once), and for zero_grad() to drop."""
         t0 = time.perf_counter()
         self.client.base_versions = base
         rows, bases = {}, {}
         for name, module in self.embeddings:
-            taken = module.take_row_gradients()
-            if taken is not None:  # (pushed with the versions its rows were read at: their staleness)
-                rows[name], bases[name] = (taken.ids, taken.grads), taken.bases
-        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
-                                                 bases)
+            found = module.row_gradients()
+            if found is not None:  # (pushed with the versions its rows were read at: their staleness)
+                rows[name], bases[name] = (found.ids, found.grads), found.bases
+        try:
+            replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows,
+                                                     reads, bases)
+        except (RollbackError, EvictedError):  # the step returns, the clock moves: its gradient is dropped
+            self._rows_pushed()
+            raise
+        self._rows_pushed()
         evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
@@ -396,6 +404,12 @@ class PSOptimizer(ScheduledOptimizer):
             evicted=evicted,
             restores=restores,
         )
+
+    def _rows_pushed(self) -> None:
+        """A step's exchange ended without raising to the caller: the row gradients it took are
+        pushed (or, after a roll-back or a rejoin, dropped with the step's gradient)."""
+        for _, module in self.embeddings:
+            module.rows_pushed()
 
     def _finish_pending(self, stats: StepStats) -> None:
         """Wait for the background exchange, install its weights, fill stats."""

@@ -435,8 +435,16 @@ class SparseEmbedding(nn.Module):
         """take_gradients(), with the versions the rows were read at: per shard the oldest read
         among the forwards whose rows have a gradient (two forwards before one step: the first's,
         where it read that shard), what the push reports as the rows' base."""
-        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
+        taken = self.row_gradients()
         self._drop_touched()
+        return taken
+
+    def row_gradients(self) -> RowGradient | None:
+        """take_row_gradients() without taking them: the gradients stay until rows_pushed() (the
+        step's exchange succeeded) or zero_grad() drops them, so a step that fails (a push the
+        servers refused, a connection lost) leaves them for the step taken again, as torch leaves
+        .grad in place when optimizer.step() raises."""
+        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
         if not parts:
             return None
         bases = rows.oldest(*(versions for _, _, versions in parts))
@@ -450,6 +458,11 @@ class SparseEmbedding(nn.Module):
             summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
             kept = self._without_padding(unique, summed)
         return None if kept is None else RowGradient(kept[0], kept[1], bases)
+
+    def rows_pushed(self) -> None:
+        """The step pushed the rows' gradients (row_gradients()): forget the rows touched since the
+        last step, as take_row_gradients() does."""
+        self._drop_touched()
 
     def _without_padding(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids, grads) without the padding id's row (ids: unique, sorted); None when nothing is left."""
