@@ -38,13 +38,15 @@ from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
-from psgrad.worker.prefetch import Prefetched
+from psgrad.worker.prefetch import Prefetched, read_ids
 from psgrad.worker.row_cache import RowCache
 
 B = TypeVar("B")
 # What a forward of each psgrad embedding module (Embedding, EmbeddingBag, EmbeddingBagCollection)
-# will take: its first argument (ids, or a collection's features), by module.
-Lookups = Mapping[nn.Module, Any]
+# will take: its first argument (ids, or a collection's features), by module; a list of them for a
+# module several forwards call (one registered under several names: a two-tower model's shared
+# table). Or (module, input) pairs, a module in as many as forwards call it.
+Lookups = Mapping[nn.Module, Any] | Iterable[tuple[nn.Module, Any]]
 
 
 def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
@@ -148,6 +150,24 @@ def connect(
                           "codec: with compress='none' nothing is compressed, on this host or another; leave "
                           "compress_same_host out, or pass compress='topk:0.01' (say)")
     return Session(addresses, spec, rank, client)
+
+
+def _forwards(lookups: Lookups) -> list[tuple[nn.Module, Any]]:
+    """(module, the input of one of its forwards) for every forward `lookups` names: a mapping's
+    list value is one input per forward of its module; pairs are taken as they are.
+
+    Raises:
+        ConfigError: lookups that are neither a mapping nor (module, input) pairs.
+    """
+    items = lookups.items() if isinstance(lookups, Mapping) else lookups
+    out: list[tuple[nn.Module, Any]] = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ConfigError(f"prefetch lookups: give {{module: its next input}} (a list of inputs for a module "
+                              f"called several times) or (module, input) pairs, got {type(item).__name__} {item!r:.60}")
+        module, value = item
+        out.extend((module, one) for one in (value if isinstance(value, list) else [value]))
+    return out
 
 
 class Session:
@@ -467,10 +487,14 @@ class PSOptimizer(ScheduledOptimizer):
         """Fetch the rows that training forwards of these inputs will read, every table in one call
         per shard, however many psgrad embedding modules hold them: `lookups` maps each module
         (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection of this model) to the first
-        argument its forward will get (ids, or a collection's features). Each module's next
-        training forward with exactly those ids, before the next step, is served these rows; any
-        other read pulls as usual. So separate modules cost one call per shard per forward, like
-        one table.
+        argument its forward will get (ids, or a collection's features), or to a list of them, one
+        per forward, for a module that several forwards call (one registered under several names,
+        as a two-tower model's towers share the item table); (module, input) pairs do the same, a
+        module in as many pairs as forwards call it. A table several forwards read (a collection's
+        table that a module of its own reads too, as well) is read once, for all their ids. Each
+        module's next training forward with exactly those ids, before the next step, is served
+        these rows; any other read pulls as usual. So separate modules cost one call per shard per
+        forward, like one table.
 
         When: with no step pending (after opt.step(), before the next forward) the rows are read
         now. While a step is pending (a training forward read rows since the last step: the
@@ -485,19 +509,21 @@ class PSOptimizer(ScheduledOptimizer):
             ConfigError: a module that is not one of this model's psgrad embeddings.
             InvalidRequestError: an id out of its table's range, or not an integer tensor (named).
         """
-        ids = self._lookup_ids(lookups)
+        wanted = self._lookup_ids(lookups)
         if self.prefetched.pending:  # (rows read now would miss the pending step's update)
-            self.prefetched.defer(ids)
+            self.prefetched.defer(wanted)
             return
-        self.prefetched.hold(ids, self.client.pull_tables(ids, checked=True))
+        ids = read_ids(wanted)
+        self.prefetched.hold(wanted, ids, self.client.pull_tables(ids, checked=True))
 
-    def _lookup_ids(self, lookups: Lookups) -> dict[str, torch.Tensor]:
-        """The unique ids, by table, that forwards of `lookups` read (checked against their
-        tables' ranges, as a forward's are)."""
+    def _lookup_ids(self, lookups: Lookups) -> dict[str, list[torch.Tensor]]:
+        """The unique ids that forwards of `lookups` read, by table, one entry per forward (a table
+        that several forwards read has several: a module called twice, a collection's table that a
+        module of its own reads too); checked against their tables' ranges, as a forward's are."""
         mine = {id(m) for _, m in self.embeddings}
-        ids: dict[str, torch.Tensor] = {}
+        wanted: dict[str, list[torch.Tensor]] = {}
         single: list[tuple[SparseEmbedding, torch.Tensor]] = []  # modules of a table each: found together
-        for module, value in lookups.items():
+        for module, value in _forwards(lookups):
             tables = list(module.bags.values()) if isinstance(module, EmbeddingBagCollection) else [module]
             if not isinstance(module, (SparseEmbedding, EmbeddingBagCollection)) or any(id(t) not in mine for t in tables):
                 raise ConfigError(f"prefetch: {type(module).__name__} is not a psgrad embedding of this optimizer's "
@@ -505,11 +531,13 @@ class PSOptimizer(ScheduledOptimizer):
             if isinstance(module, SparseEmbedding):
                 single.append((module, value))
             else:
-                ids.update(module.lookup(value))
+                for table, unique in module.lookup(value).items():
+                    wanted.setdefault(table, []).append(unique)
         if single:  # every table's unique ids in one pass (nn/lookups.py)
             found = unique_ids_of([m for m, _ in single], [v for _, v in single])
-            ids.update((m.table or "", unique) for (m, _), (unique, _) in zip(single, found))
-        return ids
+            for (m, _), (unique, _) in zip(single, found):
+                wanted.setdefault(m.table or "", []).append(unique)
+        return wanted
 
     def pipeline(self, batches: Iterable[B], lookups: Callable[[B], Lookups]) -> Iterator[B]:
         """The batches of `batches`, each with its rows fetched ahead: the first one's before it is
@@ -642,7 +670,7 @@ class PSOptimizer(ScheduledOptimizer):
                                 f"step(prefetch=...)): {exc}; this step pushed nothing: {how}") from None
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            reads = RowReads(wanted, checked=True) if wanted else None
+            reads = RowReads(read_ids(wanted), checked=True) if wanted else None
             try:
                 done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:
@@ -656,7 +684,7 @@ class PSOptimizer(ScheduledOptimizer):
             stats.wait_s = done.exchange_s
             self._record(done, stats)
             # rows fetched before this step miss its update: dropped; the ones it read are held
-            self.prefetched.stepped(reads.ids if reads is not None else None, reads.rows if reads is not None else None)
+            self.prefetched.stepped(wanted, reads.ids if reads is not None else None, reads.rows if reads is not None else None)
         stats.versions = list(self._versions)
         self.clock = clock + 1
         return stats

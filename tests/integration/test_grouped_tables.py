@@ -402,3 +402,94 @@ def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_serv
     maxed = psgrad.EmbeddingBagCollection({"a": (10, 4)}, mode="max")
     with pytest.raises(ConfigError, match="weighted features need mode 'sum'"):
         maxed({"a": (torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))})
+
+
+class SharedItems(nn.Module):
+    """A two-tower model whose towers share the item table, in each form psgrad has for it: "pairs"
+    and "list", one psgrad.EmbeddingBag registered under three names (items, history, candidate),
+    its lookups given as (module, input) pairs or as a list of inputs for the module; "collection",
+    an EmbeddingBagCollection whose item table two features look up (feature_names), and which a
+    module of its own (query: the collection's bag) reads too."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        if form == "collection":
+            self.ebc = psgrad.EmbeddingBagCollection({"item": (300, 4), "user": (100, 4)}, mode="sum", std=0.1, seed=1,
+                                                     feature_names={"item": ["history", "candidate"], "user": ["user"]})
+            self.query = self.ebc.bags["item"]
+        else:
+            self.items = psgrad.EmbeddingBag(300, 4, mode="sum", std=0.1, seed=1)
+            self.user = psgrad.EmbeddingBag(100, 4, mode="sum", std=0.1, seed=2)
+            self.history, self.candidate = self.items, self.items
+        torch.manual_seed(0)
+        self.head = nn.Linear(16 if form == "collection" else 12, 1)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.form == "collection":
+            features = {name: x[name] for name in ("history", "candidate", "user")}
+            out = torch.cat([self.ebc(features), self.query(x["query"])], dim=1)
+        else:
+            out = torch.cat([self.history(x["history"]), self.candidate(x["candidate"]), self.user(x["user"])], dim=1)
+        return self.head(out).squeeze(-1)
+
+    def lookups(self, x: dict[str, torch.Tensor]) -> Any:
+        if self.form == "pairs":
+            return [(self.history, x["history"]), (self.candidate, x["candidate"]), (self.user, x["user"])]
+        if self.form == "list":
+            return {self.items: [x["history"], x["candidate"]], self.user: x["user"]}
+        return {self.ebc: {name: x[name] for name in ("history", "candidate", "user")}, self.query: x["query"]}
+
+
+def shared_batches(seed: int, n: int, size: int = 8) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = {"history": torch.randint(0, 300, (size, 3), generator=g), "candidate": torch.randint(0, 300, (size, 1), generator=g),
+             "user": torch.randint(0, 100, (size, 1), generator=g), "query": torch.randint(0, 300, (size, 2), generator=g)}
+        out.append((x, torch.rand(size, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("form", ["pairs", "list", "collection"])
+def test_modules_sharing_a_table_are_each_served_their_prefetched_rows_and_equal_the_unpipelined_job(start_servers, form) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes: a model whose forwards read one table several times trained
+    without prefetch, through the pipeline, and with opt.prefetch(next batch) between backward and
+    step. The table is read once for all of its forwards' ids, each forward is served its own rows
+    (no forward pulls after the first batch's prefetch), and the jobs are bit for bit the same.
+    Before, the prefetch kept one forward's ids per table: the others pulled their rows themselves
+    (a collection's table that a module of its own read too), or the lookups could not name a
+    module's second forward at all (pairs, a list)."""
+    steps = 4
+    data = shared_batches(31, steps)
+    results = {}
+    for how in ("plain", "pipeline", "prefetch"):
+        addresses = start_servers(2)
+        model = SharedItems(form)
+        outs = []
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            calls = count_calls(opt)
+            loop = opt.pipeline(data, lambda b: model.lookups(b[0])) if how == "pipeline" else iter(data)
+            for k, (x, y) in enumerate(loop):
+                opt.zero_grad()
+                out = model(x)
+                outs.append(out.detach())
+                nn.functional.binary_cross_entropy_with_logits(out, y).backward()
+                if how == "prefetch" and k + 1 < steps:
+                    opt.prefetch(model.lookups(data[k + 1][0]))
+                opt.step()
+            if how == "pipeline":  # the first batch's prefetch (two shards); then every batch's rows rode a step
+                assert calls["pull_rows"] == 2 and opt.prefetched.stats == PrefetchStats(served=3 * steps, unused=0), \
+                    (calls, opt.prefetched.stats)
+            elif how == "prefetch":  # the first batch's forwards pulled; every later one was served
+                assert opt.prefetched.stats == PrefetchStats(served=3 * (steps - 1), unused=0), opt.prefetched.stats
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+            assert len(rows) == 2
+        results[how] = (outs, rows, model.head.weight.detach().clone())
+    plain_outs, plain_rows, plain_head = results.pop("plain")
+    for how, (outs, rows, head) in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(plain_outs, outs)), how
+        assert rows.keys() == plain_rows.keys() and all(torch.equal(rows[t], plain_rows[t]) for t in rows), how
+        assert torch.equal(head, plain_head), how
