@@ -613,11 +613,18 @@ class PSOptimizer(ScheduledOptimizer):
         prefetch() made since the last step (after this step's forward), and in a pipeline the next
         batch's.
 
-        A bad id in the rows a step fetches ahead (InvalidRequestError, naming it) stops the step
-        before it sends anything. The rows of the pipeline's next batch are then dropped, so
-        opt.step() again pushes this step without them, and that batch's forward reads its rows
-        itself (refusing the same id, for the loop to skip the batch); a step(prefetch=...) is
-        taken again without prefetch= (or with good ids).
+        A bad id in the rows a step fetches ahead (InvalidRequestError, naming it), or lookups it
+        cannot read (ConfigError: a collection's feature missing, a module not of this model), stop
+        the step before it sends anything. The rows of the pipeline's next batch are then dropped,
+        so opt.step() again pushes this step without them, and that batch's forward reads its rows
+        itself (refusing the same input, for the loop to skip the batch); a step(prefetch=...) is
+        taken again without prefetch= (or with good lookups).
+
+        A step that raises otherwise (a push the servers refused: the memory budget, a non-finite
+        gradient, ServerBusyError; a server unreachable) leaves the gradients in place, the rows'
+        too, and what it was to fetch ahead: opt.step() again pushes them with the same clock (a
+        shard that applied the step already acknowledges a duplicate, so each applies it once) and
+        fetches the next batch's rows; opt.zero_grad() drops them instead.
 
         Raises:
             PsgradError: a server refused the push or became unreachable.
@@ -656,16 +663,20 @@ class PSOptimizer(ScheduledOptimizer):
             stats.d2h_s = self.flat.d2h_s
             self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
         else:
+            if prefetch is None and self._next_lookups is not None and not isinstance(self._next_lookups, (Mapping, list)):
+                self._next_lookups = list(self._next_lookups)  # (pairs from an iterator: the same for a step taken again)
             ahead = prefetch if prefetch is not None else self._next_lookups
             try:
                 wanted = {**self.prefetched.deferred, **(self._lookup_ids(ahead) if ahead else {})}
-            except InvalidRequestError as exc:  # (nothing sent yet: the step can be taken again)
+            except Exception as exc:  # (nothing sent yet: the step can be taken again)
                 if prefetch is None:  # the pipeline's next batch: a step again goes on without its rows
-                    self._next_lookups = None
+                    self._next_lookups = None  # (whatever refused them: a bad id, a feature missing, a module not of the model)
                     how = ("opt.step() again pushes this step without fetching them, and that batch's forward then "
-                           "reads its rows itself (and refuses the same id: skip the batch there)")
+                           "reads its rows itself (and refuses the same input: skip the batch there)")
                 else:
-                    how = "take the step again without prefetch= (or with valid ids)"
+                    how = "take the step again without prefetch= (or with valid lookups)"
+                if not isinstance(exc, (InvalidRequestError, ConfigError)):
+                    raise
                 raise type(exc)(f"the next batch's rows, which this step fetches ahead (opt.pipeline, "
                                 f"step(prefetch=...)): {exc}; this step pushed nothing: {how}") from None
             grad = self.flat.gather_grads()

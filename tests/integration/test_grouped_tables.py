@@ -493,3 +493,126 @@ def test_modules_sharing_a_table_are_each_served_their_prefetched_rows_and_equal
         assert all(torch.equal(a, b) for a, b in zip(plain_outs, outs)), how
         assert rows.keys() == plain_rows.keys() and all(torch.equal(rows[t], plain_rows[t]) for t in rows), how
         assert torch.equal(head, plain_head), how
+
+
+@pytest.mark.parametrize("ahead", ["pipeline", "prefetch", "step"])
+def test_a_step_fetching_rows_ahead_that_failed_pushes_its_rows_once_when_taken_again(start_servers, ahead) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes, the pipeline (each step reads the next batch's rows) and the same
+    loop without it: a step whose dense gradient holds a NaN in shard 0's range is refused there
+    and applied on shard 1 (which also reads the next batch's rows); mended and taken again, it
+    pushes the rows' gradients again, applied by shard 0 alone, and reads the next batch's rows
+    from both shards, which its forward is served. A step refused by both shards (a NaN loss) is
+    dropped with zero_grad(); its next batch's forward reads its own rows. Both jobs end bit for
+    bit the same, and as torch's dense twin trained on the batches that were not dropped."""
+    from psgrad.errors import NonFiniteGradientError
+
+    steps = 6
+    data = batches(41, steps)
+    results = {}
+    for pipelined in (False, True):
+        addresses = start_servers(2)
+        model = Separate()
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            assert opt.plan.ranges[0][0] == 0 < opt.plan.ranges[0][1] < opt.plan.ranges[1][1]
+            loop = opt.pipeline(data, lambda b: model.lookups(b[0])) if pipelined and ahead == "pipeline" else iter(data)
+            if pipelined and ahead != "pipeline":
+                opt.prefetch(model.lookups(data[0][0]))
+            for k, (x, y) in enumerate(loop):
+                following = model.lookups(data[k + 1][0]) if pipelined and ahead != "pipeline" and k + 1 < steps else None
+                if following is not None and ahead == "step":
+                    step = lambda: opt.step(prefetch=following)  # noqa: E731
+                else:
+                    step = opt.step
+                opt.zero_grad()
+                loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+                if k == 3:  # a NaN loss, stepped anyway: refused by both shards, then dropped
+                    (loss * float("nan")).backward()
+                    if following is not None and ahead == "prefetch":
+                        opt.prefetch(following)
+                    with pytest.raises(NonFiniteGradientError):
+                        step()
+                    opt.zero_grad()
+                    continue
+                loss.backward()
+                if following is not None and ahead == "prefetch":  # (carried by the step, read after its update)
+                    opt.prefetch(following)
+                if k == 1:  # a NaN in shard 0's range: refused there, applied on shard 1
+                    grad = model.head.weight.grad
+                    assert grad is not None
+                    kept = float(grad[0, 0])
+                    grad[0, 0] = float("nan")
+                    with pytest.raises(NonFiniteGradientError):
+                        step()
+                    grad[0, 0] = kept
+                step()
+            assert opt.clock == steps - 1
+            if pipelined:  # every forward served but batch 4's (the step before it was dropped): 3 tables each
+                assert opt.prefetched.stats == PrefetchStats(served=3 * (steps - 1), unused=0), opt.prefetched.stats
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+        results[pipelined] = (rows, model.head.weight.detach().clone())
+    (plain_rows, plain_head), (piped_rows, piped_head) = results[False], results[True]
+    assert plain_rows.keys() == piped_rows.keys() and all(torch.equal(plain_rows[t], piped_rows[t]) for t in plain_rows)
+    assert torch.equal(plain_head, piped_head)
+    twin = Separate()  # torch's dense twin: nn.EmbeddingBag on the same initial rows, the same optimizer
+    dense = {name: nn.EmbeddingBag(*TABLES[name], mode="sum") for name in TABLES}
+    with torch.no_grad():
+        for name, bag in dense.items():
+            module = getattr(twin, name)
+            module.table = name
+            bag.weight.copy_(module.initial_weight())
+            setattr(twin, name, bag)
+    theirs = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for k, (x, y) in enumerate(data):
+        if k != 3:
+            theirs.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(twin(x), y).backward()
+            theirs.step()
+    for name in TABLES:
+        torch.testing.assert_close(plain_rows[name], twin.get_submodule(name).weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain_head, twin.head.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pipelined_step_whose_next_batch_cannot_be_looked_up_is_taken_again_without_it(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes, a collection: the pipeline's batch 2 lacks a feature, so the
+    step of batch 1, which fetches batch 2's rows ahead, is refused before it sends anything
+    (ConfigError, saying so); taken again it pushes batch 1 (its rows included) without batch 2's
+    rows, batch 2's own forward refuses the batch, the loop skips it, and the job ends bit for bit
+    as the same loop without the pipeline. Before, only a bad id dropped the next batch's lookups:
+    here every step taken again was refused the same way, so batch 1's gradients (the rows' with
+    them) could never be pushed in the pipeline."""
+    data = batches(43, 5)
+    del data[2][0]["c"]
+    results = []
+    for pipelined in (False, True):
+        addresses = start_servers(2)
+        model = Collection()
+        refused: list[str] = []
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            for x, y in opt.pipeline(data, lambda b: model.lookups(b[0])) if pipelined else iter(data):
+                opt.zero_grad()
+                try:
+                    loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+                except ConfigError as exc:  # the batch's own forward: skipped
+                    refused.append(str(exc))
+                    continue
+                loss.backward()
+                try:
+                    opt.step()
+                except ConfigError as exc:
+                    refused.append(str(exc))
+                    assert opt.step().accepted  # taken again: without the next batch's rows
+            assert opt.clock == 4
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+        assert len(refused) == (2 if pipelined else 1), refused
+        assert "missing ['c']" in refused[-1]
+        if pipelined:
+            assert "the next batch's rows, which this step fetches ahead" in refused[0], refused[0]
+            assert "this step pushed nothing: opt.step() again pushes this step without fetching them" in refused[0]
+        results.append((rows, model.head.weight.detach().clone()))
+    (plain_rows, plain_head), (piped_rows, piped_head) = results
+    assert plain_rows.keys() == piped_rows.keys() and all(torch.equal(plain_rows[t], piped_rows[t]) for t in plain_rows)
+    assert torch.equal(plain_head, piped_head)
