@@ -406,12 +406,8 @@ class PSOptimizer(ScheduledOptimizer):
             found = module.row_gradients()
             if found is not None:  # (pushed with the versions its rows were read at: their staleness)
                 rows[name], bases[name] = (found.ids, found.grads), found.bases
-        try:
-            replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows,
-                                                     reads, bases)
-        except (RollbackError, EvictedError):  # the step returns, the clock moves: its gradient is dropped
-            self._rows_pushed()
-            raise
+        replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
+                                                 bases)
         self._rows_pushed()
         evicted, restores = self.client.take_news()
         return ExchangeResult(
@@ -426,8 +422,8 @@ class PSOptimizer(ScheduledOptimizer):
         )
 
     def _rows_pushed(self) -> None:
-        """A step's exchange ended without raising to the caller: the row gradients it took are
-        pushed (or, after a roll-back or a rejoin, dropped with the step's gradient)."""
+        """A step's exchange succeeded: the row gradients it pushed are dropped (after a roll-back or
+        a rejoin, with the step's gradient: the step returns, the clock moved)."""
         for _, module in self.embeddings:
             module.rows_pushed()
 
@@ -544,7 +540,8 @@ class PSOptimizer(ScheduledOptimizer):
         yielded (prefetch), each next one's by the step() in between, in the same call per shard
         as that step's push and pull (step(prefetch=...)): a training step then makes one call per
         shard, every table both ways. `lookups(batch)` names what each psgrad embedding module's
-        forward takes for that batch ({module: ids or features}). In sync mode the rows of batch
+        forward takes for that batch ({module: ids or features}; a list of them for a module called
+        several times, or (module, input) pairs: see prefetch()). In sync mode the rows of batch
         i+1 are read after iteration i's update (the same rows a pull in its forward would get);
         in async and ssp mode their staleness counts from that read, as for any pull of rows.
 
@@ -686,10 +683,12 @@ class PSOptimizer(ScheduledOptimizer):
                 done = self._exchange(grad, clock, self._versions, push_lr, reads)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
+                self._rows_pushed()  # (the step returns, the clock moved: its gradient is dropped, the rows' too)
                 stats.versions = list(self._versions)
                 return stats
             except EvictedError:
                 stats.rejoined_at = self._rejoin()
+                self._rows_pushed()
                 stats.versions = list(self._versions)
                 return stats
             stats.wait_s = done.exchange_s
