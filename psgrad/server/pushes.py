@@ -44,6 +44,7 @@ class Pushes:
         self._core = core
         self._replica = replica
         self._rows = rows
+        self._kept = 0  # the row updates the next replica record carried before the update being applied
         core.complete_round = self.complete_iteration
 
     def push_target(
@@ -273,6 +274,7 @@ class Pushes:
         the update fails. Rows go before the dense part: the dense apply is an update's last write,
         so nothing but itself is left to fail after it began. Under the lock."""
         journal = RowJournal()
+        self._kept = self._replica.rows_kept()  # (what the next record carries from before this update)
         try:
             with journal.record():
                 apply()
@@ -282,7 +284,7 @@ class Pushes:
 
     def _undo_rows(self, journal: RowJournal, what: str) -> None:
         """Undo an update's rows, refused after they were applied (its dense part was not)."""
-        self._replica.abandon()
+        self._replica.abandon(self._kept)
         if not journal.undo():
             self._break(f"{what} was refused after its rows were applied, and they could not be undone exactly "
                         "(rows moved in the arena since)")
@@ -296,7 +298,7 @@ class Pushes:
         may have begun writing the weights, or rows moved since they were written), the shard
         refuses every push from now on (ApplyFailedError, logged) rather than apply part of an
         update twice."""
-        self._replica.abandon()
+        self._replica.abandon(self._kept)
         if count:
             self._core.counters.pushes_rejected += 1
         undone = journal.undo()
@@ -368,7 +370,9 @@ class Pushes:
             try:
                 self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
             except BaseException:
-                self._replica.abandon()  # (its record is made again when the iteration is applied)
+                # (its record is made again when the iteration is applied; a hybrid job's rows applied
+                # as its pushes came stay for it)
+                self._replica.abandon(self._replica.rows_kept())
                 raise
             journal = self._apply_rows(lambda: self._rows.apply_round(state, [it.rows for it in items], len(items), lr),
                                        what)

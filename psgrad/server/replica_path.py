@@ -60,11 +60,16 @@ class Replica:
             copy.copy_(grad)
             self._payload = (copy, lr_scale, lr, in_segment)
 
-    def abandon(self) -> None:
+    def abandon(self, keep: int = 0) -> None:
         """The update being applied failed before it was applied (caller holds the lock): what was
         kept of it for its record goes, so no later update's record carries it (its retry keeps it
-        again)."""
-        self._payload, self._rows = None, []
+        again). keep: the row updates kept before it began (rows_kept), which stay: rows applied
+        already that the next record carries (a hybrid job's pushes' rows, applied as they came)."""
+        self._payload, self._rows = None, self._rows[:keep]
+
+    def rows_kept(self) -> int:
+        """How many row updates the next record carries so far (see abandon)."""
+        return len(self._rows)
 
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
