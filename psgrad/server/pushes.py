@@ -4,6 +4,7 @@ consistency policy decides; sync rounds complete here. A collaborator of the sha
 under the core's lock, on the core's state, and tells the replica what it applies."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import NoReturn
@@ -226,11 +227,14 @@ class Pushes:
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
-                # The rows first, journaled (undone if they fail part way), then the dense part, which
-                # is the update's last write (see _apply_rows).
-                journal = self._apply_rows(lambda: self._rows.apply(state, rows, lr, scale, slots), what, count=True)
-                if staged:  # the buffer holds the next weights: swap them in
+                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots)
+
+                def apply_rows(undo: Callable[[], object] | None = None) -> RowJournal:
+                    return self._apply_rows(update_rows, what, count=True, undo_dense=undo)
+
+                if staged:  # the buffer holds the next weights: swap them in (after the rows: it cannot fail)
                     assert writer is not None
+                    apply_rows()
                     if writer.base is not state.weights:  # staged beside a slow push, which was applied first
                         writer.rebase(state.weights)
                     old, state.weights = state.weights, grad
@@ -240,12 +244,18 @@ class Pushes:
                     try:
                         bad = state.dense.apply_checked(source, scale, lr, restore)
                     except BaseException as exc:  # (the weights are restored from the copy: nothing of it stays)
-                        self._failed(journal, exc, what, dense_written=False, count=True)
+                        self._kept = self._replica.rows_kept()  # (nothing of it for the record yet)
+                        self._failed(RowJournal(), exc, what, dense_written=False, count=True)
                     if bad:
-                        self._undo_rows(journal, what)
                         return self._refuse_nonfinite(member, clock, bad, decision)
+                    # then the rows: where they fail, the weights go back to the copy too (plain SGD: no
+                    # optimizer state)
+                    apply_rows(lambda: state.weights.copy_(restore))
                     self._replica.before_apply(source, scale, lr)
                 else:
+                    # The rows first, journaled (undone if they fail part way), then the dense part,
+                    # which is the update's last write (see _apply_rows).
+                    journal = apply_rows()
                     self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
                     try:
                         state.dense.apply(source, scale, lr)
@@ -268,26 +278,28 @@ class Pushes:
         if self._core.broken is not None:
             raise ApplyFailedError(self._core.broken)
 
-    def _apply_rows(self, apply: Callable[[], None], what: str, count: bool = False) -> RowJournal:
+    def _apply_rows(self, apply: Callable[[], None], what: str, count: bool = False,
+                    undo_dense: Callable[[], object] | None = None) -> RowJournal:
         """Apply an update's rows (apply()), journaled: where it fails part way, what it wrote is
-        undone (see _failed) and the error raised; else the journal, for undoing them if the rest of
-        the update fails. Rows go before the dense part: the dense apply is an update's last write,
-        so nothing but itself is left to fail after it began. Under the lock."""
+        undone (see _failed; undo_dense: how to undo a dense part applied before, exactly) and the
+        error raised; else the journal, for undoing them if the rest of the update fails. Rows go
+        before the dense part (but where that part is undone exactly from a copy): the dense apply
+        is then an update's last write, so nothing but itself is left to fail after it began.
+        Under the lock."""
         journal = RowJournal()
         self._kept = self._replica.rows_kept()  # (what the next record carries from before this update)
         try:
             with journal.record():
                 apply()
         except BaseException as exc:
-            self._failed(journal, exc, what, dense_written=False, count=count)
+            written = False
+            if undo_dense is not None:
+                try:
+                    undo_dense()
+                except BaseException:
+                    written = True
+            self._failed(journal, exc, what, dense_written=written, count=count)
         return journal
-
-    def _undo_rows(self, journal: RowJournal, what: str) -> None:
-        """Undo an update's rows, refused after they were applied (its dense part was not)."""
-        self._replica.abandon(self._kept)
-        if not journal.undo():
-            self._break(f"{what} was refused after its rows were applied, and they could not be undone exactly "
-                        "(rows moved in the arena since)")
 
     def _failed(self, journal: RowJournal, exc: BaseException, what: str, dense_written: bool,
                 count: bool) -> NoReturn:
