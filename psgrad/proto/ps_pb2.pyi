@@ -730,7 +730,7 @@ class ReplicaAttachReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows")
+    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "counters")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -743,6 +743,7 @@ class ReplicaHeader(_message.Message):
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     version: int
     kind: str
@@ -755,7 +756,8 @@ class ReplicaHeader(_message.Message):
     job_lr: float
     job_lr_clock: int
     rows: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    counters: bytes
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., counters: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("header", "data")

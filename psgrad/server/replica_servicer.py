@@ -71,7 +71,7 @@ class ReplicaServicer:
             what = f"replica record {h.version}"
             record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
                             lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None,
-                            rows=tuple(updates_from_proto(h.rows, what)))
+                            rows=tuple(updates_from_proto(h.rows, what)), counters=h.counters)
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
             if shared is not None:  # used in place (see Replication: the primary writes it again later)

@@ -51,6 +51,7 @@ class Record:
     lr: float | None = None  # gradient: the learning rate in effect on the primary (None: the job's)
     job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
     rows: tuple[RowUpdate, ...] = ()  # the row updates of sparse tables applied with it (their lr as applied)
+    counters: bytes = b""  # the primary's shard counters after it (JSON of Counters.saved; b"": none)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -71,7 +72,7 @@ class Record:
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
-            lr=self.lr, rows=updates_to_proto(self.rows),
+            lr=self.lr, rows=updates_to_proto(self.rows), counters=self.counters,
         )
         if self.job_lr is not None:
             header.job_lr, header.job_lr_clock = self.job_lr
