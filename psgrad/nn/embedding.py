@@ -125,6 +125,13 @@ class SparseEmbedding(nn.Module):
     and lost (a copy of a bound module, or one whose job was closed: the rows are on the servers,
     not here, so forwards and state_dict() are refused, naming where to get them)."""
 
+    # The name its initial rows are drawn under where it is not self.table: a loaded state's `table`
+    # entry (the name in the job that wrote it), kept when a job binds the module under another name
+    # (its place in this model: a wrapper's `module.` prefix added or stripped), so the rows the
+    # state does not list start as they did there. None: its table's own (a fresh module, a state
+    # without the entry). A class default: modules pickled by an older psgrad have none.
+    drawn_as: str | None = None
+
     def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
@@ -233,11 +240,21 @@ class SparseEmbedding(nn.Module):
         self._drop_touched()
         return loaded
 
-    def bind(self, table: str, source: RowSource) -> None:
+    def bound_draw_name(self, table: str) -> str:
+        """The name the job's initial rows of this module, bound as table `table`, are drawn under,
+        where it is not `table` (TableSpec.drawn_as; "": its own): a loaded state's (see drawn_as),
+        so that the rows the state does not list start as they did in the job that wrote it. Read
+        before prepare_to_bind (which forgets the loaded state)."""
+        if self._loaded is None or self.drawn_as is None or self.drawn_as == table:
+            return ""
+        return self.drawn_as
+
+    def bind(self, table: str, source: RowSource, drawn_as: str = "") -> None:
         """Make this module table `table` of a job (PSOptimizer does this, after prepare_to_bind; a
-        model given to a new job's optimizer is bound to that one)."""
+        model given to a new job's optimizer is bound to that one), its initial rows drawn under
+        `drawn_as` ("": its own name; see bound_draw_name)."""
         self.prepare_to_bind()
-        self.table, self._source = table, source
+        self.table, self._source, self.drawn_as = table, source, drawn_as or None
         if self.dynamic or self.num_embeddings * self.embedding_dim >= lookups.LOOKUP_KERNEL_MIN:
             lookups.kernels(start=True)  # (compiled while the job starts, not in its first steps)
 
@@ -293,7 +310,7 @@ class SparseEmbedding(nn.Module):
         return rows.initial_rows(self._key(), torch.arange(self.num_embeddings), self.embedding_dim, self.std)
 
     def _key(self) -> int:
-        return rows.table_key(self.seed, self.table or "")
+        return rows.table_key(self.seed, self.drawn_as if self.drawn_as is not None else self.table or "")
 
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(inverse, rows, unique): each id's index into rows, which are the rows of the batch's
@@ -408,6 +425,7 @@ class SparseEmbedding(nn.Module):
         """Hold `embeddings` as every row's loaded value (see from_pretrained)."""
         values = embeddings.detach().to("cpu", torch.float32).contiguous()
         self._loaded, self.frozen = (torch.arange(self.num_embeddings), values), bool(freeze)
+        self.drawn_as = None
 
     def _local_rows(self, unique: torch.Tensor) -> torch.Tensor:
         """Rows `unique` of an unbound module's loaded state: the loaded ones, the others initial."""
@@ -511,7 +529,7 @@ class SparseEmbedding(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         ids, values = self.stored_rows()
-        name = self.table if self.table is not None else prefix[:-1]
+        name = self.drawn_as if self.drawn_as is not None else self.table if self.table is not None else prefix[:-1]
         destination[prefix + "ids"] = ids
         destination[prefix + "rows"] = values
         destination[prefix + "init"] = torch.tensor([self.num_embeddings, self.embedding_dim, self.seed], dtype=torch.int64)
@@ -562,6 +580,10 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(f"load_state_dict(): {prefix}ids lists a row id more than once")
         name = state_dict.get(prefix + "table")
         self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
+        # (the state names the table its rows were drawn under: a job that binds this module under
+        # another name draws them under that one, see bound_draw_name; a state without the entry
+        # is named by the module's place in the model)
+        self.drawn_as = self.table if name is not None else None
         self.seed, self.std = seed, float(state_dict[prefix + "init_std"])
         self._loaded, self._lost = (ids, values[order].contiguous()), None
 
@@ -582,7 +604,7 @@ class SparseEmbedding(nn.Module):
                 f"{where} takes [{size} rows, {self.embedding_dim}]: build it with the weight's shape "
                 "(num_embeddings, embedding_dim)")
         values = weight.detach().to("cpu", torch.float32).contiguous()
-        self.table = prefix[:-1]
+        self.table, self.drawn_as = prefix[:-1], None
         self._loaded, self._lost = (torch.arange(values.shape[0]), values), None
 
 
