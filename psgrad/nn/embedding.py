@@ -298,15 +298,35 @@ class SparseEmbedding(nn.Module):
     # ----------------------------------------------------------------------------- forwards
 
     def initial_weight(self) -> torch.Tensor:
-        """The whole table as the servers make it before any update ([num_embeddings, dim]): for a
-        local copy of a small table (tests, a dense baseline); a large one costs its full size.
+        """The whole table as the servers draw it before any update ([num_embeddings, dim] float32:
+        N(0, std²) from the seed, the name the rows are drawn under and each id): for a local copy
+        of a small table (tests, a dense baseline); a large one costs its full size.
+
+        The name is the job's, so a module must know it: bound (or lost: its job's), the table's,
+        or a loaded state's it started from (a wrapper's prefix added or stripped); unbound after
+        load_state_dict(), the state's, which a job started from it draws the rows the state does
+        not list under. Rows a state or from_pretrained() loaded are not in it: they are the
+        values a job started from them begins with for those ids (its first update, sent by the
+        chief), over these draws, and what an unbound loaded module serves; from_pretrained's
+        embeddings are every row of the table.
 
         Raises:
             ConfigError: a dynamic table, which has no whole.
+            WorkerStateError: a module never bound that loaded no named state (fresh, or
+                from_pretrained): its rows are drawn under its name in the job, its place in the
+                model, which binding gives it; call it after ps.optimizer(model).
         """
         if self.dynamic:
             raise ConfigError("a dynamic table (num_embeddings=None) has no whole table to make: its ids are any "
                               "int64; read the rows of the ids you need")
+        if self.table is None and self.drawn_as is None:
+            pretrained = (" (from_pretrained: every row a job starts from is the embeddings it was given; use those)"
+                          if self._loaded is not None else "")
+            raise WorkerStateError(
+                f"initial_weight() of {self._what()}, which is not bound to a job: a table's initial rows are drawn "
+                "under its name in the job, its place in the model, which binding gives it (its rows drawn now "
+                "would be another table's). Bind first, then read it: opt = ps.optimizer(model); "
+                f"module.initial_weight(){pretrained}")
         return rows.initial_rows(self._key(), torch.arange(self.num_embeddings), self.embedding_dim, self.std)
 
     def _key(self) -> int:

@@ -302,7 +302,9 @@ def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_
         layout = s.shard.core.state.layout
         assert {t.name: t.drawn_as for t in layout.tables} == {"inner.items": "items", "inner.user": "user"}
 
-    fresh = Wrapped()  # never loaded: its rows are drawn under its own names
+    fresh = Wrapped()  # never loaded: its rows are drawn under its own names, which binding gives it
+    with pytest.raises(WorkerStateError, match=r"not bound.*ps\.optimizer\(model\)"):
+        fresh.inner.items.initial_weight()
     with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
         opt = ps.optimizer(fresh)
         rows = _every_row(fresh.inner)

@@ -456,7 +456,7 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     assert not mine(IDS_2D).requires_grad and mine.take_gradients() is None
 
     ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)})
-    source = LocalRows(ebc.bags["a"].initial_weight())
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)))
     for name, bag in ebc.bags.items():
         bag.bind(f"ebc.bags.{name}", source)
     ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
@@ -467,3 +467,27 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     ebc.requires_grad_(True)
     ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
     assert all(bag.take_gradients() is not None for bag in ebc.bags.values())
+
+
+def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_drawn_under() -> None:
+    """A fresh module's rows are drawn under its name in the job (its place in the model), which it
+    learns when bound: initial_weight() before that is refused naming the fix (it drew under "",
+    a table no job serves). Bound, it is the job's draw; after load_state_dict(), the draw under
+    the state's name (what a job started from it draws the rows the state does not list under),
+    loaded rows not included; from_pretrained alone names no table, and the message says the
+    embeddings are the rows."""
+
+    model = Model()
+    with pytest.raises(WorkerStateError, match=r"initial_weight\(\).*not bound.*ps\.optimizer\(model\)"):
+        model.bag.initial_weight()
+    state = model.state_dict()  # (a fresh model's state names its tables by their places: "bag")
+    drawn = rows.initial_rows(rows.table_key(model.bag.seed, "bag"), torch.arange(ROWS), DIM, model.bag.std)
+    outer = nn.Module()
+    outer.tower = Model()
+    outer.tower.load_state_dict(state)
+    assert torch.equal(outer.tower.bag.initial_weight(), drawn)
+    _bound(model.bag, "bag")
+    assert torch.equal(model.bag.initial_weight(), drawn)
+    pretrained = psgrad.EmbeddingBag.from_pretrained(torch.ones(ROWS, DIM))
+    with pytest.raises(WorkerStateError, match="from_pretrained: every row a job starts from is the embeddings"):
+        pretrained.initial_weight()
