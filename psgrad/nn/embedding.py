@@ -12,8 +12,9 @@ scale_grad_by_freq, sparse, and for bags include_last_offset and mode "max"; max
 naming why), `state_dict()`/`load_state_dict()` (a table's entries: the rows updated at least once
 and how to make the others, the layout `psgrad export` writes; torch's own, `weight`, loads too, as
 every row), pickling and `copy.deepcopy` (a
-copy is unbound: the rows stay on the servers), and clip_grad_norm_, whose norm covers the rows'
-gradients too. A module that loaded a state without being bound serves forwards from it (initial
+copy is unbound: the rows stay on the servers), dtype conversions (model.half(), .bfloat16(),
+.double(), .to(dtype): forwards return that dtype, the rows and their gradients stay float32), and
+clip_grad_norm_, whose norm covers the rows' gradients too. A module that loaded a state without being bound serves forwards from it (initial
 rows for the ids the state does not list): a trained model evaluates with no servers."""
 from __future__ import annotations
 
@@ -131,6 +132,11 @@ class SparseEmbedding(nn.Module):
     # state does not list start as they did there. None: its table's own (a fresh module, a state
     # without the entry). A class default: modules pickled by an older psgrad have none.
     drawn_as: str | None = None
+    # The dtype its forwards return: the module's, as model.double() / .half() / .bfloat16() /
+    # .to(dtype) convert torch's tables (see _apply). The rows stay float32 (the servers', the
+    # pooling's); the output is cast, and its gradient cast back to float32 for the push.
+    # A class default: modules pickled by an older psgrad have none.
+    dtype: torch.dtype = torch.float32
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
@@ -227,6 +233,25 @@ class SparseEmbedding(nn.Module):
         if padding_idx is not None and not 0 <= padding_idx < self.num_embeddings:
             raise ConfigError(f"padding_idx must be within num_embeddings ({self.num_embeddings}), got {padding_idx}")
         return padding_idx
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseEmbedding:
+        """torch's dtype conversions (model.double(), .half(), .bfloat16(), .float(), .to(dtype))
+        reach a module through here, applied to its parameters and buffers, of which a table has
+        none: the module keeps the floating dtype the conversion makes of a float32 tensor, which
+        its forwards return (self.dtype). A device move changes nothing here (rows follow the
+        input's device)."""
+        out = super()._apply(fn, recurse)
+        try:  # (two probes: a conversion makes both its dtype, a device move leaves each its own)
+            probes = [fn(torch.empty(0, dtype=d)) for d in (torch.float64, torch.float16)]
+        except (RuntimeError, AssertionError, TypeError):  # (a device this process has none of: torch says so on
+            return out                                     # the parameters, where there are some)
+        if all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in probes) and probes[0].dtype == probes[1].dtype:
+            self.dtype = probes[0].dtype
+        return out
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """A forward's output in the module's dtype (computed in float32, the rows' dtype)."""
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # ----------------------------------------------------------------------------- binding
 
@@ -669,7 +694,7 @@ class Embedding(SparseEmbedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         inverse, weight, _ = self._rows(input)
-        out = F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq)
+        out = self._output(F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq))
         if self.padding_idx is not None:
             out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
         return out
@@ -726,6 +751,8 @@ class EmbeddingBag(SparseEmbedding):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         inverse, weight, unique = self._rows(input)
+        if per_sample_weights is not None and per_sample_weights.dtype == self.dtype != torch.float32:
+            per_sample_weights = per_sample_weights.to(torch.float32)  # (the rows' dtype, as torch's pooling needs)
         padding = None  # the padding id's index among the pulled rows, where the input has it
         if self.padding_idx is not None:
             at = int(torch.searchsorted(unique, self.padding_idx))
@@ -733,12 +760,12 @@ class EmbeddingBag(SparseEmbedding):
         if padding is None and self.plain_bags() and per_sample_weights is None:
             out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean", [self.table or "embedding bag"])
             if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
-                return out
+                return self._output(out)
         elif offsets is not None:  # (max bags, padding_idx, ...: torch's pooling, which does not check all of them)
             lookups.check_offsets([inverse], [offsets], [self.table or "embedding bag"])
-        return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               scale_grad_by_freq=self.scale_grad_by_freq,
-                               include_last_offset=self.include_last_offset, padding_idx=padding)
+        return self._output(F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                                            scale_grad_by_freq=self.scale_grad_by_freq,
+                                            include_last_offset=self.include_last_offset, padding_idx=padding))
 
     def plain_bags(self) -> bool:
         """Whether this module's bags are plain sums or means (no padding_idx, include_last_offset

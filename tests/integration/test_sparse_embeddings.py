@@ -795,3 +795,29 @@ def test_after_a_bad_id_in_the_pipelines_next_batch_a_step_again_goes_on(make_se
     assert re.search(f"the next batch's rows, which this step fetches ahead.*row id {ROWS} is out of range.*this step "
                      r"pushed nothing: opt.step\(\) again pushes this step without fetching them", refused[0]), refused[0]
     assert f"table 'emb': row id {ROWS} is out of range" in refused[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("convert", ["double", "half", "bfloat16"])
+def test_a_model_converted_to_another_dtype_trains_its_tables_as_torchs_would(make_servers, convert) -> None:  # type: ignore[no-untyped-def]
+    """model.double() / .half() / .bfloat16() before ps.optimizer(model) converts the tables as it
+    converts torch's: forwards return that dtype (the model's next layer takes it, where they
+    returned float32 and its Linear failed on the mix), and the rows' gradient reaches the
+    servers in float32, which hold the rows so: one sync SGD step moves them by torch's converted
+    model's gradient (to that dtype's precision)."""
+    model, reference = getattr(Ctr(), convert)(), getattr(Ctr(sparse=False), convert)()
+    dtype = reference.head.weight.dtype
+    x, y = _batch(torch.Generator().manual_seed(4))
+    running = make_servers(1)
+    before = _server_table([])  # (the initial rows)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        out = model(x)
+        assert out.dtype == model.emb(x).dtype == reference.emb(x).dtype == dtype
+        nn.functional.mse_loss(out, y.to(dtype)).backward()
+        opt.step()
+    nn.functional.mse_loss(reference(x), y.to(dtype)).backward()
+    tolerance = {"double": 1e-6, "half": 2e-3, "bfloat16": 2e-2}[convert]
+    torch.testing.assert_close(_server_table(running), before - 0.5 * reference.emb.weight.grad.float(),
+                               rtol=tolerance, atol=tolerance)
+    assert not torch.equal(_server_table(running), before)

@@ -491,3 +491,42 @@ def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_
     pretrained = psgrad.EmbeddingBag.from_pretrained(torch.ones(ROWS, DIM))
     with pytest.raises(WorkerStateError, match="from_pretrained: every row a job starts from is the embeddings"):
         pretrained.initial_weight()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_the_tables_follow_the_models_dtype_conversions_as_torchs_do(dtype: torch.dtype) -> None:
+    """model.double() / .half() / .bfloat16() / .to(dtype) convert psgrad's tables as torch's: a
+    forward returns that dtype (computed on the float32 rows, then cast), per-sample weights of it
+    are taken as torch's module takes them, and the rows' gradients stay float32 (what the push
+    sends); .float() converts back, and a device move leaves the dtype."""
+    tolerance = {torch.float64: 1e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    weights = torch.rand(IDS_1D.shape, generator=torch.Generator().manual_seed(2)) + 0.5
+    for kind, options, args in [
+        (psgrad.Embedding, {"padding_idx": 2}, (IDS_2D,)),
+        (psgrad.EmbeddingBag, {"mode": "sum"}, (IDS_1D, OFFSETS, weights)),
+        (psgrad.EmbeddingBag, {"mode": "max"}, (IDS_2D,)),
+        (psgrad.EmbeddingBag, {"mode": "mean"}, (IDS_2D,)),
+    ]:
+        mine = kind(ROWS, DIM, **options)
+        _bound(mine)
+        theirs = _torch_twin(mine, getattr(nn, kind.__name__), **options)
+        holder = nn.ModuleDict({"t": mine})
+        assert holder.to(dtype) is holder and mine.dtype == dtype
+        mine.to("cpu")  # (a device move: the dtype stays)
+        theirs.to(dtype)
+        cast = [a.to(dtype) if a.is_floating_point() else a for a in args]
+        out, expected = mine(*cast), theirs(*cast)
+        assert out.dtype == expected.dtype == dtype, kind
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        out.float().square().sum().backward()
+        expected.float().square().sum().backward()
+        ids, grads = mine.take_gradients()  # type: ignore[misc]
+        assert grads.dtype == torch.float32
+        torch.testing.assert_close(grads, theirs.weight.grad.float()[ids], rtol=10 * tolerance, atol=10 * tolerance)
+        holder.float()
+        assert mine.dtype == torch.float32 and mine(*args).dtype == torch.float32
+    ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)}, mode="sum")
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)))
+    for name, bag in ebc.bags.items():
+        bag.bind(f"ebc.bags.{name}", source)
+    assert ebc.to(dtype)({"a": IDS_2D, "b": IDS_2D}).dtype == dtype
