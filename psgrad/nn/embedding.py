@@ -137,6 +137,9 @@ class SparseEmbedding(nn.Module):
     # pooling's); the output is cast, and its gradient cast back to float32 for the push.
     # A class default: modules pickled by an older psgrad have none.
     dtype: torch.dtype = torch.float32
+    # The ids' dtypes a forward takes, as torch's module takes them (and what a refusal says).
+    ID_DTYPES: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
+    ID_DTYPES_TAKEN = "int64 or int32, as torch.nn.Embedding takes; convert others with ids.long()"
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
@@ -435,10 +438,11 @@ class SparseEmbedding(nn.Module):
         if last is not None and last[0]() is ids and last[1] == ids._version:
             return last[2], last[3]
         if not isinstance(ids, torch.Tensor):
-            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got a "
-                                      f"{type(ids).__name__} (torch.tensor(...) of it)")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor ({self.ID_DTYPES_TAKEN}), "
+                                      f"got a {type(ids).__name__} (torch.tensor(...) of it)")
+        if ids.dtype not in self.ID_DTYPES:
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor ({self.ID_DTYPES_TAKEN}), "
+                                      f"got {ids.dtype}")
         return None
 
     def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -710,6 +714,10 @@ class EmbeddingBag(SparseEmbedding):
     no gradient: its row is never pushed; a dynamic table's is an id as it is, -1 pads id -1), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
     (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
     """
+
+    # torch's embedding_bag takes ids of any integer dtype and bool (converted), as these do
+    ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    ID_DTYPES_TAKEN = "int64, int32, int16, int8, uint8 or bool, as torch.nn.EmbeddingBag takes"
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, mode: str = "mean",
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,

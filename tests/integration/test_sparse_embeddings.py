@@ -266,8 +266,13 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
             model(torch.tensor([[-1, 2, 3]]))
         with pytest.raises(InvalidRequestError, match="must be an integer tensor"):
             model(torch.tensor([[1.0, 2.0, 3.0]]))
-        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64 or int32\\), got a list"):
+        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64, int32, int16, int8, uint8 or bool, "
+                                                      "as torch.nn.EmbeddingBag takes\\), got a list"):
             model([[1, 2, 3]])
+        with pytest.raises(InvalidRequestError, match="table 'emb': bag offsets must be an integer tensor.*got torch.float32"):
+            model.emb(torch.tensor([1, 2, 3]), torch.tensor([0.0, 1.0]))  # (torch's error named its `indices`)
+        small = torch.tensor([[1, 2, 3]], dtype=torch.int16)  # (other integer ids: converted, as torch's bags take them)
+        torch.testing.assert_close(model(small), model(small.long()), rtol=0, atol=0)
         with pytest.raises(InvalidRequestError, match="no sparse table 'nope'"):
             opt.client.pull_rows("nope", torch.tensor([1]))
         # the server checks what a client sends, too: a row of another shard, a table it lacks

@@ -18,7 +18,7 @@ from torch import nn
 
 import psgrad
 from psgrad.core import rows
-from psgrad.errors import ConfigError, WorkerStateError
+from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 from psgrad.nn import SparseEmbedding, sparse_modules
 
 pytestmark = pytest.mark.timeout(60)
@@ -530,3 +530,33 @@ def test_the_tables_follow_the_models_dtype_conversions_as_torchs_do(dtype: torc
     for name, bag in ebc.bags.items():
         bag.bind(f"ebc.bags.{name}", source)
     assert ebc.to(dtype)({"a": IDS_2D, "b": IDS_2D}).dtype == dtype
+
+
+def test_ids_and_offsets_of_other_dtypes_are_taken_or_refused_as_torch_does_with_messages_that_name_them() -> None:
+    """torch's EmbeddingBag takes ids of any integer dtype and bool (converted), so the bags (and a
+    collection's) do too, with the same output as int64 ids; torch's Embedding takes int64 and
+    int32 only, and the refusal names them and the conversion. Float offsets are named as offsets
+    (torch's error names its `indices`); integer offsets of another dtype are taken, as torch does."""
+    bag = psgrad.EmbeddingBag(ROWS, DIM, mode="sum")
+    one = psgrad.Embedding(ROWS, DIM)
+    ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM)}, mode="sum")
+    for module, table in ((bag, "bag"), (one, "one"), (ebc.bags["a"], "ebc.bags.a")):
+        _bound(module, table)
+    for dtype in (torch.int16, torch.int8, torch.uint8, torch.bool):
+        ids = (IDS_1D % 2 if dtype == torch.bool else IDS_1D).to(dtype)
+        for offsets in (OFFSETS, OFFSETS.to(dtype if dtype != torch.bool else torch.int16)):
+            torch.testing.assert_close(bag(ids, offsets), bag(ids.long(), OFFSETS), rtol=0, atol=0)
+        torch.testing.assert_close(ebc({"a": (ids, OFFSETS)}), ebc({"a": (ids.long(), OFFSETS)}), rtol=0, atol=0)
+        with pytest.raises(InvalidRequestError, match=r"table 'one': row ids must be an integer tensor \(int64 or int32, as "
+                                                      r"torch.nn.Embedding takes; convert others with ids.long\(\)\)"):
+            one(ids)
+    for module in (bag, ebc):
+        with pytest.raises(InvalidRequestError, match=r"table '(bag|ebc.bags.a)': row ids must be an integer tensor "
+                                                      r"\(int64, int32, int16, int8, uint8 or bool.*got torch.float32"):
+            module({"a": (IDS_1D.float(), OFFSETS)} if module is ebc else IDS_1D.float(), *([] if module is ebc else [OFFSETS]))
+        for mode in ("sum", "max"):  # (the compiled pooling's path and torch's)
+            bag.mode = mode
+            with pytest.raises(InvalidRequestError, match=r"'(bag|ebc.bags.a)': bag offsets must be an integer tensor.*"
+                                                          r"got torch.float64"):
+                module({"a": (IDS_1D, OFFSETS.double())}) if module is ebc else module(IDS_1D, OFFSETS.double())
+        bag.mode = "sum"
