@@ -92,9 +92,9 @@ def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_withou
     try:
         addresses = [s.address for s in servers]
         model = Dlrm()
-        initial = model.items.initial_weight()
         with psgrad.connect(addresses, mode="async", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
             opt = ps.optimizer(model, row_cache=1000, row_cache_staleness=2)  # (the state reads past the cache)
+            initial = model.items.initial_weight()  # (bound: drawn under the job's name, 'items')
             expected = _train_and_predict(model, opt, batch, 6)
             state = model.state_dict()
             exported = psgrad.fetch_state_dict(addresses)  # psgrad export's layout: the same tables
