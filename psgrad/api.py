@@ -304,8 +304,10 @@ class PSOptimizer(ScheduledOptimizer):
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
         aliases = sparse_aliases(model)  # (a table registered under several names: exports write each)
+        # (drawn_as: a loaded state's name for its rows, where the model loaded it under another prefix)
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std, min_count=m.min_count, ttl=m.ttl,
-                            evict=m.evict, aliases=aliases.get(name, ())) for name, m in self.embeddings]
+                            evict=m.evict, aliases=aliases.get(name, ()), drawn_as=m.bound_draw_name(name))
+                  for name, m in self.embeddings]
         dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
         for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
             check_row_settings(t.job_spec(spec), t.name, own=bool(t.optimizer))
@@ -339,8 +341,9 @@ class PSOptimizer(ScheduledOptimizer):
         if row_cache and self.embeddings:
             source = self.row_cache = RowCache(self.client, row_cache, row_cache_staleness, lambda: self.clock)
         self.prefetched = Prefetched(source)  # rows fetched ahead (prefetch, step(prefetch=...), pipeline)
+        drawn_as = {t.name: t.drawn_as for t in tables}
         for name, module in self.embeddings:
-            module.bind(name, self.prefetched)
+            module.bind(name, self.prefetched, drawn_as.get(name, ""))
         self._next_lookups: Lookups | None = None  # pipeline(): the next batch's, for the next step()
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None

@@ -81,7 +81,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., lr_scale: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings", "min_count", "ttl", "evict", "optimizer", "aliases")
+    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings", "min_count", "ttl", "evict", "optimizer", "aliases", "drawn_as")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class TableSpec(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_AS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -113,7 +114,8 @@ class TableSpec(_message.Message):
     evict: bool
     optimizer: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ..., min_count: _Optional[int] = ..., ttl: _Optional[int] = ..., evict: _Optional[bool] = ..., optimizer: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    drawn_as: str
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ..., min_count: _Optional[int] = ..., ttl: _Optional[int] = ..., evict: _Optional[bool] = ..., optimizer: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., drawn_as: _Optional[str] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")

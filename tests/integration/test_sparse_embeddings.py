@@ -266,8 +266,13 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
             model(torch.tensor([[-1, 2, 3]]))
         with pytest.raises(InvalidRequestError, match="must be an integer tensor"):
             model(torch.tensor([[1.0, 2.0, 3.0]]))
-        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64 or int32\\), got a list"):
+        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64, int32, int16, int8, uint8 or bool, "
+                                                      "as torch.nn.EmbeddingBag takes\\), got a list"):
             model([[1, 2, 3]])
+        with pytest.raises(InvalidRequestError, match="table 'emb': bag offsets must be an integer tensor.*got torch.float32"):
+            model.emb(torch.tensor([1, 2, 3]), torch.tensor([0.0, 1.0]))  # (torch's error named its `indices`)
+        small = torch.tensor([[1, 2, 3]], dtype=torch.int16)  # (other integer ids: converted, as torch's bags take them)
+        torch.testing.assert_close(model(small), model(small.long()), rtol=0, atol=0)
         with pytest.raises(InvalidRequestError, match="no sparse table 'nope'"):
             opt.client.pull_rows("nope", torch.tensor([1]))
         # the server checks what a client sends, too: a row of another shard, a table it lacks
@@ -846,3 +851,29 @@ def test_a_step_the_servers_refused_pushes_its_rows_when_taken_again_and_zero_gr
         table = opt.client.pull_rows("emb", torch.arange(ROWS))
     torch.testing.assert_close(table, twin.emb.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.head.weight, twin.head.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("convert", ["double", "half", "bfloat16"])
+def test_a_model_converted_to_another_dtype_trains_its_tables_as_torchs_would(make_servers, convert) -> None:  # type: ignore[no-untyped-def]
+    """model.double() / .half() / .bfloat16() before ps.optimizer(model) converts the tables as it
+    converts torch's: forwards return that dtype (the model's next layer takes it, where they
+    returned float32 and its Linear failed on the mix), and the rows' gradient reaches the
+    servers in float32, which hold the rows so: one sync SGD step moves them by torch's converted
+    model's gradient (to that dtype's precision)."""
+    model, reference = getattr(Ctr(), convert)(), getattr(Ctr(sparse=False), convert)()
+    dtype = reference.head.weight.dtype
+    x, y = _batch(torch.Generator().manual_seed(4))
+    running = make_servers(1)
+    before = _server_table([])  # (the initial rows)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        out = model(x)
+        assert out.dtype == model.emb(x).dtype == reference.emb(x).dtype == dtype
+        nn.functional.mse_loss(out, y.to(dtype)).backward()
+        opt.step()
+    nn.functional.mse_loss(reference(x), y.to(dtype)).backward()
+    tolerance = {"double": 1e-6, "half": 2e-3, "bfloat16": 2e-2}[convert]
+    torch.testing.assert_close(_server_table(running), before - 0.5 * reference.emb.weight.grad.float(),
+                               rtol=tolerance, atol=tolerance)
+    assert not torch.equal(_server_table(running), before)
