@@ -16,6 +16,7 @@ from psgrad.core.consistency import PushDecision
 from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
 from psgrad.core.modes import tables_mode_of
+from psgrad.core.push_outcome import DUPLICATE_REASON
 from psgrad.errors import (
     ApplyFailedError,
     EvictedError,
@@ -176,7 +177,7 @@ class Pushes:
                 bad += writer.rows_nonfinite if writer is not None else 0
                 if clock <= member.last_push_clock:
                     core.counters.pushes_duplicate += 1
-                    return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                    return PushResult(False, f"{DUPLICATE_REASON} (rank {rank}, clock {clock})", state.version, 0)
                 late = policy.late(rank, base_version, core.view(), core.marks.restored)
                 if late is not None:  # (sync with backup workers) its iteration completed without it
                     return self._drop_late(member, clock, base_version, late)
