@@ -6,8 +6,10 @@ width x 4, or the shard's weights at the wire's width) before it builds the repl
 gives them back once the call has ended (the reply sent, or the call failed or was cancelled), so
 that replies being built, or waiting in gRPC to be sent, never hold more than the bound. A read
 past the bound waits its turn, in order of arrival (a large read is not passed for ever by small
-ones), until shortly before its deadline; one larger than the whole bound is refused at once,
-naming the flag and the size it would need. Reads store no rows, so --memory-budget-mb never held
+ones), until shortly before its deadline; a read of rows larger than the whole bound is refused at
+once, naming the flag and the size it would need (the caller can read fewer rows a call), while a
+pull of the dense weights larger than it (a shard's weights: no call can ask for less) goes alone,
+once nothing else is in flight. Reads store no rows, so --memory-budget-mb never held
 them: without this, 16 concurrent reads of 61 MB took one server to 1.5 GB."""
 from __future__ import annotations
 
@@ -69,13 +71,14 @@ class ReadLimit:
         self.refused = 0
 
     def check(self, nbytes: int, what: str, advice: str = ROWS_ADVICE) -> None:
-        """Refuse a read larger than the whole bound (it would never get its turn); advice: what
-        the caller may do instead, besides raising the bound.
+        """Refuse a read of rows larger than the whole bound (it would never get its turn); advice:
+        what the caller may do instead, besides raising the bound. A pull of the dense weights
+        (advice DENSE_ADVICE) is never refused: one larger than the bound goes alone (see acquire).
 
         Raises:
             InvalidRequestError: naming the flag, its value and the size the read needs.
         """
-        if self.limit is not None and nbytes > self.limit:
+        if self.limit is not None and nbytes > self.limit and advice != DENSE_ADVICE:
             with self._cond:
                 self.refused += 1
             need = math.ceil(nbytes / 2**20)
@@ -87,7 +90,8 @@ class ReadLimit:
     def acquire(self, nbytes: int, what: str, timeout_s: float | None = None,
                 is_active: Callable[[], bool] = lambda: True, advice: str = ROWS_ADVICE) -> None:
         """Take nbytes for a read (checked: see check), waiting for its turn: reads are let in in
-        order of arrival, each once its bytes fit beside those in flight. Give them back with
+        order of arrival, each once its bytes fit beside those in flight (a pull of the dense weights
+        larger than the whole bound: once nothing is in flight, alone). Give them back with
         release(nbytes) once its reply is sent. wake() makes a waiting read look at is_active again.
 
         Raises:
@@ -122,7 +126,9 @@ class ReadLimit:
                 self._cond.notify_all()  # (the next in line may fit too, or be first now)
 
     def _fits(self, nbytes: int) -> bool:
-        return self.limit is None or self.in_flight + nbytes <= self.limit
+        """Whether a read of nbytes may go now: beside those in flight within the bound, or one
+        larger than the bound (checked: the dense weights) when nothing is in flight."""
+        return self.limit is None or self.in_flight + nbytes <= self.limit or self.in_flight == 0
 
     def _take(self, nbytes: int) -> None:
         self.in_flight += nbytes

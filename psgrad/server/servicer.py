@@ -538,11 +538,11 @@ class ParameterServicer:
         if delta is not None:
             check_ask(delta, h.rank)
         # The weights go in the reply unless the worker's segment takes them (a compressed pull's payload
-        # is built either way): their bytes count with the rows' (checked whole before the push too).
+        # is built either way): their bytes count with the rows' (the rows were checked above; a reply
+        # with the weights larger than the whole bound goes alone: see ReadLimit).
         dense = delta is not None or _metadata(context, shm.METADATA_KEY) is None
         if dense and self.shard.layout is not None:
             what, advice = f"the reply of a step of worker rank {h.rank}", DENSE_ADVICE
-            self.shard.reads.check(read_bytes + self._weights_bytes(), what, advice)
         else:
             what, advice = f"the rows of a step of worker rank {h.rank}", ROWS_ADVICE
         reserved = self._reserve(h, context)
