@@ -460,20 +460,21 @@ class ParameterClient:
         copy it saves."""
         return wire is self._pull_wires[index] and wire.nbytes >= LEND_MIN_BYTES
 
-    def _push_payload(self, index: int, grad: torch.Tensor, clock: int) -> tuple[memoryview, str]:
+    def _push_payload(self, index: int, grad: torch.Tensor, clock: int | None = None) -> tuple[memoryview, str]:
         """Shard index's range of a gradient as it travels, and its codec ("": the wire dtype's
         plain values): compressed with the job's --compress, except to a shard on this host unless
         --compress-same-host. Encode once per push (error feedback): retries resend these bytes.
         A step taken again (the same clock, after one that raised) is encoded from where the
         encoder stood before the push the shard did not keep (refused, or its answer lost), and a
         push the shard kept already (its answer: a duplicate) leaves the encoder as it was: the
-        residual feeds back what the applied pushes left out, each once."""
+        residual feeds back what the applied pushes left out, each once. (clock None: a push of its
+        own, neither taken again nor kept.)"""
         compressor = self._compressors[index]
         if compressor is not None and (self.config.compress_same_host or not self.shards[index].same_host):
-            if self._encoded_at[index] == clock and self._kept_at[index] != clock:
+            if clock is not None and self._encoded_at[index] == clock and self._kept_at[index] != clock:
                 compressor.undo()
             payload = compressor.encode(grad)
-            if self._kept_at[index] == clock:
+            if clock is not None and self._kept_at[index] == clock:
                 compressor.undo()
             self._encoded_at[index] = clock
             return payload, self.spec.compress
