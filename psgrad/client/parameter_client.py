@@ -481,8 +481,9 @@ class ParameterClient:
         return self._push_wires[index].encode(grad), ""
 
     def _kept(self, index: int, clock: int, outcome: PushOutcome) -> PushOutcome:
-        """Shard index answered the push of `clock`: kept unless a duplicate (see _push_payload)."""
-        if not outcome.duplicate:
+        """Shard index answered the push of `clock`: kept unless a duplicate (see _push_payload;
+        only an encoder's pushes need it)."""
+        if self._compressors[index] is not None and not outcome.duplicate:
             self._kept_at[index] = clock
         return outcome
 

@@ -228,7 +228,7 @@ class Pushes:
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
-                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots)
+                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots) if rows else None
 
                 def apply_rows(undo: Callable[[], object] | None = None) -> RowJournal:
                     return self._apply_rows(update_rows, what, count=True, undo_dense=undo)
@@ -279,7 +279,7 @@ class Pushes:
         if self._core.broken is not None:
             raise ApplyFailedError(self._core.broken)
 
-    def _apply_rows(self, apply: Callable[[], None], what: str, count: bool = False,
+    def _apply_rows(self, apply: Callable[[], None] | None, what: str, count: bool = False,
                     undo_dense: Callable[[], object] | None = None) -> RowJournal:
         """Apply an update's rows (apply()), journaled: where it fails part way, what it wrote is
         undone (see _failed; undo_dense: how to undo a dense part applied before, exactly) and the
@@ -289,6 +289,8 @@ class Pushes:
         Under the lock."""
         journal = RowJournal()
         self._kept = self._replica.rows_kept()  # (what the next record carries from before this update)
+        if apply is None:  # (no rows: nothing to journal)
+            return journal
         try:
             with journal.record():
                 apply()
@@ -387,8 +389,9 @@ class Pushes:
                 # as its pushes came stay for it)
                 self._replica.abandon(self._replica.rows_kept())
                 raise
-            journal = self._apply_rows(lambda: self._rows.apply_round(state, [it.rows for it in items], len(items), lr),
-                                       what)
+            per_rank = [it.rows for it in items]
+            journal = self._apply_rows((lambda: self._rows.apply_round(state, per_rank, len(items), lr))
+                                       if any(per_rank) else None, what)
             try:
                 state.dense.apply(mean, 1.0, lr)
             except BaseException as exc:
