@@ -463,3 +463,36 @@ def test_in_sync_a_worker_that_drops_a_step_one_shard_refused_does_not_hold_the_
     assert [s.pushes_duplicate for s in status] == [0, 0]
     assert [s.pushes_skipped for s in status] == [1, 0]
     assert len(_skip_warnings(caplog)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_with_overlap_a_step_one_shard_refused_is_skipped_there_by_the_next_step(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Async with overlap, two server processes. Step 2's background exchange is refused by shard 0
+    (a NaN in its range) and applied by shard 1; the failure reaches step 3's call, which raises
+    before it pushes. The loop goes on: step 4 sends the skip of clock 2 to shard 0, then pushes
+    clock 3, which both shards apply, and the job goes on to the end. Before, every later push was
+    refused by shard 0 as a clock jump (its next clock stayed 2)."""
+    from psgrad.client.status_client import shard_status
+    from psgrad.errors import NonFiniteGradientError
+
+    addresses = start_servers(2)
+    model = _model()
+    gen = torch.Generator().manual_seed(13)
+    raised = []
+    with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model, overlap=True)
+        for k in range(7):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(8, 64, generator=gen)),
+                                        torch.randint(0, 10, (8,), generator=gen)).backward()
+            if k == 2:
+                model[0].weight.grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except NonFiniteGradientError:
+                raised.append(k)
+        opt.synchronize()
+        clock = opt.clock
+        status = shard_status(addresses, 10)
+    assert raised == [3] and clock == 6  # (step 3's call raised before it pushed: 6 clocks for 7 calls)
+    assert [(s.pushes_skipped, s.pushes_applied, s.pushes_duplicate) for s in status] == [(1, 5, 0), (0, 6, 0)]
