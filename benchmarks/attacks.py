@@ -75,9 +75,10 @@ class Job:
     def channel(self, tls: TlsConfig | None, token: str | None) -> grpc.Channel:
         return open_channel(self.address, tls, token, CLIENT_CHANNEL_OPTIONS)
 
-    def handshake_error(self, since: int, timeout_s: float = 2.0) -> str:
+    def handshake_error(self, since: int, timeout_s: float = 30.0) -> str:
         """Why the server refused a TLS handshake, from the line gRPC logs (it may come a moment
-        after the client saw the connection close)."""
+        after the client saw the connection close: on a loaded machine more than 2 s after, so
+        it is waited for up to timeout_s; it is asked for only after a refused handshake)."""
         deadline = time.monotonic() + timeout_s
         while True:
             for line in self.server.stderr_text()[since:].splitlines():
