@@ -36,6 +36,7 @@ from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
+from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
 from psgrad.worker.prefetch import Prefetched
@@ -373,9 +374,10 @@ class PSOptimizer(ScheduledOptimizer):
             module.zero_grad(set_to_none)
 
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
-                  reads: RowReads | None = None) -> ExchangeResult:
-        """Push grad as clock (computed on weights of versions `base`) with lr and the row gradients
-        of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for)."""
+                  reads: RowReads | None = None, unused: Ranges = ()) -> ExchangeResult:
+        """Push grad as clock (computed on weights of versions `base`) with lr, the row gradients
+        of the model's psgrad embeddings and the dense parameters the step left unused (`unused`,
+        which the servers skip), then pull clock + 1 (and the rows `reads` asks for)."""
         t0 = time.perf_counter()
         self.client.base_versions = base
         rows, bases = {}, {}
@@ -384,7 +386,7 @@ class PSOptimizer(ScheduledOptimizer):
             if taken is not None:  # (pushed with the versions its rows were read at: their staleness)
                 rows[name], bases[name] = (taken.ids, taken.grads), taken.bases
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
-                                                 bases)
+                                                 bases, unused)
         evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
@@ -612,7 +614,7 @@ class PSOptimizer(ScheduledOptimizer):
                 return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr, None, self.flat.unused)
         else:
             ahead = prefetch if prefetch is not None else self._next_lookups
             try:
@@ -630,7 +632,7 @@ class PSOptimizer(ScheduledOptimizer):
             stats.d2h_s = self.flat.d2h_s
             reads = RowReads(wanted, checked=True) if wanted else None
             try:
-                done = self._exchange(grad, clock, self._versions, push_lr, reads)
+                done = self._exchange(grad, clock, self._versions, push_lr, reads, self.flat.unused)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 stats.versions = list(self._versions)

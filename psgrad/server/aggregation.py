@@ -21,6 +21,8 @@ class Pending:
     lr: float | None = None  # the learning rate the push carried (None: the job's)
     #: its row gradients of sparse tables (see rows_path.RowGradients): table -> (ids, grads, base version)
     rows: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    #: the dense ranges its worker's step left unused (core/unused.py; the iteration skips those no worker used)
+    skip: tuple[tuple[int, int], ...] = ()
 
 
 class SyncRound:

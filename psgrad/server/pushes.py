@@ -11,6 +11,7 @@ from psgrad.core.consistency import PushDecision
 from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
 from psgrad.core.modes import tables_mode_of
+from psgrad.core.unused import from_bytes, intersection
 from psgrad.errors import (
     EvictedError,
     InvalidRequestError,
@@ -39,14 +40,16 @@ class Pushes:
 
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
-        lr: float | None = None, rows: RowGradients | None = None, compress: str = "",
+        lr: float | None = None, rows: RowGradients | None = None, compress: str = "", unused: bytes = b"",
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
         rows: the row gradients of sparse tables it carries, checked in full here (and their rows
         made; in sync, those of tables that evict are made by the iteration, and the room for
         them checked here) before any of its data is received, so a push refused for them changes nothing;
-        compress: the payload's codec ("": plain values; else the job's --compress, decoded once received).
+        compress: the payload's codec ("": plain values; else the job's --compress, decoded once received);
+        unused: the dense parameters the worker's step left unused (PushHeader.unused), which the
+        update skips (sync: those no worker of the iteration used).
 
         Raises:
             InvalidRequestError, WorkerStateError: the header or its rows are refused (named).
@@ -70,6 +73,11 @@ class Pushes:
             except (WorkerStateError, InvalidRequestError, MemoryBudgetError):
                 core.counters.pushes_rejected += 1
                 raise
+            try:
+                skip = from_bytes(unused, state.dense.trainable, f"push from worker rank {rank}")
+            except InvalidRequestError:
+                core.counters.pushes_rejected += 1
+                raise
             lr = state.resolve_lr(rank, clock, lr)
             if not compress and state.layout.spec.compress != "none":
                 core.counters.pushes_plain += 1  # (a worker on this host: see `psgrad status`)
@@ -81,6 +89,7 @@ class Pushes:
                 wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
+            writer.skip = skip
             writer.rows, writer.rows_nonfinite, writer.rows_reserved = rows or {}, rows_nonfinite, reserved
             # A gradient that the worker's segment holds may be applied from there, in place: by an
             # update rule that only reads it, applied on arrival.
@@ -88,7 +97,7 @@ class Pushes:
             writer.target = state.key
             core.buffers.track(grad, writer)
             rule = state.dense.rule
-            if rule is not None and clock > member.last_push_clock:  # staged, and not a duplicate
+            if rule is not None and clock > member.last_push_clock and not skip:  # staged, and not a duplicate
                 scale = core.policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
                 writer.stage(state.weights, rule, state.optimizer.step_lr(lr, scale))
         return grad, wire, writer
@@ -139,6 +148,7 @@ class Pushes:
             staged = writer is not None and writer.staged
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
+            skip = writer.skip if writer is not None else ()
             restore = writer.restore_from if writer is not None and writer.check_deferred else None
             if restore is not None:  # checked as it is applied in place, undone from this copy of the weights
                 bad = 0
@@ -193,7 +203,7 @@ class Pushes:
                         # hybrid (--tables-mode async): the tables take each worker's rows as they come
                         self._rows.apply(state, rows, lr, 1.0, slots)
                         rows = {}
-                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
+                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip))
                     core.buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -214,9 +224,10 @@ class Pushes:
                 else:
                     state.dense.prepare(rank, base_version, source, averaged=False)
                     allow = core.config.nonfinite == "allow"
-                    if restore is not None and (writer is None or writer.target != state.key or allow):
+                    if restore is not None and (writer is None or writer.target != state.key or allow or skip):
                         # the weights moved on (another push applied while this one waited), or it need
-                        # not be checked: the copy would not undo it; check, then apply
+                        # not be checked, or it skips unused ranges: the copy would not undo it (or the
+                        # checked apply would not skip); check, then apply
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
@@ -226,8 +237,8 @@ class Pushes:
                             return self._refuse_nonfinite(member, clock, bad, decision)
                         self._replica.before_apply(source, scale, lr)
                     else:
-                        self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
-                        state.dense.apply(source, scale, lr)
+                        self._replica.before_apply(source, scale, lr, skip)  # the backup applies the same gradient
+                        state.dense.apply(source, scale, lr, skip)
                 self._rows.apply(state, rows, lr, scale, slots)
                 state.version += 1
                 Membership.advance(member, clock)
@@ -286,9 +297,12 @@ class Pushes:
             core.buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
             mean = core.round.mean()
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
+            skip = items[0].skip  # what no worker of the iteration used (one used by some takes the mean, zeros and all)
+            for item in items[1:]:
+                skip = intersection(skip, item.skip)
             try:
-                self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
-                state.dense.apply(mean, 1.0, lr)
+                self._replica.before_apply(mean, 1.0, lr, skip)  # the backup applies the same mean
+                state.dense.apply(mean, 1.0, lr, skip)
                 self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
             except BaseException:
                 self._replica.abandon()  # (its record is made again when the iteration is applied)

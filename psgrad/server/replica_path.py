@@ -8,6 +8,7 @@ import threading
 import torch
 
 from psgrad.core.status import ReplicaStatus
+from psgrad.core.unused import Ranges
 from psgrad.errors import InvalidRequestError, NotPrimaryError, StaleEpochError
 from psgrad.server.replication import (
     BACKUP,
@@ -35,7 +36,7 @@ class Replica:
     def __init__(self, core: ShardCore) -> None:
         self._core = core
         self.replication: Replication | None = None  # set by the server runtime: the role, epoch and backup
-        self._payload: tuple[torch.Tensor, float, float | None, bool] | None = None  # the update being applied
+        self._payload: tuple[torch.Tensor, float, float | None, bool, Ranges] | None = None  # the update being applied
         self._scratch: torch.Tensor | None = None  # backup: a tensor to receive the next payload into
         self._members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
@@ -44,13 +45,14 @@ class Replica:
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
-    def before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None) -> None:
+    def before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None, skip: Ranges = ()) -> None:
         """An update is about to apply grad with the optimizer (which may overwrite it): keep a
-        copy for the backup, which applies the same gradient with the same optimizer and lr."""
+        copy for the backup, which applies the same gradient with the same optimizer and lr,
+        skipping the same unused ranges."""
         if self.replication is not None and self.replication.active:
             copy, in_segment = self.replication.payload_buffer(grad.numel())
             copy.copy_(grad)
-            self._payload = (copy, lr_scale, lr, in_segment)
+            self._payload = (copy, lr_scale, lr, in_segment, skip)
 
     def abandon(self) -> None:
         """The update being applied failed before it was applied (caller holds the lock): what was
@@ -86,7 +88,7 @@ class Replica:
         members = self._members_sent = state.member_records(frozenset(core.round.pending))
         if payload is not None:
             record = Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
-                            lr=payload[2])
+                            lr=payload[2], skip=payload[4])
         elif state.dense.rule is not None:  # staged: the new weights are a tensor of their own, never written again
             stream = PullStream(state.weights, state.version, torch.float32, core.config.chunk_bytes, core.lock,
                                 core.end_read)
@@ -256,9 +258,12 @@ class Replica:
                     self._scratch = old
                 self._weights_shared = record.in_segment
             elif record.kind == GRADIENT and record.tensor is not None:
+                if record.skip and record.skip[-1][1] > state.dense.trainable:
+                    raise InvalidRequestError(f"backup {rep.address}: record {record.version} skips {record.skip[-1]}, "
+                                              f"past the {state.dense.trainable} trainable values")
                 self._own_weights(state)
                 core.buffers.detach_reads(state.weights, wire)
-                state.dense.apply(record.tensor, record.lr_scale, record.lr)
+                state.dense.apply(record.tensor, record.lr_scale, record.lr, record.skip)
                 if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
                     self._scratch = record.tensor
             elif record.kind == NONE:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import decode_frames, wait_for
+from psgrad.core.unused import Ranges
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
@@ -728,11 +729,11 @@ def _fail_once(monkeypatch: pytest.MonkeyPatch, s: Shard) -> list[int]:
     assert state is not None
     apply, calls = state.dense.apply, []
 
-    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected: the apply failed")
-        apply(grad, lr_scale, lr)
+        apply(grad, lr_scale, lr, skip)
 
     monkeypatch.setattr(state.dense, "apply", failing)
     return calls
@@ -798,11 +799,11 @@ def test_the_lease_reaper_survives_a_failed_iteration_and_completes_it(monkeypat
     assert state is not None
     apply, calls = state.dense.apply, []
 
-    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
         calls.append(threading.current_thread().name)
         if len(calls) <= 2:  # the push's refresh, then the reaper's first look
             raise RuntimeError("injected: the apply failed")
-        apply(grad, lr_scale, lr)
+        apply(grad, lr_scale, lr, skip)
 
     monkeypatch.setattr(state.dense, "apply", failing)
     _sync_push(s, lay, 0)
