@@ -380,13 +380,15 @@ class PSOptimizer(ScheduledOptimizer):
         which the servers skip), then pull clock + 1 (and the rows `reads` asks for)."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        rows, bases = {}, {}
+        rows, bases, unused_tables = {}, {}, []
         for name, module in self.embeddings:
+            if not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
+                unused_tables.append(name)
             taken = module.take_row_gradients()
             if taken is not None:  # (pushed with the versions its rows were read at: their staleness)
                 rows[name], bases[name] = (taken.ids, taken.grads), taken.bases
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
-                                                 bases, unused)
+                                                 bases, unused, unused_tables)
         evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,

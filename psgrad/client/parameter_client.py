@@ -495,14 +495,15 @@ class ParameterClient:
 
     def _push_header(
         self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowBlock | None = None,
-        unused: Ranges = (),
+        unused: Ranges = (), unused_tables: Sequence[str] = (),
     ) -> PushHead:
         """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this
         shard: _split_rows') in one block, and of the dense parameters the step left unused
         (`unused`, ranges of the flat space: none for a compressed push, whose error feedback may
-        carry values for them)."""
+        carry values for them), and the sparse tables it did not use (`unused_tables`, to every shard)."""
         start, end = self.plan.ranges[index]
         return PushHead(pb.PushHeader(
+            unused_tables=sorted(unused_tables),
             unused=b"" if compress or not unused else to_bytes(clipped(unused, start, end)),
             compress=compress,
             rank=self.rank,
@@ -515,18 +516,20 @@ class ParameterClient:
         ), rows)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
-             rows: RowGradients | None = None, bases: RowBases | None = None, unused: Ranges = ()) -> list[PushOutcome]:
+             rows: RowGradients | None = None, bases: RowBases | None = None, unused: Ranges = (),
+             unused_tables: Sequence[str] = ()) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
         and the learning rate in effect (None: the job's), and its part of the step's row gradients
         of sparse tables (`rows`, computed on rows read at `bases`: see _split_rows) in the same
         call: applied together or not at all; `unused`: the flat ranges of the dense parameters
-        the step left unused, which the shards skip (core/unused.py). Returns each shard's answer."""
+        the step left unused, which the shards skip (core/unused.py); `unused_tables`: the sparse
+        tables it did not use, whose step counts the shards leave. Returns each shard's answer."""
         split = self._split_rows(rows, bases)
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
-            head = self._push_header(i, clock, lr, compress, split[i], unused)
+            head = self._push_header(i, clock, lr, compress, split[i], unused, unused_tables)
             return self._heard(i, serde.push_outcome_from_proto(s.push(head, payload)))
 
         if not self._shard0_decides:
@@ -539,9 +542,9 @@ class ParameterClient:
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
         rows: RowGradients | None = None, reads: RowReads | None = None, bases: RowBases | None = None,
-        unused: Ranges = (),
+        unused: Ranges = (), unused_tables: Sequence[str] = (),
     ) -> tuple[list[PushOutcome], list[int]]:
-        """One iteration's traffic: push(flat_grad, clock, lr, rows, bases, unused), then pull(flat, clock + 1) and
+        """One iteration's traffic: push(flat_grad, clock, lr, rows, bases, unused, unused_tables), then pull(flat, clock + 1) and
         the rows `reads` asks for (reads.rows holds them afterwards), per shard in one Step call
         where it fits (same host, or payloads of at most one chunk), else as a push followed by a
         pull and a read of rows. The rows are read once the pull's gate holds (sync: after this
@@ -549,7 +552,8 @@ class ParameterClient:
         another shard still receives the push. Returns each shard's answer to the push and the
         versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            done = self.push(flat_grad, clock, lr, rows, bases, unused), self.pull(flat, clock + 1, published=published)
+            done = (self.push(flat_grad, clock, lr, rows, bases, unused, unused_tables),
+                    self.pull(flat, clock + 1, published=published))
             if reads is not None:
                 reads.rows = self.pull_tables(reads.ids, checked=reads.checked)
             return done
@@ -560,7 +564,7 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> Generator[None, None, tuple[PushOutcome, int, RowsRead | None]]:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end])
-            header = self._push_header(i, clock, lr, compress, split[i], unused)
+            header = self._push_header(i, clock, lr, compress, split[i], unused, unused_tables)
             asks = plan.asks(i) if plan is not None else None
             wire = self._pull_wire(i)
             lend = published and self._lends(i, wire)

@@ -252,7 +252,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class PushHeader(_message.Message):
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
     ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     UNUSED_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     base_version: int
@@ -273,7 +274,8 @@ class PushHeader(_message.Message):
     compress: str
     row_block: RowBlock
     unused: bytes
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ...) -> None: ...
+    unused_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -732,7 +734,7 @@ class ReplicaAttachReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "unused")
+    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "unused", "unused_tables")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -746,6 +748,7 @@ class ReplicaHeader(_message.Message):
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     UNUSED_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     version: int
     kind: str
@@ -759,7 +762,8 @@ class ReplicaHeader(_message.Message):
     job_lr_clock: int
     rows: _containers.RepeatedCompositeFieldContainer[TableRows]
     unused: bytes
-    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., unused: _Optional[bytes] = ...) -> None: ...
+    unused_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("header", "data")

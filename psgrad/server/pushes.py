@@ -4,6 +4,8 @@ consistency policy decides; sync rounds complete here. A collaborator of the sha
 under the core's lock, on the core's state, and tells the replica what it applies."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from psgrad.core.codecs import WireBuffer, get_codec
@@ -26,6 +28,7 @@ from psgrad.server.membership import Member, Membership
 from psgrad.server.replica_path import Replica
 from psgrad.server.rows_path import RowGradients, Rows
 from psgrad.server.shard_core import ShardCore
+from psgrad.server.state import ShardState
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
 
@@ -41,6 +44,7 @@ class Pushes:
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
         lr: float | None = None, rows: RowGradients | None = None, compress: str = "", unused: bytes = b"",
+        unused_tables: Sequence[str] = (),
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
@@ -49,7 +53,8 @@ class Pushes:
         them checked here) before any of its data is received, so a push refused for them changes nothing;
         compress: the payload's codec ("": plain values; else the job's --compress, decoded once received);
         unused: the dense parameters the worker's step left unused (PushHeader.unused), which the
-        update skips (sync: those no worker of the iteration used).
+        update skips (sync: those no worker of the iteration used); unused_tables: the sparse
+        tables it did not use (PushHeader.unused_tables), whose step count the update leaves.
 
         Raises:
             InvalidRequestError, WorkerStateError: the header or its rows are refused (named).
@@ -75,6 +80,12 @@ class Pushes:
                 raise
             try:
                 skip = from_bytes(unused, state.dense.trainable, f"push from worker rank {rank}")
+                skip_tables = frozenset(unused_tables)
+                for name in sorted(skip_tables):
+                    state.sparse(name, rank)  # (refuses a table the job does not have, naming those it has)
+                    if rows is not None and name in rows and rows[name][0].numel():
+                        raise InvalidRequestError(f"push from worker rank {rank}: table {name!r} is named unused "
+                                                  "but the push carries rows of it")
             except InvalidRequestError:
                 core.counters.pushes_rejected += 1
                 raise
@@ -90,6 +101,7 @@ class Pushes:
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
             writer.skip = skip
+            writer.skip_tables = skip_tables
             writer.rows, writer.rows_nonfinite, writer.rows_reserved = rows or {}, rows_nonfinite, reserved
             # A gradient that the worker's segment holds may be applied from there, in place: by an
             # update rule that only reads it, applied on arrival.
@@ -149,6 +161,7 @@ class Pushes:
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
             skip = writer.skip if writer is not None else ()
+            skip_tables = writer.skip_tables if writer is not None else frozenset()
             restore = writer.restore_from if writer is not None and writer.check_deferred else None
             if restore is not None:  # checked as it is applied in place, undone from this copy of the weights
                 bad = 0
@@ -203,7 +216,7 @@ class Pushes:
                         # hybrid (--tables-mode async): the tables take each worker's rows as they come
                         self._rows.apply(state, rows, lr, 1.0, slots)
                         rows = {}
-                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip))
+                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip, skip_tables))
                     core.buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -240,6 +253,7 @@ class Pushes:
                         self._replica.before_apply(source, scale, lr, skip)  # the backup applies the same gradient
                         state.dense.apply(source, scale, lr, skip)
                 self._rows.apply(state, rows, lr, scale, slots)
+                self._skip_tables(state, skip_tables)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.counters.pushes_applied += 1  # (before the update's hooks: a snapshot of it counts it)
@@ -251,6 +265,13 @@ class Pushes:
         finally:
             if not kept:
                 self.release(grad, wire)
+
+    def _skip_tables(self, state: ShardState, names: frozenset[str]) -> None:
+        """The update being applied did not use these sparse tables: their step counts stay (and
+        the backup's, told with the update's record)."""
+        if names:
+            state.skip_tables(names)
+            self._replica.tables_skipped(names)
 
     def _drop_late(self, member: Member, clock: int, base_version: int, reason: str) -> PushResult:
         """A push the policy found late: counted, recorded ("late", rank, clock, base version,
@@ -298,12 +319,15 @@ class Pushes:
             mean = core.round.mean()
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
             skip = items[0].skip  # what no worker of the iteration used (one used by some takes the mean, zeros and all)
+            skip_tables = items[0].skip_tables
             for item in items[1:]:
                 skip = intersection(skip, item.skip)
+                skip_tables &= item.skip_tables
             try:
                 self._replica.before_apply(mean, 1.0, lr, skip)  # the backup applies the same mean
                 state.dense.apply(mean, 1.0, lr, skip)
                 self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
+                self._skip_tables(state, skip_tables)
             except BaseException:
                 self._replica.abandon()  # (its record is made again when the iteration is applied)
                 raise

@@ -42,6 +42,7 @@ class Replica:
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
         self._members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
         self._rows: list[RowUpdate] = []  # primary: the row updates applied with the update being applied
+        self._skipped_tables: frozenset[str] = frozenset()  # primary: the tables the update being applied did not use
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
@@ -58,7 +59,13 @@ class Replica:
         """The update being applied failed before it was applied (caller holds the lock): what was
         kept of it for its record goes, so no later update's record carries it (its retry keeps it
         again)."""
-        self._payload, self._rows = None, []
+        self._payload, self._rows, self._skipped_tables = None, [], frozenset()
+
+    def tables_skipped(self, names: frozenset[str]) -> None:
+        """The update being applied did not use these sparse tables: its record says so, and the
+        backup leaves their step counts as the primary does."""
+        if self.replication is not None and self.replication.active:
+            self._skipped_tables = names
 
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
@@ -83,6 +90,7 @@ class Replica:
         rep, state = self.replication, core.state
         payload, self._payload = self._payload, None
         rows, self._rows = tuple(self._rows), []
+        skipped, self._skipped_tables = self._skipped_tables, frozenset()
         if rep is None or not rep.active or state is None:
             return
         members = self._members_sent = state.member_records(frozenset(core.round.pending))
@@ -98,6 +106,7 @@ class Replica:
             record = Record(NONE, state.version, members)
         record.job_lr = (state.job_lr, state.job_lr_clock)  # a backup that takes over keeps the schedule
         record.rows = rows
+        record.skipped_tables = skipped
         rep.offer(record)
 
     def _members_changed(self) -> None:
@@ -278,10 +287,14 @@ class Replica:
                 elif u.removed:
                     state.sparse(u.table, -1).remove(u.ids, expired=u.expired)
                 else:
-                    state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version,
+                    state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version,
+                                                    step=record.version - state.table_skips.get(u.table, 0),
                                                     replicated=True)
             for name in {u.table for u in record.rows}:  # (what doing so logged: a primary's to send, not ours)
                 state.sparse(name, -1).take_lifetime()
+            for name in sorted(record.skipped_tables):
+                state.sparse(name, -1)  # (a table the job has: refused by name otherwise)
+            state.skip_tables(record.skipped_tables)
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

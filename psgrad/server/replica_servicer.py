@@ -74,6 +74,7 @@ class ReplicaServicer:
                             lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None,
                             rows=tuple(updates_from_proto(h.rows, what)))
             record.skip = from_bytes(h.unused, 1 << 62, what)  # (inside the trainable range: checked as applied)
+            record.skipped_tables = frozenset(h.unused_tables)
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
             if shared is not None:  # used in place (see Replication: the primary writes it again later)

@@ -53,6 +53,7 @@ class Record:
     job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
     rows: tuple[RowUpdate, ...] = ()  # the row updates of sparse tables applied with it (their lr as applied)
     skip: tuple[tuple[int, int], ...] = ()  # gradient: the dense ranges the update left alone (core/unused.py)
+    skipped_tables: frozenset[str] = frozenset()  # the sparse tables the update did not use (their steps stay)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -74,6 +75,7 @@ class Record:
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
             lr=self.lr, rows=updates_to_proto(self.rows), unused=to_bytes(self.skip),
+            unused_tables=sorted(self.skipped_tables),
         )
         if self.job_lr is not None:
             header.job_lr, header.job_lr_clock = self.job_lr

@@ -22,6 +22,7 @@ from psgrad.core.codecs import WireBuffer
 from psgrad.core.layout import Layout
 from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
 from psgrad.core.unused import to_bytes
+from psgrad.errors import InvalidRequestError
 from psgrad.server import checkpoint
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.server.shard import Shard
@@ -275,3 +276,147 @@ def test_a_checkpoint_with_skips_in_the_history_restores_and_continues_bit_for_b
             for r in range(spec.num_workers):
                 _push(shard, r, clock)
     _same_state(original, restored)
+
+
+# ----------------------------------------------------------------------------- sparse tables
+N, D = 6, 3
+ALL_IDS = torch.tensor([[0, 1, 2], [3, 4, 5]])
+EVEN_IDS = torch.tensor([[0, 2], [4, 0]])  # rows of shard 0 only (row r on shard r mod 2)
+
+
+def _f_ids(rank: int, step: int) -> torch.Tensor | None:
+    """Table f's input: rank 0 skips steps 0 and 2 and reads shard 0's rows only on steps 1 and 4
+    (shard 1 must count those steps all the same); rank 1 uses f on steps 3 and 5 only."""
+    if rank == 0:
+        return [None, EVEN_IDS, None, ALL_IDS, EVEN_IDS, ALL_IDS, None][step]
+    return ALL_IDS if step in (3, 5) else None
+
+
+class Tables(nn.Module):
+    def __init__(self, embedding: Callable[..., nn.Module]) -> None:
+        super().__init__()
+        self.p = embedding(N, D, mode="sum")
+        self.f = embedding(N, D, mode="sum")
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, f_ids: torch.Tensor | None) -> torch.Tensor:
+        h = self.p(ALL_IDS)
+        if f_ids is not None:
+            h = h + self.f(f_ids)
+        return self.head(h).squeeze(-1)
+
+
+def _table_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    y = torch.randn(2, generator=torch.Generator().manual_seed(10 * rank + step))
+    return ((model(_f_ids(rank, step)) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("mode, workers", [("sync", 1), ("sync", 2), ("async", 1)], ids=["sync1", "sync2", "async1"])
+def test_a_table_unused_on_some_steps_counts_adagrads_lr_decay_like_a_dense_twin(make_servers, mode: str,  # type: ignore[no-untyped-def]
+                                                                                 workers: int) -> None:
+    """Adagrad's lr_decay on a table's rows counts the steps that used the table (on every shard,
+    those that got none of its ids too), as torch's Adagrad over nn.EmbeddingBag(sparse=False)
+    counts the steps whose .grad is not None."""
+    running = make_servers(2)
+    torch.manual_seed(0)
+    head = nn.Linear(D, 1)
+    tables: dict[str, torch.Tensor] = {}
+    done = threading.Barrier(workers)
+
+    def worker(rank: int) -> None:
+        model = Tables(lambda *a, **kw: psgrad.EmbeddingBag(*a, std=0.5, **kw))
+        model.head.load_state_dict(head.state_dict())
+        with psgrad.connect([s.address for s in running], rank=rank, num_workers=workers, mode=mode,
+                            optimizer=psgrad.Adagrad(lr=0.1, lr_decay=0.5), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            if rank == 0:  # (a table's initial rows follow from its name in the model: bound by ps.optimizer)
+                tables["p0"], tables["f0"] = model.p.initial_weight(), model.f.initial_weight()
+            for step in range(7):
+                opt.zero_grad()
+                _table_loss(model, rank, step).backward()
+                opt.step()
+            done.wait()  # (every worker's last push applied: the rows read next are the final ones)
+            if rank == 0:
+                with torch.no_grad():
+                    rows = torch.arange(N).unsqueeze(1)
+                    tables["p"], tables["f"] = model.p(rows), model.f(rows)
+                tables["head"] = model.head.weight.detach().clone()
+            done.wait()
+
+    run_in_threads(workers, worker)
+    twin = Tables(nn.EmbeddingBag)
+    with torch.no_grad():
+        twin.p.weight.copy_(tables["p0"])
+        twin.f.weight.copy_(tables["f0"])
+    twin.head.load_state_dict(head.state_dict())
+    opt = torch.optim.Adagrad(twin.parameters(), lr=0.1, lr_decay=0.5, foreach=False)
+    for step in range(7):
+        opt.zero_grad(set_to_none=True)
+        for rank in range(workers):
+            _table_loss(twin, rank, step).backward()
+        if workers > 1:
+            for p in twin.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / workers)
+        opt.step()
+    assert torch.equal(tables["f"], twin.f.weight.detach()), (tables["f"] - twin.f.weight).abs().max()
+    assert torch.equal(tables["p"], twin.p.weight.detach())
+    assert torch.equal(tables["head"], twin.head.weight.detach())
+
+
+def _train_tables(address: str, fail: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """One sync worker trains Tables (f unused on some steps) on `address`; `fail` runs after step 3.
+    Returns the final rows of both tables and the head."""
+    torch.manual_seed(0)
+    model = Tables(lambda *a, **kw: psgrad.EmbeddingBag(*a, std=0.5, **kw))
+    with psgrad.connect(address, mode="sync", optimizer=psgrad.Adagrad(lr=0.1, lr_decay=0.5), client=CONFIG) as ps:
+        opt = ps.optimizer(model)
+        for step in range(7):
+            opt.zero_grad()
+            _table_loss(model, 0, step).backward()
+            opt.step()
+            if step == 3 and fail is not None:
+                fail()
+        with torch.no_grad():
+            rows = torch.arange(N).unsqueeze(1)
+            return {"p": model.p(rows), "f": model.f(rows), "head": model.head.weight.detach().clone()}
+
+
+def test_a_tables_skipped_steps_replicate_checkpoint_and_survive_a_takeover(servers: Callable[..., RunningServer]) -> None:
+    reference = servers()
+    expected = _train_tables(reference.address)
+    snap = reference.shard.snapshot()
+    assert snap.optimizer.get("table_skips.f") == 3  # steps 0, 2 and 6 did not use f
+    restored = Shard(ServerConfig())
+    restored.restore(checkpoint.decode(*checkpoint.encode(snap)))
+    _same_state(reference, restored)
+    assert restored.snapshot().optimizer.get("table_skips.f") == 3
+
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    checked: list[bool] = []
+
+    def fail() -> None:
+        _same_state(primary, backup)  # the skips so far (steps 0 and 2) reached the backup
+        assert backup.shard.snapshot().optimizer.get("table_skips.f") == 2
+        checked.append(True)
+        primary.stop(0)
+
+    got = _train_tables(f"{primary.address}|{backup.address}", fail)
+    assert checked and backup.shard.status().replica.role == "primary"
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    _same_state(backup, reference)
+
+
+def test_a_malformed_unused_set_or_an_unknown_table_is_refused_by_name() -> None:
+    spec = SKIP_SPECS["async-momentum"]
+    layout = Layout(spec, tuple(PARAMS), 0, 0, NUMEL, fingerprint(PARAMS, spec))
+    shard = Shard(ServerConfig())
+    shard.initialize(0, layout, torch.linspace(-1, 1, NUMEL))
+    for bad in [to_bytes(((0, 400),)), to_bytes(((50, 60), (55, 70))), b"\0" * 8]:
+        with pytest.raises(InvalidRequestError, match="unused ranges"):
+            shard.push_target(0, 0, 0, NUMEL, "float32", layout.fingerprint, unused=bad)
+    with pytest.raises(InvalidRequestError, match="nope"):
+        shard.push_target(0, 0, 0, NUMEL, "float32", layout.fingerprint, unused_tables=("nope",))
+    assert shard.status().pushes_rejected == 4 and shard.version == 0
