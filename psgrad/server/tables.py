@@ -854,7 +854,8 @@ class SparseTable:
         at lr (None: the job's) times the table's lr_scale; base_version: the table version they
         were pulled at (its staleness is recorded); checked: the caller checked them already
         (check_update); slots: their arena slots, from a reserve under the same lock; step: the
-        dense rule's step number of this update (the shard's update number; None: the table's
+        dense rule's step number of this update (the shard's updates that used the table:
+        ShardState.table_step; None: the table's
         version after it), which Adagrad's lr_decay counts. With min_count, the ids not stored are
         counted, and those not seen in min_count updates yet are left out (dropped); with ttl, rows
         untouched in ttl updates are dropped after it. replicated: a standby applying its primary's
