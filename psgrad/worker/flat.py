@@ -147,6 +147,7 @@ class FlatModel:
         # by a hook autograd calls once it accumulated a parameter's gradient. The others are the
         # step's unused parameters (torch leaves their .grad None): see gather_grads.
         self._reached = [False] * len(self._segments)
+        self._gathered = False  # a gather took the flags, and no backward or zero_grad came since
         #: the last gather_grads' unused parameters, as ranges of the flat space (core/unused.py)
         self.unused: Ranges = ()
         for i, seg in enumerate(self._segments):
@@ -195,6 +196,7 @@ class FlatModel:
     # ------------------------------------------------------------------ gradients
     def zero_grad(self) -> None:
         self._reached = [False] * len(self._segments)
+        self._gathered = False
         for _, grad in self._groups.values():
             grad.zero_()
         for seg in self._segments:  # re-attach if user code replaced .grad (e.g. set_to_none)
@@ -232,8 +234,12 @@ class FlatModel:
         (a gradient written by hand, into the view or as a tensor of its own, counts as used, as
         a stale one a step did not zero does). Their gradient is pushed as zeros and the servers
         leave them alone, as torch.optim skips a parameter whose .grad is None. Call before
-        collect_grads (which attaches the views again). Clears the flags."""
+        collect_grads (which attaches the views again). Clears the flags; gathered again with no
+        backward or zero_grad since (a step taken again after it raised), the same answer."""
+        if self._gathered and not any(self._reached):
+            return self.unused
         reached, self._reached = self._reached, [False] * len(self._segments)
+        self._gathered = True
         if all(reached):  # (the common step: every parameter used)
             return ()
         out = []

@@ -245,3 +245,13 @@ def test_the_parameters_no_backward_reached_are_named_unused(staging: bool) -> N
     # zero_grad() between a backward and the push forgets it (torch: set_to_none)
     model(x, True).sum().backward()
     assert step(False) == b_range
+    # the same step gathered again (taken again after it raised): the same answer, reached or not
+    for use_b in (False, True):
+        first = step(use_b)
+        flat.gather_grads()
+        assert flat.unused == first
+    flat.zero_grad()  # reached with a zero gradient (a zero input: the weights' gradients are 0): used, and again
+    model(torch.zeros(4, 3), True).sum().backward()
+    for _ in range(2):
+        flat.gather_grads()
+        assert flat.unused == ()
