@@ -39,13 +39,15 @@ from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_t
 from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
-from psgrad.worker.prefetch import Prefetched
+from psgrad.worker.prefetch import Prefetched, read_ids
 from psgrad.worker.row_cache import RowCache
 
 B = TypeVar("B")
 # What a forward of each psgrad embedding module (Embedding, EmbeddingBag, EmbeddingBagCollection)
-# will take: its first argument (ids, or a collection's features), by module.
-Lookups = Mapping[nn.Module, Any]
+# will take: its first argument (ids, or a collection's features), by module; a list of them for a
+# module several forwards call (one registered under several names: a two-tower model's shared
+# table). Or (module, input) pairs, a module in as many as forwards call it.
+Lookups = Mapping[nn.Module, Any] | Iterable[tuple[nn.Module, Any]]
 
 
 def serve(port: int = 0, host: str = "127.0.0.1", **settings: Any) -> Any:
@@ -149,6 +151,24 @@ def connect(
                           "codec: with compress='none' nothing is compressed, on this host or another; leave "
                           "compress_same_host out, or pass compress='topk:0.01' (say)")
     return Session(addresses, spec, rank, client)
+
+
+def _forwards(lookups: Lookups) -> list[tuple[nn.Module, Any]]:
+    """(module, the input of one of its forwards) for every forward `lookups` names: a mapping's
+    list value is one input per forward of its module; pairs are taken as they are.
+
+    Raises:
+        ConfigError: lookups that are neither a mapping nor (module, input) pairs.
+    """
+    items = lookups.items() if isinstance(lookups, Mapping) else lookups
+    out: list[tuple[nn.Module, Any]] = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ConfigError(f"prefetch lookups: give {{module: its next input}} (a list of inputs for a module "
+                              f"called several times) or (module, input) pairs, got {type(item).__name__} {item!r:.60}")
+        module, value = item
+        out.extend((module, one) for one in (value if isinstance(value, list) else [value]))
+    return out
 
 
 class Session:
@@ -285,8 +305,10 @@ class PSOptimizer(ScheduledOptimizer):
                               "after the step's push): leave out overlap, and fetch the next batch's rows with the "
                               "step instead (opt.pipeline)")
         aliases = sparse_aliases(model)  # (a table registered under several names: exports write each)
+        # (drawn_as: a loaded state's name for its rows, where the model loaded it under another prefix)
         tables = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.seed, m.std, min_count=m.min_count, ttl=m.ttl,
-                            evict=m.evict, aliases=aliases.get(name, ())) for name, m in self.embeddings]
+                            evict=m.evict, aliases=aliases.get(name, ()), drawn_as=m.bound_draw_name(name))
+                  for name, m in self.embeddings]
         dense_specs, tables = with_groups(param_specs(model), model, param_groups, spec, tables)
         for t in tables:  # every setting applies to the rows as the declarations say, or is refused by name
             check_row_settings(t.job_spec(spec), t.name, own=bool(t.optimizer))
@@ -320,8 +342,9 @@ class PSOptimizer(ScheduledOptimizer):
         if row_cache and self.embeddings:
             source = self.row_cache = RowCache(self.client, row_cache, row_cache_staleness, lambda: self.clock)
         self.prefetched = Prefetched(source)  # rows fetched ahead (prefetch, step(prefetch=...), pipeline)
+        drawn_as = {t.name: t.drawn_as for t in tables}
         for name, module in self.embeddings:
-            module.bind(name, self.prefetched)
+            module.bind(name, self.prefetched, drawn_as.get(name, ""))
         self._next_lookups: Lookups | None = None  # pipeline(): the next batch's, for the next step()
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None
@@ -377,18 +400,22 @@ class PSOptimizer(ScheduledOptimizer):
                   reads: RowReads | None = None, unused: Ranges = ()) -> ExchangeResult:
         """Push grad as clock (computed on weights of versions `base`) with lr, the row gradients
         of the model's psgrad embeddings and the dense parameters the step left unused (`unused`,
-        which the servers skip), then pull clock + 1 (and the rows `reads` asks for)."""
+        which the servers skip), then pull clock + 1 (and the rows `reads` asks for). The rows'
+        gradients are dropped once the exchange succeeded: one that raises leaves them for the
+        step taken again (the same clock, which a shard that applied it already acknowledges as a
+        duplicate: applied once), and for zero_grad() to drop."""
         t0 = time.perf_counter()
         self.client.base_versions = base
         rows, bases, unused_tables = {}, {}, []
         for name, module in self.embeddings:
             if not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
                 unused_tables.append(name)
-            taken = module.take_row_gradients()
-            if taken is not None:  # (pushed with the versions its rows were read at: their staleness)
-                rows[name], bases[name] = (taken.ids, taken.grads), taken.bases
+            found = module.row_gradients()
+            if found is not None:  # (pushed with the versions its rows were read at: their staleness)
+                rows[name], bases[name] = (found.ids, found.grads), found.bases
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
                                                  bases, unused, unused_tables)
+        self._rows_pushed()
         evicted, restores = self.client.take_news()
         return ExchangeResult(
             exchange_s=time.perf_counter() - t0,
@@ -400,6 +427,12 @@ class PSOptimizer(ScheduledOptimizer):
             evicted=evicted,
             restores=restores,
         )
+
+    def _rows_pushed(self) -> None:
+        """A step's exchange succeeded: the row gradients it pushed are dropped (after a roll-back or
+        a rejoin, with the step's gradient: the step returns, the clock moved)."""
+        for _, module in self.embeddings:
+            module.rows_pushed()
 
     def _finish_pending(self, stats: StepStats) -> None:
         """Wait for the background exchange, install its weights, fill stats."""
@@ -457,10 +490,14 @@ class PSOptimizer(ScheduledOptimizer):
         """Fetch the rows that training forwards of these inputs will read, every table in one call
         per shard, however many psgrad embedding modules hold them: `lookups` maps each module
         (psgrad.Embedding, EmbeddingBag or EmbeddingBagCollection of this model) to the first
-        argument its forward will get (ids, or a collection's features). Each module's next
-        training forward with exactly those ids, before the next step, is served these rows; any
-        other read pulls as usual. So separate modules cost one call per shard per forward, like
-        one table.
+        argument its forward will get (ids, or a collection's features), or to a list of them, one
+        per forward, for a module that several forwards call (one registered under several names,
+        as a two-tower model's towers share the item table); (module, input) pairs do the same, a
+        module in as many pairs as forwards call it. A table several forwards read (a collection's
+        table that a module of its own reads too, as well) is read once, for all their ids. Each
+        module's next training forward with exactly those ids, before the next step, is served
+        these rows; any other read pulls as usual. So separate modules cost one call per shard per
+        forward, like one table.
 
         When: with no step pending (after opt.step(), before the next forward) the rows are read
         now. While a step is pending (a training forward read rows since the last step: the
@@ -475,19 +512,21 @@ class PSOptimizer(ScheduledOptimizer):
             ConfigError: a module that is not one of this model's psgrad embeddings.
             InvalidRequestError: an id out of its table's range, or not an integer tensor (named).
         """
-        ids = self._lookup_ids(lookups)
+        wanted = self._lookup_ids(lookups)
         if self.prefetched.pending:  # (rows read now would miss the pending step's update)
-            self.prefetched.defer(ids)
+            self.prefetched.defer(wanted)
             return
-        self.prefetched.hold(ids, self.client.pull_tables(ids, checked=True))
+        ids = read_ids(wanted)
+        self.prefetched.hold(wanted, ids, self.client.pull_tables(ids, checked=True))
 
-    def _lookup_ids(self, lookups: Lookups) -> dict[str, torch.Tensor]:
-        """The unique ids, by table, that forwards of `lookups` read (checked against their
-        tables' ranges, as a forward's are)."""
+    def _lookup_ids(self, lookups: Lookups) -> dict[str, list[torch.Tensor]]:
+        """The unique ids that forwards of `lookups` read, by table, one entry per forward (a table
+        that several forwards read has several: a module called twice, a collection's table that a
+        module of its own reads too); checked against their tables' ranges, as a forward's are."""
         mine = {id(m) for _, m in self.embeddings}
-        ids: dict[str, torch.Tensor] = {}
+        wanted: dict[str, list[torch.Tensor]] = {}
         single: list[tuple[SparseEmbedding, torch.Tensor]] = []  # modules of a table each: found together
-        for module, value in lookups.items():
+        for module, value in _forwards(lookups):
             tables = list(module.bags.values()) if isinstance(module, EmbeddingBagCollection) else [module]
             if not isinstance(module, (SparseEmbedding, EmbeddingBagCollection)) or any(id(t) not in mine for t in tables):
                 raise ConfigError(f"prefetch: {type(module).__name__} is not a psgrad embedding of this optimizer's "
@@ -495,18 +534,21 @@ class PSOptimizer(ScheduledOptimizer):
             if isinstance(module, SparseEmbedding):
                 single.append((module, value))
             else:
-                ids.update(module.lookup(value))
+                for table, unique in module.lookup(value).items():
+                    wanted.setdefault(table, []).append(unique)
         if single:  # every table's unique ids in one pass (nn/lookups.py)
             found = unique_ids_of([m for m, _ in single], [v for _, v in single])
-            ids.update((m.table or "", unique) for (m, _), (unique, _) in zip(single, found))
-        return ids
+            for (m, _), (unique, _) in zip(single, found):
+                wanted.setdefault(m.table or "", []).append(unique)
+        return wanted
 
     def pipeline(self, batches: Iterable[B], lookups: Callable[[B], Lookups]) -> Iterator[B]:
         """The batches of `batches`, each with its rows fetched ahead: the first one's before it is
         yielded (prefetch), each next one's by the step() in between, in the same call per shard
         as that step's push and pull (step(prefetch=...)): a training step then makes one call per
         shard, every table both ways. `lookups(batch)` names what each psgrad embedding module's
-        forward takes for that batch ({module: ids or features}). In sync mode the rows of batch
+        forward takes for that batch ({module: ids or features}; a list of them for a module called
+        several times, or (module, input) pairs: see prefetch()). In sync mode the rows of batch
         i+1 are read after iteration i's update (the same rows a pull in its forward would get);
         in async and ssp mode their staleness counts from that read, as for any pull of rows.
 
@@ -575,11 +617,18 @@ class PSOptimizer(ScheduledOptimizer):
         prefetch() made since the last step (after this step's forward), and in a pipeline the next
         batch's.
 
-        A bad id in the rows a step fetches ahead (InvalidRequestError, naming it) stops the step
-        before it sends anything. The rows of the pipeline's next batch are then dropped, so
-        opt.step() again pushes this step without them, and that batch's forward reads its rows
-        itself (refusing the same id, for the loop to skip the batch); a step(prefetch=...) is
-        taken again without prefetch= (or with good ids).
+        A bad id in the rows a step fetches ahead (InvalidRequestError, naming it), or lookups it
+        cannot read (ConfigError: a collection's feature missing, a module not of this model), stop
+        the step before it sends anything. The rows of the pipeline's next batch are then dropped,
+        so opt.step() again pushes this step without them, and that batch's forward reads its rows
+        itself (refusing the same input, for the loop to skip the batch); a step(prefetch=...) is
+        taken again without prefetch= (or with good lookups).
+
+        A step that raises otherwise (a push the servers refused: the memory budget, a non-finite
+        gradient, ServerBusyError; a server unreachable) leaves the gradients in place, the rows'
+        too, and what it was to fetch ahead: opt.step() again pushes them with the same clock (a
+        shard that applied the step already acknowledges a duplicate, so each applies it once) and
+        fetches the next batch's rows; opt.zero_grad() drops them instead.
 
         Raises:
             PsgradError: a server refused the push or became unreachable.
@@ -618,35 +667,41 @@ class PSOptimizer(ScheduledOptimizer):
             stats.d2h_s = self.flat.d2h_s
             self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr, None, self.flat.unused)
         else:
+            if prefetch is None and self._next_lookups is not None and not isinstance(self._next_lookups, (Mapping, list)):
+                self._next_lookups = list(self._next_lookups)  # (pairs from an iterator: the same for a step taken again)
             ahead = prefetch if prefetch is not None else self._next_lookups
             try:
                 wanted = {**self.prefetched.deferred, **(self._lookup_ids(ahead) if ahead else {})}
-            except InvalidRequestError as exc:  # (nothing sent yet: the step can be taken again)
+            except Exception as exc:  # (nothing sent yet: the step can be taken again)
                 if prefetch is None:  # the pipeline's next batch: a step again goes on without its rows
-                    self._next_lookups = None
+                    self._next_lookups = None  # (whatever refused them: a bad id, a feature missing, a module not of the model)
                     how = ("opt.step() again pushes this step without fetching them, and that batch's forward then "
-                           "reads its rows itself (and refuses the same id: skip the batch there)")
+                           "reads its rows itself (and refuses the same input: skip the batch there)")
                 else:
-                    how = "take the step again without prefetch= (or with valid ids)"
+                    how = "take the step again without prefetch= (or with valid lookups)"
+                if not isinstance(exc, (InvalidRequestError, ConfigError)):
+                    raise
                 raise type(exc)(f"the next batch's rows, which this step fetches ahead (opt.pipeline, "
                                 f"step(prefetch=...)): {exc}; this step pushed nothing: {how}") from None
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            reads = RowReads(wanted, checked=True) if wanted else None
+            reads = RowReads(read_ids(wanted), checked=True) if wanted else None
             try:
                 done = self._exchange(grad, clock, self._versions, push_lr, reads, self.flat.unused)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
+                self._rows_pushed()  # (the step returns, the clock moved: its gradient is dropped, the rows' too)
                 stats.versions = list(self._versions)
                 return stats
             except EvictedError:
                 stats.rejoined_at = self._rejoin()
+                self._rows_pushed()
                 stats.versions = list(self._versions)
                 return stats
             stats.wait_s = done.exchange_s
             self._record(done, stats)
             # rows fetched before this step miss its update: dropped; the ones it read are held
-            self.prefetched.stepped(reads.ids if reads is not None else None, reads.rows if reads is not None else None)
+            self.prefetched.stepped(wanted, reads.ids if reads is not None else None, reads.rows if reads is not None else None)
         stats.versions = list(self._versions)
         self.clock = clock + 1
         return stats

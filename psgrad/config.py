@@ -175,11 +175,13 @@ class ServerConfig:
     # row placed here) and the rows made so far with their optimizer state. A table that would grow
     # past it refuses the rows (MemoryBudgetError, naming it). None: 3/4 of the machine's memory; 0: no limit.
     memory_budget_mb: float | None = None
-    # What the replies to reads of rows (a worker's rows of a step, PullRows, an export's pages) may
-    # hold at once, in MiB, counted from each request (ids x width x 4 bytes) and held until the
-    # reply was sent: reads past it wait their turn (in order of arrival, within their deadline), and
-    # one larger than all of it is refused naming this limit. 0: no limit. At least READ_LIMIT_MIN_MB
-    # otherwise (an export reads pages of up to that much).
+    # What the replies to reads of rows (a worker's rows of a step, PullRows, an export's pages) and
+    # to pulls of the dense weights through gRPC (a Pull's frames, a Step's reply with the weights) may
+    # hold at once, in MiB, counted from each request (ids x width x 4 bytes; the shard's weights at
+    # the wire's width) and held until the reply was sent: reads past it wait their turn (in order
+    # of arrival, within their deadline); a read of rows larger than all of it is refused naming this
+    # limit, a pull of a shard's weights larger than it goes alone (nothing else in flight).
+    # 0: no limit. At least READ_LIMIT_MIN_MB otherwise (an export reads pages of up to that much).
     max_read_mb: float = MAX_READ_MB
 
     def __post_init__(self) -> None:

@@ -88,6 +88,13 @@ class ServerBusyError(PsgradError):
     --reconnect-timeout-s)."""
 
 
+class ApplyFailedError(PsgradError):
+    """An update failed while it was being applied on the server (an internal error, not the
+    push's fault): what it wrote was undone and its retry applies it once, or, where that could
+    not be done exactly, the shard refuses every push from then on (it must be restarted from its
+    checkpoint, or its standby take over) instead of applying part of an update twice."""
+
+
 class MemoryBudgetError(PsgradError):
     """A sparse table would grow past the server's memory budget (--memory-budget-mb)."""
 
@@ -128,6 +135,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         AuthenticationError,
         PermissionDeniedError,
         ServerBusyError,
+        ApplyFailedError,
         MemoryBudgetError,
         TaskError,
         CheckpointError,

@@ -387,10 +387,12 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
                    "with their optimizer state; a table that would grow past it is refused with an error naming it "
                    "(default: 3/4 of the machine's memory; 0: no limit)")
     flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
-         "step, pulls of rows, an export's pages) may hold on the server at once, counted from each request "
-         "(ids x width x 4 bytes) until its reply was sent; reads store no rows, so --memory-budget-mb does not "
-         "bound them. Reads past it wait their turn within their deadline, and one larger than all of it is "
-         f"refused naming the value it needs. 0: no limit; else at least {READ_LIMIT_MIN_MB:g} (an export's page)",
+         "step, pulls of rows, an export's pages) and to pulls of the dense weights through gRPC (a pull's frames, a "
+         "step's reply) may hold on the server at once, counted from each request (ids x width x 4 bytes; the "
+         "shard's weights) until its reply was sent; reads store no rows, so --memory-budget-mb does not "
+         "bound them. Reads past it wait their turn within their deadline; a read of rows larger than all of it "
+         "is refused naming the value it needs, a pull of a shard's weights larger than it goes alone. 0: no "
+         f"limit; else at least {READ_LIMIT_MIN_MB:g} (an export's page)",
          type=float, metavar="MB")
 
 

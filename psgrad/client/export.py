@@ -75,7 +75,7 @@ READABLE_TABLES = ("dense", "sparse", "frozen")
 def sparse_entries(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor, materialize: bool) -> dict[str, torch.Tensor]:
     """A sparse table's entries of an export: the rows updated at least once and how to make the
     others (`NAME.ids` [n] int64, `NAME.rows` [n, dim], `NAME.init` [num_embeddings, dim, seed] int64,
-    `NAME.init_std`, and `NAME.table`, the name the others are drawn under, UTF-8 as uint8: what a
+    `NAME.init_std`, and `NAME.table`, the name the others are drawn under (TableSpec.draw_name), UTF-8 as uint8: what a
     module's state_dict() holds, so a model that loads it under another prefix, a wrapper's
     `module.` stripped, still draws them as the job did), or, materialized, the whole table as
     torch.nn.Embedding's `NAME.weight`."""
@@ -83,12 +83,12 @@ def sparse_entries(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor, mater
         raise ConfigError(f"table {spec.name!r} is dynamic (any int64 id): it has no whole table to materialize; "
                           "export without materializing (its updated rows by id, NAME.ids and NAME.rows)")
     if materialize:
-        key = row_init.table_key(spec.seed, spec.name)
+        key = row_init.table_key(spec.seed, spec.draw_name)
         return {f"{spec.name}.weight": row_init.materialize(key, spec.num_embeddings, spec.dim, spec.std, ids, rows)}
     return {f"{spec.name}.ids": ids, f"{spec.name}.rows": rows,
             f"{spec.name}.init": torch.tensor([spec.num_embeddings, spec.dim, spec.seed], dtype=torch.int64),
             f"{spec.name}.init_std": torch.tensor(spec.std, dtype=torch.float64),
-            f"{spec.name}.table": torch.tensor(list(spec.name.encode()), dtype=torch.uint8)}
+            f"{spec.name}.table": torch.tensor(list(spec.draw_name.encode()), dtype=torch.uint8)}
 
 
 def fetch_model(

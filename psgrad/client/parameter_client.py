@@ -132,6 +132,11 @@ class ParameterClient:
             codec, end - start, spec.wire_dtype, spec.error_feedback, seed=rank * 65_537 + i,
             plain=(end - start) - max(0, min(end, trainable) - start))
             for i, (start, end) in enumerate(plan.ranges)]
+        # Per shard, the clock of its encoder's last encode and the last clock it kept (answered
+        # other than as a duplicate): a step taken again after one that raised encodes its gradient
+        # from where the encoder stood before the push that shard did not keep (see _push_payload).
+        self._encoded_at: list[int | None] = [None] * plan.num_shards
+        self._kept_at: list[int | None] = [None] * plan.num_shards
         self.base_versions = [0] * plan.num_shards
         # A policy that drops late gradients (sync with backup workers) on several shards: shard 0
         # decides which gradients make an iteration (docs/design/architecture.md)
@@ -456,14 +461,31 @@ class ParameterClient:
         copy it saves."""
         return wire is self._pull_wires[index] and wire.nbytes >= LEND_MIN_BYTES
 
-    def _push_payload(self, index: int, grad: torch.Tensor) -> tuple[memoryview, str]:
+    def _push_payload(self, index: int, grad: torch.Tensor, clock: int | None = None) -> tuple[memoryview, str]:
         """Shard index's range of a gradient as it travels, and its codec ("": the wire dtype's
         plain values): compressed with the job's --compress, except to a shard on this host unless
-        --compress-same-host. Encode once per push (error feedback): retries resend these bytes."""
+        --compress-same-host. Encode once per push (error feedback): retries resend these bytes.
+        A step taken again (the same clock, after one that raised) is encoded from where the
+        encoder stood before the push the shard did not keep (refused, or its answer lost), and a
+        push the shard kept already (its answer: a duplicate) leaves the encoder as it was: the
+        residual feeds back what the applied pushes left out, each once. (clock None: a push of its
+        own, neither taken again nor kept.)"""
         compressor = self._compressors[index]
         if compressor is not None and (self.config.compress_same_host or not self.shards[index].same_host):
-            return compressor.encode(grad), self.spec.compress
+            if clock is not None and self._encoded_at[index] == clock and self._kept_at[index] != clock:
+                compressor.undo()
+            payload = compressor.encode(grad)
+            if clock is not None and self._kept_at[index] == clock:
+                compressor.undo()
+            self._encoded_at[index] = clock
+            return payload, self.spec.compress
         return self._push_wires[index].encode(grad), ""
+
+    def _kept(self, index: int, clock: int, outcome: PushOutcome) -> PushOutcome:
+        """Shard index answered the push of `clock`: kept unless a duplicate (see _push_payload)."""
+        if not outcome.duplicate:
+            self._kept_at[index] = clock
+        return outcome
 
     def plain_shards(self) -> list[int]:
         """With --compress: the shards that get plain gradients all the same, being on this host
@@ -528,9 +550,9 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
-            payload, compress = self._push_payload(i, flat_grad[start:end])
-            head = self._push_header(i, clock, lr, compress, split[i], unused, unused_tables)
-            return self._heard(i, serde.push_outcome_from_proto(s.push(head, payload)))
+            payload, compress = self._push_payload(i, flat_grad[start:end], clock)
+            reply = s.push(self._push_header(i, clock, lr, compress, split[i], unused, unused_tables), payload)
+            return self._heard(i, self._kept(i, clock, serde.push_outcome_from_proto(reply)))
 
         if not self._shard0_decides:
             return self._fan_out(one)
@@ -563,7 +585,7 @@ class ParameterClient:
 
         def one(i: int, s: ShardClient) -> Generator[None, None, tuple[PushOutcome, int, RowsRead | None]]:
             start, end = self.plan.ranges[i]
-            payload, compress = self._push_payload(i, flat_grad[start:end])
+            payload, compress = self._push_payload(i, flat_grad[start:end], clock)
             header = self._push_header(i, clock, lr, compress, split[i], unused, unused_tables)
             asks = plan.asks(i) if plan is not None else None
             wire = self._pull_wire(i)
@@ -577,7 +599,7 @@ class ParameterClient:
                 reply, version = s.push(header, payload), s.pull(req, flat[start:end], wire, lend)
                 done = reply, version, self._read(s, asks, False) if asks else None
             reply, version, got = done
-            return self._heard(i, serde.push_outcome_from_proto(reply), version), version, got
+            return self._heard(i, self._kept(i, clock, serde.push_outcome_from_proto(reply)), version), version, got
 
         if len(self.shards) > 1 and all(s.staged for s in self.shards):  # (same host: never a duplex push)
             results = _in_stages([one(i, s) for i, s in enumerate(self.shards)])

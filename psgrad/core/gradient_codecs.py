@@ -2,7 +2,9 @@
 decoding them, and the worker's error feedback (Compressor). Pure, no network."""
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +126,23 @@ class Codec:
             self._payload[4 * self._scales :].view(torch.int8).copy_(q)
         return byte_view(self._payload)
 
+    def draws(self) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """Where this codec's random draws stand (None: no encode yet), for undo_draws."""
+        if self._gen is None or self._rng is None:
+            return None
+        return self._gen.get_state(), copy.deepcopy(dict(self._rng.bit_generator.state))
+
+    def undo_draws(self, draws: tuple[torch.Tensor, dict[str, Any]] | None) -> None:
+        """Put the random draws back where draws() found them: the next encode draws what the
+        encodes since did."""
+        if draws is None:  # (before the first encode: drawn from the seed again)
+            if self._gen is not None:
+                self._gen, self._rng = torch.Generator().manual_seed(self._seed), np.random.default_rng(self._seed)
+            return
+        assert self._gen is not None and self._rng is not None
+        self._gen.set_state(draws[0])
+        self._rng.bit_generator.state = copy.deepcopy(draws[1])
+
     def _uniform(self) -> torch.Tensor:
         """numel values uniform in [0, 1) (in steps of 2**-16: int8's rounding is unbiased to within
         a 2**-17 of a quantization step), from 16-bit integers, which numpy draws 5x faster than torch
@@ -242,7 +261,9 @@ class Compressor:
     """A worker's encoder for one shard's range: the codec, and with error feedback the residual
     of its compressed prefix (what earlier pushes dropped), added to each gradient before it is
     encoded and updated to what this push drops. Encode each push once (its retries resend the
-    same bytes)."""
+    same bytes). A push the shard did not keep (refused, or a duplicate of one it applied before)
+    is undone (undo()): the residual and the random draws are put back as they were before its
+    encode, so a step taken again encodes its gradient as the push the shard applies would have."""
 
     def __init__(
         self, compression: Compression, numel: int, wire_dtype: str = "float32", error_feedback: bool = True,
@@ -252,6 +273,9 @@ class Compressor:
         n = self.codec.compressed
         self.residual = torch.zeros(n) if error_feedback and compression.biased else None
         self.resets = 0  # times the residual held NaN/inf and was dropped
+        # What the last encode changed, for undo(): the residual before it, its draws, its reset.
+        self._before = None if self.residual is None else torch.zeros(n)
+        self._undo: tuple[tuple[torch.Tensor, dict[str, Any]] | None, bool] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -259,16 +283,34 @@ class Compressor:
 
     def encode(self, grad: torch.Tensor) -> memoryview:
         """The payload of grad (plus the residual); a view valid until the next encode."""
+        draws = self.codec.prefix.draws()
         if self.residual is None:
+            self._undo = (draws, False)
             return self.codec.encode(grad)
+        assert self._before is not None
         n = self.codec.compressed
+        self._before.copy_(self.residual)
         acc = self.residual.add_(grad[:n])  # gradient + what earlier pushes dropped
         payload = self.codec.encode_parts(acc, grad[n:])
         self.codec.prefix.decode(payload[: self.codec.prefix.nbytes], acc, alpha=-1.0, add=True)  # keep what it drops
-        if not math.isfinite(float(acc.sum())):  # a non-finite gradient would poison every later push
+        reset = not math.isfinite(float(acc.sum()))
+        if reset:  # a non-finite gradient would poison every later push
             acc.zero_()
             self.resets += 1
+        self._undo = (draws, reset)
         return payload
+
+    def undo(self) -> None:
+        """Undo the last encode (once): the residual, the random draws and the count of resets are
+        what they were before it."""
+        if self._undo is None:
+            return
+        draws, reset = self._undo
+        self._undo = None
+        self.codec.prefix.undo_draws(draws)
+        if self.residual is not None and self._before is not None:
+            self.residual.copy_(self._before)
+        self.resets -= reset
 
 
 class CompressedWire(WireBuffer):

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from psgrad.core.backup import LATE_REASON
 
+# How a shard words its answer to a push whose (rank, clock) it had: a step taken again.
+DUPLICATE_REASON = "duplicate push"
+
 
 @dataclass(frozen=True)
 class Eviction:
@@ -71,6 +74,11 @@ class PushOutcome:
     def accepted(self) -> bool:
         """The shard applied the gradient or (sync) keeps it for its iteration."""
         return self.applied or self.deferred
+
+    @property
+    def duplicate(self) -> bool:
+        """The shard had this push's (rank, clock) already (a step taken again), and changed nothing."""
+        return self.reason.startswith(DUPLICATE_REASON)
 
     @property
     def late(self) -> bool:

@@ -94,14 +94,26 @@ class TableSpec:
     #: names, not what the job is: neither compared nor in the fingerprint (a worker, or a
     #: checkpoint of an older psgrad, without them is the same job; the chief's Init gives them)
     aliases: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    #: the name its initial rows are drawn under where it is not `name` ("": its own): a loaded
+    #: state's (its `table` entry), when a model that loaded a table's state_dict under another
+    #: prefix (a wrapper's `module.` added or stripped) starts a job, so the rows the state does not
+    #: list start as they did in the job that wrote it. The chief's (its loaded model's), which its
+    #: Init gives: not compared, nor in the fingerprint (the other workers need not load the state)
+    drawn_as: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:  # (a checkpoint's JSON gives lists)
         object.__setattr__(self, "settings", tuple(sorted((str(k), float(v)) for k, v in self.settings)))
         object.__setattr__(self, "aliases", tuple(str(a) for a in self.aliases))
+        object.__setattr__(self, "drawn_as", "" if self.drawn_as == self.name else str(self.drawn_as))
         check_lifetime(self.min_count, self.ttl, f"table {self.name!r}: ")
         object.__setattr__(self, "evict", bool(self.evict))
         if self.optimizer and self.optimizer not in DECLS:
             raise ConfigError(f"table {self.name!r}: no optimizer {self.optimizer!r}; valid: {', '.join(DECLS)}")
+
+    @property
+    def draw_name(self) -> str:
+        """The name its initial rows are drawn under (core/rows.py's table_key): drawn_as, or its own."""
+        return self.drawn_as or self.name
 
     @property
     def lifetime(self) -> tuple[int, int, bool]:

@@ -6,6 +6,7 @@ by one feature or, as TorchRec's `feature_names`, by several; the forward pools 
 and concatenates the features' outputs, as TorchRec's EmbeddingBagCollection does."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -294,15 +295,16 @@ class EmbeddingBagCollection(nn.Module):
         offsets = [o for _, o, _ in parts]
         names = [bag.table or table for bag, table in zip(feature_bags, tables)]
         weighted = any(w is not None for _, _, w in parts)
+        dtype = functools.reduce(torch.promote_types, [bag.dtype for bag in bags])  # (the bags': model.half() ...)
         if not weighted and all(bag.plain_bags() and bag.mode == self.mode for bag in bags):  # all in one pass
             out = lookups.pooled(weights, inverses, offsets, self.mode == "mean", names)
             if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
-                return out
+                return out.to(dtype)
         else:  # (max or weighted bags: torch's pooling)
             lookups.check_offsets(inverses, offsets, names)
         return torch.cat([F.embedding_bag(inverse, weight, o, mode=bag.mode, per_sample_weights=w)
                           for bag, weight, inverse, o, (_, _, w) in zip(feature_bags, weights, inverses, offsets, parts)],
-                         dim=1)
+                         dim=1).to(dtype)
 
 
 def _feature_tables(tables: list[str], feature_names: Mapping[str, Sequence[str]] | None) -> dict[str, str]:

@@ -12,8 +12,9 @@ scale_grad_by_freq, sparse, and for bags include_last_offset and mode "max"; max
 naming why), `state_dict()`/`load_state_dict()` (a table's entries: the rows updated at least once
 and how to make the others, the layout `psgrad export` writes; torch's own, `weight`, loads too, as
 every row), pickling and `copy.deepcopy` (a
-copy is unbound: the rows stay on the servers), and clip_grad_norm_, whose norm covers the rows'
-gradients too. A module that loaded a state without being bound serves forwards from it (initial
+copy is unbound: the rows stay on the servers), dtype conversions (model.half(), .bfloat16(),
+.double(), .to(dtype): forwards return that dtype, the rows and their gradients stay float32), and
+clip_grad_norm_, whose norm covers the rows' gradients too. A module that loaded a state without being bound serves forwards from it (initial
 rows for the ids the state does not list): a trained model evaluates with no servers."""
 from __future__ import annotations
 
@@ -125,6 +126,21 @@ class SparseEmbedding(nn.Module):
     and lost (a copy of a bound module, or one whose job was closed: the rows are on the servers,
     not here, so forwards and state_dict() are refused, naming where to get them)."""
 
+    # The name its initial rows are drawn under where it is not self.table: a loaded state's `table`
+    # entry (the name in the job that wrote it), kept when a job binds the module under another name
+    # (its place in this model: a wrapper's `module.` prefix added or stripped), so the rows the
+    # state does not list start as they did there. None: its table's own (a fresh module, a state
+    # without the entry). A class default: modules pickled by an older psgrad have none.
+    drawn_as: str | None = None
+    # The dtype its forwards return: the module's, as model.double() / .half() / .bfloat16() /
+    # .to(dtype) convert torch's tables (see _apply). The rows stay float32 (the servers', the
+    # pooling's); the output is cast, and its gradient cast back to float32 for the push.
+    # A class default: modules pickled by an older psgrad have none.
+    dtype: torch.dtype = torch.float32
+    # The ids' dtypes a forward takes, as torch's module takes them (and what a refusal says).
+    ID_DTYPES: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
+    ID_DTYPES_TAKEN = "int64 or int32, as torch.nn.Embedding takes; convert others with ids.long()"
+
     def __init__(self, num_embeddings: int | None, embedding_dim: int, std: float = 1.0, seed: int = 0, *,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, min_count: int = 0, ttl: int = 0, evict: bool = False) -> None:
@@ -221,6 +237,25 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(f"padding_idx must be within num_embeddings ({self.num_embeddings}), got {padding_idx}")
         return padding_idx
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseEmbedding:
+        """torch's dtype conversions (model.double(), .half(), .bfloat16(), .float(), .to(dtype))
+        reach a module through here, applied to its parameters and buffers, of which a table has
+        none: the module keeps the floating dtype the conversion makes of a float32 tensor, which
+        its forwards return (self.dtype). A device move changes nothing here (rows follow the
+        input's device)."""
+        out = super()._apply(fn, recurse)
+        try:  # (two probes: a conversion makes both its dtype, a device move leaves each its own)
+            probes = [fn(torch.empty(0, dtype=d)) for d in (torch.float64, torch.float16)]
+        except (RuntimeError, AssertionError, TypeError):  # (a device this process has none of: torch says so on
+            return out                                     # the parameters, where there are some)
+        if all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in probes) and probes[0].dtype == probes[1].dtype:
+            self.dtype = probes[0].dtype
+        return out
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """A forward's output in the module's dtype (computed in float32, the rows' dtype)."""
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
     # ----------------------------------------------------------------------------- binding
 
     def prepare_to_bind(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -233,11 +268,21 @@ class SparseEmbedding(nn.Module):
         self._drop_touched()
         return loaded
 
-    def bind(self, table: str, source: RowSource) -> None:
+    def bound_draw_name(self, table: str) -> str:
+        """The name the job's initial rows of this module, bound as table `table`, are drawn under,
+        where it is not `table` (TableSpec.drawn_as; "": its own): a loaded state's (see drawn_as),
+        so that the rows the state does not list start as they did in the job that wrote it. Read
+        before prepare_to_bind (which forgets the loaded state)."""
+        if self._loaded is None or self.drawn_as is None or self.drawn_as == table:
+            return ""
+        return self.drawn_as
+
+    def bind(self, table: str, source: RowSource, drawn_as: str = "") -> None:
         """Make this module table `table` of a job (PSOptimizer does this, after prepare_to_bind; a
-        model given to a new job's optimizer is bound to that one)."""
+        model given to a new job's optimizer is bound to that one), its initial rows drawn under
+        `drawn_as` ("": its own name; see bound_draw_name)."""
         self.prepare_to_bind()
-        self.table, self._source = table, source
+        self.table, self._source, self.drawn_as = table, source, drawn_as or None
         if self.dynamic or self.num_embeddings * self.embedding_dim >= lookups.LOOKUP_KERNEL_MIN:
             lookups.kernels(start=True)  # (compiled while the job starts, not in its first steps)
 
@@ -281,19 +326,39 @@ class SparseEmbedding(nn.Module):
     # ----------------------------------------------------------------------------- forwards
 
     def initial_weight(self) -> torch.Tensor:
-        """The whole table as the servers make it before any update ([num_embeddings, dim]): for a
-        local copy of a small table (tests, a dense baseline); a large one costs its full size.
+        """The whole table as the servers draw it before any update ([num_embeddings, dim] float32:
+        N(0, std²) from the seed, the name the rows are drawn under and each id): for a local copy
+        of a small table (tests, a dense baseline); a large one costs its full size.
+
+        The name is the job's, so a module must know it: bound (or lost: its job's), the table's,
+        or a loaded state's it started from (a wrapper's prefix added or stripped); unbound after
+        load_state_dict(), the state's, which a job started from it draws the rows the state does
+        not list under. Rows a state or from_pretrained() loaded are not in it: they are the
+        values a job started from them begins with for those ids (its first update, sent by the
+        chief), over these draws, and what an unbound loaded module serves; from_pretrained's
+        embeddings are every row of the table.
 
         Raises:
             ConfigError: a dynamic table, which has no whole.
+            WorkerStateError: a module never bound that loaded no named state (fresh, or
+                from_pretrained): its rows are drawn under its name in the job, its place in the
+                model, which binding gives it; call it after ps.optimizer(model).
         """
         if self.dynamic:
             raise ConfigError("a dynamic table (num_embeddings=None) has no whole table to make: its ids are any "
                               "int64; read the rows of the ids you need")
+        if self.table is None and self.drawn_as is None:
+            pretrained = (" (from_pretrained: every row a job starts from is the embeddings it was given; use those)"
+                          if self._loaded is not None else "")
+            raise WorkerStateError(
+                f"initial_weight() of {self._what()}, which is not bound to a job: a table's initial rows are drawn "
+                "under its name in the job, its place in the model, which binding gives it (its rows drawn now "
+                "would be another table's). Bind first, then read it: opt = ps.optimizer(model); "
+                f"module.initial_weight(){pretrained}")
         return rows.initial_rows(self._key(), torch.arange(self.num_embeddings), self.embedding_dim, self.std)
 
     def _key(self) -> int:
-        return rows.table_key(self.seed, self.table or "")
+        return rows.table_key(self.seed, self.drawn_as if self.drawn_as is not None else self.table or "")
 
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(inverse, rows, unique): each id's index into rows, which are the rows of the batch's
@@ -373,10 +438,11 @@ class SparseEmbedding(nn.Module):
         if last is not None and last[0]() is ids and last[1] == ids._version:
             return last[2], last[3]
         if not isinstance(ids, torch.Tensor):
-            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got a "
-                                      f"{type(ids).__name__} (torch.tensor(...) of it)")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor (int64 or int32), got {ids.dtype}")
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor ({self.ID_DTYPES_TAKEN}), "
+                                      f"got a {type(ids).__name__} (torch.tensor(...) of it)")
+        if ids.dtype not in self.ID_DTYPES:
+            raise InvalidRequestError(f"table {self.table!r}: row ids must be an integer tensor ({self.ID_DTYPES_TAKEN}), "
+                                      f"got {ids.dtype}")
         return None
 
     def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,6 +474,7 @@ class SparseEmbedding(nn.Module):
         """Hold `embeddings` as every row's loaded value (see from_pretrained)."""
         values = embeddings.detach().to("cpu", torch.float32).contiguous()
         self._loaded, self.frozen = (torch.arange(self.num_embeddings), values), bool(freeze)
+        self.drawn_as = None
 
     def _local_rows(self, unique: torch.Tensor) -> torch.Tensor:
         """Rows `unique` of an unbound module's loaded state: the loaded ones, the others initial."""
@@ -441,8 +508,16 @@ class SparseEmbedding(nn.Module):
         """take_gradients(), with the versions the rows were read at: per shard the oldest read
         among the forwards whose rows have a gradient (two forwards before one step: the first's,
         where it read that shard), what the push reports as the rows' base."""
-        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
+        taken = self.row_gradients()
         self._drop_touched()
+        return taken
+
+    def row_gradients(self) -> RowGradient | None:
+        """take_row_gradients() without taking them: the gradients stay until rows_pushed() (the
+        step's exchange succeeded) or zero_grad() drops them, so a step that fails (a push the
+        servers refused, a connection lost) leaves them for the step taken again, as torch leaves
+        .grad in place when optimizer.step() raises."""
+        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
         if not parts:
             return None
         bases = rows.oldest(*(versions for _, _, versions in parts))
@@ -456,6 +531,11 @@ class SparseEmbedding(nn.Module):
             summed = torch.zeros(unique.numel(), self.embedding_dim).index_add_(0, inverse, grads)
             kept = self._without_padding(unique, summed)
         return None if kept is None else RowGradient(kept[0], kept[1], bases)
+
+    def rows_pushed(self) -> None:
+        """The step pushed the rows' gradients (row_gradients()): forget the rows touched since the
+        last step, as take_row_gradients() does."""
+        self._drop_touched()
 
     def _without_padding(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids, grads) without the padding id's row (ids: unique, sorted); None when nothing is left."""
@@ -517,7 +597,7 @@ class SparseEmbedding(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         ids, values = self.stored_rows()
-        name = self.table if self.table is not None else prefix[:-1]
+        name = self.drawn_as if self.drawn_as is not None else self.table if self.table is not None else prefix[:-1]
         destination[prefix + "ids"] = ids
         destination[prefix + "rows"] = values
         destination[prefix + "init"] = torch.tensor([self.num_embeddings, self.embedding_dim, self.seed], dtype=torch.int64)
@@ -568,6 +648,10 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(f"load_state_dict(): {prefix}ids lists a row id more than once")
         name = state_dict.get(prefix + "table")
         self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
+        # (the state names the table its rows were drawn under: a job that binds this module under
+        # another name draws them under that one, see bound_draw_name; a state without the entry
+        # is named by the module's place in the model)
+        self.drawn_as = self.table if name is not None else None
         self.seed, self.std = seed, float(state_dict[prefix + "init_std"])
         self._loaded, self._lost = (ids, values[order].contiguous()), None
 
@@ -588,7 +672,7 @@ class SparseEmbedding(nn.Module):
                 f"{where} takes [{size} rows, {self.embedding_dim}]: build it with the weight's shape "
                 "(num_embeddings, embedding_dim)")
         values = weight.detach().to("cpu", torch.float32).contiguous()
-        self.table = prefix[:-1]
+        self.table, self.drawn_as = prefix[:-1], None
         self._loaded, self._lost = (torch.arange(values.shape[0]), values), None
 
 
@@ -633,7 +717,7 @@ class Embedding(SparseEmbedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         inverse, weight, _ = self._rows(input)
-        out = F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq)
+        out = self._output(F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq))
         if self.padding_idx is not None:
             out = out * (input != self.padding_idx).unsqueeze(-1).to(out.dtype)
         return out
@@ -649,6 +733,10 @@ class EmbeddingBag(SparseEmbedding):
     no gradient: its row is never pushed; a dynamic table's is an id as it is, -1 pads id -1), scale_grad_by_freq (not with mode "max", which torch refuses too), sparse
     (accepted, changes nothing: the rows' gradients are pushed per row always). max_norm: refused.
     """
+
+    # torch's embedding_bag takes ids of any integer dtype and bool (converted), as these do
+    ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    ID_DTYPES_TAKEN = "int64, int32, int16, int8, uint8 or bool, as torch.nn.EmbeddingBag takes"
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, mode: str = "mean",
                  std: float = 1.0, seed: int = 0, *, max_norm: float | None = None, norm_type: float = 2.0,
@@ -690,6 +778,8 @@ class EmbeddingBag(SparseEmbedding):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         inverse, weight, unique = self._rows(input)
+        if per_sample_weights is not None and per_sample_weights.dtype == self.dtype != torch.float32:
+            per_sample_weights = per_sample_weights.to(torch.float32)  # (the rows' dtype, as torch's pooling needs)
         padding = None  # the padding id's index among the pulled rows, where the input has it
         if self.padding_idx is not None:
             at = int(torch.searchsorted(unique, self.padding_idx))
@@ -697,12 +787,12 @@ class EmbeddingBag(SparseEmbedding):
         if padding is None and self.plain_bags() and per_sample_weights is None:
             out = lookups.pooled([weight], [inverse], [offsets], self.mode == "mean", [self.table or "embedding bag"])
             if out is not None:  # (else it checked the offsets it leaves to torch's pooling)
-                return out
+                return self._output(out)
         elif offsets is not None:  # (max bags, padding_idx, ...: torch's pooling, which does not check all of them)
             lookups.check_offsets([inverse], [offsets], [self.table or "embedding bag"])
-        return F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               scale_grad_by_freq=self.scale_grad_by_freq,
-                               include_last_offset=self.include_last_offset, padding_idx=padding)
+        return self._output(F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                                            scale_grad_by_freq=self.scale_grad_by_freq,
+                                            include_last_offset=self.include_last_offset, padding_idx=padding))
 
     def plain_bags(self) -> bool:
         """Whether this module's bags are plain sums or means (no padding_idx, include_last_offset

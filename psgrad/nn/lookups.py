@@ -120,12 +120,16 @@ def check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tens
     memory for decreasing ones), naming the table and the problem.
 
     Raises:
-        InvalidRequestError: offsets that do not start at 0, decrease, or pass the ids' end.
+        InvalidRequestError: offsets that are not integers (torch's error names its `indices`),
+            do not start at 0, decrease, or pass the ids' end.
     """
     for t, (i, o) in enumerate(zip(inverses, offsets)):
-        if o is None or not isinstance(o, torch.Tensor) or o.dim() != 1 or not o.numel() or o.is_floating_point():
-            continue  # (torch's ops say what is wrong with those)
         where = f"table {names[t]!r}" if t < len(names) else "a table"
+        if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
+            raise InvalidRequestError(f"{where}: bag offsets must be an integer tensor (int64 or int32, or another "
+                                      f"integer dtype, as torch's embedding_bag takes them), got {o.dtype}")
+        if o is None or not isinstance(o, torch.Tensor) or o.dim() != 1 or not o.numel():
+            continue  # (torch's ops say what is wrong with those)
         o = o.to("cpu", torch.int64)
         if int(o[0]) != 0:
             raise InvalidRequestError(f"{where}: bag offsets must start at 0, got {int(o[0])}")
@@ -277,7 +281,9 @@ def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
                     return False
                 leaves = [w.clone().requires_grad_() for w in weights]
                 out = _Pooled.apply(plan, *leaves)
-                out.backward(grad_out)
+                # (the gradient of sum(out * grad_out) at out is grad_out exactly; out.backward(grad_out)
+                # itself would import torch's symbolic shapes, and with them sympy: 2 CPU-seconds)
+                (out * grad_out).sum().backward()
                 got.append([out.detach(), *(leaf.grad for leaf in leaves)])
             if not all(a is not None and b is not None and _same_bits(a, b) for a, b in zip(*got)):
                 return False

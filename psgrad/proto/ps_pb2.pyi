@@ -81,7 +81,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., buffer: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., lr_scale: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings", "min_count", "ttl", "evict", "optimizer", "aliases")
+    __slots__ = ("name", "num_embeddings", "dim", "seed", "std", "lr_scale", "settings", "min_count", "ttl", "evict", "optimizer", "aliases", "drawn_as")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class TableSpec(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_AS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -113,7 +114,8 @@ class TableSpec(_message.Message):
     evict: bool
     optimizer: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ..., min_count: _Optional[int] = ..., ttl: _Optional[int] = ..., evict: _Optional[bool] = ..., optimizer: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    drawn_as: str
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., seed: _Optional[int] = ..., std: _Optional[float] = ..., lr_scale: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ..., min_count: _Optional[int] = ..., ttl: _Optional[int] = ..., evict: _Optional[bool] = ..., optimizer: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., drawn_as: _Optional[str] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ("index", "start", "end")
@@ -734,7 +736,7 @@ class ReplicaAttachReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "unused", "unused_tables")
+    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "counters", "unused", "unused_tables")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -747,6 +749,7 @@ class ReplicaHeader(_message.Message):
     JOB_LR_FIELD_NUMBER: _ClassVar[int]
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     UNUSED_FIELD_NUMBER: _ClassVar[int]
     UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
@@ -761,9 +764,10 @@ class ReplicaHeader(_message.Message):
     job_lr: float
     job_lr_clock: int
     rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    counters: bytes
     unused: bytes
     unused_tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., counters: _Optional[bytes] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("header", "data")

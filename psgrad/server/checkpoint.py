@@ -299,8 +299,8 @@ def _layout_to_json(layout: Layout) -> dict[str, Any]:
 
 
 def _table_to_json(t: TableSpec) -> dict[str, Any]:
-    """A table's spec, its aliases only where it has some (a checkpoint an older psgrad reads too)."""
-    return {k: v for k, v in dataclasses.asdict(t).items() if k != "aliases" or v}
+    """A table's spec, its aliases and drawn_as only where it has some (a checkpoint an older psgrad reads too)."""
+    return {k: v for k, v in dataclasses.asdict(t).items() if k not in ("aliases", "drawn_as") or v}
 
 
 def _layout_from_json(d: dict[str, Any]) -> Layout:

@@ -4,7 +4,10 @@ consistency policy decides; sync rounds complete here. A collaborator of the sha
 under the core's lock, on the core's state, and tells the replica what it applies."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 
@@ -13,12 +16,15 @@ from psgrad.core.consistency import PushDecision
 from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
 from psgrad.core.modes import tables_mode_of
+from psgrad.core.push_outcome import DUPLICATE_REASON
 from psgrad.core.unused import from_bytes, intersection
 from psgrad.errors import (
+    ApplyFailedError,
     EvictedError,
     InvalidRequestError,
     MemoryBudgetError,
     NonFiniteGradientError,
+    PsgradError,
     RollbackError,
     WorkerStateError,
 )
@@ -29,7 +35,10 @@ from psgrad.server.replica_path import Replica
 from psgrad.server.rows_path import RowGradients, Rows
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
+from psgrad.server.tables import RowJournal
 from psgrad.server.transfers import PushWriter, count_nonfinite
+
+_log = logging.getLogger(__name__)
 
 
 class Pushes:
@@ -39,6 +48,7 @@ class Pushes:
         self._core = core
         self._replica = replica
         self._rows = rows
+        self._kept = 0  # the row updates the next replica record carried before the update being applied
         core.complete_round = self.complete_iteration
 
     def push_target(
@@ -62,6 +72,7 @@ class Pushes:
         """
         core = self._core
         with core.cond:
+            self._refuse_if_broken()
             state = core.require(fingerprint, rank)
             # A shard restored from a checkpoint is behind the weights its workers pulled before the
             # crash: a gradient computed on those counts as fresh (staleness 0), not as a bad header.
@@ -168,6 +179,7 @@ class Pushes:
             else:
                 bad = writer.nonfinite if writer is not None and writer.checked else count_nonfinite(grad)
             with core.cond:
+                self._refuse_if_broken()
                 state = core.state
                 assert state is not None
                 policy = core.policy
@@ -186,7 +198,7 @@ class Pushes:
                 bad += writer.rows_nonfinite if writer is not None else 0
                 if clock <= member.last_push_clock:
                     core.counters.pushes_duplicate += 1
-                    return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+                    return PushResult(False, f"{DUPLICATE_REASON} (rank {rank}, clock {clock})", state.version, 0)
                 late = policy.late(rank, base_version, core.view(), core.marks.restored)
                 if late is not None:  # (sync with backup workers) its iteration completed without it
                     return self._drop_late(member, clock, base_version, late)
@@ -211,10 +223,11 @@ class Pushes:
                 except MemoryBudgetError:
                     core.counters.pushes_rejected += 1
                     raise
+                what = f"the push of worker rank {rank} at clock {clock}"
                 if decision is PushDecision.BUFFER:
                     if rows and not tables_mode_of(state.layout.spec).synchronous:
                         # hybrid (--tables-mode async): the tables take each worker's rows as they come
-                        self._rows.apply(state, rows, lr, 1.0, slots)
+                        self._apply_rows(lambda: self._rows.apply(state, rows, lr, 1.0, slots), what, count=True)
                         rows = {}
                     core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip, skip_tables))
                     core.buffers.keep(grad)
@@ -227,15 +240,8 @@ class Pushes:
                     return PushResult(False, "buffered until every live worker pushed", state.version, 0, True, lr)
                 staleness = max(0, state.version - base_version)
                 scale = policy.lr_scale(staleness, state.layout.spec.staleness_lr)
-                if staged:  # the buffer holds the next weights: swap them in
-                    assert writer is not None
-                    if writer.base is not state.weights:  # staged beside a slow push, which was applied first
-                        writer.rebase(state.weights)
-                    old, state.weights = state.weights, grad
-                    core.buffers.commit(grad, old)
-                    kept = True
-                else:
-                    state.dense.prepare(rank, base_version, source, averaged=False)
+                if not staged:
+                    state.dense.prepare(rank, base_version, source, averaged=False)  # (writes the gradient only)
                     allow = core.config.nonfinite == "allow"
                     if restore is not None and (writer is None or writer.target != state.key or allow or skip):
                         # the weights moved on (another push applied while this one waited), or it need
@@ -244,16 +250,41 @@ class Pushes:
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
-                    if restore is not None:  # checked as it is applied, undone from the copy if need be
+                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots)
+
+                def apply_rows(undo: Callable[[], object] | None = None) -> RowJournal:
+                    return self._apply_rows(update_rows, what, count=True, undo_dense=undo)
+
+                if staged:  # the buffer holds the next weights: swap them in (after the rows: it cannot fail)
+                    assert writer is not None
+                    apply_rows()
+                    if writer.base is not state.weights:  # staged beside a slow push, which was applied first
+                        writer.rebase(state.weights)
+                    old, state.weights = state.weights, grad
+                    core.buffers.commit(grad, old)
+                    kept = True
+                elif restore is not None:  # checked as it is applied, undone from the copy if need be
+                    try:
                         bad = state.dense.apply_checked(source, scale, lr, restore)
-                        if bad:
-                            return self._refuse_nonfinite(member, clock, bad, decision)
-                        self._replica.before_apply(source, scale, lr)
-                    else:
-                        self._replica.before_apply(source, scale, lr, skip)  # the backup applies the same gradient
+                    except BaseException as exc:  # (the weights are restored from the copy: nothing of it stays)
+                        self._kept = self._replica.rows_kept()  # (nothing of it for the record yet)
+                        self._failed(RowJournal(), exc, what, dense_written=False, count=True)
+                    if bad:
+                        return self._refuse_nonfinite(member, clock, bad, decision)
+                    # then the rows: where they fail, the weights go back to the copy too (plain SGD: no
+                    # optimizer state)
+                    apply_rows(lambda: state.weights.copy_(restore))
+                    self._replica.before_apply(source, scale, lr)
+                else:
+                    # The rows first, journaled (undone if they fail part way), then the dense part,
+                    # which is the update's last write (see _apply_rows).
+                    journal = apply_rows()
+                    self._replica.before_apply(source, scale, lr, skip)  # the backup applies the same gradient
+                    try:
                         state.dense.apply(source, scale, lr, skip)
-                self._rows.apply(state, rows, lr, scale, slots)
-                self._skip_tables(state, skip_tables)
+                    except BaseException as exc:
+                        self._failed(journal, exc, what, dense_written=True, count=True)
+                self._skip_tables(state, skip_tables)  # (cannot fail: counts only)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.counters.pushes_applied += 1  # (before the update's hooks: a snapshot of it counts it)
@@ -265,6 +296,65 @@ class Pushes:
         finally:
             if not kept:
                 self.release(grad, wire)
+
+    def _refuse_if_broken(self) -> None:
+        """Refuse a push to a shard an update broke (see _failed). Under the lock."""
+        if self._core.broken is not None:
+            raise ApplyFailedError(self._core.broken)
+
+    def _apply_rows(self, apply: Callable[[], None], what: str, count: bool = False,
+                    undo_dense: Callable[[], object] | None = None) -> RowJournal:
+        """Apply an update's rows (apply()), journaled: where it fails part way, what it wrote is
+        undone (see _failed; undo_dense: how to undo a dense part applied before, exactly) and the
+        error raised; else the journal, for undoing them if the rest of the update fails. Rows go
+        before the dense part (but where that part is undone exactly from a copy): the dense apply
+        is then an update's last write, so nothing but itself is left to fail after it began.
+        Under the lock."""
+        journal = RowJournal()
+        self._kept = self._replica.rows_kept()  # (what the next record carries from before this update)
+        try:
+            with journal.record():
+                apply()
+        except BaseException as exc:
+            written = False
+            if undo_dense is not None:
+                try:
+                    undo_dense()
+                except BaseException:
+                    written = True
+            self._failed(journal, exc, what, dense_written=written, count=count)
+        return journal
+
+    def _failed(self, journal: RowJournal, exc: BaseException, what: str, dense_written: bool,
+                count: bool) -> NoReturn:
+        """An update failed as it was applied (under the lock): its rows are undone from the journal
+        and nothing of it stays (not its version, its record for the backup, or a sync round's
+        take), so that its retry applies it once: the error raised as ApplyFailedError (a
+        PsgradError as it is). Where that cannot be done exactly (the dense apply failed after it
+        may have begun writing the weights, or rows moved since they were written), the shard
+        refuses every push from now on (ApplyFailedError, logged) rather than apply part of an
+        update twice."""
+        self._replica.abandon(self._kept)
+        if count:
+            self._core.counters.pushes_rejected += 1
+        undone = journal.undo()
+        if dense_written or not undone:
+            part = "the dense weights" if dense_written else "rows that moved since"
+            self._break(f"{what} failed part way ({type(exc).__name__}: {exc}), after writing {part}, which cannot be "
+                        "undone exactly", exc)
+        if isinstance(exc, PsgradError) or not isinstance(exc, Exception):
+            raise exc
+        raise ApplyFailedError(f"{what} failed as it was applied ({type(exc).__name__}: {exc}); what it wrote was "
+                               "undone, nothing of it applied: its retry applies it once") from exc
+
+    def _break(self, why: str, exc: BaseException | None = None) -> NoReturn:
+        """Refuse every push from now on (see _failed)."""
+        core = self._core
+        core.broken = (f"{why}: this shard refuses every push from now on rather than apply part of an update twice; "
+                       "restart it from its checkpoint (psgrad server --checkpoint-dir ...), or stop it so its "
+                       "standby takes over")
+        _log.error("%s", core.broken)
+        raise ApplyFailedError(core.broken) from exc
 
     def _skip_tables(self, state: ShardState, names: frozenset[str]) -> None:
         """The update being applied did not use these sparse tables: their step counts stay (and
@@ -304,11 +394,12 @@ class Pushes:
         (sync: no live worker still owes it); under the lock. The round is taken once the update is
         applied: an apply that raises leaves the round (and the mean it computed) in place, so the
         next call (any refresh: a push, its retry, a pull, the lease reaper) completes the iteration
-        instead of the job waiting for gradients it lost. A failure after the update began to write
-        the weights or rows is not undone (those seen fail at its first operation)."""
+        instead of the job waiting for gradients it lost. The rows are applied first, journaled, and
+        undone if they fail part way; the dense apply is the last write, and one that fails leaves
+        the shard refusing pushes (see _failed): an iteration is never applied in part, nor twice."""
         core = self._core
         state = core.state
-        if state is None or not core.round.handled:  # nothing buffered: no clock view to build
+        if state is None or not core.round.handled or core.broken is not None:  # (nothing buffered: no clock view)
             return False
         if not core.policy.iteration_complete(state.version, core.view(), core.round.handled):
             return False
@@ -323,14 +414,21 @@ class Pushes:
             for item in items[1:]:
                 skip = intersection(skip, item.skip)
                 skip_tables &= item.skip_tables
+            what = f"the update of iteration {state.version}"
             try:
                 self._replica.before_apply(mean, 1.0, lr, skip)  # the backup applies the same mean
-                state.dense.apply(mean, 1.0, lr, skip)
-                self._rows.apply_round(state, [it.rows for it in items], len(items), lr)
-                self._skip_tables(state, skip_tables)
             except BaseException:
-                self._replica.abandon()  # (its record is made again when the iteration is applied)
+                # (its record is made again when the iteration is applied; a hybrid job's rows applied
+                # as its pushes came stay for it)
+                self._replica.abandon(self._replica.rows_kept())
                 raise
+            journal = self._apply_rows(lambda: self._rows.apply_round(state, [it.rows for it in items], len(items), lr),
+                                       what)
+            try:
+                state.dense.apply(mean, 1.0, lr, skip)
+            except BaseException as exc:
+                self._failed(journal, exc, what, dense_written=True, count=False)
+            self._skip_tables(state, skip_tables)  # (cannot fail: counts only)
         core.round.take()
         applied_at = state.version
         state.version += 1

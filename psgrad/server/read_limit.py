@@ -1,10 +1,15 @@
-"""A server's bound on the bytes the replies to reads of rows hold at once (--max-read-mb): a read
-takes its reply's bytes (counted from its request: ids x width x 4) before it builds the reply, and
+"""A server's bound on the bytes the replies to reads hold at once (--max-read-mb): reads of rows,
+and pulls of the dense weights whose reply carries them (a Pull's frames, a Step's reply with the
+weights; not those copied into a same-host worker's segment, or lent from the published versions,
+which build no reply of them). A read takes its reply's bytes (counted from its request: ids x
+width x 4, or the shard's weights at the wire's width) before it builds the reply, and
 gives them back once the call has ended (the reply sent, or the call failed or was cancelled), so
 that replies being built, or waiting in gRPC to be sent, never hold more than the bound. A read
 past the bound waits its turn, in order of arrival (a large read is not passed for ever by small
-ones), until shortly before its deadline; one larger than the whole bound is refused at once,
-naming the flag and the size it would need. Reads store no rows, so --memory-budget-mb never held
+ones), until shortly before its deadline; a read of rows larger than the whole bound is refused at
+once, naming the flag and the size it would need (the caller can read fewer rows a call), while a
+pull of the dense weights larger than it (a shard's weights: no call can ask for less) goes alone,
+once nothing else is in flight. Reads store no rows, so --memory-budget-mb never held
 them: without this, 16 concurrent reads of 61 MB took one server to 1.5 GB."""
 from __future__ import annotations
 
@@ -16,6 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrad.errors import InvalidRequestError, ServerBusyError
+
+
+#: what a read of rows larger than the whole bound may do instead (see ReadLimit.check)
+ROWS_ADVICE = "read fewer rows a call"
+#: ... and a pull of the dense weights (a Pull, or a Step's reply with the weights)
+DENSE_ADVICE = "give the job more servers (each sends its shard's share of the weights)"
 
 
 def read_limit_bytes(mb: float) -> int | None:
@@ -59,25 +70,28 @@ class ReadLimit:
         self.expired = 0
         self.refused = 0
 
-    def check(self, nbytes: int, what: str) -> None:
-        """Refuse a read larger than the whole bound (it would never get its turn).
+    def check(self, nbytes: int, what: str, advice: str = ROWS_ADVICE) -> None:
+        """Refuse a read of rows larger than the whole bound (it would never get its turn); advice:
+        what the caller may do instead, besides raising the bound. A pull of the dense weights
+        (advice DENSE_ADVICE) is never refused: one larger than the bound goes alone (see acquire).
 
         Raises:
             InvalidRequestError: naming the flag, its value and the size the read needs.
         """
-        if self.limit is not None and nbytes > self.limit:
+        if self.limit is not None and nbytes > self.limit and advice != DENSE_ADVICE:
             with self._cond:
                 self.refused += 1
             need = math.ceil(nbytes / 2**20)
             raise InvalidRequestError(
                 f"{what} would make a reply of {nbytes:,} bytes ({_mb(nbytes)}), more than the {_mb(self.limit)} this "
-                f"server lets the replies to reads hold at once ({_flag(self.limit)}): read fewer rows a call, or "
+                f"server lets the replies to reads hold at once ({_flag(self.limit)}): {advice}, or "
                 f"start the servers with --max-read-mb {need} or more (0: no limit)")
 
     def acquire(self, nbytes: int, what: str, timeout_s: float | None = None,
-                is_active: Callable[[], bool] = lambda: True) -> None:
+                is_active: Callable[[], bool] = lambda: True, advice: str = ROWS_ADVICE) -> None:
         """Take nbytes for a read (checked: see check), waiting for its turn: reads are let in in
-        order of arrival, each once its bytes fit beside those in flight. Give them back with
+        order of arrival, each once its bytes fit beside those in flight (a pull of the dense weights
+        larger than the whole bound: once nothing is in flight, alone). Give them back with
         release(nbytes) once its reply is sent. wake() makes a waiting read look at is_active again.
 
         Raises:
@@ -85,7 +99,7 @@ class ReadLimit:
             ServerBusyError: timeout_s passed first, or the call ended (is_active() turned False);
                 nothing is taken.
         """
-        self.check(nbytes, what)
+        self.check(nbytes, what, advice)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             if not self._queue and self._fits(nbytes):  # (the common case: nobody waits, and it fits)
@@ -112,7 +126,9 @@ class ReadLimit:
                 self._cond.notify_all()  # (the next in line may fit too, or be first now)
 
     def _fits(self, nbytes: int) -> bool:
-        return self.limit is None or self.in_flight + nbytes <= self.limit
+        """Whether a read of nbytes may go now: beside those in flight within the bound, or one
+        larger than the bound (checked: the dense weights) when nothing is in flight."""
+        return self.limit is None or self.in_flight + nbytes <= self.limit or self.in_flight == 0
 
     def _take(self, nbytes: int) -> None:
         self.in_flight += nbytes

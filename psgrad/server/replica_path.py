@@ -3,6 +3,8 @@
 order, and a worker's call promotes it. A collaborator of the shard core, acting under its lock."""
 from __future__ import annotations
 
+import json
+import logging
 import threading
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from psgrad.core.status import ReplicaStatus
 from psgrad.core.unused import Ranges
 from psgrad.errors import InvalidRequestError, NotPrimaryError, StaleEpochError
+from psgrad.server.ledger import Counters
 from psgrad.server.replication import (
     BACKUP,
     GRADIENT,
@@ -29,6 +32,8 @@ from psgrad.server.transfers import PullStream
 from psgrad.wire.rows import RowUpdate
 from psgrad.wire.security import ChannelFactory
 
+_log = logging.getLogger(__name__)
+
 
 class Replica:
     """Replication of one shard: the primary's records and the backup's apply path."""
@@ -43,6 +48,9 @@ class Replica:
         self._members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
         self._rows: list[RowUpdate] = []  # primary: the row updates applied with the update being applied
         self._skipped_tables: frozenset[str] = frozenset()  # primary: the tables the update being applied did not use
+        # backup: the primary's shard counters as its last record left them (JSON; b"": none since the
+        # snapshot), which this server continues from if it takes over
+        self._counters = b""
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
@@ -55,11 +63,16 @@ class Replica:
             copy.copy_(grad)
             self._payload = (copy, lr_scale, lr, in_segment, skip)
 
-    def abandon(self) -> None:
+    def abandon(self, keep: int = 0) -> None:
         """The update being applied failed before it was applied (caller holds the lock): what was
         kept of it for its record goes, so no later update's record carries it (its retry keeps it
-        again)."""
-        self._payload, self._rows, self._skipped_tables = None, [], frozenset()
+        again). keep: the row updates kept before it began (rows_kept), which stay: rows applied
+        already that the next record carries (a hybrid job's pushes' rows, applied as they came)."""
+        self._payload, self._rows, self._skipped_tables = None, self._rows[:keep], frozenset()
+
+    def rows_kept(self) -> int:
+        """How many row updates the next record carries so far (see abandon)."""
+        return len(self._rows)
 
     def tables_skipped(self, names: frozenset[str]) -> None:
         """The update being applied did not use these sparse tables: its record says so, and the
@@ -107,7 +120,13 @@ class Replica:
         record.job_lr = (state.job_lr, state.job_lr_clock)  # a backup that takes over keeps the schedule
         record.rows = rows
         record.skipped_tables = skipped
+        record.counters = self._counts()  # ... and the counters (this update counted already)
         rep.offer(record)
+
+    def _counts(self) -> bytes:
+        """The shard's counters for a record (JSON of Counters.saved: a few hundred bytes beside the
+        record's gradient)."""
+        return json.dumps(self._core.counters.saved(), separators=(",", ":")).encode()
 
     def _members_changed(self) -> None:
         """Workers joined, left or were evicted (caller holds the lock): the backup learns it
@@ -119,13 +138,13 @@ class Replica:
         members = state.member_records(frozenset(core.round.pending))
         if members != self._members_sent:
             self._members_sent = members
-            rep.offer(Record(MEMBERS, state.version, members))
+            rep.offer(Record(MEMBERS, state.version, members, counters=self._counts()))
 
     def initialized(self, state: ShardState) -> None:
         """The shard was initialized (caller holds the lock): the backup starts from this state."""
         rep = self.replication
         if rep is not None and rep.active:
-            snap = state.snapshot()
+            snap = state.snapshot(counters=self._core.counters.saved())
             self._members_sent = snap.members
             rep.offer(Record(SNAPSHOT, snap.version, snap.members, snapshot=snap))
 
@@ -135,7 +154,7 @@ class Replica:
         abandoned iterations is dropped)."""
         rep = self.replication
         if rep is not None and rep.active and rep.backup:
-            snap = state.snapshot()
+            snap = state.snapshot(counters=self._core.counters.saved())
             self._members_sent = snap.members
             rep.attach(rep.backup, Record(SNAPSHOT, snap.version, snap.members, snapshot=snap))
 
@@ -153,7 +172,7 @@ class Replica:
                 raise NotPrimaryError(f"server {getattr(rep, 'address', '?')} is not a primary: attach to the shard's primary")
             first = None
             if core.state is not None:
-                snap = core.state.snapshot(frozenset(core.round.pending))
+                snap = core.state.snapshot(frozenset(core.round.pending), core.counters.saved())  # (counters too)
                 first = Record(SNAPSHOT, snap.version, snap.members, snapshot=snap)
                 self._members_sent = snap.members
             rep.attach(address, first)
@@ -178,6 +197,7 @@ class Replica:
                 raise NotPrimaryError(f"backup {rep.address} has no state from its primary yet")
             former = rep.promote()
             core.took_over = True
+            self._continue_counters()
             self._own_weights(core.state)
             # The members as the primary last replicated them (this backup's own reaper may have
             # evicted some meanwhile, seeing no calls), with fresh leases.
@@ -240,6 +260,7 @@ class Replica:
                 core.install(ShardState.restore(record.snapshot, core.members, core.now(), core.budget_bytes))
                 self._weights_shared = False
                 self._members = record.snapshot.members
+                self._counters = json.dumps(record.snapshot.counters).encode() if record.snapshot.counters else b""
                 core.notify()
                 return record.version
             state = core.state
@@ -247,6 +268,7 @@ class Replica:
                 if state is not None and record.version == state.version:
                     state.set_members(record.members, core.now())
                     self._members = record.members
+                    self._counters = record.counters or self._counters
                     core.notify()
                 return record.version
             if state is None:
@@ -300,8 +322,24 @@ class Replica:
             state.version = record.version
             state.set_members(record.members, core.now())
             self._members = record.members
+            self._counters = record.counters or self._counters  # (read if this server takes over)
             core.notify()
             return state.version
+
+
+    def _continue_counters(self) -> None:
+        """A backup taking over (under the lock): its shard counters (pushes applied, duplicate and
+        rejected, pulls, the staleness histogram, ...) continue from the primary's, as its last
+        record (or the snapshot it attached with) left them, as a restart continues a checkpoint's.
+        Counters that do not read as counts are logged, and the backup's kept."""
+        if not self._counters:
+            return
+        core = self._core
+        try:
+            core.counters = Counters.restored(json.loads(self._counters))
+        except (ValueError, TypeError, AttributeError) as exc:
+            _log.warning("the former primary's counters are not counts (%s: %s): this server's own are kept",
+                         type(exc).__name__, exc)
 
 
 def _fence(former: str, epoch: int, channels: ChannelFactory) -> None:

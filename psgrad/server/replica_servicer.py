@@ -72,7 +72,7 @@ class ReplicaServicer:
             what = f"replica record {h.version}"
             record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
                             lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None,
-                            rows=tuple(updates_from_proto(h.rows, what)))
+                            rows=tuple(updates_from_proto(h.rows, what)), counters=h.counters)
             record.skip = from_bytes(h.unused, 1 << 62, what)  # (inside the trainable range: checked as applied)
             record.skipped_tables = frozenset(h.unused_tables)
             parse = FrameParser(pb.ReplicaFrame, what)

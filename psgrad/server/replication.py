@@ -52,6 +52,7 @@ class Record:
     lr: float | None = None  # gradient: the learning rate in effect on the primary (None: the job's)
     job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
     rows: tuple[RowUpdate, ...] = ()  # the row updates of sparse tables applied with it (their lr as applied)
+    counters: bytes = b""  # the primary's shard counters after it (JSON of Counters.saved; b"": none)
     skip: tuple[tuple[int, int], ...] = ()  # gradient: the dense ranges the update left alone (core/unused.py)
     skipped_tables: frozenset[str] = frozenset()  # the sparse tables the update did not use (their steps stay)
 
@@ -74,7 +75,7 @@ class Record:
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
-            lr=self.lr, rows=updates_to_proto(self.rows), unused=to_bytes(self.skip),
+            lr=self.lr, rows=updates_to_proto(self.rows), counters=self.counters, unused=to_bytes(self.skip),
             unused_tables=sorted(self.skipped_tables),
         )
         if self.job_lr is not None:

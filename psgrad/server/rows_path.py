@@ -19,7 +19,7 @@ from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
 from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, per_row
-from psgrad.server.tables import SparseTable
+from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 from psgrad.wire.rows import BlockGradients
@@ -288,6 +288,7 @@ class Rows:
         their arena slots by table, from a reserve under the same lock."""
         names = sorted(name for name in rows if rows[name][0].numel())
         tables = [state.sparse(name, -1) for name in names]
+        _keep(tables)
         alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
         for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
             if len({state.table_step(names[i]) for i in places}) > 1:
@@ -321,6 +322,7 @@ class Rows:
         worker did not touch count as its zero gradient, as in the mean of the workers' losses)."""
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
         tables = [state.sparse(name, -1) for name in names]
+        _keep(tables)
         alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
         for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
             members = [names[i] for i in places]
@@ -406,6 +408,14 @@ def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
     fused = kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
     merged = None if fused is None else fused.merge(ids, ends, grads, workers)
     return merged if merged is not None else aggregation.rows_mean(ids, grads, workers)
+
+
+def _keep(tables: Sequence[SparseTable]) -> None:
+    """Where an apply is journaled (RowJournal), keep the scalars of the tables it updates first."""
+    journal = RowJournal.current()
+    if journal is not None:
+        for t in tables:
+            journal.keep(t)
 
 
 def _grouped(table: SparseTable) -> GroupedTable:

@@ -22,6 +22,7 @@ from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server.local_calls import LocalCalls
 from psgrad.server.publisher import Publisher
+from psgrad.server.read_limit import DENSE_ADVICE, ROWS_ADVICE
 from psgrad.server.rows_path import RowGradients
 from psgrad.server.shard import Shard
 from psgrad.server.streams import StreamLimits
@@ -351,6 +352,11 @@ class ParameterServicer:
             yield from self._delta_pull(req, version, frames, context)
             return
         try:
+            if _metadata(context, shm.METADATA_KEY) is None:  # the weights go in the reply: under --max-read-mb
+                try:
+                    self._hold_read(context, frames.nbytes, self._weights_read(req.rank, req.observe), DENSE_ADVICE)
+                except PsgradError as exc:
+                    protocol.abort(context, exc)
             header = pb.PullFrame(header=self._pull_header(version, None if req.observe else req.rank)).SerializeToString()
             if _metadata(context, shm.METADATA_KEY) is None:
                 # A client that stops reading (or reads a trickle) holds the weights and a thread:
@@ -386,6 +392,9 @@ class ParameterServicer:
         payload in data frames, or copied into the worker's segment (same host; never lent from
         the ring of published versions, which hold the weights)."""
         try:
+            # (its payload is built here, then sent or copied: under --max-read-mb, as the weights' bytes
+            # at most, taken before it is built)
+            self._hold_read(context, frames.nbytes, self._weights_read(req.rank, False), DENSE_ADVICE)
             head, payload = self._changed(req.rank, req.delta, version, frames)
             seg = self._shared_segment(context, req.rank, frames.nbytes)
         except PsgradError as exc:
@@ -528,17 +537,27 @@ class ParameterServicer:
         delta = req.delta if req.HasField("delta") else None
         if delta is not None:
             check_ask(delta, h.rank)
+        # The weights go in the reply unless the worker's segment takes them (a compressed pull's payload
+        # is built either way): their bytes count with the rows' (the rows were checked above; a reply
+        # with the weights larger than the whole bound goes alone: see ReadLimit).
+        dense = delta is not None or _metadata(context, shm.METADATA_KEY) is None
+        if dense and self.shard.layout is not None:
+            what, advice = f"the reply of a step of worker rank {h.rank}", DENSE_ADVICE
+        else:
+            what, advice = f"the rows of a step of worker rank {h.rank}", ROWS_ADVICE
         reserved = self._reserve(h, context)
         seg = reserved.segment
         pushed = self._receive(reserved, context, inline=memoryview(req.data), hold=False)
         version, frames = self._granted_pull(h.rank, h.clock + 1, h.fingerprint, context, observe=False)
         try:
-            # The rows are read once the gate holds: in sync mode after this iteration's update. Their
-            # reply's bytes are taken of --max-read-mb first, waiting for their turn, past the gate: what
-            # holds such bytes then waits for no other worker (held at the gate, they could be what the
-            # step of the worker it waits for waits for).
-            if read_bytes:
-                self._hold_read(context, read_bytes, f"the rows of a step of worker rank {h.rank}")
+            # The rows are read once the gate holds: in sync mode after this iteration's update. The
+            # reply's bytes (its rows', and its weights' where they go in it) are taken of --max-read-mb
+            # first, waiting for their turn, past the gate: what holds such bytes then waits for no other
+            # worker (held at the gate, they could be what the step of the worker it waits for waits for).
+            dense = delta is not None or seg is None or seg.window
+            nbytes = read_bytes + (frames.nbytes if dense else 0)
+            if nbytes:
+                self._hold_read(context, nbytes, what, advice if dense else ROWS_ADVICE)
             got = self.shard.pull_rows(h.rank, h.fingerprint, reads, True) if reads else []  # (checked above)
             head, payload = (self._changed(h.rank, delta, version, frames) if delta is not None
                              else (self._pull_header(version, h.rank), None))
@@ -603,20 +622,31 @@ class ParameterServicer:
             at += len(r)
         return total
 
-    def _hold_read(self, context: grpc.ServicerContext, nbytes: int, what: str) -> None:
+    def _weights_bytes(self) -> int:
+        """The bytes of the shard's weights as a pull sends them (its wire dtype)."""
+        layout = self.shard.layout
+        assert layout is not None
+        return layout.numel * torch_dtype(layout.spec.wire_dtype).itemsize
+
+    @staticmethod
+    def _weights_read(rank: int, observe: bool) -> str:
+        return f"a pull of the weights ({'read-only, as ' if observe else ''}rank {rank})"
+
+    def _hold_read(self, context: grpc.ServicerContext, nbytes: int, what: str, advice: str = ROWS_ADVICE) -> None:
         """Take nbytes of what the replies to reads may hold at once (--max-read-mb: see ReadLimit)
         until the call ends (its reply sent, or not), waiting for the read's turn until shortly
-        before the call's deadline (or until it is cancelled).
+        before the call's deadline (or until it is cancelled). O(1) where it need not wait.
 
         Raises:
             InvalidRequestError: more than all of --max-read-mb.
             ServerBusyError: the deadline came first (the caller retries), or the call ended.
         """
         reads = self.shard.reads
-        context.add_callback(reads.wake)  # a cancelled read stops waiting at once
+        if reads.limit is not None:  # (no bound: the bytes are counted, nothing ever waits)
+            context.add_callback(reads.wake)  # a cancelled read stops waiting at once
         remaining = context.time_remaining()
         timeout_s = None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
-        reads.acquire(nbytes, what, timeout_s, context.is_active)
+        reads.acquire(nbytes, what, timeout_s, context.is_active, advice)
         if not context.add_callback(functools.partial(reads.release, nbytes)):
             reads.release(nbytes)
             raise errors.ServerBusyError(f"{what}: the call ended while it waited for its turn")

@@ -17,7 +17,7 @@ from psgrad.config import ServerConfig
 from psgrad.core.codecs import byte_view, get_codec
 from psgrad.core.layout import Layout, explain_mismatch
 from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
-from psgrad.errors import InvalidRequestError, JobMismatchError
+from psgrad.errors import InvalidRequestError, JobMismatchError, PsgradError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
 from psgrad.server.membership import Member
@@ -437,7 +437,10 @@ class Shard:
         when asked, the model's parameters)."""
         core = self.core
         with core.cond:
-            core.refresh()
+            try:
+                core.refresh()
+            except PsgradError as exc:  # (a kept sync round whose apply fails again: the status still answers)
+                _log.debug("status: the shard's refresh failed: %s", exc)
             c, state = core.counters, core.state
             layout = None if state is None else state.layout
             return ShardStatus(

@@ -81,6 +81,9 @@ class ShardCore:
         #: waits for its turn without the shard's)
         self.reads = ReadLimit(read_limit_bytes(config.max_read_mb))
         self.closed = False
+        #: why this shard refuses pushes: an update failed part way and could not be undone exactly
+        #: (see Pushes._write); None: it takes them
+        self.broken: str | None = None
         #: this server is a backup that took its shard over: a worker may have read rows of versions its
         #: former primary applied and never replicated (a read of rows waits for no backup)
         self.took_over = False

@@ -227,6 +227,7 @@ class ShardState:
                                                     lr_scale)
             table = GroupedTable(name, num_embeddings, dim, self.layout.index, spec.num_shards, seed, std, arena)
         table.optimizer.lr = self.job_lr
+        _draw_as(table, group)
         self.tables[name] = table
         return table
 
@@ -346,11 +347,20 @@ def _table_from(name: str, snap: TableSnapshot, layout: Layout, budget: MemoryBu
     try:
         s = snap.scalars
         group = layout.table(name)
-        return SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
-                           int(s["seed"]), _row_optimizer(layout.spec, group, name), float(s["std"]), budget,
-                           1.0 if group is None else group.lr_scale, (0, 0, False) if group is None else group.lifetime)
+        table = SparseTable(name, int(s["num_embeddings"]), int(s["dim"]), int(s["index"]), int(s["num_shards"]),
+                            int(s["seed"]), _row_optimizer(layout.spec, group, name), float(s["std"]), budget,
+                            1.0 if group is None else group.lr_scale, (0, 0, False) if group is None else group.lifetime)
     except KeyError as exc:
         raise InvalidRequestError(f"a snapshot's sparse table {name!r} lacks its {exc.args[0]}") from None
+    _draw_as(table, group)
+    return table
+
+
+def _draw_as(table: SparseTable, group: TableSpec | None) -> None:
+    """Draw the table's initial rows under the name its spec says (TableSpec.drawn_as: a loaded
+    state's, where the chief's model loaded it under another prefix), not its own."""
+    if group is not None and group.drawn_as:
+        table.key = rows.table_key(table.seed, group.drawn_as)
 
 
 def _row_optimizer(spec: JobSpec, group: TableSpec | None, name: str) -> RowOptimizer:

@@ -8,8 +8,10 @@ a step's push and pull never carry them). All answer the same interface: snapsho
 what they hold. Not thread-safe on their own: the shard core calls them under its lock."""
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -51,6 +53,90 @@ DRAWN_BYTES = 1 << 20
 # the rows eviction may drop), or dropped their rows at the memory budget (evict) or after ttl
 # updates untouched.
 SIGHTED, MADE, EVICTED, EXPIRED = "sighted", "made", "evicted", "expired"
+
+
+# The scalars of a sparse table that an update changes and an undo puts back (see RowJournal).
+_UNDONE_SCALARS = ("version", "staleness_max", "staleness_sum", "pushes", "dropped")
+
+
+class RowJournal:
+    """What the row updates of one apply overwrote, kept as they write, so that an apply that fails
+    part way (a row kernel's error, an allocation refused while rows were made) is undone and its
+    retry applies once: each table's scalars (its version, staleness figures), the values, versions
+    and optimizer state of the slots written (copies of those rows only: O(rows updated)), the
+    admission counters an update counted, and the row-lifetime events taken for the replica's
+    record (given back, so the retry's record still carries them). Rows made by the apply (stored
+    at their initial values, which a read of a row never stored gives too) stay made; the budget
+    keeps their charge. Recorded by SparseTable.apply while the journal is active (record()) on the
+    applying thread."""
+
+    _active = threading.local()
+
+    def __init__(self) -> None:
+        self._scalars: dict[int, tuple[SparseTable, tuple[int, ...]]] = {}
+        self._writes: list[tuple[SparseTable, int, torch.Tensor, torch.Tensor, torch.Tensor, Tensors]] = []
+        self._sighted: list[tuple[Sightings, torch.Tensor, torch.Tensor]] = []
+        self._taken: list[tuple[SparseTable, list[tuple[str, torch.Tensor]]]] = []
+
+    @staticmethod
+    def current() -> RowJournal | None:
+        """The journal recording on this thread (None: none)."""
+        return getattr(RowJournal._active, "journal", None)
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[RowJournal]:
+        """Record the row updates made on this thread in the block."""
+        held = RowJournal.current()
+        RowJournal._active.journal = self
+        try:
+            yield self
+        finally:
+            RowJournal._active.journal = held
+
+    def keep(self, table: SparseTable) -> None:
+        """Keep table's scalars as they are before the update (once per table)."""
+        if id(table) not in self._scalars:
+            self._scalars[id(table)] = (table, tuple(int(getattr(table, k)) for k in _UNDONE_SCALARS))
+
+    def wrote(self, table: SparseTable, slots: torch.Tensor) -> None:
+        """Rows at `slots` of table's arena are about to be written: copies of them."""
+        self.keep(table)
+        slots = slots[slots >= 0]
+        self._writes.append((table, table._moved, slots, table._values[slots], table._versions[slots],
+                             {k: v[slots] for k, v in table._state.items()}))
+
+    def sighted(self, sightings: Sightings, ids: torch.Tensor) -> None:
+        """ids are about to be counted in `sightings`: the counters they touch, as they are."""
+        cells = sightings._cells(ids)
+        self._sighted.append((sightings, cells, torch.stack([sightings.counts[d].index_select(0, cells[d])
+                                                             for d in range(Sightings.DEPTH)])))
+
+    def took(self, table: SparseTable, events: list[tuple[str, torch.Tensor]]) -> None:
+        """Row-lifetime events were taken from table for the replica's record."""
+        if events:
+            self._taken.append((table, events))
+
+    def undo(self) -> bool:
+        """Put back what the recorded updates changed, newest first. Returns False where that
+        cannot be done exactly (rows moved in the arena since they were written, as a ttl's expiry
+        moves them): then nothing is put back and the caller must not let the apply be retried."""
+        if any(table._moved != moved for table, moved, *_ in self._writes):
+            return False
+        for table, _, slots, values, versions, state in reversed(self._writes):
+            table._values.index_copy_(0, slots, values)
+            table._versions.index_copy_(0, slots, versions)
+            for k, v in state.items():
+                table._state[k].index_copy_(0, slots, v)
+        for sightings, cells, old in reversed(self._sighted):
+            for d in range(Sightings.DEPTH):
+                sightings.counts[d].index_copy_(0, cells[d], old[d])
+        for table, scalars in self._scalars.values():
+            for k, value in zip(_UNDONE_SCALARS, scalars):
+                setattr(table, k, value)
+        for table, events in reversed(self._taken):
+            table._lifetime[:0] = events
+        self._writes, self._sighted, self._taken, self._scalars = [], [], [], {}
+        return True
 
 
 @dataclass(frozen=True)
@@ -663,6 +749,9 @@ class SparseTable:
         admission counts), (MADE, rows stored: a table with a row lifetime only), (EVICTED or
         EXPIRED, rows dropped)."""
         out, self._lifetime = self._lifetime, []
+        journal = RowJournal.current()
+        if journal is not None:
+            journal.took(self, out)
         return out
 
     def row_bytes(self) -> int:
@@ -871,10 +960,15 @@ class SparseTable:
         """
         if not checked:
             self.check_update(ids, grads)
+        journal = RowJournal.current()
+        if journal is not None:
+            journal.keep(self)
         if self.sightings is not None and not replicated and ids.numel():
             stored = self._index.lookup(ids) >= 0
             admit = stored.clone()
             sighted = ids[~stored].long()
+            if journal is not None:
+                journal.sighted(self.sightings, sighted)
             admit[~stored] = self.sightings.add(sighted) >= self.min_count
             self._lifetime.append((SIGHTED, sighted))
             if not bool(admit.all()):
@@ -893,6 +987,8 @@ class SparseTable:
         fused = None if form is None else kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
         if versions is None:
             versions = torch.full((ids.numel(),), self.version + 1, dtype=torch.int64)
+        if journal is not None:
+            journal.wrote(self, slots)
         if fused is None or form is None or not fused.apply(form, self._values, self._state, slots, grads,
                                                             self._versions, versions):
             self.optimizer.apply_at(self._values, self._state, slots, grads, lr, step)  # (grads: read only)

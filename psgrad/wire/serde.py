@@ -105,14 +105,16 @@ def params_from_proto(msgs: Sequence[pb.ParamSpec]) -> list[ParamSpec]:
 def tables_to_proto(tables: Sequence[TableSpec]) -> list[pb.TableSpec]:
     return [pb.TableSpec(name=t.name, num_embeddings=t.num_embeddings, dim=t.dim, seed=t.seed, std=t.std,
                          lr_scale=None if t.lr_scale == 1.0 else t.lr_scale, settings=dict(t.settings),
-                         min_count=t.min_count, ttl=t.ttl, evict=t.evict, optimizer=t.optimizer, aliases=list(t.aliases))
+                         min_count=t.min_count, ttl=t.ttl, evict=t.evict, optimizer=t.optimizer, aliases=list(t.aliases),
+                         drawn_as=t.drawn_as)
             for t in tables]
 
 
 def tables_from_proto(msgs: Sequence[pb.TableSpec]) -> list[TableSpec]:
     return [TableSpec(m.name, int(m.num_embeddings), int(m.dim), int(m.seed), float(m.std),
                       m.lr_scale if m.HasField("lr_scale") else 1.0, tuple(m.settings.items()),
-                      int(m.min_count), int(m.ttl), bool(m.evict), m.optimizer, tuple(m.aliases)) for m in msgs]
+                      int(m.min_count), int(m.ttl), bool(m.evict), m.optimizer, tuple(m.aliases), m.drawn_as)
+            for m in msgs]
 
 
 def shard_range_to_proto(index: int, start: int, end: int) -> pb.ShardRange:

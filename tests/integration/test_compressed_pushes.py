@@ -288,3 +288,32 @@ def test_model_buffers_deltas_travel_plain(make_servers, name: str) -> None:  # 
     compressed = one_push(JobSpec(lr=1.0, num_shards=2, compress=name))
     assert torch.equal(compressed[3000:], plain[3000:])  # the statistics, exactly
     assert not torch.allclose(compressed[:3000], plain[:3000], atol=1e-3)  # the parameters, compressed
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", ["topk:0.05", "randomk:0.05", "sign", "int8"])
+def test_a_step_refused_on_one_shard_and_taken_again_feeds_back_as_if_it_never_failed(
+        make_servers, mode: str, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Step 2's gradient holds NaNs in shard 0's range: shard 0 refuses the push, shard 1 applies
+    its part. The step is taken again, mended, with the same clock: shard 0 applies it, shard 1
+    answers a duplicate. Each encoder's residual and random draws go on as if step 2 had been
+    pushed once, so the weights end exactly as a job whose steps never failed (before: shard 0's
+    residual was dropped for the NaN, and shard 1's fed back step 2 twice)."""
+    from psgrad.errors import NonFiniteGradientError
+
+    spec = JobSpec(mode=mode, lr=1.0, num_shards=2, compress=name)
+    servers = make_servers(2)
+    flat = torch.empty(NUMEL)
+    with ParameterClient([s.address for s in servers], spec, PARAMS, PLAN, 0, GRPC) as c:
+        c.pull(flat, c.join(lambda: W0.clone()))
+        for k in range(5):
+            if k == 2:
+                bad = grad(k)
+                bad[: PLAN.ranges[0][1]] = float("nan")  # (shard 0's range: whichever values a codec sends)
+                with pytest.raises(NonFiniteGradientError):
+                    c.exchange(bad, k, flat)
+            outcomes, _ = c.exchange(grad(k), k, flat)
+            assert [o.duplicate for o in outcomes] == [False, k == 2]
+        c.leave()
+    torch.testing.assert_close(flat, expected_weights(spec, 5), atol=1e-5, rtol=0)
+    assert [s.shard.status().pushes_duplicate for s in servers] == [0, 1]

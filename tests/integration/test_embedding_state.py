@@ -92,9 +92,9 @@ def test_a_trained_models_state_dict_predicts_the_same_in_a_fresh_process_withou
     try:
         addresses = [s.address for s in servers]
         model = Dlrm()
-        initial = model.items.initial_weight()
         with psgrad.connect(addresses, mode="async", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
             opt = ps.optimizer(model, row_cache=1000, row_cache_staleness=2)  # (the state reads past the cache)
+            initial = model.items.initial_weight()  # (bound: drawn under the job's name, 'items')
             expected = _train_and_predict(model, opt, batch, 6)
             state = model.state_dict()
             exported = psgrad.fetch_state_dict(addresses)  # psgrad export's layout: the same tables
@@ -247,3 +247,68 @@ def test_a_torch_models_state_loaded_before_the_job_becomes_its_initial_rows(mak
                                               r"psgrad.EmbeddingBag.from_pretrained\(weight\)"):
             model.load_state_dict(state)
     assert running[0].shard.core.state.tables["emb"].version == 1  # the rows were loaded, as the table's first update
+
+
+def _every_row(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every row of a Dlrm's two tables, read through the model (its forward's modules)."""
+    with torch.no_grad():
+        items = model.items(torch.arange(500), torch.arange(501))  # (include_last_offset: one id a bag)
+        user = model.user.forward(torch.arange(300))  # (row 0 is padding: zeros either way)
+    return {"items": items, "user": user}
+
+
+@pytest.mark.timeout(120)
+def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_the_job_that_wrote_it(
+        make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A state_dict whose keys gained a wrapper's prefix (`emb` -> `inner.emb`, as DDP's `module.`
+    added or stripped) loads into the wrapped model, which then starts a new job: every row, the
+    never-updated ones too (drawn under the name the state's `table` entry keeps, not the
+    module's new place), is the trained job's; the new job's state_dict, fetch_state_dict and
+    export keep that name, so they load into a fresh model with the same rows again. A model
+    that never loaded a state draws its rows under its own name, as before."""
+    defs = _definitions()
+    Dlrm, batch = defs["Dlrm"], defs["batch"]
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Dlrm()
+
+    model = Dlrm()
+    with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        _train_and_predict(model, opt, batch, 3)
+        state = model.state_dict()
+        trained = _every_row(model)
+    assert 0 < state["items.ids"].numel() < 500  # (rows never updated: the ones at stake)
+    wrapped = Wrapped()
+    wrapped.load_state_dict({"inner." + k: v for k, v in state.items()})
+    servers = make_servers(2)
+    addresses = [s.address for s in servers]
+    with psgrad.connect(addresses, optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        ps.optimizer(wrapped)
+        for name, rows in _every_row(wrapped.inner).items():
+            torch.testing.assert_close(rows, trained[name], rtol=0, atol=0, msg=name)
+        again = wrapped.state_dict()
+        assert bytes(again["inner.items.table"].tolist()).decode() == "items"
+        fetched = psgrad.fetch_state_dict(addresses, client=CLIENT)
+        exported = psgrad.fetch_model(addresses, client=CLIENT).state_dict
+    for loaded in (again, fetched, exported):
+        fresh = Wrapped()
+        fresh.load_state_dict(loaded)
+        for name, rows in _every_row(fresh.inner).items():
+            torch.testing.assert_close(rows, trained[name], rtol=0, atol=0, msg=name)
+    for s in servers:  # the servers' spec says so (what standbys and checkpoints copy)
+        layout = s.shard.core.state.layout
+        assert {t.name: t.drawn_as for t in layout.tables} == {"inner.items": "items", "inner.user": "user"}
+
+    fresh = Wrapped()  # never loaded: its rows are drawn under its own names, which binding gives it
+    with pytest.raises(WorkerStateError, match=r"not bound.*ps\.optimizer\(model\)"):
+        fresh.inner.items.initial_weight()
+    with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(fresh)
+        rows = _every_row(fresh.inner)
+        assert torch.equal(rows["items"], fresh.inner.items.initial_weight())
+        assert not torch.equal(rows["items"][1:], trained["items"][1:])
+        assert bytes(fresh.state_dict()["inner.items.table"].tolist()).decode() == "inner.items"
+        assert {t.drawn_as for t in opt.client.tables.values()} == {""}

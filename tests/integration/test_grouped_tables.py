@@ -402,3 +402,217 @@ def test_weighted_features_pool_and_train_as_torchs_per_sample_weights(make_serv
     maxed = psgrad.EmbeddingBagCollection({"a": (10, 4)}, mode="max")
     with pytest.raises(ConfigError, match="weighted features need mode 'sum'"):
         maxed({"a": (torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))})
+
+
+class SharedItems(nn.Module):
+    """A two-tower model whose towers share the item table, in each form psgrad has for it: "pairs"
+    and "list", one psgrad.EmbeddingBag registered under three names (items, history, candidate),
+    its lookups given as (module, input) pairs or as a list of inputs for the module; "collection",
+    an EmbeddingBagCollection whose item table two features look up (feature_names), and which a
+    module of its own (query: the collection's bag) reads too."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        if form == "collection":
+            self.ebc = psgrad.EmbeddingBagCollection({"item": (300, 4), "user": (100, 4)}, mode="sum", std=0.1, seed=1,
+                                                     feature_names={"item": ["history", "candidate"], "user": ["user"]})
+            self.query = self.ebc.bags["item"]
+        else:
+            self.items = psgrad.EmbeddingBag(300, 4, mode="sum", std=0.1, seed=1)
+            self.user = psgrad.EmbeddingBag(100, 4, mode="sum", std=0.1, seed=2)
+            self.history, self.candidate = self.items, self.items
+        torch.manual_seed(0)
+        self.head = nn.Linear(16 if form == "collection" else 12, 1)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.form == "collection":
+            features = {name: x[name] for name in ("history", "candidate", "user")}
+            out = torch.cat([self.ebc(features), self.query(x["query"])], dim=1)
+        else:
+            out = torch.cat([self.history(x["history"]), self.candidate(x["candidate"]), self.user(x["user"])], dim=1)
+        return self.head(out).squeeze(-1)
+
+    def lookups(self, x: dict[str, torch.Tensor]) -> Any:
+        if self.form == "pairs":
+            return [(self.history, x["history"]), (self.candidate, x["candidate"]), (self.user, x["user"])]
+        if self.form == "list":
+            return {self.items: [x["history"], x["candidate"]], self.user: x["user"]}
+        return {self.ebc: {name: x[name] for name in ("history", "candidate", "user")}, self.query: x["query"]}
+
+
+def shared_batches(seed: int, n: int, size: int = 8) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = {"history": torch.randint(0, 300, (size, 3), generator=g), "candidate": torch.randint(0, 300, (size, 1), generator=g),
+             "user": torch.randint(0, 100, (size, 1), generator=g), "query": torch.randint(0, 300, (size, 2), generator=g)}
+        out.append((x, torch.rand(size, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("form", ["pairs", "list", "collection"])
+def test_modules_sharing_a_table_are_each_served_their_prefetched_rows_and_equal_the_unpipelined_job(start_servers, form) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes: a model whose forwards read one table several times trained
+    without prefetch, through the pipeline, and with opt.prefetch(next batch) between backward and
+    step. The table is read once for all of its forwards' ids, each forward is served its own rows
+    (no forward pulls after the first batch's prefetch), and the jobs are bit for bit the same.
+    Before, the prefetch kept one forward's ids per table: the others pulled their rows themselves
+    (a collection's table that a module of its own read too), or the lookups could not name a
+    module's second forward at all (pairs, a list)."""
+    steps = 4
+    data = shared_batches(31, steps)
+    results = {}
+    for how in ("plain", "pipeline", "prefetch"):
+        addresses = start_servers(2)
+        model = SharedItems(form)
+        outs = []
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            calls = count_calls(opt)
+            loop = opt.pipeline(data, lambda b: model.lookups(b[0])) if how == "pipeline" else iter(data)
+            for k, (x, y) in enumerate(loop):
+                opt.zero_grad()
+                out = model(x)
+                outs.append(out.detach())
+                nn.functional.binary_cross_entropy_with_logits(out, y).backward()
+                if how == "prefetch" and k + 1 < steps:
+                    opt.prefetch(model.lookups(data[k + 1][0]))
+                opt.step()
+            if how == "pipeline":  # the first batch's prefetch (two shards); then every batch's rows rode a step
+                assert calls["pull_rows"] == 2 and opt.prefetched.stats == PrefetchStats(served=3 * steps, unused=0), \
+                    (calls, opt.prefetched.stats)
+            elif how == "prefetch":  # the first batch's forwards pulled; every later one was served
+                assert opt.prefetched.stats == PrefetchStats(served=3 * (steps - 1), unused=0), opt.prefetched.stats
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+            assert len(rows) == 2
+        results[how] = (outs, rows, model.head.weight.detach().clone())
+    plain_outs, plain_rows, plain_head = results.pop("plain")
+    for how, (outs, rows, head) in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(plain_outs, outs)), how
+        assert rows.keys() == plain_rows.keys() and all(torch.equal(rows[t], plain_rows[t]) for t in rows), how
+        assert torch.equal(head, plain_head), how
+
+
+@pytest.mark.parametrize("ahead", ["pipeline", "prefetch", "step"])
+def test_a_step_fetching_rows_ahead_that_failed_pushes_its_rows_once_when_taken_again(start_servers, ahead) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes, the pipeline (each step reads the next batch's rows) and the same
+    loop without it: a step whose dense gradient holds a NaN in shard 0's range is refused there
+    and applied on shard 1 (which also reads the next batch's rows); mended and taken again, it
+    pushes the rows' gradients again, applied by shard 0 alone, and reads the next batch's rows
+    from both shards, which its forward is served. A step refused by both shards (a NaN loss) is
+    dropped with zero_grad(); its next batch's forward reads its own rows. Both jobs end bit for
+    bit the same, and as torch's dense twin trained on the batches that were not dropped."""
+    from psgrad.errors import NonFiniteGradientError
+
+    steps = 6
+    data = batches(41, steps)
+    results = {}
+    for pipelined in (False, True):
+        addresses = start_servers(2)
+        model = Separate()
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            assert opt.plan.ranges[0][0] == 0 < opt.plan.ranges[0][1] < opt.plan.ranges[1][1]
+            loop = opt.pipeline(data, lambda b: model.lookups(b[0])) if pipelined and ahead == "pipeline" else iter(data)
+            if pipelined and ahead != "pipeline":
+                opt.prefetch(model.lookups(data[0][0]))
+            for k, (x, y) in enumerate(loop):
+                following = model.lookups(data[k + 1][0]) if pipelined and ahead != "pipeline" and k + 1 < steps else None
+                if following is not None and ahead == "step":
+                    step = lambda: opt.step(prefetch=following)  # noqa: E731
+                else:
+                    step = opt.step
+                opt.zero_grad()
+                loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+                if k == 3:  # a NaN loss, stepped anyway: refused by both shards, then dropped
+                    (loss * float("nan")).backward()
+                    if following is not None and ahead == "prefetch":
+                        opt.prefetch(following)
+                    with pytest.raises(NonFiniteGradientError):
+                        step()
+                    opt.zero_grad()
+                    continue
+                loss.backward()
+                if following is not None and ahead == "prefetch":  # (carried by the step, read after its update)
+                    opt.prefetch(following)
+                if k == 1:  # a NaN in shard 0's range: refused there, applied on shard 1
+                    grad = model.head.weight.grad
+                    assert grad is not None
+                    kept = float(grad[0, 0])
+                    grad[0, 0] = float("nan")
+                    with pytest.raises(NonFiniteGradientError):
+                        step()
+                    grad[0, 0] = kept
+                step()
+            assert opt.clock == steps - 1
+            if pipelined:  # every forward served but batch 4's (the step before it was dropped): 3 tables each
+                assert opt.prefetched.stats == PrefetchStats(served=3 * (steps - 1), unused=0), opt.prefetched.stats
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+        results[pipelined] = (rows, model.head.weight.detach().clone())
+    (plain_rows, plain_head), (piped_rows, piped_head) = results[False], results[True]
+    assert plain_rows.keys() == piped_rows.keys() and all(torch.equal(plain_rows[t], piped_rows[t]) for t in plain_rows)
+    assert torch.equal(plain_head, piped_head)
+    twin = Separate()  # torch's dense twin: nn.EmbeddingBag on the same initial rows, the same optimizer
+    dense = {name: nn.EmbeddingBag(*TABLES[name], mode="sum") for name in TABLES}
+    with torch.no_grad():
+        for name, bag in dense.items():
+            module = getattr(twin, name)
+            module.table = name
+            bag.weight.copy_(module.initial_weight())
+            setattr(twin, name, bag)
+    theirs = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for k, (x, y) in enumerate(data):
+        if k != 3:
+            theirs.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(twin(x), y).backward()
+            theirs.step()
+    for name in TABLES:
+        torch.testing.assert_close(plain_rows[name], twin.get_submodule(name).weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain_head, twin.head.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pipelined_step_whose_next_batch_cannot_be_looked_up_is_taken_again_without_it(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes, a collection: the pipeline's batch 2 lacks a feature, so the
+    step of batch 1, which fetches batch 2's rows ahead, is refused before it sends anything
+    (ConfigError, saying so); taken again it pushes batch 1 (its rows included) without batch 2's
+    rows, batch 2's own forward refuses the batch, the loop skips it, and the job ends bit for bit
+    as the same loop without the pipeline. Before, only a bad id dropped the next batch's lookups:
+    here every step taken again was refused the same way, so batch 1's gradients (the rows' with
+    them) could never be pushed in the pipeline."""
+    data = batches(43, 5)
+    del data[2][0]["c"]
+    results = []
+    for pipelined in (False, True):
+        addresses = start_servers(2)
+        model = Collection()
+        refused: list[str] = []
+        with psgrad.connect(addresses, mode="sync", optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            for x, y in opt.pipeline(data, lambda b: model.lookups(b[0])) if pipelined else iter(data):
+                opt.zero_grad()
+                try:
+                    loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+                except ConfigError as exc:  # the batch's own forward: skipped
+                    refused.append(str(exc))
+                    continue
+                loss.backward()
+                try:
+                    opt.step()
+                except ConfigError as exc:
+                    refused.append(str(exc))
+                    assert opt.step().accepted  # taken again: without the next batch's rows
+            assert opt.clock == 4
+            rows = {name: opt.client.pull_rows(name, torch.arange(m.num_embeddings), observe=True)
+                    for name, m in opt.embeddings}
+        assert len(refused) == (2 if pipelined else 1), refused
+        assert "missing ['c']" in refused[-1]
+        if pipelined:
+            assert "the next batch's rows, which this step fetches ahead" in refused[0], refused[0]
+            assert "this step pushed nothing: opt.step() again pushes this step without fetching them" in refused[0]
+        results.append((rows, model.head.weight.detach().clone()))
+    (plain_rows, plain_head), (piped_rows, piped_head) = results
+    assert plain_rows.keys() == piped_rows.keys() and all(torch.equal(plain_rows[t], piped_rows[t]) for t in plain_rows)
+    assert torch.equal(plain_head, piped_head)

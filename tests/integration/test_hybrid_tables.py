@@ -100,3 +100,68 @@ def test_async_tables_in_a_sync_job_take_each_push_as_it_comes(tables_mode: str)
             c.close()
         backup.stop(0)
         primary.stop(0)
+
+
+def test_a_hybrid_push_whose_rows_fail_as_applied_is_undone_and_the_standby_keeps_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async tables a push's rows are applied as it arrives, and the iteration's record carries
+    them to the standby. One whose rows fail as they are applied (injected: the row update writes,
+    then raises) is undone and refused, and only its own rows leave that record: the rows of the
+    pushes applied before it still reach the standby. Its retry applies once; primary and standby
+    end alike, as plain arithmetic says."""
+    from psgrad.errors import ApplyFailedError
+
+    primary = start_server(ServerConfig(port=0, threads=16))
+    backup = start_server(ServerConfig(port=0, threads=16, replica_of=primary.address))
+    spec = JobSpec(mode="sync", lr=LR, num_workers=2, tables_mode="async")
+    clients = [ParameterClient([f"{primary.address}|{backup.address}"], spec, PARAMS, plan_shards(PARAMS, 1), r,
+                               CONFIG, tables=[TABLE]) for r in range(2)]
+    armed: list[bool] = []
+    apply = SparseTable.apply
+
+    def faulty(self: SparseTable, *args: object, **kwargs: object) -> object:
+        out = apply(self, *args, **kwargs)  # type: ignore[arg-type]
+        if armed and not kwargs.get("replicated"):
+            armed.clear()
+            raise RuntimeError("injected: a row kernel failed after writing")
+        return out
+
+    monkeypatch.setattr(SparseTable, "apply", faulty)
+    try:
+        w0 = torch.linspace(-1, 1, NUMEL)
+        run_in_threads(2, lambda r: clients[r].join((lambda: w0.clone()) if r == 0 else None))
+        ids = torch.tensor([3, 7, 11])
+        g = [torch.full((3, DIM), 1.0 + r) for r in range(2)]
+        dense = [torch.full((NUMEL,), 0.1 * (r + 1)) for r in range(2)]
+        state = primary.shard.core.state
+        assert state is not None
+        table = state.tables["emb"]
+        for c in clients:
+            c.pull(torch.empty(NUMEL), 0)
+        first = threading.Thread(target=clients[0].push, args=(dense[0], 0), kwargs={"rows": {"emb": (ids, g[0])}},
+                                 daemon=True)
+        first.start()
+        wait_for("worker 0's buffered push", lambda: primary.shard.status().pending == 1)
+        applied_once = initial(ids) - LR * g[0]
+        assert table.version == 1 and torch.equal(table.rows(ids), applied_once)
+        armed.append(True)
+        with pytest.raises(ApplyFailedError, match="undone"):
+            clients[1].push(dense[1], 0, rows={"emb": (ids, g[1])})
+        assert not armed and table.version == 1 and torch.equal(table.rows(ids), applied_once)  # undone
+        assert state.version == 0 and primary.shard.status().pending == 1
+        clients[1].push(dense[1], 0, rows={"emb": (ids, g[1])})  # the retry: applied once
+        first.join(timeout=60)
+        assert not first.is_alive() and state.version == 1
+        assert table.version == 2 and torch.allclose(table.rows(ids), initial(ids) - LR * g[0] - LR * g[1])
+        backup_state = backup.shard.core.state
+        assert backup_state is not None
+        wait_for("the standby to follow", lambda: backup_state.version == 1, timeout_s=20)
+        mirrored = backup_state.tables["emb"]
+        assert isinstance(mirrored, SparseTable) and mirrored.version == 2
+        assert torch.equal(mirrored.rows(ids), table.rows(ids))  # worker 0's rows too
+        assert torch.equal(backup_state.weights, state.weights)
+    finally:
+        for c in clients:
+            c.close()
+        backup.stop(0)
+        primary.stop(0)

@@ -157,3 +157,64 @@ def test_a_standby_attached_mid_run_takes_the_primarys_arena_capacity_and_grows_
             assert storage(backup) == seen[-1], (storage(backup), seen)  # at every size the table passes through
         capacities = sorted({capacity for capacity, *_ in seen})
         assert capacities[:2] == [2048, 4096] and len(capacities) >= 3, seen  # (doubled, then up to the budget)
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = psgrad.Embedding(1000, DIM)
+        self.head = nn.Linear(DIM, 1)
+
+
+def test_a_promoted_standby_continues_the_shards_counters(start_servers, server_procs: list[Proc]) -> None:  # type: ignore[no-untyped-def]
+    """Before: replication records carried no counters, so a standby that took over counted from 0
+    (`psgrad status` and the metrics said a shard that had applied thousands of pushes had applied
+    the few since the failover; a checkpoint it then wrote kept that). Real processes: a primary and
+    its standby, an async job of 12 steps and a refused push, SIGKILL of the primary, 4 more steps:
+    the promoted standby's counters continue the primary's (pushes applied, rejected, the
+    staleness histogram, pulls, bytes), as do its table's."""
+    primary, = start_servers(1)
+    primary_proc = server_procs[-1]
+    [backup] = start_servers(1, "--replica-of", primary)
+    wait_for("the backup to attach", lambda: shard_status([primary], 10)[0].replica.backup != "", timeout_s=30)
+    torch.manual_seed(0)
+    model = Small()
+    g = torch.Generator().manual_seed(3)
+    with psgrad.connect(f"{primary}|{backup}", mode="async", optimizer=psgrad.SGD(lr=LR), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+
+        def step() -> None:
+            opt.zero_grad()
+            model.head(model.item(torch.randint(0, 1000, (32,), generator=g))).sum().backward()
+            opt.step()
+
+        for _ in range(8):
+            step()
+        bad = torch.zeros(opt.client.plan.total)
+        bad[0] = float("nan")
+        with pytest.raises(psgrad.errors.NonFiniteGradientError):  # refused: counted, not applied
+            opt.client.push(bad, opt.clock)
+        for _ in range(4):
+            step()
+
+        def replicated() -> bool:
+            (st,) = shard_status([primary], 10)
+            return st.replica.replicated_version == st.version
+
+        wait_for("the backup to acknowledge every update", replicated, timeout_s=30)
+        (before,) = shard_status([primary], 10)
+        assert before.pushes_applied == 12 and before.pushes_rejected == 1, before
+        (table,) = [t for t in before.tables if t.kind == "sparse"]
+        primary_proc.popen.kill()
+        assert primary_proc.wait(30) != 0
+        for _ in range(4):  # the worker fails over to the standby, which takes over
+            step()
+    (after,) = shard_status([backup], 10)
+    assert after.replica.role == "primary" and after.version == before.version + 4
+    assert after.pushes_applied == before.pushes_applied + 4, (after.pushes_applied, before.pushes_applied)
+    assert after.pushes_rejected == before.pushes_rejected
+    assert sum(after.staleness.values()) == sum(before.staleness.values()) + 4
+    assert all(after.staleness.get(k, 0) >= v for k, v in before.staleness.items()), (after.staleness, before.staleness)
+    assert after.pulls > before.pulls and after.bytes_in > before.bytes_in and after.bytes_out > before.bytes_out
+    (table_after,) = [t for t in after.tables if t.kind == "sparse"]
+    assert table_after.updates == table.updates + 4

@@ -139,6 +139,24 @@ def test_a_backup_attached_mid_run_takes_the_state_and_keeps_in_step(servers: Ca
     assert_same_state(primary, backups[0])
 
 
+def test_a_backup_attached_mid_run_that_takes_over_continues_the_counters_its_snapshot_kept(
+        servers: Callable[..., RunningServer]) -> None:
+    """The snapshot a backup attaches with carries the shard's counters (as a checkpoint's does):
+    one that takes over before any record reached it continues them (before: from 0)."""
+    primary = servers()
+    train(primary.address, SPECS["async-adam"], range(10))
+    counted = primary.shard.status()
+    assert counted.pushes_applied == 20
+    backup = servers(replica_of=primary.address)
+    wait_for("the backup's snapshot", lambda: backup.shard.version == primary.shard.version)
+    primary.stop(0)
+    backup.shard.serving()  # a worker's call promotes it
+    st = backup.shard.status()
+    assert st.replica.role == "primary"
+    assert (st.pushes_applied, st.staleness, st.pulls, st.bytes_in) == \
+        (counted.pushes_applied, counted.staleness, counted.pulls, counted.bytes_in)
+
+
 @pytest.mark.parametrize("name", ["sync-sgd", "async-sgd-staged", "async-adam"])
 def test_workers_fail_over_to_the_backup_and_every_push_is_applied_once(
     name: str, servers: Callable[..., RunningServer]

@@ -280,3 +280,89 @@ def test_concurrent_reads_of_rows_hold_at_most_max_read_mb_and_one_larger_than_i
         opt.zero_grad()
         model.head(model.emb(torch.tensor([[5]]))).sum().backward()
         opt.step()
+
+
+class Dense(nn.Module):
+    def __init__(self, inputs: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(inputs, 768, bias=False)  # inputs x 3 KiB of weights
+
+
+def test_concurrent_pulls_of_the_weights_hold_at_most_max_read_mb_and_a_shard_larger_than_it_goes_alone(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: a dense reply (a Pull's frames, a Step's reply with the weights, which exists about
+    three times over as it is built and sent) was under no bound, only reads of rows were. Real
+    servers with --max-read-mb 8: 16 concurrent pulls of 3 MiB of weights through gRPC (at most two
+    fit at once) all get the weights, the bytes in flight never passed 8 MiB; a shard of 9 MiB of
+    weights (no call can ask for less of them) trains, each reply with its weights going alone, so
+    four pulls of it at once hold 9 MiB at most, and none is refused."""
+    small, large = start_servers(2, "--max-read-mb", "8")
+    model = Dense(1024)  # 3 MiB of weights
+    with psgrad.connect([small], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        client = opt.client
+        for step in range(3):  # a worker's steps (the weights in each Step's reply) within the bound
+            opt.zero_grad()
+            model.fc(torch.full((1, 1024), float(step))).sum().backward()
+            opt.step()
+        after_steps = transfers(small)
+        assert 3 * 2**20 <= after_steps.read_bytes_peak <= 8 * 2**20  # (the Step replies were counted)
+        expected = torch.empty(client.plan.total)
+        client.pull(expected, opt.clock, observe=True)
+        assert torch.equal(expected, model.fc.weight.detach().reshape(-1))
+        readers = [ParameterClient([small], client.spec, client.params, client.plan, 0, CLIENT) for _ in range(16)]
+        try:
+            start = threading.Barrier(16)
+
+            def read(k: int) -> None:
+                flat = torch.empty(client.plan.total)
+                start.wait(30)
+                readers[k].pull(flat, 0, observe=True)
+                assert torch.equal(flat, expected), f"pull {k} got other weights"
+
+            rounds = 0
+            while transfers(small).reads_queued == 0:  # (16 at once wait for their turn, at the latest in a few rounds)
+                assert rounds < 10, "16 concurrent pulls of 3 MiB never waited for their turn under --max-read-mb 8"
+                run_in_threads(16, read)
+                rounds += 1
+        finally:
+            for r in readers:
+                r.close()
+        wait_for("the pulls' bytes to be given back", lambda: transfers(small).read_bytes == 0)
+        after = transfers(small)
+        print(f"{rounds} round(s) of 16 pulls: peak {after.read_bytes_peak:,} bytes in flight, "
+              f"{after.reads_queued} pulls waited for their turn")
+        assert after.read_limit_bytes == 8 * 2**20
+        assert 3 * 2**20 <= after.read_bytes_peak <= 8 * 2**20  # the bound held
+        assert after.reads_queued >= 1 and after.reads_expired == 0 and after.reads_waiting == 0
+        opt.zero_grad()  # and training goes on
+        model.fc(torch.ones(1, 1024)).sum().backward()
+        opt.step()
+
+    # A shard whose weights alone pass the bound (9 MiB under 8): no call can ask for less of them, so
+    # each reply with them goes alone, once nothing else is in flight; the job trains, and pulls of
+    # it at once take turns (the peak is one reply's).
+    big = Dense(3072)
+    with psgrad.connect([large], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(big)
+        for step in range(2):
+            opt.zero_grad()
+            big.fc(torch.full((1, 3072), float(step + 1))).sum().backward()
+            opt.step()
+        client = opt.client
+        want = torch.empty(client.plan.total)
+        client.pull(want, opt.clock, observe=True)
+        assert torch.equal(want, big.fc.weight.detach().reshape(-1))
+        readers = [ParameterClient([large], client.spec, client.params, client.plan, 0, CLIENT) for _ in range(4)]
+        try:
+            def read_big(k: int) -> None:
+                flat = torch.empty(client.plan.total)
+                readers[k].pull(flat, 0, observe=True)
+                assert torch.equal(flat, want), f"pull {k} got other weights"
+
+            run_in_threads(4, read_big)
+        finally:
+            for r in readers:
+                r.close()
+    wait_for("the big pulls' bytes to be given back", lambda: transfers(large).read_bytes == 0)
+    after = transfers(large)
+    assert after.read_bytes_peak == 9 * 2**20 and after.reads_refused == 0 and after.reads_expired == 0

@@ -266,8 +266,13 @@ def test_bad_ids_and_tables_fail_with_messages_that_name_them(make_servers) -> N
             model(torch.tensor([[-1, 2, 3]]))
         with pytest.raises(InvalidRequestError, match="must be an integer tensor"):
             model(torch.tensor([[1.0, 2.0, 3.0]]))
-        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64 or int32\\), got a list"):
+        with pytest.raises(InvalidRequestError, match="must be an integer tensor \\(int64, int32, int16, int8, uint8 or bool, "
+                                                      "as torch.nn.EmbeddingBag takes\\), got a list"):
             model([[1, 2, 3]])
+        with pytest.raises(InvalidRequestError, match="table 'emb': bag offsets must be an integer tensor.*got torch.float32"):
+            model.emb(torch.tensor([1, 2, 3]), torch.tensor([0.0, 1.0]))  # (torch's error named its `indices`)
+        small = torch.tensor([[1, 2, 3]], dtype=torch.int16)  # (other integer ids: converted, as torch's bags take them)
+        torch.testing.assert_close(model(small), model(small.long()), rtol=0, atol=0)
         with pytest.raises(InvalidRequestError, match="no sparse table 'nope'"):
             opt.client.pull_rows("nope", torch.tensor([1]))
         # the server checks what a client sends, too: a row of another shard, a table it lacks
@@ -795,3 +800,80 @@ def test_after_a_bad_id_in_the_pipelines_next_batch_a_step_again_goes_on(make_se
     assert re.search(f"the next batch's rows, which this step fetches ahead.*row id {ROWS} is out of range.*this step "
                      r"pushed nothing: opt.step\(\) again pushes this step without fetching them", refused[0]), refused[0]
     assert f"table 'emb': row id {ROWS} is out of range" in refused[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_the_servers_refused_pushes_its_rows_when_taken_again_and_zero_grad_drops_them(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two server processes. A step whose dense gradient holds a NaN in shard 0's range is
+    refused there (shard 1 applies its part: rows and dense); the user mends the gradient and takes
+    the step again, which pushes the rows' gradients once more, applied by shard 0 only (shard 1
+    acknowledges a duplicate). A step refused by both (a NaN loss) and then dropped with
+    opt.zero_grad() pushes nothing later. The table and the head end as torch's dense twin trained
+    on the same batches, skipping the dropped one. Before, the refused step had already taken the
+    rows' gradients, so the step taken again pushed the dense part alone: shard 0's rows of that
+    batch never moved."""
+    from psgrad.client.parameter_client import shard_status
+    from psgrad.errors import NonFiniteGradientError
+
+    addresses = start_servers(2)
+    model, twin = Ctr(), Ctr(sparse=False)
+    theirs = torch.optim.SGD(twin.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(23)
+    data = [_batch(gen) for _ in range(5)]
+    with psgrad.connect(addresses, mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        (start0, end0), (start1, end1) = opt.plan.ranges
+        assert start0 == 0 < end0 and end1 > start1  # head.weight[0, 0] is shard 0's; shard 1 holds dense elements too
+        for k, (x, y) in enumerate(data):
+            opt.zero_grad()
+            if k == 2:  # a NaN loss, stepped anyway: refused by both shards, then dropped
+                (_bce(model, x, y) * float("nan")).backward()
+                with pytest.raises(NonFiniteGradientError):
+                    opt.step()
+                opt.zero_grad()
+                continue
+            _bce(model, x, y).backward()
+            if k == 1:  # a NaN in shard 0's range of the dense gradient: refused there, applied on shard 1
+                grad = model.head.weight.grad
+                assert grad is not None
+                kept = float(grad[0, 0])
+                grad[0, 0] = float("nan")
+                with pytest.raises(NonFiniteGradientError):
+                    opt.step()
+                grad[0, 0] = kept  # mended: taken again
+            stats = opt.step()
+            assert stats.accepted or k == 1  # (shard 1 answers the step taken again as a duplicate)
+            theirs.zero_grad()
+            _bce(twin, x, y).backward()
+            theirs.step()
+        assert opt.clock == 4
+        assert [s.pushes_duplicate for s in shard_status(addresses, 10)] == [0, 1]  # shard 1 had step 1's push
+        table = opt.client.pull_rows("emb", torch.arange(ROWS))
+    torch.testing.assert_close(table, twin.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head.weight, twin.head.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("convert", ["double", "half", "bfloat16"])
+def test_a_model_converted_to_another_dtype_trains_its_tables_as_torchs_would(make_servers, convert) -> None:  # type: ignore[no-untyped-def]
+    """model.double() / .half() / .bfloat16() before ps.optimizer(model) converts the tables as it
+    converts torch's: forwards return that dtype (the model's next layer takes it, where they
+    returned float32 and its Linear failed on the mix), and the rows' gradient reaches the
+    servers in float32, which hold the rows so: one sync SGD step moves them by torch's converted
+    model's gradient (to that dtype's precision)."""
+    model, reference = getattr(Ctr(), convert)(), getattr(Ctr(sparse=False), convert)()
+    dtype = reference.head.weight.dtype
+    x, y = _batch(torch.Generator().manual_seed(4))
+    running = make_servers(1)
+    before = _server_table([])  # (the initial rows)
+    with psgrad.connect([running[0].address], mode="sync", optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        out = model(x)
+        assert out.dtype == model.emb(x).dtype == reference.emb(x).dtype == dtype
+        nn.functional.mse_loss(out, y.to(dtype)).backward()
+        opt.step()
+    nn.functional.mse_loss(reference(x), y.to(dtype)).backward()
+    tolerance = {"double": 1e-6, "half": 2e-3, "bfloat16": 2e-2}[convert]
+    torch.testing.assert_close(_server_table(running), before - 0.5 * reference.emb.weight.grad.float(),
+                               rtol=tolerance, atol=tolerance)
+    assert not torch.equal(_server_table(running), before)

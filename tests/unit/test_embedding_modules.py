@@ -18,7 +18,7 @@ from torch import nn
 
 import psgrad
 from psgrad.core import rows
-from psgrad.errors import ConfigError, WorkerStateError
+from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 from psgrad.nn import SparseEmbedding, sparse_modules
 
 pytestmark = pytest.mark.timeout(60)
@@ -456,7 +456,7 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     assert not mine(IDS_2D).requires_grad and mine.take_gradients() is None
 
     ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)})
-    source = LocalRows(ebc.bags["a"].initial_weight())
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)))
     for name, bag in ebc.bags.items():
         bag.bind(f"ebc.bags.{name}", source)
     ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
@@ -467,3 +467,96 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     ebc.requires_grad_(True)
     ebc({"a": IDS_2D, "b": IDS_2D}).sum().backward()
     assert all(bag.take_gradients() is not None for bag in ebc.bags.values())
+
+
+def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_drawn_under() -> None:
+    """A fresh module's rows are drawn under its name in the job (its place in the model), which it
+    learns when bound: initial_weight() before that is refused naming the fix (it drew under "",
+    a table no job serves). Bound, it is the job's draw; after load_state_dict(), the draw under
+    the state's name (what a job started from it draws the rows the state does not list under),
+    loaded rows not included; from_pretrained alone names no table, and the message says the
+    embeddings are the rows."""
+
+    model = Model()
+    with pytest.raises(WorkerStateError, match=r"initial_weight\(\).*not bound.*ps\.optimizer\(model\)"):
+        model.bag.initial_weight()
+    state = model.state_dict()  # (a fresh model's state names its tables by their places: "bag")
+    drawn = rows.initial_rows(rows.table_key(model.bag.seed, "bag"), torch.arange(ROWS), DIM, model.bag.std)
+    outer = nn.Module()
+    outer.tower = Model()
+    outer.tower.load_state_dict(state)
+    assert torch.equal(outer.tower.bag.initial_weight(), drawn)
+    _bound(model.bag, "bag")
+    assert torch.equal(model.bag.initial_weight(), drawn)
+    pretrained = psgrad.EmbeddingBag.from_pretrained(torch.ones(ROWS, DIM))
+    with pytest.raises(WorkerStateError, match="from_pretrained: every row a job starts from is the embeddings"):
+        pretrained.initial_weight()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_the_tables_follow_the_models_dtype_conversions_as_torchs_do(dtype: torch.dtype) -> None:
+    """model.double() / .half() / .bfloat16() / .to(dtype) convert psgrad's tables as torch's: a
+    forward returns that dtype (computed on the float32 rows, then cast), per-sample weights of it
+    are taken as torch's module takes them, and the rows' gradients stay float32 (what the push
+    sends); .float() converts back, and a device move leaves the dtype."""
+    tolerance = {torch.float64: 1e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    weights = torch.rand(IDS_1D.shape, generator=torch.Generator().manual_seed(2)) + 0.5
+    for kind, options, args in [
+        (psgrad.Embedding, {"padding_idx": 2}, (IDS_2D,)),
+        (psgrad.EmbeddingBag, {"mode": "sum"}, (IDS_1D, OFFSETS, weights)),
+        (psgrad.EmbeddingBag, {"mode": "max"}, (IDS_2D,)),
+        (psgrad.EmbeddingBag, {"mode": "mean"}, (IDS_2D,)),
+    ]:
+        mine = kind(ROWS, DIM, **options)
+        _bound(mine)
+        theirs = _torch_twin(mine, getattr(nn, kind.__name__), **options)
+        holder = nn.ModuleDict({"t": mine})
+        assert holder.to(dtype) is holder and mine.dtype == dtype
+        mine.to("cpu")  # (a device move: the dtype stays)
+        theirs.to(dtype)
+        cast = [a.to(dtype) if a.is_floating_point() else a for a in args]
+        out, expected = mine(*cast), theirs(*cast)
+        assert out.dtype == expected.dtype == dtype, kind
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        out.float().square().sum().backward()
+        expected.float().square().sum().backward()
+        ids, grads = mine.take_gradients()  # type: ignore[misc]
+        assert grads.dtype == torch.float32
+        torch.testing.assert_close(grads, theirs.weight.grad.float()[ids], rtol=10 * tolerance, atol=10 * tolerance)
+        holder.float()
+        assert mine.dtype == torch.float32 and mine(*args).dtype == torch.float32
+    ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM), "b": (ROWS, DIM)}, mode="sum")
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)))
+    for name, bag in ebc.bags.items():
+        bag.bind(f"ebc.bags.{name}", source)
+    assert ebc.to(dtype)({"a": IDS_2D, "b": IDS_2D}).dtype == dtype
+
+
+def test_ids_and_offsets_of_other_dtypes_are_taken_or_refused_as_torch_does_with_messages_that_name_them() -> None:
+    """torch's EmbeddingBag takes ids of any integer dtype and bool (converted), so the bags (and a
+    collection's) do too, with the same output as int64 ids; torch's Embedding takes int64 and
+    int32 only, and the refusal names them and the conversion. Float offsets are named as offsets
+    (torch's error names its `indices`); integer offsets of another dtype are taken, as torch does."""
+    bag = psgrad.EmbeddingBag(ROWS, DIM, mode="sum")
+    one = psgrad.Embedding(ROWS, DIM)
+    ebc = psgrad.EmbeddingBagCollection({"a": (ROWS, DIM)}, mode="sum")
+    for module, table in ((bag, "bag"), (one, "one"), (ebc.bags["a"], "ebc.bags.a")):
+        _bound(module, table)
+    for dtype in (torch.int16, torch.int8, torch.uint8, torch.bool):
+        ids = (IDS_1D % 2 if dtype == torch.bool else IDS_1D).to(dtype)
+        for offsets in (OFFSETS, OFFSETS.to(dtype if dtype != torch.bool else torch.int16)):
+            torch.testing.assert_close(bag(ids, offsets), bag(ids.long(), OFFSETS), rtol=0, atol=0)
+        torch.testing.assert_close(ebc({"a": (ids, OFFSETS)}), ebc({"a": (ids.long(), OFFSETS)}), rtol=0, atol=0)
+        with pytest.raises(InvalidRequestError, match=r"table 'one': row ids must be an integer tensor \(int64 or int32, as "
+                                                      r"torch.nn.Embedding takes; convert others with ids.long\(\)\)"):
+            one(ids)
+    for module in (bag, ebc):
+        with pytest.raises(InvalidRequestError, match=r"table '(bag|ebc.bags.a)': row ids must be an integer tensor "
+                                                      r"\(int64, int32, int16, int8, uint8 or bool.*got torch.float32"):
+            module({"a": (IDS_1D.float(), OFFSETS)} if module is ebc else IDS_1D.float(), *([] if module is ebc else [OFFSETS]))
+        for mode in ("sum", "max"):  # (the compiled pooling's path and torch's)
+            bag.mode = mode
+            with pytest.raises(InvalidRequestError, match=r"'(bag|ebc.bags.a)': bag offsets must be an integer tensor.*"
+                                                          r"got torch.float64"):
+                module({"a": (IDS_1D, OFFSETS.double())}) if module is ebc else module(IDS_1D, OFFSETS.double())
+        bag.mode = "sum"

@@ -120,3 +120,34 @@ def test_the_flag_takes_zero_or_at_least_an_exports_page() -> None:
         ServerConfig(max_read_mb=4)
     with pytest.raises(ConfigError, match="max_read_mb"):
         ServerConfig(max_read_mb=float("inf"))
+
+
+def test_a_pull_of_dense_weights_larger_than_the_bound_goes_alone_once_nothing_is_in_flight() -> None:
+    """A shard's weights are asked for whole (no call can ask for less), so a pull of them larger
+    than the bound is not refused as a read of rows is: it waits until nothing is in flight and
+    holds the bound alone; reads that come after it wait for it."""
+    from psgrad.server.read_limit import DENSE_ADVICE
+
+    limit = ReadLimit(8 * MIB)
+    limit.check(9 * MIB, "a pull of the weights", DENSE_ADVICE)  # not refused
+    limit.acquire(3 * MIB, "a read")
+
+    class Dense(Reader):
+        def run(self) -> None:
+            try:
+                self.limit.acquire(self.nbytes, "a pull of the weights", self.timeout_s, advice=DENSE_ADVICE)
+                self.got.set()
+            except BaseException as exc:  # (looked at by the test)
+                self.error = exc
+
+    big = Dense(limit, 9 * MIB)
+    assert not big.got.wait(0.2) and big.error is None  # 3 MiB in flight: it waits
+    after = Reader(limit, 1 * MIB)  # (arrived after it: waits behind it)
+    limit.release(3 * MIB)
+    assert big.got.wait(10) and big.error is None
+    assert limit.in_flight == 9 * MIB and limit.peak == 9 * MIB
+    assert not after.got.wait(0.2)  # the weights hold the bound alone
+    limit.release(9 * MIB)
+    assert after.got.wait(10) and after.error is None
+    with pytest.raises(InvalidRequestError, match="--max-read-mb 9 or more"):  # rows: refused as before
+        limit.check(9 * MIB, "a read of rows")

@@ -372,3 +372,45 @@ def test_a_tables_aliases_reach_the_servers_standbys_and_checkpoints_without_cha
     as_json = checkpoint._layout_to_json(layout)
     assert [("aliases" in t) for t in as_json["tables"]] == [True, False]
     assert checkpoint._layout_from_json(json.loads(json.dumps(as_json))).tables[0].aliases == ("cand_items",)
+
+
+def test_a_tables_drawn_as_reaches_the_servers_standbys_and_checkpoints_and_its_rows_are_drawn_under_it() -> None:
+    """TableSpec.drawn_as (a loaded state's name for its rows, where the chief's model loaded it
+    under another prefix) travels in the Join/Init and the servers' status, and a checkpoint (and a
+    standby's snapshot, the same encoding) keeps it; the shard draws the table's initial rows under
+    it, grouped with another table of its width or not, and so does one restored from a snapshot.
+    Like aliases it is not what the job is: left out of the comparison and the fingerprint (only
+    the chief loads the state)."""
+    import dataclasses
+
+    import torch
+
+    from psgrad.config import ServerConfig
+    from psgrad.core import rows
+    from psgrad.core.sharding import TableSpec, fingerprint
+    from psgrad.server import checkpoint
+    from psgrad.server.shard import Shard
+    from test_shard import make_layout, weights_for
+
+    renamed = TableSpec("inner.emb", 20, 4, seed=3, std=0.5, drawn_as="emb")
+    plain = TableSpec("inner.emb", 20, 4, seed=3, std=0.5)
+    assert TableSpec("emb", 20, 4, drawn_as="emb").drawn_as == ""  # (its own name: nothing to say)
+    assert serde.tables_from_proto(serde.tables_to_proto([renamed]))[0].drawn_as == "emb"
+    assert renamed == plain and fingerprint([], SPEC, [renamed]) == fingerprint([], SPEC, [plain])
+    layout = dataclasses.replace(make_layout(JobSpec(lr=0.1, num_shards=1, num_workers=1)),
+                                 tables=(renamed, TableSpec("other", 7, 4, seed=3, std=0.5), TableSpec("alone", 9, 2)))
+    as_json = checkpoint._layout_to_json(layout)
+    assert [("drawn_as" in t) for t in as_json["tables"]] == [True, False, False]
+    assert checkpoint._layout_from_json(json.loads(json.dumps(as_json))).tables[0].drawn_as == "emb"
+    ids = torch.arange(20)
+    drawn = rows.initial_rows(rows.table_key(3, "emb"), ids, 4, 0.5)
+    assert not torch.equal(drawn, rows.initial_rows(rows.table_key(3, "inner.emb"), ids, 4, 0.5))
+    shard = Shard(ServerConfig())
+    shard.initialize(0, layout, weights_for(layout))
+    restored = Shard(ServerConfig())
+    restored.restore(checkpoint.decode(*checkpoint.encode(shard.snapshot())))
+    for s in (shard, restored):
+        tables = s.core.state.tables
+        assert torch.equal(tables["inner.emb"].rows(ids), drawn)
+        assert torch.equal(tables["other"].rows(torch.arange(7)),
+                           rows.initial_rows(rows.table_key(3, "other"), torch.arange(7), 4, 0.5))

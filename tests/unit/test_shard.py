@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from conftest import decode_frames, wait_for
 from psgrad.core.unused import Ranges
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
-from psgrad.errors import InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
+from psgrad.errors import ApplyFailedError, InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
 from psgrad.server.shard import JoinResult, Layout, PushResult, Shard
 from psgrad.core.sharding import ParamSpec, fingerprint, plan_shards
 
@@ -724,18 +725,21 @@ def _weights_and_rows(s: Shard) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fail_once(monkeypatch: pytest.MonkeyPatch, s: Shard) -> list[int]:
-    """Make the shard's next dense apply raise (before it writes anything); returns the calls seen."""
+    """Make the shard's next row update raise once it has written its rows (an apply that fails
+    part way: undone, see RowJournal); returns the calls seen."""
     state = s.core.state
     assert state is not None
-    apply, calls = state.dense.apply, []
+    table = state.sparse("emb", 0)
+    apply, calls = table.apply, []
 
-    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
+    def failing(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(1)
+        out = apply(*args, **kwargs)
         if len(calls) == 1:
             raise RuntimeError("injected: the apply failed")
-        apply(grad, lr_scale, lr, skip)
+        return out
 
-    monkeypatch.setattr(state.dense, "apply", failing)
+    monkeypatch.setattr(table, "apply", failing)
     return calls
 
 
@@ -754,8 +758,8 @@ def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(m
     before = _weights_and_rows(s)
     calls = _fail_once(monkeypatch, s)
     assert _sync_push(s, lay, 0).deferred
-    with pytest.raises(RuntimeError, match="injected"):
-        _sync_push(s, lay, 1)  # it completes the round, whose apply fails
+    with pytest.raises(ApplyFailedError, match="injected.*undone"):
+        _sync_push(s, lay, 1)  # it completes the round, whose apply fails (after writing rows: undone)
     assert calls == [1] and s.version == 0 and len(s.core.round.pending) == 2  # the round is kept
     assert all(torch.equal(a, b) for a, b in zip(_weights_and_rows(s), before))
     assert s.replica._payload is None and s.replica._rows == []  # (nothing of it for a record)
@@ -769,6 +773,30 @@ def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(m
     assert s.version == 2
 
 
+def test_a_sync_iteration_whose_dense_apply_fails_leaves_the_shard_refusing_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense apply is an iteration's last write (its rows go first, journaled); one that fails may
+    have written part of the weights, which nothing cheap undoes: its rows are undone, and the shard
+    refuses every push from then on, naming why, so that no retry (a push's, a refresh's) applies the
+    iteration a second time over the part written."""
+    s, lay = _sync_shard()
+    _, rows_before = _weights_and_rows(s)
+    state = s.core.state
+    assert state is not None
+
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
+        raise RuntimeError("injected: the dense apply failed")
+
+    monkeypatch.setattr(state.dense, "apply", failing)
+    _sync_push(s, lay, 0)
+    with pytest.raises(ApplyFailedError, match="refuses every push from now on"):
+        _sync_push(s, lay, 1)
+    assert torch.equal(_weights_and_rows(s)[1], rows_before) and state.sparse("emb", 0).version == 0
+    monkeypatch.undo()
+    with pytest.raises(ApplyFailedError, match="injected: the dense apply failed"):
+        _sync_push(s, lay, 1)  # the retry: refused, not applied
+    assert not s.core.complete_round() and s.version == 0  # nor by a refresh
+
+
 def test_a_worker_that_joins_while_a_failed_iteration_waits_is_folded_into_its_mean(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that joins after the round's apply failed owes the iteration too (a sync worker
@@ -780,7 +808,7 @@ def test_a_worker_that_joins_while_a_failed_iteration_waits_is_folded_into_its_m
     s, _ = _sync_shard()
     _fail_once(monkeypatch, s)
     _sync_push(s, lay, 0)
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(ApplyFailedError, match="injected"):
         _sync_push(s, lay, 1)
     s.join(2, lay)  # a new worker (past num_workers): it owes the current iteration
     assert s.version == 0 and len(s.core.round.pending) == 2
@@ -797,20 +825,21 @@ def test_the_lease_reaper_survives_a_failed_iteration_and_completes_it(monkeypat
     s, lay = _sync_shard()
     state = s.core.state
     assert state is not None
-    apply, calls = state.dense.apply, []
+    table = state.sparse("emb", 0)
+    apply, calls = table.apply, []
 
-    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
+    def failing(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(threading.current_thread().name)
         if len(calls) <= 2:  # the push's refresh, then the reaper's first look
             raise RuntimeError("injected: the apply failed")
-        apply(grad, lr_scale, lr, skip)
+        return apply(*args, **kwargs)
 
-    monkeypatch.setattr(state.dense, "apply", failing)
+    monkeypatch.setattr(table, "apply", failing)
     _sync_push(s, lay, 0)
     reaper = s.start_reaper()
     try:
         with caplog.at_level(logging.ERROR, logger="psgrad.server"):
-            with pytest.raises(RuntimeError, match="injected"):
+            with pytest.raises(ApplyFailedError, match="injected"):
                 _sync_push(s, lay, 1)
             # no call of a worker's (nor status(), which refreshes): the reaper alone completes it
             wait_for("the reaper to apply the iteration", lambda: s.version == 1, timeout_s=20)
