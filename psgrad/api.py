@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, spar
 from psgrad.worker.prefetch import Prefetched, read_ids
 from psgrad.worker.row_cache import RowCache
 
+_log = logging.getLogger("psgrad.api")
 B = TypeVar("B")
 # What a forward of each psgrad embedding module (Embedding, EmbeddingBag, EmbeddingBagCollection)
 # will take: its first argument (ids, or a collection's features), by module; a list of them for a
@@ -391,10 +393,45 @@ class PSOptimizer(ScheduledOptimizer):
         """Zero the flat gradient (set_to_none is accepted for torch compatibility; the buffers stay)
         and drop the gradients of the rows the model's psgrad embeddings touched since the last step
         (either way: a row without a gradient is not pushed), as torch's zero_grad clears a table's
-        weight.grad. A backward after it (of a forward before it, too) gives gradients anew."""
+        weight.grad. A backward after it (of a forward before it, too) gives gradients anew.
+
+        After a step that raised once some shards had applied it (its push refused by another
+        shard: a non-finite gradient in that shard's range, its memory budget; or another shard
+        unreachable), zero_grad() drops that step: it tells the shards that did not apply it that
+        it is skipped (acknowledged there, never applied; logged as a warning), its clock is spent
+        (the next step pushes the next one), and the model takes the weights of that next clock
+        (as the step would have brought them: in sync, once the iteration is complete), for the
+        next batch's forward. Taking the step again instead (opt.step() before zero_grad())
+        applies it once on every shard."""
         self.flat.zero_grad()
         for _, module in self.embeddings:
             module.zero_grad(set_to_none)
+        unfinished = self.client.unfinished
+        if unfinished is not None and unfinished.clock == self.clock and self._pending is None:
+            self._drop_unfinished()
+
+    def _drop_unfinished(self) -> None:
+        """zero_grad() after a step some shards applied before it raised: skip it on the others,
+        spend its clock and pull the next clock's weights. Where a shard does not answer (or
+        refuses), zero_grad() does not raise: the clock is spent all the same, and the next step
+        sends the skip again before its push (ParameterClient.skip_unfinished), its gradient
+        computed on the weights the model holds."""
+        dropped = self.clock
+        try:
+            self.client.skip_unfinished(dropped + 1)
+        except PsgradError as exc:
+            self.clock = dropped + 1
+            _log.warning("worker rank %d: the step at clock %d that it dropped could not be skipped on every shard "
+                         "yet (%s); its next step tries again", self.rank, dropped, exc)
+            return
+        self.clock = dropped + 1
+        self.prefetched.reset()  # rows read before the dropped step, which some shards applied
+        try:
+            self._versions = self._pull(self.clock)
+        except PsgradError as exc:  # (its next step meets it again: a roll-back, an eviction, ...)
+            _log.warning("worker rank %d: after dropping the step at clock %d, the weights of clock %d could not be "
+                         "pulled (%s); the next batch's gradient is computed on those the model holds",
+                         self.rank, dropped, self.clock, exc)
 
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
                   reads: RowReads | None = None, unused: Ranges = ()) -> ExchangeResult:
@@ -628,7 +665,10 @@ class PSOptimizer(ScheduledOptimizer):
         gradient, ServerBusyError; a server unreachable) leaves the gradients in place, the rows'
         too, and what it was to fetch ahead: opt.step() again pushes them with the same clock (a
         shard that applied the step already acknowledges a duplicate, so each applies it once) and
-        fetches the next batch's rows; opt.zero_grad() drops them instead.
+        fetches the next batch's rows; opt.zero_grad() drops them instead. Where some shards had
+        applied the step, dropping it spends its clock: the next step tells the other shards it is
+        skipped, then pushes the next clock (see zero_grad), so no shard mistakes the next batch
+        for the dropped step (before: acknowledged there as a duplicate, and lost).
 
         Raises:
             PsgradError: a server refused the push or became unreachable.

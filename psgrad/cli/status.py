@@ -167,6 +167,9 @@ def format_status(shards: Sequence[dict[str, Any]]) -> str:
             lines.append(f"shard {s['shard']}: {s['rolled_back']} iterations rolled back to a checkpoint and recomputed")
         if s.get("late_dropped"):
             lines.append(f"shard {s['shard']}: {s['late_dropped']} late gradients dropped (backup workers)")
+        if s.get("pushes_skipped"):
+            lines.append(f"shard {s['shard']}: {s['pushes_skipped']} steps skipped (applied by other shards, then "
+                         "dropped by their workers)")
         if s.get("staleness_bound"):
             lines.append(f"shard {s['shard']}: adaptive staleness bound now {s['staleness_bound']}")
         lines.append(f"shard {s['shard']}: staleness histogram {hist} (mean {st['mean']:.2f}, max {st['max']})")

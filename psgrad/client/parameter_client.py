@@ -2,12 +2,13 @@
 join/init, the lease heartbeat, and one iteration's push + pull."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from concurrent import futures
 from typing import Any, TypeVar
@@ -67,6 +68,17 @@ def continue_from(replies: Sequence[pb.JoinReply], sync: bool) -> int:
     if sync and all(r.start_clock == low or r.last_push_clock + 1 >= r.start_clock for r in replies):
         return low
     return max(starts)
+
+
+@dataclass
+class UnfinishedStep:
+    """A step whose push raised after some shards acknowledged it (applied it, buffered it for its
+    iteration, or answered a duplicate: they hold it): its clock and those shards. The others
+    refused it (a non-finite gradient, the memory budget) or did not answer (unreachable), and
+    applied nothing, or may have (a call that failed after its push was handled)."""
+
+    clock: int
+    acked: frozenset[int]
 
 
 class ParameterClient:
@@ -161,6 +173,9 @@ class ParameterClient:
         # it knew the worker at: they differ where its last push reached some shards only)
         self._told: dict[int, set[int]] = {}
         self._news_lock = threading.Lock()
+        # A push (or exchange) that raised after some shards acknowledged it: its clock and those
+        # shards (see UnfinishedStep); the push of the next clock skips it on the others (skip_unfinished).
+        self.unfinished: UnfinishedStep | None = None
 
     def __enter__(self) -> ParameterClient:
         return self
@@ -250,6 +265,7 @@ class ParameterClient:
         for i, s in enumerate(self.shards):
             s.rejoin = functools.partial(self._rejoin, i, s, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
+        self.unfinished = None  # (a rejoin continues from the clock the shards give)
         return continue_from(replies, policy_for(self.spec).aggregates and not self._shard0_decides)
 
     def _rejoin(self, index: int, shard: ShardClient, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:
@@ -482,8 +498,9 @@ class ParameterClient:
         return self._push_wires[index].encode(grad), ""
 
     def _kept(self, index: int, clock: int, outcome: PushOutcome) -> PushOutcome:
-        """Shard index answered the push of `clock`: kept unless a duplicate (see _push_payload)."""
-        if not outcome.duplicate:
+        """Shard index answered the push of `clock`: kept unless a duplicate (see _push_payload;
+        only an encoder's pushes need it)."""
+        if self._compressors[index] is not None and not outcome.duplicate:
             self._kept_at[index] = clock
         return outcome
 
@@ -546,20 +563,78 @@ class ParameterClient:
         call: applied together or not at all; `unused`: the flat ranges of the dense parameters
         the step left unused, which the shards skip (core/unused.py); `unused_tables`: the sparse
         tables it did not use, whose step counts the shards leave. Returns each shard's answer."""
+        self.skip_unfinished(clock)
         split = self._split_rows(rows, bases)
+        acked: set[int] = set()
 
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end], clock)
             reply = s.push(self._push_header(i, clock, lr, compress, split[i], unused, unused_tables), payload)
+            acked.add(i)
             return self._heard(i, self._kept(i, clock, serde.push_outcome_from_proto(reply)))
 
-        if not self._shard0_decides:
-            return self._fan_out(one)
-        first = one(0, self.shards[0])  # shard 0 decides whether the gradient is in its iteration
-        if first.late:
-            return [first] * len(self.shards)  # late: no shard applies it
-        return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
+        with self._unfinished_if_raises(clock, acked):
+            if not self._shard0_decides:
+                return self._fan_out(one)
+            first = one(0, self.shards[0])  # shard 0 decides whether the gradient is in its iteration
+            if first.late:
+                return [first] * len(self.shards)  # late: no shard applies it
+            return self._fan_out(lambda i, s: first if i == 0 else one(i, s))
+
+    @contextlib.contextmanager
+    def _unfinished_if_raises(self, clock: int, acked: set[int]) -> Iterator[None]:
+        """Around the push of `clock`: where it raises after shards acknowledged it (`acked`, which
+        the calls fill as they are answered), keep them (unfinished: the step taken again adds
+        those that acknowledge it then); where it succeeds, no step is unfinished."""
+        try:
+            yield
+        except BaseException:
+            prior = self.unfinished
+            held = set(acked) | (set(prior.acked) if prior is not None and prior.clock == clock else set())
+            if held:
+                self.unfinished = UnfinishedStep(clock, frozenset(held))
+            elif prior is not None and prior.clock != clock:
+                self.unfinished = None
+            raise
+        self.unfinished = None
+
+    def skip_unfinished(self, clock: int) -> None:
+        """Before a push of `clock`: where the step at clock - 1 is unfinished (some shards
+        acknowledged it, then it raised) and this worker went on without taking it again
+        (PSOptimizer: zero_grad() dropped it), tell the other shards that clock - 1 is skipped
+        (ps.proto PushHeader.skip: acknowledged, never applied; one that applied it after all
+        answers a duplicate), so that each shard's clock moves to `clock` and none drops this
+        push as a duplicate. Logs a warning naming where the step was applied and where skipped.
+        A push of the unfinished clock itself (the step taken again) sends nothing; one of any
+        other clock (the worker rolled back or rejoined) forgets it.
+
+        Raises:
+            PsgradError: a shard refused the skip or is unreachable (the step stays unfinished:
+                the next push sends the skip again).
+        """
+        u = self.unfinished
+        if u is None or clock == u.clock:
+            return
+        if clock != u.clock + 1:
+            self.unfinished = None
+            return
+        others = [i for i in range(len(self.shards)) if i not in u.acked]
+
+        def one(i: int, s: ShardClient) -> PushOutcome:
+            start, end = self.plan.ranges[i]
+            header = pb.PushHeader(rank=self.rank, clock=u.clock, base_version=self.base_versions[i], numel=end - start,
+                                   dtype=self.spec.wire_dtype, fingerprint=self.fingerprint, skip=True)
+            return self._heard(i, serde.push_outcome_from_proto(s.skip(header)))
+
+        outcomes = self._fan_out(one, only=others)
+        self.unfinished = None
+        applied = sorted(set(u.acked) | {i for i, o in zip(others, outcomes) if o.duplicate})
+        skipped = [i for i in others if i not in applied]
+        if skipped:
+            _log.warning("worker rank %d: the step at clock %d was applied on shard(s) %s and skipped on %s (refused "
+                         "or unanswered there, then dropped instead of taken again): its gradient counts on %s only",
+                         self.rank, u.clock, applied, skipped, applied)
 
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
@@ -579,6 +654,8 @@ class ParameterClient:
             if reads is not None:
                 reads.rows = self.pull_tables(reads.ids, checked=reads.checked)
             return done
+        self.skip_unfinished(clock)
+        acked: set[int] = set()
         req = pb.PullRequest(rank=self.rank, clock=clock + 1, fingerprint=self.fingerprint)
         split = self._split_rows(rows, bases)
         plan = _ReadPlan(self, reads.ids, reads.checked) if reads is not None else None
@@ -596,15 +673,19 @@ class ParameterClient:
             else:
                 done = yield from s.stepping(header, payload, flat[start:end], wire, lend, asks)
             if done is None:
-                reply, version = s.push(header, payload), s.pull(req, flat[start:end], wire, lend)
+                reply = s.push(header, payload)
+                acked.add(i)
+                version = s.pull(req, flat[start:end], wire, lend)
                 done = reply, version, self._read(s, asks, False) if asks else None
+            acked.add(i)
             reply, version, got = done
             return self._heard(i, self._kept(i, clock, serde.push_outcome_from_proto(reply)), version), version, got
 
-        if len(self.shards) > 1 and all(s.staged for s in self.shards):  # (same host: never a duplex push)
-            results = _in_stages([one(i, s) for i, s in enumerate(self.shards)])
-        else:
-            results = self._fan_out(lambda i, s: run_through(one(i, s)))
+        with self._unfinished_if_raises(clock, acked):
+            if len(self.shards) > 1 and all(s.staged for s in self.shards):  # (same host: never a duplex push)
+                results = _in_stages([one(i, s) for i, s in enumerate(self.shards)])
+            else:
+                results = self._fan_out(lambda i, s: run_through(one(i, s)))
         self.base_versions = [version for _, version, _ in results]
         if reads is not None and plan is not None:
             reads.rows = plan.place({i: got for i, (_, _, got) in enumerate(results) if got is not None}, False)
@@ -794,6 +875,7 @@ class ParameterClient:
                 self._fan_out(lambda i, s: s.rollback(execute))
             except errors.RollbackError:
                 continue  # a shard went back further meanwhile: ask again
+            self.unfinished = None  # (the job computes the iterations since target again)
             return target
         raise errors.RollbackError(f"the shards kept moving back during {attempts} roll-back attempts")
 

@@ -223,6 +223,14 @@ class ShardClient:
         Retries are safe: pushes are keyed."""
         return self.transport.push(head, payload)
 
+    def skip(self, header: pb.PushHeader) -> pb.PushReply:
+        """Send a skip (ps.proto PushHeader.skip: this worker dropped its step at header.clock,
+        which other shards applied): a Push call of the header frame alone, through gRPC whatever
+        the payloads' transport. Retries are safe (a shard that handled the clock answers a duplicate)."""
+        t = self.config.rpc_timeout_s
+        frame = PushHead(header).frame()
+        return self._call("the skip", lambda: self._push(iter([frame]), timeout=t), t)
+
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: RowBlock | None = None,

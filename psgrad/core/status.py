@@ -153,6 +153,7 @@ class ShardStatus:
     job_lr_clock: int = -1  # the chief's clock that set job_lr (-1: the spec's)
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
     pushes_plain: int = 0  # with --compress: pushes that came uncompressed (from workers on the server's host)
+    pushes_skipped: int = 0  # steps other shards applied that their workers dropped: acknowledged, never applied
     staleness_bound: int = 0  # ssp with --staleness auto: the bound in effect now (0: a fixed bound)
     pending: int = 0  # sync: gradients buffered for the current iteration
     waiting: int = 0  # pulls parked in the gate right now
@@ -206,6 +207,7 @@ class ShardStatus:
             "job_lr_clock": self.job_lr_clock,
             "late_dropped": self.late_dropped,
             "pushes_plain": self.pushes_plain,
+            "pushes_skipped": self.pushes_skipped,
             "staleness_bound": self.staleness_bound,
             "pending": self.pending,
             "waiting": self.waiting,

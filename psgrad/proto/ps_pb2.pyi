@@ -254,7 +254,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables", "skip")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class PushHeader(_message.Message):
     ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     UNUSED_FIELD_NUMBER: _ClassVar[int]
     UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
     base_version: int
@@ -277,7 +278,8 @@ class PushHeader(_message.Message):
     row_block: RowBlock
     unused: bytes
     unused_tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    skip: bool
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -386,7 +388,7 @@ class StatusRequest(_message.Message):
     def __init__(self, with_params: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "frozen_params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint", "pushes_plain", "delta")
+    __slots__ = ("initialized", "shard", "spec", "version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "workers", "staleness", "uptime_s", "fingerprint", "evictions", "pending", "waiting", "transfers", "updates_lost", "params", "table_specs", "frozen_params", "rolled_back", "job_lr", "job_lr_clock", "replica", "delay", "late_dropped", "staleness_bound", "published", "tables", "checkpoint", "pushes_plain", "delta", "pushes_skipped")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +423,7 @@ class StatusReply(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PUSHES_PLAIN_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     shard: ShardRange
     spec: JobSpec
@@ -455,7 +458,8 @@ class StatusReply(_message.Message):
     checkpoint: CheckpointStatus
     pushes_plain: int
     delta: DeltaStatus
-    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen_params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., pushes_plain: _Optional[int] = ..., delta: _Optional[_Union[DeltaStatus, _Mapping]] = ...) -> None: ...
+    pushes_skipped: int
+    def __init__(self, initialized: _Optional[bool] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., fingerprint: _Optional[str] = ..., evictions: _Optional[int] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., transfers: _Optional[_Union[TransferStatus, _Mapping]] = ..., updates_lost: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., table_specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen_params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., rolled_back: _Optional[int] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., delay: _Optional[_Union[DelayStatus, _Mapping]] = ..., late_dropped: _Optional[int] = ..., staleness_bound: _Optional[int] = ..., published: _Optional[_Union[PublishedStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., checkpoint: _Optional[_Union[CheckpointStatus, _Mapping]] = ..., pushes_plain: _Optional[int] = ..., delta: _Optional[_Union[DeltaStatus, _Mapping]] = ..., pushes_skipped: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("enabled", "version", "age_s", "writes", "failures", "failing", "last_error", "error_age_s")

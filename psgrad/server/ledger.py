@@ -50,6 +50,7 @@ class Counters:
     rolled_back: int = 0  # sync: iterations undone by roll-backs (recomputed by the workers)
     late_dropped: int = 0  # sync with backup workers: gradients that came after their iteration closed
     pushes_plain: int = 0  # with --compress: pushes that came uncompressed (same-host workers)
+    pushes_skipped: int = 0  # steps other shards applied that the worker dropped (a skip): acknowledged, never applied
     staleness: Counter[int] = field(default_factory=Counter)
 
     def saved(self) -> dict[str, Any]:

@@ -97,6 +97,8 @@ class ShardCollector:
         yield counter("psgrad_pushes_plain", "with --compress: pushes that came uncompressed (from workers on the "
                       "server's host, without --compress-same-host)", s.pushes_plain)
         yield counter("psgrad_late_dropped", "sync with backup workers: gradients dropped as late", s.late_dropped)
+        yield counter("psgrad_pushes_skipped", "steps other shards applied that their workers dropped (zero_grad after "
+                      "the step raised): acknowledged here, never applied", s.pushes_skipped)
         yield gauge("psgrad_staleness_bound", "ssp with --staleness auto: the bound in effect (0: a fixed bound)",
                     s.staleness_bound)
         live = sum(1 for w in s.workers if w.state == LIVE)

@@ -250,7 +250,7 @@ class Pushes:
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
-                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots)
+                update_rows = functools.partial(self._rows.apply, state, rows, lr, scale, slots) if rows else None
 
                 def apply_rows(undo: Callable[[], object] | None = None) -> RowJournal:
                     return self._apply_rows(update_rows, what, count=True, undo_dense=undo)
@@ -302,7 +302,7 @@ class Pushes:
         if self._core.broken is not None:
             raise ApplyFailedError(self._core.broken)
 
-    def _apply_rows(self, apply: Callable[[], None], what: str, count: bool = False,
+    def _apply_rows(self, apply: Callable[[], None] | None, what: str, count: bool = False,
                     undo_dense: Callable[[], object] | None = None) -> RowJournal:
         """Apply an update's rows (apply()), journaled: where it fails part way, what it wrote is
         undone (see _failed; undo_dense: how to undo a dense part applied before, exactly) and the
@@ -312,6 +312,8 @@ class Pushes:
         Under the lock."""
         journal = RowJournal()
         self._kept = self._replica.rows_kept()  # (what the next record carries from before this update)
+        if apply is None:  # (no rows: nothing to journal)
+            return journal
         try:
             with journal.record():
                 apply()
@@ -355,6 +357,51 @@ class Pushes:
                        "standby takes over")
         _log.error("%s", core.broken)
         raise ApplyFailedError(core.broken) from exc
+
+    def skip_push(self, rank: int, clock: int, base_version: int, fingerprint: str) -> PushResult:
+        """A skip (PushHeader.skip): rank's step at `clock`, which other shards applied, was dropped
+        by its worker. Handled as a push whose gradient --nonfinite skip skips: acknowledged and
+        never applied, the worker's clock moved past it (in sync the iteration no longer waits for
+        it, and completes once the others pushed), counted (pushes_skipped), and the backup told
+        (as a skip: the members' record). A shard that handled the clock already (it applied the
+        step) answers a duplicate; a clock the worker may not push (ahead of its next one, or not
+        the current iteration in sync) is refused as a push would be.
+
+        Raises:
+            NotInitializedError, JobMismatchError, UnknownWorkerError, EvictedError, WorkerStateError:
+                as for a push.
+            InvalidRequestError, RollbackError: the clock does not fit (nothing recorded).
+        """
+        core = self._core
+        with core.cond:
+            state = core.require(fingerprint, rank)
+            core.refresh()
+            member = core.members.live(rank)
+            policy = core.policy
+            if clock <= member.last_push_clock:
+                core.counters.pushes_duplicate += 1
+                return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
+            late = policy.late(rank, base_version, core.view(), core.marks.restored)
+            if late is not None:  # (sync with backup workers) its iteration completed without it
+                return self._drop_late(member, clock, base_version, late)
+            try:
+                decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
+                if not policy.aggregates:
+                    core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
+            except (InvalidRequestError, RollbackError):
+                core.counters.pushes_rejected += 1
+                raise
+            lost_from = core.marks.last_pushes.pop(rank, None)
+            if lost_from is not None:  # its pushes between the checkpoint and this one were lost
+                core.counters.updates_lost += max(0, clock - lost_from - 1)
+            Membership.advance(member, clock)  # acknowledged, never applied
+            core.counters.pushes_skipped += 1
+            if decision is PushDecision.BUFFER:
+                core.round.skip()
+                core.refresh()  # the worker no longer owes this iteration
+            core.members_changed()  # a backup that takes over knows the clock moved
+            core.notify()
+            return PushResult(False, f"skipped: worker rank {rank} dropped its step at clock {clock}", core.version, 0)
 
     def _skip_tables(self, state: ShardState, names: frozenset[str]) -> None:
         """The update being applied did not use these sparse tables: their step counts stay (and
@@ -422,8 +469,9 @@ class Pushes:
                 # as its pushes came stay for it)
                 self._replica.abandon(self._replica.rows_kept())
                 raise
-            journal = self._apply_rows(lambda: self._rows.apply_round(state, [it.rows for it in items], len(items), lr),
-                                       what)
+            per_rank = [it.rows for it in items]
+            journal = self._apply_rows((lambda: self._rows.apply_round(state, per_rank, len(items), lr))
+                                       if any(per_rank) else None, what)
             try:
                 state.dense.apply(mean, 1.0, lr, skip)
             except BaseException as exc:

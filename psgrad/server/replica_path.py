@@ -68,6 +68,8 @@ class Replica:
         kept of it for its record goes, so no later update's record carries it (its retry keeps it
         again). keep: the row updates kept before it began (rows_kept), which stay: rows applied
         already that the next record carries (a hybrid job's pushes' rows, applied as they came)."""
+        if self._payload is not None and self._payload[3] and self.replication is not None:
+            self.replication.unclaim()  # (its copy was in the segment to the backup, which it now leaves free)
         self._payload, self._rows, self._skipped_tables = None, self._rows[:keep], frozenset()
 
     def rows_kept(self) -> int:

@@ -245,12 +245,24 @@ class Replication:
 
     def close(self) -> None:
         """The server stops: calls waiting for an acknowledgement end (NotPrimaryError, which sends
-        their workers to the backup, where an update they did not see acknowledged is applied)."""
+        their workers to the backup, where an update they did not see acknowledged is applied). The
+        segments' names go (a segment is unlinked once its backup opened it; one never sent would
+        stay in /dev/shm); their memory stays mapped while a record being sent still reads it."""
         with self._cond:
             self._closed = True
             dropped = self._drop_locked()
+            segments, self._segments = self._segments, [None, None, None]
         for record in dropped:
             record.close()
+        for seg in segments:
+            if seg is not None:
+                seg.unlink()
+
+    def unclaim(self) -> None:
+        """The gradient copied into the segment (payload_buffer) will not be sent: its update failed
+        before it was applied, and made no record. The next update may use the segment."""
+        with self._cond:
+            self._segment_claimed = False
 
     def fence(self, epoch: int) -> bool:
         """A promoted backup reports `epoch`: a primary at an older epoch stops serving. Returns

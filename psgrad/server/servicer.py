@@ -441,6 +441,9 @@ class ParameterServicer:
 
     def _reserve(self, h: pb.PushHeader, context: grpc.ServicerContext) -> _Reserved:
         """Check a push header and wait for a receive buffer (see Shard.push_target)."""
+        if h.skip:
+            raise InvalidRequestError(f"a skip (worker rank {h.rank}, clock {h.clock}) is sent through Push alone, "
+                                      "with its header frame and no data")
         torch_dtype(h.dtype)  # refuses unknown dtype names with a clear message
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
@@ -502,8 +505,23 @@ class ParameterServicer:
 
     @_edge
     def Push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        r = self._reserve(_header(frames, pb.PushFrame, "push"), context)
+        h = _header(frames, pb.PushFrame, "push")
+        if h.skip:
+            return self._skip(h, frames, context)
+        r = self._reserve(h, context)
         return self._receive(r, context, frames=frames)
+
+    def _skip(self, h: pb.PushHeader, frames: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        """A skip (ps.proto PushHeader.skip): the worker dropped its step at h.clock, which other
+        shards applied; acknowledged unapplied (see Shard.skip_push), once the backup has it."""
+        if next(frames, None) is not None:
+            raise InvalidRequestError(f"a skip (worker rank {h.rank}, clock {h.clock}) carries no data")
+        self.shard.serving()
+        result = self.shard.skip_push(h.rank, h.clock, h.base_version, h.fingerprint)
+        self._acked(result.version, context)
+        evicted, restored = self.shard.news(h.rank)
+        return pb.PushReply(applied=False, reason=result.reason, version=result.version,
+                            evicted=serde.evictions_to_proto(evicted), restored_version=restored)
 
     def PushGated(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Push with a go-ahead (see ps.proto): `ready` once the buffer is reserved, then the

@@ -63,6 +63,7 @@ class Shard:
         # The collaborators' calls, as the shard's own.
         self.push_target = self.pushes.push_target
         self.apply_push = self.pushes.apply_push
+        self.skip_push = self.pushes.skip_push
         self.release = self.pushes.release
         self.reject = self.pushes.reject
         self.may_check_as_applied = self.pushes.may_check_as_applied
@@ -454,7 +455,7 @@ class Shard:
                 pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
                 pushes_rejected=c.pushes_rejected, pulls=c.pulls, bytes_in=c.bytes_in, bytes_out=c.bytes_out,
                 evictions=c.evictions, updates_lost=c.updates_lost, rolled_back=c.rolled_back,
-                late_dropped=c.late_dropped, pushes_plain=c.pushes_plain,
+                late_dropped=c.late_dropped, pushes_plain=c.pushes_plain, pushes_skipped=c.pushes_skipped,
                 job_lr=state.job_lr if state else 0.0,
                 job_lr_clock=state.job_lr_clock if state else -1,
                 staleness_bound=core.policy.reported_bound,

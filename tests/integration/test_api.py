@@ -320,3 +320,179 @@ def test_parameter_groups_are_checked_by_name(make_servers) -> None:  # type: ig
         with psgrad.connect(_addresses(running), client=CLIENT) as ps:
             with pytest.raises(ConfigError, match=message):
                 ps.optimizer(model, param_groups=groups)
+
+
+def _sgd_twin_step(twin: nn.Module, grads: list[torch.Tensor], lr: float,
+                   only: list[tuple[int, int] | None] | None = None) -> None:
+    """One sync iteration of the job's SGD on torch's twin: the mean of the workers' flat gradients
+    (`grads`; the flat space is the model's parameters in order, back to back), element by element
+    over the workers whose gradient the element's shard applied (`only[r]`: the flat range worker
+    r's counts on, None: all of it)."""
+    flat = torch.nn.utils.parameters_to_vector(twin.parameters()).detach()
+    total, count = torch.zeros_like(flat), torch.zeros_like(flat)
+    for r, g in enumerate(grads):
+        mask = torch.ones_like(flat)
+        if only is not None and only[r] is not None:
+            lo, hi = only[r]  # type: ignore[misc]
+            mask.zero_()[lo:hi] = 1.0
+        total += g * mask
+        count += mask
+    step = torch.where(count > 0, total / count.clamp(min=1.0), torch.zeros_like(total))
+    torch.nn.utils.vector_to_parameters(flat - lr * step, twin.parameters())
+
+
+def _flat_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+
+
+def _skip_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "skipped on" in r.getMessage()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_one_shard_refused_and_the_user_dropped_spends_its_clock_and_the_next_batch_counts_everywhere(
+        start_servers, caplog, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Two server processes, one worker. Step 2's gradient holds a NaN in shard 0's range only:
+    shard 0 refuses it, shard 1 applies it, and step() raises. The user skips the batch the torch
+    way (zero_grad(), then the next batch). Step 2's clock is spent: the next step tells shard 0 it
+    is skipped (counted there, logged), then pushes clock 3, which both shards apply. The job's
+    weights equal torch's twin that applied step 2's gradient on shard 1's range only and every
+    other batch in full. Before, the next batch went as clock 2 again: shard 1 acknowledged it as a
+    duplicate of step 2 and dropped it, silently."""
+    from psgrad.client.status_client import shard_status
+    from psgrad.errors import NonFiniteGradientError
+
+    caplog.set_level("WARNING", logger="psgrad")
+    addresses = start_servers(2)
+    lr, steps, bad = 0.1, 6, 2
+    gen = torch.Generator().manual_seed(11)
+    data = [(torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)) for _ in range(steps)]
+    model = _model()
+    twin, probe = copy.deepcopy(model), copy.deepcopy(model)
+    with psgrad.connect(addresses, mode=mode, optimizer=psgrad.SGD(lr=lr), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        (start0, end0), (start1, end1) = opt.plan.ranges
+        assert start0 == 0 < end0 == start1 < end1  # model[0].weight[0, 0] is the first element: shard 0's
+        for k, (x, y) in enumerate(data):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            probe.load_state_dict(model.state_dict())
+            grad = _flat_grad(probe, x, y)  # (this batch's gradient on the weights the model holds)
+            if k == bad:
+                model[0].weight.grad[0, 0] = float("nan")
+                with pytest.raises(NonFiniteGradientError):
+                    opt.step()
+                _sgd_twin_step(twin, [grad], lr, [(start1, end1)])
+                continue  # (the loop's zero_grad() drops the step)
+            assert opt.step().accepted
+            _sgd_twin_step(twin, [grad], lr)
+        clock = opt.clock
+        status = shard_status(addresses, 10)
+        final = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    torch.testing.assert_close(final, torch.nn.utils.parameters_to_vector(twin.parameters()).detach(),
+                               rtol=1e-5, atol=1e-6)
+    assert clock == steps  # the dropped step spent its clock
+    assert [s.pushes_duplicate for s in status] == [0, 0]
+    assert [s.pushes_skipped for s in status] == [1, 0]
+    assert [s.version for s in status] == ([steps, steps] if mode == "sync" else [steps - 1, steps])
+    assert _skip_warnings(caplog) == [
+        f"worker rank 0: the step at clock {bad} was applied on shard(s) [1] and skipped on [0] (refused or unanswered "
+        "there, then dropped instead of taken again): its gradient counts on [1] only"]
+
+
+@pytest.mark.timeout(120)
+def test_in_sync_a_worker_that_drops_a_step_one_shard_refused_does_not_hold_the_other_worker(
+        start_servers, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Sync, two workers, two server processes. Worker 0's step 2 holds a NaN in shard 0's range:
+    shard 0 refuses it (shard 1 buffers it for the iteration) and the step raises; worker 0 drops
+    it (zero_grad) and goes on. Its next step tells shard 0 the step is skipped, so shard 0's
+    iteration 2 completes with worker 1's gradient alone (worker 1's pull there waited for it),
+    and both workers end at the same clock, the job's weights equal to torch's twin: iteration 2's
+    mean over both workers on shard 1's range, worker 1's gradient alone on shard 0's. Before,
+    worker 0's next batch went as clock 2: shard 1 dropped it as a duplicate."""
+    from psgrad.client.status_client import shard_status
+    from psgrad.errors import NonFiniteGradientError
+
+    caplog.set_level("WARNING", logger="psgrad")
+    addresses = start_servers(2)
+    lr, steps, bad = 0.1, 5, 2
+    gen = torch.Generator().manual_seed(12)
+    data = [[(torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)) for _ in range(steps)]
+            for _ in range(2)]
+    base = _model()
+    twin = copy.deepcopy(base)
+    finals: dict[int, torch.Tensor] = {}
+    clocks: dict[int, int] = {}
+    ranges: list[tuple[int, int]] = []
+    status: list = []
+
+    def worker(rank: int) -> None:
+        model = copy.deepcopy(base)
+        with psgrad.connect(addresses, rank=rank, num_workers=2, mode="sync", optimizer=psgrad.SGD(lr=lr),
+                            client=CLIENT) as ps:
+            opt = ps.optimizer(model)
+            if rank == 0:
+                ranges.extend(opt.plan.ranges)
+            for k, (x, y) in enumerate(data[rank]):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                if rank == 0 and k == bad:
+                    model[0].weight.grad[0, 0] = float("nan")
+                    with pytest.raises(NonFiniteGradientError):
+                        opt.step()
+                    continue
+                assert opt.step().accepted
+            clocks[rank] = opt.clock
+            finals[rank] = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+            if rank == 0:
+                status.extend(shard_status(addresses, 10))
+
+    run_in_threads(2, worker, timeout_s=90)
+    (start0, end0), (start1, end1) = ranges
+    assert start0 == 0 < end0 == start1 < end1
+    for k in range(steps):
+        grads = [_flat_grad(twin, *data[r][k]) for r in range(2)]
+        _sgd_twin_step(twin, grads, lr, [(start1, end1), None] if k == bad else None)
+    expected = torch.nn.utils.parameters_to_vector(twin.parameters()).detach()
+    for rank in range(2):  # (each pulled the last iteration's weights)
+        torch.testing.assert_close(finals[rank], expected, rtol=1e-5, atol=1e-6)
+    assert clocks == {0: steps, 1: steps}
+    assert [s.pushes_duplicate for s in status] == [0, 0]
+    assert [s.pushes_skipped for s in status] == [1, 0]
+    assert len(_skip_warnings(caplog)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_with_overlap_a_step_one_shard_refused_is_skipped_there_by_the_next_step(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Async with overlap, two server processes. Step 2's background exchange is refused by shard 0
+    (a NaN in its range) and applied by shard 1; the failure reaches step 3's call, which raises
+    before it pushes. The loop goes on: step 4 sends the skip of clock 2 to shard 0, then pushes
+    clock 3, which both shards apply, and the job goes on to the end. Before, every later push was
+    refused by shard 0 as a clock jump (its next clock stayed 2)."""
+    from psgrad.client.status_client import shard_status
+    from psgrad.errors import NonFiniteGradientError
+
+    addresses = start_servers(2)
+    model = _model()
+    gen = torch.Generator().manual_seed(13)
+    raised = []
+    with psgrad.connect(addresses, optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model, overlap=True)
+        for k in range(7):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(8, 64, generator=gen)),
+                                        torch.randint(0, 10, (8,), generator=gen)).backward()
+            if k == 2:
+                model[0].weight.grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except NonFiniteGradientError:
+                raised.append(k)
+        opt.synchronize()
+        clock = opt.clock
+        status = shard_status(addresses, 10)
+    assert raised == [3] and clock == 6  # (step 3's call raised before it pushed: 6 clocks for 7 calls)
+    assert [(s.pushes_skipped, s.pushes_applied, s.pushes_duplicate) for s in status] == [(1, 5, 0), (0, 6, 0)]

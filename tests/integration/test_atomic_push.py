@@ -7,6 +7,7 @@ unchanged, and its retry (the same clock, the fault mended) is applied exactly o
 shard stores together, in one arena); real gRPC servers in process."""
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,7 @@ from psgrad.errors import ApplyFailedError, InvalidRequestError, MemoryBudgetErr
 from psgrad.server.runtime import RunningServer, start_server
 from psgrad.server.table_groups import GroupedTable
 from psgrad.server.tables import SparseTable
+from psgrad.wire import shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,9 +43,17 @@ def tables(request: pytest.FixtureRequest) -> list[TableSpec]:
     return list(request.param)
 
 
+def my_segments() -> list[str]:
+    """This process's shared-memory segments in /dev/shm (servers and clients here are in-process)."""
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"psgrad-{os.getpid()}-")]
+
+
 @pytest.fixture
 def job(tables: list[TableSpec]) -> Iterator[Callable[[str, int], tuple[RunningServer, RunningServer, list[ParameterClient]]]]:
-    """job(mode, workers) -> (primary, its backup, joined clients), all stopped at teardown."""
+    """job(mode, workers) -> (primary, its backup, joined clients), all stopped at teardown, which
+    leaves no shared-memory segment of theirs behind (a failed update's copy for the backup was
+    left in /dev/shm once)."""
+    before = set(my_segments())
     servers: list[RunningServer] = []
     clients: list[ParameterClient] = []
     budget = budget_mb(tables)
@@ -67,6 +77,7 @@ def job(tables: list[TableSpec]) -> Iterator[Callable[[str, int], tuple[RunningS
         c.close()
     for s in servers:
         s.stop(0)
+    assert set(my_segments()) - before == set(), "segments left in /dev/shm"
 
 
 def state_of(server: RunningServer) -> dict[str, torch.Tensor | int]:

@@ -378,3 +378,42 @@ def test_a_promoted_backup_evicts_a_worker_that_died_with_its_primary(servers: C
         a.close()  # leaves: no call reaches the backup from now on (a's heartbeats would evict on their own)
         members = backup.shard.core.members.members  # read without a call
         wait_for("the dead worker's eviction", lambda: members[1].state == EVICTED, 20)
+
+
+def test_a_skipped_step_reaches_the_backup_which_goes_on_from_it(servers: Callable[..., RunningServer]) -> None:
+    """Sync, 2 workers, a primary and its backup. Worker 1's gradient of iteration 0 is buffered;
+    worker 0 skips its step 0 (PushHeader.skip: other shards of its job applied it, it dropped
+    it): the iteration completes with worker 1's gradient alone, and the skip is answered once the
+    backup has it: the same weights, and worker 0's clock past the skipped step. The primary dies;
+    both workers push iteration 1 to the backup, which applies it (no duplicate, no wait for a
+    skipped step)."""
+    from psgrad.proto import ps_pb2 as pb
+
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    spec = JobSpec(mode="sync", lr=0.1, num_workers=2)
+    shard = f"{primary.address}|{backup.address}"
+    clients = [ParameterClient([shard], spec, PARAMS, plan_shards(PARAMS, 1), r, CONFIG) for r in range(2)]
+    held: list[object] = []
+    try:
+        run_in_threads(2, lambda r: clients[r].join((lambda: torch.zeros(NUMEL)) if r == 0 else None))
+        assert backup.shard.wait_until(lambda s: {w.rank for w in s.workers} == {0, 1}, 30)
+        first = threading.Thread(target=lambda: held.append(clients[1].push(grad(1, 0), 0)))
+        first.start()
+        assert primary.shard.replication is not None
+        assert primary.shard.replication.wait_for_waiting(1, 30)  # worker 1's gradient, buffered
+        reply = clients[0].shards[0].skip(pb.PushHeader(rank=0, clock=0, fingerprint=clients[0].fingerprint, skip=True))
+        first.join(30)
+        assert not first.is_alive() and held
+        assert (reply.applied, reply.version) == (False, 1) and reply.reason.startswith("skipped")
+        assert_same_state(primary, backup)
+        assert {w.rank: w.clock for w in backup.shard.status().workers} == {0: 1, 1: 1}
+        primary.stop(0)
+        run_in_threads(2, lambda r: clients[r].push(grad(r, 1), 1))
+    finally:
+        for c in clients:
+            c.close()
+    st = backup.shard.status()
+    assert (st.version, st.pushes_skipped, st.pushes_duplicate) == (2, 0, 0)  # (the primary counted the skip)
+    expected = -0.1 * grad(1, 0) - 0.1 * (grad(0, 1) + grad(1, 1)) / 2
+    torch.testing.assert_close(backup.shard.weights_copy(), expected)

@@ -163,7 +163,7 @@ def counters_of(shard: Shard) -> dict[str, object]:
     """What `psgrad status` shows of a shard's counters."""
     st = shard.status()
     names = ("pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "bytes_in", "bytes_out", "evictions",
-             "updates_lost", "rolled_back", "late_dropped", "pushes_plain")
+             "updates_lost", "rolled_back", "late_dropped", "pushes_plain", "pushes_skipped")
     return {**{n: getattr(st, n) for n in names}, "staleness": dict(st.staleness)}
 
 

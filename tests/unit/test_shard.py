@@ -848,3 +848,58 @@ def test_the_lease_reaper_survives_a_failed_iteration_and_completes_it(monkeypat
     finally:
         s.close()
         reaper.join(timeout=10)
+
+
+# ----------------------------------------------------------------------------- skips
+def test_a_skip_acknowledges_a_refused_clock_unapplied_and_the_next_push_is_applied() -> None:
+    """Async. A push refused for a NaN recorded nothing; the worker drops that step (other shards
+    applied it): the skip of its clock changes no weight, moves the worker's clock past it and is
+    counted (pushes_skipped), so its next clock is applied, not refused as a jump. A skip of a
+    clock the shard applied answers a duplicate; one ahead of the worker's next clock is refused,
+    nothing recorded."""
+    layout = make_layout()
+    s = Shard(ServerConfig())
+    s.initialize(0, layout, weights_for(layout))
+    assert push(s, layout, torch.ones(layout.numel), rank=0, clock=0).applied
+    with pytest.raises(InvalidRequestError, match="non-finite"):
+        push(s, layout, _bad_grad(layout), rank=0, clock=1)
+    with pytest.raises(InvalidRequestError, match="next clock is 1"):  # the clock jump the skip makes good
+        push(s, layout, torch.ones(layout.numel), rank=0, clock=2)
+    before = s.weights_copy()
+    with pytest.raises(InvalidRequestError, match="next clock is 1"):
+        s.skip_push(0, 2, s.version, layout.fingerprint)
+    result = s.skip_push(0, 1, s.version, layout.fingerprint)
+    assert (result.applied, result.reason, result.version) == (False, "skipped: worker rank 0 dropped its step at clock 1", 1)
+    assert torch.equal(s.weights_copy(), before)
+    again = s.skip_push(0, 0, s.version, layout.fingerprint)  # (a clock it applied)
+    assert not again.applied and again.reason == "duplicate push (rank 0, clock 0)"
+    assert push(s, layout, torch.ones(layout.numel), rank=0, clock=2).applied
+    st = s.status()
+    assert (st.pushes_skipped, st.pushes_duplicate, st.pushes_applied, st.version) == (1, 1, 2, 2)
+    assert {w.rank: w.clock for w in st.workers} == {0: 3}
+
+
+def test_in_sync_a_skip_completes_the_iteration_without_the_worker_and_survives_a_checkpoint() -> None:
+    """Sync, 2 workers: worker 1's gradient is buffered; worker 0's skip of the iteration completes
+    it with worker 1's gradient alone (the mean of one). A snapshot then restored keeps the count
+    and the clocks: the skip sent again is a duplicate there, and the next iteration goes on."""
+    s, lay = _sync_shard()
+    w0 = s.weights_copy()
+    assert w0 is not None
+    assert _sync_push(s, lay, 1).deferred
+    assert s.version == 0
+    result = s.skip_push(0, 0, 0, lay.fingerprint)
+    assert not result.applied and result.version == 1
+    g = torch.Generator().manual_seed(10)  # worker 1's dense gradient of iteration 0 (as _sync_push draws it)
+    ids = torch.unique(torch.randint(0, 100, (6,), generator=g))
+    torch.randn(ids.numel(), 4, generator=g)
+    torch.testing.assert_close(s.weights_copy(), w0 - 0.5 * torch.randn(16, generator=g))
+    status = s.status()
+    assert (status.pushes_skipped, status.pushes_applied, status.version) == (1, 1, 1)
+    restored = Shard(ServerConfig())
+    restored.restore(s.snapshot())
+    st = restored.status()
+    assert st.pushes_skipped == 1 and {w.rank: w.clock for w in st.workers} == {0: 1, 1: 1}
+    assert restored.skip_push(0, 0, 0, lay.fingerprint).reason == "duplicate push (rank 0, clock 0)"
+    assert _sync_push(restored, lay, 0, clock=1).deferred
+    assert _sync_push(restored, lay, 1, clock=1).applied and restored.version == 2
