@@ -37,6 +37,7 @@ from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
 from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
+from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
 from psgrad.worker.prefetch import Prefetched, read_ids
@@ -433,21 +434,24 @@ class PSOptimizer(ScheduledOptimizer):
                          self.rank, dropped, self.clock, exc)
 
     def _exchange(self, grad: Any, clock: int, base: list[int], lr: float | None,
-                  reads: RowReads | None = None) -> ExchangeResult:
-        """Push grad as clock (computed on weights of versions `base`) with lr and the row gradients
-        of the model's psgrad embeddings, then pull clock + 1 (and the rows `reads` asks for). The
-        rows' gradients are dropped once the exchange succeeded: one that raises leaves them for the
+                  reads: RowReads | None = None, unused: Ranges = ()) -> ExchangeResult:
+        """Push grad as clock (computed on weights of versions `base`) with lr, the row gradients
+        of the model's psgrad embeddings and the dense parameters the step left unused (`unused`,
+        which the servers skip), then pull clock + 1 (and the rows `reads` asks for). The rows'
+        gradients are dropped once the exchange succeeded: one that raises leaves them for the
         step taken again (the same clock, which a shard that applied it already acknowledges as a
         duplicate: applied once), and for zero_grad() to drop."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        rows, bases = {}, {}
+        rows, bases, unused_tables = {}, {}, []
         for name, module in self.embeddings:
+            if not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
+                unused_tables.append(name)
             found = module.row_gradients()
             if found is not None:  # (pushed with the versions its rows were read at: their staleness)
                 rows[name], bases[name] = (found.ids, found.grads), found.bases
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
-                                                 bases)
+                                                 bases, unused, unused_tables)
         self._rows_pushed()
         evicted, restores = self.client.take_news()
         return ExchangeResult(
@@ -701,7 +705,7 @@ class PSOptimizer(ScheduledOptimizer):
                 return stats
             grad = self.flat.gather_grads()
             stats.d2h_s = self.flat.d2h_s
-            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr)
+            self._pending = self._pool.submit(self._exchange, grad, clock, list(base), push_lr, None, self.flat.unused)
         else:
             if prefetch is None and self._next_lookups is not None and not isinstance(self._next_lookups, (Mapping, list)):
                 self._next_lookups = list(self._next_lookups)  # (pairs from an iterator: the same for a step taken again)
@@ -723,7 +727,7 @@ class PSOptimizer(ScheduledOptimizer):
             stats.d2h_s = self.flat.d2h_s
             reads = RowReads(read_ids(wanted), checked=True) if wanted else None
             try:
-                done = self._exchange(grad, clock, self._versions, push_lr, reads)
+                done = self._exchange(grad, clock, self._versions, push_lr, reads, self.flat.unused)
             except RollbackError:
                 stats.rolled_back_to = self._roll_back()
                 self._rows_pushed()  # (the step returns, the clock moved: its gradient is dropped, the rows' too)

@@ -29,6 +29,7 @@ from psgrad.core.push_outcome import Eviction, PushOutcome, Restore
 from psgrad.core import rows as row_placement
 from psgrad.core.sharding import ParamSpec, ShardPlan, TableSpec, fingerprint, frozen_ranges
 from psgrad.core.status import missing_ranks, start_wait_phrase
+from psgrad.core.unused import Ranges, clipped, to_bytes
 from psgrad.errors import PsgradError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import serde, shm
@@ -533,11 +534,16 @@ class ParameterClient:
 
     def _push_header(
         self, index: int, clock: int, lr: float | None = None, compress: str = "", rows: RowBlock | None = None,
+        unused: Ranges = (), unused_tables: Sequence[str] = (),
     ) -> PushHead:
         """Shard index's push header, carrying its part of the step's row gradients (`rows`, on this
-        shard: _split_rows') in one block."""
+        shard: _split_rows') in one block, and of the dense parameters the step left unused
+        (`unused`, ranges of the flat space: none for a compressed push, whose error feedback may
+        carry values for them), and the sparse tables it did not use (`unused_tables`, to every shard)."""
         start, end = self.plan.ranges[index]
         return PushHead(pb.PushHeader(
+            unused_tables=sorted(unused_tables),
+            unused=b"" if compress or not unused else to_bytes(clipped(unused, start, end)),
             compress=compress,
             rank=self.rank,
             clock=clock,
@@ -549,11 +555,14 @@ class ParameterClient:
         ), rows)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
-             rows: RowGradients | None = None, bases: RowBases | None = None) -> list[PushOutcome]:
+             rows: RowGradients | None = None, bases: RowBases | None = None, unused: Ranges = (),
+             unused_tables: Sequence[str] = ()) -> list[PushOutcome]:
         """Push each shard its range of flat_grad, keyed (rank, clock), with the pull's base versions
         and the learning rate in effect (None: the job's), and its part of the step's row gradients
         of sparse tables (`rows`, computed on rows read at `bases`: see _split_rows) in the same
-        call: applied together or not at all. Returns each shard's answer."""
+        call: applied together or not at all; `unused`: the flat ranges of the dense parameters
+        the step left unused, which the shards skip (core/unused.py); `unused_tables`: the sparse
+        tables it did not use, whose step counts the shards leave. Returns each shard's answer."""
         self.skip_unfinished(clock)
         split = self._split_rows(rows, bases)
         acked: set[int] = set()
@@ -561,7 +570,7 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end], clock)
-            reply = s.push(self._push_header(i, clock, lr, compress, split[i]), payload)
+            reply = s.push(self._push_header(i, clock, lr, compress, split[i], unused, unused_tables), payload)
             acked.add(i)
             return self._heard(i, self._kept(i, clock, serde.push_outcome_from_proto(reply)))
 
@@ -630,8 +639,9 @@ class ParameterClient:
     def exchange(
         self, flat_grad: torch.Tensor, clock: int, flat: torch.Tensor, lr: float | None = None, published: bool = False,
         rows: RowGradients | None = None, reads: RowReads | None = None, bases: RowBases | None = None,
+        unused: Ranges = (), unused_tables: Sequence[str] = (),
     ) -> tuple[list[PushOutcome], list[int]]:
-        """One iteration's traffic: push(flat_grad, clock, lr, rows, bases), then pull(flat, clock + 1) and
+        """One iteration's traffic: push(flat_grad, clock, lr, rows, bases, unused, unused_tables), then pull(flat, clock + 1) and
         the rows `reads` asks for (reads.rows holds them afterwards), per shard in one Step call
         where it fits (same host, or payloads of at most one chunk), else as a push followed by a
         pull and a read of rows. The rows are read once the pull's gate holds (sync: after this
@@ -639,7 +649,8 @@ class ParameterClient:
         another shard still receives the push. Returns each shard's answer to the push and the
         versions pulled (remembered as base versions)."""
         if self._shard0_decides:  # shard 0 first, then the others (see push and pull)
-            done = self.push(flat_grad, clock, lr, rows, bases), self.pull(flat, clock + 1, published=published)
+            done = (self.push(flat_grad, clock, lr, rows, bases, unused, unused_tables),
+                    self.pull(flat, clock + 1, published=published))
             if reads is not None:
                 reads.rows = self.pull_tables(reads.ids, checked=reads.checked)
             return done
@@ -652,7 +663,7 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> Generator[None, None, tuple[PushOutcome, int, RowsRead | None]]:
             start, end = self.plan.ranges[i]
             payload, compress = self._push_payload(i, flat_grad[start:end], clock)
-            header = self._push_header(i, clock, lr, compress, split[i])
+            header = self._push_header(i, clock, lr, compress, split[i], unused, unused_tables)
             asks = plan.asks(i) if plan is not None else None
             wire = self._pull_wire(i)
             lend = published and self._lends(i, wire)

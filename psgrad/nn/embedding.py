@@ -498,6 +498,12 @@ class SparseEmbedding(nn.Module):
         taken = self.take_row_gradients()
         return None if taken is None else (taken.ids, taken.grads)
 
+    def reached(self) -> bool:
+        """Whether a forward since the last step (or zero_grad) got a backward: the table is used
+        in this step (a dense twin's weight has a .grad), even where its rows' gradient is only the
+        padding row's, which is not pushed."""
+        return any(t.gradient() is not None for t in self._touched)
+
     def take_row_gradients(self) -> RowGradient | None:
         """take_gradients(), with the versions the rows were read at: per shard the oldest read
         among the forwards whose rows have a gradient (two forwards before one step: the first's,

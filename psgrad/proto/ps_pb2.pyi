@@ -254,7 +254,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "skip")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables", "skip")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class PushHeader(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
     ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
@@ -274,8 +276,10 @@ class PushHeader(_message.Message):
     lr: float
     compress: str
     row_block: RowBlock
+    unused: bytes
+    unused_tables: _containers.RepeatedScalarFieldContainer[str]
     skip: bool
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., skip: _Optional[bool] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -736,7 +740,7 @@ class ReplicaAttachReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "counters")
+    __slots__ = ("epoch", "version", "kind", "lr_scale", "members", "nbytes", "manifest", "primary", "lr", "job_lr", "job_lr_clock", "rows", "counters", "unused", "unused_tables")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -750,6 +754,8 @@ class ReplicaHeader(_message.Message):
     JOB_LR_CLOCK_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     version: int
     kind: str
@@ -763,7 +769,9 @@ class ReplicaHeader(_message.Message):
     job_lr_clock: int
     rows: _containers.RepeatedCompositeFieldContainer[TableRows]
     counters: bytes
-    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., counters: _Optional[bytes] = ...) -> None: ...
+    unused: bytes
+    unused_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., lr_scale: _Optional[float] = ..., members: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., manifest: _Optional[bytes] = ..., primary: _Optional[str] = ..., lr: _Optional[float] = ..., job_lr: _Optional[float] = ..., job_lr_clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., counters: _Optional[bytes] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("header", "data")

@@ -21,6 +21,10 @@ class Pending:
     lr: float | None = None  # the learning rate the push carried (None: the job's)
     #: its row gradients of sparse tables (see rows_path.RowGradients): table -> (ids, grads, base version)
     rows: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    #: the dense ranges its worker's step left unused (core/unused.py; the iteration skips those no worker used)
+    skip: tuple[tuple[int, int], ...] = ()
+    #: the sparse tables its worker's step did not use (the iteration skips those no worker used)
+    skip_tables: frozenset[str] = frozenset()
 
 
 class SyncRound:

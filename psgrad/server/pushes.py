@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -17,6 +17,7 @@ from psgrad.core.gradient_codecs import CompressedWire, RangeCodec
 from psgrad.core.layout import explain_push_header
 from psgrad.core.modes import tables_mode_of
 from psgrad.core.push_outcome import DUPLICATE_REASON
+from psgrad.core.unused import from_bytes, intersection
 from psgrad.errors import (
     ApplyFailedError,
     EvictedError,
@@ -33,6 +34,7 @@ from psgrad.server.membership import Member, Membership
 from psgrad.server.replica_path import Replica
 from psgrad.server.rows_path import RowGradients, Rows
 from psgrad.server.shard_core import ShardCore
+from psgrad.server.state import ShardState
 from psgrad.server.tables import RowJournal
 from psgrad.server.transfers import PushWriter, count_nonfinite
 
@@ -51,14 +53,18 @@ class Pushes:
 
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
-        lr: float | None = None, rows: RowGradients | None = None, compress: str = "",
+        lr: float | None = None, rows: RowGradients | None = None, compress: str = "", unused: bytes = b"",
+        unused_tables: Sequence[str] = (),
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
         rows: the row gradients of sparse tables it carries, checked in full here (and their rows
         made; in sync, those of tables that evict are made by the iteration, and the room for
         them checked here) before any of its data is received, so a push refused for them changes nothing;
-        compress: the payload's codec ("": plain values; else the job's --compress, decoded once received).
+        compress: the payload's codec ("": plain values; else the job's --compress, decoded once received);
+        unused: the dense parameters the worker's step left unused (PushHeader.unused), which the
+        update skips (sync: those no worker of the iteration used); unused_tables: the sparse
+        tables it did not use (PushHeader.unused_tables), whose step count the update leaves.
 
         Raises:
             InvalidRequestError, WorkerStateError: the header or its rows are refused (named).
@@ -83,6 +89,17 @@ class Pushes:
             except (WorkerStateError, InvalidRequestError, MemoryBudgetError):
                 core.counters.pushes_rejected += 1
                 raise
+            try:
+                skip = from_bytes(unused, state.dense.trainable, f"push from worker rank {rank}")
+                skip_tables = frozenset(unused_tables)
+                for name in sorted(skip_tables):
+                    state.sparse(name, rank)  # (refuses a table the job does not have, naming those it has)
+                    if rows is not None and name in rows and rows[name][0].numel():
+                        raise InvalidRequestError(f"push from worker rank {rank}: table {name!r} is named unused "
+                                                  "but the push carries rows of it")
+            except InvalidRequestError:
+                core.counters.pushes_rejected += 1
+                raise
             lr = state.resolve_lr(rank, clock, lr)
             if not compress and state.layout.spec.compress != "none":
                 core.counters.pushes_plain += 1  # (a worker on this host: see `psgrad status`)
@@ -94,6 +111,8 @@ class Pushes:
                 wire = CompressedWire(wire, codec)
             writer = PushWriter(rank, grad, wire.receive_view(grad), f"push from worker rank {rank}", exact)
             writer.lr = lr
+            writer.skip = skip
+            writer.skip_tables = skip_tables
             writer.rows, writer.rows_nonfinite, writer.rows_reserved = rows or {}, rows_nonfinite, reserved
             # A gradient that the worker's segment holds may be applied from there, in place: by an
             # update rule that only reads it, applied on arrival.
@@ -101,7 +120,7 @@ class Pushes:
             writer.target = state.key
             core.buffers.track(grad, writer)
             rule = state.dense.rule
-            if rule is not None and clock > member.last_push_clock:  # staged, and not a duplicate
+            if rule is not None and clock > member.last_push_clock and not skip:  # staged, and not a duplicate
                 scale = core.policy.lr_scale(max(0, state.version - base_version), state.layout.spec.staleness_lr)
                 writer.stage(state.weights, rule, state.optimizer.step_lr(lr, scale))
         return grad, wire, writer
@@ -152,6 +171,8 @@ class Pushes:
             staged = writer is not None and writer.staged
             source = writer.borrowed if writer is not None and writer.borrowed is not None else grad
             lr = writer.lr if writer is not None else None
+            skip = writer.skip if writer is not None else ()
+            skip_tables = writer.skip_tables if writer is not None else frozenset()
             restore = writer.restore_from if writer is not None and writer.check_deferred else None
             if restore is not None:  # checked as it is applied in place, undone from this copy of the weights
                 bad = 0
@@ -208,7 +229,7 @@ class Pushes:
                         # hybrid (--tables-mode async): the tables take each worker's rows as they come
                         self._apply_rows(lambda: self._rows.apply(state, rows, lr, 1.0, slots), what, count=True)
                         rows = {}
-                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows))
+                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip, skip_tables))
                     core.buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -222,9 +243,10 @@ class Pushes:
                 if not staged:
                     state.dense.prepare(rank, base_version, source, averaged=False)  # (writes the gradient only)
                     allow = core.config.nonfinite == "allow"
-                    if restore is not None and (writer is None or writer.target != state.key or allow):
+                    if restore is not None and (writer is None or writer.target != state.key or allow or skip):
                         # the weights moved on (another push applied while this one waited), or it need
-                        # not be checked: the copy would not undo it; check, then apply
+                        # not be checked, or it skips unused ranges: the copy would not undo it (or the
+                        # checked apply would not skip); check, then apply
                         restore, bad = None, count_nonfinite(source)
                         if bad and not allow:
                             return self._refuse_nonfinite(member, clock, bad, decision)
@@ -257,11 +279,12 @@ class Pushes:
                     # The rows first, journaled (undone if they fail part way), then the dense part,
                     # which is the update's last write (see _apply_rows).
                     journal = apply_rows()
-                    self._replica.before_apply(source, scale, lr)  # the backup applies the same gradient
+                    self._replica.before_apply(source, scale, lr, skip)  # the backup applies the same gradient
                     try:
-                        state.dense.apply(source, scale, lr)
+                        state.dense.apply(source, scale, lr, skip)
                     except BaseException as exc:
                         self._failed(journal, exc, what, dense_written=True, count=True)
+                self._skip_tables(state, skip_tables)  # (cannot fail: counts only)
                 state.version += 1
                 Membership.advance(member, clock)
                 core.counters.pushes_applied += 1  # (before the update's hooks: a snapshot of it counts it)
@@ -380,6 +403,13 @@ class Pushes:
             core.notify()
             return PushResult(False, f"skipped: worker rank {rank} dropped its step at clock {clock}", core.version, 0)
 
+    def _skip_tables(self, state: ShardState, names: frozenset[str]) -> None:
+        """The update being applied did not use these sparse tables: their step counts stay (and
+        the backup's, told with the update's record)."""
+        if names:
+            state.skip_tables(names)
+            self._replica.tables_skipped(names)
+
     def _drop_late(self, member: Member, clock: int, base_version: int, reason: str) -> PushResult:
         """A push the policy found late: counted, recorded ("late", rank, clock, base version,
         shard version) and dropped, its clock handled."""
@@ -426,9 +456,14 @@ class Pushes:
             core.buffers.detach_reads(state.weights, state.layout.spec.wire_dtype)
             mean = core.round.mean()
             lr = items[0].lr  # the lowest rank's: every worker's schedule gives the iteration's lr
+            skip = items[0].skip  # what no worker of the iteration used (one used by some takes the mean, zeros and all)
+            skip_tables = items[0].skip_tables
+            for item in items[1:]:
+                skip = intersection(skip, item.skip)
+                skip_tables &= item.skip_tables
             what = f"the update of iteration {state.version}"
             try:
-                self._replica.before_apply(mean, 1.0, lr)  # the backup applies the same mean
+                self._replica.before_apply(mean, 1.0, lr, skip)  # the backup applies the same mean
             except BaseException:
                 # (its record is made again when the iteration is applied; a hybrid job's rows applied
                 # as its pushes came stay for it)
@@ -438,9 +473,10 @@ class Pushes:
             journal = self._apply_rows((lambda: self._rows.apply_round(state, per_rank, len(items), lr))
                                        if any(per_rank) else None, what)
             try:
-                state.dense.apply(mean, 1.0, lr)
+                state.dense.apply(mean, 1.0, lr, skip)
             except BaseException as exc:
                 self._failed(journal, exc, what, dense_written=True, count=False)
+            self._skip_tables(state, skip_tables)  # (cannot fail: counts only)
         core.round.take()
         applied_at = state.version
         state.version += 1

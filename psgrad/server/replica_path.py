@@ -10,6 +10,7 @@ import threading
 import torch
 
 from psgrad.core.status import ReplicaStatus
+from psgrad.core.unused import Ranges
 from psgrad.errors import InvalidRequestError, NotPrimaryError, StaleEpochError
 from psgrad.server.ledger import Counters
 from psgrad.server.replication import (
@@ -40,25 +41,27 @@ class Replica:
     def __init__(self, core: ShardCore) -> None:
         self._core = core
         self.replication: Replication | None = None  # set by the server runtime: the role, epoch and backup
-        self._payload: tuple[torch.Tensor, float, float | None, bool] | None = None  # the update being applied
+        self._payload: tuple[torch.Tensor, float, float | None, bool, Ranges] | None = None  # the update being applied
         self._scratch: torch.Tensor | None = None  # backup: a tensor to receive the next payload into
         self._members: tuple[MemberRecord, ...] = ()  # backup: as the last record left them
         self._weights_shared = False  # backup: the weights are a view of the primary's segment
         self._members_sent: tuple[MemberRecord, ...] = ()  # primary: as the backup last got them
         self._rows: list[RowUpdate] = []  # primary: the row updates applied with the update being applied
+        self._skipped_tables: frozenset[str] = frozenset()  # primary: the tables the update being applied did not use
         # backup: the primary's shard counters as its last record left them (JSON; b"": none since the
         # snapshot), which this server continues from if it takes over
         self._counters = b""
         core.subscribe(on_update=self._record_update, on_members=self._members_changed)
 
     # ----------------------------------------------------------------- primary
-    def before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None) -> None:
+    def before_apply(self, grad: torch.Tensor, lr_scale: float, lr: float | None, skip: Ranges = ()) -> None:
         """An update is about to apply grad with the optimizer (which may overwrite it): keep a
-        copy for the backup, which applies the same gradient with the same optimizer and lr."""
+        copy for the backup, which applies the same gradient with the same optimizer and lr,
+        skipping the same unused ranges."""
         if self.replication is not None and self.replication.active:
             copy, in_segment = self.replication.payload_buffer(grad.numel())
             copy.copy_(grad)
-            self._payload = (copy, lr_scale, lr, in_segment)
+            self._payload = (copy, lr_scale, lr, in_segment, skip)
 
     def abandon(self, keep: int = 0) -> None:
         """The update being applied failed before it was applied (caller holds the lock): what was
@@ -67,11 +70,17 @@ class Replica:
         already that the next record carries (a hybrid job's pushes' rows, applied as they came)."""
         if self._payload is not None and self._payload[3] and self.replication is not None:
             self.replication.unclaim()  # (its copy was in the segment to the backup, which it now leaves free)
-        self._payload, self._rows = None, self._rows[:keep]
+        self._payload, self._rows, self._skipped_tables = None, self._rows[:keep], frozenset()
 
     def rows_kept(self) -> int:
         """How many row updates the next record carries so far (see abandon)."""
         return len(self._rows)
+
+    def tables_skipped(self, names: frozenset[str]) -> None:
+        """The update being applied did not use these sparse tables: its record says so, and the
+        backup leaves their step counts as the primary does."""
+        if self.replication is not None and self.replication.active:
+            self._skipped_tables = names
 
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
@@ -96,12 +105,13 @@ class Replica:
         rep, state = self.replication, core.state
         payload, self._payload = self._payload, None
         rows, self._rows = tuple(self._rows), []
+        skipped, self._skipped_tables = self._skipped_tables, frozenset()
         if rep is None or not rep.active or state is None:
             return
         members = self._members_sent = state.member_records(frozenset(core.round.pending))
         if payload is not None:
             record = Record(GRADIENT, state.version, members, payload[1], tensor=payload[0], in_segment=payload[3],
-                            lr=payload[2])
+                            lr=payload[2], skip=payload[4])
         elif state.dense.rule is not None:  # staged: the new weights are a tensor of their own, never written again
             stream = PullStream(state.weights, state.version, torch.float32, core.config.chunk_bytes, core.lock,
                                 core.end_read)
@@ -111,6 +121,7 @@ class Replica:
             record = Record(NONE, state.version, members)
         record.job_lr = (state.job_lr, state.job_lr_clock)  # a backup that takes over keeps the schedule
         record.rows = rows
+        record.skipped_tables = skipped
         record.counters = self._counts()  # ... and the counters (this update counted already)
         rep.offer(record)
 
@@ -280,9 +291,12 @@ class Replica:
                     self._scratch = old
                 self._weights_shared = record.in_segment
             elif record.kind == GRADIENT and record.tensor is not None:
+                if record.skip and record.skip[-1][1] > state.dense.trainable:
+                    raise InvalidRequestError(f"backup {rep.address}: record {record.version} skips {record.skip[-1]}, "
+                                              f"past the {state.dense.trainable} trainable values")
                 self._own_weights(state)
                 core.buffers.detach_reads(state.weights, wire)
-                state.dense.apply(record.tensor, record.lr_scale, record.lr)
+                state.dense.apply(record.tensor, record.lr_scale, record.lr, record.skip)
                 if not record.in_segment:  # (a view of the primary's segment is not ours to keep)
                     self._scratch = record.tensor
             elif record.kind == NONE:
@@ -297,10 +311,14 @@ class Replica:
                 elif u.removed:
                     state.sparse(u.table, -1).remove(u.ids, expired=u.expired)
                 else:
-                    state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version, step=record.version,
+                    state.sparse(u.table, -1).apply(u.ids, u.grads, u.lr, u.base_version,
+                                                    step=record.version - state.table_skips.get(u.table, 0),
                                                     replicated=True)
             for name in {u.table for u in record.rows}:  # (what doing so logged: a primary's to send, not ours)
                 state.sparse(name, -1).take_lifetime()
+            for name in sorted(record.skipped_tables):
+                state.sparse(name, -1)  # (a table the job has: refused by name otherwise)
+            state.skip_tables(record.skipped_tables)
             if record.job_lr is not None:
                 state.set_job_lr(*record.job_lr)
             state.version = record.version

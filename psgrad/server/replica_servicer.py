@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from psgrad.core.addresses import REFUSED, refusing_shard
+from psgrad.core.unused import from_bytes
 from psgrad.core.codecs import byte_view
 from psgrad.errors import InvalidRequestError, PsgradError, ServerStartError
 from psgrad.proto import ps_pb2 as pb
@@ -72,6 +73,8 @@ class ReplicaServicer:
             record = Record(h.kind, h.version, members_from_json(h.members), h.lr_scale,
                             lr=h.lr if h.HasField("lr") else None, job_lr=(h.job_lr, h.job_lr_clock) if h.HasField("job_lr") else None,
                             rows=tuple(updates_from_proto(h.rows, what)), counters=h.counters)
+            record.skip = from_bytes(h.unused, 1 << 62, what)  # (inside the trainable range: checked as applied)
+            record.skipped_tables = frozenset(h.unused_tables)
             parse = FrameParser(pb.ReplicaFrame, what)
             shared = self._segment(context, h.nbytes) if h.kind in (GRADIENT, WEIGHTS) else None
             if shared is not None:  # used in place (see Replication: the primary writes it again later)

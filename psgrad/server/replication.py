@@ -15,6 +15,7 @@ import torch
 
 from psgrad.core.codecs import byte_view
 from psgrad.core.status import ReplicaStatus
+from psgrad.core.unused import to_bytes
 from psgrad.errors import NotPrimaryError, StaleEpochError, StalledError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.server import checkpoint
@@ -52,6 +53,8 @@ class Record:
     job_lr: tuple[float, int] | None = None  # the primary's job lr after the update, and the chief's clock that set it
     rows: tuple[RowUpdate, ...] = ()  # the row updates of sparse tables applied with it (their lr as applied)
     counters: bytes = b""  # the primary's shard counters after it (JSON of Counters.saved; b"": none)
+    skip: tuple[tuple[int, int], ...] = ()  # gradient: the dense ranges the update left alone (core/unused.py)
+    skipped_tables: frozenset[str] = frozenset()  # the sparse tables the update did not use (their steps stay)
 
     def frames(self, epoch: int, primary: str, chunk_bytes: int, segment: shm.Segment | None = None) -> Iterator[bytes]:
         """The ReplicaApply request: the header frame, then the payload's data frames; with a
@@ -72,7 +75,8 @@ class Record:
         header = pb.ReplicaHeader(
             epoch=epoch, version=self.version, kind=self.kind, lr_scale=self.lr_scale, nbytes=nbytes,
             members=json.dumps([asdict(m) for m in self.members]).encode(), manifest=manifest, primary=primary,
-            lr=self.lr, rows=updates_to_proto(self.rows), counters=self.counters,
+            lr=self.lr, rows=updates_to_proto(self.rows), counters=self.counters, unused=to_bytes(self.skip),
+            unused_tables=sorted(self.skipped_tables),
         )
         if self.job_lr is not None:
             header.job_lr, header.job_lr_clock = self.job_lr

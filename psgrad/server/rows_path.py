@@ -289,7 +289,11 @@ class Rows:
         names = sorted(name for name in rows if rows[name][0].numel())
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)
+        alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
         for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
+            if len({state.table_step(names[i]) for i in places}) > 1:
+                alone.update(names[i] for i in places)
+                continue
             step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
             members = [_grouped(tables[i]) for i in places]
             order = [names[i] for i in places]
@@ -298,17 +302,18 @@ class Rows:
             grads = torch.cat([rows[name][1] for name in order]) if whole is None else whole[1]
             at = None if slots is None else joined([slots[name] for name in order])
             versions = per_row([m.version + 1 for m in members], [rows[names[i]][0] for i in places])  # (their next)
-            arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.version + 1, versions=versions)
+            arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
+                        versions=versions)
             for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
                 member_ids, member_grads, base = rows[names[i]]
                 member.updated(base)
                 self._report(names[i], member, member_ids, member_grads, base, step_lr)
         for name, t in zip(names, tables):
             ids, grads, base = rows[name]
-            if not isinstance(t, GroupedTable):
+            if not isinstance(t, GroupedTable) or name in alone:
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
                 ids, grads = t.apply(ids, grads, step_lr, base, checked=True,
-                                     slots=None if slots is None else slots[name], step=state.version + 1)
+                                     slots=None if slots is None else slots[name], step=state.table_step(name))
                 self._report(name, t, ids, grads, base, step_lr)
 
     def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:
@@ -318,8 +323,12 @@ class Rows:
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)
+        alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
         for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
             members = [names[i] for i in places]
+            if len({state.table_step(name) for name in members}) > 1:
+                alone.update(members)
+                continue
             mine = [[(name, rows[name]) for name in members if name in rows and rows[name][0].numel()] for rows in per_rank]
             parts = [part for rank in mine for part in rank]
             ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
@@ -329,7 +338,7 @@ class Rows:
                                                             for i in places])).tolist()
             versions = per_row([_grouped(tables[i]).version + 1 for i in places],  # (each row its table's next)
                                [unique[start:end] for start, end in zip([0, *ends[:-1]], ends)])
-            arena.apply(unique, total, lr, None, checked=True, step=state.version + 1, versions=versions)
+            arena.apply(unique, total, lr, None, checked=True, step=state.table_step(members[0]), versions=versions)
             start = 0
             for i, end in zip(places, ends):
                 member = _grouped(tables[i])
@@ -339,14 +348,14 @@ class Rows:
                     self._report(names[i], member, unique[start:end] - member.base, total[start:end], base, lr)
                 start = end
         for name, t in zip(names, tables):
-            if isinstance(t, GroupedTable):
+            if isinstance(t, GroupedTable) and name not in alone:
                 continue
             parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
             rank_ends = list(accumulate(p[0].numel() for p in parts_))
             unique, total = round_mean(torch.cat([p[0] for p in parts_]).long(), rank_ends,
                                        torch.cat([p[1] for p in parts_]), workers)
             base = min(p[2] for p in parts_)
-            unique, total = t.apply(unique, total, lr, base, checked=True, step=state.version + 1)  # (checked pushes' ids)
+            unique, total = t.apply(unique, total, lr, base, checked=True, step=state.table_step(name))  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
 
     def _report(self, name: str, t: SparseTable, ids: torch.Tensor, grads: torch.Tensor, base: int,

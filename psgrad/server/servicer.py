@@ -448,7 +448,7 @@ class ParameterServicer:
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
-            _row_gradients(h, f"push from worker rank {h.rank}"), h.compress,
+            _row_gradients(h, f"push from worker rank {h.rank}"), h.compress, h.unused, tuple(h.unused_tables),
         )
         try:
             # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,8 @@ from psgrad.server.tables import DENSE, FROZEN, DenseTable, FrozenTable, MemoryB
 OptimizerState = dict[str, torch.Tensor | float | int]
 # Keys of a snapshot's job scalars: the job's lr and the chief's clock that set it.
 JOB_LR, JOB_LR_CLOCK = "job_lr", "job_lr_clock"
+#: a snapshot's job entry "table_skips.<table>": the updates that did not use that table (kept where > 0)
+TABLE_SKIPS = "table_skips."
 NOT_INITIALIZED_HINT = (
     "shard is not initialized: start worker rank 0 (the chief) against these servers first; "
     "it sends the job spec and the initial weights"
@@ -92,6 +94,19 @@ class ShardState:
     budget: MemoryBudget = field(default_factory=lambda: MemoryBudget(None), compare=False)
     #: The arenas of its sparse tables stored together, by what they share (server/table_groups.py).
     arenas: dict[Hashable, RowArena] = field(default_factory=dict, compare=False)
+    #: Per sparse table, the shard's updates that did not use it (no worker's forward of it got a
+    #: backward): its own step number is the shard's update number less these (table_step).
+    table_skips: dict[str, int] = field(default_factory=dict)
+
+    def table_step(self, name: str) -> int:
+        """The step number table `name` takes in the update being applied (the shard's next version
+        less the updates that skipped it): what a dense twin's Adagrad counts for its lr_decay."""
+        return self.version + 1 - self.table_skips.get(name, 0)
+
+    def skip_tables(self, names: Iterable[str]) -> None:
+        """The update being applied did not use these tables: their step counts stay."""
+        for name in names:
+            self.table_skips[name] = self.table_skips.get(name, 0) + 1
 
     def sparse(self, name: str, rank: int) -> SparseTable:
         """Sparse table `name`.
@@ -277,6 +292,7 @@ class ShardState:
         records = self.member_records(pending_ranks)
         tables = {name: table.snapshot() for name, table in self.tables.items()}
         job: dict[str, float | int] = {JOB_LR: self.job_lr, JOB_LR_CLOCK: self.job_lr_clock}
+        job.update({TABLE_SKIPS + name: n for name, n in sorted(self.table_skips.items()) if n})
         return ShardSnapshot(self.layout, tables, self.version, records, job, dict(counters or {}))
 
     def member_records(self, pending_ranks: frozenset[int] = frozenset()) -> tuple[MemberRecord, ...]:
@@ -315,6 +331,7 @@ class ShardState:
         if lr is not None and lr_clock is not None:  # (checkpoints of older versions have none)
             state.set_job_lr(float(lr), int(lr_clock))
         state.version = snap.version
+        state.table_skips = {k[len(TABLE_SKIPS):]: int(v) for k, v in snap.job.items() if k.startswith(TABLE_SKIPS)}
         state.set_members(snap.members, now)
         return state
 

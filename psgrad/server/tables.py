@@ -24,6 +24,7 @@ from psgrad.core.optimizers.base import axpy_backend
 from psgrad.core.optimizers.rows import RowOptimizer, RowState
 from psgrad.core.optimizers.segments import Segment, SegmentedOptimizer
 from psgrad.core.status import DelayStatus, TableStatus
+from psgrad.core.unused import Ranges
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import kernels, transfers  # (they register the axpy rule's split and checked backends)
 from psgrad.server.delay_comp import DelayCompensation
@@ -233,17 +234,24 @@ class DenseTable:
         if self.dc is not None:
             self.dc.compensate(rank, base_version, self.weights, grad)
 
-    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
         """Apply one update (grad is scratch the optimizer may overwrite): the optimizer to the
-        trainable prefix, with the learning rate `lr` (None: the job's) times lr_scale; the
-        buffers' part of grad, their deltas, is added as it is."""
+        trainable prefix, with the learning rate `lr` (None: the job's) times lr_scale, leaving
+        the ranges `skip` (parameters the update's workers left unused: core/unused.py) as they
+        are; the buffers' part of grad, their deltas, is added as it is."""
         n = self.trainable
         if n == self.numel:
-            self.optimizer.apply(self.weights, grad, lr_scale, lr)
+            self._step(self.weights, grad, lr_scale, lr, skip)
             return
         if n:
-            self.optimizer.apply(self.weights[:n], grad[:n], lr_scale, lr)
+            self._step(self.weights[:n], grad[:n], lr_scale, lr, skip)
         self.weights[n:].add_(grad[n:])
+
+    def _step(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float, lr: float | None, skip: Ranges) -> None:
+        if skip:
+            self.optimizer.apply_skipping(weights, grad, skip, lr_scale, lr)
+        else:
+            self.optimizer.apply(weights, grad, lr_scale, lr)
 
     def apply_checked(self, grad: torch.Tensor, lr_scale: float, lr: float | None, restore: torch.Tensor) -> int:
         """Apply an element-wise update that only reads grad (plain SGD), checking grad as it goes:
@@ -935,7 +943,8 @@ class SparseTable:
         at lr (None: the job's) times the table's lr_scale; base_version: the table version they
         were pulled at (its staleness is recorded); checked: the caller checked them already
         (check_update); slots: their arena slots, from a reserve under the same lock; step: the
-        dense rule's step number of this update (the shard's update number; None: the table's
+        dense rule's step number of this update (the shard's updates that used the table:
+        ShardState.table_step; None: the table's
         version after it), which Adagrad's lr_decay counts. With min_count, the ids not stored are
         counted, and those not seen in min_count updates yet are left out (dropped); with ttl, rows
         untouched in ttl updates are dropped after it. replicated: a standby applying its primary's

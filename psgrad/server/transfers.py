@@ -78,6 +78,8 @@ class PushWriter(PayloadWriter):
         self.revoked = False  # its worker was evicted mid-push: it must never be applied
         self.holds_turn = False  # staged shards: this push is the one being received
         self.lr: float | None = None  # the learning rate the push carries (None: the job's)
+        self.skip: tuple[tuple[int, int], ...] = ()  # the dense ranges it left unused (core/unused.py)
+        self.skip_tables: frozenset[str] = frozenset()  # the sparse tables it did not use
         # The row gradients of sparse tables the push carries (table -> ids, gradients, base version),
         # checked with its header, and their non-finite values (the push's policy decides for both).
         self.rows: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]] = {}

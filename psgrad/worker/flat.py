@@ -19,12 +19,13 @@ Every buffer is allocated once, here; a step allocates nothing large.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from psgrad.core.unused import Ranges, merged
 from psgrad.errors import ConfigError
 from psgrad.worker.model_buffers import ModelBuffers
 
@@ -142,6 +143,20 @@ class FlatModel:
         self._places: list[tuple[Mapping[str, object], str, object]] = []
         self._record_places()
         self.mark_installed()
+        # Which parameters a backward reached since the last push (or zero_grad): a flag each, set
+        # by a hook autograd calls once it accumulated a parameter's gradient. The others are the
+        # step's unused parameters (torch leaves their .grad None): see gather_grads.
+        self._reached = [False] * len(self._segments)
+        self._gathered = False  # a gather took the flags, and no backward or zero_grad came since
+        #: the last gather_grads' unused parameters, as ranges of the flat space (core/unused.py)
+        self.unused: Ranges = ()
+        for i, seg in enumerate(self._segments):
+            seg.param.register_post_accumulate_grad_hook(self._reached_hook(i))
+
+    def _reached_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def reached(_: torch.Tensor) -> None:
+            self._reached[index] = True
+        return reached
 
     def _record_places(self) -> None:
         """Where each module and trainable parameter sits in the model, to see one replaced (a new
@@ -180,6 +195,8 @@ class FlatModel:
 
     # ------------------------------------------------------------------ gradients
     def zero_grad(self) -> None:
+        self._reached = [False] * len(self._segments)
+        self._gathered = False
         for _, grad in self._groups.values():
             grad.zero_()
         for seg in self._segments:  # re-attach if user code replaced .grad (e.g. set_to_none)
@@ -211,9 +228,33 @@ class FlatModel:
         for seg in self._segments:
             dest[seg.start : seg.start + seg.numel].copy_(seg.grad.reshape(-1))
 
+    def find_unused(self) -> Ranges:
+        """The parameters this step left unused, as flat ranges: no backward reached them since
+        the last push or zero_grad, and their .grad is None or psgrad's view holding only zeros
+        (a gradient written by hand, into the view or as a tensor of its own, counts as used, as
+        a stale one a step did not zero does). Their gradient is pushed as zeros and the servers
+        leave them alone, as torch.optim skips a parameter whose .grad is None. Call before
+        collect_grads (which attaches the views again). Clears the flags; gathered again with no
+        backward or zero_grad since (a step taken again after it raised), the same answer."""
+        if self._gathered and not any(self._reached):
+            return self.unused
+        reached, self._reached = self._reached, [False] * len(self._segments)
+        self._gathered = True
+        if all(reached):  # (the common step: every parameter used)
+            return ()
+        out = []
+        for seg, hit in zip(self._segments, reached):
+            if hit:
+                continue
+            grad = seg.param.grad
+            if grad is None or (grad is seg.grad and not bool(grad.any())):
+                out.append((seg.start, seg.start + seg.numel))
+        return merged(out)
+
     def gather_grads(self) -> torch.Tensor:
         """The flat float32 gradient on the host (and the buffers' deltas after it), ready to push
-        (host_grad)."""
+        (host_grad); `unused` names the parameters the step left unused (find_unused)."""
+        self.unused = self.find_unused()
         self.collect_grads()
         if self.buffers is not None:
             self.buffers.deltas(self.host_grad[self.numel :])

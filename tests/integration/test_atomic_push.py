@@ -363,7 +363,8 @@ def test_a_dense_apply_that_fails_part_way_makes_the_shard_refuse_pushes_loudly(
     good_push(c, 0)
     from psgrad.server.tables import DenseTable
 
-    def broken(self: DenseTable, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+    def broken(self: DenseTable, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None,
+               skip: object = ()) -> None:
         self.weights[:10].add_(1.0)  # part written
         raise RuntimeError("injected: the dense kernel failed part way")
 

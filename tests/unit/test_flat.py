@@ -198,3 +198,60 @@ def test_resolve_device_auto_local_ranks_on_this_gpu_host() -> None:
     assert [d.index for d in picked] == [r % gpus for r in range(2 * gpus)]
     x = torch.ones(4, device=picked[-1])  # the device exists and takes memory
     assert x.device == picked[-1]
+
+
+# ----------------------------------------------------------------------------- unused parameters
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["zero-copy", "staged"])
+def test_the_parameters_no_backward_reached_are_named_unused(staging: bool) -> None:
+    torch.manual_seed(0)
+    model = _Branches()
+    flat = FlatModel(model, staging=staging)
+    b_range = ((8, 16),)  # a.weight, a.bias (8 values), then b.weight, b.bias
+    x = torch.randn(4, 3)
+
+    def step(use_b: bool, edit: object = None) -> tuple[tuple[int, int], ...]:
+        flat.zero_grad()
+        model(x, use_b).sum().backward()
+        if callable(edit):
+            edit()
+        flat.gather_grads()
+        return flat.unused
+
+    assert step(True) == ()
+    assert step(False) == b_range
+    assert torch.equal(flat.host_grad[8:16], torch.zeros(8))  # (pushed as zeros, and named unused)
+    assert step(True) == ()  # the flags start again at each push
+    # two backwards before one push: used if either reached it
+    flat.zero_grad()
+    model(x, False).sum().backward()
+    model(x, True).sum().backward()
+    flat.gather_grads()
+    assert flat.unused == ()
+    # .grad set to None by the user, or by torch's model.zero_grad(): unused
+    assert step(False, lambda: setattr(model.b.weight, "grad", None)) == b_range
+    # a gradient set by hand counts as used: a tensor of its own, or values written into the view
+    assert step(False, lambda: setattr(model.b.bias, "grad", torch.ones(2))) == ((8, 14),)
+    assert step(False, lambda: model.b.weight.grad.fill_(0.5)) == ((14, 16),)
+    # zero_grad() between a backward and the push forgets it (torch: set_to_none)
+    model(x, True).sum().backward()
+    assert step(False) == b_range
+    # the same step gathered again (taken again after it raised): the same answer, reached or not
+    for use_b in (False, True):
+        first = step(use_b)
+        flat.gather_grads()
+        assert flat.unused == first
+    flat.zero_grad()  # reached with a zero gradient (a zero input: the weights' gradients are 0): used, and again
+    model(torch.zeros(4, 3), True).sum().backward()
+    for _ in range(2):
+        flat.gather_grads()
+        assert flat.unused == ()

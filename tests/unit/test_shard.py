@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import decode_frames, wait_for
+from psgrad.core.unused import Ranges
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.config import JobSpec, ServerConfig
 from psgrad.errors import ApplyFailedError, InvalidRequestError, JobMismatchError, NotInitializedError, WorkerStateError
@@ -782,7 +783,7 @@ def test_a_sync_iteration_whose_dense_apply_fails_leaves_the_shard_refusing_push
     state = s.core.state
     assert state is not None
 
-    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
+    def failing(grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None, skip: Ranges = ()) -> None:
         raise RuntimeError("injected: the dense apply failed")
 
     monkeypatch.setattr(state.dense, "apply", failing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
+from psgrad.core.unused import Ranges, StepCounts
 
 
 class Adadelta(ShardOptimizer):
@@ -27,17 +28,31 @@ class Adadelta(ShardOptimizer):
         self.rho = rho
         self.eps = eps
         self.weight_decay = weight_decay
-        self.steps = 0
+        self.counts = StepCounts(numel)  # each element's step count (parameters a step skipped lag behind)
         self.square_avg = torch.zeros(numel)
         self.acc_delta = torch.zeros(numel)
         self._block = block
         self._std = scratch(numel, block)
         self._delta = scratch(numel, block)
 
+    @property
+    def steps(self) -> int:
+        """The updates applied (the most any element counted, where some were skipped)."""
+        return self.counts.most
+
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
-        self.steps += 1
-        lr, rho, eps = self.step_lr(lr, lr_scale), self.rho, self.eps
-        for lo, hi in blocks(weights.numel(), self._block):
+        self.apply_skipping(weights, grad, (), lr_scale, lr)
+
+    def apply_skipping(self, weights: torch.Tensor, grad: torch.Tensor, skip: Ranges, lr_scale: float = 1.0,
+                       lr: float | None = None) -> None:
+        lr = self.step_lr(lr, lr_scale)
+        for start, end, _ in self.counts.advance(skip):
+            self._update(weights, grad, start, end, lr)
+
+    def _update(self, weights: torch.Tensor, grad: torch.Tensor, start: int, end: int, lr: float) -> None:
+        rho, eps = self.rho, self.eps
+        for lo, hi in blocks(end - start, self._block):
+            lo, hi = lo + start, hi + start
             w, g = weights[lo:hi], grad[lo:hi]
             sq, acc = self.square_avg[lo:hi], self.acc_delta[lo:hi]
             std, delta = self._std[: hi - lo], self._delta[: hi - lo]
@@ -55,11 +70,11 @@ class Adadelta(ShardOptimizer):
         return (2 * self.square_avg.numel() + 2 * self._std.numel()) * 4
 
     def state_dict(self) -> dict[str, torch.Tensor | float | int]:
-        return {"step": self.steps, "square_avg": self.square_avg.clone(), "acc_delta": self.acc_delta.clone()}
+        return {**self.counts.state(), "square_avg": self.square_avg.clone(), "acc_delta": self.acc_delta.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
         sq, acc = state["square_avg"], state["acc_delta"]
         assert isinstance(sq, torch.Tensor) and isinstance(acc, torch.Tensor)
-        self.steps = int(state["step"])
+        self.counts.load(state)
         self.square_avg.copy_(sq)
         self.acc_delta.copy_(acc)

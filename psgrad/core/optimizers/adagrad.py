@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
+from psgrad.core.unused import Ranges, StepCounts
 
 
 def adagrad_lr(step_lr: float, step: int, lr_decay: float) -> float:
@@ -44,27 +45,38 @@ class Adagrad(ShardOptimizer):
         self.lr_decay = lr_decay
         self.weight_decay = weight_decay
         self.eps = eps
-        self.steps = 0
+        self.counts = StepCounts(numel)  # each element's step number (parameters a step skipped lag behind)
         self.sum = torch.full((numel,), float(initial_accumulator_value))
         self._block = block
         self._std = scratch(numel, block)
 
+    @property
+    def steps(self) -> int:
+        """The updates applied (the most any element counted, where some were skipped)."""
+        return self.counts.most
+
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
-        self.steps += 1
-        clr = adagrad_lr(self.step_lr(lr, lr_scale), self.steps, self.lr_decay)
-        for lo, hi in blocks(weights.numel(), self._block):
-            adagrad_rule(weights[lo:hi], grad[lo:hi], self.sum[lo:hi], self._std[: hi - lo], clr, self.weight_decay,
-                         self.eps)
+        self.apply_skipping(weights, grad, (), lr_scale, lr)
+
+    def apply_skipping(self, weights: torch.Tensor, grad: torch.Tensor, skip: Ranges, lr_scale: float = 1.0,
+                       lr: float | None = None) -> None:
+        step_lr = self.step_lr(lr, lr_scale)
+        for start, end, step in self.counts.advance(skip):
+            clr = adagrad_lr(step_lr, step, self.lr_decay)
+            for lo, hi in blocks(end - start, self._block):
+                lo, hi = lo + start, hi + start
+                adagrad_rule(weights[lo:hi], grad[lo:hi], self.sum[lo:hi], self._std[: hi - lo], clr,
+                             self.weight_decay, self.eps)
 
     def state_bytes(self) -> int:
         """The sum of squares and a block of scratch: (numel + min(numel, block)) float32 values."""
         return (self.sum.numel() + self._std.numel()) * 4
 
     def state_dict(self) -> dict[str, torch.Tensor | float | int]:
-        return {"step": self.steps, "sum": self.sum.clone()}
+        return {**self.counts.state(), "sum": self.sum.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
         total = state["sum"]
         assert isinstance(total, torch.Tensor)
-        self.steps = int(state["step"])
+        self.counts.load(state)
         self.sum.copy_(total)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from psgrad.core.unused import Ranges
 from psgrad.errors import ConfigError
 
 # (weights block, gradient block, out block, step lr): write the updated weights to out, which is
@@ -107,6 +108,15 @@ class ShardOptimizer(ABC):
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         """Update weights in place with step_lr(lr, lr_scale). grad is scratch space the optimizer
         may overwrite."""
+
+    def apply_skipping(self, weights: torch.Tensor, grad: torch.Tensor, skip: Ranges, lr_scale: float = 1.0,
+                       lr: float | None = None) -> None:
+        """apply(), leaving the elements in `skip` (the ranges of parameters no worker's backward
+        reached: see core/unused.py) exactly as they are: no weight, state or step count of theirs
+        changes, as torch.optim skips a parameter whose .grad is None. The built-in rules do so;
+        this default (a rule registered without it) applies the whole range, the skipped
+        elements with the zero gradient the push carries for them."""
+        self.apply(weights, grad, lr_scale, lr)
 
     @abstractmethod
     def state_bytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from psgrad.core.optimizers.base import BLOCK, ShardOptimizer, blocks, scratch
+from psgrad.core.unused import Ranges, StepCounts
 
 
 class RMSprop(ShardOptimizer):
@@ -31,17 +32,31 @@ class RMSprop(ShardOptimizer):
         self.weight_decay = weight_decay
         self.momentum = momentum
         self.centered = centered
-        self.steps = 0
+        self.counts = StepCounts(numel)  # each element's step count (parameters a step skipped lag behind)
         self.square_avg = torch.zeros(numel)
         self.grad_avg = torch.zeros(numel) if centered else None
         self.momentum_buffer = torch.zeros(numel) if momentum > 0 else None
         self._block = block
         self._avg = scratch(numel, block)
 
+    @property
+    def steps(self) -> int:
+        """The updates applied (the most any element counted, where some were skipped)."""
+        return self.counts.most
+
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
-        self.steps += 1
-        lr, alpha = self.step_lr(lr, lr_scale), self.alpha
-        for lo, hi in blocks(weights.numel(), self._block):
+        self.apply_skipping(weights, grad, (), lr_scale, lr)
+
+    def apply_skipping(self, weights: torch.Tensor, grad: torch.Tensor, skip: Ranges, lr_scale: float = 1.0,
+                       lr: float | None = None) -> None:
+        lr = self.step_lr(lr, lr_scale)
+        for start, end, _ in self.counts.advance(skip):
+            self._update(weights, grad, start, end, lr)
+
+    def _update(self, weights: torch.Tensor, grad: torch.Tensor, start: int, end: int, lr: float) -> None:
+        alpha = self.alpha
+        for lo, hi in blocks(end - start, self._block):
+            lo, hi = lo + start, hi + start
             w, g, sq = weights[lo:hi], grad[lo:hi], self.square_avg[lo:hi]
             avg = self._avg[: hi - lo]
             if self.weight_decay:
@@ -70,12 +85,12 @@ class RMSprop(ShardOptimizer):
         return (sum(t.numel() for t in self._tensors().values()) + self._avg.numel()) * 4
 
     def state_dict(self) -> dict[str, torch.Tensor | float | int]:
-        state: dict[str, torch.Tensor | float | int] = {"step": self.steps}
+        state: dict[str, torch.Tensor | float | int] = dict(self.counts.state())
         state.update({k: v.clone() for k, v in self._tensors().items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor | float | int]) -> None:
-        self.steps = int(state["step"])
+        self.counts.load(state)
         for key, mine in self._tensors().items():
             theirs = state[key]
             assert isinstance(theirs, torch.Tensor)

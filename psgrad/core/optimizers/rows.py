@@ -9,8 +9,9 @@ adagrad.py), and optimizer_settings.DECLS says, setting by setting, how rows tak
   leaves a row and its state as they are, so that the rows the batch did not touch are exactly what
   the dense rule would have left: SGD without momentum or weight decay, and Adagrad without weight
   decay (its sum of squares per element; lr_decay counts the dense rule's steps, which the table
-  passes in: the shard's update number). Bit for bit a dense table updated by torch with zero
-  gradients on the untouched rows (tests/unit/test_optimizers.py).
+  passes in: the shard's updates that used the table, ShardState.table_step). Bit for bit a dense
+  table updated by torch with zero gradients on the untouched rows (tests/unit/test_optimizers.py),
+  and .grad None on the steps that did not use the table (tests/integration/test_unused_params.py).
 - LAZY: a different rule, named so: Adam's row form keeps both moments and a step count per row,
   which move only when the row is updated (the dense rule would decay every row's moments, and so
   move every row, at every step).

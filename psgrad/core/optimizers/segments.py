@@ -12,6 +12,7 @@ import torch
 
 from psgrad.core.job import JobSpec
 from psgrad.core.optimizers.base import ShardOptimizer
+from psgrad.core.unused import Ranges, clipped
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,12 @@ class SegmentedOptimizer(ShardOptimizer):
     def apply(self, weights: torch.Tensor, grad: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None) -> None:
         for seg, part in zip(self.segments, self.parts):
             part.apply(weights[seg.start : seg.end], grad[seg.start : seg.end], lr_scale * seg.lr_scale, lr)
+
+    def apply_skipping(self, weights: torch.Tensor, grad: torch.Tensor, skip: Ranges, lr_scale: float = 1.0,
+                       lr: float | None = None) -> None:
+        for seg, part in zip(self.segments, self.parts):
+            part.apply_skipping(weights[seg.start : seg.end], grad[seg.start : seg.end], clipped(skip, seg.start, seg.end),
+                                lr_scale * seg.lr_scale, lr)
 
     def reads_grad_only(self) -> bool:
         return all(part.reads_grad_only() for part in self.parts)
