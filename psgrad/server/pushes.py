@@ -196,22 +196,9 @@ class Pushes:
                 # Its row gradients go with it: applied or buffered below, dropped on every other way out.
                 rows = writer.rows if writer is not None else {}
                 bad += writer.rows_nonfinite if writer is not None else 0
-                if clock <= member.last_push_clock:
-                    core.counters.pushes_duplicate += 1
-                    return PushResult(False, f"{DUPLICATE_REASON} (rank {rank}, clock {clock})", state.version, 0)
-                late = policy.late(rank, base_version, core.view(), core.marks.restored)
-                if late is not None:  # (sync with backup workers) its iteration completed without it
-                    return self._drop_late(member, clock, base_version, late)
-                try:
-                    decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
-                    if not policy.aggregates:
-                        core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
-                except (InvalidRequestError, RollbackError):
-                    core.counters.pushes_rejected += 1
-                    raise
-                lost_from = core.marks.last_pushes.pop(rank, None)
-                if lost_from is not None:  # its pushes between the checkpoint and this one were lost
-                    core.counters.updates_lost += max(0, clock - lost_from - 1)
+                decision = self._admit(member, rank, clock, base_version, state.version)
+                if isinstance(decision, PushResult):  # a duplicate, or late
+                    return decision
                 if bad and core.config.nonfinite != "allow":
                     return self._refuse_nonfinite(member, clock, bad, decision)
                 round_rows = self._round_rows() if decision is PushDecision.BUFFER else None
@@ -358,6 +345,36 @@ class Pushes:
         _log.error("%s", core.broken)
         raise ApplyFailedError(core.broken) from exc
 
+    def _admit(self, member: Member, rank: int, clock: int, base_version: int, version: int) -> PushResult | PushDecision:
+        """What every push (or skip) of rank's `clock` goes through first, under the lock: a clock
+        it handled already is a duplicate (acknowledged, counted), one whose iteration completed
+        without it is late (dropped); else the policy's decision, with the clock's order checked
+        (refused, counted), and the pushes a restart from a checkpoint lost before it counted.
+        Returns the answer where the push ends here, else the decision.
+
+        Raises:
+            InvalidRequestError, RollbackError: the clock does not fit (nothing recorded).
+        """
+        core = self._core
+        policy = core.policy
+        if clock <= member.last_push_clock:
+            core.counters.pushes_duplicate += 1
+            return PushResult(False, f"{DUPLICATE_REASON} (rank {rank}, clock {clock})", version, 0)
+        late = policy.late(rank, base_version, core.view(), core.marks.restored)
+        if late is not None:  # (sync with backup workers) its iteration completed without it
+            return self._drop_late(member, clock, base_version, late)
+        try:
+            decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
+            if not policy.aggregates:
+                core.members.check_clock(member, clock, rank in core.marks.last_pushes, version)
+        except (InvalidRequestError, RollbackError):
+            core.counters.pushes_rejected += 1
+            raise
+        lost_from = core.marks.last_pushes.pop(rank, None)
+        if lost_from is not None:  # its pushes between the checkpoint and this one were lost
+            core.counters.updates_lost += max(0, clock - lost_from - 1)
+        return decision
+
     def skip_push(self, rank: int, clock: int, base_version: int, fingerprint: str) -> PushResult:
         """A skip (PushHeader.skip): rank's step at `clock`, which other shards applied, was dropped
         by its worker. Handled as a push whose gradient --nonfinite skip skips: acknowledged and
@@ -377,23 +394,9 @@ class Pushes:
             state = core.require(fingerprint, rank)
             core.refresh()
             member = core.members.live(rank)
-            policy = core.policy
-            if clock <= member.last_push_clock:
-                core.counters.pushes_duplicate += 1
-                return PushResult(False, f"duplicate push (rank {rank}, clock {clock})", state.version, 0)
-            late = policy.late(rank, base_version, core.view(), core.marks.restored)
-            if late is not None:  # (sync with backup workers) its iteration completed without it
-                return self._drop_late(member, clock, base_version, late)
-            try:
-                decision = policy.decide_push(rank, clock, core.view(), core.marks.restored)
-                if not policy.aggregates:
-                    core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
-            except (InvalidRequestError, RollbackError):
-                core.counters.pushes_rejected += 1
-                raise
-            lost_from = core.marks.last_pushes.pop(rank, None)
-            if lost_from is not None:  # its pushes between the checkpoint and this one were lost
-                core.counters.updates_lost += max(0, clock - lost_from - 1)
+            decision = self._admit(member, rank, clock, base_version, state.version)
+            if isinstance(decision, PushResult):  # a duplicate, or late
+                return decision
             Membership.advance(member, clock)  # acknowledged, never applied
             core.counters.pushes_skipped += 1
             if decision is PushDecision.BUFFER:
