@@ -74,21 +74,33 @@ def _gather(values, slots, out):  # pragma: no cover
                 out[i, j] = 0
 
 
-def _sgd_rows(values, slots, grads, alpha, versions, stamp):  # pragma: no cover
-    # values[s] + alpha * g as one fused multiply-add (as torch's add_ with alpha computes it)
+def _sgd_rows(values, slots, grads, alpha, versions, stamp, kept, kept_versions):  # pragma: no cover
+    # values[s] + alpha * g as one fused multiply-add (as torch's add_ with alpha computes it). Where
+    # kept has rows (one per slot), each row and version is copied there first, as it was (what an
+    # undo puts back), in the same pass.
     n, d = grads.shape
+    keep = kept.shape[0] > 0
     for i in range(n):
         s = slots[i]
+        if keep:
+            for j in range(d):
+                kept[i, j] = values[s, j]
+            kept_versions[i] = versions[s]
         for j in range(d):
             values[s, j] = values[s, j] + alpha * grads[i, j]
         versions[s] = stamp[i]
 
 
-def _square_sums(acc, slots, grads, out):  # pragma: no cover
-    # acc[s] + g * g as one fused multiply-add (as torch's addcmul_ computes it); out[i]: the new sums
+def _square_sums(acc, slots, grads, out, kept):  # pragma: no cover
+    # acc[s] + g * g as one fused multiply-add (as torch's addcmul_ computes it); out[i]: the new sums;
+    # where kept has rows, the sums as they were
     n, d = grads.shape
+    keep = kept.shape[0] > 0
     for i in range(n):
         s = slots[i]
+        if keep:
+            for j in range(d):
+                kept[i, j] = acc[s, j]
         for j in range(d):
             g = grads[i, j]
             a = acc[s, j] + g * g
@@ -96,11 +108,17 @@ def _square_sums(acc, slots, grads, out):  # pragma: no cover
             out[i, j] = a
 
 
-def _divided_rows(values, slots, grads, denom, scale, versions, stamp):  # pragma: no cover
-    # values[s] + (scale * g) / denom, as torch's addcdiv_ computes it (no fused multiply-add here)
+def _divided_rows(values, slots, grads, denom, scale, versions, stamp, kept, kept_versions):  # pragma: no cover
+    # values[s] + (scale * g) / denom, as torch's addcdiv_ computes it (no fused multiply-add here);
+    # where kept has rows, each row and version as it was
     n, d = grads.shape
+    keep = kept.shape[0] > 0
     for i in range(n):
         s = slots[i]
+        if keep:
+            for j in range(d):
+                kept[i, j] = values[s, j]
+            kept_versions[i] = versions[s]
         for j in range(d):
             values[s, j] = values[s, j] + (scale * grads[i, j]) / denom[i, j]
         versions[s] = stamp[i]
@@ -161,10 +179,10 @@ def _compile(cache: bool) -> dict[str, object]:
                        cache, False),
         "claimed": _jit(_claimed, types.int64(_I64_IN, _I64_IN, types.int64, _I64, _I64), cache, False),
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
-        "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN), cache, True),
-        "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32), cache, True),
+        "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN, _F32, _I64), cache, True),
+        "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32, _F32), cache, True),
         "merged_rows": _jit(_merged_rows, types.int64(_I64_IN, _I64_IN, _F32_IN, f32, _I64, _F32), cache, False),
-        "divided_rows": _jit(_divided_rows, types.void(_F32, _I64_IN, _F32_IN, _F32_IN, f32, _I64, _I64_IN),
+        "divided_rows": _jit(_divided_rows, types.void(_F32, _I64_IN, _F32_IN, _F32_IN, f32, _I64, _I64_IN, _F32, _I64),
                              cache, False),
     }
 

@@ -145,29 +145,41 @@ class RowKernels:
         return None if n < 0 else (out_ids[:n], out_grads[:n])
 
     def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
-              slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor) -> bool:
+              slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor,
+              kept: dict[str, torch.Tensor] | None = None) -> bool:
         """Apply a row rule's fused form (RowOptimizer.fused) to rows at `slots` (unique) of values and
         their state, in place, and stamp versions[slots] = stamp; False: nothing done (the form or
-        the arrays are not the kernels'), the torch ops apply it."""
+        the arrays are not the kernels'), the torch ops apply it. kept (an empty dict): filled, where
+        done, with what the apply overwrote, copied in the same pass (an undo's copies, see
+        RowJournal): "values" and "versions" of the rows, and "state.<name>" of each state it wrote.
+        No error can stop a kernel part way: it writes every row or none."""
         kind, scale, eps = form
         if not slots.numel() or int(slots.min()) < 0:  # (a row not made: torch's index ops raise for it)
             return False
         g = grads.numpy()
         if g.dtype != np.float32 or not g.flags.c_contiguous or g.shape != (slots.numel(), values.shape[1]):
             return False
+        if kind not in ("sgd", "adagrad"):
+            return False
+        n = slots.numel() if kept is not None else 0
+        old, old_versions = torch.empty(n, values.shape[1]), torch.empty(n, dtype=torch.int64)
         if kind == "sgd":
-            self._k["sgd_rows"](values.numpy(), slots.numpy(), g, np.float32(scale), versions.numpy(), stamp.numpy())
-            return True
-        if kind == "adagrad":
+            self._k["sgd_rows"](values.numpy(), slots.numpy(), g, np.float32(scale), versions.numpy(), stamp.numpy(),
+                                old.numpy(), old_versions.numpy())
+        else:
             # the sums' square roots by torch's sqrt (not always correctly rounded: its vectorized
             # sqrt; the kernels' would be), on a tensor made as the torch path makes its own
             denom = torch.empty_like(grads)
-            self._k["square_sums"](state["sum"].numpy(), slots.numpy(), g, denom.numpy())
+            old_sums = torch.empty(n, values.shape[1])
+            self._k["square_sums"](state["sum"].numpy(), slots.numpy(), g, denom.numpy(), old_sums.numpy())
             torch.sqrt(denom, out=denom).add_(eps)
             self._k["divided_rows"](values.numpy(), slots.numpy(), g, denom.numpy(), np.float32(scale),
-                                    versions.numpy(), stamp.numpy())
-            return True
-        return False
+                                    versions.numpy(), stamp.numpy(), old.numpy(), old_versions.numpy())
+            if kept is not None:
+                kept["state.sum"] = old_sums
+        if kept is not None:
+            kept.update(values=old, versions=old_versions)
+        return True
 
 
 def rows(start: bool = False, wait: bool = False) -> RowKernels | None:
@@ -201,11 +213,17 @@ def _rows_agree_with_torch(k: RowKernels) -> bool:
             expect_state = {name: t.clone() for name, t in state.items()}
             rule.apply_at(expect_values, expect_state, slots, grads, 0.07, 3)
             form = rule.fused(0.07, 3)
-            versions, stamp = torch.zeros(4 * n, dtype=torch.int64), torch.arange(1, n + 1)
-            if form is None or not k.apply(form, values, state, slots, grads, versions, stamp):
+            versions, stamp = torch.randint(0, 9, (4 * n,), generator=gen), torch.arange(1, n + 1)
+            before = {"values": values[slots], "versions": versions[slots], **{"state." + k_: t[slots] for k_, t in state.items()}}
+            kept: dict[str, torch.Tensor] | None = {} if n % 2 else None  # (with and without the undo's copies)
+            if form is None or not k.apply(form, values, state, slots, grads, versions, stamp, kept):
                 return False
             if not (_same_bits(values, expect_values) and all(_same_bits(state[n_], expect_state[n_]) for n_ in state)
                     and torch.equal(versions[slots], stamp)):
+                return False
+            if kept is not None and not (set(kept) == set(before) and all(_same_bits(kept[k_], v) if v.is_floating_point()
+                                                                          else torch.equal(kept[k_], v)
+                                                                          for k_, v in before.items())):
                 return False
     return _merge_agrees_with_torch(k)
 

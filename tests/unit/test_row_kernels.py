@@ -180,13 +180,48 @@ def test_a_broken_kernel_is_not_used(k: kernels.RowKernels) -> None:
     them (or any other bit off) leaves the shard on torch's ops."""
     assert kernels._rows_agree_with_torch(k)
 
-    def two_roundings(acc: np.ndarray, slots: np.ndarray, grads: np.ndarray, out: np.ndarray) -> None:
+    def two_roundings(acc: np.ndarray, slots: np.ndarray, grads: np.ndarray, out: np.ndarray, kept: np.ndarray) -> None:
         for i, s in enumerate(slots):
+            if kept.shape[0]:
+                kept[i] = acc[s]
             acc[s] = acc[s] + np.float32(1) * (grads[i] * grads[i])
             out[i] = acc[s]
 
     broken = kernels.RowKernels({**k._k, "square_sums": two_roundings})
     assert not kernels._rows_agree_with_torch(broken)
+
+    def keeps_nothing(acc: np.ndarray, slots: np.ndarray, grads: np.ndarray, out: np.ndarray, kept: np.ndarray) -> None:
+        k._k["square_sums"](acc, slots, grads, out, kept[:0])  # (right sums; the undo's copies left unwritten)
+
+    assert not kernels._rows_agree_with_torch(kernels.RowKernels({**k._k, "square_sums": keeps_nothing}))
+
+
+@pytest.mark.parametrize("form", [("sgd", -0.5, 0.0), ("adagrad", -0.1, 1e-10)])
+def test_the_kernels_copy_what_they_overwrite_in_the_same_pass(k: kernels.RowKernels, form: tuple[str, float, float]) -> None:
+    """An undo's copies (RowJournal): kept holds each row's values, version and written state as they
+    were, in slot order, and the update is the same as without them."""
+    gen = torch.Generator().manual_seed(4)
+    values, sums = torch.randn(50, 8, generator=gen), torch.rand(50, 8, generator=gen)
+    versions = torch.randint(0, 100, (50,), generator=gen)
+    slots, grads = torch.tensor([7, 3, 41, 12]), torch.randn(4, 8, generator=gen)
+    stamp = torch.full((4,), 101)
+    state = {"sum": sums} if form[0] == "adagrad" else {}
+    twin_values, twin_state, twin_versions = values.clone(), {n: t.clone() for n, t in state.items()}, versions.clone()
+    kept: dict[str, torch.Tensor] = {}
+    assert k.apply(form, values, state, slots, grads, versions, stamp, kept) is True
+    assert k.apply(form, twin_values, twin_state, slots, grads, twin_versions, stamp) is True
+    assert torch.equal(values, twin_values) and torch.equal(versions, twin_versions)
+    assert all(torch.equal(state[n], twin_state[n]) for n in state)
+    assert set(kept) == {"values", "versions", *("state." + n for n in state)}
+    before_values, before_versions = values.clone(), versions.clone()
+    before_values[slots], before_versions[slots] = kept["values"], kept["versions"]
+    assert not torch.equal(before_values, values)  # (the rows did change)
+    regen = torch.Generator().manual_seed(4)
+    assert torch.equal(before_values, torch.randn(50, 8, generator=regen))
+    original_sums = torch.rand(50, 8, generator=regen)
+    assert torch.equal(before_versions, torch.randint(0, 100, (50,), generator=regen))
+    if state:
+        assert torch.equal(kept["state.sum"], original_sums[slots])
 
 
 def _python(code: str) -> str:

@@ -743,13 +743,39 @@ def _fail_once(monkeypatch: pytest.MonkeyPatch, s: Shard) -> list[int]:
     return calls
 
 
-def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(params=["torch ops", "row kernels"])
+def row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[bool]]:
+    """The rows' updates by the rule's torch ops (the undo's copies taken before they write), or by
+    the compiled row kernels (which copy what they overwrite in the same pass); returns (which, the
+    journaled kernel applies seen: True where one applied)."""
+    from psgrad.server import kernels
+
+    seen: list[bool] = []
+    if request.param == "torch ops":
+        monkeypatch.setenv("PSGRAD_FUSED_APPLY", "0")
+        return request.param, seen
+    if kernels.rows(wait=True) is None:
+        pytest.skip("the row kernels are not available here (numba)")
+    apply = kernels.RowKernels.apply
+
+    def spy(self: kernels.RowKernels, *args: Any) -> bool:
+        done = apply(self, *args)
+        if len(args) > 7 and args[7] is not None:
+            seen.append(done)
+        return done
+
+    monkeypatch.setattr(kernels.RowKernels, "apply", spy)
+    return request.param, seen
+
+
+def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(monkeypatch: pytest.MonkeyPatch,
+                                                                               row_path: tuple[str, list[bool]]) -> None:
     """Before: complete_iteration took the round's gradients and then applied them; an apply that
     raised lost them, and the shard waited for an iteration nobody would push again (the job wedged).
     Now the round is taken once the update is applied: the failed apply leaves everything as it
     was (weights, rows, version, the buffered gradients, no record for the standby), and the retry
     of the push that completed the round applies it: bit for bit the iteration of a shard where
-    nothing failed."""
+    nothing failed. Both ways of updating rows (torch's ops, the row kernels) are undone so."""
     reference, lay = _sync_shard()
     for rank in range(2):
         _sync_push(reference, lay, rank)
@@ -757,11 +783,14 @@ def test_a_sync_iteration_whose_apply_fails_is_kept_and_completed_by_the_retry(m
     s, _ = _sync_shard()
     before = _weights_and_rows(s)
     calls = _fail_once(monkeypatch, s)
+    path, kernel_applies = row_path
+    kernel_applies.clear()
     assert _sync_push(s, lay, 0).deferred
     with pytest.raises(ApplyFailedError, match="injected.*undone"):
         _sync_push(s, lay, 1)  # it completes the round, whose apply fails (after writing rows: undone)
     assert calls == [1] and s.version == 0 and len(s.core.round.pending) == 2  # the round is kept
     assert all(torch.equal(a, b) for a, b in zip(_weights_and_rows(s), before))
+    assert kernel_applies == ([True] if path == "row kernels" else [])  # (the failed apply's way, journaled)
     assert s.replica._payload is None and s.replica._rows == []  # (nothing of it for a record)
     retried = _sync_push(s, lay, 1)  # the worker's retry: its refresh applies the iteration first
     assert not retried.applied and retried.reason.startswith("duplicate") and retried.version == 1
