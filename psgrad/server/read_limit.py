@@ -1,7 +1,8 @@
 """A server's bound on the bytes the replies to reads hold at once (--max-read-mb): reads of rows,
 and pulls of the dense weights whose reply carries them (a Pull's frames, a Step's reply with the
 weights; not those copied into a same-host worker's segment, or lent from the published versions,
-which build no reply of them). A read takes its reply's bytes (counted from its request: ids x
+which build no reply of them), and reads of the frozen table (a shard's range of the frozen
+parameters: as the weights, larger than the bound it goes alone). A read takes its reply's bytes (counted from its request: ids x
 width x 4, or the shard's weights at the wire's width) before it builds the reply, and
 gives them back once the call has ended (the reply sent, or the call failed or was cancelled), so
 that replies being built, or waiting in gRPC to be sent, never hold more than the bound. A read

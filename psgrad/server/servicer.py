@@ -424,6 +424,11 @@ class ParameterServicer:
                 raise InvalidRequestError(f"a pull of table {req.table!r}: only the {FROZEN!r} table is pulled whole "
                                           "(the weights are pulled with no table named, sparse rows by PullRows)")
             self.shard.serving(promote=not req.observe)
+            # (its reply's bytes, the shard's range of the frozen values, taken of --max-read-mb before
+            # they are copied, as a pull of the weights: a range larger than the bound goes alone)
+            nbytes = 4 * self.shard.frozen_numel(req.rank, req.fingerprint, req.observe)
+            self._hold_read(context, nbytes, f"a pull of the frozen parameters ({'read-only, as ' if req.observe else ''}"
+                                             f"rank {req.rank})", DENSE_ADVICE)
             version, values = self.shard.frozen_values(req.rank, req.fingerprint, req.observe)
             self._acked(self.shard.version, context)  # never show a worker values its backup does not have
         except PsgradError as exc:

@@ -28,6 +28,7 @@ from psgrad.server.rows_path import Rows
 from psgrad.server.replication import Replication
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
+from psgrad.server.tables import FrozenTable
 from psgrad.server.transfers import PullStream
 from psgrad.server.worker_copies import DeltaPull, WorkerCopies
 
@@ -277,12 +278,27 @@ class Shard:
         """
         core = self.core
         with core.cond:
-            table = core.require_reader(fingerprint, rank, observe, "a read of the frozen parameters").frozen
-            if table is None:
-                raise InvalidRequestError(f"worker rank {rank} asked for the frozen parameters; this job keeps none "
-                                          "on the servers")
+            table = self._frozen(rank, fingerprint, observe)
             core.counters.bytes_out += table.numel * 4
             return table.version, table.values.clone()
+
+    def frozen_numel(self, rank: int, fingerprint: str, observe: bool = False) -> int:
+        """The values a read of the frozen table gets (frozen_values; a layout's, fixed): what its
+        reply's bytes are counted from before the values are copied (--max-read-mb).
+
+        Raises:
+            As frozen_values.
+        """
+        with self.core.cond:
+            return self._frozen(rank, fingerprint, observe).numel
+
+    def _frozen(self, rank: int, fingerprint: str, observe: bool) -> FrozenTable:
+        """The frozen table a read names (see frozen_values). Under the lock."""
+        table = self.core.require_reader(fingerprint, rank, observe, "a read of the frozen parameters").frozen
+        if table is None:
+            raise InvalidRequestError(f"worker rank {rank} asked for the frozen parameters; this job keeps none "
+                                      "on the servers")
+        return table
 
     def initialize(self, rank: int, layout: Layout, weights: torch.Tensor,
                    rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,

@@ -366,3 +366,48 @@ def test_concurrent_pulls_of_the_weights_hold_at_most_max_read_mb_and_a_shard_la
     wait_for("the big pulls' bytes to be given back", lambda: transfers(large).read_bytes == 0)
     after = transfers(large)
     assert after.read_bytes_peak == 9 * 2**20 and after.reads_refused == 0 and after.reads_expired == 0
+
+
+class FrozenBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(1024, 3072, bias=False)  # 12 MiB, frozen: kept on the servers
+        self.backbone.requires_grad_(False)
+        self.head = nn.Linear(3072, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def test_pulls_of_the_frozen_parameters_hold_at_most_max_read_mb(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: a read of the frozen table (a worker's at join, and each time the values moved) was
+    under no bound: its copy and its frames held its whole range outside --max-read-mb. A real
+    server with --max-read-mb 8 holding a 12 MiB frozen backbone: the worker joins and trains;
+    4 concurrent reads of the range (no call can ask for less of it) go alone, one after another,
+    all get the values, and the bytes in flight never passed one range's."""
+    (address,) = start_servers(1, "--max-read-mb", "8")
+    model = FrozenBackbone()
+    with psgrad.connect([address], optimizer=psgrad.SGD(lr=0.5), client=CLIENT) as ps:
+        opt = ps.optimizer(model)  # (the chief's values go to the server; it reads them back as it joins)
+        opt.zero_grad()
+        model(torch.ones(1, 1024)).sum().backward()
+        opt.step()
+        client = opt.client
+        assert transfers(address).read_bytes_peak >= 12 * 2**20  # (the join's read was counted)
+        want = model.backbone.weight.detach().reshape(-1).clone()
+        start = threading.Barrier(4)
+
+        def read(k: int) -> None:  # (4 calls at once on the worker's channel)
+            dest = torch.empty(want.numel())
+            start.wait(30)
+            client.pull_frozen(dest, observe=True)
+            assert torch.equal(dest, want), f"read {k} got other values"
+
+        run_in_threads(4, read)
+        wait_for("the reads' bytes to be given back", lambda: transfers(address).read_bytes == 0)
+        after = transfers(address)
+        assert after.read_bytes_peak == 12 * 2**20, after  # one range at a time: it goes alone
+        assert after.reads_refused == 0 and after.reads_expired == 0
+        opt.zero_grad()  # and training goes on
+        model(torch.ones(1, 1024)).sum().backward()
+        opt.step()
