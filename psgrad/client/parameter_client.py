@@ -116,6 +116,7 @@ class ParameterClient:
         # one its latest join (or rejoin) answered: the table is read again when they differ.
         self.frozen_held = [-1] * plan.num_shards
         self.frozen_seen = [0] * plan.num_shards
+        self.drawn_as: dict[str, str] = {}  # table -> the name its rows are drawn under, where another (join's)
         # (table, shard) -> the table version that shard's rows were last pulled at: a push's base
         # for rows whose read it is not told (a push is told each table's oldest read its gradient
         # came from: PSOptimizer passes them, from the rows its forwards were served)
@@ -266,6 +267,8 @@ class ParameterClient:
             s.rejoin = functools.partial(self._rejoin, i, s, self._join_request(i, wait=False))
         self._start_heartbeat(min(r.lease_s for r in replies))
         self.unfinished = None  # (a rejoin continues from the clock the shards give)
+        # (the job's: the chief's, which a worker whose model loaded no state does not know)
+        self.drawn_as = {table: name for r in replies for table, name in r.drawn_as.items()}
         return continue_from(replies, policy_for(self.spec).aggregates and not self._shard0_decides)
 
     def _rejoin(self, index: int, shard: ShardClient, req: pb.JoinRequest, timeout_s: float) -> pb.JoinReply:

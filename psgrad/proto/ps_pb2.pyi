@@ -148,7 +148,14 @@ class JoinRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks", "frozen_version", "last_push_clock")
+    __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks", "frozen_version", "last_push_clock", "drawn_as")
+    class DrawnAsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +165,7 @@ class JoinReply(_message.Message):
     JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
     FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_PUSH_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_AS_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     version: int
     lease_s: float
@@ -167,7 +175,8 @@ class JoinReply(_message.Message):
     joined_ranks: _containers.RepeatedScalarFieldContainer[int]
     frozen_version: int
     last_push_clock: int
-    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., frozen_version: _Optional[int] = ..., last_push_clock: _Optional[int] = ...) -> None: ...
+    drawn_as: _containers.ScalarMap[str, str]
+    def __init__(self, initialized: _Optional[bool] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., ready: _Optional[bool] = ..., joined: _Optional[int] = ..., start_clock: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., frozen_version: _Optional[int] = ..., last_push_clock: _Optional[int] = ..., drawn_as: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("join", "numel", "frozen_numel", "row_block")

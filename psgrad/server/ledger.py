@@ -35,6 +35,8 @@ class JoinResult:
     frozen_version: int = 0
     #: this worker's last push the shard handled (-1: none)
     last_push_clock: int = -1
+    #: (table, the name its initial rows are drawn under) where that is not its own (TableSpec.drawn_as)
+    drawn_as: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 @dataclass

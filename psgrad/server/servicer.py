@@ -214,6 +214,7 @@ class ParameterServicer:
             joined_ranks=r.ranks,
             frozen_version=r.frozen_version,
             last_push_clock=r.last_push_clock,
+            drawn_as=dict(r.drawn_as),
         )
 
     @_edge

@@ -263,8 +263,9 @@ class Shard:
                 return JoinResult(False, False, 0, 0, core.version)
             ranks = tuple(sorted(core.members.members))
             frozen = core.state.frozen if core.state is not None else None
+            drawn_as = tuple((t.name, t.drawn_as) for t in core.layout.tables if t.drawn_as)
             return JoinResult(True, self._ready(), len(core.members), member.clock, core.version, ranks,
-                              0 if frozen is None else frozen.version, member.last_push_clock)
+                              0 if frozen is None else frozen.version, member.last_push_clock, drawn_as)
 
     def frozen_values(self, rank: int, fingerprint: str, observe: bool = False) -> tuple[int, torch.Tensor]:
         """(the frozen table's version, a copy of its values): the shard's range of the frozen

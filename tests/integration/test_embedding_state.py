@@ -312,3 +312,40 @@ def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_
         assert not torch.equal(rows["items"][1:], trained["items"][1:])
         assert bytes(fresh.state_dict()["inner.items.table"].tolist()).decode() == "inner.items"
         assert {t.drawn_as for t in opt.client.tables.values()} == {""}
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_draws_the_rows_under_the_name_the_chiefs_loaded_state_gives(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Before: only the chief learned the name a state it loaded under another prefix draws the
+    rows under (TableSpec.drawn_as); another worker's modules drew under their own names, so its
+    initial_weight() (and its state_dict's table entry) named rows no server holds. Now the join
+    answers the job's names: a second worker with a fresh model reads, draws and names every row
+    as the chief does."""
+    defs = _definitions()
+    Dlrm = defs["Dlrm"]
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Dlrm()
+
+    model = Dlrm()
+    with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        _train_and_predict(model, opt, defs["batch"], 2)
+        state = model.state_dict()
+    chief, other = Wrapped(), Wrapped()
+    chief.load_state_dict({"inner." + k: v for k, v in state.items()})
+    addresses = [s.address for s in make_servers(2)]
+    job = {"num_workers": 2, "mode": "async", "optimizer": psgrad.Adagrad(lr=0.1), "client": CLIENT}
+    with psgrad.connect(addresses, rank=0, **job) as ps0:
+        ps0.optimizer(chief)
+        with psgrad.connect(addresses, rank=1, **job) as ps1:
+            opt1 = ps1.optimizer(other)
+            assert opt1.client.drawn_as == {"inner.items": "items", "inner.user": "user"}
+            for name, module in (("items", other.inner.items), ("user", other.inner.user)):
+                expect = getattr(chief.inner, name).initial_weight()
+                assert torch.equal(module.initial_weight(), expect), name
+            for name, rows in _every_row(other.inner).items():
+                torch.testing.assert_close(rows, _every_row(chief.inner)[name], rtol=0, atol=0, msg=name)
+            assert bytes(other.state_dict()["inner.items.table"].tolist()).decode() == "items"
