@@ -995,8 +995,8 @@ class _ReadPlan:
                 at = place.positions(i)
                 if at is None:  # (one shard holds them all: copied as bytes into the group's rows)
                     byte_view(out[g])[:] = data[offset:offset + nbytes]
-                else:
-                    out[g].index_copy_(0, at, _float_rows(data[offset:offset + nbytes], rows, dims[g]))
+                else:  # (numpy's row scatter: torch's index_copy_ of rows this narrow costs half again as much)
+                    out[g].numpy()[at.numpy()] = _float_rows(data[offset:offset + nbytes], rows, dims[g]).numpy()
                 offset += nbytes
             for (_, _, table, _), version in zip(self._parts[i], versions):
                 read[table][i] = version

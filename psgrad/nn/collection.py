@@ -270,7 +270,8 @@ class EmbeddingBagCollection(nn.Module):
             uniques.append(unique)
             pieces = [inverse] if len(g) == 1 else inverse.split([parts[k][0].numel() for k in g])
             for k, piece in zip(g, pieces):
-                inverses[k] = piece.view(parts[k][0].shape)
+                shape = parts[k][0].shape
+                inverses[k] = piece if piece.shape == shape else piece.view(shape)
         return bags, uniques, inverses
 
     def lookup(self, features: Any) -> dict[str, torch.Tensor]:

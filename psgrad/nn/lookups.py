@@ -68,8 +68,7 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
         if sum(int(i.numel()) for i in ids) * dim >= LOOKUP_KERNEL_MIN:
             kernels(start=True)
         return None
-    cpu = torch.device("cpu")
-    if not ids or not all(i.device == cpu and i.dtype in (torch.int64, torch.int32) and i.numel() <= UNIQUE_MAX_IDS
+    if not ids or not all(i.is_cpu and i.dtype in (torch.int64, torch.int32) and i.numel() <= UNIQUE_MAX_IDS
                           for i in ids):
         return None
     return _unique_with(k, ids)
@@ -160,10 +159,9 @@ class _Plan:
     def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
              offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any] | None) -> _Plan | None:
         dim = int(weights[0].shape[-1]) if weights[0].dim() == 2 else -1
-        cpu = torch.device("cpu")
-        for w, i in zip(weights, inverses):
-            if not (w.dim() == 2 and w.shape[1] == dim and w.dtype == torch.float32 and w.device == cpu
-                    and i.device == cpu and i.dtype == torch.int64):
+        f32, i64 = torch.float32, torch.int64
+        for w, i in zip(weights, inverses):  # (is_cpu: a device object compared costs more, per table per step)
+            if not (w.dim() == 2 and w.shape[1] == dim and w.dtype == f32 and w.is_cpu and i.is_cpu and i.dtype == i64):
                 return None
         starts, flat = [], []
         for i, o in zip(inverses, offsets):
@@ -171,11 +169,12 @@ class _Plan:
                 if i.dim() != 2 or not i.shape[1]:  # (bags of no ids: torch refuses them)
                     return None
                 starts.append(torch.arange(0, i.numel(), int(i.shape[1])))
+                flat.append(i.reshape(-1))
             else:
-                if i.dim() != 1 or o.dim() != 1 or o.dtype != torch.int64 or o.device != cpu:
+                if i.dim() != 1 or o.dim() != 1 or o.dtype != i64 or not o.is_cpu:
                     return None
                 starts.append(o)
-            flat.append(i.reshape(-1))
+                flat.append(i)
         bags = int(starts[0].numel())
         if not bags or any(int(s.numel()) != bags for s in starts):
             return None  # (no bags, or outputs that would not concatenate: torch says so)
