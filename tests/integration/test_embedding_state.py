@@ -257,17 +257,12 @@ def _every_row(model: nn.Module) -> dict[str, torch.Tensor]:
     return {"items": items, "user": user}
 
 
-@pytest.mark.timeout(120)
-def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_the_job_that_wrote_it(
-        make_servers) -> None:  # type: ignore[no-untyped-def]
-    """A state_dict whose keys gained a wrapper's prefix (`emb` -> `inner.emb`, as DDP's `module.`
-    added or stripped) loads into the wrapped model, which then starts a new job: every row, the
-    never-updated ones too (drawn under the name the state's `table` entry keeps, not the
-    module's new place), is the trained job's; the new job's state_dict, fetch_state_dict and
-    export keep that name, so they load into a fresh model with the same rows again. A model
-    that never loaded a state draws its rows under its own name, as before."""
+def _trained_and_wrapped(make_servers: Any, steps: int) -> tuple[Any, Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the Dlrm class, a wrapper class holding one as `inner` (its state's keys gain the prefix
+    `inner.`), the state_dict of a Dlrm trained `steps` steps on a server of its own, every row it
+    reads then)."""
     defs = _definitions()
-    Dlrm, batch = defs["Dlrm"], defs["batch"]
+    Dlrm = defs["Dlrm"]
 
     class Wrapped(nn.Module):
         def __init__(self) -> None:
@@ -277,9 +272,20 @@ def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_
     model = Dlrm()
     with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
         opt = ps.optimizer(model)
-        _train_and_predict(model, opt, batch, 3)
-        state = model.state_dict()
-        trained = _every_row(model)
+        _train_and_predict(model, opt, defs["batch"], steps)
+        return Dlrm, Wrapped, model.state_dict(), _every_row(model)
+
+
+@pytest.mark.timeout(120)
+def test_a_state_loaded_under_another_prefix_starts_a_new_job_with_every_row_as_the_job_that_wrote_it(
+        make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A state_dict whose keys gained a wrapper's prefix (`emb` -> `inner.emb`, as DDP's `module.`
+    added or stripped) loads into the wrapped model, which then starts a new job: every row, the
+    never-updated ones too (drawn under the name the state's `table` entry keeps, not the
+    module's new place), is the trained job's; the new job's state_dict, fetch_state_dict and
+    export keep that name, so they load into a fresh model with the same rows again. A model
+    that never loaded a state draws its rows under its own name, as before."""
+    Dlrm, Wrapped, state, trained = _trained_and_wrapped(make_servers, 3)
     assert 0 < state["items.ids"].numel() < 500  # (rows never updated: the ones at stake)
     wrapped = Wrapped()
     wrapped.load_state_dict({"inner." + k: v for k, v in state.items()})
@@ -321,19 +327,7 @@ def test_every_worker_draws_the_rows_under_the_name_the_chiefs_loaded_state_give
     initial_weight() (and its state_dict's table entry) named rows no server holds. Now the join
     answers the job's names: a second worker with a fresh model reads, draws and names every row
     as the chief does."""
-    defs = _definitions()
-    Dlrm = defs["Dlrm"]
-
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = Dlrm()
-
-    model = Dlrm()
-    with psgrad.connect([s.address for s in make_servers(1)], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
-        opt = ps.optimizer(model)
-        _train_and_predict(model, opt, defs["batch"], 2)
-        state = model.state_dict()
+    _, Wrapped, state, _ = _trained_and_wrapped(make_servers, 2)
     chief, other = Wrapped(), Wrapped()
     chief.load_state_dict({"inner." + k: v for k, v in state.items()})
     addresses = [s.address for s in make_servers(2)]
