@@ -102,8 +102,8 @@ class RowJournal:
     def wrote(self, table: SparseTable, slots: torch.Tensor) -> None:
         """Rows at `slots` of table's arena are about to be written: copies of them."""
         self.keep(table)
-        if slots.numel() and int(slots.min()) < 0:  # (rows not stored: nothing of theirs to keep)
-            slots = slots[slots >= 0]
+        # (a copy of the slots too: the caller's tensor may be a view it reuses)
+        slots = slots[slots >= 0] if slots.numel() and int(slots.min()) < 0 else slots.clone()
         # (index_select: a row copy each, several times faster than indexing with a tensor of slots)
         self._writes.append((table, table._moved, slots, table._values.index_select(0, slots),
                              table._versions.index_select(0, slots),
@@ -114,7 +114,7 @@ class RowJournal:
         what it overwrote into `kept` (RowKernels.apply) in the same pass: those copies, as wrote
         takes them (the state it did not write is unchanged)."""
         self.keep(table)
-        self._writes.append((table, table._moved, slots, kept["values"], kept["versions"],
+        self._writes.append((table, table._moved, slots.clone(), kept["values"], kept["versions"],
                              {k[len("state."):]: v for k, v in kept.items() if k.startswith("state.")}))
 
     def sighted(self, sightings: Sightings, ids: torch.Tensor) -> None:
