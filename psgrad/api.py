@@ -360,9 +360,10 @@ class PSOptimizer(ScheduledOptimizer):
                                                 initial_rows=initial_rows if chief else None,
                                                 initial_frozen=self._frozen_values if chief else None)
             self.clock = self.start_clock
-            for name, module in self.embeddings:  # (a state the chief loaded names the rows' draw: see TableSpec.drawn_as)
-                if self.client.drawn_as.get(name, drawn_as.get(name, "")) != drawn_as.get(name, ""):
-                    module.bind(name, self.prefetched, self.client.drawn_as[name])
+            for name, module in self.embeddings:  # (the job's names for the rows' draw: see TableSpec.drawn_as)
+                job = self.client.drawn_as.get(name, "")  # (a state this worker loaded counts only where it initialized)
+                if job != drawn_as.get(name, ""):
+                    module.bind(name, self.prefetched, job)
             self.rollbacks = 0
             self.rejoins = 0
             # Same host, CPU float32: pushes read the gradient in place, and pulls lend versions

@@ -343,3 +343,15 @@ def test_every_worker_draws_the_rows_under_the_name_the_chiefs_loaded_state_give
             for name, rows in _every_row(other.inner).items():
                 torch.testing.assert_close(rows, _every_row(chief.inner)[name], rtol=0, atol=0, msg=name)
             assert bytes(other.state_dict()["inner.items.table"].tolist()).decode() == "items"
+    # The other way round: a job whose chief loaded nothing draws under the tables' own names, and a
+    # worker that loaded the state (its rows ignored, as its weights are) draws so too.
+    fresh_chief, loaded_other = Wrapped(), Wrapped()
+    loaded_other.load_state_dict({"inner." + k: v for k, v in state.items()})
+    addresses = [s.address for s in make_servers(2)]
+    with psgrad.connect(addresses, rank=0, **job) as ps0:
+        ps0.optimizer(fresh_chief)
+        with psgrad.connect(addresses, rank=1, **job) as ps1:
+            assert ps1.optimizer(loaded_other).client.drawn_as == {}
+            expect = fresh_chief.inner.items.initial_weight()
+            assert torch.equal(loaded_other.inner.items.initial_weight(), expect)
+            assert bytes(loaded_other.state_dict()["inner.items.table"].tolist()).decode() == "inner.items"
