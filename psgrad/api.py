@@ -344,9 +344,6 @@ class PSOptimizer(ScheduledOptimizer):
         if row_cache and self.embeddings:
             source = self.row_cache = RowCache(self.client, row_cache, row_cache_staleness, lambda: self.clock)
         self.prefetched = Prefetched(source)  # rows fetched ahead (prefetch, step(prefetch=...), pipeline)
-        drawn_as = {t.name: t.drawn_as for t in tables}
-        for name, module in self.embeddings:
-            module.bind(name, self.prefetched, drawn_as.get(name, ""))
         self._next_lookups: Lookups | None = None  # pipeline(): the next batch's, for the next step()
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pending: futures.Future[ExchangeResult] | None = None
@@ -360,10 +357,10 @@ class PSOptimizer(ScheduledOptimizer):
                                                 initial_rows=initial_rows if chief else None,
                                                 initial_frozen=self._frozen_values if chief else None)
             self.clock = self.start_clock
-            for name, module in self.embeddings:  # (the job's names for the rows' draw: see TableSpec.drawn_as)
-                job = self.client.drawn_as.get(name, "")  # (a state this worker loaded counts only where it initialized)
-                if job != drawn_as.get(name, ""):
-                    module.bind(name, self.prefetched, job)
+            # Bound once joined, their rows drawn under the job's names (TableSpec.drawn_as, as the join
+            # answers them: a state this worker loaded counts only where it initialized the servers).
+            for name, module in self.embeddings:
+                module.bind(name, self.prefetched, self.client.drawn_as.get(name, ""))
             self.rollbacks = 0
             self.rejoins = 0
             # Same host, CPU float32: pushes read the gradient in place, and pulls lend versions

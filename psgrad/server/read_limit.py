@@ -2,9 +2,9 @@
 and pulls of the dense weights whose reply carries them (a Pull's frames, a Step's reply with the
 weights; not those copied into a same-host worker's segment, or lent from the published versions,
 which build no reply of them), and reads of the frozen table (a shard's range of the frozen
-parameters: as the weights, larger than the bound it goes alone). A read takes its reply's bytes (counted from its request: ids x
-width x 4, or the shard's weights at the wire's width) before it builds the reply, and
-gives them back once the call has ended (the reply sent, or the call failed or was cancelled), so
+parameters: as the weights, larger than the bound it goes alone). A read takes its reply's bytes
+(counted from its request: ids x width x 4, or the shard's weights at the wire's width) before it
+builds the reply, and gives them back once the call has ended (the reply sent, or the call failed or was cancelled), so
 that replies being built, or waiting in gRPC to be sent, never hold more than the bound. A read
 past the bound waits its turn, in order of arrival (a large read is not passed for ever by small
 ones), until shortly before its deadline; a read of rows larger than the whole bound is refused at
