@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from concurrent import futures
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from psgrad import errors
@@ -20,7 +21,7 @@ from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
 from psgrad.config import READ_LIMIT_MIN_MB, ClientConfig, JobSpec
-from psgrad.core.codecs import WireBuffer, aligned, byte_view, joined
+from psgrad.core.codecs import WireBuffer, byte_view, joined
 from psgrad.core.compression import parse_compression
 from psgrad.core.credentials import worker_role
 from psgrad.core.gradient_codecs import Compressor
@@ -996,7 +997,7 @@ class _ReadPlan:
                 if at is None:  # (one shard holds them all: copied as bytes into the group's rows)
                     byte_view(out[g])[:] = data[offset:offset + nbytes]
                 else:  # (numpy's row scatter: torch's index_copy_ of rows this narrow costs half again as much)
-                    out[g].numpy()[at.numpy()] = _float_rows(data[offset:offset + nbytes], rows, dims[g]).numpy()
+                    out[g].numpy()[at.numpy()] = _float_rows(data[offset:offset + nbytes], rows, dims[g])
                 offset += nbytes
             for (_, _, table, _), version in zip(self._parts[i], versions):
                 read[table][i] = version
@@ -1006,12 +1007,8 @@ class _ReadPlan:
                                          for name, rows in zip(names, group.split(place.sizes))}, read)
 
 
-def _float_rows(data: memoryview, rows: int, dim: int) -> torch.Tensor:
-    """Rows [rows, dim] (float32) of a reply's bytes: a view where they are writable and aligned
-    for float32 (a rows segment's, copied out of it into a tensor's storage), else a copy (a
-    reply's own bytes are read-only and need not be aligned)."""
-    if not data.readonly and aligned(data):
-        return torch.frombuffer(data, dtype=torch.float32).view(rows, dim)
-    values = torch.empty(rows, dim)
-    byte_view(values)[:] = data
-    return values
+def _float_rows(data: memoryview, rows: int, dim: int) -> np.ndarray:
+    """Rows [rows, dim] (float32) of a reply's bytes, the source of a row scatter, without a copy:
+    numpy reads them where they are (a rows segment's, or a reply's own bytes, which are read-only
+    and need not be aligned for float32)."""
+    return np.frombuffer(data, dtype=np.float32, count=rows * dim).reshape(rows, dim)

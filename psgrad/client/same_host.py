@@ -17,7 +17,7 @@ from psgrad.client.transport import (
     RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, step_request,
 )
 from psgrad.config import ClientConfig
-from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, segment_bytes
+from psgrad.core.codecs import WireBuffer, copy_bytes, segment_bytes
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import local_socket, published, shm
@@ -170,17 +170,16 @@ class SharedMemoryTransport:
         return rows.metadata(shm.ROWS_METADATA_KEY) if rows is not None else ()
 
     def _rows_read(self, reply: pb.StepReply, reads: RowBlock | None) -> RowsRead | None:
-        """The rows a Step reply brought, from the rows segment (copied out: the next call writes
-        it) or from the reply; a segment is made or grown for the next call from what came inline."""
+        """The rows a Step reply brought, in the rows segment (a view of it, valid until this
+        shard's next call: the exchange places them before it returns) or in the reply; a segment
+        is made or grown for the next call from what came inline."""
         if not reads:
             return None
         address, segment, n = self._client.address, self._rows_segment, reply.rows_in_segment
         if n:
             if segment is None or n > segment.nbytes:
                 raise InvalidRequestError(f"server {address}: sent {n} bytes of rows in a segment this worker did not offer")
-            copied = torch.empty(n, dtype=torch.uint8)  # (aligned and writable: the rows are placed from it as it is)
-            rows = byte_view(copied)
-            copy_bytes(rows, segment.payload[:n])
+            rows = segment.payload[:n]  # (a view: the rows are placed from it before this shard's next call writes it)
             segment.unlink()  # the server has it open
             self.rows_through_segment += 1
             self._rows_misses = 0  # (a restarted server opens the fresh segment made after its miss)

@@ -362,13 +362,15 @@ def test_the_rows_segment_is_made_from_inline_rows_grown_and_given_up_after_thre
         versions, rows = t._rows_read(pb.StepReply(rows_in_segment=4, row_versions=[7]), reads)  # type: ignore[misc]
         assert versions == [7] and bytes(rows) == b"abcd" and t.rows_through_segment == 1
         first.payload[:4] = b"wxyz"
-        assert bytes(rows) == b"abcd"  # copied out: the next call writes the segment again
-        # ... into a tensor's storage, from which the rows are placed as they are (no second copy);
-        # a reply's own bytes (read-only, of any alignment) are copied
+        assert bytes(rows) == b"wxyz"  # a view of the segment, not a copy: placed before the next call writes it
+        # ... from which the rows are placed as they are (no copy), as they are from a reply's own
+        # bytes (read-only, of any alignment)
+        import numpy as np
+
         from psgrad.client.parameter_client import _float_rows
-        assert _float_rows(rows, 1, 1).data_ptr() == torch.frombuffer(rows, dtype=torch.uint8).data_ptr()
-        inline_rows = memoryview(pb.StepReply(rows=b"abcdefgh").rows)[:4]
-        assert _float_rows(inline_rows, 1, 1).view(torch.uint8).tolist() == [list(b"abcd")]
+        assert np.shares_memory(_float_rows(rows, 1, 1), np.frombuffer(rows, dtype=np.uint8))
+        inline_rows = memoryview(pb.StepReply(rows=b"xabcdefgh").rows)[1:5]  # (read-only, not aligned for float32)
+        assert _float_rows(inline_rows, 1, 1).view(np.uint8).tolist() == [list(b"abcd")]
         big = pb.StepReply(rows=b"b" * 100_000, row_versions=[1])  # outgrows it: a larger one, not a miss
         t._rows_read(big, reads)
         assert t._rows_segment is not first and t._rows_segment.nbytes == 200_000 and t._rows_misses == 0
