@@ -1,6 +1,7 @@
 """What a shard was initialized with (job spec, parameters, range, fingerprint), and how to say what differs."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -70,6 +71,13 @@ def _describe(p: ParamSpec) -> str:
     return f"{p.name} {list(p.shape)} {p.dtype}{' (buffer)' if p.buffer else ''}"
 
 
+def _table_differences(a: TableSpec, b: TableSpec) -> list[tuple[str, object, object]]:
+    """(field, a's, b's) of each compared field of two tables' specs that differs (min_count, ttl,
+    evict, a parameter group's lr scale, settings or optimizer, ...)."""
+    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(TableSpec)
+            if f.compare and getattr(a, f.name) != getattr(b, f.name)]
+
+
 def _table(t: TableSpec) -> str:
     rows = t.num_embeddings or "any int64 id (dynamic)"
     return f"{t.name} [{rows}, {t.dim}] (seed {t.seed}, std {t.std:g})"
@@ -106,6 +114,12 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
                 "keeps its frozen parameters in the workers: pass frozen='local'; the buffers among them are those the "
                 "flat space cannot sync exactly, kept there with sync_buffers=True)")
     if mine.tables != theirs.tables:
+        if [t.name for t in mine.tables] == [t.name for t in theirs.tables]:  # the same tables: name what differs
+            for a, b in zip(mine.tables, theirs.tables):
+                diffs = _table_differences(a, b)
+                if diffs:
+                    parts = "; ".join(f"{n}: shard has {x!r}, {who} has {y!r}" for n, x, y in diffs)
+                    return f"sparse table {a.name!r} differs from the one this shard was initialized with ({parts})"
         have = ", ".join(_table(t) for t in mine.tables) or "none"
         sent = ", ".join(_table(t) for t in theirs.tables) or "none"
         return f"sparse tables differ: this shard was initialized with {have}; {who} has {sent}"

@@ -114,6 +114,27 @@ def test_job_spec_adam_fields_reach_fingerprint_and_mismatch_message() -> None:
     assert len(prints) == 5
 
 
+def test_a_table_that_differs_is_named_with_the_fields_that_differ() -> None:
+    """A worker whose table differs only in a setting its description does not show (admission,
+    expiry, eviction, its group's lr or optimizer) is told which setting, not two equal descriptions."""
+    from psgrad.core.layout import Layout, explain_mismatch
+    from psgrad.core.sharding import ParamSpec, TableSpec
+
+    params = (ParamSpec("w", (10,), "float32"),)
+    base = TableSpec("t", 100, 4)
+    for field, value in (("min_count", 2), ("ttl", 5), ("evict", True), ("lr_scale", 0.5),
+                         ("optimizer", "adagrad"), ("settings", (("momentum", 0.5),))):
+        other = dataclasses.replace(base, **{field: value})
+        mine = Layout(JobSpec(), params, 0, 0, 10, "f", tables=(TableSpec("u", 5, 2), base))
+        theirs = Layout(JobSpec(), params, 0, 0, 10, "f", tables=(TableSpec("u", 5, 2), other))
+        msg = explain_mismatch(mine, theirs, rank=1)
+        assert msg is not None and f"sparse table 't' differs" in msg and field in msg and repr(value) in msg, msg
+    # other tables altogether: both lists, as before
+    msg = explain_mismatch(Layout(JobSpec(), params, 0, 0, 10, "f", tables=(base,)),
+                           Layout(JobSpec(), params, 0, 0, 10, "f", tables=(TableSpec("v", 100, 4),)), rank=1)
+    assert msg is not None and "sparse tables differ" in msg and "t [100, 4]" in msg and "v [100, 4]" in msg, msg
+
+
 def test_ints_in_float_fields_are_the_same_job_as_their_floats() -> None:
     """psgrad.SGD(lr=20) (pytorch/examples' word_language_model) and `--lr 20.0` are one job: the
     fingerprint hashes the values as JSON, where 20 and 20.0 differ."""
