@@ -160,6 +160,12 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(f"embedding_dim must be an integer >= 1, got {embedding_dim!r}")
         if not (std == std and 0 <= std < float("inf")):
             raise ConfigError(f"std must be a finite number >= 0, got {std!r}")
+        try:  # (an integer of any kind: a numpy int too; a float would be truncated)
+            seed = operator.index(seed)
+        except TypeError:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}") from None
+        if not 0 <= seed < 2**63:  # (the job's spec and the state_dict carry it as a 64-bit integer)
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         if max_norm is not None:
             raise ConfigError(
                 f"max_norm={max_norm!r} is not supported by psgrad embeddings: torch renormalizes each row a forward "
@@ -635,7 +641,16 @@ class SparseEmbedding(nn.Module):
             raise ConfigError(
                 f"load_state_dict(): {prefix}init describes a table of {num} x {dim} rows, and {where} is "
                 f"{self.num_embeddings} x {self.embedding_dim}: build it with num_embeddings={num}, embedding_dim={dim}")
-        ids = state_dict[prefix + "ids"].to("cpu", torch.int64).reshape(-1)
+        if seed < 0:
+            raise ConfigError(f"load_state_dict(): {prefix}init gives the seed {seed}: a table's seed is an integer in "
+                              "[0, 2**63)")
+        raw_ids = state_dict[prefix + "ids"]
+        if not isinstance(raw_ids, torch.Tensor) or raw_ids.is_floating_point() or raw_ids.is_complex() \
+                or raw_ids.dtype == torch.bool:
+            what = raw_ids.dtype if isinstance(raw_ids, torch.Tensor) else type(raw_ids).__name__
+            raise ConfigError(f"load_state_dict(): {prefix}ids must be an integer tensor of row ids (int64, as "
+                              f"state_dict() writes it), got {what}")
+        ids = raw_ids.to("cpu", torch.int64).reshape(-1)
         values = state_dict[prefix + "rows"].detach().to("cpu", torch.float32)
         if values.shape != (ids.numel(), dim):
             raise ConfigError(f"load_state_dict(): {prefix}rows has shape {list(values.shape)}, not [{ids.numel()}, {dim}] "
@@ -647,13 +662,20 @@ class SparseEmbedding(nn.Module):
         ids, order = torch.sort(ids)
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise ConfigError(f"load_state_dict(): {prefix}ids lists a row id more than once")
+        std = float(state_dict[prefix + "init_std"])
+        if not (std == std and 0 <= std < float("inf")):
+            raise ConfigError(f"load_state_dict(): {prefix}init_std is {std!r}: a table's std is a finite number >= 0")
         name = state_dict.get(prefix + "table")
-        self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
+        try:
+            self.table = bytes(name.to(torch.uint8).tolist()).decode() if name is not None else prefix[:-1]
+        except UnicodeDecodeError:
+            raise ConfigError(f"load_state_dict(): {prefix}table is not a table name (UTF-8 bytes, as state_dict() "
+                              "writes it)") from None
         # (the state names the table its rows were drawn under: a job that binds this module under
         # another name draws them under that one, see bound_draw_name; a state without the entry
         # is named by the module's place in the model)
         self.drawn_as = self.table if name is not None else None
-        self.seed, self.std = seed, float(state_dict[prefix + "init_std"])
+        self.seed, self.std = seed, std
         self._loaded, self._lost = (ids, values[order].contiguous()), None
 
     def _load_weight(self, weight: Any, prefix: str, where: str) -> None:

@@ -317,6 +317,14 @@ def test_loads_that_cannot_be_honoured_are_refused_by_name() -> None:
         Model().load_state_dict(dict(state, **{"bag.ids": torch.tensor([3, 9, 99])}))
     with pytest.raises(ConfigError, match=r"bag.rows has shape \[3, 4\], not \[2, 4\]"):
         Model().load_state_dict(dict(state, **{"bag.ids": torch.tensor([3, 9])}))
+    # what no state_dict() writes: ids that are not integers (truncated, they named other rows), a
+    # std or seed a constructor refuses, a table name that is not text
+    for bad, match in (({"bag.ids": torch.tensor([0.9, 2.5, 9.0])}, "bag.ids must be an integer tensor.*torch.float32"),
+                       ({"bag.init_std": torch.tensor(-1.0)}, "bag.init_std is -1.0: a table's std is a finite number"),
+                       ({"bag.init": torch.tensor([40, 4, -1])}, "bag.init gives the seed -1"),
+                       ({"bag.table": torch.tensor([0xFF, 0xFE], dtype=torch.uint8)}, "bag.table is not a table name")):
+        with pytest.raises(ConfigError, match=match):
+            Model().load_state_dict(dict(state, **bad))
     # strict loading names what is missing and what is extra, as torch does; strict=False skips them
     partial = {k: v for k, v in state.items() if k != "one.rows"}
     partial["one.extra"] = torch.zeros(1)
@@ -329,6 +337,17 @@ def test_loads_that_cannot_be_honoured_are_refused_by_name() -> None:
     assert lenient.bag.stored_rows()[0].tolist() == [3, 9, 30]  # the complete table loaded
     with pytest.raises(WorkerStateError, match="not bound"):
         lenient.one(ONE)  # the incomplete one did not
+
+
+def test_a_seed_that_is_not_a_64_bit_natural_number_is_refused_when_the_module_is_made() -> None:
+    import numpy as np
+
+    for seed in (-1, 2**63, 2.7, "1"):
+        with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+            psgrad.Embedding(10, 2, seed=seed)  # type: ignore[arg-type]
+    assert psgrad.EmbeddingBag(10, 2, seed=np.int64(2**63 - 1)).seed == 2**63 - 1
+    with pytest.raises(ConfigError, match="seed must be"):
+        psgrad.EmbeddingBagCollection({"t": (10, 2)}, seed=-3)
 
 
 def test_a_torch_modules_state_loads_as_every_row_and_a_bound_module_refuses_it() -> None:
