@@ -115,11 +115,11 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
                 "flat space cannot sync exactly, kept there with sync_buffers=True)")
     if mine.tables != theirs.tables:
         if [t.name for t in mine.tables] == [t.name for t in theirs.tables]:  # the same tables: name what differs
-            for a, b in zip(mine.tables, theirs.tables):
-                diffs = _table_differences(a, b)
+            for ta, tb in zip(mine.tables, theirs.tables):
+                diffs = _table_differences(ta, tb)
                 if diffs:
                     parts = "; ".join(f"{n}: shard has {x!r}, {who} has {y!r}" for n, x, y in diffs)
-                    return f"sparse table {a.name!r} differs from the one this shard was initialized with ({parts})"
+                    return f"sparse table {ta.name!r} differs from the one this shard was initialized with ({parts})"
         have = ", ".join(_table(t) for t in mine.tables) or "none"
         sent = ", ".join(_table(t) for t in theirs.tables) or "none"
         return f"sparse tables differ: this shard was initialized with {have}; {who} has {sent}"
