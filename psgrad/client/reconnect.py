@@ -138,21 +138,28 @@ def join_any(
     without state, a fenced primary), on the other, in turn with backoff, until timeout_s.
 
     Raises:
-        ServerUnavailableError, NotPrimaryError: neither served within timeout_s (the last error).
+        ServerUnavailableError, NotPrimaryError: neither served within timeout_s (the last error's
+            kind, naming what each server answered last: a dead primary's refused connection and a
+            backup's "no state from its primary yet" both).
     """
     give_up = time.monotonic() + timeout_s
     backoff_s = RECONNECT_BACKOFF_S
     tried: set[str] = set()
+    last: dict[str, Exception] = {}  # what each server answered last
     while True:
         address = current()
         try:
             return run(max(0.1, give_up - time.monotonic()))
-        except (ServerUnavailableError, NotPrimaryError):
+        except (ServerUnavailableError, NotPrimaryError) as exc:
             now = time.monotonic()
             tried.add(address)
+            last[address] = exc
             other = failover(address)
             if now >= give_up or other is None:
-                raise
+                before = last.get(other) if other is not None else None
+                if before is None:
+                    raise
+                raise type(exc)(f"neither server of the shard served: {exc}; and {before}") from exc
             if other in tried:  # both tried: back off before the next round
                 time.sleep(min(backoff_s, give_up - now))
                 backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)

@@ -262,6 +262,23 @@ def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(s
                      r"refused the connection \(nothing listens on that port", str(info.value)), info.value
 
 
+def test_a_join_that_neither_server_serves_names_what_each_answered(servers: Callable[..., RunningServer]) -> None:
+    """The primary died before any worker joined, and its backup has no state yet: the join names
+    both, the dead primary's refused connection and the backup's missing state (it named the
+    primary alone, and a user could not tell that the backup was there but empty)."""
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    primary.stop(0)
+    config = ClientConfig(connect_timeout_s=2, rpc_timeout_s=2, reconnect_timeout_s=2, shared_memory=False)
+    with ParameterClient([f"{primary.address}|{backup.address}"], JobSpec(), PARAMS, plan_shards(PARAMS, 1), 0,
+                         config) as c:
+        with pytest.raises((ServerUnavailableError, NotPrimaryError), match="neither server of the shard served") as info:
+            c.join(lambda: torch.zeros(NUMEL))
+    message = str(info.value)
+    assert f"server {primary.address} refused the connection" in message, message
+    assert backup.address in message and "no state from its primary" in message, message
+
+
 def test_a_backup_whose_primary_does_not_answer_does_not_start() -> None:
     dead = start_server(ServerConfig(port=0, threads=4))
     dead.stop(0)
