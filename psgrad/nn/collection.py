@@ -93,8 +93,10 @@ class EmbeddingBagCollection(nn.Module):
                                   f"(num_embeddings None: a dynamic table, any int64 id), got {shape!r}")
             if not isinstance(name, str) or not name or "." in name or hasattr(nn.ModuleDict, name):
                 raise ConfigError(f"table {name!r}: a table's name is the name of its module in the collection's "
-                                  "ModuleDict (`bags`): a str without '.', and not one of ModuleDict's attributes "
-                                  "(items, keys, values, ...); name the features in feature_names instead")
+                                  "ModuleDict (`bags`), as in TorchRec's: a str without '.', and not one of "
+                                  "ModuleDict's attributes (items, keys, values, type, train, ...). Rename the table "
+                                  "(say 'item' or 'items_table'); its features may keep any name: feature_names="
+                                  "{table: [features]}")
         if mode not in EMBEDDING_BAG_MODES:
             raise ConfigError(f"mode must be one of {', '.join(EMBEDDING_BAG_MODES)}, got {mode!r}")
         if not isinstance(is_weighted, bool):

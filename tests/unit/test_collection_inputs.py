@@ -219,8 +219,14 @@ def test_torchs_options_a_collection_does_not_take_are_refused_naming_what_to_do
     with pytest.raises(TypeError, match="unexpected keyword argument 'moed'"):
         psgrad.EmbeddingBagCollection({"a": (10, 4)}, moed="sum")  # type: ignore[call-arg]
     for name in ("items", "a.b", ""):  # (torch's ModuleDict raised a bare KeyError)
-        with pytest.raises(ConfigError, match=f"table {name!r}: a table's name is the name of its module"):
+        with pytest.raises(ConfigError, match=f"table {name!r}: a table's name is the name of its module.*Rename "
+                                              "the table.*its features may keep any name"):
             psgrad.EmbeddingBagCollection({name: (20, 4)})
+    # the guide's two-tower example, and features named as ModuleDict's attributes: any feature name
+    shared = psgrad.EmbeddingBagCollection({"item": (20, 4)}, feature_names={"item": ["history", "candidate"]})
+    assert shared.features == ["history", "candidate"]
+    odd = psgrad.EmbeddingBagCollection({"item": (20, 4)}, feature_names={"item": ["items", "type"]})
+    assert odd.features == ["items", "type"]
 
 
 @pytest.mark.parametrize("mode", ["sum", "max"])
