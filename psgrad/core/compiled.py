@@ -9,6 +9,7 @@ worker's lookup in its embedding tables: unique ids and pooled bags (nn/lookups.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ class _Compiled:
 
 _BY_PID: dict[tuple[int, str], _Compiled] = {}
 _LOCK = threading.Lock()
+_EXITING = False  # the interpreter is exiting: the kernels were let go (see _wait_at_exit)
 
 
 def enabled() -> bool:
@@ -41,7 +43,7 @@ def get(kind: str, make: Callable[[], Any], start: bool, wait: bool) -> Any:
     """The compiled kernels of `kind` (what make() returns: None where they differ from the code
     they replace), or None: not ready yet (start: a call that starts compiling them on a background
     thread; wait=True waits for that), turned off, or unavailable here."""
-    if not enabled():
+    if not enabled() or _EXITING:
         return None
     key = (os.getpid(), kind)
     with _LOCK:
@@ -60,11 +62,19 @@ def _wait_at_exit(timeout_s: float = 120.0) -> None:
     """At the interpreter's exit, let this process's compiles in flight end first: numba's compiler
     (LLVM) still running on its daemon thread while the interpreter finalizes aborts the process
     ("terminate called without an active exception", exit 134), which a script that ended within
-    a second or two of a table's first lookup met."""
+    a second or two of a table's first lookup met. Then the kernels are let go and collected while
+    numba is whole (callers still running get None and run the code they replace): freed during the
+    interpreter's finalization instead, LLVM's objects printed "Exception ignored in ObjectRef.__del__
+    ... TypeError: 'NoneType' object is not callable" tracebacks at the exit of some scripts."""
+    global _EXITING
     deadline = time.monotonic() + timeout_s
     for (pid, _), compiled in list(_BY_PID.items()):
         if pid == os.getpid():
             compiled.done.wait(max(0.0, deadline - time.monotonic()))
+    _EXITING = True
+    for compiled in list(_BY_PID.values()):
+        compiled.fn = None
+    gc.collect()
 
 
 atexit.register(_wait_at_exit)
