@@ -81,11 +81,7 @@ class JobSpec:
 
     def differences(self, other: JobSpec) -> list[tuple[str, Any, Any]]:
         """Fields whose values differ, as (name, self's value, other's value)."""
-        return [
-            (f.name, getattr(self, f.name), getattr(other, f.name))
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
+        return field_differences(self, other)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,3 +133,10 @@ def check_row_cache(spec: JobSpec, rows: int) -> None:
     if rows and mode_of(spec).synchronous:
         raise ConfigError("a row cache serves rows up to row_cache_staleness steps old, which sync mode (staleness 0) "
                           "does not allow: use mode async or ssp, or no row cache")
+
+
+def field_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """The compared fields of two dataclass instances of one class whose values differ, as (name,
+    a's value, b's value): a job's spec (JobSpec.differences) or a sparse table's (TableSpec)."""
+    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+            if f.compare and getattr(a, f.name) != getattr(b, f.name)]

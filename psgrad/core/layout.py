@@ -1,12 +1,11 @@
 """What a shard was initialized with (job spec, parameters, range, fingerprint), and how to say what differs."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
-from psgrad.core.job import JobSpec
+from psgrad.core.job import JobSpec, field_differences
 from psgrad.core.optimizer_settings import LR_MAX
 from psgrad.core.sharding import ParamSpec, TableSpec, frozen_ranges
 
@@ -71,13 +70,6 @@ def _describe(p: ParamSpec) -> str:
     return f"{p.name} {list(p.shape)} {p.dtype}{' (buffer)' if p.buffer else ''}"
 
 
-def _table_differences(a: TableSpec, b: TableSpec) -> list[tuple[str, object, object]]:
-    """(field, a's, b's) of each compared field of two tables' specs that differs (min_count, ttl,
-    evict, a parameter group's lr scale, settings or optimizer, ...)."""
-    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(TableSpec)
-            if f.compare and getattr(a, f.name) != getattr(b, f.name)]
-
-
 def _table(t: TableSpec) -> str:
     rows = t.num_embeddings or "any int64 id (dynamic)"
     return f"{t.name} [{rows}, {t.dim}] (seed {t.seed}, std {t.std:g})"
@@ -116,7 +108,7 @@ def explain_mismatch(mine: Layout, theirs: Layout, rank: int) -> str | None:
     if mine.tables != theirs.tables:
         if [t.name for t in mine.tables] == [t.name for t in theirs.tables]:  # the same tables: name what differs
             for ta, tb in zip(mine.tables, theirs.tables):
-                diffs = _table_differences(ta, tb)
+                diffs = field_differences(ta, tb)
                 if diffs:
                     parts = "; ".join(f"{n}: shard has {x!r}, {who} has {y!r}" for n, x, y in diffs)
                     return f"sparse table {ta.name!r} differs from the one this shard was initialized with ({parts})"
