@@ -68,13 +68,23 @@ def _wait_at_exit(timeout_s: float = 120.0) -> None:
     ... TypeError: 'NoneType' object is not callable" tracebacks at the exit of some scripts."""
     global _EXITING
     deadline = time.monotonic() + timeout_s
-    for (pid, _), compiled in list(_BY_PID.items()):
-        if pid == os.getpid():
-            compiled.done.wait(max(0.0, deadline - time.monotonic()))
+    mine = [compiled for (pid, _), compiled in list(_BY_PID.items()) if pid == os.getpid()]
+    for compiled in mine:
+        compiled.done.wait(max(0.0, deadline - time.monotonic()))
     _EXITING = True
     for compiled in list(_BY_PID.values()):
         compiled.fn = None
+    if not _BY_PID:
+        return  # (none compiled here, nor in a parent forked from: nothing of numba's to collect, and a
+        # full collection costs ~0.2 s)
+    # A program that froze its objects for a quick exit (cli/main.py's entry) has frozen the kernels
+    # too: they are collected all the same, and the rest frozen again.
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
 
 
 atexit.register(_wait_at_exit)
