@@ -288,7 +288,7 @@ def serve_forever(
     def on_signal(signum: int, _frame: object) -> None:
         # Only noted: a handler runs between two bytecodes of the main thread, which may be holding
         # `stop`'s lock just then (setting the event here could wait on it forever); the main
-        # thread looks every half second.
+        # thread looks every tenth of a second (a stop waits for that, not half a second).
         received.append(signal.Signals(signum).name)
 
     def watch(predicate: Callable[[ShardStatus], bool]) -> None:
@@ -305,7 +305,7 @@ def serve_forever(
     announce(running.address)
     if until is not None:
         threading.Thread(target=watch, args=(until,), name="psgrad-until", daemon=True).start()
-    while not received and not stop.wait(0.5):
+    while not received and not stop.wait(0.1):
         pass
     stop.set()  # (the watch thread ends with it)
     running.stop()
