@@ -25,8 +25,9 @@ FAILOVER_JOIN_S = 2.0
 PROBE_S = 1.0
 SILENT = f"a status call got no answer within {PROBE_S:g} s"  # what diagnose() says of a server that is silent
 # What connection_problem() says of a connection that failed with an answer: refused, or an
-# address that could not be resolved, or reached (the first two: maybe a server not started yet).
-ANSWERS = ("refused", "could not be resolved", "is unreachable")
+# address that could not be resolved, or reached (the first two: maybe a server not started yet),
+# or a connection the server closed at once (its TLS refused this client, or it was stopping).
+ANSWERS = ("refused", "could not be resolved", "is unreachable", "closed the connection")
 
 
 def _names(exc: grpc.RpcError, cls: type[PsgradError]) -> bool:
@@ -91,7 +92,8 @@ def first_call(
 ) -> T:
     """attempt(deadline_s, wait_for_ready), a server's first call: it waits up to timeout_s for an
     answer, but a connection refused (nothing listens on the port), an address that cannot be
-    resolved or reached — answers, nothing was sent — is retried with backoff for REFUSED_GRACE_S
+    resolved or reached, or a connection the server closed at once (its TLS refused this client:
+    plaintext against TLS, another CA) — answers — is retried with backoff for REFUSED_GRACE_S
     only, then reported (refused or unresolvable with `hint`), not at the end of timeout_s (gRPC's
     wait_for_ready waits through refusals until the deadline). Any other connection failure (a
     handshake that timed out: a busy or stopped server) is waited through until timeout_s, as
