@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import gc
 import io
 import json
 import os
@@ -575,6 +576,11 @@ def main(argv: Sequence[str]) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports made, every child keeps as it is: out of the collector's sight (gc.freeze), a
+    # child's full collections neither walk it (~170,000 objects, ~0.2 s a walk on a 2-core VM) nor
+    # write to its pages (each page written is copied from the one it shares with the template).
+    gc.collect()
+    gc.freeze()
     try:
         _serve(sock)
     except (BrokenPipeError, ConnectionResetError):
