@@ -9,11 +9,21 @@ import torch
 
 from psgrad.core import rows
 from psgrad.core.sharding import MIN_COUNT_MAX
+from psgrad.wire.heap import huge_pages
 
 _EMPTY, _GONE = rows.RESERVED_IDS  # a free place's key; a removed id's (a tombstone: lookups probe
 # past it, inserts reuse it): the two ids a dynamic table cannot hold
 _MAX_LOAD = 0.5  # a hash index grows (doubles) before more than half of its places are used
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's multiplier
+
+
+def storage(shape: tuple[int, ...], dtype: torch.dtype, fill: int | None = None) -> torch.Tensor:
+    """A new tensor of a table's storage (its rows and their state, or its index), on huge pages
+    where the OS gives them (see wire/heap.py huge_pages: a step's rows are scattered over all of
+    it), its pages given as first written; filled with `fill` (None: left as allocated)."""
+    t = torch.empty(shape, dtype=dtype)
+    huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t if fill is None else t.fill_(fill)
 
 
 class DenseIndex:
@@ -23,7 +33,7 @@ class DenseIndex:
     def __init__(self, num_embeddings: int, index: int, num_shards: int) -> None:
         self.num_shards, self._index = num_shards, index
         self.rows = rows.rows_on_shard(num_embeddings, index, num_shards)
-        self._slot = torch.full((self.rows,), -1, dtype=torch.int64)
+        self._slot = storage((self.rows,), torch.int64, -1)
 
     @staticmethod
     def bytes_for(placed: int) -> int:
@@ -75,7 +85,10 @@ class DenseIndex:
         never stored); returns the bytes more it holds."""
         more = rows.rows_on_shard(num_embeddings, self._index, self.num_shards) - self.rows
         if more > 0:
-            self._slot = torch.cat([self._slot, torch.full((more,), -1, dtype=torch.int64)])
+            slot = storage((self.rows + more,), torch.int64)
+            slot[: self.rows] = self._slot
+            slot[self.rows:] = -1
+            self._slot = slot
             self.rows += more
         return 8 * max(more, 0)
 
@@ -90,8 +103,8 @@ class HashIndex:
     INITIAL = 1024  # places of a new index
 
     def __init__(self, capacity: int = INITIAL) -> None:
-        self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
-        self._slots = torch.full((capacity,), -1, dtype=torch.int64)
+        self._keys = storage((capacity,), torch.int64, _EMPTY)
+        self._slots = storage((capacity,), torch.int64, -1)
         self.stored = 0
         self._gone = 0  # tombstones: places of removed ids (they count as used until a rehash)
 
@@ -191,8 +204,8 @@ class HashIndex:
     def _rehash(self, capacity: int) -> None:
         used = (self._keys != _EMPTY) & (self._keys != _GONE)
         keys, slots = self._keys[used], self._slots[used]
-        self._keys = torch.full((capacity,), _EMPTY, dtype=torch.int64)
-        self._slots = torch.full((capacity,), -1, dtype=torch.int64)
+        self._keys = storage((capacity,), torch.int64, _EMPTY)
+        self._slots = storage((capacity,), torch.int64, -1)
         self._gone = 0
         self._insert(keys, slots)
 

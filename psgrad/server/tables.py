@@ -28,7 +28,7 @@ from psgrad.core.unused import Ranges
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import kernels, transfers  # (they register the axpy rule's split and checked backends)
 from psgrad.server.delay_comp import DelayCompensation
-from psgrad.server.row_index import DenseIndex, HashIndex, Sightings
+from psgrad.server.row_index import DenseIndex, HashIndex, Sightings, storage
 from psgrad.server.transfers import apply_checked, count_nonfinite
 
 #: The name of the dense table: the job's flat space (every shard of a job holds one).
@@ -791,9 +791,9 @@ class SparseTable:
                                       _reservable_rows(self.row_bytes())))
             now = [self._ids, self._values, self._versions, *self._state.values()]
             try:
-                room = {name: torch.empty((rows_, *t.shape[1:]), dtype=t.dtype) for name, t in zip(names, now)}
+                room = {name: storage((rows_, *t.shape[1:]), t.dtype) for name, t in zip(names, now)}
             except RuntimeError:  # (a machine that commits memory as it is reserved: just what is charged)
-                room = {name: torch.empty((capacity, *t.shape[1:]), dtype=t.dtype) for name, t in zip(names, now)}
+                room = {name: storage((capacity, *t.shape[1:]), t.dtype) for name, t in zip(names, now)}
             for name, t in zip(names, now):
                 room[name][: self.touched] = t[: self.touched]
             self._room = room

@@ -14,13 +14,23 @@ caps the number of heaps (arenas) at one per CPU: each thread that touches messa
 otherwise get its own (glibc allows 8 per CPU), and each keeps its free memory; with four workers
 pushing at once that was 30-90 MB more peak memory on a server (measured, VmHWM), at no cost in
 throughput.
+
+`huge_pages` asks Linux to back a large block (a sparse table's storage and row index) with 2 MiB
+transparent huge pages as its pages are first written, where the kernel leaves that to the program
+(`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, a common default). A step reads and
+updates a few thousand rows scattered over hundreds of MB: on 4 KiB pages nearly every row costs
+a TLB miss and a page-table walk. Random Adagrad row updates over a 4M x 32 table on the project's
+2-core VM: 2.7-3.2 ms a step of 2,600 rows on 4 KiB pages, 1.7-1.8 ms on huge pages. The memory
+cost: the last huge page of each block holds up to 2 MiB not yet used.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
+from collections.abc import Callable
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES  # glibc's own dynamic rule keeps trim = 2 x mmap
@@ -55,3 +65,31 @@ def tune_allocator() -> bool:
                     )
                 )
         return _tuned
+
+
+_MADV_HUGEPAGE = 14  # (linux/mman.h)
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux to back the 2 MiB-aligned part of the block [address, address + nbytes) with
+    transparent huge pages as its pages are first written (madvise MADV_HUGEPAGE; pages written
+    already stay as they are). Best effort: False where nothing was asked (a block under two huge
+    pages, not Linux, or the call failed), and nothing changes then but speed."""
+    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end - start < HUGE_PAGE_BYTES or not platform.system() == "Linux":
+        return False
+    madvise = _madvise()
+    return madvise is not None and madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn

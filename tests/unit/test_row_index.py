@@ -88,3 +88,46 @@ def test_removed_ids_are_gone_moved_ids_are_found_and_the_rest_stay(kind: str) -
         assert index.stored == kept.numel() + 50
         index.assign(random_ids(5000, 4), torch.arange(20_000, 20_000 + random_ids(5000, 4).numel()))  # rebuilt
         assert index.lookup(kept[10:]).tolist() == [truth[int(i)] for i in kept[10:].tolist()]
+
+
+def _transparent_huge_pages() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def _huge_kb_at(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping holding `address` (/proc/self/smaps)."""
+    holding = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                holding = lo <= address < hi
+            elif holding and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_transparent_huge_pages() not in ("madvise", "always"),
+                    reason="needs Linux's transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled: "
+                           f"{_transparent_huge_pages()})")
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_tables_rows_and_index_lie_on_huge_pages(dynamic: bool) -> None:
+    """A step reads and updates rows scattered over a table's whole storage: on 4 KiB pages each
+    costs a TLB miss (wire/heap.py huge_pages). Where the kernel gives huge pages on request
+    (madvise), the rows, their optimizer state and the index are asked for them as they are made."""
+    from psgrad.core.optimizers.rows import RowAdagrad
+    from psgrad.server.tables import SparseTable
+
+    t = SparseTable("t", rows.DYNAMIC if dynamic else 1 << 20, 32, 0, 1, 0, RowAdagrad(0.1), std=0.0)
+    ids = torch.arange(200_000) * 3
+    t.apply(ids, torch.ones(ids.numel(), 32))
+    assert _huge_kb_at(t._values.data_ptr() + t._values.numel() * 2) > 0  # (rows written: their pages)
+    state = next(iter(t._state.values()))
+    assert _huge_kb_at(state.data_ptr() + state.numel() * 2) > 0
+    index = t._index._keys if dynamic else t._index.slots
+    assert _huge_kb_at(index.data_ptr() + index.numel() * 4) > 0
