@@ -5,11 +5,13 @@ ids with tensor operations, not a Python loop over them. Not thread-safe: the ta
 them under its lock."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from psgrad.core import rows
 from psgrad.core.sharding import MIN_COUNT_MAX
-from psgrad.wire.heap import huge_pages
+from psgrad.wire.heap import huge_page_block
 
 _EMPTY, _GONE = rows.RESERVED_IDS  # a free place's key; a removed id's (a tombstone: lookups probe
 # past it, inserts reuse it): the two ids a dynamic table cannot hold
@@ -19,10 +21,17 @@ _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's 
 
 def storage(shape: tuple[int, ...], dtype: torch.dtype, fill: int | None = None) -> torch.Tensor:
     """A new tensor of a table's storage (its rows and their state, or its index), on huge pages
-    where the OS gives them (see wire/heap.py huge_pages: a step's rows are scattered over all of
-    it), its pages given as first written; filled with `fill` (None: left as allocated)."""
-    t = torch.empty(shape, dtype=dtype)
-    huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    where the OS gives them (see wire/heap.py huge_page_block: a step's rows are scattered over
+    all of it), its pages given as first written; filled with `fill` (None: left as allocated).
+
+    Raises:
+        RuntimeError: the machine would not give that much memory (as torch.empty's)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    block = huge_page_block(nbytes)
+    if block is None:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(block, dtype=torch.uint8).view(dtype).view(shape)
     return t if fill is None else t.fill_(fill)
 
 

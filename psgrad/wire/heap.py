@@ -15,7 +15,7 @@ otherwise get its own (glibc allows 8 per CPU), and each keeps its free memory; 
 pushing at once that was 30-90 MB more peak memory on a server (measured, VmHWM), at no cost in
 throughput.
 
-`huge_pages` asks Linux to back a large block (a sparse table's storage and row index) with 2 MiB
+`huge_page_block` asks Linux to back a large block (a sparse table's storage and row index) with 2 MiB
 transparent huge pages as its pages are first written, where the kernel leaves that to the program
 (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, a common default). A step reads and
 updates a few thousand rows scattered over hundreds of MB: on 4 KiB pages nearly every row costs
@@ -26,11 +26,10 @@ cost: the last huge page of each block holds up to 2 MiB not yet used.
 from __future__ import annotations
 
 import ctypes
-import functools
+import mmap
 import os
 import platform
 import threading
-from collections.abc import Callable
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES  # glibc's own dynamic rule keeps trim = 2 x mmap
@@ -67,29 +66,25 @@ def tune_allocator() -> bool:
         return _tuned
 
 
-_MADV_HUGEPAGE = 14  # (linux/mman.h)
 HUGE_PAGE_BYTES = 2 << 20
 
 
-def huge_pages(address: int, nbytes: int) -> bool:
-    """Ask Linux to back the 2 MiB-aligned part of the block [address, address + nbytes) with
-    transparent huge pages as its pages are first written (madvise MADV_HUGEPAGE; pages written
-    already stay as they are). Best effort: False where nothing was asked (a block under two huge
-    pages, not Linux, or the call failed), and nothing changes then but speed."""
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end - start < HUGE_PAGE_BYTES or not platform.system() == "Linux":
-        return False
-    madvise = _madvise()
-    return madvise is not None and madvise(start, end - start, _MADV_HUGEPAGE) == 0
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+def huge_page_block(nbytes: int) -> memoryview | None:
+    """A new block of `nbytes` (zeros, as the OS gives pages when first written), in a mapping of
+    its own whose pages are asked to be transparent huge pages (madvise MADV_HUGEPAGE), starting on
+    a huge page's boundary; freed when the last reference to it goes. A mapping of its own, not
+    malloc's: a block from the heap (tune_allocator keeps blocks under 32 MiB there) may lie on
+    pages written before, which stay 4 KiB pages. None where nothing was asked for (under two
+    huge pages, not Linux, no madvise here) or the mapping failed: the caller allocates as usual."""
+    if nbytes < 2 * HUGE_PAGE_BYTES or platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
+    try:
+        block = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    first = (ctypes.c_char * 1).from_buffer(block)
+    address = ctypes.addressof(first)
+    del first  # (its hold on the mapping's buffer)
+    start = -address % HUGE_PAGE_BYTES
+    return memoryview(block)[start:start + nbytes]
