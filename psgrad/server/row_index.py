@@ -26,7 +26,7 @@ def storage(shape: tuple[int, ...], dtype: torch.dtype, fill: int | None = None)
 
     Raises:
         RuntimeError: the machine would not give that much memory (as torch.empty's)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     block = huge_page_block(nbytes)
     if block is None:
         t = torch.empty(shape, dtype=dtype)
