@@ -61,9 +61,12 @@ def serve(
     linger_s: float = 0.0,
 ) -> int:
     """What `psgrad server` runs (and `psgrad run` as a server): serve one shard until stopped."""
-    import torch
+    from psgrad.launch.template import collector_off  # (the start-up imports: see there)
 
-    from psgrad.server.runtime import serve_forever
+    with collector_off():
+        import torch
+
+        from psgrad.server.runtime import serve_forever
 
     # Before any other thread starts, so that every handler thread inherits it.
     torch.set_num_threads(torch_threads)
@@ -107,9 +110,12 @@ def train_worker(
             address, waited_s = refused
             raise ServerUnavailableError(f"server {address} {REFUSED} for {waited_s:.1f} s: the join request was "
                                          f"not sent{WAIT_FOR_SERVERS_HINT}")
-    from psgrad.cli.train import train
-    from psgrad.metrics.jsonl import MetricsSink
-    from psgrad.tasks import get_task
+    from psgrad.launch.template import collector_off  # (the start-up imports: see there)
+
+    with collector_off():
+        from psgrad.cli.train import train
+        from psgrad.metrics.jsonl import MetricsSink
+        from psgrad.tasks import get_task
 
     task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
@@ -189,9 +195,12 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
 
 def cmd_allreduce(ns: argparse.Namespace) -> int:
-    from psgrad.experiments.allreduce import train_allreduce
-    from psgrad.metrics.jsonl import MetricsSink
-    from psgrad.tasks import get_task
+    from psgrad.launch.template import collector_off  # (the start-up imports: see there)
+
+    with collector_off():
+        from psgrad.experiments.allreduce import train_allreduce
+        from psgrad.metrics.jsonl import MetricsSink
+        from psgrad.tasks import get_task
 
     _check_task(ns)
     _check_rank(ns)
@@ -358,7 +367,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from psgrad.client.export import fetch_model, write_state_dict
+    from psgrad.launch.template import collector_off  # (the start-up imports: see there)
+
+    with collector_off():
+        from psgrad.client.export import fetch_model, write_state_dict
 
     out = Path(ns.out)
     check_out_file("--out", ns.out)

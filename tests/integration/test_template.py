@@ -215,3 +215,34 @@ def test_templates_started_through_a_wrapper_serve_only_who_names_them() -> None
             t.close()
     assert all(_ended_within(fd, 0) for fd in pidfds)
     assert [t.proc.returncode for t in wrapped if t.proc is not None] == [0, 0]
+
+
+# Loaded first by an interpreter whose PYTHONPATH starts with its directory: records each collection
+# the garbage collector starts while torch and psgrad's server are being imported (from the moment
+# torch's import begins until psgrad.server.runtime is whole), one generation a line.
+_GC_WATCH = '''
+import gc, os, sys
+_log = open(os.environ["PSGRAD_TEST_GC_LOG"], "a", buffering=1)
+def _importing():
+    runtime = sys.modules.get("psgrad.server.runtime")
+    return "torch" in sys.modules and getattr(runtime, "serve_forever", None) is None
+gc.callbacks.append(lambda phase, info: phase == "start" and _importing() and _log.write(f"{os.getpid()} {info['generation']}\\n"))
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["cold", "template"])
+def test_torch_and_the_server_are_imported_with_the_collector_off(tmp_path: Path, start: str) -> None:
+    """A cold `psgrad server` (and a template, whose children are servers already imported) imports
+    torch and the server without a garbage collection on the way (template.collector_off): the
+    collections those imports triggered (three full ones) took 0.3-0.6 s of a server's start."""
+    (tmp_path / "sitecustomize.py").write_text(_GC_WATCH)
+    log = tmp_path / "collections"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO]), "PSGRAD_TEST_GC_LOG": str(log)}
+    server = Proc(_psgrad("server", "--port", "0"), cwd=REPO, env=env, preload=start == "template")
+    try:
+        server.wait_for_line("listening on", timeout_s=90)
+    finally:
+        assert server.stop() == 0, server.output
+    assert log.is_file(), "the interpreter did not load the test's sitecustomize"
+    assert log.read_text() == "", f"collections while torch and the server were imported (pid, generation):\n{log.read_text()}"
