@@ -244,5 +244,9 @@ def test_torch_and_the_server_are_imported_with_the_collector_off(tmp_path: Path
         server.wait_for_line("listening on", timeout_s=90)
     finally:
         assert server.stop() == 0, server.output
+        if start == "template":  # (its environment is this test's alone: no other child will ask for it)
+            ours = template.template_for(env, REPO)
+            if ours is not None:
+                ours.close()
     assert log.is_file(), "the interpreter did not load the test's sitecustomize"
     assert log.read_text() == "", f"collections while torch and the server were imported (pid, generation):\n{log.read_text()}"
