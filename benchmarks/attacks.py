@@ -239,8 +239,9 @@ def markdown(doc: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--markdown", action="store_true", help="print the table instead of JSON")
+    args = ap.parse_args()  # (first: --help or a bad flag answers without running the attacks)
     doc = run()
-    if ap.parse_args().markdown:
+    if args.markdown:
         print(markdown(doc))
     else:
         write_json(doc)

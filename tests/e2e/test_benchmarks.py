@@ -33,17 +33,23 @@ def _run(*args: str) -> dict:  # type: ignore[type-arg]
 
 
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-# Every parser a script builds answers for each of its flags (help=SUPPRESS: internal, for its children).
+# Every parser a script builds answers for each of its flags (help=SUPPRESS: internal, for its children),
+# and `--help` answers before the script starts any process (attacks.py ran its whole benchmark first).
 # One process checks every script in turn (each run as `python SCRIPT --help` would run it), printing
 # one JSON line per script: a process per script spent most of its time importing torch again.
 _HELP_CHECK = """
-import argparse, json, runpy, sys, traceback
+import argparse, json, runpy, subprocess, sys, traceback
+from psgrad.launch import template
 sys.path.insert(0, sys.argv[1])
 def parse_args(self, *args, **kwargs):
     undescribed = [a.option_strings for a in self._actions
                    if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
     raise SystemExit(json.dumps({"undescribed": undescribed, "help": self.format_help()}))
+def started(*args, **kwargs):
+    raise RuntimeError("it started a process before parsing its arguments")
 argparse.ArgumentParser.parse_args = parse_args
+subprocess.Popen.__init__ = started
+template.Template.spawn = started
 for script in sys.argv[2:]:
     sys.argv = [script, "--help"]
     try:
