@@ -5,9 +5,11 @@ two parts, in memory, carry a shard's state to a backup (encode / decode)."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,48 @@ FORMAT_VERSION = 2  # 2: the shard's state table by table (1: the dense range al
 READABLE_VERSIONS = (1, 2)
 KEEP = 2
 _PREFIX = "ckpt-v"
+
+
+# Held (flock) by the server that writes a directory's checkpoints, for as long as it runs.
+LOCK_NAME = ".psgrad-server.lock"
+
+
+class DirectoryLock:
+    """A server's hold on its checkpoint directory (created if missing): one writer a directory.
+    Two servers given the same --checkpoint-dir overwrote each other's checkpoints (one shard's
+    were lost, and a restart restored the other shard's state); the second is refused now, named.
+    The hold is an advisory lock on LOCK_NAME, which the kernel releases when the holding process
+    ends, killed or not: a restart after kill -9 finds the directory free.
+
+    Raises:
+        ConfigError: another server holds the directory (its pid and host named), or it cannot be
+            made or opened.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        path = directory / LOCK_NAME
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"--checkpoint-dir {directory}: cannot use it: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "its pid not written yet"
+            os.close(fd)
+            raise ConfigError(
+                f"--checkpoint-dir {directory} is in use by another server ({holder}): each server writes its "
+                "checkpoints into a directory of its own (e.g. ckpt/shard0, ckpt/shard1)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Let the directory go (at the server's stop; again: nothing)."""
+        if self._fd is not None:
+            os.close(self._fd)  # (closing the descriptor releases the lock)
+            self._fd = None
 
 
 def _stem(version: int) -> str:

@@ -46,9 +46,10 @@ class Checkpointer:
 
     def __init__(
         self, shard: Shard, directory: Path, every_s: float, every_versions: int, warn: Callable[[str], None] = warn,
-        note: Callable[[str], None] = note,
+        note: Callable[[str], None] = note, lock: checkpoint.DirectoryLock | None = None,
     ) -> None:
         self._shard = shard
+        self._lock = lock  # the server's hold on the directory, let go once the last checkpoint is written
         self.directory = directory
         self._every_s = every_s
         self._warn = warn
@@ -212,3 +213,5 @@ class Checkpointer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._lock is not None and not self._thread.is_alive():  # (a write still going keeps it)
+            self._lock.release()

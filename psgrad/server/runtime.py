@@ -176,7 +176,20 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
     Raises:
         ServerStartError: the address cannot be bound (for example the port is in use).
         CheckpointError: the directory holds checkpoints, but none can be read.
+        ConfigError: another server holds the checkpoint directory (see checkpoint.DirectoryLock).
     """
+    # One server a checkpoint directory: held from before its checkpoint is read until the server stops.
+    lock = checkpoint.DirectoryLock(Path(config.checkpoint_dir)) if config.checkpoint_dir is not None else None
+    try:
+        return _start(config, extra_handlers, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler],
+           lock: checkpoint.DirectoryLock | None) -> RunningServer:
     tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
     before, fd_limit = limits.raise_fd_limit()  # connections hold descriptors: take all the system allows
     if fd_limit != before:
@@ -190,7 +203,8 @@ def start_server(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcH
         if snap is not None:
             shard.restore(snap)
             note(f"restored shard {snap.layout.index} at version {snap.version} from {directory}")
-        checkpointer = Checkpointer(shard, directory, config.checkpoint_every_s, config.checkpoint_every_versions)
+        checkpointer = Checkpointer(shard, directory, config.checkpoint_every_s, config.checkpoint_every_versions,
+                                    lock=lock)
         shard.set_rollback_source(checkpointer)
     servicer = ParameterServicer(shard, config)
     obs = Observability()

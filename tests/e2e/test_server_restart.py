@@ -132,6 +132,29 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert res.returncode != 0 and str(path) in res.stderr
 
 
+@pytest.mark.timeout(180)
+def test_a_second_server_on_the_same_checkpoint_dir_is_refused_until_the_first_is_gone(tmp_path: Path) -> None:
+    """Two servers given one --checkpoint-dir overwrote each other's checkpoints (one shard's lost, a
+    restart restored the other's): the second is refused, naming the first; once the first is killed
+    (-9: the kernel lets its hold go), a server takes the directory."""
+    ckpt = str(tmp_path / "ckpt")
+    first = spawn(["server", "--port", "0", "--checkpoint-dir", ckpt])
+    try:
+        first.wait_for_line("listening on", timeout_s=120)
+        res = run_cli(["server", "--port", "0", "--checkpoint-dir", ckpt], timeout_s=60)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert f"--checkpoint-dir {ckpt} is in use by another server (pid {first.popen.pid} " in res.stderr, res.stderr
+        assert "listening" not in res.stdout
+    finally:
+        first.popen.kill()
+        first.wait(60)
+    again = spawn(["server", "--port", "0", "--checkpoint-dir", ckpt])
+    try:
+        again.wait_for_line("listening on", timeout_s=120)
+    finally:
+        assert again.stop() == 0, again.output
+
+
 # What `psgrad status --json` shows of a shard's counters, and of its sparse tables'.
 COUNTERS = ("version", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "evictions", "updates_lost",
             "rolled_back", "late_dropped", "pushes_plain", "staleness")
