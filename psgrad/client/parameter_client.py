@@ -245,6 +245,21 @@ class ParameterClient:
         replies = self._fan_out(
             lambda i, s: s.join(self._join_request(i, wait=False), self.config.connect_timeout_s)
         )
+        try:
+            return self._start(replies, initial_weights, initial_rows, initial_frozen)
+        except KeyboardInterrupt:
+            # Stopped (Ctrl-C) while it initialized the shards or waited for the others, after every
+            # shard took its join: it leaves, as a worker stopped while it trains does, instead of
+            # staying live on the shards until its lease ends (a sync job would count it meanwhile).
+            with contextlib.suppress(Exception):
+                self.leave()
+            raise
+
+    def _start(self, replies: Sequence[pb.JoinReply], initial_weights: Callable[[], torch.Tensor] | None,
+               initial_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
+               initial_frozen: Callable[[], torch.Tensor] | None) -> int:
+        """join's rest, every shard joined: initialize the empty ones (the chief), wait for the
+        job's start, start the heartbeat; the clock to continue from."""
         if initial_weights is not None and not all(r.initialized for r in replies):
             flat = initial_weights()
             frozen = initial_frozen() if initial_frozen is not None and self.frozen else torch.empty(0)

@@ -89,3 +89,30 @@ def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers
     for shard in json.loads(res.stdout)["shards"]:
         assert shard["evictions"] == 0, shard
         assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left", 1: "left"}
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_stopped_with_ctrl_c_while_it_waits_at_the_start_leaves_the_job(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C during training made a worker leave, but Ctrl-C while it waited for the others at a sync
+    job's start did not: the shards counted it live until its lease ended (and a sync job could start
+    with it). Now it leaves there too."""
+    servers = ",".join(start_servers(2))
+    # Children of a shell's background job inherit SIGINT ignored (see test_cli's launch test): the
+    # default handler here makes the worker's SIGINT a KeyboardInterrupt, as in a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        worker = spawn(["worker", "--rank", "0", "--servers", servers, "--num-workers", "2", "--mode", "sync",
+                        "--steps", "50"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        worker.wait_for_line("waiting at the start", timeout_s=120)  # (said once every shard took its join)
+        worker.popen.send_signal(signal.SIGINT)
+        assert worker.wait(60) == 130, worker.output
+    finally:
+        worker.stop()
+    assert "interrupted" in worker.output
+    res = run_cli(["status", "--servers", servers, "--json"], timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    for shard in json.loads(res.stdout)["shards"]:
+        assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
