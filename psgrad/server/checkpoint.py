@@ -45,28 +45,30 @@ class DirectoryLock:
     ends, killed or not: a restart after kill -9 finds the directory free.
 
     Raises:
-        ConfigError: another server holds the directory (its pid and host named), or it cannot be
-            made or opened.
+        ConfigError: another server holds the directory (its pid and host named).
+        CheckpointError: the directory cannot be made (named).
     """
 
     def __init__(self, directory: Path) -> None:
-        path = directory / LOCK_NAME
+        make_directory(directory)
+        self._fd: int | None = None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"--checkpoint-dir {directory}: cannot use it: {exc.strerror or exc}") from None
+            fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # (a directory this process cannot write: it writes no checkpoint there either)
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "its pid not written yet"
             os.close(fd)
             raise ConfigError(
                 f"--checkpoint-dir {directory} is in use by another server ({holder}): each server writes its "
                 "checkpoints into a directory of its own (e.g. ckpt/shard0, ckpt/shard1)") from None
+        except OSError:  # (a filesystem that keeps no such locks, as some network ones: served as before)
+            pass
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._fd: int | None = fd
+        self._fd = fd
 
     def release(self) -> None:
         """Let the directory go (at the server's stop; again: nothing)."""
@@ -295,16 +297,14 @@ def load_version(directory: Path, version: int) -> ShardSnapshot:
     return load(manifest)
 
 
-def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot | None:
-    """The newest checkpoint in directory that reads back whole; each damaged one is skipped with a
-    warning naming it. None when the directory holds no checkpoint at all (it is created if missing).
+def make_directory(directory: Path) -> None:
+    """Create a checkpoint directory if missing.
 
     Raises:
-        CheckpointError: there are checkpoints, but none can be read (never start empty then), or
-            the directory cannot be created (a file has its name, no permission).
+        CheckpointError: it cannot be (a file has its name or a parent's, no permission), named.
     """
     try:
-        directory.mkdir(parents=True, exist_ok=True)  # fail now, not at the first checkpoint
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         # A file in the way ("File exists", "Not a directory"): name it, not errno's words.
         blocking = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
@@ -313,6 +313,17 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot |
             raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {what}, not a folder; give "
                                   "the path of a folder (made if missing), or move the file away") from None
         raise CheckpointError(f"cannot use {directory} as a checkpoint directory: {exc}") from None
+
+
+def load_latest(directory: Path, warn: Callable[[str], None]) -> ShardSnapshot | None:
+    """The newest checkpoint in directory that reads back whole; each damaged one is skipped with a
+    warning naming it. None when the directory holds no checkpoint at all (it is created if missing).
+
+    Raises:
+        CheckpointError: there are checkpoints, but none can be read (never start empty then), or
+            the directory cannot be created (a file has its name, no permission).
+    """
+    make_directory(directory)  # fail now, not at the first checkpoint
     found = manifests(directory)
     problems = []
     for manifest in found:
