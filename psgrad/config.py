@@ -109,6 +109,11 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
+    # A server that checks no caller (no TLS, no job secret) also takes workers' Step calls over TCP
+    # at this port of its host (0: a free one; None: none), offered at Join to workers whose payloads
+    # go through gRPC frames (another host, or no shared memory): the same request and reply as the
+    # gRPC call, without gRPC's per-call work (wire/local_socket.py). With TLS or a job secret: none.
+    step_port: int | None = 0
     lease_s: float = 10.0
     nonfinite: str = "reject"
     threads: int = 32
@@ -198,6 +203,8 @@ class ServerConfig:
             f"replica_timeout_s must be a finite number > 0, got {self.replica_timeout_s!r}",
         )
         _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        _check(self.step_port is None or 0 <= self.step_port <= 65535,
+               f"step_port must be in [0, 65535] or None (none), got {self.step_port}")
         _check(
             math.isfinite(self.lease_s) and self.lease_s > 0, f"lease_s must be a finite number > 0, got {self.lease_s}"
         )
@@ -273,6 +280,11 @@ class ClientConfig:
     # token in the Join answer), not gRPC, which costs both ends more CPU per call than a small
     # model's push; a failed connection sends the calls through gRPC again. Off: gRPC.
     local_socket: bool = True
+    # Make each step's Step call to a server on another host (or with shared_memory off) over the TCP
+    # socket the server offers at Join (a server that checks no caller: no TLS, no job secret), not
+    # gRPC, which costs both ends about a millisecond of CPU more per call; a connection that fails
+    # sends the calls through gRPC again (warned once). Off: gRPC.
+    step_socket: bool = True
     # With a job's --compress: compress pushes to shards on this host too (through shared memory,
     # where fewer bytes save nothing and encoding costs CPU). Off: those shards get the gradient
     # itself, so a one-host job trains as uncompressed unless this is on.
@@ -324,6 +336,7 @@ class ClientConfig:
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
             *([] if self.local_socket else ["--no-local-socket"]),
+            *([] if self.step_socket else ["--no-step-socket"]),
             *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--duplex"] if self.duplex else []),
             *(["--compress-pull", self.compress_pull, "--pull-resync-every", str(self.pull_resync_every),

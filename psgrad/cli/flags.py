@@ -337,6 +337,10 @@ def add_job_args(
     flag(w, "--local-socket", ClientConfig.local_socket, "with --shared-memory: make each step's call to a server "
          "on this host over the local socket it offers at join (a Unix socket bound to this worker's rank), not "
          "gRPC; --no-local-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
+    flag(w, "--step-socket", ClientConfig.step_socket, "make each step's call to a server on another host (or "
+         "with --no-shared-memory) over the TCP port it offers at join (servers without TLS or a job secret: see "
+         "psgrad server --step-port), not gRPC; a connection that fails (a firewall) warns and uses gRPC; "
+         "--no-step-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
     flag(w, "--compress-same-host", ClientConfig.compress_same_host, "with --compress: compress pushes to shards "
          "on this host too (through shared memory fewer bytes save nothing, and encoding costs CPU)",
          action="store_true")
@@ -460,6 +464,7 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, local_socket=ns.local_socket,
+        step_socket=ns.step_socket,
         wait_for_servers=ns.wait_for_servers,
         compress_same_host=ns.compress_same_host, duplex=ns.duplex, compress_pull=ns.compress_pull,
         pull_resync_every=ns.pull_resync_every, pull_resync_error=ns.pull_resync_error,
@@ -555,9 +560,22 @@ def add_connection_args(g: argparse._ActionsContainer) -> None:
          "the server's file descriptors", type=float)
 
 
+def step_port_arg(text: str) -> int | None:
+    """--step-port: a port (0: a free one), or `off`."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535 (0: a free one) or 'off', got {text!r}")
+    return port
+
+
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=ns.host, port=ns.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
+        host=ns.host, port=ns.port, step_port=ns.step_port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,

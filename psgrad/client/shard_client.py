@@ -4,6 +4,7 @@ frames transport here (gRPC frames, or inline in a Step call), or shared memory 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TypeVar
 
@@ -33,6 +34,7 @@ from psgrad.wire.rows import RowBlock
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
+    ERROR_METADATA_KEY,
     GATED_PUSH_BYTES,
     ROWS_REPLY_ROWS,
     SERVICE_NAME,
@@ -78,14 +80,17 @@ class ShardClient:
         host and takes segments, and this worker may use them), not gRPC frames."""
         return self.transport is not self.frames
 
-    def _pick(self, server_shares: bool, local: tuple[str, int, str] | None = None) -> None:
+    def _pick(self, server_shares: bool, local: tuple[str, int, str] | None = None,
+              tcp: tuple[str, int, str] | None = None) -> None:
         """After a Join answer: payloads through shared memory where the server said it shares this
         host and takes segments and this worker may use them (ClientConfig shared_memory, a host
         with /dev/shm, not refused for good), else through frames. The same answer keeps the
         transport (a rejoin to the same server); another server's may change it (a failover). A
         switch back to shared memory maps the server's ring afresh at its next lend. local: the
-        local socket the answer offers for Step calls (see wire/local_socket.py), or None."""
+        local socket the answer offers for Step calls (see wire/local_socket.py), or None; tcp:
+        the TCP socket it offers for the frames transport's Step calls, or None."""
         with self._bind_lock:
+            self.frames.offer_socket(tcp if self.config.step_socket else None)
             if not (server_shares and self._may_share):
                 self.transport = self.frames
             elif self.transport is self.frames:
@@ -160,6 +165,7 @@ class ShardClient:
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()
+        self.frames.close()
         for channel in self._channels:
             channel.close()
 
@@ -187,7 +193,8 @@ class ShardClient:
         def attempt(t: float, ready: bool = False) -> pb.JoinReply:
             reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
             answer = call.initial_metadata()
-            self._pick(shm.same_host_server(answer), local_socket.offer_in(answer))
+            self._pick(shm.same_host_server(answer), local_socket.offer_in(answer),
+                       local_socket.offer_in(answer, local_socket.TCP_METADATA_KEY))
             return reply
 
         if len(self.addresses) < 2 and wait_for_ready:
@@ -339,26 +346,113 @@ class FramesTransport:
     with shared memory off): pulls and pushes streamed in frames of config.chunk_bytes, a push
     larger than GATED_PUSH_BYTES with a go-ahead, and a Step call with both payloads inline when
     they fit one chunk. It calls through the client's channel (the server in use, its reconnect
-    and failover). Lends nothing: `view` stays None, a lent window is retired."""
+    and failover). Lends nothing: `view` stays None, a lent window is retired.
+
+    Its Step calls go over the TCP socket the server in use offered at Join, where it offers one
+    (a plaintext server: see wire/local_socket.py) and ClientConfig step_socket allows: the same
+    request and reply, without gRPC's per-call work. A call there that fails is made again through
+    gRPC (a push is keyed: never applied twice), where the client's reconnect, failover, rejoin and
+    back-off apply; a connection that fails is given up until a Join offers a socket again."""
 
     name = "grpc"
     view: torch.Tensor | None = None
 
     def __init__(self, client: ShardClient) -> None:
         self._client = client
+        self._offer: tuple[str, int, str] | None = None  # (port, rank, token) the last Join offered
+        self._channel: local_socket.LocalChannel | None = None
+        self._unreached: str | None = None  # why the last connection failed, warned once gRPC answers
+        self.steps_through_socket = 0  # Step calls made over it
 
     def close(self) -> None:
-        """Nothing of its own (the client closes the channels)."""
+        """Its connection to the server's TCP socket, if any (the client closes the channels)."""
+        self.offer_socket(None)
 
-    staged = False  # (a gRPC call blocks its thread until it is answered)
+    def offer_socket(self, offer: tuple[str, int, str] | None) -> None:
+        """A Join answer offered this TCP socket for Step calls (None: none): a connection to
+        another one is closed; the next Step call connects."""
+        if offer != self._offer:
+            channel, self._channel, self._offer = self._channel, None, offer
+            if channel is not None:
+                channel.close()
+
+    @property
+    def staged(self) -> bool:
+        """Whether stepping() yields between sending its request and reading the reply: its Step
+        calls go over the server's TCP socket (one is offered); through gRPC a call blocks its
+        thread until it is answered."""
+        return self._offer is not None
+
+    def _socket_channel(self) -> local_socket.LocalChannel | None:
+        """The connection for a Step call (made now where there is none), at the host the server's
+        gRPC port is reached at; None where no socket is offered or connecting failed (given up
+        until a Join offers one again, and warned once the server answers through gRPC: a server
+        that died refuses both, and its gRPC call says so)."""
+        if self._channel is None and self._offer is not None:
+            port, rank, token = self._offer
+            host = local_socket.host_of(self._client.address)
+            try:
+                self._channel = local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)))
+            except local_socket.ChannelLost as exc:
+                self._unreached = f"server {self._client.address}: {exc}"
+                self._offer = None
+        return self._channel
+
+    def _step_calling(self, pieces: list[bytes | memoryview], timeout_s: float) -> Generator[None, None, pb.StepReply]:
+        """The Step call of the request in `pieces`: over the server's TCP socket where there is one
+        (yielding once the request is sent), else, or where that call failed, through gRPC (see the
+        class doc)."""
+        c = self._client
+        channel = self._socket_channel()
+        if channel is not None:
+            try:
+                channel.start(pieces, timeout_s)
+                try:
+                    yield
+                except GeneratorExit:  # (abandoned with its reply unread: that reply must not answer the next call)
+                    self._channel = None
+                    channel.close()
+                    raise
+                done, _ = channel.finish()
+                self.steps_through_socket += 1
+                return done
+            except local_socket.LocalCallError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
+                    self._channel = None  # (closed: a late reply must not answer the next call; reconnected then)
+                named = any(key == ERROR_METADATA_KEY for key, _ in exc.trailing_metadata())
+                if not (named or reconnect.worth_retrying(exc, c.config, c.diagnose)):
+                    raise reconnect.as_error(exc, c.address, c.diagnose, "the push and pull", timeout_s) from None
+            except local_socket.ChannelLost:
+                if self._channel is channel:  # (not where a Join offered another socket meanwhile)
+                    self._channel, self._offer = None, None
+        request = b"".join(pieces)
+        reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=timeout_s), timeout_s)
+        if self._unreached is not None:  # (the server answers: its TCP port is what this worker cannot reach)
+            warnings.warn(f"{self._unreached}; Step calls go through gRPC (a worker that cannot reach that port: "
+                          "psgrad worker --no-step-socket)", stacklevel=4)
+            self._unreached = None
+        return reply
 
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
         reads: RowBlock | None = None,
     ) -> Generator[None, None, Stepped | None]:
-        """step(), whole: no stage to yield at."""
-        return self.step(head, payload, dest, wire, published, reads)
-        yield  # (a generator, as Transport.stepping is)  # pragma: no cover
+        """The Step call with both payloads inline (the gradient in the request, the weights in the
+        reply); None when the gradient does not fit one chunk: then push and pull separately. Over
+        the server's TCP socket it yields once the request went out (see staged)."""
+        c = self._client
+        if len(payload) > c.config.chunk_bytes:
+            return None
+        pieces = head.step_request_pieces(step_request(reads, wire), payload)
+        reply = yield from self._step_calling(pieces, c.config.rpc_timeout_s)
+        c.heard(check_pull_header(c.address, reply.pull, dest, wire))
+        data = memoryview(reply.data)
+        if len(data) != wire.nbytes:
+            raise InvalidRequestError(
+                f"server {c.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
+            )
+        wire.load(dest, data)
+        return reply.push, int(reply.pull.version), rows_read(c.address, reply, reads)
 
     def lend_window(self, window: shm.Window) -> bool:
         window.close()
@@ -438,25 +532,3 @@ class FramesTransport:
             raise
         finally:
             go.set()  # a call that failed before `ready` ends its request stream unsent
-
-    def step(
-        self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,
-        reads: RowBlock | None = None,
-    ) -> Stepped | None:
-        """The Step call with both payloads inline (the gradient in the request, the weights in the
-        reply); None when the gradient does not fit one chunk: then push and pull separately."""
-        c = self._client
-        if len(payload) > c.config.chunk_bytes:
-            return None
-        request = head.step_request(step_request(reads, wire), payload)
-        t = c.config.rpc_timeout_s
-
-        reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=t), t)
-        c.heard(check_pull_header(c.address, reply.pull, dest, wire))
-        data = memoryview(reply.data)
-        if len(data) != wire.nbytes:
-            raise InvalidRequestError(
-                f"server {c.address}: step returned {len(data)} bytes of weights, expected {wire.nbytes}"
-            )
-        wire.load(dest, data)
-        return reply.push, int(reply.pull.version), rows_read(c.address, reply, reads)

@@ -1,8 +1,9 @@
-"""The server's end of same-host Step calls over a local socket (see wire/local_socket.py): an
-abstract Unix socket with a random name, offered at Join to workers on this host; a thread per
-connection reads a Step request, runs the servicer's Step handler with a context that holds the
-call's metadata and deadline, and writes its reply or its error status back. Connections are
-bound to a worker rank by the token of the Join answer, and their number is capped."""
+"""The server's end of Step calls over a socket (see wire/local_socket.py): an abstract Unix socket
+with a random name, offered at Join to workers on this host, and on a server that checks no caller
+a TCP port of its bound host, offered to the others; a thread per connection reads a Step request,
+runs the servicer's Step handler with a context that holds the call's metadata and deadline, and
+writes its reply or its error status back. Connections are bound to a worker rank by the token of
+the Join answer, and their number is capped."""
 from __future__ import annotations
 
 import logging
@@ -94,25 +95,53 @@ class LocalCalls:
     """The socket, its connections' threads, and the offer Join makes."""
 
     def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
-                 done: Callable[[str, float, Any], None] | None = None) -> None:
+                 done: Callable[[str, float, Any], None] | None = None, unix: bool = True,
+                 tcp: tuple[str, int] | None = None) -> None:
         """step: the servicer's Step handler; done(method, start, context): a call's end, for the
-        server's call metrics (RpcMetrics._done), or None."""
+        server's call metrics (RpcMetrics._done), or None; unix: listen on an abstract Unix socket
+        (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`).
+
+        Raises:
+            OSError: the TCP port cannot be bound.
+        """
         self._step, self._done = step, done
         self._decode = protocol.decoder(pb.StepRequest)
         self._key = secrets.token_bytes(32)
-        self.name = f"psgrad-{secrets.token_hex(12)}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind("\0" + self.name)
-        self._listener.listen(64)
+        name = f"psgrad-{secrets.token_hex(12)}"
+        self.name = name if unix else None
+        self._listeners: list[socket.socket] = []
+        self.tcp_port: int | None = None
+        try:
+            if unix:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listeners.append(listener)
+                listener.bind("\0" + name)
+            if tcp is not None:
+                listener = _tcp_listener(*tcp)
+                self._listeners.append(listener)
+                self.tcp_port = listener.getsockname()[1]
+        except OSError:
+            for listener in self._listeners:
+                listener.close()
+            raise
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._closed = False
         self.calls = 0  # Step calls served (status and tests)
-        threading.Thread(target=self._accept, name="psgrad-local-accept", daemon=True).start()
+        for listener in self._listeners:
+            listener.listen(64)
+            kind = "tcp" if listener.family != socket.AF_UNIX else "local"
+            threading.Thread(target=self._accept, args=(listener,), name=f"psgrad-{kind}-accept", daemon=True).start()
 
-    def offer(self, rank: int) -> tuple[str, str]:
-        """The Join answer's metadata entry for worker rank `rank`."""
-        return local_socket.offer(self.name, self._key, rank)
+    def offer(self, rank: int) -> tuple[str, str] | None:
+        """The Join answer's metadata entry for worker rank `rank` (on this host), or None (no
+        Unix socket)."""
+        return local_socket.offer(self.name, self._key, rank) if self.name is not None else None
+
+    def tcp_offer(self, rank: int) -> tuple[str, str] | None:
+        """The Join answer's metadata entry offering the TCP socket to worker rank `rank`, or None
+        (none)."""
+        return local_socket.tcp_offer(self.tcp_port, self._key, rank) if self.tcp_port is not None else None
 
     def close(self) -> None:
         """Stop listening and end every connection (their workers' next calls go through gRPC)."""
@@ -120,18 +149,19 @@ class LocalCalls:
             self._closed = True
             socks = list(self._open)
             self._open.clear()
-        for s in [self._listener, *socks]:
+        for s in [*self._listeners, *socks]:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             s.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
                 local_socket.widen(conn)
+                local_socket.nodelay(conn)
             except OSError:
                 return  # closed
             with self._lock:
@@ -200,3 +230,22 @@ class LocalCalls:
     def _answer_error(conn: socket.socket, context: LocalContext, code: grpc.StatusCode, details: str) -> None:
         metadata = (*context.trailing_metadata(), (local_socket.CODE_KEY, code.name))
         local_socket.send(conn, metadata, 1.0, details.encode())
+
+
+def _tcp_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) (host as gRPC binds it: a name, an address, [V6], or
+    0.0.0.0 / [::] for every interface), its buffers widened for the connections it accepts."""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        local_socket.widen(listener)
+        # A restarted server may take its --step-port again while the last one's connections linger
+        # in TIME_WAIT (Linux still refuses a port another socket listens on).
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+    except OSError:
+        listener.close()
+        raise
+    return listener

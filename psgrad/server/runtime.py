@@ -255,8 +255,18 @@ def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler
     ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
-    if shm.supported() and local_socket.supported():  # workers on this host: Step calls over a socket
-        servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None)
+    # Step calls over a socket: workers on this host over a Unix one; on a plaintext server that checks
+    # no caller (its gRPC port takes anyone's Step calls already), the others over TCP (step_port).
+    unix = shm.supported() and local_socket.supported()
+    tcp = (host, config.step_port) if config.step_port is not None and security.plaintext(config) else None
+    if unix or tcp is not None:
+        try:
+            servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None,
+                                        unix=unix, tcp=tcp)
+        except OSError as exc:
+            server.stop(0)
+            raise ServerStartError(f"cannot bind --step-port {config.step_port} on {host}: {exc} (is another "
+                                   "process using the port? --step-port 0 picks a free one)") from None
     server.start()
     if config.replica_of is not None:
         try:  # the state and the updates arrive as ReplicaApply calls, from now on

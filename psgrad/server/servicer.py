@@ -126,7 +126,7 @@ class ParameterServicer:
         # The server's client-stream limits: whole pushes and pulls run under their deadline there.
         self.streams: StreamLimits | None = None
         self._authenticated = security.authenticates(config)
-        # Same-host Step calls over a local socket, offered at Join (see server/local_calls.py).
+        # Step calls over a local socket (same host) or a TCP one, offered at Join (see server/local_calls.py).
         self.local: LocalCalls | None = None
 
     def _timed(self, method: str, context: grpc.ServicerContext, rank: int, nbytes: int,
@@ -199,10 +199,12 @@ class ParameterServicer:
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         # a Join that is not a round of waiting at the start may be a worker restarted within its lease: logged
         r = self.shard.join(req.rank, _layout_from_join(req), wait_s, rejoin=not req.wait_for_init)
+        answer: list[tuple[str, str]] = []
         if shm.supported():  # a worker on this host may then move payloads through shared memory
-            answer = [(shm.METADATA_KEY, shm.server_answer())]
-            if self.local is not None:  # ... and make its Step calls over the local socket
-                answer.append(self.local.offer(req.rank))
+            answer.append((shm.METADATA_KEY, shm.server_answer()))
+        if self.local is not None:  # ... and make its Step calls over the local socket, or the TCP one
+            answer += [o for o in (self.local.offer(req.rank), self.local.tcp_offer(req.rank)) if o is not None]
+        if answer:
             context.send_initial_metadata(tuple(answer))
         return pb.JoinReply(
             initialized=r.initialized,

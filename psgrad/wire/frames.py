@@ -262,6 +262,11 @@ class PushHead:
     def step_request(self, pull: pb.StepRequest, payload: memoryview | None) -> bytes:
         """The Step request of this push with `payload` inline (None: in a shared-memory segment)
         and the pull part `pull` (its rows to read, a compressed pull's ask)."""
+        return b"".join(self.step_request_pieces(pull, payload))
+
+    def step_request_pieces(self, pull: pb.StepRequest, payload: memoryview | None) -> list[bytes | memoryview]:
+        """step_request in pieces, the rows and the payload views of their tensors: a socket sends
+        them as they are (one copy, into the kernel), where gRPC takes them joined."""
         pieces = self._pieces()
         tail: list[bytes | memoryview] = [] if payload is None else [bytes_field_prefix(_STEP_DATA, len(payload)), payload]
-        return b"".join([bytes_field_prefix(_STEP_PUSH, sum(len(p) for p in pieces)), *pieces, pull.SerializeToString(), *tail])
+        return [bytes_field_prefix(_STEP_PUSH, sum(len(p) for p in pieces)), *pieces, pull.SerializeToString(), *tail]

@@ -28,6 +28,18 @@ Messages, both ways: a header `<I I d` (metadata length, body length, a number: 
 timeout in seconds; the reply's status, 0 for OK), the metadata as JSON (a list of [key, value]
 pairs), then the body (the serialized StepRequest; the StepReply, or an error's details in UTF-8).
 Both ends widen their socket's buffers (widen) so that a message goes in one piece.
+
+Across hosts, the same messages go over TCP: a server that checks no caller (no TLS, no job
+secret: anyone who reaches its gRPC port may already call Step as any rank) also listens on a TCP
+port of its bound host and offers it at Join (`psgrad-step-socket: PORT RANK TOKEN`); a worker whose
+payloads go through gRPC frames (another host, or --no-shared-memory) makes its Step calls there,
+at the host it reaches the server's gRPC port at. What that saves is the same per-call work of
+gRPC's, which for a recommender's step (a megabyte of row gradients) is most of the call: a 1 MB
+request and a small reply take about 0.35 ms a round trip over loopback TCP, 3.3 ms as one gRPC
+unary call (benchmarks/transport.py --part sparse-rows). A server with TLS or a job secret offers
+no TCP socket (its callers are checked by gRPC's handshake and interceptors): their Step calls stay
+on gRPC. A worker that cannot connect (a firewall, a load balancer in front of one port) warns once
+and stays on gRPC until a Join offers a socket again.
 """
 from __future__ import annotations
 
@@ -47,6 +59,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 
 METADATA_KEY = "psgrad-local"  # a Join answer's offer: "NAME RANK TOKEN"
+TCP_METADATA_KEY = "psgrad-step-socket"  # a Join answer's offer of its TCP socket: "PORT RANK TOKEN"
 CODE_KEY = "psgrad-local-code"  # an error reply's status code (its name), among its metadata
 _HEADER = struct.Struct("<IId")
 _MAX_METADATA = 1 << 16
@@ -85,40 +98,56 @@ def offer(name: str, key: bytes, rank: int) -> tuple[str, str]:
     return METADATA_KEY, f"{name} {rank} {token(key, rank)}"
 
 
-def offer_in(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, int, str] | None:
-    """(name, rank, token) of the socket a Join answer offers; None where it offers none."""
-    value = next((str(v) for k, v in metadata or () if k == METADATA_KEY), None)
+def offer_in(metadata: Sequence[tuple[str, Any]] | None, key: str = METADATA_KEY) -> tuple[str, int, str] | None:
+    """(name, rank, token) of the socket a Join answer offers; None where it offers none. With
+    key=TCP_METADATA_KEY: (port, rank, token) of its TCP socket (the port as text)."""
+    value = next((str(v) for k, v in metadata or () if k == key), None)
     parts = value.split() if value is not None else []
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) != 3 or not parts[1].isdigit() or (key == TCP_METADATA_KEY and not parts[0].isdigit()):
         return None
     return parts[0], int(parts[1]), parts[2]
+
+
+def tcp_offer(port: int, key: bytes, rank: int) -> tuple[str, str]:
+    """The Join answer's metadata entry offering the TCP socket at `port` to worker rank `rank`."""
+    return TCP_METADATA_KEY, f"{port} {rank} {token(key, rank)}"
+
+
+def host_of(address: str) -> str:
+    """The host part of HOST:PORT ([V6]:PORT gives V6)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class ChannelLost(Exception):
     """The connection failed or was closed (the call may or may not have reached the server)."""
 
 
-def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float, body: bytes | memoryview) -> None:
-    """One message (see the module doc).
+Body = bytes | bytearray | memoryview | Sequence[bytes | memoryview]
+
+
+def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float, body: Body) -> None:
+    """One message (see the module doc); body: its bytes, or pieces of them (sent as they are).
 
     Raises:
         ChannelLost: the connection failed.
         socket.timeout: the other end took none of it within the socket's timeout (as receive).
     """
+    parts = [body] if isinstance(body, (bytes, bytearray, memoryview)) else body
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
     md = json.dumps([list(p) for p in metadata]).encode() if metadata else b""
-    head = _HEADER.pack(len(md), len(body), number) + md
+    head = _HEADER.pack(len(md), sum(len(v) for v in views), number) + md
+    # One system call for the whole message: the reader, waiting for the header, wakes once for
+    # all of it (two sends cost a wake-up and a context switch more per message).
+    views.insert(0, memoryview(head))
     try:
-        if not len(body):
-            sock.sendall(head)
-            return
-        # One system call for both parts: the reader, waiting for the header, wakes once for the
-        # whole message (two sends cost a wake-up and a context switch more per message).
-        sent = sock.sendmsg([head, body])
-        if sent < len(head):  # (a send stops short where the socket's buffer fills before its timeout, or a signal)
-            sock.sendall(head[sent:])
-            sent = len(head)
-        if sent < len(head) + len(body):
-            sock.sendall(memoryview(body)[sent - len(head):])
+        while views:
+            sent = sock.sendmsg(views)
+            # (a send stops short where the socket's buffer fills before its timeout, or a signal)
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if sent:
+                views[0] = views[0][sent:]
     except socket.timeout:
         raise
     except OSError as exc:
@@ -213,23 +242,29 @@ class LocalChannel:
         ChannelLost: the socket cannot be reached, or the server refused the rank and token.
     """
 
-    def __init__(self, name: str, rank: int, token_: str) -> None:
+    def __init__(self, name: str, rank: int, token_: str, tcp: tuple[str, int] | None = None) -> None:
+        """name: the server's abstract Unix socket; or with tcp=(host, port), its TCP socket (name
+        then only names it in messages)."""
         self.name = name
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        widen(self._sock)
+        what = f"local socket {name}" if tcp is None else f"step socket {name}"
         try:
-            self._sock.settimeout(HELLO_TIMEOUT_S)
-            self._sock.connect("\0" + name)
+            if tcp is not None:  # (widened before it connects: the window a TCP connection offers is set then)
+                self._sock = connect_tcp(tcp, HELLO_TIMEOUT_S)
+            else:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                widen(self._sock)
+                self._sock.settimeout(HELLO_TIMEOUT_S)
+                self._sock.connect("\0" + name)
             send(self._sock, (("rank", str(rank)), ("token", token_)), 0.0, b"")
             _, status, body = receive(self._sock)
         except (OSError, ChannelLost) as exc:
             self.close()
-            raise ChannelLost(f"local socket {name}: {exc}") from None
+            raise ChannelLost(f"{what}: {exc}") from None
         if status:
             self.close()
-            raise ChannelLost(f"local socket {name} refused this worker: {bytes(body).decode(errors='replace')}")
+            raise ChannelLost(f"{what} refused this worker: {bytes(body).decode(errors='replace')}")
 
-    def with_call(self, request: bytes, timeout: float, metadata: Metadata = ()) -> tuple[pb.StepReply, LocalCall]:
+    def with_call(self, request: Body, timeout: float, metadata: Metadata = ()) -> tuple[pb.StepReply, LocalCall]:
         """The Step call: (its reply, its call) as gRPC's with_call returns them (start, then finish).
 
         Raises:
@@ -240,7 +275,7 @@ class LocalChannel:
         self.start(request, timeout, metadata)
         return self.finish()
 
-    def start(self, request: bytes, timeout: float, metadata: Metadata = ()) -> None:
+    def start(self, request: Body, timeout: float, metadata: Metadata = ()) -> None:
         """Send a Step call's request; its reply is read by finish (a caller may send other
         servers' calls in between: each server works on its call meanwhile).
 
@@ -288,5 +323,33 @@ class LocalChannel:
     def close(self) -> None:
         try:
             self._sock.close()
-        except OSError:
+        except (OSError, AttributeError):  # (AttributeError: a connection never made)
             pass
+
+
+def nodelay(sock: socket.socket) -> None:
+    """A TCP message goes out at once, not held back for more (Nagle): each is one call's whole."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def connect_tcp(address: tuple[str, int], timeout_s: float) -> socket.socket:
+    """A widened, unbuffered TCP connection to (host, port), made within timeout_s.
+
+    Raises:
+        OSError: no address of host answers there.
+    """
+    host, port = address
+    last: OSError = OSError(f"{host} has no address")
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            widen(sock)
+            nodelay(sock)
+            sock.settimeout(timeout_s)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last

@@ -165,6 +165,12 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return None
 
 
+def plaintext(config: ServerConfig) -> bool:
+    """Whether the server's calls are plaintext and unchecked (no TLS, no job secret): anyone who
+    reaches its port may make any call, as any worker rank."""
+    return config.tls is None and config.auth.secret is None
+
+
 def authenticates(config: ServerConfig) -> bool:
     """Whether the server checks who calls (a job secret, or client certificates)."""
     return config.auth.secret is not None or (config.tls is not None and config.tls.ca is not None)

@@ -1,7 +1,9 @@
-"""Same-host Step calls over the servers' local sockets (server/local_calls.py, wire/local_socket.py):
-a sync job of two workers on real server processes makes every Step call over them, each worker's
+"""Step calls over the servers' sockets (server/local_calls.py, wire/local_socket.py): a sync job of
+two workers on real server processes makes every Step call over their local sockets (same host)
+or, with its payloads in gRPC frames, over their TCP sockets (another host), each worker's
 connection bound to its own rank, and trains bit for bit as over gRPC; a server whose socket closes
-mid-job gets the calls through gRPC again, the job unchanged."""
+mid-job gets the calls through gRPC again, the job unchanged; a worker that cannot reach the TCP
+port warns and calls through gRPC; servers with a job secret, or `--step-port off`, offer none."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +44,7 @@ class Seen:
     name: str = ""
     steps_through_socket: int = 0  # its Step calls over the socket
     _local_offer: tuple[str, int, str] | None = None  # the socket offered (rank bound), None: none or given up
+    _offer: tuple[str, int, str] | None = None  # (frames) the TCP socket offered, None: none or given up
 
 
 def data(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -51,7 +54,7 @@ def data(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
 
 
 def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None] = lambda rank, k: None,
-        ) -> tuple[dict[str, torch.Tensor], list[list[Seen]]]:
+        **client: bool) -> tuple[dict[str, torch.Tensor], list[list[Seen]]]:
     """Two sync workers (threads) of Model for STEPS steps: (worker 0's state_dict of the servers'
     final weights and rows, what each worker's shard transports say at its end)."""
     states: dict[int, dict[str, torch.Tensor]] = {}
@@ -61,7 +64,7 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
     def worker(rank: int) -> None:
         model = models[rank]
         with psgrad.connect(addresses, rank=rank, num_workers=2, mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
-                            client=dataclasses.replace(CLIENT, local_socket=local)) as ps:
+                            client=dataclasses.replace(CLIENT, local_socket=local, **client)) as ps:
             opt = ps.optimizer(model)
             for k, (x, y) in enumerate(data(rank)):
                 opt.zero_grad()
@@ -69,7 +72,8 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
                 opt.step()
                 after_step(rank, k)
             transports[rank] = [dataclasses.replace(Seen(), name=s.transport.name, **{  # (as the job ends)
-                k: getattr(s.transport, k) for k in ("steps_through_socket", "_local_offer") if hasattr(s.transport, k)})
+                k: getattr(s.transport, k) for k in ("steps_through_socket", "_local_offer", "_offer")
+                if hasattr(s.transport, k)})
                 for s in opt.client.shards]
             if rank == 0:
                 opt.refresh()
@@ -107,3 +111,64 @@ def test_a_server_whose_socket_closes_mid_job_gets_the_calls_through_grpc(make_s
     assert transports[0][0].steps_through_socket == 2
     for key in reference:
         assert torch.equal(result[key], reference[key]), key
+
+
+# --------------------------------------------------------------------- across hosts: the TCP socket
+# (a worker whose payloads go through gRPC frames, as on another host: shared_memory=False)
+
+def test_a_jobs_step_calls_in_frames_go_over_the_tcp_socket_bit_for_bit_as_over_grpc(start_servers) -> None:  # type: ignore[no-untyped-def]
+    over_tcp, tcp_transports = job(start_servers(2), local=True, shared_memory=False)
+    over_grpc, grpc_transports = job(start_servers(2), local=True, shared_memory=False, step_socket=False)
+    for rank, shards in enumerate(tcp_transports):
+        assert [t.name for t in shards] == ["grpc", "grpc"], tcp_transports
+        assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], tcp_transports
+        assert [t._offer and t._offer[1] for t in shards] == [rank, rank], tcp_transports  # its own rank
+    assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
+    assert [t._offer for shards in grpc_transports for t in shards] == [None] * 4  # not taken up
+    assert over_tcp.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_tcp)
+    for key in over_tcp:
+        assert torch.equal(over_tcp[key], over_grpc[key]), key
+
+
+def test_a_server_whose_tcp_socket_closes_mid_job_gets_the_calls_through_grpc(make_servers) -> None:  # type: ignore[no-untyped-def]
+    reference, _ = job([s.address for s in make_servers(2)], local=True, shared_memory=False, step_socket=False)
+    running = make_servers(2)
+
+    def close_shard_0s_socket(rank: int, k: int) -> None:
+        if rank == 0 and k == 1:
+            running[0].servicer.local.close()
+
+    result, transports = job([s.address for s in running], local=True, after_step=close_shard_0s_socket,
+                             shared_memory=False)
+    assert transports[0][0].steps_through_socket == 2
+    for shards in transports:
+        assert shards[0].steps_through_socket < STEPS and shards[0]._offer is None  # given up
+        assert shards[1].steps_through_socket == STEPS
+    for key in reference:
+        assert torch.equal(result[key], reference[key]), key
+
+
+def test_a_worker_that_cannot_reach_the_tcp_port_warns_and_calls_through_grpc(make_servers) -> None:  # type: ignore[no-untyped-def]
+    reference, _ = job([s.address for s in make_servers(1)], local=True, shared_memory=False, step_socket=False)
+    running = make_servers(1)
+    tcp = [s for s in running[0].servicer.local._listeners if s.family != __import__("socket").AF_UNIX]
+    assert len(tcp) == 1
+    tcp[0].shutdown(__import__("socket").SHUT_RDWR)  # (as a firewall that refuses the port: the offer stands,
+    tcp[0].close()  # a connection is refused)
+    with pytest.warns(UserWarning, match=r"step socket .*; Step calls go through gRPC"):
+        result, transports = job([s.address for s in running], local=True, shared_memory=False)
+    assert [t.steps_through_socket for shards in transports for t in shards] == [0, 0]
+    assert [t._offer for shards in transports for t in shards] == [None, None]
+    for key in reference:
+        assert torch.equal(result[key], reference[key]), key
+
+
+def test_servers_that_check_callers_or_are_told_off_offer_no_tcp_socket(make_servers) -> None:  # type: ignore[no-untyped-def]
+    from psgrad.config import AuthConfig
+
+    plain, secret, off = (make_servers(1)[0], make_servers(1, auth=AuthConfig(secret=b"s" * 32))[0],
+                          make_servers(1, step_port=None)[0])
+    assert plain.servicer.local.tcp_offer(0) is not None and plain.servicer.local.offer(0) is not None
+    for server in (secret, off):  # (the local socket stays: on this host a token still binds the rank)
+        assert server.servicer.local.tcp_offer(0) is None and server.servicer.local.offer(0) is not None
+        assert server.servicer.local.tcp_port is None

@@ -34,23 +34,26 @@ PUSH_CALLS = {"push", "push_frames", "_gated", "step"}
 WORKER_SINKS = ("psgrad.worker.flat", "psgrad.wire.frames", "psgrad.wire.shm", "psgrad.wire.published")
 SERVER_SINKS = ("psgrad.core.optimizers", "psgrad.server.transfers", "psgrad.server.buffers", "psgrad.server.tables")
 # A row gradient's (an embedding table's): taken from its module, split over the shards and written
-# into the push's header (wire.frames' PushHead, called by the shard client's transport), and on one
-# host sent with the Step request over the server's local socket (wire.local_socket); on the server,
+# into the push's header (wire.frames' PushHead, called by the shard client's transport), and sent
+# with the Step request over the server's local or TCP socket (wire.local_socket); on the server,
 # the stacks through the sparse-table path (checked, rows made, applied).
 ROW_WORKER_SINKS = ("psgrad.nn.embedding", "psgrad.core.rows", "psgrad.wire.rows", "psgrad.wire.frames",
                     "psgrad.wire.local_socket")
 ROW_SERVER_SINKS = (*SERVER_SINKS, "psgrad.server.rows_path", "psgrad.server.row_index", "psgrad.core.rows")
 ROW_PATH = "psgrad.server.rows_path"
 # The modules and packages a gradient may cross (gRPC path, same-host path; a dense gradient, a row
-# gradient): the route today (docs/design/decisions.md, "The gradient's route").
-LIMITS = {(False, "dense"): (13, 6), (True, "dense"): (14, 6), (False, "rows"): (16, 6), (True, "rows"): (17, 6)}
+# gradient): the route today (docs/design/decisions.md, "The gradient's route"). A server without TLS
+# takes a Step call in frames over its TCP socket, through the modules of the same-host socket's
+# (server.local_calls, wire.local_socket), where gRPC took it to the handler itself.
+LIMITS = {(False, "dense"): (13, 6), (True, "dense"): (14, 6), (False, "rows"): (17, 6), (True, "rows"): (17, 6)}
 
 
 def _carries_payload(frame: FrameType) -> bool:
     """Whether a call into wire.frames handles a dense gradient's bytes: its data frames, or a Step
     request carrying it inline (the module also writes a push's header, where row gradients travel)."""
     name = frame.f_code.co_name
-    return name == "data_frames" or (name == "step_request" and frame.f_locals.get("payload") is not None)
+    return name == "data_frames" or (name in ("step_request", "step_request_pieces")
+                                     and frame.f_locals.get("payload") is not None)
 
 
 class Route:

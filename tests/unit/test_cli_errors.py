@@ -295,3 +295,26 @@ def test_only_the_commands_fields_given_bare_become_flags() -> None:
         "--lr-decay: shard has 0.0, worker rank 1 sent 0.1"  # (a server's JobMismatchError)
     assert flags_named("lease_s must be > 0", parser, "server") == "--lease-s must be > 0"
     assert flags_named("lr_decay must be >= 0", parser, "status") == "lr_decay must be >= 0"  # (not a flag there)
+
+
+def test_a_servers_step_port_is_checked_and_one_in_use_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from psgrad.cli.flags import server_config
+    from psgrad.cli.parser import build_parser
+    from psgrad.config import ServerConfig
+    from psgrad.server.runtime import start_server
+
+    for bad in ("70000", "-1", "x"):
+        res = cli(["server", "--step-port", bad], capsys)
+        assert res.returncode == 2 and f"--step-port: expected a port 0..65535 (0: a free one) or 'off', got '{bad}'" \
+            in res.stderr, res.stderr
+    parse = build_parser().parse_args
+    assert server_config(parse(["server", "--step-port", "off"])).step_port is None
+    assert server_config(parse(["server", "--step-port", "7000"])).step_port == 7000
+    assert server_config(parse(["server"])).step_port == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ServerStartError, match=f"cannot bind --step-port {port} on 127.0.0.1: .*--step-port 0 "
+                                                   "picks a free one"):
+            start_server(ServerConfig(port=0, step_port=port))

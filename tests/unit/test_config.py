@@ -344,6 +344,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
         "--compress-same-host",  # the same (below)
         "--duplex",  # the same (below)
         "--local-socket",  # on by default: --no-local-socket when off (below)
+        "--step-socket",  # the same
         "--compress-pull", "--pull-resync-every", "--pull-resync-error",  # with compressed pulls (below)
         "--chunk-bytes",  # no flag: a worker has the default
         "--tls",  # its files' flags (--tls-ca, ...), when given: below
@@ -353,6 +354,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert ClientConfig(tls=TlsConfig(ca=ca, server_name="n")).to_argv()[-4:] == ["--tls-ca", ca, "--tls-server-name", "n"]
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     assert "--no-local-socket" in ClientConfig(local_socket=False).to_argv() and "--no-local-socket" not in client
+    assert "--no-step-socket" in ClientConfig(step_socket=False).to_argv() and "--no-step-socket" not in client
     assert "--compress-same-host" in ClientConfig(compress_same_host=True).to_argv()
     assert "--duplex" in ClientConfig(duplex=True).to_argv()
     pulls = ClientConfig(compress_pull="topk:0.01", pull_resync_every=50, pull_resync_error=0.2).to_argv()

@@ -73,6 +73,40 @@ def test_a_connection_pushes_only_as_the_rank_its_token_proves(serve) -> None:  
             LocalChannel(calls.name, rank, token)
 
 
+def test_a_tcp_socket_binds_a_connection_to_a_rank_as_the_local_one_does() -> None:
+    import socket
+
+    calls = LocalCalls(echo, unix=False, tcp=("127.0.0.1", 0))
+    try:
+        assert calls.offer(3) is None and calls.name is None  # no Unix socket asked for
+        port, rank, token = local_socket.offer_in([calls.tcp_offer(3)], local_socket.TCP_METADATA_KEY) or ("", -1, "")
+        assert (int(port), rank) == (calls.tcp_port, 3)
+        channel = LocalChannel(f"127.0.0.1:{port}", 3, token, tcp=("127.0.0.1", int(port)))
+        reply, _ = channel.with_call([request(3, clock=5)[:2], request(3, clock=5)[2:]], 10.0)  # (in pieces)
+        assert reply.push.version == 5 and calls.calls == 1
+        with pytest.raises(LocalCallError) as refused:
+            channel.with_call(request(4), 10.0)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        channel.close()
+        for rank, tok in ((4, token), (3, "0" * 64)):
+            with pytest.raises(ChannelLost, match="step socket 127.0.0.1:.* refused this worker"):
+                LocalChannel("127.0.0.1:1", rank, tok, tcp=("127.0.0.1", int(port)))
+        with pytest.raises(OSError):  # a port another socket listens on is not taken
+            LocalCalls(echo, unix=False, tcp=("127.0.0.1", int(port)))
+    finally:
+        calls.close()
+    with pytest.raises(ChannelLost, match="step socket"):  # closed: refused
+        LocalChannel("x", 3, token, tcp=("127.0.0.1", int(port)))
+    assert socket.AF_INET in {s.family for s in calls._listeners}
+
+
+@pytest.mark.parametrize("offer", [["12 3 tok"], ["p 3 tok"], ["12 x tok"], ["12 3"]])
+def test_a_tcp_offer_is_read_only_when_well_formed(offer: list[str]) -> None:
+    got = local_socket.offer_in([(local_socket.TCP_METADATA_KEY, offer[0])], local_socket.TCP_METADATA_KEY)
+    assert got == (("12", 3, "tok") if offer == ["12 3 tok"] else None)
+    assert local_socket.offer_in([(local_socket.TCP_METADATA_KEY, offer[0])]) is None  # not the local socket's
+
+
 def test_errors_metadata_callbacks_and_deadlines_travel_as_a_grpc_calls_do(serve) -> None:  # type: ignore[no-untyped-def]
     seen: dict[str, Any] = {}
     ended = threading.Event()
@@ -204,31 +238,32 @@ def test_an_offer_is_read_only_when_well_formed(metadata: Any, expected: Any) ->
 
 
 class _ShortSends:
-    """A socket whose sendmsg takes only `first` bytes (as a signal can cut a blocking send short)."""
+    """A socket whose first sendmsg takes only `first` bytes (as a signal can cut a blocking send
+    short), the next ones all they are given."""
 
     def __init__(self, first: int) -> None:
         self.first, self.out, self.calls = first, bytearray(), 0
 
-    def sendmsg(self, parts: list[bytes]) -> int:
+    def sendmsg(self, parts: list[memoryview]) -> int:
         self.calls += 1
         whole = b"".join(bytes(p) for p in parts)
-        self.out += whole[:self.first]
-        return min(self.first, len(whole))
-
-    def sendall(self, data: bytes) -> None:
-        self.out += bytes(data)
+        taken = whole[:self.first] if self.calls == 1 else whole
+        self.out += taken
+        return len(taken)
 
 
-@pytest.mark.parametrize("first", [3, 40, 10**6])
-def test_a_message_is_one_send_and_a_short_one_is_finished(first: int) -> None:
+@pytest.mark.parametrize("first", [3, 40, 1900, 10**6])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_a_message_is_one_send_and_a_short_one_is_finished(first: int, pieces: bool) -> None:
     body = bytes(range(256)) * 7
     sock = _ShortSends(first)
-    local_socket.send(sock, (("k", "v"),), 2.5, body)  # type: ignore[arg-type]
+    sent = [body[:5], memoryview(body)[5:1000], b"", body[1000:]] if pieces else body
+    local_socket.send(sock, (("k", "v"),), 2.5, sent)  # type: ignore[arg-type]
     a, b = __import__("socket").socketpair()
     with a, b:
         a.sendall(sock.out)
         assert local_socket.receive(b) == ((("k", "v"),), 2.5, bytearray(body))
-    assert sock.calls == 1
+    assert sock.calls == (1 if first >= len(sock.out) else 2)  # the whole message in one call where it fits
 
 
 def test_a_message_larger_than_the_sockets_buffer_arrives_whole() -> None:
