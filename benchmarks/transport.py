@@ -79,25 +79,31 @@ gRPC unary calls moving the same bytes, in one run, through 1 and 2 shards; on l
 hosts on links shaped to 1 Gbit/s (--netbed; presets tiny = quick, full). The job: one worker (rank
 0, async mode, SGD lr 1e-9) whose model is a psgrad.Embedding of `--rows` x `--dim` (1M x 64 in
 full: its rows are made on the servers on first touch, so the table costs nothing until then) and a
-small nn.Linear, joined through `psgrad.connect(...).optimizer` with every byte over gRPC (no
-same-host shared memory). Every server is its own process (`psgrad server`), as is the worker (an
-agent that this script starts and sends the addresses to).
+small nn.Linear, joined through `psgrad.connect(...).optimizer` as a worker on another host would
+be (no same-host shared memory: every byte over gRPC, and the Step calls over the servers' TCP step
+sockets, as psgrad does by default on a job without TLS). Every server is its own process (`psgrad
+server`), as is the worker (an agent that this script starts and sends the addresses to).
 
 One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):
 - pull: `ParameterClient.pull_rows` of warm rows (made by an earlier pull): ids out, rows back;
 - cold_pull: the same for ids never touched before (the shard makes each row on first touch);
 - push: `ParameterClient.push` of a step with the rows' gradients: per shard one Push call whose
   header carries the ids and gradients beside the step's small dense gradient (applied together);
-- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard one unary Step
-  call (that push, and the dense pull);
+- step: `ParameterClient.exchange`, the traffic of `PSOptimizer.step`: per shard one Step call
+  (that push, and the dense pull) over the server's TCP step socket;
+- step_grpc: the same Step calls through gRPC (as `psgrad worker --no-step-socket` makes them, and
+  every worker did before the step socket);
 - raw_pull, raw_put: per shard one bare gRPC unary call (lib/raw_grpc.py Fetch and Put, identity
   serializers, the same concurrency) moving the same bytes: the ids out and the rows' bytes back,
-  or the ids and gradients out and 8 bytes back; one raw server process beside each shard.
+  or the ids and gradients out and 8 bytes back; one raw server process beside each shard;
+- raw_tcp_put: the ids and gradients as one message on a bare TCP connection (lib/ceilings.py,
+  a copy into a reused buffer) and 8 bytes back: the loopback TCP ceiling of a push, one TCP
+  server process beside each shard.
 Each repetition times `--calls` calls of each, back to back (so the test bed's token bucket, at
 most 64 KB, is a small part of the bytes timed), in alternating order; figures are medians over repetitions.
 `payload` bytes are those in the heavy direction: the rows for pulls, ids + gradients for pushes.
 Ratios are psgrad's over raw gRPC's (rows/s and bytes/s alike: the same rows and bytes); goal
->= 0.8 for pull and push. With --netbed the worker is on host 0 and shard i (and raw server i) on
+>= 0.8 for pull and push; the step's is also given over raw TCP's. With --netbed the worker is on host 0 and shard i (and raw server i) on
 host i + 1 of lib/netbed.py's bed, every link shaped to --rate-mbit; the ratio to the link's
 bytes/s is reported too. CPU per call (the worker's and its servers', from /proc) shows what
 the shared cores spent. Progress and a table go to stderr.
@@ -996,9 +1002,10 @@ def run_multihost(preset: str, params: int | None = None, rate_mbit: float | Non
 
 SPARSE_GOAL = 0.8
 SPARSE_TABLE = "emb"
-SPARSE_OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "raw_put")
+SPARSE_OPS = ("pull", "raw_pull", "cold_pull", "push", "step", "step_grpc", "raw_put", "raw_tcp_put")
 # op -> the raw op it is compared with
-SPARSE_VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put"}
+SPARSE_VERSUS = {"pull": "raw_pull", "cold_pull": "raw_pull", "push": "raw_put", "step": "raw_put",
+                 "step_grpc": "raw_put"}
 
 
 def sparse_payload_bytes(op: str, ids: int, dim: int) -> int:
@@ -1022,7 +1029,8 @@ def _cpu(pids: Sequence[int]) -> float:
     return sum(cpu_seconds(p) for p in pids)
 
 
-def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], pool: futures.ThreadPoolExecutor) -> dict[str, Any]:
+def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any], tcps: list[Any],
+                       pool: futures.ThreadPoolExecutor) -> dict[str, Any]:
     """Every op through one job's shards and as many raw servers, repetitions interleaved."""
     import torch
     from torch import nn
@@ -1070,6 +1078,12 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
         def raw_put() -> None:
             _fan(pool, [functools.partial(put, i) for i in range(S)])
 
+        def tcp_put(i: int) -> None:  # the request made from the tensors, as raw_put's
+            tcps[i].upload(memoryview(b"".join((byte_view(mine[i]), byte_view(theirs[i])))), 1 << 30)
+
+        def raw_tcp_put() -> None:
+            _fan(pool, [functools.partial(tcp_put, i) for i in range(S)])
+
         def push() -> None:
             nonlocal clock
             client.push(dense, clock, rows={SPARSE_TABLE: (warm, grads)})
@@ -1080,15 +1094,27 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
             client.exchange(dense, clock, weights, rows={SPARSE_TABLE: (warm, grads)})
             clock += 1
 
+        def step_grpc() -> None:  # (each shard's TCP connection stays open for `step`: not given up)
+            for s in client.shards:
+                s.frames._socket_channel = lambda: None
+            try:
+                step()
+            finally:
+                for s in client.shards:
+                    del s.frames._socket_channel
+
         ops: dict[str, Callable[[], object]] = {
             "pull": lambda: client.pull_rows(SPARSE_TABLE, warm),
             "raw_pull": raw_pull,
             "cold_pull": lambda: client.pull_rows(SPARSE_TABLE, next(fresh)),
             "push": push,
             "step": step,
+            "step_grpc": step_grpc,
             "raw_put": raw_put,
+            "raw_tcp_put": raw_tcp_put,
         }
         server_pids = {op: job["pids"] if not op.startswith("raw") else cfg["raw_pids"][:S] for op in ops}
+        server_pids["raw_tcp_put"] = cfg["tcp_pids"][:S]
         for fn in ops.values():  # warm-up: connections, buffers, and the warm rows made
             for _ in range(calls):
                 fn()
@@ -1108,6 +1134,9 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
                 cpu[op]["worker"] += time.process_time() - c0
                 cpu[op]["servers"] += _cpu(server_pids[op]) - s0
         per_shard = [int(m.numel()) for m in mine]
+        on_socket = [s.frames.steps_through_socket for s in client.shards]
+        if not all(on_socket):  # (the figures would not be what they are named)
+            raise BenchError(f"step: the Step calls did not go over the servers' TCP sockets ({on_socket} did)")
         return {"shards": S, "ids_per_shard": per_shard, "batch_s": batch_s, "call_s": call_s,
                 "cpu_ms_per_call": {op: {k: 1e3 * v / (reps * calls) for k, v in c.items()} for op, c in cpu.items()}}
     finally:
@@ -1118,6 +1147,7 @@ def sparse_agent_main() -> None:
     """The worker's process: answers {"op": "run", ...config} with every job's timings."""
     import torch
 
+    from lib.ceilings import TcpClient
     from lib.raw_grpc import RawClient
 
     torch.set_num_threads(1)
@@ -1126,12 +1156,13 @@ def sparse_agent_main() -> None:
         if cmd.get("op") != "run":
             raise BenchError(f"unknown op {cmd.get('op')!r}")
         raws = [RawClient(a) for a in cmd["raw"]]
+        tcps = [TcpClient(a) for a in cmd["tcp"]]
         pool = futures.ThreadPoolExecutor(max_workers=max(len(cmd["raw"]), 1))
         try:
-            return {"jobs": [sparse_measure_job(cmd, job, raws, pool) for job in cmd["jobs"]]}
+            return {"jobs": [sparse_measure_job(cmd, job, raws, tcps, pool) for job in cmd["jobs"]]}
         finally:
             pool.shutdown()
-            for r in raws:
+            for r in [*raws, *tcps]:
                 r.close()
 
     command_loop(handle)
@@ -1175,14 +1206,16 @@ def run_sparse_rows(p: dict[str, Any], netbed: bool, rate_mbit: float) -> dict[s
             return ["-m", "psgrad", "server", "--host", bed.hosts[host].addr, "--port", "0", "--lease-s", "600",
                     "--insecure"]
 
-        def raw_argv(host: int) -> list[str]:
-            return [*RAW_SERVER, "--host", bed.hosts[host].addr] if bed else RAW_SERVER
+        def raw_argv(host: int, server: list[str] = RAW_SERVER) -> list[str]:
+            return [*server, "--host", bed.hosts[host].addr] if bed else server
 
         agent = start("agent", 0, [me, "--agent", "sparse-rows"], speaks=True)
         jobs = [(S, [start(f"psgrad-{S}s-{i}", 1 + i, psgrad_argv(1 + i)) for i in range(S)]) for S in p["shards"]]
         raws = [start(f"raw-{i}", 1 + i, raw_argv(1 + i)) for i in range(top)]
+        tcps = [start(f"tcp-{i}", 1 + i, raw_argv(1 + i, TCP_SERVER)) for i in range(top)]
         cmd = {"op": "run", **{k: p[k] for k in ("rows", "ids", "dim", "reps", "calls")},
                "raw": [r.address(timeout_s=SETUP_TIMEOUT_S) for r in raws], "raw_pids": [r.popen.pid for r in raws],
+               "tcp": [t.address(timeout_s=SETUP_TIMEOUT_S) for t in tcps], "tcp_pids": [t.popen.pid for t in tcps],
                "jobs": [{"shards": S, "servers": [c.address(timeout_s=SETUP_TIMEOUT_S) for c in cs],
                          "pids": [c.popen.pid for c in cs]} for S, cs in jobs]}
         log(f"sparse_rows: servers up; {p['ids']:,} ids x {p['dim']} dims a call, {p['reps']} repetitions of "
@@ -1222,12 +1255,15 @@ def sparse_report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbi
             vs = SPARSE_VERSUS[op]
             targets.append(target(f"sparse {op}: rows/s, {p['ids']:,} ids x {p['dim']}, {S} shard(s), {where}",
                                   r[op]["rows_per_s"], r[vs]["rows_per_s"], SPARSE_GOAL, "higher", "rows/s", f"raw gRPC {vs}"))
-        for op in ("pull", "cold_pull", "push", "step"):
+        for op in ("pull", "cold_pull", "push", "step", "step_grpc"):
             vs = SPARSE_VERSUS[op]
             figures.append(figure(f"sparse {op} rows/s, {S} shard(s), {where}", r[op]["rows_per_s"], "rows/s",
                                   r[vs]["rows_per_s"], f"raw gRPC {vs}"))
             figures.append(figure(f"sparse {op} MB/s, {S} shard(s), {where}", r[op]["mb_per_s"], "MB/s",
                                   r[vs]["mb_per_s"], f"raw gRPC {vs}"))
+            if op == "step":
+                figures.append(figure(f"sparse step rows/s over raw TCP, {S} shard(s), {where}", r[op]["rows_per_s"],
+                                      "rows/s", r["raw_tcp_put"]["rows_per_s"], "raw TCP raw_tcp_put"))
             if link:
                 figures.append(figure(f"sparse {op} MB/s, {S} shard(s), vs the link", r[op]["mb_per_s"], "MB/s",
                                       link, f"{rate_mbit:g} Mbit/s link"))
@@ -1243,17 +1279,18 @@ def sparse_report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbi
         "targets": targets,
         "figures": figures,
         "notes": "push = per shard one Push call carrying the rows' ids and gradients in its header with the "
-                 "step's small dense gradient, applied together; step = per shard one unary Step call (that push "
-                 "and the dense pull), as PSOptimizer.step sends; raw_put = one "
-                 "unary call of the same ids + gradients. Pulls move ids out and rows back in one unary call "
-                 "per shard, as raw_pull does.",
+                 "step's small dense gradient, applied together; step = per shard one Step call (that push "
+                 "and the dense pull) over the server's TCP step socket, as PSOptimizer.step sends; step_grpc = "
+                 "the same through gRPC; raw_put = one unary gRPC call of the same ids + gradients; raw_tcp_put "
+                 "= one message of them on a bare TCP connection. Pulls move ids out and rows back in one unary "
+                 "call per shard, as raw_pull does.",
     }
 
 
 def sparse_table(doc: dict[str, Any]) -> str:
     """The figures as a fixed-width table."""
     link = doc["link_mb_per_s"]
-    head = f"{'shards':>6} {'op':<10} {'rows/s':>10} {'MB/s':>8} {'ms/call':>8} {'raw MB/s':>9} {'ratio':>6}"
+    head = f"{'shards':>6} {'op':<11} {'rows/s':>10} {'MB/s':>8} {'ms/call':>8} {'raw MB/s':>9} {'ratio':>6}"
     head += f" {'vs link':>7}" if link else ""
     head += f" {'cpu ms/call w+s':>16}"
     lines = [f"sparse rows, {doc['ids']:,} ids x {doc['dim']} dims a call ({doc['network']}"
@@ -1266,7 +1303,7 @@ def sparse_table(doc: dict[str, Any]) -> str:
             ratio = f"{r[op]['rows_per_s'] / r[vs]['rows_per_s']:6.2f}" if vs else f"{'':>6}"
             raw_mb = f"{r[vs]['mb_per_s']:9.1f}" if vs else f"{'':>9}"
             c = r[op]["cpu_ms_per_call"]
-            line = (f"{j['shards']:>6} {op:<10} {r[op]['rows_per_s']:10,.0f} {r[op]['mb_per_s']:8.1f} "
+            line = (f"{j['shards']:>6} {op:<11} {r[op]['rows_per_s']:10,.0f} {r[op]['mb_per_s']:8.1f} "
                     f"{r[op]['call_ms_median']:8.2f} {raw_mb} {ratio}")
             line += f" {r[op]['vs_link']:7.2f}" if link else ""
             line += f" {c['worker']:7.2f}+{c['servers']:<7.2f}"
