@@ -222,7 +222,7 @@ def test_scaleout_cost_model_counts_bytes_and_shards() -> None:
     assert scaleout.shards_needed(100_000, 1000, 1.0, a_s=1e-3, c_s_per_byte=1e-9)["shards_needed"] is None
 
 
-SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "raw_put"}
+SPARSE_OPS = {"pull", "raw_pull", "cold_pull", "push", "step", "step_grpc", "raw_put", "raw_tcp_put"}
 
 
 def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
@@ -236,14 +236,16 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
             assert r["rows_per_s"] > 0 and r["mb_per_s"] > 0 and r["call_ms_median"] > 0, op
             assert set(r["cpu_ms_per_call"]) == {"worker", "servers"}
         assert set(job["ratios"]) == {"pull_vs_raw_pull", "cold_pull_vs_raw_pull", "push_vs_raw_put",
-                                      "step_vs_raw_put"}
+                                      "step_vs_raw_put", "step_grpc_vs_raw_put"}
         assert math.isclose(job["ratios"]["pull_vs_raw_pull"],
                             job["results"]["pull"]["rows_per_s"] / job["results"]["raw_pull"]["rows_per_s"])
     assert len(out["targets"]) == 2 * len(shards)  # pull and push, per shard count
     for row in out["targets"]:
         assert row["target"] == 0.8 and row["value"] > 0 and row["ceiling"] > 0
     assert out["payload_bytes"]["pull"] == out["ids"] * out["dim"] * 4
-    assert out["payload_bytes"]["push"] == out["ids"] * (out["dim"] * 4 + 8)
+    assert out["payload_bytes"]["push"] == out["ids"] * (out["dim"] * 4 + 8) == out["payload_bytes"]["raw_tcp_put"]
+    tcp = [f for f in out["figures"] if f["name"].startswith("sparse step rows/s over raw TCP")]
+    assert len(tcp) == len(shards) and all(f["ceiling_name"] == "raw TCP raw_tcp_put" for f in tcp)
 
 
 @pytest.mark.slow

@@ -347,7 +347,8 @@ def test_sparse_rows_benchmark_quick_on_shaped_links(bed: NetBed) -> None:
     assert out["network"] == "netbed" and out["rate_mbit"] == 1000 and out["link_mb_per_s"] == 125
     assert [j["shards"] for j in out["jobs"]] == [1, 2]
     for job in out["jobs"]:
-        assert set(job["results"]) == {"pull", "raw_pull", "cold_pull", "push", "step", "raw_put"}
+        assert set(job["results"]) == {"pull", "raw_pull", "cold_pull", "push", "step", "step_grpc", "raw_put",
+                                       "raw_tcp_put"}
         for op, r in job["results"].items():
             assert r["rows_per_s"] > 0 and r["vs_link"] == pytest.approx(r["mb_per_s"] / 125), op
         assert all(v > 0 for v in job["ratios"].values())
