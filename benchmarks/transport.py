@@ -81,7 +81,7 @@ hosts on links shaped to 1 Gbit/s (--netbed; presets tiny = quick, full). The jo
 full: its rows are made on the servers on first touch, so the table costs nothing until then) and a
 small nn.Linear, joined through `psgrad.connect(...).optimizer` as a worker on another host would
 be (no same-host shared memory: every byte over gRPC, and the Step calls over the servers' TCP step
-sockets, as psgrad does by default on a job without TLS). Every server is its own process (`psgrad
+sockets, as psgrad does by default; the servers run without TLS). Every server is its own process (`psgrad
 server`), as is the worker (an agent that this script starts and sends the addresses to).
 
 One call moves `--ids` unique row ids (a fixed random set, about half on each of 2 shards):

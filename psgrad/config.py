@@ -109,10 +109,11 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
-    # A server that checks no caller (no TLS, no job secret) also takes workers' Step calls over TCP
-    # at this port of its host (0: a free one; None: none), offered at Join to workers whose payloads
-    # go through gRPC frames (another host, or no shared memory): the same request and reply as the
-    # gRPC call, without gRPC's per-call work (wire/local_socket.py). With TLS or a job secret: none.
+    # The server also takes workers' Step calls over TCP at this port of its host (0: a free one;
+    # None: none), offered at Join to workers whose payloads go through gRPC frames (another host,
+    # or no shared memory): the same request and reply as the gRPC call, without gRPC's per-call
+    # work (wire/local_socket.py); in TLS with the server's certificates where it has TLS. A job
+    # secret without TLS (callers of this host only): none.
     step_port: int | None = 0
     lease_s: float = 10.0
     nonfinite: str = "reject"
@@ -281,9 +282,9 @@ class ClientConfig:
     # model's push; a failed connection sends the calls through gRPC again. Off: gRPC.
     local_socket: bool = True
     # Make each step's Step call to a server on another host (or with shared_memory off) over the TCP
-    # socket the server offers at Join (a server that checks no caller: no TLS, no job secret), not
-    # gRPC, which costs both ends about a millisecond of CPU more per call; a connection that fails
-    # sends the calls through gRPC again (warned once). Off: gRPC.
+    # socket the server offers at Join (in TLS where this client has TLS), not gRPC, which costs both
+    # ends about a millisecond of CPU more per call; a connection that fails sends the calls through
+    # gRPC again (warned once). Off: gRPC.
     step_socket: bool = True
     # With a job's --compress: compress pushes to shards on this host too (through shared memory,
     # where fewer bytes save nothing and encoding costs CPU). Off: those shards get the gradient

@@ -338,9 +338,9 @@ def add_job_args(
          "on this host over the local socket it offers at join (a Unix socket bound to this worker's rank), not "
          "gRPC; --no-local-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
     flag(w, "--step-socket", ClientConfig.step_socket, "make each step's call to a server on another host (or "
-         "with --no-shared-memory) over the TCP port it offers at join (servers without TLS or a job secret: see "
-         "psgrad server --step-port), not gRPC; a connection that fails (a firewall) warns and uses gRPC; "
-         "--no-step-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
+         "with --no-shared-memory) over the TCP port it offers at join (see psgrad server --step-port; in TLS "
+         "with --tls-*), not gRPC; a connection that fails (a firewall) warns and uses gRPC; --no-step-socket "
+         "keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
     flag(w, "--compress-same-host", ClientConfig.compress_same_host, "with --compress: compress pushes to shards "
          "on this host too (through shared memory fewer bytes save nothing, and encoding costs CPU)",
          action="store_true")

@@ -47,11 +47,11 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     s = sub.add_parser("server", help="run one parameter-server shard", description="Run one parameter-server shard until SIGTERM/SIGINT.")
     flag(s, "--host", ServerConfig.host, "address to bind")
     flag(s, "--port", ServerConfig.port, "port to bind; 0 picks a free one", type=int)
-    flag(s, "--step-port", ServerConfig.step_port, "a server without TLS or a job secret also takes workers' "
-         "step calls over TCP at this port of --host, offered at join to workers on other hosts (the same "
-         "request and reply as gRPC's Step, without gRPC's per-call work); 0 picks a free one, a fixed one "
-         "suits a firewall; off: none (workers call through gRPC). Servers with TLS or a job secret offer none",
-         type=step_port_arg, metavar="PORT|off")
+    flag(s, "--step-port", ServerConfig.step_port, "also take workers' step calls over TCP at this port of "
+         "--host, offered at join to workers on other hosts (the same request and reply as gRPC's Step, without "
+         "gRPC's per-call work; in TLS with --tls-cert/--tls-key, client certificates required with --tls-ca); "
+         "0 picks a free one, a fixed one suits a firewall; off: none (workers call through gRPC). A job secret "
+         "without TLS (this host only) offers none", type=step_port_arg, metavar="PORT|off")
     s.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at http://--host:PORT/"
                    "metrics (pushes, pulls, bytes, RPC latency, refusals by reason, staleness, gate waits, live "
                    "workers, checkpoint age); 0 picks a free port (printed). Default: none. The gRPC health and "

@@ -3,6 +3,7 @@ PsgradError; its payloads through the transport picked at Join (see client/trans
 frames transport here (gRPC frames, or inline in a Step call), or shared memory (client/same_host.py)."""
 from __future__ import annotations
 
+import ssl
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -40,7 +41,7 @@ from psgrad.wire.protocol import (
     SERVICE_NAME,
 )
 from psgrad.core.credentials import ADMIN
-from psgrad.wire.security import client_channels
+from psgrad.wire.security import client_channels, client_step_socket_context
 
 T = TypeVar("T")
 __all__ = ["FramesTransport", "RowsRead", "ShardClient"]
@@ -349,8 +350,8 @@ class FramesTransport:
     and failover). Lends nothing: `view` stays None, a lent window is retired.
 
     Its Step calls go over the TCP socket the server in use offered at Join, where it offers one
-    (a plaintext server: see wire/local_socket.py) and ClientConfig step_socket allows: the same
-    request and reply, without gRPC's per-call work. A call there that fails is made again through
+    (see wire/local_socket.py; in TLS where this client has TLS, as its gRPC channel) and
+    ClientConfig step_socket allows: the same request and reply, without gRPC's per-call work. A call there that fails is made again through
     gRPC (a push is keyed: never applied twice), where the client's reconnect, failover, rejoin and
     back-off apply; a connection that fails is given up until a Join offers a socket again."""
 
@@ -362,6 +363,7 @@ class FramesTransport:
         self._offer: tuple[str, int, str] | None = None  # (port, rank, token) the last Join offered
         self._channel: local_socket.LocalChannel | None = None
         self._unreached: str | None = None  # why the last connection failed, warned once gRPC answers
+        self._tls: ssl.SSLContext | None = None  # (made at the first connection, where the client has TLS)
         self.steps_through_socket = 0  # Step calls made over it
 
     def close(self) -> None:
@@ -391,8 +393,12 @@ class FramesTransport:
         if self._channel is None and self._offer is not None:
             port, rank, token = self._offer
             host = local_socket.host_of(self._client.address)
+            tls = self._client.config.tls
+            if tls is not None and self._tls is None:
+                self._tls = client_step_socket_context(tls)
             try:
-                self._channel = local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)))
+                self._channel = local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)),
+                                                          tls=self._tls, server_name=tls.server_name if tls else None)
             except local_socket.ChannelLost as exc:
                 self._unreached = f"server {self._client.address}: {exc}"
                 self._offer = None

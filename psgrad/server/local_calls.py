@@ -1,6 +1,6 @@
 """The server's end of Step calls over a socket (see wire/local_socket.py): an abstract Unix socket
-with a random name, offered at Join to workers on this host, and on a server that checks no caller
-a TCP port of its bound host, offered to the others; a thread per connection reads a Step request,
+with a random name, offered at Join to workers on this host, and a TCP port of its bound host (in
+TLS on a server with TLS), offered to the others; a thread per connection reads a Step request,
 runs the servicer's Step handler with a context that holds the call's metadata and deadline, and
 writes its reply or its error status back. Connections are bound to a worker rank by the token of
 the Join answer, and their number is capped."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 import traceback
@@ -55,8 +56,8 @@ class LocalContext:
         a cancelled gRPC call's does; the worker sends nothing else while it waits for a reply)."""
         if self._conn is None:
             return True
-        try:
-            return self._conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        try:  # (the connection's own bytes: TLS takes no flags, and a peek of its records consumes nothing)
+            return socket.socket.recv(self._conn, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
             return True
         except OSError:
@@ -96,15 +97,16 @@ class LocalCalls:
 
     def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
                  done: Callable[[str, float, Any], None] | None = None, unix: bool = True,
-                 tcp: tuple[str, int] | None = None) -> None:
+                 tcp: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None) -> None:
         """step: the servicer's Step handler; done(method, start, context): a call's end, for the
         server's call metrics (RpcMetrics._done), or None; unix: listen on an abstract Unix socket
-        (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`).
+        (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`), in
+        TLS with `tls` (each connection's handshake on its own thread, within HELLO_TIMEOUT_S).
 
         Raises:
             OSError: the TCP port cannot be bound.
         """
-        self._step, self._done = step, done
+        self._step, self._done, self._tls = step, done, tls
         self._decode = protocol.decoder(pb.StepRequest)
         self._key = secrets.token_bytes(32)
         name = f"psgrad-{secrets.token_hex(12)}"
@@ -162,6 +164,8 @@ class LocalCalls:
                 conn, _ = listener.accept()
                 local_socket.widen(conn)
                 local_socket.nodelay(conn)
+                if self._tls is not None and listener.family != socket.AF_UNIX:
+                    conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             except OSError:
                 return  # closed
             with self._lock:
@@ -174,8 +178,11 @@ class LocalCalls:
             threading.Thread(target=self._serve, args=(conn,), name="psgrad-local", daemon=True).start()
 
     def _hello(self, conn: socket.socket) -> int | None:
-        """The rank a connection's first message proves (its token), or None (refused, told why)."""
+        """The rank a connection's first message proves (its token), or None (refused, told why);
+        over TLS, after the handshake (a peer without a certificate the server requires fails it)."""
         conn.settimeout(local_socket.HELLO_TIMEOUT_S)
+        if isinstance(conn, ssl.SSLSocket):
+            conn.do_handshake()
         metadata, _, _ = local_socket.receive(conn, max_body=0)
         fields = dict(metadata)
         rank = fields.get("rank", "")

@@ -255,14 +255,15 @@ def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler
     ).start()
     if config.replica_of is not None:
         replication.role, replication.primary = BACKUP, config.replica_of
-    # Step calls over a socket: workers on this host over a Unix one; on a plaintext server that checks
-    # no caller (its gRPC port takes anyone's Step calls already), the others over TCP (step_port).
+    # Step calls over a socket: workers on this host over a Unix one, the others over TCP (step_port), in
+    # TLS where the gRPC port speaks TLS (not offered where a job secret goes without TLS: this host only).
     unix = shm.supported() and local_socket.supported()
-    tcp = (host, config.step_port) if config.step_port is not None and security.plaintext(config) else None
+    tcp = (host, config.step_port) if config.step_port is not None and (
+        config.tls is not None or security.plaintext(config)) else None
     if unix or tcp is not None:
         try:
             servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None,
-                                        unix=unix, tcp=tcp)
+                                        unix=unix, tcp=tcp, tls=security.step_socket_context(config))
         except OSError as exc:
             server.stop(0)
             raise ServerStartError(f"cannot bind --step-port {config.step_port} on {host}: {exc} (is another "

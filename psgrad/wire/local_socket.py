@@ -29,16 +29,17 @@ timeout in seconds; the reply's status, 0 for OK), the metadata as JSON (a list 
 pairs), then the body (the serialized StepRequest; the StepReply, or an error's details in UTF-8).
 Both ends widen their socket's buffers (widen) so that a message goes in one piece.
 
-Across hosts, the same messages go over TCP: a server that checks no caller (no TLS, no job
-secret: anyone who reaches its gRPC port may already call Step as any rank) also listens on a TCP
-port of its bound host and offers it at Join (`psgrad-step-socket: PORT RANK TOKEN`); a worker whose
-payloads go through gRPC frames (another host, or --no-shared-memory) makes its Step calls there,
-at the host it reaches the server's gRPC port at. What that saves is the same per-call work of
+Across hosts, the same messages go over TCP: a server also listens on a TCP port of its bound host
+and offers it at Join (`psgrad-step-socket: PORT RANK TOKEN`); a worker whose payloads go through
+gRPC frames (another host, or --no-shared-memory) makes its Step calls there, at the host it
+reaches the server's gRPC port at. A server with TLS speaks TLS there too, with the certificates
+of its gRPC port (client certificates of its CA required where it requires them there); a server
+without TLS and without a job secret checks no caller on its gRPC port either (anyone who
+reaches it may call Step as any rank), so its plaintext socket opens nothing new. What that saves is the same per-call work of
 gRPC's, which for a recommender's step (a megabyte of row gradients) is most of the call: a 1 MB
 request and a small reply take about 0.35 ms a round trip over loopback TCP, 3.3 ms as one gRPC
-unary call (benchmarks/transport.py --part sparse-rows). A server with TLS or a job secret offers
-no TCP socket (its callers are checked by gRPC's handshake and interceptors): their Step calls stay
-on gRPC. A worker that cannot connect (a firewall, a load balancer in front of one port) warns once
+unary call (benchmarks/transport.py --part sparse-rows). A server with a job secret but no TLS
+(gRPC's local credentials: this host only) offers none. A worker that cannot connect (a firewall, a load balancer in front of one port) warns once
 and stays on gRPC until a Join offers a socket again.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ import hashlib
 import hmac
 import json
 import socket
+import ssl
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -141,6 +143,9 @@ def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float
     # all of it (two sends cost a wake-up and a context switch more per message).
     views.insert(0, memoryview(head))
     try:
+        if isinstance(sock, ssl.SSLSocket):  # (TLS takes no scattered sends: one buffer, encrypted in records)
+            sock.sendall(b"".join(views))
+            return
         while views:
             sent = sock.sendmsg(views)
             # (a send stops short where the socket's buffer fills before its timeout, or a signal)
@@ -242,14 +247,18 @@ class LocalChannel:
         ChannelLost: the socket cannot be reached, or the server refused the rank and token.
     """
 
-    def __init__(self, name: str, rank: int, token_: str, tcp: tuple[str, int] | None = None) -> None:
+    def __init__(self, name: str, rank: int, token_: str, tcp: tuple[str, int] | None = None,
+                 tls: ssl.SSLContext | None = None, server_name: str | None = None) -> None:
         """name: the server's abstract Unix socket; or with tcp=(host, port), its TCP socket (name
-        then only names it in messages)."""
+        then only names it in messages), with tls over TLS (the server's certificate checked for
+        server_name, else the host)."""
         self.name = name
         what = f"local socket {name}" if tcp is None else f"step socket {name}"
         try:
             if tcp is not None:  # (widened before it connects: the window a TCP connection offers is set then)
                 self._sock = connect_tcp(tcp, HELLO_TIMEOUT_S)
+                if tls is not None:
+                    self._sock = tls.wrap_socket(self._sock, server_hostname=server_name or tcp[0])
             else:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 widen(self._sock)

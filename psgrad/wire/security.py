@@ -3,6 +3,7 @@ the token's metadata, and the caller's identity as a server sees it (certificate
 from __future__ import annotations
 
 import functools
+import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,34 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if config.auth.secret is not None:
         return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
     return None
+
+
+def step_socket_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The TLS a server's TCP step socket speaks (wire/local_socket.py): its certificate, and with
+    tls.ca client certificates of that CA required, as its gRPC port's; None: plaintext (a server
+    without TLS)."""
+    tls = config.tls
+    if tls is None:
+        return None
+    assert tls.cert is not None and tls.key is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(tls.ca)
+    return ctx
+
+
+def client_step_socket_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
+    """The TLS a worker speaks on a server's TCP step socket, as its gRPC channel does: the
+    server's certificate verified against tls.ca (None: the system's roots) and its name, ours
+    presented if we have one; None: plaintext (a worker without TLS)."""
+    if tls is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
+    if tls.cert and tls.key:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    return ctx
 
 
 def plaintext(config: ServerConfig) -> bool:

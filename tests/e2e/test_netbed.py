@@ -235,6 +235,7 @@ def test_a_secured_job_across_hosts_trains_and_keeps_another_host_out(
         for w in workers:
             assert w.wait(150) == 0, w.output[-3000:]
             assert final_accuracy(w) >= 0.85, w.output[-1500:]
+            assert "Step calls go through gRPC" not in w.output, w.output[-3000:]  # (the servers' TLS step sockets)
         admin = ["--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(tls / "admin.pem"), "--tls-key", str(tls / "admin.key"),
                  "--token-file", str(tls / "admin.token")]
         assert [s["version"] for s in status(bed, 4, servers, *admin)] == [400, 400]

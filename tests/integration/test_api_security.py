@@ -144,3 +144,41 @@ def test_64_connections_of_one_identity_hold_no_more_streams_than_its_cap() -> N
         for ch in channels:
             ch.close()
         server.stop(0)
+
+
+def test_a_tls_sessions_step_calls_go_over_the_tcp_socket_in_tls(secured: tuple[RunningServer, CertFiles]) -> None:
+    """A worker with its payloads in frames (as on another host) makes its Step calls over the
+    server's TCP step socket, in TLS with the certificates of the gRPC port; a connection without
+    TLS, or without a client certificate of the job's CA, gets no further than the handshake."""
+    import dataclasses
+    import ssl
+
+    from psgrad.wire import local_socket
+    from psgrad.wire.security import client_step_socket_context
+
+    server, files = secured
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    config = dataclasses.replace(client(files, "worker-0"), shared_memory=False)
+    with psgrad.connect(server.address, client=config, optimizer=psgrad.SGD(lr=0.1)) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(5):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert opt.step().accepted
+        assert [s.frames.steps_through_socket for s in opt.client.shards] == [5]
+    assert server.shard.version == 5 and server.servicer.local.calls == 5
+    port = server.servicer.local.tcp_port
+    offer = local_socket.offer_in([server.servicer.local.tcp_offer(0)], local_socket.TCP_METADATA_KEY)
+    assert offer is not None and offer[0] == str(port)
+    token = offer[2]
+    no_cert = ssl.create_default_context(cafile=str(files.ca))
+    verified = client_step_socket_context(config.tls)
+    assert verified is not None
+    for tls in (None, no_cert):  # plaintext to a TLS port; TLS without the client certificate the server requires
+        with pytest.raises(local_socket.ChannelLost):
+            channel = local_socket.LocalChannel("s", 0, token, tcp=("127.0.0.1", port), tls=tls)
+            channel.with_call(b"", 5.0)  # (TLS 1.3: a refused certificate may surface at the first read)
+    channel = local_socket.LocalChannel("s", 0, token, tcp=("127.0.0.1", port), tls=verified)  # (the worker's own)
+    channel.close()

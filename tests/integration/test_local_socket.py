@@ -3,7 +3,8 @@ two workers on real server processes makes every Step call over their local sock
 or, with its payloads in gRPC frames, over their TCP sockets (another host), each worker's
 connection bound to its own rank, and trains bit for bit as over gRPC; a server whose socket closes
 mid-job gets the calls through gRPC again, the job unchanged; a worker that cannot reach the TCP
-port warns and calls through gRPC; servers with a job secret, or `--step-port off`, offer none."""
+port warns and calls through gRPC; servers with a job secret but no TLS, or `--step-port off`,
+offer none."""
 from __future__ import annotations
 
 import dataclasses
@@ -163,7 +164,9 @@ def test_a_worker_that_cannot_reach_the_tcp_port_warns_and_calls_through_grpc(ma
         assert torch.equal(result[key], reference[key]), key
 
 
-def test_servers_that_check_callers_or_are_told_off_offer_no_tcp_socket(make_servers) -> None:  # type: ignore[no-untyped-def]
+def test_servers_with_a_secret_but_no_tls_or_told_off_offer_no_tcp_socket(make_servers) -> None:  # type: ignore[no-untyped-def]
+    # (a job secret without TLS: gRPC's local credentials, which take callers of this host only; a
+    # server with TLS speaks TLS there too: test_api_security.py)
     from psgrad.config import AuthConfig
 
     plain, secret, off = (make_servers(1)[0], make_servers(1, auth=AuthConfig(secret=b"s" * 32))[0],

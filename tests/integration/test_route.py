@@ -42,7 +42,7 @@ ROW_WORKER_SINKS = ("psgrad.nn.embedding", "psgrad.core.rows", "psgrad.wire.rows
 ROW_SERVER_SINKS = (*SERVER_SINKS, "psgrad.server.rows_path", "psgrad.server.row_index", "psgrad.core.rows")
 ROW_PATH = "psgrad.server.rows_path"
 # The modules and packages a gradient may cross (gRPC path, same-host path; a dense gradient, a row
-# gradient): the route today (docs/design/decisions.md, "The gradient's route"). A server without TLS
+# gradient): the route today (docs/design/decisions.md, "The gradient's route"). A server
 # takes a Step call in frames over its TCP socket, through the modules of the same-host socket's
 # (server.local_calls, wire.local_socket), where gRPC took it to the handler itself.
 LIMITS = {(False, "dense"): (13, 6), (True, "dense"): (14, 6), (False, "rows"): (17, 6), (True, "rows"): (17, 6)}
