@@ -1096,12 +1096,12 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
 
         def step_grpc() -> None:  # (each shard's TCP connection stays open for `step`: not given up)
             for s in client.shards:
-                s.frames._socket_channel = lambda: None
+                s.frames.socket.channel = lambda: None
             try:
                 step()
             finally:
                 for s in client.shards:
-                    del s.frames._socket_channel
+                    del s.frames.socket.channel
 
         ops: dict[str, Callable[[], object]] = {
             "pull": lambda: client.pull_rows(SPARSE_TABLE, warm),

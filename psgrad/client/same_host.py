@@ -86,11 +86,8 @@ class SharedMemoryTransport:
         self._rows_segment: shm.Segment | None = None
         self._rows_misses = 0  # replies in a row that brought rows inline though they fit the segment named
         self.rows_through_segment = 0  # Step replies whose rows came through it
-        # Step calls over the server's local socket (wire/local_socket.py): what the last Join
-        # offered (None: none, or given up after a failed connection), the connection made to it.
-        self._local_offer: tuple[str, int, str] | None = None
-        self._local: local_socket.LocalChannel | None = None
-        self.steps_through_socket = 0  # Step calls made over it
+        # Step calls over the server's local socket (wire/local_socket.py), where the last Join offered it.
+        self.socket = local_socket.Offered(lambda offer: local_socket.LocalChannel(*offer))
 
     def close(self) -> None:
         with self._segment_guard:
@@ -98,33 +95,18 @@ class SharedMemoryTransport:
         if seg is not None:
             seg.close()
         self._drop_rows_segment()
-        self.offer_local(None)
+        self.socket.set(None)
 
-    def offer_local(self, offer: tuple[str, int, str] | None) -> None:
-        """A Join answer offered this local socket for Step calls (None: none): a connection to
-        another one is closed; the next Step call connects."""
-        if offer != self._local_offer:
-            channel, self._local, self._local_offer = self._local, None, offer
-            if channel is not None:
-                channel.close()
-
-    def _local_channel(self) -> local_socket.LocalChannel | None:
-        """The connection for a Step call (made now where there is none); None where no socket is
-        offered or connecting failed (given up until a Join offers one again)."""
-        if self._local is None and self._local_offer is not None:
-            name, rank, token = self._local_offer
-            try:
-                self._local = local_socket.LocalChannel(name, rank, token)
-            except local_socket.ChannelLost as exc:
-                warnings.warn(f"server {self._client.address}: {exc}; Step calls go through gRPC", stacklevel=3)
-                self._local_offer = None
-        return self._local
+    @property
+    def steps_through_socket(self) -> int:
+        """Step calls made over the server's local socket."""
+        return self.socket.calls
 
     @property
     def staged(self) -> bool:
         """Whether stepping() yields between sending its request and reading the reply: its Step
         calls go over the server's local socket (one is offered)."""
-        return self._local_offer is not None
+        return self.socket.staged
 
     def _step_calling(self, request: bytes, timeout_s: float, metadata: tuple[tuple[str, str], ...]
                       ) -> Generator[None, None, tuple[pb.StepReply, grpc.Call | local_socket.LocalCall]]:
@@ -135,28 +117,16 @@ class SharedMemoryTransport:
             local_socket.ChannelLost: the socket's connection failed during the call (given up
                 until a Join offers a socket again; the server may or may not have the call).
         """
-        channel = self._local_channel()
+        channel = self.socket.channel()
+        if self.socket.failed is not None:
+            warnings.warn(f"server {self._client.address}: {self.socket.failed}; Step calls go through gRPC",
+                          stacklevel=4)
+            self.socket.failed = None
         if channel is None:
             reply, call = self._client._step.with_call(request, timeout=timeout_s, metadata=metadata)
             return reply, call
-        try:
-            channel.start(request, timeout_s, metadata)
-            try:
-                yield
-            except GeneratorExit:  # (abandoned with its reply unread: that reply must not answer the next call)
-                self._local = None
-                channel.close()
-                raise
-            done = channel.finish()
-        except local_socket.LocalCallError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._local is channel:
-                self._local = None  # (closed: a late reply must not answer the next call; reconnected then)
-            raise
-        except local_socket.ChannelLost:
-            if self._local is channel:  # (not where a Join offered another socket meanwhile)
-                self._local, self._local_offer = None, None
-            raise
-        self.steps_through_socket += 1
+        done: tuple[pb.StepReply, local_socket.LocalCall] = yield from self.socket.calling(
+            channel, request, timeout_s, metadata)
         return done
 
     def _drop_rows_segment(self) -> None:

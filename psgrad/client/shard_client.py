@@ -91,7 +91,7 @@ class ShardClient:
         local socket the answer offers for Step calls (see wire/local_socket.py), or None; tcp:
         the TCP socket it offers for the frames transport's Step calls, or None."""
         with self._bind_lock:
-            self.frames.offer_socket(tcp if self.config.step_socket else None)
+            self.frames.socket.set(tcp if self.config.step_socket else None)
             if not (server_shares and self._may_share):
                 self.transport = self.frames
             elif self.transport is self.frames:
@@ -101,7 +101,7 @@ class ShardClient:
                     self._shared.forget_ring()
                 self.transport = self._shared
             if self._shared is not None:
-                self._shared.offer_local(local if self.config.local_socket else None)
+                self._shared.socket.set(local if self.config.local_socket else None)
 
     def _refused(self) -> None:
         """Shared memory is refused for good (this host cannot make a segment, or the server cannot
@@ -360,84 +360,60 @@ class FramesTransport:
 
     def __init__(self, client: ShardClient) -> None:
         self._client = client
-        self._offer: tuple[str, int, str] | None = None  # (port, rank, token) the last Join offered
-        self._channel: local_socket.LocalChannel | None = None
-        self._unreached: str | None = None  # why the last connection failed, warned once gRPC answers
+        self.socket = local_socket.Offered(self._connect)  # the TCP socket, where the last Join offered it
         self._tls: ssl.SSLContext | None = None  # (made at the first connection, where the client has TLS)
-        self.steps_through_socket = 0  # Step calls made over it
 
     def close(self) -> None:
         """Its connection to the server's TCP socket, if any (the client closes the channels)."""
-        self.offer_socket(None)
+        self.socket.set(None)
 
-    def offer_socket(self, offer: tuple[str, int, str] | None) -> None:
-        """A Join answer offered this TCP socket for Step calls (None: none): a connection to
-        another one is closed; the next Step call connects."""
-        if offer != self._offer:
-            channel, self._channel, self._offer = self._channel, None, offer
-            if channel is not None:
-                channel.close()
+    @property
+    def steps_through_socket(self) -> int:
+        """Step calls made over the server's TCP socket."""
+        return self.socket.calls
 
     @property
     def staged(self) -> bool:
         """Whether stepping() yields between sending its request and reading the reply: its Step
         calls go over the server's TCP socket (one is offered); through gRPC a call blocks its
         thread until it is answered."""
-        return self._offer is not None
+        return self.socket.staged
 
-    def _socket_channel(self) -> local_socket.LocalChannel | None:
-        """The connection for a Step call (made now where there is none), at the host the server's
-        gRPC port is reached at; None where no socket is offered or connecting failed (given up
-        until a Join offers one again, and warned once the server answers through gRPC: a server
-        that died refuses both, and its gRPC call says so)."""
-        if self._channel is None and self._offer is not None:
-            port, rank, token = self._offer
-            host = local_socket.host_of(self._client.address)
-            tls = self._client.config.tls
-            if tls is not None and self._tls is None:
-                self._tls = client_step_socket_context(tls)
-            try:
-                self._channel = local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)),
-                                                          tls=self._tls, server_name=tls.server_name if tls else None)
-            except local_socket.ChannelLost as exc:
-                self._unreached = f"server {self._client.address}: {exc}"
-                self._offer = None
-        return self._channel
+    def _connect(self, offer: local_socket.Offer) -> local_socket.LocalChannel:
+        """A connection to the TCP socket offered, at the host the server's gRPC port is reached at,
+        in TLS where this client has TLS."""
+        port, rank, token = offer
+        host = local_socket.host_of(self._client.address)
+        tls = self._client.config.tls
+        if tls is not None and self._tls is None:
+            self._tls = client_step_socket_context(tls)
+        return local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)), tls=self._tls,
+                                         server_name=tls.server_name if tls else None)
 
     def _step_calling(self, pieces: list[bytes | memoryview], timeout_s: float) -> Generator[None, None, pb.StepReply]:
         """The Step call of the request in `pieces`: over the server's TCP socket where there is one
         (yielding once the request is sent), else, or where that call failed, through gRPC (see the
-        class doc)."""
+        class doc). A socket this worker could not connect to is warned of once the server answered
+        through gRPC (a server that died refuses both, and its gRPC call says so)."""
         c = self._client
-        channel = self._socket_channel()
+        channel = self.socket.channel()
         if channel is not None:
             try:
-                channel.start(pieces, timeout_s)
-                try:
-                    yield
-                except GeneratorExit:  # (abandoned with its reply unread: that reply must not answer the next call)
-                    self._channel = None
-                    channel.close()
-                    raise
-                done, _ = channel.finish()
-                self.steps_through_socket += 1
-                return done
+                reply, _ = yield from self.socket.calling(channel, pieces, timeout_s)
+                return reply
             except local_socket.LocalCallError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
-                    self._channel = None  # (closed: a late reply must not answer the next call; reconnected then)
                 named = any(key == ERROR_METADATA_KEY for key, _ in exc.trailing_metadata())
                 if not (named or reconnect.worth_retrying(exc, c.config, c.diagnose)):
                     raise reconnect.as_error(exc, c.address, c.diagnose, "the push and pull", timeout_s) from None
             except local_socket.ChannelLost:
-                if self._channel is channel:  # (not where a Join offered another socket meanwhile)
-                    self._channel, self._offer = None, None
+                pass  # (given up until a Join offers a socket again)
         request = b"".join(pieces)
-        reply: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=timeout_s), timeout_s)
-        if self._unreached is not None:  # (the server answers: its TCP port is what this worker cannot reach)
-            warnings.warn(f"{self._unreached}; Step calls go through gRPC (a worker that cannot reach that port: "
-                          "psgrad worker --no-step-socket)", stacklevel=4)
-            self._unreached = None
-        return reply
+        got: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=timeout_s), timeout_s)
+        if self.socket.failed is not None:  # (the server answers: its TCP port is what this worker cannot reach)
+            warnings.warn(f"server {c.address}: {self.socket.failed}; Step calls go through gRPC (a worker that "
+                          "cannot reach that port: psgrad worker --no-step-socket)", stacklevel=4)
+            self.socket.failed = None
+        return got
 
     def stepping(
         self, head: PushHead, payload: memoryview, dest: torch.Tensor, wire: WireBuffer, published: bool = False,

@@ -52,7 +52,7 @@ import socket
 import ssl
 import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -334,6 +334,75 @@ class LocalChannel:
             self._sock.close()
         except (OSError, AttributeError):  # (AttributeError: a connection never made)
             pass
+
+
+Offer = tuple[str, int, str]  # what a Join answer offers: (name or port, rank, token)
+
+
+class Offered:
+    """A worker's Step calls to one server's socket (its local or its TCP one): the offer the last
+    Join answer made, the connection made to it at the first call after, and the calls made over
+    it. A connection that cannot be made, or fails during a call, is given up until a Join offers
+    a socket again (`failed` says why it could not be made, for the transport to warn); a call past
+    its deadline, or abandoned between its stages, closes its connection (its late reply must not
+    answer the next call), and the next call connects again."""
+
+    def __init__(self, connect: Callable[[Offer], LocalChannel]) -> None:
+        self._connect = connect
+        self.offer: Offer | None = None  # (None: none offered, or given up)
+        self._channel: LocalChannel | None = None
+        self.failed: str | None = None  # why the last connection could not be made (cleared by whoever warns)
+        self.calls = 0  # Step calls made over it
+
+    def set(self, offer: Offer | None) -> None:
+        """A Join answer offered this socket (None: none): a connection to another one is closed."""
+        if offer != self.offer:
+            channel, self._channel, self.offer = self._channel, None, offer
+            if channel is not None:
+                channel.close()
+
+    @property
+    def staged(self) -> bool:
+        """Whether the Step calls go over the socket, in stages (one is offered)."""
+        return self.offer is not None
+
+    def channel(self) -> LocalChannel | None:
+        """The connection for a Step call (made now where there is none); None where no socket is
+        offered or connecting failed."""
+        if self._channel is None and self.offer is not None:
+            try:
+                self._channel = self._connect(self.offer)
+            except ChannelLost as exc:
+                self.failed, self.offer = str(exc), None
+        return self._channel
+
+    def calling(self, channel: LocalChannel, request: Body, timeout_s: float, metadata: Metadata = ()
+                ) -> Generator[None, None, tuple[pb.StepReply, LocalCall]]:
+        """The Step call over `channel` (this object's), yielding once its request is sent.
+
+        Raises:
+            LocalCallError: the server answered with an error status, or the deadline passed.
+            ChannelLost: the connection failed (the server may or may not have the call).
+        """
+        try:
+            channel.start(request, timeout_s, metadata)
+            try:
+                yield
+            except GeneratorExit:  # (abandoned with its reply unread)
+                self._channel = None
+                channel.close()
+                raise
+            done = channel.finish()
+        except LocalCallError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
+                self._channel = None  # (closed by the channel; connected again at the next call)
+            raise
+        except ChannelLost:
+            if self._channel is channel:  # (not where a Join offered another socket meanwhile)
+                self._channel, self.offer = None, None
+            raise
+        self.calls += 1
+        return done
 
 
 def nodelay(sock: socket.socket) -> None:

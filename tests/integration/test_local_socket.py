@@ -44,8 +44,7 @@ class Seen:
 
     name: str = ""
     steps_through_socket: int = 0  # its Step calls over the socket
-    _local_offer: tuple[str, int, str] | None = None  # the socket offered (rank bound), None: none or given up
-    _offer: tuple[str, int, str] | None = None  # (frames) the TCP socket offered, None: none or given up
+    offer: tuple[str, int, str] | None = None  # the socket offered (rank bound), None: none or given up
 
 
 def data(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -72,10 +71,8 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
                 nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
                 opt.step()
                 after_step(rank, k)
-            transports[rank] = [dataclasses.replace(Seen(), name=s.transport.name, **{  # (as the job ends)
-                k: getattr(s.transport, k) for k in ("steps_through_socket", "_local_offer", "_offer")
-                if hasattr(s.transport, k)})
-                for s in opt.client.shards]
+            transports[rank] = [Seen(s.transport.name, s.transport.steps_through_socket,  # (as the job ends)
+                                     s.transport.socket.offer) for s in opt.client.shards]
             if rank == 0:
                 opt.refresh()
                 states[0] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -90,7 +87,7 @@ def test_a_same_host_jobs_step_calls_go_over_the_socket_bit_for_bit_as_over_grpc
     for rank, shards in enumerate(socket_transports):
         assert [t.name for t in shards] == ["shm", "shm"], socket_transports
         assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], socket_transports
-        assert [t._local_offer and t._local_offer[1] for t in shards] == [rank, rank], socket_transports  # its own rank
+        assert [t.offer and t.offer[1] for t in shards] == [rank, rank], socket_transports  # its own rank
     assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
     assert over_socket.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_socket)
     for key in over_socket:
@@ -107,7 +104,7 @@ def test_a_server_whose_socket_closes_mid_job_gets_the_calls_through_grpc(make_s
 
     result, transports = job([s.address for s in running], local=True, after_step=close_shard_0s_socket)
     for shards in transports:
-        assert shards[0].steps_through_socket < STEPS and shards[0]._local_offer is None  # given up
+        assert shards[0].steps_through_socket < STEPS and shards[0].offer is None  # given up
         assert shards[1].steps_through_socket == STEPS
     assert transports[0][0].steps_through_socket == 2
     for key in reference:
@@ -123,9 +120,9 @@ def test_a_jobs_step_calls_in_frames_go_over_the_tcp_socket_bit_for_bit_as_over_
     for rank, shards in enumerate(tcp_transports):
         assert [t.name for t in shards] == ["grpc", "grpc"], tcp_transports
         assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], tcp_transports
-        assert [t._offer and t._offer[1] for t in shards] == [rank, rank], tcp_transports  # its own rank
+        assert [t.offer and t.offer[1] for t in shards] == [rank, rank], tcp_transports  # its own rank
     assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
-    assert [t._offer for shards in grpc_transports for t in shards] == [None] * 4  # not taken up
+    assert [t.offer for shards in grpc_transports for t in shards] == [None] * 4  # not taken up
     assert over_tcp.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_tcp)
     for key in over_tcp:
         assert torch.equal(over_tcp[key], over_grpc[key]), key
@@ -143,7 +140,7 @@ def test_a_server_whose_tcp_socket_closes_mid_job_gets_the_calls_through_grpc(ma
                              shared_memory=False)
     assert transports[0][0].steps_through_socket == 2
     for shards in transports:
-        assert shards[0].steps_through_socket < STEPS and shards[0]._offer is None  # given up
+        assert shards[0].steps_through_socket < STEPS and shards[0].offer is None  # given up
         assert shards[1].steps_through_socket == STEPS
     for key in reference:
         assert torch.equal(result[key], reference[key]), key
@@ -159,7 +156,7 @@ def test_a_worker_that_cannot_reach_the_tcp_port_warns_and_calls_through_grpc(ma
     with pytest.warns(UserWarning, match=r"step socket .*; Step calls go through gRPC"):
         result, transports = job([s.address for s in running], local=True, shared_memory=False)
     assert [t.steps_through_socket for shards in transports for t in shards] == [0, 0]
-    assert [t._offer for shards in transports for t in shards] == [None, None]
+    assert [t.offer for shards in transports for t in shards] == [None, None]
     for key in reference:
         assert torch.equal(result[key], reference[key]), key
 

@@ -275,7 +275,7 @@ def test_same_host_steps_are_all_sent_before_a_reply_is_read_on_one_thread(
         seen.clear()
         grad = torch.linspace(-1, 1, N)
         replies, versions = c.exchange(grad, 0, flat)
-        sockets = [s.transport._local.name for s in c.shards]  # type: ignore[attr-defined]
+        sockets = [s.transport.socket._channel.name for s in c.shards]  # type: ignore[attr-defined]
         me = threading.get_ident()
         assert seen == [("start", sockets[0], me), ("start", sockets[1], me),
                         ("finish", sockets[0], me), ("finish", sockets[1], me)]
@@ -295,9 +295,9 @@ def test_a_step_abandoned_after_its_request_went_out_drops_its_connection(server
         payload, compress = c._push_payload(0, grad[start:end])
         stages = c.shards[0].stepping(c._push_header(0, 0, None, compress), payload, flat[start:end], c._pull_wire(0))
         next(stages)  # the request is out
-        channel = c.shards[0].transport._local  # type: ignore[attr-defined]
+        channel = c.shards[0].transport.socket._channel  # type: ignore[attr-defined]
         stages.close()
-        assert channel._sock.fileno() == -1 and c.shards[0].transport._local is None  # type: ignore[attr-defined]
+        assert channel._sock.fileno() == -1 and c.shards[0].transport.socket._channel is None  # type: ignore[attr-defined]
         assert servers[0].shard.wait_until(lambda st: st.version == 1, 30)  # the server had the push
         replies, versions = c.exchange(grad, 0, flat)  # clock 0 again: a duplicate on shard 0
         assert [r.applied for r in replies] == [False, True] and "duplicate" in replies[0].reason
