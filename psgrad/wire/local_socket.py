@@ -32,15 +32,16 @@ Both ends widen their socket's buffers (widen) so that a message goes in one pie
 Across hosts, the same messages go over TCP: a server also listens on a TCP port of its bound host
 and offers it at Join (`psgrad-step-socket: PORT RANK TOKEN`); a worker whose payloads go through
 gRPC frames (another host, or --no-shared-memory) makes its Step calls there, at the host it
-reaches the server's gRPC port at. A server with TLS speaks TLS there too, with the certificates
-of its gRPC port (client certificates of its CA required where it requires them there); a server
-without TLS and without a job secret checks no caller on its gRPC port either (anyone who
-reaches it may call Step as any rank), so its plaintext socket opens nothing new. What that saves is the same per-call work of
-gRPC's, which for a recommender's step (a megabyte of row gradients) is most of the call: a 1 MB
-request and a small reply take about 0.35 ms a round trip over loopback TCP, 3.3 ms as one gRPC
-unary call (benchmarks/transport.py --part sparse-rows). A server with a job secret but no TLS
-(gRPC's local credentials: this host only) offers none. A worker that cannot connect (a firewall, a load balancer in front of one port) warns once
-and stays on gRPC until a Join offers a socket again.
+reaches the server's gRPC port at. What that saves is gRPC's per-call work, which for a
+recommender's step (a megabyte of row gradients) is most of the call: a 1 MB request and a small
+reply take about 0.35 ms a round trip over loopback TCP, 3.3 ms as one gRPC unary call
+(benchmarks/transport.py --part sparse-rows). A server with TLS speaks TLS there, with the
+certificates of its gRPC port (client certificates of its CA required where it requires them
+there); a server without TLS and without a job secret checks no caller on its gRPC port either
+(anyone who reaches it may call Step as any rank), so its plaintext socket opens nothing new. A
+server with a job secret but no TLS (gRPC's local credentials: this host only) offers none. A
+worker that cannot connect (a firewall, a load balancer in front of one port) warns once and
+stays on gRPC until a Join offers a socket again.
 """
 from __future__ import annotations
 
