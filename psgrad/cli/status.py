@@ -18,13 +18,15 @@ WAKE_S = 0.1
 
 
 def fetch(
-    addresses: Sequence[str], timeout_s: float, tolerant: bool = False, client: ClientConfig | None = None
+    addresses: Sequence[str], timeout_s: float, tolerant: bool = False, client: ClientConfig | None = None,
+    unanswered: list[tuple[int, BaseException]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every server's status as plain data (to_dict() plus its address). A server that does not
-    answer is an error, unless the shards have backups or `tolerant`: then its row says why.
-    client: the credentials to ask with (see shard_status). The servers are asked at once, each in
-    a daemon thread: a caller that stops waiting (Ctrl-C on the live view) leaves their calls to
-    end at their deadlines without the interpreter waiting for them at exit."""
+    answer is an error, unless the shards have backups or `tolerant`: then its row says why; with
+    `unanswered`, its row says why and its error is added there (with its row's index) for the
+    caller to raise. client: the credentials to ask with (see shard_status). The servers are asked
+    at once, each in a daemon thread: a caller that stops waiting (Ctrl-C on the live view) leaves
+    their calls to end at their deadlines without the interpreter waiting for them at exit."""
     from psgrad.client.status_client import shard_status  # no torch: status stays light
     from psgrad.errors import PsgradError
 
@@ -36,7 +38,9 @@ def fetch(
         try:
             rows[i] = dict(shard_status([address], timeout_s, client=client)[0].to_dict(), address=address)
         except PsgradError as exc:
-            if not tolerant and "|" not in ",".join(addresses):
+            if unanswered is not None:
+                unanswered.append((i, exc))
+            elif not tolerant and "|" not in ",".join(addresses):
                 failures.append((i, exc))  # no backups: as before, a server that does not answer is an error
             rows[i] = {"address": address, "initialized": False, "error": str(exc)}
         except BaseException as exc:  # raised in the caller's thread below
@@ -55,12 +59,19 @@ def fetch(
 
 
 def print_status(addresses: Sequence[str], timeout_s: float, as_json: bool, client: ClientConfig | None = None) -> None:
-    """Ask every server for its shard's status and print it (a table, or JSON with as_json)."""
-    shards = fetch(addresses, timeout_s, client=client)
+    """Ask every server for its shard's status and print it (a table, or JSON with as_json). A server
+    that does not answer gets a row that says why, and then (the shards having no backups) its error
+    is raised; where none answers, the error alone."""
+    unanswered: list[tuple[int, BaseException]] = []
+    shards = fetch(addresses, timeout_s, client=client, unanswered=unanswered)
+    if unanswered and len(unanswered) == len(shards):
+        raise min(unanswered, key=lambda f: f[0])[1]  # (nothing to show: the first server's error)
     if as_json:
-        print(json.dumps({"shards": shards}, indent=2))
-        return
-    print(format_status(shards), flush=True)
+        print(json.dumps({"shards": shards}, indent=2), flush=True)
+    else:
+        print(format_status(shards), flush=True)
+    if unanswered and "|" not in ",".join(addresses):  # (with backups, a server down is the backup's to cover)
+        raise min(unanswered, key=lambda f: f[0])[1]
 
 
 def _lifetime_shows(table: dict[str, Any]) -> bool:

@@ -318,3 +318,20 @@ def test_a_servers_step_port_is_checked_and_one_in_use_is_named(capsys: pytest.C
         with pytest.raises(ServerStartError, match=f"cannot bind --step-port {port} on 127.0.0.1: .*--step-port 0 "
                                                    "picks a free one"):
             start_server(ServerConfig(port=0, step_port=port))
+
+
+def test_a_one_shot_status_with_a_server_down_shows_the_others_then_fails(make_servers, capsys) -> None:  # type: ignore[no-untyped-def]
+    """An operator's check: with one shard's server down, `psgrad status` printed only that error,
+    not the shards that answered. Now it prints every row (the one down says why), then fails with
+    its error; where none answers, the error alone."""
+    up, down = make_servers(2)
+    down.stop(0)
+    addresses = f"{up.address},{down.address}"
+    res = cli(["status", "--servers", addresses, "--timeout-s", "3"], capsys)
+    assert res.returncode == 1, res.stderr
+    lines = res.stdout.splitlines()
+    assert any(up.address in line and "not initialized" in line for line in lines), res.stdout
+    assert any(down.address in line and "not answering" in line for line in lines), res.stdout
+    assert f"psgrad status: error: server {down.address}" in res.stderr, res.stderr
+    res = cli(["status", "--servers", down.address, "--timeout-s", "3"], capsys)
+    assert res.returncode == 1 and res.stdout == "" and f"server {down.address}" in res.stderr, res
