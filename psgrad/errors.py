@@ -141,3 +141,9 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         CheckpointError,
     )
 }
+
+
+class Terminated(KeyboardInterrupt):
+    """A worker's SIGTERM (a scheduler's stop: `scancel`, a pod deleted, a launcher ending the job),
+    raised in its main thread: it stops as Ctrl-C stops it (it leaves the job, saying goodbye to each
+    shard once), and the command exits 143."""

@@ -27,7 +27,7 @@ from psgrad.cli.status import print_status
 from psgrad.config import REFUSED_GRACE_S, WAIT_FOR_SERVERS_HINT, ClientConfig, ServerConfig, WorkerConfig
 from psgrad.core.addresses import REFUSED, refusing_shard
 from psgrad.core.modes import SYNC, mode_named
-from psgrad.errors import ConfigError, ServerStartError, ServerUnavailableError
+from psgrad.errors import ConfigError, ServerStartError, ServerUnavailableError, Terminated
 
 if TYPE_CHECKING:
     from psgrad.core.status import ShardStatus
@@ -120,9 +120,31 @@ def train_worker(
     task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
     with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log),
-                     append=config.metrics_append) as sink, _redirected(sink):
+                     append=config.metrics_append) as sink, _redirected(sink), _sigterm_stops():
         train(config, spec, task, sink, log=log.info)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises Terminated in this (the main) thread meanwhile: the worker leaves the job as on
+    Ctrl-C, instead of dying where it stands and staying live on the shards until its lease ends (a
+    sync job's iteration waits for it until then)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def ops_argv(ns: argparse.Namespace, worker: bool) -> list[str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from psgrad.cli import logs
 from psgrad.cli.flags import apply_drift
 from psgrad.cli.parser import build_parser, flags_named, one_line_usage
-from psgrad.errors import ConfigError, PsgradError, TaskError
+from psgrad.errors import ConfigError, PsgradError, TaskError, Terminated
 
 EXIT_USAGE = 2
 
@@ -94,6 +94,9 @@ def _run(argv: Sequence[str] | None) -> int:
     except PsgradError as exc:  # (a server's refusal names the job's fields too: JobMismatchError)
         print(f"psgrad {ns.command}: error: {flags_named(str(exc), parser, ns.command)}", file=sys.stderr)
         return 1
+    except Terminated:
+        print(f"psgrad {ns.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"psgrad {ns.command}: interrupted", file=sys.stderr)
         return 130

@@ -4,6 +4,7 @@ frames transport here (gRPC frames, or inline in a Step call), or shared memory 
 from __future__ import annotations
 
 import ssl
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -335,11 +336,16 @@ class ShardClient:
     def leave(self, rank: int, fp: str) -> None:
         """Leave the shard, retried as any call; not sent to a shard a call gave up on already (the
         worker is on its way out because of it, and waiting another reconnect timeout to say goodbye
-        would double its exit time: the shard drops the worker when its lease ends)."""
+        would double its exit time: the shard drops the worker when its lease ends). A worker being
+        stopped (a KeyboardInterrupt, or SIGTERM's Terminated, on its way out) says goodbye once,
+        without retries: a launcher stopping the whole job stops the servers too, and kills what
+        has not exited within seconds."""
         if self.given_up is not None:
             return
         t = self.config.rpc_timeout_s
-        self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t)
+        stopping = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t,
+                   retry=not stopping)
 
 
 class FramesTransport:
@@ -351,9 +357,10 @@ class FramesTransport:
 
     Its Step calls go over the TCP socket the server in use offered at Join, where it offers one
     (see wire/local_socket.py; in TLS where this client has TLS, as its gRPC channel) and
-    ClientConfig step_socket allows: the same request and reply, without gRPC's per-call work. A call there that fails is made again through
-    gRPC (a push is keyed: never applied twice), where the client's reconnect, failover, rejoin and
-    back-off apply; a connection that fails is given up until a Join offers a socket again."""
+    ClientConfig step_socket allows: the same request and reply, without gRPC's per-call work. A
+    call there that fails is made again through gRPC (a push is keyed: never applied twice), where
+    the client's reconnect, failover, rejoin and back-off apply; a connection that fails is given
+    up until a Join offers a socket again."""
 
     name = "grpc"
     view: torch.Tensor | None = None

@@ -116,3 +116,24 @@ def test_a_worker_stopped_with_ctrl_c_while_it_waits_at_the_start_leaves_the_job
     assert res.returncode == 0, res.stderr
     for shard in json.loads(res.stdout)["shards"]:
         assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_stopped_with_sigterm_leaves_the_job_and_exits_143(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """An operator's check: SIGTERM (what `scancel`, a deleted pod or a launcher ending the job sends)
+    killed a worker where it stood, and the shards counted it live until its lease ended: a sync
+    job's other workers waited for it meanwhile. Now it stops as on Ctrl-C: it leaves, exit 143."""
+    servers = ",".join(start_servers(2))
+    worker = spawn(["worker", "--rank", "0", "--servers", servers, "--num-workers", "1", "--mode", "async",
+                    "--steps", "100000", "--step-time-ms", "20", "--log-every", "5"])
+    try:
+        worker.wait_for_line("step 5/", timeout_s=120)
+        worker.popen.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 143, worker.output
+    finally:
+        worker.stop()
+    assert "terminated (SIGTERM)" in worker.output and "Traceback" not in worker.output, worker.output
+    res = run_cli(["status", "--servers", servers, "--json"], timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    for shard in json.loads(res.stdout)["shards"]:
+        assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
