@@ -36,7 +36,6 @@ from psgrad.wire.rows import RowBlock
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire.protocol import (
     CLIENT_CHANNEL_OPTIONS,
-    ERROR_METADATA_KEY,
     GATED_PUSH_BYTES,
     ROWS_REPLY_ROWS,
     SERVICE_NAME,
@@ -358,9 +357,10 @@ class FramesTransport:
     Its Step calls go over the TCP socket the server in use offered at Join, where it offers one
     (see wire/local_socket.py; in TLS where this client has TLS, as its gRPC channel) and
     ClientConfig step_socket allows: the same request and reply, without gRPC's per-call work. A
-    call there that fails is made again through gRPC (a push is keyed: never applied twice), where
-    the client's reconnect, failover, rejoin and back-off apply; a connection that fails is given
-    up until a Join offers a socket again."""
+    call there that fails counts as the call's first attempt: the client's rules for a failed call
+    (reconnect, failover, rejoin, back-off; a refusal raised as it is) go on from it through gRPC
+    (a push is keyed: never applied twice); a connection that fails is given up until a Join
+    offers a socket again, and the call made through gRPC."""
 
     name = "grpc"
     view: torch.Tensor | None = None
@@ -404,18 +404,24 @@ class FramesTransport:
         through gRPC (a server that died refuses both, and its gRPC call says so)."""
         c = self._client
         channel = self.socket.channel()
+        failed: list[local_socket.LocalCallError] = []
         if channel is not None:
             try:
                 reply, _ = yield from self.socket.calling(channel, pieces, timeout_s)
                 return reply
             except local_socket.LocalCallError as exc:
-                named = any(key == ERROR_METADATA_KEY for key, _ in exc.trailing_metadata())
-                if not (named or reconnect.worth_retrying(exc, c.config, c.diagnose)):
-                    raise reconnect.as_error(exc, c.address, c.diagnose, "the push and pull", timeout_s) from None
+                failed.append(exc)  # the client's retry rules decide on it, as on a gRPC call's failure
             except local_socket.ChannelLost:
                 pass  # (given up until a Join offers a socket again)
         request = b"".join(pieces)
-        got: pb.StepReply = c._call("the push and pull", lambda: c._step(request, timeout=timeout_s), timeout_s)
+
+        def attempt() -> pb.StepReply:
+            if failed:  # (the socket's call as the first attempt: rejoin, back off, retry or raise, as for gRPC's)
+                raise failed.pop()
+            reply: pb.StepReply = c._step(request, timeout=timeout_s)
+            return reply
+
+        got = c._call("the push and pull", attempt, timeout_s)
         if self.socket.failed is not None:  # (the server answers: its TCP port is what this worker cannot reach)
             warnings.warn(f"server {c.address}: {self.socket.failed}; Step calls go through gRPC (a worker that "
                           "cannot reach that port: psgrad worker --no-step-socket)", stacklevel=4)

@@ -172,3 +172,24 @@ def test_servers_with_a_secret_but_no_tls_or_told_off_offer_no_tcp_socket(make_s
     for server in (secret, off):  # (the local socket stays: on this host a token still binds the rank)
         assert server.servicer.local.tcp_offer(0) is None and server.servicer.local.offer(0) is not None
         assert server.servicer.local.tcp_port is None
+
+
+def test_a_refusal_over_the_tcp_socket_is_raised_as_it_is_and_not_sent_again(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """A call over the socket that the server refuses counts as the call's first attempt: the
+    refusal is raised as over gRPC, not made again there (a stalled sync pull would wait twice)."""
+    server = make_servers(1)[0]
+    model = nn.Module()
+    model.emb = psgrad.Embedding(100, 4)
+    model.head = nn.Linear(4, 1)
+    with psgrad.connect([server.address], mode="async", client=dataclasses.replace(CLIENT, shared_memory=False)) as ps:
+        c = ps.optimizer(model).client
+        through_grpc: list[int] = []
+        step = c.shards[0]._step
+        c.shards[0]._step = lambda *a, **k: (through_grpc.append(1), step(*a, **k))[1]
+        dense = torch.zeros(c.plan.total)
+        with pytest.raises(psgrad.InvalidRequestError, match="claim base version 1000000"):
+            c.exchange(dense, 0, torch.zeros_like(dense), rows={"emb": (torch.tensor([5, 7]), torch.zeros(2, 4))},
+                       bases={"emb": {0: 10**6}})
+        assert through_grpc == [] and c.shards[0].frames.socket.offer is not None  # (the socket stays)
+        c.exchange(dense, 0, torch.zeros_like(dense), rows={"emb": (torch.tensor([5, 7]), torch.zeros(2, 4))})
+        assert through_grpc == [] and c.shards[0].frames.steps_through_socket == 1
