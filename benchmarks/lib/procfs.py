@@ -66,6 +66,8 @@ def machine_busy() -> tuple[float, float]:
 
 
 def busy_fraction(before: tuple[float, float], after: tuple[float, float]) -> float:
-    """Share of all CPUs' time that was busy between two machine_busy() readings."""
+    """Share of all CPUs' time that was busy between two machine_busy() readings (within [0, 1]:
+    the readings are tick counts divided into seconds, so two ticks' difference may come out a
+    rounding above the other's, 0.02 / 0.02 as 1.0000000007)."""
     total = after[1] - before[1]
-    return (after[0] - before[0]) / total if total > 0 else 0.0
+    return min(1.0, max(0.0, (after[0] - before[0]) / total)) if total > 0 else 0.0

@@ -84,6 +84,8 @@ def test_proc_readings_of_this_process() -> None:
     busy = procfs.machine_busy()
     assert 0 <= busy[0] <= busy[1]
     assert 0.0 <= procfs.busy_fraction(busy, procfs.machine_busy()) <= 1.0
+    # (readings a tick apart, divided into seconds: 0.02 / 0.02 came out 1.0000000007)
+    assert procfs.busy_fraction((115509.05, 147901.32), (115509.07, 147901.34)) == 1.0
 
 
 @pytest.mark.timeout(30)
