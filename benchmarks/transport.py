@@ -1134,7 +1134,7 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
                 cpu[op]["worker"] += time.process_time() - c0
                 cpu[op]["servers"] += _cpu(server_pids[op]) - s0
         per_shard = [int(m.numel()) for m in mine]
-        on_socket = [s.frames.steps_through_socket for s in client.shards]
+        on_socket = [s.frames.socket.calls for s in client.shards]
         if not all(on_socket):  # (the figures would not be what they are named)
             raise BenchError(f"step: the Step calls did not go over the servers' TCP sockets ({on_socket} did)")
         return {"shards": S, "ids_per_shard": per_shard, "batch_s": batch_s, "call_s": call_s,

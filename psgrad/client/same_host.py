@@ -98,11 +98,6 @@ class SharedMemoryTransport:
         self.socket.set(None)
 
     @property
-    def steps_through_socket(self) -> int:
-        """Step calls made over the server's local socket."""
-        return self.socket.calls
-
-    @property
     def staged(self) -> bool:
         """Whether stepping() yields between sending its request and reading the reply: its Step
         calls go over the server's local socket (one is offered)."""

@@ -31,6 +31,7 @@ from psgrad.wire.frames import (
     write_frames,
 )
 from psgrad.config import WAIT_FOR_SERVERS_HINT, ClientConfig
+from psgrad.core.addresses import host_of
 from psgrad.errors import InvalidRequestError
 from psgrad.wire.rows import RowBlock
 from psgrad.proto import ps_pb2 as pb
@@ -375,11 +376,6 @@ class FramesTransport:
         self.socket.set(None)
 
     @property
-    def steps_through_socket(self) -> int:
-        """Step calls made over the server's TCP socket."""
-        return self.socket.calls
-
-    @property
     def staged(self) -> bool:
         """Whether stepping() yields between sending its request and reading the reply: its Step
         calls go over the server's TCP socket (one is offered); through gRPC a call blocks its
@@ -390,7 +386,7 @@ class FramesTransport:
         """A connection to the TCP socket offered, at the host the server's gRPC port is reached at,
         in TLS where this client has TLS."""
         port, rank, token = offer
-        host = local_socket.host_of(self._client.address)
+        host = host_of(self._client.address)
         tls = self._client.config.tls
         if tls is not None and self._tls is None:
             self._tls = client_step_socket_context(tls)

@@ -28,6 +28,12 @@ def parse_address(text: str) -> str:
     return addr
 
 
+def host_of(address: str) -> str:
+    """The host part of HOST:PORT ([V6]:PORT gives V6)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def parse_shard(text: str) -> tuple[str, ...]:
     """One shard's servers: 'PRIMARY' or 'PRIMARY|BACKUP' (HOST:PORT each) -> their addresses."""
     parts = text.split("|")

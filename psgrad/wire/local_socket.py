@@ -116,12 +116,6 @@ def tcp_offer(port: int, key: bytes, rank: int) -> tuple[str, str]:
     return TCP_METADATA_KEY, f"{port} {rank} {token(key, rank)}"
 
 
-def host_of(address: str) -> str:
-    """The host part of HOST:PORT ([V6]:PORT gives V6)."""
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 class ChannelLost(Exception):
     """The connection failed or was closed (the call may or may not have reached the server)."""
 

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from psgrad.config import AuthConfig, ClientConfig, ServerConfig, TlsConfig
+from psgrad.core.addresses import host_of
 from psgrad.core.credentials import SERVER, Identity, derive_token, is_loopback, role_of_common_name, verify_token
 from psgrad.errors import AuthenticationError, ConfigError, PermissionDeniedError
 
@@ -37,10 +38,6 @@ def token_for(auth: AuthConfig, role: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- the client's end
-def _host(address: str) -> str:
-    return address.rpartition(":")[0]
-
-
 class _WithToken:
     """A multi-callable whose calls carry the token in their metadata (with any metadata of their own)."""
 
@@ -119,7 +116,7 @@ def open_channel(
         if tls.server_name:
             opts.append(("grpc.ssl_target_name_override", tls.server_name))
     elif token is not None:
-        if not is_loopback(_host(address)):
+        if not is_loopback(host_of(address)):
             raise ConfigError(f"a token without TLS can only reach a server on this machine, not {address}: "
                               "give --tls-ca (and the servers --tls-cert/--tls-key)")
         creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)

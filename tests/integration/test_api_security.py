@@ -167,7 +167,7 @@ def test_a_tls_sessions_step_calls_go_over_the_tcp_socket_in_tls(secured: tuple[
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             assert opt.step().accepted
-        assert [s.frames.steps_through_socket for s in opt.client.shards] == [5]
+        assert [s.frames.socket.calls for s in opt.client.shards] == [5]
     assert server.shard.version == 5 and server.servicer.local.calls == 5
     port = server.servicer.local.tcp_port
     offer = local_socket.offer_in([server.servicer.local.tcp_offer(0)], local_socket.TCP_METADATA_KEY)

@@ -71,7 +71,7 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
                 nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
                 opt.step()
                 after_step(rank, k)
-            transports[rank] = [Seen(s.transport.name, s.transport.steps_through_socket,  # (as the job ends)
+            transports[rank] = [Seen(s.transport.name, s.transport.socket.calls,  # (as the job ends)
                                      s.transport.socket.offer) for s in opt.client.shards]
             if rank == 0:
                 opt.refresh()
@@ -192,4 +192,4 @@ def test_a_refusal_over_the_tcp_socket_is_raised_as_it_is_and_not_sent_again(mak
                        bases={"emb": {0: 10**6}})
         assert through_grpc == [] and c.shards[0].frames.socket.offer is not None  # (the socket stays)
         c.exchange(dense, 0, torch.zeros_like(dense), rows={"emb": (torch.tensor([5, 7]), torch.zeros(2, 4))})
-        assert through_grpc == [] and c.shards[0].frames.steps_through_socket == 1
+        assert through_grpc == [] and c.shards[0].frames.socket.calls == 1
