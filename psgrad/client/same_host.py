@@ -103,10 +103,12 @@ class SharedMemoryTransport:
         calls go over the server's local socket (one is offered)."""
         return self.socket.staged
 
-    def _step_calling(self, request: bytes, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+    def _step_calling(self, head: PushHead, pull: pb.StepRequest, timeout_s: float,
+                      metadata: tuple[tuple[str, str], ...]
                       ) -> Generator[None, None, tuple[pb.StepReply, grpc.Call | local_socket.LocalCall]]:
-        """The Step call: over the local socket where there is one (yielding once the request is
-        sent: see stepping), else through gRPC (no yield).
+        """The Step call of the push `head` (its payload in the segment) and the pull part `pull`:
+        over the local socket where there is one (yielding once the request is sent: see
+        stepping), else through gRPC (no yield).
 
         Raises:
             local_socket.ChannelLost: the socket's connection failed during the call (given up
@@ -118,10 +120,12 @@ class SharedMemoryTransport:
                           stacklevel=4)
             self.socket.failed = None
         if channel is None:
-            reply, call = self._client._step.with_call(request, timeout=timeout_s, metadata=metadata)
+            reply, call = self._client._step.with_call(head.step_request(pull, None), timeout=timeout_s,
+                                                       metadata=metadata)
             return reply, call
+        pieces, detached = head.step_socket_request(pull, None)
         done: tuple[pb.StepReply, local_socket.LocalCall] = yield from self.socket.calling(
-            channel, request, timeout_s, metadata)
+            channel, pieces, timeout_s, metadata + detached)
         return done
 
     def _drop_rows_segment(self) -> None:
@@ -338,10 +342,9 @@ class SharedMemoryTransport:
         try:
             if _address(payload) != _address(seg.payload):
                 copy_bytes(seg.payload[: len(payload)], payload)
-            request = head.step_request(step_request(reads, wire), None)
             try:
                 reply, call = yield from self._step_calling(
-                    request, t, self._pull_metadata(seg, published) + self._rows_metadata(reads))
+                    head, step_request(reads, wire), t, self._pull_metadata(seg, published) + self._rows_metadata(reads))
             except (local_socket.ChannelLost, GeneratorExit) as exc:  # the server may still write the segments: never again
                 self._drop_rows_segment()
                 self._drop_segment(seg)

@@ -393,23 +393,26 @@ class FramesTransport:
         return local_socket.LocalChannel(f"{host}:{port}", rank, token, tcp=(host, int(port)), tls=self._tls,
                                          server_name=tls.server_name if tls else None)
 
-    def _step_calling(self, pieces: list[bytes | memoryview], timeout_s: float) -> Generator[None, None, pb.StepReply]:
-        """The Step call of the request in `pieces`: over the server's TCP socket where there is one
-        (yielding once the request is sent), else, or where that call failed, through gRPC (see the
-        class doc). A socket this worker could not connect to is warned of once the server answered
-        through gRPC (a server that died refuses both, and its gRPC call says so)."""
+    def _step_calling(self, head: PushHead, pull: pb.StepRequest, payload: memoryview,
+                      timeout_s: float) -> Generator[None, None, pb.StepReply]:
+        """The Step call of the push `head` with `payload` and the pull part `pull`: over the
+        server's TCP socket where there is one (yielding once the request is sent), else, or where
+        that call failed, through gRPC (see the class doc). A socket this worker could not connect
+        to is warned of once the server answered through gRPC (a server that died refuses both, and
+        its gRPC call says so)."""
         c = self._client
         channel = self.socket.channel()
         failed: list[local_socket.LocalCallError] = []
         if channel is not None:
             try:
-                reply, _ = yield from self.socket.calling(channel, pieces, timeout_s)
+                pieces, metadata = head.step_socket_request(pull, payload)
+                reply, _ = yield from self.socket.calling(channel, pieces, timeout_s, metadata)
                 return reply
             except local_socket.LocalCallError as exc:
                 failed.append(exc)  # the client's retry rules decide on it, as on a gRPC call's failure
             except local_socket.ChannelLost:
                 pass  # (given up until a Join offers a socket again)
-        request = b"".join(pieces)
+        request = head.step_request(pull, payload)
 
         def attempt() -> pb.StepReply:
             if failed:  # (the socket's call as the first attempt: rejoin, back off, retry or raise, as for gRPC's)
@@ -434,8 +437,7 @@ class FramesTransport:
         c = self._client
         if len(payload) > c.config.chunk_bytes:
             return None
-        pieces = head.step_request_pieces(step_request(reads, wire), payload)
-        reply = yield from self._step_calling(pieces, c.config.rpc_timeout_s)
+        reply = yield from self._step_calling(head, step_request(reads, wire), payload, c.config.rpc_timeout_s)
         c.heard(check_pull_header(c.address, reply.pull, dest, wire))
         data = memoryview(reply.data)
         if len(data) != wire.nbytes:

@@ -18,9 +18,10 @@ from typing import Any
 
 import grpc
 
-from psgrad.errors import PermissionDeniedError
+from psgrad.errors import InvalidRequestError, PermissionDeniedError
 from psgrad.proto import ps_pb2 as pb
 from psgrad.wire import local_socket, protocol
+from psgrad.wire.frames import DETACHED_KEY
 
 log = logging.getLogger("psgrad.server")
 
@@ -44,6 +45,7 @@ class LocalContext:
         self._trailing: local_socket.Metadata = ()
         self._code: grpc.StatusCode | None = None
         self._callbacks: list[Callable[[], Any]] = []
+        self.detached: memoryview | None = None  # the row gradients the body carried before its message
 
     def invocation_metadata(self) -> local_socket.Metadata:
         return self._metadata
@@ -90,6 +92,28 @@ class LocalContext:
                 callback()
             except Exception:  # noqa: BLE001 (a callback's failure must not end the connection)
                 log.exception("a local call's callback failed")
+
+
+def _message(context: LocalContext, body: bytearray) -> memoryview:
+    """The message of a Step request's body: all of it, or, where the metadata says the body
+    begins with the push's row gradients (wire.frames DETACHED_KEY), what follows them, which are
+    kept in context.detached (the request's rows take them from there, where they arrived).
+    Refuses a count that is not one of the body's (INVALID_ARGUMENT)."""
+    view = memoryview(body)
+    value = next((v for k, v in context.invocation_metadata() if k == DETACHED_KEY), None)
+    if value is None:
+        return view
+    if not value.isdigit() or int(value) > len(body):
+        protocol.abort(context, InvalidRequestError(f"a Step call over the socket says its first {value!r} bytes are "
+                                                    f"row gradients, of a body of {len(body)} bytes"))
+    context.detached = view[: int(value)]
+    return view[int(value):]
+
+
+def detached(context: Any) -> memoryview | None:
+    """The row gradients a Step call over the socket carried beside its message (see _message);
+    None: none, or a gRPC call's context."""
+    return context.detached if isinstance(context, LocalContext) else None
 
 
 class LocalCalls:
@@ -212,7 +236,7 @@ class LocalCalls:
         context = LocalContext(metadata, timeout_s, conn)
         start = time.perf_counter()
         try:
-            request = self._decode(body)  # (as the gRPC method's deserializer: an Undecodable is refused)
+            request = self._decode(_message(context, body))  # (as gRPC's deserializer: an Undecodable is refused)
             if isinstance(request, protocol.Undecodable):
                 protocol.abort(context, request.error)
             elif request.push.rank != rank:

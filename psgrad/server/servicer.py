@@ -20,7 +20,7 @@ from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
 from psgrad.core.layout import Layout
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server.local_calls import LocalCalls
+from psgrad.server.local_calls import LocalCalls, detached
 from psgrad.server.publisher import Publisher
 from psgrad.server.read_limit import DENSE_ADVICE, ROWS_ADVICE
 from psgrad.server.rows_path import RowGradients
@@ -77,9 +77,17 @@ def _header(frames: Iterator[bytes], frame_type: Any, what: str) -> Any:
     return msg.header
 
 
-def _row_gradients(h: pb.PushHeader, what: str) -> RowGradients | None:
-    """A push's row gradients (PushHeader.row_block), all its tables in one block."""
-    return RowBlock.from_proto(h.row_block, what, push=True).updates() if h.HasField("row_block") else None
+def _row_gradients(h: pb.PushHeader, what: str, grads: memoryview | None = None) -> RowGradients | None:
+    """A push's row gradients (PushHeader.row_block), all its tables in one block; grads: their
+    gradients where the call carried them beside the message (see local_calls.detached).
+
+    Raises:
+        InvalidRequestError: gradients beside a push without rows (or see RowBlock.from_proto)."""
+    if not h.HasField("row_block"):
+        if grads is not None:
+            raise InvalidRequestError(f"{what}: {len(grads)} bytes of row gradients for a push that carries no rows")
+        return None
+    return RowBlock.from_proto(h.row_block, what, push=True, grads=grads).updates()
 
 
 def _reads(block: pb.RowBlock, what: str) -> list[tuple[str, torch.Tensor]]:
@@ -456,7 +464,8 @@ class ParameterServicer:
         self.shard.serving()
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
-            _row_gradients(h, f"push from worker rank {h.rank}"), h.compress, h.unused, tuple(h.unused_tables),
+            _row_gradients(h, f"push from worker rank {h.rank}", detached(context)), h.compress, h.unused,
+            tuple(h.unused_tables),
         )
         try:
             # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed

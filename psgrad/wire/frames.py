@@ -204,20 +204,25 @@ class FrameParser:
         return memoryview(msg.data)
 
 
+# A socket call's metadata (wire.local_socket): its body begins with this many bytes, the row
+# gradients of the push header's row block, which the message after them leaves out.
+DETACHED_KEY = "psgrad-detached"
+
 _BLOCK_IDS = pb.RowBlock.DESCRIPTOR.fields_by_name["ids"].number
 _BLOCK_GRADS = pb.RowBlock.DESCRIPTOR.fields_by_name["grads"].number
 
 
-def block_to_wire(block: RowBlock, number: int) -> list[bytes | memoryview]:
+def block_to_wire(block: RowBlock, number: int, grads: bool = True) -> list[bytes | memoryview]:
     """The bytes of a RowBlock field `number` holding `block`, in pieces that, joined and appended
     to the enclosing message's other fields (protobuf allows any field order), parse as
     block.message(). The ids and gradients are views of their tensors: whoever joins the pieces
     copies them once, where a message built with them copies them at every nesting and again to
-    serialize (four times the copying for a megabyte of rows)."""
+    serialize (four times the copying for a megabyte of rows). grads=False: without the
+    gradients (a socket call carries them beside the message: PushHead.step_socket_request)."""
     head = pb.RowBlock(tables=block.tables, counts=block.counts, widths=block.widths,
                        base_versions=block.base_versions)
     parts: list[bytes | memoryview] = [head.SerializeToString()]
-    for field, values in ((_BLOCK_IDS, block.ids), (_BLOCK_GRADS, block.grads)):
+    for field, values in ((_BLOCK_IDS, block.ids), (_BLOCK_GRADS, block.grads if grads else None)):
         if values is not None and values.numel():
             view = byte_view(values)
             parts += [bytes_field_prefix(field, len(view)), view]
@@ -240,11 +245,11 @@ class PushHead:
     header: pb.PushHeader
     rows: RowBlock | None = None
 
-    def _pieces(self) -> list[bytes | memoryview]:
-        """The serialized PushHeader, rows and all, in pieces."""
+    def _pieces(self, grads: bool = True) -> list[bytes | memoryview]:
+        """The serialized PushHeader, rows and all (grads=False: but their gradients), in pieces."""
         if not self.rows:
             return [self.header.SerializeToString()]
-        return [self.header.SerializeToString(), *block_to_wire(self.rows, _HEADER_ROWS)]
+        return [self.header.SerializeToString(), *block_to_wire(self.rows, _HEADER_ROWS, grads)]
 
     def message(self) -> pb.PushHeader:
         """The whole PushHeader message (its rows copied into it)."""
@@ -264,9 +269,23 @@ class PushHead:
         and the pull part `pull` (its rows to read, a compressed pull's ask)."""
         return b"".join(self.step_request_pieces(pull, payload))
 
-    def step_request_pieces(self, pull: pb.StepRequest, payload: memoryview | None) -> list[bytes | memoryview]:
-        """step_request in pieces, the rows and the payload views of their tensors: a socket sends
-        them as they are (one copy, into the kernel), where gRPC takes them joined."""
-        pieces = self._pieces()
+    def step_request_pieces(self, pull: pb.StepRequest, payload: memoryview | None,
+                            grads: bool = True) -> list[bytes | memoryview]:
+        """step_request in pieces, the rows and the payload views of their tensors (grads=False:
+        without the rows' gradients)."""
+        pieces = self._pieces(grads)
         tail: list[bytes | memoryview] = [] if payload is None else [bytes_field_prefix(_STEP_DATA, len(payload)), payload]
         return [bytes_field_prefix(_STEP_PUSH, sum(len(p) for p in pieces)), *pieces, pull.SerializeToString(), *tail]
+
+    def step_socket_request(self, pull: pb.StepRequest, payload: memoryview | None
+                            ) -> tuple[list[bytes | memoryview], tuple[tuple[str, str], ...]]:
+        """The Step request as a server's socket takes it (wire.local_socket, DETACHED_KEY): (the
+        body in pieces, views of the tensors, which the socket sends as they are: one copy, into
+        the kernel; the metadata that says so). The rows' gradients go first, beside the message
+        rather than in it, so that the server takes them where they arrived, where protobuf would
+        copy them twice more (parsing the request, then reading the field)."""
+        grads = self.rows.grads if self.rows else None
+        if grads is None or not grads.numel():
+            return self.step_request_pieces(pull, payload), ()
+        view = byte_view(grads)
+        return [view, *self.step_request_pieces(pull, payload, grads=False)], ((DETACHED_KEY, str(len(view))),)

@@ -27,7 +27,12 @@ have reached the server is safe to make again.
 Messages, both ways: a header `<I I d` (metadata length, body length, a number: the request's
 timeout in seconds; the reply's status, 0 for OK), the metadata as JSON (a list of [key, value]
 pairs), then the body (the serialized StepRequest; the StepReply, or an error's details in UTF-8).
-Both ends widen their socket's buffers (widen) so that a message goes in one piece.
+A request whose push carries row gradients sends them first, beside the message rather than in it
+(metadata `psgrad-detached: N`, wire.frames DETACHED_KEY: the body's first N bytes), so that the
+server's rows are a view of the bytes that arrived: protobuf would copy a megabyte of them twice
+more, parsing the request and reading the field (about a sixth of a server's CPU a call in
+benchmarks/transport.py --part sparse-rows). Both ends widen their socket's buffers (widen) so
+that a message goes in one piece.
 
 Across hosts, the same messages go over TCP: a server also listens on a TCP port of its bound host
 and offers it at Join (`psgrad-step-socket: PORT RANK TOKEN`); a worker whose payloads go through
@@ -157,9 +162,12 @@ def send(sock: socket.socket, metadata: Sequence[tuple[str, str]], number: float
 def _exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
+    # (a blocking socket's read returns once all of it came: one system call, where a megabyte
+    # otherwise takes several, as it arrives; TLS takes no flags)
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < n:
         try:
-            k = sock.recv_into(view[got:])
+            k = sock.recv_into(view[got:], n - got, flags)
         except socket.timeout:
             raise
         except OSError as exc:

@@ -70,12 +70,12 @@ class Undecodable:
         self.error = errors.InvalidRequestError(f"the request is not a valid {type_name}: {problem}")
 
 
-def decoder(message_type: Any) -> Callable[[bytes | bytearray], Any]:
+def decoder(message_type: Any) -> Callable[[bytes | bytearray | memoryview], Any]:
     """A request deserializer that never fails: bytes that do not parse become an Undecodable, which
     the handler refuses with INVALID_ARGUMENT (gRPC would answer INTERNAL, as if the server broke)."""
     name = message_type.DESCRIPTOR.full_name
 
-    def decode(data: bytes | bytearray) -> Any:
+    def decode(data: bytes | bytearray | memoryview) -> Any:
         try:
             return message_type.FromString(data)
         except DecodeError as exc:

@@ -39,7 +39,7 @@ class RowUpdate:
     made: bool = False  # (replica records) rows stored at their initial values in this order, not updated: no grads
 
 
-def tensor_from_bytes(data: bytes, dtype: torch.dtype, what: str) -> torch.Tensor:
+def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, what: str) -> torch.Tensor:
     """A 1-D tensor of the little-endian values `data` holds: a read-only view of the bytes (no
     copy; the row rules only read their gradients, see RowOptimizer.apply).
 
@@ -130,9 +130,10 @@ class RowBlock:
         return cls(tables, counts, flat, block, widths, base_versions)
 
     @classmethod
-    def from_proto(cls, msg: pb.RowBlock, what: str, push: bool = False) -> RowBlock:
+    def from_proto(cls, msg: pb.RowBlock, what: str, push: bool = False, grads: memoryview | None = None) -> RowBlock:
         """The block a RowBlock message holds: its ids (and, push: gradients) are read-only views of
-        the message's bytes.
+        the message's bytes; grads: the gradients' bytes, where the call carried them beside the
+        message (which then holds none).
 
         Raises:
             InvalidRequestError: counts (widths, base versions) that do not match the tables, a
@@ -159,12 +160,14 @@ class RowBlock:
         if narrow:
             raise InvalidRequestError(f"{what}: table {narrow[0][0]!r} has rows of width {narrow[0][1]}; a row has 1 "
                                       "value or more (its table's embedding_dim)")
-        grads = tensor_from_bytes(msg.grads, torch.float32, f"{what}: row gradients")
+        if grads is not None and msg.grads:
+            raise InvalidRequestError(f"{what}: row gradients both in the message and beside it")
+        values = tensor_from_bytes(msg.grads if grads is None else grads, torch.float32, f"{what}: row gradients")
         expected = sum(c * w for c, w in zip(counts, widths))
-        if grads.numel() != expected:
-            raise InvalidRequestError(f"{what}: {grads.numel()} gradient values for row ids and widths "
+        if values.numel() != expected:
+            raise InvalidRequestError(f"{what}: {values.numel()} gradient values for row ids and widths "
                                       f"that make {expected}")
-        return cls(tables, counts, ids, grads, widths, bases)
+        return cls(tables, counts, ids, values, widths, bases)
 
     def message(self) -> pb.RowBlock:
         """The RowBlock message (its buffers copied into it)."""

@@ -17,6 +17,7 @@ from psgrad.proto import ps_pb2 as pb
 from psgrad.server import local_calls
 from psgrad.server.local_calls import LocalCalls
 from psgrad.wire import local_socket, protocol
+from psgrad.wire.frames import DETACHED_KEY
 from psgrad.wire.local_socket import ChannelLost, LocalCallError, LocalChannel
 
 pytestmark = [pytest.mark.timeout(60),
@@ -224,6 +225,28 @@ def test_a_malformed_message_ends_the_connection(serve) -> None:  # type: ignore
         assert sock.recv(1) == b""  # the server closed it
         sock.close()
     assert calls.calls == 0
+
+
+def test_row_gradients_beside_the_message_reach_the_handler_where_they_arrived(serve) -> None:  # type: ignore[no-untyped-def]
+    seen: list[tuple[pb.StepRequest, bytes | None]] = []
+
+    def keep(req: pb.StepRequest, context: Any) -> bytes:
+        grads = local_calls.detached(context)
+        seen.append((req, None if grads is None else bytes(grads)))
+        return echo(req, context)
+
+    calls = serve(keep)
+    channel = connect(calls, 0)
+    grads = bytes(range(48))
+    reply, _ = channel.with_call([grads, request(0, clock=5)], 10.0, ((DETACHED_KEY, "48"),))
+    assert reply.push.version == 5 and seen == [(pb.StepRequest.FromString(request(0, clock=5)), grads)]
+    channel.with_call(request(0, clock=6), 10.0)  # (none beside it: the whole body is the message)
+    assert seen[-1] == (pb.StepRequest.FromString(request(0, clock=6)), None)
+    for count in ("x", "-1", str(len(grads) + len(request(0)) + 1)):  # not a count of the body's bytes
+        with pytest.raises(LocalCallError) as refused:
+            channel.with_call([grads, request(0)], 10.0, ((DETACHED_KEY, count),))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "row gradients" in refused.value.details()
+    assert len(seen) == 2 and calls.calls == 2
 
 
 @pytest.mark.parametrize("metadata, expected", [

@@ -281,7 +281,8 @@ def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
 
     from psgrad.client.transport import step_request
     from psgrad.core.codecs import WireBuffer
-    from psgrad.wire.frames import PushHead
+    from psgrad.errors import InvalidRequestError
+    from psgrad.wire.frames import DETACHED_KEY, PushHead
     from psgrad.wire.rows import RowBlock
 
     g = torch.Generator().manual_seed(0)
@@ -311,6 +312,35 @@ def test_a_push_head_travels_as_the_message_built_with_its_rows() -> None:
     assert in_segment == pb.StepRequest(push=whole, read_block=reads.message()) and not in_segment.data
     assert [(t, i.tolist()) for t, i in RowBlock.from_proto(request.read_block, "step").lookups()] == \
         [("a", [1, 2]), ("b", [0])]
+    # Over a server's socket the gradients go first, beside the message, which holds none of them;
+    # the server's block from the two is the same, its gradients a view of the bytes that came.
+    pieces, metadata = head.step_socket_request(step_request(reads, WireBuffer(6, "float32")), payload)
+    body = bytearray(b"".join(pieces))
+    (key, count), = metadata
+    assert key == DETACHED_KEY and int(count) == 4 * (12 + 30) == len(pieces[0])
+    beside = pb.StepRequest.FromString(memoryview(body)[int(count):])
+    assert not beside.push.row_block.grads and beside.push.row_block.ids == block.ids
+    beside.push.row_block.grads = block.grads
+    assert beside == request
+    arrived = memoryview(body)[: int(count)]
+    message = pb.StepRequest.FromString(memoryview(body)[int(count):]).push.row_block
+    rebuilt = RowBlock.from_proto(message, "push", push=True, grads=arrived)
+    assert torch.equal(rebuilt.grads, parsed.grads) and rebuilt.grads.data_ptr() == torch.frombuffer(body, dtype=torch.uint8).data_ptr()
+    with pytest.raises(InvalidRequestError, match="both in the message and beside it"):
+        RowBlock.from_proto(block, "push", push=True, grads=arrived)
+    with pytest.raises(InvalidRequestError, match="17 gradient values"):
+        RowBlock.from_proto(message, "push", push=True, grads=arrived[:-100])
+    no_rows = PushHead(pb.PushHeader(rank=3, clock=11))  # (nothing to put beside: the plain request)
+    assert no_rows.step_socket_request(pb.StepRequest(), None) == (no_rows.step_request_pieces(pb.StepRequest(), None), ())
+
+
+def test_gradients_beside_a_push_without_rows_are_refused() -> None:
+    from psgrad.errors import InvalidRequestError
+    from psgrad.server.servicer import _row_gradients
+
+    with pytest.raises(InvalidRequestError, match="8 bytes of row gradients for a push that carries no rows"):
+        _row_gradients(pb.PushHeader(rank=1), "push from worker rank 1", memoryview(bytes(8)))
+    assert _row_gradients(pb.PushHeader(rank=1), "push from worker rank 1") is None
 
 
 def test_a_push_block_hands_its_tables_rows_over_whole_only_in_its_own_order() -> None:
