@@ -54,6 +54,13 @@ class EvictedError(WorkerStateError):
     continues from the job's current clock."""
 
 
+class SupersededError(WorkerStateError):
+    """Another worker process joined as this worker's rank since (a second process started with
+    the same rank, or this one was taken for dead and restarted): the shards refuse this one's
+    pushes and heartbeats from then on, rather than take two processes' steps as one worker's.
+    Not retried: give each worker process its own rank."""
+
+
 class StalledError(PsgradError):
     """A pull waited for other workers (sync/ssp gate) until its deadline passed."""
 
@@ -128,6 +135,7 @@ ERRORS_BY_NAME: dict[str, type[PsgradError]] = {
         WorkerStateError,
         UnknownWorkerError,
         EvictedError,
+        SupersededError,
         StalledError,
         RollbackError,
         NotPrimaryError,

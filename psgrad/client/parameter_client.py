@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -108,6 +109,11 @@ class ParameterClient:
         self.params = list(params)
         self.plan = plan
         self.rank = rank
+        # This worker process's number (never 0), said in its joins, pushes, heartbeats and leave:
+        # a process that joins as the same rank later takes the rank over, and the shards refuse
+        # this one's calls from then on (SupersededError) rather than take two processes' steps
+        # as one worker's.
+        self.incarnation = secrets.randbits(63) or 1
         self.config = config
         self.tables = {t.name: t for t in tables}
         self.frozen = list(frozen)
@@ -226,6 +232,7 @@ class ParameterClient:
             shard=serde.shard_range_to_proto(index, start, end),
             fingerprint=self.fingerprint,
             wait_for_init=wait,
+            incarnation=self.incarnation,
             tables=serde.tables_to_proto(list(self.tables.values())),
             frozen=serde.params_to_proto(self.frozen),
         )
@@ -393,7 +400,7 @@ class ParameterClient:
         def beat(s: ShardClient) -> None:
             while not stop.wait(lease_s / 3):
                 try:
-                    s.heartbeat(self.rank, self.fingerprint)
+                    s.heartbeat(self.rank, self.fingerprint, self.incarnation)
                 except PsgradError:
                     pass  # the training loop's own calls report a lost server or eviction
 
@@ -571,6 +578,7 @@ class ParameterClient:
             dtype=self.spec.wire_dtype,
             fingerprint=self.fingerprint,
             lr=lr,
+            incarnation=self.incarnation,
         ), rows)
 
     def push(self, flat_grad: torch.Tensor, clock: int, lr: float | None = None,
@@ -643,7 +651,8 @@ class ParameterClient:
         def one(i: int, s: ShardClient) -> PushOutcome:
             start, end = self.plan.ranges[i]
             header = pb.PushHeader(rank=self.rank, clock=u.clock, base_version=self.base_versions[i], numel=end - start,
-                                   dtype=self.spec.wire_dtype, fingerprint=self.fingerprint, skip=True)
+                                   dtype=self.spec.wire_dtype, fingerprint=self.fingerprint, skip=True,
+                                   incarnation=self.incarnation)
             return self._heard(i, serde.push_outcome_from_proto(s.skip(header)))
 
         outcomes = self._fan_out(one, only=others)
@@ -901,7 +910,7 @@ class ParameterClient:
     def leave(self) -> None:
         """Leave the job: nobody waits for this worker any more."""
         self._halt_heartbeat()
-        self._fan_out(lambda i, s: s.leave(self.rank, self.fingerprint))
+        self._fan_out(lambda i, s: s.leave(self.rank, self.fingerprint, self.incarnation))
 
     def _halt_heartbeat(self) -> None:
         self._stop_heartbeat.set()

@@ -322,9 +322,9 @@ class ShardClient:
             "the status request", lambda t, ready: self._status(req, timeout=t, wait_for_ready=ready),
             timeout_s or self.config.rpc_timeout_s, self.address, self.config, self.diagnose)
 
-    def heartbeat(self, rank: int, fp: str) -> pb.HeartbeatReply:
+    def heartbeat(self, rank: int, fp: str, incarnation: int = 0) -> pb.HeartbeatReply:
         t = min(self.config.rpc_timeout_s, 5.0)
-        req = pb.HeartbeatRequest(rank=rank, fingerprint=fp)
+        req = pb.HeartbeatRequest(rank=rank, fingerprint=fp, incarnation=incarnation)
         return self._call("the heartbeat", lambda: self._heartbeat(req, timeout=t), t, retry=False)
 
     def rollback(self, req: pb.RollbackRequest) -> pb.RollbackReply:
@@ -333,7 +333,7 @@ class ShardClient:
         t = max(self.config.rpc_timeout_s, self.config.init_timeout_s) if req.execute else self.config.rpc_timeout_s
         return self._call("the roll-back request", lambda: self._rollback(req, timeout=t), t)
 
-    def leave(self, rank: int, fp: str) -> None:
+    def leave(self, rank: int, fp: str, incarnation: int = 0) -> None:
         """Leave the shard, retried as any call; not sent to a shard a call gave up on already (the
         worker is on its way out because of it, and waiting another reconnect timeout to say goodbye
         would double its exit time: the shard drops the worker when its lease ends). A worker being
@@ -344,8 +344,8 @@ class ShardClient:
             return
         t = self.config.rpc_timeout_s
         stopping = isinstance(sys.exc_info()[1], KeyboardInterrupt)
-        self._call("the leave request", lambda: self._leave(pb.LeaveRequest(rank=rank, fingerprint=fp), timeout=t), t,
-                   retry=not stopping)
+        req = pb.LeaveRequest(rank=rank, fingerprint=fp, incarnation=incarnation)
+        self._call("the leave request", lambda: self._leave(req, timeout=t), t, retry=not stopping)
 
 
 class FramesTransport:

@@ -128,7 +128,7 @@ class ShardRange(_message.Message):
     def __init__(self, index: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init", "tables", "frozen")
+    __slots__ = ("rank", "spec", "params", "shard", "fingerprint", "wait_for_init", "tables", "frozen", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class JoinRequest(_message.Message):
     WAIT_FOR_INIT_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     spec: JobSpec
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
@@ -145,7 +146,8 @@ class JoinRequest(_message.Message):
     wait_for_init: bool
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
     frozen: _containers.RepeatedCompositeFieldContainer[ParamSpec]
-    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., wait_for_init: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., frozen: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("initialized", "version", "lease_s", "ready", "joined", "start_clock", "joined_ranks", "frozen_version", "last_push_clock", "drawn_as")
@@ -263,7 +265,7 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables", "skip")
+    __slots__ = ("rank", "clock", "base_version", "numel", "dtype", "fingerprint", "lr", "compress", "row_block", "unused", "unused_tables", "incarnation", "skip")
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +277,7 @@ class PushHeader(_message.Message):
     ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     UNUSED_FIELD_NUMBER: _ClassVar[int]
     UNUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     clock: int
@@ -287,8 +290,9 @@ class PushHeader(_message.Message):
     row_block: RowBlock
     unused: bytes
     unused_tables: _containers.RepeatedScalarFieldContainer[str]
+    incarnation: int
     skip: bool
-    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ..., skip: _Optional[bool] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., lr: _Optional[float] = ..., compress: _Optional[str] = ..., row_block: _Optional[_Union[RowBlock, _Mapping]] = ..., unused: _Optional[bytes] = ..., unused_tables: _Optional[_Iterable[str]] = ..., incarnation: _Optional[int] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("header", "data")
@@ -677,12 +681,14 @@ class TransferStatus(_message.Message):
     def __init__(self, streaming_pulls: _Optional[int] = ..., waiting_updates: _Optional[int] = ..., buffers_lent: _Optional[int] = ..., staged_updates: _Optional[bool] = ..., retired_buffers: _Optional[int] = ..., waiting_for_buffer: _Optional[int] = ..., streams_open: _Optional[int] = ..., streams_cancelled: _Optional[int] = ..., streams_refused: _Optional[int] = ..., read_limit_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., read_bytes_peak: _Optional[int] = ..., reads_waiting: _Optional[int] = ..., reads_queued: _Optional[int] = ..., reads_expired: _Optional[int] = ..., reads_refused: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "fingerprint")
+    __slots__ = ("rank", "fingerprint", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     fingerprint: str
-    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("version",)
@@ -691,12 +697,14 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("rank", "fingerprint")
+    __slots__ = ("rank", "fingerprint", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     fingerprint: str
-    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

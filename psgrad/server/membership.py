@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrad.core.status import EVICTED, LEFT, LIVE, WorkerStatus
-from psgrad.errors import EvictedError, InvalidRequestError, UnknownWorkerError, WorkerStateError
+from psgrad.errors import EvictedError, InvalidRequestError, SupersededError, UnknownWorkerError, WorkerStateError
 
 
 @dataclass
@@ -20,6 +20,7 @@ class Member:
     state: str = LIVE
     last_push_clock: int = -1  # highest clock whose push was handled (applied, buffered or skipped)
     fresh: bool = False  # (re)joined and pushed nothing since: its first push may say where it continues
+    incarnation: int = 0  # the worker process's number (JoinRequest.incarnation; 0: none said)
 
 
 STALL_S = 1.0  # the lease reaper this much later than it meant to look: the process stalled (see expire)
@@ -85,13 +86,15 @@ class Membership:
         self._due = self._now() + wait
         return wait
 
-    def live(self, rank: int) -> Member:
-        """The live member of that rank, its lease renewed.
+    def live(self, rank: int, incarnation: int = 0) -> Member:
+        """The live member of that rank, its lease renewed; incarnation: the calling process's
+        number (0: none said, not checked).
 
         Raises:
             UnknownWorkerError: it never joined (or the shard restarted without it).
             EvictedError: its lease ran out (the worker may join again).
             WorkerStateError: it left.
+            SupersededError: another process joined as that rank since the caller did.
         """
         member = self.members.get(rank)
         if member is None:
@@ -104,13 +107,19 @@ class Membership:
             )
         if member.state == LEFT:
             raise WorkerStateError(f"worker rank {rank} already left the job; start it again to rejoin")
+        if incarnation and member.incarnation and incarnation != member.incarnation:
+            raise SupersededError(
+                f"another process joined as worker rank {rank} after this one did, so this one's calls are refused: "
+                f"were two workers started with rank {rank}? Give each its own rank (0 to num_workers - 1); a "
+                "restarted worker takes its rank over by joining, as that process did")
         member.last_seen = self._now()
         return member
 
-    def register(self, rank: int, start_clock: int) -> tuple[Member, bool]:
+    def register(self, rank: int, start_clock: int, incarnation: int = 0) -> tuple[Member, bool]:
         """Add rank as a live member, or bring a left/evicted one back; returns (member, whether it
         is new or revived). A returning worker continues from a clock at least past its own last
-        push, so its new pushes are never mistaken for duplicates."""
+        push, so its new pushes are never mistaken for duplicates. incarnation: the joining
+        process's number (0: none said): the rank is its from now on (see live)."""
         member = self.members.get(rank)
         changed = True
         if member is None:
@@ -122,12 +131,17 @@ class Membership:
             changed = False
         member.fresh = member.fresh or changed
         member.last_seen = self._now()
+        if incarnation:
+            member.incarnation = incarnation
         return member, changed
 
-    def leave(self, rank: int) -> Member | None:
-        """Mark a live rank as left on purpose; returns it (None if it was not live)."""
+    def leave(self, rank: int, incarnation: int = 0) -> Member | None:
+        """Mark a live rank as left on purpose; returns it (None if it was not live, or another
+        process than `incarnation`'s holds it: see live)."""
         member = self.members.get(rank)
         if member is None or member.state != LIVE:
+            return None
+        if incarnation and member.incarnation and incarnation != member.incarnation:
             return None
         member.state = LEFT
         return member

@@ -54,7 +54,7 @@ class Pushes:
     def push_target(
         self, rank: int, clock: int, base_version: int, numel: int, dtype: str, fingerprint: str,
         lr: float | None = None, rows: RowGradients | None = None, compress: str = "", unused: bytes = b"",
-        unused_tables: Sequence[str] = (),
+        unused_tables: Sequence[str] = (), incarnation: int = 0,
     ) -> tuple[torch.Tensor, WireBuffer, PushWriter]:
         """Validate a push header and lend a receive buffer (apply_push or release gives it back).
         lr: the learning rate in effect for the push (the worker's schedule; None: the job's);
@@ -64,7 +64,8 @@ class Pushes:
         compress: the payload's codec ("": plain values; else the job's --compress, decoded once received);
         unused: the dense parameters the worker's step left unused (PushHeader.unused), which the
         update skips (sync: those no worker of the iteration used); unused_tables: the sparse
-        tables it did not use (PushHeader.unused_tables), whose step count the update leaves.
+        tables it did not use (PushHeader.unused_tables), whose step count the update leaves;
+        incarnation: the pushing process's number (PushHeader.incarnation, see Membership.live).
 
         Raises:
             InvalidRequestError, WorkerStateError: the header or its rows are refused (named).
@@ -82,7 +83,7 @@ class Pushes:
                 core.counters.pushes_rejected += 1
                 raise InvalidRequestError(problem)
             try:
-                member = core.members.live(rank)
+                member = core.members.live(rank, incarnation)
                 if not core.policy.aggregates:  # (sync: the policy takes only the current iteration)
                     core.members.check_clock(member, clock, rank in core.marks.last_pushes, state.version)
                 rows_nonfinite, reserved = self._rows.check(state, rank, rows, self._round_rows()) if rows else (0, None)
@@ -375,7 +376,7 @@ class Pushes:
             core.counters.updates_lost += max(0, clock - lost_from - 1)
         return decision
 
-    def skip_push(self, rank: int, clock: int, base_version: int, fingerprint: str) -> PushResult:
+    def skip_push(self, rank: int, clock: int, base_version: int, fingerprint: str, incarnation: int = 0) -> PushResult:
         """A skip (PushHeader.skip): rank's step at `clock`, which other shards applied, was dropped
         by its worker. Handled as a push whose gradient --nonfinite skip skips: acknowledged and
         never applied, the worker's clock moved past it (in sync the iteration no longer waits for
@@ -393,7 +394,7 @@ class Pushes:
         with core.cond:
             state = core.require(fingerprint, rank)
             core.refresh()
-            member = core.members.live(rank)
+            member = core.members.live(rank, incarnation)
             decision = self._admit(member, rank, clock, base_version, state.version)
             if isinstance(decision, PushResult):  # a duplicate, or late
                 return decision

@@ -206,7 +206,8 @@ class ParameterServicer:
             remaining = context.time_remaining()
             wait_s = 3600.0 if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
         # a Join that is not a round of waiting at the start may be a worker restarted within its lease: logged
-        r = self.shard.join(req.rank, _layout_from_join(req), wait_s, rejoin=not req.wait_for_init)
+        r = self.shard.join(req.rank, _layout_from_join(req), wait_s, rejoin=not req.wait_for_init,
+                            incarnation=req.incarnation)
         answer: list[tuple[str, str]] = []
         if shm.supported():  # a worker on this host may then move payloads through shared memory
             answer.append((shm.METADATA_KEY, shm.server_answer()))
@@ -238,7 +239,7 @@ class ParameterServicer:
                 f"[{layout.start}, {layout.end}) = {layout.numel}"
             )
         if self.shard.layout is not None:  # idempotent: check, and do not read 4 bytes per element
-            self.shard.join(header.join.rank, layout)
+            self.shard.join(header.join.rank, layout, incarnation=header.join.incarnation)
             return pb.InitReply(already_initialized=True, version=self.shard.version)
         loaded = _reads(header.row_block, "init")  # rows that start from the chief's values (ids; values follow)
         dims = {t.name: t.dim for t in layout.tables}
@@ -258,7 +259,8 @@ class ParameterServicer:
         weights = payload[: layout.numel] if len(payload) == layout.numel else payload[: layout.numel].clone()
         *values, frozen = payload[layout.numel:].split(sizes)
         rows = {table: (ids, v.view(ids.numel(), dims[table])) for (table, ids), v in zip(loaded, values)}
-        already = self.shard.initialize(header.join.rank, layout, weights, rows, frozen if layout.frozen else None)
+        already = self.shard.initialize(header.join.rank, layout, weights, rows, frozen if layout.frozen else None,
+                                        header.join.incarnation)
         self._acked(self.shard.version, context)
         return pb.InitReply(already_initialized=already, version=self.shard.version)
 
@@ -465,7 +467,7 @@ class ParameterServicer:
         grad, wire, writer = self.shard.push_target(
             h.rank, h.clock, h.base_version, h.numel, h.dtype, h.fingerprint, h.lr if h.HasField("lr") else None,
             _row_gradients(h, f"push from worker rank {h.rank}", detached(context)), h.compress, h.unused,
-            tuple(h.unused_tables),
+            tuple(h.unused_tables), h.incarnation,
         )
         try:
             # A worker's segment holds the shard's plain payload (its pulls use it too), or a compressed
@@ -534,7 +536,7 @@ class ParameterServicer:
         if next(frames, None) is not None:
             raise InvalidRequestError(f"a skip (worker rank {h.rank}, clock {h.clock}) carries no data")
         self.shard.serving()
-        result = self.shard.skip_push(h.rank, h.clock, h.base_version, h.fingerprint)
+        result = self.shard.skip_push(h.rank, h.clock, h.base_version, h.fingerprint, h.incarnation)
         self._acked(result.version, context)
         evicted, restored = self.shard.news(h.rank)
         return pb.PushReply(applied=False, reason=result.reason, version=result.version,
@@ -628,7 +630,7 @@ class ParameterServicer:
     @_edge
     def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         self.shard.serving()
-        version = self.shard.touch(req.rank)
+        version = self.shard.touch(req.rank, req.incarnation)
         if self._segments or self._row_segments:
             self._unmap_departed()  # every lease/3 from each live worker: departed ones go soon
         return pb.HeartbeatReply(version=version)
@@ -711,7 +713,7 @@ class ParameterServicer:
     @_edge
     def Leave(self, req: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.shard.serving()
-        self.shard.leave(req.rank)
+        self.shard.leave(req.rank, req.incarnation)
         self._unmap_departed()
         return pb.LeaveReply()
 

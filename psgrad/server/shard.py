@@ -16,7 +16,7 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import byte_view, get_codec
 from psgrad.core.layout import Layout, explain_mismatch
-from psgrad.core.status import CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
+from psgrad.core.status import LIVE, CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
 from psgrad.errors import InvalidRequestError, JobMismatchError, PsgradError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
@@ -175,19 +175,21 @@ class Shard:
             self.core.refresh()
             return self.core.members.live_ranks()
 
-    def touch(self, rank: int) -> int:
-        """Renew a live worker's lease (heartbeat); returns the shard version."""
+    def touch(self, rank: int, incarnation: int = 0) -> int:
+        """Renew a live worker's lease (heartbeat); returns the shard version. incarnation: the
+        calling process's number (see Membership.live)."""
         core = self.core
         with core.cond:
             core.refresh()
-            core.members.live(rank)
+            core.members.live(rank, incarnation)
             return core.version
 
-    def leave(self, rank: int) -> None:
-        """Mark rank as having left the job on purpose; nobody waits for it any more."""
+    def leave(self, rank: int, incarnation: int = 0) -> None:
+        """Mark rank as having left the job on purpose; nobody waits for it any more (unless
+        another process than `incarnation`'s holds the rank now: then nothing changes)."""
         core = self.core
         with core.cond:
-            member = core.members.leave(rank)
+            member = core.members.leave(rank, incarnation)
             if member is not None:
                 core.event("leave", rank, member.clock, f"worker {rank} left at clock {member.clock} "
                            f"({len(core.members.live_ranks())} live)")
@@ -204,12 +206,20 @@ class Shard:
                 self.core.notify()
 
     # ----------------------------------------------------------------- join / init
-    def _register(self, rank: int, rejoin: bool = False) -> Member:
+    def _register(self, rank: int, rejoin: bool = False, incarnation: int = 0) -> Member:
         """Register rank as a live member; a new or returning one is logged (and recorded), and with
         `rejoin` (a worker's first Join of a session, not a round of waiting at the start) so is
-        one whose lease still held: a worker that restarted within its lease."""
+        one whose lease still held: a worker that restarted within its lease. incarnation: the
+        joining process's number: where another process held the rank, it is warned of (that
+        one's calls are refused from now on: see Membership.live)."""
         core = self.core
-        member, changed = core.members.register(rank, core.policy.start_clock(core.view()))
+        before = core.members.get(rank)
+        held = before.incarnation if before is not None and before.state == LIVE else 0
+        member, changed = core.members.register(rank, core.policy.start_clock(core.view()), incarnation)
+        if held and incarnation and held != incarnation:
+            _log.warning(f"worker {rank} joined from another process while its lease held: the calls of the "
+                         f"process that held rank {rank} are refused from now on (were two workers started with "
+                         "one rank?)")
         if not changed and rejoin:
             layout = core.layout
             of = f" of {layout.spec.num_workers}" if layout is not None else ""
@@ -237,11 +247,13 @@ class Shard:
             return False
         return not self.core.policy.start_barrier or len(self.core.members) >= layout.spec.num_workers
 
-    def join(self, rank: int, layout: Layout, wait_s: float = 0.0, rejoin: bool = False) -> JoinResult:
+    def join(self, rank: int, layout: Layout, wait_s: float = 0.0, rejoin: bool = False,
+             incarnation: int = 0) -> JoinResult:
         """Check a worker's layout against the installed one and register it; optionally wait (up to
         wait_s) for the chief's initialization and, in sync/ssp, for all num_workers to join. With
         `rejoin` (a Join that is not a round of waiting at the start), a rank that is live already
-        is logged as joining again (a worker restarted within its lease).
+        is logged as joining again (a worker restarted within its lease). incarnation: the
+        joining process's number (JoinRequest.incarnation).
 
         Raises:
             JobMismatchError: the worker's job spec, model or shard range differs (named).
@@ -254,7 +266,7 @@ class Shard:
                     problem = explain_mismatch(core.layout, layout, rank)
                     if problem:
                         raise JobMismatchError(problem)
-                    member = self._register(rank, rejoin)
+                    member = self._register(rank, rejoin, incarnation)
                     rejoin = False  # (once: a wait that wakes registers again)
                 if self._ready() or core.now() >= deadline:
                     break
@@ -303,7 +315,7 @@ class Shard:
 
     def initialize(self, rank: int, layout: Layout, weights: torch.Tensor,
                    rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                   frozen: torch.Tensor | None = None) -> bool:
+                   frozen: torch.Tensor | None = None, incarnation: int = 0) -> bool:
         """Install the job and initial weights, rows of sparse tables that start from the
         chief's values (`rows`: table -> (ids, values [n, dim]); see SparseTable.load_rows), and
         the shard's range of the frozen parameters (`frozen`, float32; the layout has some).
@@ -331,7 +343,7 @@ class Shard:
                       f"[{layout.start}, {layout.end}) = {layout.numel:,} parameters; {spec.mode} mode, {spec.num_workers} "
                       f"workers, optimizer {spec.optimizer}, lr {spec.lr:g}")
             state.dense.on_pull(rank, state.version)  # (DC-ASGD) the chief's gradients start from its weights
-            self._register(rank)
+            self._register(rank, incarnation=incarnation)
             self.recovery.offer_snapshot()  # the first checkpoint: a restart never starts empty
             self.replica.initialized(state)  # the backup's starting state, if one is attached
             core.notify()
