@@ -140,7 +140,8 @@ class Bench:
         dense = 1_000  # (a step's dense payload per shard: small, as the DLRM model's)
         client = SimpleNamespace(shards=[SimpleNamespace(address=f"shard{i}") for i in range(SHARDS)],
                                  tables={t: SimpleNamespace(num_embeddings=r, dim=D) for t, r in sizes.items()},
-                                 row_versions={}, rank=0, fingerprint="f" * 32, base_versions=[0] * SHARDS, _placed={},
+                                 row_versions={}, rank=0, incarnation=1, fingerprint="f" * 32, base_versions=[0] * SHARDS,
+                                 _placed={},
                                  plan=SimpleNamespace(ranges=[(i * dense, (i + 1) * dense) for i in range(SHARDS)]),
                                  spec=SimpleNamespace(wire_dtype="float32"))
         transport, wire = self.m["client.transport"], self.m["core.codecs"].WireBuffer(dense, "float32")

@@ -216,15 +216,14 @@ class Shard:
         before = core.members.get(rank)
         held = before.incarnation if before is not None and before.state == LIVE else 0
         member, changed = core.members.register(rank, core.policy.start_clock(core.view()), incarnation)
-        if held and incarnation and held != incarnation:
-            _log.warning(f"worker {rank} joined from another process while its lease held: the calls of the "
-                         f"process that held rank {rank} are refused from now on (were two workers started with "
-                         "one rank?)")
-        if not changed and rejoin:
+        taken = bool(held and incarnation and held != incarnation)  # (another process held the rank)
+        if not changed and (rejoin or taken):
             layout = core.layout
             of = f" of {layout.spec.num_workers}" if layout is not None else ""
+            by = (f" from another process: the calls of the process that held rank {rank} are refused from now on "
+                  "(a restart; or two workers started with one rank?)") if taken else ""
             _log.info(f"worker {rank} joined again at clock {member.clock}, within its lease "
-                      f"({len(core.members.live_ranks())} live{of})")
+                      f"({len(core.members.live_ranks())} live{of}){by}")
         if changed:
             core.joined(rank)
             core.members_changed()
