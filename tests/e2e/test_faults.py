@@ -137,3 +137,27 @@ def test_a_worker_stopped_with_sigterm_leaves_the_job_and_exits_143(start_server
     assert res.returncode == 0, res.stderr
     for shard in json.loads(res.stdout)["shards"]:
         assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
+
+
+@pytest.mark.timeout(180)
+def test_a_second_worker_process_with_a_rank_takes_it_over_and_the_first_exits_saying_so(start_servers) -> None:  # type: ignore[no-untyped-def]
+    """An operator's check: two `psgrad worker --rank 0` (a launcher that computed a rank twice) were
+    taken as one worker, half their async pushes dropped as duplicates with nothing said. Now the later
+    process takes the rank over and trains on; the earlier one's calls are refused, and it exits 1
+    naming what happened (before: both ran to the end, exit 0)."""
+    servers = ",".join(start_servers(2))
+    common = ["--servers", servers, "--num-workers", "1", "--mode", "async", "--step-time-ms", "20", "--log-every", "5"]
+    first = spawn(["worker", "--rank", "0", "--steps", "100000", *common])
+    second = None
+    try:
+        first.wait_for_line("step 5/", timeout_s=120)
+        second = spawn(["worker", "--rank", "0", "--steps", "100000", *common])
+        assert first.wait(120) == 1, first.output
+        second.wait_for_line("step ", timeout_s=120)
+        assert second.popen.poll() is None, second.output  # (it trains on)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert "another process joined as worker rank 0 after this one did" in first.output, first.output
+    assert "Traceback" not in first.output, first.output
