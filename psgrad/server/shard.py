@@ -210,7 +210,7 @@ class Shard:
         """Register rank as a live member; a new or returning one is logged (and recorded), and with
         `rejoin` (a worker's first Join of a session, not a round of waiting at the start) so is
         one whose lease still held: a worker that restarted within its lease. incarnation: the
-        joining process's number: where another process held the rank, it is warned of (that
+        joining process's number: where another process held the rank, the line says so (that
         one's calls are refused from now on: see Membership.live)."""
         core = self.core
         before = core.members.get(rank)
