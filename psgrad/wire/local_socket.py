@@ -314,7 +314,7 @@ class LocalChannel:
             trailing = tuple((k, v) for k, v in md if k != CODE_KEY)
             raise LocalCallError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN,
                                  bytes(body).decode(errors="replace"), trailing)
-        return pb.StepReply.FromString(body), LocalCall(md)  # (protobuf parses the bytearray: no copy)
+        return pb.StepReply.FromString(body), LocalCall(md)  # (parsed as it lies: no bytes() of it first)
 
     @contextlib.contextmanager
     def _failures(self) -> Iterator[None]:
