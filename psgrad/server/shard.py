@@ -16,7 +16,7 @@ import torch
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import byte_view, get_codec
 from psgrad.core.layout import Layout, explain_mismatch
-from psgrad.core.status import LIVE, CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
+from psgrad.core.status import LEFT, LIVE, CheckpointStatus, DelayStatus, PublishedStatus, ShardStatus, TransferStatus
 from psgrad.errors import InvalidRequestError, JobMismatchError, PsgradError
 from psgrad.server.delay_comp import DelayCompensation
 from psgrad.server.ledger import HISTORY_LEN, JoinResult, PushResult
@@ -224,6 +224,8 @@ class Shard:
                   "(a restart; or two workers started with one rank?)") if taken else ""
             _log.info(f"worker {rank} joined again at clock {member.clock}, within its lease "
                       f"({len(core.members.live_ranks())} live{of}){by}")
+            if taken:
+                core.notify()  # (a Join of the process it took the rank from, waiting at the start, stops)
         if changed:
             core.joined(rank)
             core.members_changed()
@@ -239,6 +241,16 @@ class Shard:
             core.notify()
             core.reaper_wake.notify_all()
         return member
+
+    def _still_joining(self, rank: int, incarnation: int) -> bool:
+        """Whether a Join that registered rank and waits (at sync's start, for the chief's init) may
+        register it again as it wakes: not once the worker left (its leave came while the call
+        waited: a Ctrl-C there) or another process took the rank over; an evicted one may (its
+        lease ran out while it waited). Under the lock."""
+        member = self.core.members.get(rank)
+        if member is None:
+            return True  # (dropped since: a restore)
+        return member.state != LEFT and not (incarnation and member.incarnation and member.incarnation != incarnation)
 
     def _ready(self) -> bool:
         layout = self.core.layout
@@ -259,14 +271,17 @@ class Shard:
         """
         core = self.core
         deadline = core.now() + max(0.0, wait_s)
+        registered = False
         with core.cond:
             while True:
                 if core.layout is not None:
                     problem = explain_mismatch(core.layout, layout, rank)
                     if problem:
                         raise JobMismatchError(problem)
-                    member = self._register(rank, rejoin, incarnation)
-                    rejoin = False  # (once: a wait that wakes registers again)
+                    if registered and not self._still_joining(rank, incarnation):
+                        break  # (it left, or another process took the rank, while this call waited)
+                    member = self._register(rank, rejoin, incarnation)  # (a wait that wakes renews its lease)
+                    rejoin, registered = False, True
                 if self._ready() or core.now() >= deadline:
                     break
                 core.cond.wait(timeout=max(0.0, deadline - core.now()))

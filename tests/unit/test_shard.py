@@ -241,6 +241,30 @@ def test_join_waits_for_the_chief(layout: Layout) -> None:
     assert result == JoinResult(initialized=True, ready=True, joined=2, start_clock=0, version=0)
 
 
+@pytest.mark.parametrize("then", ["leaves", "is taken over"])
+def test_a_join_waiting_at_the_start_does_not_bring_back_a_worker_that_left_or_was_taken_over(then: str) -> None:
+    # A sync job's worker waits at the start in a Join that registers its rank again each time it
+    # wakes. Ctrl-C there makes the worker leave while that call still waits: the leave woke it, and
+    # it registered the rank again, live (CI at c0888a9 caught it in tests/e2e/test_faults.py). So
+    # too a Join of a process another one took the rank from: it would take it back at each wake.
+    layout = make_layout(JobSpec(lr=0.5, num_shards=2, mode="sync", num_workers=3))  # (rank 2 never comes)
+    s = Shard(ServerConfig())
+    s.initialize(0, layout, weights_for(layout))
+    waited: list[JoinResult] = []
+    thread = threading.Thread(target=lambda: waited.append(s.join(1, layout, wait_s=50, incarnation=7)), daemon=True)
+    thread.start()
+    wait_for("the join to register rank 1", lambda: s.core.members.get(1) is not None)
+    if then == "leaves":
+        s.leave(1, incarnation=7)
+    else:
+        s.join(1, layout, incarnation=8)
+    thread.join(timeout=25)  # (well before its 50 s)
+    assert not thread.is_alive() and len(waited) == 1  # (it stopped waiting: nothing left to wait for)
+    member = s.core.members.get(1)
+    assert member is not None
+    assert (member.state, member.incarnation) == (("left", 7) if then == "leaves" else ("live", 8))
+
+
 # ----------------------------------------------------------------------------- pull
 @pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16", "float16"])
 def test_pull_frames_carry_weights_and_version(wire_dtype: str) -> None:
