@@ -142,9 +142,9 @@ def test_a_worker_stopped_with_sigterm_leaves_the_job_and_exits_143(start_server
 @pytest.mark.timeout(180)
 def test_a_second_worker_process_with_a_rank_takes_it_over_and_the_first_exits_saying_so(start_servers) -> None:  # type: ignore[no-untyped-def]
     """An operator's check: two `psgrad worker --rank 0` (a launcher that computed a rank twice) were
-    taken as one worker, half their async pushes dropped as duplicates with nothing said. Now the later
-    process takes the rank over and trains on; the earlier one's calls are refused, and it exits 1
-    naming what happened (before: both ran to the end, exit 0)."""
+    taken as one worker, their async pushes of equal clocks dropped as duplicates with nothing said.
+    The later process takes the rank over and trains on; the earlier one's calls are refused, and it
+    exits 1 naming what happened (before: both ran to the end, exit 0)."""
     servers = ",".join(start_servers(2))
     common = ["--servers", servers, "--num-workers", "1", "--mode", "async", "--step-time-ms", "20", "--log-every", "5"]
     first = spawn(["worker", "--rank", "0", "--steps", "100000", *common])
