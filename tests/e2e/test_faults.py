@@ -91,6 +91,13 @@ def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers
         assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left", 1: "left"}
 
 
+def _worker_states(servers: str) -> list[dict[int, str]]:
+    """Each shard's workers, rank -> state, as `psgrad status --json` reports them."""
+    res = run_cli(["status", "--servers", servers, "--json"], timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    return [{w["rank"]: w["state"] for w in shard["workers"]} for shard in json.loads(res.stdout)["shards"]]
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_stopped_with_ctrl_c_while_it_waits_at_the_start_leaves_the_job(start_servers) -> None:  # type: ignore[no-untyped-def]
     """Ctrl-C during training made a worker leave, but Ctrl-C while it waited for the others at a sync
@@ -112,10 +119,7 @@ def test_a_worker_stopped_with_ctrl_c_while_it_waits_at_the_start_leaves_the_job
     finally:
         worker.stop()
     assert "interrupted" in worker.output
-    res = run_cli(["status", "--servers", servers, "--json"], timeout_s=60)
-    assert res.returncode == 0, res.stderr
-    for shard in json.loads(res.stdout)["shards"]:
-        assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
+    assert _worker_states(servers) == [{0: "left"}] * 2
 
 
 @pytest.mark.timeout(180)
@@ -133,10 +137,7 @@ def test_a_worker_stopped_with_sigterm_leaves_the_job_and_exits_143(start_server
     finally:
         worker.stop()
     assert "terminated (SIGTERM)" in worker.output and "Traceback" not in worker.output, worker.output
-    res = run_cli(["status", "--servers", servers, "--json"], timeout_s=60)
-    assert res.returncode == 0, res.stderr
-    for shard in json.loads(res.stdout)["shards"]:
-        assert {w["rank"]: w["state"] for w in shard["workers"]} == {0: "left"}, shard["workers"]
+    assert _worker_states(servers) == [{0: "left"}] * 2
 
 
 @pytest.mark.timeout(180)
