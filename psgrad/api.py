@@ -40,7 +40,7 @@ from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_t
 from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
 from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, unique_ids_of
-from psgrad.worker.prefetch import Prefetched, read_ids
+from psgrad.worker.prefetch import GroupedForward, Prefetched, read_ids
 from psgrad.worker.row_cache import RowCache
 
 _log = logging.getLogger("psgrad.api")
@@ -202,7 +202,7 @@ class Session:
 
     def optimizer(self, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
                   param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: str = "servers",
-                  row_cache: int = 0, row_cache_staleness: int = 1) -> PSOptimizer:
+                  row_cache: int = 0, row_cache_staleness: int = 1, group_lookups: bool = True) -> PSOptimizer:
         """Join the job with this model and pull its weights; return the optimizer to step.
 
         The chief (rank 0) initializes empty servers with the model's current weights. Put the
@@ -226,6 +226,11 @@ class Session:
         to this many hot rows of each psgrad embedding (psgrad.Embedding/EmbeddingBag: tables whose rows
         live on the servers) in this worker, served for row_cache_staleness steps before they are
         pulled again (async and ssp only; `opt.row_cache.stats` counts hits and misses).
+        group_lookups: a training forward of the model reads, at its start, the rows of every psgrad
+        embedding called with one of its arguments (or what a list, tuple or dict among them
+        holds), all tables in one call per shard (learned from the first forward: see
+        psgrad.worker.prefetch.GroupedForward; `opt.prefetched.stats.grouped` counts them); False:
+        each module's forward reads its own.
 
         Raises:
             PsgradError: a server is unreachable or refuses the job (ConfigError, JobMismatchError, ...).
@@ -244,7 +249,7 @@ class Session:
         if frozen not in ("local", "servers"):
             raise ConfigError(f"frozen must be 'local' or 'servers', got {frozen!r}")
         self._optimizer = PSOptimizer(self, model, overlap, sync_buffers, param_groups, frozen == "servers",
-                                      row_cache, row_cache_staleness)
+                                      row_cache, row_cache_staleness, group_lookups)
         return self._optimizer
 
     def leave(self) -> None:
@@ -296,7 +301,7 @@ class PSOptimizer(ScheduledOptimizer):
 
     def __init__(self, session: Session, model: nn.Module, overlap: bool = False, sync_buffers: bool = True,
                  param_groups: Sequence[Mapping[str, Any]] | None = None, frozen: bool = False,
-                 row_cache: int = 0, row_cache_staleness: int = 1) -> None:
+                 row_cache: int = 0, row_cache_staleness: int = 1, group_lookups: bool = True) -> None:
         spec = session.spec
         check_overlap(spec, overlap)
         check_row_cache(spec, row_cache)
@@ -349,6 +354,7 @@ class PSOptimizer(ScheduledOptimizer):
         self._pending: futures.Future[ExchangeResult] | None = None
         self._versions: list[int] = []
         self._left = False
+        self.grouping: GroupedForward | None = None  # a forward's reads grouped at its start (group_lookups)
         self._closed = False
         self._zero_copy = False
         try:
@@ -361,6 +367,8 @@ class PSOptimizer(ScheduledOptimizer):
             # answers them: a state this worker loaded counts only where it initialized the servers).
             for name, module in self.embeddings:
                 module.bind(name, self.prefetched, self.client.drawn_as.get(name, ""))
+            self.grouping = (GroupedForward(model, self.prefetch, self._may_group, self.prefetched.stats)
+                             if self.embeddings and group_lookups else None)
             self.rollbacks = 0
             self.rejoins = 0
             # Same host, CPU float32: pushes read the gradient in place, and pulls lend versions
@@ -556,6 +564,13 @@ class PSOptimizer(ScheduledOptimizer):
             return
         ids = read_ids(wanted)
         self.prefetched.hold(wanted, ids, self.client.pull_tables(ids, checked=True))
+
+    def _may_group(self) -> bool:
+        """Whether a forward starting now reads its tables' rows ahead, grouped (GroupedForward): a
+        training forward (autograd on) of a worker in its job, with nothing fetched or pending
+        (no forward since the last step, no prefetch or pipeline rows held), and no row cache,
+        which may serve the rows without a call."""
+        return not self._left and self.row_cache is None and torch.is_grad_enabled() and self.prefetched.idle
 
     def _lookup_ids(self, lookups: Lookups) -> dict[str, list[torch.Tensor]]:
         """The unique ids that forwards of `lookups` read, by table, one entry per forward (a table
@@ -839,6 +854,8 @@ class PSOptimizer(ScheduledOptimizer):
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            if self.grouping is not None:
+                self.grouping.remove()
             for _, module in self.embeddings:
                 module.release(self.prefetched, "its job was closed (ps.close(), or the end of `with psgrad.connect(...)`)")
             self.client.close()

@@ -14,27 +14,41 @@ and holds the ones it read itself, after its update. A prefetch asked for while 
 backward, and opt.step()) is not read then but carried by that step, as step(prefetch=...) is:
 its rows come back with the step's fresh weights. Each held table keeps the versions its rows were
 read at, which the forward's leaves keep, and the push of their gradients reports (the staleness
-of a table counts from the read its gradient was computed on, not from a later one)."""
+of a table counts from the read its gradient was computed on, not from a later one).
+
+Without any of these, the model's own forward groups its tables' reads (GroupedForward): where the
+psgrad embedding modules are called with inputs that are among the model's arguments (as passed,
+or held in a list, tuple or dict of them), their rows are read at the start of the model's forward,
+every table in one call per shard, and each module's forward is served from them. Where the inputs
+come from is learned from one training forward, by identity, and learned again when rows read so
+go unused."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from psgrad.core.rows import PulledRows
-from psgrad.nn.embedding import RowSource
+from psgrad.errors import ConfigError, InvalidRequestError
+from psgrad.nn.collection import EmbeddingBagCollection
+from psgrad.nn.embedding import RowSource, SparseEmbedding
 
 
 @dataclass
 class PrefetchStats:
     """Since the start: served, the tables' reads (one forward's ids of one table) served from rows
     fetched ahead; unused, the rows fetched ahead that no forward used (no forward asked that table
-    for exactly those ids before the next step or prefetch replaced them)."""
+    for exactly those ids before the next step or prefetch replaced them); grouped, the model's
+    forwards whose tables were read at their start, in one call per shard (GroupedForward)."""
 
     served: int = 0
     unused: int = 0
+    grouped: int = 0
 
 
 # What a prefetch or a step reads: by table, each forward's unique ids (several where several
@@ -94,6 +108,12 @@ class Prefetched:
         row fetched ahead and what was deferred."""
         self.stepped()
 
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is held, deferred or pending: no forward read rows since the last step,
+        and no rows wait for one."""
+        return not (self.pending or self._held or self.deferred)
+
     def clear(self) -> None:
         self.stats.unused += sum(int(ids.numel()) for held in self._held.values() for ids, _, _ in held)
         self._held = {}
@@ -145,3 +165,165 @@ def _take(by_table: dict[str, list[T]], table: str, ids: torch.Tensor, key: Call
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.shape == b.shape and torch.equal(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# A training forward's reads, grouped at its start
+
+# Where an input lies among a forward's arguments: the argument (an int: its position; a str: its
+# keyword), then the keys or indexes down the lists, tuples and dicts that hold it.
+Path = tuple[Any, ...]
+# How deep into the arguments' lists, tuples and dicts, and how many objects, a forward that learns
+# looks (a batch is a handful of tensors, maybe in a dict or a list of pairs: far less than these).
+_MAX_DEPTH = 4
+_MAX_OBJECTS = 4096
+
+
+def _paths(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[int, Path]:
+    """id(object) -> its path, for each argument and what the lists, tuples and dicts among them
+    hold (the first path of an object found at several)."""
+    found: dict[int, Path] = {}
+    todo: list[tuple[Path, Any]] = [((k,), v) for k, v in kwargs.items()][::-1] + [((k,), v) for k, v in enumerate(args)][::-1]
+    while todo and len(found) < _MAX_OBJECTS:
+        path, obj = todo.pop()
+        found.setdefault(id(obj), path)
+        if len(path) > _MAX_DEPTH:
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend(((*path, k), v) for k, v in reversed(list(enumerate(obj))))
+        elif isinstance(obj, Mapping):
+            todo.extend(((*path, k), v) for k, v in reversed(list(obj.items())))
+    return found
+
+
+def _resolve(path: Path, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The object at `path` among these arguments.
+
+    Raises:
+        LookupError, TypeError: there is none (the arguments have another shape).
+    """
+    head, *rest = path
+    obj = args[head] if isinstance(head, int) else kwargs[head]
+    for key in rest:
+        obj = obj[key]
+    return obj
+
+
+class GroupedForward:
+    """Reads the rows of every psgrad embedding module a training forward of `model` calls with one
+    of the model's own arguments (or an object a list, tuple or dict among them holds), at the
+    start of that forward and in one call per shard (`read`: the optimizer's prefetch), where each
+    module would otherwise read its own in its forward. The modules' forwards are then served from
+    those rows, exactly as from a prefetch with no step pending (the same rows, read moments
+    earlier: a sync job computes bit for bit what it computes without this).
+
+    Where each module's input comes from is learned from the first training forward, by identity
+    (the tensor a module gets is the one the model got); modules fed something the forward
+    computed (a slice, `ids % n`) read their own rows, as before. When rows read so go unused (the
+    model routed another batch differently), the next forward learns again. Forwards that
+    `may_read` says no to (a step pending, rows already fetched ahead by a prefetch or the
+    pipeline, evaluation under torch.no_grad(), a worker that left) read nothing ahead. A
+    refused input (a bad id, a missing feature) is left to its module's forward, which raises
+    the error it always raised."""
+
+    def __init__(self, model: nn.Module, read: Callable[[list[tuple[nn.Module, Any]]], None],
+                 may_read: Callable[[], bool], stats: PrefetchStats) -> None:
+        seen: set[int] = set()
+        self._modules = [m for m in model.modules() if isinstance(m, (SparseEmbedding, EmbeddingBagCollection))
+                         and not (id(m) in seen or seen.add(id(m)))]  # type: ignore[func-returns-value]
+        self._read, self._may_read, self._stats = read, may_read, stats
+        self._routes: list[tuple[nn.Module, Path]] | None = None  # None: to learn at the next forward
+        self._learning: dict[int, Path] | None = None  # the paths of the forward that learns
+        self._seen: list[tuple[nn.Module, Path | None]] = []
+        self._watching: list[RemovableHandle] = []
+        self._depth = 0
+        self._unused = 0  # stats.unused after the last grouped read
+        self._handles = [model.register_forward_pre_hook(_Hook(self, "start"), with_kwargs=True),
+                         model.register_forward_hook(_Hook(self, "end"), with_kwargs=True, always_call=True)]
+
+    @property
+    def routes(self) -> list[tuple[nn.Module, Path]] | None:
+        """The modules whose rows a forward reads at its start, each with where its input lies
+        among the forward's arguments; None: not learned (yet, or again)."""
+        return None if self._routes is None else list(self._routes)
+
+    def start(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        self._depth += 1
+        if self._depth > 1:  # (the model's forward calling the model)
+            return
+        self._unwatch()
+        if not self._may_read():
+            return
+        if self._stats.unused > self._unused:  # rows a grouped read brought went unused: learn again
+            self._routes, self._unused = None, self._stats.unused
+        lookups = []
+        if self._routes:
+            try:
+                lookups = [(m, _resolve(path, args, kwargs)) for m, path in self._routes]
+            except (LookupError, TypeError):  # arguments of another shape: learn from this forward
+                self._routes = None
+        if self._routes is None:
+            self._learning, self._seen = _paths(args, kwargs), []
+            self._watching = [m.register_forward_pre_hook(_Hook(self, "seen"), with_kwargs=True) for m in self._modules]
+            return
+        if not lookups:
+            return
+        try:
+            self._read(lookups)
+        except (InvalidRequestError, ConfigError):
+            return  # (each module's forward reads its own rows, and raises what is wrong with its input)
+        self._unused = self._stats.unused
+        self._stats.grouped += 1
+
+    def seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """A watched module's forward, while the model's forward learns: where its input lies."""
+        if self._learning is None:
+            return
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        self._seen.append((module, self._learning.get(id(first)) if first is not None else None))
+
+    def end(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth or self._learning is None:
+            return
+        self._unwatch()
+        routes = [(m, path) for m, path in self._seen if path is not None]
+        self._routes = routes if len(routes) > 1 else []  # (one module reading alone gains nothing)
+        self._learning, self._seen = None, []
+
+    def _unwatch(self) -> None:
+        for handle in self._watching:
+            handle.remove()
+        self._watching = []
+
+    def remove(self) -> None:
+        """Take the hooks off the model and its modules."""
+        self._unwatch()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class _Hook:
+    """A forward hook of a GroupedForward (on the model, or on a module while it learns). Pickled or
+    copied with the model (torch.save(model), copy.deepcopy) it becomes one that does nothing:
+    the copy is not bound to the job."""
+
+    def __init__(self, owner: GroupedForward, what: str) -> None:
+        self._owner = weakref.ref(owner)
+        self._what = what
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *output: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            getattr(owner, self._what)(module, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a GroupedForward's hook becomes in a copy of the model: nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None

@@ -150,33 +150,44 @@ def test_a_collection_pulls_every_table_in_one_call_per_shard_and_equals_torch(m
 @pytest.mark.parametrize("layout", [Separate, Collection], ids=["separate", "collection"])
 def test_a_pipelined_sync_job_equals_the_unpipelined_one_bitwise_in_one_call_per_shard(make_servers, layout) -> None:  # type: ignore[no-untyped-def]
     """Two sync workers, two shards: the next batch's rows come back in the step's Step call, read
-    after the iteration's update, so the job is bit for bit the one whose forwards pull their rows."""
+    after the iteration's update, so the job is bit for bit the one whose forwards pull their rows:
+    each module on its own (group_lookups=False), or every module's at the model's forward start."""
     steps = 5
     results = []
-    for pipelined in (False, True):
+    for pipelined, grouped in ((False, False), (False, True), (True, True)):
         running = make_servers(2)
         calls: list[dict[str, int]] = [{}, {}]
         models = [layout(), layout()]  # (built here: torch's seed is one for every thread)
+        grouped_forwards = [0, 0]
 
         def work(rank: int) -> None:
             model = models[rank]
             with psgrad.connect([s.address for s in running], rank=rank, num_workers=2, mode="sync",
                                 optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
-                opt = ps.optimizer(model)
+                opt = ps.optimizer(model, group_lookups=grouped)
                 calls[rank] = count_calls(opt)
                 train(opt, model, batches(10 + rank, steps), pipelined)
+                grouped_forwards[rank] = opt.prefetched.stats.grouped
 
         run_in_threads(2, work)
         if pipelined:  # the first batch's prefetch; then every step's rows ride its Step calls
             assert calls[0] == {"pull_rows": 2, "step": 2 * steps}, calls
-        else:  # every forward pulls: one call per shard (a collection), or per module and shard
-            assert calls[0]["pull_rows"] == (2 if layout is Collection else 6) * steps, calls
+            assert grouped_forwards == [0, 0]  # (the pipeline's rows are there before each forward)
+        elif layout is Collection:  # every forward pulls: one call per shard
+            assert calls[0]["pull_rows"] == 2 * steps and grouped_forwards == [0, 0], calls
+        elif grouped:  # the first forward's modules pull one by one (it learns where their inputs are),
+            # then each forward reads every module's rows at its start: one call per shard
+            assert calls[0]["pull_rows"] == 6 + 2 * (steps - 1) and grouped_forwards == [steps - 1] * 2, calls
+        else:  # one call per module and shard
+            assert calls[0]["pull_rows"] == 6 * steps and grouped_forwards == [0, 0], calls
         results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
-    (plain_tables, plain_w), (piped_tables, piped_w) = results
-    assert plain_tables.keys() == piped_tables.keys() and len(plain_tables) == 6
-    for key in plain_tables:
-        assert torch.equal(plain_tables[key], piped_tables[key]), key
-    assert torch.equal(plain_w, piped_w)
+    plain_tables, plain_w = results[0]
+    assert len(plain_tables) == 6
+    for tables, w in results[1:]:
+        assert plain_tables.keys() == tables.keys()
+        for key in plain_tables:
+            assert torch.equal(plain_tables[key], tables[key]), key
+        assert torch.equal(plain_w, w)
 
 
 def test_on_one_host_the_rows_a_step_reads_come_back_through_a_segment(make_servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -616,3 +627,155 @@ def test_a_pipelined_step_whose_next_batch_cannot_be_looked_up_is_taken_again_wi
     (plain_rows, plain_head), (piped_rows, piped_head) = results
     assert plain_rows.keys() == piped_rows.keys() and all(torch.equal(plain_rows[t], piped_rows[t]) for t in plain_rows)
     assert torch.equal(plain_head, piped_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# A forward's reads grouped at its start (group_lookups, psgrad/worker/prefetch.py GroupedForward)
+
+
+class Routed(nn.Module):
+    """Separate modules fed the ways a model hands its batch on: a dict's tensor (a), a list of (ids,
+    offsets) pairs (b, c), a keyword argument (d), and ids the forward computes (e: a's ids % 50),
+    which no argument holds. skip_c leaves c out (a forward that routes its batch differently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = psgrad.EmbeddingBag(200, 4, mode="sum", std=0.1, seed=1)
+        self.b = psgrad.EmbeddingBag(300, 4, mode="mean", std=0.1, seed=2)
+        self.c = psgrad.EmbeddingBag(100, 4, mode="sum", std=0.1, seed=3)
+        self.d = psgrad.Embedding(120, 4, std=0.1, seed=4)
+        self.e = psgrad.EmbeddingBag(50, 4, mode="sum", std=0.1, seed=5)
+        torch.manual_seed(0)
+        self.head = nn.Linear(20, 1)
+
+    def forward(self, x: dict[str, torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]], *,
+                tokens: torch.Tensor, skip_c: bool = False) -> torch.Tensor:
+        (b_ids, b_offsets), (c_ids, c_offsets) = pairs
+        c = torch.zeros(x["a"].shape[0], 4) if skip_c else self.c(c_ids, c_offsets)
+        parts = [self.a(x["a"]), self.b(b_ids, b_offsets), c, self.d(tokens).sum(1), self.e(x["a"] % 50)]
+        return self.head(torch.cat(parts, dim=1)).squeeze(-1)
+
+
+def routed_batches(seed: int, n: int, size: int = 8) -> list[tuple[Any, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        a = torch.randint(0, 200, (size, 2), generator=g)
+        pairs = []
+        for rows in (300, 100):
+            lengths = torch.randint(1, 4, (size,), generator=g)
+            pairs.append((torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                          torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])))
+        out.append(({"a": a}, pairs, torch.randint(0, 120, (size, 3), generator=g), (a[:, 0] % 2).float()))
+    return out
+
+
+def routed_step(opt: psgrad.PSOptimizer, model: Routed, batch: tuple[Any, ...], skip_c: bool = False) -> None:
+    x, pairs, tokens, y = batch
+    opt.zero_grad()
+    nn.functional.binary_cross_entropy_with_logits(model(x, pairs, tokens=tokens, skip_c=skip_c), y).backward()
+    opt.step()
+
+
+def test_a_forward_reads_the_rows_of_the_modules_its_arguments_feed_in_one_call_per_shard(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Two shards, sync. The first forward's five modules pull one by one (ten calls) while it learns
+    where their inputs lie; from then on each forward reads a, b, c and d at its start in one call
+    per shard, and e (ids the forward computes) pulls its own: four calls. Step 3's forward leaves c
+    out: the rows read for it go unused, so step 4 learns again. The job equals, bit for bit, the one
+    whose modules each read their own rows (group_lookups=False): the same rows, read moments
+    earlier, with no step between."""
+    steps, skip = 6, 3
+    data = routed_batches(4, steps)
+    results = []
+    for grouped in (False, True):
+        running = make_servers(2)
+        model = Routed()
+        pulls = []
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=CLIENT) as ps:
+            opt = ps.optimizer(model, group_lookups=grouped)
+            calls = count_calls(opt)
+            for k, batch in enumerate(data):
+                before = calls["pull_rows"]
+                routed_step(opt, model, batch, skip_c=k == skip)
+                pulls.append(calls["pull_rows"] - before)
+            stats = opt.prefetched.stats
+            if grouped:
+                assert pulls == [10, 4, 4, 4, 10, 4], pulls
+                assert opt.grouping is not None and opt.grouping.routes == [  # (in the order of the calls)
+                    (model.c, (1, 1, 0)), (model.a, (0, "a")), (model.b, (1, 0, 0)), (model.d, ("tokens",))]
+                assert stats.grouped == 4 and stats.served == 4 * 4 - 1 and stats.unused > 0, stats
+            else:
+                assert pulls == [10, 10, 10, 8, 10, 10] and opt.grouping is None and stats == PrefetchStats(), (pulls, stats)
+        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
+    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
+    assert plain_tables.keys() == grouped_tables.keys() and len(plain_tables) == 10
+    for key in plain_tables:
+        assert torch.equal(plain_tables[key], grouped_tables[key]), key
+    assert torch.equal(plain_w, grouped_w)
+
+
+def test_forwards_that_must_not_read_ahead_read_their_rows_as_before(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """No grouped read in an evaluation under torch.no_grad() (its reads are the latest rows, never
+    held), in a second forward before the step (gradient accumulation: the first one's rows are
+    pending), or with a row cache (it may serve the rows without a call). A bad id is refused by the
+    module's own forward, with the message it always had."""
+    running = make_servers(2)
+    model = Routed()
+    data = routed_batches(6, 4)
+    with psgrad.connect([s.address for s in running], mode="async", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        routed_step(opt, model, data[0])  # (learns)
+        routed_step(opt, model, data[1])
+        assert opt.prefetched.stats.grouped == 1
+        x, pairs, tokens, _ = data[2]
+        with torch.no_grad():
+            model(x, pairs, tokens=tokens)
+        assert opt.prefetched.stats.grouped == 1
+        opt.zero_grad()
+        for x, pairs, tokens, y in data[2:4]:  # two forwards, one step
+            nn.functional.binary_cross_entropy_with_logits(model(x, pairs, tokens=tokens), y).backward()
+        opt.step()
+        assert opt.prefetched.stats.grouped == 2  # the first of the two only
+        bad = {"a": data[0][0]["a"].clone()}
+        bad["a"][0, 0] = 200
+        with pytest.raises(psgrad.InvalidRequestError) as grouped_error:
+            model(bad, pairs, tokens=tokens)
+    running = make_servers(2)
+    model = Routed()
+    with psgrad.connect([s.address for s in running], mode="async", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model, group_lookups=False)
+        with pytest.raises(psgrad.InvalidRequestError) as plain_error:
+            model(bad, pairs, tokens=tokens)
+    assert str(grouped_error.value) == str(plain_error.value) and "table 'a'" in str(plain_error.value)
+    running = make_servers(2)
+    model = Routed()
+    with psgrad.connect([s.address for s in running], mode="async", optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model, row_cache=1000, row_cache_staleness=4)
+        for _ in range(3):
+            routed_step(opt, model, data[0])
+        assert opt.prefetched.stats.grouped == 0 and opt.row_cache is not None and opt.row_cache.stats.hits > 0
+
+
+def test_a_bound_model_with_grouped_reads_saves_and_copies_and_ps_close_takes_its_hooks_off(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """torch.save(model) and copy.deepcopy(model) of a bound model whose forwards read grouped work;
+    the copy's hooks do nothing (its modules say they are copies, as without them), and closing the
+    job takes the hooks off the model."""
+    running = make_servers(1)
+    model = Routed()
+    data = routed_batches(8, 2)
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        for batch in data:
+            routed_step(opt, model, batch)
+        assert opt.prefetched.stats.grouped == 1 and model._forward_pre_hooks and model._forward_hooks
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copied = copy.deepcopy(model)
+        x, pairs, tokens, _ = data[0]
+        for other in (copied, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)):
+            with pytest.raises(WorkerStateError, match="is a copy"):
+                other(x, pairs, tokens=tokens)
+        assert opt.prefetched.stats.grouped == 1
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any(m._forward_pre_hooks for m in model.modules())
