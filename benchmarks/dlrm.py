@@ -299,11 +299,13 @@ class PsgradAgent:
         trained = train(self.model, self.opt, inputs, cmd["warmup"], loop, watch=cmd["server_pids"] if cmd["rank"] == 0 else ())
         stepped = trained.pop("stepped")
         transports = self.opt.client.transports()
+        prefetch = self.opt.prefetched.stats  # (rows fetched ahead: grouped forwards, served reads, unused rows)
         self.session.leave()
         if not cmd["evaluate"]:  # only the worker that scores the test set keeps its session
             self.close()
         return {**trained, "batch": cmd["batch"], "transports": transports,
-                "exchange_ms_per_step": 1e3 * sum(s.wait_s or 0.0 for s in stepped) / len(stepped)}
+                "exchange_ms_per_step": 1e3 * sum(s.wait_s or 0.0 for s in stepped) / len(stepped),
+                "prefetch": {"grouped": prefetch.grouped, "served": prefetch.served, "unused": prefetch.unused}}
 
     def evaluate(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The servers' latest weights (every worker's pushes), the test set's scores to a file."""
@@ -373,6 +375,7 @@ def window(replies: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_ms_per_1k_samples": cpu,
             "per_worker_samples_per_s": [r["steps"] * r["batch"] / (r["end"] - r["start"]) for r in replies],
             "losses": [r["losses"] for r in replies], "loss_last": [r["losses"][-1] for r in replies],
+            "prefetch": [r.get("prefetch") for r in replies],
             "phase_ms_per_step": {k: sum(r["phase_ms_per_step"][k] for r in replies) / len(replies)
                                   for k in replies[0]["phase_ms_per_step"]}}
 

@@ -83,16 +83,17 @@ class ShardClient:
         return self.transport is not self.frames
 
     def _pick(self, server_shares: bool, local: tuple[str, int, str] | None = None,
-              tcp: tuple[str, int, str] | None = None) -> None:
+              tcp: tuple[str, int, str] | None = None, reads: bool = False) -> None:
         """After a Join answer: payloads through shared memory where the server said it shares this
         host and takes segments and this worker may use them (ClientConfig shared_memory, a host
         with /dev/shm, not refused for good), else through frames. The same answer keeps the
         transport (a rejoin to the same server); another server's may change it (a failover). A
         switch back to shared memory maps the server's ring afresh at its next lend. local: the
         local socket the answer offers for Step calls (see wire/local_socket.py), or None; tcp:
-        the TCP socket it offers for the frames transport's Step calls, or None."""
+        the TCP socket it offers for the frames transport's Step calls, or None; reads: whether the
+        answer says its sockets take reads of rows (PullRows) too."""
         with self._bind_lock:
-            self.frames.socket.set(tcp if self.config.step_socket else None)
+            self.frames.socket.set(tcp if self.config.step_socket else None, reads)
             if not (server_shares and self._may_share):
                 self.transport = self.frames
             elif self.transport is self.frames:
@@ -102,7 +103,7 @@ class ShardClient:
                     self._shared.forget_ring()
                 self.transport = self._shared
             if self._shared is not None:
-                self._shared.socket.set(local if self.config.local_socket else None)
+                self._shared.socket.set(local if self.config.local_socket else None, reads)
 
     def _refused(self) -> None:
         """Shared memory is refused for good (this host cannot make a segment, or the server cannot
@@ -196,7 +197,7 @@ class ShardClient:
             reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
             answer = call.initial_metadata()
             self._pick(shm.same_host_server(answer), local_socket.offer_in(answer),
-                       local_socket.offer_in(answer, local_socket.TCP_METADATA_KEY))
+                       local_socket.offer_in(answer, local_socket.TCP_METADATA_KEY), local_socket.reads_offered(answer))
             return reply
 
         if len(self.addresses) < 2 and wait_for_ready:
@@ -298,7 +299,7 @@ class ShardClient:
         the rows' bytes, table after table, a view of the reply (the server puts them last; parsed
         by protobuf if not there)."""
         t = self.config.rpc_timeout_s
-        reply: bytes = self._call("the pull of rows", lambda: self._pull_rows(req, timeout=t), t)
+        reply: bytes | bytearray = self._call("the pull of rows", lambda: self._read_rows(req, t), t)
         what = f"the pull of rows from {self.address}"
         split = trailing_bytes_field(reply, ROWS_REPLY_ROWS)
         if split is not None:
@@ -308,6 +309,13 @@ class ShardClient:
             msg = parse_frame(pb.RowsReply, reply, what)
             rows = memoryview(msg.rows)
         return checked_rows(self.address, list(msg.versions), rows, len(req.block.tables), "the pull of rows")
+
+    def _read_rows(self, req: pb.RowsRequest, timeout_s: float) -> bytes | bytearray:
+        """A PullRows call's reply: over the socket the transport's Step calls use, where the server
+        takes reads there, else (or where the socket is busy or failed) through gRPC."""
+        socket = self.transport.socket
+        got = socket.read(req.SerializeToString(), timeout_s) if socket.reads else None
+        return got if got is not None else self._pull_rows(req, timeout=timeout_s)
 
     def updated_rows(self, req: pb.RowsRequest) -> pb.RowsReply:
         """A page of a sparse table's updated rows with their ids (req.updated; see ps.proto PullRows)."""

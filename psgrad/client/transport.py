@@ -21,7 +21,7 @@ from psgrad.client.delta_wire import DeltaWire
 from psgrad.core.codecs import WireBuffer
 from psgrad.errors import InvalidRequestError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.wire import shm
+from psgrad.wire import local_socket, shm
 from psgrad.wire.frames import PushHead
 from psgrad.wire.rows import RowBlock
 
@@ -39,6 +39,9 @@ class Transport(Protocol):
     # After a pull or step with published=True: the weights as a float32 tensor of the version the
     # server lent (valid until this shard's next pull), or None where they were written into dest.
     view: torch.Tensor | None
+    # The server's socket its Step calls go over where it offers one (and, where it takes them, the
+    # shard client's reads of rows: local_socket.Offered.read)
+    socket: local_socket.Offered
 
     def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
         """Pull the shard's weights into dest (float32 slice of the flat space), or with published

@@ -1,9 +1,10 @@
 """The server's end of Step calls over a socket (see wire/local_socket.py): an abstract Unix socket
 with a random name, offered at Join to workers on this host, and a TCP port of its bound host (in
-TLS on a server with TLS), offered to the others; a thread per connection reads a Step request,
-runs the servicer's Step handler with a context that holds the call's metadata and deadline, and
-writes its reply or its error status back. Connections are bound to a worker rank by the token of
-the Join answer, and their number is capped."""
+TLS on a server with TLS), offered to the others; a thread per connection reads a Step request
+(or a PullRows one: a forward's read of rows), runs the servicer's handler with a context that
+holds the call's metadata and deadline, and writes its reply or its error status back.
+Connections are bound to a worker rank by the token of the Join answer, and their number is
+capped."""
 from __future__ import annotations
 
 import logging
@@ -121,8 +122,10 @@ class LocalCalls:
 
     def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
                  done: Callable[[str, float, Any], None] | None = None, unix: bool = True,
-                 tcp: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None) -> None:
-        """step: the servicer's Step handler; done(method, start, context): a call's end, for the
+                 tcp: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None,
+                 reads: Callable[[pb.RowsRequest, Any], bytes] | None = None) -> None:
+        """step: the servicer's Step handler; reads: its PullRows handler, where the sockets take
+        reads of rows too (None: they take Step calls only); done(method, start, context): a call's end, for the
         server's call metrics (RpcMetrics._done), or None; unix: listen on an abstract Unix socket
         (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`), in
         TLS with `tls` (each connection's handshake on its own thread, within HELLO_TIMEOUT_S).
@@ -131,7 +134,9 @@ class LocalCalls:
             OSError: the TCP port cannot be bound.
         """
         self._step, self._done, self._tls = step, done, tls
+        self._reads = reads
         self._decode = protocol.decoder(pb.StepRequest)
+        self._decode_reads = protocol.decoder(pb.RowsRequest)
         self._key = secrets.token_bytes(32)
         name = f"psgrad-{secrets.token_hex(12)}"
         self.name = name if unix else None
@@ -154,10 +159,16 @@ class LocalCalls:
         self._open: set[socket.socket] = set()
         self._closed = False
         self.calls = 0  # Step calls served (status and tests)
+        self.read_calls = 0  # PullRows calls served
         for listener in self._listeners:
             listener.listen(64)
             kind = "tcp" if listener.family != socket.AF_UNIX else "local"
             threading.Thread(target=self._accept, args=(listener,), name=f"psgrad-{kind}-accept", daemon=True).start()
+
+    @property
+    def takes_reads(self) -> bool:
+        """Whether the sockets take PullRows calls (a Join answer says so: local_socket.READS_KEY)."""
+        return self._reads is not None
 
     def offer(self, rank: int) -> tuple[str, str] | None:
         """The Join answer's metadata entry for worker rank `rank` (on this host), or None (no
@@ -234,15 +245,10 @@ class LocalCalls:
     def _call(self, conn: socket.socket, rank: int, metadata: local_socket.Metadata, timeout_s: float,
               body: bytearray) -> None:
         context = LocalContext(metadata, timeout_s, conn)
+        method = next((v for k, v in metadata if k == local_socket.METHOD_KEY), "Step")
         start = time.perf_counter()
         try:
-            request = self._decode(_message(context, body))  # (as gRPC's deserializer: an Undecodable is refused)
-            if isinstance(request, protocol.Undecodable):
-                protocol.abort(context, request.error)
-            elif request.push.rank != rank:
-                protocol.abort(context, PermissionDeniedError(f"this connection is worker {rank}'s: it cannot push as "
-                                                              f"worker {request.push.rank}"))
-            reply = self._step(request, context)
+            reply = self._read(context, rank, body) if method == "PullRows" else self._stepped(context, rank, method, body)
         except _Aborted as stop:
             self._answer_error(conn, context, stop.code, stop.details)
         except Exception as exc:  # noqa: BLE001 (as gRPC answers a handler's bug: UNKNOWN)
@@ -250,12 +256,41 @@ class LocalCalls:
             context._code = grpc.StatusCode.UNKNOWN
             self._answer_error(conn, context, grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
         else:
-            self.calls += 1
+            if method == "PullRows":
+                self.read_calls += 1
+            else:
+                self.calls += 1
             local_socket.send(conn, context.trailing_metadata(), 0.0, reply)
         finally:
             context.ended()
             if self._done is not None:
-                self._done("Step", start, context)
+                self._done(method if method == "PullRows" else "Step", start, context)
+
+    def _stepped(self, context: LocalContext, rank: int, method: str, body: bytearray) -> bytes:
+        """A Step call's reply (raises _Aborted where it is refused)."""
+        if method != "Step":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method!r} is not served over this socket "
+                                                         "(Step and PullRows are)")
+        request = self._decode(_message(context, body))  # (as gRPC's deserializer: an Undecodable is refused)
+        if isinstance(request, protocol.Undecodable):
+            protocol.abort(context, request.error)
+        elif request.push.rank != rank:
+            protocol.abort(context, PermissionDeniedError(f"this connection is worker {rank}'s: it cannot push as "
+                                                          f"worker {request.push.rank}"))
+        return self._step(request, context)
+
+    def _read(self, context: LocalContext, rank: int, body: bytearray) -> bytes:
+        """A PullRows call's reply (raises _Aborted where it is refused)."""
+        if self._reads is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server's sockets take Step calls only")
+        assert self._reads is not None
+        request = self._decode_reads(memoryview(body))
+        if isinstance(request, protocol.Undecodable):
+            protocol.abort(context, request.error)
+        elif request.rank != rank:
+            protocol.abort(context, PermissionDeniedError(f"this connection is worker {rank}'s: it cannot read as "
+                                                          f"worker {request.rank}"))
+        return self._reads(request, context)
 
     @staticmethod
     def _answer_error(conn: socket.socket, context: LocalContext, code: grpc.StatusCode, details: str) -> None:

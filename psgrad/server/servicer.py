@@ -13,7 +13,7 @@ import torch
 
 from psgrad import errors
 from psgrad.wire import serde
-from psgrad.wire import published, shm
+from psgrad.wire import local_socket, published, shm
 from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, segment_bytes, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, parse_frame, write_frames
 from psgrad.config import ServerConfig
@@ -212,7 +212,10 @@ class ParameterServicer:
         if shm.supported():  # a worker on this host may then move payloads through shared memory
             answer.append((shm.METADATA_KEY, shm.server_answer()))
         if self.local is not None:  # ... and make its Step calls over the local socket, or the TCP one
-            answer += [o for o in (self.local.offer(req.rank), self.local.tcp_offer(req.rank)) if o is not None]
+            offers = [o for o in (self.local.offer(req.rank), self.local.tcp_offer(req.rank)) if o is not None]
+            answer += offers
+            if offers and self.local.takes_reads:  # (a forward's reads of rows too)
+                answer.append((local_socket.READS_KEY, "1"))
         if answer:
             context.send_initial_metadata(tuple(answer))
         return pb.JoinReply(

@@ -68,7 +68,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise ValueError("truncated varint")
 
 
-def trailing_bytes_field(message: bytes, number: int) -> tuple[memoryview, memoryview] | None:
+def trailing_bytes_field(message: bytes | bytearray | memoryview, number: int) -> tuple[memoryview, memoryview] | None:
     """(the fields before it, its bytes) where a serialized message ends with the `bytes` field
     `number` (as one built with bytes_field_prefix does), views, no copy; None when it does not, or
     the bytes are not a message (parse it with protobuf)."""
@@ -178,7 +178,7 @@ def write_frames(frames: Iterator[bytes], writer: PayloadWriter, parse_other: "F
     writer.finish()
 
 
-def parse_frame(message_type: Any, frame: bytes, what: str) -> Any:
+def parse_frame(message_type: Any, frame: bytes | bytearray | memoryview, what: str) -> Any:
     """A frame of a client stream as its message (a generated XFrame class).
 
     Raises:

@@ -20,6 +20,13 @@ metadata and deadline, and answers with its reply, or its status code, details a
 metadata (the psgrad error's class), which the worker raises as a gRPC error
 (LocalCallError), so retries, failover and error messages are those of the gRPC call.
 
+A training forward's read of rows (PullRows, where no step brought them: a model without a
+pipeline) goes over the same connection, where the server's Join answer says it takes them
+(`psgrad-socket-reads: 1`): metadata `psgrad-method: PullRows`, the serialized RowsRequest, whose
+rank must be the connection's, and the RowsReply's bytes back. A read never waits for a Step call
+of another thread on the connection: it goes through gRPC then (Offered.read). A read is safe to
+make again, so one whose connection fails goes through gRPC at once.
+
 A worker whose connection fails (the server restarted, or closed it) makes that call, and every
 later one, through gRPC until a Join offers a socket again; a push is keyed, so a call that may
 have reached the server is safe to make again.
@@ -58,6 +65,7 @@ import socket
 import ssl
 import struct
 import sys
+import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
@@ -69,6 +77,8 @@ from psgrad.wire.protocol import MAX_MESSAGE_BYTES
 METADATA_KEY = "psgrad-local"  # a Join answer's offer: "NAME RANK TOKEN"
 TCP_METADATA_KEY = "psgrad-step-socket"  # a Join answer's offer of its TCP socket: "PORT RANK TOKEN"
 CODE_KEY = "psgrad-local-code"  # an error reply's status code (its name), among its metadata
+METHOD_KEY = "psgrad-method"  # a request's method, where it is not Step: "PullRows"
+READS_KEY = "psgrad-socket-reads"  # a Join answer's word that its sockets take PullRows calls too: "1"
 _HEADER = struct.Struct("<IId")
 _MAX_METADATA = 1 << 16
 SOCKET_BUFFER_BYTES = 4 << 20  # each end's send and receive buffers (see widen)
@@ -114,6 +124,11 @@ def offer_in(metadata: Sequence[tuple[str, Any]] | None, key: str = METADATA_KEY
     if len(parts) != 3 or not parts[1].isdigit() or (key == TCP_METADATA_KEY and not parts[0].isdigit()):
         return None
     return parts[0], int(parts[1]), parts[2]
+
+
+def reads_offered(metadata: Sequence[tuple[str, Any]] | None) -> bool:
+    """Whether a Join answer says the server's sockets take PullRows calls (READS_KEY)."""
+    return any(k == READS_KEY and str(v) == "1" for k, v in metadata or ())
 
 
 def tcp_offer(port: int, key: bytes, rank: int) -> tuple[str, str]:
@@ -307,6 +322,11 @@ class LocalChannel:
                 connection is closed then: a late reply must not answer the next call).
             ChannelLost: the connection failed (closed).
         """
+        body, call = self.finish_bytes()
+        return pb.StepReply.FromString(body), call  # (parsed as it lies: no bytes() of it first)
+
+    def finish_bytes(self) -> tuple[bytearray, LocalCall]:
+        """The reply to the request start sent, as its bytes (raises as finish)."""
         with self._failures():
             md, status, body = receive(self._sock)
         if status:
@@ -314,7 +334,7 @@ class LocalChannel:
             trailing = tuple((k, v) for k, v in md if k != CODE_KEY)
             raise LocalCallError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN,
                                  bytes(body).decode(errors="replace"), trailing)
-        return pb.StepReply.FromString(body), LocalCall(md)  # (parsed as it lies: no bytes() of it first)
+        return body, LocalCall(md)
 
     @contextlib.contextmanager
     def _failures(self) -> Iterator[None]:
@@ -353,12 +373,19 @@ class Offered:
     def __init__(self, connect: Callable[[Offer], LocalChannel]) -> None:
         self._connect = connect
         self.offer: Offer | None = None  # (None: none offered, or given up)
+        self.reads = False  # whether the server takes PullRows calls over it (its Join answer said so)
         self._channel: LocalChannel | None = None
         self.failed: str | None = None  # why the last connection could not be made (cleared by whoever warns)
         self.calls = 0  # Step calls made over it
+        self.read_calls = 0  # PullRows calls made over it
+        # Whether a call is on the connection (a Step between its stages, or a read): one at a time
+        self._busy = False
+        self._turn = threading.Condition()
 
-    def set(self, offer: Offer | None) -> None:
-        """A Join answer offered this socket (None: none): a connection to another one is closed."""
+    def set(self, offer: Offer | None, reads: bool = False) -> None:
+        """A Join answer offered this socket (None: none), and said whether it takes reads: a
+        connection to another one is closed."""
+        self.reads = reads and offer is not None
         if offer != self.offer:
             channel, self._channel, self.offer = self._channel, None, offer
             if channel is not None:
@@ -387,6 +414,10 @@ class Offered:
             LocalCallError: the server answered with an error status, or the deadline passed.
             ChannelLost: the connection failed (the server may or may not have the call).
         """
+        with self._turn:  # (a read of another thread finishes first: reads are short, and never wait)
+            while self._busy:
+                self._turn.wait()
+            self._busy = True
         try:
             channel.start(request, timeout_s, metadata)
             try:
@@ -404,8 +435,50 @@ class Offered:
             if self._channel is channel:  # (not where a Join offered another socket meanwhile)
                 self._channel, self.offer = None, None
             raise
+        finally:
+            self._done()
         self.calls += 1
         return done
+
+    def read(self, request: bytes, timeout_s: float) -> bytearray | None:
+        """A PullRows call over the socket: the RowsReply's bytes; None where it cannot go over the
+        socket now (none offered, or it takes no reads, or another thread's call is on the
+        connection, or the connection failed: given up until a Join offers a socket again), for
+        the caller to make it through gRPC (a read is safe to make again).
+
+        Raises:
+            LocalCallError: the server answered with an error status, or the deadline passed.
+        """
+        if not self.reads:
+            return None
+        with self._turn:
+            if self._busy:
+                return None
+            self._busy = True
+        try:
+            channel = self.channel()
+            if channel is None:
+                return None
+            try:
+                channel.start(request, timeout_s, ((METHOD_KEY, "PullRows"),))
+                body, _ = channel.finish_bytes()
+            except LocalCallError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
+                    self._channel = None
+                raise
+            except ChannelLost:
+                if self._channel is channel:
+                    self._channel, self.offer, self.reads = None, None, False
+                return None
+        finally:
+            self._done()
+        self.read_calls += 1
+        return body
+
+    def _done(self) -> None:
+        with self._turn:
+            self._busy = False
+            self._turn.notify_all()
 
 
 def nodelay(sock: socket.socket) -> None:

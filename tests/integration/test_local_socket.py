@@ -1,6 +1,7 @@
 """Step calls over the servers' sockets (server/local_calls.py, wire/local_socket.py): a sync job of
-two workers on real server processes makes every Step call over their local sockets (same host)
-or, with its payloads in gRPC frames, over their TCP sockets (another host), each worker's
+two workers on real server processes makes every Step call, and every forward's read of rows,
+over their local sockets (same host) or, with its payloads in gRPC frames, over their TCP sockets
+(another host), each worker's
 connection bound to its own rank, and trains bit for bit as over gRPC; a server whose socket closes
 mid-job gets the calls through gRPC again, the job unchanged; a worker that cannot reach the TCP
 port warns and calls through gRPC; servers with a job secret but no TLS, or `--step-port off`,
@@ -45,6 +46,7 @@ class Seen:
     name: str = ""
     steps_through_socket: int = 0  # its Step calls over the socket
     offer: tuple[str, int, str] | None = None  # the socket offered (rank bound), None: none or given up
+    reads_through_socket: int = 0  # its forwards' reads of rows (PullRows) over the socket
 
 
 def data(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -72,7 +74,7 @@ def job(addresses: list[str], local: bool, after_step: Callable[[int, int], None
                 opt.step()
                 after_step(rank, k)
             transports[rank] = [Seen(s.transport.name, s.transport.socket.calls,  # (as the job ends)
-                                     s.transport.socket.offer) for s in opt.client.shards]
+                                     s.transport.socket.offer, s.transport.socket.read_calls) for s in opt.client.shards]
             if rank == 0:
                 opt.refresh()
                 states[0] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,8 +89,10 @@ def test_a_same_host_jobs_step_calls_go_over_the_socket_bit_for_bit_as_over_grpc
     for rank, shards in enumerate(socket_transports):
         assert [t.name for t in shards] == ["shm", "shm"], socket_transports
         assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], socket_transports
+        assert [t.reads_through_socket for t in shards] == [STEPS, STEPS], socket_transports  # each forward's
         assert [t.offer and t.offer[1] for t in shards] == [rank, rank], socket_transports  # its own rank
     assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
+    assert [t.reads_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
     assert over_socket.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_socket)
     for key in over_socket:
         assert torch.equal(over_socket[key], over_grpc[key]), key
@@ -105,7 +109,8 @@ def test_a_server_whose_socket_closes_mid_job_gets_the_calls_through_grpc(make_s
     result, transports = job([s.address for s in running], local=True, after_step=close_shard_0s_socket)
     for shards in transports:
         assert shards[0].steps_through_socket < STEPS and shards[0].offer is None  # given up
-        assert shards[1].steps_through_socket == STEPS
+        assert shards[0].reads_through_socket < STEPS  # (the reads after it through gRPC too)
+        assert shards[1].steps_through_socket == STEPS and shards[1].reads_through_socket == STEPS
     assert transports[0][0].steps_through_socket == 2
     for key in reference:
         assert torch.equal(result[key], reference[key]), key
@@ -120,8 +125,10 @@ def test_a_jobs_step_calls_in_frames_go_over_the_tcp_socket_bit_for_bit_as_over_
     for rank, shards in enumerate(tcp_transports):
         assert [t.name for t in shards] == ["grpc", "grpc"], tcp_transports
         assert [t.steps_through_socket for t in shards] == [STEPS, STEPS], tcp_transports
+        assert [t.reads_through_socket for t in shards] == [STEPS, STEPS], tcp_transports
         assert [t.offer and t.offer[1] for t in shards] == [rank, rank], tcp_transports  # its own rank
     assert [t.steps_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
+    assert [t.reads_through_socket for shards in grpc_transports for t in shards] == [0] * 4, grpc_transports
     assert [t.offer for shards in grpc_transports for t in shards] == [None] * 4  # not taken up
     assert over_tcp.keys() == over_grpc.keys() and any(k.startswith("ebc.") for k in over_tcp)
     for key in over_tcp:
@@ -193,3 +200,4 @@ def test_a_refusal_over_the_tcp_socket_is_raised_as_it_is_and_not_sent_again(mak
         assert through_grpc == [] and c.shards[0].frames.socket.offer is not None  # (the socket stays)
         c.exchange(dense, 0, torch.zeros_like(dense), rows={"emb": (torch.tensor([5, 7]), torch.zeros(2, 4))})
         assert through_grpc == [] and c.shards[0].frames.socket.calls == 1
+

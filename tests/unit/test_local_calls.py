@@ -341,3 +341,84 @@ def test_a_send_the_other_end_never_takes_times_out_as_a_receive_does() -> None:
         a.settimeout(0.2)
         with pytest.raises(socket.timeout):
             local_socket.send(a, (), 1.0, bytes(64 << 20))  # far more than the socket's buffer
+
+
+# ---------------------------------------------------------------------------------------------
+# A forward's reads of rows (PullRows) over the same connection
+
+
+def rows(req: pb.RowsRequest, context: Any) -> bytes:
+    """A PullRows handler's stand-in: the request's rank and its tables' count back as versions."""
+    context.set_trailing_metadata(tuple(context.invocation_metadata()))
+    return pb.RowsReply(versions=[req.rank, len(req.block.tables)]).SerializeToString()
+
+
+def read_request(rank: int, tables: int = 1) -> bytes:
+    return pb.RowsRequest(rank=rank, block=pb.RowBlock(tables=[f"t{k}" for k in range(tables)])).SerializeToString()
+
+
+def offered(calls: LocalCalls, rank: int) -> local_socket.Offered:
+    """A worker's view of the socket, as a Join answer offering it (and its reads, where the server
+    takes them) leaves it."""
+    socket = local_socket.Offered(lambda offer: LocalChannel(*offer))
+    answer = [calls.offer(rank)] + ([(local_socket.READS_KEY, "1")] if calls.takes_reads else [])
+    socket.set(local_socket.offer_in(answer), local_socket.reads_offered(answer))
+    return socket
+
+
+def test_reads_of_rows_go_over_the_socket_as_the_connections_rank_only() -> None:
+    calls = LocalCalls(echo, reads=rows)
+    try:
+        socket = offered(calls, 2)
+        assert socket.reads
+        got = socket.read(read_request(2, tables=3), 10.0)
+        assert got is not None and pb.RowsReply.FromString(got).versions == [2, 3]
+        assert (calls.read_calls, calls.calls, socket.read_calls) == (1, 0, 1)
+        with pytest.raises(LocalCallError) as refused:
+            socket.read(read_request(3), 10.0)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "cannot read as worker 3" in refused.value.details()
+        with pytest.raises(LocalCallError) as garbage:
+            socket.read(b"\xff\xff\xff", 10.0)
+        assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the connection still serves both kinds of call
+        channel = socket.channel()
+        assert channel is not None
+        reply, _ = channel.with_call(request(2, clock=5), 10.0)
+        assert reply.push.version == 5 and calls.calls == 1
+        assert socket.read(read_request(2), 10.0) is not None and calls.read_calls == 2
+    finally:
+        calls.close()
+
+
+def test_a_server_that_takes_no_reads_over_its_socket_is_not_sent_any(serve) -> None:  # type: ignore[no-untyped-def]
+    calls = serve()  # (Step calls only)
+    socket = offered(calls, 0)
+    assert not socket.reads and socket.read(read_request(0), 10.0) is None and socket.read_calls == 0
+    channel = connect(calls, 0)
+    for method in ("PullRows", "Push"):  # (sent anyway: refused, the connection kept)
+        channel.start(read_request(0), 10.0, ((local_socket.METHOD_KEY, method),))
+        with pytest.raises(LocalCallError) as refused:
+            channel.finish()
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+    reply, _ = channel.with_call(request(0, clock=4), 10.0)
+    assert reply.push.version == 4
+
+
+def test_a_read_never_waits_for_a_step_between_its_stages_and_a_failed_read_gives_the_socket_up() -> None:
+    calls = LocalCalls(echo, reads=rows)
+    try:
+        socket = offered(calls, 1)
+        channel = socket.channel()
+        assert channel is not None
+        staged = socket.calling(channel, request(1, clock=9), 10.0)
+        next(staged)  # the Step's request is out, its reply not read yet
+        assert socket.read(read_request(1), 10.0) is None  # (through gRPC instead: not after the Step's reply)
+        with pytest.raises(StopIteration) as done:
+            next(staged)
+        assert done.value.value[0].push.version == 9
+        assert socket.read(read_request(1), 10.0) is not None
+        calls.close()  # the server's socket goes away: the read is for gRPC, and the socket given up
+        assert socket.read(read_request(1), 10.0) is None
+        assert socket.offer is None and not socket.reads
+    finally:
+        calls.close()
