@@ -220,7 +220,9 @@ class GroupedForward:
     Where each module's input comes from is learned from the first training forward, by identity
     (the tensor a module gets is the one the model got); modules fed something the forward
     computed (a slice, `ids % n`) read their own rows, as before. When rows read so go unused (the
-    model routed another batch differently), the next forward learns again. Forwards that
+    model routed another batch differently), the next forward learns again; where it learns the
+    same routes and their rows go unused again (a forward that changes its inputs in place before
+    its modules read them), it stops reading ahead for good. Forwards that
     `may_read` says no to (a step pending, rows already fetched ahead by a prefetch or the
     pipeline, evaluation under torch.no_grad(), a worker that left) read nothing ahead. A
     refused input (a bad id, a missing feature) is left to its module's forward, which raises
@@ -238,6 +240,9 @@ class GroupedForward:
         self._watching: list[RemovableHandle] = []
         self._depth = 0
         self._unused = 0  # stats.unused after the last grouped read
+        self._checking = False  # a grouped read was made: the next forward looks whether its rows were used
+        self._failed: list[tuple[nn.Module, Path]] | None = None  # routes whose rows went unused, learning again
+        self._strikes = 0  # routes learned again equal to those that failed, since a grouped read was used whole
         self._handles = [model.register_forward_pre_hook(_Hook(self, "start"), with_kwargs=True),
                          model.register_forward_hook(_Hook(self, "end"), with_kwargs=True, always_call=True)]
 
@@ -254,8 +259,12 @@ class GroupedForward:
         self._unwatch()
         if not self._may_read():
             return
-        if self._stats.unused > self._unused:  # rows a grouped read brought went unused: learn again
-            self._routes, self._unused = None, self._stats.unused
+        if self._checking:  # were the rows the last grouped read brought used?
+            self._checking = False
+            if self._stats.unused > self._unused:  # no: learn again
+                self._failed, self._routes, self._unused = self._routes, None, self._stats.unused
+            else:
+                self._strikes = 0
         lookups = []
         if self._routes:
             try:
@@ -272,7 +281,7 @@ class GroupedForward:
             self._read(lookups)
         except (InvalidRequestError, ConfigError):
             return  # (each module's forward reads its own rows, and raises what is wrong with its input)
-        self._unused = self._stats.unused
+        self._unused, self._checking = self._stats.unused, True
         self._stats.grouped += 1
 
     def seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -288,7 +297,13 @@ class GroupedForward:
             return
         self._unwatch()
         routes = [(m, path) for m, path in self._seen if path is not None]
-        self._routes = routes if len(routes) > 1 else []  # (one module reading alone gains nothing)
+        if self._failed is not None and routes == self._failed:  # the same routes as those whose rows went unused
+            self._strikes += 1
+        self._failed = None
+        # (one module reading alone gains nothing; and routes that failed twice in a row without a
+        # grouped read used whole between, a forward that changes its inputs before its modules read
+        # them, say in place, would fail again: given up for good)
+        self._routes = routes if len(routes) > 1 and self._strikes < 2 else []
         self._learning, self._seen = None, []
 
     def _unwatch(self) -> None:
