@@ -179,21 +179,59 @@ _MAX_DEPTH = 4
 _MAX_OBJECTS = 4096
 
 
-def _paths(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[int, Path]:
-    """id(object) -> its path, for each argument and what the lists, tuples and dicts among them
-    hold (the first path of an object found at several)."""
-    found: dict[int, Path] = {}
-    todo: list[tuple[Path, Any]] = [((k,), v) for k, v in kwargs.items()][::-1] + [((k,), v) for k, v in enumerate(args)][::-1]
-    while todo and len(found) < _MAX_OBJECTS:
-        path, obj = todo.pop()
-        found.setdefault(id(obj), path)
-        if len(path) > _MAX_DEPTH:
-            continue
-        if isinstance(obj, (list, tuple)):
-            todo.extend(((*path, k), v) for k, v in reversed(list(enumerate(obj))))
-        elif isinstance(obj, Mapping):
-            todo.extend(((*path, k), v) for k, v in reversed(list(obj.items())))
-    return found
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # a tensor's size, stride and storage offset
+
+
+def _layout(t: torch.Tensor) -> Layout:
+    return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+
+
+@dataclass(frozen=True)
+class _View:
+    """The last step of a path to a view of an argument's tensor (`x[:, f]`, `x[f]`, `x.view(...)`):
+    the view's layout in that tensor's storage, taken of a tensor laid out as the learned one was
+    (another layout, say a smaller last batch: TypeError, and the forward learns again)."""
+
+    base: Layout
+    view: Layout
+
+    def of(self, t: Any) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or _layout(t) != self.base:
+            raise TypeError("not a tensor of the learned layout")
+        return t.as_strided(*self.view)
+
+
+class _Paths:
+    """Where objects lie among a forward's arguments: by identity, each argument and what the lists,
+    tuples and dicts among them hold (the first path of an object found at several); and the
+    tensors among them by their storage, for a view one of them shares it with."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        self.by_id: dict[int, Path] = {}
+        self.by_storage: dict[int, tuple[Path, torch.Tensor]] = {}
+        todo: list[tuple[Path, Any]] = [((k,), v) for k, v in kwargs.items()][::-1] + [((k,), v) for k, v in enumerate(args)][::-1]
+        while todo and len(self.by_id) < _MAX_OBJECTS:
+            path, obj = todo.pop()
+            self.by_id.setdefault(id(obj), path)
+            if isinstance(obj, torch.Tensor):
+                self.by_storage.setdefault(obj.untyped_storage().data_ptr(), (path, obj))
+            elif len(path) <= _MAX_DEPTH and isinstance(obj, (list, tuple)):
+                todo.extend(((*path, k), v) for k, v in reversed(list(enumerate(obj))))
+            elif len(path) <= _MAX_DEPTH and isinstance(obj, Mapping):
+                todo.extend(((*path, k), v) for k, v in reversed(list(obj.items())))
+
+    def of(self, obj: Any) -> Path | None:
+        """The path of `obj`, or of the argument's tensor it is a view of; None: not among them."""
+        path = self.by_id.get(id(obj))
+        if path is not None or not isinstance(obj, torch.Tensor) or obj.numel() == 0:
+            return path
+        found = self.by_storage.get(obj.untyped_storage().data_ptr())
+        if found is None:
+            return None
+        base_path, base = found
+        if base.dtype != obj.dtype:  # (a view as another dtype: its layout is not in the base's elements)
+            return None
+        return (*base_path, _View(_layout(base), _layout(obj)))
 
 
 def _resolve(path: Path, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -205,7 +243,7 @@ def _resolve(path: Path, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> An
     head, *rest = path
     obj = args[head] if isinstance(head, int) else kwargs[head]
     for key in rest:
-        obj = obj[key]
+        obj = key.of(obj) if isinstance(key, _View) else obj[key]
     return obj
 
 
@@ -218,8 +256,10 @@ class GroupedForward:
     earlier: a sync job computes bit for bit what it computes without this).
 
     Where each module's input comes from is learned from the first training forward, by identity
-    (the tensor a module gets is the one the model got); modules fed something the forward
-    computed (a slice, `ids % n`) read their own rows, as before. When rows read so go unused (the
+    (the tensor a module gets is the one the model got), or as a view of an argument's tensor
+    (`x[:, f]`: the same layout in its storage, taken of the next batch's tensor where that is
+    laid out alike); modules fed something else the forward computed (`ids % n`) read their own
+    rows, as before. When rows read so go unused (the
     model routed another batch differently), the next forward learns again; where it learns the
     same routes and their rows go unused again (a forward that changes its inputs in place before
     its modules read them), it stops reading ahead for good. Forwards that
@@ -235,7 +275,7 @@ class GroupedForward:
                          and not (id(m) in seen or seen.add(id(m)))]  # type: ignore[func-returns-value]
         self._read, self._may_read, self._stats = read, may_read, stats
         self._routes: list[tuple[nn.Module, Path]] | None = None  # None: to learn at the next forward
-        self._learning: dict[int, Path] | None = None  # the paths of the forward that learns
+        self._learning: _Paths | None = None  # the paths of the forward that learns
         self._seen: list[tuple[nn.Module, Path | None]] = []
         self._watching: list[RemovableHandle] = []
         self._depth = 0
@@ -272,7 +312,7 @@ class GroupedForward:
             except (LookupError, TypeError):  # arguments of another shape: learn from this forward
                 self._routes = None
         if self._routes is None:
-            self._learning, self._seen = _paths(args, kwargs), []
+            self._learning, self._seen = _Paths(args, kwargs), []
             self._watching = [m.register_forward_pre_hook(_Hook(self, "seen"), with_kwargs=True) for m in self._modules]
             return
         if not lookups:
@@ -289,7 +329,7 @@ class GroupedForward:
         if self._learning is None:
             return
         first = args[0] if args else next(iter(kwargs.values()), None)
-        self._seen.append((module, self._learning.get(id(first)) if first is not None else None))
+        self._seen.append((module, self._learning.of(first) if first is not None else None))
 
     def end(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         self._depth = max(0, self._depth - 1)

@@ -817,3 +817,54 @@ def test_a_forward_whose_grouped_rows_keep_going_unused_stops_reading_ahead(make
     for key in plain_tables:
         assert torch.equal(plain_tables[key], grouped_tables[key]), key
     assert torch.equal(plain_w, grouped_w)
+
+
+class Columns(nn.Module):
+    """Four tables fed the columns of one id tensor (`x[:, f]`, views of the forward's argument), as
+    many models read a batch of categorical features [batch, features]."""
+
+    ROWS = (200, 300, 100, 120)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(psgrad.Embedding(n, 4, std=0.1, seed=k) for k, n in enumerate(self.ROWS))
+        torch.manual_seed(0)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([t(x[:, f]) for f, t in enumerate(self.tables)], dim=1)).squeeze(-1)
+
+
+def test_modules_fed_views_of_an_argument_read_grouped_and_a_batch_of_another_shape_learns_again(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Each table reads a column of the forward's one id tensor: learned as views of it, so from
+    the second forward on one call per shard reads all four. A last batch of another size lays the
+    tensor out otherwise: that forward learns again (its modules read one by one), the next one too,
+    and the job stays bit for bit the one without grouping."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [8, 8, 8, 5, 8, 8]
+    data = [(torch.stack([torch.randint(0, n, (b,), generator=g) for n in Columns.ROWS], dim=1),
+             torch.randint(0, 2, (b,), generator=g).float()) for b in sizes]
+    results = []
+    for grouped in (False, True):
+        running = make_servers(2)
+        model = Columns()
+        pulls = []
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=CLIENT) as ps:
+            opt = ps.optimizer(model, group_lookups=grouped)
+            calls = count_calls(opt)
+            for x, y in data:
+                before = calls["pull_rows"]
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+                opt.step()
+                pulls.append(calls["pull_rows"] - before)
+            if grouped:  # learn, grouped, grouped, learn (5 ids), learn (8 again), grouped
+                assert opt.prefetched.stats.grouped == 3 and opt.prefetched.stats.unused == 0, opt.prefetched.stats
+                assert [p == 2 for p in pulls] == [False, True, True, False, False, True], pulls
+        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
+    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
+    assert plain_tables.keys() == grouped_tables.keys() and len(plain_tables) == 8
+    for key in plain_tables:
+        assert torch.equal(plain_tables[key], grouped_tables[key]), key
+    assert torch.equal(plain_w, grouped_w)
