@@ -186,6 +186,14 @@ def _layout(t: torch.Tensor) -> Layout:
     return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
 
 
+def _span(layout: Layout) -> tuple[int, int]:
+    """The first and last storage elements a non-empty tensor of this layout reaches."""
+    size, stride, offset = layout
+    low = offset + sum((n - 1) * st for n, st in zip(size, stride) if st < 0)
+    high = offset + sum((n - 1) * st for n, st in zip(size, stride) if st > 0)
+    return low, high
+
+
 @dataclass(frozen=True)
 class _View:
     """The last step of a path to a view of an argument's tensor (`x[:, f]`, `x[f]`, `x.view(...)`):
@@ -198,7 +206,10 @@ class _View:
     def of(self, t: Any) -> torch.Tensor:
         if not isinstance(t, torch.Tensor) or _layout(t) != self.base:
             raise TypeError("not a tensor of the learned layout")
-        return t.as_strided(*self.view)
+        try:
+            return t.as_strided(*self.view)
+        except RuntimeError as exc:  # (a view outside what this storage holds)
+            raise TypeError(str(exc)) from None
 
 
 class _Paths:
@@ -229,9 +240,14 @@ class _Paths:
         if found is None:
             return None
         base_path, base = found
-        if base.dtype != obj.dtype:  # (a view as another dtype: its layout is not in the base's elements)
-            return None
-        return (*base_path, _View(_layout(base), _layout(obj)))
+        view = _layout(obj)
+        if base.dtype != obj.dtype or base.numel() == 0 or not _within(_span(view), _span(_layout(base))):
+            return None  # (a view as another dtype, or of storage past the argument's own elements)
+        return (*base_path, _View(_layout(base), view))
+
+
+def _within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
 def _resolve(path: Path, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
