@@ -146,6 +146,39 @@ def test_64_connections_of_one_identity_hold_no_more_streams_than_its_cap() -> N
         server.stop(0)
 
 
+def test_a_tls_sessions_reads_of_rows_go_over_the_tcp_socket_in_tls_as_its_own_rank(secured: tuple[RunningServer, CertFiles]) -> None:
+    """A forward's read of rows takes the TLS step socket too, as the worker's own rank, and reads
+    the rows a read through gRPC reads."""
+    import dataclasses
+
+    server, files = secured
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = psgrad.Embedding(50, 4, std=0.1, seed=3)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids))
+
+    torch.manual_seed(0)
+    model = Model()
+    ids, y = torch.randint(0, 50, (16,)), torch.randint(0, 2, (16,))
+    config = dataclasses.replace(client(files, "worker-0"), shared_memory=False)
+    with psgrad.connect(server.address, client=config, optimizer=psgrad.SGD(lr=0.1)) as ps:
+        opt = ps.optimizer(model)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(ids), y).backward()
+            assert opt.step().accepted
+        socket = opt.client.shards[0].frames.socket
+        assert (socket.read_calls, server.servicer.local.read_calls) == (3, 3)
+        over_socket = model.emb(ids).detach()
+        socket.reads = False  # (this read through gRPC)
+        assert torch.equal(model.emb(ids).detach(), over_socket) and socket.read_calls == 4
+
+
 def test_a_tls_sessions_step_calls_go_over_the_tcp_socket_in_tls(secured: tuple[RunningServer, CertFiles]) -> None:
     """A worker with its payloads in frames (as on another host) makes its Step calls over the
     server's TCP step socket, in TLS with the certificates of the gRPC port; a connection without
