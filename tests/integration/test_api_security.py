@@ -146,6 +146,14 @@ def test_64_connections_of_one_identity_hold_no_more_streams_than_its_cap() -> N
         server.stop(0)
 
 
+def train_steps(opt: psgrad.PSOptimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    """`steps` steps of cross-entropy on (x, y), each accepted."""
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert opt.step().accepted
+
+
 def test_a_tls_sessions_reads_of_rows_go_over_the_tcp_socket_in_tls_as_its_own_rank(secured: tuple[RunningServer, CertFiles]) -> None:
     """A forward's read of rows takes the TLS step socket too, as the worker's own rank, and reads
     the rows a read through gRPC reads."""
@@ -168,10 +176,7 @@ def test_a_tls_sessions_reads_of_rows_go_over_the_tcp_socket_in_tls_as_its_own_r
     config = dataclasses.replace(client(files, "worker-0"), shared_memory=False)
     with psgrad.connect(server.address, client=config, optimizer=psgrad.SGD(lr=0.1)) as ps:
         opt = ps.optimizer(model)
-        for _ in range(3):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(ids), y).backward()
-            assert opt.step().accepted
+        train_steps(opt, model, ids, y, 3)
         socket = opt.client.shards[0].frames.socket
         assert (socket.read_calls, server.servicer.local.read_calls) == (3, 3)
         over_socket = model.emb(ids).detach()
@@ -196,10 +201,7 @@ def test_a_tls_sessions_step_calls_go_over_the_tcp_socket_in_tls(secured: tuple[
     config = dataclasses.replace(client(files, "worker-0"), shared_memory=False)
     with psgrad.connect(server.address, client=config, optimizer=psgrad.SGD(lr=0.1)) as ps:
         opt = ps.optimizer(model)
-        for _ in range(5):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            assert opt.step().accepted
+        train_steps(opt, model, x, y, 5)
         assert [s.frames.socket.calls for s in opt.client.shards] == [5]
     assert server.shard.version == 5 and server.servicer.local.calls == 5
     port = server.servicer.local.tcp_port

@@ -679,6 +679,27 @@ def routed_step(opt: psgrad.PSOptimizer, model: Routed, batch: tuple[Any, ...], 
     opt.step()
 
 
+def both_ways(make_servers: Callable[..., list], model_of: Callable[[], nn.Module],  # type: ignore[type-arg]
+              run: Callable[[psgrad.PSOptimizer, Any, bool], None]) -> int:
+    """The same sync job (two shards, Adagrad) without grouped reads, then with them: run(opt, model,
+    grouped) trains it and checks what it saw. The two end bit for bit equal, every table's rows
+    and the dense weights. Returns the number of tables found."""
+    results = []
+    for grouped in (False, True):
+        running = make_servers(2)
+        model = model_of()
+        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
+                            client=CLIENT) as ps:
+            run(ps.optimizer(model, group_lookups=grouped), model, grouped)
+        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
+    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
+    assert plain_tables.keys() == grouped_tables.keys()
+    for key in plain_tables:
+        assert torch.equal(plain_tables[key], grouped_tables[key]), key
+    assert torch.equal(plain_w, grouped_w)
+    return len(plain_tables)
+
+
 def test_a_forward_reads_the_rows_of_the_modules_its_arguments_feed_in_one_call_per_shard(make_servers) -> None:  # type: ignore[no-untyped-def]
     """Two shards, sync. The first forward's five modules pull one by one (ten calls) while it learns
     where their inputs lie; from then on each forward reads a, b, c and d at its start in one call
@@ -688,33 +709,24 @@ def test_a_forward_reads_the_rows_of_the_modules_its_arguments_feed_in_one_call_
     earlier, with no step between."""
     steps, skip = 6, 3
     data = routed_batches(4, steps)
-    results = []
-    for grouped in (False, True):
-        running = make_servers(2)
-        model = Routed()
+
+    def run(opt: psgrad.PSOptimizer, model: Routed, grouped: bool) -> None:
+        calls = count_calls(opt)
         pulls = []
-        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
-                            client=CLIENT) as ps:
-            opt = ps.optimizer(model, group_lookups=grouped)
-            calls = count_calls(opt)
-            for k, batch in enumerate(data):
-                before = calls["pull_rows"]
-                routed_step(opt, model, batch, skip_c=k == skip)
-                pulls.append(calls["pull_rows"] - before)
-            stats = opt.prefetched.stats
-            if grouped:
-                assert pulls == [10, 4, 4, 4, 10, 4], pulls
-                assert opt.grouping is not None and opt.grouping.routes == [  # (in the order of the calls)
-                    (model.c, (1, 1, 0)), (model.a, (0, "a")), (model.b, (1, 0, 0)), (model.d, ("tokens",))]
-                assert stats.grouped == 4 and stats.served == 4 * 4 - 1 and stats.unused > 0, stats
-            else:
-                assert pulls == [10, 10, 10, 8, 10, 10] and opt.grouping is None and stats == PrefetchStats(), (pulls, stats)
-        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
-    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
-    assert plain_tables.keys() == grouped_tables.keys() and len(plain_tables) == 10
-    for key in plain_tables:
-        assert torch.equal(plain_tables[key], grouped_tables[key]), key
-    assert torch.equal(plain_w, grouped_w)
+        for k, batch in enumerate(data):
+            before = calls["pull_rows"]
+            routed_step(opt, model, batch, skip_c=k == skip)
+            pulls.append(calls["pull_rows"] - before)
+        stats = opt.prefetched.stats
+        if grouped:
+            assert pulls == [10, 4, 4, 4, 10, 4], pulls
+            assert opt.grouping is not None and opt.grouping.routes == [  # (in the order of the calls)
+                (model.c, (1, 1, 0)), (model.a, (0, "a")), (model.b, (1, 0, 0)), (model.d, ("tokens",))]
+            assert stats.grouped == 4 and stats.served == 4 * 4 - 1 and stats.unused > 0, stats
+        else:
+            assert pulls == [10, 10, 10, 8, 10, 10] and opt.grouping is None and stats == PrefetchStats(), (pulls, stats)
+
+    assert both_ways(make_servers, Routed, run) == 10
 
 
 def test_forwards_that_must_not_read_ahead_read_their_rows_as_before(make_servers) -> None:  # type: ignore[no-untyped-def]
@@ -798,25 +810,14 @@ def test_a_forward_whose_grouped_rows_keep_going_unused_stops_reading_ahead(make
     at every grouped forward: the next forward learns again, finds the same routes, and after the
     second such failure no forward reads ahead (two grouped forwards in all, where each second
     forward would waste a read for ever). The job is bit for bit the one without grouping."""
-    steps = 8
-    results = []
-    for grouped in (False, True):
-        running = make_servers(2)
-        model = InPlace()
-        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
-                            client=CLIENT) as ps:
-            opt = ps.optimizer(model, group_lookups=grouped)
-            for batch in routed_batches(12, steps):
-                routed_step(opt, model, batch)
-            if grouped:  # forwards 0 and 2 learn, 1 and 3 read ahead (a's rows unused), 4 learns and gives up
-                assert opt.prefetched.stats.grouped == 2 and opt.prefetched.stats.unused > 0, opt.prefetched.stats
-                assert opt.grouping is not None and opt.grouping.routes == []
-        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
-    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
-    assert plain_tables.keys() == grouped_tables.keys()
-    for key in plain_tables:
-        assert torch.equal(plain_tables[key], grouped_tables[key]), key
-    assert torch.equal(plain_w, grouped_w)
+    def run(opt: psgrad.PSOptimizer, model: InPlace, grouped: bool) -> None:
+        for batch in routed_batches(12, 8):
+            routed_step(opt, model, batch)
+        if grouped:  # forwards 0 and 2 learn, 1 and 3 read ahead (a's rows unused), 4 learns and gives up
+            assert opt.prefetched.stats.grouped == 2 and opt.prefetched.stats.unused > 0, opt.prefetched.stats
+            assert opt.grouping is not None and opt.grouping.routes == []
+
+    both_ways(make_servers, InPlace, run)
 
 
 class Columns(nn.Module):
@@ -844,27 +845,18 @@ def test_modules_fed_views_of_an_argument_read_grouped_and_a_batch_of_another_sh
     sizes = [8, 8, 8, 5, 8, 8]
     data = [(torch.stack([torch.randint(0, n, (b,), generator=g) for n in Columns.ROWS], dim=1),
              torch.randint(0, 2, (b,), generator=g).float()) for b in sizes]
-    results = []
-    for grouped in (False, True):
-        running = make_servers(2)
-        model = Columns()
+
+    def run(opt: psgrad.PSOptimizer, model: Columns, grouped: bool) -> None:
+        calls = count_calls(opt)
         pulls = []
-        with psgrad.connect([s.address for s in running], mode="sync", optimizer=psgrad.Adagrad(lr=0.1),
-                            client=CLIENT) as ps:
-            opt = ps.optimizer(model, group_lookups=grouped)
-            calls = count_calls(opt)
-            for x, y in data:
-                before = calls["pull_rows"]
-                opt.zero_grad()
-                nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
-                opt.step()
-                pulls.append(calls["pull_rows"] - before)
-            if grouped:  # learn, grouped, grouped, learn (5 ids), learn (8 again), grouped
-                assert opt.prefetched.stats.grouped == 3 and opt.prefetched.stats.unused == 0, opt.prefetched.stats
-                assert [p == 2 for p in pulls] == [False, True, True, False, False, True], pulls
-        results.append((tables_of(running), running[0].shard.core.state.weights.clone()))
-    (plain_tables, plain_w), (grouped_tables, grouped_w) = results
-    assert plain_tables.keys() == grouped_tables.keys() and len(plain_tables) == 8
-    for key in plain_tables:
-        assert torch.equal(plain_tables[key], grouped_tables[key]), key
-    assert torch.equal(plain_w, grouped_w)
+        for x, y in data:
+            before = calls["pull_rows"]
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+            opt.step()
+            pulls.append(calls["pull_rows"] - before)
+        if grouped:  # learn, grouped, grouped, learn (5 ids), learn (8 again), grouped
+            assert opt.prefetched.stats.grouped == 3 and opt.prefetched.stats.unused == 0, opt.prefetched.stats
+            assert [p == 2 for p in pulls] == [False, True, True, False, False, True], pulls
+
+    assert both_ways(make_servers, Columns, run) == 8
