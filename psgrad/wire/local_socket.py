@@ -414,27 +414,17 @@ class Offered:
             LocalCallError: the server answered with an error status, or the deadline passed.
             ChannelLost: the connection failed (the server may or may not have the call).
         """
-        with self._turn:  # (a read of another thread finishes first: reads are short, and never wait)
-            while self._busy:
-                self._turn.wait()
-            self._busy = True
+        self._take_turn(wait=True)  # (a read of another thread finishes first: reads are short, and never wait)
         try:
-            channel.start(request, timeout_s, metadata)
-            try:
-                yield
-            except GeneratorExit:  # (abandoned with its reply unread)
-                self._channel = None
-                channel.close()
-                raise
-            done = channel.finish()
-        except LocalCallError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
-                self._channel = None  # (closed by the channel; connected again at the next call)
-            raise
-        except ChannelLost:
-            if self._channel is channel:  # (not where a Join offered another socket meanwhile)
-                self._channel, self.offer = None, None
-            raise
+            with self._failures(channel):
+                channel.start(request, timeout_s, metadata)
+                try:
+                    yield
+                except GeneratorExit:  # (abandoned with its reply unread)
+                    self._channel = None
+                    channel.close()
+                    raise
+                done = channel.finish()
         finally:
             self._done()
         self.calls += 1
@@ -449,37 +439,53 @@ class Offered:
         Raises:
             LocalCallError: the server answered with an error status, or the deadline passed.
         """
-        if not self.reads:
+        if not self.reads or not self._take_turn(wait=False):
             return None
-        with self._turn:
-            if self._busy:
-                return None
-            self._busy = True
         try:
             channel = self.channel()
             if channel is None:
                 return None
-            try:
+            with self._failures(channel):
                 channel.start(request, timeout_s, ((METHOD_KEY, "PullRows"),))
                 body, _ = channel.finish_bytes()
-            except LocalCallError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
-                    self._channel = None
-                raise
-            except ChannelLost:
-                if self._channel is channel:
-                    self._channel, self.offer, self.reads = None, None, False
-                return None
+        except ChannelLost:
+            return None
         finally:
             self._done()
         self.read_calls += 1
         return body
 
+    @contextlib.contextmanager
+    def _failures(self, channel: LocalChannel) -> Iterator[None]:
+        """A call's failure as this socket's: past its deadline, the connection (closed by the
+        channel) is made again at the next call; lost, the socket is given up until a Join offers
+        one again (not where a Join offered another one meanwhile)."""
+        try:
+            yield
+        except LocalCallError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._channel is channel:
+                self._channel = None
+            raise
+        except ChannelLost:
+            if self._channel is channel:
+                self._channel, self.offer, self.reads = None, None, False
+            raise
+
+    def _take_turn(self, wait: bool) -> bool:
+        """Take the connection for one call (wait: until another thread's call ends; else False
+        where one is on it)."""
+        with self._turn:
+            while self._busy:
+                if not wait:
+                    return False
+                self._turn.wait()
+            self._busy = True
+            return True
+
     def _done(self) -> None:
         with self._turn:
             self._busy = False
             self._turn.notify_all()
-
 
 def nodelay(sock: socket.socket) -> None:
     """A TCP message goes out at once, not held back for more (Nagle): each is one call's whole."""

@@ -275,20 +275,17 @@ class GroupedForward:
     (the tensor a module gets is the one the model got), or as a view of an argument's tensor
     (`x[:, f]`: the same layout in its storage, taken of the next batch's tensor where that is
     laid out alike); modules fed something else the forward computed (`ids % n`) read their own
-    rows, as before. When rows read so go unused (the
-    model routed another batch differently), the next forward learns again; where it learns the
-    same routes and their rows go unused again (a forward that changes its inputs in place before
-    its modules read them), it stops reading ahead for good. Forwards that
-    `may_read` says no to (a step pending, rows already fetched ahead by a prefetch or the
-    pipeline, evaluation under torch.no_grad(), a worker that left) read nothing ahead. A
-    refused input (a bad id, a missing feature) is left to its module's forward, which raises
-    the error it always raised."""
+    rows, as before. When rows read so go unused (the model routed another batch differently),
+    the next forward learns again; where it learns the same routes and their rows go unused again
+    (a forward that changes its inputs in place before its modules read them), it stops reading
+    ahead for good. Forwards that `may_read` says no to (a step pending, rows already fetched
+    ahead by a prefetch or the pipeline, evaluation under torch.no_grad(), a worker that left)
+    read nothing ahead. A refused input (a bad id, a missing feature) is left to its module's
+    forward, which raises the error it always raised."""
 
     def __init__(self, model: nn.Module, read: Callable[[list[tuple[nn.Module, Any]]], None],
                  may_read: Callable[[], bool], stats: PrefetchStats) -> None:
-        seen: set[int] = set()
-        self._modules = [m for m in model.modules() if isinstance(m, (SparseEmbedding, EmbeddingBagCollection))
-                         and not (id(m) in seen or seen.add(id(m)))]  # type: ignore[func-returns-value]
+        self._modules = [m for m in model.modules() if isinstance(m, (SparseEmbedding, EmbeddingBagCollection))]
         self._read, self._may_read, self._stats = read, may_read, stats
         self._routes: list[tuple[nn.Module, Path]] | None = None  # None: to learn at the next forward
         self._learning: _Paths | None = None  # the paths of the forward that learns
