@@ -75,6 +75,7 @@ and a table go to stderr. Method and figures: docs/benchmarks/dlrm.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -305,7 +306,7 @@ class PsgradAgent:
             self.close()
         return {**trained, "batch": cmd["batch"], "transports": transports,
                 "exchange_ms_per_step": 1e3 * sum(s.wait_s or 0.0 for s in stepped) / len(stepped),
-                "prefetch": {"grouped": prefetch.grouped, "served": prefetch.served, "unused": prefetch.unused}}
+                "prefetch": dataclasses.asdict(prefetch)}
 
     def evaluate(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The servers' latest weights (every worker's pushes), the test set's scores to a file."""

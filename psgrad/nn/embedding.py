@@ -313,6 +313,7 @@ class SparseEmbedding(nn.Module):
             state["_lost"] = (f"it is a copy (copy.deepcopy, pickle, torch.save) of a module bound to table {self.table!r}, "
                               "and a copy does not carry the rows, which live on the job's servers")
         state.update(_source=None, _observe=False, _touched=[], _last_unique=None)
+        state.pop("_ahead", None)
         return state
 
     def _what(self) -> str:
@@ -800,6 +801,10 @@ class EmbeddingBag(SparseEmbedding):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        ahead: _Ahead | None = self.__dict__.get("_ahead")
+        if ahead is not None and per_sample_weights is None and ahead.serves(input, offsets) and self._training():
+            del self.__dict__["_ahead"]
+            return self._output(ahead.out)
         inverse, weight, unique = self._rows(input)
         if per_sample_weights is not None and per_sample_weights.dtype == self.dtype != torch.float32:
             per_sample_weights = per_sample_weights.to(torch.float32)  # (the rows' dtype, as torch's pooling needs)
@@ -822,6 +827,78 @@ class EmbeddingBag(SparseEmbedding):
         or scale_grad_by_freq): what the compiled pooling serves (psgrad/nn/lookups.py)."""
         return (self.mode != "max" and self.padding_idx is None and not self.include_last_offset
                 and not self.scale_grad_by_freq)
+
+    def take_ahead(self) -> int | None:
+        """Drop bags pooled ahead for a forward that did not come (pool_ahead); returns how many
+        rows they read (None: none were waiting, the forward took them)."""
+        ahead: _Ahead | None = self.__dict__.pop("_ahead", None)
+        return None if ahead is None else ahead.rows
+
+
+def _same_tensor(a: torch.Tensor | None, b: Any) -> bool:
+    """Whether b is a, or a view of the same storage laid out as a is (a view taken again)."""
+    if a is None or a is b:
+        return a is b
+    return (isinstance(b, torch.Tensor) and b.dtype == a.dtype and b.shape == a.shape and b.stride() == a.stride()
+            and b.storage_offset() == a.storage_offset() and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr())
+
+
+class _Ahead(NamedTuple):
+    """A module's next forward's bags, pooled at the model's forward start (pool_ahead), for a call
+    with this input and these offsets, unchanged since (their version counters)."""
+
+    input: torch.Tensor
+    offsets: torch.Tensor | None
+    versions: tuple[int, int]
+    out: torch.Tensor
+    rows: int  # the rows read for it
+
+    def serves(self, input: Any, offsets: Any) -> bool:
+        return (_same_tensor(self.input, input) and _same_tensor(self.offsets, offsets)
+                and self.versions == _versions(input, offsets))
+
+
+def _versions(input: torch.Tensor, offsets: torch.Tensor | None) -> tuple[int, int]:
+    return input._version, 0 if offsets is None else offsets._version
+
+
+def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]]) -> list[EmbeddingBag]:
+    """Pool the bags of several psgrad.EmbeddingBag modules' coming training forwards, (module,
+    input, offsets) each, in one pass each way (lookups.pooled_apart) where each forward would
+    pool its own: each module's rows are read now (served from rows fetched ahead, where they
+    were), and its next forward with this very input and offsets, unchanged, returns what was
+    pooled. Serves plain sum and mean bags without per-sample weights (plain_bags), 1-D ids with
+    1-D int64 offsets or 2-D ids; modules grouped by mode, width and bag count. Returns the modules
+    whose bags wait; the others' forwards pool their own. take_ahead() drops what a forward did not
+    come for.
+
+    Raises:
+        InvalidRequestError: ids or offsets a forward refuses (it would say the same).
+    """
+    groups: dict[tuple[bool, int, int], list[tuple[EmbeddingBag, torch.Tensor, torch.Tensor | None]]] = {}
+    for m, input, offsets in calls:
+        if not (m.plain_bags() and m._source is not None and m._training() and isinstance(input, torch.Tensor)
+                and input.is_cpu):  # (the kernels pool on the CPU)
+            continue
+        if offsets is None and input.dim() == 2:
+            bags = int(input.shape[0])
+        elif (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == torch.int64
+              and input.dim() == 1):
+            bags = int(offsets.numel())
+        else:
+            continue
+        groups.setdefault((m.mode == "mean", m.embedding_dim, bags), []).append((m, input, offsets))
+    waiting = []
+    for (mean, _, _), group in groups.items():
+        read = [m._rows(input) for m, input, _ in group]
+        outs = lookups.pooled_apart([weight for _, weight, _ in read], [inverse for inverse, _, _ in read],
+                                    [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group])
+        if outs is None:
+            continue  # (each forward pools its own, as torch's ops do)
+        for (m, input, offsets), out, (_, _, unique) in zip(group, outs, read):
+            m.__dict__["_ahead"] = _Ahead(input, offsets, _versions(input, offsets), out, int(unique.numel()))
+            waiting.append(m)
+    return waiting
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:

@@ -114,6 +114,22 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
     return _Pooled.apply(plan, *weights)
 
 
+def pooled_apart(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
+                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = ()) -> list[torch.Tensor] | None:
+    """pooled(), each table's bags a tensor of its own: [F.embedding_bag(inverse, weight, offset,
+    mode) for each table], [B, D] each, in one pass each way, as separate modules' forwards would
+    give them (what GroupedForward pools at a model's forward start). A table whose output no
+    backward reaches gets no gradient (its weight's .grad stays None, as a lookup of its own left
+    unused gets none), where a slice of pooled()'s one output would get zeros. The bits are
+    pooled()'s, table by table. None and the errors: as pooled()."""
+    k = kernels()
+    plan = _Plan.make(weights, inverses, offsets, mean, k)
+    if plan is None:
+        check_offsets(inverses, offsets, names)
+        return None
+    return list(_PooledApart.apply(plan, *weights))
+
+
 def check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
     """Refuse bag offsets no pooling can take (see pooled; torch's embedding_bag pools arbitrary
     memory for decreasing ones), naming the table and the problem.
@@ -240,6 +256,31 @@ class _Pooled(torch.autograd.Function):
         plan: _Plan = ctx.plan
         parts = plan.backward(grad_out).split(plan.sizes)
         return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
+
+
+class _PooledApart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)  # (an output no backward reached: None, not zeros)
+        out = plan.forward(weights)
+        # (each its own tensor, not a view of the one output: a view a custom Function returns must
+        # not be changed in place, where a module's output may be)
+        if len(weights) == 1:
+            return (out,)
+        return tuple(p.clone(memory_format=torch.contiguous_format) for p in out.split(plan.dim, dim=1))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        none = (None,) * len(grads)
+        if all(g is None for g in grads):
+            return (None, *none)
+        grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32) for g in grads],
+                             dim=1)
+        parts = plan.backward(grad_out).split(plan.sizes)
+        return (None, *(p if g is not None and need else None
+                        for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])))
 
 
 def _unique_agrees_with_torch(k: dict[str, Any]) -> bool:

@@ -19,9 +19,10 @@ of a table counts from the read its gradient was computed on, not from a later o
 Without any of these, the model's own forward groups its tables' reads (GroupedForward): where the
 psgrad embedding modules are called with inputs that are among the model's arguments (as passed,
 or held in a list, tuple or dict of them), their rows are read at the start of the model's forward,
-every table in one call per shard, and each module's forward is served from them. Where the inputs
-come from is learned from one training forward, by identity, and learned again when rows read so
-go unused."""
+every table in one call per shard, and each module's forward is served from them; the bags of the
+psgrad.EmbeddingBag modules among them are pooled there too, in one pass (and one backward), and
+each module's forward returns its own. Where the inputs come from is learned from one training
+forward, by identity, and learned again when rows read so go unused."""
 from __future__ import annotations
 
 import weakref
@@ -36,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from psgrad.core.rows import PulledRows
 from psgrad.errors import ConfigError, InvalidRequestError
 from psgrad.nn.collection import EmbeddingBagCollection
-from psgrad.nn.embedding import RowSource, SparseEmbedding
+from psgrad.nn.embedding import EmbeddingBag, RowSource, SparseEmbedding, pool_ahead
 
 
 @dataclass
@@ -44,11 +45,14 @@ class PrefetchStats:
     """Since the start: served, the tables' reads (one forward's ids of one table) served from rows
     fetched ahead; unused, the rows fetched ahead that no forward used (no forward asked that table
     for exactly those ids before the next step or prefetch replaced them); grouped, the model's
-    forwards whose tables were read at their start, in one call per shard (GroupedForward)."""
+    forwards whose tables were read at their start, in one call per shard (GroupedForward); pooled,
+    the EmbeddingBag forwards served bags pooled at the model's forward start, together with the
+    other modules' (GroupedForward)."""
 
     served: int = 0
     unused: int = 0
     grouped: int = 0
+    pooled: int = 0
 
 
 # What a prefetch or a step reads: by table, each forward's unique ids (several where several
@@ -180,6 +184,7 @@ _MAX_OBJECTS = 4096
 
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # a tensor's size, stride and storage offset
+NO_OFFSETS: Path = ("no offsets",)  # an EmbeddingBag called without offsets (2-D ids: a bag per row)
 
 
 def _layout(t: torch.Tensor) -> Layout:
@@ -281,7 +286,14 @@ class GroupedForward:
     ahead for good. Forwards that `may_read` says no to (a step pending, rows already fetched
     ahead by a prefetch or the pipeline, evaluation under torch.no_grad(), a worker that left)
     read nothing ahead. A refused input (a bad id, a missing feature) is left to its module's
-    forward, which raises the error it always raised."""
+    forward, which raises the error it always raised.
+
+    EmbeddingBag modules whose offsets lie among the arguments too (or that take 2-D ids without
+    offsets), each called once by the forward, have their bags pooled right after the read, all in
+    one pass (pool_ahead: one autograd node, its backward one pass); each module's forward with
+    that input and those offsets, unchanged, returns its own output, and an output the loss does
+    not reach gives its rows no gradient, as before. Bags pooled for a forward that does not come
+    count as unused rows."""
 
     def __init__(self, model: nn.Module, read: Callable[[list[tuple[nn.Module, Any]]], None],
                  may_read: Callable[[], bool], stats: PrefetchStats) -> None:
@@ -289,7 +301,11 @@ class GroupedForward:
         self._read, self._may_read, self._stats = read, may_read, stats
         self._routes: list[tuple[nn.Module, Path]] | None = None  # None: to learn at the next forward
         self._learning: _Paths | None = None  # the paths of the forward that learns
-        self._seen: list[tuple[nn.Module, Path | None]] = []
+        self._seen: list[tuple[nn.Module, Path | None, Path | None]] = []
+        # Per route, where an EmbeddingBag's offsets lie (NO_OFFSETS: called without; None: not
+        # among the arguments, or not a module whose bags are pooled ahead)
+        self._offsets: list[Path | None] = []
+        self._pooled: list[EmbeddingBag] = []  # the modules whose bags this forward pooled at its start
         self._watching: list[RemovableHandle] = []
         self._depth = 0
         self._unused = 0  # stats.unused after the last grouped read
@@ -336,20 +352,47 @@ class GroupedForward:
             return  # (each module's forward reads its own rows, and raises what is wrong with its input)
         self._unused, self._checking = self._stats.unused, True
         self._stats.grouped += 1
+        self._pool(lookups, args, kwargs)
+
+    def _pool(self, lookups: list[tuple[nn.Module, Any]], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Pool, in one pass, the bags of the EmbeddingBag modules (of `lookups`, the routes' modules
+        and inputs) whose offsets are among the arguments too: their forwards then return them
+        (pool_ahead)."""
+        calls: list[tuple[EmbeddingBag, Any, Any]] = []
+        for (m, input), offsets in zip(lookups, self._offsets):
+            if offsets is not None and isinstance(m, EmbeddingBag):
+                try:
+                    calls.append((m, input, None if offsets == NO_OFFSETS else _resolve(offsets, args, kwargs)))
+                except (LookupError, TypeError):
+                    continue
+        if len(calls) > 1:
+            try:
+                self._pooled = pool_ahead(calls)
+            except (InvalidRequestError, ConfigError):
+                self._pooled = []  # (each module's forward pools its own bags, and says what is wrong with them)
 
     def seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """A watched module's forward, while the model's forward learns: where its input lies."""
+        """A watched module's forward, while the model's forward learns: where its input lies (and
+        an EmbeddingBag's offsets)."""
         if self._learning is None:
             return
         first = args[0] if args else next(iter(kwargs.values()), None)
-        self._seen.append((module, self._learning.of(first) if first is not None else None))
+        offsets: Path | None = None
+        if isinstance(module, EmbeddingBag) and len(args) + len(kwargs) <= 2 and "per_sample_weights" not in kwargs:
+            given = args[1] if len(args) > 1 else kwargs.get("offsets")
+            offsets = NO_OFFSETS if given is None else self._learning.of(given)
+        self._seen.append((module, self._learning.of(first) if first is not None else None, offsets))
 
     def end(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         self._depth = max(0, self._depth - 1)
-        if self._depth or self._learning is None:
+        if self._depth:
+            return
+        self._drop_pooled()
+        if self._learning is None:
             return
         self._unwatch()
-        routes = [(m, path) for m, path in self._seen if path is not None]
+        seen = [(m, path, offsets) for m, path, offsets in self._seen if path is not None]
+        routes = [(m, path) for m, path, _ in seen]
         if self._failed is not None and routes == self._failed:  # the same routes as those whose rows went unused
             self._strikes += 1
         self._failed = None
@@ -357,7 +400,21 @@ class GroupedForward:
         # grouped read used whole between, a forward that changes its inputs before its modules read
         # them, say in place, would fail again: given up for good)
         self._routes = routes if len(routes) > 1 and self._strikes < 2 else []
+        # (a module called more than once pools its own: which call a pooling would serve is not known)
+        once = {id(m) for m, _ in routes if sum(r is m for r, _ in routes) == 1}
+        self._offsets = [offsets if id(m) in once else None for m, _, offsets in seen] if self._routes else []
         self._learning, self._seen = None, []
+
+    def _drop_pooled(self) -> None:
+        """The forward is over: bags pooled at its start that no forward of their module took are
+        dropped, their rows counted as unused (the next forward learns again)."""
+        for m in self._pooled:
+            unused = m.take_ahead()
+            if unused is None:
+                self._stats.pooled += 1
+            else:
+                self._stats.unused += unused
+        self._pooled = []
 
     def _unwatch(self) -> None:
         for handle in self._watching:
@@ -367,6 +424,7 @@ class GroupedForward:
     def remove(self) -> None:
         """Take the hooks off the model and its modules."""
         self._unwatch()
+        self._drop_pooled()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -348,8 +348,9 @@ def test_rows_fetched_ahead_are_not_served_after_the_next_step(make_servers) -> 
         if prefetching:
             fetched = sum(torch.unique(v).numel() for v in data[2][0].values())
             # (the forward after the step reads its rows at its start, after the update, and is served
-            # those: three tables; the rows prefetched before the step are all dropped)
-            assert stats == [PrefetchStats(served=3, unused=fetched, grouped=1)]
+            # those: three tables, whose bags it pools there; the rows prefetched before the step are
+            # all dropped)
+            assert stats == [PrefetchStats(served=3, unused=fetched, grouped=1, pooled=3)]
         results.append((outs, tables_of(running)))
     (plain_outs, plain_tables), (outs, tables) = results
     assert len(outs) == 2 and all(torch.equal(a, b) for a, b in zip(plain_outs, outs))
@@ -722,7 +723,8 @@ def test_a_forward_reads_the_rows_of_the_modules_its_arguments_feed_in_one_call_
             assert pulls == [10, 4, 4, 4, 10, 4], pulls
             assert opt.grouping is not None and opt.grouping.routes == [  # (in the order of the calls)
                 (model.c, (1, 1, 0)), (model.a, (0, "a")), (model.b, (1, 0, 0)), (model.d, ("tokens",))]
-            assert stats.grouped == 4 and stats.served == 4 * 4 - 1 and stats.unused > 0, stats
+            # (c's rows read at step 3's start are pooled for it there, and unused: its forward does not come)
+            assert stats.grouped == 4 and stats.served == 4 * 4 and stats.unused > 0, stats
         else:
             assert pulls == [10, 10, 10, 8, 10, 10] and opt.grouping is None and stats == PrefetchStats(), (pulls, stats)
 
@@ -860,3 +862,57 @@ def test_modules_fed_views_of_an_argument_read_grouped_and_a_batch_of_another_sh
             assert [p == 2 for p in pulls] == [False, True, True, False, False, True], pulls
 
     assert both_ways(make_servers, Columns, run) == 8
+
+
+class Bags(nn.Module):
+    """Three EmbeddingBags of one width, as a recommender's features: a fed 2-D ids (a bag per row),
+    b and c 1-D ids with offsets. drop_c: c's output is made but not used (the loss does not reach
+    c's rows); a's output is changed in place before use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = psgrad.EmbeddingBag(200, 4, mode="sum", std=0.1, seed=1)
+        self.b = psgrad.EmbeddingBag(300, 4, mode="sum", std=0.1, seed=2)
+        self.c = psgrad.EmbeddingBag(100, 4, mode="sum", std=0.1, seed=3)
+        torch.manual_seed(0)
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, a: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], drop_c: bool = False) -> torch.Tensor:
+        (b, b_offsets), (c, c_offsets) = pairs
+        out_a = self.a(a)
+        out_a.mul_(0.5)
+        out_c = self.c(c, c_offsets)
+        if drop_c:
+            out_c = torch.zeros_like(out_c)
+        return self.head(torch.cat([out_a, self.b(b, b_offsets), out_c], dim=1)).squeeze(-1)
+
+
+def test_bags_of_a_forwards_embedding_bags_are_pooled_at_its_start_and_an_unused_output_pushes_nothing(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """From the second forward on, the three modules' bags are pooled at the forward's start in one
+    pass (after their rows are read in one call per shard), and each module's forward returns its
+    own: 3 pooled forwards a step, none unused. At step 2 c's output is not used by the loss, and c
+    reads rows no other step reads (ids 90-99): no gradient of c is pushed, so the servers never
+    store those rows, as without grouping (a zero gradient pushed would store them). The job is bit
+    for bit the one whose modules pool their own bags (a's output changed in place included)."""
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for step in range(5):
+        lengths = [torch.randint(1, 4, (8,), generator=g) for _ in range(2)]
+        low, high = (90, 100) if step == 2 else (0, 90)
+        pairs = [(torch.randint(0, 300, (int(lengths[0].sum()),), generator=g), lengths[0]),
+                 (torch.randint(low, high, (int(lengths[1].sum()),), generator=g), lengths[1])]
+        pairs = [(ids, torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)[:-1]])) for ids, n in pairs]
+        data.append((torch.randint(0, 200, (8, 2), generator=g), pairs, torch.randint(0, 2, (8,), generator=g).float()))
+
+    def run(opt: psgrad.PSOptimizer, model: Bags, grouped: bool) -> None:
+        for step, (a, pairs, y) in enumerate(data):
+            opt.zero_grad()
+            nn.functional.binary_cross_entropy_with_logits(model(a, pairs, drop_c=step == 2), y).backward()
+            opt.step()
+        stats = opt.prefetched.stats
+        if grouped:
+            assert stats.grouped == 4 and stats.pooled == 4 * 3 and stats.unused == 0, stats
+        else:
+            assert stats == PrefetchStats(), stats
+
+    both_ways(make_servers, Bags, run)

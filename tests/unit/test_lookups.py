@@ -99,6 +99,35 @@ def test_several_tables_pool_as_torchs_embedding_bags_in_one_pass(kernels, mode)
         assert same_bits(leaf.grad, torch.zeros(60, 32).index_add_(0, inverses[t], source))
 
 
+@pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reaches_gets_no_gradient(kernels, monkeypatch, with_kernels) -> None:  # type: ignore[no-untyped-def]
+    """pooled_apart: each table's bags a tensor of its own, bit for bit the columns of pooled()'s
+    one output (with and without the kernels), forward and backward. A table whose output the loss
+    does not use gets no gradient (None, as a module's own lookup left unused), where a column of
+    one output would get zeros; an output changed in place (as a module's may be) is fine."""
+    if not with_kernels:
+        monkeypatch.setattr(lookups, "kernels", lambda start=False, wait=False: None)
+    gen = torch.Generator().manual_seed(4)
+    weights, inverses, offsets, _ = lookup(gen, 4, 64, 8, 30)
+    apart_leaves = [w.clone().requires_grad_() for w in weights]
+    outs = lookups.pooled_apart(apart_leaves, inverses, offsets, False)
+    leaves = [w.clone().requires_grad_() for w in weights]
+    one = lookups.pooled(leaves, inverses, offsets, False)
+    assert outs is not None and one is not None and len(outs) == 4
+    for t, out in enumerate(outs):
+        assert out.is_contiguous() and same_bits(out.detach(), one.detach()[:, 8 * t:8 * (t + 1)])
+    grad_out = torch.randn(64, 32, generator=gen)
+    grad_out[:, 16:24] = 0.0  # (table 2 unused below: pooled()'s one output gives it zeros)
+    outs[0].mul_(2.0)  # (in place, after pooling: the gradient through it is doubled)
+    loss = sum((out * grad_out[:, 8 * t:8 * (t + 1)]).sum() for t, out in enumerate(outs) if t != 2)
+    loss.backward()  # type: ignore[union-attr]
+    (one * grad_out * torch.tensor([2.0] * 8 + [1.0] * 24)).sum().backward()
+    assert apart_leaves[2].grad is None and leaves[2].grad is not None and not leaves[2].grad.any()
+    for t in (0, 1, 3):
+        assert apart_leaves[t].grad is not None and same_bits(apart_leaves[t].grad, leaves[t].grad), t
+    assert lookups.pooled_apart(weights[:1], inverses[:1], offsets[:1], True) is not None  # (one table: its own output)
+
+
 def test_two_dimensional_inputs_are_a_bag_per_row(kernels) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(9, 5, generator=gen)
