@@ -18,7 +18,7 @@ from psgrad.server.read_limit import ReadLimit
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, per_row
+from psgrad.server.table_groups import GroupedTable, Located, in_arena, per_row
 from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -246,7 +246,7 @@ class Rows:
             spent += t.check_room(parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts).long()), spent)
 
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
-                made: Reserved | None = None, located: dict[RowArena, Located] | None = None,
+                made: Reserved | None = None, located: dict[SparseTable, Located] | None = None,
                 sync: bool = False) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
@@ -279,7 +279,9 @@ class Rows:
             out.update((names[i], part) for i, part in zip(places, parts))
         for name, t in zip(names, tables):
             if name not in out:
-                out[name] = t.reserve(rows[name][0], may_evict)
+                found = None if located is None else located.get(t)
+                out[name] = t.reserve(rows[name][0], may_evict) if found is None else \
+                    t.reserve(rows[name][0], may_evict, slots=found[1], new=found[2])
         return out
 
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
@@ -372,7 +374,7 @@ class Rows:
 
 def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
                   grads: Sequence[torch.Tensor] | None = None, flat: torch.Tensor | None = None,
-                  find: bool = True) -> dict[RowArena, Located]:
+                  find: bool = True) -> dict[SparseTable, Located]:
     """Check a call's row ids of `tables` (and, for an update, their gradients; see
     SparseTable.check and check_update): those stored together at once, per arena, the others
     each on its own. flat: all the ids joined in the tables' order, where the call brought them
@@ -383,7 +385,7 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
     Raises:
         InvalidRequestError: as the table concerned words it.
     """
-    found: dict[RowArena, Located] = {}
+    found: dict[SparseTable, Located] = {}
     for arena, places in in_arena(tables).items():
         whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
         located = arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
@@ -391,11 +393,20 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
         if located is not None:
             found[arena] = located
     for k, t in enumerate(tables):
-        if not isinstance(t, GroupedTable):
-            if grads is None:
-                t.check(ids[k])
-            else:
-                t.check_update(ids[k], grads[k])
+        if isinstance(t, GroupedTable):
+            continue
+        if grads is None:
+            t.check(ids[k])
+            continue
+        g = grads[k]
+        # (an update's ids checked and found in one pass of the row kernels, as an arena's are;
+        # where they cannot, or something is amiss, the table's own check runs and says what)
+        located = t.locate_ids(ids[k], ascending=True) if (
+            find and g.dtype == torch.float32 and tuple(g.shape) == (ids[k].numel(), t.dim)) else None
+        if located is None:
+            t.check_update(ids[k], g)
+        else:
+            found[t] = located
     return found
 
 

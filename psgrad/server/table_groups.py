@@ -23,7 +23,6 @@ from psgrad.core.codecs import joined
 from psgrad.core.optimizers.rows import RowOptimizer
 from psgrad.core.status import TableStatus
 from psgrad.errors import InvalidRequestError
-from psgrad.server import kernels
 from psgrad.server.row_index import DenseIndex
 from psgrad.server.tables import MemoryBudget, SparseTable, TableSnapshot, Tensors
 
@@ -152,25 +151,16 @@ class RowArena(SparseTable):
             InvalidRequestError: an id out of range or on another shard, as the member's check
                 words it.
         """
-        n = sum(i.numel() for i in ids)
-        fused = kernels.rows(start=n * self.dim >= kernels.ROW_KERNEL_MIN)
-        if fused is None or not all(i.dtype == torch.int64 for i in ids):
+        if not all(i.dtype == torch.int64 for i in ids):
             return None
-        index = self._index
-        assert isinstance(index, DenseIndex)
-        if flat is None:
-            flat = joined(list(ids))
-        flat = flat.contiguous()
-        bad, new, arena_ids, slots = fused.locate(
-            flat, np.array([i.numel() for i in ids], dtype=np.int64),
-            np.array([m.num_embeddings for m in members], dtype=np.int64),
-            np.array([m.base for m in members], dtype=np.int64), self.num_shards, self.index, ascending, index.slots,
-            find)
+        found = self.locate_rows(joined(list(ids)) if flat is None else flat, [i.numel() for i in ids],
+                                 [m.num_embeddings for m in members], [m.base for m in members], ascending, find)
+        if found is None:
+            return None
+        bad, arena_ids, slots, new = found
         if bad >= 0:
             self._check_each(members, ids, None)  # (raises where an id is out of range or elsewhere)
             return None
-        if arena_ids is None or slots is None:  # (find=False: checked, nothing found)
-            return flat, torch.empty(0, dtype=torch.int64), 0
         return arena_ids, slots, new
 
     def mine(self, table: GroupedTable) -> torch.Tensor:

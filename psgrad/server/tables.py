@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from psgrad.config import JobSpec
@@ -529,6 +530,39 @@ class SparseTable:
                 raise InvalidRequestError(
                     f"table {self.name!r}: row {bad} lives on shard {int(where[elsewhere][0])}, not on shard {self.index}"
                 )
+
+    def locate_ids(self, ids: torch.Tensor, ascending: bool) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """This table's row ids checked (see check; ascending: an update's, each above the one
+        before) and found in its row index, in one pass of the row kernels: (the ids as int64,
+        their slots (-1 where never stored), how many are never stored), valid under this lock,
+        as reserve and read_at take them. None: the kernels are not compiled here, the table's
+        index is not dense (a dynamic table's), the ids are not int64, or the check failed, or
+        found them not in increasing order (ascending) — the caller's own check then runs (and
+        says what is wrong, where something is)."""
+        if not isinstance(self._index, DenseIndex) or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.numel():
+            return None
+        found = self.locate_rows(ids, [ids.numel()], [self.num_embeddings], [0], ascending)
+        return None if found is None or found[0] >= 0 else (found[1], found[2], found[3])
+
+    def locate_rows(self, flat: torch.Tensor, counts: Sequence[int], sizes: Sequence[int], bases: Sequence[int],
+                    ascending: bool, find: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """The row kernels' locate over this table's dense index (kernels.RowKernels.locate): ids of
+        tables of counts[k] ids each, sizes[k] rows, their rows at index ids bases[k] + row, joined
+        in `flat` (int64). Returns (the position of the first bad id, -1 for none; the ids as the
+        index's; their slots; the count never stored: with find=False, the ids joined and no
+        slots), or None where the kernels are not compiled here."""
+        fused = kernels.rows(start=int(flat.numel()) * self.dim >= kernels.ROW_KERNEL_MIN)
+        if fused is None:
+            return None
+        index = self._index
+        assert isinstance(index, DenseIndex)
+        flat = flat.contiguous()
+        bad, new, at, slots = fused.locate(flat, np.array(counts, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                                           np.array(bases, dtype=np.int64), self.num_shards, self.index, ascending,
+                                           index.slots, find)
+        if at is None or slots is None:  # (find=False: checked, nothing found)
+            return bad, flat, torch.empty(0, dtype=torch.int64), 0
+        return bad, at, slots, new
 
     def placement(self) -> int:
         """A count that changes whenever stored rows are dropped or moved: the slots a reserve gave

@@ -161,21 +161,33 @@ def test_a_pushs_apply_takes_the_slots_its_check_made_unless_rows_moved_since(ap
     assert not torch.equal(state.tables["a"].rows(second["a"][0]), state_of(shard(apart)).tables["a"].rows(second["a"][0]))
 
 
-def test_a_pushs_check_gives_each_id_the_slot_the_index_holds_for_it() -> None:
+@pytest.mark.parametrize("apart", [False, True], ids=["arena", "alone"])
+def test_a_pushs_check_gives_each_id_the_slot_the_index_holds_for_it(apart: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows a check makes get their slots without a second lookup where the row kernels found
-    the ids (in order); either way each id's slot is the one the arena's index holds for it after,
-    new rows and stored ones alike, and the pushes end as the same pushes apart do."""
-    s, apart = shard(), shard(apart=True)
+    the ids (in order), in an arena and in a table on its own alike; either way each id's slot is
+    the one the index holds for it after, new rows and stored ones alike, and the pushes end as the
+    same pushes do when the kernels find nothing (each table checked and looked up by torch's ops)."""
+    s, reference = shard(apart), shard(apart)
+    found = []
+    original = SparseTable.locate_rows
+    monkeypatch.setattr(SparseTable, "locate_rows", lambda self, *a, **k: found.append(self) or original(self, *a, **k))
     for rows in pushes(7, 4):  # (the same ids again and again: rows stored and rows new)
         state = state_of(s)
         _, made = s.rows.check(state, 0, rows)
         for name, (ids, _, _) in rows.items():
             table = state.tables[name]
-            assert isinstance(table, GroupedTable)
-            assert torch.equal(made[2][name], table.arena._index.lookup(table.to_arena(ids)))
+            if apart:
+                assert type(table) is SparseTable
+                assert torch.equal(made[2][name], table._index.lookup(ids))
+            else:
+                assert isinstance(table, GroupedTable)
+                assert torch.equal(made[2][name], table.arena._index.lookup(table.to_arena(ids)))
         s.rows.apply(state, rows, None, 1.0, s.rows.reserve(state, rows, may_evict=True, made=made))
-        push(apart, rows)
-    assert_same_tables(s, apart)
+        with monkeypatch.context() as m:
+            m.setattr(SparseTable, "locate_rows", lambda *a, **k: None)
+            push(reference, rows)
+    assert len(found) == (sum(len(r) for r in pushes(7, 4)) if apart else 4)  # (alone: one pass a table; arena: a push)
+    assert_same_tables(s, reference)
 
 
 def test_a_snapshot_of_tables_stored_together_restores_them_exactly(tmp_path: Path) -> None:
