@@ -9,6 +9,7 @@ what they hold. Not thread-safe on their own: the shard core calls them under it
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -58,6 +59,7 @@ SIGHTED, MADE, EVICTED, EXPIRED = "sighted", "made", "evicted", "expired"
 
 # The scalars of a sparse table that an update changes and an undo puts back (see RowJournal).
 _UNDONE_SCALARS = ("version", "staleness_max", "staleness_sum", "pushes", "dropped")
+_undone_scalars = operator.attrgetter(*_UNDONE_SCALARS)  # (a table's, as one tuple: once per table per apply)
 
 
 class RowJournal:
@@ -98,7 +100,7 @@ class RowJournal:
     def keep(self, table: SparseTable) -> None:
         """Keep table's scalars as they are before the update (once per table)."""
         if id(table) not in self._scalars:
-            self._scalars[id(table)] = (table, tuple(int(getattr(table, k)) for k in _UNDONE_SCALARS))
+            self._scalars[id(table)] = (table, _undone_scalars(table))
 
     def wrote(self, table: SparseTable, slots: torch.Tensor) -> None:
         """Rows at `slots` of table's arena are about to be written: copies of them."""
