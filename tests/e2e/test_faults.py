@@ -73,7 +73,12 @@ def test_a_server_stopped_past_the_lease_leaves_a_sync_job_running(start_servers
               "--step-time-ms", "100", "--log-every", "1", "--eval-every", "1000", "--rpc-timeout-s", rpc_timeout,
               "--reconnect-timeout-s", "60"]
     workers = [spawn(["worker", "--rank", str(r), *common]) for r in range(2)]
-    workers[0].wait_for_line("worker 0/2: step 3/", timeout_s=120)
+    # (both workers past step 3: the server answered both, and each computes its next step for 100
+    # ms. Stopped right after answering one worker of the two, the other would wait on it while the
+    # first waited on the other server for it, which explains its deadline: the job then fails by
+    # design, "raise --rpc-timeout-s if they are merely slow")
+    for r, w in enumerate(workers):
+        w.wait_for_line(f"worker {r}/2: step 3/", timeout_s=120)
     stopped = server_procs[-2]
     stopped.popen.send_signal(signal.SIGSTOP)
     try:
