@@ -45,3 +45,30 @@ def test_dlrm_tiny_psgrad_reports_both_modes() -> None:
     assert len(out["targets"]) == len(out["ratios"])
     assert all(t["ceiling_name"].endswith("single") and t["value"] > 0 for t in out["targets"])
     assert "psgrad sync separate" in res.stderr and "samples/s" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
+    """benchmarks/dlrm_layouts.py's tiny preset: two layouts' workers (separate modules and one
+    table), each with two servers of its own, step alternately; each side's CPU per step is there,
+    by phase, the separate modules' forwards were grouped and their bags pooled (none unused), and
+    the ratios are the sides' figures over each other."""
+    res = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny"], timeout_s=220, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["benchmark"] == "dlrm_layouts" and out["config"]["layouts"] == ["separate", "single"]
+    [rep] = out["repetitions"]
+    for layout in ("separate", "single"):
+        main = rep[layout]["main_thread_ms"]
+        assert all(main[k] > 0 for k in ("forward", "backward", "step")), main
+        assert main["total"] == pytest.approx(main["forward"] + main["backward"] + main["step"])
+        assert rep[layout]["servers_ms"] > 0
+    steps, features = out["config"]["warmup"] + out["config"]["steps"], out["config"]["features"]
+    assert rep["separate"]["prefetch"] == {"grouped": steps - 1, "pooled": (steps - 1) * features, "unused": 0}
+    assert rep["single"]["prefetch"]["grouped"] == 0  # (one module: nothing to group)
+    ratio = out["ratios"]["separate / single total"]
+    assert ratio == pytest.approx(rep["separate"]["main_thread_ms"]["total"] / rep["single"]["main_thread_ms"]["total"])
+    assert "separate / single" in res.stderr
+    bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "separate"], timeout_s=60, env=dict(os.environ))
+    assert bad.returncode == 2 and "two different layouts" in bad.stderr

@@ -1,0 +1,185 @@
+"""Two layouts of benchmarks/dlrm.py's psgrad model side by side in one process, by the CPU they cost:
+two workers, one per layout (separate modules and one table, by default), each bound to two psgrad
+server processes of its own, step alternately, so both see the same machine noise, step by step.
+What the throughput comparison of dlrm.py cannot resolve on a noisy shared machine (its runs'
+spread is larger than a tenth), this does: the CPU each layout costs per step, on both ends.
+
+    python benchmarks/dlrm_layouts.py --preset full                       # separate vs single, 400 steps x 2
+    python benchmarks/dlrm_layouts.py --preset full --layouts separate,collection
+    python benchmarks/dlrm_layouts.py --preset tiny                       # CI-sized
+
+The data: dlrm.py's examples (the same generator: 8 features, bags of 1-3 Zipf ids, 13 dense
+features), one worker's slice. The model: dlrm.py's PsgradNet of each layout (`separate`: one
+psgrad.EmbeddingBag per feature, `single`: the same rows in one table, `collection`: a
+psgrad.EmbeddingBagCollection), async Adagrad (lr 0.05, eps 1e-10), one worker per job (its own two
+servers, `psgrad server` processes). Each step of each side: zero_grad, forward and loss, backward,
+opt.step(); the main thread's CPU time (time.thread_time) of each phase is summed after --warmup
+steps, and the servers' CPU (from /proc) over the same steps. Both sides' steps interleave: A, B, A,
+B, ...; the repetitions start each side's job afresh (new servers), the order of the sides reversed
+every other one. Figures: per side, the median over repetitions of its CPU ms per step (the main
+thread's, by phase, and the servers'), and each side over the first (the ratio's median). The
+main thread's CPU leaves out the worker's own threads (a step's calls to two shards are made on
+one thread; the pool threads are short), which the servers' figure does not.
+
+Prints one JSON document; progress and a table go to stderr. Method and figures:
+docs/benchmarks/dlrm.md ("Bags pooled at the forward's start")."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dlrm import EPS, LR, ZIPF_S, _SALT_TRAIN, Examples, PsgradNet, psgrad_inputs  # noqa: E402
+from lib.args import add_preset, overrides  # noqa: E402
+from lib.children import PSGRAD_SERVER, Child, start_server, stop_all  # noqa: E402
+from lib.dlrm_model import bce, load_batches, save_examples  # noqa: E402
+from lib.report import code_version, log, machine_info, write_json  # noqa: E402
+
+import psgrad  # noqa: E402
+
+PRESETS = {
+    "full": {"rows": 1_000_000, "dim": 32, "batch": 512, "warmup": 30, "steps": 400, "reps": 2, "features": 8},
+    "tiny": {"rows": 1_000, "dim": 8, "batch": 64, "warmup": 3, "steps": 10, "reps": 1, "features": 4},
+}
+LAYOUTS = ("separate", "single", "collection")
+BATCHES = 64  # distinct batches, cycled
+PHASES = ("forward", "backward", "step")
+
+
+class Side:
+    """One layout's job: its two servers, its session and model, and its CPU so far."""
+
+    def __init__(self, layout: str, p: dict[str, Any], batches: list[Any], rep: int) -> None:
+        self.layout = layout
+        self.servers: list[Child] = [start_server(f"{layout}-server{k}-rep{rep}", PSGRAD_SERVER) for k in range(2)]
+        self.session: Any = None
+        addresses = [s.address() for s in self.servers]
+        self.inputs = [(b.dense, psgrad_inputs(b, layout, p["rows"]), b.labels) for b in batches]
+        self.model = PsgradNet(layout, p["features"], p["rows"], p["dim"])
+        self.session = psgrad.connect(addresses, rank=0, num_workers=1, mode="async",
+                                      optimizer=psgrad.Adagrad(lr=LR, eps=EPS))
+        self.opt = self.session.optimizer(self.model)
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.servers_cpu = 0.0
+
+    def start_window(self) -> None:
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.servers_cpu = -sum(s.cpu_s() for s in self.servers)
+
+    def end_window(self) -> None:
+        self.servers_cpu += sum(s.cpu_s() for s in self.servers)
+
+    def step(self, i: int) -> None:
+        dense, sparse, labels = self.inputs[i % len(self.inputs)]
+        t0 = time.thread_time()
+        self.opt.zero_grad()
+        loss = bce(self.model(dense, sparse), labels)
+        t1 = time.thread_time()
+        loss.backward()
+        t2 = time.thread_time()
+        self.opt.step()
+        t3 = time.thread_time()
+        for name, took in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+            self.phases[name] += took
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        stop_all(self.servers)
+
+
+def repetition(p: dict[str, Any], layouts: list[str], batches: list[Any], rep: int) -> dict[str, dict[str, Any]]:
+    """One repetition: both sides' jobs, stepped alternately; per side its CPU ms per step."""
+    order = layouts if rep % 2 == 0 else layouts[::-1]
+    sides: list[Side] = []
+    try:
+        for layout in order:
+            sides.append(Side(layout, p, batches, rep))
+        for i in range(p["warmup"] + p["steps"]):
+            if i == p["warmup"]:
+                for s in sides:
+                    s.start_window()
+            for s in sides:
+                s.step(i)
+        out = {}
+        for s in sides:
+            s.end_window()
+            main = {name: 1e3 * took / p["steps"] for name, took in s.phases.items()}
+            stats = s.opt.prefetched.stats
+            out[s.layout] = {"main_thread_ms": {**main, "total": sum(main.values())},
+                             "servers_ms": 1e3 * s.servers_cpu / p["steps"],
+                             "prefetch": {"grouped": stats.grouped, "pooled": getattr(stats, "pooled", None),
+                                          "unused": stats.unused}}  # (pooled: None where this psgrad pools none)
+        return out
+    finally:
+        for s in sides:
+            s.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset(parser, PRESETS, "table sizes, steps and repetitions")
+    parser.add_argument("--layouts", type=lambda s: s.split(","), default=["separate", "single"],
+                        help=f"the two layouts, the first the one measured against the second: of {', '.join(LAYOUTS)} "
+                             "(default separate,single)")
+    parser.add_argument("--rows", type=int, help="override the rows of each feature's table")
+    parser.add_argument("--steps", type=int, help="override the measured steps per side and repetition")
+    parser.add_argument("--warmup", type=int, help="override the unmeasured steps before them")
+    parser.add_argument("--reps", type=int, help="override the repetitions")
+    args = parser.parse_args()
+    p = overrides(args, PRESETS[args.preset])
+    layouts = list(args.layouts)
+    if len(layouts) != 2 or len(set(layouts)) != 2 or not set(layouts) <= set(LAYOUTS):
+        parser.error(f"--layouts takes two different layouts of {', '.join(LAYOUTS)}, got {args.layouts}")
+    if min(p["rows"], p["steps"], p["reps"]) < 1 or p["warmup"] < 0:
+        parser.error("rows, steps and reps must be >= 1, warmup >= 0")
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    examples = Examples(0, p["features"], p["rows"], ZIPF_S)
+    ids, lengths, dense, labels, _ = examples.make(_SALT_TRAIN, np.arange(BATCHES * p["batch"]))
+    with tempfile.TemporaryDirectory(prefix="psgrad-dlrm-layouts-") as work:
+        path = Path(work) / "train.npz"
+        save_examples(path, ids, lengths, dense, labels)
+        batches = load_batches(path, p["batch"])
+    reps = []
+    for rep in range(p["reps"]):
+        reps.append(repetition(p, layouts, batches, rep))
+        a, b = (reps[-1][layout] for layout in layouts)
+        log(f"dlrm_layouts: rep {rep + 1}/{p['reps']}: main thread {a['main_thread_ms']['total']:.2f} against "
+            f"{b['main_thread_ms']['total']:.2f} ms a step, servers {a['servers_ms']:.2f} against {b['servers_ms']:.2f}")
+    medians: dict[str, Any] = {}
+    for layout in layouts:
+        medians[layout] = {"main_thread_ms": {k: statistics.median(r[layout]["main_thread_ms"][k] for r in reps)
+                                              for k in (*PHASES, "total")},
+                           "servers_ms": statistics.median(r[layout]["servers_ms"] for r in reps)}
+    first, second = layouts
+    ratios = {f"{first} / {second} {what}": statistics.median(
+        (r[first]["main_thread_ms"][what] if what != "servers" else r[first]["servers_ms"]) /
+        (r[second]["main_thread_ms"][what] if what != "servers" else r[second]["servers_ms"]) for r in reps)
+        for what in (*PHASES, "total", "servers")}
+    lines = [f"DLRM layouts by CPU, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']}, "
+             f"{p['steps']} steps a side, medians of {p['reps']}",
+             f"{'layout':<12}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "servers")) + "   (ms of CPU a step)"]
+    for layout in layouts:
+        m = medians[layout]
+        lines.append(f"{layout:<12}" + "".join(f"{m['main_thread_ms'][k]:>11.2f}" for k in (*PHASES, "total"))
+                     + f"{m['servers_ms']:>11.2f}")
+    lines.append(f"{first + ' / ' + second:<12}" + "".join(
+        f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in (*PHASES, "total", "servers")))
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    write_json({"benchmark": "dlrm_layouts", "preset": args.preset, "config": {**p, "layouts": layouts},
+                "machine": machine_info(), "code": code_version(), "repetitions": reps, "medians": medians,
+                "ratios": ratios, "elapsed_s": time.monotonic() - t0})
+
+
+if __name__ == "__main__":
+    main()
