@@ -77,6 +77,20 @@ def _restore_psgrad_logging() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _restore_grpc_verbosity() -> Iterator[None]:
+    """Give GRPC_VERBOSITY back its value after a test: a client command run in this process
+    (`main(["worker", ...])`, `main(["certs", ...])`) sets it to NONE for its children
+    (psgrad.cli.logs.quiet_grpc), and left so, every later child of this test process (a server a
+    benchmark starts) logged none of gRPC's lines: a refused TLS handshake's reason among them."""
+    verbosity = os.environ.get("GRPC_VERBOSITY")
+    yield
+    if verbosity is None:
+        os.environ.pop("GRPC_VERBOSITY", None)
+    else:
+        os.environ["GRPC_VERBOSITY"] = verbosity
+
+
+@pytest.fixture(autouse=True)
 def _reap_children() -> Iterator[None]:
     """Kill any child process a test left running, and fail loudly if there was one."""
     yield

@@ -11,8 +11,6 @@ import pytest
 
 from conftest import REPO, Proc, child_env, cli_in_process as cli, run_benchmark, run_cli, spawn
 
-NOT_LOGGED = "no handshake error logged"  # (benchmarks/attacks.py's word for a refusal the server did not log)
-
 pytestmark = pytest.mark.timeout(240)
 
 FINAL = re.compile(r"^\[worker(\d)\] worker \d/2: final test_loss (\S+) test_accuracy (\S+)", re.M)
@@ -31,17 +29,8 @@ def test_every_attack_is_refused_or_harmless_and_leaves_the_shard_unchanged() ->
         "another CA's certificate (another job's worker 0)": "unable to get local issuer certificate",
         "an expired certificate of the job's CA (worker 1)": "certificate has expired",
     }
-    logged = 0
     for attack, reason in expected.items():  # refused at the handshake, for the right reason
-        message = rows[(attack, "Status")]["message"]
-        # (under CI's load the server sometimes logs no line for a refused handshake, even when the
-        # attack is made again: the refusal itself, UNAVAILABLE with the shard unchanged, is checked
-        # above; a handshake refused for another reason logs that reason, which fails here)
-        if message.endswith(f"(server: {NOT_LOGGED})"):
-            continue
-        assert reason in message, message
-        logged += 1
-    assert logged >= 1, [rows[(attack, "Status")]["message"] for attack in expected]
+        assert reason in rows[(attack, "Status")]["message"]
     assert "no token" in rows[("the job's certificate without a token: read the weights", "Pull (observe)")]["message"]
     assert "another job" in rows[("another job's token (with worker 1's certificate)", "Push as rank 1")]["message"]
     assert "duplicate" in rows[("a replayed push (worker 1's last Step, sent again)", "Step")]["message"]
