@@ -280,8 +280,8 @@ class Rows:
         for name, t in zip(names, tables):
             if name not in out:
                 found = None if located is None else located.get(t)
-                out[name] = t.reserve(rows[name][0], may_evict) if found is None else \
-                    t.reserve(rows[name][0], may_evict, slots=found[1], new=found[2])
+                at, new = (None, None) if found is None else (found[1], found[2])
+                out[name] = t.reserve(rows[name][0], may_evict, slots=at, new=new)
         return out
 
     def apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
