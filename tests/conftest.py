@@ -5,6 +5,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -250,6 +251,21 @@ def make_servers():  # type: ignore[no-untyped-def]
     yield make
     for s in running:
         s.stop(0)
+
+
+def hold_port(port: int = 0) -> socket.socket:
+    """127.0.0.1:port bound, not listening (port 0: a free one): a connection to it is refused, and no
+    server of another test (port 0, in another process of the parallel run) can be handed it while the
+    socket is open. A stopped server's port, left free, once went to such a server, which answered the
+    check meant to find it down."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past a stopped server's TIME_WAITs)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def held_address(sock: socket.socket) -> str:
+    return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import run_in_threads
+from conftest import held_address, hold_port, run_in_threads
 from psgrad.cli.status import fetch, format_status
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec
@@ -123,19 +123,14 @@ def test_a_worker_restarted_within_its_lease_is_logged_joining_again(
                           "started with one rank?)"], logged
 
 
-def _dead_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_joining_a_port_nobody_listens_on_says_it_was_refused() -> None:
     """A refused connection is an answer: reported after a short grace (a server starting binds its
     port within it), not at the end of --connect-timeout-s (30 s here)."""
-    address = _dead_port()
-    start = time.monotonic()
-    with pytest.raises(ServerUnavailableError) as info:
-        psgrad.connect([address], client=ClientConfig(connect_timeout_s=30.0)).optimizer(nn.Linear(2, 2))
+    with hold_port() as held:
+        address = held_address(held)
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailableError) as info:
+            psgrad.connect([address], client=ClientConfig(connect_timeout_s=30.0)).optimizer(nn.Linear(2, 2))
     assert re.fullmatch(
         rf"server {address} {REFUSED} for \d\.\d s: the join request was not sent \(--wait-for-servers, or "
         r"ClientConfig\(wait_for_servers=True\), waits up to --connect-timeout-s for a server that starts later\)",
@@ -151,8 +146,9 @@ def test_a_push_to_a_server_that_died_says_refused_and_not_retried(make_servers:
     ps = psgrad.connect(addresses, client=client)
     opt = ps.optimizer(model)
     running[1].stop(0)
+    held = hold_port(int(addresses[1].rsplit(":", 1)[1]))  # refused, and no other test's server gets it
     model(torch.ones(1, 4)).sum().backward()
-    with pytest.raises(ServerUnavailableError) as info:
+    with held, pytest.raises(ServerUnavailableError) as info:
         opt.step()
     assert re.fullmatch(rf"server {addresses[1]} {REFUSED}: the push and pull were not sent "
                         r"\(not retried: --reconnect-timeout-s 0\)", str(info.value)), info.value

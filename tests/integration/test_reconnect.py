@@ -4,7 +4,6 @@ it is back), or fails naming the shard after the timeout."""
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import note_first_sleep
+from conftest import held_address, hold_port, note_first_sleep
 from psgrad.client import reconnect
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -61,15 +60,6 @@ def test_a_push_to_a_restarting_server_is_retried_until_it_is_back_and_applied_o
             again.stop(0)
 
 
-def _hold(port: int) -> socket.socket:
-    """The freed port bound, not listening: a connection to it is refused, and no other test's
-    server (port 0, in another process of the parallel run) can be handed it meanwhile."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past the stopped server's TIME_WAITs)
-    sock.bind(("127.0.0.1", port))
-    return sock
-
-
 def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout() -> None:
     # Before the port was held, a parallel test's server once got it and answered the push
     # ("shard is not initialized") instead of the refusal this test is about.
@@ -77,7 +67,7 @@ def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout()
     with _client(server.address, reconnect_timeout_s=0.5) as c:
         c.join(lambda: torch.zeros(32))
         server.stop(0)
-        held = _hold(int(server.address.rsplit(":", 1)[1]))
+        held = hold_port(int(server.address.rsplit(":", 1)[1]))
         start = time.monotonic()
         with held, pytest.raises(ServerUnavailableError) as info:
             c.push(torch.ones(32), 0)
@@ -185,15 +175,6 @@ def test_a_worker_leaving_after_a_shard_is_gone_waits_one_reconnect_timeout_not_
         alive.stop(0)
 
 
-def _free_port() -> int:
-    """A port nothing listens on (bound and released: it refuses connections)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _join(address: str, config: ClientConfig) -> int:
     with ParameterClient([address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
         return c.join(None)
@@ -205,11 +186,12 @@ def test_a_refused_first_call_is_reported_after_a_short_grace_not_the_connect_ti
     from psgrad.cli.status import fetch
     from psgrad.errors import DeadlineExceededError
 
-    address = f"127.0.0.1:{_free_port()}"
+    held = hold_port()
+    address = held_address(held)
     config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=30, shared_memory=False)
     for call in (lambda: _join(address, config), lambda: fetch([address], timeout_s=30)):
         start = time.monotonic()
-        with pytest.raises(ServerUnavailableError) as info:
+        with held, pytest.raises(ServerUnavailableError) as info:
             call()
         elapsed = time.monotonic() - start
         assert not isinstance(info.value, DeadlineExceededError), info.value
@@ -220,13 +202,15 @@ def test_a_refused_first_call_is_reported_after_a_short_grace_not_the_connect_ti
 
 def test_a_server_that_starts_during_the_grace_is_joined(monkeypatch: pytest.MonkeyPatch) -> None:
     retrying = note_first_sleep(monkeypatch, reconnect)  # set once the first attempt was refused
-    port = _free_port()
+    held = hold_port()  # refused until the server takes it, and no other test's server gets it meanwhile
+    port = held.getsockname()[1]
     config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=5, shared_memory=False)
     out: list[Any] = []
     with ParameterClient([f"127.0.0.1:{port}"], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
         thread = threading.Thread(target=lambda: out.append(c.join(lambda: torch.zeros(32))))
         thread.start()
         assert retrying.wait(30), "the join was never refused"
+        held.close()
         server = start_server(ServerConfig(port=port, threads=8))
         try:
             thread.join(30)
@@ -241,7 +225,8 @@ def test_wait_for_servers_waits_the_connect_timeout_through_refusals(monkeypatch
     import grpc
 
     monkeypatch.setattr(reconnect, "REFUSED_GRACE_S", 0.0)
-    port = _free_port()
+    held = hold_port()  # refused until the server takes it, and no other test's server gets it meanwhile
+    port = held.getsockname()[1]
     config = ClientConfig(connect_timeout_s=30, rpc_timeout_s=30, reconnect_timeout_s=5, shared_memory=False)
     with pytest.raises(ServerUnavailableError, match="refused the connection"):
         _join(f"127.0.0.1:{port}", config)
@@ -255,6 +240,7 @@ def test_wait_for_servers_waits_the_connect_timeout_through_refusals(monkeypatch
         thread = threading.Thread(target=lambda: out.append(c.join(lambda: torch.zeros(32))))
         thread.start()
         assert refused.wait(30), "the channel never tried the port"
+        held.close()
         server = start_server(ServerConfig(port=port, threads=8))
         try:
             thread.join(30)

@@ -9,26 +9,19 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, held_address, hold_port
 
 from psgrad.config import REFUSED_GRACE_S
 from psgrad.core.addresses import REFUSED, refusing_shard
 
 
-def _refused_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(30)
 def test_a_shard_refuses_only_where_every_server_of_it_refuses() -> None:
-    with socket.socket() as listening:
+    with hold_port() as held, socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         up = f"127.0.0.1:{listening.getsockname()[1]}"
-        down = f"127.0.0.1:{_refused_port()}"
+        down = held_address(held)
         assert refusing_shard([up], 0.2) is None
         assert refusing_shard([f"{down}|{up}"], 0.2) is None  # the backup answers
         start = time.monotonic()
@@ -50,9 +43,10 @@ sys.exit(main(["worker", "--servers", sys.argv[1], "--rank", "0", "--num-workers
 def test_a_worker_reports_a_refused_port_before_it_imports_torch() -> None:
     """A fresh worker took 4.6-9.2 s to report a refused port, most of it importing torch; it now
     checks its servers first (0.3 CPU-s here, plus the grace period)."""
-    address = f"127.0.0.1:{_refused_port()}"
-    res = subprocess.run([sys.executable, "-c", _NO_TORCH, address], capture_output=True, text=True, timeout=50,
-                         cwd=REPO)
+    with hold_port() as held:
+        address = held_address(held)
+        res = subprocess.run([sys.executable, "-c", _NO_TORCH, address], capture_output=True, text=True, timeout=50,
+                             cwd=REPO)
     assert res.returncode == 1, res.stderr[-2000:]
     waited = re.search(rf"server {re.escape(address)} {re.escape(REFUSED)} for (\d+\.\d) s: the join request was not",
                        res.stderr)

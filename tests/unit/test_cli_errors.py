@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_in_process as cli, spawn
+from conftest import REPO, cli_in_process as cli, held_address, hold_port, spawn
 
 from psgrad.cli.commands import worker_exporters
 from psgrad.errors import ServerStartError
@@ -324,14 +324,15 @@ def test_a_one_shot_status_with_a_server_down_shows_the_others_then_fails(make_s
     """An operator's check: with one shard's server down, `psgrad status` printed only that error,
     not the shards that answered. Now it prints every row (the one down says why), then fails with
     its error; where none answers, the error alone."""
-    up, down = make_servers(2)
-    down.stop(0)
-    addresses = f"{up.address},{down.address}"
-    res = cli(["status", "--servers", addresses, "--timeout-s", "3"], capsys)
-    assert res.returncode == 1, res.stderr
-    lines = res.stdout.splitlines()
-    assert any(up.address in line and "not initialized" in line for line in lines), res.stdout
-    assert any(down.address in line and "not answering" in line for line in lines), res.stdout
-    assert f"psgrad status: error: server {down.address}" in res.stderr, res.stderr
-    res = cli(["status", "--servers", down.address, "--timeout-s", "3"], capsys)
-    assert res.returncode == 1 and res.stdout == "" and f"server {down.address}" in res.stderr, res
+    [up] = make_servers(1)
+    with hold_port() as held:  # (a stopped server's port, left free, once went to another test's server)
+        down = held_address(held)
+        addresses = f"{up.address},{down}"
+        res = cli(["status", "--servers", addresses, "--timeout-s", "3"], capsys)
+        assert res.returncode == 1, res.stderr
+        lines = res.stdout.splitlines()
+        assert any(up.address in line and "not initialized" in line for line in lines), res.stdout
+        assert any(down in line and "not answering" in line for line in lines), res.stdout
+        assert f"psgrad status: error: server {down}" in res.stderr, res.stderr
+        res = cli(["status", "--servers", down, "--timeout-s", "3"], capsys)
+        assert res.returncode == 1 and res.stdout == "" and f"server {down}" in res.stderr, res
