@@ -159,9 +159,11 @@ def test_a_worker_leaving_after_a_shard_is_gone_waits_one_reconnect_timeout_not_
                 model(torch.ones(1, 64)).sum().backward()
                 opt.step()
                 gone.stop(0)
+                held = hold_port(int(gone.address.rsplit(":", 1)[1]))  # no other test's server gets it
                 start = time.monotonic()
                 model(torch.ones(1, 64)).sum().backward()
-                opt.step()
+                with held:
+                    opt.step()
         elapsed = time.monotonic() - start
         # (the last answer of the gone server: its port refusing a connection, or, where the last
         # attempt met the server still closing, the connection closed)
