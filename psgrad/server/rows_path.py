@@ -18,7 +18,7 @@ from psgrad.server.read_limit import ReadLimit
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, Located, in_arena, per_row
+from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, per_row
 from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -29,6 +29,16 @@ from psgrad.wire.rows import BlockGradients
 RowGradients = Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]
 # (table, row ids [n] int64): rows a call reads
 Lookup = tuple[str, torch.Tensor]
+
+
+class Slots(dict[str, torch.Tensor]):
+    """The arena slots a reserve made, by table; and, per arena, all of its tables' at once with
+    their arena ids ((its tables in its order, arena ids, slots)), which the apply takes as they
+    are where it updates those tables (no arena ids made again, no slots joined again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whole: dict[RowArena, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
 
 
 # What a push's check reserved: (the uid of the shard state it was made in, its tables' placement
@@ -87,13 +97,16 @@ class Rows:
         with core.cond:
             state = core.require_reader(fingerprint, rank, observe, "a read of rows")
             tables = [state.sparse(table, rank) for table, _ in lookups]
+            located: dict[SparseTable, Located] = {}
             if not checked:
                 _check_reply_size(state, rank, lookups, core.reads)
-                _check_tables(tables, [ids for _, ids in lookups])
+                located = _check_tables(tables, [ids for _, ids in lookups])
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
-                found = arena.locate(members, ids_, ascending=False)
+                # (what the check found of their rows, or, checked before, found now: one pass of the
+                # row kernels over their ids)
+                found = located.get(arena) or arena.locate(members, ids_, ascending=False)
                 if found is None:
                     got = arena.rows(arena.ids_of(members, ids_), checked=True)
                 else:
@@ -267,16 +280,19 @@ class Rows:
             if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \
                     and not any(t.evict or t.min_count > 1 for t in tables):
                 return slots
-        out: dict[str, torch.Tensor] = {}
+        out = Slots()
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]
             found = None if located is None else located.get(arena)
             if found is None:
-                made_ = arena.reserve(arena.ids_of([_grouped(tables[i]) for i in places], ids_), may_evict)
+                arena_ids = arena.ids_of([_grouped(tables[i]) for i in places], ids_)
+                made_ = arena.reserve(arena_ids, may_evict)
             else:
-                made_ = arena.reserve(found[0], may_evict, slots=found[1], new=found[2])
+                arena_ids = found[0]
+                made_ = arena.reserve(arena_ids, may_evict, slots=found[1], new=found[2])
             parts = made_.split([i.numel() for i in ids_])
             out.update((names[i], part) for i, part in zip(places, parts))
+            out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_)
         for name, t in zip(names, tables):
             if name not in out:
                 found = None if located is None else located.get(t)
@@ -300,10 +316,16 @@ class Rows:
             members = [_grouped(tables[i]) for i in places]
             order = [names[i] for i in places]
             whole = rows.flat(order) if isinstance(rows, BlockGradients) else None  # (the push's block: no copy)
-            ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
+            made = slots.whole.get(arena) if isinstance(slots, Slots) else None
+            if made is not None and made[0] == tuple(order):  # (what the reserve made of these tables)
+                ids, at = made[1], made[2]
+            else:
+                ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
+                at = None if slots is None else joined([slots[name] for name in order])
             grads = torch.cat([rows[name][1] for name in order]) if whole is None else whole[1]
-            at = None if slots is None else joined([slots[name] for name in order])
-            versions = per_row([m.version + 1 for m in members], [rows[names[i]][0] for i in places])  # (their next)
+            next_ = [m.version + 1 for m in members]  # (each row stamped with its table's next version)
+            versions = (torch.full((ids.numel(),), next_[0], dtype=torch.int64) if next_.count(next_[0]) == len(next_)
+                        else per_row(next_, [rows[names[i]][0] for i in places]))
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
                         versions=versions)
             for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
