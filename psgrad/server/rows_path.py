@@ -316,6 +316,7 @@ class Rows:
             members = [_grouped(tables[i]) for i in places]
             order = [names[i] for i in places]
             whole = rows.flat(order) if isinstance(rows, BlockGradients) else None  # (the push's block: no copy)
+            at: torch.Tensor | None
             made = slots.whole.get(arena) if isinstance(slots, Slots) else None
             if made is not None and made[0] == tuple(order):  # (what the reserve made of these tables)
                 ids, at = made[1], made[2]
