@@ -86,24 +86,28 @@ def _valid(inverse, id_start, offsets, rows_of):  # pragma: no cover
     return True
 
 
-def _pool(weight, inverse, id_start, offsets, row_start, mean, out):  # pragma: no cover
+def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # pragma: no cover
+    # apart: out is [T * B, D], table t's bags in rows t * B to (t + 1) * B (each table's output
+    # a block of its own), else [B, T * D] (see the module doc)
     T, B = offsets.shape
     d = weight.shape[1]
     for t in range(T):
-        first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
+        first, n, r0 = id_start[t], id_start[t + 1] - id_start[t], row_start[t]
+        col = 0 if apart else t * d
         for b in range(B):
+            o = t * B + b if apart else b
             s = offsets[t, b]
             e = offsets[t, b + 1] if b + 1 < B else n
             for j in range(d):
-                out[b, col + j] = 0
+                out[o, col + j] = 0
             for i in range(s, e):
                 r = r0 + inverse[first + i]
                 for j in range(d):
-                    out[b, col + j] += weight[r, j]
+                    out[o, col + j] += weight[r, j]
             if mean and e > s:
                 size = np.float32(e - s)
                 for j in range(d):
-                    out[b, col + j] /= size
+                    out[o, col + j] /= size
 
 
 def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_weight):  # pragma: no cover
@@ -137,7 +141,7 @@ def _compile(cache: bool) -> dict[str, object]:
     return {
         "unique": _jit(_unique, types.void(_I64_IN, _I64_IN, _I64, _I64, _I64), cache),
         "valid": _jit(_valid, b(_I64_IN, _I64_IN, _I64_2D_IN, _I64_IN), cache),
-        "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32), cache),
+        "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, b, _F32), cache),
         "pool_backward": _jit(_pool_backward, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32),
                               cache),
     }

@@ -218,13 +218,30 @@ class _Plan:
     def forward(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tables' pooled bags, [B, T * D]."""
         if self.k is None:
-            mode = "mean" if self.mean else "sum"
-            return torch.cat([torch.nn.functional.embedding_bag(i, w.detach(), o, mode=mode)
-                              for i, w, o in zip(self.flat, weights, self.starts)], dim=1)
+            return torch.cat(self._each(weights), dim=1)
         out = torch.empty(self.bags, len(weights) * self.dim)
         self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
-                       self.mean, out.numpy())
+                       self.mean, False, out.numpy())
         return out
+
+    def forward_apart(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tables' pooled bags, [B, D] each, each a tensor of its own (contiguous, its own
+        version counter, no view of another: a custom Function's output changed in place must not
+        be one), the kernel's written in one pass into one block of memory they share."""
+        if self.k is None:
+            return self._each(weights)
+        T, B, D = len(weights), self.bags, self.dim
+        block = torch.empty(T * B, D)
+        self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
+                       self.mean, True, block.numpy())
+        storage = block.untyped_storage()
+        return [torch.empty(0).set_(storage, t * B * D, (B, D), (D, 1)) for t in range(T)]
+
+    def _each(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Torch's embedding_bag of each table (without the kernels)."""
+        mode = "mean" if self.mean else "sum"
+        return [torch.nn.functional.embedding_bag(i, w.detach(), o, mode=mode)
+                for i, w, o in zip(self.flat, weights, self.starts)]
 
     def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The rows' gradients, [rows of all tables, D]: each bag's output gradient added to its
@@ -263,12 +280,9 @@ class _PooledApart(torch.autograd.Function):
     def forward(ctx: Any, plan: _Plan, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.plan = plan
         ctx.set_materialize_grads(False)  # (an output no backward reached: None, not zeros)
-        out = plan.forward(weights)
-        # (each its own tensor, not a view of the one output: a view a custom Function returns must
-        # not be changed in place, where a module's output may be)
-        if len(weights) == 1:
-            return (out,)
-        return tuple(p.clone(memory_format=torch.contiguous_format) for p in out.split(plan.dim, dim=1))
+        # (each its own tensor, not a view of one output: a view a custom Function returns must not
+        # be changed in place, where a module's output may be)
+        return tuple(plan.forward_apart(weights))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -276,11 +290,30 @@ class _PooledApart(torch.autograd.Function):
         none = (None,) * len(grads)
         if all(g is None for g in grads):
             return (None, *none)
-        grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32) for g in grads],
-                             dim=1)
+        grad_out = _columns_of_one(grads, plan.bags, plan.dim)
+        if grad_out is None:
+            grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32)
+                                  for g in grads], dim=1)
         parts = plan.backward(grad_out).split(plan.sizes)
         return (None, *(p if g is not None and need else None
                         for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])))
+
+
+def _columns_of_one(grads: Sequence[torch.Tensor | None], bags: int, dim: int) -> torch.Tensor | None:
+    """The tables' output gradients as the one [B, T * D] tensor they are column blocks of, in
+    table order, where they are (the backward of a stack or concatenation of the outputs along
+    dim 1, as a model joins its features' bags, hands them so): no copy to join them. None
+    where they are not (or one is missing)."""
+    first = grads[0]
+    if first is None:
+        return None
+    width, at, storage = len(grads) * dim, first.storage_offset(), first.untyped_storage().data_ptr()
+    for t, g in enumerate(grads):
+        if (g is None or g.dtype != torch.float32 or not g.is_cpu or tuple(g.shape) != (bags, dim)
+                or g.stride() != (width, 1) or g.storage_offset() != at + t * dim
+                or g.untyped_storage().data_ptr() != storage):
+            return None
+    return first.as_strided((bags, width), (width, 1))
 
 
 def _unique_agrees_with_torch(k: dict[str, Any]) -> bool:
@@ -325,7 +358,11 @@ def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
                 # itself would import torch's symbolic shapes, and with them sympy: 2 CPU-seconds)
                 (out * grad_out).sum().backward()
                 got.append([out.detach(), *(leaf.grad for leaf in leaves)])
+                # (each table's output apart: the same bits, its own tensor)
+                got[-1] += [torch.cat(list(_PooledApart.apply(plan, *weights)), dim=1)]
             if not all(a is not None and b is not None and _same_bits(a, b) for a, b in zip(*got)):
+                return False
+            if not _same_bits(got[0][-1], got[0][0]):
                 return False
     bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
     return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, kernels_) is None

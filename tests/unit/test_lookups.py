@@ -128,6 +128,44 @@ def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reache
     assert lookups.pooled_apart(weights[:1], inverses[:1], offsets[:1], True) is not None  # (one table: its own output)
 
 
+@pytest.mark.parametrize("join", ["stack", "cat", "cat-reversed"])
+def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(kernels, monkeypatch, join) -> None:  # type: ignore[no-untyped-def]
+    """A model joins its features' bags along dim 1 (torch.stack, torch.cat): the backward hands
+    pooled_apart its outputs' gradients as column blocks of one tensor, taken as they lie (no
+    copy to join them) where they are in table order, joined otherwise: pooled()'s gradients bit
+    for bit either way. The outputs share one block of memory, yet each is its own tensor: no
+    view (changed in place, the others stay as they were)."""
+    gen = torch.Generator().manual_seed(5)
+    weights, inverses, offsets, _ = lookup(gen, 4, 64, 8, 30)
+    apart_leaves = [w.clone().requires_grad_() for w in weights]
+    outs = lookups.pooled_apart(apart_leaves, inverses, offsets, True)
+    leaves = [w.clone().requires_grad_() for w in weights]
+    one = lookups.pooled(leaves, inverses, offsets, True)
+    assert outs is not None and one is not None
+    assert all(out._base is None and out.is_contiguous() for out in outs)
+    before = [out.detach().clone() for out in outs]
+    outs[1].add_(0.0)  # (in place: allowed, as on a module's output; the others untouched)
+    assert all(same_bits(out.detach(), b) for out, b in zip(outs, before))
+    taken = []
+    monkeypatch.setattr(lookups, "_columns_of_one",
+                        lambda grads, bags, dim, _f=lookups._columns_of_one: taken.append(_f(grads, bags, dim)) or taken[-1])
+    grad_out = torch.randn(64, 32, generator=gen)
+    if join == "stack":
+        joined = torch.stack(outs, dim=1).view(64, 32)
+    elif join == "cat":
+        joined = torch.cat(outs, dim=1)
+    else:  # (tables in another order: their gradients are joined by a copy)
+        joined = torch.cat(outs[::-1], dim=1)
+        grad_out = torch.cat([grad_out[:, 8 * t:8 * (t + 1)] for t in (3, 2, 1, 0)], dim=1)
+    (joined * grad_out).sum().backward()
+    if join == "cat-reversed":
+        grad_out = torch.cat([grad_out[:, 8 * t:8 * (t + 1)] for t in (3, 2, 1, 0)], dim=1)
+    (one * grad_out).sum().backward()
+    assert len(taken) == 1 and (taken[0] is None) == (join == "cat-reversed"), taken
+    for t in range(4):
+        assert apart_leaves[t].grad is not None and same_bits(apart_leaves[t].grad, leaves[t].grad), t
+
+
 def test_two_dimensional_inputs_are_a_bag_per_row(kernels) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(9, 5, generator=gen)
