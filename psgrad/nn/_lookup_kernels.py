@@ -26,6 +26,7 @@ from numba import types
 
 _F32 = types.Array(types.float32, 2, "C")
 _F32_IN = types.Array(types.float32, 2, "C", readonly=True)
+_F32_STRIDED_IN = types.Array(types.float32, 2, "A", readonly=True)  # (an output's gradient: rows of any stride)
 _I64 = types.Array(types.int64, 1, "C")
 _I64_IN = types.Array(types.int64, 1, "C", readonly=True)
 _I64_2D_IN = types.Array(types.int64, 2, "C", readonly=True)
@@ -142,8 +143,8 @@ def _compile(cache: bool) -> dict[str, object]:
         "unique": _jit(_unique, types.void(_I64_IN, _I64_IN, _I64, _I64, _I64), cache),
         "valid": _jit(_valid, b(_I64_IN, _I64_IN, _I64_2D_IN, _I64_IN), cache),
         "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, b, _F32), cache),
-        "pool_backward": _jit(_pool_backward, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32),
-                              cache),
+        "pool_backward": _jit(_pool_backward, types.void(_F32_STRIDED_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b,
+                                                         _F32), cache),
     }
 
 

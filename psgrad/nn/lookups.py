@@ -246,7 +246,9 @@ class _Plan:
     def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The rows' gradients, [rows of all tables, D]: each bag's output gradient added to its
         rows (a mean's times 1 / size) in the order of the ids."""
-        grad_out = grad_out.to(torch.float32).contiguous()
+        grad_out = grad_out.to(torch.float32)
+        if grad_out.stride(1) != 1 or grad_out.stride(0) < 0:
+            grad_out = grad_out.contiguous()  # (the kernel takes rows of any stride, their values side by side)
         grad = torch.zeros(sum(self.sizes), self.dim)
         if self.k is not None:
             self.k["pool_backward"](grad_out.numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
@@ -300,20 +302,23 @@ class _PooledApart(torch.autograd.Function):
 
 
 def _columns_of_one(grads: Sequence[torch.Tensor | None], bags: int, dim: int) -> torch.Tensor | None:
-    """The tables' output gradients as the one [B, T * D] tensor they are column blocks of, in
-    table order, where they are (the backward of a stack or concatenation of the outputs along
-    dim 1, as a model joins its features' bags, hands them so): no copy to join them. None
-    where they are not (or one is missing)."""
+    """The tables' output gradients as the [B, T * D] columns of one tensor they are, side by
+    side in table order, where they are (the backward of a stack or concatenation of the outputs
+    along dim 1, as a model joins its features' bags, hands them so, within the gradient of what
+    it joins them with): no copy to join them. None where they are not (or one is missing)."""
     first = grads[0]
-    if first is None:
+    if first is None or first.dim() != 2:
         return None
-    width, at, storage = len(grads) * dim, first.storage_offset(), first.untyped_storage().data_ptr()
+    width, step = len(grads) * dim, first.stride(0)
+    at, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    if bags > 1 and step < width:
+        return None
     for t, g in enumerate(grads):
         if (g is None or g.dtype != torch.float32 or not g.is_cpu or tuple(g.shape) != (bags, dim)
-                or g.stride() != (width, 1) or g.storage_offset() != at + t * dim
+                or g.stride() != (step, 1) or g.storage_offset() != at + t * dim
                 or g.untyped_storage().data_ptr() != storage):
             return None
-    return first.as_strided((bags, width), (width, 1))
+    return first.as_strided((bags, width), (step, 1))
 
 
 def _unique_agrees_with_torch(k: dict[str, Any]) -> bool:

@@ -128,7 +128,7 @@ def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reache
     assert lookups.pooled_apart(weights[:1], inverses[:1], offsets[:1], True) is not None  # (one table: its own output)
 
 
-@pytest.mark.parametrize("join", ["stack", "cat", "cat-reversed"])
+@pytest.mark.parametrize("join", ["stack", "cat", "stack-within", "cat-reversed"])
 def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(kernels, monkeypatch, join) -> None:  # type: ignore[no-untyped-def]
     """A model joins its features' bags along dim 1 (torch.stack, torch.cat): the backward hands
     pooled_apart its outputs' gradients as column blocks of one tensor, taken as they lie (no
@@ -154,6 +154,9 @@ def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(k
         joined = torch.stack(outs, dim=1).view(64, 32)
     elif join == "cat":
         joined = torch.cat(outs, dim=1)
+    elif join == "stack-within":  # (beside another vector, as DLRM's interaction joins the bottom MLP's)
+        first = torch.randn(64, 1, 8, generator=gen, requires_grad=True)
+        joined = torch.cat([first, torch.stack(outs, dim=1)], dim=1)[:, 1:].reshape(64, 32)
     else:  # (tables in another order: their gradients are joined by a copy)
         joined = torch.cat(outs[::-1], dim=1)
         grad_out = torch.cat([grad_out[:, 8 * t:8 * (t + 1)] for t in (3, 2, 1, 0)], dim=1)
