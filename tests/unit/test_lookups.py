@@ -99,6 +99,18 @@ def test_several_tables_pool_as_torchs_embedding_bags_in_one_pass(kernels, mode)
         assert same_bits(leaf.grad, torch.zeros(60, 32).index_add_(0, inverses[t], source))
 
 
+def apart_and_one(gen: torch.Generator, mean: bool):  # type: ignore[no-untyped-def]
+    """4 tables of 64 bags, 8 wide, pooled apart and as one output, each from leaves of its own:
+    (the tables' (weights, inverses, offsets), apart's leaves, its outputs, one's leaves, its output)."""
+    weights, inverses, offsets, _ = lookup(gen, 4, 64, 8, 30)
+    apart_leaves = [w.clone().requires_grad_() for w in weights]
+    outs = lookups.pooled_apart(apart_leaves, inverses, offsets, mean)
+    leaves = [w.clone().requires_grad_() for w in weights]
+    one = lookups.pooled(leaves, inverses, offsets, mean)
+    assert outs is not None and one is not None
+    return (weights, inverses, offsets), apart_leaves, outs, leaves, one
+
+
 @pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "torch-ops"])
 def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reaches_gets_no_gradient(kernels, monkeypatch, with_kernels) -> None:  # type: ignore[no-untyped-def]
     """pooled_apart: each table's bags a tensor of its own, bit for bit the columns of pooled()'s
@@ -108,12 +120,8 @@ def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reache
     if not with_kernels:
         monkeypatch.setattr(lookups, "kernels", lambda start=False, wait=False: None)
     gen = torch.Generator().manual_seed(4)
-    weights, inverses, offsets, _ = lookup(gen, 4, 64, 8, 30)
-    apart_leaves = [w.clone().requires_grad_() for w in weights]
-    outs = lookups.pooled_apart(apart_leaves, inverses, offsets, False)
-    leaves = [w.clone().requires_grad_() for w in weights]
-    one = lookups.pooled(leaves, inverses, offsets, False)
-    assert outs is not None and one is not None and len(outs) == 4
+    (weights, inverses, offsets), apart_leaves, outs, leaves, one = apart_and_one(gen, False)
+    assert len(outs) == 4
     for t, out in enumerate(outs):
         assert out.is_contiguous() and same_bits(out.detach(), one.detach()[:, 8 * t:8 * (t + 1)])
     grad_out = torch.randn(64, 32, generator=gen)
@@ -136,12 +144,7 @@ def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(k
     for bit either way. The outputs share one block of memory, yet each is its own tensor: no
     view (changed in place, the others stay as they were)."""
     gen = torch.Generator().manual_seed(5)
-    weights, inverses, offsets, _ = lookup(gen, 4, 64, 8, 30)
-    apart_leaves = [w.clone().requires_grad_() for w in weights]
-    outs = lookups.pooled_apart(apart_leaves, inverses, offsets, True)
-    leaves = [w.clone().requires_grad_() for w in weights]
-    one = lookups.pooled(leaves, inverses, offsets, True)
-    assert outs is not None and one is not None
+    _, apart_leaves, outs, leaves, one = apart_and_one(gen, True)
     assert all(out._base is None and out.is_contiguous() for out in outs)
     before = [out.detach().clone() for out in outs]
     outs[1].add_(0.0)  # (in place: allowed, as on a module's output; the others untouched)
