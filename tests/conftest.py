@@ -253,11 +253,14 @@ def make_servers():  # type: ignore[no-untyped-def]
         s.stop(0)
 
 
-def hold_port(port: int = 0) -> socket.socket:
-    """127.0.0.1:port bound, not listening (port 0: a free one): a connection to it is refused, and no
-    server of another test (port 0, in another process of the parallel run) can be handed it while the
-    socket is open. A stopped server's port, left free, once went to such a server, which answered the
-    check meant to find it down."""
+def hold_port(port: int | str = 0) -> socket.socket:
+    """127.0.0.1:port bound, not listening (port 0: a free one; a "host:port" address: its port, a
+    stopped server's): a connection to it is refused, and no server of another test (port 0, in
+    another process of the parallel run) can be handed it while the socket is open. A stopped
+    server's port, left free, once went to such a server, which answered the check meant to find it
+    down."""
+    if isinstance(port, str):
+        port = int(port.rsplit(":", 1)[1])
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past a stopped server's TIME_WAITs)
     sock.bind(("127.0.0.1", port))

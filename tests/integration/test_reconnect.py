@@ -67,7 +67,7 @@ def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout()
     with _client(server.address, reconnect_timeout_s=0.5) as c:
         c.join(lambda: torch.zeros(32))
         server.stop(0)
-        held = hold_port(int(server.address.rsplit(":", 1)[1]))
+        held = hold_port(server.address)
         start = time.monotonic()
         with held, pytest.raises(ServerUnavailableError) as info:
             c.push(torch.ones(32), 0)
@@ -159,7 +159,7 @@ def test_a_worker_leaving_after_a_shard_is_gone_waits_one_reconnect_timeout_not_
                 model(torch.ones(1, 64)).sum().backward()
                 opt.step()
                 gone.stop(0)
-                held = hold_port(int(gone.address.rsplit(":", 1)[1]))  # no other test's server gets it
+                held = hold_port(gone.address)  # no other test's server gets it
                 start = time.monotonic()
                 model(torch.ones(1, 64)).sum().backward()
                 with held:

@@ -245,10 +245,6 @@ def test_a_restarted_server_rejoins_as_the_backup_and_can_take_over(servers: Cal
     assert versions == [12] and torch.equal(exported["w"], reference.shard.weights_copy())
 
 
-def _port(server: RunningServer) -> int:
-    return int(server.address.rsplit(":", 1)[1])
-
-
 def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(servers: Callable[..., RunningServer]) -> None:
     primary = servers()
     backup = servers(replica_of=primary.address)
@@ -256,7 +252,7 @@ def test_a_backup_without_state_refuses_workers_and_neither_answering_is_named(s
         backup.shard.serving()
     primary.stop(0)
     backup.stop(0)
-    held = [hold_port(_port(s)) for s in (primary, backup)]  # refused, and no other test's server gets them
+    held = [hold_port(s.address) for s in (primary, backup)]  # refused, and no other test's server gets them
     config = ClientConfig(connect_timeout_s=1, rpc_timeout_s=1, reconnect_timeout_s=1, shared_memory=False)
     with held[0], held[1], ParameterClient([f"{primary.address}|{backup.address}"], JobSpec(), PARAMS,
                                            plan_shards(PARAMS, 1), 0, config) as c:
@@ -276,7 +272,7 @@ def test_a_join_that_neither_server_serves_names_what_each_answered(servers: Cal
     backup = servers(replica_of=primary.address)
     primary.stop(0)
     config = ClientConfig(connect_timeout_s=2, rpc_timeout_s=2, reconnect_timeout_s=2, shared_memory=False)
-    with hold_port(_port(primary)), ParameterClient([f"{primary.address}|{backup.address}"], JobSpec(), PARAMS,
+    with hold_port(primary.address), ParameterClient([f"{primary.address}|{backup.address}"], JobSpec(), PARAMS,
                                                     plan_shards(PARAMS, 1), 0, config) as c:
         with pytest.raises((ServerUnavailableError, NotPrimaryError), match="neither server of the shard served") as info:
             c.join(lambda: torch.zeros(NUMEL))
@@ -288,7 +284,7 @@ def test_a_join_that_neither_server_serves_names_what_each_answered(servers: Cal
 def test_a_backup_whose_primary_does_not_answer_does_not_start() -> None:
     dead = start_server(ServerConfig(port=0, threads=4))
     dead.stop(0)
-    with hold_port(_port(dead)), pytest.raises(ServerStartError, match=f"cannot become the backup of {dead.address}") as info:
+    with hold_port(dead.address), pytest.raises(ServerStartError, match=f"cannot become the backup of {dead.address}") as info:
         start_server(ServerConfig(port=0, threads=4, replica_of=dead.address, replica_timeout_s=1))
     # nothing listens there: said so, not "did not answer" (gRPC waiting for it reports a deadline)
     assert f"server {dead.address} refused the connection (nothing listens on that port" in str(info.value), info.value
