@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psgrad.core.codecs import WireBuffer, byte_view, torch_dtype
+from psgrad.core import codecs
+from psgrad.core.codecs import WireBuffer, byte_view, joined, torch_dtype
 from psgrad.wire.frames import (
     FrameParser,
     PayloadWriter,
@@ -456,3 +457,39 @@ def test_joined_views_tensors_that_lie_one_after_another_and_copies_others(monke
     assert torch.equal(joined(other), torch.cat(other))
     ids = torch.arange(10)
     assert torch.equal(joined(list(ids.split([4, 6]))), ids) and joined([ids]) is ids
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("sizes", [[300, 0, 41, 7], [0, 5, 0], [2000], [1, 1, 1, 1, 1, 1, 1, 1]])
+def test_joined_parts_split_in_order_from_one_tensor_are_a_view_of_it(sizes: list[int],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 0)
+    whole = torch.randn(sum(sizes) + 3, 32)[2:-1]  # (a view itself: its parts' base is the tensor it views)
+    parts = list(whole.split(sizes))
+    got = joined(parts)
+    assert torch.equal(got, torch.cat(parts)) and got.shape == (sum(sizes), 32)
+    assert _shares(got, whole) and got.data_ptr() == whole.data_ptr()  # (no copy)
+
+
+def test_joined_copies_parts_out_of_order_of_other_widths_or_tensors_and_small_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 0)
+    whole = torch.randn(30, 8)
+    a, b, c = whole.split([10, 10, 10])
+    cases = [[b, a], [a, c], [a, torch.randn(5, 8)], [a, b.double()], [a.t(), b.t()],
+             [whole[:, :4], whole[:, 4:]], [torch.zeros(3, 0), torch.zeros(2, 0)]]
+    for parts in cases:
+        got = joined(parts)
+        assert torch.equal(got, torch.cat(parts)), parts
+        assert got.data_ptr() != whole.data_ptr() or not got.numel()
+    # (3-D rows split from one tensor: the general way finds their view)
+    cube = torch.randn(6, 2, 3)
+    got = joined(list(cube.split([2, 4])))
+    assert torch.equal(got, cube) and _shares(got, cube)
+    # (below the size a look is worth: a copy, the same values)
+    monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 1 << 30)
+    got = joined([a, b])
+    assert torch.equal(got, whole[:20]) and not _shares(got, whole)
