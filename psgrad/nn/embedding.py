@@ -73,20 +73,28 @@ class Touched:
     shard (None: not known), and their leaf, which records their gradient. The leaf is held weakly
     until a backward gives it a gradient, then until the step takes it (or zero_grad() drops it):
     a forward no backward reaches (an evaluation with autograd on, its output gone) keeps nothing
-    in the worker, while the graph of one whose backward is still to come keeps its leaf alive."""
+    in the worker, while the graph of one whose backward is still to come keeps its leaf alive.
+    What tells it a backward came: a hook on the leaf (run once its gradient is accumulated), or,
+    with hook=False, the caller's autograd Function, whose backward calls hold() where it gives
+    the leaf a gradient (the bags pooled ahead: a hook costs ~10 us a leaf to register)."""
 
     __slots__ = ("ids", "versions", "_ref", "_held")
 
     def __init__(self, ids: torch.Tensor, leaf: torch.Tensor, versions: Mapping[int, int] | None,
-                 kept: bool = False) -> None:
+                 kept: bool = False, hook: bool = True) -> None:
         self.ids, self.versions = ids, None if versions is None else dict(versions)
         self._ref = weakref.ref(leaf)
         self._held: torch.Tensor | None = leaf if kept else None
-        if not kept:
+        if hook and not kept:
             leaf.register_post_accumulate_grad_hook(self._keep)
 
     def _keep(self, leaf: torch.Tensor) -> None:
         self._held = leaf
+
+    def hold(self) -> None:
+        """A backward gives the leaf a gradient (called by it, before the gradient is accumulated,
+        while the graph still holds the leaf): hold it until the step."""
+        self._held = self._ref()
 
     def leaf(self) -> torch.Tensor | None:
         return self._held if self._held is not None else self._ref()
@@ -470,13 +478,22 @@ class SparseEmbedding(nn.Module):
         """The pulled rows of `unique` as this forward uses them: on the input's device and, when
         training (and not frozen), a leaf that records its gradient (taken by take_gradients), with
         the versions the rows were read at by shard (the base of the push of that gradient)."""
-        weight = weight.to(device)
-        if training and not self.frozen:
-            weight.requires_grad_(True)
-            if len(self._touched) >= 64:  # (forwards no backward reached, their outputs gone: nothing to keep)
-                self.__dict__["_touched"] = [t for t in self._touched if t.leaf() is not None]
-            self._touched.append(Touched(unique, weight, versions))
-        return weight
+        return self._attach(unique, weight, device, training, versions)[0]
+
+    def _attach(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool,
+                versions: Mapping[int, int] | None, hook: bool = True) -> tuple[torch.Tensor, Touched | None]:
+        """attach_rows(), and the rows' Touched where they take a gradient (hook=False: its hold()
+        is the caller's to call, see Touched)."""
+        if not weight.is_cpu or device.type != "cpu":
+            weight = weight.to(device)
+        if not training or self.frozen:
+            return weight, None
+        weight.requires_grad_(True)
+        if len(self._touched) >= 64:  # (forwards no backward reached, their outputs gone: nothing to keep)
+            self.__dict__["_touched"] = [t for t in self._touched if t.leaf() is not None]
+        touched = Touched(unique, weight, versions, hook=hook)
+        self._touched.append(touched)
+        return weight, touched
 
     def _pretrained(self, embeddings: torch.Tensor, freeze: bool) -> None:
         """Hold `embeddings` as every row's loaded value (see from_pretrained)."""
@@ -890,15 +907,37 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]]) -> list[Embedding
         groups.setdefault((m.mode == "mean", m.embedding_dim, bags), []).append((m, input, offsets))
     waiting = []
     for (mean, _, _), group in groups.items():
-        read = [m._rows(input) for m, input, _ in group]
+        read, touched = _read_together(group)
         outs = lookups.pooled_apart([weight for _, weight, _ in read], [inverse for inverse, _, _ in read],
-                                    [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group])
+                                    [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group],
+                                    touched)
         if outs is None:
-            continue  # (each forward pools its own, as torch's ops do)
+            continue  # (each forward pools its own, as torch's ops do; the rows read here reach no backward)
         for (m, input, offsets), out, (_, _, unique) in zip(group, outs, read):
             m.__dict__["_ahead"] = _Ahead(input, offsets, _versions(input, offsets), out, int(unique.numel()))
             waiting.append(m)
     return waiting
+
+
+def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]]
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[Touched | None]]:
+    """Each module's _rows() of its input (inverse, rows, unique) for a training forward, read in
+    one call of their source where they share one and their tables differ (else each its own),
+    with the rows' Touched, whose hold() the pooling's backward is to call (no hook a leaf; None
+    where the rows take no gradient, or were read each on its own)."""
+    modules, inputs = [m for m, _, _ in group], [i for _, i, _ in group]
+    names = [m.table or "" for m in modules]
+    source = modules[0].bound_source()
+    if len(set(names)) < len(names) or any(m._source is not source for m in modules):
+        return [m._rows(i) for m, i in zip(modules, inputs)], [None] * len(modules)
+    found = unique_ids_of(modules, inputs)
+    got = source.pull_tables({name: unique for name, (unique, _) in zip(names, found)}, False)
+    read, touched = [], []
+    for m, i, name, (unique, inverse) in zip(modules, inputs, names, found):
+        weight, t = m._attach(unique, got[name], i.device, True, read_versions(got, name), hook=False)
+        read.append((inverse, weight, unique))
+        touched.append(t)
+    return read, touched
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:

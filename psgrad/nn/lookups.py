@@ -115,18 +115,22 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
 
 
 def pooled_apart(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
-                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = ()) -> list[torch.Tensor] | None:
+                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = (),
+                 touched: Sequence[Any] = ()) -> list[torch.Tensor] | None:
     """pooled(), each table's bags a tensor of its own: [F.embedding_bag(inverse, weight, offset,
     mode) for each table], [B, D] each, in one pass each way, as separate modules' forwards would
     give them (what GroupedForward pools at a model's forward start). A table whose output no
     backward reaches gets no gradient (its weight's .grad stays None, as a lookup of its own left
     unused gets none), where a slice of pooled()'s one output would get zeros. The bits are
-    pooled()'s, table by table. None and the errors: as pooled()."""
+    pooled()'s, table by table. touched: per table, an object (or None) whose hold() the
+    backward calls where it gives that table's weight a gradient (embedding.Touched). None and
+    the errors: as pooled()."""
     k = kernels()
     plan = _Plan.make(weights, inverses, offsets, mean, k)
     if plan is None:
         check_offsets(inverses, offsets, names)
         return None
+    plan.touched = touched
     return list(_PooledApart.apply(plan, *weights))
 
 
@@ -164,6 +168,7 @@ class _Plan:
     def __init__(self, kernels_: dict[str, Any] | None, flat: list[torch.Tensor], starts: list[torch.Tensor],
                  sizes: list[int], dim: int, mean: bool) -> None:
         self.k, self.flat, self.starts, self.sizes, self.dim, self.mean = kernels_, flat, starts, sizes, dim, mean
+        self.touched: Sequence[Any] = ()  # (pooled_apart's)
         self.bags = int(starts[0].numel())
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
@@ -297,8 +302,11 @@ class _PooledApart(torch.autograd.Function):
             grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32)
                                   for g in grads], dim=1)
         parts = plan.backward(grad_out).split(plan.sizes)
-        return (None, *(p if g is not None and need else None
-                        for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])))
+        out = [p if g is not None and need else None for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])]
+        for touched, p in zip(plan.touched, out):
+            if touched is not None and p is not None:
+                touched.hold()
+        return (None, *out)
 
 
 def _columns_of_one(grads: Sequence[torch.Tensor | None], bags: int, dim: int) -> torch.Tensor | None:

@@ -488,6 +488,48 @@ def test_rows_take_gradients_while_autograd_is_on_and_zero_grad_drops_them() -> 
     assert all(bag.take_gradients() is not None for bag in ebc.bags.values())
 
 
+def test_bags_pooled_ahead_read_in_one_call_and_keep_rows_only_where_a_backward_reached_them() -> None:
+    """pool_ahead: the modules' rows are read in one call of their source, each module's forward
+    returns its bags (torch's), and its rows are kept, the graph freed, only where the backward
+    reached its output (the pooling's backward says so: no hook a leaf); a pooled forward no
+    backward reaches keeps nothing once its outputs are gone; gradients equal torch's."""
+    from psgrad.nn.embedding import pool_ahead
+
+    class Counting(LocalRows):
+        calls = 0
+
+        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+            self.calls += 1
+            return super().pull_tables(lookups, observe)
+
+    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3)]
+    source = Counting(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)))
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 2]
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    assert source.calls == 1
+    outs = [bag(ids) for bag, ids in zip(bags, inputs)]
+    assert source.calls == 1  # (each forward served what was pooled)
+    expected = [nn.functional.embedding_bag(ids, source.weight, mode="sum") for ids in inputs]
+    assert all(torch.equal(out, e) for out, e in zip(outs, expected))
+    (outs[0] * 2 + outs[1]).sum().backward()  # (the third output unused)
+    del outs
+    got = [bag.take_gradients() for bag in bags]
+    assert got[2] is None
+    for scale, ids, taken in zip((2.0, 1.0), inputs, got):
+        assert taken is not None
+        weight = source.weight.clone().requires_grad_()
+        (nn.functional.embedding_bag(ids, weight, mode="sum") * scale).sum().backward()
+        assert torch.equal(taken[0], torch.unique(ids)) and torch.equal(taken[1], weight.grad[taken[0]])
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    outs = [bag(ids) for bag, ids in zip(bags, inputs)]
+    del outs  # (an evaluation with autograd on: no backward)
+    assert all(t.leaf() is None for bag in bags for t in bag._touched)
+    assert all(bag.take_gradients() is None for bag in bags)
+
+
 def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_drawn_under() -> None:
     """A fresh module's rows are drawn under its name in the job (its place in the model), which it
     learns when bound: initial_weight() before that is refused naming the fix (it drew under "",
