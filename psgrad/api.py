@@ -454,11 +454,11 @@ class PSOptimizer(ScheduledOptimizer):
         self.client.base_versions = base
         rows, bases, unused_tables = {}, {}, []
         for name, module in self.embeddings:
-            if not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
-                unused_tables.append(name)
             found = module.row_gradients()
             if found is not None:  # (pushed with the versions its rows were read at: their staleness)
                 rows[name], bases[name] = (found.ids, found.grads), found.bases
+            elif not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
+                unused_tables.append(name)
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
                                                  bases, unused, unused_tables)
         self._rows_pushed()

@@ -548,7 +548,9 @@ class SparseEmbedding(nn.Module):
         bases = rows.oldest(*(versions for _, _, versions in parts))
         if len(parts) == 1:
             ids, grad, _ = parts[0]
-            kept = self._without_padding(ids, grad.detach().to("cpu", torch.float32).contiguous())
+            if grad.requires_grad or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous():
+                grad = grad.detach().to("cpu", torch.float32).contiguous()  # (else as it is: a few us a table a step)
+            kept = self._without_padding(ids, grad)
         else:
             all_ids = torch.cat([ids for ids, _, _ in parts])
             grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g, _ in parts])

@@ -317,15 +317,17 @@ def _columns_of_one(grads: Sequence[torch.Tensor | None], bags: int, dim: int) -
     first = grads[0]
     if first is None or first.dim() != 2:
         return None
-    width, step = len(grads) * dim, first.stride(0)
-    at, storage = first.storage_offset(), first.untyped_storage().data_ptr()
-    if bags > 1 and step < width:
+    width, strides = len(grads) * dim, first.stride()
+    step, at, base, shape = strides[0], first.storage_offset(), first._base, (bags, dim)
+    storage = first.untyped_storage().data_ptr() if base is None else 0
+    if (bags > 1 and step < width) or strides[1] != 1:
         return None
-    for t, g in enumerate(grads):
-        if (g is None or g.dtype != torch.float32 or not g.is_cpu or tuple(g.shape) != (bags, dim)
-                or g.stride() != (step, 1) or g.storage_offset() != at + t * dim
-                or g.untyped_storage().data_ptr() != storage):
+    for g in grads:  # (views of one tensor share their base: their storage then goes without asking)
+        if (g is None or g.storage_offset() != at or g.shape != shape or g.stride() != strides
+                or g.dtype != torch.float32 or not g.is_cpu
+                or (g._base is not base if base is not None else g.untyped_storage().data_ptr() != storage)):
             return None
+        at += dim
     return first.as_strided((bags, width), (step, 1))
 
 
