@@ -232,15 +232,16 @@ class _Plan:
     def forward_apart(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tables' pooled bags, [B, D] each, each a tensor of its own (contiguous, its own
         version counter, no view of another: a custom Function's output changed in place must not
-        be one), the kernel's written in one pass into one block of memory they share."""
+        be one), the kernel's written in one pass into one block of memory: each its part of it,
+        a storage of its own (torch.from_numpy of the part: half the cost of a tensor set_ to a
+        place in the block's storage, which would also have torch.save write the whole block)."""
         if self.k is None:
             return self._each(weights)
         T, B, D = len(weights), self.bags, self.dim
-        block = torch.empty(T * B, D)
+        block = np.empty((T, B, D), np.float32)
         self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
-                       self.mean, True, block.numpy())
-        storage = block.untyped_storage()
-        return [torch.empty(0).set_(storage, t * B * D, (B, D), (D, 1)) for t in range(T)]
+                       self.mean, True, block.reshape(T * B, D))
+        return [torch.from_numpy(part) for part in block]
 
     def _each(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Torch's embedding_bag of each table (without the kernels)."""
