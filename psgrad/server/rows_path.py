@@ -22,7 +22,7 @@ from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena
 from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
-from psgrad.wire.rows import BlockGradients
+from psgrad.wire.rows import BlockGradients, BlockLookups
 
 # table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at):
 # a push's rows as its RowBlock gives them (BlockGradients, wire/rows.py: views of the block's buffers)
@@ -98,15 +98,17 @@ class Rows:
             state = core.require_reader(fingerprint, rank, observe, "a read of rows")
             tables = [state.sparse(table, rank) for table, _ in lookups]
             located: dict[SparseTable, Located] = {}
+            flat = lookups.flat if isinstance(lookups, BlockLookups) else None  # (the ids of a RowBlock, joined)
             if not checked:
                 _check_reply_size(state, rank, lookups, core.reads)
-                located = _check_tables(tables, [ids for _, ids in lookups])
+                located = _check_tables(tables, [ids for _, ids in lookups], flat=flat)
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
+                whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
                 # (what the check found of their rows, or, checked before, found now: one pass of the
                 # row kernels over their ids)
-                found = located.get(arena) or arena.locate(members, ids_, ascending=False)
+                found = located.get(arena) or arena.locate(members, ids_, ascending=False, flat=whole)
                 if found is None:
                     got = arena.rows(arena.ids_of(members, ids_), checked=True)
                 else:
@@ -136,7 +138,7 @@ class Rows:
             nbytes = _check_reply_size(state, rank, lookups, self._core.reads)
             if ids:
                 _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups],
-                              find=False)
+                              flat=lookups.flat if isinstance(lookups, BlockLookups) else None, find=False)
             return nbytes
 
     def updated_page(self, rank: int, fingerprint: str, table: str, limit: int,

@@ -55,6 +55,7 @@ class RowArena(SparseTable):
         self.num_embeddings = 0
         self.members: list[GroupedTable] = []  # in the order of their bases
         self._bases = torch.empty(0, dtype=torch.int64)
+        self._member_bounds: dict[tuple[GroupedTable, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def join(self, table: GroupedTable) -> int:
         """Hold `table`'s rows from now on; returns its base (a multiple of the shard count).
@@ -109,10 +110,15 @@ class RowArena(SparseTable):
         Raises:
             InvalidRequestError: as SparseTable.check (check_update) words it.
         """
-        fine = all(i.dtype in (torch.int64, torch.int32) and i.dim() == 1 for i in ids)
-        if fine and grads is not None:
-            fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim) for i, g in zip(ids, grads))
-        if fine and any(i.numel() for i in ids):
+        if flat is not None:  # (a RowBlock's: int64 ids one after another, each table's gradients [count, width])
+            fine = grads is None or all(g.dtype == torch.float32 and g.dim() == 2 and g.shape[1] == self.dim
+                                        for g in grads)
+        else:
+            fine = all(i.dtype in (torch.int64, torch.int32) and i.dim() == 1 for i in ids)
+            if fine and grads is not None:
+                fine = all(g.dtype == torch.float32 and tuple(g.shape) == (i.numel(), self.dim)
+                           for i, g in zip(ids, grads))
+        if fine and (flat.numel() if flat is not None else any(i.numel() for i in ids)):
             found = self.locate(members, ids, ascending=grads is not None, flat=flat, find=find)
             if found is not None:
                 return found if find else None
@@ -151,10 +157,11 @@ class RowArena(SparseTable):
             InvalidRequestError: an id out of range or on another shard, as the member's check
                 words it.
         """
-        if not all(i.dtype == torch.int64 for i in ids):
+        if flat is None and not all(i.dtype == torch.int64 for i in ids):
             return None
+        sizes, bases = self._bounds(members)
         found = self.locate_rows(joined(list(ids)) if flat is None else flat, [i.numel() for i in ids],
-                                 [m.num_embeddings for m in members], [m.base for m in members], ascending, find)
+                                 sizes, bases, ascending, find)
         if found is None:
             return None
         bad, arena_ids, slots, new = found
@@ -162,6 +169,18 @@ class RowArena(SparseTable):
             self._check_each(members, ids, None)  # (raises where an id is out of range or elsewhere)
             return None
         return arena_ids, slots, new
+
+    def _bounds(self, members: Sequence[GroupedTable]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, base) of each of `members` as int64 arrays (what locate_rows takes), kept per
+        tuple of members: a member's rows and base are set when it joins, for good."""
+        key = tuple(members)
+        got = self._member_bounds.get(key)
+        if got is None:
+            if len(self._member_bounds) >= 64:  # (the few groups of a job's calls; others come and go)
+                self._member_bounds.clear()
+            got = self._member_bounds[key] = (np.array([m.num_embeddings for m in members], dtype=np.int64),
+                                              np.array([m.base for m in members], dtype=np.int64))
+        return got
 
     def mine(self, table: GroupedTable) -> torch.Tensor:
         """The arena slots of `table`'s stored rows, in slot order."""

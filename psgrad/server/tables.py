@@ -546,8 +546,9 @@ class SparseTable:
         found = self.locate_rows(ids, [ids.numel()], [self.num_embeddings], [0], ascending)
         return None if found is None or found[0] >= 0 else (found[1], found[2], found[3])
 
-    def locate_rows(self, flat: torch.Tensor, counts: Sequence[int], sizes: Sequence[int], bases: Sequence[int],
-                    ascending: bool, find: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+    def locate_rows(self, flat: torch.Tensor, counts: Sequence[int], sizes: Sequence[int] | np.ndarray,
+                    bases: Sequence[int] | np.ndarray, ascending: bool,
+                    find: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
         """The row kernels' locate over this table's dense index (kernels.RowKernels.locate): ids of
         tables of counts[k] ids each, sizes[k] rows, their rows at index ids bases[k] + row, joined
         in `flat` (int64). Returns (the position of the first bad id, -1 for none; the ids as the
@@ -559,8 +560,8 @@ class SparseTable:
         index = self._index
         assert isinstance(index, DenseIndex)
         flat = flat.contiguous()
-        bad, new, at, slots = fused.locate(flat, np.array(counts, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                                           np.array(bases, dtype=np.int64), self.num_shards, self.index, ascending,
+        bad, new, at, slots = fused.locate(flat, np.array(counts, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
+                                           np.asarray(bases, dtype=np.int64), self.num_shards, self.index, ascending,
                                            index.slots, find)
         if at is None or slots is None:  # (find=False: checked, nothing found)
             return bad, flat, torch.empty(0, dtype=torch.int64), 0

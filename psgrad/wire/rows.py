@@ -178,9 +178,9 @@ class RowBlock:
             out.grads = self.grads.numpy().tobytes()
         return out
 
-    def lookups(self) -> list[tuple[str, torch.Tensor]]:
+    def lookups(self) -> BlockLookups:
         """(table, its ids) for each table, in order (views of the ids)."""
-        return list(zip(self.tables, self.ids.split(self.counts))) if self.tables else []
+        return BlockLookups(zip(self.tables, self.ids.split(self.counts)) if self.tables else (), self.ids)
 
     def updates(self) -> BlockGradients:
         """A push's row gradients by table (tables with ids only): views of the block."""
@@ -196,6 +196,15 @@ class RowBlock:
             if c:
                 out[t] = (i, g, b)
         return out
+
+
+class BlockLookups(list[tuple[str, torch.Tensor]]):
+    """A read's (table, ids) in the block's order, as RowBlock.lookups gives them: views of the
+    block's ids, which `flat` holds whole (int64, every table's one after another)."""
+
+    def __init__(self, lookups: Iterable[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
+        super().__init__(lookups)
+        self.flat = flat
 
 
 class BlockGradients(dict[str, tuple[torch.Tensor, torch.Tensor, int]]):
