@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +118,7 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0]
     if tensors[0].numel() * tensors[0].element_size() * len(tensors) < JOIN_VIEW_MIN_BYTES:
         return torch.cat(tensors)
-    view = _split_rows_view(tensors)
+    view = consecutive_rows(tensors)
     if view is not None:
         return view
     full = [t for t in tensors if t.numel()]  # (an empty tensor has no place: its data_ptr is 0)
@@ -140,10 +141,10 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided(size, strides)
 
 
-def _split_rows_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def consecutive_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """joined()'s view, found the quick way, of 2-D parts split in order from one tensor (rows of
-    one width, views of one base, each starting where the one before ends, empty ones too); None
-    for anything else (joined looks the general way)."""
+    one width, views of one base, each starting where the one before ends, empty ones too), at any
+    size; None for anything else (joined looks the general way)."""
     first = tensors[0]
     base = first._base
     if base is None or first.dim() != 2 or not first.shape[1]:

@@ -275,8 +275,12 @@ class Rows:
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        names = [name for name in rows if not (sync and state.sparse(name, -1).evict)]
-        tables = [state.sparse(name, -1) for name in names]
+        names, tables = [], []
+        for name in rows:
+            t = state.sparse(name, -1)
+            if not (sync and t.evict):
+                names.append(name)
+                tables.append(t)
         if made is not None:
             uid, placements, slots = made
             if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \

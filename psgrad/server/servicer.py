@@ -14,7 +14,7 @@ import torch
 from psgrad import errors
 from psgrad.wire import serde
 from psgrad.wire import local_socket, published, shm
-from psgrad.core.codecs import WireBuffer, byte_view, copy_bytes, segment_bytes, torch_dtype
+from psgrad.core.codecs import WireBuffer, byte_view, consecutive_rows, copy_bytes, segment_bytes, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, parse_frame, write_frames
 from psgrad.config import ServerConfig
 from psgrad.errors import InvalidRequestError, PsgradError
@@ -96,7 +96,12 @@ def _reads(block: pb.RowBlock, what: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rows_bytes(rows: Sequence[torch.Tensor]) -> list[memoryview]:
-    """Rows read, as the bytes a reply carries them in (table after table)."""
+    """Rows read, as the bytes a reply carries them in (table after table): one view where they
+    lie one after another (tables stored together, read in one gather), else one a table."""
+    if len(rows) > 1:
+        whole = consecutive_rows(rows)
+        if whole is not None:
+            return [byte_view(whole)]
     return [byte_view(r.contiguous()) for r in rows]
 
 

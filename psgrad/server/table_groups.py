@@ -56,6 +56,7 @@ class RowArena(SparseTable):
         self.members: list[GroupedTable] = []  # in the order of their bases
         self._bases = torch.empty(0, dtype=torch.int64)
         self._member_bounds: dict[tuple[GroupedTable, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._placed: dict[tuple[SparseTable, ...], dict[RowArena, list[int]]] = {}  # (in_arena's)
 
     def join(self, table: GroupedTable) -> int:
         """Hold `table`'s rows from now on; returns its base (a multiple of the shard count).
@@ -318,13 +319,26 @@ class GroupedTable(SparseTable):
 
 
 def in_arena(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:
-    """The places in `tables` of those stored in an arena, by arena (in their order there)."""
-    out: dict[RowArena, list[int]] = {}
+    """The places in `tables` of those stored in an arena, by arena (in their order there): not
+    to be changed (kept, for these very tables, by the first one's arena: a call's tables are the
+    same few lists step after step, and a table's arena and base are set for good when it joins)."""
+    first = next((t for t in tables if isinstance(t, GroupedTable)), None)
+    if first is None:
+        return {}
+    kept = first.arena._placed
+    key = tuple(tables)
+    out = kept.get(key)
+    if out is not None:
+        return out
+    out = {}
     for i, t in enumerate(tables):
         if isinstance(t, GroupedTable):
             out.setdefault(t.arena, []).append(i)
     for places in out.values():
         places.sort(key=lambda i: tables[i].base)  # type: ignore[attr-defined]
+    if len(kept) >= 64:  # (the few lists of a job's calls; others come and go)
+        kept.clear()
+    kept[key] = out
     return out
 
 

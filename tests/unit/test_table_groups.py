@@ -107,6 +107,25 @@ def test_tables_of_one_width_share_an_arena_and_others_keep_their_own() -> None:
     assert bases == [0, 1000, 1038, 6038]  # multiples of the shard count: a row's shard is its table's row's
 
 
+def test_the_places_of_tables_in_their_arenas_are_kept_per_list_and_right_in_any_order() -> None:
+    """in_arena: each arena's tables' places in the list, in the arena's order (by base); the same
+    answer, kept, for the same list again; another order or list gets its own."""
+    from psgrad.server.table_groups import in_arena
+
+    s = shard()
+    state = state_of(s)
+    state.add_sparse_tables([("wide", 100, 8, 0, 1.0, None), ("lonely", 100, 16, 0, 1.0, None),
+                             ("wide2", 50, 8, 0, 1.0, None)])
+    t = state.tables
+    first = [t["c"], t["wide2"], t["a"], t["lonely"], t["wide"], t["b"]]
+    got = in_arena(first)
+    assert {a.members[0].name: places for a, places in got.items()} == {"a": [2, 5, 0], "wide": [4, 1]}
+    assert in_arena(list(first)) is got  # (kept)
+    again = in_arena([t["b"], t["a"], t["wide"]])
+    assert {a.members[0].name: places for a, places in again.items()} == {"a": [1, 0], "wide": [2]}
+    assert in_arena([t["lonely"]]) == {}
+
+
 def test_pushes_reads_and_sync_rounds_equal_tables_on_their_own() -> None:
     together, apart = shard(), shard(apart=True)
     assert isinstance(state_of(together).tables["a"], GroupedTable)
