@@ -105,7 +105,7 @@ class Rows:
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
-                whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
+                whole = _whole(flat, places, len(tables))
                 # (what the check found of their rows, or, checked before, found now: one pass of the
                 # row kernels over their ids)
                 found = located.get(arena) or arena.locate(members, ids_, ascending=False, flat=whole)
@@ -416,7 +416,7 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
     """
     found: dict[SparseTable, Located] = {}
     for arena, places in in_arena(tables).items():
-        whole = flat if flat is not None and len(places) == len(tables) and places == sorted(places) else None
+        whole = _whole(flat, places, len(tables))
         located = arena.check_members([_grouped(tables[i]) for i in places], [ids[i] for i in places],
                                       None if grads is None else [grads[i] for i in places], whole, find)
         if located is not None:
@@ -437,6 +437,12 @@ def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],
         else:
             found[t] = located
     return found
+
+
+def _whole(flat: torch.Tensor | None, places: Sequence[int], count: int) -> torch.Tensor | None:
+    """A call's ids joined (flat, its RowBlock's) where they are those of an arena's tables in its
+    order (`places`: the arena's tables' places among the call's `count` tables), else None."""
+    return flat if flat is not None and len(places) == count and list(places) == sorted(places) else None
 
 
 def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,

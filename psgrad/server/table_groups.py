@@ -13,7 +13,8 @@ multiples of the shard count, so a row's shard is the same in both spaces), its 
 table t's own (computed from the table's name and r, as a table on its own computes it)."""
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -174,14 +175,9 @@ class RowArena(SparseTable):
     def _bounds(self, members: Sequence[GroupedTable]) -> tuple[np.ndarray, np.ndarray]:
         """(rows, base) of each of `members` as int64 arrays (what locate_rows takes), kept per
         tuple of members: a member's rows and base are set when it joins, for good."""
-        key = tuple(members)
-        got = self._member_bounds.get(key)
-        if got is None:
-            if len(self._member_bounds) >= 64:  # (the few groups of a job's calls; others come and go)
-                self._member_bounds.clear()
-            got = self._member_bounds[key] = (np.array([m.num_embeddings for m in members], dtype=np.int64),
-                                              np.array([m.base for m in members], dtype=np.int64))
-        return got
+        return _kept(self._member_bounds, tuple(members), lambda: (
+            np.array([m.num_embeddings for m in members], dtype=np.int64),
+            np.array([m.base for m in members], dtype=np.int64)))
 
     def mine(self, table: GroupedTable) -> torch.Tensor:
         """The arena slots of `table`'s stored rows, in slot order."""
@@ -325,21 +321,32 @@ def in_arena(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:
     first = next((t for t in tables if isinstance(t, GroupedTable)), None)
     if first is None:
         return {}
-    kept = first.arena._placed
-    key = tuple(tables)
-    out = kept.get(key)
-    if out is not None:
-        return out
-    out = {}
+    return _kept(first.arena._placed, tuple(tables), lambda: _places(tables))
+
+
+def _places(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:
+    out: dict[RowArena, list[int]] = {}
     for i, t in enumerate(tables):
         if isinstance(t, GroupedTable):
             out.setdefault(t.arena, []).append(i)
     for places in out.values():
         places.sort(key=lambda i: tables[i].base)  # type: ignore[attr-defined]
-    if len(kept) >= 64:  # (the few lists of a job's calls; others come and go)
-        kept.clear()
-    kept[key] = out
     return out
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _kept(kept: dict[K, V], key: K, make: Callable[[], V]) -> V:
+    """kept[key], made by make() the first time (an arena's answers for the few lists of tables a
+    job's calls name, step after step; at 64 the others, which come and go, are dropped)."""
+    got = kept.get(key)
+    if got is None:
+        if len(kept) >= 64:
+            kept.clear()
+        got = kept[key] = make()
+    return got
 
 
 def per_row(values: Sequence[int], ids: Sequence[torch.Tensor]) -> torch.Tensor:
