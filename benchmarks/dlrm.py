@@ -69,8 +69,11 @@ with time.monotonic, one clock for the host's processes). The runs alternate, ps
 (psgrad sync, TorchRec, psgrad async, TorchRec, ... per layout), the order reversed every other
 repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). Figures are
 medians over repetitions; the ratios are psgrad's over TorchRec's (goal >= 1.0, with the test
-AUC within 0.002) and separate's over single's (goal >= 0.9). Prints one JSON document; progress
-and a table go to stderr. Method and figures: docs/benchmarks/dlrm.md.
+AUC within 0.002) and separate's over single's (goal >= 0.9). Beside each ratio of medians, the
+same ratio run by run ("paired": each psgrad run over the TorchRec runs just before and after it,
+a layout's over the single table's run of its repetition): their range and how many reach the
+goal say whether it is met steadily, which a noisy machine's medians alone cannot. Prints one
+JSON document; progress and a table go to stderr. Method and figures: docs/benchmarks/dlrm.md.
 """
 from __future__ import annotations
 
@@ -528,21 +531,60 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def compare(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def paired_ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Per psgrad run key, each of its runs' samples/s over the peer that ran beside it: "torchrec",
+    over the TorchRec runs just before and just after it in time (their mean where both ran; the
+    runs alternate, so every psgrad run has one or two); "single", a layout's over the one table's
+    run of its mode in the same repetition. Run after run, what a shared machine's slow and fast
+    phases do to both sides of a pair alike cancels out, which the ratio of two medians taken over
+    the whole measurement does not: how steady a ratio is reads from these. `runs` in the order
+    they ran."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for i, r in enumerate(runs):
+        if r["system"] != "psgrad":
+            continue
+        mine = out.setdefault(r["key"], {"torchrec": [], "single": []})
+        beside = [runs[j]["samples_per_s"] for j in (i - 1, i + 1)
+                  if 0 <= j < len(runs) and runs[j]["system"] == TORCHREC]
+        if beside:
+            mine["torchrec"].append(r["samples_per_s"] / (sum(beside) / len(beside)))
+        if r["layout"] != "single":
+            single = next((s for s in runs if s["system"] == "psgrad" and s["rep"] == r["rep"]
+                           and s["mode"] == r["mode"] and s["layout"] == "single"), None)
+            if single is not None:
+                mine["single"].append(r["samples_per_s"] / single["samples_per_s"])
+    return out
+
+
+def _paired(ratios: list[float], goal: float) -> dict[str, Any]:
+    """A key's paired ratios to one peer (paired_ratios): their median and range, and how many
+    reach the goal."""
+    s = summarize(ratios)
+    return {"n": len(ratios), "median": s["median"], "min": s["min"], "max": s["max"],
+            "at_goal": sum(r >= goal for r in ratios), "ratios": ratios}
+
+
+def compare(results: dict[str, dict[str, Any]],
+            paired: dict[str, dict[str, list[float]]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Ratios to TorchRec and to the single table, with the goals' rows (not for `+grpc` layouts:
-    comparisons, not psgrad as it runs)."""
+    comparisons, not psgrad as it runs); each ratio of medians with the run-by-run ratios to the
+    same peer (`paired`: paired_ratios of the runs), where there are some."""
     ratios: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []
     base = results.get(TORCHREC)
+    paired = paired or {}
     for key, r in results.items():
         if r["system"] != "psgrad":
             continue
         goals = targets if not steps_over_grpc(r["layout"]) else []
+        pairs = paired.get(key, {})
         if base:
             gap = r["test_auc"] - base["test_auc"]
             ratios[f"{key} / torchrec"] = {"samples_per_s": r["samples_per_s"] / base["samples_per_s"], "auc_gap": gap}
             goals.append(target(f"DLRM samples/s, {key} vs TorchRec DMP table-wise", r["samples_per_s"],
                                 base["samples_per_s"], GOAL_SPEED, "higher", "samples/s", "TorchRec DMP"))
+            if pairs.get("torchrec"):
+                ratios[f"{key} / torchrec"]["paired"] = goals[-1]["paired"] = _paired(pairs["torchrec"], GOAL_SPEED)
             goals.append({"name": f"DLRM test AUC, {key} vs TorchRec", "value": r["test_auc"],
                           "ceiling": base["test_auc"], "gap": gap, "target": GOAL_AUC_GAP, "better": "within",
                           "met": abs(gap) <= GOAL_AUC_GAP, "unit": "AUC", "ceiling_name": "TorchRec DMP"})
@@ -553,6 +595,8 @@ def compare(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[di
             goals.append(target(f"DLRM samples/s, psgrad {r['mode']}: {r['layout']} tables vs one table",
                                 r["samples_per_s"], single["samples_per_s"], GOAL_LAYOUT, "higher", "samples/s",
                                 f"psgrad {r['mode']} single"))
+            if pairs.get("single"):
+                ratios[f"{key} / single"]["paired"] = goals[-1]["paired"] = _paired(pairs["single"], GOAL_LAYOUT)
     return ratios, targets
 
 
@@ -581,6 +625,10 @@ def table(doc: dict[str, Any]) -> str:
     for t in doc["targets"]:
         got = (f"AUC gap {t['gap']:+.4f} (goal within {t['target']})" if t["better"] == "within"
                else f"{t['ratio']:.2f} (goal >= {t['target']})")
+        pairs = t.get("paired")
+        if pairs and pairs["n"] > 1:
+            got += (f"; run by run, beside its peer: {pairs['min']:.2f}-{pairs['max']:.2f}, median "
+                    f"{pairs['median']:.2f}, {pairs['at_goal']} of {pairs['n']} at the goal")
         lines.append(f"goal {'met' if t['met'] else 'MISSED'}: {t['name']}: {got}")
     return "\n".join(lines)
 
@@ -634,7 +682,7 @@ def main() -> None:
     measured = measure(p, layouts, torchrec, args.zipf)
     loss_gaps(measured["runs"])
     results = summarize_runs(measured["runs"])
-    ratios, targets = compare(results)
+    ratios, targets = compare(results, paired_ratios(measured["runs"]))
     doc = {"benchmark": "dlrm", "preset": args.preset,
            "config": {**p, "layouts": layouts, "zipf": args.zipf, "lr": LR, "eps": EPS, "workers": WORKERS,
                       "psgrad_servers": WORKERS, "max_bag": MAX_BAG, "dense_features": DENSE, "init_std": INIT_STD},
