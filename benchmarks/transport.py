@@ -1241,7 +1241,22 @@ def sparse_summarize_job(job: dict[str, Any], p: dict[str, Any], link_mb_s: floa
         if link_mb_s:
             res[op]["vs_link"] = res[op]["mb_per_s"] / link_mb_s
     ratios = {f"{op}_vs_{raw}": res[op]["rows_per_s"] / res[raw]["rows_per_s"] for op, raw in SPARSE_VERSUS.items()}
-    return {"shards": job["shards"], "ids_per_shard": job["ids_per_shard"], "results": res, "ratios": ratios}
+    return {"shards": job["shards"], "ids_per_shard": job["ids_per_shard"], "results": res, "ratios": ratios,
+            "ratios_by_rep": sparse_ratios_by_rep(job["batch_s"])}
+
+
+def sparse_ratios_by_rep(batch_s: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Each ratio of sparse_summarize_job repetition by repetition: an op's batch against its raw
+    op's batch of the same repetition (the same rows, moved seconds apart, so a slow phase of the
+    machine weighs on both), with their median, range and how many reach SPARSE_GOAL: whether a
+    ratio is met steadily, which the medians of each op over the whole run cannot say."""
+    out: dict[str, dict[str, Any]] = {}
+    for op, raw in SPARSE_VERSUS.items():
+        each = [r / o for o, r in zip(batch_s[op], batch_s[raw])]  # (rows/s over rows/s: time over time)
+        s = summarize(each)
+        out[f"{op}_vs_{raw}"] = {"n": len(each), "median": s["median"], "min": s["min"], "max": s["max"],
+                                 "at_goal": sum(x >= SPARSE_GOAL for x in each), "ratios": each}
+    return out
 
 
 def sparse_report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbit: float) -> dict[str, Any]:
@@ -1251,10 +1266,11 @@ def sparse_report(p: dict[str, Any], raw: dict[str, Any], netbed: bool, rate_mbi
     targets, figures = [], []
     for j in jobs:
         S, r = j["shards"], j["results"]
-        for op in ("pull", "push"):
+        for op in ("pull", "push", "step"):  # (step: a whole sparse step, PSOptimizer.step's call)
             vs = SPARSE_VERSUS[op]
             targets.append(target(f"sparse {op}: rows/s, {p['ids']:,} ids x {p['dim']}, {S} shard(s), {where}",
                                   r[op]["rows_per_s"], r[vs]["rows_per_s"], SPARSE_GOAL, "higher", "rows/s", f"raw gRPC {vs}"))
+            targets[-1]["by_rep"] = j["ratios_by_rep"][f"{op}_vs_{vs}"]
         for op in ("pull", "cold_pull", "push", "step", "step_grpc"):
             vs = SPARSE_VERSUS[op]
             figures.append(figure(f"sparse {op} rows/s, {S} shard(s), {where}", r[op]["rows_per_s"], "rows/s",
@@ -1291,6 +1307,7 @@ def sparse_table(doc: dict[str, Any]) -> str:
     """The figures as a fixed-width table."""
     link = doc["link_mb_per_s"]
     head = f"{'shards':>6} {'op':<11} {'rows/s':>10} {'MB/s':>8} {'ms/call':>8} {'raw MB/s':>9} {'ratio':>6}"
+    head += f" {'by rep':>9} {'at 0.8':>6}"
     head += f" {'vs link':>7}" if link else ""
     head += f" {'cpu ms/call w+s':>16}"
     lines = [f"sparse rows, {doc['ids']:,} ids x {doc['dim']} dims a call ({doc['network']}"
@@ -1305,6 +1322,9 @@ def sparse_table(doc: dict[str, Any]) -> str:
             c = r[op]["cpu_ms_per_call"]
             line = (f"{j['shards']:>6} {op:<11} {r[op]['rows_per_s']:10,.0f} {r[op]['mb_per_s']:8.1f} "
                     f"{r[op]['call_ms_median']:8.2f} {raw_mb} {ratio}")
+            by_rep = j.get("ratios_by_rep", {}).get(f"{op}_vs_{vs}")
+            line += (f" {by_rep['min']:4.2f}-{by_rep['max']:4.2f} {by_rep['at_goal']:>3}/{by_rep['n']:<2}" if by_rep
+                     else f" {'':>9} {'':>6}")
             line += f" {r[op]['vs_link']:7.2f}" if link else ""
             line += f" {c['worker']:7.2f}+{c['servers']:<7.2f}"
             lines.append(line)

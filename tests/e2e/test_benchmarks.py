@@ -239,9 +239,15 @@ def check_sparse_rows(out: dict[str, Any], shards: tuple[int, ...]) -> None:
                                       "step_vs_raw_put", "step_grpc_vs_raw_put"}
         assert math.isclose(job["ratios"]["pull_vs_raw_pull"],
                             job["results"]["pull"]["rows_per_s"] / job["results"]["raw_pull"]["rows_per_s"])
-    assert len(out["targets"]) == 2 * len(shards)  # pull and push, per shard count
+        # repetition by repetition: each op's batch over its raw op's batch of that repetition
+        assert set(job["ratios_by_rep"]) == set(job["ratios"])
+        for name, by_rep in job["ratios_by_rep"].items():
+            assert by_rep["n"] == out["reps"] and len(by_rep["ratios"]) == out["reps"], name
+            assert by_rep["min"] <= by_rep["median"] <= by_rep["max"], name
+            assert by_rep["at_goal"] == sum(x >= 0.8 for x in by_rep["ratios"]), name
+    assert len(out["targets"]) == 3 * len(shards)  # pull, push and the whole step, per shard count
     for row in out["targets"]:
-        assert row["target"] == 0.8 and row["value"] > 0 and row["ceiling"] > 0
+        assert row["target"] == 0.8 and row["value"] > 0 and row["ceiling"] > 0 and row["by_rep"]["n"] == out["reps"]
     assert out["payload_bytes"]["pull"] == out["ids"] * out["dim"] * 4
     assert out["payload_bytes"]["push"] == out["ids"] * (out["dim"] * 4 + 8) == out["payload_bytes"]["raw_tcp_put"]
     tcp = [f for f in out["figures"] if f["name"].startswith("sparse step rows/s over raw TCP")]
