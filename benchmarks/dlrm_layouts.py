@@ -17,9 +17,9 @@ opt.step(); the main thread's CPU time (time.thread_time) of each phase is summe
 steps, and the servers' CPU (from /proc) over the same steps. Both sides' steps interleave: A, B, A,
 B, ...; the repetitions start each side's job afresh (new servers), the order of the sides reversed
 every other one. Figures: per side, the median over repetitions of its CPU ms per step (the main
-thread's, by phase, and the servers'), and each side over the first (the ratio's median). The
-main thread's CPU leaves out the worker's own threads (a step's calls to two shards are made on
-one thread; the pool threads are short), which the servers' figure does not.
+thread's, by phase; its client's pool threads', which make the calls a read hands to a second
+shard's thread; the worker's, both together; and the servers'), and each side over the other (the
+ratio's median).
 
 Prints one JSON document; progress and a table go to stderr. Method and figures:
 docs/benchmarks/dlrm.md ("Bags pooled at the forward's start")."""
@@ -70,13 +70,26 @@ class Side:
         self.opt = self.session.optimizer(self.model)
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.servers_cpu = 0.0
+        self.pool_cpu = 0.0
+        self._pool_start: dict[int, float] = {}
+
+    def _pool_threads(self) -> dict[int, float]:
+        """CPU seconds so far of each thread of this side's client's pools (by thread ident): the
+        worker's threads besides the main one that work on its steps (a pool thread is made at its
+        pool's first call, and kept)."""
+        client = self.opt.client
+        pools = [pool for pool in (getattr(client, "_pool", None), getattr(client, "_pushers", None)) if pool is not None]
+        return {t.ident: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                for pool in pools for t in list(getattr(pool, "_threads", ())) if t.ident is not None and t.is_alive()}
 
     def start_window(self) -> None:
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.servers_cpu = -sum(s.cpu_s() for s in self.servers)
+        self._pool_start = self._pool_threads()
 
     def end_window(self) -> None:
         self.servers_cpu += sum(s.cpu_s() for s in self.servers)
+        self.pool_cpu = sum(cpu - self._pool_start.get(ident, 0.0) for ident, cpu in self._pool_threads().items())
 
     def step(self, i: int) -> None:
         dense, sparse, labels = self.inputs[i % len(self.inputs)]
@@ -115,7 +128,9 @@ def repetition(p: dict[str, Any], layouts: list[str], batches: list[Any], rep: i
             s.end_window()
             main = {name: 1e3 * took / p["steps"] for name, took in s.phases.items()}
             stats = s.opt.prefetched.stats
+            pool_ms = 1e3 * s.pool_cpu / p["steps"]
             out[s.layout] = {"main_thread_ms": {**main, "total": sum(main.values())},
+                             "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
                              "servers_ms": 1e3 * s.servers_cpu / p["steps"],
                              "prefetch": {"grouped": stats.grouped, "pooled": getattr(stats, "pooled", None),
                                           "unused": stats.unused}}  # (pooled: None where this psgrad pools none)
@@ -155,26 +170,32 @@ def main() -> None:
         reps.append(repetition(p, layouts, batches, rep))
         a, b = (reps[-1][layout] for layout in layouts)
         log(f"dlrm_layouts: rep {rep + 1}/{p['reps']}: main thread {a['main_thread_ms']['total']:.2f} against "
-            f"{b['main_thread_ms']['total']:.2f} ms a step, servers {a['servers_ms']:.2f} against {b['servers_ms']:.2f}")
+            f"{b['main_thread_ms']['total']:.2f} ms a step, worker {a['worker_ms']:.2f} against {b['worker_ms']:.2f}, "
+            f"servers {a['servers_ms']:.2f} against {b['servers_ms']:.2f}")
     medians: dict[str, Any] = {}
     for layout in layouts:
         medians[layout] = {"main_thread_ms": {k: statistics.median(r[layout]["main_thread_ms"][k] for r in reps)
                                               for k in (*PHASES, "total")},
-                           "servers_ms": statistics.median(r[layout]["servers_ms"] for r in reps)}
+                           **{k: statistics.median(r[layout][k] for r in reps)
+                              for k in ("pool_threads_ms", "worker_ms", "servers_ms")}}
+
+    def of(r: dict[str, Any], what: str) -> float:
+        return r["main_thread_ms"][what] if what in (*PHASES, "total") else r[f"{what}_ms"]
+
     first, second = layouts
-    ratios = {f"{first} / {second} {what}": statistics.median(
-        (r[first]["main_thread_ms"][what] if what != "servers" else r[first]["servers_ms"]) /
-        (r[second]["main_thread_ms"][what] if what != "servers" else r[second]["servers_ms"]) for r in reps)
-        for what in (*PHASES, "total", "servers")}
+    ratios = {f"{first} / {second} {what}": statistics.median(of(r[first], what) / of(r[second], what) for r in reps)
+              for what in (*PHASES, "total", "worker", "servers")}
     lines = [f"DLRM layouts by CPU, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']}, "
              f"{p['steps']} steps a side, medians of {p['reps']}",
-             f"{'layout':<12}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "servers")) + "   (ms of CPU a step)"]
+             f"{'layout':<12}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "pools", "worker", "servers"))
+             + "   (ms of CPU a step)"]
     for layout in layouts:
         m = medians[layout]
         lines.append(f"{layout:<12}" + "".join(f"{m['main_thread_ms'][k]:>11.2f}" for k in (*PHASES, "total"))
-                     + f"{m['servers_ms']:>11.2f}")
+                     + "".join(f"{m[k]:>11.2f}" for k in ("pool_threads_ms", "worker_ms", "servers_ms")))
     lines.append(f"{first + ' / ' + second:<12}" + "".join(
-        f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in (*PHASES, "total", "servers")))
+        f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in (*PHASES, "total")) + f"{'':>11}" + "".join(
+        f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in ("worker", "servers")))
     print("\n".join(lines), file=sys.stderr, flush=True)
     write_json({"benchmark": "dlrm_layouts", "preset": args.preset, "config": {**p, "layouts": layouts},
                 "machine": machine_info(), "code": code_version(), "repetitions": reps, "medians": medians,

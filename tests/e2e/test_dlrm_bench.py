@@ -63,12 +63,14 @@ def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
         main = rep[layout]["main_thread_ms"]
         assert all(main[k] > 0 for k in ("forward", "backward", "step")), main
         assert main["total"] == pytest.approx(main["forward"] + main["backward"] + main["step"])
-        assert rep[layout]["servers_ms"] > 0
+        assert rep[layout]["servers_ms"] > 0 and rep[layout]["pool_threads_ms"] >= 0
+        assert rep[layout]["worker_ms"] == pytest.approx(main["total"] + rep[layout]["pool_threads_ms"])
     steps, features = out["config"]["warmup"] + out["config"]["steps"], out["config"]["features"]
     assert rep["separate"]["prefetch"] == {"grouped": steps - 1, "pooled": (steps - 1) * features, "unused": 0}
     assert rep["single"]["prefetch"]["grouped"] == 0  # (one module: nothing to group)
     ratio = out["ratios"]["separate / single total"]
     assert ratio == pytest.approx(rep["separate"]["main_thread_ms"]["total"] / rep["single"]["main_thread_ms"]["total"])
+    assert out["ratios"]["separate / single worker"] == pytest.approx(rep["separate"]["worker_ms"] / rep["single"]["worker_ms"])
     assert "separate / single" in res.stderr
     bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "separate"], timeout_s=60, env=dict(os.environ))
     assert bad.returncode == 2 and "two different layouts" in bad.stderr
