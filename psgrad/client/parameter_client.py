@@ -135,6 +135,7 @@ class ParameterClient:
         tune_allocator()  # megabyte-sized message buffers from the heap, not a fresh mmap each
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
+        self._staged_reads = True  # (False: a read of several shards hands one to a pool thread each, as before)
         trainable = sum(p.numel for p in self.params if not p.buffer)
         # Separate staging buffers for pulls and pushes, so the two may overlap
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
@@ -754,12 +755,18 @@ class ParameterClient:
         """
         plan = _ReadPlan(self, lookups, checked)
         wanted = [i for i in range(len(self.shards)) if plan.asks(i)]
-        got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
+        if self._staged_reads and len(wanted) > 1 and all(self.shards[i].reads_staged for i in wanted):
+            # (every request sent, then every reply read, on this thread: as a step's calls, see _in_stages)
+            got = _in_stages([self.shards[i].reading_rows(self._rows_request(plan.asks(i), observe)) for i in wanted])
+        else:
+            got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
         return plan.place(dict(zip(wanted, got)), observe)
 
     def _read(self, s: ShardClient, asks: RowBlock, observe: bool) -> RowsRead:
-        return s.pull_rows(pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe,
-                                          block=asks.message()))
+        return s.pull_rows(self._rows_request(asks, observe))
+
+    def _rows_request(self, asks: RowBlock, observe: bool) -> pb.RowsRequest:
+        return pb.RowsRequest(rank=self.rank, fingerprint=self.fingerprint, observe=observe, block=asks.message())
 
     def updated_rows(self, table: str, page_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64, rows [n, dim]) of every row of sparse table `table` updated at least once,

@@ -299,7 +299,39 @@ class ShardClient:
         the rows' bytes, table after table, a view of the reply (the server puts them last; parsed
         by protobuf if not there)."""
         t = self.config.rpc_timeout_s
-        reply: bytes | bytearray = self._call("the pull of rows", lambda: self._read_rows(req, t), t)
+        return self._rows_of(req, self._call("the pull of rows", lambda: self._read_rows(req, t), t))
+
+    def reading_rows(self, req: pb.RowsRequest) -> Generator[None, None, RowsRead]:
+        """pull_rows(req) in stages: where the server takes reads over the socket its Step calls use
+        (reads_staged), it yields once the request is sent (the caller sends its other shards'
+        reads meanwhile, on this thread: no hand-off to another, see ParameterClient.pull_tables),
+        then reads the reply; else, or where that call failed or could not be made, as pull_rows
+        (without yielding)."""
+        t = self.config.rpc_timeout_s
+        failed: list[local_socket.LocalCallError] = []
+        try:
+            got = yield from self.transport.socket.reading(req.SerializeToString(), t)
+        except local_socket.LocalCallError as exc:
+            failed.append(exc)  # the client's retry rules decide on it, as on a gRPC call's failure
+        else:
+            if got is not None:
+                self.given_up = None  # (it answers)
+                return self._rows_of(req, got)
+
+        def attempt() -> bytes | bytearray:
+            if failed:  # (the socket's call as the first attempt: rejoin, back off, retry or raise, as for gRPC's)
+                raise failed.pop()
+            return self._read_rows(req, t)
+
+        return self._rows_of(req, self._call("the pull of rows", attempt, t))
+
+    @property
+    def reads_staged(self) -> bool:
+        """Whether reading_rows() yields while the server works on the read (its socket takes reads)."""
+        return self.transport.socket.reads
+
+    def _rows_of(self, req: pb.RowsRequest, reply: bytes | bytearray) -> RowsRead:
+        """The rows a PullRows reply to `req` carries (see pull_rows)."""
         what = f"the pull of rows from {self.address}"
         split = trailing_bytes_field(reply, ROWS_REPLY_ROWS)
         if split is not None:

@@ -439,6 +439,18 @@ class Offered:
         Raises:
             LocalCallError: the server answered with an error status, or the deadline passed.
         """
+        stages = self.reading(request, timeout_s)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as done:
+                return done.value
+
+    def reading(self, request: bytes, timeout_s: float) -> Generator[None, None, bytearray | None]:
+        """read() in stages: it yields once the request is sent (a caller sends its other servers'
+        reads meanwhile, on its thread), then reads the reply; where the read cannot go over the
+        socket now it returns None without yielding (or, where the connection fails after the
+        request went out, once it did), and raises as read."""
         if not self.reads or not self._take_turn(wait=False):
             return None
         try:
@@ -447,6 +459,12 @@ class Offered:
                 return None
             with self._failures(channel):
                 channel.start(request, timeout_s, ((METHOD_KEY, "PullRows"),))
+                try:
+                    yield
+                except GeneratorExit:  # (abandoned with its reply unread)
+                    self._channel = None
+                    channel.close()
+                    raise
                 body, _ = channel.finish_bytes()
         except ChannelLost:
             return None

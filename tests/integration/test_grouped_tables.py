@@ -89,10 +89,11 @@ class Keyed:
 
 def count_calls(opt: psgrad.PSOptimizer) -> dict[str, int]:
     """Counts of the PullRows and Step calls the optimizer's client makes from now on (an
-    exchange's Step call, whole or in stages, starts as the shard client's stepping())."""
+    exchange's Step call, whole or in stages, starts as the shard client's stepping(); a read,
+    whole or in stages, as its pull_rows() or reading_rows())."""
     counts = {"pull_rows": 0, "step": 0}
     for s in opt.client.shards:
-        for name, method in (("pull_rows", "pull_rows"), ("step", "stepping")):
+        for name, method in (("pull_rows", "pull_rows"), ("pull_rows", "reading_rows"), ("step", "stepping")):
             def wrapped(*a: Any, _f: Callable[..., Any] = getattr(s, method), _n: str = name, **k: Any) -> Any:
                 counts[_n] += 1
                 return _f(*a, **k)
@@ -916,3 +917,30 @@ def test_bags_of_a_forwards_embedding_bags_are_pooled_at_its_start_and_an_unused
             assert stats == PrefetchStats(), stats
 
     both_ways(make_servers, Bags, run)
+
+
+def test_a_read_of_two_shards_is_made_on_the_calling_thread_both_requests_out_first(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Where both servers take reads over their sockets, a read of rows on two shards sends both
+    requests, then reads both replies, all on the caller's thread (no pool thread: a hand-off costs
+    about what a small call does, and waits for a core on a busy host); the rows are those the
+    pool-thread way reads, bit for bit, and both servers served the read over their sockets."""
+    running = make_servers(2)
+    model = Collection()
+    with psgrad.connect([s.address for s in running], optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        client = opt.client
+        assert all(s.reads_staged for s in client.shards)
+        handed: list[Any] = []
+        submit = client._pool.submit
+        client._pool.submit = lambda *a, **k: handed.append(a) or submit(*a, **k)  # type: ignore[method-assign]
+        lookups = {f"ebc.bags.{name}": torch.arange(0, n, 3) for name, (n, _) in TABLES.items()}
+        before = [s.servicer.local.read_calls for s in running]
+        staged = client.pull_tables(lookups)
+        assert handed == [] and [s.servicer.local.read_calls - b for s, b in zip(running, before)] == [1, 1]
+        client._staged_reads = False  # (the way before: the second shard's read on a pool thread)
+        apart = client.pull_tables(lookups)
+        assert len(handed) == 1
+        assert set(staged) == set(apart) == set(lookups)
+        for name in lookups:
+            assert torch.equal(staged[name], apart[name]), name
+        assert staged.versions == apart.versions

@@ -422,3 +422,82 @@ def test_a_read_never_waits_for_a_step_between_its_stages_and_a_failed_read_give
         assert socket.offer is None and not socket.reads
     finally:
         calls.close()
+
+
+def test_reads_of_two_servers_in_stages_both_go_out_before_either_reply_is_read() -> None:
+    """Offered.reading: the request is sent at the first stage (the caller sends the other
+    server's then), the reply read at the second; each server has its request before the
+    caller reads any reply, and both replies are the servers' own."""
+    seen: list[int] = []
+    both = threading.Event()
+
+    def slow_rows(req: pb.RowsRequest, context: Any) -> bytes:
+        seen.append(req.rank)
+        if len(seen) == 2:
+            both.set()
+        assert both.wait(10.0), "the other server's request never came before this reply was read"
+        return rows(req, context)
+
+    servers = [LocalCalls(echo, reads=slow_rows), LocalCalls(echo, reads=slow_rows)]
+    try:
+        sockets = [offered(calls, 4) for calls in servers]
+        stages = [s.reading(read_request(4, tables=k + 1), 10.0) for k, s in enumerate(sockets)]
+        for staged in stages:
+            assert next(staged) is None  # (its request sent)
+        replies = []
+        for staged in stages:
+            with pytest.raises(StopIteration) as done:
+                next(staged)
+            replies.append(pb.RowsReply.FromString(done.value.value).versions)
+        assert replies == [[4, 1], [4, 2]] and sorted(seen) == [4, 4]
+        assert [s.read_calls for s in sockets] == [1, 1] and [c.read_calls for c in servers] == [1, 1]
+    finally:
+        for calls in servers:
+            calls.close()
+
+
+def test_a_read_abandoned_between_its_stages_ends_its_connection_and_the_next_one_connects_again() -> None:
+    """A staged read closed with its reply unread must not leave that reply to answer the next
+    call: its connection is closed, the next call makes a new one, and the socket stays offered."""
+    calls = LocalCalls(echo, reads=rows)
+    try:
+        socket = offered(calls, 2)
+        first = socket.channel()
+        staged = socket.reading(read_request(2, tables=5), 10.0)
+        next(staged)
+        staged.close()  # (abandoned: say, the other shard's read failed first)
+        assert socket.offer is not None and socket.reads
+        got = socket.read(read_request(2, tables=1), 10.0)
+        assert got is not None and pb.RowsReply.FromString(got).versions == [2, 1]  # this read's own reply
+        assert socket.channel() is not first
+        reply, _ = socket.channel().with_call(request(2, clock=7), 10.0)  # type: ignore[union-attr]
+        assert reply.push.version == 7
+    finally:
+        calls.close()
+
+
+def test_a_staged_read_that_cannot_go_over_the_socket_ends_at_once() -> None:
+    """Where no socket takes reads, or another thread's call is on the connection, reading() ends
+    without sending anything (None: the caller reads through gRPC)."""
+    calls = LocalCalls(echo)  # (Step calls only)
+    try:
+        staged = offered(calls, 0).reading(read_request(0), 10.0)
+        with pytest.raises(StopIteration) as done:
+            next(staged)
+        assert done.value.value is None and calls.read_calls == 0
+    finally:
+        calls.close()
+    calls = LocalCalls(echo, reads=rows)
+    try:
+        socket = offered(calls, 1)
+        channel = socket.channel()
+        assert channel is not None
+        step = socket.calling(channel, request(1, clock=3), 10.0)
+        next(step)  # (a Step between its stages holds the connection)
+        with pytest.raises(StopIteration) as done:
+            next(socket.reading(read_request(1), 10.0))
+        assert done.value.value is None
+        with pytest.raises(StopIteration):
+            next(step)
+    finally:
+        calls.close()
