@@ -7,6 +7,7 @@ spread is larger than a tenth), this does: the CPU each layout costs per step, o
     python benchmarks/dlrm_layouts.py --preset full                       # separate vs single, 400 steps x 2
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,collection
     python benchmarks/dlrm_layouts.py --preset tiny                       # CI-sized
+    python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _staged_reads
 
 The data: dlrm.py's examples (the same generator: 8 features, bags of 1-3 Zipf ids, 13 dense
 features), one worker's slice. The model: dlrm.py's PsgradNet of each layout (`separate`: one
@@ -19,7 +20,10 @@ B, ...; the repetitions start each side's job afresh (new servers), the order of
 every other one. Figures: per side, the median over repetitions of its CPU ms per step (the main
 thread's, by phase; its client's pool threads', which make the calls a read hands to a second
 shard's thread; the worker's, both together; and the servers'), and each side over the other (the
-ratio's median).
+ratio's median). --off SWITCH turns a switch of psgrad's client off on the second side: with one
+layout twice, the two sides differ by that switch alone, and the ratios are what the change behind
+it saves, read step by step against the same noise (a measurement across two checkouts in two
+runs cannot resolve a few percent on a shared machine).
 
 Prints one JSON document; progress and a table go to stderr. Method and figures:
 docs/benchmarks/dlrm.md ("Bags pooled at the forward's start")."""
@@ -58,8 +62,9 @@ PHASES = ("forward", "backward", "step")
 class Side:
     """One layout's job: its two servers, its session and model, and its CPU so far."""
 
-    def __init__(self, layout: str, p: dict[str, Any], batches: list[Any], rep: int) -> None:
+    def __init__(self, layout: str, p: dict[str, Any], batches: list[Any], rep: int, off: str | None = None) -> None:
         self.layout = layout
+        self.name = layout if off is None else f"{layout} ({off} off)"
         self.servers: list[Child] = [start_server(f"{layout}-server{k}-rep{rep}", PSGRAD_SERVER) for k in range(2)]
         self.session: Any = None
         addresses = [s.address() for s in self.servers]
@@ -68,6 +73,11 @@ class Side:
         self.session = psgrad.connect(addresses, rank=0, num_workers=1, mode="async",
                                       optimizer=psgrad.Adagrad(lr=LR, eps=EPS))
         self.opt = self.session.optimizer(self.model)
+        if off is not None:  # (a switch of the client's, True by default: this side's off)
+            if not isinstance(getattr(self.opt.client, off, None), bool):
+                self.close()
+                raise SystemExit(f"dlrm_layouts: --off {off}: this psgrad's client has no such switch")
+            setattr(self.opt.client, off, False)
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.servers_cpu = 0.0
         self.pool_cpu = 0.0
@@ -110,13 +120,15 @@ class Side:
         stop_all(self.servers)
 
 
-def repetition(p: dict[str, Any], layouts: list[str], batches: list[Any], rep: int) -> dict[str, dict[str, Any]]:
-    """One repetition: both sides' jobs, stepped alternately; per side its CPU ms per step."""
-    order = layouts if rep % 2 == 0 else layouts[::-1]
+def repetition(p: dict[str, Any], specs: list[tuple[str, str | None]], batches: list[Any],
+               rep: int) -> dict[str, dict[str, Any]]:
+    """One repetition: both sides' jobs (specs: each one's layout and the client switch it turns
+    off, if any), stepped alternately; per side (by its name) its CPU ms per step."""
+    order = specs if rep % 2 == 0 else specs[::-1]
     sides: list[Side] = []
     try:
-        for layout in order:
-            sides.append(Side(layout, p, batches, rep))
+        for layout, off in order:
+            sides.append(Side(layout, p, batches, rep, off))
         for i in range(p["warmup"] + p["steps"]):
             if i == p["warmup"]:
                 for s in sides:
@@ -129,7 +141,7 @@ def repetition(p: dict[str, Any], layouts: list[str], batches: list[Any], rep: i
             main = {name: 1e3 * took / p["steps"] for name, took in s.phases.items()}
             stats = s.opt.prefetched.stats
             pool_ms = 1e3 * s.pool_cpu / p["steps"]
-            out[s.layout] = {"main_thread_ms": {**main, "total": sum(main.values())},
+            out[s.name] = {"main_thread_ms": {**main, "total": sum(main.values())},
                              "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
                              "servers_ms": 1e3 * s.servers_cpu / p["steps"],
                              "prefetch": {"grouped": stats.grouped, "pooled": getattr(stats, "pooled", None),
@@ -150,11 +162,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override the measured steps per side and repetition")
     parser.add_argument("--warmup", type=int, help="override the unmeasured steps before them")
     parser.add_argument("--reps", type=int, help="override the repetitions")
+    parser.add_argument("--off", metavar="SWITCH",
+                        help="a switch of psgrad's client (a bool attribute, on by default) turned off on the second "
+                             "side: with --layouts L,L, the CPU a change behind that switch saves, both sides stepping "
+                             "alternately in this process")
     args = parser.parse_args()
     p = overrides(args, PRESETS[args.preset])
     layouts = list(args.layouts)
-    if len(layouts) != 2 or len(set(layouts)) != 2 or not set(layouts) <= set(LAYOUTS):
-        parser.error(f"--layouts takes two different layouts of {', '.join(LAYOUTS)}, got {args.layouts}")
+    if len(layouts) != 2 or not set(layouts) <= set(LAYOUTS) or (len(set(layouts)) != 2 and not args.off):
+        parser.error(f"--layouts takes two different layouts of {', '.join(LAYOUTS)} (one twice with --off), "
+                     f"got {args.layouts}")
+    specs: list[tuple[str, str | None]] = [(layouts[0], None), (layouts[1], args.off)]
+    names = [layouts[0], layouts[1] if not args.off else f"{layouts[1]} ({args.off} off)"]
     if min(p["rows"], p["steps"], p["reps"]) < 1 or p["warmup"] < 0:
         parser.error("rows, steps and reps must be >= 1, warmup >= 0")
     torch.set_num_threads(1)
@@ -167,37 +186,38 @@ def main() -> None:
         batches = load_batches(path, p["batch"])
     reps = []
     for rep in range(p["reps"]):
-        reps.append(repetition(p, layouts, batches, rep))
-        a, b = (reps[-1][layout] for layout in layouts)
+        reps.append(repetition(p, specs, batches, rep))
+        a, b = (reps[-1][name] for name in names)
         log(f"dlrm_layouts: rep {rep + 1}/{p['reps']}: main thread {a['main_thread_ms']['total']:.2f} against "
             f"{b['main_thread_ms']['total']:.2f} ms a step, worker {a['worker_ms']:.2f} against {b['worker_ms']:.2f}, "
             f"servers {a['servers_ms']:.2f} against {b['servers_ms']:.2f}")
     medians: dict[str, Any] = {}
-    for layout in layouts:
-        medians[layout] = {"main_thread_ms": {k: statistics.median(r[layout]["main_thread_ms"][k] for r in reps)
-                                              for k in (*PHASES, "total")},
-                           **{k: statistics.median(r[layout][k] for r in reps)
+    for name in names:
+        medians[name] = {"main_thread_ms": {k: statistics.median(r[name]["main_thread_ms"][k] for r in reps)
+                                            for k in (*PHASES, "total")},
+                         **{k: statistics.median(r[name][k] for r in reps)
                               for k in ("pool_threads_ms", "worker_ms", "servers_ms")}}
 
     def of(r: dict[str, Any], what: str) -> float:
         return r["main_thread_ms"][what] if what in (*PHASES, "total") else r[f"{what}_ms"]
 
-    first, second = layouts
+    first, second = names
     ratios = {f"{first} / {second} {what}": statistics.median(of(r[first], what) / of(r[second], what) for r in reps)
               for what in (*PHASES, "total", "worker", "servers")}
+    width = max(12, *(len(name) + 1 for name in names))
     lines = [f"DLRM layouts by CPU, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']}, "
-             f"{p['steps']} steps a side, medians of {p['reps']}",
-             f"{'layout':<12}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "pools", "worker", "servers"))
+             f"{p['steps']} steps a side, medians of {p['reps']}; ratio: {first} / {second}",
+             f"{'layout':<{width}}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "pools", "worker", "servers"))
              + "   (ms of CPU a step)"]
-    for layout in layouts:
-        m = medians[layout]
-        lines.append(f"{layout:<12}" + "".join(f"{m['main_thread_ms'][k]:>11.2f}" for k in (*PHASES, "total"))
+    for name in names:
+        m = medians[name]
+        lines.append(f"{name:<{width}}" + "".join(f"{m['main_thread_ms'][k]:>11.2f}" for k in (*PHASES, "total"))
                      + "".join(f"{m[k]:>11.2f}" for k in ("pool_threads_ms", "worker_ms", "servers_ms")))
-    lines.append(f"{first + ' / ' + second:<12}" + "".join(
+    lines.append(f"{'ratio':<{width}}" + "".join(
         f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in (*PHASES, "total")) + f"{'':>11}" + "".join(
         f"{ratios[f'{first} / {second} {k}']:>11.2f}" for k in ("worker", "servers")))
     print("\n".join(lines), file=sys.stderr, flush=True)
-    write_json({"benchmark": "dlrm_layouts", "preset": args.preset, "config": {**p, "layouts": layouts},
+    write_json({"benchmark": "dlrm_layouts", "preset": args.preset, "config": {**p, "layouts": layouts, "off": args.off},
                 "machine": machine_info(), "code": code_version(), "repetitions": reps, "medians": medians,
                 "ratios": ratios, "elapsed_s": time.monotonic() - t0})
 

@@ -74,3 +74,24 @@ def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
     assert "separate / single" in res.stderr
     bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "separate"], timeout_s=60, env=dict(os.environ))
     assert bad.returncode == 2 and "two different layouts" in bad.stderr
+    bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "single,single"], timeout_s=60, env=dict(os.environ))
+    assert bad.returncode == 2 and "one twice with --off" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dlrm_layouts_off_measures_one_layout_against_itself_with_a_client_switch_off() -> None:
+    """--layouts separate,separate --off _staged_reads: the second side's client reads its two shards
+    the way before (a pool thread makes the second shard's call), the first one in stages on its
+    main thread (its pool never runs); a switch the client does not have is refused by name."""
+    res = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny", "--layouts", "separate,separate",
+                      "--off", "_staged_reads"], timeout_s=220, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    [rep] = out["repetitions"]
+    on, off = rep["separate"], rep["separate (_staged_reads off)"]
+    assert on["pool_threads_ms"] == 0 and off["pool_threads_ms"] > 0, (on, off)
+    assert out["config"]["off"] == "_staged_reads" and "separate / separate (_staged_reads off) worker" in out["ratios"]
+    bad = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny", "--layouts", "separate,separate",
+                      "--off", "no_such_switch"], timeout_s=120, env=dict(os.environ))
+    assert bad.returncode != 0 and "no_such_switch" in bad.stderr and "no such switch" in bad.stderr
