@@ -417,18 +417,26 @@ class Offered:
         self._take_turn(wait=True)  # (a read of another thread finishes first: reads are short, and never wait)
         try:
             with self._failures(channel):
-                channel.start(request, timeout_s, metadata)
-                try:
-                    yield
-                except GeneratorExit:  # (abandoned with its reply unread)
-                    self._channel = None
-                    channel.close()
-                    raise
-                done = channel.finish()
+                body, call = yield from self._staged(channel, request, timeout_s, metadata)
+                done = pb.StepReply.FromString(body), call  # (parsed as it lies: no bytes() of it first)
         finally:
             self._done()
         self.calls += 1
         return done
+
+    def _staged(self, channel: LocalChannel, request: Body, timeout_s: float, metadata: Metadata
+                ) -> Generator[None, None, tuple[bytearray, LocalCall]]:
+        """One call's two stages on `channel` (the caller holds its turn): its request sent, a
+        yield, its reply's bytes read (LocalChannel.finish_bytes). Abandoned between them, with its
+        reply unread, the connection is closed: that reply must not answer the next call."""
+        channel.start(request, timeout_s, metadata)
+        try:
+            yield
+        except GeneratorExit:
+            self._channel = None
+            channel.close()
+            raise
+        return channel.finish_bytes()
 
     def read(self, request: bytes, timeout_s: float) -> bytearray | None:
         """A PullRows call over the socket: the RowsReply's bytes; None where it cannot go over the
@@ -458,14 +466,7 @@ class Offered:
             if channel is None:
                 return None
             with self._failures(channel):
-                channel.start(request, timeout_s, ((METHOD_KEY, "PullRows"),))
-                try:
-                    yield
-                except GeneratorExit:  # (abandoned with its reply unread)
-                    self._channel = None
-                    channel.close()
-                    raise
-                body, _ = channel.finish_bytes()
+                body, _ = yield from self._staged(channel, request, timeout_s, ((METHOD_KEY, "PullRows"),))
         except ChannelLost:
             return None
         finally:
