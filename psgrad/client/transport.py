@@ -40,7 +40,7 @@ class Transport(Protocol):
     # server lent (valid until this shard's next pull), or None where they were written into dest.
     view: torch.Tensor | None
     # The server's socket its Step calls go over where it offers one (and, where it takes them, the
-    # shard client's reads of rows: local_socket.Offered.read)
+    # shard client's reads of rows: local_socket.Offered.read, or .reading in stages)
     socket: local_socket.Offered
 
     def pull(self, req: pb.PullRequest, dest: torch.Tensor, wire: WireBuffer, published: bool = False) -> int:
