@@ -264,7 +264,7 @@ def test_same_host_steps_are_all_sent_before_a_reply_is_read_on_one_thread(
     the replies, all on the caller's thread (no hand-off to a pool thread): each server works on its
     call while the next one's request goes out. The weights are those of push then pull."""
     seen: list[tuple[str, str, int]] = []
-    for name in ("start", "finish"):
+    for name in ("start", "finish_bytes"):  # (a reply is read by finish_bytes, whoever parses it)
         def traced(self: LocalChannel, *args: Any, _orig: Any = getattr(LocalChannel, name), _name: str = name) -> Any:
             seen.append((_name, self.name, threading.get_ident()))
             return _orig(self, *args)
@@ -278,7 +278,7 @@ def test_same_host_steps_are_all_sent_before_a_reply_is_read_on_one_thread(
         sockets = [s.transport.socket._channel.name for s in c.shards]  # type: ignore[attr-defined]
         me = threading.get_ident()
         assert seen == [("start", sockets[0], me), ("start", sockets[1], me),
-                        ("finish", sockets[0], me), ("finish", sockets[1], me)]
+                        ("finish_bytes", sockets[0], me), ("finish_bytes", sockets[1], me)]
         assert [r.applied for r in replies] == [True, True] and versions == [1, 1]
         torch.testing.assert_close(flat, initial() - 0.5 * grad)
 
