@@ -105,6 +105,7 @@ from lib import (
     overrides,
     paused,
     rep_order,
+    run_by_run,
     run_together,
     stop_all,
     summarize,
@@ -556,14 +557,6 @@ def paired_ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[float]
     return out
 
 
-def _paired(ratios: list[float], goal: float) -> dict[str, Any]:
-    """A key's paired ratios to one peer (paired_ratios): their median and range, and how many
-    reach the goal."""
-    s = summarize(ratios)
-    return {"n": len(ratios), "median": s["median"], "min": s["min"], "max": s["max"],
-            "at_goal": sum(r >= goal for r in ratios), "ratios": ratios}
-
-
 def compare(results: dict[str, dict[str, Any]],
             paired: dict[str, dict[str, list[float]]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Ratios to TorchRec and to the single table, with the goals' rows (not for `+grpc` layouts:
@@ -584,7 +577,7 @@ def compare(results: dict[str, dict[str, Any]],
             goals.append(target(f"DLRM samples/s, {key} vs TorchRec DMP table-wise", r["samples_per_s"],
                                 base["samples_per_s"], GOAL_SPEED, "higher", "samples/s", "TorchRec DMP"))
             if pairs.get("torchrec"):
-                ratios[f"{key} / torchrec"]["paired"] = goals[-1]["paired"] = _paired(pairs["torchrec"], GOAL_SPEED)
+                ratios[f"{key} / torchrec"]["paired"] = goals[-1]["paired"] = run_by_run(pairs["torchrec"], GOAL_SPEED)
             goals.append({"name": f"DLRM test AUC, {key} vs TorchRec", "value": r["test_auc"],
                           "ceiling": base["test_auc"], "gap": gap, "target": GOAL_AUC_GAP, "better": "within",
                           "met": abs(gap) <= GOAL_AUC_GAP, "unit": "AUC", "ceiling_name": "TorchRec DMP"})
@@ -596,7 +589,7 @@ def compare(results: dict[str, dict[str, Any]],
                                 r["samples_per_s"], single["samples_per_s"], GOAL_LAYOUT, "higher", "samples/s",
                                 f"psgrad {r['mode']} single"))
             if pairs.get("single"):
-                ratios[f"{key} / single"]["paired"] = goals[-1]["paired"] = _paired(pairs["single"], GOAL_LAYOUT)
+                ratios[f"{key} / single"]["paired"] = goals[-1]["paired"] = run_by_run(pairs["single"], GOAL_LAYOUT)
     return ratios, targets
 
 

@@ -65,7 +65,8 @@ class Side:
     def __init__(self, layout: str, p: dict[str, Any], batches: list[Any], rep: int, off: str | None = None) -> None:
         self.layout = layout
         self.name = layout if off is None else f"{layout} ({off} off)"
-        self.servers: list[Child] = [start_server(f"{layout}-server{k}-rep{rep}", PSGRAD_SERVER) for k in range(2)]
+        label = layout if off is None else f"{layout}-{off.strip('_')}-off"  # (one layout twice: servers told apart)
+        self.servers: list[Child] = [start_server(f"{label}-server{k}-rep{rep}", PSGRAD_SERVER) for k in range(2)]
         self.session: Any = None
         addresses = [s.address() for s in self.servers]
         self.inputs = [(b.dense, psgrad_inputs(b, layout, p["rows"]), b.labels) for b in batches]
@@ -142,10 +143,10 @@ def repetition(p: dict[str, Any], specs: list[tuple[str, str | None]], batches: 
             stats = s.opt.prefetched.stats
             pool_ms = 1e3 * s.pool_cpu / p["steps"]
             out[s.name] = {"main_thread_ms": {**main, "total": sum(main.values())},
-                             "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
-                             "servers_ms": 1e3 * s.servers_cpu / p["steps"],
-                             "prefetch": {"grouped": stats.grouped, "pooled": getattr(stats, "pooled", None),
-                                          "unused": stats.unused}}  # (pooled: None where this psgrad pools none)
+                           "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
+                           "servers_ms": 1e3 * s.servers_cpu / p["steps"],
+                           "prefetch": {"grouped": stats.grouped, "pooled": getattr(stats, "pooled", None),
+                                        "unused": stats.unused}}  # (pooled: None where this psgrad pools none)
         return out
     finally:
         for s in sides:

@@ -58,6 +58,7 @@ from lib.report import (
     percentile,
     pull_push_iterations,
     rep_order,
+    run_by_run,
     summarize,
     target,
     write_doc,
@@ -67,6 +68,6 @@ from lib.report import (
 __all__ = [
     "BENCH", "ONE_THREAD_ENV", "PSGRAD_SERVER", "RAW_SERVER", "REPO", "SETUP_TIMEOUT_S", "BenchError", "Child", "CommandChild", "add_preset", "aggregate", "code_version",
     "command_loop", "exit_now", "figure", "lib_argv", "log", "machine_info", "median_gbps", "overrides", "paused",
-    "percentile", "psgrad_launch", "pull_push_iterations", "psgrad_process", "psgrad_server", "read_jsonl", "rep_order", "run_together",
+    "percentile", "psgrad_launch", "pull_push_iterations", "psgrad_process", "psgrad_server", "read_jsonl", "rep_order", "run_by_run", "run_together",
     "start_server", "stop_all", "summarize", "target", "window_argv", "window_bytes_arg", "write_doc", "write_json",
 ]

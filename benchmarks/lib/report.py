@@ -107,6 +107,15 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def run_by_run(ratios: Sequence[float], goal: float) -> dict[str, Any]:
+    """A ratio taken pair by pair (each measurement over its peer's, measured beside it): how
+    many, their median and range, how many reach `goal` (a ratio where higher is better), and
+    the ratios themselves. A goal is met steadily where every pair reaches it."""
+    s = summarize(ratios)
+    return {"n": len(ratios), "median": s["median"], "min": s["min"], "max": s["max"],
+            "at_goal": sum(r >= goal for r in ratios), "ratios": list(ratios)}
+
+
 def median_gbps(times_s: Sequence[float], nbytes: int) -> float:
     """Bandwidth of the median time."""
     return nbytes / summarize(times_s)["median"] / 1e9
