@@ -124,11 +124,12 @@ def _divided_rows(values, slots, grads, denom, scale, versions, stamp, kept, kep
         versions[s] = stamp[i]
 
 
-def _merged_rows(ids, ends, grads, scale, out_ids, out_grads):  # pragma: no cover
+def _merged_rows(ids, slots, ends, grads, scale, out_ids, out_slots, out_grads):  # pragma: no cover
     # ids: runs [ends[k-1], ends[k]) (a sync round's workers' arena ids, rank after rank), each
     # increasing. Fills out_ids with every id once, in increasing order, and out_grads with its rows'
-    # sum, run after run (0 + the first + the next..., as index_add_ adds them), times scale;
-    # returns how many, or -1 where a run does not increase (nothing else done then).
+    # sum, run after run (0 + the first + the next..., as index_add_ adds them), times scale; where
+    # slots holds one per id (its row's slot: the same for one id in every run), out_slots with each
+    # id's; returns how many, or -1 where a run does not increase (nothing else done then).
     w = ends.shape[0]
     heads = np.empty(w, np.int64)
     start = 0
@@ -139,6 +140,7 @@ def _merged_rows(ids, ends, grads, scale, out_ids, out_grads):  # pragma: no cov
                 return -1
         start = ends[k]
     d = grads.shape[1]
+    with_slots = slots.shape[0] == ids.shape[0]
     n = 0
     while True:
         m = np.int64(0)
@@ -156,6 +158,8 @@ def _merged_rows(ids, ends, grads, scale, out_ids, out_grads):  # pragma: no cov
         for k in range(w):
             h = heads[k]
             if h < ends[k] and ids[h] == m:
+                if with_slots:
+                    out_slots[n] = slots[h]
                 for j in range(d):
                     out_grads[n, j] = out_grads[n, j] + grads[h, j]
                 heads[k] = h + 1
@@ -181,7 +185,8 @@ def _compile(cache: bool) -> dict[str, object]:
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
         "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN, _F32, _I64), cache, True),
         "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32, _F32), cache, True),
-        "merged_rows": _jit(_merged_rows, types.int64(_I64_IN, _I64_IN, _F32_IN, f32, _I64, _F32), cache, False),
+        "merged_rows": _jit(_merged_rows, types.int64(_I64_IN, _I64_IN, _I64_IN, _F32_IN, f32, _I64, _I64, _F32),
+                            cache, False),
         "divided_rows": _jit(_divided_rows, types.void(_F32, _I64_IN, _F32_IN, _F32_IN, f32, _I64, _I64_IN, _F32, _I64),
                              cache, False),
     }

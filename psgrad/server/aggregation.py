@@ -25,6 +25,9 @@ class Pending:
     skip: tuple[tuple[int, int], ...] = ()
     #: the sparse tables its worker's step did not use (the iteration skips those no worker used)
     skip_tables: frozenset[str] = frozenset()
+    #: what the reserve of its rows gave (rows_path.Slots: their arena ids and slots), which the
+    #: iteration's apply uses where it still holds (None: not kept)
+    reserved: Mapping[str, torch.Tensor] | None = None
 
 
 class SyncRound:

@@ -127,22 +127,29 @@ class RowKernels:
         self._k["gather"](values.numpy(), slots.numpy(), out.numpy())
         return out
 
-    def merge(self, ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
-              workers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def merge(self, ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor, workers: int,
+              slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A sync round's row gradients, one per row, in one pass (what aggregation.rows_mean
         computes, bit for bit): ids (int64) and grads [n, dim] (float32) hold each worker's rows in
         turn, worker k's ending at ends[k], each worker's ids increasing; (their ids once, sorted;
-        each one's rows summed in that order, divided by `workers`). None: a worker's ids do not
+        each one's rows summed in that order, divided by `workers`; where slots gives each id's
+        row slot (int64, one per id), each unique id's, else None). None: a worker's ids do not
         increase, or the arrays are not the kernels'."""
         g = grads.numpy()
         if ids.dtype != torch.int64 or g.dtype != np.float32 or not g.flags.c_contiguous or g.shape[0] != ids.numel():
             return None
         if not ends or ends[-1] != ids.numel() or any(b < a for a, b in zip([0, *ends], ends)):
             return None  # (runs that do not cover the ids, one after another: the loops are not bounds-checked)
+        if slots is not None and (slots.dtype != torch.int64 or slots.numel() != ids.numel()):
+            return None
         out_ids, out_grads = torch.empty(ids.numel(), dtype=torch.int64), torch.empty(g.shape)
-        n = self._k["merged_rows"](ids.contiguous().numpy(), np.asarray(ends, dtype=np.int64), g,
-                                   np.float32(1.0 / workers), out_ids.numpy(), out_grads.numpy())
-        return None if n < 0 else (out_ids[:n], out_grads[:n])
+        out_slots = torch.empty(ids.numel() if slots is not None else 0, dtype=torch.int64)
+        n = self._k["merged_rows"](ids.contiguous().numpy(), (_NO_IDS if slots is None else slots.contiguous()).numpy(),
+                                   np.asarray(ends, dtype=np.int64), g, np.float32(1.0 / workers), out_ids.numpy(),
+                                   out_slots.numpy(), out_grads.numpy())
+        if n < 0:
+            return None
+        return out_ids[:n], out_grads[:n], None if slots is None else out_slots[:n]
 
     def apply(self, form: tuple[str, float, float], values: torch.Tensor, state: dict[str, torch.Tensor],
               slots: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor, stamp: torch.Tensor,
@@ -240,9 +247,10 @@ def _merge_agrees_with_torch(k: RowKernels) -> bool:
         ids = torch.cat(runs)
         grads = torch.randn(ids.numel(), dim, generator=gen) * 10 ** float(torch.randint(-4, 3, (), generator=gen))
         ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
-        got = k.merge(ids, ends, grads, workers)
+        got = k.merge(ids, ends, grads, workers, slots=ids * 7 + 3)  # (a row's slot: any function of its id)
         expect = rows_mean(ids, grads, workers)
-        if got is None or not (torch.equal(got[0], expect[0]) and _same_bits(got[1], expect[1])):
+        if got is None or got[2] is None or not (torch.equal(got[0], expect[0]) and _same_bits(got[1], expect[1])
+                                                 and torch.equal(got[2], expect[0] * 7 + 3)):
             return False
     return k.merge(torch.tensor([2, 1]), [2], torch.zeros(2, 4), 1) is None  # (a run that does not increase)
 

@@ -217,7 +217,7 @@ class Pushes:
                         # hybrid (--tables-mode async): the tables take each worker's rows as they come
                         self._apply_rows(lambda: self._rows.apply(state, rows, lr, 1.0, slots), what, count=True)
                         rows = {}
-                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip, skip_tables))
+                    core.round.add(rank, Pending(grad, wire, clock, base_version, lr, rows, skip, skip_tables, slots))
                     core.buffers.keep(grad)
                     kept = True
                     Membership.advance(member, clock)
@@ -474,7 +474,8 @@ class Pushes:
                 self._replica.abandon(self._replica.rows_kept())
                 raise
             per_rank = [it.rows for it in items]
-            journal = self._apply_rows((lambda: self._rows.apply_round(state, per_rank, len(items), lr))
+            reserved = [it.reserved for it in items]
+            journal = self._apply_rows((lambda: self._rows.apply_round(state, per_rank, len(items), lr, reserved))
                                        if any(per_rank) else None, what)
             try:
                 state.dense.apply(mean, 1.0, lr, skip)

@@ -33,12 +33,16 @@ Lookup = tuple[str, torch.Tensor]
 
 class Slots(dict[str, torch.Tensor]):
     """The arena slots a reserve made, by table; and, per arena, all of its tables' at once with
-    their arena ids ((its tables in its order, arena ids, slots)), which the apply takes as they
-    are where it updates those tables (no arena ids made again, no slots joined again)."""
+    their arena ids ((its tables in its order, arena ids, slots, the arena's placement count then)),
+    which the apply takes as they are where it updates those tables (no arena ids made again, no
+    slots joined again, none looked up again). uid: the shard state's they were made in; a sync
+    push's are kept with it until its iteration is applied (apply_round), and used there where
+    they still hold (the same state, no row of the arena dropped or moved since)."""
 
-    def __init__(self) -> None:
+    def __init__(self, uid: int = 0) -> None:
         super().__init__()
-        self.whole: dict[RowArena, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
+        self.uid = uid
+        self.whole: dict[RowArena, tuple[tuple[str, ...], torch.Tensor, torch.Tensor, int]] = {}
 
 
 # What a push's check reserved: (the uid of the shard state it was made in, its tables' placement
@@ -286,7 +290,7 @@ class Rows:
             if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \
                     and not any(t.evict or t.min_count > 1 for t in tables):
                 return slots
-        out = Slots()
+        out = Slots(state.uid)
         for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]
             found = None if located is None else located.get(arena)
@@ -298,7 +302,7 @@ class Rows:
                 made_ = arena.reserve(arena_ids, may_evict, slots=found[1], new=found[2])
             parts = made_.split([i.numel() for i in ids_])
             out.update((names[i], part) for i, part in zip(places, parts))
-            out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_)
+            out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_, arena.placement())
         for name, t in zip(names, tables):
             if name not in out:
                 found = None if located is None else located.get(t)
@@ -325,7 +329,7 @@ class Rows:
             at: torch.Tensor | None
             made = slots.whole.get(arena) if isinstance(slots, Slots) else None
             if made is not None and made[0] == tuple(order):  # (what the reserve made of these tables)
-                ids, at = made[1], made[2]
+                _, ids, at, _ = made
             else:
                 ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
                 at = None if slots is None else joined([slots[name] for name in order])
@@ -347,10 +351,13 @@ class Rows:
                                      slots=None if slots is None else slots[name], step=state.table_step(name))
                 self._report(name, t, ids, grads, base, step_lr)
 
-    def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None) -> None:
+    def apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None,
+                    reserved: Sequence[Mapping[str, torch.Tensor] | None] = ()) -> None:
         """Apply a sync iteration's row gradients (one dict per worker, in rank order): per table and
         row, their sum over the workers divided by `workers` (the iteration's gradients: rows a
-        worker did not touch count as its zero gradient, as in the mean of the workers' losses)."""
+        worker did not touch count as its zero gradient, as in the mean of the workers' losses).
+        reserved: what each push's reserve gave (its Slots, in the same order), where kept: the arena
+        ids and slots of its rows, used where they still hold (see _reserved_in)."""
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)
@@ -362,29 +369,33 @@ class Rows:
                 continue
             mine = [[(name, rows[name]) for name in members if name in rows and rows[name][0].numel()] for rows in per_rank]
             parts = [part for rank in mine for part in rank]
-            ids = arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts])
+            found = _reserved_in(state, arena, mine, reserved)
+            ids, at = found if found is not None else (
+                arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts]), None)
             rank_ends = list(accumulate(sum(p[0].numel() for _, p in rank) for rank in mine))
-            unique, total = round_mean(ids, rank_ends, torch.cat([p[1] for _, p in parts]), workers)
-            ends = torch.searchsorted(unique, torch.tensor([_grouped(tables[i]).base + tables[i].num_embeddings
-                                                            for i in places])).tolist()
-            versions = per_row([_grouped(tables[i]).version + 1 for i in places],  # (each row its table's next)
-                               [unique[start:end] for start, end in zip([0, *ends[:-1]], ends)])
-            arena.apply(unique, total, lr, None, checked=True, step=state.table_step(members[0]), versions=versions)
-            start = 0
-            for i, end in zip(places, ends):
-                member = _grouped(tables[i])
+            unique, total, slots = round_mean(ids, rank_ends, torch.cat([p[1] for _, p in parts]), workers, at)
+            group = [_grouped(tables[i]) for i in places]
+            ends = torch.searchsorted(unique, torch.tensor([m.base + m.num_embeddings for m in group])).tolist()
+            starts = [0, *ends[:-1]]
+            spans = [unique[a_:b_] for a_, b_ in zip(starts, ends)]
+            local = unique - per_row([m.base for m in group], spans)  # (each table's own ids, for the record)
+            versions = per_row([m.version + 1 for m in group], spans)  # (each row its table's next)
+            arena.apply(unique, total, lr, None, checked=True, slots=slots, step=state.table_step(members[0]),
+                        versions=versions)
+            bases: dict[str, int] = {}
+            for name, p in parts:
+                bases[name] = min(bases.get(name, p[2]), p[2])
+            for name, member, start, end in zip(members, group, starts, ends):
                 if end > start:
-                    base = min(p[2] for name, p in parts if name == names[i])
-                    member.updated(base)
-                    self._report(names[i], member, unique[start:end] - member.base, total[start:end], base, lr)
-                start = end
+                    member.updated(bases[name])
+                    self._report(name, member, local[start:end], total[start:end], bases[name], lr)
         for name, t in zip(names, tables):
             if isinstance(t, GroupedTable) and name not in alone:
                 continue
             parts_ = [rows[name] for rows in per_rank if name in rows and rows[name][0].numel()]
             rank_ends = list(accumulate(p[0].numel() for p in parts_))
-            unique, total = round_mean(torch.cat([p[0] for p in parts_]).long(), rank_ends,
-                                       torch.cat([p[1] for p in parts_]), workers)
+            unique, total, _ = round_mean(torch.cat([p[0] for p in parts_]).long(), rank_ends,
+                                          torch.cat([p[1] for p in parts_]), workers)
             base = min(p[2] for p in parts_)
             unique, total = t.apply(unique, total, lr, base, checked=True, step=state.table_step(name))  # (checked pushes' ids)
             self._report(name, t, unique, total, base, lr)
@@ -445,15 +456,41 @@ def _whole(flat: torch.Tensor | None, places: Sequence[int], count: int) -> torc
     return flat if flat is not None and len(places) == count and list(places) == sorted(places) else None
 
 
-def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor,
-               workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+def round_mean(ids: torch.Tensor, ends: Sequence[int], grads: torch.Tensor, workers: int,
+               slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(unique ids, sorted; their gradients summed in the order given (rank order) and divided by
-    `workers`): a sync round's row gradients, one per row. ids and grads hold each worker's rows in
-    turn, worker k's ending at ends[k]: where each worker's ids increase (as workers send them),
-    the row kernels merge them in one pass, else torch sorts them (the same bits either way)."""
+    `workers`; where slots gives each id's row slot, each unique id's, else None): a sync round's
+    row gradients, one per row. ids and grads hold each worker's rows in turn, worker k's ending
+    at ends[k]: where each worker's ids increase (as workers send them), the row kernels merge
+    them in one pass, else torch sorts them (the same bits either way; no slots then)."""
     fused = kernels.rows(start=grads.numel() >= kernels.ROW_KERNEL_MIN)
-    merged = None if fused is None else fused.merge(ids, ends, grads, workers)
-    return merged if merged is not None else aggregation.rows_mean(ids, grads, workers)
+    merged = None if fused is None else fused.merge(ids, ends, grads, workers, slots)
+    return merged if merged is not None else (*aggregation.rows_mean(ids, grads, workers), None)
+
+
+def _reserved_in(state: ShardState, arena: RowArena,
+                 mine: Sequence[Sequence[tuple[str, tuple[torch.Tensor, torch.Tensor, int]]]],
+                 reserved: Sequence[Mapping[str, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The arena ids and slots of a sync round's rows of `arena` (mine: each rank's (table, rows)
+    of it, in the arena's order), joined rank after rank, as the pushes' reserves made them
+    (reserved, by rank); None where one of them is not kept, or no longer holds: made in another
+    shard state, for other tables, or before a row of the arena was dropped or moved."""
+    if len(reserved) != len(mine):
+        return None
+    ids, slots = [], []
+    for rank, made in zip(mine, reserved):
+        if not rank:
+            continue
+        whole = made.whole.get(arena) if isinstance(made, Slots) and made.uid == state.uid else None
+        if whole is None or whole[3] != arena.placement() or whole[1].numel() != whole[2].numel():
+            return None
+        names = tuple(name for name, _ in rank)
+        if tuple(name for name in whole[0] if name in names) != names or \
+                whole[1].numel() != sum(int(p[0].numel()) for _, p in rank):
+            return None
+        ids.append(whole[1])
+        slots.append(whole[2])
+    return (joined(ids), joined(slots)) if ids else None
 
 
 def _keep(tables: Sequence[SparseTable]) -> None:

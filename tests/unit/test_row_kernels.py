@@ -154,7 +154,14 @@ def test_a_sync_rounds_merge_is_the_torch_sum_bit_for_bit(k: kernels.RowKernels,
     ends = torch.tensor([r.numel() for r in runs]).cumsum(0).tolist()
     got, expect = k.merge(ids, ends, grads, workers), aggregation.rows_mean(ids, grads, workers)
     assert got is not None and torch.equal(got[0], expect[0]) and torch.equal(got[0], torch.unique(ids))
-    assert torch.equal(got[1].view(torch.int32), expect[1].view(torch.int32))
+    assert torch.equal(got[1].view(torch.int32), expect[1].view(torch.int32)) and got[2] is None
+    # each row's slot (one per id, the same in every run) comes out beside its id
+    slot_of = torch.randperm(500, generator=gen)
+    carried = k.merge(ids, ends, grads, workers, slots=slot_of[ids])
+    assert carried is not None and carried[2] is not None and torch.equal(carried[2], slot_of[got[0]])
+    assert torch.equal(carried[1].view(torch.int32), got[1].view(torch.int32))
+    if ids.numel():  # (a slot short: not the kernels')
+        assert k.merge(ids, ends, grads, workers, slots=slot_of[ids][:-1]) is None
 
 
 def test_a_sync_round_whose_ids_do_not_increase_goes_to_torch(k: kernels.RowKernels) -> None:
@@ -162,13 +169,14 @@ def test_a_sync_round_whose_ids_do_not_increase_goes_to_torch(k: kernels.RowKern
     assert k.merge(ids, [2, 4], grads, 2) is None  # worker 0's ids 5, 2
     assert k.merge(ids, [1, 5], grads, 2) is None  # (runs past the ids' end)
     assert k.merge(torch.tensor([1, 2, 3, 4]), [3, 1, 4], grads, 3) is None  # (runs out of order, each increasing)
-    unique, total = rows_path.round_mean(ids, [2, 4], grads, 2)  # (torch's ops: the same rule)
+    unique, total, slots = rows_path.round_mean(ids, [2, 4], grads, 2, ids + 10)  # (torch's ops: the same rule)
+    assert slots is None  # (torch's ops give none: the apply looks them up)
     assert unique.tolist() == [2, 5, 7] and total.tolist() == [[3.0, 4.0], [0.0, 0.5], [3.0, 3.5]]
 
 
 def test_a_broken_merge_leaves_every_row_kernel_unused(k: kernels.RowKernels) -> None:
-    def scaled_first(ids, ends, grads, scale, out_ids, out_grads):  # type: ignore[no-untyped-def]
-        n = k._k["merged_rows"](ids, ends, grads, scale, out_ids, out_grads)
+    def scaled_first(ids, slots, ends, grads, scale, out_ids, out_slots, out_grads):  # type: ignore[no-untyped-def]
+        n = k._k["merged_rows"](ids, slots, ends, grads, scale, out_ids, out_slots, out_grads)
         out_grads[:n] *= np.float32(1.0000001)  # (a bit off)
         return n
 

@@ -14,6 +14,7 @@ from psgrad.core.sharding import TableSpec
 from psgrad.errors import InvalidRequestError, MemoryBudgetError
 from psgrad.server import checkpoint
 from psgrad.server.shard import Shard
+from psgrad.server.row_index import DenseIndex
 from psgrad.server.state import ShardState
 from psgrad.server.table_groups import GroupedTable
 from psgrad.server.tables import SparseTable
@@ -178,6 +179,37 @@ def test_a_pushs_apply_takes_the_slots_its_check_made_unless_rows_moved_since(ap
                          reference.rows.reserve(state_of(reference), second, may_evict=True))
     assert_same_tables(s, reference)
     assert not torch.equal(state.tables["a"].rows(second["a"][0]), state_of(shard(apart)).tables["a"].rows(second["a"][0]))
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["kept", "rows-dropped-between"])
+def test_a_sync_round_takes_the_slots_its_pushes_reserved_unless_rows_moved_since(
+        moved: bool, row_kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The iteration's apply does not look up again the rows its pushes' reserves found (their arena
+    ids and slots, carried through the row kernels' merge of the workers' rows); where rows of the
+    arena were dropped in between (the tail of the arena moves into their places), or torch's ops
+    merge them (which carry no slots), it looks them up afresh. Either way the tables end as
+    those of a round applied without what the reserves gave."""
+    s, reference = shard(), shard()
+    for x in (s, reference):
+        push(x, pushes(11, 1)[0])
+    first, second = pushes(12, 2)  # two workers' rows of one iteration
+    reserved = []
+    for x in (s, reference):
+        state = state_of(x)
+        for rows in (first, second):
+            _, made = x.rows.check(state, 0, rows)
+            slots = x.rows.reserve(state, rows, may_evict=True, sync=True, made=made)
+            if x is s:
+                reserved.append(slots)
+        if moved:  # (as a standby applies its primary's drops)
+            state.tables["a"].remove(pushes(11, 1)[0]["a"][0][:3])
+    looked_up = []
+    original = DenseIndex.lookup
+    monkeypatch.setattr(DenseIndex, "lookup", lambda self, ids: looked_up.append(ids.numel()) or original(self, ids))
+    s.rows.apply_round(state_of(s), [first, second], 2, None, reserved)
+    assert bool(looked_up) == (moved or row_kernels == "torch-ops"), looked_up
+    reference.rows.apply_round(state_of(reference), [first, second], 2, None)
+    assert_same_tables(s, reference)
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["arena", "alone"])
