@@ -482,7 +482,7 @@ def _reserved_in(state: ShardState, arena: RowArena,
         if not rank:
             continue
         whole = made.whole.get(arena) if isinstance(made, Slots) and made.uid == state.uid else None
-        if whole is None or whole[3] != arena.placement() or whole[1].numel() != whole[2].numel():
+        if whole is None or whole[3] != arena.placement():
             return None
         names = tuple(name for name, _ in rank)
         if tuple(name for name in whole[0] if name in names) != names or \

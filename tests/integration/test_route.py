@@ -66,9 +66,8 @@ class Route:
     """A profiler recording the psgrad module chains of the stacks that carry a gradient."""
 
     def __init__(self, rows: bool = False, shared_memory: bool = False) -> None:
-        self.worker_sinks = ROW_WORKER_SINKS if rows else WORKER_SINKS
-        if not rows and shared_memory:
-            self.worker_sinks = tuple(m for m in WORKER_SINKS if m != SOCKET)
+        self.worker_sinks = ROW_WORKER_SINKS if rows else tuple(m for m in WORKER_SINKS
+                                                                if not (shared_memory and m == SOCKET))
         self.server_sinks = ROW_SERVER_SINKS if rows else SERVER_SINKS
         self.rows = rows
         self.on = False
