@@ -189,6 +189,11 @@ class ServerConfig:
     # limit, a pull of a shard's weights larger than it goes alone (nothing else in flight).
     # 0: no limit. At least READ_LIMIT_MIN_MB otherwise (an export reads pages of up to that much).
     max_read_mb: float = MAX_READ_MB
+    # The server's request threads (gRPC's and the local sockets') run under Linux's SCHED_BATCH
+    # policy: a call that wakes one does not take the CPU from the process that sent it, which then
+    # writes its step to every shard before any of them runs (see server/scheduling.py). False: the
+    # default policy. Nothing changes elsewhere (no such policy: other systems).
+    batch_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")

@@ -390,6 +390,10 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
                    "(embedding) tables may hold in all: 8 bytes per row placed on it, plus the rows touched so far "
                    "with their optimizer state; a table that would grow past it is refused with an error naming it "
                    "(default: 3/4 of the machine's memory; 0: no limit)")
+    flag(p, "--batch-scheduling", ServerConfig.batch_scheduling, "run the server's request threads under Linux's "
+         "SCHED_BATCH policy: a worker's call that wakes one does not take the CPU from that worker, which then "
+         "writes its step to every shard before they run (on a host whose cores workers and servers share); "
+         "--no-batch-scheduling keeps the default policy", action=argparse.BooleanOptionalAction)
     flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
          "step, pulls of rows, an export's pages) and to pulls of the dense weights through gRPC (a pull's frames, a "
          "step's reply) may hold on the server at once, counted from each request (ids x width x 4 bytes; the "
@@ -576,7 +580,8 @@ def step_port_arg(text: str) -> int | None:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, step_port=ns.step_port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
-        memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
+        memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling,
+        push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,
         handshake_timeout_s=ns.handshake_timeout_s,

@@ -21,6 +21,7 @@ import grpc
 
 from psgrad.errors import InvalidRequestError, PermissionDeniedError
 from psgrad.proto import ps_pb2 as pb
+from psgrad.server.scheduling import batch_thread
 from psgrad.wire import local_socket, protocol
 from psgrad.wire.frames import DETACHED_KEY
 
@@ -123,18 +124,19 @@ class LocalCalls:
     def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
                  done: Callable[[str, float, Any], None] | None = None, unix: bool = True,
                  tcp: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None,
-                 reads: Callable[[pb.RowsRequest, Any], bytes] | None = None) -> None:
+                 reads: Callable[[pb.RowsRequest, Any], bytes] | None = None, batch: bool = False) -> None:
         """step: the servicer's Step handler; reads: its PullRows handler, where the sockets take
         reads of rows too (None: they take Step calls only); done(method, start, context): a call's end, for the
         server's call metrics (RpcMetrics._done), or None; unix: listen on an abstract Unix socket
         (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`), in
-        TLS with `tls` (each connection's handshake on its own thread, within HELLO_TIMEOUT_S).
+        TLS with `tls` (each connection's handshake on its own thread, within HELLO_TIMEOUT_S);
+        batch: the sockets' threads run under SCHED_BATCH (see scheduling.py).
 
         Raises:
             OSError: the TCP port cannot be bound.
         """
         self._step, self._done, self._tls = step, done, tls
-        self._reads = reads
+        self._reads, self._batch = reads, batch
         self._decode = protocol.decoder(pb.StepRequest)
         self._decode_reads = protocol.decoder(pb.RowsRequest)
         self._key = secrets.token_bytes(32)
@@ -194,6 +196,7 @@ class LocalCalls:
             s.close()
 
     def _accept(self, listener: socket.socket) -> None:
+        batch_thread(self._batch)  # (the connections' threads it starts inherit the policy)
         while True:
             try:
                 conn, _ = listener.accept()

@@ -24,6 +24,7 @@ from psgrad.server.local_calls import LocalCalls
 from psgrad.server.observe import Observability
 from psgrad.server.replica_servicer import ReplicaServicer, attach_to_primary, send_fence
 from psgrad.server.replication import BACKUP, Replication
+from psgrad.server.scheduling import batch_thread
 from psgrad.server.servicer import ParameterServicer
 from psgrad.server.shard import Shard
 from psgrad.server.streams import StreamLimits, stream_budget
@@ -222,7 +223,8 @@ def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler
     if guard is not None:
         interceptors.append(guard)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc"),
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psgrad-rpc",
+                                   initializer=batch_thread, initargs=(config.batch_scheduling,)),
         options=[*server_options(config), *limits.connection_options(fd_limit, config.handshake_timeout_s)],
         interceptors=interceptors,
     )
@@ -264,7 +266,7 @@ def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler
         try:
             servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None,
                                         unix=unix, tcp=tcp, tls=security.step_socket_context(config),
-                                        reads=servicer.PullRows)
+                                        reads=servicer.PullRows, batch=config.batch_scheduling)
         except OSError as exc:
             server.stop(0)
             raise ServerStartError(f"cannot bind --step-port {config.step_port} on {host}: {exc} (is another "

@@ -9,6 +9,8 @@ offer none."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -201,3 +203,26 @@ def test_a_refusal_over_the_tcp_socket_is_raised_as_it_is_and_not_sent_again(mak
         c.exchange(dense, 0, torch.zeros_like(dense), rows={"emb": (torch.tensor([5, 7]), torch.zeros(2, 4))})
         assert through_grpc == [] and c.shards[0].frames.socket.calls == 1
 
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux's SCHED_BATCH")
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_servers_request_threads_run_under_sched_batch_by_default(batch: bool) -> None:
+    """psgrad.serve(): the threads that serve gRPC calls (the Join) and the local socket's (the Step
+    calls) are under SCHED_BATCH unless batch_scheduling=False; the caller's thread is left as it was."""
+    before = os.sched_getscheduler(0)
+    settings = {} if batch else {"batch_scheduling": False}
+    with psgrad.serve(**settings) as server:
+        model = nn.Linear(4, 1)
+        with psgrad.connect(server.address, client=CLIENT, mode="sync", optimizer=psgrad.SGD(lr=0.1)) as ps:
+            opt = ps.optimizer(model)
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+            assert server.servicer.local.calls == 2  # (the steps went over the local socket)
+            threads = {t.name: os.sched_getscheduler(t.native_id) for t in threading.enumerate()
+                       if t.native_id is not None and t.name.startswith(("psgrad-rpc", "psgrad-local"))}
+    assert any(n.startswith("psgrad-rpc") for n in threads) and "psgrad-local" in threads, threads
+    assert set(threads.values()) == {os.SCHED_BATCH if batch else before}, threads
+    assert os.sched_getscheduler(0) == before

@@ -5,6 +5,7 @@ callbacks and deadlines travel as a gRPC call's do; a call past its deadline end
 closed server ends its connections and takes no new ones."""
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -488,3 +489,27 @@ def test_a_staged_read_that_cannot_go_over_the_socket_ends_at_once() -> None:
         assert done.value.value is None and calls.read_calls == 0
     finally:
         calls.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux's SCHED_BATCH")
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_connections_calls_run_under_sched_batch_where_asked(batch: bool) -> None:
+    """batch=True: the thread that serves a connection's calls is under SCHED_BATCH (a worker's call
+    that wakes it does not preempt the worker); the caller's own thread is left as it was."""
+    seen: list[int] = []
+
+    def policy(req: pb.StepRequest, context: Any) -> bytes:
+        seen.append(os.sched_getscheduler(0))
+        return echo(req, context)
+
+    before = os.sched_getscheduler(0)
+    calls = LocalCalls(policy, batch=batch)
+    try:
+        channel = connect(calls, 0)
+        channel.with_call(request(0), 10.0)
+        channel.with_call(request(0, clock=2), 10.0)
+        channel.close()
+    finally:
+        calls.close()
+    assert seen == [os.SCHED_BATCH if batch else before] * 2
+    assert os.sched_getscheduler(0) == before
