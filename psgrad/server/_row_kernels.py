@@ -74,6 +74,22 @@ def _gather(values, slots, out):  # pragma: no cover
                 out[i, j] = 0
 
 
+def _touched(values, state, slots, versions):  # pragma: no cover
+    # Reads one value of each 64-byte line of each row at slots, of values and of state (a rule's
+    # state of the same shape; values again where it has none), and its version, returning their
+    # sum so that none is left out. The loads do not depend on one another, so the core has many
+    # in flight at once, where an update's pass (each row's arithmetic between its loads) waits
+    # for memory row after row: a step's rows lie scattered over a table of millions.
+    d = values.shape[1]
+    t = np.float32(0)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        for j in range(0, d, 16):
+            t += values[s, j] + state[s, j]
+        t += np.float32(versions[s])
+    return t
+
+
 def _sgd_rows(values, slots, grads, alpha, versions, stamp, kept, kept_versions):  # pragma: no cover
     # values[s] + alpha * g as one fused multiply-add (as torch's add_ with alpha computes it). Where
     # kept has rows (one per slot), each row and version is copied there first, as it was (what an
@@ -183,6 +199,7 @@ def _compile(cache: bool) -> dict[str, object]:
                        cache, False),
         "claimed": _jit(_claimed, types.int64(_I64_IN, _I64_IN, types.int64, _I64, _I64), cache, False),
         "gather": _jit(_gather, types.void(_F32_IN, _I64_IN, _F32), cache, False),
+        "touched": _jit(_touched, types.float32(_F32_IN, _F32_IN, _I64_IN, _I64_IN), cache, False),
         "sgd_rows": _jit(_sgd_rows, types.void(_F32, _I64_IN, _F32_IN, f32, _I64, _I64_IN, _F32, _I64), cache, True),
         "square_sums": _jit(_square_sums, types.void(_F32, _I64_IN, _F32_IN, _F32, _F32), cache, True),
         "merged_rows": _jit(_merged_rows, types.int64(_I64_IN, _I64_IN, _I64_IN, _F32_IN, f32, _I64, _I64, _F32),

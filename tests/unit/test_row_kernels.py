@@ -53,6 +53,22 @@ def test_a_fused_rule_is_its_torch_ops_bit_for_bit(k: kernels.RowKernels, rule: 
         assert torch.equal(versions[slots], torch.full((n,), step))
 
 
+@pytest.mark.parametrize("dim", [1, 16, 17, 33])
+def test_an_updates_first_pass_reads_a_value_of_each_line_of_the_rows_named(k: kernels.RowKernels, dim: int) -> None:
+    """The pass that fetches an update's rows before its arithmetic (_touched): one value every 16
+    (a 64-byte line) of each named row of values and of state, and each one's version, summed;
+    nothing written, no row read but those named."""
+    values = torch.arange(40 * dim, dtype=torch.float32).view(40, dim) % 7
+    state = torch.full((40, dim), 0.5)
+    versions = torch.arange(40, dtype=torch.int64)
+    slots = torch.tensor([3, 31, 0, 17])
+    before = (values.clone(), state.clone(), versions.clone())
+    got = k._k["touched"](values.numpy(), state.numpy(), slots.numpy(), versions.numpy())
+    expect = float(values[slots][:, ::16].sum() + state[slots][:, ::16].sum() + versions[slots].sum())
+    assert got == pytest.approx(expect)
+    assert all(torch.equal(a, b) for a, b in zip(before, (values, state, versions)))
+
+
 def test_a_requests_bytes_are_read_in_place_and_left_as_they_were(k: kernels.RowKernels) -> None:
     """Row gradients are a view of a request's bytes (wire/rows.py): the kernels read them there,
     as the rule does, and change none of them."""
