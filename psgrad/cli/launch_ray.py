@@ -84,8 +84,9 @@ def shard_configs(ns: argparse.Namespace) -> list[ServerConfig]:
     from psgrad.launch import jobdir
 
     base = ServerConfig(lease_s=ns.lease_s, nonfinite=ns.nonfinite, memory_budget_mb=ns.memory_budget_mb,
-                        max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling, checkpoint_every_s=ns.checkpoint_every_s,
-                        checkpoint_every_versions=ns.checkpoint_every_versions, insecure=ns.insecure)
+                        max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling,
+                        checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
+                        insecure=ns.insecure)
     # Paths travel to other nodes: absolute, as the driver means them.
     checkpoints = None if ns.checkpoint_dir is None else Path(ns.checkpoint_dir).absolute()
     return [dataclasses.replace(base, metrics_port=server_metrics_port(ns, i),

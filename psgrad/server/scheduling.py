@@ -17,7 +17,7 @@ import os
 
 def batch_thread(enabled: bool = True) -> bool:
     """Put the calling thread under SCHED_BATCH (where enabled and the platform has it: Linux);
-    threads it starts inherit the policy. Returns whether the thread is under it now."""
+    threads it starts inherit the policy. Returns whether it put the thread under it."""
     if not enabled or not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH"):
         return False
     try:
