@@ -212,6 +212,7 @@ def test_a_servers_request_threads_run_under_sched_batch_by_default(batch: bool)
     calls) are under SCHED_BATCH unless batch_scheduling=False; the caller's thread is left as it was."""
     before = os.sched_getscheduler(0)
     settings = {} if batch else {"batch_scheduling": False}
+    earlier = {t.native_id for t in threading.enumerate()}  # (other tests' servers in this process: not this one's)
     with psgrad.serve(**settings) as server:
         model = nn.Linear(4, 1)
         with psgrad.connect(server.address, client=CLIENT, mode="sync", optimizer=psgrad.SGD(lr=0.1)) as ps:
@@ -222,7 +223,8 @@ def test_a_servers_request_threads_run_under_sched_batch_by_default(batch: bool)
                 opt.step()
             assert server.servicer.local.calls == 2  # (the steps went over the local socket)
             threads = {t.name: os.sched_getscheduler(t.native_id) for t in threading.enumerate()
-                       if t.native_id is not None and t.name.startswith(("psgrad-rpc", "psgrad-local"))}
+                       if t.native_id is not None and t.native_id not in earlier
+                       and t.name.startswith(("psgrad-rpc", "psgrad-local"))}
     assert any(n.startswith("psgrad-rpc") for n in threads) and "psgrad-local" in threads, threads
     assert set(threads.values()) == {os.SCHED_BATCH if batch else before}, threads
     assert os.sched_getscheduler(0) == before
