@@ -85,7 +85,6 @@ register_axpy_backend("checked", lambda w, g, a: sgd_checked(w, g, a))  # (looke
 #: smaller than this use the kernels once they are compiled all the same.
 ROW_KERNEL_MIN = 16384
 _NO_IDS = torch.empty(0, dtype=torch.int64)  # (the arrays a check alone neither reads nor writes)
-_TOUCH_FIRST = True  # an update first fetches its rows' lines in one pass (a switch to measure it by)
 
 
 class RowKernels:
@@ -171,9 +170,9 @@ class RowKernels:
             return False
         n = slots.numel() if kept is not None else 0
         old, old_versions = torch.empty(n, values.shape[1]), torch.empty(n, dtype=torch.int64)
-        if _TOUCH_FIRST:  # the rows' lines fetched together first (see _row_kernels._touched)
-            self._k["touched"](values.numpy(), (state["sum"] if kind == "adagrad" else values).numpy(), slots.numpy(),
-                               versions.numpy())
+        # the rows' lines fetched together first (see _row_kernels._touched)
+        self._k["touched"](values.numpy(), (state["sum"] if kind == "adagrad" else values).numpy(), slots.numpy(),
+                           versions.numpy())
         if kind == "sgd":
             self._k["sgd_rows"](values.numpy(), slots.numpy(), g, np.float32(scale), versions.numpy(), stamp.numpy(),
                                 old.numpy(), old_versions.numpy())
