@@ -354,8 +354,10 @@ def server_host_main() -> None:
     exit_now()
 
 
-def agent_main() -> None:
+def agent_main(bind_rank: int | None = None) -> None:
     torch.set_num_threads(1)
+    if bind_rank is not None:  # (before any thread starts: psgrad's threads inherit the binding)
+        psgrad.bind_cores(bind_rank, WORKERS)
     agent = PsgradAgent()
     try:
         command_loop(agent.handle)
@@ -404,16 +406,21 @@ def torchrec_probe(python: str | None) -> dict[str, Any]:
 class Runner:
     """The worker processes of both systems (started once, for every run), and one run at a time."""
 
-    def __init__(self, p: dict[str, Any], data: dict[str, Any], work: Path, torchrec_python: str | None) -> None:
+    def __init__(self, p: dict[str, Any], data: dict[str, Any], work: Path, torchrec_python: str | None,
+                 bind: bool = False) -> None:
+        """bind: each worker of either system on its share of the host's cores (psgrad.bind_cores'
+        rule, rank r of WORKERS), the servers on every core."""
         self.p, self.data, self.work = p, data, work
         me = str(Path(__file__).resolve())
-        self.agents = [Child(f"psgrad-worker-{r}", [sys.executable, me, "--agent"]) for r in range(WORKERS)]
+        self.agents = [Child(f"psgrad-worker-{r}", [sys.executable, me, "--agent", *(["--bind-rank", str(r)] if bind else [])])
+                       for r in range(WORKERS)]
         self.servers = [Child(f"psgrad-server-{i}", [sys.executable, me, "--server-host"]) for i in range(WORKERS)]
         self.torchrec: list[Child] = []
         if torchrec_python:
             store = str(work / "torchrec-store")
             self.torchrec = [Child(f"torchrec-{r}", [torchrec_python, str(TORCHREC_WORKER), "--rank", str(r),
-                                                     "--world", str(WORKERS), "--store", store])
+                                                     "--world", str(WORKERS), "--store", store,
+                                                     *(["--bind-cores"] if bind else [])])
                              for r in range(WORKERS)]
         self.runs = 0
 
@@ -469,7 +476,8 @@ def schedule(modes: list[str], layouts: list[str], with_torchrec: bool) -> list[
     return runs
 
 
-def measure(p: dict[str, Any], layouts: list[str], torchrec: dict[str, Any], zipf: float) -> dict[str, Any]:
+def measure(p: dict[str, Any], layouts: list[str], torchrec: dict[str, Any], zipf: float,
+            bind: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="psgrad-dlrm-") as tmp:
         work = Path(tmp)
         t0 = time.monotonic()
@@ -477,7 +485,7 @@ def measure(p: dict[str, Any], layouts: list[str], torchrec: dict[str, Any], zip
         log(f"dlrm: data written in {time.monotonic() - t0:.1f} s: {WORKERS} x {p['warmup'] + p['steps']} batches of "
             f"{p['batch']}, {p['test']:,} test examples (planted AUC {data['bayes_auc']:.4f}, "
             f"{data['unique_ids_per_feature_per_batch']:.0f} unique ids per feature and batch)")
-        runner = Runner(p, data, work, torchrec["python"] if torchrec["available"] else None)
+        runner = Runner(p, data, work, torchrec["python"] if torchrec["available"] else None, bind)
         runs: list[dict[str, Any]] = []
         order = schedule(p["modes"], layouts, torchrec["available"])
         try:
@@ -603,7 +611,8 @@ def table(doc: dict[str, Any]) -> str:
 
     lines = [f"DLRM, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']} x {WORKERS} workers, "
              f"{p['steps']} timed steps after {p['warmup']}; medians of {p['reps']} repetitions "
-             f"(planted AUC {doc['data']['bayes_auc']:.4f})",
+             f"(planted AUC {doc['data']['bayes_auc']:.4f})"
+             f"{'; each worker bound to its cores (--bind-cores)' if p.get('bind_cores') else ''}",
              f"{'run':<26} {'samples/s':>10} {'range':>17} {'test AUC':>9} {'/TorchRec':>9} {'AUC gap':>8} "
              f"{'/single':>8} {'CPU ms/1k samples: workers+servers':>34}"]
     for key, r in doc["results"].items():
@@ -644,11 +653,16 @@ def main() -> None:
     parser.add_argument("--torchrec-python", default=str(default_python) if default_python.exists() else None,
                         help=f"TorchRec's interpreter (default: {default_python} when it exists)")
     parser.add_argument("--no-torchrec", action="store_true", help="measure psgrad alone")
+    parser.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=False,
+                        help="bind each worker of both systems to its share of the host's cores (psgrad.bind_cores' rule: "
+                        "rank r of 2 on the r-th half), the servers left on every core; without it the kernel places "
+                        "every process (default: off)")
     parser.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bind-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--server-host", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.agent or args.server_host:
-        (agent_main if args.agent else server_host_main)()
+        agent_main(args.bind_rank) if args.agent else server_host_main()
         return
     p = overrides(args, PRESETS[args.preset])
     bad = sorted({layout for layout in p["layouts"] if layout.removesuffix("+grpc") not in LAYOUTS}) + sorted(
@@ -672,12 +686,12 @@ def main() -> None:
     if not torchrec["available"]:
         skipped[TORCHREC] = torchrec["skipped"]
         log(f"dlrm: TorchRec skipped: {torchrec['skipped']}")
-    measured = measure(p, layouts, torchrec, args.zipf)
+    measured = measure(p, layouts, torchrec, args.zipf, args.bind_cores)
     loss_gaps(measured["runs"])
     results = summarize_runs(measured["runs"])
     ratios, targets = compare(results, paired_ratios(measured["runs"]))
     doc = {"benchmark": "dlrm", "preset": args.preset,
-           "config": {**p, "layouts": layouts, "zipf": args.zipf, "lr": LR, "eps": EPS, "workers": WORKERS,
+           "config": {**p, "layouts": layouts, "zipf": args.zipf, "bind_cores": args.bind_cores, "lr": LR, "eps": EPS, "workers": WORKERS,
                       "psgrad_servers": WORKERS, "max_bag": MAX_BAG, "dense_features": DENSE, "init_std": INIT_STD},
            "optimizers": {"psgrad": "psgrad.Adagrad on the servers: the dense weights, and the rows per element "
                                     "with lazy per-row state",

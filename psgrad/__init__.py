@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from psgrad.tasks.data import ShardedSampler
     from psgrad.nn.embedding import Embedding, EmbeddingBag, clip_grad_norm_
     from psgrad.nn.collection import EmbeddingBagCollection
+    from psgrad.launch.cores import bind_cores
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -66,6 +67,7 @@ _LAZY = {
     "EmbeddingBag": "psgrad.nn.embedding",
     "EmbeddingBagCollection": "psgrad.nn.collection",
     "clip_grad_norm_": "psgrad.nn.embedding",
+    "bind_cores": "psgrad.launch.cores",
 }
 
 
@@ -98,6 +100,7 @@ __all__ = [
     "EmbeddingBag",
     "EmbeddingBagCollection",
     "clip_grad_norm_",
+    "bind_cores",
     "ClientConfig",
     "TlsConfig",
     "AuthConfig",

@@ -125,8 +125,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--store", required=True, help="the FileStore's file, the same for every rank")
+    parser.add_argument("--bind-cores", action="store_true", help="bind this rank to its share of the host's cores, "
+                        "as psgrad.bind_cores does a psgrad worker (rank r of --world: the r-th of equal runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.bind_cores:  # (before gloo's threads start: they inherit it)
+        cores = sorted(os.sched_getaffinity(0))
+        per = len(cores) // args.world
+        os.sched_setaffinity(0, cores[args.rank * per:(args.rank + 1) * per] if per else [cores[args.rank % len(cores)]])
     store = dist.FileStore(args.store, args.world)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
 

@@ -326,6 +326,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
                    *([] if ns.memory_budget_mb is None else ["--memory-budget-mb", str(ns.memory_budget_mb)]),
                    *([] if ns.max_read_mb == ServerConfig.max_read_mb else ["--max-read-mb", str(ns.max_read_mb)]),
                    *([] if ns.batch_scheduling else ["--no-batch-scheduling"]),
+                   *([] if ns.follow_worker_cores else ["--no-follow-worker-cores"]),
                    *(keys.server_argv() if keys else [])]
     if ns.checkpoint_dir is not None:
         server_args += ["--checkpoint-every-s", str(ns.checkpoint_every_s),

@@ -394,6 +394,11 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
          "SCHED_BATCH policy: a worker's call that wakes one does not take the CPU from that worker, which then "
          "writes its step to every shard before they run (on a host whose cores workers and servers share); "
          "--no-batch-scheduling keeps the default policy", action=argparse.BooleanOptionalAction)
+    flag(p, "--follow-worker-cores", ServerConfig.follow_worker_cores, "serve a worker on this host (its Unix "
+         "socket connection) from a thread on that worker's cores: a worker bound to cores of its own (psgrad launch "
+         "--bind-cores, psgrad.bind_cores) has the server's work for its calls done there while it waits, not queued "
+         "behind another worker; a worker on every core leaves the thread on every core; "
+         "--no-follow-worker-cores: the kernel places the threads", action=argparse.BooleanOptionalAction)
     flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
          "step, pulls of rows, an export's pages) and to pulls of the dense weights through gRPC (a pull's frames, a "
          "step's reply) may hold on the server at once, counted from each request (ids x width x 4 bytes; the "
@@ -581,6 +586,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=ns.host, port=ns.port, step_port=ns.step_port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling,
+        follow_worker_cores=ns.follow_worker_cores,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes, checkpoint_dir=ns.checkpoint_dir,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,

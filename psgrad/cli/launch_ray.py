@@ -85,6 +85,7 @@ def shard_configs(ns: argparse.Namespace) -> list[ServerConfig]:
 
     base = ServerConfig(lease_s=ns.lease_s, nonfinite=ns.nonfinite, memory_budget_mb=ns.memory_budget_mb,
                         max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling,
+                        follow_worker_cores=ns.follow_worker_cores,
                         checkpoint_every_s=ns.checkpoint_every_s, checkpoint_every_versions=ns.checkpoint_every_versions,
                         insecure=ns.insecure)
     # Paths travel to other nodes: absolute, as the driver means them.

@@ -120,6 +120,7 @@ def server_config(ns: argparse.Namespace, role: Role) -> ServerConfig:
     return ServerConfig(
         host=role.bind_host, port=role.port, lease_s=ns.lease_s, nonfinite=ns.nonfinite, threads=ns.threads,
         memory_budget_mb=ns.memory_budget_mb, max_read_mb=ns.max_read_mb, batch_scheduling=ns.batch_scheduling,
+        follow_worker_cores=ns.follow_worker_cores,
         push_buffers=ns.push_buffers, stream_window_bytes=ns.stream_window_bytes,
         stream_read_timeout_s=ns.stream_read_timeout_s, max_streams_per_peer=ns.max_streams_per_peer,
         transfer_allowance_s=ns.transfer_allowance_s, min_transfer_rate_mb_s=ns.min_transfer_rate_mb_s,

@@ -21,7 +21,7 @@ import grpc
 
 from psgrad.errors import InvalidRequestError, PermissionDeniedError
 from psgrad.proto import ps_pb2 as pb
-from psgrad.server.scheduling import batch_thread
+from psgrad.server.scheduling import PeerCores, batch_thread
 from psgrad.wire import local_socket, protocol
 from psgrad.wire.frames import DETACHED_KEY
 
@@ -124,19 +124,21 @@ class LocalCalls:
     def __init__(self, step: Callable[[pb.StepRequest, Any], bytes],
                  done: Callable[[str, float, Any], None] | None = None, unix: bool = True,
                  tcp: tuple[str, int] | None = None, tls: ssl.SSLContext | None = None,
-                 reads: Callable[[pb.RowsRequest, Any], bytes] | None = None, batch: bool = False) -> None:
+                 reads: Callable[[pb.RowsRequest, Any], bytes] | None = None, batch: bool = False,
+                 follow: bool = False) -> None:
         """step: the servicer's Step handler; reads: its PullRows handler, where the sockets take
         reads of rows too (None: they take Step calls only); done(method, start, context): a call's end, for the
         server's call metrics (RpcMetrics._done), or None; unix: listen on an abstract Unix socket
         (Linux); tcp: also listen on TCP at (host, port), port 0 a free one (then `tcp_port`), in
         TLS with `tls` (each connection's handshake on its own thread, within HELLO_TIMEOUT_S);
-        batch: the sockets' threads run under SCHED_BATCH (see scheduling.py).
+        batch: the sockets' threads run under SCHED_BATCH (see scheduling.py); follow: a Unix
+        socket connection's thread runs on its worker's cores (scheduling.py's PeerCores).
 
         Raises:
             OSError: the TCP port cannot be bound.
         """
         self._step, self._done, self._tls = step, done, tls
-        self._reads, self._batch = reads, batch
+        self._reads, self._batch, self._follow = reads, batch, follow
         self._decode = protocol.decoder(pb.StepRequest)
         self._decode_reads = protocol.decoder(pb.RowsRequest)
         self._key = secrets.token_bytes(32)
@@ -235,8 +237,10 @@ class LocalCalls:
     def _serve(self, conn: socket.socket) -> None:
         try:
             rank = self._hello(conn)
+            cores = PeerCores(conn, self._follow)
             while rank is not None:
                 metadata, timeout_s, body = local_socket.receive(conn)
+                cores.follow()
                 self._call(conn, rank, metadata, timeout_s, body)
         except (local_socket.ChannelLost, OSError):
             pass  # the worker went away, or the server closed the socket

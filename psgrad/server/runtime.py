@@ -266,7 +266,8 @@ def _start(config: ServerConfig, extra_handlers: Sequence[grpc.GenericRpcHandler
         try:
             servicer.local = LocalCalls(servicer.Step, obs.rpc._done if config.metrics_port is not None else None,
                                         unix=unix, tcp=tcp, tls=security.step_socket_context(config),
-                                        reads=servicer.PullRows, batch=config.batch_scheduling)
+                                        reads=servicer.PullRows, batch=config.batch_scheduling,
+                                        follow=config.follow_worker_cores)
         except OSError as exc:
             server.stop(0)
             raise ServerStartError(f"cannot bind --step-port {config.step_port} on {host}: {exc} (is another "

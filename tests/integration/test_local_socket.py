@@ -228,3 +228,52 @@ def test_a_servers_request_threads_run_under_sched_batch_by_default(batch: bool)
     assert any(n.startswith("psgrad-rpc") for n in threads) and "psgrad-local" in threads, threads
     assert set(threads.values()) == {os.SCHED_BATCH if batch else before}, threads
     assert os.sched_getscheduler(0) == before
+
+
+_BOUND_WORKER = """
+import sys, torch, psgrad
+from torch import nn
+from psgrad.config import ClientConfig
+cores = psgrad.bind_cores(1, 2)  # (before any thread starts)
+model = nn.Linear(4, 1)
+with psgrad.connect(sys.argv[1], client=ClientConfig(connect_timeout_s=20, rpc_timeout_s=60, init_timeout_s=30,
+                    reconnect_timeout_s=0), mode="async", optimizer=psgrad.SGD(lr=0.1)) as ps:
+    opt = ps.optimizer(model)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    print("stepped", *cores, flush=True)
+    sys.stdin.readline()  # (stays connected until the test has looked)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_servers_thread_for_a_bound_worker_runs_on_that_workers_cores_by_default(follow: bool) -> None:
+    """psgrad.serve(), and a worker process bound by psgrad.bind_cores to the second half of the
+    cores: the thread serving its Step calls over the Unix socket runs on those cores, unless
+    follow_worker_cores=False (then where the server started it: every core)."""
+    import subprocess
+    import sys
+
+    everywhere = os.sched_getaffinity(0)
+    earlier = {t.native_id for t in threading.enumerate()}
+    with psgrad.serve(**({} if follow else {"follow_worker_cores": False})) as server:
+        worker = subprocess.Popen([sys.executable, "-c", _BOUND_WORKER, server.address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            line = worker.stdout.readline() if worker.stdout else ""
+            assert line.startswith("stepped"), line
+            cores = {int(c) for c in line.split()[1:]}
+            assert server.servicer.local.calls >= 2  # (the steps went over the local socket)
+            threads = [os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                       if t.native_id is not None and t.native_id not in earlier and t.name == "psgrad-local"]
+        finally:
+            try:
+                worker.communicate("\n", timeout=60)
+            finally:
+                worker.kill()
+    assert cores and cores < everywhere
+    assert threads == [cores if follow else everywhere]

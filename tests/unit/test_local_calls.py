@@ -513,3 +513,34 @@ def test_a_connections_calls_run_under_sched_batch_where_asked(batch: bool) -> N
         calls.close()
     assert seen == [os.SCHED_BATCH if batch else before] * 2
     assert os.sched_getscheduler(0) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_connections_calls_run_on_its_workers_cores_where_asked(follow: bool) -> None:
+    """follow=True: the thread that serves a connection's calls runs on the cores of the process at
+    the other end (here this one: its main thread's cores), read again at each call; follow=False:
+    it stays where it started."""
+    seen: list[set[int]] = []
+
+    def cores(req: pb.StepRequest, context: Any) -> bytes:
+        seen.append(os.sched_getaffinity(0))
+        return echo(req, context)
+
+    everywhere = os.sched_getaffinity(0)
+    first, last = min(everywhere), max(everywhere)
+    main = os.getpid()  # (the peer's cores are its main thread's)
+    main_before = os.sched_getaffinity(main)
+    calls = LocalCalls(cores, follow=follow)
+    try:
+        channel = connect(calls, 0)
+        os.sched_setaffinity(main, {last})
+        channel.with_call(request(0), 10.0)
+        os.sched_setaffinity(main, {first})
+        channel.with_call(request(0, clock=2), 10.0)
+        channel.close()
+    finally:
+        os.sched_setaffinity(main, main_before)
+        calls.close()
+    assert seen == ([{last}, {first}] if follow else [everywhere, everywhere])

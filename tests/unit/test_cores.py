@@ -1,0 +1,104 @@
+"""Which cores a worker binds to (launch/cores.py): the host's cores split in equal runs by local rank,
+the rank and count from torchrun's or SLURM's variables where not given, clear errors otherwise; a
+server thread that follows its peer's cores."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from psgrad.launch.cores import bind_cores, share
+from psgrad.server.scheduling import PeerCores
+from psgrad.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("rank, workers, cores, expected", [
+    (0, 2, [0, 1, 2, 3], [0, 1]),
+    (1, 2, [0, 1, 2, 3], [2, 3]),
+    (1, 2, [4, 6, 8, 10, 12], [8, 10]),  # (the remainder to none; the cores' own numbers)
+    (2, 3, [0, 1], [0]),  # more workers than cores: rank mod cores
+    (0, 1, [3, 1, 2], [1, 2, 3]),
+])
+def test_a_workers_share_is_its_run_of_the_hosts_cores(rank: int, workers: int, cores: list[int],
+                                                         expected: list[int]) -> None:
+    assert share(rank, workers, cores) == expected
+
+
+@pytest.mark.parametrize("rank, workers", [(2, 2), (-1, 2), (0, 0)])
+def test_a_rank_outside_the_workers_is_refused_by_name(rank: int, workers: int) -> None:
+    with pytest.raises(ConfigError, match=f"local rank {rank} of {workers} workers"):
+        share(rank, workers, [0, 1])
+
+
+def test_without_a_rank_or_an_engines_variables_binding_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="give local_rank, or run under torchrun or SLURM"):
+        bind_cores()
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ConfigError, match="LOCAL_RANK='x' is not a count"):
+        bind_cores(local_workers=2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+def test_a_worker_binds_to_its_share_from_torchruns_variables_and_its_threads_inherit_it() -> None:
+    """In a process of its own (a binding is the whole process's): LOCAL_RANK=1 of LOCAL_WORLD_SIZE=2
+    binds to the second half of the cores, and a thread started afterwards runs there too."""
+    cores = sorted(os.sched_getaffinity(0))
+    code = ("import os, threading, psgrad\n"
+            "got = psgrad.bind_cores()\n"
+            "seen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join()\n"
+            "print(got, sorted(os.sched_getaffinity(0)), seen[0])\n")
+    env = dict(os.environ, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    half = cores[len(cores) // 2:2 * (len(cores) // 2)]
+    assert out.stdout.split("\n")[0] == f"{half} {half} {half}"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+def test_a_thread_follows_its_unix_peers_cores_and_not_a_tcp_peers() -> None:
+    """The threads start on every core; the peer (this process: its main thread) then binds to one,
+    and each thread follows: the Unix socket's moves there, the TCP one's (no peer's cores to read)
+    stays where it was."""
+    everywhere = os.sched_getaffinity(0)
+    last = max(everywhere)
+    main = os.getpid()
+    before = os.sched_getaffinity(main)
+    seen: dict[str, set[int]] = {}
+    go = threading.Event()
+    unix = socket.socketpair(socket.AF_UNIX)
+    listener = socket.create_server(("127.0.0.1", 0))
+    tcp_client = socket.create_connection(listener.getsockname())
+    tcp_server, _ = listener.accept()
+
+    def serve(name: str, conn: socket.socket) -> None:
+        cores = PeerCores(conn)
+        go.wait(30)
+        cores.follow()
+        seen[name] = os.sched_getaffinity(0)
+
+    threads = [threading.Thread(target=serve, args=("unix", unix[0])),
+               threading.Thread(target=serve, args=("tcp", tcp_server))]
+    try:
+        for t in threads:
+            t.start()
+        os.sched_setaffinity(main, {last})
+        go.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        go.set()
+        os.sched_setaffinity(main, before)
+        for s in (*unix, listener, tcp_client, tcp_server):
+            s.close()
+    assert seen == {"unix": {last}, "tcp": everywhere}
