@@ -67,7 +67,10 @@ Each run trains --warmup + --steps steps per worker; samples/s = both workers' t
 over the window from the first worker's first timed step to the last one's end (both sides time
 with time.monotonic, one clock for the host's processes). The runs alternate, psgrad then TorchRec
 (psgrad sync, TorchRec, psgrad async, TorchRec, ... per layout), the order reversed every other
-repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). Figures are
+repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). With --bind-cores
+each worker of both systems is bound to its share of the cores from its start (rank r of 2: the
+r-th half; psgrad's by psgrad.bind_cores, TorchRec's ranks by the same rule), the servers left on
+every core; without it (the default, as each system runs unless asked) the kernel places them. Figures are
 medians over repetitions; the ratios are psgrad's over TorchRec's (goal >= 1.0, with the test
 AUC within 0.002) and separate's over single's (goal >= 0.9). Beside each ratio of medians, the
 same ratio run by run ("paired": each psgrad run over the TorchRec runs just before and after it,

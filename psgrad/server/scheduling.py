@@ -38,8 +38,10 @@ def batch_thread(enabled: bool = True) -> bool:
 
 class PeerCores:
     """Keeps the calling thread on the cores of the process at the other end of a Unix socket (its
-    worker: its main thread's cores): `follow()` before each call the connection serves reads the worker's cores (one system
-    call) and moves the thread where they changed. A no-op where the socket is not a Unix one, the
+    worker: its main thread's cores), within the cores the thread had to begin with (a server bound
+    to cores of its own stays on them: where it shares none with the worker, nothing moves):
+    `follow()`, before each call the connection serves, reads the worker's cores (one system call)
+    and moves the thread where they changed. A no-op where the socket is not a Unix one, the
     platform has no CPU affinity, or `enabled` is False."""
 
     def __init__(self, conn: socket.socket, enabled: bool = True) -> None:
@@ -48,7 +50,8 @@ class PeerCores:
                 and hasattr(socket, "SO_PEERCRED"):
             try:
                 self._pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                self._cores = os.sched_getaffinity(0)
+                self._home = self._cores = os.sched_getaffinity(0)
+                self._seen: set[int] = set()
             except OSError:
                 self._pid = 0
 
@@ -56,9 +59,12 @@ class PeerCores:
         if not self._pid:
             return
         try:
-            cores = os.sched_getaffinity(self._pid)
-            if cores != self._cores:
-                os.sched_setaffinity(0, cores)
-                self._cores = cores
+            seen = os.sched_getaffinity(self._pid)
+            if seen != self._seen:
+                self._seen = seen
+                cores = (seen & self._home) or self._home
+                if cores != self._cores:
+                    os.sched_setaffinity(0, cores)
+                    self._cores = cores
         except OSError:  # the worker is gone (its connection ends next), or a sandbox forbids it
             self._pid = 0

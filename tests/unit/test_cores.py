@@ -102,3 +102,44 @@ def test_a_thread_follows_its_unix_peers_cores_and_not_a_tcp_peers() -> None:
         for s in (*unix, listener, tcp_client, tcp_server):
             s.close()
     assert seen == {"unix": {last}, "tcp": everywhere}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+def test_a_thread_bound_elsewhere_stays_within_its_own_cores() -> None:
+    """A server thread that started on one core (a server bound to cores of its own) does not move to
+    a worker's other cores; where they share cores, it narrows to those."""
+    everywhere = sorted(os.sched_getaffinity(0))
+    first, last = everywhere[0], everywhere[-1]
+    main = os.getpid()
+    before = os.sched_getaffinity(main)
+    seen: list[set[int]] = []
+    steps = [threading.Event() for _ in range(2)]
+    done = [threading.Event() for _ in range(2)]
+    unix = socket.socketpair(socket.AF_UNIX)
+
+    def serve() -> None:
+        os.sched_setaffinity(0, {first})
+        cores = PeerCores(unix[0])
+        for step, finished in zip(steps, done):
+            step.wait(30)
+            cores.follow()
+            seen.append(os.sched_getaffinity(0))
+            finished.set()
+
+    thread = threading.Thread(target=serve)
+    try:
+        thread.start()
+        os.sched_setaffinity(main, {last})  # (no core in common with the thread's)
+        steps[0].set()
+        done[0].wait(30)
+        os.sched_setaffinity(main, set(everywhere))  # (every core: the thread keeps its own)
+        steps[1].set()
+        thread.join(30)
+    finally:
+        for e in steps:
+            e.set()
+        os.sched_setaffinity(main, before)
+        for s in unix:
+            s.close()
+    assert seen == [{first}, {first}]
