@@ -415,8 +415,8 @@ class Runner:
         rule, rank r of WORKERS), the servers on every core."""
         self.p, self.data, self.work = p, data, work
         me = str(Path(__file__).resolve())
-        self.agents = [Child(f"psgrad-worker-{r}", [sys.executable, me, "--agent", *(["--bind-rank", str(r)] if bind else [])])
-                       for r in range(WORKERS)]
+        self.agents = [Child(f"psgrad-worker-{r}", [sys.executable, me, "--agent",
+                                                    *(["--bind-rank", str(r)] if bind else [])]) for r in range(WORKERS)]
         self.servers = [Child(f"psgrad-server-{i}", [sys.executable, me, "--server-host"]) for i in range(WORKERS)]
         self.torchrec: list[Child] = []
         if torchrec_python:
@@ -694,8 +694,8 @@ def main() -> None:
     results = summarize_runs(measured["runs"])
     ratios, targets = compare(results, paired_ratios(measured["runs"]))
     doc = {"benchmark": "dlrm", "preset": args.preset,
-           "config": {**p, "layouts": layouts, "zipf": args.zipf, "bind_cores": args.bind_cores, "lr": LR, "eps": EPS, "workers": WORKERS,
-                      "psgrad_servers": WORKERS, "max_bag": MAX_BAG, "dense_features": DENSE, "init_std": INIT_STD},
+           "config": {**p, "layouts": layouts, "zipf": args.zipf, "bind_cores": args.bind_cores, "lr": LR, "eps": EPS,
+                      "workers": WORKERS, "psgrad_servers": WORKERS, "max_bag": MAX_BAG, "dense_features": DENSE, "init_std": INIT_STD},
            "optimizers": {"psgrad": "psgrad.Adagrad on the servers: the dense weights, and the rows per element "
                                     "with lazy per-row state",
                           "torchrec": "tables: fbgemm's fused EXACT_ADAGRAD (per element), applied in the backward; "

@@ -195,9 +195,9 @@ class ServerConfig:
     # default policy. Nothing changes elsewhere (no such policy: other systems).
     batch_scheduling: bool = True
     # A same-host worker's connection (its Unix socket) is served by a thread on that worker's
-    # cores: where the worker is bound to cores of its own (psgrad.bind_cores, psgrad launch
-    # --bind-cores), the server's work for its calls runs on them while it waits, not behind another
-    # worker (see server/scheduling.py). A worker on every core leaves the thread on every core.
+    # cores: where the worker is bound to cores of its own (psgrad.bind_cores), the server's work
+    # for its calls runs on them while it waits, not behind another worker (see
+    # server/scheduling.py). A worker on every core leaves the thread on every core.
     follow_worker_cores: bool = True
 
     def __post_init__(self) -> None:

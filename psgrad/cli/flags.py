@@ -395,8 +395,8 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
          "writes its step to every shard before they run (on a host whose cores workers and servers share); "
          "--no-batch-scheduling keeps the default policy", action=argparse.BooleanOptionalAction)
     flag(p, "--follow-worker-cores", ServerConfig.follow_worker_cores, "serve a worker on this host (its Unix "
-         "socket connection) from a thread on that worker's cores: a worker bound to cores of its own (psgrad launch "
-         "--bind-cores, psgrad.bind_cores) has the server's work for its calls done there while it waits, not queued "
+         "socket connection) from a thread on that worker's cores: a worker bound to cores of its own (psgrad.bind_cores() "
+         "in its script) has the server's work for its calls done there while it waits, not queued "
          "behind another worker; a worker on every core leaves the thread on every core; "
          "--no-follow-worker-cores: the kernel places the threads", action=argparse.BooleanOptionalAction)
     flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
