@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from psgrad.tasks.data import ShardedSampler
     from psgrad.nn.embedding import Embedding, EmbeddingBag, clip_grad_norm_
     from psgrad.nn.collection import EmbeddingBagCollection
-    from psgrad.launch.cores import bind_cores
+    from psgrad.core.cores import bind_cores
 
 # The training API pulls in torch and grpc; load it on first use so that `psgrad --help` and
 # `import psgrad.config` stay fast.
@@ -67,7 +67,7 @@ _LAZY = {
     "EmbeddingBag": "psgrad.nn.embedding",
     "EmbeddingBagCollection": "psgrad.nn.collection",
     "clip_grad_norm_": "psgrad.nn.embedding",
-    "bind_cores": "psgrad.launch.cores",
+    "bind_cores": "psgrad.core.cores",
 }
 
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from psgrad.core.cores import LOCAL_RANK_VARIABLES
 from psgrad.launch.roles import (
     ENGINES,
     SERVER,
@@ -176,8 +177,6 @@ def detect_engine(env: Mapping[str, str]) -> str:
                  "or start servers and workers with `psgrad server` / `psgrad worker`")
 
 
-# Where engines put a process's index among the processes on its host: torchrun, then SLURM.
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
 
 
 def local_rank(env: Mapping[str, str]) -> int | None:

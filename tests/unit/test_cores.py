@@ -1,4 +1,4 @@
-"""Which cores a worker binds to (launch/cores.py): the host's cores split in equal runs by local rank,
+"""Which cores a worker binds to (core/cores.py): the host's cores split in equal runs by local rank,
 the rank and count from torchrun's or SLURM's variables where not given, clear errors otherwise; a
 server thread that follows its peer's cores."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from psgrad.launch.cores import bind_cores, share
+from psgrad.core.cores import bind_cores, share
 from psgrad.server.scheduling import PeerCores
 from psgrad.errors import ConfigError
 

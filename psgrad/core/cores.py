@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 
 from psgrad.errors import ConfigError
-from psgrad.launch.env import LOCAL_RANK_VARIABLES
 
-# Where engines put the number of processes on a host, as LOCAL_RANK_VARIABLES their index: torchrun, then SLURM.
+# Where engines put a process's index among the processes on its host, and their number: torchrun, then SLURM.
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
 LOCAL_WORKERS_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
