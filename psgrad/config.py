@@ -379,6 +379,11 @@ class WorkerConfig:
     # This worker's index among the processes on its host (torchrun's LOCAL_RANK, SLURM_LOCALID):
     # device "auto" on a host with G GPUs takes cuda:(local_rank mod G), one worker per GPU.
     local_rank: int | None = None
+    # Bind this worker to its share of its host's cores before its threads start (psgrad.bind_cores:
+    # worker local_rank of local_workers gets the local_rank-th of local_workers equal runs of cores;
+    # None: from torchrun's or SLURM's variables), and run no more torch threads than those cores.
+    bind_cores: bool = False
+    local_workers: int | None = None
     # The learning rate each step pushes: the job's lr times a schedule of the clock (a torch
     # LambdaLR on the PSOptimizer): linear warmup over warmup_steps, then constant, or cosine or
     # linear decay to 0 at `steps`.
@@ -422,6 +427,10 @@ class WorkerConfig:
             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
         _check(self.local_rank is None or self.local_rank >= 0, f"local_rank must be >= 0, got {self.local_rank}")
+        _check(self.local_workers is None or self.local_workers >= 1,
+               f"local_workers must be >= 1, got {self.local_workers}")
+        _check(self.local_rank is None or self.local_workers is None or self.local_rank < self.local_workers,
+               f"local_rank must be < local_workers ({self.local_workers}), got {self.local_rank}")
         _check(self.lr_schedule in LR_SCHEDULES,
                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -457,6 +466,8 @@ class WorkerConfig:
         argv += ["--overlap"] if self.overlap else []
         argv += [] if self.save_model is None else ["--save-model", self.save_model]
         argv += [] if self.local_rank is None else ["--local-rank", str(self.local_rank)]
+        argv += ["--bind-cores"] if self.bind_cores else []
+        argv += [] if self.local_workers is None else ["--local-workers", str(self.local_workers)]
         argv += ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps),
                  "--step-time-ms", str(self.step_time_ms)]
         argv += [] if self.data_dir is None else ["--data-dir", self.data_dir]

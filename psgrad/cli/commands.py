@@ -104,6 +104,7 @@ def train_worker(
     check_ops_args(ns)
     spec = job_spec(ns, num_workers, len(servers))
     config = worker_config(ns, servers, client_config(ns, rank), rank, slowdown, metrics_out)
+    cores = bind_worker(config)  # before any thread starts: the threads it starts inherit the cores
     if not config.client.wait_for_servers:  # a wrong port is said before torch is imported (seconds)
         refused = refusing_shard(servers, REFUSED_GRACE_S)
         if refused is not None:
@@ -117,12 +118,48 @@ def train_worker(
         from psgrad.metrics.jsonl import MetricsSink
         from psgrad.tasks import get_task
 
+    cap_threads(cores)
     task = get_task(ns.task, ns.seed, ns.data_dir)
     log = logging.getLogger("psgrad.worker")
     with MetricsSink(metrics_out, rank, worker_exporters(ns, rank, config.steps, log),
                      append=config.metrics_append) as sink, _redirected(sink), _sigterm_stops():
         train(config, spec, task, sink, log=log.info)
     return 0
+
+
+def bind_worker(config: WorkerConfig) -> list[int]:
+    """--bind-cores: bind this process to the worker's share of its host's cores (psgrad.bind_cores,
+    from --local-rank and --local-workers or the engine's variables), and say so; the cores, or []
+    where nothing was bound (no --bind-cores, or no CPU affinity on this platform).
+
+    Raises:
+        ConfigError: --bind-cores without --local-rank or --local-workers where no engine's variable
+            gives them, or a rank outside the workers.
+    """
+    if not config.bind_cores:
+        return []
+    from psgrad.core.cores import LOCAL_RANK_VARIABLES, LOCAL_WORKERS_VARIABLES, bind_cores
+
+    for value, name, variables, what in (
+        (config.local_rank, "--local-rank", LOCAL_RANK_VARIABLES, "this worker's index among them"),
+        (config.local_workers, "--local-workers", LOCAL_WORKERS_VARIABLES, "how many workers share the host"),
+    ):
+        if value is None and not any(os.environ.get(v, "").strip() for v in variables):
+            raise ConfigError(f"--bind-cores gives each worker of a host its share of the host's cores, and needs "
+                              f"{name} ({what}), or {' or '.join(variables)} in the environment as torchrun and "
+                              f"SLURM set; psgrad launch gives both")
+    cores = bind_cores(config.local_rank, config.local_workers)
+    if cores:
+        logging.getLogger("psgrad.worker").info("worker %d bound to cores %s", config.rank, ",".join(map(str, cores)))
+    return cores
+
+
+def cap_threads(cores: list[int]) -> None:
+    """No more torch threads than a bound worker's cores (more would only take turns on them)."""
+    import torch
+
+    if cores and torch.get_num_threads() > len(cores):
+        torch.set_num_threads(len(cores))
 
 
 @contextlib.contextmanager
@@ -238,6 +275,7 @@ def cmd_allreduce(ns: argparse.Namespace) -> int:
                                wire_dtype="float32", compress="none")
     client = ClientConfig(init_timeout_s=ns.init_timeout_s)
     config = worker_config(ns, (), client, ns.rank, ns.slowdown, ns.metrics_out)
+    cap_threads(bind_worker(config))  # (no thread of the worker's has started yet)
     task = get_task(ns.task, ns.seed, ns.data_dir)
     check_ops_args(ns)
     exporters = worker_exporters(ns, ns.rank, config.steps, logging.getLogger("psgrad.worker"))
@@ -280,6 +318,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             slowdown=slowdowns.get(rank, WorkerConfig.slowdown), metrics_out=metrics_out,
             metrics_append=resuming and metrics_out is not None,  # (the stopped run's records stay)
             local_rank=rank,  # one machine: --device auto gives worker r GPU r mod GPUs
+            local_workers=ns.num_workers if ns.bind_cores else None,  # --bind-cores: the machine's cores split W ways
         )
         return [*config.to_argv(), *spec.to_argv(), *ops_argv(ns, worker=True), *(keys.worker_argv(rank) if keys else [])]
 

@@ -291,6 +291,15 @@ def add_job_args(
     flag(w, "--local-rank", WorkerConfig.local_rank, "this worker's index among the processes on its host, so "
          "that --device auto gives each worker of a multi-GPU host its own GPU; psgrad run takes it from "
          "LOCAL_RANK (torchrun) or SLURM_LOCALID, psgrad launch gives worker r r", " = cuda:0 under auto", type=int)
+    flag(w, "--bind-cores", WorkerConfig.bind_cores, "bind this worker to its share of its host's cores before its "
+         "threads start (psgrad.bind_cores: the cores split into --local-workers equal runs, run --local-rank its own), "
+         "and run no more torch threads than those cores; a server on the host then serves this worker's calls on "
+         "those cores (--follow-worker-cores). For several workers on one host, so that two never queue on one core "
+         "while another idles. psgrad launch gives worker r rank r of --num-workers; psgrad run takes both from "
+         "torchrun or SLURM", action="store_true")
+    flag(w, "--local-workers", WorkerConfig.local_workers, "how many workers share this worker's host, for "
+         "--bind-cores; psgrad run takes it from LOCAL_WORLD_SIZE (torchrun) or SLURM_NTASKS_PER_NODE, psgrad "
+         "launch gives --num-workers", type=positive_int)
     flag(w, "--jitter-ms", WorkerConfig.jitter_ms, "add a random delay of 0..MS milliseconds per step, "
          "deterministic given --seed", type=float)
     add_step_time_arg(w)
@@ -395,8 +404,8 @@ def add_server_policy_args(p: argparse._ActionsContainer) -> None:
          "writes its step to every shard before they run (on a host whose cores workers and servers share); "
          "--no-batch-scheduling keeps the default policy", action=argparse.BooleanOptionalAction)
     flag(p, "--follow-worker-cores", ServerConfig.follow_worker_cores, "serve a worker on this host (its Unix "
-         "socket connection) from a thread on that worker's cores: a worker bound to cores of its own (psgrad.bind_cores() "
-         "in its script) has the server's work for its calls done there while it waits, not queued "
+         "socket connection) from a thread on that worker's cores: a worker bound to cores of its own (--bind-cores, or "
+         "psgrad.bind_cores() in its script) has the server's work for its calls done there while it waits, not queued "
          "behind another worker; a worker on every core leaves the thread on every core; "
          "--no-follow-worker-cores: the kernel places the threads", action=argparse.BooleanOptionalAction)
     flag(p, "--max-read-mb", ServerConfig.max_read_mb, "what the replies to reads of rows (a worker's rows of a "
@@ -500,6 +509,7 @@ def worker_config(
         eval_every=ns.eval_every, log_every=ns.log_every,
         slowdown=slowdown, jitter_ms=ns.jitter_ms, overlap=ns.overlap, client=client,
         save_model=getattr(ns, "save_model", None), local_rank=getattr(ns, "local_rank", None),
+        bind_cores=getattr(ns, "bind_cores", False), local_workers=getattr(ns, "local_workers", None),
         lr_schedule=ns.lr_schedule, warmup_steps=ns.warmup_steps, step_time_ms=ns.step_time_ms, data_dir=ns.data_dir,
         straggler_model=straggler_model(ns), row_cache_rows=ns.row_cache_rows, row_cache_staleness=ns.row_cache_staleness,
         table_optimizer=ns.table_optimizer, table_lr=ns.table_lr,

@@ -62,6 +62,10 @@ def ray_config(ns: argparse.Namespace) -> RayConfig | None:
     if ns.replicas:
         raise ConfigError("--replicas is for --backend local; under Ray a server actor that dies is restarted "
                           "from its --checkpoint-dir instead")
+    if ns.bind_cores:
+        raise ConfigError("--bind-cores is for --backend local: Ray places the worker actors on its nodes and gives "
+                          "each --worker-cpus CPUs, so a rank says nothing of which cores on its node are its own; "
+                          "drop --bind-cores")
     config = RayConfig(**given)
     from psgrad.launch.ray import import_ray
 

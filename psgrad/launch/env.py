@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from psgrad.core.cores import LOCAL_RANK_VARIABLES
+from psgrad.core.cores import LOCAL_RANK_VARIABLES, LOCAL_WORKERS_VARIABLES
 from psgrad.launch.roles import (
     ENGINES,
     SERVER,
@@ -178,13 +178,22 @@ def detect_engine(env: Mapping[str, str]) -> str:
 
 
 
-
 def local_rank(env: Mapping[str, str]) -> int | None:
     """This process's index on its host (None where no engine says), so that a worker on a host with
-    several GPUs takes its own (cuda:LOCAL_RANK mod GPUs)."""
-    for name in LOCAL_RANK_VARIABLES:
+    several GPUs takes its own (cuda:LOCAL_RANK mod GPUs), and its own cores under --bind-cores."""
+    return _on_host(env, LOCAL_RANK_VARIABLES, "the process's index on its host, which picks its GPU and cores", 0)
+
+
+def local_workers(env: Mapping[str, str]) -> int | None:
+    """How many processes the engine starts on this process's host (None where no engine says): the
+    count whose equal runs of cores --bind-cores gives out."""
+    return _on_host(env, LOCAL_WORKERS_VARIABLES, "the processes on the host, which share its cores", 1)
+
+
+def _on_host(env: Mapping[str, str], names: tuple[str, ...], why: str, low: int) -> int | None:
+    for name in names:
         if env.get(name, "").strip():
-            return need_int(env, name, "the process's index on its host, which picks its GPU")
+            return need_int(env, name, why, low)
     return None
 
 

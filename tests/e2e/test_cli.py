@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import signal
 import socket
@@ -215,6 +216,50 @@ def test_launch_fails_and_cleans_up_when_a_worker_fails() -> None:
     assert "cuda:99" in res.stdout
     pids = _pids(res.stdout)
     assert set(pids) == {"server0", "worker0"} and all(process_gone(pid) for pid in pids.values()), res.stdout
+
+
+def test_launch_bind_cores_gives_each_worker_its_share_of_the_machines_cores() -> None:
+    from psgrad.core.cores import share
+
+    res = run_cli(["launch", "--num-servers", "1", "--num-workers", "2", "--steps", "5", "--bind-cores"], timeout_s=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for rank in range(2):
+        cores = ",".join(map(str, share(rank, 2)))
+        assert f"[worker{rank}] worker {rank} bound to cores {cores}" in res.stdout, res.stdout
+
+
+def test_a_bound_worker_runs_on_its_cores_with_no_more_torch_threads_than_them() -> None:
+    import torch
+
+    from psgrad.cli.commands import bind_worker, cap_threads
+    from psgrad.core.cores import host_cores
+
+    cores, threads = host_cores(), torch.get_num_threads()
+    try:
+        assert bind_worker(WorkerConfig(servers=())) == [] and os.sched_getaffinity(0) == set(cores)
+        bound = bind_worker(WorkerConfig(servers=(), bind_cores=True, local_rank=1, local_workers=len(cores)))
+        cap_threads(bound)
+        assert bound == [cores[1 % len(cores)]] and os.sched_getaffinity(0) == set(bound)
+        assert torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--bind-cores"], "--bind-cores gives each worker of a host its share of the host's cores, and needs --local-rank"),
+    (["--bind-cores", "--local-rank", "0"], "needs --local-workers (how many workers share the host), or "
+                                            "LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE"),
+    (["--bind-cores", "--local-rank", "2", "--local-workers", "2"], "--local-rank must be < --local-workers (2), got 2"),
+    (["--local-workers", "0"], "--local-workers"),
+])
+def test_bind_cores_without_a_share_of_the_host_is_a_usage_error(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    res = cli(["worker", "--servers", "127.0.0.1:1", "--steps", "1", *argv], capsys)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
 @pytest.mark.slow

@@ -360,15 +360,16 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     pulls = ClientConfig(compress_pull="topk:0.01", pull_resync_every=50, pull_resync_error=0.2).to_argv()
     assert pulls[-6:] == ["--compress-pull", "topk:0.01", "--pull-resync-every", "50", "--pull-resync-error", "0.2"]
     worker = WorkerConfig(servers=("a:1",), metrics_out="m.jsonl", metrics_append=True, overlap=True, save_model="m.pt",
-                          local_rank=1, data_dir="d", table_optimizer="adagrad", table_lr=0.05).to_argv()
+                          local_rank=1, bind_cores=True, local_workers=2, data_dir="d", table_optimizer="adagrad",
+                          table_lr=0.05).to_argv()
     assert {_flag(f.name) for f in dataclasses.fields(WorkerConfig)} - set(worker) == {
         "--client",
         "--straggler-model",  # its flags, when set: --straggler-dist, --slow-node-rotate (test_stragglers.py)
     }
     assert worker[-len(client):] == client
     assert worker[:2] == ["--servers", "a:1"] and "--servers" not in WorkerConfig(servers=()).to_argv()
-    assert not {"--metrics-out", "--metrics-append", "--overlap", "--save-model", "--local-rank", "--table-optimizer",
-                "--table-lr"} & \
+    assert not {"--metrics-out", "--metrics-append", "--overlap", "--save-model", "--local-rank", "--bind-cores",
+                "--local-workers", "--table-optimizer", "--table-lr"} & \
         set(WorkerConfig(servers=()).to_argv())
     assert worker[worker.index("--table-optimizer"):][:4] == ["--table-optimizer", "adagrad", "--table-lr", "0.05"]
 

@@ -319,3 +319,22 @@ def test_a_bad_local_rank_is_refused_naming_the_variable(value: str) -> None:
 
     with pytest.raises(LaunchEnvironmentError, match=f"LOCAL_RANK={value!r}|LOCAL_RANK={value}"):
         local_rank({"LOCAL_RANK": value})
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({}, None), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "3"}, 3),
+     ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}, 2), ({"LOCAL_WORLD_SIZE": ""}, None)],
+)
+def test_local_workers_come_from_torchrun_then_slurm(env: dict[str, str], expected: int | None) -> None:
+    from psgrad.launch.env import local_workers
+
+    assert local_workers(env) == expected
+
+
+@pytest.mark.parametrize("value", ["two", "0"])
+def test_a_bad_local_workers_count_is_refused_naming_the_variable(value: str) -> None:
+    from psgrad.launch.env import local_workers
+
+    with pytest.raises(LaunchEnvironmentError, match=f"LOCAL_WORLD_SIZE={value!r}|LOCAL_WORLD_SIZE={value} must be >= 1"):
+        local_workers({"LOCAL_WORLD_SIZE": value})

@@ -106,6 +106,7 @@ def test_ray_flags_default_to_the_config_and_are_refused_without_the_backend() -
     (["--address", "auto"], "--address is a flag of the Ray backend: add --backend ray"),
     (["--worker-gpus", "1"], "--worker-gpus is a flag of the Ray backend"),
     (["--backend", "ray", "--replicas", "1"], "--replicas is for --backend local"),
+    (["--backend", "ray", "--bind-cores"], "--bind-cores is for --backend local"),
     (["--backend", "ray", "--object-store-mb", "10"], "--object-store-mb must be >= 75"),
     (["--backend", "ray", "--worker-gpus", "1.5"], "--worker-gpus must be a fraction of one GPU or a whole number"),
 ])
