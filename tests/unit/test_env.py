@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -303,38 +304,33 @@ def test_loopback_advertise_names_are_recognized() -> None:
 
 
 @pytest.mark.parametrize(
-    "env, expected",
-    [({}, None), ({"LOCAL_RANK": "3"}, 3), ({"SLURM_LOCALID": "2"}, 2), ({"LOCAL_RANK": "1", "SLURM_LOCALID": "5"}, 1),
-     ({"LOCAL_RANK": " "}, None)],
+    "name, env, expected",
+    [("local_rank", {}, None), ("local_rank", {"LOCAL_RANK": "3"}, 3), ("local_rank", {"SLURM_LOCALID": "2"}, 2),
+     ("local_rank", {"LOCAL_RANK": "1", "SLURM_LOCALID": "5"}, 1), ("local_rank", {"LOCAL_RANK": " "}, None),
+     ("local_workers", {}, None), ("local_workers", {"LOCAL_WORLD_SIZE": "4"}, 4),
+     ("local_workers", {"SLURM_NTASKS_PER_NODE": "3"}, 3),
+     ("local_workers", {"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}, 2),
+     ("local_workers", {"LOCAL_WORLD_SIZE": ""}, None)],
 )
-def test_local_rank_comes_from_torchrun_then_slurm(env: dict[str, str], expected: int | None) -> None:
-    from psgrad.launch.env import local_rank
+def test_the_local_rank_and_workers_come_from_torchrun_then_slurm(
+    name: str, env: dict[str, str], expected: int | None
+) -> None:
+    from psgrad.launch import env as launch_env
 
-    assert local_rank(env) == expected
-
-
-@pytest.mark.parametrize("value", ["x", "-1"])
-def test_a_bad_local_rank_is_refused_naming_the_variable(value: str) -> None:
-    from psgrad.launch.env import local_rank
-
-    with pytest.raises(LaunchEnvironmentError, match=f"LOCAL_RANK={value!r}|LOCAL_RANK={value}"):
-        local_rank({"LOCAL_RANK": value})
+    assert getattr(launch_env, name)(env) == expected
 
 
 @pytest.mark.parametrize(
-    "env, expected",
-    [({}, None), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "3"}, 3),
-     ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}, 2), ({"LOCAL_WORLD_SIZE": ""}, None)],
+    "name, variable, value, message",
+    [("local_rank", "LOCAL_RANK", "x", "LOCAL_RANK='x' is not an integer"),
+     ("local_rank", "LOCAL_RANK", "-1", "LOCAL_RANK=-1 must be >= 0"),
+     ("local_workers", "LOCAL_WORLD_SIZE", "two", "LOCAL_WORLD_SIZE='two' is not an integer"),
+     ("local_workers", "LOCAL_WORLD_SIZE", "0", "LOCAL_WORLD_SIZE=0 must be >= 1")],
 )
-def test_local_workers_come_from_torchrun_then_slurm(env: dict[str, str], expected: int | None) -> None:
-    from psgrad.launch.env import local_workers
+def test_a_bad_local_rank_or_workers_count_is_refused_naming_the_variable(
+    name: str, variable: str, value: str, message: str
+) -> None:
+    from psgrad.launch import env as launch_env
 
-    assert local_workers(env) == expected
-
-
-@pytest.mark.parametrize("value", ["two", "0"])
-def test_a_bad_local_workers_count_is_refused_naming_the_variable(value: str) -> None:
-    from psgrad.launch.env import local_workers
-
-    with pytest.raises(LaunchEnvironmentError, match=f"LOCAL_WORLD_SIZE={value!r}|LOCAL_WORLD_SIZE={value} must be >= 1"):
-        local_workers({"LOCAL_WORLD_SIZE": value})
+    with pytest.raises(LaunchEnvironmentError, match=re.escape(message)):
+        getattr(launch_env, name)({variable: value})
