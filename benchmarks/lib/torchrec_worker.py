@@ -130,9 +130,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bind_cores:  # (before gloo's threads start: they inherit it)
-        cores = sorted(os.sched_getaffinity(0))
-        per = len(cores) // args.world
-        os.sched_setaffinity(0, cores[args.rank * per:(args.rank + 1) * per] if per else [cores[args.rank % len(cores)]])
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: psgrad's rule itself (no grpc needed)
+        from psgrad.core.cores import bind_cores
+
+        bind_cores(args.rank, args.world)
     store = dist.FileStore(args.store, args.world)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
 
