@@ -139,16 +139,18 @@ def bind_worker(config: WorkerConfig) -> list[int]:
     if not config.bind_cores:
         return []
     from psgrad.core.cores import LOCAL_RANK_VARIABLES, LOCAL_WORKERS_VARIABLES, bind_cores
+    from psgrad.launch.env import local_rank, local_workers
 
-    for value, name, variables, what in (
-        (config.local_rank, "--local-rank", LOCAL_RANK_VARIABLES, "this worker's index among them"),
-        (config.local_workers, "--local-workers", LOCAL_WORKERS_VARIABLES, "how many workers share the host"),
-    ):
-        if value is None and not any(os.environ.get(v, "").strip() for v in variables):
+    rank = local_rank(os.environ) if config.local_rank is None else config.local_rank
+    workers = local_workers(os.environ) if config.local_workers is None else config.local_workers
+    for value, name, variables, what in ((rank, "--local-rank", LOCAL_RANK_VARIABLES, "this worker's index among them"),
+                                         (workers, "--local-workers", LOCAL_WORKERS_VARIABLES,
+                                          "how many workers share the host")):
+        if value is None:
             raise ConfigError(f"--bind-cores gives each worker of a host its share of the host's cores, and needs "
                               f"{name} ({what}), or {' or '.join(variables)} in the environment as torchrun and "
                               f"SLURM set; psgrad launch gives both")
-    cores = bind_cores(config.local_rank, config.local_workers)
+    cores = bind_cores(rank, workers)
     if cores:
         logging.getLogger("psgrad.worker").info("worker %d bound to cores %s", config.rank, ",".join(map(str, cores)))
     return cores
