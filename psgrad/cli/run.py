@@ -166,7 +166,7 @@ def _train(ns: argparse.Namespace, role: Role) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from psgrad.launch.env import local_rank, local_workers, resolve
+    from psgrad.launch.env import local_rank, resolve
 
     _check_task(ns)
     for name, low_ok in (("store_timeout_s", False), ("linger_s", True)):
@@ -177,8 +177,6 @@ def cmd_run(ns: argparse.Namespace) -> int:
     role = resolve(os.environ, run_options(ns), ns.engine)
     if ns.local_rank is None:  # a worker of a multi-GPU host takes GPU LOCAL_RANK (mod GPUs) under --device auto
         ns.local_rank = local_rank(os.environ)
-    if ns.bind_cores and ns.local_workers is None:  # the host's cores split among the processes on it
-        ns.local_workers = local_workers(os.environ)
     job_spec(ns, role.num_workers, role.num_servers)  # the job flags are checked before anything starts
     if role.kind == SERVER:
         server_config(ns, role)  # the bind rule (TLS or --insecure) is checked before anything starts
