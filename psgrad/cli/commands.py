@@ -130,7 +130,8 @@ def train_worker(
 def bind_worker(config: WorkerConfig) -> list[int]:
     """--bind-cores: bind this process to the worker's share of its host's cores (psgrad.bind_cores,
     from --local-rank and --local-workers or the engine's variables), and say so; the cores, or []
-    where nothing was bound (no --bind-cores, or no CPU affinity on this platform).
+    where nothing was bound (no --bind-cores, or no CPU affinity on this platform). A task its
+    engine bound already (a SLURM task under --cpu-bind), given neither flag, keeps its cores.
 
     Raises:
         ConfigError: --bind-cores without --local-rank or --local-workers where no engine's variable
@@ -138,9 +139,15 @@ def bind_worker(config: WorkerConfig) -> list[int]:
     """
     if not config.bind_cores:
         return []
-    from psgrad.core.cores import LOCAL_RANK_VARIABLES, LOCAL_WORKERS_VARIABLES, bind_cores
+    from psgrad.core.cores import LOCAL_RANK_VARIABLES, LOCAL_WORKERS_VARIABLES, bind_cores, engine_binding, host_cores
     from psgrad.launch.env import local_rank, local_workers
 
+    log = logging.getLogger("psgrad.worker")
+    kept = engine_binding(os.environ) if config.local_rank is None and config.local_workers is None else None
+    if kept is not None and hasattr(os, "sched_setaffinity"):  # (its share already: split again, it would lose some)
+        cores = host_cores()
+        log.info("worker %d keeps cores %s: %s", config.rank, ",".join(map(str, cores)), kept)
+        return cores
     rank = local_rank(os.environ) if config.local_rank is None else config.local_rank
     workers = local_workers(os.environ) if config.local_workers is None else config.local_workers
     for value, name, variables, what in ((rank, "--local-rank", LOCAL_RANK_VARIABLES, "this worker's index among them"),
@@ -152,7 +159,7 @@ def bind_worker(config: WorkerConfig) -> list[int]:
                               f"SLURM set; psgrad launch gives both")
     cores = bind_cores(rank, workers)
     if cores:
-        logging.getLogger("psgrad.worker").info("worker %d bound to cores %s", config.rank, ",".join(map(str, cores)))
+        log.info("worker %d bound to cores %s", config.rank, ",".join(map(str, cores)))
     return cores
 
 

@@ -296,7 +296,7 @@ def add_job_args(
          "and run no more torch threads than those cores; a server on the host then serves this worker's calls on "
          "those cores (--follow-worker-cores). For several workers on one host, so that two never queue on one core "
          "while another idles. psgrad launch gives worker r rank r of --num-workers; psgrad run takes both from "
-         "torchrun or SLURM", action="store_true")
+         "torchrun or SLURM; a SLURM task that SLURM bound (--cpu-bind) keeps its cores", action="store_true")
     flag(w, "--local-workers", WorkerConfig.local_workers, "how many workers share this worker's host, for "
          "--bind-cores; psgrad run takes it from LOCAL_WORLD_SIZE (torchrun) or SLURM_NTASKS_PER_NODE, psgrad "
          "launch gives --num-workers", type=positive_int)

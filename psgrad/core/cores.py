@@ -8,16 +8,25 @@ one (measured on a 2-vCPU VM: a core idle 22 % of a DLRM job's time while a task
 other; TorchRec's two ranks ran 1.17 x as fast bound, psgrad's workers 1.06 x). A worker bound to cores
 of its own (`bind_cores`, as torchrun's and DeepSpeed's core bindings do) never queues behind
 another worker.
+
+A task that its engine bound already (SLURM binds each task to cores of its own under `--cpu-bind`
+or the cluster's default binding, and says so in SLURM_CPU_BIND_TYPE) has its share: where the
+rank and count would come from that engine, `bind_cores` keeps its binding (`engine_binding`)
+instead of splitting the task's own cores again among the host's tasks.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from psgrad.errors import ConfigError
 
 # Where engines put a process's index among the processes on its host, and their number: torchrun, then SLURM.
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
 LOCAL_WORKERS_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+# The words of SLURM_CPU_BIND_TYPE that bind nothing (its other words name a binding: mask_cpu:,
+# map_cpu:, cores, threads, sockets, ldoms, rank, ...).
+_UNBOUND_WORDS = frozenset({"", "none", "quiet", "verbose"})
 
 
 def host_cores() -> list[int]:
@@ -45,16 +54,34 @@ def share(local_rank: int, local_workers: int, cores: list[int] | None = None) -
     return cores[local_rank * per:(local_rank + 1) * per]
 
 
+def engine_binding(env: Mapping[str, str] | None = None) -> str | None:
+    """Why this process's cores are its own already, where the engine that gives its local rank
+    bound it (a SLURM task whose SLURM_CPU_BIND_TYPE names a binding: `--cpu-bind=cores`,
+    `mask_cpu:`, a cluster's default); None where nothing did, or where torchrun gives the rank (its
+    processes share the task's cores: torchrun started in a bound SLURM task). `env`: the
+    environment (default os.environ)."""
+    env = os.environ if env is None else env
+    ranked_by = next((name for name in LOCAL_RANK_VARIABLES if env.get(name, "").strip()), None)
+    kind = env.get("SLURM_CPU_BIND_TYPE", "").strip()
+    if ranked_by != "SLURM_LOCALID" or set(kind.replace(",", " ").split()) <= _UNBOUND_WORDS:
+        return None
+    return f"SLURM bound this task to them (SLURM_CPU_BIND_TYPE={kind})"
+
+
 def bind_cores(local_rank: int | None = None, local_workers: int | None = None) -> list[int]:
     """Bind this process to its share of its host's cores (see `share`), for a worker that shares
     its host with other workers; threads it starts afterwards inherit the binding, so call it
     first thing in the worker. local_rank / local_workers default to torchrun's LOCAL_RANK and
-    LOCAL_WORLD_SIZE (or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE). Returns the cores, or
-    [] where the platform has no CPU affinity (nothing bound).
+    LOCAL_WORLD_SIZE (or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE). Given neither, in a task
+    its engine bound already (`engine_binding`: a SLURM task under `--cpu-bind`), it keeps that
+    binding: the task's cores are its share. Returns the cores, or [] where the platform has no CPU
+    affinity (nothing bound).
 
     Raises:
         ConfigError: no rank or count given or in the environment, or one that is not a number.
     """
+    if local_rank is None and local_workers is None and engine_binding() is not None:
+        return host_cores() if hasattr(os, "sched_setaffinity") else []
     local_rank = _from_env(local_rank, LOCAL_RANK_VARIABLES, "local_rank")
     local_workers = _from_env(local_workers, LOCAL_WORKERS_VARIABLES, "local_workers")
     cores = share(local_rank, local_workers)

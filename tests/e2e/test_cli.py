@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -244,6 +245,29 @@ def test_a_bound_worker_runs_on_its_cores_with_no_more_torch_threads_than_them()
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
+
+
+def test_a_worker_in_a_task_slurm_bound_keeps_its_cores(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """--bind-cores in a SLURM task that SLURM bound (SLURM_CPU_BIND_TYPE), with neither --local-rank
+    nor --local-workers (nor a count in the environment): the task's cores are its share, kept and
+    named; given both flags, it is bound to its run of them."""
+    from psgrad.cli.commands import bind_worker
+    from psgrad.core.cores import host_cores, share
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_CPU_BIND_TYPE", "mask_cpu:")
+    cores = host_cores()
+    try:
+        with caplog.at_level(logging.INFO, logger="psgrad.worker"):
+            assert bind_worker(WorkerConfig(servers=(), rank=3, bind_cores=True)) == cores
+        assert os.sched_getaffinity(0) == set(cores)
+        assert f"worker 3 keeps cores {','.join(map(str, cores))}: SLURM bound this task" in caplog.text
+        assert bind_worker(WorkerConfig(servers=(), bind_cores=True, local_rank=1, local_workers=2)) == share(1, 2, cores)
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -1,6 +1,6 @@
 """Which cores a worker binds to (core/cores.py): the host's cores split in equal runs by local rank,
 the rank and count from torchrun's or SLURM's variables where not given, clear errors otherwise; a
-server thread that follows its peer's cores."""
+SLURM task that SLURM bound keeps its cores; a server thread that follows its peer's cores."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from psgrad.core.cores import bind_cores, share
+from psgrad.core.cores import bind_cores, engine_binding, share
 from psgrad.server.scheduling import PeerCores
 from psgrad.errors import ConfigError
 
@@ -62,6 +62,44 @@ def test_a_worker_binds_to_its_share_from_torchruns_variables_and_its_threads_in
     assert out.returncode == 0, out.stderr
     half = cores[len(cores) // 2:2 * (len(cores) // 2)]
     assert out.stdout.split("\n")[0] == f"{half} {half} {half}"
+
+
+@pytest.mark.parametrize("env, bound", [
+    ({"SLURM_LOCALID": "1", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, "SLURM_CPU_BIND_TYPE=mask_cpu:"),
+    ({"SLURM_LOCALID": "0", "SLURM_CPU_BIND_TYPE": "cores"}, "SLURM_CPU_BIND_TYPE=cores"),
+    ({"SLURM_LOCALID": "1", "SLURM_CPU_BIND_TYPE": "none"}, None),  # (--cpu-bind=none)
+    ({"SLURM_LOCALID": "1", "SLURM_CPU_BIND_TYPE": "quiet,none"}, None),
+    ({"SLURM_LOCALID": "1"}, None),  # (a cluster that binds nothing says nothing)
+    ({"SLURM_CPU_BIND_TYPE": "mask_cpu:"}, None),  # (not a task: an allocation's shell, say)
+    # torchrun started in a bound task: its processes share the task's cores, split by LOCAL_RANK
+    ({"LOCAL_RANK": "1", "SLURM_LOCALID": "0", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, None),
+])
+def test_a_task_slurm_bound_is_told_from_one_it_did_not(env: dict[str, str], bound: str | None) -> None:
+    found = engine_binding(env)
+    assert found == bound if bound is None else bound in (found or "")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores")
+def test_a_task_slurm_bound_keeps_its_cores_unless_given_a_rank() -> None:
+    """In a process of its own: a SLURM task under --cpu-bind (SLURM_CPU_BIND_TYPE) keeps the cores
+    it has (its share already; no count needed), where the same task without a binding, or given a
+    rank and count, is bound to its half."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = cores[len(cores) // 2:2 * (len(cores) // 2)]
+    code = ("import os, sys, psgrad\n"
+            "got = psgrad.bind_cores(*map(int, sys.argv[1:]))\n"
+            "print(got, sorted(os.sched_getaffinity(0)))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    for env, argv, expected in (
+        ({"SLURM_LOCALID": "1", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, [], cores),
+        ({"SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPU_BIND_TYPE": "none"}, [], half),
+        ({"SLURM_LOCALID": "0", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}, ["1", "2"], half),
+    ):
+        out = subprocess.run([sys.executable, "-c", code, *argv], env={**base, **env}, capture_output=True, text=True,
+                             timeout=50)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[0] == f"{expected} {expected}", (env, argv, out.stdout)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
