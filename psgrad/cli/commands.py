@@ -131,7 +131,8 @@ def bind_worker(config: WorkerConfig) -> list[int]:
     """--bind-cores: bind this process to the worker's share of its host's cores (psgrad.bind_cores,
     from --local-rank and --local-workers or the engine's variables), and say so; the cores, or []
     where nothing was bound (no --bind-cores, or no CPU affinity on this platform). A task its
-    engine bound already (a SLURM task under --cpu-bind), given neither flag, keeps its cores.
+    engine bound already (a SLURM task under --cpu-bind), given no --local-workers and no
+    --local-rank but the engine's, keeps its cores.
 
     Raises:
         ConfigError: --bind-cores without --local-rank or --local-workers where no engine's variable
@@ -143,8 +144,11 @@ def bind_worker(config: WorkerConfig) -> list[int]:
     from psgrad.launch.env import local_rank, local_workers
 
     log = logging.getLogger("psgrad.worker")
-    kept = engine_binding(os.environ) if config.local_rank is None and config.local_workers is None else None
-    if kept is not None and hasattr(os, "sched_setaffinity"):  # (its share already: split again, it would lose some)
+    # The engine's own rank (psgrad run copies it into --local-rank) and no count given: a task the
+    # engine bound has its share already (split again, it would lose some of it).
+    engines = config.local_workers is None and config.local_rank in (None, local_rank(os.environ))
+    kept = engine_binding(os.environ) if engines else None
+    if kept is not None and hasattr(os, "sched_setaffinity"):
         cores = host_cores()
         log.info("worker %d keeps cores %s: %s", config.rank, ",".join(map(str, cores)), kept)
         return cores

@@ -249,9 +249,9 @@ def test_a_bound_worker_runs_on_its_cores_with_no_more_torch_threads_than_them()
 
 def test_a_worker_in_a_task_slurm_bound_keeps_its_cores(monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """--bind-cores in a SLURM task that SLURM bound (SLURM_CPU_BIND_TYPE), with neither --local-rank
-    nor --local-workers (nor a count in the environment): the task's cores are its share, kept and
-    named; given both flags, it is bound to its run of them."""
+    """--bind-cores in a SLURM task that SLURM bound (SLURM_CPU_BIND_TYPE), with no --local-workers
+    (nor a count in the environment) and no --local-rank but SLURM's: the task's cores are its
+    share, kept and named; given both flags, it is bound to its run of them."""
     from psgrad.cli.commands import bind_worker
     from psgrad.core.cores import host_cores, share
 
@@ -265,6 +265,9 @@ def test_a_worker_in_a_task_slurm_bound_keeps_its_cores(monkeypatch: pytest.Monk
             assert bind_worker(WorkerConfig(servers=(), rank=3, bind_cores=True)) == cores
         assert os.sched_getaffinity(0) == set(cores)
         assert f"worker 3 keeps cores {','.join(map(str, cores))}: SLURM bound this task" in caplog.text
+        # (psgrad run copies the engine's rank into --local-rank: still the engine's binding)
+        assert bind_worker(WorkerConfig(servers=(), bind_cores=True, local_rank=1)) == cores
+        assert os.sched_getaffinity(0) == set(cores)
         assert bind_worker(WorkerConfig(servers=(), bind_cores=True, local_rank=1, local_workers=2)) == share(1, 2, cores)
     finally:
         os.sched_setaffinity(0, cores)
