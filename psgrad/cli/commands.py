@@ -144,10 +144,7 @@ def bind_worker(config: WorkerConfig) -> list[int]:
     from psgrad.launch.env import local_rank, local_workers
 
     log = logging.getLogger("psgrad.worker")
-    # The engine's own rank (psgrad run copies it into --local-rank) and no count given: a task the
-    # engine bound has its share already (split again, it would lose some of it).
-    engines = config.local_workers is None and config.local_rank in (None, local_rank(os.environ))
-    kept = engine_binding(os.environ) if engines else None
+    kept = engine_binding(os.environ, config.local_rank, config.local_workers)  # (its share already)
     if kept is not None and hasattr(os, "sched_setaffinity"):
         cores = host_cores()
         log.info("worker %d keeps cores %s: %s", config.rank, ",".join(map(str, cores)), kept)

@@ -54,16 +54,21 @@ def share(local_rank: int, local_workers: int, cores: list[int] | None = None) -
     return cores[local_rank * per:(local_rank + 1) * per]
 
 
-def engine_binding(env: Mapping[str, str] | None = None) -> str | None:
+def engine_binding(env: Mapping[str, str] | None = None, local_rank: int | None = None,
+                   local_workers: int | None = None) -> str | None:
     """Why this process's cores are its own already, where the engine that gives its local rank
     bound it (a SLURM task whose SLURM_CPU_BIND_TYPE names a binding: `--cpu-bind=cores`,
-    `mask_cpu:`, a cluster's default); None where nothing did, or where torchrun gives the rank (its
-    processes share the task's cores: torchrun started in a bound SLURM task). `env`: the
+    `mask_cpu:`, a cluster's default) and the caller's rank and count are the engine's (no count
+    given, and no rank or SLURM's own: psgrad run copies it); None where nothing bound it, where
+    torchrun gives the rank (its processes share the task's cores: torchrun started in a bound
+    SLURM task), or where a rank or count of the caller's own is to split the cores. `env`: the
     environment (default os.environ)."""
     env = os.environ if env is None else env
     ranked_by = next((name for name in LOCAL_RANK_VARIABLES if env.get(name, "").strip()), None)
     kind = env.get("SLURM_CPU_BIND_TYPE", "").strip()
     if ranked_by != "SLURM_LOCALID" or set(kind.replace(",", " ").split()) <= _UNBOUND_WORDS:
+        return None
+    if local_workers is not None or local_rank not in (None, _from_env(None, (ranked_by,), "local_rank", env)):
         return None
     return f"SLURM bound this task to them (SLURM_CPU_BIND_TYPE={kind})"
 
@@ -72,15 +77,15 @@ def bind_cores(local_rank: int | None = None, local_workers: int | None = None) 
     """Bind this process to its share of its host's cores (see `share`), for a worker that shares
     its host with other workers; threads it starts afterwards inherit the binding, so call it
     first thing in the worker. local_rank / local_workers default to torchrun's LOCAL_RANK and
-    LOCAL_WORLD_SIZE (or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE). Given neither, in a task
-    its engine bound already (`engine_binding`: a SLURM task under `--cpu-bind`), it keeps that
-    binding: the task's cores are its share. Returns the cores, or [] where the platform has no CPU
-    affinity (nothing bound).
+    LOCAL_WORLD_SIZE (or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE). In a task its engine
+    bound already (`engine_binding`: a SLURM task under `--cpu-bind`), given no count and no rank
+    but the engine's, it keeps that binding: the task's cores are its share. Returns the cores, or
+    [] where the platform has no CPU affinity (nothing bound).
 
     Raises:
         ConfigError: no rank or count given or in the environment, or one that is not a number.
     """
-    if local_rank is None and local_workers is None and engine_binding() is not None:
+    if engine_binding(None, local_rank, local_workers) is not None:
         return host_cores() if hasattr(os, "sched_setaffinity") else []
     local_rank = _from_env(local_rank, LOCAL_RANK_VARIABLES, "local_rank")
     local_workers = _from_env(local_workers, LOCAL_WORKERS_VARIABLES, "local_workers")
@@ -91,11 +96,12 @@ def bind_cores(local_rank: int | None = None, local_workers: int | None = None) 
     return cores
 
 
-def _from_env(value: int | None, names: tuple[str, ...], what: str) -> int:
+def _from_env(value: int | None, names: tuple[str, ...], what: str, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
     if value is not None:
         return int(value)
     for name in names:
-        raw = os.environ.get(name, "").strip()
+        raw = env.get(name, "").strip()
         if raw:
             if not raw.isdigit():
                 raise ConfigError(f"bind_cores: {name}={raw!r} is not a count")

@@ -79,6 +79,16 @@ def test_a_task_slurm_bound_is_told_from_one_it_did_not(env: dict[str, str], bou
     assert found == bound if bound is None else bound in (found or "")
 
 
+@pytest.mark.parametrize("rank, workers, kept", [(None, None, True), (1, None, True), (0, None, False),
+                                                 (1, 2, False), (None, 2, False)])
+def test_only_the_engines_own_rank_and_no_count_keep_its_binding(rank: int | None, workers: int | None,
+                                                                  kept: bool) -> None:
+    """psgrad run copies SLURM's rank into --local-rank: still the engine's; a count, or another
+    rank, is the caller's own split of the cores."""
+    env = {"SLURM_LOCALID": "1", "SLURM_CPU_BIND_TYPE": "mask_cpu:"}
+    assert (engine_binding(env, rank, workers) is not None) == kept
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity and two cores")
 def test_a_task_slurm_bound_keeps_its_cores_unless_given_a_rank() -> None:
