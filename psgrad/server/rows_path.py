@@ -56,18 +56,21 @@ Reserved = tuple[int, tuple[int, ...], dict[str, torch.Tensor]]
 REPLY_ROWS_MAX_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 
 
-def _check_reply_size(state: ShardState, rank: int, lookups: Sequence[Lookup], reads: ReadLimit) -> int:
+def _check_reply_size(tables: Sequence[SparseTable], lookups: Sequence[Lookup], reads: ReadLimit) -> int:
     """Refuse a read whose reply would be too large to send, or larger than all the server lets
     the replies to reads hold at once (--max-read-mb), from its request alone (ids x dim x 4
-    bytes), before a byte of it is built. Returns those bytes.
+    bytes), before a byte of it is built. tables: the lookups' tables, in their order. Returns
+    those bytes.
 
     Raises:
         InvalidRequestError: it would pass REPLY_ROWS_MAX_BYTES (named, with the count of ids) or
-            the server's --max-read-mb (named, with the value it would need), or names no such
-            table.
+            the server's --max-read-mb (named, with the value it would need).
     """
-    nbytes = sum(ids.numel() * 4 * state.sparse(table, rank).dim for table, ids in lookups)
-    count = sum(ids.numel() for _, ids in lookups)
+    count = nbytes = 0
+    for t, (_, ids) in zip(tables, lookups):
+        n = ids.numel()
+        count += n
+        nbytes += n * 4 * t.dim
     if nbytes > REPLY_ROWS_MAX_BYTES:
         raise InvalidRequestError(
             f"a read of {count:,} rows would make a reply of {nbytes:,} bytes, more than the {REPLY_ROWS_MAX_BYTES:,} "
@@ -85,11 +88,13 @@ class Rows:
         self._replica = replica
 
     def pull(self, rank: int, fingerprint: str, lookups: Sequence[Lookup],
-             checked: bool = False, observe: bool = False) -> list[tuple[int, torch.Tensor]]:
+             checked: bool = False, observe: bool = False, sized: bool = False) -> list[tuple[int, torch.Tensor]]:
         """Per lookup (table, ids): (the table's version, rows [len(ids), dim]). No gate: a worker
         pulls a step's rows after its dense pull passed the mode's (a Step call once its gate
-        holds); checked: check_reads checked the ids already; observe: a read-only read (any
-        caller), else a worker's, from a rank that joined (see ShardCore.require_reader).
+        holds); checked: check_reads checked the ids already; sized: check_reads(ids=False)
+        checked the reply's size (which depends on the ids' count and the tables' widths alone);
+        observe: a read-only read (any caller), else a worker's, from a rank that joined (see
+        ShardCore.require_reader).
 
         Raises:
             InvalidRequestError: no such table; ids out of range, of another dtype or shard; or a
@@ -104,7 +109,8 @@ class Rows:
             located: dict[SparseTable, Located] = {}
             flat = lookups.flat if isinstance(lookups, BlockLookups) else None  # (the ids of a RowBlock, joined)
             if not checked:
-                _check_reply_size(state, rank, lookups, core.reads)
+                if not sized:
+                    _check_reply_size(tables, lookups, core.reads)
                 located = _check_tables(tables, [ids for _, ids in lookups], flat=flat)
             read: list[torch.Tensor | None] = [None] * len(lookups)
             for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
@@ -139,9 +145,10 @@ class Rows:
         """
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
-            nbytes = _check_reply_size(state, rank, lookups, self._core.reads)
+            tables = [state.sparse(table, rank) for table, _ in lookups]
+            nbytes = _check_reply_size(tables, lookups, self._core.reads)
             if ids:
-                _check_tables([state.sparse(table, rank) for table, _ in lookups], [ids for _, ids in lookups],
+                _check_tables(tables, [ids for _, ids in lookups],
                               flat=lookups.flat if isinstance(lookups, BlockLookups) else None, find=False)
             return nbytes
 

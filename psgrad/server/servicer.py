@@ -713,7 +713,7 @@ class ParameterServicer:
         lookups = _reads(req.block, "pull of rows")
         nbytes = self.shard.rows.check_reads(req.rank, req.fingerprint, lookups, ids=False)
         self._hold_read(context, nbytes, f"a pull of rows (rank {req.rank})")
-        got = self.shard.pull_rows(req.rank, req.fingerprint, lookups, observe=req.observe)
+        got = self.shard.pull_rows(req.rank, req.fingerprint, lookups, observe=req.observe, sized=True)
         head = pb.RowsReply(versions=[v for v, _ in got]).SerializeToString()
         data = _rows_bytes([r for _, r in got])
         return b"".join((head, bytes_field_prefix(ROWS_REPLY_ROWS, sum(len(d) for d in data)), *data))
