@@ -80,6 +80,29 @@ def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_dlrm_layouts_measures_a_layout_against_the_model_in_plain_pytorch() -> None:
+    """--layouts separate,local: the second side is the same model with torch.nn.EmbeddingBag tables
+    and torch's Adagrad in the benchmark's process: its phases are timed as psgrad's are, it has
+    no servers (no servers ratio), and --off, which names a switch of psgrad's client, is refused
+    for it."""
+    res = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny", "--layouts", "separate,local"],
+                     timeout_s=220, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    [rep] = out["repetitions"]
+    local, separate = rep["local"], rep["separate"]
+    assert all(local["main_thread_ms"][k] > 0 for k in ("forward", "backward", "step")), local
+    assert local["servers_ms"] == 0 and local["pool_threads_ms"] == 0 and local["prefetch"] is None
+    assert separate["servers_ms"] > 0
+    assert out["ratios"]["separate / local servers"] is None
+    assert out["ratios"]["separate / local worker"] == pytest.approx(separate["worker_ms"] / local["worker_ms"])
+    bad = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny", "--layouts", "separate,local",
+                      "--off", "_staged_reads"], timeout_s=60, env=dict(os.environ))
+    assert bad.returncode == 2 and "local side has no psgrad client" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_dlrm_layouts_off_measures_one_layout_against_itself_with_a_client_switch_off() -> None:
     """--layouts separate,separate --off _staged_reads: the second side's client reads its two shards
     the way before (a pool thread makes the second shard's call), the first one in stages on its
