@@ -3,6 +3,7 @@ join/init, the lease heartbeat, and one iteration's push + pull."""
 from __future__ import annotations
 
 import os
+import sys
 
 import contextlib
 import functools
@@ -765,6 +766,16 @@ class ParameterClient:
                 got_ = _proto_read(self, i, plan.asks(i))
                 if got_ is not None:
                     local[i] = got_
+            if local and os.environ.get("PSGRAD_PROTO_VERIFY") == "1":
+                remote = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), list(local))
+                for i, r in zip(list(local), remote):
+                    a_ = np.frombuffer(local[i][1], dtype=np.float32)
+                    b_ = np.frombuffer(r[1], dtype=np.float32)
+                    if a_.shape != b_.shape or not np.array_equal(a_, b_):
+                        bad = np.nonzero(a_ != b_)[0] if a_.shape == b_.shape else None
+                        print(f"PROTO MISMATCH shard {i} tables {plan.asks(i).tables} counts {plan.asks(i).counts} "
+                              f"{len(bad) if bad is not None else 'shape'} floats differ, first {bad[:5] if bad is not None else ''}"
+                              f" versions {r[0]}", file=open("/tmp/s/mismatch.log", "a"), flush=True)
             if local:
                 rest = [i for i in wanted if i not in local]
                 if rest:
@@ -990,7 +1001,8 @@ def _proto_read(client: ParameterClient, i: int, asks: RowBlock) -> RowsRead | N
     key = (client.fingerprint, i)
     path = f"/dev/shm/psgrad-proto-desc-{client.fingerprint}-{i}.json"
     try:
-        stamp = os.stat(path).st_mtime_ns
+        st = os.stat(path)
+        stamp = (st.st_ino, st.st_mtime_ns)
     except OSError:
         return None
     got = _PROTO_MAPS.get(key)
@@ -1013,7 +1025,7 @@ def _proto_read(client: ParameterClient, i: int, asks: RowBlock) -> RowsRead | N
             return files[path]
         desc = {name: (e["values"], mapped(e["values"], e["values_bytes"]).view(torch.float32).view(-1, e["dim"]),
                        mapped(e["index"], e["index_rows"] * 8).view(torch.int64), e["base"], e["S"])
-                for name, e in d.items()}
+                for name, e in d.items() if name != "_uid"}
         _PROTO_MAPS[key] = (stamp, desc)
         if not all(t in desc for t in asks.tables):
             return None

@@ -59,7 +59,7 @@ REPLY_ROWS_MAX_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 
 
 _PROTO_SHARE = os.environ.get("PSGRAD_PROTO_SHARE") == "1"
-_PROTO_DONE: dict[str, int] = {}
+_PROTO_DONE: dict[str, tuple[int, int, int]] = {}
 
 
 def _proto_describe(state: ShardState, names: Sequence[str], tables: Sequence[SparseTable]) -> None:
@@ -69,7 +69,7 @@ def _proto_describe(state: ShardState, names: Sequence[str], tables: Sequence[Sp
     from psgrad.server.row_index import SHARED
     from psgrad.server.table_groups import GroupedTable as _G
     holders = [t.arena if isinstance(t, _G) else t for t in tables]
-    if all(_PROTO_DONE.get(n) == h._values.data_ptr() for n, h in zip(names, holders)):
+    if all(_PROTO_DONE.get(n) == (state.uid, id(h), h._values.data_ptr()) for n, h in zip(names, holders)):
         return
     desc = {}
     for name, t, holder in zip(names, tables, holders):
@@ -85,12 +85,15 @@ def _proto_describe(state: ShardState, names: Sequence[str], tables: Sequence[Sp
         old = json.load(open(path))
     except (OSError, ValueError):
         old = {}
+    me = f"{os.getpid()}-{state.uid}"
+    if old.get("_uid") != me:  # (another shard state: a new server, or a restore)
+        old = {"_uid": me}
     old.update(desc)
     tmp = path + f".{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(old, f)
     os.replace(tmp, path)
-    _PROTO_DONE.update((n, h._values.data_ptr()) for n, h in zip(names, holders) if n in desc)
+    _PROTO_DONE.update((n, (state.uid, id(h), h._values.data_ptr())) for n, h in zip(names, holders) if n in desc)
 
 
 def _check_reply_size(tables: Sequence[SparseTable], lookups: Sequence[Lookup], reads: ReadLimit) -> int:
@@ -360,6 +363,17 @@ class Rows:
               slots: dict[str, torch.Tensor] | None = None) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
         their arena slots by table, from a reserve under the same lock."""
+        if _PROTO_SHARE:
+            try:
+                self._apply(state, rows, lr, lr_scale, slots)
+            finally:
+                names_ = sorted(rows)
+                _proto_describe(state, names_, [state.sparse(n, -1) for n in names_])
+            return
+        self._apply(state, rows, lr, lr_scale, slots)
+
+    def _apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
+               slots: dict[str, torch.Tensor] | None = None) -> None:
         names = sorted(name for name in rows if rows[name][0].numel())
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)
@@ -404,6 +418,17 @@ class Rows:
         worker did not touch count as its zero gradient, as in the mean of the workers' losses).
         reserved: what each push's reserve gave (its Slots, in the same order), where kept: the arena
         ids and slots of its rows, used where they still hold (see _reserved_in)."""
+        if _PROTO_SHARE:
+            try:
+                self._apply_round(state, per_rank, workers, lr, reserved)
+            finally:
+                names_ = sorted({name for rows in per_rank for name in rows})
+                _proto_describe(state, names_, [state.sparse(n, -1) for n in names_])
+            return
+        self._apply_round(state, per_rank, workers, lr, reserved)
+
+    def _apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None,
+                     reserved: Sequence[Mapping[str, torch.Tensor] | None] = ()) -> None:
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)

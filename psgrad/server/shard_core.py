@@ -176,6 +176,14 @@ class ShardCore:
 
     def install(self, state: ShardState) -> None:
         """Make state the shard's, with its job's policy; each table decides its update path."""
+        import os as _os
+        if _os.environ.get("PSGRAD_PROTO_SHARE") == "1":  # (prototype: a new state's description, no tables yet)
+            import json as _json
+            path = f"/dev/shm/psgrad-proto-desc-{state.layout.fingerprint}-{state.layout.index}.json"
+            tmp = path + f".{_os.getpid()}"
+            with open(tmp, "w") as f:
+                _json.dump({"_uid": f"{_os.getpid()}-{state.uid}"}, f)
+            _os.replace(tmp, path)
         spec = state.layout.spec
         self.state = state
         self.policy = policy_for(spec)
