@@ -291,6 +291,11 @@ class ClientConfig:
     # token in the Join answer), not gRPC, which costs both ends more CPU per call than a small
     # model's push; a failed connection sends the calls through gRPC again. Off: gRPC.
     local_socket: bool = True
+    # With shared_memory: read a forward's rows of a sparse table from a server on this host in
+    # place, from the files under /dev/shm the server keeps them in once a worker of its host asks
+    # (its Join answer names them), not through a PullRows call; a read the server was changing
+    # something under, or a table it does not lend, goes through the call. x86-64 only. Off: calls.
+    rows_in_place: bool = True
     # Make each step's Step call to a server on another host (or with shared_memory off) over the TCP
     # socket the server offers at Join (in TLS where this client has TLS), not gRPC, which costs both
     # ends about a millisecond of CPU more per call; a connection that fails sends the calls through
@@ -347,6 +352,7 @@ class ClientConfig:
             "--init-timeout-s", str(self.init_timeout_s), "--reconnect-timeout-s", str(self.reconnect_timeout_s),
             "--shared-memory" if self.shared_memory else "--no-shared-memory",
             *([] if self.local_socket else ["--no-local-socket"]),
+            *([] if self.rows_in_place else ["--no-rows-in-place"]),
             *([] if self.step_socket else ["--no-step-socket"]),
             *(["--compress-same-host"] if self.compress_same_host else []),
             *(["--duplex"] if self.duplex else []),

@@ -346,6 +346,9 @@ def add_job_args(
     flag(w, "--local-socket", ClientConfig.local_socket, "with --shared-memory: make each step's call to a server "
          "on this host over the local socket it offers at join (a Unix socket bound to this worker's rank), not "
          "gRPC; --no-local-socket keeps the calls on gRPC", action=argparse.BooleanOptionalAction)
+    flag(w, "--rows-in-place", ClientConfig.rows_in_place, "with --shared-memory: read a forward's rows of a "
+         "sparse table from a server on this host in place (from the files under /dev/shm it keeps them in), "
+         "not through a call; x86-64 only; --no-rows-in-place keeps the calls", action=argparse.BooleanOptionalAction)
     flag(w, "--step-socket", ClientConfig.step_socket, "make each step's call to a server on another host (or "
          "with --no-shared-memory) over the TCP port it offers at join (see psgrad server --step-port; in TLS "
          "with --tls-*), not gRPC; a connection that fails (a firewall) warns and uses gRPC; --no-step-socket "
@@ -482,6 +485,7 @@ def client_config(ns: argparse.Namespace, rank: int | None = None) -> ClientConf
     return ClientConfig(
         connect_timeout_s=ns.connect_timeout_s, rpc_timeout_s=ns.rpc_timeout_s, init_timeout_s=ns.init_timeout_s,
         reconnect_timeout_s=ns.reconnect_timeout_s, shared_memory=ns.shared_memory, local_socket=ns.local_socket,
+        rows_in_place=ns.rows_in_place,
         step_socket=ns.step_socket,
         wait_for_servers=ns.wait_for_servers,
         compress_same_host=ns.compress_same_host, duplex=ns.duplex, compress_pull=ns.compress_pull,

@@ -2,9 +2,6 @@
 join/init, the lease heartbeat, and one iteration's push + pull."""
 from __future__ import annotations
 
-import os
-import sys
-
 import contextlib
 import functools
 import logging
@@ -188,8 +185,6 @@ class ParameterClient:
         # A push (or exchange) that raised after some shards acknowledged it: its clock and those
         # shards (see UnfinishedStep); the push of the next clock skips it on the others (skip_unfinished).
         self.unfinished: UnfinishedStep | None = None
-
-    _proto_reads = True  # (prototype switch: dlrm_layouts --off _proto_reads)
 
     def __enter__(self) -> ParameterClient:
         return self
@@ -760,34 +755,24 @@ class ParameterClient:
         """
         plan = _ReadPlan(self, lookups, checked)
         wanted = [i for i in range(len(self.shards)) if plan.asks(i)]
-        if _PROTO_SHARE and self._proto_reads and not observe:
-            local = {}
-            for i in wanted:
-                got_ = _proto_read(self, i, plan.asks(i))
-                if got_ is not None:
-                    local[i] = got_
-            if local and os.environ.get("PSGRAD_PROTO_VERIFY") == "1":
-                remote = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), list(local))
-                for i, r in zip(list(local), remote):
-                    a_ = np.frombuffer(local[i][1], dtype=np.float32)
-                    b_ = np.frombuffer(r[1], dtype=np.float32)
-                    if a_.shape != b_.shape or not np.array_equal(a_, b_):
-                        bad = np.nonzero(a_ != b_)[0] if a_.shape == b_.shape else None
-                        print(f"PROTO MISMATCH shard {i} tables {plan.asks(i).tables} counts {plan.asks(i).counts} "
-                              f"{len(bad) if bad is not None else 'shape'} floats differ, first {bad[:5] if bad is not None else ''}"
-                              f" versions {r[0]}", file=open("/tmp/s/mismatch.log", "a"), flush=True)
-            if local:
-                rest = [i for i in wanted if i not in local]
-                if rest:
-                    more = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), rest)
-                    local.update(zip(rest, more))
-                return plan.place(local, observe)
+        replies: dict[int, RowsRead] = {}
+        for i in wanted:  # (a shard on this host that lends its rows: read in place)
+            lent = self.shards[i].rows_in_place
+            if lent is not None:
+                got_here = lent.read(plan.asks(i))
+                if got_here is not None:
+                    replies[i] = got_here
+        if replies:
+            wanted = [i for i in wanted if i not in replies]
         if self._staged_reads and len(wanted) > 1 and all(self.shards[i].reads_staged for i in wanted):
             # (every request sent, then every reply read, on this thread: as a step's calls, see _in_stages)
             got = _in_stages([self.shards[i].reading_rows(self._rows_request(plan.asks(i), observe)) for i in wanted])
-        else:
+        elif wanted:
             got = self._fan_out(lambda i, s: self._read(s, plan.asks(i), observe), wanted)
-        return plan.place(dict(zip(wanted, got)), observe)
+        else:
+            got = []
+        replies.update(zip(wanted, got))
+        return plan.place(replies, observe)
 
     def _read(self, s: ShardClient, asks: RowBlock, observe: bool) -> RowsRead:
         return s.pull_rows(self._rows_request(asks, observe))
@@ -988,65 +973,6 @@ def _in_stages(calls: Sequence[Generator[None, None, T]]) -> list[T]:
         if not ok:
             raise value
     return [value for _, value in outcomes]
-
-
-_PROTO_SHARE = os.environ.get("PSGRAD_PROTO_SHARE") == "1"
-_PROTO_MAPS: dict[tuple[str, int], Any] = {}
-
-
-def _proto_read(client: ParameterClient, i: int, asks: RowBlock) -> RowsRead | None:
-    """Prototype: shard i's rows read where the server keeps them (its files under /dev/shm)."""
-    import json
-    import mmap as _mmap
-    key = (client.fingerprint, i)
-    path = f"/dev/shm/psgrad-proto-desc-{client.fingerprint}-{i}.json"
-    try:
-        st = os.stat(path)
-        stamp = (st.st_ino, st.st_mtime_ns)
-    except OSError:
-        return None
-    got = _PROTO_MAPS.get(key)
-    desc = None if got is None or got[0] != stamp else got[1]
-    if desc is None or not all(t in desc for t in asks.tables):
-        try:
-            d = json.load(open(path))
-        except (OSError, ValueError):
-            return None
-        files: dict[str, torch.Tensor] = {}
-
-        def mapped(path: str, nbytes: int) -> torch.Tensor:
-            if path not in files:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    m = _mmap.mmap(fd, nbytes, prot=_mmap.PROT_READ)
-                finally:
-                    os.close(fd)
-                files[path] = torch.frombuffer(memoryview(m), dtype=torch.uint8)
-            return files[path]
-        desc = {name: (e["values"], mapped(e["values"], e["values_bytes"]).view(torch.float32).view(-1, e["dim"]),
-                       mapped(e["index"], e["index_rows"] * 8).view(torch.int64), e["base"], e["S"])
-                for name, e in d.items() if name != "_uid"}
-        _PROTO_MAPS[key] = (stamp, desc)
-        if not all(t in desc for t in asks.tables):
-            return None
-    entries = [desc[name] for name in asks.tables]
-    if len({e[0] for e in entries}) != 1:
-        return None  # (prototype: tables of one arena only)
-    _, values, index, _, S = entries[0]
-    bases = [e[3] for e in entries]
-    ids = asks.ids
-    if any(bases):
-        ids = ids + torch.repeat_interleave(torch.tensor(bases), torch.tensor(asks.counts))
-    slots = index.index_select(0, ids // S if S > 1 else ids)
-    fused = kernels_rows()
-    rows = fused.gather(values, slots) if fused is not None else torch.where(
-        (slots >= 0).unsqueeze(1), values.index_select(0, slots.clamp(min=0)), 0.0)
-    return [0] * len(asks.tables), memoryview(rows.numpy()).cast("B")
-
-
-def kernels_rows() -> Any:
-    from psgrad.server import kernels
-    return kernels.rows(start=True)
 
 
 @dataclass

@@ -3,6 +3,8 @@ PsgradError; its payloads through the transport picked at Join (see client/trans
 frames transport here (gRPC frames, or inline in a Step call), or shared memory (client/same_host.py)."""
 from __future__ import annotations
 
+import logging
+
 import ssl
 import sys
 import threading
@@ -15,11 +17,12 @@ import torch
 
 from psgrad import errors
 from psgrad.client import reconnect
+from psgrad.client.rows_in_place import InPlaceRows
 from psgrad.client.same_host import SharedMemoryTransport
 from psgrad.client.transport import (
     RowsRead, Stepped, Transport, asking, check_pull_header, checked_rows, pull_header, rows_read, step_request,
 )
-from psgrad.wire import local_socket, shm
+from psgrad.wire import local_socket, row_share, shm
 from psgrad.core.codecs import WireBuffer, byte_view
 from psgrad.wire.frames import (
     FrameParser,
@@ -48,6 +51,8 @@ T = TypeVar("T")
 __all__ = ["FramesTransport", "RowsRead", "ShardClient"]
 
 
+_log = logging.getLogger(__name__)
+
 class ShardClient:
     """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
     the one in use stops answering). Methods raise PsgradError subclasses, never grpc.RpcError."""
@@ -75,6 +80,8 @@ class ShardClient:
         # Set when a call gave up on the shard (it did not come back within --reconnect-timeout-s,
         # or did not answer within its deadline): leaving does not wait for it a second time.
         self.given_up: errors.ServerUnavailableError | None = None
+        # The shard's rows lent in place (its Join answer named their header: same host), or None
+        self.rows_in_place: InPlaceRows | None = None
 
     @property
     def same_host(self) -> bool:
@@ -104,6 +111,21 @@ class ShardClient:
                 self.transport = self._shared
             if self._shared is not None:
                 self._shared.socket.set(local if self.config.local_socket else None, reads)
+
+    def _lent_rows(self, name: str | None) -> None:
+        """After a Join answer: read rows in place from the header it names (kept where it is the
+        one mapped already), or from none."""
+        held = self.rows_in_place
+        if held is not None and held.name == name:
+            return
+        self.rows_in_place = None
+        if held is not None:
+            held.close()
+        if name is not None:
+            try:
+                self.rows_in_place = InPlaceRows(name)
+            except (OSError, ValueError) as exc:
+                _log.info("rows of %s are read through calls: %s", self.address, exc)
 
     def _refused(self) -> None:
         """Shared memory is refused for good (this host cannot make a segment, or the server cannot
@@ -193,9 +215,12 @@ class ShardClient:
         but reports a refused connection after a short grace (see reconnect.first_call); a shard
         with a backup tries its servers in turn (see reconnect.join_any). Learns whether the server
         takes payloads through shared memory, which picks the payloads' transport (see _pick)."""
+        asks = (row_share.ask(),) if self.config.rows_in_place and row_share.supported() and shm.supported() else ()
+
         def attempt(t: float, ready: bool = False) -> pb.JoinReply:
-            reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready)
+            reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready, metadata=asks or None)
             answer = call.initial_metadata()
+            self._lent_rows(row_share.answered(answer) if asks else None)
             self._pick(shm.same_host_server(answer), local_socket.offer_in(answer),
                        local_socket.offer_in(answer, local_socket.TCP_METADATA_KEY), local_socket.reads_offered(answer))
             return reply

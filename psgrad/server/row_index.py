@@ -6,7 +6,6 @@ them under its lock."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -17,8 +16,6 @@ from psgrad.wire.heap import huge_page_block
 _EMPTY, _GONE = rows.RESERVED_IDS  # a free place's key; a removed id's (a tombstone: lookups probe
 # past it, inserts reuse it): the two ids a dynamic table cannot hold
 _MAX_LOAD = 0.5  # a hash index grows (doubles) before more than half of its places are used
-_PROTO_SHARE = os.environ.get("PSGRAD_PROTO_SHARE") == "1"
-SHARED: dict[int, tuple[str, int]] = {}  # prototype: data_ptr -> (file, bytes)
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's multiplier
 
 
@@ -30,19 +27,6 @@ def storage(shape: tuple[int, ...], dtype: torch.dtype, fill: int | None = None)
     Raises:
         RuntimeError: the machine would not give that much memory (as torch.empty's)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if _PROTO_SHARE:  # (prototype: every table storage in a file under /dev/shm, mapped shared)
-        import mmap as _mmap
-        import secrets as _secrets
-        name = f"/dev/shm/psgrad-proto-{os.getpid()}-{_secrets.token_hex(6)}"
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, max(nbytes, 1))
-            m = _mmap.mmap(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
-        t = torch.frombuffer(m, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
-        SHARED[t.data_ptr()] = (name, nbytes)
-        return t if fill is None else t.fill_(fill)
     block = huge_page_block(nbytes)
     if block is None:
         t = torch.empty(shape, dtype=dtype)

@@ -6,8 +6,6 @@ depend on the order pushes arrived in. A collaborator of the shard core, acting 
 tells the replica when rows changed."""
 from __future__ import annotations
 
-import os
-
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
@@ -56,44 +54,6 @@ Reserved = tuple[int, tuple[int, ...], dict[str, torch.Tensor]]
 # The rows one reply may carry: a gRPC message's limit less room for the rest of the reply (the
 # dense weights of a Step travel beside it in frames or shared memory, not in this message).
 REPLY_ROWS_MAX_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
-
-
-_PROTO_SHARE = os.environ.get("PSGRAD_PROTO_SHARE") == "1"
-_PROTO_DONE: dict[str, tuple[int, int, int]] = {}
-
-
-def _proto_describe(state: ShardState, names: Sequence[str], tables: Sequence[SparseTable]) -> None:
-    """Prototype: write where each table's rows and row index lie (files under /dev/shm)."""
-    import json
-
-    from psgrad.server.row_index import SHARED
-    from psgrad.server.table_groups import GroupedTable as _G
-    holders = [t.arena if isinstance(t, _G) else t for t in tables]
-    if all(_PROTO_DONE.get(n) == (state.uid, id(h), h._values.data_ptr()) for n, h in zip(names, holders)):
-        return
-    desc = {}
-    for name, t, holder in zip(names, tables, holders):
-        values, slots = holder._values, holder._index.slots
-        v, i = SHARED.get(values.data_ptr()), SHARED.get(slots.data_ptr())
-        if v is None or i is None or v[1] < 4 * holder.dim:
-            continue
-        desc[name] = {"values": v[0], "values_bytes": v[1], "dim": holder.dim, "index": i[0], "index_rows": i[1] // 8,
-                      "base": t.base if isinstance(t, _G) else 0, "S": holder.num_shards, "shard": holder.index,
-                      "std": t.std}
-    path = f"/dev/shm/psgrad-proto-desc-{state.layout.fingerprint}-{tables[0].index}.json"
-    try:
-        old = json.load(open(path))
-    except (OSError, ValueError):
-        old = {}
-    me = f"{os.getpid()}-{state.uid}"
-    if old.get("_uid") != me:  # (another shard state: a new server, or a restore)
-        old = {"_uid": me}
-    old.update(desc)
-    tmp = path + f".{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(old, f)
-    os.replace(tmp, path)
-    _PROTO_DONE.update((n, (state.uid, id(h), h._values.data_ptr())) for n, h in zip(names, holders) if n in desc)
 
 
 def _check_reply_size(tables: Sequence[SparseTable], lookups: Sequence[Lookup], reads: ReadLimit) -> int:
@@ -172,8 +132,6 @@ class Rows:
                     values = t.rows(ids, checked=True)
                 core.counters.bytes_out += values.numel() * 4
                 out.append((t.version, values))
-            if _PROTO_SHARE:
-                _proto_describe(state, [name for name, _ in lookups], tables)
             return out
 
     def check_reads(self, rank: int, fingerprint: str, lookups: Sequence[Lookup], ids: bool = True) -> int:
@@ -363,17 +321,6 @@ class Rows:
               slots: dict[str, torch.Tensor] | None = None) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
         their arena slots by table, from a reserve under the same lock."""
-        if _PROTO_SHARE:
-            try:
-                self._apply(state, rows, lr, lr_scale, slots)
-            finally:
-                names_ = sorted(rows)
-                _proto_describe(state, names_, [state.sparse(n, -1) for n in names_])
-            return
-        self._apply(state, rows, lr, lr_scale, slots)
-
-    def _apply(self, state: ShardState, rows: RowGradients, lr: float | None, lr_scale: float = 1.0,
-               slots: dict[str, torch.Tensor] | None = None) -> None:
         names = sorted(name for name in rows if rows[name][0].numel())
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)
@@ -418,17 +365,6 @@ class Rows:
         worker did not touch count as its zero gradient, as in the mean of the workers' losses).
         reserved: what each push's reserve gave (its Slots, in the same order), where kept: the arena
         ids and slots of its rows, used where they still hold (see _reserved_in)."""
-        if _PROTO_SHARE:
-            try:
-                self._apply_round(state, per_rank, workers, lr, reserved)
-            finally:
-                names_ = sorted({name for rows in per_rank for name in rows})
-                _proto_describe(state, names_, [state.sparse(n, -1) for n in names_])
-            return
-        self._apply_round(state, per_rank, workers, lr, reserved)
-
-    def _apply_round(self, state: ShardState, per_rank: Sequence[RowGradients], workers: int, lr: float | None,
-                     reserved: Sequence[Mapping[str, torch.Tensor] | None] = ()) -> None:
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
         tables = [state.sparse(name, -1) for name in names]
         _keep(tables)

@@ -13,7 +13,7 @@ import torch
 
 from psgrad import errors
 from psgrad.wire import serde
-from psgrad.wire import local_socket, published, shm
+from psgrad.wire import local_socket, published, row_share, shm
 from psgrad.core.codecs import WireBuffer, byte_view, consecutive_rows, copy_bytes, segment_bytes, torch_dtype
 from psgrad.wire.frames import FrameParser, PayloadWriter, bytes_field_prefix, data_frames, parse_frame, write_frames
 from psgrad.config import ServerConfig
@@ -221,6 +221,11 @@ class ParameterServicer:
             answer += offers
             if offers and self.local.takes_reads:  # (a forward's reads of rows too)
                 answer.append((local_socket.READS_KEY, "1"))
+        if dict(context.invocation_metadata() or ()).get(row_share.METADATA_KEY) == shm.host_id():
+            with self.shard.core.cond:  # (a worker of this host: lend it the tables' rows in place)
+                name = self.shard.core.row_share.offer()
+            if name is not None:
+                answer.append((row_share.METADATA_KEY, f"{name};{shm.host_id()}"))
         if answer:
             context.send_initial_metadata(tuple(answer))
         return pb.JoinReply(

@@ -142,6 +142,7 @@ class Shard:
             core.serving_changed()
             core.buffers.close()
             core.reaper_wake.notify_all()
+            core.row_share.close()
 
     def wait_until(self, predicate: Callable[[ShardStatus], bool], timeout_s: float) -> bool:
         """Block until predicate(status()) holds (re-checked on every state change) or timeout_s."""

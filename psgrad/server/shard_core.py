@@ -26,6 +26,7 @@ from psgrad.server.buffers import Buffers
 from psgrad.server.ledger import HISTORY_LEN, Counters
 from psgrad.server.membership import Membership
 from psgrad.server.read_limit import ReadLimit, read_limit_bytes
+from psgrad.server.row_share import RowShare, SeqLock
 from psgrad.server.state import NOT_INITIALIZED_HINT, ShardState
 from psgrad.server.tables import memory_budget_bytes
 from psgrad.server.transfers import PullStream
@@ -54,7 +55,11 @@ class ShardCore:
     def __init__(self, config: ServerConfig, now: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.now = now
-        self.lock = threading.RLock()
+        # (an RLock that, once a worker of this host is lent rows in place, keeps their header's
+        # counter odd while held: see server/row_share.py)
+        self.lock = SeqLock()
+        self.row_share = RowShare(self.lock)
+        self.row_share.core_state = lambda: self.state
         self.cond = threading.Condition(self.lock)  # state changed: waiting pulls, joins, reaper re-check
         # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
         # same lock, so that parking a pull never wakes the other parked pulls.
@@ -176,14 +181,6 @@ class ShardCore:
 
     def install(self, state: ShardState) -> None:
         """Make state the shard's, with its job's policy; each table decides its update path."""
-        import os as _os
-        if _os.environ.get("PSGRAD_PROTO_SHARE") == "1":  # (prototype: a new state's description, no tables yet)
-            import json as _json
-            path = f"/dev/shm/psgrad-proto-desc-{state.layout.fingerprint}-{state.layout.index}.json"
-            tmp = path + f".{_os.getpid()}"
-            with open(tmp, "w") as f:
-                _json.dump({"_uid": f"{_os.getpid()}-{state.uid}"}, f)
-            _os.replace(tmp, path)
         spec = state.layout.spec
         self.state = state
         self.policy = policy_for(spec)
