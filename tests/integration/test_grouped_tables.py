@@ -24,7 +24,9 @@ from psgrad.wire import shm
 
 pytestmark = pytest.mark.timeout(120)
 
-CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0)
+# (rows through calls, not read in place: these tests count the calls a read makes per shard)
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, init_timeout_s=30, reconnect_timeout_s=0,
+                      rows_in_place=False)
 TABLES = {"a": (200, 4), "b": (300, 4), "c": (100, 4)}
 
 
