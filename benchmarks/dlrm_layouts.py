@@ -8,6 +8,7 @@ spread is larger than a tenth), this does: the CPU each layout costs per step, o
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,collection
     python benchmarks/dlrm_layouts.py --preset tiny                       # CI-sized
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _staged_reads
+    python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off rows_in_place
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,local    # against plain PyTorch
 
 The data: dlrm.py's examples (the same generator: 8 features, bags of 1-3 Zipf ids, 13 dense
@@ -25,7 +26,8 @@ B, ...; the repetitions start each side's job afresh (new servers), the order of
 every other one. Figures: per side, the median over repetitions of its CPU ms per step (the main
 thread's, by phase; its client's pool threads', which make the calls a read hands to a second
 shard's thread; the worker's, both together; and the servers'), and each side over the other (the
-ratio's median). --off SWITCH turns a switch of psgrad's client off on the second side: with one
+ratio's median). --off SWITCH turns a switch of psgrad's client off on the second side (a bool field of
+psgrad.ClientConfig, as rows_in_place, the side connects with; else an attribute of its client): with one
 layout twice, the two sides differ by that switch alone, and the ratios are what the change behind
 it saves, read step by step against the same noise (a measurement across two checkouts in two
 runs cannot resolve a few percent on a shared machine).
@@ -104,10 +106,12 @@ class Side:
         addresses = [s.address() for s in self.servers]
         self.inputs = [(b.dense, psgrad_inputs(b, layout, p["rows"]), b.labels) for b in batches]
         self.model = PsgradNet(layout, p["features"], p["rows"], p["dim"])
+        config_switch = off is not None and isinstance(getattr(psgrad.ClientConfig(), off, None), bool)
         self.session = psgrad.connect(addresses, rank=0, num_workers=1, mode="async",
-                                      optimizer=psgrad.Adagrad(lr=LR, eps=EPS))
+                                      optimizer=psgrad.Adagrad(lr=LR, eps=EPS),
+                                      client=psgrad.ClientConfig(**({off: False} if config_switch else {})))
         self.opt = self.session.optimizer(self.model)
-        if off is not None:  # (a switch of the client's, True by default: this side's off)
+        if off is not None and not config_switch:  # (a switch of the client's, True by default: this side's off)
             if not isinstance(getattr(self.opt.client, off, None), bool):
                 self.close()
                 raise SystemExit(f"dlrm_layouts: --off {off}: this psgrad's client has no such switch")
@@ -171,7 +175,9 @@ def repetition(p: dict[str, Any], specs: list[tuple[str, str | None]], batches: 
             main = {name: 1e3 * took / p["steps"] for name, took in s.phases.items()}
             stats = s.opt.prefetched.stats if s.layout != LOCAL else None
             pool_ms = 1e3 * s.pool_cpu / p["steps"]
-            out[s.name] = {"main_thread_ms": {**main, "total": sum(main.values())},
+            lent = [] if s.layout == LOCAL else [c.rows_in_place for c in s.opt.client.shards]
+            out[s.name] = {"rows_read_in_place": sum(r.reads for r in lent if r is not None),
+                           "main_thread_ms": {**main, "total": sum(main.values())},
                            "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
                            "servers_ms": 1e3 * s.servers_cpu / p["steps"],
                            # (pooled: None where this psgrad pools none; no prefetch for `local`)
@@ -194,9 +200,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="override the unmeasured steps before them")
     parser.add_argument("--reps", type=int, help="override the repetitions")
     parser.add_argument("--off", metavar="SWITCH",
-                        help="a switch of psgrad's client (a bool attribute, on by default) turned off on the second "
-                             "side: with --layouts L,L, the CPU a change behind that switch saves, both sides stepping "
-                             "alternately in this process")
+                        help="a switch of psgrad's client turned off on the second side (a bool field of "
+                             "psgrad.ClientConfig, e.g. rows_in_place, or a bool attribute of the client, on by "
+                             "default): with --layouts L,L, the CPU a change behind that switch saves, both sides "
+                             "stepping alternately in this process")
     args = parser.parse_args()
     p = overrides(args, PRESETS[args.preset])
     layouts = list(args.layouts)

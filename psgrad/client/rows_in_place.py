@@ -1,4 +1,4 @@
-"""A worker's reads of rows in place (work in progress: see wire/row_share.py): a shard on this host
+"""A worker's reads of rows in place (see wire/row_share.py): a shard on this host
 that lends its tables' rows names its header in its Join answer; the worker maps the header, and
 the files it describes, read-only, and reads a forward's rows from them under the header's counter
 instead of calling PullRows. Where the shard was changing something through every try, where a
@@ -11,6 +11,7 @@ import os
 import torch
 
 from psgrad.core import rows as row_placement
+from psgrad.core.codecs import byte_view
 from psgrad.wire import row_share, shm
 from psgrad.wire.rows import RowBlock
 
@@ -121,7 +122,7 @@ class InPlaceRows:
                 table_start += n
         self.reads += 1
         out = torch.cat([part.reshape(-1) for part in parts]) if len(parts) > 1 else parts[0]
-        return versions, memoryview(out.numpy()).cast("B")
+        return versions, byte_view(out.contiguous())
 
     def close(self) -> None:
         self._files.clear()

@@ -4,7 +4,6 @@ frames transport here (gRPC frames, or inline in a Step call), or shared memory 
 from __future__ import annotations
 
 import logging
-
 import ssl
 import sys
 import threading
@@ -52,6 +51,7 @@ __all__ = ["FramesTransport", "RowsRead", "ShardClient"]
 
 
 _log = logging.getLogger(__name__)
+
 
 class ShardClient:
     """Calls to one shard: its server, or 'PRIMARY|BACKUP' (calls fail over to the other one when
@@ -215,7 +215,8 @@ class ShardClient:
         but reports a refused connection after a short grace (see reconnect.first_call); a shard
         with a backup tries its servers in turn (see reconnect.join_any). Learns whether the server
         takes payloads through shared memory, which picks the payloads' transport (see _pick)."""
-        asks = (row_share.ask(),) if self.config.rows_in_place and row_share.supported() and shm.supported() else ()
+        asks = (row_share.ask(),) if (self.config.shared_memory and self.config.rows_in_place and row_share.supported()
+                                      and shm.supported()) else ()
 
         def attempt(t: float, ready: bool = False) -> pb.JoinReply:
             reply, call = self._join.with_call(req, timeout=t, wait_for_ready=ready, metadata=asks or None)

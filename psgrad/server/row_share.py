@@ -1,6 +1,6 @@
-"""A shard's side of rows read in place (work in progress: see wire/row_share.py and
-PROTOTYPE-ROWS-IN-PLACE.md): the shard lock that marks, in a shared header, when the shard may be
-changing its tables."""
+"""A shard's side of rows read in place on one host (see wire/row_share.py): the shard lock that
+keeps the shared header's counter odd while held (SeqLock), and the tables' rows and row indexes
+lent to the workers of its host in files under /dev/shm (RowShare)."""
 from __future__ import annotations
 
 import logging
@@ -202,6 +202,7 @@ class RowShare:
             tables = [(name, t) for name, t in state.tables.items() if shareable(t)]
             holders = list({id(h): h for h in (t.arena if isinstance(t, GroupedTable) else t for _, t in tables)}.values())
             known = self._tables_of = (state, len(state.tables), tables, holders)
+        assert known is not None
         _, _, tables, holders = known
         if state is not self._state:
             moved = True

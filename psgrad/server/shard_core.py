@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from psgrad.config import ServerConfig
 from psgrad.core.codecs import get_codec
@@ -57,8 +57,9 @@ class ShardCore:
         self.now = now
         # (an RLock that, once a worker of this host is lent rows in place, keeps their header's
         # counter odd while held: see server/row_share.py)
-        self.lock = SeqLock()
-        self.row_share = RowShare(self.lock)
+        self.seq_lock = SeqLock()
+        self.lock = cast(threading.RLock, self.seq_lock)  # (it keeps RLock's protocol, Conditions' too)
+        self.row_share = RowShare(self.seq_lock)
         self.row_share.core_state = lambda: self.state
         self.cond = threading.Condition(self.lock)  # state changed: waiting pulls, joins, reaper re-check
         # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the

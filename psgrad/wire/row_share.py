@@ -1,5 +1,5 @@
 """Rows read in place on one host: the header a shard shares with the workers of its host, and how
-a worker reads rows under it (work in progress: see PROTOTYPE-ROWS-IN-PLACE.md).
+a worker reads rows under it (server/row_share.py lends them, client/rows_in_place.py reads them).
 
 A shard that lends its tables' rows keeps, per shard state, one header file under /dev/shm beside
 the files that hold the tables' rows and row indexes (the tables' own storage, mapped shared). The

@@ -28,7 +28,9 @@ from conftest import run_in_threads, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, reconnect_timeout_s=0, shared_memory=False)
+# (rows through calls: a read in place builds no reply, which --max-read-mb bounds)
+CLIENT = ClientConfig(connect_timeout_s=10, rpc_timeout_s=60, reconnect_timeout_s=0, shared_memory=False,
+                      rows_in_place=False)
 SECRET = b"a job secret of at least 32 bytes, for tests"
 
 

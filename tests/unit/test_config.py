@@ -344,6 +344,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
         "--compress-same-host",  # the same (below)
         "--duplex",  # the same (below)
         "--local-socket",  # on by default: --no-local-socket when off (below)
+        "--rows-in-place",  # the same
         "--step-socket",  # the same
         "--compress-pull", "--pull-resync-every", "--pull-resync-error",  # with compressed pulls (below)
         "--chunk-bytes",  # no flag: a worker has the default
@@ -355,6 +356,7 @@ def test_to_argv_has_a_flag_for_every_field_a_worker_can_be_given() -> None:
     assert "--no-shared-memory" in ClientConfig(shared_memory=False).to_argv()
     assert "--no-local-socket" in ClientConfig(local_socket=False).to_argv() and "--no-local-socket" not in client
     assert "--no-step-socket" in ClientConfig(step_socket=False).to_argv() and "--no-step-socket" not in client
+    assert "--no-rows-in-place" in ClientConfig(rows_in_place=False).to_argv() and "--no-rows-in-place" not in client
     assert "--compress-same-host" in ClientConfig(compress_same_host=True).to_argv()
     assert "--duplex" in ClientConfig(duplex=True).to_argv()
     pulls = ClientConfig(compress_pull="topk:0.01", pull_resync_every=50, pull_resync_error=0.2).to_argv()
