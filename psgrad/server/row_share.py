@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import re
 import secrets
@@ -110,16 +109,7 @@ _NAME = re.compile(r"^psgrad-rows-([0-9]+)-[0-9a-f]{12}-")  # psgrad-rows-PID-TO
 def _file_tensor(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new tensor over a new file at `path` (the user's processes only), mapped shared; its pages
     are given as first written, as a table's own storage's are."""
-    nbytes = max(1, math.prod(shape) * dtype.itemsize)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mapped = mmap.mmap(fd, nbytes)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    mapped = shm.make_file(path, max(1, math.prod(shape) * dtype.itemsize))
     return torch.frombuffer(mapped, dtype=torch.uint8)[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 

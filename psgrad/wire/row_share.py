@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from psgrad.wire.shm import host_id
+from psgrad.wire.shm import host_id, make_file
 
 MAGIC = b"psgrad-rows-v1\0\0"  # 16 bytes
 MAX_TABLES = 4096
@@ -85,15 +85,7 @@ class Header:
     @classmethod
     def create(cls, path: str) -> Header:
         """Make the header file at `path` (it must not exist; the user's processes only), mapped."""
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, HEADER_BYTES)
-            mapped = mmap.mmap(fd, HEADER_BYTES)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        mapped = make_file(path, HEADER_BYTES)
         mapped[:16] = MAGIC
         return cls(mapped, writable=True)
 

@@ -221,7 +221,14 @@ AnySegment = Segment | Window
 
 def create(name: str, size: int, header: bytes, mode: int) -> mmap.mmap:
     """Make /dev/shm/NAME (it must not exist) of `size` bytes starting with `header`, mapped."""
-    path = os.path.join(SHM_DIR, name)
+    mapped = make_file(os.path.join(SHM_DIR, name), size, mode)
+    mapped[: len(header)] = header
+    return mapped
+
+
+def make_file(path: str, size: int, mode: int = 0o600) -> mmap.mmap:
+    """Make the file at `path` (it must not exist) of `size` bytes, mapped shared (its pages given
+    as first written); unlinked again where it cannot be sized or mapped."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
     try:
         os.ftruncate(fd, size)
@@ -231,7 +238,6 @@ def create(name: str, size: int, header: bytes, mode: int) -> mmap.mmap:
         raise
     finally:
         os.close(fd)
-    mapped[: len(header)] = header
     return mapped
 
 
