@@ -282,7 +282,13 @@ class RowShare:
                               "shard": first[1].index if first else 0})
 
     def close(self) -> None:
-        """Unlink every file (workers keep their mappings). Under the lock."""
+        """Describe nothing (a worker still mapping the header reads through calls from now on,
+        which find the server gone), then unlink every file (workers keep their mappings). Under
+        the lock."""
+        if self.header is not None:
+            self.header.words[row_share.NBYTES] = 0
+            self.header.words[row_share.COUNT] = 0
+            self.header.words[row_share.GENERATION] += 1
         self._lock.detach()
         self._lock.before_release = None
         for key in list(self._held):

@@ -3,7 +3,8 @@ the files the servers keep them in (they lend them when it joins), not through P
 it reads is what the calls read (rows stored and never stored, tables of two widths and of both
 inits, their versions); a row an async push is updating is never read half updated (the header's
 counter, kept odd by the shard lock while held); a worker that does not ask reads through calls
-and its servers lend nothing; the files go with the servers. Real server processes."""
+and its servers lend nothing; the files go with the servers, whose header then describes nothing.
+Real server processes."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import psgrad
+from psgrad.client.parameter_client import _ReadPlan
 from psgrad.config import ClientConfig
 from psgrad.wire import row_share
 
@@ -147,5 +149,10 @@ def test_a_worker_that_does_not_ask_reads_through_calls_and_files_go_with_the_se
                 break
         assert lent.reads >= 1
         assert len(lent_files(proc.popen.pid)) >= 3  # (its header, the arena's rows and row index)
+        asks = _ReadPlan(client, {"zero": torch.arange(10)}, checked=True).asks(0)
+        assert lent.read(asks) is not None
     proc.stop()
     assert lent_files(proc.popen.pid) == []
+    missed = lent.missed
+    assert lent.read(asks) is None and lent.missed == missed + 1  # (a stopped server's header describes
+    # nothing: a worker still mapping it would ask the server, which is gone)
