@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 
 import torch
 
@@ -15,7 +16,9 @@ from psgrad.core.codecs import byte_view
 from psgrad.wire import row_share, shm
 from psgrad.wire.rows import RowBlock
 
+
 def _mapped(name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """A lent file under /dev/shm, mapped read-only (only ever gathered from: a write would fault)."""
     fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < nbytes:
@@ -23,7 +26,9 @@ def _mapped(name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    return torch.frombuffer(memoryview(mapped), dtype=torch.uint8).view(dtype)
+    with warnings.catch_warnings():  # (torch warns of a tensor over a read-only buffer: read here, never written)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(mapped), dtype=torch.uint8).view(dtype)
 
 
 class InPlaceRows:

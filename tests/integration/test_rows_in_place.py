@@ -19,7 +19,7 @@ from psgrad.client.parameter_client import _ReadPlan
 from psgrad.config import ClientConfig
 from psgrad.wire import row_share
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("error::UserWarning"),
               pytest.mark.skipif(not row_share.supported(), reason="rows are lent in place on x86-64 only")]
 
 CLIENT = ClientConfig(connect_timeout_s=30, rpc_timeout_s=60)
