@@ -127,8 +127,10 @@ class RowShare:
     whose counter the shard lock keeps odd while held (SeqLock). Made when a worker of this host
     joins; the files go when the shard stops (and a later server sweeps a killed one's)."""
 
-    def __init__(self, lock: SeqLock, directory: str = shm.SHM_DIR) -> None:
+    def __init__(self, lock: SeqLock, state: Callable[[], Any], directory: str = shm.SHM_DIR) -> None:
+        """state: the shard's state now (None before Init)."""
         self._lock = lock
+        self._core_state = state
         self._dir = directory
         self._prefix = f"psgrad-rows-{os.getpid()}-{secrets.token_hex(6)}-"
         self._count = 0
@@ -208,11 +210,6 @@ class RowShare:
         for slot, t in self._lent:
             versions[slot] = t.version
 
-    core_state: Callable[[], Any] | None = None
-
-    def _core_state(self) -> Any:
-        return self.core_state() if self.core_state is not None else None
-
     def _lend(self, holder: SparseTable) -> bool:
         """Keep holder's rows and row index in files (moved there if they are not); True where
         that moved them."""
@@ -270,12 +267,11 @@ class RowShare:
             slot = self._slots.setdefault(name, len(self._slots))
             if slot >= row_share.MAX_TABLES:
                 continue
-            lent.append((slot, t))
+            lent.append((slot, t))  # (its version written by _update, after this)
             out[name] = {"values": os.path.basename(held[3]), "rows": int(held[1].shape[0]), "dim": holder.dim,
                          "index": os.path.basename(held[4]), "index_rows": int(held[2].numel()),
                          "base": t.base if isinstance(t, GroupedTable) else 0, "slot": slot, "key": t.key,
                          "std": t.std}
-            self.header.versions[slot] = t.version
         self._lent = lent
         first = next(iter(tables), None)
         self.header.describe({"tables": out, "shards": first[1].num_shards if first else 1,

@@ -59,8 +59,7 @@ class ShardCore:
         # counter odd while held: see server/row_share.py)
         self.seq_lock = SeqLock()
         self.lock = cast(threading.RLock, self.seq_lock)  # (it keeps RLock's protocol, Conditions' too)
-        self.row_share = RowShare(self.seq_lock)
-        self.row_share.core_state = lambda: self.state
+        self.row_share = RowShare(self.seq_lock, lambda: self.state)
         self.cond = threading.Condition(self.lock)  # state changed: waiting pulls, joins, reaper re-check
         # Observers (wait_until) also wake when a pull starts waiting; a separate condition on the
         # same lock, so that parking a pull never wakes the other parked pulls.

@@ -131,15 +131,13 @@ class Header:
     def description(self) -> tuple[int, dict[str, Any]] | None:
         """(generation, description) as one consistent read (None: the shard was changing it, or
         has described nothing yet)."""
-        for _ in range(TRIES):
-            seq = int(self.words[SEQ])
-            if seq & 1:
-                continue
-            generation, nbytes = int(self.words[GENERATION]), int(self.words[NBYTES])
+        def read() -> tuple[int, bytes]:
+            nbytes = int(self.words[NBYTES])
             data = bytes(self._map[DESCRIPTION_AT:DESCRIPTION_AT + nbytes]) if 0 < nbytes <= DESCRIPTION_MAX else b""
-            if int(self.words[SEQ]) == seq:
-                return (generation, json.loads(data)) if data else None
-        return None
+            return int(self.words[GENERATION]), data
+
+        got = self.consistent(read)
+        return (got[0], json.loads(got[1])) if got is not None and got[1] else None
 
     def consistent(self, read: Callable[[], T]) -> T | None:
         """read()'s result where the shard changed nothing while it ran (the counter the same even
