@@ -143,6 +143,9 @@ class RowShare:
         self._refused: set[int] = set()  # holders /dev/shm had no room for
         self._tables_of: tuple[Any, int, list[tuple[str, SparseTable]], list[SparseTable]] | None = None
         self._failed = False
+        self._table_count = -1
+        # each holder's room, rows and row index as last looked at (see _unmoved)
+        self._watch: list[tuple[SparseTable, Any, Any, Any]] = []
 
     def offer(self) -> str | None:
         """The header's name, made (and the lock's counter attached) the first time. Under the lock.
@@ -188,6 +191,25 @@ class RowShare:
         header = self.header
         if state is None or header is None:
             return
+        if state is not self._state or len(state.tables) != self._table_count or not self._unmoved():
+            self._relend(state)
+        versions = header.versions
+        for slot, t in self._lent:
+            versions[slot] = t.version
+
+    def _unmoved(self) -> bool:
+        """Whether no table's storage was made anew since the last look (the same room, rows and
+        row index objects: what a lock hold of a step leaves them; anything else is looked at)."""
+        for holder, room, values, slot in self._watch:
+            now = holder._room
+            if now is not room or (now is not None and now["values"] is not values) \
+                    or getattr(holder._index, "_slot", None) is not slot:
+                return False
+        return True
+
+    def _relend(self, state: Any) -> None:
+        """Lend new or moved storage of the shard's state now, and describe it where that changed
+        anything."""
         known = self._tables_of
         moved = known is None or known[0] is not state or known[1] != len(state.tables)  # (new tables: described)
         if moved:
@@ -206,9 +228,9 @@ class RowShare:
         if moved:
             self._state = state
             self._describe(tables)
-        versions = header.versions
-        for slot, t in self._lent:
-            versions[slot] = t.version
+        self._table_count = len(state.tables)
+        self._watch = [(h, h._room, None if h._room is None else h._room["values"], getattr(h._index, "_slot", None))
+                       for h in holders]
 
     def _lend(self, holder: SparseTable) -> bool:
         """Keep holder's rows and row index in files (moved there if they are not); True where

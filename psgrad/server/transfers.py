@@ -393,6 +393,8 @@ class PullStream:
                 if self.open and self._offset == 0 and source.dtype == dtype and torch.get_num_threads() == 1:
                     on_two_threads(self._numel, lambda a, b: target[a:b].copy_(source[a:b]))
                     self._offset = self._numel
+                    self.close()  # (under the same hold of the lock: a step's pull takes it once)
+                    return
             while True:
                 with self._lock:
                     start = self._offset
@@ -416,6 +418,8 @@ class PullStream:
 
     def close(self) -> None:
         """Stop reading (idempotent); the shard no longer keeps the source for this stream."""
+        if not self.open:  # (closed for good: `open` is only ever set False, under the lock)
+            return
         with self._lock:
             if self.open:
                 self.open = False
