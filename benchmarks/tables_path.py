@@ -146,7 +146,8 @@ class Bench:
                                  spec=SimpleNamespace(wire_dtype="float32"))
         transport, wire = self.m["client.transport"], self.m["core.codecs"].WireBuffer(dense, "float32")
         payload = memoryview(bytes(4 * dense))
-        for method in ("_table", "_place", "_placement", "_push_header"):  # (the methods a step calls, on this stand-in client)
+        # (the methods a step calls, on this stand-in client)
+        for method in ("_table", "_place", "_placement", "_keep_placement", "_push_header"):
             if hasattr(pc.ParameterClient, method):
                 setattr(client, method, getattr(pc.ParameterClient, method).__get__(client))
         def batch() -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import secrets
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from psgrad import errors
+from psgrad.client import rows_in_place as in_place
 from psgrad.client.delta_wire import DeltaWire
 from psgrad.client.shard_client import RowsRead, ShardClient, Stepped
 from psgrad.client.status_client import credentials, shard_status  # noqa: F401 (their home before; status needs no torch)
@@ -753,6 +755,9 @@ class ParameterClient:
         Raises:
             InvalidRequestError: the job has no such table, or an id is out of range.
         """
+        read_here = self._read_in_place(lookups, observe, checked)
+        if read_here is not None:
+            return read_here
         plan = _ReadPlan(self, lookups, checked)
         wanted = [i for i in range(len(self.shards)) if plan.asks(i)]
         replies: dict[int, RowsRead] = {}
@@ -773,6 +778,56 @@ class ParameterClient:
             got = []
         replies.update(zip(wanted, got))
         return plan.place(replies, observe)
+
+    def _read_in_place(self, lookups: Mapping[str, torch.Tensor], observe: bool,
+                       checked: bool) -> row_placement.PulledRows | None:
+        """pull_tables where every shard lends its rows on this host and the compiled read is
+        ready: per group of tables of one row width, each shard's rows written into the group's
+        rows in one pass of the kernel over the group's ids (InPlaceRows.read_into), which places
+        them on the shards as it goes (kept for the push of their gradients) where the calls'
+        read places them first, asks each shard for its part and scatters the replies. None: read
+        otherwise (some shard does not lend, or not these tables, or was changing something
+        through every try; the kernel is not compiled yet)."""
+        lent = [s.rows_in_place for s in self.shards]
+        if not lookups or None in lent:
+            return None
+        dims = [self._table(name).dim for name in lookups]
+        read = in_place.kernel(start=sum(int(i.numel()) * d for i, d in zip(lookups.values(), dims)) >= in_place.KERNEL_MIN)
+        if read is None:
+            return None
+        if not checked:
+            for table, ids in lookups.items():
+                row_placement.check_ids(ids, self._table(table).num_embeddings, f"table {table!r}")
+        groups: dict[int, list[str]] = {}
+        for name, dim in zip(lookups, dims):
+            groups.setdefault(dim, []).append(name)
+        rows: dict[str, torch.Tensor] = {}
+        read_at: dict[str, dict[int, int]] = {name: {} for name in lookups}
+        for dim, names in groups.items():
+            tensors = [lookups[name] for name in names]
+            sizes = [int(i.numel()) for i in tensors]
+            ids = joined(tensors).to(torch.int64).contiguous()
+            flat = ids.numpy()
+            starts = np.array([0, *itertools.accumulate(sizes)], np.int64)
+            out, order = torch.empty(len(flat), dim), torch.empty(len(flat), dtype=torch.int64)
+            counts, placed = [], 0
+            for i, held in enumerate(lent):
+                assert held is not None
+                got = held.read_into((i, len(lent)), names, flat, starts, out.numpy(), read, order.numpy(), placed)
+                if got is None:
+                    return None
+                for name, version in zip(names, got[0]):
+                    read_at[name][i] = version
+                counts.append(got[1])
+                placed += sum(got[1])
+            rows.update(zip(names, out.split(sizes)))
+            # (the step's push of these rows' gradients splits them as placed here)
+            self._keep_placement(names, tensors, row_placement.TablesOnShards.found(ids, sizes, len(lent), order, counts))
+        if not observe:
+            for name, by_shard in read_at.items():
+                for i, version in by_shard.items():
+                    self.row_versions[(name, i)] = version
+        return row_placement.PulledRows(rows, read_at)
 
     def _read(self, s: ShardClient, asks: RowBlock, observe: bool) -> RowsRead:
         return s.pull_rows(self._rows_request(asks, observe))
@@ -855,10 +910,14 @@ class ParameterClient:
             return held[1]
         place = row_placement.TablesOnShards(ids, len(self.shards),
                                              [self._table(name).num_embeddings == row_placement.DYNAMIC for name in names])
+        self._keep_placement(names, ids, place)
+        return place
+
+    def _keep_placement(self, names: list[str], ids: Sequence[torch.Tensor], place: row_placement.TablesOnShards) -> None:
+        """Keep tables' placement of these ids for the next call that places them (see _placement)."""
         if len(self._placed) >= 16:  # (a few groups of tables in a model's steps; reads of others come and go)
             self._placed.clear()
-        self._placed[key] = ([(weakref.ref(i), i._version) for i in ids], place)
-        return place
+        self._placed[tuple(names)] = ([(weakref.ref(i), i._version) for i in ids], place)
 
     def forget_lent_versions(self) -> None:
         """The model was written over a lent version (a private copy of those pages now): the next

@@ -100,6 +100,17 @@ class TablesOnShards:
         key = where if T == 1 else where * T + np.repeat(np.arange(T), self.sizes)
         self.counts = np.bincount(key, minlength=S * T).reshape(S, T).tolist()
 
+    @classmethod
+    def found(cls, ids: torch.Tensor, sizes: Sequence[int], num_shards: int, order: torch.Tensor,
+              counts: list[list[int]]) -> TablesOnShards:
+        """The placement a pass over the ids found elsewhere (a read of rows in place finds it as
+        it reads them: client/rows_in_place.py): ids the tables' joined (int64), order and counts
+        as made above (order: each shard's positions among them, shard after shard)."""
+        place = cls.__new__(cls)
+        place.sizes, place.num_shards, place._ids, place._by_shard = list(sizes), num_shards, ids, None
+        place.order, place.counts = (order, counts) if num_shards > 1 else (None, [list(sizes)])
+        return place
+
     def positions(self, shard: int) -> torch.Tensor | None:
         if self.order is None:
             return None

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 import psgrad
+from psgrad.client import rows_in_place as in_place
 from psgrad.client.parameter_client import _ReadPlan
 from psgrad.config import ClientConfig
 from psgrad.wire import row_share
@@ -34,11 +36,32 @@ class Net(nn.Module):
         self.head = nn.Linear(32, 1)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def read_by(request, monkeypatch) -> Iterator[list[int]]:  # type: ignore[no-untyped-def]
+    """Reads in place by the compiled read (every shard lends: one pass per shard), or placed and
+    gathered by torch's ops (before it is compiled, or where a shard does not lend). Returns a
+    list counting, as [kernel's, torch's], the shards' reads each served in place."""
+    served = [0, 0]
+    if request.param == "kernel":
+        if in_place.kernel(wait=True) is None:
+            pytest.skip("the compiled read is unavailable here (numba)")
+    else:
+        monkeypatch.setattr(in_place, "kernel", lambda start=False, wait=False: None)
+    for k, method in enumerate(("read_into", "read")):
+        def counted(self, *args, _inner=getattr(in_place.InPlaceRows, method), _k=k, **kwargs):  # type: ignore[no-untyped-def]
+            got = _inner(self, *args, **kwargs)
+            served[_k] += got is not None
+            return got
+        monkeypatch.setattr(in_place.InPlaceRows, method, counted)
+    yield served
+    assert served[0 if request.param == "kernel" else 1] > 0 and (request.param == "kernel" or not served[0])
+
+
 def lent_files(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"psgrad-rows-{pid}-")]
 
 
-def test_reads_in_place_are_what_the_calls_read(start_servers) -> None:  # type: ignore[no-untyped-def]
+def test_reads_in_place_are_what_the_calls_read(start_servers, read_by) -> None:  # type: ignore[no-untyped-def]
     addresses = start_servers(2)
     with psgrad.connect(addresses, optimizer=psgrad.Adagrad(lr=0.1), client=CLIENT) as ps:
         opt = ps.optimizer(Net())
@@ -74,7 +97,7 @@ def test_reads_in_place_are_what_the_calls_read(start_servers) -> None:  # type:
         assert bool((called["drawn"] != 0).all(dim=1).any())  # (drawn rows: not all zero)
 
 
-def test_an_async_read_in_place_never_sees_a_row_half_updated(start_servers) -> None:  # type: ignore[no-untyped-def]
+def test_an_async_read_in_place_never_sees_a_row_half_updated(start_servers, read_by) -> None:  # type: ignore[no-untyped-def]
     """A second worker pushes a gradient of ones for every element of the same rows, step after step
     (SGD, lr 1: each element of a row moves by the same step, so a whole row has one value at any
     version); the first reads those rows in place meanwhile: every row read has one value."""
