@@ -28,6 +28,7 @@ import json
 import mmap
 import os
 import platform
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -63,6 +64,11 @@ def answered(metadata: Any) -> str | None:
 
 
 TRIES = 3  # reads under a moving counter before a worker asks the shard instead
+#: How long a read waits for the shard to let its lock go (the counter odd: an update, most often
+#: another worker's push being applied) before it asks the shard instead, napping meanwhile (a call
+#: would wait for the same lock, and cost both ends a call's CPU besides).
+PATIENCE_S = 0.005
+_NAP_S = 50e-6
 T = TypeVar("T")
 
 
@@ -141,15 +147,25 @@ class Header:
 
     def consistent(self, read: Callable[[], T]) -> T | None:
         """read()'s result where the shard changed nothing while it ran (the counter the same even
-        number before and after), trying TRIES times; None: it was changing something each time."""
+        number before and after), trying TRIES times, and waiting up to PATIENCE_S for the shard
+        to let its lock go where it holds it; None: it was changing something each time, or held
+        its lock that long."""
         words = self.words
-        for _ in range(TRIES):
+        tries, until = 0, 0.0
+        while tries < TRIES:
             seq = int(words[SEQ])
-            if seq & 1:
+            if seq & 1:  # (held: wait for the release, which makes it even)
+                now = time.monotonic()
+                if not until:
+                    until = now + PATIENCE_S
+                elif now > until:
+                    return None
+                time.sleep(_NAP_S)
                 continue
             got = read()
             if int(words[SEQ]) == seq:
                 return got
+            tries += 1
         return None
 
     def close(self) -> None:
