@@ -308,12 +308,15 @@ class PsgradAgent:
         stepped = trained.pop("stepped")
         transports = self.opt.client.transports()
         prefetch = self.opt.prefetched.stats  # (rows fetched ahead: grouped forwards, served reads, unused rows)
+        # (each shard's reads served in place and those handed to the shard: PullRows calls)
+        lent = [s.rows_in_place for s in self.opt.client.shards if s.rows_in_place is not None]
+        in_place = {"reads": sum(r.reads for r in lent), "missed": sum(r.missed for r in lent)}
         self.session.leave()
         if not cmd["evaluate"]:  # only the worker that scores the test set keeps its session
             self.close()
         return {**trained, "batch": cmd["batch"], "transports": transports,
                 "exchange_ms_per_step": 1e3 * sum(s.wait_s or 0.0 for s in stepped) / len(stepped),
-                "prefetch": dataclasses.asdict(prefetch)}
+                "prefetch": dataclasses.asdict(prefetch), "rows_in_place": in_place}
 
     def evaluate(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The servers' latest weights (every worker's pushes), the test set's scores to a file."""
@@ -451,6 +454,7 @@ class Runner:
                 s.call({"op": "stop"}, SETUP_TIMEOUT_S)
         return {**window(replies), "test_auc": auc(np.load(scores), self.data["labels"]),
                 "exchange_ms_per_step": [r["exchange_ms_per_step"] for r in replies],
+                "rows_in_place": [r["rows_in_place"] for r in replies],
                 "transports": replies[0]["transports"]}
 
     def run_torchrec(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ spread is larger than a tenth), this does: the CPU each layout costs per step, o
     python benchmarks/dlrm_layouts.py --preset tiny                       # CI-sized
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _staged_reads
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off rows_in_place
+    python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _compiled_reads
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,local    # against plain PyTorch
 
 The data: dlrm.py's examples (the same generator: 8 features, bags of 1-3 Zipf ids, 13 dense

@@ -138,6 +138,7 @@ class ParameterClient:
         self.shards = [ShardClient(a, config, role or worker_role(rank)) for a in addresses]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="psgrad-fanout")
         self._staged_reads = True  # (False: a read of several shards hands one to a pool thread each, as before)
+        self._compiled_reads = True  # (False: reads in place placed and gathered by torch's ops, shard by shard)
         trainable = sum(p.numel for p in self.params if not p.buffer)
         # Separate staging buffers for pulls and pushes, so the two may overlap
         self._pull_wires = [WireBuffer(plan.size(i), spec.wire_dtype) for i in range(plan.num_shards)]
@@ -789,7 +790,7 @@ class ParameterClient:
         otherwise (some shard does not lend, or not these tables, or was changing something
         through every try; the kernel is not compiled yet)."""
         lent = [s.rows_in_place for s in self.shards]
-        if not lookups or None in lent:
+        if not (lookups and self._compiled_reads) or None in lent:
             return None
         dims = [self._table(name).dim for name in lookups]
         read = in_place.kernel(start=sum(int(i.numel()) * d for i, d in zip(lookups.values(), dims)) >= in_place.KERNEL_MIN)
