@@ -232,6 +232,8 @@ class InPlaceRows:
             except KeyError:
                 return None
         places, runs, slots = plan
+        if any(run[2].shape[1] != out.shape[1] for run in runs):
+            return None  # (rows of another width than the job's table: the kernel writes whole rows)
         header, generation = self.header, self._generation
         index_, shards = shard
         fresh, counts, at = np.empty(len(ids), np.int64), np.empty(len(names), np.int64), np.empty(2, np.int64)
