@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import secrets
 import threading
@@ -809,7 +808,7 @@ class ParameterClient:
             sizes = [int(i.numel()) for i in tensors]
             ids = joined(tensors).to(torch.int64).contiguous()
             flat = ids.numpy()
-            starts = np.array([0, *itertools.accumulate(sizes)], np.int64)
+            starts = row_placement.starts(sizes)
             out, order = torch.empty(len(flat), dim), torch.empty(len(flat), dtype=torch.int64)
             counts, placed = [], 0
             for i, held in enumerate(lent):

@@ -55,7 +55,7 @@ def _agrees_with_torch(k: Any) -> bool:
         values = torch.randn(50, 5, generator=gen)
         index = torch.randint(-1, 50, (180 // shards + 1,), generator=gen)
         ids = [torch.randint(0, 60, (n,), generator=gen).unique() for n in (0, 7, 30)]
-        flat, starts = torch.cat(ids), _starts([int(i.numel()) for i in ids])
+        flat, starts = torch.cat(ids), row_placement.starts([int(i.numel()) for i in ids])
         out, fresh = torch.full((flat.numel(), 5), 7.0), np.empty(flat.numel(), np.int64)
         order, counts, at = np.empty(flat.numel() + 2, np.int64), np.empty(3, np.int64), np.array([0, 2], np.int64)
         got = k(flat.numpy(), starts, bases, shards, shard, index.numpy(), values.numpy(), out.numpy(), fresh, order,
@@ -84,11 +84,6 @@ def _agrees_with_torch(k: Any) -> bool:
                   np.zeros(2, np.int64)) == -1)
 
 
-def _starts(sizes: Sequence[int]) -> np.ndarray:
-    """[0, sizes[0], sizes[0] + sizes[1], ...] (int64)."""
-    return np.array([0, *np.cumsum(sizes, dtype=np.int64).tolist()], np.int64)
-
-
 def _mapped(name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     """A lent file under /dev/shm, mapped read-only (only ever gathered from: a write would fault)."""
     fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDONLY)
@@ -101,6 +96,12 @@ def _mapped(name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():  # (torch warns of a tensor over a read-only buffer: read here, never written)
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(memoryview(mapped), dtype=torch.uint8).view(dtype)
+
+
+def _initial_rows(p: row_share.TablePlace, ids: torch.Tensor) -> torch.Tensor | float:
+    """The initial values of rows `ids` of a lent table that the shard never stored, as the shard
+    computes them (0.0 for a table whose rows start at zero: nothing to draw)."""
+    return row_placement.initial_rows(p.key, ids, p.dim, p.std) if p.std else 0.0
 
 
 #: A run of tables lent in one arena: (its first table, one past its last, the arena's rows, its row
@@ -204,7 +205,7 @@ class InPlaceRows:
                 if n and bool(mine.any()):
                     k = next(k for k, (_, lo, hi) in enumerate(runs) if lo <= table_start < hi)
                     at = torch.nonzero(mine).squeeze(1)
-                    values = row_placement.initial_rows(p.key, ids[table_start + at], p.dim, p.std) if p.std else 0.0
+                    values = _initial_rows(p, ids[table_start + at])
                     parts[k][at + (table_start - runs[k][1])] = values
                 table_start += n
         self.reads += 1
@@ -257,8 +258,7 @@ class InPlaceRows:
             tables = np.searchsorted(starts, new, "right") - 1
             for t in np.unique(tables).tolist():
                 p, mine = places[t], new[tables == t]
-                out[mine] = row_placement.initial_rows(p.key, torch.from_numpy(ids[mine]), p.dim, p.std).numpy() \
-                    if p.std else 0.0
+                out[mine] = _initial_rows(p, torch.from_numpy(ids[mine]))
         self.reads += 1
         return versions, counts.tolist()
 

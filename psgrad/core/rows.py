@@ -86,7 +86,7 @@ class TablesOnShards:
             # (a pass per shard: its ids' places, in order, and each table's count of them where
             # the tables' boundaries fall among those places; the same order as the stable sort
             # below, at a fraction of its cost and of the bincount's for a worker's few thousand ids)
-            bounds = np.array([0, *itertools.accumulate(self.sizes)], dtype=np.int64)
+            bounds = starts(self.sizes)
             places, counts = [], []
             for s in range(S):
                 found = np.flatnonzero(where == s)
@@ -134,6 +134,12 @@ class TablesOnShards:
             # (numpy's gather of rows: torch's index_select of rows this narrow costs half again as much)
             return list(torch.from_numpy(values.numpy().take(self.order.numpy(), axis=0)).split_with_sizes(sizes))
         return list(values.index_select(0, self.order).split_with_sizes(sizes))
+
+
+def starts(sizes: Sequence[int]) -> np.ndarray:
+    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each part of a concatenation starts, and its
+    end (int64; a Python sum: numpy's cumsum of a short list costs more than its arithmetic)."""
+    return np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)
 
 
 def _shards_of(ids: np.ndarray, num_shards: int, dynamic: bool) -> np.ndarray:

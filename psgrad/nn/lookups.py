@@ -23,7 +23,6 @@ does the same passes with torch's ops in the same order (embedding_bag forward, 
 backward): a job's bits do not depend on when the kernels became ready."""
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 
 from psgrad.core.codecs import joined
 from psgrad.core.compiled import get as _get
+from psgrad.core.rows import starts as _starts
 from psgrad.errors import InvalidRequestError
 
 #: Ids x width of one lookup (or rows x width of a table bound to a job; any dynamic table) from which
@@ -383,12 +383,6 @@ def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
     bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
     return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, kernels_) is None
                for o in bad for kernels_ in (k, None))
-
-
-def _starts(sizes: list[int]) -> np.ndarray:
-    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each part starts, and the end (int64; a
-    Python sum: numpy's cumsum of a short list costs more than its arithmetic)."""
-    return np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
