@@ -10,7 +10,8 @@ table.
 The layout they take: the tables' ids one table after another (table t's at id_start[t] to
 id_start[t + 1]). unique: table t's unique ids, in increasing order, at the start of its place
 (counts[t] of them), and each id's index among them (torch.unique's sorted ids and inverse):
-a hash table gives each id the index of its first occurrence, then the few unique ids are sorted.
+a hash table gives each id the index of its first occurrence, then the few unique ids are sorted
+(a radix sort, a byte a pass, as many passes as their span needs).
 Pooling: the tables' rows in one array [rows, D] (table t's from row_start[t]); each id's row within
 its table (`inverse`); each table's bag starts among its ids (`offsets` [T, B]: bag b of table t is
 its ids offsets[t, b] to offsets[t, b + 1], the last one to its end); the output [B, T * D], table
@@ -46,6 +47,11 @@ def _unique(ids, id_start, unique, inverse, counts):  # pragma: no cover
     firsts = np.empty(most, np.int64)  # the unique ids in the order of their first occurrence
     first_of = np.empty(most, np.int64)  # each id's index among firsts
     rank = np.empty(most, np.int64)
+    # the radix sort's (offset from the least id, index among firsts), in two buffers a pass reads
+    # and writes in turn, and its counts of a byte's values
+    offset, offset_to = np.empty(most, np.uint64), np.empty(most, np.uint64)
+    index, index_to = np.empty(most, np.int64), np.empty(most, np.int64)
+    count = np.empty(256, np.int64)
     for t in range(T):
         s, e = id_start[t], id_start[t + 1]
         at[:] = -1
@@ -59,10 +65,40 @@ def _unique(ids, id_start, unique, inverse, counts):  # pragma: no cover
                 at[h], key[h], firsts[u] = u, x, x
                 u += 1
             first_of[i - s] = at[h]
-        order = np.argsort(firsts[:u])
+        # firsts sorted by a least-significant-byte-first radix sort of their offsets from the least
+        # (unsigned: any int64 span), only as many passes as the span has bytes: three for a
+        # table of a few million rows, where a comparison sort takes several times as long
+        least, most_id = np.int64(0), np.int64(0)
         for j in range(u):
-            rank[order[j]] = j
-            unique[s + j] = firsts[order[j]]
+            x = firsts[j]
+            if j == 0 or x < least:
+                least = x
+            if j == 0 or x > most_id:
+                most_id = x
+        span = np.uint64(most_id) - np.uint64(least)
+        for j in range(u):
+            offset[j] = np.uint64(firsts[j]) - np.uint64(least)
+            index[j] = j
+        by = np.uint64(0)
+        while u > 1:
+            count[:] = 0
+            for j in range(u):
+                count[np.int64((offset[j] >> by) & np.uint64(255))] += 1
+            total = 0
+            for d in range(256):
+                total, count[d] = total + count[d], total
+            for j in range(u):  # (stable: equal bytes keep the order of the pass before)
+                d = np.int64((offset[j] >> by) & np.uint64(255))
+                offset_to[count[d]], index_to[count[d]] = offset[j], index[j]
+                count[d] += 1
+            offset, offset_to = offset_to, offset
+            index, index_to = index_to, index
+            by += np.uint64(8)
+            if by == np.uint64(64) or (span >> by) == np.uint64(0):
+                break
+        for j in range(u):
+            rank[index[j]] = j
+            unique[s + j] = firsts[index[j]]
         for i in range(s, e):
             inverse[i] = rank[first_of[i - s]]
         counts[t] = u
@@ -114,6 +150,10 @@ def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # p
 def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_weight):  # pragma: no cover
     T, B = offsets.shape
     d = grad_weight.shape[1]
+    # each bag's output gradient (a mean's times 1 / size, the same product for each of its rows)
+    # taken into a buffer of its own first: one the rows' gradients cannot overlap, so the compiler
+    # vectorizes their sums (over the output's gradient, of any stride, it did not: twice the time)
+    row = np.empty(d, np.float32)
     for t in range(T):
         first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
         for b in range(B):
@@ -121,15 +161,15 @@ def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_w
             e = offsets[t, b + 1] if b + 1 < B else n
             if mean:
                 scale = np.float32(1) / np.float32(max(e - s, 1))
-                for i in range(s, e):
-                    r = r0 + inverse[first + i]
-                    for j in range(d):
-                        grad_weight[r, j] += scale * grad_out[b, col + j]
+                for j in range(d):
+                    row[j] = scale * grad_out[b, col + j]
             else:
-                for i in range(s, e):
-                    r = r0 + inverse[first + i]
-                    for j in range(d):
-                        grad_weight[r, j] += grad_out[b, col + j]
+                for j in range(d):
+                    row[j] = grad_out[b, col + j]
+            for i in range(s, e):
+                r = r0 + inverse[first + i]
+                for j in range(d):
+                    grad_weight[r, j] += row[j]
 
 
 def _jit(fn, signature, cache: bool):
