@@ -820,7 +820,7 @@ class ParameterClient:
                     read_at[name][i] = version
                 counts.append(got[1])
                 placed += sum(got[1])
-            rows.update(zip(names, out.split(sizes)))
+            rows.update(zip(names, out.split_with_sizes(sizes)))
             # (the step's push of these rows' gradients splits them as placed here)
             self._keep_placement(names, tensors, row_placement.TablesOnShards.found(ids, sizes, len(lent), order, counts))
         if not observe:
@@ -1106,7 +1106,7 @@ class _ReadPlan:
                 if not observe:
                     self._client.row_versions[(table, i)] = version
         return row_placement.PulledRows({name: rows for (names, place), group in zip(self._groups, out)
-                                         for name, rows in zip(names, group.split(place.sizes))}, read)
+                                         for name, rows in zip(names, group.split_with_sizes(place.sizes))}, read)
 
 
 def _float_rows(data: memoryview, rows: int, dim: int) -> np.ndarray:

@@ -279,7 +279,7 @@ class _Pooled(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
-        parts = plan.backward(grad_out).split(plan.sizes)
+        parts = plan.backward(grad_out).split_with_sizes(plan.sizes)
         return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
 
 
@@ -302,7 +302,7 @@ class _PooledApart(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32)
                                   for g in grads], dim=1)
-        parts = plan.backward(grad_out).split(plan.sizes)
+        parts = plan.backward(grad_out).split_with_sizes(plan.sizes)
         out = [p if g is not None and need else None for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])]
         for touched, p in zip(plan.touched, out):
             if touched is not None and p is not None:

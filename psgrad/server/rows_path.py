@@ -123,7 +123,7 @@ class Rows:
                     got = arena.rows(arena.ids_of(members, ids_), checked=True)
                 else:
                     got = arena.read_at(found[0], found[1], found[2])
-                parts = got.split([i.numel() for i in ids_])
+                parts = got.split_with_sizes([i.numel() for i in ids_])
                 for i, part in zip(places, parts):
                     read[i] = part
             out = []
@@ -307,7 +307,7 @@ class Rows:
             else:
                 arena_ids = found[0]
                 made_ = arena.reserve(arena_ids, may_evict, slots=found[1], new=found[2])
-            parts = made_.split([i.numel() for i in ids_])
+            parts = made_.split_with_sizes([i.numel() for i in ids_])
             out.update((names[i], part) for i, part in zip(places, parts))
             out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_, arena.placement())
         for name, t in zip(names, tables):

@@ -180,18 +180,18 @@ class RowBlock:
 
     def lookups(self) -> BlockLookups:
         """(table, its ids) for each table, in order (views of the ids)."""
-        return BlockLookups(zip(self.tables, self.ids.split(self.counts)) if self.tables else (), self.ids)
+        return BlockLookups(zip(self.tables, self.ids.split_with_sizes(self.counts)) if self.tables else (), self.ids)
 
     def updates(self) -> BlockGradients:
         """A push's row gradients by table (tables with ids only): views of the block."""
         assert self.grads is not None, "a read's block holds no gradients"
         out = BlockGradients(self)
-        ids = self.ids.split(self.counts)
+        ids = self.ids.split_with_sizes(self.counts)
         if len(set(self.widths)) == 1:
-            grads = self.grads.view(-1, self.widths[0]).split(self.counts)
+            grads = self.grads.view(-1, self.widths[0]).split_with_sizes(self.counts)
         else:
             grads = tuple(g.view(c, w) for g, c, w in zip(
-                self.grads.split([c * w for c, w in zip(self.counts, self.widths)]), self.counts, self.widths))
+                self.grads.split_with_sizes([c * w for c, w in zip(self.counts, self.widths)]), self.counts, self.widths))
         for t, i, g, b, c in zip(self.tables, ids, grads, self.base_versions, self.counts):
             if c:
                 out[t] = (i, g, b)
