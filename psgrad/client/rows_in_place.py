@@ -45,10 +45,10 @@ def _make() -> Any:
 
 def _agrees_with_torch(k: Any) -> bool:
     """Whether the kernel reads what torch's gathers read (tables of no ids, some, several bases;
-    one shard and several, a power of two of them or not): each id on the shard its stored row, the positions of those never
-    stored, other rows untouched; the positions of the shard's ids and each table's count of them
-    (as core/rows.py's TablesOnShards places them); and -1 for an index place or a slot past what
-    is mapped."""
+    one shard and several, a power of two of them or not): each id on the shard its stored row,
+    the positions of those never stored, other rows untouched; the positions of the shard's ids and
+    each table's count of them (as core/rows.py's TablesOnShards places them); and -1 for an index
+    place or a slot past what is mapped."""
     gen = torch.Generator().manual_seed(0)
     bases = np.array([0, 60, 120], np.int64)
     for shards, shard in ((1, 0), (2, 1), (3, 2), (4, 3)):

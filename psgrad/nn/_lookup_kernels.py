@@ -68,14 +68,14 @@ def _unique(ids, id_start, unique, inverse, counts):  # pragma: no cover
         # firsts sorted by a least-significant-byte-first radix sort of their offsets from the least
         # (unsigned: any int64 span), only as many passes as the span has bytes: three for a
         # table of a few million rows, where a comparison sort takes several times as long
-        least, most_id = np.int64(0), np.int64(0)
+        least, greatest = np.int64(0), np.int64(0)
         for j in range(u):
             x = firsts[j]
             if j == 0 or x < least:
                 least = x
-            if j == 0 or x > most_id:
-                most_id = x
-        span = np.uint64(most_id) - np.uint64(least)
+            if j == 0 or x > greatest:
+                greatest = x
+        span = np.uint64(greatest) - np.uint64(least)
         for j in range(u):
             offset[j] = np.uint64(firsts[j]) - np.uint64(least)
             index[j] = j
