@@ -128,6 +128,7 @@ def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # p
     # a block of its own), else [B, T * D] (see the module doc)
     T, B = offsets.shape
     d = weight.shape[1]
+    total = np.empty(d, np.float32)  # (a mean's sum, divided as it is stored: one pass over the output row)
     for t in range(T):
         first, n, r0 = id_start[t], id_start[t + 1] - id_start[t], row_start[t]
         col = 0 if apart else t * d
@@ -135,16 +136,23 @@ def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # p
             o = t * B + b if apart else b
             s = offsets[t, b]
             e = offsets[t, b + 1] if b + 1 < B else n
+            if mean:
+                for j in range(d):
+                    total[j] = 0
+                for i in range(s, e):
+                    r = r0 + inverse[first + i]
+                    for j in range(d):
+                        total[j] += weight[r, j]
+                size = np.float32(max(e - s, 1))  # (an empty bag: zeros, divided by nothing)
+                for j in range(d):
+                    out[o, col + j] = total[j] / size
+                continue
             for j in range(d):
                 out[o, col + j] = 0
             for i in range(s, e):
                 r = r0 + inverse[first + i]
                 for j in range(d):
                     out[o, col + j] += weight[r, j]
-            if mean and e > s:
-                size = np.float32(e - s)
-                for j in range(d):
-                    out[o, col + j] /= size
 
 
 def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_weight):  # pragma: no cover
