@@ -42,8 +42,8 @@ LOOKUP_KERNEL_MIN = 16384
 
 
 #: The most ids of one table whose unique ids the kernel finds: its hash table, indices and sort's
-#: buffers take about 88 bytes an id (a forward's few thousand ids: kilobytes); more (an evaluation of a huge
-#: batch) go to torch.unique, whose sort needs less memory.
+#: buffers take about 88 bytes an id (a forward's few thousand ids: kilobytes); more (an
+#: evaluation of a huge batch) go to torch.unique, whose sort needs less memory.
 UNIQUE_MAX_IDS = 1 << 20
 
 

@@ -190,8 +190,8 @@ class RowBlock:
         if len(set(self.widths)) == 1:
             grads = self.grads.view(-1, self.widths[0]).split_with_sizes(self.counts)
         else:
-            grads = tuple(g.view(c, w) for g, c, w in zip(
-                self.grads.split_with_sizes([c * w for c, w in zip(self.counts, self.widths)]), self.counts, self.widths))
+            sizes = [c * w for c, w in zip(self.counts, self.widths)]
+            grads = tuple(g.view(c, w) for g, c, w in zip(self.grads.split_with_sizes(sizes), self.counts, self.widths))
         for t, i, g, b, c in zip(self.tables, ids, grads, self.base_versions, self.counts):
             if c:
                 out[t] = (i, g, b)

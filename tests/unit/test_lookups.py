@@ -60,13 +60,13 @@ def test_unique_ids_are_sorted_whatever_their_span() -> None:
     """The kernel sorts each table's unique ids by their offsets from the least, a byte a pass, as
     many passes as the span needs: spans of one byte, of three (a table of millions of rows) and of
     all eight (any int64, both signs), ids all one, and a table of one id, each sorted as torch's."""
+    pytest.importorskip("numba")
+    from psgrad.nn._lookup_kernels import KERNELS  # (the kernel itself: a wrong one is not served, see the check)
+
     gen = torch.Generator().manual_seed(3)
     tables = [torch.randint(7, 7 + 256, (500,), generator=gen), torch.randint(0, 1 << 23, (3000,), generator=gen),
               torch.randint(-(1 << 62), 1 << 62, (800,), generator=gen) * 2, torch.full((40,), -9),
               torch.tensor([1 << 40]), torch.randint(255, 257, (9,), generator=gen)]
-    pytest.importorskip("numba")
-    from psgrad.nn._lookup_kernels import KERNELS  # (the kernel itself: a wrong one is not served, see the check)
-
     got = lookups._unique_with(KERNELS, tables)
     for ids, (unique, inverse) in zip(tables, got):
         u, i = torch.unique(ids, sorted=True, return_inverse=True)
