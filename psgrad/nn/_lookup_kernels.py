@@ -125,7 +125,8 @@ def _valid(inverse, id_start, offsets, rows_of):  # pragma: no cover
 
 def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # pragma: no cover
     # apart: out is [T * B, D], table t's bags in rows t * B to (t + 1) * B (each table's output
-    # a block of its own), else [B, T * D] (see the module doc)
+    # a block of its own), else [B, T * D] (see the module doc; several tables' [B, T * D] output
+    # is _pool_by_bag's to write)
     T, B = offsets.shape
     d = weight.shape[1]
     total = np.empty(d, np.float32)  # (a mean's sum, divided as it is stored: one pass over the output row)
@@ -155,16 +156,49 @@ def _pool(weight, inverse, id_start, offsets, row_start, mean, apart, out):  # p
                     out[o, col + j] += weight[r, j]
 
 
+def _pool_by_bag(weight, inverse, id_start, offsets, row_start, mean, out):  # pragma: no cover
+    # _pool's [B, T * D] output, bag after bag: each bag's row of the output written whole, each
+    # of its tables in turn (table after table came back to every row of the output once a
+    # table: half as long again in a training step, whose servers share the caches)
+    T, B = offsets.shape
+    d = weight.shape[1]
+    total = np.empty(d, np.float32)
+    for b in range(B):
+        for t in range(T):
+            first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
+            s = offsets[t, b]
+            e = offsets[t, b + 1] if b + 1 < B else n
+            if mean:
+                for j in range(d):
+                    total[j] = 0
+                for i in range(s, e):
+                    r = r0 + inverse[first + i]
+                    for j in range(d):
+                        total[j] += weight[r, j]
+                size = np.float32(max(e - s, 1))
+                for j in range(d):
+                    out[b, col + j] = total[j] / size
+                continue
+            for j in range(d):
+                out[b, col + j] = 0
+            for i in range(s, e):
+                r = r0 + inverse[first + i]
+                for j in range(d):
+                    out[b, col + j] += weight[r, j]
+
+
 def _pool_backward(grad_out, inverse, id_start, offsets, row_start, mean, grad_weight):  # pragma: no cover
     T, B = offsets.shape
     d = grad_weight.shape[1]
     # each bag's output gradient (a mean's times 1 / size, the same product for each of its rows)
     # taken into a buffer of its own first: one the rows' gradients cannot overlap, so the compiler
-    # vectorizes their sums (over the output's gradient, of any stride, it did not: twice the time)
+    # vectorizes their sums (over the output's gradient, of any stride, it did not: twice the time).
+    # Bag after bag, each bag's tables in turn: the output's gradient read row by row as it lies
+    # (a row's gradients still add in the order of its table's ids: the tables' rows are apart)
     row = np.empty(d, np.float32)
-    for t in range(T):
-        first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
-        for b in range(B):
+    for b in range(B):
+        for t in range(T):
+            first, n, r0, col = id_start[t], id_start[t + 1] - id_start[t], row_start[t], t * d
             s = offsets[t, b]
             e = offsets[t, b + 1] if b + 1 < B else n
             if mean:
@@ -191,6 +225,7 @@ def _compile(cache: bool) -> dict[str, object]:
         "unique": _jit(_unique, types.void(_I64_IN, _I64_IN, _I64, _I64, _I64), cache),
         "valid": _jit(_valid, b(_I64_IN, _I64_IN, _I64_2D_IN, _I64_IN), cache),
         "pool": _jit(_pool, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, b, _F32), cache),
+        "pool_by_bag": _jit(_pool_by_bag, types.void(_F32_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b, _F32), cache),
         "pool_backward": _jit(_pool_backward, types.void(_F32_STRIDED_IN, _I64_IN, _I64_IN, _I64_2D_IN, _I64_IN, b,
                                                          _F32), cache),
     }

@@ -461,9 +461,12 @@ class SparseEmbedding(nn.Module):
                                       f"got {ids.dtype}")
         return None
 
-    def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check the unique ids of `ids` and keep them for the next unique_ids of the same tensor."""
-        rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}", ordered=True)
+    def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
+                  checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the unique ids of `ids` (checked: the caller found them in range) and keep them for
+        the next unique_ids of the same tensor."""
+        if not checked:
+            rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}", ordered=True)
         # (not through nn.Module.__setattr__, which looks for a parameter, buffer or module of the
         # name first: a step sets this for every table)
         self.__dict__["_last_unique"] = (weakref.ref(ids), ids._version, unique, inverse)
@@ -970,13 +973,15 @@ def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Ten
     if not todo:
         return out  # type: ignore[return-value]
     fused = lookups.unique_ids([inputs[k] for k in todo], max(modules[k].embedding_dim for k in todo))
+    # (the kernel's ids in range for all the tables at once: checked each on its own, where one is not)
+    fine = fused.within([modules[k].num_embeddings for k in todo]) if fused is not None else []
     for n, k in enumerate(todo):
         if fused is not None:
             unique, inverse = fused[n]
         else:
             unique, inverse = torch.unique(inputs[k].reshape(-1), sorted=True, return_inverse=True)
             unique, inverse = unique.to("cpu", torch.int64), inverse.view(inputs[k].shape)
-        out[k] = modules[k]._remember(inputs[k], unique, inverse)
+        out[k] = modules[k]._remember(inputs[k], unique, inverse, checked=bool(fine and fine[n]))
     return out  # type: ignore[return-value]
 
 

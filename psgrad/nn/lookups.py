@@ -59,7 +59,23 @@ def _make() -> dict[str, Any] | None:
     return KERNELS if _unique_agrees_with_torch(KERNELS) and _pooling_agrees_with_torch(KERNELS) else None
 
 
-def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+class UniqueIds(list[tuple[torch.Tensor, torch.Tensor]]):
+    """unique_ids()'s result: per tensor of ids, (unique, inverse); and the least and the greatest
+    of each one's unique ids, for a range check of all the tables at once (`within`)."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: np.ndarray, least: np.ndarray,
+                 greatest: np.ndarray) -> None:
+        super().__init__(pairs)
+        self.counts, self.least, self.greatest = counts, least, greatest
+
+    def within(self, sizes: Sequence[int]) -> list[bool]:
+        """Per tensor of ids, whether all its ids lie in [0, sizes[t]) (no ids: yes; a size of 0,
+        a dynamic table's, no: its own check says what it takes)."""
+        size = np.asarray(sizes, dtype=np.int64)
+        return ((self.counts == 0) | ((size > 0) & (self.least >= 0) & (self.greatest < size))).tolist()
+
+
+def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> UniqueIds | None:
     """torch.unique(i.reshape(-1), sorted=True, return_inverse=True) of each tensor of ids (of
     tables `dim` wide), as (unique int64, inverse int64 shaped as i), in one pass: or None, where
     the kernels do not serve these ids (see the module doc)."""
@@ -74,18 +90,25 @@ def unique_ids(ids: Sequence[torch.Tensor], dim: int) -> list[tuple[torch.Tensor
     return _unique_with(k, ids)
 
 
-def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> UniqueIds:
     flat = [i if i.dim() == 1 else i.reshape(-1) for i in ids]
     sizes = [int(f.numel()) for f in flat]
     all_ids = (torch.cat(flat) if len(flat) > 1 else flat[0]).to(torch.int64).contiguous()
     unique, inverse, counts = torch.empty_like(all_ids), torch.empty_like(all_ids), np.empty(len(flat), np.int64)
-    k["unique"](all_ids.numpy(), _starts(sizes), unique.numpy(), inverse.numpy(), counts)
+    starts = _starts(sizes)
+    u = unique.numpy()
+    k["unique"](all_ids.numpy(), starts, u, inverse.numpy(), counts)
     # (each table's unique ids begin its place: one split into them and the rest of each place, one
     # into the inverses; a few torch calls for all the tables, where slicing costs some per table)
     kept = counts.tolist()
     uniques = unique.split_with_sizes([n for c, size in zip(kept, sizes) for n in (c, size - c)])[::2]
     inverses = inverse.split_with_sizes(sizes)
-    return [(u, inv if i.dim() == 1 else inv.view(i.shape)) for i, u, inv in zip(ids, uniques, inverses)]
+    # (each table's least and greatest unique id, its first and last: read for all the tables at
+    # once; a table of no ids reads any place, and counts 0)
+    first = np.minimum(starts[:-1], max(len(u) - 1, 0))
+    ends = (u[first], u[first + np.maximum(counts - 1, 0)]) if len(u) else (counts, counts)
+    return UniqueIds([(uq, inv if i.dim() == 1 else inv.view(i.shape)) for i, uq, inv in zip(ids, uniques, inverses)],
+                     counts, *ends)
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
@@ -172,7 +195,7 @@ class _Plan:
         self.bags = int(starts[0].numel())
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
-            self.inverse = (torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()).numpy()
+            self.inverse = _joined_ids(flat).numpy()
             self.id_start = _starts([int(f.numel()) for f in flat])
             self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
@@ -225,8 +248,12 @@ class _Plan:
         if self.k is None:
             return torch.cat(self._each(weights), dim=1)
         out = torch.empty(self.bags, len(weights) * self.dim)
-        self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
-                       self.mean, False, out.numpy())
+        if len(weights) > 1:  # (the output written row by row, each bag's tables in turn: see _pool_by_bag)
+            self.k["pool_by_bag"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets,
+                                  self.row_start, self.mean, out.numpy())
+        else:
+            self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets,
+                           self.row_start, self.mean, False, out.numpy())
         return out
 
     def forward_apart(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -268,6 +295,23 @@ class _Plan:
                 source = source * (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag).unsqueeze(1)
             part.index_add_(0, i, source)
         return grad
+
+
+def _joined_ids(flat: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(flat) of 1-D int64 tensors: a view where they lie one after another in one
+    storage (the inverses unique_ids() splits from one tensor do), else a copy."""
+    first = flat[0]
+    if len(flat) == 1:
+        return first.contiguous()
+    base, at = first._base, first.storage_offset()
+    if base is None or not first.is_contiguous():
+        return torch.cat(flat)
+    start = at
+    for f in flat:  # (views of one base: their storage goes without asking)
+        if f._base is not base or f.storage_offset() != at or not f.is_contiguous():
+            return torch.cat(flat)
+        at += f.numel()
+    return first.as_strided((at - start,), (1,))
 
 
 class _Pooled(torch.autograd.Function):

@@ -337,6 +337,33 @@ def test_a_steps_lookups_of_separate_modules_are_found_in_one_pass(kernels, monk
     assert got.keys() == expect.keys() and all(len(got[k]) == 1 and torch.equal(got[k][0], expect[k]) for k in expect)
 
 
+def test_the_ids_of_every_table_found_in_one_pass_are_checked_against_its_rows(kernels) -> None:  # type: ignore[no-untyped-def]
+    """The unique ids found for several tables at once are checked against each table's rows at
+    once (their least and greatest): in range, none, below 0, at the end; a dynamic table's (any
+    id) by its own check; an id out of range is named with its table, whichever it is."""
+    from psgrad.nn.embedding import unique_ids_of
+
+    found = lookups.unique_ids([torch.tensor([3, 0, 9]), torch.empty(0, dtype=torch.int64), torch.tensor([4, -1]),
+                                torch.tensor([2, 10, 5]), torch.tensor([1 << 50])], 8)
+    assert found is not None
+    assert found.within([10, 10, 10, 10, 0]) == [True, True, False, False, False]
+    assert found.within([10, 10, 10, 11, 0]) == [True, True, False, True, False]
+    bags = {name: psgrad.EmbeddingBag(rows, 4) for name, rows in (("a", 10), ("b", 10), ("c", None))}
+    for name, bag in bags.items():
+        bag.table = name
+    modules = list(bags.values())
+    ids = [torch.tensor([9, 0]), torch.tensor([5]), torch.tensor([1 << 50, 7])]
+    got = unique_ids_of(modules, ids)
+    assert [u.tolist() for u, _ in got] == [[0, 9], [5], [7, 1 << 50]]
+    for k, bad in ((0, 10), (1, -1), (0, -3)):
+        wrong = list(ids)
+        wrong[k] = torch.tensor([2, bad])
+        with pytest.raises(InvalidRequestError, match=f"table '{'ab'[k]}': row id {bad} is out of range"):
+            unique_ids_of(modules, wrong)
+    with pytest.raises(InvalidRequestError, match="table 'c': row id .* the two smallest int64 ids"):
+        unique_ids_of(modules, [ids[0], ids[1], torch.tensor([-(1 << 63)])])
+
+
 def test_a_collections_features_are_checked_and_refused_by_name() -> None:
     """What a collection is built from and fed is checked before any lookup: table shapes as two
     integers, features of one batch size, keyed lengths that are integers >= 0, tensors of ids."""
