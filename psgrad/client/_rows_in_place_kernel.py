@@ -13,6 +13,7 @@ checks it against torch's gathers and core/rows.py's placement after compiling."
 from __future__ import annotations
 
 import numba
+import numpy as np
 from numba import types
 
 _F32 = types.Array(types.float32, 2, "C")
@@ -37,6 +38,11 @@ def _read(ids, starts, bases, num_shards, shard, index, values, out, fresh, orde
     pow2, low, by = num_shards & (num_shards - 1) == 0, num_shards - 1, 0
     while (1 << by) < num_shards:
         by += 1
+    # Two passes: the shard's ids placed and their slots read from the index, then their rows
+    # copied. Each pass's loads are independent of each other, so many are in flight at once,
+    # where one pass waited on each id's slot before it could read its row.
+    o0 = o
+    slot_of = np.empty(order.shape[0] - o0, np.int64)
     for t in range(bases.shape[0]):
         base = bases[t]
         counts[t] = 0
@@ -46,17 +52,21 @@ def _read(ids, starts, bases, num_shards, shard, index, values, out, fresh, orde
                 continue
             counts[t] += 1
             order[o] = p
-            o += 1
             a = (r + base) >> by if pow2 else (r + base) // num_shards
             if a < 0 or a >= n_index:
                 return -1
             s = index[a]
+            if s >= n_rows:
+                return -1
             if s < 0:
                 fresh[k] = p
                 k += 1
-                continue
-            if s >= n_rows:
-                return -1
+            slot_of[o - o0] = s
+            o += 1
+    for q in range(o - o0):
+        s = slot_of[q]
+        if s >= 0:
+            p = order[o0 + q]
             for j in range(d):
                 out[p, j] = values[s, j]
     at[0], at[1] = k, o

@@ -26,11 +26,16 @@ def _locate(ids, counts, sizes, bases, num_shards, index, ascending, find, slot_
     # of the first id out of range, on another shard, or (ascending) not above the one before it
     # in arena order; -1: none), and the number of ids never stored.
     at, new, last = 0, 0, np.int64(-1)
+    # (a power of two of shards, as most jobs have: a mask and a shift where a division by a
+    # number known only now takes tens of cycles, twice an id; r and a are >= 0 where they are used)
+    pow2, low, by = num_shards & (num_shards - 1) == 0, num_shards - 1, 0
+    while (1 << by) < num_shards:
+        by += 1
     for k in range(counts.shape[0]):
         size, base = sizes[k], bases[k]
         for _ in range(counts[k]):
             r = ids[at]
-            if r < 0 or r >= size or (num_shards > 1 and r % num_shards != index):
+            if r < 0 or r >= size or (num_shards > 1 and (r & low if pow2 else r % num_shards) != index):
                 return at, new
             a = r + base
             if ascending and a <= last:
@@ -40,7 +45,7 @@ def _locate(ids, counts, sizes, bases, num_shards, index, ascending, find, slot_
             if not find:
                 continue
             arena_ids[at - 1] = a
-            s = slot_of[a // num_shards]
+            s = slot_of[a >> by if pow2 else a // num_shards]
             slots[at - 1] = s
             if s < 0:
                 new += 1

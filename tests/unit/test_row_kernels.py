@@ -134,6 +134,27 @@ def test_locate_names_the_first_id_the_checks_refuse(k: kernels.RowKernels, ids:
                     _index(30, {}).slots, find=False) == (bad, 0, None, None)
 
 
+@pytest.mark.parametrize("shards,shard", [(1, 0), (2, 1), (3, 2), (4, 3), (5, 0)])
+def test_locate_places_ids_on_any_number_of_shards(k: kernels.RowKernels, shards: int, shard: int) -> None:
+    """A power of two of shards (a mask and a shift) or not (divisions): the shard's ids found at
+    the index's places (two tables, the second based at 60), an id of another shard refused at its
+    position."""
+    mine = [[r for r in range(10) if r % shards == shard], [r for r in range(20) if r % shards == shard]]
+    stored = {a: slot for slot, a in enumerate(a for a in range(80) if a % shards == shard and (a // shards) % 2)}
+    index = DenseIndex(80, shard, shards)
+    index.assign(torch.tensor(sorted(stored)), torch.tensor([stored[a] for a in sorted(stored)]))
+    flat = torch.tensor([i for part in mine for i in part], dtype=torch.int64)
+    bad, new, arena_ids, slots = k.locate(flat, np.array([len(p) for p in mine]), np.array([10, 20]),
+                                          np.array([0, 60]), shards, shard, True, index.slots)
+    assert bad == -1 and arena_ids.tolist() == [*mine[0], *(r + 60 for r in mine[1])]
+    assert slots.tolist() == index.lookup(arena_ids).tolist() and new == sum(s < 0 for s in slots.tolist())
+    assert 0 < new < len(slots)  # (some stored, some not)
+    if shards > 1:
+        wrong = torch.tensor([*mine[0], 10 + (shard + 1) % shards], dtype=torch.int64)  # (past the others, another shard's)
+        assert k.locate(wrong, np.array([len(wrong), 0]), np.array([20, 20]), np.array([0, 60]), shards, shard, True,
+                        index.slots)[0] == len(mine[0])
+
+
 def test_a_check_alone_passes_what_locate_passes_and_reads_no_index(k: kernels.RowKernels) -> None:
     flat = torch.tensor([1, 3, 9, 1, 7], dtype=torch.int64)
     counts, sizes, bases = np.array([3, 2]), np.array([10, 20]), np.array([0, 10])
