@@ -581,7 +581,8 @@ class ParameterServicer:
         built by hand so the rows read and the weights are copied once, when it is joined (the
         weights, unless compressed, once before that: from the version's copy)."""
         h = req.push
-        reads = _reads(req.read_block, f"step of worker rank {h.rank}")
+        # (most steps read none: a forward's rows are read in place or ahead; nothing parsed then)
+        reads = _reads(req.read_block, f"step of worker rank {h.rank}") if req.HasField("read_block") else []
         # checked before the push: a read refused then leaves the push unapplied
         read_bytes = self.shard.rows.check_reads(h.rank, h.fingerprint, reads) if reads else 0
         delta = req.delta if req.HasField("delta") else None
