@@ -91,7 +91,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         and ns.repeats == CompareConfig.repeats and ns.num_workers == CompareConfig.num_workers
         and ns.num_servers == CompareConfig.num_servers
     )
-    eta = " (about 2 minutes on a 2-core machine with these defaults)" if defaults else ""
+    eta = " (about 20 s on an idle 2-core machine with these defaults, minutes on a busy one)" if defaults else ""
     print(
         f"psgrad compare: {', '.join(m.label for m in cfg.modes)} x {cfg.repeats} repeat(s) = {runs} runs, "
         f"{cfg.num_servers} servers + {cfg.num_workers} workers each, {cfg.steps} steps of {cfg.task} "
