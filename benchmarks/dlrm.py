@@ -632,7 +632,8 @@ def table(doc: dict[str, Any]) -> str:
     for key, why in doc["skipped"].items():
         lines.append(f"{key:<26} skipped: {why}")
     for t in doc["targets"]:
-        side = "psgrad's higher" if t.get("gap", 0) > 0 else "psgrad's lower" if t.get("gap", 0) < 0 else "equal"
+        shown = round(t.get("gap", 0.0), 4)  # (as printed: a gap of +0.0000 is equal)
+        side = "psgrad's higher" if shown > 0 else "psgrad's lower" if shown < 0 else "equal"
         got = (f"AUC gap {t['gap']:+.4f}, {side} (goal within {t['target']})" if t["better"] == "within"
                else f"{t['ratio']:.2f} (goal >= {t['target']})")
         pairs = t.get("paired")
