@@ -195,7 +195,7 @@ class _Plan:
         self.bags = int(starts[0].numel())
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
-            self.inverse = _joined_ids(flat).numpy()
+            self.inverse = joined(flat).contiguous().numpy()
             self.id_start = _starts([int(f.numel()) for f in flat])
             self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
@@ -295,23 +295,6 @@ class _Plan:
                 source = source * (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag).unsqueeze(1)
             part.index_add_(0, i, source)
         return grad
-
-
-def _joined_ids(flat: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(flat) of 1-D int64 tensors: a view where they lie one after another in one
-    storage (the inverses unique_ids() splits from one tensor do), else a copy."""
-    first = flat[0]
-    if len(flat) == 1:
-        return first.contiguous()
-    base, at = first._base, first.storage_offset()
-    if base is None or not first.is_contiguous():
-        return torch.cat(flat)
-    start = at
-    for f in flat:  # (views of one base: their storage goes without asking)
-        if f._base is not base or f.storage_offset() != at or not f.is_contiguous():
-            return torch.cat(flat)
-        at += f.numel()
-    return first.as_strided((at - start,), (1,))
 
 
 class _Pooled(torch.autograd.Function):
