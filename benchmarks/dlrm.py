@@ -63,8 +63,10 @@ In sync mode psgrad applies the mean of the two workers' gradients; TorchRec's d
 that mean too (DDP), its rows' gradients the sum over ranks of each rank's batch-mean (Adagrad's
 step does not change with a gradient's scale, eps aside). psgrad async applies each push alone.
 
-Each run trains --warmup + --steps steps per worker; samples/s = both workers' timed samples
-over the window from the first worker's first timed step to the last one's end (both sides time
+Each run trains --warmup + --steps steps per worker (full: 20 + 800, about 8 s a run: 200 timed
+steps left the runs short against the machine's slow phases, and compared test AUC while async
+psgrad was still ahead of sync early in training; see docs/benchmarks/dlrm.md); samples/s = both
+workers' timed samples over the window from the first worker's first timed step to the last one's end (both sides time
 with time.monotonic, one clock for the host's processes). The runs alternate, psgrad then TorchRec
 (psgrad sync, TorchRec, psgrad async, TorchRec, ... per layout), the order reversed every other
 repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). With --bind-cores
@@ -137,7 +139,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"features": 8, "rows": 20_000, "dim": 8, "batch": 64, "warmup": 3, "steps": 12, "test": 4_000,
              "eval_batch": 1_000, "reps": 1, "layouts": ["separate", "single", "collection", "collection+pipeline"],
              "modes": ["sync", "async"]},
-    "full": {"features": 8, "rows": 1_000_000, "dim": 32, "batch": 512, "warmup": 20, "steps": 200, "test": 20_000,
+    "full": {"features": 8, "rows": 1_000_000, "dim": 32, "batch": 512, "warmup": 20, "steps": 800, "test": 20_000,
              "eval_batch": 2_000, "reps": 3, "layouts": ["separate", "single", "collection", "separate+pipeline", "collection+pipeline"],
              "modes": ["sync", "async"]},
 }
