@@ -66,10 +66,11 @@ step does not change with a gradient's scale, eps aside). psgrad async applies e
 Each run trains --warmup + --steps steps per worker (full: 20 + 800, about 8 s a run: 200 timed
 steps left the runs short against the machine's slow phases, and compared test AUC while async
 psgrad was still ahead of sync early in training; see docs/benchmarks/dlrm.md); samples/s = both
-workers' timed samples over the window from the first worker's first timed step to the last one's end (both sides time
-with time.monotonic, one clock for the host's processes). The runs alternate, psgrad then TorchRec
-(psgrad sync, TorchRec, psgrad async, TorchRec, ... per layout), the order reversed every other
-repetition, for --reps repetitions; the side not running is stopped (SIGSTOP). With --bind-cores
+workers' timed samples over the window from the first worker's first timed step to the last
+one's end (both sides time with time.monotonic, one clock for the host's processes). The runs
+alternate, psgrad then TorchRec (psgrad sync, TorchRec, psgrad async, TorchRec, ... per layout),
+the order reversed every other repetition, for --reps repetitions; the side not running is
+stopped (SIGSTOP). With --bind-cores
 each worker of both systems is bound to its share of the cores from its start (rank r of 2: the
 r-th half; psgrad's by psgrad.bind_cores, TorchRec's ranks by the same rule), the servers left on
 every core; without it (the default, as each system runs unless asked) the kernel places them. Figures are
