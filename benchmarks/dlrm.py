@@ -5,6 +5,7 @@ test AUC side by side.
     python benchmarks/dlrm.py --preset full                   # 8 tables of 1M x 32; TorchRec beside psgrad
     python benchmarks/dlrm.py --preset full --layouts separate,single --reps 3
     python benchmarks/dlrm.py --preset tiny --no-torchrec     # CI-sized, psgrad only
+    python benchmarks/dlrm.py --preset full --features 26 --steps 400 --reps 2 --layouts separate,single,collection
 
 TorchRec is not a psgrad dependency: it runs from an interpreter of its own (--torchrec-python,
 default /work/torchrec-venv/bin/python when it exists), made once with (torchrec 1.9.x does not
@@ -650,6 +651,8 @@ def table(doc: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_preset(parser, PRESETS, "table sizes, steps and repetitions")
+    parser.add_argument("--features", type=int,
+                        help="override the categorical features, one table each (8; Criteo's click logs have 26)")
     parser.add_argument("--rows", type=int, help="override the rows of each feature's table")
     parser.add_argument("--dim", type=int, help="override the embedding width")
     parser.add_argument("--batch", type=int, help="override the batch per worker")
@@ -681,8 +684,8 @@ def main() -> None:
         set(p["modes"]) - set(MODES))
     if bad:
         parser.error(f"unknown layouts or modes: {', '.join(bad)}")
-    if min(p["rows"], p["dim"], p["batch"], p["steps"], p["reps"]) < 1 or p["warmup"] < 0 or args.zipf <= 1:
-        parser.error("rows, dim, batch, steps and reps must be >= 1, warmup >= 0, --zipf > 1")
+    if min(p["features"], p["rows"], p["dim"], p["batch"], p["steps"], p["reps"]) < 1 or p["warmup"] < 0 or args.zipf <= 1:
+        parser.error("features, rows, dim, batch, steps and reps must be >= 1, warmup >= 0, --zipf > 1")
     if p["test"] % (WORKERS * p["eval_batch"]):
         parser.error(f"--test must be a multiple of {WORKERS * p['eval_batch']} (TorchRec's ranks score halves)")
     load_before, t0 = list(os.getloadavg()), time.monotonic()

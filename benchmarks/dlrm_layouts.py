@@ -7,6 +7,7 @@ spread is larger than a tenth), this does: the CPU each layout costs per step, o
     python benchmarks/dlrm_layouts.py --preset full                       # separate vs single, 400 steps x 2
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,collection
     python benchmarks/dlrm_layouts.py --preset tiny                       # CI-sized
+    python benchmarks/dlrm_layouts.py --preset full --features 26 --rows 300000  # Criteo's 26 features
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _staged_reads
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off rows_in_place
     python benchmarks/dlrm_layouts.py --preset full --layouts separate,separate --off _compiled_reads
@@ -197,6 +198,8 @@ def main() -> None:
                         help=f"the two layouts, the first the one measured against the second: of {', '.join(LAYOUTS)} "
                              "(default separate,single)")
     parser.add_argument("--rows", type=int, help="override the rows of each feature's table")
+    parser.add_argument("--features", type=int,
+                        help="override the categorical features, one table each (8; Criteo's click logs have 26)")
     parser.add_argument("--steps", type=int, help="override the measured steps per side and repetition")
     parser.add_argument("--warmup", type=int, help="override the unmeasured steps before them")
     parser.add_argument("--reps", type=int, help="override the repetitions")
@@ -215,8 +218,8 @@ def main() -> None:
         parser.error("--off turns a switch of psgrad's client off; the local side has no psgrad client")
     specs: list[tuple[str, str | None]] = [(layouts[0], None), (layouts[1], args.off)]
     names = [layouts[0], layouts[1] if not args.off else f"{layouts[1]} ({args.off} off)"]
-    if min(p["rows"], p["steps"], p["reps"]) < 1 or p["warmup"] < 0:
-        parser.error("rows, steps and reps must be >= 1, warmup >= 0")
+    if min(p["rows"], p["steps"], p["reps"], p["features"]) < 1 or p["warmup"] < 0:
+        parser.error("rows, steps, reps and features must be >= 1, warmup >= 0")
     torch.set_num_threads(1)
     t0 = time.monotonic()
     examples = Examples(0, p["features"], p["rows"], ZIPF_S)
