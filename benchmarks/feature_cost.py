@@ -520,8 +520,13 @@ SIDES = ("on", "off", "off2")  # off2: a second server without metrics, the nois
 
 
 def _scrape(url: str, stop: threading.Event, every_s: float, count: list[int]) -> None:
+    """Scrape `url` every `every_s` seconds until `stop`, counting the scrapes answered (one the
+    endpoint refuses, as a server's before it listens, is not counted)."""
     while not stop.wait(every_s):
-        urllib.request.urlopen(url, timeout=10).read()
+        try:
+            urllib.request.urlopen(url, timeout=10).read()
+        except OSError:
+            continue
         count[0] += 1
 
 
@@ -538,9 +543,10 @@ def measure_metrics(mb: float, reps: int, steps: int, scrape_s: float, noise: bo
             for side in sides:
                 children.append(start_server(f"{job}-{side}", [*PSGRAD_SERVER, *(
                     ["--metrics-port", "0"] if side == "on" else [])]))
+        urls = [exporter.url]
         for child in children[::len(sides)]:
-            url = child.wait_line("metrics at ", timeout_s=180).rsplit(" ", 1)[1]  # logged before it listens
-            threading.Thread(target=_scrape, args=(url, stop, scrape_s, scrapes), daemon=True).start()
+            urls.append(child.wait_line("metrics at ", timeout_s=180).rsplit(" ", 1)[1])  # logged before it listens
+            threading.Thread(target=_scrape, args=(urls[-1], stop, scrape_s, scrapes), daemon=True).start()
         addrs = [c.address(timeout_s=180) for c in children]
         spec, config = JobSpec(mode="async", num_workers=2, num_shards=1, lr=1e-9), ClientConfig(shared_memory=False)
         bulk = {side: _joined(addrs[i], big, spec, config) for i, side in enumerate(sides)}
@@ -579,6 +585,11 @@ def measure_metrics(mb: float, reps: int, steps: int, scrape_s: float, noise: bo
                     if rep:
                         step[side].append(time.perf_counter() - s0)
                     c[1] += 1
+        # Every endpoint scraped once more while its server still serves (those scraped in the
+        # background depend on how long the rounds took: a fast machine's tiny run left some none).
+        for url in urls:
+            urllib.request.urlopen(url, timeout=30).read()
+            scrapes[0] += 1
     finally:
         stop.set()
         exporter.close()
