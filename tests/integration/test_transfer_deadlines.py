@@ -136,10 +136,11 @@ def test_a_trickling_push_is_cut_at_its_deadline_and_another_workers_step_goes_o
         (line,) = [x for x in logged if x.startswith(cut)]
         assert "(worker rank 1, as its request says" in line and f"of {4 * numel} bytes arrived in" in line, line
         assert "--transfer-allowance-s 2 + 20000 bytes at --min-transfer-rate-mb-s 1" in line, line
-        # (the cut call's handler gives back what it held as it unwinds, just after the cancel)
-        wait_for("the cut push to give back its receive buffer and stream", lambda: (
-            lambda t: t.buffers_lent == 0 and t.streams_open == 0)(shard_status([running.address], 5)[0].transfers),
-            timeout_s=10)
+        def freed() -> bool:  # (the cut call's handler gives back what it held as it unwinds, just after the cancel)
+            transfers = shard_status([running.address], 5)[0].transfers
+            return transfers.buffers_lent == 0 and transfers.streams_open == 0
+
+        wait_for("the cut push to give back its receive buffer and stream", freed, timeout_s=10)
         status = shard_status([running.address], 5)[0]
         assert status.transfers.streams_cancelled == 1 and running.streams.transfers_cancelled == 1  # type: ignore[union-attr]
         assert status.pushes_rejected == 1 and status.pushes_applied == 2
