@@ -62,7 +62,9 @@ import psgrad  # noqa: E402
 
 PRESETS = {
     "full": {"rows": 1_000_000, "dim": 32, "batch": 512, "warmup": 30, "steps": 400, "reps": 2, "features": 8},
-    "tiny": {"rows": 1_000, "dim": 8, "batch": 64, "warmup": 3, "steps": 10, "reps": 1, "features": 4},
+    # (tiny: 100 steps, about 0.2 s a side, so that the servers' CPU, which /proc counts in clock ticks
+    # of 10 ms, reads more than a tick or two: at 10 steps a fast machine's read 0)
+    "tiny": {"rows": 1_000, "dim": 8, "batch": 64, "warmup": 3, "steps": 100, "reps": 1, "features": 4},
 }
 LAYOUTS = ("separate", "single", "collection", "local")
 LOCAL = "local"  # the model in plain PyTorch, in this process: no psgrad, no servers
