@@ -161,7 +161,9 @@ class EmbeddingBagCollection(nn.Module):
         """Each feature's (ids, offsets) from what forward takes (see the class doc).
 
         Raises:
-            ConfigError: a feature missing or unknown, or lengths that do not add up to the ids.
+            ConfigError: a feature missing or unknown, ids and offsets of shapes that make no bags
+                (2-D ids with offsets, 1-D ids without, offsets not 1-D), or lengths that do not add
+                up to the ids.
         """
         return {name: (ids, offsets) for name, (ids, offsets, _) in self._parse(features).items()}
 
@@ -219,6 +221,13 @@ class EmbeddingBagCollection(nn.Module):
             if not isinstance(ids, torch.Tensor) or not (offsets is None or isinstance(offsets, torch.Tensor)):
                 raise ConfigError(f"feature {name!r}: ids and offsets must be tensors, got "
                                   f"{type(ids).__name__} and {type(offsets).__name__}")
+            if offsets is None and ids.dim() != 2:
+                raise ConfigError(f"feature {name!r}: ids without offsets are one bag per row, so 2-D, got "
+                                  f"{ids.dim()}-D {list(ids.shape)}: pass (ids, offsets) for 1-D ids")
+            if offsets is not None and (ids.dim() != 1 or offsets.dim() != 1):
+                raise ConfigError(f"feature {name!r}: ids with offsets must be 1-D and the offsets 1-D, one per bag, "
+                                  f"got ids {list(ids.shape)} and offsets {list(offsets.shape)} (2-D ids are a bag "
+                                  "per row: pass them without offsets)")
         batch = {name: int(ids.shape[0] if offsets is None else offsets.numel()) for name, (ids, offsets, _) in parsed.items()}
         if len(set(batch.values())) > 1:
             raise ConfigError(f"features of different batch sizes: {', '.join(f'{n!r} has {b} bags' for n, b in batch.items())}; "

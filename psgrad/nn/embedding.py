@@ -762,6 +762,15 @@ class Embedding(SparseEmbedding):
         return module
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The rows of `input`'s ids (any shape; int64 or int32), [*input.shape, embedding_dim], as
+        torch.nn.Embedding's forward: read from the job's servers when bound (a training forward's
+        rows take a gradient, which opt.step() pushes), else from the loaded state.
+
+        Raises:
+            InvalidRequestError: ids that are not an integer tensor, or out of the table's range
+                (the table named).
+            WorkerStateError: a module neither bound nor loaded (named how to bind it).
+        """
         inverse, weight, _ = self._rows(input)
         out = self._output(F.embedding(inverse, weight, scale_grad_by_freq=self.scale_grad_by_freq))
         if self.padding_idx is not None:
@@ -823,10 +832,24 @@ class EmbeddingBag(SparseEmbedding):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Each bag's sum, mean or max of its rows, [bags, embedding_dim], as torch.nn.EmbeddingBag's
+        forward: 2-D ids without offsets (a bag per row), or 1-D ids with `offsets` (where each bag
+        starts; with include_last_offset, the end of the last too); per_sample_weights (mode "sum"):
+        one per id, multiplying its row. The rows are read from the job's servers when bound (a
+        training forward's take a gradient, which opt.step() pushes), else from the loaded state.
+
+        Raises:
+            InvalidRequestError: ids out of range or not integers, offsets that do not start at 0,
+                decrease or pass the ids, shapes torch's embedding_bag refuses, per-sample weights
+                not one per id (the table named).
+            ConfigError: per-sample weights with mode "mean" or "max".
+            WorkerStateError: a module neither bound nor loaded (named how to bind it).
+        """
         ahead: _Ahead | None = self.__dict__.get("_ahead")
         if ahead is not None and per_sample_weights is None and ahead.serves(input, offsets) and self._training():
             del self.__dict__["_ahead"]
             return self._output(ahead.out)
+        self._check_bags(input, offsets, per_sample_weights)
         inverse, weight, unique = self._rows(input)
         if per_sample_weights is not None and per_sample_weights.dtype == self.dtype != torch.float32:
             per_sample_weights = per_sample_weights.to(torch.float32)  # (the rows' dtype, as torch's pooling needs)
@@ -843,6 +866,42 @@ class EmbeddingBag(SparseEmbedding):
         return self._output(F.embedding_bag(inverse, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                             scale_grad_by_freq=self.scale_grad_by_freq,
                                             include_last_offset=self.include_last_offset, padding_idx=padding))
+
+    def _check_bags(self, input: Any, offsets: Any, per_sample_weights: Any) -> None:
+        """Refuse, before any row is read, the bag layouts and weights that torch's embedding_bag
+        refuses with messages that name neither the table nor what to pass instead.
+
+        Raises:
+            InvalidRequestError: ids that are neither 1-D with offsets nor 2-D without; offsets
+                that are not 1-D; per-sample weights not of the ids' shape, or not floating point.
+            ConfigError: per-sample weights for a module whose mode is not "sum".
+        """
+        if not isinstance(input, torch.Tensor):
+            return  # (unique_ids says what it takes)
+        where = f"table {self.table!r}" if self.table else "embedding bag"
+        if input.dim() == 2 and offsets is not None:
+            raise InvalidRequestError(f"{where}: 2-D ids are one bag per row and take no offsets: pass offsets=None, "
+                                      "or the ids flattened to 1-D with the offsets where each bag starts")
+        if input.dim() == 1 and offsets is None:
+            raise InvalidRequestError(f"{where}: 1-D ids need offsets, where each bag starts (torch.tensor([0]) for one "
+                                      "bag of them all), or pass 2-D ids, one bag per row")
+        if input.dim() not in (1, 2):
+            raise InvalidRequestError(f"{where}: ids must be 1-D (with offsets) or 2-D (one bag per row), got "
+                                      f"{input.dim()}-D {list(input.shape)}")
+        if isinstance(offsets, torch.Tensor) and offsets.dim() != 1:
+            raise InvalidRequestError(f"{where}: bag offsets must be 1-D, one per bag, got {offsets.dim()}-D "
+                                      f"{list(offsets.shape)}")
+        if per_sample_weights is None:
+            return
+        if self.mode != "sum":
+            raise ConfigError(f"{where}: per_sample_weights need mode 'sum' (as torch.nn.EmbeddingBag's do); this "
+                              f"module's mode is {self.mode!r}: build it with mode='sum' (for a weighted mean, divide "
+                              "each bag's weights by their sum)")
+        if not (isinstance(per_sample_weights, torch.Tensor) and per_sample_weights.is_floating_point()
+                and per_sample_weights.shape == input.shape):
+            raise InvalidRequestError(f"{where}: per_sample_weights must be a floating-point tensor shaped as the ids "
+                                      f"{list(input.shape)}, got {getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)} "
+                                      f"{list(getattr(per_sample_weights, 'shape', []))}")
 
     def plain_bags(self) -> bool:
         """Whether this module's bags are plain sums or means (no padding_idx, include_last_offset

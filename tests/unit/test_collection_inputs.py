@@ -241,3 +241,24 @@ def test_a_tables_errors_name_it_as_the_job_does(mode: str) -> None:
         ebc({"a": (torch.tensor([1, 20]), torch.tensor([0, 1, 1])), "b": b})
     with pytest.raises(InvalidRequestError, match="^table 'ebc.bags.a': row ids must be an integer tensor"):
         ebc({"a": (torch.tensor([1.0, 2.0]), torch.tensor([0, 1, 1])), "b": b})
+
+
+def test_ids_and_offsets_of_shapes_that_make_no_bags_are_refused_naming_the_feature_before_the_batch_sizes() -> None:
+    """2-D ids with offsets, 1-D ids without, and 2-D offsets are refused naming the feature and
+    what to pass (they were told as features of different batch sizes, or in torch's words
+    without the feature), before a row is read; the same ids laid out right are pooled."""
+    ebc, source = bound()
+    b = (B[0], torch.arange(3))
+    for a, message in (((torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.arange(3)), r"ids with offsets must be 1-D.*"
+                        r"got ids \[3, 2\] and offsets \[3\] \(2-D ids are a bag per row: pass them without offsets\)"),
+                       ((A[0], torch.tensor([[0, 2, 2]])), r"ids with offsets must be 1-D and the offsets 1-D, one per "
+                        r"bag, got ids \[4\] and offsets \[1, 3\]"),
+                       ((torch.tensor([1, 2, 3]), None), r"ids without offsets are one bag per row, so 2-D, got 1-D "
+                        r"\[3\]: pass \(ids, offsets\) for 1-D ids")):
+        with pytest.raises(ConfigError, match=r"^feature 'a': " + message):
+            ebc({"a": a, "b": b})
+    assert not source.pulls
+    out = ebc({"a": (A[0], torch.tensor([0, 2, 2])), "b": b})
+    torch.testing.assert_close(out, torch.cat([torchs("a", "sum"), torchs("b", "sum")], dim=1))
+    two_d = ebc({"a": torch.tensor([[1, 2], [19, 4], [0, 0]]), "b": (B[0].view(3, 1), None)})
+    assert two_d.shape == (3, 6) and len(source.pulls) == 2

@@ -621,3 +621,43 @@ def test_ids_and_offsets_of_other_dtypes_are_taken_or_refused_as_torch_does_with
                                                           r"got torch.float64"):
                 module({"a": (IDS_1D, OFFSETS.double())}) if module is ebc else module(IDS_1D, OFFSETS.double())
         bag.mode = "sum"
+
+
+def test_bag_shapes_and_weights_torch_refuses_are_refused_naming_the_table_before_a_row_is_read() -> None:
+    """What torch's embedding_bag refuses with a message of its own (2-D ids with offsets, 1-D ids
+    without, offsets or ids of other ranks, per-sample weights not one per id, or with a mode other
+    than sum) is refused by psgrad's bags naming the table and what to pass, before the rows are
+    read; torch refuses each of them too, and the valid calls beside them still compute."""
+    bag = psgrad.EmbeddingBag(ROWS, DIM, mode="mean")
+    source = _bound(bag, "bag")
+    reads = []
+    pull = source.pull_tables
+    source.pull_tables = lambda lookups, observe: reads.append(1) or pull(lookups, observe)  # type: ignore[method-assign]
+    theirs = nn.EmbeddingBag(ROWS, DIM, mode="mean")
+    refused = [((IDS_2D, OFFSETS), r"2-D ids are one bag per row and take no offsets: pass offsets=None"),
+               ((IDS_1D,), r"1-D ids need offsets, where each bag starts"),
+               ((IDS_1D, OFFSETS.view(2, 2)), r"bag offsets must be 1-D, one per bag, got 2-D \[2, 2\]"),
+               ((IDS_1D.view(1, 1, 9), None), r"ids must be 1-D \(with offsets\) or 2-D \(one bag per row\), got 3-D")]
+    for args, message in refused:
+        with pytest.raises(InvalidRequestError, match=r"table 'bag': " + message):
+            bag(*args)
+        with pytest.raises((ValueError, RuntimeError)):
+            theirs(*args)
+    with pytest.raises(ConfigError, match=r"table 'bag': per_sample_weights need mode 'sum'.*mode is 'mean': build it "
+                                          r"with mode='sum'"):
+        bag(IDS_1D, OFFSETS, torch.ones(9))
+    with pytest.raises(NotImplementedError):
+        theirs(IDS_1D, OFFSETS, torch.ones(9))
+    bag.mode = theirs.mode = "sum"
+    for weights, got in ((torch.ones(8), r"torch.float32 \[8\]"), (torch.ones(9, dtype=torch.int64), r"torch.int64 \[9\]")):
+        with pytest.raises(InvalidRequestError, match=r"table 'bag': per_sample_weights must be a floating-point tensor "
+                                                      r"shaped as the ids \[9\], got " + got):
+            bag(IDS_1D, OFFSETS, weights)
+        with pytest.raises((ValueError, RuntimeError)):
+            theirs(IDS_1D, OFFSETS, weights)
+    assert not reads
+    with torch.no_grad():
+        theirs.weight.copy_(bag.initial_weight())
+    weights = torch.linspace(0.5, 2.0, 9)
+    torch.testing.assert_close(bag(IDS_1D, OFFSETS, weights), theirs(IDS_1D, OFFSETS, weights))
+    assert reads
