@@ -16,7 +16,7 @@ spread is larger than a tenth), this does: the CPU each layout costs per step, o
 The data: dlrm.py's examples (the same generator: 8 features, bags of 1-3 Zipf ids, 13 dense
 features), one worker's slice. The model: dlrm.py's PsgradNet of each layout (`separate`: one
 psgrad.EmbeddingBag per feature, `single`: the same rows in one table, `collection`: a
-psgrad.EmbeddingBagCollection), async Adagrad (lr 0.05, eps 1e-10), one worker per job (its own two
+psgrad.EmbeddingBagCollection), async Adagrad (lr 0.05, eps 1e-10; --mode sync: sync), one worker per job (its own two
 servers, `psgrad server` processes). `local` is the reference without psgrad: the same model in
 this process with a torch.nn.EmbeddingBag per feature (sparse=True, rows starting at zero as
 psgrad's do) and torch.optim.Adagrad (the same lr and eps), no servers: what the model's own
@@ -111,7 +111,7 @@ class Side:
         self.inputs = [(b.dense, psgrad_inputs(b, layout, p["rows"]), b.labels) for b in batches]
         self.model = PsgradNet(layout, p["features"], p["rows"], p["dim"])
         config_switch = off is not None and isinstance(getattr(psgrad.ClientConfig(), off, None), bool)
-        self.session = psgrad.connect(addresses, rank=0, num_workers=1, mode="async",
+        self.session = psgrad.connect(addresses, rank=0, num_workers=1, mode=p.get("mode", "async"),
                                       optimizer=psgrad.Adagrad(lr=LR, eps=EPS),
                                       client=psgrad.ClientConfig(**({off: False} if config_switch else {})))
         self.opt = self.session.optimizer(self.model)
@@ -205,6 +205,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override the measured steps per side and repetition")
     parser.add_argument("--warmup", type=int, help="override the unmeasured steps before them")
     parser.add_argument("--reps", type=int, help="override the repetitions")
+    parser.add_argument("--mode", choices=("async", "sync"), default="async",
+                        help="the jobs' mode (default async; sync: each step a round of the one worker, whose "
+                             "rows the servers apply as a sync iteration's)")
     parser.add_argument("--off", metavar="SWITCH",
                         help="a switch of psgrad's client turned off on the second side (a bool field of "
                              "psgrad.ClientConfig, e.g. rows_in_place, or a bool attribute of the client, on by "
@@ -212,6 +215,7 @@ def main() -> None:
                              "stepping alternately in this process")
     args = parser.parse_args()
     p = overrides(args, PRESETS[args.preset])
+    p["mode"] = args.mode
     layouts = list(args.layouts)
     if len(layouts) != 2 or not set(layouts) <= set(LAYOUTS) or (len(set(layouts)) != 2 and not args.off):
         parser.error(f"--layouts takes two different layouts of {', '.join(LAYOUTS)} (one twice with --off), "
@@ -252,7 +256,7 @@ def main() -> None:
     ratios = {f"{first} / {second} {what}": statistics.median(of(r[first], what) / of(r[second], what) for r in reps)
               if all(of(r[second], what) > 0 for r in reps) else None for what in (*PHASES, "total", "worker", "servers")}
     width = max(12, *(len(name) + 1 for name in names))
-    lines = [f"DLRM layouts by CPU, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']}, "
+    lines = [f"DLRM layouts by CPU, {p['mode']}, {p['features']} tables of {p['rows']:,} x {p['dim']}, batch {p['batch']}, "
              f"{p['steps']} steps a side, medians of {p['reps']}; ratio: {first} / {second}",
              f"{'layout':<{width}}" + "".join(f"{h:>11}" for h in (*PHASES, "main", "pools", "worker", "servers"))
              + "   (ms of CPU a step)"]
