@@ -82,6 +82,12 @@ class Replica:
         if self.replication is not None and self.replication.active:
             self._skipped_tables = names
 
+    @property
+    def recording(self) -> bool:
+        """Whether the update being applied is recorded for a backup (rows_applied and
+        rows_lifetime keep what they are told)."""
+        return self.replication is not None and self.replication.active
+
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
         """The update being applied updated rows `ids` of sparse table `table` with `grads` (not

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from psgrad.core.codecs import joined
@@ -346,10 +347,12 @@ class Rows:
                         else per_row(next_, [rows[names[i]][0] for i in places]))
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
                         versions=versions)
+            recording = self._replica.recording  # (an arena's members have no row lifetime to report)
             for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
                 member_ids, member_grads, base = rows[names[i]]
                 member.updated(base)
-                self._report(names[i], member, member_ids, member_grads, base, step_lr)
+                if recording:
+                    self._report(names[i], member, member_ids, member_grads, base, step_lr)
         for name, t in zip(names, tables):
             ids, grads, base = rows[name]
             if not isinstance(t, GroupedTable) or name in alone:
@@ -380,22 +383,33 @@ class Rows:
             ids, at = found if found is not None else (
                 arena.ids_of([_grouped(state.sparse(name, -1)) for name, _ in parts], [p[0] for _, p in parts]), None)
             rank_ends = list(accumulate(sum(p[0].numel() for _, p in rank) for rank in mine))
-            unique, total, slots = round_mean(ids, rank_ends, torch.cat([p[1] for _, p in parts]), workers, at)
+            unique, total, slots = round_mean(ids, rank_ends, _rank_gradients(per_rank, mine), workers, at)
             group = [_grouped(tables[i]) for i in places]
-            ends = torch.searchsorted(unique, torch.tensor([m.base + m.num_embeddings for m in group])).tolist()
-            starts = [0, *ends[:-1]]
-            spans = [unique[a_:b_] for a_, b_ in zip(starts, ends)]
-            local = unique - per_row([m.base for m in group], spans)  # (each table's own ids, for the record)
-            versions = per_row([m.version + 1 for m in group], spans)  # (each row its table's next)
+            # (each member's rows: a run of the unique ids, which are sorted and the members' bases
+            # increasing; the runs' ends found, and each row's version and own id made, in a few
+            # calls: each costs several times in a server's step, cold, what it does in a loop)
+            ends = np.searchsorted(unique.numpy(), np.array([m.base + m.num_embeddings for m in group],
+                                                            dtype=np.int64)).tolist()
+            counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]  # (np.diff's prepend costs ~30 us here)
+            next_ = [m.version + 1 for m in group]  # (each row stamped with its table's next version)
+            versions = (torch.full((unique.numel(),), next_[0], dtype=torch.int64) if next_.count(next_[0]) == len(next_)
+                        else torch.from_numpy(np.repeat(np.array(next_, dtype=np.int64), counts)))
             arena.apply(unique, total, lr, None, checked=True, slots=slots, step=state.table_step(members[0]),
                         versions=versions)
             bases: dict[str, int] = {}
             for name, p in parts:
                 bases[name] = min(bases.get(name, p[2]), p[2])
-            for name, member, start, end in zip(members, group, starts, ends):
+            # (the record's rows, each member's own ids: only where a standby takes records; an
+            # arena's members have no row lifetime to report)
+            local = (unique - torch.from_numpy(np.repeat(np.array([m.base for m in group], dtype=np.int64), counts))
+                     if self._replica.recording else None)
+            start = 0
+            for name, member, end in zip(members, group, ends):
                 if end > start:
                     member.updated(bases[name])
-                    self._report(name, member, local[start:end], total[start:end], bases[name], lr)
+                    if local is not None:
+                        self._report(name, member, local[start:end], total[start:end], bases[name], lr)
+                start = end
         for name, t in zip(names, tables):
             if isinstance(t, GroupedTable) and name not in alone:
                 continue
@@ -498,6 +512,18 @@ def _reserved_in(state: ShardState, arena: RowArena,
         ids.append(whole[1])
         slots.append(whole[2])
     return (joined(ids), joined(slots)) if ids else None
+
+
+def _rank_gradients(per_rank: Sequence[RowGradients],
+                    mine: Sequence[Sequence[tuple[str, tuple[torch.Tensor, torch.Tensor, int]]]]) -> torch.Tensor:
+    """The row gradients of an arena's tables in a sync round, rank after rank (mine: each rank's
+    (table, rows) of it, in the arena's order): a rank's push block whole where its tables are
+    those, in that order (BlockGradients.flat: no copy of its part), else its tables' joined."""
+    pieces: list[torch.Tensor] = []
+    for rows, rank in zip(per_rank, mine):
+        whole = rows.flat([name for name, _ in rank]) if rank and isinstance(rows, BlockGradients) else None
+        pieces.extend([whole[1]] if whole is not None else [p[1] for _, p in rank])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _keep(tables: Sequence[SparseTable]) -> None:
