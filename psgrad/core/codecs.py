@@ -142,21 +142,30 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def consecutive_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """joined()'s view, found the quick way, of 2-D parts split in order from one tensor (rows of
-    one width, views of one base, each starting where the one before ends, empty ones too), at any
-    size; None for anything else (joined looks the general way)."""
+    """joined()'s view, found the quick way, of 2-D parts of one width and dtype, contiguous, each
+    starting where the one before ends (empty ones anywhere), within the first one's storage: parts
+    split in order from one tensor, and also parts that lie so without being views of it (the
+    row gradients autograd accumulates from one backward's block are detached parts of it, with no
+    _base); None for anything else (joined looks the general way). By their addresses: a part
+    that starts where the one before ends, within the first's storage, is those bytes of it."""
     first = tensors[0]
-    base = first._base
-    if base is None or first.dim() != 2 or not first.shape[1]:
+    if first.dim() != 2 or not first.shape[1] or not first.numel():
         return None
-    width, dtype, start = first.shape[1], first.dtype, first.storage_offset()
-    at = start
+    width, dtype = first.shape[1], first.dtype
+    step = width * first.element_size()
+    start = at = first.data_ptr()
     for t in tensors:  # (a few cheap attributes a part: len() or .size() of a tensor costs more)
-        if (t._base is not base or t.storage_offset() != at or t.dtype != dtype or t.dim() != 2
-                or t.shape[1] != width or not t.is_contiguous()):
+        if t.dtype != dtype or t.dim() != 2 or t.shape[1] != width or not t.is_contiguous():
             return None
-        at += t.numel()
-    return first.as_strided(((at - start) // width, width), (width, 1))
+        n = t.shape[0]
+        if n:  # (an empty part's address may be anything: it holds no bytes)
+            if t.data_ptr() != at:
+                return None
+            at += n * step
+    storage = first.untyped_storage()
+    if at > storage.data_ptr() + storage.nbytes():  # (past the first's storage: another allocation)
+        return None
+    return first.as_strided(((at - start) // step, width), (width, 1))
 
 
 class WireBuffer:

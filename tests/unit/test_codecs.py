@@ -1,6 +1,9 @@
 """Pure tests of psgrad.core.codecs: wire dtypes, byte views, hand-built protobuf data frames, payload writers."""
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
@@ -493,3 +496,36 @@ def test_joined_copies_parts_out_of_order_of_other_widths_or_tensors_and_small_o
     monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 1 << 30)
     got = joined([a, b])
     assert torch.equal(got, whole[:20]) and not _shares(got, whole)
+
+
+def test_row_gradients_autograd_accumulates_from_one_block_are_joined_as_a_view_of_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward that returns its inputs' gradients as parts of one block (the pooled bags' does)
+    leaves each leaf a detached part (no _base): joined still finds them one after another and
+    views the block, where it copied them; parts that lie one after another in memory but in
+    storages of their own (numpy slices) are not viewed past the first one's storage."""
+    from psgrad.core.codecs import consecutive_rows
+
+    monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 0)
+
+    class Parts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *weights: torch.Tensor) -> torch.Tensor:
+            ctx.sizes = [int(w.shape[0]) for w in weights]
+            return torch.zeros(2)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            block = torch.arange(sum(ctx.sizes) * 4, dtype=torch.float32).view(-1, 4)
+            return tuple(block.split_with_sizes(ctx.sizes))
+
+    leaves = [torch.zeros(n, 4, requires_grad=True) for n in (3, 0, 5, 2)]
+    Parts.apply(*leaves).sum().backward()
+    grads = [leaf.grad for leaf in leaves]
+    assert all(g is not None and g._base is None for g in grads)
+    got = joined(grads)  # type: ignore[arg-type]
+    assert torch.equal(got, torch.cat(grads)) and got.data_ptr() == grads[0].data_ptr()  # type: ignore[union-attr, arg-type]
+    block = np.arange(40, dtype=np.float32).reshape(10, 4)
+    apart = [torch.from_numpy(block[:5]), torch.from_numpy(block[5:])]  # (adjacent, each its own storage)
+    assert consecutive_rows(apart) is None
+    assert torch.equal(joined(apart), torch.from_numpy(block))
