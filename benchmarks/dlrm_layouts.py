@@ -180,7 +180,8 @@ def repetition(p: dict[str, Any], specs: list[tuple[str, str | None]], batches: 
             stats = s.opt.prefetched.stats if s.layout != LOCAL else None
             pool_ms = 1e3 * s.pool_cpu / p["steps"]
             lent = [] if s.layout == LOCAL else [c.rows_in_place for c in s.opt.client.shards]
-            out[s.name] = {"rows_read_in_place": sum(r.reads for r in lent if r is not None),
+            out[s.name] = {"mode": None if s.layout == LOCAL else s.session.spec.mode,  # (the job's, as its servers run it)
+                           "rows_read_in_place": sum(r.reads for r in lent if r is not None),
                            "main_thread_ms": {**main, "total": sum(main.values())},
                            "pool_threads_ms": pool_ms, "worker_ms": sum(main.values()) + pool_ms,
                            "servers_ms": 1e3 * s.servers_cpu / p["steps"],

@@ -51,16 +51,21 @@ def test_dlrm_tiny_psgrad_reports_both_modes() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side(mode: str) -> None:
     """benchmarks/dlrm_layouts.py's tiny preset: two layouts' workers (separate modules and one
-    table), each with two servers of its own, step alternately; each side's CPU per step is there,
-    by phase, the separate modules' forwards were grouped and their bags pooled (none unused), and
-    the ratios are the sides' figures over each other."""
-    res = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny"], timeout_s=220, env=dict(os.environ))
+    table), each with two servers of its own, step alternately, in the mode asked for (sync: the
+    servers' round path); each side's CPU per step is there, by phase, the separate modules'
+    forwards were grouped and their bags pooled (none unused), and the ratios are the sides'
+    figures over each other."""
+    res = run_python(["benchmarks/dlrm_layouts.py", "--preset", "tiny", "--mode", mode], timeout_s=220,
+                     env=dict(os.environ))
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["benchmark"] == "dlrm_layouts" and out["config"]["layouts"] == ["separate", "single"]
+    assert out["config"]["mode"] == mode and f"DLRM layouts by CPU, {mode}," in res.stderr
     [rep] = out["repetitions"]
+    assert rep["separate"]["mode"] == rep["single"]["mode"] == mode
     for layout in ("separate", "single"):
         main = rep[layout]["main_thread_ms"]
         assert all(main[k] > 0 for k in ("forward", "backward", "step")), main
@@ -74,6 +79,8 @@ def test_dlrm_layouts_tiny_reports_each_layouts_cpu_side_by_side() -> None:
     assert ratio == pytest.approx(rep["separate"]["main_thread_ms"]["total"] / rep["single"]["main_thread_ms"]["total"])
     assert out["ratios"]["separate / single worker"] == pytest.approx(rep["separate"]["worker_ms"] / rep["single"]["worker_ms"])
     assert "separate / single" in res.stderr
+    if mode == "sync":
+        return  # (the refusals below: once)
     bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "separate"], timeout_s=60, env=dict(os.environ))
     assert bad.returncode == 2 and "two different layouts" in bad.stderr
     bad = run_python(["benchmarks/dlrm_layouts.py", "--layouts", "single,single"], timeout_s=60, env=dict(os.environ))
