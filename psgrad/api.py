@@ -36,6 +36,7 @@ from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
+from psgrad.core.rows import PulledRows
 from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
 from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
@@ -367,8 +368,8 @@ class PSOptimizer(ScheduledOptimizer):
             # answers them: a state this worker loaded counts only where it initialized the servers).
             for name, module in self.embeddings:
                 module.bind(name, self.prefetched, self.client.drawn_as.get(name, ""))
-            self.grouping = (GroupedForward(model, self.prefetch, self._may_group, self.prefetched.stats)
-                             if self.embeddings and group_lookups else None)
+            self.grouping = (GroupedForward(model, self.prefetch, self._may_group, self.prefetched.stats,
+                                            self._grouped_read) if self.embeddings and group_lookups else None)
             self.rollbacks = 0
             self.rejoins = 0
             # Same host, CPU float32: pushes read the gradient in place, and pulls lend versions
@@ -564,6 +565,13 @@ class PSOptimizer(ScheduledOptimizer):
             return
         ids = read_ids(wanted)
         self.prefetched.hold(wanted, ids, self.client.pull_tables(ids, checked=True))
+
+    def _grouped_read(self, ids: dict[str, torch.Tensor]) -> PulledRows:
+        """A grouped forward's read of the rows its pooled bags take (by table, unique ids checked
+        against the table's range by their lookup): read now, in one call per shard, as a training
+        forward's read through self.prefetched, which holds nothing then (_may_group), would be."""
+        self.prefetched.pending = True
+        return self.client.pull_tables(ids, checked=True)
 
     def _may_group(self) -> bool:
         """Whether a forward starting now reads its tables' rows ahead, grouped (GroupedForward): a

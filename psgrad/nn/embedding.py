@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
@@ -943,59 +943,69 @@ def _versions(input: torch.Tensor, offsets: torch.Tensor | None) -> tuple[int, i
     return input._version, 0 if offsets is None else offsets._version
 
 
-def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]]) -> list[EmbeddingBag]:
+def pool_key(module: EmbeddingBag, input: Any, offsets: Any) -> tuple[bool, int, int] | None:
+    """The group pool_ahead pools (module, input, offsets) in: (mean, width, bags); None where it
+    does not pool them (the forward pools its own)."""
+    if not (module.plain_bags() and module._source is not None and module._training() and isinstance(input, torch.Tensor)
+            and input.is_cpu):  # (the kernels pool on the CPU)
+        return None
+    if offsets is None and input.dim() == 2:
+        return module.mode == "mean", module.embedding_dim, int(input.shape[0])
+    if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == torch.int64 and input.dim() == 1:
+        return module.mode == "mean", module.embedding_dim, int(offsets.numel())
+    return None
+
+
+def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
+               read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> list[EmbeddingBag]:
     """Pool the bags of several psgrad.EmbeddingBag modules' coming training forwards, (module,
     input, offsets) each, in one pass each way (lookups.pooled_apart) where each forward would
     pool its own: each module's rows are read now (served from rows fetched ahead, where they
     were), and its next forward with this very input and offsets, unchanged, returns what was
     pooled. Serves plain sum and mean bags without per-sample weights (plain_bags), 1-D ids with
-    1-D int64 offsets or 2-D ids; modules grouped by mode, width and bag count. Returns the modules
-    whose bags wait; the others' forwards pool their own. take_ahead() drops what a forward did not
-    come for.
+    1-D int64 offsets or 2-D ids; modules grouped by mode, width and bag count (pool_key). Returns
+    the modules whose bags wait; the others' forwards pool their own. take_ahead() drops what a
+    forward did not come for. read: where given, what reads a group's rows (table -> unique ids,
+    checked against the tables' ranges: the rows, a PulledRows), in place of the modules' source
+    (a forward's grouped read, nothing fetched ahead: see GroupedForward).
 
     Raises:
         InvalidRequestError: ids or offsets a forward refuses (it would say the same).
     """
     groups: dict[tuple[bool, int, int], list[tuple[EmbeddingBag, torch.Tensor, torch.Tensor | None]]] = {}
     for m, input, offsets in calls:
-        if not (m.plain_bags() and m._source is not None and m._training() and isinstance(input, torch.Tensor)
-                and input.is_cpu):  # (the kernels pool on the CPU)
-            continue
-        if offsets is None and input.dim() == 2:
-            bags = int(input.shape[0])
-        elif (isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.dtype == torch.int64
-              and input.dim() == 1):
-            bags = int(offsets.numel())
-        else:
-            continue
-        groups.setdefault((m.mode == "mean", m.embedding_dim, bags), []).append((m, input, offsets))
+        key = pool_key(m, input, offsets)
+        if key is not None:
+            groups.setdefault(key, []).append((m, input, offsets))
     waiting = []
     for (mean, _, _), group in groups.items():
-        read, touched = _read_together(group)
-        outs = lookups.pooled_apart([weight for _, weight, _ in read], [inverse for inverse, _, _ in read],
+        read_, touched = _read_together(group, read)
+        outs = lookups.pooled_apart([weight for _, weight, _ in read_], [inverse for inverse, _, _ in read_],
                                     [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group],
                                     touched)
         if outs is None:
             continue  # (each forward pools its own, as torch's ops do; the rows read here reach no backward)
-        for (m, input, offsets), out, (_, _, unique) in zip(group, outs, read):
+        for (m, input, offsets), out, (_, _, unique) in zip(group, outs, read_):
             m.__dict__["_ahead"] = _Ahead(input, offsets, _versions(input, offsets), out, int(unique.numel()))
             waiting.append(m)
     return waiting
 
 
-def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]]
+def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
+                   read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None
                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[Touched | None]]:
     """Each module's _rows() of its input (inverse, rows, unique) for a training forward, read in
-    one call of their source where they share one and their tables differ (else each its own),
-    with the rows' Touched, whose hold() the pooling's backward is to call (no hook a leaf; None
-    where the rows take no gradient, or were read each on its own)."""
+    one call of their source (or of `read`, see pool_ahead) where they share one and their tables
+    differ (else each its own), with the rows' Touched, whose hold() the pooling's backward is to
+    call (no hook a leaf; None where the rows take no gradient, or were read each on its own)."""
     modules, inputs = [m for m, _, _ in group], [i for _, i, _ in group]
     names = [m.table or "" for m in modules]
     source = modules[0].bound_source()
     if len(set(names)) < len(names) or any(m._source is not source for m in modules):
         return [m._rows(i) for m, i in zip(modules, inputs)], [None] * len(modules)
     found = unique_ids_of(modules, inputs)
-    got = source.pull_tables({name: unique for name, (unique, _) in zip(names, found)}, False)
+    asked = {name: unique for name, (unique, _) in zip(names, found)}
+    got = source.pull_tables(asked, False) if read is None else read(asked)
     read, touched = [], []
     for m, i, name, (unique, inverse) in zip(modules, inputs, names, found):
         weight, t = m._attach(unique, got[name], i.device, True, read_versions(got, name), hook=False)

@@ -37,14 +37,15 @@ from torch.utils.hooks import RemovableHandle
 from psgrad.core.rows import PulledRows
 from psgrad.errors import ConfigError, InvalidRequestError
 from psgrad.nn.collection import EmbeddingBagCollection
-from psgrad.nn.embedding import EmbeddingBag, RowSource, SparseEmbedding, pool_ahead
+from psgrad.nn.embedding import EmbeddingBag, RowSource, SparseEmbedding, pool_ahead, pool_key
 
 
 @dataclass
 class PrefetchStats:
     """Since the start: served, the tables' reads (one forward's ids of one table) served from rows
-    fetched ahead; unused, the rows fetched ahead that no forward used (no forward asked that table
-    for exactly those ids before the next step or prefetch replaced them); grouped, the model's
+    fetched ahead (by a prefetch, a step, or the model's forward at its start: GroupedForward);
+    unused, the rows fetched ahead that no forward used (no forward asked that table for exactly
+    those ids before the next step or prefetch replaced them); grouped, the model's
     forwards whose tables were read at their start, in one call per shard (GroupedForward); pooled,
     the EmbeddingBag forwards served bags pooled at the model's forward start, together with the
     other modules' (GroupedForward)."""
@@ -296,9 +297,13 @@ class GroupedForward:
     count as unused rows."""
 
     def __init__(self, model: nn.Module, read: Callable[[list[tuple[nn.Module, Any]]], None],
-                 may_read: Callable[[], bool], stats: PrefetchStats) -> None:
+                 may_read: Callable[[], bool], stats: PrefetchStats,
+                 read_rows: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> None:
         self._modules = [m for m in model.modules() if isinstance(m, (SparseEmbedding, EmbeddingBagCollection))]
         self._read, self._may_read, self._stats = read, may_read, stats
+        # (what reads rows of ids checked against their tables' ranges now, as a step pending: where
+        # every module of the routes has its bags pooled, in one group, the pooling reads them)
+        self._read_rows = read_rows
         self._routes: list[tuple[nn.Module, Path]] | None = None  # None: to learn at the next forward
         self._learning: _Paths | None = None  # the paths of the forward that learns
         self._seen: list[tuple[nn.Module, Path | None, Path | None]] = []
@@ -346,18 +351,38 @@ class GroupedForward:
             return
         if not lookups:
             return
+        calls = self._calls(lookups, args, kwargs)
+        if self._read_rows is not None and len(calls) == len(lookups) and _one_group(calls):
+            # (every module's bags pooled together: the pooling reads their rows, in one call per
+            # shard, where a read ahead of it and a second look at what it held cost per table)
+            try:
+                self._pooled = pool_ahead(calls, self._read_rows)
+            except (InvalidRequestError, ConfigError):
+                return  # (each module's forward reads its own rows, and raises what is wrong with its input)
+            self._counted()
+            self._stats.served += len(self._pooled)  # (their reads served from the rows read at the start, as held ones)
+            return
         try:
             self._read(lookups)
         except (InvalidRequestError, ConfigError):
             return  # (each module's forward reads its own rows, and raises what is wrong with its input)
+        self._counted()
+        if len(calls) > 1:
+            try:
+                self._pooled = pool_ahead(calls)
+            except (InvalidRequestError, ConfigError):
+                self._pooled = []  # (each module's forward pools its own bags, and says what is wrong with them)
+
+    def _counted(self) -> None:
+        """A grouped read was made: the next forward looks whether its rows were used."""
         self._unused, self._checking = self._stats.unused, True
         self._stats.grouped += 1
-        self._pool(lookups, args, kwargs)
 
-    def _pool(self, lookups: list[tuple[nn.Module, Any]], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Pool, in one pass, the bags of the EmbeddingBag modules (of `lookups`, the routes' modules
-        and inputs) whose offsets are among the arguments too: their forwards then return them
-        (pool_ahead)."""
+    def _calls(self, lookups: list[tuple[nn.Module, Any]], args: tuple[Any, ...],
+               kwargs: Mapping[str, Any]) -> list[tuple[EmbeddingBag, Any, Any]]:
+        """The (module, input, offsets) of the EmbeddingBag modules (of `lookups`, the routes'
+        modules and inputs) whose offsets are among the arguments too: those whose bags are pooled
+        at the forward's start, in one pass (pool_ahead), their forwards then returning them."""
         calls: list[tuple[EmbeddingBag, Any, Any]] = []
         for (m, input), offsets in zip(lookups, self._offsets):
             if offsets is not None and isinstance(m, EmbeddingBag):
@@ -365,11 +390,7 @@ class GroupedForward:
                     calls.append((m, input, None if offsets == NO_OFFSETS else _resolve(offsets, args, kwargs)))
                 except (LookupError, TypeError):
                     continue
-        if len(calls) > 1:
-            try:
-                self._pooled = pool_ahead(calls)
-            except (InvalidRequestError, ConfigError):
-                self._pooled = []  # (each module's forward pools its own bags, and says what is wrong with them)
+        return calls
 
     def seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A watched module's forward, while the model's forward learns: where its input lies (and
@@ -428,6 +449,12 @@ class GroupedForward:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _one_group(calls: Sequence[tuple[EmbeddingBag, Any, Any]]) -> bool:
+    """Whether pool_ahead pools all of `calls` in one group (one pass, one read of their rows)."""
+    keys = {pool_key(m, input, offsets) for m, input, offsets in calls}
+    return len(keys) == 1 and None not in keys
 
 
 class _Hook:
