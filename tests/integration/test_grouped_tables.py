@@ -892,11 +892,12 @@ class Bags(nn.Module):
 
 def test_bags_of_a_forwards_embedding_bags_are_pooled_at_its_start_and_an_unused_output_pushes_nothing(make_servers) -> None:  # type: ignore[no-untyped-def]
     """From the second forward on, the three modules' bags are pooled at the forward's start in one
-    pass (after their rows are read in one call per shard), and each module's forward returns its
-    own: 3 pooled forwards a step, none unused. At step 2 c's output is not used by the loss, and c
-    reads rows no other step reads (ids 90-99): no gradient of c is pushed, so the servers never
-    store those rows, as without grouping (a zero gradient pushed would store them). The job is bit
-    for bit the one whose modules pool their own bags (a's output changed in place included)."""
+    pass (the pooling reads their rows itself, in one call per shard), and each module's forward
+    returns its own: 3 pooled forwards a step, none unused. At step 2 c's output is not used by
+    the loss, and c reads rows no other step reads (ids 90-99): no gradient of c is pushed, so the
+    servers never store those rows, as without grouping (a zero gradient pushed would store them).
+    The job is bit for bit the one whose modules pool their own bags (a's output changed in place
+    included)."""
     g = torch.Generator().manual_seed(5)
     data = []
     for step in range(5):
@@ -908,15 +909,20 @@ def test_bags_of_a_forwards_embedding_bags_are_pooled_at_its_start_and_an_unused
         data.append((torch.randint(0, 200, (8, 2), generator=g), pairs, torch.randint(0, 2, (8,), generator=g).float()))
 
     def run(opt: psgrad.PSOptimizer, model: Bags, grouped: bool) -> None:
+        calls = count_calls(opt)
+        pulls = []
         for step, (a, pairs, y) in enumerate(data):
+            before = calls["pull_rows"]
             opt.zero_grad()
             nn.functional.binary_cross_entropy_with_logits(model(a, pairs, drop_c=step == 2), y).backward()
             opt.step()
+            pulls.append(calls["pull_rows"] - before)
         stats = opt.prefetched.stats
-        if grouped:
-            assert stats.grouped == 4 and stats.pooled == 4 * 3 and stats.unused == 0, stats
+        if grouped:  # (the pooling reads all three tables' rows itself: one call per shard, two shards)
+            assert pulls == [6, 2, 2, 2, 2], pulls
+            assert stats.grouped == 4 and stats.pooled == 4 * 3 and stats.served == 4 * 3 and stats.unused == 0, stats
         else:
-            assert stats == PrefetchStats(), stats
+            assert pulls == [6] * 5 and stats == PrefetchStats(), (pulls, stats)
 
     both_ways(make_servers, Bags, run)
 
