@@ -1006,12 +1006,12 @@ def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
     found = unique_ids_of(modules, inputs)
     asked = {name: unique for name, (unique, _) in zip(names, found)}
     got = source.pull_tables(asked, False) if read is None else read(asked)
-    read, touched = [], []
+    out, touched = [], []
     for m, i, name, (unique, inverse) in zip(modules, inputs, names, found):
         weight, t = m._attach(unique, got[name], i.device, True, read_versions(got, name), hook=False)
-        read.append((inverse, weight, unique))
+        out.append((inverse, weight, unique))
         touched.append(t)
-    return read, touched
+    return out, touched
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:
