@@ -76,23 +76,23 @@ class Replica:
         """How many row updates the next record carries so far (see abandon)."""
         return len(self._rows)
 
+    @property
+    def recording(self) -> bool:
+        """Whether the update being applied is recorded for a backup (tables_skipped,
+        rows_applied and rows_lifetime keep what they are told)."""
+        return self.replication is not None and self.replication.active
+
     def tables_skipped(self, names: frozenset[str]) -> None:
         """The update being applied did not use these sparse tables: its record says so, and the
         backup leaves their step counts as the primary does."""
-        if self.replication is not None and self.replication.active:
+        if self.recording:
             self._skipped_tables = names
-
-    @property
-    def recording(self) -> bool:
-        """Whether the update being applied is recorded for a backup (rows_applied and
-        rows_lifetime keep what they are told)."""
-        return self.replication is not None and self.replication.active
 
     def rows_applied(self, table: str, ids: torch.Tensor, grads: torch.Tensor, base_version: int,
                      lr: float | None) -> None:
         """The update being applied updated rows `ids` of sparse table `table` with `grads` (not
         changed by the update) and `lr`: its record carries them, and the backup applies the same."""
-        if self.replication is not None and self.replication.active:
+        if self.recording:
             self._rows.append(RowUpdate(table, ids, grads, base_version, lr))
 
     def rows_lifetime(self, table: str, what: str, ids: torch.Tensor) -> None:
@@ -101,7 +101,7 @@ class Replica:
         their rows (MADE, in this order: the backup's arena is laid out as the primary's), or
         dropped their rows (EVICTED, EXPIRED): its record says so, in order, and the backup does
         the same (and counts it alike)."""
-        if self.replication is not None and self.replication.active:
+        if self.recording:
             self._rows.append(RowUpdate(table, ids, torch.empty(ids.numel(), 0), removed=what in (EVICTED, EXPIRED),
                                         expired=what == EXPIRED, sighted=what == SIGHTED, made=what == MADE))
 

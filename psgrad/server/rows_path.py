@@ -19,7 +19,7 @@ from psgrad.server.read_limit import ReadLimit
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, per_row
+from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, next_versions, per_row
 from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
@@ -342,9 +342,7 @@ class Rows:
                 ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
                 at = None if slots is None else joined([slots[name] for name in order])
             grads = torch.cat([rows[name][1] for name in order]) if whole is None else whole[1]
-            next_ = [m.version + 1 for m in members]  # (each row stamped with its table's next version)
-            versions = (torch.full((ids.numel(),), next_[0], dtype=torch.int64) if next_.count(next_[0]) == len(next_)
-                        else per_row(next_, [rows[names[i]][0] for i in places]))
+            versions = next_versions(members, [rows[names[i]][0] for i in places])
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
                         versions=versions)
             recording = self._replica.recording  # (an arena's members have no row lifetime to report)
@@ -391,9 +389,7 @@ class Rows:
             ends = np.searchsorted(unique.numpy(), np.array([m.base + m.num_embeddings for m in group],
                                                             dtype=np.int64)).tolist()
             counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]  # (np.diff's prepend costs ~30 us here)
-            next_ = [m.version + 1 for m in group]  # (each row stamped with its table's next version)
-            versions = (torch.full((unique.numel(),), next_[0], dtype=torch.int64) if next_.count(next_[0]) == len(next_)
-                        else torch.from_numpy(np.repeat(np.array(next_, dtype=np.int64), counts)))
+            versions = next_versions(group, counts)
             arena.apply(unique, total, lr, None, checked=True, slots=slots, step=state.table_step(members[0]),
                         versions=versions)
             bases: dict[str, int] = {}
@@ -401,8 +397,7 @@ class Rows:
                 bases[name] = min(bases.get(name, p[2]), p[2])
             # (the record's rows, each member's own ids: only where a standby takes records; an
             # arena's members have no row lifetime to report)
-            local = (unique - torch.from_numpy(np.repeat(np.array([m.base for m in group], dtype=np.int64), counts))
-                     if self._replica.recording else None)
+            local = unique - per_row([m.base for m in group], counts) if self._replica.recording else None
             start = 0
             for name, member, end in zip(members, group, ends):
                 if end > start:

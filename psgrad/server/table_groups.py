@@ -349,7 +349,17 @@ def _kept(kept: dict[K, V], key: K, make: Callable[[], V]) -> V:
     return got
 
 
-def per_row(values: Sequence[int], ids: Sequence[torch.Tensor]) -> torch.Tensor:
-    """values[k] for each of the ids[k], concatenated (int64; numpy's repeat: a fraction of torch's
-    repeat_interleave on a few tables)."""
-    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), [i.numel() for i in ids]))
+def per_row(values: Sequence[int], ids: Sequence[torch.Tensor] | Sequence[int]) -> torch.Tensor:
+    """values[k] for each of the ids[k] (or counts[k] times, where ids are counts), concatenated
+    (int64; numpy's repeat: a fraction of torch's repeat_interleave on a few tables)."""
+    counts = [i if isinstance(i, int) else i.numel() for i in ids]
+    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), counts))
+
+
+def next_versions(members: Sequence[SparseTable], ids: Sequence[torch.Tensor] | Sequence[int]) -> torch.Tensor:
+    """Each row's stamp in an update of member tables' rows (ids[k] of members[k], or counts):
+    its table's next version (one fill where all the members have the same)."""
+    next_ = [m.version + 1 for m in members]
+    if next_.count(next_[0]) == len(next_):
+        return torch.full((sum(i if isinstance(i, int) else i.numel() for i in ids),), next_[0], dtype=torch.int64)
+    return per_row(next_, ids)
