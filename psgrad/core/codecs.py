@@ -121,6 +121,8 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     view = consecutive_rows(tensors)
     if view is not None:
         return view
+    if tensors[0].dim() in (1, 2) and tensors[0].numel():  # (consecutive_rows looked: they do not lie so)
+        return torch.cat(tensors)
     full = [t for t in tensors if t.numel()]  # (an empty tensor has no place: its data_ptr is 0)
     first = full[0] if full else tensors[0]
     if not full or not all(t.dim() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:] for t in tensors):
@@ -142,20 +144,22 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def consecutive_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """joined()'s view, found the quick way, of 2-D parts of one width and dtype, contiguous, each
-    starting where the one before ends (empty ones anywhere), within the first one's storage: parts
-    split in order from one tensor, and also parts that lie so without being views of it (the
-    row gradients autograd accumulates from one backward's block are detached parts of it, with no
-    _base); None for anything else (joined looks the general way). By their addresses: a part
-    that starts where the one before ends, within the first's storage, is those bytes of it."""
+    """joined()'s view, found the quick way, of 1-D parts or 2-D parts of one width, of one dtype,
+    contiguous, each starting where the one before ends (empty ones anywhere), within the first
+    one's storage: parts split in order from one tensor, and also parts that lie so without being
+    views of it (the row gradients autograd accumulates from one backward's block are detached
+    parts of it, with no _base); None for anything else (joined then looks the general way where
+    parts have more dimensions, else copies). By their addresses: a part that starts where the one
+    before ends, within the first's storage, is those bytes of it."""
     first = tensors[0]
-    if first.dim() != 2 or not first.shape[1] or not first.numel():
+    dims = first.dim()
+    if dims not in (1, 2) or not first.numel():
         return None
-    width, dtype = first.shape[1], first.dtype
+    width, dtype = first.shape[1] if dims == 2 else 1, first.dtype
     step = width * first.element_size()
     start = at = first.data_ptr()
     for t in tensors:  # (a few cheap attributes a part: len() or .size() of a tensor costs more)
-        if t.dtype != dtype or t.dim() != 2 or t.shape[1] != width or not t.is_contiguous():
+        if t.dtype != dtype or t.dim() != dims or (dims == 2 and t.shape[1] != width) or not t.is_contiguous():
             return None
         n = t.shape[0]
         if n:  # (an empty part's address may be anything: it holds no bytes)
@@ -165,7 +169,8 @@ def consecutive_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     storage = first.untyped_storage()
     if at > storage.data_ptr() + storage.nbytes():  # (past the first's storage: another allocation)
         return None
-    return first.as_strided(((at - start) // step, width), (width, 1))
+    rows = (at - start) // step
+    return first.as_strided((rows, width), (width, 1)) if dims == 2 else first.as_strided((rows,), (1,))
 
 
 class WireBuffer:

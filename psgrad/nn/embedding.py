@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from psgrad.core import rows
+from psgrad.core.codecs import joined
 from psgrad.core.sharding import check_lifetime
 from psgrad.errors import ConfigError, InvalidRequestError, WorkerStateError
 from psgrad.nn import lookups
@@ -74,27 +75,22 @@ class Touched:
     until a backward gives it a gradient, then until the step takes it (or zero_grad() drops it):
     a forward no backward reaches (an evaluation with autograd on, its output gone) keeps nothing
     in the worker, while the graph of one whose backward is still to come keeps its leaf alive.
-    What tells it a backward came: a hook on the leaf (run once its gradient is accumulated), or,
-    with hook=False, the caller's autograd Function, whose backward calls hold() where it gives
-    the leaf a gradient (the bags pooled ahead: a hook costs ~10 us a leaf to register)."""
+    What tells it a backward came: a hook on the leaf, run once its gradient is accumulated (rows
+    several modules read together are a GroupRows instead, told by the pooling's backward: a hook
+    costs ~10 us a leaf to register)."""
 
     __slots__ = ("ids", "versions", "_ref", "_held")
 
     def __init__(self, ids: torch.Tensor, leaf: torch.Tensor, versions: Mapping[int, int] | None,
-                 kept: bool = False, hook: bool = True) -> None:
+                 kept: bool = False) -> None:
         self.ids, self.versions = ids, None if versions is None else dict(versions)
         self._ref = weakref.ref(leaf)
         self._held: torch.Tensor | None = leaf if kept else None
-        if hook and not kept:
+        if not kept:
             leaf.register_post_accumulate_grad_hook(self._keep)
 
     def _keep(self, leaf: torch.Tensor) -> None:
         self._held = leaf
-
-    def hold(self) -> None:
-        """A backward gives the leaf a gradient (called by it, before the gradient is accumulated,
-        while the graph still holds the leaf): hold it until the step."""
-        self._held = self._ref()
 
     def leaf(self) -> torch.Tensor | None:
         return self._held if self._held is not None else self._ref()
@@ -112,6 +108,100 @@ class Touched:
 
     def release(self) -> None:
         self._held = None
+
+    def gradient_leaf(self) -> torch.Tensor | None:
+        """A tensor whose .grad is the rows' gradient (the leaf), for clip_grad_norm_ to measure
+        and scale in place; None: no gradient."""
+        leaf = self.leaf()
+        return leaf if leaf is not None and leaf.grad is not None else None
+
+
+class GroupRows:
+    """The rows of several tables one forward read together (pool_ahead: one read, one pooling), as
+    one leaf, every table's rows one after another, which records their gradient in one tensor:
+    one gradient accumulated for the group where a leaf per table takes one each. Each table's
+    part of it is a RowsPart, which its module keeps as it keeps a Touched. The leaf is held
+    weakly until a backward gives it a gradient (as a Touched's), then until no part has one."""
+
+    __slots__ = ("_ref", "_held", "reached", "_sizes", "_views")
+
+    def __init__(self, leaf: torch.Tensor, sizes: Sequence[int]) -> None:
+        self._ref = weakref.ref(leaf)
+        self._held: torch.Tensor | None = None
+        self._sizes = list(sizes)  # each table's rows, one after another
+        self.reached = [False] * len(sizes)  # per table: whether a backward gave its rows a gradient
+        self._views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (the gradient, its tables' parts)
+
+    def hold(self, reached: Sequence[bool]) -> None:
+        """A backward gives the leaf a gradient, the tables' whose output it reached (called by it,
+        before the gradient is accumulated, while its graph still holds the leaf)."""
+        self._held = self._ref()
+        self.reached = [a or b for a, b in zip(self.reached, reached)]
+
+    def leaf(self) -> torch.Tensor | None:
+        return self._held if self._held is not None else self._ref()
+
+    def gradient(self, table: int) -> torch.Tensor | None:
+        """Table `table`'s rows' gradient (a view of the group's), or None: it has none."""
+        if not self.reached[table]:
+            return None
+        leaf = self.leaf()
+        grad = None if leaf is None else leaf.grad
+        if grad is None:
+            return None
+        views = self._views
+        if views is None or views[0] is not grad:  # (every table's view at once: one split)
+            views = self._views = (grad, grad.split_with_sizes(self._sizes))
+        return views[1][table]
+
+    def drop(self, table: int) -> None:
+        """zero_grad() of one table: its rows' gradient is gone (a backward still to come gives
+        them anew, into zeros, as torch's zero_grad leaves a weight's); the others' stay."""
+        grad = self.gradient(table)
+        self.reached[table] = False
+        if grad is None:
+            return
+        if any(self.reached):
+            grad.zero_()
+        else:
+            leaf = self.leaf()
+            assert leaf is not None
+            leaf.grad, self._held, self._views = None, None, None
+
+
+class RowsPart:
+    """One table's rows in a GroupRows: what a Touched is for rows read on their own (the ids, the
+    versions they were read at by shard, their gradient), its gradient the table's rows of the
+    group's, a view of it."""
+
+    __slots__ = ("ids", "versions", "_group", "_table")
+
+    def __init__(self, group: GroupRows, table: int, ids: torch.Tensor, versions: Mapping[int, int] | None) -> None:
+        self.ids, self.versions = ids, None if versions is None else dict(versions)
+        self._group: GroupRows | None = group
+        self._table = table
+
+    def leaf(self) -> torch.Tensor | None:
+        return None if self._group is None else self._group.leaf()
+
+    def gradient(self) -> torch.Tensor | None:
+        return None if self._group is None else self._group.gradient(self._table)
+
+    def gradient_leaf(self) -> torch.Tensor | None:
+        """A stand-in whose .grad is this table's gradient, the group's in place (see Touched)."""
+        grad = self.gradient()
+        if grad is None:
+            return None
+        stand_in = torch.empty_strided(grad.shape, (0, 0))  # (one element of memory, the gradient's shape)
+        stand_in.grad = grad
+        return stand_in
+
+    def drop_gradient(self) -> None:
+        if self._group is not None:
+            self._group.drop(self._table)
+
+    def release(self) -> None:
+        self._group = None
 
 
 class SparseEmbedding(nn.Module):
@@ -191,7 +281,7 @@ class SparseEmbedding(nn.Module):
         self.table: str | None = None  # its name in the job, once bound (or in the state it loaded)
         self._source: RowSource | None = None
         self._observe = False  # after the worker left: read-only pulls
-        self._touched: list[Touched] = []  # the rows of the training forwards since the last step
+        self._touched: list[Touched | RowsPart] = []  # the rows of the training forwards since the last step
         self._loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) a state gave an unbound module
         # requires_grad_(False), from_pretrained(freeze=True): the rows take no gradient, the table does not move
         self.frozen = False
@@ -481,22 +571,19 @@ class SparseEmbedding(nn.Module):
         """The pulled rows of `unique` as this forward uses them: on the input's device and, when
         training (and not frozen), a leaf that records its gradient (taken by take_gradients), with
         the versions the rows were read at by shard (the base of the push of that gradient)."""
-        return self._attach(unique, weight, device, training, versions)[0]
-
-    def _attach(self, unique: torch.Tensor, weight: torch.Tensor, device: torch.device, training: bool,
-                versions: Mapping[int, int] | None, hook: bool = True) -> tuple[torch.Tensor, Touched | None]:
-        """attach_rows(), and the rows' Touched where they take a gradient (hook=False: its hold()
-        is the caller's to call, see Touched)."""
         if not weight.is_cpu or device.type != "cpu":
             weight = weight.to(device)
         if not training or self.frozen:
-            return weight, None
+            return weight
         weight.requires_grad_(True)
+        self._keep_touched(Touched(unique, weight, versions))
+        return weight
+
+    def _keep_touched(self, touched: Touched | RowsPart) -> None:
+        """Keep a training forward's rows (until the step or zero_grad)."""
         if len(self._touched) >= 64:  # (forwards no backward reached, their outputs gone: nothing to keep)
             self.__dict__["_touched"] = [t for t in self._touched if t.leaf() is not None]
-        touched = Touched(unique, weight, versions, hook=hook)
         self._touched.append(touched)
-        return weight, touched
 
     def _pretrained(self, embeddings: torch.Tensor, freeze: bool) -> None:
         """Hold `embeddings` as every row's loaded value (see from_pretrained)."""
@@ -545,14 +632,24 @@ class SparseEmbedding(nn.Module):
         step's exchange succeeded) or zero_grad() drops them, so a step that fails (a push the
         servers refused, a connection lost) leaves them for the step taken again, as torch leaves
         .grad in place when optimizer.step() raises."""
-        parts = [(t.ids, grad, t.versions) for t in self._touched for grad in [t.gradient()] if grad is not None]
+        touched = self._touched
+        if len(touched) == 1:  # (one forward since the step, as most: its rows' gradient, read at its versions)
+            one = touched[0]
+            grad = one.gradient()
+            if grad is None:
+                return None
+            if grad.requires_grad or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous():
+                grad = grad.detach().to("cpu", torch.float32).contiguous()  # (else as it is: a few us a table a step)
+            kept = self._without_padding(one.ids, grad)
+            return None if kept is None else RowGradient(kept[0], kept[1], dict(one.versions or {}))
+        parts = [(t.ids, grad, t.versions) for t in touched for grad in [t.gradient()] if grad is not None]
         if not parts:
             return None
         bases = rows.oldest(*(versions for _, _, versions in parts))
         if len(parts) == 1:
             ids, grad, _ = parts[0]
             if grad.requires_grad or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous():
-                grad = grad.detach().to("cpu", torch.float32).contiguous()  # (else as it is: a few us a table a step)
+                grad = grad.detach().to("cpu", torch.float32).contiguous()
             kept = self._without_padding(ids, grad)
         else:
             all_ids = torch.cat([ids for ids, _, _ in parts])
@@ -582,7 +679,7 @@ class SparseEmbedding(nn.Module):
         """The touched rows' leaves with a gradient, merged into one leaf per id when several
         forwards touched rows (its .grad: what the step pushes), for clip_grad_norm_ to measure and
         scale in place."""
-        leaves = [leaf for leaf in (t.leaf() for t in self._touched) if leaf is not None and leaf.grad is not None]
+        leaves = [leaf for leaf in (t.gradient_leaf() for t in self._touched) if leaf is not None]
         if len(leaves) < 2:
             return leaves
         pending = [t for t in self._touched if t.leaf() is not None and t.gradient() is None]  # (a backward may come)
@@ -595,7 +692,7 @@ class SparseEmbedding(nn.Module):
         self._touched = [Touched(taken.ids, merged, taken.bases, kept=True), *pending]
         return [merged]
 
-    def _drop_touched(self) -> list[Touched]:
+    def _drop_touched(self) -> list[Touched | RowsPart]:
         """Forget the rows touched since the last step; returns them (their leaves held until then)."""
         touched = self._touched
         self.__dict__["_touched"] = []  # (as _last_unique: not through nn.Module.__setattr__)
@@ -957,7 +1054,8 @@ def pool_key(module: EmbeddingBag, input: Any, offsets: Any) -> tuple[bool, int,
 
 
 def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
-               read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> list[EmbeddingBag]:
+               read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+               keys: Sequence[tuple[bool, int, int] | None] | None = None) -> list[EmbeddingBag]:
     """Pool the bags of several psgrad.EmbeddingBag modules' coming training forwards, (module,
     input, offsets) each, in one pass each way (lookups.pooled_apart) where each forward would
     pool its own: each module's rows are read now (served from rows fetched ahead, where they
@@ -967,51 +1065,67 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
     the modules whose bags wait; the others' forwards pool their own. take_ahead() drops what a
     forward did not come for. read: where given, what reads a group's rows (table -> unique ids,
     checked against the tables' ranges: the rows, a PulledRows), in place of the modules' source
-    (a forward's grouped read, nothing fetched ahead: see GroupedForward).
+    (a forward's grouped read, nothing fetched ahead: see GroupedForward). keys: the calls'
+    pool_key()s, where the caller has them.
 
     Raises:
         InvalidRequestError: ids or offsets a forward refuses (it would say the same).
     """
     groups: dict[tuple[bool, int, int], list[tuple[EmbeddingBag, torch.Tensor, torch.Tensor | None]]] = {}
-    for m, input, offsets in calls:
-        key = pool_key(m, input, offsets)
+    for (m, input, offsets), key in zip(calls, keys if keys is not None else [pool_key(*call) for call in calls]):
         if key is not None:
             groups.setdefault(key, []).append((m, input, offsets))
     waiting = []
     for (mean, _, _), group in groups.items():
-        read_, touched = _read_together(group, read)
-        outs = lookups.pooled_apart([weight for _, weight, _ in read_], [inverse for inverse, _, _ in read_],
+        read_ = _read_together(group, read)
+        if read_ is None:
+            continue  # (modules sharing a table, or of several jobs: each forward reads and pools its own)
+        outs = lookups.pooled_group(read_.rows, [int(u.numel()) for u in read_.uniques], read_.inverses,
                                     [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group],
-                                    touched)
+                                    read_.group, read_.inverse)
         if outs is None:
             continue  # (each forward pools its own, as torch's ops do; the rows read here reach no backward)
-        for (m, input, offsets), out, (_, _, unique) in zip(group, outs, read_):
+        for (m, input, offsets), out, unique in zip(group, outs, read_.uniques):
             m.__dict__["_ahead"] = _Ahead(input, offsets, _versions(input, offsets), out, int(unique.numel()))
             waiting.append(m)
     return waiting
 
 
+class _ReadTogether(NamedTuple):
+    """_read_together's rows: per module its ids' inverse and unique ids; the rows read, one
+    module's after another in one tensor; their GroupRows (None: no module takes gradients)."""
+
+    inverses: list[torch.Tensor]
+    uniques: list[torch.Tensor]
+    rows: torch.Tensor
+    group: GroupRows | None
+    inverse: torch.Tensor | None  # the inverses one after another, where they were found so (UniqueIds.inverse)
+
+
 def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
                    read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None
-                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[Touched | None]]:
-    """Each module's _rows() of its input (inverse, rows, unique) for a training forward, read in
-    one call of their source (or of `read`, see pool_ahead) where they share one and their tables
-    differ (else each its own), with the rows' Touched, whose hold() the pooling's backward is to
-    call (no hook a leaf; None where the rows take no gradient, or were read each on its own)."""
+                   ) -> _ReadTogether | None:
+    """The rows of each module's input for a training forward, read in one call of their source (or
+    of `read`, see pool_ahead), as one leaf of them all (a GroupRows), each module whose rows take
+    gradients (not frozen) keeping its part of it, a RowsPart; None where the modules do not share
+    one source, or share a table (tied modules: each forward reads its own)."""
     modules, inputs = [m for m, _, _ in group], [i for _, i, _ in group]
     names = [m.table or "" for m in modules]
     source = modules[0].bound_source()
     if len(set(names)) < len(names) or any(m._source is not source for m in modules):
-        return [m._rows(i) for m, i in zip(modules, inputs)], [None] * len(modules)
+        return None
     found = unique_ids_of(modules, inputs)
-    asked = {name: unique for name, (unique, _) in zip(names, found)}
-    got = source.pull_tables(asked, False) if read is None else read(asked)
-    out, touched = [], []
-    for m, i, name, (unique, inverse) in zip(modules, inputs, names, found):
-        weight, t = m._attach(unique, got[name], i.device, True, read_versions(got, name), hook=False)
-        out.append((inverse, weight, unique))
-        touched.append(t)
-    return out, touched
+    uniques, inverses = [unique for unique, _ in found], [inverse for _, inverse in found]
+    got = source.pull_tables(dict(zip(names, uniques)), False) if read is None else read(dict(zip(names, uniques)))
+    rows_ = joined([got[name] for name in names])  # (a view where the read left them one after another, else a copy)
+    whole = found.inverse if isinstance(found, lookups.UniqueIds) else None
+    if all(m.frozen for m in modules):
+        return _ReadTogether(inverses, uniques, rows_, None, whole)
+    group_ = GroupRows(rows_.requires_grad_(True), [int(unique.numel()) for unique in uniques])
+    for t, (m, name, unique) in enumerate(zip(modules, names, uniques)):
+        if not m.frozen:
+            m._keep_touched(RowsPart(group_, t, unique, read_versions(got, name)))
+    return _ReadTogether(inverses, uniques, rows_, group_, whole)
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:
@@ -1033,6 +1147,8 @@ def read_versions(got: Mapping[str, torch.Tensor], table: str) -> dict[int, int]
 def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each module's unique_ids of its input: those it does not remember computed for all of them
     in one pass (psgrad/nn/lookups.py) where the kernels serve them, else by torch.unique each.
+    Where none was remembered and the kernels found them all, the list is their lookups.UniqueIds,
+    whose `inverse` holds every input's inverse one after another.
 
     Raises:
         InvalidRequestError: ids that are not an integer tensor, or out of a module's range.
@@ -1042,6 +1158,8 @@ def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Ten
     if not todo:
         return out  # type: ignore[return-value]
     fused = lookups.unique_ids([inputs[k] for k in todo], max(modules[k].embedding_dim for k in todo))
+    if fused is not None and len(todo) == len(out):  # (all found in one pass: the result keeps its whole inverse)
+        out = fused  # type: ignore[assignment]
     # (the kernel's ids in range for all the tables at once: checked each on its own, where one is not)
     fine = fused.within([modules[k].num_embeddings for k in todo]) if fused is not None else []
     for n, k in enumerate(todo):

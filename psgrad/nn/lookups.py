@@ -60,13 +60,15 @@ def _make() -> dict[str, Any] | None:
 
 
 class UniqueIds(list[tuple[torch.Tensor, torch.Tensor]]):
-    """unique_ids()'s result: per tensor of ids, (unique, inverse); and the least and the greatest
-    of each one's unique ids, for a range check of all the tables at once (`within`)."""
+    """unique_ids()'s result: per tensor of ids, (unique, inverse); the least and the greatest of
+    each one's unique ids, for a range check of all the tables at once (`within`); and `inverse`,
+    every tensor's inverse one after another, flat (theirs are its parts: a pooling of all the
+    tables takes it whole, no copy)."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: np.ndarray, least: np.ndarray,
-                 greatest: np.ndarray) -> None:
+                 greatest: np.ndarray, inverse: torch.Tensor) -> None:
         super().__init__(pairs)
-        self.counts, self.least, self.greatest = counts, least, greatest
+        self.counts, self.least, self.greatest, self.inverse = counts, least, greatest, inverse
 
     def within(self, sizes: Sequence[int]) -> list[bool]:
         """Per tensor of ids, whether all its ids lie in [0, sizes[t]) (no ids: yes; a size of 0,
@@ -108,7 +110,7 @@ def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> UniqueIds:
     first = np.minimum(starts[:-1], max(len(u) - 1, 0))
     ends = (u[first], u[first + np.maximum(counts - 1, 0)]) if len(u) else (counts, counts)
     return UniqueIds([(uq, inv if i.dim() == 1 else inv.view(i.shape)) for i, uq, inv in zip(ids, uniques, inverses)],
-                     counts, *ends)
+                     counts, *ends, inverse)
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
@@ -138,23 +140,37 @@ def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
 
 
 def pooled_apart(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
-                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = (),
-                 touched: Sequence[Any] = ()) -> list[torch.Tensor] | None:
+                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = ()) -> list[torch.Tensor] | None:
     """pooled(), each table's bags a tensor of its own: [F.embedding_bag(inverse, weight, offset,
     mode) for each table], [B, D] each, in one pass each way, as separate modules' forwards would
-    give them (what GroupedForward pools at a model's forward start). A table whose output no
-    backward reaches gets no gradient (its weight's .grad stays None, as a lookup of its own left
-    unused gets none), where a slice of pooled()'s one output would get zeros. The bits are
-    pooled()'s, table by table. touched: per table, an object (or None) whose hold() the
-    backward calls where it gives that table's weight a gradient (embedding.Touched). None and
-    the errors: as pooled()."""
-    k = kernels()
-    plan = _Plan.make(weights, inverses, offsets, mean, k)
+    give them. A table whose output no backward reaches gets no gradient (its weight's .grad stays
+    None, as a lookup of its own left unused gets none), where a slice of pooled()'s one output
+    would get zeros. The bits are pooled()'s, table by table. None and the errors: as pooled().
+    (GroupedForward pools a forward's modules with pooled_group, their rows one tensor.)"""
+    plan = _Plan.make(weights, inverses, offsets, mean, kernels())
     if plan is None:
         check_offsets(inverses, offsets, names)
         return None
-    plan.touched = touched
     return list(_PooledApart.apply(plan, *weights))
+
+
+def pooled_group(rows: torch.Tensor, sizes: Sequence[int], inverses: Sequence[torch.Tensor],
+                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = (),
+                 group: Any = None, inverse: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    """pooled_apart() of tables whose rows lie in one tensor, one table's after another (rows[:
+    sizes[0]] table 0's, and so on: what a forward reads of a group of tables at once), which
+    takes their gradient as one: one leaf, one gradient accumulated, where a tensor per table
+    takes one each. group: an object (or None) whose hold(reached) the backward calls with, per
+    table, whether its output got a gradient (the rows of a table whose output none reached get
+    zeros in the one gradient: what they hold is the group's to say, see embedding.GroupRows).
+    inverse: the inverses one after another, flat, where the caller has them so (UniqueIds.inverse:
+    else they are joined). The bits, None and the errors: as pooled_apart()."""
+    plan = _Plan.make([rows], inverses, offsets, mean, kernels(), sizes, inverse)
+    if plan is None:
+        check_offsets(inverses, offsets, names)
+        return None
+    plan.group = group
+    return list(_PooledApart.apply(plan, rows))
 
 
 def check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
@@ -189,23 +205,38 @@ class _Plan:
     for torch's ops (k None: the kernels are not compiled here)."""
 
     def __init__(self, kernels_: dict[str, Any] | None, flat: list[torch.Tensor], starts: list[torch.Tensor],
-                 sizes: list[int], dim: int, mean: bool) -> None:
+                 sizes: list[int], dim: int, mean: bool, one_tensor: bool = False,
+                 inverse: torch.Tensor | None = None) -> None:
         self.k, self.flat, self.starts, self.sizes, self.dim, self.mean = kernels_, flat, starts, sizes, dim, mean
-        self.touched: Sequence[Any] = ()  # (pooled_apart's)
+        self.one_tensor = one_tensor  # (the tables' rows given as one tensor: pooled_group's)
+        self.group: Any = None  # (pooled_group's)
         self.bags = int(starts[0].numel())
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
-            self.inverse = joined(flat).contiguous().numpy()
-            self.id_start = _starts([int(f.numel()) for f in flat])
+            counts = [int(f.numel()) for f in flat]
+            whole = inverse is not None and inverse.dim() == 1 and inverse.numel() == sum(counts)
+            self.inverse = (inverse if whole else joined(flat)).contiguous().numpy()  # type: ignore[union-attr]
+            self.id_start = _starts(counts)
             self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
     @classmethod
     def make(cls, weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
-             offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any] | None) -> _Plan | None:
+             offsets: Sequence[torch.Tensor | None], mean: bool, k: dict[str, Any] | None,
+             sizes: Sequence[int] | None = None, inverse: torch.Tensor | None = None) -> _Plan | None:
+        """The plan of pooled() (a weight per table), or of pooled_group() (`sizes` given: weights
+        is one tensor of every table's rows, sizes[t] of them table t's; `inverse`: the inverses
+        one after another, where the caller has them so); None where it does not serve these (see
+        the module doc)."""
         dim = int(weights[0].shape[-1]) if weights[0].dim() == 2 else -1
         f32, i64 = torch.float32, torch.int64
-        for w, i in zip(weights, inverses):  # (is_cpu: a device object compared costs more, per table per step)
-            if not (w.dim() == 2 and w.shape[1] == dim and w.dtype == f32 and w.is_cpu and i.is_cpu and i.dtype == i64):
+        if sizes is not None and not (len(weights) == 1 and len(sizes) == len(inverses)
+                                      and sum(sizes) == weights[0].shape[0]):
+            return None
+        for w in weights:  # (is_cpu: a device object compared costs more, per table per step)
+            if not (w.dim() == 2 and w.shape[1] == dim and w.dtype == f32 and w.is_cpu):
+                return None
+        for i in inverses:
+            if not (i.is_cpu and i.dtype == i64):
                 return None
         starts, flat = [], []
         for i, o in zip(inverses, offsets):
@@ -222,8 +253,8 @@ class _Plan:
         bags = int(starts[0].numel())
         if not bags or any(int(s.numel()) != bags for s in starts):
             return None  # (no bags, or outputs that would not concatenate: torch says so)
-        sizes = [int(w.shape[0]) for w in weights]
-        plan = cls(k, flat, starts, sizes, dim, mean)
+        plan = cls(k, flat, starts, [int(w.shape[0]) for w in weights] if sizes is None else list(sizes), dim, mean,
+                   sizes is not None, inverse)
         return plan if plan.valid() else None
 
     def valid(self) -> bool:
@@ -241,14 +272,14 @@ class _Plan:
     def rows(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """All tables' rows as one [rows, D] tensor: a view where they lie one after another in one
         storage (as a step's prefetched rows of tables of one width do), else a copy."""
-        return joined(list(weights)).contiguous()
+        return weights[0].contiguous() if self.one_tensor else joined(list(weights)).contiguous()
 
     def forward(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tables' pooled bags, [B, T * D]."""
         if self.k is None:
             return torch.cat(self._each(weights), dim=1)
-        out = torch.empty(self.bags, len(weights) * self.dim)
-        if len(weights) > 1:  # (the output written row by row, each bag's tables in turn: see _pool_by_bag)
+        out = torch.empty(self.bags, len(self.sizes) * self.dim)
+        if len(self.sizes) > 1:  # (the output written row by row, each bag's tables in turn: see _pool_by_bag)
             self.k["pool_by_bag"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets,
                                   self.row_start, self.mean, out.numpy())
         else:
@@ -264,7 +295,7 @@ class _Plan:
         place in the block's storage, which would also have torch.save write the whole block)."""
         if self.k is None:
             return self._each(weights)
-        T, B, D = len(weights), self.bags, self.dim
+        T, B, D = len(self.sizes), self.bags, self.dim
         block = np.empty((T, B, D), np.float32)
         self.k["pool"](self.rows(weights).detach().numpy(), self.inverse, self.id_start, self.offsets, self.row_start,
                        self.mean, True, block.reshape(T * B, D))
@@ -273,8 +304,9 @@ class _Plan:
     def _each(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Torch's embedding_bag of each table (without the kernels)."""
         mode = "mean" if self.mean else "sum"
+        each = weights[0].split_with_sizes(self.sizes) if self.one_tensor else weights
         return [torch.nn.functional.embedding_bag(i, w.detach(), o, mode=mode)
-                for i, w, o in zip(self.flat, weights, self.starts)]
+                for i, w, o in zip(self.flat, each, self.starts)]
 
     def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The rows' gradients, [rows of all tables, D]: each bag's output gradient added to its
@@ -329,12 +361,12 @@ class _PooledApart(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.cat([torch.zeros(plan.bags, plan.dim) if g is None else g.to(torch.float32)
                                   for g in grads], dim=1)
+        if plan.one_tensor:  # (one gradient of every table's rows; the group says whose are gradients)
+            if plan.group is not None:
+                plan.group.hold([g is not None for g in grads])
+            return (None, plan.backward(grad_out) if ctx.needs_input_grad[1] else None)
         parts = plan.backward(grad_out).split_with_sizes(plan.sizes)
-        out = [p if g is not None and need else None for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])]
-        for touched, p in zip(plan.touched, out):
-            if touched is not None and p is not None:
-                touched.hold()
-        return (None, *out)
+        return (None, *(p if g is not None and need else None for p, g, need in zip(parts, grads, ctx.needs_input_grad[1:])))
 
 
 def _columns_of_one(grads: Sequence[torch.Tensor | None], bags: int, dim: int) -> torch.Tensor | None:
@@ -403,9 +435,19 @@ def _pooling_agrees_with_torch(k: dict[str, Any]) -> bool:
                 got.append([out.detach(), *(leaf.grad for leaf in leaves)])
                 # (each table's output apart: the same bits, its own tensor)
                 got[-1] += [torch.cat(list(_PooledApart.apply(plan, *weights)), dim=1)]
+                # (and the tables' rows as one tensor, pooled_group's: the same bits, one gradient)
+                group = _Plan.make([torch.cat(weights)], inverses, offsets, mean, kernels_, [rows] * tables)
+                if group is None:
+                    return False
+                one = torch.cat(weights).requires_grad_()
+                joined_out = torch.cat(list(_PooledApart.apply(group, one)), dim=1)
+                (joined_out * grad_out).sum().backward()
+                got[-1] += [joined_out.detach(), one.grad]
             if not all(a is not None and b is not None and _same_bits(a, b) for a, b in zip(*got)):
                 return False
-            if not _same_bits(got[0][-1], got[0][0]):
+            each_grad = torch.cat([g for g in got[0][1:1 + tables]])
+            if not (_same_bits(got[0][-3], got[0][0]) and _same_bits(got[0][-2], got[0][0])
+                    and _same_bits(got[0][-1], each_grad)):
                 return False
     bad = [torch.tensor([0, 2, 1]), torch.tensor([1, 0, 1]), torch.tensor([0, 1, 9])]  # out of order, not at 0, past
     return all(_Plan.make([torch.zeros(3, 2)], [torch.zeros(4, dtype=torch.int64)], [o], False, kernels_) is None

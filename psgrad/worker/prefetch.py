@@ -352,11 +352,13 @@ class GroupedForward:
         if not lookups:
             return
         calls = self._calls(lookups, args, kwargs)
-        if self._read_rows is not None and len(calls) == len(lookups) and _one_group(calls):
-            # (every module's bags pooled together: the pooling reads their rows, in one call per
-            # shard, where a read ahead of it and a second look at what it held cost per table)
+        keys = [pool_key(*call) for call in calls] if self._read_rows is not None and len(calls) == len(lookups) else []
+        if keys and None not in keys and len(set(keys)) == 1:
+            # (every module's bags pooled together, in one group: the pooling reads their rows, in
+            # one call per shard, where a read ahead of it and a second look at what it held cost
+            # per table)
             try:
-                self._pooled = pool_ahead(calls, self._read_rows)
+                self._pooled = pool_ahead(calls, self._read_rows, keys)
             except (InvalidRequestError, ConfigError):
                 return  # (each module's forward reads its own rows, and raises what is wrong with its input)
             self._counted()
@@ -449,12 +451,6 @@ class GroupedForward:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _one_group(calls: Sequence[tuple[EmbeddingBag, Any, Any]]) -> bool:
-    """Whether pool_ahead pools all of `calls` in one group (one pass, one read of their rows)."""
-    keys = {pool_key(m, input, offsets) for m, input, offsets in calls}
-    return len(keys) == 1 and None not in keys
 
 
 class _Hook:

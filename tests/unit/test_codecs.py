@@ -475,6 +475,9 @@ def test_joined_parts_split_in_order_from_one_tensor_are_a_view_of_it(sizes: lis
     got = joined(parts)
     assert torch.equal(got, torch.cat(parts)) and got.shape == (sum(sizes), 32)
     assert _shares(got, whole) and got.data_ptr() == whole.data_ptr()  # (no copy)
+    ids = torch.arange(sum(sizes) + 3)[2:-1]  # (1-D parts: a lookup's inverses, split from one tensor)
+    got = joined(list(ids.split(sizes)))
+    assert torch.equal(got, ids) and got.shape == ids.shape and got.data_ptr() == ids.data_ptr()
 
 
 def test_joined_copies_parts_out_of_order_of_other_widths_or_tensors_and_small_ones(
@@ -482,8 +485,10 @@ def test_joined_copies_parts_out_of_order_of_other_widths_or_tensors_and_small_o
     monkeypatch.setattr(codecs, "JOIN_VIEW_MIN_BYTES", 0)
     whole = torch.randn(30, 8)
     a, b, c = whole.split([10, 10, 10])
+    ids = torch.arange(30)
     cases = [[b, a], [a, c], [a, torch.randn(5, 8)], [a, b.double()], [a.t(), b.t()],
-             [whole[:, :4], whole[:, 4:]], [torch.zeros(3, 0), torch.zeros(2, 0)]]
+             [whole[:, :4], whole[:, 4:]], [torch.zeros(3, 0), torch.zeros(2, 0)],
+             [ids[10:], ids[:10]], [ids[:5], ids[6:]], [ids[:5], ids[5:].int()], [ids[::2], ids[1::2]]]
     for parts in cases:
         got = joined(parts)
         assert torch.equal(got, torch.cat(parts)), parts

@@ -530,6 +530,52 @@ def test_bags_pooled_ahead_read_in_one_call_and_keep_rows_only_where_a_backward_
     assert all(bag.take_gradients() is None for bag in bags)
 
 
+def test_bags_pooled_ahead_as_a_group_take_one_gradient_and_each_module_still_has_its_own() -> None:
+    """Rows pool_ahead reads for several modules in one call are one leaf: one gradient accumulated
+    for the group, each module's rows' gradient its part of it (a view, no copy). Each module
+    still acts as a table of its own, as torch's separate tables do: zero_grad() of one drops its
+    gradient alone, a backward after it gives it only the new one, clip_grad_norm_ counts each
+    part once, and the step's rows_pushed() lets the group go."""
+    from psgrad.nn.embedding import pool_ahead
+
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)))
+    bags = nn.ModuleList(psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3))
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    twins = nn.ModuleList(nn.EmbeddingBag.from_pretrained(source.weight.clone(), freeze=False, mode="sum") for _ in bags)
+    inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 5]
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == list(bags)
+    leaf = bags[0]._touched[0].leaf()
+    assert leaf is not None and all(len(bag._touched) == 1 and bag._touched[0].leaf() is leaf for bag in bags)
+    losses = [sum(scale * m(ids).square().sum() for scale, m, ids in zip((2.0, 1.0, 3.0), ms, inputs))
+              for ms in (bags, twins)]
+    for loss in losses:
+        loss.backward(retain_graph=True)
+
+    def same_as_torch() -> None:
+        for bag, twin, ids in zip(bags, twins, inputs):
+            got = bag.row_gradients()
+            assert got is not None and torch.equal(got.ids, torch.unique(ids))
+            torch.testing.assert_close(got.grads, twin.weight.grad[got.ids])
+            assert got.grads.untyped_storage().data_ptr() == leaf.grad.untyped_storage().data_ptr()  # (a view)
+
+    same_as_torch()
+    bags[1].zero_grad()
+    twins[1].zero_grad()
+    assert bags[1].row_gradients() is None and bags[0].row_gradients() is not None
+    for loss in losses:  # (the same graph again: table 1 gets this backward's gradient only, the others add)
+        loss.backward()
+    same_as_torch()
+    total = psgrad.clip_grad_norm_(bags, 0.5)
+    torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(twins.parameters(), 0.5))
+    assert float(total) > 1.0  # (it clipped)
+    same_as_torch()
+    for bag in bags:
+        bag.rows_pushed()
+    assert all(not bag._touched for bag in bags)
+
+
 def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_drawn_under() -> None:
     """A fresh module's rows are drawn under its name in the job (its place in the model), which it
     learns when bound: initial_weight() before that is refused naming the fix (it drew under "",

@@ -153,6 +153,46 @@ def test_tables_pooled_apart_are_pooled_ones_bits_and_a_table_no_backward_reache
     assert lookups.pooled_apart(weights[:1], inverses[:1], offsets[:1], True) is not None  # (one table: its own output)
 
 
+class Reached:
+    """pooled_group's group: what its backward says of the tables' outputs."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[bool]] = []
+
+    def hold(self, reached: list[bool]) -> None:
+        self.calls.append(list(reached))
+
+
+@pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_tables_pooled_as_a_group_are_pooled_apart_bits_with_one_gradient_of_them_all(kernels, monkeypatch, with_kernels) -> None:  # type: ignore[no-untyped-def]
+    """pooled_group: the tables' rows given as one tensor, one after another, pool to pooled_apart's
+    outputs bit for bit, each its own tensor, and their backward gives that tensor one gradient:
+    pooled_apart's gradients of the tables one after another, zeros for a table whose output the
+    loss does not use, which the group is told (hold: per table, whether its output got one)."""
+    if not with_kernels:
+        monkeypatch.setattr(lookups, "kernels", lambda start=False, wait=False: None)
+    gen = torch.Generator().manual_seed(6)
+    (weights, inverses, offsets), apart_leaves, outs, _, _ = apart_and_one(gen, False)
+    sizes = [int(w.shape[0]) for w in weights]
+    one = torch.cat(weights).requires_grad_()
+    group = Reached()
+    grouped = lookups.pooled_group(one, sizes, inverses, offsets, False, group=group)
+    assert grouped is not None and len(grouped) == 4
+    for mine, theirs in zip(grouped, outs):
+        assert mine.is_contiguous() and mine._base is None and same_bits(mine.detach(), theirs.detach())
+    grad_out = torch.randn(64, 32, generator=gen)
+    for pooled in (grouped, outs):
+        sum((out * grad_out[:, 8 * t:8 * (t + 1)]).sum() for t, out in enumerate(pooled) if t != 1).backward()  # type: ignore[union-attr]
+    assert group.calls == [[True, False, True, True]]
+    assert apart_leaves[1].grad is None and one.grad is not None
+    expected = torch.cat([torch.zeros(sizes[1], 8) if t == 1 else leaf.grad for t, leaf in enumerate(apart_leaves)])
+    assert same_bits(one.grad, expected)
+    # rows that do not add up to the tables' (or a tensor that is not 2-D float32): not served
+    assert lookups.pooled_group(one.detach()[1:], sizes, inverses, offsets, False) is None
+    assert lookups.pooled_group(one.detach(), sizes[:3], inverses, offsets, False) is None
+    assert lookups.pooled_group(one.detach().double(), sizes, inverses, offsets, False) is None
+
+
 @pytest.mark.parametrize("join", ["stack", "cat", "stack-within", "cat-reversed"])
 def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(kernels, monkeypatch, join) -> None:  # type: ignore[no-untyped-def]
     """A model joins its features' bags along dim 1 (torch.stack, torch.cat): the backward hands
