@@ -108,9 +108,9 @@ def _unique_with(k: dict[str, Any], ids: Sequence[torch.Tensor]) -> UniqueIds:
     # (each table's least and greatest unique id, its first and last: read for all the tables at
     # once; a table of no ids reads any place, and counts 0)
     first = np.minimum(starts[:-1], max(len(u) - 1, 0))
-    ends = (u[first], u[first + np.maximum(counts - 1, 0)]) if len(u) else (counts, counts)
+    least, greatest = (u[first], u[first + np.maximum(counts - 1, 0)]) if len(u) else (counts, counts)
     return UniqueIds([(uq, inv if i.dim() == 1 else inv.view(i.shape)) for i, uq, inv in zip(ids, uniques, inverses)],
-                     counts, *ends, inverse)
+                     counts, least, greatest, inverse)
 
 
 def pooled(weights: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor],
