@@ -576,6 +576,36 @@ def test_bags_pooled_ahead_as_a_group_take_one_gradient_and_each_module_still_ha
     assert all(not bag._touched for bag in bags)
 
 
+def test_a_frozen_module_pooled_with_others_takes_no_gradient_and_all_frozen_take_no_leaf() -> None:
+    """A frozen module whose bags are pooled with others' (one read, one leaf for the group) keeps
+    no rows and has no gradient to push, as its own forward would; the others' gradients are
+    torch's. Where every module of the group is frozen, the rows are no leaf: the outputs need no
+    backward."""
+    from psgrad.nn.embedding import pool_ahead
+
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4)))
+    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="mean") for _ in range(3)]
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    bags[1].requires_grad_(False)
+    inputs = [IDS_2D, IDS_2D + 3, IDS_2D + 6]
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    sum(bag(ids).sum() for bag, ids in zip(bags, inputs)).backward()  # type: ignore[union-attr]
+    assert not bags[1]._touched and bags[1].take_gradients() is None and not bags[1].reached()
+    for k in (0, 2):
+        got = bags[k].take_gradients()
+        weight = source.weight.clone().requires_grad_()
+        nn.functional.embedding_bag(inputs[k], weight, mode="mean").sum().backward()
+        assert got is not None and torch.equal(got[0], torch.unique(inputs[k]))
+        torch.testing.assert_close(got[1], weight.grad[got[0]])
+    for bag in bags:
+        bag.requires_grad_(False)
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    outs = [bag(ids) for bag, ids in zip(bags, inputs)]
+    assert not any(out.requires_grad for out in outs) and not any(bag._touched for bag in bags)
+
+
 def test_initial_weight_is_refused_until_the_module_knows_the_name_its_rows_are_drawn_under() -> None:
     """A fresh module's rows are drawn under its name in the job (its place in the model), which it
     learns when bound: initial_weight() before that is refused naming the fix (it drew under "",
