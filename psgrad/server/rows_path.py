@@ -228,7 +228,7 @@ class Rows:
         sync = pending is not None
         if pending is not None:
             self.check_round(state, rows, pending)
-        slots = self.reserve(state, rows, located=located, sync=sync)
+        slots = self.reserve(state, rows, located=located, sync=sync, tables=tables)
         return bad, (state.uid, tuple(t.placement() for t in tables if not (sync and t.evict)), slots)
 
     def check_bases(self, rank: int, rows: RowGradients, tables: Sequence[SparseTable]) -> None:
@@ -264,17 +264,19 @@ class Rows:
             MemoryBudgetError: they would not fit even with every row the iteration does not touch
                 dropped (nothing is made or dropped).
         """
+        evicting = [name for name, t in state.tables.items() if isinstance(t, SparseTable) and t.evict]
+        if not evicting:  # (most jobs: nothing to look at, where each table was looked up in turn)
+            return
         spent = 0  # (the tables share the budget: each is checked with what those made before it take)
-        for name in sorted({name for p in (rows, *pending) for name in p}):  # (in apply_round's order)
+        named = {name for p in (rows, *pending) for name in p}
+        for name in sorted(name for name in evicting if name in named):  # (in apply_round's order)
             t = state.sparse(name, -1)
-            if not t.evict:
-                continue
             parts = [p[name][0] for p in (rows, *pending) if name in p]
             spent += t.check_room(parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts).long()), spent)
 
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
                 made: Reserved | None = None, located: dict[SparseTable, Located] | None = None,
-                sync: bool = False) -> dict[str, torch.Tensor]:
+                sync: bool = False, tables: Sequence[SparseTable] | None = None) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
         applied (tables that evict make room now; see SparseTable.reserve). made: what the push's
@@ -282,17 +284,18 @@ class Rows:
         no row of those tables dropped or moved since, no table with a row lifetime, whose rows
         the apply may admit or evict). located: what a check under this lock found of their rows
         (_check_tables), by arena. sync: a sync push's, whose tables that evict are left out (their
-        rows are made by its iteration: see check_round).
+        rows are made by its iteration: see check_round). tables: the tables of `rows`, in order,
+        where the caller looked them up.
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        names, tables = [], []
-        for name in rows:
-            t = state.sparse(name, -1)
+        names, kept = [], []
+        for name, t in zip(rows, tables if tables is not None else [state.sparse(name, -1) for name in rows]):
             if not (sync and t.evict):
                 names.append(name)
-                tables.append(t)
+                kept.append(t)
+        tables = kept
         if made is not None:
             uid, placements, slots = made
             if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \
