@@ -1057,10 +1057,10 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
                read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
                keys: Sequence[tuple[bool, int, int] | None] | None = None) -> list[EmbeddingBag]:
     """Pool the bags of several psgrad.EmbeddingBag modules' coming training forwards, (module,
-    input, offsets) each, in one pass each way (lookups.pooled_apart) where each forward would
-    pool its own: each module's rows are read now (served from rows fetched ahead, where they
-    were), and its next forward with this very input and offsets, unchanged, returns what was
-    pooled. Serves plain sum and mean bags without per-sample weights (plain_bags), 1-D ids with
+    input, offsets) each, in one pass each way (lookups.pooled_group) where each forward would
+    pool its own: each group's rows are read now, in one call (served from rows fetched ahead,
+    where they were), as one leaf (GroupRows), and each module's next forward with this very input
+    and offsets, unchanged, returns what was pooled. Serves plain sum and mean bags without per-sample weights (plain_bags), 1-D ids with
     1-D int64 offsets or 2-D ids; modules grouped by mode, width and bag count (pool_key). Returns
     the modules whose bags wait; the others' forwards pool their own. take_ahead() drops what a
     forward did not come for. read: where given, what reads a group's rows (table -> unique ids,
@@ -1079,7 +1079,7 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
     for (mean, _, _), group in groups.items():
         read_ = _read_together(group, read)
         if read_ is None:
-            continue  # (modules sharing a table, or of several jobs: each forward reads and pools its own)
+            continue  # (modules of several jobs, or a table twice: each forward reads and pools its own)
         outs = lookups.pooled_group(read_.rows, [int(u.numel()) for u in read_.uniques], read_.inverses,
                                     [offsets for _, _, offsets in group], mean, [m.table or "" for m, _, _ in group],
                                     read_.group, read_.inverse)
@@ -1108,7 +1108,7 @@ def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
     """The rows of each module's input for a training forward, read in one call of their source (or
     of `read`, see pool_ahead), as one leaf of them all (a GroupRows), each module whose rows take
     gradients (not frozen) keeping its part of it, a RowsPart; None where the modules do not share
-    one source, or share a table (tied modules: each forward reads its own)."""
+    one source, or name one table twice (each forward then reads and pools its own)."""
     modules, inputs = [m for m, _, _ in group], [i for _, i, _ in group]
     names = [m.table or "" for m in modules]
     source = modules[0].bound_source()
