@@ -927,6 +927,45 @@ def test_bags_of_a_forwards_embedding_bags_are_pooled_at_its_start_and_an_unused
     both_ways(make_servers, Bags, run)
 
 
+def bag_batches(count: int, seed: int) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """Batches for Bags: a's 2-D ids, b's and c's 1-D ids with offsets (bags of 1-3 ids), labels."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(count):
+        lengths = [torch.randint(1, 4, (8,), generator=g) for _ in range(2)]
+        pairs = [(torch.randint(0, n, (int(k.sum()),), generator=g), torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                                k.cumsum(0)[:-1]]))
+                 for n, k in zip((300, 100), lengths)]
+        data.append((torch.randint(0, 200, (8, 2), generator=g), pairs, torch.randint(0, 2, (8,), generator=g).float()))
+    return data
+
+
+def test_two_forwards_before_a_step_over_bags_pooled_as_one_leaf_equal_the_job_without_grouping(make_servers) -> None:  # type: ignore[no-untyped-def]
+    """Gradient accumulation over bags pooled at the forward's start: the first forward of a step
+    reads the three modules' rows as one leaf, the second (a step pending: no grouped read) each
+    module its own, and each module pushes the two gradients merged; at step 2 b's zero_grad()
+    between the two drops its first gradient alone (its part of the one leaf), as torch's would.
+    The job equals, bit for bit, the one whose modules read and pool their own bags."""
+    data = bag_batches(8, 11)
+
+    def run(opt: psgrad.PSOptimizer, model: Bags, grouped: bool) -> None:
+        for step in range(4):
+            opt.zero_grad()
+            for half in range(2):
+                a, pairs, y = data[2 * step + half]
+                nn.functional.binary_cross_entropy_with_logits(model(a, pairs), y).backward()
+                if step == 2 and half == 0:
+                    model.b.zero_grad()
+            opt.step()
+        stats = opt.prefetched.stats
+        if grouped:  # (steps 1-3: the first forward's three modules pooled ahead; the second's none)
+            assert stats.grouped == 3 and stats.pooled == 3 * 3 and stats.unused == 0, stats
+        else:
+            assert stats == PrefetchStats(), stats
+
+    both_ways(make_servers, Bags, run)
+
+
 def test_a_read_of_two_shards_is_made_on_the_calling_thread_both_requests_out_first(make_servers) -> None:  # type: ignore[no-untyped-def]
     """Where both servers take reads over their sockets, a read of rows on two shards sends both
     requests, then reads both replies, all on the caller's thread (no pool thread: a hand-off costs
