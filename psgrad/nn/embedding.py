@@ -633,25 +633,21 @@ class SparseEmbedding(nn.Module):
         servers refused, a connection lost) leaves them for the step taken again, as torch leaves
         .grad in place when optimizer.step() raises."""
         touched = self._touched
-        if len(touched) == 1:  # (one forward since the step, as most: its rows' gradient, read at its versions)
-            one = touched[0]
-            grad = one.gradient()
-            if grad is None:
-                return None
-            if grad.requires_grad or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous():
-                grad = grad.detach().to("cpu", torch.float32).contiguous()  # (else as it is: a few us a table a step)
-            kept = self._without_padding(one.ids, grad)
-            return None if kept is None else RowGradient(kept[0], kept[1], dict(one.versions or {}))
-        parts = [(t.ids, grad, t.versions) for t in touched for grad in [t.gradient()] if grad is not None]
+        if len(touched) == 1:  # (one forward since the step, as most: no list of them, no merge)
+            grad = touched[0].gradient()
+            parts = [] if grad is None else [(touched[0].ids, grad, touched[0].versions)]
+        else:
+            parts = [(t.ids, grad, t.versions) for t in touched for grad in [t.gradient()] if grad is not None]
         if not parts:
             return None
-        bases = rows.oldest(*(versions for _, _, versions in parts))
         if len(parts) == 1:
-            ids, grad, _ = parts[0]
+            ids, grad, versions = parts[0]
+            bases = dict(versions or {})  # (rows.oldest of one read)
             if grad.requires_grad or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous():
-                grad = grad.detach().to("cpu", torch.float32).contiguous()
+                grad = grad.detach().to("cpu", torch.float32).contiguous()  # (else as it is: a few us a table a step)
             kept = self._without_padding(ids, grad)
         else:
+            bases = rows.oldest(*(versions for _, _, versions in parts))
             all_ids = torch.cat([ids for ids, _, _ in parts])
             grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g, _ in parts])
             unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
@@ -1116,7 +1112,8 @@ def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
         return None
     found = unique_ids_of(modules, inputs)
     uniques, inverses = [unique for unique, _ in found], [inverse for _, inverse in found]
-    got = source.pull_tables(dict(zip(names, uniques)), False) if read is None else read(dict(zip(names, uniques)))
+    asked = dict(zip(names, uniques))
+    got = source.pull_tables(asked, False) if read is None else read(asked)
     rows_ = joined([got[name] for name in names])  # (a view where the read left them one after another, else a copy)
     whole = found.inverse if isinstance(found, lookups.UniqueIds) else None
     if all(m.frozen for m in modules):

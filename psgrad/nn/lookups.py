@@ -214,8 +214,9 @@ class _Plan:
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
             counts = [int(f.numel()) for f in flat]
-            whole = inverse is not None and inverse.dim() == 1 and inverse.numel() == sum(counts)
-            self.inverse = (inverse if whole else joined(flat)).contiguous().numpy()  # type: ignore[union-attr]
+            if inverse is None or inverse.dim() != 1 or inverse.numel() != sum(counts):
+                inverse = joined(flat)  # (the caller's whole inverse where it has one: no join)
+            self.inverse = inverse.contiguous().numpy()
             self.id_start = _starts(counts)
             self.offsets = (torch.stack(starts) if len(starts) > 1 else starts[0].view(1, -1)).contiguous().numpy()
 
