@@ -19,11 +19,11 @@ from psgrad.server.read_limit import ReadLimit
 from psgrad.server.replica_path import Replica
 from psgrad.server.shard_core import ShardCore
 from psgrad.server.state import ShardState
-from psgrad.server.table_groups import GroupedTable, Located, RowArena, in_arena, next_versions, per_row
+from psgrad.server.table_groups import CallTables, GroupedTable, Located, RowArena, in_arena, next_versions, per_row
 from psgrad.server.tables import RowJournal, SparseTable
 from psgrad.server.transfers import count_nonfinite
 from psgrad.wire.protocol import MAX_MESSAGE_BYTES
-from psgrad.wire.rows import BlockGradients, BlockLookups
+from psgrad.wire.rows import BlockGradients, BlockLookups, RowBlock
 
 # table -> (row ids [n] int64, their gradients [n, dim] float32, the table version they were pulled at):
 # a push's rows as its RowBlock gives them (BlockGradients, wire/rows.py: views of the block's buffers)
@@ -34,16 +34,26 @@ Lookup = tuple[str, torch.Tensor]
 
 class Slots(dict[str, torch.Tensor]):
     """The arena slots a reserve made, by table; and, per arena, all of its tables' at once with
-    their arena ids ((its tables in its order, arena ids, slots, the arena's placement count then)),
-    which the apply takes as they are where it updates those tables (no arena ids made again, no
-    slots joined again, none looked up again). uid: the shard state's they were made in; a sync
-    push's are kept with it until its iteration is applied (apply_round), and used there where
-    they still hold (the same state, no row of the arena dropped or moved since)."""
+    their arena ids ((its tables in its order, arena ids, slots, the arena's placement count then,
+    each table's count of ids)), which the apply takes as they are where it updates those tables
+    (no arena ids made again, no slots joined again, none looked up again). A table of an arena
+    held whole gets its own part when asked (split then). uid: the shard state's they were made
+    in; count: the tables they are for. A sync push's are kept with it until its iteration is
+    applied (apply_round), and used there where they still hold (the same state, no row of the
+    arena dropped or moved since)."""
 
-    def __init__(self, uid: int = 0) -> None:
+    def __init__(self, uid: int = 0, count: int = 0) -> None:
         super().__init__()
         self.uid = uid
-        self.whole: dict[RowArena, tuple[tuple[str, ...], torch.Tensor, torch.Tensor, int]] = {}
+        self.count = count
+        self.whole: dict[RowArena, tuple[tuple[str, ...], torch.Tensor, torch.Tensor, int, Sequence[int]]] = {}
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        for names, _, made, _, counts in self.whole.values():
+            if name in names:
+                self.update(zip(names, made.split_with_sizes(list(counts))))
+                return dict.__getitem__(self, name)
+        raise KeyError(name)
 
 
 # What a push's check reserved: (the uid of the shard state it was made in, its tables' placement
@@ -106,7 +116,7 @@ class Rows:
         core = self._core
         with core.cond:
             state = core.require_reader(fingerprint, rank, observe, "a read of rows")
-            tables = [state.sparse(table, rank) for table, _ in lookups]
+            tables = state.tables_of(tuple(table for table, _ in lookups), rank).tables
             located: dict[SparseTable, Located] = {}
             flat = lookups.flat if isinstance(lookups, BlockLookups) else None  # (the ids of a RowBlock, joined)
             if not checked:
@@ -146,7 +156,7 @@ class Rows:
         """
         with self._core.cond:
             state = self._core.require(fingerprint, rank)
-            tables = [state.sparse(table, rank) for table, _ in lookups]
+            tables = state.tables_of(tuple(table for table, _ in lookups), rank).tables
             nbytes = _check_reply_size(tables, lookups, self._core.reads)
             if ids:
                 _check_tables(tables, [ids for _, ids in lookups],
@@ -216,11 +226,13 @@ class Rows:
                 gradients of another shape; a base version outside the table's (see check_bases).
             MemoryBudgetError: the rows would not fit the server's budget.
         """
-        tables = [state.sparse(name, rank) for name in rows]
-        self.check_bases(rank, rows, tables)
+        call = state.tables_of(tuple(rows), rank)
+        self.check_bases(rank, rows, call.tables)
         block = rows.block if isinstance(rows, BlockGradients) else None
-        located = _check_tables(tables, [ids for ids, _, _ in rows.values()], [grads for _, grads, _ in rows.values()],
-                                None if block is None else block.ids)
+        located = None if block is None else _located_block(call, block)
+        if located is None:
+            located = _check_tables(call.tables, [ids for ids, _, _ in rows.values()],
+                                    [grads for _, grads, _ in rows.values()], None if block is None else block.ids)
         if block is not None and block.grads is not None:
             bad = count_nonfinite(block.grads)  # (one sum for all its tables)
         else:
@@ -228,8 +240,8 @@ class Rows:
         sync = pending is not None
         if pending is not None:
             self.check_round(state, rows, pending)
-        slots = self.reserve(state, rows, located=located, sync=sync, tables=tables)
-        return bad, (state.uid, tuple(t.placement() for t in tables if not (sync and t.evict)), slots)
+        slots = self.reserve(state, rows, located=located, sync=sync, call=call)
+        return bad, (state.uid, call.placements(sync), slots)
 
     def check_bases(self, rank: int, rows: RowGradients, tables: Sequence[SparseTable]) -> None:
         """Check each table's base version, the table version its rows were pulled at (a table's
@@ -276,33 +288,46 @@ class Rows:
 
     def reserve(self, state: ShardState, rows: RowGradients, may_evict: bool = False,
                 made: Reserved | None = None, located: dict[SparseTable, Located] | None = None,
-                sync: bool = False, tables: Sequence[SparseTable] | None = None) -> dict[str, torch.Tensor]:
+                sync: bool = False, call: CallTables | None = None) -> dict[str, torch.Tensor]:
         """Make the rows a push touches (checked already), charging the memory budget; returns their
         arena slots by table (for an apply under the same lock). may_evict: the push is being
         applied (tables that evict make room now; see SparseTable.reserve). made: what the push's
         check reserved; its slots are returned as they are where they still hold (the same state,
-        no row of those tables dropped or moved since, no table with a row lifetime, whose rows
-        the apply may admit or evict). located: what a check under this lock found of their rows
+        no row of those tables dropped or moved since, no table that admits or evicts, whose rows
+        the apply may make or drop). located: what a check under this lock found of their rows
         (_check_tables), by arena. sync: a sync push's, whose tables that evict are left out (their
-        rows are made by its iteration: see check_round). tables: the tables of `rows`, in order,
-        where the caller looked them up.
+        rows are made by its iteration: see check_round). call: the tables of `rows`
+        (state.tables_of), where the caller has them.
 
         Raises:
             MemoryBudgetError: they would not fit.
         """
-        names, kept = [], []
-        for name, t in zip(rows, tables if tables is not None else [state.sparse(name, -1) for name in rows]):
-            if not (sync and t.evict):
-                names.append(name)
-                kept.append(t)
-        tables = kept
+        if call is None:
+            call = state.tables_of(tuple(rows), -1)
+        names: Sequence[str] = call.names
+        tables: Sequence[SparseTable] = call.tables
+        arenas, changes_rows = call.arenas, call.changes_rows
+        if sync and changes_rows:
+            kept = [i for i, t in enumerate(tables) if not t.evict]
+            names, tables = [names[i] for i in kept], [tables[i] for i in kept]
+            arenas, changes_rows = in_arena(tables), any(t.min_count > 1 for t in tables)
         if made is not None:
             uid, placements, slots = made
-            if uid == state.uid and len(slots) == len(names) and placements == tuple(t.placement() for t in tables) \
-                    and not any(t.evict or t.min_count > 1 for t in tables):
+            if uid == state.uid and isinstance(slots, Slots) and slots.count == len(names) \
+                    and placements == call.placements(sync) and not changes_rows:
                 return slots
-        out = Slots(state.uid)
-        for arena, places in in_arena(tables).items():  # tables stored together: their rows made at once
+        out = Slots(state.uid, len(names))
+        arena = call.arena
+        found = None if arena is None or located is None else located.get(arena)
+        if found is not None:  # (the push's rows are one arena's block, found by its check: made at once)
+            assert arena is not None
+            block = rows.block if isinstance(rows, BlockGradients) else None
+            counts = block.counts if block is not None and len(block.tables) == len(names) else \
+                [int(rows[name][0].numel()) for name in names]
+            out.whole[arena] = (call.names, found[0], arena.reserve(found[0], may_evict, slots=found[1], new=found[2]),
+                                arena.placement(), counts)
+            return out
+        for arena, places in arenas.items():  # tables stored together: their rows made at once
             ids_ = [rows[names[i]][0] for i in places]
             found = None if located is None else located.get(arena)
             if found is None:
@@ -311,11 +336,11 @@ class Rows:
             else:
                 arena_ids = found[0]
                 made_ = arena.reserve(arena_ids, may_evict, slots=found[1], new=found[2])
-            parts = made_.split_with_sizes([i.numel() for i in ids_])
-            out.update((names[i], part) for i, part in zip(places, parts))
-            out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_, arena.placement())
+            counts = [i.numel() for i in ids_]
+            out.update((names[i], part) for i, part in zip(places, made_.split_with_sizes(counts)))
+            out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_, arena.placement(), counts)
         for name, t in zip(names, tables):
-            if name not in out:
+            if not isinstance(t, GroupedTable):
                 found = None if located is None else located.get(t)
                 at, new = (None, None) if found is None else (found[1], found[2])
                 out[name] = t.reserve(rows[name][0], may_evict, slots=at, new=new)
@@ -325,38 +350,43 @@ class Rows:
               slots: dict[str, torch.Tensor] | None = None) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
         their arena slots by table, from a reserve under the same lock."""
-        names = sorted(name for name in rows if rows[name][0].numel())
-        tables = [state.sparse(name, -1) for name in names]
+        block = rows.block if isinstance(rows, BlockGradients) else None
+        call = state.tables_of(tuple(rows) if block is not None else tuple(n for n in rows if rows[n][0].numel()), -1)
+        names, tables = call.names, call.tables
         _keep(tables)
         alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
-        for arena, places in in_arena(tables).items():  # tables stored together: one update for them all
-            if len({state.table_step(names[i]) for i in places}) > 1:
+        for arena, places in call.arenas.items():  # tables stored together: one update for them all
+            if state.table_skips and len({state.table_step(names[i]) for i in places}) > 1:
                 alone.update(names[i] for i in places)
                 continue
             step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
-            members = [_grouped(tables[i]) for i in places]
-            order = [names[i] for i in places]
+            if arena is call.arena:  # (the push's tables are the arena's, in its order)
+                members, order = call.members, names
+                counts = block.counts if block is not None and len(block.tables) == len(names) else None
+            else:
+                members, order, counts = tuple(_grouped(tables[i]) for i in places), tuple(names[i] for i in places), None
             whole = rows.flat(order) if isinstance(rows, BlockGradients) else None  # (the push's block: no copy)
             at: torch.Tensor | None
             made = slots.whole.get(arena) if isinstance(slots, Slots) else None
-            if made is not None and made[0] == tuple(order):  # (what the reserve made of these tables)
-                _, ids, at, _ = made
+            if made is not None and made[0] == order:  # (what the reserve made of these tables)
+                _, ids, at, _, _ = made
             else:
                 ids = arena.ids_of(members, [rows[name][0] for name in order], None if whole is None else whole[0])
                 at = None if slots is None else joined([slots[name] for name in order])
             grads = torch.cat([rows[name][1] for name in order]) if whole is None else whole[1]
-            versions = next_versions(members, [rows[names[i]][0] for i in places])
+            versions = next_versions(members, counts if counts is not None else [rows[name][0] for name in order])
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
                         versions=versions)
             recording = self._replica.recording  # (an arena's members have no row lifetime to report)
-            for i, member in zip(places, members):  # (reported in the arena's order: a standby makes their rows so)
-                member_ids, member_grads, base = rows[names[i]]
+            for name, member in zip(order, members):  # (reported in the arena's order: a standby makes their rows so)
+                member_ids, member_grads, base = rows[name]
                 member.updated(base)
                 if recording:
-                    self._report(names[i], member, member_ids, member_grads, base, step_lr)
-        for name, t in zip(names, tables):
-            ids, grads, base = rows[name]
+                    self._report(name, member, member_ids, member_grads, base, step_lr)
+        for i in call.order:  # (by name)
+            name, t = names[i], tables[i]
             if not isinstance(t, GroupedTable) or name in alone:
+                ids, grads, base = rows[name]
                 step_lr = _scaled(lr, t.optimizer.lr, lr_scale)
                 ids, grads = t.apply(ids, grads, step_lr, base, checked=True,
                                      slots=None if slots is None else slots[name], step=state.table_step(name))
@@ -370,10 +400,11 @@ class Rows:
         reserved: what each push's reserve gave (its Slots, in the same order), where kept: the arena
         ids and slots of its rows, used where they still hold (see _reserved_in)."""
         names = sorted({name for rows in per_rank for name in rows if rows[name][0].numel()})
-        tables = [state.sparse(name, -1) for name in names]
+        call = state.tables_of(tuple(names), -1)
+        tables = call.tables
         _keep(tables)
         alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
-        for arena, places in in_arena(tables).items():  # tables stored together: one sum, one update
+        for arena, places in call.arenas.items():  # tables stored together: one sum, one update
             members = [names[i] for i in places]
             if len({state.table_step(name) for name in members}) > 1:
                 alone.update(members)
@@ -429,6 +460,17 @@ class Rows:
                 self._replica.rows_lifetime(name, what, changed)
         if ids.numel():
             self._replica.rows_applied(name, ids, grads, base, lr)
+
+
+def _located_block(call: CallTables, block: RowBlock) -> dict[SparseTable, Located] | None:
+    """What _check_tables finds of a push's rows, checked and found in one pass of the row kernels,
+    where its block is one arena's (call.arena: every table of it with ids, of its width); None
+    for any other block, or where something is amiss (_check_tables then says what)."""
+    arena = call.arena
+    if arena is None or block.grads is None or len(block.tables) != len(call.names) or block.widths != call.widths:
+        return None
+    found = arena.locate_call(call, block.ids, block.counts, ascending=True)
+    return None if found is None else {arena: found}
 
 
 def _check_tables(tables: Sequence[SparseTable], ids: Sequence[torch.Tensor],

@@ -21,7 +21,7 @@ from psgrad.errors import InvalidRequestError
 from psgrad.server.membership import Member, Membership
 from psgrad.core.optimizers.rows import RowOptimizer, make_row_optimizer
 from psgrad.core.optimizers.segments import segments_of
-from psgrad.server.table_groups import GroupedTable, RowArena, group_key
+from psgrad.server.table_groups import CallTables, GroupedTable, RowArena, group_key
 from psgrad.server.tables import DENSE, FROZEN, DenseTable, FrozenTable, MemoryBudget, SparseTable, Table, TableSnapshot
 
 OptimizerState = dict[str, torch.Tensor | float | int]
@@ -97,6 +97,8 @@ class ShardState:
     #: Per sparse table, the shard's updates that did not use it (no worker's forward of it got a
     #: backward): its own step number is the shard's update number less these (table_step).
     table_skips: dict[str, int] = field(default_factory=dict)
+    #: tables_of's answers, by tuple of names (a sparse table, once held, is held for good)
+    _calls: dict[tuple[str, ...], CallTables] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def table_step(self, name: str) -> int:
         """The step number table `name` takes in the update being applied (the shard's next version
@@ -119,6 +121,21 @@ class ShardState:
             have = ", ".join(repr(n) for n, t in self.tables.items() if isinstance(t, SparseTable)) or "none"
             raise InvalidRequestError(f"worker rank {rank} asked for sparse table {name!r}; the job's are: {have}")
         return table
+
+    def tables_of(self, names: tuple[str, ...], rank: int) -> CallTables:
+        """The sparse tables `names` (each as sparse() gives it), with what the row path asks of
+        them (CallTables), kept per tuple of names.
+
+        Raises:
+            InvalidRequestError: as sparse() words it.
+        """
+        got = self._calls.get(names)
+        if got is None:
+            got = CallTables.of(names, [self.sparse(name, rank) for name in names])
+            if len(self._calls) >= 64:  # (a job names a few tuples, step after step; others come and go)
+                self._calls.clear()
+            self._calls[names] = got
+        return got
 
     @property
     def dense(self) -> DenseTable:

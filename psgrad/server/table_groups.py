@@ -14,7 +14,7 @@ table t's own (computed from the table's name and r, as a table on its own compu
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -172,6 +172,13 @@ class RowArena(SparseTable):
             return None
         return arena_ids, slots, new
 
+    def locate_call(self, call: CallTables, flat: torch.Tensor, counts: Sequence[int], ascending: bool) -> Located | None:
+        """locate() of a call's rows of tables all of this arena, in its order (call.arena is
+        this one), their ids joined in `flat` (int64), counts[k] of them table k's. None also
+        where an id is out of range or elsewhere: the members' own checks then say which."""
+        found = self.locate_rows(flat, counts, call.sizes, call.bases, ascending)
+        return None if found is None or found[0] >= 0 else (found[1], found[2], found[3])
+
     def _bounds(self, members: Sequence[GroupedTable]) -> tuple[np.ndarray, np.ndarray]:
         """(rows, base) of each of `members` as int64 arrays (what locate_rows takes), kept per
         tuple of members: a member's rows and base are set when it joins, for good."""
@@ -312,6 +319,50 @@ class GroupedTable(SparseTable):
         return TableStatus(name, self.kind, n * self.dim, n * self.dim * 4, state, rows=placed, rows_touched=n,
                            admitted=n, updates=self.version, staleness_max=self.staleness_max, staleness_mean=mean,
                            capacity=self.arena._ids.numel())
+
+
+class CallTables(NamedTuple):
+    """The sparse tables a call names (by name, in its order) as a shard state holds them, with
+    what its row path asks of them each time (ShardState.tables_of keeps one per tuple of names:
+    a job's calls name the same few tuples step after step, and a table's arena and base are set
+    for good when it joins). Where the tables are all one arena's, in its order (`arena`), a
+    call's rows of them lie as the arena's block (one width, arena ids increasing with the
+    tables' bases): its ids are checked, found, made and updated as one, where each table's
+    part otherwise costs its lookups, checks and places in turn."""
+
+    names: tuple[str, ...]
+    tables: tuple[SparseTable, ...]
+    arenas: dict[RowArena, list[int]]  # in_arena(tables)
+    arena: RowArena | None  # every table stored in this one arena, in the arena's order
+    members: tuple[GroupedTable, ...]  # the tables as the arena's members (arena's), else ()
+    sizes: np.ndarray  # (arena's) each member's rows and base, as locate_rows takes them
+    bases: np.ndarray
+    widths: tuple[int, ...]  # (arena's) each table's row width: the arena's
+    changes_rows: bool  # some table admits rows (min_count) or evicts them: an apply may make or drop rows
+    order: tuple[int, ...]  # the tables' places, sorted by name (the order an update applies them in)
+
+    @classmethod
+    def of(cls, names: Sequence[str], tables: Sequence[SparseTable]) -> CallTables:
+        tables = tuple(tables)
+        arenas = _places(tables)
+        arena = None
+        if len(arenas) == 1 and all(isinstance(t, GroupedTable) for t in tables):
+            (only, places), = arenas.items()
+            arena = only if places == list(range(len(tables))) else None
+        members = tuple(t for t in tables if isinstance(t, GroupedTable)) if arena is not None else ()
+        return cls(tuple(names), tables, arenas, arena, members,
+                   np.array([m.num_embeddings for m in members], dtype=np.int64),
+                   np.array([m.base for m in members], dtype=np.int64),
+                   tuple(m.dim for m in members),
+                   any(t.evict or t.min_count > 1 for t in tables),
+                   tuple(sorted(range(len(tables)), key=lambda i: names[i])))
+
+    def placements(self, sync: bool = False) -> tuple[int, ...]:
+        """The tables' placement counts (SparseTable.placement), those that evict left out in sync
+        (their rows are made by the iteration): one for an arena's (its members share it)."""
+        if self.arena is not None:
+            return (self.arena.placement(),)
+        return tuple(t.placement() for t in self.tables if not (sync and t.evict))
 
 
 def in_arena(tables: Sequence[SparseTable]) -> dict[RowArena, list[int]]:

@@ -18,6 +18,7 @@ from psgrad.server.row_index import DenseIndex
 from psgrad.server.state import ShardState
 from psgrad.server.table_groups import GroupedTable
 from psgrad.server.tables import SparseTable
+from psgrad.wire.rows import BlockGradients, RowBlock
 from test_shard import make_layout, weights_for
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("row_kernels")]
@@ -62,6 +63,13 @@ def pushes(seed: int, count: int) -> list[dict[str, tuple[torch.Tensor, torch.Te
 def state_of(s: Shard) -> ShardState:
     assert s.core.state is not None
     return s.core.state
+
+
+def as_block(rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> BlockGradients:
+    """The rows as a push's RowBlock brings them (views of its two buffers), tables in this order."""
+    names = list(rows)
+    return RowBlock.of([(n, rows[n][0]) for n in names], [rows[n][1] for n in names],
+                       [rows[n][2] for n in names]).updates()
 
 
 def push(s: Shard, rows: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -270,13 +278,18 @@ BAD_PUSHES = {  # b's part of a push -> what the refusal says (b has 37 rows; th
 }
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["dict", "block"])
 @pytest.mark.parametrize("case", list(BAD_PUSHES))
-def test_a_push_is_checked_as_each_table_checks_it(case: str) -> None:
+def test_a_push_is_checked_as_each_table_checks_it(case: str, block: bool) -> None:
+    """Also as a RowBlock of the arena's tables in its order, whose ids are checked in one pass for
+    them all (CallTables.arena): refused with the table's own words, or applied as on their own."""
     s, reference = shard(), shard(apart=True)
     rows = pushes(5, 1)[0]
     change, refusal = BAD_PUSHES[case]
     ids, grads, base = rows["b"]
-    bad = {**rows, "b": (*change(ids, grads), base)}
+    bad: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {**rows, "b": (*change(ids, grads), base)}
+    if block:
+        bad = as_block(bad)
     if refusal is None:  # accepted, and applied as tables on their own apply it
         push(s, bad)
         push(reference, bad)
@@ -286,6 +299,37 @@ def test_a_push_is_checked_as_each_table_checks_it(case: str) -> None:
         with pytest.raises(InvalidRequestError, match=refusal):
             push(reference, bad)
     assert_same_tables(s, reference)
+
+
+def test_a_push_block_of_an_arenas_tables_in_its_order_is_handled_whole_and_equals_tables_on_their_own(
+        monkeypatch: pytest.MonkeyPatch, row_kernels: str) -> None:
+    """A push whose RowBlock holds tables of one arena in the arena's order (all of them, or some:
+    b is absent from every third push) is checked, found, made and applied as the arena's block
+    (no per-table check, where the row kernels run); in another order, per table. Both give what
+    tables on their own give, bit for bit, and each table keeps its own version."""
+    from psgrad.server import rows_path
+
+    checked_per_table = []
+    each = rows_path._check_tables
+    monkeypatch.setattr(rows_path, "_check_tables", lambda *a, **k: checked_per_table.append(1) or each(*a, **k))
+    ordered, shuffled, apart = shard(), shard(), shard(apart=True)
+    state = state_of(ordered)
+    assert state.tables_of(("a", "b", "c"), 0).arena is not None and state.tables_of(("a", "c"), 0).arena is not None
+    assert state.tables_of(("c", "a"), 0).arena is None
+    assert state.tables_of(("a", "b"), 0) is state.tables_of(("a", "b"), 0)  # (kept)
+    for k, rows in enumerate(pushes(7, 6)):
+        push(ordered, as_block(rows))
+        assert bool(checked_per_table) is (row_kernels == "torch-ops"), k  # (the torch ops check each table)
+        checked_per_table.clear()
+        push(shuffled, as_block(dict(reversed(list(rows.items())))))
+        assert checked_per_table, k
+        push(apart, rows)
+        checked_per_table.clear()
+    assert_same_tables(ordered, apart)
+    assert_same_tables(shuffled, apart)
+    assert [state.tables[n].version for n in TABLES] == [6, 4, 6]
+    with pytest.raises(InvalidRequestError, match="asked for sparse table 'nope'; the job's are: 'a', 'b', 'c'"):
+        state.tables_of(("a", "nope"), 0)
 
 
 def test_a_read_is_checked_as_each_table_checks_it() -> None:
