@@ -226,7 +226,7 @@ class Rows:
                 gradients of another shape; a base version outside the table's (see check_bases).
             MemoryBudgetError: the rows would not fit the server's budget.
         """
-        call = state.tables_of(tuple(rows), rank)
+        call = state.tables_of(rows.names if isinstance(rows, BlockGradients) else tuple(rows), rank)
         self.check_bases(rank, rows, call.tables)
         block = rows.block if isinstance(rows, BlockGradients) else None
         located = None if block is None else _located_block(call, block)
@@ -257,7 +257,7 @@ class Rows:
             InvalidRequestError: a negative base version, or (see above) one past the table's.
         """
         behind = self._core.marks.restored or self._core.took_over
-        for (name, (_, _, base)), t in zip(rows.items(), tables):
+        for name, base, t in zip(rows, _bases(rows), tables):
             if base < 0 or (base > t.version and not behind):
                 raise InvalidRequestError(
                     f"push from worker rank {rank}: table {name!r}'s rows claim base version {base}, but the table is at "
@@ -321,8 +321,7 @@ class Rows:
         found = None if arena is None or located is None else located.get(arena)
         if found is not None:  # (the push's rows are one arena's block, found by its check: made at once)
             assert arena is not None
-            block = rows.block if isinstance(rows, BlockGradients) else None
-            counts = block.counts if block is not None and len(block.tables) == len(names) else \
+            counts = rows.block.counts if isinstance(rows, BlockGradients) and rows.whole else \
                 [int(rows[name][0].numel()) for name in names]
             out.whole[arena] = (call.names, found[0], arena.reserve(found[0], may_evict, slots=found[1], new=found[2]),
                                 arena.placement(), counts)
@@ -350,8 +349,10 @@ class Rows:
               slots: dict[str, torch.Tensor] | None = None) -> None:
         """Apply one worker's row gradients (async, ssp) with the push's lr (None: the job's); slots:
         their arena slots by table, from a reserve under the same lock."""
-        block = rows.block if isinstance(rows, BlockGradients) else None
-        call = state.tables_of(tuple(rows) if block is not None else tuple(n for n in rows if rows[n][0].numel()), -1)
+        # (a block whose tables all have ids: their counts and base versions as it holds them)
+        block = rows.block if isinstance(rows, BlockGradients) and rows.whole else None
+        call = state.tables_of(rows.names if isinstance(rows, BlockGradients) else
+                               tuple(n for n in rows if rows[n][0].numel()), -1)
         names, tables = call.names, call.tables
         _keep(tables)
         alone: set[str] = set()  # tables of an arena whose step numbers differ: each updated on its own
@@ -362,7 +363,7 @@ class Rows:
             step_lr = _scaled(lr, arena.optimizer.lr, lr_scale)
             if arena is call.arena:  # (the push's tables are the arena's, in its order)
                 members, order = call.members, names
-                counts = block.counts if block is not None and len(block.tables) == len(names) else None
+                counts = None if block is None else block.counts
             else:
                 members, order, counts = tuple(_grouped(tables[i]) for i in places), tuple(names[i] for i in places), None
             whole = rows.flat(order) if isinstance(rows, BlockGradients) else None  # (the push's block: no copy)
@@ -378,11 +379,11 @@ class Rows:
             arena.apply(ids, grads, step_lr, None, checked=True, slots=at, step=state.table_step(order[0]),
                         versions=versions)
             recording = self._replica.recording  # (an arena's members have no row lifetime to report)
-            for name, member in zip(order, members):  # (reported in the arena's order: a standby makes their rows so)
-                member_ids, member_grads, base = rows[name]
+            bases = block.base_versions if counts is not None and block is not None else [rows[n][2] for n in order]
+            for name, member, base in zip(order, members, bases):  # (in the arena's order: a standby makes their rows so)
                 member.updated(base)
                 if recording:
-                    self._report(name, member, member_ids, member_grads, base, step_lr)
+                    self._report(name, member, rows[name][0], rows[name][1], base, step_lr)
         for i in call.order:  # (by name)
             name, t = names[i], tables[i]
             if not isinstance(t, GroupedTable) or name in alone:
@@ -564,6 +565,14 @@ def _rank_gradients(per_rank: Sequence[RowGradients],
         whole = rows.flat([name for name, _ in rank]) if rank and isinstance(rows, BlockGradients) else None
         pieces.extend([whole[1]] if whole is not None else [p[1] for _, p in rank])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _bases(rows: RowGradients) -> Sequence[int]:
+    """Each table's base version, in the order of `rows` (a block's as it holds them: no part of
+    it made for them)."""
+    if isinstance(rows, BlockGradients) and rows.whole:
+        return rows.block.base_versions
+    return [base for _, _, base in rows.values()]
 
 
 def _keep(tables: Sequence[SparseTable]) -> None:

@@ -4,8 +4,9 @@ values), and the row updates of a replica record (what the primary applied) as T
 one table each. Ids are int64 and gradients float32, little-endian."""
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -156,14 +157,14 @@ class RowBlock:
         if len(widths) != len(tables) or len(bases) != len(tables):
             raise InvalidRequestError(f"{what}: {len(widths)} row widths and {len(bases)} base versions "
                                       f"for {len(tables)} tables")
-        narrow = [(t, w) for t, w in zip(tables, widths) if w < 1]
-        if narrow:
+        if widths and min(widths) < 1:
+            narrow = [(t, w) for t, w in zip(tables, widths) if w < 1]
             raise InvalidRequestError(f"{what}: table {narrow[0][0]!r} has rows of width {narrow[0][1]}; a row has 1 "
                                       "value or more (its table's embedding_dim)")
         if grads is not None and msg.grads:
             raise InvalidRequestError(f"{what}: row gradients both in the message and beside it")
         values = tensor_from_bytes(msg.grads if grads is None else grads, torch.float32, f"{what}: row gradients")
-        expected = sum(c * w for c, w in zip(counts, widths))
+        expected = sum(map(operator.mul, counts, widths))
         if values.numel() != expected:
             raise InvalidRequestError(f"{what}: {values.numel()} gradient values for row ids and widths "
                                       f"that make {expected}")
@@ -185,17 +186,19 @@ class RowBlock:
     def updates(self) -> BlockGradients:
         """A push's row gradients by table (tables with ids only): views of the block."""
         assert self.grads is not None, "a read's block holds no gradients"
-        out = BlockGradients(self)
+        return BlockGradients(self)
+
+    def split(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+        """A push's row gradients by table, tables with ids only: (ids, gradients [n, width], base
+        version), views of the block."""
+        assert self.grads is not None, "a read's block holds no gradients"
         ids = self.ids.split_with_sizes(self.counts)
         if len(set(self.widths)) == 1:
             grads = self.grads.view(-1, self.widths[0]).split_with_sizes(self.counts)
         else:
             sizes = [c * w for c, w in zip(self.counts, self.widths)]
             grads = tuple(g.view(c, w) for g, c, w in zip(self.grads.split_with_sizes(sizes), self.counts, self.widths))
-        for t, i, g, b, c in zip(self.tables, ids, grads, self.base_versions, self.counts):
-            if c:
-                out[t] = (i, g, b)
-        return out
+        return {t: (i, g, b) for t, i, g, b, c in zip(self.tables, ids, grads, self.base_versions, self.counts) if c}
 
 
 class BlockLookups(list[tuple[str, torch.Tensor]]):
@@ -207,21 +210,39 @@ class BlockLookups(list[tuple[str, torch.Tensor]]):
         self.flat = flat
 
 
-class BlockGradients(dict[str, tuple[torch.Tensor, torch.Tensor, int]]):
+class BlockGradients(Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]):
     """A push's row gradients by table, table -> (ids [n], gradients [n, width], base version), as
-    RowBlock.updates gives them: views of the block, which `flat` hands over whole (one tensor of
-    all the tables' ids or gradients, where they are the block's tables in its order: no copy to
-    join them)."""
+    RowBlock.updates gives them: views of the block, made when a table's part is first asked for
+    (a shard handles a block of one arena's tables whole, and asks for none: see
+    server/rows_path.py), which `flat` hands over whole (one tensor of all the tables' ids or
+    gradients, where they are the block's tables in its order: no copy to join them). Its tables
+    are those of the block with ids, in its order (`names`); `whole`: every table of the block."""
 
     def __init__(self, block: RowBlock) -> None:
-        super().__init__()
         self.block = block
+        self.whole = 0 not in block.counts
+        self.names = block.tables if self.whole else tuple(t for t, c in zip(block.tables, block.counts) if c)
+        self._parts: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None
+
+    def __getitem__(self, table: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self._parts is None:
+            self._parts = self.block.split()
+        return self._parts[table]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, table: object) -> bool:
+        return table in self.names
 
     def flat(self, tables: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids [n], gradients [n, width]) of `tables` joined in that order, where they are the
         block's tables with ids, in its order, all of one width; else None."""
         b = self.block
-        if len(tables) != len(self) or tuple(tables) != tuple(self) or len(set(b.widths)) != 1:
+        if tuple(tables) != self.names or len(set(b.widths)) != 1:
             return None
         assert b.grads is not None
         return b.ids, b.grads.view(-1, b.widths[0])
