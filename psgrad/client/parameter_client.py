@@ -802,6 +802,7 @@ class ParameterClient:
         for name, dim in zip(lookups, dims):
             groups.setdefault(dim, []).append(name)
         rows: dict[str, torch.Tensor] = {}
+        blocks: dict[tuple[str, ...], torch.Tensor] = {}
         read_at: dict[str, dict[int, int]] = {name: {} for name in lookups}
         for dim, names in groups.items():
             tensors = [lookups[name] for name in names]
@@ -821,13 +822,14 @@ class ParameterClient:
                 counts.append(got[1])
                 placed += sum(got[1])
             rows.update(zip(names, out.split_with_sizes(sizes)))
+            blocks[tuple(names)] = out
             # (the step's push of these rows' gradients splits them as placed here)
             self._keep_placement(names, tensors, row_placement.TablesOnShards.found(ids, sizes, len(lent), order, counts))
         if not observe:
             for name, by_shard in read_at.items():
                 for i, version in by_shard.items():
                     self.row_versions[(name, i)] = version
-        return row_placement.PulledRows(rows, read_at)
+        return row_placement.PulledRows(rows, read_at, blocks)
 
     def _read(self, s: ShardClient, asks: RowBlock, observe: bool) -> RowsRead:
         return s.pull_rows(self._rows_request(asks, observe))
@@ -1106,7 +1108,8 @@ class _ReadPlan:
                 if not observe:
                     self._client.row_versions[(table, i)] = version
         return row_placement.PulledRows({name: rows for (names, place), group in zip(self._groups, out)
-                                         for name, rows in zip(names, group.split_with_sizes(place.sizes))}, read)
+                                         for name, rows in zip(names, group.split_with_sizes(place.sizes))}, read,
+                                        {tuple(names): group for (names, _), group in zip(self._groups, out)})
 
 
 def _float_rows(data: memoryview, rows: int, dim: int) -> np.ndarray:

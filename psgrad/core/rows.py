@@ -155,12 +155,17 @@ class PulledRows(dict[str, torch.Tensor]):
     """Rows read from a job's shards, by table ([len(ids), dim] float32, CPU), with `versions`: the
     version each table had on each shard its rows came from (table -> {shard: version}). A push of
     gradients computed on these rows says so (its per-table base version on each shard), and the
-    table's staleness counts from it."""
+    table's staleness counts from it. `blocks`: where a read wrote tables' rows one after another
+    in one tensor (a group of one width), that tensor by their names in that order: what a caller
+    taking them together would otherwise find by looking at each table's part (as read, not
+    changed since)."""
 
     def __init__(self, rows: Mapping[str, torch.Tensor] | None = None,
-                 versions: Mapping[str, Mapping[int, int]] | None = None) -> None:
+                 versions: Mapping[str, Mapping[int, int]] | None = None,
+                 blocks: Mapping[tuple[str, ...], torch.Tensor] | None = None) -> None:
         super().__init__(rows or {})
         self.versions: dict[str, dict[int, int]] = {t: dict(v) for t, v in (versions or {}).items()}
+        self.blocks: dict[tuple[str, ...], torch.Tensor] = dict(blocks or {})
 
 
 def oldest(*versions: Mapping[int, int] | None) -> dict[int, int]:

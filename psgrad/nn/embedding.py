@@ -1114,7 +1114,9 @@ def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
     uniques, inverses = [unique for unique, _ in found], [inverse for _, inverse in found]
     asked = dict(zip(names, uniques))
     got = source.pull_tables(asked, False) if read is None else read(asked)
-    rows_ = joined([got[name] for name in names])  # (a view where the read left them one after another, else a copy)
+    block = got.blocks.get(tuple(names)) if isinstance(got, rows.PulledRows) else None
+    # (the read's block of them where it wrote them so, else a view where they lie so, else a copy)
+    rows_ = block if block is not None else joined([got[name] for name in names])
     whole = found.inverse if isinstance(found, lookups.UniqueIds) else None
     if all(m.frozen for m in modules):
         return _ReadTogether(inverses, uniques, rows_, None, whole)

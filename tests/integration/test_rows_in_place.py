@@ -95,6 +95,11 @@ def test_reads_in_place_are_what_the_calls_read(start_servers, read_by) -> None:
         for name in ask:
             assert torch.equal(here[name], called[name]), name
         assert here.versions == called.versions and all(v == {0: 3, 1: 3} for v in here.versions.values())
+        for got in (here, called):  # each group of one width read as one block, each table's rows a part of it
+            assert sorted(name for names in got.blocks for name in names) == sorted(ask)
+            for names, block in got.blocks.items():
+                assert torch.equal(block, torch.cat([got[name] for name in names]))
+                assert got[names[0]].data_ptr() == block.data_ptr()
         assert bool((called["drawn"] != 0).all(dim=1).any())  # (drawn rows: not all zero)
 
 

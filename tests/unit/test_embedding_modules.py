@@ -576,6 +576,44 @@ def test_bags_pooled_ahead_as_a_group_take_one_gradient_and_each_module_still_ha
     assert all(not bag._touched for bag in bags)
 
 
+def test_a_group_read_as_one_block_is_pooled_from_that_block_as_its_leaf() -> None:
+    """Where the read of a group's rows wrote them one after another in one tensor (PulledRows.blocks,
+    as the client's reads do), that tensor is the group's leaf as it is (no part looked at, none
+    copied); the outputs and gradients are those of the same rows read table by table."""
+    from psgrad.core.rows import PulledRows
+    from psgrad.nn.embedding import pool_ahead
+
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(5))
+    inputs = [IDS_2D, IDS_2D + 2, IDS_2D + 4]
+    blocks: list[torch.Tensor] = []
+
+    def read(asked: dict[str, torch.Tensor], whole: bool) -> PulledRows:
+        names = tuple(asked)
+        block = torch.cat([weight[ids] for ids in asked.values()])
+        parts = dict(zip(names, block.split_with_sizes([int(i.numel()) for i in asked.values()])))
+        blocks.append(block)
+        return PulledRows(parts, {}, {names: block} if whole else {})
+
+    results = []
+    for whole in (True, False):
+        bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in inputs]
+        source = LocalRows(weight)  # (one source: the group's modules are one job's)
+        for k, bag in enumerate(bags):
+            bag.table = f"t{k}"
+            bag.bind(f"t{k}", source)
+        assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)], lambda asked: read(asked, whole)) == bags
+        leaf = bags[0]._touched[0].leaf()
+        assert (leaf is blocks[-1]) is whole
+        outs = [bag(ids) for bag, ids in zip(bags, inputs)]
+        sum(o.square().sum() * (k + 1) for k, o in enumerate(outs)).backward()
+        results.append((outs, [bag.row_gradients() for bag in bags]))
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    for a, b in zip(outs_a, outs_b):
+        assert torch.equal(a, b)
+    for a, b in zip(grads_a, grads_b):
+        assert a is not None and b is not None and torch.equal(a.ids, b.ids) and torch.equal(a.grads, b.grads)
+
+
 def test_a_frozen_module_pooled_with_others_takes_no_gradient_and_all_frozen_take_no_leaf() -> None:
     """A frozen module whose bags are pooled with others' (one read, one leaf for the group) keeps
     no rows and has no gradient to push, as its own forward would; the others' gradients are
