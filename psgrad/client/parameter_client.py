@@ -884,7 +884,10 @@ class ParameterClient:
             for names, place in self._place({name: ids for name, (ids, _) in rows.items()},
                                             lambda name: tuple(rows[name][1].shape[1:])):
                 ids = place.ids_by_shard()
-                values = place.by_shard(joined([rows[name][1] for name in names]).to(torch.float32))
+                # (the tables' values one after another: a forward group's gradient as it is, see TableRows)
+                block = rows.blocks.get(tuple(names)) if isinstance(rows, row_placement.TableRows) else None
+                values = place.by_shard((joined([rows[name][1] for name in names]) if block is None else block)
+                                        .to(torch.float32))
                 for i in range(S):
                     kept = [t for t in range(len(names)) if place.counts[i][t]]
                     parts[i].append(([names[t] for t in kept], [place.counts[i][t] for t in kept], ids[i], values[i]))

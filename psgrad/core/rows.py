@@ -168,6 +168,18 @@ class PulledRows(dict[str, torch.Tensor]):
         self.blocks: dict[tuple[str, ...], torch.Tensor] = dict(blocks or {})
 
 
+class TableRows(dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    """Rows of tables by name, (ids, values [n, dim]) each (a step's row gradients), with `blocks`:
+    where tables' values lie one after another in one tensor (the gradient of a forward's group
+    of tables, see nn/embedding.GroupRows), that tensor by their names in that order: what the
+    push's split of them by shard would otherwise find by looking at each table's part."""
+
+    def __init__(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 blocks: Mapping[tuple[str, ...], torch.Tensor] | None = None) -> None:
+        super().__init__(rows or {})
+        self.blocks: dict[tuple[str, ...], torch.Tensor] = dict(blocks or {})
+
+
 def oldest(*versions: Mapping[int, int] | None) -> dict[int, int]:
     """Each shard's oldest version among reads' versions ({shard: version} each; None: a read
     whose versions are not known, left out)."""

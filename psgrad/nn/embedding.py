@@ -154,6 +154,14 @@ class GroupRows:
             views = self._views = (grad, grad.split_with_sizes(self._sizes))
         return views[1][table]
 
+    def whole_gradient(self, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The group's gradient, where `parts` are its tables' gradients as gradient() gives them,
+        every table's in order (each reached); else None."""
+        views = self._views
+        if views is None or len(parts) != len(views[1]) or not all(map(operator.is_, parts, views[1])):
+            return None
+        return views[0]
+
     def drop(self, table: int) -> None:
         """zero_grad() of one table: its rows' gradient is gone (a backward still to come gives
         them anew, into zeros, as torch's zero_grad leaves a weight's); the others' stay."""
@@ -167,6 +175,33 @@ class GroupRows:
             leaf = self.leaf()
             assert leaf is not None
             leaf.grad, self._held, self._views = None, None, None
+
+
+def gradient_blocks(modules: Sequence[tuple[str, SparseEmbedding]],
+                    rows_: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[str, ...], torch.Tensor]:
+    """Where a step's row gradients (`rows_`, by table, of `modules`: (table, module) in their
+    order) of consecutive modules are a forward group's whole gradient, their tables' parts in
+    order (each module's rows of that one forward, every part of the group reached, none less a
+    padding row), that gradient by the tables' names: the push takes it whole."""
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    run: list[str] = []
+    group: GroupRows | None = None
+    ends: list[tuple[str, SparseEmbedding | None]] = [("", None)]
+    for name, module in [*modules, *ends]:
+        touched = [] if module is None else module._touched
+        part = touched[0] if len(touched) == 1 and name in rows_ else None
+        owner, table = (part._group, part._table) if isinstance(part, RowsPart) else (None, -1)
+        if owner is None or owner is not group or table != len(run):  # (a run ends)
+            if group is not None and len(run) > 1:
+                whole = group.whole_gradient([rows_[n][1] for n in run])
+                if whole is not None:
+                    out[tuple(run)] = whole
+            run, group = [], None
+            if owner is None or table != 0:
+                continue
+            group = owner
+        run.append(name)
+    return out
 
 
 class RowsPart:

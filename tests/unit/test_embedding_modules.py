@@ -614,6 +614,37 @@ def test_a_group_read_as_one_block_is_pooled_from_that_block_as_its_leaf() -> No
         assert a is not None and b is not None and torch.equal(a.ids, b.ids) and torch.equal(a.grads, b.grads)
 
 
+def test_a_steps_row_gradients_of_a_whole_group_in_order_are_handed_over_as_the_groups_gradient() -> None:
+    """gradient_blocks: the row gradients of modules pooled as one group, each its one part, in the
+    group's order, are the group's gradient whole (what the push splits by shard as it is); not
+    where a module's gradient was dropped, the modules come in another order, or one module of
+    the group is missing."""
+    from psgrad.nn.embedding import gradient_blocks, pool_ahead
+
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(6)))
+    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3)]
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 7]
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    sum(bag(ids).square().sum() for bag, ids in zip(bags, inputs)).backward()
+    leaf = bags[0]._touched[0].leaf()
+    assert leaf is not None and leaf.grad is not None
+    named = [(f"t{k}", bag) for k, bag in enumerate(bags)]
+
+    def rows_of(modules: list[tuple[str, psgrad.EmbeddingBag]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: (g.ids, g.grads) for name, m in modules for g in [m.row_gradients()] if g is not None}
+
+    got = gradient_blocks(named, rows_of(named))
+    assert list(got) == [("t0", "t1", "t2")] and got[("t0", "t1", "t2")] is leaf.grad
+    assert torch.equal(got[("t0", "t1", "t2")], torch.cat([rows_of(named)[n][1] for n in ("t0", "t1", "t2")]))
+    assert gradient_blocks(named[::-1], rows_of(named[::-1])) == {}  # (another order)
+    assert gradient_blocks(named[:2], rows_of(named[:2])) == {}  # (a part of the group missing)
+    bags[1].zero_grad()
+    assert gradient_blocks(named, rows_of(named)) == {}  # (one module's gradient dropped)
+
+
 def test_a_frozen_module_pooled_with_others_takes_no_gradient_and_all_frozen_take_no_leaf() -> None:
     """A frozen module whose bags are pooled with others' (one read, one leaf for the group) keeps
     no rows and has no gradient to push, as its own forward would; the others' gradients are
