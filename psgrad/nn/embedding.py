@@ -587,14 +587,14 @@ class SparseEmbedding(nn.Module):
         return None
 
     def _remember(self, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
-                  checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  checked: bool = False, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Check the unique ids of `ids` (checked: the caller found them in range) and keep them for
-        the next unique_ids of the same tensor."""
+        the next unique_ids of the same tensor (keep=False: checked only)."""
         if not checked:
             rows.check_ids(unique, self.num_embeddings, f"table {self.table!r}", ordered=True)
-        # (not through nn.Module.__setattr__, which looks for a parameter, buffer or module of the
-        # name first: a step sets this for every table)
-        self.__dict__["_last_unique"] = (weakref.ref(ids), ids._version, unique, inverse)
+        if keep:  # (not through nn.Module.__setattr__, which looks for a parameter, buffer or module
+            # of the name first: a step sets this for every table)
+            self.__dict__["_last_unique"] = (weakref.ref(ids), ids._version, unique, inverse)
         return unique, inverse
 
     def lookup(self, input: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -1145,7 +1145,7 @@ def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
     source = modules[0].bound_source()
     if len(set(names)) < len(names) or any(m._source is not source for m in modules):
         return None
-    found = unique_ids_of(modules, inputs)
+    found = unique_ids_of(modules, inputs, remember=False)  # (each forward is served what this pools)
     uniques, inverses = [unique for unique, _ in found], [inverse for _, inverse in found]
     asked = dict(zip(names, uniques))
     got = source.pull_tables(asked, False) if read is None else read(asked)
@@ -1178,11 +1178,14 @@ def read_versions(got: Mapping[str, torch.Tensor], table: str) -> dict[int, int]
     return got.versions.get(table) if isinstance(got, rows.PulledRows) else None
 
 
-def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Tensor],
+                  remember: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each module's unique_ids of its input: those it does not remember computed for all of them
     in one pass (psgrad/nn/lookups.py) where the kernels serve them, else by torch.unique each.
     Where none was remembered and the kernels found them all, the list is their lookups.UniqueIds,
-    whose `inverse` holds every input's inverse one after another.
+    whose `inverse` holds every input's inverse one after another. remember=False: the modules
+    do not keep them for a later unique_ids of the same tensor (a caller that serves the
+    forwards itself: pool_ahead), only check them.
 
     Raises:
         InvalidRequestError: ids that are not an integer tensor, or out of a module's range.
@@ -1192,17 +1195,19 @@ def unique_ids_of(modules: Sequence[SparseEmbedding], inputs: Sequence[torch.Ten
     if not todo:
         return out  # type: ignore[return-value]
     fused = lookups.unique_ids([inputs[k] for k in todo], max(modules[k].embedding_dim for k in todo))
-    if fused is not None and len(todo) == len(out):  # (all found in one pass: the result keeps its whole inverse)
-        out = fused  # type: ignore[assignment]
     # (the kernel's ids in range for all the tables at once: checked each on its own, where one is not)
     fine = fused.within([modules[k].num_embeddings for k in todo]) if fused is not None else []
+    if fused is not None and len(todo) == len(out):  # (all found in one pass: the result keeps its whole inverse)
+        if not remember and all(fine):
+            return fused  # (nothing to check or keep, module by module)
+        out = fused  # type: ignore[assignment]
     for n, k in enumerate(todo):
         if fused is not None:
             unique, inverse = fused[n]
         else:
             unique, inverse = torch.unique(inputs[k].reshape(-1), sorted=True, return_inverse=True)
             unique, inverse = unique.to("cpu", torch.int64), inverse.view(inputs[k].shape)
-        out[k] = modules[k]._remember(inputs[k], unique, inverse, checked=bool(fine and fine[n]))
+        out[k] = modules[k]._remember(inputs[k], unique, inverse, checked=bool(fine and fine[n]), keep=remember)
     return out  # type: ignore[return-value]
 
 

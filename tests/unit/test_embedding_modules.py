@@ -614,6 +614,31 @@ def test_a_group_read_as_one_block_is_pooled_from_that_block_as_its_leaf() -> No
         assert a is not None and b is not None and torch.equal(a.ids, b.ids) and torch.equal(a.grads, b.grads)
 
 
+def test_bags_pooled_ahead_keep_no_unique_ids_and_an_id_out_of_range_is_refused_naming_its_table() -> None:
+    """pool_ahead serves the forwards itself: the modules do not keep the unique ids it computed
+    (for a later unique_ids of the same tensor), yet each module's ids are checked against its
+    range, and an id out of it is refused as the module's own forward refuses it."""
+    from psgrad.nn.embedding import pool_ahead
+
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(8)))
+    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3)]
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 2]
+    assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
+    assert all(bag._last_unique is None for bag in bags)
+    for bag, ids in zip(bags, inputs):
+        bag(ids)
+    bad = IDS_2D.clone()
+    bad[0, 0] = ROWS
+    with pytest.raises(InvalidRequestError) as pooled:
+        pool_ahead([(bags[0], IDS_2D, None), (bags[1], bad, None)])
+    with pytest.raises(InvalidRequestError) as own:
+        bags[1](bad)
+    assert str(pooled.value) == str(own.value) and "table 't1'" in str(own.value)
+
+
 def test_a_steps_row_gradients_of_a_whole_group_in_order_are_handed_over_as_the_groups_gradient() -> None:
     """gradient_blocks: the row gradients of modules pooled as one group, each its one part, in the
     group's order, are the group's gradient whole (what the push splits by shard as it is); not
