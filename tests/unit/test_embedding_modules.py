@@ -614,17 +614,23 @@ def test_a_group_read_as_one_block_is_pooled_from_that_block_as_its_leaf() -> No
         assert a is not None and b is not None and torch.equal(a.ids, b.ids) and torch.equal(a.grads, b.grads)
 
 
+def bound_bags(count: int, seed: int) -> list[psgrad.EmbeddingBag]:
+    """`count` sum bags t0, t1, ... bound to one source of random rows (one job's tables)."""
+    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed)))
+    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(count)]
+    for k, bag in enumerate(bags):
+        bag.table = f"t{k}"
+        bag.bind(f"t{k}", source)
+    return bags
+
+
 def test_bags_pooled_ahead_keep_no_unique_ids_and_an_id_out_of_range_is_refused_naming_its_table() -> None:
     """pool_ahead serves the forwards itself: the modules do not keep the unique ids it computed
     (for a later unique_ids of the same tensor), yet each module's ids are checked against its
     range, and an id out of it is refused as the module's own forward refuses it."""
     from psgrad.nn.embedding import pool_ahead
 
-    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(8)))
-    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3)]
-    for k, bag in enumerate(bags):
-        bag.table = f"t{k}"
-        bag.bind(f"t{k}", source)
+    bags = bound_bags(3, 8)
     inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 2]
     assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
     assert all(bag._last_unique is None for bag in bags)
@@ -646,11 +652,7 @@ def test_a_steps_row_gradients_of_a_whole_group_in_order_are_handed_over_as_the_
     the group is missing."""
     from psgrad.nn.embedding import gradient_blocks, pool_ahead
 
-    source = LocalRows(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(6)))
-    bags = [psgrad.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(3)]
-    for k, bag in enumerate(bags):
-        bag.table = f"t{k}"
-        bag.bind(f"t{k}", source)
+    bags = bound_bags(3, 6)
     inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 7]
     assert pool_ahead([(bag, ids, None) for bag, ids in zip(bags, inputs)]) == bags
     sum(bag(ids).square().sum() for bag, ids in zip(bags, inputs)).backward()
