@@ -116,7 +116,8 @@ class Rows:
         core = self._core
         with core.cond:
             state = core.require_reader(fingerprint, rank, observe, "a read of rows")
-            tables = state.tables_of(tuple(table for table, _ in lookups), rank).tables
+            call = state.tables_of(tuple(table for table, _ in lookups), rank)
+            tables = call.tables
             located: dict[SparseTable, Located] = {}
             flat = lookups.flat if isinstance(lookups, BlockLookups) else None  # (the ids of a RowBlock, joined)
             if not checked:
@@ -124,7 +125,7 @@ class Rows:
                     _check_reply_size(tables, lookups, core.reads)
                 located = _check_tables(tables, [ids for _, ids in lookups], flat=flat)
             read: list[torch.Tensor | None] = [None] * len(lookups)
-            for arena, places in in_arena(tables).items():  # tables stored together: one gather for them all
+            for arena, places in call.arenas.items():  # tables stored together: one gather for them all
                 members, ids_ = [_grouped(tables[i]) for i in places], [lookups[i][1] for i in places]
                 whole = _whole(flat, places, len(tables))
                 # (what the check found of their rows, or, checked before, found now: one pass of the
@@ -317,26 +318,18 @@ class Rows:
                     and placements == call.placements(sync) and not changes_rows:
                 return slots
         out = Slots(state.uid, len(names))
-        arena = call.arena
-        found = None if arena is None or located is None else located.get(arena)
-        if found is not None:  # (the push's rows are one arena's block, found by its check: made at once)
-            assert arena is not None
-            counts = rows.block.counts if isinstance(rows, BlockGradients) and rows.whole else \
-                [int(rows[name][0].numel()) for name in names]
-            out.whole[arena] = (call.names, found[0], arena.reserve(found[0], may_evict, slots=found[1], new=found[2]),
-                                arena.placement(), counts)
-            return out
-        for arena, places in arenas.items():  # tables stored together: their rows made at once
-            ids_ = [rows[names[i]][0] for i in places]
+        # (a block whose tables are one arena's, all of them with ids: its counts as it holds them)
+        block = rows.block if isinstance(rows, BlockGradients) and rows.whole and call.arena is not None else None
+        for arena, places in arenas.items():  # tables stored together: their rows made at once (each
+            # table's slots split off when asked: see Slots)
             found = None if located is None else located.get(arena)
             if found is None:
-                arena_ids = arena.ids_of([_grouped(tables[i]) for i in places], ids_)
+                arena_ids = arena.ids_of([_grouped(tables[i]) for i in places], [rows[names[i]][0] for i in places])
                 made_ = arena.reserve(arena_ids, may_evict)
             else:
                 arena_ids = found[0]
                 made_ = arena.reserve(arena_ids, may_evict, slots=found[1], new=found[2])
-            counts = [i.numel() for i in ids_]
-            out.update((names[i], part) for i, part in zip(places, made_.split_with_sizes(counts)))
+            counts = block.counts if block is not None else [int(rows[names[i]][0].numel()) for i in places]
             out.whole[arena] = (tuple(names[i] for i in places), arena_ids, made_, arena.placement(), counts)
         for name, t in zip(names, tables):
             if not isinstance(t, GroupedTable):
