@@ -889,8 +889,12 @@ class ParameterClient:
                 values = place.by_shard((joined([rows[name][1] for name in names]) if block is None else block)
                                         .to(torch.float32))
                 for i in range(S):
-                    kept = [t for t in range(len(names)) if place.counts[i][t]]
-                    parts[i].append(([names[t] for t in kept], [place.counts[i][t] for t in kept], ids[i], values[i]))
+                    counts = place.counts[i]
+                    if all(counts):  # (every table has ids on the shard, as most steps' do)
+                        parts[i].append((names, counts, ids[i], values[i]))
+                        continue
+                    kept = [t for t in range(len(names)) if counts[t]]
+                    parts[i].append(([names[t] for t in kept], [counts[t] for t in kept], ids[i], values[i]))
         known = bases or {}
         return [RowBlock.of_groups(groups, [known.get(name, {}).get(i, self.row_versions.get((name, i), 0))
                                             for g in groups for name in g[0]])
