@@ -36,11 +36,11 @@ from psgrad.worker.param_groups import with_groups
 from psgrad.worker.step_stats import ExchangeResult, StepStats
 from psgrad.worker.torch_optim import ScheduledOptimizer
 from psgrad.core.optimizers.rows import check_row_settings
-from psgrad.core.rows import PulledRows, TableRows
+from psgrad.core.rows import PulledRows
 from psgrad.core.sharding import TableSpec, buffer_specs, frozen_space, frozen_tensors, frozen_words, param_specs, plan_shards
 from psgrad.core.unused import Ranges
 from psgrad.nn.collection import EmbeddingBagCollection
-from psgrad.nn.embedding import RowSource, SparseEmbedding, gradient_blocks, sparse_aliases, sparse_modules, unique_ids_of
+from psgrad.nn.embedding import RowSource, SparseEmbedding, sparse_aliases, sparse_modules, step_rows, unique_ids_of
 from psgrad.worker.prefetch import GroupedForward, Prefetched, read_ids
 from psgrad.worker.row_cache import RowCache
 
@@ -453,15 +453,7 @@ class PSOptimizer(ScheduledOptimizer):
         duplicate: applied once), and for zero_grad() to drop."""
         t0 = time.perf_counter()
         self.client.base_versions = base
-        rows, bases, unused_tables = TableRows(), {}, []
-        for name, module in self.embeddings:
-            found = module.row_gradients()
-            if found is not None:  # (pushed with the versions its rows were read at: their staleness)
-                rows[name], bases[name] = (found.ids, found.grads), found.bases
-            elif not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
-                unused_tables.append(name)
-        if len(rows) > 1:  # (a forward group's gradient, pushed whole)
-            rows.blocks = gradient_blocks(self.embeddings, rows)
+        rows, bases, unused_tables = step_rows(self.embeddings)
         replies, versions = self.client.exchange(grad, clock, self.flat.host_flat, lr, self._zero_copy, rows, reads,
                                                  bases, unused, unused_tables)
         self._rows_pushed()

@@ -7,8 +7,9 @@ and concatenates the features' outputs, as TorchRec's EmbeddingBagCollection doe
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,7 +17,8 @@ from torch.nn import functional as F
 
 from psgrad.errors import ConfigError
 from psgrad.nn import lookups
-from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, read_versions, unique_ids_of
+from psgrad.nn.embedding import (EMBEDDING_BAG_MODES, EmbeddingBag, GroupRows, read_together, read_versions,
+                                 unique_ids_of)
 
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
 Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
@@ -217,23 +219,23 @@ class EmbeddingBagCollection(nn.Module):
                        "dict's are refused, as a misspelt feature would be)" if unknown else "")
             raise ConfigError(f"features: missing {sorted(missing)}, unknown {sorted(unknown)}; the features are "
                               f"{self.features}{ignored}")
-        for name, (ids, offsets, _) in parsed.items():
+        batch: dict[str, int] = {}
+        weighted = False
+        for name, (ids, offsets, w) in parsed.items():  # (one pass: a forward's every feature, every step)
             if not isinstance(ids, torch.Tensor) or not (offsets is None or isinstance(offsets, torch.Tensor)):
                 raise ConfigError(f"feature {name!r}: ids and offsets must be tensors, got "
                                   f"{type(ids).__name__} and {type(offsets).__name__}")
-            if offsets is None and ids.dim() != 2:
-                raise ConfigError(f"feature {name!r}: ids without offsets are one bag per row, so 2-D, got "
-                                  f"{ids.dim()}-D {list(ids.shape)}: pass (ids, offsets) for 1-D ids")
-            if offsets is not None and (ids.dim() != 1 or offsets.dim() != 1):
-                raise ConfigError(f"feature {name!r}: ids with offsets must be 1-D and the offsets 1-D, one per bag, "
-                                  f"got ids {list(ids.shape)} and offsets {list(offsets.shape)} (2-D ids are a bag "
-                                  "per row: pass them without offsets)")
-        batch = {name: int(ids.shape[0] if offsets is None else offsets.numel()) for name, (ids, offsets, _) in parsed.items()}
-        if len(set(batch.values())) > 1:
-            raise ConfigError(f"features of different batch sizes: {', '.join(f'{n!r} has {b} bags' for n, b in batch.items())}; "
-                              "every feature needs one bag per example (an example without ids: an empty bag)")
-        weighted = False
-        for name, (ids, _, w) in parsed.items():
+            if offsets is None:
+                if ids.dim() != 2:
+                    raise ConfigError(f"feature {name!r}: ids without offsets are one bag per row, so 2-D, got "
+                                      f"{ids.dim()}-D {list(ids.shape)}: pass (ids, offsets) for 1-D ids")
+                batch[name] = int(ids.shape[0])
+            else:
+                if ids.dim() != 1 or offsets.dim() != 1:
+                    raise ConfigError(f"feature {name!r}: ids with offsets must be 1-D and the offsets 1-D, one per "
+                                      f"bag, got ids {list(ids.shape)} and offsets {list(offsets.shape)} (2-D ids are "
+                                      "a bag per row: pass them without offsets)")
+                batch[name] = int(offsets.shape[0])
             if w is None:
                 continue
             weighted = True
@@ -241,7 +243,10 @@ class EmbeddingBagCollection(nn.Module):
                 raise ConfigError(f"feature {name!r}: per-sample weights must be a floating-point tensor shaped as its "
                                   f"ids {list(ids.shape)}, got {getattr(w, 'dtype', type(w).__name__)} "
                                   f"{list(getattr(w, 'shape', []))}")
-            parsed[name] = (ids, parsed[name][1], w.to(torch.float32))  # (the rows' dtype, as torch's pooling needs)
+            parsed[name] = (ids, offsets, w.to(torch.float32))  # (the rows' dtype, as torch's pooling needs)
+        if len(set(batch.values())) > 1:
+            raise ConfigError(f"features of different batch sizes: {', '.join(f'{n!r} has {b} bags' for n, b in batch.items())}; "
+                              "every feature needs one bag per example (an example without ids: an empty bag)")
         if weighted and self.mode != "sum":
             raise ConfigError(f"weighted features need mode 'sum' (as torch.nn.EmbeddingBag's per_sample_weights); "
                               f"this collection's mode is {self.mode!r}")
@@ -293,13 +298,18 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, features: Any) -> torch.Tensor:
         parts = list(self._parse(features).values())
         tables = list(self._feature_tables.values())
-        feature_bags = [self._bag(table) for table in tables]
-        if any(bag._source is None for bag in self._bags()):  # unbound: each bag serves a loaded state, or says why not
+        modules = self.bags._modules  # (every table has a feature: these are all the bags)
+        feature_bags = [cast(EmbeddingBag, modules[table]) for table in tables]
+        if any(bag._source is None for bag in feature_bags):  # unbound: each bag serves a loaded state, or says why not
             return torch.cat([bag(ids, offsets, w) for bag, (ids, offsets, w) in zip(feature_bags, parts)], dim=1)
+        if len(feature_bags) == len(modules):  # (a feature per table: the tables' rows may be one tensor)
+            out = self._pooled_together(feature_bags, parts)
+            if out is not None:
+                return out
         bags, uniques, inverses = self._tables_of(parts)
         source = bags[0].bound_source()
         training = bags[0]._training()
-        got = source.pull_tables({bag.table or "": u for bag, u in zip(bags, uniques)}, not training)
+        got = source.pull_tables({bag.table or "": u for bag, u in zip(bags, uniques)}, not training, checked=True)
         device = {table: parts[k][0].device for k, table in reversed(list(enumerate(tables)))}  # its first feature's
         rows = {name: bag.attach_rows(u, got[bag.table or ""], device[name], training, read_versions(got, bag.table or ""))
                 for name, bag, u in zip(self.bags, bags, uniques)}
@@ -317,6 +327,48 @@ class EmbeddingBagCollection(nn.Module):
         return torch.cat([F.embedding_bag(inverse, weight, o, mode=bag.mode, per_sample_weights=w)
                           for bag, weight, inverse, o, (_, _, w) in zip(feature_bags, weights, inverses, offsets, parts)],
                          dim=1).to(dtype)
+
+
+    def _pooled_together(self, bags: list[EmbeddingBag],
+                         parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]) -> torch.Tensor | None:
+        """A forward of tables looked up by a feature each, of one width, plain sum or mean bags
+        without weights, ids and offsets (int64) on the CPU: every table's rows read as one tensor
+        (embedding.read_together: for a training forward one leaf, one gradient to accumulate, and
+        the step pushes it whole) and pooled from it in one pass each way (lookups.pooled_block).
+        None: not such a forward (forward reads and pools table by table)."""
+        dim = bags[0].embedding_dim
+        if not all(bag.plain_bags() and bag.mode == self.mode and bag.embedding_dim == dim for bag in bags):
+            return None
+        for ids, offsets, weights in parts:
+            if weights is not None or not ids.is_cpu or not (offsets is None or (offsets.dtype == torch.int64
+                                                                                and offsets.is_cpu)):
+                return None
+        read = read_together(bags, [ids for ids, _, _ in parts], observe=not bags[0]._training())
+        if read is None:
+            return None
+        sizes = [int(unique.numel()) for unique in read.uniques]
+        offsets_ = [offsets for _, offsets, _ in parts]
+        names = [bag.table or "" for bag in bags]
+        dtype = functools.reduce(torch.promote_types, [bag.dtype for bag in bags])  # (the bags': model.half() ...)
+        out = lookups.pooled_block(read.rows, sizes, read.inverses, offsets_, self.mode == "mean", names, read.group,
+                                   read.inverse)
+        if out is not None:
+            return out.to(dtype)
+        # (bags the compiled pooling does not take, a batch of none: torch's pooling of each table's part
+        # of the rows; a backward reaching the output reaches every table's part, as the pooling's tells
+        # the group, here once their gradient is accumulated)
+        if read.group is not None:
+            ref = weakref.ref(read.group)
+            read.rows.register_post_accumulate_grad_hook(lambda _: _hold_all(ref, len(bags)))
+        return torch.cat([F.embedding_bag(inverse, weight, o, mode=self.mode)
+                          for weight, inverse, o in zip(read.rows.split_with_sizes(sizes), read.inverses, offsets_)],
+                         dim=1).to(dtype)
+
+
+def _hold_all(ref: weakref.ReferenceType[GroupRows], tables: int) -> None:
+    group = ref()
+    if group is not None:
+        group.hold([True] * tables)
 
 
 def _feature_tables(tables: list[str], feature_names: Mapping[str, Sequence[str]] | None) -> dict[str, str]:

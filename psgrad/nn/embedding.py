@@ -47,11 +47,13 @@ E = TypeVar("E", bound="SparseEmbedding")
 class RowSource(Protocol):
     """Where a bound table's rows come from (the job's shards; see ParameterClient.pull_tables)."""
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool,
+                    checked: bool = False) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] (float32, CPU) of row ids (unique, int64, CPU), by table: one call
         per shard for all of them. A job's sources return a rows.PulledRows, which also says the
         versions the rows were read at (what the push of their gradients reports as its base).
-        observe: a read-only read (a forward with autograd off, or after the worker left)."""
+        observe: a read-only read (a forward with autograd off, or after the worker left).
+        checked: the caller checked the ids against their tables' ranges (the source need not)."""
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [n] int64 in order, rows [n, dim] float32) of every row of `table` updated at least
@@ -123,7 +125,7 @@ class GroupRows:
     part of it is a RowsPart, which its module keeps as it keeps a Touched. The leaf is held
     weakly until a backward gives it a gradient (as a Touched's), then until no part has one."""
 
-    __slots__ = ("_ref", "_held", "reached", "_sizes", "_views")
+    __slots__ = ("_ref", "_held", "reached", "_sizes", "_views", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor, sizes: Sequence[int]) -> None:
         self._ref = weakref.ref(leaf)
@@ -154,14 +156,6 @@ class GroupRows:
             views = self._views = (grad, grad.split_with_sizes(self._sizes))
         return views[1][table]
 
-    def whole_gradient(self, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The group's gradient, where `parts` are its tables' gradients as gradient() gives them,
-        every table's in order (each reached); else None."""
-        views = self._views
-        if views is None or len(parts) != len(views[1]) or not all(map(operator.is_, parts, views[1])):
-            return None
-        return views[0]
-
     def drop(self, table: int) -> None:
         """zero_grad() of one table: its rows' gradient is gone (a backward still to come gives
         them anew, into zeros, as torch's zero_grad leaves a weight's); the others' stay."""
@@ -177,31 +171,73 @@ class GroupRows:
             leaf.grad, self._held, self._views = None, None, None
 
 
-def gradient_blocks(modules: Sequence[tuple[str, SparseEmbedding]],
-                    rows_: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[str, ...], torch.Tensor]:
-    """Where a step's row gradients (`rows_`, by table, of `modules`: (table, module) in their
-    order) of consecutive modules are a forward group's whole gradient, their tables' parts in
-    order (each module's rows of that one forward, every part of the group reached, none less a
-    padding row), that gradient by the tables' names: the push takes it whole."""
-    out: dict[tuple[str, ...], torch.Tensor] = {}
-    run: list[str] = []
-    group: GroupRows | None = None
-    ends: list[tuple[str, SparseEmbedding | None]] = [("", None)]
-    for name, module in [*modules, *ends]:
-        touched = [] if module is None else module._touched
-        part = touched[0] if len(touched) == 1 and name in rows_ else None
-        owner, table = (part._group, part._table) if isinstance(part, RowsPart) else (None, -1)
-        if owner is None or owner is not group or table != len(run):  # (a run ends)
-            if group is not None and len(run) > 1:
-                whole = group.whole_gradient([rows_[n][1] for n in run])
-                if whole is not None:
-                    out[tuple(run)] = whole
-            run, group = [], None
-            if owner is None or table != 0:
-                continue
-            group = owner
-        run.append(name)
+class StepRows(NamedTuple):
+    """A step's row gradients (step_rows): by table (ids, grads), with the forward groups whose
+    gradient is whole in `gradients.blocks`; each table's base versions ({shard: version}); and the
+    tables no forward's backward reached (not used in the step)."""
+
+    gradients: rows.TableRows
+    bases: dict[str, dict[int, int]]
+    unused: list[str]
+
+
+def step_rows(modules: Sequence[tuple[str, SparseEmbedding]]) -> StepRows:
+    """The row gradients a step pushes of `modules` ((table, module) in model order), as each
+    module's row_gradients() gives them. Where consecutive modules are a forward group whole (each
+    module one part of one GroupRows, the group's parts in order, every part reached and holding
+    ids, no padding row to leave out), their gradients are the group's parts and the group's
+    gradient is their block (TableRows.blocks): the push takes it whole, and no module's gradient
+    is looked at on its own."""
+    out = StepRows(rows.TableRows(), {}, [])
+    k = 0
+    while k < len(modules):
+        whole = _whole_group(modules, k)
+        if whole is not None:
+            grad, parts = whole
+            names = tuple(name for name, _ in modules[k:k + len(parts)])
+            for name, part, values in zip(names, parts, grad.split_with_sizes([int(p.ids.numel()) for p in parts])):
+                out.gradients[name] = (part.ids, values)
+                out.bases[name] = dict(part.versions or {})  # (rows.oldest of one read)
+            out.gradients.blocks[names] = grad
+            k += len(parts)
+            continue
+        name, module = modules[k]
+        found = module.row_gradients()
+        if found is not None:  # (pushed with the versions its rows were read at: their staleness)
+            out.gradients[name], out.bases[name] = (found.ids, found.grads), found.bases
+        elif not module.reached():  # no forward of it got a backward: a dense twin's .grad None, no step counted
+            out.unused.append(name)
+        k += 1
     return out
+
+
+def _whole_group(modules: Sequence[tuple[str, SparseEmbedding]],
+                 k: int) -> tuple[torch.Tensor, list[RowsPart]] | None:
+    """(the group's gradient, its parts) where modules[k:] begin with a forward group whole (see
+    step_rows); else None."""
+    touched = modules[k][1]._touched
+    first = touched[0] if len(touched) == 1 else None
+    if not isinstance(first, RowsPart) or first._table != 0 or first._group is None:
+        return None
+    group = first._group
+    count = len(group.reached)
+    if count < 2 or k + count > len(modules) or not all(group.reached):
+        return None
+    parts = [first]
+    for _, module in modules[k + 1:k + count]:
+        touched = module._touched
+        part = touched[0] if len(touched) == 1 else None
+        if (not isinstance(part, RowsPart) or part._group is not group or part._table != len(parts)
+                or getattr(module, "padding_idx", None) is not None):
+            return None
+        parts.append(part)
+    leaf = group.leaf()
+    grad = None if leaf is None else leaf.grad
+    if (grad is None or getattr(modules[k][1], "padding_idx", None) is not None or grad.requires_grad
+            or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous()
+            or not all(p.ids.numel() for p in parts)):
+        return None
+    return grad, parts
 
 
 class RowsPart:
@@ -512,7 +548,7 @@ class SparseEmbedding(nn.Module):
         # Training pulls are the step's (rows fetched ahead or a row cache may serve them; their
         # versions are what the push says it computed on); read-only ones are read now.
         training = self._training()
-        got = self._source.pull_tables({self.table or "": unique}, not training)
+        got = self._source.pull_tables({self.table or "": unique}, not training, checked=True)
         return inverse, self.attach_rows(unique, got[self.table or ""], ids.device, training,
                                          read_versions(got, self.table or "")), unique
 
@@ -1108,7 +1144,7 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
             groups.setdefault(key, []).append((m, input, offsets))
     waiting = []
     for (mean, _, _), group in groups.items():
-        read_ = _read_together(group, read)
+        read_ = read_together([m for m, _, _ in group], [i for _, i, _ in group], read)
         if read_ is None:
             continue  # (modules of several jobs, or a table twice: each forward reads and pools its own)
         outs = lookups.pooled_group(read_.rows, [int(u.numel()) for u in read_.uniques], read_.inverses,
@@ -1122,8 +1158,8 @@ def pool_ahead(calls: Sequence[tuple[EmbeddingBag, Any, Any]],
     return waiting
 
 
-class _ReadTogether(NamedTuple):
-    """_read_together's rows: per module its ids' inverse and unique ids; the rows read, one
+class ReadTogether(NamedTuple):
+    """read_together's rows: per module its ids' inverse and unique ids; the rows read, one
     module's after another in one tensor; their GroupRows (None: no module takes gradients)."""
 
     inverses: list[torch.Tensor]
@@ -1133,33 +1169,37 @@ class _ReadTogether(NamedTuple):
     inverse: torch.Tensor | None  # the inverses one after another, where they were found so (UniqueIds.inverse)
 
 
-def _read_together(group: Sequence[tuple[EmbeddingBag, Any, Any]],
-                   read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None
-                   ) -> _ReadTogether | None:
-    """The rows of each module's input for a training forward, read in one call of their source (or
-    of `read`, see pool_ahead), as one leaf of them all (a GroupRows), each module whose rows take
-    gradients (not frozen) keeping its part of it, a RowsPart; None where the modules do not share
-    one source, or name one table twice (each forward then reads and pools its own)."""
-    modules, inputs = [m for m, _, _ in group], [i for _, i, _ in group]
+def read_together(modules: Sequence[SparseEmbedding], inputs: Sequence[Any],
+                  read: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+                  observe: bool = False) -> ReadTogether | None:
+    """The rows of each module's input (of tables of one width), read in one call of their source
+    (or of `read`, see pool_ahead), as one tensor of them all: for a training forward a leaf (a
+    GroupRows), each module whose rows take gradients (not frozen) keeping its part of it, a
+    RowsPart; observe: a read-only read, no leaf. None where the modules do not share one source,
+    or name one table twice (each forward then reads its own).
+
+    Raises:
+        InvalidRequestError: ids that are not an integer tensor, or out of a module's range.
+    """
     names = [m.table or "" for m in modules]
     source = modules[0].bound_source()
     if len(set(names)) < len(names) or any(m._source is not source for m in modules):
         return None
-    found = unique_ids_of(modules, inputs, remember=False)  # (each forward is served what this pools)
+    found = unique_ids_of(modules, inputs, remember=False)  # (the caller serves the forwards what it pools)
     uniques, inverses = [unique for unique, _ in found], [inverse for _, inverse in found]
     asked = dict(zip(names, uniques))
-    got = source.pull_tables(asked, False) if read is None else read(asked)
+    got = source.pull_tables(asked, observe, checked=True) if read is None else read(asked)  # (checked: unique_ids_of)
     block = got.blocks.get(tuple(names)) if isinstance(got, rows.PulledRows) else None
     # (the read's block of them where it wrote them so, else a view where they lie so, else a copy)
     rows_ = block if block is not None else joined([got[name] for name in names])
     whole = found.inverse if isinstance(found, lookups.UniqueIds) else None
-    if all(m.frozen for m in modules):
-        return _ReadTogether(inverses, uniques, rows_, None, whole)
+    if observe or all(m.frozen for m in modules):
+        return ReadTogether(inverses, uniques, rows_, None, whole)
     group_ = GroupRows(rows_.requires_grad_(True), [int(unique.numel()) for unique in uniques])
     for t, (m, name, unique) in enumerate(zip(modules, names, uniques)):
         if not m.frozen:
             m._keep_touched(RowsPart(group_, t, unique, read_versions(got, name)))
-    return _ReadTogether(inverses, uniques, rows_, group_, whole)
+    return ReadTogether(inverses, uniques, rows_, group_, whole)
 
 
 def _shape(embeddings: torch.Tensor) -> tuple[int, int]:

@@ -165,12 +165,32 @@ def pooled_group(rows: torch.Tensor, sizes: Sequence[int], inverses: Sequence[to
     zeros in the one gradient: what they hold is the group's to say, see embedding.GroupRows).
     inverse: the inverses one after another, flat, where the caller has them so (UniqueIds.inverse:
     else they are joined). The bits, None and the errors: as pooled_apart()."""
+    plan = _group_plan(rows, sizes, inverses, offsets, mean, names, group, inverse)
+    return None if plan is None else list(_PooledApart.apply(plan, rows))
+
+
+def pooled_block(rows: torch.Tensor, sizes: Sequence[int], inverses: Sequence[torch.Tensor],
+                 offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str] = (),
+                 group: Any = None, inverse: torch.Tensor | None = None) -> torch.Tensor | None:
+    """pooled() of tables whose rows lie in one tensor (as pooled_group() takes them): the bags
+    of every table side by side, [B, T * D], one output (an EmbeddingBagCollection's), its
+    gradient the rows' one gradient. A backward that reaches the output reaches every table's
+    part of it (group.hold is told so). The bits, None and the errors: as pooled()."""
+    plan = _group_plan(rows, sizes, inverses, offsets, mean, names, group, inverse)
+    return None if plan is None else _Pooled.apply(plan, rows)
+
+
+def _group_plan(rows: torch.Tensor, sizes: Sequence[int], inverses: Sequence[torch.Tensor],
+                offsets: Sequence[torch.Tensor | None], mean: bool, names: Sequence[str], group: Any,
+                inverse: torch.Tensor | None) -> _Plan | None:
+    """The plan of pooled_group() and pooled_block(); None (the offsets checked) where it serves
+    none."""
     plan = _Plan.make([rows], inverses, offsets, mean, kernels(), sizes, inverse)
     if plan is None:
         check_offsets(inverses, offsets, names)
         return None
     plan.group = group
-    return list(_PooledApart.apply(plan, rows))
+    return plan
 
 
 def check_offsets(inverses: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None], names: Sequence[str]) -> None:
@@ -208,8 +228,8 @@ class _Plan:
                  sizes: list[int], dim: int, mean: bool, one_tensor: bool = False,
                  inverse: torch.Tensor | None = None) -> None:
         self.k, self.flat, self.starts, self.sizes, self.dim, self.mean = kernels_, flat, starts, sizes, dim, mean
-        self.one_tensor = one_tensor  # (the tables' rows given as one tensor: pooled_group's)
-        self.group: Any = None  # (pooled_group's)
+        self.one_tensor = one_tensor  # (the tables' rows given as one tensor: pooled_group's and pooled_block's)
+        self.group: Any = None  # (theirs)
         self.bags = int(starts[0].numel())
         if kernels_ is not None:  # (the kernels' arrays; torch's ops take the tensors)
             self.row_start = _starts(sizes)[:-1]
@@ -339,6 +359,10 @@ class _Pooled(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
+        if plan.one_tensor:  # (pooled_block's: one gradient of every table's rows, each table's reached)
+            if plan.group is not None:
+                plan.group.hold([True] * len(plan.sizes))
+            return (None, plan.backward(grad_out) if ctx.needs_input_grad[1] else None)
         parts = plan.backward(grad_out).split_with_sizes(plan.sizes)
         return (None, *(p if need else None for p, need in zip(parts, ctx.needs_input_grad[1:])))
 

@@ -127,9 +127,9 @@ class Prefetched:
         """The servers' rows of `table` updated at least once (read past what is held)."""
         return self._source.updated_rows(table)
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> PulledRows:
         if observe:
-            got = self._source.pull_tables(lookups, observe)
+            got = self._source.pull_tables(lookups, observe, checked)
             return got if isinstance(got, PulledRows) else PulledRows(got)
         self.pending = True
         out = PulledRows()
@@ -145,7 +145,7 @@ class Prefetched:
                 rest[table] = ids
             _take(self.deferred, table, ids, lambda entry: entry)  # (read now: the step need not read it again)
         if rest:
-            got = self._source.pull_tables(rest, observe)
+            got = self._source.pull_tables(rest, observe, checked)
             out.update(got)
             if isinstance(got, PulledRows):
                 out.versions.update(got.versions)

@@ -108,12 +108,12 @@ class RowCache:
         """The servers' rows of `table` updated at least once (read past the cache)."""
         return self._source.updated_rows(table)
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> PulledRows:
         """Each table's rows for its ids: the fresh cached ones from memory, the rest pulled from the
         source, every table's misses in one grouped pull; with the versions they were read at (a
         table's: per shard the oldest of its hits' pulls and this one)."""
         if observe:
-            read_only = self._source.pull_tables(lookups, observe)
+            read_only = self._source.pull_tables(lookups, observe, checked)
             return read_only if isinstance(read_only, PulledRows) else PulledRows(read_only)
         step = self._step()
         out = PulledRows()
@@ -140,7 +140,7 @@ class RowCache:
             if hits < ids.numel():
                 plans[table] = (found, slot, missing)
                 misses[table] = ids[missing]
-        pulled = self._source.pull_tables(misses, observe) if misses else {}
+        pulled = self._source.pull_tables(misses, observe, checked) if misses else {}
         read = pulled.versions if isinstance(pulled, PulledRows) else {}
         for table, got in pulled.items():
             ids = lookups[table]

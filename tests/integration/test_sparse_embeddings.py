@@ -348,7 +348,7 @@ def test_embedding_modules_match_torch_on_the_same_rows() -> None:
         def __init__(self, weight: torch.Tensor) -> None:
             self.weight = weight
 
-        def pull_tables(self, lookups: dict[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        def pull_tables(self, lookups: dict[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
             return {table: self.weight[ids].clone() for table, ids in lookups.items()}
 
     torch.manual_seed(1)
@@ -454,7 +454,7 @@ def test_a_row_cache_serves_hot_rows_and_sync_mode_refuses_one(make_servers) -> 
         opt = ps.optimizer(model, row_cache=100, row_cache_staleness=2)
         pulls = []
         pull = opt.client.pull_tables
-        opt.client.pull_tables = lambda lookups, observe=False: pulls.append(lookups["emb"].numel()) or pull(lookups, observe)
+        opt.client.pull_tables = lambda lookups, observe=False, checked=False: pulls.append(lookups["emb"].numel()) or pull(lookups, observe, checked)
         for _ in range(4):
             opt.zero_grad()
             nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()

@@ -80,7 +80,7 @@ class Rows:
     def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
         self.tables, self.pulls = tables, []
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
         self.pulls.append({name: ids.clone() for name, ids in lookups.items()})
         return {name: self.tables[name][ids].clone() for name, ids in lookups.items()}
 
@@ -262,3 +262,53 @@ def test_ids_and_offsets_of_shapes_that_make_no_bags_are_refused_naming_the_feat
     torch.testing.assert_close(out, torch.cat([torchs("a", "sum"), torchs("b", "sum")], dim=1))
     two_d = ebc({"a": torch.tensor([[1, 2], [19, 4], [0, 0]]), "b": (B[0].view(3, 1), None)})
     assert two_d.shape == (3, 6) and len(source.pulls) == 2
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_tables_of_one_width_are_read_as_one_leaf_pushed_whole_and_equal_torch(mode: str) -> None:
+    """A training forward of a collection whose tables are of one width (a feature each, plain
+    bags, int64 offsets) reads every table's rows as one tensor, one leaf whose parts the tables
+    keep (where a leaf per table took a gradient each), and the step's row gradients are that
+    leaf's gradient whole; the output and each table's gradient are torch's. Other inputs (int32
+    offsets) take the tables one by one, with the same results; a read-only forward keeps
+    nothing; a batch of no bags gives no rows and pushes nothing."""
+    from psgrad.nn.embedding import RowsPart, Touched, step_rows
+
+    gen = torch.Generator().manual_seed(5)
+    weights = {"ebc.bags.a": torch.randn(20, 4, generator=gen), "ebc.bags.b": torch.randn(30, 4, generator=gen)}
+    ebc = psgrad.EmbeddingBagCollection({"a": (20, 4), "b": (30, 4)}, mode=mode)
+    source = Rows(weights)
+    for name, bag in ebc.bags.items():
+        bag.bind(f"ebc.bags.{name}", source)  # type: ignore[operator]
+    named = [(f"ebc.bags.{name}", bag) for name, bag in ebc.bags.items()]
+    a_off, b_off = torch.tensor([0, 2, 2]), torch.tensor([0, 1, 2])
+    grad_out = torch.randn(3, 8, generator=gen)
+    theirs = {name: w.clone().requires_grad_() for name, w in weights.items()}
+    expected = torch.cat([F.embedding_bag(A[0], theirs["ebc.bags.a"], a_off, mode=mode),
+                          F.embedding_bag(B[0], theirs["ebc.bags.b"], b_off, mode=mode)], dim=1)
+    (expected * grad_out).sum().backward()
+    for offsets, kind in ((torch.int64, RowsPart), (torch.int32, Touched)):
+        out = ebc({"a": (A[0], a_off.to(offsets)), "b": (B[0], b_off.to(offsets))})
+        assert all(len(bag._touched) == 1 and type(bag._touched[0]) is kind for _, bag in named)  # type: ignore[union-attr]
+        torch.testing.assert_close(out, expected)
+        (out * grad_out).sum().backward()
+        got = step_rows(named)
+        whole = [grad for grad in got.gradients.blocks.values()]
+        assert len(whole) == (1 if kind is RowsPart else 0) and len(source.pulls) == 1  # (one read either way)
+        for name, (ids, grad) in got.gradients.items():
+            torch.testing.assert_close(grad, theirs[name].grad[ids])  # type: ignore[index]
+        if whole:
+            assert torch.equal(whole[0], torch.cat([got.gradients[name][1] for name, _ in named]))
+        ebc.zero_grad()
+        assert step_rows(named).gradients == {}
+        for _, bag in named:
+            bag.rows_pushed()  # (as a step does)
+        source.pulls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(ebc({"a": (A[0], a_off), "b": (B[0], b_off)}), expected)
+    assert all(not bag._touched for _, bag in named) and len(source.pulls) == 1  # type: ignore[union-attr]
+    empty = ebc({"a": (A[0][:0], a_off[:0]), "b": (B[0][:0], b_off[:0])})
+    assert empty.shape == (0, 8)
+    empty.sum().backward()
+    got = step_rows(named)
+    assert got.gradients == {} and got.unused == []

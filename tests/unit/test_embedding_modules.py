@@ -35,7 +35,7 @@ class LocalRows:
         self.updated: set[int] = set()
         self.lock = threading.Lock()
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
         return {table: self.weight[ids].clone() for table, ids in lookups.items()}
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +169,7 @@ def test_repr_starts_as_torchs_with_the_bags_mode(options: dict[str, Any]) -> No
 class DrawnRows:
     """A RowSource of a dynamic table: every row its initial value (any int64 id)."""
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
         return {table: rows.initial_rows(rows.table_key(0, table), ids, DIM) for table, ids in lookups.items()}
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,7 +498,7 @@ def test_bags_pooled_ahead_read_in_one_call_and_keep_rows_only_where_a_backward_
     class Counting(LocalRows):
         calls = 0
 
-        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
             self.calls += 1
             return super().pull_tables(lookups, observe)
 
@@ -646,11 +646,12 @@ def test_bags_pooled_ahead_keep_no_unique_ids_and_an_id_out_of_range_is_refused_
 
 
 def test_a_steps_row_gradients_of_a_whole_group_in_order_are_handed_over_as_the_groups_gradient() -> None:
-    """gradient_blocks: the row gradients of modules pooled as one group, each its one part, in the
-    group's order, are the group's gradient whole (what the push splits by shard as it is); not
-    where a module's gradient was dropped, the modules come in another order, or one module of
-    the group is missing."""
-    from psgrad.nn.embedding import gradient_blocks, pool_ahead
+    """step_rows: the row gradients of modules pooled as one group, each its one part, in the
+    group's order, are the group's gradient whole (what the push splits by shard as it is), each
+    module's part what its row_gradients() gives; not where a module's gradient was dropped, the
+    modules come in another order, or one module of the group is missing: then each module's
+    own, the same gradients."""
+    from psgrad.nn.embedding import pool_ahead, step_rows
 
     bags = bound_bags(3, 6)
     inputs = [IDS_2D, IDS_2D + 1, IDS_2D + 7]
@@ -660,16 +661,24 @@ def test_a_steps_row_gradients_of_a_whole_group_in_order_are_handed_over_as_the_
     assert leaf is not None and leaf.grad is not None
     named = [(f"t{k}", bag) for k, bag in enumerate(bags)]
 
-    def rows_of(modules: list[tuple[str, psgrad.EmbeddingBag]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {name: (g.ids, g.grads) for name, m in modules for g in [m.row_gradients()] if g is not None}
+    def each(modules: list[tuple[str, psgrad.EmbeddingBag]]) -> dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, int]]]:
+        return {name: (g.ids, g.grads, g.bases) for name, m in modules for g in [m.row_gradients()] if g is not None}
 
-    got = gradient_blocks(named, rows_of(named))
-    assert list(got) == [("t0", "t1", "t2")] and got[("t0", "t1", "t2")] is leaf.grad
-    assert torch.equal(got[("t0", "t1", "t2")], torch.cat([rows_of(named)[n][1] for n in ("t0", "t1", "t2")]))
-    assert gradient_blocks(named[::-1], rows_of(named[::-1])) == {}  # (another order)
-    assert gradient_blocks(named[:2], rows_of(named[:2])) == {}  # (a part of the group missing)
+    def same(got: Any, modules: list[tuple[str, psgrad.EmbeddingBag]]) -> bool:
+        own = each(modules)
+        return (list(got.gradients) == list(own) and got.bases == {n: b for n, (_, _, b) in own.items()}
+                and all(torch.equal(got.gradients[n][0], i) and torch.equal(got.gradients[n][1], g)
+                        for n, (i, g, _) in own.items()))
+
+    got = step_rows(named)
+    assert list(got.gradients.blocks) == [("t0", "t1", "t2")] and got.gradients.blocks[("t0", "t1", "t2")] is leaf.grad
+    assert same(got, named) and got.unused == []
+    for modules in (named[::-1], named[:2]):  # (another order; a part of the group missing)
+        got = step_rows(modules)
+        assert got.gradients.blocks == {} and same(got, modules)
     bags[1].zero_grad()
-    assert gradient_blocks(named, rows_of(named)) == {}  # (one module's gradient dropped)
+    got = step_rows(named)
+    assert got.gradients.blocks == {} and same(got, named) and got.unused == ["t1"]  # (one module's gradient dropped)
 
 
 def test_a_frozen_module_pooled_with_others_takes_no_gradient_and_all_frozen_take_no_leaf() -> None:
@@ -804,7 +813,7 @@ def test_bag_shapes_and_weights_torch_refuses_are_refused_naming_the_table_befor
     source = _bound(bag, "bag")
     reads = []
     pull = source.pull_tables
-    source.pull_tables = lambda lookups, observe: reads.append(1) or pull(lookups, observe)  # type: ignore[method-assign]
+    source.pull_tables = lambda lookups, observe, checked=False: reads.append(1) or pull(lookups, observe, checked)  # type: ignore[method-assign]
     theirs = nn.EmbeddingBag(ROWS, DIM, mode="mean")
     refused = [((IDS_2D, OFFSETS), r"2-D ids are one bag per row and take no offsets: pass offsets=None"),
                ((IDS_1D,), r"1-D ids need offsets, where each bag starts"),

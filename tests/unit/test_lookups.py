@@ -193,6 +193,31 @@ def test_tables_pooled_as_a_group_are_pooled_apart_bits_with_one_gradient_of_the
     assert lookups.pooled_group(one.detach().double(), sizes, inverses, offsets, False) is None
 
 
+@pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "torch-ops"])
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_tables_pooled_as_a_block_are_pooleds_bits_with_one_gradient_of_them_all(kernels, monkeypatch, with_kernels, mean) -> None:  # type: ignore[no-untyped-def]
+    """pooled_block: the tables' rows given as one tensor, one after another, pool to pooled()'s
+    one output bit for bit, [B, T * D], and its backward gives that tensor one gradient: pooled()'s
+    gradients of the tables one after another, every table reached (the group is told so)."""
+    if not with_kernels:
+        monkeypatch.setattr(lookups, "kernels", lambda start=False, wait=False: None)
+    gen = torch.Generator().manual_seed(8)
+    (weights, inverses, offsets), _, _, _, _ = apart_and_one(gen, mean)
+    sizes = [int(w.shape[0]) for w in weights]
+    leaves = [w.clone().requires_grad_() for w in weights]
+    theirs = lookups.pooled(leaves, inverses, offsets, mean)
+    one = torch.cat(weights).requires_grad_()
+    group = Reached()
+    mine = lookups.pooled_block(one, sizes, inverses, offsets, mean, group=group)
+    assert mine is not None and theirs is not None and same_bits(mine.detach(), theirs.detach())
+    grad_out = torch.randn(*mine.shape, generator=gen)
+    for out in (mine, theirs):
+        (out * grad_out).sum().backward()
+    assert group.calls == [[True] * 4] and one.grad is not None
+    assert same_bits(one.grad, torch.cat([leaf.grad for leaf in leaves]))  # type: ignore[misc]
+    assert lookups.pooled_block(one.detach()[1:], sizes, inverses, offsets, mean) is None  # (rows that do not add up)
+
+
 @pytest.mark.parametrize("join", ["stack", "cat", "stack-within", "cat-reversed"])
 def test_tables_pooled_apart_and_joined_by_the_model_get_pooled_ones_gradients(kernels, monkeypatch, join) -> None:  # type: ignore[no-untyped-def]
     """A model joins its features' bags along dim 1 (torch.stack, torch.cat): the backward hands
@@ -299,7 +324,7 @@ class Rows:
     def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
         self.tables = tables
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
         return {name: self.tables[name][ids].clone() for name, ids in lookups.items()}
 
     def updated_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:

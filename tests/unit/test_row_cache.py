@@ -19,7 +19,7 @@ class Source:
         self.calls: list[list[int]] = []  # the ids of each call (of its first table)
         self.tables: list[list[str]] = []  # the tables of each call
 
-    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> dict[str, torch.Tensor]:
+    def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> dict[str, torch.Tensor]:
         self.calls.append(next(iter(lookups.values())).tolist())
         self.tables.append(list(lookups))
         return {t: (ids.float() + 1000 * len(self.calls)).unsqueeze(1).repeat(1, 2) for t, ids in lookups.items()}
@@ -78,7 +78,7 @@ def test_a_read_says_the_versions_of_the_pulls_its_cached_rows_came_from() -> No
     gradients counts their staleness from it (not from the newest pull's)."""
 
     class Versioned(Source):
-        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool) -> PulledRows:
+        def pull_tables(self, lookups: Mapping[str, torch.Tensor], observe: bool, checked: bool = False) -> PulledRows:
             got = super().pull_tables(lookups, observe)
             return PulledRows(got, {t: {0: len(self.calls)} for t in lookups})
 
