@@ -198,14 +198,14 @@ class EmbeddingBagCollection(nn.Module):
             parsed = {}
             for name, value in features.items():
                 name = str(name)
-                if _jagged_tensor(value):  # (TorchRec's JaggedTensor: a KeyedJaggedTensor's to_dict())
-                    lengths = value.lengths() if callable(getattr(value, "lengths", None)) else _lengths(value.offsets())
-                    weights = self._carried_weights(value, f"feature {name!r}")
-                    parsed[name] = _jagged([name], value.values(), lengths, weights, f"feature {name!r}")[name]
-                elif isinstance(value, (tuple, list)) and len(value) in (2, 3):
+                if isinstance(value, (tuple, list)) and len(value) in (2, 3):
                     parsed[name] = (value[0], value[1], value[2] if len(value) == 3 else None)
                 elif isinstance(value, torch.Tensor) and value.dim() == 2:
                     parsed[name] = (value, None, None)
+                elif _jagged_tensor(value):  # (TorchRec's JaggedTensor: a KeyedJaggedTensor's to_dict())
+                    lengths = value.lengths() if callable(getattr(value, "lengths", None)) else _lengths(value.offsets())
+                    weights = self._carried_weights(value, f"feature {name!r}")
+                    parsed[name] = _jagged([name], value.values(), lengths, weights, f"feature {name!r}")[name]
                 else:
                     raise ConfigError(f"feature {name!r}: give a 2-D tensor of ids (one bag per row), a pair "
                                       "(ids, offsets), a triple (ids, offsets, per-sample weights), or a JaggedTensor")
@@ -349,7 +349,9 @@ class EmbeddingBagCollection(nn.Module):
         sizes = [int(unique.numel()) for unique in read.uniques]
         offsets_ = [offsets for _, offsets, _ in parts]
         names = [bag.table or "" for bag in bags]
-        dtype = functools.reduce(torch.promote_types, [bag.dtype for bag in bags])  # (the bags': model.half() ...)
+        dtype = bags[0].dtype  # (the bags': model.half() ...)
+        if any(bag.dtype != dtype for bag in bags):
+            dtype = functools.reduce(torch.promote_types, [bag.dtype for bag in bags])
         out = lookups.pooled_block(read.rows, sizes, read.inverses, offsets_, self.mode == "mean", names, read.group,
                                    read.inverse)
         if out is not None:

@@ -147,8 +147,9 @@ class Prefetched:
         if rest:
             got = self._source.pull_tables(rest, observe, checked)
             out.update(got)
-            if isinstance(got, PulledRows):
+            if isinstance(got, PulledRows):  # (and the blocks it wrote them in: a forward group takes its whole)
                 out.versions.update(got.versions)
+                out.blocks.update(got.blocks)
         return out
 
 
