@@ -125,12 +125,12 @@ class GroupRows:
     part of it is a RowsPart, which its module keeps as it keeps a Touched. The leaf is held
     weakly until a backward gives it a gradient (as a Touched's), then until no part has one."""
 
-    __slots__ = ("_ref", "_held", "reached", "_sizes", "_views", "__weakref__")
+    __slots__ = ("_ref", "_held", "reached", "sizes", "_views", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor, sizes: Sequence[int]) -> None:
         self._ref = weakref.ref(leaf)
         self._held: torch.Tensor | None = None
-        self._sizes = list(sizes)  # each table's rows, one after another
+        self.sizes = list(sizes)  # each table's rows, one after another
         self.reached = [False] * len(sizes)  # per table: whether a backward gave its rows a gradient
         self._views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (the gradient, its tables' parts)
 
@@ -153,7 +153,7 @@ class GroupRows:
             return None
         views = self._views
         if views is None or views[0] is not grad:  # (every table's view at once: one split)
-            views = self._views = (grad, grad.split_with_sizes(self._sizes))
+            views = self._views = (grad, grad.split_with_sizes(self.sizes))
         return views[1][table]
 
     def drop(self, table: int) -> None:
@@ -193,11 +193,11 @@ def step_rows(modules: Sequence[tuple[str, SparseEmbedding]]) -> StepRows:
     while k < len(modules):
         whole = _whole_group(modules, k)
         if whole is not None:
-            grad, parts = whole
+            grad, parts, sizes = whole
             names = tuple(name for name, _ in modules[k:k + len(parts)])
-            for name, part, values in zip(names, parts, grad.split_with_sizes([int(p.ids.numel()) for p in parts])):
+            for name, part, values in zip(names, parts, grad.split_with_sizes(sizes)):
                 out.gradients[name] = (part.ids, values)
-                out.bases[name] = dict(part.versions or {})  # (rows.oldest of one read)
+                out.bases[name] = part.versions or {}  # (rows.oldest of one read: the part's own copy, read only)
             out.gradients.blocks[names] = grad
             k += len(parts)
             continue
@@ -212,9 +212,9 @@ def step_rows(modules: Sequence[tuple[str, SparseEmbedding]]) -> StepRows:
 
 
 def _whole_group(modules: Sequence[tuple[str, SparseEmbedding]],
-                 k: int) -> tuple[torch.Tensor, list[RowsPart]] | None:
-    """(the group's gradient, its parts) where modules[k:] begin with a forward group whole (see
-    step_rows); else None."""
+                 k: int) -> tuple[torch.Tensor, list[RowsPart], list[int]] | None:
+    """(the group's gradient, its parts, their rows' counts) where modules[k:] begin with a forward
+    group whole (see step_rows); else None."""
     touched = modules[k][1]._touched
     first = touched[0] if len(touched) == 1 else None
     if not isinstance(first, RowsPart) or first._table != 0 or first._group is None:
@@ -235,9 +235,9 @@ def _whole_group(modules: Sequence[tuple[str, SparseEmbedding]],
     grad = None if leaf is None else leaf.grad
     if (grad is None or getattr(modules[k][1], "padding_idx", None) is not None or grad.requires_grad
             or not grad.is_cpu or grad.dtype != torch.float32 or not grad.is_contiguous()
-            or not all(p.ids.numel() for p in parts)):
+            or not all(group.sizes)):
         return None
-    return grad, parts
+    return grad, parts, group.sizes
 
 
 class RowsPart:
