@@ -328,7 +328,6 @@ class EmbeddingBagCollection(nn.Module):
                           for bag, weight, inverse, o, (_, _, w) in zip(feature_bags, weights, inverses, offsets, parts)],
                          dim=1).to(dtype)
 
-
     def _pooled_together(self, bags: list[EmbeddingBag],
                          parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]) -> torch.Tensor | None:
         """A forward of tables looked up by a feature each, of one width, plain sum or mean bags
