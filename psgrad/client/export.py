@@ -141,6 +141,12 @@ def fetch_model(
     frozen = list(first.frozen_params)
     with ParameterClient(addresses, first.spec, params, plan, rank=0, config=config, role=ADMIN,
                          tables=tables, frozen=frozen) as reader:
+        # Each shard's first call is a status, which waits for the connection (through a handshake
+        # a busy server answers late, as the status read above did): the reads that follow do not,
+        # and a connection attempt's first try is given a fraction of a second. (Shards with a
+        # backup: their reads retry, on either server, for timeout_s.)
+        for shard in [] if backups else reader.shards:
+            shard.status(max(0.01, deadline - time.monotonic()))
         wait_s = 0.005
         while True:
             versions = reader.pull(flat, clock=0, observe=True)  # no gate, no lease: joins nothing

@@ -417,3 +417,78 @@ def test_a_table_shared_by_two_places_in_the_model_round_trips_strictly(make_ser
     fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(hist, cand), in_job)
+
+
+class SlowToAnswer:
+    """A TCP proxy in front of a server whose every new connection waits `delay_s` before a byte
+    goes either way: a server too busy to finish a handshake at once (a loaded machine)."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        import socket
+
+        self._target, self._delay_s, self._socket = target, delay_s, socket
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._open: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._open.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        if self._closed.wait(self._delay_s):
+            return
+        host, port = self._target.rsplit(":", 1)
+        upstream = self._socket.create_connection((host, int(port)))
+        self._open.append(upstream)
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        for s in self._open:
+            s.close()
+
+
+def test_an_export_waits_through_a_servers_slow_handshake(make_servers: Any) -> None:
+    """A server that takes the connection but answers its handshake late (a busy machine: seen as
+    "took the TCP connection but did not speak gRPC" from the export's first pull, whose channel
+    gives a connection attempt a fraction of a second) is waited for, within the export's
+    timeout, as the status read before it was: the export reads the model."""
+    running = make_servers(1)
+    model = _model()
+    with psgrad.connect([running[0].address], optimizer=psgrad.SGD(lr=0.1), client=CLIENT) as ps:
+        opt = ps.optimizer(model)
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    slow = SlowToAnswer(running[0].address, 0.3)
+    try:
+        state, versions = export_state_dict([slow.address], 30.0)
+    finally:
+        slow.close()
+    assert versions == [1] and set(state) == {name for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.equal(state[name], p.detach())
