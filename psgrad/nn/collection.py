@@ -7,7 +7,6 @@ and concatenates the features' outputs, as TorchRec's EmbeddingBagCollection doe
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -17,8 +16,7 @@ from torch.nn import functional as F
 
 from psgrad.errors import ConfigError
 from psgrad.nn import lookups
-from psgrad.nn.embedding import (EMBEDDING_BAG_MODES, EmbeddingBag, GroupRows, read_together, read_versions,
-                                 unique_ids_of)
+from psgrad.nn.embedding import EMBEDDING_BAG_MODES, EmbeddingBag, read_together, read_versions, unique_ids_of
 
 # feature -> (ids, bag offsets (None: a 2-D tensor of one bag per row))
 Features = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
@@ -342,6 +340,8 @@ class EmbeddingBagCollection(nn.Module):
             if weights is not None or not ids.is_cpu or not (offsets is None or (offsets.dtype == torch.int64
                                                                                 and offsets.is_cpu)):
                 return None
+            if not (ids.shape[0] if offsets is None else offsets.numel()):
+                return None  # (a batch of no bags: nothing the pooling serves)
         read = read_together(bags, [ids for ids, _, _ in parts], observe=not bags[0]._training())
         if read is None:
             return None
@@ -353,23 +353,9 @@ class EmbeddingBagCollection(nn.Module):
             dtype = functools.reduce(torch.promote_types, [bag.dtype for bag in bags])
         out = lookups.pooled_block(read.rows, sizes, read.inverses, offsets_, self.mode == "mean", names, read.group,
                                    read.inverse)
-        if out is not None:
-            return out.to(dtype)
-        # (bags the compiled pooling does not take, a batch of none: torch's pooling of each table's part
-        # of the rows; a backward reaching the output reaches every table's part, as the pooling's tells
-        # the group, here once their gradient is accumulated)
-        if read.group is not None:
-            ref = weakref.ref(read.group)
-            read.rows.register_post_accumulate_grad_hook(lambda _: _hold_all(ref, len(bags)))
-        return torch.cat([F.embedding_bag(inverse, weight, o, mode=self.mode)
-                          for weight, inverse, o in zip(read.rows.split_with_sizes(sizes), read.inverses, offsets_)],
-                         dim=1).to(dtype)
-
-
-def _hold_all(ref: weakref.ReferenceType[GroupRows], tables: int) -> None:
-    group = ref()
-    if group is not None:
-        group.hold([True] * tables)
+        # (None: bags the compiled pooling does not take, whose offsets it found valid: forward reads
+        # and pools table by table; the parts read here get no gradient, and are not pushed)
+        return None if out is None else out.to(dtype)
 
 
 def _feature_tables(tables: list[str], feature_names: Mapping[str, Sequence[str]] | None) -> dict[str, str]:

@@ -125,7 +125,7 @@ class GroupRows:
     part of it is a RowsPart, which its module keeps as it keeps a Touched. The leaf is held
     weakly until a backward gives it a gradient (as a Touched's), then until no part has one."""
 
-    __slots__ = ("_ref", "_held", "reached", "sizes", "_views", "__weakref__")
+    __slots__ = ("_ref", "_held", "reached", "sizes", "_views")
 
     def __init__(self, leaf: torch.Tensor, sizes: Sequence[int]) -> None:
         self._ref = weakref.ref(leaf)
