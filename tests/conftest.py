@@ -271,6 +271,67 @@ def held_address(sock: socket.socket) -> str:
     return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
+class SlowToAnswer:
+    """A TCP proxy in front of a server whose every new connection waits `delay_s` (settable) before
+    a byte goes either way: a server too busy to finish a handshake at once (a loaded machine), or
+    a link with a long round trip. drop() closes the connections it carries."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        self.delay_s, self._target = delay_s, target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._open.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self._closed.wait(self.delay_s):
+            return
+        host, port = self._target.rsplit(":", 1)
+        upstream = socket.create_connection((host, int(port)))
+        self._open.append(upstream)
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def drop(self) -> None:
+        """Close every connection it carries (each side sees it closed)."""
+        open_now, self._open = self._open, []
+        for s in open_now:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self.drop()
+
+
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Poll predicate until it holds (another thread or process does the work); fail naming `what`."""
     deadline = time.monotonic() + timeout_s

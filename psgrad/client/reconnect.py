@@ -4,6 +4,7 @@ once, else with backoff — joining again where the server does not know the wor
 reconnect timeout; gRPC errors become PsgradError."""
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -11,8 +12,9 @@ from typing import TypeVar
 import grpc
 
 from psgrad.config import REFUSED_GRACE_S, ClientConfig
+from psgrad.core.addresses import ACCEPTED, NO_ANSWER, REFUSED, REFUSES, tcp_answer
 from psgrad.errors import NotPrimaryError, PsgradError, ServerBusyError, ServerUnavailableError, UnknownWorkerError
-from psgrad.wire.protocol import ERROR_METADATA_KEY, connection_problem, to_psgrad_error
+from psgrad.wire.protocol import ERROR_METADATA_KEY, NO_GRPC, connection_problem, to_psgrad_error
 
 T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)  # and a deadline a silent server let pass (worth_retrying)
@@ -24,6 +26,8 @@ FAILOVER_JOIN_S = 2.0
 # How long the quick status call that explains a deadline waits for its answer (see diagnose).
 PROBE_S = 1.0
 SILENT = f"a status call got no answer within {PROBE_S:g} s"  # what diagnose() says of a server that is silent
+# ... and of one that is silent on the connections it takes: each may come back (see worth_retrying)
+SILENT_OR_STOPPED = (SILENT, f"a second call found that it {NO_GRPC}")
 # What connection_problem() says of a connection that failed with an answer: refused, or an
 # address that could not be resolved, or reached (the first two: maybe a server not started yet),
 # or a connection the server closed at once (its TLS refused this client, or it was stopping).
@@ -42,16 +46,33 @@ def _names_any(exc: grpc.RpcError) -> bool:
     return any(key == ERROR_METADATA_KEY for key, _ in tuple(trailing or ()))
 
 
-def diagnose(probe: Callable[[float], object]) -> str:
+def connected(channel: grpc.Channel, timeout_s: float = PROBE_S) -> bool:
+    """Whether channel holds a connection to its server now (gRPC's READY)."""
+    states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+    channel.subscribe(states.put, try_to_connect=False)  # told the state it is in at once
+    try:
+        return states.get(timeout=timeout_s) == grpc.ChannelConnectivity.READY
+    except queue.Empty:
+        return False
+    finally:
+        channel.unsubscribe(states.put)
+
+
+def diagnose(probe: Callable[[float], object], channel: grpc.Channel | None = None, address: str = "") -> str:
     """After a call ran out of time: what probe(PROBE_S), a quick status call to the same server
     that does not wait for a connection, finds — it answers (the call was slow), it refuses or
-    cannot be reached now, or it does not answer at all."""
+    cannot be reached now, or it does not answer at all. Where it does not answer and channel
+    (the probe's) holds no connection, still connecting, a plain TCP connection to address says
+    whether something takes it (a server that does not speak gRPC), refuses it, or drops it."""
     try:
         probe(PROBE_S)
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else None
         details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            found = tcp_answer(address, PROBE_S) if channel is not None and not connected(channel) else NO_ANSWER
+            if found in (ACCEPTED, REFUSES):
+                return f"a second call found that it {NO_GRPC if found == ACCEPTED else REFUSED}"
             return (f"{SILENT} either: is it paused or overloaded, or does a "
                     "firewall or network partition drop the packets to it?")
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -65,14 +86,15 @@ def worth_retrying(exc: grpc.RpcError, config: ClientConfig, diagnose: Callable[
     """Whether a failed call may be tried again (for up to reconnect_timeout_s):
     the shard did not answer (UNAVAILABLE: restarting, dead, fenced), or the call's deadline passed
     with the server silent (a quick status call got no answer either: stopped, or starved of CPU,
-    which it may come back from). Not a deadline the server explained (a sync pull still waiting
-    for the other workers), nor one a server that answers other calls let pass."""
+    which it may come back from; or it takes a new connection and says nothing on it). Not a
+    deadline the server explained (a sync pull still waiting for the other workers), nor one a
+    server that answers other calls let pass."""
     if not isinstance(exc, grpc.Call):
         return False
     if exc.code() in RETRYABLE:
         return True
     return (config.reconnect_timeout_s > 0 and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not _names_any(exc)
-            and diagnose is not None and diagnose().startswith(SILENT))
+            and diagnose is not None and diagnose().startswith(SILENT_OR_STOPPED))
 
 
 def as_error(exc: grpc.RpcError, address: str, diagnose: Callable[[], str], what: str, timeout_s: float) -> PsgradError:
@@ -136,8 +158,11 @@ def join_any(
     run: Callable[[float], T], timeout_s: float, current: Callable[[], str], failover: Callable[[str], str | None]
 ) -> T:
     """run(deadline_s) (a Join) on a shard with a backup: where the server in use does not answer
-    (dead, not started yet: the call does not wait for it to connect) or does not serve (a backup
-    without state, a fenced primary), on the other, in turn with backoff, until timeout_s.
+    (dead, not started yet: the call does not wait for it to connect, though it waits for an
+    attempt to connect to end) or does not serve (a backup without state, a fenced primary), on the
+    other, in turn with backoff, until timeout_s. Each server is given FAILOVER_JOIN_S in the first
+    round, twice that in the next, and so on: one that drops the packets (its host is down) holds
+    the join up that long, not the whole timeout, and one that answers slowly is still joined.
 
     Raises:
         ServerUnavailableError, NotPrimaryError: neither served within timeout_s (the last error's
@@ -146,12 +171,13 @@ def join_any(
     """
     give_up = time.monotonic() + timeout_s
     backoff_s = RECONNECT_BACKOFF_S
+    patience_s = FAILOVER_JOIN_S
     tried: set[str] = set()
     last: dict[str, Exception] = {}  # what each server answered last
     while True:
         address = current()
         try:
-            return run(max(0.1, give_up - time.monotonic()))
+            return run(max(0.1, min(patience_s, give_up - time.monotonic())))
         except (ServerUnavailableError, NotPrimaryError) as exc:
             now = time.monotonic()
             tried.add(address)
@@ -165,6 +191,7 @@ def join_any(
             if other in tried:  # both tried: back off before the next round
                 time.sleep(min(backoff_s, give_up - now))
                 backoff_s = min(2 * backoff_s, MAX_RECONNECT_BACKOFF_S)
+                patience_s *= 2
 
 
 def call(

@@ -208,7 +208,7 @@ class ShardClient:
 
     def diagnose(self) -> str:
         """After a call to the server in use ran out of time: what a quick status call finds."""
-        return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t))
+        return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t), self._channel, self.address)
 
     def join(self, req: pb.JoinRequest, timeout_s: float, wait_for_ready: bool = True) -> pb.JoinReply:
         """Join. As a first call (wait_for_ready) it waits up to timeout_s for the server to answer,

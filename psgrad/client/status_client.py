@@ -46,7 +46,7 @@ class StatusClient:
 
     def diagnose(self) -> str:
         """After the call ran out of time: what a quick second status call finds."""
-        return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t))
+        return reconnect.diagnose(lambda t: self._status(pb.StatusRequest(), timeout=t), self._channel, self.address)
 
     def close(self) -> None:
         self._channel.close()

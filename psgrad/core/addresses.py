@@ -60,16 +60,29 @@ def parse_servers(text: str) -> tuple[str, ...]:
     return tuple("|".join(shard) for shard in shards)
 
 
-def _refuses(address: str, timeout_s: float) -> bool:
-    """Whether a TCP connection to HOST:PORT is refused (anything else, a connection made included: no)."""
+# What a plain TCP connection to a server finds (tcp_answer).
+ACCEPTED, REFUSES, NO_ANSWER, FAILED = "accepted", "refused", "no answer", "failed"
+
+
+def tcp_answer(address: str, timeout_s: float) -> str:
+    """What a TCP connection to HOST:PORT finds within timeout_s: ACCEPTED (something listens),
+    REFUSES (nothing does), NO_ANSWER (the packets are dropped, or the host is down), or FAILED
+    (anything else: an unresolvable name, no route)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return False
+            return ACCEPTED
     except ConnectionRefusedError:
-        return True
+        return REFUSES
+    except TimeoutError:
+        return NO_ANSWER
     except OSError:
-        return False
+        return FAILED
+
+
+def _refuses(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to HOST:PORT is refused (anything else, a connection made included: no)."""
+    return tcp_answer(address, timeout_s) == REFUSES
 
 
 def refusing_shard(shards: Sequence[str], grace_s: float) -> tuple[str, float] | None:

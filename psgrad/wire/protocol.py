@@ -30,11 +30,15 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 # A client's channel tries to reconnect to a lost server at least once a second (gRPC's default
 # backs off to 120 s between attempts, and calls fail at once in between), so a worker notices a
-# restarted server within about a second.
+# restarted server within about a second. An attempt may take up to CONNECT_ATTEMPT_S, as long as
+# a server gives a handshake by default (--handshake-timeout-s): gRPC reads its minimum reconnect
+# backoff as that allowance, and at the backoff's 1 s a server whose TCP, TLS and HTTP/2 handshake
+# took longer (a busy machine, TLS over a slow link) could never be reached at all.
+CONNECT_ATTEMPT_S = 10.0
 CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
     *CHANNEL_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", int(CONNECT_ATTEMPT_S * 1000)),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # Pushes through frames above this size wait for the server's go-ahead before sending (PushGated):
@@ -103,6 +107,10 @@ def abort(context: grpc.ServicerContext, exc: PsgradError) -> None:
     context.abort(code, str(exc))
 
 
+# What a server that accepts TCP connections but answers no gRPC is said to have done.
+NO_GRPC = ("took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
+           "that port, TLS on one side only, or a TLS handshake that failed: a --tls-ca that did not sign the "
+           "server's certificate?)")
 # What an UNAVAILABLE status's details say happened to the connection (matched in lower case), in
 # words, and whether the request surely never reached the server. gRPC's texts, as seen with
 # grpcio 1.85: "Failed to connect to remote host: Connection refused", "connect failed: ... error:
@@ -114,10 +122,7 @@ _PROBLEMS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
      "could not be resolved (is the host name right?)", True),
     (("no route to host", "network is unreachable", "host is unreachable"),
      "is unreachable (no route to that address: is it right, is the network up?)", True),
-    (("before receiving settings frame", "handshake"),
-     "took the TCP connection but did not speak gRPC (a stopped or overloaded process, another program on "
-     "that port, TLS on one side only, or a TLS handshake that failed: a --tls-ca that did not sign the server's "
-     "certificate?)", True),
+    (("before receiving settings frame", "handshake"), NO_GRPC, True),
     (("socket closed", "connection reset", "broken pipe", "goaway", "end of tcp stream"),
      "closed the connection (did it stop or crash, or did its TLS refuse this client: plaintext against TLS, "
      "another CA, a missing or expired certificate? The server logs why)", False),

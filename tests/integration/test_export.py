@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import psgrad
-from conftest import note_first_sleep, run_in_threads, run_python
+from conftest import SlowToAnswer, note_first_sleep, run_in_threads, run_python
 from psgrad.client import export
 from psgrad.client.export import export_state_dict
 from psgrad.client.parameter_client import ParameterClient
@@ -417,59 +417,6 @@ def test_a_table_shared_by_two_places_in_the_model_round_trips_strictly(make_ser
     fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(hist, cand), in_job)
-
-
-class SlowToAnswer:
-    """A TCP proxy in front of a server whose every new connection waits `delay_s` before a byte
-    goes either way: a server too busy to finish a handshake at once (a loaded machine)."""
-
-    def __init__(self, target: str, delay_s: float) -> None:
-        import socket
-
-        self._target, self._delay_s, self._socket = target, delay_s, socket
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._closed = threading.Event()
-        self._open: list[Any] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self._open.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: Any) -> None:
-        if self._closed.wait(self._delay_s):
-            return
-        host, port = self._target.rsplit(":", 1)
-        upstream = self._socket.create_connection((host, int(port)))
-        self._open.append(upstream)
-        for a, b in ((conn, upstream), (upstream, conn)):
-            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: Any, dst: Any) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(2)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
-        for s in self._open:
-            s.close()
 
 
 def test_an_export_waits_through_a_servers_slow_handshake(make_servers: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import held_address, hold_port, note_first_sleep
+from conftest import SlowToAnswer, held_address, hold_port, note_first_sleep
 from psgrad.client import reconnect
 from psgrad.client.parameter_client import ParameterClient
 from psgrad.config import ClientConfig, JobSpec, ServerConfig
@@ -79,6 +79,46 @@ def test_a_server_that_does_not_come_back_is_named_after_the_reconnect_timeout()
             r"at that address\?\) for (\d+\.\d) s of --reconnect-timeout-s 0.5: the push was not sent", str(info.value))
         assert match, info.value
         assert 0.5 <= float(match.group(1)) <= elapsed + 0.05
+
+
+def test_a_server_whose_handshake_takes_seconds_is_joined_and_pushed_to() -> None:
+    """A connection attempt may take seconds (a busy machine, TLS over a slow link): the client's
+    channels had given each about a second (gRPC reads the minimum reconnect backoff as the time
+    an attempt may take), so such a server was never reached, even within a long connect timeout."""
+    server = start_server(ServerConfig(port=0, threads=8))
+    slow = SlowToAnswer(server.address, 1.5)
+    try:
+        with _client(slow.address, reconnect_timeout_s=5) as c:
+            c.join(lambda: torch.zeros(32))
+            [pushed] = c.push(torch.ones(32), 0)
+        assert pushed.applied and server.shard.version == 1
+        torch.testing.assert_close(server.shard.weights_copy(), torch.full((32,), -0.5))
+    finally:
+        slow.close()
+        server.stop(0)
+
+
+def test_a_push_on_a_new_connection_the_server_takes_but_is_silent_on_is_retried_until_it_speaks() -> None:
+    """The connection lost, the next one is taken but not answered for longer than the push's
+    deadline (a stopped or starved server): the deadline is diagnosed as that — the push's channel
+    still connecting, a plain TCP connection taken — and the push is retried as for a silent
+    server, until the handshake completes, and applied once."""
+    server = start_server(ServerConfig(port=0, threads=8))
+    slow = SlowToAnswer(server.address, 0.0)
+    config = ClientConfig(connect_timeout_s=5, rpc_timeout_s=1, reconnect_timeout_s=30, shared_memory=False)
+    try:
+        with ParameterClient([slow.address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
+            c.join(lambda: torch.zeros(32))
+            slow.delay_s = 3.0
+            slow.drop()
+            start = time.monotonic()
+            [pushed] = c.push(torch.ones(32), 0)
+            assert time.monotonic() - start >= 1.0  # past its first deadline: retried
+        assert pushed.applied and server.shard.version == 1
+        torch.testing.assert_close(server.shard.weights_copy(), torch.full((32,), -0.5))
+    finally:
+        slow.close()
+        server.stop(0)
 
 
 def test_a_server_checkpoints_while_it_runs_and_a_restarted_one_serves_the_job_at_once(tmp_path: Path) -> None:

@@ -361,6 +361,31 @@ def test_a_worker_joining_after_the_failover_finds_the_backup(servers: Callable[
     assert pushed.applied and backup.shard.version == 2 and backup.shard.status().replica.epoch == 1
 
 
+def test_a_worker_joining_while_the_primarys_port_takes_connections_but_is_silent_finds_the_backup(
+    servers: Callable[..., RunningServer]
+) -> None:
+    """The dead primary's port is taken by something that never speaks gRPC (a stopped process:
+    the kernel completes the TCP handshake): a connection attempt to it runs on (up to 10 s), so the
+    join gives the first server a couple of seconds, not its whole connect timeout (here 9 s, which
+    it would spend waiting for that attempt), before trying the backup."""
+    primary = servers()
+    backup = servers(replica_of=primary.address)
+    spec = JobSpec(lr=0.1, num_workers=2)
+    shard = f"{primary.address}|{backup.address}"
+    plan = plan_shards(PARAMS, 1)
+    config = ClientConfig(connect_timeout_s=9, rpc_timeout_s=10, reconnect_timeout_s=10, shared_memory=False)
+    with ParameterClient([shard], spec, PARAMS, plan, 0, config) as a:
+        a.join(lambda: torch.zeros(NUMEL))
+        a.push(grad(0, 0), 0)
+        primary.stop(0)
+        with hold_port(primary.address) as silent:
+            silent.listen(8)
+            with ParameterClient([shard], spec, PARAMS, plan, 1, config) as late:  # lists the silent port first
+                assert late.join(None) == 0
+                [pushed] = late.push(grad(1, 0), 0)
+    assert pushed.applied and backup.shard.version == 2
+
+
 def test_a_dropped_backup_forgets_its_stale_state_and_attaches_again(servers: Callable[..., RunningServer]) -> None:
     from psgrad.server.replica_servicer import send_fence
 
