@@ -2,6 +2,7 @@
 secret trains; a wrong credential raises the error that names it."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import psgrad
+from conftest import SlowToAnswer
 from psgrad.config import AuthConfig, ClientConfig, ServerConfig, TlsConfig
 from psgrad.launch.certs import CertFiles, write_job_certs
 from psgrad.server.runtime import RunningServer, start_server
@@ -47,6 +49,23 @@ def test_a_session_with_its_credentials_trains(secured: tuple[RunningServer, Cer
             nn.functional.cross_entropy(model(x), y).backward()
             assert opt.step().accepted
     assert server.shard.version == 5
+
+
+def test_a_tls_server_whose_handshake_takes_seconds_is_reached_and_trains(secured: tuple[RunningServer, CertFiles]) -> None:
+    """TLS over a link with a long round trip: each new connection held 1.5 s before a byte passes
+    (a proxy). A connection attempt had about a second, so the session never reached the server."""
+    server, files = secured
+    slow = SlowToAnswer(server.address, 1.5)
+    model = nn.Linear(4, 2)
+    try:
+        config = dataclasses.replace(client(files, "worker-0"), connect_timeout_s=20)
+        with psgrad.connect(slow.address, client=config, optimizer=psgrad.SGD(lr=0.1)) as ps:
+            opt = ps.optimizer(model)
+            model(torch.ones(2, 4)).sum().backward()
+            assert opt.step().accepted
+    finally:
+        slow.close()
+    assert server.shard.version == 1
 
 
 def test_a_wrong_credential_raises_the_error_that_names_it(secured: tuple[RunningServer, CertFiles]) -> None:
