@@ -1096,13 +1096,15 @@ def sparse_measure_job(cfg: dict[str, Any], job: dict[str, Any], raws: list[Any]
             clock += 1
 
         def step_grpc() -> None:  # (each shard's TCP connection stays open for `step`: not given up)
-            for s in client.shards:
-                s.frames.socket.channel = lambda: None
+            offers = [s.frames.socket.offer for s in client.shards]
+            for s in client.shards:  # as without a socket offered: the shards' calls fanned out to threads
+                s.frames.socket.channel, s.frames.socket.offer = lambda: None, None
             try:
                 step()
             finally:
-                for s in client.shards:
+                for s, offer in zip(client.shards, offers):
                     del s.frames.socket.channel
+                    s.frames.socket.offer = offer
 
         ops: dict[str, Callable[[], object]] = {
             "pull": lambda: client.pull_rows(SPARSE_TABLE, warm),
