@@ -109,7 +109,7 @@ def test_a_push_on_a_new_connection_the_server_takes_but_is_silent_on_is_retried
     try:
         with ParameterClient([slow.address], SPEC, PARAMS, plan_shards(PARAMS, 1), 0, config) as c:
             c.join(lambda: torch.zeros(32))
-            slow.delay_s = 3.0
+            slow.delay_s = 5.0
             slow.drop()
             start = time.monotonic()
             [pushed] = c.push(torch.ones(32), 0)
