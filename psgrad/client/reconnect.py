@@ -58,7 +58,7 @@ def connected(channel: grpc.Channel, timeout_s: float = PROBE_S) -> bool:
         channel.unsubscribe(states.put)
 
 
-def diagnose(probe: Callable[[float], object], channel: grpc.Channel | None = None, address: str = "") -> str:
+def diagnose(probe: Callable[[float], object], channel: grpc.Channel, address: str) -> str:
     """After a call ran out of time: what probe(PROBE_S), a quick status call to the same server
     that does not wait for a connection, finds — it answers (the call was slow), it refuses or
     cannot be reached now, or it does not answer at all. Where it does not answer and channel
@@ -70,7 +70,7 @@ def diagnose(probe: Callable[[float], object], channel: grpc.Channel | None = No
         code = exc.code() if isinstance(exc, grpc.Call) else None
         details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            found = tcp_answer(address, PROBE_S) if channel is not None and not connected(channel) else NO_ANSWER
+            found = NO_ANSWER if connected(channel) else tcp_answer(address, PROBE_S)
             if found in (ACCEPTED, REFUSES):
                 return f"a second call found that it {NO_GRPC if found == ACCEPTED else REFUSED}"
             return (f"{SILENT} either: is it paused or overloaded, or does a "
